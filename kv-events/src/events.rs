@@ -1,0 +1,181 @@
+//! KV cache events: what an engine tells the router about the blocks it holds.
+//!
+//! An engine publishes [`KvEventBatch`]es on `{ns}.kv.events.{worker_id}`. Each event
+//! carries a per-(worker, dp_rank) sequence number, `event_id`, counted from 0 by the
+//! publisher, so the indexer can detect gaps and duplicates.
+//!
+//! Semantics (the indexer's contract):
+//! - `Stored` appends `blocks` as a chain below `parent_hash` (or at the root when the
+//!   parent is `None`). Each block's `block_hash` is the engine's hash, used later to
+//!   find it again; its `tokens_hash` is the router-side [`LocalBlockHash`] that
+//!   routing queries are matched against.
+//! - `Removed` drops the named blocks for that worker rank.
+//! - `Cleared` drops every block of that worker rank (engine reset or cache flush).
+
+use crate::ids::{DpRank, ExternalBlockHash, LocalBlockHash, WorkerId};
+use serde::{Deserialize, Serialize};
+
+/// One block in a `Stored` event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct StoredBlock {
+    /// The engine's hash of this block (opaque, used for parent lookup and removal).
+    pub block_hash: ExternalBlockHash,
+    /// The router-side hash of this block's tokens.
+    pub tokens_hash: LocalBlockHash,
+}
+
+/// The payload of one KV cache event.
+///
+/// On the wire this is a map with a `"type"` key: `{"type": "stored", "parent_hash": …,
+/// "blocks": […]}`, `{"type": "removed", "block_hashes": […]}` or `{"type": "cleared"}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum KvCacheEventData {
+    /// Blocks were written to the cache, as a chain continuing `parent_hash`.
+    Stored {
+        /// The engine hash of the block preceding `blocks[0]`; `None` for a chain that
+        /// starts at the beginning of a sequence.
+        parent_hash: Option<ExternalBlockHash>,
+        /// The new blocks, in prefix order.
+        blocks: Vec<StoredBlock>,
+    },
+    /// Blocks were evicted from the cache.
+    Removed {
+        /// The engine hashes of the evicted blocks.
+        block_hashes: Vec<ExternalBlockHash>,
+    },
+    /// Every block of this worker rank was dropped.
+    Cleared,
+}
+
+/// One KV cache event of one data-parallel rank.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvCacheEvent {
+    /// Sequence number, counted from 0 per (worker, dp_rank) by the publisher.
+    pub event_id: u64,
+    /// The data-parallel rank whose cache changed.
+    #[serde(default)]
+    pub dp_rank: DpRank,
+    /// What changed.
+    pub data: KvCacheEventData,
+}
+
+/// The unit published on the events subject: every event in it belongs to `worker_id`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvEventBatch {
+    /// The worker that publishes these events.
+    pub worker_id: WorkerId,
+    /// Events in publication order.
+    pub events: Vec<KvCacheEvent>,
+}
+
+impl KvCacheEventData {
+    /// Number of blocks the event names (0 for `Cleared`); used for metrics.
+    pub fn block_count(&self) -> usize {
+        match self {
+            KvCacheEventData::Stored { blocks, .. } => blocks.len(),
+            KvCacheEventData::Removed { block_hashes } => block_hashes.len(),
+            KvCacheEventData::Cleared => 0,
+        }
+    }
+
+    /// A short lowercase name of the variant, for logs and metric labels.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            KvCacheEventData::Stored { .. } => "stored",
+            KvCacheEventData::Removed { .. } => "removed",
+            KvCacheEventData::Cleared => "cleared",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::codec::{decode, encode};
+
+    fn sample_batch() -> KvEventBatch {
+        KvEventBatch {
+            worker_id: WorkerId(42),
+            events: vec![
+                KvCacheEvent {
+                    event_id: 0,
+                    dp_rank: DpRank(1),
+                    data: KvCacheEventData::Stored {
+                        parent_hash: None,
+                        blocks: vec![
+                            StoredBlock {
+                                block_hash: ExternalBlockHash(u64::MAX),
+                                tokens_hash: LocalBlockHash(11),
+                            },
+                            StoredBlock {
+                                block_hash: ExternalBlockHash(2),
+                                tokens_hash: LocalBlockHash(12),
+                            },
+                        ],
+                    },
+                },
+                KvCacheEvent {
+                    event_id: 1,
+                    dp_rank: DpRank(1),
+                    data: KvCacheEventData::Removed {
+                        block_hashes: vec![ExternalBlockHash(2)],
+                    },
+                },
+                KvCacheEvent {
+                    event_id: 2,
+                    dp_rank: DpRank(1),
+                    data: KvCacheEventData::Cleared,
+                },
+            ],
+        }
+    }
+
+    #[test]
+    fn batch_round_trips() {
+        let batch = sample_batch();
+        let back: KvEventBatch = decode(&encode(&batch).unwrap()).unwrap();
+        assert_eq!(back, batch);
+    }
+
+    #[test]
+    fn event_data_is_tagged_by_type() {
+        #[derive(Deserialize)]
+        struct Tagged {
+            r#type: String,
+        }
+        let bytes = encode(&KvCacheEventData::Cleared).unwrap();
+        let tagged: Tagged = decode(&bytes).unwrap();
+        assert_eq!(tagged.r#type, "cleared");
+    }
+
+    #[test]
+    fn missing_dp_rank_defaults_to_zero_and_unknown_keys_are_ignored() {
+        #[derive(Serialize)]
+        struct Foreign {
+            event_id: u64,
+            data: KvCacheEventData,
+            future_field: &'static str,
+        }
+        let bytes = encode(&Foreign {
+            event_id: 5,
+            data: KvCacheEventData::Cleared,
+            future_field: "ignored",
+        })
+        .unwrap();
+        let event: KvCacheEvent = decode(&bytes).unwrap();
+        assert_eq!(event.dp_rank, DpRank(0));
+        assert_eq!(event.event_id, 5);
+    }
+
+    #[test]
+    fn truncated_input_is_an_error_not_a_panic() {
+        let bytes = encode(&sample_batch()).unwrap();
+        for cut in 0..bytes.len() {
+            assert!(
+                decode::<KvEventBatch>(&bytes[..cut]).is_err(),
+                "prefix of {cut} bytes decoded"
+            );
+        }
+    }
+}

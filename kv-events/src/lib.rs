@@ -1,0 +1,33 @@
+//! Wire protocol of kv-router: ids, KV events, load metrics, routing and lifecycle
+//! messages, block hashing, the msgpack codec and NATS subject names.
+//!
+//! This crate is deliberately free of any async runtime so that engine integrations,
+//! offline simulators and frontends can depend on it without pulling in tokio.
+//! Everything that crosses a process boundary is defined here, in one place, and
+//! `docs/protocol.md` documents the same shapes for clients in other languages.
+//!
+//! # Layout
+//! - [`ids`]: newtypes for every id and hash (`WorkerId`, `DpRank`, `LocalBlockHash`, ...).
+//! - [`events`]: KV cache events (`Stored`, `Removed`, `Cleared`) and the per-worker batch.
+//! - [`metrics`]: per (worker, dp_rank) load metrics published by engines.
+//! - [`routing`]: route request / reply and request lifecycle messages.
+//! - [`discovery`]: the worker registration record stored in etcd.
+//! - [`hashing`]: tokens → [`LocalBlockHash`] per full block (xxh3-64, seeded).
+//! - [`codec`]: msgpack encode / decode with typed errors.
+//! - [`subjects`]: every NATS subject and etcd key, under one namespace.
+
+pub mod codec;
+pub mod discovery;
+pub mod events;
+pub mod hashing;
+pub mod ids;
+pub mod metrics;
+pub mod routing;
+pub mod subjects;
+
+pub use codec::{CodecError, decode, encode};
+pub use events::{KvCacheEvent, KvCacheEventData, KvEventBatch, StoredBlock};
+pub use hashing::{BLOCK_HASH_SEED, compute_block_hashes, hash_block};
+pub use ids::{DpRank, ExternalBlockHash, LocalBlockHash, RequestId, WorkerId, WorkerRank};
+pub use metrics::LoadMetrics;
+pub use subjects::{Namespace, NamespaceError, Subjects};

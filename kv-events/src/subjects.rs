@@ -1,0 +1,197 @@
+//! Every NATS subject and etcd key the system uses, derived from one namespace.
+//!
+//! | purpose | subject / key | pattern |
+//! |---|---|---|
+//! | KV events | `{ns}.kv.events.{worker_id}` | publish, [`crate::KvEventBatch`] |
+//! | load metrics | `{ns}.kv.metrics.{worker_id}` | publish, [`crate::LoadMetrics`] |
+//! | routing | `{ns}.router.route` | request-reply, queue group `{ns}-router` |
+//! | lifecycle | `{ns}.router.lifecycle` | publish, [`crate::routing::LifecycleMessage`] |
+//! | engine requests | `{ns}.engine.{worker_id}.{op}` | request-reply (mock engine) |
+//! | discovery | `kv-router/{ns}/workers/{worker_id}` | etcd key with a lease |
+//!
+//! Keeping them here means a subject is renamed in one place and documented once
+//! (`docs/protocol.md`).
+
+use crate::ids::WorkerId;
+use std::fmt;
+
+/// A validated namespace: 1–64 characters of `[A-Za-z0-9_-]`, so it is a single NATS
+/// subject token and a safe etcd path segment.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Namespace(String);
+
+/// Why a namespace was rejected.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NamespaceError {
+    /// The namespace was empty or longer than 64 characters.
+    #[error("namespace must be 1 to 64 characters, got {0}")]
+    Length(usize),
+    /// The namespace contained a character outside `[A-Za-z0-9_-]`.
+    #[error("namespace may only contain letters, digits, '_' and '-', found {0:?}")]
+    Character(char),
+}
+
+impl Namespace {
+    /// Validates and wraps a namespace.
+    ///
+    /// # Errors
+    /// [`NamespaceError`] for an empty, over-long or non-token namespace.
+    pub fn new(name: impl Into<String>) -> Result<Self, NamespaceError> {
+        let name = name.into();
+        if name.is_empty() || name.len() > 64 {
+            return Err(NamespaceError::Length(name.len()));
+        }
+        if let Some(c) = name
+            .chars()
+            .find(|c| !(c.is_ascii_alphanumeric() || *c == '_' || *c == '-'))
+        {
+            return Err(NamespaceError::Character(c));
+        }
+        Ok(Self(name))
+    }
+
+    /// The namespace as a string.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for Namespace {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::str::FromStr for Namespace {
+    type Err = NamespaceError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Namespace::new(s)
+    }
+}
+
+/// Subject and key builder for one namespace.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Subjects {
+    ns: Namespace,
+}
+
+impl Subjects {
+    /// Subjects under `ns`.
+    pub fn new(ns: Namespace) -> Self {
+        Self { ns }
+    }
+
+    /// The namespace.
+    pub fn namespace(&self) -> &Namespace {
+        &self.ns
+    }
+
+    /// Where `worker` publishes its KV event batches.
+    pub fn kv_events(&self, worker: WorkerId) -> String {
+        format!("{}.kv.events.{worker}", self.ns)
+    }
+
+    /// Wildcard matching every worker's KV events.
+    pub fn kv_events_all(&self) -> String {
+        format!("{}.kv.events.*", self.ns)
+    }
+
+    /// Where `worker` publishes its load metrics.
+    pub fn load_metrics(&self, worker: WorkerId) -> String {
+        format!("{}.kv.metrics.{worker}", self.ns)
+    }
+
+    /// Wildcard matching every worker's load metrics.
+    pub fn load_metrics_all(&self) -> String {
+        format!("{}.kv.metrics.*", self.ns)
+    }
+
+    /// The routing request-reply subject.
+    pub fn route(&self) -> String {
+        format!("{}.router.route", self.ns)
+    }
+
+    /// The NATS queue group router replicas join on [`Self::route`], so each query is
+    /// answered by exactly one replica.
+    pub fn route_queue_group(&self) -> String {
+        format!("{}-router", self.ns)
+    }
+
+    /// Where frontends publish request lifecycle messages.
+    pub fn lifecycle(&self) -> String {
+        format!("{}.router.lifecycle", self.ns)
+    }
+
+    /// A request-reply subject served by one engine, e.g. `op = "generate"`.
+    pub fn engine(&self, worker: WorkerId, op: &str) -> String {
+        format!("{}.engine.{worker}.{op}", self.ns)
+    }
+
+    /// The etcd prefix under which workers register (ends with `/`).
+    pub fn etcd_worker_prefix(&self) -> String {
+        format!("kv-router/{}/workers/", self.ns)
+    }
+
+    /// The etcd key of one worker's registration.
+    pub fn etcd_worker_key(&self, worker: WorkerId) -> String {
+        format!("{}{worker}", self.etcd_worker_prefix())
+    }
+
+    /// Parses the worker id out of a key under [`Self::etcd_worker_prefix`]; `None` for
+    /// keys outside the prefix or with a non-numeric id.
+    pub fn worker_id_from_etcd_key(&self, key: &str) -> Option<WorkerId> {
+        key.strip_prefix(&self.etcd_worker_prefix())?
+            .parse::<u64>()
+            .ok()
+            .map(WorkerId)
+    }
+
+    /// Parses the worker id out of an events or metrics subject (its last token).
+    pub fn worker_id_from_subject(subject: &str) -> Option<WorkerId> {
+        subject
+            .rsplit('.')
+            .next()?
+            .parse::<u64>()
+            .ok()
+            .map(WorkerId)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn namespace_validation() {
+        assert!(Namespace::new("prod-1_a").is_ok());
+        assert_eq!(Namespace::new(""), Err(NamespaceError::Length(0)));
+        assert_eq!(Namespace::new("a.b"), Err(NamespaceError::Character('.')));
+        assert_eq!(Namespace::new("a*"), Err(NamespaceError::Character('*')));
+        assert!(Namespace::new("x".repeat(65)).is_err());
+    }
+
+    #[test]
+    fn subjects_and_keys() {
+        let s = Subjects::new(Namespace::new("ns").unwrap());
+        assert_eq!(s.kv_events(WorkerId(7)), "ns.kv.events.7");
+        assert_eq!(s.kv_events_all(), "ns.kv.events.*");
+        assert_eq!(s.load_metrics(WorkerId(7)), "ns.kv.metrics.7");
+        assert_eq!(s.route(), "ns.router.route");
+        assert_eq!(s.route_queue_group(), "ns-router");
+        assert_eq!(s.lifecycle(), "ns.router.lifecycle");
+        assert_eq!(s.engine(WorkerId(3), "generate"), "ns.engine.3.generate");
+        assert_eq!(s.etcd_worker_key(WorkerId(9)), "kv-router/ns/workers/9");
+        assert_eq!(
+            s.worker_id_from_etcd_key("kv-router/ns/workers/9"),
+            Some(WorkerId(9))
+        );
+        assert_eq!(s.worker_id_from_etcd_key("kv-router/other/workers/9"), None);
+        assert_eq!(s.worker_id_from_etcd_key("kv-router/ns/workers/x"), None);
+        assert_eq!(
+            Subjects::worker_id_from_subject("ns.kv.events.12"),
+            Some(WorkerId(12))
+        );
+        assert_eq!(Subjects::worker_id_from_subject("ns.kv.events.abc"), None);
+    }
+}
