@@ -1,1 +1,23 @@
-//! placeholder
+//! Mock inference engine, Mooncake trace replay and a local-cluster quickstart.
+//!
+//! The mock engine stands in for vLLM / SGLang so the router can be exercised end to
+//! end without GPUs: it keeps a paged KV cache with prefix reuse and LRU eviction,
+//! publishes real KV events and load metrics to NATS, registers in etcd under a lease,
+//! and answers generate requests on a documented timing model. The replay plays the
+//! frontend's role for a real request trace, and the quickstart wires real
+//! nats-server and etcd processes, the router daemon and mock engines together.
+//!
+//! # Layout
+//! - [`protocol`]: the generate / clear request protocol between frontend and engine.
+//! - [`engine`]: the engine model (KV cache, batching, timing) and its NATS/etcd service.
+//! - [`trace`]: Mooncake JSONL trace loading.
+//! - [`replay`]: the frontend role: route, generate, lifecycle, and the JSON report.
+//! - [`cluster`]: start and stop nats-server and etcd processes on free loopback ports.
+//! - [`quickstart`]: the README's first command, end to end.
+
+pub mod cluster;
+pub mod engine;
+pub mod protocol;
+pub mod quickstart;
+pub mod replay;
+pub mod trace;

@@ -1,1 +1,79 @@
-fn main() {}
+//! `kv-mocker`: mock engines, trace replay and the local quickstart.
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+use tokio_util::sync::CancellationToken;
+
+#[derive(Parser)]
+#[command(
+    name = "kv-mocker",
+    version,
+    about = "Mock engines, trace replay and quickstart for kv-router"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run M mock engine workers in this process until SIGINT/SIGTERM.
+    Engines(mocker::engine::EngineArgs),
+    /// Replay a Mooncake trace through a running router and engines, per policy.
+    Replay(mocker::replay::ReplayArgs),
+    /// Start NATS, etcd, the router and mock engines, replay the bundled trace, report.
+    Quickstart(mocker::quickstart::QuickstartArgs),
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Engines(args) => {
+            let shutdown = CancellationToken::new();
+            let signal = shutdown.clone();
+            tokio::spawn(async move {
+                wait_for_signal().await;
+                signal.cancel();
+            });
+            mocker::engine::run_engines(args, shutdown).await
+        }
+        Command::Replay(args) => {
+            let report = mocker::replay::run_replay(args).await?;
+            println!("{}", report.render_table());
+            Ok(())
+        }
+        Command::Quickstart(args) => mocker::quickstart::run(args).await,
+    }
+}
+
+/// Resolves on SIGINT or SIGTERM.
+async fn wait_for_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = ctrl_c => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = ctrl_c.await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}

@@ -1,1 +1,270 @@
-//! placeholder
+//! Shared helpers for the end-to-end tests in `tests/tests/`.
+//!
+//! Every test starts its own nats-server and etcd on free loopback ports (through
+//! [`mocker::cluster`]), runs the router daemon in-process, and plays the roles of
+//! engines and frontends over real NATS and etcd with real msgpack. Servers are
+//! stopped when their guards drop.
+//!
+//! # Layout
+//! - [`TestCluster`]: nats-server + etcd + a running daemon, and clients to both.
+//! - [`FakeWorker`]: a hand-driven worker: etcd registration under a lease, KV events.
+
+use anyhow::Context;
+use etcd_client::{Client as Etcd, PutOptions};
+use kv_events::discovery::WorkerRegistration;
+use kv_events::routing::{Prompt, RouteReply, RouteRequest};
+use kv_events::{
+    DpRank, ExternalBlockHash, KvCacheEvent, KvCacheEventData, KvEventBatch, LocalBlockHash,
+    Namespace, StoredBlock, Subjects, WorkerId, decode, encode,
+};
+use mocker::cluster::{EtcdServer, NatsServer};
+use router_daemon::{Daemon, DaemonConfig, ServeArgs};
+
+/// Real servers plus an in-process daemon.
+pub struct TestCluster {
+    /// The NATS server (dropped last).
+    pub nats_server: NatsServer,
+    /// The etcd server.
+    pub etcd_server: EtcdServer,
+    /// A client for playing engines and frontends.
+    pub nats: async_nats::Client,
+    /// A client for registering workers.
+    pub etcd: Etcd,
+    /// Subject names of the test namespace.
+    pub subjects: Subjects,
+    /// Tokens per block used by the daemon.
+    pub block_size: u32,
+    /// The metrics registry the daemon registered into.
+    pub registry: prometheus::Registry,
+}
+
+impl TestCluster {
+    /// Starts nats-server and etcd.
+    ///
+    /// # Errors
+    /// When a server cannot be started or reached.
+    pub async fn start(block_size: u32) -> anyhow::Result<Self> {
+        let nats_server = NatsServer::start().await.context("starting nats-server")?;
+        let etcd_server = EtcdServer::start().await.context("starting etcd")?;
+        let nats = async_nats::connect(nats_server.url()).await?;
+        let etcd = Etcd::connect([etcd_server.endpoint()], None).await?;
+        let subjects = Subjects::new(Namespace::new("it")?);
+        Ok(Self {
+            nats_server,
+            etcd_server,
+            nats,
+            etcd,
+            subjects,
+            block_size,
+            registry: prometheus::Registry::new(),
+        })
+    }
+
+    /// Daemon flags for this cluster (kv policy, seeded RNG, 2 shards).
+    pub fn serve_args(&self) -> ServeArgs {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            serve: ServeArgs,
+        }
+        let block_size = self.block_size.to_string();
+        let nats = self.nats_server.url();
+        let etcd = self.etcd_server.endpoint();
+        Cli::parse_from([
+            "kv-router",
+            "--nats-url",
+            nats.as_str(),
+            "--etcd-endpoints",
+            etcd.as_str(),
+            "--namespace",
+            self.subjects.namespace().as_str(),
+            "--block-size",
+            block_size.as_str(),
+            "--shards",
+            "2",
+            "--seed",
+            "7",
+        ])
+        .serve
+    }
+
+    /// Starts a daemon with [`Self::serve_args`], modified by `adjust`.
+    ///
+    /// # Errors
+    /// Configuration or start-up failures.
+    pub async fn start_daemon(
+        &self,
+        adjust: impl FnOnce(&mut ServeArgs),
+    ) -> anyhow::Result<Daemon> {
+        let mut args = self.serve_args();
+        adjust(&mut args);
+        let config = DaemonConfig::from_args(&args)?;
+        Daemon::start(config, &self.registry).await
+    }
+
+    /// Sends a route request and decodes the reply.
+    ///
+    /// # Errors
+    /// NATS or decode failures.
+    pub async fn route(&self, request: &RouteRequest) -> anyhow::Result<RouteReply> {
+        let reply = self
+            .nats
+            .request(self.subjects.route(), encode(request)?.into())
+            .await?;
+        Ok(decode(&reply.payload)?)
+    }
+
+    /// Routes a token-id prompt under `request_id`.
+    ///
+    /// # Errors
+    /// NATS or decode failures.
+    pub async fn route_tokens(
+        &self,
+        request_id: &str,
+        token_ids: Vec<u32>,
+    ) -> anyhow::Result<RouteReply> {
+        self.route(&RouteRequest {
+            request_id: request_id.into(),
+            prompt: Prompt::Tokens { token_ids },
+            policy: None,
+        })
+        .await
+    }
+}
+
+/// A worker driven by hand from a test: it registers under a lease and publishes the
+/// KV events the test asks for, numbering them from 0.
+pub struct FakeWorker {
+    /// The worker id.
+    pub id: WorkerId,
+    /// The etcd lease its key is bound to.
+    pub lease: i64,
+    next_event_id: u64,
+    last_hash: Option<ExternalBlockHash>,
+}
+
+impl FakeWorker {
+    /// Registers worker `id` (dp_size 1) in etcd under a fresh lease of `ttl_secs`.
+    ///
+    /// # Errors
+    /// etcd failures.
+    pub async fn register(
+        cluster: &mut TestCluster,
+        id: u64,
+        ttl_secs: i64,
+    ) -> anyhow::Result<Self> {
+        let id = WorkerId(id);
+        let lease = cluster.etcd.lease_grant(ttl_secs, None).await?.id();
+        let reg = WorkerRegistration {
+            worker_id: id,
+            dp_size: 1,
+            block_size: cluster.block_size,
+            total_kv_blocks: 1024,
+        };
+        cluster
+            .etcd
+            .put(
+                cluster.subjects.etcd_worker_key(id),
+                serde_json::to_vec(&reg)?,
+                Some(PutOptions::new().with_lease(lease)),
+            )
+            .await?;
+        Ok(Self {
+            id,
+            lease,
+            next_event_id: 0,
+            last_hash: None,
+        })
+    }
+
+    /// Publishes a `Stored` event for the full blocks of `tokens`, as one chain from
+    /// the root, with engine hashes derived from the local hashes.
+    ///
+    /// # Errors
+    /// NATS failures.
+    pub async fn store_prompt(
+        &mut self,
+        cluster: &TestCluster,
+        tokens: &[u32],
+    ) -> anyhow::Result<()> {
+        let local = kv_events::compute_block_hashes(tokens, cluster.block_size);
+        let blocks: Vec<StoredBlock> = local
+            .iter()
+            .enumerate()
+            .map(|(i, h)| StoredBlock {
+                block_hash: ExternalBlockHash(h.0 ^ (self.id.0 << 32) ^ i as u64),
+                tokens_hash: *h,
+            })
+            .collect();
+        self.last_hash = blocks.last().map(|b| b.block_hash);
+        self.publish(
+            cluster,
+            KvCacheEventData::Stored {
+                parent_hash: None,
+                blocks,
+            },
+        )
+        .await
+    }
+
+    /// Publishes one event with the next event id.
+    ///
+    /// # Errors
+    /// NATS failures.
+    pub async fn publish(
+        &mut self,
+        cluster: &TestCluster,
+        data: KvCacheEventData,
+    ) -> anyhow::Result<()> {
+        let batch = KvEventBatch {
+            worker_id: self.id,
+            events: vec![KvCacheEvent {
+                event_id: self.next_event_id,
+                dp_rank: DpRank(0),
+                data,
+            }],
+        };
+        self.next_event_id += 1;
+        cluster
+            .nats
+            .publish(cluster.subjects.kv_events(self.id), encode(&batch)?.into())
+            .await?;
+        cluster.nats.flush().await?;
+        Ok(())
+    }
+
+    /// The local block hashes a prompt of `tokens` has at `block_size`.
+    pub fn hashes(tokens: &[u32], block_size: u32) -> Vec<LocalBlockHash> {
+        kv_events::compute_block_hashes(tokens, block_size)
+    }
+}
+
+/// Waits until `check` returns `Some`, re-checking with a short backoff, for at most
+/// `timeout`. The daemon consumes NATS and etcd asynchronously, so a test observes
+/// *eventual* application; this returns as soon as the condition holds.
+///
+/// # Errors
+/// When the condition does not hold within `timeout`.
+pub async fn eventually<T, F, Fut>(
+    what: &str,
+    timeout: std::time::Duration,
+    mut check: F,
+) -> anyhow::Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut backoff = std::time::Duration::from_millis(5);
+    loop {
+        if let Some(value) = check().await {
+            return Ok(value);
+        }
+        if tokio::time::Instant::now() >= deadline {
+            anyhow::bail!("timed out after {timeout:?} waiting for {what}");
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(std::time::Duration::from_millis(100));
+    }
+}

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The README's first command: builds kv-router and kv-mocker, then starts nats-server
+# (JetStream on) and etcd on free loopback ports, the router daemon and mock engines,
+# replays the bundled Mooncake trace excerpt with kv routing and with round robin,
+# prints the comparison and writes target/quickstart/report.json. Every process it
+# starts is stopped before it exits. Extra arguments go to `kv-mocker quickstart`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. deploy/ensure-deps.sh
+ensure_deps
+cargo build --release --locked -p router-daemon -p mocker
+exec target/release/kv-mocker quickstart "$@"

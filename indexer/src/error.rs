@@ -1,0 +1,50 @@
+//! Error types of the indexer crate.
+//!
+//! Two enums because the two layers fail for different reasons: [`ApplyError`] is a
+//! KV event the [`crate::RadixTree`] refuses (the event is dropped, the tree is left
+//! unchanged, and the shard logs and counts it), while [`IndexerError`] is a call on
+//! the async [`crate::ShardedIndexer`] that could not be served. Both are small,
+//! `Copy`-sized values: building one never allocates.
+
+use kv_events::{ExternalBlockHash, WorkerRank};
+
+/// A KV event the radix tree refused; the tree is unchanged when this is returned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum ApplyError {
+    /// A `Stored` event names a parent block that this worker rank does not hold
+    /// (never stored, already removed, or cleared). Storing the chain at the root
+    /// instead would index it under the wrong prefix, so the whole event is dropped.
+    #[error("unknown parent block {parent_hash} for worker rank {rank}")]
+    UnknownParent {
+        /// The worker rank whose event was refused.
+        rank: WorkerRank,
+        /// The engine hash named as parent.
+        parent_hash: ExternalBlockHash,
+    },
+}
+
+impl ApplyError {
+    /// A short lowercase reason, for log fields and metric labels.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            ApplyError::UnknownParent { .. } => "unknown_parent",
+        }
+    }
+}
+
+/// A call on the [`crate::ShardedIndexer`] that could not be served.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum IndexerError {
+    /// The shutdown token was cancelled or the shard tasks have stopped; the request
+    /// was not applied (for events) or not answered (for queries, dumps, stats).
+    #[error("indexer is shutting down")]
+    ShuttingDown,
+    /// An [`crate::IndexerConfig`] value is out of range.
+    #[error("invalid indexer config field `{field}`: {reason}")]
+    InvalidConfig {
+        /// Name of the offending field, e.g. `num_shards`.
+        field: &'static str,
+        /// What is wrong with it, lowercase.
+        reason: &'static str,
+    },
+}

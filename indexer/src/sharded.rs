@@ -1,0 +1,235 @@
+//! [`ShardedIndexer`]: the async, multi-core front of the radix tree.
+//!
+//! Events are partitioned by worker: worker `w` always goes to shard `w % N`, so one
+//! worker's events are applied in order by one task and the N trees hold disjoint
+//! workers. A query fans out to all N shards with the block hashes shared in one
+//! `Arc<[LocalBlockHash]>`, and the N partial [`OverlapScores`] are merged. Cost per
+//! query: N channel round trips (run in parallel across shards) plus one tree walk
+//! per shard; per event batch: one channel send.
+
+use crate::config::IndexerConfig;
+use crate::counters::IndexerCounters;
+use crate::error::IndexerError;
+use crate::scores::OverlapScores;
+use crate::shard::{Query, ShardEvent, ShardHandle, SnapshotRequest, spawn_shard};
+use crate::stats::IndexerStats;
+use kv_events::{KvEventBatch, LocalBlockHash, WorkerId};
+use std::sync::Arc;
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+/// Handle to N shard tasks, each owning a [`crate::RadixTree`] for a fixed subset of
+/// workers. Cheap to clone; every clone talks to the same shards.
+///
+/// # Ordering and consistency
+/// - **Per-worker order**: a worker's batches and remove-worker commands go to one
+///   shard over one FIFO queue, so they are applied in the order they were sent.
+/// - **Read your writes**: each shard serves its queues with a biased select —
+///   shutdown, then events, then dumps/stats, then queries. Events whose `apply` (or
+///   `remove_worker`) call returned before a [`ShardedIndexer::dump`],
+///   [`ShardedIndexer::stats`] or [`ShardedIndexer::find_matches`] call was made are
+///   reflected in its answer.
+/// - **No cross-shard atomicity**: a query reads each shard at a slightly different
+///   moment, so with concurrent writers it may see one worker's newer state next to
+///   another's older one. Scores are advisory routing hints; such torn reads are
+///   accepted.
+///
+/// # Shutdown
+/// Cancelling the token passed to [`ShardedIndexer::spawn`] (or calling
+/// [`ShardedIndexer::shutdown`]) stops every shard at its next turn; queued events
+/// are dropped and every call then fails with [`IndexerError::ShuttingDown`].
+/// [`ShardedIndexer::closed`] resolves once all shard tasks have ended.
+#[derive(Debug, Clone)]
+pub struct ShardedIndexer {
+    shards: Arc<[ShardHandle]>,
+    counters: Arc<IndexerCounters>,
+    shutdown: CancellationToken,
+    tracker: TaskTracker,
+}
+
+impl ShardedIndexer {
+    /// Starts `config.num_shards` shard tasks on the current Tokio runtime. They stop
+    /// when `shutdown` (or the indexer's own child token) is cancelled, or when every
+    /// handle is dropped.
+    ///
+    /// # Errors
+    /// [`IndexerError::InvalidConfig`] when a config field is 0.
+    ///
+    /// # Panics
+    /// When called outside a Tokio runtime (as `tokio::spawn` does).
+    pub fn spawn(config: IndexerConfig, shutdown: CancellationToken) -> Result<Self, IndexerError> {
+        config.validate()?;
+        let shutdown = shutdown.child_token();
+        let counters = Arc::new(IndexerCounters::new());
+        let tracker = TaskTracker::new();
+        let shards: Arc<[ShardHandle]> = (0..config.num_shards)
+            .map(|id| spawn_shard(id, &config, shutdown.clone(), counters.clone(), &tracker))
+            .collect();
+        tracker.close();
+        Ok(Self {
+            shards,
+            counters,
+            shutdown,
+            tracker,
+        })
+    }
+
+    /// Number of shard tasks.
+    pub fn num_shards(&self) -> usize {
+        self.shards.len()
+    }
+
+    /// The shard owning `worker_id`: `worker_id % num_shards`.
+    pub fn shard_of(&self, worker_id: WorkerId) -> usize {
+        // The remainder is below `num_shards`, which is a usize, so it fits.
+        (worker_id.0 % self.shards.len() as u64) as usize
+    }
+
+    /// Enqueues a batch of KV events on its worker's shard, waiting while that queue
+    /// is full (backpressure). Returns once enqueued, not once applied; events the
+    /// tree refuses are logged and counted by the shard, not returned here.
+    ///
+    /// # Errors
+    /// [`IndexerError::ShuttingDown`] after shutdown; the batch is not applied.
+    pub async fn apply(&self, batch: KvEventBatch) -> Result<(), IndexerError> {
+        let shard = self.shard_of(batch.worker_id);
+        self.send_event(shard, ShardEvent::Batch(batch)).await
+    }
+
+    /// Enqueues the removal of every rank of `worker_id` (the worker left or its
+    /// lease expired). Ordered after the worker's earlier batches.
+    ///
+    /// # Errors
+    /// [`IndexerError::ShuttingDown`] after shutdown.
+    pub async fn remove_worker(&self, worker_id: WorkerId) -> Result<(), IndexerError> {
+        let shard = self.shard_of(worker_id);
+        self.send_event(shard, ShardEvent::RemoveWorker(worker_id))
+            .await
+    }
+
+    async fn send_event(&self, shard: usize, event: ShardEvent) -> Result<(), IndexerError> {
+        if self.shutdown.is_cancelled() {
+            return Err(IndexerError::ShuttingDown);
+        }
+        self.shards[shard]
+            .events
+            .send(event)
+            .await
+            .map_err(|_| IndexerError::ShuttingDown)
+    }
+
+    /// Scores every worker rank by the number of leading blocks of `hashes` it
+    /// holds, across all shards (see [`crate::RadixTree::find_matches`]).
+    ///
+    /// # Errors
+    /// [`IndexerError::ShuttingDown`] when a shard has stopped.
+    pub async fn find_matches(
+        &self,
+        hashes: impl Into<Arc<[LocalBlockHash]>>,
+    ) -> Result<OverlapScores, IndexerError> {
+        let hashes = hashes.into();
+        let replies = self
+            .fan_out(|shard| {
+                let (reply, rx) = oneshot::channel();
+                (
+                    &shard.queries,
+                    Query {
+                        hashes: hashes.clone(),
+                        reply,
+                    },
+                    rx,
+                )
+            })
+            .await?;
+        let mut scores = OverlapScores::new();
+        for reply in replies {
+            scores.merge(reply.await.map_err(|_| IndexerError::ShuttingDown)?);
+        }
+        Ok(scores)
+    }
+
+    /// Events that rebuild the whole index on an empty one: every shard's
+    /// [`crate::RadixTree::dump`], concatenated, one batch per worker, sorted by
+    /// worker id. Includes every event enqueued before this call.
+    ///
+    /// # Errors
+    /// [`IndexerError::ShuttingDown`] when a shard has stopped.
+    pub async fn dump(&self) -> Result<Vec<KvEventBatch>, IndexerError> {
+        let replies = self.snapshot(SnapshotRequest::Dump).await?;
+        let mut batches = Vec::new();
+        for reply in replies {
+            batches.extend(reply.await.map_err(|_| IndexerError::ShuttingDown)?);
+        }
+        batches.sort_by_key(|batch| batch.worker_id);
+        Ok(batches)
+    }
+
+    /// Nodes, entries, ranks and approximate bytes, summed over shards.
+    ///
+    /// # Errors
+    /// [`IndexerError::ShuttingDown`] when a shard has stopped.
+    pub async fn stats(&self) -> Result<IndexerStats, IndexerError> {
+        let replies = self.snapshot(SnapshotRequest::Stats).await?;
+        let mut total = IndexerStats::default();
+        for reply in replies {
+            total += reply.await.map_err(|_| IndexerError::ShuttingDown)?;
+        }
+        Ok(total)
+    }
+
+    async fn snapshot<T>(
+        &self,
+        request: fn(oneshot::Sender<T>) -> SnapshotRequest,
+    ) -> Result<Vec<oneshot::Receiver<T>>, IndexerError> {
+        self.fan_out(|shard| {
+            let (reply, rx) = oneshot::channel();
+            (&shard.snapshots, request(reply), rx)
+        })
+        .await
+    }
+
+    /// Sends one message per shard, built by `build`, and collects the receivers.
+    async fn fan_out<'a, M: 'a, R>(
+        &'a self,
+        mut build: impl FnMut(&'a ShardHandle) -> (&'a mpsc::Sender<M>, M, R),
+    ) -> Result<Vec<R>, IndexerError> {
+        if self.shutdown.is_cancelled() {
+            return Err(IndexerError::ShuttingDown);
+        }
+        let mut receivers = Vec::with_capacity(self.shards.len());
+        for shard in self.shards.iter() {
+            let (queue, message, rx) = build(shard);
+            queue
+                .send(message)
+                .await
+                .map_err(|_| IndexerError::ShuttingDown)?;
+            receivers.push(rx);
+        }
+        Ok(receivers)
+    }
+
+    /// Counters of applied, skipped and rejected events, shared by all shards.
+    pub fn counters(&self) -> &IndexerCounters {
+        &self.counters
+    }
+
+    /// Messages waiting in the event queues of all shards (a backlog gauge).
+    pub fn queued_events(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|s| s.events.max_capacity() - s.events.capacity())
+            .sum()
+    }
+
+    /// Stops every shard (cancels the indexer's child token; the token passed to
+    /// `spawn` is not affected).
+    pub fn shutdown(&self) {
+        self.shutdown.cancel();
+    }
+
+    /// Resolves once every shard task has ended.
+    pub async fn closed(&self) {
+        self.tracker.wait().await;
+    }
+}

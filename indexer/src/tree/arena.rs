@@ -1,0 +1,311 @@
+//! [`Arena`]: the tree's nodes in one `Vec`, addressed by 4-byte [`NodeIdx`].
+//!
+//! One slab instead of one heap allocation per node keeps nodes dense (64 bytes each,
+//! asserted at compile time) and lets a freed node's slot be reused by the next
+//! store, so the arena's length tracks the peak live node count rather than the
+//! number of stores ever seen. Children are kept inline when there is one (the
+//! middle of a chain), in a short unsorted `Vec` scanned linearly up to
+//! [`FEW_CHILDREN`], and in a hash map beyond, which is what the root and other hot
+//! branching points become. Heap bytes owned by
+//! child maps and holder sets are kept as a running total so that memory stats cost
+//! O(1) here.
+
+use super::ranks::RankIdx;
+use super::rankset::RankSet;
+use kv_events::LocalBlockHash;
+use rustc_hash::FxHashMap;
+
+/// Index of a node in the arena. The root is slot 0 and is never freed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub(crate) struct NodeIdx(u32);
+
+impl NodeIdx {
+    /// The root: the empty prefix, parent of every first block.
+    pub(crate) const ROOT: NodeIdx = NodeIdx(0);
+
+    fn slot(self) -> usize {
+        self.0 as usize
+    }
+}
+
+impl Default for NodeIdx {
+    /// The root, which is also the parent recorded for the root itself.
+    fn default() -> Self {
+        NodeIdx::ROOT
+    }
+}
+
+/// Most children a node keeps in a linear `Vec` before switching to a hash map.
+const FEW_CHILDREN: usize = 8;
+/// A hash map of children shrinks back to a `Vec` at this many entries (hysteresis,
+/// so a node hovering at the limit does not convert on every store and remove).
+const FEW_CHILDREN_AGAIN: usize = FEW_CHILDREN / 2;
+
+/// The children of one node, keyed by the child's block hash.
+///
+/// The common shapes cost no heap at all: a leaf is an empty `Vec`, and a node in
+/// the middle of a chain keeps its one child inline.
+#[derive(Debug, Clone)]
+pub(crate) enum Children {
+    /// Exactly one child, inline.
+    One(LocalBlockHash, NodeIdx),
+    /// Zero, or two up to [`FEW_CHILDREN`], unsorted and sized exactly.
+    Few(Vec<(LocalBlockHash, NodeIdx)>),
+    /// More than [`FEW_CHILDREN`].
+    Many(Box<FxHashMap<LocalBlockHash, NodeIdx>>),
+}
+
+impl Default for Children {
+    fn default() -> Self {
+        Children::Few(Vec::new())
+    }
+}
+
+impl Children {
+    /// The child with block hash `hash`.
+    pub(crate) fn get(&self, hash: LocalBlockHash) -> Option<NodeIdx> {
+        match self {
+            Children::One(h, n) => (*h == hash).then_some(*n),
+            Children::Few(few) => few.iter().find(|(h, _)| *h == hash).map(|(_, n)| *n),
+            Children::Many(many) => many.get(&hash).copied(),
+        }
+    }
+
+    /// True when the node has no children.
+    pub(crate) fn is_empty(&self) -> bool {
+        match self {
+            Children::One(..) => false,
+            Children::Few(few) => few.is_empty(),
+            Children::Many(many) => many.is_empty(),
+        }
+    }
+
+    /// Every child, in no particular order.
+    #[cfg(test)]
+    pub(crate) fn iter(&self) -> Vec<NodeIdx> {
+        match self {
+            Children::One(_, n) => vec![*n],
+            Children::Few(few) => few.iter().map(|(_, n)| *n).collect(),
+            Children::Many(many) => many.values().copied().collect(),
+        }
+    }
+
+    /// Adds a child; the caller has checked that `hash` is not present.
+    fn insert(&mut self, hash: LocalBlockHash, child: NodeIdx) {
+        match self {
+            Children::One(h, n) => *self = Children::Few(vec![(*h, *n), (hash, child)]),
+            Children::Few(few) if few.is_empty() => *self = Children::One(hash, child),
+            Children::Few(few) if few.len() < FEW_CHILDREN => {
+                few.reserve_exact(1);
+                few.push((hash, child));
+            }
+            Children::Few(few) => {
+                let mut many: FxHashMap<_, _> = few.drain(..).collect();
+                many.insert(hash, child);
+                *self = Children::Many(Box::new(many));
+            }
+            Children::Many(many) => {
+                many.insert(hash, child);
+            }
+        }
+    }
+
+    /// Removes the child with block hash `hash`, if any.
+    fn remove(&mut self, hash: LocalBlockHash) {
+        match self {
+            Children::One(h, _) if *h == hash => *self = Children::default(),
+            Children::One(..) => {}
+            Children::Few(few) => {
+                if let Some(at) = few.iter().position(|(h, _)| *h == hash) {
+                    few.swap_remove(at);
+                    if let [(h, n)] = few.as_slice() {
+                        *self = Children::One(*h, *n);
+                    }
+                }
+            }
+            Children::Many(many) => {
+                many.remove(&hash);
+                if many.len() <= FEW_CHILDREN_AGAIN {
+                    *self = Children::Few(many.drain().collect());
+                }
+            }
+        }
+    }
+
+    fn heap_bytes(&self) -> usize {
+        match self {
+            Children::One(..) => 0,
+            Children::Few(few) => few.capacity() * size_of::<(LocalBlockHash, NodeIdx)>(),
+            Children::Many(many) => {
+                size_of::<FxHashMap<LocalBlockHash, NodeIdx>>()
+                    + many.capacity() * (size_of::<(LocalBlockHash, NodeIdx)>() + 1)
+            }
+        }
+    }
+}
+
+/// One block at one position of a prefix.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Node {
+    /// The block's hash; meaningless for the root.
+    pub(crate) hash: LocalBlockHash,
+    /// The node of the preceding block; the root for a first block and for the root.
+    pub(crate) parent: NodeIdx,
+    /// The next blocks of every prefix continuing this one.
+    pub(crate) children: Children,
+    /// The worker ranks holding this block (and, normally, the whole prefix).
+    pub(crate) holders: RankSet,
+}
+
+impl Node {
+    fn heap_bytes(&self) -> usize {
+        self.children.heap_bytes() + self.holders.heap_bytes()
+    }
+}
+
+// Keep nodes at one cache line: the memory target is ≤ 100 bytes per (rank, block).
+const _: () = assert!(size_of::<Node>() <= 64);
+
+/// The slab of nodes with its free list.
+#[derive(Debug)]
+pub(crate) struct Arena {
+    nodes: Vec<Node>,
+    free: Vec<NodeIdx>,
+    /// Sum of `Node::heap_bytes` over every slot.
+    heap_bytes: usize,
+}
+
+impl Default for Arena {
+    fn default() -> Self {
+        Self {
+            nodes: vec![Node::default()],
+            free: Vec::new(),
+            heap_bytes: 0,
+        }
+    }
+}
+
+impl Arena {
+    /// The node at `idx`. Indices come only from this arena, so they are in bounds.
+    pub(crate) fn node(&self, idx: NodeIdx) -> &Node {
+        &self.nodes[idx.slot()]
+    }
+
+    /// Runs `f` on a node and keeps the heap total in step with its buffers.
+    fn update<R>(&mut self, idx: NodeIdx, f: impl FnOnce(&mut Node) -> R) -> R {
+        let node = &mut self.nodes[idx.slot()];
+        let before = node.heap_bytes();
+        let out = f(node);
+        self.heap_bytes = self.heap_bytes - before + node.heap_bytes();
+        out
+    }
+
+    /// The child of `parent` with block hash `hash`, created when missing.
+    pub(crate) fn child_or_insert(&mut self, parent: NodeIdx, hash: LocalBlockHash) -> NodeIdx {
+        if let Some(child) = self.node(parent).children.get(hash) {
+            return child;
+        }
+        let fresh = Node {
+            hash,
+            parent,
+            ..Node::default()
+        };
+        let child = match self.free.pop() {
+            Some(idx) => {
+                self.nodes[idx.slot()] = fresh;
+                idx
+            }
+            None => {
+                // Cannot overflow in practice: 2^32 nodes of 64 bytes is 256 GiB.
+                let idx = NodeIdx(u32::try_from(self.nodes.len()).expect("fewer than 2^32 nodes"));
+                self.nodes.push(fresh);
+                idx
+            }
+        };
+        self.update(parent, |p| p.children.insert(hash, child));
+        child
+    }
+
+    /// Adds `rank` to the holders of `node`; false when it already held it.
+    pub(crate) fn add_holder(&mut self, node: NodeIdx, rank: RankIdx) -> bool {
+        self.update(node, |n| n.holders.insert(rank))
+    }
+
+    /// Drops `rank` from the holders of `node`, then frees the node and every
+    /// ancestor left with neither holders nor children. False when `rank` did not
+    /// hold `node` (nothing changes then).
+    pub(crate) fn drop_holder(&mut self, node: NodeIdx, rank: RankIdx) -> bool {
+        if !self.update(node, |n| n.holders.remove(rank)) {
+            return false;
+        }
+        let mut idx = node;
+        while idx != NodeIdx::ROOT {
+            let n = self.node(idx);
+            if !n.holders.is_empty() || !n.children.is_empty() {
+                break;
+            }
+            let (parent, hash) = (n.parent, n.hash);
+            self.update(parent, |p| p.children.remove(hash));
+            self.update(idx, |n| *n = Node::default());
+            self.free.push(idx);
+            idx = parent;
+        }
+        true
+    }
+
+    /// Live nodes, the root not counted.
+    pub(crate) fn live_nodes(&self) -> usize {
+        self.nodes.len() - self.free.len() - 1
+    }
+
+    /// Slots ever allocated (live or free), the root included.
+    #[cfg(test)]
+    pub(crate) fn slots(&self) -> usize {
+        self.nodes.len()
+    }
+
+    /// Asserts the structural invariants (parent/child links agree, no empty leaf
+    /// survives, free slots are blank, the heap total is exact) and returns the
+    /// holders of every live node, the root included.
+    #[cfg(test)]
+    pub(crate) fn check(&self) -> Vec<(NodeIdx, Vec<RankIdx>)> {
+        let free: std::collections::HashSet<NodeIdx> = self.free.iter().copied().collect();
+        assert_eq!(free.len(), self.free.len(), "slot freed twice");
+        assert!(!free.contains(&NodeIdx::ROOT), "root freed");
+        let recomputed: usize = self.nodes.iter().map(Node::heap_bytes).sum();
+        assert_eq!(self.heap_bytes, recomputed, "heap total out of step");
+        let mut live = Vec::new();
+        for (slot, node) in self.nodes.iter().enumerate() {
+            let idx = NodeIdx(slot as u32);
+            if free.contains(&idx) {
+                assert!(
+                    node.holders.is_empty() && node.children.is_empty(),
+                    "dirty free slot"
+                );
+                continue;
+            }
+            for child in node.children.iter() {
+                assert!(!free.contains(&child), "child {child:?} of {idx:?} is free");
+                assert_eq!(self.node(child).parent, idx, "parent link of {child:?}");
+                assert_eq!(node.children.get(self.node(child).hash), Some(child));
+            }
+            if idx != NodeIdx::ROOT {
+                assert!(!free.contains(&node.parent), "parent of {idx:?} is free");
+                assert_eq!(self.node(node.parent).children.get(node.hash), Some(idx));
+                assert!(
+                    !node.holders.is_empty() || !node.children.is_empty(),
+                    "empty leaf {idx:?} not pruned"
+                );
+            }
+            live.push((idx, node.holders.to_vec()));
+        }
+        live
+    }
+
+    /// Approximate heap bytes: every slot by capacity plus child and holder buffers.
+    pub(crate) fn memory_bytes(&self) -> usize {
+        self.nodes.capacity() * size_of::<Node>()
+            + self.free.capacity() * size_of::<NodeIdx>()
+            + self.heap_bytes
+    }
+}

@@ -1,0 +1,138 @@
+//! [`RankTable`]: interning of worker ranks and each rank's engine-hash map.
+//!
+//! Tree nodes name their holders by a 4-byte [`RankIdx`] instead of the 12-byte
+//! [`WorkerRank`], which keeps holder sets small and makes them sortable by a plain
+//! integer. The table maps both ways and owns, per rank, the map from the engine's
+//! [`ExternalBlockHash`] to the node it names (needed to find a `Stored` event's
+//! parent and a `Removed` event's block). Released indices are reused, so the table
+//! stays as large as the number of live ranks ever seen at once.
+
+use super::arena::NodeIdx;
+use kv_events::{ExternalBlockHash, WorkerId, WorkerRank};
+use rustc_hash::FxHashMap;
+
+/// Interned index of a [`WorkerRank`] inside one tree.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub(crate) struct RankIdx(pub(crate) u32);
+
+/// Everything the tree knows about one worker rank.
+#[derive(Debug)]
+pub(crate) struct RankState {
+    /// The rank this state belongs to.
+    pub(crate) rank: WorkerRank,
+    /// Engine block hash → node, one entry per block the rank holds.
+    pub(crate) blocks: FxHashMap<ExternalBlockHash, NodeIdx>,
+    /// Nodes that more than one engine hash of this rank map to, with the number of
+    /// extra hashes. Only engines that cache identical content twice create these;
+    /// the map is empty (and unallocated) otherwise. A node stays held until its last
+    /// engine hash is removed.
+    pub(crate) aliases: FxHashMap<NodeIdx, u32>,
+}
+
+impl RankState {
+    fn new(rank: WorkerRank) -> Self {
+        Self {
+            rank,
+            blocks: FxHashMap::default(),
+            aliases: FxHashMap::default(),
+        }
+    }
+
+    /// Heap bytes of the two maps, by capacity (key + value + one control byte).
+    fn heap_bytes(&self) -> usize {
+        let block_entry = size_of::<(ExternalBlockHash, NodeIdx)>() + 1;
+        let alias_entry = size_of::<(NodeIdx, u32)>() + 1;
+        self.blocks.capacity() * block_entry + self.aliases.capacity() * alias_entry
+    }
+}
+
+/// Two-way interning of worker ranks plus their per-rank state.
+#[derive(Debug, Default)]
+pub(crate) struct RankTable {
+    index: FxHashMap<WorkerRank, RankIdx>,
+    slots: Vec<Option<RankState>>,
+    free: Vec<RankIdx>,
+}
+
+impl RankTable {
+    /// The index of `rank`, if it is known.
+    pub(crate) fn lookup(&self, rank: WorkerRank) -> Option<RankIdx> {
+        self.index.get(&rank).copied()
+    }
+
+    /// The index of `rank`, interning it (with no blocks) when it is new.
+    pub(crate) fn intern(&mut self, rank: WorkerRank) -> RankIdx {
+        if let Some(idx) = self.lookup(rank) {
+            return idx;
+        }
+        let idx = match self.free.pop() {
+            Some(idx) => {
+                self.slots[idx.0 as usize] = Some(RankState::new(rank));
+                idx
+            }
+            None => {
+                // Cannot overflow in practice: 2^32 live ranks would need far more
+                // memory than any host has just for their states.
+                let idx = RankIdx(u32::try_from(self.slots.len()).expect("fewer than 2^32 ranks"));
+                self.slots.push(Some(RankState::new(rank)));
+                idx
+            }
+        };
+        self.index.insert(rank, idx);
+        idx
+    }
+
+    /// The state of a live index.
+    pub(crate) fn get(&self, idx: RankIdx) -> Option<&RankState> {
+        self.slots.get(idx.0 as usize).and_then(Option::as_ref)
+    }
+
+    /// The mutable state of a live index.
+    pub(crate) fn get_mut(&mut self, idx: RankIdx) -> Option<&mut RankState> {
+        self.slots.get_mut(idx.0 as usize).and_then(Option::as_mut)
+    }
+
+    /// The worker rank behind a live index.
+    pub(crate) fn rank_of(&self, idx: RankIdx) -> Option<WorkerRank> {
+        self.get(idx).map(|state| state.rank)
+    }
+
+    /// Forgets the rank at `idx` and returns its state; the index may be reused.
+    /// The caller must already have dropped the rank from every node.
+    pub(crate) fn release(&mut self, idx: RankIdx) -> Option<RankState> {
+        let state = self.slots.get_mut(idx.0 as usize)?.take()?;
+        self.index.remove(&state.rank);
+        self.free.push(idx);
+        Some(state)
+    }
+
+    /// Live ranks with their states, in index order.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (RankIdx, &RankState)> {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, slot)| slot.as_ref().map(|s| (RankIdx(i as u32), s)))
+    }
+
+    /// Indices of every live rank of `worker_id`. O(live ranks).
+    pub(crate) fn of_worker(&self, worker_id: WorkerId) -> Vec<RankIdx> {
+        self.iter()
+            .filter(|(_, state)| state.rank.worker_id == worker_id)
+            .map(|(idx, _)| idx)
+            .collect()
+    }
+
+    /// Number of live ranks.
+    pub(crate) fn len(&self) -> usize {
+        self.index.len()
+    }
+
+    /// Heap bytes of the table and every rank's maps, by capacity.
+    pub(crate) fn memory_bytes(&self) -> usize {
+        let index_entry = size_of::<(WorkerRank, RankIdx)>() + 1;
+        self.index.capacity() * index_entry
+            + self.slots.capacity() * size_of::<Option<RankState>>()
+            + self.free.capacity() * size_of::<RankIdx>()
+            + self.iter().map(|(_, s)| s.heap_bytes()).sum::<usize>()
+    }
+}

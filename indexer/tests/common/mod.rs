@@ -1,0 +1,65 @@
+//! Event builders shared by the indexer's integration tests.
+
+#![allow(dead_code)] // each test binary uses a different subset
+
+use kv_events::{
+    DpRank, ExternalBlockHash, KvCacheEvent, KvCacheEventData, KvEventBatch, LocalBlockHash,
+    StoredBlock, WorkerId, WorkerRank,
+};
+
+pub fn wr(worker: u64, dp: u32) -> WorkerRank {
+    WorkerRank::new(WorkerId(worker), DpRank(dp))
+}
+
+pub fn q(hashes: &[u64]) -> Vec<LocalBlockHash> {
+    hashes.iter().map(|h| LocalBlockHash(*h)).collect()
+}
+
+/// A `Stored` event of rank `dp`; `blocks` are (engine hash, local hash) pairs.
+pub fn stored(dp: u32, parent: Option<u64>, blocks: &[(u64, u64)]) -> KvCacheEvent {
+    KvCacheEvent {
+        event_id: 0,
+        dp_rank: DpRank(dp),
+        data: KvCacheEventData::Stored {
+            parent_hash: parent.map(ExternalBlockHash),
+            blocks: blocks
+                .iter()
+                .map(|(e, l)| StoredBlock {
+                    block_hash: ExternalBlockHash(*e),
+                    tokens_hash: LocalBlockHash(*l),
+                })
+                .collect(),
+        },
+    }
+}
+
+pub fn removed(dp: u32, hashes: &[u64]) -> KvCacheEvent {
+    KvCacheEvent {
+        event_id: 0,
+        dp_rank: DpRank(dp),
+        data: KvCacheEventData::Removed {
+            block_hashes: hashes.iter().map(|h| ExternalBlockHash(*h)).collect(),
+        },
+    }
+}
+
+pub fn cleared(dp: u32) -> KvCacheEvent {
+    KvCacheEvent {
+        event_id: 0,
+        dp_rank: DpRank(dp),
+        data: KvCacheEventData::Cleared,
+    }
+}
+
+pub fn batch(worker: u64, events: Vec<KvCacheEvent>) -> KvEventBatch {
+    KvEventBatch {
+        worker_id: WorkerId(worker),
+        events,
+    }
+}
+
+/// A chain of `len` blocks starting at the root whose local hashes are `0..len` and
+/// engine hashes `base..base + len`.
+pub fn chain(base: u64, len: u64) -> Vec<(u64, u64)> {
+    (0..len).map(|i| (base + i, i)).collect()
+}

@@ -1,0 +1,360 @@
+//! The paged KV cache of one dp rank: block accounting, prefix reuse, LRU eviction and
+//! the KV events that describe every change to the set of cached blocks.
+//!
+//! The cache holds `capacity` blocks of `block_size` tokens. A block is in one of three
+//! states:
+//! - **reserved**: space taken by a running request that is not (yet) a cached block —
+//!   prompt blocks still being prefilled, the partial last prompt block and the decode
+//!   tokens. Reserved blocks are anonymous; only their count is tracked.
+//! - **cached, referenced**: a full prompt block identified by its engine hash, used by
+//!   at least one running request (refcount > 0). Never evicted.
+//! - **cached, unreferenced**: a full prompt block no request uses. It stays cached for
+//!   prefix reuse and sits in an LRU list; it is evicted, least recently released first,
+//!   only when an admission needs the space.
+//!
+//! Event rules: a block becoming cached emits `Stored` (consecutive blocks of one chain
+//! are coalesced into one event with the right `parent_hash`), an eviction emits
+//! `Removed`, [`KvCache::clear`] emits `Cleared`. Reserved blocks are never announced.
+//! Replaying the emitted events into a set always yields exactly the cached blocks.
+//!
+//! Costs: one hash-map entry per cached block plus one ordered-map entry per
+//! unreferenced block; admission is O(prompt blocks + evictions × log n).
+
+use kv_events::{ExternalBlockHash, KvCacheEventData, LocalBlockHash, StoredBlock, hash_block};
+use std::collections::hash_map::Entry;
+use std::collections::{BTreeMap, HashMap};
+
+/// The engine hash of a block: xxh3-64 (seed [`kv_events::BLOCK_HASH_SEED`]) over the
+/// little-endian bytes of the parent's engine hash followed by the block's
+/// [`LocalBlockHash`]; a first block (no parent) hashes the local hash alone.
+///
+/// Chaining makes the engine hash identify the whole prefix up to and including this
+/// block, as vLLM's prefix-cache hashes do, so equal token blocks at different prefixes
+/// are different cache entries. (Implemented with [`kv_events::hash_block`], whose input
+/// is little-endian `u32` words: two words per `u64`, low word first, which is the same
+/// byte string.)
+pub fn engine_block_hash(
+    parent: Option<ExternalBlockHash>,
+    local: LocalBlockHash,
+) -> ExternalBlockHash {
+    fn words(v: u64) -> [u32; 2] {
+        // Truncation is the point: split the u64 into its low and high 32-bit words.
+        [v as u32, (v >> 32) as u32]
+    }
+    let [l0, l1] = words(local.0);
+    let hash = match parent {
+        Some(p) => {
+            let [p0, p1] = words(p.0);
+            hash_block(&[p0, p1, l0, l1])
+        }
+        None => hash_block(&[l0, l1]),
+    };
+    ExternalBlockHash(hash.0)
+}
+
+/// Chains `locals` (one per full prompt block, in prefix order) into engine hashes.
+pub fn chain_block_hashes(locals: &[LocalBlockHash]) -> Vec<StoredBlock> {
+    let mut parent = None;
+    locals
+        .iter()
+        .map(|&tokens_hash| {
+            let block_hash = engine_block_hash(parent, tokens_hash);
+            parent = Some(block_hash);
+            StoredBlock {
+                block_hash,
+                tokens_hash,
+            }
+        })
+        .collect()
+}
+
+/// The KV space one running request holds: the cached blocks it references (in prefix
+/// order) and its count of reserved, not-yet-cached blocks.
+///
+/// Obtained from [`KvCache::try_allocate`]; must be handed back to [`KvCache::release`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Allocation {
+    held: Vec<ExternalBlockHash>,
+    reserved: u64,
+    hit_blocks: usize,
+}
+
+impl Allocation {
+    /// Leading prompt blocks that were already cached at admission (prefix hit), in blocks.
+    pub fn hit_blocks(&self) -> usize {
+        self.hit_blocks
+    }
+
+    /// Cached blocks referenced by the request, in prefix order.
+    pub fn held(&self) -> &[ExternalBlockHash] {
+        &self.held
+    }
+
+    /// Blocks reserved but not cached, in blocks.
+    pub fn reserved(&self) -> u64 {
+        self.reserved
+    }
+
+    /// All blocks the request occupies (held + reserved), in blocks.
+    pub fn total_blocks(&self) -> u64 {
+        self.held.len() as u64 + self.reserved
+    }
+}
+
+/// Why [`KvCache::clear`] refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("kv cache has {referenced} referenced and {reserved} reserved blocks")]
+pub struct CacheInUse {
+    /// Cached blocks with a non-zero refcount.
+    pub referenced: u64,
+    /// Reserved blocks.
+    pub reserved: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct CachedBlock {
+    refcount: u32,
+    /// Position in the LRU list while unreferenced.
+    lru_tick: Option<u64>,
+}
+
+/// The paged KV cache of one dp rank. See the module docs for states and event rules.
+#[derive(Debug)]
+pub struct KvCache {
+    block_size: u32,
+    capacity: u64,
+    blocks: HashMap<ExternalBlockHash, CachedBlock>,
+    /// Unreferenced cached blocks by release order (smallest tick = least recently used).
+    lru: BTreeMap<u64, ExternalBlockHash>,
+    next_tick: u64,
+    reserved: u64,
+    events: Vec<KvCacheEventData>,
+}
+
+impl KvCache {
+    /// An empty cache of `capacity` blocks of `block_size` tokens.
+    pub fn new(block_size: u32, capacity: u64) -> Self {
+        Self {
+            block_size,
+            capacity,
+            blocks: HashMap::new(),
+            lru: BTreeMap::new(),
+            next_tick: 0,
+            reserved: 0,
+            events: Vec::new(),
+        }
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> u32 {
+        self.block_size
+    }
+
+    /// Capacity, in blocks.
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    /// Blocks in use: cached (referenced or not) plus reserved, in blocks.
+    pub fn used_blocks(&self) -> u64 {
+        self.blocks.len() as u64 + self.reserved
+    }
+
+    /// Blocks neither cached nor reserved, in blocks.
+    pub fn free_blocks(&self) -> u64 {
+        self.capacity.saturating_sub(self.used_blocks())
+    }
+
+    /// Cached blocks (referenced or not), in blocks.
+    pub fn cached_blocks(&self) -> u64 {
+        self.blocks.len() as u64
+    }
+
+    /// Unreferenced cached blocks, which eviction may reclaim, in blocks.
+    pub fn evictable_blocks(&self) -> u64 {
+        self.lru.len() as u64
+    }
+
+    /// Whether the block with this engine hash is cached.
+    pub fn contains(&self, hash: ExternalBlockHash) -> bool {
+        self.blocks.contains_key(&hash)
+    }
+
+    /// Every cached block's engine hash, in no particular order.
+    pub fn cached_hashes(&self) -> impl Iterator<Item = ExternalBlockHash> + '_ {
+        self.blocks.keys().copied()
+    }
+
+    /// Unreferenced cached blocks from least to most recently used.
+    pub fn lru_order(&self) -> impl Iterator<Item = ExternalBlockHash> + '_ {
+        self.lru.values().copied()
+    }
+
+    /// Length of the leading run of `prompt` blocks that are cached, in blocks.
+    pub fn prefix_hits(&self, prompt: &[StoredBlock]) -> usize {
+        prompt
+            .iter()
+            .take_while(|b| self.blocks.contains_key(&b.block_hash))
+            .count()
+    }
+
+    /// Admits a request occupying `total_blocks` blocks whose full prompt blocks are
+    /// `prompt`: references the cached prefix, reserves the rest and evicts unreferenced
+    /// blocks (LRU first, each emitting `Removed`) if free space is short.
+    ///
+    /// Returns `None`, changing nothing, when even evicting every unreferenced block
+    /// would not make room.
+    pub fn try_allocate(
+        &mut self,
+        prompt: &[StoredBlock],
+        total_blocks: u64,
+    ) -> Option<Allocation> {
+        let hits = &prompt[..self.prefix_hits(prompt)];
+        let hit_count = hits.len() as u64;
+        let hits_unreferenced = hits
+            .iter()
+            .filter(|b| {
+                self.blocks
+                    .get(&b.block_hash)
+                    .is_some_and(|c| c.refcount == 0)
+            })
+            .count() as u64;
+        let need = total_blocks.saturating_sub(hit_count);
+        let evictable = self.evictable_blocks() - hits_unreferenced;
+        if self.free_blocks() + evictable < need {
+            return None;
+        }
+        let mut held = Vec::with_capacity(prompt.len());
+        for b in hits {
+            self.acquire(b.block_hash);
+            held.push(b.block_hash);
+        }
+        let shortfall = need.saturating_sub(self.free_blocks());
+        self.evict(shortfall);
+        self.reserved += need;
+        Some(Allocation {
+            held,
+            reserved: need,
+            hit_blocks: hits.len(),
+        })
+    }
+
+    /// Turns one reserved block of `alloc` into the cached block `block`, the next full
+    /// prompt block of its chain (its parent is the last block `alloc` holds).
+    ///
+    /// Emits `Stored` if the block was not cached yet; if another request cached the
+    /// same block meanwhile, references that copy and frees the reservation instead.
+    pub fn commit(&mut self, alloc: &mut Allocation, block: StoredBlock) {
+        debug_assert!(alloc.reserved > 0, "commit without a reserved block");
+        let parent = alloc.held.last().copied();
+        alloc.reserved = alloc.reserved.saturating_sub(1);
+        self.reserved = self.reserved.saturating_sub(1);
+        match self.blocks.entry(block.block_hash) {
+            Entry::Occupied(mut cached) => {
+                let cached = cached.get_mut();
+                if let Some(tick) = cached.lru_tick.take() {
+                    self.lru.remove(&tick);
+                }
+                cached.refcount += 1;
+            }
+            Entry::Vacant(slot) => {
+                slot.insert(CachedBlock {
+                    refcount: 1,
+                    lru_tick: None,
+                });
+                self.push_stored(parent, block);
+            }
+        }
+        alloc.held.push(block.block_hash);
+    }
+
+    /// Returns a finished request's space: reserved blocks become free and held blocks
+    /// lose a reference. Blocks reaching refcount 0 join the LRU list tail first, so a
+    /// chain is later evicted from its end towards its root.
+    pub fn release(&mut self, alloc: Allocation) {
+        self.reserved = self.reserved.saturating_sub(alloc.reserved);
+        for hash in alloc.held.iter().rev() {
+            let Some(block) = self.blocks.get_mut(hash) else {
+                debug_assert!(false, "released block {hash} is not cached");
+                continue;
+            };
+            block.refcount = block.refcount.saturating_sub(1);
+            if block.refcount == 0 {
+                let tick = self.next_tick;
+                self.next_tick += 1;
+                block.lru_tick = Some(tick);
+                self.lru.insert(tick, *hash);
+            }
+        }
+    }
+
+    /// Drops every cached block and emits `Cleared`.
+    ///
+    /// # Errors
+    /// [`CacheInUse`] (changing nothing) if any block is referenced or reserved.
+    pub fn clear(&mut self) -> Result<(), CacheInUse> {
+        let referenced = self.blocks.len() as u64 - self.lru.len() as u64;
+        if referenced > 0 || self.reserved > 0 {
+            return Err(CacheInUse {
+                referenced,
+                reserved: self.reserved,
+            });
+        }
+        self.blocks.clear();
+        self.lru.clear();
+        self.events.push(KvCacheEventData::Cleared);
+        Ok(())
+    }
+
+    /// Takes the KV events emitted since the last call, in order.
+    pub fn take_events(&mut self) -> Vec<KvCacheEventData> {
+        std::mem::take(&mut self.events)
+    }
+
+    fn acquire(&mut self, hash: ExternalBlockHash) {
+        if let Some(block) = self.blocks.get_mut(&hash) {
+            if let Some(tick) = block.lru_tick.take() {
+                self.lru.remove(&tick);
+            }
+            block.refcount += 1;
+        }
+    }
+
+    fn evict(&mut self, count: u64) {
+        let mut removed = Vec::new();
+        for _ in 0..count {
+            let Some((_, hash)) = self.lru.pop_first() else {
+                break;
+            };
+            self.blocks.remove(&hash);
+            removed.push(hash);
+        }
+        if removed.is_empty() {
+            return;
+        }
+        if let Some(KvCacheEventData::Removed { block_hashes }) = self.events.last_mut() {
+            block_hashes.extend(removed);
+        } else {
+            self.events.push(KvCacheEventData::Removed {
+                block_hashes: removed,
+            });
+        }
+    }
+
+    fn push_stored(&mut self, parent: Option<ExternalBlockHash>, block: StoredBlock) {
+        if let Some(KvCacheEventData::Stored { blocks, .. }) = self.events.last_mut()
+            && parent.is_some()
+            && blocks.last().map(|b| b.block_hash) == parent
+        {
+            blocks.push(block);
+            return;
+        }
+        self.events.push(KvCacheEventData::Stored {
+            parent_hash: parent,
+            blocks: vec![block],
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests;

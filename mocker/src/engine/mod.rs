@@ -1,0 +1,79 @@
+//! The mock inference engine: a vLLM-like engine model and the NATS/etcd service that
+//! runs M of them in one process.
+//!
+//! The router needs engines that behave like the real thing where it matters for
+//! routing — a finite paged KV cache with prefix reuse and LRU eviction, continuous
+//! batching with chunked prefill, and step times that grow with prefill and decode
+//! work — and that speak the real wire protocol: KV events, load metrics, etcd leases.
+//! The model core is pure and synchronous (no clock, no I/O), so an offline simulator
+//! can drive it on a virtual clock; the service drives it in real time, optionally
+//! faster than real time (`--time-scale`). One process with M workers costs one NATS
+//! connection, one etcd connection, and a few tokio tasks per worker.
+//!
+//! The model (cache, batching, timing, event rules) is documented in
+//! `docs/engine-model.md`.
+//!
+//! # Layout
+//! - [`config`]: typed flag groups ([`EngineModelConfig`], connection, fleet, runtime).
+//! - [`timing`]: the step-duration model ([`TimingModel`]).
+//! - [`kv_cache`]: the paged KV cache of one dp rank and its KV events.
+//! - [`request`]: request validation and per-request progress.
+//! - [`core`]: [`EngineCore`], the continuous-batching state machine of one dp rank.
+//! - `outbox`: the single ordered publication path to NATS.
+//! - `rank`: one live dp rank — the core, its reply inboxes, its real-time loop.
+//! - `worker`: one worker's generate / clear intake.
+//! - `registration`: etcd lease registration with keep-alive.
+//! - `service`: [`spawn_engines`], which wires all of the above.
+
+pub mod config;
+pub mod core;
+pub mod kv_cache;
+mod outbox;
+mod rank;
+pub mod registration;
+pub mod request;
+mod service;
+pub mod timing;
+mod worker;
+
+#[cfg(test)]
+mod test_support;
+
+pub use self::config::{ConfigError, ConnectionArgs, EngineModelConfig, FleetArgs, RuntimeArgs};
+pub use self::core::{ClearError, EngineCore, Finished, FirstToken, StepOutput};
+pub use self::kv_cache::{Allocation, KvCache, chain_block_hashes, engine_block_hash};
+pub use self::request::{EngineRequest, RejectReason};
+pub use self::service::{EnginesHandle, READY_LINE, ServiceError, spawn_engines};
+pub use self::timing::{StepWork, TimingModel};
+
+use tokio_util::sync::CancellationToken;
+
+/// Flags of `kv-mocker engines`: M mock workers with ids `first-worker-id ..
+/// first-worker-id + M`, each with `dp-size` ranks of the engine model.
+#[derive(Debug, Clone, PartialEq, Default, clap::Args)]
+pub struct EngineArgs {
+    /// NATS URL, etcd endpoints and namespace.
+    #[command(flatten)]
+    pub connection: ConnectionArgs,
+    /// How many workers, their ids and dp size.
+    #[command(flatten)]
+    pub fleet: FleetArgs,
+    /// The engine model of every rank (block size, cache size, batch limits).
+    #[command(flatten)]
+    pub model: EngineModelConfig,
+    /// Time scale, lease TTL and metrics interval.
+    #[command(flatten)]
+    pub runtime: RuntimeArgs,
+}
+
+/// Runs the engines until `shutdown` is cancelled, then stops them in order (leases
+/// revoked, in-flight requests answered with an error, outbox flushed).
+///
+/// # Errors
+/// Start-up failures ([`ServiceError`]: bad flags, NATS or etcd unreachable,
+/// registration refused) and panicked engine tasks.
+pub async fn run_engines(args: EngineArgs, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let handle = spawn_engines(args, shutdown).await?;
+    handle.wait().await?;
+    Ok(())
+}

@@ -1,0 +1,260 @@
+//! Wiring of the live mock engines: NATS and etcd connections, one [`Worker`] and its
+//! [`Rank`] loops per worker id, the metrics timer, registration, and an orderly
+//! shutdown.
+//!
+//! Start-up order matters for correctness: every worker subscribes (and the
+//! subscriptions are flushed to the server) before any worker is registered in etcd,
+//! so a router that discovers a worker can route to it immediately. The ready line
+//! `kv-mocker engines ready` is logged only after every registration succeeded.
+//! Shutdown: stop intake, stop the rank loops (failing requests still in flight with
+//! an `error` response), revoke the leases, drain and flush the outbox.
+
+use super::EngineArgs;
+use super::config::ConfigError;
+use super::core::EngineCore;
+use super::outbox::Outbox;
+use super::rank::Rank;
+use super::registration::{LeaseError, Registration};
+use super::timing::TimingModel;
+use super::worker::Worker;
+use crate::protocol::{OP_CLEAR, OP_GENERATE};
+use etcd_client::ConnectOptions;
+use kv_events::discovery::WorkerRegistration;
+use kv_events::{DpRank, Subjects, WorkerId, WorkerRank};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::task::{JoinHandle, JoinSet};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+/// The line logged (at info level) once every worker is subscribed and registered.
+pub const READY_LINE: &str = "kv-mocker engines ready";
+
+/// Why the engines could not start or stopped abnormally.
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceError {
+    /// A flag is out of range.
+    #[error("invalid engine configuration: {0}")]
+    Config(#[from] ConfigError),
+    /// The NATS server could not be reached.
+    #[error("could not connect to nats at {url}: {source}")]
+    NatsConnect {
+        /// The URL tried.
+        url: String,
+        /// The client's error.
+        source: async_nats::ConnectError,
+    },
+    /// A subscription could not be created.
+    #[error("could not subscribe to {subject}: {source}")]
+    Subscribe {
+        /// The subject.
+        subject: String,
+        /// The client's error.
+        source: async_nats::SubscribeError,
+    },
+    /// Subscriptions could not be flushed to the NATS server.
+    #[error("nats flush failed: {0}")]
+    Flush(#[from] async_nats::client::FlushError),
+    /// etcd could not be reached.
+    #[error("could not connect to etcd at {endpoints:?}: {source}")]
+    EtcdConnect {
+        /// The endpoints tried.
+        endpoints: Vec<String>,
+        /// The client's error.
+        source: etcd_client::Error,
+    },
+    /// A worker could not be registered.
+    #[error("could not register worker {worker_id} in etcd: {source}")]
+    Register {
+        /// The worker.
+        worker_id: WorkerId,
+        /// What failed.
+        source: LeaseError,
+    },
+    /// An engine task panicked.
+    #[error("engine task failed: {0}")]
+    Task(#[from] tokio::task::JoinError),
+}
+
+/// Running engines, returned once they are ready.
+#[derive(Debug)]
+pub struct EnginesHandle {
+    worker_ids: Vec<WorkerId>,
+    shutdown: CancellationToken,
+    supervisor: JoinHandle<Result<(), ServiceError>>,
+}
+
+impl EnginesHandle {
+    /// The ids of the running workers, in order.
+    pub fn worker_ids(&self) -> &[WorkerId] {
+        &self.worker_ids
+    }
+
+    /// Starts the shutdown of these engines (a child of the token given to
+    /// [`spawn_engines`], which is left untouched).
+    pub fn shutdown(&self) {
+        self.shutdown.cancel();
+    }
+
+    /// Waits until the engines have shut down (leases revoked, outbox flushed).
+    ///
+    /// # Errors
+    /// [`ServiceError::Task`] if an engine task panicked.
+    pub async fn wait(self) -> Result<(), ServiceError> {
+        self.supervisor.await?
+    }
+}
+
+/// Starts `args.fleet.workers` mock workers and returns once every one of them is
+/// subscribed and registered (after logging [`READY_LINE`]). They run until `shutdown`
+/// is cancelled; then [`EnginesHandle::wait`] returns after an orderly stop.
+///
+/// # Errors
+/// [`ServiceError`] for invalid flags, unreachable NATS or etcd, or a failed
+/// registration; anything already started is stopped and revoked first.
+pub async fn spawn_engines(
+    args: EngineArgs,
+    shutdown: CancellationToken,
+) -> Result<EnginesHandle, ServiceError> {
+    args.model.validate()?;
+    args.runtime.validate()?;
+    let worker_ids = args.fleet.worker_ids()?;
+    if args.connection.etcd_endpoints.is_empty() {
+        return Err(ConfigError::NoEtcdEndpoints.into());
+    }
+    let subjects = Subjects::new(args.connection.namespace.clone());
+    let url = args.connection.nats_url.clone();
+    let nats = async_nats::connect(url.as_str())
+        .await
+        .map_err(|source| ServiceError::NatsConnect { url, source })?;
+    let etcd_options = ConnectOptions::new().with_connect_timeout(Duration::from_secs(5));
+    let etcd = etcd_client::Client::connect(&args.connection.etcd_endpoints, Some(etcd_options))
+        .await
+        .map_err(|source| ServiceError::EtcdConnect {
+            endpoints: args.connection.etcd_endpoints.clone(),
+            source,
+        })?;
+
+    // Tasks stop on `inner`, which also fires if start-up fails half way.
+    let inner = shutdown.child_token();
+    let (outbox, publisher) = Outbox::start(nats.clone());
+    let mut tasks = JoinSet::new();
+    let mut all_ranks = Vec::new();
+    for &worker_id in &worker_ids {
+        let mut ranks = Vec::new();
+        for dp in 0..args.fleet.dp_size {
+            let core = EngineCore::new(args.model, TimingModel::default())?;
+            let rank = Arc::new(Rank::new(
+                WorkerRank::new(worker_id, DpRank(dp)),
+                core,
+                outbox.clone(),
+                subjects.kv_events(worker_id),
+                subjects.load_metrics(worker_id),
+            ));
+            let (r, token, runtime) = (rank.clone(), inner.clone(), args.runtime);
+            tasks.spawn(async move { r.run(runtime, token).await });
+            ranks.push(rank);
+        }
+        all_ranks.extend(ranks.iter().cloned());
+        let worker = Worker::new(worker_id, ranks, outbox.clone());
+        let generate = subscribe(&nats, subjects.engine(worker_id, OP_GENERATE)).await;
+        let clear = subscribe(&nats, subjects.engine(worker_id, OP_CLEAR)).await;
+        let (generate, clear) = match (generate, clear) {
+            (Ok(g), Ok(c)) => (g, c),
+            (Err(err), _) | (_, Err(err)) => {
+                inner.cancel();
+                return Err(err);
+            }
+        };
+        let token = inner.clone();
+        tasks.spawn(async move { worker.serve(generate, clear, token).await });
+    }
+    let metrics_period = Duration::from_millis(args.runtime.metrics_interval_ms);
+    tasks.spawn(publish_metrics(all_ranks, metrics_period, inner.clone()));
+    if let Err(err) = nats.flush().await {
+        inner.cancel();
+        return Err(err.into());
+    }
+
+    let mut registrations = Vec::new();
+    for &worker_id in &worker_ids {
+        let record = WorkerRegistration {
+            worker_id,
+            dp_size: args.fleet.dp_size,
+            block_size: args.model.block_size,
+            total_kv_blocks: args.model.num_gpu_blocks,
+        };
+        let key = subjects.etcd_worker_key(worker_id);
+        match Registration::register(etcd.clone(), key, &record, args.runtime.lease_ttl_secs).await
+        {
+            Ok(reg) => registrations.push(reg),
+            Err(source) => {
+                for reg in registrations {
+                    reg.revoke().await;
+                }
+                inner.cancel();
+                return Err(ServiceError::Register { worker_id, source });
+            }
+        }
+    }
+    let mut leases: JoinSet<()> = JoinSet::new();
+    for reg in registrations {
+        leases.spawn(reg.keep_alive_until(inner.clone()));
+    }
+    info!(
+        workers = worker_ids.len(),
+        dp_size = args.fleet.dp_size,
+        namespace = %subjects.namespace(),
+        "{READY_LINE}"
+    );
+
+    let handle_token = inner.clone();
+    let supervisor = tokio::spawn(async move {
+        inner.cancelled().await;
+        let mut result = Ok(());
+        for set in [&mut tasks, &mut leases] {
+            while let Some(joined) = set.join_next().await {
+                if let Err(err) = joined {
+                    warn!(%err, "engine task panicked");
+                    result = Err(err.into());
+                }
+            }
+        }
+        drop(outbox);
+        publisher.await?;
+        info!("kv-mocker engines stopped");
+        result
+    });
+    Ok(EnginesHandle {
+        worker_ids,
+        shutdown: handle_token,
+        supervisor,
+    })
+}
+
+async fn subscribe(
+    nats: &async_nats::Client,
+    subject: String,
+) -> Result<async_nats::Subscriber, ServiceError> {
+    nats.subscribe(subject.clone())
+        .await
+        .map_err(|source| ServiceError::Subscribe { subject, source })
+}
+
+/// Publishes every rank's load metrics each `period` (wall clock) until `shutdown`.
+async fn publish_metrics(ranks: Vec<Arc<Rank>>, period: Duration, shutdown: CancellationToken) {
+    let mut tick = tokio::time::interval(period);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        for rank in &ranks {
+            rank.publish_metrics();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

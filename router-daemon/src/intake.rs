@@ -1,0 +1,98 @@
+//! KV event and load-metric intake.
+//!
+//! One task per subscription. Events are decoded here and handed to the indexer,
+//! whose bounded shard queues apply backpressure: a slow shard slows this loop (and
+//! NATS buffers for us) rather than growing memory without bound. A payload that does
+//! not decode, or whose worker id disagrees with its subject, is counted, logged with
+//! its subject, and skipped; the loop goes on.
+
+use crate::counters::{MessageKind, Outcome};
+use crate::state::RouterState;
+use futures::StreamExt;
+use kv_events::{KvEventBatch, LoadMetrics, Subjects, decode};
+use std::sync::Arc;
+use tokio_util::sync::CancellationToken;
+use tracing::warn;
+
+/// Decodes and checks one KV event payload from `subject`.
+///
+/// Returns `None` (after counting and logging) when it must be skipped.
+pub fn decode_events(state: &RouterState, subject: &str, payload: &[u8]) -> Option<KvEventBatch> {
+    let batch: KvEventBatch = match decode(payload) {
+        Ok(b) => b,
+        Err(e) => {
+            state
+                .counters
+                .message(MessageKind::Events, Outcome::Malformed);
+            warn!(subject, error = %e, "malformed kv event batch skipped");
+            return None;
+        }
+    };
+    if Subjects::worker_id_from_subject(subject) != Some(batch.worker_id) {
+        state
+            .counters
+            .message(MessageKind::Events, Outcome::Rejected);
+        warn!(subject, worker_id = %batch.worker_id, "kv event batch published on another worker's subject skipped");
+        return None;
+    }
+    Some(batch)
+}
+
+/// Consumes KV events until `intake` is cancelled.
+pub async fn serve_events(
+    state: Arc<RouterState>,
+    subscriber: async_nats::Subscriber,
+    intake: CancellationToken,
+) {
+    let mut messages = std::pin::pin!(subscriber.take_until(intake.cancelled_owned()));
+    while let Some(msg) = messages.next().await {
+        let Some(batch) = decode_events(&state, &msg.subject, &msg.payload) else {
+            continue;
+        };
+        if let Err(e) = state.indexer.apply(batch).await {
+            warn!(error = %e, "indexer refused events; stopping event intake");
+            return;
+        }
+        state.counters.message(MessageKind::Events, Outcome::Ok);
+    }
+}
+
+/// Applies one load-metrics payload from `subject`.
+pub fn handle_metrics(state: &RouterState, subject: &str, payload: &[u8]) {
+    match decode::<LoadMetrics>(payload) {
+        Ok(m) if Subjects::worker_id_from_subject(subject) == Some(m.worker_id) => {
+            state.scheduler().update_load_metrics(m);
+            state.counters.message(MessageKind::Metrics, Outcome::Ok);
+        }
+        Ok(m) => {
+            state
+                .counters
+                .message(MessageKind::Metrics, Outcome::Rejected);
+            warn!(subject, worker_id = %m.worker_id, "load metrics published on another worker's subject skipped");
+        }
+        Err(e) => {
+            state
+                .counters
+                .message(MessageKind::Metrics, Outcome::Malformed);
+            warn!(subject, error = %e, "malformed load metrics skipped");
+        }
+    }
+}
+
+/// A synchronous per-message handler: state, subject, payload.
+pub type Handler = fn(&RouterState, &str, &[u8]);
+
+/// Feeds every message of `subscriber` to `handler` until `intake` is cancelled. Used
+/// for load metrics ([`handle_metrics`]) and lifecycle messages
+/// ([`crate::lifecycle::handle_lifecycle`]), whose handling never awaits.
+pub async fn serve_with(
+    state: Arc<RouterState>,
+    subscriber: async_nats::Subscriber,
+    intake: CancellationToken,
+    handler: Handler,
+) {
+    let mut messages = std::pin::pin!(subscriber.take_until(intake.cancelled_owned()));
+    while let Some(msg) = messages.next().await {
+        handler(&state, &msg.subject, &msg.payload);
+    }
+}

@@ -1,0 +1,36 @@
+//! The one error type of the scheduler crate.
+//!
+//! Every fallible scheduler operation returns [`SchedulerError`]. None of the variants
+//! carry a backtrace or a boxed source, so building one costs at most a `String`
+//! (a cloned request id or a config reason); the daemon maps them onto
+//! `kv_events::routing::RouteErrorCode` at the wire edge.
+
+use kv_events::RequestId;
+use kv_events::discovery::RegistrationError;
+
+/// Why a scheduler operation failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SchedulerError {
+    /// `schedule` was called while no (worker, dp_rank) is registered.
+    #[error("no workers registered")]
+    NoWorkers,
+    /// A request with this id is already booked; ids must be unique among active
+    /// requests (a frontend retry must use a new id or free the old one first).
+    #[error("request {0} is already active")]
+    DuplicateRequest(RequestId),
+    /// A lifecycle operation named a request that is not active (never routed here,
+    /// already freed, or dropped when its worker left).
+    #[error("request {0} is not active")]
+    UnknownRequest(RequestId),
+    /// A configuration value is out of range.
+    #[error("invalid config field `{field}`: {reason}")]
+    InvalidConfig {
+        /// Dotted path of the offending field, e.g. `policy.kv.temperature`.
+        field: &'static str,
+        /// What is wrong with it, lowercase.
+        reason: String,
+    },
+    /// A worker registration record broke an invariant (e.g. `dp_size` 0).
+    #[error("invalid worker registration: {0}")]
+    InvalidRegistration(#[from] RegistrationError),
+}

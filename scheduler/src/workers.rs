@@ -1,0 +1,191 @@
+//! Registry of workers and their data-parallel ranks: the candidate set of every
+//! scheduling decision.
+//!
+//! Workers arrive from etcd discovery as [`WorkerRegistration`]s; each contributes the
+//! ranks `0..dp_size`. Ranks are kept in one sorted `Vec` (ordered by worker id, then
+//! dp_rank) so round-robin order and candidate order are deterministic and scheduling
+//! can borrow a slice without allocating. Registration changes are rare, so rebuilding
+//! that `Vec` on add/remove (O(total ranks)) is the cheap side of the trade.
+
+use crate::error::SchedulerError;
+use kv_events::discovery::WorkerRegistration;
+use kv_events::{DpRank, WorkerId, WorkerRank};
+use std::collections::BTreeMap;
+
+/// Registered workers, keyed and iterated by [`WorkerId`].
+#[derive(Debug, Clone, Default)]
+pub struct WorkerRegistry {
+    workers: BTreeMap<WorkerId, WorkerRegistration>,
+    /// Every rank of every worker, sorted by (worker id, dp_rank).
+    ranks: Vec<WorkerRank>,
+}
+
+impl WorkerRegistry {
+    /// An empty registry.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Registers a worker, replacing any earlier registration with the same id
+    /// (a restarted worker may come back with a different `dp_size`).
+    ///
+    /// Returns the ranks the worker had before and no longer has (non-empty only when
+    /// a re-registration shrinks `dp_size`); the caller must drop state kept for them.
+    ///
+    /// # Errors
+    /// [`SchedulerError::InvalidRegistration`] when `dp_size` or `block_size` is 0;
+    /// the registry is left unchanged.
+    pub fn add(&mut self, reg: WorkerRegistration) -> Result<Vec<WorkerRank>, SchedulerError> {
+        reg.validate()?;
+        let vanished = match self.workers.insert(reg.worker_id, reg) {
+            Some(old) if old.dp_size > reg.dp_size => (reg.dp_size..old.dp_size)
+                .map(|r| WorkerRank::new(reg.worker_id, DpRank(r)))
+                .collect(),
+            _ => Vec::new(),
+        };
+        self.rebuild_ranks();
+        Ok(vanished)
+    }
+
+    /// Unregisters a worker; returns its registration if it was known.
+    pub fn remove(&mut self, id: WorkerId) -> Option<WorkerRegistration> {
+        let removed = self.workers.remove(&id);
+        if removed.is_some() {
+            self.rebuild_ranks();
+        }
+        removed
+    }
+
+    /// The registration of one worker.
+    pub fn get(&self, id: WorkerId) -> Option<&WorkerRegistration> {
+        self.workers.get(&id)
+    }
+
+    /// All registrations, in worker id order.
+    pub fn list(&self) -> impl ExactSizeIterator<Item = &WorkerRegistration> {
+        self.workers.values()
+    }
+
+    /// All registered ranks, sorted by (worker id, dp_rank).
+    pub fn ranks(&self) -> &[WorkerRank] {
+        &self.ranks
+    }
+
+    /// Whether this (worker, dp_rank) is currently registered.
+    pub fn contains_rank(&self, rank: WorkerRank) -> bool {
+        self.workers
+            .get(&rank.worker_id)
+            .is_some_and(|reg| rank.dp_rank.0 < reg.dp_size)
+    }
+
+    /// Number of registered workers.
+    pub fn len(&self) -> usize {
+        self.workers.len()
+    }
+
+    /// Whether no worker is registered.
+    pub fn is_empty(&self) -> bool {
+        self.workers.is_empty()
+    }
+
+    fn rebuild_ranks(&mut self) {
+        self.ranks.clear();
+        for reg in self.workers.values() {
+            self.ranks
+                .extend((0..reg.dp_size).map(|r| WorkerRank::new(reg.worker_id, DpRank(r))));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reg(id: u64, dp_size: u32) -> WorkerRegistration {
+        WorkerRegistration {
+            worker_id: WorkerId(id),
+            dp_size,
+            block_size: 16,
+            total_kv_blocks: 1000,
+        }
+    }
+
+    fn rank(id: u64, dp: u32) -> WorkerRank {
+        WorkerRank::new(WorkerId(id), DpRank(dp))
+    }
+
+    #[test]
+    fn ranks_are_sorted_by_worker_then_dp_rank() {
+        let mut registry = WorkerRegistry::new();
+        registry.add(reg(9, 1)).unwrap();
+        registry.add(reg(2, 3)).unwrap();
+        registry.add(reg(5, 2)).unwrap();
+        assert_eq!(
+            registry.ranks(),
+            &[
+                rank(2, 0),
+                rank(2, 1),
+                rank(2, 2),
+                rank(5, 0),
+                rank(5, 1),
+                rank(9, 0)
+            ]
+        );
+        let ids: Vec<_> = registry.list().map(|r| r.worker_id.0).collect();
+        assert_eq!(ids, vec![2, 5, 9]);
+        assert_eq!(registry.len(), 3);
+    }
+
+    #[test]
+    fn re_registration_replaces_and_reports_vanished_ranks() {
+        let mut registry = WorkerRegistry::new();
+        assert!(registry.add(reg(1, 4)).unwrap().is_empty());
+        let vanished = registry.add(reg(1, 2)).unwrap();
+        assert_eq!(vanished, vec![rank(1, 2), rank(1, 3)]);
+        assert_eq!(registry.ranks(), &[rank(1, 0), rank(1, 1)]);
+        assert_eq!(registry.get(WorkerId(1)).unwrap().dp_size, 2);
+        // Growing reports nothing vanished.
+        assert!(registry.add(reg(1, 3)).unwrap().is_empty());
+        assert_eq!(registry.ranks().len(), 3);
+        assert_eq!(registry.len(), 1);
+    }
+
+    #[test]
+    fn remove_drops_the_worker_and_its_ranks() {
+        let mut registry = WorkerRegistry::new();
+        registry.add(reg(1, 2)).unwrap();
+        registry.add(reg(2, 1)).unwrap();
+        assert_eq!(registry.remove(WorkerId(1)).unwrap().dp_size, 2);
+        assert_eq!(registry.ranks(), &[rank(2, 0)]);
+        assert!(!registry.contains_rank(rank(1, 0)));
+        assert!(registry.remove(WorkerId(1)).is_none());
+        registry.remove(WorkerId(2));
+        assert!(registry.is_empty());
+        assert!(registry.ranks().is_empty());
+    }
+
+    #[test]
+    fn contains_rank_respects_dp_size() {
+        let mut registry = WorkerRegistry::new();
+        registry.add(reg(3, 2)).unwrap();
+        assert!(registry.contains_rank(rank(3, 0)));
+        assert!(registry.contains_rank(rank(3, 1)));
+        assert!(!registry.contains_rank(rank(3, 2)));
+        assert!(!registry.contains_rank(rank(4, 0)));
+    }
+
+    #[test]
+    fn invalid_registration_is_rejected_without_change() {
+        let mut registry = WorkerRegistry::new();
+        registry.add(reg(1, 1)).unwrap();
+        let err = registry.add(reg(1, 0)).unwrap_err();
+        assert!(matches!(err, SchedulerError::InvalidRegistration(_)));
+        assert_eq!(registry.ranks(), &[rank(1, 0)]);
+        let zero_block = WorkerRegistration {
+            block_size: 0,
+            ..reg(2, 1)
+        };
+        assert!(registry.add(zero_block).is_err());
+        assert_eq!(registry.len(), 1);
+    }
+}

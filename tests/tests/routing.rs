@@ -1,0 +1,292 @@
+//! End to end: real nats-server and etcd, the daemon in-process, workers and a
+//! frontend played by the test over the real wire protocol.
+
+use anyhow::Context;
+use integration_tests::{FakeWorker, TestCluster, eventually};
+use kv_events::routing::{LifecycleEvent, LifecycleMessage, RouteErrorCode, RouteReply};
+use kv_events::{WorkerId, WorkerRank, encode};
+use std::time::Duration;
+
+const BLOCK: u32 = 4;
+const WAIT: Duration = Duration::from_secs(10);
+
+fn prompt(seed: u32, blocks: u32) -> Vec<u32> {
+    (0..blocks * BLOCK).map(|i| seed * 10_000 + i).collect()
+}
+
+fn routed_worker(reply: &RouteReply) -> WorkerId {
+    match reply {
+        RouteReply::Routed(d) => d.worker_id,
+        RouteReply::Error(e) => panic!("route failed: {e:?}"),
+    }
+}
+
+async fn wait_for_overlap(
+    daemon: &router_daemon::Daemon,
+    tokens: &[u32],
+    worker: WorkerId,
+    blocks: u32,
+) -> anyhow::Result<()> {
+    let hashes = FakeWorker::hashes(tokens, BLOCK);
+    let rank = WorkerRank::new(worker, kv_events::DpRank(0));
+    eventually("kv events to be indexed", WAIT, || {
+        let hashes = hashes.clone();
+        async move {
+            let scores = daemon.state().indexer.find_matches(hashes).await.ok()?;
+            (scores.get(rank) >= blocks).then_some(())
+        }
+    })
+    .await
+}
+
+#[tokio::test]
+async fn routes_to_the_worker_holding_the_prefix_and_drops_revoked_workers() -> anyhow::Result<()> {
+    let mut cluster = TestCluster::start(BLOCK).await?;
+    let mut w1 = FakeWorker::register(&mut cluster, 1, 30).await?;
+    let mut w2 = FakeWorker::register(&mut cluster, 2, 30).await?;
+    let daemon = cluster.start_daemon(|_| {}).await?;
+    assert_eq!(
+        daemon.state().scheduler().workers().count(),
+        2,
+        "start-up loads existing registrations"
+    );
+
+    let a = prompt(1, 6);
+    let b = prompt(2, 6);
+    w1.store_prompt(&cluster, &a).await?;
+    w2.store_prompt(&cluster, &b).await?;
+    wait_for_overlap(&daemon, &a, w1.id, 6).await?;
+    wait_for_overlap(&daemon, &b, w2.id, 6).await?;
+
+    // B first (round robin would pick worker 1 here), then a prompt extending A by a
+    // partial block, which must go to worker 1 with 6 overlap blocks.
+    assert_eq!(
+        routed_worker(&cluster.route_tokens("b-1", b.clone()).await?),
+        w2.id
+    );
+    let mut a_longer = a.clone();
+    a_longer.extend([9, 9]);
+    let reply = cluster.route_tokens("a-1", a_longer).await?;
+    assert_eq!(routed_worker(&reply), w1.id);
+    let RouteReply::Routed(decision) = &reply else {
+        unreachable!()
+    };
+    assert_eq!(decision.overlap_blocks, 6);
+    assert_eq!(decision.request_blocks, 7);
+
+    // Revoking worker 1's lease deletes its key; the daemon drops it everywhere.
+    cluster.etcd.lease_revoke(w1.lease).await?;
+    eventually("worker 1 to be removed", WAIT, || async {
+        (daemon.state().scheduler().workers().count() == 1).then_some(())
+    })
+    .await?;
+    let scores = daemon
+        .state()
+        .indexer
+        .find_matches(FakeWorker::hashes(&a, BLOCK))
+        .await?;
+    assert_eq!(
+        scores.get(WorkerRank::new(w1.id, kv_events::DpRank(0))),
+        0,
+        "blocks dropped"
+    );
+    for i in 0..5 {
+        let reply = cluster
+            .route_tokens(&format!("a-after-{i}"), a.clone())
+            .await?;
+        assert_eq!(
+            routed_worker(&reply),
+            w2.id,
+            "a revoked worker is never chosen"
+        );
+    }
+
+    // A worker registered after start-up is picked up by the watch.
+    let _w3 = FakeWorker::register(&mut cluster, 3, 30).await?;
+    eventually("worker 3 to be discovered", WAIT, || async {
+        daemon
+            .state()
+            .scheduler()
+            .workers()
+            .any(|w| w.worker_id == WorkerId(3))
+            .then_some(())
+    })
+    .await?;
+    daemon.shutdown().await
+}
+
+#[tokio::test]
+async fn lifecycle_messages_release_load() -> anyhow::Result<()> {
+    let mut cluster = TestCluster::start(BLOCK).await?;
+    let _w1 = FakeWorker::register(&mut cluster, 1, 30).await?;
+    let daemon = cluster.start_daemon(|_| {}).await?;
+    let rank = WorkerRank::new(WorkerId(1), kv_events::DpRank(0));
+
+    let reply = cluster.route_tokens("r1", prompt(5, 3)).await?;
+    assert_eq!(routed_worker(&reply), WorkerId(1));
+    let load = daemon.state().scheduler().rank_load(rank);
+    assert_eq!(load.active_prefill_tokens, u64::from(3 * BLOCK));
+    assert_eq!(load.active_decode_blocks, 3);
+
+    let send = |event| {
+        let msg = LifecycleMessage {
+            request_id: "r1".into(),
+            event,
+        };
+        let bytes = encode(&msg).expect("lifecycle encodes");
+        let subject = cluster.subjects.lifecycle();
+        let nats = cluster.nats.clone();
+        async move { nats.publish(subject, bytes.into()).await }
+    };
+    send(LifecycleEvent::PrefillDone).await?;
+    eventually("prefill to be marked done", WAIT, || async {
+        (daemon
+            .state()
+            .scheduler()
+            .rank_load(rank)
+            .active_prefill_tokens
+            == 0)
+            .then_some(())
+    })
+    .await?;
+    assert_eq!(
+        daemon
+            .state()
+            .scheduler()
+            .rank_load(rank)
+            .active_decode_blocks,
+        3
+    );
+    send(LifecycleEvent::Freed).await?;
+    eventually("request to be freed", WAIT, || async {
+        (daemon
+            .state()
+            .scheduler()
+            .rank_load(rank)
+            .active_decode_blocks
+            == 0)
+            .then_some(())
+    })
+    .await?;
+    daemon.shutdown().await
+}
+
+#[tokio::test]
+async fn malformed_input_is_counted_skipped_and_loses_nothing() -> anyhow::Result<()> {
+    use router_daemon::counters::{MessageKind, Outcome};
+    let mut cluster = TestCluster::start(BLOCK).await?;
+    let mut w1 = FakeWorker::register(&mut cluster, 1, 30).await?;
+    let daemon = cluster.start_daemon(|_| {}).await?;
+    let subjects = cluster.subjects.clone();
+    let nats = cluster.nats.clone();
+
+    // Garbage on every subject the daemon consumes, including a valid batch published
+    // on another worker's subject and a truncated valid batch.
+    let garbage: &[u8] = &[0xc1, 0xff, 0x00, 0x13];
+    nats.publish(subjects.kv_events(WorkerId(1)), garbage.to_vec().into())
+        .await?;
+    let valid = kv_events::KvEventBatch {
+        worker_id: WorkerId(2),
+        events: vec![],
+    };
+    nats.publish(subjects.kv_events(WorkerId(1)), encode(&valid)?.into())
+        .await?;
+    let truncated = encode(&kv_events::KvEventBatch {
+        worker_id: WorkerId(1),
+        events: vec![kv_events::KvCacheEvent {
+            event_id: 99,
+            dp_rank: kv_events::DpRank(0),
+            data: kv_events::KvCacheEventData::Cleared,
+        }],
+    })?;
+    nats.publish(
+        subjects.kv_events(WorkerId(1)),
+        truncated[..truncated.len() - 3].to_vec().into(),
+    )
+    .await?;
+    nats.publish(subjects.load_metrics(WorkerId(1)), garbage.to_vec().into())
+        .await?;
+    nats.publish(subjects.lifecycle(), garbage.to_vec().into())
+        .await?;
+    let bad_route = nats
+        .request(subjects.route(), garbage.to_vec().into())
+        .await?;
+    match kv_events::decode::<RouteReply>(&bad_route.payload)? {
+        RouteReply::Error(e) => assert_eq!(e.code, RouteErrorCode::BadRequest),
+        other => panic!("garbage was routed: {other:?}"),
+    }
+    let empty = cluster
+        .route_tokens("empty", vec![])
+        .await
+        .context("empty prompt")?;
+    assert!(matches!(empty, RouteReply::Error(e) if e.code == RouteErrorCode::BadRequest));
+
+    // A registration with the wrong block size is rejected, not half-applied.
+    let bad_reg = kv_events::discovery::WorkerRegistration {
+        worker_id: WorkerId(8),
+        dp_size: 1,
+        block_size: BLOCK + 1,
+        total_kv_blocks: 10,
+    };
+    cluster
+        .etcd
+        .put(
+            subjects.etcd_worker_key(WorkerId(8)),
+            serde_json::to_vec(&bad_reg)?,
+            None,
+        )
+        .await?;
+    cluster
+        .etcd
+        .put(
+            subjects.etcd_worker_key(WorkerId(9)),
+            b"{not json".to_vec(),
+            None,
+        )
+        .await?;
+
+    // Valid traffic after all of that still works.
+    let a = prompt(3, 4);
+    w1.store_prompt(&cluster, &a).await?;
+    wait_for_overlap(&daemon, &a, w1.id, 4).await?;
+    let ok = cluster
+        .route_tokens("ok", a)
+        .await
+        .context("valid request after garbage")?;
+    assert_eq!(routed_worker(&ok), w1.id);
+
+    let counters = &daemon.state().counters;
+    eventually("malformed messages to be counted", WAIT, || async {
+        let c = counters;
+        (c.messages(MessageKind::Events, Outcome::Malformed) == 2
+            && c.messages(MessageKind::Events, Outcome::Rejected) == 1
+            && c.messages(MessageKind::Metrics, Outcome::Malformed) == 1
+            && c.messages(MessageKind::Lifecycle, Outcome::Malformed) == 1
+            && c.messages(MessageKind::Route, Outcome::Malformed) == 1
+            && c.messages(MessageKind::Registration, Outcome::Malformed) == 1
+            && c.messages(MessageKind::Registration, Outcome::Rejected) == 1)
+            .then_some(())
+    })
+    .await?;
+    assert_eq!(
+        daemon.state().scheduler().workers().count(),
+        1,
+        "bad registrations were not added"
+    );
+    daemon.shutdown().await
+}
+
+#[tokio::test]
+async fn shutdown_stops_answering_and_returns() -> anyhow::Result<()> {
+    let mut cluster = TestCluster::start(BLOCK).await?;
+    let _w1 = FakeWorker::register(&mut cluster, 1, 30).await?;
+    let daemon = cluster.start_daemon(|_| {}).await?;
+    assert_eq!(
+        routed_worker(&cluster.route_tokens("before", prompt(1, 2)).await?),
+        WorkerId(1)
+    );
+    daemon.shutdown().await?;
+    let after = cluster.route_tokens("after", prompt(1, 2)).await;
+    assert!(after.is_err(), "no replica is left to answer: {after:?}");
+    Ok(())
+}
