@@ -1,14 +1,66 @@
-//! [`IndexerConfig`]: how many shards the indexer runs and how deep their queues are.
+//! [`IndexerConfig`]: which concurrency design the indexer uses, how many shards it
+//! runs, how deep their queues are, how much it may buffer while recovering a gap,
+//! and whether its memory is bounded.
 //!
 //! More shards spread event application over more cores (a worker's events always go
-//! to the same shard) but make every query fan out to more tasks; queue capacities
-//! bound memory and give backpressure to the KV event intake.
+//! to the same shard) but make every query visit more trees; queue capacities bound
+//! memory and give backpressure to the KV event intake. The measurements behind the
+//! default backend are in `docs/benchmarks.md`.
 
 use crate::error::IndexerError;
 
-/// Shard count and queue capacities of a [`crate::ShardedIndexer`].
+/// How the shards are driven.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Backend {
+    /// Each shard is a task owning its tree; events and queries reach it over
+    /// channels and a query fans out to every shard task ([`crate::ShardedIndexer`]).
+    Sharded,
+    /// Each shard is a tree behind a read-write lock; events take the write lock in
+    /// the caller, queries read every shard inline in the caller
+    /// ([`crate::InlineIndexer`]). The default: lower query latency, measured in
+    /// `docs/benchmarks.md`.
+    #[default]
+    Inline,
+}
+
+/// The memory bound of each tree.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Pruning {
+    /// No bound: every block engines report stays indexed until they remove it.
+    #[default]
+    Unbounded,
+    /// Past `max_entries` (rank, block) entries, forget the least recently matched
+    /// leaves until `target_percent` of `max_entries` remain (see `tree/prune.rs`).
+    LeastRecentlyMatched {
+        /// Most (rank, block) entries kept, over the whole indexer (each of N shards
+        /// gets `max_entries / N`). At least 1.
+        max_entries: usize,
+        /// Entries left after a pruning pass, in percent of `max_entries`; lower
+        /// values prune less often but longer. 1 to 99; 90 is a good default.
+        target_percent: u8,
+    },
+}
+
+/// Where the index's knowledge of cached blocks comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum IndexMode {
+    /// Engines publish KV events; the index follows them exactly.
+    #[default]
+    KvEvents,
+    /// Engines publish nothing: the owner reports each routing decision
+    /// ([`crate::Indexer::record_routing`]) and the prompt's blocks are assumed cached
+    /// on the chosen rank for `ttl` (see `approx.rs`).
+    Approximate {
+        /// How long a routed prompt is assumed to stay cached.
+        ttl: std::time::Duration,
+    },
+}
+
+/// Shard count, queue capacities, recovery buffer and memory bound of an indexer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IndexerConfig {
+    /// How shards are driven. Default [`Backend::Inline`].
+    pub backend: Backend,
     /// Number of shard tasks, each owning one radix tree. At least 1.
     /// Default: the number of available cores (`std::thread::available_parallelism`),
     /// or 1 when that is unknown.
@@ -17,16 +69,28 @@ pub struct IndexerConfig {
     /// remove-worker command). Senders wait when it is full. At least 1; default 4096.
     pub event_queue_capacity: usize,
     /// Capacity of each shard's query queue, in pending prefix-match queries. At
-    /// least 1; default 1024.
+    /// least 1; default 1024. (Sharded backend only.)
     pub query_queue_capacity: usize,
+    /// Events buffered per worker rank while a gap in its `event_id`s is being
+    /// recovered. Past it the buffer is dropped and a full dump is requested instead.
+    /// At least 1; default 8192.
+    pub recovery_buffer_events: usize,
+    /// The memory bound. Default [`Pruning::Unbounded`].
+    pub pruning: Pruning,
+    /// KV events or approximate. Default [`IndexMode::KvEvents`].
+    pub mode: IndexMode,
 }
 
 impl Default for IndexerConfig {
     fn default() -> Self {
         Self {
+            backend: Backend::default(),
             num_shards: std::thread::available_parallelism().map_or(1, |n| n.get()),
             event_queue_capacity: 4096,
             query_queue_capacity: 1024,
+            recovery_buffer_events: 8192,
+            pruning: Pruning::Unbounded,
+            mode: IndexMode::KvEvents,
         }
     }
 }
@@ -49,7 +113,49 @@ impl IndexerConfig {
         };
         at_least_one("num_shards", self.num_shards)?;
         at_least_one("event_queue_capacity", self.event_queue_capacity)?;
-        at_least_one("query_queue_capacity", self.query_queue_capacity)
+        at_least_one("query_queue_capacity", self.query_queue_capacity)?;
+        at_least_one("recovery_buffer_events", self.recovery_buffer_events)?;
+        if let Pruning::LeastRecentlyMatched {
+            max_entries,
+            target_percent,
+        } = self.pruning
+        {
+            if max_entries < self.num_shards {
+                return Err(IndexerError::InvalidConfig {
+                    field: "pruning.max_entries",
+                    reason: "must be at least one entry per shard",
+                });
+            }
+            if !(1..=99).contains(&target_percent) {
+                return Err(IndexerError::InvalidConfig {
+                    field: "pruning.target_percent",
+                    reason: "must be between 1 and 99",
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The settings of each shard's [`crate::OrderedIndex`].
+    pub fn shard_settings(&self) -> crate::ShardSettings {
+        crate::ShardSettings {
+            pruning: self.shard_pruning(),
+            recovery_buffer_events: self.recovery_buffer_events,
+        }
+    }
+
+    /// The memory bound of one of the `num_shards` trees: `max_entries` split evenly.
+    pub fn shard_pruning(&self) -> Pruning {
+        match self.pruning {
+            Pruning::Unbounded => Pruning::Unbounded,
+            Pruning::LeastRecentlyMatched {
+                max_entries,
+                target_percent,
+            } => Pruning::LeastRecentlyMatched {
+                max_entries: (max_entries / self.num_shards.max(1)).max(1),
+                target_percent,
+            },
+        }
     }
 }
 
@@ -75,13 +181,35 @@ mod tests {
         );
         let bad = IndexerConfig {
             num_shards: 0,
-            ..config
+            ..config.clone()
         };
         assert!(
             bad.validate()
                 .unwrap_err()
                 .to_string()
                 .contains("num_shards")
+        );
+        let bounded = |max_entries, target_percent| IndexerConfig {
+            num_shards: 4,
+            pruning: Pruning::LeastRecentlyMatched {
+                max_entries,
+                target_percent,
+            },
+            ..config.clone()
+        };
+        assert!(
+            bounded(3, 90).validate().is_err(),
+            "fewer entries than shards"
+        );
+        assert!(bounded(100, 100).validate().is_err());
+        assert!(bounded(100, 0).validate().is_err());
+        assert_eq!(bounded(100, 90).validate(), Ok(()));
+        assert_eq!(
+            bounded(100, 90).shard_pruning(),
+            Pruning::LeastRecentlyMatched {
+                max_entries: 25,
+                target_percent: 90
+            }
         );
     }
 }

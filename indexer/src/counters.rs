@@ -1,8 +1,9 @@
-//! [`IndexerCounters`]: what the shards applied, skipped and rejected, as atomics.
+//! [`IndexerCounters`]: what the shards applied, skipped, rejected, recovered and
+//! pruned, as atomics.
 //!
-//! All shards of one [`crate::ShardedIndexer`] share one `Arc<IndexerCounters>` and
-//! bump it with relaxed atomic adds (a few nanoseconds per event, no locks), so the
-//! daemon can export them to Prometheus at any time without asking the shards.
+//! All shards of one indexer share one `Arc<IndexerCounters>` and bump it with
+//! relaxed atomic adds (a few nanoseconds per event, no locks), so the daemon can
+//! export them to Prometheus at any time without asking the shards.
 //! [`IndexerCounters::snapshot`] copies them into a plain struct; the values of one
 //! snapshot are each exact but not read at the same instant.
 
@@ -11,50 +12,98 @@ use crate::tree::ApplyOutcome;
 use kv_events::KvCacheEventData;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// Monotonic counters shared by every shard. All counts are since start.
-#[derive(Debug, Default)]
-pub struct IndexerCounters {
-    batches: AtomicU64,
-    stored_events: AtomicU64,
-    removed_events: AtomicU64,
-    cleared_events: AtomicU64,
-    rejected_events: AtomicU64,
-    blocks_stored: AtomicU64,
-    duplicate_stores: AtomicU64,
-    blocks_removed: AtomicU64,
-    unknown_removes: AtomicU64,
-    unknown_parent_rejections: AtomicU64,
-    workers_removed: AtomicU64,
-    queries: AtomicU64,
+macro_rules! counters {
+    ($($(#[$doc:meta])* $name:ident,)*) => {
+        /// Monotonic counters shared by every shard. All counts are since start.
+        #[derive(Debug, Default)]
+        pub struct IndexerCounters {
+            $($name: AtomicU64,)*
+        }
+
+        /// A copy of [`IndexerCounters`] at one moment; every field counts since start
+        /// unless it says it is a gauge.
+        #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+        pub struct CountersSnapshot {
+            $($(#[$doc])* pub $name: u64,)*
+        }
+
+        impl IndexerCounters {
+            /// Copies every counter.
+            pub fn snapshot(&self) -> CountersSnapshot {
+                CountersSnapshot {
+                    $($name: self.$name.load(Ordering::Relaxed),)*
+                }
+            }
+        }
+    };
 }
 
-/// A copy of [`IndexerCounters`] at one moment; every field counts since start.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct CountersSnapshot {
+counters! {
     /// Event batches taken off the shard queues.
-    pub batches: u64,
+    batches,
     /// `Stored` events applied.
-    pub stored_events: u64,
+    stored_events,
     /// `Removed` events applied.
-    pub removed_events: u64,
+    removed_events,
     /// `Cleared` events applied.
-    pub cleared_events: u64,
+    cleared_events,
     /// Events refused by the tree (all reasons); see the per-reason fields.
-    pub rejected_events: u64,
+    rejected_events,
     /// Blocks newly indexed for a worker rank by `Stored` events.
-    pub blocks_stored: u64,
+    blocks_stored,
     /// Blocks in `Stored` events that the rank already held (no-ops).
-    pub duplicate_stores: u64,
+    duplicate_stores,
     /// Blocks dropped by `Removed` or `Cleared` events and worker removals.
-    pub blocks_removed: u64,
+    blocks_removed,
     /// Blocks named by `Removed` events that the rank did not hold (no-ops).
-    pub unknown_removes: u64,
+    unknown_removes,
     /// `Stored` events refused because the rank does not hold their parent block.
-    pub unknown_parent_rejections: u64,
+    unknown_parent_rejections,
+    /// `Stored` events refused because the index pruned their parent block.
+    forgotten_parent_rejections,
     /// Remove-worker commands applied.
-    pub workers_removed: u64,
+    workers_removed,
     /// Prefix-match queries answered (one per shard per query).
-    pub queries: u64,
+    queries,
+    /// Events dropped because their `event_id` was already applied (duplicates).
+    duplicate_events,
+    /// Events dropped because they carry an older publisher epoch than the rank's.
+    stale_epoch_events,
+    /// Ranks reset because their publisher restarted (a newer epoch, or a `Cleared`
+    /// at event 0 from a publisher without epochs).
+    publisher_restarts,
+    /// Gaps in a rank's `event_id`s that started a recovery.
+    gaps,
+    /// Recovery requests issued (gaps, unknown parents, overflows, resyncs, retries).
+    recovery_requests,
+    /// Recovery replies applied as a range of events.
+    recovered_ranges,
+    /// Recovery replies applied as a full dump of the rank.
+    recovered_dumps,
+    /// Events applied from recovery ranges.
+    recovered_events,
+    /// Blocks applied from recovery dumps.
+    recovered_blocks,
+    /// Recovery replies ignored (superseded, for an unknown rank, or older than the
+    /// index's state).
+    recovery_replies_ignored,
+    /// Recoveries given up (publisher unreachable); buffered events were applied
+    /// past the gap.
+    recoveries_abandoned,
+    /// Events known lost: skipped over when a recovery was given up.
+    events_lost,
+    /// Events put in a recovery buffer.
+    buffered_events,
+    /// Recovery buffers that overflowed and were replaced by a dump request.
+    buffer_overflows,
+    /// (rank, block) entries pruned to stay under the memory bound.
+    pruned_entries,
+    /// Blocks named by events after this index had pruned them.
+    forgotten_blocks,
+    /// Blocks inserted by the router's own routing decisions (approximate mode).
+    approximate_blocks,
+    /// Approximate blocks dropped when their TTL expired.
+    expired_blocks,
 }
 
 fn bump(counter: &AtomicU64, by: u64) {
@@ -67,25 +116,6 @@ impl IndexerCounters {
     /// Fresh counters, all zero.
     pub fn new() -> Self {
         Self::default()
-    }
-
-    /// Copies every counter.
-    pub fn snapshot(&self) -> CountersSnapshot {
-        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        CountersSnapshot {
-            batches: get(&self.batches),
-            stored_events: get(&self.stored_events),
-            removed_events: get(&self.removed_events),
-            cleared_events: get(&self.cleared_events),
-            rejected_events: get(&self.rejected_events),
-            blocks_stored: get(&self.blocks_stored),
-            duplicate_stores: get(&self.duplicate_stores),
-            blocks_removed: get(&self.blocks_removed),
-            unknown_removes: get(&self.unknown_removes),
-            unknown_parent_rejections: get(&self.unknown_parent_rejections),
-            workers_removed: get(&self.workers_removed),
-            queries: get(&self.queries),
-        }
     }
 
     /// Counts one batch taken off a queue.
@@ -110,6 +140,8 @@ impl IndexerCounters {
         bump(&self.duplicate_stores, outcome.already_present);
         bump(&self.blocks_removed, outcome.removed);
         bump(&self.unknown_removes, outcome.unknown_removed);
+        bump(&self.forgotten_blocks, outcome.forgotten);
+        bump(&self.pruned_entries, outcome.pruned);
     }
 
     /// Counts one event the tree refused, under its reason.
@@ -117,6 +149,7 @@ impl IndexerCounters {
         bump(&self.rejected_events, 1);
         match error {
             ApplyError::UnknownParent { .. } => bump(&self.unknown_parent_rejections, 1),
+            ApplyError::ForgottenParent { .. } => bump(&self.forgotten_parent_rejections, 1),
         }
     }
 
@@ -130,4 +163,48 @@ impl IndexerCounters {
     pub(crate) fn record_query(&self) {
         bump(&self.queries, 1);
     }
+
+    /// Adds `by` to one of the ordering and recovery counters.
+    pub(crate) fn add(&self, counter: Counter, by: u64) {
+        let target = match counter {
+            Counter::DuplicateEvents => &self.duplicate_events,
+            Counter::StaleEpochEvents => &self.stale_epoch_events,
+            Counter::PublisherRestarts => &self.publisher_restarts,
+            Counter::Gaps => &self.gaps,
+            Counter::RecoveryRequests => &self.recovery_requests,
+            Counter::RecoveredRanges => &self.recovered_ranges,
+            Counter::RecoveredDumps => &self.recovered_dumps,
+            Counter::RecoveredEvents => &self.recovered_events,
+            Counter::RecoveredBlocks => &self.recovered_blocks,
+            Counter::RecoveryRepliesIgnored => &self.recovery_replies_ignored,
+            Counter::RecoveriesAbandoned => &self.recoveries_abandoned,
+            Counter::EventsLost => &self.events_lost,
+            Counter::BufferedEvents => &self.buffered_events,
+            Counter::BufferOverflows => &self.buffer_overflows,
+            Counter::ApproximateBlocks => &self.approximate_blocks,
+            Counter::ExpiredBlocks => &self.expired_blocks,
+        };
+        bump(target, by);
+    }
+}
+
+/// The ordering, recovery and approximate-mode counters, for [`IndexerCounters::add`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Counter {
+    DuplicateEvents,
+    StaleEpochEvents,
+    PublisherRestarts,
+    Gaps,
+    RecoveryRequests,
+    RecoveredRanges,
+    RecoveredDumps,
+    RecoveredEvents,
+    RecoveredBlocks,
+    RecoveryRepliesIgnored,
+    RecoveriesAbandoned,
+    EventsLost,
+    BufferedEvents,
+    BufferOverflows,
+    ApproximateBlocks,
+    ExpiredBlocks,
 }

@@ -21,6 +21,16 @@ pub enum ApplyError {
         /// The engine hash named as parent.
         parent_hash: ExternalBlockHash,
     },
+    /// A `Stored` event names a parent block that this index pruned to stay under its
+    /// memory bound. The chain's blocks are remembered as forgotten too; prefix matches
+    /// are unchanged. Not a sign of lost events, so it does not start recovery.
+    #[error("parent block {parent_hash} of worker rank {rank} was pruned by the index")]
+    ForgottenParent {
+        /// The worker rank whose event was refused.
+        rank: WorkerRank,
+        /// The engine hash named as parent.
+        parent_hash: ExternalBlockHash,
+    },
 }
 
 impl ApplyError {
@@ -28,6 +38,7 @@ impl ApplyError {
     pub fn reason(&self) -> &'static str {
         match self {
             ApplyError::UnknownParent { .. } => "unknown_parent",
+            ApplyError::ForgottenParent { .. } => "forgotten_parent",
         }
     }
 }

@@ -28,19 +28,28 @@
 //! - [`stats`]: [`IndexerStats`], sizes of a tree or of all shards summed.
 //! - [`error`]: [`ApplyError`] (an event the tree refuses) and [`IndexerError`].
 
+pub mod approx;
 pub mod config;
 pub mod counters;
 pub mod error;
+mod facade;
+pub mod inline;
+pub mod ordered;
+pub mod recovery;
 pub mod scores;
 mod shard;
 pub mod sharded;
 pub mod stats;
 pub mod tree;
 
-pub use config::IndexerConfig;
+pub use config::{Backend, IndexMode, IndexerConfig, Pruning};
 pub use counters::{CountersSnapshot, IndexerCounters};
 pub use error::{ApplyError, IndexerError};
+pub use facade::{Indexer, Running};
+pub use inline::InlineIndexer;
+pub use ordered::{OrderedIndex, ShardSettings};
+pub use recovery::{RecoveryNeed, RecoveryReason, RecoveryToken};
 pub use scores::OverlapScores;
 pub use sharded::ShardedIndexer;
-pub use stats::IndexerStats;
+pub use stats::{IndexerReport, IndexerStats};
 pub use tree::{ApplyOutcome, RadixTree};

@@ -3,11 +3,13 @@
 //! The radix tree walks the query's block hashes once and reports, per worker rank,
 //! how many *leading* blocks that rank holds contiguously from the first block. The
 //! scheduler reads these as overlap blocks: the part of the prompt whose prefill the
-//! rank can skip. The type is a thin wrapper over a `HashMap` so it is cheap to build
-//! (one entry per rank with a non-zero score) and to merge across shards.
+//! rank can skip. The type is a thin wrapper over an `FxHashMap` so it is cheap to
+//! build (one entry per rank with a non-zero score; a query whose prefix is shared by
+//! hundreds of ranks inserts hundreds of entries, so the hasher matters) and to merge
+//! across shards.
 
 use kv_events::WorkerRank;
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 
 /// Per-[`WorkerRank`] count of leading query blocks held, in blocks.
 ///
@@ -17,7 +19,7 @@ use std::collections::HashMap;
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct OverlapScores {
     /// Leading matched blocks per worker rank (absent means 0).
-    pub scores: HashMap<WorkerRank, u32>,
+    pub scores: FxHashMap<WorkerRank, u32>,
 }
 
 impl OverlapScores {

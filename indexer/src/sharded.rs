@@ -10,14 +10,54 @@
 use crate::config::IndexerConfig;
 use crate::counters::IndexerCounters;
 use crate::error::IndexerError;
+use crate::recovery::{RecoveryNeed, RecoveryToken};
 use crate::scores::OverlapScores;
-use crate::shard::{Query, ShardEvent, ShardHandle, SnapshotRequest, spawn_shard};
-use crate::stats::IndexerStats;
-use kv_events::{KvEventBatch, LocalBlockHash, WorkerId};
-use std::sync::Arc;
+use crate::shard::{Query, ShardContext, ShardEvent, ShardHandle, SnapshotRequest, spawn_shard};
+use crate::stats::{IndexerReport, IndexerStats};
+use kv_events::recovery::{IndexSnapshot, RecoveryReply};
+use kv_events::{KvEventBatch, LocalBlockHash, WorkerId, WorkerRank};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+
+/// The receiving end of an indexer's recovery needs, taken once by its owner.
+pub(crate) type NeedsSlot = Arc<Mutex<Option<mpsc::UnboundedReceiver<RecoveryNeed>>>>;
+
+/// Takes the receiver out of `slot`; `None` after the first call.
+pub(crate) fn take_needs(slot: &NeedsSlot) -> Option<mpsc::UnboundedReceiver<RecoveryNeed>> {
+    slot.lock().unwrap_or_else(|p| p.into_inner()).take()
+}
+
+/// Splits a snapshot by the shard that owns each worker.
+pub(crate) fn split_snapshot(
+    snapshot: IndexSnapshot,
+    num_shards: usize,
+    shard_of: impl Fn(WorkerId) -> usize,
+) -> Vec<IndexSnapshot> {
+    let mut parts = vec![IndexSnapshot::default(); num_shards];
+    for batch in snapshot.batches {
+        parts[shard_of(batch.worker_id)].batches.push(batch);
+    }
+    for cursor in snapshot.cursors {
+        parts[shard_of(cursor.worker_id)].cursors.push(cursor);
+    }
+    parts
+}
+
+/// Joins per-shard snapshots: batches sorted by worker, cursors by rank.
+pub(crate) fn join_snapshots(parts: impl IntoIterator<Item = IndexSnapshot>) -> IndexSnapshot {
+    let mut out = IndexSnapshot::default();
+    for part in parts {
+        out.batches.extend(part.batches);
+        out.cursors.extend(part.cursors);
+    }
+    out.batches.sort_by_key(|b| b.worker_id);
+    out.cursors
+        .sort_unstable_by_key(|c| (c.worker_id, c.dp_rank));
+    out
+}
 
 /// Handle to N shard tasks, each owning a [`crate::RadixTree`] for a fixed subset of
 /// workers. Cheap to clone; every clone talks to the same shards.
@@ -46,6 +86,7 @@ pub struct ShardedIndexer {
     counters: Arc<IndexerCounters>,
     shutdown: CancellationToken,
     tracker: TaskTracker,
+    needs: NeedsSlot,
 }
 
 impl ShardedIndexer {
@@ -60,19 +101,32 @@ impl ShardedIndexer {
     /// When called outside a Tokio runtime (as `tokio::spawn` does).
     pub fn spawn(config: IndexerConfig, shutdown: CancellationToken) -> Result<Self, IndexerError> {
         config.validate()?;
-        let shutdown = shutdown.child_token();
-        let counters = Arc::new(IndexerCounters::new());
+        let (needs_tx, needs_rx) = mpsc::unbounded_channel();
+        let context = ShardContext {
+            shutdown: shutdown.child_token(),
+            counters: Arc::new(IndexerCounters::new()),
+            needs: needs_tx,
+        };
         let tracker = TaskTracker::new();
         let shards: Arc<[ShardHandle]> = (0..config.num_shards)
-            .map(|id| spawn_shard(id, &config, shutdown.clone(), counters.clone(), &tracker))
+            .map(|id| spawn_shard(id, &config, &context, &tracker))
             .collect();
         tracker.close();
         Ok(Self {
             shards,
-            counters,
-            shutdown,
+            counters: context.counters,
+            shutdown: context.shutdown,
             tracker,
+            needs: Arc::new(Mutex::new(Some(needs_rx))),
         })
+    }
+
+    /// The stream of recoveries the shards need (gaps, unknown parents, overflows,
+    /// resyncs); see [`RecoveryNeed`]. Returns the receiver the first time, `None`
+    /// afterwards. Without a taker, ranks with gaps buffer up to their bound and then
+    /// keep asking for dumps that never come.
+    pub fn take_recovery_needs(&self) -> Option<mpsc::UnboundedReceiver<RecoveryNeed>> {
+        take_needs(&self.needs)
     }
 
     /// Number of shard tasks.
@@ -106,6 +160,77 @@ impl ShardedIndexer {
         let shard = self.shard_of(worker_id);
         self.send_event(shard, ShardEvent::RemoveWorker(worker_id))
             .await
+    }
+
+    /// Hands the reply to recovery `token` of `rank` to its shard (ordered after the
+    /// events already queued for that worker).
+    ///
+    /// # Errors
+    /// [`IndexerError::ShuttingDown`] after shutdown.
+    pub async fn apply_recovered(
+        &self,
+        rank: WorkerRank,
+        token: RecoveryToken,
+        reply: RecoveryReply,
+    ) -> Result<(), IndexerError> {
+        let shard = self.shard_of(rank.worker_id);
+        self.send_event(shard, ShardEvent::Recovered { rank, token, reply })
+            .await
+    }
+
+    /// Tells the shard of `rank` that recovery `token` was given up.
+    ///
+    /// # Errors
+    /// [`IndexerError::ShuttingDown`] after shutdown.
+    pub async fn abandon_recovery(
+        &self,
+        rank: WorkerRank,
+        token: RecoveryToken,
+    ) -> Result<(), IndexerError> {
+        let shard = self.shard_of(rank.worker_id);
+        self.send_event(shard, ShardEvent::Abandon { rank, token })
+            .await
+    }
+
+    /// Asks for `rank`'s full state: a dump need is emitted unless one is pending.
+    ///
+    /// # Errors
+    /// [`IndexerError::ShuttingDown`] after shutdown.
+    pub async fn resync(&self, rank: WorkerRank) -> Result<(), IndexerError> {
+        let shard = self.shard_of(rank.worker_id);
+        self.send_event(shard, ShardEvent::Resync(rank)).await
+    }
+
+    /// Approximate mode: indexes that `rank` was chosen for a prompt of `hashes`,
+    /// for `ttl` from now (on the Tokio clock).
+    ///
+    /// # Errors
+    /// [`IndexerError::ShuttingDown`] after shutdown.
+    pub async fn insert_routed(
+        &self,
+        rank: WorkerRank,
+        hashes: impl Into<Arc<[LocalBlockHash]>>,
+        ttl: Duration,
+    ) -> Result<(), IndexerError> {
+        let expires_at = tokio::time::Instant::now().into_std() + ttl;
+        let event = ShardEvent::Routed {
+            rank,
+            hashes: hashes.into(),
+            expires_at,
+        };
+        self.send_event(self.shard_of(rank.worker_id), event).await
+    }
+
+    /// Loads a snapshot (normally into an empty indexer), each worker into its shard.
+    ///
+    /// # Errors
+    /// [`IndexerError::ShuttingDown`] after shutdown.
+    pub async fn restore(&self, snapshot: IndexSnapshot) -> Result<(), IndexerError> {
+        let parts = split_snapshot(snapshot, self.shards.len(), |w| self.shard_of(w));
+        for (shard, part) in parts.into_iter().enumerate() {
+            self.send_event(shard, ShardEvent::Restore(part)).await?;
+        }
+        Ok(())
     }
 
     async fn send_event(&self, shard: usize, event: ShardEvent) -> Result<(), IndexerError> {
@@ -156,7 +281,7 @@ impl ShardedIndexer {
     /// # Errors
     /// [`IndexerError::ShuttingDown`] when a shard has stopped.
     pub async fn dump(&self) -> Result<Vec<KvEventBatch>, IndexerError> {
-        let replies = self.snapshot(SnapshotRequest::Dump).await?;
+        let replies = self.snapshot_request(SnapshotRequest::Dump).await?;
         let mut batches = Vec::new();
         for reply in replies {
             batches.extend(reply.await.map_err(|_| IndexerError::ShuttingDown)?);
@@ -165,12 +290,39 @@ impl ShardedIndexer {
         Ok(batches)
     }
 
+    /// The whole index as data (tree dump plus event cursors), including every event
+    /// enqueued before this call.
+    ///
+    /// # Errors
+    /// [`IndexerError::ShuttingDown`] when a shard has stopped.
+    pub async fn snapshot(&self) -> Result<IndexSnapshot, IndexerError> {
+        let replies = self.snapshot_request(SnapshotRequest::Snapshot).await?;
+        let mut parts = Vec::with_capacity(replies.len());
+        for reply in replies {
+            parts.push(reply.await.map_err(|_| IndexerError::ShuttingDown)?);
+        }
+        Ok(join_snapshots(parts))
+    }
+
+    /// Sizes, blocks per rank and recovery state, summed over shards.
+    ///
+    /// # Errors
+    /// [`IndexerError::ShuttingDown`] when a shard has stopped.
+    pub async fn report(&self) -> Result<IndexerReport, IndexerError> {
+        let replies = self.snapshot_request(SnapshotRequest::Report).await?;
+        let mut total = IndexerReport::default();
+        for reply in replies {
+            total.merge(reply.await.map_err(|_| IndexerError::ShuttingDown)?);
+        }
+        Ok(total)
+    }
+
     /// Nodes, entries, ranks and approximate bytes, summed over shards.
     ///
     /// # Errors
     /// [`IndexerError::ShuttingDown`] when a shard has stopped.
     pub async fn stats(&self) -> Result<IndexerStats, IndexerError> {
-        let replies = self.snapshot(SnapshotRequest::Stats).await?;
+        let replies = self.snapshot_request(SnapshotRequest::Stats).await?;
         let mut total = IndexerStats::default();
         for reply in replies {
             total += reply.await.map_err(|_| IndexerError::ShuttingDown)?;
@@ -178,7 +330,7 @@ impl ShardedIndexer {
         Ok(total)
     }
 
-    async fn snapshot<T>(
+    async fn snapshot_request<T>(
         &self,
         request: fn(oneshot::Sender<T>) -> SnapshotRequest,
     ) -> Result<Vec<oneshot::Receiver<T>>, IndexerError> {

@@ -15,19 +15,25 @@
 //! on a release build: ~77 bytes per entry when most blocks are held by one rank,
 //! ~35 when 256 ranks share every block.
 //!
+//! A tree may be bounded ([`Pruning::LeastRecentlyMatched`]): past a number of
+//! (rank, block) entries it forgets the least recently matched leaves (see
+//! `tree/prune.rs` for the algorithm and its cost).
+//!
 //! Layout of the submodules: `arena` (node slab, children, free list), `rankset`
 //! (compact holder sets), `ranks` (rank interning and per-rank maps), `dump`
-//! (state → rebuild events).
+//! (state → rebuild events), `prune` (the memory bound).
 
 mod arena;
 #[cfg(test)]
 mod differential;
 mod dump;
+mod prune;
 mod ranks;
 mod rankset;
 #[cfg(test)]
 mod tests;
 
+use crate::config::Pruning;
 use crate::error::ApplyError;
 use crate::scores::OverlapScores;
 use crate::stats::IndexerStats;
@@ -36,8 +42,9 @@ use kv_events::{
     ExternalBlockHash, KvCacheEvent, KvCacheEventData, LocalBlockHash, StoredBlock, WorkerId,
     WorkerRank,
 };
-use ranks::{RankIdx, RankTable};
+use ranks::{BlockRef, RankIdx, RankState, RankTable};
 use std::ops::AddAssign;
+use std::sync::atomic::{AtomicU32, Ordering};
 
 /// What applying one event (or a worker removal) did, in blocks.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -51,6 +58,11 @@ pub struct ApplyOutcome {
     pub removed: u64,
     /// Blocks named by a `Removed` event that the rank did not hold; skipped.
     pub unknown_removed: u64,
+    /// Blocks named by a `Removed` or `Stored` event that this index had pruned
+    /// (forgotten) earlier; their entries are dropped or revived.
+    pub forgotten: u64,
+    /// (rank, block) entries pruned to stay under the memory bound.
+    pub pruned: u64,
 }
 
 impl AddAssign for ApplyOutcome {
@@ -59,7 +71,15 @@ impl AddAssign for ApplyOutcome {
         self.already_present += rhs.already_present;
         self.removed += rhs.removed;
         self.unknown_removed += rhs.unknown_removed;
+        self.forgotten += rhs.forgotten;
+        self.pruned += rhs.pruned;
     }
+}
+
+/// True when `r` names a live node: always while the rank has no forgotten entries,
+/// else when the slot's generation still matches.
+fn is_live(arena: &Arena, state: &RankState, r: BlockRef) -> bool {
+    state.forgotten == 0 || arena.generation(r.node) == r.generation
 }
 
 /// Prefix tree over block hashes recording which worker ranks hold each prefix.
@@ -72,12 +92,44 @@ impl AddAssign for ApplyOutcome {
 pub struct RadixTree {
     arena: Arena,
     ranks: RankTable,
+    /// Live (rank, block) entries, summed over ranks.
+    entries: usize,
+    pruning: Pruning,
+    /// Logical time for [`Pruning::LeastRecentlyMatched`]: bumped by every query and
+    /// every store while the tree is bounded; untouched otherwise.
+    clock: AtomicU32,
 }
 
 impl RadixTree {
-    /// An empty tree.
+    /// An empty, unbounded tree.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// An empty tree with the given memory bound.
+    pub fn with_pruning(pruning: Pruning) -> Self {
+        Self {
+            pruning,
+            ..Self::default()
+        }
+    }
+
+    /// The memory bound.
+    pub fn pruning(&self) -> Pruning {
+        self.pruning
+    }
+
+    fn bounded(&self) -> bool {
+        !matches!(self.pruning, Pruning::Unbounded)
+    }
+
+    /// The next logical time (0 when unbounded: no recency is tracked).
+    fn tick(&self) -> u32 {
+        if self.bounded() {
+            self.clock.fetch_add(1, Ordering::Relaxed).wrapping_add(1)
+        } else {
+            0
+        }
     }
 
     /// Applies one KV event of `worker_id` (the rank is `event.dp_rank`).
@@ -92,11 +144,15 @@ impl RadixTree {
     ///   rank's deeper blocks from prefix matches (they stay indexed until removed).
     /// - `Cleared`: every block of the rank is dropped.
     ///
-    /// `event_id` is not checked here.
+    /// `event_id` is not checked here (see [`crate::OrderedIndex`] for ordering). A
+    /// bounded tree prunes after a store that took it over its bound.
     ///
     /// # Errors
     /// [`ApplyError::UnknownParent`] when `parent_hash` is `Some` and the rank does not
-    /// hold that block; nothing changes then.
+    /// hold that block; nothing changes then. [`ApplyError::ForgottenParent`] when this
+    /// tree pruned the parent block; prefix matches do not change, but the event's
+    /// blocks are remembered as forgotten so that their own children are refused the
+    /// same way.
     pub fn apply_event(
         &mut self,
         worker_id: WorkerId,
@@ -107,7 +163,11 @@ impl RadixTree {
             KvCacheEventData::Stored {
                 parent_hash,
                 blocks,
-            } => self.store(rank, *parent_hash, blocks),
+            } => {
+                let mut outcome = self.store(rank, *parent_hash, blocks)?;
+                outcome.pruned = self.enforce_bound();
+                Ok(outcome)
+            }
             KvCacheEventData::Removed { block_hashes } => Ok(self.remove(rank, block_hashes)),
             KvCacheEventData::Cleared => Ok(self.clear_rank(rank)),
         }
@@ -122,17 +182,39 @@ impl RadixTree {
         if blocks.is_empty() && parent_hash.is_none() {
             return Ok(ApplyOutcome::default()); // do not intern a rank that holds nothing
         }
+        let tick = self.tick();
         let (idx, mut cur) = match parent_hash {
             None => (self.ranks.intern(rank), NodeIdx::ROOT),
             Some(parent) => {
-                let found = self.ranks.lookup(rank).and_then(|idx| {
-                    let node = self.ranks.get(idx)?.blocks.get(&parent)?;
-                    Some((idx, *node))
-                });
-                found.ok_or(ApplyError::UnknownParent {
+                let unknown = ApplyError::UnknownParent {
                     rank,
                     parent_hash: parent,
-                })?
+                };
+                let idx = self.ranks.lookup(rank).ok_or(unknown)?;
+                let state = self.ranks.get_mut(idx).ok_or(unknown)?;
+                let held = *state.blocks.get(&parent).ok_or(unknown)?;
+                if !is_live(&self.arena, state, held) {
+                    // Children of a forgotten block are forgotten too.
+                    state.blocks.insert(parent, BlockRef::FORGOTTEN);
+                    for block in blocks {
+                        if let Some(old) =
+                            state.blocks.insert(block.block_hash, BlockRef::FORGOTTEN)
+                        {
+                            if is_live(&self.arena, state, old) {
+                                // A live block under a forgotten parent: keep it.
+                                state.blocks.insert(block.block_hash, old);
+                            }
+                            continue;
+                        }
+                        state.forgotten += 1;
+                    }
+                    return Err(ApplyError::ForgottenParent {
+                        rank,
+                        parent_hash: parent,
+                    });
+                }
+                self.arena.node(held.node).last_used.set(tick);
+                (idx, held.node)
             }
         };
         let mut outcome = ApplyOutcome::default();
@@ -140,16 +222,33 @@ impl RadixTree {
             return Ok(outcome); // unreachable: `idx` was just interned or looked up
         };
         for block in blocks {
-            if let Some(&held) = state.blocks.get(&block.block_hash) {
-                outcome.already_present += 1;
-                cur = held;
-                continue;
+            match state.blocks.get(&block.block_hash) {
+                Some(&held) if is_live(&self.arena, state, held) => {
+                    outcome.already_present += 1;
+                    cur = held.node;
+                    self.arena.node(cur).last_used.set(tick);
+                    continue;
+                }
+                Some(_) => {
+                    // A forgotten block stored again: its entry is revived below.
+                    state.forgotten -= 1;
+                    outcome.forgotten += 1;
+                }
+                None => {}
             }
-            let child = self.arena.child_or_insert(cur, block.tokens_hash);
+            let child = self.arena.child_or_insert(cur, block.tokens_hash, tick);
             if !self.arena.add_holder(child, idx) {
                 *state.aliases.entry(child).or_insert(0) += 1;
             }
-            state.blocks.insert(block.block_hash, child);
+            let generation = self.arena.generation(child);
+            state.blocks.insert(
+                block.block_hash,
+                BlockRef {
+                    node: child,
+                    generation,
+                },
+            );
+            self.entries += 1;
             outcome.stored += 1;
             cur = child;
         }
@@ -167,11 +266,18 @@ impl RadixTree {
             return outcome;
         };
         for hash in block_hashes {
-            let Some(node) = state.blocks.remove(hash) else {
+            let Some(held) = state.blocks.remove(hash) else {
                 outcome.unknown_removed += 1;
                 continue;
             };
+            if !is_live(&self.arena, state, held) {
+                state.forgotten -= 1;
+                outcome.forgotten += 1;
+                continue;
+            }
+            let node = held.node;
             outcome.removed += 1;
+            self.entries -= 1;
             match state.aliases.get_mut(&node) {
                 Some(extra) if *extra > 1 => *extra -= 1,
                 Some(_) => {
@@ -208,12 +314,23 @@ impl RadixTree {
         let Some(state) = self.ranks.release(idx) else {
             return ApplyOutcome::default();
         };
-        for node in state.blocks.values() {
+        // Liveness first: dropping a holder can free a node and bump its generation,
+        // which would make an alias of the same node look stale.
+        let live: Vec<NodeIdx> = state
+            .blocks
+            .values()
+            .filter(|held| is_live(&self.arena, &state, **held))
+            .map(|held| held.node)
+            .collect();
+        for node in &live {
             // Aliased nodes appear more than once; the second drop is a no-op.
             self.arena.drop_holder(*node, idx);
         }
+        let removed = live.len() as u64;
+        self.entries -= live.len();
         ApplyOutcome {
-            removed: state.blocks.len() as u64,
+            removed,
+            forgotten: state.forgotten,
             ..ApplyOutcome::default()
         }
     }
@@ -224,6 +341,8 @@ impl RadixTree {
     /// matches or when no rank is left. A rank missing block `i` scores `i` even if it
     /// holds later blocks. Ranks scoring 0 are absent from the result.
     pub fn find_matches(&self, hashes: &[LocalBlockHash]) -> OverlapScores {
+        let tick = self.tick();
+        let bounded = self.bounded();
         let mut scores = OverlapScores::new();
         // Raw rank indices (see `RankSet`), so the per-block comparison is a memcmp.
         let mut active: Vec<u32> = Vec::new();
@@ -234,9 +353,13 @@ impl RadixTree {
             let Some(child) = self.arena.node(cur).children.get(*hash) else {
                 break;
             };
+            if bounded {
+                self.arena.node(child).last_used.set(tick);
+            }
             let holders = self.arena.node(child).holders.as_raw();
             if i == 0 {
                 active.extend_from_slice(holders);
+                scores.scores.reserve(holders.len());
             } else if holders != active.as_slice() {
                 // Both sides are sorted: one merge pass splits `active` into the ranks
                 // that continue and those whose match ends at `depth` blocks.
@@ -258,7 +381,6 @@ impl RadixTree {
             depth += 1;
             cur = child;
         }
-        scores.scores.reserve(active.len());
         for rank in active {
             self.score(&mut scores, RankIdx(rank), depth);
         }
@@ -277,9 +399,9 @@ impl RadixTree {
     }
 
     /// Total (rank, block) entries: engine block hashes held, summed over ranks.
-    /// O(live ranks).
+    /// O(1).
     pub fn num_entries(&self) -> usize {
-        self.ranks.iter().map(|(_, s)| s.blocks.len()).sum()
+        self.entries
     }
 
     /// Worker ranks the tree knows (those stored into and not cleared since).
@@ -292,7 +414,7 @@ impl RadixTree {
         let mut out: Vec<_> = self
             .ranks
             .iter()
-            .map(|(_, s)| (s.rank, s.blocks.len()))
+            .map(|(_, s)| (s.rank, s.blocks.len() - s.forgotten as usize))
             .collect();
         out.sort_unstable();
         out

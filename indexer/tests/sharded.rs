@@ -1,5 +1,6 @@
 //! Behaviour specific to the sharded front: the biased shard loop's read-your-writes
-//! guarantee, backpressure, counters and shutdown.
+//! guarantee (events drain before a dump or a query), backpressure, reordering across
+//! senders, counters and shutdown.
 //!
 //! Tests run on Tokio's current-thread runtime: shard tasks only run when the test
 //! task awaits something that is not ready. Events are queued inside
@@ -9,17 +10,19 @@
 
 mod common;
 
-use common::{batch, chain, q, removed, stored, wr};
-use indexer::{CountersSnapshot, IndexerConfig, IndexerError, ShardedIndexer};
+use common::{Numbering, batch, chain, q, removed, stored, wr};
+use indexer::{Backend, CountersSnapshot, IndexerConfig, IndexerError, ShardedIndexer};
 use kv_events::WorkerId;
 use tokio_util::sync::CancellationToken;
 
 fn spawn(num_shards: usize, event_queue_capacity: usize) -> (ShardedIndexer, CancellationToken) {
     let token = CancellationToken::new();
     let config = IndexerConfig {
+        backend: Backend::Sharded,
         num_shards,
         event_queue_capacity,
         query_queue_capacity: 64,
+        ..IndexerConfig::default()
     };
     (
         ShardedIndexer::spawn(config, token.clone()).expect("valid config"),
@@ -37,10 +40,13 @@ async fn queue_batches(indexer: &ShardedIndexer, n: u64) {
     .await;
 }
 
-/// Batch `i` stores one block for worker `i % 7`, below that worker's previous one.
+/// Batch `i` stores one block for worker `i % 7`, below that worker's previous one;
+/// it is that worker's event number `i / 7`.
 fn nth_batch(i: u64) -> kv_events::KvEventBatch {
     let parent = if i < 7 { None } else { Some(10_000 + i - 7) };
-    batch(i % 7, vec![stored(0, parent, &[(10_000 + i, i / 7)])])
+    let mut event = stored(0, parent, &[(10_000 + i, i / 7)]);
+    event.event_id = i / 7;
+    batch(i % 7, vec![event])
 }
 
 #[tokio::test]
@@ -74,17 +80,17 @@ async fn a_query_sees_the_callers_earlier_events() {
     for worker in 0..7 {
         assert_eq!(scores.get(wr(worker, 0)), 100, "worker {worker}");
     }
-    // Stats are served after events too.
-    indexer
-        .apply(batch(3, vec![removed(0, &[10_000 + 3 + 7 * 99])]))
-        .await
-        .unwrap();
+    // Stats are served after events too. (Worker 3's next event is its 101st.)
+    let mut event = removed(0, &[10_000 + 3 + 7 * 99]);
+    event.event_id = 100;
+    indexer.apply(batch(3, vec![event])).await.unwrap();
     assert_eq!(indexer.stats().await.unwrap().entries, 699);
 }
 
 #[tokio::test]
-async fn a_full_queue_makes_senders_wait_without_losing_events() {
+async fn a_full_queue_makes_senders_wait_and_reordered_events_are_put_back_in_order() {
     let (indexer, _token) = spawn(2, 2);
+    let mut needs = indexer.take_recovery_needs().expect("first take");
     let mut senders = Vec::new();
     for part in 0..4u64 {
         let indexer = indexer.clone();
@@ -97,32 +103,45 @@ async fn a_full_queue_makes_senders_wait_without_losing_events() {
     for sender in senders {
         sender.await.unwrap();
     }
+    // Batches of one worker from different senders race, so some arrive ahead of
+    // their predecessor: those are buffered and a recovery is asked for. Nobody
+    // serves it here; giving it up applies the buffer, which by now has no holes.
+    indexer.stats().await.unwrap(); // every batch has been taken off the queues
+    while let Ok(need) = needs.try_recv() {
+        indexer
+            .abandon_recovery(need.rank, need.token)
+            .await
+            .unwrap();
+    }
     let stats = indexer.stats().await.unwrap();
-    // Batches of one worker from different senders may race, so some stores can
-    // arrive before their parent; every batch is accounted for either way.
     let snap = indexer.counters().snapshot();
     assert_eq!(snap.batches, 700);
-    assert_eq!(snap.blocks_stored + snap.unknown_parent_rejections, 700);
-    assert_eq!(stats.entries as u64, snap.blocks_stored);
+    assert_eq!(snap.blocks_stored, 700);
+    assert_eq!((snap.unknown_parent_rejections, snap.events_lost), (0, 0));
+    assert_eq!(stats.entries, 700);
+    let hashes: Vec<u64> = (0..100).collect();
+    let scores = indexer.find_matches(q(&hashes)).await.unwrap();
+    assert!((0..7).all(|w| scores.get(wr(w, 0)) == 100), "{scores:?}");
 }
 
 #[tokio::test]
 async fn counters_track_outcomes() {
     let (indexer, _token) = spawn(3, 64);
+    let mut ids = Numbering::default();
     indexer
-        .apply(batch(1, vec![stored(0, None, &chain(100, 3))]))
+        .apply(ids.number(batch(1, vec![stored(0, None, &chain(100, 3))])))
         .await
         .unwrap();
     indexer
-        .apply(batch(1, vec![stored(0, None, &chain(100, 2))]))
+        .apply(ids.number(batch(1, vec![stored(0, None, &chain(100, 2))])))
         .await
         .unwrap();
     indexer
-        .apply(batch(2, vec![stored(0, Some(5), &chain(200, 2))]))
+        .apply(ids.number(batch(2, vec![stored(0, Some(5), &chain(200, 2))])))
         .await
         .unwrap();
     indexer
-        .apply(batch(1, vec![removed(0, &[102, 77]), common::cleared(1)]))
+        .apply(ids.number(batch(1, vec![removed(0, &[102, 77]), common::cleared(1)])))
         .await
         .unwrap();
     indexer.remove_worker(WorkerId(1)).await.unwrap();
@@ -138,8 +157,10 @@ async fn counters_track_outcomes() {
         blocks_removed: 3, // 102 by the remove, 100 and 101 by the worker removal
         unknown_removes: 1,
         unknown_parent_rejections: 1,
+        recovery_requests: 1, // worker 2's unknown parent asks for a dump
         workers_removed: 1,
         queries: 3, // one per shard
+        ..CountersSnapshot::default()
     };
     assert_eq!(indexer.counters().snapshot(), expected);
 }
@@ -153,12 +174,13 @@ async fn workers_are_sticky_to_one_shard() {
     }
     // Worker 4's events land in one tree: a chain continued across batches works,
     // which it would not if the second batch reached a shard without the parent.
+    let mut ids = Numbering::default();
     indexer
-        .apply(batch(4, vec![stored(0, None, &chain(40, 2))]))
+        .apply(ids.number(batch(4, vec![stored(0, None, &chain(40, 2))])))
         .await
         .unwrap();
     indexer
-        .apply(batch(4, vec![stored(0, Some(41), &[(42, 2)])]))
+        .apply(ids.number(batch(4, vec![stored(0, Some(41), &[(42, 2)])])))
         .await
         .unwrap();
     assert_eq!(

@@ -65,8 +65,26 @@ pub struct KvCacheEvent {
 pub struct KvEventBatch {
     /// The worker that publishes these events.
     pub worker_id: WorkerId,
+    /// The publisher's epoch: a value that strictly increases each time the publisher
+    /// restarts and numbers its events from 0 again (the mock engine and the relay use
+    /// their start time in microseconds since the Unix epoch). 0 means "unknown"
+    /// (publishers that predate epochs; the field is optional on the wire). The indexer
+    /// resets a worker rank whose epoch increases and drops events of an older epoch.
+    #[serde(default)]
+    pub epoch: u64,
     /// Events in publication order.
     pub events: Vec<KvCacheEvent>,
+}
+
+impl KvEventBatch {
+    /// A batch of epoch 0 (a publisher that does not track restarts).
+    pub fn new(worker_id: WorkerId, events: Vec<KvCacheEvent>) -> Self {
+        Self {
+            worker_id,
+            epoch: 0,
+            events,
+        }
+    }
 }
 
 impl KvCacheEventData {
@@ -97,6 +115,7 @@ mod tests {
     fn sample_batch() -> KvEventBatch {
         KvEventBatch {
             worker_id: WorkerId(42),
+            epoch: 7,
             events: vec![
                 KvCacheEvent {
                     event_id: 0,
@@ -166,6 +185,22 @@ mod tests {
         let event: KvCacheEvent = decode(&bytes).unwrap();
         assert_eq!(event.dp_rank, DpRank(0));
         assert_eq!(event.event_id, 5);
+    }
+
+    #[test]
+    fn a_batch_without_epoch_decodes_as_epoch_zero() {
+        #[derive(Serialize)]
+        struct OldBatch {
+            worker_id: WorkerId,
+            events: Vec<KvCacheEvent>,
+        }
+        let bytes = encode(&OldBatch {
+            worker_id: WorkerId(3),
+            events: vec![],
+        })
+        .unwrap();
+        let batch: KvEventBatch = decode(&bytes).unwrap();
+        assert_eq!(batch, KvEventBatch::new(WorkerId(3), vec![]));
     }
 
     #[test]

@@ -11,17 +11,26 @@
 //! - [`events`]: KV cache events (`Stored`, `Removed`, `Cleared`) and the per-worker batch.
 //! - [`metrics`]: per (worker, dp_rank) load metrics published by engines.
 //! - [`routing`]: route request / reply and request lifecycle messages.
+//! - [`replicas`]: sequence-sync messages between router replicas ([`RouterId`]).
 //! - [`discovery`]: the worker registration record stored in etcd.
 //! - [`hashing`]: tokens → [`LocalBlockHash`] per full block (xxh3-64, seeded).
 //! - [`codec`]: msgpack encode / decode with typed errors.
+//! - [`recovery`]: gap recovery requests and replies, and the index snapshot format.
+//! - [`journal`]: [`journal::EventJournal`], the publisher side of event numbering and
+//!   recovery (ring buffer of recent events, held blocks, dumps).
 //! - [`subjects`]: every NATS subject and etcd key, under one namespace.
+//! - [`engines`]: decoders for vLLM and SGLang KV events (used by the relay).
 
 pub mod codec;
 pub mod discovery;
+pub mod engines;
 pub mod events;
 pub mod hashing;
 pub mod ids;
+pub mod journal;
 pub mod metrics;
+pub mod recovery;
+pub mod replicas;
 pub mod routing;
 pub mod subjects;
 
@@ -30,4 +39,5 @@ pub use events::{KvCacheEvent, KvCacheEventData, KvEventBatch, StoredBlock};
 pub use hashing::{BLOCK_HASH_SEED, compute_block_hashes, hash_block};
 pub use ids::{DpRank, ExternalBlockHash, LocalBlockHash, RequestId, WorkerId, WorkerRank};
 pub use metrics::LoadMetrics;
+pub use replicas::RouterId;
 pub use subjects::{Namespace, NamespaceError, Subjects};

@@ -4,7 +4,12 @@
 //! one [`RouteReply`]. Routing *books* the request on the chosen worker: the router
 //! counts its prefill tokens and decode blocks as that worker's load. The frontend then
 //! publishes [`LifecycleMessage`]s on `{ns}.router.lifecycle`: `prefill_done` when the
-//! first token arrives, `freed` when the request ends (for any reason).
+//! first token arrives, `keep_alive` now and then for long requests, `freed` when the
+//! request ends (for any reason).
+//!
+//! Every field added after the first release is `#[serde(default)]`, so older
+//! frontends keep working; decoders ignore unknown keys, so newer frontends can talk
+//! to older routers (which then ignore the new fields).
 
 use crate::ids::{DpRank, LocalBlockHash, RequestId, WorkerId};
 use serde::{Deserialize, Serialize};
@@ -34,27 +39,49 @@ pub enum Prompt {
 }
 
 /// Routing policy names, as selectable per daemon and overridable per request.
+///
+/// The formulas and their sources are documented on the scheduler's `PolicyConfig`
+/// variants and in `scheduler/README.md`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum PolicyKind {
-    /// KV-cache-aware cost: uncached prefill blocks plus active decode blocks.
+    /// KV-cache-aware cost (NVIDIA Dynamo): weighted prefill blocks plus decode blocks.
     Kv,
+    /// TensorRT-LLM's KV-cache-aware ADP router score: uncached tokens plus a
+    /// normalized-load penalty, with a fair-share cap per rank.
+    KvNormalized,
+    /// SGLang's cache-aware router: least loaded when load is imbalanced, else the
+    /// best prefix match if it is good enough, else least loaded.
+    CacheAwareThreshold,
     /// Cycle through workers in order, ignoring cache and load.
     RoundRobin,
     /// Pick a worker uniformly at random.
     Random,
+    /// The rank with the least booked load, ignoring cache.
+    LeastLoaded,
 }
 
 impl PolicyKind {
     /// Every policy, in documentation order.
-    pub const ALL: [PolicyKind; 3] = [PolicyKind::Kv, PolicyKind::RoundRobin, PolicyKind::Random];
+    pub const ALL: [PolicyKind; 6] = [
+        PolicyKind::Kv,
+        PolicyKind::KvNormalized,
+        PolicyKind::CacheAwareThreshold,
+        PolicyKind::RoundRobin,
+        PolicyKind::Random,
+        PolicyKind::LeastLoaded,
+    ];
 
-    /// The wire / command-line name (`kv`, `round-robin`, `random`).
+    /// The wire / command-line name (`kv`, `kv-normalized`, `cache-aware-threshold`,
+    /// `round-robin`, `random`, `least-loaded`).
     pub fn as_str(self) -> &'static str {
         match self {
             PolicyKind::Kv => "kv",
+            PolicyKind::KvNormalized => "kv-normalized",
+            PolicyKind::CacheAwareThreshold => "cache-aware-threshold",
             PolicyKind::RoundRobin => "round-robin",
             PolicyKind::Random => "random",
+            PolicyKind::LeastLoaded => "least-loaded",
         }
     }
 }
@@ -72,12 +99,46 @@ impl std::str::FromStr for PolicyKind {
         PolicyKind::ALL
             .into_iter()
             .find(|p| p.as_str() == s)
-            .ok_or_else(|| format!("unknown policy `{s}` (expected kv, round-robin or random)"))
+            .ok_or_else(|| {
+                let names: Vec<&str> = PolicyKind::ALL.iter().map(|p| p.as_str()).collect();
+                format!(
+                    "unknown policy `{s}` (expected one of {})",
+                    names.join(", ")
+                )
+            })
+    }
+}
+
+/// Per-request overrides of the policy's cost knobs. Each field is optional; an absent
+/// field keeps the daemon's value. Naming a knob the resolved policy does not have
+/// (e.g. `temperature` under `round-robin`) is a `bad_request`, as is a value that is
+/// negative or not finite.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct CostOverrides {
+    /// `kv`: weight of prefill blocks against decode blocks (dimensionless).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefill_load_scale: Option<f64>,
+    /// `kv`: how much one cached (overlap) block reduces the prefill term, in blocks.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub overlap_credit: Option<f64>,
+    /// `kv-normalized`: β, the weight of the normalized-load term.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub load_balance_weight: Option<f64>,
+    /// `kv`, `kv-normalized`: softmax temperature over normalized costs; 0 = argmin.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub temperature: Option<f64>,
+}
+
+impl CostOverrides {
+    /// Whether no knob is overridden.
+    pub fn is_empty(&self) -> bool {
+        *self == Self::default()
     }
 }
 
 /// A routing query: which (worker, dp_rank) should serve this prompt?
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RouteRequest {
     /// Frontend-chosen id; lifecycle messages refer to it.
     pub request_id: RequestId,
@@ -86,6 +147,32 @@ pub struct RouteRequest {
     /// Use this policy instead of the daemon's default (A/B comparisons, replay).
     #[serde(default)]
     pub policy: Option<PolicyKind>,
+    /// Only consider this data-parallel rank (on any worker). If no registered worker
+    /// has it, the reply is `rank_unavailable`; the router never falls back to
+    /// another rank.
+    #[serde(default)]
+    pub dp_rank: Option<DpRank>,
+    /// Per-request cost knob overrides.
+    #[serde(default, skip_serializing_if = "CostOverrides::is_empty")]
+    pub overrides: CostOverrides,
+    /// Queue priority hint when every worker is busy: higher leaves the wait queue
+    /// first; equal priorities are first come, first served. Default 0.
+    #[serde(default)]
+    pub priority: i32,
+}
+
+impl RouteRequest {
+    /// A request with the daemon's policy, no pinned rank, no overrides, priority 0.
+    pub fn new(request_id: impl Into<RequestId>, prompt: Prompt) -> Self {
+        Self {
+            request_id: request_id.into(),
+            prompt,
+            policy: None,
+            dp_rank: None,
+            overrides: CostOverrides::default(),
+            priority: 0,
+        }
+    }
 }
 
 /// The router's choice for one request.
@@ -109,12 +196,16 @@ pub struct RouteDecision {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RouteErrorCode {
-    /// The request could not be decoded or is invalid (e.g. an empty prompt).
+    /// The request could not be decoded or is invalid (e.g. an empty prompt, a bad
+    /// override, a duplicate request id).
     BadRequest,
     /// No worker is registered.
     NoWorkers,
-    /// Every worker is saturated and the wait queue is full.
+    /// Every eligible worker is busy and the wait queue is full, or the request
+    /// waited in the queue longer than the router's limit.
     Overloaded,
+    /// The request pinned a `dp_rank` that no registered worker has.
+    RankUnavailable,
     /// The router failed internally (e.g. shutting down).
     Internal,
 }
@@ -139,12 +230,16 @@ pub enum RouteReply {
     Error(RouteError),
 }
 
-/// A step in a routed request's life.
+/// A step in a routed request's life. Every one of them refreshes the request's
+/// time-to-live in the router.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum LifecycleEvent {
     /// The first output token was produced: prefill is over, the request now decodes.
     PrefillDone,
+    /// The request is still running. Frontends send it for requests that may outlive
+    /// the router's request TTL, so they are not expired by accident.
+    KeepAlive,
     /// The request finished or was aborted; its load is released.
     Freed,
 }
@@ -166,12 +261,20 @@ mod tests {
     #[test]
     fn route_messages_round_trip() {
         let req = RouteRequest {
-            request_id: "r1".into(),
-            prompt: Prompt::Blocks {
-                block_hashes: vec![LocalBlockHash(1)],
-                num_tokens: 700,
+            policy: Some(PolicyKind::KvNormalized),
+            dp_rank: Some(DpRank(3)),
+            overrides: CostOverrides {
+                temperature: Some(0.5),
+                ..CostOverrides::default()
             },
-            policy: Some(PolicyKind::RoundRobin),
+            priority: -2,
+            ..RouteRequest::new(
+                "r1",
+                Prompt::Blocks {
+                    block_hashes: vec![LocalBlockHash(1)],
+                    num_tokens: 700,
+                },
+            )
         };
         assert_eq!(decode::<RouteRequest>(&encode(&req).unwrap()).unwrap(), req);
 
@@ -185,20 +288,40 @@ mod tests {
         });
         assert_eq!(decode::<RouteReply>(&encode(&ok).unwrap()).unwrap(), ok);
 
-        let err = RouteReply::Error(RouteError {
-            code: RouteErrorCode::NoWorkers,
-            message: "no workers registered".into(),
-        });
-        assert_eq!(decode::<RouteReply>(&encode(&err).unwrap()).unwrap(), err);
+        for code in [
+            RouteErrorCode::NoWorkers,
+            RouteErrorCode::RankUnavailable,
+            RouteErrorCode::Overloaded,
+        ] {
+            let err = RouteReply::Error(RouteError {
+                code,
+                message: "no workers registered".into(),
+            });
+            assert_eq!(decode::<RouteReply>(&encode(&err).unwrap()).unwrap(), err);
+        }
 
-        let life = LifecycleMessage {
-            request_id: "r1".into(),
-            event: LifecycleEvent::Freed,
-        };
-        assert_eq!(
-            decode::<LifecycleMessage>(&encode(&life).unwrap()).unwrap(),
-            life
-        );
+        for event in [
+            LifecycleEvent::PrefillDone,
+            LifecycleEvent::KeepAlive,
+            LifecycleEvent::Freed,
+        ] {
+            let life = LifecycleMessage {
+                request_id: "r1".into(),
+                event,
+            };
+            assert_eq!(
+                decode::<LifecycleMessage>(&encode(&life).unwrap()).unwrap(),
+                life
+            );
+        }
+    }
+
+    #[test]
+    fn wire_names_are_stable() {
+        let code: String = decode(&encode(&RouteErrorCode::RankUnavailable).unwrap()).unwrap();
+        assert_eq!(code, "rank_unavailable");
+        let event: String = decode(&encode(&LifecycleEvent::KeepAlive).unwrap()).unwrap();
+        assert_eq!(event, "keep_alive");
     }
 
     #[test]
@@ -208,11 +331,12 @@ mod tests {
             let wire: String = decode(&encode(&p).unwrap()).unwrap();
             assert_eq!(wire, p.as_str());
         }
-        assert!("fastest".parse::<PolicyKind>().is_err());
+        let err = "fastest".parse::<PolicyKind>().unwrap_err();
+        assert!(err.contains("cache-aware-threshold"), "{err}");
     }
 
     #[test]
-    fn request_without_policy_field_decodes() {
+    fn request_without_new_fields_decodes_with_defaults() {
         #[derive(Serialize)]
         struct Minimal {
             request_id: &'static str,
@@ -226,6 +350,39 @@ mod tests {
         })
         .unwrap();
         let req: RouteRequest = decode(&bytes).unwrap();
-        assert_eq!(req.policy, None);
+        assert_eq!(
+            req,
+            RouteRequest::new(
+                "x",
+                Prompt::Tokens {
+                    token_ids: vec![1, 2]
+                }
+            )
+        );
+    }
+
+    #[test]
+    fn overrides_are_partial_and_omitted_when_empty() {
+        #[derive(Serialize)]
+        struct Partial {
+            request_id: &'static str,
+            prompt: Prompt,
+            overrides: std::collections::BTreeMap<&'static str, f64>,
+        }
+        let bytes = encode(&Partial {
+            request_id: "x",
+            prompt: Prompt::Tokens { token_ids: vec![1] },
+            overrides: [("overlap_credit", 0.5)].into_iter().collect(),
+        })
+        .unwrap();
+        let req: RouteRequest = decode(&bytes).unwrap();
+        assert_eq!(req.overrides.overlap_credit, Some(0.5));
+        assert_eq!(req.overrides.temperature, None);
+
+        // An empty override set is not written at all.
+        let plain = RouteRequest::new("y", Prompt::Tokens { token_ids: vec![1] });
+        let map: std::collections::BTreeMap<String, serde::de::IgnoredAny> =
+            decode(&encode(&plain).unwrap()).unwrap();
+        assert!(!map.contains_key("overrides"));
     }
 }

@@ -4,8 +4,10 @@
 //! |---|---|---|
 //! | KV events | `{ns}.kv.events.{worker_id}` | publish, [`crate::KvEventBatch`] |
 //! | load metrics | `{ns}.kv.metrics.{worker_id}` | publish, [`crate::LoadMetrics`] |
+//! | KV event recovery | `{ns}.kv.recovery.{worker_id}` | request, chunked reply, [`crate::recovery`] |
 //! | routing | `{ns}.router.route` | request-reply, queue group `{ns}-router` |
 //! | lifecycle | `{ns}.router.lifecycle` | publish, [`crate::routing::LifecycleMessage`] |
+//! | replica sync | `{ns}.router.sequences` | publish, [`crate::replicas::SequenceSync`] |
 //! | engine requests | `{ns}.engine.{worker_id}.{op}` | request-reply (mock engine) |
 //! | discovery | `kv-router/{ns}/workers/{worker_id}` | etcd key with a lease |
 //!
@@ -102,6 +104,18 @@ impl Subjects {
         format!("{}.kv.metrics.{worker}", self.ns)
     }
 
+    /// Where `worker` answers recovery requests for its KV events
+    /// ([`crate::recovery::RecoveryRequest`] → [`crate::recovery::RecoveryChunk`]s).
+    pub fn kv_recovery(&self, worker: WorkerId) -> String {
+        format!("{}.kv.recovery.{worker}", self.ns)
+    }
+
+    /// What a JetStream stream must capture to hold every worker's KV events
+    /// (`{ns}.kv.events.>`).
+    pub fn kv_events_stream_filter(&self) -> String {
+        format!("{}.kv.events.>", self.ns)
+    }
+
     /// Wildcard matching every worker's load metrics.
     pub fn load_metrics_all(&self) -> String {
         format!("{}.kv.metrics.*", self.ns)
@@ -121,6 +135,12 @@ impl Subjects {
     /// Where frontends publish request lifecycle messages.
     pub fn lifecycle(&self) -> String {
         format!("{}.router.lifecycle", self.ns)
+    }
+
+    /// Where router replicas publish and receive the changes to the requests they
+    /// booked (sequence sync).
+    pub fn sequences(&self) -> String {
+        format!("{}.router.sequences", self.ns)
     }
 
     /// A request-reply subject served by one engine, e.g. `op = "generate"`.
@@ -176,10 +196,13 @@ mod tests {
         let s = Subjects::new(Namespace::new("ns").unwrap());
         assert_eq!(s.kv_events(WorkerId(7)), "ns.kv.events.7");
         assert_eq!(s.kv_events_all(), "ns.kv.events.*");
+        assert_eq!(s.kv_recovery(WorkerId(7)), "ns.kv.recovery.7");
+        assert_eq!(s.kv_events_stream_filter(), "ns.kv.events.>");
         assert_eq!(s.load_metrics(WorkerId(7)), "ns.kv.metrics.7");
         assert_eq!(s.route(), "ns.router.route");
         assert_eq!(s.route_queue_group(), "ns-router");
         assert_eq!(s.lifecycle(), "ns.router.lifecycle");
+        assert_eq!(s.sequences(), "ns.router.sequences");
         assert_eq!(s.engine(WorkerId(3), "generate"), "ns.engine.3.generate");
         assert_eq!(s.etcd_worker_key(WorkerId(9)), "kv-router/ns/workers/9");
         assert_eq!(

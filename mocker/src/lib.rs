@@ -10,13 +10,15 @@
 //! # Layout
 //! - [`protocol`]: the generate / clear request protocol between frontend and engine.
 //! - [`engine`]: the engine model (KV cache, batching, timing) and its NATS/etcd service.
-//! - [`trace`]: Mooncake JSONL trace loading.
+//! - [`trace`]: Mooncake JSONL trace loading and the trace-block → engine-block mapping.
 //! - [`replay`]: the frontend role: route, generate, lifecycle, and the JSON report.
 //! - [`cluster`]: start and stop nats-server and etcd processes on free loopback ports.
 //! - [`quickstart`]: the README's first command, end to end.
+//! - [`lab`]: the offline routing-quality lab: every policy on a simulated cluster.
 
 pub mod cluster;
 pub mod engine;
+pub mod lab;
 pub mod protocol;
 pub mod quickstart;
 pub mod replay;

@@ -23,6 +23,9 @@ enum Command {
     Replay(mocker::replay::ReplayArgs),
     /// Start NATS, etcd, the router and mock engines, replay the bundled trace, report.
     Quickstart(mocker::quickstart::QuickstartArgs),
+    /// Simulate a trace offline under every policy, cluster size and speed-up; print a
+    /// table, write a JSON report and PNG charts.
+    Lab(mocker::lab::LabArgs),
 }
 
 #[tokio::main]
@@ -51,6 +54,11 @@ async fn main() -> Result<()> {
             Ok(())
         }
         Command::Quickstart(args) => mocker::quickstart::run(args).await,
+        Command::Lab(args) => {
+            // CPU-bound and multi-threaded on its own: keep it off the async workers.
+            tokio::task::spawn_blocking(move || mocker::lab::run_lab(args)).await??;
+            Ok(())
+        }
     }
 }
 

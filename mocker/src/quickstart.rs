@@ -15,7 +15,7 @@
 
 use crate::cluster::{Echo, EtcdServer, ManagedProcess, NatsServer};
 use crate::replay::{self, ReplayConfig, ReplayTarget, TimeScale};
-use crate::trace::{self, BUNDLED_EXCERPT_NAME, TRACE_BLOCK_SIZE};
+use crate::trace::{self, BUNDLED_EXCERPT_NAME, BlockMapping};
 use anyhow::{Context, anyhow, bail};
 use kv_events::Namespace;
 use kv_events::routing::PolicyKind;
@@ -55,7 +55,8 @@ pub struct QuickstartArgs {
     /// Directory for `report.json`.
     #[arg(long, default_value = "target/quickstart")]
     pub out: PathBuf,
-    /// Tokens per KV block; must be the trace's block size (512 for Mooncake traces).
+    /// Tokens per KV block of the engines and the router; must divide the trace's
+    /// 512-token blocks (each trace block becomes `512 / block-size` engine blocks).
     #[arg(long, default_value_t = 512)]
     pub block_size: u32,
     /// KV cache capacity per worker, in blocks.
@@ -76,10 +77,8 @@ pub struct QuickstartArgs {
 /// A missing `nats-server`, `etcd` or `kv-router`, a process that fails to start, a
 /// replay error, an unwritable report, or an interruption (Ctrl-C / SIGTERM).
 pub async fn run(args: QuickstartArgs) -> anyhow::Result<()> {
-    if u64::from(args.block_size) != TRACE_BLOCK_SIZE {
-        bail!(
-            "--block-size must be {TRACE_BLOCK_SIZE}: each hash id of a Mooncake trace covers {TRACE_BLOCK_SIZE} tokens"
-        );
+    if let Err(err) = BlockMapping::new(args.block_size) {
+        bail!("--block-size: {err}");
     }
     let (mut trace, trace_name) = match &args.trace {
         Some(path) => (trace::load_trace(path)?, path.display().to_string()),
@@ -323,7 +322,7 @@ mod tests {
     fn defaults_match_the_bundled_trace() {
         let args = Cli::parse_from(["quickstart"]).args;
         assert_eq!(args.workers, 8);
-        assert_eq!(u64::from(args.block_size), TRACE_BLOCK_SIZE);
+        assert_eq!(u64::from(args.block_size), crate::trace::TRACE_BLOCK_SIZE);
         assert_eq!(args.time_scale.get(), 10.0);
         assert_eq!(args.policies, vec![PolicyKind::Kv, PolicyKind::RoundRobin]);
         assert_eq!(args.out, PathBuf::from("target/quickstart"));
@@ -351,10 +350,11 @@ mod tests {
     #[tokio::test]
     async fn wrong_block_size_is_rejected_before_starting_anything() {
         let mut args = Cli::parse_from(["quickstart"]).args;
-        args.block_size = 16;
+        args.block_size = 48;
         let err = run(args).await.unwrap_err();
         assert!(
-            err.to_string().contains("--block-size must be 512"),
+            err.to_string()
+                .contains("--block-size: engine block size 48 tokens does not divide"),
             "{err}"
         );
     }

@@ -12,9 +12,16 @@
 //!
 //! with `timestamp` in ms from the start of the trace (non-decreasing, ties common),
 //! lengths in tokens, and one hash id per [`TRACE_BLOCK_SIZE`]-token block. Each hash
-//! id stands for the whole prefix up to the end of its block, so the ids can be used
-//! directly as [`LocalBlockHash`]es: two requests share a block hash at position `i`
-//! exactly when they share tokens `0..512 * (i + 1)`.
+//! id stands for the whole prefix up to the end of its block: two requests share a
+//! hash id at position `i` exactly when they share tokens `0..512 * (i + 1)`.
+//!
+//! Engines use smaller blocks (64 tokens by default), so [`BlockMapping`] splits each
+//! trace block into `512 / block_size` engine blocks: sub-block `j` of trace hash id
+//! `h` gets `LocalBlockHash(xxh3_64(seed = 1337, le_u32 words of h ‖ j))`. Because `h`
+//! already names the whole prefix, the pair `(h, j)` names the prefix up to the end of
+//! that engine block, so equal engine block hashes still mean equal prefixes. The
+//! online replay and the offline lab both build prompts with this one mapping, so they
+//! see the same blocks.
 //!
 //! Loading is a single pass over the file; a trace of `n` requests with `b` block
 //! references costs `O(n + b)` time and about `8 b` bytes for the hash ids. Every row is
@@ -54,10 +61,76 @@ pub struct TraceRequest {
     pub hash_ids: Vec<u64>,
 }
 
-impl TraceRequest {
-    /// The hash ids as router block hashes, in prefix order.
-    pub fn block_hashes(&self) -> Vec<LocalBlockHash> {
-        self.hash_ids.iter().copied().map(LocalBlockHash).collect()
+/// The engine block size does not divide [`TRACE_BLOCK_SIZE`], so trace blocks cannot
+/// be split into whole engine blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "engine block size {0} tokens does not divide the trace block size of {TRACE_BLOCK_SIZE} tokens"
+)]
+pub struct BlockSizeMismatch(pub u32);
+
+/// How trace blocks ([`TRACE_BLOCK_SIZE`] tokens) map onto engine blocks of
+/// `engine_block_size` tokens: each trace block becomes `512 / engine_block_size`
+/// engine blocks (see the module docs for the hash). The one mapping used by the
+/// online replay and the offline lab.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockMapping {
+    engine_block_size: u32,
+    sub_blocks: u64,
+}
+
+impl BlockMapping {
+    /// The mapping onto engine blocks of `engine_block_size` tokens.
+    ///
+    /// # Errors
+    /// [`BlockSizeMismatch`] unless `engine_block_size` is a divisor of 512 (1, 2, 4,
+    /// …, 64, …, 512).
+    pub fn new(engine_block_size: u32) -> Result<Self, BlockSizeMismatch> {
+        let bs = u64::from(engine_block_size);
+        if bs == 0 || TRACE_BLOCK_SIZE % bs != 0 {
+            return Err(BlockSizeMismatch(engine_block_size));
+        }
+        Ok(Self {
+            engine_block_size,
+            sub_blocks: TRACE_BLOCK_SIZE / bs,
+        })
+    }
+
+    /// Tokens per engine block.
+    pub fn engine_block_size(&self) -> u32 {
+        self.engine_block_size
+    }
+
+    /// Engine blocks per trace block.
+    pub fn sub_blocks(&self) -> u64 {
+        self.sub_blocks
+    }
+
+    /// The local block hash of engine sub-block `j` of the trace block with hash id
+    /// `trace_hash`: xxh3-64 (seed 1337) over the little-endian `u32` words
+    /// `[low(h), high(h), j]`.
+    pub fn sub_block_hash(trace_hash: u64, j: u32) -> LocalBlockHash {
+        // Truncation is the point: split the id into its low and high 32-bit words.
+        let words = [trace_hash as u32, (trace_hash >> 32) as u32, j];
+        kv_events::hash_block(&words)
+    }
+
+    /// One local block hash per engine block of `request`'s prompt,
+    /// `ceil(input_length / engine_block_size)` of them in prefix order (the last may
+    /// be partial, as the router and engines expect). A request whose `hash_ids` are
+    /// too short for its `input_length` (impossible for a parsed trace) gets hashes
+    /// only for the engine blocks its ids cover.
+    pub fn block_hashes(&self, request: &TraceRequest) -> Vec<LocalBlockHash> {
+        let blocks = request
+            .input_length
+            .div_ceil(u64::from(self.engine_block_size));
+        (0..blocks)
+            .map_while(|k| {
+                let trace_hash = *request.hash_ids.get((k / self.sub_blocks) as usize)?;
+                // k % sub_blocks < 512 fits in u32.
+                Some(Self::sub_block_hash(trace_hash, (k % self.sub_blocks) as u32))
+            })
+            .collect()
     }
 }
 
@@ -199,10 +272,59 @@ mod tests {
             }
         );
         assert_eq!(trace[2].timestamp_ms, 250);
+    }
+
+    #[test]
+    fn mapping_splits_each_trace_block_into_engine_blocks() {
+        let trace = parse_trace(SAMPLE.as_bytes()).unwrap();
+        let sub = BlockMapping::sub_block_hash;
+        let m512 = BlockMapping::new(512).unwrap();
+        assert_eq!(m512.sub_blocks(), 1);
         assert_eq!(
-            trace[2].block_hashes(),
-            vec![LocalBlockHash(0), LocalBlockHash(1), LocalBlockHash(7)]
+            m512.block_hashes(&trace[2]),
+            vec![sub(0, 0), sub(1, 0), sub(7, 0)]
         );
+        let m64 = BlockMapping::new(64).unwrap();
+        assert_eq!(m64.sub_blocks(), 8);
+        // 1,000 tokens: 16 engine blocks (the last partial), 8 per trace block.
+        let hashes = m64.block_hashes(&trace[0]);
+        assert_eq!(hashes.len(), 16);
+        assert_eq!(hashes[0], sub(0, 0));
+        assert_eq!(hashes[7], sub(0, 7));
+        assert_eq!(hashes[8], sub(1, 0));
+        assert_eq!(hashes[15], sub(1, 7));
+        // Requests sharing trace block 0 share its 8 engine blocks, and only those.
+        let other = m64.block_hashes(&trace[2]);
+        assert_eq!(hashes[..8], other[..8]);
+        assert_eq!(hashes[8..16], other[8..16]);
+        assert_eq!(other.len(), 17);
+        assert_eq!(other[16], sub(7, 0));
+        // Distinct (id, j) pairs give distinct hashes; the id's high word matters.
+        assert_ne!(sub(0, 1), sub(1, 0));
+        assert_ne!(sub(1, 0), sub(1 << 32 | 1, 0));
+    }
+
+    #[test]
+    fn mapping_rejects_block_sizes_that_do_not_divide_512() {
+        for bs in [0, 3, 48, 100, 1024] {
+            assert_eq!(BlockMapping::new(bs), Err(BlockSizeMismatch(bs)));
+        }
+        for bs in [1, 16, 64, 128, 512] {
+            assert_eq!(BlockMapping::new(bs).unwrap().engine_block_size(), bs);
+        }
+        let err = BlockMapping::new(48).unwrap_err().to_string();
+        assert!(err.contains("48") && err.contains("512"), "{err}");
+    }
+
+    #[test]
+    fn mapping_stops_where_hash_ids_end() {
+        let short = TraceRequest {
+            timestamp_ms: 0,
+            input_length: 1024,
+            output_length: 1,
+            hash_ids: vec![5],
+        };
+        assert_eq!(BlockMapping::new(256).unwrap().block_hashes(&short).len(), 2);
     }
 
     #[test]

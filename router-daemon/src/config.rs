@@ -4,10 +4,12 @@
 //! [`indexer::IndexerConfig`] to the indexer and [`scheduler::SchedulerConfig`] to the
 //! scheduler. Every policy's knobs live in its own `PolicyConfig` variant.
 
+pub use crate::http::{HttpConfig, ListenAddr};
+pub use crate::nats::{ClientCertificate, NatsAuth, NatsConfig, NatsTls};
 use clap::Args;
-use kv_events::routing::PolicyKind;
+use std::path::PathBuf;
 use kv_events::{Namespace, Subjects};
-use scheduler::{KvPolicyConfig, PolicyConfig, SchedulerConfig};
+use scheduler::SchedulerConfig;
 use std::time::Duration;
 
 /// `kv-router serve` flags. Each flag can also be set by the environment variable named
@@ -22,6 +24,34 @@ pub struct ServeArgs {
         value_delimiter = ','
     )]
     pub nats_url: Vec<String>,
+    /// NATS credentials file (user JWT + nkey seed, `.creds`).
+    #[arg(long, env = "KV_ROUTER_NATS_CREDS")]
+    pub nats_creds: Option<PathBuf>,
+    /// NATS authentication token.
+    #[arg(long, env = "KV_ROUTER_NATS_TOKEN", hide_env_values = true)]
+    pub nats_token: Option<String>,
+    /// NATS user name (with --nats-password).
+    #[arg(long, env = "KV_ROUTER_NATS_USER")]
+    pub nats_user: Option<String>,
+    /// NATS password (with --nats-user).
+    #[arg(long, env = "KV_ROUTER_NATS_PASSWORD", hide_env_values = true)]
+    pub nats_password: Option<String>,
+    /// Root CA (PEM) to verify the NATS servers with, in addition to the system roots.
+    #[arg(long, env = "KV_ROUTER_NATS_TLS_CA")]
+    pub nats_tls_ca: Option<PathBuf>,
+    /// Client certificate (PEM) for mutual TLS with NATS (with --nats-tls-key).
+    #[arg(long, env = "KV_ROUTER_NATS_TLS_CERT")]
+    pub nats_tls_cert: Option<PathBuf>,
+    /// Private key (PEM) of --nats-tls-cert.
+    #[arg(long, env = "KV_ROUTER_NATS_TLS_KEY")]
+    pub nats_tls_key: Option<PathBuf>,
+    /// Refuse to talk to NATS without TLS.
+    #[arg(long, env = "KV_ROUTER_NATS_TLS_REQUIRED")]
+    pub nats_tls_required: bool,
+    /// Address of the HTTP endpoint (/metrics, /health/livez, /health/readyz,
+    /// /debug/workers), or `off`.
+    #[arg(long, env = "KV_ROUTER_HTTP_LISTEN", default_value = "0.0.0.0:9090")]
+    pub http_listen: ListenAddr,
     /// etcd endpoint URL(s), comma-separated.
     #[arg(
         long,
@@ -36,18 +66,15 @@ pub struct ServeArgs {
     /// Tokens per KV block; every worker in the namespace must register the same size.
     #[arg(long, env = "KV_ROUTER_BLOCK_SIZE", default_value_t = 64)]
     pub block_size: u32,
-    /// Default routing policy: kv, round-robin or random (overridable per request).
-    #[arg(long, env = "KV_ROUTER_POLICY", default_value = "kv")]
-    pub policy: PolicyKind,
-    /// kv policy: weight of one uncached prompt block against one active decode block.
-    #[arg(long, env = "KV_ROUTER_OVERLAP_WEIGHT", default_value_t = 1.0)]
-    pub overlap_weight: f64,
-    /// kv policy: softmax temperature over normalized costs; 0 always picks the cheapest.
-    #[arg(long, env = "KV_ROUTER_TEMPERATURE", default_value_t = 0.0)]
-    pub temperature: f64,
+    /// Policy, its knobs, load accounting, busy thresholds, wait queue, replica sync.
+    #[command(flatten)]
+    pub scheduling: Box<crate::scheduling_args::SchedulingArgs>,
     /// Indexer shard tasks (default: the number of cores).
     #[arg(long, env = "KV_ROUTER_SHARDS")]
     pub shards: Option<usize>,
+    /// Index backend, memory bound, approximate mode, recovery and JetStream.
+    #[command(flatten)]
+    pub index: crate::durability::IndexArgs,
     /// Seed for the scheduler's tie-break and sampling RNG (default: from the OS).
     #[arg(long, env = "KV_ROUTER_SEED")]
     pub seed: Option<u64>,
@@ -61,13 +88,6 @@ pub struct ServeArgs {
         default_value_t = 5000
     )]
     pub etcd_connect_timeout_ms: u64,
-}
-
-/// How to reach NATS.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct NatsConfig {
-    /// Server URLs, tried in order by the client.
-    pub servers: Vec<String>,
 }
 
 /// How to reach etcd.
@@ -95,14 +115,20 @@ pub struct DaemonConfig {
     pub subjects: Subjects,
     /// NATS connection.
     pub nats: NatsConfig,
+    /// HTTP endpoint.
+    pub http: HttpConfig,
     /// etcd connection.
     pub etcd: EtcdConfig,
     /// Routing service.
     pub route: RouteConfig,
-    /// Indexer shards and queues.
+    /// Indexer backend, shards, queues, memory bound and mode.
     pub indexer: indexer::IndexerConfig,
-    /// Policy and its knobs.
+    /// Gap recovery and the optional JetStream path.
+    pub durability: crate::durability::DurabilityConfig,
+    /// Policy and its knobs, load accounting and busy thresholds.
     pub scheduler: SchedulerConfig,
+    /// Wait queue and replica sync.
+    pub admission: crate::admission::AdmissionConfig,
     /// RNG seed of the scheduler, `None` for an OS seed.
     pub rng_seed: Option<u64>,
 }
@@ -155,24 +181,23 @@ impl DaemonConfig {
         if args.shards == Some(0) {
             return Err(invalid("shards", "must be at least 1"));
         }
-        let policy = match args.policy {
-            PolicyKind::Kv => PolicyConfig::Kv(KvPolicyConfig {
-                overlap_weight: args.overlap_weight,
-                temperature: args.temperature,
-            }),
-            PolicyKind::RoundRobin => PolicyConfig::RoundRobin,
-            PolicyKind::Random => PolicyConfig::Random,
-        };
-        let scheduler = SchedulerConfig { policy };
-        scheduler.validate()?;
+        let (scheduler, admission) = args.scheduling.to_configs()?;
+        if admission.queue.capacity >= args.max_inflight_routes {
+            return Err(invalid(
+                "queue-capacity",
+                "must be below --max-inflight-routes: each waiting request holds a route slot",
+            ));
+        }
         let mut indexer = indexer::IndexerConfig::default();
         if let Some(shards) = args.shards {
             indexer.num_shards = shards;
         }
+        let durability = args.index.apply(&subjects, &mut indexer)?;
         Ok(Self {
             subjects,
-            nats: NatsConfig {
-                servers: trimmed(&args.nats_url),
+            nats: nats_config(args)?,
+            http: HttpConfig {
+                listen: args.http_listen,
             },
             etcd: EtcdConfig {
                 endpoints: trimmed(&args.etcd_endpoints),
@@ -183,10 +208,60 @@ impl DaemonConfig {
                 max_inflight: args.max_inflight_routes,
             },
             indexer,
+            durability,
             scheduler,
+            admission,
             rng_seed: args.seed,
         })
     }
+}
+
+/// NATS servers, authentication (at most one method) and TLS from the flags.
+fn nats_config(args: &ServeArgs) -> Result<NatsConfig, ConfigError> {
+    let invalid = |field: &'static str, reason: &str| ConfigError::Invalid {
+        field,
+        reason: reason.to_owned(),
+    };
+    let auth = match (
+        &args.nats_creds,
+        &args.nats_token,
+        &args.nats_user,
+        &args.nats_password,
+    ) {
+        (None, None, None, None) => NatsAuth::None,
+        (Some(path), None, None, None) => NatsAuth::CredentialsFile(path.clone()),
+        (None, Some(token), None, None) => NatsAuth::Token(token.clone()),
+        (None, None, Some(user), Some(password)) => NatsAuth::UserPassword {
+            user: user.clone(),
+            password: password.clone(),
+        },
+        (None, None, Some(_), None) => return Err(invalid("nats-password", "required with --nats-user")),
+        (None, None, None, Some(_)) => return Err(invalid("nats-user", "required with --nats-password")),
+        _ => {
+            return Err(invalid(
+                "nats-creds",
+                "choose one of --nats-creds, --nats-token or --nats-user/--nats-password",
+            ));
+        }
+    };
+    let client_cert = match (&args.nats_tls_cert, &args.nats_tls_key) {
+        (None, None) => None,
+        (Some(cert), Some(key)) => Some(ClientCertificate {
+            cert: cert.clone(),
+            key: key.clone(),
+        }),
+        (Some(_), None) => return Err(invalid("nats-tls-key", "required with --nats-tls-cert")),
+        (None, Some(_)) => return Err(invalid("nats-tls-cert", "required with --nats-tls-key")),
+    };
+    Ok(NatsConfig {
+        servers: trimmed(&args.nats_url),
+        auth,
+        tls: NatsTls {
+            ca_file: args.nats_tls_ca.clone(),
+            client_cert,
+            required: args.nats_tls_required,
+        },
+    })
 }
 
 fn trimmed(values: &[String]) -> Vec<String> {
@@ -219,7 +294,10 @@ mod tests {
         let config = DaemonConfig::from_args(&parse(&[])).unwrap();
         assert_eq!(config.route.block_size, 64);
         assert_eq!(config.subjects.namespace().as_str(), "kv-router");
-        assert!(matches!(config.scheduler.policy, PolicyConfig::Kv(_)));
+        assert!(matches!(
+            config.scheduler.policy,
+            scheduler::PolicyConfig::Kv(_)
+        ));
     }
 
     #[test]
@@ -247,7 +325,7 @@ mod tests {
         let err = DaemonConfig::from_args(&parse(&["--shards", "0"])).unwrap_err();
         assert!(err.to_string().contains("--shards"), "{err}");
         let err = DaemonConfig::from_args(&parse(&["--overlap-weight", "-1"])).unwrap_err();
-        assert!(err.to_string().contains("overlap_weight"), "{err}");
+        assert!(err.to_string().contains("prefill_load_scale"), "{err}");
         assert!(Cli::try_parse_from(["kv-router", "--policy", "best"]).is_err());
     }
 }

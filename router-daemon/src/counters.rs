@@ -1,9 +1,12 @@
-//! Prometheus counters for what the daemon received, applied and rejected.
+//! Prometheus counters for what the daemon received, applied and rejected, and the
+//! handle to every other daemon metric ([`crate::metrics::Metrics`]).
 //!
 //! Metrics come from an injected [`prometheus::Registry`] so that several daemons can
 //! run in one process (tests) without clashing in a global registry;
 //! [`Counters::unregistered`] gives working counters that nobody scrapes.
 
+use crate::metrics::Metrics;
+use prometheus::core::{Collector, Desc};
 use prometheus::{IntCounterVec, IntGauge, Opts, Registry};
 
 /// Message kinds the daemon consumes, used as the `kind` label.
@@ -19,6 +22,8 @@ pub enum MessageKind {
     Lifecycle,
     /// etcd worker registrations.
     Registration,
+    /// Sequence sync messages from peer router replicas.
+    Sequences,
 }
 
 impl MessageKind {
@@ -29,6 +34,7 @@ impl MessageKind {
             MessageKind::Route => "route",
             MessageKind::Lifecycle => "lifecycle",
             MessageKind::Registration => "registration",
+            MessageKind::Sequences => "sequences",
         }
     }
 }
@@ -54,11 +60,13 @@ impl Outcome {
     }
 }
 
-/// The daemon's counters.
+/// The daemon's counters, plus every other metric group in [`Counters::metrics`].
 #[derive(Clone)]
 pub struct Counters {
     messages: IntCounterVec,
     workers: IntGauge,
+    /// Routing, event, recovery, queue, load and connection metrics.
+    pub metrics: Metrics,
 }
 
 impl Counters {
@@ -68,9 +76,32 @@ impl Counters {
     /// A [`prometheus::Error`] if a metric of the same name is already registered.
     pub fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
         let counters = Self::unregistered();
-        registry.register(Box::new(counters.messages.clone()))?;
-        registry.register(Box::new(counters.workers.clone()))?;
+        for collector in counters.collectors() {
+            registry.register(collector)?;
+        }
         Ok(counters)
+    }
+
+    /// Every collector, in registration order.
+    fn collectors(&self) -> Vec<Box<dyn Collector>> {
+        let mut all: Vec<Box<dyn Collector>> = vec![
+            Box::new(self.messages.clone()),
+            Box::new(self.workers.clone()),
+        ];
+        all.extend(self.metrics.collectors());
+        all
+    }
+
+    /// The descriptors of every metric (name, help, label names), sorted by name: what
+    /// `/metrics` can export. Vectors without samples yet are included.
+    pub fn descriptors(&self) -> Vec<Desc> {
+        let mut descs: Vec<Desc> = self
+            .collectors()
+            .iter()
+            .flat_map(|c| c.desc().into_iter().cloned())
+            .collect();
+        descs.sort_by(|a, b| a.fq_name.cmp(&b.fq_name));
+        descs
     }
 
     /// Counters that are not registered anywhere.
@@ -88,7 +119,11 @@ impl Counters {
         #[allow(clippy::expect_used)]
         let workers = IntGauge::new("kv_router_workers", "Workers currently registered in etcd")
             .expect("static metric definition is valid");
-        Self { messages, workers }
+        Self {
+            messages,
+            workers,
+            metrics: Metrics::new(),
+        }
     }
 
     /// Counts one message.

@@ -1,81 +1,160 @@
 //! Start-up and shutdown of the daemon, in one place.
 //!
-//! Start-up order, chosen so that nothing published during start-up is lost:
-//! 1. connect to NATS and etcd, spawn the indexer shards;
-//! 2. subscribe to KV events, load metrics and lifecycle messages (NATS buffers them
-//!    from here on);
-//! 3. load every worker registration from etcd, then watch from the next revision;
-//! 4. join the route queue group last, so no query is answered before workers are
-//!    known; log `kv-router ready`.
+//! Start-up order, chosen so that nothing published during start-up is lost and so
+//! that probes can watch it:
+//! 1. ([`Starting::new`]) build the router state — indexer shards, scheduler, metrics,
+//!    health — with no network; the HTTP endpoint can be served from here on
+//!    ([`Starting::serve_http`]) and reports "starting, not ready";
+//! 2. connect to NATS (retried in the background until a server answers);
+//! 3. subscribe to KV events, load metrics, lifecycle messages and replica sequence
+//!    sync (NATS buffers them from here on); start the sync publisher and the request
+//!    expiry task;
+//! 4. connect to etcd and load every worker registration, retrying with backoff while
+//!    etcd is unavailable; then watch from the next revision;
+//! 5. finish the initial recovery of the index;
+//! 6. join the route queue group last, so no query is answered before workers are
+//!    known; confirm the subscriptions with a server round trip; log `kv-router ready`
+//!    and report ready.
 //!
-//! Shutdown order: stop intake (unsubscribe; in-flight route queries are still
-//! answered) → wait for the intake tasks → stop discovery → drain and stop the indexer
-//! shards → drain the NATS connection.
+//! Shutdown order ([`Daemon::shutdown`]): report not ready → stop intake (unsubscribe;
+//! route queries already received are still answered, later ones get "no responders")
+//! → wait for the intake tasks → stop discovery → drain the indexer shards (every
+//! event batch intake accepted is applied) and stop them → drain the NATS connection →
+//! stop the HTTP endpoint.
+//!
+//! If start-up fails, or its future is dropped (a shutdown signal during start-up),
+//! every task it spawned is cancelled.
 
+use crate::admission::Admission;
 use crate::config::DaemonConfig;
 use crate::counters::Counters;
+use crate::health::Phase;
+use crate::http::{HttpServer, HttpState};
 use crate::state::RouterState;
 use crate::{discovery, intake, route};
 use anyhow::Context;
-use indexer::ShardedIndexer;
+use indexer::Indexer;
 use scheduler::Scheduler;
 use std::future::Future;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::info;
 
-/// A running daemon. Dropping it without [`Daemon::shutdown`] cancels every task
-/// abruptly; call `shutdown` for the orderly sequence.
-pub struct Daemon {
+/// A daemon whose state exists but which is not connected yet. Serve HTTP from it
+/// while it starts, then [`Starting::start`] it.
+pub struct Starting {
+    config: DaemonConfig,
+    registry: prometheus::Registry,
     state: Arc<RouterState>,
-    nats: async_nats::Client,
-    intake: CancellationToken,
-    intake_tasks: TaskTracker,
-    discovery: CancellationToken,
-    discovery_tasks: TaskTracker,
+    /// Parent of every task token; cancelled if start-up does not complete.
+    root: CancellationToken,
     indexer_shutdown: CancellationToken,
+    http: Option<HttpServer>,
 }
 
-impl Daemon {
-    /// Connects, subscribes and loads discovery; returns once the daemon is ready to
-    /// answer routing queries.
+impl Starting {
+    /// Registers the metrics and builds the router state (spawning the indexer
+    /// shards). Needs no network.
     ///
     /// # Errors
-    /// When NATS or etcd cannot be reached, a subscription fails, or the metrics
-    /// cannot be registered in `registry`.
-    pub async fn start(
-        config: DaemonConfig,
-        registry: &prometheus::Registry,
-    ) -> anyhow::Result<Self> {
+    /// When the metrics cannot be registered in `registry` (a name is taken), or the
+    /// indexer or scheduler refuse their config.
+    pub fn new(config: DaemonConfig, registry: &prometheus::Registry) -> anyhow::Result<Self> {
         let counters = Counters::register(registry).context("registering metrics")?;
-        let nats = async_nats::ConnectOptions::new()
-            .name("kv-router")
-            .connect(config.nats.servers.clone())
-            .await
-            .with_context(|| format!("connecting to NATS at {:?}", config.nats.servers))?;
-        let mut etcd = discovery::connect(&config.etcd).await?;
-
-        let indexer_shutdown = CancellationToken::new();
-        let indexer = ShardedIndexer::spawn(config.indexer.clone(), indexer_shutdown.clone())
+        let root = CancellationToken::new();
+        let indexer_shutdown = root.child_token();
+        let indexer = Indexer::spawn(config.indexer.clone(), indexer_shutdown.clone())
             .context("starting the indexer")?;
         let scheduler = Scheduler::new(config.scheduler.clone(), config.rng_seed)
             .context("building the scheduler")?;
-        let subjects = config.subjects.clone();
+        let admission =
+            Admission::register(&config.admission, registry, counters.metrics.queue.clone())
+                .context("registering admission metrics")?;
         let state = Arc::new(RouterState::new(
-            subjects.clone(),
+            config.subjects.clone(),
             config.route.block_size,
             indexer,
             scheduler,
             counters,
+            admission,
         ));
+        Ok(Self {
+            config,
+            registry: registry.clone(),
+            state,
+            root,
+            indexer_shutdown,
+            http: None,
+        })
+    }
 
-        let intake = CancellationToken::new();
-        let intake_tasks = TaskTracker::new();
-        let events = nats
-            .subscribe(subjects.kv_events_all())
+    /// The shared router state (its `health` reports start-up progress).
+    pub fn state(&self) -> &Arc<RouterState> {
+        &self.state
+    }
+
+    /// Serves the HTTP endpoint on `addr` (port 0 picks one) from now until the end of
+    /// [`Daemon::shutdown`]. Returns the bound address.
+    ///
+    /// # Errors
+    /// When the address cannot be bound.
+    pub async fn serve_http(&mut self, addr: SocketAddr) -> anyhow::Result<SocketAddr> {
+        let server = HttpServer::start(
+            addr,
+            HttpState {
+                registry: self.registry.clone(),
+                router: self.state.clone(),
+            },
+        )
+        .await?;
+        let bound = server.local_addr();
+        self.http = Some(server);
+        Ok(bound)
+    }
+
+    /// Connects, subscribes, loads discovery (retrying etcd with backoff) and recovers;
+    /// returns once the daemon is ready to answer routing queries.
+    ///
+    /// # Errors
+    /// When the NATS options are unusable or a subscription fails. etcd being
+    /// unavailable is not an error: it is retried until it answers.
+    pub async fn start(self) -> anyhow::Result<Daemon> {
+        let Starting {
+            config,
+            registry: _,
+            state,
+            root,
+            indexer_shutdown,
+            http,
+        } = self;
+        // Cancels every task below if this future fails or is dropped before the end.
+        let abandon = root.clone().drop_guard();
+        let subjects = config.subjects.clone();
+        let nats = crate::nats::connect(&config.nats, state.clone())
             .await
-            .context("subscribing to kv events")?;
+            .context("configuring the NATS connection")?;
+
+        let intake = root.child_token();
+        let intake_tasks = TaskTracker::new();
+        // KV events first: a core subscription, or the JetStream stream after its
+        // snapshot is restored (see `durability`); then the recovery service.
+        let event_intake = crate::durability::start_event_intake(
+            &config.durability,
+            &state,
+            &nats,
+            &intake_tasks,
+            &intake,
+        )
+        .await?;
+        let recovery = crate::durability::recovery::spawn(
+            state.clone(),
+            nats.clone(),
+            config.durability.recovery,
+            &intake_tasks,
+            intake.child_token(),
+        );
         let metrics = nats
             .subscribe(subjects.load_metrics_all())
             .await
@@ -84,11 +163,6 @@ impl Daemon {
             .subscribe(subjects.lifecycle())
             .await
             .context("subscribing to lifecycle")?;
-        intake_tasks.spawn(intake::serve_events(
-            state.clone(),
-            events,
-            intake.child_token(),
-        ));
         intake_tasks.spawn(intake::serve_with(
             state.clone(),
             metrics,
@@ -101,22 +175,40 @@ impl Daemon {
             intake.child_token(),
             crate::lifecycle::handle_lifecycle,
         ));
+        crate::replicas::start(&state, &nats, &intake_tasks, &intake).await?;
+        intake_tasks.spawn(crate::admission::expire_requests(
+            state.clone(),
+            intake.child_token(),
+        ));
 
+        let discovery_token = root.child_token();
         let mut known = discovery::KnownWorkers::new();
-        let revision = discovery::resync(&mut etcd, &state, &mut known).await?;
-        let discovery_token = CancellationToken::new();
+        let Some((etcd, revision)) =
+            discovery::connect_and_load(&config.etcd, &state, &mut known, &discovery_token).await
+        else {
+            anyhow::bail!("start-up cancelled while waiting for etcd");
+        };
+        state.health.set_discovery_loaded();
         let discovery_tasks = TaskTracker::new();
         info!(
             workers = known.len(),
             revision, "loaded worker registrations"
         );
         discovery_tasks.spawn(discovery::watch(
+            config.etcd.clone(),
             etcd,
             state.clone(),
             known,
             revision,
             discovery_token.clone(),
         ));
+
+        // Initial recovery: JetStream catch-up and/or a dump from every registered
+        // worker; live events arriving meanwhile are buffered, not lost or doubled.
+        let recovered =
+            crate::durability::initial_recovery(&state, &recovery, event_intake).await?;
+        info!(summary = %recovered, "initial recovery done");
+        state.health.set_recovery_done(recovered);
 
         let routes = nats
             .queue_subscribe(subjects.route(), subjects.route_queue_group())
@@ -133,8 +225,10 @@ impl Daemon {
         crate::barrier::server_barrier(&nats)
             .await
             .context("syncing subscriptions with NATS")?;
+        abandon.disarm();
+        state.health.set_phase(Phase::Running);
         info!(namespace = %subjects.namespace(), route = %subjects.route(), "kv-router ready");
-        Ok(Self {
+        Ok(Daemon {
             state,
             nats,
             intake,
@@ -142,12 +236,46 @@ impl Daemon {
             discovery: discovery_token,
             discovery_tasks,
             indexer_shutdown,
+            http,
         })
     }
+}
 
-    /// The shared router state (indexer, scheduler, counters).
+/// A running daemon. Dropping it without [`Daemon::shutdown`] cancels every task
+/// abruptly; call `shutdown` for the orderly sequence.
+pub struct Daemon {
+    state: Arc<RouterState>,
+    nats: async_nats::Client,
+    intake: CancellationToken,
+    intake_tasks: TaskTracker,
+    discovery: CancellationToken,
+    discovery_tasks: TaskTracker,
+    indexer_shutdown: CancellationToken,
+    http: Option<HttpServer>,
+}
+
+impl Daemon {
+    /// Builds, connects, subscribes, loads discovery and recovers; returns once the
+    /// daemon is ready to answer routing queries. Serves no HTTP: use [`Starting`] (or
+    /// [`run`]) for that.
+    ///
+    /// # Errors
+    /// As [`Starting::new`] and [`Starting::start`].
+    pub async fn start(
+        config: DaemonConfig,
+        registry: &prometheus::Registry,
+    ) -> anyhow::Result<Self> {
+        Starting::new(config, registry)?.start().await
+    }
+
+    /// The shared router state (indexer, scheduler, counters, health).
     pub fn state(&self) -> &Arc<RouterState> {
         &self.state
+    }
+
+    /// The HTTP endpoint's address, when one is served.
+    pub fn http_addr(&self) -> Option<SocketAddr> {
+        self.http.as_ref().map(HttpServer::local_addr)
     }
 
     /// Runs the shutdown sequence described in the module docs.
@@ -156,7 +284,14 @@ impl Daemon {
     /// When the final NATS drain fails.
     pub async fn shutdown(self) -> anyhow::Result<()> {
         info!("shutting down: stopping intake");
+        self.state.health.set_phase(Phase::ShuttingDown);
         self.intake.cancel();
+        // Requests waiting for a busy worker are answered now instead of at their
+        // maximum wait.
+        {
+            let queue = &self.state.admission.queue;
+            queue.close(&mut queue.lock());
+        }
         self.intake_tasks.wait().await;
         // The subscriptions were dropped; make sure the server has processed the
         // unsubscribes, so clients get "no responders" instead of a timeout.
@@ -167,27 +302,52 @@ impl Daemon {
         self.discovery_tasks.close();
         self.discovery_tasks.wait().await;
         info!("draining indexer shards");
+        // Shards serve their event queues before snapshot requests, so once this
+        // answers, every batch intake handed to them has been applied.
+        if let Err(e) = self.state.indexer.stats().await {
+            tracing::warn!(error = %e, "indexer stopped before it could be drained");
+        }
         self.indexer_shutdown.cancel();
         self.state.indexer.closed().await;
-        self.nats
+        let drained = self
+            .nats
             .drain()
             .await
-            .context("draining the NATS connection")?;
+            .context("draining the NATS connection");
+        self.state.health.set_phase(Phase::Stopped);
+        if let Some(http) = self.http {
+            http.stop().await;
+        }
+        drained?;
         info!("shutdown complete");
         Ok(())
     }
 }
 
-/// Runs the daemon until `shutdown` resolves, then shuts it down in order.
+/// Runs the daemon until `shutdown` resolves, then shuts it down in order. Serves the
+/// HTTP endpoint of `config.http` from the start, so probes can watch start-up. A
+/// shutdown during start-up abandons the start.
 ///
 /// # Errors
-/// Start-up or shutdown failures (see [`Daemon::start`]).
+/// Start-up or shutdown failures (see [`Starting`]).
 pub async fn run(
     config: DaemonConfig,
     registry: &prometheus::Registry,
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
-    let daemon = Daemon::start(config, registry).await?;
+    let listen = config.http.listen.0;
+    let mut starting = Starting::new(config, registry)?;
+    if let Some(addr) = listen {
+        starting.serve_http(addr).await?;
+    }
+    let mut shutdown = std::pin::pin!(shutdown);
+    let daemon = tokio::select! {
+        daemon = starting.start() => daemon?,
+        () = &mut shutdown => {
+            info!("shutdown requested during start-up; abandoning start");
+            return Ok(());
+        }
+    };
     shutdown.await;
     daemon.shutdown().await
 }

@@ -44,8 +44,9 @@ pub async fn serve_events(
     subscriber: async_nats::Subscriber,
     intake: CancellationToken,
 ) {
-    let mut messages = std::pin::pin!(subscriber.take_until(intake.cancelled_owned()));
+    let mut messages = std::pin::pin!(crate::nats::drain_on_cancel(subscriber, intake));
     while let Some(msg) = messages.next().await {
+        let received = std::time::Instant::now();
         let Some(batch) = decode_events(&state, &msg.subject, &msg.payload) else {
             continue;
         };
@@ -53,6 +54,11 @@ pub async fn serve_events(
             warn!(error = %e, "indexer refused events; stopping event intake");
             return;
         }
+        state
+            .counters
+            .metrics
+            .events
+            .observe_lag(received.elapsed());
         state.counters.message(MessageKind::Events, Outcome::Ok);
     }
 }
@@ -63,6 +69,8 @@ pub fn handle_metrics(state: &RouterState, subject: &str, payload: &[u8]) {
         Ok(m) if Subjects::worker_id_from_subject(subject) == Some(m.worker_id) => {
             state.scheduler().update_load_metrics(m);
             state.counters.message(MessageKind::Metrics, Outcome::Ok);
+            // Engine-reported load counts toward busy: a lower sample may free room.
+            crate::admission::release_waiters(state);
         }
         Ok(m) => {
             state
@@ -91,7 +99,7 @@ pub async fn serve_with(
     intake: CancellationToken,
     handler: Handler,
 ) {
-    let mut messages = std::pin::pin!(subscriber.take_until(intake.cancelled_owned()));
+    let mut messages = std::pin::pin!(crate::nats::drain_on_cancel(subscriber, intake));
     while let Some(msg) = messages.next().await {
         handler(&state, &msg.subject, &msg.payload);
     }

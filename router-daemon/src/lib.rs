@@ -11,20 +11,45 @@
 //! - [`config`]: command-line flags parsed once into typed, validated sub-configs.
 //! - [`daemon`]: start-up and the shutdown order (stop intake → drain shards → close).
 //! - [`discovery`]: etcd worker registrations: initial load, then a watch.
+//! - [`durability`]: gap recovery from publishers, start-up resync, the optional
+//!   JetStream snapshot path, and the index flags (backend, memory bound, mode).
 //! - [`intake`]: KV event and load-metric subscriptions feeding indexer and scheduler.
 //! - [`route`]: the routing request-reply service.
-//! - [`lifecycle`]: prefill-done / freed messages from frontends.
+//! - [`lifecycle`]: prefill-done / keep-alive / freed messages from frontends.
+//! - [`admission`]: book now or wait in the queue; release waiters; expire requests.
+//! - [`queue`]: the bounded FCFS wait queue for when every worker is busy.
+//! - [`replicas`]: sequence sync of booked load between router replicas.
+//! - [`scheduling_args`]: the scheduling, queue and replica flags of `serve`.
 //! - [`state`]: the shared router state (indexer handle, scheduler lock, counters).
 //! - [`counters`]: Prometheus counters for messages the daemon handled or rejected.
+//! - [`metrics`]: every other Prometheus metric (routing, events, load, connections).
+//! - [`health`]: liveness and readiness state.
+//! - [`http`]: `/metrics`, `/health/livez`, `/health/readyz`, `/debug/workers`.
+//! - [`directory`]: registered workers with their etcd leases.
+//! - [`nats`]: NATS connection options (cluster, auth, TLS) and connection events.
+//! - [`relay`]: `kv-router relay`, the sidecar that feeds vLLM / SGLang KV events in.
+//! - [`probe`]: `kv-router probe`, a health check client for containers.
 
+pub mod admission;
 pub mod barrier;
 pub mod config;
 pub mod counters;
 pub mod daemon;
+pub mod directory;
 pub mod discovery;
+pub mod durability;
+pub mod health;
+pub mod http;
 pub mod intake;
 pub mod lifecycle;
+pub mod metrics;
+pub mod nats;
+pub mod relay;
+pub mod probe;
+pub mod queue;
+pub mod replicas;
 pub mod route;
+pub mod scheduling_args;
 pub mod state;
 
 pub use config::{DaemonConfig, ServeArgs};

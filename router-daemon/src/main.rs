@@ -20,6 +20,12 @@ enum Command {
     /// Serve routing queries: consume KV events and metrics from NATS, discover
     /// workers in etcd, answer on the route subject.
     Serve(ServeArgs),
+    /// Ask a running daemon's HTTP endpoint for its health; exit 0 only on HTTP 200.
+    /// For container health checks (the image needs no curl).
+    Probe(router_daemon::probe::ProbeArgs),
+    /// Sidecar beside one vLLM or SGLang engine: relay its ZMQ KV events to NATS in
+    /// kv-router's protocol and register it in etcd (see docs/engines.md).
+    Relay(router_daemon::relay::RelayArgs),
 }
 
 #[tokio::main]
@@ -36,6 +42,12 @@ async fn main() -> Result<()> {
             let config = DaemonConfig::from_args(&args)?;
             let registry = prometheus::Registry::new();
             router_daemon::run(config, &registry, shutdown_signal()).await
+        }
+        Command::Probe(args) => router_daemon::probe::run(&args).await,
+        Command::Relay(args) => {
+            let config = router_daemon::relay::RelayConfig::from_args(&args)?;
+            let registry = prometheus::Registry::new();
+            router_daemon::relay::run(config, &registry, shutdown_signal()).await
         }
     }
 }

@@ -2,10 +2,13 @@
 //! NATS queue group so that each query is answered by exactly one replica.
 //!
 //! Per query: hash the prompt (or take the given block hashes), ask every indexer shard
-//! for its prefix matches, then select and book under the scheduler lock. Bad requests
+//! for its prefix matches, then select and book under the scheduler lock — or wait in
+//! the queue while every eligible rank is busy ([`crate::admission`]). Bad requests
 //! get a typed error reply; nothing from the network can panic this path.
 
+use crate::admission::AdmitError;
 use crate::counters::{MessageKind, Outcome};
+use crate::queue::QueueError;
 use crate::state::RouterState;
 use futures::StreamExt;
 use kv_events::routing::{
@@ -76,6 +79,7 @@ pub fn prompt_blocks(prompt: Prompt, block_size: u32) -> Result<PromptBlocks, Ro
 
 /// Answers one route request payload. Counts the outcome.
 pub async fn handle_route(state: &RouterState, payload: &[u8]) -> RouteReply {
+    let started = std::time::Instant::now();
     let request: RouteRequest = match decode(payload) {
         Ok(r) => r,
         Err(e) => {
@@ -94,6 +98,7 @@ pub async fn handle_route(state: &RouterState, payload: &[u8]) -> RouteReply {
         RouteReply::Error(_) => Outcome::Rejected,
     };
     state.counters.message(MessageKind::Route, outcome);
+    state.counters.metrics.route.observe(&reply, started.elapsed());
     reply
 }
 
@@ -102,7 +107,12 @@ async fn route(state: &RouterState, request: RouteRequest) -> RouteReply {
         Ok(p) => p,
         Err(reply) => return reply,
     };
-    let overlaps = match state.indexer.find_matches(prompt.hashes).await {
+    // Approximate mode indexes the decision below; keep the hashes for it.
+    let routed_hashes = state
+        .indexer
+        .is_approximate()
+        .then(|| prompt.hashes.clone());
+    let overlaps = match state.indexer.find_matches(prompt.hashes.clone()).await {
         Ok(o) => o,
         Err(e) => {
             return error(
@@ -111,17 +121,24 @@ async fn route(state: &RouterState, request: RouteRequest) -> RouteReply {
             );
         }
     };
-    let schedule = ScheduleRequest {
-        request_id: request.request_id.clone(),
-        request_blocks: prompt.request_blocks,
-        num_tokens: prompt.num_tokens,
-        block_size: state.block_size,
-        policy: request.policy,
-    };
-    let selection = state.scheduler().schedule(&schedule, &overlaps);
-    match selection {
+    let mut schedule = ScheduleRequest::new(
+        request.request_id.clone(),
+        prompt.hashes,
+        prompt.num_tokens,
+        state.block_size,
+    );
+    schedule.request_blocks = prompt.request_blocks;
+    schedule.policy = request.policy;
+    schedule.dp_rank = request.dp_rank;
+    schedule.overrides = request.overrides;
+    match crate::admission::admit(state, schedule, overlaps, request.priority).await {
         Ok(sel) => {
             debug!(request_id = %request.request_id, worker = %sel.rank, overlap_blocks = sel.overlap_blocks, "routed");
+            if let Some(hashes) = routed_hashes {
+                if let Err(e) = state.indexer.record_routing(sel.rank, hashes).await {
+                    warn!(error = %e, "routing decision not indexed");
+                }
+            }
             RouteReply::Routed(RouteDecision {
                 request_id: request.request_id,
                 worker_id: sel.rank.worker_id,
@@ -131,12 +148,29 @@ async fn route(state: &RouterState, request: RouteRequest) -> RouteReply {
                 policy: sel.policy,
             })
         }
-        Err(SchedulerError::NoWorkers) => error(RouteErrorCode::NoWorkers, "no workers registered"),
-        Err(e @ SchedulerError::DuplicateRequest(_)) => {
-            error(RouteErrorCode::BadRequest, e.to_string())
-        }
-        Err(e) => error(RouteErrorCode::Internal, e.to_string()),
+        Err(e) => admit_error(e),
     }
+}
+
+/// The reply for a request that was not booked.
+fn admit_error(e: AdmitError) -> RouteReply {
+    let code = match &e {
+        AdmitError::Scheduler(SchedulerError::NoWorkers) => RouteErrorCode::NoWorkers,
+        AdmitError::Scheduler(SchedulerError::RankUnavailable(_)) => {
+            RouteErrorCode::RankUnavailable
+        }
+        AdmitError::Scheduler(
+            SchedulerError::DuplicateRequest(_) | SchedulerError::InvalidOverride { .. },
+        )
+        | AdmitError::Queue(QueueError::Duplicate(_)) => RouteErrorCode::BadRequest,
+        AdmitError::Scheduler(SchedulerError::AllBusy)
+        | AdmitError::Queue(QueueError::Full(_))
+        | AdmitError::TimedOut(_) => RouteErrorCode::Overloaded,
+        AdmitError::Queue(QueueError::Closed) | AdmitError::Scheduler(_) => {
+            RouteErrorCode::Internal
+        }
+    };
+    error(code, e.to_string())
 }
 
 /// Serves the route subject until `intake` is cancelled; queries already being handled
@@ -148,8 +182,7 @@ pub async fn serve(
     max_inflight: usize,
     intake: CancellationToken,
 ) {
-    subscriber
-        .take_until(intake.cancelled_owned())
+    crate::nats::drain_on_cancel(subscriber, intake)
         .for_each_concurrent(Some(max_inflight), |msg| {
             let state = state.clone();
             let client = client.clone();

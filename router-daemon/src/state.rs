@@ -6,8 +6,11 @@
 //! The critical section is a scan over registered ranks (microseconds), so the lock is
 //! not a throughput limit at the query rates a router replica sees.
 
+use crate::admission::Admission;
 use crate::counters::Counters;
-use indexer::ShardedIndexer;
+use crate::directory::WorkerDirectory;
+use crate::health::Health;
+use indexer::Indexer;
 use kv_events::Subjects;
 use scheduler::Scheduler;
 use std::sync::{Mutex, MutexGuard};
@@ -18,12 +21,18 @@ pub struct RouterState {
     pub subjects: Subjects,
     /// Tokens per KV block in this namespace.
     pub block_size: u32,
-    /// The sharded block index.
-    pub indexer: ShardedIndexer,
+    /// The block index (either backend, see `indexer::Indexer`).
+    pub indexer: Indexer,
     /// Worker selection and active-request load.
     scheduler: Mutex<Scheduler>,
     /// Message counters.
     pub counters: Counters,
+    /// Registered workers with their etcd leases (written by discovery).
+    pub directory: WorkerDirectory,
+    /// Readiness: NATS and etcd connection, discovery, recovery, phase.
+    pub health: Health,
+    /// Wait queue, replica sync and request expiry.
+    pub admission: Admission,
 }
 
 impl RouterState {
@@ -31,16 +40,20 @@ impl RouterState {
     pub fn new(
         subjects: Subjects,
         block_size: u32,
-        indexer: ShardedIndexer,
+        indexer: Indexer,
         scheduler: Scheduler,
         counters: Counters,
+        admission: Admission,
     ) -> Self {
         Self {
             subjects,
             block_size,
             indexer,
             scheduler: Mutex::new(scheduler),
+            health: Health::new(counters.metrics.connections.clone()),
             counters,
+            directory: WorkerDirectory::new(),
+            admission,
         }
     }
 

@@ -1,19 +1,31 @@
-//! Scheduler configuration: which policy picks the (worker, dp_rank), with its knobs.
+//! Scheduler configuration: the policy and its knobs, how booked load is counted and
+//! expires, when a rank is busy, and how long a prefill is expected to take.
 //!
-//! The policy is an enum whose variants carry their own typed settings, so a knob that
-//! only makes sense for the KV policy (such as `temperature`) cannot be set for
-//! round-robin. Configuration is validated once, in [`crate::Scheduler::new`]; it is
-//! plain data, cheap to clone, and costs nothing at scheduling time.
+//! Each part is a typed sub-config with a documented `Default` and serde derives, so
+//! the daemon can fill it from flags today and from a TOML file later without a
+//! translation layer. Configuration is validated once, in [`crate::Scheduler::new`];
+//! it is plain data, cheap to clone, and costs nothing at scheduling time.
 
+use crate::busy::BusyThresholds;
 use crate::error::SchedulerError;
-use kv_events::routing::PolicyKind;
+use crate::policy::PolicyConfig;
+use serde::{Deserialize, Serialize};
+use std::time::Duration;
 
 /// Everything the scheduler needs to know up front.
-#[derive(Debug, Clone, PartialEq, Default)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct SchedulerConfig {
     /// The daemon's default policy; a request may override it per call.
-    /// Default: [`PolicyConfig::Kv`] with [`KvPolicyConfig::default`].
+    /// Default: [`PolicyConfig::Kv`] with [`crate::KvPolicyConfig::default`].
     pub policy: PolicyConfig,
+    /// How booked requests are counted and when they expire.
+    pub sequences: SequencesConfig,
+    /// When a rank counts as busy and is skipped. Default: never.
+    pub busy: BusyThresholds,
+    /// How the expected prefill duration of a booking is estimated (it drives the
+    /// linear decay of the oldest in-flight prefill). Default: unknown, no decay.
+    pub prefill_duration: PrefillDurationModel,
 }
 
 impl SchedulerConfig {
@@ -22,84 +34,107 @@ impl SchedulerConfig {
     /// # Errors
     /// [`SchedulerError::InvalidConfig`] naming the first bad field.
     pub fn validate(&self) -> Result<(), SchedulerError> {
-        self.policy.validate()
+        self.policy.validate()?;
+        self.sequences.validate()?;
+        self.busy.validate()?;
+        self.prefill_duration.validate()
     }
 }
 
-/// A routing policy together with its settings.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum PolicyConfig {
-    /// KV-cache-aware cost: uncached prompt blocks plus active decode blocks.
-    Kv(KvPolicyConfig),
-    /// Cycle through the registered ranks in order, ignoring cache and load.
-    RoundRobin,
-    /// Pick a registered rank uniformly at random.
-    Random,
+/// How the active-sequence write model counts load and ages requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SequencesConfig {
+    /// Whether concurrent requests on one rank that share a prompt prefix share its
+    /// KV blocks during decode (prefix caching with cascade or shared-prefix
+    /// attention, as vLLM and SGLang do): their common blocks then count once in the
+    /// rank's active decode blocks. Set to false for engines that copy the prefix per
+    /// request. Default true.
+    pub assume_kv_reuse: bool,
+    /// A booked request that gets no lifecycle message (`prefill_done`, `keep_alive`,
+    /// `freed`) for this long is dropped, as its frontend presumably crashed. Every
+    /// lifecycle message restarts the clock. Must be at least 1 ms. Default 10 min:
+    /// twice Dynamo's fixed 5-minute stale-request sweep, which is known to drop long
+    /// healthy requests; frontends of requests that may run longer send `keep_alive`.
+    #[serde(rename = "request_ttl_ms", with = "duration_ms")]
+    pub request_ttl: Duration,
 }
 
-impl Default for PolicyConfig {
-    fn default() -> Self {
-        PolicyConfig::Kv(KvPolicyConfig::default())
-    }
-}
-
-impl PolicyConfig {
-    /// The wire name of this policy.
-    pub fn kind(&self) -> PolicyKind {
-        match self {
-            PolicyConfig::Kv(_) => PolicyKind::Kv,
-            PolicyConfig::RoundRobin => PolicyKind::RoundRobin,
-            PolicyConfig::Random => PolicyKind::Random,
-        }
-    }
-
-    /// Checks the policy's knobs.
-    ///
-    /// # Errors
-    /// [`SchedulerError::InvalidConfig`] naming the bad field.
-    pub fn validate(&self) -> Result<(), SchedulerError> {
-        match self {
-            PolicyConfig::Kv(kv) => kv.validate(),
-            PolicyConfig::RoundRobin | PolicyConfig::Random => Ok(()),
-        }
-    }
-}
-
-/// Knobs of the KV-aware policy (see [`crate::selector`] for the cost formula).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct KvPolicyConfig {
-    /// Weight of uncached prompt blocks (prefill work) against active decode blocks.
-    /// Higher favours cache hits and so TTFT; lower favours even decode load and so
-    /// ITL; 0 is pure load balancing. Finite and ≥ 0. Default 1.0.
-    pub overlap_weight: f64,
-    /// Softmax temperature over normalized costs. 0 always picks the lowest cost
-    /// (exact ties broken uniformly at random); larger values spread requests over
-    /// worse-scoring ranks, approaching uniform. Finite and ≥ 0. Default 0.0.
-    pub temperature: f64,
-}
-
-impl Default for KvPolicyConfig {
+impl Default for SequencesConfig {
     fn default() -> Self {
         Self {
-            overlap_weight: 1.0,
-            temperature: 0.0,
+            assume_kv_reuse: true,
+            request_ttl: Duration::from_secs(600),
         }
     }
 }
 
-impl KvPolicyConfig {
-    /// Checks that both knobs are finite and non-negative.
+impl SequencesConfig {
+    /// Checks the TTL.
     ///
     /// # Errors
-    /// [`SchedulerError::InvalidConfig`] with field `policy.kv.overlap_weight` or
-    /// `policy.kv.temperature`.
+    /// [`SchedulerError::InvalidConfig`] for `sequences.request_ttl_ms` below 1 ms.
     pub fn validate(&self) -> Result<(), SchedulerError> {
-        check_non_negative("policy.kv.overlap_weight", self.overlap_weight)?;
-        check_non_negative("policy.kv.temperature", self.temperature)
+        if self.request_ttl < Duration::from_millis(1) {
+            return Err(SchedulerError::InvalidConfig {
+                field: "sequences.request_ttl_ms",
+                reason: "must be at least 1 ms".into(),
+            });
+        }
+        Ok(())
     }
 }
 
-fn check_non_negative(field: &'static str, value: f64) -> Result<(), SchedulerError> {
+/// How long the prefill of a booked request is expected to take. The estimate is
+/// computed once, at booking, into the request's [`crate::PrefillLoadHint`].
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[serde(tag = "model", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum PrefillDurationModel {
+    /// No estimate: a rank's prefill load only drops at `prefill_done`.
+    #[default]
+    Unknown,
+    /// Prefill runs at a fixed rate: `uncached tokens / tokens_per_second`. Measure it
+    /// on the engine (prompt tokens per second of one rank at the typical batch).
+    Throughput {
+        /// Prefill rate of one rank, tokens per second; finite and > 0.
+        tokens_per_second: f64,
+    },
+}
+
+impl PrefillDurationModel {
+    /// The expected duration of prefilling `tokens` tokens, `None` without a model.
+    pub fn expected(&self, tokens: u64) -> Option<Duration> {
+        match self {
+            PrefillDurationModel::Unknown => None,
+            PrefillDurationModel::Throughput { tokens_per_second } => {
+                Duration::try_from_secs_f64(tokens as f64 / tokens_per_second).ok()
+            }
+        }
+    }
+
+    /// Checks the rate.
+    ///
+    /// # Errors
+    /// [`SchedulerError::InvalidConfig`] for a rate that is not finite and positive.
+    pub fn validate(&self) -> Result<(), SchedulerError> {
+        match self {
+            PrefillDurationModel::Unknown => Ok(()),
+            PrefillDurationModel::Throughput { tokens_per_second } => {
+                if tokens_per_second.is_finite() && *tokens_per_second > 0.0 {
+                    Ok(())
+                } else {
+                    Err(SchedulerError::InvalidConfig {
+                        field: "prefill_duration.tokens_per_second",
+                        reason: format!("must be finite and > 0, got {tokens_per_second}"),
+                    })
+                }
+            }
+        }
+    }
+}
+
+/// Checks that a knob is finite and non-negative.
+pub(crate) fn check_non_negative(field: &'static str, value: f64) -> Result<(), SchedulerError> {
     if value.is_finite() && value >= 0.0 {
         Ok(())
     } else {
@@ -110,18 +145,34 @@ fn check_non_negative(field: &'static str, value: f64) -> Result<(), SchedulerEr
     }
 }
 
+/// Serializes a [`Duration`] as whole milliseconds (a `u64`), for config files.
+pub mod duration_ms {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use std::time::Duration;
+
+    /// Writes `d` as milliseconds, saturating at `u64::MAX`.
+    ///
+    /// # Errors
+    /// Whatever the serializer reports.
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+    }
+
+    /// Reads milliseconds into a [`Duration`].
+    ///
+    /// # Errors
+    /// Whatever the deserializer reports for a non-integer.
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        u64::deserialize(d).map(Duration::from_millis)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn kv(overlap_weight: f64, temperature: f64) -> SchedulerConfig {
-        SchedulerConfig {
-            policy: PolicyConfig::Kv(KvPolicyConfig {
-                overlap_weight,
-                temperature,
-            }),
-        }
-    }
+    use crate::busy::Threshold;
+    use crate::policy::KvPolicyConfig;
+    use kv_events::routing::PolicyKind;
 
     fn bad_field(config: &SchedulerConfig) -> &'static str {
         match config.validate() {
@@ -131,50 +182,72 @@ mod tests {
     }
 
     #[test]
-    fn defaults_are_kv_with_unit_weight_and_zero_temperature() {
+    fn defaults_are_kv_reuse_ten_minutes_never_busy_no_decay() {
         let config = SchedulerConfig::default();
         assert_eq!(config.policy.kind(), PolicyKind::Kv);
-        assert_eq!(
-            config.policy,
-            PolicyConfig::Kv(KvPolicyConfig {
-                overlap_weight: 1.0,
-                temperature: 0.0
-            })
-        );
+        assert_eq!(config.policy, PolicyConfig::Kv(KvPolicyConfig::default()));
+        assert!(config.sequences.assume_kv_reuse);
+        assert_eq!(config.sequences.request_ttl, Duration::from_secs(600));
+        assert_eq!(config.busy, BusyThresholds::default());
+        assert_eq!(config.prefill_duration, PrefillDurationModel::Unknown);
         assert!(config.validate().is_ok());
     }
 
     #[test]
-    fn kind_maps_every_variant() {
-        assert_eq!(PolicyConfig::RoundRobin.kind(), PolicyKind::RoundRobin);
-        assert_eq!(PolicyConfig::Random.kind(), PolicyKind::Random);
-        assert_eq!(
-            PolicyConfig::Kv(KvPolicyConfig::default()).kind(),
-            PolicyKind::Kv
-        );
-    }
-
-    #[test]
     fn validation_names_the_bad_field() {
-        assert_eq!(bad_field(&kv(-0.5, 0.0)), "policy.kv.overlap_weight");
-        assert_eq!(bad_field(&kv(f64::NAN, 0.0)), "policy.kv.overlap_weight");
-        assert_eq!(
-            bad_field(&kv(f64::INFINITY, 0.0)),
-            "policy.kv.overlap_weight"
-        );
-        assert_eq!(bad_field(&kv(1.0, -1.0)), "policy.kv.temperature");
-        assert_eq!(bad_field(&kv(1.0, f64::NAN)), "policy.kv.temperature");
-        assert_eq!(bad_field(&kv(1.0, f64::INFINITY)), "policy.kv.temperature");
-        assert!(kv(0.0, 0.0).validate().is_ok());
-        assert!(kv(2.5, 10.0).validate().is_ok());
+        let mut config = SchedulerConfig::default();
+        config.sequences.request_ttl = Duration::ZERO;
+        assert_eq!(bad_field(&config), "sequences.request_ttl_ms");
+
+        let config = SchedulerConfig {
+            prefill_duration: PrefillDurationModel::Throughput {
+                tokens_per_second: 0.0,
+            },
+            ..SchedulerConfig::default()
+        };
+        assert_eq!(bad_field(&config), "prefill_duration.tokens_per_second");
+
+        let mut config = SchedulerConfig::default();
+        config.busy.decode_blocks = Some(Threshold::Fraction(f64::NAN));
+        assert_eq!(bad_field(&config), "busy.decode_blocks");
     }
 
     #[test]
-    fn error_message_is_lowercase_and_names_field_and_value() {
-        let err = kv(1.0, -2.0).validate().unwrap_err();
-        assert_eq!(
-            err.to_string(),
-            "invalid config field `policy.kv.temperature`: must be finite and >= 0, got -2"
-        );
+    fn throughput_model_divides_tokens_by_rate() {
+        let model = PrefillDurationModel::Throughput {
+            tokens_per_second: 1000.0,
+        };
+        assert_eq!(model.expected(250), Some(Duration::from_millis(250)));
+        assert_eq!(model.expected(0), Some(Duration::ZERO));
+        assert_eq!(PrefillDurationModel::Unknown.expected(250), None);
+    }
+
+    #[test]
+    fn config_round_trips_through_json_with_readable_units() {
+        let config = SchedulerConfig {
+            policy: PolicyConfig::default_for(PolicyKind::CacheAwareThreshold),
+            sequences: SequencesConfig {
+                assume_kv_reuse: false,
+                request_ttl: Duration::from_millis(1500),
+            },
+            busy: BusyThresholds {
+                decode_blocks: Some(Threshold::Fraction(0.9)),
+                prefill_tokens: Some(Threshold::Absolute(8192)),
+            },
+            prefill_duration: PrefillDurationModel::Throughput {
+                tokens_per_second: 5000.0,
+            },
+        };
+        let json = serde_json::to_value(&config).unwrap();
+        assert_eq!(json["sequences"]["request_ttl_ms"], 1500);
+        assert_eq!(json["policy"]["kind"], "cache-aware-threshold");
+        assert_eq!(json["prefill_duration"]["model"], "throughput");
+        let back: SchedulerConfig = serde_json::from_value(json).unwrap();
+        assert_eq!(back, config);
+        // Missing sections take their defaults.
+        let partial: SchedulerConfig =
+            serde_json::from_str(r#"{"policy": {"kind": "round-robin"}}"#).unwrap();
+        assert_eq!(partial.policy, PolicyConfig::RoundRobin);
+        assert_eq!(partial.sequences, SequencesConfig::default());
     }
 }

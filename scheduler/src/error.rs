@@ -5,8 +5,8 @@
 //! (a cloned request id or a config reason); the daemon maps them onto
 //! `kv_events::routing::RouteErrorCode` at the wire edge.
 
-use kv_events::RequestId;
 use kv_events::discovery::RegistrationError;
+use kv_events::{DpRank, RequestId, WorkerRank};
 
 /// Why a scheduler operation failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -14,14 +14,34 @@ pub enum SchedulerError {
     /// `schedule` was called while no (worker, dp_rank) is registered.
     #[error("no workers registered")]
     NoWorkers,
+    /// The request pinned a dp_rank that no registered worker has. Never answered by
+    /// falling back to another rank.
+    #[error("no registered worker has dp_rank {0}")]
+    RankUnavailable(DpRank),
+    /// Every rank the request may use is busy (see [`crate::BusyThresholds`]); the
+    /// request may wait and be scheduled again when load frees. Nothing was booked.
+    #[error("every eligible rank is busy")]
+    AllBusy,
     /// A request with this id is already booked; ids must be unique among active
     /// requests (a frontend retry must use a new id or free the old one first).
     #[error("request {0} is already active")]
     DuplicateRequest(RequestId),
     /// A lifecycle operation named a request that is not active (never routed here,
-    /// already freed, or dropped when its worker left).
+    /// already freed, expired, or dropped when its worker left).
     #[error("request {0} is not active")]
     UnknownRequest(RequestId),
+    /// A booking (from another router replica) names a rank that is not registered
+    /// here; it is refused rather than kept for a worker that may never appear.
+    #[error("rank {0} is not registered")]
+    UnregisteredRank(WorkerRank),
+    /// A per-request override is out of range or names a knob the policy lacks.
+    #[error("invalid override `{field}`: {reason}")]
+    InvalidOverride {
+        /// The knob, as named on the wire (e.g. `temperature`).
+        field: &'static str,
+        /// What is wrong with it, lowercase.
+        reason: String,
+    },
     /// A configuration value is out of range.
     #[error("invalid config field `{field}`: {reason}")]
     InvalidConfig {

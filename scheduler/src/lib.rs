@@ -1,47 +1,74 @@
 //! Worker selection and active-request load tracking for kv-router.
 //!
 //! Given a prompt's overlap blocks per (worker, dp_rank) — from the indexer — the
-//! [`Scheduler`] picks the rank that should serve it and *books* the request there:
-//! its uncached prompt tokens count as that rank's pending prefill until
-//! [`Scheduler::mark_prefill_completed`], its prompt blocks as decode load until
-//! [`Scheduler::free`]. The next decision sees that load at once, so a burst of
-//! similar prompts spreads out instead of piling onto the best-cached rank.
+//! [`Scheduler`] picks the rank that should serve it and *books* the request there in
+//! its write model, [`ActiveSequences`]: uncached prompt tokens as in-flight prefill
+//! until [`Scheduler::mark_prefill_completed`], prompt blocks as decode load until
+//! [`Scheduler::free`] (or until the request's TTL lapses without a lifecycle
+//! message). Every decision reads a projection of that model at the decision time,
+//! so a burst of similar prompts spreads out instead of piling onto the best-cached
+//! rank. Bookings of peer router replicas are applied through [`Scheduler::apply`].
 //!
-//! The scheduler is synchronous and single-owner: the daemon keeps it behind one
-//! `Mutex`, making select-and-book atomic. A decision is O(registered ranks) with no
-//! allocation once warm (a scratch candidate buffer is reused); lifecycle steps are O(1).
+//! The scheduler is synchronous, single-owner and clock-free: every call that depends
+//! on time takes `now`, so the daemon passes the wall clock and tests or an offline
+//! simulator pass a virtual one. The daemon keeps it behind one `Mutex`, making
+//! select-and-book atomic. A decision is O(eligible ranks × prompt blocks) (the
+//! blocks term only for the KV-reuse lookup), with scratch buffers reused.
 //!
 //! # Layout
-//! - [`config`]: [`SchedulerConfig`], [`PolicyConfig`] and [`KvPolicyConfig`] knobs.
-//! - [`error`]: [`SchedulerError`], the crate's one error type.
-//! - [`overlap`]: the [`Overlaps`] trait (per-rank overlap blocks) and [`NoOverlap`].
+//! - [`config`]: [`SchedulerConfig`] and its sub-configs.
+//! - [`policy`]: [`PolicyConfig`] (one variant per policy, one file each), the
+//!   [`policy::Selector`] and sampling.
+//! - [`sequences`]: [`ActiveSequences`], the write model, and [`RankLoad`], its
+//!   projection.
+//! - [`busy`]: [`BusyThresholds`], when a rank is skipped.
 //! - [`request`]: [`ScheduleRequest`] in, [`Selection`] out.
-//! - [`selector`]: the KV cost formula, softmax sampling, round-robin and random.
-//! - [`sequences`]: [`ActiveSequences`], booked requests and per-rank [`RankLoad`].
+//! - [`overlap`]: the [`Overlaps`] trait (per-rank overlap blocks) and [`NoOverlap`].
 //! - [`workers`]: [`WorkerRegistry`], registered workers and their ranks.
+//! - [`error`]: [`SchedulerError`], the crate's one error type.
 
+pub mod busy;
 pub mod config;
 pub mod error;
 pub mod overlap;
+pub mod policy;
 pub mod request;
-pub mod selector;
 pub mod sequences;
 pub mod workers;
 
-pub use config::{KvPolicyConfig, PolicyConfig, SchedulerConfig};
+pub use busy::{BusyThresholds, Threshold};
+pub use config::{PrefillDurationModel, SchedulerConfig, SequencesConfig};
 pub use error::SchedulerError;
 pub use overlap::{NoOverlap, Overlaps};
-pub use request::{ScheduleRequest, Selection};
-pub use sequences::{ActiveRequest, ActiveSequences, RankLoad};
+pub use policy::{CacheAwareThresholdConfig, KvNormalizedConfig, KvPolicyConfig, PolicyConfig};
+pub use request::{RequestShape, ScheduleRequest, Selection};
+pub use sequences::{
+    ActiveRequest, ActiveSequences, AddRequest, Origin, PrefillLoadHint, RankLoad, SequenceEvent,
+};
 pub use workers::WorkerRegistry;
 
 use kv_events::discovery::WorkerRegistration;
 use kv_events::routing::PolicyKind;
-use kv_events::{LoadMetrics, RequestId, WorkerId, WorkerRank};
+use kv_events::{DpRank, LoadMetrics, RequestId, WorkerId, WorkerRank};
+use policy::{Candidate, SelectContext, Selector};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
-use selector::{Candidate, Selector};
-use std::collections::HashMap;
+use std::borrow::Borrow;
+use std::cmp::Reverse;
+use std::collections::{HashMap, HashSet};
+use std::time::Instant;
+
+/// In which order [`Scheduler::schedule_batch`] places a batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BatchOrder {
+    /// In the given order (first come, first served).
+    AsGiven,
+    /// Requests pinned to a dp_rank first, then grouped by their first block hash
+    /// (requests of one conversation or shared system prompt together), longer
+    /// prompts first within a group — TensorRT-LLM's ADP router order, so requests
+    /// sharing a prefix see each other's bookings.
+    GroupByPrefix,
+}
 
 /// The scheduling facade: workers, booked load, engine-reported metrics and the
 /// selector, updated together.
@@ -51,9 +78,9 @@ pub struct Scheduler {
     workers: WorkerRegistry,
     sequences: ActiveSequences,
     selector: Selector,
-    /// Latest engine-reported sample per registered rank (reporting only).
+    /// Latest engine-reported sample per registered rank (busy checks, reporting).
     load_metrics: HashMap<WorkerRank, LoadMetrics>,
-    /// Scratch buffer reused by every [`Scheduler::schedule`] call.
+    /// Scratch buffer reused by every decision.
     candidates: Vec<Candidate>,
 }
 
@@ -70,9 +97,9 @@ impl Scheduler {
             None => StdRng::from_os_rng(),
         };
         Ok(Self {
+            sequences: ActiveSequences::new(config.sequences),
             config,
             workers: WorkerRegistry::new(),
-            sequences: ActiveSequences::new(),
             selector: Selector::new(rng),
             load_metrics: HashMap::new(),
             candidates: Vec::new(),
@@ -121,42 +148,123 @@ impl Scheduler {
         self.workers.ranks()
     }
 
-    /// Chooses a rank for `req` and books it there (prefill tokens
-    /// `num_tokens − min(num_tokens, overlap_blocks × block_size)`, decode blocks
-    /// `request_blocks`). `overlaps` gives each rank's overlap blocks for this prompt;
-    /// values above `request_blocks` are clamped.
+    /// Chooses a rank for `req` at time `now` and books it there with prefill tokens
+    /// `num_tokens − min(num_tokens, overlap_blocks × block_size)` (and the expected
+    /// duration of [`SchedulerConfig::prefill_duration`]) and `request_blocks` decode
+    /// blocks. `overlaps` gives each rank's overlap blocks for this prompt; values
+    /// above `request_blocks` are clamped. Candidates are the registered ranks that
+    /// match `req.dp_rank` (if set) and are not busy.
     ///
     /// # Errors
     /// - [`SchedulerError::DuplicateRequest`] if `req.request_id` is already active.
+    /// - [`SchedulerError::InvalidOverride`] for a bad per-request override.
     /// - [`SchedulerError::NoWorkers`] if no rank is registered.
+    /// - [`SchedulerError::RankUnavailable`] if no registered worker has the pinned
+    ///   dp_rank.
+    /// - [`SchedulerError::AllBusy`] if every candidate is busy.
     ///
     /// On error nothing is booked.
-    pub fn schedule(
+    pub fn schedule<O: Overlaps + ?Sized>(
         &mut self,
         req: &ScheduleRequest,
-        overlaps: &impl Overlaps,
+        overlaps: &O,
+        now: Instant,
+    ) -> Result<Selection, SchedulerError> {
+        self.schedule_one(req, overlaps, now, 1)
+    }
+
+    /// Schedules several requests routed together, each seeing the bookings of the
+    /// ones placed before it (`kv-normalized` also sizes its fair share with the
+    /// requests still to place). Returns one result per request, in input order.
+    /// Once an unpinned request finds every rank busy, later unpinned ones fail with
+    /// [`SchedulerError::AllBusy`] without another scan (bookings only add load);
+    /// likewise per pinned dp_rank.
+    pub fn schedule_batch<R: Borrow<ScheduleRequest>, O: Overlaps>(
+        &mut self,
+        batch: &[(R, O)],
+        order: BatchOrder,
+        now: Instant,
+    ) -> Vec<Result<Selection, SchedulerError>> {
+        let mut sequence: Vec<usize> = (0..batch.len()).collect();
+        if order == BatchOrder::GroupByPrefix {
+            sequence.sort_by_key(|&i| {
+                let r = batch[i].0.borrow();
+                (
+                    r.dp_rank.is_none(),
+                    r.block_hashes.first().copied(),
+                    Reverse(r.num_tokens),
+                )
+            });
+        }
+        let mut results: Vec<Result<Selection, SchedulerError>> =
+            batch.iter().map(|_| Err(SchedulerError::AllBusy)).collect();
+        let mut all_busy = false;
+        let mut busy_pins: HashSet<DpRank> = HashSet::new();
+        for (k, &i) in sequence.iter().enumerate() {
+            let (req, overlaps) = (batch[i].0.borrow(), &batch[i].1);
+            let known_busy = match req.dp_rank {
+                None => all_busy,
+                Some(dp) => busy_pins.contains(&dp),
+            };
+            if known_busy && !self.sequences.contains(&req.request_id) {
+                continue; // stays AllBusy
+            }
+            let result = self.schedule_one(req, overlaps, now, batch.len() - k);
+            if matches!(result, Err(SchedulerError::AllBusy)) {
+                match req.dp_rank {
+                    None => all_busy = true,
+                    Some(dp) => {
+                        busy_pins.insert(dp);
+                    }
+                }
+            }
+            results[i] = result;
+        }
+        results
+    }
+
+    fn schedule_one<O: Overlaps + ?Sized>(
+        &mut self,
+        req: &ScheduleRequest,
+        overlaps: &O,
+        now: Instant,
+        batch_remaining: usize,
     ) -> Result<Selection, SchedulerError> {
         if self.sequences.contains(&req.request_id) {
             return Err(SchedulerError::DuplicateRequest(req.request_id.clone()));
         }
-        let policy = self.resolve_policy(req.policy);
-        self.candidates.clear();
-        self.candidates
-            .extend(self.workers.ranks().iter().map(|&rank| Candidate {
-                rank,
-                overlap_blocks: overlaps.overlap(rank).min(req.request_blocks),
-                active_decode_blocks: self.sequences.load(rank).active_decode_blocks,
-            }));
-        let choice = self
-            .selector
-            .select(&policy, req.request_blocks, &self.candidates)?;
+        let policy = self
+            .resolve_policy(req.policy)
+            .with_overrides(&req.overrides)?;
+        let block_ids = if self.config.sequences.assume_kv_reuse {
+            let hashed = req.block_hashes.len().min(req.request_blocks as usize);
+            sequences::chain_block_ids(&req.block_hashes[..hashed])
+        } else {
+            Vec::new()
+        };
+        self.gather_candidates(req, overlaps, &block_ids, now)?;
+        let ctx = SelectContext {
+            request: req.shape(),
+            candidates: &self.candidates,
+            batch_remaining,
+        };
+        let choice = self.selector.select(&policy, &ctx)?;
         let chosen = self.candidates[choice.index];
-        let prefill_tokens = req.uncached_tokens(chosen.overlap_blocks);
+        let tokens = req.uncached_tokens(chosen.overlap_blocks);
+        let prefill = PrefillLoadHint {
+            initial_effective_prefill_tokens: tokens,
+            expected_prefill_duration: self.config.prefill_duration.expected(tokens),
+        };
         self.sequences.add_request(
-            req.request_id.clone(),
-            chosen.rank,
-            prefill_tokens,
-            req.request_blocks,
+            AddRequest {
+                request_id: req.request_id.clone(),
+                rank: chosen.rank,
+                block_hashes: req.block_hashes.clone(),
+                request_blocks: req.request_blocks,
+                prefill,
+                origin: Origin::Local,
+            },
+            now,
         )?;
         tracing::debug!(
             request_id = %req.request_id,
@@ -164,7 +272,7 @@ impl Scheduler {
             policy = %policy.kind(),
             overlap_blocks = chosen.overlap_blocks,
             request_blocks = req.request_blocks,
-            prefill_tokens,
+            prefill_tokens = tokens,
             cost = ?choice.cost,
             "request scheduled",
         );
@@ -173,23 +281,107 @@ impl Scheduler {
             overlap_blocks: chosen.overlap_blocks,
             policy: policy.kind(),
             cost: choice.cost,
+            prefill,
         })
     }
 
+    /// Fills `self.candidates` with the eligible ranks for `req`.
+    fn gather_candidates<O: Overlaps + ?Sized>(
+        &mut self,
+        req: &ScheduleRequest,
+        overlaps: &O,
+        block_ids: &[u64],
+        now: Instant,
+    ) -> Result<(), SchedulerError> {
+        if self.workers.ranks().is_empty() {
+            return Err(SchedulerError::NoWorkers);
+        }
+        self.candidates.clear();
+        let mut pinned_exists = false;
+        for &rank in self.workers.ranks() {
+            if req.dp_rank.is_some_and(|dp| dp != rank.dp_rank) {
+                continue;
+            }
+            pinned_exists = true;
+            let load = self.sequences.load(rank, now);
+            if self.config.busy.enabled()
+                && let Some(reg) = self.workers.get(rank.worker_id)
+                && self
+                    .config
+                    .busy
+                    .is_busy(&load, self.load_metrics.get(&rank), reg)
+            {
+                continue;
+            }
+            self.candidates.push(Candidate {
+                rank,
+                overlap_blocks: overlaps.overlap(rank).min(req.request_blocks),
+                load,
+                new_blocks: self
+                    .sequences
+                    .new_blocks(rank, block_ids, req.request_blocks),
+            });
+        }
+        match (req.dp_rank, pinned_exists, self.candidates.is_empty()) {
+            (Some(dp), false, _) => Err(SchedulerError::RankUnavailable(dp)),
+            (_, _, true) => Err(SchedulerError::AllBusy),
+            _ => Ok(()),
+        }
+    }
+
+    /// Applies one write-model event at `now` — the entry point for bookings and
+    /// lifecycle steps learned from peer router replicas. Returns the origin of the
+    /// request touched.
+    ///
+    /// # Errors
+    /// [`SchedulerError::UnregisteredRank`] for a booking on a rank that is not
+    /// registered here; otherwise as [`ActiveSequences::apply`].
+    pub fn apply(&mut self, event: SequenceEvent, now: Instant) -> Result<Origin, SchedulerError> {
+        if let SequenceEvent::AddRequest(add) = &event
+            && !self.workers.contains_rank(add.rank)
+        {
+            return Err(SchedulerError::UnregisteredRank(add.rank));
+        }
+        self.sequences.apply(event, now)
+    }
+
     /// The request produced its first token: its prefill tokens leave its rank's load.
+    /// Refreshes its TTL.
     ///
     /// # Errors
     /// [`SchedulerError::UnknownRequest`] if `id` is not active.
-    pub fn mark_prefill_completed(&mut self, id: &RequestId) -> Result<(), SchedulerError> {
-        self.sequences.mark_prefill_completed(id)
+    pub fn mark_prefill_completed(
+        &mut self,
+        id: &RequestId,
+        now: Instant,
+    ) -> Result<Origin, SchedulerError> {
+        self.sequences.mark_prefill_completed(id, now)
+    }
+
+    /// The request is still running: refreshes its TTL.
+    ///
+    /// # Errors
+    /// [`SchedulerError::UnknownRequest`] if `id` is not active.
+    pub fn keep_alive(&mut self, id: &RequestId, now: Instant) -> Result<Origin, SchedulerError> {
+        self.sequences.keep_alive(id, now)
     }
 
     /// The request ended: everything it booked is released.
     ///
     /// # Errors
     /// [`SchedulerError::UnknownRequest`] if `id` is not active.
-    pub fn free(&mut self, id: &RequestId) -> Result<(), SchedulerError> {
-        self.sequences.free(id).map(drop)
+    pub fn free(&mut self, id: &RequestId, now: Instant) -> Result<Origin, SchedulerError> {
+        self.sequences.free(id, now).map(|r| r.origin)
+    }
+
+    /// Frees every request whose TTL lapsed at or before `now`; returns them.
+    pub fn expire(&mut self, now: Instant) -> Vec<(RequestId, ActiveRequest)> {
+        self.sequences.expire(now)
+    }
+
+    /// When the next request expires, if any is active.
+    pub fn next_expiry(&self) -> Option<Instant> {
+        self.sequences.next_deadline()
     }
 
     /// Stores the latest engine-reported sample for its rank. Samples from ranks that
@@ -209,17 +401,35 @@ impl Scheduler {
         self.load_metrics.get(&rank)
     }
 
-    /// The load booked on `rank` by this scheduler; zeros when none.
+    /// The load booked on `rank` now (wall clock); zeros when none.
     pub fn rank_load(&self, rank: WorkerRank) -> RankLoad {
-        self.sequences.load(rank)
+        self.rank_load_at(rank, Instant::now())
     }
 
-    /// Booked load of every registered rank, in rank order.
+    /// The load booked on `rank` at `now`; zeros when none.
+    pub fn rank_load_at(&self, rank: WorkerRank, now: Instant) -> RankLoad {
+        self.sequences.load(rank, now)
+    }
+
+    /// Booked load of every registered rank now (wall clock), in rank order.
     pub fn rank_loads(&self) -> impl Iterator<Item = (WorkerRank, RankLoad)> + '_ {
+        let now = Instant::now();
         self.workers
             .ranks()
             .iter()
-            .map(|&rank| (rank, self.sequences.load(rank)))
+            .map(move |&rank| (rank, self.sequences.load(rank, now)))
+    }
+
+    /// Whether `rank` is registered and busy at `now` (see [`BusyThresholds`]).
+    pub fn is_busy_at(&self, rank: WorkerRank, now: Instant) -> bool {
+        self.workers.get(rank.worker_id).is_some_and(|reg| {
+            self.workers.contains_rank(rank)
+                && self.config.busy.is_busy(
+                    &self.sequences.load(rank, now),
+                    self.load_metrics.get(&rank),
+                    reg,
+                )
+        })
     }
 
     /// Number of booked, not yet freed requests over all ranks.
@@ -232,15 +442,12 @@ impl Scheduler {
         &self.sequences
     }
 
-    /// The policy for one request: the daemon's, or the override. A `Kv` override
-    /// keeps the daemon's KV knobs when the daemon runs KV, else uses the defaults.
+    /// The policy for one request: the daemon's, or the override. An override of the
+    /// daemon's own kind keeps the daemon's knobs; another kind gets its defaults.
     fn resolve_policy(&self, kind: Option<PolicyKind>) -> PolicyConfig {
-        match (kind, self.config.policy) {
-            (None, daemon) => daemon,
-            (Some(PolicyKind::Kv), PolicyConfig::Kv(kv)) => PolicyConfig::Kv(kv),
-            (Some(PolicyKind::Kv), _) => PolicyConfig::Kv(KvPolicyConfig::default()),
-            (Some(PolicyKind::RoundRobin), _) => PolicyConfig::RoundRobin,
-            (Some(PolicyKind::Random), _) => PolicyConfig::Random,
+        match kind {
+            Some(k) if k != self.config.policy.kind() => PolicyConfig::default_for(k),
+            _ => self.config.policy,
         }
     }
 }
@@ -248,3 +455,7 @@ impl Scheduler {
 #[cfg(test)]
 #[path = "scheduler_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "scheduler_batch_tests.rs"]
+mod batch_tests;

@@ -29,6 +29,12 @@ impl Overlaps for HashMap<WorkerRank, u32> {
     }
 }
 
+impl<T: Overlaps + ?Sized> Overlaps for &T {
+    fn overlap(&self, rank: WorkerRank) -> u32 {
+        (**self).overlap(rank)
+    }
+}
+
 /// No rank caches anything: every overlap is 0.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct NoOverlap;

@@ -1,36 +1,95 @@
 //! The input and output of one scheduling decision.
 //!
 //! Kept separate from the facade so the daemon can build a [`ScheduleRequest`] from a
-//! decoded `RouteRequest` without touching scheduler state; both types are small
-//! plain-data records.
+//! decoded `RouteRequest` without touching scheduler state; both are small
+//! plain-data records (the request owns its block hashes, 8 bytes per block).
 
-use kv_events::routing::PolicyKind;
-use kv_events::{RequestId, WorkerRank};
+use crate::sequences::PrefillLoadHint;
+use kv_events::routing::{CostOverrides, PolicyKind};
+use kv_events::{DpRank, LocalBlockHash, RequestId, WorkerRank};
 
 /// One request to place.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ScheduleRequest {
     /// Frontend-chosen id; later lifecycle calls refer to it.
     pub request_id: RequestId,
+    /// The prompt's block hashes in prefix order (full blocks; a frontend may also
+    /// hash a partial last block). Used to count shared prefix blocks once and to
+    /// group a batch by prefix; overlap itself comes from the indexer.
+    pub block_hashes: Vec<LocalBlockHash>,
     /// Prompt length in blocks; a partial last block counts as one.
     pub request_blocks: u32,
     /// Prompt length in tokens.
     pub num_tokens: u64,
-    /// Tokens per KV block, used to turn overlap blocks into cached tokens.
+    /// Tokens per KV block, used to turn blocks into tokens.
     pub block_size: u32,
-    /// Per-request policy override. `None` uses the daemon's policy. `Some(Kv)` uses the
-    /// daemon's KV knobs when the daemon's policy is KV, else
-    /// [`crate::KvPolicyConfig::default`].
+    /// Per-request policy override. `None` uses the daemon's policy. `Some(kind)` uses
+    /// the daemon's knobs when the daemon runs that kind, else
+    /// [`crate::PolicyConfig::default_for`] it.
     pub policy: Option<PolicyKind>,
+    /// Only ranks with this dp_rank are candidates; if no registered worker has it,
+    /// scheduling fails with [`crate::SchedulerError::RankUnavailable`].
+    pub dp_rank: Option<DpRank>,
+    /// Per-request cost knob overrides, applied on top of the resolved policy.
+    pub overrides: CostOverrides,
 }
 
 impl ScheduleRequest {
+    /// A request of `num_tokens` tokens with these block hashes at `block_size`
+    /// tokens per block: `request_blocks = max(ceil(num_tokens / block_size),
+    /// block_hashes.len())`, saturating at `u32::MAX`. Daemon policy, no pin, no
+    /// overrides.
+    pub fn new(
+        request_id: impl Into<RequestId>,
+        block_hashes: Vec<LocalBlockHash>,
+        num_tokens: u64,
+        block_size: u32,
+    ) -> Self {
+        let blocks = num_tokens
+            .div_ceil(u64::from(block_size.max(1)))
+            .max(block_hashes.len() as u64);
+        Self {
+            request_id: request_id.into(),
+            block_hashes,
+            request_blocks: u32::try_from(blocks).unwrap_or(u32::MAX),
+            num_tokens,
+            block_size,
+            policy: None,
+            dp_rank: None,
+            overrides: CostOverrides::default(),
+        }
+    }
+
     /// Prompt tokens left to prefill when the first `overlap_blocks` blocks are cached:
     /// `num_tokens − min(num_tokens, overlap_blocks × block_size)`, in tokens.
     pub fn uncached_tokens(&self, overlap_blocks: u32) -> u64 {
-        let cached = u64::from(overlap_blocks) * u64::from(self.block_size);
-        self.num_tokens - self.num_tokens.min(cached)
+        self.num_tokens - self.num_tokens.min(self.cached_tokens(overlap_blocks))
     }
+
+    /// Prompt tokens covered by `overlap_blocks` cached blocks, at most `num_tokens`.
+    pub fn cached_tokens(&self, overlap_blocks: u32) -> u64 {
+        (u64::from(overlap_blocks) * u64::from(self.block_size)).min(self.num_tokens)
+    }
+
+    /// The size of the request as policies see it.
+    pub fn shape(&self) -> RequestShape {
+        RequestShape {
+            request_blocks: self.request_blocks,
+            num_tokens: self.num_tokens,
+            block_size: self.block_size.max(1),
+        }
+    }
+}
+
+/// The size of a request, in the units policies compute with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RequestShape {
+    /// Prompt length in blocks (partial last block counted).
+    pub request_blocks: u32,
+    /// Prompt length in tokens.
+    pub num_tokens: u64,
+    /// Tokens per block, at least 1.
+    pub block_size: u32,
 }
 
 /// Where a request was placed and why.
@@ -43,8 +102,11 @@ pub struct Selection {
     pub overlap_blocks: u32,
     /// The policy that decided (after any per-request override).
     pub policy: PolicyKind,
-    /// The chosen rank's KV cost in weighted blocks; `None` for round-robin and random.
+    /// The chosen rank's cost or score under cost-based policies (`kv`: weighted
+    /// blocks; `kv-normalized`: tokens); `None` for the others.
     pub cost: Option<f64>,
+    /// The prefill load booked with the request, as computed at routing time.
+    pub prefill: PrefillLoadHint,
 }
 
 #[cfg(test)]
@@ -52,13 +114,7 @@ mod tests {
     use super::*;
 
     fn req(num_tokens: u64, block_size: u32) -> ScheduleRequest {
-        ScheduleRequest {
-            request_id: RequestId::from("r"),
-            request_blocks: 0,
-            num_tokens,
-            block_size,
-            policy: None,
-        }
+        ScheduleRequest::new("r", Vec::new(), num_tokens, block_size)
     }
 
     #[test]
@@ -67,9 +123,24 @@ mod tests {
         assert_eq!(req(100, 16).uncached_tokens(3), 52);
         // A fully cached prompt whose last block is partial: nothing left to prefill.
         assert_eq!(req(100, 16).uncached_tokens(7), 0);
+        assert_eq!(req(100, 16).cached_tokens(7), 100);
         assert_eq!(
             req(u64::MAX, u32::MAX).uncached_tokens(u32::MAX),
             u64::MAX - u64::from(u32::MAX) * u64::from(u32::MAX)
         );
+    }
+
+    #[test]
+    fn request_blocks_count_the_partial_block_and_every_hash() {
+        assert_eq!(req(100, 16).request_blocks, 7);
+        assert_eq!(req(96, 16).request_blocks, 6);
+        let hashes = vec![LocalBlockHash(1), LocalBlockHash(2), LocalBlockHash(3)];
+        assert_eq!(
+            ScheduleRequest::new("r", hashes, 10, 16).request_blocks,
+            3,
+            "more hashes than tokens need: every hash is a block"
+        );
+        assert_eq!(req(u64::MAX, 1).request_blocks, u32::MAX);
+        assert_eq!(req(5, 0).shape().block_size, 1);
     }
 }

@@ -124,12 +124,8 @@ impl TestCluster {
         request_id: &str,
         token_ids: Vec<u32>,
     ) -> anyhow::Result<RouteReply> {
-        self.route(&RouteRequest {
-            request_id: request_id.into(),
-            prompt: Prompt::Tokens { token_ids },
-            policy: None,
-        })
-        .await
+        self.route(&RouteRequest::new(request_id, Prompt::Tokens { token_ids }))
+            .await
     }
 }
 
@@ -219,6 +215,7 @@ impl FakeWorker {
     ) -> anyhow::Result<()> {
         let batch = KvEventBatch {
             worker_id: self.id,
+            epoch: 0,
             events: vec![KvCacheEvent {
                 event_id: self.next_event_id,
                 dp_rank: DpRank(0),

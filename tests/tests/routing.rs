@@ -185,20 +185,17 @@ async fn malformed_input_is_counted_skipped_and_loses_nothing() -> anyhow::Resul
     let garbage: &[u8] = &[0xc1, 0xff, 0x00, 0x13];
     nats.publish(subjects.kv_events(WorkerId(1)), garbage.to_vec().into())
         .await?;
-    let valid = kv_events::KvEventBatch {
-        worker_id: WorkerId(2),
-        events: vec![],
-    };
+    let valid = kv_events::KvEventBatch::new(WorkerId(2), vec![]);
     nats.publish(subjects.kv_events(WorkerId(1)), encode(&valid)?.into())
         .await?;
-    let truncated = encode(&kv_events::KvEventBatch {
-        worker_id: WorkerId(1),
-        events: vec![kv_events::KvCacheEvent {
+    let truncated = encode(&kv_events::KvEventBatch::new(
+        WorkerId(1),
+        vec![kv_events::KvCacheEvent {
             event_id: 99,
             dp_rank: kv_events::DpRank(0),
             data: kv_events::KvCacheEventData::Cleared,
         }],
-    })?;
+    ))?;
     nats.publish(
         subjects.kv_events(WorkerId(1)),
         truncated[..truncated.len() - 3].to_vec().into(),

@@ -1,19 +1,28 @@
 //! [`Arena`]: the tree's nodes in one `Vec`, addressed by 4-byte [`NodeIdx`].
 //!
-//! One slab instead of one heap allocation per node keeps nodes dense (64 bytes each,
+//! One slab instead of one heap allocation per node keeps nodes dense (48 bytes each,
 //! asserted at compile time) and lets a freed node's slot be reused by the next
 //! store, so the arena's length tracks the peak live node count rather than the
 //! number of stores ever seen. Children are kept inline when there is one (the
-//! middle of a chain), in a short unsorted `Vec` scanned linearly up to
-//! [`FEW_CHILDREN`], and in a hash map beyond, which is what the root and other hot
-//! branching points become. Heap bytes owned by
+//! middle of a chain), in a short boxed, unsorted `Vec` scanned linearly up to
+//! [`FEW_CHILDREN`], and in a boxed hash map beyond, which is what the root and other
+//! hot branching points become. Boxing the rare shapes keeps [`Children`] at 16 bytes:
+//! most nodes hold one child (or none) and one holder, so the common node needs no
+//! heap at all. Heap bytes owned by
 //! child maps and holder sets are kept as a running total so that memory stats cost
 //! O(1) here.
+//!
+//! For memory-bounded trees every node carries the logical time it was last used
+//! (stored into or matched), and every slot a generation number, bumped when the slot
+//! is freed, so that a per-rank reference to a pruned node can be recognised as stale
+//! after the slot was reused (see `tree/prune.rs`). Generations live in a side vector:
+//! they are only read when a rank has pruned entries.
 
 use super::ranks::RankIdx;
 use super::rankset::RankSet;
 use kv_events::LocalBlockHash;
 use rustc_hash::FxHashMap;
+use std::sync::atomic::{AtomicU32, Ordering};
 
 /// Index of a node in the arena. The root is slot 0 and is never freed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -25,6 +34,31 @@ impl NodeIdx {
 
     fn slot(self) -> usize {
         self.0 as usize
+    }
+}
+
+/// The logical time a node was last stored into or matched. Atomic so that a query
+/// holding only `&RadixTree` (possibly shared between threads) can record its visit;
+/// relaxed ordering is enough, the value is only a pruning hint.
+#[derive(Debug, Default)]
+pub(crate) struct Tick(AtomicU32);
+
+impl Tick {
+    pub(crate) fn get(&self) -> u32 {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn set(&self, tick: u32) {
+        // Skipping equal values keeps repeated queries from dirtying shared lines.
+        if self.get() != tick {
+            self.0.store(tick, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Clone for Tick {
+    fn clone(&self) -> Self {
+        Tick(AtomicU32::new(self.get()))
     }
 }
 
@@ -43,28 +77,29 @@ const FEW_CHILDREN_AGAIN: usize = FEW_CHILDREN / 2;
 
 /// The children of one node, keyed by the child's block hash.
 ///
-/// The common shapes cost no heap at all: a leaf is an empty `Vec`, and a node in
-/// the middle of a chain keeps its one child inline.
-#[derive(Debug, Clone)]
+/// The common shapes cost no heap at all: a leaf has `None`, and a node in the
+/// middle of a chain keeps its one child inline.
+#[derive(Debug, Clone, Default)]
 pub(crate) enum Children {
+    /// No child (a leaf).
+    #[default]
+    None,
     /// Exactly one child, inline.
     One(LocalBlockHash, NodeIdx),
-    /// Zero, or two up to [`FEW_CHILDREN`], unsorted and sized exactly.
-    Few(Vec<(LocalBlockHash, NodeIdx)>),
+    /// Two up to [`FEW_CHILDREN`], unsorted and sized exactly. Boxed on purpose: a
+    /// thin pointer keeps `Children` (and every node) 8 bytes smaller, and few nodes
+    /// branch.
+    #[allow(clippy::box_collection)]
+    Few(Box<Vec<(LocalBlockHash, NodeIdx)>>),
     /// More than [`FEW_CHILDREN`].
     Many(Box<FxHashMap<LocalBlockHash, NodeIdx>>),
-}
-
-impl Default for Children {
-    fn default() -> Self {
-        Children::Few(Vec::new())
-    }
 }
 
 impl Children {
     /// The child with block hash `hash`.
     pub(crate) fn get(&self, hash: LocalBlockHash) -> Option<NodeIdx> {
         match self {
+            Children::None => None,
             Children::One(h, n) => (*h == hash).then_some(*n),
             Children::Few(few) => few.iter().find(|(h, _)| *h == hash).map(|(_, n)| *n),
             Children::Many(many) => many.get(&hash).copied(),
@@ -74,6 +109,7 @@ impl Children {
     /// True when the node has no children.
     pub(crate) fn is_empty(&self) -> bool {
         match self {
+            Children::None => true,
             Children::One(..) => false,
             Children::Few(few) => few.is_empty(),
             Children::Many(many) => many.is_empty(),
@@ -84,6 +120,7 @@ impl Children {
     #[cfg(test)]
     pub(crate) fn iter(&self) -> Vec<NodeIdx> {
         match self {
+            Children::None => Vec::new(),
             Children::One(_, n) => vec![*n],
             Children::Few(few) => few.iter().map(|(_, n)| *n).collect(),
             Children::Many(many) => many.values().copied().collect(),
@@ -93,8 +130,10 @@ impl Children {
     /// Adds a child; the caller has checked that `hash` is not present.
     fn insert(&mut self, hash: LocalBlockHash, child: NodeIdx) {
         match self {
-            Children::One(h, n) => *self = Children::Few(vec![(*h, *n), (hash, child)]),
-            Children::Few(few) if few.is_empty() => *self = Children::One(hash, child),
+            Children::None => *self = Children::One(hash, child),
+            Children::One(h, n) => {
+                *self = Children::Few(Box::new(vec![(*h, *n), (hash, child)]));
+            }
             Children::Few(few) if few.len() < FEW_CHILDREN => {
                 few.reserve_exact(1);
                 few.push((hash, child));
@@ -113,7 +152,8 @@ impl Children {
     /// Removes the child with block hash `hash`, if any.
     fn remove(&mut self, hash: LocalBlockHash) {
         match self {
-            Children::One(h, _) if *h == hash => *self = Children::default(),
+            Children::None => {}
+            Children::One(h, _) if *h == hash => *self = Children::None,
             Children::One(..) => {}
             Children::Few(few) => {
                 if let Some(at) = few.iter().position(|(h, _)| *h == hash) {
@@ -126,7 +166,12 @@ impl Children {
             Children::Many(many) => {
                 many.remove(&hash);
                 if many.len() <= FEW_CHILDREN_AGAIN {
-                    *self = Children::Few(many.drain().collect());
+                    let rest: Vec<_> = many.drain().collect();
+                    *self = match rest.as_slice() {
+                        [] => Children::None,
+                        [(h, n)] => Children::One(*h, *n),
+                        _ => Children::Few(Box::new(rest)),
+                    };
                 }
             }
         }
@@ -134,8 +179,11 @@ impl Children {
 
     fn heap_bytes(&self) -> usize {
         match self {
-            Children::One(..) => 0,
-            Children::Few(few) => few.capacity() * size_of::<(LocalBlockHash, NodeIdx)>(),
+            Children::None | Children::One(..) => 0,
+            Children::Few(few) => {
+                size_of::<Vec<(LocalBlockHash, NodeIdx)>>()
+                    + few.capacity() * size_of::<(LocalBlockHash, NodeIdx)>()
+            }
             Children::Many(many) => {
                 size_of::<FxHashMap<LocalBlockHash, NodeIdx>>()
                     + many.capacity() * (size_of::<(LocalBlockHash, NodeIdx)>() + 1)
@@ -151,6 +199,8 @@ pub(crate) struct Node {
     pub(crate) hash: LocalBlockHash,
     /// The node of the preceding block; the root for a first block and for the root.
     pub(crate) parent: NodeIdx,
+    /// When the node was last stored into or matched (see [`Tick`]).
+    pub(crate) last_used: Tick,
     /// The next blocks of every prefix continuing this one.
     pub(crate) children: Children,
     /// The worker ranks holding this block (and, normally, the whole prefix).
@@ -163,13 +213,18 @@ impl Node {
     }
 }
 
-// Keep nodes at one cache line: the memory target is ≤ 100 bytes per (rank, block).
-const _: () = assert!(size_of::<Node>() <= 64);
+// The memory target is ≤ 100 bytes per (rank, block) entry, and most entries are the
+// only holder of their node: a node is 48 bytes (hash 8, parent 4, last use 4,
+// children 16, holders 16).
+const _: () = assert!(size_of::<Children>() == 16);
+const _: () = assert!(size_of::<Node>() <= 48);
 
 /// The slab of nodes with its free list.
 #[derive(Debug)]
 pub(crate) struct Arena {
     nodes: Vec<Node>,
+    /// Generation of every slot, bumped each time the slot is freed.
+    gens: Vec<u32>,
     free: Vec<NodeIdx>,
     /// Sum of `Node::heap_bytes` over every slot.
     heap_bytes: usize,
@@ -179,6 +234,7 @@ impl Default for Arena {
     fn default() -> Self {
         Self {
             nodes: vec![Node::default()],
+            gens: vec![0],
             free: Vec::new(),
             heap_bytes: 0,
         }
@@ -200,14 +256,27 @@ impl Arena {
         out
     }
 
-    /// The child of `parent` with block hash `hash`, created when missing.
-    pub(crate) fn child_or_insert(&mut self, parent: NodeIdx, hash: LocalBlockHash) -> NodeIdx {
+    /// The generation of the slot of `idx` (see the module docs).
+    pub(crate) fn generation(&self, idx: NodeIdx) -> u32 {
+        self.gens[idx.slot()]
+    }
+
+    /// The child of `parent` with block hash `hash`, created when missing; either way
+    /// its last use becomes `tick`.
+    pub(crate) fn child_or_insert(
+        &mut self,
+        parent: NodeIdx,
+        hash: LocalBlockHash,
+        tick: u32,
+    ) -> NodeIdx {
         if let Some(child) = self.node(parent).children.get(hash) {
+            self.node(child).last_used.set(tick);
             return child;
         }
         let fresh = Node {
             hash,
             parent,
+            last_used: Tick(AtomicU32::new(tick)),
             ..Node::default()
         };
         let child = match self.free.pop() {
@@ -218,7 +287,15 @@ impl Arena {
             None => {
                 // Cannot overflow in practice: 2^32 nodes of 64 bytes is 256 GiB.
                 let idx = NodeIdx(u32::try_from(self.nodes.len()).expect("fewer than 2^32 nodes"));
+                if self.nodes.len() == self.nodes.capacity() {
+                    // Grow by an eighth instead of doubling: at millions of nodes a
+                    // doubled slab would be up to half unused.
+                    let more = (self.nodes.len() / 8).max(1024);
+                    self.nodes.reserve_exact(more);
+                    self.gens.reserve_exact(more);
+                }
                 self.nodes.push(fresh);
+                self.gens.push(0);
                 idx
             }
         };
@@ -238,6 +315,13 @@ impl Arena {
         if !self.update(node, |n| n.holders.remove(rank)) {
             return false;
         }
+        self.free_empty_from(node);
+        true
+    }
+
+    /// Frees `node` and then every ancestor left with neither holders nor children,
+    /// stopping at the first that still has either (or at the root), which it returns.
+    fn free_empty_from(&mut self, node: NodeIdx) -> NodeIdx {
         let mut idx = node;
         while idx != NodeIdx::ROOT {
             let n = self.node(idx);
@@ -247,10 +331,38 @@ impl Arena {
             let (parent, hash) = (n.parent, n.hash);
             self.update(parent, |p| p.children.remove(hash));
             self.update(idx, |n| *n = Node::default());
+            self.gens[idx.slot()] = self.gens[idx.slot()].wrapping_add(1);
             self.free.push(idx);
             idx = parent;
         }
-        true
+        idx
+    }
+
+    /// Takes every holder of the leaf `node`, then frees it and every ancestor left
+    /// empty. Returns the holders and the nearest surviving ancestor (possibly the
+    /// root); `None`, and nothing changes, if `node` is the root, has children or has
+    /// no holders.
+    pub(crate) fn prune_leaf(&mut self, node: NodeIdx) -> Option<(RankSet, NodeIdx)> {
+        let n = self.node(node);
+        if node == NodeIdx::ROOT || !n.children.is_empty() || n.holders.is_empty() {
+            return None;
+        }
+        let holders = self.update(node, |n| std::mem::take(&mut n.holders));
+        let survivor = self.free_empty_from(node);
+        Some((holders, survivor))
+    }
+
+    /// Every live leaf (a node without children, the root excluded) with its last use.
+    /// O(slots).
+    pub(crate) fn leaves(&self) -> Vec<(u32, NodeIdx)> {
+        let mut out = Vec::new();
+        for (slot, node) in self.nodes.iter().enumerate().skip(1) {
+            // Free slots are blank: no children and no holders.
+            if node.children.is_empty() && !node.holders.is_empty() {
+                out.push((node.last_used.get(), NodeIdx(slot as u32)));
+            }
+        }
+        out
     }
 
     /// Live nodes, the root not counted.
@@ -305,6 +417,7 @@ impl Arena {
     /// Approximate heap bytes: every slot by capacity plus child and holder buffers.
     pub(crate) fn memory_bytes(&self) -> usize {
         self.nodes.capacity() * size_of::<Node>()
+            + self.gens.capacity() * size_of::<u32>()
             + self.free.capacity() * size_of::<NodeIdx>()
             + self.heap_bytes
     }

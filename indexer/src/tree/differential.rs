@@ -8,7 +8,7 @@
 //! run against both; after every step the tree's invariants are checked and its
 //! answers compared for every held prefix and one-block extensions of them. At the
 //! end, the tree's dump is replayed into a fresh tree, which must answer the same and
-//! hold every entry still reachable from the root.
+//! hold every entry (including those below a removed block).
 
 use super::tests::check_invariants;
 use super::*;
@@ -145,19 +145,6 @@ impl Model {
         out
     }
 
-    /// Entries whose every shorter prefix the rank also holds: those a dump keeps.
-    fn reachable_entries(&self) -> usize {
-        let mut count = 0;
-        for blocks in self.ranks.values() {
-            let held: BTreeSet<&[u64]> = blocks.values().map(Vec::as_slice).collect();
-            count += blocks
-                .values()
-                .filter(|path| (1..path.len()).all(|k| held.contains(&path[..k])))
-                .count();
-        }
-        count
-    }
-
     /// Distinct prefixes of held paths: exactly the tree's live nodes.
     fn num_nodes(&self) -> usize {
         let mut prefixes = BTreeSet::new();
@@ -170,7 +157,14 @@ impl Model {
     }
 }
 
-fn run(tree: &mut RadixTree, model: &mut Model, op: &Op) {
+/// Applies `op` to `tree` and `model` (asserting they agree on acceptance) and, when
+/// given, to `bounded` too (whose answers may differ: it forgets).
+fn run(tree: &mut RadixTree, model: &mut Model, op: &Op, mut bounded: Option<&mut RadixTree>) {
+    let mut mirror = |worker: u64, event: &KvCacheEvent| {
+        if let Some(b) = bounded.as_deref_mut() {
+            let _ = b.apply_event(WorkerId(worker), event);
+        }
+    };
     match op {
         Op::Store {
             worker,
@@ -197,6 +191,7 @@ fn run(tree: &mut RadixTree, model: &mut Model, op: &Op) {
                 .collect();
             let accepted = model.store(rank, parent_hash, &blocks);
             let event = super::tests::stored(*dp, parent_hash, &blocks);
+            mirror(*worker, &event);
             assert_eq!(
                 tree.apply_event(WorkerId(*worker), &event).is_ok(),
                 accepted
@@ -223,19 +218,25 @@ fn run(tree: &mut RadixTree, model: &mut Model, op: &Op) {
                     blocks.remove(h);
                 }
             }
-            let outcome = tree.apply_event(WorkerId(*worker), &super::tests::removed(*dp, &hashes));
+            let event = super::tests::removed(*dp, &hashes);
+            mirror(*worker, &event);
+            let outcome = tree.apply_event(WorkerId(*worker), &event);
             assert!(outcome.is_ok());
         }
         Op::Clear { worker, dp } => {
             let rank = WorkerRank::new(WorkerId(*worker), DpRank(*dp));
             model.ranks.remove(&rank);
             tree.clear_rank(rank);
+            mirror(*worker, &super::tests::cleared(*dp));
         }
         Op::RemoveWorker { worker } => {
             model
                 .ranks
                 .retain(|rank, _| rank.worker_id != WorkerId(*worker));
             tree.remove_worker(WorkerId(*worker));
+            if let Some(b) = bounded {
+                b.remove_worker(WorkerId(*worker));
+            }
         }
     }
 }
@@ -255,7 +256,7 @@ proptest! {
         let mut tree = RadixTree::new();
         let mut model = Model::default();
         for op in &ops {
-            run(&mut tree, &mut model, op);
+            run(&mut tree, &mut model, op, None);
             check_invariants(&tree);
             assert_same_answers(&tree, &model);
             let entries: usize = model.ranks.values().map(BTreeMap::len).sum();
@@ -270,6 +271,40 @@ proptest! {
         }
         check_invariants(&rebuilt);
         assert_same_answers(&rebuilt, &model);
-        prop_assert_eq!(rebuilt.num_entries(), model.reachable_entries());
+        let entries: usize = model.ranks.values().map(BTreeMap::len).sum();
+        prop_assert_eq!(rebuilt.num_entries(), entries);
+        prop_assert_eq!(rebuilt.num_nodes(), model.num_nodes());
+        prop_assert_eq!(rebuilt.dump(), tree.dump());
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// A bounded tree stays under its bound, keeps its invariants, and never claims
+    /// more than the unbounded tree: pruning only forgets.
+    #[test]
+    fn a_bounded_tree_only_forgets(
+        ops in prop::collection::vec(op(), 1..60),
+        max_entries in 1usize..12,
+        target_percent in 1u8..100,
+    ) {
+        let mut tree = RadixTree::new();
+        let mut bounded = RadixTree::with_pruning(crate::config::Pruning::LeastRecentlyMatched {
+            max_entries,
+            target_percent,
+        });
+        let mut model = Model::default();
+        for op in &ops {
+            run(&mut tree, &mut model, op, Some(&mut bounded));
+            check_invariants(&bounded);
+            prop_assert!(bounded.num_entries() <= max_entries);
+            for query in model.queries() {
+                let full = tree.find_matches(&super::tests::q(&query));
+                for (rank, score) in bounded.find_matches(&super::tests::q(&query)).sorted() {
+                    prop_assert!(score <= full.get(rank), "query {:?} rank {}", query, rank);
+                }
+            }
+        }
     }
 }

@@ -7,11 +7,12 @@
 //! hash the rank holds for the parent node. Cost: O(entries) time and memory, and
 //! the result is about as large as the stream of stores that built the tree.
 //!
-//! What is not reproduced: blocks a rank still holds below a block it removed are
-//! unreachable for that rank's prefix matches, and a `Stored` event cannot name a
-//! parent the rank does not hold, so they are left out. Applying the dump therefore
-//! gives the same [`RadixTree::find_matches`] answers for every query, and a later
-//! engine `Removed` of such a block becomes an unknown-block no-op.
+//! Blocks a rank still holds below a block it removed are reproduced too: the removed
+//! ancestors are emitted under placeholder engine hashes ([`placeholder_hash`]) so
+//! the chain can reach them, and a final `Removed` event drops the placeholders. The
+//! rebuilt tree therefore holds exactly the same entries, and a later `Stored` of the
+//! removed block (under its real engine hash) reconnects the tail as it would have in
+//! the original tree.
 
 use super::RadixTree;
 use super::arena::NodeIdx;
@@ -19,6 +20,7 @@ use super::ranks::RankState;
 use kv_events::{
     ExternalBlockHash, KvCacheEvent, KvCacheEventData, KvEventBatch, StoredBlock, WorkerId,
 };
+use kv_events::{LocalBlockHash, hash_block};
 use rustc_hash::{FxHashMap, FxHashSet};
 use std::collections::BTreeMap;
 use std::collections::hash_map::Entry;
@@ -45,7 +47,7 @@ impl RadixTree {
         }
         per_worker
             .into_iter()
-            .map(|(worker_id, events)| KvEventBatch { worker_id, events })
+            .map(|(worker_id, events)| KvEventBatch::new(worker_id, events))
             .collect()
     }
 
@@ -55,27 +57,37 @@ impl RadixTree {
         // engine hashes only makes the dump independent of arena slot numbers.
         let mut primary: FxHashMap<NodeIdx, ExternalBlockHash> = FxHashMap::default();
         let mut extra: Vec<(ExternalBlockHash, NodeIdx)> = Vec::new();
-        for (hash, node) in &state.blocks {
-            match primary.entry(*node) {
+        let live = state
+            .blocks
+            .iter()
+            .filter(|(_, held)| super::is_live(&self.arena, state, **held))
+            .map(|(hash, held)| (hash, held.node));
+        for (hash, node) in live {
+            match primary.entry(node) {
                 Entry::Vacant(slot) => {
                     slot.insert(*hash);
                 }
                 Entry::Occupied(mut slot) => {
                     let larger = (*slot.get()).max(*hash);
                     slot.insert((*slot.get()).min(*hash));
-                    extra.push((larger, *node));
+                    extra.push((larger, node));
                 }
             }
         }
-        // Held children of each held node (or of the root).
-        let mut kids: FxHashMap<NodeIdx, Vec<NodeIdx>> = FxHashMap::default();
+        // Ancestors the rank does not hold (it removed them) but needs, to place the
+        // blocks it still holds below them: emitted, then removed again.
+        let mut nodes: FxHashSet<NodeIdx> = primary.keys().copied().collect();
         for node in primary.keys() {
+            let mut up = self.arena.node(*node).parent;
+            while up != NodeIdx::ROOT && nodes.insert(up) {
+                up = self.arena.node(up).parent;
+            }
+        }
+        let mut kids: FxHashMap<NodeIdx, Vec<NodeIdx>> = FxHashMap::default();
+        for node in &nodes {
             kids.entry(self.arena.node(*node).parent)
                 .or_default()
                 .push(*node);
-        }
-        for list in kids.values_mut() {
-            list.sort_unstable_by_key(|node| primary[node]);
         }
         extra.sort_unstable();
 
@@ -88,49 +100,93 @@ impl RadixTree {
                 data,
             });
         };
-        let parent_hash = |node: NodeIdx| {
-            let parent = self.arena.node(node).parent;
-            if parent == NodeIdx::ROOT {
-                None
-            } else {
-                primary.get(&parent).copied()
-            }
-        };
         let block = |node: NodeIdx, block_hash: ExternalBlockHash| StoredBlock {
             block_hash,
             tokens_hash: self.arena.node(node).hash,
         };
-
-        let mut emitted: FxHashSet<NodeIdx> = FxHashSet::default();
-        let mut starts: Vec<NodeIdx> = kids.get(&NodeIdx::ROOT).cloned().unwrap_or_default();
-        while let Some(start) = starts.pop() {
+        // Engine hash of every emitted node: the rank's own, or a placeholder.
+        let mut names: FxHashMap<NodeIdx, ExternalBlockHash> = FxHashMap::default();
+        // The children of `node` (named `name`, `None` for the root), named and
+        // sorted by name so the dump does not depend on arena slots.
+        let named_kids = |node: NodeIdx, name: Option<ExternalBlockHash>| {
+            let mut out: Vec<(ExternalBlockHash, NodeIdx)> = kids
+                .get(&node)
+                .map(|list| {
+                    list.iter()
+                        .map(|kid| {
+                            let kid_name = primary.get(kid).copied().unwrap_or_else(|| {
+                                placeholder_hash(name, self.arena.node(*kid).hash)
+                            });
+                            (kid_name, *kid)
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            out.sort_unstable();
+            out
+        };
+        let mut unheld = Vec::new();
+        let mut starts: Vec<(Option<ExternalBlockHash>, ExternalBlockHash, NodeIdx)> =
+            named_kids(NodeIdx::ROOT, None)
+                .into_iter()
+                .rev()
+                .map(|(name, node)| (None, name, node))
+                .collect();
+        while let Some((parent_hash, start_name, start)) = starts.pop() {
             let mut chain = Vec::new();
-            let mut node = start;
+            let (mut node, mut name) = (start, start_name);
             loop {
-                chain.push(block(node, primary[&node]));
-                emitted.insert(node);
-                match kids.get(&node).map(Vec::as_slice) {
-                    Some([first, rest @ ..]) => {
-                        starts.extend_from_slice(rest);
-                        node = *first;
+                names.insert(node, name);
+                chain.push(block(node, name));
+                if !primary.contains_key(&node) {
+                    unheld.push(name);
+                }
+                match named_kids(node, Some(name)).as_slice() {
+                    [(first_name, first), rest @ ..] => {
+                        starts.extend(rest.iter().rev().map(|(n, k)| (Some(name), *n, *k)));
+                        (node, name) = (*first, *first_name);
                     }
-                    _ => break,
+                    [] => break,
                 }
             }
             emit(KvCacheEventData::Stored {
-                parent_hash: parent_hash(start),
+                parent_hash,
                 blocks: chain,
             });
         }
         for (hash, node) in extra {
-            if emitted.contains(&node) {
-                let blocks = vec![block(node, hash)];
-                emit(KvCacheEventData::Stored {
-                    parent_hash: parent_hash(node),
-                    blocks,
-                });
-            }
+            let parent = self.arena.node(node).parent;
+            let parent_hash = (parent != NodeIdx::ROOT).then(|| names[&parent]);
+            emit(KvCacheEventData::Stored {
+                parent_hash,
+                blocks: vec![block(node, hash)],
+            });
+        }
+        if !unheld.is_empty() {
+            emit(KvCacheEventData::Removed {
+                block_hashes: unheld,
+            });
         }
         events
     }
+}
+
+/// Tags placeholder hashes so they differ from engine and approximate-mode hashes.
+const PLACEHOLDER_TAG: u32 = 0x9057_0B10;
+
+/// The engine hash a dump gives a removed ancestor of held blocks: xxh3-64 (seed
+/// 1337) over a tag word, the parent's dump name and the block's local hash, as
+/// little-endian `u32` words. Deterministic, so dumping a rebuilt tree gives the
+/// same events.
+fn placeholder_hash(parent: Option<ExternalBlockHash>, local: LocalBlockHash) -> ExternalBlockHash {
+    let p = parent.map_or(0, |p| p.0);
+    // Truncation is the point: each u64 becomes its low and high 32-bit words.
+    let words = [
+        PLACEHOLDER_TAG,
+        p as u32,
+        (p >> 32) as u32,
+        local.0 as u32,
+        (local.0 >> 32) as u32,
+    ];
+    ExternalBlockHash(hash_block(&words).0)
 }

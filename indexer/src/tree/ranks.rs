@@ -15,13 +15,35 @@ use rustc_hash::FxHashMap;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub(crate) struct RankIdx(pub(crate) u32);
 
+/// A rank's reference to the node of one of its blocks: the slot and the slot's
+/// generation when the reference was made. The reference is stale (the block was
+/// pruned) when the generations differ. 8 bytes, so a map entry stays 16.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct BlockRef {
+    pub(crate) node: NodeIdx,
+    pub(crate) generation: u32,
+}
+
+impl BlockRef {
+    /// A tombstone: a block the index chose to forget (pruned, or stored below a
+    /// pruned block). Never live: the root's generation is never bumped from 0.
+    pub(crate) const FORGOTTEN: BlockRef = BlockRef {
+        node: NodeIdx::ROOT,
+        generation: u32::MAX,
+    };
+}
+
 /// Everything the tree knows about one worker rank.
 #[derive(Debug)]
 pub(crate) struct RankState {
     /// The rank this state belongs to.
     pub(crate) rank: WorkerRank,
-    /// Engine block hash → node, one entry per block the rank holds.
-    pub(crate) blocks: FxHashMap<ExternalBlockHash, NodeIdx>,
+    /// Engine block hash → node, one entry per block the rank holds, plus
+    /// `forgotten` stale entries (pruned blocks), dropped when next looked up.
+    pub(crate) blocks: FxHashMap<ExternalBlockHash, BlockRef>,
+    /// Entries of `blocks` that may be stale. While 0, every entry is live and no
+    /// generation needs checking.
+    pub(crate) forgotten: u64,
     /// Nodes that more than one engine hash of this rank map to, with the number of
     /// extra hashes. Only engines that cache identical content twice create these;
     /// the map is empty (and unallocated) otherwise. A node stays held until its last
@@ -34,13 +56,14 @@ impl RankState {
         Self {
             rank,
             blocks: FxHashMap::default(),
+            forgotten: 0,
             aliases: FxHashMap::default(),
         }
     }
 
     /// Heap bytes of the two maps, by capacity (key + value + one control byte).
     fn heap_bytes(&self) -> usize {
-        let block_entry = size_of::<(ExternalBlockHash, NodeIdx)>() + 1;
+        let block_entry = size_of::<(ExternalBlockHash, BlockRef)>() + 1;
         let alias_entry = size_of::<(NodeIdx, u32)>() + 1;
         self.blocks.capacity() * block_entry + self.aliases.capacity() * alias_entry
     }

@@ -1,34 +1,38 @@
 //! [`RankSet`]: the worker ranks holding one tree node, as a compact sorted set.
 //!
 //! Most nodes are held by one rank (a prefix only one worker has seen) or by a
-//! handful, so the set stores a single rank inline and spills to a sorted `Vec` of
-//! 4-byte interned indices beyond that. Sorted order lets the prefix match intersect
-//! two sets in one linear pass and compare them with one `memcmp`. The type is
-//! 24 bytes and allocates nothing for zero or one holder.
+//! handful, so the set stores a single rank inline and spills to a boxed, sorted
+//! `Vec` of 4-byte interned indices beyond that. Sorted order lets the prefix match
+//! intersect two sets in one linear pass and compare them with one `memcmp`. The type
+//! is 16 bytes (the box keeps it small: most nodes are held by one rank) and
+//! allocates nothing for zero or one holder.
 
 use super::ranks::RankIdx;
 
 /// A sorted set of interned worker ranks.
 ///
 /// Stored as raw `u32` rank indices so that comparing two sets is a plain `memcmp`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub(crate) enum RankSet {
+    /// No holder.
+    #[default]
+    Empty,
     /// Exactly one holder, stored inline.
     One(u32),
-    /// Zero or two-plus holders, sorted ascending, no duplicates.
-    Sorted(Vec<u32>),
+    /// Two or more holders, sorted ascending, no duplicates. Boxed on purpose: a thin
+    /// pointer keeps the set (and every node) 8 bytes smaller, and most nodes have
+    /// one holder.
+    #[allow(clippy::box_collection)]
+    Sorted(Box<Vec<u32>>),
 }
 
-impl Default for RankSet {
-    fn default() -> Self {
-        RankSet::Sorted(Vec::new())
-    }
-}
+const _: () = assert!(size_of::<RankSet>() == 16);
 
 impl RankSet {
     /// The holders' raw indices in ascending order (see [`RankIdx`]).
     pub(crate) fn as_raw(&self) -> &[u32] {
         match self {
+            RankSet::Empty => &[],
             RankSet::One(rank) => std::slice::from_ref(rank),
             RankSet::Sorted(ranks) => ranks,
         }
@@ -42,7 +46,7 @@ impl RankSet {
 
     /// True when no rank holds the node.
     pub(crate) fn is_empty(&self) -> bool {
-        matches!(self, RankSet::Sorted(ranks) if ranks.is_empty())
+        matches!(self, RankSet::Empty)
     }
 
     /// True when `rank` holds the node. O(log n).
@@ -55,6 +59,10 @@ impl RankSet {
     pub(crate) fn insert(&mut self, rank: RankIdx) -> bool {
         let rank = rank.0;
         match self {
+            RankSet::Empty => {
+                *self = RankSet::One(rank);
+                true
+            }
             RankSet::One(existing) if *existing == rank => false,
             RankSet::One(existing) => {
                 let (a, b) = if *existing < rank {
@@ -62,11 +70,7 @@ impl RankSet {
                 } else {
                     (rank, *existing)
                 };
-                *self = RankSet::Sorted(vec![a, b]);
-                true
-            }
-            RankSet::Sorted(ranks) if ranks.is_empty() => {
-                *self = RankSet::One(rank);
+                *self = RankSet::Sorted(Box::new(vec![a, b]));
                 true
             }
             RankSet::Sorted(ranks) => match ranks.binary_search(&rank) {
@@ -84,8 +88,9 @@ impl RankSet {
     pub(crate) fn remove(&mut self, rank: RankIdx) -> bool {
         let rank = rank.0;
         match self {
+            RankSet::Empty => false,
             RankSet::One(existing) if *existing == rank => {
-                *self = RankSet::default();
+                *self = RankSet::Empty;
                 true
             }
             RankSet::One(_) => false,
@@ -105,8 +110,8 @@ impl RankSet {
     /// Heap bytes owned by the set (by capacity).
     pub(crate) fn heap_bytes(&self) -> usize {
         match self {
-            RankSet::One(_) => 0,
-            RankSet::Sorted(ranks) => ranks.capacity() * size_of::<u32>(),
+            RankSet::Empty | RankSet::One(_) => 0,
+            RankSet::Sorted(ranks) => size_of::<Vec<u32>>() + ranks.capacity() * size_of::<u32>(),
         }
     }
 }

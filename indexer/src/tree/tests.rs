@@ -40,7 +40,7 @@ pub(super) fn removed(dp: u32, hashes: &[u64]) -> KvCacheEvent {
     }
 }
 
-fn cleared(dp: u32) -> KvCacheEvent {
+pub(super) fn cleared(dp: u32) -> KvCacheEvent {
     KvCacheEvent {
         event_id: 0,
         dp_rank: DpRank(dp),
@@ -66,11 +66,23 @@ pub(super) fn check_invariants(tree: &RadixTree) {
         .flat_map(|(node, holders)| holders.iter().map(move |r| (*node, *r)))
         .collect();
     let mut held_by_maps: HashMap<(NodeIdx, RankIdx), u32> = HashMap::new();
+    let mut live_entries = 0;
     for (idx, state) in tree.ranks.iter() {
         assert_eq!(tree.ranks.lookup(state.rank), Some(idx));
-        for node in state.blocks.values() {
-            *held_by_maps.entry((*node, idx)).or_insert(0) += 1;
+        let mut stale = 0;
+        for held in state.blocks.values() {
+            if tree.arena.generation(held.node) != held.generation {
+                stale += 1;
+                continue;
+            }
+            live_entries += 1;
+            *held_by_maps.entry((held.node, idx)).or_insert(0) += 1;
         }
+        assert_eq!(
+            stale, state.forgotten,
+            "forgotten entries of {}",
+            state.rank
+        );
         for (node, extra) in &state.aliases {
             assert_eq!(
                 held_by_maps.get(&(*node, idx)),
@@ -85,6 +97,7 @@ pub(super) fn check_invariants(tree: &RadixTree) {
             assert_eq!(aliases.get(&key.0), Some(&(count - 1)), "alias missing");
         }
     }
+    assert_eq!(tree.num_entries(), live_entries, "entry count");
     let from_maps: HashSet<_> = held_by_maps.keys().copied().collect();
     assert_eq!(
         held_by_nodes, from_maps,
@@ -451,12 +464,17 @@ fn dump_rebuilds_the_same_matches() {
     }
     assert_eq!(
         rebuilt.num_entries(),
-        tree.num_entries() - 1,
-        "only the orphan is left out"
+        tree.num_entries(),
+        "the orphan below the removed block is kept too"
     );
+    // Storing the removed block again reconnects the orphan in both trees.
+    for t in [&mut tree, &mut rebuilt] {
+        ok(t, 3, stored(0, Some(31), &[(32, 9)]));
+        assert_eq!(scores(t, &[8, 9, 10]), vec![(wr(3, 0), 3)]);
+    }
     assert_eq!(
         rebuilt.dump(),
-        dump,
+        tree.dump(),
         "a dump of the rebuilt tree is identical"
     );
 }

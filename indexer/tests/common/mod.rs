@@ -52,14 +52,28 @@ pub fn cleared(dp: u32) -> KvCacheEvent {
 }
 
 pub fn batch(worker: u64, events: Vec<KvCacheEvent>) -> KvEventBatch {
-    KvEventBatch {
-        worker_id: WorkerId(worker),
-        events,
-    }
+    KvEventBatch::new(WorkerId(worker), events)
 }
 
 /// A chain of `len` blocks starting at the root whose local hashes are `0..len` and
 /// engine hashes `base..base + len`.
 pub fn chain(base: u64, len: u64) -> Vec<(u64, u64)> {
     (0..len).map(|i| (base + i, i)).collect()
+}
+
+/// Numbers events per (worker, dp_rank) from 0, as a publisher does, so that test
+/// batches pass the indexer's ordering rules.
+#[derive(Debug, Default)]
+pub struct Numbering(std::collections::HashMap<(WorkerId, DpRank), u64>);
+
+impl Numbering {
+    /// Rewrites the `event_id`s of `batch` to each rank's next ids.
+    pub fn number(&mut self, mut batch: KvEventBatch) -> KvEventBatch {
+        for event in &mut batch.events {
+            let next = self.0.entry((batch.worker_id, event.dp_rank)).or_insert(0);
+            event.event_id = *next;
+            *next += 1;
+        }
+        batch
+    }
 }

@@ -20,6 +20,7 @@
 //! - [`request`]: request validation and per-request progress.
 //! - [`core`]: [`EngineCore`], the continuous-batching state machine of one dp rank.
 //! - `outbox`: the single ordered publication path to NATS.
+//! - `journal`: each worker's KV event journal (event ids, epoch, recovery replies).
 //! - `rank`: one live dp rank — the core, its reply inboxes, its real-time loop.
 //! - `worker`: one worker's generate / clear intake.
 //! - `registration`: etcd lease registration with keep-alive.
@@ -27,6 +28,7 @@
 
 pub mod config;
 pub mod core;
+mod journal;
 pub mod kv_cache;
 mod outbox;
 mod rank;

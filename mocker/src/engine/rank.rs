@@ -5,19 +5,21 @@
 //! (a timer against an accumulated deadline, so timer rounding does not drift), then
 //! publishes the step's KV events and responses. When the core is idle the loop parks
 //! on a [`Notify`] until a request arrives — no polling. All publication happens under
-//! the rank's lock via the ordered [`Outbox`], which keeps `event_id`s gap-free and
-//! in order per (worker, dp_rank).
+//! the rank's lock via the ordered [`Outbox`]; event ids come from the worker's
+//! [`SharedJournal`], which keeps them gap-free and in order per (worker, dp_rank) and
+//! remembers the events for recovery requests.
 //!
 //! Cost: one short lock per request, per step and per metrics sample; no allocation
 //! beyond the step's outputs.
 
 use super::config::RuntimeArgs;
 use super::core::{EngineCore, StepOutput};
+use super::journal::SharedJournal;
 use super::outbox::Outbox;
 use super::request::EngineRequest;
 use crate::protocol::GenerateResponse;
 use async_nats::Subject;
-use kv_events::{KvCacheEvent, KvCacheEventData, KvEventBatch, LoadMetrics, RequestId, WorkerRank};
+use kv_events::{KvCacheEventData, LoadMetrics, RequestId, WorkerRank};
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 use tokio::sync::Notify;
@@ -34,7 +36,6 @@ pub(super) struct RankState {
     core: EngineCore,
     /// Reply inbox of every accepted request whose `finished` is not yet published.
     replies: HashMap<RequestId, Subject>,
-    next_event_id: u64,
     accepting: bool,
 }
 
@@ -53,16 +54,19 @@ pub(super) struct Rank {
     state: Mutex<RankState>,
     notify: Notify,
     outbox: Outbox,
+    journal: SharedJournal,
     kv_subject: String,
     metrics_subject: String,
 }
 
 impl Rank {
-    /// A rank serving `core`, publishing on the given KV events and metrics subjects.
+    /// A rank serving `core`, numbering its KV events in the worker's `journal` and
+    /// publishing on the given KV events and metrics subjects.
     pub fn new(
         id: WorkerRank,
         core: EngineCore,
         outbox: Outbox,
+        journal: SharedJournal,
         kv_subject: String,
         metrics_subject: String,
     ) -> Self {
@@ -71,11 +75,11 @@ impl Rank {
             state: Mutex::new(RankState {
                 core,
                 replies: HashMap::new(),
-                next_event_id: 0,
                 accepting: true,
             }),
             notify: Notify::new(),
             outbox,
+            journal,
             kv_subject,
             metrics_subject,
         }
@@ -196,26 +200,14 @@ impl Rank {
         }
     }
 
-    fn publish_events(&self, st: &mut RankState, events: Vec<KvCacheEventData>) {
+    /// Records the events in the worker's journal (which numbers them) and enqueues
+    /// them as one batch. Called with the rank's lock held, so batches go out in
+    /// event id order.
+    fn publish_events(&self, _st: &mut RankState, events: Vec<KvCacheEventData>) {
         if events.is_empty() {
             return;
         }
-        let events = events
-            .into_iter()
-            .map(|data| {
-                let event_id = st.next_event_id;
-                st.next_event_id += 1;
-                KvCacheEvent {
-                    event_id,
-                    dp_rank: self.id.dp_rank,
-                    data,
-                }
-            })
-            .collect();
-        let batch = KvEventBatch {
-            worker_id: self.id.worker_id,
-            events,
-        };
+        let batch = self.journal.record(self.id.dp_rank, events);
         self.outbox.send(self.kv_subject.clone(), &batch);
     }
 

@@ -12,6 +12,7 @@
 use super::EngineArgs;
 use super::config::ConfigError;
 use super::core::EngineCore;
+use super::journal::SharedJournal;
 use super::outbox::Outbox;
 use super::rank::Rank;
 use super::registration::{LeaseError, Registration};
@@ -20,6 +21,7 @@ use super::worker::Worker;
 use crate::protocol::{OP_CLEAR, OP_GENERATE};
 use etcd_client::ConnectOptions;
 use kv_events::discovery::WorkerRegistration;
+use kv_events::journal::{EventJournal, JournalConfig};
 use kv_events::{DpRank, Subjects, WorkerId, WorkerRank};
 use std::sync::Arc;
 use std::time::Duration;
@@ -140,7 +142,11 @@ pub async fn spawn_engines(
     let (outbox, publisher) = Outbox::start(nats.clone());
     let mut tasks = JoinSet::new();
     let mut all_ranks = Vec::new();
+    // Every batch carries this epoch: a restarted engine is told apart by it.
+    let epoch = kv_events::journal::unix_epoch_micros();
     for &worker_id in &worker_ids {
+        let journal = EventJournal::new(worker_id, epoch, JournalConfig::default());
+        let journal = SharedJournal::new(journal);
         let mut ranks = Vec::new();
         for dp in 0..args.fleet.dp_size {
             let core = EngineCore::new(args.model, TimingModel::default())?;
@@ -148,6 +154,7 @@ pub async fn spawn_engines(
                 WorkerRank::new(worker_id, DpRank(dp)),
                 core,
                 outbox.clone(),
+                journal.clone(),
                 subjects.kv_events(worker_id),
                 subjects.load_metrics(worker_id),
             ));
@@ -156,18 +163,19 @@ pub async fn spawn_engines(
             ranks.push(rank);
         }
         all_ranks.extend(ranks.iter().cloned());
-        let worker = Worker::new(worker_id, ranks, outbox.clone());
+        let worker = Worker::new(worker_id, ranks, outbox.clone(), journal);
         let generate = subscribe(&nats, subjects.engine(worker_id, OP_GENERATE)).await;
         let clear = subscribe(&nats, subjects.engine(worker_id, OP_CLEAR)).await;
-        let (generate, clear) = match (generate, clear) {
-            (Ok(g), Ok(c)) => (g, c),
-            (Err(err), _) | (_, Err(err)) => {
+        let recovery = subscribe(&nats, subjects.kv_recovery(worker_id)).await;
+        let (generate, clear, recovery) = match (generate, clear, recovery) {
+            (Ok(g), Ok(c), Ok(r)) => (g, c, r),
+            (Err(err), _, _) | (_, Err(err), _) | (_, _, Err(err)) => {
                 inner.cancel();
                 return Err(err);
             }
         };
         let token = inner.clone();
-        tasks.spawn(async move { worker.serve(generate, clear, token).await });
+        tasks.spawn(async move { worker.serve(generate, clear, recovery, token).await });
     }
     let metrics_period = Duration::from_millis(args.runtime.metrics_interval_ms);
     tasks.spawn(publish_metrics(all_ranks, metrics_period, inner.clone()));

@@ -1,4 +1,5 @@
-//! One mock worker's request intake: its generate and clear subscriptions.
+//! One mock worker's request intake: its generate, clear and KV event recovery
+//! subscriptions.
 //!
 //! A worker owns `dp_size` [`Rank`]s. Generate requests are decoded and handed to the
 //! rank named by their `dp_rank`; anything malformed is answered with an `error`
@@ -6,6 +7,7 @@
 //! Clear requests lock every rank at once so the cache is dropped only if the whole
 //! worker is idle. Cost: one msgpack decode per message.
 
+use super::journal::{self, SharedJournal};
 use super::outbox::Outbox;
 use super::rank::Rank;
 use crate::protocol::{ClearReply, GenerateRequest, GenerateResponse};
@@ -22,20 +24,32 @@ pub(super) struct Worker {
     id: WorkerId,
     ranks: Vec<Arc<Rank>>,
     outbox: Outbox,
+    journal: SharedJournal,
 }
 
 impl Worker {
-    /// A worker serving `ranks` (index = dp_rank).
-    pub fn new(id: WorkerId, ranks: Vec<Arc<Rank>>, outbox: Outbox) -> Self {
-        Self { id, ranks, outbox }
+    /// A worker serving `ranks` (index = dp_rank), whose KV events `journal` records.
+    pub fn new(
+        id: WorkerId,
+        ranks: Vec<Arc<Rank>>,
+        outbox: Outbox,
+        journal: SharedJournal,
+    ) -> Self {
+        Self {
+            id,
+            ranks,
+            outbox,
+            journal,
+        }
     }
 
-    /// Answers generate and clear messages until `shutdown` or until a subscription
-    /// ends, then unsubscribes.
+    /// Answers generate, clear and recovery messages until `shutdown` or until a
+    /// subscription ends, then unsubscribes.
     pub async fn serve(
         &self,
         mut generate: Subscriber,
         mut clear: Subscriber,
+        mut recovery: Subscriber,
         shutdown: CancellationToken,
     ) {
         loop {
@@ -49,9 +63,13 @@ impl Worker {
                     Some(msg) => self.handle_clear(msg),
                     None => break,
                 },
+                msg = recovery.next() => match msg {
+                    Some(msg) => journal::answer(&self.journal, &self.outbox, msg),
+                    None => break,
+                },
             }
         }
-        for sub in [&mut generate, &mut clear] {
+        for sub in [&mut generate, &mut clear, &mut recovery] {
             if let Err(err) = sub.unsubscribe().await {
                 debug!(worker_id = %self.id, %err, "unsubscribe failed");
             }

@@ -55,12 +55,13 @@ pub async fn list_workers(target: &ReplayTarget) -> Result<Vec<WorkerRegistratio
     Ok(workers)
 }
 
-/// Clears every registered worker's KV cache; returns the workers cleared.
+/// Clears every registered worker's KV cache; returns the registrations of the workers
+/// cleared, sorted by id.
 ///
 /// # Errors
 /// [`ReplayError::NoWorkers`] if none is registered; [`ReplayError::Clear`] if a worker
 /// does not answer, answers garbage, or stays busy for [`CLEAR_ATTEMPTS`] attempts.
-pub async fn clear_all(target: &ReplayTarget) -> Result<Vec<WorkerId>, ReplayError> {
+pub async fn clear_all(target: &ReplayTarget) -> Result<Vec<WorkerRegistration>, ReplayError> {
     let workers = list_workers(target).await?;
     if workers.is_empty() {
         return Err(ReplayError::NoWorkers {
@@ -69,7 +70,7 @@ pub async fn clear_all(target: &ReplayTarget) -> Result<Vec<WorkerId>, ReplayErr
     }
     let ids: Vec<WorkerId> = workers.iter().map(|w| w.worker_id).collect();
     futures::future::try_join_all(ids.iter().map(|id| clear_worker(target, *id))).await?;
-    Ok(ids)
+    Ok(workers)
 }
 
 async fn clear_worker(target: &ReplayTarget, worker: WorkerId) -> Result<(), ReplayError> {

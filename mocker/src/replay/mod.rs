@@ -24,9 +24,10 @@ mod table;
 
 pub use report::{LatencyStats, PolicyReport, ReplayReport, RequestOutcome, RouteFailure};
 
-use crate::trace::{self, TraceError, TraceRequest};
+use crate::trace::{self, BlockMapping, BlockSizeMismatch, TraceError, TraceRequest};
 use indicatif::{ProgressBar, ProgressStyle};
 use kv_events::routing::PolicyKind;
+use kv_events::discovery::WorkerRegistration;
 use kv_events::{Namespace, RequestId, Subjects, WorkerId};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -64,6 +65,18 @@ pub enum ReplayError {
         worker: WorkerId,
         /// Why, lowercase.
         reason: String,
+    },
+    /// The workers' block size cannot be mapped onto the trace's 512-token blocks.
+    #[error(transparent)]
+    BlockSize(#[from] BlockSizeMismatch),
+    /// Registered workers disagree on the block size, so one prompt hashing cannot
+    /// serve them all.
+    #[error("workers disagree on the block size: {first} and {other} tokens")]
+    MixedBlockSizes {
+        /// The first worker's block size, in tokens.
+        first: u32,
+        /// Another worker's, in tokens.
+        other: u32,
     },
     /// The time scale is not a finite number greater than 0.
     #[error("time scale must be a finite number greater than 0, got {0}")]
@@ -273,7 +286,8 @@ pub async fn replay_policy(
     config: &ReplayConfig,
 ) -> Result<PolicyReport, ReplayError> {
     let workers = cold::clear_all(target).await?;
-    tracing::info!(%policy, workers = workers.len(), requests = trace.len(), "starting pass from a cold cache");
+    let mapping = block_mapping(target, &workers)?;
+    tracing::info!(%policy, workers = workers.len(), requests = trace.len(), block_size = mapping.engine_block_size(), "starting pass from a cold cache");
     let bar = progress_bar(policy, trace.len(), config.progress);
     let shared = Arc::new(target.clone());
     let start = Instant::now();
@@ -294,8 +308,13 @@ pub async fn replay_policy(
         let request_id = RequestId(format!("{policy}-{index}"));
         let (time_scale, timeout) = (config.time_scale, config.request_timeout);
         tasks.spawn(async move {
-            request::replay_request(&target, request_id, &request, policy, time_scale, timeout)
-                .await
+            let block_hashes = mapping.block_hashes(&request);
+            let pass = request::Pass {
+                policy,
+                time_scale,
+                timeout,
+            };
+            request::replay_request(&target, request_id, &request, block_hashes, pass).await
         });
     }
     while let Some(done) = tasks.join_next().await {
@@ -310,6 +329,30 @@ pub async fn replay_policy(
         tracing::warn!(%policy, failed = report.failed, route_errors = report.route_error_count(), "some requests did not complete");
     }
     Ok(report)
+}
+
+/// The prompt hashing for the registered workers' block size (see
+/// [`crate::trace::BlockMapping`]).
+///
+/// # Errors
+/// [`ReplayError::MixedBlockSizes`] if workers disagree, [`ReplayError::BlockSize`] if
+/// the size does not divide 512, [`ReplayError::NoWorkers`] for an empty list.
+fn block_mapping(
+    target: &ReplayTarget,
+    workers: &[WorkerRegistration],
+) -> Result<BlockMapping, ReplayError> {
+    let Some(first) = workers.first() else {
+        return Err(ReplayError::NoWorkers {
+            prefix: target.subjects.etcd_worker_prefix(),
+        });
+    };
+    if let Some(other) = workers.iter().find(|w| w.block_size != first.block_size) {
+        return Err(ReplayError::MixedBlockSizes {
+            first: first.block_size,
+            other: other.block_size,
+        });
+    }
+    Ok(BlockMapping::new(first.block_size)?)
 }
 
 fn record(

@@ -32,7 +32,10 @@ pub enum RouteFailure {
 impl From<RouteErrorCode> for RouteFailure {
     fn from(code: RouteErrorCode) -> Self {
         match code {
-            RouteErrorCode::BadRequest => RouteFailure::BadRequest,
+            // Replay never pins a dp_rank, so an unavailable rank is a bad request.
+            RouteErrorCode::BadRequest | RouteErrorCode::RankUnavailable => {
+                RouteFailure::BadRequest
+            }
             RouteErrorCode::NoWorkers => RouteFailure::NoWorkers,
             RouteErrorCode::Overloaded => RouteFailure::Overloaded,
             RouteErrorCode::Internal => RouteFailure::Internal,

@@ -33,18 +33,33 @@ enum GenerateFailure {
     Protocol(String),
 }
 
-/// Replays one trace request under `policy`; never fails, every problem is an outcome.
+/// The settings shared by every request of one pass.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Pass {
+    /// The routing policy asked for.
+    pub policy: PolicyKind,
+    /// Trace time runs this many times faster than wall clock.
+    pub time_scale: TimeScale,
+    /// Wall-clock limit from routing to the last token.
+    pub timeout: Duration,
+}
+
+/// Replays one trace request, whose prompt is `block_hashes` (engine blocks, from
+/// [`crate::trace::BlockMapping`]); never fails, every problem is an outcome.
 pub(super) async fn replay_request(
     target: &ReplayTarget,
     request_id: RequestId,
     request: &TraceRequest,
-    policy: PolicyKind,
-    time_scale: TimeScale,
-    timeout: Duration,
+    block_hashes: Vec<kv_events::LocalBlockHash>,
+    pass: Pass,
 ) -> RequestOutcome {
+    let Pass {
+        policy,
+        time_scale,
+        timeout,
+    } = pass;
     let arrival = Instant::now();
     let deadline = arrival + timeout;
-    let block_hashes = request.block_hashes();
     let decision = match route(target, &request_id, request, &block_hashes, policy, timeout).await {
         Ok(decision) => decision,
         Err(failure) => {
@@ -91,12 +106,14 @@ async fn route(
     timeout: Duration,
 ) -> Result<RouteDecision, RouteFailure> {
     let route_request = RouteRequest {
-        request_id: request_id.clone(),
-        prompt: Prompt::Blocks {
-            block_hashes: block_hashes.to_vec(),
-            num_tokens: request.input_length,
-        },
         policy: Some(policy),
+        ..RouteRequest::new(
+            request_id.clone(),
+            Prompt::Blocks {
+                block_hashes: block_hashes.to_vec(),
+                num_tokens: request.input_length,
+            },
+        )
     };
     let payload = encode(&route_request).map_err(|err| {
         tracing::warn!(%request_id, %err, "cannot encode route request");

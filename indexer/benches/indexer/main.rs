@@ -1,0 +1,94 @@
+//! The indexer benchmarks of `docs/benchmarks.md`, as one bench binary (no harness):
+//!
+//! ```sh
+//! cargo bench -p indexer --bench indexer -- all          # everything (~5 min on 2 cores)
+//! cargo bench -p indexer --bench indexer -- apply        # stored blocks/s
+//! cargo bench -p indexer --bench indexer -- query        # find_matches p50/p99, idle and flooded
+//! cargo bench -p indexer --bench indexer -- memory       # bytes per entry at 10M entries
+//! cargo bench -p indexer --bench indexer -- recovery     # rebuild 1M blocks from dumps / a snapshot
+//! cargo bench -p indexer --bench indexer -- all --quick  # 10x smaller, for a smoke run
+//! ```
+//!
+//! Workloads are generated deterministically (splitmix64), built before timing
+//! starts, and shaped like prefix-caching traffic: every worker holds a few shared
+//! "system prompt" prefixes and many private conversations continuing them. Wall-clock
+//! figures come from `std::time::Instant`; latency percentiles from sorting every
+//! sample. The machine's core count is printed with the results: compare ratios
+//! within one run.
+
+mod apply;
+mod query;
+mod recovery;
+mod workload;
+
+use std::time::Duration;
+
+/// Scale factor: 1 for the documented sizes, 10 for `--quick`.
+#[derive(Debug, Clone, Copy)]
+pub struct Scale(pub u64);
+
+impl Scale {
+    /// `n` scaled down.
+    pub fn of(self, n: u64) -> u64 {
+        (n / self.0).max(1)
+    }
+}
+
+/// p50 / p99 / max of a sample, in microseconds.
+pub fn percentiles(mut samples: Vec<Duration>) -> (f64, f64, f64) {
+    samples.sort_unstable();
+    let at = |q: f64| {
+        let i = ((samples.len() as f64 - 1.0) * q).round() as usize;
+        samples[i].as_secs_f64() * 1e6
+    };
+    (at(0.50), at(0.99), at(1.0))
+}
+
+/// Resident set size of this process, in bytes (from `/proc/self/status`).
+pub fn rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if let [flag, workers, scale] = args.as_slice()
+        && flag == "--memory-one"
+    {
+        let parse = |s: &str| s.parse::<u64>().expect("a number");
+        apply::memory_one(parse(workers), Scale(parse(scale)));
+        return;
+    }
+    let scale = if args.iter().any(|a| a == "--quick") {
+        Scale(10)
+    } else {
+        Scale(1)
+    };
+    let what: Vec<&str> = args
+        .iter()
+        .map(String::as_str)
+        .filter(|a| !a.starts_with("--"))
+        .collect();
+    let run = |name: &str| what.is_empty() || what.contains(&"all") || what.contains(&name);
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    println!("# indexer benchmarks ({cores} cores, scale 1/{})", scale.0);
+    if run("apply") {
+        apply::run(scale);
+    }
+    if run("query") {
+        query::run(scale);
+    }
+    if run("memory") {
+        apply::memory(scale);
+    }
+    if run("recovery") {
+        recovery::run(scale);
+    }
+}

@@ -1,0 +1,373 @@
+//! [`InlineIndexer`]: shards behind read-write locks, read inline by the query path.
+//!
+//! The alternative to [`crate::ShardedIndexer`]'s shard tasks: each shard is an
+//! [`OrderedIndex`] behind a `std::sync::RwLock`. A writer (the event intake, a
+//! recovery reply) takes the write lock of its worker's shard in its own task; a
+//! query takes each shard's read lock in turn, in the caller, with no channel hop and
+//! no task switch. Many queries read a shard at once; a write waits for them and
+//! briefly blocks them. Per-worker order holds because one worker's events come from
+//! one intake task and go to one shard; read-your-writes holds trivially (an `apply`
+//! that returned has been applied).
+//!
+//! Costs: a query is N lock acquisitions plus N tree walks on the calling thread; an
+//! event batch holds one write lock for its application (microseconds for normal
+//! batches; a pruning pass or a large dump holds it for longer, up to ~100 ms at 10 M
+//! entries). A background task expires approximate-mode entries. The comparison with
+//! the task-based design is in `docs/benchmarks.md`.
+
+use crate::config::IndexerConfig;
+use crate::counters::IndexerCounters;
+use crate::error::IndexerError;
+use crate::ordered::OrderedIndex;
+use crate::recovery::{RecoveryNeed, RecoveryToken};
+use crate::scores::OverlapScores;
+use crate::sharded::{NeedsSlot, join_snapshots, split_snapshot, take_needs};
+use crate::stats::{IndexerReport, IndexerStats};
+use kv_events::recovery::{IndexSnapshot, RecoveryReply};
+use kv_events::{KvEventBatch, LocalBlockHash, WorkerId, WorkerRank};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::time::Duration;
+use tokio::sync::{Notify, mpsc};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+/// Handle to N lock-protected shards; cheap to clone, every clone shares them.
+///
+/// Same API and guarantees as [`crate::ShardedIndexer`] (per-worker order,
+/// read-your-writes, per-shard consistent queries, [`IndexerError::ShuttingDown`]
+/// after shutdown); see the module docs for how they are met.
+#[derive(Debug, Clone)]
+pub struct InlineIndexer {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    shards: Box<[RwLock<OrderedIndex>]>,
+    counters: Arc<IndexerCounters>,
+    needs_tx: mpsc::UnboundedSender<RecoveryNeed>,
+    needs: NeedsSlot,
+    shutdown: CancellationToken,
+    tracker: TaskTracker,
+    expiry_changed: Arc<Notify>,
+}
+
+impl Drop for Inner {
+    /// The last handle is gone: stop the expiry task.
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+impl Inner {
+    // A panic while holding a lock cannot leave a shard in a state worse than
+    // stopping routing would; the poisoned lock is recovered.
+    fn read(&self, shard: usize) -> RwLockReadGuard<'_, OrderedIndex> {
+        self.shards[shard].read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn write(&self, shard: usize) -> RwLockWriteGuard<'_, OrderedIndex> {
+        self.shards[shard]
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn send_needs(&self, needs: Vec<RecoveryNeed>) {
+        for need in needs {
+            // Nobody listening: the rank keeps buffering up to its bound.
+            let _ = self.needs_tx.send(need);
+        }
+    }
+}
+
+impl InlineIndexer {
+    /// Builds `config.num_shards` shards and starts the TTL expiry task on the current
+    /// Tokio runtime. It stops when `shutdown` (or the indexer's child token) is
+    /// cancelled.
+    ///
+    /// # Errors
+    /// [`IndexerError::InvalidConfig`] when a config field is out of range.
+    ///
+    /// # Panics
+    /// When called outside a Tokio runtime (as `tokio::spawn` does).
+    pub fn spawn(config: IndexerConfig, shutdown: CancellationToken) -> Result<Self, IndexerError> {
+        config.validate()?;
+        let counters = Arc::new(IndexerCounters::new());
+        let settings = config.shard_settings();
+        let (needs_tx, needs_rx) = mpsc::unbounded_channel();
+        let inner = Arc::new(Inner {
+            shards: (0..config.num_shards)
+                .map(|_| RwLock::new(OrderedIndex::new(settings, counters.clone())))
+                .collect(),
+            counters,
+            needs_tx,
+            needs: Arc::new(Mutex::new(Some(needs_rx))),
+            shutdown: shutdown.child_token(),
+            tracker: TaskTracker::new(),
+            expiry_changed: Arc::new(Notify::new()),
+        });
+        inner.tracker.spawn(expire_loop(
+            Arc::downgrade(&inner),
+            inner.expiry_changed.clone(),
+            inner.shutdown.clone(),
+        ));
+        inner.tracker.close();
+        Ok(Self { inner })
+    }
+
+    /// Number of shards.
+    pub fn num_shards(&self) -> usize {
+        self.inner.shards.len()
+    }
+
+    /// The shard owning `worker_id`: `worker_id % num_shards`.
+    pub fn shard_of(&self, worker_id: WorkerId) -> usize {
+        // The remainder is below `num_shards`, which is a usize, so it fits.
+        (worker_id.0 % self.inner.shards.len() as u64) as usize
+    }
+
+    fn running(&self) -> Result<(), IndexerError> {
+        if self.inner.shutdown.is_cancelled() {
+            Err(IndexerError::ShuttingDown)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// See [`crate::ShardedIndexer::take_recovery_needs`].
+    pub fn take_recovery_needs(&self) -> Option<mpsc::UnboundedReceiver<RecoveryNeed>> {
+        take_needs(&self.inner.needs)
+    }
+
+    /// Applies a batch under the ordering rules (in the caller, under the shard's
+    /// write lock).
+    ///
+    /// # Errors
+    /// [`IndexerError::ShuttingDown`] after shutdown; the batch is not applied.
+    pub async fn apply(&self, batch: KvEventBatch) -> Result<(), IndexerError> {
+        self.running()?;
+        let shard = self.shard_of(batch.worker_id);
+        let needs = self.inner.write(shard).apply_batch(&batch);
+        self.inner.send_needs(needs);
+        Ok(())
+    }
+
+    /// Drops every rank of `worker_id`.
+    ///
+    /// # Errors
+    /// [`IndexerError::ShuttingDown`] after shutdown.
+    pub async fn remove_worker(&self, worker_id: WorkerId) -> Result<(), IndexerError> {
+        self.running()?;
+        let shard = self.shard_of(worker_id);
+        let outcome = self.inner.write(shard).remove_worker(worker_id);
+        tracing::debug!(%worker_id, blocks = outcome.removed, "worker removed from index");
+        Ok(())
+    }
+
+    /// See [`crate::ShardedIndexer::apply_recovered`].
+    ///
+    /// # Errors
+    /// [`IndexerError::ShuttingDown`] after shutdown.
+    pub async fn apply_recovered(
+        &self,
+        rank: WorkerRank,
+        token: RecoveryToken,
+        reply: RecoveryReply,
+    ) -> Result<(), IndexerError> {
+        self.running()?;
+        let shard = self.shard_of(rank.worker_id);
+        let needs = self.inner.write(shard).apply_recovered(rank, token, reply);
+        self.inner.send_needs(needs);
+        Ok(())
+    }
+
+    /// See [`crate::ShardedIndexer::abandon_recovery`].
+    ///
+    /// # Errors
+    /// [`IndexerError::ShuttingDown`] after shutdown.
+    pub async fn abandon_recovery(
+        &self,
+        rank: WorkerRank,
+        token: RecoveryToken,
+    ) -> Result<(), IndexerError> {
+        self.running()?;
+        let shard = self.shard_of(rank.worker_id);
+        let needs = self.inner.write(shard).abandon_recovery(rank, token);
+        self.inner.send_needs(needs);
+        Ok(())
+    }
+
+    /// See [`crate::ShardedIndexer::resync`].
+    ///
+    /// # Errors
+    /// [`IndexerError::ShuttingDown`] after shutdown.
+    pub async fn resync(&self, rank: WorkerRank) -> Result<(), IndexerError> {
+        self.running()?;
+        let shard = self.shard_of(rank.worker_id);
+        let need = self.inner.write(shard).resync(rank);
+        self.inner.send_needs(need.into_iter().collect());
+        Ok(())
+    }
+
+    /// See [`crate::ShardedIndexer::insert_routed`].
+    ///
+    /// # Errors
+    /// [`IndexerError::ShuttingDown`] after shutdown.
+    pub async fn insert_routed(
+        &self,
+        rank: WorkerRank,
+        hashes: impl Into<Arc<[LocalBlockHash]>>,
+        ttl: Duration,
+    ) -> Result<(), IndexerError> {
+        self.running()?;
+        let expires_at = tokio::time::Instant::now().into_std() + ttl;
+        let hashes = hashes.into();
+        let shard = self.shard_of(rank.worker_id);
+        self.inner
+            .write(shard)
+            .insert_routed(rank, &hashes, expires_at);
+        self.inner.expiry_changed.notify_one();
+        Ok(())
+    }
+
+    /// See [`crate::ShardedIndexer::restore`].
+    ///
+    /// # Errors
+    /// [`IndexerError::ShuttingDown`] after shutdown.
+    pub async fn restore(&self, snapshot: IndexSnapshot) -> Result<(), IndexerError> {
+        self.running()?;
+        let parts = split_snapshot(snapshot, self.num_shards(), |w| self.shard_of(w));
+        for (shard, part) in parts.iter().enumerate() {
+            self.inner.write(shard).restore(part);
+        }
+        Ok(())
+    }
+
+    /// Scores every worker rank by the leading blocks of `hashes` it holds, reading
+    /// every shard in turn.
+    ///
+    /// # Errors
+    /// [`IndexerError::ShuttingDown`] after shutdown.
+    pub async fn find_matches(
+        &self,
+        hashes: impl Into<Arc<[LocalBlockHash]>>,
+    ) -> Result<OverlapScores, IndexerError> {
+        self.running()?;
+        let hashes = hashes.into();
+        let mut scores = OverlapScores::new();
+        for shard in 0..self.num_shards() {
+            scores.merge(self.inner.read(shard).find_matches(&hashes));
+        }
+        Ok(scores)
+    }
+
+    /// See [`crate::ShardedIndexer::dump`].
+    ///
+    /// # Errors
+    /// [`IndexerError::ShuttingDown`] after shutdown.
+    pub async fn dump(&self) -> Result<Vec<KvEventBatch>, IndexerError> {
+        self.running()?;
+        let mut batches = Vec::new();
+        for shard in 0..self.num_shards() {
+            batches.extend(self.inner.read(shard).dump());
+        }
+        batches.sort_by_key(|b| b.worker_id);
+        Ok(batches)
+    }
+
+    /// See [`crate::ShardedIndexer::snapshot`].
+    ///
+    /// # Errors
+    /// [`IndexerError::ShuttingDown`] after shutdown.
+    pub async fn snapshot(&self) -> Result<IndexSnapshot, IndexerError> {
+        self.running()?;
+        Ok(join_snapshots(
+            (0..self.num_shards()).map(|shard| self.inner.read(shard).snapshot()),
+        ))
+    }
+
+    /// See [`crate::ShardedIndexer::stats`].
+    ///
+    /// # Errors
+    /// [`IndexerError::ShuttingDown`] after shutdown.
+    pub async fn stats(&self) -> Result<IndexerStats, IndexerError> {
+        self.running()?;
+        let mut total = IndexerStats::default();
+        for shard in 0..self.num_shards() {
+            total += self.inner.read(shard).stats();
+        }
+        Ok(total)
+    }
+
+    /// See [`crate::ShardedIndexer::report`].
+    ///
+    /// # Errors
+    /// [`IndexerError::ShuttingDown`] after shutdown.
+    pub async fn report(&self) -> Result<IndexerReport, IndexerError> {
+        self.running()?;
+        let mut total = IndexerReport::default();
+        for shard in 0..self.num_shards() {
+            total.merge(self.inner.read(shard).report());
+        }
+        Ok(total)
+    }
+
+    /// Counters of applied, skipped, rejected and recovered events.
+    pub fn counters(&self) -> &IndexerCounters {
+        &self.inner.counters
+    }
+
+    /// Always 0: events are applied by the caller, nothing queues.
+    pub fn queued_events(&self) -> usize {
+        0
+    }
+
+    /// Stops the indexer (cancels its child token).
+    pub fn shutdown(&self) {
+        self.inner.shutdown.cancel();
+    }
+
+    /// Resolves once the expiry task has ended (after shutdown).
+    pub async fn closed(&self) {
+        self.inner.tracker.wait().await;
+    }
+}
+
+/// Expires approximate-mode blocks at their deadlines until shutdown or until every
+/// handle is dropped.
+async fn expire_loop(
+    inner: std::sync::Weak<Inner>,
+    changed: Arc<Notify>,
+    shutdown: CancellationToken,
+) {
+    loop {
+        let next = {
+            let Some(strong) = inner.upgrade() else {
+                return;
+            };
+            (0..strong.shards.len())
+                .filter_map(|s| strong.read(s).next_expiry())
+                .min()
+        };
+        let sleep = async {
+            match next {
+                Some(at) => tokio::time::sleep_until(tokio::time::Instant::from_std(at)).await,
+                None => std::future::pending().await,
+            }
+        };
+        let expire = tokio::select! {
+            () = shutdown.cancelled() => return,
+            () = changed.notified() => false,
+            () = sleep => true,
+        };
+        if expire {
+            let Some(strong) = inner.upgrade() else {
+                return;
+            };
+            let now = tokio::time::Instant::now().into_std();
+            for shard in 0..strong.shards.len() {
+                strong.write(shard).expire(now);
+            }
+        }
+    }
+}

@@ -1,0 +1,479 @@
+//! [`OrderedIndex`]: a [`RadixTree`] plus per-(worker, dp_rank) event ordering,
+//! gap recovery bookkeeping, approximate (TTL) entries and snapshots.
+//!
+//! This is the whole state of one shard, as plain synchronous data: both concurrent
+//! fronts ([`crate::ShardedIndexer`], [`crate::InlineIndexer`]) wrap one per shard,
+//! and tests drive it directly without a runtime.
+//!
+//! # Ordering rules (per worker rank)
+//! A cursor holds the publisher epoch the index follows and the next `event_id` it
+//! expects. For each incoming event:
+//! 1. an older epoch is dropped (counted); a newer epoch means the publisher
+//!    restarted: the rank is cleared and the cursor starts again at 0 in that epoch.
+//!    A `Cleared` at event 0 from a publisher without epochs (epoch 0) also resets;
+//! 2. an `event_id` below the cursor is a duplicate and is dropped (counted);
+//! 3. the expected `event_id` is applied and the cursor advances, unless a recovery
+//!    is pending, in which case it is buffered;
+//! 4. an `event_id` above the cursor is a gap: the event is buffered and a
+//!    [`RecoveryNeed`] for the missing range is emitted;
+//! 5. an applied `Stored` whose parent the rank does not hold emits a need for a
+//!    full dump (the index diverged from the publisher), and later events are
+//!    buffered until it arrives.
+//!
+//! The buffer is bounded (`recovery_buffer_events` per rank): on overflow it is
+//! dropped and a dump is requested instead. When the reply comes back
+//! (`apply_recovered`), its events (or dump) are applied, then the buffer from the new
+//! cursor on; a remaining hole starts another recovery. When the owner gives up
+//! (`abandon_recovery`), buffered events are applied past the holes, which are
+//! counted as lost. The reply logic lives in `ordered/replies.rs`.
+
+mod replies;
+
+use crate::approx::{ExpiryQueue, approximate_block_hash};
+use crate::config::Pruning;
+use crate::counters::{Counter, IndexerCounters};
+use crate::error::ApplyError;
+use crate::recovery::{RecoveryNeed, RecoveryReason, RecoveryToken};
+use crate::scores::OverlapScores;
+use crate::stats::{IndexerReport, IndexerStats};
+use crate::tree::{ApplyOutcome, RadixTree};
+use kv_events::recovery::{IndexSnapshot, RankCursor, RecoveryRequest};
+use kv_events::{
+    DpRank, KvCacheEvent, KvCacheEventData, KvEventBatch, LocalBlockHash, StoredBlock, WorkerId,
+    WorkerRank,
+};
+use rustc_hash::FxHashMap;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Instant;
+use tracing::{info, warn};
+
+/// Per-shard settings of an [`OrderedIndex`], derived from
+/// [`crate::IndexerConfig::shard_settings`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShardSettings {
+    /// The tree's memory bound.
+    pub pruning: Pruning,
+    /// Events buffered per rank during a recovery before falling back to a dump.
+    pub recovery_buffer_events: usize,
+}
+
+impl Default for ShardSettings {
+    fn default() -> Self {
+        Self {
+            pruning: Pruning::Unbounded,
+            recovery_buffer_events: 8192,
+        }
+    }
+}
+
+/// The ordering state of one worker rank.
+#[derive(Debug)]
+pub(crate) struct Cursor {
+    epoch: u64,
+    next: u64,
+    pending: Option<RecoveryToken>,
+    buffer: BTreeMap<u64, KvCacheEvent>,
+}
+
+impl Cursor {
+    fn new(epoch: u64) -> Self {
+        Self {
+            epoch,
+            next: 0,
+            pending: None,
+            buffer: BTreeMap::new(),
+        }
+    }
+}
+
+/// A radix tree with event ordering, recovery bookkeeping and TTL entries. See the
+/// module docs.
+#[derive(Debug)]
+pub struct OrderedIndex {
+    tree: RadixTree,
+    cursors: FxHashMap<WorkerRank, Cursor>,
+    expiry: ExpiryQueue,
+    settings: ShardSettings,
+    counters: Arc<IndexerCounters>,
+    next_token: u64,
+}
+
+impl OrderedIndex {
+    /// An empty index that bumps `counters`.
+    pub fn new(settings: ShardSettings, counters: Arc<IndexerCounters>) -> Self {
+        Self {
+            tree: RadixTree::with_pruning(settings.pruning),
+            cursors: FxHashMap::default(),
+            expiry: ExpiryQueue::default(),
+            settings: ShardSettings {
+                recovery_buffer_events: settings.recovery_buffer_events.max(1),
+                ..settings
+            },
+            counters,
+            next_token: 0,
+        }
+    }
+
+    /// The underlying tree.
+    pub fn tree(&self) -> &RadixTree {
+        &self.tree
+    }
+
+    /// The counters this index bumps.
+    pub fn counters(&self) -> &Arc<IndexerCounters> {
+        &self.counters
+    }
+
+    /// Applies a batch under the ordering rules; returns the recoveries to perform.
+    pub fn apply_batch(&mut self, batch: &KvEventBatch) -> Vec<RecoveryNeed> {
+        self.counters.record_batch();
+        let mut needs = Vec::new();
+        for event in &batch.events {
+            self.on_event(batch.worker_id, batch.epoch, event, &mut needs);
+        }
+        needs
+    }
+
+    fn on_event(
+        &mut self,
+        worker_id: WorkerId,
+        epoch: u64,
+        event: &KvCacheEvent,
+        needs: &mut Vec<RecoveryNeed>,
+    ) {
+        let rank = WorkerRank::new(worker_id, event.dp_rank);
+        let limit = self.settings.recovery_buffer_events;
+        let cursor = self
+            .cursors
+            .entry(rank)
+            .or_insert_with(|| Cursor::new(epoch));
+        if epoch < cursor.epoch {
+            self.counters.add(Counter::StaleEpochEvents, 1);
+            return;
+        }
+        if cursor.epoch == 0 && cursor.next == 0 {
+            // A cursor that has applied nothing yet (e.g. created by a resync) adopts
+            // the publisher's epoch, keeping its pending recovery and buffer.
+            cursor.epoch = epoch;
+        }
+        let legacy_restart = epoch == 0
+            && event.event_id == 0
+            && cursor.next > 0
+            && matches!(event.data, KvCacheEventData::Cleared);
+        if epoch > cursor.epoch || legacy_restart {
+            let seen = cursor.next > 0 || cursor.epoch > 0;
+            let old_epoch = cursor.epoch;
+            *cursor = Cursor::new(epoch);
+            self.tree.clear_rank(rank);
+            if seen {
+                self.counters.add(Counter::PublisherRestarts, 1);
+                info!(%worker_id, dp_rank = %rank.dp_rank, old_epoch, epoch, "kv event publisher restarted; rank reset");
+            }
+        }
+        let Some(cursor) = self.cursors.get_mut(&rank) else {
+            return; // unreachable: inserted above
+        };
+        if event.event_id < cursor.next {
+            self.counters.add(Counter::DuplicateEvents, 1);
+            return;
+        }
+        if cursor.pending.is_some() || event.event_id > cursor.next {
+            let gap = (cursor.pending.is_none()).then_some(RecoveryReason::Gap {
+                expected: cursor.next,
+                received: event.event_id,
+            });
+            cursor
+                .buffer
+                .entry(event.event_id)
+                .or_insert_with(|| event.clone());
+            self.counters.add(Counter::BufferedEvents, 1);
+            let overflow = cursor.buffer.len() > limit;
+            if overflow {
+                cursor.buffer.clear();
+                self.counters.add(Counter::BufferOverflows, 1);
+                warn!(%worker_id, dp_rank = %rank.dp_rank, limit, "recovery buffer overflowed; requesting a dump");
+                needs.push(self.start_recovery(rank, RecoveryReason::BufferOverflow, true));
+            } else if let Some(reason) = gap {
+                self.counters.add(Counter::Gaps, 1);
+                needs.push(self.start_recovery(rank, reason, false));
+            }
+            return;
+        }
+        cursor.next += 1;
+        if self.apply_one(worker_id, event).is_err() {
+            needs.push(self.start_recovery(rank, RecoveryReason::UnknownParent, true));
+        }
+    }
+
+    /// Applies one event to the tree, counting and logging the outcome. `Err` when it
+    /// was refused for an unknown parent (which calls for recovery).
+    fn apply_one(&mut self, worker_id: WorkerId, event: &KvCacheEvent) -> Result<(), ()> {
+        match self.tree.apply_event(worker_id, event) {
+            Ok(outcome) => {
+                self.counters.record_applied(&event.data, &outcome);
+                Ok(())
+            }
+            Err(error) => {
+                self.counters.record_rejected(&error);
+                warn!(
+                    %worker_id,
+                    dp_rank = %event.dp_rank,
+                    event_id = event.event_id,
+                    reason = error.reason(),
+                    %error,
+                    "kv event rejected"
+                );
+                match error {
+                    ApplyError::UnknownParent { .. } => Err(()),
+                    ApplyError::ForgottenParent { .. } => Ok(()),
+                }
+            }
+        }
+    }
+
+    /// Marks `rank` as recovering under a fresh token and builds the need.
+    fn start_recovery(
+        &mut self,
+        rank: WorkerRank,
+        reason: RecoveryReason,
+        dump: bool,
+    ) -> RecoveryNeed {
+        self.next_token += 1;
+        let token = RecoveryToken(self.next_token);
+        let cursor = self.cursors.entry(rank).or_insert_with(|| Cursor::new(0));
+        cursor.pending = Some(token);
+        let request = RecoveryRequest {
+            dp_rank: rank.dp_rank,
+            epoch: cursor.epoch,
+            start_event_id: cursor.next,
+            dump,
+        };
+        self.counters.add(Counter::RecoveryRequests, 1);
+        info!(
+            worker_id = %rank.worker_id,
+            dp_rank = %rank.dp_rank,
+            reason = reason.label(),
+            start_event_id = request.start_event_id,
+            epoch = request.epoch,
+            dump,
+            buffered = cursor.buffer.len(),
+            "kv event recovery needed"
+        );
+        RecoveryNeed {
+            rank,
+            token,
+            request,
+            reason,
+        }
+    }
+
+    /// Asks for `rank`'s full state (used at start-up): a dump need, unless a
+    /// recovery of that rank is already pending. Live events arriving meanwhile are
+    /// buffered and applied after the dump's position, so nothing is lost or applied
+    /// twice.
+    pub fn resync(&mut self, rank: WorkerRank) -> Option<RecoveryNeed> {
+        let cursor = self.cursors.entry(rank).or_insert_with(|| Cursor::new(0));
+        if cursor.pending.is_some() {
+            return None;
+        }
+        Some(self.start_recovery(rank, RecoveryReason::Resync, true))
+    }
+
+    /// Drops every rank of `worker_id`: its blocks, cursors, buffers and TTL entries.
+    /// Pending recoveries of the worker become stale.
+    pub fn remove_worker(&mut self, worker_id: WorkerId) -> ApplyOutcome {
+        self.cursors.retain(|rank, _| rank.worker_id != worker_id);
+        self.expiry.remove_worker(worker_id);
+        let outcome = self.tree.remove_worker(worker_id);
+        self.counters.record_worker_removed(&outcome);
+        outcome
+    }
+
+    /// Indexes a routing decision (approximate mode): `rank` is assumed to cache the
+    /// prompt `hashes` until `expires_at`. Re-inserting a prefix refreshes it.
+    pub fn insert_routed(
+        &mut self,
+        rank: WorkerRank,
+        hashes: &[LocalBlockHash],
+        expires_at: Instant,
+    ) -> ApplyOutcome {
+        let mut parent = None;
+        let blocks: Vec<StoredBlock> = hashes
+            .iter()
+            .map(|&tokens_hash| {
+                let block_hash = approximate_block_hash(parent, tokens_hash);
+                parent = Some(block_hash);
+                StoredBlock {
+                    block_hash,
+                    tokens_hash,
+                }
+            })
+            .collect();
+        for block in &blocks {
+            self.expiry.insert(rank, block.block_hash, expires_at);
+        }
+        let event = KvCacheEvent {
+            event_id: 0,
+            dp_rank: rank.dp_rank,
+            data: KvCacheEventData::Stored {
+                parent_hash: None,
+                blocks,
+            },
+        };
+        // A chain from the root cannot be refused.
+        let outcome = self
+            .tree
+            .apply_event(rank.worker_id, &event)
+            .unwrap_or_default();
+        self.counters.record_outcome(&outcome);
+        self.counters
+            .add(Counter::ApproximateBlocks, outcome.stored);
+        outcome
+    }
+
+    /// Drops the approximate blocks whose TTL ended at or before `now`; returns how
+    /// many were dropped.
+    pub fn expire(&mut self, now: Instant) -> u64 {
+        let mut by_rank: BTreeMap<WorkerRank, Vec<kv_events::ExternalBlockHash>> = BTreeMap::new();
+        for (rank, block) in self.expiry.pop_expired(now) {
+            by_rank.entry(rank).or_default().push(block);
+        }
+        let mut dropped = 0;
+        for (rank, block_hashes) in by_rank {
+            let event = KvCacheEvent {
+                event_id: 0,
+                dp_rank: rank.dp_rank,
+                data: KvCacheEventData::Removed { block_hashes },
+            };
+            if let Ok(outcome) = self.tree.apply_event(rank.worker_id, &event) {
+                self.counters.record_outcome(&outcome);
+                dropped += outcome.removed;
+            }
+        }
+        self.counters.add(Counter::ExpiredBlocks, dropped);
+        dropped
+    }
+
+    /// When the next approximate block expires, if any is tracked.
+    pub fn next_expiry(&self) -> Option<Instant> {
+        self.expiry.next_deadline()
+    }
+
+    /// See [`RadixTree::find_matches`].
+    pub fn find_matches(&self, hashes: &[LocalBlockHash]) -> OverlapScores {
+        self.counters.record_query();
+        self.tree.find_matches(hashes)
+    }
+
+    /// See [`RadixTree::dump`].
+    pub fn dump(&self) -> Vec<KvEventBatch> {
+        self.tree.dump()
+    }
+
+    /// The tree's dump plus every rank's cursor.
+    pub fn snapshot(&self) -> IndexSnapshot {
+        let mut cursors: Vec<RankCursor> = self
+            .cursors
+            .iter()
+            .map(|(rank, c)| RankCursor {
+                worker_id: rank.worker_id,
+                dp_rank: rank.dp_rank,
+                epoch: c.epoch,
+                next_event_id: c.next,
+            })
+            .collect();
+        cursors.sort_unstable_by_key(|c| (c.worker_id, c.dp_rank));
+        IndexSnapshot {
+            batches: self.tree.dump(),
+            cursors,
+        }
+    }
+
+    /// Loads a snapshot into this index (normally empty): its events are applied
+    /// without ordering checks and its cursors replace the current ones of those
+    /// ranks. Returns the applied outcome.
+    pub fn restore(&mut self, snapshot: &IndexSnapshot) -> ApplyOutcome {
+        let mut total = ApplyOutcome::default();
+        for batch in &snapshot.batches {
+            for event in &batch.events {
+                match self.tree.apply_event(batch.worker_id, event) {
+                    Ok(outcome) => total += outcome,
+                    Err(error) => self.counters.record_rejected(&error),
+                }
+            }
+        }
+        for c in &snapshot.cursors {
+            let cursor = Cursor {
+                next: c.next_event_id,
+                ..Cursor::new(c.epoch)
+            };
+            self.cursors
+                .insert(WorkerRank::new(c.worker_id, c.dp_rank), cursor);
+        }
+        self.counters.record_outcome(&total);
+        total
+    }
+
+    /// The cursor of `rank`: its epoch and next expected `event_id`.
+    pub fn cursor(&self, rank: WorkerRank) -> Option<RankCursor> {
+        self.cursors.get(&rank).map(|c| RankCursor {
+            worker_id: rank.worker_id,
+            dp_rank: rank.dp_rank,
+            epoch: c.epoch,
+            next_event_id: c.next,
+        })
+    }
+
+    /// Ranks with a recovery pending, and events buffered over all ranks.
+    pub fn recovering(&self) -> (usize, usize) {
+        self.cursors.values().fold((0, 0), |(ranks, events), c| {
+            (
+                ranks + usize::from(c.pending.is_some()),
+                events + c.buffer.len(),
+            )
+        })
+    }
+
+    /// Sizes of the tree.
+    pub fn stats(&self) -> IndexerStats {
+        self.tree.stats()
+    }
+
+    /// Blocks held per worker rank, sorted by rank.
+    pub fn blocks_per_rank(&self) -> Vec<(WorkerRank, usize)> {
+        self.tree.blocks_per_rank()
+    }
+
+    /// Approximate blocks whose TTL is tracked.
+    pub fn approximate_blocks(&self) -> usize {
+        self.expiry.len()
+    }
+
+    /// Sizes, blocks per rank and recovery state of this index.
+    pub fn report(&self) -> IndexerReport {
+        let (recovering_ranks, buffered_events) = self.recovering();
+        IndexerReport {
+            stats: self.stats(),
+            blocks_per_rank: self.blocks_per_rank(),
+            recovering_ranks,
+            buffered_events,
+            approximate_blocks: self.approximate_blocks(),
+        }
+    }
+
+    /// The dp ranks of `worker_id` this index has a cursor for.
+    pub fn ranks_of(&self, worker_id: WorkerId) -> Vec<DpRank> {
+        let mut ranks: Vec<DpRank> = self
+            .cursors
+            .keys()
+            .filter(|r| r.worker_id == worker_id)
+            .map(|r| r.dp_rank)
+            .collect();
+        ranks.sort_unstable();
+        ranks
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,61 @@
+//! Decoders for the KV events real engines publish, so that an unmodified vLLM or
+//! SGLang can feed the router through a relay (`kv-router relay`).
+//!
+//! Engines publish their own msgpack, not [`crate::KvEventBatch`]. Every payload is a
+//! batch `[ts, events, dp_rank]` (a positional array), and each event comes in one of
+//! two forms, detected per event:
+//!
+//! - **positional array** (vLLM ≤ 0.23):
+//!   `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id,
+//!   medium, lora_name, extra_keys, group_idx, …]`, as many fields as that version has;
+//! - **tagged map** (vLLM ≥ 0.24, SGLang): `{"type": "BlockStored", …}` with optional
+//!   fields omitted.
+//!
+//! Both forms have `BlockStored`, `BlockRemoved` and `AllBlocksCleared`. Unknown keys,
+//! trailing positional fields and unknown event types are ignored (an unknown type
+//! decodes to [`EngineEvent::Unknown`] so the caller can count it). Block hashes arrive
+//! as msgpack `uint 64` (vLLM), `int 64` (SGLang, often negative) or a 32-byte `bin`
+//! (vLLM with int hashes off); [`hash`] maps each to one [`ExternalBlockHash`].
+//!
+//! From an event's `token_ids` and `block_size`, [`scope`] computes our
+//! [`crate::LocalBlockHash`] per block, mixing the LoRA adapter, SGLang's `cache_salt`
+//! and vLLM's per-block `extra_keys` into the hash seed so that different adapters or
+//! salts never match each other (see `docs/protocol.md`, "Engine block hashes").
+//!
+//! Cost: decoding allocates the event vectors once; no intermediate generic value
+//! tree is built except for `extra_keys`. Nesting is capped at [`MAX_DEPTH`] levels, so
+//! hostile input cannot exhaust the stack, and no length prefix is trusted for
+//! pre-allocation. Decoding never panics (property-tested on random and truncated
+//! input).
+//!
+//! This module is tokio-free like the rest of the crate: the relay in `router-daemon`
+//! does the networking.
+
+pub mod hash;
+pub mod scope;
+mod wire;
+
+pub use hash::{HashError, external_from_bytes, external_from_i64, external_from_u64};
+pub use scope::{AdapterScope, HashScope, LocalHashError, extra_keys_digest, local_block_hashes};
+pub use wire::{
+    BlockRemoved, BlockStored, EngineBatch, EngineEvent, EventForm, ExtraKey, MAX_DEPTH,
+};
+
+/// Why an engine payload could not be decoded.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineDecodeError {
+    /// The bytes are not msgpack of the expected shape (truncated, wrong types, too deep).
+    #[error("engine kv event payload is malformed: {0}")]
+    Malformed(#[from] rmp_serde::decode::Error),
+}
+
+/// Decodes one engine payload (the third ZMQ frame) into an [`EngineBatch`].
+///
+/// # Errors
+/// [`EngineDecodeError`] for anything that does not start with one complete batch
+/// (bytes after it are ignored, as msgpack readers do). Never panics.
+pub fn decode_batch(payload: &[u8]) -> Result<EngineBatch, EngineDecodeError> {
+    let mut de = rmp_serde::Deserializer::from_read_ref(payload);
+    de.set_max_depth(MAX_DEPTH);
+    Ok(<EngineBatch as serde::Deserialize>::deserialize(&mut de)?)
+}

@@ -1,0 +1,520 @@
+//! The engines' msgpack shapes, decoded with hand-written serde visitors.
+//!
+//! Hand-written because one field can have several wire types (a hash is `uint`,
+//! `int` or `bin`), events are either positional arrays or maps tagged by `"type"`,
+//! and tolerance matters more than strictness: unknown keys, trailing positional
+//! fields and unknown event types are skipped, not errors.
+
+use super::hash::{external_from_bytes, external_from_i64, external_from_u64};
+use crate::ids::{DpRank, ExternalBlockHash};
+use serde::de::{self, Deserialize, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use std::fmt;
+
+/// Deepest msgpack nesting accepted; engine payloads use at most 6 levels (batch →
+/// events → event → extra_keys → block → key), so anything deeper is hostile.
+pub const MAX_DEPTH: usize = 32;
+
+/// One published engine batch: `[ts, events, dp_rank]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineBatch {
+    /// Engine wall-clock time of the batch, in seconds since the Unix epoch.
+    pub ts: f64,
+    /// Events in engine order.
+    pub events: Vec<EngineEvent>,
+    /// The data-parallel rank that published (`data_parallel_rank` in vLLM,
+    /// `attn_dp_rank` in SGLang); `None` when the engine sent nil.
+    pub dp_rank: Option<DpRank>,
+}
+
+/// Which of the two event encodings an event used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum EventForm {
+    /// vLLM ≤ 0.23: `["BlockStored", field, field, …]`.
+    PositionalArray,
+    /// vLLM ≥ 0.24 and SGLang: `{"type": "BlockStored", "field": …}`.
+    TaggedMap,
+}
+
+impl EventForm {
+    /// Lowercase name for logs and metric labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventForm::PositionalArray => "positional",
+            EventForm::TaggedMap => "tagged",
+        }
+    }
+}
+
+/// One engine event and the form it arrived in.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EngineEvent {
+    /// Blocks were cached.
+    BlockStored(BlockStored, EventForm),
+    /// Blocks were evicted.
+    BlockRemoved(BlockRemoved, EventForm),
+    /// The whole cache of the rank was dropped.
+    AllBlocksCleared(EventForm),
+    /// An event type this decoder does not know; its fields were skipped.
+    Unknown {
+        /// The engine's type name.
+        type_name: String,
+        /// The form it arrived in.
+        form: EventForm,
+    },
+}
+
+impl EngineEvent {
+    /// The form the event arrived in.
+    pub fn form(&self) -> EventForm {
+        match self {
+            EngineEvent::BlockStored(_, f)
+            | EngineEvent::BlockRemoved(_, f)
+            | EngineEvent::AllBlocksCleared(f)
+            | EngineEvent::Unknown { form: f, .. } => *f,
+        }
+    }
+}
+
+/// `BlockStored`: a chain of full blocks was cached.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct BlockStored {
+    /// Engine hashes of the new blocks, in prefix order.
+    pub block_hashes: Vec<ExternalBlockHash>,
+    /// Engine hash of the block before `block_hashes[0]`; `None` at a sequence start.
+    pub parent_block_hash: Option<ExternalBlockHash>,
+    /// The tokens of every new block, concatenated (`block_size` per block).
+    pub token_ids: Vec<u32>,
+    /// Tokens per block.
+    pub block_size: u32,
+    /// The engine's integer LoRA adapter id, if any.
+    pub lora_id: Option<u64>,
+    /// Storage tier (`"GPU"`, `"CPU"`, …); `None` when not sent.
+    pub medium: Option<String>,
+    /// The LoRA adapter's name (vLLM ≥ 0.23, SGLang).
+    pub lora_name: Option<String>,
+    /// SGLang's per-request cache salt.
+    pub cache_salt: Option<String>,
+    /// vLLM's per-block extra hash keys (LoRA name, multimodal ids, cache salt), one
+    /// entry per block; empty when not sent.
+    pub extra_keys: Vec<Option<ExtraKey>>,
+    /// vLLM's KV cache group of a hybrid model; `None` when not sent.
+    pub group_idx: Option<u32>,
+}
+
+/// `BlockRemoved`: blocks were evicted.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct BlockRemoved {
+    /// Engine hashes of the evicted blocks.
+    pub block_hashes: Vec<ExternalBlockHash>,
+    /// Storage tier they were evicted from; `None` when not sent.
+    pub medium: Option<String>,
+    /// vLLM's KV cache group; `None` when not sent.
+    pub group_idx: Option<u32>,
+}
+
+/// A generic msgpack value, used only for vLLM's free-form `extra_keys`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ExtraKey {
+    /// nil.
+    Nil,
+    /// A boolean.
+    Bool(bool),
+    /// Any integer.
+    Int(i128),
+    /// A float.
+    Float(f64),
+    /// A string.
+    Str(String),
+    /// A `bin`.
+    Bytes(Vec<u8>),
+    /// An array.
+    Array(Vec<ExtraKey>),
+    /// A map, as key/value pairs in wire order.
+    Map(Vec<(ExtraKey, ExtraKey)>),
+}
+
+/// A block hash in any of its wire forms.
+struct WireHash(ExternalBlockHash);
+
+impl<'de> Deserialize<'de> for WireHash {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = WireHash;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a block hash (uint 64, int 64 or bin)")
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<WireHash, E> {
+                Ok(WireHash(external_from_u64(v)))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<WireHash, E> {
+                Ok(WireHash(external_from_i64(v)))
+            }
+            fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<WireHash, E> {
+                external_from_bytes(v).map(WireHash).map_err(E::custom)
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// A list of block hashes.
+struct WireHashes(Vec<ExternalBlockHash>);
+
+impl<'de> Deserialize<'de> for WireHashes {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let hashes = Vec::<WireHash>::deserialize(d)?;
+        Ok(WireHashes(hashes.into_iter().map(|h| h.0).collect()))
+    }
+}
+
+/// An optional block hash (nil → `None`).
+fn opt_hash(h: Option<WireHash>) -> Option<ExternalBlockHash> {
+    h.map(|h| h.0)
+}
+
+/// An integer id that may arrive signed or unsigned; signed values keep their bits.
+struct LenientId(u64);
+
+impl<'de> Deserialize<'de> for LenientId {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = LenientId;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("an integer id")
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<LenientId, E> {
+                Ok(LenientId(v))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<LenientId, E> {
+                Ok(LenientId(v as u64))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+impl<'de> Deserialize<'de> for ExtraKey {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = ExtraKey;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("any msgpack value")
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<ExtraKey, E> {
+                Ok(ExtraKey::Nil)
+            }
+            fn visit_none<E: de::Error>(self) -> Result<ExtraKey, E> {
+                Ok(ExtraKey::Nil)
+            }
+            fn visit_some<D2: Deserializer<'de>>(self, d: D2) -> Result<ExtraKey, D2::Error> {
+                ExtraKey::deserialize(d)
+            }
+            fn visit_bool<E: de::Error>(self, v: bool) -> Result<ExtraKey, E> {
+                Ok(ExtraKey::Bool(v))
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<ExtraKey, E> {
+                Ok(ExtraKey::Int(i128::from(v)))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<ExtraKey, E> {
+                Ok(ExtraKey::Int(i128::from(v)))
+            }
+            fn visit_f64<E: de::Error>(self, v: f64) -> Result<ExtraKey, E> {
+                Ok(ExtraKey::Float(v))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<ExtraKey, E> {
+                Ok(ExtraKey::Str(v.to_owned()))
+            }
+            fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<ExtraKey, E> {
+                Ok(ExtraKey::Bytes(v.to_vec()))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<ExtraKey, A::Error> {
+                let mut items = Vec::new();
+                while let Some(item) = seq.next_element()? {
+                    items.push(item);
+                }
+                Ok(ExtraKey::Array(items))
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<ExtraKey, A::Error> {
+                let mut items = Vec::new();
+                while let Some(entry) = map.next_entry()? {
+                    items.push(entry);
+                }
+                Ok(ExtraKey::Map(items))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// `extra_keys`: nil or one entry (nil or any value) per block.
+fn extra_keys(v: Option<Vec<Option<ExtraKey>>>) -> Vec<Option<ExtraKey>> {
+    v.unwrap_or_default()
+}
+
+fn missing<E: de::Error>(what: &'static str) -> E {
+    E::custom(format_args!("engine event without {what}"))
+}
+
+/// Reads the fields of a positional `BlockStored` after its tag, in vLLM's order.
+fn positional_stored<'de, A: SeqAccess<'de>>(seq: &mut A) -> Result<BlockStored, A::Error> {
+    let block_hashes = seq
+        .next_element::<WireHashes>()?
+        .ok_or_else(|| missing("block_hashes"))?
+        .0;
+    let parent = seq
+        .next_element::<Option<WireHash>>()?
+        .ok_or_else(|| missing("parent_block_hash"))?;
+    let token_ids = seq
+        .next_element::<Vec<u32>>()?
+        .ok_or_else(|| missing("token_ids"))?;
+    let block_size = seq
+        .next_element::<u32>()?
+        .ok_or_else(|| missing("block_size"))?;
+    let lora_id = seq.next_element::<Option<LenientId>>()?.flatten();
+    let medium = seq.next_element::<Option<String>>()?.flatten();
+    let lora_name = seq.next_element::<Option<String>>()?.flatten();
+    let extra = seq
+        .next_element::<Option<Vec<Option<ExtraKey>>>>()?
+        .flatten();
+    let group_idx = seq.next_element::<Option<u32>>()?.flatten();
+    Ok(BlockStored {
+        block_hashes,
+        parent_block_hash: opt_hash(parent),
+        token_ids,
+        block_size,
+        lora_id: lora_id.map(|l| l.0),
+        medium,
+        lora_name,
+        cache_salt: None,
+        extra_keys: extra_keys(extra),
+        group_idx,
+    })
+}
+
+/// Reads the fields of a positional `BlockRemoved` after its tag.
+fn positional_removed<'de, A: SeqAccess<'de>>(seq: &mut A) -> Result<BlockRemoved, A::Error> {
+    let block_hashes = seq
+        .next_element::<WireHashes>()?
+        .ok_or_else(|| missing("block_hashes"))?
+        .0;
+    let medium = seq.next_element::<Option<String>>()?.flatten();
+    let group_idx = seq.next_element::<Option<u32>>()?.flatten();
+    Ok(BlockRemoved {
+        block_hashes,
+        medium,
+        group_idx,
+    })
+}
+
+/// A map key: a known field name or anything else (skipped).
+enum Key {
+    Type,
+    BlockHashes,
+    ParentBlockHash,
+    TokenIds,
+    BlockSize,
+    LoraId,
+    Medium,
+    LoraName,
+    CacheSalt,
+    ExtraKeys,
+    GroupIdx,
+    Other,
+}
+
+impl<'de> Deserialize<'de> for Key {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = Key;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a map key")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Key, E> {
+                Ok(match v {
+                    "type" => Key::Type,
+                    "block_hashes" => Key::BlockHashes,
+                    "parent_block_hash" => Key::ParentBlockHash,
+                    "token_ids" => Key::TokenIds,
+                    "block_size" => Key::BlockSize,
+                    "lora_id" => Key::LoraId,
+                    "medium" => Key::Medium,
+                    "lora_name" => Key::LoraName,
+                    "cache_salt" => Key::CacheSalt,
+                    "extra_keys" => Key::ExtraKeys,
+                    "group_idx" => Key::GroupIdx,
+                    _ => Key::Other,
+                })
+            }
+            fn visit_bytes<E: de::Error>(self, _: &[u8]) -> Result<Key, E> {
+                Ok(Key::Other)
+            }
+            fn visit_u64<E: de::Error>(self, _: u64) -> Result<Key, E> {
+                Ok(Key::Other)
+            }
+            fn visit_i64<E: de::Error>(self, _: i64) -> Result<Key, E> {
+                Ok(Key::Other)
+            }
+            fn visit_f64<E: de::Error>(self, _: f64) -> Result<Key, E> {
+                Ok(Key::Other)
+            }
+            fn visit_bool<E: de::Error>(self, _: bool) -> Result<Key, E> {
+                Ok(Key::Other)
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<Key, E> {
+                Ok(Key::Other)
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// Reads a tagged-map event; the `"type"` key may appear anywhere in the map.
+fn tagged_event<'de, A: MapAccess<'de>>(mut map: A) -> Result<EngineEvent, A::Error> {
+    let mut type_name: Option<String> = None;
+    let mut stored = BlockStored::default();
+    let mut have = (false, false, false); // block_hashes, token_ids, block_size
+    let mut removed_medium = None;
+    while let Some(key) = map.next_key::<Key>()? {
+        match key {
+            Key::Type => type_name = Some(map.next_value()?),
+            Key::BlockHashes => {
+                stored.block_hashes = map.next_value::<WireHashes>()?.0;
+                have.0 = true;
+            }
+            Key::ParentBlockHash => {
+                stored.parent_block_hash = opt_hash(map.next_value::<Option<WireHash>>()?);
+            }
+            Key::TokenIds => {
+                stored.token_ids = map.next_value()?;
+                have.1 = true;
+            }
+            Key::BlockSize => {
+                stored.block_size = map.next_value()?;
+                have.2 = true;
+            }
+            Key::LoraId => stored.lora_id = map.next_value::<Option<LenientId>>()?.map(|l| l.0),
+            Key::Medium => {
+                stored.medium = map.next_value()?;
+                removed_medium.clone_from(&stored.medium);
+            }
+            Key::LoraName => stored.lora_name = map.next_value()?,
+            Key::CacheSalt => stored.cache_salt = map.next_value()?,
+            Key::ExtraKeys => stored.extra_keys = extra_keys(map.next_value()?),
+            Key::GroupIdx => stored.group_idx = map.next_value()?,
+            Key::Other => {
+                map.next_value::<IgnoredAny>()?;
+            }
+        }
+    }
+    let form = EventForm::TaggedMap;
+    let type_name = type_name.ok_or_else(|| missing("\"type\""))?;
+    Ok(match type_name.as_str() {
+        "BlockStored" => {
+            if !have.0 {
+                return Err(missing("block_hashes"));
+            }
+            if !have.1 {
+                return Err(missing("token_ids"));
+            }
+            if !have.2 {
+                return Err(missing("block_size"));
+            }
+            EngineEvent::BlockStored(stored, form)
+        }
+        "BlockRemoved" => {
+            if !have.0 {
+                return Err(missing("block_hashes"));
+            }
+            EngineEvent::BlockRemoved(
+                BlockRemoved {
+                    block_hashes: stored.block_hashes,
+                    medium: removed_medium,
+                    group_idx: stored.group_idx,
+                },
+                form,
+            )
+        }
+        "AllBlocksCleared" => EngineEvent::AllBlocksCleared(form),
+        _ => EngineEvent::Unknown { type_name, form },
+    })
+}
+
+impl<'de> Deserialize<'de> for EngineEvent {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = EngineEvent;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("an engine kv event (array or map)")
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<EngineEvent, A::Error> {
+                let form = EventForm::PositionalArray;
+                let type_name: String = seq.next_element()?.ok_or_else(|| missing("a type"))?;
+                let event = match type_name.as_str() {
+                    "BlockStored" => EngineEvent::BlockStored(positional_stored(&mut seq)?, form),
+                    "BlockRemoved" => {
+                        EngineEvent::BlockRemoved(positional_removed(&mut seq)?, form)
+                    }
+                    "AllBlocksCleared" => EngineEvent::AllBlocksCleared(form),
+                    _ => EngineEvent::Unknown { type_name, form },
+                };
+                while seq.next_element::<IgnoredAny>()?.is_some() {}
+                Ok(event)
+            }
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<EngineEvent, A::Error> {
+                tagged_event(map)
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+impl<'de> Deserialize<'de> for EngineBatch {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = EngineBatch;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("an engine kv event batch [ts, events, dp_rank]")
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<EngineBatch, A::Error> {
+                let ts = seq.next_element::<f64>()?.ok_or_else(|| missing("ts"))?;
+                let events = seq
+                    .next_element::<Vec<EngineEvent>>()?
+                    .ok_or_else(|| missing("events"))?;
+                let dp_rank = seq.next_element::<Option<u32>>()?.flatten().map(DpRank);
+                while seq.next_element::<IgnoredAny>()?.is_some() {}
+                Ok(EngineBatch {
+                    ts,
+                    events,
+                    dp_rank,
+                })
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<EngineBatch, A::Error> {
+                let (mut ts, mut events, mut dp_rank) = (None, None, None);
+                while let Some(key) = map.next_key::<String>()? {
+                    match key.as_str() {
+                        "ts" => ts = Some(map.next_value::<f64>()?),
+                        "events" => events = Some(map.next_value::<Vec<EngineEvent>>()?),
+                        "data_parallel_rank" | "attn_dp_rank" | "dp_rank" => {
+                            dp_rank = map.next_value::<Option<u32>>()?.map(DpRank);
+                        }
+                        _ => {
+                            map.next_value::<IgnoredAny>()?;
+                        }
+                    }
+                }
+                Ok(EngineBatch {
+                    ts: ts.ok_or_else(|| missing("ts"))?,
+                    events: events.ok_or_else(|| missing("events"))?,
+                    dp_rank,
+                })
+            }
+        }
+        d.deserialize_any(V)
+    }
+}

@@ -1,0 +1,518 @@
+//! Recovery messages: how a router fills a gap in a worker's KV events, and the index
+//! snapshot format of the optional JetStream durability path.
+//!
+//! Publishers (the mock engine, the engine relay) keep a ring buffer of their recent
+//! events and the set of blocks they hold ([`crate::journal::EventJournal`]). A router
+//! that sees a gap in a (worker, dp_rank)'s `event_id`s, a `Stored` event with an
+//! unknown parent, or that has just started, sends a [`RecoveryRequest`] to
+//! `{ns}.kv.recovery.{worker_id}`. The publisher answers with the missing events when
+//! they are still in its ring buffer, or else with a dump of every block the rank
+//! holds, plus the `event_id` the router must continue from. No central log is
+//! needed: each publisher is the source of truth for its own cache.
+//!
+//! A reply can be large (a dump of a big cache is megabytes), and a NATS message is
+//! limited (1 MiB by default), so a reply travels as one or more [`RecoveryChunk`]s
+//! published to the request's reply inbox, numbered from 0, the last one flagged.
+//! [`RecoveryReply::into_chunks`] splits, [`ChunkAssembler`] joins and checks.
+//!
+//! Costs: a dump is O(held blocks) to build and about 45 bytes per block on the wire
+//! (named msgpack maps); an events reply is as large as the events it repeats.
+
+use crate::events::{KvCacheEvent, KvCacheEventData, StoredBlock};
+use crate::ids::{DpRank, ExternalBlockHash, WorkerId};
+use serde::{Deserialize, Serialize};
+
+/// Router → publisher, on `{ns}.kv.recovery.{worker_id}` with a reply inbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecoveryRequest {
+    /// The data-parallel rank whose events are missing.
+    #[serde(default)]
+    pub dp_rank: DpRank,
+    /// The publisher epoch the router knows for the rank (0 when it knows none).
+    #[serde(default)]
+    pub epoch: u64,
+    /// The first `event_id` the router is missing.
+    #[serde(default)]
+    pub start_event_id: u64,
+    /// Ask for a dump even if the events are still buffered (the router lost track of
+    /// the rank's state, e.g. after a refused `Stored` or at start-up).
+    #[serde(default)]
+    pub dump: bool,
+}
+
+/// One chain of held blocks in a dump: `blocks` continue `parent_hash` (or start at
+/// the root when it is `None`), exactly like a `Stored` event.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoredChain {
+    /// The engine hash of the block preceding `blocks[0]`; `None` at the root.
+    pub parent_hash: Option<ExternalBlockHash>,
+    /// The chain's blocks in prefix order.
+    pub blocks: Vec<StoredBlock>,
+}
+
+impl StoredChain {
+    /// The `Stored` event data that adds this chain.
+    pub fn into_event_data(self) -> KvCacheEventData {
+        KvCacheEventData::Stored {
+            parent_hash: self.parent_hash,
+            blocks: self.blocks,
+        }
+    }
+}
+
+/// What a recovery reply carries.
+///
+/// On the wire a map tagged by `"type"`: `{"type": "events", "events": […]}`,
+/// `{"type": "dump", "chains": […]}` or `{"type": "error", "message": "…"}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum RecoveryBody {
+    /// The events from the requested `start_event_id` up to (not including) the
+    /// reply's `next_event_id`, in order.
+    Events {
+        /// The missing events.
+        events: Vec<KvCacheEvent>,
+    },
+    /// Every block the rank holds, as chains ordered so that a chain's parent block
+    /// is always in an earlier chain. Replace the rank's state with it: clear the
+    /// rank, store the chains in order, then remove the `unheld` blocks.
+    Dump {
+        /// The rank's blocks.
+        chains: Vec<StoredChain>,
+        /// Blocks that appear in `chains` only to place their descendants: the rank
+        /// removed them, but still holds blocks below them (an engine that evicted an
+        /// interior block). Empty in the common case.
+        #[serde(default)]
+        unheld: Vec<ExternalBlockHash>,
+    },
+    /// The request could not be served (malformed, unknown rank); lowercase reason.
+    Error {
+        /// What went wrong.
+        message: String,
+    },
+}
+
+/// A complete (assembled) recovery reply for one worker rank.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecoveryReply {
+    /// The publishing worker.
+    pub worker_id: WorkerId,
+    /// The rank the reply describes.
+    #[serde(default)]
+    pub dp_rank: DpRank,
+    /// The publisher's current epoch.
+    #[serde(default)]
+    pub epoch: u64,
+    /// The `event_id` of the next event the publisher will publish for the rank: the
+    /// router continues from here (live events below it are already covered).
+    pub next_event_id: u64,
+    /// Events or a dump.
+    pub body: RecoveryBody,
+}
+
+/// One message of a possibly multi-message reply. Chunk 0 comes first; the chunk with
+/// `last: true` ends the reply. Every chunk repeats the reply's header fields.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecoveryChunk {
+    /// The publishing worker.
+    pub worker_id: WorkerId,
+    /// The rank the reply describes.
+    #[serde(default)]
+    pub dp_rank: DpRank,
+    /// The publisher's current epoch.
+    #[serde(default)]
+    pub epoch: u64,
+    /// See [`RecoveryReply::next_event_id`].
+    pub next_event_id: u64,
+    /// Position of this chunk in the reply, from 0.
+    pub chunk: u32,
+    /// True on the final chunk.
+    pub last: bool,
+    /// This chunk's part of the body (same variant in every chunk).
+    pub body: RecoveryBody,
+}
+
+/// Why a sequence of chunks does not form a reply.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AssemblyError {
+    /// A chunk arrived out of order or twice.
+    #[error("recovery chunk {got} arrived where chunk {expected} was expected")]
+    OutOfOrder {
+        /// The chunk number that was due.
+        expected: u32,
+        /// The chunk number received.
+        got: u32,
+    },
+    /// A chunk's header or body kind differs from chunk 0's.
+    #[error("recovery chunk {0} does not match the reply's header or body kind")]
+    Mismatch(u32),
+}
+
+impl RecoveryBody {
+    /// Blocks the body names (stored blocks in events and chains); used to size chunks.
+    pub fn block_count(&self) -> usize {
+        match self {
+            RecoveryBody::Events { events } => {
+                events.iter().map(|e| e.data.block_count().max(1)).sum()
+            }
+            RecoveryBody::Dump { chains, .. } => chains.iter().map(|c| c.blocks.len()).sum(),
+            RecoveryBody::Error { .. } => 0,
+        }
+    }
+
+    fn kind(&self) -> u8 {
+        match self {
+            RecoveryBody::Events { .. } => 0,
+            RecoveryBody::Dump { .. } => 1,
+            RecoveryBody::Error { .. } => 2,
+        }
+    }
+}
+
+impl RecoveryReply {
+    /// Splits the reply into chunks of at most about `max_blocks` blocks each (an
+    /// event larger than that travels alone; dump chains are cut, the second part
+    /// naming the first part's last block as its parent). Always at least one chunk.
+    pub fn into_chunks(self, max_blocks: usize) -> Vec<RecoveryChunk> {
+        let max_blocks = max_blocks.max(1);
+        let bodies: Vec<RecoveryBody> = match self.body {
+            RecoveryBody::Events { events } => split_events(events, max_blocks),
+            RecoveryBody::Dump { chains, unheld } => split_chains(chains, unheld, max_blocks),
+            error @ RecoveryBody::Error { .. } => vec![error],
+        };
+        let n = bodies.len();
+        bodies
+            .into_iter()
+            .enumerate()
+            .map(|(i, body)| RecoveryChunk {
+                worker_id: self.worker_id,
+                dp_rank: self.dp_rank,
+                epoch: self.epoch,
+                next_event_id: self.next_event_id,
+                // A reply has far fewer than 2^32 chunks (each holds ≥ 1 block).
+                chunk: u32::try_from(i).unwrap_or(u32::MAX),
+                last: i + 1 == n,
+                body,
+            })
+            .collect()
+    }
+}
+
+fn split_events(events: Vec<KvCacheEvent>, max_blocks: usize) -> Vec<RecoveryBody> {
+    let mut out = Vec::new();
+    let mut current = Vec::new();
+    let mut size = 0;
+    for event in events {
+        let blocks = event.data.block_count().max(1);
+        if !current.is_empty() && size + blocks > max_blocks {
+            out.push(RecoveryBody::Events {
+                events: std::mem::take(&mut current),
+            });
+            size = 0;
+        }
+        size += blocks;
+        current.push(event);
+    }
+    out.push(RecoveryBody::Events { events: current });
+    out
+}
+
+/// Cuts chains into bodies of at most `max_blocks` blocks; `unheld` goes with the
+/// last body, so it is removed only after every chain is stored.
+fn split_chains(
+    chains: Vec<StoredChain>,
+    unheld: Vec<ExternalBlockHash>,
+    max_blocks: usize,
+) -> Vec<RecoveryBody> {
+    let mut out = Vec::new();
+    let mut current: Vec<StoredChain> = Vec::new();
+    let mut size = 0;
+    for chain in chains {
+        let mut parent_hash = chain.parent_hash;
+        let mut rest = chain.blocks.as_slice();
+        while !rest.is_empty() {
+            let (head, tail) = rest.split_at(rest.len().min(max_blocks - size));
+            current.push(StoredChain {
+                parent_hash,
+                blocks: head.to_vec(),
+            });
+            size += head.len();
+            parent_hash = head.last().map(|b| b.block_hash);
+            rest = tail;
+            if size == max_blocks {
+                out.push(RecoveryBody::Dump {
+                    chains: std::mem::take(&mut current),
+                    unheld: Vec::new(),
+                });
+                size = 0;
+            }
+        }
+    }
+    match out.last_mut() {
+        Some(RecoveryBody::Dump { unheld: last, .. }) if current.is_empty() => *last = unheld,
+        _ => out.push(RecoveryBody::Dump {
+            chains: current,
+            unheld,
+        }),
+    }
+    out
+}
+
+/// Joins [`RecoveryChunk`]s back into a [`RecoveryReply`], checking their order and
+/// that they belong together.
+#[derive(Debug, Default)]
+pub struct ChunkAssembler {
+    reply: Option<RecoveryReply>,
+    next_chunk: u32,
+}
+
+impl ChunkAssembler {
+    /// An assembler expecting chunk 0.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds the next chunk; returns the whole reply once the last chunk is in.
+    ///
+    /// # Errors
+    /// [`AssemblyError`] for a chunk out of order, or whose header or body kind
+    /// differs from chunk 0's. The assembler is then unusable; start a new one.
+    pub fn push(&mut self, chunk: RecoveryChunk) -> Result<Option<RecoveryReply>, AssemblyError> {
+        if chunk.chunk != self.next_chunk {
+            return Err(AssemblyError::OutOfOrder {
+                expected: self.next_chunk,
+                got: chunk.chunk,
+            });
+        }
+        self.next_chunk += 1;
+        match &mut self.reply {
+            None => {
+                self.reply = Some(RecoveryReply {
+                    worker_id: chunk.worker_id,
+                    dp_rank: chunk.dp_rank,
+                    epoch: chunk.epoch,
+                    next_event_id: chunk.next_event_id,
+                    body: chunk.body,
+                });
+            }
+            Some(reply) => {
+                let same_header = reply.worker_id == chunk.worker_id
+                    && reply.dp_rank == chunk.dp_rank
+                    && reply.epoch == chunk.epoch
+                    && reply.next_event_id == chunk.next_event_id;
+                if !same_header || reply.body.kind() != chunk.body.kind() {
+                    return Err(AssemblyError::Mismatch(chunk.chunk));
+                }
+                match (&mut reply.body, chunk.body) {
+                    (RecoveryBody::Events { events }, RecoveryBody::Events { events: more }) => {
+                        events.extend(more)
+                    }
+                    (
+                        RecoveryBody::Dump { chains, unheld },
+                        RecoveryBody::Dump {
+                            chains: more,
+                            unheld: more_unheld,
+                        },
+                    ) => {
+                        chains.extend(more);
+                        unheld.extend(more_unheld);
+                    }
+                    _ => return Err(AssemblyError::Mismatch(chunk.chunk)),
+                }
+            }
+        }
+        if chunk.last {
+            Ok(self.reply.take())
+        } else {
+            Ok(None)
+        }
+    }
+}
+
+/// The ordering state of one worker rank inside an index snapshot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankCursor {
+    /// The worker.
+    pub worker_id: WorkerId,
+    /// The rank.
+    pub dp_rank: DpRank,
+    /// The publisher epoch the index follows.
+    pub epoch: u64,
+    /// The next `event_id` the index expects.
+    pub next_event_id: u64,
+}
+
+/// A router's whole index as data: per-worker `Stored` events that rebuild the radix
+/// tree (see the indexer's `dump`), plus each rank's event cursor, so that a restored
+/// index continues exactly where the snapshot was taken. Stored by the JetStream
+/// durability path together with the stream sequence it covers.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IndexSnapshot {
+    /// Events rebuilding the tree, one batch per worker.
+    pub batches: Vec<crate::events::KvEventBatch>,
+    /// The event cursor of every rank the index follows.
+    pub cursors: Vec<RankCursor>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::codec::{decode, encode};
+    use crate::ids::LocalBlockHash;
+
+    fn block(h: u64) -> StoredBlock {
+        StoredBlock {
+            block_hash: ExternalBlockHash(h),
+            tokens_hash: LocalBlockHash(h + 1000),
+        }
+    }
+
+    fn dump_reply(chains: Vec<StoredChain>) -> RecoveryReply {
+        RecoveryReply {
+            worker_id: WorkerId(4),
+            dp_rank: DpRank(1),
+            epoch: 9,
+            next_event_id: 77,
+            body: RecoveryBody::Dump {
+                chains,
+                unheld: vec![ExternalBlockHash(3)],
+            },
+        }
+    }
+
+    fn assemble(chunks: Vec<RecoveryChunk>) -> RecoveryReply {
+        let mut asm = ChunkAssembler::new();
+        let n = chunks.len();
+        for (i, chunk) in chunks.into_iter().enumerate() {
+            // Every chunk crosses the wire.
+            let chunk: RecoveryChunk = decode(&encode(&chunk).unwrap()).unwrap();
+            let out = asm.push(chunk).unwrap();
+            assert_eq!(out.is_some(), i + 1 == n, "only the last chunk completes");
+            if let Some(reply) = out {
+                return reply;
+            }
+        }
+        unreachable!("the last chunk completes the reply")
+    }
+
+    /// Flattens a dump into (parent, block) pairs: the relation chunking must keep.
+    fn links(reply: &RecoveryReply) -> Vec<(Option<u64>, u64)> {
+        let RecoveryBody::Dump { chains, .. } = &reply.body else {
+            panic!("not a dump")
+        };
+        let mut out = Vec::new();
+        for chain in chains {
+            let mut parent = chain.parent_hash.map(|p| p.0);
+            for b in &chain.blocks {
+                out.push((parent, b.block_hash.0));
+                parent = Some(b.block_hash.0);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn dumps_split_into_bounded_chunks_and_reassemble_with_the_same_links() {
+        let reply = dump_reply(vec![
+            StoredChain {
+                parent_hash: None,
+                blocks: (1..=7).map(block).collect(),
+            },
+            StoredChain {
+                parent_hash: Some(ExternalBlockHash(3)),
+                blocks: (20..=22).map(block).collect(),
+            },
+        ]);
+        let chunks = reply.clone().into_chunks(3);
+        assert_eq!(chunks.len(), 4);
+        // Exactly full chunks: the unheld list rides on the last one.
+        assert_eq!(reply.clone().into_chunks(5).len(), 2);
+        for chunk in &chunks {
+            assert!(chunk.body.block_count() <= 3);
+        }
+        for chunk in &chunks[..3] {
+            assert!(
+                matches!(&chunk.body, RecoveryBody::Dump { unheld, .. } if unheld.is_empty()),
+                "unheld blocks travel last"
+            );
+        }
+        let back = assemble(chunks);
+        assert_eq!(links(&back), links(&reply));
+        assert!(
+            matches!(&back.body, RecoveryBody::Dump { unheld, .. } if unheld == &[ExternalBlockHash(3)])
+        );
+        // One chunk when everything fits; an empty dump is one empty chunk.
+        assert_eq!(reply.clone().into_chunks(100).len(), 1);
+        let empty = dump_reply(vec![]);
+        let chunks = empty.clone().into_chunks(5);
+        assert_eq!(chunks.len(), 1);
+        assert_eq!(assemble(chunks), empty);
+    }
+
+    #[test]
+    fn events_split_between_events_and_reassemble_in_order() {
+        let events: Vec<KvCacheEvent> = (0..5)
+            .map(|i| KvCacheEvent {
+                event_id: 10 + i,
+                dp_rank: DpRank(1),
+                data: KvCacheEventData::Stored {
+                    parent_hash: None,
+                    blocks: vec![block(i), block(i + 50)],
+                },
+            })
+            .collect();
+        let reply = RecoveryReply {
+            body: RecoveryBody::Events {
+                events: events.clone(),
+            },
+            ..dump_reply(vec![])
+        };
+        let chunks = reply.clone().into_chunks(3);
+        assert_eq!(
+            chunks.len(),
+            5,
+            "two 2-block events never share a 3-block chunk"
+        );
+        assert_eq!(assemble(chunks), reply);
+    }
+
+    #[test]
+    fn out_of_order_and_foreign_chunks_are_errors() {
+        let reply = dump_reply(vec![StoredChain {
+            parent_hash: None,
+            blocks: (1..=4).map(block).collect(),
+        }]);
+        let chunks = reply.into_chunks(2);
+        let mut asm = ChunkAssembler::new();
+        assert_eq!(
+            asm.push(chunks[1].clone()),
+            Err(AssemblyError::OutOfOrder {
+                expected: 0,
+                got: 1
+            })
+        );
+        let mut asm = ChunkAssembler::new();
+        asm.push(chunks[0].clone()).unwrap();
+        let foreign = RecoveryChunk {
+            epoch: 10,
+            ..chunks[1].clone()
+        };
+        assert_eq!(asm.push(foreign), Err(AssemblyError::Mismatch(1)));
+    }
+
+    #[test]
+    fn request_fields_are_optional_on_the_wire() {
+        #[derive(Serialize)]
+        struct Empty {}
+        let request: RecoveryRequest = decode(&encode(&Empty {}).unwrap()).unwrap();
+        assert_eq!(
+            request,
+            RecoveryRequest {
+                dp_rank: DpRank(0),
+                epoch: 0,
+                start_event_id: 0,
+                dump: false
+            }
+        );
+    }
+}

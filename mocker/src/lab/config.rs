@@ -1,0 +1,202 @@
+//! What one lab run simulates: the sweep point ([`Setting`]), the knobs shared by every
+//! run ([`SimConfig`]) and the policy under test ([`LabPolicy`]).
+//!
+//! Plain data, validated once before a sweep starts, so a bad flag fails in
+//! milliseconds rather than after minutes of simulation.
+
+use super::LabError;
+use super::candidates::Candidate;
+use crate::engine::{EngineModelConfig, TimingModel};
+use kv_events::routing::PolicyKind;
+use serde::{Deserialize, Serialize};
+
+/// How many times faster than in the trace requests arrive: a finite number > 0.
+/// Arrival `t` ms of the trace happens at `t / speedup` ms of simulated time; engine
+/// speed is unchanged, so a speed-up multiplies the offered load.
+#[derive(Debug, Clone, Copy, PartialEq, PartialOrd, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Speedup(f64);
+
+impl Speedup {
+    /// Validates a speed-up factor.
+    ///
+    /// # Errors
+    /// [`LabError::Speedup`] unless `factor` is finite and greater than 0.
+    pub fn new(factor: f64) -> Result<Self, LabError> {
+        if factor.is_finite() && factor > 0.0 {
+            Ok(Self(factor))
+        } else {
+            Err(LabError::Speedup(factor))
+        }
+    }
+
+    /// The factor.
+    pub fn get(self) -> f64 {
+        self.0
+    }
+
+    /// Simulated arrival time of a request the trace stamps `trace_ms`, in ns.
+    pub fn arrival_ns(self, trace_ms: u64) -> u64 {
+        ms_to_ns(trace_ms as f64 / self.0)
+    }
+}
+
+impl std::str::FromStr for Speedup {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let factor: f64 = s.parse().map_err(|err| format!("{s:?}: {err}"))?;
+        Speedup::new(factor).map_err(|err| err.to_string())
+    }
+}
+
+impl std::fmt::Display for Speedup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}x", self.0)
+    }
+}
+
+/// One point of the sweep: cluster size and arrival speed-up.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Setting {
+    /// Workers, each one dp rank running the engine model.
+    pub workers: u32,
+    /// Arrival speed-up.
+    pub speedup: Speedup,
+}
+
+/// Knobs shared by every run of a sweep.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SimConfig {
+    /// The engine model of every rank (block size, cache size, batch limits).
+    pub engine: EngineModelConfig,
+    /// Step durations.
+    pub timing: TimingModel,
+    /// Delay between a step's end (when the live engine publishes its KV events) and
+    /// the events reaching the router's index, in simulated ms; finite and ≥ 0.
+    pub event_lag_ms: f64,
+    /// Seed of every random choice (the scheduler's tie-breaks and samplers).
+    pub seed: u64,
+}
+
+impl Default for SimConfig {
+    /// Engine defaults (`EngineModelConfig::default`), `TimingModel::H100_8B`, an event
+    /// lag of [`DEFAULT_EVENT_LAG_MS`] and seed 42.
+    fn default() -> Self {
+        Self {
+            engine: EngineModelConfig::default(),
+            timing: TimingModel::H100_8B,
+            event_lag_ms: DEFAULT_EVENT_LAG_MS,
+            seed: 42,
+        }
+    }
+}
+
+/// Default KV event lag, in simulated ms: a NATS hop plus the indexer's queue on a
+/// healthy cluster is a few ms.
+pub const DEFAULT_EVENT_LAG_MS: f64 = 5.0;
+
+impl SimConfig {
+    /// Checks the engine model and the lag.
+    ///
+    /// # Errors
+    /// [`LabError::Engine`] for a bad engine knob, [`LabError::EventLag`] for a
+    /// negative or non-finite lag.
+    pub fn validate(&self) -> Result<(), LabError> {
+        self.engine.validate()?;
+        if !(self.event_lag_ms.is_finite() && self.event_lag_ms >= 0.0) {
+            return Err(LabError::EventLag(self.event_lag_ms));
+        }
+        Ok(())
+    }
+
+    /// The event lag in ns.
+    pub fn event_lag_ns(&self) -> u64 {
+        ms_to_ns(self.event_lag_ms)
+    }
+}
+
+/// A routing policy under test.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum LabPolicy {
+    /// A policy of the `scheduler` crate with its default knobs, run through
+    /// `scheduler::Scheduler` exactly as the daemon runs it.
+    Scheduler(PolicyKind),
+    /// A prototype cost function evaluated by the lab itself (see
+    /// [`super::candidates`]), for trying ideas before they become scheduler policies.
+    Candidate(Candidate),
+}
+
+impl LabPolicy {
+    /// Every scheduler policy, in `PolicyKind::ALL` order.
+    pub fn all_scheduler() -> Vec<LabPolicy> {
+        PolicyKind::ALL
+            .into_iter()
+            .map(LabPolicy::Scheduler)
+            .collect()
+    }
+
+    /// Display and JSON name: the scheduler's wire name (`kv`, `round-robin`, …) or
+    /// `proto:<candidate>` for prototypes.
+    pub fn name(&self) -> String {
+        match self {
+            LabPolicy::Scheduler(kind) => kind.as_str().to_owned(),
+            LabPolicy::Candidate(c) => format!("proto:{}", c.name()),
+        }
+    }
+}
+
+/// `ms` milliseconds as whole nanoseconds (rounded; negative and NaN give 0).
+pub fn ms_to_ns(ms: f64) -> u64 {
+    // Saturating float-to-int conversion is the intent: durations are ≥ 0 and far
+    // below u64::MAX ns (584 years).
+    (ms * 1e6).round().max(0.0) as u64
+}
+
+/// `ns` nanoseconds as milliseconds.
+pub fn ns_to_ms(ns: u64) -> f64 {
+    ns as f64 / 1e6
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn speedup_divides_arrival_times() {
+        let s: Speedup = "4".parse().unwrap();
+        assert_eq!(s.arrival_ns(1_000), 250_000_000);
+        assert_eq!(s.to_string(), "4x");
+        assert!("0".parse::<Speedup>().is_err());
+        assert!("-2".parse::<Speedup>().is_err());
+        assert!("inf".parse::<Speedup>().is_err());
+        assert!("x".parse::<Speedup>().is_err());
+    }
+
+    #[test]
+    fn config_validation_names_the_problem() {
+        let ok = SimConfig::default();
+        assert!(ok.validate().is_ok());
+        let lag = SimConfig {
+            event_lag_ms: -1.0,
+            ..ok
+        };
+        assert!(matches!(lag.validate(), Err(LabError::EventLag(_))));
+        let mut engine = ok;
+        engine.engine.block_size = 0;
+        assert!(matches!(engine.validate(), Err(LabError::Engine(_))));
+    }
+
+    #[test]
+    fn conversions_round_to_whole_ns() {
+        assert_eq!(ms_to_ns(1.5), 1_500_000);
+        assert_eq!(ms_to_ns(-3.0), 0);
+        assert_eq!(ns_to_ms(2_500_000), 2.5);
+    }
+
+    #[test]
+    fn policy_names() {
+        assert_eq!(LabPolicy::Scheduler(PolicyKind::Kv).name(), "kv");
+        assert_eq!(LabPolicy::all_scheduler().len(), PolicyKind::ALL.len());
+    }
+}

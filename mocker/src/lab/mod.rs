@@ -1,0 +1,255 @@
+//! The routing-quality lab: replay a request trace offline against a simulated
+//! cluster, under every routing policy and several cluster sizes and loads, in one
+//! command, and report the table, a JSON file and charts.
+//!
+//! Why offline: the online replay (`kv-mocker replay` / `quickstart`) exercises the
+//! real daemon, NATS and engines, but runs in (scaled) real time, one policy at a time,
+//! with timing noise. The lab runs the same engine model ([`crate::engine::EngineCore`]:
+//! KV cache, continuous batching, timing) and the same routing code (the real
+//! `indexer::RadixTree` and `scheduler::Scheduler`, in-process) on a simulated clock
+//! that jumps from event to event. A run of the 12,031-request Mooncake conversation
+//! trace takes seconds, not an hour, and is a pure function of its inputs and seed.
+//! What it leaves out is the transport: KV events reach the index after a fixed,
+//! configurable lag (`--event-lag-ms`), and route decisions and lifecycle messages are
+//! instantaneous. `docs/benchmarks.md` compares it with the online mode.
+//!
+//! What it costs: one engine core per rank and one index and scheduler per run, on
+//! `--jobs` threads; time proportional to the engine steps simulated (see [`sim`]).
+//!
+//! # Layout
+//! - [`config`]: sweep points ([`Setting`], [`Speedup`]), shared knobs ([`SimConfig`]),
+//!   policies under test ([`LabPolicy`]).
+//! - [`sim`]: the discrete-event simulator of one run.
+//! - `router`: index plus scheduler (or prototype) as the lab drives them.
+//! - [`candidates`]: prototype cost functions, for ideas not yet in the scheduler.
+//! - [`inflight`]: prompt blocks booked on each rank but not yet indexed.
+//! - [`oracle`]: the infinite-cache hit-rate bound.
+//! - [`metrics`]: per-request records and their aggregate.
+//! - [`sweep`]: all runs on several threads with a progress bar.
+//! - [`report`]: the JSON report; `table`: its terminal rendering; [`charts`]: PNGs.
+
+pub mod candidates;
+pub mod charts;
+pub mod config;
+pub mod inflight;
+pub mod metrics;
+pub mod oracle;
+pub mod report;
+mod router;
+pub mod sim;
+pub mod sweep;
+mod table;
+
+#[cfg(test)]
+mod tests;
+
+pub use candidates::Candidate;
+pub use config::{LabPolicy, Setting, SimConfig, Speedup};
+pub use oracle::{OracleBound, oracle_bound};
+pub use report::{LabReport, RunReport};
+pub use sim::{PreparedTrace, RunResult, simulate};
+pub use sweep::{Sweep, run_sweep};
+
+use crate::engine::{ConfigError, EngineModelConfig, TimingModel};
+use crate::trace::{self, BUNDLED_EXCERPT_NAME, BlockMapping, BlockSizeMismatch, TraceError};
+use indicatif::{ProgressBar, ProgressStyle};
+use kv_events::WorkerRank;
+use kv_events::routing::PolicyKind;
+use std::path::PathBuf;
+
+/// Why the lab could not run or report.
+#[derive(Debug, thiserror::Error)]
+pub enum LabError {
+    /// The trace could not be loaded.
+    #[error(transparent)]
+    Trace(#[from] TraceError),
+    /// The engine block size cannot split the trace's blocks.
+    #[error(transparent)]
+    BlockSize(#[from] BlockSizeMismatch),
+    /// The trace was prepared for another block size than the engine model's.
+    #[error("trace prepared for {trace}-token blocks but the engine uses {engine}")]
+    BlockSizeMismatch {
+        /// Block size the trace was mapped to, in tokens.
+        trace: u32,
+        /// The engine model's block size, in tokens.
+        engine: u32,
+    },
+    /// An engine model knob is unusable.
+    #[error("engine model: {0}")]
+    Engine(#[from] ConfigError),
+    /// The event lag is negative or not finite.
+    #[error("event lag must be finite and >= 0 ms, got {0}")]
+    EventLag(f64),
+    /// A speed-up is not a finite number greater than 0.
+    #[error("speed-up must be a finite number greater than 0, got {0}")]
+    Speedup(f64),
+    /// A setting has no workers, or no setting or policy was given.
+    #[error("nothing to simulate: need at least one worker, setting and policy")]
+    NoWorkers,
+    /// The scheduler refused its configuration, a registration or a request.
+    #[error("scheduler: {0}")]
+    Scheduler(#[from] scheduler::SchedulerError),
+    /// The scheduler chose a rank the lab does not simulate.
+    #[error("scheduler chose unknown rank {0}")]
+    NoRank(WorkerRank),
+    /// A run did not produce a result (its thread panicked).
+    #[error("a simulation run did not complete")]
+    Incomplete,
+    /// A report or chart file could not be written.
+    #[error("cannot write {path}: {source}")]
+    Write {
+        /// The file or directory.
+        path: PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+    /// A chart could not be drawn or encoded.
+    #[error("chart: {0}")]
+    Chart(String),
+}
+
+/// `kv-mocker lab`: simulate a trace under every policy × workers × speed-up.
+#[derive(Debug, Clone, clap::Args)]
+pub struct LabArgs {
+    /// Mooncake JSONL trace; default: the bundled 2,000-request conversation excerpt.
+    #[arg(long, value_name = "PATH")]
+    pub trace: Option<PathBuf>,
+    /// Simulate only the first N requests of the trace.
+    #[arg(long)]
+    pub max_requests: Option<usize>,
+    /// Worker counts to sweep (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "4,8,16")]
+    pub workers: Vec<u32>,
+    /// Arrival speed-ups to sweep (comma-separated): arrivals happen at trace time /
+    /// speed-up, so 2 doubles the offered load.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+    pub speedup: Vec<Speedup>,
+    /// Scheduler policies to compare (repeatable); default: all of them.
+    #[arg(long = "policy", value_name = "POLICY")]
+    pub policies: Vec<PolicyKind>,
+    /// Also run these prototype costs (repeatable): predicted-ttft,
+    /// predicted-ttft-inflight, kv-pending.
+    #[arg(long = "candidate", value_name = "NAME")]
+    pub candidates: Vec<Candidate>,
+    /// Delay between a step's end and its KV events reaching the index, in model ms.
+    #[arg(long, default_value_t = config::DEFAULT_EVENT_LAG_MS)]
+    pub event_lag_ms: f64,
+    /// Seed of every random choice (tie-breaks, samplers).
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    /// The engine model of every rank.
+    #[command(flatten)]
+    pub engine: EngineModelConfig,
+    /// Threads to run simulations on; default: the machine's cores.
+    #[arg(long)]
+    pub jobs: Option<usize>,
+    /// Directory for `report.json` and the PNG charts.
+    #[arg(long, default_value = "target/lab")]
+    pub out: PathBuf,
+    /// Skip the PNG charts.
+    #[arg(long)]
+    pub no_charts: bool,
+}
+
+/// Runs `kv-mocker lab`: load and map the trace, run the sweep with a progress bar on
+/// stderr, print the table, write `report.json` and the charts into `--out`.
+///
+/// # Errors
+/// Trace, configuration, simulation and file errors ([`LabError`]).
+pub fn run_lab(args: LabArgs) -> Result<LabReport, LabError> {
+    let (mut trace, name) = match &args.trace {
+        Some(path) => (trace::load_trace(path)?, path.display().to_string()),
+        None => (trace::bundled_excerpt()?, BUNDLED_EXCERPT_NAME.to_owned()),
+    };
+    if let Some(max) = args.max_requests {
+        trace.truncate(max);
+    }
+    let config = SimConfig {
+        engine: args.engine,
+        timing: TimingModel::H100_8B,
+        event_lag_ms: args.event_lag_ms,
+        seed: args.seed,
+    };
+    let mut policies: Vec<LabPolicy> = if args.policies.is_empty() {
+        LabPolicy::all_scheduler()
+    } else {
+        args.policies.iter().copied().map(LabPolicy::Scheduler).collect()
+    };
+    policies.extend(args.candidates.iter().copied().map(LabPolicy::Candidate));
+    let sweep = Sweep {
+        settings: args
+            .workers
+            .iter()
+            .flat_map(|&workers| args.speedup.iter().map(move |&speedup| Setting { workers, speedup }))
+            .collect(),
+        policies,
+        config,
+        jobs: args
+            .jobs
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
+    };
+    let mapping = BlockMapping::new(args.engine.block_size)?;
+    let prepared = PreparedTrace::new(&trace, mapping);
+    eprintln!(
+        "lab: {} requests of {name}, {} runs ({} settings x {} policies) on {} threads",
+        prepared.len(),
+        sweep.settings.len() * sweep.policies.len(),
+        sweep.settings.len(),
+        sweep.policies.len(),
+        sweep.jobs
+    );
+    let report = run_lab_with(&prepared, &name, &sweep, &progress_bar(sweep.runs().len()))?;
+    println!("{}", report.render_table());
+    let json = args.out.join("report.json");
+    report.write_json(&json)?;
+    eprintln!("report written to {}", json.display());
+    if !args.no_charts {
+        for path in charts::write_charts(&report, &args.out)? {
+            eprintln!("chart written to {}", path.display());
+        }
+    }
+    Ok(report)
+}
+
+/// Runs `sweep` over a prepared trace named `name` and assembles the report (oracle
+/// bound included); no printing, no files.
+///
+/// # Errors
+/// [`LabError::NoWorkers`] for an empty sweep or a zero worker count, and any run's
+/// [`LabError`].
+pub fn run_lab_with(
+    prepared: &PreparedTrace,
+    name: &str,
+    sweep: &Sweep,
+    progress: &ProgressBar,
+) -> Result<LabReport, LabError> {
+    if sweep.settings.is_empty()
+        || sweep.policies.is_empty()
+        || sweep.settings.iter().any(|s| s.workers == 0)
+    {
+        return Err(LabError::NoWorkers);
+    }
+    let runs = run_sweep(prepared, sweep, progress)?;
+    progress.finish_and_clear();
+    Ok(LabReport {
+        trace: report::TraceInfo {
+            name: name.to_owned(),
+            requests: prepared.len() as u64,
+            span_ms: prepared.span_ms(),
+        },
+        config: (&sweep.config).into(),
+        oracle: oracle_bound(prepared),
+        runs,
+    })
+}
+
+fn progress_bar(len: usize) -> ProgressBar {
+    let bar = ProgressBar::new(len as u64);
+    // The template is a literal known to be valid; fall back to the default otherwise.
+    if let Ok(style) =
+        ProgressStyle::with_template("lab [{bar:40}] {pos}/{len} runs, {elapsed} ({eta} left) {msg}")
+    {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar
+}

@@ -1,0 +1,202 @@
+//! The router as the lab runs it: the real `indexer::RadixTree` fed with the engines'
+//! KV events, and the real `scheduler::Scheduler` (or a prototype from
+//! [`super::candidates`]) choosing and booking ranks — in-process, no NATS.
+//!
+//! This is the daemon's routing path without its transport: a route request looks up
+//! the prompt's overlap blocks in the tree, the scheduler picks and books a rank, and
+//! the frontend's lifecycle (`prefill_done`, `freed`) releases the booking. All calls
+//! that touch the scheduler's API live in this file, so API changes land here only.
+
+use super::LabError;
+use super::candidates::CandidateRouter;
+use super::config::{LabPolicy, SimConfig};
+use super::inflight::InFlight;
+use indexer::RadixTree;
+use kv_events::discovery::WorkerRegistration;
+use kv_events::{KvCacheEvent, LocalBlockHash, RequestId, WorkerId, WorkerRank};
+use scheduler::{PolicyConfig, ScheduleRequest, Scheduler, SchedulerConfig};
+use std::time::{Duration, Instant};
+
+/// Who decides.
+#[derive(Debug)]
+enum Decider {
+    /// A scheduler configured with one policy's default knobs, as `kv-router serve
+    /// --policy <kind>` runs it.
+    Scheduler {
+        scheduler: Box<Scheduler>,
+        /// Simulated time 0 as an `Instant` (the scheduler takes `Instant`s; only
+        /// differences matter, so runs stay deterministic).
+        epoch: Instant,
+    },
+    /// A lab prototype, with its in-flight prefix tracker when it uses one.
+    Candidate {
+        router: CandidateRouter,
+        in_flight: Option<InFlight>,
+    },
+}
+
+/// Index plus decider for one run; ranks are identified by their index in `ranks`.
+#[derive(Debug)]
+pub(super) struct Router {
+    tree: RadixTree,
+    ranks: Vec<WorkerRank>,
+    block_size: u32,
+    decider: Decider,
+    refused_events: u64,
+    overlaps: Vec<u32>,
+}
+
+impl Router {
+    /// A router over `ranks` (sorted, one dp rank per worker), all registered.
+    ///
+    /// # Errors
+    /// [`LabError::Scheduler`] if the scheduler refuses the configuration or a
+    /// registration.
+    pub fn new(
+        policy: LabPolicy,
+        ranks: &[WorkerRank],
+        config: &SimConfig,
+    ) -> Result<Self, LabError> {
+        let decider = match policy {
+            LabPolicy::Scheduler(kind) => {
+                let scheduler_config = SchedulerConfig {
+                    policy: PolicyConfig::default_for(kind),
+                    ..SchedulerConfig::default()
+                };
+                let mut scheduler = Scheduler::new(scheduler_config, Some(config.seed))?;
+                for rank in ranks {
+                    scheduler.add_worker(WorkerRegistration {
+                        worker_id: rank.worker_id,
+                        dp_size: 1,
+                        block_size: config.engine.block_size,
+                        total_kv_blocks: config.engine.num_gpu_blocks,
+                    })?;
+                }
+                Decider::Scheduler {
+                    scheduler: Box::new(scheduler),
+                    epoch: Instant::now(),
+                }
+            }
+            LabPolicy::Candidate(candidate) => Decider::Candidate {
+                router: CandidateRouter::new(
+                    candidate,
+                    ranks.len(),
+                    config.engine,
+                    config.timing,
+                    config.seed,
+                ),
+                in_flight: candidate.uses_in_flight().then(InFlight::new),
+            },
+        };
+        Ok(Self {
+            tree: RadixTree::new(),
+            ranks: ranks.to_vec(),
+            block_size: config.engine.block_size,
+            decider,
+            refused_events: 0,
+            overlaps: Vec::with_capacity(ranks.len()),
+        })
+    }
+
+    /// Routes and books, at simulated time `now_ns`, a prompt of `block_hashes` (one
+    /// per engine block, the last may be partial) and `num_tokens` tokens; returns the
+    /// chosen rank's index.
+    ///
+    /// # Errors
+    /// [`LabError::Scheduler`] when the scheduler refuses (e.g. a duplicate id), or
+    /// [`LabError::NoRank`] when the decision names a rank the lab does not run.
+    pub fn route(
+        &mut self,
+        id: &RequestId,
+        block_hashes: &[LocalBlockHash],
+        num_tokens: u64,
+        now_ns: u64,
+    ) -> Result<usize, LabError> {
+        let scores = self.tree.find_matches(block_hashes);
+        let request_blocks = u32::try_from(block_hashes.len()).unwrap_or(u32::MAX);
+        match &mut self.decider {
+            Decider::Scheduler { scheduler, epoch } => {
+                let request = ScheduleRequest::new(
+                    id.clone(),
+                    block_hashes.to_vec(),
+                    num_tokens,
+                    self.block_size,
+                );
+                let selection = scheduler.schedule(&request, &scores, at(*epoch, now_ns))?;
+                self.ranks
+                    .binary_search(&selection.rank)
+                    .map_err(|_| LabError::NoRank(selection.rank))
+            }
+            Decider::Candidate { router, in_flight } => {
+                let full = (num_tokens / u64::from(self.block_size)).min(block_hashes.len() as u64);
+                let full_blocks = &block_hashes[..full as usize];
+                let pending = in_flight.as_ref().map(|f| f.overlaps(full_blocks));
+                self.overlaps.clear();
+                self.overlaps.extend(self.ranks.iter().map(|&rank| {
+                    let pending = pending.as_ref().map_or(0, |p| p.get(rank));
+                    scores.get(rank).max(pending)
+                }));
+                let index = router
+                    .route(id, &self.overlaps, request_blocks, num_tokens)
+                    .ok_or(LabError::NoWorkers)?;
+                if let Some(f) = in_flight {
+                    f.book(id, self.ranks[index], full_blocks);
+                }
+                if std::env::var("LAB_DIAG").is_ok() {
+                    let best = self.ranks.iter().map(|&r| scores.get(r)).max().unwrap_or(0);
+                    let bestp = self.overlaps.iter().copied().max().unwrap_or(0);
+                    eprintln!("DIAG {} {} {} {} {} {}", id, num_tokens, best, bestp, scores.get(self.ranks[index]), self.overlaps[index]);
+                }
+                Ok(index)
+            }
+        }
+    }
+
+    /// The request's first token arrived at simulated time `now_ns`.
+    pub fn prefill_done(&mut self, id: &RequestId, now_ns: u64) {
+        match &mut self.decider {
+            Decider::Scheduler { scheduler, epoch } => {
+                // An unknown id means the request was never booked; nothing to release.
+                let _ = scheduler.mark_prefill_completed(id, at(*epoch, now_ns));
+            }
+            Decider::Candidate { router, .. } => router.prefill_done(id),
+        }
+    }
+
+    /// The request ended (finished or refused by its engine) at simulated time
+    /// `now_ns`.
+    pub fn free(&mut self, id: &RequestId, now_ns: u64) {
+        match &mut self.decider {
+            Decider::Scheduler { scheduler, epoch } => {
+                // As above: unknown ids have nothing booked.
+                let _ = scheduler.free(id, at(*epoch, now_ns));
+            }
+            Decider::Candidate { router, in_flight } => {
+                router.free(id);
+                if let Some(f) = in_flight {
+                    f.release(id);
+                }
+            }
+        }
+    }
+
+    /// Applies one rank's KV events, in order. Refused events are counted (see
+    /// [`Router::refused_events`]).
+    pub fn apply(&mut self, worker_id: WorkerId, events: &[KvCacheEvent]) {
+        for event in events {
+            if self.tree.apply_event(worker_id, event).is_err() {
+                self.refused_events += 1;
+            }
+        }
+    }
+
+    /// Events the index refused so far; non-zero only if events arrive out of order.
+    pub fn refused_events(&self) -> u64 {
+        self.refused_events
+    }
+}
+
+/// Simulated time `ns` as an `Instant` after `epoch`.
+fn at(epoch: Instant, ns: u64) -> Instant {
+    epoch + Duration::from_nanos(ns)
+}

@@ -1,0 +1,96 @@
+//! Running every (setting, policy) pair, on several threads, with a progress bar.
+//!
+//! Runs are independent (each has its own engines, index, scheduler and seeded RNG),
+//! so they are spread over `jobs` OS threads that take the next run from a shared
+//! counter; results land in their run's slot, so the report's order and contents do
+//! not depend on thread timing. Memory is one run's state per thread plus the shared
+//! prepared trace.
+
+use super::LabError;
+use super::config::{LabPolicy, Setting, SimConfig};
+use super::report::RunReport;
+use super::sim::{PreparedTrace, simulate};
+use indicatif::ProgressBar;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Instant;
+
+/// What to run: every setting × every policy, with shared knobs.
+#[derive(Debug, Clone)]
+pub struct Sweep {
+    /// Settings, in report order.
+    pub settings: Vec<Setting>,
+    /// Policies, in report order within each setting.
+    pub policies: Vec<LabPolicy>,
+    /// Engine model, timing, lag, seed.
+    pub config: SimConfig,
+    /// Threads to use (at least 1).
+    pub jobs: usize,
+}
+
+impl Sweep {
+    /// The (setting, policy) pairs in report order.
+    pub fn runs(&self) -> Vec<(Setting, LabPolicy)> {
+        self.settings
+            .iter()
+            .flat_map(|&s| self.policies.iter().map(move |&p| (s, p)))
+            .collect()
+    }
+}
+
+/// Runs the sweep over `trace`, ticking `progress` once per finished run.
+///
+/// # Errors
+/// The first run's [`LabError`], in report order (a bad configuration fails every run
+/// the same way).
+pub fn run_sweep(
+    trace: &PreparedTrace,
+    sweep: &Sweep,
+    progress: &ProgressBar,
+) -> Result<Vec<RunReport>, LabError> {
+    sweep.config.validate()?;
+    let runs = sweep.runs();
+    let slots: Vec<Mutex<Option<Result<RunReport, LabError>>>> =
+        runs.iter().map(|_| Mutex::new(None)).collect();
+    let next = AtomicUsize::new(0);
+    let jobs = sweep.jobs.clamp(1, runs.len().max(1));
+    std::thread::scope(|scope| {
+        for _ in 0..jobs {
+            scope.spawn(|| {
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(&(setting, policy)) = runs.get(i) else {
+                        break;
+                    };
+                    let started = Instant::now();
+                    let result =
+                        simulate(trace, setting, policy, &sweep.config).map(|run| RunReport {
+                            setting,
+                            policy: policy.name(),
+                            metrics: run.metrics(setting.workers as usize),
+                            steps: run.steps,
+                            wall_ms: started.elapsed().as_secs_f64() * 1_000.0,
+                        });
+                    progress.set_message(format!(
+                        "{} workers, {}, {}",
+                        setting.workers,
+                        setting.speedup,
+                        policy.name()
+                    ));
+                    progress.inc(1);
+                    // A poisoned slot can only come from a panic in this very block;
+                    // keep the value either way.
+                    *slots[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(result);
+                }
+            });
+        }
+    });
+    slots
+        .into_iter()
+        .map(|slot| {
+            slot.into_inner()
+                .unwrap_or_else(|p| p.into_inner())
+                .unwrap_or(Err(LabError::Incomplete))
+        })
+        .collect()
+}

@@ -1,0 +1,100 @@
+//! The terminal rendering of a [`LabReport`]: one aligned block per setting (workers,
+//! speed-up), one row per policy, with the oracle bound in each block's title.
+//! Rendering is `O(runs)` string formatting.
+
+use super::report::{LabReport, RunReport};
+use std::fmt::Write as _;
+
+const HEADER: [&str; 12] = [
+    "policy",
+    "hit rate",
+    "TTFT mean",
+    "p50",
+    "p90",
+    "p99",
+    "ITL mean",
+    "p99",
+    "e2e mean",
+    "tok/s",
+    "completed",
+    "rejected",
+];
+
+impl LabReport {
+    /// The aligned terminal table (latencies in model ms).
+    pub fn render_table(&self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "trace {}: {} requests over {:.0} s; block size {}, {} blocks per rank, event lag {} ms",
+            self.trace.name,
+            self.trace.requests,
+            self.trace.span_ms as f64 / 1_000.0,
+            self.config.block_size,
+            self.config.num_gpu_blocks,
+            self.config.event_lag_ms,
+        );
+        for setting in self.settings() {
+            let runs: Vec<&RunReport> = self.runs.iter().filter(|r| r.setting == setting).collect();
+            let _ = writeln!(
+                out,
+                "\n{} workers, {} arrivals (oracle hit rate {:.1}%)",
+                setting.workers,
+                setting.speedup,
+                self.oracle.hit_rate * 100.0
+            );
+            let rows: Vec<Vec<String>> = runs.iter().map(|r| row(r)).collect();
+            let mut widths: Vec<usize> = HEADER.iter().map(|h| h.len()).collect();
+            for r in &rows {
+                for (w, cell) in widths.iter_mut().zip(r) {
+                    *w = (*w).max(cell.chars().count());
+                }
+            }
+            push_row(&mut out, HEADER.iter().map(|h| h.to_string()), &widths);
+            push_row(&mut out, widths.iter().map(|w| "-".repeat(*w)), &widths);
+            for r in rows {
+                push_row(&mut out, r, &widths);
+            }
+        }
+        out.push_str(
+            "\n(latencies in model ms; hit rate = cached / prompt tokens; tok/s = output tokens per simulated second)\n",
+        );
+        out
+    }
+}
+
+fn row(r: &RunReport) -> Vec<String> {
+    let m = &r.metrics;
+    let ms = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v:.0}"));
+    let ttft = m.ttft_ms;
+    let itl = m.itl_ms;
+    vec![
+        r.policy.clone(),
+        m.hit_rate
+            .map_or_else(|| "-".to_owned(), |h| format!("{:.1}%", h * 100.0)),
+        ms(ttft.map(|t| t.mean)),
+        ms(ttft.map(|t| t.p50)),
+        ms(ttft.map(|t| t.p90)),
+        ms(ttft.map(|t| t.p99)),
+        itl.map_or_else(|| "-".to_owned(), |t| format!("{:.1}", t.mean)),
+        itl.map_or_else(|| "-".to_owned(), |t| format!("{:.1}", t.p99)),
+        ms(m.e2e_ms.map(|t| t.mean)),
+        format!("{:.0}", m.throughput_tokens_per_s),
+        m.completed.to_string(),
+        m.rejected.to_string(),
+    ]
+}
+
+/// Appends one row: the first column left-aligned, the others right-aligned.
+fn push_row(out: &mut String, cells: impl IntoIterator<Item = String>, widths: &[usize]) {
+    let mut line = String::new();
+    for (i, (cell, width)) in cells.into_iter().zip(widths).enumerate() {
+        if i == 0 {
+            let _ = write!(line, "{cell:<width$}");
+        } else {
+            let _ = write!(line, "  {cell:>width$}");
+        }
+    }
+    out.push_str(line.trim_end());
+    out.push('\n');
+}

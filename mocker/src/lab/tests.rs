@@ -1,0 +1,1 @@
+//! Lab tests on small generated traces.

@@ -1,0 +1,272 @@
+//! Admission: turning a route query into a booking — now, after a wait in the queue,
+//! or never — and keeping booked load honest afterwards.
+//!
+//! ```text
+//!  route query ──► queue empty? ──yes──► Scheduler::schedule ──ok──► booked ──► reply
+//!                     │ no                      │ AllBusy                 │
+//!                     ▼                         ▼                         └─► sync "booked"
+//!                  WaitQueue::push ◄────────────┘   (full → overloaded)
+//!                     │ wait ≤ max_wait (→ overloaded)
+//!                     ▼
+//!  load frees ──► release_waiters ──► Scheduler::schedule_batch (queue order) ──► reply
+//!   (lifecycle, peer sync, expiry, worker added/removed, engine metrics)
+//!
+//!  expiry task: sleep until the earliest request deadline (woken early by new
+//!  bookings) ──► Scheduler::expire ──► sync "freed" for own ──► release_waiters
+//! ```
+//!
+//! Locks are taken queue first, then scheduler, never the other way round. Sync
+//! messages are queued while the scheduler lock is held, so peers see a replica's
+//! steps in the order it applied them.
+
+use crate::metrics::QueueMetrics;
+use crate::queue::{QueueConfig, QueueError, QueueOutcomes, WaitQueue};
+use crate::replicas::{ReplicaConfig, Replicas, SyncMetrics};
+use crate::state::RouterState;
+use indexer::OverlapScores;
+use kv_events::replicas::SequenceUpdate;
+use prometheus::{IntCounter, Registry};
+pub use scheduler::Origin;
+use scheduler::{ScheduleRequest, SchedulerError, Selection};
+use serde::{Deserialize, Serialize};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info};
+
+/// Settings of admission: the wait queue and replica sync.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AdmissionConfig {
+    /// The wait queue for requests that find every rank busy.
+    pub queue: QueueConfig,
+    /// This replica's identity and sync switch.
+    pub replicas: ReplicaConfig,
+}
+
+/// The admission parts of the router state.
+pub struct Admission {
+    /// Requests waiting for a rank to have room.
+    pub queue: WaitQueue,
+    /// Sequence sync with peer replicas.
+    pub replicas: Replicas,
+    /// Wakes the expiry task when a booking arrives (its deadline may be the first).
+    pub expiry: Notify,
+    /// `kv_router_requests_expired_total`: bookings dropped because no lifecycle
+    /// message arrived within the request TTL.
+    pub expired: IntCounter,
+}
+
+impl Admission {
+    /// Builds the parts and registers their metrics in `registry`; the queue reports
+    /// depth and wait time to `queue_metrics`.
+    ///
+    /// # Errors
+    /// A [`prometheus::Error`] if a metric of the same name is already registered.
+    pub fn register(
+        config: &AdmissionConfig,
+        registry: &Registry,
+        queue_metrics: QueueMetrics,
+    ) -> Result<Self, prometheus::Error> {
+        let admission = Self::build(
+            config,
+            queue_metrics,
+            QueueOutcomes::register(registry)?,
+            SyncMetrics::register(registry)?,
+        );
+        registry.register(Box::new(admission.expired.clone()))?;
+        Ok(admission)
+    }
+
+    fn build(
+        config: &AdmissionConfig,
+        queue_metrics: QueueMetrics,
+        outcomes: QueueOutcomes,
+        sync: SyncMetrics,
+    ) -> Self {
+        // The name is static and valid: construction cannot fail.
+        #[allow(clippy::expect_used)]
+        let expired = IntCounter::new(
+            "kv_router_requests_expired_total",
+            "Booked requests dropped because no lifecycle message arrived within the TTL",
+        )
+        .expect("static metric definition is valid");
+        Self {
+            queue: WaitQueue::new(config.queue, queue_metrics, outcomes),
+            replicas: Replicas::new(config.replicas, sync),
+            expiry: Notify::new(),
+            expired,
+        }
+    }
+}
+
+/// Why a request was not booked.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AdmitError {
+    /// The scheduler refused it (no workers, pinned rank unavailable, bad override,
+    /// duplicate id).
+    #[error(transparent)]
+    Scheduler(#[from] SchedulerError),
+    /// It could not wait (queue full, duplicate waiter, shutting down).
+    #[error(transparent)]
+    Queue(#[from] QueueError),
+    /// It waited the maximum time without a rank freeing up.
+    #[error("every eligible worker stayed busy for {0:?}")]
+    TimedOut(Duration),
+}
+
+/// Books `request` at once if a rank has room and nobody waits; otherwise waits in
+/// the queue (FCFS within `priority`) up to the configured maximum.
+///
+/// # Errors
+/// [`AdmitError`]; nothing is booked on error.
+pub async fn admit(
+    state: &RouterState,
+    request: ScheduleRequest,
+    overlaps: OverlapScores,
+    priority: i32,
+) -> Result<Selection, AdmitError> {
+    let admission = &state.admission;
+    let now = Instant::now();
+    let mut ticket = {
+        let mut queue = admission.queue.lock();
+        let mut scheduler = state.scheduler();
+        if queue.is_empty() {
+            match scheduler.schedule(&request, &overlaps, now) {
+                Ok(selection) => {
+                    admission.replicas.booked(&request, &selection);
+                    drop(scheduler);
+                    drop(queue);
+                    admission.expiry.notify_one();
+                    return Ok(selection);
+                }
+                Err(SchedulerError::AllBusy) => admission
+                    .queue
+                    .push(&mut queue, request, overlaps, priority, now)?,
+                Err(e) => return Err(e.into()),
+            }
+        } else {
+            if scheduler.sequences().contains(&request.request_id) {
+                return Err(SchedulerError::DuplicateRequest(request.request_id).into());
+            }
+            // Behind the waiters, then one release pass in queue order: earlier waiters
+            // keep their turn, and a waiter pinned to a busy rank does not block this
+            // request if another rank has room.
+            let ticket = admission
+                .queue
+                .push(&mut queue, request, overlaps, priority, now)?;
+            let released = admission
+                .queue
+                .release(&mut queue, &mut scheduler, now, |r, s| {
+                    admission.replicas.booked(r, s);
+                });
+            if released.routed > 0 {
+                admission.expiry.notify_one();
+            }
+            ticket
+        }
+    };
+    let max_wait = admission.queue.config().max_wait;
+    match tokio::time::timeout(max_wait, &mut ticket.receiver).await {
+        Ok(Ok(result)) => result.map_err(AdmitError::from),
+        Ok(Err(_closed)) => Err(QueueError::Closed.into()),
+        Err(_elapsed) => {
+            let withdrawn = {
+                let mut queue = admission.queue.lock();
+                admission.queue.withdraw(&mut queue, &ticket)
+            };
+            if withdrawn {
+                return Err(AdmitError::TimedOut(max_wait));
+            }
+            // Released in the instant the timer fired: the answer is already there.
+            match ticket.receiver.try_recv() {
+                Ok(result) => result.map_err(AdmitError::from),
+                Err(_) => Err(QueueError::Closed.into()),
+            }
+        }
+    }
+}
+
+/// Routes queued requests while ranks have room. Call after anything that may have
+/// reduced load or changed the ranks.
+pub fn release_waiters(state: &RouterState) {
+    let admission = &state.admission;
+    let mut queue = admission.queue.lock();
+    if queue.is_empty() {
+        return;
+    }
+    let released = {
+        let mut scheduler = state.scheduler();
+        admission.queue.release(
+            &mut queue,
+            &mut scheduler,
+            Instant::now(),
+            |request, selection| {
+                admission.replicas.booked(request, selection);
+            },
+        )
+    };
+    drop(queue);
+    if released.routed > 0 {
+        admission.expiry.notify_one();
+        debug!(
+            routed = released.routed,
+            failed = released.failed,
+            "queued requests released"
+        );
+    }
+}
+
+/// Queues the sync message for a lifecycle step of a request, if this replica booked
+/// it. Call under the scheduler lock, with the origin the scheduler reported.
+pub fn relay_step(
+    state: &RouterState,
+    origin: Origin,
+    request_id: &kv_events::RequestId,
+    update: SequenceUpdate,
+) {
+    if origin == Origin::Local {
+        state.admission.replicas.step(request_id, update);
+    }
+}
+
+/// Frees requests whose TTL lapsed, until `stop`. Sleeps until the earliest deadline;
+/// a new booking wakes it to look again. No polling: with nothing booked it waits for
+/// a booking.
+pub async fn expire_requests(state: Arc<RouterState>, stop: CancellationToken) {
+    loop {
+        let next = state.scheduler().next_expiry();
+        let wake = state.admission.expiry.notified();
+        tokio::select! {
+            () = stop.cancelled() => return,
+            () = wake => continue,
+            () = sleep_until(next) => {}
+        }
+        let now = Instant::now();
+        let expired = {
+            let mut scheduler = state.scheduler();
+            let expired = scheduler.expire(now);
+            for (id, request) in &expired {
+                relay_step(&state, request.origin, id, SequenceUpdate::Freed);
+            }
+            expired
+        };
+        if expired.is_empty() {
+            continue;
+        }
+        state.admission.expired.inc_by(expired.len() as u64);
+        for (id, request) in &expired {
+            info!(request_id = %id, rank = %request.rank, "request expired: no lifecycle message within the request ttl");
+        }
+        release_waiters(&state);
+    }
+}
+
+/// Sleeps until `deadline`, or forever without one.
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(at) => tokio::time::sleep_until(tokio::time::Instant::from_std(at)).await,
+        None => std::future::pending().await,
+    }
+}

@@ -1,0 +1,487 @@
+//! `kv-router relay` flags, validated into typed sub-configs: where the engine
+//! publishes ([`EngineConfig`]), who the worker is ([`WorkerConfig`]), where to publish
+//! and register (NATS, etcd, namespace, shared with `serve`), and the optional
+//! Prometheus scrape ([`ScrapeConfig`]).
+//!
+//! Endpoint layout follows the engines: vLLM and SGLang bind one PUB socket per data
+//! parallel rank at the configured port plus the rank, and the same for the replay
+//! ROUTER socket. So `--engine-endpoint tcp://h:5557 --dp-size 4` means ranks 0–3 on
+//! ports 5557–5560; several `--engine-endpoint`s name the ranks' sockets one by one;
+//! `--shared-endpoint` says every rank publishes on the given socket(s) and the rank
+//! is read from each batch.
+
+use crate::config::EtcdConfig;
+use crate::http::ListenAddr;
+use clap::{Args, ValueEnum};
+use kv_events::discovery::WorkerRegistration;
+use kv_events::{DpRank, Namespace, Subjects, WorkerId};
+use std::time::Duration;
+
+/// Which event encodings the relay accepts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum EngineFormat {
+    /// Detect per event: positional arrays and tagged maps are both accepted.
+    Auto,
+    /// Only vLLM ≤ 0.23 positional arrays; tagged maps are rejected and counted.
+    VllmArray,
+    /// Only tagged maps (vLLM ≥ 0.24, SGLang); positional arrays are rejected.
+    Tagged,
+}
+
+/// `kv-router relay` flags. Each can also be set by the environment variable in its
+/// help text.
+#[derive(Debug, Clone, Args)]
+pub struct RelayArgs {
+    /// Engine ZMQ PUB endpoint(s), e.g. tcp://127.0.0.1:5557 (repeatable or
+    /// comma-separated; one per dp rank, or one base endpoint with --dp-size).
+    #[arg(
+        long,
+        env = "KV_RELAY_ENGINE_ENDPOINT",
+        value_delimiter = ',',
+        required = true
+    )]
+    pub engine_endpoint: Vec<String>,
+    /// Engine replay ROUTER endpoint(s), laid out like --engine-endpoint. Without it
+    /// a gap in the engine's sequence clears the rank instead of being filled.
+    #[arg(long, env = "KV_RELAY_REPLAY_ENDPOINT", value_delimiter = ',')]
+    pub replay_endpoint: Vec<String>,
+    /// ZMQ topic to subscribe to (vLLM's `topic`; empty = everything).
+    #[arg(long, env = "KV_RELAY_TOPIC", default_value = "")]
+    pub topic: String,
+    /// Accepted event encodings: auto, vllm-array or tagged.
+    #[arg(long, env = "KV_RELAY_ENGINE_FORMAT", value_enum, default_value_t = EngineFormat::Auto)]
+    pub engine_format: EngineFormat,
+    /// Worker id to register and publish as (unique in the namespace).
+    #[arg(long, env = "KV_RELAY_WORKER_ID")]
+    pub worker_id: u64,
+    /// Tokens per KV block: the engine's block size (vLLM --block-size, SGLang
+    /// --page-size); must equal the router's.
+    #[arg(long, env = "KV_ROUTER_BLOCK_SIZE")]
+    pub block_size: u32,
+    /// Data-parallel ranks of the engine (default: one per --engine-endpoint).
+    #[arg(long, env = "KV_RELAY_DP_SIZE")]
+    pub dp_size: Option<u32>,
+    /// Every rank publishes on the given endpoint(s); the rank is taken from each
+    /// batch (nil means rank 0) instead of from the endpoint.
+    #[arg(long, env = "KV_RELAY_SHARED_ENDPOINT")]
+    pub shared_endpoint: bool,
+    /// KV cache capacity of each rank, in blocks (registered; 0 = unknown).
+    #[arg(long, env = "KV_RELAY_TOTAL_KV_BLOCKS", default_value_t = 0)]
+    pub total_kv_blocks: u64,
+    /// Engine Prometheus endpoint to scrape for load, e.g. http://127.0.0.1:8000/metrics.
+    #[arg(long, env = "KV_RELAY_METRICS_URL")]
+    pub metrics_url: Option<String>,
+    /// Address of the relay's own HTTP endpoint (`/metrics` with the `kv_relay_*`
+    /// counters), or `off`.
+    #[arg(long, env = "KV_RELAY_HTTP_LISTEN", default_value = "off")]
+    pub http_listen: ListenAddr,
+    /// Scrape period of --metrics-url, in milliseconds.
+    #[arg(long, env = "KV_RELAY_METRICS_INTERVAL_MS", default_value_t = 1000)]
+    pub metrics_interval_ms: u64,
+    /// How long one replay request may take before the gap is given up, in ms.
+    #[arg(long, env = "KV_RELAY_REPLAY_TIMEOUT_MS", default_value_t = 2000)]
+    pub replay_timeout_ms: u64,
+    /// Events kept per rank to answer the router's recovery requests.
+    #[arg(long, env = "KV_RELAY_JOURNAL_EVENTS", default_value_t = 16_384)]
+    pub journal_events: usize,
+    /// TTL of the etcd lease bound to the registration, in seconds.
+    #[arg(long, env = "KV_RELAY_LEASE_TTL_SECS", default_value_t = 10)]
+    pub lease_ttl_secs: u64,
+    /// NATS server URL(s), comma-separated.
+    #[arg(
+        long,
+        env = "KV_ROUTER_NATS_URL",
+        default_value = "nats://127.0.0.1:4222",
+        value_delimiter = ','
+    )]
+    pub nats_url: Vec<String>,
+    /// etcd endpoint URL(s), comma-separated.
+    #[arg(
+        long,
+        env = "KV_ROUTER_ETCD_ENDPOINTS",
+        default_value = "http://127.0.0.1:2379",
+        value_delimiter = ','
+    )]
+    pub etcd_endpoints: Vec<String>,
+    /// Namespace of every subject and etcd key (letters, digits, '_' and '-').
+    #[arg(long, env = "KV_ROUTER_NAMESPACE", default_value = "kv-router")]
+    pub namespace: String,
+}
+
+/// One engine socket and the rank its batches belong to when they name none.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankEndpoint {
+    /// The PUB endpoint to subscribe to.
+    pub publish: String,
+    /// The replay ROUTER endpoint, if the engine has one.
+    pub replay: Option<String>,
+    /// Rank of batches whose `dp_rank` is nil.
+    pub default_rank: DpRank,
+}
+
+/// Where and how to read the engine.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineConfig {
+    /// One entry per engine socket.
+    pub endpoints: Vec<RankEndpoint>,
+    /// ZMQ subscription prefix.
+    pub topic: String,
+    /// Accepted encodings.
+    pub format: EngineFormat,
+    /// Time limit of one replay exchange.
+    pub replay_timeout: Duration,
+    /// Every socket carries every rank (`--shared-endpoint`).
+    pub shared: bool,
+}
+
+/// The worker the relay stands for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkerConfig {
+    /// What is written to etcd.
+    pub registration: WorkerRegistration,
+    /// Lease TTL, in seconds.
+    pub lease_ttl_secs: u64,
+    /// Events kept per rank for recovery.
+    pub journal_events: usize,
+}
+
+/// The optional load scrape.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScrapeConfig {
+    /// `host:port` of the engine's HTTP server.
+    pub addr: String,
+    /// Path of the metrics page, e.g. `/metrics`.
+    pub path: String,
+    /// Scrape period.
+    pub interval: Duration,
+}
+
+/// The validated relay configuration.
+#[derive(Debug, Clone)]
+pub struct RelayConfig {
+    /// Subjects and keys of the namespace.
+    pub subjects: Subjects,
+    /// NATS server URLs.
+    pub nats_servers: Vec<String>,
+    /// etcd connection.
+    pub etcd: EtcdConfig,
+    /// The engine's sockets.
+    pub engine: EngineConfig,
+    /// The worker identity and registration.
+    pub worker: WorkerConfig,
+    /// Load scrape, if `--metrics-url` was given.
+    pub scrape: Option<ScrapeConfig>,
+    /// Where to serve the relay's `/metrics`, if anywhere.
+    pub http_listen: Option<std::net::SocketAddr>,
+}
+
+/// A relay flag that cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum RelayConfigError {
+    /// The namespace is not a valid subject token.
+    #[error("invalid --namespace: {0}")]
+    Namespace(#[from] kv_events::NamespaceError),
+    /// A flag is out of range or inconsistent with another.
+    #[error("invalid --{field}: {reason}")]
+    Invalid {
+        /// The flag name.
+        field: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+}
+
+fn invalid(field: &'static str, reason: impl Into<String>) -> RelayConfigError {
+    RelayConfigError::Invalid {
+        field,
+        reason: reason.into(),
+    }
+}
+
+/// `tcp://host:port` with the port increased by `offset`.
+fn offset_port(
+    endpoint: &str,
+    offset: u32,
+    field: &'static str,
+) -> Result<String, RelayConfigError> {
+    let (head, port) = endpoint
+        .rsplit_once(':')
+        .ok_or_else(|| invalid(field, format!("{endpoint:?} has no port")))?;
+    let port: u32 = port
+        .parse()
+        .map_err(|_| invalid(field, format!("{endpoint:?} has no numeric port")))?;
+    let shifted = port + offset;
+    if shifted > u32::from(u16::MAX) {
+        return Err(invalid(
+            field,
+            format!("{endpoint:?} + rank {offset} passes port 65535"),
+        ));
+    }
+    Ok(format!("{head}:{shifted}"))
+}
+
+fn check_endpoint(endpoint: &str, field: &'static str) -> Result<(), RelayConfigError> {
+    if !endpoint.starts_with("tcp://") {
+        return Err(invalid(
+            field,
+            format!("{endpoint:?} is not a tcp:// endpoint"),
+        ));
+    }
+    offset_port(endpoint, 0, field).map(|_| ())
+}
+
+/// Expands `given` to `n` endpoints: as is when there are `n`, or by port offset
+/// from one base endpoint.
+fn expand(given: &[String], n: u32, field: &'static str) -> Result<Vec<String>, RelayConfigError> {
+    for e in given {
+        check_endpoint(e, field)?;
+    }
+    match given.len() {
+        len if len == n as usize => Ok(given.to_vec()),
+        1 => (0..n).map(|r| offset_port(&given[0], r, field)).collect(),
+        len => Err(invalid(
+            field,
+            format!("{len} endpoints for {n} ranks (give one base endpoint or one per rank)"),
+        )),
+    }
+}
+
+impl RelayConfig {
+    /// Validates flags into a configuration.
+    ///
+    /// # Errors
+    /// [`RelayConfigError`] naming the first bad flag.
+    pub fn from_args(args: &RelayArgs) -> Result<Self, RelayConfigError> {
+        let subjects = Subjects::new(Namespace::new(args.namespace.clone())?);
+        let engines = trimmed(&args.engine_endpoint);
+        let replays = trimmed(&args.replay_endpoint);
+        if engines.is_empty() {
+            return Err(invalid(
+                "engine-endpoint",
+                "at least one endpoint is required",
+            ));
+        }
+        if args.block_size == 0 {
+            return Err(invalid("block-size", "must be at least 1 token"));
+        }
+        let default_size = if args.shared_endpoint {
+            1
+        } else {
+            engines.len()
+        };
+        let dp_size = args
+            .dp_size
+            .unwrap_or(u32::try_from(default_size).unwrap_or(u32::MAX));
+        if dp_size == 0 {
+            return Err(invalid("dp-size", "must be at least 1"));
+        }
+        let sockets = if args.shared_endpoint {
+            u32::try_from(engines.len()).unwrap_or(u32::MAX)
+        } else {
+            dp_size
+        };
+        let publish = expand(&engines, sockets, "engine-endpoint")?;
+        let replay = if replays.is_empty() {
+            vec![None; publish.len()]
+        } else {
+            expand(&replays, sockets, "replay-endpoint")?
+                .into_iter()
+                .map(Some)
+                .collect()
+        };
+        let endpoints = publish
+            .into_iter()
+            .zip(replay)
+            .enumerate()
+            .map(|(i, (publish, replay))| RankEndpoint {
+                publish,
+                replay,
+                default_rank: if args.shared_endpoint {
+                    DpRank(0)
+                } else {
+                    DpRank(u32::try_from(i).unwrap_or(u32::MAX))
+                },
+            })
+            .collect();
+        if args.replay_timeout_ms == 0 {
+            return Err(invalid("replay-timeout-ms", "must be at least 1"));
+        }
+        if args.journal_events == 0 {
+            return Err(invalid("journal-events", "must be at least 1"));
+        }
+        if args.lease_ttl_secs < 3 || i64::try_from(args.lease_ttl_secs).is_err() {
+            return Err(invalid("lease-ttl-secs", "must be at least 3 seconds"));
+        }
+        let nats_servers = trimmed(&args.nats_url);
+        if nats_servers.is_empty() {
+            return Err(invalid("nats-url", "at least one url is required"));
+        }
+        let etcd_endpoints = trimmed(&args.etcd_endpoints);
+        if etcd_endpoints.is_empty() {
+            return Err(invalid(
+                "etcd-endpoints",
+                "at least one endpoint is required",
+            ));
+        }
+        let scrape = args
+            .metrics_url
+            .as_deref()
+            .map(|url| scrape_config(url, args.metrics_interval_ms))
+            .transpose()?;
+        Ok(Self {
+            subjects,
+            nats_servers,
+            etcd: EtcdConfig {
+                endpoints: etcd_endpoints,
+                connect_timeout: Duration::from_secs(5),
+            },
+            engine: EngineConfig {
+                endpoints,
+                topic: args.topic.clone(),
+                format: args.engine_format,
+                replay_timeout: Duration::from_millis(args.replay_timeout_ms),
+                shared: args.shared_endpoint,
+            },
+            worker: WorkerConfig {
+                registration: WorkerRegistration {
+                    worker_id: WorkerId(args.worker_id),
+                    dp_size,
+                    block_size: args.block_size,
+                    total_kv_blocks: args.total_kv_blocks,
+                },
+                lease_ttl_secs: args.lease_ttl_secs,
+                journal_events: args.journal_events,
+            },
+            scrape,
+            http_listen: args.http_listen.0,
+        })
+    }
+}
+
+fn scrape_config(url: &str, interval_ms: u64) -> Result<ScrapeConfig, RelayConfigError> {
+    let rest = url
+        .strip_prefix("http://")
+        .ok_or_else(|| invalid("metrics-url", format!("{url:?} is not an http:// url")))?;
+    let (addr, path) = match rest.find('/') {
+        Some(i) => (&rest[..i], &rest[i..]),
+        None => (rest, "/metrics"),
+    };
+    if addr.is_empty() {
+        return Err(invalid("metrics-url", format!("{url:?} has no host")));
+    }
+    if interval_ms == 0 {
+        return Err(invalid("metrics-interval-ms", "must be at least 1"));
+    }
+    Ok(ScrapeConfig {
+        addr: addr.to_owned(),
+        path: path.to_owned(),
+        interval: Duration::from_millis(interval_ms),
+    })
+}
+
+fn trimmed(values: &[String]) -> Vec<String> {
+    values
+        .iter()
+        .map(|v| v.trim().to_owned())
+        .filter(|v| !v.is_empty())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        relay: RelayArgs,
+    }
+
+    fn config(args: &[&str]) -> Result<RelayConfig, RelayConfigError> {
+        let base = ["kv-router", "--worker-id", "7", "--block-size", "16"];
+        let cli =
+            Cli::try_parse_from(base.iter().chain(args.iter()).copied()).expect("flags parse");
+        RelayConfig::from_args(&cli.relay)
+    }
+
+    #[test]
+    fn one_base_endpoint_is_offset_by_rank_like_vllm() {
+        let c = config(&[
+            "--engine-endpoint",
+            "tcp://10.0.0.1:5557",
+            "--replay-endpoint",
+            "tcp://10.0.0.1:5600",
+            "--dp-size",
+            "3",
+        ])
+        .unwrap();
+        let e = &c.engine.endpoints;
+        assert_eq!(e.len(), 3);
+        assert_eq!(e[2].publish, "tcp://10.0.0.1:5559");
+        assert_eq!(e[2].replay.as_deref(), Some("tcp://10.0.0.1:5602"));
+        assert_eq!(e[2].default_rank, DpRank(2));
+        assert_eq!(c.worker.registration.dp_size, 3);
+        assert_eq!(c.engine.format, EngineFormat::Auto);
+    }
+
+    #[test]
+    fn explicit_endpoints_and_shared_endpoint() {
+        let c = config(&["--engine-endpoint", "tcp://a:1,tcp://b:2"]).unwrap();
+        assert_eq!(c.worker.registration.dp_size, 2);
+        assert_eq!(c.engine.endpoints[1].publish, "tcp://b:2");
+        assert_eq!(c.engine.endpoints[1].replay, None);
+        let c = config(&[
+            "--engine-endpoint",
+            "tcp://a:1",
+            "--shared-endpoint",
+            "--dp-size",
+            "4",
+        ])
+        .unwrap();
+        assert_eq!(c.engine.endpoints.len(), 1);
+        assert_eq!(c.engine.endpoints[0].default_rank, DpRank(0));
+        assert_eq!(c.worker.registration.dp_size, 4);
+    }
+
+    #[test]
+    fn scrape_url_splits_into_address_and_path() {
+        let c = config(&[
+            "--engine-endpoint",
+            "tcp://a:1",
+            "--metrics-url",
+            "http://127.0.0.1:8000/metrics",
+        ])
+        .unwrap();
+        let s = c.scrape.unwrap();
+        assert_eq!(
+            (s.addr.as_str(), s.path.as_str()),
+            ("127.0.0.1:8000", "/metrics")
+        );
+    }
+
+    #[test]
+    fn bad_flags_name_themselves() {
+        let err = |args: &[&str]| config(args).unwrap_err().to_string();
+        assert!(err(&["--engine-endpoint", "ipc:///tmp/x"]).contains("--engine-endpoint"));
+        assert!(
+            err(&["--engine-endpoint", "tcp://a:1,tcp://b:2", "--dp-size", "3"])
+                .contains("--engine-endpoint")
+        );
+        assert!(err(&["--engine-endpoint", "tcp://a:65535", "--dp-size", "2"]).contains("65535"));
+        assert!(err(&["--engine-endpoint", "tcp://a:1", "--dp-size", "0"]).contains("--dp-size"));
+        assert!(
+            err(&[
+                "--engine-endpoint",
+                "tcp://a:1",
+                "--metrics-url",
+                "https://x"
+            ])
+            .contains("--metrics-url")
+        );
+        assert!(
+            err(&["--engine-endpoint", "tcp://a:1", "--lease-ttl-secs", "1"])
+                .contains("--lease-ttl-secs")
+        );
+    }
+}

@@ -1,0 +1,176 @@
+//! Prometheus counters of the relay, registered in an injected registry (several
+//! relays can run in one test process).
+//!
+//! | metric | labels | counts |
+//! |---|---|---|
+//! | `kv_relay_frames_total` | `outcome`: `ok`, `duplicate`, `malformed`, `bad_rank` | ZMQ messages from the engine |
+//! | `kv_relay_engine_events_total` | `kind`, `outcome`: `published` or a skip reason | engine events |
+//! | `kv_relay_gaps_total` | `result`: `filled`, `cleared` | gaps in the engine's seq |
+//! | `kv_relay_resets_total` | `reason`: `restart`, `reconnect`, `gap` | ranks cleared |
+//! | `kv_relay_published_events_total` | | our KV events published to NATS |
+//! | `kv_relay_recovery_requests_total` | | router recovery requests answered |
+//! | `kv_relay_scrapes_total` | `outcome`: `ok`, `failed` | engine /metrics scrapes |
+//! | `kv_relay_engine_connected` | | engine sockets currently connected |
+
+use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+
+/// The relay's metrics.
+#[derive(Clone)]
+pub struct RelayCounters {
+    frames: IntCounterVec,
+    events: IntCounterVec,
+    gaps: IntCounterVec,
+    resets: IntCounterVec,
+    published: IntCounter,
+    recovery: IntCounter,
+    scrapes: IntCounterVec,
+    connected: IntGauge,
+}
+
+fn vec(name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    // Names and labels are static and valid, so construction cannot fail.
+    #[allow(clippy::expect_used)]
+    IntCounterVec::new(Opts::new(name, help), labels).expect("static metric definition is valid")
+}
+
+impl RelayCounters {
+    /// Counters registered nowhere.
+    pub fn unregistered() -> Self {
+        // Static, valid definitions: construction cannot fail.
+        #[allow(clippy::expect_used)]
+        let published = IntCounter::new(
+            "kv_relay_published_events_total",
+            "KV events the relay published to NATS",
+        )
+        .expect("static metric definition is valid");
+        #[allow(clippy::expect_used)]
+        let recovery = IntCounter::new(
+            "kv_relay_recovery_requests_total",
+            "Router recovery requests the relay answered",
+        )
+        .expect("static metric definition is valid");
+        #[allow(clippy::expect_used)]
+        let connected = IntGauge::new(
+            "kv_relay_engine_connected",
+            "Engine event sockets currently connected",
+        )
+        .expect("static metric definition is valid");
+        Self {
+            frames: vec(
+                "kv_relay_frames_total",
+                "ZMQ messages received from the engine, by outcome",
+                &["outcome"],
+            ),
+            events: vec(
+                "kv_relay_engine_events_total",
+                "Engine KV events, by kind and outcome",
+                &["kind", "outcome"],
+            ),
+            gaps: vec(
+                "kv_relay_gaps_total",
+                "Gaps in the engine's sequence, by result",
+                &["result"],
+            ),
+            resets: vec(
+                "kv_relay_resets_total",
+                "Ranks cleared because the engine stream broke, by reason",
+                &["reason"],
+            ),
+            published,
+            recovery,
+            scrapes: vec(
+                "kv_relay_scrapes_total",
+                "Scrapes of the engine's Prometheus endpoint, by outcome",
+                &["outcome"],
+            ),
+            connected,
+        }
+    }
+
+    /// Counters registered in `registry`.
+    ///
+    /// # Errors
+    /// When a metric of the same name is already registered.
+    pub fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
+        let c = Self::unregistered();
+        registry.register(Box::new(c.frames.clone()))?;
+        registry.register(Box::new(c.events.clone()))?;
+        registry.register(Box::new(c.gaps.clone()))?;
+        registry.register(Box::new(c.resets.clone()))?;
+        registry.register(Box::new(c.published.clone()))?;
+        registry.register(Box::new(c.recovery.clone()))?;
+        registry.register(Box::new(c.scrapes.clone()))?;
+        registry.register(Box::new(c.connected.clone()))?;
+        Ok(c)
+    }
+
+    /// Counts one engine message.
+    pub fn frame(&self, outcome: &str) {
+        self.frames.with_label_values(&[outcome]).inc();
+    }
+
+    /// Engine messages counted with `outcome`.
+    pub fn frames(&self, outcome: &str) -> u64 {
+        self.frames.with_label_values(&[outcome]).get()
+    }
+
+    /// Counts one engine event.
+    pub fn event(&self, kind: &str, outcome: &str) {
+        self.events.with_label_values(&[kind, outcome]).inc();
+    }
+
+    /// Engine events counted with (kind, outcome).
+    pub fn events(&self, kind: &str, outcome: &str) -> u64 {
+        self.events.with_label_values(&[kind, outcome]).get()
+    }
+
+    /// Counts one gap.
+    pub fn gap(&self, result: &str) {
+        self.gaps.with_label_values(&[result]).inc();
+    }
+
+    /// Gaps counted with `result`.
+    pub fn gaps(&self, result: &str) -> u64 {
+        self.gaps.with_label_values(&[result]).get()
+    }
+
+    /// Counts one cleared rank.
+    pub fn reset(&self, reason: &str) {
+        self.resets.with_label_values(&[reason]).inc();
+    }
+
+    /// Ranks cleared for `reason`.
+    pub fn resets(&self, reason: &str) -> u64 {
+        self.resets.with_label_values(&[reason]).get()
+    }
+
+    /// Counts published KV events.
+    pub fn published(&self, n: usize) {
+        self.published.inc_by(n as u64);
+    }
+
+    /// KV events published so far.
+    pub fn published_total(&self) -> u64 {
+        self.published.get()
+    }
+
+    /// Counts one answered recovery request.
+    pub fn recovery_request(&self) {
+        self.recovery.inc();
+    }
+
+    /// Counts one scrape.
+    pub fn scrape(&self, outcome: &str) {
+        self.scrapes.with_label_values(&[outcome]).inc();
+    }
+
+    /// Scrapes counted with `outcome`.
+    pub fn scrapes(&self, outcome: &str) -> u64 {
+        self.scrapes.with_label_values(&[outcome]).get()
+    }
+
+    /// Sets the connected-sockets gauge.
+    pub fn set_connected(&self, n: usize) {
+        self.connected.set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+}

@@ -1,0 +1,268 @@
+//! `kv-router relay`: a sidecar that lets an unmodified vLLM or SGLang engine feed
+//! the router.
+//!
+//! Engines publish their own msgpack KV events over ZMQ PUB sockets (one per data
+//! parallel rank) and keep a replay buffer behind a ROUTER socket. The relay
+//! subscribes, decodes every format in use ([`kv_events::engines`]), computes our
+//! local block hashes from the events' token ids, and republishes our protocol to
+//! NATS with its own event numbering, registered in etcd as the engine's worker.
+//!
+//! ```text
+//!  engine rank 0 PUB ──► Source 0 ─┐ seq check, gap fill       ┌─► {ns}.kv.events.{w}
+//!  engine rank 0 ROUTER ◄─ replay ─┘ from the replay socket     │
+//!  engine rank 1 PUB ──► Source 1 ──┐                           │  Publisher: translate,
+//!        …                          ├─ mpsc (stream order) ──► ─┤  number (EventJournal),
+//!                                   │                           │  publish; liveness
+//!                                   ┘                           ├─► watch ─► lease task ─► etcd
+//!  {ns}.kv.recovery.{w} ──► recovery responder (same journal) ──┘
+//!  engine /metrics ──► scraper ──► {ns}.kv.metrics.{w}  (optional)
+//!  relay /metrics (--http-listen, optional): the kv_relay_* counters
+//! ```
+//!
+//! Ordering and consistency rules:
+//! - Per socket, batches are forwarded in engine seq order; a gap is filled from the
+//!   replay socket before anything later is forwarded, or the socket's ranks are
+//!   cleared (`cleared` published) and the stream resynchronises from what follows.
+//! - One publishing task numbers and publishes everything, so our event ids per
+//!   (worker, dp_rank) go out strictly increasing and match the journal that answers
+//!   recovery requests.
+//! - The etcd lease exists exactly while at least one engine socket is connected; it
+//!   is revoked when the engine goes away and when the relay stops.
+//!
+//! Shutdown order: stop the sources → drain the publishing task → revoke the lease →
+//! stop the recovery responder and scraper → flush NATS.
+//!
+//! Cost: one decode and one xxh3 per block of every event, one NATS message per
+//! engine batch, and the journal's ring (`--journal-events` events per rank).
+
+pub mod config;
+pub mod counters;
+pub mod frames;
+pub mod http;
+pub mod lease;
+pub mod publish;
+pub mod replay;
+pub mod scrape;
+pub mod source;
+pub mod translate;
+
+pub use config::{EngineFormat, RelayArgs, RelayConfig};
+pub use counters::RelayCounters;
+
+use anyhow::Context;
+use kv_events::DpRank;
+use kv_events::journal::{EventJournal, JournalConfig, unix_epoch_micros};
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{error, info};
+
+/// Messages buffered between the engine sockets and the publishing task; when full,
+/// the sockets stop reading and ZMQ buffers.
+const SOURCE_QUEUE: usize = 1024;
+
+/// A running relay. Call [`Relay::shutdown`] for the orderly stop.
+pub struct Relay {
+    counters: RelayCounters,
+    http_addr: Option<std::net::SocketAddr>,
+    nats: async_nats::Client,
+    sources: CancellationToken,
+    source_tasks: TaskTracker,
+    publisher: JoinHandle<()>,
+    services: CancellationToken,
+    service_tasks: TaskTracker,
+}
+
+impl Relay {
+    /// Connects to NATS and etcd, starts answering recovery requests, and starts
+    /// reading the engine's sockets (waiting as long as needed for the engine).
+    ///
+    /// # Errors
+    /// When NATS or etcd cannot be reached, a subscription fails, or the metrics
+    /// cannot be registered in `registry`.
+    pub async fn start(
+        config: RelayConfig,
+        registry: &prometheus::Registry,
+    ) -> anyhow::Result<Self> {
+        let counters = RelayCounters::register(registry).context("registering relay metrics")?;
+        let nats = async_nats::ConnectOptions::new()
+            .name("kv-router-relay")
+            .connect(config.nats_servers.clone())
+            .await
+            .with_context(|| format!("connecting to NATS at {:?}", config.nats_servers))?;
+        let etcd = etcd_client::Client::connect(
+            config.etcd.endpoints.clone(),
+            Some(
+                etcd_client::ConnectOptions::new()
+                    .with_connect_timeout(config.etcd.connect_timeout),
+            ),
+        )
+        .await
+        .with_context(|| format!("connecting to etcd at {:?}", config.etcd.endpoints))?;
+        let registration = config.worker.registration;
+        let worker_id = registration.worker_id;
+        let subjects = &config.subjects;
+        let journal = Arc::new(Mutex::new(EventJournal::new(
+            worker_id,
+            unix_epoch_micros(),
+            JournalConfig {
+                ring_capacity: config.worker.journal_events,
+                ..JournalConfig::default()
+            },
+        )));
+
+        let services = CancellationToken::new();
+        let service_tasks = TaskTracker::new();
+        let recovery = nats
+            .subscribe(subjects.kv_recovery(worker_id))
+            .await
+            .context("subscribing to recovery requests")?;
+        service_tasks.spawn(publish::serve_recovery(
+            recovery,
+            nats.clone(),
+            journal.clone(),
+            counters.clone(),
+            services.clone(),
+        ));
+        let (alive_tx, alive_rx) = watch::channel(false);
+        let lease = lease::LeaseTask::new(
+            etcd,
+            subjects.etcd_worker_key(worker_id),
+            &registration,
+            // Validated at configuration: 3 ≤ ttl ≤ i64::MAX.
+            i64::try_from(config.worker.lease_ttl_secs).unwrap_or(i64::MAX),
+        )
+        .context("encoding the registration")?;
+        service_tasks.spawn(lease.run(alive_rx, services.clone()));
+        if let Some(scrape) = config.scrape.clone() {
+            service_tasks.spawn(
+                scrape::Scraper {
+                    config: scrape,
+                    nats: nats.clone(),
+                    subject: subjects.load_metrics(worker_id),
+                    worker_id,
+                    dp_size: registration.dp_size,
+                    total_kv_blocks: registration.total_kv_blocks,
+                    counters: counters.clone(),
+                }
+                .run(services.clone()),
+            );
+        }
+        let http_addr = match config.http_listen {
+            Some(addr) => {
+                let (bound, task) = http::serve_metrics(addr, registry.clone(), services.clone())
+                    .await
+                    .with_context(|| format!("listening for http on {addr}"))?;
+                service_tasks.spawn(async move {
+                    // The server logs its own failure; a join error is a panic there.
+                    let _ = task.await;
+                });
+                Some(bound)
+            }
+            None => None,
+        };
+        service_tasks.close();
+
+        let (tx, rx) = mpsc::channel(SOURCE_QUEUE);
+        let publisher = tokio::spawn(
+            publish::Publisher {
+                translator: translate::Translator::new(
+                    registration.block_size,
+                    config.engine.format,
+                ),
+                journal,
+                nats: nats.clone(),
+                subject: subjects.kv_events(worker_id),
+                socket_ranks: config
+                    .engine
+                    .endpoints
+                    .iter()
+                    .map(|e| e.default_rank)
+                    .collect::<Vec<DpRank>>(),
+                shared: config.engine.shared,
+                dp_size: registration.dp_size,
+                counters: counters.clone(),
+                alive: alive_tx,
+            }
+            .run(rx),
+        );
+        let sources = CancellationToken::new();
+        let source_tasks = TaskTracker::new();
+        for (socket, endpoint) in config.engine.endpoints.iter().cloned().enumerate() {
+            let source = source::Source {
+                socket,
+                endpoint,
+                topic: config.engine.topic.clone(),
+                replay_timeout: config.engine.replay_timeout,
+                tx: tx.clone(),
+                counters: counters.clone(),
+            };
+            let token = sources.clone();
+            source_tasks.spawn(async move {
+                if let Err(e) = source.run(token).await {
+                    error!(error = %e, "engine socket stopped");
+                }
+            });
+        }
+        source_tasks.close();
+        // Barrier: the recovery subscription is registered with the server.
+        nats.flush().await.context("flushing NATS")?;
+        info!(worker_id = %worker_id, sockets = config.engine.endpoints.len(), "kv-router relay started");
+        Ok(Self {
+            counters,
+            http_addr,
+            nats,
+            sources,
+            source_tasks,
+            publisher,
+            services,
+            service_tasks,
+        })
+    }
+
+    /// The relay's metrics.
+    pub fn counters(&self) -> &RelayCounters {
+        &self.counters
+    }
+
+    /// Where `/metrics` is served (`--http-listen`), once bound.
+    pub fn http_addr(&self) -> Option<std::net::SocketAddr> {
+        self.http_addr
+    }
+
+    /// Stops in the order given in the module docs.
+    ///
+    /// # Errors
+    /// When the final NATS flush fails.
+    pub async fn shutdown(self) -> anyhow::Result<()> {
+        info!("relay shutting down");
+        self.sources.cancel();
+        self.source_tasks.wait().await;
+        // Every sender is gone: the publisher drains and ends, marking the engine gone.
+        if let Err(e) = self.publisher.await {
+            error!(error = %e, "relay publishing task failed");
+        }
+        self.services.cancel();
+        self.service_tasks.wait().await;
+        self.nats.flush().await.context("flushing NATS")?;
+        info!("relay stopped");
+        Ok(())
+    }
+}
+
+/// Runs a relay until `shutdown` resolves, then stops it in order.
+///
+/// # Errors
+/// Start-up or shutdown failures (see [`Relay::start`]).
+pub async fn run(
+    config: RelayConfig,
+    registry: &prometheus::Registry,
+    shutdown: impl Future<Output = ()>,
+) -> anyhow::Result<()> {
+    let relay = Relay::start(config, registry).await?;
+    shutdown.await;
+    relay.shutdown().await
+}

@@ -1,0 +1,194 @@
+//! The relay's single publishing task and its recovery responder.
+//!
+//! Every [`SourceMsg`] of every engine socket goes through one task, which translates
+//! engine events ([`Translator`]), numbers them per (worker, dp_rank) in the shared
+//! [`EventJournal`] (our own event ids and epoch, so the router's ordering and
+//! recovery rules apply exactly as for any publisher), and publishes one
+//! [`kv_events::KvEventBatch`] per engine batch on `{ns}.kv.events.{worker_id}`. One
+//! task means one publication order. The recovery responder answers
+//! `{ns}.kv.recovery.{worker_id}` from the same journal.
+//!
+//! Start: a `cleared` for every rank, so a router that saw an earlier run of this
+//! worker starts from an empty picture. Socket resets (engine restart, reconnect,
+//! unfillable gap) publish `cleared` for the socket's ranks. The task also tracks
+//! which sockets are connected and reports "engine alive" (at least one) to the
+//! lease task.
+
+use super::counters::RelayCounters;
+use super::source::SourceMsg;
+use super::translate::Translator;
+use futures::StreamExt;
+use kv_events::engines::EngineEvent;
+use kv_events::journal::EventJournal;
+use kv_events::{DpRank, KvCacheEventData, encode};
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex, PoisonError};
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+/// The journal shared by the publishing task and the recovery responder.
+pub type SharedJournal = Arc<Mutex<EventJournal>>;
+
+fn lock(journal: &SharedJournal) -> std::sync::MutexGuard<'_, EventJournal> {
+    // A panic while holding the lock cannot leave the journal half-updated in a way
+    // that matters more than stopping the relay would; keep serving.
+    journal.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The publishing task's state.
+pub struct Publisher {
+    /// Engine events → ours.
+    pub translator: Translator,
+    /// Numbering, ring buffer and held blocks.
+    pub journal: SharedJournal,
+    /// NATS client.
+    pub nats: async_nats::Client,
+    /// `{ns}.kv.events.{worker_id}`.
+    pub subject: String,
+    /// Rank of each socket's batches when they name none; with `shared`, every rank.
+    pub socket_ranks: Vec<DpRank>,
+    /// Sockets carry every rank.
+    pub shared: bool,
+    /// Registered ranks: `0..dp_size`.
+    pub dp_size: u32,
+    /// Metrics.
+    pub counters: RelayCounters,
+    /// "At least one engine socket is connected", for the lease task.
+    pub alive: watch::Sender<bool>,
+}
+
+fn kind(event: &EngineEvent) -> &'static str {
+    match event {
+        EngineEvent::BlockStored(..) => "stored",
+        EngineEvent::BlockRemoved(..) => "removed",
+        EngineEvent::AllBlocksCleared(..) => "cleared",
+        EngineEvent::Unknown { .. } => "unknown",
+    }
+}
+
+impl Publisher {
+    /// Publishes the start `cleared`s, then handles messages until every source has
+    /// stopped; finally reports the engine as gone.
+    pub async fn run(mut self, mut rx: mpsc::Receiver<SourceMsg>) {
+        for rank in 0..self.dp_size {
+            self.publish(vec![(DpRank(rank), KvCacheEventData::Cleared)])
+                .await;
+        }
+        let mut connected = BTreeSet::new();
+        while let Some(msg) = rx.recv().await {
+            match msg {
+                SourceMsg::Batch { socket, seq, batch } => {
+                    let rank = batch.dp_rank.unwrap_or_else(|| self.socket_ranks[socket]);
+                    if rank.0 >= self.dp_size {
+                        self.counters.frame("bad_rank");
+                        warn!(%rank, dp_size = self.dp_size, seq, "engine batch for a rank outside --dp-size skipped");
+                        continue;
+                    }
+                    let mut out = Vec::new();
+                    for event in &batch.events {
+                        match self.translator.apply(rank, event) {
+                            Ok(data) => {
+                                self.counters.event(kind(event), "published");
+                                out.push((rank, data));
+                            }
+                            Err(skip) => {
+                                self.counters.event(kind(event), skip.label());
+                                debug!(%rank, seq, reason = %skip, "engine event not published");
+                            }
+                        }
+                    }
+                    self.publish(out).await;
+                }
+                SourceMsg::Reset { socket, reason } => {
+                    let ranks: Vec<DpRank> = if self.shared {
+                        (0..self.dp_size).map(DpRank).collect()
+                    } else {
+                        vec![self.socket_ranks[socket]]
+                    };
+                    let mut out = Vec::new();
+                    for rank in ranks {
+                        self.counters.reset(reason.label());
+                        out.push((rank, self.translator.clear(rank)));
+                    }
+                    self.publish(out).await;
+                }
+                SourceMsg::Connected { socket } => {
+                    connected.insert(socket);
+                    self.set_alive(&connected);
+                }
+                SourceMsg::Disconnected { socket } => {
+                    connected.remove(&socket);
+                    self.set_alive(&connected);
+                }
+            }
+        }
+        self.alive.send_replace(false);
+    }
+
+    fn set_alive(&self, connected: &BTreeSet<usize>) {
+        self.counters.set_connected(connected.len());
+        self.alive.send_replace(!connected.is_empty());
+    }
+
+    /// Numbers and publishes `events` as one batch (nothing when empty).
+    async fn publish(&self, events: Vec<(DpRank, KvCacheEventData)>) {
+        if events.is_empty() {
+            return;
+        }
+        let n = events.len();
+        let batch = {
+            let mut journal = lock(&self.journal);
+            let recorded = events
+                .into_iter()
+                .map(|(rank, data)| journal.record(rank, data))
+                .collect();
+            journal.batch(recorded)
+        };
+        match encode(&batch) {
+            Ok(bytes) => {
+                if let Err(e) = self.nats.publish(self.subject.clone(), bytes.into()).await {
+                    // The router recovers the missing ids from the journal.
+                    warn!(subject = %self.subject, error = %e, "publishing kv events failed");
+                } else {
+                    self.counters.published(n);
+                }
+            }
+            Err(e) => warn!(error = %e, "encoding kv events failed"),
+        }
+    }
+}
+
+/// Answers recovery requests from the journal until `shutdown`: each request's reply
+/// chunks are published, in order, to its reply inbox.
+pub async fn serve_recovery(
+    subscriber: async_nats::Subscriber,
+    nats: async_nats::Client,
+    journal: SharedJournal,
+    counters: RelayCounters,
+    shutdown: CancellationToken,
+) {
+    let mut requests = std::pin::pin!(subscriber.take_until(shutdown.cancelled_owned()));
+    while let Some(msg) = requests.next().await {
+        let Some(reply) = msg.reply else {
+            warn!(subject = %msg.subject, "recovery request without a reply inbox skipped");
+            continue;
+        };
+        let chunks = lock(&journal).answer(&msg.payload);
+        counters.recovery_request();
+        for chunk in chunks {
+            match encode(&chunk) {
+                Ok(bytes) => {
+                    if let Err(e) = nats.publish(reply.clone(), bytes.into()).await {
+                        warn!(error = %e, "publishing a recovery reply failed");
+                        break;
+                    }
+                }
+                Err(e) => {
+                    warn!(error = %e, "encoding a recovery reply failed");
+                    break;
+                }
+            }
+        }
+    }
+}

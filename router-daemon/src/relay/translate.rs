@@ -1,0 +1,328 @@
+//! Engine events → our [`KvCacheEventData`], per data-parallel rank. Pure and
+//! synchronous.
+//!
+//! Per rank the translator keeps the blocks the engine holds and which (medium, KV
+//! cache group) pairs hold each (the engine hash → local hash map and the parents live
+//! in the publisher's [`kv_events::journal::EventJournal`], which also answers the
+//! router's recovery requests). The holder sets make the engine's storage tiers and
+//! hybrid-model groups fold into one "cached" fact per block:
+//! - a block is stored when the first (medium, group) stores it, and removed when the
+//!   last one removes it, so a CPU-offloaded copy keeps a block routable after the GPU
+//!   copy is evicted, and a sliding-window group dropping old blocks does not hide
+//!   blocks the full-attention group still holds;
+//! - a `BlockStored` whose parent the rank does not hold cannot be placed in the
+//!   prefix tree; it is dropped and counted (the engine's next blocks from the root
+//!   rebuild the picture);
+//! - `AllBlocksCleared` drops everything of the rank.
+//!
+//! Cost: one hash map entry per held block (≈ 60 bytes), O(blocks) per event.
+
+use super::config::EngineFormat;
+use kv_events::engines::{
+    BlockRemoved, BlockStored, EngineEvent, EventForm, LocalHashError, local_block_hashes,
+};
+use kv_events::{DpRank, ExternalBlockHash, KvCacheEventData, StoredBlock};
+use std::collections::HashMap;
+
+/// Why an engine event produced nothing.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Skip {
+    /// Local hashes could not be computed (block size or token count).
+    #[error("cannot hash the stored blocks: {0}")]
+    Hashing(#[from] LocalHashError),
+    /// The parent block is not held by the rank.
+    #[error("parent block {0} is not held by the rank")]
+    Orphan(ExternalBlockHash),
+    /// An event type the relay does not know.
+    #[error("unknown engine event type {0:?}")]
+    UnknownType(String),
+    /// The event's encoding is excluded by `--engine-format`.
+    #[error("{} event refused by --engine-format", .0.as_str())]
+    Format(EventForm),
+    /// Nothing changed (blocks already held, or removals of blocks still held
+    /// elsewhere or never seen).
+    #[error("no change")]
+    NoChange,
+}
+
+impl Skip {
+    /// Short label for metrics.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Skip::Hashing(_) => "bad_blocks",
+            Skip::Orphan(_) => "orphan",
+            Skip::UnknownType(_) => "unknown_type",
+            Skip::Format(_) => "format",
+            Skip::NoChange => "no_change",
+        }
+    }
+}
+
+/// A (medium, KV cache group) pair that holds a block.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Holder {
+    medium: Option<String>,
+    group: Option<u32>,
+}
+
+/// The blocks one rank holds, each with the (medium, group) pairs holding it.
+#[derive(Debug, Default)]
+struct RankBlocks {
+    blocks: HashMap<ExternalBlockHash, Vec<Holder>>,
+}
+
+/// Translates one worker's engine events, rank by rank.
+#[derive(Debug)]
+pub struct Translator {
+    block_size: u32,
+    format: EngineFormat,
+    ranks: HashMap<DpRank, RankBlocks>,
+}
+
+impl Translator {
+    /// A translator for blocks of `block_size` tokens accepting `format`.
+    pub fn new(block_size: u32, format: EngineFormat) -> Self {
+        Self {
+            block_size,
+            format,
+            ranks: HashMap::new(),
+        }
+    }
+
+    /// Translates one engine event of `rank`.
+    ///
+    /// # Errors
+    /// [`Skip`] when the event produces no event of ours (counted by the caller).
+    pub fn apply(&mut self, rank: DpRank, event: &EngineEvent) -> Result<KvCacheEventData, Skip> {
+        let form = event.form();
+        let accepted = match self.format {
+            EngineFormat::Auto => true,
+            EngineFormat::VllmArray => form == EventForm::PositionalArray,
+            EngineFormat::Tagged => form == EventForm::TaggedMap,
+        };
+        if !accepted {
+            return Err(Skip::Format(form));
+        }
+        match event {
+            EngineEvent::BlockStored(stored, _) => self.stored(rank, stored),
+            EngineEvent::BlockRemoved(removed, _) => self.removed(rank, removed),
+            EngineEvent::AllBlocksCleared(_) => Ok(self.clear(rank)),
+            EngineEvent::Unknown { type_name, .. } => Err(Skip::UnknownType(type_name.clone())),
+        }
+    }
+
+    /// Forgets every block of `rank` and returns the `cleared` event to publish.
+    pub fn clear(&mut self, rank: DpRank) -> KvCacheEventData {
+        self.ranks.remove(&rank);
+        KvCacheEventData::Cleared
+    }
+
+    /// Number of blocks `rank` holds.
+    pub fn held(&self, rank: DpRank) -> usize {
+        self.ranks.get(&rank).map_or(0, |r| r.blocks.len())
+    }
+
+    fn stored(&mut self, rank: DpRank, event: &BlockStored) -> Result<KvCacheEventData, Skip> {
+        let locals = local_block_hashes(event, self.block_size)?;
+        let blocks = &mut self.ranks.entry(rank).or_default().blocks;
+        if let Some(parent) = event.parent_block_hash
+            && !blocks.contains_key(&parent)
+        {
+            return Err(Skip::Orphan(parent));
+        }
+        let holder = Holder {
+            medium: event.medium.clone(),
+            group: event.group_idx,
+        };
+        let mut any_new = false;
+        for &hash in &event.block_hashes {
+            let holders = blocks.entry(hash).or_insert_with(|| {
+                any_new = true;
+                Vec::new()
+            });
+            if !holders.contains(&holder) {
+                holders.push(holder.clone());
+            }
+        }
+        if !any_new {
+            return Err(Skip::NoChange);
+        }
+        Ok(KvCacheEventData::Stored {
+            parent_hash: event.parent_block_hash,
+            blocks: event
+                .block_hashes
+                .iter()
+                .zip(locals)
+                .map(|(&block_hash, tokens_hash)| StoredBlock {
+                    block_hash,
+                    tokens_hash,
+                })
+                .collect(),
+        })
+    }
+
+    fn removed(&mut self, rank: DpRank, event: &BlockRemoved) -> Result<KvCacheEventData, Skip> {
+        let Some(rank_blocks) = self.ranks.get_mut(&rank) else {
+            return Err(Skip::NoChange);
+        };
+        let mut gone = Vec::new();
+        for hash in &event.block_hashes {
+            let Some(holders) = rank_blocks.blocks.get_mut(hash) else {
+                continue;
+            };
+            // The exact (medium, group) if it holds the block; else any holder on
+            // that medium (an engine that omits the group on removal).
+            let exact = holders
+                .iter()
+                .position(|h| h.medium == event.medium && h.group == event.group_idx);
+            let same_medium = || holders.iter().position(|h| h.medium == event.medium);
+            if let Some(i) = exact.or_else(same_medium) {
+                holders.swap_remove(i);
+            }
+            if holders.is_empty() {
+                rank_blocks.blocks.remove(hash);
+                gone.push(*hash);
+            }
+        }
+        if gone.is_empty() {
+            return Err(Skip::NoChange);
+        }
+        Ok(KvCacheEventData::Removed { block_hashes: gone })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kv_events::compute_block_hashes;
+
+    const BS: u32 = 2;
+
+    fn stored(hashes: &[u64], parent: Option<u64>, medium: &str, group: u32) -> EngineEvent {
+        let tokens: Vec<u32> = hashes
+            .iter()
+            .flat_map(|h| [*h as u32, *h as u32 + 1])
+            .collect();
+        EngineEvent::BlockStored(
+            BlockStored {
+                block_hashes: hashes.iter().copied().map(ExternalBlockHash).collect(),
+                parent_block_hash: parent.map(ExternalBlockHash),
+                token_ids: tokens,
+                block_size: BS,
+                medium: Some(medium.into()),
+                group_idx: Some(group),
+                ..BlockStored::default()
+            },
+            EventForm::TaggedMap,
+        )
+    }
+
+    fn removed(hashes: &[u64], medium: &str, group: Option<u32>) -> EngineEvent {
+        EngineEvent::BlockRemoved(
+            BlockRemoved {
+                block_hashes: hashes.iter().copied().map(ExternalBlockHash).collect(),
+                medium: Some(medium.into()),
+                group_idx: group,
+            },
+            EventForm::TaggedMap,
+        )
+    }
+
+    const R: DpRank = DpRank(0);
+
+    #[test]
+    fn stores_become_chains_with_local_hashes() {
+        let mut t = Translator::new(BS, EngineFormat::Auto);
+        let out = t.apply(R, &stored(&[10, 11], None, "GPU", 0)).unwrap();
+        let KvCacheEventData::Stored {
+            parent_hash,
+            blocks,
+        } = out
+        else {
+            panic!("{out:?}")
+        };
+        assert_eq!(parent_hash, None);
+        assert_eq!(blocks[1].block_hash, ExternalBlockHash(11));
+        assert_eq!(
+            blocks[1].tokens_hash,
+            compute_block_hashes(&[11, 12], BS)[0]
+        );
+        let child = t.apply(R, &stored(&[12], Some(11), "GPU", 0)).unwrap();
+        assert!(matches!(
+            child,
+            KvCacheEventData::Stored {
+                parent_hash: Some(ExternalBlockHash(11)),
+                ..
+            }
+        ));
+        assert_eq!(t.held(R), 3);
+        // Same blocks again: nothing to publish.
+        assert_eq!(
+            t.apply(R, &stored(&[10, 11], None, "GPU", 0)),
+            Err(Skip::NoChange)
+        );
+    }
+
+    #[test]
+    fn a_block_is_removed_when_its_last_holder_removes_it() {
+        let mut t = Translator::new(BS, EngineFormat::Auto);
+        t.apply(R, &stored(&[10], None, "GPU", 0)).unwrap();
+        assert_eq!(
+            t.apply(R, &stored(&[10], None, "CPU", 0)),
+            Err(Skip::NoChange)
+        );
+        assert_eq!(
+            t.apply(R, &removed(&[10], "GPU", Some(0))),
+            Err(Skip::NoChange)
+        );
+        assert_eq!(
+            t.apply(R, &removed(&[10, 99], "CPU", None)),
+            Ok(KvCacheEventData::Removed {
+                block_hashes: vec![ExternalBlockHash(10)]
+            })
+        );
+        assert_eq!(t.held(R), 0);
+    }
+
+    #[test]
+    fn orphans_bad_blocks_unknown_types_and_refused_forms_are_skipped() {
+        let mut t = Translator::new(BS, EngineFormat::Tagged);
+        assert_eq!(
+            t.apply(R, &stored(&[5], Some(4), "GPU", 0)),
+            Err(Skip::Orphan(ExternalBlockHash(4)))
+        );
+        let EngineEvent::BlockStored(mut bad, form) = stored(&[5], None, "GPU", 0) else {
+            unreachable!()
+        };
+        bad.token_ids.pop();
+        assert!(matches!(
+            t.apply(R, &EngineEvent::BlockStored(bad, form)),
+            Err(Skip::Hashing(_))
+        ));
+        let unknown = EngineEvent::Unknown {
+            type_name: "BlockUpdated".into(),
+            form: EventForm::TaggedMap,
+        };
+        assert_eq!(
+            t.apply(R, &unknown),
+            Err(Skip::UnknownType("BlockUpdated".into()))
+        );
+        let positional = EngineEvent::AllBlocksCleared(EventForm::PositionalArray);
+        assert_eq!(
+            t.apply(R, &positional),
+            Err(Skip::Format(EventForm::PositionalArray))
+        );
+    }
+
+    #[test]
+    fn ranks_are_independent_and_clear_drops_one_rank() {
+        let mut t = Translator::new(BS, EngineFormat::Auto);
+        t.apply(R, &stored(&[1, 2], None, "GPU", 0)).unwrap();
+        t.apply(DpRank(1), &stored(&[1], None, "GPU", 0)).unwrap();
+        assert_eq!(
+            t.apply(R, &EngineEvent::AllBlocksCleared(EventForm::TaggedMap)),
+            Ok(KvCacheEventData::Cleared)
+        );
+        assert_eq!((t.held(R), t.held(DpRank(1))), (0, 1));
+    }
+}

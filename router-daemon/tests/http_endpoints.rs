@@ -1,0 +1,166 @@
+//! The HTTP endpoint against a daemon that is built but not connected: no NATS or
+//! etcd is needed to check what `/metrics`, `/health/*` and `/debug/workers` report.
+//! Messages are built as JSON values and msgpack-encoded, as a non-Rust client would.
+
+use kv_events::discovery::WorkerRegistration;
+use kv_events::{WorkerId, decode, encode};
+use router_daemon::config::{DaemonConfig, ServeArgs};
+use router_daemon::counters::Counters;
+use router_daemon::daemon::Starting;
+use router_daemon::directory::DirectoryEntry;
+use router_daemon::http::get;
+use serde_json::{Value, json};
+use std::time::Duration;
+
+const T: Duration = Duration::from_secs(5);
+
+fn config() -> DaemonConfig {
+    use clap::Parser;
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+    let args = Cli::parse_from(["kv-router", "--block-size", "4", "--shards", "2"]).serve;
+    DaemonConfig::from_args(&args).expect("test flags are valid")
+}
+
+/// The sample of `name` with exactly `labels` (`k="v"` pairs, in exposition order).
+fn sample(text: &str, name: &str, labels: &str) -> Option<f64> {
+    let key = if labels.is_empty() {
+        name.to_owned()
+    } else {
+        format!("{name}{{{labels}}}")
+    };
+    text.lines()
+        .find_map(|l| l.strip_prefix(&key)?.strip_prefix(' ')?.parse().ok())
+}
+
+/// Every metric a daemon can export: the descriptors of [`Counters`] (including label
+/// vectors that have no sample yet) and every family other subsystems registered in
+/// the daemon's registry at start-up.
+#[tokio::test]
+async fn metric_names_are_a_reviewed_change() {
+    let registry = prometheus::Registry::new();
+    let _starting = Starting::new(config(), &registry).unwrap();
+    let mut listing: std::collections::BTreeSet<String> = Counters::unregistered()
+        .descriptors()
+        .iter()
+        .map(|d| format!("{} {:?}", d.fq_name, d.variable_labels))
+        .collect();
+    for family in registry.gather() {
+        let labels: Vec<String> = family
+            .get_metric()
+            .first()
+            .map(|m| m.get_label().iter().map(|l| l.name().to_owned()).collect())
+            .unwrap_or_default();
+        let mut sorted = labels.clone();
+        sorted.sort();
+        let known = listing.iter().any(|l| l.starts_with(&format!("{} ", family.name())));
+        if !known {
+            listing.insert(format!("{} {sorted:?}", family.name()));
+        }
+    }
+    insta::assert_snapshot!(listing.into_iter().collect::<Vec<_>>().join("\n"));
+}
+
+#[tokio::test]
+async fn endpoints_report_health_metrics_and_workers() {
+    let registry = prometheus::Registry::new();
+    let mut starting = Starting::new(config(), &registry).unwrap();
+    let addr = starting
+        .serve_http("127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap()
+        .to_string();
+    let state = starting.state().clone();
+
+    let live = get(&addr, "/health/livez", T).await.unwrap();
+    assert_eq!((live.status, live.body.as_str()), (200, "ok\n"));
+
+    let ready = get(&addr, "/health/readyz", T).await.unwrap();
+    assert_eq!(ready.status, 503, "{}", ready.body);
+    let report: Value = serde_json::from_str(&ready.body).unwrap();
+    assert_eq!(report["ready"], false);
+    assert_eq!(report["phase"], "starting");
+    assert_eq!(report["checks"]["nats"]["ok"], false);
+    assert_eq!(report["checks"]["discovery"]["ok"], false);
+
+    // A worker as discovery would register it, one stored chain of 3 blocks, one
+    // routed query.
+    let reg = WorkerRegistration {
+        worker_id: WorkerId(7),
+        dp_size: 2,
+        block_size: 4,
+        total_kv_blocks: 64,
+    };
+    state.scheduler().add_worker(reg).unwrap();
+    state.directory.upsert(DirectoryEntry {
+        registration: reg,
+        lease_id: 0x1234,
+        mod_revision: 9,
+    });
+    let tokens: Vec<u32> = (0..12).collect();
+    let hashes = kv_events::compute_block_hashes(&tokens, 4);
+    let blocks: Vec<Value> = hashes
+        .iter()
+        .enumerate()
+        .map(|(i, h)| json!({"block_hash": 100 + i as u64, "tokens_hash": h.0}))
+        .collect();
+    let batch = json!({"worker_id": 7, "events": [
+        {"event_id": 0, "dp_rank": 1, "data": {"type": "stored", "parent_hash": null, "blocks": blocks}}
+    ]});
+    let batch = decode(&encode(&batch).unwrap()).unwrap();
+    state.indexer.apply(batch).await.unwrap();
+    let request = json!({"request_id": "r1", "prompt": {"type": "tokens", "token_ids": tokens}});
+    let reply = router_daemon::route::handle_route(&state, &encode(&request).unwrap()).await;
+    let reply = serde_json::to_value(&reply).unwrap();
+    assert_eq!(reply["status"], "routed", "{reply}");
+    assert_eq!((reply["worker_id"].as_u64(), reply["dp_rank"].as_u64()), (Some(7), Some(1)));
+    let bad = router_daemon::route::handle_route(&state, b"\xc1 not msgpack").await;
+    assert!(serde_json::to_value(&bad).unwrap()["status"] == "error");
+
+    let metrics = get(&addr, "/metrics", T).await.unwrap();
+    assert_eq!(metrics.status, 200);
+    let text = metrics.body;
+    let expect = [
+        ("kv_router_ready", "", 0.0),
+        ("kv_router_nats_connected", "", 0.0),
+        ("kv_router_indexer_blocks", "", 3.0),
+        ("kv_router_indexer_events_total", r#"outcome="applied",type="stored""#, 1.0),
+        ("kv_router_indexer_block_ops_total", r#"op="stored""#, 3.0),
+        ("kv_router_route_requests_total", r#"outcome="routed""#, 1.0),
+        ("kv_router_route_decisions_total", r#"dp_rank="1",worker_id="7""#, 1.0),
+        ("kv_router_route_overlap_blocks_sum", "", 3.0),
+        ("kv_router_route_duration_seconds_count", r#"outcome="routed""#, 1.0),
+        ("kv_router_messages_total", r#"kind="route",outcome="malformed""#, 1.0),
+        ("kv_router_worker_active_requests", r#"dp_rank="1",worker_id="7""#, 1.0),
+        ("kv_router_worker_active_requests", r#"dp_rank="0",worker_id="7""#, 0.0),
+        ("kv_router_worker_active_decode_blocks", r#"dp_rank="1",worker_id="7""#, 3.0),
+        ("kv_router_indexer_rank_blocks", r#"dp_rank="1",worker_id="7""#, 3.0),
+        ("kv_router_indexer_recovering_ranks", "", 0.0),
+    ];
+    for (name, labels, value) in expect {
+        assert_eq!(sample(&text, name, labels), Some(value), "{name}{{{labels}}} in\n{text}");
+    }
+    assert!(sample(&text, "kv_router_indexer_memory_bytes", "").unwrap() > 0.0);
+    assert!(text.contains("kv_router_build_info{version="), "{text}");
+
+    let workers = get(&addr, "/debug/workers", T).await.unwrap();
+    assert_eq!(workers.status, 200);
+    let view: Value = serde_json::from_str(&workers.body).unwrap();
+    let w = &view["workers"][0];
+    assert_eq!(w["worker_id"], 7);
+    assert_eq!(w["lease_id"], 0x1234);
+    assert_eq!(w["mod_revision"], 9);
+    assert_eq!(w["ranks"].as_array().map(Vec::len), Some(2));
+    assert_eq!(w["ranks"][1]["active_requests"], 1);
+    assert_eq!(w["ranks"][1]["active_decode_blocks"], 3);
+    assert_eq!(w["ranks"][1]["indexed_blocks"], 3);
+    assert_eq!(w["ranks"][0]["indexed_blocks"], 0);
+    assert_eq!(w["ranks"][0]["engine"], Value::Null);
+    assert_eq!(view["etcd"]["ok"], false);
+
+    let missing = get(&addr, "/nope", T).await.unwrap();
+    assert_eq!(missing.status, 404);
+}

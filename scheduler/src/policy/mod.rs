@@ -1,0 +1,322 @@
+//! Routing policies: each a variant of [`PolicyConfig`] carrying its own typed knobs,
+//! each in its own file with the source of its formula.
+//!
+//! | policy | file | chooses |
+//! |---|---|---|
+//! | `kv` (default) | [`kv`] | lowest Dynamo-style cost: weighted prefill blocks + decode blocks |
+//! | `kv-normalized` | [`kv_normalized`] | lowest TensorRT-LLM ADP score, fair-share capped |
+//! | `cache-aware-threshold` | [`cache_aware`] | SGLang: balance if imbalanced, else best match over a threshold |
+//! | `round-robin`, `random`, `least-loaded` | [`baseline`] | baselines |
+//!
+//! A policy sees only [`Candidate`]s — ranks that are registered, match a pinned
+//! dp_rank and are not busy — and returns the index of one. Selection is
+//! O(candidates); the selector reuses scratch buffers, so it does not allocate once
+//! warm. Adding a policy is a new file, a variant, and one arm in each match below.
+
+pub mod baseline;
+pub mod cache_aware;
+pub mod kv;
+pub mod kv_normalized;
+pub mod sampling;
+
+pub use cache_aware::CacheAwareThresholdConfig;
+pub use kv::KvPolicyConfig;
+pub use kv_normalized::KvNormalizedConfig;
+
+use crate::error::SchedulerError;
+use crate::request::RequestShape;
+use crate::sequences::RankLoad;
+use kv_events::WorkerRank;
+use kv_events::routing::{CostOverrides, PolicyKind};
+use rand::rngs::StdRng;
+use serde::{Deserialize, Serialize};
+
+/// A routing policy together with its settings. Serde form: a map tagged by `kind`
+/// (the wire name) holding the variant's knobs, e.g.
+/// `{"kind": "kv", "prefill_load_scale": 1.0, "overlap_credit": 1.0, "temperature": 0.0}`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "kebab-case")]
+pub enum PolicyConfig {
+    /// KV-cache-aware cost after NVIDIA Dynamo's KV router (see [`kv`]).
+    Kv(KvPolicyConfig),
+    /// TensorRT-LLM's KV-cache-aware ADP router score (see [`kv_normalized`]).
+    KvNormalized(KvNormalizedConfig),
+    /// SGLang's cache-aware router thresholds (see [`cache_aware`]).
+    CacheAwareThreshold(CacheAwareThresholdConfig),
+    /// Cycle through the eligible ranks in order, ignoring cache and load.
+    RoundRobin,
+    /// Pick an eligible rank uniformly at random.
+    Random,
+    /// Pick the eligible rank with the least booked load (see [`baseline`]).
+    LeastLoaded,
+}
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        PolicyConfig::Kv(KvPolicyConfig::default())
+    }
+}
+
+impl PolicyConfig {
+    /// The policy `kind` with its default knobs.
+    pub fn default_for(kind: PolicyKind) -> Self {
+        match kind {
+            PolicyKind::Kv => PolicyConfig::Kv(KvPolicyConfig::default()),
+            PolicyKind::KvNormalized => PolicyConfig::KvNormalized(KvNormalizedConfig::default()),
+            PolicyKind::CacheAwareThreshold => {
+                PolicyConfig::CacheAwareThreshold(CacheAwareThresholdConfig::default())
+            }
+            PolicyKind::RoundRobin => PolicyConfig::RoundRobin,
+            PolicyKind::Random => PolicyConfig::Random,
+            PolicyKind::LeastLoaded => PolicyConfig::LeastLoaded,
+        }
+    }
+
+    /// The wire name of this policy.
+    pub fn kind(&self) -> PolicyKind {
+        match self {
+            PolicyConfig::Kv(_) => PolicyKind::Kv,
+            PolicyConfig::KvNormalized(_) => PolicyKind::KvNormalized,
+            PolicyConfig::CacheAwareThreshold(_) => PolicyKind::CacheAwareThreshold,
+            PolicyConfig::RoundRobin => PolicyKind::RoundRobin,
+            PolicyConfig::Random => PolicyKind::Random,
+            PolicyConfig::LeastLoaded => PolicyKind::LeastLoaded,
+        }
+    }
+
+    /// Checks the policy's knobs.
+    ///
+    /// # Errors
+    /// [`SchedulerError::InvalidConfig`] naming the bad field (`policy.<kind>.<knob>`).
+    pub fn validate(&self) -> Result<(), SchedulerError> {
+        match self {
+            PolicyConfig::Kv(c) => c.validate(),
+            PolicyConfig::KvNormalized(c) => c.validate(),
+            PolicyConfig::CacheAwareThreshold(c) => c.validate(),
+            PolicyConfig::RoundRobin | PolicyConfig::Random | PolicyConfig::LeastLoaded => Ok(()),
+        }
+    }
+
+    /// This policy with a request's cost overrides applied.
+    ///
+    /// # Errors
+    /// [`SchedulerError::InvalidOverride`] when an override names a knob this policy
+    /// does not have, or its value is negative or not finite.
+    pub fn with_overrides(mut self, o: &CostOverrides) -> Result<Self, SchedulerError> {
+        if o.is_empty() {
+            return Ok(self);
+        }
+        let kind = self.kind();
+        let reject = |field: &'static str| SchedulerError::InvalidOverride {
+            field,
+            reason: format!("policy {kind} has no such knob"),
+        };
+        match &mut self {
+            PolicyConfig::Kv(c) => {
+                if o.load_balance_weight.is_some() {
+                    return Err(reject("load_balance_weight"));
+                }
+                set(
+                    "prefill_load_scale",
+                    &mut c.prefill_load_scale,
+                    o.prefill_load_scale,
+                )?;
+                set("overlap_credit", &mut c.overlap_credit, o.overlap_credit)?;
+                set("temperature", &mut c.temperature, o.temperature)?;
+            }
+            PolicyConfig::KvNormalized(c) => {
+                if o.prefill_load_scale.is_some() {
+                    return Err(reject("prefill_load_scale"));
+                }
+                if o.overlap_credit.is_some() {
+                    return Err(reject("overlap_credit"));
+                }
+                set(
+                    "load_balance_weight",
+                    &mut c.load_balance_weight,
+                    o.load_balance_weight,
+                )?;
+                set("temperature", &mut c.temperature, o.temperature)?;
+            }
+            _ => {
+                let field = if o.temperature.is_some() {
+                    "temperature"
+                } else if o.prefill_load_scale.is_some() {
+                    "prefill_load_scale"
+                } else if o.overlap_credit.is_some() {
+                    "overlap_credit"
+                } else {
+                    "load_balance_weight"
+                };
+                return Err(reject(field));
+            }
+        }
+        Ok(self)
+    }
+}
+
+fn set(field: &'static str, knob: &mut f64, value: Option<f64>) -> Result<(), SchedulerError> {
+    let Some(v) = value else { return Ok(()) };
+    if !(v.is_finite() && v >= 0.0) {
+        return Err(SchedulerError::InvalidOverride {
+            field,
+            reason: format!("must be finite and >= 0, got {v}"),
+        });
+    }
+    *knob = v;
+    Ok(())
+}
+
+/// One eligible rank as a policy sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Candidate {
+    /// The (worker, dp_rank).
+    pub rank: WorkerRank,
+    /// Leading prompt blocks already cached there (prefix match), in blocks, at most
+    /// the request's blocks.
+    pub overlap_blocks: u32,
+    /// The rank's load projection now.
+    pub load: RankLoad,
+    /// Decode blocks this request would add there, in blocks: its blocks minus those
+    /// already held by active requests with the same prefix (when KV reuse is assumed).
+    pub new_blocks: u32,
+}
+
+/// What a policy decides on.
+#[derive(Debug, Clone, Copy)]
+pub struct SelectContext<'a> {
+    /// The request's size.
+    pub request: RequestShape,
+    /// The eligible ranks, sorted by rank.
+    pub candidates: &'a [Candidate],
+    /// Requests of the current batch still to place, this one included (1 outside a
+    /// batch); `kv-normalized` sizes its fair share with it.
+    pub batch_remaining: usize,
+}
+
+/// The outcome of a selection.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Choice {
+    /// Index of the chosen candidate.
+    pub index: usize,
+    /// The chosen candidate's cost or score; `None` for cost-free policies.
+    pub cost: Option<f64>,
+}
+
+/// Stateful selector: owns the RNG, the round-robin cursor and scratch buffers.
+#[derive(Debug, Clone)]
+pub struct Selector {
+    rng: StdRng,
+    /// The rank round-robin chose last; the next turn goes to the first rank after it.
+    last_round_robin: Option<WorkerRank>,
+    costs: Vec<f64>,
+    keys: Vec<(f64, f64)>,
+    eligible: Vec<usize>,
+}
+
+impl Selector {
+    /// A selector drawing randomness from `rng`.
+    pub fn new(rng: StdRng) -> Self {
+        Self {
+            rng,
+            last_round_robin: None,
+            costs: Vec::new(),
+            keys: Vec::new(),
+            eligible: Vec::new(),
+        }
+    }
+
+    /// Chooses one of `ctx.candidates` under `policy`.
+    ///
+    /// # Errors
+    /// [`SchedulerError::NoWorkers`] when there is no candidate.
+    pub fn select(
+        &mut self,
+        policy: &PolicyConfig,
+        ctx: &SelectContext<'_>,
+    ) -> Result<Choice, SchedulerError> {
+        if ctx.candidates.is_empty() {
+            return Err(SchedulerError::NoWorkers);
+        }
+        Ok(match policy {
+            PolicyConfig::Kv(c) => kv::select(c, ctx, &mut self.costs, &mut self.rng),
+            PolicyConfig::KvNormalized(c) => kv_normalized::select(
+                c,
+                ctx,
+                kv_normalized::Scratch {
+                    eligible: &mut self.eligible,
+                    keys: &mut self.keys,
+                    costs: &mut self.costs,
+                },
+                &mut self.rng,
+            ),
+            PolicyConfig::CacheAwareThreshold(c) => {
+                cache_aware::select(c, ctx, &mut self.eligible, &mut self.keys, &mut self.rng)
+            }
+            PolicyConfig::RoundRobin => {
+                baseline::round_robin(ctx.candidates, &mut self.last_round_robin)
+            }
+            PolicyConfig::Random => baseline::random(ctx.candidates, &mut self.rng),
+            PolicyConfig::LeastLoaded => baseline::least_loaded(ctx, &mut self.keys, &mut self.rng),
+        })
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod test_support {
+    //! Candidate builders shared by the policy tests.
+    use super::*;
+    use kv_events::{DpRank, WorkerId};
+    use rand::SeedableRng;
+
+    pub fn rank(id: u64, dp: u32) -> WorkerRank {
+        WorkerRank::new(WorkerId(id), DpRank(dp))
+    }
+
+    /// Candidate `id` with overlap, decode blocks and requests; new blocks = `new`.
+    pub fn cand(id: u64, overlap: u32, decode: u64, requests: usize, new: u32) -> Candidate {
+        Candidate {
+            rank: rank(id, 0),
+            overlap_blocks: overlap,
+            load: RankLoad {
+                active_decode_blocks: decode,
+                active_requests: requests,
+                ..RankLoad::default()
+            },
+            new_blocks: new,
+        }
+    }
+
+    pub fn shape(request_blocks: u32, num_tokens: u64, block_size: u32) -> RequestShape {
+        RequestShape {
+            request_blocks,
+            num_tokens,
+            block_size,
+        }
+    }
+
+    pub fn ctx(request: RequestShape, candidates: &[Candidate]) -> SelectContext<'_> {
+        SelectContext {
+            request,
+            candidates,
+            batch_remaining: 1,
+        }
+    }
+
+    pub fn selector(seed: u64) -> Selector {
+        Selector::new(StdRng::seed_from_u64(seed))
+    }
+
+    /// How often each candidate wins over `trials` selections.
+    pub fn histogram(policy: &PolicyConfig, c: &SelectContext<'_>, trials: usize) -> Vec<usize> {
+        let mut s = selector(7);
+        let mut counts = vec![0; c.candidates.len()];
+        for _ in 0..trials {
+            counts[s.select(policy, c).unwrap().index] += 1;
+        }
+        counts
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,123 @@
+//! Unit tests of [`Scheduler::schedule_batch`] and of bookings learned from peer
+//! router replicas ([`Scheduler::apply`]).
+
+use super::*;
+use kv_events::{LocalBlockHash, RouterId};
+
+const BLOCK: u32 = 16;
+
+fn rank(id: u64, dp: u32) -> WorkerRank {
+    WorkerRank::new(WorkerId(id), DpRank(dp))
+}
+
+fn scheduler(config: SchedulerConfig, workers: &[(u64, u32)]) -> Scheduler {
+    let mut s = Scheduler::new(config, Some(11)).unwrap();
+    for &(id, dp_size) in workers {
+        s.add_worker(WorkerRegistration {
+            worker_id: WorkerId(id),
+            dp_size,
+            block_size: BLOCK,
+            total_kv_blocks: 100,
+        })
+        .unwrap();
+    }
+    s
+}
+
+fn prefixed(id: &str, num_tokens: u64, seed: u64) -> ScheduleRequest {
+    let hashes = (0..num_tokens / u64::from(BLOCK))
+        .map(|i| LocalBlockHash(seed * 1000 + i))
+        .collect();
+    ScheduleRequest::new(id, hashes, num_tokens, BLOCK)
+}
+
+fn request(id: &str, num_tokens: u64) -> ScheduleRequest {
+    prefixed(id, num_tokens, 0)
+}
+
+fn pinned(mut req: ScheduleRequest, dp: u32) -> ScheduleRequest {
+    req.dp_rank = Some(DpRank(dp));
+    req
+}
+
+fn rid(s: &str) -> RequestId {
+    RequestId::from(s)
+}
+
+fn with_policy(policy: PolicyConfig) -> SchedulerConfig {
+    SchedulerConfig {
+        policy,
+        ..SchedulerConfig::default()
+    }
+}
+
+#[test]
+fn batch_groups_by_prefix_and_respects_the_fair_share_cap() {
+    let t = Instant::now();
+    let policy = PolicyConfig::default_for(PolicyKind::KvNormalized);
+    let mut s = scheduler(with_policy(policy), &[(1, 1), (2, 1), (3, 1)]);
+    // Six requests of one conversation (prefix seed 5), all cached on rank 1/0.
+    let overlaps = HashMap::from([(rank(1, 0), 4)]);
+    let batch: Vec<(ScheduleRequest, &HashMap<WorkerRank, u32>)> = (0..6)
+        .map(|i| (prefixed(&format!("c{i}"), 80, 5), &overlaps))
+        .collect();
+    let results = s.schedule_batch(&batch, BatchOrder::GroupByPrefix, t);
+    let on_1 = results
+        .iter()
+        .filter(|r| r.as_ref().unwrap().rank == rank(1, 0))
+        .count();
+    // fair share = ceil(6 / 3) = 2, cap = 4: rank 1 takes the cached requests up to 4.
+    assert_eq!(on_1, 4);
+    assert_eq!(s.active_requests(), 6);
+}
+
+#[test]
+fn batch_stops_scanning_once_all_ranks_are_busy() {
+    let t = Instant::now();
+    let mut config = SchedulerConfig::default();
+    config.busy.decode_blocks = Some(Threshold::Absolute(10));
+    let mut s = scheduler(config, &[(1, 1)]);
+    let batch: Vec<(ScheduleRequest, NoOverlap)> = vec![
+        (request("a", 160), NoOverlap),
+        (request("b", 16), NoOverlap),
+        (pinned(request("c", 16), 3), NoOverlap),
+        (request("a", 16), NoOverlap),
+    ];
+    let results = s.schedule_batch(&batch, BatchOrder::AsGiven, t);
+    assert!(results[0].is_ok());
+    assert_eq!(results[1], Err(SchedulerError::AllBusy));
+    assert_eq!(results[2], Err(SchedulerError::RankUnavailable(DpRank(3))));
+    assert_eq!(results[3], Err(SchedulerError::DuplicateRequest(rid("a"))));
+}
+
+#[test]
+fn peer_bookings_are_applied_only_on_registered_ranks() {
+    let t = Instant::now();
+    let mut s = scheduler(SchedulerConfig::default(), &[(1, 1)]);
+    let peer = Origin::Peer(RouterId(9));
+    let add = |r: WorkerRank| AddRequest {
+        request_id: rid("peer-1"),
+        rank: r,
+        block_hashes: vec![LocalBlockHash(1)],
+        request_blocks: 2,
+        prefill: PrefillLoadHint {
+            initial_effective_prefill_tokens: 20,
+            expected_prefill_duration: None,
+        },
+        origin: peer,
+    };
+    assert_eq!(
+        s.apply(SequenceEvent::AddRequest(add(rank(4, 0))), t),
+        Err(SchedulerError::UnregisteredRank(rank(4, 0)))
+    );
+    assert_eq!(
+        s.apply(SequenceEvent::AddRequest(add(rank(1, 0))), t),
+        Ok(peer)
+    );
+    assert_eq!(s.rank_load_at(rank(1, 0), t).active_prefill_tokens, 20);
+    // Our own decision sees the peer's load.
+    let sel = s.schedule(&request("mine", 32), &NoOverlap, t).unwrap();
+    assert_eq!(sel.cost, Some(20.0 / 16.0 + 2.0 + 2.0 + 2.0));
+    assert_eq!(s.free(&rid("peer-1"), t), Ok(peer));
+    assert_eq!(s.free(&rid("mine"), t), Ok(Origin::Local));
+}

@@ -1,0 +1,382 @@
+//! Active sequences: the authoritative write model of the load this router (and its
+//! peer replicas) booked on each (worker, dp_rank).
+//!
+//! Writes are four events ([`SequenceEvent`]): `AddRequest` books a request with a
+//! [`PrefillLoadHint`] computed once by the caller, `MarkPrefillCompleted` ends its
+//! prefill, `KeepAlive` refreshes it, `Free` releases it. The model applies hints; it
+//! does no token math of its own. Reads go through [`ActiveSequences::load`], a
+//! projection derived at the read time `now`: prefill tokens with the oldest
+//! in-flight prefill decayed linearly, decode blocks with shared prefixes counted
+//! once (when `assume_kv_reuse`), request and uncached-token counts.
+//!
+//! Time is always passed in (`now: Instant`), never read here, so tests are exact
+//! and an offline simulator can drive the model on a virtual clock.
+//!
+//! Every request has a deadline `ttl` after its last event; [`ActiveSequences::expire`]
+//! drops the overdue ones (a frontend that crashed never sends `freed`). Deadlines sit
+//! in an ordered index, so the next deadline is O(log n) to find and refresh.
+//!
+//! Costs: memory is one record per active request (plus 8 bytes per prompt block
+//! with KV reuse) and one aggregate per busy rank; each event is O(log n + blocks);
+//! removing a worker scans the active requests once.
+
+mod rank;
+
+pub use rank::chain_block_ids;
+
+use crate::config::SequencesConfig;
+use crate::error::SchedulerError;
+use kv_events::{LocalBlockHash, RequestId, RouterId, WorkerId, WorkerRank};
+use rank::RankSequences;
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
+
+/// The prefill load a booking adds, computed once by the caller at routing time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PrefillLoadHint {
+    /// Prompt tokens the rank must prefill (not cached there), in tokens.
+    pub initial_effective_prefill_tokens: u64,
+    /// How long that prefill should take; with a value, the load decays linearly to
+    /// 0 over it once the request is the rank's oldest in-flight prefill. `None`: the
+    /// load stays until `MarkPrefillCompleted`.
+    pub expected_prefill_duration: Option<Duration>,
+}
+
+/// Who booked a request: this router, or a peer replica (learned by sequence sync).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Origin {
+    /// Booked by this router's own routing decision.
+    Local,
+    /// Booked by another replica.
+    Peer(RouterId),
+}
+
+/// Books a request on a rank.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AddRequest {
+    /// The request.
+    pub request_id: RequestId,
+    /// Where it runs.
+    pub rank: WorkerRank,
+    /// Its prompt's block hashes in prefix order (for KV reuse).
+    pub block_hashes: Vec<LocalBlockHash>,
+    /// Its KV blocks, in blocks (prompt blocks, partial last block counted); blocks
+    /// beyond `block_hashes` are never shared.
+    pub request_blocks: u32,
+    /// Its prefill load.
+    pub prefill: PrefillLoadHint,
+    /// Who booked it.
+    pub origin: Origin,
+}
+
+/// One write to the model.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SequenceEvent {
+    /// A request was routed and booked.
+    AddRequest(AddRequest),
+    /// The request produced its first token.
+    MarkPrefillCompleted(RequestId),
+    /// The request is still alive (refresh its deadline only).
+    KeepAlive(RequestId),
+    /// The request ended; release everything.
+    Free(RequestId),
+}
+
+/// The derived load of one (worker, dp_rank) at a moment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RankLoad {
+    /// In-flight prefill tokens, the oldest decayed, in tokens (cached prefix tokens
+    /// are excluded at booking).
+    pub active_prefill_tokens: u64,
+    /// KV blocks held by booked requests until they are freed, in blocks; with KV
+    /// reuse, a prefix shared by several requests counts once.
+    pub active_decode_blocks: u64,
+    /// Requests booked here and not yet freed.
+    pub active_requests: usize,
+    /// Σ uncached prompt tokens of every active request here, prefilling or decoding,
+    /// in tokens (TensorRT-LLM's per-rank "active tokens"); does not decay.
+    pub active_uncached_tokens: u64,
+}
+
+/// One booked request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ActiveRequest {
+    /// Where it was routed.
+    pub rank: WorkerRank,
+    /// Who booked it.
+    pub origin: Origin,
+    /// KV blocks it holds, in blocks.
+    pub request_blocks: u32,
+    /// The prefill load it was booked with.
+    pub prefill: PrefillLoadHint,
+    /// Whether its prefill completed.
+    pub prefill_done: bool,
+    /// When it expires unless a lifecycle event arrives first.
+    pub deadline: Instant,
+    seq: u64,
+    /// Chained block ids counted as shared (empty without KV reuse).
+    block_ids: Vec<u64>,
+    /// Blocks counted per request.
+    private_blocks: u64,
+}
+
+/// All active requests, their per-rank aggregates and their deadlines.
+#[derive(Debug, Clone)]
+pub struct ActiveSequences {
+    config: SequencesConfig,
+    requests: HashMap<RequestId, ActiveRequest>,
+    /// Only ranks with at least one active request have an entry.
+    per_rank: HashMap<WorkerRank, RankSequences>,
+    /// (deadline, seq) → request, for expiry in deadline order.
+    deadlines: BTreeMap<(Instant, u64), RequestId>,
+    next_seq: u64,
+}
+
+impl ActiveSequences {
+    /// No active requests.
+    pub fn new(config: SequencesConfig) -> Self {
+        Self {
+            config,
+            requests: HashMap::new(),
+            per_rank: HashMap::new(),
+            deadlines: BTreeMap::new(),
+            next_seq: 0,
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &SequencesConfig {
+        &self.config
+    }
+
+    /// Applies one event at `now`. Returns the origin of the request it touched.
+    ///
+    /// # Errors
+    /// [`SchedulerError::DuplicateRequest`] for an `AddRequest` whose id is active,
+    /// [`SchedulerError::UnknownRequest`] for the others when the id is not active.
+    /// Nothing changes on error.
+    pub fn apply(&mut self, event: SequenceEvent, now: Instant) -> Result<Origin, SchedulerError> {
+        match event {
+            SequenceEvent::AddRequest(add) => {
+                let origin = add.origin;
+                self.add_request(add, now).map(|()| origin)
+            }
+            SequenceEvent::MarkPrefillCompleted(id) => self.mark_prefill_completed(&id, now),
+            SequenceEvent::KeepAlive(id) => self.keep_alive(&id, now),
+            SequenceEvent::Free(id) => self.free(&id, now).map(|r| r.origin),
+        }
+    }
+
+    /// Books a request; its deadline is `now + ttl`.
+    ///
+    /// # Errors
+    /// [`SchedulerError::DuplicateRequest`] if the id is already active.
+    pub fn add_request(&mut self, add: AddRequest, now: Instant) -> Result<(), SchedulerError> {
+        if self.requests.contains_key(&add.request_id) {
+            return Err(SchedulerError::DuplicateRequest(add.request_id));
+        }
+        let (block_ids, private_blocks) = if self.config.assume_kv_reuse {
+            let shared = add.block_hashes.len().min(add.request_blocks as usize);
+            let ids = chain_block_ids(&add.block_hashes[..shared]);
+            let private = u64::from(add.request_blocks) - shared as u64;
+            (ids, private)
+        } else {
+            (Vec::new(), u64::from(add.request_blocks))
+        };
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.per_rank.entry(add.rank).or_default().add(
+            seq,
+            &block_ids,
+            private_blocks,
+            add.prefill,
+            now,
+        );
+        let deadline = now + self.config.request_ttl;
+        self.deadlines
+            .insert((deadline, seq), add.request_id.clone());
+        self.requests.insert(
+            add.request_id,
+            ActiveRequest {
+                rank: add.rank,
+                origin: add.origin,
+                request_blocks: add.request_blocks,
+                prefill: add.prefill,
+                prefill_done: false,
+                deadline,
+                seq,
+                block_ids,
+                private_blocks,
+            },
+        );
+        Ok(())
+    }
+
+    /// The request's prefill finished: its prefill tokens leave its rank's load and the
+    /// rank's next prefill starts decaying. Refreshes the deadline; repeating it is
+    /// harmless.
+    ///
+    /// # Errors
+    /// [`SchedulerError::UnknownRequest`] if `id` is not active.
+    pub fn mark_prefill_completed(
+        &mut self,
+        id: &RequestId,
+        now: Instant,
+    ) -> Result<Origin, SchedulerError> {
+        let origin = self.refresh(id, now)?;
+        if let Some(r) = self.requests.get_mut(id)
+            && !r.prefill_done
+        {
+            r.prefill_done = true;
+            if let Some(rank) = self.per_rank.get_mut(&r.rank) {
+                rank.finish_prefill(r.seq, now);
+            }
+        }
+        Ok(origin)
+    }
+
+    /// Refreshes the request's deadline to `now + ttl`.
+    ///
+    /// # Errors
+    /// [`SchedulerError::UnknownRequest`] if `id` is not active.
+    pub fn keep_alive(&mut self, id: &RequestId, now: Instant) -> Result<Origin, SchedulerError> {
+        self.refresh(id, now)
+    }
+
+    /// Releases everything the request booked.
+    ///
+    /// # Errors
+    /// [`SchedulerError::UnknownRequest`] if `id` is not active.
+    pub fn free(&mut self, id: &RequestId, now: Instant) -> Result<ActiveRequest, SchedulerError> {
+        let request = self
+            .requests
+            .remove(id)
+            .ok_or_else(|| SchedulerError::UnknownRequest(id.clone()))?;
+        self.deadlines.remove(&(request.deadline, request.seq));
+        self.release(&request, now);
+        Ok(request)
+    }
+
+    /// Frees every request whose deadline is at or before `now`; returns them.
+    pub fn expire(&mut self, now: Instant) -> Vec<(RequestId, ActiveRequest)> {
+        let mut expired = Vec::new();
+        while let Some(entry) = self.deadlines.first_entry() {
+            if entry.key().0 > now {
+                break;
+            }
+            let id = entry.remove();
+            if let Some(request) = self.requests.remove(&id) {
+                self.release(&request, now);
+                expired.push((id, request));
+            }
+        }
+        expired
+    }
+
+    /// The earliest deadline of any active request.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        self.deadlines.keys().next().map(|(deadline, _)| *deadline)
+    }
+
+    /// Drops every request booked on any rank of `worker_id` (the worker left, so its
+    /// requests died with it); returns how many were dropped.
+    pub fn remove_worker(&mut self, worker_id: WorkerId) -> usize {
+        self.remove_where(|rank| rank.worker_id == worker_id)
+    }
+
+    /// Drops every request booked on one rank; returns how many were dropped.
+    pub fn remove_rank(&mut self, rank: WorkerRank) -> usize {
+        self.remove_where(|r| r == rank)
+    }
+
+    /// The load of `rank` at `now`; all zeros when nothing is booked there.
+    pub fn load(&self, rank: WorkerRank, now: Instant) -> RankLoad {
+        self.per_rank
+            .get(&rank)
+            .map(|r| r.load(now))
+            .unwrap_or_default()
+    }
+
+    /// How many of a request's `request_blocks` blocks would be new decode load on
+    /// `rank`, given its chained block ids ([`chain_block_ids`]): all of them without
+    /// KV reuse, else those not already held there by an active request.
+    pub fn new_blocks(&self, rank: WorkerRank, block_ids: &[u64], request_blocks: u32) -> u32 {
+        if !self.config.assume_kv_reuse {
+            return request_blocks;
+        }
+        self.per_rank
+            .get(&rank)
+            .map_or(request_blocks, |r| r.new_blocks(block_ids, request_blocks))
+    }
+
+    /// One active request.
+    pub fn get(&self, id: &RequestId) -> Option<&ActiveRequest> {
+        self.requests.get(id)
+    }
+
+    /// Every active request, in no particular order.
+    pub fn iter(&self) -> impl Iterator<Item = (&RequestId, &ActiveRequest)> {
+        self.requests.iter()
+    }
+
+    /// Whether `id` is active.
+    pub fn contains(&self, id: &RequestId) -> bool {
+        self.requests.contains_key(id)
+    }
+
+    /// Number of active requests over all ranks.
+    pub fn len(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// Whether no request is active.
+    pub fn is_empty(&self) -> bool {
+        self.requests.is_empty()
+    }
+
+    fn refresh(&mut self, id: &RequestId, now: Instant) -> Result<Origin, SchedulerError> {
+        let r = self
+            .requests
+            .get_mut(id)
+            .ok_or_else(|| SchedulerError::UnknownRequest(id.clone()))?;
+        let deadline = now + self.config.request_ttl;
+        if let Some(key) = self.deadlines.remove(&(r.deadline, r.seq)) {
+            self.deadlines.insert((deadline, r.seq), key);
+        }
+        r.deadline = deadline;
+        Ok(r.origin)
+    }
+
+    fn release(&mut self, request: &ActiveRequest, now: Instant) {
+        let Some(rank) = self.per_rank.get_mut(&request.rank) else {
+            return;
+        };
+        rank.remove(
+            request.seq,
+            &request.block_ids,
+            request.private_blocks,
+            request.prefill.initial_effective_prefill_tokens,
+            now,
+        );
+        if rank.is_empty() {
+            self.per_rank.remove(&request.rank);
+        }
+    }
+
+    fn remove_where(&mut self, gone: impl Fn(WorkerRank) -> bool) -> usize {
+        let before = self.requests.len();
+        let deadlines = &mut self.deadlines;
+        self.requests.retain(|_, r| {
+            let keep = !gone(r.rank);
+            if !keep {
+                deadlines.remove(&(r.deadline, r.seq));
+            }
+            keep
+        });
+        self.per_rank.retain(|rank, _| !gone(*rank));
+        before - self.requests.len()
+    }
+}
+
+#[cfg(test)]
+mod tests;

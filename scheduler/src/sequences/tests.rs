@@ -1,0 +1,309 @@
+//! Unit and property tests of the active-sequence write model.
+
+use super::*;
+use kv_events::DpRank;
+use proptest::prelude::*;
+use std::collections::HashSet;
+
+fn rank(id: u64, dp: u32) -> WorkerRank {
+    WorkerRank::new(WorkerId(id), DpRank(dp))
+}
+
+fn id(s: &str) -> RequestId {
+    RequestId::from(s)
+}
+
+fn seqs(assume_kv_reuse: bool) -> ActiveSequences {
+    ActiveSequences::new(SequencesConfig {
+        assume_kv_reuse,
+        request_ttl: Duration::from_secs(60),
+    })
+}
+
+fn add(req: &str, at: WorkerRank, hashes: &[u64], blocks: u32, tokens: u64) -> AddRequest {
+    AddRequest {
+        request_id: id(req),
+        rank: at,
+        block_hashes: hashes.iter().copied().map(LocalBlockHash).collect(),
+        request_blocks: blocks,
+        prefill: PrefillLoadHint {
+            initial_effective_prefill_tokens: tokens,
+            expected_prefill_duration: None,
+        },
+        origin: Origin::Local,
+    }
+}
+
+#[test]
+fn booking_lifecycle_updates_the_projection() {
+    let t = Instant::now();
+    let mut s = seqs(true);
+    s.add_request(add("a", rank(1, 0), &[1, 2, 3], 8, 100), t)
+        .unwrap();
+    s.add_request(add("b", rank(1, 0), &[9], 3, 40), t).unwrap();
+    s.add_request(add("c", rank(2, 0), &[], 1, 7), t).unwrap();
+    assert_eq!(
+        s.load(rank(1, 0), t),
+        RankLoad {
+            active_prefill_tokens: 140,
+            active_decode_blocks: 11,
+            active_requests: 2,
+            active_uncached_tokens: 140,
+        }
+    );
+
+    assert_eq!(s.mark_prefill_completed(&id("a"), t), Ok(Origin::Local));
+    s.mark_prefill_completed(&id("a"), t).unwrap();
+    assert_eq!(s.load(rank(1, 0), t).active_prefill_tokens, 40);
+    assert_eq!(s.load(rank(1, 0), t).active_decode_blocks, 11);
+    assert_eq!(s.load(rank(1, 0), t).active_uncached_tokens, 140);
+    assert!(s.get(&id("a")).unwrap().prefill_done);
+
+    let freed = s.free(&id("a"), t).unwrap();
+    assert_eq!(freed.request_blocks, 8);
+    assert_eq!(
+        s.load(rank(1, 0), t),
+        RankLoad {
+            active_prefill_tokens: 40,
+            active_decode_blocks: 3,
+            active_requests: 1,
+            active_uncached_tokens: 40,
+        }
+    );
+    // Freeing before prefill completed releases its prefill tokens too.
+    s.free(&id("b"), t).unwrap();
+    assert_eq!(s.load(rank(1, 0), t), RankLoad::default());
+    assert_eq!(s.len(), 1);
+    assert!(!s.per_rank.contains_key(&rank(1, 0)));
+}
+
+#[test]
+fn apply_dispatches_every_event_and_reports_the_origin() {
+    let t = Instant::now();
+    let mut s = seqs(true);
+    let peer = Origin::Peer(RouterId(7));
+    let booking = AddRequest {
+        origin: peer,
+        ..add("p", rank(1, 0), &[1], 2, 30)
+    };
+    assert_eq!(s.apply(SequenceEvent::AddRequest(booking), t), Ok(peer));
+    assert_eq!(
+        s.apply(SequenceEvent::MarkPrefillCompleted(id("p")), t),
+        Ok(peer)
+    );
+    assert_eq!(s.apply(SequenceEvent::KeepAlive(id("p")), t), Ok(peer));
+    assert_eq!(s.apply(SequenceEvent::Free(id("p")), t), Ok(peer));
+    assert_eq!(
+        s.apply(SequenceEvent::Free(id("p")), t),
+        Err(SchedulerError::UnknownRequest(id("p")))
+    );
+}
+
+#[test]
+fn kv_reuse_counts_a_shared_prefix_once_and_can_be_turned_off() {
+    let t = Instant::now();
+    // Two requests share 3 of their 4 hashed blocks; each has 1 partial block.
+    for (reuse, expected) in [(true, 3 + 1 + 1 + 1 + 1), (false, 5 + 5)] {
+        let mut s = seqs(reuse);
+        s.add_request(add("a", rank(1, 0), &[1, 2, 3, 4], 5, 0), t)
+            .unwrap();
+        s.add_request(add("b", rank(1, 0), &[1, 2, 3, 8], 5, 0), t)
+            .unwrap();
+        assert_eq!(
+            s.load(rank(1, 0), t).active_decode_blocks,
+            expected,
+            "assume_kv_reuse = {reuse}"
+        );
+        // The same prefix on another rank is not shared with this one.
+        s.add_request(add("c", rank(2, 0), &[1, 2, 3, 4], 5, 0), t)
+            .unwrap();
+        assert_eq!(s.load(rank(2, 0), t).active_decode_blocks, 5);
+    }
+}
+
+#[test]
+fn new_blocks_counts_only_blocks_not_already_held() {
+    let t = Instant::now();
+    let hashes: Vec<LocalBlockHash> = [1, 2, 3, 4].into_iter().map(LocalBlockHash).collect();
+    let ids = chain_block_ids(&hashes);
+    let mut s = seqs(true);
+    assert_eq!(s.new_blocks(rank(1, 0), &ids, 5), 5);
+    s.add_request(add("a", rank(1, 0), &[1, 2, 9], 3, 0), t)
+        .unwrap();
+    assert_eq!(s.new_blocks(rank(1, 0), &ids, 5), 3);
+    assert_eq!(s.new_blocks(rank(2, 0), &ids, 5), 5);
+    assert_eq!(seqs(false).new_blocks(rank(1, 0), &ids, 5), 5);
+}
+
+#[test]
+fn requests_expire_after_the_ttl_unless_refreshed() {
+    let t0 = Instant::now();
+    let s_at = |secs| t0 + Duration::from_secs(secs);
+    let mut s = seqs(true);
+    s.add_request(add("quiet", rank(1, 0), &[1], 1, 10), t0)
+        .unwrap();
+    s.add_request(add("chatty", rank(1, 0), &[2], 1, 10), t0)
+        .unwrap();
+    assert_eq!(s.next_deadline(), Some(s_at(60)));
+    // Any lifecycle event pushes the deadline out by a full TTL.
+    s.mark_prefill_completed(&id("chatty"), s_at(30)).unwrap();
+    s.keep_alive(&id("chatty"), s_at(59)).unwrap();
+    assert!(s.expire(s_at(59)).is_empty());
+    let expired = s.expire(s_at(60));
+    assert_eq!(expired.len(), 1);
+    assert_eq!(expired[0].0, id("quiet"));
+    assert_eq!(s.load(rank(1, 0), s_at(60)).active_requests, 1);
+    assert_eq!(s.next_deadline(), Some(s_at(119)));
+    assert!(s.expire(s_at(118)).is_empty());
+    assert_eq!(s.expire(s_at(119)).len(), 1);
+    assert!(s.is_empty());
+    assert_eq!(s.next_deadline(), None);
+    assert_eq!(
+        s.keep_alive(&id("quiet"), s_at(120)),
+        Err(SchedulerError::UnknownRequest(id("quiet")))
+    );
+}
+
+#[test]
+fn duplicate_and_unknown_ids_are_typed_errors() {
+    let t = Instant::now();
+    let mut s = seqs(true);
+    s.add_request(add("a", rank(1, 0), &[], 1, 10), t).unwrap();
+    assert_eq!(
+        s.add_request(add("a", rank(2, 0), &[], 9, 99), t),
+        Err(SchedulerError::DuplicateRequest(id("a")))
+    );
+    assert_eq!(s.load(rank(2, 0), t), RankLoad::default());
+    assert_eq!(s.load(rank(1, 0), t).active_prefill_tokens, 10);
+    assert_eq!(
+        s.mark_prefill_completed(&id("zz"), t),
+        Err(SchedulerError::UnknownRequest(id("zz")))
+    );
+    assert_eq!(
+        s.free(&id("zz"), t),
+        Err(SchedulerError::UnknownRequest(id("zz")))
+    );
+}
+
+#[test]
+fn remove_worker_and_rank_drop_only_their_requests_and_deadlines() {
+    let t = Instant::now();
+    let mut s = seqs(true);
+    s.add_request(add("a", rank(1, 0), &[], 1, 10), t).unwrap();
+    s.add_request(add("b", rank(1, 1), &[], 1, 10), t).unwrap();
+    s.add_request(add("c", rank(2, 0), &[], 1, 10), t).unwrap();
+    s.add_request(add("d", rank(2, 1), &[], 1, 10), t).unwrap();
+    assert_eq!(s.remove_worker(WorkerId(1)), 2);
+    assert!(!s.contains(&id("a")) && !s.contains(&id("b")));
+    assert_eq!(s.load(rank(1, 1), t), RankLoad::default());
+    assert_eq!(s.remove_rank(rank(2, 1)), 1);
+    assert_eq!(s.len(), 1);
+    assert_eq!(s.deadlines.len(), 1);
+    assert_eq!(s.load(rank(2, 0), t).active_requests, 1);
+    assert!(matches!(
+        s.free(&id("d"), t),
+        Err(SchedulerError::UnknownRequest(_))
+    ));
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Add {
+        req: u8,
+        rank: u8,
+        prefix: u8,
+        len: u8,
+        tokens: u16,
+    },
+    Prefill {
+        req: u8,
+    },
+    Free {
+        req: u8,
+    },
+    Expire {
+        secs: u8,
+    },
+    RemoveWorker {
+        worker: u8,
+    },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        (0u8..12, 0u8..4, 0u8..3, 0u8..6, any::<u16>()).prop_map(
+            |(req, rank, prefix, len, tokens)| Op::Add {
+                req,
+                rank,
+                prefix,
+                len,
+                tokens
+            }
+        ),
+        (0u8..12).prop_map(|req| Op::Prefill { req }),
+        (0u8..12).prop_map(|req| Op::Free { req }),
+        (0u8..20).prop_map(|secs| Op::Expire { secs }),
+        (0u8..2).prop_map(|worker| Op::RemoveWorker { worker }),
+    ]
+}
+
+proptest! {
+    /// The incremental aggregates always equal a recomputation from the records,
+    /// with and without KV reuse (prompts drawn from 3 shared prefixes).
+    #[test]
+    fn aggregates_match_records(
+        ops in proptest::collection::vec(op(), 0..200),
+        reuse in any::<bool>(),
+    ) {
+        let t0 = Instant::now();
+        let mut now = t0;
+        let mut s = ActiveSequences::new(SequencesConfig {
+            assume_kv_reuse: reuse,
+            request_ttl: Duration::from_secs(30),
+        });
+        for op in ops {
+            match op {
+                Op::Add { req, rank: r, prefix, len, tokens } => {
+                    let hashes: Vec<u64> =
+                        (0..u64::from(len)).map(|i| u64::from(prefix) * 100 + i).collect();
+                    let _ = s.add_request(
+                        add(&req.to_string(), rank(u64::from(r / 2), u32::from(r % 2)),
+                            &hashes, u32::from(len) + 1, u64::from(tokens)),
+                        now,
+                    );
+                }
+                Op::Prefill { req } => {
+                    let _ = s.mark_prefill_completed(&RequestId(req.to_string()), now);
+                }
+                Op::Free { req } => {
+                    let _ = s.free(&RequestId(req.to_string()), now);
+                }
+                Op::Expire { secs } => {
+                    now += Duration::from_secs(u64::from(secs));
+                    s.expire(now);
+                }
+                Op::RemoveWorker { worker } => {
+                    s.remove_worker(WorkerId(u64::from(worker)));
+                }
+            }
+            prop_assert_eq!(s.deadlines.len(), s.requests.len());
+            prop_assert!(s.requests.values().all(|r| r.deadline > now));
+            let mut expected: HashMap<WorkerRank, (RankLoad, HashSet<u64>)> = HashMap::new();
+            for r in s.requests.values() {
+                let (load, ids) = expected.entry(r.rank).or_default();
+                if !r.prefill_done {
+                    load.active_prefill_tokens += r.prefill.initial_effective_prefill_tokens;
+                }
+                load.active_decode_blocks += r.private_blocks;
+                ids.extend(r.block_ids.iter().copied());
+                load.active_requests += 1;
+                load.active_uncached_tokens += r.prefill.initial_effective_prefill_tokens;
+            }
+            for (rank, (mut load, ids)) in expected {
+                load.active_decode_blocks += ids.len() as u64;
+                prop_assert_eq!(load, s.load(rank, now));
+            }
+            prop_assert_eq!(s.per_rank.len(), s.requests.values().map(|r| r.rank).collect::<HashSet<_>>().len());
+        }
+    }
+}

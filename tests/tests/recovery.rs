@@ -1,0 +1,243 @@
+//! End to end: KV event ordering and recovery with real nats-server and etcd.
+//!
+//! The test plays a publisher with a real `EventJournal` (numbering, ring buffer,
+//! held blocks) that serves `{ns}.kv.recovery.{worker_id}`; "losing" an event in
+//! transit means recording it in the journal without publishing it (the journal is
+//! the publisher's truth, the wire is what the router sees). The router must end up
+//! holding exactly the publisher's blocks, and the publisher must have been asked.
+
+mod journal_worker;
+
+use integration_tests::{TestCluster, eventually};
+use journal_worker::{JournalWorker, chain_from_root, held_paths, router_paths};
+use kv_events::routing::RouteReply;
+use kv_events::{DpRank, KvCacheEventData, WorkerId};
+use std::time::Duration;
+
+const BLOCK: u32 = 4;
+const WAIT: Duration = Duration::from_secs(20);
+
+#[tokio::test]
+async fn a_range_dropped_in_transit_is_recovered_exactly() -> anyhow::Result<()> {
+    let mut cluster = TestCluster::start(BLOCK).await?;
+    // Worker 1 keeps a long ring (the lost range comes back as events); worker 2 a
+    // ring of 4 (the lost range has left it: it answers with a dump).
+    let w1 = JournalWorker::start(&mut cluster, 1, 1, 4096).await?;
+    let w2 = JournalWorker::start(&mut cluster, 2, 1, 4).await?;
+    let daemon = cluster.start_daemon(|_| {}).await?;
+    for w in [&w1, &w2] {
+        for i in 0..30u64 {
+            let data = chain_from_root(w.id(), i, 3);
+            if (10..20).contains(&i) {
+                w.record(DpRank(0), data); // lost in transit
+            } else {
+                w.record_and_publish(DpRank(0), data).await?;
+            }
+        }
+        // And an eviction after the hole.
+        let evict = KvCacheEventData::Removed {
+            block_hashes: vec![journal_worker::engine_hash(w.id(), 25, 2)],
+        };
+        w.record_and_publish(DpRank(0), evict).await?;
+    }
+    for w in [&w1, &w2] {
+        eventually(
+            "the router to hold exactly the publisher's blocks",
+            WAIT,
+            || async {
+                let ours = router_paths(&daemon, w.id()).await;
+                (ours == held_paths(&w.dump(DpRank(0)))).then_some(())
+            },
+        )
+        .await?;
+    }
+    // Worker 1 still had the lost range in its ring; worker 2 answered with a dump
+    // (besides the one each gave at start-up).
+    assert_eq!((w1.ranges_served(), w1.dumps_served()), (1, 1));
+    assert_eq!((w2.ranges_served(), w2.dumps_served()), (0, 2));
+    let counters = daemon.state().indexer.counters().snapshot();
+    assert_eq!(counters.gaps, 2);
+    assert_eq!(counters.events_lost, 0);
+    // Routing sees the recovered blocks: chain 15 (lost in transit) of worker 1.
+    let tokens = journal_worker::chain_tokens(w1.id(), 15, 3, BLOCK);
+    match cluster.route_tokens("after-recovery", tokens).await? {
+        RouteReply::Routed(d) => assert_eq!((d.worker_id, d.overlap_blocks), (w1.id(), 3)),
+        other => panic!("not routed: {other:?}"),
+    }
+    daemon.shutdown().await
+}
+
+#[tokio::test]
+async fn a_daemon_started_late_resyncs_every_worker_before_it_is_ready() -> anyhow::Result<()> {
+    let mut cluster = TestCluster::start(BLOCK).await?;
+    let w1 = JournalWorker::start(&mut cluster, 1, 2, 64).await?;
+    // Published before any router runs: nobody receives these.
+    for i in 0..40u64 {
+        let dp = DpRank((i % 2) as u32);
+        w1.record_and_publish(dp, chain_from_root(w1.id(), i, 2))
+            .await?;
+    }
+    let daemon = cluster.start_daemon(|_| {}).await?;
+    // Ready means resynced: no waiting needed.
+    for dp in [DpRank(0), DpRank(1)] {
+        let ours = router_paths_of_rank(&daemon, w1.id(), dp).await;
+        assert_eq!(ours, held_paths(&w1.dump(dp)), "rank {dp}");
+    }
+    assert_eq!(w1.recovery_requests(), 2, "one dump per rank");
+    // Events after start-up continue from the dump's position.
+    w1.record_and_publish(DpRank(0), chain_from_root(w1.id(), 99, 2))
+        .await?;
+    eventually("the next event to be applied", WAIT, || async {
+        let ours = router_paths_of_rank(&daemon, w1.id(), DpRank(0)).await;
+        (ours == held_paths(&w1.dump(DpRank(0)))).then_some(())
+    })
+    .await?;
+    assert_eq!(w1.recovery_requests(), 2, "no gap after the resync");
+    daemon.shutdown().await
+}
+
+async fn router_paths_of_rank(
+    daemon: &router_daemon::Daemon,
+    worker: WorkerId,
+    dp: DpRank,
+) -> journal_worker::Paths {
+    journal_worker::router_paths_of(daemon, worker, dp).await
+}
+
+#[tokio::test]
+async fn a_publisher_that_cannot_recover_does_not_stall_the_index() -> anyhow::Result<()> {
+    let mut cluster = TestCluster::start(BLOCK).await?;
+    // Worker 5 answers recovery requests with garbage; worker 6 serves none at all.
+    let w5 = JournalWorker::start_garbage(&mut cluster, 5).await?;
+    let w6 = JournalWorker::start_silent(&mut cluster, 6).await?;
+    let daemon = cluster
+        .start_daemon(|args| {
+            args.index.recovery_timeout_ms = 300;
+            args.index.recovery_attempts = 2;
+        })
+        .await?;
+    for w in [&w5, &w6] {
+        w.record(DpRank(0), chain_from_root(w.id(), 0, 2)); // lost
+        w.record_and_publish(DpRank(0), chain_from_root(w.id(), 1, 2))
+            .await?;
+    }
+    // Recovery fails for both; the buffered event is applied past the hole.
+    let running = &daemon;
+    for w in [&w5, &w6] {
+        let tokens = journal_worker::chain_tokens(w.id(), 1, 2, BLOCK);
+        let hashes = kv_events::compute_block_hashes(&tokens, BLOCK);
+        let rank = kv_events::WorkerRank::new(w.id(), DpRank(0));
+        eventually("the event after the hole to be applied", WAIT, || {
+            let hashes = hashes.clone();
+            async move {
+                let scores = running.state().indexer.find_matches(hashes).await.ok()?;
+                (scores.get(rank) == 2).then_some(())
+            }
+        })
+        .await?;
+    }
+    // Given up: the two start-up resyncs and the two gaps.
+    let counters = daemon.state().indexer.counters().snapshot();
+    assert_eq!(counters.recoveries_abandoned, 4);
+    assert_eq!(counters.events_lost, 2);
+    assert!(
+        w5.recovery_requests() >= 1,
+        "the garbage publisher was asked"
+    );
+    let recovery = &daemon.state().counters.metrics.recovery;
+    assert!(
+        recovery.runs("range", "failed") >= 2,
+        "failures are counted"
+    );
+    daemon.shutdown().await
+}
+
+#[tokio::test]
+async fn a_daemon_restarted_while_events_flow_converges() -> anyhow::Result<()> {
+    let mut cluster = TestCluster::start(BLOCK).await?;
+    let w1 = JournalWorker::start(&mut cluster, 1, 1, 256).await?;
+    let w2 = JournalWorker::start(&mut cluster, 2, 1, 256).await?;
+    let flow1 = w1.flow(DpRank(0), Duration::from_millis(2));
+    let flow2 = w2.flow(DpRank(0), Duration::from_millis(3));
+    let first = cluster.start_daemon(|_| {}).await?;
+    eventually("the first daemon to index the flow", WAIT, || async {
+        let stats = first.state().indexer.stats().await.ok()?;
+        (stats.entries > 20).then_some(())
+    })
+    .await?;
+    first.shutdown().await?;
+    // Events keep flowing while no router runs, and while the next one starts.
+    let registry = prometheus::Registry::new();
+    let config = router_daemon::DaemonConfig::from_args(&cluster.serve_args())?;
+    let second = router_daemon::Daemon::start(config, &registry).await?;
+    let applied_at_start = second.state().indexer.counters().snapshot().batches;
+    eventually("the second daemon to apply live events", WAIT, || async {
+        let now = second.state().indexer.counters().snapshot().batches;
+        (now > applied_at_start + 20).then_some(())
+    })
+    .await?;
+    let published = flow1.stop().await + flow2.stop().await;
+    assert!(published > 40, "the flow ran: {published} batches");
+    for w in [&w1, &w2] {
+        eventually("the restarted daemon to converge", WAIT, || async {
+            let ours = router_paths(&second, w.id()).await;
+            (ours == held_paths(&w.dump(DpRank(0)))).then_some(())
+        })
+        .await?;
+    }
+    second.shutdown().await
+}
+
+#[tokio::test]
+async fn with_jetstream_a_restarted_daemon_restores_its_snapshot_and_replays_the_stream()
+-> anyhow::Result<()> {
+    let mut cluster = TestCluster::start(BLOCK).await?;
+    // No recovery responder: the stream and the snapshot alone must suffice.
+    let w1 = JournalWorker::start_silent(&mut cluster, 1).await?;
+    let jetstream = |args: &mut router_daemon::ServeArgs| {
+        args.index.jetstream = true;
+        args.index.jetstream_snapshot_every = 10;
+    };
+    let first = cluster.start_daemon(jetstream).await?;
+    for i in 0..45u64 {
+        w1.record_and_publish(DpRank(0), chain_from_root(w1.id(), i, 3))
+            .await?;
+    }
+    eventually("the first daemon to consume the stream", WAIT, || async {
+        let ours = router_paths(&first, w1.id()).await;
+        (ours == held_paths(&w1.dump(DpRank(0)))).then_some(())
+    })
+    .await?;
+    first.shutdown().await?;
+    // Published while no router runs: only the stream has them.
+    for i in 45..60u64 {
+        w1.record_and_publish(DpRank(0), chain_from_root(w1.id(), i, 3))
+            .await?;
+    }
+    w1.record_and_publish(
+        DpRank(0),
+        KvCacheEventData::Removed {
+            block_hashes: vec![journal_worker::engine_hash(w1.id(), 3, 0)],
+        },
+    )
+    .await?;
+    let registry = prometheus::Registry::new();
+    let mut args = cluster.serve_args();
+    jetstream(&mut args);
+    let second =
+        router_daemon::Daemon::start(router_daemon::DaemonConfig::from_args(&args)?, &registry)
+            .await?;
+    // Ready means caught up with the stream.
+    assert_eq!(
+        router_paths(&second, w1.id()).await,
+        held_paths(&w1.dump(DpRank(0)))
+    );
+    let counters = second.state().indexer.counters().snapshot();
+    assert_eq!(counters.recovery_requests, 0, "no publisher was needed");
+    assert_eq!(
+        counters.batches, 16,
+        "the first daemon snapshotted at shutdown: only the batches published while \
+         no router ran were replayed"
+    );
+    second.shutdown().await
+}

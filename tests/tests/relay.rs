@@ -1,0 +1,365 @@
+//! End to end: `kv-router relay` beside a fake engine that replays real vLLM wire
+//! captures over ZMQ, with real nats-server and etcd and the router daemon in-process.
+//!
+//! The fake engine is the engine's side of the wire, in Rust: a publisher socket
+//! sending `[topic, seq, payload]` frames and a replay ROUTER socket serving its
+//! buffer in either reply framing. The publisher is an XPUB socket (identical to PUB on
+//! the wire) so the test can see the relay's subscription arrive instead of sleeping
+//! past ZMQ's slow-joiner window. Frames come from `kv-events/tests/fixtures/engines/`.
+
+// Test helpers unwrap: a broken fixture or socket must fail the test loudly.
+#![allow(clippy::unwrap_used)]
+
+use bytes::Bytes;
+use futures::StreamExt;
+use integration_tests::{FakeWorker, TestCluster, eventually};
+use kv_events::engines::{AdapterScope, HashScope};
+use kv_events::recovery::{ChunkAssembler, RecoveryBody, RecoveryRequest};
+use kv_events::routing::{Prompt, RouteReply, RouteRequest};
+use kv_events::{
+    DpRank, LocalBlockHash, StoredBlock, WorkerId, WorkerRank, compute_block_hashes, decode, encode,
+};
+use router_daemon::Daemon;
+use router_daemon::relay::{Relay, RelayArgs, RelayConfig};
+use std::time::Duration;
+
+const BLOCK: u32 = 16;
+const WAIT: Duration = Duration::from_secs(15);
+const WORKER: WorkerId = WorkerId(7);
+
+#[path = "relay/engine.rs"]
+mod engine;
+
+use engine::{FakeEngine, ReplayFraming, VLLM_METRICS, payloads, serve_page};
+
+fn relay_config(cluster: &TestCluster, engine: &FakeEngine, extra: &[&str]) -> RelayConfig {
+    use clap::Parser;
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        relay: RelayArgs,
+    }
+    let nats = cluster.nats_server.url();
+    let etcd = cluster.etcd_server.endpoint();
+    let topic = String::from_utf8(engine.topic.to_vec()).unwrap();
+    let mut args = vec![
+        "kv-router",
+        "--engine-endpoint",
+        engine.pub_endpoint.as_str(),
+        "--replay-endpoint",
+        engine.replay_endpoint.as_str(),
+        "--topic",
+        topic.as_str(),
+        "--worker-id",
+        "7",
+        "--block-size",
+        "16",
+        "--total-kv-blocks",
+        "1000",
+        "--nats-url",
+        nats.as_str(),
+        "--etcd-endpoints",
+        etcd.as_str(),
+        "--namespace",
+        cluster.subjects.namespace().as_str(),
+    ];
+    args.extend_from_slice(extra);
+    RelayConfig::from_args(&Cli::parse_from(args).relay).unwrap()
+}
+
+async fn overlap(daemon: &Daemon, hashes: Vec<LocalBlockHash>, rank: u32) -> u32 {
+    let scores = daemon.state().indexer.find_matches(hashes).await.unwrap();
+    scores.get(WorkerRank::new(WORKER, DpRank(rank)))
+}
+
+/// Waits until the router's overlap for `hashes` on `rank` of worker 7 is `blocks`.
+async fn wait_overlap(
+    daemon: &Daemon,
+    what: &str,
+    hashes: &[LocalBlockHash],
+    rank: u32,
+    blocks: u32,
+) {
+    eventually(what, WAIT, || async {
+        (overlap(daemon, hashes.to_vec(), rank).await == blocks).then_some(())
+    })
+    .await
+    .unwrap();
+}
+
+async fn wait_registered(daemon: &Daemon, worker: WorkerId, registered: bool) {
+    eventually("worker 7's registration", WAIT, || async {
+        let known = daemon
+            .state()
+            .scheduler()
+            .workers()
+            .any(|w| w.worker_id == worker);
+        (known == registered).then_some(())
+    })
+    .await
+    .unwrap();
+}
+
+/// The engine hashes vLLM gave prompt A's blocks 0 and 1 and prompt B's block 2.
+const A0: u64 = 7_322_446_309_363_477_352;
+const A1: u64 = 17_027_874_615_116_373_601;
+const B2: u64 = 8_646_635_060_491_323_254;
+
+/// Asks the relay (as a router would) for a dump of `rank` and returns its blocks.
+async fn recovery_dump(cluster: &TestCluster, rank: u32) -> Vec<StoredBlock> {
+    let request = RecoveryRequest {
+        dp_rank: DpRank(rank),
+        epoch: 0,
+        start_event_id: 0,
+        dump: true,
+    };
+    let inbox = cluster.nats.new_inbox();
+    let mut replies = cluster.nats.subscribe(inbox.clone()).await.unwrap();
+    cluster
+        .nats
+        .publish_with_reply(
+            cluster.subjects.kv_recovery(WORKER),
+            inbox,
+            encode(&request).unwrap().into(),
+        )
+        .await
+        .unwrap();
+    let mut chunks = ChunkAssembler::new();
+    let reply = loop {
+        let msg = tokio::time::timeout(WAIT, replies.next())
+            .await
+            .unwrap()
+            .unwrap();
+        if let Some(reply) = chunks.push(decode(&msg.payload).unwrap()).unwrap() {
+            break reply;
+        }
+    };
+    assert_eq!(reply.worker_id, WORKER);
+    let RecoveryBody::Dump { chains, .. } = reply.body else {
+        panic!("{:?}", reply.body)
+    };
+    chains.into_iter().flat_map(|c| c.blocks).collect()
+}
+
+fn prompt_a() -> Vec<u32> {
+    (1000..1048).collect()
+}
+
+fn prompt_b() -> Vec<u32> {
+    (1000..1032).chain(5000..5020).collect()
+}
+
+/// vLLM 0.33 frames (tagged maps, u64 and 32-byte hashes, LoRA, dp rank 3) with
+/// seq 2 lost in transit and served back by the replay socket: everything reaches
+/// the router, a request with prompt B routes to the relay's worker with its three
+/// blocks cached, LoRA blocks only match LoRA-scoped queries, the final
+/// `AllBlocksCleared` empties rank 0, and a dead engine takes its registration away.
+#[tokio::test]
+async fn captured_vllm_frames_reach_the_router_with_a_gap_filled_from_replay() {
+    let mut cluster = TestCluster::start(BLOCK).await.unwrap();
+    let _idle = FakeWorker::register(&mut cluster, 1, 30).await.unwrap();
+    let daemon = cluster.start_daemon(|_| {}).await.unwrap();
+    let mut engine = FakeEngine::start("kv-events", ReplayFraming::WithTopic).await;
+    let registry = prometheus::Registry::new();
+    let config = relay_config(
+        &cluster,
+        &engine,
+        &[
+            "--dp-size",
+            "4",
+            "--shared-endpoint",
+            "--http-listen",
+            "127.0.0.1:0",
+        ],
+    );
+    let relay = Relay::start(config, &registry).await.unwrap();
+    engine.wait_subscribed().await;
+    wait_registered(&daemon, WORKER, true).await;
+
+    let frames = payloads("vllm_zmq_frames_topic_kv-events.json");
+    engine.publish(0, &frames[0]).await;
+    engine.publish(1, &frames[1]).await;
+    engine.buffer_only(2, &frames[2]);
+    engine.publish(3, &frames[3]).await;
+
+    let a = compute_block_hashes(&prompt_a(), BLOCK);
+    let b = compute_block_hashes(&prompt_b(), BLOCK);
+    // Batch 2 (replayed) removed A's third block; B's third block hangs below A's second.
+    wait_overlap(&daemon, "prompt B indexed on rank 0", &b, 0, 3).await;
+    assert_eq!(
+        overlap(&daemon, a.clone(), 0).await,
+        2,
+        "A's third block was removed"
+    );
+    let c = relay.counters();
+    assert_eq!(c.gaps("filled"), 1);
+    assert_eq!(c.gaps("cleared"), 0);
+    assert_eq!(c.frames("ok"), 4, "batches 0-3, one of them replayed");
+    assert_eq!(c.frames("malformed"), 0);
+    // 4 start `cleared`s + stored A, stored B, removed, stored (LoRA, rank 3).
+    assert_eq!(c.published_total(), 8);
+    let addr = relay.http_addr().unwrap().to_string();
+    let page = router_daemon::http::get(&addr, "/metrics", WAIT)
+        .await
+        .unwrap();
+    assert_eq!(page.status, 200);
+    assert!(
+        page.body
+            .contains("kv_relay_gaps_total{result=\"filled\"} 1"),
+        "{}",
+        page.body
+    );
+
+    // The relay answers the router's recovery requests from its journal: a dump of
+    // rank 0 holds exactly A's first two blocks and B's own block, with our hashes.
+    let dump = recovery_dump(&cluster, 0).await;
+    let mut held: Vec<(u64, LocalBlockHash)> = dump
+        .iter()
+        .map(|b| (b.block_hash.0, b.tokens_hash))
+        .collect();
+    held.sort();
+    let mut expected = vec![(A0, a[0]), (A1, a[1]), (B2, b[2])];
+    expected.sort();
+    assert_eq!(held, expected);
+
+    let reply = cluster.route_tokens("b-1", prompt_b()).await.unwrap();
+    let RouteReply::Routed(decision) = reply else {
+        panic!("{reply:?}")
+    };
+    assert_eq!((decision.worker_id, decision.dp_rank), (WORKER, DpRank(0)));
+    assert_eq!(decision.overlap_blocks, 3);
+
+    // Batch 3 stored A's first block under LoRA "my-lora" on rank 3: only a query in
+    // that adapter's scope matches it there.
+    let lora = HashScope {
+        adapter: Some(AdapterScope::Name("my-lora".into())),
+        cache_salt: None,
+    };
+    let a_lora = lora.block_hashes(&prompt_a(), BLOCK);
+    wait_overlap(&daemon, "LoRA block on rank 3", &a_lora, 3, 1).await;
+    assert_eq!(
+        overlap(&daemon, a.clone(), 3).await,
+        0,
+        "base-model query never matches a LoRA block"
+    );
+    let reply = cluster
+        .route(&RouteRequest::new(
+            "lora-1",
+            Prompt::Blocks {
+                block_hashes: a_lora.clone(),
+                num_tokens: 48,
+            },
+        ))
+        .await
+        .unwrap();
+    let RouteReply::Routed(decision) = reply else {
+        panic!("{reply:?}")
+    };
+    assert_eq!(
+        (
+            decision.worker_id,
+            decision.dp_rank,
+            decision.overlap_blocks
+        ),
+        (WORKER, DpRank(3), 1)
+    );
+
+    // Batch 4: AllBlocksCleared on rank 0 only.
+    engine.publish(4, &frames[4]).await;
+    wait_overlap(&daemon, "rank 0 cleared", &b, 0, 0).await;
+    assert_eq!(overlap(&daemon, a_lora, 3).await, 1, "rank 3 untouched");
+
+    // The engine goes away: the relay revokes the worker's lease.
+    engine.stop();
+    wait_registered(&daemon, WORKER, false).await;
+    relay.shutdown().await.unwrap();
+    daemon.shutdown().await.unwrap();
+}
+
+/// vLLM 0.23 positional-array payloads with the legacy replay framing, then an
+/// engine restart (seq back to 0), an undecodable payload, and a gap the engine can
+/// no longer replay: each is handled without losing what follows.
+#[tokio::test]
+async fn legacy_replay_restart_bad_payload_and_unfillable_gap() {
+    let cluster = TestCluster::start(BLOCK).await.unwrap();
+    let daemon = cluster.start_daemon(|_| {}).await.unwrap();
+    let mut engine = FakeEngine::start("", ReplayFraming::Legacy).await;
+    let registry = prometheus::Registry::new();
+    let (metrics_url, metrics_page) = serve_page(VLLM_METRICS).await;
+    let extra = [
+        "--metrics-url",
+        metrics_url.as_str(),
+        "--metrics-interval-ms",
+        "50",
+    ];
+    let relay = Relay::start(relay_config(&cluster, &engine, &extra), &registry)
+        .await
+        .unwrap();
+    engine.wait_subscribed().await;
+    wait_registered(&daemon, WORKER, true).await;
+    let p = payloads("vllm_0.23.0_payloads.json");
+    let a = compute_block_hashes(&prompt_a(), BLOCK);
+    let b = compute_block_hashes(&prompt_b(), BLOCK);
+
+    // Stored A, (stored B lost, replayed in legacy framing), removed A2.
+    engine.publish(0, &p[0]).await;
+    engine.buffer_only(1, &p[1]);
+    engine.publish(2, &p[2]).await;
+    wait_overlap(&daemon, "B after the legacy replay", &b, 0, 3).await;
+    assert_eq!(overlap(&daemon, a.clone(), 0).await, 2);
+    assert_eq!(relay.counters().gaps("filled"), 1);
+
+    // The engine restarts: seq 0 again, with an empty cache that stores A.
+    engine.forget();
+    engine.publish(0, &p[0]).await;
+    wait_overlap(&daemon, "A after the restart", &a, 0, 3).await;
+    assert_eq!(
+        overlap(&daemon, b.clone(), 0).await,
+        2,
+        "B's own block is gone"
+    );
+    assert_eq!(relay.counters().resets("restart"), 1);
+
+    // An undecodable payload is counted and skipped; the next batch still applies.
+    engine
+        .publish(1, &Bytes::from_static(b"\x93\xcb\x00"))
+        .await;
+    engine.publish(2, &p[2]).await;
+    wait_overlap(&daemon, "removal after a bad payload", &a, 0, 2).await;
+    assert_eq!(relay.counters().frames("malformed"), 1);
+
+    // Seqs 3 and 4 are lost and the engine's buffer no longer has them: the rank is
+    // cleared, and what follows (seq 5: stored B's chain from the root) applies.
+    engine.forget();
+    let b_from_root = payloads("vllm_0.11.0_payloads.json")[0].clone();
+    engine.publish(5, &b_from_root).await;
+    eventually("the unfillable gap", WAIT, || async {
+        (relay.counters().gaps("cleared") == 1).then_some(())
+    })
+    .await
+    .unwrap();
+    wait_overlap(&daemon, "A rebuilt after the clear", &a, 0, 3).await;
+    assert_eq!(relay.counters().resets("gap"), 1);
+
+    // Load scraped from the engine's Prometheus page reaches the router.
+    let load = eventually("scraped load metrics", WAIT, || async {
+        let scheduler = daemon.state().scheduler();
+        scheduler
+            .load_metrics(WorkerRank::new(WORKER, DpRank(0)))
+            .copied()
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        (load.num_requests_running, load.num_requests_waiting),
+        (3, 2)
+    );
+    assert_eq!((load.kv_used_blocks, load.kv_total_blocks), (250, 1000));
+    assert!(relay.counters().scrapes("ok") >= 1);
+
+    relay.shutdown().await.unwrap();
+    wait_registered(&daemon, WORKER, false).await;
+    metrics_page.abort();
+    engine.stop();
+    daemon.shutdown().await.unwrap();
+}

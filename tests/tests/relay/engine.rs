@@ -1,0 +1,181 @@
+//! The fake engine of `relay.rs`: the engine's side of vLLM's KV-event wire in
+//! Rust (a publisher socket and a replay ROUTER socket), the captured frames, and a
+//! fixed Prometheus page.
+
+use bytes::Bytes;
+use serde_json::Value;
+use std::sync::{Arc, Mutex};
+use tokio::task::JoinHandle;
+use zeromq::{RouterSocket, Socket, SocketRecv, SocketSend, XPubSocket, ZmqMessage};
+
+pub fn fixture(name: &str) -> Value {
+    let path = format!(
+        "{}/../kv-events/tests/fixtures/engines/{name}",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+pub fn unhex(s: &str) -> Bytes {
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+        .collect::<Vec<u8>>()
+        .into()
+}
+
+/// The payloads of a fixture file, in order.
+pub fn payloads(name: &str) -> Vec<Bytes> {
+    let doc = fixture(name);
+    let list = doc.get("frames").or_else(|| doc.get("payloads")).unwrap();
+    list.as_array()
+        .unwrap()
+        .iter()
+        .map(|f| unhex(f["payload_hex"].as_str().unwrap()))
+        .collect()
+}
+
+/// How the fake engine frames replay replies.
+#[derive(Clone, Copy)]
+pub enum ReplayFraming {
+    /// vLLM ≥ 0.28 and SGLang: `["", topic, seq, payload]`.
+    WithTopic,
+    /// vLLM ≤ 0.25: `["", seq, payload]`.
+    Legacy,
+}
+
+pub type Buffer = Arc<Mutex<Vec<(u64, Bytes)>>>;
+
+/// The engine's side of the wire.
+pub struct FakeEngine {
+    publisher: XPubSocket,
+    pub pub_endpoint: String,
+    pub replay_endpoint: String,
+    pub topic: Bytes,
+    buffer: Buffer,
+    replay_task: JoinHandle<()>,
+}
+
+pub fn message(frames: Vec<Bytes>) -> ZmqMessage {
+    ZmqMessage::try_from(frames).unwrap()
+}
+
+impl FakeEngine {
+    pub async fn start(topic: &str, framing: ReplayFraming) -> Self {
+        let mut publisher = XPubSocket::new();
+        let pub_endpoint = publisher
+            .bind("tcp://127.0.0.1:0")
+            .await
+            .unwrap()
+            .to_string();
+        let mut router = RouterSocket::new();
+        let replay_endpoint = router.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+        let buffer: Buffer = Arc::default();
+        let topic = Bytes::copy_from_slice(topic.as_bytes());
+        let replay_task =
+            tokio::spawn(serve_replay(router, buffer.clone(), topic.clone(), framing));
+        Self {
+            publisher,
+            pub_endpoint,
+            replay_endpoint,
+            topic,
+            buffer,
+            replay_task,
+        }
+    }
+
+    /// Waits for the relay's subscription (`\x01` + topic).
+    pub async fn wait_subscribed(&mut self) {
+        loop {
+            let msg = self.publisher.recv().await.unwrap();
+            if msg.get(0).is_some_and(|f| f.first() == Some(&1)) {
+                return;
+            }
+        }
+    }
+
+    /// Publishes batch `seq` (and keeps it in the replay buffer).
+    pub async fn publish(&mut self, seq: u64, payload: &Bytes) {
+        self.buffer_only(seq, payload);
+        let frames = vec![
+            self.topic.clone(),
+            Bytes::copy_from_slice(&seq.to_be_bytes()),
+            payload.clone(),
+        ];
+        self.publisher.send(message(frames)).await.unwrap();
+    }
+
+    /// Buffers batch `seq` without sending it: lost in transit.
+    pub fn buffer_only(&self, seq: u64, payload: &Bytes) {
+        self.buffer.lock().unwrap().push((seq, payload.clone()));
+    }
+
+    /// Empties the replay buffer (an engine whose buffer no longer reaches back).
+    pub fn forget(&self) {
+        self.buffer.lock().unwrap().clear();
+    }
+
+    pub fn stop(self) {
+        self.replay_task.abort();
+    }
+}
+
+/// Serves `["", start_seq]` requests from `buffer`, ended by a seq of -1.
+pub async fn serve_replay(
+    mut router: RouterSocket,
+    buffer: Buffer,
+    topic: Bytes,
+    framing: ReplayFraming,
+) {
+    while let Ok(request) = router.recv().await {
+        let frames = request.into_vec();
+        let (id, start) = (frames[0].clone(), &frames[2]);
+        let start = u64::from_be_bytes(start[..].try_into().unwrap());
+        let batches: Vec<(u64, Bytes)> = buffer
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(s, _)| *s >= start)
+            .cloned()
+            .collect();
+        let reply = |seq: Bytes, payload: Bytes, topic: Bytes| match framing {
+            ReplayFraming::WithTopic => vec![id.clone(), Bytes::new(), topic, seq, payload],
+            ReplayFraming::Legacy => vec![id.clone(), Bytes::new(), seq, payload],
+        };
+        for (seq, payload) in batches {
+            let frames = reply(
+                Bytes::copy_from_slice(&seq.to_be_bytes()),
+                payload,
+                topic.clone(),
+            );
+            router.send(message(frames)).await.unwrap();
+        }
+        let end = reply(Bytes::from_static(&[0xff; 8]), Bytes::new(), Bytes::new());
+        router.send(message(end)).await.unwrap();
+    }
+}
+
+/// A vLLM-style Prometheus page (the relay reads running, waiting and KV usage).
+pub const VLLM_METRICS: &str = "# TYPE vllm:num_requests_running gauge\n\
+vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 3.0\n\
+vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 2.0\n\
+vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.25\n";
+
+/// Serves `page` over HTTP/1.1 on a free port; returns its URL and the server task.
+pub async fn serve_page(page: &'static str) -> (String, JoinHandle<()>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/metrics", listener.local_addr().unwrap());
+    let task = tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let mut request = [0u8; 1024];
+            let _ = stream.read(&mut request).await;
+            let response = format!(
+                "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{page}",
+                page.len()
+            );
+            let _ = stream.write_all(response.as_bytes()).await;
+        }
+    });
+    (url, task)
+}
