@@ -7,7 +7,7 @@
 //! synthesised by chaining the local hashes ([`approximate_block_hash`]), so routing
 //! the same prefix again refreshes the same entries instead of adding new ones.
 //!
-//! [`ExpiryQueue`] keeps one deadline per (rank, block) in a map plus a min-heap of
+//! `ExpiryQueue` keeps one deadline per (rank, block) in a map plus a min-heap of
 //! (deadline, rank, block). Refreshing pushes a new heap entry and leaves the old one
 //! to be skipped when it surfaces; the heap is rebuilt when it grows past twice the
 //! map. Cost: O(log n) per inserted block, about 70 bytes per tracked block.

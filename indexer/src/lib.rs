@@ -7,25 +7,35 @@
 //! leading prompt blocks it already holds (its overlap blocks). The scheduler turns
 //! those counts into an estimate of the prefill each worker would save.
 //!
-//! Two layers:
-//! - [`RadixTree`] is the single-threaded core: an arena of nodes with `u32` indices,
-//!   compact per-node holder sets and a per-rank map from the engine's
-//!   [`ExternalBlockHash`](kv_events::ExternalBlockHash) to the node it names.
-//! - [`ShardedIndexer`] is the async front: N shard tasks, each owning one tree and a
-//!   sticky subset of workers; queries fan out to every shard and the partial scores
-//!   are merged. The shard loop gives events priority over dumps and queries, which
-//!   is what makes a caller's own earlier events visible to its later queries.
+//! Three layers:
+//! - [`RadixTree`] is the single-threaded core: an arena of 48-byte nodes with `u32`
+//!   indices, compact per-node holder sets and a per-rank map from the engine's
+//!   [`ExternalBlockHash`](kv_events::ExternalBlockHash) to the node it names;
+//!   optionally bounded ([`Pruning`]).
+//! - [`OrderedIndex`] adds what one shard needs around a tree: per-(worker, dp_rank)
+//!   event cursors (duplicates dropped, gaps buffered and recovered, restarted
+//!   publishers reset), approximate-mode TTL entries and snapshots. It does no I/O:
+//!   it emits [`RecoveryNeed`]s and takes their replies back.
+//! - Two concurrent fronts with one API, behind [`Indexer`]: [`InlineIndexer`]
+//!   (default; shards behind read-write locks, read in place by queries) and
+//!   [`ShardedIndexer`] (shard tasks behind channels, queries fan out). Both give a
+//!   caller's own earlier events to its later queries.
 //!
-//! `indexer/README.md` draws the data flow and states the ordering rules.
+//! `indexer/README.md` draws the data flow and states the ordering, recovery and
+//! consistency rules; `docs/benchmarks.md` has the measurements.
 //!
 //! # Layout
-//! - [`tree`]: [`RadixTree`], its [`ApplyOutcome`] and the dump / stats views.
+//! - [`tree`]: [`RadixTree`], its [`ApplyOutcome`], dump, stats and pruning.
+//! - [`ordered`]: [`OrderedIndex`] and its [`ShardSettings`].
+//! - [`recovery`]: [`RecoveryNeed`], [`RecoveryToken`], [`RecoveryReason`].
+//! - [`approx`]: approximate mode (routing decisions with a TTL).
 //! - [`scores`]: [`OverlapScores`], the per-rank leading-block counts of one query.
-//! - [`sharded`]: [`ShardedIndexer`], the cloneable handle over the shard tasks.
-//! - `shard` (private): one shard task: its channels and its biased event loop.
-//! - [`config`]: [`IndexerConfig`] (shard count, queue capacities).
+//! - [`inline`]: [`InlineIndexer`]; [`sharded`]: [`ShardedIndexer`]; `shard`
+//!   (private): one shard task and its biased loop; `facade` (private): [`Indexer`].
+//! - [`config`]: [`IndexerConfig`] ([`Backend`], [`Pruning`], [`IndexMode`], shard
+//!   count, queue capacities, recovery buffer).
 //! - [`counters`]: [`IndexerCounters`], lock-free counters the daemon exports.
-//! - [`stats`]: [`IndexerStats`], sizes of a tree or of all shards summed.
+//! - [`stats`]: [`IndexerStats`] and [`IndexerReport`] (sizes, blocks per rank).
 //! - [`error`]: [`ApplyError`] (an event the tree refuses) and [`IndexerError`].
 
 pub mod approx;

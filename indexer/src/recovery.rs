@@ -4,7 +4,7 @@
 //! The indexer never does I/O. When it detects a gap in a rank's `event_id`s, a
 //! `Stored` event whose parent it does not hold, an overflowing recovery buffer, or is
 //! asked to resync a rank, it emits a `RecoveryNeed`: the
-//! [`RecoveryRequest`](kv_events::recovery::RecoveryRequest) to send to the rank's
+//! `RecoveryRequest` to send to the rank's
 //! publisher and a [`RecoveryToken`] identifying this attempt. The owner (the daemon's
 //! recovery task, or a test) fetches the reply and hands it back with the token
 //! (`apply_recovered`), or reports that it gave up (`abandon_recovery`). A reply whose

@@ -1,11 +1,17 @@
-//! [`ShardedIndexer`]: the async, multi-core front of the radix tree.
+//! [`ShardedIndexer`]: the task-per-shard front of the index.
 //!
 //! Events are partitioned by worker: worker `w` always goes to shard `w % N`, so one
 //! worker's events are applied in order by one task and the N trees hold disjoint
-//! workers. A query fans out to all N shards with the block hashes shared in one
-//! `Arc<[LocalBlockHash]>`, and the N partial [`OverlapScores`] are merged. Cost per
-//! query: N channel round trips (run in parallel across shards) plus one tree walk
-//! per shard; per event batch: one channel send.
+//! workers. Each shard task owns an [`crate::OrderedIndex`] (event cursors, recovery
+//! buffers, TTL entries); recovery needs leave on a shared channel
+//! ([`ShardedIndexer::take_recovery_needs`]) and replies come back on the worker's
+//! event queue, ordered with its live events. A query fans out to all N shards with
+//! the block hashes shared in one `Arc<[LocalBlockHash]>`, and the N partial
+//! [`OverlapScores`] are merged. Cost per query: N channel round trips (run in
+//! parallel across shards) plus one tree walk per shard; per event batch: one channel
+//! send. The inline backend ([`crate::InlineIndexer`]) avoids the round trips and is
+//! the default; this one is kept for its strict biased-select ordering and measured
+//! against it in `docs/benchmarks.md`.
 
 use crate::config::IndexerConfig;
 use crate::counters::IndexerCounters;

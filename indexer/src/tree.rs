@@ -10,10 +10,11 @@
 //! O(blocks) plus the pruning of nodes left empty; a prefix match is O(query blocks ×
 //! holders) in the worst case and one `memcmp` of the holder sets per block when they
 //! do not change along the path (the common case: everyone holding a long prefix).
-//! Memory is one 64-byte node per distinct (prefix, block) plus about 20-30 bytes per
-//! (rank, block) entry for the engine-hash map and the 4-byte holder slot. Measured
-//! on a release build: ~77 bytes per entry when most blocks are held by one rank,
-//! ~35 when 256 ranks share every block.
+//! Memory is one 48-byte node (plus a 4-byte slot generation) per distinct (prefix,
+//! block) and about 20-40 bytes per (rank, block) entry for the engine-hash map, plus
+//! a 4-byte holder slot when a node has several holders. Measured at 10M entries on a
+//! release build (`docs/benchmarks.md`): 81 bytes per entry when nearly every block
+//! has one holder; shared prefixes cost much less per extra holder.
 //!
 //! A tree may be bounded ([`Pruning::LeastRecentlyMatched`]): past a number of
 //! (rank, block) entries it forgets the least recently matched leaves (see

@@ -2,7 +2,8 @@
 //!
 //! An engine publishes [`KvEventBatch`]es on `{ns}.kv.events.{worker_id}`. Each event
 //! carries a per-(worker, dp_rank) sequence number, `event_id`, counted from 0 by the
-//! publisher, so the indexer can detect gaps and duplicates.
+//! publisher, and each batch the publisher's `epoch`, so the indexer can detect gaps,
+//! duplicates and restarted publishers (and recover, see [`crate::recovery`]).
 //!
 //! Semantics (the indexer's contract):
 //! - `Stored` appends `blocks` as a chain below `parent_hash` (or at the root when the

@@ -59,21 +59,25 @@ pub enum PolicyKind {
     Random,
     /// The rank with the least booked load, ignoring cache.
     LeastLoaded,
+    /// Lowest predicted time to first token (queued prefill, uncached tokens, decode
+    /// load, through a step-time model), with extra credit for prefix reuse.
+    PredictedTtft,
 }
 
 impl PolicyKind {
     /// Every policy, in documentation order.
-    pub const ALL: [PolicyKind; 6] = [
+    pub const ALL: [PolicyKind; 7] = [
         PolicyKind::Kv,
         PolicyKind::KvNormalized,
         PolicyKind::CacheAwareThreshold,
         PolicyKind::RoundRobin,
         PolicyKind::Random,
         PolicyKind::LeastLoaded,
+        PolicyKind::PredictedTtft,
     ];
 
     /// The wire / command-line name (`kv`, `kv-normalized`, `cache-aware-threshold`,
-    /// `round-robin`, `random`, `least-loaded`).
+    /// `round-robin`, `random`, `least-loaded`, `predicted-ttft`).
     pub fn as_str(self) -> &'static str {
         match self {
             PolicyKind::Kv => "kv",
@@ -82,6 +86,7 @@ impl PolicyKind {
             PolicyKind::RoundRobin => "round-robin",
             PolicyKind::Random => "random",
             PolicyKind::LeastLoaded => "least-loaded",
+            PolicyKind::PredictedTtft => "predicted-ttft",
         }
     }
 }

@@ -87,7 +87,7 @@ impl BlockMapping {
     /// …, 64, …, 512).
     pub fn new(engine_block_size: u32) -> Result<Self, BlockSizeMismatch> {
         let bs = u64::from(engine_block_size);
-        if bs == 0 || TRACE_BLOCK_SIZE % bs != 0 {
+        if bs == 0 || !TRACE_BLOCK_SIZE.is_multiple_of(bs) {
             return Err(BlockSizeMismatch(engine_block_size));
         }
         Ok(Self {
@@ -128,7 +128,10 @@ impl BlockMapping {
             .map_while(|k| {
                 let trace_hash = *request.hash_ids.get((k / self.sub_blocks) as usize)?;
                 // k % sub_blocks < 512 fits in u32.
-                Some(Self::sub_block_hash(trace_hash, (k % self.sub_blocks) as u32))
+                Some(Self::sub_block_hash(
+                    trace_hash,
+                    (k % self.sub_blocks) as u32,
+                ))
             })
             .collect()
     }
@@ -324,7 +327,10 @@ mod tests {
             output_length: 1,
             hash_ids: vec![5],
         };
-        assert_eq!(BlockMapping::new(256).unwrap().block_hashes(&short).len(), 2);
+        assert_eq!(
+            BlockMapping::new(256).unwrap().block_hashes(&short).len(),
+            2
+        );
     }
 
     #[test]

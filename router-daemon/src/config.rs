@@ -7,83 +7,121 @@
 pub use crate::http::{HttpConfig, ListenAddr};
 pub use crate::nats::{ClientCertificate, NatsAuth, NatsConfig, NatsTls};
 use clap::Args;
-use std::path::PathBuf;
 use kv_events::{Namespace, Subjects};
 use scheduler::SchedulerConfig;
+use std::path::PathBuf;
 use std::time::Duration;
 
 /// `kv-router serve` flags. Each flag can also be set by the environment variable named
-/// in its help text.
+/// in its help text, and by the TOML file of `--config` (see [`crate::config_file`]):
+/// command line over environment over file over built-in default. The help heading of
+/// a flag is its TOML table.
 #[derive(Debug, Clone, Args)]
 pub struct ServeArgs {
+    /// TOML configuration file; environment variables and flags override its values.
+    #[arg(long, env = "KV_ROUTER_CONFIG", value_name = "PATH")]
+    pub config: Option<PathBuf>,
     /// NATS server URL(s), comma-separated (a cluster's seed list).
     #[arg(
         long,
+        help_heading = "NATS",
         env = "KV_ROUTER_NATS_URL",
         default_value = "nats://127.0.0.1:4222",
         value_delimiter = ','
     )]
     pub nats_url: Vec<String>,
     /// NATS credentials file (user JWT + nkey seed, `.creds`).
-    #[arg(long, env = "KV_ROUTER_NATS_CREDS")]
+    #[arg(long, help_heading = "NATS", env = "KV_ROUTER_NATS_CREDS")]
     pub nats_creds: Option<PathBuf>,
     /// NATS authentication token.
-    #[arg(long, env = "KV_ROUTER_NATS_TOKEN", hide_env_values = true)]
+    #[arg(
+        long,
+        help_heading = "NATS",
+        env = "KV_ROUTER_NATS_TOKEN",
+        hide_env_values = true
+    )]
     pub nats_token: Option<String>,
     /// NATS user name (with --nats-password).
-    #[arg(long, env = "KV_ROUTER_NATS_USER")]
+    #[arg(long, help_heading = "NATS", env = "KV_ROUTER_NATS_USER")]
     pub nats_user: Option<String>,
     /// NATS password (with --nats-user).
-    #[arg(long, env = "KV_ROUTER_NATS_PASSWORD", hide_env_values = true)]
+    #[arg(
+        long,
+        help_heading = "NATS",
+        env = "KV_ROUTER_NATS_PASSWORD",
+        hide_env_values = true
+    )]
     pub nats_password: Option<String>,
     /// Root CA (PEM) to verify the NATS servers with, in addition to the system roots.
-    #[arg(long, env = "KV_ROUTER_NATS_TLS_CA")]
+    #[arg(long, help_heading = "NATS", env = "KV_ROUTER_NATS_TLS_CA")]
     pub nats_tls_ca: Option<PathBuf>,
     /// Client certificate (PEM) for mutual TLS with NATS (with --nats-tls-key).
-    #[arg(long, env = "KV_ROUTER_NATS_TLS_CERT")]
+    #[arg(long, help_heading = "NATS", env = "KV_ROUTER_NATS_TLS_CERT")]
     pub nats_tls_cert: Option<PathBuf>,
     /// Private key (PEM) of --nats-tls-cert.
-    #[arg(long, env = "KV_ROUTER_NATS_TLS_KEY")]
+    #[arg(long, help_heading = "NATS", env = "KV_ROUTER_NATS_TLS_KEY")]
     pub nats_tls_key: Option<PathBuf>,
     /// Refuse to talk to NATS without TLS.
-    #[arg(long, env = "KV_ROUTER_NATS_TLS_REQUIRED")]
+    #[arg(long, help_heading = "NATS", env = "KV_ROUTER_NATS_TLS_REQUIRED")]
     pub nats_tls_required: bool,
     /// Address of the HTTP endpoint (/metrics, /health/livez, /health/readyz,
     /// /debug/workers), or `off`.
-    #[arg(long, env = "KV_ROUTER_HTTP_LISTEN", default_value = "0.0.0.0:9090")]
+    #[arg(
+        long,
+        help_heading = "HTTP",
+        env = "KV_ROUTER_HTTP_LISTEN",
+        default_value = "0.0.0.0:9090"
+    )]
     pub http_listen: ListenAddr,
     /// etcd endpoint URL(s), comma-separated.
     #[arg(
         long,
+        help_heading = "etcd",
         env = "KV_ROUTER_ETCD_ENDPOINTS",
         default_value = "http://127.0.0.1:2379",
         value_delimiter = ','
     )]
     pub etcd_endpoints: Vec<String>,
     /// Namespace of every subject and etcd key (letters, digits, '_' and '-').
-    #[arg(long, env = "KV_ROUTER_NAMESPACE", default_value = "kv-router")]
+    #[arg(
+        long,
+        help_heading = "Cluster",
+        env = "KV_ROUTER_NAMESPACE",
+        default_value = "kv-router"
+    )]
     pub namespace: String,
     /// Tokens per KV block; every worker in the namespace must register the same size.
-    #[arg(long, env = "KV_ROUTER_BLOCK_SIZE", default_value_t = 64)]
+    #[arg(
+        long,
+        help_heading = "Cluster",
+        env = "KV_ROUTER_BLOCK_SIZE",
+        default_value_t = 64
+    )]
     pub block_size: u32,
     /// Policy, its knobs, load accounting, busy thresholds, wait queue, replica sync.
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "Scheduler")]
     pub scheduling: Box<crate::scheduling_args::SchedulingArgs>,
     /// Indexer shard tasks (default: the number of cores).
-    #[arg(long, env = "KV_ROUTER_SHARDS")]
+    #[arg(long, help_heading = "Indexer", env = "KV_ROUTER_SHARDS")]
     pub shards: Option<usize>,
     /// Index backend, memory bound, approximate mode, recovery and JetStream.
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "Indexer")]
     pub index: crate::durability::IndexArgs,
     /// Seed for the scheduler's tie-break and sampling RNG (default: from the OS).
-    #[arg(long, env = "KV_ROUTER_SEED")]
+    #[arg(long, help_heading = "Scheduler", env = "KV_ROUTER_SEED")]
     pub seed: Option<u64>,
     /// Maximum routing queries handled concurrently.
-    #[arg(long, env = "KV_ROUTER_MAX_INFLIGHT_ROUTES", default_value_t = 256)]
+    #[arg(
+        long,
+        help_heading = "Routing",
+        env = "KV_ROUTER_MAX_INFLIGHT_ROUTES",
+        default_value_t = 256
+    )]
     pub max_inflight_routes: usize,
     /// etcd connect timeout, in milliseconds.
     #[arg(
         long,
+        help_heading = "etcd",
         env = "KV_ROUTER_ETCD_CONNECT_TIMEOUT_MS",
         default_value_t = 5000
     )]
@@ -235,8 +273,12 @@ fn nats_config(args: &ServeArgs) -> Result<NatsConfig, ConfigError> {
             user: user.clone(),
             password: password.clone(),
         },
-        (None, None, Some(_), None) => return Err(invalid("nats-password", "required with --nats-user")),
-        (None, None, None, Some(_)) => return Err(invalid("nats-user", "required with --nats-password")),
+        (None, None, Some(_), None) => {
+            return Err(invalid("nats-password", "required with --nats-user"));
+        }
+        (None, None, None, Some(_)) => {
+            return Err(invalid("nats-user", "required with --nats-password"));
+        }
         _ => {
             return Err(invalid(
                 "nats-creds",
@@ -264,7 +306,8 @@ fn nats_config(args: &ServeArgs) -> Result<NatsConfig, ConfigError> {
     })
 }
 
-fn trimmed(values: &[String]) -> Vec<String> {
+/// Trims each value and drops empty ones (comma-separated flag lists).
+pub(crate) fn trimmed(values: &[String]) -> Vec<String> {
     values
         .iter()
         .map(|v| v.trim().to_owned())

@@ -11,7 +11,10 @@
 //!    expiry task;
 //! 4. connect to etcd and load every worker registration, retrying with backoff while
 //!    etcd is unavailable; then watch from the next revision;
-//! 5. finish the initial recovery of the index;
+//! 5. finish the initial recovery of the index: a dump from every registered worker
+//!    rank (or, with `--jetstream`, catching up with the stream after restoring the
+//!    snapshot); events arriving meanwhile are buffered and applied after it
+//!    (`durability`);
 //! 6. join the route queue group last, so no query is answered before workers are
 //!    known; confirm the subscriptions with a server round trip; log `kv-router ready`
 //!    and report ready.

@@ -307,9 +307,7 @@ pub async fn watch(
                 Ok((fresh, rev)) => {
                     client = fresh;
                     revision = rev;
-                    state
-                        .health
-                        .etcd_ok("reconnected; watching registrations");
+                    state.health.etcd_ok("reconnected; watching registrations");
                     info!(
                         workers = known.len(),
                         "etcd watch re-established after resync"

@@ -349,7 +349,13 @@ mod tests {
         assert!(h.is_ready(), "etcd loss after load does not stop routing");
         let report = h.report();
         assert!(!report.checks.etcd.ok);
-        assert!(report.checks.etcd.detail.contains("serving the last known workers"));
+        assert!(
+            report
+                .checks
+                .etcd
+                .detail
+                .contains("serving the last known workers")
+        );
         assert_eq!(m.etcd_connected.get(), 0);
     }
 

@@ -110,11 +110,7 @@ async fn metrics(State(s): State<HttpState>) -> Response {
     crate::metrics::refresh(&s.router).await;
     let families = s.registry.gather();
     match prometheus::TextEncoder::new().encode_to_string(&families) {
-        Ok(text) => (
-            [(header::CONTENT_TYPE, prometheus::TEXT_FORMAT)],
-            text,
-        )
-            .into_response(),
+        Ok(text) => ([(header::CONTENT_TYPE, prometheus::TEXT_FORMAT)], text).into_response(),
         Err(e) => (
             StatusCode::INTERNAL_SERVER_ERROR,
             format!("cannot encode metrics: {e}\n"),
@@ -235,11 +231,18 @@ async fn workers(State(s): State<HttpState>) -> Json<WorkersView> {
     Json(workers_view(&s.router).await)
 }
 
-/// A running HTTP endpoint.
+/// A running HTTP endpoint. Dropping it stops it without waiting; [`HttpServer::stop`]
+/// also waits for open requests to finish.
 pub struct HttpServer {
     local_addr: SocketAddr,
     shutdown: CancellationToken,
-    task: JoinHandle<()>,
+    task: Option<JoinHandle<()>>,
+}
+
+impl Drop for HttpServer {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
 }
 
 impl HttpServer {
@@ -269,7 +272,7 @@ impl HttpServer {
         Ok(Self {
             local_addr,
             shutdown,
-            task,
+            task: Some(task),
         })
     }
 
@@ -279,9 +282,11 @@ impl HttpServer {
     }
 
     /// Stops accepting, lets open requests finish, and waits for the server task.
-    pub async fn stop(self) {
+    pub async fn stop(mut self) {
         self.shutdown.cancel();
-        if let Err(e) = self.task.await {
+        if let Some(task) = self.task.take()
+            && let Err(e) = task.await
+        {
             warn!(error = %e, "http server task ended abnormally");
         }
     }

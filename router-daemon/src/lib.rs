@@ -9,6 +9,7 @@
 //! # Layout
 //! - [`barrier`]: a NATS round trip proving our subscriptions are registered.
 //! - [`config`]: command-line flags parsed once into typed, validated sub-configs.
+//! - [`config_file`]: the TOML file under environment and flags; `config print`.
 //! - [`daemon`]: start-up and the shutdown order (stop intake → drain shards → close).
 //! - [`discovery`]: etcd worker registrations: initial load, then a watch.
 //! - [`durability`]: gap recovery from publishers, start-up resync, the optional
@@ -33,6 +34,7 @@
 pub mod admission;
 pub mod barrier;
 pub mod config;
+pub mod config_file;
 pub mod counters;
 pub mod daemon;
 pub mod directory;
@@ -44,9 +46,9 @@ pub mod intake;
 pub mod lifecycle;
 pub mod metrics;
 pub mod nats;
-pub mod relay;
 pub mod probe;
 pub mod queue;
+pub mod relay;
 pub mod replicas;
 pub mod route;
 pub mod scheduling_args;

@@ -1,7 +1,8 @@
 //! `kv-router`: the KV-cache-aware router daemon.
 
 use anyhow::Result;
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
+use router_daemon::config_file;
 use router_daemon::{DaemonConfig, ServeArgs};
 
 #[derive(Parser)]
@@ -19,14 +20,30 @@ struct Cli {
 enum Command {
     /// Serve routing queries: consume KV events and metrics from NATS, discover
     /// workers in etcd, answer on the route subject.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Ask a running daemon's HTTP endpoint for its health; exit 0 only on HTTP 200.
     /// For container health checks (the image needs no curl).
     Probe(router_daemon::probe::ProbeArgs),
+    /// Show the effective configuration, or the reference of every setting.
+    #[command(subcommand)]
+    Config(ConfigCommand),
     /// Sidecar beside one vLLM or SGLang engine: relay its ZMQ KV events to NATS in
     /// kv-router's protocol and register it in etcd (see docs/engines.md).
-    Relay(router_daemon::relay::RelayArgs),
+    Relay(Box<router_daemon::relay::RelayArgs>),
 }
+
+#[derive(Subcommand)]
+enum ConfigCommand {
+    /// Validate and print the effective `serve` configuration as TOML (config file <
+    /// environment < these flags), each value annotated with its source.
+    Print(Box<ServeArgs>),
+    /// Print the Markdown reference of every setting (TOML key, flag, environment
+    /// variable, default), as in docs/configuration.md.
+    Reference,
+}
+
+/// Subcommands that take the `serve` settings, and so the config file.
+const SERVE_LIKE: &[&[&str]] = &[&["serve"], &["config", "print"]];
 
 #[tokio::main]
 async fn main() -> Result<()> {
@@ -37,19 +54,62 @@ async fn main() -> Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
-    match Cli::parse().command {
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let (command, file) = config_file::with_config_file(Cli::command(), &argv, SERVE_LIKE)?;
+    let matches = command.get_matches_from(&argv);
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    match cli.command {
         Command::Serve(args) => {
-            let config = DaemonConfig::from_args(&args)?;
+            let config = validate(&args, file.as_ref())?;
             let registry = prometheus::Registry::new();
             router_daemon::run(config, &registry, shutdown_signal()).await
         }
         Command::Probe(args) => router_daemon::probe::run(&args).await,
+        Command::Config(ConfigCommand::Print(args)) => {
+            validate(&args, file.as_ref())?;
+            let print = matches
+                .subcommand_matches("config")
+                .and_then(|m| m.subcommand_matches("print"));
+            if let Some(print) = print {
+                print!(
+                    "{}",
+                    config_file::effective_toml(
+                        &config_file::serve_command(),
+                        print,
+                        file.as_ref()
+                    )
+                );
+            }
+            Ok(())
+        }
+        Command::Config(ConfigCommand::Reference) => {
+            print!(
+                "{}",
+                config_file::reference_markdown(&config_file::serve_command())
+            );
+            Ok(())
+        }
         Command::Relay(args) => {
             let config = router_daemon::relay::RelayConfig::from_args(&args)?;
             let registry = prometheus::Registry::new();
             router_daemon::relay::run(config, &registry, shutdown_signal()).await
         }
     }
+}
+
+/// Validates the layered settings, saying where they came from when they fail.
+fn validate(
+    args: &ServeArgs,
+    file: Option<&config_file::ConfigFile>,
+) -> anyhow::Result<DaemonConfig> {
+    use anyhow::Context;
+    DaemonConfig::from_args(args).with_context(|| match file {
+        Some(f) => format!(
+            "invalid configuration (config file {}, environment, flags)",
+            f.path().display()
+        ),
+        None => "invalid configuration (environment, flags)".to_owned(),
+    })
 }
 
 /// Resolves on SIGINT or SIGTERM.

@@ -235,6 +235,9 @@ mod tests {
             tls: NatsTls::default(),
         };
         let err = config.connect_options("t").await.unwrap_err();
-        assert!(err.to_string().contains("/nonexistent/router.creds"), "{err}");
+        assert!(
+            err.to_string().contains("/nonexistent/router.creds"),
+            "{err}"
+        );
     }
 }

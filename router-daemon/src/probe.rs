@@ -55,10 +55,6 @@ pub async fn run(args: &ProbeArgs) -> anyhow::Result<()> {
     if response.status == 200 {
         Ok(())
     } else {
-        anyhow::bail!(
-            "{} answered http {}",
-            args.target.path(),
-            response.status
-        )
+        anyhow::bail!("{} answered http {}", args.target.path(), response.status)
     }
 }

@@ -98,7 +98,11 @@ pub async fn handle_route(state: &RouterState, payload: &[u8]) -> RouteReply {
         RouteReply::Error(_) => Outcome::Rejected,
     };
     state.counters.message(MessageKind::Route, outcome);
-    state.counters.metrics.route.observe(&reply, started.elapsed());
+    state
+        .counters
+        .metrics
+        .route
+        .observe(&reply, started.elapsed());
     reply
 }
 
@@ -134,10 +138,10 @@ async fn route(state: &RouterState, request: RouteRequest) -> RouteReply {
     match crate::admission::admit(state, schedule, overlaps, request.priority).await {
         Ok(sel) => {
             debug!(request_id = %request.request_id, worker = %sel.rank, overlap_blocks = sel.overlap_blocks, "routed");
-            if let Some(hashes) = routed_hashes {
-                if let Err(e) = state.indexer.record_routing(sel.rank, hashes).await {
-                    warn!(error = %e, "routing decision not indexed");
-                }
+            if let Some(hashes) = routed_hashes
+                && let Err(e) = state.indexer.record_routing(sel.rank, hashes).await
+            {
+                warn!(error = %e, "routing decision not indexed");
             }
             RouteReply::Routed(RouteDecision {
                 request_id: request.request_id,

@@ -236,7 +236,10 @@ impl SchedulingArgs {
                 set(&mut c.balance_abs_threshold, self.balance_abs_threshold);
                 set(&mut c.balance_rel_threshold, self.balance_rel_threshold);
             }
-            PolicyConfig::RoundRobin | PolicyConfig::Random | PolicyConfig::LeastLoaded => {}
+            PolicyConfig::RoundRobin
+            | PolicyConfig::Random
+            | PolicyConfig::LeastLoaded
+            | PolicyConfig::PredictedTtft(_) => {}
         }
         Ok(policy)
     }

@@ -56,7 +56,9 @@ async fn metric_names_are_a_reviewed_change() {
             .unwrap_or_default();
         let mut sorted = labels.clone();
         sorted.sort();
-        let known = listing.iter().any(|l| l.starts_with(&format!("{} ", family.name())));
+        let known = listing
+            .iter()
+            .any(|l| l.starts_with(&format!("{} ", family.name())));
         if !known {
             listing.insert(format!("{} {sorted:?}", family.name()));
         }
@@ -116,7 +118,10 @@ async fn endpoints_report_health_metrics_and_workers() {
     let reply = router_daemon::route::handle_route(&state, &encode(&request).unwrap()).await;
     let reply = serde_json::to_value(&reply).unwrap();
     assert_eq!(reply["status"], "routed", "{reply}");
-    assert_eq!((reply["worker_id"].as_u64(), reply["dp_rank"].as_u64()), (Some(7), Some(1)));
+    assert_eq!(
+        (reply["worker_id"].as_u64(), reply["dp_rank"].as_u64()),
+        (Some(7), Some(1))
+    );
     let bad = router_daemon::route::handle_route(&state, b"\xc1 not msgpack").await;
     assert!(serde_json::to_value(&bad).unwrap()["status"] == "error");
 
@@ -127,21 +132,57 @@ async fn endpoints_report_health_metrics_and_workers() {
         ("kv_router_ready", "", 0.0),
         ("kv_router_nats_connected", "", 0.0),
         ("kv_router_indexer_blocks", "", 3.0),
-        ("kv_router_indexer_events_total", r#"outcome="applied",type="stored""#, 1.0),
+        (
+            "kv_router_indexer_events_total",
+            r#"outcome="applied",type="stored""#,
+            1.0,
+        ),
         ("kv_router_indexer_block_ops_total", r#"op="stored""#, 3.0),
         ("kv_router_route_requests_total", r#"outcome="routed""#, 1.0),
-        ("kv_router_route_decisions_total", r#"dp_rank="1",worker_id="7""#, 1.0),
+        (
+            "kv_router_route_decisions_total",
+            r#"dp_rank="1",worker_id="7""#,
+            1.0,
+        ),
         ("kv_router_route_overlap_blocks_sum", "", 3.0),
-        ("kv_router_route_duration_seconds_count", r#"outcome="routed""#, 1.0),
-        ("kv_router_messages_total", r#"kind="route",outcome="malformed""#, 1.0),
-        ("kv_router_worker_active_requests", r#"dp_rank="1",worker_id="7""#, 1.0),
-        ("kv_router_worker_active_requests", r#"dp_rank="0",worker_id="7""#, 0.0),
-        ("kv_router_worker_active_decode_blocks", r#"dp_rank="1",worker_id="7""#, 3.0),
-        ("kv_router_indexer_rank_blocks", r#"dp_rank="1",worker_id="7""#, 3.0),
+        (
+            "kv_router_route_duration_seconds_count",
+            r#"outcome="routed""#,
+            1.0,
+        ),
+        (
+            "kv_router_messages_total",
+            r#"kind="route",outcome="malformed""#,
+            1.0,
+        ),
+        (
+            "kv_router_worker_active_requests",
+            r#"dp_rank="1",worker_id="7""#,
+            1.0,
+        ),
+        (
+            "kv_router_worker_active_requests",
+            r#"dp_rank="0",worker_id="7""#,
+            0.0,
+        ),
+        (
+            "kv_router_worker_active_decode_blocks",
+            r#"dp_rank="1",worker_id="7""#,
+            3.0,
+        ),
+        (
+            "kv_router_indexer_rank_blocks",
+            r#"dp_rank="1",worker_id="7""#,
+            3.0,
+        ),
         ("kv_router_indexer_recovering_ranks", "", 0.0),
     ];
     for (name, labels, value) in expect {
-        assert_eq!(sample(&text, name, labels), Some(value), "{name}{{{labels}}} in\n{text}");
+        assert_eq!(
+            sample(&text, name, labels),
+            Some(value),
+            "{name}{{{labels}}} in\n{text}"
+        );
     }
     assert!(sample(&text, "kv_router_indexer_memory_bytes", "").unwrap() > 0.0);
     assert!(text.contains("kv_router_build_info{version="), "{text}");

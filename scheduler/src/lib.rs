@@ -40,7 +40,10 @@ pub use busy::{BusyThresholds, Threshold};
 pub use config::{PrefillDurationModel, SchedulerConfig, SequencesConfig};
 pub use error::SchedulerError;
 pub use overlap::{NoOverlap, Overlaps};
-pub use policy::{CacheAwareThresholdConfig, KvNormalizedConfig, KvPolicyConfig, PolicyConfig};
+pub use policy::{
+    CacheAwareThresholdConfig, KvNormalizedConfig, KvPolicyConfig, PolicyConfig,
+    PredictedTtftConfig,
+};
 pub use request::{RequestShape, ScheduleRequest, Selection};
 pub use sequences::{
     ActiveRequest, ActiveSequences, AddRequest, Origin, PrefillLoadHint, RankLoad, SequenceEvent,

@@ -120,7 +120,10 @@ impl Publisher {
         );
         *id += 1;
         self.nats
-            .publish(self.subjects.kv_events(WorkerId(worker)), encode(&batch)?.into())
+            .publish(
+                self.subjects.kv_events(WorkerId(worker)),
+                encode(&batch)?.into(),
+            )
             .await?;
         Ok(())
     }
@@ -255,7 +258,9 @@ async fn main() -> anyhow::Result<()> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!("machine: {cores} cores; daemon: {bin}, {WORKERS} workers, block size {BLOCK_SIZE}");
     println!();
-    println!("| indexed entries | tree nodes | RSS before | RSS after | RSS / entry | indexer estimate / entry | load time |");
+    println!(
+        "| indexed entries | tree nodes | RSS before | RSS after | RSS / entry | indexer estimate / entry | load time |"
+    );
     println!("|---|---|---|---|---|---|---|");
     println!(
         "| {indexed:.0} | {nodes:.0} | {:.0} MiB | {:.0} MiB | {:.0} B | {:.0} B | {:.1} s |",
@@ -274,8 +279,14 @@ async fn main() -> anyhow::Result<()> {
     let window = Duration::from_secs(5);
     let mut chain_id = u64::MAX / 2;
     for rate in rates {
-        let applied_before = daemon.metric("kv_router_indexer_events_total{outcome=\"applied\",type=\"stored\"}").await.unwrap_or(0.0)
-            + daemon.metric("kv_router_indexer_events_total{outcome=\"applied\",type=\"removed\"}").await.unwrap_or(0.0);
+        let applied_before = daemon
+            .metric("kv_router_indexer_events_total{outcome=\"applied\",type=\"stored\"}")
+            .await
+            .unwrap_or(0.0)
+            + daemon
+                .metric("kv_router_indexer_events_total{outcome=\"applied\",type=\"removed\"}")
+                .await
+                .unwrap_or(0.0);
         let cpu_before = daemon.cpu_seconds()?;
         let started = Instant::now();
         let total = rate * window.as_secs();
@@ -303,10 +314,13 @@ async fn main() -> anyhow::Result<()> {
         publisher.nats.flush().await?;
         let target = applied_before + total as f64;
         daemon
-            .wait_for_sum(&[
-                "kv_router_indexer_events_total{outcome=\"applied\",type=\"stored\"}",
-                "kv_router_indexer_events_total{outcome=\"applied\",type=\"removed\"}",
-            ], target)
+            .wait_for_sum(
+                &[
+                    "kv_router_indexer_events_total{outcome=\"applied\",type=\"stored\"}",
+                    "kv_router_indexer_events_total{outcome=\"applied\",type=\"removed\"}",
+                ],
+                target,
+            )
             .await?;
         let elapsed = started.elapsed().as_secs_f64();
         let cpu = daemon.cpu_seconds()? - cpu_before;

@@ -70,7 +70,10 @@ async fn etcd_down_at_start_up_is_retried_and_ready_comes_only_after_discovery()
     let workers: Value = serde_json::from_str(&http(&addr, "/debug/workers").await?.body)?;
     assert_eq!(workers["workers"][0]["worker_id"], 1, "{workers}");
     assert_eq!(workers["workers"][0]["lease_id"], lease);
-    assert_eq!(metric(&addr, "kv_router_etcd_connected", "").await?, Some(1.0));
+    assert_eq!(
+        metric(&addr, "kv_router_etcd_connected", "").await?,
+        Some(1.0)
+    );
     assert_eq!(metric(&addr, "kv_router_workers", "").await?, Some(1.0));
     daemon.shutdown().await
 }
@@ -95,15 +98,26 @@ async fn nats_restart_resumes_routing_and_applies_later_events() -> anyhow::Resu
     .await?;
 
     fx.nats_server.restart().await?;
-    eventually("the daemon to see the disconnect and reconnect", WAIT, || async {
-        let down = metric(&addr, "kv_router_nats_events_total", r#"event="disconnected""#)
+    eventually(
+        "the daemon to see the disconnect and reconnect",
+        WAIT,
+        || async {
+            let down = metric(
+                &addr,
+                "kv_router_nats_events_total",
+                r#"event="disconnected""#,
+            )
             .await
             .ok()??;
-        let (status, _) = readyz(&addr).await.ok()?;
-        (down >= 1.0 && status == 200).then_some(())
-    })
+            let (status, _) = readyz(&addr).await.ok()?;
+            (down >= 1.0 && status == 200).then_some(())
+        },
+    )
     .await?;
-    assert_eq!(metric(&addr, "kv_router_nats_connected", "").await?, Some(1.0));
+    assert_eq!(
+        metric(&addr, "kv_router_nats_connected", "").await?,
+        Some(1.0)
+    );
 
     // Routing resumes: the route subscription was re-sent on reconnect.
     eventually("routing to resume", WAIT, || async {
@@ -142,7 +156,10 @@ async fn etcd_lost_later_keeps_the_last_known_workers_and_reports_it() -> anyhow
     })
     .await?;
     let (status, report) = readyz(&addr).await?;
-    assert_eq!(status, 200, "etcd loss after start-up keeps the daemon ready: {report}");
+    assert_eq!(
+        status, 200,
+        "etcd loss after start-up keeps the daemon ready: {report}"
+    );
     assert_eq!(report["checks"]["etcd"]["ok"], false);
     assert!(
         report["checks"]["etcd"]["detail"]
@@ -174,7 +191,10 @@ async fn etcd_lost_later_keeps_the_last_known_workers_and_reports_it() -> anyhow
         (up && ids == [2]).then_some(())
     })
     .await?;
-    assert_eq!(metric(&addr, "kv_router_etcd_connected", "").await?, Some(1.0));
+    assert_eq!(
+        metric(&addr, "kv_router_etcd_connected", "").await?,
+        Some(1.0)
+    );
     assert!(
         metric(&addr, "kv_router_etcd_errors_total", r#"stage="watch""#)
             .await?
@@ -275,7 +295,10 @@ async fn shutdown_answers_or_rejects_in_flight_queries_and_drains_accepted_event
     let accepted = state.counters.messages(MessageKind::Events, Outcome::Ok);
     let applied = state.indexer.counters().snapshot().batches;
     assert!(accepted > 0);
-    assert_eq!(applied, accepted, "accepted batches were drained, not dropped");
+    assert_eq!(
+        applied, accepted,
+        "accepted batches were drained, not dropped"
+    );
 
     // The endpoint is gone last.
     assert!(http(&addr, "/health/livez").await.is_err());
@@ -322,9 +345,21 @@ async fn events_lost_while_nats_was_down_are_recovered_after_reconnect() -> anyh
             .then_some(())
     })
     .await?;
-    assert_eq!(worker.ranges_served(), ranges_before + 1, "the missed range was asked for");
+    assert_eq!(
+        worker.ranges_served(),
+        ranges_before + 1,
+        "the missed range was asked for"
+    );
     let counters = daemon.state().indexer.counters().snapshot();
     assert_eq!((counters.gaps, counters.events_lost), (1, 0));
-    assert!(daemon.state().counters.metrics.connections.nats_events("disconnected") >= 1);
+    assert!(
+        daemon
+            .state()
+            .counters
+            .metrics
+            .connections
+            .nats_events("disconnected")
+            >= 1
+    );
     daemon.shutdown().await
 }

@@ -24,7 +24,7 @@ const EVENT_BLOCKS: u64 = 16;
 /// (a new conversation from the root every 8 events).
 fn event(w: u64, i: u64) -> KvCacheEventData {
     let ext = |n: u64| ExternalBlockHash(w << 40 | n);
-    let parent = (i % 8 != 0).then(|| ext(i * EVENT_BLOCKS - 1));
+    let parent = (!i.is_multiple_of(8)).then(|| ext(i * EVENT_BLOCKS - 1));
     let blocks = (0..EVENT_BLOCKS)
         .map(|b| {
             let n = i * EVENT_BLOCKS + b;

@@ -5,7 +5,7 @@
 //! scheduler has at decision time — the index's overlap blocks per rank and the load
 //! the router booked itself (pending prefill tokens, decode blocks, active requests) —
 //! and runs it on the same simulated cluster as the real policies. An idea that wins
-//! becomes a scheduler policy; its prototype stays here so the exploration in
+//! becomes a scheduler policy; its prototype stays here so the ablation in
 //! `docs/benchmarks.md` can be re-run. Each decision is O(ranks); booking is O(1).
 //!
 //! Every prototype breaks exact ties uniformly at random from a seeded RNG, as the
@@ -17,59 +17,152 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::collections::HashMap;
 
-/// A prototype cost. Lower wins.
+/// Knobs of the predicted-TTFT prototype (see [`Candidate`] for the formula).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PredictedTtftKnobs {
+    /// Credit in-flight prefixes: a rank's overlap is the larger of the index's and
+    /// the prompt blocks of requests booked there and not yet freed
+    /// ([`super::inflight`]).
+    pub in_flight: bool,
+    /// Credit per cached token on every rank; 1 means a cached token is worth exactly
+    /// the prefill it saves this request.
+    pub base_credit: f64,
+    /// Extra credit on a rank whose pending prefill is the cluster minimum, halving
+    /// once the rank's pending prefill exceeds the minimum by one
+    /// `max_num_batched_tokens`: reuse is worth more where it does not make the
+    /// request queue (decay of overlap credit under load).
+    pub balanced_credit: f64,
+    /// Extra credit per step (`max_num_batched_tokens`) of the least-loaded rank's
+    /// pending prefill: when every rank has a queue, a cached token saves time for
+    /// every request queued behind this one, not only for this one.
+    pub backlog_credit: f64,
+}
+
+/// A prototype cost, in predicted model ms. Lower wins.
+///
+/// With `P` the rank's booked pending prefill tokens, `P_min` the smallest `P` over
+/// the ranks, `B` = `max_num_batched_tokens`, `N` the prompt tokens, `O` the cached
+/// prompt tokens on the rank (overlap blocks × block size, at most `N`), `R` the
+/// rank's active requests and `D` its active decode blocks:
+///
+/// ```text
+/// credit = base_credit + balanced_credit / (1 + (P − P_min) / B) + backlog_credit × P_min / B
+/// steps  = max(1, ceil((P + N − O) / B))
+/// cost   = prefill_ms_per_token × (P + N − credit × O)
+///        + steps × (step_base_ms + decode_ms_per_seq × R + kv_read_ms_per_token × D × block_size)
+/// ```
+///
+/// With `credit = 1` the cost is the timing model's prediction of the request's TTFT
+/// on that rank: the rank prefills everything booked before it (FCFS) plus the
+/// request's uncached tokens, and every prefill step also carries the running decodes
+/// (`docs/engine-model.md`). Credits above 1 value reuse beyond this request's own
+/// saving.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Candidate {
-    /// Predicted time to first token on the rank, in model ms, from the timing model:
-    /// with `W` = booked pending prefill tokens + this request's uncached tokens,
-    /// `T = prefill_ms_per_token × W + ceil(W / max_num_batched_tokens) × (step_base_ms
-    /// + decode_ms_per_seq × active requests + kv_read_ms_per_token × active decode
-    /// blocks × block_size)`: the rank prefills everything queued before this request
-    /// (FCFS) and every prefill step also carries the running decodes.
-    PredictedTtft,
-    /// [`Candidate::PredictedTtft`], with each rank's overlap taken as the larger of
-    /// the index's and the in-flight prefixes' (prompt blocks of requests booked there
-    /// and not yet freed; see [`super::inflight`]).
-    PredictedTtftInFlight,
-    /// NVIDIA Dynamo's full worker cost (its KV router's `prefill blocks + decode
-    /// blocks`, with pending prefill counted): uncached prompt blocks + booked pending
-    /// prefill blocks + active decode blocks, in blocks.
-    KvPending,
+    /// Prototype of a predicted-TTFT cost with the given knobs.
+    PredictedTtft(PredictedTtftKnobs),
 }
 
 impl Candidate {
-    /// Every prototype, in documentation order.
+    /// `ttft`: the plain prediction (credit 1, index overlap only).
+    pub const TTFT: Candidate = Candidate::PredictedTtft(PredictedTtftKnobs {
+        in_flight: false,
+        base_credit: 1.0,
+        balanced_credit: 0.0,
+        backlog_credit: 0.0,
+    });
+    /// `ttft-inflight`: the plain prediction, crediting in-flight prefixes.
+    pub const TTFT_INFLIGHT: Candidate = Candidate::PredictedTtft(PredictedTtftKnobs {
+        in_flight: true,
+        base_credit: 1.0,
+        balanced_credit: 0.0,
+        backlog_credit: 0.0,
+    });
+    /// `ttft-credit`: in-flight prefixes and the credits (12, 40, 1) tuned with this
+    /// lab on the Mooncake conversation trace (`docs/benchmarks.md`); the prototype of
+    /// the scheduler's `predicted-ttft` policy.
+    pub const TTFT_CREDIT: Candidate = Candidate::PredictedTtft(PredictedTtftKnobs {
+        in_flight: true,
+        base_credit: 12.0,
+        balanced_credit: 40.0,
+        backlog_credit: 1.0,
+    });
+
+    /// Every named prototype, in documentation order.
     pub const ALL: [Candidate; 3] = [
-        Candidate::PredictedTtft,
-        Candidate::PredictedTtftInFlight,
-        Candidate::KvPending,
+        Candidate::TTFT,
+        Candidate::TTFT_INFLIGHT,
+        Candidate::TTFT_CREDIT,
     ];
 
     /// Whether the router should credit in-flight prefixes (see [`super::inflight`]).
     pub fn uses_in_flight(self) -> bool {
-        matches!(self, Candidate::PredictedTtftInFlight)
-    }
-
-    /// The command-line name.
-    pub fn name(self) -> &'static str {
         match self {
-            Candidate::PredictedTtft => "predicted-ttft",
-            Candidate::PredictedTtftInFlight => "predicted-ttft-inflight",
-            Candidate::KvPending => "kv-pending",
+            Candidate::PredictedTtft(k) => k.in_flight,
         }
     }
+
+    /// The command-line name: `ttft`, `ttft-inflight`, `ttft-credit`, or
+    /// `ttft:<base>,<balanced>,<backlog>,<inflight 0|1>` for other knobs.
+    pub fn name(self) -> String {
+        if self == Candidate::TTFT {
+            "ttft".to_owned()
+        } else if self == Candidate::TTFT_INFLIGHT {
+            "ttft-inflight".to_owned()
+        } else if self == Candidate::TTFT_CREDIT {
+            "ttft-credit".to_owned()
+        } else {
+            let Candidate::PredictedTtft(k) = self;
+            format!(
+                "ttft:{},{},{},{}",
+                k.base_credit,
+                k.balanced_credit,
+                k.backlog_credit,
+                u8::from(k.in_flight)
+            )
+        }
+    }
+}
+
+/// Parses `<base>,<balanced>,<backlog>,<inflight 0|1>` (finite credits ≥ 0).
+fn parse_knobs(s: &str) -> Option<PredictedTtftKnobs> {
+    let parts: Vec<&str> = s.split(',').collect();
+    let [base, balanced, backlog, in_flight] = parts.as_slice() else {
+        return None;
+    };
+    let credit = |v: &str| v.parse::<f64>().ok().filter(|x| x.is_finite() && *x >= 0.0);
+    Some(PredictedTtftKnobs {
+        in_flight: match *in_flight {
+            "0" => false,
+            "1" => true,
+            _ => return None,
+        },
+        base_credit: credit(base)?,
+        balanced_credit: credit(balanced)?,
+        backlog_credit: credit(backlog)?,
+    })
 }
 
 impl std::str::FromStr for Candidate {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if let Some(knobs) = s.strip_prefix("ttft:") {
+            return parse_knobs(knobs)
+                .map(Candidate::PredictedTtft)
+                .ok_or_else(|| {
+                    format!("candidate `{s}`: expected ttft:<base>,<balanced>,<backlog>,<0|1>")
+                });
+        }
         Candidate::ALL
             .into_iter()
             .find(|c| c.name() == s)
             .ok_or_else(|| {
-                let names: Vec<&str> = Candidate::ALL.iter().map(|c| c.name()).collect();
-                format!("unknown candidate `{s}` (expected one of {})", names.join(", "))
+                let names: Vec<String> = Candidate::ALL.iter().map(|c| c.name()).collect();
+                format!(
+                    "unknown candidate `{s}` (expected one of {}, or ttft:<base>,<balanced>,<backlog>,<0|1>)",
+                    names.join(", ")
+                )
             })
     }
 }
@@ -130,49 +223,32 @@ impl CandidateRouter {
         self.ranks.get(index).copied()
     }
 
-    /// The cost of placing a prompt of `request_blocks` blocks and `num_tokens` tokens
-    /// on a rank with `overlap_blocks` cached and `load` booked.
-    pub fn cost(&self, load: RankBooking, overlap_blocks: u32, request_blocks: u32, num_tokens: u64) -> f64 {
+    /// The cost of placing a prompt of `num_tokens` tokens on a rank with
+    /// `overlap_blocks` cached and `load` booked, when the least-loaded rank has
+    /// `min_pending` pending prefill tokens (formula in [`Candidate`]).
+    pub fn cost(
+        &self,
+        load: RankBooking,
+        overlap_blocks: u32,
+        num_tokens: u64,
+        min_pending: u64,
+    ) -> f64 {
+        let Candidate::PredictedTtft(k) = self.candidate;
+        let t = &self.timing;
         let bs = u64::from(self.engine.block_size);
-        let uncached_tokens = num_tokens.saturating_sub(u64::from(overlap_blocks) * bs);
-        match self.candidate {
-            Candidate::PredictedTtft | Candidate::PredictedTtftInFlight => {
-                let t = &self.timing;
-                let mut w: f64 = std::env::var("LAB_W").ok().and_then(|v| v.parse().ok()).unwrap_or(1.0);
-                if let Some(k) = std::env::var("LAB_K").ok().and_then(|v| v.parse::<f64>().ok()) {
-                    let min_pending = self.ranks.iter().map(|r| r.pending_prefill_tokens).min().unwrap_or(0);
-                    w += k * min_pending as f64 / self.engine.max_num_batched_tokens as f64;
-                }
-                let pw: f64 = std::env::var("LAB_PW").ok().and_then(|v| v.parse().ok()).unwrap_or(1.0);
-                let dw: f64 = std::env::var("LAB_DW").ok().and_then(|v| v.parse().ok()).unwrap_or(1.0);
-                let work = load.pending_prefill_tokens + uncached_tokens;
-                let steps = work.div_ceil(self.engine.max_num_batched_tokens).max(1);
-                let per_step = t.step_base_ms
-                    + t.decode_ms_per_seq * load.requests as f64
-                    + t.kv_read_ms_per_token * (load.decode_blocks * bs) as f64;
-                if let Some(x) = std::env::var("LAB_X").ok().and_then(|v| v.parse::<f64>().ok()) {
-                    let min_pending = self.ranks.iter().map(|r| r.pending_prefill_tokens).min().unwrap_or(0);
-                    let b = self.engine.max_num_batched_tokens as f64;
-                    let c = w + x / (1.0 + (load.pending_prefill_tokens - min_pending) as f64 / b);
-                    let overlap_tokens = num_tokens - uncached_tokens;
-                    return t.prefill_ms_per_token * (pw * load.pending_prefill_tokens as f64 + num_tokens as f64 - c * overlap_tokens as f64) + dw * steps as f64 * per_step;
-                }
-                if std::env::var("LAB_W").is_ok() || std::env::var("LAB_K").is_ok() {
-                return t.prefill_ms_per_token * (pw * load.pending_prefill_tokens as f64 + w * uncached_tokens as f64) + dw * steps as f64 * per_step;
-                }
-                let steps = work.div_ceil(self.engine.max_num_batched_tokens).max(1);
-                let per_step = t.step_base_ms
-                    + t.decode_ms_per_seq * load.requests as f64
-                    + t.kv_read_ms_per_token * (load.decode_blocks * bs) as f64;
-                t.prefill_ms_per_token * work as f64 + steps as f64 * per_step
-            }
-            Candidate::KvPending => {
-                let uncached = request_blocks.saturating_sub(overlap_blocks);
-                f64::from(uncached)
-                    + load.pending_prefill_tokens.div_ceil(bs) as f64
-                    + load.decode_blocks as f64
-            }
-        }
+        let budget = self.engine.max_num_batched_tokens.max(1);
+        let cached = (u64::from(overlap_blocks) * bs).min(num_tokens);
+        let pending = load.pending_prefill_tokens;
+        let excess = pending.saturating_sub(min_pending) as f64 / budget as f64;
+        let credit = k.base_credit
+            + k.balanced_credit / (1.0 + excess)
+            + k.backlog_credit * min_pending as f64 / budget as f64;
+        let steps = (pending + num_tokens - cached).div_ceil(budget).max(1);
+        let per_step = t.step_base_ms
+            + t.decode_ms_per_seq * load.requests as f64
+            + t.kv_read_ms_per_token * (load.decode_blocks * bs) as f64;
+        t.prefill_ms_per_token * (pending as f64 + num_tokens as f64 - credit * cached as f64)
+            + steps as f64 * per_step
     }
 
     /// Chooses a rank given each rank's overlap blocks (`overlaps[i]` for rank `i`)
@@ -184,17 +260,27 @@ impl CandidateRouter {
         request_blocks: u32,
         num_tokens: u64,
     ) -> Option<usize> {
+        let min_pending = self
+            .ranks
+            .iter()
+            .map(|r| r.pending_prefill_tokens)
+            .min()
+            .unwrap_or(0);
         let mut costs = std::mem::take(&mut self.costs);
         costs.clear();
         costs.extend(
             self.ranks
                 .iter()
                 .zip(overlaps)
-                .map(|(load, &o)| self.cost(*load, o.min(request_blocks), request_blocks, num_tokens)),
+                .map(|(load, &o)| self.cost(*load, o.min(request_blocks), num_tokens, min_pending)),
         );
         let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
         let tied = costs.iter().filter(|&&c| c == min).count();
-        let pick = if tied > 1 { self.rng.random_range(0..tied) } else { 0 };
+        let pick = if tied > 1 {
+            self.rng.random_range(0..tied)
+        } else {
+            0
+        };
         let chosen = costs
             .iter()
             .enumerate()
@@ -266,36 +352,50 @@ mod tests {
 
     #[test]
     fn predicted_ttft_matches_a_hand_computation() {
-        let r = router(Candidate::PredictedTtft, 1);
+        let r = router(Candidate::TTFT, 1);
         let load = RankBooking {
             pending_prefill_tokens: 1_500,
             decode_blocks: 10,
             requests: 2,
         };
-        // 640 tokens, 4 of 10 blocks cached: 384 uncached; W = 1884 tokens, 2 steps of
-        // 10 + 1*2 + 0.001*640 = 12.64 ms, plus 0.1 * 1884 = 188.4 ms.
-        let cost = r.cost(load, 4, 10, 640);
+        // 640 tokens, 4 blocks (256 tokens) cached: 1500 + 384 = 1884 tokens to
+        // prefill, 2 steps of 10 + 1*2 + 0.001*640 = 12.64 ms, plus 0.1 * 1884 ms.
+        let cost = r.cost(load, 4, 640, 0);
         assert!((cost - (188.4 + 2.0 * 12.64)).abs() < 1e-9, "{cost}");
-        // An idle rank still costs one step.
-        let idle = r.cost(RankBooking::default(), 10, 10, 640);
+        // An idle rank holding the whole prompt still costs one step.
+        let idle = r.cost(RankBooking::default(), 10, 640, 0);
         assert!((idle - 10.0).abs() < 1e-9, "{idle}");
     }
 
     #[test]
-    fn kv_pending_counts_uncached_pending_and_decode_blocks() {
-        let r = router(Candidate::KvPending, 1);
-        let load = RankBooking {
-            pending_prefill_tokens: 65,
-            decode_blocks: 7,
-            requests: 1,
+    fn credits_decay_with_excess_pending_and_grow_with_backlog() {
+        let knobs = PredictedTtftKnobs {
+            in_flight: false,
+            base_credit: 2.0,
+            balanced_credit: 4.0,
+            backlog_credit: 1.0,
         };
-        // 10 - 4 uncached + ceil(65 / 64) pending + 7 decode.
-        assert_eq!(r.cost(load, 4, 10, 640), 6.0 + 2.0 + 7.0);
+        let r = router(Candidate::PredictedTtft(knobs), 1);
+        // The credit per cached token: one more cached block (64 tokens) lowers the
+        // cost by 0.1 ms × credit × 64 (same step count here).
+        let credit = |pending: u64, min_pending: u64| {
+            let load = RankBooking {
+                pending_prefill_tokens: pending,
+                ..RankBooking::default()
+            };
+            (r.cost(load, 0, 640, min_pending) - r.cost(load, 1, 640, min_pending)) / 6.4
+        };
+        // At the minimum: 2 + 4 / 1 + 0.
+        assert!((credit(0, 0) - 6.0).abs() < 1e-9);
+        // One budget (1,000 tokens) above the minimum: 2 + 4 / 2.
+        assert!((credit(1_000, 0) - 4.0).abs() < 1e-9);
+        // A backlog of two budgets everywhere: 2 + 4 + 1 × 2.
+        assert!((credit(2_000, 2_000) - 8.0).abs() < 1e-9);
     }
 
     #[test]
     fn booking_follows_the_lifecycle() {
-        let mut r = router(Candidate::PredictedTtft, 2);
+        let mut r = router(Candidate::TTFT, 2);
         let a = RequestId::from("a");
         // Rank 1 holds the whole prompt: it wins.
         assert_eq!(r.route(&a, &[0, 10], 10, 640), Some(1));
@@ -319,12 +419,12 @@ mod tests {
         r.free(&a);
         assert_eq!(r.booking(0), Some(RankBooking::default()));
         assert_eq!(r.booking(1), Some(RankBooking::default()));
-        assert_eq!(router(Candidate::KvPending, 0).route(&a, &[], 1, 1), None);
+        assert_eq!(router(Candidate::TTFT, 0).route(&a, &[], 1, 1), None);
     }
 
     #[test]
     fn exact_ties_are_spread() {
-        let mut r = router(Candidate::KvPending, 4);
+        let mut r = router(Candidate::TTFT, 4);
         let mut hit = [false; 4];
         for i in 0..64 {
             let id = RequestId(format!("r{i}"));
@@ -340,6 +440,28 @@ mod tests {
         for c in Candidate::ALL {
             assert_eq!(c.name().parse::<Candidate>(), Ok(c));
         }
-        assert!("nope".parse::<Candidate>().unwrap_err().contains("predicted-ttft"));
+        assert!(
+            "nope"
+                .parse::<Candidate>()
+                .unwrap_err()
+                .contains("ttft-credit")
+        );
+        let custom = Candidate::PredictedTtft(PredictedTtftKnobs {
+            in_flight: false,
+            base_credit: 3.0,
+            balanced_credit: 0.5,
+            backlog_credit: 0.0,
+        });
+        assert_eq!(custom.name(), "ttft:3,0.5,0,0");
+        assert_eq!(custom.name().parse::<Candidate>(), Ok(custom));
+        for bad in [
+            "ttft:1,2,3",
+            "ttft:1,2,3,2",
+            "ttft:-1,0,0,0",
+            "ttft:x,0,0,1",
+        ] {
+            assert!(bad.parse::<Candidate>().is_err(), "{bad}");
+        }
+        assert!(Candidate::TTFT_CREDIT.uses_in_flight() && !Candidate::TTFT.uses_in_flight());
     }
 }

@@ -74,7 +74,9 @@ fn ensure_font() -> Result<(), LabError> {
     if ok {
         Ok(())
     } else {
-        Err(LabError::Chart("bundled font is not a valid TrueType font".to_owned()))
+        Err(LabError::Chart(
+            "bundled font is not a valid TrueType font".to_owned(),
+        ))
     }
 }
 
@@ -126,7 +128,9 @@ fn ttft_cdf(report: &LabReport, path: &Path) -> Result<(), LabError> {
         .iter()
         .flat_map(|r| r.metrics.ttft_cdf_ms.iter().copied())
         .filter(|v| *v > 0.0);
-    let (lo, hi) = all.fold((f64::INFINITY, 0.0f64), |(lo, hi), v| (lo.min(v), hi.max(v)));
+    let (lo, hi) = all.fold((f64::INFINITY, 0.0f64), |(lo, hi), v| {
+        (lo.min(v), hi.max(v))
+    });
     let (lo, hi) = if lo.is_finite() && hi > lo {
         (lo * 0.8, hi * 1.25)
     } else {
@@ -170,7 +174,9 @@ fn ttft_cdf(report: &LabReport, path: &Path) -> Result<(), LabError> {
                 .draw_series(LineSeries::new(points, c.stroke_width(2)))
                 .map_err(chart_error)?
                 .label(policy.as_str())
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(2)));
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(2))
+                });
         }
         chart
             .configure_series_labels()
@@ -223,13 +229,19 @@ fn versus_speedup(report: &LabReport, path: &Path, metric: Metric) -> Result<(),
     let cols = workers.len().max(1);
     let root = BitMapBackend::new(path, (560 * cols as u32, 480)).into_drawing_area();
     root.fill(&WHITE).map_err(chart_error)?;
-    let root = root.titled(metric.title(), (FAMILY, 24)).map_err(chart_error)?;
+    let root = root
+        .titled(metric.title(), (FAMILY, 24))
+        .map_err(chart_error)?;
     let panels = root.split_evenly((1, cols));
     let x_lo = speedups.first().copied().unwrap_or(1.0) / 1.25;
     let x_hi = speedups.last().copied().unwrap_or(1.0) * 1.25;
     let values: Vec<f64> = settings
         .iter()
-        .flat_map(|&s| policies.iter().filter_map(move |p| metric.value(report, s, p)))
+        .flat_map(|&s| {
+            policies
+                .iter()
+                .filter_map(move |p| metric.value(report, s, p))
+        })
         .collect();
     for (panel, &w) in panels.iter().zip(&workers) {
         let series: Vec<(usize, Vec<(f64, f64)>)> = policies
@@ -290,13 +302,15 @@ fn versus_speedup(report: &LabReport, path: &Path, metric: Metric) -> Result<(),
 
 type Panel<'a> = DrawingArea<BitMapBackend<'a>, Shift>;
 
+/// A chart over one panel with a log-scale speed-up axis and a `Y` value axis.
+type SpeedupChart<'b, 'a, Y> = ChartContext<'b, BitMapBackend<'a>, Cartesian2d<LogCoord<f64>, Y>>;
+
 fn speedup_chart<'a, 'b, Y: plotters::coord::ranged1d::AsRangedCoord<Value = f64>>(
     panel: &'b Panel<'a>,
     caption: &str,
     x: std::ops::Range<f64>,
     y: Y,
-) -> Result<ChartContext<'b, BitMapBackend<'a>, Cartesian2d<LogCoord<f64>, Y::CoordDescType>>, LabError>
-{
+) -> Result<SpeedupChart<'b, 'a, Y::CoordDescType>, LabError> {
     ChartBuilder::on(panel)
         .caption(caption, (FAMILY, 18))
         .margin(12)

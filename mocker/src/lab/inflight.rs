@@ -121,7 +121,11 @@ mod tests {
     fn shared_prefixes_stay_until_the_last_request_leaves() {
         let mut f = InFlight::new();
         let (r1, r2) = (lab_rank(1), lab_rank(2));
-        let (a, b, c) = (RequestId::from("a"), RequestId::from("b"), RequestId::from("c"));
+        let (a, b, c) = (
+            RequestId::from("a"),
+            RequestId::from("b"),
+            RequestId::from("c"),
+        );
         f.book(&a, r1, &blocks(&[1, 2, 3]));
         f.book(&b, r1, &blocks(&[1, 2, 4, 5]));
         f.book(&c, r2, &blocks(&[1]));

@@ -127,8 +127,9 @@ pub struct LabArgs {
     /// Scheduler policies to compare (repeatable); default: all of them.
     #[arg(long = "policy", value_name = "POLICY")]
     pub policies: Vec<PolicyKind>,
-    /// Also run these prototype costs (repeatable): predicted-ttft,
-    /// predicted-ttft-inflight, kv-pending.
+    /// Also run these prototype costs (repeatable): ttft, ttft-inflight, ttft-credit,
+    /// or ttft:<base>,<balanced>,<backlog>,<inflight 0|1> (see
+    /// `mocker::lab::candidates`).
     #[arg(long = "candidate", value_name = "NAME")]
     pub candidates: Vec<Candidate>,
     /// Delay between a step's end and its KV events reaching the index, in model ms.
@@ -173,14 +174,22 @@ pub fn run_lab(args: LabArgs) -> Result<LabReport, LabError> {
     let mut policies: Vec<LabPolicy> = if args.policies.is_empty() {
         LabPolicy::all_scheduler()
     } else {
-        args.policies.iter().copied().map(LabPolicy::Scheduler).collect()
+        args.policies
+            .iter()
+            .copied()
+            .map(LabPolicy::Scheduler)
+            .collect()
     };
     policies.extend(args.candidates.iter().copied().map(LabPolicy::Candidate));
     let sweep = Sweep {
         settings: args
             .workers
             .iter()
-            .flat_map(|&workers| args.speedup.iter().map(move |&speedup| Setting { workers, speedup }))
+            .flat_map(|&workers| {
+                args.speedup
+                    .iter()
+                    .map(move |&speedup| Setting { workers, speedup })
+            })
             .collect(),
         policies,
         config,
@@ -246,9 +255,9 @@ pub fn run_lab_with(
 fn progress_bar(len: usize) -> ProgressBar {
     let bar = ProgressBar::new(len as u64);
     // The template is a literal known to be valid; fall back to the default otherwise.
-    if let Ok(style) =
-        ProgressStyle::with_template("lab [{bar:40}] {pos}/{len} runs, {elapsed} ({eta} left) {msg}")
-    {
+    if let Ok(style) = ProgressStyle::with_template(
+        "lab [{bar:40}] {pos}/{len} runs, {elapsed} ({eta} left) {msg}",
+    ) {
         bar.set_style(style.progress_chars("=> "));
     }
     bar

@@ -30,8 +30,8 @@ enum Decider {
     },
     /// A lab prototype, with its in-flight prefix tracker when it uses one.
     Candidate {
-        router: CandidateRouter,
-        in_flight: Option<InFlight>,
+        router: Box<CandidateRouter>,
+        in_flight: Option<Box<InFlight>>,
     },
 }
 
@@ -78,14 +78,16 @@ impl Router {
                 }
             }
             LabPolicy::Candidate(candidate) => Decider::Candidate {
-                router: CandidateRouter::new(
+                router: Box::new(CandidateRouter::new(
                     candidate,
                     ranks.len(),
                     config.engine,
                     config.timing,
                     config.seed,
-                ),
-                in_flight: candidate.uses_in_flight().then(InFlight::new),
+                )),
+                in_flight: candidate
+                    .uses_in_flight()
+                    .then(|| Box::new(InFlight::new())),
             },
         };
         Ok(Self {
@@ -141,11 +143,6 @@ impl Router {
                     .ok_or(LabError::NoWorkers)?;
                 if let Some(f) = in_flight {
                     f.book(id, self.ranks[index], full_blocks);
-                }
-                if std::env::var("LAB_DIAG").is_ok() {
-                    let best = self.ranks.iter().map(|&r| scores.get(r)).max().unwrap_or(0);
-                    let bestp = self.overlaps.iter().copied().max().unwrap_or(0);
-                    eprintln!("DIAG {} {} {} {} {} {}", id, num_tokens, best, bestp, scores.get(self.ranks[index]), self.overlaps[index]);
                 }
                 Ok(index)
             }

@@ -27,7 +27,9 @@ use super::metrics::{RequestRecord, RunMetrics};
 use super::router::Router;
 use crate::engine::{EngineCore, EngineRequest, StepOutput};
 use crate::trace::{BlockMapping, TraceRequest};
-use kv_events::{DpRank, KvCacheEvent, KvCacheEventData, LocalBlockHash, RequestId, WorkerId, WorkerRank};
+use kv_events::{
+    DpRank, KvCacheEvent, KvCacheEventData, LocalBlockHash, RequestId, WorkerId, WorkerRank,
+};
 use std::cmp::{Ordering, Reverse};
 use std::collections::{BinaryHeap, HashMap};
 
@@ -344,7 +346,6 @@ impl Sim<'_> {
                 let record = &mut self.records[index];
                 record.first_token_ns = Some(now);
                 record.cached_tokens = first.cached_tokens;
-                if std::env::var("LAB_DIAG").is_ok() { eprintln!("HIT {} {}", index, first.cached_tokens); }
                 self.router.prefill_done(&first.request_id, now);
             }
         }

@@ -26,8 +26,8 @@ pub use report::{LatencyStats, PolicyReport, ReplayReport, RequestOutcome, Route
 
 use crate::trace::{self, BlockMapping, BlockSizeMismatch, TraceError, TraceRequest};
 use indicatif::{ProgressBar, ProgressStyle};
-use kv_events::routing::PolicyKind;
 use kv_events::discovery::WorkerRegistration;
+use kv_events::routing::PolicyKind;
 use kv_events::{Namespace, RequestId, Subjects, WorkerId};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -310,10 +310,10 @@ pub async fn consume(
             u64::MAX
         }
     };
-    if pending == 0 {
-        if let Some(tx) = caught_up.take() {
-            let _ = tx.send(0);
-        }
+    if pending == 0
+        && let Some(tx) = caught_up.take()
+    {
+        let _ = tx.send(0);
     }
     let mut messages = match consumer.messages().await {
         Ok(m) => m,
@@ -337,7 +337,10 @@ pub async fn consume(
                 warn!(error = %e, "jetstream consumer error; continuing");
                 continue;
             }
-            None => break,
+            None => {
+                warn!(stream = %path.config.stream, "jetstream consumer ended; kv event intake stopped");
+                break;
+            }
         };
         let (sequence, pending) = match message.info() {
             Ok(info) => (info.stream_sequence, info.pending),
@@ -358,10 +361,10 @@ pub async fn consume(
         applied += 1;
         since_snapshot += 1;
         last_sequence = sequence;
-        if pending == 0 {
-            if let Some(tx) = caught_up.take() {
-                let _ = tx.send(applied);
-            }
+        if pending == 0
+            && let Some(tx) = caught_up.take()
+        {
+            let _ = tx.send(applied);
         }
         let idle = uploading.as_ref().is_none_or(|h| h.is_finished());
         if since_snapshot >= path.config.snapshot_every && idle {
@@ -372,10 +375,10 @@ pub async fn consume(
     if let Some(upload) = uploading {
         let _ = upload.await;
     }
-    if since_snapshot > 0 {
-        if let Some(upload) = snapshot(&state, &path, last_sequence).await {
-            let _ = upload.await;
-        }
+    if since_snapshot > 0
+        && let Some(upload) = snapshot(&state, &path, last_sequence).await
+    {
+        let _ = upload.await;
     }
 }
 

@@ -427,7 +427,7 @@ mod tests {
 
     #[test]
     fn flags_map_to_typed_settings() {
-        let (indexer, durability) = apply(&[
+        let (indexer, _) = apply(&[
             "--index-backend",
             "sharded",
             "--index-max-blocks",

@@ -10,7 +10,7 @@
 //! `--shared-endpoint` says every rank publishes on the given socket(s) and the rank
 //! is read from each batch.
 
-use crate::config::EtcdConfig;
+use crate::config::{EtcdConfig, trimmed};
 use crate::http::ListenAddr;
 use clap::{Args, ValueEnum};
 use kv_events::discovery::WorkerRegistration;
@@ -377,14 +377,6 @@ fn scrape_config(url: &str, interval_ms: u64) -> Result<ScrapeConfig, RelayConfi
         path: path.to_owned(),
         interval: Duration::from_millis(interval_ms),
     })
-}
-
-fn trimmed(values: &[String]) -> Vec<String> {
-    values
-        .iter()
-        .map(|v| v.trim().to_owned())
-        .filter(|v| !v.is_empty())
-        .collect()
 }
 
 #[cfg(test)]

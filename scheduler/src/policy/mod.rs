@@ -7,6 +7,7 @@
 //! | `kv-normalized` | [`kv_normalized`] | lowest TensorRT-LLM ADP score, fair-share capped |
 //! | `cache-aware-threshold` | [`cache_aware`] | SGLang: balance if imbalanced, else best match over a threshold |
 //! | `round-robin`, `random`, `least-loaded` | [`baseline`] | baselines |
+//! | `predicted-ttft` | [`predicted_ttft`] | lowest predicted TTFT, with credit for reuse (found with `kv-mocker lab`) |
 //!
 //! A policy sees only [`Candidate`]s — ranks that are registered, match a pinned
 //! dp_rank and are not busy — and returns the index of one. Selection is
@@ -17,11 +18,13 @@ pub mod baseline;
 pub mod cache_aware;
 pub mod kv;
 pub mod kv_normalized;
+pub mod predicted_ttft;
 pub mod sampling;
 
 pub use cache_aware::CacheAwareThresholdConfig;
 pub use kv::KvPolicyConfig;
 pub use kv_normalized::KvNormalizedConfig;
+pub use predicted_ttft::PredictedTtftConfig;
 
 use crate::error::SchedulerError;
 use crate::request::RequestShape;
@@ -49,6 +52,9 @@ pub enum PolicyConfig {
     Random,
     /// Pick the eligible rank with the least booked load (see [`baseline`]).
     LeastLoaded,
+    /// Lowest predicted time to first token, with credit for reuse (see
+    /// [`predicted_ttft`]).
+    PredictedTtft(PredictedTtftConfig),
 }
 
 impl Default for PolicyConfig {
@@ -69,6 +75,9 @@ impl PolicyConfig {
             PolicyKind::RoundRobin => PolicyConfig::RoundRobin,
             PolicyKind::Random => PolicyConfig::Random,
             PolicyKind::LeastLoaded => PolicyConfig::LeastLoaded,
+            PolicyKind::PredictedTtft => {
+                PolicyConfig::PredictedTtft(PredictedTtftConfig::default())
+            }
         }
     }
 
@@ -81,6 +90,7 @@ impl PolicyConfig {
             PolicyConfig::RoundRobin => PolicyKind::RoundRobin,
             PolicyConfig::Random => PolicyKind::Random,
             PolicyConfig::LeastLoaded => PolicyKind::LeastLoaded,
+            PolicyConfig::PredictedTtft(_) => PolicyKind::PredictedTtft,
         }
     }
 
@@ -93,6 +103,7 @@ impl PolicyConfig {
             PolicyConfig::Kv(c) => c.validate(),
             PolicyConfig::KvNormalized(c) => c.validate(),
             PolicyConfig::CacheAwareThreshold(c) => c.validate(),
+            PolicyConfig::PredictedTtft(c) => c.validate(),
             PolicyConfig::RoundRobin | PolicyConfig::Random | PolicyConfig::LeastLoaded => Ok(()),
         }
     }
@@ -258,6 +269,9 @@ impl Selector {
             }
             PolicyConfig::Random => baseline::random(ctx.candidates, &mut self.rng),
             PolicyConfig::LeastLoaded => baseline::least_loaded(ctx, &mut self.keys, &mut self.rng),
+            PolicyConfig::PredictedTtft(c) => {
+                predicted_ttft::select(c, ctx, &mut self.costs, &mut self.rng)
+            }
         })
     }
 }

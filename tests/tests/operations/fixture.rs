@@ -192,7 +192,8 @@ impl Fixture {
     pub async fn register(&self, id: u64, ttl_secs: i64) -> anyhow::Result<i64> {
         let mut etcd = self.etcd().await?;
         let lease = etcd.lease_grant(ttl_secs, None).await?.id();
-        let reg = json!({"worker_id": id, "dp_size": 1, "block_size": BLOCK, "total_kv_blocks": 1024});
+        let reg =
+            json!({"worker_id": id, "dp_size": 1, "block_size": BLOCK, "total_kv_blocks": 1024});
         etcd.put(
             self.subjects.etcd_worker_key(kv_events::WorkerId(id)),
             serde_json::to_vec(&reg)?,
@@ -229,7 +230,8 @@ impl Fixture {
     /// # Errors
     /// NATS failures (including "no responders") and undecodable replies.
     pub async fn route(&self, request_id: &str, tokens: &[u32]) -> anyhow::Result<Value> {
-        let request = json!({"request_id": request_id, "prompt": {"type": "tokens", "token_ids": tokens}});
+        let request =
+            json!({"request_id": request_id, "prompt": {"type": "tokens", "token_ids": tokens}});
         let reply = self
             .nats
             .request(self.subjects.route(), encode(&request)?.into())

@@ -1,0 +1,241 @@
+//! [`EventMetrics`] (KV event intake and the indexer's counters and sizes, sampled at
+//! scrape time) and [`RecoveryMetrics`] (recoveries of missed events, recorded by the
+//! recovery service).
+
+use super::{
+    RANK_LABELS, counter_vec, gauge, gauge_vec, histogram, latency_buckets, rank_labels, to_i64,
+};
+use prometheus::IntCounter;
+use prometheus::core::Collector;
+use prometheus::{Histogram, IntCounterVec, IntGauge, IntGaugeVec};
+use std::time::Duration;
+
+/// KV event intake and the indexer behind it.
+#[derive(Clone)]
+pub struct EventMetrics {
+    lag: Histogram,
+    applied: IntCounterVec,
+    order: IntCounterVec,
+    recoveries: IntCounterVec,
+    blocks: IntCounterVec,
+    pub(crate) queued: IntGauge,
+    tree_nodes: IntGauge,
+    tree_blocks: IntGauge,
+    tree_ranks: IntGauge,
+    tree_bytes: IntGauge,
+    rank_blocks: IntGaugeVec,
+    recovering_ranks: IntGauge,
+    buffered_events: IntGauge,
+}
+
+impl EventMetrics {
+    pub(crate) fn new() -> Self {
+        Self {
+            lag: histogram(
+                "kv_router_event_lag_seconds",
+                "Intake lag of a KV event batch: from its delivery to the daemon until its \
+                 shard queue accepted it (includes backpressure waits), in seconds",
+                latency_buckets(),
+            ),
+            applied: counter_vec(
+                "kv_router_indexer_events_total",
+                "KV events taken by the indexer shards, by event type and outcome",
+                &["type", "outcome"],
+            ),
+            order: counter_vec(
+                "kv_router_indexer_event_order_total",
+                "Events outside the expected per-rank sequence, by kind (duplicate, \
+                 stale_epoch, gap, publisher_restart, buffered, buffer_overflow, lost)",
+                &["kind"],
+            ),
+            recoveries: counter_vec(
+                "kv_router_indexer_recoveries_total",
+                "Recovery steps of the indexer, by result (requested, range, dump, \
+                 ignored, abandoned)",
+                &["result"],
+            ),
+            blocks: counter_vec(
+                "kv_router_indexer_block_ops_total",
+                "Block-level effects of applied KV events and worker removals, by op \
+                 (stored, duplicate, removed, unknown_removed, recovered, pruned, \
+                 forgotten, approximate, expired)",
+                &["op"],
+            ),
+            queued: gauge(
+                "kv_router_indexer_queued_events",
+                "Event batches waiting in the shard queues",
+            ),
+            tree_nodes: gauge(
+                "kv_router_indexer_nodes",
+                "Radix tree nodes (distinct block positions) over all shards",
+            ),
+            tree_blocks: gauge(
+                "kv_router_indexer_blocks",
+                "Indexed (worker rank, block) entries over all shards",
+            ),
+            tree_ranks: gauge(
+                "kv_router_indexer_ranks",
+                "Worker ranks known to the indexer",
+            ),
+            tree_bytes: gauge(
+                "kv_router_indexer_memory_bytes",
+                "Approximate heap footprint of the radix trees, in bytes",
+            ),
+            rank_blocks: gauge_vec(
+                "kv_router_indexer_rank_blocks",
+                "Blocks indexed for each worker rank",
+                RANK_LABELS,
+            ),
+            recovering_ranks: gauge(
+                "kv_router_indexer_recovering_ranks",
+                "Worker ranks with a recovery of missed events pending",
+            ),
+            buffered_events: gauge(
+                "kv_router_indexer_buffered_events",
+                "Events held in recovery buffers until their gap is filled",
+            ),
+        }
+    }
+
+    pub(crate) fn collectors(&self) -> Vec<Box<dyn Collector>> {
+        vec![
+            Box::new(self.lag.clone()),
+            Box::new(self.applied.clone()),
+            Box::new(self.order.clone()),
+            Box::new(self.recoveries.clone()),
+            Box::new(self.blocks.clone()),
+            Box::new(self.queued.clone()),
+            Box::new(self.tree_nodes.clone()),
+            Box::new(self.tree_blocks.clone()),
+            Box::new(self.tree_ranks.clone()),
+            Box::new(self.tree_bytes.clone()),
+            Box::new(self.rank_blocks.clone()),
+            Box::new(self.recovering_ranks.clone()),
+            Box::new(self.buffered_events.clone()),
+        ]
+    }
+
+    /// Records the intake lag of one batch.
+    pub fn observe_lag(&self, lag: Duration) {
+        self.lag.observe(lag.as_secs_f64());
+    }
+
+    /// Raises a sampled monotonic counter to `value` (it never goes down; a scrape
+    /// lock serialises the callers, see [`refresh`]).
+    fn raise(counter: &IntCounter, value: u64) {
+        let current = counter.get();
+        if value > current {
+            counter.inc_by(value - current);
+        }
+    }
+
+    pub(crate) fn sample_counters(&self, c: &indexer::CountersSnapshot) {
+        let pairs = [
+            (["stored", "applied"], c.stored_events),
+            (["removed", "applied"], c.removed_events),
+            (["cleared", "applied"], c.cleared_events),
+            (
+                ["stored", "rejected"],
+                c.unknown_parent_rejections + c.forgotten_parent_rejections,
+            ),
+        ];
+        for (labels, value) in pairs {
+            Self::raise(&self.applied.with_label_values(&labels), value);
+        }
+        let order = [
+            ("duplicate", c.duplicate_events),
+            ("stale_epoch", c.stale_epoch_events),
+            ("gap", c.gaps),
+            ("publisher_restart", c.publisher_restarts),
+            ("buffered", c.buffered_events),
+            ("buffer_overflow", c.buffer_overflows),
+            ("lost", c.events_lost),
+        ];
+        for (kind, value) in order {
+            Self::raise(&self.order.with_label_values(&[kind]), value);
+        }
+        let recoveries = [
+            ("requested", c.recovery_requests),
+            ("range", c.recovered_ranges),
+            ("dump", c.recovered_dumps),
+            ("ignored", c.recovery_replies_ignored),
+            ("abandoned", c.recoveries_abandoned),
+        ];
+        for (result, value) in recoveries {
+            Self::raise(&self.recoveries.with_label_values(&[result]), value);
+        }
+        let ops = [
+            ("stored", c.blocks_stored),
+            ("duplicate", c.duplicate_stores),
+            ("removed", c.blocks_removed),
+            ("unknown_removed", c.unknown_removes),
+            ("recovered", c.recovered_blocks),
+            ("pruned", c.pruned_entries),
+            ("forgotten", c.forgotten_blocks),
+            ("approximate", c.approximate_blocks),
+            ("expired", c.expired_blocks),
+        ];
+        for (op, value) in ops {
+            Self::raise(&self.blocks.with_label_values(&[op]), value);
+        }
+    }
+
+    pub(crate) fn sample_report(&self, r: &indexer::IndexerReport) {
+        let s = &r.stats;
+        self.tree_nodes.set(to_i64(s.nodes));
+        self.tree_blocks.set(to_i64(s.entries));
+        self.tree_ranks.set(to_i64(s.ranks));
+        self.tree_bytes.set(to_i64(s.memory_bytes));
+        self.rank_blocks.reset();
+        for &(rank, blocks) in &r.blocks_per_rank {
+            self.rank_blocks
+                .with_label_values(&rank_labels(rank))
+                .set(to_i64(blocks));
+        }
+        self.recovering_ranks.set(to_i64(r.recovering_ranks));
+        self.buffered_events.set(to_i64(r.buffered_events));
+    }
+}
+
+/// Recovery of missed KV events (gap detected, dump fetched, ...).
+#[derive(Clone)]
+pub struct RecoveryMetrics {
+    runs: IntCounterVec,
+    duration: Histogram,
+}
+
+impl RecoveryMetrics {
+    pub(crate) fn new() -> Self {
+        Self {
+            runs: counter_vec(
+                "kv_router_recovery_runs_total",
+                "Recoveries of missed KV events, by kind (e.g. replay, dump) and outcome \
+                 (ok, failed)",
+                &["kind", "outcome"],
+            ),
+            duration: histogram(
+                "kv_router_recovery_duration_seconds",
+                "Time from detecting missed KV events to having applied the recovered \
+                 state, in seconds",
+                latency_buckets(),
+            ),
+        }
+    }
+
+    pub(crate) fn collectors(&self) -> Vec<Box<dyn Collector>> {
+        vec![Box::new(self.runs.clone()), Box::new(self.duration.clone())]
+    }
+
+    /// Records one recovery run of `kind` (lowercase, e.g. `replay`, `dump`) that ended
+    /// with `ok` after `elapsed`.
+    pub fn observe(&self, kind: &str, ok: bool, elapsed: Duration) {
+        let outcome = if ok { "ok" } else { "failed" };
+        self.runs.with_label_values(&[kind, outcome]).inc();
+        self.duration.observe(elapsed.as_secs_f64());
+    }
+
+    /// Runs counted for (kind, outcome).
+    pub fn runs(&self, kind: &str, outcome: &str) -> u64 {
+        self.runs.with_label_values(&[kind, outcome]).get()
+    }
+}

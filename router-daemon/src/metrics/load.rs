@@ -1,0 +1,155 @@
+//! [`QueueMetrics`] (the wait queue, recorded by it) and [`WorkerLoadMetrics`] (the
+//! load booked on and reported by every rank, sampled at scrape time under one
+//! scheduler lock).
+
+use super::{RANK_LABELS, gauge, gauge_vec, histogram, latency_buckets, rank_labels, to_i64};
+use crate::state::RouterState;
+use prometheus::core::Collector;
+use prometheus::{Histogram, IntGauge, IntGaugeVec};
+use std::time::Duration;
+
+/// The wait queue of routing queries when every worker is busy.
+#[derive(Clone)]
+pub struct QueueMetrics {
+    depth: IntGauge,
+    wait: Histogram,
+}
+
+impl QueueMetrics {
+    pub(crate) fn new() -> Self {
+        Self {
+            depth: gauge(
+                "kv_router_queue_depth",
+                "Routing queries waiting because every worker rank is busy",
+            ),
+            wait: histogram(
+                "kv_router_queue_wait_seconds",
+                "Time a routing query waited in the queue before it was scheduled or \
+                 refused, in seconds",
+                latency_buckets(),
+            ),
+        }
+    }
+
+    pub(crate) fn collectors(&self) -> Vec<Box<dyn Collector>> {
+        vec![Box::new(self.depth.clone()), Box::new(self.wait.clone())]
+    }
+
+    /// Sets the number of queued queries.
+    pub fn set_depth(&self, depth: usize) {
+        self.depth.set(to_i64(depth));
+    }
+
+    /// Records how long one query waited.
+    pub fn observe_wait(&self, wait: Duration) {
+        self.wait.observe(wait.as_secs_f64());
+    }
+}
+
+/// Per-rank load: what the scheduler booked and what the engine last reported.
+#[derive(Clone)]
+pub struct WorkerLoadMetrics {
+    prefill_tokens: IntGaugeVec,
+    decode_blocks: IntGaugeVec,
+    requests: IntGaugeVec,
+    engine_kv_used: IntGaugeVec,
+    engine_kv_total: IntGaugeVec,
+    engine_running: IntGaugeVec,
+    engine_waiting: IntGaugeVec,
+}
+
+impl WorkerLoadMetrics {
+    pub(crate) fn new() -> Self {
+        Self {
+            prefill_tokens: gauge_vec(
+                "kv_router_worker_active_prefill_tokens",
+                "Prompt tokens routed to the rank whose prefill is not done, in tokens",
+                RANK_LABELS,
+            ),
+            decode_blocks: gauge_vec(
+                "kv_router_worker_active_decode_blocks",
+                "KV blocks held by requests routed to the rank and not yet freed",
+                RANK_LABELS,
+            ),
+            requests: gauge_vec(
+                "kv_router_worker_active_requests",
+                "Requests routed to the rank by this replica and not yet freed",
+                RANK_LABELS,
+            ),
+            engine_kv_used: gauge_vec(
+                "kv_router_engine_kv_used_blocks",
+                "KV blocks in use, as last reported by the engine rank",
+                RANK_LABELS,
+            ),
+            engine_kv_total: gauge_vec(
+                "kv_router_engine_kv_total_blocks",
+                "KV cache capacity in blocks, as last reported by the engine rank",
+                RANK_LABELS,
+            ),
+            engine_running: gauge_vec(
+                "kv_router_engine_requests_running",
+                "Requests in the running batch, as last reported by the engine rank",
+                RANK_LABELS,
+            ),
+            engine_waiting: gauge_vec(
+                "kv_router_engine_requests_waiting",
+                "Requests waiting for a batch slot or KV space, as last reported by the \
+                 engine rank",
+                RANK_LABELS,
+            ),
+        }
+    }
+
+    pub(crate) fn all(&self) -> [&IntGaugeVec; 7] {
+        [
+            &self.prefill_tokens,
+            &self.decode_blocks,
+            &self.requests,
+            &self.engine_kv_used,
+            &self.engine_kv_total,
+            &self.engine_running,
+            &self.engine_waiting,
+        ]
+    }
+
+    pub(crate) fn collectors(&self) -> Vec<Box<dyn Collector>> {
+        self.all()
+            .into_iter()
+            .map(|g| Box::new(g.clone()) as Box<dyn Collector>)
+            .collect()
+    }
+
+    pub(crate) fn sample(&self, state: &RouterState) {
+        for g in self.all() {
+            g.reset();
+        }
+        let scheduler = state.scheduler();
+        for &rank in scheduler.ranks() {
+            let labels = rank_labels(rank);
+            let load = scheduler.rank_load(rank);
+            self.prefill_tokens
+                .with_label_values(&labels)
+                .set(to_i64(load.active_prefill_tokens));
+            self.decode_blocks
+                .with_label_values(&labels)
+                .set(to_i64(load.active_decode_blocks));
+            self.requests
+                .with_label_values(&labels)
+                .set(to_i64(load.active_requests));
+            if let Some(m) = scheduler.load_metrics(rank) {
+                self.engine_kv_used
+                    .with_label_values(&labels)
+                    .set(to_i64(m.kv_used_blocks));
+                self.engine_kv_total
+                    .with_label_values(&labels)
+                    .set(to_i64(m.kv_total_blocks));
+                self.engine_running
+                    .with_label_values(&labels)
+                    .set(i64::from(m.num_requests_running));
+                self.engine_waiting
+                    .with_label_values(&labels)
+                    .set(i64::from(m.num_requests_waiting));
+            }
+        }
+    }
+}

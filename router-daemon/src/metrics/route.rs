@@ -1,0 +1,100 @@
+//! [`RouteMetrics`]: what routing queries got, how long they took, how much of their
+//! prompt was cached on the chosen rank, and where they went. Recorded once per
+//! answered query: a few atomic adds and, for errors, one label lookup.
+
+use super::{
+    RANK_LABELS, counter_vec, histogram, histogram_vec, latency_buckets, overlap_buckets,
+    rank_labels,
+};
+use kv_events::WorkerRank;
+use kv_events::routing::RouteReply;
+use prometheus::core::Collector;
+use prometheus::{Histogram, HistogramVec, IntCounterVec};
+use std::time::Duration;
+
+/// Routing queries: outcome, latency, overlap, and where they went.
+#[derive(Clone)]
+pub struct RouteMetrics {
+    requests: IntCounterVec,
+    duration: HistogramVec,
+    overlap_blocks: Histogram,
+    decisions: IntCounterVec,
+}
+
+impl RouteMetrics {
+    pub(crate) fn new() -> Self {
+        Self {
+            requests: counter_vec(
+                "kv_router_route_requests_total",
+                "Routing queries answered, by outcome (routed or the error code)",
+                &["outcome"],
+            ),
+            duration: histogram_vec(
+                "kv_router_route_duration_seconds",
+                "Time from receiving a routing query to having its reply, in seconds, by outcome",
+                &["outcome"],
+                latency_buckets(),
+            ),
+            overlap_blocks: histogram(
+                "kv_router_route_overlap_blocks",
+                "Prompt blocks already cached on the chosen worker rank, per routed query",
+                overlap_buckets(),
+            ),
+            decisions: counter_vec(
+                "kv_router_route_decisions_total",
+                "Routed queries by chosen worker rank",
+                RANK_LABELS,
+            ),
+        }
+    }
+
+    pub(crate) fn collectors(&self) -> Vec<Box<dyn Collector>> {
+        vec![
+            Box::new(self.requests.clone()),
+            Box::new(self.duration.clone()),
+            Box::new(self.overlap_blocks.clone()),
+            Box::new(self.decisions.clone()),
+        ]
+    }
+
+    /// Records one answered routing query that took `elapsed`.
+    pub fn observe(&self, reply: &RouteReply, elapsed: Duration) {
+        let outcome = outcome_label(reply);
+        self.requests.with_label_values(&[&outcome]).inc();
+        self.duration
+            .with_label_values(&[&outcome])
+            .observe(elapsed.as_secs_f64());
+        if let RouteReply::Routed(d) = reply {
+            self.overlap_blocks.observe(f64::from(d.overlap_blocks));
+            let rank = WorkerRank::new(d.worker_id, d.dp_rank);
+            self.decisions.with_label_values(&rank_labels(rank)).inc();
+        }
+    }
+
+    /// Routed queries counted for `outcome` (`routed` or an error code).
+    pub fn requests(&self, outcome: &str) -> u64 {
+        self.requests.with_label_values(&[outcome]).get()
+    }
+
+    /// Forgets the per-rank decision counters of a worker that left, so label sets do
+    /// not accumulate with worker churn.
+    pub fn forget_worker(&self, worker_id: kv_events::WorkerId, dp_size: u32) {
+        let worker = worker_id.0.to_string();
+        for rank in 0..dp_size {
+            let _ = self
+                .decisions
+                .remove_label_values(&[&worker, &rank.to_string()]);
+        }
+    }
+}
+
+/// `routed`, or the error code's wire name (`no_workers`, `overloaded`, ...).
+fn outcome_label(reply: &RouteReply) -> String {
+    match reply {
+        RouteReply::Routed(_) => "routed".to_owned(),
+        RouteReply::Error(e) => serde_json::to_value(e.code)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_owned))
+            .unwrap_or_else(|| "error".to_owned()),
+    }
+}

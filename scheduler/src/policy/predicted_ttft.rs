@@ -1,0 +1,347 @@
+//! `predicted-ttft`: route to the rank with the lowest predicted time to first token,
+//! crediting prefix reuse beyond the request's own saving.
+//!
+//! For a prompt of `N` tokens, each candidate rank gets, in model ms:
+//!
+//! ```text
+//! O      = min(N, block_size × overlap)        overlap = max(indexed overlap blocks,
+//!                                                            in-flight overlap blocks)
+//! credit = base + balanced / (1 + (P − P_min) / B) + backlog × P_min / B
+//! steps  = max(1, ceil((P + N − O) / B))
+//! cost   = prefill_ms_per_token × (P + N − credit × O)
+//!        + steps × (step_base_ms + decode_ms_per_seq × R + kv_read_ms_per_token × D × block_size)
+//! ```
+//!
+//! where `P` is the rank's in-flight prefill tokens (`active_prefill_tokens`), `P_min`
+//! the smallest `P` over the candidates, `B` the engine's `max_num_batched_tokens`,
+//! `R` its active requests and `D` its active decode blocks. The in-flight overlap is
+//! the leading prompt blocks already held by requests booked on the rank and not yet
+//! freed (`request_blocks − new_blocks`, non-zero only when KV reuse is assumed): the
+//! index learns a prefix only after the rank has prefilled it, and under load the
+//! next turn of a conversation arrives before that.
+//!
+//! With `credit = 1` the cost is a prediction of the request's TTFT from a linear
+//! step-time model (NVIDIA Dynamo-style prefill-then-decode accounting, in time units
+//! instead of blocks): the rank prefills everything booked before the request (FCFS)
+//! and the request's uncached tokens, `B` tokens per step, and every step also carries
+//! the running decodes. The credits value a cached token above its own prefill:
+//! `base` always (a hit keeps the rank's cache useful and its queue short for later
+//! requests too); `balanced` on ranks whose queue is as short as the shortest, halving
+//! per `B` tokens of excess queue (decay of overlap credit under load, so a hot prefix
+//! does not make requests queue); `backlog` per step of queue that even the least
+//! loaded rank has (when every rank is backlogged, a saved token saves time for every
+//! request behind this one).
+//!
+//! Source: designed and tuned with the routing-quality lab (`kv-mocker lab`, the
+//! `ttft-credit` prototype in `mocker/src/lab/candidates.rs`) on the Mooncake FAST'25
+//! conversation trace; the step-time defaults are the mock engine's
+//! `TimingModel::H100_8B` (`docs/engine-model.md`), and `docs/benchmarks.md` has the
+//! ablation and the comparison with every other policy. Calibrate the timing knobs to
+//! the real engine. Exact ties are broken uniformly at random.
+
+use super::sampling::pick_by_cost;
+use super::{Candidate, Choice, SelectContext};
+use crate::config::check_non_negative;
+use crate::error::SchedulerError;
+use crate::request::RequestShape;
+use rand::rngs::StdRng;
+use serde::{Deserialize, Serialize};
+
+/// The engine's step-time model, as the policy predicts with it (per rank).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct StepTimeModel {
+    /// Fixed cost of a step, in ms. Default 9.0.
+    pub step_base_ms: f64,
+    /// Prefill cost per prompt token, in ms. Default 0.06 (~16.7k tokens/s).
+    pub prefill_ms_per_token: f64,
+    /// Cost per decoding sequence in a step, in ms. Default 0.04.
+    pub decode_ms_per_seq: f64,
+    /// Cost per KV token read by decode attention, in ms. Default 4e-5.
+    pub kv_read_ms_per_token: f64,
+    /// Tokens per step (the engine's `max_num_batched_tokens`); at least 1.
+    /// Default 8,192.
+    pub max_num_batched_tokens: u64,
+}
+
+impl Default for StepTimeModel {
+    /// The mock engine's `TimingModel::H100_8B` and default batch budget.
+    fn default() -> Self {
+        Self {
+            step_base_ms: 9.0,
+            prefill_ms_per_token: 0.06,
+            decode_ms_per_seq: 0.04,
+            kv_read_ms_per_token: 4e-5,
+            max_num_batched_tokens: 8_192,
+        }
+    }
+}
+
+/// How much a cached prompt token is worth, in prefill tokens (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ReuseCredit {
+    /// Credit on every rank; 1 = a cached token saves exactly its own prefill.
+    /// Default 12.
+    pub base: f64,
+    /// Extra credit on a rank whose in-flight prefill is the smallest, halving per
+    /// `max_num_batched_tokens` of excess. Default 40.
+    pub balanced: f64,
+    /// Extra credit per step of in-flight prefill on the least-loaded rank. Default 1.
+    pub backlog: f64,
+    /// Count blocks of requests in flight on the rank as cached (needs the
+    /// scheduler's `assume_kv_reuse`). Default true.
+    pub in_flight: bool,
+}
+
+impl Default for ReuseCredit {
+    /// The values the lab found best on the Mooncake conversation trace.
+    fn default() -> Self {
+        Self {
+            base: 12.0,
+            balanced: 40.0,
+            backlog: 1.0,
+            in_flight: true,
+        }
+    }
+}
+
+/// Knobs of the `predicted-ttft` policy.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PredictedTtftConfig {
+    /// The engine's step-time model.
+    pub timing: StepTimeModel,
+    /// The value of reuse.
+    pub credit: ReuseCredit,
+}
+
+impl PredictedTtftConfig {
+    /// Checks every knob: finite and ≥ 0, and a batch budget of at least 1 token.
+    ///
+    /// # Errors
+    /// [`SchedulerError::InvalidConfig`] with field `policy.predicted_ttft.<knob>`.
+    pub fn validate(&self) -> Result<(), SchedulerError> {
+        let t = &self.timing;
+        check_non_negative("policy.predicted_ttft.timing.step_base_ms", t.step_base_ms)?;
+        check_non_negative(
+            "policy.predicted_ttft.timing.prefill_ms_per_token",
+            t.prefill_ms_per_token,
+        )?;
+        check_non_negative(
+            "policy.predicted_ttft.timing.decode_ms_per_seq",
+            t.decode_ms_per_seq,
+        )?;
+        check_non_negative(
+            "policy.predicted_ttft.timing.kv_read_ms_per_token",
+            t.kv_read_ms_per_token,
+        )?;
+        if t.max_num_batched_tokens == 0 {
+            return Err(SchedulerError::InvalidConfig {
+                field: "policy.predicted_ttft.timing.max_num_batched_tokens",
+                reason: "must be at least 1".into(),
+            });
+        }
+        let c = &self.credit;
+        check_non_negative("policy.predicted_ttft.credit.base", c.base)?;
+        check_non_negative("policy.predicted_ttft.credit.balanced", c.balanced)?;
+        check_non_negative("policy.predicted_ttft.credit.backlog", c.backlog)
+    }
+}
+
+/// The predicted cost of one candidate, in model ms, when the least-loaded candidate
+/// has `min_pending` in-flight prefill tokens (module docs give the formula).
+pub fn predicted_ttft_cost(
+    config: &PredictedTtftConfig,
+    request: &RequestShape,
+    c: &Candidate,
+    min_pending: u64,
+) -> f64 {
+    let t = &config.timing;
+    let k = &config.credit;
+    let bs = u64::from(request.block_size.max(1));
+    let budget = t.max_num_batched_tokens.max(1);
+    let n = request.num_tokens;
+    let in_flight = if k.in_flight {
+        request.request_blocks.saturating_sub(c.new_blocks)
+    } else {
+        0
+    };
+    let overlap = c.overlap_blocks.max(in_flight);
+    let cached = (u64::from(overlap) * bs).min(n);
+    let pending = c.load.active_prefill_tokens;
+    let excess = pending.saturating_sub(min_pending) as f64 / budget as f64;
+    let credit =
+        k.base + k.balanced / (1.0 + excess) + k.backlog * min_pending as f64 / budget as f64;
+    let steps = pending.saturating_add(n - cached).div_ceil(budget).max(1);
+    let per_step = t.step_base_ms
+        + t.decode_ms_per_seq * c.load.active_requests as f64
+        + t.kv_read_ms_per_token * c.load.active_decode_blocks.saturating_mul(bs) as f64;
+    t.prefill_ms_per_token * (pending as f64 + n as f64 - credit * cached as f64)
+        + steps as f64 * per_step
+}
+
+pub(super) fn select(
+    config: &PredictedTtftConfig,
+    ctx: &SelectContext<'_>,
+    costs: &mut Vec<f64>,
+    rng: &mut StdRng,
+) -> Choice {
+    let min_pending = ctx
+        .candidates
+        .iter()
+        .map(|c| c.load.active_prefill_tokens)
+        .min()
+        .unwrap_or(0);
+    costs.clear();
+    costs.extend(
+        ctx.candidates
+            .iter()
+            .map(|c| predicted_ttft_cost(config, &ctx.request, c, min_pending)),
+    );
+    let index = pick_by_cost(rng, costs, 0.0);
+    Choice {
+        index,
+        cost: Some(costs[index]),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::PolicyConfig;
+    use super::super::test_support::*;
+    use super::*;
+    use crate::sequences::RankLoad;
+
+    /// Round numbers: 10 ms per step, 0.1 ms per prefill token, 1 ms per decoding
+    /// sequence, 0.001 ms per KV token read, 1,000 tokens per step.
+    fn config(base: f64, balanced: f64, backlog: f64, in_flight: bool) -> PredictedTtftConfig {
+        PredictedTtftConfig {
+            timing: StepTimeModel {
+                step_base_ms: 10.0,
+                prefill_ms_per_token: 0.1,
+                decode_ms_per_seq: 1.0,
+                kv_read_ms_per_token: 0.001,
+                max_num_batched_tokens: 1_000,
+            },
+            credit: ReuseCredit {
+                base,
+                balanced,
+                backlog,
+                in_flight,
+            },
+        }
+    }
+
+    fn with_pending(mut c: Candidate, tokens: u64) -> Candidate {
+        c.load = RankLoad {
+            active_prefill_tokens: tokens,
+            ..c.load
+        };
+        c
+    }
+
+    #[test]
+    fn cost_matches_hand_computation() {
+        // 640 tokens in 10 blocks of 64; 4 blocks cached; 1,500 tokens in flight; 2
+        // requests holding 10 decode blocks; no in-flight overlap (all 10 blocks new).
+        let req = shape(10, 640, 64);
+        let c = with_pending(cand(1, 4, 10, 2, 10), 1_500);
+        let cfg = config(1.0, 0.0, 0.0, true);
+        // 1500 + 640 − 256 = 1884 tokens: 2 steps of 10 + 2 + 0.64 ms, 188.4 ms prefill.
+        let cost = predicted_ttft_cost(&cfg, &req, &c, 0);
+        assert!((cost - (188.4 + 2.0 * 12.64)).abs() < 1e-9, "{cost}");
+        // Credit 3 on the 256 cached tokens: 0.1 × 2 × 256 = 51.2 ms cheaper.
+        let cfg3 = config(3.0, 0.0, 0.0, true);
+        let cost3 = predicted_ttft_cost(&cfg3, &req, &c, 0);
+        assert!((cost - cost3 - 51.2).abs() < 1e-9, "{cost3}");
+    }
+
+    #[test]
+    fn balanced_credit_halves_per_budget_of_excess_queue_and_backlog_adds() {
+        let req = shape(10, 640, 64);
+        let cfg = config(2.0, 4.0, 1.0, false);
+        // Credit per cached token: cost with 0 vs 1 cached block, over 0.1 × 64.
+        let credit = |pending: u64, min_pending: u64| {
+            let none = with_pending(cand(1, 0, 0, 0, 10), pending);
+            let one = with_pending(cand(1, 1, 0, 0, 10), pending);
+            (predicted_ttft_cost(&cfg, &req, &none, min_pending)
+                - predicted_ttft_cost(&cfg, &req, &one, min_pending))
+                / 6.4
+        };
+        assert!((credit(0, 0) - 6.0).abs() < 1e-9, "2 + 4");
+        assert!((credit(1_000, 0) - 4.0).abs() < 1e-9, "2 + 4 / 2");
+        assert!(
+            (credit(2_000, 2_000) - 8.0).abs() < 1e-9,
+            "2 + 4 + 2 backlog steps"
+        );
+    }
+
+    #[test]
+    fn in_flight_prefix_counts_as_cached_only_when_enabled() {
+        // Nothing indexed, but requests in flight hold 8 of the 10 blocks.
+        let req = shape(10, 640, 64);
+        let c = cand(1, 0, 0, 0, 2);
+        let on = predicted_ttft_cost(&config(1.0, 0.0, 0.0, true), &req, &c, 0);
+        let off = predicted_ttft_cost(&config(1.0, 0.0, 0.0, false), &req, &c, 0);
+        assert!((off - on - 0.1 * 512.0).abs() < 1e-9, "{on} {off}");
+    }
+
+    #[test]
+    fn picks_the_cached_rank_unless_its_queue_is_too_long() {
+        let req = shape(10, 640, 64);
+        let cfg = PolicyConfig::PredictedTtft(config(1.0, 0.0, 0.0, false));
+        // Rank 1 caches everything but has 2,000 tokens queued; rank 2 is idle.
+        let cands = [
+            with_pending(cand(1, 10, 0, 0, 10), 2_000),
+            cand(2, 0, 0, 0, 10),
+        ];
+        let choice = selector(1).select(&cfg, &ctx(req, &cands)).unwrap();
+        // Rank 1: 0.1 × 2000 + 2 steps × 10 = 220 ms; rank 2: 0.1 × 640 + 10 = 74 ms.
+        assert_eq!(choice.index, 1);
+        // With only 300 queued tokens the cache wins: 30 + 10 = 40 < 74 ms.
+        let cands = [
+            with_pending(cand(1, 10, 0, 0, 10), 300),
+            cand(2, 0, 0, 0, 10),
+        ];
+        let choice = selector(1).select(&cfg, &ctx(req, &cands)).unwrap();
+        assert_eq!(choice.index, 0);
+        assert!((choice.cost.unwrap() - 40.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn exact_ties_are_broken_at_random() {
+        let cands = [cand(1, 0, 0, 0, 4), cand(2, 0, 0, 0, 4)];
+        let c = ctx(shape(4, 256, 64), &cands);
+        let counts = histogram(
+            &PolicyConfig::PredictedTtft(PredictedTtftConfig::default()),
+            &c,
+            1000,
+        );
+        assert!(counts[0] > 350 && counts[1] > 350, "{counts:?}");
+    }
+
+    #[test]
+    fn validation_names_the_knob() {
+        let mut bad = PredictedTtftConfig::default();
+        bad.credit.balanced = -1.0;
+        assert!(matches!(
+            bad.validate(),
+            Err(SchedulerError::InvalidConfig {
+                field: "policy.predicted_ttft.credit.balanced",
+                ..
+            })
+        ));
+        let mut bad = PredictedTtftConfig::default();
+        bad.timing.max_num_batched_tokens = 0;
+        assert!(bad.validate().is_err());
+        assert!(PredictedTtftConfig::default().validate().is_ok());
+        let parsed: PredictedTtftConfig =
+            serde_json::from_str(r#"{"credit": {"base": 2.0}}"#).unwrap();
+        assert_eq!(parsed.credit.base, 2.0);
+        assert_eq!(
+            parsed.credit.balanced, 40.0,
+            "unset knobs keep their defaults"
+        );
+    }
+}
