@@ -205,6 +205,13 @@ async fn relay_reads_a_libzmq_publisher_and_replay_socket() {
     })
     .await
     .unwrap();
+    // The counters are bumped after the recovered events are published, so the index
+    // can show prompt B a moment before they do: wait for them too.
+    eventually("the relay to count the filled gap", WAIT, || async {
+        (relay.counters().gaps("filled") >= 1 && relay.counters().frames("ok") >= 4).then_some(())
+    })
+    .await
+    .unwrap();
     assert_eq!(
         relay.counters().gaps("filled"),
         1,
