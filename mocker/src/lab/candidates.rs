@@ -36,6 +36,12 @@ pub struct PredictedTtftKnobs {
     /// pending prefill: when every rank has a queue, a cached token saves time for
     /// every request queued behind this one, not only for this one.
     pub backlog_credit: f64,
+    /// The credits above apply only when the rank caches at least this fraction of
+    /// the prompt; below it a cached token is worth exactly its own prefill (credit
+    /// 1), so a short shared prefix (a system prompt) does not pull every request to
+    /// the rank holding it. SGLang's cache-aware router uses 0.3 as its match-ratio
+    /// threshold.
+    pub min_match_ratio: f64,
 }
 
 /// A prototype cost, in predicted model ms. Lower wins.
@@ -46,7 +52,8 @@ pub struct PredictedTtftKnobs {
 /// rank's active requests and `D` its active decode blocks:
 ///
 /// ```text
-/// credit = base_credit + balanced_credit / (1 + (P − P_min) / B) + backlog_credit × P_min / B
+/// credit = 1                                                          if O < min_match_ratio × N
+///        = base_credit + balanced_credit / (1 + (P − P_min) / B) + backlog_credit × P_min / B  otherwise
 /// steps  = max(1, ceil((P + N − O) / B))
 /// cost   = prefill_ms_per_token × (P + N − credit × O)
 ///        + steps × (step_base_ms + decode_ms_per_seq × R + kv_read_ms_per_token × D × block_size)
@@ -70,6 +77,7 @@ impl Candidate {
         base_credit: 1.0,
         balanced_credit: 0.0,
         backlog_credit: 0.0,
+        min_match_ratio: 0.0,
     });
     /// `ttft-inflight`: the plain prediction, crediting in-flight prefixes.
     pub const TTFT_INFLIGHT: Candidate = Candidate::PredictedTtft(PredictedTtftKnobs {
@@ -77,8 +85,10 @@ impl Candidate {
         base_credit: 1.0,
         balanced_credit: 0.0,
         backlog_credit: 0.0,
+        min_match_ratio: 0.0,
     });
-    /// `ttft-credit`: in-flight prefixes and the credits (12, 40, 1) tuned with this
+    /// `ttft-credit`: in-flight prefixes and the credits (12, 40, 1, above a 0.3 match
+    /// ratio) tuned with this
     /// lab on the Mooncake conversation trace (`docs/benchmarks.md`); the prototype of
     /// the scheduler's `predicted-ttft` policy.
     pub const TTFT_CREDIT: Candidate = Candidate::PredictedTtft(PredictedTtftKnobs {
@@ -86,6 +96,7 @@ impl Candidate {
         base_credit: 12.0,
         balanced_credit: 40.0,
         backlog_credit: 1.0,
+        min_match_ratio: 0.3,
     });
 
     /// Every named prototype, in documentation order.
@@ -103,7 +114,7 @@ impl Candidate {
     }
 
     /// The command-line name: `ttft`, `ttft-inflight`, `ttft-credit`, or
-    /// `ttft:<base>,<balanced>,<backlog>,<inflight 0|1>` for other knobs.
+    /// `ttft:<base>,<balanced>,<backlog>,<inflight 0|1>,<min ratio>` for other knobs.
     pub fn name(self) -> String {
         if self == Candidate::TTFT {
             "ttft".to_owned()
@@ -114,20 +125,21 @@ impl Candidate {
         } else {
             let Candidate::PredictedTtft(k) = self;
             format!(
-                "ttft:{},{},{},{}",
+                "ttft:{},{},{},{},{}",
                 k.base_credit,
                 k.balanced_credit,
                 k.backlog_credit,
-                u8::from(k.in_flight)
+                u8::from(k.in_flight),
+                k.min_match_ratio
             )
         }
     }
 }
 
-/// Parses `<base>,<balanced>,<backlog>,<inflight 0|1>` (finite credits ≥ 0).
+/// Parses `<base>,<balanced>,<backlog>,<inflight 0|1>,<min ratio>` (finite, ≥ 0).
 fn parse_knobs(s: &str) -> Option<PredictedTtftKnobs> {
     let parts: Vec<&str> = s.split(',').collect();
-    let [base, balanced, backlog, in_flight] = parts.as_slice() else {
+    let [base, balanced, backlog, in_flight, ratio] = parts.as_slice() else {
         return None;
     };
     let credit = |v: &str| v.parse::<f64>().ok().filter(|x| x.is_finite() && *x >= 0.0);
@@ -140,6 +152,7 @@ fn parse_knobs(s: &str) -> Option<PredictedTtftKnobs> {
         base_credit: credit(base)?,
         balanced_credit: credit(balanced)?,
         backlog_credit: credit(backlog)?,
+        min_match_ratio: credit(ratio)?,
     })
 }
 
@@ -151,7 +164,9 @@ impl std::str::FromStr for Candidate {
             return parse_knobs(knobs)
                 .map(Candidate::PredictedTtft)
                 .ok_or_else(|| {
-                    format!("candidate `{s}`: expected ttft:<base>,<balanced>,<backlog>,<0|1>")
+                    format!(
+                        "candidate `{s}`: expected ttft:<base>,<balanced>,<backlog>,<0|1>,<ratio>"
+                    )
                 });
         }
         Candidate::ALL
@@ -160,7 +175,7 @@ impl std::str::FromStr for Candidate {
             .ok_or_else(|| {
                 let names: Vec<String> = Candidate::ALL.iter().map(|c| c.name()).collect();
                 format!(
-                    "unknown candidate `{s}` (expected one of {}, or ttft:<base>,<balanced>,<backlog>,<0|1>)",
+                    "unknown candidate `{s}` (expected one of {}, or ttft:<base>,<balanced>,<backlog>,<0|1>,<ratio>)",
                     names.join(", ")
                 )
             })
@@ -240,9 +255,13 @@ impl CandidateRouter {
         let cached = (u64::from(overlap_blocks) * bs).min(num_tokens);
         let pending = load.pending_prefill_tokens;
         let excess = pending.saturating_sub(min_pending) as f64 / budget as f64;
-        let credit = k.base_credit
-            + k.balanced_credit / (1.0 + excess)
-            + k.backlog_credit * min_pending as f64 / budget as f64;
+        let credit = if (cached as f64) < k.min_match_ratio * num_tokens as f64 {
+            1.0
+        } else {
+            k.base_credit
+                + k.balanced_credit / (1.0 + excess)
+                + k.backlog_credit * min_pending as f64 / budget as f64
+        };
         let steps = (pending + num_tokens - cached).div_ceil(budget).max(1);
         let per_step = t.step_base_ms
             + t.decode_ms_per_seq * load.requests as f64
@@ -374,6 +393,7 @@ mod tests {
             base_credit: 2.0,
             balanced_credit: 4.0,
             backlog_credit: 1.0,
+            min_match_ratio: 0.0,
         };
         let r = router(Candidate::PredictedTtft(knobs), 1);
         // The credit per cached token: one more cached block (64 tokens) lowers the
@@ -391,6 +411,24 @@ mod tests {
         assert!((credit(1_000, 0) - 4.0).abs() < 1e-9);
         // A backlog of two budgets everywhere: 2 + 4 + 1 × 2.
         assert!((credit(2_000, 2_000) - 8.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn credits_apply_only_above_the_match_ratio() {
+        let knobs = PredictedTtftKnobs {
+            in_flight: false,
+            base_credit: 5.0,
+            balanced_credit: 0.0,
+            backlog_credit: 0.0,
+            min_match_ratio: 0.5,
+        };
+        let r = router(Candidate::PredictedTtft(knobs), 1);
+        let idle = RankBooking::default();
+        // 640 tokens: 4 blocks (40%) cached earn credit 1, 5 blocks (50%) credit 5.
+        let below = r.cost(idle, 0, 640, 0) - r.cost(idle, 4, 640, 0);
+        assert!((below - 0.1 * 256.0).abs() < 1e-9, "{below}");
+        let above = r.cost(idle, 0, 640, 0) - r.cost(idle, 5, 640, 0);
+        assert!((above - 0.1 * 5.0 * 320.0).abs() < 1e-9, "{above}");
     }
 
     #[test]
@@ -451,14 +489,15 @@ mod tests {
             base_credit: 3.0,
             balanced_credit: 0.5,
             backlog_credit: 0.0,
+            min_match_ratio: 0.25,
         });
-        assert_eq!(custom.name(), "ttft:3,0.5,0,0");
+        assert_eq!(custom.name(), "ttft:3,0.5,0,0,0.25");
         assert_eq!(custom.name().parse::<Candidate>(), Ok(custom));
         for bad in [
-            "ttft:1,2,3",
-            "ttft:1,2,3,2",
-            "ttft:-1,0,0,0",
-            "ttft:x,0,0,1",
+            "ttft:1,2,3,1",
+            "ttft:1,2,3,2,0",
+            "ttft:-1,0,0,0,0",
+            "ttft:x,0,0,1,0",
         ] {
             assert!(bad.parse::<Candidate>().is_err(), "{bad}");
         }

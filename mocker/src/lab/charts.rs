@@ -33,8 +33,8 @@ pub const CHART_FILES: [&str; 3] = [
     "p99_ttft_vs_speedup.png",
 ];
 
-/// Line colours, one per policy in report order (cycled beyond eight).
-const PALETTE: [RGBColor; 8] = [
+/// Line colours, one per policy in report order (cycled beyond twelve).
+const PALETTE: [RGBColor; 12] = [
     RGBColor(31, 119, 180),
     RGBColor(255, 127, 14),
     RGBColor(44, 160, 44),
@@ -43,6 +43,10 @@ const PALETTE: [RGBColor; 8] = [
     RGBColor(140, 86, 75),
     RGBColor(227, 119, 194),
     RGBColor(23, 190, 207),
+    RGBColor(188, 189, 34),
+    RGBColor(127, 127, 127),
+    RGBColor(0, 0, 128),
+    RGBColor(0, 100, 0),
 ];
 
 fn color(i: usize) -> RGBColor {

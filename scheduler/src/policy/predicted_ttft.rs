@@ -6,7 +6,8 @@
 //! ```text
 //! O      = min(N, block_size × overlap)        overlap = max(indexed overlap blocks,
 //!                                                            in-flight overlap blocks)
-//! credit = base + balanced / (1 + (P − P_min) / B) + backlog × P_min / B
+//! credit = 1                                                    if O < min_match_ratio × N
+//!        = base + balanced / (1 + (P − P_min) / B) + backlog × P_min / B   otherwise
 //! steps  = max(1, ceil((P + N − O) / B))
 //! cost   = prefill_ms_per_token × (P + N − credit × O)
 //!        + steps × (step_base_ms + decode_ms_per_seq × R + kv_read_ms_per_token × D × block_size)
@@ -30,7 +31,10 @@
 //! per `B` tokens of excess queue (decay of overlap credit under load, so a hot prefix
 //! does not make requests queue); `backlog` per step of queue that even the least
 //! loaded rank has (when every rank is backlogged, a saved token saves time for every
-//! request behind this one).
+//! request behind this one). The credits only apply when the rank caches at least
+//! `min_match_ratio` of the prompt (SGLang's cache-aware router threshold, 0.3): a
+//! short shared prefix such as a system prompt must not pull every request to the
+//! rank that holds it.
 //!
 //! Source: designed and tuned with the routing-quality lab (`kv-mocker lab`, the
 //! `ttft-credit` prototype in `mocker/src/lab/candidates.rs`) on the Mooncake FAST'25
@@ -92,6 +96,10 @@ pub struct ReuseCredit {
     /// Count blocks of requests in flight on the rank as cached (needs the
     /// scheduler's `assume_kv_reuse`). Default true.
     pub in_flight: bool,
+    /// The extra credits apply only when the rank caches at least this fraction of
+    /// the prompt, in `[0, 1]`; below it the credit is 1. Default 0.3 (SGLang's
+    /// cache-aware `cache_threshold`).
+    pub min_match_ratio: f64,
 }
 
 impl Default for ReuseCredit {
@@ -102,6 +110,7 @@ impl Default for ReuseCredit {
             balanced: 40.0,
             backlog: 1.0,
             in_flight: true,
+            min_match_ratio: 0.3,
         }
     }
 }
@@ -145,7 +154,14 @@ impl PredictedTtftConfig {
         let c = &self.credit;
         check_non_negative("policy.predicted_ttft.credit.base", c.base)?;
         check_non_negative("policy.predicted_ttft.credit.balanced", c.balanced)?;
-        check_non_negative("policy.predicted_ttft.credit.backlog", c.backlog)
+        check_non_negative("policy.predicted_ttft.credit.backlog", c.backlog)?;
+        if !(0.0..=1.0).contains(&c.min_match_ratio) {
+            return Err(SchedulerError::InvalidConfig {
+                field: "policy.predicted_ttft.credit.min_match_ratio",
+                reason: format!("must be in [0, 1], got {}", c.min_match_ratio),
+            });
+        }
+        Ok(())
     }
 }
 
@@ -171,8 +187,11 @@ pub fn predicted_ttft_cost(
     let cached = (u64::from(overlap) * bs).min(n);
     let pending = c.load.active_prefill_tokens;
     let excess = pending.saturating_sub(min_pending) as f64 / budget as f64;
-    let credit =
-        k.base + k.balanced / (1.0 + excess) + k.backlog * min_pending as f64 / budget as f64;
+    let credit = if (cached as f64) < k.min_match_ratio * n as f64 {
+        1.0
+    } else {
+        k.base + k.balanced / (1.0 + excess) + k.backlog * min_pending as f64 / budget as f64
+    };
     let steps = pending.saturating_add(n - cached).div_ceil(budget).max(1);
     let per_step = t.step_base_ms
         + t.decode_ms_per_seq * c.load.active_requests as f64
@@ -229,6 +248,7 @@ mod tests {
                 balanced,
                 backlog,
                 in_flight,
+                min_match_ratio: 0.0,
             },
         }
     }
@@ -275,6 +295,20 @@ mod tests {
             (credit(2_000, 2_000) - 8.0).abs() < 1e-9,
             "2 + 4 + 2 backlog steps"
         );
+    }
+
+    #[test]
+    fn credits_need_the_minimum_match_ratio() {
+        let req = shape(10, 640, 64);
+        let mut cfg = config(5.0, 0.0, 0.0, false);
+        cfg.credit.min_match_ratio = 0.5;
+        let saving = |overlap: u32| {
+            predicted_ttft_cost(&cfg, &req, &cand(1, 0, 0, 0, 10), 0)
+                - predicted_ttft_cost(&cfg, &req, &cand(1, overlap, 0, 0, 10), 0)
+        };
+        // 4 of 10 blocks (40%): credit 1; 5 blocks (50%): credit 5.
+        assert!((saving(4) - 0.1 * 256.0).abs() < 1e-9);
+        assert!((saving(5) - 0.1 * 5.0 * 320.0).abs() < 1e-9);
     }
 
     #[test]
@@ -332,6 +366,9 @@ mod tests {
                 ..
             })
         ));
+        let mut bad = PredictedTtftConfig::default();
+        bad.credit.min_match_ratio = 1.5;
+        assert!(bad.validate().is_err());
         let mut bad = PredictedTtftConfig::default();
         bad.timing.max_num_batched_tokens = 0;
         assert!(bad.validate().is_err());
