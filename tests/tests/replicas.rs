@@ -268,6 +268,16 @@ async fn lifecycle_reaches_every_replica_and_bad_sync_input_is_skipped() -> anyh
             (daemon.state().scheduler().active_requests() == 0).then_some(())
         })
         .await?;
+        // A replica's own sync messages come back from NATS asynchronously, after it
+        // has already applied the change locally: wait for one to be seen and ignored.
+        eventually(
+            "a replica to see (and ignore) its own sync message",
+            WAIT,
+            || async {
+                (daemon.state().admission.replicas.metrics().get("in", "own") > 0).then_some(())
+            },
+        )
+        .await?;
         let sync = daemon.state().admission.replicas.metrics();
         assert!(
             sync.get("in", "own") > 0,
