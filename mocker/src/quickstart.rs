@@ -63,7 +63,7 @@ pub struct QuickstartArgs {
     #[arg(long, default_value_t = 1024)]
     pub num_gpu_blocks: u64,
     /// Routing policy to replay under; repeat for several passes, run in order.
-    #[arg(long = "policy", value_name = "POLICY", default_values = ["kv", "round-robin"])]
+    #[arg(long = "policy", value_name = "POLICY", default_values = ["predicted-ttft", "kv", "round-robin"])]
     pub policies: Vec<PolicyKind>,
     /// Directory holding the `kv-mocker` and `kv-router` executables; default: the
     /// directory of this executable.
@@ -324,7 +324,14 @@ mod tests {
         assert_eq!(args.workers, 8);
         assert_eq!(u64::from(args.block_size), crate::trace::TRACE_BLOCK_SIZE);
         assert_eq!(args.time_scale.get(), 10.0);
-        assert_eq!(args.policies, vec![PolicyKind::Kv, PolicyKind::RoundRobin]);
+        assert_eq!(
+            args.policies,
+            vec![
+                PolicyKind::PredictedTtft,
+                PolicyKind::Kv,
+                PolicyKind::RoundRobin
+            ]
+        );
         assert_eq!(args.out, PathBuf::from("target/quickstart"));
         assert!(args.trace.is_none());
     }

@@ -58,9 +58,11 @@ impl ReplayReport {
                 parts.join(", ")
             );
         }
-        if let Some(line) = self.comparison(PolicyKind::Kv, PolicyKind::RoundRobin) {
-            out.push_str(&line);
-            out.push('\n');
+        for kv_aware in [PolicyKind::PredictedTtft, PolicyKind::Kv] {
+            if let Some(line) = self.comparison(kv_aware, PolicyKind::RoundRobin) {
+                out.push_str(&line);
+                out.push('\n');
+            }
         }
         out
     }
