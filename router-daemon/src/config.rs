@@ -2,8 +2,11 @@
 //! edge and validated into typed sub-configs, each handed only to the part that owns
 //! it: [`NatsConfig`] to the NATS client, [`EtcdConfig`] to discovery,
 //! [`indexer::IndexerConfig`] to the indexer and [`scheduler::SchedulerConfig`] to the
-//! scheduler. Every policy's knobs live in its own `PolicyConfig` variant.
+//! scheduler. Every policy's knobs live in its own `PolicyConfig` variant. The NATS
+//! and etcd flags are declared (and validated) once in [`crate::connection_args`],
+//! shared with `kv-router relay`.
 
+pub use crate::connection_args::{ConnectionArgsError, EtcdArgs, NatsArgs};
 pub use crate::http::{HttpConfig, ListenAddr};
 pub use crate::nats::{ClientCertificate, NatsAuth, NatsConfig, NatsTls};
 use clap::Args;
@@ -21,49 +24,9 @@ pub struct ServeArgs {
     /// TOML configuration file; environment variables and flags override its values.
     #[arg(long, env = "KV_ROUTER_CONFIG", value_name = "PATH")]
     pub config: Option<PathBuf>,
-    /// NATS server URL(s), comma-separated (a cluster's seed list).
-    #[arg(
-        long,
-        help_heading = "NATS",
-        env = "KV_ROUTER_NATS_URL",
-        default_value = "nats://127.0.0.1:4222",
-        value_delimiter = ','
-    )]
-    pub nats_url: Vec<String>,
-    /// NATS credentials file (user JWT + nkey seed, `.creds`).
-    #[arg(long, help_heading = "NATS", env = "KV_ROUTER_NATS_CREDS")]
-    pub nats_creds: Option<PathBuf>,
-    /// NATS authentication token.
-    #[arg(
-        long,
-        help_heading = "NATS",
-        env = "KV_ROUTER_NATS_TOKEN",
-        hide_env_values = true
-    )]
-    pub nats_token: Option<String>,
-    /// NATS user name (with --nats-password).
-    #[arg(long, help_heading = "NATS", env = "KV_ROUTER_NATS_USER")]
-    pub nats_user: Option<String>,
-    /// NATS password (with --nats-user).
-    #[arg(
-        long,
-        help_heading = "NATS",
-        env = "KV_ROUTER_NATS_PASSWORD",
-        hide_env_values = true
-    )]
-    pub nats_password: Option<String>,
-    /// Root CA (PEM) to verify the NATS servers with, in addition to the system roots.
-    #[arg(long, help_heading = "NATS", env = "KV_ROUTER_NATS_TLS_CA")]
-    pub nats_tls_ca: Option<PathBuf>,
-    /// Client certificate (PEM) for mutual TLS with NATS (with --nats-tls-key).
-    #[arg(long, help_heading = "NATS", env = "KV_ROUTER_NATS_TLS_CERT")]
-    pub nats_tls_cert: Option<PathBuf>,
-    /// Private key (PEM) of --nats-tls-cert.
-    #[arg(long, help_heading = "NATS", env = "KV_ROUTER_NATS_TLS_KEY")]
-    pub nats_tls_key: Option<PathBuf>,
-    /// Refuse to talk to NATS without TLS.
-    #[arg(long, help_heading = "NATS", env = "KV_ROUTER_NATS_TLS_REQUIRED")]
-    pub nats_tls_required: bool,
+    /// NATS servers, authentication and TLS (shared with `relay`).
+    #[command(flatten)]
+    pub nats: NatsArgs,
     /// Address of the HTTP endpoint (/metrics, /health/livez, /health/readyz,
     /// /debug/workers), or `off`.
     #[arg(
@@ -73,15 +36,9 @@ pub struct ServeArgs {
         default_value = "0.0.0.0:9090"
     )]
     pub http_listen: ListenAddr,
-    /// etcd endpoint URL(s), comma-separated.
-    #[arg(
-        long,
-        help_heading = "etcd",
-        env = "KV_ROUTER_ETCD_ENDPOINTS",
-        default_value = "http://127.0.0.1:2379",
-        value_delimiter = ','
-    )]
-    pub etcd_endpoints: Vec<String>,
+    /// etcd endpoints and connect timeout (shared with `relay`).
+    #[command(flatten)]
+    pub etcd: EtcdArgs,
     /// Namespace of every subject and etcd key (letters, digits, '_' and '-').
     #[arg(
         long,
@@ -118,14 +75,6 @@ pub struct ServeArgs {
         default_value_t = 256
     )]
     pub max_inflight_routes: usize,
-    /// etcd connect timeout, in milliseconds.
-    #[arg(
-        long,
-        help_heading = "etcd",
-        env = "KV_ROUTER_ETCD_CONNECT_TIMEOUT_MS",
-        default_value_t = 5000
-    )]
-    pub etcd_connect_timeout_ms: u64,
 }
 
 /// How to reach etcd.
@@ -185,6 +134,9 @@ pub enum ConfigError {
         /// What is wrong with it.
         reason: String,
     },
+    /// A NATS or etcd flag is unusable.
+    #[error(transparent)]
+    Connection(#[from] ConnectionArgsError),
     /// The scheduler rejected its sub-config.
     #[error("invalid scheduler config: {0}")]
     Scheduler(#[from] scheduler::SchedulerError),
@@ -204,15 +156,8 @@ impl DaemonConfig {
         if args.block_size == 0 {
             return Err(invalid("block-size", "must be at least 1 token"));
         }
-        if args.nats_url.iter().all(|u| u.trim().is_empty()) {
-            return Err(invalid("nats-url", "at least one url is required"));
-        }
-        if args.etcd_endpoints.iter().all(|u| u.trim().is_empty()) {
-            return Err(invalid(
-                "etcd-endpoints",
-                "at least one endpoint is required",
-            ));
-        }
+        let nats = args.nats.to_config()?;
+        let etcd = args.etcd.to_config()?;
         if args.max_inflight_routes == 0 {
             return Err(invalid("max-inflight-routes", "must be at least 1"));
         }
@@ -233,14 +178,11 @@ impl DaemonConfig {
         let durability = args.index.apply(&subjects, &mut indexer)?;
         Ok(Self {
             subjects,
-            nats: nats_config(args)?,
+            nats,
             http: HttpConfig {
                 listen: args.http_listen,
             },
-            etcd: EtcdConfig {
-                endpoints: trimmed(&args.etcd_endpoints),
-                connect_timeout: Duration::from_millis(args.etcd_connect_timeout_ms),
-            },
+            etcd,
             route: RouteConfig {
                 block_size: args.block_size,
                 max_inflight: args.max_inflight_routes,
@@ -252,58 +194,6 @@ impl DaemonConfig {
             rng_seed: args.seed,
         })
     }
-}
-
-/// NATS servers, authentication (at most one method) and TLS from the flags.
-fn nats_config(args: &ServeArgs) -> Result<NatsConfig, ConfigError> {
-    let invalid = |field: &'static str, reason: &str| ConfigError::Invalid {
-        field,
-        reason: reason.to_owned(),
-    };
-    let auth = match (
-        &args.nats_creds,
-        &args.nats_token,
-        &args.nats_user,
-        &args.nats_password,
-    ) {
-        (None, None, None, None) => NatsAuth::None,
-        (Some(path), None, None, None) => NatsAuth::CredentialsFile(path.clone()),
-        (None, Some(token), None, None) => NatsAuth::Token(token.clone()),
-        (None, None, Some(user), Some(password)) => NatsAuth::UserPassword {
-            user: user.clone(),
-            password: password.clone(),
-        },
-        (None, None, Some(_), None) => {
-            return Err(invalid("nats-password", "required with --nats-user"));
-        }
-        (None, None, None, Some(_)) => {
-            return Err(invalid("nats-user", "required with --nats-password"));
-        }
-        _ => {
-            return Err(invalid(
-                "nats-creds",
-                "choose one of --nats-creds, --nats-token or --nats-user/--nats-password",
-            ));
-        }
-    };
-    let client_cert = match (&args.nats_tls_cert, &args.nats_tls_key) {
-        (None, None) => None,
-        (Some(cert), Some(key)) => Some(ClientCertificate {
-            cert: cert.clone(),
-            key: key.clone(),
-        }),
-        (Some(_), None) => return Err(invalid("nats-tls-key", "required with --nats-tls-cert")),
-        (None, Some(_)) => return Err(invalid("nats-tls-cert", "required with --nats-tls-key")),
-    };
-    Ok(NatsConfig {
-        servers: trimmed(&args.nats_url),
-        auth,
-        tls: NatsTls {
-            ca_file: args.nats_tls_ca.clone(),
-            client_cert,
-            required: args.nats_tls_required,
-        },
-    })
 }
 
 /// Trims each value and drops empty ones (comma-separated flag lists).
@@ -360,6 +250,27 @@ mod tests {
     }
 
     #[test]
+    fn nats_auth_and_tls_flags_reach_the_nats_config() {
+        let config = DaemonConfig::from_args(&parse(&[
+            "--nats-creds",
+            "/s/router.creds",
+            "--nats-tls-ca",
+            "/s/ca.pem",
+            "--nats-tls-required",
+            "--etcd-connect-timeout-ms",
+            "250",
+        ]))
+        .unwrap();
+        assert_eq!(
+            config.nats.auth,
+            NatsAuth::CredentialsFile("/s/router.creds".into())
+        );
+        assert_eq!(config.nats.tls.ca_file, Some("/s/ca.pem".into()));
+        assert!(config.nats.tls.required);
+        assert_eq!(config.etcd.connect_timeout, Duration::from_millis(250));
+    }
+
+    #[test]
     fn bad_values_name_their_field() {
         let err = DaemonConfig::from_args(&parse(&["--block-size", "0"])).unwrap_err();
         assert!(err.to_string().contains("--block-size"), "{err}");
@@ -367,6 +278,10 @@ mod tests {
         assert!(err.to_string().contains("--namespace"), "{err}");
         let err = DaemonConfig::from_args(&parse(&["--shards", "0"])).unwrap_err();
         assert!(err.to_string().contains("--shards"), "{err}");
+        let err = DaemonConfig::from_args(&parse(&["--nats-tls-cert", "c.pem"])).unwrap_err();
+        assert!(err.to_string().contains("--nats-tls-key"), "{err}");
+        let err = DaemonConfig::from_args(&parse(&["--nats-user", "u"])).unwrap_err();
+        assert!(err.to_string().contains("--nats-password"), "{err}");
         let err = DaemonConfig::from_args(&parse(&["--overlap-weight", "-1"])).unwrap_err();
         assert!(err.to_string().contains("prefill_load_scale"), "{err}");
         assert!(Cli::try_parse_from(["kv-router", "--policy", "best"]).is_err());

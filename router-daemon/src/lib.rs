@@ -10,6 +10,7 @@
 //! - [`barrier`]: a NATS round trip proving our subscriptions are registered.
 //! - [`config`]: command-line flags parsed once into typed, validated sub-configs.
 //! - [`config_file`]: the TOML file under environment and flags; `config print`.
+//! - [`connection_args`]: the NATS and etcd flags, shared by `serve` and `relay`.
 //! - [`daemon`]: start-up and the shutdown order (stop intake → drain shards → close).
 //! - [`discovery`]: etcd worker registrations: initial load, then a watch.
 //! - [`durability`]: gap recovery from publishers, start-up resync, the optional
@@ -35,6 +36,7 @@ pub mod admission;
 pub mod barrier;
 pub mod config;
 pub mod config_file;
+pub mod connection_args;
 pub mod counters;
 pub mod daemon;
 pub mod directory;

@@ -143,6 +143,28 @@ impl NatsConfig {
         }
         Ok(options.name(name))
     }
+
+    /// Connects to this config's servers as client `name`, with its authentication
+    /// and TLS ([`Self::connect_options`]) and whatever `adjust` adds (retry, event
+    /// callback). The one way both `serve` and `relay` connect.
+    ///
+    /// # Errors
+    /// [`NatsError`] when the options are unusable (unreadable credentials, bad URL)
+    /// or, unless `adjust` asks to retry the initial connection, when no server
+    /// answers.
+    pub async fn connect_with(
+        &self,
+        name: &str,
+        adjust: impl FnOnce(async_nats::ConnectOptions) -> async_nats::ConnectOptions,
+    ) -> Result<async_nats::Client, NatsError> {
+        adjust(self.connect_options(name).await?)
+            .connect(self.servers.clone())
+            .await
+            .map_err(|source| NatsError::Connect {
+                servers: self.servers.clone(),
+                source,
+            })
+    }
 }
 
 /// Connects to NATS for the daemon: the client reports every connection event to
@@ -155,21 +177,16 @@ pub async fn connect(
     config: &NatsConfig,
     state: Arc<RouterState>,
 ) -> Result<async_nats::Client, NatsError> {
-    let options = config
-        .connect_options("kv-router")
-        .await?
-        .retry_on_initial_connect()
-        .event_callback(move |event| {
-            let state = state.clone();
-            async move { state.health.nats_event(&event) }
-        });
-    options
-        .connect(config.servers.clone())
-        .await
-        .map_err(|source| NatsError::Connect {
-            servers: config.servers.clone(),
-            source,
+    config
+        .connect_with("kv-router", |options| {
+            options
+                .retry_on_initial_connect()
+                .event_callback(move |event| {
+                    let state = state.clone();
+                    async move { state.health.nats_event(&event) }
+                })
         })
+        .await
 }
 
 /// How long a subscription drain may take at shutdown before its remaining messages

@@ -1,7 +1,8 @@
 //! `kv-router relay` flags, validated into typed sub-configs: where the engine
 //! publishes ([`EngineConfig`]), who the worker is ([`WorkerConfig`]), where to publish
-//! and register (NATS, etcd, namespace, shared with `serve`), and the optional
-//! Prometheus scrape ([`ScrapeConfig`]).
+//! and register ([`NatsConfig`] and [`EtcdConfig`], from the very flags of `serve`:
+//! see [`crate::connection_args`]; and the namespace), and the optional Prometheus
+//! scrape ([`ScrapeConfig`]).
 //!
 //! Endpoint layout follows the engines: vLLM and SGLang bind one PUB socket per data
 //! parallel rank at the configured port plus the rank, and the same for the replay
@@ -11,7 +12,9 @@
 //! is read from each batch.
 
 use crate::config::{EtcdConfig, trimmed};
+use crate::connection_args::{ConnectionArgsError, EtcdArgs, NatsArgs};
 use crate::http::ListenAddr;
+use crate::nats::NatsConfig;
 use clap::{Args, ValueEnum};
 use kv_events::discovery::WorkerRegistration;
 use kv_events::{DpRank, Namespace, Subjects, WorkerId};
@@ -29,7 +32,8 @@ pub enum EngineFormat {
 }
 
 /// `kv-router relay` flags. Each can also be set by the environment variable in its
-/// help text.
+/// help text. The NATS and etcd flags (and their `KV_ROUTER_*` variables) are
+/// `serve`'s, so a relay can share the daemon's environment and secret mounts.
 #[derive(Debug, Clone, Args)]
 pub struct RelayArgs {
     /// Engine ZMQ PUB endpoint(s), e.g. tcp://127.0.0.1:5557 (repeatable or
@@ -87,22 +91,14 @@ pub struct RelayArgs {
     /// TTL of the etcd lease bound to the registration, in seconds.
     #[arg(long, env = "KV_RELAY_LEASE_TTL_SECS", default_value_t = 10)]
     pub lease_ttl_secs: u64,
-    /// NATS server URL(s), comma-separated.
-    #[arg(
-        long,
-        env = "KV_ROUTER_NATS_URL",
-        default_value = "nats://127.0.0.1:4222",
-        value_delimiter = ','
-    )]
-    pub nats_url: Vec<String>,
-    /// etcd endpoint URL(s), comma-separated.
-    #[arg(
-        long,
-        env = "KV_ROUTER_ETCD_ENDPOINTS",
-        default_value = "http://127.0.0.1:2379",
-        value_delimiter = ','
-    )]
-    pub etcd_endpoints: Vec<String>,
+    /// NATS servers, authentication and TLS: the same flags and `KV_ROUTER_NATS_*`
+    /// variables as `serve`.
+    #[command(flatten)]
+    pub nats: NatsArgs,
+    /// etcd endpoints and connect timeout: the same flags and `KV_ROUTER_ETCD_*`
+    /// variables as `serve`.
+    #[command(flatten)]
+    pub etcd: EtcdArgs,
     /// Namespace of every subject and etcd key (letters, digits, '_' and '-').
     #[arg(long, env = "KV_ROUTER_NAMESPACE", default_value = "kv-router")]
     pub namespace: String,
@@ -161,8 +157,8 @@ pub struct ScrapeConfig {
 pub struct RelayConfig {
     /// Subjects and keys of the namespace.
     pub subjects: Subjects,
-    /// NATS server URLs.
-    pub nats_servers: Vec<String>,
+    /// NATS servers, authentication and TLS.
+    pub nats: NatsConfig,
     /// etcd connection.
     pub etcd: EtcdConfig,
     /// The engine's sockets.
@@ -189,6 +185,9 @@ pub enum RelayConfigError {
         /// What is wrong with it.
         reason: String,
     },
+    /// A NATS or etcd flag is unusable (the same check as `serve`'s).
+    #[error(transparent)]
+    Connection(#[from] ConnectionArgsError),
 }
 
 fn invalid(field: &'static str, reason: impl Into<String>) -> RelayConfigError {
@@ -312,17 +311,8 @@ impl RelayConfig {
         if args.lease_ttl_secs < 3 || i64::try_from(args.lease_ttl_secs).is_err() {
             return Err(invalid("lease-ttl-secs", "must be at least 3 seconds"));
         }
-        let nats_servers = trimmed(&args.nats_url);
-        if nats_servers.is_empty() {
-            return Err(invalid("nats-url", "at least one url is required"));
-        }
-        let etcd_endpoints = trimmed(&args.etcd_endpoints);
-        if etcd_endpoints.is_empty() {
-            return Err(invalid(
-                "etcd-endpoints",
-                "at least one endpoint is required",
-            ));
-        }
+        let nats = args.nats.to_config()?;
+        let etcd = args.etcd.to_config()?;
         let scrape = args
             .metrics_url
             .as_deref()
@@ -330,11 +320,8 @@ impl RelayConfig {
             .transpose()?;
         Ok(Self {
             subjects,
-            nats_servers,
-            etcd: EtcdConfig {
-                endpoints: etcd_endpoints,
-                connect_timeout: Duration::from_secs(5),
-            },
+            nats,
+            etcd,
             engine: EngineConfig {
                 endpoints,
                 topic: args.topic.clone(),
@@ -382,6 +369,7 @@ fn scrape_config(url: &str, interval_ms: u64) -> Result<ScrapeConfig, RelayConfi
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::nats::{ClientCertificate, NatsAuth};
     use clap::Parser;
 
     #[derive(Parser)]
@@ -450,6 +438,38 @@ mod tests {
             (s.addr.as_str(), s.path.as_str()),
             ("127.0.0.1:8000", "/metrics")
         );
+    }
+
+    #[test]
+    fn nats_auth_tls_and_etcd_flags_are_serves() {
+        let with = |extra: &[&str]| config(&[&["--engine-endpoint", "tcp://a:1"], extra].concat());
+        let auth = |extra: &[&str]| with(extra).unwrap().nats.auth;
+        let creds = NatsAuth::CredentialsFile("r.creds".into());
+        assert_eq!(auth(&["--nats-creds", "r.creds"]), creds);
+        assert_eq!(auth(&["--nats-token", "t"]), NatsAuth::Token("t".into()));
+        let (user, password) = ("u".into(), "p".into());
+        let up = NatsAuth::UserPassword { user, password };
+        assert_eq!(auth(&["--nats-user", "u", "--nats-password", "p"]), up);
+        let tls = [
+            "--nats-tls-ca",
+            "ca",
+            "--nats-tls-cert",
+            "c",
+            "--nats-tls-key",
+            "k",
+        ];
+        let c = with(&[&tls[..], &["--etcd-connect-timeout-ms", "250"]].concat()).unwrap();
+        let cert = ClientCertificate {
+            cert: "c".into(),
+            key: "k".into(),
+        };
+        assert_eq!(c.nats.tls.client_cert, Some(cert));
+        assert_eq!(c.nats.tls.ca_file, Some("ca".into()));
+        assert_eq!(c.etcd.connect_timeout, Duration::from_millis(250));
+        let err = |extra: &[&str]| with(extra).unwrap_err().to_string();
+        assert!(err(&["--nats-tls-cert", "c.pem"]).contains("--nats-tls-key"));
+        assert!(err(&["--nats-user", "u"]).contains("--nats-password"));
+        assert!(err(&["--nats-token", "t", "--nats-creds", "c"]).contains("--nats-creds"));
     }
 
     #[test]

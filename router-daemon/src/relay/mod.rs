@@ -88,20 +88,13 @@ impl Relay {
         registry: &prometheus::Registry,
     ) -> anyhow::Result<Self> {
         let counters = RelayCounters::register(registry).context("registering relay metrics")?;
-        let nats = async_nats::ConnectOptions::new()
-            .name("kv-router-relay")
-            .connect(config.nats_servers.clone())
-            .await
-            .with_context(|| format!("connecting to NATS at {:?}", config.nats_servers))?;
-        let etcd = etcd_client::Client::connect(
-            config.etcd.endpoints.clone(),
-            Some(
-                etcd_client::ConnectOptions::new()
-                    .with_connect_timeout(config.etcd.connect_timeout),
-            ),
-        )
-        .await
-        .with_context(|| format!("connecting to etcd at {:?}", config.etcd.endpoints))?;
+        // The daemon's connections, with the same auth and TLS; unlike the daemon the
+        // relay fails fast when NATS is down at start.
+        let nats = config
+            .nats
+            .connect_with("kv-router-relay", |options| options)
+            .await?;
+        let etcd = crate::discovery::connect(&config.etcd).await?;
         let registration = config.worker.registration;
         let worker_id = registration.worker_id;
         let subjects = &config.subjects;
