@@ -229,7 +229,7 @@ mod tests {
         assert_eq!(config.subjects.namespace().as_str(), "kv-router");
         assert!(matches!(
             config.scheduler.policy,
-            scheduler::PolicyConfig::Kv(_)
+            scheduler::PolicyConfig::PredictedTtft(_)
         ));
     }
 
@@ -282,7 +282,8 @@ mod tests {
         assert!(err.to_string().contains("--nats-tls-key"), "{err}");
         let err = DaemonConfig::from_args(&parse(&["--nats-user", "u"])).unwrap_err();
         assert!(err.to_string().contains("--nats-password"), "{err}");
-        let err = DaemonConfig::from_args(&parse(&["--overlap-weight", "-1"])).unwrap_err();
+        let err = DaemonConfig::from_args(&parse(&["--policy", "kv", "--overlap-weight", "-1"]))
+            .unwrap_err();
         assert!(err.to_string().contains("prefill_load_scale"), "{err}");
         assert!(Cli::try_parse_from(["kv-router", "--policy", "best"]).is_err());
     }

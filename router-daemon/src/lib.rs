@@ -22,6 +22,7 @@
 //! - [`queue`]: the bounded FCFS wait queue for when every worker is busy.
 //! - [`replicas`]: sequence sync of booked load between router replicas.
 //! - [`scheduling_args`]: the scheduling, queue and replica flags of `serve`.
+//! - [`policy_args`]: the default policy and each policy's knob flags.
 //! - [`state`]: the shared router state (indexer handle, scheduler lock, counters).
 //! - [`counters`]: Prometheus counters for messages the daemon handled or rejected.
 //! - [`metrics`]: every other Prometheus metric (routing, events, load, connections).
@@ -48,6 +49,7 @@ pub mod intake;
 pub mod lifecycle;
 pub mod metrics;
 pub mod nats;
+pub mod policy_args;
 pub mod probe;
 pub mod queue;
 pub mod relay;

@@ -3,81 +3,26 @@
 //! [`crate::ServeArgs`] and turned into [`scheduler::SchedulerConfig`] and
 //! [`AdmissionConfig`] once, at start-up.
 //!
-//! A policy knob flag given for a policy that does not have the knob is an error
-//! naming the flag, not silently ignored. Knob defaults are those of
-//! `PolicyConfig::default_for` (documented with their sources in the scheduler).
+//! The policy and its knobs are their own flag groups ([`PolicyArgs`]).
 
 use crate::admission::AdmissionConfig;
 use crate::config::ConfigError;
+use crate::policy_args::PolicyArgs;
 use crate::queue::QueueConfig;
 use crate::replicas::ReplicaConfig;
 use clap::{ArgAction, Args};
 use kv_events::RouterId;
-use kv_events::routing::PolicyKind;
 use scheduler::{
-    BusyThresholds, PolicyConfig, PrefillDurationModel, SchedulerConfig, SequencesConfig, Threshold,
+    BusyThresholds, PrefillDurationModel, SchedulerConfig, SequencesConfig, Threshold,
 };
 use std::time::Duration;
 
 /// Scheduling and admission flags.
 #[derive(Debug, Clone, Args)]
 pub struct SchedulingArgs {
-    /// Default routing policy: kv, kv-normalized, cache-aware-threshold, round-robin,
-    /// random or least-loaded (overridable per request).
-    #[arg(long, env = "KV_ROUTER_POLICY", default_value = "kv")]
-    pub policy: PolicyKind,
-    /// kv: weight of prefill blocks against decode blocks [default: 1.0].
-    #[arg(
-        long,
-        visible_alias = "overlap-weight",
-        env = "KV_ROUTER_PREFILL_LOAD_SCALE",
-        allow_negative_numbers = true
-    )]
-    pub prefill_load_scale: Option<f64>,
-    /// kv: prefill blocks saved per cached block [default: 1.0].
-    #[arg(long, env = "KV_ROUTER_OVERLAP_CREDIT", allow_negative_numbers = true)]
-    pub overlap_credit: Option<f64>,
-    /// kv, kv-normalized: softmax temperature over normalized costs; 0 always picks
-    /// the cheapest [default: 0].
-    #[arg(long, env = "KV_ROUTER_TEMPERATURE", allow_negative_numbers = true)]
-    pub temperature: Option<f64>,
-    /// kv-normalized: β, weight of the normalized-load term [default: 1.0].
-    #[arg(
-        long,
-        env = "KV_ROUTER_LOAD_BALANCE_WEIGHT",
-        allow_negative_numbers = true
-    )]
-    pub load_balance_weight: Option<f64>,
-    /// kv-normalized: cache affinity counts only above this match fraction
-    /// [default: 0.1].
-    #[arg(
-        long,
-        env = "KV_ROUTER_MATCH_RATE_THRESHOLD",
-        allow_negative_numbers = true
-    )]
-    pub match_rate_threshold: Option<f64>,
-    /// kv-normalized: per-rank cap in multiples of the fair share [default: 2.0].
-    #[arg(
-        long,
-        env = "KV_ROUTER_FAIR_SHARE_MULTIPLIER",
-        allow_negative_numbers = true
-    )]
-    pub fair_share_multiplier: Option<f64>,
-    /// cache-aware-threshold: route to the best match above this match fraction
-    /// [default: 0.3].
-    #[arg(long, env = "KV_ROUTER_CACHE_THRESHOLD", allow_negative_numbers = true)]
-    pub cache_threshold: Option<f64>,
-    /// cache-aware-threshold: imbalance when max − min active requests exceeds this
-    /// [default: 64].
-    #[arg(long, env = "KV_ROUTER_BALANCE_ABS_THRESHOLD")]
-    pub balance_abs_threshold: Option<u64>,
-    /// cache-aware-threshold: imbalance when max > min × this [default: 1.5].
-    #[arg(
-        long,
-        env = "KV_ROUTER_BALANCE_REL_THRESHOLD",
-        allow_negative_numbers = true
-    )]
-    pub balance_rel_threshold: Option<f64>,
+    /// The default policy and its knobs.
+    #[command(flatten)]
+    pub policy: PolicyArgs,
     /// Count prefix blocks shared by concurrent requests on one rank once (engines
     /// with prefix sharing during decode); false counts every request's blocks.
     #[arg(long, env = "KV_ROUTER_ASSUME_KV_REUSE", default_value_t = true, action = ArgAction::Set)]
@@ -128,7 +73,7 @@ impl SchedulingArgs {
             return Err(invalid("request-ttl-ms", "must be at least 1 ms".into()));
         }
         let scheduler = SchedulerConfig {
-            policy: self.policy_config()?,
+            policy: self.policy.policy_config()?,
             sequences: SequencesConfig {
                 assume_kv_reuse: self.assume_kv_reuse,
                 request_ttl: Duration::from_millis(self.request_ttl_ms),
@@ -157,104 +102,13 @@ impl SchedulingArgs {
         };
         Ok((scheduler, admission))
     }
-
-    /// The default policy with the knob flags applied; a knob of another policy is
-    /// an error.
-    fn policy_config(&self) -> Result<PolicyConfig, ConfigError> {
-        use PolicyKind::{CacheAwareThreshold, Kv, KvNormalized};
-        let knobs: [(&'static str, bool, &[PolicyKind]); 9] = [
-            (
-                "prefill-load-scale",
-                self.prefill_load_scale.is_some(),
-                &[Kv],
-            ),
-            ("overlap-credit", self.overlap_credit.is_some(), &[Kv]),
-            (
-                "temperature",
-                self.temperature.is_some(),
-                &[Kv, KvNormalized],
-            ),
-            (
-                "load-balance-weight",
-                self.load_balance_weight.is_some(),
-                &[KvNormalized],
-            ),
-            (
-                "match-rate-threshold",
-                self.match_rate_threshold.is_some(),
-                &[KvNormalized],
-            ),
-            (
-                "fair-share-multiplier",
-                self.fair_share_multiplier.is_some(),
-                &[KvNormalized],
-            ),
-            (
-                "cache-threshold",
-                self.cache_threshold.is_some(),
-                &[CacheAwareThreshold],
-            ),
-            (
-                "balance-abs-threshold",
-                self.balance_abs_threshold.is_some(),
-                &[CacheAwareThreshold],
-            ),
-            (
-                "balance-rel-threshold",
-                self.balance_rel_threshold.is_some(),
-                &[CacheAwareThreshold],
-            ),
-        ];
-        for (flag, set, policies) in knobs {
-            if set && !policies.contains(&self.policy) {
-                let names: Vec<&str> = policies.iter().map(|p| p.as_str()).collect();
-                return Err(ConfigError::Invalid {
-                    field: flag,
-                    reason: format!(
-                        "applies to policy {}, not {}",
-                        names.join(" and "),
-                        self.policy
-                    ),
-                });
-            }
-        }
-        let mut policy = PolicyConfig::default_for(self.policy);
-        match &mut policy {
-            PolicyConfig::Kv(c) => {
-                set(&mut c.prefill_load_scale, self.prefill_load_scale);
-                set(&mut c.overlap_credit, self.overlap_credit);
-                set(&mut c.temperature, self.temperature);
-            }
-            PolicyConfig::KvNormalized(c) => {
-                set(&mut c.load_balance_weight, self.load_balance_weight);
-                set(&mut c.match_rate_threshold, self.match_rate_threshold);
-                set(&mut c.fair_share_multiplier, self.fair_share_multiplier);
-                set(&mut c.temperature, self.temperature);
-            }
-            PolicyConfig::CacheAwareThreshold(c) => {
-                set(&mut c.cache_threshold, self.cache_threshold);
-                set(&mut c.balance_abs_threshold, self.balance_abs_threshold);
-                set(&mut c.balance_rel_threshold, self.balance_rel_threshold);
-            }
-            PolicyConfig::RoundRobin
-            | PolicyConfig::Random
-            | PolicyConfig::LeastLoaded
-            | PolicyConfig::PredictedTtft(_) => {}
-        }
-        Ok(policy)
-    }
-}
-
-fn set<T: Copy>(knob: &mut T, value: Option<T>) {
-    if let Some(v) = value {
-        *knob = v;
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use clap::Parser;
+    use scheduler::PolicyConfig;
 
     #[derive(Parser)]
     struct Cli {
@@ -269,7 +123,7 @@ mod tests {
     }
 
     #[test]
-    fn defaults_are_kv_with_documented_knobs_and_no_busy_thresholds() {
+    fn defaults_are_predicted_ttft_with_documented_knobs_and_no_busy_thresholds() {
         let (scheduler, admission) = parse(&[]).to_configs().unwrap();
         assert_eq!(scheduler.policy, PolicyConfig::default());
         assert_eq!(scheduler.sequences, SequencesConfig::default());
@@ -365,9 +219,16 @@ mod tests {
             })
         );
         // The old flag name still sets the kv weight.
-        let (scheduler, _) = parse(&["--overlap-weight", "2", "--overlap-credit", "0.5"])
-            .to_configs()
-            .unwrap();
+        let (scheduler, _) = parse(&[
+            "--policy",
+            "kv",
+            "--overlap-weight",
+            "2",
+            "--overlap-credit",
+            "0.5",
+        ])
+        .to_configs()
+        .unwrap();
         assert_eq!(
             scheduler.policy,
             PolicyConfig::Kv(scheduler::KvPolicyConfig {
@@ -391,10 +252,38 @@ mod tests {
             .to_configs()
             .unwrap_err();
         assert!(err.to_string().contains("--cache-threshold"), "{err}");
-        let err = parse(&["--prefill-load-scale", "-1"])
+        let err = parse(&["--policy", "kv", "--prefill-load-scale", "-1"])
             .to_configs()
             .unwrap_err();
         assert!(err.to_string().contains("prefill_load_scale"), "{err}");
+        let err = parse(&["--policy", "kv", "--reuse-credit", "3"])
+            .to_configs()
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "invalid --reuse-credit: applies to policy predicted-ttft, not kv"
+        );
+        let err = parse(&[
+            "--policy",
+            "cache-aware-threshold",
+            "--match-rate-threshold",
+            "0.5",
+        ])
+        .to_configs()
+        .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "invalid --match-rate-threshold: applies to policy kv-normalized and \
+             predicted-ttft, not cache-aware-threshold"
+        );
+        let err = parse(&["--match-rate-threshold", "1.5"])
+            .to_configs()
+            .unwrap_err();
+        assert!(err.to_string().contains("min_match_ratio"), "{err}");
+        let err = parse(&["--max-num-batched-tokens", "0"])
+            .to_configs()
+            .unwrap_err();
+        assert!(err.to_string().contains("max_num_batched_tokens"), "{err}");
         let err = parse(&["--request-ttl-ms", "0"]).to_configs().unwrap_err();
         assert!(err.to_string().contains("--request-ttl-ms"), "{err}");
         let err = parse(&["--busy-decode-blocks", "0"])
@@ -403,5 +292,61 @@ mod tests {
         assert!(err.to_string().contains("busy.decode_blocks"), "{err}");
         assert!(Cli::try_parse_from(["kv-router", "--busy-decode-blocks", "lots"]).is_err());
         assert!(Cli::try_parse_from(["kv-router", "--policy", "best"]).is_err());
+    }
+
+    #[test]
+    fn predicted_ttft_knobs_reach_timing_and_credit() {
+        use scheduler::policy::predicted_ttft::{PredictedTtftConfig, ReuseCredit, StepTimeModel};
+        let (scheduler, _) = parse(&[
+            "--step-base-ms",
+            "5",
+            "--prefill-ms-per-token",
+            "0.03",
+            "--decode-ms-per-seq",
+            "0.02",
+            "--kv-read-ms-per-token",
+            "0.00002",
+            "--max-num-batched-tokens",
+            "4096",
+            "--reuse-credit",
+            "6",
+            "--balanced-reuse-credit",
+            "20",
+            "--backlog-reuse-credit",
+            "0.25",
+            "--in-flight-reuse",
+            "false",
+            "--match-rate-threshold",
+            "0.4",
+        ])
+        .to_configs()
+        .unwrap();
+        assert_eq!(
+            scheduler.policy,
+            PolicyConfig::PredictedTtft(PredictedTtftConfig {
+                timing: StepTimeModel {
+                    step_base_ms: 5.0,
+                    prefill_ms_per_token: 0.03,
+                    decode_ms_per_seq: 0.02,
+                    kv_read_ms_per_token: 0.00002,
+                    max_num_batched_tokens: 4096,
+                },
+                credit: ReuseCredit {
+                    base: 6.0,
+                    balanced: 20.0,
+                    backlog: 0.25,
+                    in_flight: false,
+                    min_match_ratio: 0.4,
+                },
+            })
+        );
+        // The shared threshold keeps its meaning for kv-normalized.
+        let (scheduler, _) = parse(&["--policy", "kv-normalized", "--match-rate-threshold", "0.3"])
+            .to_configs()
+            .unwrap();
+        let PolicyConfig::KvNormalized(c) = scheduler.policy else {
+            panic!("expected kv-normalized, got {:?}", scheduler.policy);
+        };
+        assert_eq!(c.match_rate_threshold, 0.3);
     }
 }

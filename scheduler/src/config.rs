@@ -171,7 +171,7 @@ pub mod duration_ms {
 mod tests {
     use super::*;
     use crate::busy::Threshold;
-    use crate::policy::KvPolicyConfig;
+    use crate::policy::PredictedTtftConfig;
     use kv_events::routing::PolicyKind;
 
     fn bad_field(config: &SchedulerConfig) -> &'static str {
@@ -182,10 +182,13 @@ mod tests {
     }
 
     #[test]
-    fn defaults_are_kv_reuse_ten_minutes_never_busy_no_decay() {
+    fn defaults_are_predicted_ttft_reuse_ten_minutes_never_busy_no_decay() {
         let config = SchedulerConfig::default();
-        assert_eq!(config.policy.kind(), PolicyKind::Kv);
-        assert_eq!(config.policy, PolicyConfig::Kv(KvPolicyConfig::default()));
+        assert_eq!(config.policy.kind(), PolicyKind::PredictedTtft);
+        assert_eq!(
+            config.policy,
+            PolicyConfig::PredictedTtft(PredictedTtftConfig::default())
+        );
         assert!(config.sequences.assume_kv_reuse);
         assert_eq!(config.sequences.request_ttl, Duration::from_secs(600));
         assert_eq!(config.busy, BusyThresholds::default());

@@ -93,7 +93,14 @@ fn batch_stops_scanning_once_all_ranks_are_busy() {
 #[test]
 fn peer_bookings_are_applied_only_on_registered_ranks() {
     let t = Instant::now();
-    let mut s = scheduler(SchedulerConfig::default(), &[(1, 1)]);
+    let mut s = scheduler(
+        SchedulerConfig {
+            // The hand-computed cost below is the kv policy's.
+            policy: PolicyConfig::default_for(PolicyKind::Kv),
+            ..SchedulerConfig::default()
+        },
+        &[(1, 1)],
+    );
     let peer = Origin::Peer(RouterId(9));
     let add = |r: WorkerRank| AddRequest {
         request_id: rid("peer-1"),

@@ -73,7 +73,7 @@ fn rid(s: &str) -> RequestId {
 #[test]
 fn booking_follows_the_request_lifecycle() {
     let t = Instant::now();
-    let mut s = scheduler(SchedulerConfig::default(), &[(1, 1)]);
+    let mut s = scheduler(kv_config(1.0), &[(1, 1)]);
     let overlaps = HashMap::from([(rank(1, 0), 3)]);
     // 100 tokens = 7 blocks; 3 cached blocks = 48 tokens, so 52 left to prefill.
     let sel = s.schedule(&request("a", 100), &overlaps, t).unwrap();
@@ -96,6 +96,7 @@ fn booking_follows_the_request_lifecycle() {
             active_decode_blocks: 7,
             active_requests: 1,
             active_uncached_tokens: 52,
+            active_context_blocks: 7,
         }
     );
     assert_eq!(s.mark_prefill_completed(&rid("a"), t), Ok(Origin::Local));

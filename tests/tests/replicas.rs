@@ -5,7 +5,7 @@
 
 use integration_tests::{FakeWorker, TestCluster, eventually};
 use kv_events::replicas::{BookedSequence, SequenceSync, SequenceUpdate};
-use kv_events::routing::{LifecycleEvent, LifecycleMessage, RouteReply};
+use kv_events::routing::{LifecycleEvent, LifecycleMessage, PolicyKind, RouteReply};
 use kv_events::{DpRank, RouterId, WorkerId, WorkerRank, encode};
 use router_daemon::admission::Origin;
 use router_daemon::counters::{MessageKind, Outcome};
@@ -39,6 +39,9 @@ async fn start_replicas(cluster: &TestCluster, n: u64, sync: bool) -> anyhow::Re
         let mut args = cluster.serve_args();
         args.scheduling.router_id = Some(100 + i);
         args.scheduling.replica_sync = sync;
+        // The kv cost spreads these small requests as decode blocks pile up, which
+        // makes "lands as a single replica would place them" observable.
+        args.scheduling.policy.policy = PolicyKind::Kv;
         let config = DaemonConfig::from_args(&args)?;
         daemons.push(Daemon::start(config, &prometheus::Registry::new()).await?);
     }

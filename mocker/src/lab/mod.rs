@@ -28,6 +28,7 @@
 //! - [`sweep`]: all runs on several threads with a progress bar.
 //! - [`report`]: the JSON report; `table`: its terminal rendering; [`charts`]: PNGs.
 
+pub mod candidate_router;
 pub mod candidates;
 pub mod charts;
 pub mod config;
@@ -128,8 +129,8 @@ pub struct LabArgs {
     #[arg(long = "policy", value_name = "POLICY")]
     pub policies: Vec<PolicyKind>,
     /// Also run these prototype costs (repeatable): ttft, ttft-inflight, ttft-credit,
-    /// or ttft:<base>,<balanced>,<backlog>,<inflight 0|1> (see
-    /// `mocker::lab::candidates`).
+    /// ttft-tuned, or ttft:<base>,<balanced>,<backlog>,<inflight 0|1>,<min match ratio>
+    /// (see `mocker::lab::candidates`).
     #[arg(long = "candidate", value_name = "NAME")]
     pub candidates: Vec<Candidate>,
     /// Delay between a step's end and its KV events reaching the index, in model ms.

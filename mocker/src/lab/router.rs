@@ -8,7 +8,7 @@
 //! that touch the scheduler's API live in this file, so API changes land here only.
 
 use super::LabError;
-use super::candidates::CandidateRouter;
+use super::candidate_router::CandidateRouter;
 use super::config::{LabPolicy, SimConfig};
 use super::inflight::InFlight;
 use indexer::RadixTree;

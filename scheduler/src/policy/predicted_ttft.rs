@@ -15,7 +15,9 @@
 //!
 //! where `P` is the rank's in-flight prefill tokens (`active_prefill_tokens`), `P_min`
 //! the smallest `P` over the candidates, `B` the engine's `max_num_batched_tokens`,
-//! `R` its active requests and `D` its active decode blocks. The in-flight overlap is
+//! `R` its active requests and `D` its active context blocks (every active request's
+//! blocks, a shared prefix counted per request: decode attention reads each running
+//! sequence's whole context, whatever the cache shares). The in-flight overlap is
 //! the leading prompt blocks already held by requests booked on the rank and not yet
 //! freed (`request_blocks − new_blocks`, non-zero only when KV reuse is assumed): the
 //! index learns a prefix only after the rank has prefilled it, and under load the
@@ -32,9 +34,9 @@
 //! does not make requests queue); `backlog` per step of queue that even the least
 //! loaded rank has (when every rank is backlogged, a saved token saves time for every
 //! request behind this one). The credits only apply when the rank caches at least
-//! `min_match_ratio` of the prompt (SGLang's cache-aware router threshold, 0.3): a
-//! short shared prefix such as a system prompt must not pull every request to the
-//! rank that holds it.
+//! `min_match_ratio` of the prompt (default 0.2; SGLang's cache-aware router gates on
+//! a match ratio too, at 0.3): a short shared prefix such as a system prompt must not
+//! pull every request to the rank that holds it.
 //!
 //! Source: designed and tuned with the routing-quality lab (`kv-mocker lab`, the
 //! `ttft-credit` prototype in `mocker/src/lab/candidates.rs`) on the Mooncake FAST'25
@@ -91,14 +93,15 @@ pub struct ReuseCredit {
     /// Extra credit on a rank whose in-flight prefill is the smallest, halving per
     /// `max_num_batched_tokens` of excess. Default 40.
     pub balanced: f64,
-    /// Extra credit per step of in-flight prefill on the least-loaded rank. Default 1.
+    /// Extra credit per step of in-flight prefill on the least-loaded rank.
+    /// Default 0.5.
     pub backlog: f64,
     /// Count blocks of requests in flight on the rank as cached (needs the
     /// scheduler's `assume_kv_reuse`). Default true.
     pub in_flight: bool,
     /// The extra credits apply only when the rank caches at least this fraction of
-    /// the prompt, in `[0, 1]`; below it the credit is 1. Default 0.3 (SGLang's
-    /// cache-aware `cache_threshold`).
+    /// the prompt, in `[0, 1]`; below it the credit is 1. Default 0.2 (tuned with the
+    /// lab; SGLang's cache-aware router gates at `cache_threshold` 0.3).
     pub min_match_ratio: f64,
 }
 
@@ -108,9 +111,9 @@ impl Default for ReuseCredit {
         Self {
             base: 12.0,
             balanced: 40.0,
-            backlog: 1.0,
+            backlog: 0.5,
             in_flight: true,
-            min_match_ratio: 0.3,
+            min_match_ratio: 0.2,
         }
     }
 }
@@ -195,7 +198,7 @@ pub fn predicted_ttft_cost(
     let steps = pending.saturating_add(n - cached).div_ceil(budget).max(1);
     let per_step = t.step_base_ms
         + t.decode_ms_per_seq * c.load.active_requests as f64
-        + t.kv_read_ms_per_token * c.load.active_decode_blocks.saturating_mul(bs) as f64;
+        + t.kv_read_ms_per_token * c.load.active_context_blocks.saturating_mul(bs) as f64;
     t.prefill_ms_per_token * (pending as f64 + n as f64 - credit * cached as f64)
         + steps as f64 * per_step
 }
@@ -261,12 +264,18 @@ mod tests {
         c
     }
 
+    fn with_context(mut c: Candidate, blocks: u64) -> Candidate {
+        c.load.active_context_blocks = blocks;
+        c
+    }
+
     #[test]
     fn cost_matches_hand_computation() {
         // 640 tokens in 10 blocks of 64; 4 blocks cached; 1,500 tokens in flight; 2
-        // requests holding 10 decode blocks; no in-flight overlap (all 10 blocks new).
+        // requests holding 10 blocks of context; no in-flight overlap (all 10 blocks
+        // new).
         let req = shape(10, 640, 64);
-        let c = with_pending(cand(1, 4, 10, 2, 10), 1_500);
+        let c = with_context(with_pending(cand(1, 4, 10, 2, 10), 1_500), 10);
         let cfg = config(1.0, 0.0, 0.0, true);
         // 1500 + 640 − 256 = 1884 tokens: 2 steps of 10 + 2 + 0.64 ms, 188.4 ms prefill.
         let cost = predicted_ttft_cost(&cfg, &req, &c, 0);
@@ -275,6 +284,12 @@ mod tests {
         let cfg3 = config(3.0, 0.0, 0.0, true);
         let cost3 = predicted_ttft_cost(&cfg3, &req, &c, 0);
         assert!((cost - cost3 - 51.2).abs() < 1e-9, "{cost3}");
+        // Decode attention reads every sequence's context, shared prefixes included:
+        // 10 more context blocks (same deduplicated decode blocks) cost 2 steps ×
+        // 0.001 ms × 640 tokens more.
+        let shared = with_context(c, 20);
+        let cost_shared = predicted_ttft_cost(&cfg, &req, &shared, 0);
+        assert!((cost_shared - cost - 1.28).abs() < 1e-9, "{cost_shared}");
     }
 
     #[test]

@@ -19,7 +19,7 @@ fn default_for_covers_every_kind_and_round_trips_kind() {
     }
     assert_eq!(
         PolicyConfig::default(),
-        PolicyConfig::default_for(PolicyKind::Kv)
+        PolicyConfig::default_for(PolicyKind::PredictedTtft)
     );
 }
 
@@ -76,7 +76,7 @@ fn overrides_a_policy_lacks_or_out_of_range_are_typed_errors() {
         ..CostOverrides::default()
     };
     assert_eq!(
-        field(PolicyConfig::default(), beta).0,
+        field(PolicyConfig::default_for(PolicyKind::Kv), beta).0,
         "load_balance_weight"
     );
     let credit = CostOverrides {
@@ -91,14 +91,17 @@ fn overrides_a_policy_lacks_or_out_of_range_are_typed_errors() {
         prefill_load_scale: Some(-1.0),
         ..CostOverrides::default()
     };
-    let (f, reason) = field(PolicyConfig::default(), negative);
+    let (f, reason) = field(PolicyConfig::default_for(PolicyKind::Kv), negative);
     assert_eq!(f, "prefill_load_scale");
     assert!(reason.contains("-1"), "{reason}");
     let nan = CostOverrides {
         temperature: Some(f64::NAN),
         ..CostOverrides::default()
     };
-    assert_eq!(field(PolicyConfig::default(), nan).0, "temperature");
+    assert_eq!(
+        field(PolicyConfig::default_for(PolicyKind::Kv), nan).0,
+        "temperature"
+    );
 }
 
 #[test]

@@ -96,6 +96,10 @@ pub struct RankLoad {
     /// Σ uncached prompt tokens of every active request here, prefilling or decoding,
     /// in tokens (TensorRT-LLM's per-rank "active tokens"); does not decay.
     pub active_uncached_tokens: u64,
+    /// Σ KV blocks of every active request, a prefix shared by several requests
+    /// counted once per request, in blocks: the context that decode attention reads
+    /// for each running sequence in every step.
+    pub active_context_blocks: u64,
 }
 
 /// One booked request.

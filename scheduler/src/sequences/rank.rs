@@ -5,6 +5,8 @@
 //!   encodes its whole prefix, see [`chain_block_ids`]), so a prefix shared by several
 //!   active requests counts once; blocks without an id (the partial last block, or
 //!   every block without KV reuse) count per request.
+//! - Context blocks: every request's blocks, shared or not, counted per request (the
+//!   KV that decode attention reads for each running sequence).
 //! - Prefill: the in-flight prefills in booking order. Only the oldest one decays:
 //!   its load falls linearly from its booked tokens to 0 over its expected duration,
 //!   starting when it became the oldest. The others count in full.
@@ -54,6 +56,8 @@ pub(crate) struct RankSequences {
     shared_blocks: HashMap<u64, u32>,
     /// Blocks held by exactly one request each.
     private_blocks: u64,
+    /// Σ blocks of every request, shared prefixes counted per request.
+    context_blocks: u64,
     /// Σ initial effective prefill tokens of every active request.
     uncached_tokens: u64,
     /// In-flight prefills by booking sequence number (oldest first).
@@ -81,6 +85,10 @@ impl RankSequences {
         // Saturating: token counts come from the network, and an absurd request must
         // not panic the daemon (it can only distort this rank's aggregate).
         self.private_blocks = self.private_blocks.saturating_add(private_blocks);
+        self.context_blocks = self
+            .context_blocks
+            .saturating_add(block_ids.len() as u64)
+            .saturating_add(private_blocks);
         let tokens = hint.initial_effective_prefill_tokens;
         self.uncached_tokens = self.uncached_tokens.saturating_add(tokens);
         if self.prefills.is_empty() {
@@ -132,6 +140,10 @@ impl RankSequences {
             }
         }
         self.private_blocks = self.private_blocks.saturating_sub(private_blocks);
+        self.context_blocks = self
+            .context_blocks
+            .saturating_sub(block_ids.len() as u64)
+            .saturating_sub(private_blocks);
         self.uncached_tokens = self.uncached_tokens.saturating_sub(uncached_tokens);
     }
 
@@ -158,6 +170,7 @@ impl RankSequences {
                 .saturating_add(self.private_blocks),
             active_requests: self.requests,
             active_uncached_tokens: self.uncached_tokens,
+            active_context_blocks: self.context_blocks,
         }
     }
 

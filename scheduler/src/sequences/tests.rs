@@ -49,6 +49,7 @@ fn booking_lifecycle_updates_the_projection() {
             active_decode_blocks: 11,
             active_requests: 2,
             active_uncached_tokens: 140,
+            active_context_blocks: 11,
         }
     );
 
@@ -68,6 +69,7 @@ fn booking_lifecycle_updates_the_projection() {
             active_decode_blocks: 3,
             active_requests: 1,
             active_uncached_tokens: 40,
+            active_context_blocks: 3,
         }
     );
     // Freeing before prefill completed releases its prefill tokens too.
@@ -114,6 +116,8 @@ fn kv_reuse_counts_a_shared_prefix_once_and_can_be_turned_off() {
             expected,
             "assume_kv_reuse = {reuse}"
         );
+        // Decode attention still reads the shared prefix once per sequence.
+        assert_eq!(s.load(rank(1, 0), t).active_context_blocks, 10);
         // The same prefix on another rank is not shared with this one.
         s.add_request(add("c", rank(2, 0), &[1, 2, 3, 4], 5, 0), t)
             .unwrap();
@@ -298,6 +302,7 @@ proptest! {
                 ids.extend(r.block_ids.iter().copied());
                 load.active_requests += 1;
                 load.active_uncached_tokens += r.prefill.initial_effective_prefill_tokens;
+                load.active_context_blocks += u64::from(r.request_blocks);
             }
             for (rank, (mut load, ids)) in expected {
                 load.active_decode_blocks += ids.len() as u64;
