@@ -150,12 +150,11 @@ async fn run_stack(
 
     progress("starting the router (kv-router serve)");
     let mut command = child_command(&binaries.router);
-    command.arg("serve").args(connection).args([
-        "--block-size",
-        &args.block_size.to_string(),
-        "--policy",
-        PolicyKind::Kv.as_str(),
-    ]);
+    // The daemon's default policy; every replayed request names its pass's policy.
+    command
+        .arg("serve")
+        .args(connection)
+        .args(["--block-size", &args.block_size.to_string()]);
     let router = stack
         .router
         .insert(ManagedProcess::spawn("router", command, Echo::Forward)?);
