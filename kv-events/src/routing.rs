@@ -235,6 +235,51 @@ pub enum RouteReply {
     Error(RouteError),
 }
 
+/// In which order the router places the requests of a batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum BatchOrder {
+    /// In the given order (first come, first served).
+    AsGiven,
+    /// Requests pinned to a dp_rank first, then grouped by their first block hash
+    /// (requests of one conversation or shared system prompt together), longer
+    /// prompts first within a group — TensorRT-LLM's ADP router order, so requests
+    /// sharing a prefix see each other's bookings. The default.
+    #[default]
+    GroupByPrefix,
+}
+
+/// Several routing queries answered together, on `{ns}.router.route_batch`: each
+/// request is placed seeing the bookings of the ones placed before it (and
+/// `kv-normalized` sizes its fair share with the requests still to place), in one
+/// round trip — for a frontend that receives a batch (parallel sampling with `n > 1`,
+/// an offline batch API). A batch never waits in the router's queue: entries that find
+/// every eligible rank busy, or arrive while other requests wait, are `overloaded`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RouteBatchRequest {
+    /// The requests, at least one; the daemon caps the count (`--max-route-batch`).
+    pub requests: Vec<RouteRequest>,
+    /// Placement order. Default `group-by-prefix`.
+    #[serde(default)]
+    pub order: BatchOrder,
+}
+
+/// The reply to a [`RouteBatchRequest`]: `{"status": "answered", "replies": [...]}`
+/// with one [`RouteReply`] per request in input order (each routed or failed on its
+/// own), or `{"status": "error", "code": ..., "message": ...}` when the batch as a
+/// whole is refused (malformed, empty, too large, shutting down).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "status", rename_all = "snake_case")]
+pub enum RouteBatchReply {
+    /// Every request got its own reply.
+    Answered {
+        /// One reply per request, in input order.
+        replies: Vec<RouteReply>,
+    },
+    /// The batch was refused as a whole; nothing was booked.
+    Error(RouteError),
+}
+
 /// A step in a routed request's life. Every one of them refreshes the request's
 /// time-to-live in the router.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -389,5 +434,53 @@ mod tests {
         let map: std::collections::BTreeMap<String, serde::de::IgnoredAny> =
             decode(&encode(&plain).unwrap()).unwrap();
         assert!(!map.contains_key("overrides"));
+    }
+
+    #[test]
+    fn batch_messages_round_trip_and_default_to_group_by_prefix() {
+        let batch = RouteBatchRequest {
+            requests: vec![
+                RouteRequest::new("a", Prompt::Tokens { token_ids: vec![1] }),
+                RouteRequest::new("b", Prompt::Tokens { token_ids: vec![2] }),
+            ],
+            order: BatchOrder::AsGiven,
+        };
+        let back: RouteBatchRequest = decode(&encode(&batch).unwrap()).unwrap();
+        assert_eq!(back, batch);
+        let order: String = decode(&encode(&BatchOrder::GroupByPrefix).unwrap()).unwrap();
+        assert_eq!(order, "group-by-prefix");
+
+        #[derive(Serialize)]
+        struct NoOrder {
+            requests: Vec<RouteRequest>,
+        }
+        let bytes = encode(&NoOrder {
+            requests: batch.requests.clone(),
+        })
+        .unwrap();
+        let back: RouteBatchRequest = decode(&bytes).unwrap();
+        assert_eq!(back.order, BatchOrder::GroupByPrefix);
+
+        let answered = RouteBatchReply::Answered {
+            replies: vec![RouteReply::Error(RouteError {
+                code: RouteErrorCode::Overloaded,
+                message: "busy".into(),
+            })],
+        };
+        assert_eq!(
+            decode::<RouteBatchReply>(&encode(&answered).unwrap()).unwrap(),
+            answered
+        );
+        let refused = RouteBatchReply::Error(RouteError {
+            code: RouteErrorCode::BadRequest,
+            message: "empty batch".into(),
+        });
+        let map: std::collections::BTreeMap<String, serde::de::IgnoredAny> =
+            decode(&encode(&refused).unwrap()).unwrap();
+        assert!(map.contains_key("status") && map.contains_key("code"));
+        assert_eq!(
+            decode::<RouteBatchReply>(&encode(&refused).unwrap()).unwrap(),
+            refused
+        );
     }
 }

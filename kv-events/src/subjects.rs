@@ -6,8 +6,10 @@
 //! | load metrics | `{ns}.kv.metrics.{worker_id}` | publish, [`crate::LoadMetrics`] |
 //! | KV event recovery | `{ns}.kv.recovery.{worker_id}` | request, chunked reply, [`crate::recovery`] |
 //! | routing | `{ns}.router.route` | request-reply, queue group `{ns}-router` |
+//! | batch routing | `{ns}.router.route_batch` | request-reply, queue group `{ns}-router`, [`crate::routing::RouteBatchRequest`] |
 //! | lifecycle | `{ns}.router.lifecycle` | publish, [`crate::routing::LifecycleMessage`] |
 //! | replica sync | `{ns}.router.sequences` | publish, [`crate::replicas::SequenceSync`] |
+//! | replica snapshot | `{ns}.router.sequences.snapshot` | request to every replica, chunked replies, [`crate::replicas::SnapshotRequest`] → [`crate::replicas::SnapshotReply`]s |
 //! | engine requests | `{ns}.engine.{worker_id}.{op}` | request-reply (mock engine) |
 //! | discovery | `kv-router/{ns}/workers/{worker_id}` | etcd key with a lease |
 //!
@@ -126,8 +128,13 @@ impl Subjects {
         format!("{}.router.route", self.ns)
     }
 
-    /// The NATS queue group router replicas join on [`Self::route`], so each query is
-    /// answered by exactly one replica.
+    /// The batch routing request-reply subject ([`crate::routing::RouteBatchRequest`]).
+    pub fn route_batch(&self) -> String {
+        format!("{}.router.route_batch", self.ns)
+    }
+
+    /// The NATS queue group router replicas join on [`Self::route`] and
+    /// [`Self::route_batch`], so each query is answered by exactly one replica.
     pub fn route_queue_group(&self) -> String {
         format!("{}-router", self.ns)
     }
@@ -141,6 +148,13 @@ impl Subjects {
     /// booked (sequence sync).
     pub fn sequences(&self) -> String {
         format!("{}.router.sequences", self.ns)
+    }
+
+    /// Where a starting router replica asks every other replica (plain subscription,
+    /// no queue group) for the requests it booked
+    /// ([`crate::replicas::SnapshotRequest`] → [`crate::replicas::SnapshotReply`]s).
+    pub fn sequences_snapshot(&self) -> String {
+        format!("{}.router.sequences.snapshot", self.ns)
     }
 
     /// A request-reply subject served by one engine, e.g. `op = "generate"`.
@@ -200,9 +214,11 @@ mod tests {
         assert_eq!(s.kv_events_stream_filter(), "ns.kv.events.>");
         assert_eq!(s.load_metrics(WorkerId(7)), "ns.kv.metrics.7");
         assert_eq!(s.route(), "ns.router.route");
+        assert_eq!(s.route_batch(), "ns.router.route_batch");
         assert_eq!(s.route_queue_group(), "ns-router");
         assert_eq!(s.lifecycle(), "ns.router.lifecycle");
         assert_eq!(s.sequences(), "ns.router.sequences");
+        assert_eq!(s.sequences_snapshot(), "ns.router.sequences.snapshot");
         assert_eq!(s.engine(WorkerId(3), "generate"), "ns.engine.3.generate");
         assert_eq!(s.etcd_worker_key(WorkerId(9)), "kv-router/ns/workers/9");
         assert_eq!(

@@ -15,6 +15,10 @@
 //!  bookings) ──► Scheduler::expire ──► sync "freed" for own ──► release_waiters
 //! ```
 //!
+//! A batch route ([`admit_batch`]) books every entry it can at once, in one scheduler
+//! critical section, and never waits: entries that find every rank busy, or arrive
+//! while others wait, are refused.
+//!
 //! Locks are taken queue first, then scheduler, never the other way round. Sync
 //! messages are queued while the scheduler lock is held, so peers see a replica's
 //! steps in the order it applied them.
@@ -27,7 +31,7 @@ use indexer::OverlapScores;
 use kv_events::replicas::SequenceUpdate;
 use prometheus::{IntCounter, Registry};
 pub use scheduler::Origin;
-use scheduler::{ScheduleRequest, SchedulerError, Selection};
+use scheduler::{BatchOrder, ScheduleRequest, SchedulerError, Selection};
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -114,6 +118,10 @@ pub enum AdmitError {
     /// It waited the maximum time without a rank freeing up.
     #[error("every eligible worker stayed busy for {0:?}")]
     TimedOut(Duration),
+    /// Part of a batch that arrived while other requests wait for a free rank: a
+    /// batch does not wait, and does not overtake the waiters.
+    #[error("requests are waiting for a free worker; a batch does not wait")]
+    WaitersAhead,
 }
 
 /// Books `request` at once if a rank has room and nobody waits; otherwise waits in
@@ -186,6 +194,45 @@ pub async fn admit(
             }
         }
     }
+}
+
+/// Books a batch at once ([`scheduler::Scheduler::schedule_batch`]): each request is
+/// placed seeing the bookings of those placed before it, in `order`. A batch never
+/// waits: while requests wait in the queue every entry fails with
+/// [`AdmitError::WaitersAhead`] (the waiters keep their turn), and an entry that finds
+/// every eligible rank busy fails with `AllBusy`. Returns one result per request, in
+/// input order; each booked one is announced to peer replicas.
+pub fn admit_batch(
+    state: &RouterState,
+    batch: &[(ScheduleRequest, OverlapScores)],
+    order: BatchOrder,
+) -> Vec<Result<Selection, AdmitError>> {
+    let admission = &state.admission;
+    let queue = admission.queue.lock();
+    if !queue.is_empty() {
+        return batch
+            .iter()
+            .map(|_| Err(AdmitError::WaitersAhead))
+            .collect();
+    }
+    let results = {
+        let mut scheduler = state.scheduler();
+        let results = scheduler.schedule_batch(batch, order, Instant::now());
+        for ((request, _), result) in batch.iter().zip(&results) {
+            if let Ok(selection) = result {
+                admission.replicas.booked(request, selection);
+            }
+        }
+        results
+    };
+    drop(queue);
+    if results.iter().any(Result::is_ok) {
+        admission.expiry.notify_one();
+    }
+    results
+        .into_iter()
+        .map(|r| r.map_err(AdmitError::from))
+        .collect()
 }
 
 /// Routes queued requests while ranks have room. Call after anything that may have

@@ -75,6 +75,14 @@ pub struct ServeArgs {
         default_value_t = 256
     )]
     pub max_inflight_routes: usize,
+    /// Most requests in one batch route request (`{ns}.router.route_batch`).
+    #[arg(
+        long,
+        help_heading = "Routing",
+        env = "KV_ROUTER_MAX_ROUTE_BATCH",
+        default_value_t = 256
+    )]
+    pub max_route_batch: usize,
 }
 
 /// How to reach etcd.
@@ -91,8 +99,10 @@ pub struct EtcdConfig {
 pub struct RouteConfig {
     /// Tokens per KV block, used to hash token prompts and count request blocks.
     pub block_size: u32,
-    /// Routing queries handled concurrently.
+    /// Routing queries handled concurrently (single queries and batches each).
     pub max_inflight: usize,
+    /// Most requests in one batch route request.
+    pub max_batch: usize,
 }
 
 /// The validated daemon configuration.
@@ -161,6 +171,9 @@ impl DaemonConfig {
         if args.max_inflight_routes == 0 {
             return Err(invalid("max-inflight-routes", "must be at least 1"));
         }
+        if args.max_route_batch == 0 {
+            return Err(invalid("max-route-batch", "must be at least 1"));
+        }
         if args.shards == Some(0) {
             return Err(invalid("shards", "must be at least 1"));
         }
@@ -186,6 +199,7 @@ impl DaemonConfig {
             route: RouteConfig {
                 block_size: args.block_size,
                 max_inflight: args.max_inflight_routes,
+                max_batch: args.max_route_batch,
             },
             indexer,
             durability,

@@ -18,6 +18,9 @@ pub enum MessageKind {
     Metrics,
     /// Route requests.
     Route,
+    /// Batch route requests (one count per batch; each entry is also observed by the
+    /// route metrics).
+    RouteBatch,
     /// Lifecycle messages.
     Lifecycle,
     /// etcd worker registrations.
@@ -32,6 +35,7 @@ impl MessageKind {
             MessageKind::Events => "events",
             MessageKind::Metrics => "metrics",
             MessageKind::Route => "route",
+            MessageKind::RouteBatch => "route_batch",
             MessageKind::Lifecycle => "lifecycle",
             MessageKind::Registration => "registration",
             MessageKind::Sequences => "sequences",

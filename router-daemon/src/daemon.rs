@@ -224,6 +224,18 @@ impl Starting {
             config.route.max_inflight,
             intake.child_token(),
         ));
+        let batches = nats
+            .queue_subscribe(subjects.route_batch(), subjects.route_queue_group())
+            .await
+            .context("joining the batch route queue group")?;
+        intake_tasks.spawn(crate::route_batch::serve(
+            state.clone(),
+            nats.clone(),
+            batches,
+            config.route.max_inflight,
+            config.route.max_batch,
+            intake.child_token(),
+        ));
         intake_tasks.close();
         crate::barrier::server_barrier(&nats)
             .await

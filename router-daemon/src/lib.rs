@@ -17,6 +17,7 @@
 //!   JetStream snapshot path, and the index flags (backend, memory bound, mode).
 //! - [`intake`]: KV event and load-metric subscriptions feeding indexer and scheduler.
 //! - [`route`]: the routing request-reply service.
+//! - [`route_batch`]: several routing queries placed together, in one round trip.
 //! - [`lifecycle`]: prefill-done / keep-alive / freed messages from frontends.
 //! - [`admission`]: book now or wait in the queue; release waiters; expire requests.
 //! - [`queue`]: the bounded FCFS wait queue for when every worker is busy.
@@ -55,6 +56,7 @@ pub mod queue;
 pub mod relay;
 pub mod replicas;
 pub mod route;
+pub mod route_batch;
 pub mod scheduling_args;
 pub mod state;
 

@@ -14,8 +14,8 @@ use futures::StreamExt;
 use kv_events::routing::{
     Prompt, RouteDecision, RouteError, RouteErrorCode, RouteReply, RouteRequest,
 };
-use kv_events::{LocalBlockHash, compute_block_hashes, decode, encode};
-use scheduler::{ScheduleRequest, SchedulerError};
+use kv_events::{LocalBlockHash, RequestId, compute_block_hashes, decode, encode};
+use scheduler::{ScheduleRequest, SchedulerError, Selection};
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
@@ -31,7 +31,7 @@ pub struct PromptBlocks {
     pub request_blocks: u32,
 }
 
-fn error(code: RouteErrorCode, message: impl Into<String>) -> RouteReply {
+pub(crate) fn error(code: RouteErrorCode, message: impl Into<String>) -> RouteReply {
     RouteReply::Error(RouteError {
         code,
         message: message.into(),
@@ -107,16 +107,16 @@ pub async fn handle_route(state: &RouterState, payload: &[u8]) -> RouteReply {
 }
 
 async fn route(state: &RouterState, request: RouteRequest) -> RouteReply {
-    let prompt = match prompt_blocks(request.prompt, state.block_size) {
-        Ok(p) => p,
+    let priority = request.priority;
+    let schedule = match schedule_request(request, state.block_size) {
+        Ok(s) => s,
         Err(reply) => return reply,
     };
-    // Approximate mode indexes the decision below; keep the hashes for it.
-    let routed_hashes = state
+    let overlaps = match state
         .indexer
-        .is_approximate()
-        .then(|| prompt.hashes.clone());
-    let overlaps = match state.indexer.find_matches(prompt.hashes.clone()).await {
+        .find_matches(schedule.block_hashes.clone())
+        .await
+    {
         Ok(o) => o,
         Err(e) => {
             return error(
@@ -125,39 +125,69 @@ async fn route(state: &RouterState, request: RouteRequest) -> RouteReply {
             );
         }
     };
+    // Approximate mode indexes the decision; keep what it needs before `admit` takes
+    // the request.
+    let request_id = schedule.request_id.clone();
+    let request_blocks = schedule.request_blocks;
+    let routed_hashes = state
+        .indexer
+        .is_approximate()
+        .then(|| schedule.block_hashes.clone());
+    match crate::admission::admit(state, schedule, overlaps, priority).await {
+        Ok(sel) => routed(state, request_id, request_blocks, &sel, routed_hashes).await,
+        Err(e) => admit_error(e),
+    }
+}
+
+/// Validates a route request into what the scheduler needs.
+///
+/// # Errors
+/// A `bad_request` reply for a prompt [`prompt_blocks`] refuses.
+pub(crate) fn schedule_request(
+    request: RouteRequest,
+    block_size: u32,
+) -> Result<ScheduleRequest, RouteReply> {
+    let prompt = prompt_blocks(request.prompt, block_size)?;
     let mut schedule = ScheduleRequest::new(
-        request.request_id.clone(),
+        request.request_id,
         prompt.hashes,
         prompt.num_tokens,
-        state.block_size,
+        block_size,
     );
     schedule.request_blocks = prompt.request_blocks;
     schedule.policy = request.policy;
     schedule.dp_rank = request.dp_rank;
     schedule.overrides = request.overrides;
-    match crate::admission::admit(state, schedule, overlaps, request.priority).await {
-        Ok(sel) => {
-            debug!(request_id = %request.request_id, worker = %sel.rank, overlap_blocks = sel.overlap_blocks, "routed");
-            if let Some(hashes) = routed_hashes
-                && let Err(e) = state.indexer.record_routing(sel.rank, hashes).await
-            {
-                warn!(error = %e, "routing decision not indexed");
-            }
-            RouteReply::Routed(RouteDecision {
-                request_id: request.request_id,
-                worker_id: sel.rank.worker_id,
-                dp_rank: sel.rank.dp_rank,
-                overlap_blocks: sel.overlap_blocks,
-                request_blocks: prompt.request_blocks,
-                policy: sel.policy,
-            })
-        }
-        Err(e) => admit_error(e),
+    Ok(schedule)
+}
+
+/// The reply for a booked request; in approximate mode also indexes the decision
+/// (`routed_hashes`) as if the rank had cached the prompt.
+pub(crate) async fn routed(
+    state: &RouterState,
+    request_id: RequestId,
+    request_blocks: u32,
+    sel: &Selection,
+    routed_hashes: Option<Vec<LocalBlockHash>>,
+) -> RouteReply {
+    debug!(request_id = %request_id, worker = %sel.rank, overlap_blocks = sel.overlap_blocks, "routed");
+    if let Some(hashes) = routed_hashes
+        && let Err(e) = state.indexer.record_routing(sel.rank, hashes).await
+    {
+        warn!(error = %e, "routing decision not indexed");
     }
+    RouteReply::Routed(RouteDecision {
+        request_id,
+        worker_id: sel.rank.worker_id,
+        dp_rank: sel.rank.dp_rank,
+        overlap_blocks: sel.overlap_blocks,
+        request_blocks,
+        policy: sel.policy,
+    })
 }
 
 /// The reply for a request that was not booked.
-fn admit_error(e: AdmitError) -> RouteReply {
+pub(crate) fn admit_error(e: AdmitError) -> RouteReply {
     let code = match &e {
         AdmitError::Scheduler(SchedulerError::NoWorkers) => RouteErrorCode::NoWorkers,
         AdmitError::Scheduler(SchedulerError::RankUnavailable(_)) => {
@@ -169,7 +199,8 @@ fn admit_error(e: AdmitError) -> RouteReply {
         | AdmitError::Queue(QueueError::Duplicate(_)) => RouteErrorCode::BadRequest,
         AdmitError::Scheduler(SchedulerError::AllBusy)
         | AdmitError::Queue(QueueError::Full(_))
-        | AdmitError::TimedOut(_) => RouteErrorCode::Overloaded,
+        | AdmitError::TimedOut(_)
+        | AdmitError::WaitersAhead => RouteErrorCode::Overloaded,
         AdmitError::Queue(QueueError::Closed) | AdmitError::Scheduler(_) => {
             RouteErrorCode::Internal
         }
@@ -186,26 +217,54 @@ pub async fn serve(
     max_inflight: usize,
     intake: CancellationToken,
 ) {
+    serve_requests(
+        state,
+        client,
+        subscriber,
+        max_inflight,
+        intake,
+        MessageKind::Route,
+        |state, payload| async move { handle_route(&state, &payload).await },
+    )
+    .await;
+}
+
+/// Answers request-reply messages on `subscriber` with `handle`, at most
+/// `max_inflight` at a time, until `intake` is cancelled; messages already being
+/// handled are answered before this returns. A message without a reply subject is
+/// counted as malformed under `kind` and skipped.
+pub(crate) async fn serve_requests<R, F, Fut>(
+    state: Arc<RouterState>,
+    client: async_nats::Client,
+    subscriber: async_nats::Subscriber,
+    max_inflight: usize,
+    intake: CancellationToken,
+    kind: MessageKind,
+    handle: F,
+) where
+    R: serde::Serialize,
+    F: Fn(Arc<RouterState>, bytes::Bytes) -> Fut,
+    Fut: std::future::Future<Output = R>,
+{
     crate::nats::drain_on_cancel(subscriber, intake)
         .for_each_concurrent(Some(max_inflight), |msg| {
             let state = state.clone();
             let client = client.clone();
+            let handle = &handle;
             async move {
                 let Some(reply_to) = msg.reply.clone() else {
-                    state
-                        .counters
-                        .message(MessageKind::Route, Outcome::Malformed);
-                    warn!(subject = %msg.subject, "route request without a reply subject skipped");
+                    state.counters.message(kind, Outcome::Malformed);
+                    warn!(subject = %msg.subject, "request without a reply subject skipped");
                     return;
                 };
-                let reply = handle_route(&state, &msg.payload).await;
+                let reply = handle(state, msg.payload).await;
                 match encode(&reply) {
                     Ok(bytes) => {
                         if let Err(e) = client.publish(reply_to, bytes.into()).await {
-                            warn!(error = %e, "failed to publish route reply");
+                            warn!(subject = %msg.subject, error = %e, "failed to publish reply");
                         }
                     }
-                    Err(e) => warn!(error = %e, "failed to encode route reply"),
+                    Err(e) => warn!(subject = %msg.subject, error = %e, "failed to encode reply"),
                 }
             }
         })

@@ -61,17 +61,9 @@ use std::cmp::Reverse;
 use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
-/// In which order [`Scheduler::schedule_batch`] places a batch.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BatchOrder {
-    /// In the given order (first come, first served).
-    AsGiven,
-    /// Requests pinned to a dp_rank first, then grouped by their first block hash
-    /// (requests of one conversation or shared system prompt together), longer
-    /// prompts first within a group — TensorRT-LLM's ADP router order, so requests
-    /// sharing a prefix see each other's bookings.
-    GroupByPrefix,
-}
+/// In which order [`Scheduler::schedule_batch`] places a batch (a wire type: a
+/// batch route request names it).
+pub use kv_events::routing::BatchOrder;
 
 /// The scheduling facade: workers, booked load, engine-reported metrics and the
 /// selector, updated together.

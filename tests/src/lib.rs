@@ -12,7 +12,7 @@
 use anyhow::Context;
 use etcd_client::{Client as Etcd, PutOptions};
 use kv_events::discovery::WorkerRegistration;
-use kv_events::routing::{Prompt, RouteReply, RouteRequest};
+use kv_events::routing::{Prompt, RouteBatchReply, RouteBatchRequest, RouteReply, RouteRequest};
 use kv_events::{
     DpRank, ExternalBlockHash, KvCacheEvent, KvCacheEventData, KvEventBatch, LocalBlockHash,
     Namespace, StoredBlock, Subjects, WorkerId, decode, encode,
@@ -60,7 +60,7 @@ impl TestCluster {
         })
     }
 
-    /// Daemon flags for this cluster (kv policy, seeded RNG, 2 shards).
+    /// Daemon flags for this cluster (default policy, seeded RNG, 2 shards).
     pub fn serve_args(&self) -> ServeArgs {
         use clap::Parser;
         #[derive(Parser)]
@@ -111,6 +111,18 @@ impl TestCluster {
         let reply = self
             .nats
             .request(self.subjects.route(), encode(request)?.into())
+            .await?;
+        Ok(decode(&reply.payload)?)
+    }
+
+    /// Sends a batch route request and decodes the reply.
+    ///
+    /// # Errors
+    /// NATS or decode failures.
+    pub async fn route_batch(&self, batch: &RouteBatchRequest) -> anyhow::Result<RouteBatchReply> {
+        let reply = self
+            .nats
+            .request(self.subjects.route_batch(), encode(batch)?.into())
             .await?;
         Ok(decode(&reply.payload)?)
     }
