@@ -22,84 +22,18 @@
 //! The load generator runs on the same machine and competes for its cores; the printed
 //! table says how many cores the machine has.
 
-use anyhow::{Context, bail};
-use etcd_client::PutOptions;
+use anyhow::Context;
+use integration_tests::child_daemon::{ChildDaemon, register_workers};
 use kv_events::{
     DpRank, ExternalBlockHash, KvCacheEvent, KvCacheEventData, KvEventBatch, LocalBlockHash,
     Namespace, StoredBlock, Subjects, WorkerId, encode,
 };
-use mocker::cluster::servers::free_port;
-use mocker::cluster::{Echo, EtcdServer, ManagedProcess, NatsServer};
+use mocker::cluster::{EtcdServer, NatsServer};
 use std::time::{Duration, Instant};
 
 const WORKERS: u64 = 16;
 const CHAIN: u64 = 64;
 const BLOCK_SIZE: u32 = 16;
-
-struct Daemon {
-    process: ManagedProcess,
-    pid: u32,
-    http: String,
-}
-
-impl Daemon {
-    fn rss_bytes(&self) -> anyhow::Result<u64> {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid))?;
-        let kib: u64 = status
-            .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
-            .context("no VmRSS")?
-            .trim()
-            .trim_end_matches("kB")
-            .trim()
-            .parse()?;
-        Ok(kib * 1024)
-    }
-
-    /// utime + stime in seconds.
-    fn cpu_seconds(&self) -> anyhow::Result<f64> {
-        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid))?;
-        // Fields after the parenthesised command name; utime and stime are the 14th
-        // and 15th fields of the whole line.
-        let rest = stat.rsplit_once(')').context("bad stat")?.1;
-        let fields: Vec<&str> = rest.split_whitespace().collect();
-        let ticks: u64 = fields[11].parse::<u64>()? + fields[12].parse::<u64>()?;
-        // CLK_TCK is 100 on Linux for every architecture this runs on.
-        Ok(ticks as f64 / 100.0)
-    }
-
-    async fn metric(&self, name: &str) -> anyhow::Result<f64> {
-        let text = router_daemon::http::get(&self.http, "/metrics", Duration::from_secs(10))
-            .await?
-            .body;
-        text.lines()
-            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-            .with_context(|| format!("{name} not exported"))
-    }
-
-    async fn wait_for(&self, name: &str, at_least: f64) -> anyhow::Result<()> {
-        self.wait_for_sum(&[name], at_least).await
-    }
-
-    /// Re-reads the metrics every 50 ms until the sum of `names` reaches `at_least`.
-    async fn wait_for_sum(&self, names: &[&str], at_least: f64) -> anyhow::Result<()> {
-        let start = Instant::now();
-        let mut tick = tokio::time::interval(Duration::from_millis(50));
-        loop {
-            tick.tick().await;
-            let mut sum = 0.0;
-            for name in names {
-                sum += self.metric(name).await.unwrap_or(0.0);
-            }
-            if sum >= at_least {
-                return Ok(());
-            }
-            if start.elapsed() > Duration::from_secs(300) {
-                bail!("{names:?} did not reach {at_least} (at {sum})");
-            }
-        }
-    }
-}
 
 struct Publisher {
     nats: async_nats::Client,
@@ -177,47 +111,24 @@ async fn main() -> anyhow::Result<()> {
     } else {
         vec![5_000, 20_000, 50_000]
     };
-    let bin = std::env::var("KV_ROUTER_BIN").unwrap_or_else(|_| "target/release/kv-router".into());
 
     let nats_server = NatsServer::start().await?;
     let etcd_server = EtcdServer::start().await?;
-    let http = format!("127.0.0.1:{}", free_port()?);
-    let mut command = std::process::Command::new(&bin);
-    command.args([
-        "serve",
-        "--nats-url",
+    let daemon = ChildDaemon::start(
         &nats_server.url(),
-        "--etcd-endpoints",
         &etcd_server.endpoint(),
-        "--namespace",
         "sizing",
-        "--block-size",
-        &BLOCK_SIZE.to_string(),
-        "--http-listen",
-        &http,
-    ]);
-    let mut process = ManagedProcess::spawn("kv-router", command, Echo::Quiet)
-        .with_context(|| format!("starting {bin} (build it with cargo build --release)"))?;
-    process
-        .wait_for_line("kv-router ready", Duration::from_secs(60))
-        .await?;
-    let pid = process.id().context("daemon has no pid")?;
-    let daemon = Daemon { process, pid, http };
-
+        BLOCK_SIZE,
+        &[],
+    )
+    .await?;
+    let bin = daemon.bin.clone();
     let subjects = Subjects::new(Namespace::new("sizing")?);
     let mut etcd = etcd_client::Client::connect([etcd_server.endpoint()], None).await?;
-    let lease = etcd.lease_grant(600, None).await?.id();
-    for w in 0..WORKERS {
-        let reg = serde_json::json!({"worker_id": w, "dp_size": 1, "block_size": BLOCK_SIZE,
-            "total_kv_blocks": entries});
-        etcd.put(
-            subjects.etcd_worker_key(WorkerId(w)),
-            serde_json::to_vec(&reg)?,
-            Some(PutOptions::new().with_lease(lease)),
-        )
+    register_workers(&mut etcd, &subjects, 0..WORKERS, BLOCK_SIZE, entries).await?;
+    daemon
+        .wait_for_sum(&["kv_router_workers"], WORKERS as f64)
         .await?;
-    }
-    daemon.wait_for("kv_router_workers", WORKERS as f64).await?;
     let nats = async_nats::connect(nats_server.url()).await?;
     let mut publisher = Publisher {
         nats,
@@ -250,7 +161,9 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     let indexed = (chains * 2 * CHAIN) as f64;
-    daemon.wait_for("kv_router_indexer_blocks", indexed).await?;
+    daemon
+        .wait_for_sum(&["kv_router_indexer_blocks"], indexed)
+        .await?;
     let load_time = started.elapsed();
     let rss_after = daemon.rss_bytes()?;
     let estimate = daemon.metric("kv_router_indexer_memory_bytes").await?;
@@ -330,6 +243,6 @@ async fn main() -> anyhow::Result<()> {
             cpu / total as f64 * 1e6
         );
     }
-    daemon.process.stop(Duration::from_secs(10)).await?;
+    daemon.stop().await?;
     Ok(())
 }

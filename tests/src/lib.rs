@@ -8,8 +8,12 @@
 //! # Layout
 //! - [`TestCluster`]: nats-server + etcd + a running daemon, and clients to both.
 //! - [`FakeWorker`]: a hand-driven worker: etcd registration under a lease, KV events.
+//! - [`child_daemon`]: the release binary as a child process, for the measurement
+//!   tools in `tests/examples/`.
 
 use anyhow::Context;
+
+pub mod child_daemon;
 use etcd_client::{Client as Etcd, PutOptions};
 use kv_events::discovery::WorkerRegistration;
 use kv_events::routing::{Prompt, RouteBatchReply, RouteBatchRequest, RouteReply, RouteRequest};

@@ -1,0 +1,178 @@
+//! The release `kv-router serve` binary as a child process, for the measurement tools
+//! in `tests/examples/` (sizing, route throughput). Unlike the in-process daemon of
+//! the end-to-end tests, a child process has its own resident set and CPU time,
+//! which `/proc` reports without counting the load generator.
+
+use crate::eventually;
+use anyhow::Context;
+use etcd_client::PutOptions;
+use kv_events::{Subjects, WorkerId};
+use mocker::cluster::servers::free_port;
+use mocker::cluster::{Echo, ManagedProcess};
+use std::time::Duration;
+
+/// The binary the tools run unless `KV_ROUTER_BIN` names another.
+pub const DEFAULT_BIN: &str = "target/release/kv-router";
+
+/// A running `kv-router serve` child with its HTTP endpoint.
+pub struct ChildDaemon {
+    process: ManagedProcess,
+    pid: u32,
+    http: String,
+    /// The binary that runs.
+    pub bin: String,
+}
+
+impl ChildDaemon {
+    /// Starts `kv-router serve` (`KV_ROUTER_BIN`, default [`DEFAULT_BIN`]) against
+    /// `nats_url` and `etcd_endpoint` in `namespace` with `block_size` tokens per
+    /// block, an HTTP endpoint on a free loopback port, and `extra` flags; returns
+    /// once it logs that it is ready.
+    ///
+    /// # Errors
+    /// When the binary cannot start or does not become ready within 60 s.
+    pub async fn start(
+        nats_url: &str,
+        etcd_endpoint: &str,
+        namespace: &str,
+        block_size: u32,
+        extra: &[&str],
+    ) -> anyhow::Result<Self> {
+        let bin = std::env::var("KV_ROUTER_BIN").unwrap_or_else(|_| DEFAULT_BIN.into());
+        let http = format!("127.0.0.1:{}", free_port()?);
+        let mut command = std::process::Command::new(&bin);
+        command
+            .args([
+                "serve",
+                "--nats-url",
+                nats_url,
+                "--etcd-endpoints",
+                etcd_endpoint,
+                "--namespace",
+                namespace,
+                "--block-size",
+                &block_size.to_string(),
+                "--http-listen",
+                &http,
+            ])
+            .args(extra);
+        let mut process = ManagedProcess::spawn("kv-router", command, Echo::Quiet)
+            .with_context(|| format!("starting {bin} (build it with cargo build --release)"))?;
+        process
+            .wait_for_line("kv-router ready", Duration::from_secs(60))
+            .await?;
+        let pid = process.id().context("daemon has no pid")?;
+        Ok(Self {
+            process,
+            pid,
+            http,
+            bin,
+        })
+    }
+
+    /// Resident set size, in bytes (`/proc/PID/status` `VmRSS`).
+    ///
+    /// # Errors
+    /// When `/proc` cannot be read or parsed.
+    pub fn rss_bytes(&self) -> anyhow::Result<u64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid))?;
+        let kib: u64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .context("no VmRSS")?
+            .trim()
+            .trim_end_matches("kB")
+            .trim()
+            .parse()?;
+        Ok(kib * 1024)
+    }
+
+    /// CPU time used so far (utime + stime), in seconds.
+    ///
+    /// # Errors
+    /// When `/proc` cannot be read or parsed.
+    pub fn cpu_seconds(&self) -> anyhow::Result<f64> {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid))?;
+        // Fields after the parenthesised command name; utime and stime are the 14th
+        // and 15th fields of the whole line.
+        let rest = stat.rsplit_once(')').context("bad stat")?.1;
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        let field = |i: usize| -> anyhow::Result<u64> {
+            Ok(fields.get(i).context("short stat line")?.parse()?)
+        };
+        // CLK_TCK is 100 on Linux for every architecture this runs on.
+        Ok((field(11)? + field(12)?) as f64 / 100.0)
+    }
+
+    /// The value of the unlabelled (or fully labelled, e.g. `name{a="b"}`) sample
+    /// `name` on `/metrics`.
+    ///
+    /// # Errors
+    /// When the endpoint fails or does not export the sample.
+    pub async fn metric(&self, name: &str) -> anyhow::Result<f64> {
+        let text = router_daemon::http::get(&self.http, "/metrics", Duration::from_secs(10))
+            .await?
+            .body;
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+            .with_context(|| format!("{name} not exported"))
+    }
+
+    /// Waits (up to 300 s) until the sum of the samples `names` reaches `at_least`.
+    ///
+    /// # Errors
+    /// When it does not.
+    pub async fn wait_for_sum(&self, names: &[&str], at_least: f64) -> anyhow::Result<()> {
+        eventually(
+            &format!("{names:?} to reach {at_least}"),
+            Duration::from_secs(300),
+            || async {
+                let mut sum = 0.0;
+                for name in names {
+                    sum += self.metric(name).await.unwrap_or(0.0);
+                }
+                (sum >= at_least).then_some(())
+            },
+        )
+        .await
+    }
+
+    /// Stops the daemon with SIGTERM (SIGKILL after 10 s).
+    ///
+    /// # Errors
+    /// When it cannot be signalled.
+    pub async fn stop(self) -> anyhow::Result<()> {
+        self.process.stop(Duration::from_secs(10)).await?;
+        Ok(())
+    }
+}
+
+/// Registers workers `ids` (dp_size 1, `total_kv_blocks` each) in etcd under one
+/// lease of 600 s.
+///
+/// # Errors
+/// etcd failures.
+pub async fn register_workers(
+    etcd: &mut etcd_client::Client,
+    subjects: &Subjects,
+    ids: std::ops::Range<u64>,
+    block_size: u32,
+    total_kv_blocks: u64,
+) -> anyhow::Result<()> {
+    let lease = etcd.lease_grant(600, None).await?.id();
+    for w in ids {
+        let reg = kv_events::discovery::WorkerRegistration {
+            worker_id: WorkerId(w),
+            dp_size: 1,
+            block_size,
+            total_kv_blocks,
+        };
+        etcd.put(
+            subjects.etcd_worker_key(WorkerId(w)),
+            serde_json::to_vec(&reg)?,
+            Some(PutOptions::new().with_lease(lease)),
+        )
+        .await?;
+    }
+    Ok(())
+}
