@@ -27,6 +27,8 @@ pub enum MessageKind {
     Registration,
     /// Sequence sync messages from peer router replicas.
     Sequences,
+    /// Start-up snapshot requests from peer replicas and replies to our own.
+    SequenceSnapshot,
 }
 
 impl MessageKind {
@@ -39,6 +41,7 @@ impl MessageKind {
             MessageKind::Lifecycle => "lifecycle",
             MessageKind::Registration => "registration",
             MessageKind::Sequences => "sequences",
+            MessageKind::SequenceSnapshot => "sequence_snapshot",
         }
     }
 }

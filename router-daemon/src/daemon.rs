@@ -14,10 +14,14 @@
 //! 5. finish the initial recovery of the index: a dump from every registered worker
 //!    rank (or, with `--jetstream`, catching up with the stream after restoring the
 //!    snapshot); events arriving meanwhile are buffered and applied after it
-//!    (`durability`);
-//! 6. join the route queue group last, so no query is answered before workers are
-//!    known; confirm the subscriptions with a server round trip; log `kv-router ready`
-//!    and report ready.
+//!    (`durability`). Meanwhile, with replica sync on, ask the other replicas for the
+//!    requests they booked before step 3 and apply their answers for at most
+//!    `--replica-snapshot-timeout-ms` ([`crate::replica_snapshot`]; after discovery,
+//!    because a booking needs its rank registered);
+//! 6. answer other replicas' snapshot requests from here on; join the route queue
+//!    group last, so no query is answered before workers and peers' bookings are
+//!    known; confirm the subscriptions with a server round trip; log `kv-router
+//!    ready` and report ready.
 //!
 //! Shutdown order ([`Daemon::shutdown`]): report not ready → stop intake (unsubscribe;
 //! route queries already received are still answered, later ones get "no responders")
@@ -208,10 +212,15 @@ impl Starting {
 
         // Initial recovery: JetStream catch-up and/or a dump from every registered
         // worker; live events arriving meanwhile are buffered, not lost or doubled.
-        let recovered =
-            crate::durability::initial_recovery(&state, &recovery, event_intake).await?;
+        // The peers' bookings are gathered at the same time.
+        let (recovered, _snapshot) = tokio::join!(
+            crate::durability::initial_recovery(&state, &recovery, event_intake),
+            crate::replica_snapshot::gather(&state, &nats),
+        );
+        let recovered = recovered?;
         info!(summary = %recovered, "initial recovery done");
         state.health.set_recovery_done(recovered);
+        crate::replica_snapshot::serve(&state, &nats, &intake_tasks, &intake).await?;
 
         let routes = nats
             .queue_subscribe(subjects.route(), subjects.route_queue_group())

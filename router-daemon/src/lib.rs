@@ -22,6 +22,7 @@
 //! - [`admission`]: book now or wait in the queue; release waiters; expire requests.
 //! - [`queue`]: the bounded FCFS wait queue for when every worker is busy.
 //! - [`replicas`]: sequence sync of booked load between router replicas.
+//! - [`replica_snapshot`]: a starting replica learns the bookings its peers hold.
 //! - [`scheduling_args`]: the scheduling, queue and replica flags of `serve`.
 //! - [`policy_args`]: the default policy and each policy's knob flags.
 //! - [`state`]: the shared router state (indexer handle, scheduler lock, counters).
@@ -54,6 +55,7 @@ pub mod policy_args;
 pub mod probe;
 pub mod queue;
 pub mod relay;
+pub mod replica_snapshot;
 pub mod replicas;
 pub mod route;
 pub mod route_batch;

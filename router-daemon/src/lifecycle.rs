@@ -33,6 +33,8 @@ pub fn handle_lifecycle(state: &RouterState, subject: &str, payload: &[u8]) {
     };
     let now = Instant::now();
     let id = &msg.request_id;
+    // Before the scheduler lock, for the start-up snapshot (`crate::replica_snapshot`).
+    state.admission.replicas.note_lifecycle(id, msg.event);
     let result = {
         let mut scheduler = state.scheduler();
         let (result, update) = match msg.event {

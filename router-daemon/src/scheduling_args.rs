@@ -60,6 +60,15 @@ pub struct SchedulingArgs {
     /// Share booked load with the other replicas on the sequences subject.
     #[arg(long, env = "KV_ROUTER_REPLICA_SYNC", default_value_t = true, action = ArgAction::Set)]
     pub replica_sync: bool,
+    /// At start-up, how long to collect the other replicas' in-flight bookings
+    /// (answers to one snapshot request), in milliseconds; 0 skips the snapshot.
+    /// Ends at once when no other replica runs.
+    #[arg(
+        long,
+        env = "KV_ROUTER_REPLICA_SNAPSHOT_TIMEOUT_MS",
+        default_value_t = 500
+    )]
+    pub replica_snapshot_timeout_ms: u64,
 }
 
 impl SchedulingArgs {
@@ -98,6 +107,7 @@ impl SchedulingArgs {
                     .router_id
                     .map_or_else(|| ReplicaConfig::default().router_id, RouterId),
                 sync: self.replica_sync,
+                snapshot_timeout: Duration::from_millis(self.replica_snapshot_timeout_ms),
             },
         };
         Ok((scheduler, admission))
@@ -130,6 +140,10 @@ mod tests {
         assert_eq!(scheduler.busy, BusyThresholds::default());
         assert_eq!(admission.queue, QueueConfig::default());
         assert!(admission.replicas.sync);
+        assert_eq!(
+            admission.replicas.snapshot_timeout,
+            ReplicaConfig::default().snapshot_timeout
+        );
         let (_, other) = parse(&[]).to_configs().unwrap();
         assert_ne!(
             admission.replicas.router_id, other.replicas.router_id,
@@ -168,6 +182,8 @@ mod tests {
             "42",
             "--replica-sync",
             "false",
+            "--replica-snapshot-timeout-ms",
+            "0",
         ])
         .to_configs()
         .unwrap();
@@ -197,6 +213,7 @@ mod tests {
         assert_eq!(admission.queue.max_wait, Duration::from_millis(250));
         assert_eq!(admission.replicas.router_id, RouterId(42));
         assert!(!admission.replicas.sync);
+        assert_eq!(admission.replicas.snapshot_timeout, Duration::ZERO);
 
         let (scheduler, _) = parse(&[
             "--policy",

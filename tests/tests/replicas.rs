@@ -1,7 +1,8 @@
 //! Router replicas end to end: two daemons on one NATS share the route queue group
 //! and sync their bookings, so each sees the whole cluster's load and the queries NATS
 //! spreads between them land as a single replica would place them; without sync,
-//! each replica sees only its own half.
+//! each replica sees only its own half. A replica that starts late learns the
+//! bookings its peers already hold from the start-up snapshot.
 
 use integration_tests::{FakeWorker, TestCluster, eventually};
 use kv_events::replicas::{BookedSequence, SequenceSync, SequenceUpdate};
@@ -9,9 +10,12 @@ use kv_events::routing::{LifecycleEvent, LifecycleMessage, PolicyKind, RouteRepl
 use kv_events::{DpRank, RouterId, WorkerId, WorkerRank, encode};
 use router_daemon::admission::Origin;
 use router_daemon::counters::{MessageKind, Outcome};
-use router_daemon::{Daemon, DaemonConfig};
+use router_daemon::{Daemon, DaemonConfig, ServeArgs};
 use std::collections::BTreeMap;
 use std::time::Duration;
+
+#[path = "replicas/snapshot.rs"]
+mod snapshot;
 
 const BLOCK: u32 = 4;
 const WAIT: Duration = Duration::from_secs(10);
@@ -31,19 +35,37 @@ fn request_prompt(i: usize) -> Vec<u32> {
     p
 }
 
-/// Starts `n` daemons with router ids 100, 101, … in the cluster's namespace, each
-/// with its own metrics registry.
-async fn start_replicas(cluster: &TestCluster, n: u64, sync: bool) -> anyhow::Result<Vec<Daemon>> {
+/// Flags of the replica with router id `id` in the cluster's namespace (kv policy),
+/// changed by `adjust`.
+fn replica_args(cluster: &TestCluster, id: u64, adjust: impl Fn(&mut ServeArgs)) -> ServeArgs {
+    let mut args = cluster.serve_args();
+    args.scheduling.router_id = Some(id);
+    // The kv cost spreads these small requests as decode blocks pile up, which
+    // makes "lands as a single replica would place them" observable.
+    args.scheduling.policy.policy = PolicyKind::Kv;
+    adjust(&mut args);
+    args
+}
+
+/// Starts the replica with router id `id`, with its own metrics registry.
+async fn start_replica(
+    cluster: &TestCluster,
+    id: u64,
+    adjust: impl Fn(&mut ServeArgs),
+) -> anyhow::Result<Daemon> {
+    let config = DaemonConfig::from_args(&replica_args(cluster, id, adjust))?;
+    Daemon::start(config, &prometheus::Registry::new()).await
+}
+
+/// Starts `n` daemons with router ids 100, 101, … in the cluster's namespace.
+async fn start_replicas(
+    cluster: &TestCluster,
+    n: u64,
+    adjust: impl Fn(&mut ServeArgs),
+) -> anyhow::Result<Vec<Daemon>> {
     let mut daemons = Vec::new();
     for i in 0..n {
-        let mut args = cluster.serve_args();
-        args.scheduling.router_id = Some(100 + i);
-        args.scheduling.replica_sync = sync;
-        // The kv cost spreads these small requests as decode blocks pile up, which
-        // makes "lands as a single replica would place them" observable.
-        args.scheduling.policy.policy = PolicyKind::Kv;
-        let config = DaemonConfig::from_args(&args)?;
-        daemons.push(Daemon::start(config, &prometheus::Registry::new()).await?);
+        daemons.push(start_replica(cluster, 100 + i, &adjust).await?);
     }
     Ok(daemons)
 }
@@ -51,12 +73,20 @@ async fn start_replicas(cluster: &TestCluster, n: u64, sync: bool) -> anyhow::Re
 /// A cluster of 4 workers, worker 1 caching the prefix, and `replicas` daemons that
 /// have indexed it.
 async fn setup(replicas: u64, sync: bool) -> anyhow::Result<(TestCluster, Vec<Daemon>)> {
+    setup_with(replicas, move |args| args.scheduling.replica_sync = sync).await
+}
+
+/// [`setup`] with the replicas' flags changed by `adjust`.
+async fn setup_with(
+    replicas: u64,
+    adjust: impl Fn(&mut ServeArgs),
+) -> anyhow::Result<(TestCluster, Vec<Daemon>)> {
     let mut cluster = TestCluster::start(BLOCK).await?;
     let mut workers = Vec::new();
     for id in 1..=WORKERS {
         workers.push(FakeWorker::register(&mut cluster, id, 60).await?);
     }
-    let daemons = start_replicas(&cluster, replicas, sync).await?;
+    let daemons = start_replicas(&cluster, replicas, adjust).await?;
     workers[0].store_prompt(&cluster, &prefix()).await?;
     let hashes = FakeWorker::hashes(&prefix(), BLOCK);
     let rank = WorkerRank::new(WorkerId(1), DpRank(0));
@@ -198,14 +228,19 @@ async fn synced_replicas_spread_load_like_a_single_replica() -> anyhow::Result<(
 #[tokio::test]
 async fn lifecycle_reaches_every_replica_and_bad_sync_input_is_skipped() -> anyhow::Result<()> {
     let (cluster, daemons) = setup(2, true).await?;
-    for i in 0..4 {
+    // At least 4 requests, and more until the queue group has handed each replica one
+    // (it picks a member at random), so each replica publishes sync messages.
+    let mut routed = 0;
+    while routed < 4 || daemons.iter().any(|d| own_bookings(d) == 0) {
+        anyhow::ensure!(routed < 64, "the queue group never reached both replicas");
         cluster
-            .route_tokens(&format!("r{i}"), request_prompt(i))
+            .route_tokens(&format!("r{routed}"), request_prompt(routed))
             .await?;
+        routed += 1;
     }
     for daemon in &daemons {
         eventually("bookings to sync", WAIT, || async {
-            (daemon.state().scheduler().active_requests() == 4).then_some(())
+            (daemon.state().scheduler().active_requests() == routed).then_some(())
         })
         .await?;
     }
@@ -240,7 +275,7 @@ async fn lifecycle_reaches_every_replica_and_bad_sync_input_is_skipped() -> anyh
         eventually("bad sync input to be counted", WAIT, || async {
             (c.messages(MessageKind::Sequences, Outcome::Malformed) == 1
                 && c.messages(MessageKind::Sequences, Outcome::Rejected) == 1
-                && daemon.state().scheduler().active_requests() == 5)
+                && daemon.state().scheduler().active_requests() == routed + 1)
                 .then_some(())
         })
         .await?;
@@ -256,7 +291,7 @@ async fn lifecycle_reaches_every_replica_and_bad_sync_input_is_skipped() -> anyh
         .await?;
 
     // The frontend frees its requests; every replica releases them.
-    for i in 0..4 {
+    for i in 0..routed {
         let msg = LifecycleMessage {
             request_id: format!("r{i}").into(),
             event: LifecycleEvent::Freed,
