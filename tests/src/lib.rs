@@ -16,10 +16,13 @@ use anyhow::Context;
 pub mod child_daemon;
 use etcd_client::{Client as Etcd, PutOptions};
 use kv_events::discovery::WorkerRegistration;
-use kv_events::routing::{Prompt, RouteBatchReply, RouteBatchRequest, RouteReply, RouteRequest};
+use kv_events::routing::{
+    LifecycleEvent, LifecycleMessage, Prompt, RouteBatchReply, RouteBatchRequest, RouteReply,
+    RouteRequest,
+};
 use kv_events::{
     DpRank, ExternalBlockHash, KvCacheEvent, KvCacheEventData, KvEventBatch, LocalBlockHash,
-    Namespace, StoredBlock, Subjects, WorkerId, decode, encode,
+    Namespace, StoredBlock, Subjects, WorkerId, WorkerRank, decode, encode,
 };
 use mocker::cluster::{EtcdServer, NatsServer};
 use router_daemon::{Daemon, DaemonConfig, ServeArgs};
@@ -129,6 +132,23 @@ impl TestCluster {
             .request(self.subjects.route_batch(), encode(batch)?.into())
             .await?;
         Ok(decode(&reply.payload)?)
+    }
+
+    /// Publishes a lifecycle message (`prefill_done`, `keep_alive`, `freed`) for
+    /// `request_id`, as a frontend does, and flushes it to the server.
+    ///
+    /// # Errors
+    /// NATS or encode failures.
+    pub async fn lifecycle(&self, request_id: &str, event: LifecycleEvent) -> anyhow::Result<()> {
+        let msg = LifecycleMessage {
+            request_id: request_id.into(),
+            event,
+        };
+        self.nats
+            .publish(self.subjects.lifecycle(), encode(&msg)?.into())
+            .await?;
+        self.nats.flush().await?;
+        Ok(())
     }
 
     /// Routes a token-id prompt under `request_id`.
@@ -251,6 +271,33 @@ impl FakeWorker {
     pub fn hashes(tokens: &[u32], block_size: u32) -> Vec<LocalBlockHash> {
         kv_events::compute_block_hashes(tokens, block_size)
     }
+}
+
+/// Waits (up to 10 s) until `daemon`'s index holds at least `blocks` leading blocks of
+/// `hashes` on `rank`.
+///
+/// # Errors
+/// When it does not.
+pub async fn wait_for_overlap(
+    daemon: &Daemon,
+    hashes: &[LocalBlockHash],
+    rank: WorkerRank,
+    blocks: u32,
+) -> anyhow::Result<()> {
+    eventually(
+        &format!("{blocks} blocks to be indexed on {rank}"),
+        std::time::Duration::from_secs(10),
+        || async {
+            let scores = daemon
+                .state()
+                .indexer
+                .find_matches(hashes.to_vec())
+                .await
+                .ok()?;
+            (scores.get(rank) >= blocks).then_some(())
+        },
+    )
+    .await
 }
 
 /// Waits until `check` returns `Some`, re-checking with a short backoff, for at most

@@ -12,7 +12,7 @@
 // Test helpers unwrap: a failed setup step must fail the test loudly.
 #![allow(clippy::unwrap_used)]
 
-use integration_tests::{FakeWorker, TestCluster, eventually};
+use integration_tests::{FakeWorker, TestCluster, eventually, wait_for_overlap};
 use kv_events::routing::RouteReply;
 use kv_events::{DpRank, WorkerId, WorkerRank, compute_block_hashes};
 use router_daemon::relay::{Relay, RelayArgs, RelayConfig};
@@ -88,17 +88,9 @@ async fn python_route_client_asks_the_router_for_a_worker() {
     let prompt: Vec<u32> = (1000..1048).collect();
     w2.store_prompt(&cluster, &prompt).await.unwrap();
     let hashes = compute_block_hashes(&prompt, 16);
-    eventually("worker 2's blocks", WAIT, || async {
-        let scores = daemon
-            .state()
-            .indexer
-            .find_matches(hashes.clone())
-            .await
-            .ok()?;
-        (scores.get(WorkerRank::new(WorkerId(2), DpRank(0))) == 3).then_some(())
-    })
-    .await
-    .unwrap();
+    wait_for_overlap(&daemon, &hashes, WorkerRank::new(WorkerId(2), DpRank(0)), 3)
+        .await
+        .unwrap();
 
     let output = Command::new(&python)
         .arg(repo("docs/examples/route_client.py"))
@@ -194,17 +186,9 @@ async fn relay_reads_a_libzmq_publisher_and_replay_socket() {
 
     let b: Vec<u32> = (1000..1032).chain(5000..5020).collect();
     let hashes = compute_block_hashes(&b, 16);
-    eventually("prompt B from the libzmq publisher", WAIT, || async {
-        let scores = daemon
-            .state()
-            .indexer
-            .find_matches(hashes.clone())
-            .await
-            .ok()?;
-        (scores.get(WorkerRank::new(WorkerId(7), DpRank(0))) == 3).then_some(())
-    })
-    .await
-    .unwrap();
+    wait_for_overlap(&daemon, &hashes, WorkerRank::new(WorkerId(7), DpRank(0)), 3)
+        .await
+        .unwrap();
     // The counters are bumped after the recovered events are published, so the index
     // can show prompt B a moment before they do: wait for them too.
     eventually("the relay to count the filled gap", WAIT, || async {

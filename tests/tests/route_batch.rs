@@ -3,10 +3,10 @@
 //! before it; a bad entry fails alone; a bad batch fails whole and books nothing; a
 //! batch never waits in the queue, nor overtakes requests that do.
 
-use integration_tests::{FakeWorker, TestCluster, eventually};
+use integration_tests::{FakeWorker, TestCluster, eventually, wait_for_overlap};
 use kv_events::routing::{
-    BatchOrder, LifecycleEvent, LifecycleMessage, Prompt, RouteBatchReply, RouteBatchRequest,
-    RouteDecision, RouteError, RouteErrorCode, RouteReply, RouteRequest,
+    BatchOrder, LifecycleEvent, Prompt, RouteBatchReply, RouteBatchRequest, RouteDecision,
+    RouteError, RouteErrorCode, RouteReply, RouteRequest,
 };
 use kv_events::{DpRank, RequestId, WorkerId, WorkerRank, decode, encode};
 use router_daemon::Daemon;
@@ -62,19 +62,6 @@ async fn active(daemon: &Daemon) -> usize {
     daemon.state().scheduler().active_requests()
 }
 
-async fn free(cluster: &TestCluster, id: &str) -> anyhow::Result<()> {
-    let msg = LifecycleMessage {
-        request_id: id.into(),
-        event: LifecycleEvent::Freed,
-    };
-    cluster
-        .nats
-        .publish(cluster.subjects.lifecycle(), encode(&msg)?.into())
-        .await?;
-    cluster.nats.flush().await?;
-    Ok(())
-}
-
 #[tokio::test]
 async fn a_batch_is_placed_in_one_round_trip_and_bad_entries_fail_alone() -> anyhow::Result<()> {
     let mut cluster = TestCluster::start(BLOCK).await?;
@@ -86,16 +73,7 @@ async fn a_batch_is_placed_in_one_round_trip_and_bad_entries_fail_alone() -> any
         .await?;
     let hashes = FakeWorker::hashes(&prompt(1, PREFIX_BLOCKS), BLOCK);
     let rank1 = WorkerRank::new(WorkerId(1), DpRank(0));
-    eventually("the prefix to be indexed on worker 1", WAIT, || async {
-        let scores = daemon
-            .state()
-            .indexer
-            .find_matches(hashes.clone())
-            .await
-            .ok()?;
-        (scores.get(rank1) == PREFIX_BLOCKS).then_some(())
-    })
-    .await?;
+    wait_for_overlap(&daemon, &hashes, rank1, PREFIX_BLOCKS).await?;
     eventually("both workers to be registered", WAIT, || async {
         (daemon.state().scheduler().ranks().len() == 2).then_some(())
     })
@@ -141,7 +119,7 @@ async fn a_batch_is_placed_in_one_round_trip_and_bad_entries_fail_alone() -> any
     assert_eq!(counters.messages(MessageKind::Route, Outcome::Rejected), 2);
 
     // Batch entries have the ordinary lifecycle.
-    free(&cluster, "a").await?;
+    cluster.lifecycle("a", LifecycleEvent::Freed).await?;
     eventually("a's booking to be released", WAIT, || async {
         (active(&daemon).await == 2).then_some(())
     })
@@ -281,7 +259,7 @@ async fn a_batch_never_waits_nor_overtakes_waiters() -> anyhow::Result<()> {
     );
 
     // Freeing a batch entry releases the waiter.
-    free(&cluster, "b1").await?;
+    cluster.lifecycle("b1", LifecycleEvent::Freed).await?;
     let reply: RouteReply = decode(&waiting.await??.payload)?;
     assert_eq!(routed(&reply).request_id, RequestId::from("waiter"));
     assert_eq!(active(&daemon).await, 2);

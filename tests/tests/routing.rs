@@ -29,14 +29,7 @@ async fn wait_for_overlap(
 ) -> anyhow::Result<()> {
     let hashes = FakeWorker::hashes(tokens, BLOCK);
     let rank = WorkerRank::new(worker, kv_events::DpRank(0));
-    eventually("kv events to be indexed", WAIT, || {
-        let hashes = hashes.clone();
-        async move {
-            let scores = daemon.state().indexer.find_matches(hashes).await.ok()?;
-            (scores.get(rank) >= blocks).then_some(())
-        }
-    })
-    .await
+    integration_tests::wait_for_overlap(daemon, &hashes, rank, blocks).await
 }
 
 #[tokio::test]

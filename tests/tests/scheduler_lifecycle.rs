@@ -7,8 +7,8 @@ use etcd_client::PutOptions;
 use integration_tests::{TestCluster, eventually};
 use kv_events::discovery::WorkerRegistration;
 use kv_events::routing::{
-    CostOverrides, LifecycleEvent, LifecycleMessage, PolicyKind, Prompt, RouteDecision, RouteError,
-    RouteErrorCode, RouteReply, RouteRequest,
+    CostOverrides, LifecycleEvent, PolicyKind, Prompt, RouteDecision, RouteError, RouteErrorCode,
+    RouteReply, RouteRequest,
 };
 use kv_events::{DpRank, RequestId, WorkerId, WorkerRank, encode};
 use router_daemon::Daemon;
@@ -38,19 +38,6 @@ async fn register(cluster: &mut TestCluster, id: u64, dp_size: u32) -> anyhow::R
             Some(PutOptions::new().with_lease(lease)),
         )
         .await?;
-    Ok(())
-}
-
-async fn lifecycle(cluster: &TestCluster, id: &str, event: LifecycleEvent) -> anyhow::Result<()> {
-    let msg = LifecycleMessage {
-        request_id: id.into(),
-        event,
-    };
-    cluster
-        .nats
-        .publish(cluster.subjects.lifecycle(), encode(&msg)?.into())
-        .await?;
-    cluster.nats.flush().await?;
     Ok(())
 }
 
@@ -94,7 +81,7 @@ async fn route_prefill_done_keep_alive_free_and_expiry() -> anyhow::Result<()> {
         (12, 3)
     );
 
-    lifecycle(&cluster, "r1", LifecycleEvent::PrefillDone).await?;
+    cluster.lifecycle("r1", LifecycleEvent::PrefillDone).await?;
     eventually("prefill done to be applied", WAIT, || async {
         (daemon
             .state()
@@ -126,14 +113,14 @@ async fn route_prefill_done_keep_alive_free_and_expiry() -> anyhow::Result<()> {
     };
     for _ in 0..3 {
         let before = deadline(&daemon).expect("r1 is active");
-        lifecycle(&cluster, "r1", LifecycleEvent::KeepAlive).await?;
+        cluster.lifecycle("r1", LifecycleEvent::KeepAlive).await?;
         eventually("keep-alive to refresh the deadline", WAIT, || async {
             (deadline(&daemon)? > before).then_some(())
         })
         .await?;
     }
 
-    lifecycle(&cluster, "r1", LifecycleEvent::Freed).await?;
+    cluster.lifecycle("r1", LifecycleEvent::Freed).await?;
     eventually("free to release the load", WAIT, || async {
         (active(&daemon).await == 0).then_some(())
     })
@@ -160,7 +147,9 @@ async fn route_prefill_done_keep_alive_free_and_expiry() -> anyhow::Result<()> {
     let counters = &daemon.state().counters;
     use router_daemon::counters::{MessageKind, Outcome};
     let rejected = counters.messages(MessageKind::Lifecycle, Outcome::Rejected);
-    lifecycle(&cluster, "abandoned", LifecycleEvent::Freed).await?;
+    cluster
+        .lifecycle("abandoned", LifecycleEvent::Freed)
+        .await?;
     eventually("the late free to be counted", WAIT, || async {
         (counters.messages(MessageKind::Lifecycle, Outcome::Rejected) == rejected + 1).then_some(())
     })
@@ -277,7 +266,7 @@ async fn busy_workers_make_requests_wait_and_a_free_releases_them() -> anyhow::R
     assert!(e.message.contains("queue is full"), "{}", e.message);
 
     // Freeing the hog releases the waiter, which is routed (and now holds the worker).
-    lifecycle(&cluster, "hog", LifecycleEvent::Freed).await?;
+    cluster.lifecycle("hog", LifecycleEvent::Freed).await?;
     let reply: RouteReply = kv_events::decode(&waiting.await??.payload)?;
     let d = routed(reply);
     assert_eq!(d.request_id, RequestId::from("waiter"));

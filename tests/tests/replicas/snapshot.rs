@@ -39,22 +39,6 @@ fn requests(daemon: &Daemon) -> BTreeMap<String, (Origin, bool)> {
         .collect()
 }
 
-async fn publish_lifecycle(
-    cluster: &TestCluster,
-    id: &str,
-    event: LifecycleEvent,
-) -> anyhow::Result<()> {
-    let msg = LifecycleMessage {
-        request_id: id.into(),
-        event,
-    };
-    cluster
-        .nats
-        .publish(cluster.subjects.lifecycle(), encode(&msg)?.into())
-        .await?;
-    Ok(())
-}
-
 #[tokio::test]
 async fn a_late_replica_learns_the_bookings_its_peers_hold() -> anyhow::Result<()> {
     // A long window: the first replica must not wait for it, nobody answers.
@@ -79,7 +63,9 @@ async fn a_late_replica_learns_the_bookings_its_peers_hold() -> anyhow::Result<(
         );
     }
     for i in (0..BOOKED).step_by(2) {
-        publish_lifecycle(&cluster, &format!("r{i}"), LifecycleEvent::PrefillDone).await?;
+        cluster
+            .lifecycle(&format!("r{i}"), LifecycleEvent::PrefillDone)
+            .await?;
     }
     eventually("A to apply the prefill_done messages", WAIT, || async {
         let done = requests(&a).values().filter(|(_, done)| *done).count();
@@ -127,7 +113,7 @@ async fn a_late_replica_learns_the_bookings_its_peers_hold() -> anyhow::Result<(
     );
 
     // Live sync goes on: a free reaches both peers.
-    publish_lifecycle(&cluster, "r0", LifecycleEvent::Freed).await?;
+    cluster.lifecycle("r0", LifecycleEvent::Freed).await?;
     for daemon in [&a, &b] {
         eventually("r0 to be freed", WAIT, || async {
             (daemon.state().scheduler().active_requests() == BOOKED - 1).then_some(())
@@ -189,7 +175,9 @@ async fn a_request_freed_while_a_replica_starts_is_not_resurrected() -> anyhow::
             .publish(cluster.subjects.sequences(), encode(&msg)?.into())
             .await?;
     }
-    publish_lifecycle(&cluster, "gone-frontend", LifecycleEvent::Freed).await?;
+    cluster
+        .lifecycle("gone-frontend", LifecycleEvent::Freed)
+        .await?;
     let sync_metrics = &state.admission.replicas;
     eventually("the starting replica to see the steps", WAIT, || async {
         (sync_metrics.metrics().get("in", "duplicate") == 2
