@@ -5,10 +5,14 @@ A minimal frontend in Python with nats-py and msgpack (pip install nats-py msgpa
 It sends a RouteRequest to `{namespace}.router.route`, prints the RouteReply as JSON,
 and, with --release, publishes the request's lifecycle messages (`prefill_done`, then
 `freed`) on `{namespace}.router.lifecycle`, as a frontend does when the first token
-arrives and when the request ends. See docs/protocol.md for every field.
+arrives and when the request ends. With --samples N > 1 (parallel sampling: N
+sequences of one prompt) it routes the N requests together in one RouteBatchRequest
+on `{namespace}.router.route_batch` and prints the RouteBatchReply. See
+docs/protocol.md for every field.
 
     python3 docs/examples/route_client.py --nats-url nats://127.0.0.1:4222 \
         --namespace kv-router --tokens 1000-1047 --release
+    python3 docs/examples/route_client.py --tokens 1000-1047 --samples 4 --release
 """
 
 import argparse
@@ -48,6 +52,23 @@ async def route(nc, namespace, request_id, token_ids, timeout):
     return msgpack.unpackb(reply.data)
 
 
+async def route_batch(nc, namespace, request_ids, token_ids, timeout):
+    """One batch query, a request per id, all with the same prompt; returns the
+    decoded RouteBatchReply (a dict: status 'answered' with 'replies' in input order,
+    or status 'error')."""
+    batch = {
+        "requests": [
+            {"request_id": rid, "prompt": {"type": "tokens", "token_ids": token_ids}}
+            for rid in request_ids
+        ],
+        "order": "as-given",
+    }
+    reply = await nc.request(
+        f"{namespace}.router.route_batch", msgpack.packb(batch), timeout=timeout
+    )
+    return msgpack.unpackb(reply.data)
+
+
 async def lifecycle(nc, namespace, request_id, event):
     """Publishes one lifecycle message: 'prefill_done' or 'freed'."""
     message = {"request_id": request_id, "event": event}
@@ -64,21 +85,35 @@ async def main():
     parser.add_argument(
         "--release", action="store_true", help="publish prefill_done and freed afterwards"
     )
+    parser.add_argument(
+        "--samples",
+        type=int,
+        default=1,
+        help="route N requests of this prompt together (ids <request-id>-0 … -N-1)",
+    )
     args = parser.parse_args()
 
     nc = await nats.connect(args.nats_url)
     try:
         request_id = args.request_id or str(uuid.uuid4())
-        reply = await route(nc, args.namespace, request_id, parse_tokens(args.tokens), args.timeout)
+        tokens = parse_tokens(args.tokens)
+        if args.samples > 1:
+            ids = [f"{request_id}-{i}" for i in range(args.samples)]
+            reply = await route_batch(nc, args.namespace, ids, tokens, args.timeout)
+            replies = reply.get("replies", [])
+        else:
+            ids = [request_id]
+            reply = await route(nc, args.namespace, request_id, tokens, args.timeout)
+            replies = [reply]
         print(json.dumps(reply), flush=True)
-        if reply.get("status") != "routed":
-            return 1
-        # A real frontend now sends the request to reply["worker_id"] / reply["dp_rank"].
+        routed = [r["request_id"] for r in replies if r.get("status") == "routed"]
+        # A real frontend now sends each request to its reply's worker_id / dp_rank.
         if args.release:
-            await lifecycle(nc, args.namespace, request_id, "prefill_done")
-            await lifecycle(nc, args.namespace, request_id, "freed")
+            for rid in routed:
+                await lifecycle(nc, args.namespace, rid, "prefill_done")
+                await lifecycle(nc, args.namespace, rid, "freed")
         await nc.flush()
-        return 0
+        return 0 if len(routed) == len(ids) else 1
     finally:
         await nc.close()
 

@@ -13,7 +13,7 @@
 #![allow(clippy::unwrap_used)]
 
 use integration_tests::{FakeWorker, TestCluster, eventually, wait_for_overlap};
-use kv_events::routing::RouteReply;
+use kv_events::routing::{RouteBatchReply, RouteReply};
 use kv_events::{DpRank, WorkerId, WorkerRank, compute_block_hashes};
 use router_daemon::relay::{Relay, RelayArgs, RelayConfig};
 use std::path::PathBuf;
@@ -121,6 +121,45 @@ async fn python_route_client_asks_the_router_for_a_worker() {
     })
     .await
     .unwrap();
+
+    // --samples 3: one RouteBatchRequest, three replies in input order.
+    let output = Command::new(&python)
+        .arg(repo("docs/examples/route_client.py"))
+        .args(["--nats-url", &cluster.nats_server.url()])
+        .args(["--namespace", cluster.subjects.namespace().as_str()])
+        .args([
+            "--tokens",
+            "1000-1049",
+            "--request-id",
+            "py-n",
+            "--samples",
+            "3",
+        ])
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "client failed: {stdout} {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let reply: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(reply["status"], "answered", "{reply}");
+    let typed: RouteBatchReply = serde_json::from_value(reply.clone()).unwrap();
+    let RouteBatchReply::Answered { replies } = typed else {
+        panic!("batch refused: {reply}");
+    };
+    let ids: Vec<String> = replies
+        .iter()
+        .map(|r| match r {
+            RouteReply::Routed(d) => d.request_id.to_string(),
+            RouteReply::Error(e) => panic!("entry failed: {e:?}"),
+        })
+        .collect();
+    assert_eq!(ids, ["py-n-0", "py-n-1", "py-n-2"]);
+    // Without --release the three stay booked.
+    assert_eq!(daemon.state().scheduler().active_requests(), 3);
     daemon.shutdown().await.unwrap();
 }
 
