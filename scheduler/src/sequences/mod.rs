@@ -130,7 +130,8 @@ pub struct ActiveSequences {
     config: SequencesConfig,
     requests: HashMap<RequestId, ActiveRequest>,
     /// Only ranks with at least one active request have an entry.
-    per_rank: HashMap<WorkerRank, RankSequences>,
+    /// Looked up once per candidate rank per decision: foldhash, not SipHash.
+    per_rank: HashMap<WorkerRank, RankSequences, foldhash::fast::RandomState>,
     /// (deadline, seq) → request, for expiry in deadline order.
     deadlines: BTreeMap<(Instant, u64), RequestId>,
     next_seq: u64,
@@ -142,7 +143,7 @@ impl ActiveSequences {
         Self {
             config,
             requests: HashMap::new(),
-            per_rank: HashMap::new(),
+            per_rank: HashMap::default(),
             deadlines: BTreeMap::new(),
             next_seq: 0,
         }

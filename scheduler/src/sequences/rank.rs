@@ -17,6 +17,11 @@
 use super::{PrefillLoadHint, RankLoad};
 use kv_events::LocalBlockHash;
 use std::collections::{BTreeMap, HashMap};
+
+/// Hash maps keyed by chained block ids: already well-mixed 64-bit values, hashed on
+/// every booking, free and candidate check, so the hasher is foldhash's fast one
+/// (seeded per process) rather than SipHash, which dominated the scheduler's profile.
+type BlockIdMap<V> = HashMap<u64, V, foldhash::fast::RandomState>;
 use std::time::{Duration, Instant};
 
 /// Chained block ids of a prompt: id i identifies blocks 0..=i, so two requests share
@@ -53,7 +58,7 @@ struct PendingPrefill {
 pub(crate) struct RankSequences {
     requests: usize,
     /// Chained block id → number of active requests holding it.
-    shared_blocks: HashMap<u64, u32>,
+    shared_blocks: BlockIdMap<u32>,
     /// Blocks held by exactly one request each.
     private_blocks: u64,
     /// Σ blocks of every request, shared prefixes counted per request.
