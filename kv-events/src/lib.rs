@@ -10,8 +10,10 @@
 //! - [`ids`]: newtypes for every id and hash (`WorkerId`, `DpRank`, `LocalBlockHash`, ...).
 //! - [`events`]: KV cache events (`Stored`, `Removed`, `Cleared`) and the per-worker batch.
 //! - [`metrics`]: per (worker, dp_rank) load metrics published by engines.
-//! - [`routing`]: route request / reply and request lifecycle messages.
-//! - [`replicas`]: sequence-sync messages between router replicas ([`RouterId`]).
+//! - [`routing`]: route request / reply (single and batch) and request lifecycle
+//!   messages.
+//! - [`replicas`]: sequence-sync messages between router replicas ([`RouterId`]),
+//!   and the start-up snapshot of a replica's bookings.
 //! - [`discovery`]: the worker registration record stored in etcd.
 //! - [`hashing`]: tokens → [`LocalBlockHash`] per full block (xxh3-64, seeded).
 //! - [`codec`]: msgpack encode / decode with typed errors.
