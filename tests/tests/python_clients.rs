@@ -76,6 +76,26 @@ async fn python() -> Option<PathBuf> {
     .clone()
 }
 
+/// Runs `docs/examples/route_client.py` against the cluster with `args`; returns the
+/// JSON reply it printed, after checking it exited 0.
+async fn route_client(python: &PathBuf, cluster: &TestCluster, args: &[&str]) -> serde_json::Value {
+    let output = Command::new(python)
+        .arg(repo("docs/examples/route_client.py"))
+        .args(["--nats-url", &cluster.nats_server.url()])
+        .args(["--namespace", cluster.subjects.namespace().as_str()])
+        .args(args)
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "client failed: {stdout} {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_str(stdout.trim()).unwrap()
+}
+
 #[tokio::test]
 async fn python_route_client_asks_the_router_for_a_worker() {
     let Some(python) = python().await else {
@@ -92,21 +112,12 @@ async fn python_route_client_asks_the_router_for_a_worker() {
         .await
         .unwrap();
 
-    let output = Command::new(&python)
-        .arg(repo("docs/examples/route_client.py"))
-        .args(["--nats-url", &cluster.nats_server.url()])
-        .args(["--namespace", cluster.subjects.namespace().as_str()])
-        .args(["--tokens", "1000-1049", "--request-id", "py-1", "--release"])
-        .output()
-        .await
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success(),
-        "client failed: {stdout} {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let reply: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    let reply = route_client(
+        &python,
+        &cluster,
+        &["--tokens", "1000-1049", "--request-id", "py-1", "--release"],
+    )
+    .await;
     assert_eq!(reply["status"], "routed", "{reply}");
     assert_eq!(reply["request_id"], "py-1");
     assert_eq!(reply["worker_id"], 2);
@@ -123,28 +134,19 @@ async fn python_route_client_asks_the_router_for_a_worker() {
     .unwrap();
 
     // --samples 3: one RouteBatchRequest, three replies in input order.
-    let output = Command::new(&python)
-        .arg(repo("docs/examples/route_client.py"))
-        .args(["--nats-url", &cluster.nats_server.url()])
-        .args(["--namespace", cluster.subjects.namespace().as_str()])
-        .args([
+    let reply = route_client(
+        &python,
+        &cluster,
+        &[
             "--tokens",
             "1000-1049",
             "--request-id",
             "py-n",
             "--samples",
             "3",
-        ])
-        .output()
-        .await
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success(),
-        "client failed: {stdout} {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let reply: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+        ],
+    )
+    .await;
     assert_eq!(reply["status"], "answered", "{reply}");
     let typed: RouteBatchReply = serde_json::from_value(reply.clone()).unwrap();
     let RouteBatchReply::Answered { replies } = typed else {

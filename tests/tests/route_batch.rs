@@ -58,6 +58,13 @@ fn failed(reply: &RouteReply) -> &RouteError {
     }
 }
 
+async fn wait_for_workers(daemon: &Daemon, ranks: usize) -> anyhow::Result<()> {
+    eventually("the workers to be registered", WAIT, || async {
+        (daemon.state().scheduler().ranks().len() == ranks).then_some(())
+    })
+    .await
+}
+
 async fn active(daemon: &Daemon) -> usize {
     daemon.state().scheduler().active_requests()
 }
@@ -74,10 +81,7 @@ async fn a_batch_is_placed_in_one_round_trip_and_bad_entries_fail_alone() -> any
     let hashes = FakeWorker::hashes(&prompt(1, PREFIX_BLOCKS), BLOCK);
     let rank1 = WorkerRank::new(WorkerId(1), DpRank(0));
     wait_for_overlap(&daemon, &hashes, rank1, PREFIX_BLOCKS).await?;
-    eventually("both workers to be registered", WAIT, || async {
-        (daemon.state().scheduler().ranks().len() == 2).then_some(())
-    })
-    .await?;
+    wait_for_workers(&daemon, 2).await?;
 
     let replies = answered(
         cluster
@@ -132,10 +136,7 @@ async fn a_bad_batch_is_refused_whole_and_books_nothing() -> anyhow::Result<()> 
     let mut cluster = TestCluster::start(BLOCK).await?;
     FakeWorker::register(&mut cluster, 1, 60).await?;
     let daemon = cluster.start_daemon(|a| a.max_route_batch = 2).await?;
-    eventually("the worker to be registered", WAIT, || async {
-        (daemon.state().scheduler().ranks().len() == 1).then_some(())
-    })
-    .await?;
+    wait_for_workers(&daemon, 1).await?;
 
     let refused = |reply: RouteBatchReply| match reply {
         RouteBatchReply::Error(e) => e,
@@ -205,10 +206,7 @@ async fn a_batch_never_waits_nor_overtakes_waiters() -> anyhow::Result<()> {
             a.scheduling.queue_max_wait_ms = 5000;
         })
         .await?;
-    eventually("both workers to be registered", WAIT, || async {
-        (daemon.state().scheduler().ranks().len() == 2).then_some(())
-    })
-    .await?;
+    wait_for_workers(&daemon, 2).await?;
 
     // Each booking makes its rank busy for the entries after it.
     let replies = answered(
