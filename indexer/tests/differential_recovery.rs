@@ -12,6 +12,7 @@
 
 mod common;
 
+use common::engine_hash;
 use indexer::{OrderedIndex, RecoveryNeed, ShardSettings};
 use kv_events::journal::{EventJournal, JournalConfig};
 use kv_events::recovery::ChunkAssembler;
@@ -21,21 +22,13 @@ use kv_events::{
 };
 use proptest::prelude::*;
 use proptest::sample::Index;
-use std::collections::hash_map::DefaultHasher;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
-use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
 const WORKERS: u64 = 3;
 const RANKS: u32 = 2;
 
 type Path = Vec<u64>;
-
-fn engine_hash(parent: Option<u64>, local: u64, salt: u8) -> u64 {
-    let mut h = DefaultHasher::new();
-    (parent, local, salt).hash(&mut h);
-    h.finish()
-}
 
 #[derive(Debug, Clone)]
 enum Op {

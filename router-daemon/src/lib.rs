@@ -33,6 +33,7 @@
 //! - [`directory`]: registered workers with their etcd leases.
 //! - [`nats`]: NATS connection options (cluster, auth, TLS) and connection events.
 //! - [`relay`]: `kv-router relay`, the sidecar that feeds vLLM / SGLang KV events in.
+//! - [`worker_lease`]: a worker's etcd registration under a lease (relay, mock engines).
 //! - [`probe`]: `kv-router probe`, a health check client for containers.
 
 pub mod admission;
@@ -61,6 +62,7 @@ pub mod route;
 pub mod route_batch;
 pub mod scheduling_args;
 pub mod state;
+pub mod worker_lease;
 
 pub use config::{DaemonConfig, ServeArgs};
 pub use daemon::{Daemon, run};

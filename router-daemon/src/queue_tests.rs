@@ -23,6 +23,14 @@ fn busy_scheduler(dp_size: u32) -> Scheduler {
     s
 }
 
+/// [`busy_scheduler`] with one rank, made busy by a 10-block request `hog` at `t`.
+fn hogged_scheduler(t: Instant) -> Scheduler {
+    let mut s = busy_scheduler(1);
+    s.schedule(&request("hog", 10), &OverlapScores::new(), t)
+        .unwrap();
+    s
+}
+
 fn request(id: &str, blocks: u32) -> ScheduleRequest {
     let hashes = (0..blocks)
         .map(|i| LocalBlockHash(u64::from(i) + 1000 * id.len() as u64))
@@ -49,9 +57,7 @@ fn rid(s: &str) -> RequestId {
 fn waiters_leave_in_priority_then_arrival_order_as_load_frees() {
     let t = Instant::now();
     let q = queue(8);
-    let mut s = busy_scheduler(1);
-    s.schedule(&request("hog", 10), &OverlapScores::new(), t)
-        .unwrap();
+    let mut s = hogged_scheduler(t);
     let mut state = q.lock();
     let mut a = q
         .push(&mut state, request("a", 4), OverlapScores::new(), 0, t)
@@ -98,9 +104,7 @@ fn waiters_leave_in_priority_then_arrival_order_as_load_frees() {
 fn release_stops_when_ranks_are_busy_again_and_keeps_the_rest_in_order() {
     let t = Instant::now();
     let q = queue(8);
-    let mut s = busy_scheduler(1);
-    s.schedule(&request("hog", 10), &OverlapScores::new(), t)
-        .unwrap();
+    let mut s = hogged_scheduler(t);
     let mut state = q.lock();
     let mut tickets: Vec<Ticket> = ["w1", "w22", "w333"]
         .into_iter()

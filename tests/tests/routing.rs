@@ -3,7 +3,7 @@
 
 use anyhow::Context;
 use integration_tests::{FakeWorker, TestCluster, eventually};
-use kv_events::routing::{LifecycleEvent, LifecycleMessage, RouteErrorCode, RouteReply};
+use kv_events::routing::{RouteErrorCode, RouteReply};
 use kv_events::{WorkerId, WorkerRank, encode};
 use std::time::Duration;
 
@@ -102,62 +102,6 @@ async fn routes_to_the_worker_holding_the_prefix_and_drops_revoked_workers() -> 
             .scheduler()
             .workers()
             .any(|w| w.worker_id == WorkerId(3))
-            .then_some(())
-    })
-    .await?;
-    daemon.shutdown().await
-}
-
-#[tokio::test]
-async fn lifecycle_messages_release_load() -> anyhow::Result<()> {
-    let mut cluster = TestCluster::start(BLOCK).await?;
-    let _w1 = FakeWorker::register(&mut cluster, 1, 30).await?;
-    let daemon = cluster.start_daemon(|_| {}).await?;
-    let rank = WorkerRank::new(WorkerId(1), kv_events::DpRank(0));
-
-    let reply = cluster.route_tokens("r1", prompt(5, 3)).await?;
-    assert_eq!(routed_worker(&reply), WorkerId(1));
-    let load = daemon.state().scheduler().rank_load(rank);
-    assert_eq!(load.active_prefill_tokens, u64::from(3 * BLOCK));
-    assert_eq!(load.active_decode_blocks, 3);
-
-    let send = |event| {
-        let msg = LifecycleMessage {
-            request_id: "r1".into(),
-            event,
-        };
-        let bytes = encode(&msg).expect("lifecycle encodes");
-        let subject = cluster.subjects.lifecycle();
-        let nats = cluster.nats.clone();
-        async move { nats.publish(subject, bytes.into()).await }
-    };
-    send(LifecycleEvent::PrefillDone).await?;
-    eventually("prefill to be marked done", WAIT, || async {
-        (daemon
-            .state()
-            .scheduler()
-            .rank_load(rank)
-            .active_prefill_tokens
-            == 0)
-            .then_some(())
-    })
-    .await?;
-    assert_eq!(
-        daemon
-            .state()
-            .scheduler()
-            .rank_load(rank)
-            .active_decode_blocks,
-        3
-    );
-    send(LifecycleEvent::Freed).await?;
-    eventually("request to be freed", WAIT, || async {
-        (daemon
-            .state()
-            .scheduler()
-            .rank_load(rank)
-            .active_decode_blocks
-            == 0)
             .then_some(())
     })
     .await?;

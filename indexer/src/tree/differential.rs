@@ -11,23 +11,14 @@
 //! hold every entry (including those below a removed block).
 
 use super::tests::check_invariants;
+use super::tests::events::engine_hash;
 use super::*;
 use kv_events::DpRank;
 use proptest::prelude::*;
 use proptest::sample::Index;
-use std::collections::hash_map::DefaultHasher;
 use std::collections::{BTreeMap, BTreeSet};
-use std::hash::{Hash, Hasher};
 
 type Path = Vec<u64>;
-
-/// Engine hash of a block: chained over the parent like real engines, plus a salt so
-/// that the same content can occasionally get a second engine hash (an alias).
-fn engine_hash(parent: Option<u64>, local: u64, salt: u8) -> u64 {
-    let mut h = DefaultHasher::new();
-    (parent, local, salt).hash(&mut h);
-    h.finish()
-}
 
 #[derive(Debug, Clone)]
 enum Parent {

@@ -2,51 +2,13 @@
 
 use super::*;
 use kv_events::DpRank;
+
+/// The event builders of the integration tests (`indexer/tests/common`), shared so the
+/// unit tests and the integration tests build events one way.
+#[path = "../../tests/common/mod.rs"]
+pub(super) mod events;
+pub(super) use events::{cleared, q, removed, stored, wr};
 use std::collections::{HashMap, HashSet};
-
-pub(super) fn wr(worker: u64, dp: u32) -> WorkerRank {
-    WorkerRank::new(WorkerId(worker), DpRank(dp))
-}
-
-pub(super) fn q(hashes: &[u64]) -> Vec<LocalBlockHash> {
-    hashes.iter().map(|h| LocalBlockHash(*h)).collect()
-}
-
-/// A `Stored` event of `dp`; `blocks` are (engine hash, local hash) pairs.
-pub(super) fn stored(dp: u32, parent: Option<u64>, blocks: &[(u64, u64)]) -> KvCacheEvent {
-    KvCacheEvent {
-        event_id: 0,
-        dp_rank: DpRank(dp),
-        data: KvCacheEventData::Stored {
-            parent_hash: parent.map(ExternalBlockHash),
-            blocks: blocks
-                .iter()
-                .map(|(e, l)| StoredBlock {
-                    block_hash: ExternalBlockHash(*e),
-                    tokens_hash: LocalBlockHash(*l),
-                })
-                .collect(),
-        },
-    }
-}
-
-pub(super) fn removed(dp: u32, hashes: &[u64]) -> KvCacheEvent {
-    KvCacheEvent {
-        event_id: 0,
-        dp_rank: DpRank(dp),
-        data: KvCacheEventData::Removed {
-            block_hashes: hashes.iter().map(|h| ExternalBlockHash(*h)).collect(),
-        },
-    }
-}
-
-pub(super) fn cleared(dp: u32) -> KvCacheEvent {
-    KvCacheEvent {
-        event_id: 0,
-        dp_rank: DpRank(dp),
-        data: KvCacheEventData::Cleared,
-    }
-}
 
 /// Applies an event that must succeed, then checks every invariant.
 fn ok(tree: &mut RadixTree, worker: u64, event: KvCacheEvent) -> ApplyOutcome {

@@ -77,3 +77,13 @@ impl Numbering {
         batch
     }
 }
+
+/// Engine hash of a block for the differential tests: chained over the parent like
+/// real engines, plus a salt so that the same content can occasionally get a second
+/// engine hash (an alias).
+pub fn engine_hash(parent: Option<u64>, local: u64, salt: u8) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (parent, local, salt).hash(&mut h);
+    h.finish()
+}

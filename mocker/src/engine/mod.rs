@@ -23,7 +23,8 @@
 //! - `journal`: each worker's KV event journal (event ids, epoch, recovery replies).
 //! - `rank`: one live dp rank — the core, its reply inboxes, its real-time loop.
 //! - `worker`: one worker's generate / clear intake.
-//! - `registration`: etcd lease registration with keep-alive.
+//! - etcd lease registration with keep-alive: `router_daemon::worker_lease`, shared
+//!   with the relay.
 //! - `service`: [`spawn_engines`], which wires all of the above.
 
 pub mod config;
@@ -32,7 +33,6 @@ mod journal;
 pub mod kv_cache;
 mod outbox;
 mod rank;
-pub mod registration;
 pub mod request;
 mod service;
 pub mod timing;

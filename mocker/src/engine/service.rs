@@ -15,7 +15,6 @@ use super::core::EngineCore;
 use super::journal::SharedJournal;
 use super::outbox::Outbox;
 use super::rank::Rank;
-use super::registration::{LeaseError, Registration};
 use super::timing::TimingModel;
 use super::worker::Worker;
 use crate::protocol::{OP_CLEAR, OP_GENERATE};
@@ -23,6 +22,7 @@ use etcd_client::ConnectOptions;
 use kv_events::discovery::WorkerRegistration;
 use kv_events::journal::{EventJournal, JournalConfig};
 use kv_events::{DpRank, Subjects, WorkerId, WorkerRank};
+use router_daemon::worker_lease::{LeaseError, WorkerLease};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::task::{JoinHandle, JoinSet};
@@ -193,11 +193,10 @@ pub async fn spawn_engines(
             total_kv_blocks: args.model.num_gpu_blocks,
         };
         let key = subjects.etcd_worker_key(worker_id);
-        match Registration::register(etcd.clone(), key, &record, args.runtime.lease_ttl_secs).await
-        {
+        match WorkerLease::register(etcd.clone(), key, &record, args.runtime.lease_ttl_secs).await {
             Ok(reg) => registrations.push(reg),
             Err(source) => {
-                for reg in registrations {
+                for mut reg in registrations {
                     reg.revoke().await;
                 }
                 inner.cancel();

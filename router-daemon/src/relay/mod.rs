@@ -121,15 +121,14 @@ impl Relay {
             services.clone(),
         ));
         let (alive_tx, alive_rx) = watch::channel(false);
-        let lease = lease::LeaseTask::new(
+        let lease = crate::worker_lease::WorkerLease::new(
             etcd,
             subjects.etcd_worker_key(worker_id),
             &registration,
-            // Validated at configuration: 3 ≤ ttl ≤ i64::MAX.
-            i64::try_from(config.worker.lease_ttl_secs).unwrap_or(i64::MAX),
+            config.worker.lease_ttl_secs,
         )
-        .context("encoding the registration")?;
-        service_tasks.spawn(lease.run(alive_rx, services.clone()));
+        .context("preparing the worker registration")?;
+        service_tasks.spawn(lease::run(lease, alive_rx, services.clone()));
         if let Some(scrape) = config.scrape.clone() {
             service_tasks.spawn(
                 scrape::Scraper {

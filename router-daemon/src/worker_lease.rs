@@ -1,0 +1,250 @@
+//! The publisher side of discovery: one worker's etcd registration under a lease —
+//! grant, put, keep alive, revoke. Used by `kv-router relay` (registered while its
+//! engine is up) and by the mock engines (`kv-mocker engines`), so every worker in a
+//! namespace registers the way the daemon's discovery expects.
+//!
+//! The key `kv-router/{ns}/workers/{worker_id}` holds the JSON [`WorkerRegistration`],
+//! bound to a lease of `ttl_secs`. The lease is renewed every TTL/3 over etcd's
+//! keep-alive stream; a renewal that fails or finds the lease gone (TTL 0, e.g. after
+//! etcd was unreachable for longer than the TTL) grants a new lease and writes the key
+//! again. Revoking deletes the key at once, so routers drop the worker without waiting
+//! for the TTL. Every etcd call is bounded by [`ETCD_CALL_TIMEOUT`], so an unreachable
+//! etcd cannot hang start-up or shutdown. Cost: one small etcd round trip per TTL/3.
+
+use etcd_client::{Client, LeaseKeepAliveStream, LeaseKeeper, PutOptions};
+use kv_events::discovery::WorkerRegistration;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+/// Upper bound on one etcd call, in wall-clock time.
+pub const ETCD_CALL_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Why registering (or re-registering) a worker failed.
+#[derive(Debug, thiserror::Error)]
+pub enum LeaseError {
+    /// etcd returned an error.
+    #[error("etcd request failed: {0}")]
+    Etcd(#[from] etcd_client::Error),
+    /// etcd did not answer within the call timeout.
+    #[error("etcd did not answer within {0:?}")]
+    Timeout(Duration),
+    /// The lease TTL is 0 or does not fit etcd's signed 64-bit seconds.
+    #[error("lease ttl {0} s is out of range")]
+    TtlOutOfRange(u64),
+    /// The registration record could not be serialized.
+    #[error("could not encode registration: {0}")]
+    Encode(#[from] serde_json::Error),
+}
+
+async fn bounded<T>(
+    call: impl Future<Output = Result<T, etcd_client::Error>>,
+) -> Result<T, LeaseError> {
+    tokio::time::timeout(ETCD_CALL_TIMEOUT, call)
+        .await
+        .map_err(|_| LeaseError::Timeout(ETCD_CALL_TIMEOUT))?
+        .map_err(LeaseError::from)
+}
+
+/// A TTL etcd accepts: 1 to `i64::MAX` seconds.
+fn checked_ttl(ttl_secs: u64) -> Result<i64, LeaseError> {
+    i64::try_from(ttl_secs)
+        .ok()
+        .filter(|t| *t > 0)
+        .ok_or(LeaseError::TtlOutOfRange(ttl_secs))
+}
+
+/// A third of the TTL, so two renewals can fail before the lease expires.
+fn renew_period(ttl_secs: i64) -> Duration {
+    Duration::from_millis(ttl_secs.unsigned_abs().saturating_mul(1_000) / 3)
+}
+
+/// A granted lease with its keep-alive stream.
+struct Active {
+    lease_id: i64,
+    keeper: LeaseKeeper,
+    stream: LeaseKeepAliveStream,
+}
+
+/// One worker's registration: what to write where, and the lease holding it (if
+/// granted).
+pub struct WorkerLease {
+    client: Client,
+    key: String,
+    value: String,
+    ttl_secs: i64,
+    active: Option<Active>,
+}
+
+impl WorkerLease {
+    /// A registration of `record` at `key` with leases of `ttl_secs`; nothing is
+    /// written until [`Self::grant`].
+    ///
+    /// # Errors
+    /// [`LeaseError::TtlOutOfRange`] for a TTL of 0 or above `i64::MAX` seconds;
+    /// [`LeaseError::Encode`] if the record cannot be serialized.
+    pub fn new(
+        client: Client,
+        key: String,
+        record: &WorkerRegistration,
+        ttl_secs: u64,
+    ) -> Result<Self, LeaseError> {
+        Ok(Self {
+            client,
+            key,
+            value: serde_json::to_string(record)?,
+            ttl_secs: checked_ttl(ttl_secs)?,
+            active: None,
+        })
+    }
+
+    /// [`Self::new`], then [`Self::grant`].
+    ///
+    /// # Errors
+    /// As both.
+    pub async fn register(
+        client: Client,
+        key: String,
+        record: &WorkerRegistration,
+        ttl_secs: u64,
+    ) -> Result<Self, LeaseError> {
+        let mut lease = Self::new(client, key, record, ttl_secs)?;
+        lease.grant().await?;
+        Ok(lease)
+    }
+
+    /// The etcd key.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// How often the lease is renewed: a third of its TTL.
+    pub fn renew_period(&self) -> Duration {
+        renew_period(self.ttl_secs)
+    }
+
+    /// Grants a new lease, writes the key under it and opens the keep-alive stream;
+    /// the previous lease, if any, is dropped (it expires on its own).
+    ///
+    /// # Errors
+    /// [`LeaseError`] if etcd refuses or does not answer in time.
+    pub async fn grant(&mut self) -> Result<(), LeaseError> {
+        self.active = None;
+        let lease_id = bounded(self.client.lease_grant(self.ttl_secs, None))
+            .await?
+            .id();
+        let put = PutOptions::new().with_lease(lease_id);
+        bounded(
+            self.client
+                .put(self.key.clone(), self.value.clone(), Some(put)),
+        )
+        .await?;
+        let (keeper, stream) = bounded(self.client.lease_keep_alive(lease_id)).await?;
+        info!(key = %self.key, lease_id, "worker registered");
+        self.active = Some(Active {
+            lease_id,
+            keeper,
+            stream,
+        });
+        Ok(())
+    }
+
+    /// Renews the lease once; false if none is granted, the lease is gone, or etcd
+    /// failed (logged).
+    pub async fn renew(&mut self) -> bool {
+        let Some(active) = self.active.as_mut() else {
+            return false;
+        };
+        if let Err(e) = active.keeper.keep_alive().await {
+            warn!(key = %self.key, error = %e, "lease keep-alive failed");
+            return false;
+        }
+        match tokio::time::timeout(ETCD_CALL_TIMEOUT, active.stream.message()).await {
+            Ok(Ok(Some(resp))) if resp.ttl() > 0 => true,
+            Ok(Ok(Some(_))) => {
+                warn!(key = %self.key, lease_id = active.lease_id, "lease expired");
+                false
+            }
+            Ok(Ok(None)) => {
+                warn!(key = %self.key, "lease keep-alive stream closed");
+                false
+            }
+            Ok(Err(e)) => {
+                warn!(key = %self.key, error = %e, "lease keep-alive failed");
+                false
+            }
+            Err(_) => {
+                warn!(key = %self.key, "lease keep-alive timed out");
+                false
+            }
+        }
+    }
+
+    /// Renews, or re-grants after a failed renewal (logging a failed re-grant; the
+    /// next tick retries).
+    pub async fn renew_or_regrant(&mut self) {
+        if self.renew().await {
+            return;
+        }
+        if let Err(e) = self.grant().await {
+            warn!(key = %self.key, error = %e, "re-registration failed, retrying");
+        }
+    }
+
+    /// Revokes the lease, deleting the key; failures are logged (the lease then
+    /// expires after its TTL). A no-op without a granted lease.
+    pub async fn revoke(&mut self) {
+        let Some(active) = self.active.take() else {
+            return;
+        };
+        match bounded(self.client.lease_revoke(active.lease_id)).await {
+            Ok(_) => info!(key = %self.key, "worker registration revoked"),
+            Err(e) => {
+                warn!(key = %self.key, error = %e, "lease revoke failed; it expires after its ttl")
+            }
+        }
+    }
+
+    /// Keeps the registration alive every [`Self::renew_period`] until `shutdown`,
+    /// then revokes it.
+    pub async fn keep_alive_until(mut self, shutdown: CancellationToken) {
+        let mut tick = self.renewal_ticks();
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => break,
+                _ = tick.tick() => self.renew_or_regrant().await,
+            }
+        }
+        self.revoke().await;
+    }
+
+    /// An interval firing every [`Self::renew_period`], first one period from now,
+    /// delaying (not bursting) after a missed tick.
+    pub fn renewal_ticks(&self) -> tokio::time::Interval {
+        let period = self.renew_period();
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ttl_must_be_positive_and_fit_etcd_and_renewal_is_a_third_of_it() {
+        for bad in [0, u64::MAX, i64::MAX as u64 + 1] {
+            let err = checked_ttl(bad).expect_err("refused");
+            assert!(
+                matches!(err, LeaseError::TtlOutOfRange(t) if t == bad),
+                "{err}"
+            );
+            assert!(err.to_string().contains("out of range"), "{err}");
+        }
+        assert_eq!(checked_ttl(10).expect("valid"), 10);
+        assert_eq!(renew_period(9), Duration::from_secs(3));
+        assert_eq!(renew_period(10), Duration::from_millis(3_333));
+        assert_eq!(renew_period(i64::MAX), Duration::from_millis(u64::MAX / 3));
+    }
+}
