@@ -30,20 +30,14 @@ enum Command {
 
 #[tokio::main]
 async fn main() -> Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    router_daemon::process::init_tracing();
     let cli = Cli::parse();
     match cli.command {
         Command::Engines(args) => {
             let shutdown = CancellationToken::new();
             let signal = shutdown.clone();
             tokio::spawn(async move {
-                wait_for_signal().await;
+                router_daemon::process::shutdown_signal().await;
                 signal.cancel();
             });
             mocker::engine::run_engines(args, shutdown).await
@@ -59,29 +53,5 @@ async fn main() -> Result<()> {
             tokio::task::spawn_blocking(move || mocker::lab::run_lab(args)).await??;
             Ok(())
         }
-    }
-}
-
-/// Resolves on SIGINT or SIGTERM.
-async fn wait_for_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = ctrl_c => {}
-                    _ = term.recv() => {}
-                }
-            }
-            Err(_) => {
-                let _ = ctrl_c.await;
-            }
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = ctrl_c.await;
     }
 }

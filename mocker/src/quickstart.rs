@@ -92,7 +92,7 @@ pub async fn run(args: QuickstartArgs) -> anyhow::Result<()> {
     let mut stack = Stack::default();
     let result = tokio::select! {
         result = run_stack(&args, &trace, &trace_name, &binaries, &mut stack) => result,
-        () = shutdown_signal() => Err(anyhow!("interrupted by Ctrl-C or SIGTERM")),
+        () = router_daemon::process::shutdown_signal() => Err(anyhow!("interrupted by Ctrl-C or SIGTERM")),
     };
     if result.is_err() {
         // Show what the children said last: the error may be theirs.
@@ -288,22 +288,6 @@ impl Stack {
 
 fn progress(message: &str) {
     eprintln!("quickstart: {message}");
-}
-
-/// Resolves on SIGINT (Ctrl-C) or SIGTERM.
-async fn shutdown_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    match signal(SignalKind::terminate()) {
-        Ok(mut term) => {
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = term.recv() => {}
-            }
-        }
-        Err(_) => {
-            let _ = tokio::signal::ctrl_c().await;
-        }
-    }
 }
 
 #[cfg(test)]

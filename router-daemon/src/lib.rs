@@ -34,6 +34,7 @@
 //! - [`nats`]: NATS connection options (cluster, auth, TLS) and connection events.
 //! - [`relay`]: `kv-router relay`, the sidecar that feeds vLLM / SGLang KV events in.
 //! - [`worker_lease`]: a worker's etcd registration under a lease (relay, mock engines).
+//! - [`process`]: logging set-up and the shutdown signal of both binaries.
 //! - [`probe`]: `kv-router probe`, a health check client for containers.
 
 pub mod admission;
@@ -54,6 +55,7 @@ pub mod metrics;
 pub mod nats;
 pub mod policy_args;
 pub mod probe;
+pub mod process;
 pub mod queue;
 pub mod relay;
 pub mod replica_snapshot;

@@ -47,13 +47,7 @@ const SERVE_LIKE: &[&[&str]] = &[&["serve"], &["config", "print"]];
 
 #[tokio::main]
 async fn main() -> Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    router_daemon::process::init_tracing();
     let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
     let (command, file) = config_file::with_config_file(Cli::command(), &argv, SERVE_LIKE)?;
     let matches = command.get_matches_from(&argv);
@@ -62,7 +56,7 @@ async fn main() -> Result<()> {
         Command::Serve(args) => {
             let config = validate(&args, file.as_ref())?;
             let registry = prometheus::Registry::new();
-            router_daemon::run(config, &registry, shutdown_signal()).await
+            router_daemon::run(config, &registry, router_daemon::process::shutdown_signal()).await
         }
         Command::Probe(args) => router_daemon::probe::run(&args).await,
         Command::Config(ConfigCommand::Print(args)) => {
@@ -92,7 +86,8 @@ async fn main() -> Result<()> {
         Command::Relay(args) => {
             let config = router_daemon::relay::RelayConfig::from_args(&args)?;
             let registry = prometheus::Registry::new();
-            router_daemon::relay::run(config, &registry, shutdown_signal()).await
+            router_daemon::relay::run(config, &registry, router_daemon::process::shutdown_signal())
+                .await
         }
     }
 }
@@ -110,20 +105,4 @@ fn validate(
         ),
         None => "invalid configuration (environment, flags)".to_owned(),
     })
-}
-
-/// Resolves on SIGINT or SIGTERM.
-async fn shutdown_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    match signal(SignalKind::terminate()) {
-        Ok(mut term) => {
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = term.recv() => {}
-            }
-        }
-        Err(_) => {
-            let _ = tokio::signal::ctrl_c().await;
-        }
-    }
 }

@@ -5,7 +5,6 @@
 
 use crate::eventually;
 use anyhow::Context;
-use etcd_client::PutOptions;
 use kv_events::{Subjects, WorkerId};
 use mocker::cluster::servers::free_port;
 use mocker::cluster::{Echo, ManagedProcess};
@@ -147,7 +146,7 @@ impl ChildDaemon {
     }
 }
 
-/// Registers workers `ids` (dp_size 1, `total_kv_blocks` each) in etcd under one
+/// Registers workers `ids` (dp_size 1, `total_kv_blocks` each) in etcd, each under a
 /// lease of 600 s.
 ///
 /// # Errors
@@ -159,7 +158,6 @@ pub async fn register_workers(
     block_size: u32,
     total_kv_blocks: u64,
 ) -> anyhow::Result<()> {
-    let lease = etcd.lease_grant(600, None).await?.id();
     for w in ids {
         let reg = kv_events::discovery::WorkerRegistration {
             worker_id: WorkerId(w),
@@ -167,12 +165,7 @@ pub async fn register_workers(
             block_size,
             total_kv_blocks,
         };
-        etcd.put(
-            subjects.etcd_worker_key(WorkerId(w)),
-            serde_json::to_vec(&reg)?,
-            Some(PutOptions::new().with_lease(lease)),
-        )
-        .await?;
+        crate::register_worker(etcd, subjects, &reg, 600).await?;
     }
     Ok(())
 }

@@ -187,21 +187,13 @@ impl FakeWorker {
         ttl_secs: i64,
     ) -> anyhow::Result<Self> {
         let id = WorkerId(id);
-        let lease = cluster.etcd.lease_grant(ttl_secs, None).await?.id();
         let reg = WorkerRegistration {
             worker_id: id,
             dp_size: 1,
             block_size: cluster.block_size,
             total_kv_blocks: 1024,
         };
-        cluster
-            .etcd
-            .put(
-                cluster.subjects.etcd_worker_key(id),
-                serde_json::to_vec(&reg)?,
-                Some(PutOptions::new().with_lease(lease)),
-            )
-            .await?;
+        let lease = register_worker(&mut cluster.etcd, &cluster.subjects, &reg, ttl_secs).await?;
         Ok(Self {
             id,
             lease,
@@ -271,6 +263,27 @@ impl FakeWorker {
     pub fn hashes(tokens: &[u32], block_size: u32) -> Vec<LocalBlockHash> {
         kv_events::compute_block_hashes(tokens, block_size)
     }
+}
+
+/// Writes `registration` at its worker key under a fresh etcd lease of `ttl_secs`, as
+/// an engine (or the relay) does; returns the lease id, for revoking it.
+///
+/// # Errors
+/// etcd failures.
+pub async fn register_worker(
+    etcd: &mut Etcd,
+    subjects: &Subjects,
+    registration: &WorkerRegistration,
+    ttl_secs: i64,
+) -> anyhow::Result<i64> {
+    let lease = etcd.lease_grant(ttl_secs, None).await?.id();
+    etcd.put(
+        subjects.etcd_worker_key(registration.worker_id),
+        serde_json::to_vec(registration)?,
+        Some(PutOptions::new().with_lease(lease)),
+    )
+    .await?;
+    Ok(lease)
 }
 
 /// Waits (up to 10 s) until `daemon`'s index holds at least `blocks` leading blocks of

@@ -3,7 +3,6 @@
 //! data-parallel ranks with pinning, per-request policy and overrides, and the wait
 //! queue when every worker is busy.
 
-use etcd_client::PutOptions;
 use integration_tests::{TestCluster, eventually};
 use kv_events::discovery::WorkerRegistration;
 use kv_events::routing::{
@@ -23,21 +22,13 @@ fn prompt(seed: u32, blocks: u32) -> Vec<u32> {
 
 /// Registers worker `id` with `dp_size` ranks of `total_kv_blocks` under a lease.
 async fn register(cluster: &mut TestCluster, id: u64, dp_size: u32) -> anyhow::Result<()> {
-    let lease = cluster.etcd.lease_grant(60, None).await?.id();
     let reg = WorkerRegistration {
         worker_id: WorkerId(id),
         dp_size,
         block_size: BLOCK,
         total_kv_blocks: 1024,
     };
-    cluster
-        .etcd
-        .put(
-            cluster.subjects.etcd_worker_key(WorkerId(id)),
-            serde_json::to_vec(&reg)?,
-            Some(PutOptions::new().with_lease(lease)),
-        )
-        .await?;
+    integration_tests::register_worker(&mut cluster.etcd, &cluster.subjects, &reg, 60).await?;
     Ok(())
 }
 

@@ -3,7 +3,6 @@
 
 #![allow(dead_code)] // each test binary uses a different subset
 
-use etcd_client::PutOptions;
 use futures::StreamExt;
 use integration_tests::TestCluster;
 use kv_events::discovery::WorkerRegistration;
@@ -262,21 +261,13 @@ impl JournalWorker {
 
 /// Registers `id` with `dp_size` ranks in etcd under a fresh 30 s lease.
 async fn register(cluster: &mut TestCluster, id: WorkerId, dp_size: u32) -> anyhow::Result<()> {
-    let lease = cluster.etcd.lease_grant(30, None).await?.id();
     let reg = WorkerRegistration {
         worker_id: id,
         dp_size,
         block_size: cluster.block_size,
         total_kv_blocks: 1024,
     };
-    cluster
-        .etcd
-        .put(
-            cluster.subjects.etcd_worker_key(id),
-            serde_json::to_vec(&reg)?,
-            Some(PutOptions::new().with_lease(lease)),
-        )
-        .await?;
+    integration_tests::register_worker(&mut cluster.etcd, &cluster.subjects, &reg, 30).await?;
     Ok(())
 }
 

@@ -4,7 +4,7 @@
 //! with messages built as JSON values and msgpack-encoded, as a non-Rust client would.
 
 use anyhow::Context;
-use etcd_client::{Client as Etcd, PutOptions};
+use etcd_client::Client as Etcd;
 use kv_events::{Namespace, Subjects, decode, encode};
 use mocker::cluster::servers::free_port;
 use mocker::cluster::{EtcdServer, NatsServer};
@@ -191,16 +191,13 @@ impl Fixture {
     /// etcd failures.
     pub async fn register(&self, id: u64, ttl_secs: i64) -> anyhow::Result<i64> {
         let mut etcd = self.etcd().await?;
-        let lease = etcd.lease_grant(ttl_secs, None).await?.id();
-        let reg =
-            json!({"worker_id": id, "dp_size": 1, "block_size": BLOCK, "total_kv_blocks": 1024});
-        etcd.put(
-            self.subjects.etcd_worker_key(kv_events::WorkerId(id)),
-            serde_json::to_vec(&reg)?,
-            Some(PutOptions::new().with_lease(lease)),
-        )
-        .await?;
-        Ok(lease)
+        let reg = kv_events::discovery::WorkerRegistration {
+            worker_id: kv_events::WorkerId(id),
+            dp_size: 1,
+            block_size: BLOCK,
+            total_kv_blocks: 1024,
+        };
+        integration_tests::register_worker(&mut etcd, &self.subjects, &reg, ttl_secs).await
     }
 
     /// Publishes event `event_id` of worker `id`: its rank 0 stored the full blocks of
