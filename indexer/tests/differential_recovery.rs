@@ -93,6 +93,14 @@ struct Model {
 }
 
 impl Model {
+    /// Engine hashes `rank` holds, in order.
+    fn held(&self, rank: WorkerRank) -> Vec<u64> {
+        self.ranks
+            .get(&rank)
+            .map(|m| m.keys().copied().collect())
+            .unwrap_or_default()
+    }
+
     fn score(&self, rank: WorkerRank, query: &[u64]) -> u32 {
         let Some(blocks) = self.ranks.get(&rank) else {
             return 0;
@@ -171,12 +179,7 @@ impl World {
                 chain,
             } => {
                 let rank = WorkerRank::new(WorkerId(*worker), DpRank(*dp));
-                let held: Vec<u64> = self
-                    .model
-                    .ranks
-                    .get(&rank)
-                    .map(|m| m.keys().copied().collect())
-                    .unwrap_or_default();
+                let held = self.model.held(rank);
                 let parent_hash = match parent {
                     Some(i) if !held.is_empty() => Some(*i.get(&held)),
                     _ => None,
@@ -218,12 +221,7 @@ impl World {
             }
             Op::Remove { worker, dp, picks } => {
                 let rank = WorkerRank::new(WorkerId(*worker), DpRank(*dp));
-                let held: Vec<u64> = self
-                    .model
-                    .ranks
-                    .get(&rank)
-                    .map(|m| m.keys().copied().collect())
-                    .unwrap_or_default();
+                let held = self.model.held(rank);
                 if held.is_empty() {
                     return;
                 }

@@ -130,7 +130,7 @@ pub struct DaemonConfig {
     pub rng_seed: Option<u64>,
 }
 
-/// A configuration value that cannot be used.
+/// A configuration value that cannot be used, from `serve`'s or `relay`'s flags.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     /// The namespace is not a valid subject token.

@@ -11,8 +11,8 @@
 //! `--shared-endpoint` says every rank publishes on the given socket(s) and the rank
 //! is read from each batch.
 
-use crate::config::{EtcdConfig, trimmed};
-use crate::connection_args::{ConnectionArgsError, EtcdArgs, NatsArgs};
+use crate::config::{ConfigError, EtcdConfig, trimmed};
+use crate::connection_args::{EtcdArgs, NatsArgs};
 use crate::http::ListenAddr;
 use crate::nats::NatsConfig;
 use clap::{Args, ValueEnum};
@@ -171,27 +171,8 @@ pub struct RelayConfig {
     pub http_listen: Option<std::net::SocketAddr>,
 }
 
-/// A relay flag that cannot be used.
-#[derive(Debug, thiserror::Error)]
-pub enum RelayConfigError {
-    /// The namespace is not a valid subject token.
-    #[error("invalid --namespace: {0}")]
-    Namespace(#[from] kv_events::NamespaceError),
-    /// A flag is out of range or inconsistent with another.
-    #[error("invalid --{field}: {reason}")]
-    Invalid {
-        /// The flag name.
-        field: &'static str,
-        /// What is wrong with it.
-        reason: String,
-    },
-    /// A NATS or etcd flag is unusable (the same check as `serve`'s).
-    #[error(transparent)]
-    Connection(#[from] ConnectionArgsError),
-}
-
-fn invalid(field: &'static str, reason: impl Into<String>) -> RelayConfigError {
-    RelayConfigError::Invalid {
+fn invalid(field: &'static str, reason: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
         field,
         reason: reason.into(),
     }
@@ -202,7 +183,7 @@ fn offset_port(
     endpoint: &str,
     offset: u32,
     field: &'static str,
-) -> Result<String, RelayConfigError> {
+) -> Result<String, ConfigError> {
     let (head, port) = endpoint
         .rsplit_once(':')
         .ok_or_else(|| invalid(field, format!("{endpoint:?} has no port")))?;
@@ -219,7 +200,7 @@ fn offset_port(
     Ok(format!("{head}:{shifted}"))
 }
 
-fn check_endpoint(endpoint: &str, field: &'static str) -> Result<(), RelayConfigError> {
+fn check_endpoint(endpoint: &str, field: &'static str) -> Result<(), ConfigError> {
     if !endpoint.starts_with("tcp://") {
         return Err(invalid(
             field,
@@ -231,7 +212,7 @@ fn check_endpoint(endpoint: &str, field: &'static str) -> Result<(), RelayConfig
 
 /// Expands `given` to `n` endpoints: as is when there are `n`, or by port offset
 /// from one base endpoint.
-fn expand(given: &[String], n: u32, field: &'static str) -> Result<Vec<String>, RelayConfigError> {
+fn expand(given: &[String], n: u32, field: &'static str) -> Result<Vec<String>, ConfigError> {
     for e in given {
         check_endpoint(e, field)?;
     }
@@ -249,8 +230,8 @@ impl RelayConfig {
     /// Validates flags into a configuration.
     ///
     /// # Errors
-    /// [`RelayConfigError`] naming the first bad flag.
-    pub fn from_args(args: &RelayArgs) -> Result<Self, RelayConfigError> {
+    /// [`ConfigError`] naming the first bad flag.
+    pub fn from_args(args: &RelayArgs) -> Result<Self, ConfigError> {
         let subjects = Subjects::new(Namespace::new(args.namespace.clone())?);
         let engines = trimmed(&args.engine_endpoint);
         let replays = trimmed(&args.replay_endpoint);
@@ -345,7 +326,7 @@ impl RelayConfig {
     }
 }
 
-fn scrape_config(url: &str, interval_ms: u64) -> Result<ScrapeConfig, RelayConfigError> {
+fn scrape_config(url: &str, interval_ms: u64) -> Result<ScrapeConfig, ConfigError> {
     let rest = url
         .strip_prefix("http://")
         .ok_or_else(|| invalid("metrics-url", format!("{url:?} is not an http:// url")))?;
@@ -378,7 +359,7 @@ mod tests {
         relay: RelayArgs,
     }
 
-    fn config(args: &[&str]) -> Result<RelayConfig, RelayConfigError> {
+    fn config(args: &[&str]) -> Result<RelayConfig, ConfigError> {
         let base = ["kv-router", "--worker-id", "7", "--block-size", "16"];
         let cli =
             Cli::try_parse_from(base.iter().chain(args.iter()).copied()).expect("flags parse");
