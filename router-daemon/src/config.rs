@@ -210,6 +210,23 @@ impl DaemonConfig {
     }
 }
 
+/// Parses one flag group — [`ServeArgs`], [`crate::relay::RelayArgs`], or any part
+/// of them — from `args` (the first item is the program name), with the groups'
+/// environment variables: for programs that embed the daemon or the relay, and for
+/// tests.
+///
+/// # Errors
+/// clap's error for an unknown flag or a value a flag refuses.
+pub fn parse_flags<A, I, T>(args: I) -> Result<A, clap::Error>
+where
+    A: Args + clap::FromArgMatches,
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    let matches = A::augment_args(clap::Command::new("kv-router")).try_get_matches_from(args)?;
+    A::from_arg_matches(&matches)
+}
+
 /// Trims each value and drops empty ones (comma-separated flag lists).
 pub(crate) fn trimmed(values: &[String]) -> Vec<String> {
     values
@@ -222,18 +239,12 @@ pub(crate) fn trimmed(values: &[String]) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::Parser;
-
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        serve: ServeArgs,
-    }
 
     fn parse(args: &[&str]) -> ServeArgs {
-        Cli::try_parse_from(std::iter::once("kv-router").chain(args.iter().copied()))
-            .expect("flags parse")
-            .serve
+        crate::config::parse_flags::<ServeArgs, _, _>(
+            std::iter::once("kv-router").chain(args.iter().copied()),
+        )
+        .expect("flags parse")
     }
 
     #[test]
@@ -299,6 +310,9 @@ mod tests {
         let err = DaemonConfig::from_args(&parse(&["--policy", "kv", "--overlap-weight", "-1"]))
             .unwrap_err();
         assert!(err.to_string().contains("prefill_load_scale"), "{err}");
-        assert!(Cli::try_parse_from(["kv-router", "--policy", "best"]).is_err());
+        assert!(
+            crate::config::parse_flags::<ServeArgs, _, _>(["kv-router", "--policy", "best"])
+                .is_err()
+        );
     }
 }

@@ -301,6 +301,19 @@ pub struct HttpResponse {
     pub body: String,
 }
 
+/// The value of the sample `name` with exactly `labels` (`k="v"` pairs, comma-separated
+/// in exposition order; empty for an unlabelled metric) in Prometheus text `text`, as
+/// `/metrics` serves it; for probes, measurement tools and tests.
+pub fn metric_sample(text: &str, name: &str, labels: &str) -> Option<f64> {
+    let key = if labels.is_empty() {
+        name.to_owned()
+    } else {
+        format!("{name}{{{labels}}}")
+    };
+    text.lines()
+        .find_map(|l| l.strip_prefix(&key)?.strip_prefix(' ')?.parse().ok())
+}
+
 /// `GET http://{addr}{path}` with HTTP/1.1 and `Connection: close`, within `timeout`.
 /// Handles `Content-Length` and chunked bodies; enough for the daemon's own endpoints.
 ///

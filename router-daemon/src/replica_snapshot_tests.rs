@@ -17,13 +17,7 @@ const US: RouterId = RouterId(1);
 
 /// A daemon state (router id 1, sync on) with workers 1 and 2 registered.
 fn starting() -> Starting {
-    use clap::Parser;
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        serve: ServeArgs,
-    }
-    let args = Cli::parse_from([
+    let args = crate::config::parse_flags::<ServeArgs, _, _>([
         "kv-router",
         "--block-size",
         "4",
@@ -32,7 +26,7 @@ fn starting() -> Starting {
         "--router-id",
         "1",
     ])
-    .serve;
+    .expect("test flags parse");
     let config = DaemonConfig::from_args(&args).expect("test flags are valid");
     let starting =
         Starting::new(config, &prometheus::Registry::new()).expect("state builds offline");

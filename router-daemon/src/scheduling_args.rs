@@ -117,19 +117,13 @@ impl SchedulingArgs {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::Parser;
     use scheduler::PolicyConfig;
 
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        args: SchedulingArgs,
-    }
-
     fn parse(args: &[&str]) -> SchedulingArgs {
-        Cli::try_parse_from(std::iter::once("kv-router").chain(args.iter().copied()))
-            .expect("flags parse")
-            .args
+        crate::config::parse_flags::<SchedulingArgs, _, _>(
+            std::iter::once("kv-router").chain(args.iter().copied()),
+        )
+        .expect("flags parse")
     }
 
     #[test]
@@ -307,8 +301,18 @@ mod tests {
             .to_configs()
             .unwrap_err();
         assert!(err.to_string().contains("busy.decode_blocks"), "{err}");
-        assert!(Cli::try_parse_from(["kv-router", "--busy-decode-blocks", "lots"]).is_err());
-        assert!(Cli::try_parse_from(["kv-router", "--policy", "best"]).is_err());
+        assert!(
+            crate::config::parse_flags::<SchedulingArgs, _, _>([
+                "kv-router",
+                "--busy-decode-blocks",
+                "lots"
+            ])
+            .is_err()
+        );
+        assert!(
+            crate::config::parse_flags::<SchedulingArgs, _, _>(["kv-router", "--policy", "best"])
+                .is_err()
+        );
     }
 
     #[test]

@@ -15,25 +15,15 @@ use std::time::Duration;
 const T: Duration = Duration::from_secs(5);
 
 fn config() -> DaemonConfig {
-    use clap::Parser;
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        serve: ServeArgs,
-    }
-    let args = Cli::parse_from(["kv-router", "--block-size", "4", "--shards", "2"]).serve;
+    let args = router_daemon::config::parse_flags::<ServeArgs, _, _>([
+        "kv-router",
+        "--block-size",
+        "4",
+        "--shards",
+        "2",
+    ])
+    .expect("test flags parse");
     DaemonConfig::from_args(&args).expect("test flags are valid")
-}
-
-/// The sample of `name` with exactly `labels` (`k="v"` pairs, in exposition order).
-fn sample(text: &str, name: &str, labels: &str) -> Option<f64> {
-    let key = if labels.is_empty() {
-        name.to_owned()
-    } else {
-        format!("{name}{{{labels}}}")
-    };
-    text.lines()
-        .find_map(|l| l.strip_prefix(&key)?.strip_prefix(' ')?.parse().ok())
 }
 
 /// Every metric a daemon can export: the descriptors of [`Counters`] (including label
@@ -179,12 +169,15 @@ async fn endpoints_report_health_metrics_and_workers() {
     ];
     for (name, labels, value) in expect {
         assert_eq!(
-            sample(&text, name, labels),
+            router_daemon::http::metric_sample(&text, name, labels),
             Some(value),
             "{name}{{{labels}}} in\n{text}"
         );
     }
-    assert!(sample(&text, "kv_router_indexer_memory_bytes", "").unwrap() > 0.0);
+    assert!(
+        router_daemon::http::metric_sample(&text, "kv_router_indexer_memory_bytes", "").unwrap()
+            > 0.0
+    );
     assert!(text.contains("kv_router_build_info{version="), "{text}");
 
     let workers = get(&addr, "/debug/workers", T).await.unwrap();

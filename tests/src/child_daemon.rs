@@ -112,8 +112,7 @@ impl ChildDaemon {
         let text = router_daemon::http::get(&self.http, "/metrics", Duration::from_secs(10))
             .await?
             .body;
-        text.lines()
-            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        router_daemon::http::metric_sample(&text, name, "")
             .with_context(|| format!("{name} not exported"))
     }
 

@@ -69,16 +69,10 @@ impl TestCluster {
 
     /// Daemon flags for this cluster (default policy, seeded RNG, 2 shards).
     pub fn serve_args(&self) -> ServeArgs {
-        use clap::Parser;
-        #[derive(Parser)]
-        struct Cli {
-            #[command(flatten)]
-            serve: ServeArgs,
-        }
         let block_size = self.block_size.to_string();
         let nats = self.nats_server.url();
         let etcd = self.etcd_server.endpoint();
-        Cli::parse_from([
+        router_daemon::config::parse_flags::<ServeArgs, _, _>([
             "kv-router",
             "--nats-url",
             nats.as_str(),
@@ -93,7 +87,7 @@ impl TestCluster {
             "--seed",
             "7",
         ])
-        .serve
+        .expect("test flags parse")
     }
 
     /// Starts a daemon with [`Self::serve_args`], modified by `adjust`.

@@ -186,15 +186,8 @@ async fn relay_reads_a_libzmq_publisher_and_replay_socket() {
     let mut lines = BufReader::new(engine.stdout.take().unwrap()).lines();
     let endpoints: serde_json::Value =
         serde_json::from_str(&lines.next_line().await.unwrap().unwrap()).unwrap();
-
-    use clap::Parser;
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        relay: RelayArgs,
-    }
     let (nats, etcd) = (cluster.nats_server.url(), cluster.etcd_server.endpoint());
-    let args = Cli::parse_from([
+    let args: RelayArgs = router_daemon::config::parse_flags([
         "kv-router",
         "--engine-endpoint",
         endpoints["pub"].as_str().unwrap(),
@@ -215,9 +208,10 @@ async fn relay_reads_a_libzmq_publisher_and_replay_socket() {
         etcd.as_str(),
         "--namespace",
         cluster.subjects.namespace().as_str(),
-    ]);
+    ])
+    .unwrap();
     let registry = prometheus::Registry::new();
-    let relay = Relay::start(RelayConfig::from_args(&args.relay).unwrap(), &registry)
+    let relay = Relay::start(RelayConfig::from_args(&args).unwrap(), &registry)
         .await
         .unwrap();
     assert_eq!(

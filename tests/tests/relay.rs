@@ -33,12 +33,6 @@ mod engine;
 use engine::{FakeEngine, ReplayFraming, VLLM_METRICS, payloads, serve_page};
 
 fn relay_config(cluster: &TestCluster, engine: &FakeEngine, extra: &[&str]) -> RelayConfig {
-    use clap::Parser;
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        relay: RelayArgs,
-    }
     let nats = cluster.nats_server.url();
     let etcd = cluster.etcd_server.endpoint();
     let topic = String::from_utf8(engine.topic.to_vec()).unwrap();
@@ -64,7 +58,10 @@ fn relay_config(cluster: &TestCluster, engine: &FakeEngine, extra: &[&str]) -> R
         cluster.subjects.namespace().as_str(),
     ];
     args.extend_from_slice(extra);
-    RelayConfig::from_args(&Cli::parse_from(args).relay).unwrap()
+    RelayConfig::from_args(
+        &router_daemon::config::parse_flags::<RelayArgs, _, _>(args).expect("test flags parse"),
+    )
+    .unwrap()
 }
 
 async fn overlap(daemon: &Daemon, hashes: Vec<LocalBlockHash>, rank: u32) -> u32 {

@@ -394,24 +394,19 @@ pub async fn initial_recovery(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::Parser;
     use kv_events::Namespace;
 
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        index: IndexArgs,
-    }
-
     fn apply(args: &[&str]) -> Result<(IndexerConfig, DurabilityConfig), ConfigError> {
-        let cli = Cli::try_parse_from(std::iter::once("x").chain(args.iter().copied()))
-            .expect("flags parse");
+        let cli = crate::config::parse_flags::<IndexArgs, _, _>(
+            std::iter::once("x").chain(args.iter().copied()),
+        )
+        .expect("flags parse");
         let subjects = Subjects::new(Namespace::new("ns").expect("valid"));
         let mut indexer = IndexerConfig {
             num_shards: 2,
             ..IndexerConfig::default()
         };
-        let durability = cli.index.apply(&subjects, &mut indexer)?;
+        let durability = cli.apply(&subjects, &mut indexer)?;
         Ok((indexer, durability))
     }
 

@@ -179,11 +179,7 @@ fn invalid(field: &'static str, reason: impl Into<String>) -> ConfigError {
 }
 
 /// `tcp://host:port` with the port increased by `offset`.
-fn offset_port(
-    endpoint: &str,
-    offset: u32,
-    field: &'static str,
-) -> Result<String, ConfigError> {
+fn offset_port(endpoint: &str, offset: u32, field: &'static str) -> Result<String, ConfigError> {
     let (head, port) = endpoint
         .rsplit_once(':')
         .ok_or_else(|| invalid(field, format!("{endpoint:?} has no port")))?;
@@ -351,19 +347,13 @@ fn scrape_config(url: &str, interval_ms: u64) -> Result<ScrapeConfig, ConfigErro
 mod tests {
     use super::*;
     use crate::nats::{ClientCertificate, NatsAuth};
-    use clap::Parser;
-
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        relay: RelayArgs,
-    }
 
     fn config(args: &[&str]) -> Result<RelayConfig, ConfigError> {
         let base = ["kv-router", "--worker-id", "7", "--block-size", "16"];
         let cli =
-            Cli::try_parse_from(base.iter().chain(args.iter()).copied()).expect("flags parse");
-        RelayConfig::from_args(&cli.relay)
+            crate::config::parse_flags::<RelayArgs, _, _>(base.iter().chain(args.iter()).copied())
+                .expect("flags parse");
+        RelayConfig::from_args(&cli)
     }
 
     #[test]

@@ -136,13 +136,7 @@ impl Fixture {
     /// Daemon config: this cluster, etcd through the proxy, 2 shards, seeded, 1 s etcd
     /// timeout.
     pub fn config(&self) -> DaemonConfig {
-        use clap::Parser;
-        #[derive(Parser)]
-        struct Cli {
-            #[command(flatten)]
-            serve: ServeArgs,
-        }
-        let args = Cli::parse_from([
+        let args = router_daemon::config::parse_flags::<ServeArgs, _, _>([
             "kv-router",
             "--nats-url",
             &self.nats_server.url(),
@@ -161,7 +155,7 @@ impl Fixture {
             "--http-listen",
             "127.0.0.1:0",
         ])
-        .serve;
+        .expect("test flags parse");
         DaemonConfig::from_args(&args).expect("fixture flags are valid")
     }
 
@@ -259,22 +253,11 @@ pub async fn readyz(addr: &str) -> anyhow::Result<(u16, Value)> {
     Ok((r.status, serde_json::from_str(&r.body)?))
 }
 
-/// One sample of the Prometheus text `text`: `name` with exactly `labels`.
-pub fn sample(text: &str, name: &str, labels: &str) -> Option<f64> {
-    let key = if labels.is_empty() {
-        name.to_owned()
-    } else {
-        format!("{name}{{{labels}}}")
-    };
-    text.lines()
-        .find_map(|l| l.strip_prefix(&key)?.strip_prefix(' ')?.parse().ok())
-}
-
 /// The current value of a metric from the daemon's `/metrics`.
 ///
 /// # Errors
 /// When the endpoint does not answer.
 pub async fn metric(addr: &str, name: &str, labels: &str) -> anyhow::Result<Option<f64>> {
     let text = http(addr, "/metrics").await?.body;
-    Ok(sample(&text, name, labels))
+    Ok(router_daemon::http::metric_sample(&text, name, labels))
 }
