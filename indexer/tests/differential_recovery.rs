@@ -12,7 +12,7 @@
 
 mod common;
 
-use common::engine_hash;
+use common::{Model, Path, engine_hash};
 use indexer::{OrderedIndex, RecoveryNeed, ShardSettings};
 use kv_events::journal::{EventJournal, JournalConfig};
 use kv_events::recovery::ChunkAssembler;
@@ -27,8 +27,6 @@ use std::sync::Arc;
 
 const WORKERS: u64 = 3;
 const RANKS: u32 = 2;
-
-type Path = Vec<u64>;
 
 #[derive(Debug, Clone)]
 enum Op {
@@ -86,21 +84,7 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-/// Per rank: engine hash → the path of the block it names (held blocks only).
-#[derive(Debug, Default)]
-struct Model {
-    ranks: BTreeMap<WorkerRank, BTreeMap<u64, Path>>,
-}
-
 impl Model {
-    /// Engine hashes `rank` holds, in order.
-    fn held(&self, rank: WorkerRank) -> Vec<u64> {
-        self.ranks
-            .get(&rank)
-            .map(|m| m.keys().copied().collect())
-            .unwrap_or_default()
-    }
-
     fn score(&self, rank: WorkerRank, query: &[u64]) -> u32 {
         let Some(blocks) = self.ranks.get(&rank) else {
             return 0;

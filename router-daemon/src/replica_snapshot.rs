@@ -316,13 +316,8 @@ pub fn apply_reply(
     let reply: SnapshotReply = match decode(payload) {
         Ok(r) => r,
         Err(e) => {
-            state
-                .counters
-                .message(MessageKind::SequenceSnapshot, Outcome::Malformed);
-            metrics.count("snapshot_in", "malformed");
             summary.malformed += 1;
-            warn!(subject, error = %e, "malformed replica snapshot reply skipped");
-            return;
+            return skip_malformed(state, subject, "reply", &e);
         }
     };
     state
@@ -429,6 +424,20 @@ async fn answer_requests(
     }
 }
 
+/// Counts and logs an undecodable snapshot `what` ("request" or "reply") received on
+/// `subject`; the caller skips it.
+fn skip_malformed(state: &RouterState, subject: &str, what: &str, error: &dyn std::fmt::Display) {
+    state
+        .counters
+        .message(MessageKind::SequenceSnapshot, Outcome::Malformed);
+    state
+        .admission
+        .replicas
+        .metrics()
+        .count("snapshot_in", "malformed");
+    warn!(subject, what, error = %error, "malformed replica snapshot message skipped");
+}
+
 /// Answers one snapshot request with our own bookings, chunked, to its reply inbox.
 async fn answer(state: &RouterState, nats: &async_nats::Client, message: &async_nats::Message) {
     let replicas = &state.admission.replicas;
@@ -436,14 +445,7 @@ async fn answer(state: &RouterState, nats: &async_nats::Client, message: &async_
     let subject = message.subject.as_str();
     let request: SnapshotRequest = match decode(&message.payload) {
         Ok(r) => r,
-        Err(e) => {
-            state
-                .counters
-                .message(MessageKind::SequenceSnapshot, Outcome::Malformed);
-            metrics.count("snapshot_in", "malformed");
-            warn!(subject, error = %e, "malformed replica snapshot request skipped");
-            return;
-        }
+        Err(e) => return skip_malformed(state, subject, "request", &e),
     };
     if request.router_id == replicas.router_id() {
         return;

@@ -67,27 +67,37 @@ impl TestCluster {
         })
     }
 
+    /// The program name, then the NATS, etcd and namespace flags that point `serve` or
+    /// `relay` at this cluster.
+    pub fn connection_flags(&self) -> Vec<String> {
+        [
+            "kv-router",
+            "--nats-url",
+            &self.nats_server.url(),
+            "--etcd-endpoints",
+            &self.etcd_server.endpoint(),
+            "--namespace",
+            self.subjects.namespace().as_str(),
+        ]
+        .map(String::from)
+        .to_vec()
+    }
+
+    /// [`Self::connection_flags`] followed by `extra`, parsed as the flag group `A`
+    /// ([`ServeArgs`] or `router_daemon::relay::RelayArgs`).
+    ///
+    /// # Panics
+    /// When the flags do not parse: a mistake in the test.
+    pub fn flags<A: clap::Args + clap::FromArgMatches>(&self, extra: &[&str]) -> A {
+        let mut args = self.connection_flags();
+        args.extend(extra.iter().map(|a| (*a).to_owned()));
+        router_daemon::config::parse_flags(args).expect("test flags parse")
+    }
+
     /// Daemon flags for this cluster (default policy, seeded RNG, 2 shards).
     pub fn serve_args(&self) -> ServeArgs {
         let block_size = self.block_size.to_string();
-        let nats = self.nats_server.url();
-        let etcd = self.etcd_server.endpoint();
-        router_daemon::config::parse_flags::<ServeArgs, _, _>([
-            "kv-router",
-            "--nats-url",
-            nats.as_str(),
-            "--etcd-endpoints",
-            etcd.as_str(),
-            "--namespace",
-            self.subjects.namespace().as_str(),
-            "--block-size",
-            block_size.as_str(),
-            "--shards",
-            "2",
-            "--seed",
-            "7",
-        ])
-        .expect("test flags parse")
+        self.flags(&["--block-size", &block_size, "--shards", "2", "--seed", "7"])
     }
 
     /// Starts a daemon with [`Self::serve_args`], modified by `adjust`.

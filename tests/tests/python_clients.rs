@@ -186,9 +186,7 @@ async fn relay_reads_a_libzmq_publisher_and_replay_socket() {
     let mut lines = BufReader::new(engine.stdout.take().unwrap()).lines();
     let endpoints: serde_json::Value =
         serde_json::from_str(&lines.next_line().await.unwrap().unwrap()).unwrap();
-    let (nats, etcd) = (cluster.nats_server.url(), cluster.etcd_server.endpoint());
-    let args: RelayArgs = router_daemon::config::parse_flags([
-        "kv-router",
+    let args: RelayArgs = cluster.flags(&[
         "--engine-endpoint",
         endpoints["pub"].as_str().unwrap(),
         "--replay-endpoint",
@@ -202,14 +200,7 @@ async fn relay_reads_a_libzmq_publisher_and_replay_socket() {
         "--dp-size",
         "4",
         "--shared-endpoint",
-        "--nats-url",
-        nats.as_str(),
-        "--etcd-endpoints",
-        etcd.as_str(),
-        "--namespace",
-        cluster.subjects.namespace().as_str(),
-    ])
-    .unwrap();
+    ]);
     let registry = prometheus::Registry::new();
     let relay = Relay::start(RelayConfig::from_args(&args).unwrap(), &registry)
         .await

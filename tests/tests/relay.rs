@@ -33,11 +33,8 @@ mod engine;
 use engine::{FakeEngine, ReplayFraming, VLLM_METRICS, payloads, serve_page};
 
 fn relay_config(cluster: &TestCluster, engine: &FakeEngine, extra: &[&str]) -> RelayConfig {
-    let nats = cluster.nats_server.url();
-    let etcd = cluster.etcd_server.endpoint();
     let topic = String::from_utf8(engine.topic.to_vec()).unwrap();
     let mut args = vec![
-        "kv-router",
         "--engine-endpoint",
         engine.pub_endpoint.as_str(),
         "--replay-endpoint",
@@ -50,18 +47,9 @@ fn relay_config(cluster: &TestCluster, engine: &FakeEngine, extra: &[&str]) -> R
         "16",
         "--total-kv-blocks",
         "1000",
-        "--nats-url",
-        nats.as_str(),
-        "--etcd-endpoints",
-        etcd.as_str(),
-        "--namespace",
-        cluster.subjects.namespace().as_str(),
     ];
     args.extend_from_slice(extra);
-    RelayConfig::from_args(
-        &router_daemon::config::parse_flags::<RelayArgs, _, _>(args).expect("test flags parse"),
-    )
-    .unwrap()
+    RelayConfig::from_args(&cluster.flags::<RelayArgs>(&args)).unwrap()
 }
 
 async fn overlap(daemon: &Daemon, hashes: Vec<LocalBlockHash>, rank: u32) -> u32 {

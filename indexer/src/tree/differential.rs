@@ -11,14 +11,12 @@
 //! hold every entry (including those below a removed block).
 
 use super::tests::check_invariants;
-use super::tests::events::engine_hash;
+use super::tests::events::{Model, Path, engine_hash};
 use super::*;
 use kv_events::DpRank;
 use proptest::prelude::*;
 use proptest::sample::Index;
 use std::collections::{BTreeMap, BTreeSet};
-
-type Path = Vec<u64>;
 
 #[derive(Debug, Clone)]
 enum Parent {
@@ -67,20 +65,7 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-/// Per rank: engine hash → the path of the block it names.
-#[derive(Debug, Default)]
-struct Model {
-    ranks: BTreeMap<WorkerRank, BTreeMap<u64, Path>>,
-}
-
 impl Model {
-    fn held(&self, rank: WorkerRank) -> Vec<u64> {
-        self.ranks
-            .get(&rank)
-            .map(|m| m.keys().copied().collect())
-            .unwrap_or_default()
-    }
-
     /// Applies a store; `Err` when the parent is unknown (then nothing changes).
     fn store(&mut self, rank: WorkerRank, parent: Option<u64>, chain: &[(u64, u64)]) -> bool {
         let start: Path = match parent {

@@ -87,3 +87,24 @@ pub fn engine_hash(parent: Option<u64>, local: u64, salt: u8) -> u64 {
     (parent, local, salt).hash(&mut h);
     h.finish()
 }
+
+/// A block's path: the local hashes from the root to it, inclusive.
+pub type Path = Vec<u64>;
+
+/// The reference model of the differential tests: per rank, engine hash → the path of
+/// the block it names (held blocks only). Each test adds the operations it models.
+#[derive(Debug, Default)]
+pub struct Model {
+    /// Held blocks per rank.
+    pub ranks: std::collections::BTreeMap<WorkerRank, std::collections::BTreeMap<u64, Path>>,
+}
+
+impl Model {
+    /// Engine hashes `rank` holds, in order.
+    pub fn held(&self, rank: WorkerRank) -> Vec<u64> {
+        self.ranks
+            .get(&rank)
+            .map(|m| m.keys().copied().collect())
+            .unwrap_or_default()
+    }
+}
