@@ -1,18 +1,109 @@
 #!/usr/bin/env bash
-# Installs what kv-router needs at build and test time, from Debian packages, when it
-# is missing: nats-server, etcd (package etcd-server) and protoc (protobuf-compiler,
-# needed by the etcd client's build), and python3 with venv (Python client tests).
-# Sourced by quickstart.sh and test.sh.
+# What kv-router needs from the system to build, test and run its quickstart, checked
+# by what the build and the tests really use — a file that must exist, a compiler that
+# must compile — never by a command's name alone, and installed from Debian packages
+# when it is missing.
+#
+#   . deploy/ensure-deps.sh; ensure_deps   install what is missing, then check again
+#   deploy/ensure-deps.sh --plan           the Debian packages it would install, one a line
+#   deploy/ensure-deps.sh --provides       what it guarantees, one requirement a line
+#
+# `--provides` is read by deploy/check-build-deps.py, which derives what the locked
+# dependencies' build scripts use and fails when that is not in this list; so a new
+# system file needed by the build cannot hide behind a machine that happens to have it.
+#
+# protoc: etcd-client's build script runs `protoc` on etcd's .proto files, and those
+# import protobuf's well-known types (google/protobuf/descriptor.proto, struct.proto).
+# Debian splits those files from the compiler: protobuf-compiler has protoc, and
+# libprotobuf-dev has /usr/include/google/protobuf/*.proto. We install both rather than
+# vendor a protoc crate: the build then works with a plain `cargo build` anywhere
+# Debian's packages do (containers, IDEs, `cargo install`), with no PROTOC variable to
+# set in every environment. The check compiles a file importing each well-known type,
+# so a protoc without its include files is caught here, not in the middle of a build.
 set -euo pipefail
 
+# The well-known .proto files a protoc must resolve (everything libprotobuf-dev ships
+# under google/protobuf/ that a gRPC client's protos import).
+KV_ROUTER_WELL_KNOWN_PROTOS=(
+  any api descriptor duration empty field_mask source_context struct timestamp type
+  wrappers
+)
+
+# Each requirement: "name|probe|Debian packages". The probe is a shell command that
+# succeeds when the requirement is met.
+kv_router_requirements() {
+  echo "cmd:nats-server|_have_nats_server|nats-server"
+  echo "cmd:etcd|_have_executable etcd|etcd-server"
+  echo "cmd:protoc|_have_executable protoc|protobuf-compiler"
+  local proto
+  for proto in "${KV_ROUTER_WELL_KNOWN_PROTOS[@]}"; do
+    echo "proto:google/protobuf/$proto.proto|_protoc_resolves google/protobuf/$proto.proto|protobuf-compiler libprotobuf-dev"
+  done
+  # A C compiler and libc headers: ring (TLS for NATS and etcd) compiles C in its
+  # build script through the cc crate.
+  echo "cmd:cc|_c_compiler_works|gcc libc6-dev"
+  # Python with a working venv: the Python client and libzmq interop tests.
+  echo "cmd:python3|_have_executable python3|python3"
+  echo "python:venv|_python_venv_works|python3-venv"
+}
+
+_have_executable() {
+  command -v "$1" >/dev/null 2>&1
+}
+
+_have_nats_server() {
+  # Debian installs nats-server in /usr/sbin, which is not on every user's PATH.
+  _have_executable nats-server || [ -x /usr/sbin/nats-server ]
+}
+
+_protoc_resolves() {
+  _have_executable protoc || return 1
+  local dir
+  dir="$(mktemp -d)"
+  printf 'syntax = "proto3";\nimport "%s";\n' "$1" >"$dir/check.proto"
+  local ok=0
+  protoc -I "$dir" --descriptor_set_out=/dev/null "$dir/check.proto" >/dev/null 2>&1 || ok=1
+  rm -rf "$dir"
+  return "$ok"
+}
+
+_c_compiler_works() {
+  _have_executable cc || return 1
+  local dir
+  dir="$(mktemp -d)"
+  printf '#include <stdint.h>\n#include <string.h>\nint main(void) { uint8_t b[4]; memset(b, 0, 4); return b[0]; }\n' >"$dir/check.c"
+  local ok=0
+  cc -o "$dir/check" "$dir/check.c" >/dev/null 2>&1 || ok=1
+  rm -rf "$dir"
+  return "$ok"
+}
+
+_python_venv_works() {
+  _have_executable python3 || return 1
+  local dir
+  dir="$(mktemp -d)"
+  local ok=0
+  # --without-pip would pass without ensurepip; the tests need pip in the venv.
+  python3 -m venv "$dir/venv" >/dev/null 2>&1 || ok=1
+  [ "$ok" -ne 0 ] || [ -x "$dir/venv/bin/pip" ] || ok=1
+  rm -rf "$dir"
+  return "$ok"
+}
+
+# The Debian packages of every requirement whose probe fails, one a line, sorted.
+kv_router_plan() {
+  local name probe packages
+  while IFS='|' read -r name probe packages; do
+    if ! eval "$probe"; then
+      printf '%s\n' $packages
+    fi
+  done < <(kv_router_requirements) | sort -u
+}
+
 ensure_deps() {
-  local missing=()
-  command -v nats-server >/dev/null 2>&1 || [ -x /usr/sbin/nats-server ] || missing+=(nats-server)
-  command -v etcd >/dev/null 2>&1 || missing+=(etcd-server)
-  command -v protoc >/dev/null 2>&1 || missing+=(protobuf-compiler)
-  # python3 with venv: the Python client and libzmq interop tests (tests/tests/python_clients.rs).
-  command -v python3 >/dev/null 2>&1 || missing+=(python3)
-  python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || missing+=(python3-venv)
+  case ":$PATH:" in *":/usr/sbin:"*) ;; *) export PATH="$PATH:/usr/sbin" ;; esac
+  local missing
+  mapfile -t missing < <(kv_router_plan)
   if [ "${#missing[@]}" -gt 0 ]; then
     local sudo=""
     if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
@@ -20,6 +111,25 @@ ensure_deps() {
     $sudo apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
   fi
-  # Debian installs nats-server in /usr/sbin, which is not on every user's PATH.
-  case ":$PATH:" in *":/usr/sbin:"*) ;; *) export PATH="$PATH:/usr/sbin" ;; esac
+  # Check again: a package that installed but did not bring the file is a bug here.
+  local name probe packages failed=0
+  while IFS='|' read -r name probe packages; do
+    if ! eval "$probe"; then
+      echo ">> still missing after installing: $name (expected from Debian packages: $packages)" >&2
+      failed=1
+    fi
+  done < <(kv_router_requirements)
+  return "$failed"
 }
+
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then
+  case "${1:-}" in
+    --plan) kv_router_plan ;;
+    --provides) kv_router_requirements | cut -d'|' -f1 ;;
+    --install) ensure_deps ;;
+    *)
+      echo "usage: $0 --plan | --provides | --install   (or source it and call ensure_deps)" >&2
+      exit 2
+      ;;
+  esac
+fi

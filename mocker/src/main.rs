@@ -30,8 +30,12 @@ enum Command {
 
 #[tokio::main]
 async fn main() -> Result<()> {
-    router_daemon::process::init_tracing();
     let cli = Cli::parse();
+    match &cli.command {
+        // The quickstart's terminal shows steps and results; its detail goes to a file.
+        Command::Quickstart(args) => mocker::quickstart::init_tracing(&args.out)?,
+        _ => router_daemon::process::init_tracing(),
+    }
     match cli.command {
         Command::Engines(args) => {
             let shutdown = CancellationToken::new();

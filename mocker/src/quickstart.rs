@@ -3,9 +3,14 @@
 //! Starts a real nats-server and etcd on free loopback ports, the mock engines
 //! (`kv-mocker engines`, this same executable) and the router daemon (`kv-router
 //! serve`, expected next to this executable), replays the bundled Mooncake excerpt once
-//! per policy (`kv`, then `round-robin`) from a cold cluster, prints the comparison
-//! table and writes `<out>/report.json`. Everything it started is stopped in reverse
+//! per policy (`predicted-ttft`, `kv`, then `round-robin`) from a cold cluster, prints
+//! the comparison table and writes `<out>/report.json`. Everything it started is stopped in reverse
 //! order (router, engines, etcd, nats), also on error, Ctrl-C or SIGTERM.
+//!
+//! The terminal is for a person: the steps (servers ready, engines registered, router
+//! ready), a progress display per pass, the table and the report's path. Every
+//! process's log, this one's included, goes to `<out>/logs/<process>.log`; when a
+//! child dies, the quickstart quotes the last lines of its log.
 //!
 //! Defaults are sized so both passes take about a minute each on a 2-core machine: the
 //! 2,000-request excerpt spans 669 s of trace time and runs at 10× (≈ 67 s per pass
@@ -13,7 +18,7 @@
 //! tokens, about what an 8B bf16 model leaves free on one 80 GB GPU) is well below the
 //! excerpt's ≈ 39 k distinct blocks, so caches evict and where a prefix lands matters.
 
-use crate::cluster::{Echo, EtcdServer, ManagedProcess, NatsServer};
+use crate::cluster::{ClusterError, Echo, EtcdServer, ManagedProcess, NatsServer};
 use crate::replay::{self, ReplayConfig, ReplayTarget, TimeScale};
 use crate::trace::{self, BUNDLED_EXCERPT_NAME, BlockMapping};
 use anyhow::{Context, anyhow, bail};
@@ -74,8 +79,9 @@ pub struct QuickstartArgs {
 /// Runs the quickstart (see the module docs).
 ///
 /// # Errors
-/// A missing `nats-server`, `etcd` or `kv-router`, a process that fails to start, a
-/// replay error, an unwritable report, or an interruption (Ctrl-C / SIGTERM).
+/// A missing `nats-server`, `etcd` or `kv-router`, a process that fails to start or
+/// exits early, a replay error, an unwritable report or log directory, or an
+/// interruption (Ctrl-C / SIGTERM).
 pub async fn run(args: QuickstartArgs) -> anyhow::Result<()> {
     if let Err(err) = BlockMapping::new(args.block_size) {
         bail!("--block-size: {err}");
@@ -88,18 +94,68 @@ pub async fn run(args: QuickstartArgs) -> anyhow::Result<()> {
         trace.truncate(max);
     }
     let binaries = Binaries::locate(args.bin_dir.as_deref())?;
+    let logs = logs_dir(&args.out);
+    progress(&format!("logs of every process go to {}/", logs.display()));
 
-    let mut stack = Stack::default();
+    let mut stack = Stack::new(logs);
     let result = tokio::select! {
         result = run_stack(&args, &trace, &trace_name, &binaries, &mut stack) => result,
         () = router_daemon::process::shutdown_signal() => Err(anyhow!("interrupted by Ctrl-C or SIGTERM")),
     };
-    if result.is_err() {
-        // Show what the children said last: the error may be theirs.
-        stack.set_echo(Echo::Forward);
+    if let Err(err) = &result {
+        // The error may be a child's: show the end of the log of any child that died.
+        // Start-up errors already quote the child's last lines.
+        if err.downcast_ref::<ClusterError>().is_none() {
+            stack.report_exited();
+        }
     }
     stack.shutdown().await;
     result
+}
+
+/// Installs the quickstart's own `tracing` subscriber: everything at `RUST_LOG`
+/// (default `info`) to `<out>/logs/quickstart.log`, and only warnings and errors to
+/// the terminal, with colour only when stderr is a terminal and `NO_COLOR` is unset.
+/// The terminal is for the steps, the progress and the table; the detail is in the
+/// file. Call once, instead of the binary's usual set-up.
+///
+/// # Errors
+/// The log directory or file cannot be created, or a subscriber is already installed.
+pub fn init_tracing(out: &Path) -> anyhow::Result<()> {
+    use std::io::IsTerminal;
+    use tracing_subscriber::filter::{EnvFilter, LevelFilter};
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    use tracing_subscriber::{Layer, fmt};
+
+    let logs = logs_dir(out);
+    std::fs::create_dir_all(&logs)
+        .with_context(|| format!("cannot create the log directory {}", logs.display()))?;
+    let path = logs.join("quickstart.log");
+    let file = std::fs::File::create(&path)
+        .with_context(|| format!("cannot create {}", path.display()))?;
+    let file_filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let colour = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none();
+    tracing_subscriber::registry()
+        .with(
+            fmt::layer()
+                .with_ansi(false)
+                .with_writer(std::sync::Mutex::new(file))
+                .with_filter(file_filter),
+        )
+        .with(
+            fmt::layer()
+                .with_ansi(colour)
+                .with_writer(std::io::stderr)
+                .with_filter(LevelFilter::WARN),
+        )
+        .try_init()
+        .context("cannot install the tracing subscriber")
+}
+
+/// Where the children's logs go: `<out>/logs/<process>.log`.
+pub fn logs_dir(out: &Path) -> PathBuf {
+    out.join("logs")
 }
 
 /// Everything after validation: start the stack, replay, report.
@@ -110,13 +166,13 @@ async fn run_stack(
     binaries: &Binaries,
     stack: &mut Stack,
 ) -> anyhow::Result<()> {
-    progress("starting nats-server");
     let nats = stack.nats.insert(NatsServer::start().await?);
+    nats.log_to(&stack.logs.join("nats.log"))?;
     let nats_url = nats.url();
     progress(&format!("nats-server ready at {nats_url}"));
 
-    progress("starting etcd");
     let etcd = stack.etcd.insert(EtcdServer::start().await?);
+    etcd.log_to(&stack.logs.join("etcd.log"))?;
     let etcd_endpoint = etcd.endpoint();
     progress(&format!("etcd ready at {etcd_endpoint}"));
 
@@ -128,10 +184,6 @@ async fn run_stack(
         "--namespace",
         QUICKSTART_NAMESPACE,
     ];
-    progress(&format!(
-        "starting {} mock engines ({} KV blocks of {} tokens each, time scale {})",
-        args.workers, args.num_gpu_blocks, args.block_size, args.time_scale
-    ));
     let mut command = child_command(&binaries.mocker);
     command.arg("engines").args(connection).args([
         "--workers",
@@ -143,22 +195,25 @@ async fn run_stack(
         "--time-scale",
         &args.time_scale.to_string(),
     ]);
-    let engines = stack
-        .engines
-        .insert(ManagedProcess::spawn("engines", command, Echo::Forward)?);
+    let engines = stack.spawn("engines", command)?;
     engines.wait_for_line(ENGINES_READY, READY_TIMEOUT).await?;
+    progress(&format!(
+        "{} mock engines registered in etcd ({} KV blocks of {} tokens each, time scale {}x)",
+        args.workers, args.num_gpu_blocks, args.block_size, args.time_scale
+    ));
 
-    progress("starting the router (kv-router serve)");
     let mut command = child_command(&binaries.router);
-    // The daemon's default policy; every replayed request names its pass's policy.
-    command
-        .arg("serve")
-        .args(connection)
-        .args(["--block-size", &args.block_size.to_string()]);
-    let router = stack
-        .router
-        .insert(ManagedProcess::spawn("router", command, Echo::Forward)?);
+    // The daemon's default policy; every replayed request names its pass's policy. Its
+    // HTTP endpoint takes a free loopback port, so a busy 9090 cannot stop the demo.
+    command.arg("serve").args(connection).args([
+        "--block-size",
+        &args.block_size.to_string(),
+        "--http-listen",
+        "127.0.0.1:0",
+    ]);
+    let router = stack.spawn("router", command)?;
     router.wait_for_line(ROUTER_READY, READY_TIMEOUT).await?;
+    progress("router ready (kv-router serve)");
 
     let namespace = Namespace::new(QUICKSTART_NAMESPACE)?;
     let target = ReplayTarget::connect(&nats_url, &[etcd_endpoint], namespace).await?;
@@ -171,15 +226,19 @@ async fn run_stack(
         args.time_scale,
         policies.join(", ")
     ));
-    // Keep the progress bars readable: children's logs stay in their tails (shown if
-    // something fails) instead of interleaving with the bars.
-    stack.set_echo(Echo::Quiet);
     let config = ReplayConfig {
         time_scale: args.time_scale,
         request_timeout: REQUEST_TIMEOUT,
         progress: true,
     };
-    let report = replay::run_replay_with(&target, trace, &args.policies, &config).await?;
+    let report = stack
+        .unless_a_child_exits(replay::run_replay_with(
+            &target,
+            trace,
+            &args.policies,
+            &config,
+        ))
+        .await??;
     println!("{}", report.render_table());
     let path = args.out.join("report.json");
     report.write_json(&path)?;
@@ -239,18 +298,73 @@ fn child_command(program: &Path) -> Command {
 }
 
 /// What the quickstart has started so far; stopped in reverse order.
-#[derive(Default)]
 struct Stack {
+    /// Where every child's log goes.
+    logs: PathBuf,
     nats: Option<NatsServer>,
     etcd: Option<EtcdServer>,
-    engines: Option<ManagedProcess>,
-    router: Option<ManagedProcess>,
+    /// The engines and the router, in start order.
+    children: Vec<ManagedProcess>,
 }
 
 impl Stack {
-    fn set_echo(&self, echo: Echo) {
-        for process in [&self.engines, &self.router].into_iter().flatten() {
-            process.set_echo(echo);
+    fn new(logs: PathBuf) -> Self {
+        Self {
+            logs,
+            nats: None,
+            etcd: None,
+            children: Vec::new(),
+        }
+    }
+
+    /// Spawns a child whose output goes to `<logs>/<label>.log` only.
+    fn spawn(&mut self, label: &str, command: Command) -> anyhow::Result<&mut ManagedProcess> {
+        let process = ManagedProcess::spawn(label, command, Echo::Quiet)?;
+        process.log_to(&self.logs.join(format!("{label}.log")))?;
+        self.children.push(process);
+        // Just pushed, so the vector is not empty.
+        self.children
+            .last_mut()
+            .ok_or_else(|| anyhow!("no child process to return"))
+    }
+
+    /// Runs `work` unless a child exits first: the engines and the router must live
+    /// for the whole replay, so an early exit is an error naming the child.
+    async fn unless_a_child_exits<T>(
+        &mut self,
+        work: impl std::future::Future<Output = T>,
+    ) -> anyhow::Result<T> {
+        let exits = self.children.iter_mut().map(|child| {
+            Box::pin(async move {
+                let status = child.wait().await;
+                (child.label().to_owned(), status)
+            })
+        });
+        tokio::select! {
+            output = work => Ok(output),
+            ((label, status), _, _) = futures::future::select_all(exits) => {
+                let status = status.map_or_else(|err| err.to_string(), |s| s.to_string());
+                Err(anyhow!("{label} exited during the replay ({status})"))
+            }
+        }
+    }
+
+    /// Prints the last lines of the log of every child that has exited.
+    fn report_exited(&mut self) {
+        for child in &mut self.children {
+            let Some(status) = child.exit_status() else {
+                continue;
+            };
+            let path = child
+                .log_path()
+                .map_or_else(|| "its output".to_owned(), |p| p.display().to_string());
+            progress(&format!(
+                "{} exited ({status}); last lines of {path}:",
+                child.label()
+            ));
+            for line in child.tail().lines() {
+                eprintln!("    {line}");
+            }
         }
     }
 
@@ -260,29 +374,29 @@ impl Stack {
         let Stack {
             nats,
             etcd,
-            engines,
-            router,
+            children,
+            ..
         } = self;
         if nats.is_none() {
             return;
         }
-        progress("stopping router, engines, etcd and nats-server");
-        for process in [router, engines].into_iter().flatten() {
+        for process in children.into_iter().rev() {
             let label = process.label().to_owned();
             if let Err(err) = process.stop(STOP_GRACE).await {
-                eprintln!("quickstart: cannot stop {label}: {err}");
+                progress(&format!("cannot stop {label}: {err}"));
             }
         }
         if let Some(etcd) = etcd
             && let Err(err) = etcd.stop().await
         {
-            eprintln!("quickstart: cannot stop etcd: {err}");
+            progress(&format!("cannot stop etcd: {err}"));
         }
         if let Some(nats) = nats
             && let Err(err) = nats.stop().await
         {
-            eprintln!("quickstart: cannot stop nats-server: {err}");
+            progress(&format!("cannot stop nats-server: {err}"));
         }
+        progress("stopped every process it started");
     }
 }
 

@@ -7,6 +7,13 @@
 //! lines to a bounded log (the last [`LOG_CAPACITY`] lines) and wakes waiters through a
 //! `watch` channel, so waiting costs nothing until a line arrives.
 //!
+//! A child can also write its log to a file ([`ManagedProcess::log_to`]): the
+//! quickstart keeps every child's output out of the terminal that way, in
+//! `<out>/logs/<label>.log`, and quotes the file's last lines when something fails.
+//! The file gets the lines already in the in-memory log and every later one, each
+//! written under the log's lock, so none is lost or duplicated; writes are line-buffered
+//! (one `write` per line), which is cheap next to what a child logs.
+//!
 //! Stopping is graceful (`SIGTERM`, then `SIGKILL` after a grace period). Dropping the
 //! handle sends `SIGKILL` and reaps the child synchronously, so its ports and files are
 //! released by the time the drop returns.
@@ -16,7 +23,9 @@ use nix::sys::signal::{Signal, kill};
 use nix::sys::wait::waitpid;
 use nix::unistd::Pid;
 use std::collections::VecDeque;
-use std::path::PathBuf;
+use std::fs::File;
+use std::io::{LineWriter, Write};
+use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -58,6 +67,14 @@ struct LineLog {
     lines: VecDeque<String>,
     /// Output streams (stdout, stderr) not yet at end of file.
     open_streams: usize,
+    /// The file every line is also appended to, once [`ManagedProcess::log_to`] chose one.
+    file: Option<LogFile>,
+}
+
+/// A log file and where it is.
+struct LogFile {
+    path: PathBuf,
+    writer: LineWriter<File>,
 }
 
 impl LineLog {
@@ -94,6 +111,13 @@ impl Shared {
         }
         {
             let mut log = self.log();
+            if let Some(file) = &mut log.file
+                && let Err(err) = writeln!(file.writer, "{line}")
+            {
+                // A full disk must not stop the child: keep the in-memory tail only.
+                tracing::warn!(process = %self.label, path = %file.path.display(), %err, "cannot write log file, no longer writing it");
+                log.file = None;
+            }
             log.lines.push_back(line);
             if log.lines.len() > LOG_CAPACITY {
                 log.lines.pop_front();
@@ -160,6 +184,7 @@ impl ManagedProcess {
                 first: 0,
                 lines: VecDeque::new(),
                 open_streams: 0,
+                file: None,
             }),
             echo: AtomicBool::new(echo == Echo::Forward),
             changed,
@@ -193,6 +218,47 @@ impl ManagedProcess {
         self.shared
             .echo
             .store(echo == Echo::Forward, Ordering::Relaxed);
+    }
+
+    /// Writes the child's output to `path` from now on, starting with the lines still
+    /// in the in-memory log (the last [`LOG_CAPACITY`]); creates parent directories and
+    /// truncates an existing file.
+    ///
+    /// # Errors
+    /// [`ClusterError::Io`] if the directory or file cannot be created or written.
+    pub fn log_to(&self, path: &Path) -> Result<(), ClusterError> {
+        let io_error = |source| ClusterError::Io {
+            context: format!(
+                "writing the log of {} to {}",
+                self.shared.label,
+                path.display()
+            ),
+            source,
+        };
+        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent).map_err(io_error)?;
+        }
+        let mut writer = LineWriter::new(File::create(path).map_err(io_error)?);
+        let mut log = self.shared.log();
+        for line in &log.lines {
+            writeln!(writer, "{line}").map_err(io_error)?;
+        }
+        log.file = Some(LogFile {
+            path: path.to_owned(),
+            writer,
+        });
+        Ok(())
+    }
+
+    /// The file given to [`Self::log_to`], if any.
+    pub fn log_path(&self) -> Option<PathBuf> {
+        self.shared.log().file.as_ref().map(|f| f.path.clone())
+    }
+
+    /// The exit status if the process has exited, without waiting; `None` while it
+    /// runs (or if its status cannot be read).
+    pub fn exit_status(&mut self) -> Option<ExitStatus> {
+        self.child.try_wait().ok().flatten()
     }
 
     /// Waits until an output line containing `marker` appears and returns that line.
@@ -430,6 +496,38 @@ mod tests {
         assert_eq!(log.lines.len(), LOG_CAPACITY);
         assert_eq!(log.first, 11);
         assert_eq!(log.lines.front().map(String::as_str), Some("line11"));
+    }
+
+    #[tokio::test]
+    async fn log_file_gets_earlier_and_later_lines() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("logs/sh.log");
+        let trigger = dir.path().join("go");
+        // "after" is printed only once the file is set up, so it takes the live path.
+        let mut p = sh(&format!(
+            "echo before; while [ ! -e {} ]; do sleep 0.01; done; echo after; exec sleep 30",
+            trigger.display()
+        ));
+        p.wait_for_line("before", Duration::from_secs(10))
+            .await
+            .unwrap();
+        p.log_to(&path).unwrap();
+        assert_eq!(p.log_path(), Some(path.clone()));
+        std::fs::write(&trigger, "").unwrap();
+        p.wait_for_line("after", Duration::from_secs(10))
+            .await
+            .unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "before\nafter\n");
+        assert!(p.exit_status().is_none(), "still running");
+        let _ = p.stop(Duration::from_secs(10)).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn exit_status_is_seen_without_waiting_forever() {
+        let mut p = sh("exit 4");
+        let status = p.wait().await.unwrap();
+        assert_eq!(status.code(), Some(4));
+        assert_eq!(p.exit_status().and_then(|s| s.code()), Some(4));
     }
 
     #[test]

@@ -129,6 +129,14 @@ impl NatsServer {
         self.port
     }
 
+    /// Writes the server's log to `path` from now on (see [`ManagedProcess::log_to`]).
+    ///
+    /// # Errors
+    /// [`ClusterError::Io`] if the file cannot be written.
+    pub fn log_to(&self, path: &Path) -> Result<(), ClusterError> {
+        self.process.as_ref().map_or(Ok(()), |p| p.log_to(path))
+    }
+
     /// Stops the server gracefully and starts it again on the same port with the same
     /// JetStream store, for resilience tests (clients see a disconnect and reconnect).
     ///
@@ -206,6 +214,14 @@ impl EtcdServer {
     /// The client port.
     pub fn client_port(&self) -> u16 {
         self.client_port
+    }
+
+    /// Writes etcd's log to `path` from now on (see [`ManagedProcess::log_to`]).
+    ///
+    /// # Errors
+    /// [`ClusterError::Io`] if the file cannot be written.
+    pub fn log_to(&self, path: &Path) -> Result<(), ClusterError> {
+        self.process.as_ref().map_or(Ok(()), |p| p.log_to(path))
     }
 
     /// The temporary directory holding etcd's data (removed on drop).

@@ -13,19 +13,21 @@
 //!
 //! # Layout
 //! - [`cold`]: list workers in etcd and clear their caches.
+//! - [`progress`]: a bar on a terminal, plain lines elsewhere.
 //! - `request`: one request's route → generate → lifecycle flow.
 //! - [`report`]: per-policy aggregation, percentiles and the JSON report.
 //! - `table`: [`ReplayReport::render_table`], the terminal rendering.
 
 pub mod cold;
+pub mod progress;
 pub mod report;
 mod request;
 mod table;
 
 pub use report::{LatencyStats, PolicyReport, ReplayReport, RequestOutcome, RouteFailure};
 
+use crate::replay::progress::PassProgress;
 use crate::trace::{self, BlockMapping, BlockSizeMismatch, TraceError, TraceRequest};
-use indicatif::{ProgressBar, ProgressStyle};
 use kv_events::discovery::WorkerRegistration;
 use kv_events::routing::PolicyKind;
 use kv_events::{Namespace, RequestId, Subjects, WorkerId};
@@ -186,7 +188,8 @@ pub struct ReplayConfig {
     /// Wall-clock limit for one request from routing to its last token; a request
     /// still running then counts as failed.
     pub request_timeout: Duration,
-    /// Draw a progress bar per pass on stderr (hidden when stderr is not a terminal).
+    /// Show progress per pass on stderr: a bar on a terminal, a plain line every few
+    /// seconds elsewhere (see [`progress`]).
     pub progress: bool,
 }
 
@@ -288,7 +291,7 @@ pub async fn replay_policy(
     let workers = cold::clear_all(target).await?;
     let mapping = block_mapping(target, &workers)?;
     tracing::info!(%policy, workers = workers.len(), requests = trace.len(), block_size = mapping.engine_block_size(), "starting pass from a cold cache");
-    let bar = progress_bar(policy, trace.len(), config.progress);
+    let bar = PassProgress::start(&policy.to_string(), trace.len(), config.progress);
     let shared = Arc::new(target.clone());
     let start = Instant::now();
     let mut tasks = JoinSet::new();
@@ -320,7 +323,7 @@ pub async fn replay_policy(
     while let Some(done) = tasks.join_next().await {
         record(done, &mut outcomes, &bar);
     }
-    bar.finish_and_clear();
+    bar.finish();
     if let Err(err) = shared.nats.flush().await {
         tracing::warn!(%err, "cannot flush lifecycle messages");
     }
@@ -358,7 +361,7 @@ fn block_mapping(
 fn record(
     done: Result<RequestOutcome, tokio::task::JoinError>,
     outcomes: &mut Vec<RequestOutcome>,
-    bar: &ProgressBar,
+    bar: &PassProgress,
 ) {
     match done {
         Ok(outcome) => outcomes.push(outcome),
@@ -369,22 +372,7 @@ fn record(
             outcomes.push(RequestOutcome::RouteFailed(RouteFailure::Internal));
         }
     }
-    bar.inc(1);
-}
-
-fn progress_bar(policy: PolicyKind, len: usize, enabled: bool) -> ProgressBar {
-    if !enabled {
-        return ProgressBar::hidden();
-    }
-    let bar = ProgressBar::new(len as u64);
-    // The template is a literal known to be valid; fall back to the default otherwise.
-    if let Ok(style) = ProgressStyle::with_template(
-        "{prefix:>12} [{bar:40}] {pos}/{len} done, {elapsed} ({eta} left)",
-    ) {
-        bar.set_style(style.progress_chars("=> "));
-    }
-    bar.set_prefix(policy.to_string());
-    bar
+    bar.inc();
 }
 
 impl ReplayReport {
