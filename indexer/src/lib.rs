@@ -27,7 +27,7 @@
 //!
 //! # Layout
 //! - [`tree`]: [`RadixTree`], its [`ApplyOutcome`], dump, stats and pruning.
-//! - [`ordered`]: [`OrderedIndex`] and its [`ShardSettings`].
+//! - [`ordered`]: [`OrderedIndex`], one shard's tree with its event ordering.
 //! - [`recovery`]: [`RecoveryNeed`], [`RecoveryToken`], [`RecoveryReason`].
 //! - [`approx`]: approximate mode (routing decisions with a TTL).
 //! - [`scores`]: [`OverlapScores`], the per-rank leading-block counts of one query.
@@ -36,7 +36,7 @@
 //! - [`inline`]: [`InlineIndexer`]; [`sharded`]: [`ShardedIndexer`]; `shard`
 //!   (private): one shard task and its biased loop; `facade` (private): [`Indexer`].
 //! - [`config`]: [`IndexerConfig`] ([`Backend`], [`Pruning`], [`IndexMode`], shard
-//!   count, queue capacities, recovery buffer).
+//!   count, queue capacities, recovery buffer) and the per-shard [`ShardSettings`].
 //! - [`counters`]: [`IndexerCounters`], lock-free counters the daemon exports.
 //! - [`stats`]: [`IndexerStats`] and [`IndexerReport`] (sizes, blocks per rank).
 //! - [`error`]: [`ApplyError`] (an event the tree refuses) and [`IndexerError`].
@@ -57,12 +57,12 @@ pub mod stats;
 pub mod tree;
 
 pub use api::IndexerApi;
-pub use config::{Backend, IndexMode, IndexerConfig, Pruning};
+pub use config::{Backend, IndexMode, IndexerConfig, Pruning, ShardSettings};
 pub use counters::{CountersSnapshot, IndexerCounters};
 pub use error::{ApplyError, IndexerError};
 pub use facade::Indexer;
 pub use inline::InlineIndexer;
-pub use ordered::{OrderedIndex, ShardSettings};
+pub use ordered::OrderedIndex;
 pub use recovery::{RecoveryNeed, RecoveryReason, RecoveryToken};
 pub use scores::OverlapScores;
 pub use sharded::ShardedIndexer;
