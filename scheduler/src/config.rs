@@ -133,18 +133,6 @@ impl PrefillDurationModel {
     }
 }
 
-/// Checks that a knob is finite and non-negative.
-pub(crate) fn check_non_negative(field: &'static str, value: f64) -> Result<(), SchedulerError> {
-    if value.is_finite() && value >= 0.0 {
-        Ok(())
-    } else {
-        Err(SchedulerError::InvalidConfig {
-            field,
-            reason: format!("must be finite and >= 0, got {value}"),
-        })
-    }
-}
-
 /// Serializes a [`Duration`] as whole milliseconds (a `u64`), for config files.
 pub mod duration_ms {
     use serde::{Deserialize, Deserializer, Serializer};
