@@ -17,7 +17,8 @@ use std::time::Duration;
 #[serde(default, deny_unknown_fields)]
 pub struct SchedulerConfig {
     /// The daemon's default policy; a request may override it per call.
-    /// Default: [`PolicyConfig::Kv`] with [`crate::KvPolicyConfig::default`].
+    /// Default: [`PolicyConfig::PredictedTtft`] with
+    /// [`crate::PredictedTtftConfig::default`] (see [`PolicyConfig::default`]).
     pub policy: PolicyConfig,
     /// How booked requests are counted and when they expire.
     pub sequences: SequencesConfig,

@@ -1,4 +1,5 @@
-//! `kv` (default): the KV-cache-aware cost of NVIDIA Dynamo's KV router.
+//! `kv`: the KV-cache-aware cost of NVIDIA Dynamo's KV router. (The default policy
+//! is `predicted-ttft`, see [`super::predicted_ttft`].)
 //!
 //! For a prompt of `request_blocks` blocks, each candidate rank gets, in blocks:
 //!

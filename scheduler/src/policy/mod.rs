@@ -3,16 +3,19 @@
 //!
 //! | policy | file | chooses |
 //! |---|---|---|
-//! | `kv` (default) | [`kv`] | lowest Dynamo-style cost: weighted prefill blocks + decode blocks |
+//! | `kv` | [`kv`] | lowest Dynamo-style cost: weighted prefill blocks + decode blocks |
 //! | `kv-normalized` | [`kv_normalized`] | lowest TensorRT-LLM ADP score, fair-share capped |
 //! | `cache-aware-threshold` | [`cache_aware`] | SGLang: balance if imbalanced, else best match over a threshold |
 //! | `round-robin`, `random`, `least-loaded` | [`baseline`] | baselines |
-//! | `predicted-ttft` | [`predicted_ttft`] | lowest predicted TTFT, with credit for reuse (found with `kv-mocker lab`) |
+//! | `predicted-ttft` (default) | [`predicted_ttft`] | lowest predicted TTFT, with credit for reuse (found with `kv-mocker lab`) |
 //!
 //! A policy sees only [`Candidate`]s — ranks that are registered, match a pinned
 //! dp_rank and are not busy — and returns the index of one. Selection is
 //! O(candidates); the selector reuses scratch buffers, so it does not allocate once
 //! warm. Adding a policy is a new file, a variant, and one arm in each match below.
+//! What the policy files share (the candidates, the choice, the knob check) is in
+//! `context.rs`, below this file and `config.rs`, so the policy files depend only
+//! downwards.
 
 pub mod baseline;
 pub mod cache_aware;
