@@ -137,8 +137,8 @@ impl IndexerConfig {
     }
 
     /// The settings of each shard's [`crate::OrderedIndex`].
-    pub fn shard_settings(&self) -> crate::ShardSettings {
-        crate::ShardSettings {
+    pub fn shard_settings(&self) -> ShardSettings {
+        ShardSettings {
             pruning: self.shard_pruning(),
             recovery_buffer_events: self.recovery_buffer_events,
         }
@@ -155,6 +155,26 @@ impl IndexerConfig {
                 max_entries: (max_entries / self.num_shards.max(1)).max(1),
                 target_percent,
             },
+        }
+    }
+}
+
+/// Per-shard settings of an [`crate::OrderedIndex`], derived from
+/// [`IndexerConfig::shard_settings`]. Defined here rather than next to the ordered
+/// index so that this module stays below it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShardSettings {
+    /// The tree's memory bound.
+    pub pruning: Pruning,
+    /// Events buffered per rank during a recovery before falling back to a dump.
+    pub recovery_buffer_events: usize,
+}
+
+impl Default for ShardSettings {
+    fn default() -> Self {
+        Self {
+            pruning: Pruning::Unbounded,
+            recovery_buffer_events: 8192,
         }
     }
 }

@@ -15,16 +15,17 @@
 //! entries). A background task expires approximate-mode entries. The comparison with
 //! the task-based design is in `docs/benchmarks.md`.
 
+use crate::api::{IndexerApi, NeedsSlot, join_snapshots, split_snapshot, take_needs};
 use crate::config::IndexerConfig;
 use crate::counters::IndexerCounters;
 use crate::error::IndexerError;
 use crate::ordered::OrderedIndex;
 use crate::recovery::{RecoveryNeed, RecoveryToken};
 use crate::scores::OverlapScores;
-use crate::sharded::{NeedsSlot, join_snapshots, split_snapshot, take_needs};
 use crate::stats::{IndexerReport, IndexerStats};
 use kv_events::recovery::{IndexSnapshot, RecoveryReply};
 use kv_events::{KvEventBatch, LocalBlockHash, WorkerId, WorkerRank};
+use std::future::Future;
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Duration;
 use tokio::sync::{Notify, mpsc};
@@ -33,9 +34,11 @@ use tokio_util::task::TaskTracker;
 
 /// Handle to N lock-protected shards; cheap to clone, every clone shares them.
 ///
-/// Same API and guarantees as [`crate::ShardedIndexer`] (per-worker order,
-/// read-your-writes, per-shard consistent queries, [`IndexerError::ShuttingDown`]
-/// after shutdown); see the module docs for how they are met.
+/// Its API and guarantees are [`IndexerApi`]'s, as for [`crate::ShardedIndexer`]
+/// (per-worker order, read-your-writes, per-shard consistent queries,
+/// [`IndexerError::ShuttingDown`] after shutdown); see the module docs for how they
+/// are met. Every write is applied in the caller, under its shard's write lock,
+/// before the call returns.
 #[derive(Debug, Clone)]
 pub struct InlineIndexer {
     inner: Arc<Inner>,
@@ -115,17 +118,6 @@ impl InlineIndexer {
         Ok(Self { inner })
     }
 
-    /// Number of shards.
-    pub fn num_shards(&self) -> usize {
-        self.inner.shards.len()
-    }
-
-    /// The shard owning `worker_id`: `worker_id % num_shards`.
-    pub fn shard_of(&self, worker_id: WorkerId) -> usize {
-        // The remainder is below `num_shards`, which is a usize, so it fits.
-        (worker_id.0 % self.inner.shards.len() as u64) as usize
-    }
-
     fn running(&self) -> Result<(), IndexerError> {
         if self.inner.shutdown.is_cancelled() {
             Err(IndexerError::ShuttingDown)
@@ -133,18 +125,18 @@ impl InlineIndexer {
             Ok(())
         }
     }
+}
 
-    /// See [`crate::ShardedIndexer::take_recovery_needs`].
-    pub fn take_recovery_needs(&self) -> Option<mpsc::UnboundedReceiver<RecoveryNeed>> {
+impl IndexerApi for InlineIndexer {
+    fn num_shards(&self) -> usize {
+        self.inner.shards.len()
+    }
+
+    fn take_recovery_needs(&self) -> Option<mpsc::UnboundedReceiver<RecoveryNeed>> {
         take_needs(&self.inner.needs)
     }
 
-    /// Applies a batch under the ordering rules (in the caller, under the shard's
-    /// write lock).
-    ///
-    /// # Errors
-    /// [`IndexerError::ShuttingDown`] after shutdown; the batch is not applied.
-    pub async fn apply(&self, batch: KvEventBatch) -> Result<(), IndexerError> {
+    async fn apply(&self, batch: KvEventBatch) -> Result<(), IndexerError> {
         self.running()?;
         let shard = self.shard_of(batch.worker_id);
         let needs = self.inner.write(shard).apply_batch(&batch);
@@ -152,11 +144,7 @@ impl InlineIndexer {
         Ok(())
     }
 
-    /// Drops every rank of `worker_id`.
-    ///
-    /// # Errors
-    /// [`IndexerError::ShuttingDown`] after shutdown.
-    pub async fn remove_worker(&self, worker_id: WorkerId) -> Result<(), IndexerError> {
+    async fn remove_worker(&self, worker_id: WorkerId) -> Result<(), IndexerError> {
         self.running()?;
         let shard = self.shard_of(worker_id);
         let outcome = self.inner.write(shard).remove_worker(worker_id);
@@ -164,11 +152,7 @@ impl InlineIndexer {
         Ok(())
     }
 
-    /// See [`crate::ShardedIndexer::apply_recovered`].
-    ///
-    /// # Errors
-    /// [`IndexerError::ShuttingDown`] after shutdown.
-    pub async fn apply_recovered(
+    async fn apply_recovered(
         &self,
         rank: WorkerRank,
         token: RecoveryToken,
@@ -181,11 +165,7 @@ impl InlineIndexer {
         Ok(())
     }
 
-    /// See [`crate::ShardedIndexer::abandon_recovery`].
-    ///
-    /// # Errors
-    /// [`IndexerError::ShuttingDown`] after shutdown.
-    pub async fn abandon_recovery(
+    async fn abandon_recovery(
         &self,
         rank: WorkerRank,
         token: RecoveryToken,
@@ -197,11 +177,7 @@ impl InlineIndexer {
         Ok(())
     }
 
-    /// See [`crate::ShardedIndexer::resync`].
-    ///
-    /// # Errors
-    /// [`IndexerError::ShuttingDown`] after shutdown.
-    pub async fn resync(&self, rank: WorkerRank) -> Result<(), IndexerError> {
+    async fn resync(&self, rank: WorkerRank) -> Result<(), IndexerError> {
         self.running()?;
         let shard = self.shard_of(rank.worker_id);
         let need = self.inner.write(shard).resync(rank);
@@ -209,32 +185,26 @@ impl InlineIndexer {
         Ok(())
     }
 
-    /// See [`crate::ShardedIndexer::insert_routed`].
-    ///
-    /// # Errors
-    /// [`IndexerError::ShuttingDown`] after shutdown.
-    pub async fn insert_routed(
+    fn insert_routed(
         &self,
         rank: WorkerRank,
         hashes: impl Into<Arc<[LocalBlockHash]>>,
         ttl: Duration,
-    ) -> Result<(), IndexerError> {
-        self.running()?;
-        let expires_at = tokio::time::Instant::now().into_std() + ttl;
+    ) -> impl Future<Output = Result<(), IndexerError>> + Send {
         let hashes = hashes.into();
-        let shard = self.shard_of(rank.worker_id);
-        self.inner
-            .write(shard)
-            .insert_routed(rank, &hashes, expires_at);
-        self.inner.expiry_changed.notify_one();
-        Ok(())
+        async move {
+            self.running()?;
+            let expires_at = tokio::time::Instant::now().into_std() + ttl;
+            let shard = self.shard_of(rank.worker_id);
+            self.inner
+                .write(shard)
+                .insert_routed(rank, &hashes, expires_at);
+            self.inner.expiry_changed.notify_one();
+            Ok(())
+        }
     }
 
-    /// See [`crate::ShardedIndexer::restore`].
-    ///
-    /// # Errors
-    /// [`IndexerError::ShuttingDown`] after shutdown.
-    pub async fn restore(&self, snapshot: IndexSnapshot) -> Result<(), IndexerError> {
+    async fn restore(&self, snapshot: IndexSnapshot) -> Result<(), IndexerError> {
         self.running()?;
         let parts = split_snapshot(snapshot, self.num_shards(), |w| self.shard_of(w));
         for (shard, part) in parts.iter().enumerate() {
@@ -243,29 +213,22 @@ impl InlineIndexer {
         Ok(())
     }
 
-    /// Scores every worker rank by the leading blocks of `hashes` it holds, reading
-    /// every shard in turn.
-    ///
-    /// # Errors
-    /// [`IndexerError::ShuttingDown`] after shutdown.
-    pub async fn find_matches(
+    fn find_matches(
         &self,
         hashes: impl Into<Arc<[LocalBlockHash]>>,
-    ) -> Result<OverlapScores, IndexerError> {
-        self.running()?;
+    ) -> impl Future<Output = Result<OverlapScores, IndexerError>> + Send {
         let hashes = hashes.into();
-        let mut scores = OverlapScores::new();
-        for shard in 0..self.num_shards() {
-            scores.merge(self.inner.read(shard).find_matches(&hashes));
+        async move {
+            self.running()?;
+            let mut scores = OverlapScores::new();
+            for shard in 0..self.num_shards() {
+                scores.merge(self.inner.read(shard).find_matches(&hashes));
+            }
+            Ok(scores)
         }
-        Ok(scores)
     }
 
-    /// See [`crate::ShardedIndexer::dump`].
-    ///
-    /// # Errors
-    /// [`IndexerError::ShuttingDown`] after shutdown.
-    pub async fn dump(&self) -> Result<Vec<KvEventBatch>, IndexerError> {
+    async fn dump(&self) -> Result<Vec<KvEventBatch>, IndexerError> {
         self.running()?;
         let mut batches = Vec::new();
         for shard in 0..self.num_shards() {
@@ -275,22 +238,14 @@ impl InlineIndexer {
         Ok(batches)
     }
 
-    /// See [`crate::ShardedIndexer::snapshot`].
-    ///
-    /// # Errors
-    /// [`IndexerError::ShuttingDown`] after shutdown.
-    pub async fn snapshot(&self) -> Result<IndexSnapshot, IndexerError> {
+    async fn snapshot(&self) -> Result<IndexSnapshot, IndexerError> {
         self.running()?;
         Ok(join_snapshots(
             (0..self.num_shards()).map(|shard| self.inner.read(shard).snapshot()),
         ))
     }
 
-    /// See [`crate::ShardedIndexer::stats`].
-    ///
-    /// # Errors
-    /// [`IndexerError::ShuttingDown`] after shutdown.
-    pub async fn stats(&self) -> Result<IndexerStats, IndexerError> {
+    async fn stats(&self) -> Result<IndexerStats, IndexerError> {
         self.running()?;
         let mut total = IndexerStats::default();
         for shard in 0..self.num_shards() {
@@ -299,11 +254,7 @@ impl InlineIndexer {
         Ok(total)
     }
 
-    /// See [`crate::ShardedIndexer::report`].
-    ///
-    /// # Errors
-    /// [`IndexerError::ShuttingDown`] after shutdown.
-    pub async fn report(&self) -> Result<IndexerReport, IndexerError> {
+    async fn report(&self) -> Result<IndexerReport, IndexerError> {
         self.running()?;
         let mut total = IndexerReport::default();
         for shard in 0..self.num_shards() {
@@ -312,23 +263,19 @@ impl InlineIndexer {
         Ok(total)
     }
 
-    /// Counters of applied, skipped, rejected and recovered events.
-    pub fn counters(&self) -> &IndexerCounters {
+    fn counters(&self) -> &IndexerCounters {
         &self.inner.counters
     }
 
-    /// Always 0: events are applied by the caller, nothing queues.
-    pub fn queued_events(&self) -> usize {
+    fn queued_events(&self) -> usize {
         0
     }
 
-    /// Stops the indexer (cancels its child token).
-    pub fn shutdown(&self) {
+    fn shutdown(&self) {
         self.inner.shutdown.cancel();
     }
 
-    /// Resolves once the expiry task has ended (after shutdown).
-    pub async fn closed(&self) {
+    async fn closed(&self) {
         self.inner.tracker.wait().await;
     }
 }

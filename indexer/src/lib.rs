@@ -16,28 +16,32 @@
 //!   event cursors (duplicates dropped, gaps buffered and recovered, restarted
 //!   publishers reset), approximate-mode TTL entries and snapshots. It does no I/O:
 //!   it emits [`RecoveryNeed`]s and takes their replies back.
-//! - Two concurrent fronts with one API, behind [`Indexer`]: [`InlineIndexer`]
+//! - Two concurrent fronts with one API, the [`IndexerApi`] trait: [`InlineIndexer`]
 //!   (default; shards behind read-write locks, read in place by queries) and
 //!   [`ShardedIndexer`] (shard tasks behind channels, queries fan out). Both give a
-//!   caller's own earlier events to its later queries.
+//!   caller's own earlier events to its later queries. [`Indexer`] implements the
+//!   same trait by forwarding to the one the config names.
 //!
 //! `indexer/README.md` draws the data flow and states the ordering, recovery and
 //! consistency rules; `docs/benchmarks.md` has the measurements.
 //!
 //! # Layout
 //! - [`tree`]: [`RadixTree`], its [`ApplyOutcome`], dump, stats and pruning.
-//! - [`ordered`]: [`OrderedIndex`] and its [`ShardSettings`].
+//! - [`ordered`]: [`OrderedIndex`], one shard's tree with its event ordering.
 //! - [`recovery`]: [`RecoveryNeed`], [`RecoveryToken`], [`RecoveryReason`].
 //! - [`approx`]: approximate mode (routing decisions with a TTL).
 //! - [`scores`]: [`OverlapScores`], the per-rank leading-block counts of one query.
+//! - `api` (private): [`IndexerApi`], the calls and guarantees of a running indexer,
+//!   and the snapshot helpers both fronts share.
 //! - [`inline`]: [`InlineIndexer`]; [`sharded`]: [`ShardedIndexer`]; `shard`
 //!   (private): one shard task and its biased loop; `facade` (private): [`Indexer`].
 //! - [`config`]: [`IndexerConfig`] ([`Backend`], [`Pruning`], [`IndexMode`], shard
-//!   count, queue capacities, recovery buffer).
+//!   count, queue capacities, recovery buffer) and the per-shard [`ShardSettings`].
 //! - [`counters`]: [`IndexerCounters`], lock-free counters the daemon exports.
 //! - [`stats`]: [`IndexerStats`] and [`IndexerReport`] (sizes, blocks per rank).
 //! - [`error`]: [`ApplyError`] (an event the tree refuses) and [`IndexerError`].
 
+mod api;
 pub mod approx;
 pub mod config;
 pub mod counters;
@@ -52,12 +56,13 @@ pub mod sharded;
 pub mod stats;
 pub mod tree;
 
-pub use config::{Backend, IndexMode, IndexerConfig, Pruning};
+pub use api::IndexerApi;
+pub use config::{Backend, IndexMode, IndexerConfig, Pruning, ShardSettings};
 pub use counters::{CountersSnapshot, IndexerCounters};
 pub use error::{ApplyError, IndexerError};
-pub use facade::{Indexer, Running};
+pub use facade::Indexer;
 pub use inline::InlineIndexer;
-pub use ordered::{OrderedIndex, ShardSettings};
+pub use ordered::OrderedIndex;
 pub use recovery::{RecoveryNeed, RecoveryReason, RecoveryToken};
 pub use scores::OverlapScores;
 pub use sharded::ShardedIndexer;

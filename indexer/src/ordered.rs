@@ -30,7 +30,7 @@
 mod replies;
 
 use crate::approx::{ExpiryQueue, approximate_block_hash};
-use crate::config::Pruning;
+pub use crate::config::ShardSettings;
 use crate::counters::{Counter, IndexerCounters};
 use crate::error::ApplyError;
 use crate::recovery::{RecoveryNeed, RecoveryReason, RecoveryToken};
@@ -47,25 +47,6 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 use tracing::{info, warn};
-
-/// Per-shard settings of an [`OrderedIndex`], derived from
-/// [`crate::IndexerConfig::shard_settings`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ShardSettings {
-    /// The tree's memory bound.
-    pub pruning: Pruning,
-    /// Events buffered per rank during a recovery before falling back to a dump.
-    pub recovery_buffer_events: usize,
-}
-
-impl Default for ShardSettings {
-    fn default() -> Self {
-        Self {
-            pruning: Pruning::Unbounded,
-            recovery_buffer_events: 8192,
-        }
-    }
-}
 
 /// The ordering state of one worker rank.
 #[derive(Debug)]

@@ -9,7 +9,7 @@
 use kv_events::{WorkerId, WorkerRank};
 use std::ops::AddAssign;
 
-/// Sizes of an index. Summed over shards by [`crate::ShardedIndexer::stats`].
+/// Sizes of an index. Summed over shards by [`crate::IndexerApi::stats`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct IndexerStats {
     /// Live tree nodes (one per distinct block position), the root not counted.

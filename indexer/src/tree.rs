@@ -43,7 +43,8 @@ use kv_events::{
     ExternalBlockHash, KvCacheEvent, KvCacheEventData, LocalBlockHash, StoredBlock, WorkerId,
     WorkerRank,
 };
-use ranks::{BlockRef, RankIdx, RankState, RankTable};
+use ranks::{BlockRef, RankState, RankTable};
+use rankset::RankIdx;
 use std::ops::AddAssign;
 use std::sync::atomic::{AtomicU32, Ordering};
 

@@ -11,7 +11,7 @@
 mod common;
 
 use common::{Numbering, batch, chain, q, removed, stored, wr};
-use indexer::{Backend, CountersSnapshot, IndexerConfig, IndexerError, ShardedIndexer};
+use indexer::{Backend, CountersSnapshot, IndexerApi, IndexerConfig, IndexerError, ShardedIndexer};
 use kv_events::WorkerId;
 use tokio_util::sync::CancellationToken;
 

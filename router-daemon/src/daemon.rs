@@ -41,6 +41,7 @@ use crate::state::RouterState;
 use crate::{discovery, intake, route};
 use anyhow::Context;
 use indexer::Indexer;
+use indexer::IndexerApi as _;
 use scheduler::Scheduler;
 use std::future::Future;
 use std::net::SocketAddr;

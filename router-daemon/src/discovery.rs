@@ -22,6 +22,7 @@ use crate::directory::DirectoryEntry;
 use crate::state::RouterState;
 use anyhow::Context;
 use etcd_client::{Client, ConnectOptions, EventType, GetOptions, WatchOptions};
+use indexer::IndexerApi as _;
 use kv_events::WorkerId;
 use kv_events::discovery::WorkerRegistration;
 use std::collections::BTreeMap;

@@ -23,6 +23,7 @@ use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Json, Response};
 use axum::routing::get as get_route;
+use indexer::IndexerApi as _;
 use kv_events::LoadMetrics;
 use serde::Serialize;
 use std::net::SocketAddr;

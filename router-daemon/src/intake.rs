@@ -9,6 +9,7 @@
 use crate::counters::{MessageKind, Outcome};
 use crate::state::RouterState;
 use futures::StreamExt;
+use indexer::IndexerApi as _;
 use kv_events::{KvEventBatch, LoadMetrics, Subjects, decode};
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;

@@ -11,6 +11,7 @@ use crate::counters::{MessageKind, Outcome};
 use crate::queue::QueueError;
 use crate::state::RouterState;
 use futures::StreamExt;
+use indexer::IndexerApi as _;
 use kv_events::routing::{
     Prompt, RouteDecision, RouteError, RouteErrorCode, RouteReply, RouteRequest,
 };

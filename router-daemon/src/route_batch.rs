@@ -17,6 +17,7 @@ use crate::counters::{MessageKind, Outcome};
 use crate::route::{admit_error, error, routed, schedule_request};
 use crate::state::RouterState;
 use futures::future::join_all;
+use indexer::IndexerApi as _;
 use kv_events::decode;
 use kv_events::routing::{
     RouteBatchReply, RouteBatchRequest, RouteError, RouteErrorCode, RouteReply,

@@ -2,6 +2,7 @@
 //! etcd is needed to check what `/metrics`, `/health/*` and `/debug/workers` report.
 //! Messages are built as JSON values and msgpack-encoded, as a non-Rust client would.
 
+use indexer::IndexerApi as _;
 use kv_events::discovery::WorkerRegistration;
 use kv_events::{WorkerId, decode, encode};
 use router_daemon::config::{DaemonConfig, ServeArgs};

@@ -17,7 +17,8 @@ use std::time::Duration;
 #[serde(default, deny_unknown_fields)]
 pub struct SchedulerConfig {
     /// The daemon's default policy; a request may override it per call.
-    /// Default: [`PolicyConfig::Kv`] with [`crate::KvPolicyConfig::default`].
+    /// Default: [`PolicyConfig::PredictedTtft`] with
+    /// [`crate::PredictedTtftConfig::default`] (see [`PolicyConfig::default`]).
     pub policy: PolicyConfig,
     /// How booked requests are counted and when they expire.
     pub sequences: SequencesConfig,
@@ -130,18 +131,6 @@ impl PrefillDurationModel {
                 }
             }
         }
-    }
-}
-
-/// Checks that a knob is finite and non-negative.
-pub(crate) fn check_non_negative(field: &'static str, value: f64) -> Result<(), SchedulerError> {
-    if value.is_finite() && value >= 0.0 {
-        Ok(())
-    } else {
-        Err(SchedulerError::InvalidConfig {
-            field,
-            reason: format!("must be finite and >= 0, got {value}"),
-        })
     }
 }
 

@@ -15,6 +15,7 @@ use anyhow::Context;
 
 pub mod child_daemon;
 use etcd_client::{Client as Etcd, PutOptions};
+use indexer::IndexerApi as _;
 use kv_events::discovery::WorkerRegistration;
 use kv_events::routing::{
     LifecycleEvent, LifecycleMessage, Prompt, RouteBatchReply, RouteBatchRequest, RouteReply,

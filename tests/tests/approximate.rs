@@ -2,6 +2,7 @@
 //! indexes its own routing decisions, so a repeated prefix goes back to the worker
 //! it was routed to, with its overlap counted.
 
+use indexer::IndexerApi as _;
 use integration_tests::{FakeWorker, TestCluster};
 use kv_events::WorkerId;
 use kv_events::routing::RouteReply;

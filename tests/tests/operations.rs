@@ -9,6 +9,7 @@ mod fixture;
 mod journal_worker;
 
 use fixture::{Fixture, WAIT, http, metric, prompt, readyz};
+use indexer::IndexerApi as _;
 use integration_tests::{TestCluster, eventually};
 use journal_worker::{JournalWorker, chain_from_root, held_paths, router_paths};
 use kv_events::DpRank;

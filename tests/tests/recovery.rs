@@ -8,6 +8,7 @@
 
 mod journal_worker;
 
+use indexer::IndexerApi as _;
 use integration_tests::{TestCluster, eventually};
 use journal_worker::{JournalWorker, chain_from_root, held_paths, router_paths};
 use kv_events::routing::RouteReply;

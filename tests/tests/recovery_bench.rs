@@ -11,6 +11,7 @@
 
 mod journal_worker;
 
+use indexer::IndexerApi as _;
 use integration_tests::{TestCluster, eventually};
 use journal_worker::JournalWorker;
 use kv_events::{DpRank, ExternalBlockHash, KvCacheEventData, LocalBlockHash, StoredBlock};

@@ -5,6 +5,7 @@
 mod journal_worker;
 
 use futures::StreamExt;
+use indexer::IndexerApi as _;
 use integration_tests::TestCluster;
 use journal_worker::{held_paths, router_paths_of};
 use kv_events::recovery::{ChunkAssembler, RecoveryChunk, RecoveryRequest};

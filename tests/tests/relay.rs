@@ -12,6 +12,7 @@
 
 use bytes::Bytes;
 use futures::StreamExt;
+use indexer::IndexerApi as _;
 use integration_tests::{FakeWorker, TestCluster, eventually};
 use kv_events::engines::{AdapterScope, HashScope};
 use kv_events::recovery::{ChunkAssembler, RecoveryBody, RecoveryRequest};

@@ -4,6 +4,7 @@
 //! each replica sees only its own half. A replica that starts late learns the
 //! bookings its peers already hold from the start-up snapshot.
 
+use indexer::IndexerApi as _;
 use integration_tests::{FakeWorker, TestCluster, eventually};
 use kv_events::replicas::{BookedSequence, SequenceSync, SequenceUpdate};
 use kv_events::routing::{LifecycleEvent, LifecycleMessage, PolicyKind, RouteReply};

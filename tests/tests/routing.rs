@@ -2,6 +2,7 @@
 //! frontend played by the test over the real wire protocol.
 
 use anyhow::Context;
+use indexer::IndexerApi as _;
 use integration_tests::{FakeWorker, TestCluster, eventually};
 use kv_events::routing::{RouteErrorCode, RouteReply};
 use kv_events::{WorkerId, WorkerRank, encode};

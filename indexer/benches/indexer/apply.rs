@@ -3,7 +3,8 @@
 use crate::workload::{Shape, Workload, build};
 use crate::{Scale, rss_bytes};
 use indexer::{
-    Backend, IndexerConfig, InlineIndexer, OrderedIndex, RadixTree, ShardSettings, ShardedIndexer,
+    Backend, IndexerApi, IndexerConfig, InlineIndexer, OrderedIndex, RadixTree, ShardSettings,
+    ShardedIndexer,
 };
 use std::sync::Arc;
 use std::time::Instant;

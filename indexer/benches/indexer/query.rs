@@ -3,7 +3,7 @@
 
 use crate::workload::{Rng, Shape, build};
 use crate::{Scale, percentiles};
-use indexer::{Backend, Indexer, IndexerConfig, RadixTree};
+use indexer::{Backend, Indexer, IndexerApi, IndexerConfig, RadixTree};
 use kv_events::{
     DpRank, ExternalBlockHash, KvCacheEvent, KvCacheEventData, KvEventBatch, LocalBlockHash,
     StoredBlock, WorkerId,

@@ -18,8 +18,7 @@
 //! after the slot was reused (see `tree/prune.rs`). Generations live in a side vector:
 //! they are only read when a rank has pruned entries.
 
-use super::ranks::RankIdx;
-use super::rankset::RankSet;
+use super::rankset::{RankIdx, RankSet};
 use kv_events::LocalBlockHash;
 use rustc_hash::FxHashMap;
 use std::sync::atomic::{AtomicU32, Ordering};

@@ -27,7 +27,7 @@
 
 use super::RadixTree;
 use super::arena::NodeIdx;
-use super::ranks::RankIdx;
+use super::rankset::RankIdx;
 use crate::config::Pruning;
 
 impl RadixTree {

@@ -8,12 +8,9 @@
 //! stays as large as the number of live ranks ever seen at once.
 
 use super::arena::NodeIdx;
+use super::rankset::RankIdx;
 use kv_events::{ExternalBlockHash, WorkerId, WorkerRank};
 use rustc_hash::FxHashMap;
-
-/// Interned index of a [`WorkerRank`] inside one tree.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub(crate) struct RankIdx(pub(crate) u32);
 
 /// A rank's reference to the node of one of its blocks: the slot and the slot's
 /// generation when the reference was made. The reference is stale (the block was

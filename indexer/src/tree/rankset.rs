@@ -7,7 +7,11 @@
 //! is 16 bytes (the box keeps it small: most nodes are held by one rank) and
 //! allocates nothing for zero or one holder.
 
-use super::ranks::RankIdx;
+/// Interned index of a [`kv_events::WorkerRank`] inside one tree (assigned by
+/// `RankTable`, in `tree/ranks.rs`). Defined here, below both the arena and the rank
+/// table, because holder sets are made of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub(crate) struct RankIdx(pub(crate) u32);
 
 /// A sorted set of interned worker ranks.
 ///

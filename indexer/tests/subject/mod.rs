@@ -1,11 +1,14 @@
-//! One adapter over every indexer implementation, for the contract suites.
+//! One adapter over every indexer implementation, for the contract suites. The
+//! running fronts are driven only through the [`IndexerApi`] trait: each async
+//! subject is an [`Indexer`] spawned with one [`Backend`], whose `IndexerApi`
+//! implementation forwards to that backend's (`InlineIndexer` or `ShardedIndexer`).
 
 #![allow(dead_code)] // each test binary uses a different subset
 
 use crate::common::{Numbering, q};
 use indexer::{
-    Backend, Indexer, IndexerConfig, IndexerReport, OrderedIndex, Pruning, RadixTree, RecoveryNeed,
-    ShardSettings,
+    Backend, Indexer, IndexerApi, IndexerConfig, IndexerReport, OrderedIndex, Pruning, RadixTree,
+    RecoveryNeed, ShardSettings,
 };
 use kv_events::recovery::{IndexSnapshot, RecoveryReply};
 use kv_events::{KvEventBatch, LocalBlockHash, WorkerId, WorkerRank};
@@ -20,7 +23,7 @@ pub enum Kind {
     Tree(RadixTree),
     /// The synchronous ordered index.
     Ordered(OrderedIndex),
-    /// A running backend, with its recovery needs.
+    /// A running backend, driven through [`IndexerApi`], with its recovery needs.
     Async(Indexer, mpsc::UnboundedReceiver<RecoveryNeed>),
 }
 

@@ -24,6 +24,7 @@ use crate::durability::JetStreamConfig;
 use crate::state::RouterState;
 use async_nats::jetstream::{self, consumer, object_store, stream};
 use futures::StreamExt;
+use indexer::IndexerApi as _;
 use kv_events::Subjects;
 use kv_events::recovery::IndexSnapshot;
 use serde::{Deserialize, Serialize};

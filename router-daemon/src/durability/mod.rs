@@ -21,6 +21,7 @@ use crate::config::ConfigError;
 use crate::state::RouterState;
 use anyhow::Context;
 use clap::{Args, ValueEnum};
+use indexer::IndexerApi as _;
 use indexer::{Backend, IndexMode, IndexerConfig, Pruning};
 use kv_events::Subjects;
 use std::sync::Arc;

@@ -25,6 +25,7 @@
 use crate::durability::RecoveryConfig;
 use crate::state::RouterState;
 use futures::StreamExt;
+use indexer::IndexerApi as _;
 use indexer::{RecoveryNeed, RecoveryToken};
 use kv_events::WorkerRank;
 use kv_events::recovery::{

@@ -33,6 +33,7 @@ pub use load::{QueueMetrics, WorkerLoadMetrics};
 pub use route::RouteMetrics;
 
 use crate::state::RouterState;
+use indexer::IndexerApi as _;
 use kv_events::WorkerRank;
 use prometheus::core::Collector;
 use prometheus::{

@@ -3,32 +3,35 @@
 //!
 //! | policy | file | chooses |
 //! |---|---|---|
-//! | `kv` (default) | [`kv`] | lowest Dynamo-style cost: weighted prefill blocks + decode blocks |
+//! | `kv` | [`kv`] | lowest Dynamo-style cost: weighted prefill blocks + decode blocks |
 //! | `kv-normalized` | [`kv_normalized`] | lowest TensorRT-LLM ADP score, fair-share capped |
 //! | `cache-aware-threshold` | [`cache_aware`] | SGLang: balance if imbalanced, else best match over a threshold |
 //! | `round-robin`, `random`, `least-loaded` | [`baseline`] | baselines |
-//! | `predicted-ttft` | [`predicted_ttft`] | lowest predicted TTFT, with credit for reuse (found with `kv-mocker lab`) |
+//! | `predicted-ttft` (default) | [`predicted_ttft`] | lowest predicted TTFT, with credit for reuse (found with `kv-mocker lab`) |
 //!
 //! A policy sees only [`Candidate`]s — ranks that are registered, match a pinned
 //! dp_rank and are not busy — and returns the index of one. Selection is
 //! O(candidates); the selector reuses scratch buffers, so it does not allocate once
 //! warm. Adding a policy is a new file, a variant, and one arm in each match below.
+//! What the policy files share (the candidates, the choice, the knob check) is in
+//! `context.rs`, below this file and `config.rs`, so the policy files depend only
+//! downwards.
 
 pub mod baseline;
 pub mod cache_aware;
+mod context;
 pub mod kv;
 pub mod kv_normalized;
 pub mod predicted_ttft;
 pub mod sampling;
 
 pub use cache_aware::CacheAwareThresholdConfig;
+pub use context::{Candidate, Choice, SelectContext};
 pub use kv::KvPolicyConfig;
 pub use kv_normalized::KvNormalizedConfig;
 pub use predicted_ttft::PredictedTtftConfig;
 
 use crate::error::SchedulerError;
-use crate::request::RequestShape;
-use crate::sequences::RankLoad;
 use kv_events::WorkerRank;
 use kv_events::routing::{CostOverrides, PolicyKind};
 use rand::rngs::StdRng;
@@ -180,42 +183,6 @@ fn set(field: &'static str, knob: &mut f64, value: Option<f64>) -> Result<(), Sc
     Ok(())
 }
 
-/// One eligible rank as a policy sees it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Candidate {
-    /// The (worker, dp_rank).
-    pub rank: WorkerRank,
-    /// Leading prompt blocks already cached there (prefix match), in blocks, at most
-    /// the request's blocks.
-    pub overlap_blocks: u32,
-    /// The rank's load projection now.
-    pub load: RankLoad,
-    /// Decode blocks this request would add there, in blocks: its blocks minus those
-    /// already held by active requests with the same prefix (when KV reuse is assumed).
-    pub new_blocks: u32,
-}
-
-/// What a policy decides on.
-#[derive(Debug, Clone, Copy)]
-pub struct SelectContext<'a> {
-    /// The request's size.
-    pub request: RequestShape,
-    /// The eligible ranks, sorted by rank.
-    pub candidates: &'a [Candidate],
-    /// Requests of the current batch still to place, this one included (1 outside a
-    /// batch); `kv-normalized` sizes its fair share with it.
-    pub batch_remaining: usize,
-}
-
-/// The outcome of a selection.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Choice {
-    /// Index of the chosen candidate.
-    pub index: usize,
-    /// The chosen candidate's cost or score; `None` for cost-free policies.
-    pub cost: Option<f64>,
-}
-
 /// Stateful selector: owns the RNG, the round-robin cursor and scratch buffers.
 #[derive(Debug, Clone)]
 pub struct Selector {
@@ -282,6 +249,8 @@ impl Selector {
 pub(crate) mod test_support {
     //! Candidate builders shared by the policy tests.
     use super::*;
+    use crate::request::RequestShape;
+    use crate::sequences::RankLoad;
     use kv_events::{DpRank, WorkerId};
     use rand::SeedableRng;
 

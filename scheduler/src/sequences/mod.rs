@@ -20,8 +20,10 @@
 //! with KV reuse) and one aggregate per busy rank; each event is O(log n + blocks);
 //! removing a worker scans the active requests once.
 
+mod load;
 mod rank;
 
+pub use load::{PrefillLoadHint, RankLoad};
 pub use rank::chain_block_ids;
 
 use crate::config::SequencesConfig;
@@ -29,18 +31,7 @@ use crate::error::SchedulerError;
 use kv_events::{LocalBlockHash, RequestId, RouterId, WorkerId, WorkerRank};
 use rank::RankSequences;
 use std::collections::{BTreeMap, HashMap};
-use std::time::{Duration, Instant};
-
-/// The prefill load a booking adds, computed once by the caller at routing time.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct PrefillLoadHint {
-    /// Prompt tokens the rank must prefill (not cached there), in tokens.
-    pub initial_effective_prefill_tokens: u64,
-    /// How long that prefill should take; with a value, the load decays linearly to
-    /// 0 over it once the request is the rank's oldest in-flight prefill. `None`: the
-    /// load stays until `MarkPrefillCompleted`.
-    pub expected_prefill_duration: Option<Duration>,
-}
+use std::time::Instant;
 
 /// Who booked a request: this router, or a peer replica (learned by sequence sync).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -80,26 +71,6 @@ pub enum SequenceEvent {
     KeepAlive(RequestId),
     /// The request ended; release everything.
     Free(RequestId),
-}
-
-/// The derived load of one (worker, dp_rank) at a moment.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct RankLoad {
-    /// In-flight prefill tokens, the oldest decayed, in tokens (cached prefix tokens
-    /// are excluded at booking).
-    pub active_prefill_tokens: u64,
-    /// KV blocks held by booked requests until they are freed, in blocks; with KV
-    /// reuse, a prefix shared by several requests counts once.
-    pub active_decode_blocks: u64,
-    /// Requests booked here and not yet freed.
-    pub active_requests: usize,
-    /// Σ uncached prompt tokens of every active request here, prefilling or decoding,
-    /// in tokens (TensorRT-LLM's per-rank "active tokens"); does not decay.
-    pub active_uncached_tokens: u64,
-    /// Σ KV blocks of every active request, a prefix shared by several requests
-    /// counted once per request, in blocks: the context that decode attention reads
-    /// for each running sequence in every step.
-    pub active_context_blocks: u64,
 }
 
 /// One booked request.

@@ -4,6 +4,7 @@ use super::*;
 use kv_events::DpRank;
 use proptest::prelude::*;
 use std::collections::HashSet;
+use std::time::Duration;
 
 fn rank(id: u64, dp: u32) -> WorkerRank {
     WorkerRank::new(WorkerId(id), DpRank(dp))

@@ -4,6 +4,7 @@
 #![allow(dead_code)] // each test binary uses a different subset
 
 use futures::StreamExt;
+use indexer::IndexerApi as _;
 use integration_tests::TestCluster;
 use kv_events::discovery::WorkerRegistration;
 use kv_events::journal::{EventJournal, JournalConfig, unix_epoch_micros};

@@ -1,0 +1,59 @@
+//! What every policy file shares: the [`Candidate`]s and [`SelectContext`] a policy
+//! decides on, the [`Choice`] it returns, and the check of a non-negative knob.
+//!
+//! These sit in their own file, below `policy/mod.rs` (which dispatches to every
+//! policy file) and below `config.rs` (which holds the policy config), so that each
+//! policy file depends only downwards and no two files import each other.
+
+use crate::error::SchedulerError;
+use crate::request::RequestShape;
+use crate::sequences::RankLoad;
+use kv_events::WorkerRank;
+
+/// One eligible rank as a policy sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Candidate {
+    /// The (worker, dp_rank).
+    pub rank: WorkerRank,
+    /// Leading prompt blocks already cached there (prefix match), in blocks, at most
+    /// the request's blocks.
+    pub overlap_blocks: u32,
+    /// The rank's load projection now.
+    pub load: RankLoad,
+    /// Decode blocks this request would add there, in blocks: its blocks minus those
+    /// already held by active requests with the same prefix (when KV reuse is assumed).
+    pub new_blocks: u32,
+}
+
+/// What a policy decides on.
+#[derive(Debug, Clone, Copy)]
+pub struct SelectContext<'a> {
+    /// The request's size.
+    pub request: RequestShape,
+    /// The eligible ranks, sorted by rank.
+    pub candidates: &'a [Candidate],
+    /// Requests of the current batch still to place, this one included (1 outside a
+    /// batch); `kv-normalized` sizes its fair share with it.
+    pub batch_remaining: usize,
+}
+
+/// The outcome of a selection.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Choice {
+    /// Index of the chosen candidate.
+    pub index: usize,
+    /// The chosen candidate's cost or score; `None` for cost-free policies.
+    pub cost: Option<f64>,
+}
+
+/// Checks that a knob is finite and non-negative.
+pub(crate) fn check_non_negative(field: &'static str, value: f64) -> Result<(), SchedulerError> {
+    if value.is_finite() && value >= 0.0 {
+        Ok(())
+    } else {
+        Err(SchedulerError::InvalidConfig {
+            field,
+            reason: format!("must be finite and >= 0, got {value}"),
+        })
+    }
+}

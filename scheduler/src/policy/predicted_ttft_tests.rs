@@ -1,0 +1,169 @@
+//! Tests of the `predicted-ttft` policy (`predicted_ttft::tests`). They drive it through
+//! [`super::super::Selector`], so they live in their own file: `predicted_ttft.rs` itself then
+//! imports nothing from `policy/mod.rs`, which imports it.
+
+use super::super::PolicyConfig;
+use super::super::test_support::*;
+use super::*;
+use crate::sequences::RankLoad;
+
+/// Round numbers: 10 ms per step, 0.1 ms per prefill token, 1 ms per decoding
+/// sequence, 0.001 ms per KV token read, 1,000 tokens per step.
+fn config(base: f64, balanced: f64, backlog: f64, in_flight: bool) -> PredictedTtftConfig {
+    PredictedTtftConfig {
+        timing: StepTimeModel {
+            step_base_ms: 10.0,
+            prefill_ms_per_token: 0.1,
+            decode_ms_per_seq: 1.0,
+            kv_read_ms_per_token: 0.001,
+            max_num_batched_tokens: 1_000,
+        },
+        credit: ReuseCredit {
+            base,
+            balanced,
+            backlog,
+            in_flight,
+            min_match_ratio: 0.0,
+        },
+    }
+}
+
+fn with_pending(mut c: Candidate, tokens: u64) -> Candidate {
+    c.load = RankLoad {
+        active_prefill_tokens: tokens,
+        ..c.load
+    };
+    c
+}
+
+fn with_context(mut c: Candidate, blocks: u64) -> Candidate {
+    c.load.active_context_blocks = blocks;
+    c
+}
+
+#[test]
+fn cost_matches_hand_computation() {
+    // 640 tokens in 10 blocks of 64; 4 blocks cached; 1,500 tokens in flight; 2
+    // requests holding 10 blocks of context; no in-flight overlap (all 10 blocks
+    // new).
+    let req = shape(10, 640, 64);
+    let c = with_context(with_pending(cand(1, 4, 10, 2, 10), 1_500), 10);
+    let cfg = config(1.0, 0.0, 0.0, true);
+    // 1500 + 640 − 256 = 1884 tokens: 2 steps of 10 + 2 + 0.64 ms, 188.4 ms prefill.
+    let cost = predicted_ttft_cost(&cfg, &req, &c, 0);
+    assert!((cost - (188.4 + 2.0 * 12.64)).abs() < 1e-9, "{cost}");
+    // Credit 3 on the 256 cached tokens: 0.1 × 2 × 256 = 51.2 ms cheaper.
+    let cfg3 = config(3.0, 0.0, 0.0, true);
+    let cost3 = predicted_ttft_cost(&cfg3, &req, &c, 0);
+    assert!((cost - cost3 - 51.2).abs() < 1e-9, "{cost3}");
+    // Decode attention reads every sequence's context, shared prefixes included:
+    // 10 more context blocks (same deduplicated decode blocks) cost 2 steps ×
+    // 0.001 ms × 640 tokens more.
+    let shared = with_context(c, 20);
+    let cost_shared = predicted_ttft_cost(&cfg, &req, &shared, 0);
+    assert!((cost_shared - cost - 1.28).abs() < 1e-9, "{cost_shared}");
+}
+
+#[test]
+fn balanced_credit_halves_per_budget_of_excess_queue_and_backlog_adds() {
+    let req = shape(10, 640, 64);
+    let cfg = config(2.0, 4.0, 1.0, false);
+    // Credit per cached token: cost with 0 vs 1 cached block, over 0.1 × 64.
+    let credit = |pending: u64, min_pending: u64| {
+        let none = with_pending(cand(1, 0, 0, 0, 10), pending);
+        let one = with_pending(cand(1, 1, 0, 0, 10), pending);
+        (predicted_ttft_cost(&cfg, &req, &none, min_pending)
+            - predicted_ttft_cost(&cfg, &req, &one, min_pending))
+            / 6.4
+    };
+    assert!((credit(0, 0) - 6.0).abs() < 1e-9, "2 + 4");
+    assert!((credit(1_000, 0) - 4.0).abs() < 1e-9, "2 + 4 / 2");
+    assert!(
+        (credit(2_000, 2_000) - 8.0).abs() < 1e-9,
+        "2 + 4 + 2 backlog steps"
+    );
+}
+
+#[test]
+fn credits_need_the_minimum_match_ratio() {
+    let req = shape(10, 640, 64);
+    let mut cfg = config(5.0, 0.0, 0.0, false);
+    cfg.credit.min_match_ratio = 0.5;
+    let saving = |overlap: u32| {
+        predicted_ttft_cost(&cfg, &req, &cand(1, 0, 0, 0, 10), 0)
+            - predicted_ttft_cost(&cfg, &req, &cand(1, overlap, 0, 0, 10), 0)
+    };
+    // 4 of 10 blocks (40%): credit 1; 5 blocks (50%): credit 5.
+    assert!((saving(4) - 0.1 * 256.0).abs() < 1e-9);
+    assert!((saving(5) - 0.1 * 5.0 * 320.0).abs() < 1e-9);
+}
+
+#[test]
+fn in_flight_prefix_counts_as_cached_only_when_enabled() {
+    // Nothing indexed, but requests in flight hold 8 of the 10 blocks.
+    let req = shape(10, 640, 64);
+    let c = cand(1, 0, 0, 0, 2);
+    let on = predicted_ttft_cost(&config(1.0, 0.0, 0.0, true), &req, &c, 0);
+    let off = predicted_ttft_cost(&config(1.0, 0.0, 0.0, false), &req, &c, 0);
+    assert!((off - on - 0.1 * 512.0).abs() < 1e-9, "{on} {off}");
+}
+
+#[test]
+fn picks_the_cached_rank_unless_its_queue_is_too_long() {
+    let req = shape(10, 640, 64);
+    let cfg = PolicyConfig::PredictedTtft(config(1.0, 0.0, 0.0, false));
+    // Rank 1 caches everything but has 2,000 tokens queued; rank 2 is idle.
+    let cands = [
+        with_pending(cand(1, 10, 0, 0, 10), 2_000),
+        cand(2, 0, 0, 0, 10),
+    ];
+    let choice = selector(1).select(&cfg, &ctx(req, &cands)).unwrap();
+    // Rank 1: 0.1 × 2000 + 2 steps × 10 = 220 ms; rank 2: 0.1 × 640 + 10 = 74 ms.
+    assert_eq!(choice.index, 1);
+    // With only 300 queued tokens the cache wins: 30 + 10 = 40 < 74 ms.
+    let cands = [
+        with_pending(cand(1, 10, 0, 0, 10), 300),
+        cand(2, 0, 0, 0, 10),
+    ];
+    let choice = selector(1).select(&cfg, &ctx(req, &cands)).unwrap();
+    assert_eq!(choice.index, 0);
+    assert!((choice.cost.unwrap() - 40.0).abs() < 1e-9);
+}
+
+#[test]
+fn exact_ties_are_broken_at_random() {
+    let cands = [cand(1, 0, 0, 0, 4), cand(2, 0, 0, 0, 4)];
+    let c = ctx(shape(4, 256, 64), &cands);
+    let counts = histogram(
+        &PolicyConfig::PredictedTtft(PredictedTtftConfig::default()),
+        &c,
+        1000,
+    );
+    assert!(counts[0] > 350 && counts[1] > 350, "{counts:?}");
+}
+
+#[test]
+fn validation_names_the_knob() {
+    let mut bad = PredictedTtftConfig::default();
+    bad.credit.balanced = -1.0;
+    assert!(matches!(
+        bad.validate(),
+        Err(SchedulerError::InvalidConfig {
+            field: "policy.predicted_ttft.credit.balanced",
+            ..
+        })
+    ));
+    let mut bad = PredictedTtftConfig::default();
+    bad.credit.min_match_ratio = 1.5;
+    assert!(bad.validate().is_err());
+    let mut bad = PredictedTtftConfig::default();
+    bad.timing.max_num_batched_tokens = 0;
+    assert!(bad.validate().is_err());
+    assert!(PredictedTtftConfig::default().validate().is_ok());
+    let parsed: PredictedTtftConfig = serde_json::from_str(r#"{"credit": {"base": 2.0}}"#).unwrap();
+    assert_eq!(parsed.credit.base, 2.0);
+    assert_eq!(
+        parsed.credit.balanced, 40.0,
+        "unset knobs keep their defaults"
+    );
+}
