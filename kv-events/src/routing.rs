@@ -164,7 +164,18 @@ pub struct RouteRequest {
     /// first; equal priorities are first come, first served. Default 0.
     #[serde(default)]
     pub priority: i32,
+    /// Workers this request must not be routed to: a frontend retrying after the
+    /// chosen engine failed (connection refused, error before the first byte) names
+    /// the workers it already tried. At most [`MAX_EXCLUDED_WORKERS`]; more is a
+    /// `bad_request`. When every registered worker is excluded the reply is
+    /// `no_workers`. Empty (and absent on the wire) by default.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub exclude_workers: Vec<WorkerId>,
 }
+
+/// The most workers one [`RouteRequest`] may exclude: far above any sane retry count,
+/// and small enough that checking candidates against the list stays cheap.
+pub const MAX_EXCLUDED_WORKERS: usize = 64;
 
 impl RouteRequest {
     /// A request with the daemon's policy, no pinned rank, no overrides, priority 0.
@@ -176,6 +187,7 @@ impl RouteRequest {
             dp_rank: None,
             overrides: CostOverrides::default(),
             priority: 0,
+            exclude_workers: Vec::new(),
         }
     }
 }
@@ -318,6 +330,7 @@ mod tests {
                 ..CostOverrides::default()
             },
             priority: -2,
+            exclude_workers: vec![WorkerId(4), WorkerId(9)],
             ..RouteRequest::new(
                 "r1",
                 Prompt::Blocks {
@@ -409,6 +422,10 @@ mod tests {
                 }
             )
         );
+        // Without exclusions the key is not sent: older routers see the message they
+        // know.
+        let map: serde_json::Value = rmp_serde::from_slice(&encode(&req).unwrap()).unwrap();
+        assert!(map.get("exclude_workers").is_none(), "{map}");
     }
 
     #[test]

@@ -13,7 +13,8 @@ use crate::state::RouterState;
 use futures::StreamExt;
 use indexer::IndexerApi as _;
 use kv_events::routing::{
-    Prompt, RouteDecision, RouteError, RouteErrorCode, RouteReply, RouteRequest,
+    MAX_EXCLUDED_WORKERS, Prompt, RouteDecision, RouteError, RouteErrorCode, RouteReply,
+    RouteRequest,
 };
 use kv_events::{LocalBlockHash, RequestId, compute_block_hashes, decode, encode};
 use scheduler::{ScheduleRequest, SchedulerError, Selection};
@@ -143,11 +144,21 @@ async fn route(state: &RouterState, request: RouteRequest) -> RouteReply {
 /// Validates a route request into what the scheduler needs.
 ///
 /// # Errors
-/// A `bad_request` reply for a prompt [`prompt_blocks`] refuses.
+/// A `bad_request` reply for a prompt [`prompt_blocks`] refuses, or for more than
+/// [`MAX_EXCLUDED_WORKERS`] excluded workers.
 pub(crate) fn schedule_request(
     request: RouteRequest,
     block_size: u32,
 ) -> Result<ScheduleRequest, RouteReply> {
+    if request.exclude_workers.len() > MAX_EXCLUDED_WORKERS {
+        return Err(error(
+            RouteErrorCode::BadRequest,
+            format!(
+                "{} excluded workers, at most {MAX_EXCLUDED_WORKERS}",
+                request.exclude_workers.len()
+            ),
+        ));
+    }
     let prompt = prompt_blocks(request.prompt, block_size)?;
     let mut schedule = ScheduleRequest::new(
         request.request_id,
@@ -159,6 +170,7 @@ pub(crate) fn schedule_request(
     schedule.policy = request.policy;
     schedule.dp_rank = request.dp_rank;
     schedule.overrides = request.overrides;
+    schedule.exclude(request.exclude_workers);
     Ok(schedule)
 }
 
@@ -190,7 +202,9 @@ pub(crate) async fn routed(
 /// The reply for a request that was not booked.
 pub(crate) fn admit_error(e: AdmitError) -> RouteReply {
     let code = match &e {
-        AdmitError::Scheduler(SchedulerError::NoWorkers) => RouteErrorCode::NoWorkers,
+        AdmitError::Scheduler(SchedulerError::NoWorkers | SchedulerError::AllExcluded) => {
+            RouteErrorCode::NoWorkers
+        }
         AdmitError::Scheduler(SchedulerError::RankUnavailable(_)) => {
             RouteErrorCode::RankUnavailable
         }

@@ -14,6 +14,10 @@ pub enum SchedulerError {
     /// `schedule` was called while no (worker, dp_rank) is registered.
     #[error("no workers registered")]
     NoWorkers,
+    /// Workers are registered, but the request excluded every one of them (a
+    /// frontend's failover ran out of workers to try).
+    #[error("every registered worker is excluded by the request")]
+    AllExcluded,
     /// The request pinned a dp_rank that no registered worker has. Never answered by
     /// falling back to another rank.
     #[error("no registered worker has dp_rank {0}")]

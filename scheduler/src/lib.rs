@@ -148,7 +148,7 @@ impl Scheduler {
     /// duration of [`SchedulerConfig::prefill_duration`]) and `request_blocks` decode
     /// blocks. `overlaps` gives each rank's overlap blocks for this prompt; values
     /// above `request_blocks` are clamped. Candidates are the registered ranks that
-    /// match `req.dp_rank` (if set) and are not busy.
+    /// match `req.dp_rank` (if set), are not in `req.exclude_workers` and are not busy.
     ///
     /// # Errors
     /// - [`SchedulerError::DuplicateRequest`] if `req.request_id` is already active.
@@ -156,6 +156,8 @@ impl Scheduler {
     /// - [`SchedulerError::NoWorkers`] if no rank is registered.
     /// - [`SchedulerError::RankUnavailable`] if no registered worker has the pinned
     ///   dp_rank.
+    /// - [`SchedulerError::AllExcluded`] if the request excludes every registered
+    ///   worker (that has the pinned dp_rank, if any).
     /// - [`SchedulerError::AllBusy`] if every candidate is busy.
     ///
     /// On error nothing is booked.
@@ -197,7 +199,11 @@ impl Scheduler {
         let mut busy_pins: HashSet<DpRank> = HashSet::new();
         for (k, &i) in sequence.iter().enumerate() {
             let (req, overlaps) = (batch[i].0.borrow(), &batch[i].1);
+            // A request with exclusions has fewer candidates than the others, so what
+            // it finds says nothing about them, nor theirs about it.
+            let excludes = !req.exclude_workers.is_empty();
             let known_busy = match req.dp_rank {
+                _ if excludes => false,
                 None => all_busy,
                 Some(dp) => busy_pins.contains(&dp),
             };
@@ -205,7 +211,7 @@ impl Scheduler {
                 continue; // stays AllBusy
             }
             let result = self.schedule_one(req, overlaps, now, batch.len() - k);
-            if matches!(result, Err(SchedulerError::AllBusy)) {
+            if matches!(result, Err(SchedulerError::AllBusy)) && !excludes {
                 match req.dp_rank {
                     None => all_busy = true,
                     Some(dp) => {
@@ -293,11 +299,16 @@ impl Scheduler {
         }
         self.candidates.clear();
         let mut pinned_exists = false;
+        let mut any_allowed = false;
         for &rank in self.workers.ranks() {
             if req.dp_rank.is_some_and(|dp| dp != rank.dp_rank) {
                 continue;
             }
             pinned_exists = true;
+            if req.excludes(rank.worker_id) {
+                continue;
+            }
+            any_allowed = true;
             let load = self.sequences.load(rank, now);
             if self.config.busy.enabled()
                 && let Some(reg) = self.workers.get(rank.worker_id)
@@ -317,9 +328,15 @@ impl Scheduler {
                     .new_blocks(rank, block_ids, req.request_blocks),
             });
         }
-        match (req.dp_rank, pinned_exists, self.candidates.is_empty()) {
-            (Some(dp), false, _) => Err(SchedulerError::RankUnavailable(dp)),
-            (_, _, true) => Err(SchedulerError::AllBusy),
+        match (
+            req.dp_rank,
+            pinned_exists,
+            any_allowed,
+            self.candidates.is_empty(),
+        ) {
+            (Some(dp), false, _, _) => Err(SchedulerError::RankUnavailable(dp)),
+            (_, _, false, _) => Err(SchedulerError::AllExcluded),
+            (_, _, _, true) => Err(SchedulerError::AllBusy),
             _ => Ok(()),
         }
     }

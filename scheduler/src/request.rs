@@ -6,7 +6,7 @@
 
 use crate::sequences::PrefillLoadHint;
 use kv_events::routing::{CostOverrides, PolicyKind};
-use kv_events::{DpRank, LocalBlockHash, RequestId, WorkerRank};
+use kv_events::{DpRank, LocalBlockHash, RequestId, WorkerId, WorkerRank};
 
 /// One request to place.
 #[derive(Debug, Clone, PartialEq)]
@@ -32,6 +32,11 @@ pub struct ScheduleRequest {
     pub dp_rank: Option<DpRank>,
     /// Per-request cost knob overrides, applied on top of the resolved policy.
     pub overrides: CostOverrides,
+    /// Workers that are not candidates (a frontend's failover names the workers it
+    /// already tried). Sorted and deduplicated by [`ScheduleRequest::exclude`]; if
+    /// every registered worker is excluded, scheduling fails with
+    /// [`crate::SchedulerError::AllExcluded`].
+    pub exclude_workers: Vec<WorkerId>,
 }
 
 impl ScheduleRequest {
@@ -57,7 +62,21 @@ impl ScheduleRequest {
             policy: None,
             dp_rank: None,
             overrides: CostOverrides::default(),
+            exclude_workers: Vec::new(),
         }
+    }
+
+    /// Sets the workers this request must not be routed to (sorted and deduplicated,
+    /// so a candidate check is a binary search).
+    pub fn exclude(&mut self, mut workers: Vec<WorkerId>) {
+        workers.sort_unstable();
+        workers.dedup();
+        self.exclude_workers = workers;
+    }
+
+    /// Whether `worker_id` is excluded for this request.
+    pub fn excludes(&self, worker_id: WorkerId) -> bool {
+        self.exclude_workers.binary_search(&worker_id).is_ok()
     }
 
     /// Prompt tokens left to prefill when the first `overlap_blocks` blocks are cached:

@@ -128,3 +128,58 @@ fn peer_bookings_are_applied_only_on_registered_ranks() {
     assert_eq!(s.free(&rid("peer-1"), t), Ok(peer));
     assert_eq!(s.free(&rid("mine"), t), Ok(Origin::Local));
 }
+
+fn excluding(mut req: ScheduleRequest, workers: &[u64]) -> ScheduleRequest {
+    req.exclude(workers.iter().map(|&w| WorkerId(w)).collect());
+    req
+}
+
+#[test]
+fn excluded_workers_are_never_chosen_even_with_the_best_overlap() {
+    let t = Instant::now();
+    let mut s = scheduler(SchedulerConfig::default(), &[(1, 2), (2, 1), (3, 1)]);
+    // Worker 1 caches the whole prompt on both ranks; a failover excludes it.
+    let overlaps = HashMap::from([(rank(1, 0), 5), (rank(1, 1), 5)]);
+    let sel = s.schedule(&request("plain", 80), &overlaps, t).unwrap();
+    assert_eq!(
+        sel.rank.worker_id,
+        WorkerId(1),
+        "the cache wins without exclusions"
+    );
+    let retry = excluding(request("retry", 80), &[1, 1]);
+    assert_eq!(retry.exclude_workers, vec![WorkerId(1)], "deduplicated");
+    let sel = s.schedule(&retry, &overlaps, t).unwrap();
+    assert_ne!(sel.rank.worker_id, WorkerId(1));
+    // Excluding every worker books nothing and says why.
+    let none_left = excluding(request("none", 80), &[3, 2, 1]);
+    assert_eq!(
+        s.schedule(&none_left, &overlaps, t),
+        Err(SchedulerError::AllExcluded)
+    );
+    assert!(!s.sequences().contains(&rid("none")));
+    // A pinned rank that exists only on excluded workers is excluded, not unavailable.
+    let pinned_1 = excluding(pinned(request("p", 80), 1), &[1]);
+    assert_eq!(
+        s.schedule(&pinned_1, &overlaps, t),
+        Err(SchedulerError::AllExcluded)
+    );
+}
+
+#[test]
+fn a_batch_entry_with_exclusions_neither_sets_nor_trusts_the_all_busy_shortcut() {
+    let t = Instant::now();
+    let mut config = SchedulerConfig::default();
+    config.busy.decode_blocks = Some(Threshold::Absolute(10));
+    let mut s = scheduler(config, &[(1, 1), (2, 1)]);
+    let batch: Vec<(ScheduleRequest, NoOverlap)> = vec![
+        // Fills worker 2; the entry excluding worker 1 then finds all it may use busy.
+        (excluding(request("fill-2", 160), &[1]), NoOverlap),
+        (excluding(request("only-2", 16), &[1]), NoOverlap),
+        // Worker 1 is still free: this entry must be placed there, not short-cut.
+        (request("any", 16), NoOverlap),
+    ];
+    let results = s.schedule_batch(&batch, BatchOrder::AsGiven, t);
+    assert_eq!(results[0].as_ref().unwrap().rank, rank(2, 0));
+    assert_eq!(results[1], Err(SchedulerError::AllBusy));
+    assert_eq!(results[2].as_ref().unwrap().rank, rank(1, 0));
+}

@@ -225,3 +225,50 @@ async fn shutdown_stops_answering_and_returns() -> anyhow::Result<()> {
     assert!(after.is_err(), "no replica is left to answer: {after:?}");
     Ok(())
 }
+
+#[tokio::test]
+async fn a_failover_route_skips_the_excluded_workers() -> anyhow::Result<()> {
+    use kv_events::routing::{MAX_EXCLUDED_WORKERS, Prompt, RouteRequest};
+    let mut cluster = TestCluster::start(BLOCK).await?;
+    let mut w1 = FakeWorker::register(&mut cluster, 1, 30).await?;
+    let w2 = FakeWorker::register(&mut cluster, 2, 30).await?;
+    let daemon = cluster.start_daemon(|_| {}).await?;
+    let a = prompt(4, 6);
+    w1.store_prompt(&cluster, &a).await?;
+    wait_for_overlap(&daemon, &a, w1.id, 6).await?;
+    let excluding = |id: &str, workers: Vec<WorkerId>| RouteRequest {
+        exclude_workers: workers,
+        ..RouteRequest::new(
+            id,
+            Prompt::Tokens {
+                token_ids: a.clone(),
+            },
+        )
+    };
+
+    // Worker 1 holds the prefix, but the retry already failed there.
+    let retry = cluster.route(&excluding("retry", vec![w1.id])).await?;
+    assert_eq!(routed_worker(&retry), w2.id);
+    // No worker left to try: nothing is booked, and the code is one every client knows.
+    match cluster
+        .route(&excluding("none", vec![w1.id, w2.id]))
+        .await?
+    {
+        RouteReply::Error(e) => {
+            assert_eq!(e.code, RouteErrorCode::NoWorkers);
+            assert!(e.message.contains("excluded"), "{}", e.message);
+        }
+        other => panic!("routed with every worker excluded: {other:?}"),
+    }
+    let too_many = (0..=MAX_EXCLUDED_WORKERS as u64).map(WorkerId).collect();
+    match cluster.route(&excluding("many", too_many)).await? {
+        RouteReply::Error(e) => assert_eq!(e.code, RouteErrorCode::BadRequest),
+        other => panic!("an oversized exclusion list was routed: {other:?}"),
+    }
+    assert_eq!(
+        daemon.state().scheduler().active_requests(),
+        1,
+        "only the retry"
+    );
+    daemon.shutdown().await
+}
