@@ -15,25 +15,31 @@
 //!  bookings) ──► Scheduler::expire ──► sync "freed" for own ──► release_waiters
 //! ```
 //!
-//! A batch route ([`admit_batch`]) books every entry it can at once, in one scheduler
-//! critical section, and never waits: entries that find every rank busy, or arrive
-//! while others wait, are refused.
+//! A batch route ([`Admission::admit_batch`]) books every entry it can at once, in one
+//! scheduler critical section, and never waits: entries that find every rank busy, or
+//! arrive while others wait, are refused.
 //!
 //! Locks are taken queue first, then scheduler, never the other way round. Sync
 //! messages are queued while the scheduler lock is held, so peers see a replica's
 //! steps in the order it applied them.
+//!
+//! Admission owns the scheduler lock: *select* and *book* are a single atomic step,
+//! so two concurrent queries can never both see a worker as idle and pile onto it.
+//! The critical section is a scan over registered ranks (microseconds), so the lock is
+//! not a throughput limit at the query rates a router replica sees. Everything else
+//! that reads or changes booked load (lifecycle, replica sync, discovery, metrics)
+//! takes the lock through [`Admission::scheduler`].
 
-use crate::metrics::QueueMetrics;
-use crate::queue::{QueueConfig, QueueError, QueueOutcomes, WaitQueue};
-use crate::replicas::{ReplicaConfig, Replicas, SyncMetrics};
-use crate::state::RouterState;
+use crate::metrics::{AdmissionMetrics, QueueMetrics};
+use crate::queue::{QueueConfig, QueueError, WaitQueue};
+use crate::replicas::{ReplicaConfig, Replicas};
 use indexer::OverlapScores;
 use kv_events::replicas::SequenceUpdate;
-use prometheus::{IntCounter, Registry};
+use prometheus::IntCounter;
 pub use scheduler::Origin;
-use scheduler::{BatchOrder, ScheduleRequest, SchedulerError, Selection};
+use scheduler::{BatchOrder, ScheduleRequest, Scheduler, SchedulerError, Selection};
 use serde::{Deserialize, Serialize};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -47,62 +53,6 @@ pub struct AdmissionConfig {
     pub queue: QueueConfig,
     /// This replica's identity and sync switch.
     pub replicas: ReplicaConfig,
-}
-
-/// The admission parts of the router state.
-pub struct Admission {
-    /// Requests waiting for a rank to have room.
-    pub queue: WaitQueue,
-    /// Sequence sync with peer replicas.
-    pub replicas: Replicas,
-    /// Wakes the expiry task when a booking arrives (its deadline may be the first).
-    pub expiry: Notify,
-    /// `kv_router_requests_expired_total`: bookings dropped because no lifecycle
-    /// message arrived within the request TTL.
-    pub expired: IntCounter,
-}
-
-impl Admission {
-    /// Builds the parts and registers their metrics in `registry`; the queue reports
-    /// depth and wait time to `queue_metrics`.
-    ///
-    /// # Errors
-    /// A [`prometheus::Error`] if a metric of the same name is already registered.
-    pub fn register(
-        config: &AdmissionConfig,
-        registry: &Registry,
-        queue_metrics: QueueMetrics,
-    ) -> Result<Self, prometheus::Error> {
-        let admission = Self::build(
-            config,
-            queue_metrics,
-            QueueOutcomes::register(registry)?,
-            SyncMetrics::register(registry)?,
-        );
-        registry.register(Box::new(admission.expired.clone()))?;
-        Ok(admission)
-    }
-
-    fn build(
-        config: &AdmissionConfig,
-        queue_metrics: QueueMetrics,
-        outcomes: QueueOutcomes,
-        sync: SyncMetrics,
-    ) -> Self {
-        // The name is static and valid: construction cannot fail.
-        #[allow(clippy::expect_used)]
-        let expired = IntCounter::new(
-            "kv_router_requests_expired_total",
-            "Booked requests dropped because no lifecycle message arrived within the TTL",
-        )
-        .expect("static metric definition is valid");
-        Self {
-            queue: WaitQueue::new(config.queue, queue_metrics, outcomes),
-            replicas: Replicas::new(config.replicas, sync),
-            expiry: Notify::new(),
-            expired,
-        }
-    }
 }
 
 /// Why a request was not booked.
@@ -124,189 +74,227 @@ pub enum AdmitError {
     WaitersAhead,
 }
 
-/// Books `request` at once if a rank has room and nobody waits; otherwise waits in
-/// the queue (FCFS within `priority`) up to the configured maximum.
-///
-/// # Errors
-/// [`AdmitError`]; nothing is booked on error.
-pub async fn admit(
-    state: &RouterState,
-    request: ScheduleRequest,
-    overlaps: OverlapScores,
-    priority: i32,
-) -> Result<Selection, AdmitError> {
-    let admission = &state.admission;
-    let now = Instant::now();
-    let mut ticket = {
-        let mut queue = admission.queue.lock();
-        let mut scheduler = state.scheduler();
-        if queue.is_empty() {
-            match scheduler.schedule(&request, &overlaps, now) {
-                Ok(selection) => {
-                    admission.replicas.booked(&request, &selection);
-                    drop(scheduler);
-                    drop(queue);
-                    admission.expiry.notify_one();
-                    return Ok(selection);
-                }
-                Err(SchedulerError::AllBusy) => admission
-                    .queue
-                    .push(&mut queue, request, overlaps, priority, now)?,
-                Err(e) => return Err(e.into()),
-            }
-        } else {
-            if scheduler.sequences().contains(&request.request_id) {
-                return Err(SchedulerError::DuplicateRequest(request.request_id).into());
-            }
-            // Behind the waiters, then one release pass in queue order: earlier waiters
-            // keep their turn, and a waiter pinned to a busy rank does not block this
-            // request if another rank has room.
-            let ticket = admission
-                .queue
-                .push(&mut queue, request, overlaps, priority, now)?;
-            let released = admission
-                .queue
-                .release(&mut queue, &mut scheduler, now, |r, s| {
-                    admission.replicas.booked(r, s);
-                });
-            if released.routed > 0 {
-                admission.expiry.notify_one();
-            }
-            ticket
-        }
-    };
-    let max_wait = admission.queue.config().max_wait;
-    match tokio::time::timeout(max_wait, &mut ticket.receiver).await {
-        Ok(Ok(result)) => result.map_err(AdmitError::from),
-        Ok(Err(_closed)) => Err(QueueError::Closed.into()),
-        Err(_elapsed) => {
-            let withdrawn = {
-                let mut queue = admission.queue.lock();
-                admission.queue.withdraw(&mut queue, &ticket)
-            };
-            if withdrawn {
-                return Err(AdmitError::TimedOut(max_wait));
-            }
-            // Released in the instant the timer fired: the answer is already there.
-            match ticket.receiver.try_recv() {
-                Ok(result) => result.map_err(AdmitError::from),
-                Err(_) => Err(QueueError::Closed.into()),
-            }
-        }
-    }
+/// The scheduler and everything that decides when a request is booked.
+pub struct Admission {
+    /// Worker selection and active-request load.
+    scheduler: Mutex<Scheduler>,
+    /// Requests waiting for a rank to have room.
+    pub queue: WaitQueue,
+    /// Sequence sync with peer replicas.
+    pub replicas: Replicas,
+    /// Wakes the expiry task when a booking arrives (its deadline may be the first).
+    pub expiry: Notify,
+    /// `kv_router_requests_expired_total`: bookings dropped because no lifecycle
+    /// message arrived within the request TTL.
+    pub expired: IntCounter,
 }
 
-/// Books a batch at once ([`scheduler::Scheduler::schedule_batch`]): each request is
-/// placed seeing the bookings of those placed before it, in `order`. A batch never
-/// waits: while requests wait in the queue every entry fails with
-/// [`AdmitError::WaitersAhead`] (the waiters keep their turn), and an entry that finds
-/// every eligible rank busy fails with `AllBusy`. Returns one result per request, in
-/// input order; each booked one is announced to peer replicas.
-pub fn admit_batch(
-    state: &RouterState,
-    batch: &[(ScheduleRequest, OverlapScores)],
-    order: BatchOrder,
-) -> Vec<Result<Selection, AdmitError>> {
-    let admission = &state.admission;
-    let queue = admission.queue.lock();
-    if !queue.is_empty() {
-        return batch
-            .iter()
-            .map(|_| Err(AdmitError::WaitersAhead))
-            .collect();
+impl Admission {
+    /// Admission over `scheduler`; the queue reports depth and wait time to
+    /// `queue_metrics`, and the other counters go to `metrics`.
+    pub fn new(
+        config: &AdmissionConfig,
+        scheduler: Scheduler,
+        queue_metrics: QueueMetrics,
+        metrics: AdmissionMetrics,
+    ) -> Self {
+        Self {
+            scheduler: Mutex::new(scheduler),
+            queue: WaitQueue::new(config.queue, queue_metrics, metrics.outcomes),
+            replicas: Replicas::new(config.replicas, metrics.sync),
+            expiry: Notify::new(),
+            expired: metrics.expired,
+        }
     }
-    let results = {
-        let mut scheduler = state.scheduler();
-        let results = scheduler.schedule_batch(batch, order, Instant::now());
-        for ((request, _), result) in batch.iter().zip(&results) {
-            if let Ok(selection) = result {
-                admission.replicas.booked(request, selection);
+
+    /// Locks the scheduler. A panic while holding the lock cannot leave the scheduler
+    /// half-updated in a way that matters more than stopping routing would, so a
+    /// poisoned lock is recovered rather than propagated.
+    pub fn scheduler(&self) -> MutexGuard<'_, Scheduler> {
+        self.scheduler
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Books `request` at once if a rank has room and nobody waits; otherwise waits in
+    /// the queue (FCFS within `priority`) up to the configured maximum.
+    ///
+    /// # Errors
+    /// [`AdmitError`]; nothing is booked on error.
+    pub async fn admit(
+        &self,
+        request: ScheduleRequest,
+        overlaps: OverlapScores,
+        priority: i32,
+    ) -> Result<Selection, AdmitError> {
+        let now = Instant::now();
+        let mut ticket = {
+            let mut queue = self.queue.lock();
+            let mut scheduler = self.scheduler();
+            if queue.is_empty() {
+                match scheduler.schedule(&request, &overlaps, now) {
+                    Ok(selection) => {
+                        self.replicas.booked(&request, &selection);
+                        drop(scheduler);
+                        drop(queue);
+                        self.expiry.notify_one();
+                        return Ok(selection);
+                    }
+                    Err(SchedulerError::AllBusy) => self
+                        .queue
+                        .push(&mut queue, request, overlaps, priority, now)?,
+                    Err(e) => return Err(e.into()),
+                }
+            } else {
+                if scheduler.sequences().contains(&request.request_id) {
+                    return Err(SchedulerError::DuplicateRequest(request.request_id).into());
+                }
+                // Behind the waiters, then one release pass in queue order: earlier waiters
+                // keep their turn, and a waiter pinned to a busy rank does not block this
+                // request if another rank has room.
+                let ticket = self
+                    .queue
+                    .push(&mut queue, request, overlaps, priority, now)?;
+                let released = self.queue.release(&mut queue, &mut scheduler, now, |r, s| {
+                    self.replicas.booked(r, s);
+                });
+                if released.routed > 0 {
+                    self.expiry.notify_one();
+                }
+                ticket
             }
+        };
+        let max_wait = self.queue.config().max_wait;
+        match tokio::time::timeout(max_wait, &mut ticket.receiver).await {
+            Ok(Ok(result)) => result.map_err(AdmitError::from),
+            Ok(Err(_closed)) => Err(QueueError::Closed.into()),
+            Err(_elapsed) => {
+                let withdrawn = {
+                    let mut queue = self.queue.lock();
+                    self.queue.withdraw(&mut queue, &ticket)
+                };
+                if withdrawn {
+                    return Err(AdmitError::TimedOut(max_wait));
+                }
+                // Released in the instant the timer fired: the answer is already there.
+                match ticket.receiver.try_recv() {
+                    Ok(result) => result.map_err(AdmitError::from),
+                    Err(_) => Err(QueueError::Closed.into()),
+                }
+            }
+        }
+    }
+
+    /// Books a batch at once ([`scheduler::Scheduler::schedule_batch`]): each request is
+    /// placed seeing the bookings of those placed before it, in `order`. A batch never
+    /// waits: while requests wait in the queue every entry fails with
+    /// [`AdmitError::WaitersAhead`] (the waiters keep their turn), and an entry that finds
+    /// every eligible rank busy fails with `AllBusy`. Returns one result per request, in
+    /// input order; each booked one is announced to peer replicas.
+    pub fn admit_batch(
+        &self,
+        batch: &[(ScheduleRequest, OverlapScores)],
+        order: BatchOrder,
+    ) -> Vec<Result<Selection, AdmitError>> {
+        let queue = self.queue.lock();
+        if !queue.is_empty() {
+            return batch
+                .iter()
+                .map(|_| Err(AdmitError::WaitersAhead))
+                .collect();
+        }
+        let results = {
+            let mut scheduler = self.scheduler();
+            let results = scheduler.schedule_batch(batch, order, Instant::now());
+            for ((request, _), result) in batch.iter().zip(&results) {
+                if let Ok(selection) = result {
+                    self.replicas.booked(request, selection);
+                }
+            }
+            results
+        };
+        drop(queue);
+        if results.iter().any(Result::is_ok) {
+            self.expiry.notify_one();
         }
         results
-    };
-    drop(queue);
-    if results.iter().any(Result::is_ok) {
-        admission.expiry.notify_one();
+            .into_iter()
+            .map(|r| r.map_err(AdmitError::from))
+            .collect()
     }
-    results
-        .into_iter()
-        .map(|r| r.map_err(AdmitError::from))
-        .collect()
-}
 
-/// Routes queued requests while ranks have room. Call after anything that may have
-/// reduced load or changed the ranks.
-pub fn release_waiters(state: &RouterState) {
-    let admission = &state.admission;
-    let mut queue = admission.queue.lock();
-    if queue.is_empty() {
-        return;
-    }
-    let released = {
-        let mut scheduler = state.scheduler();
-        admission.queue.release(
-            &mut queue,
-            &mut scheduler,
-            Instant::now(),
-            |request, selection| {
-                admission.replicas.booked(request, selection);
-            },
-        )
-    };
-    drop(queue);
-    if released.routed > 0 {
-        admission.expiry.notify_one();
-        debug!(
-            routed = released.routed,
-            failed = released.failed,
-            "queued requests released"
-        );
-    }
-}
-
-/// Queues the sync message for a lifecycle step of a request, if this replica booked
-/// it. Call under the scheduler lock, with the origin the scheduler reported.
-pub fn relay_step(
-    state: &RouterState,
-    origin: Origin,
-    request_id: &kv_events::RequestId,
-    update: SequenceUpdate,
-) {
-    if origin == Origin::Local {
-        state.admission.replicas.step(request_id, update);
-    }
-}
-
-/// Frees requests whose TTL lapsed, until `stop`. Sleeps until the earliest deadline;
-/// a new booking wakes it to look again. No polling: with nothing booked it waits for
-/// a booking.
-pub async fn expire_requests(state: Arc<RouterState>, stop: CancellationToken) {
-    loop {
-        let next = state.scheduler().next_expiry();
-        let wake = state.admission.expiry.notified();
-        tokio::select! {
-            () = stop.cancelled() => return,
-            () = wake => continue,
-            () = sleep_until(next) => {}
+    /// Routes queued requests while ranks have room. Call after anything that may have
+    /// reduced load or changed the ranks.
+    pub fn release_waiters(&self) {
+        let mut queue = self.queue.lock();
+        if queue.is_empty() {
+            return;
         }
-        let now = Instant::now();
-        let expired = {
-            let mut scheduler = state.scheduler();
-            let expired = scheduler.expire(now);
-            for (id, request) in &expired {
-                relay_step(&state, request.origin, id, SequenceUpdate::Freed);
-            }
-            expired
+        let released = {
+            let mut scheduler = self.scheduler();
+            self.queue.release(
+                &mut queue,
+                &mut scheduler,
+                Instant::now(),
+                |request, selection| {
+                    self.replicas.booked(request, selection);
+                },
+            )
         };
-        if expired.is_empty() {
-            continue;
+        drop(queue);
+        if released.routed > 0 {
+            self.expiry.notify_one();
+            debug!(
+                routed = released.routed,
+                failed = released.failed,
+                "queued requests released"
+            );
         }
-        state.admission.expired.inc_by(expired.len() as u64);
-        for (id, request) in &expired {
-            info!(request_id = %id, rank = %request.rank, "request expired: no lifecycle message within the request ttl");
+    }
+
+    /// Queues the sync message for a lifecycle step of a request, if this replica booked
+    /// it. Call under the scheduler lock, with the origin the scheduler reported.
+    pub fn relay_step(
+        &self,
+        origin: Origin,
+        request_id: &kv_events::RequestId,
+        update: SequenceUpdate,
+    ) {
+        if origin == Origin::Local {
+            self.replicas.step(request_id, update);
         }
-        release_waiters(&state);
+    }
+
+    /// Frees requests whose TTL lapsed, until `stop`. Sleeps until the earliest deadline;
+    /// a new booking wakes it to look again. No polling: with nothing booked it waits for
+    /// a booking.
+    pub async fn expire_requests(self: Arc<Self>, stop: CancellationToken) {
+        loop {
+            let next = self.scheduler().next_expiry();
+            let wake = self.expiry.notified();
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = wake => continue,
+                () = sleep_until(next) => {}
+            }
+            let now = Instant::now();
+            let expired = {
+                let mut scheduler = self.scheduler();
+                let expired = scheduler.expire(now);
+                for (id, request) in &expired {
+                    self.relay_step(request.origin, id, SequenceUpdate::Freed);
+                }
+                expired
+            };
+            if expired.is_empty() {
+                continue;
+            }
+            self.expired.inc_by(expired.len() as u64);
+            for (id, request) in &expired {
+                info!(request_id = %id, rank = %request.rank, "request expired: no lifecycle message within the request ttl");
+            }
+            self.release_waiters();
+        }
     }
 }
 

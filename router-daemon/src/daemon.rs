@@ -16,7 +16,7 @@
 //!    snapshot); events arriving meanwhile are buffered and applied after it
 //!    (`durability`). Meanwhile, with replica sync on, ask the other replicas for the
 //!    requests they booked before step 3 and apply their answers for at most
-//!    `--replica-snapshot-timeout-ms` ([`crate::replica_snapshot`]; after discovery,
+//!    `--replica-snapshot-timeout-ms` ([`crate::replicas::snapshot`]; after discovery,
 //!    because a booking needs its rank registered);
 //! 6. answer other replicas' snapshot requests from here on; join the route queue
 //!    group last, so no query is answered before workers and peers' bookings are
@@ -34,11 +34,12 @@
 
 use crate::admission::Admission;
 use crate::config::DaemonConfig;
-use crate::counters::Counters;
 use crate::health::Phase;
 use crate::http::{HttpServer, HttpState};
+use crate::metrics::counters::Counters;
+use crate::metrics::{AdmissionMetrics, Registrar};
 use crate::state::RouterState;
-use crate::{discovery, intake, route};
+use crate::{discovery, intake, lifecycle, replicas, route};
 use anyhow::Context;
 use indexer::Indexer;
 use indexer::IndexerApi as _;
@@ -77,14 +78,18 @@ impl Starting {
             .context("starting the indexer")?;
         let scheduler = Scheduler::new(config.scheduler.clone(), config.rng_seed)
             .context("building the scheduler")?;
-        let admission =
-            Admission::register(&config.admission, registry, counters.metrics.queue.clone())
-                .context("registering admission metrics")?;
+        let admission_metrics = AdmissionMetrics::new(&Registrar::new(registry))
+            .context("registering admission metrics")?;
+        let admission = Admission::new(
+            &config.admission,
+            scheduler,
+            counters.metrics.queue.clone(),
+            admission_metrics,
+        );
         let state = Arc::new(RouterState::new(
             config.subjects.clone(),
             config.route.block_size,
             indexer,
-            scheduler,
             counters,
             admission,
         ));
@@ -140,7 +145,7 @@ impl Starting {
         // Cancels every task below if this future fails or is dropped before the end.
         let abandon = root.clone().drop_guard();
         let subjects = config.subjects.clone();
-        let nats = crate::nats::connect(&config.nats, state.clone())
+        let nats = crate::nats::connect(&config.nats, state.health.clone())
             .await
             .context("configuring the NATS connection")?;
 
@@ -171,23 +176,37 @@ impl Starting {
             .subscribe(subjects.lifecycle())
             .await
             .context("subscribing to lifecycle")?;
+        let (admission, counters) = (state.admission.clone(), state.counters.clone());
         intake_tasks.spawn(intake::serve_with(
-            state.clone(),
             metrics,
             intake.child_token(),
-            intake::handle_metrics,
+            move |subject, payload| {
+                intake::handle_metrics(&admission, &counters, subject, payload);
+            },
         ));
+        let (admission, counters) = (state.admission.clone(), state.counters.clone());
         intake_tasks.spawn(intake::serve_with(
-            state.clone(),
             lifecycle,
             intake.child_token(),
-            crate::lifecycle::handle_lifecycle,
+            move |subject, payload| {
+                lifecycle::handle_lifecycle(&admission, &counters, subject, payload);
+            },
         ));
-        crate::replicas::start(&state, &nats, &intake_tasks, &intake).await?;
-        intake_tasks.spawn(crate::admission::expire_requests(
-            state.clone(),
-            intake.child_token(),
-        ));
+        replicas::sync::start(
+            &state.admission,
+            &state.counters,
+            &subjects,
+            &nats,
+            &intake_tasks,
+            &intake,
+        )
+        .await?;
+        intake_tasks.spawn(
+            state
+                .admission
+                .clone()
+                .expire_requests(intake.child_token()),
+        );
 
         let discovery_token = root.child_token();
         let mut known = discovery::KnownWorkers::new();
@@ -216,12 +235,20 @@ impl Starting {
         // The peers' bookings are gathered at the same time.
         let (recovered, _snapshot) = tokio::join!(
             crate::durability::initial_recovery(&state, &recovery, event_intake),
-            crate::replica_snapshot::gather(&state, &nats),
+            replicas::snapshot::gather(&state.admission, &state.counters, &subjects, &nats),
         );
         let recovered = recovered?;
         info!(summary = %recovered, "initial recovery done");
         state.health.set_recovery_done(recovered);
-        crate::replica_snapshot::serve(&state, &nats, &intake_tasks, &intake).await?;
+        replicas::snapshot::serve(
+            &state.admission,
+            &state.counters,
+            &subjects,
+            &nats,
+            &intake_tasks,
+            &intake,
+        )
+        .await?;
 
         let routes = nats
             .queue_subscribe(subjects.route(), subjects.route_queue_group())

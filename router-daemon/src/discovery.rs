@@ -17,8 +17,8 @@
 //! noticed instead of waited on forever.
 
 use crate::config::EtcdConfig;
-use crate::counters::{MessageKind, Outcome};
 use crate::directory::DirectoryEntry;
+use crate::metrics::counters::{MessageKind, Outcome};
 use crate::state::RouterState;
 use anyhow::Context;
 use etcd_client::{Client, ConnectOptions, EventType, GetOptions, WatchOptions};
@@ -207,7 +207,7 @@ fn add(state: &RouterState, known: &mut KnownWorkers, reg: WorkerRegistration, m
     state.counters.set_workers(known.len());
     info!(worker_id = %reg.worker_id, dp_size = reg.dp_size, total_kv_blocks = reg.total_kv_blocks, "worker registered");
     // New ranks may take requests waiting for room.
-    crate::admission::release_waiters(state);
+    state.admission.release_waiters();
 }
 
 async fn remove(state: &RouterState, known: &mut KnownWorkers, id: WorkerId) {
@@ -218,7 +218,7 @@ async fn remove(state: &RouterState, known: &mut KnownWorkers, id: WorkerId) {
     state.counters.metrics.route.forget_worker(id, reg.dp_size);
     state.scheduler().remove_worker(id);
     // Waiters pinned to a rank that left, or with no worker left, get their answer.
-    crate::admission::release_waiters(state);
+    state.admission.release_waiters();
     if let Err(e) = state.indexer.remove_worker(id).await {
         warn!(worker_id = %id, error = %e, "indexer could not drop the worker's blocks");
     }

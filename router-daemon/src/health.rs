@@ -286,10 +286,10 @@ fn lock(m: &Mutex<String>) -> std::sync::MutexGuard<'_, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::metrics::Metrics;
+    use crate::metrics::Registrar;
 
     fn health() -> (Health, ConnectionMetrics) {
-        let metrics = Metrics::new().connections;
+        let metrics = ConnectionMetrics::new(&Registrar::unregistered()).unwrap();
         (Health::new(metrics.clone()), metrics)
     }
 

@@ -9,7 +9,7 @@
 //!
 //! The server runs from the start of the daemon (so probes see "starting, not ready"
 //! while etcd is retried) until the very end of shutdown. A scrape costs one sampling
-//! pass ([`crate::metrics::refresh`]: one round trip to every indexer shard, one
+//! pass ([`crate::metrics::Metrics::refresh`]: one round trip to every indexer shard, one
 //! scheduler lock) plus encoding the registry; `/debug/workers` costs one scheduler
 //! lock and one copy of the worker directory.
 //!
@@ -108,7 +108,12 @@ pub fn app(state: HttpState) -> Router {
 }
 
 async fn metrics(State(s): State<HttpState>) -> Response {
-    crate::metrics::refresh(&s.router).await;
+    let router = &s.router;
+    router
+        .counters
+        .metrics
+        .refresh(&router.indexer, || router.scheduler())
+        .await;
     let families = s.registry.gather();
     match prometheus::TextEncoder::new().encode_to_string(&families) {
         Ok(text) => ([(header::CONTENT_TYPE, prometheus::TEXT_FORMAT)], text).into_response(),

@@ -6,102 +6,88 @@
 //! not decode, or whose worker id disagrees with its subject, is counted, logged with
 //! its subject, and skipped; the loop goes on.
 
-use crate::counters::{MessageKind, Outcome};
-use crate::state::RouterState;
+use crate::admission::Admission;
+use crate::metrics::counters::{Counters, MessageKind, Outcome};
 use futures::StreamExt;
-use indexer::IndexerApi as _;
+use indexer::{Indexer, IndexerApi as _};
 use kv_events::{KvEventBatch, LoadMetrics, Subjects, decode};
-use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
 /// Decodes and checks one KV event payload from `subject`.
 ///
 /// Returns `None` (after counting and logging) when it must be skipped.
-pub fn decode_events(state: &RouterState, subject: &str, payload: &[u8]) -> Option<KvEventBatch> {
+pub fn decode_events(counters: &Counters, subject: &str, payload: &[u8]) -> Option<KvEventBatch> {
     let batch: KvEventBatch = match decode(payload) {
         Ok(b) => b,
         Err(e) => {
-            state
-                .counters
-                .message(MessageKind::Events, Outcome::Malformed);
+            counters.message(MessageKind::Events, Outcome::Malformed);
             warn!(subject, error = %e, "malformed kv event batch skipped");
             return None;
         }
     };
     if Subjects::worker_id_from_subject(subject) != Some(batch.worker_id) {
-        state
-            .counters
-            .message(MessageKind::Events, Outcome::Rejected);
+        counters.message(MessageKind::Events, Outcome::Rejected);
         warn!(subject, worker_id = %batch.worker_id, "kv event batch published on another worker's subject skipped");
         return None;
     }
     Some(batch)
 }
 
-/// Consumes KV events until `intake` is cancelled.
+/// Consumes KV events into `indexer` until `intake` is cancelled.
 pub async fn serve_events(
-    state: Arc<RouterState>,
+    indexer: Indexer,
+    counters: Counters,
     subscriber: async_nats::Subscriber,
     intake: CancellationToken,
 ) {
     let mut messages = std::pin::pin!(crate::nats::drain_on_cancel(subscriber, intake));
     while let Some(msg) = messages.next().await {
         let received = std::time::Instant::now();
-        let Some(batch) = decode_events(&state, &msg.subject, &msg.payload) else {
+        let Some(batch) = decode_events(&counters, &msg.subject, &msg.payload) else {
             continue;
         };
-        if let Err(e) = state.indexer.apply(batch).await {
+        if let Err(e) = indexer.apply(batch).await {
             warn!(error = %e, "indexer refused events; stopping event intake");
             return;
         }
-        state
-            .counters
-            .metrics
-            .events
-            .observe_lag(received.elapsed());
-        state.counters.message(MessageKind::Events, Outcome::Ok);
+        counters.metrics.events.observe_lag(received.elapsed());
+        counters.message(MessageKind::Events, Outcome::Ok);
     }
 }
 
-/// Applies one load-metrics payload from `subject`.
-pub fn handle_metrics(state: &RouterState, subject: &str, payload: &[u8]) {
+/// Applies one load-metrics payload from `subject` to the scheduler.
+pub fn handle_metrics(admission: &Admission, counters: &Counters, subject: &str, payload: &[u8]) {
     match decode::<LoadMetrics>(payload) {
         Ok(m) if Subjects::worker_id_from_subject(subject) == Some(m.worker_id) => {
-            state.scheduler().update_load_metrics(m);
-            state.counters.message(MessageKind::Metrics, Outcome::Ok);
+            admission.scheduler().update_load_metrics(m);
+            counters.message(MessageKind::Metrics, Outcome::Ok);
             // Engine-reported load counts toward busy: a lower sample may free room.
-            crate::admission::release_waiters(state);
+            admission.release_waiters();
         }
         Ok(m) => {
-            state
-                .counters
-                .message(MessageKind::Metrics, Outcome::Rejected);
+            counters.message(MessageKind::Metrics, Outcome::Rejected);
             warn!(subject, worker_id = %m.worker_id, "load metrics published on another worker's subject skipped");
         }
         Err(e) => {
-            state
-                .counters
-                .message(MessageKind::Metrics, Outcome::Malformed);
+            counters.message(MessageKind::Metrics, Outcome::Malformed);
             warn!(subject, error = %e, "malformed load metrics skipped");
         }
     }
 }
 
-/// A synchronous per-message handler: state, subject, payload.
-pub type Handler = fn(&RouterState, &str, &[u8]);
-
-/// Feeds every message of `subscriber` to `handler` until `intake` is cancelled. Used
-/// for load metrics ([`handle_metrics`]) and lifecycle messages
-/// ([`crate::lifecycle::handle_lifecycle`]), whose handling never awaits.
+/// Feeds the subject and payload of every message of `subscriber` to `handler` until
+/// `intake` is cancelled. Used for load metrics ([`handle_metrics`]), lifecycle
+/// messages ([`crate::lifecycle::handle_lifecycle`]) and peers' sequence sync
+/// ([`crate::replicas::sync::handle_sync`]), whose handling never awaits; the handler
+/// captures the parts of the daemon it uses.
 pub async fn serve_with(
-    state: Arc<RouterState>,
     subscriber: async_nats::Subscriber,
     intake: CancellationToken,
-    handler: Handler,
+    mut handler: impl FnMut(&str, &[u8]) + Send,
 ) {
     let mut messages = std::pin::pin!(crate::nats::drain_on_cancel(subscriber, intake));
     while let Some(msg) = messages.next().await {
-        handler(&state, &msg.subject, &msg.payload);
+        handler(&msg.subject, &msg.payload);
     }
 }

@@ -21,13 +21,14 @@
 //! - [`lifecycle`]: prefill-done / keep-alive / freed messages from frontends.
 //! - [`admission`]: book now or wait in the queue; release waiters; expire requests.
 //! - [`queue`]: the bounded FCFS wait queue for when every worker is busy.
-//! - [`replicas`]: sequence sync of booked load between router replicas.
-//! - [`replica_snapshot`]: a starting replica learns the bookings its peers hold.
+//! - [`replicas`]: sequence sync of booked load between router replicas, and the
+//!   start-up snapshot in which a starting replica learns the bookings its peers hold.
 //! - [`scheduling_args`]: the scheduling, queue and replica flags of `serve`.
 //! - [`policy_args`]: the default policy and each policy's knob flags.
-//! - [`state`]: the shared router state (indexer handle, scheduler lock, counters).
-//! - [`counters`]: Prometheus counters for messages the daemon handled or rejected.
-//! - [`metrics`]: every other Prometheus metric (routing, events, load, connections).
+//! - [`state`]: the parts of the daemon bundled (indexer, admission, counters, health).
+//! - [`metrics`]: every Prometheus metric, and the one way to create them
+//!   ([`metrics::registrar`]); [`counters`] (per-message counters, the root of the
+//!   metric groups) is re-exported at the crate root.
 //! - [`health`]: liveness and readiness state.
 //! - [`http`]: `/metrics`, `/health/livez`, `/health/readyz`, `/debug/workers`.
 //! - [`directory`]: registered workers with their etcd leases.
@@ -42,7 +43,6 @@ pub mod barrier;
 pub mod config;
 pub mod config_file;
 pub mod connection_args;
-pub mod counters;
 pub mod daemon;
 pub mod directory;
 pub mod discovery;
@@ -58,7 +58,6 @@ pub mod probe;
 pub mod process;
 pub mod queue;
 pub mod relay;
-pub mod replica_snapshot;
 pub mod replicas;
 pub mod route;
 pub mod route_batch;
@@ -68,3 +67,4 @@ pub mod worker_lease;
 
 pub use config::{DaemonConfig, ServeArgs};
 pub use daemon::{Daemon, run};
+pub use metrics::counters;

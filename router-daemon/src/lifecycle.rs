@@ -10,33 +10,30 @@
 //! another replica, or sent twice) is counted as rejected and otherwise ignored:
 //! load accounting is advisory and must never fail on a frontend's retry.
 
-use crate::admission::{relay_step, release_waiters};
-use crate::counters::{MessageKind, Outcome};
-use crate::state::RouterState;
+use crate::admission::Admission;
+use crate::metrics::counters::{Counters, MessageKind, Outcome};
 use kv_events::decode;
 use kv_events::replicas::SequenceUpdate;
 use kv_events::routing::{LifecycleEvent, LifecycleMessage};
 use std::time::Instant;
 use tracing::{debug, warn};
 
-/// Applies one lifecycle payload received on `subject`.
-pub fn handle_lifecycle(state: &RouterState, subject: &str, payload: &[u8]) {
+/// Applies one lifecycle payload received on `subject` to the scheduler.
+pub fn handle_lifecycle(admission: &Admission, counters: &Counters, subject: &str, payload: &[u8]) {
     let msg: LifecycleMessage = match decode(payload) {
         Ok(m) => m,
         Err(e) => {
-            state
-                .counters
-                .message(MessageKind::Lifecycle, Outcome::Malformed);
+            counters.message(MessageKind::Lifecycle, Outcome::Malformed);
             warn!(subject, error = %e, "malformed lifecycle message skipped");
             return;
         }
     };
     let now = Instant::now();
     let id = &msg.request_id;
-    // Before the scheduler lock, for the start-up snapshot (`crate::replica_snapshot`).
-    state.admission.replicas.note_lifecycle(id, msg.event);
+    // Before the scheduler lock, for the start-up snapshot (`crate::replicas::snapshot`).
+    admission.replicas.note_lifecycle(id, msg.event);
     let result = {
-        let mut scheduler = state.scheduler();
+        let mut scheduler = admission.scheduler();
         let (result, update) = match msg.event {
             LifecycleEvent::PrefillDone => (
                 scheduler.mark_prefill_completed(id, now),
@@ -46,21 +43,19 @@ pub fn handle_lifecycle(state: &RouterState, subject: &str, payload: &[u8]) {
             LifecycleEvent::Freed => (scheduler.free(id, now), SequenceUpdate::Freed),
         };
         if let Ok(origin) = result {
-            relay_step(state, origin, id, update);
+            admission.relay_step(origin, id, update);
         }
         result
     };
     match result {
         Ok(_) => {
-            state.counters.message(MessageKind::Lifecycle, Outcome::Ok);
+            counters.message(MessageKind::Lifecycle, Outcome::Ok);
             if msg.event != LifecycleEvent::KeepAlive {
-                release_waiters(state);
+                admission.release_waiters();
             }
         }
         Err(e) => {
-            state
-                .counters
-                .message(MessageKind::Lifecycle, Outcome::Rejected);
+            counters.message(MessageKind::Lifecycle, Outcome::Rejected);
             debug!(subject, request_id = %id, error = %e, "lifecycle message ignored");
         }
     }

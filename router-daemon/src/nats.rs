@@ -12,7 +12,7 @@
 //! delivered to it (core NATS has no replay); the indexer notices the missing event
 //! ids and recovers them (see `indexer/README.md`).
 
-use crate::state::RouterState;
+use crate::health::Health;
 use futures::{Stream, StreamExt};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -168,22 +168,22 @@ impl NatsConfig {
 }
 
 /// Connects to NATS for the daemon: the client reports every connection event to
-/// `state.health`, and keeps retrying the initial connection in the background (the
+/// `health`, and keeps retrying the initial connection in the background (the
 /// returned client queues commands until then).
 ///
 /// # Errors
 /// [`NatsError`] when the options are unusable (unreadable credentials, bad URL).
 pub async fn connect(
     config: &NatsConfig,
-    state: Arc<RouterState>,
+    health: Arc<Health>,
 ) -> Result<async_nats::Client, NatsError> {
     config
         .connect_with("kv-router", |options| {
             options
                 .retry_on_initial_connect()
                 .event_callback(move |event| {
-                    let state = state.clone();
-                    async move { state.health.nats_event(&event) }
+                    let health = health.clone();
+                    async move { health.nats_event(&event) }
                 })
         })
         .await

@@ -16,10 +16,9 @@
 //! release is one scheduling pass over the waiters, stopping at the first unpinned
 //! one that still finds every rank busy.
 
-use crate::metrics::QueueMetrics;
+use crate::metrics::{QueueMetrics, QueueOutcomes};
 use indexer::OverlapScores;
 use kv_events::RequestId;
-use prometheus::{IntCounterVec, Opts, Registry};
 use scheduler::{BatchOrder, ScheduleRequest, Scheduler, SchedulerError, Selection};
 use serde::{Deserialize, Serialize};
 use std::cmp::Reverse;
@@ -267,51 +266,6 @@ impl QueueState {
     /// Number of waiters.
     pub fn len(&self) -> usize {
         self.waiters.len()
-    }
-}
-
-/// How requests left (or failed to join) the wait queue, for Prometheus.
-#[derive(Clone)]
-pub struct QueueOutcomes {
-    /// `kv_router_queue_requests_total{outcome}`: `routed`, `failed` (could not be
-    /// routed as asked, e.g. its pinned rank left), `timed_out` (withdrawn after the
-    /// maximum wait), `refused` (queue full, duplicate id, or shutting down).
-    pub counter: IntCounterVec,
-}
-
-impl QueueOutcomes {
-    /// Creates the counter and registers it in `registry`.
-    ///
-    /// # Errors
-    /// A [`prometheus::Error`] if a metric of the same name is already registered.
-    pub fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
-        let outcomes = Self::unregistered();
-        registry.register(Box::new(outcomes.counter.clone()))?;
-        Ok(outcomes)
-    }
-
-    /// A counter that is not registered anywhere.
-    pub fn unregistered() -> Self {
-        // The name and label are static and valid: construction cannot fail.
-        #[allow(clippy::expect_used)]
-        let counter = IntCounterVec::new(
-            Opts::new(
-                "kv_router_queue_requests_total",
-                "Route requests that left (or could not join) the wait queue, by outcome",
-            ),
-            &["outcome"],
-        )
-        .expect("static metric definition is valid");
-        Self { counter }
-    }
-
-    fn count(&self, outcome: &str) {
-        self.counter.with_label_values(&[outcome]).inc();
-    }
-
-    /// Requests counted so far with `outcome`.
-    pub fn get(&self, outcome: &str) -> u64 {
-        self.counter.with_label_values(&[outcome]).get()
     }
 }
 

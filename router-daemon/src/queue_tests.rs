@@ -1,6 +1,7 @@
 //! Unit tests of the wait queue: order, bounds, release by load, withdrawal, close.
 
 use super::*;
+use crate::metrics::Registrar;
 use kv_events::discovery::WorkerRegistration;
 use kv_events::{DpRank, LocalBlockHash, WorkerId, WorkerRank};
 use scheduler::{SchedulerConfig, Threshold};
@@ -44,8 +45,8 @@ fn queue(capacity: usize) -> WaitQueue {
             capacity,
             max_wait: Duration::from_secs(5),
         },
-        crate::metrics::Metrics::new().queue,
-        QueueOutcomes::unregistered(),
+        QueueMetrics::new(&Registrar::unregistered()).unwrap(),
+        QueueOutcomes::new(&Registrar::unregistered()).unwrap(),
     )
 }
 

@@ -7,7 +7,7 @@
 //! get a typed error reply; nothing from the network can panic this path.
 
 use crate::admission::AdmitError;
-use crate::counters::{MessageKind, Outcome};
+use crate::metrics::counters::{MessageKind, Outcome};
 use crate::queue::QueueError;
 use crate::state::RouterState;
 use futures::StreamExt;
@@ -135,7 +135,7 @@ async fn route(state: &RouterState, request: RouteRequest) -> RouteReply {
         .indexer
         .is_approximate()
         .then(|| schedule.block_hashes.clone());
-    match crate::admission::admit(state, schedule, overlaps, priority).await {
+    match state.admission.admit(schedule, overlaps, priority).await {
         Ok(sel) => routed(state, request_id, request_blocks, &sel, routed_hashes).await,
         Err(e) => admit_error(e),
     }

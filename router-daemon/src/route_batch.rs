@@ -9,11 +9,11 @@
 //!
 //! Per batch: validate every entry (a bad entry fails alone), ask the indexer for
 //! every prompt's prefix matches concurrently, then book everything bookable at once
-//! ([`crate::admission::admit_batch`]). A batch never waits in the queue. Cost: one
+//! ([`crate::admission::Admission::admit_batch`]). A batch never waits in the queue. Cost: one
 //! decode and one reply for the batch; the indexer and scheduler work is the same as
 //! for single queries.
 
-use crate::counters::{MessageKind, Outcome};
+use crate::metrics::counters::{MessageKind, Outcome};
 use crate::route::{admit_error, error, routed, schedule_request};
 use crate::state::RouterState;
 use futures::future::join_all;
@@ -114,7 +114,7 @@ async fn route_batch(state: &RouterState, batch: RouteBatchRequest) -> Vec<Route
             }
         }
     }
-    let results = crate::admission::admit_batch(state, &bookable, order);
+    let results = state.admission.admit_batch(&bookable, order);
     let approximate = state.indexer.is_approximate();
     for ((i, (schedule, _)), result) in positions.into_iter().zip(bookable).zip(results) {
         replies[i] = Some(match result {

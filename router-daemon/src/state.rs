@@ -1,19 +1,20 @@
-//! The state every daemon task shares.
+//! The parts of the daemon, bundled for the start-up code and the services on top.
 //!
-//! The indexer is a handle to shard tasks (cheap to clone, internally ordered); the
-//! scheduler sits behind one mutex so that *select* and *book* are a single atomic
-//! step: two concurrent queries can never both see a worker as idle and pile onto it.
-//! The critical section is a scan over registered ranks (microseconds), so the lock is
-//! not a throughput limit at the query rates a router replica sees.
+//! Each part is built on its own and knows nothing of this bundle: admission owns the
+//! scheduler lock, health is shared with the NATS connection's event callback, and
+//! the metrics live in the counters. Tasks take the parts they use (cheap handles or
+//! `Arc`s). Only the services that use most of it — routing, discovery, index
+//! recovery, the HTTP endpoint — take the whole bundle, and no part imports it, so
+//! the module graph stays one-way: parts → state → services → daemon.
 
 use crate::admission::Admission;
-use crate::counters::Counters;
 use crate::directory::WorkerDirectory;
 use crate::health::Health;
+use crate::metrics::counters::Counters;
 use indexer::Indexer;
 use kv_events::Subjects;
 use scheduler::Scheduler;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, MutexGuard};
 
 /// Shared router state.
 pub struct RouterState {
@@ -21,27 +22,24 @@ pub struct RouterState {
     pub subjects: Subjects,
     /// Tokens per KV block in this namespace.
     pub block_size: u32,
-    /// The block index (either backend, see `indexer::Indexer`).
+    /// The block index (either backend, see `indexer::Indexer`); a cheap handle.
     pub indexer: Indexer,
-    /// Worker selection and active-request load.
-    scheduler: Mutex<Scheduler>,
-    /// Message counters.
+    /// Message counters and every other metric group (cheap handles).
     pub counters: Counters,
     /// Registered workers with their etcd leases (written by discovery).
     pub directory: WorkerDirectory,
     /// Readiness: NATS and etcd connection, discovery, recovery, phase.
-    pub health: Health,
-    /// Wait queue, replica sync and request expiry.
-    pub admission: Admission,
+    pub health: Arc<Health>,
+    /// The scheduler lock, wait queue, replica sync and request expiry.
+    pub admission: Arc<Admission>,
 }
 
 impl RouterState {
-    /// Bundles the parts.
+    /// Bundles the parts; health starts as "starting, nothing connected".
     pub fn new(
         subjects: Subjects,
         block_size: u32,
         indexer: Indexer,
-        scheduler: Scheduler,
         counters: Counters,
         admission: Admission,
     ) -> Self {
@@ -49,20 +47,15 @@ impl RouterState {
             subjects,
             block_size,
             indexer,
-            scheduler: Mutex::new(scheduler),
-            health: Health::new(counters.metrics.connections.clone()),
+            health: Arc::new(Health::new(counters.metrics.connections.clone())),
             counters,
             directory: WorkerDirectory::new(),
-            admission,
+            admission: Arc::new(admission),
         }
     }
 
-    /// Locks the scheduler. A panic while holding the lock cannot leave the scheduler
-    /// half-updated in a way that matters more than stopping routing would, so a
-    /// poisoned lock is recovered rather than propagated.
+    /// Locks the scheduler ([`Admission::scheduler`]).
     pub fn scheduler(&self) -> MutexGuard<'_, Scheduler> {
-        self.scheduler
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.admission.scheduler()
     }
 }

@@ -19,8 +19,8 @@
 //! Gap recovery from publishers stays active (a publisher's own losses before NATS are
 //! not in the stream either).
 
-use crate::counters::{MessageKind, Outcome};
 use crate::durability::JetStreamConfig;
+use crate::metrics::counters::{MessageKind, Outcome};
 use crate::state::RouterState;
 use async_nats::jetstream::{self, consumer, object_store, stream};
 use futures::StreamExt;
@@ -351,7 +351,7 @@ pub async fn consume(
             }
         };
         if let Some(batch) =
-            crate::intake::decode_events(&state, &message.subject, &message.payload)
+            crate::intake::decode_events(&state.counters, &message.subject, &message.payload)
         {
             if let Err(e) = state.indexer.apply(batch).await {
                 warn!(error = %e, "indexer refused events; stopping jetstream intake");

@@ -318,7 +318,8 @@ pub async fn start_event_intake(
             .await
             .context("subscribing to kv events")?;
         tasks.spawn(crate::intake::serve_events(
-            state.clone(),
+            state.indexer.clone(),
+            state.counters.clone(),
             events,
             intake.child_token(),
         ));

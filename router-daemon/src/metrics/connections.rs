@@ -1,8 +1,7 @@
 //! [`ConnectionMetrics`]: NATS and etcd connection state and readiness, written by
 //! [`crate::health::Health`].
 
-use super::{counter_vec, gauge};
-use prometheus::core::Collector;
+use super::registrar::Registrar;
 use prometheus::{IntCounterVec, IntGauge};
 
 /// NATS and etcd connection state, and overall readiness.
@@ -19,42 +18,36 @@ pub struct ConnectionMetrics {
 }
 
 impl ConnectionMetrics {
-    pub(crate) fn new() -> Self {
-        Self {
-            nats_connected: gauge(
+    /// Creates the metrics through `r`.
+    ///
+    /// # Errors
+    /// A [`prometheus::Error`] if a metric of the same name is already registered.
+    pub fn new(r: &Registrar<'_>) -> Result<Self, prometheus::Error> {
+        Ok(Self {
+            nats_connected: r.gauge(
                 "kv_router_nats_connected",
                 "1 while the NATS connection is up, 0 while disconnected",
-            ),
-            nats_events: counter_vec(
+            )?,
+            nats_events: r.counter_vec(
                 "kv_router_nats_events_total",
                 "NATS connection events (connected, disconnected, lame_duck, slow_consumer, \
                  server_error, client_error, draining, closed)",
                 &["event"],
-            ),
-            etcd_connected: gauge(
+            )?,
+            etcd_connected: r.gauge(
                 "kv_router_etcd_connected",
                 "1 while etcd answers, 0 while the daemon is retrying with backoff",
-            ),
-            etcd_errors: counter_vec(
+            )?,
+            etcd_errors: r.counter_vec(
                 "kv_router_etcd_errors_total",
                 "etcd failures, by stage (connect, load, watch)",
                 &["stage"],
-            ),
-            ready: gauge(
+            )?,
+            ready: r.gauge(
                 "kv_router_ready",
                 "1 while the daemon reports ready on /health/readyz",
-            ),
-        }
-    }
-
-    pub(crate) fn collectors(&self) -> Vec<Box<dyn Collector>> {
-        vec![
-            Box::new(self.nats_connected.clone()),
-            Box::new(self.nats_events.clone()),
-            Box::new(self.etcd_connected.clone()),
-            Box::new(self.etcd_errors.clone()),
-            Box::new(self.ready.clone()),
-        ]
+            )?,
+        })
     }
 
     /// Counts one NATS connection event (lowercase snake-case name).

@@ -2,12 +2,9 @@
 //! scrape time) and [`RecoveryMetrics`] (recoveries of missed events, recorded by the
 //! recovery service).
 
-use super::{
-    RANK_LABELS, counter_vec, gauge, gauge_vec, histogram, latency_buckets, rank_labels, to_i64,
-};
-use prometheus::IntCounter;
-use prometheus::core::Collector;
-use prometheus::{Histogram, IntCounterVec, IntGauge, IntGaugeVec};
+use super::common::{RANK_LABELS, latency_buckets, rank_labels, to_i64};
+use super::registrar::Registrar;
+use prometheus::{Histogram, IntCounter, IntCounterVec, IntGauge, IntGaugeVec};
 use std::time::Duration;
 
 /// KV event intake and the indexer behind it.
@@ -29,90 +26,76 @@ pub struct EventMetrics {
 }
 
 impl EventMetrics {
-    pub(crate) fn new() -> Self {
-        Self {
-            lag: histogram(
+    /// Creates the metrics through `r`.
+    ///
+    /// # Errors
+    /// A [`prometheus::Error`] if a metric of the same name is already registered.
+    pub fn new(r: &Registrar<'_>) -> Result<Self, prometheus::Error> {
+        Ok(Self {
+            lag: r.histogram(
                 "kv_router_event_lag_seconds",
                 "Intake lag of a KV event batch: from its delivery to the daemon until its \
                  shard queue accepted it (includes backpressure waits), in seconds",
                 latency_buckets(),
-            ),
-            applied: counter_vec(
+            )?,
+            applied: r.counter_vec(
                 "kv_router_indexer_events_total",
                 "KV events taken by the indexer shards, by event type and outcome",
                 &["type", "outcome"],
-            ),
-            order: counter_vec(
+            )?,
+            order: r.counter_vec(
                 "kv_router_indexer_event_order_total",
                 "Events outside the expected per-rank sequence, by kind (duplicate, \
                  stale_epoch, gap, publisher_restart, buffered, buffer_overflow, lost)",
                 &["kind"],
-            ),
-            recoveries: counter_vec(
+            )?,
+            recoveries: r.counter_vec(
                 "kv_router_indexer_recoveries_total",
                 "Recovery steps of the indexer, by result (requested, range, dump, \
                  ignored, abandoned)",
                 &["result"],
-            ),
-            blocks: counter_vec(
+            )?,
+            blocks: r.counter_vec(
                 "kv_router_indexer_block_ops_total",
                 "Block-level effects of applied KV events and worker removals, by op \
                  (stored, duplicate, removed, unknown_removed, recovered, pruned, \
                  forgotten, approximate, expired)",
                 &["op"],
-            ),
-            queued: gauge(
+            )?,
+            queued: r.gauge(
                 "kv_router_indexer_queued_events",
                 "Event batches waiting in the shard queues",
-            ),
-            tree_nodes: gauge(
+            )?,
+            tree_nodes: r.gauge(
                 "kv_router_indexer_nodes",
                 "Radix tree nodes (distinct block positions) over all shards",
-            ),
-            tree_blocks: gauge(
+            )?,
+            tree_blocks: r.gauge(
                 "kv_router_indexer_blocks",
                 "Indexed (worker rank, block) entries over all shards",
-            ),
-            tree_ranks: gauge(
+            )?,
+            tree_ranks: r.gauge(
                 "kv_router_indexer_ranks",
                 "Worker ranks known to the indexer",
-            ),
-            tree_bytes: gauge(
+            )?,
+            tree_bytes: r.gauge(
                 "kv_router_indexer_memory_bytes",
                 "Approximate heap footprint of the radix trees, in bytes",
-            ),
-            rank_blocks: gauge_vec(
+            )?,
+            rank_blocks: r.gauge_vec(
                 "kv_router_indexer_rank_blocks",
                 "Blocks indexed for each worker rank",
                 RANK_LABELS,
-            ),
-            recovering_ranks: gauge(
+            )?,
+            recovering_ranks: r.gauge(
                 "kv_router_indexer_recovering_ranks",
                 "Worker ranks with a recovery of missed events pending",
-            ),
-            buffered_events: gauge(
+            )?,
+            buffered_events: r.gauge(
                 "kv_router_indexer_buffered_events",
                 "Events held in recovery buffers until their gap is filled",
-            ),
-        }
-    }
-
-    pub(crate) fn collectors(&self) -> Vec<Box<dyn Collector>> {
-        vec![
-            Box::new(self.lag.clone()),
-            Box::new(self.applied.clone()),
-            Box::new(self.order.clone()),
-            Box::new(self.recoveries.clone()),
-            Box::new(self.blocks.clone()),
-            Box::new(self.queued.clone()),
-            Box::new(self.tree_nodes.clone()),
-            Box::new(self.tree_blocks.clone()),
-            Box::new(self.tree_ranks.clone()),
-            Box::new(self.tree_bytes.clone()),
-            Box::new(self.rank_blocks.clone()),
-            Box::new(self.recovering_ranks.clone()),
-            Box::new(self.buffered_events.clone()),
-        ]
+            )?,
+        })
     }
 
     /// Records the intake lag of one batch.
@@ -121,7 +104,7 @@ impl EventMetrics {
     }
 
     /// Raises a sampled monotonic counter to `value` (it never goes down; a scrape
-    /// lock serialises the callers, see [`refresh`]).
+    /// lock serialises the callers, see [`super::Metrics::refresh`]).
     fn raise(counter: &IntCounter, value: u64) {
         let current = counter.get();
         if value > current {
@@ -205,25 +188,25 @@ pub struct RecoveryMetrics {
 }
 
 impl RecoveryMetrics {
-    pub(crate) fn new() -> Self {
-        Self {
-            runs: counter_vec(
+    /// Creates the metrics through `r`.
+    ///
+    /// # Errors
+    /// A [`prometheus::Error`] if a metric of the same name is already registered.
+    pub fn new(r: &Registrar<'_>) -> Result<Self, prometheus::Error> {
+        Ok(Self {
+            runs: r.counter_vec(
                 "kv_router_recovery_runs_total",
                 "Recoveries of missed KV events, by kind (e.g. replay, dump) and outcome \
                  (ok, failed)",
                 &["kind", "outcome"],
-            ),
-            duration: histogram(
+            )?,
+            duration: r.histogram(
                 "kv_router_recovery_duration_seconds",
                 "Time from detecting missed KV events to having applied the recovered \
                  state, in seconds",
                 latency_buckets(),
-            ),
-        }
-    }
-
-    pub(crate) fn collectors(&self) -> Vec<Box<dyn Collector>> {
-        vec![Box::new(self.runs.clone()), Box::new(self.duration.clone())]
+            )?,
+        })
     }
 
     /// Records one recovery run of `kind` (lowercase, e.g. `replay`, `dump`) that ended

@@ -2,10 +2,10 @@
 //! load booked on and reported by every rank, sampled at scrape time under one
 //! scheduler lock).
 
-use super::{RANK_LABELS, gauge, gauge_vec, histogram, latency_buckets, rank_labels, to_i64};
-use crate::state::RouterState;
-use prometheus::core::Collector;
+use super::common::{RANK_LABELS, latency_buckets, rank_labels, to_i64};
+use super::registrar::Registrar;
 use prometheus::{Histogram, IntGauge, IntGaugeVec};
+use scheduler::Scheduler;
 use std::time::Duration;
 
 /// The wait queue of routing queries when every worker is busy.
@@ -16,23 +16,23 @@ pub struct QueueMetrics {
 }
 
 impl QueueMetrics {
-    pub(crate) fn new() -> Self {
-        Self {
-            depth: gauge(
+    /// Creates the metrics through `r`.
+    ///
+    /// # Errors
+    /// A [`prometheus::Error`] if a metric of the same name is already registered.
+    pub fn new(r: &Registrar<'_>) -> Result<Self, prometheus::Error> {
+        Ok(Self {
+            depth: r.gauge(
                 "kv_router_queue_depth",
                 "Routing queries waiting because every worker rank is busy",
-            ),
-            wait: histogram(
+            )?,
+            wait: r.histogram(
                 "kv_router_queue_wait_seconds",
                 "Time a routing query waited in the queue before it was scheduled or \
                  refused, in seconds",
                 latency_buckets(),
-            ),
-        }
-    }
-
-    pub(crate) fn collectors(&self) -> Vec<Box<dyn Collector>> {
-        vec![Box::new(self.depth.clone()), Box::new(self.wait.clone())]
+            )?,
+        })
     }
 
     /// Sets the number of queued queries.
@@ -59,45 +59,49 @@ pub struct WorkerLoadMetrics {
 }
 
 impl WorkerLoadMetrics {
-    pub(crate) fn new() -> Self {
-        Self {
-            prefill_tokens: gauge_vec(
+    /// Creates the metrics through `r`.
+    ///
+    /// # Errors
+    /// A [`prometheus::Error`] if a metric of the same name is already registered.
+    pub fn new(r: &Registrar<'_>) -> Result<Self, prometheus::Error> {
+        Ok(Self {
+            prefill_tokens: r.gauge_vec(
                 "kv_router_worker_active_prefill_tokens",
                 "Prompt tokens routed to the rank whose prefill is not done, in tokens",
                 RANK_LABELS,
-            ),
-            decode_blocks: gauge_vec(
+            )?,
+            decode_blocks: r.gauge_vec(
                 "kv_router_worker_active_decode_blocks",
                 "KV blocks held by requests routed to the rank and not yet freed",
                 RANK_LABELS,
-            ),
-            requests: gauge_vec(
+            )?,
+            requests: r.gauge_vec(
                 "kv_router_worker_active_requests",
                 "Requests routed to the rank by this replica and not yet freed",
                 RANK_LABELS,
-            ),
-            engine_kv_used: gauge_vec(
+            )?,
+            engine_kv_used: r.gauge_vec(
                 "kv_router_engine_kv_used_blocks",
                 "KV blocks in use, as last reported by the engine rank",
                 RANK_LABELS,
-            ),
-            engine_kv_total: gauge_vec(
+            )?,
+            engine_kv_total: r.gauge_vec(
                 "kv_router_engine_kv_total_blocks",
                 "KV cache capacity in blocks, as last reported by the engine rank",
                 RANK_LABELS,
-            ),
-            engine_running: gauge_vec(
+            )?,
+            engine_running: r.gauge_vec(
                 "kv_router_engine_requests_running",
                 "Requests in the running batch, as last reported by the engine rank",
                 RANK_LABELS,
-            ),
-            engine_waiting: gauge_vec(
+            )?,
+            engine_waiting: r.gauge_vec(
                 "kv_router_engine_requests_waiting",
                 "Requests waiting for a batch slot or KV space, as last reported by the \
                  engine rank",
                 RANK_LABELS,
-            ),
-        }
+            )?,
+        })
     }
 
     pub(crate) fn all(&self) -> [&IntGaugeVec; 7] {
@@ -112,18 +116,11 @@ impl WorkerLoadMetrics {
         ]
     }
 
-    pub(crate) fn collectors(&self) -> Vec<Box<dyn Collector>> {
-        self.all()
-            .into_iter()
-            .map(|g| Box::new(g.clone()) as Box<dyn Collector>)
-            .collect()
-    }
-
-    pub(crate) fn sample(&self, state: &RouterState) {
+    /// Replaces every sample with the load `scheduler` holds now.
+    pub(crate) fn sample(&self, scheduler: &Scheduler) {
         for g in self.all() {
             g.reset();
         }
-        let scheduler = state.scheduler();
         for &rank in scheduler.ranks() {
             let labels = rank_labels(rank);
             let load = scheduler.rank_load(rank);

@@ -2,13 +2,10 @@
 //! prompt was cached on the chosen rank, and where they went. Recorded once per
 //! answered query: a few atomic adds and, for errors, one label lookup.
 
-use super::{
-    RANK_LABELS, counter_vec, histogram, histogram_vec, latency_buckets, overlap_buckets,
-    rank_labels,
-};
+use super::common::{RANK_LABELS, latency_buckets, overlap_buckets, rank_labels};
+use super::registrar::Registrar;
 use kv_events::WorkerRank;
 use kv_events::routing::RouteReply;
-use prometheus::core::Collector;
 use prometheus::{Histogram, HistogramVec, IntCounterVec};
 use std::time::Duration;
 
@@ -22,39 +19,34 @@ pub struct RouteMetrics {
 }
 
 impl RouteMetrics {
-    pub(crate) fn new() -> Self {
-        Self {
-            requests: counter_vec(
+    /// Creates the metrics through `r`.
+    ///
+    /// # Errors
+    /// A [`prometheus::Error`] if a metric of the same name is already registered.
+    pub fn new(r: &Registrar<'_>) -> Result<Self, prometheus::Error> {
+        Ok(Self {
+            requests: r.counter_vec(
                 "kv_router_route_requests_total",
                 "Routing queries answered, by outcome (routed or the error code)",
                 &["outcome"],
-            ),
-            duration: histogram_vec(
+            )?,
+            duration: r.histogram_vec(
                 "kv_router_route_duration_seconds",
                 "Time from receiving a routing query to having its reply, in seconds, by outcome",
                 &["outcome"],
                 latency_buckets(),
-            ),
-            overlap_blocks: histogram(
+            )?,
+            overlap_blocks: r.histogram(
                 "kv_router_route_overlap_blocks",
                 "Prompt blocks already cached on the chosen worker rank, per routed query",
                 overlap_buckets(),
-            ),
-            decisions: counter_vec(
+            )?,
+            decisions: r.counter_vec(
                 "kv_router_route_decisions_total",
                 "Routed queries by chosen worker rank",
                 RANK_LABELS,
-            ),
-        }
-    }
-
-    pub(crate) fn collectors(&self) -> Vec<Box<dyn Collector>> {
-        vec![
-            Box::new(self.requests.clone()),
-            Box::new(self.duration.clone()),
-            Box::new(self.overlap_blocks.clone()),
-            Box::new(self.decisions.clone()),
-        ]
+            )?,
+        })
     }
 
     /// Records one answered routing query that took `elapsed`.

@@ -34,150 +34,33 @@
 //! dropped (B under-counts those bookings until they are freed); bookings on ranks B
 //! has not registered are refused; the TTL and any prefill decay of a learned booking
 //! restart when B applies it; peers running a version without the snapshot do not
-//! answer; the record keeps at most [`RECENT_STEPS_CAPACITY`] steps (the oldest are
+//! answer; the record keeps at most [`super::bookings::RECENT_STEPS_CAPACITY`] steps (the oldest are
 //! forgotten — only steps around the request matter). Load accounting is advisory:
 //! each of these only makes B count differently for a while, never fails a request.
 //!
 //! Costs: at start-up one request, a wait of at most the window (overlapped with the
 //! index recovery; none for the first replica, which gets "no responders"), and
 //! replies of about 9 bytes per prompt block of every in-flight request. Each replica
-//! keeps a copy of its own bookings to answer from ([`OwnBookings`]).
+//! keeps a copy of its own bookings to answer from
+//! ([`super::bookings::OwnBookings`]).
 
-use crate::counters::{MessageKind, Outcome};
-use crate::replicas::booked_event;
-use crate::state::RouterState;
+use super::bookings::{RecentStep, booked_event};
+use crate::admission::Admission;
+use crate::metrics::counters::{Counters, MessageKind, Outcome};
 use anyhow::Context;
 use futures::StreamExt;
 use kv_events::replicas::{
     BookedSequence, SNAPSHOT_CHUNK_BYTES, SnapshotEntry, SnapshotReply, SnapshotRequest,
 };
-use kv_events::{RequestId, RouterId, decode, encode};
-use scheduler::{Origin, Scheduler, SchedulerError};
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use kv_events::{RouterId, Subjects, decode, encode};
+use scheduler::SchedulerError;
+use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
-
-/// Most steps recorded while the start-up snapshot is pending; beyond it the oldest
-/// are forgotten. Bounds memory when start-up waits long (etcd down) under load.
-pub const RECENT_STEPS_CAPACITY: usize = 100_000;
-
-/// Own bookings are pruned when they reach this many entries, and then at twice the
-/// number left.
-const MIN_PRUNE_AT: usize = 1024;
-
-/// A step recorded while the start-up snapshot is pending.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RecentStep {
-    /// The request's prefill completed.
-    PrefillDone,
-    /// The request was freed (dominates a prefill-done).
-    Freed,
-}
-
-/// Steps seen since the sequences subscription started, by request id, bounded by
-/// [`RECENT_STEPS_CAPACITY`] (oldest forgotten first).
-#[derive(Debug, Default)]
-pub struct RecentSteps {
-    steps: HashMap<RequestId, RecentStep>,
-    order: VecDeque<RequestId>,
-}
-
-impl RecentSteps {
-    /// Records `step` for `id`; a freed request stays freed.
-    pub fn note(&mut self, id: &RequestId, step: RecentStep) {
-        if let Some(known) = self.steps.get_mut(id) {
-            if step == RecentStep::Freed {
-                *known = RecentStep::Freed;
-            }
-            return;
-        }
-        if self.order.len() >= RECENT_STEPS_CAPACITY
-            && let Some(oldest) = self.order.pop_front()
-        {
-            self.steps.remove(&oldest);
-        }
-        self.steps.insert(id.clone(), step);
-        self.order.push_back(id.clone());
-    }
-
-    /// The step recorded for `id`, if any.
-    pub fn get(&self, id: &RequestId) -> Option<RecentStep> {
-        self.steps.get(id).copied()
-    }
-}
-
-/// This replica's own in-flight bookings, as they were published, to answer
-/// snapshot requests from. Entries are added at booking and removed when the
-/// request is freed or expires; requests dropped with their worker leave stale
-/// entries, which answers skip and which are pruned once the map doubles.
-#[derive(Debug)]
-pub struct OwnBookings {
-    map: HashMap<RequestId, Arc<BookedSequence>>,
-    prune_at: usize,
-}
-
-impl Default for OwnBookings {
-    fn default() -> Self {
-        Self {
-            map: HashMap::new(),
-            prune_at: MIN_PRUNE_AT,
-        }
-    }
-}
-
-impl OwnBookings {
-    /// Keeps a booking. Returns true when the map has grown enough to be pruned.
-    pub fn insert(&mut self, id: RequestId, booked: Arc<BookedSequence>) -> bool {
-        self.map.insert(id, booked);
-        self.map.len() >= self.prune_at
-    }
-
-    /// Forgets a booking.
-    pub fn remove(&mut self, id: &RequestId) {
-        self.map.remove(id);
-    }
-
-    /// Entries kept (stale ones included).
-    pub fn len(&self) -> usize {
-        self.map.len()
-    }
-
-    /// Whether nothing is kept.
-    pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
-    }
-
-    /// Drops the entries the scheduler no longer holds as our own.
-    pub fn prune(&mut self, scheduler: &Scheduler) {
-        self.map.retain(|id, _| is_own(scheduler, id));
-        self.prune_at = (self.map.len() * 2).max(MIN_PRUNE_AT);
-    }
-
-    /// The bookings the scheduler still holds as our own, with whether their prefill
-    /// completed: the body of a snapshot answer. Cheap (reference counts only), so
-    /// it can run under the scheduler lock.
-    fn current(&self, scheduler: &Scheduler) -> Vec<(RequestId, Arc<BookedSequence>, bool)> {
-        self.map
-            .iter()
-            .filter_map(|(id, booked)| {
-                let active = scheduler.sequences().get(id)?;
-                (active.origin == Origin::Local)
-                    .then(|| (id.clone(), booked.clone(), active.prefill_done))
-            })
-            .collect()
-    }
-}
-
-fn is_own(scheduler: &Scheduler, id: &RequestId) -> bool {
-    scheduler
-        .sequences()
-        .get(id)
-        .is_some_and(|r| r.origin == Origin::Local)
-}
 
 /// What one start-up snapshot learned.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -222,8 +105,13 @@ impl fmt::Display for SnapshotSummary {
 /// (bookings need their ranks registered) and before serving routes. Never fails:
 /// no peers, no answers or a NATS error leave the replica with what the live
 /// subject brings.
-pub async fn gather(state: &RouterState, nats: &async_nats::Client) -> SnapshotSummary {
-    let replicas = &state.admission.replicas;
+pub async fn gather(
+    admission: &Admission,
+    counters: &Counters,
+    subjects: &Subjects,
+    nats: &async_nats::Client,
+) -> SnapshotSummary {
+    let replicas = &admission.replicas;
     let window = replicas.snapshot_timeout();
     let mut summary = SnapshotSummary::default();
     if window.is_zero() {
@@ -233,8 +121,8 @@ pub async fn gather(state: &RouterState, nats: &async_nats::Client) -> SnapshotS
         }
         return summary;
     }
-    let subject = state.subjects.sequences_snapshot();
-    match collect(state, nats, &subject, window, &mut summary).await {
+    let subject = subjects.sequences_snapshot();
+    match collect(admission, counters, nats, &subject, window, &mut summary).await {
         Ok(()) => {
             let (peers, complete) = summary.peer_counts();
             info!(
@@ -264,14 +152,15 @@ pub async fn gather(state: &RouterState, nats: &async_nats::Client) -> SnapshotS
 }
 
 async fn collect(
-    state: &RouterState,
+    admission: &Admission,
+    counters: &Counters,
     nats: &async_nats::Client,
     subject: &str,
     window: std::time::Duration,
     summary: &mut SnapshotSummary,
 ) -> anyhow::Result<()> {
     let request = SnapshotRequest {
-        router_id: state.admission.replicas.router_id(),
+        router_id: admission.replicas.router_id(),
     };
     let payload = encode(&request).context("encoding the snapshot request")?;
     let inbox = nats.new_inbox();
@@ -295,7 +184,13 @@ async fn collect(
             debug!(subject, "replica snapshot: no peers answer");
             break;
         }
-        apply_reply(state, &message.subject, &message.payload, summary);
+        apply_reply(
+            admission,
+            counters,
+            &message.subject,
+            &message.payload,
+            summary,
+        );
     }
     Ok(())
 }
@@ -306,23 +201,22 @@ async fn collect(
 /// prefill completed when the reply or a recorded step says so. Malformed replies are
 /// counted, logged with their subject and skipped.
 pub fn apply_reply(
-    state: &RouterState,
+    admission: &Admission,
+    counters: &Counters,
     subject: &str,
     payload: &[u8],
     summary: &mut SnapshotSummary,
 ) {
-    let replicas = &state.admission.replicas;
+    let replicas = &admission.replicas;
     let metrics = replicas.metrics();
     let reply: SnapshotReply = match decode(payload) {
         Ok(r) => r,
         Err(e) => {
             summary.malformed += 1;
-            return skip_malformed(state, subject, "reply", &e);
+            return skip_malformed(admission, counters, subject, "reply", &e);
         }
     };
-    state
-        .counters
-        .message(MessageKind::SequenceSnapshot, Outcome::Ok);
+    counters.message(MessageKind::SequenceSnapshot, Outcome::Ok);
     if reply.router_id == replicas.router_id() {
         return;
     }
@@ -332,7 +226,7 @@ pub fn apply_reply(
     let now = Instant::now();
     let mut applied = false;
     {
-        let mut scheduler = state.scheduler();
+        let mut scheduler = admission.scheduler();
         let recent = replicas.recent_steps();
         for entry in reply.requests {
             let step = recent.get(&entry.request_id);
@@ -367,7 +261,7 @@ pub fn apply_reply(
         }
     }
     if applied {
-        state.admission.expiry.notify_one();
+        admission.expiry.notify_one();
     }
 }
 
@@ -378,20 +272,23 @@ pub fn apply_reply(
 /// # Errors
 /// When the subscription fails.
 pub async fn serve(
-    state: &Arc<RouterState>,
+    admission: &Arc<Admission>,
+    counters: &Counters,
+    subjects: &Subjects,
     nats: &async_nats::Client,
     tasks: &TaskTracker,
     stop: &CancellationToken,
 ) -> anyhow::Result<()> {
-    if !state.admission.replicas.enabled() {
+    if !admission.replicas.enabled() {
         return Ok(());
     }
     let requests = nats
-        .subscribe(state.subjects.sequences_snapshot())
+        .subscribe(subjects.sequences_snapshot())
         .await
         .context("subscribing to replica snapshot requests")?;
     tasks.spawn(answer_requests(
-        state.clone(),
+        admission.clone(),
+        counters.clone(),
         nats.clone(),
         requests,
         stop.child_token(),
@@ -400,18 +297,19 @@ pub async fn serve(
 }
 
 async fn answer_requests(
-    state: Arc<RouterState>,
+    admission: Arc<Admission>,
+    counters: Counters,
     nats: async_nats::Client,
     requests: async_nats::Subscriber,
     stop: CancellationToken,
 ) {
-    let replicas = &state.admission.replicas;
+    let replicas = &admission.replicas;
     let mut requests = std::pin::pin!(crate::nats::drain_on_cancel(requests, stop));
     loop {
         let message = tokio::select! {
             message = requests.next() => message,
             () = replicas.prune_wanted() => {
-                let scheduler = state.scheduler();
+                let scheduler = admission.scheduler();
                 let mut own = replicas.own_bookings();
                 let before = own.len();
                 own.prune(&scheduler);
@@ -420,18 +318,21 @@ async fn answer_requests(
             }
         };
         let Some(message) = message else { return };
-        answer(&state, &nats, &message).await;
+        answer(&admission, &counters, &nats, &message).await;
     }
 }
 
 /// Counts and logs an undecodable snapshot `what` ("request" or "reply") received on
 /// `subject`; the caller skips it.
-fn skip_malformed(state: &RouterState, subject: &str, what: &str, error: &dyn std::fmt::Display) {
-    state
-        .counters
-        .message(MessageKind::SequenceSnapshot, Outcome::Malformed);
-    state
-        .admission
+fn skip_malformed(
+    admission: &Admission,
+    counters: &Counters,
+    subject: &str,
+    what: &str,
+    error: &dyn std::fmt::Display,
+) {
+    counters.message(MessageKind::SequenceSnapshot, Outcome::Malformed);
+    admission
         .replicas
         .metrics()
         .count("snapshot_in", "malformed");
@@ -439,29 +340,30 @@ fn skip_malformed(state: &RouterState, subject: &str, what: &str, error: &dyn st
 }
 
 /// Answers one snapshot request with our own bookings, chunked, to its reply inbox.
-async fn answer(state: &RouterState, nats: &async_nats::Client, message: &async_nats::Message) {
-    let replicas = &state.admission.replicas;
+async fn answer(
+    admission: &Admission,
+    counters: &Counters,
+    nats: &async_nats::Client,
+    message: &async_nats::Message,
+) {
+    let replicas = &admission.replicas;
     let metrics = replicas.metrics();
     let subject = message.subject.as_str();
     let request: SnapshotRequest = match decode(&message.payload) {
         Ok(r) => r,
-        Err(e) => return skip_malformed(state, subject, "request", &e),
+        Err(e) => return skip_malformed(admission, counters, subject, "request", &e),
     };
     if request.router_id == replicas.router_id() {
         return;
     }
     let Some(reply_to) = message.reply.clone() else {
-        state
-            .counters
-            .message(MessageKind::SequenceSnapshot, Outcome::Rejected);
+        counters.message(MessageKind::SequenceSnapshot, Outcome::Rejected);
         warn!(subject, router_id = %request.router_id, "replica snapshot request without a reply inbox skipped");
         return;
     };
-    state
-        .counters
-        .message(MessageKind::SequenceSnapshot, Outcome::Ok);
+    counters.message(MessageKind::SequenceSnapshot, Outcome::Ok);
     let current = {
-        let scheduler = state.scheduler();
+        let scheduler = admission.scheduler();
         replicas.own_bookings().current(&scheduler)
     };
     let entries: Vec<SnapshotEntry> = current
@@ -501,5 +403,5 @@ async fn answer(state: &RouterState, nats: &async_nats::Client, message: &async_
 }
 
 #[cfg(test)]
-#[path = "replica_snapshot_tests.rs"]
+#[path = "snapshot_tests.rs"]
 mod tests;

@@ -1,11 +1,11 @@
-//! Sequence sync between router replicas.
+//! Sequence sync between router replicas, and the start-up snapshot.
 //!
 //! Replicas share the route queue group, so each books only the requests NATS hands
 //! it. To let every replica see the whole cluster's booked load, each publishes the
 //! changes to the requests it booked (its *own* requests) on `{ns}.router.sequences`
 //! as `SequenceSync` messages tagged with its [`RouterId`], and applies the others'
 //! (ignoring its own). A replica that starts while others serve first learns what
-//! they booked earlier from a start-up snapshot ([`crate::replica_snapshot`]):
+//! they booked earlier from a start-up snapshot ([`snapshot`]):
 //!
 //! ```text
 //!   replica A                          NATS {ns}.router.sequences            replica B
@@ -36,25 +36,37 @@
 //! full a message is dropped and counted (peers then under-count that request until
 //! its TTL), never blocking routing. To answer snapshots, each replica keeps a copy
 //! of its own in-flight bookings (8 bytes per prompt block hash of each own request).
+//!
+//! # Layout
+//! One way down, so no file imports one above it:
+//! - this file: [`ReplicaConfig`] and [`Replicas`], this replica's side of the sync
+//!   (its id, the outbox, its own bookings, the steps recorded for the snapshot),
+//!   which admission holds;
+//! - [`bookings`]: the records behind it ([`bookings::OwnBookings`],
+//!   [`bookings::RecentSteps`]) and the one way a peer's booking becomes a scheduler
+//!   event;
+//! - [`sync`]: the tasks publishing our steps and applying our peers';
+//! - [`snapshot`]: asking peers for their bookings at start-up, and answering them.
+//!
+//! `sync` and `snapshot` sit above admission (they lock the scheduler and release
+//! waiters through it); this file and `bookings` sit below it.
 
-use crate::counters::{MessageKind, Outcome};
-use crate::replica_snapshot::{OwnBookings, RecentStep, RecentSteps};
-use crate::state::RouterState;
-use anyhow::Context;
+pub mod bookings;
+pub mod snapshot;
+pub mod sync;
+
+use crate::metrics::SyncMetrics;
+use bookings::{OwnBookings, RecentStep, RecentSteps};
 use kv_events::replicas::{BookedSequence, SequenceSync, SequenceUpdate};
 use kv_events::routing::LifecycleEvent;
-use kv_events::{RequestId, RouterId, WorkerRank, decode, encode};
-use prometheus::{IntCounterVec, Opts, Registry};
-use scheduler::SequenceEvent;
-use scheduler::{AddRequest, Origin, PrefillLoadHint, ScheduleRequest, SchedulerError, Selection};
+use kv_events::{RequestId, RouterId};
+use scheduler::{ScheduleRequest, Selection};
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio::sync::{Notify, mpsc};
-use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
-use tracing::{debug, info, warn};
+use tracing::warn;
 
 /// Outbound sync messages buffered before the publisher task; beyond this they are
 /// dropped (and counted).
@@ -266,214 +278,5 @@ impl Replicas {
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .take()
-    }
-}
-
-/// Subscribes to the sequences subject and spawns the sync tasks on `tasks` (until
-/// `stop`): one applying peers' messages, one publishing ours. Starts recording steps
-/// for the start-up snapshot when it is on. Does nothing when sync is off.
-///
-/// # Errors
-/// When the subscription fails, or sync was already started.
-pub async fn start(
-    state: &Arc<RouterState>,
-    nats: &async_nats::Client,
-    tasks: &TaskTracker,
-    stop: &CancellationToken,
-) -> anyhow::Result<()> {
-    let replicas = &state.admission.replicas;
-    if !replicas.enabled() {
-        info!("sequence sync with peer replicas is off");
-        return Ok(());
-    }
-    let outbox = replicas
-        .take_outbox()
-        .context("sequence sync was already started")?;
-    let subject = state.subjects.sequences();
-    if !replicas.snapshot_timeout().is_zero() {
-        replicas.begin_recording();
-    }
-    let peers = nats
-        .subscribe(subject.clone())
-        .await
-        .context("subscribing to sequence sync")?;
-    tasks.spawn(crate::intake::serve_with(
-        state.clone(),
-        peers,
-        stop.child_token(),
-        handle_sync,
-    ));
-    tasks.spawn(publish(
-        nats.clone(),
-        subject,
-        outbox,
-        replicas.metrics().clone(),
-        stop.child_token(),
-    ));
-    info!(router_id = %replicas.router_id(), "sequence sync with peer replicas on");
-    Ok(())
-}
-
-/// Publishes queued sync messages on `subject` in order until `stop`, then publishes
-/// what is still queued and returns.
-pub async fn publish(
-    client: async_nats::Client,
-    subject: String,
-    mut outbox: mpsc::Receiver<SequenceSync>,
-    metrics: SyncMetrics,
-    stop: CancellationToken,
-) {
-    loop {
-        let msg = tokio::select! {
-            biased;
-            msg = outbox.recv() => msg,
-            () = stop.cancelled() => None,
-        };
-        let Some(msg) = msg.or_else(|| outbox.try_recv().ok()) else {
-            return;
-        };
-        match encode(&msg) {
-            Ok(bytes) => {
-                if let Err(e) = client.publish(subject.clone(), bytes.into()).await {
-                    warn!(error = %e, "failed to publish sequence sync");
-                    metrics.count("out", "failed");
-                } else {
-                    metrics.count("out", "published");
-                }
-            }
-            Err(e) => warn!(error = %e, "failed to encode sequence sync"),
-        }
-    }
-}
-
-/// Applies one sync payload received on `subject`.
-pub fn handle_sync(state: &RouterState, subject: &str, payload: &[u8]) {
-    let replicas = &state.admission.replicas;
-    let msg: SequenceSync = match decode(payload) {
-        Ok(m) => m,
-        Err(e) => {
-            state
-                .counters
-                .message(MessageKind::Sequences, Outcome::Malformed);
-            replicas.metrics.count("in", "malformed");
-            warn!(subject, error = %e, "malformed sequence sync skipped");
-            return;
-        }
-    };
-    if msg.router_id == replicas.router_id() {
-        replicas.metrics.count("in", "own");
-        return;
-    }
-    replicas.note_step(&msg.request_id, &msg.update);
-    let (event, frees_load) = match msg.update {
-        SequenceUpdate::Booked(b) => (
-            booked_event(msg.router_id, msg.request_id.clone(), b),
-            false,
-        ),
-        SequenceUpdate::PrefillDone => (
-            SequenceEvent::MarkPrefillCompleted(msg.request_id.clone()),
-            true,
-        ),
-        SequenceUpdate::KeepAlive => (SequenceEvent::KeepAlive(msg.request_id.clone()), false),
-        SequenceUpdate::Freed => (SequenceEvent::Free(msg.request_id.clone()), true),
-    };
-    let booking = matches!(event, SequenceEvent::AddRequest(_));
-    let result = state.scheduler().apply(event, Instant::now());
-    match result {
-        Ok(_) => {
-            replicas.metrics.count("in", "applied");
-            state.counters.message(MessageKind::Sequences, Outcome::Ok);
-        }
-        // The frontend's own lifecycle message got here first (or the request
-        // expired): the step is already applied. Or a start-up snapshot reply
-        // carried the booking before its live `booked`.
-        Err(SchedulerError::UnknownRequest(_) | SchedulerError::DuplicateRequest(_)) => {
-            replicas.metrics.count("in", "duplicate");
-            state.counters.message(MessageKind::Sequences, Outcome::Ok);
-        }
-        Err(e) => {
-            replicas.metrics.count("in", "rejected");
-            state
-                .counters
-                .message(MessageKind::Sequences, Outcome::Rejected);
-            debug!(subject, request_id = %msg.request_id, router_id = %msg.router_id, error = %e, "sequence sync refused");
-        }
-    }
-    if booking {
-        state.admission.expiry.notify_one();
-    }
-    if frees_load {
-        crate::admission::release_waiters(state);
-    }
-}
-
-/// The write-model event booking `booked` for the peer `router_id`: a live `booked`
-/// message and a snapshot reply entry take this same path.
-pub fn booked_event(
-    router_id: RouterId,
-    request_id: RequestId,
-    b: BookedSequence,
-) -> SequenceEvent {
-    SequenceEvent::AddRequest(AddRequest {
-        request_id,
-        rank: WorkerRank::new(b.worker_id, b.dp_rank),
-        block_hashes: b.block_hashes,
-        request_blocks: b.request_blocks,
-        prefill: PrefillLoadHint {
-            initial_effective_prefill_tokens: b.prefill_tokens,
-            expected_prefill_duration: b.expected_prefill_ms.map(Duration::from_millis),
-        },
-        origin: Origin::Peer(router_id),
-    })
-}
-
-/// Sync message counters.
-#[derive(Clone)]
-pub struct SyncMetrics {
-    /// `kv_router_sequence_sync_total{direction, outcome}`. Out: `queued`, `dropped`
-    /// (outbox full), `published`, `failed`. In: `applied`, `duplicate` (already
-    /// applied), `own` (our own message, ignored), `rejected` (e.g. unknown rank),
-    /// `malformed`. Start-up snapshot, `snapshot_out` (answering a peer):
-    /// `answered` (requests), `published` and `failed` (reply chunks);
-    /// `snapshot_in` (our own snapshot): `applied`, `duplicate` (already known from
-    /// the live subject), `freed` (freed meanwhile, skipped), `rejected` (e.g.
-    /// unknown rank), all in bookings, and `malformed` (undecodable requests and
-    /// replies).
-    pub messages: IntCounterVec,
-}
-
-impl SyncMetrics {
-    /// Creates the counters and registers them in `registry`.
-    ///
-    /// # Errors
-    /// A [`prometheus::Error`] if a metric of the same name is already registered.
-    pub fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
-        let metrics = Self::unregistered();
-        registry.register(Box::new(metrics.messages.clone()))?;
-        Ok(metrics)
-    }
-
-    /// Counters that are not registered anywhere.
-    pub fn unregistered() -> Self {
-        // The name and labels are static and valid: construction cannot fail.
-        #[allow(clippy::expect_used)]
-        let messages = IntCounterVec::new(
-            Opts::new(
-                "kv_router_sequence_sync_total",
-                "Sequence sync messages between router replicas, by direction and outcome",
-            ),
-            &["direction", "outcome"],
-        )
-        .expect("static metric definition is valid");
-        Self { messages }
-    }
-
-    pub(crate) fn count(&self, direction: &str, outcome: &str) {
-        self.messages.with_label_values(&[direction, outcome]).inc();
-    }
-
-    /// Messages counted so far for (direction, outcome).
-    pub fn get(&self, direction: &str, outcome: &str) -> u64 {
-        self.messages.with_label_values(&[direction, outcome]).get()
     }
 }

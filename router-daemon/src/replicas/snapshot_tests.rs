@@ -5,12 +5,13 @@ use super::*;
 use crate::config::{DaemonConfig, ServeArgs};
 use crate::daemon::Starting;
 use crate::lifecycle::handle_lifecycle;
-use crate::replicas::handle_sync;
+use crate::replicas::bookings::OwnBookings;
+use crate::replicas::sync::handle_sync;
 use kv_events::discovery::WorkerRegistration;
 use kv_events::replicas::{SequenceSync, SequenceUpdate};
 use kv_events::routing::{LifecycleEvent, LifecycleMessage};
 use kv_events::{DpRank, LocalBlockHash, WorkerId, WorkerRank};
-use scheduler::{AddRequest, PrefillLoadHint};
+use scheduler::{AddRequest, Origin, PrefillLoadHint};
 
 const PEER: RouterId = RouterId(7);
 const US: RouterId = RouterId(1);
@@ -102,22 +103,26 @@ async fn a_reply_skips_what_was_freed_or_known_and_keeps_prefill_done() {
     // a peer booking, frees from the frontend and from the peer (for requests this
     // replica does not know yet), and a prefill_done from the frontend.
     handle_sync(
-        state,
+        &state.admission,
+        &state.counters,
         "it.router.sequences",
         &sync("known", SequenceUpdate::Booked(booked(1))),
     );
     handle_lifecycle(
-        state,
+        &state.admission,
+        &state.counters,
         "it.router.lifecycle",
         &lifecycle("gone-frontend", LifecycleEvent::Freed),
     );
     handle_sync(
-        state,
+        &state.admission,
+        &state.counters,
         "it.router.sequences",
         &sync("gone-peer", SequenceUpdate::Freed),
     );
     handle_lifecycle(
-        state,
+        &state.admission,
+        &state.counters,
         "it.router.lifecycle",
         &lifecycle("early", LifecycleEvent::PrefillDone),
     );
@@ -140,7 +145,13 @@ async fn a_reply_skips_what_was_freed_or_known_and_keeps_prefill_done() {
             entry("ghost", 99, false),
         ],
     );
-    apply_reply(state, "_INBOX.x", &payload, &mut summary);
+    apply_reply(
+        &state.admission,
+        &state.counters,
+        "_INBOX.x",
+        &payload,
+        &mut summary,
+    );
 
     let scheduler = state.scheduler();
     let mut ids: Vec<String> = scheduler
@@ -198,7 +209,8 @@ async fn a_reply_skips_what_was_freed_or_known_and_keeps_prefill_done() {
 
     // The live `booked` arriving after the reply is a duplicate, not a refusal.
     handle_sync(
-        state,
+        &state.admission,
+        &state.counters,
         "it.router.sequences",
         &sync("fresh", SequenceUpdate::Booked(booked(1))),
     );
@@ -213,7 +225,8 @@ async fn a_reply_skips_what_was_freed_or_known_and_keeps_prefill_done() {
     // Once the window closes, nothing is recorded any more.
     replicas.end_recording();
     handle_lifecycle(
-        state,
+        &state.admission,
+        &state.counters,
         "it.router.lifecycle",
         &lifecycle("later", LifecycleEvent::Freed),
     );
@@ -226,9 +239,16 @@ async fn malformed_and_own_replies_are_skipped() {
     let starting = starting();
     let state = starting.state();
     let mut summary = SnapshotSummary::default();
-    apply_reply(state, "_INBOX.x", &[0xc1, 0x00], &mut summary);
     apply_reply(
-        state,
+        &state.admission,
+        &state.counters,
+        "_INBOX.x",
+        &[0xc1, 0x00],
+        &mut summary,
+    );
+    apply_reply(
+        &state.admission,
+        &state.counters,
         "_INBOX.x",
         &reply(US, vec![entry("mine", 1, false)]),
         &mut summary,
@@ -297,37 +317,4 @@ async fn answers_hold_only_bookings_still_our_own() {
     );
     own.prune(&scheduler);
     assert_eq!(own.len(), 2);
-}
-
-#[test]
-fn recent_steps_keep_freed_and_forget_the_oldest() {
-    let mut steps = RecentSteps::default();
-    steps.note(&"a".into(), RecentStep::Freed);
-    steps.note(&"a".into(), RecentStep::PrefillDone);
-    assert_eq!(steps.get(&"a".into()), Some(RecentStep::Freed));
-    steps.note(&"b".into(), RecentStep::PrefillDone);
-    steps.note(&"b".into(), RecentStep::Freed);
-    assert_eq!(steps.get(&"b".into()), Some(RecentStep::Freed));
-    for i in 0..RECENT_STEPS_CAPACITY {
-        steps.note(&format!("r{i}").into(), RecentStep::Freed);
-    }
-    assert_eq!(
-        steps.get(&"a".into()),
-        None,
-        "the oldest is forgotten first"
-    );
-    assert_eq!(steps.get(&"r0".into()), Some(RecentStep::Freed));
-    assert_eq!(steps.steps.len(), RECENT_STEPS_CAPACITY);
-}
-
-#[test]
-fn own_bookings_ask_to_be_pruned_when_they_double() {
-    let mut own = OwnBookings::default();
-    let wants: Vec<bool> = (0..MIN_PRUNE_AT)
-        .map(|i| own.insert(format!("r{i}").into(), Arc::new(booked(1))))
-        .collect();
-    assert!(wants[..MIN_PRUNE_AT - 1].iter().all(|w| !w));
-    assert!(wants[MIN_PRUNE_AT - 1]);
-    own.remove(&"r0".into());
-    assert_eq!(own.len(), MIN_PRUNE_AT - 1);
 }

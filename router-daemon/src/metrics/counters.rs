@@ -1,13 +1,15 @@
 //! Prometheus counters for what the daemon received, applied and rejected, and the
-//! handle to every other daemon metric ([`crate::metrics::Metrics`]).
+//! handle to every other daemon metric ([`super::Metrics`]).
 //!
-//! Metrics come from an injected [`prometheus::Registry`] so that several daemons can
-//! run in one process (tests) without clashing in a global registry;
-//! [`Counters::unregistered`] gives working counters that nobody scrapes.
+//! Metrics come from an injected [`prometheus::Registry`] (through a
+//! [`Registrar`]) so that several daemons can run in one process (tests) without
+//! clashing in a global registry; [`Counters::unregistered`] gives working counters
+//! that nobody scrapes. The crate root re-exports this module as `counters`.
 
-use crate::metrics::Metrics;
-use prometheus::core::{Collector, Desc};
-use prometheus::{IntCounterVec, IntGauge, Opts, Registry};
+use super::Metrics;
+use super::registrar::{self, Registrar};
+use prometheus::core::Desc;
+use prometheus::{IntCounterVec, IntGauge, Registry};
 
 /// Message kinds the daemon consumes, used as the `kind` label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -77,60 +79,42 @@ pub struct Counters {
 }
 
 impl Counters {
+    /// Creates the counters and every other metric group through `r`.
+    ///
+    /// # Errors
+    /// A [`prometheus::Error`] if a metric of the same name is already registered.
+    pub fn new(r: &Registrar<'_>) -> Result<Self, prometheus::Error> {
+        Ok(Self {
+            messages: r.counter_vec(
+                "kv_router_messages_total",
+                "Messages received by the daemon, by kind and outcome",
+                &["kind", "outcome"],
+            )?,
+            workers: r.gauge("kv_router_workers", "Workers currently registered in etcd")?,
+            metrics: Metrics::new(r)?,
+        })
+    }
+
     /// Creates the counters and registers them in `registry`.
     ///
     /// # Errors
     /// A [`prometheus::Error`] if a metric of the same name is already registered.
     pub fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
-        let counters = Self::unregistered();
-        for collector in counters.collectors() {
-            registry.register(collector)?;
-        }
-        Ok(counters)
-    }
-
-    /// Every collector, in registration order.
-    fn collectors(&self) -> Vec<Box<dyn Collector>> {
-        let mut all: Vec<Box<dyn Collector>> = vec![
-            Box::new(self.messages.clone()),
-            Box::new(self.workers.clone()),
-        ];
-        all.extend(self.metrics.collectors());
-        all
-    }
-
-    /// The descriptors of every metric (name, help, label names), sorted by name: what
-    /// `/metrics` can export. Vectors without samples yet are included.
-    pub fn descriptors(&self) -> Vec<Desc> {
-        let mut descs: Vec<Desc> = self
-            .collectors()
-            .iter()
-            .flat_map(|c| c.desc().into_iter().cloned())
-            .collect();
-        descs.sort_by(|a, b| a.fq_name.cmp(&b.fq_name));
-        descs
+        Self::new(&Registrar::new(registry))
     }
 
     /// Counters that are not registered anywhere.
     pub fn unregistered() -> Self {
-        // The names and labels are static and valid, so construction cannot fail.
-        #[allow(clippy::expect_used)]
-        let messages = IntCounterVec::new(
-            Opts::new(
-                "kv_router_messages_total",
-                "Messages received by the daemon, by kind and outcome",
-            ),
-            &["kind", "outcome"],
-        )
-        .expect("static metric definition is valid");
-        #[allow(clippy::expect_used)]
-        let workers = IntGauge::new("kv_router_workers", "Workers currently registered in etcd")
-            .expect("static metric definition is valid");
-        Self {
-            messages,
-            workers,
-            metrics: Metrics::new(),
-        }
+        registrar::unregistered(Self::new)
+    }
+
+    /// The descriptors of every metric (name, help, label names), sorted by name: what
+    /// `/metrics` can export. Vectors without samples yet are included. Metric handles
+    /// do not list their definitions, so this builds an unregistered twin of `self`
+    /// (every `Counters` comes from [`Counters::new`]) and reads them from its
+    /// registrar.
+    pub fn descriptors(&self) -> Vec<Desc> {
+        registrar::unregistered(|twin| Self::new(twin).map(|_| twin.descriptors()))
     }
 
     /// Counts one message.

@@ -1,0 +1,115 @@
+//! [`AdmissionMetrics`]: what admission records besides the queue's depth and wait
+//! ([`super::QueueMetrics`]) — how requests left the wait queue, the sequence sync
+//! between replicas, and expired bookings. Each is a counter bumped where the thing
+//! happens: one atomic add.
+//!
+//! These are registered apart from [`super::Metrics`] because admission is built
+//! apart from the counters (it owns the scheduler), and their names are not part of
+//! [`super::counters::Counters::descriptors`].
+
+use super::registrar::Registrar;
+use prometheus::{IntCounter, IntCounterVec};
+
+/// Admission's counters, handed to the wait queue, the replica sync and the expiry
+/// task.
+#[derive(Clone)]
+pub struct AdmissionMetrics {
+    /// How requests left (or could not join) the wait queue.
+    pub outcomes: QueueOutcomes,
+    /// Sequence sync messages between replicas.
+    pub sync: SyncMetrics,
+    /// `kv_router_requests_expired_total`: bookings dropped because no lifecycle
+    /// message arrived within the request TTL.
+    pub expired: IntCounter,
+}
+
+impl AdmissionMetrics {
+    /// Creates the metrics through `r`.
+    ///
+    /// # Errors
+    /// A [`prometheus::Error`] if a metric of the same name is already registered.
+    pub fn new(r: &Registrar<'_>) -> Result<Self, prometheus::Error> {
+        Ok(Self {
+            outcomes: QueueOutcomes::new(r)?,
+            sync: SyncMetrics::new(r)?,
+            expired: r.counter(
+                "kv_router_requests_expired_total",
+                "Booked requests dropped because no lifecycle message arrived within the TTL",
+            )?,
+        })
+    }
+}
+
+/// How requests left (or failed to join) the wait queue, for Prometheus.
+#[derive(Clone)]
+pub struct QueueOutcomes {
+    /// `kv_router_queue_requests_total{outcome}`: `routed`, `failed` (could not be
+    /// routed as asked, e.g. its pinned rank left), `timed_out` (withdrawn after the
+    /// maximum wait), `refused` (queue full, duplicate id, or shutting down).
+    pub counter: IntCounterVec,
+}
+
+impl QueueOutcomes {
+    /// Creates the counter through `r`.
+    ///
+    /// # Errors
+    /// A [`prometheus::Error`] if a metric of the same name is already registered.
+    pub fn new(r: &Registrar<'_>) -> Result<Self, prometheus::Error> {
+        Ok(Self {
+            counter: r.counter_vec(
+                "kv_router_queue_requests_total",
+                "Route requests that left (or could not join) the wait queue, by outcome",
+                &["outcome"],
+            )?,
+        })
+    }
+
+    pub(crate) fn count(&self, outcome: &str) {
+        self.counter.with_label_values(&[outcome]).inc();
+    }
+
+    /// Requests counted so far with `outcome`.
+    pub fn get(&self, outcome: &str) -> u64 {
+        self.counter.with_label_values(&[outcome]).get()
+    }
+}
+
+/// Sync message counters.
+#[derive(Clone)]
+pub struct SyncMetrics {
+    /// `kv_router_sequence_sync_total{direction, outcome}`. Out: `queued`, `dropped`
+    /// (outbox full), `published`, `failed`. In: `applied`, `duplicate` (already
+    /// applied), `own` (our own message, ignored), `rejected` (e.g. unknown rank),
+    /// `malformed`. Start-up snapshot, `snapshot_out` (answering a peer):
+    /// `answered` (requests), `published` and `failed` (reply chunks);
+    /// `snapshot_in` (our own snapshot): `applied`, `duplicate` (already known from
+    /// the live subject), `freed` (freed meanwhile, skipped), `rejected` (e.g.
+    /// unknown rank), all in bookings, and `malformed` (undecodable requests and
+    /// replies).
+    pub messages: IntCounterVec,
+}
+
+impl SyncMetrics {
+    /// Creates the counters through `r`.
+    ///
+    /// # Errors
+    /// A [`prometheus::Error`] if a metric of the same name is already registered.
+    pub fn new(r: &Registrar<'_>) -> Result<Self, prometheus::Error> {
+        Ok(Self {
+            messages: r.counter_vec(
+                "kv_router_sequence_sync_total",
+                "Sequence sync messages between router replicas, by direction and outcome",
+                &["direction", "outcome"],
+            )?,
+        })
+    }
+
+    pub(crate) fn count(&self, direction: &str, outcome: &str) {
+        self.messages.with_label_values(&[direction, outcome]).inc();
+    }
+
+    /// Messages counted so far for (direction, outcome).
+    pub fn get(&self, direction: &str, outcome: &str) -> u64 {
+        self.messages.with_label_values(&[direction, outcome]).get()
+    }
+}
