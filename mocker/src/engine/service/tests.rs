@@ -160,13 +160,15 @@ async fn engines_register_serve_publish_and_revoke() {
                 worker_id: WorkerId(7),
                 dp_size: 2,
                 block_size: 16,
-                total_kv_blocks: 64
+                total_kv_blocks: 64,
+                url: None,
             },
             WorkerRegistration {
                 worker_id: WorkerId(8),
                 dp_size: 2,
                 block_size: 16,
-                total_kv_blocks: 64
+                total_kv_blocks: 64,
+                url: None,
             },
         ]
     );
