@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 fn tokenizer_json() -> String {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/tokenizer.json");
-    std::fs::read_to_string(path).unwrap()
+    std::fs::read_to_string(path).expect("test tokenizer.json")
 }
 
 #[test]

@@ -27,12 +27,12 @@ fn data_dir() -> PathBuf {
 }
 
 fn golden() -> Golden {
-    let text = std::fs::read_to_string(data_dir().join("golden.json")).unwrap();
-    serde_json::from_str(&text).unwrap()
+    let text = std::fs::read_to_string(data_dir().join("golden.json")).expect("golden.json");
+    serde_json::from_str(&text).expect("golden.json parses")
 }
 
 fn tokenizer() -> ModelTokenizer {
-    ModelTokenizer::from_dir(data_dir(), Limits::default()).unwrap()
+    ModelTokenizer::from_dir(data_dir(), Limits::default()).expect("test tokenizer loads")
 }
 
 #[test]
