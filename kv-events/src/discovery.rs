@@ -5,12 +5,22 @@
 //! alive. The value is this record as JSON, so operators can read it with `etcdctl`.
 //! When the lease expires or is revoked, the key disappears and every router drops
 //! the worker's cached blocks and in-flight load.
+//!
+//! The optional `url` (the engine's OpenAI HTTP base URL) lets a frontend forward a
+//! routed request without a directory of its own. It is optional on the wire so that
+//! registrations written before it existed still decode; a router that does not forward
+//! ignores it. Its length is bounded by [`MAX_URL_BYTES`] in [`WorkerRegistration::validate`].
 
 use crate::ids::WorkerId;
 use serde::{Deserialize, Serialize};
 
+/// Longest accepted [`WorkerRegistration::url`], in bytes. Comfortably above any real
+/// `scheme://host:port/prefix`, small enough that a directory of thousands of workers
+/// stays in the megabytes.
+pub const MAX_URL_BYTES: usize = 2048;
+
 /// What a worker tells the cluster about itself.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WorkerRegistration {
     /// The worker's id; must match the id in the key.
     pub worker_id: WorkerId,
@@ -20,6 +30,13 @@ pub struct WorkerRegistration {
     pub block_size: u32,
     /// KV cache capacity of each rank, in blocks.
     pub total_kv_blocks: u64,
+    /// The engine's OpenAI-compatible HTTP base URL (`http://host:port`, no trailing
+    /// `/v1`), where a gateway forwards `POST /v1/completions`. Absent in registrations
+    /// of workers that serve no HTTP (and in every registration older than the field);
+    /// not serialized when absent. At most [`MAX_URL_BYTES`] bytes, scheme `http` or
+    /// `https`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
 }
 
 /// Why a registration record is unusable.
@@ -31,10 +48,23 @@ pub enum RegistrationError {
     /// `block_size` was 0.
     #[error("worker {0} registered block_size 0")]
     ZeroBlockSize(WorkerId),
+    /// `url` was longer than [`MAX_URL_BYTES`].
+    #[error("worker {worker_id} registered a url of {len} bytes (at most {MAX_URL_BYTES})")]
+    UrlTooLong {
+        /// The worker.
+        worker_id: WorkerId,
+        /// The url's length, in bytes.
+        len: usize,
+    },
+    /// `url` did not start with `http://` or `https://` followed by a host.
+    #[error("worker {0} registered a url that is not http:// or https://")]
+    UrlScheme(WorkerId),
 }
 
 impl WorkerRegistration {
-    /// Checks the invariants a router relies on.
+    /// Checks the invariants a router relies on: `dp_size` and `block_size` at least 1,
+    /// and a `url`, if present, of at most [`MAX_URL_BYTES`] bytes with an `http` or
+    /// `https` scheme and a non-empty rest (the rest is not parsed further).
     ///
     /// # Errors
     /// [`RegistrationError`] naming the offending field.
@@ -44,6 +74,20 @@ impl WorkerRegistration {
         }
         if self.block_size == 0 {
             return Err(RegistrationError::ZeroBlockSize(self.worker_id));
+        }
+        if let Some(url) = &self.url {
+            if url.len() > MAX_URL_BYTES {
+                return Err(RegistrationError::UrlTooLong {
+                    worker_id: self.worker_id,
+                    len: url.len(),
+                });
+            }
+            let rest = url
+                .strip_prefix("http://")
+                .or_else(|| url.strip_prefix("https://"));
+            if rest.is_none_or(str::is_empty) {
+                return Err(RegistrationError::UrlScheme(self.worker_id));
+            }
         }
         Ok(())
     }
@@ -60,10 +104,15 @@ mod tests {
             dp_size: 2,
             block_size: 16,
             total_kv_blocks: 100,
+            url: None,
         };
         assert!(ok.validate().is_ok());
         assert_eq!(
-            WorkerRegistration { dp_size: 0, ..ok }.validate(),
+            WorkerRegistration {
+                dp_size: 0,
+                ..ok.clone()
+            }
+            .validate(),
             Err(RegistrationError::ZeroDpSize(WorkerId(1)))
         );
         assert_eq!(
@@ -73,6 +122,61 @@ mod tests {
             }
             .validate(),
             Err(RegistrationError::ZeroBlockSize(WorkerId(1)))
+        );
+    }
+
+    fn with_url(url: &str) -> WorkerRegistration {
+        WorkerRegistration {
+            worker_id: WorkerId(3),
+            dp_size: 1,
+            block_size: 16,
+            total_kv_blocks: 10,
+            url: Some(url.to_owned()),
+        }
+    }
+
+    #[test]
+    fn url_is_bounded_and_needs_an_http_scheme() {
+        assert!(with_url("http://10.0.0.5:8000").validate().is_ok());
+        assert!(with_url("https://engine.example/prefix").validate().is_ok());
+        let long = format!("http://{}", "a".repeat(MAX_URL_BYTES));
+        assert_eq!(
+            with_url(&long).validate(),
+            Err(RegistrationError::UrlTooLong {
+                worker_id: WorkerId(3),
+                len: MAX_URL_BYTES + 7
+            })
+        );
+        for bad in ["", "http://", "ftp://host", "10.0.0.5:8000"] {
+            assert_eq!(
+                with_url(bad).validate(),
+                Err(RegistrationError::UrlScheme(WorkerId(3))),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn registration_without_url_still_decodes() {
+        let old = r#"{"worker_id": 7, "dp_size": 1, "block_size": 64, "total_kv_blocks": 16384}"#;
+        let reg: WorkerRegistration = serde_json::from_str(old).unwrap();
+        assert_eq!(reg.url, None);
+        assert_eq!(reg.worker_id, WorkerId(7));
+        // And an absent url is not written, so older readers see the old shape.
+        assert_eq!(
+            serde_json::to_string(&reg).unwrap(),
+            r#"{"worker_id":7,"dp_size":1,"block_size":64,"total_kv_blocks":16384}"#
+        );
+    }
+
+    #[test]
+    fn registration_with_url_round_trips() {
+        let reg = with_url("http://127.0.0.1:8100");
+        let json = serde_json::to_string(&reg).unwrap();
+        assert!(json.contains(r#""url":"http://127.0.0.1:8100""#), "{json}");
+        assert_eq!(
+            serde_json::from_str::<WorkerRegistration>(&json).unwrap(),
+            reg
         );
     }
 }

@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use std::sync::{Mutex, MutexGuard};
 
 /// One registered worker as etcd last showed it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct DirectoryEntry {
     /// The registration value.
     pub registration: WorkerRegistration,
@@ -35,7 +35,7 @@ impl WorkerDirectory {
     }
 
     fn lock(&self) -> MutexGuard<'_, BTreeMap<WorkerId, DirectoryEntry>> {
-        // Inserts and removes of `Copy` values cannot leave the map half-updated.
+        // Inserts and removes of whole entries cannot leave the map half-updated.
         self.entries.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -51,7 +51,7 @@ impl WorkerDirectory {
 
     /// A copy of every entry, by worker id.
     pub fn snapshot(&self) -> Vec<DirectoryEntry> {
-        self.lock().values().copied().collect()
+        self.lock().values().cloned().collect()
     }
 
     /// Number of workers.
@@ -76,6 +76,7 @@ mod tests {
                 dp_size: 2,
                 block_size: 16,
                 total_kv_blocks: 100,
+                url: None,
             },
             lease_id,
             mod_revision: 3,

@@ -184,7 +184,7 @@ impl KeyMeta {
 
 fn add(state: &RouterState, known: &mut KnownWorkers, reg: WorkerRegistration, meta: KeyMeta) {
     let entry = DirectoryEntry {
-        registration: reg,
+        registration: reg.clone(),
         lease_id: meta.lease_id,
         mod_revision: meta.mod_revision,
     };
@@ -192,20 +192,21 @@ fn add(state: &RouterState, known: &mut KnownWorkers, reg: WorkerRegistration, m
         state.directory.upsert(entry);
         return;
     }
-    if let Err(e) = state.scheduler().add_worker(reg) {
+    if let Err(e) = state.scheduler().add_worker(reg.clone()) {
         state
             .counters
             .message(MessageKind::Registration, Outcome::Rejected);
         error!(worker_id = %reg.worker_id, error = %e, "worker registration rejected");
         return;
     }
-    known.insert(reg.worker_id, reg);
+    let (worker_id, dp_size, total_kv_blocks) = (reg.worker_id, reg.dp_size, reg.total_kv_blocks);
+    known.insert(worker_id, reg);
     state.directory.upsert(entry);
     state
         .counters
         .message(MessageKind::Registration, Outcome::Ok);
     state.counters.set_workers(known.len());
-    info!(worker_id = %reg.worker_id, dp_size = reg.dp_size, total_kv_blocks = reg.total_kv_blocks, "worker registered");
+    info!(worker_id = %worker_id, dp_size, total_kv_blocks, "worker registered");
     // New ranks may take requests waiting for room.
     state.admission.release_waiters();
 }

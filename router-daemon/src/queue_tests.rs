@@ -19,6 +19,7 @@ fn busy_scheduler(dp_size: u32) -> Scheduler {
         dp_size,
         block_size: BLOCK,
         total_kv_blocks: 100,
+        url: None,
     })
     .unwrap();
     s
@@ -171,6 +172,7 @@ fn waiters_that_cannot_be_served_as_asked_are_answered_with_the_reason() {
         dp_size: 1,
         block_size: BLOCK,
         total_kv_blocks: 100,
+        url: None,
     })
     .unwrap();
     assert_eq!(q.release(&mut state, &mut s, t, |_, _| {}).failed, 1);

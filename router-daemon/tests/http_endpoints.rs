@@ -86,8 +86,9 @@ async fn endpoints_report_health_metrics_and_workers() {
         dp_size: 2,
         block_size: 4,
         total_kv_blocks: 64,
+        url: None,
     };
-    state.scheduler().add_worker(reg).unwrap();
+    state.scheduler().add_worker(reg.clone()).unwrap();
     state.directory.upsert(DirectoryEntry {
         registration: reg,
         lease_id: 0x1234,

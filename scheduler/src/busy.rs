@@ -158,6 +158,7 @@ mod tests {
             dp_size: 1,
             block_size: 16,
             total_kv_blocks,
+            url: None,
         }
     }
 

@@ -18,6 +18,7 @@ fn scheduler(config: SchedulerConfig, workers: &[(u64, u32)]) -> Scheduler {
             dp_size,
             block_size: BLOCK,
             total_kv_blocks: 100,
+            url: None,
         })
         .unwrap();
     }

@@ -18,6 +18,7 @@ fn reg(id: u64, dp_size: u32) -> WorkerRegistration {
         dp_size,
         block_size: BLOCK,
         total_kv_blocks: 100,
+        url: None,
     }
 }
 

@@ -37,9 +37,10 @@ impl WorkerRegistry {
     /// the registry is left unchanged.
     pub fn add(&mut self, reg: WorkerRegistration) -> Result<Vec<WorkerRank>, SchedulerError> {
         reg.validate()?;
-        let vanished = match self.workers.insert(reg.worker_id, reg) {
-            Some(old) if old.dp_size > reg.dp_size => (reg.dp_size..old.dp_size)
-                .map(|r| WorkerRank::new(reg.worker_id, DpRank(r)))
+        let (id, dp_size) = (reg.worker_id, reg.dp_size);
+        let vanished = match self.workers.insert(id, reg) {
+            Some(old) if old.dp_size > dp_size => (dp_size..old.dp_size)
+                .map(|r| WorkerRank::new(id, DpRank(r)))
                 .collect(),
             _ => Vec::new(),
         };
@@ -107,6 +108,7 @@ mod tests {
             dp_size,
             block_size: 16,
             total_kv_blocks: 1000,
+            url: None,
         }
     }
 

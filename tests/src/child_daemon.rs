@@ -163,6 +163,7 @@ pub async fn register_workers(
             dp_size: 1,
             block_size,
             total_kv_blocks,
+            url: None,
         };
         crate::register_worker(etcd, subjects, &reg, 600).await?;
     }

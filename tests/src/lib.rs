@@ -197,6 +197,7 @@ impl FakeWorker {
             dp_size: 1,
             block_size: cluster.block_size,
             total_kv_blocks: 1024,
+            url: None,
         };
         let lease = register_worker(&mut cluster.etcd, &cluster.subjects, &reg, ttl_secs).await?;
         Ok(Self {

@@ -162,6 +162,7 @@ async fn malformed_input_is_counted_skipped_and_loses_nothing() -> anyhow::Resul
         dp_size: 1,
         block_size: BLOCK + 1,
         total_kv_blocks: 10,
+        url: None,
     };
     cluster
         .etcd

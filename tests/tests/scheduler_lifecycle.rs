@@ -27,6 +27,7 @@ async fn register(cluster: &mut TestCluster, id: u64, dp_size: u32) -> anyhow::R
         dp_size,
         block_size: BLOCK,
         total_kv_blocks: 1024,
+        url: None,
     };
     integration_tests::register_worker(&mut cluster.etcd, &cluster.subjects, &reg, 60).await?;
     Ok(())

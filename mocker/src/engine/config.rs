@@ -63,6 +63,14 @@ pub enum ConfigError {
     /// `metrics_interval_ms` was 0.
     #[error("metrics interval must be at least 1 ms")]
     ZeroMetricsInterval,
+    /// `--http-port` + worker index overflows a port number.
+    #[error("http port {base} + {workers} workers is past 65535")]
+    HttpPortOverflow {
+        /// The base port.
+        base: u16,
+        /// Workers needing a port.
+        workers: usize,
+    },
     /// No etcd endpoint was given.
     #[error("at least one etcd endpoint is required")]
     NoEtcdEndpoints,

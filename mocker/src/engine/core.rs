@@ -150,6 +150,38 @@ impl EngineCore {
         self.waiting.len()
     }
 
+    /// Removes a request wherever it is (vLLM's abort on a client disconnect): a
+    /// waiting request is dropped; a running one leaves the batch and its KV space is
+    /// released as at a normal finish (reserved blocks freed, its cached prompt blocks
+    /// lose a reference and stay cached for reuse). Returns false if the id is not
+    /// active. Emits no event by itself (releasing never uncaches a block).
+    pub fn abort(&mut self, request_id: &RequestId) -> bool {
+        if !self.active_ids.remove(request_id) {
+            return false;
+        }
+        if let Some(i) = self
+            .running
+            .iter()
+            .position(|r| &r.request_id == request_id)
+        {
+            let r = self.running.remove(i);
+            self.cache.release(r.alloc);
+        } else {
+            self.waiting.retain(|w| &w.request_id != request_id);
+        }
+        true
+    }
+
+    /// Tokens generated so far by each running request that has its first token, in
+    /// tokens; for streaming outputs between [`StepOutput::first_tokens`] and
+    /// [`StepOutput::finished`]. O(batch).
+    pub fn output_progress(&self) -> impl Iterator<Item = (&RequestId, u64)> {
+        self.running
+            .iter()
+            .filter(|r| r.output_tokens > 0)
+            .map(|r| (&r.request_id, r.output_tokens))
+    }
+
     /// Runs one engine step (see the module docs for the schedule).
     ///
     /// An idle core returns an empty output with `duration_ms == 0`. A core with work

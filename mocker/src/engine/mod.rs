@@ -25,13 +25,19 @@
 //! - `worker`: one worker's generate / clear intake.
 //! - etcd lease registration with keep-alive: `router_daemon::worker_lease`, shared
 //!   with the relay.
+//! - `progress`: where a rank sends results — a NATS inbox or an HTTP stream's watch
+//!   channel.
+//! - [`http`]: the per-worker OpenAI HTTP server (`/v1/completions`, `/tokenize`,
+//!   `/v1/models`, `/metrics`).
 //! - `service`: [`spawn_engines`], which wires all of the above.
 
 pub mod config;
 pub mod core;
+pub mod http;
 mod journal;
 pub mod kv_cache;
 mod outbox;
+mod progress;
 mod rank;
 pub mod request;
 mod service;
@@ -43,6 +49,7 @@ mod test_support;
 
 pub use self::config::{ConfigError, ConnectionArgs, EngineModelConfig, FleetArgs, RuntimeArgs};
 pub use self::core::{ClearError, EngineCore, Finished, FirstToken, StepOutput};
+pub use self::http::HttpArgs;
 pub use self::kv_cache::{Allocation, KvCache, chain_block_hashes, engine_block_hash};
 pub use self::request::{EngineRequest, RejectReason};
 pub use self::service::{EnginesHandle, READY_LINE, ServiceError, spawn_engines};
@@ -66,6 +73,9 @@ pub struct EngineArgs {
     /// Time scale, lease TTL and metrics interval.
     #[command(flatten)]
     pub runtime: RuntimeArgs,
+    /// The per-worker OpenAI HTTP servers (address, model directory).
+    #[command(flatten)]
+    pub http: HttpArgs,
 }
 
 /// Runs the engines until `shutdown` is cancelled, then stops them in order (leases

@@ -16,13 +16,14 @@ use super::config::RuntimeArgs;
 use super::core::{EngineCore, StepOutput};
 use super::journal::SharedJournal;
 use super::outbox::Outbox;
+use super::progress::{Progress, Reply};
 use super::request::EngineRequest;
 use crate::protocol::GenerateResponse;
 use async_nats::Subject;
 use kv_events::{KvCacheEventData, LoadMetrics, RequestId, WorkerRank};
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
-use tokio::sync::Notify;
+use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
@@ -34,8 +35,8 @@ pub(super) const SHUTTING_DOWN: &str = "engine shutting down";
 #[derive(Debug)]
 pub(super) struct RankState {
     core: EngineCore,
-    /// Reply inbox of every accepted request whose `finished` is not yet published.
-    replies: HashMap<RequestId, Subject>,
+    /// Reply destination of every accepted request whose `finished` is not yet sent.
+    replies: HashMap<RequestId, Reply>,
     accepting: bool,
 }
 
@@ -45,6 +46,17 @@ impl RankState {
     pub fn in_flight(&self) -> u64 {
         (self.replies.len() as u64).max(self.core.active_requests())
     }
+}
+
+/// A rank's load as the HTTP `/metrics` page reports it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct RankUsage {
+    /// Requests in the running batch.
+    pub running: u64,
+    /// Requests in the waiting queue.
+    pub waiting: u64,
+    /// Blocks referenced or reserved by requests over capacity, a fraction in 0..=1.
+    pub kv_cache_usage: f64,
 }
 
 /// One dp rank of one worker. See the module docs.
@@ -96,26 +108,74 @@ impl Rank {
     /// Queues `req`, answering on `reply`. A rejected request (or any request after
     /// shutdown began) gets an `error` response immediately.
     pub fn submit(&self, req: EngineRequest, reply: Subject) {
+        if let Err(message) = self.accept(req, |_| Reply::Nats(reply.clone())) {
+            self.send_error(reply, message);
+        }
+    }
+
+    /// Queues `req` for the HTTP front end and returns the channel its [`Progress`]
+    /// arrives on. The caller must [`Self::abort`] the request if it stops reading
+    /// before `finished` (a client disconnect), or its KV space stays held.
+    ///
+    /// # Errors
+    /// The lowercase reason when the request is rejected (malformed, never fits the
+    /// cache, duplicate id, engine shutting down).
+    pub fn submit_stream(&self, req: EngineRequest) -> Result<watch::Receiver<Progress>, String> {
+        let (tx, rx) = watch::channel(Progress::default());
+        self.accept(req, move |_| Reply::Stream(tx))?;
+        Ok(rx)
+    }
+
+    fn accept(
+        &self,
+        req: EngineRequest,
+        reply: impl FnOnce(&RequestId) -> Reply,
+    ) -> Result<(), String> {
         let mut st = self.lock();
         if !st.accepting {
-            self.send_error(reply, SHUTTING_DOWN.to_owned());
-            return;
+            return Err(SHUTTING_DOWN.to_owned());
         }
         let id = req.request_id.clone();
         if st.replies.contains_key(&id) {
-            self.send_error(reply, format!("request {id} is already active"));
-            return;
+            return Err(format!("request {id} is already active"));
         }
         match st.core.add_request(req) {
             Ok(()) => {
+                let reply = reply(&id);
                 st.replies.insert(id, reply);
                 drop(st);
                 self.notify.notify_one();
+                Ok(())
             }
             Err(reason) => {
                 debug!(rank = %self.id, request_id = %id, %reason, "request rejected");
-                self.send_error(reply, reason.to_string());
+                Err(reason.to_string())
             }
+        }
+    }
+
+    /// Stops a request wherever it is and frees its KV space (see
+    /// [`EngineCore::abort`]); nothing more is sent for it. A no-op for a request that
+    /// already finished.
+    pub fn abort(&self, request_id: &RequestId) {
+        let mut st = self.lock();
+        if st.replies.remove(request_id).is_some() {
+            st.core.abort(request_id);
+            debug!(rank = %self.id, %request_id, "request aborted");
+        }
+    }
+
+    /// Requests running and waiting, and the KV cache usage as vLLM reports it
+    /// (`1 - free / total`, where unreferenced cached blocks count as free), a
+    /// fraction in 0..=1.
+    pub fn usage(&self) -> RankUsage {
+        let st = self.lock();
+        let cache = st.core.cache();
+        let busy = cache.used_blocks() - cache.evictable_blocks();
+        RankUsage {
+            running: st.core.running_requests() as u64,
+            waiting: st.core.waiting_requests() as u64,
+            kv_cache_usage: busy as f64 / cache.capacity().max(1) as f64,
         }
     }
 
@@ -168,25 +228,56 @@ impl Rank {
         self.fail_pending();
     }
 
-    /// Publishes a step's KV events, first tokens and finished requests, in that order.
+    /// Publishes a step's KV events, first tokens, streamed tokens and finished
+    /// requests, in that order.
     fn finish_step(&self, out: StepOutput) {
         let mut st = self.lock();
         self.publish_events(&mut st, out.kv_events);
         for ft in out.first_tokens {
-            if let Some(reply) = st.replies.get(&ft.request_id) {
-                let resp = GenerateResponse::FirstToken {
-                    cached_tokens: ft.cached_tokens,
-                    prompt_tokens: ft.prompt_tokens,
-                };
-                self.outbox.send(reply.clone(), &resp);
+            match st.replies.get(&ft.request_id) {
+                Some(Reply::Nats(reply)) => {
+                    let resp = GenerateResponse::FirstToken {
+                        cached_tokens: ft.cached_tokens,
+                        prompt_tokens: ft.prompt_tokens,
+                    };
+                    self.outbox.send(reply.clone(), &resp);
+                }
+                Some(Reply::Stream(tx)) => {
+                    tx.send_modify(|p| {
+                        p.cached_tokens = Some(ft.cached_tokens);
+                        p.output_tokens = p.output_tokens.max(1);
+                    });
+                }
+                None => {}
+            }
+        }
+        let st = &mut *st;
+        // Token-by-token progress only matters to HTTP streams; NATS-only ranks (the
+        // replay, the lab) skip the O(batch) pass.
+        if st.replies.values().any(|r| matches!(r, Reply::Stream(_))) {
+            for (id, tokens) in st.core.output_progress() {
+                if let Some(Reply::Stream(tx)) = st.replies.get(id) {
+                    tx.send_if_modified(|p| {
+                        let newer = tokens > p.output_tokens;
+                        p.output_tokens = p.output_tokens.max(tokens);
+                        newer
+                    });
+                }
             }
         }
         for f in out.finished {
-            if let Some(reply) = st.replies.remove(&f.request_id) {
-                let resp = GenerateResponse::Finished {
-                    output_tokens: f.output_tokens,
-                };
-                self.outbox.send(reply, &resp);
+            match st.replies.remove(&f.request_id) {
+                Some(Reply::Nats(reply)) => {
+                    let resp = GenerateResponse::Finished {
+                        output_tokens: f.output_tokens,
+                    };
+                    self.outbox.send(reply, &resp);
+                }
+                Some(Reply::Stream(tx)) => tx.send_modify(|p| {
+                    p.output_tokens = f.output_tokens;
+                    p.finished = true;
+                }),
+                None => {}
             }
         }
     }
@@ -196,7 +287,10 @@ impl Rank {
         let mut st = self.lock();
         st.accepting = false;
         for (_, reply) in st.replies.drain() {
-            self.send_error(reply, SHUTTING_DOWN.to_owned());
+            match reply {
+                Reply::Nats(reply) => self.send_error(reply, SHUTTING_DOWN.to_owned()),
+                Reply::Stream(tx) => tx.send_modify(|p| p.error = Some(SHUTTING_DOWN.to_owned())),
+            }
         }
     }
 

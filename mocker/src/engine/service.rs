@@ -12,6 +12,7 @@
 use super::EngineArgs;
 use super::config::ConfigError;
 use super::core::EngineCore;
+use super::http::{self, HttpArgs, HttpState, WorkerHttp};
 use super::journal::SharedJournal;
 use super::outbox::Outbox;
 use super::rank::Rank;
@@ -22,6 +23,7 @@ use etcd_client::ConnectOptions;
 use kv_events::discovery::WorkerRegistration;
 use kv_events::journal::{EventJournal, JournalConfig};
 use kv_events::{DpRank, Subjects, WorkerId, WorkerRank};
+use kv_tokenizer::{Limits, ModelTokenizer, TokenizerError};
 use router_daemon::worker_lease::{LeaseError, WorkerLease};
 use std::sync::Arc;
 use std::time::Duration;
@@ -73,6 +75,20 @@ pub enum ServiceError {
         /// What failed.
         source: LeaseError,
     },
+    /// `--model-dir` could not be loaded.
+    #[error("could not load the tokenizer: {0}")]
+    Tokenizer(#[from] TokenizerError),
+    /// A worker's HTTP listener could not bind.
+    #[error("could not listen on {addr}: {source}")]
+    HttpBind {
+        /// The address tried.
+        addr: String,
+        /// The socket error.
+        source: std::io::Error,
+    },
+    /// The HTTP metrics could not be registered.
+    #[error("could not register http metrics: {0}")]
+    Metrics(#[from] prometheus::Error),
     /// An engine task panicked.
     #[error("engine task failed: {0}")]
     Task(#[from] tokio::task::JoinError),
@@ -82,6 +98,7 @@ pub enum ServiceError {
 #[derive(Debug)]
 pub struct EnginesHandle {
     worker_ids: Vec<WorkerId>,
+    http_urls: Vec<String>,
     shutdown: CancellationToken,
     supervisor: JoinHandle<Result<(), ServiceError>>,
 }
@@ -90,6 +107,12 @@ impl EnginesHandle {
     /// The ids of the running workers, in order.
     pub fn worker_ids(&self) -> &[WorkerId] {
         &self.worker_ids
+    }
+
+    /// Each worker's OpenAI HTTP base URL (`http://host:port`), in worker order — the
+    /// URL its registration carries.
+    pub fn http_urls(&self) -> &[String] {
+        &self.http_urls
     }
 
     /// Starts the shutdown of these engines (a child of the token given to
@@ -124,6 +147,7 @@ pub async fn spawn_engines(
     if args.connection.etcd_endpoints.is_empty() {
         return Err(ConfigError::NoEtcdEndpoints.into());
     }
+    let tokenizer = load_tokenizer(&args)?;
     let subjects = Subjects::new(args.connection.namespace.clone());
     let url = args.connection.nats_url.clone();
     let nats = async_nats::connect(url.as_str())
@@ -142,9 +166,10 @@ pub async fn spawn_engines(
     let (outbox, publisher) = Outbox::start(nats.clone());
     let mut tasks = JoinSet::new();
     let mut all_ranks = Vec::new();
+    let mut http_urls = Vec::new();
     // Every batch carries this epoch: a restarted engine is told apart by it.
     let epoch = kv_events::journal::unix_epoch_micros();
-    for &worker_id in &worker_ids {
+    for (index, &worker_id) in worker_ids.iter().enumerate() {
         let journal = EventJournal::new(worker_id, epoch, JournalConfig::default());
         let journal = SharedJournal::new(journal);
         let mut ranks = Vec::new();
@@ -163,6 +188,20 @@ pub async fn spawn_engines(
             ranks.push(rank);
         }
         all_ranks.extend(ranks.iter().cloned());
+        let w = WorkerHttp {
+            worker_id,
+            ranks: ranks.clone(),
+            block_size: args.model.block_size,
+            num_gpu_blocks: args.model.num_gpu_blocks,
+            tokenizer: tokenizer.clone(),
+        };
+        match serve_http(&args.http, index, w, &mut tasks, inner.clone()).await {
+            Ok(url) => http_urls.push(url),
+            Err(err) => {
+                inner.cancel();
+                return Err(err);
+            }
+        }
         let worker = Worker::new(worker_id, ranks, outbox.clone(), journal);
         let generate = subscribe(&nats, subjects.engine(worker_id, OP_GENERATE)).await;
         let clear = subscribe(&nats, subjects.engine(worker_id, OP_CLEAR)).await;
@@ -185,12 +224,13 @@ pub async fn spawn_engines(
     }
 
     let mut registrations = Vec::new();
-    for &worker_id in &worker_ids {
+    for (&worker_id, url) in worker_ids.iter().zip(&http_urls) {
         let record = WorkerRegistration {
             worker_id,
             dp_size: args.fleet.dp_size,
             block_size: args.model.block_size,
             total_kv_blocks: args.model.num_gpu_blocks,
+            url: Some(url.clone()),
         };
         let key = subjects.etcd_worker_key(worker_id);
         match WorkerLease::register(etcd.clone(), key, &record, args.runtime.lease_ttl_secs).await {
@@ -234,9 +274,80 @@ pub async fn spawn_engines(
     });
     Ok(EnginesHandle {
         worker_ids,
+        http_urls,
         shutdown: handle_token,
         supervisor,
     })
+}
+
+/// Loads `--model-dir`, bounding prompts by the body limit and the model length.
+fn load_tokenizer(args: &EngineArgs) -> Result<Option<Arc<ModelTokenizer>>, ServiceError> {
+    let Some(dir) = &args.http.model_dir else {
+        return Ok(None);
+    };
+    let cache_tokens = args
+        .model
+        .num_gpu_blocks
+        .saturating_mul(u64::from(args.model.block_size));
+    let max_len = args.http.max_model_len.unwrap_or(cache_tokens);
+    let limits = Limits {
+        max_prompt_bytes: http::MAX_BODY_BYTES,
+        max_prompt_tokens: usize::try_from(max_len).unwrap_or(usize::MAX),
+    };
+    Ok(Some(Arc::new(ModelTokenizer::from_dir(dir, limits)?)))
+}
+
+/// Binds worker `index`'s listener (`--http-port` + index, or ephemeral), spawns its
+/// server until `shutdown` and returns its base URL.
+async fn serve_http(
+    args: &HttpArgs,
+    index: usize,
+    worker: WorkerHttp,
+    tasks: &mut JoinSet<()>,
+    shutdown: CancellationToken,
+) -> Result<String, ServiceError> {
+    let port = match args.http_port {
+        0 => Some(0),
+        base => u16::try_from(index).ok().and_then(|i| base.checked_add(i)),
+    }
+    .ok_or(ConfigError::HttpPortOverflow {
+        base: args.http_port,
+        workers: index + 1,
+    })?;
+    let addr = format!("{}:{port}", bracket_v6(&args.http_host));
+    let listener = tokio::net::TcpListener::bind(&addr)
+        .await
+        .map_err(|source| ServiceError::HttpBind {
+            addr: addr.clone(),
+            source,
+        })?;
+    let local = listener
+        .local_addr()
+        .map_err(|source| ServiceError::HttpBind { addr, source })?;
+    let host = args
+        .http_advertise_host
+        .as_deref()
+        .unwrap_or(&args.http_host);
+    let url = format!("http://{}:{}", bracket_v6(host), local.port());
+    let worker_id = worker.worker_id;
+    let router = http::router(Arc::new(HttpState::new(args, worker)?));
+    tasks.spawn(async move {
+        let serve = axum::serve(listener, router)
+            .with_graceful_shutdown(async move { shutdown.cancelled().await });
+        if let Err(err) = serve.await {
+            warn!(worker_id = %worker_id, %err, "http server failed");
+        }
+    });
+    Ok(url)
+}
+
+/// `[addr]` for an IPv6 literal, so it can be followed by `:port`.
+fn bracket_v6(host: &str) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]")
+    } else {
+        host.to_owned()
+    }
 }
 
 async fn subscribe(

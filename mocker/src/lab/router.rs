@@ -70,6 +70,7 @@ impl Router {
                         dp_size: 1,
                         block_size: config.engine.block_size,
                         total_kv_blocks: config.engine.num_gpu_blocks,
+                        url: None,
                     })?;
                 }
                 Decider::Scheduler {

@@ -55,6 +55,7 @@ async fn register(target: &ReplayTarget, worker: u64) {
         dp_size: 1,
         block_size: 512,
         total_kv_blocks: 100,
+        url: None,
     };
     target
         .etcd

@@ -131,7 +131,7 @@ pub struct EngineConfig {
 }
 
 /// The worker the relay stands for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WorkerConfig {
     /// What is written to etcd.
     pub registration: WorkerRegistration,
@@ -312,6 +312,7 @@ impl RelayConfig {
                     dp_size,
                     block_size: args.block_size,
                     total_kv_blocks: args.total_kv_blocks,
+                    url: None,
                 },
                 lease_ttl_secs: args.lease_ttl_secs,
                 journal_events: args.journal_events,

@@ -95,7 +95,7 @@ impl Relay {
             .connect_with("kv-router-relay", |options| options)
             .await?;
         let etcd = crate::discovery::connect(&config.etcd).await?;
-        let registration = config.worker.registration;
+        let registration = config.worker.registration.clone();
         let worker_id = registration.worker_id;
         let subjects = &config.subjects;
         let journal = Arc::new(Mutex::new(EventJournal::new(

@@ -40,6 +40,7 @@ fn starting() -> Starting {
                 dp_size: 1,
                 block_size: 4,
                 total_kv_blocks: 1024,
+                url: None,
             })
             .expect("valid registration");
     }

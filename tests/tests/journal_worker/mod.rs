@@ -267,6 +267,7 @@ async fn register(cluster: &mut TestCluster, id: WorkerId, dp_size: u32) -> anyh
         dp_size,
         block_size: cluster.block_size,
         total_kv_blocks: 1024,
+        url: None,
     };
     integration_tests::register_worker(&mut cluster.etcd, &cluster.subjects, &reg, 30).await?;
     Ok(())

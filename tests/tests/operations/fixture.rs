@@ -190,6 +190,7 @@ impl Fixture {
             dp_size: 1,
             block_size: BLOCK,
             total_kv_blocks: 1024,
+            url: None,
         };
         integration_tests::register_worker(&mut etcd, &self.subjects, &reg, ttl_secs).await
     }

@@ -345,3 +345,29 @@ fn the_core_is_deterministic() {
     };
     assert_eq!(run(), run());
 }
+
+#[test]
+fn abort_frees_a_running_requests_space_and_drops_a_waiting_one() {
+    // 4 blocks of 4 tokens: "a" (8 prompt + 8 out = 4 blocks) fills the cache, so "b"
+    // waits behind it.
+    let mut c = core(config(4, 4, 4, 64));
+    c.add_request(req("a", &[1, 2], 8, 8)).unwrap();
+    c.add_request(req("b", &[3], 4, 4)).unwrap();
+    let out = c.step();
+    assert_eq!(out.first_tokens.len(), 1);
+    assert_eq!(c.running_requests(), 1);
+    assert_eq!(c.waiting_requests(), 1);
+    assert_eq!(c.output_progress().collect::<Vec<_>>(), [(&"a".into(), 1)]);
+    assert_eq!(c.cache().used_blocks(), 4);
+    assert!(c.abort(&"b".into()));
+    assert!(c.abort(&"a".into()));
+    assert!(!c.abort(&"a".into()), "already gone");
+    assert!(!c.has_work());
+    // The prompt blocks stay cached for reuse but nothing references them.
+    assert_eq!(c.cache().used_blocks() - c.cache().evictable_blocks(), 0);
+    assert_eq!(c.cache().cached_blocks(), 2);
+    // The id is free again.
+    c.add_request(req("a", &[1, 2], 8, 1)).unwrap();
+    let out = c.step();
+    assert_eq!(out.first_tokens[0].cached_tokens, 8);
+}

@@ -40,6 +40,7 @@ async fn start(fleet: FleetArgs, model: EngineModelConfig, time_scale: f64) -> H
             lease_ttl_secs: 5,
             metrics_interval_ms: 20,
         },
+        http: Default::default(),
     };
     let handle = spawn_engines(args, CancellationToken::new())
         .await
@@ -153,6 +154,16 @@ async fn engines_register_serve_publish_and_revoke() {
         Some(vec![WorkerId(7), WorkerId(8)])
     );
     let regs = h.registered_workers().await;
+    let urls = h
+        .handle
+        .as_ref()
+        .map(|x| x.http_urls().to_vec())
+        .unwrap_or_default();
+    assert_eq!(urls.len(), 2);
+    assert!(
+        urls.iter().all(|u| u.starts_with("http://127.0.0.1:")),
+        "{urls:?}"
+    );
     assert_eq!(
         regs,
         vec![
@@ -160,13 +171,15 @@ async fn engines_register_serve_publish_and_revoke() {
                 worker_id: WorkerId(7),
                 dp_size: 2,
                 block_size: 16,
-                total_kv_blocks: 64
+                total_kv_blocks: 64,
+                url: Some(urls[0].clone()),
             },
             WorkerRegistration {
                 worker_id: WorkerId(8),
                 dp_size: 2,
                 block_size: 16,
-                total_kv_blocks: 64
+                total_kv_blocks: 64,
+                url: Some(urls[1].clone()),
             },
         ]
     );

@@ -1,0 +1,215 @@
+//! `POST /v1/completions`: validate, pick the dp rank, tokenize if needed, submit to
+//! the rank's engine core, then answer as one JSON or as server-sent events.
+//!
+//! The request runs on the same [`Rank`] and [`EngineCore`] as NATS requests, so its
+//! timing, batching and KV cache (and the KV events the router sees) are the engine
+//! model's. An [`AbortOnDrop`] guard travels with the response: if the client goes
+//! away (hyper drops the handler future or the streaming body), the request is
+//! aborted in the core and its KV space freed, as vLLM aborts on disconnect.
+//!
+//! [`EngineCore`]: crate::engine::EngineCore
+
+use super::HttpState;
+use super::openai::{ApiError, CompletionRequest, DEFAULT_MAX_TOKENS, Prompt, Usage, parse_json};
+use super::sse;
+use crate::engine::progress::Progress;
+use crate::engine::rank::{Rank, SHUTTING_DOWN};
+use crate::engine::request::EngineRequest;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::extract::rejection::BytesRejection;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use kv_events::RequestId;
+use serde_json::json;
+use std::sync::Arc;
+use tokio::sync::watch;
+
+/// vLLM's header naming the data-parallel rank of a request.
+pub const DP_RANK_HEADER: &str = "x-data-parallel-rank";
+
+/// Aborts the request in its rank when dropped before the request finished.
+#[derive(Debug)]
+pub(super) struct AbortOnDrop {
+    rank: Arc<Rank>,
+    request_id: RequestId,
+}
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        // A no-op when the request already finished (its reply entry is gone).
+        self.rank.abort(&self.request_id);
+    }
+}
+
+/// An accepted request and what its response needs.
+#[derive(Debug)]
+pub(super) struct Accepted {
+    /// The request's progress, as its rank reports it.
+    pub rx: watch::Receiver<Progress>,
+    /// Keeps the request alive; dropping it aborts the request.
+    pub guard: AbortOnDrop,
+    /// The response id (`cmpl-…`).
+    pub id: String,
+    /// Prompt length, in tokens.
+    pub prompt_tokens: u64,
+    /// Tokens to generate, in tokens.
+    pub max_tokens: u64,
+    /// Stream with a final usage chunk.
+    pub include_usage: bool,
+}
+
+/// The handler.
+pub(super) async fn completions(
+    State(state): State<Arc<HttpState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let (accepted, stream) = match accept(&state, &headers, body) {
+        Ok(a) => a,
+        Err(e) => return e.into_response(),
+    };
+    if stream {
+        return sse::response(state, accepted);
+    }
+    match wait_finished(accepted.rx.clone()).await {
+        Ok(progress) => {
+            let text: String = (0..progress.output_tokens)
+                .map(|i| state.token_text(i))
+                .collect();
+            let usage = Usage::new(
+                accepted.prompt_tokens,
+                progress.cached_tokens.unwrap_or(0),
+                progress.output_tokens,
+            );
+            let body = json!({
+                "id": accepted.id,
+                "object": "text_completion",
+                "created": state.created,
+                "model": state.model_name,
+                "choices": [{
+                    "index": 0,
+                    "text": text,
+                    "logprobs": null,
+                    "finish_reason": "length",
+                    "stop_reason": null,
+                }],
+                "usage": usage,
+            });
+            drop(accepted.guard);
+            (StatusCode::OK, axum::Json(body)).into_response()
+        }
+        Err(e) => e.into_response(),
+    }
+}
+
+/// Waits until the request finished (or failed).
+async fn wait_finished(mut rx: watch::Receiver<Progress>) -> Result<Progress, ApiError> {
+    loop {
+        {
+            let p = rx.borrow_and_update();
+            if p.finished {
+                return Ok(p.clone());
+            }
+            if let Some(e) = &p.error {
+                return Err(engine_error(e));
+            }
+        }
+        if rx.changed().await.is_err() {
+            return Err(engine_error(SHUTTING_DOWN));
+        }
+    }
+}
+
+/// A failure reported by the engine after the request was accepted.
+pub(super) fn engine_error(message: &str) -> ApiError {
+    ApiError {
+        status: StatusCode::SERVICE_UNAVAILABLE,
+        message: message.to_owned(),
+    }
+}
+
+/// Validates the request and submits it to its rank. Returns the accepted request
+/// and whether to stream.
+fn accept(
+    state: &HttpState,
+    headers: &HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<(Accepted, bool), ApiError> {
+    let body = body.map_err(|rejection| ApiError {
+        status: rejection.status(),
+        message: rejection.body_text().to_lowercase(),
+    })?;
+    let req: CompletionRequest = parse_json(&body)?;
+    state.check_model(req.model.as_deref())?;
+    let dp_rank = dp_rank(headers, req.data_parallel_rank, state.ranks.len())?;
+    let tokens = match &req.prompt {
+        Prompt::Tokens(ids) => ids.clone(),
+        Prompt::Text(text) => state.encode(text)?,
+    };
+    if tokens.is_empty() {
+        return Err(ApiError::bad_request("prompt is empty"));
+    }
+    let max_tokens = req.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS);
+    if max_tokens == 0 {
+        return Err(ApiError::bad_request("max_tokens must be at least 1"));
+    }
+    let prompt_tokens = tokens.len() as u64;
+    let total = prompt_tokens.saturating_add(max_tokens);
+    if total > state.max_model_len {
+        return Err(ApiError::bad_request(format!(
+            "this model's maximum context length is {} tokens, but {total} were requested \
+             ({prompt_tokens} in the prompt, {max_tokens} to generate)",
+            state.max_model_len
+        )));
+    }
+    let request_id = RequestId::from(state.next_request_id());
+    let engine_request = EngineRequest {
+        request_id: request_id.clone(),
+        block_hashes: kv_events::compute_block_hashes(&tokens, state.block_size),
+        prompt_tokens,
+        max_tokens,
+    };
+    let rank = state.ranks[dp_rank].clone();
+    let rx = rank.submit_stream(engine_request).map_err(|message| {
+        if message == SHUTTING_DOWN {
+            engine_error(&message)
+        } else {
+            ApiError::bad_request(message)
+        }
+    })?;
+    let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
+    let accepted = Accepted {
+        rx,
+        guard: AbortOnDrop {
+            rank,
+            request_id: request_id.clone(),
+        },
+        id: format!("cmpl-{request_id}"),
+        prompt_tokens,
+        max_tokens,
+        include_usage,
+    };
+    Ok((accepted, req.stream))
+}
+
+/// The dp rank: vLLM's `X-data-parallel-rank` header, else SGLang's body field, else 0.
+fn dp_rank(headers: &HeaderMap, body: Option<u32>, dp_size: usize) -> Result<usize, ApiError> {
+    let rank = match headers.get(DP_RANK_HEADER) {
+        Some(value) => value
+            .to_str()
+            .ok()
+            .and_then(|v| v.trim().parse::<u32>().ok())
+            .ok_or_else(|| {
+                ApiError::bad_request(format!("{DP_RANK_HEADER} must be a non-negative integer"))
+            })?,
+        None => body.unwrap_or(0),
+    };
+    let rank = rank as usize;
+    if rank >= dp_size {
+        return Err(ApiError::bad_request(format!(
+            "data parallel rank {rank} out of range (dp size {dp_size})"
+        )));
+    }
+    Ok(rank)
+}

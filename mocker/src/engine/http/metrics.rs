@@ -1,0 +1,103 @@
+//! `GET /metrics` with vLLM's metric names, so scrapers written for vLLM (a relay's
+//! load scrape, a dashboard) read the mock unchanged.
+//!
+//! Gauges per dp rank (label `engine`, vLLM's label for it, plus `model_name`):
+//! `vllm:num_requests_running`, `vllm:num_requests_waiting`,
+//! `vllm:kv_cache_usage_perc` (a fraction 0..=1 despite the name, as in vLLM), and the
+//! info gauge `vllm:cache_config_info` (value 1) whose labels carry `block_size` and
+//! `num_gpu_blocks`. Values are read from the ranks at scrape time, so a scrape costs
+//! one short lock per rank and nothing between scrapes.
+
+use super::super::rank::Rank;
+use prometheus::{Encoder, GaugeVec, Opts, Registry, TextEncoder};
+use std::sync::Arc;
+
+/// The registry and gauges of one worker.
+#[derive(Debug)]
+pub(super) struct EngineMetrics {
+    registry: Registry,
+    running: GaugeVec,
+    waiting: GaugeVec,
+    usage: GaugeVec,
+    model_name: String,
+}
+
+impl EngineMetrics {
+    /// Registers the gauges for a worker serving `model_name` with `dp_size` ranks of
+    /// `num_gpu_blocks` blocks of `block_size` tokens.
+    ///
+    /// # Errors
+    /// A [`prometheus::Error`] if a metric cannot be registered (names are fixed, so
+    /// only on a programming error).
+    pub fn new(
+        model_name: &str,
+        block_size: u32,
+        num_gpu_blocks: u64,
+        dp_size: usize,
+    ) -> Result<Self, prometheus::Error> {
+        let registry = Registry::new();
+        let gauge = |name: &str, help: &str| -> Result<GaugeVec, prometheus::Error> {
+            let g = GaugeVec::new(Opts::new(name, help), &["model_name", "engine"])?;
+            registry.register(Box::new(g.clone()))?;
+            Ok(g)
+        };
+        let running = gauge(
+            "vllm:num_requests_running",
+            "Requests in the running batch.",
+        )?;
+        let waiting = gauge(
+            "vllm:num_requests_waiting",
+            "Requests waiting to be scheduled.",
+        )?;
+        let usage = gauge(
+            "vllm:kv_cache_usage_perc",
+            "KV cache usage; 1 means 100 percent.",
+        )?;
+        let info = GaugeVec::new(
+            Opts::new(
+                "vllm:cache_config_info",
+                "Information of the KV cache configuration.",
+            ),
+            &[
+                "block_size",
+                "num_gpu_blocks",
+                "enable_prefix_caching",
+                "engine",
+            ],
+        )?;
+        registry.register(Box::new(info.clone()))?;
+        let (bs, blocks) = (block_size.to_string(), num_gpu_blocks.to_string());
+        for engine in 0..dp_size {
+            let engine = engine.to_string();
+            info.with_label_values(&[bs.as_str(), blocks.as_str(), "True", engine.as_str()])
+                .set(1.0);
+        }
+        Ok(Self {
+            registry,
+            running,
+            waiting,
+            usage,
+            model_name: model_name.to_owned(),
+        })
+    }
+
+    /// Reads every rank and renders the Prometheus text format.
+    pub fn render(&self, ranks: &[Arc<Rank>]) -> String {
+        for (i, rank) in ranks.iter().enumerate() {
+            let u = rank.usage();
+            let engine = i.to_string();
+            let labels = [self.model_name.as_str(), engine.as_str()];
+            self.running
+                .with_label_values(&labels)
+                .set(u.running as f64);
+            self.waiting
+                .with_label_values(&labels)
+                .set(u.waiting as f64);
+            self.usage.with_label_values(&labels).set(u.kv_cache_usage);
+        }
+        let mut out = Vec::new();
+        // Encoding gauges into a Vec cannot fail (no I/O, valid names).
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
+        String::from_utf8(out).unwrap_or_default()
+    }
+}

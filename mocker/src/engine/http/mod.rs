@@ -1,0 +1,199 @@
+//! The mock engine's OpenAI-compatible HTTP front end, one listener per worker, so a
+//! gateway (or any OpenAI client) can drive the mock exactly as it drives vLLM.
+//!
+//! Endpoints: `POST /v1/completions` (token-id or text prompts, streaming or not),
+//! `POST /tokenize`, `GET /v1/models`, `GET /metrics` (vLLM metric names). The dp rank
+//! comes from vLLM's `X-data-parallel-rank` header or SGLang's `data_parallel_rank`
+//! body field. Requests run on the same engine core as the NATS protocol — same
+//! timing, same KV cache, same KV events — and a client disconnect aborts the request
+//! and frees its blocks.
+//!
+//! Bounds: bodies over [`MAX_BODY_BYTES`] are refused with 413 before they are read;
+//! a prompt plus `max_tokens` over `--max-model-len` is a 400; text prompts are bounded
+//! by the tokenizer's limits. Malformed JSON is a 400 in OpenAI's error shape.
+//! Cost: one tokio task per connection, one watch channel per request.
+
+mod completions;
+mod info;
+mod metrics;
+pub mod openai;
+mod sse;
+#[cfg(test)]
+mod tests;
+
+pub use completions::DP_RANK_HEADER;
+
+use super::rank::Rank;
+use axum::Router;
+use axum::extract::DefaultBodyLimit;
+use axum::routing::{get, post};
+use kv_events::WorkerId;
+use kv_tokenizer::ModelTokenizer;
+use metrics::EngineMetrics;
+use openai::ApiError;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Largest accepted request body, in bytes (4 MiB: a 128k-token prompt as token ids
+/// is under 1 MiB of JSON).
+pub const MAX_BODY_BYTES: usize = 4 << 20;
+
+/// Default `--served-model-name`.
+pub const DEFAULT_MODEL_NAME: &str = "kv-mocker";
+
+/// Flags of the HTTP front end of `kv-mocker engines`.
+#[derive(Debug, Clone, PartialEq, Eq, clap::Args)]
+pub struct HttpArgs {
+    /// Address the workers' HTTP listeners bind.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub http_host: String,
+    /// Port of the first worker's listener; worker i listens on this port + i. 0: each
+    /// worker gets an ephemeral port (the registration carries the real one).
+    #[arg(long, default_value_t = 0)]
+    pub http_port: u16,
+    /// Host written in the registered URL (`http://{host}:{port}`); defaults to
+    /// `--http-host`. Set it when binding 0.0.0.0.
+    #[arg(long)]
+    pub http_advertise_host: Option<String>,
+    /// Model directory with `tokenizer.json` (and `tokenizer_config.json`): text
+    /// prompts are tokenized with it and generated tokens decoded. Without it only
+    /// token-id prompts are served.
+    #[arg(long)]
+    pub model_dir: Option<PathBuf>,
+    /// The model name served on `/v1/models` and required (when given) in requests.
+    #[arg(long, default_value = DEFAULT_MODEL_NAME)]
+    pub served_model_name: String,
+    /// Longest prompt plus `max_tokens`, in tokens. Default: one rank's whole KV cache
+    /// (`num_gpu_blocks × block_size`).
+    #[arg(long)]
+    pub max_model_len: Option<u64>,
+}
+
+impl Default for HttpArgs {
+    fn default() -> Self {
+        Self {
+            http_host: "127.0.0.1".to_owned(),
+            http_port: 0,
+            http_advertise_host: None,
+            model_dir: None,
+            served_model_name: DEFAULT_MODEL_NAME.to_owned(),
+            max_model_len: None,
+        }
+    }
+}
+
+/// What the handlers of one worker share.
+#[derive(Debug)]
+pub(super) struct HttpState {
+    worker_id: WorkerId,
+    ranks: Vec<Arc<Rank>>,
+    block_size: u32,
+    model_name: String,
+    max_model_len: u64,
+    tokenizer: Option<Arc<ModelTokenizer>>,
+    metrics: EngineMetrics,
+    next_id: AtomicU64,
+    /// Unix time of start-up, in seconds (the `created` of responses).
+    created: u64,
+}
+
+/// Everything needed to build one worker's [`HttpState`].
+#[derive(Debug)]
+pub(super) struct WorkerHttp {
+    /// The worker.
+    pub worker_id: WorkerId,
+    /// Its ranks, index = dp rank.
+    pub ranks: Vec<Arc<Rank>>,
+    /// Tokens per KV block.
+    pub block_size: u32,
+    /// Blocks per rank.
+    pub num_gpu_blocks: u64,
+    /// The shared tokenizer, if a model directory was given.
+    pub tokenizer: Option<Arc<ModelTokenizer>>,
+}
+
+impl HttpState {
+    /// The state of one worker's server.
+    ///
+    /// # Errors
+    /// A [`prometheus::Error`] if the metrics cannot be registered.
+    pub fn new(args: &HttpArgs, w: WorkerHttp) -> Result<Self, prometheus::Error> {
+        let cache_tokens = w.num_gpu_blocks.saturating_mul(u64::from(w.block_size));
+        let metrics = EngineMetrics::new(
+            &args.served_model_name,
+            w.block_size,
+            w.num_gpu_blocks,
+            w.ranks.len(),
+        )?;
+        Ok(Self {
+            worker_id: w.worker_id,
+            ranks: w.ranks,
+            block_size: w.block_size,
+            model_name: args.served_model_name.clone(),
+            max_model_len: args.max_model_len.unwrap_or(cache_tokens),
+            tokenizer: w.tokenizer,
+            metrics,
+            next_id: AtomicU64::new(0),
+            created: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+        })
+    }
+
+    fn next_request_id(&self) -> String {
+        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+        format!("http-{}-{n}", self.worker_id)
+    }
+
+    fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
+        match model {
+            Some(m) if m != self.model_name => Err(ApiError {
+                status: axum::http::StatusCode::NOT_FOUND,
+                message: format!("the model `{m}` does not exist"),
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    fn tokenizer(&self) -> Result<&ModelTokenizer, ApiError> {
+        self.tokenizer.as_deref().ok_or_else(|| {
+            ApiError::bad_request(
+                "text prompts need a tokenizer: start kv-mocker engines with --model-dir, \
+                 or send the prompt as a list of token ids",
+            )
+        })
+    }
+
+    /// Encodes a completion prompt as vLLM does (with special tokens).
+    fn encode(&self, text: &str) -> Result<Vec<u32>, ApiError> {
+        self.tokenizer()?
+            .encode_completion(text)
+            .map_err(|e| ApiError::bad_request(e.to_string()))
+    }
+
+    /// The text of generated token `i` (0-based): with a tokenizer, the decoded text of
+    /// a deterministic token id; without one, the placeholder `" tok{i}"`.
+    fn token_text(&self, i: u64) -> String {
+        match &self.tokenizer {
+            Some(t) => {
+                let vocab = t.vocab_size().max(1) as u64;
+                // In range by the modulo; ids are u32 in every tokenizer.
+                let id = u32::try_from((i * 7 + 11) % vocab).unwrap_or(0);
+                t.decode(&[id], true).unwrap_or_default()
+            }
+            None => format!(" tok{i}"),
+        }
+    }
+}
+
+/// The routes of one worker's server, with the body limit.
+pub(super) fn router(state: Arc<HttpState>) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions::completions))
+        .route("/tokenize", post(info::tokenize))
+        .route("/v1/models", get(info::models))
+        .route("/metrics", get(info::metrics))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(state)
+}

@@ -1,0 +1,154 @@
+//! The OpenAI (vLLM-flavoured) JSON shapes the mock engine reads and writes, and its
+//! error type. Field names and defaults follow vLLM's OpenAI server: `prompt` is text
+//! or a list of token ids, `max_tokens` defaults to 16, errors are
+//! `{"error": {"message", "type", "param", "code"}}` with the HTTP status as `code`.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+/// vLLM's default `max_tokens` for `/v1/completions`, in tokens.
+pub const DEFAULT_MAX_TOKENS: u64 = 16;
+
+/// The prompt of a completion: text (tokenized by the engine) or token ids as given.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    /// Text, tokenized with special tokens like vLLM does.
+    Text(String),
+    /// Token ids, used as they are.
+    Tokens(Vec<u32>),
+}
+
+/// `stream_options` of a streaming request.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+pub struct StreamOptions {
+    /// Send a final chunk with `usage` and no choices before `[DONE]`.
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// The body of `POST /v1/completions` (fields the mock does not model are ignored).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct CompletionRequest {
+    /// Model name; when set it must be the served name.
+    #[serde(default)]
+    pub model: Option<String>,
+    /// The prompt.
+    pub prompt: Prompt,
+    /// Tokens to generate, in tokens (default [`DEFAULT_MAX_TOKENS`]). The mock always
+    /// generates exactly this many (no stop conditions), `finish_reason` `length`.
+    #[serde(default)]
+    pub max_tokens: Option<u64>,
+    /// Answer as server-sent events.
+    #[serde(default)]
+    pub stream: bool,
+    /// Streaming options.
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+    /// SGLang's way of choosing the data-parallel rank (vLLM's is the
+    /// `X-data-parallel-rank` header, which wins when both are given).
+    #[serde(default)]
+    pub data_parallel_rank: Option<u32>,
+}
+
+/// The body of `POST /tokenize` (vLLM's completion form).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct TokenizeRequest {
+    /// Text to encode.
+    pub prompt: String,
+    /// Add the tokenizer's special tokens (vLLM's default: true).
+    #[serde(default = "yes")]
+    pub add_special_tokens: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// Token counts of one request (OpenAI's `usage`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Usage {
+    /// Prompt length, in tokens.
+    pub prompt_tokens: u64,
+    /// Generated tokens, in tokens.
+    pub completion_tokens: u64,
+    /// Their sum, in tokens.
+    pub total_tokens: u64,
+    /// `{"cached_tokens": n}`: prompt tokens served from the prefix cache.
+    pub prompt_tokens_details: CachedTokens,
+}
+
+/// OpenAI's `prompt_tokens_details`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct CachedTokens {
+    /// Prompt tokens served from the prefix cache, in tokens.
+    pub cached_tokens: u64,
+}
+
+impl Usage {
+    /// Usage of a prompt of `prompt` tokens (`cached` of them cached) that generated
+    /// `completion` tokens.
+    pub fn new(prompt: u64, cached: u64, completion: u64) -> Self {
+        Self {
+            prompt_tokens: prompt,
+            completion_tokens: completion,
+            total_tokens: prompt + completion,
+            prompt_tokens_details: CachedTokens {
+                cached_tokens: cached,
+            },
+        }
+    }
+}
+
+/// An error answered as OpenAI's error JSON with a matching status.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiError {
+    /// The HTTP status.
+    pub status: StatusCode,
+    /// Lowercase explanation for the client.
+    pub message: String,
+}
+
+impl ApiError {
+    /// 400: the request is malformed or cannot be served as asked.
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+        }
+    }
+
+    /// The error body, `{"error": {"message", "type", "param": null, "code": status}}`.
+    pub fn body(&self) -> serde_json::Value {
+        let kind = match self.status {
+            StatusCode::BAD_REQUEST => "BadRequestError",
+            StatusCode::NOT_FOUND => "NotFoundError",
+            StatusCode::PAYLOAD_TOO_LARGE => "RequestTooLargeError",
+            StatusCode::SERVICE_UNAVAILABLE => "ServiceUnavailableError",
+            _ => "InternalServerError",
+        };
+        json!({"error": {
+            "message": self.message,
+            "type": kind,
+            "param": null,
+            "code": self.status.as_u16(),
+        }})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, axum::Json(self.body())).into_response()
+    }
+}
+
+/// Parses a JSON body, mapping any failure to a 400 that quotes serde's reason.
+///
+/// # Errors
+/// [`ApiError`] 400 `malformed request: …`.
+pub fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("malformed request: {e}")))
+}
