@@ -30,14 +30,14 @@ enum Command {
 
 #[tokio::main]
 async fn main() -> Result<()> {
-    router_daemon::process::init_tracing();
+    kv_cluster::process::init_tracing();
     let cli = Cli::parse();
     match cli.command {
         Command::Engines(args) => {
             let shutdown = CancellationToken::new();
             let signal = shutdown.clone();
             tokio::spawn(async move {
-                router_daemon::process::shutdown_signal().await;
+                kv_cluster::process::shutdown_signal().await;
                 signal.cancel();
             });
             mocker::engine::run_engines(args, shutdown).await

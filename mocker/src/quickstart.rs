@@ -92,7 +92,7 @@ pub async fn run(args: QuickstartArgs) -> anyhow::Result<()> {
     let mut stack = Stack::default();
     let result = tokio::select! {
         result = run_stack(&args, &trace, &trace_name, &binaries, &mut stack) => result,
-        () = router_daemon::process::shutdown_signal() => Err(anyhow!("interrupted by Ctrl-C or SIGTERM")),
+        () = kv_cluster::process::shutdown_signal() => Err(anyhow!("interrupted by Ctrl-C or SIGTERM")),
     };
     if result.is_err() {
         // Show what the children said last: the error may be theirs.

@@ -6,14 +6,15 @@
 //! and etcd flags are declared (and validated) once in [`crate::connection_args`],
 //! shared with `kv-router relay`.
 
-pub use crate::connection_args::{ConnectionArgsError, EtcdArgs, NatsArgs};
-pub use crate::http::{HttpConfig, ListenAddr};
-pub use crate::nats::{ClientCertificate, NatsAuth, NatsConfig, NatsTls};
+pub use crate::http::HttpConfig;
 use clap::Args;
+pub use kv_cluster::args::{EtcdArgs, NatsArgs, parse_flags};
+pub use kv_cluster::etcd::EtcdConfig;
+pub use kv_cluster::http::ListenAddr;
+pub use kv_cluster::nats::{ClientCertificate, NatsAuth, NatsConfig, NatsTls};
 use kv_events::{Namespace, Subjects};
 use scheduler::SchedulerConfig;
 use std::path::PathBuf;
-use std::time::Duration;
 
 /// `kv-router serve` flags. Each flag can also be set by the environment variable named
 /// in its help text, and by the TOML file of `--config` (see [`crate::config_file`]):
@@ -85,15 +86,6 @@ pub struct ServeArgs {
     pub max_route_batch: usize,
 }
 
-/// How to reach etcd.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct EtcdConfig {
-    /// Endpoint URLs.
-    pub endpoints: Vec<String>,
-    /// Timeout of the initial connection.
-    pub connect_timeout: Duration,
-}
-
 /// Settings of the routing service itself.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RouteConfig {
@@ -146,7 +138,7 @@ pub enum ConfigError {
     },
     /// A NATS or etcd flag is unusable.
     #[error(transparent)]
-    Connection(#[from] ConnectionArgsError),
+    Connection(#[from] kv_cluster::Error),
     /// The scheduler rejected its sub-config.
     #[error("invalid scheduler config: {0}")]
     Scheduler(#[from] scheduler::SchedulerError),
@@ -210,35 +202,10 @@ impl DaemonConfig {
     }
 }
 
-/// Parses one flag group — [`ServeArgs`], [`crate::relay::RelayArgs`], or any part
-/// of them — from `args` (the first item is the program name), with the groups'
-/// environment variables: for programs that embed the daemon or the relay, and for
-/// tests.
-///
-/// # Errors
-/// clap's error for an unknown flag or a value a flag refuses.
-pub fn parse_flags<A, I, T>(args: I) -> Result<A, clap::Error>
-where
-    A: Args + clap::FromArgMatches,
-    I: IntoIterator<Item = T>,
-    T: Into<std::ffi::OsString> + Clone,
-{
-    let matches = A::augment_args(clap::Command::new("kv-router")).try_get_matches_from(args)?;
-    A::from_arg_matches(&matches)
-}
-
-/// Trims each value and drops empty ones (comma-separated flag lists).
-pub(crate) fn trimmed(values: &[String]) -> Vec<String> {
-    values
-        .iter()
-        .map(|v| v.trim().to_owned())
-        .filter(|v| !v.is_empty())
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     fn parse(args: &[&str]) -> ServeArgs {
         crate::config::parse_flags::<ServeArgs, _, _>(
@@ -314,5 +281,38 @@ mod tests {
             crate::config::parse_flags::<ServeArgs, _, _>(["kv-router", "--policy", "best"])
                 .is_err()
         );
+    }
+
+    /// Every NATS and etcd flag exists in `serve` and in `relay` with the same
+    /// environment variable, default and help heading (its TOML table in `serve`).
+    #[test]
+    fn serve_and_relay_declare_the_same_connection_flags() {
+        use clap::{Args as _, Command};
+        let serve = crate::config_file::serve_command();
+        let relay = kv_relay::RelayArgs::augment_args(Command::new("relay"));
+        let shared = NatsArgs::augment_args(EtcdArgs::augment_args(Command::new("t")));
+        let mut count = 0;
+        for arg in shared.get_arguments() {
+            let long = arg
+                .get_long()
+                .expect("every connection flag is a long flag");
+            let env = arg.get_env().expect("every connection flag has a variable");
+            assert!(
+                env.to_string_lossy().starts_with("KV_ROUTER_NATS_")
+                    || env.to_string_lossy().starts_with("KV_ROUTER_ETCD_"),
+                "{env:?}"
+            );
+            for command in [&serve, &relay] {
+                let same = command
+                    .get_arguments()
+                    .find(|a| a.get_long() == Some(long))
+                    .unwrap_or_else(|| panic!("--{long} missing in {}", command.get_name()));
+                assert_eq!(same.get_env(), Some(env), "--{long}");
+                assert_eq!(same.get_default_values(), arg.get_default_values());
+                assert_eq!(same.get_help_heading(), arg.get_help_heading());
+            }
+            count += 1;
+        }
+        assert_eq!(count, 11);
     }
 }

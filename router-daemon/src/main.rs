@@ -29,7 +29,7 @@ enum Command {
     Config(ConfigCommand),
     /// Sidecar beside one vLLM or SGLang engine: relay its ZMQ KV events to NATS in
     /// kv-router's protocol and register it in etcd (see docs/engines.md).
-    Relay(Box<router_daemon::relay::RelayArgs>),
+    Relay(Box<kv_relay::RelayArgs>),
 }
 
 #[derive(Subcommand)]
@@ -47,7 +47,7 @@ const SERVE_LIKE: &[&[&str]] = &[&["serve"], &["config", "print"]];
 
 #[tokio::main]
 async fn main() -> Result<()> {
-    router_daemon::process::init_tracing();
+    kv_cluster::process::init_tracing();
     let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
     let (command, file) = config_file::with_config_file(Cli::command(), &argv, SERVE_LIKE)?;
     let matches = command.get_matches_from(&argv);
@@ -56,7 +56,7 @@ async fn main() -> Result<()> {
         Command::Serve(args) => {
             let config = validate(&args, file.as_ref())?;
             let registry = prometheus::Registry::new();
-            router_daemon::run(config, &registry, router_daemon::process::shutdown_signal()).await
+            router_daemon::run(config, &registry, kv_cluster::process::shutdown_signal()).await
         }
         Command::Probe(args) => router_daemon::probe::run(&args).await,
         Command::Config(ConfigCommand::Print(args)) => {
@@ -84,10 +84,10 @@ async fn main() -> Result<()> {
             Ok(())
         }
         Command::Relay(args) => {
-            let config = router_daemon::relay::RelayConfig::from_args(&args)?;
+            let config = kv_relay::RelayConfig::from_args(&args)?;
             let registry = prometheus::Registry::new();
-            router_daemon::relay::run(config, &registry, router_daemon::process::shutdown_signal())
-                .await
+            kv_relay::run(config, &registry, kv_cluster::process::shutdown_signal()).await?;
+            Ok(())
         }
     }
 }

@@ -19,10 +19,10 @@ use super::timing::TimingModel;
 use super::worker::Worker;
 use crate::protocol::{OP_CLEAR, OP_GENERATE};
 use etcd_client::ConnectOptions;
+use kv_cluster::lease::WorkerLease;
 use kv_events::discovery::WorkerRegistration;
 use kv_events::journal::{EventJournal, JournalConfig};
 use kv_events::{DpRank, Subjects, WorkerId, WorkerRank};
-use router_daemon::worker_lease::{LeaseError, WorkerLease};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::task::{JoinHandle, JoinSet};
@@ -71,7 +71,7 @@ pub enum ServiceError {
         /// The worker.
         worker_id: WorkerId,
         /// What failed.
-        source: LeaseError,
+        source: kv_cluster::Error,
     },
     /// An engine task panicked.
     #[error("engine task failed: {0}")]
