@@ -8,13 +8,13 @@
 //!
 //! # Layout
 //! - [`barrier`]: a NATS round trip proving our subscriptions are registered.
-//! - [`config`]: command-line flags parsed once into typed, validated sub-configs.
-//! - [`config_file`]: the TOML file under environment and flags; `config print`.
+//! - [`config`]: every `serve` setting (flags, environment, TOML file, `config print`),
+//!   validated once into typed sub-configs: scheduling, policy and index flag groups.
 //! - [`daemon`]: start-up and the shutdown order (stop intake → drain shards → close).
 //! - [`discovery`]: applies the etcd worker directory (`kv_cluster::directory`) to
 //!   the scheduler, the indexer and `/debug/workers`.
 //! - [`durability`]: gap recovery from publishers, start-up resync, the optional
-//!   JetStream snapshot path, and the index flags (backend, memory bound, mode).
+//!   JetStream snapshot path.
 //! - [`intake`]: KV event and load-metric subscriptions feeding indexer and scheduler.
 //! - [`route`]: the routing request-reply service.
 //! - [`route_batch`]: several routing queries placed together, in one round trip.
@@ -23,8 +23,6 @@
 //! - [`queue`]: the bounded FCFS wait queue for when every worker is busy.
 //! - [`replicas`]: sequence sync of booked load between router replicas.
 //! - [`replica_snapshot`]: a starting replica learns the bookings its peers hold.
-//! - [`scheduling_args`]: the scheduling, queue and replica flags of `serve`.
-//! - [`policy_args`]: the default policy and each policy's knob flags.
 //! - [`state`]: the shared router state (indexer handle, scheduler lock, counters).
 //! - [`counters`]: Prometheus counters for messages the daemon handled or rejected.
 //! - [`metrics`]: every other Prometheus metric (routing, events, load, connections).
@@ -38,7 +36,6 @@
 pub mod admission;
 pub mod barrier;
 pub mod config;
-pub mod config_file;
 pub mod counters;
 pub mod daemon;
 pub mod directory;
@@ -50,14 +47,12 @@ pub mod intake;
 pub mod lifecycle;
 pub mod metrics;
 pub mod nats;
-pub mod policy_args;
 pub mod probe;
 pub mod queue;
 pub mod replica_snapshot;
 pub mod replicas;
 pub mod route;
 pub mod route_batch;
-pub mod scheduling_args;
 pub mod state;
 
 pub use config::{DaemonConfig, ServeArgs};

@@ -2,7 +2,7 @@
 
 use anyhow::Result;
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
-use router_daemon::config_file;
+use router_daemon::config::{file as config_file, serve_command};
 use router_daemon::{DaemonConfig, ServeArgs};
 
 #[derive(Parser)]
@@ -49,7 +49,8 @@ const SERVE_LIKE: &[&[&str]] = &[&["serve"], &["config", "print"]];
 async fn main() -> Result<()> {
     kv_cluster::process::init_tracing();
     let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
-    let (command, file) = config_file::with_config_file(Cli::command(), &argv, SERVE_LIKE)?;
+    let (command, file) =
+        config_file::with_config_file(Cli::command(), &serve_command(), &argv, SERVE_LIKE)?;
     let matches = command.get_matches_from(&argv);
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     match cli.command {
@@ -67,20 +68,13 @@ async fn main() -> Result<()> {
             if let Some(print) = print {
                 print!(
                     "{}",
-                    config_file::effective_toml(
-                        &config_file::serve_command(),
-                        print,
-                        file.as_ref()
-                    )
+                    config_file::effective_toml(&serve_command(), print, file.as_ref())
                 );
             }
             Ok(())
         }
         Command::Config(ConfigCommand::Reference) => {
-            print!(
-                "{}",
-                config_file::reference_markdown(&config_file::serve_command())
-            );
+            print!("{}", config_file::reference_markdown(&serve_command()));
             Ok(())
         }
         Command::Relay(args) => {

@@ -1,13 +1,35 @@
-//! Daemon configuration: clap flags (with environment variables) parsed once at the
-//! edge and validated into typed sub-configs, each handed only to the part that owns
-//! it: [`NatsConfig`] to the NATS client, [`EtcdConfig`] to discovery,
-//! [`indexer::IndexerConfig`] to the indexer and [`scheduler::SchedulerConfig`] to the
-//! scheduler. Every policy's knobs live in its own `PolicyConfig` variant. The NATS
-//! and etcd flags are declared (and validated) once in [`crate::connection_args`],
-//! shared with `kv-router relay`.
+//! Daemon configuration: clap flags (with environment variables and the TOML file)
+//! parsed once at the edge and validated into typed sub-configs, each handed only to
+//! the part that owns it: [`NatsConfig`] to the NATS client, [`EtcdConfig`] to
+//! discovery, [`indexer::IndexerConfig`] to the indexer and
+//! [`scheduler::SchedulerConfig`] to the scheduler. Every policy's knobs live in its
+//! own `PolicyConfig` variant.
+//!
+//! Why one folder: every setting of `serve` is declared, layered, validated and
+//! documented here, and nothing here is imported back by the files it imports
+//! (imports go mod → groups → error, and `file` knows clap, not `serve`).
+//!
+//! # Layout
+//! - this file: [`ServeArgs`] (every `serve` flag), [`DaemonConfig`] and its
+//!   validation, [`serve_command`].
+//! - [`error`]: [`ConfigError`], the one error of every flag group.
+//! - [`file`]: the TOML file under environment and flags; `config print` and
+//!   `config reference`.
+//! - [`scheduling`]: the scheduling, queue and replica flags.
+//! - [`policy`]: the default policy and each policy's knob flags.
+//! - [`index`]: the index backend, memory bound, mode, recovery and JetStream flags.
+//! - The NATS and etcd flags are `kv_cluster::args`, shared with `kv-router relay`
+//!   and every other participant.
+
+pub mod error;
+pub mod file;
+pub mod index;
+pub mod policy;
+pub mod scheduling;
 
 pub use crate::http::HttpConfig;
 use clap::Args;
+pub use error::ConfigError;
 pub use kv_cluster::args::{EtcdArgs, NatsArgs, parse_flags};
 pub use kv_cluster::etcd::EtcdConfig;
 pub use kv_cluster::http::ListenAddr;
@@ -17,7 +39,7 @@ use scheduler::SchedulerConfig;
 use std::path::PathBuf;
 
 /// `kv-router serve` flags. Each flag can also be set by the environment variable named
-/// in its help text, and by the TOML file of `--config` (see [`crate::config_file`]):
+/// in its help text, and by the TOML file of `--config` (see [`file`]):
 /// command line over environment over file over built-in default. The help heading of
 /// a flag is its TOML table.
 #[derive(Debug, Clone, Args)]
@@ -58,13 +80,13 @@ pub struct ServeArgs {
     pub block_size: u32,
     /// Policy, its knobs, load accounting, busy thresholds, wait queue, replica sync.
     #[command(flatten, next_help_heading = "Scheduler")]
-    pub scheduling: Box<crate::scheduling_args::SchedulingArgs>,
+    pub scheduling: Box<scheduling::SchedulingArgs>,
     /// Indexer shard tasks (default: the number of cores).
     #[arg(long, help_heading = "Indexer", env = "KV_ROUTER_SHARDS")]
     pub shards: Option<usize>,
     /// Index backend, memory bound, approximate mode, recovery and JetStream.
     #[command(flatten, next_help_heading = "Indexer")]
-    pub index: crate::durability::IndexArgs,
+    pub index: index::IndexArgs,
     /// Seed for the scheduler's tie-break and sampling RNG (default: from the OS).
     #[arg(long, help_heading = "Scheduler", env = "KV_ROUTER_SEED")]
     pub seed: Option<u64>,
@@ -122,26 +144,10 @@ pub struct DaemonConfig {
     pub rng_seed: Option<u64>,
 }
 
-/// A configuration value that cannot be used, from `serve`'s or `relay`'s flags.
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    /// The namespace is not a valid subject token.
-    #[error("invalid --namespace: {0}")]
-    Namespace(#[from] kv_events::NamespaceError),
-    /// A field is out of range.
-    #[error("invalid --{field}: {reason}")]
-    Invalid {
-        /// The flag name.
-        field: &'static str,
-        /// What is wrong with it.
-        reason: String,
-    },
-    /// A NATS or etcd flag is unusable.
-    #[error(transparent)]
-    Connection(#[from] kv_cluster::Error),
-    /// The scheduler rejected its sub-config.
-    #[error("invalid scheduler config: {0}")]
-    Scheduler(#[from] scheduler::SchedulerError),
+/// The `serve` command: every setting the file, environment and flags can set (for
+/// [`file`]'s layering, `config print` and `config reference`).
+pub fn serve_command() -> clap::Command {
+    ServeArgs::augment_args(clap::Command::new("serve"))
 }
 
 impl DaemonConfig {
@@ -208,10 +214,8 @@ mod tests {
     use std::time::Duration;
 
     fn parse(args: &[&str]) -> ServeArgs {
-        crate::config::parse_flags::<ServeArgs, _, _>(
-            std::iter::once("kv-router").chain(args.iter().copied()),
-        )
-        .expect("flags parse")
+        parse_flags::<ServeArgs, _, _>(std::iter::once("kv-router").chain(args.iter().copied()))
+            .expect("flags parse")
     }
 
     #[test]
@@ -277,10 +281,7 @@ mod tests {
         let err = DaemonConfig::from_args(&parse(&["--policy", "kv", "--overlap-weight", "-1"]))
             .unwrap_err();
         assert!(err.to_string().contains("prefill_load_scale"), "{err}");
-        assert!(
-            crate::config::parse_flags::<ServeArgs, _, _>(["kv-router", "--policy", "best"])
-                .is_err()
-        );
+        assert!(parse_flags::<ServeArgs, _, _>(["kv-router", "--policy", "best"]).is_err());
     }
 
     /// Every NATS and etcd flag exists in `serve` and in `relay` with the same
@@ -288,7 +289,7 @@ mod tests {
     #[test]
     fn serve_and_relay_declare_the_same_connection_flags() {
         use clap::{Args as _, Command};
-        let serve = crate::config_file::serve_command();
+        let serve = serve_command();
         let relay = kv_relay::RelayArgs::augment_args(Command::new("relay"));
         let shared = NatsArgs::augment_args(EtcdArgs::augment_args(Command::new("t")));
         let mut count = 0;
