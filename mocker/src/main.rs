@@ -34,14 +34,14 @@ async fn main() -> Result<()> {
     match &cli.command {
         // The quickstart's terminal shows steps and results; its detail goes to a file.
         Command::Quickstart(args) => mocker::quickstart::init_tracing(&args.out)?,
-        _ => router_daemon::process::init_tracing(),
+        _ => kv_cluster::process::init_tracing(),
     }
     match cli.command {
         Command::Engines(args) => {
             let shutdown = CancellationToken::new();
             let signal = shutdown.clone();
             tokio::spawn(async move {
-                router_daemon::process::shutdown_signal().await;
+                kv_cluster::process::shutdown_signal().await;
                 signal.cancel();
             });
             mocker::engine::run_engines(args, shutdown).await

@@ -100,7 +100,7 @@ pub async fn run(args: QuickstartArgs) -> anyhow::Result<()> {
     let mut stack = Stack::new(logs);
     let result = tokio::select! {
         result = run_stack(&args, &trace, &trace_name, &binaries, &mut stack) => result,
-        () = router_daemon::process::shutdown_signal() => Err(anyhow!("interrupted by Ctrl-C or SIGTERM")),
+        () = kv_cluster::process::shutdown_signal() => Err(anyhow!("interrupted by Ctrl-C or SIGTERM")),
     };
     if let Err(err) = &result {
         // The error may be a child's: show the end of the log of any child that died.

@@ -43,6 +43,7 @@ use crate::{discovery, intake, lifecycle, replicas, route};
 use anyhow::Context;
 use indexer::Indexer;
 use indexer::IndexerApi as _;
+use kv_cluster::directory::WorkerDirectory;
 use scheduler::Scheduler;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -209,26 +210,25 @@ impl Starting {
         );
 
         let discovery_token = root.child_token();
-        let mut known = discovery::KnownWorkers::new();
-        let Some((etcd, revision)) =
-            discovery::connect_and_load(&config.etcd, &state, &mut known, &discovery_token).await
+        let mut discovery = discovery::Discovery::new(state.clone());
+        let Some(directory) = WorkerDirectory::connect_and_load(
+            config.etcd.clone(),
+            subjects.clone(),
+            &mut discovery,
+            &discovery_token,
+        )
+        .await
         else {
             anyhow::bail!("start-up cancelled while waiting for etcd");
         };
         state.health.set_discovery_loaded();
         let discovery_tasks = TaskTracker::new();
         info!(
-            workers = known.len(),
-            revision, "loaded worker registrations"
+            workers = discovery.known().len(),
+            revision = directory.revision(),
+            "loaded worker registrations"
         );
-        discovery_tasks.spawn(discovery::watch(
-            config.etcd.clone(),
-            etcd,
-            state.clone(),
-            known,
-            revision,
-            discovery_token.clone(),
-        ));
+        discovery_tasks.spawn(directory.watch(discovery, discovery_token.clone()));
 
         // Initial recovery: JetStream catch-up and/or a dump from every registered
         // worker; live events arriving meanwhile are buffered, not lost or doubled.

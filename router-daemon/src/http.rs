@@ -13,8 +13,7 @@
 //! scheduler lock) plus encoding the registry; `/debug/workers` costs one scheduler
 //! lock and one copy of the worker directory.
 //!
-//! [`get`] is a minimal HTTP/1.1 client for these endpoints, used by
-//! `kv-router probe` (container health checks need no curl) and by tests.
+//! The client side (`kv-router probe`, tests) is [`kv_cluster::http::get`].
 
 use crate::health::{Check, Readiness};
 use crate::state::RouterState;
@@ -24,41 +23,15 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Json, Response};
 use axum::routing::get as get_route;
 use indexer::IndexerApi as _;
+use kv_cluster::http::ListenAddr;
 use kv_events::LoadMetrics;
 use serde::Serialize;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
-
-/// Where the HTTP endpoint listens: a socket address, or `off`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ListenAddr(pub Option<SocketAddr>);
-
-impl std::str::FromStr for ListenAddr {
-    type Err = std::net::AddrParseError;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        if s.trim().eq_ignore_ascii_case("off") {
-            Ok(Self(None))
-        } else {
-            s.trim().parse().map(|a| Self(Some(a)))
-        }
-    }
-}
-
-impl std::fmt::Display for ListenAddr {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self.0 {
-            Some(addr) => write!(f, "{addr}"),
-            None => f.write_str("off"),
-        }
-    }
-}
 
 /// Settings of the HTTP endpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -86,14 +59,6 @@ pub enum HttpError {
         addr: SocketAddr,
         /// The cause.
         source: std::io::Error,
-    },
-    /// A client request failed (connect, write, read or timeout).
-    #[error("http request to {target} failed: {reason}")]
-    Request {
-        /// `host:port/path`.
-        target: String,
-        /// What went wrong, lowercase.
-        reason: String,
     },
 }
 
@@ -295,140 +260,5 @@ impl HttpServer {
         {
             warn!(error = %e, "http server task ended abnormally");
         }
-    }
-}
-
-/// A response of [`get`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct HttpResponse {
-    /// Status code.
-    pub status: u16,
-    /// Body, decoded as UTF-8 (lossily).
-    pub body: String,
-}
-
-/// The value of the sample `name` with exactly `labels` (`k="v"` pairs, comma-separated
-/// in exposition order; empty for an unlabelled metric) in Prometheus text `text`, as
-/// `/metrics` serves it; for probes, measurement tools and tests.
-pub fn metric_sample(text: &str, name: &str, labels: &str) -> Option<f64> {
-    let key = if labels.is_empty() {
-        name.to_owned()
-    } else {
-        format!("{name}{{{labels}}}")
-    };
-    text.lines()
-        .find_map(|l| l.strip_prefix(&key)?.strip_prefix(' ')?.parse().ok())
-}
-
-/// `GET http://{addr}{path}` with HTTP/1.1 and `Connection: close`, within `timeout`.
-/// Handles `Content-Length` and chunked bodies; enough for the daemon's own endpoints.
-///
-/// # Errors
-/// [`HttpError::Request`] on connect, I/O or parse failure or timeout.
-pub async fn get(addr: &str, path: &str, timeout: Duration) -> Result<HttpResponse, HttpError> {
-    let target = format!("{addr}{path}");
-    let fail = |reason: String| HttpError::Request {
-        target: target.clone(),
-        reason,
-    };
-    let exchange = async {
-        let mut stream = tokio::net::TcpStream::connect(addr)
-            .await
-            .map_err(|e| format!("connect: {e}"))?;
-        let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
-        stream
-            .write_all(request.as_bytes())
-            .await
-            .map_err(|e| format!("write: {e}"))?;
-        let mut raw = Vec::new();
-        stream
-            .read_to_end(&mut raw)
-            .await
-            .map_err(|e| format!("read: {e}"))?;
-        parse_response(&raw)
-    };
-    match tokio::time::timeout(timeout, exchange).await {
-        Ok(result) => result.map_err(fail),
-        Err(_) => Err(fail(format!("no answer within {timeout:?}"))),
-    }
-}
-
-fn parse_response(raw: &[u8]) -> Result<HttpResponse, String> {
-    let split = raw
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .ok_or("no end of headers")?;
-    let head = String::from_utf8_lossy(&raw[..split]);
-    let body = &raw[split + 4..];
-    let mut lines = head.split("\r\n");
-    let status = lines
-        .next()
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|s| s.parse::<u16>().ok())
-        .ok_or("bad status line")?;
-    let chunked = lines.any(|l| {
-        let l = l.to_ascii_lowercase();
-        l.starts_with("transfer-encoding:") && l.contains("chunked")
-    });
-    let body = if chunked {
-        dechunk(body)?
-    } else {
-        body.to_vec()
-    };
-    Ok(HttpResponse {
-        status,
-        body: String::from_utf8_lossy(&body).into_owned(),
-    })
-}
-
-fn dechunk(mut rest: &[u8]) -> Result<Vec<u8>, String> {
-    let mut out = Vec::new();
-    loop {
-        let eol = rest
-            .windows(2)
-            .position(|w| w == b"\r\n")
-            .ok_or("bad chunk header")?;
-        let size_text = String::from_utf8_lossy(&rest[..eol]);
-        let size_hex = size_text.split(';').next().unwrap_or_default().trim();
-        let size = usize::from_str_radix(size_hex, 16).map_err(|_| "bad chunk size")?;
-        rest = &rest[eol + 2..];
-        if size == 0 {
-            return Ok(out);
-        }
-        let chunk = rest.get(..size).ok_or("truncated chunk")?;
-        out.extend_from_slice(chunk);
-        rest = rest.get(size + 2..).ok_or("truncated chunk")?;
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn listen_addr_parses_addresses_and_off() {
-        let on: ListenAddr = "127.0.0.1:9090".parse().unwrap();
-        assert_eq!(on.to_string(), "127.0.0.1:9090");
-        let off: ListenAddr = "OFF".parse().unwrap();
-        assert_eq!(off, ListenAddr(None));
-        assert_eq!(off.to_string(), "off");
-        assert!("nine-thousand".parse::<ListenAddr>().is_err());
-    }
-
-    #[test]
-    fn parses_length_and_chunked_bodies() {
-        let plain = b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 2\r\n\r\nno";
-        assert_eq!(
-            parse_response(plain).unwrap(),
-            HttpResponse {
-                status: 503,
-                body: "no".into()
-            }
-        );
-        let chunked =
-            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2;x=y\r\nde\r\n0\r\n\r\n";
-        assert_eq!(parse_response(chunked).unwrap().body, "abcde");
-        assert!(parse_response(b"HTTP/1.1 200 OK\r\n").is_err());
-        assert!(parse_response(b"garbage\r\n\r\n").is_err());
     }
 }

@@ -8,13 +8,13 @@
 //!
 //! # Layout
 //! - [`barrier`]: a NATS round trip proving our subscriptions are registered.
-//! - [`config`]: command-line flags parsed once into typed, validated sub-configs.
-//! - [`config_file`]: the TOML file under environment and flags; `config print`.
-//! - [`connection_args`]: the NATS and etcd flags, shared by `serve` and `relay`.
+//! - [`config`]: every `serve` setting (flags, environment, TOML file, `config print`),
+//!   validated once into typed sub-configs: scheduling, policy and index flag groups.
 //! - [`daemon`]: start-up and the shutdown order (stop intake → drain shards → close).
-//! - [`discovery`]: etcd worker registrations: initial load, then a watch.
+//! - [`discovery`]: applies the etcd worker directory (`kv_cluster::directory`) to
+//!   the scheduler, the indexer and `/debug/workers`.
 //! - [`durability`]: gap recovery from publishers, start-up resync, the optional
-//!   JetStream snapshot path, and the index flags (backend, memory bound, mode).
+//!   JetStream snapshot path.
 //! - [`intake`]: KV event and load-metric subscriptions feeding indexer and scheduler.
 //! - [`route`]: the routing request-reply service.
 //! - [`route_batch`]: several routing queries placed together, in one round trip.
@@ -23,8 +23,6 @@
 //! - [`queue`]: the bounded FCFS wait queue for when every worker is busy.
 //! - [`replicas`]: sequence sync of booked load between router replicas, and the
 //!   start-up snapshot in which a starting replica learns the bookings its peers hold.
-//! - [`scheduling_args`]: the scheduling, queue and replica flags of `serve`.
-//! - [`policy_args`]: the default policy and each policy's knob flags.
 //! - [`state`]: the parts of the daemon bundled (indexer, admission, counters, health).
 //! - [`metrics`]: every Prometheus metric, and the one way to create them
 //!   ([`metrics::registrar`]); [`counters`] (per-message counters, the root of the
@@ -32,17 +30,13 @@
 //! - [`health`]: liveness and readiness state.
 //! - [`http`]: `/metrics`, `/health/livez`, `/health/readyz`, `/debug/workers`.
 //! - [`directory`]: registered workers with their etcd leases.
-//! - [`nats`]: NATS connection options (cluster, auth, TLS) and connection events.
-//! - [`relay`]: `kv-router relay`, the sidecar that feeds vLLM / SGLang KV events in.
-//! - [`worker_lease`]: a worker's etcd registration under a lease (relay, mock engines).
-//! - [`process`]: logging set-up and the shutdown signal of both binaries.
+//! - [`nats`]: NATS connection events and subscription draining (the connection
+//!   options are `kv_cluster::nats`).
 //! - [`probe`]: `kv-router probe`, a health check client for containers.
 
 pub mod admission;
 pub mod barrier;
 pub mod config;
-pub mod config_file;
-pub mod connection_args;
 pub mod daemon;
 pub mod directory;
 pub mod discovery;
@@ -53,17 +47,12 @@ pub mod intake;
 pub mod lifecycle;
 pub mod metrics;
 pub mod nats;
-pub mod policy_args;
 pub mod probe;
-pub mod process;
 pub mod queue;
-pub mod relay;
 pub mod replicas;
 pub mod route;
 pub mod route_batch;
-pub mod scheduling_args;
 pub mod state;
-pub mod worker_lease;
 
 pub use config::{DaemonConfig, ServeArgs};
 pub use daemon::{Daemon, run};

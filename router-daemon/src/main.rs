@@ -2,7 +2,7 @@
 
 use anyhow::Result;
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
-use router_daemon::config_file;
+use router_daemon::config::{file as config_file, serve_command};
 use router_daemon::{DaemonConfig, ServeArgs};
 
 #[derive(Parser)]
@@ -29,7 +29,7 @@ enum Command {
     Config(ConfigCommand),
     /// Sidecar beside one vLLM or SGLang engine: relay its ZMQ KV events to NATS in
     /// kv-router's protocol and register it in etcd (see docs/engines.md).
-    Relay(Box<router_daemon::relay::RelayArgs>),
+    Relay(Box<kv_relay::RelayArgs>),
 }
 
 #[derive(Subcommand)]
@@ -47,16 +47,17 @@ const SERVE_LIKE: &[&[&str]] = &[&["serve"], &["config", "print"]];
 
 #[tokio::main]
 async fn main() -> Result<()> {
-    router_daemon::process::init_tracing();
+    kv_cluster::process::init_tracing();
     let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
-    let (command, file) = config_file::with_config_file(Cli::command(), &argv, SERVE_LIKE)?;
+    let (command, file) =
+        config_file::with_config_file(Cli::command(), &serve_command(), &argv, SERVE_LIKE)?;
     let matches = command.get_matches_from(&argv);
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     match cli.command {
         Command::Serve(args) => {
             let config = validate(&args, file.as_ref())?;
             let registry = prometheus::Registry::new();
-            router_daemon::run(config, &registry, router_daemon::process::shutdown_signal()).await
+            router_daemon::run(config, &registry, kv_cluster::process::shutdown_signal()).await
         }
         Command::Probe(args) => router_daemon::probe::run(&args).await,
         Command::Config(ConfigCommand::Print(args)) => {
@@ -67,27 +68,20 @@ async fn main() -> Result<()> {
             if let Some(print) = print {
                 print!(
                     "{}",
-                    config_file::effective_toml(
-                        &config_file::serve_command(),
-                        print,
-                        file.as_ref()
-                    )
+                    config_file::effective_toml(&serve_command(), print, file.as_ref())
                 );
             }
             Ok(())
         }
         Command::Config(ConfigCommand::Reference) => {
-            print!(
-                "{}",
-                config_file::reference_markdown(&config_file::serve_command())
-            );
+            print!("{}", config_file::reference_markdown(&serve_command()));
             Ok(())
         }
         Command::Relay(args) => {
-            let config = router_daemon::relay::RelayConfig::from_args(&args)?;
+            let config = kv_relay::RelayConfig::from_args(&args)?;
             let registry = prometheus::Registry::new();
-            router_daemon::relay::run(config, &registry, router_daemon::process::shutdown_signal())
-                .await
+            kv_relay::run(config, &registry, kv_cluster::process::shutdown_signal()).await?;
+            Ok(())
         }
     }
 }

@@ -45,7 +45,7 @@ pub struct ProbeArgs {
 /// # Errors
 /// When the endpoint does not answer `200` in time (the message says what it did).
 pub async fn run(args: &ProbeArgs) -> anyhow::Result<()> {
-    let response = crate::http::get(
+    let response = kv_cluster::http::get(
         &args.addr,
         args.target.path(),
         Duration::from_millis(args.timeout_ms),

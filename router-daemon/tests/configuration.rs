@@ -2,10 +2,10 @@
 //! `config print` round trip, and `docs/configuration.md` against the flags.
 
 use clap::FromArgMatches;
-use router_daemon::config::{DaemonConfig, ServeArgs};
-use router_daemon::config_file::{
-    ConfigFile, ConfigFileError, effective_toml, locate, reference_markdown, serve_command,
+use router_daemon::config::file::{
+    ConfigFile, ConfigFileError, effective_toml, locate, reference_markdown,
 };
+use router_daemon::config::{DaemonConfig, ServeArgs, serve_command};
 use std::ffi::OsString;
 use std::path::Path;
 use std::time::Duration;

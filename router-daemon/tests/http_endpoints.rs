@@ -3,13 +3,13 @@
 //! Messages are built as JSON values and msgpack-encoded, as a non-Rust client would.
 
 use indexer::IndexerApi as _;
+use kv_cluster::http::get;
 use kv_events::discovery::WorkerRegistration;
 use kv_events::{WorkerId, decode, encode};
 use router_daemon::config::{DaemonConfig, ServeArgs};
 use router_daemon::counters::Counters;
 use router_daemon::daemon::Starting;
 use router_daemon::directory::DirectoryEntry;
-use router_daemon::http::get;
 use serde_json::{Value, json};
 use std::time::Duration;
 
@@ -171,14 +171,13 @@ async fn endpoints_report_health_metrics_and_workers() {
     ];
     for (name, labels, value) in expect {
         assert_eq!(
-            router_daemon::http::metric_sample(&text, name, labels),
+            kv_cluster::http::metric_sample(&text, name, labels),
             Some(value),
             "{name}{{{labels}}} in\n{text}"
         );
     }
     assert!(
-        router_daemon::http::metric_sample(&text, "kv_router_indexer_memory_bytes", "").unwrap()
-            > 0.0
+        kv_cluster::http::metric_sample(&text, "kv_router_indexer_memory_bytes", "").unwrap() > 0.0
     );
     assert!(text.contains("kv_router_build_info{version="), "{text}");
 

@@ -109,10 +109,10 @@ impl ChildDaemon {
     /// # Errors
     /// When the endpoint fails or does not export the sample.
     pub async fn metric(&self, name: &str) -> anyhow::Result<f64> {
-        let text = router_daemon::http::get(&self.http, "/metrics", Duration::from_secs(10))
+        let text = kv_cluster::http::get(&self.http, "/metrics", Duration::from_secs(10))
             .await?
             .body;
-        router_daemon::http::metric_sample(&text, name, "")
+        kv_cluster::http::metric_sample(&text, name, "")
             .with_context(|| format!("{name} not exported"))
     }
 

@@ -85,14 +85,14 @@ impl TestCluster {
     }
 
     /// [`Self::connection_flags`] followed by `extra`, parsed as the flag group `A`
-    /// ([`ServeArgs`] or `router_daemon::relay::RelayArgs`).
+    /// ([`ServeArgs`] or `kv_relay::RelayArgs`).
     ///
     /// # Panics
     /// When the flags do not parse: a mistake in the test.
     pub fn flags<A: clap::Args + clap::FromArgMatches>(&self, extra: &[&str]) -> A {
         let mut args = self.connection_flags();
         args.extend(extra.iter().map(|a| (*a).to_owned()));
-        router_daemon::config::parse_flags(args).expect("test flags parse")
+        kv_cluster::args::parse_flags(args).expect("test flags parse")
     }
 
     /// Daemon flags for this cluster (default policy, seeded RNG, 2 shards).

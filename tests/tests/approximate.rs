@@ -27,7 +27,7 @@ async fn routing_decisions_are_indexed_when_engines_publish_no_events() -> anyho
     let _w2 = FakeWorker::register(&mut cluster, 2, 30).await?;
     let daemon = cluster
         .start_daemon(|args| {
-            args.index.index_mode = router_daemon::durability::IndexModeArg::Approximate;
+            args.index.index_mode = router_daemon::config::index::IndexModeArg::Approximate;
             args.index.approximate_ttl_secs = 600;
         })
         .await?;

@@ -15,7 +15,7 @@
 use integration_tests::{FakeWorker, TestCluster, eventually, wait_for_overlap};
 use kv_events::routing::{RouteBatchReply, RouteReply};
 use kv_events::{DpRank, WorkerId, WorkerRank, compute_block_hashes};
-use router_daemon::relay::{Relay, RelayArgs, RelayConfig};
+use kv_relay::{Relay, RelayArgs, RelayConfig};
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;

@@ -20,8 +20,8 @@ use kv_events::routing::{Prompt, RouteReply, RouteRequest};
 use kv_events::{
     DpRank, LocalBlockHash, StoredBlock, WorkerId, WorkerRank, compute_block_hashes, decode, encode,
 };
+use kv_relay::{Relay, RelayArgs, RelayConfig};
 use router_daemon::Daemon;
-use router_daemon::relay::{Relay, RelayArgs, RelayConfig};
 use std::time::Duration;
 
 const BLOCK: u32 = 16;
@@ -185,7 +185,7 @@ async fn captured_vllm_frames_reach_the_router_with_a_gap_filled_from_replay() {
     // 4 start `cleared`s + stored A, stored B, removed, stored (LoRA, rank 3).
     assert_eq!(c.published_total(), 8);
     let addr = relay.http_addr().unwrap().to_string();
-    let page = router_daemon::http::get(&addr, "/metrics", WAIT)
+    let page = kv_cluster::http::get(&addr, "/metrics", WAIT)
         .await
         .unwrap();
     assert_eq!(page.status, 200);

@@ -23,7 +23,7 @@
 //! - `journal`: each worker's KV event journal (event ids, epoch, recovery replies).
 //! - `rank`: one live dp rank — the core, its reply inboxes, its real-time loop.
 //! - `worker`: one worker's generate / clear intake.
-//! - etcd lease registration with keep-alive: `router_daemon::worker_lease`, shared
+//! - etcd lease registration with keep-alive: `kv_cluster::lease`, shared
 //!   with the relay.
 //! - `progress`: where a rank sends results — a NATS inbox or an HTTP stream's watch
 //!   channel.

@@ -20,11 +20,11 @@ use super::timing::TimingModel;
 use super::worker::Worker;
 use crate::protocol::{OP_CLEAR, OP_GENERATE};
 use etcd_client::ConnectOptions;
+use kv_cluster::lease::WorkerLease;
 use kv_events::discovery::WorkerRegistration;
 use kv_events::journal::{EventJournal, JournalConfig};
 use kv_events::{DpRank, Subjects, WorkerId, WorkerRank};
 use kv_tokenizer::{Limits, ModelTokenizer, TokenizerError};
-use router_daemon::worker_lease::{LeaseError, WorkerLease};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::task::{JoinHandle, JoinSet};
@@ -73,7 +73,7 @@ pub enum ServiceError {
         /// The worker.
         worker_id: WorkerId,
         /// What failed.
-        source: LeaseError,
+        source: kv_cluster::Error,
     },
     /// `--model-dir` could not be loaded.
     #[error("could not load the tokenizer: {0}")]

@@ -5,12 +5,12 @@
 
 use anyhow::Context;
 use etcd_client::Client as Etcd;
+use kv_cluster::http::{HttpResponse, get};
 use kv_events::{Namespace, Subjects, decode, encode};
 use mocker::cluster::servers::free_port;
 use mocker::cluster::{EtcdServer, NatsServer};
 use router_daemon::config::{DaemonConfig, ServeArgs};
 use router_daemon::daemon::Starting;
-use router_daemon::http::{HttpResponse, get};
 use serde_json::{Value, json};
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -260,5 +260,5 @@ pub async fn readyz(addr: &str) -> anyhow::Result<(u16, Value)> {
 /// When the endpoint does not answer.
 pub async fn metric(addr: &str, name: &str, labels: &str) -> anyhow::Result<Option<f64>> {
     let text = http(addr, "/metrics").await?.body;
-    Ok(router_daemon::http::metric_sample(&text, name, labels))
+    Ok(kv_cluster::http::metric_sample(&text, name, labels))
 }

@@ -19,10 +19,10 @@
 //! are counted, logged with the endpoint and seq, and skipped; the stream goes on.
 //! The zeromq SUB socket reconnects by itself (100 ms backoff doubling to 30 s).
 
-use super::config::RankEndpoint;
-use super::counters::RelayCounters;
-use super::frames::{SeqStep, SeqTracker, parse_live};
-use super::replay;
+use crate::config::RankEndpoint;
+use crate::counters::RelayCounters;
+use crate::frames::{SeqStep, SeqTracker, parse_live};
+use crate::replay;
 use bytes::Bytes;
 use futures::StreamExt;
 use kv_events::engines::{EngineBatch, decode_batch};

@@ -1,22 +1,45 @@
-//! Daemon configuration: clap flags (with environment variables) parsed once at the
-//! edge and validated into typed sub-configs, each handed only to the part that owns
-//! it: [`NatsConfig`] to the NATS client, [`EtcdConfig`] to discovery,
-//! [`indexer::IndexerConfig`] to the indexer and [`scheduler::SchedulerConfig`] to the
-//! scheduler. Every policy's knobs live in its own `PolicyConfig` variant. The NATS
-//! and etcd flags are declared (and validated) once in [`crate::connection_args`],
-//! shared with `kv-router relay`.
+//! Daemon configuration: clap flags (with environment variables and the TOML file)
+//! parsed once at the edge and validated into typed sub-configs, each handed only to
+//! the part that owns it: [`NatsConfig`] to the NATS client, [`EtcdConfig`] to
+//! discovery, [`indexer::IndexerConfig`] to the indexer and
+//! [`scheduler::SchedulerConfig`] to the scheduler. Every policy's knobs live in its
+//! own `PolicyConfig` variant.
+//!
+//! Why one folder: every setting of `serve` is declared, layered, validated and
+//! documented here, and nothing here is imported back by the files it imports
+//! (imports go mod → groups → error, and `file` knows clap, not `serve`).
+//!
+//! # Layout
+//! - this file: [`ServeArgs`] (every `serve` flag), [`DaemonConfig`] and its
+//!   validation, [`serve_command`].
+//! - [`error`]: [`ConfigError`], the one error of every flag group.
+//! - [`file`]: the TOML file under environment and flags; `config print` and
+//!   `config reference`.
+//! - [`scheduling`]: the scheduling, queue and replica flags.
+//! - [`policy`]: the default policy and each policy's knob flags.
+//! - [`index`]: the index backend, memory bound, mode, recovery and JetStream flags.
+//! - The NATS and etcd flags are `kv_cluster::args`, shared with `kv-router relay`
+//!   and every other participant.
 
-pub use crate::connection_args::{ConnectionArgsError, EtcdArgs, NatsArgs};
-pub use crate::http::{HttpConfig, ListenAddr};
-pub use crate::nats::{ClientCertificate, NatsAuth, NatsConfig, NatsTls};
+pub mod error;
+pub mod file;
+pub mod index;
+pub mod policy;
+pub mod scheduling;
+
+pub use crate::http::HttpConfig;
 use clap::Args;
+pub use error::ConfigError;
+pub use kv_cluster::args::{EtcdArgs, NatsArgs, parse_flags};
+pub use kv_cluster::etcd::EtcdConfig;
+pub use kv_cluster::http::ListenAddr;
+pub use kv_cluster::nats::{ClientCertificate, NatsAuth, NatsConfig, NatsTls};
 use kv_events::{Namespace, Subjects};
 use scheduler::SchedulerConfig;
 use std::path::PathBuf;
-use std::time::Duration;
 
 /// `kv-router serve` flags. Each flag can also be set by the environment variable named
-/// in its help text, and by the TOML file of `--config` (see [`crate::config_file`]):
+/// in its help text, and by the TOML file of `--config` (see [`file`]):
 /// command line over environment over file over built-in default. The help heading of
 /// a flag is its TOML table.
 #[derive(Debug, Clone, Args)]
@@ -57,13 +80,13 @@ pub struct ServeArgs {
     pub block_size: u32,
     /// Policy, its knobs, load accounting, busy thresholds, wait queue, replica sync.
     #[command(flatten, next_help_heading = "Scheduler")]
-    pub scheduling: Box<crate::scheduling_args::SchedulingArgs>,
+    pub scheduling: Box<scheduling::SchedulingArgs>,
     /// Indexer shard tasks (default: the number of cores).
     #[arg(long, help_heading = "Indexer", env = "KV_ROUTER_SHARDS")]
     pub shards: Option<usize>,
     /// Index backend, memory bound, approximate mode, recovery and JetStream.
     #[command(flatten, next_help_heading = "Indexer")]
-    pub index: crate::durability::IndexArgs,
+    pub index: index::IndexArgs,
     /// Seed for the scheduler's tie-break and sampling RNG (default: from the OS).
     #[arg(long, help_heading = "Scheduler", env = "KV_ROUTER_SEED")]
     pub seed: Option<u64>,
@@ -83,15 +106,6 @@ pub struct ServeArgs {
         default_value_t = 256
     )]
     pub max_route_batch: usize,
-}
-
-/// How to reach etcd.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct EtcdConfig {
-    /// Endpoint URLs.
-    pub endpoints: Vec<String>,
-    /// Timeout of the initial connection.
-    pub connect_timeout: Duration,
 }
 
 /// Settings of the routing service itself.
@@ -130,26 +144,10 @@ pub struct DaemonConfig {
     pub rng_seed: Option<u64>,
 }
 
-/// A configuration value that cannot be used, from `serve`'s or `relay`'s flags.
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    /// The namespace is not a valid subject token.
-    #[error("invalid --namespace: {0}")]
-    Namespace(#[from] kv_events::NamespaceError),
-    /// A field is out of range.
-    #[error("invalid --{field}: {reason}")]
-    Invalid {
-        /// The flag name.
-        field: &'static str,
-        /// What is wrong with it.
-        reason: String,
-    },
-    /// A NATS or etcd flag is unusable.
-    #[error(transparent)]
-    Connection(#[from] ConnectionArgsError),
-    /// The scheduler rejected its sub-config.
-    #[error("invalid scheduler config: {0}")]
-    Scheduler(#[from] scheduler::SchedulerError),
+/// The `serve` command: every setting the file, environment and flags can set (for
+/// [`file`]'s layering, `config print` and `config reference`).
+pub fn serve_command() -> clap::Command {
+    ServeArgs::augment_args(clap::Command::new("serve"))
 }
 
 impl DaemonConfig {
@@ -210,41 +208,14 @@ impl DaemonConfig {
     }
 }
 
-/// Parses one flag group — [`ServeArgs`], [`crate::relay::RelayArgs`], or any part
-/// of them — from `args` (the first item is the program name), with the groups'
-/// environment variables: for programs that embed the daemon or the relay, and for
-/// tests.
-///
-/// # Errors
-/// clap's error for an unknown flag or a value a flag refuses.
-pub fn parse_flags<A, I, T>(args: I) -> Result<A, clap::Error>
-where
-    A: Args + clap::FromArgMatches,
-    I: IntoIterator<Item = T>,
-    T: Into<std::ffi::OsString> + Clone,
-{
-    let matches = A::augment_args(clap::Command::new("kv-router")).try_get_matches_from(args)?;
-    A::from_arg_matches(&matches)
-}
-
-/// Trims each value and drops empty ones (comma-separated flag lists).
-pub(crate) fn trimmed(values: &[String]) -> Vec<String> {
-    values
-        .iter()
-        .map(|v| v.trim().to_owned())
-        .filter(|v| !v.is_empty())
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     fn parse(args: &[&str]) -> ServeArgs {
-        crate::config::parse_flags::<ServeArgs, _, _>(
-            std::iter::once("kv-router").chain(args.iter().copied()),
-        )
-        .expect("flags parse")
+        parse_flags::<ServeArgs, _, _>(std::iter::once("kv-router").chain(args.iter().copied()))
+            .expect("flags parse")
     }
 
     #[test]
@@ -310,9 +281,39 @@ mod tests {
         let err = DaemonConfig::from_args(&parse(&["--policy", "kv", "--overlap-weight", "-1"]))
             .unwrap_err();
         assert!(err.to_string().contains("prefill_load_scale"), "{err}");
-        assert!(
-            crate::config::parse_flags::<ServeArgs, _, _>(["kv-router", "--policy", "best"])
-                .is_err()
-        );
+        assert!(parse_flags::<ServeArgs, _, _>(["kv-router", "--policy", "best"]).is_err());
+    }
+
+    /// Every NATS and etcd flag exists in `serve` and in `relay` with the same
+    /// environment variable, default and help heading (its TOML table in `serve`).
+    #[test]
+    fn serve_and_relay_declare_the_same_connection_flags() {
+        use clap::{Args as _, Command};
+        let serve = serve_command();
+        let relay = kv_relay::RelayArgs::augment_args(Command::new("relay"));
+        let shared = NatsArgs::augment_args(EtcdArgs::augment_args(Command::new("t")));
+        let mut count = 0;
+        for arg in shared.get_arguments() {
+            let long = arg
+                .get_long()
+                .expect("every connection flag is a long flag");
+            let env = arg.get_env().expect("every connection flag has a variable");
+            assert!(
+                env.to_string_lossy().starts_with("KV_ROUTER_NATS_")
+                    || env.to_string_lossy().starts_with("KV_ROUTER_ETCD_"),
+                "{env:?}"
+            );
+            for command in [&serve, &relay] {
+                let same = command
+                    .get_arguments()
+                    .find(|a| a.get_long() == Some(long))
+                    .unwrap_or_else(|| panic!("--{long} missing in {}", command.get_name()));
+                assert_eq!(same.get_env(), Some(env), "--{long}");
+                assert_eq!(same.get_default_values(), arg.get_default_values());
+                assert_eq!(same.get_help_heading(), arg.get_help_heading());
+            }
+            count += 1;
+        }
+        assert_eq!(count, 11);
     }
 }

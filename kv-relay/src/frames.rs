@@ -1,6 +1,6 @@
 //! ZMQ framing of the engines' event stream and replay replies, and the sequence
 //! tracking that turns a stream of `seq` numbers into in-order / duplicate / gap /
-//! restart decisions. Pure and synchronous; the sockets live in [`super::source`].
+//! restart decisions. Pure and synchronous; the sockets live in [`crate::source`].
 //!
 //! Live PUB frames (every vLLM and SGLang version): `[topic, seq (8 bytes BE), payload]`.
 //! Replay: a DEALER sends `["", start_seq (8 bytes BE)]` to the engine's ROUTER and

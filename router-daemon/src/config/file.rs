@@ -1,6 +1,6 @@
 //! The TOML configuration file of `kv-router serve`, layered under environment
 //! variables and flags: **file < environment < command line**, then validated once
-//! into the typed [`crate::config::DaemonConfig`] (whose sub-configs belong to their
+//! into the typed [`super::DaemonConfig`] (whose sub-configs belong to their
 //! crates: `indexer::IndexerConfig`, `scheduler::SchedulerConfig` and its policy
 //! variant, NATS, etcd, HTTP).
 //!
@@ -24,7 +24,7 @@
 //! keeps identical to the flags.
 
 use clap::parser::ValueSource;
-use clap::{Arg, ArgAction, ArgMatches, Args, Command};
+use clap::{Arg, ArgAction, ArgMatches, Command};
 use std::collections::BTreeMap;
 use std::ffi::OsString;
 use std::fmt::Write as _;
@@ -74,11 +74,6 @@ pub enum ConfigFileError {
         /// What is wrong, lowercase.
         reason: String,
     },
-}
-
-/// The `serve` command: every setting the file, environment and flags can set.
-pub fn serve_command() -> Command {
-    crate::config::ServeArgs::augment_args(Command::new("serve"))
 }
 
 /// Whether `arg` is a setting (not help, version or the config file flag itself).
@@ -149,19 +144,21 @@ pub fn locate(argv: &[OsString]) -> Option<PathBuf> {
 
 /// `command` with the configuration file named in `argv` (if any, see [`locate`])
 /// applied to the `serve`-like subcommands at `paths` (e.g. `&[&["serve"],
-/// &["config", "print"]]`), each checked against [`serve_command`].
+/// &["config", "print"]]`), the file checked against `settings` (use
+/// [`super::serve_command`]).
 ///
 /// # Errors
 /// [`ConfigFileError`] when the file cannot be read or has a bad key or value.
 pub fn with_config_file(
     command: Command,
+    settings: &Command,
     argv: &[OsString],
     paths: &[&[&str]],
 ) -> Result<(Command, Option<ConfigFile>), ConfigFileError> {
     let Some(path) = locate(argv) else {
         return Ok((command, None));
     };
-    let file = ConfigFile::load(&path, &serve_command())?;
+    let file = ConfigFile::load(&path, settings)?;
     fn apply_at(command: Command, path: &[&str], file: &ConfigFile) -> Command {
         match path.split_first() {
             None => file.apply(command),
@@ -183,7 +180,7 @@ pub struct ConfigFile {
 
 impl ConfigFile {
     /// Reads and checks `path` against the settings of `command` (use
-    /// [`serve_command`]).
+    /// [`super::serve_command`]).
     ///
     /// # Errors
     /// [`ConfigFileError`] naming the file and the first bad key.

@@ -17,7 +17,7 @@
 //!
 //! Cost: one hash map entry per held block (≈ 60 bytes), O(blocks) per event.
 
-use super::config::EngineFormat;
+use crate::config::EngineFormat;
 use kv_events::engines::{
     BlockRemoved, BlockStored, EngineEvent, EventForm, LocalHashError, local_block_hashes,
 };

@@ -5,7 +5,7 @@
 //! earlier, timed-out request can be mistaken for this one's) at the cost of one TCP
 //! handshake per gap; gaps are rare. The whole exchange is bounded by one timeout.
 
-use super::frames::{FrameError, ReplayItem, parse_replay, replay_request};
+use crate::frames::{FrameError, ReplayItem, parse_replay, replay_request};
 use bytes::Bytes;
 use std::time::Duration;
 use zeromq::{DealerSocket, Socket, SocketOptions, SocketRecv, SocketSend, ZmqMessage};

@@ -34,9 +34,28 @@
 //!
 //! Cost: one decode and one xxh3 per block of every event, one NATS message per
 //! engine batch, and the journal's ring (`--journal-events` events per rank).
+//!
+//! The relay is its own crate because it is its own process with its own job: it
+//! joins the cluster as a worker through `kv-cluster` (the same NATS and etcd flags,
+//! the same worker lease) and speaks `kv-events`' protocol, and needs nothing of the
+//! router daemon. The `kv-router` binary dispatches its `relay` subcommand here.
+//!
+//! # Layout
+//! - [`config`]: the relay's flags ([`RelayArgs`]) validated into [`RelayConfig`].
+//! - [`source`]: one engine ZMQ PUB socket, its sequence check and gap filling.
+//! - [`frames`]: the engines' ZMQ frame layouts and the sequence tracker (pure).
+//! - [`replay`]: a request to the engine's replay ROUTER socket.
+//! - [`translate`]: engine events to kv-router events with local block hashes.
+//! - [`publish`]: the one publishing task (numbering, journal) and the recovery
+//!   responder.
+//! - [`lease`]: the etcd registration, alive exactly while the engine's stream is.
+//! - [`scrape`]: the optional scrape of the engine's Prometheus load metrics.
+//! - [`counters`]: the `kv_relay_*` metrics; [`http`]: their optional `/metrics`.
+//! - [`Error`]: start-up and configuration errors.
 
 pub mod config;
 pub mod counters;
+mod error;
 pub mod frames;
 pub mod http;
 pub mod lease;
@@ -48,8 +67,8 @@ pub mod translate;
 
 pub use config::{EngineFormat, RelayArgs, RelayConfig};
 pub use counters::RelayCounters;
+pub use error::Error;
 
-use anyhow::Context;
 use kv_events::DpRank;
 use kv_events::journal::{EventJournal, JournalConfig, unix_epoch_micros};
 use std::future::Future;
@@ -81,20 +100,20 @@ impl Relay {
     /// reading the engine's sockets (waiting as long as needed for the engine).
     ///
     /// # Errors
-    /// When NATS or etcd cannot be reached, a subscription fails, or the metrics
-    /// cannot be registered in `registry`.
+    /// [`Error`] when NATS or etcd cannot be reached, a subscription fails, the
+    /// metrics cannot be registered in `registry`, or `--http-listen` cannot be bound.
     pub async fn start(
         config: RelayConfig,
         registry: &prometheus::Registry,
-    ) -> anyhow::Result<Self> {
-        let counters = RelayCounters::register(registry).context("registering relay metrics")?;
+    ) -> Result<Self, Error> {
+        let counters = RelayCounters::register(registry)?;
         // The daemon's connections, with the same auth and TLS; unlike the daemon the
         // relay fails fast when NATS is down at start.
         let nats = config
             .nats
             .connect_with("kv-router-relay", |options| options)
             .await?;
-        let etcd = crate::discovery::connect(&config.etcd).await?;
+        let etcd = kv_cluster::etcd::connect(&config.etcd).await?;
         let registration = config.worker.registration.clone();
         let worker_id = registration.worker_id;
         let subjects = &config.subjects;
@@ -109,10 +128,7 @@ impl Relay {
 
         let services = CancellationToken::new();
         let service_tasks = TaskTracker::new();
-        let recovery = nats
-            .subscribe(subjects.kv_recovery(worker_id))
-            .await
-            .context("subscribing to recovery requests")?;
+        let recovery = nats.subscribe(subjects.kv_recovery(worker_id)).await?;
         service_tasks.spawn(publish::serve_recovery(
             recovery,
             nats.clone(),
@@ -121,13 +137,13 @@ impl Relay {
             services.clone(),
         ));
         let (alive_tx, alive_rx) = watch::channel(false);
-        let lease = crate::worker_lease::WorkerLease::new(
+        let lease = kv_cluster::lease::WorkerLease::new(
             etcd,
             subjects.etcd_worker_key(worker_id),
             &registration,
             config.worker.lease_ttl_secs,
         )
-        .context("preparing the worker registration")?;
+        .map_err(Error::Registration)?;
         service_tasks.spawn(lease::run(lease, alive_rx, services.clone()));
         if let Some(scrape) = config.scrape.clone() {
             service_tasks.spawn(
@@ -147,7 +163,7 @@ impl Relay {
             Some(addr) => {
                 let (bound, task) = http::serve_metrics(addr, registry.clone(), services.clone())
                     .await
-                    .with_context(|| format!("listening for http on {addr}"))?;
+                    .map_err(|source| Error::Listen { addr, source })?;
                 service_tasks.spawn(async move {
                     // The server logs its own failure; a join error is a panic there.
                     let _ = task.await;
@@ -201,7 +217,7 @@ impl Relay {
         }
         source_tasks.close();
         // Barrier: the recovery subscription is registered with the server.
-        nats.flush().await.context("flushing NATS")?;
+        nats.flush().await?;
         info!(worker_id = %worker_id, sockets = config.engine.endpoints.len(), "kv-router relay started");
         Ok(Self {
             counters,
@@ -228,8 +244,8 @@ impl Relay {
     /// Stops in the order given in the module docs.
     ///
     /// # Errors
-    /// When the final NATS flush fails.
-    pub async fn shutdown(self) -> anyhow::Result<()> {
+    /// [`Error::Flush`] when the final NATS flush fails.
+    pub async fn shutdown(self) -> Result<(), Error> {
         info!("relay shutting down");
         self.sources.cancel();
         self.source_tasks.wait().await;
@@ -239,7 +255,7 @@ impl Relay {
         }
         self.services.cancel();
         self.service_tasks.wait().await;
-        self.nats.flush().await.context("flushing NATS")?;
+        self.nats.flush().await?;
         info!("relay stopped");
         Ok(())
     }
@@ -253,7 +269,7 @@ pub async fn run(
     config: RelayConfig,
     registry: &prometheus::Registry,
     shutdown: impl Future<Output = ()>,
-) -> anyhow::Result<()> {
+) -> Result<(), Error> {
     let relay = Relay::start(config, registry).await?;
     shutdown.await;
     relay.shutdown().await

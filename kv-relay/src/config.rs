@@ -1,7 +1,7 @@
 //! `kv-router relay` flags, validated into typed sub-configs: where the engine
 //! publishes ([`EngineConfig`]), who the worker is ([`WorkerConfig`]), where to publish
 //! and register ([`NatsConfig`] and [`EtcdConfig`], from the very flags of `serve`:
-//! see [`crate::connection_args`]; and the namespace), and the optional Prometheus
+//! see [`kv_cluster::args`]; and the namespace), and the optional Prometheus
 //! scrape ([`ScrapeConfig`]).
 //!
 //! Endpoint layout follows the engines: vLLM and SGLang bind one PUB socket per data
@@ -11,11 +11,12 @@
 //! `--shared-endpoint` says every rank publishes on the given socket(s) and the rank
 //! is read from each batch.
 
-use crate::config::{ConfigError, EtcdConfig, trimmed};
-use crate::connection_args::{EtcdArgs, NatsArgs};
-use crate::http::ListenAddr;
-use crate::nats::NatsConfig;
+use crate::Error;
 use clap::{Args, ValueEnum};
+use kv_cluster::args::{EtcdArgs, NatsArgs, trimmed};
+use kv_cluster::etcd::EtcdConfig;
+use kv_cluster::http::ListenAddr;
+use kv_cluster::nats::NatsConfig;
 use kv_events::discovery::WorkerRegistration;
 use kv_events::{DpRank, Namespace, Subjects, WorkerId};
 use std::time::Duration;
@@ -171,15 +172,15 @@ pub struct RelayConfig {
     pub http_listen: Option<std::net::SocketAddr>,
 }
 
-fn invalid(field: &'static str, reason: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid {
+fn invalid(field: &'static str, reason: impl Into<String>) -> Error {
+    Error::Invalid {
         field,
         reason: reason.into(),
     }
 }
 
 /// `tcp://host:port` with the port increased by `offset`.
-fn offset_port(endpoint: &str, offset: u32, field: &'static str) -> Result<String, ConfigError> {
+fn offset_port(endpoint: &str, offset: u32, field: &'static str) -> Result<String, Error> {
     let (head, port) = endpoint
         .rsplit_once(':')
         .ok_or_else(|| invalid(field, format!("{endpoint:?} has no port")))?;
@@ -196,7 +197,7 @@ fn offset_port(endpoint: &str, offset: u32, field: &'static str) -> Result<Strin
     Ok(format!("{head}:{shifted}"))
 }
 
-fn check_endpoint(endpoint: &str, field: &'static str) -> Result<(), ConfigError> {
+fn check_endpoint(endpoint: &str, field: &'static str) -> Result<(), Error> {
     if !endpoint.starts_with("tcp://") {
         return Err(invalid(
             field,
@@ -208,7 +209,7 @@ fn check_endpoint(endpoint: &str, field: &'static str) -> Result<(), ConfigError
 
 /// Expands `given` to `n` endpoints: as is when there are `n`, or by port offset
 /// from one base endpoint.
-fn expand(given: &[String], n: u32, field: &'static str) -> Result<Vec<String>, ConfigError> {
+fn expand(given: &[String], n: u32, field: &'static str) -> Result<Vec<String>, Error> {
     for e in given {
         check_endpoint(e, field)?;
     }
@@ -226,8 +227,8 @@ impl RelayConfig {
     /// Validates flags into a configuration.
     ///
     /// # Errors
-    /// [`ConfigError`] naming the first bad flag.
-    pub fn from_args(args: &RelayArgs) -> Result<Self, ConfigError> {
+    /// [`Error`] naming the first bad flag.
+    pub fn from_args(args: &RelayArgs) -> Result<Self, Error> {
         let subjects = Subjects::new(Namespace::new(args.namespace.clone())?);
         let engines = trimmed(&args.engine_endpoint);
         let replays = trimmed(&args.replay_endpoint);
@@ -323,7 +324,7 @@ impl RelayConfig {
     }
 }
 
-fn scrape_config(url: &str, interval_ms: u64) -> Result<ScrapeConfig, ConfigError> {
+fn scrape_config(url: &str, interval_ms: u64) -> Result<ScrapeConfig, Error> {
     let rest = url
         .strip_prefix("http://")
         .ok_or_else(|| invalid("metrics-url", format!("{url:?} is not an http:// url")))?;
@@ -347,13 +348,14 @@ fn scrape_config(url: &str, interval_ms: u64) -> Result<ScrapeConfig, ConfigErro
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::nats::{ClientCertificate, NatsAuth};
+    use kv_cluster::nats::{ClientCertificate, NatsAuth};
 
-    fn config(args: &[&str]) -> Result<RelayConfig, ConfigError> {
+    fn config(args: &[&str]) -> Result<RelayConfig, Error> {
         let base = ["kv-router", "--worker-id", "7", "--block-size", "16"];
-        let cli =
-            crate::config::parse_flags::<RelayArgs, _, _>(base.iter().chain(args.iter()).copied())
-                .expect("flags parse");
+        let cli = kv_cluster::args::parse_flags::<RelayArgs, _, _>(
+            base.iter().chain(args.iter()).copied(),
+        )
+        .expect("flags parse");
         RelayConfig::from_args(&cli)
     }
 

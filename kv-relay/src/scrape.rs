@@ -14,8 +14,8 @@
 //! metric and rank (other labels, e.g. `model_name`) are summed. Cost: one HTTP GET
 //! per period; parsing is linear in the page size.
 
-use super::config::ScrapeConfig;
-use super::counters::RelayCounters;
+use crate::config::ScrapeConfig;
+use crate::counters::RelayCounters;
 use kv_events::{DpRank, LoadMetrics, WorkerId, encode};
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -172,7 +172,7 @@ impl Scraper {
 
     async fn scrape_once(&self) -> Result<(), String> {
         let timeout = self.config.interval.min(Duration::from_secs(5));
-        let resp = crate::http::get(&self.config.addr, &self.config.path, timeout)
+        let resp = kv_cluster::http::get(&self.config.addr, &self.config.path, timeout)
             .await
             .map_err(|e| e.to_string())?;
         if resp.status != 200 {

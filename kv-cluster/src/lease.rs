@@ -1,7 +1,7 @@
 //! The publisher side of discovery: one worker's etcd registration under a lease —
 //! grant, put, keep alive, revoke. Used by `kv-router relay` (registered while its
 //! engine is up) and by the mock engines (`kv-mocker engines`), so every worker in a
-//! namespace registers the way the daemon's discovery expects.
+//! namespace registers the way the [`crate::directory`] of the router expects.
 //!
 //! The key `kv-router/{ns}/workers/{worker_id}` holds the JSON [`WorkerRegistration`],
 //! bound to a lease of `ttl_secs`. The lease is renewed every TTL/3 over etcd's
@@ -11,6 +11,7 @@
 //! for the TTL. Every etcd call is bounded by [`ETCD_CALL_TIMEOUT`], so an unreachable
 //! etcd cannot hang start-up or shutdown. Cost: one small etcd round trip per TTL/3.
 
+use crate::Error;
 use etcd_client::{Client, LeaseKeepAliveStream, LeaseKeeper, PutOptions};
 use kv_events::discovery::WorkerRegistration;
 use std::time::Duration;
@@ -20,38 +21,19 @@ use tracing::{info, warn};
 /// Upper bound on one etcd call, in wall-clock time.
 pub const ETCD_CALL_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Why registering (or re-registering) a worker failed.
-#[derive(Debug, thiserror::Error)]
-pub enum LeaseError {
-    /// etcd returned an error.
-    #[error("etcd request failed: {0}")]
-    Etcd(#[from] etcd_client::Error),
-    /// etcd did not answer within the call timeout.
-    #[error("etcd did not answer within {0:?}")]
-    Timeout(Duration),
-    /// The lease TTL is 0 or does not fit etcd's signed 64-bit seconds.
-    #[error("lease ttl {0} s is out of range")]
-    TtlOutOfRange(u64),
-    /// The registration record could not be serialized.
-    #[error("could not encode registration: {0}")]
-    Encode(#[from] serde_json::Error),
-}
-
-async fn bounded<T>(
-    call: impl Future<Output = Result<T, etcd_client::Error>>,
-) -> Result<T, LeaseError> {
+async fn bounded<T>(call: impl Future<Output = Result<T, etcd_client::Error>>) -> Result<T, Error> {
     tokio::time::timeout(ETCD_CALL_TIMEOUT, call)
         .await
-        .map_err(|_| LeaseError::Timeout(ETCD_CALL_TIMEOUT))?
-        .map_err(LeaseError::from)
+        .map_err(|_| Error::Timeout(ETCD_CALL_TIMEOUT))?
+        .map_err(Error::from)
 }
 
 /// A TTL etcd accepts: 1 to `i64::MAX` seconds.
-fn checked_ttl(ttl_secs: u64) -> Result<i64, LeaseError> {
+fn checked_ttl(ttl_secs: u64) -> Result<i64, Error> {
     i64::try_from(ttl_secs)
         .ok()
         .filter(|t| *t > 0)
-        .ok_or(LeaseError::TtlOutOfRange(ttl_secs))
+        .ok_or(Error::TtlOutOfRange(ttl_secs))
 }
 
 /// A third of the TTL, so two renewals can fail before the lease expires.
@@ -81,14 +63,14 @@ impl WorkerLease {
     /// written until [`Self::grant`].
     ///
     /// # Errors
-    /// [`LeaseError::TtlOutOfRange`] for a TTL of 0 or above `i64::MAX` seconds;
-    /// [`LeaseError::Encode`] if the record cannot be serialized.
+    /// [`Error::TtlOutOfRange`] for a TTL of 0 or above `i64::MAX` seconds;
+    /// [`Error::Encode`] if the record cannot be serialized.
     pub fn new(
         client: Client,
         key: String,
         record: &WorkerRegistration,
         ttl_secs: u64,
-    ) -> Result<Self, LeaseError> {
+    ) -> Result<Self, Error> {
         Ok(Self {
             client,
             key,
@@ -107,7 +89,7 @@ impl WorkerLease {
         key: String,
         record: &WorkerRegistration,
         ttl_secs: u64,
-    ) -> Result<Self, LeaseError> {
+    ) -> Result<Self, Error> {
         let mut lease = Self::new(client, key, record, ttl_secs)?;
         lease.grant().await?;
         Ok(lease)
@@ -127,8 +109,8 @@ impl WorkerLease {
     /// the previous lease, if any, is dropped (it expires on its own).
     ///
     /// # Errors
-    /// [`LeaseError`] if etcd refuses or does not answer in time.
-    pub async fn grant(&mut self) -> Result<(), LeaseError> {
+    /// [`Error`] if etcd refuses or does not answer in time.
+    pub async fn grant(&mut self) -> Result<(), Error> {
         self.active = None;
         let lease_id = bounded(self.client.lease_grant(self.ttl_secs, None))
             .await?
@@ -236,10 +218,7 @@ mod tests {
     fn ttl_must_be_positive_and_fit_etcd_and_renewal_is_a_third_of_it() {
         for bad in [0, u64::MAX, i64::MAX as u64 + 1] {
             let err = checked_ttl(bad).expect_err("refused");
-            assert!(
-                matches!(err, LeaseError::TtlOutOfRange(t) if t == bad),
-                "{err}"
-            );
+            assert!(matches!(err, Error::TtlOutOfRange(t) if t == bad), "{err}");
             assert!(err.to_string().contains("out of range"), "{err}");
         }
         assert_eq!(checked_ttl(10).expect("valid"), 10);

@@ -1,5 +1,5 @@
 //! The relay's optional HTTP endpoint: `GET /metrics` in the Prometheus text format
-//! (the `kv_relay_*` counters, see [`super::counters`]). Off unless `--http-listen` is
+//! (the `kv_relay_*` counters, see [`crate::counters`]). Off unless `--http-listen` is
 //! given. Cost: one small axum server; nothing per event.
 
 use axum::Router;

@@ -14,9 +14,9 @@
 //! which sockets are connected and reports "engine alive" (at least one) to the
 //! lease task.
 
-use super::counters::RelayCounters;
-use super::source::SourceMsg;
-use super::translate::Translator;
+use crate::counters::RelayCounters;
+use crate::source::SourceMsg;
+use crate::translate::Translator;
 use futures::StreamExt;
 use kv_events::engines::EngineEvent;
 use kv_events::journal::EventJournal;

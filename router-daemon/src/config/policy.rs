@@ -9,7 +9,7 @@
 //! belief about what the router does. Unset knobs keep `PolicyConfig::default_for`'s
 //! values (documented with their sources in the scheduler).
 
-use crate::config::ConfigError;
+use super::error::ConfigError;
 use clap::Args;
 use kv_events::routing::PolicyKind;
 use scheduler::PolicyConfig;

@@ -5,9 +5,9 @@
 //!
 //! The policy and its knobs are their own flag groups ([`PolicyArgs`]).
 
+use super::error::ConfigError;
+use super::policy::PolicyArgs;
 use crate::admission::AdmissionConfig;
-use crate::config::ConfigError;
-use crate::policy_args::PolicyArgs;
 use crate::queue::QueueConfig;
 use crate::replicas::ReplicaConfig;
 use clap::{ArgAction, Args};
@@ -120,7 +120,7 @@ mod tests {
     use scheduler::PolicyConfig;
 
     fn parse(args: &[&str]) -> SchedulingArgs {
-        crate::config::parse_flags::<SchedulingArgs, _, _>(
+        kv_cluster::args::parse_flags::<SchedulingArgs, _, _>(
             std::iter::once("kv-router").chain(args.iter().copied()),
         )
         .expect("flags parse")
@@ -302,7 +302,7 @@ mod tests {
             .unwrap_err();
         assert!(err.to_string().contains("busy.decode_blocks"), "{err}");
         assert!(
-            crate::config::parse_flags::<SchedulingArgs, _, _>([
+            kv_cluster::args::parse_flags::<SchedulingArgs, _, _>([
                 "kv-router",
                 "--busy-decode-blocks",
                 "lots"
@@ -310,8 +310,12 @@ mod tests {
             .is_err()
         );
         assert!(
-            crate::config::parse_flags::<SchedulingArgs, _, _>(["kv-router", "--policy", "best"])
-                .is_err()
+            kv_cluster::args::parse_flags::<SchedulingArgs, _, _>([
+                "kv-router",
+                "--policy",
+                "best"
+            ])
+            .is_err()
         );
     }
 

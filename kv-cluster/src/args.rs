@@ -1,19 +1,20 @@
-//! The NATS and etcd connection flags, declared once for both `kv-router serve` and
-//! `kv-router relay`.
+//! The NATS and etcd connection flags, declared once for every participant
+//! (`kv-router serve`, `kv-router relay`, the coming gateway).
 //!
 //! Both commands talk to the same NATS cluster and the same etcd, usually with the
 //! same credentials: a relay sidecar and the router daemon can share one environment
 //! (a ConfigMap of `KV_ROUTER_NATS_*` / `KV_ROUTER_ETCD_*` variables) and one Secret
 //! mount (`.creds` file, token, TLS material). So the flags, their environment
-//! variables, defaults and help texts live here, flattened into
-//! [`crate::config::ServeArgs`] and [`crate::relay::RelayArgs`], and so does their
-//! validation into [`NatsConfig`] and [`EtcdConfig`]: one code path, one set of error
-//! messages, whichever command parses them.
+//! variables, defaults and help texts live here, flattened into each command's flags
+//! (`serve`'s and `relay`'s), and so does their validation into [`NatsConfig`] and
+//! [`EtcdConfig`]: one code path, one set of error messages, whichever command parses
+//! them.
 //!
 //! Each flag's help heading (`NATS`, `etcd`) is its TOML table in `serve`'s
-//! configuration file (see [`crate::config_file`]).
+//! configuration file.
 
-use crate::config::{EtcdConfig, trimmed};
+use crate::Error;
+use crate::etcd::EtcdConfig;
 use crate::nats::{ClientCertificate, NatsAuth, NatsConfig, NatsTls};
 use clap::Args;
 use std::path::PathBuf;
@@ -89,31 +90,43 @@ pub struct EtcdArgs {
     pub etcd_connect_timeout_ms: u64,
 }
 
-/// A connection flag that cannot be used, or two that cannot be used together.
-#[derive(Debug, thiserror::Error)]
-pub enum ConnectionArgsError {
-    /// A flag is missing, empty or inconsistent with another.
-    #[error("invalid --{field}: {reason}")]
-    Invalid {
-        /// The flag name.
-        field: &'static str,
-        /// What is wrong with it.
-        reason: &'static str,
-    },
+fn invalid(field: &'static str, reason: &'static str) -> Error {
+    Error::InvalidFlag { field, reason }
 }
 
-fn invalid(field: &'static str, reason: &'static str) -> ConnectionArgsError {
-    ConnectionArgsError::Invalid { field, reason }
+/// Trims each value and drops empty ones (comma-separated flag lists).
+pub fn trimmed(values: &[String]) -> Vec<String> {
+    values
+        .iter()
+        .map(|v| v.trim().to_owned())
+        .filter(|v| !v.is_empty())
+        .collect()
+}
+
+/// Parses one flag group (a command's flags, or any part of them, such as
+/// [`NatsArgs`]) from `args` (the first item is the program name), with the group's
+/// environment variables: for programs that embed a participant, and for tests.
+///
+/// # Errors
+/// clap's error for an unknown flag or a value a flag refuses.
+pub fn parse_flags<A, I, T>(args: I) -> Result<A, clap::Error>
+where
+    A: Args + clap::FromArgMatches,
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    let matches = A::augment_args(clap::Command::new("kv-router")).try_get_matches_from(args)?;
+    A::from_arg_matches(&matches)
 }
 
 impl NatsArgs {
     /// NATS servers, authentication (at most one method) and TLS from the flags.
     ///
     /// # Errors
-    /// [`ConnectionArgsError`] naming the flag: no URL, more than one authentication
+    /// [`Error::InvalidFlag`] naming the flag: no URL, more than one authentication
     /// method, a user without a password (or the reverse), a client certificate
     /// without its key (or the reverse).
-    pub fn to_config(&self) -> Result<NatsConfig, ConnectionArgsError> {
+    pub fn to_config(&self) -> Result<NatsConfig, Error> {
         let servers = trimmed(&self.nats_url);
         if servers.is_empty() {
             return Err(invalid("nats-url", "at least one url is required"));
@@ -173,8 +186,8 @@ impl EtcdArgs {
     /// etcd endpoints and connect timeout from the flags.
     ///
     /// # Errors
-    /// [`ConnectionArgsError`] naming `--etcd-endpoints` when no endpoint is given.
-    pub fn to_config(&self) -> Result<EtcdConfig, ConnectionArgsError> {
+    /// [`Error::InvalidFlag`] naming `--etcd-endpoints` when no endpoint is given.
+    pub fn to_config(&self) -> Result<EtcdConfig, Error> {
         let endpoints = trimmed(&self.etcd_endpoints);
         if endpoints.is_empty() {
             return Err(invalid(
@@ -202,7 +215,7 @@ mod tests {
         etcd: EtcdArgs,
     }
 
-    fn nats(args: &[&str]) -> Result<NatsConfig, ConnectionArgsError> {
+    fn nats(args: &[&str]) -> Result<NatsConfig, Error> {
         Cli::try_parse_from(std::iter::once("t").chain(args.iter().copied()))
             .expect("flags parse")
             .nats
@@ -256,39 +269,6 @@ mod tests {
                 required: true,
             }
         );
-    }
-
-    /// Every NATS and etcd flag exists in `serve` and in `relay` with the same
-    /// environment variable, default and help heading (its TOML table in `serve`).
-    #[test]
-    fn serve_and_relay_declare_the_same_connection_flags() {
-        use clap::{Args as _, Command};
-        let serve = crate::config_file::serve_command();
-        let relay = crate::relay::RelayArgs::augment_args(Command::new("relay"));
-        let shared = NatsArgs::augment_args(EtcdArgs::augment_args(Command::new("t")));
-        let mut count = 0;
-        for arg in shared.get_arguments() {
-            let long = arg
-                .get_long()
-                .expect("every connection flag is a long flag");
-            let env = arg.get_env().expect("every connection flag has a variable");
-            assert!(
-                env.to_string_lossy().starts_with("KV_ROUTER_NATS_")
-                    || env.to_string_lossy().starts_with("KV_ROUTER_ETCD_"),
-                "{env:?}"
-            );
-            for command in [&serve, &relay] {
-                let same = command
-                    .get_arguments()
-                    .find(|a| a.get_long() == Some(long))
-                    .unwrap_or_else(|| panic!("--{long} missing in {}", command.get_name()));
-                assert_eq!(same.get_env(), Some(env), "--{long}");
-                assert_eq!(same.get_default_values(), arg.get_default_values());
-                assert_eq!(same.get_help_heading(), arg.get_help_heading());
-            }
-            count += 1;
-        }
-        assert_eq!(count, 11);
     }
 
     #[test]

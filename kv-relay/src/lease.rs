@@ -7,9 +7,9 @@
 //! engine is gone) or the relay shuts down. A renewal that fails or finds the lease
 //! expired grants a new lease and writes the key again. If the relay itself dies, the
 //! lease expires after the TTL. Cost: one etcd round trip per TTL/3. The lease itself
-//! is [`crate::worker_lease`], shared with the mock engines.
+//! is [`kv_cluster::lease`], shared with the mock engines.
 
-use crate::worker_lease::WorkerLease;
+use kv_cluster::lease::WorkerLease;
 use std::time::Duration;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;

@@ -1,0 +1,83 @@
+//! The crate's one error type. Every variant names what failed (a flag, a file, a
+//! server list, an etcd call) so a caller can log or return it without adding
+//! context of its own; messages are lowercase.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Why a cluster connection, flag, lease, watch or HTTP request failed.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A connection flag is missing, empty or inconsistent with another.
+    #[error("invalid --{field}: {reason}")]
+    InvalidFlag {
+        /// The flag name, without `--`.
+        field: &'static str,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// The NATS credentials file could not be read or parsed.
+    #[error("cannot load nats credentials from {path}: {source}")]
+    NatsCredentials {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The NATS client refused the options (bad URL, bad TLS material, ...) or no
+    /// server answered.
+    #[error("cannot connect to nats at {servers:?}: {source}")]
+    NatsConnect {
+        /// The seed list.
+        servers: Vec<String>,
+        /// The cause.
+        source: async_nats::ConnectError,
+    },
+    /// The etcd client could not be built from the endpoints and options.
+    #[error("connecting to etcd at {endpoints:?}: {source}")]
+    EtcdConnect {
+        /// The endpoint URLs.
+        endpoints: Vec<String>,
+        /// The cause.
+        source: etcd_client::Error,
+    },
+    /// etcd returned an error.
+    #[error("etcd request failed: {0}")]
+    Etcd(#[from] etcd_client::Error),
+    /// An etcd call of the worker directory failed.
+    #[error("{what}: {source}")]
+    EtcdCall {
+        /// The call (`listing worker registrations`, `starting watch`, ...).
+        what: &'static str,
+        /// The cause.
+        source: etcd_client::Error,
+    },
+    /// etcd did not answer within the call timeout.
+    #[error("etcd did not answer within {0:?}")]
+    Timeout(Duration),
+    /// An etcd call of the worker directory got no answer in time.
+    #[error("{what}: no answer within {timeout:?}")]
+    CallTimeout {
+        /// The call.
+        what: &'static str,
+        /// The bound it exceeded.
+        timeout: Duration,
+    },
+    /// etcd ended or cancelled the watch of the registrations.
+    #[error("{0}")]
+    WatchEnded(String),
+    /// The lease TTL is 0 or does not fit etcd's signed 64-bit seconds.
+    #[error("lease ttl {0} s is out of range")]
+    TtlOutOfRange(u64),
+    /// The registration record could not be serialized.
+    #[error("could not encode registration: {0}")]
+    Encode(#[from] serde_json::Error),
+    /// An HTTP request failed (connect, write, read, parse or timeout).
+    #[error("http request to {target} failed: {reason}")]
+    HttpRequest {
+        /// `host:port/path`.
+        target: String,
+        /// What went wrong, lowercase.
+        reason: String,
+    },
+}

@@ -1,0 +1,33 @@
+//! Everything a participant needs to join a kv-router cluster: the router daemon,
+//! the relay sidecar, the mock engines, and the coming gateway all connect,
+//! register and discover through this crate, so they agree on flags, environment
+//! variables, credentials, lease timing and reconnect behaviour without depending on
+//! each other.
+//!
+//! It depends only on `kv-events` (subjects, ids, the registration record) and on
+//! the NATS, etcd, clap and tracing crates; it holds no router state.
+//!
+//! # Layout
+//! - [`args`]: the NATS and etcd flags (with `KV_ROUTER_NATS_*` / `KV_ROUTER_ETCD_*`
+//!   variables) and their validation; [`args::parse_flags`] for embedding and tests.
+//! - [`nats`]: NATS seed list, authentication (creds, token, user/password) and TLS,
+//!   turned into connect options.
+//! - [`etcd`]: etcd connection settings, the client, and the retry [`etcd::Backoff`].
+//! - [`lease`]: a worker's registration under an etcd lease (register, keep alive,
+//!   revoke).
+//! - [`directory`]: the worker directory: load the registrations, then watch them,
+//!   reconnecting and reconciling after an outage.
+//! - [`process`]: tracing set-up and the shutdown signal of every binary.
+//! - [`http`]: the listen-address flag value and a minimal HTTP `GET` client.
+//! - [`Error`]: the crate's one error type.
+
+pub mod args;
+pub mod directory;
+mod error;
+pub mod etcd;
+pub mod http;
+pub mod lease;
+pub mod nats;
+pub mod process;
+
+pub use error::Error;

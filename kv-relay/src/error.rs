@@ -1,0 +1,44 @@
+//! The relay's start-up and configuration errors. Failures while running (a bad frame,
+//! a replay that times out, an engine socket that cannot be opened) are counted and
+//! logged by the task that meets them, with their own small error types next to it.
+
+use std::net::SocketAddr;
+
+/// Why the relay's flags are unusable or the relay could not start or stop cleanly.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The namespace is not a valid subject token.
+    #[error("invalid --namespace: {0}")]
+    Namespace(#[from] kv_events::NamespaceError),
+    /// A flag is out of range or inconsistent with another.
+    #[error("invalid --{field}: {reason}")]
+    Invalid {
+        /// The flag name, without `--`.
+        field: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A NATS or etcd flag is unusable, or NATS or etcd cannot be reached.
+    #[error(transparent)]
+    Cluster(#[from] kv_cluster::Error),
+    /// The relay's metrics could not be registered.
+    #[error("registering relay metrics: {0}")]
+    Metrics(#[from] prometheus::Error),
+    /// The worker registration could not be prepared.
+    #[error("preparing the worker registration: {0}")]
+    Registration(kv_cluster::Error),
+    /// The recovery subscription failed.
+    #[error("subscribing to recovery requests: {0}")]
+    Subscribe(#[from] async_nats::SubscribeError),
+    /// `--http-listen` could not be bound.
+    #[error("listening for http on {addr}: {source}")]
+    Listen {
+        /// The address.
+        addr: SocketAddr,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// Flushing NATS (the start-up barrier, or the last flush at shutdown) failed.
+    #[error("flushing nats: {0}")]
+    Flush(#[from] async_nats::client::FlushError),
+}
