@@ -17,6 +17,8 @@
 //!   revoke).
 //! - [`directory`]: the worker directory: load the registrations, then watch them,
 //!   reconnecting and reconciling after an outage.
+//! - [`metrics`]: the one way every binary creates its Prometheus metrics, in an
+//!   injected registry or none ([`metrics::Registrar`]).
 //! - [`process`]: tracing set-up and the shutdown signal of every binary.
 //! - [`http`]: the listen-address flag value and a minimal HTTP `GET` client.
 //! - [`Error`]: the crate's one error type.
@@ -27,6 +29,7 @@ mod error;
 pub mod etcd;
 pub mod http;
 pub mod lease;
+pub mod metrics;
 pub mod nats;
 pub mod process;
 

@@ -12,7 +12,8 @@
 //! | `kv_relay_scrapes_total` | `outcome`: `ok`, `failed` | engine /metrics scrapes |
 //! | `kv_relay_engine_connected` | | engine sockets currently connected |
 
-use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+use kv_cluster::metrics::{self, Registrar};
+use prometheus::{IntCounter, IntCounterVec, IntGauge, Registry};
 
 /// The relay's metrics.
 #[derive(Clone)]
@@ -27,64 +28,56 @@ pub struct RelayCounters {
     connected: IntGauge,
 }
 
-fn vec(name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
-    // Names and labels are static and valid, so construction cannot fail.
-    #[allow(clippy::expect_used)]
-    IntCounterVec::new(Opts::new(name, help), labels).expect("static metric definition is valid")
-}
-
 impl RelayCounters {
-    /// Counters registered nowhere.
-    pub fn unregistered() -> Self {
-        // Static, valid definitions: construction cannot fail.
-        #[allow(clippy::expect_used)]
-        let published = IntCounter::new(
-            "kv_relay_published_events_total",
-            "KV events the relay published to NATS",
-        )
-        .expect("static metric definition is valid");
-        #[allow(clippy::expect_used)]
-        let recovery = IntCounter::new(
-            "kv_relay_recovery_requests_total",
-            "Router recovery requests the relay answered",
-        )
-        .expect("static metric definition is valid");
-        #[allow(clippy::expect_used)]
-        let connected = IntGauge::new(
-            "kv_relay_engine_connected",
-            "Engine event sockets currently connected",
-        )
-        .expect("static metric definition is valid");
-        Self {
-            frames: vec(
+    /// Creates every metric through `r` (registered in its registry, if it has one).
+    ///
+    /// # Errors
+    /// When a metric of the same name is already registered.
+    pub fn new(r: &Registrar<'_>) -> Result<Self, prometheus::Error> {
+        Ok(Self {
+            frames: r.counter_vec(
                 "kv_relay_frames_total",
                 "ZMQ messages received from the engine, by outcome",
                 &["outcome"],
-            ),
-            events: vec(
+            )?,
+            events: r.counter_vec(
                 "kv_relay_engine_events_total",
                 "Engine KV events, by kind and outcome",
                 &["kind", "outcome"],
-            ),
-            gaps: vec(
+            )?,
+            gaps: r.counter_vec(
                 "kv_relay_gaps_total",
                 "Gaps in the engine's sequence, by result",
                 &["result"],
-            ),
-            resets: vec(
+            )?,
+            resets: r.counter_vec(
                 "kv_relay_resets_total",
                 "Ranks cleared because the engine stream broke, by reason",
                 &["reason"],
-            ),
-            published,
-            recovery,
-            scrapes: vec(
+            )?,
+            published: r.counter(
+                "kv_relay_published_events_total",
+                "KV events the relay published to NATS",
+            )?,
+            recovery: r.counter(
+                "kv_relay_recovery_requests_total",
+                "Router recovery requests the relay answered",
+            )?,
+            scrapes: r.counter_vec(
                 "kv_relay_scrapes_total",
                 "Scrapes of the engine's Prometheus endpoint, by outcome",
                 &["outcome"],
-            ),
-            connected,
-        }
+            )?,
+            connected: r.gauge(
+                "kv_relay_engine_connected",
+                "Engine event sockets currently connected",
+            )?,
+        })
+    }
+
+    /// Counters registered nowhere.
+    pub fn unregistered() -> Self {
+        metrics::unregistered(Self::new)
     }
 
     /// Counters registered in `registry`.
@@ -92,16 +85,7 @@ impl RelayCounters {
     /// # Errors
     /// When a metric of the same name is already registered.
     pub fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
-        let c = Self::unregistered();
-        registry.register(Box::new(c.frames.clone()))?;
-        registry.register(Box::new(c.events.clone()))?;
-        registry.register(Box::new(c.gaps.clone()))?;
-        registry.register(Box::new(c.resets.clone()))?;
-        registry.register(Box::new(c.published.clone()))?;
-        registry.register(Box::new(c.recovery.clone()))?;
-        registry.register(Box::new(c.scrapes.clone()))?;
-        registry.register(Box::new(c.connected.clone()))?;
-        Ok(c)
+        Self::new(&Registrar::new(registry))
     }
 
     /// Counts one engine message.

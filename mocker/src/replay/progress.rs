@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use tokio::task::JoinHandle;
 
 /// How often the plain-line mode prints.
-pub const LINE_INTERVAL: Duration = Duration::from_secs(5);
+pub const LINE_INTERVAL: Duration = Duration::from_secs(10);
 
 /// The progress display of one pass. Call [`PassProgress::inc`] per finished request
 /// and [`PassProgress::finish`] at the end; dropping it without `finish` stops the

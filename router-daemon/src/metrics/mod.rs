@@ -20,7 +20,8 @@
 //! depend on it, never the other way round.
 //!
 //! # Layout
-//! - [`registrar`]: registered or unregistered metric creation (no daemon imports).
+//! - [`registrar`]: registered or unregistered metric creation (`kv_cluster::metrics`,
+//!   shared with the relay and the gateway).
 //! - [`counters`]: per-message counters, and the root of the metric groups below.
 //! - [`route`]: routing outcome, latency, overlap and decisions.
 //! - [`events`]: KV event intake, the indexer's counters and sizes, recovery.
@@ -34,7 +35,7 @@ pub mod connections;
 pub mod counters;
 pub mod events;
 pub mod load;
-pub mod registrar;
+pub use kv_cluster::metrics as registrar;
 pub mod route;
 
 pub use admission::{AdmissionMetrics, QueueOutcomes, SyncMetrics};
