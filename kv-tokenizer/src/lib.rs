@@ -39,6 +39,11 @@ pub use limits::{DEFAULT_MAX_PROMPT_BYTES, DEFAULT_MAX_PROMPT_TOKENS, Limits};
 /// Template values (message extras, tools, template kwargs) are MiniJinja values.
 pub use minijinja::Value as TemplateValue;
 
+/// Any serializable value (e.g. a request's JSON `tools`) as a template value.
+pub fn template_value<T: serde::Serialize>(value: &T) -> TemplateValue {
+    TemplateValue::from(minijinja::value::Serde(value))
+}
+
 use std::path::Path;
 use std::str::FromStr;
 

@@ -30,6 +30,9 @@ enum Command {
     /// Sidecar beside one vLLM or SGLang engine: relay its ZMQ KV events to NATS in
     /// kv-router's protocol and register it in etcd (see docs/engines.md).
     Relay(Box<kv_relay::RelayArgs>),
+    /// OpenAI-compatible HTTP gateway: tokenize, ask the router over NATS, forward to
+    /// the chosen engine, stream the answer back (see docs/gateway.md).
+    Gateway(Box<kv_gateway::GatewayArgs>),
 }
 
 #[derive(Subcommand)]
@@ -83,6 +86,7 @@ async fn main() -> Result<()> {
             kv_relay::run(config, &registry, kv_cluster::process::shutdown_signal()).await?;
             Ok(())
         }
+        Command::Gateway(args) => Ok(kv_gateway::run(*args).await?),
     }
 }
 

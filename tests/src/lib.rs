@@ -14,6 +14,7 @@
 use anyhow::Context;
 
 pub mod child_daemon;
+pub mod python;
 use etcd_client::{Client as Etcd, PutOptions};
 use indexer::IndexerApi as _;
 use kv_events::discovery::WorkerRegistration;
@@ -182,6 +183,17 @@ pub struct FakeWorker {
 }
 
 impl FakeWorker {
+    /// A publisher for worker `id`, whose registration the test writes itself (e.g.
+    /// with [`register_worker`] and fields [`FakeWorker::register`] does not set).
+    pub fn publisher(id: WorkerId, lease: i64) -> Self {
+        Self {
+            id,
+            lease,
+            next_event_id: 0,
+            last_hash: None,
+        }
+    }
+
     /// Registers worker `id` (dp_size 1) in etcd under a fresh lease of `ttl_secs`.
     ///
     /// # Errors

@@ -6,8 +6,7 @@
 //!   with libzmq's PUB and ROUTER.
 //!
 //! The Python packages are pip-installed (pinned) into a venv under the target
-//! directory once per run. Without `python3` on the machine the tests say so and
-//! pass (deploy/ensure-deps.sh installs it on Debian).
+//! directory once per run (deploy/ensure-deps.sh installs python3 with venv).
 
 // Test helpers unwrap: a failed setup step must fail the test loudly.
 #![allow(clippy::unwrap_used)]
@@ -32,45 +31,16 @@ fn repo(path: &str) -> PathBuf {
         .join(path)
 }
 
-/// The venv's python, creating the venv on first use; `None` without python3.
-async fn python() -> Option<PathBuf> {
-    static VENV: OnceCell<Option<PathBuf>> = OnceCell::const_new();
-    VENV.get_or_init(|| async {
-        let found = Command::new("python3").arg("--version").output().await;
-        if !found.is_ok_and(|o| o.status.success()) {
-            eprintln!("SKIPPED: python3 not found (deploy/ensure-deps.sh installs it)");
-            return None;
-        }
-        let venv = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("kv-router-python");
-        let python = venv.join("bin/python");
-        let ready = Command::new(&python)
-            .args(["-c", "import nats, msgpack, zmq"])
-            .output()
-            .await
-            .is_ok_and(|o| o.status.success());
-        if !ready {
-            let status = Command::new("python3")
-                .args(["-m", "venv"])
-                .arg(&venv)
-                .status()
-                .await
-                .unwrap();
-            assert!(status.success(), "python3 -m venv failed");
-            let status = Command::new(&python)
-                .args([
-                    "-m",
-                    "pip",
-                    "install",
-                    "--quiet",
-                    "--disable-pip-version-check",
-                ])
-                .args(PACKAGES)
-                .status()
-                .await
-                .unwrap();
-            assert!(status.success(), "pip install {PACKAGES:?} failed");
-        }
-        Some(python)
+/// The venv's python, created on first use.
+async fn python() -> PathBuf {
+    static VENV: OnceCell<PathBuf> = OnceCell::const_new();
+    VENV.get_or_init(|| {
+        integration_tests::python::venv(
+            env!("CARGO_TARGET_TMPDIR"),
+            "kv-router-python",
+            &PACKAGES,
+            "nats, msgpack, zmq",
+        )
     })
     .await
     .clone()
@@ -98,9 +68,7 @@ async fn route_client(python: &PathBuf, cluster: &TestCluster, args: &[&str]) ->
 
 #[tokio::test]
 async fn python_route_client_asks_the_router_for_a_worker() {
-    let Some(python) = python().await else {
-        return;
-    };
+    let python = python().await;
     let mut cluster = TestCluster::start(16).await.unwrap();
     let _w1 = FakeWorker::register(&mut cluster, 1, 30).await.unwrap();
     let mut w2 = FakeWorker::register(&mut cluster, 2, 30).await.unwrap();
@@ -167,9 +135,7 @@ async fn python_route_client_asks_the_router_for_a_worker() {
 
 #[tokio::test]
 async fn relay_reads_a_libzmq_publisher_and_replay_socket() {
-    let Some(python) = python().await else {
-        return;
-    };
+    let python = python().await;
     let cluster = TestCluster::start(16).await.unwrap();
     let daemon = cluster.start_daemon(|_| {}).await.unwrap();
     let mut engine = Command::new(&python)

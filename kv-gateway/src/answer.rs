@@ -1,0 +1,361 @@
+//! The engine's answer on its way to the client: relayed event by event as
+//! server-sent events, or assembled into one JSON body for a client that did not ask
+//! to stream.
+//!
+//! An [`Answer`] owns the request's [`Booking`], so its end — the last event, an
+//! engine error, the deadline, or the client going away (axum drops the body stream)
+//! — frees the booking. Each engine event is parsed once (a few µs for a one-token
+//! chunk), to see usage and errors and, for a chat forwarded as tokens, to rewrite a
+//! completion chunk into a chat chunk; nothing is buffered beyond one event.
+
+use crate::forward::Events;
+use crate::metrics::GatewayMetrics;
+use crate::router::Booking;
+use axum::body::Body;
+use bytes::Bytes;
+use eventsource_stream::Event;
+use futures::StreamExt;
+use serde_json::{Map, Value, json};
+use std::collections::{BTreeMap, HashSet};
+use std::convert::Infallible;
+use tokio::time::Instant;
+
+/// What the client gets, given what the engine sends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shape {
+    /// Completion chunks, as the engine sent them.
+    Completion,
+    /// Completion chunks from the engine, turned into chat chunks (a chat forwarded
+    /// as tokens).
+    ChatFromCompletion,
+    /// Chat chunks, as the engine sent them (pass-through).
+    Chat,
+}
+
+/// One request's answer in flight.
+pub struct Answer {
+    /// The first event, already received.
+    pub(crate) first: Option<Event>,
+    pub(crate) events: Events,
+    pub(crate) booking: Option<Booking>,
+    pub(crate) shape: Shape,
+    /// Whether a streaming client asked for the final usage chunk.
+    pub(crate) include_usage: bool,
+    pub(crate) deadline: Instant,
+    pub(crate) metrics: GatewayMetrics,
+    pub(crate) endpoint: &'static str,
+    /// When the request arrived.
+    pub(crate) arrived: Instant,
+    /// When the last event arrived.
+    pub(crate) last: Instant,
+    /// Choice indices that already got their chat `role`.
+    pub(crate) roles_sent: HashSet<u64>,
+    pub(crate) finished: bool,
+}
+
+/// An engine event, read.
+enum Read {
+    /// A chunk to pass on (rewritten if needed), or `None` to drop it.
+    Chunk(Option<Value>),
+    /// The engine said `[DONE]`.
+    Done,
+    /// The engine reported an error in its stream.
+    Error(String),
+}
+
+impl Answer {
+    /// The next engine event, translated, or `None` at the end (after which the
+    /// booking is freed).
+    async fn next(&mut self) -> Option<Read> {
+        if self.finished {
+            return None;
+        }
+        let event = match self.first.take() {
+            Some(event) => event,
+            None => match tokio::time::timeout_at(self.deadline, self.events.next()).await {
+                Ok(Some(Ok(event))) => {
+                    let now = Instant::now();
+                    self.metrics.itl(self.endpoint, now - self.last);
+                    self.last = now;
+                    event
+                }
+                Ok(Some(Err(e))) => return Some(Read::Error(format!("engine stream broke: {e}"))),
+                Ok(None) => return Some(Read::Error("engine closed the stream early".into())),
+                Err(_) => return Some(Read::Error("request timed out".into())),
+            },
+        };
+        if event.data.trim() == "[DONE]" {
+            return Some(Read::Done);
+        }
+        let Ok(mut chunk) = serde_json::from_str::<Value>(&event.data) else {
+            return Some(Read::Error("engine sent a chunk that is not JSON".into()));
+        };
+        if let Some(error) = chunk.get("error") {
+            let message = error
+                .get("message")
+                .and_then(Value::as_str)
+                .map_or_else(|| error.to_string(), str::to_owned);
+            return Some(Read::Error(message));
+        }
+        if let Some(tokens) = chunk
+            .get("usage")
+            .and_then(|u| u.get("completion_tokens"))
+            .and_then(Value::as_u64)
+        {
+            self.metrics.completion_tokens(tokens);
+        }
+        let usage_only = chunk
+            .get("choices")
+            .and_then(Value::as_array)
+            .is_some_and(Vec::is_empty);
+        if self.shape == Shape::ChatFromCompletion {
+            chunk = self.chat_chunk(chunk);
+        }
+        Some(Read::Chunk(
+            (!usage_only || self.include_usage).then_some(chunk),
+        ))
+    }
+
+    /// A completion chunk as a chat chunk: `text` becomes `delta.content`, the first
+    /// chunk of each choice also carries `delta.role`.
+    fn chat_chunk(&mut self, chunk: Value) -> Value {
+        let choices: Vec<Value> =
+            chunk
+                .get("choices")
+                .and_then(Value::as_array)
+                .map(|choices| {
+                    choices
+                    .iter()
+                    .map(|c| {
+                        let index = c.get("index").and_then(Value::as_u64).unwrap_or(0);
+                        let mut delta = Map::new();
+                        if self.roles_sent.insert(index) {
+                            delta.insert("role".into(), json!("assistant"));
+                        }
+                        delta.insert("content".into(), c.get("text").cloned().unwrap_or(json!("")));
+                        json!({
+                            "index": index,
+                            "delta": delta,
+                            "logprobs": null,
+                            "finish_reason": c.get("finish_reason").cloned().unwrap_or(Value::Null),
+                        })
+                    })
+                    .collect()
+                })
+                .unwrap_or_default();
+        let mut out = json!({
+            "id": chat_id(&chunk),
+            "object": "chat.completion.chunk",
+            "created": chunk.get("created").cloned().unwrap_or(json!(0)),
+            "model": chunk.get("model").cloned().unwrap_or(Value::Null),
+            "choices": choices,
+        });
+        if let Some(usage) = chunk.get("usage").filter(|u| !u.is_null()) {
+            out["usage"] = usage.clone();
+        }
+        out
+    }
+
+    /// Ends the request: frees the booking, records the end-to-end latency.
+    fn finish(&mut self) {
+        if !self.finished {
+            self.finished = true;
+            if let Some(booking) = self.booking.take() {
+                booking.free();
+            }
+            self.metrics.in_flight().dec();
+            self.metrics.e2e(self.endpoint, self.arrived.elapsed());
+        }
+    }
+
+    /// The answer as a server-sent event body: `data: {...}\n\n` per chunk, then
+    /// `data: [DONE]\n\n`; an engine failure mid-stream becomes an `error` event.
+    pub fn into_sse(self) -> Body {
+        let stream = futures::stream::unfold(self, |mut answer| async move {
+            loop {
+                match answer.next().await? {
+                    Read::Chunk(None) => continue,
+                    Read::Chunk(Some(chunk)) => {
+                        return Some((Ok::<_, Infallible>(sse(&chunk.to_string())), answer));
+                    }
+                    Read::Done => {
+                        answer.finish();
+                        return Some((Ok(sse("[DONE]")), answer));
+                    }
+                    Read::Error(message) => {
+                        answer.finish();
+                        let error = json!({"error": {"message": message, "type": "engine_error", "param": null, "code": 502}});
+                        let bytes = [sse(&error.to_string()), sse("[DONE]")].concat();
+                        return Some((Ok(Bytes::from(bytes)), answer));
+                    }
+                }
+            }
+        });
+        Body::from_stream(stream)
+    }
+
+    /// The whole answer as one JSON body, assembled from the engine's chunks.
+    ///
+    /// # Errors
+    /// The engine's error, or a timeout, as a message.
+    pub async fn collect(mut self) -> Result<Value, String> {
+        // The assembled answer always carries usage, as OpenAI's does.
+        self.include_usage = true;
+        let mut assembly = Assembly::default();
+        let result = loop {
+            match self.next().await {
+                None | Some(Read::Done) => break Ok(()),
+                Some(Read::Chunk(Some(chunk))) => assembly.add(&chunk),
+                Some(Read::Chunk(None)) => {}
+                Some(Read::Error(message)) => break Err(message),
+            }
+        };
+        self.finish();
+        result.map(|()| assembly.build(self.shape))
+    }
+}
+
+impl Drop for Answer {
+    fn drop(&mut self) {
+        // The client went away mid-stream, or the answer was never read: same end.
+        self.finish();
+    }
+}
+
+fn sse(data: &str) -> Bytes {
+    Bytes::from(format!("data: {data}\n\n"))
+}
+
+fn chat_id(chunk: &Value) -> String {
+    let id = chunk.get("id").and_then(Value::as_str).unwrap_or("");
+    format!("chatcmpl-{}", id.trim_start_matches("cmpl-"))
+}
+
+/// Chunks added up into one answer.
+#[derive(Default)]
+struct Assembly {
+    head: Option<Value>,
+    choices: BTreeMap<u64, Choice>,
+    usage: Option<Value>,
+}
+
+#[derive(Default)]
+struct Choice {
+    text: String,
+    reasoning: String,
+    finish_reason: Value,
+    /// Tool calls by index: id, name, arguments (pieces concatenated).
+    tool_calls: BTreeMap<u64, (Value, String, String)>,
+}
+
+impl Assembly {
+    fn add(&mut self, chunk: &Value) {
+        if self.head.is_none() {
+            self.head = Some(chunk.clone());
+        }
+        if let Some(usage) = chunk.get("usage").filter(|u| !u.is_null()) {
+            self.usage = Some(usage.clone());
+        }
+        for c in chunk
+            .get("choices")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
+            let index = c.get("index").and_then(Value::as_u64).unwrap_or(0);
+            let choice = self.choices.entry(index).or_default();
+            let delta = c.get("delta");
+            let text = c
+                .get("text")
+                .or_else(|| delta.and_then(|d| d.get("content")));
+            if let Some(t) = text.and_then(Value::as_str) {
+                choice.text.push_str(t);
+            }
+            if let Some(r) = delta
+                .and_then(|d| d.get("reasoning_content"))
+                .and_then(Value::as_str)
+            {
+                choice.reasoning.push_str(r);
+            }
+            for call in delta
+                .and_then(|d| d.get("tool_calls"))
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+            {
+                let i = call.get("index").and_then(Value::as_u64).unwrap_or(0);
+                let entry = choice.tool_calls.entry(i).or_default();
+                if let Some(id) = call.get("id").filter(|v| !v.is_null()) {
+                    entry.0 = id.clone();
+                }
+                let function = call.get("function");
+                let piece = |k: &str| {
+                    function
+                        .and_then(|f| f.get(k))
+                        .and_then(Value::as_str)
+                        .unwrap_or("")
+                        .to_owned()
+                };
+                entry.1.push_str(&piece("name"));
+                entry.2.push_str(&piece("arguments"));
+            }
+            if let Some(reason) = c.get("finish_reason").filter(|r| !r.is_null()) {
+                choice.finish_reason = reason.clone();
+            }
+        }
+    }
+
+    fn build(self, shape: Shape) -> Value {
+        let head = self.head.unwrap_or(Value::Null);
+        let field = |k: &str| head.get(k).cloned().unwrap_or(Value::Null);
+        let choices: Vec<Value> = self
+            .choices
+            .into_iter()
+            .map(|(index, c)| match shape {
+                Shape::Completion => json!({
+                    "index": index,
+                    "text": c.text,
+                    "logprobs": null,
+                    "finish_reason": c.finish_reason,
+                }),
+                Shape::Chat | Shape::ChatFromCompletion => {
+                    let mut message = json!({"role": "assistant", "content": c.text});
+                    if !c.reasoning.is_empty() {
+                        message["reasoning_content"] = json!(c.reasoning);
+                    }
+                    if !c.tool_calls.is_empty() {
+                        message["tool_calls"] = c
+                            .tool_calls
+                            .into_values()
+                            .map(|(id, name, arguments)| {
+                                json!({"id": id, "type": "function", "function": {"name": name, "arguments": arguments}})
+                            })
+                            .collect();
+                    }
+                    json!({
+                        "index": index,
+                        "message": message,
+                        "logprobs": null,
+                        "finish_reason": c.finish_reason,
+                    })
+                }
+            })
+            .collect();
+        let (id, object) = match shape {
+            Shape::Completion => (field("id"), "text_completion"),
+            Shape::ChatFromCompletion => (json!(chat_id(&head)), "chat.completion"),
+            Shape::Chat => (field("id"), "chat.completion"),
+        };
+        json!({
+            "id": id,
+            "object": object,
+            "created": field("created"),
+            "model": field("model"),
+            "choices": choices,
+            "usage": self.usage.unwrap_or(Value::Null),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,281 @@
+//! One request's way through the gateway: tokenize → route → forward → answer, with
+//! failover before the first token.
+//!
+//! ```text
+//! body ─ parse ─ model? ─ tokenize ─┬─ route (exclude tried) ─ engine URL? ─ open ─┬─ first event ─ Answer (stream / assemble)
+//!                                   └────────────── retry on Failure::Retry ◀──────┘
+//! ```
+//!
+//! Every routed attempt holds a [`crate::router::Booking`]; an attempt that fails
+//! drops it (so the router frees that worker's load) before the next one is routed.
+
+use crate::answer::{Answer, Shape};
+use crate::config::{ChatForward, EngineApi, Limits, ModelConfig, PromptForward};
+use crate::error::ApiError;
+use crate::forward::{EngineClient, Failure};
+use crate::metrics::GatewayMetrics;
+use crate::openai::{
+    ChatRequest, CompletionRequest, PromptInput, chat_as_completion, chat_for_engine,
+    completion_for_engine, parse_chat, parse_completion,
+};
+use crate::router::RouterClient;
+use crate::tokenize::PromptTokenizer;
+use crate::workers::WorkerUrls;
+use axum::Json;
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+use kv_events::{DpRank, WorkerId};
+use serde_json::{Map, Value};
+use std::collections::HashSet;
+use tokio::time::Instant;
+use tracing::{debug, warn};
+
+/// What the request path needs, shared by every request.
+#[derive(Clone)]
+pub struct Flow {
+    /// Model, tokenization and forwarding settings.
+    pub model: ModelConfig,
+    /// Timeouts, sizes, retries.
+    pub limits: Limits,
+    /// Prompt → token ids.
+    pub tokenizer: PromptTokenizer,
+    /// Routing and lifecycle.
+    pub router: RouterClient,
+    /// Worker id → engine URL.
+    pub workers: WorkerUrls,
+    /// Engine HTTP client.
+    pub engine: EngineClient,
+    /// Metrics.
+    pub metrics: GatewayMetrics,
+}
+
+/// What the engine is sent, per mode.
+enum EngineRequest {
+    Completion {
+        request: CompletionRequest,
+        forward_tokens: bool,
+    },
+    ChatAsCompletion(ChatRequest),
+    Chat(ChatRequest),
+}
+
+impl EngineRequest {
+    fn body(
+        &self,
+        tokens: &[u32],
+        api: EngineApi,
+        dp_rank: DpRank,
+    ) -> Result<Map<String, Value>, ApiError> {
+        Ok(match self {
+            Self::Completion {
+                request,
+                forward_tokens,
+            } => completion_for_engine(request, forward_tokens.then_some(tokens), api, dp_rank),
+            Self::ChatAsCompletion(chat) => chat_as_completion(chat, tokens, api, dp_rank)?,
+            Self::Chat(chat) => chat_for_engine(chat, api, dp_rank),
+        })
+    }
+
+    fn path(&self) -> &'static str {
+        match self {
+            Self::Completion { .. } | Self::ChatAsCompletion(_) => "/v1/completions",
+            Self::Chat(_) => "/v1/chat/completions",
+        }
+    }
+
+    fn shape(&self) -> Shape {
+        match self {
+            Self::Completion { .. } => Shape::Completion,
+            Self::ChatAsCompletion(_) => Shape::ChatFromCompletion,
+            Self::Chat(_) => Shape::Chat,
+        }
+    }
+}
+
+/// A parsed, tokenized request ready to route.
+struct Plan {
+    endpoint: &'static str,
+    tokens: Vec<u32>,
+    request: EngineRequest,
+    stream: bool,
+    include_usage: bool,
+}
+
+impl Flow {
+    fn check_model(&self, model: &str) -> Result<(), ApiError> {
+        if model == self.model.served_model_name {
+            Ok(())
+        } else {
+            Err(ApiError::unknown_model(model))
+        }
+    }
+
+    fn check_length(&self, tokens: &[u32]) -> Result<(), ApiError> {
+        let limit = self.limits.max_prompt_tokens;
+        if tokens.len() > limit {
+            return Err(ApiError::bad_request(format!(
+                "the prompt has {} tokens, more than the {limit} allowed",
+                tokens.len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// `POST /v1/completions`.
+    pub async fn completion(&self, body: &[u8], arrived: Instant) -> Result<Response, ApiError> {
+        let request = parse_completion(body)?;
+        self.check_model(&request.model)?;
+        let started = Instant::now();
+        let tokens = match &request.prompt {
+            PromptInput::Tokens(ids) => ids.clone(),
+            PromptInput::Text(text) => {
+                let ids = self.tokenizer.completion(text).await?;
+                self.metrics.stage("tokenize", started.elapsed());
+                ids
+            }
+        };
+        self.check_length(&tokens)?;
+        let forward_tokens = self.model.forward == PromptForward::Tokens
+            || matches!(request.prompt, PromptInput::Tokens(_));
+        let plan = Plan {
+            endpoint: "completions",
+            stream: request.stream,
+            include_usage: request.include_usage,
+            tokens,
+            request: EngineRequest::Completion {
+                request,
+                forward_tokens,
+            },
+        };
+        self.serve(plan, arrived).await
+    }
+
+    /// `POST /v1/chat/completions`.
+    pub async fn chat(&self, body: &[u8], arrived: Instant) -> Result<Response, ApiError> {
+        let chat = parse_chat(body)?;
+        self.check_model(&chat.model)?;
+        if self.model.chat_forward == ChatForward::Tokens {
+            // Refuse what tokens mode cannot do before anything is routed.
+            chat_as_completion(&chat, &[], self.model.engine_api, DpRank(0))?;
+        }
+        let started = Instant::now();
+        let tokens = self
+            .tokenizer
+            .chat(chat.messages.clone(), chat.options.clone())
+            .await?;
+        self.metrics.stage("tokenize", started.elapsed());
+        self.check_length(&tokens)?;
+        let plan = Plan {
+            endpoint: "chat_completions",
+            stream: chat.stream,
+            include_usage: chat.include_usage,
+            tokens,
+            request: match self.model.chat_forward {
+                ChatForward::Tokens => EngineRequest::ChatAsCompletion(chat),
+                ChatForward::Passthrough => EngineRequest::Chat(chat),
+            },
+        };
+        self.serve(plan, arrived).await
+    }
+
+    /// Routes and forwards, failing over before the first token.
+    async fn serve(&self, plan: Plan, arrived: Instant) -> Result<Response, ApiError> {
+        let deadline = arrived + self.limits.request_timeout;
+        let attempts = self.limits.max_retries + 1;
+        let mut exclude: Vec<WorkerId> = Vec::new();
+        let mut last_failure = String::new();
+        for attempt in 1..=attempts {
+            let started = Instant::now();
+            let routed = self
+                .router
+                .route(self.router.request_id(), plan.tokens.clone(), &exclude)
+                .await;
+            let (decision, mut booking) = match routed {
+                Ok(routed) => routed,
+                // Every worker was tried: the engines failed, not the router.
+                Err(e) if !exclude.is_empty() && e.status.as_u16() == 503 => break,
+                Err(e) => return Err(e),
+            };
+            self.metrics.stage("route", started.elapsed());
+            self.metrics
+                .overlap(decision.overlap_blocks, decision.request_blocks);
+            let worker = decision.worker_id;
+            let failure = match self.workers.url(worker) {
+                None => Failure::Retry {
+                    reason: "no_url",
+                    detail: format!("worker {worker} registered no engine url"),
+                },
+                Some(url) => {
+                    let body =
+                        plan.request
+                            .body(&plan.tokens, self.model.engine_api, decision.dp_rank)?;
+                    let opened = Instant::now();
+                    match self
+                        .engine
+                        .open(&url, plan.request.path(), &body, decision.dp_rank, deadline)
+                        .await
+                    {
+                        Ok((first, events)) => {
+                            booking.prefill_done();
+                            self.metrics.stage("engine", opened.elapsed());
+                            self.metrics.ttft(plan.endpoint, arrived.elapsed());
+                            self.metrics.prompt_tokens(plan.tokens.len());
+                            self.metrics.in_flight().inc();
+                            debug!(request_id = %booking.request_id(), worker = %worker, dp_rank = %decision.dp_rank, overlap_blocks = decision.overlap_blocks, "first token");
+                            let now = Instant::now();
+                            let answer = Answer {
+                                first: Some(first),
+                                events,
+                                booking: Some(booking),
+                                shape: plan.request.shape(),
+                                include_usage: plan.include_usage,
+                                deadline,
+                                metrics: self.metrics.clone(),
+                                endpoint: plan.endpoint,
+                                arrived,
+                                last: now,
+                                roles_sent: HashSet::new(),
+                                finished: false,
+                            };
+                            return Ok(self.respond(answer, plan.stream).await);
+                        }
+                        Err(failure) => failure,
+                    }
+                }
+            };
+            match failure {
+                Failure::Final(e) => return Err(e),
+                Failure::Retry { reason, detail } => {
+                    warn!(worker = %worker, attempt, attempts, reason, detail, "engine failed before the first token");
+                    drop(booking); // frees this attempt's load before the next route
+                    if attempt < attempts {
+                        self.metrics.retry(reason);
+                    }
+                    exclude.push(worker);
+                    last_failure = detail;
+                }
+            }
+        }
+        Err(ApiError::engine_failed(format!(
+            "no engine answered ({} tried): {last_failure}",
+            exclude.len()
+        )))
+    }
+
+    async fn respond(&self, answer: Answer, stream: bool) -> Response {
+        if stream {
+            return (
+                [
+                    (header::CONTENT_TYPE, "text/event-stream"),
+                    (header::CACHE_CONTROL, "no-cache"),
+                ],
+                answer.into_sse(),
+            )
+                .into_response();
+        }
+        match answer.collect().await {
+            Ok(whole) => Json(whole).into_response(),
+            Err(message) => ApiError::engine_failed(message).into_response(),
+        }
+    }
+}

@@ -1,0 +1,223 @@
+//! `kv-router gateway`: the request path of a kv-router cluster. An OpenAI-compatible
+//! HTTP server that tokenizes each prompt the way the engine will, asks the router
+//! for a (worker, dp_rank) over the public NATS protocol, forwards the request to that
+//! engine's HTTP endpoint (found in the etcd worker directory), streams the answer
+//! back and reports the request's lifecycle (`prefill_done`, `keep_alive`, `freed`).
+//!
+//! It is stateless and depends only on the protocol (`kv-events`) and the cluster
+//! crate (`kv-cluster`), never on the indexer or the scheduler: any number of gateway
+//! replicas can front any number of router replicas, and a frontend written in another
+//! language could do exactly what this one does. Operator guide: `docs/gateway.md`.
+//!
+//! # Layout
+//! - [`config`]: flags → [`config::GatewayConfig`] (connection, model, forwarding,
+//!   limits).
+//! - [`http`]: routes, handlers, health and metrics endpoints.
+//! - [`flow`]: one request's path: tokenize → route → forward → answer, with failover.
+//! - [`openai`]: the request bodies read, and the engine bodies built from them.
+//! - [`tokenize`]: prompt → token ids, in process or by the engine.
+//! - [`router`]: route queries and the [`router::Booking`] that frees on every path.
+//! - [`forward`]: one engine attempt, up to its first token.
+//! - [`answer`]: relaying or assembling the engine's events.
+//! - [`workers`]: worker id → engine URL, from the etcd directory.
+//! - [`metrics`]: the gateway's Prometheus metrics.
+//! - [`error`]: [`GatewayError`] and the client-facing [`error::ApiError`].
+
+pub mod answer;
+pub mod config;
+pub mod error;
+pub mod flow;
+pub mod forward;
+pub mod http;
+pub mod metrics;
+pub mod openai;
+pub mod router;
+pub mod tokenize;
+pub mod workers;
+
+pub use config::{GatewayArgs, GatewayConfig};
+pub use error::GatewayError;
+
+use crate::config::TokenizeVia;
+use crate::flow::Flow;
+use crate::forward::EngineClient;
+use crate::http::AppState;
+use crate::metrics::GatewayMetrics;
+use crate::router::RouterClient;
+use crate::tokenize::PromptTokenizer;
+use crate::workers::WorkerUrls;
+use kv_cluster::directory::WorkerDirectory;
+use kv_cluster::metrics::Registrar;
+use kv_tokenizer::ModelTokenizer;
+use prometheus::Registry;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+/// How long shutdown waits for streams in flight before it cuts them.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// A running gateway.
+pub struct Gateway {
+    local_addr: SocketAddr,
+    shutdown: CancellationToken,
+    server: JoinHandle<()>,
+    nats: async_nats::Client,
+    metrics: GatewayMetrics,
+    workers: WorkerUrls,
+}
+
+impl Gateway {
+    /// Connects to NATS, loads the tokenizer, starts watching the worker directory
+    /// (in the background: until etcd answers, `/health/readyz` says no worker is
+    /// known) and serves HTTP on `config.listen`, until `shutdown` is cancelled or
+    /// [`Gateway::shutdown`] is called. Metrics go to `registry`.
+    ///
+    /// # Errors
+    /// [`GatewayError`] when the tokenizer cannot be loaded, NATS cannot be reached,
+    /// the metrics clash or the address cannot be bound.
+    pub async fn start(
+        config: GatewayConfig,
+        registry: Arc<Registry>,
+        shutdown: CancellationToken,
+    ) -> Result<Self, GatewayError> {
+        let metrics = GatewayMetrics::new(&Registrar::new(&registry))?;
+        let client = reqwest::Client::builder()
+            .connect_timeout(config.limits.engine_connect_timeout)
+            .tcp_nodelay(true)
+            .build()?;
+        let workers = WorkerUrls::default();
+        let tokenizer = match config.model.tokenize_via {
+            TokenizeVia::Engine => PromptTokenizer::Engine {
+                client: client.clone(),
+                workers: workers.clone(),
+                max_prompt_tokens: config.limits.max_prompt_tokens,
+            },
+            TokenizeVia::Local => {
+                let dir = config.model.model_dir.clone().ok_or_else(|| {
+                    GatewayError::Config("--tokenize-via local needs --model-dir".into())
+                })?;
+                let limits = kv_tokenizer::Limits {
+                    max_prompt_bytes: config.limits.max_body_bytes,
+                    max_prompt_tokens: config.limits.max_prompt_tokens,
+                };
+                PromptTokenizer::Local(Arc::new(ModelTokenizer::from_dir(dir, limits)?))
+            }
+        };
+        let nats = config
+            .nats
+            .connect_with("kv-gateway", |options| options)
+            .await?;
+        let router = RouterClient::new(
+            nats.clone(),
+            config.subjects.clone(),
+            config.limits.route_timeout,
+            config.limits.keep_alive,
+        );
+
+        let directory_shutdown = shutdown.child_token();
+        let (etcd, subjects, mut urls) = (
+            config.etcd.clone(),
+            config.subjects.clone(),
+            workers.clone(),
+        );
+        tokio::spawn(async move {
+            let loaded =
+                WorkerDirectory::connect_and_load(etcd, subjects, &mut urls, &directory_shutdown)
+                    .await;
+            if let Some(directory) = loaded {
+                directory.watch(urls, directory_shutdown).await;
+            }
+        });
+
+        let state = AppState {
+            flow: Flow {
+                model: config.model.clone(),
+                limits: config.limits,
+                tokenizer,
+                router,
+                workers: workers.clone(),
+                engine: EngineClient::new(client, config.model.engine_api),
+                metrics: metrics.clone(),
+            },
+            registry,
+        };
+        let listener = tokio::net::TcpListener::bind(config.listen)
+            .await
+            .map_err(|source| GatewayError::Http {
+                addr: config.listen,
+                source,
+            })?;
+        let local_addr = listener.local_addr().map_err(|source| GatewayError::Http {
+            addr: config.listen,
+            source,
+        })?;
+        let stop = shutdown.clone();
+        let server = tokio::spawn(async move {
+            let serve = axum::serve(listener, http::router(state))
+                .with_graceful_shutdown(stop.cancelled_owned());
+            if let Err(e) = serve.await {
+                warn!(error = %e, "http server stopped");
+            }
+        });
+        info!(%local_addr, model = %config.model.served_model_name, "kv-router gateway ready");
+        Ok(Self {
+            local_addr,
+            shutdown,
+            server,
+            nats,
+            metrics,
+            workers,
+        })
+    }
+
+    /// The address HTTP is served on (the port chosen when `--listen` gave 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// The gateway's metrics.
+    pub fn metrics(&self) -> &GatewayMetrics {
+        &self.metrics
+    }
+
+    /// Worker id → engine URL, as the directory shows them.
+    pub fn workers(&self) -> &WorkerUrls {
+        &self.workers
+    }
+
+    /// Stops accepting requests, lets streams in flight end for up to
+    /// [`SHUTDOWN_GRACE`] (then cuts them, which frees their bookings), and flushes
+    /// the lifecycle messages to NATS.
+    pub async fn shutdown(mut self) {
+        self.shutdown.cancel();
+        if tokio::time::timeout(SHUTDOWN_GRACE, &mut self.server)
+            .await
+            .is_err()
+        {
+            warn!("streams still open after the grace period; closing them");
+            self.server.abort();
+        }
+        if let Err(e) = self.nats.flush().await {
+            warn!(error = %e, "lifecycle messages may not all have reached nats");
+        }
+        info!("kv-router gateway stopped");
+    }
+}
+
+/// `kv-router gateway`: runs until SIGINT or SIGTERM.
+///
+/// # Errors
+/// [`GatewayError`] from the configuration or start-up.
+pub async fn run(args: GatewayArgs) -> Result<(), GatewayError> {
+    let config = args.to_config()?;
+    let registry = Arc::new(Registry::new());
+    let shutdown = CancellationToken::new();
+    let gateway = Gateway::start(config, registry, shutdown).await?;
+    kv_cluster::process::shutdown_signal().await;
+    gateway.shutdown().await;
+    Ok(())
+}

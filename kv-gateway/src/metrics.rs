@@ -1,0 +1,183 @@
+//! The gateway's Prometheus metrics, created through the cluster's one
+//! [`Registrar`] in an injected registry (tests run several gateways in one process).
+//!
+//! | metric | labels | what |
+//! |---|---|---|
+//! | `kv_gateway_requests_total` | `endpoint`, `status` | answered requests, by HTTP status |
+//! | `kv_gateway_ttft_seconds` | `endpoint` | arrival → first token, as the gateway sees it |
+//! | `kv_gateway_itl_seconds` | `endpoint` | time between two streamed chunks (inter-token latency) |
+//! | `kv_gateway_e2e_seconds` | `endpoint` | arrival → last token |
+//! | `kv_gateway_stage_seconds` | `stage`: `tokenize`, `route`, `engine` | time in each stage before the first token (`engine`: forward → first token) |
+//! | `kv_gateway_prompt_tokens_total` | | prompt tokens routed |
+//! | `kv_gateway_completion_tokens_total` | | tokens generated (engines' usage) |
+//! | `kv_gateway_retries_total` | `reason`: `connect`, `engine_error`, `no_url` | failovers to another worker |
+//! | `kv_gateway_overlap_ratio` | | overlap blocks / prompt blocks of each routed request |
+//! | `kv_gateway_requests_in_flight` | | requests between routing and their end |
+
+use kv_cluster::metrics::Registrar;
+use prometheus::{Histogram, HistogramVec, IntCounter, IntCounterVec, IntGauge};
+use std::time::Duration;
+
+/// Latency buckets in seconds, 1 ms to 60 s: TTFT spans prefix hits of a few ms to
+/// cold 100k-token prefills of tens of seconds.
+const LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+
+/// Inter-token buckets in seconds, 0.5 ms to 2 s.
+const ITL_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0,
+];
+
+/// Every metric of the gateway.
+#[derive(Clone)]
+pub struct GatewayMetrics {
+    requests: IntCounterVec,
+    ttft: HistogramVec,
+    itl: HistogramVec,
+    e2e: HistogramVec,
+    stages: HistogramVec,
+    prompt_tokens: IntCounter,
+    completion_tokens: IntCounter,
+    retries: IntCounterVec,
+    overlap: Histogram,
+    in_flight: IntGauge,
+}
+
+impl GatewayMetrics {
+    /// Creates every metric through `r`.
+    ///
+    /// # Errors
+    /// When a metric of the same name is already registered.
+    pub fn new(r: &Registrar<'_>) -> Result<Self, prometheus::Error> {
+        let latency = LATENCY_BUCKETS.to_vec();
+        Ok(Self {
+            requests: r.counter_vec(
+                "kv_gateway_requests_total",
+                "Requests answered, by endpoint and HTTP status",
+                &["endpoint", "status"],
+            )?,
+            ttft: r.histogram_vec(
+                "kv_gateway_ttft_seconds",
+                "Time from a request's arrival to its first token, in seconds",
+                &["endpoint"],
+                latency.clone(),
+            )?,
+            itl: r.histogram_vec(
+                "kv_gateway_itl_seconds",
+                "Time between two streamed chunks of one request, in seconds",
+                &["endpoint"],
+                ITL_BUCKETS.to_vec(),
+            )?,
+            e2e: r.histogram_vec(
+                "kv_gateway_e2e_seconds",
+                "Time from a request's arrival to its last token, in seconds",
+                &["endpoint"],
+                latency.clone(),
+            )?,
+            stages: r.histogram_vec(
+                "kv_gateway_stage_seconds",
+                "Time spent before the first token in tokenize, route and engine, in seconds",
+                &["stage"],
+                latency,
+            )?,
+            prompt_tokens: r.counter(
+                "kv_gateway_prompt_tokens_total",
+                "Prompt tokens of routed requests",
+            )?,
+            completion_tokens: r.counter(
+                "kv_gateway_completion_tokens_total",
+                "Tokens generated, as the engines' usage reports them",
+            )?,
+            retries: r.counter_vec(
+                "kv_gateway_retries_total",
+                "Requests routed again to another worker, by reason",
+                &["reason"],
+            )?,
+            overlap: r.histogram(
+                "kv_gateway_overlap_ratio",
+                "Overlap blocks over prompt blocks of each routed request",
+                vec![0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0],
+            )?,
+            in_flight: r.gauge(
+                "kv_gateway_requests_in_flight",
+                "Requests between routing and their last token",
+            )?,
+        })
+    }
+
+    /// Counts an answered request.
+    pub fn answered(&self, endpoint: &str, status: u16) {
+        self.requests
+            .with_label_values(&[endpoint, &status.to_string()])
+            .inc();
+    }
+
+    /// Requests answered with `status` on `endpoint` so far.
+    pub fn answered_count(&self, endpoint: &str, status: u16) -> u64 {
+        self.requests
+            .with_label_values(&[endpoint, &status.to_string()])
+            .get()
+    }
+
+    /// Records a request's time to first token.
+    pub fn ttft(&self, endpoint: &str, elapsed: Duration) {
+        self.ttft
+            .with_label_values(&[endpoint])
+            .observe(elapsed.as_secs_f64());
+    }
+
+    /// Records the time between two chunks.
+    pub fn itl(&self, endpoint: &str, elapsed: Duration) {
+        self.itl
+            .with_label_values(&[endpoint])
+            .observe(elapsed.as_secs_f64());
+    }
+
+    /// Records a request's end-to-end latency.
+    pub fn e2e(&self, endpoint: &str, elapsed: Duration) {
+        self.e2e
+            .with_label_values(&[endpoint])
+            .observe(elapsed.as_secs_f64());
+    }
+
+    /// Records the time spent in one stage.
+    pub fn stage(&self, stage: &str, elapsed: Duration) {
+        self.stages
+            .with_label_values(&[stage])
+            .observe(elapsed.as_secs_f64());
+    }
+
+    /// Counts prompt tokens routed.
+    pub fn prompt_tokens(&self, tokens: usize) {
+        self.prompt_tokens.inc_by(tokens as u64);
+    }
+
+    /// Counts generated tokens.
+    pub fn completion_tokens(&self, tokens: u64) {
+        self.completion_tokens.inc_by(tokens);
+    }
+
+    /// Counts a failover.
+    pub fn retry(&self, reason: &str) {
+        self.retries.with_label_values(&[reason]).inc();
+    }
+
+    /// Failovers counted with `reason` so far.
+    pub fn retries(&self, reason: &str) -> u64 {
+        self.retries.with_label_values(&[reason]).get()
+    }
+
+    /// Records the router's reported overlap of a routed request.
+    pub fn overlap(&self, overlap_blocks: u32, request_blocks: u32) {
+        if request_blocks > 0 {
+            self.overlap
+                .observe(f64::from(overlap_blocks) / f64::from(request_blocks));
+        }
+    }
+
+    /// The in-flight gauge.
+    pub fn in_flight(&self) -> &IntGauge {
+        &self.in_flight
+    }
+}

@@ -1,0 +1,232 @@
+//! The router, seen from the gateway: a NATS request-reply client for
+//! `{ns}.router.route` and a publisher of lifecycle messages — exactly what any other
+//! frontend of the public protocol does (docs/protocol.md).
+//!
+//! A route reply books the request on the chosen worker; from then on a [`Booking`]
+//! owns it and guarantees a `freed` message on every path, including a client that
+//! disconnects mid-stream (the booking is dropped with the response stream).
+
+use crate::error::ApiError;
+use async_nats::Client;
+use kv_events::routing::{
+    LifecycleEvent, LifecycleMessage, Prompt, RouteDecision, RouteErrorCode, RouteReply,
+    RouteRequest,
+};
+use kv_events::{RequestId, Subjects, WorkerId, decode, encode};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tokio::task::AbortHandle;
+use tracing::{debug, warn};
+
+/// Routing queries and lifecycle messages over NATS.
+#[derive(Clone)]
+pub struct RouterClient {
+    nats: Client,
+    subjects: Arc<Subjects>,
+    timeout: Duration,
+    keep_alive: Duration,
+    /// Request ids: a random per-process prefix and a counter, unique across
+    /// gateway replicas without coordination.
+    prefix: Arc<str>,
+    next: Arc<AtomicU64>,
+    /// Lifecycle messages, published in order by one task (a `freed` must not
+    /// overtake the `prefill_done` before it). Unbounded so a dropped booking can send
+    /// without waiting; it holds at most a few messages per request in flight.
+    lifecycle: mpsc::UnboundedSender<LifecycleMessage>,
+}
+
+impl RouterClient {
+    /// A client asking with `timeout` per query and keeping bookings alive every
+    /// `keep_alive`.
+    /// Must be called inside a tokio runtime: it spawns the lifecycle publisher, which
+    /// ends when the last clone of the client is dropped.
+    pub fn new(nats: Client, subjects: Subjects, timeout: Duration, keep_alive: Duration) -> Self {
+        let (lifecycle, mut queue) = mpsc::unbounded_channel::<LifecycleMessage>();
+        let publisher = nats.clone();
+        let subject = subjects.lifecycle();
+        tokio::spawn(async move {
+            while let Some(message) = queue.recv().await {
+                let Ok(payload) = encode(&message) else {
+                    continue;
+                };
+                // Fails only when the client is closed; the router then expires the
+                // booking by its TTL.
+                if let Err(e) = publisher.publish(subject.clone(), payload.into()).await {
+                    warn!(request_id = %message.request_id, event = ?message.event, error = %e, "lifecycle message not sent");
+                }
+            }
+        });
+        Self {
+            nats,
+            subjects: Arc::new(subjects),
+            timeout,
+            keep_alive,
+            prefix: format!("gw-{:016x}", rand::random::<u64>()).into(),
+            next: Arc::new(AtomicU64::new(0)),
+            lifecycle,
+        }
+    }
+
+    /// A request id no other request of this cluster uses.
+    pub fn request_id(&self) -> RequestId {
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        RequestId(format!("{}-{n}", self.prefix))
+    }
+
+    /// The NATS client (for readiness).
+    pub fn nats(&self) -> &Client {
+        &self.nats
+    }
+
+    /// Asks the router for a worker for `token_ids`, excluding `exclude`. On success
+    /// the request is booked and the returned [`Booking`] owns it.
+    ///
+    /// # Errors
+    /// An [`ApiError`]: 429 for `overloaded`, 503 for `no_workers` or no router
+    /// answering, 400 for a request the router refuses, 500 otherwise.
+    pub async fn route(
+        &self,
+        request_id: RequestId,
+        token_ids: Vec<u32>,
+        exclude: &[WorkerId],
+    ) -> Result<(RouteDecision, Booking), ApiError> {
+        let request = RouteRequest {
+            exclude_workers: exclude.to_vec(),
+            ..RouteRequest::new(request_id, Prompt::Tokens { token_ids })
+        };
+        let payload =
+            encode(&request).map_err(|e| ApiError::internal(format!("encoding route: {e}")))?;
+        let reply = self
+            .nats
+            .send_request(
+                self.subjects.route(),
+                async_nats::client::Request::new()
+                    .payload(payload.into())
+                    .timeout(Some(self.timeout)),
+            )
+            .await
+            .map_err(|e| match e.kind() {
+                async_nats::client::RequestErrorKind::NoResponders => {
+                    ApiError::unavailable("no router is answering")
+                }
+                async_nats::client::RequestErrorKind::TimedOut => {
+                    ApiError::unavailable("the router did not answer in time")
+                }
+                _ => ApiError::unavailable(format!("cannot reach the router: {e}")),
+            })?;
+        match decode::<RouteReply>(&reply.payload) {
+            Ok(RouteReply::Routed(decision)) => {
+                let booking = Booking::new(self, decision.request_id.clone());
+                Ok((decision, booking))
+            }
+            Ok(RouteReply::Error(e)) => Err(match e.code {
+                RouteErrorCode::Overloaded => ApiError::overloaded(e.message),
+                RouteErrorCode::NoWorkers | RouteErrorCode::RankUnavailable => {
+                    ApiError::unavailable(e.message)
+                }
+                RouteErrorCode::BadRequest => ApiError::bad_request(e.message),
+                RouteErrorCode::Internal => ApiError::unavailable(e.message),
+            }),
+            Err(e) => Err(ApiError::internal(format!("malformed route reply: {e}"))),
+        }
+    }
+
+    /// Whether a router answers on the route subject: a query with an empty prompt,
+    /// which every router refuses as `bad_request` without booking anything.
+    pub async fn probe(&self) -> bool {
+        let request = RouteRequest::new(
+            RequestId("gateway-readiness-probe".into()),
+            Prompt::Tokens { token_ids: vec![] },
+        );
+        let Ok(payload) = encode(&request) else {
+            return false;
+        };
+        let asked = self.nats.send_request(
+            self.subjects.route(),
+            async_nats::client::Request::new()
+                .payload(payload.into())
+                .timeout(Some(Duration::from_secs(1))),
+        );
+        matches!(asked.await, Ok(reply) if decode::<RouteReply>(&reply.payload).is_ok())
+    }
+
+    fn publish(&self, request_id: &RequestId, event: LifecycleEvent) {
+        // The receiver lives as long as any client clone; after that nothing is sent.
+        let _ = self.lifecycle.send(LifecycleMessage {
+            request_id: request_id.clone(),
+            event,
+        });
+    }
+}
+
+/// A request booked on a worker. Sends `prefill_done` once ([`Booking::prefill_done`]),
+/// `keep_alive` every interval while it lives, and `freed` exactly once: when
+/// [`Booking::free`] is called or, failing that, when it is dropped — so an error, a
+/// timeout or a client that goes away mid-stream never leaves a booking behind.
+pub struct Booking {
+    router: RouterClient,
+    request_id: RequestId,
+    prefill_done: bool,
+    freed: bool,
+    keep_alive: AbortHandle,
+}
+
+impl Booking {
+    fn new(router: &RouterClient, request_id: RequestId) -> Self {
+        let keeper = router.clone();
+        let id = request_id.clone();
+        let every = router.keep_alive;
+        let keep_alive = tokio::spawn(async move {
+            let mut ticks = tokio::time::interval(every);
+            ticks.tick().await; // immediate; the booking itself is fresh
+            loop {
+                ticks.tick().await;
+                keeper.publish(&id, LifecycleEvent::KeepAlive);
+            }
+        })
+        .abort_handle();
+        Self {
+            router: router.clone(),
+            request_id,
+            prefill_done: false,
+            freed: false,
+            keep_alive,
+        }
+    }
+
+    /// The booked request's id.
+    pub fn request_id(&self) -> &RequestId {
+        &self.request_id
+    }
+
+    /// The first token arrived: the request now decodes. Sent once.
+    pub fn prefill_done(&mut self) {
+        if !self.prefill_done && !self.freed {
+            self.prefill_done = true;
+            self.router
+                .publish(&self.request_id, LifecycleEvent::PrefillDone);
+        }
+    }
+
+    /// The request ended (finished, failed or abandoned): its load is released.
+    pub fn free(mut self) {
+        self.release();
+    }
+
+    fn release(&mut self) {
+        if !self.freed {
+            self.freed = true;
+            self.keep_alive.abort();
+            debug!(request_id = %self.request_id, "freed");
+            self.router.publish(&self.request_id, LifecycleEvent::Freed);
+        }
+    }
+}
+
+impl Drop for Booking {
+    fn drop(&mut self) {
+        self.release();
+    }
+}

@@ -1,0 +1,116 @@
+//! Worker id → engine HTTP base URL, kept from the etcd worker directory
+//! (`kv_cluster::directory`): the router answers with a worker id, and this is where
+//! the gateway finds the engine behind it.
+//!
+//! Reads take a shared lock for one map lookup; the directory task is the only writer.
+//! A registration without a URL (an engine registered by an older relay) is kept as
+//! known-but-unreachable: routing to it fails over to another worker.
+
+use kv_cluster::directory::{EtcdStatus, Registered, Registrations, Rejection};
+use kv_events::WorkerId;
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use tracing::{info, warn};
+
+/// The engine URLs of the registered workers. Cheap to clone; clones share the map.
+#[derive(Debug, Clone, Default)]
+pub struct WorkerUrls {
+    inner: Arc<RwLock<HashMap<WorkerId, Option<String>>>>,
+}
+
+impl WorkerUrls {
+    fn read(&self) -> RwLockReadGuard<'_, HashMap<WorkerId, Option<String>>> {
+        // Writers only insert or remove one entry, so a poisoned map is still whole.
+        self.inner.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn write(&self) -> RwLockWriteGuard<'_, HashMap<WorkerId, Option<String>>> {
+        self.inner.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The engine base URL of `worker_id` (no trailing slash), if it registered one.
+    pub fn url(&self, worker_id: WorkerId) -> Option<String> {
+        self.read().get(&worker_id).cloned().flatten()
+    }
+
+    /// Registered workers, with or without a URL.
+    pub fn len(&self) -> usize {
+        self.read().len()
+    }
+
+    /// Whether no worker is registered.
+    pub fn is_empty(&self) -> bool {
+        self.read().is_empty()
+    }
+
+    /// Some worker's engine URL (the lowest id with one), for engine-side
+    /// tokenization, which any engine of the model can do.
+    pub fn any_url(&self) -> Option<String> {
+        let map = self.read();
+        let mut ids: Vec<&WorkerId> = map
+            .iter()
+            .filter(|(_, u)| u.is_some())
+            .map(|(id, _)| id)
+            .collect();
+        ids.sort();
+        ids.first().and_then(|id| map.get(id).cloned().flatten())
+    }
+
+    /// Adds or replaces a worker (tests and tools; the directory calls it on puts).
+    pub fn insert(&self, worker_id: WorkerId, url: Option<String>) {
+        let url = url.map(|u| u.trim_end_matches('/').to_owned());
+        self.write().insert(worker_id, url);
+    }
+
+    /// Forgets a worker.
+    pub fn remove(&self, worker_id: WorkerId) {
+        self.write().remove(&worker_id);
+    }
+}
+
+impl Registrations for WorkerUrls {
+    async fn put(&mut self, worker: Registered) {
+        let registration = worker.registration;
+        if registration.url.is_none() {
+            warn!(worker_id = %registration.worker_id, "worker registered without an engine url; the gateway cannot forward to it");
+        } else {
+            info!(worker_id = %registration.worker_id, url = registration.url.as_deref(), "worker known");
+        }
+        self.insert(registration.worker_id, registration.url);
+    }
+
+    async fn delete(&mut self, worker_id: WorkerId) {
+        self.remove(worker_id);
+        info!(worker_id = %worker_id, "worker gone");
+    }
+
+    fn rejected(&mut self, key: &str, rejection: &Rejection) {
+        warn!(key, ?rejection, "worker registration skipped");
+    }
+
+    fn status(&mut self, status: EtcdStatus) {
+        match status {
+            EtcdStatus::Up(what) => info!(what, "etcd"),
+            EtcdStatus::Down { stage, error } => warn!(stage, error, "etcd unavailable"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_are_kept_per_worker_without_a_trailing_slash() {
+        let urls = WorkerUrls::default();
+        urls.insert(WorkerId(2), Some("http://b:8000/".into()));
+        urls.insert(WorkerId(1), None);
+        assert_eq!(urls.url(WorkerId(2)).as_deref(), Some("http://b:8000"));
+        assert_eq!(urls.url(WorkerId(1)), None);
+        assert_eq!(urls.any_url().as_deref(), Some("http://b:8000"));
+        assert_eq!(urls.len(), 2);
+        urls.remove(WorkerId(2));
+        assert_eq!(urls.any_url(), None);
+        assert!(!urls.is_empty());
+    }
+}

@@ -1,0 +1,334 @@
+//! End to end through the gateway: the official `openai` Python client and raw HTTP
+//! against `kv-router gateway`, in front of the real router daemon and mock engines
+//! that speak OpenAI HTTP, over real nats-server and etcd.
+
+// Test helpers unwrap: a failed setup step must fail the test loudly.
+#![allow(clippy::unwrap_used)]
+
+#[path = "gateway/fixture.rs"]
+mod fixture;
+
+use fixture::{BLOCK, MODEL, Stack};
+use futures::StreamExt;
+use indexer::IndexerApi as _;
+use integration_tests::{FakeWorker, eventually, register_worker};
+use kv_events::discovery::WorkerRegistration;
+use kv_events::{WorkerId, compute_block_hashes};
+use serde_json::{Value, json};
+use std::path::PathBuf;
+use std::time::Duration;
+
+const WAIT: Duration = Duration::from_secs(15);
+
+fn metric(text: &str, line_prefix: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(line_prefix))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or(0.0)
+}
+
+async fn metrics(stack: &Stack) -> String {
+    let url = format!("{}/metrics", stack.base);
+    stack
+        .http
+        .get(url)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn the_openai_client_gets_completions_and_chats_streamed_and_whole() {
+    let stack = Stack::start(2, 10.0, |_| {}, &[]).await;
+    let python = integration_tests::python::venv(
+        env!("CARGO_TARGET_TMPDIR"),
+        "kv-router-openai",
+        &["openai==3.54.0"],
+        "openai",
+    )
+    .await;
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("python/gateway_client.py");
+    let output = tokio::process::Command::new(&python)
+        .arg(script)
+        .args([&stack.base, MODEL])
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "client failed: {stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let seen: Value = serde_json::from_str(stdout.trim()).unwrap();
+
+    assert_eq!(seen["models"], json!([MODEL]));
+    let done = &seen["completion"];
+    assert_eq!(done["completion_tokens"], 5);
+    assert_eq!(done["finish_reason"], "length");
+    assert!(!done["text"].as_str().unwrap().is_empty(), "{done}");
+    let prompt_tokens = done["prompt_tokens"].as_u64().unwrap();
+    assert!(prompt_tokens > 10 * u64::from(BLOCK), "{done}");
+    let streamed = &seen["completion_stream"];
+    assert!(
+        streamed["chunks"].as_u64().unwrap() >= 6,
+        "one chunk per token: {streamed}"
+    );
+    assert_eq!(streamed["completion_tokens"], 6);
+    assert_eq!(
+        streamed["prompt_tokens"], prompt_tokens,
+        "same tokens as the engine counts"
+    );
+    let chat = &seen["chat"];
+    assert_eq!(chat["object"], "chat.completion");
+    assert_eq!(chat["role"], "assistant");
+    assert_eq!(chat["completion_tokens"], 4);
+    let chat_stream = &seen["chat_stream"];
+    assert_eq!(chat_stream["first_role"], "assistant");
+    assert_eq!(chat_stream["last_finish_reason"], "length");
+    assert!(
+        chat_stream["chunks"].as_u64().unwrap() >= 4,
+        "{chat_stream}"
+    );
+    assert_eq!(seen["unknown_model"], 404);
+    assert_eq!(seen["oversized"]["status"], 400, "{}", seen["oversized"]);
+
+    // Every request ended: nothing is booked in the router, nothing in flight here.
+    eventually("bookings to be freed", WAIT, || async {
+        (stack.booked() == 0).then_some(())
+    })
+    .await
+    .unwrap();
+    let text = metrics(&stack).await;
+    assert_eq!(metric(&text, "kv_gateway_requests_in_flight"), 0.0);
+    assert_eq!(
+        metric(
+            &text,
+            r#"kv_gateway_requests_total{endpoint="completions",status="200"}"#
+        ),
+        2.0
+    );
+    assert_eq!(
+        metric(
+            &text,
+            r#"kv_gateway_requests_total{endpoint="chat_completions",status="200"}"#
+        ),
+        2.0
+    );
+    assert_eq!(
+        metric(
+            &text,
+            r#"kv_gateway_requests_total{endpoint="completions",status="404"}"#
+        ),
+        1.0
+    );
+    assert_eq!(metric(&text, "kv_gateway_completion_tokens_total"), 19.0);
+    stack.stop().await;
+}
+
+#[tokio::test]
+async fn a_repeated_prompt_lands_on_the_worker_that_cached_it_with_full_overlap() {
+    let stack = Stack::start(4, 10.0, |_| {}, &[]).await;
+    let tokens: Vec<u32> = (100..100 + 20 * BLOCK).collect();
+    let body = json!({"model": MODEL, "prompt": tokens, "max_tokens": 2}).to_string();
+    let first: Value = stack
+        .post("/v1/completions", body.clone())
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(first["usage"]["prompt_tokens"], 20 * BLOCK);
+    // The engine's KV events reach the index: some worker holds all 20 blocks.
+    let hashes = compute_block_hashes(&tokens, BLOCK);
+    let daemon = stack.daemon();
+    eventually("the prompt to be indexed", WAIT, || async {
+        let scores = daemon
+            .state()
+            .indexer
+            .find_matches(hashes.clone())
+            .await
+            .ok()?;
+        scores
+            .scores
+            .values()
+            .any(|&blocks| blocks == 20)
+            .then_some(())
+    })
+    .await
+    .unwrap();
+    let second: Value = stack
+        .post("/v1/completions", body)
+        .await
+        .json()
+        .await
+        .unwrap();
+    let cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        cached >= u64::from(19 * BLOCK),
+        "the engine served it from cache: {second}"
+    );
+    let text = metrics(&stack).await;
+    let routed = metric(&text, "kv_gateway_overlap_ratio_count");
+    let below_full = metric(&text, r#"kv_gateway_overlap_ratio_bucket{le="0.99"}"#);
+    assert_eq!(routed, 2.0);
+    assert_eq!(
+        routed - below_full,
+        1.0,
+        "the second had full overlap:\n{text}"
+    );
+    stack.stop().await;
+}
+
+#[tokio::test]
+async fn malformed_and_oversized_requests_get_openai_errors() {
+    let stack = Stack::start(1, 10.0, |_| {}, &["--max-body-bytes", "4096"]).await;
+    for (body, status) in [
+        ("{\"model\": \"tiny\", \"prompt\": ".to_owned(), 400),
+        ("[1, 2]".to_owned(), 400),
+        (json!({"model": MODEL}).to_string(), 400),
+        (
+            json!({"model": MODEL, "prompt": "x".repeat(5000)}).to_string(),
+            413,
+        ),
+        (
+            json!({"model": MODEL, "prompt": (0..9000).collect::<Vec<u32>>()}).to_string(),
+            413,
+        ),
+    ] {
+        let response = stack.post("/v1/completions", body.clone()).await;
+        assert_eq!(response.status(), status, "{}", &body[..body.len().min(80)]);
+        let error: Value = response.json().await.unwrap();
+        assert!(error["error"]["message"].is_string(), "{error}");
+        assert_eq!(error["error"]["code"], status);
+    }
+    // More tokens than --max-prompt-tokens (8000 here), in a body under the size limit.
+    let stack2 = Stack::start(1, 10.0, |_| {}, &[]).await;
+    let response = stack2
+        .post(
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": (0..8001).collect::<Vec<u32>>()}).to_string(),
+        )
+        .await;
+    assert_eq!(response.status(), 400);
+    assert_eq!(stack.booked() + stack2.booked(), 0, "nothing was routed");
+    stack.stop().await;
+    stack2.stop().await;
+}
+
+#[tokio::test]
+async fn clients_that_disconnect_mid_stream_leave_no_booking() {
+    // Time scale 1: 400 tokens take seconds, so the clients leave mid-stream.
+    let stack = Stack::start(2, 1.0, |_| {}, &[]).await;
+    let mut streams = Vec::new();
+    for i in 0..6u32 {
+        let body = json!({
+            "model": MODEL,
+            "prompt": (i * 1000..i * 1000 + 64).collect::<Vec<u32>>(),
+            "max_tokens": 400,
+            "stream": true,
+        });
+        let response = stack.post("/v1/completions", body.to_string()).await;
+        assert_eq!(response.status(), 200);
+        let mut chunks = response.bytes_stream();
+        let first = chunks.next().await.unwrap().unwrap();
+        assert!(first.starts_with(b"data: {"), "{first:?}");
+        streams.push(chunks);
+    }
+    assert_eq!(stack.booked(), 6, "all six are booked while they stream");
+    drop(streams); // every client goes away mid-answer
+    eventually("the router's load to return to zero", WAIT, || async {
+        (stack.booked() == 0).then_some(())
+    })
+    .await
+    .unwrap();
+    assert_eq!(stack.gateway().metrics().in_flight().get(), 0);
+    stack.stop().await;
+}
+
+#[tokio::test]
+async fn an_engine_that_refuses_connections_is_failed_over_before_the_first_token() {
+    let mut stack = Stack::start(2, 10.0, |_| {}, &[]).await;
+    // Worker 9 holds the prompt, so the router picks it first, but its engine is gone:
+    // its port refuses connections.
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dead_url = format!("http://{}", dead.local_addr().unwrap());
+    drop(dead);
+    let registration = WorkerRegistration {
+        worker_id: WorkerId(9),
+        dp_size: 1,
+        block_size: BLOCK,
+        total_kv_blocks: 1024,
+        url: Some(dead_url),
+    };
+    let cluster = &mut stack.cluster;
+    let lease = register_worker(&mut cluster.etcd, &cluster.subjects, &registration, 30)
+        .await
+        .unwrap();
+    let tokens: Vec<u32> = (5000..5000 + 8 * BLOCK).collect();
+    let mut fake = FakeWorker::publisher(WorkerId(9), lease);
+    fake.store_prompt(&stack.cluster, &tokens).await.unwrap();
+    let rank = kv_events::WorkerRank::new(WorkerId(9), kv_events::DpRank(0));
+    integration_tests::wait_for_overlap(
+        stack.daemon(),
+        &compute_block_hashes(&tokens, BLOCK),
+        rank,
+        8,
+    )
+    .await
+    .unwrap();
+    eventually("the gateway to know worker 9", WAIT, || async {
+        stack.gateway().workers().url(WorkerId(9)).map(|_| ())
+    })
+    .await
+    .unwrap();
+
+    let body = json!({"model": MODEL, "prompt": tokens, "max_tokens": 3, "stream": true});
+    let response = stack.post("/v1/completions", body.to_string()).await;
+    assert_eq!(response.status(), 200);
+    let text = response.text().await.unwrap();
+    assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+    assert_eq!(stack.gateway().metrics().retries("connect"), 1);
+    eventually("bookings to be freed", WAIT, || async {
+        (stack.booked() == 0).then_some(())
+    })
+    .await
+    .unwrap();
+    stack.stop().await;
+}
+
+#[tokio::test]
+async fn an_overloaded_router_is_429_with_retry_after() {
+    // One block of decode load makes a rank busy, and nothing may wait in the queue.
+    let stack = Stack::start(
+        1,
+        1.0,
+        |args| {
+            args.scheduling.busy_decode_blocks = Some("1".parse().unwrap());
+            args.scheduling.queue_capacity = 0;
+        },
+        &[],
+    )
+    .await;
+    let long = json!({"model": MODEL, "prompt": (0..64).collect::<Vec<u32>>(), "max_tokens": 300, "stream": true});
+    let busy = stack.post("/v1/completions", long.to_string()).await;
+    assert_eq!(busy.status(), 200);
+    let mut held = busy.bytes_stream();
+    held.next().await.unwrap().unwrap();
+    let response = stack
+        .post(
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1}).to_string(),
+        )
+        .await;
+    assert_eq!(response.status(), 429);
+    assert_eq!(response.headers()["retry-after"], "1");
+    let error: Value = response.json().await.unwrap();
+    assert_eq!(error["error"]["type"], "rate_limit_error");
+    drop(held);
+    stack.stop().await;
+}

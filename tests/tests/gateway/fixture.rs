@@ -1,0 +1,166 @@
+//! The whole request path on loopback: nats-server, etcd, the router daemon, mock
+//! engines speaking OpenAI HTTP, and the gateway — each real, each on free ports.
+
+use integration_tests::TestCluster;
+use kv_gateway::{Gateway, GatewayArgs};
+use mocker::engine::{
+    ConnectionArgs, EngineArgs, EngineModelConfig, EnginesHandle, FleetArgs, HttpArgs, RuntimeArgs,
+    spawn_engines,
+};
+use router_daemon::{Daemon, ServeArgs};
+use std::path::PathBuf;
+use std::sync::Arc;
+use tokio_util::sync::CancellationToken;
+
+/// Tokens per KV block, everywhere.
+pub const BLOCK: u32 = 16;
+/// The model name the engines and the gateway serve.
+pub const MODEL: &str = "tiny";
+
+/// A tiny byte-level BPE tokenizer with a chat template, made for the tokenizer tests.
+pub fn model_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../kv-tokenizer/tests/data")
+}
+
+/// Everything, started in dependency order; dropped in reverse.
+pub struct Stack {
+    pub gateway: Option<Gateway>,
+    pub engines: EnginesHandle,
+    pub daemon: Option<Daemon>,
+    pub cluster: TestCluster,
+    pub base: String,
+    pub http: reqwest::Client,
+}
+
+impl Stack {
+    /// `workers` mock engines at `time_scale`, a daemon adjusted by `adjust`, and a
+    /// gateway with `gateway_flags`.
+    pub async fn start(
+        workers: u32,
+        time_scale: f64,
+        adjust: impl FnOnce(&mut ServeArgs),
+        gateway_flags: &[&str],
+    ) -> Self {
+        let cluster = TestCluster::start(BLOCK).await.expect("servers start");
+        let engines = spawn_engines(
+            EngineArgs {
+                connection: ConnectionArgs {
+                    nats_url: cluster.nats_server.url(),
+                    etcd_endpoints: vec![cluster.etcd_server.endpoint()],
+                    namespace: cluster.subjects.namespace().clone(),
+                },
+                fleet: FleetArgs {
+                    workers,
+                    first_worker_id: 1,
+                    dp_size: 1,
+                },
+                model: EngineModelConfig {
+                    block_size: BLOCK,
+                    num_gpu_blocks: 1024,
+                    max_num_seqs: 16,
+                    max_num_batched_tokens: 2048,
+                },
+                runtime: RuntimeArgs {
+                    time_scale,
+                    lease_ttl_secs: 5,
+                    metrics_interval_ms: 50,
+                },
+                http: HttpArgs {
+                    model_dir: Some(model_dir()),
+                    served_model_name: MODEL.into(),
+                    ..HttpArgs::default()
+                },
+            },
+            CancellationToken::new(),
+        )
+        .await
+        .expect("engines start");
+        let daemon = cluster.start_daemon(adjust).await.expect("daemon starts");
+        let mut flags = vec![
+            "--listen",
+            "127.0.0.1:0",
+            "--served-model-name",
+            MODEL,
+            "--max-prompt-tokens",
+            "8000",
+        ];
+        let dir = model_dir().display().to_string();
+        flags.extend(["--model-dir", &dir]);
+        flags.extend_from_slice(gateway_flags);
+        let args: GatewayArgs = cluster.flags(&flags);
+        let gateway = Gateway::start(
+            args.to_config().expect("gateway flags are valid"),
+            Arc::new(prometheus::Registry::new()),
+            CancellationToken::new(),
+        )
+        .await
+        .expect("gateway starts");
+        let base = format!("http://{}", gateway.local_addr());
+        let stack = Self {
+            gateway: Some(gateway),
+            engines,
+            daemon: Some(daemon),
+            cluster,
+            base,
+            http: reqwest::Client::new(),
+        };
+        stack.wait_ready().await;
+        stack
+    }
+
+    /// Waits until `/health/readyz` says ready (workers known, router answering).
+    async fn wait_ready(&self) {
+        integration_tests::eventually(
+            "the gateway to be ready",
+            std::time::Duration::from_secs(15),
+            || async {
+                let r = self
+                    .http
+                    .get(format!("{}/health/readyz", self.base))
+                    .send()
+                    .await
+                    .ok()?;
+                (r.status() == 200).then_some(())
+            },
+        )
+        .await
+        .expect("gateway ready");
+    }
+
+    /// The daemon.
+    pub fn daemon(&self) -> &Daemon {
+        self.daemon.as_ref().expect("running")
+    }
+
+    /// The gateway.
+    pub fn gateway(&self) -> &Gateway {
+        self.gateway.as_ref().expect("running")
+    }
+
+    /// Requests the router still has booked.
+    pub fn booked(&self) -> usize {
+        self.daemon().state().scheduler().active_requests()
+    }
+
+    /// POSTs `body` (raw bytes) to the gateway's `path`.
+    pub async fn post(&self, path: &str, body: impl Into<reqwest::Body>) -> reqwest::Response {
+        self.http
+            .post(format!("{}{path}", self.base))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .expect("gateway answers")
+    }
+
+    /// Stops gateway, daemon and engines in that order.
+    pub async fn stop(mut self) {
+        if let Some(gateway) = self.gateway.take() {
+            gateway.shutdown().await;
+        }
+        if let Some(daemon) = self.daemon.take() {
+            daemon.shutdown().await.expect("daemon stops");
+        }
+        self.engines.shutdown();
+    }
+}
