@@ -76,6 +76,11 @@ pub struct RelayArgs {
     /// Engine Prometheus endpoint to scrape for load, e.g. http://127.0.0.1:8000/metrics.
     #[arg(long, env = "KV_RELAY_METRICS_URL")]
     pub metrics_url: Option<String>,
+    /// The engine's OpenAI HTTP base URL as the gateway reaches it, e.g.
+    /// http://10.0.0.7:8000; registered so `kv-router gateway` can forward requests to
+    /// this worker.
+    #[arg(long, env = "KV_RELAY_ENGINE_URL")]
+    pub engine_url: Option<String>,
     /// Address of the relay's own HTTP endpoint (`/metrics` with the `kv_relay_*`
     /// counters), or `off`.
     #[arg(long, env = "KV_RELAY_HTTP_LISTEN", default_value = "off")]
@@ -296,6 +301,20 @@ impl RelayConfig {
             .as_deref()
             .map(|url| scrape_config(url, args.metrics_interval_ms))
             .transpose()?;
+        let engine_url = args
+            .engine_url
+            .as_deref()
+            .map(|u| u.trim().trim_end_matches('/').to_owned());
+        let check = WorkerRegistration {
+            worker_id: WorkerId(args.worker_id),
+            dp_size: 1,
+            block_size: 1,
+            total_kv_blocks: 0,
+            url: engine_url.clone(),
+        };
+        if let Err(e) = check.validate() {
+            return Err(invalid("engine-url", e.to_string()));
+        }
         Ok(Self {
             subjects,
             nats,
@@ -313,7 +332,7 @@ impl RelayConfig {
                     dp_size,
                     block_size: args.block_size,
                     total_kv_blocks: args.total_kv_blocks,
-                    url: None,
+                    url: engine_url,
                 },
                 lease_ttl_secs: args.lease_ttl_secs,
                 journal_events: args.journal_events,
@@ -357,6 +376,24 @@ mod tests {
         )
         .expect("flags parse");
         RelayConfig::from_args(&cli)
+    }
+
+    #[test]
+    fn the_engine_url_is_registered_for_the_gateway() {
+        let base = ["--engine-endpoint", "tcp://10.0.0.1:5557"];
+        let none = config(&base).unwrap();
+        assert_eq!(none.worker.registration.url, None);
+        let mut with = base.to_vec();
+        with.extend(["--engine-url", "http://10.0.0.1:8000/"]);
+        let c = config(&with).unwrap();
+        assert_eq!(
+            c.worker.registration.url.as_deref(),
+            Some("http://10.0.0.1:8000")
+        );
+        let mut bad = base.to_vec();
+        bad.extend(["--engine-url", "10.0.0.1:8000"]);
+        let err = config(&bad).err().unwrap().to_string();
+        assert!(err.contains("engine-url"), "{err}");
     }
 
     #[test]
