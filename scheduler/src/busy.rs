@@ -12,7 +12,7 @@
 //! counts. The check is O(1) per rank.
 
 use crate::error::SchedulerError;
-use crate::sequences::RankLoad;
+use crate::load::RankLoad;
 use kv_events::LoadMetrics;
 use kv_events::discovery::WorkerRegistration;
 use serde::{Deserialize, Serialize};

@@ -16,6 +16,8 @@
 //! blocks term only for the KV-reuse lookup), with scratch buffers reused.
 //!
 //! # Layout
+//! - [`load`]: [`PrefillLoadHint`] and [`RankLoad`], the values every other module
+//!   shares (a leaf).
 //! - [`config`]: [`SchedulerConfig`] and its sub-configs.
 //! - [`policy`]: [`PolicyConfig`] (one variant per policy, one file each), the
 //!   [`policy::Selector`] and sampling.
@@ -30,6 +32,7 @@
 pub mod busy;
 pub mod config;
 pub mod error;
+pub mod load;
 pub mod overlap;
 pub mod policy;
 pub mod request;

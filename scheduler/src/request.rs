@@ -4,7 +4,7 @@
 //! decoded `RouteRequest` without touching scheduler state; both are small
 //! plain-data records (the request owns its block hashes, 8 bytes per block).
 
-use crate::sequences::PrefillLoadHint;
+use crate::load::PrefillLoadHint;
 use kv_events::routing::{CostOverrides, PolicyKind};
 use kv_events::{DpRank, LocalBlockHash, RequestId, WorkerId, WorkerRank};
 

@@ -6,8 +6,8 @@
 //! policy file depends only downwards and no two files import each other.
 
 use crate::error::SchedulerError;
+use crate::load::RankLoad;
 use crate::request::RequestShape;
-use crate::sequences::RankLoad;
 use kv_events::WorkerRank;
 
 /// One eligible rank as a policy sees it.

@@ -20,10 +20,9 @@
 //! with KV reuse) and one aggregate per busy rank; each event is O(log n + blocks);
 //! removing a worker scans the active requests once.
 
-mod load;
 mod rank;
 
-pub use load::{PrefillLoadHint, RankLoad};
+pub use crate::load::{PrefillLoadHint, RankLoad};
 pub use rank::chain_block_ids;
 
 use crate::config::SequencesConfig;

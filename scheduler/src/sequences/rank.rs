@@ -14,7 +14,7 @@
 //! Every update is O(blocks of the request) hash-map steps; reading the projection
 //! is O(1).
 
-use super::load::{PrefillLoadHint, RankLoad};
+use crate::load::{PrefillLoadHint, RankLoad};
 use kv_events::LocalBlockHash;
 use std::collections::{BTreeMap, HashMap};
 

@@ -10,10 +10,11 @@
 //! [`EngineCore`]: crate::engine::EngineCore
 
 use super::HttpState;
+use super::accepted::{AbortOnDrop, Accepted, engine_error};
 use super::openai::{ApiError, CompletionRequest, DEFAULT_MAX_TOKENS, Prompt, Usage, parse_json};
 use super::sse;
 use crate::engine::progress::Progress;
-use crate::engine::rank::{Rank, SHUTTING_DOWN};
+use crate::engine::rank::SHUTTING_DOWN;
 use crate::engine::request::EngineRequest;
 use axum::body::Bytes;
 use axum::extract::State;
@@ -27,37 +28,6 @@ use tokio::sync::watch;
 
 /// vLLM's header naming the data-parallel rank of a request.
 pub const DP_RANK_HEADER: &str = "x-data-parallel-rank";
-
-/// Aborts the request in its rank when dropped before the request finished.
-#[derive(Debug)]
-pub(super) struct AbortOnDrop {
-    rank: Arc<Rank>,
-    request_id: RequestId,
-}
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        // A no-op when the request already finished (its reply entry is gone).
-        self.rank.abort(&self.request_id);
-    }
-}
-
-/// An accepted request and what its response needs.
-#[derive(Debug)]
-pub(super) struct Accepted {
-    /// The request's progress, as its rank reports it.
-    pub rx: watch::Receiver<Progress>,
-    /// Keeps the request alive; dropping it aborts the request.
-    pub guard: AbortOnDrop,
-    /// The response id (`cmpl-…`).
-    pub id: String,
-    /// Prompt length, in tokens.
-    pub prompt_tokens: u64,
-    /// Tokens to generate, in tokens.
-    pub max_tokens: u64,
-    /// Stream with a final usage chunk.
-    pub include_usage: bool,
-}
 
 /// The handler.
 pub(super) async fn completions(
@@ -118,14 +88,6 @@ async fn wait_finished(mut rx: watch::Receiver<Progress>) -> Result<Progress, Ap
         if rx.changed().await.is_err() {
             return Err(engine_error(SHUTTING_DOWN));
         }
-    }
-}
-
-/// A failure reported by the engine after the request was accepted.
-pub(super) fn engine_error(message: &str) -> ApiError {
-    ApiError {
-        status: StatusCode::SERVICE_UNAVAILABLE,
-        message: message.to_owned(),
     }
 }
 

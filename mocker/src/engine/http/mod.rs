@@ -13,6 +13,7 @@
 //! by the tokenizer's limits. Malformed JSON is a 400 in OpenAI's error shape.
 //! Cost: one tokio task per connection, one watch channel per request.
 
+mod accepted;
 mod completions;
 mod info;
 mod metrics;

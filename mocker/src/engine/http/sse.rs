@@ -9,7 +9,7 @@
 //! produced since the last one (the step loop never waits for a slow client).
 
 use super::HttpState;
-use super::completions::{Accepted, engine_error};
+use super::accepted::{Accepted, engine_error};
 use super::openai::Usage;
 use axum::body::{Body, Bytes};
 use axum::http::{StatusCode, header};

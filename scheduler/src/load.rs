@@ -2,10 +2,9 @@
 //! prefill load a booking brings in, and [`RankLoad`], the load projection a read
 //! takes out.
 //!
-//! They live in their own file, below the model (`sequences/mod.rs`) and its per-rank
-//! aggregates (`sequences/rank.rs`), because the policies, the busy check and the
-//! request types use them too: those depend on this file alone, and nothing here
-//! depends back on them.
+//! They live in their own top-level leaf file, below the model (`sequences/`), the
+//! configuration, the busy check, the policies and the request types, which all use
+//! them: each depends on this file alone, and nothing here depends back on them.
 
 use std::time::Duration;
 

@@ -1,0 +1,50 @@
+//! An accepted completion request, shared by the JSON and the server-sent-event
+//! answers: its progress channel, and the guard that aborts it in its rank when the
+//! client goes away. A leaf below both answer modules, so neither imports the other.
+
+use super::openai::ApiError;
+use crate::engine::progress::Progress;
+use crate::engine::rank::Rank;
+use axum::http::StatusCode;
+use kv_events::RequestId;
+use std::sync::Arc;
+use tokio::sync::watch;
+
+/// Aborts the request in its rank when dropped before the request finished.
+#[derive(Debug)]
+pub(super) struct AbortOnDrop {
+    pub(super) rank: Arc<Rank>,
+    pub(super) request_id: RequestId,
+}
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        // A no-op when the request already finished (its reply entry is gone).
+        self.rank.abort(&self.request_id);
+    }
+}
+
+/// An accepted request and what its response needs.
+#[derive(Debug)]
+pub(super) struct Accepted {
+    /// The request's progress, as its rank reports it.
+    pub rx: watch::Receiver<Progress>,
+    /// Keeps the request alive; dropping it aborts the request.
+    pub guard: AbortOnDrop,
+    /// The response id (`cmpl-…`).
+    pub id: String,
+    /// Prompt length, in tokens.
+    pub prompt_tokens: u64,
+    /// Tokens to generate, in tokens.
+    pub max_tokens: u64,
+    /// Stream with a final usage chunk.
+    pub include_usage: bool,
+}
+
+/// A failure reported by the engine after the request was accepted.
+pub(super) fn engine_error(message: &str) -> ApiError {
+    ApiError {
+        status: StatusCode::SERVICE_UNAVAILABLE,
+        message: message.to_owned(),
+    }
+}
