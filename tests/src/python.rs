@@ -50,3 +50,31 @@ pub async fn venv(target_tmpdir: &str, name: &str, packages: &[&str], imports: &
     assert!(status.success(), "pip install {packages:?} failed");
     python
 }
+
+/// Runs `python script args…`, checks it exited 0, and parses the one JSON value it
+/// printed on stdout.
+///
+/// # Panics
+/// When the script fails or prints something else: the test's verdict, with the
+/// script's output.
+pub async fn run_json(
+    python: &std::path::Path,
+    script: &std::path::Path,
+    args: &[&str],
+) -> serde_json::Value {
+    let output = Command::new(python)
+        .arg(script)
+        .args(args)
+        .output()
+        .await
+        .expect("python runs");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{} failed: {stdout}\n{}",
+        script.display(),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_str(stdout.trim())
+        .unwrap_or_else(|e| panic!("{} printed no JSON ({e}): {stdout}", script.display()))
+}

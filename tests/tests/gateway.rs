@@ -51,19 +51,7 @@ async fn the_openai_client_gets_completions_and_chats_streamed_and_whole() {
     )
     .await;
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("python/gateway_client.py");
-    let output = tokio::process::Command::new(&python)
-        .arg(script)
-        .args([&stack.base, MODEL])
-        .output()
-        .await
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success(),
-        "client failed: {stdout}\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let seen: Value = serde_json::from_str(stdout.trim()).unwrap();
+    let seen = integration_tests::python::run_json(&python, &script, &[&stack.base, MODEL]).await;
 
     assert_eq!(seen["models"], json!([MODEL]));
     let done = &seen["completion"];

@@ -48,22 +48,17 @@ async fn python() -> PathBuf {
 
 /// Runs `docs/examples/route_client.py` against the cluster with `args`; returns the
 /// JSON reply it printed, after checking it exited 0.
-async fn route_client(python: &PathBuf, cluster: &TestCluster, args: &[&str]) -> serde_json::Value {
-    let output = Command::new(python)
-        .arg(repo("docs/examples/route_client.py"))
-        .args(["--nats-url", &cluster.nats_server.url()])
-        .args(["--namespace", cluster.subjects.namespace().as_str()])
-        .args(args)
-        .output()
-        .await
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success(),
-        "client failed: {stdout} {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    serde_json::from_str(stdout.trim()).unwrap()
+async fn route_client(
+    python: &std::path::Path,
+    cluster: &TestCluster,
+    args: &[&str],
+) -> serde_json::Value {
+    let nats_url = cluster.nats_server.url();
+    let mut all = vec!["--nats-url", &nats_url];
+    all.extend(["--namespace", cluster.subjects.namespace().as_str()]);
+    all.extend_from_slice(args);
+    let script = repo("docs/examples/route_client.py");
+    integration_tests::python::run_json(python, &script, &all).await
 }
 
 #[tokio::test]
