@@ -237,7 +237,9 @@ impl Flow {
                                 roles_sent: HashSet::new(),
                                 finished: false,
                             };
-                            return Ok(self.respond(answer, plan.stream).await);
+                            let mut response = self.respond(answer, plan.stream).await;
+                            decision_headers(&mut response, &decision);
+                            return Ok(response);
                         }
                         Err(failure) => failure,
                     }
@@ -277,5 +279,25 @@ impl Flow {
             Ok(whole) => Json(whole).into_response(),
             Err(message) => ApiError::engine_failed(message).into_response(),
         }
+    }
+}
+
+/// Response header naming the worker that served the request.
+pub const WORKER_HEADER: &str = "x-kv-router-worker-id";
+/// Response header naming the data-parallel rank that served the request.
+pub const DP_RANK_RESPONSE_HEADER: &str = "x-kv-router-dp-rank";
+/// Response header with the router's overlap for the request, in blocks.
+pub const OVERLAP_HEADER: &str = "x-kv-router-overlap-blocks";
+
+/// Says where the request went, for operators and load generators: the worker, its
+/// rank and the prefix overlap the router predicted there.
+fn decision_headers(response: &mut Response, decision: &kv_events::routing::RouteDecision) {
+    let headers = response.headers_mut();
+    for (name, value) in [
+        (WORKER_HEADER, decision.worker_id.0),
+        (DP_RANK_RESPONSE_HEADER, u64::from(decision.dp_rank.0)),
+        (OVERLAP_HEADER, u64::from(decision.overlap_blocks)),
+    ] {
+        headers.insert(name, axum::http::HeaderValue::from(value));
     }
 }

@@ -46,6 +46,7 @@ use crate::metrics::GatewayMetrics;
 use crate::router::RouterClient;
 use crate::tokenize::PromptTokenizer;
 use crate::workers::WorkerUrls;
+use axum::serve::ListenerExt;
 use kv_cluster::directory::WorkerDirectory;
 use kv_cluster::metrics::Registrar;
 use kv_tokenizer::ModelTokenizer;
@@ -157,6 +158,13 @@ impl Gateway {
         })?;
         let stop = shutdown.clone();
         let server = tokio::spawn(async move {
+            // Each SSE chunk is a small write: without TCP_NODELAY, Nagle's algorithm
+            // holds it until the client's delayed ACK (up to 40 ms on Linux).
+            let listener = listener.tap_io(|tcp| {
+                if let Err(e) = tcp.set_nodelay(true) {
+                    warn!(error = %e, "cannot set TCP_NODELAY");
+                }
+            });
             let serve = axum::serve(listener, http::router(state))
                 .with_graceful_shutdown(stop.cancelled_owned());
             if let Err(e) = serve.await {

@@ -1,6 +1,7 @@
-//! The README's first command as a person sees it, on a short trace: the terminal shows
-//! the steps, the progress, the table and the report's path, with no colour codes when
-//! it is not a terminal; every process's log is in `<out>/logs/`.
+//! The README's first command as a person sees it, on a short trace through the
+//! gateway: the terminal shows the steps, the progress, the tables and the report's
+//! path, with no colour codes when it is not a terminal; every process's log is in
+//! `<out>/logs/`.
 //!
 //! Runs the real `kv-mocker quickstart` binary with real nats-server, etcd, mock
 //! engines and `kv-router serve`, which `cargo test --workspace` builds next to it.
@@ -62,9 +63,11 @@ fn quickstart_output_is_steps_progress_table_and_report_with_logs_in_files() {
         "nats-server ready at",
         "etcd ready at",
         "4 mock engines registered in etcd",
-        "router ready",
+        "gateway ready at http://127.0.0.1:",
         "replaying 40 requests",
+        "router ready (kv-router serve --policy kv)",
         "kv: 40/40 requests done",
+        "router ready (kv-router serve --policy round-robin)",
         "round-robin: 40/40 requests done",
         "report written to",
         "stopped every process it started",
@@ -97,6 +100,24 @@ fn quickstart_output_is_steps_progress_table_and_report_with_logs_in_files() {
         table.iter().any(|l| l.starts_with("round-robin ")),
         "{stdout}"
     );
+    // Every request went through the gateway and completed.
+    let passes = table
+        .iter()
+        .filter(|l| l.starts_with("kv ") || l.starts_with("round-robin "));
+    for line in passes {
+        let columns: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(
+            columns[1..4],
+            ["40", "40", "0"],
+            "requests, completed, failed: {line}"
+        );
+    }
+    assert!(
+        table
+            .iter()
+            .any(|l| l.starts_with("gateway ") && l.contains("gateway share")),
+        "the gateway's share of TTFT: {stdout}"
+    );
     assert!(out.path().join("report.json").is_file());
 
     // Every process's log, in its file.
@@ -104,6 +125,8 @@ fn quickstart_output_is_steps_progress_table_and_report_with_logs_in_files() {
     assert!(read(&logs.join("nats.log")).contains("Server is ready"));
     assert!(read(&logs.join("etcd.log")).contains("ready to serve client requests"));
     assert!(read(&logs.join("engines.log")).contains("kv-mocker engines ready"));
-    assert!(read(&logs.join("router.log")).contains("kv-router ready"));
+    assert!(read(&logs.join("router-kv.log")).contains("kv-router ready"));
+    assert!(read(&logs.join("router-round-robin.log")).contains("kv-router ready"));
+    assert!(read(&logs.join("gateway.log")).contains("kv-router gateway ready"));
     assert!(read(&logs.join("quickstart.log")).contains("starting pass from a cold cache"));
 }

@@ -19,6 +19,7 @@ use super::rank::Rank;
 use super::timing::TimingModel;
 use super::worker::Worker;
 use crate::protocol::{OP_CLEAR, OP_GENERATE};
+use axum::serve::ListenerExt;
 use etcd_client::ConnectOptions;
 use kv_cluster::lease::WorkerLease;
 use kv_events::discovery::WorkerRegistration;
@@ -332,6 +333,12 @@ async fn serve_http(
     let worker_id = worker.worker_id;
     let router = http::router(Arc::new(HttpState::new(args, worker)?));
     tasks.spawn(async move {
+        // Small SSE writes go out at once (no Nagle wait for a delayed ACK).
+        let listener = listener.tap_io(|tcp| {
+            if let Err(err) = tcp.set_nodelay(true) {
+                warn!(%err, "cannot set TCP_NODELAY");
+            }
+        });
         let serve = axum::serve(listener, router)
             .with_graceful_shutdown(async move { shutdown.cancelled().await });
         if let Err(err) = serve.await {

@@ -13,12 +13,14 @@
 //!
 //! # Layout
 //! - [`cold`]: list workers in etcd and clear their caches.
+//! - [`http`]: one request through an OpenAI-compatible gateway.
 //! - [`progress`]: a bar on a terminal, plain lines elsewhere.
 //! - `request`: one request's route → generate → lifecycle flow.
 //! - [`report`]: per-policy aggregation, percentiles and the JSON report.
 //! - `table`: [`ReplayReport::render_table`], the terminal rendering.
 
 pub mod cold;
+pub mod http;
 pub mod progress;
 pub mod report;
 mod request;
@@ -26,6 +28,7 @@ mod table;
 
 pub use report::{LatencyStats, PolicyReport, ReplayReport, RequestOutcome, RouteFailure};
 
+use crate::replay::http::GatewayTarget;
 use crate::replay::progress::PassProgress;
 use crate::trace::{self, BlockMapping, BlockSizeMismatch, TraceError, TraceRequest};
 use kv_events::discovery::WorkerRegistration;
@@ -191,6 +194,19 @@ pub struct ReplayConfig {
     /// Show progress per pass on stderr: a bar on a terminal, a plain line every few
     /// seconds elsewhere (see [`progress`]).
     pub progress: bool,
+    /// How requests reach the engines.
+    pub frontend: Frontend,
+}
+
+/// How the replay plays the frontend.
+#[derive(Debug, Clone)]
+pub enum Frontend {
+    /// Over NATS, itself: route with a `blocks` prompt naming each pass's policy,
+    /// generate on the mock engine's NATS subject, publish the lifecycle (`request`).
+    Nats,
+    /// Through an OpenAI-compatible gateway over HTTP, as an application would
+    /// ([`http`]); the router's own policy decides, so a pass's policy is the daemon's.
+    Gateway(GatewayTarget),
 }
 
 /// Connections to the cluster under test, in one namespace.
@@ -248,6 +264,7 @@ pub async fn run_replay(args: ReplayArgs) -> anyhow::Result<ReplayReport> {
         time_scale: args.time_scale,
         request_timeout: Duration::from_secs(args.request_timeout_s),
         progress: true,
+        frontend: Frontend::Nats,
     };
     let report = run_replay_with(&target, &trace, &args.policies, &config).await?;
     if let Some(path) = &args.report {
@@ -310,6 +327,13 @@ pub async fn replay_policy(
         let request = request.clone();
         let request_id = RequestId(format!("{policy}-{index}"));
         let (time_scale, timeout) = (config.time_scale, config.request_timeout);
+        if let Frontend::Gateway(gateway) = &config.frontend {
+            let gateway = gateway.clone();
+            tasks.spawn(async move {
+                http::replay_request(&gateway, &request, time_scale, timeout).await
+            });
+            continue;
+        }
         tasks.spawn(async move {
             let block_hashes = mapping.block_hashes(&request);
             let pass = request::Pass {

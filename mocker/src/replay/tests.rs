@@ -200,6 +200,7 @@ fn config() -> ReplayConfig {
         time_scale: TimeScale::new(100.0).unwrap(),
         request_timeout: Duration::from_secs(20),
         progress: false,
+        frontend: Frontend::Nats,
     }
 }
 

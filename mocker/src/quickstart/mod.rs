@@ -18,23 +18,27 @@
 //! tokens, about what an 8B bf16 model leaves free on one 80 GB GPU) is well below the
 //! excerpt's ≈ 39 k distinct blocks, so caches evict and where a prefix lands matters.
 
-use crate::cluster::{ClusterError, Echo, EtcdServer, ManagedProcess, NatsServer};
-use crate::replay::{self, ReplayConfig, ReplayTarget, TimeScale};
+use crate::cluster::{ClusterError, EtcdServer, NatsServer};
+use crate::replay::{self, Frontend, ReplayConfig, ReplayReport, ReplayTarget, TimeScale};
 use crate::trace::{self, BUNDLED_EXCERPT_NAME, BlockMapping};
 use anyhow::{Context, anyhow, bail};
+use gateway::GatewayTotals;
 use kv_events::Namespace;
 use kv_events::routing::PolicyKind;
+use stack::{Binaries, Stack, child_command};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Duration;
+
+mod gateway;
+mod stack;
 
 /// The namespace the quickstart's router and engines share.
 pub const QUICKSTART_NAMESPACE: &str = "quickstart";
 
 /// How long the engines and the router may take to log their ready lines.
-const READY_TIMEOUT: Duration = Duration::from_secs(60);
+pub(crate) const READY_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long a child may take to exit after `SIGTERM` before it is killed.
-const STOP_GRACE: Duration = Duration::from_secs(10);
+pub(crate) const STOP_GRACE: Duration = Duration::from_secs(10);
 /// Wall-clock limit for one replayed request.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(300);
 
@@ -74,6 +78,19 @@ pub struct QuickstartArgs {
     /// directory of this executable.
     #[arg(long, value_name = "DIR")]
     pub bin_dir: Option<PathBuf>,
+    /// How requests reach the engines: through `kv-router gateway` over HTTP, as an
+    /// application would, or straight over NATS with the replay as the frontend.
+    #[arg(long, value_enum, default_value_t = Via::Gateway)]
+    pub via: Via,
+}
+
+/// The quickstart's frontend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Via {
+    /// OpenAI requests to `kv-router gateway`, which routes and forwards them.
+    Gateway,
+    /// The replay routes over NATS itself and sends to the engines' NATS subjects.
+    Nats,
 }
 
 /// Runs the quickstart (see the module docs).
@@ -202,21 +219,13 @@ async fn run_stack(
         args.workers, args.num_gpu_blocks, args.block_size, args.time_scale
     ));
 
-    let mut command = child_command(&binaries.router);
-    // The daemon's default policy; every replayed request names its pass's policy. Its
-    // HTTP endpoint takes a free loopback port, so a busy 9090 cannot stop the demo.
-    command.arg("serve").args(connection).args([
-        "--block-size",
-        &args.block_size.to_string(),
-        "--http-listen",
-        "127.0.0.1:0",
-    ]);
-    let router = stack.spawn("router", command)?;
-    router.wait_for_line(ROUTER_READY, READY_TIMEOUT).await?;
-    progress("router ready (kv-router serve)");
-
     let namespace = Namespace::new(QUICKSTART_NAMESPACE)?;
-    let target = ReplayTarget::connect(&nats_url, &[etcd_endpoint], namespace).await?;
+    let target =
+        ReplayTarget::connect(&nats_url, std::slice::from_ref(&etcd_endpoint), namespace).await?;
+    let gateway = match args.via {
+        Via::Gateway => Some(gateway::start(stack, binaries, &connection).await?),
+        Via::Nats => None,
+    };
     let span_s = trace.last().map_or(0.0, |r| r.timestamp_ms as f64 / 1000.0);
     let policies: Vec<String> = args.policies.iter().map(ToString::to_string).collect();
     progress(&format!(
@@ -230,177 +239,58 @@ async fn run_stack(
         time_scale: args.time_scale,
         request_timeout: REQUEST_TIMEOUT,
         progress: true,
+        frontend: gateway.clone().map_or(Frontend::Nats, Frontend::Gateway),
     };
-    let report = stack
-        .unless_a_child_exits(replay::run_replay_with(
-            &target,
-            trace,
-            &args.policies,
-            &config,
-        ))
-        .await??;
+    let mut report = ReplayReport::default();
+    let mut gateway_rows = Vec::new();
+    // One router per pass, started with the pass's policy, as an operator would run
+    // it; the engines and the gateway stay up, and each pass starts from cold caches.
+    for &policy in &args.policies {
+        let label = format!("router-{policy}");
+        let mut command = child_command(&binaries.router);
+        // Its HTTP endpoint takes a free loopback port, so a busy 9090 cannot stop the
+        // demo.
+        command.arg("serve").args(connection).args([
+            "--block-size",
+            &args.block_size.to_string(),
+            "--http-listen",
+            "127.0.0.1:0",
+            "--policy",
+            policy.as_str(),
+        ]);
+        let router = stack.spawn(&label, command)?;
+        router.wait_for_line(ROUTER_READY, READY_TIMEOUT).await?;
+        progress(&format!("router ready (kv-router serve --policy {policy})"));
+        let before = match &gateway {
+            Some(g) => Some(GatewayTotals::read(g).await?),
+            None => None,
+        };
+        let pass = stack
+            .unless_a_child_exits(replay::replay_policy(&target, trace, policy, &config))
+            .await??;
+        if let (Some(g), Some(before)) = (&gateway, before) {
+            gateway_rows.push(GatewayTotals::read(g).await?.row(&before, policy.as_str()));
+        }
+        report.policies.push(pass);
+        stack.stop_child(&label).await?;
+    }
     println!("{}", report.render_table());
+    if !gateway_rows.is_empty() {
+        println!("{}", GatewayTotals::header());
+        for row in &gateway_rows {
+            println!("{row}");
+        }
+        println!(
+            "(as the gateway measured it, wall ms; gateway share = time before the first token\n not spent waiting for the engine: tokenize, route, forward)\n"
+        );
+    }
     let path = args.out.join("report.json");
     report.write_json(&path)?;
     progress(&format!("report written to {}", path.display()));
     Ok(())
 }
 
-/// The executables the quickstart spawns.
-struct Binaries {
-    mocker: PathBuf,
-    router: PathBuf,
-}
-
-impl Binaries {
-    /// `kv-mocker` (this executable unless `bin_dir` is given) and `kv-router` (next to
-    /// it).
-    fn locate(bin_dir: Option<&Path>) -> anyhow::Result<Self> {
-        let (mocker, dir) = match bin_dir {
-            Some(dir) => (dir.join("kv-mocker"), dir.to_owned()),
-            None => {
-                let exe = std::env::current_exe().context("cannot locate this executable")?;
-                let dir = exe
-                    .parent()
-                    .map(Path::to_owned)
-                    .ok_or_else(|| anyhow!("{} has no parent directory", exe.display()))?;
-                (exe, dir)
-            }
-        };
-        if !mocker.is_file() {
-            bail!("kv-mocker not found at {}", mocker.display());
-        }
-        let router = dir.join("kv-router");
-        if !router.is_file() {
-            let release = if dir.ends_with("debug") {
-                ""
-            } else {
-                " --release"
-            };
-            bail!(
-                "kv-router not found at {}; build it with `cargo build{release} -p router-daemon`",
-                router.display()
-            );
-        }
-        Ok(Self { mocker, router })
-    }
-}
-
-/// A command for a child of ours: logs at info unless the user chose a filter (the
-/// ready lines are info logs), and no ANSI colours in forwarded lines.
-fn child_command(program: &Path) -> Command {
-    let mut command = Command::new(program);
-    if std::env::var_os("RUST_LOG").is_none() {
-        command.env("RUST_LOG", "info");
-    }
-    command.env("NO_COLOR", "1");
-    command
-}
-
-/// What the quickstart has started so far; stopped in reverse order.
-struct Stack {
-    /// Where every child's log goes.
-    logs: PathBuf,
-    nats: Option<NatsServer>,
-    etcd: Option<EtcdServer>,
-    /// The engines and the router, in start order.
-    children: Vec<ManagedProcess>,
-}
-
-impl Stack {
-    fn new(logs: PathBuf) -> Self {
-        Self {
-            logs,
-            nats: None,
-            etcd: None,
-            children: Vec::new(),
-        }
-    }
-
-    /// Spawns a child whose output goes to `<logs>/<label>.log` only.
-    fn spawn(&mut self, label: &str, command: Command) -> anyhow::Result<&mut ManagedProcess> {
-        let process = ManagedProcess::spawn(label, command, Echo::Quiet)?;
-        process.log_to(&self.logs.join(format!("{label}.log")))?;
-        self.children.push(process);
-        // Just pushed, so the vector is not empty.
-        self.children
-            .last_mut()
-            .ok_or_else(|| anyhow!("no child process to return"))
-    }
-
-    /// Runs `work` unless a child exits first: the engines and the router must live
-    /// for the whole replay, so an early exit is an error naming the child.
-    async fn unless_a_child_exits<T>(
-        &mut self,
-        work: impl std::future::Future<Output = T>,
-    ) -> anyhow::Result<T> {
-        let exits = self.children.iter_mut().map(|child| {
-            Box::pin(async move {
-                let status = child.wait().await;
-                (child.label().to_owned(), status)
-            })
-        });
-        tokio::select! {
-            output = work => Ok(output),
-            ((label, status), _, _) = futures::future::select_all(exits) => {
-                let status = status.map_or_else(|err| err.to_string(), |s| s.to_string());
-                Err(anyhow!("{label} exited during the replay ({status})"))
-            }
-        }
-    }
-
-    /// Prints the last lines of the log of every child that has exited.
-    fn report_exited(&mut self) {
-        for child in &mut self.children {
-            let Some(status) = child.exit_status() else {
-                continue;
-            };
-            let path = child
-                .log_path()
-                .map_or_else(|| "its output".to_owned(), |p| p.display().to_string());
-            progress(&format!(
-                "{} exited ({status}); last lines of {path}:",
-                child.label()
-            ));
-            for line in child.tail().lines() {
-                eprintln!("    {line}");
-            }
-        }
-    }
-
-    /// Stops router, engines, etcd and nats, in that order, each gracefully; errors are
-    /// reported and do not stop the rest.
-    async fn shutdown(self) {
-        let Stack {
-            nats,
-            etcd,
-            children,
-            ..
-        } = self;
-        if nats.is_none() {
-            return;
-        }
-        for process in children.into_iter().rev() {
-            let label = process.label().to_owned();
-            if let Err(err) = process.stop(STOP_GRACE).await {
-                progress(&format!("cannot stop {label}: {err}"));
-            }
-        }
-        if let Some(etcd) = etcd
-            && let Err(err) = etcd.stop().await
-        {
-            progress(&format!("cannot stop etcd: {err}"));
-        }
-        if let Some(nats) = nats
-            && let Err(err) = nats.stop().await
-        {
-            progress(&format!("cannot stop nats-server: {err}"));
-        }
-        progress("stopped every process it started");
-    }
-}
-
-fn progress(message: &str) {
+pub(crate) fn progress(message: &str) {
     eprintln!("quickstart: {message}");
 }
 

@@ -1,0 +1,107 @@
+//! The quickstart's request path: `kv-router gateway` in front of the mock engines,
+//! and the gateway's own account of where the time before the first token went.
+
+use super::stack::{Binaries, Stack, child_command};
+use super::{READY_TIMEOUT, progress};
+use crate::cluster::servers::free_port;
+use crate::engine::http::DEFAULT_MODEL_NAME;
+use crate::replay::http::GatewayTarget;
+use anyhow::Context;
+use kv_cluster::http::metric_sample;
+
+const GATEWAY_READY: &str = "kv-router gateway ready";
+
+/// Starts the gateway on a free loopback port. The prompts are token ids, so it needs
+/// no model files: `--tokenize-via engine` would only be used for text.
+pub(super) async fn start(
+    stack: &mut Stack,
+    binaries: &Binaries,
+    connection: &[&str],
+) -> anyhow::Result<GatewayTarget> {
+    let port = free_port()?;
+    let listen = format!("127.0.0.1:{port}");
+    let mut command = child_command(&binaries.router);
+    command.arg("gateway").args(connection).args([
+        "--listen",
+        &listen,
+        "--tokenize-via",
+        "engine",
+        "--served-model-name",
+        DEFAULT_MODEL_NAME,
+        // Mooncake prompts reach 100k+ tokens, sent as JSON lists of ids.
+        "--max-prompt-tokens",
+        "1048576",
+        "--max-body-bytes",
+        "67108864",
+    ]);
+    let gateway = stack.spawn("gateway", command)?;
+    gateway.wait_for_line(GATEWAY_READY, READY_TIMEOUT).await?;
+    let url = format!("http://{listen}");
+    progress(&format!("gateway ready at {url}/v1 (OpenAI API)"));
+    Ok(GatewayTarget {
+        url,
+        model: DEFAULT_MODEL_NAME.to_owned(),
+        client: reqwest::Client::new(),
+    })
+}
+
+/// Sums the gateway exports, read from its `/metrics`.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct GatewayTotals {
+    ttft_s: f64,
+    requests: f64,
+    route_s: f64,
+    engine_s: f64,
+}
+
+impl GatewayTotals {
+    /// Reads the totals now.
+    pub(super) async fn read(gateway: &GatewayTarget) -> anyhow::Result<Self> {
+        let text = gateway
+            .client
+            .get(format!("{}/metrics", gateway.url))
+            .send()
+            .await
+            .and_then(reqwest::Response::error_for_status)
+            .context("reading the gateway's metrics")?
+            .text()
+            .await?;
+        let sample = |name: &str, labels: &str| metric_sample(&text, name, labels).unwrap_or(0.0);
+        Ok(Self {
+            ttft_s: sample("kv_gateway_ttft_seconds_sum", r#"endpoint="completions""#),
+            requests: sample("kv_gateway_ttft_seconds_count", r#"endpoint="completions""#),
+            route_s: sample("kv_gateway_stage_seconds_sum", r#"stage="route""#),
+            engine_s: sample("kv_gateway_stage_seconds_sum", r#"stage="engine""#),
+        })
+    }
+
+    /// One table row for what happened between `before` and `self`: the gateway's mean
+    /// TTFT, its routing and engine stages, and the share of TTFT spent in the
+    /// gateway and router (everything but the engine's first token), wall ms.
+    pub(super) fn row(&self, before: &Self, policy: &str) -> String {
+        let n = (self.requests - before.requests).max(1.0);
+        let ms = |total: f64| total * 1000.0 / n;
+        let ttft = ms(self.ttft_s - before.ttft_s);
+        let route = ms(self.route_s - before.route_s);
+        let engine = ms(self.engine_s - before.engine_s);
+        let share = if ttft > 0.0 {
+            100.0 * (ttft - engine).max(0.0) / ttft
+        } else {
+            0.0
+        };
+        format!("{policy:<14}  {ttft:>9.1}  {route:>5.2}  {engine:>9.1}  {share:>13.1}%")
+    }
+
+    /// The header of [`Self::row`]s.
+    pub(super) fn header() -> String {
+        format!(
+            "{:<14}  {:>9}  {:>5}  {:>9}  {:>14}\n{}",
+            "gateway",
+            "TTFT mean",
+            "route",
+            "engine",
+            "gateway share",
+            "-".repeat(60)
+        )
+    }
+}
