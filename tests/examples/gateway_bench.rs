@@ -1,0 +1,424 @@
+//! The gateway's added latency against calling the mock engine directly, for
+//! `docs/benchmarks.md`.
+//!
+//! ```sh
+//! cargo run --release -p integration-tests --example gateway_bench -- [OPTIONS]
+//! ```
+//!
+//! It starts nats-server and etcd on free loopback ports and, in this process, the
+//! router daemon, `--workers` mock engines speaking OpenAI HTTP at `--time-scale`, and
+//! the gateway. For each rate of `--rates`, requests arrive open-loop (at fixed times,
+//! whether or not earlier ones finished) for `--seconds`, alternating **direct** (a
+//! `POST /v1/completions` to an engine, round-robin) and **gateway** (the same request
+//! to the gateway, which routes it over NATS and relays the engine's stream): each mode
+//! gets the rate, so the offered load is twice it. Every request is a streamed
+//! completion of `--prompt-tokens` fresh random token ids (no prefix-cache hits, no
+//! tokenization) and `--max-tokens` output tokens. Client-side, per request: TTFT
+//! (request sent → first SSE `data:` event) and total time (→ end of stream).
+//!
+//! Then, per rate, a direct-only and a gateway-only phase of the same length measure
+//! CPU time (utime + stime from `/proc/PID/stat`) of this process plus its child
+//! processes (nats-server, etcd); the difference divided by the chunks the gateway
+//! relayed is the gateway's CPU per streamed chunk (its routing round trip — gateway,
+//! NATS and daemon — is included, spread over the chunks).
+//!
+//! Last, tokenization cost: the repo's test tokenizer encodes a long text repeatedly.
+
+use clap::Parser;
+use futures::StreamExt;
+use integration_tests::TestCluster;
+use kv_gateway::{Gateway, GatewayArgs};
+use kv_tokenizer::{Limits, ModelTokenizer};
+use mocker::engine::{
+    ConnectionArgs, EngineArgs, EngineModelConfig, FleetArgs, HttpArgs, RuntimeArgs, spawn_engines,
+};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+
+const BLOCK: u32 = 16;
+const MODEL: &str = "tiny";
+/// `USER_HZ`: the unit of `/proc/PID/stat` CPU times (100 on Linux).
+const CLK_TCK: f64 = 100.0;
+
+/// Gateway added latency against direct engine calls, streamed completions.
+#[derive(Parser, Debug, Clone)]
+struct Args {
+    /// Arrival rates per mode, requests/s.
+    #[arg(long, value_delimiter = ',', default_values_t = [100u32, 1000])]
+    rates: Vec<u32>,
+    /// Duration of each measured phase, in seconds.
+    #[arg(long, default_value_t = 5)]
+    seconds: u64,
+    /// Prompt length, in tokens (token ids, so not tokenized).
+    #[arg(long, default_value_t = 256)]
+    prompt_tokens: usize,
+    /// Output tokens per request (one SSE chunk each).
+    #[arg(long, default_value_t = 8)]
+    max_tokens: u32,
+    /// Mock engines.
+    #[arg(long, default_value_t = 2)]
+    workers: u32,
+    /// Mock engine speed-up over model time.
+    #[arg(long, default_value_t = 1000.0)]
+    time_scale: f64,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Mode {
+    Direct,
+    Gateway,
+}
+
+/// One finished request.
+struct Sample {
+    mode: Mode,
+    ttft: Duration,
+    total: Duration,
+    chunks: u64,
+}
+
+/// What a run needs to send requests.
+struct Target {
+    http: reqwest::Client,
+    gateway: String,
+    engines: Vec<String>,
+    vocab: u32,
+    prompt_tokens: usize,
+    max_tokens: u32,
+}
+
+impl Target {
+    /// Sends request `i` in `mode` and reads its stream to the end.
+    async fn one(&self, mode: Mode, i: u64) -> anyhow::Result<Sample> {
+        let url = match mode {
+            Mode::Gateway => format!("{}/v1/completions", self.gateway),
+            Mode::Direct => {
+                let e = &self.engines[(i / 2) as usize % self.engines.len()];
+                format!("{e}/v1/completions")
+            }
+        };
+        let mut x = (i + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let prompt: Vec<u32> = (0..self.prompt_tokens)
+            .map(|_| (xorshift(&mut x) % u64::from(self.vocab)) as u32)
+            .collect();
+        let body = serde_json::json!({
+            "model": MODEL, "prompt": prompt, "max_tokens": self.max_tokens,
+            "stream": true,
+        })
+        .to_string();
+        let start = Instant::now();
+        let response = self
+            .http
+            .post(url)
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await?;
+        anyhow::ensure!(response.status() == 200, "{mode:?}: {}", response.status());
+        let mut stream = response.bytes_stream();
+        let mut seen = Vec::new();
+        let mut ttft = None;
+        while let Some(chunk) = stream.next().await {
+            seen.extend_from_slice(&chunk?);
+            if ttft.is_none() && seen.windows(5).any(|w| w == b"data:") {
+                ttft = Some(start.elapsed());
+            }
+        }
+        let total = start.elapsed();
+        let text = String::from_utf8_lossy(&seen);
+        let chunks = text.matches("data: {").count() as u64;
+        anyhow::ensure!(text.contains("data: [DONE]"), "{mode:?}: stream cut short");
+        Ok(Sample {
+            mode,
+            ttft: ttft.unwrap_or(total),
+            total,
+            chunks,
+        })
+    }
+
+    /// Sends `count` requests open-loop, one every `period`, mode chosen by `pick`.
+    async fn open_loop(
+        self: &Arc<Self>,
+        count: u64,
+        period: Duration,
+        pick: impl Fn(u64) -> Mode,
+        seed: u64,
+    ) -> Vec<Sample> {
+        let t0 = tokio::time::Instant::now();
+        let mut tasks = Vec::with_capacity(count as usize);
+        for i in 0..count {
+            tokio::time::sleep_until(t0 + period.mul_f64(i as f64)).await;
+            let target = Arc::clone(self);
+            let mode = pick(i);
+            tasks.push(tokio::spawn(
+                async move { target.one(mode, seed + i).await },
+            ));
+        }
+        let mut samples = Vec::with_capacity(tasks.len());
+        let mut failed = 0;
+        for task in tasks {
+            match task.await {
+                Ok(Ok(s)) => samples.push(s),
+                Ok(Err(e)) => {
+                    failed += 1;
+                    if failed <= 3 {
+                        eprintln!("request failed: {e:#}");
+                    }
+                }
+                Err(e) => eprintln!("task failed: {e}"),
+            }
+        }
+        if failed > 0 {
+            eprintln!("{failed} of {count} requests failed");
+        }
+        samples
+    }
+}
+
+/// The next value of a xorshift64 generator.
+fn xorshift(x: &mut u64) -> u64 {
+    *x ^= *x << 13;
+    *x ^= *x >> 7;
+    *x ^= *x << 17;
+    *x
+}
+
+/// The `q` quantile of `v` in ms (sorted in place).
+fn quantile_ms(v: &mut [Duration], q: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_unstable();
+    let i = ((v.len() as f64 * q).ceil() as usize).clamp(1, v.len()) - 1;
+    v[i].as_secs_f64() * 1e3
+}
+
+/// CPU seconds (user + system) of this process and of its direct child processes.
+fn cpu_seconds() -> f64 {
+    let me = std::process::id();
+    let ticks = |stat: &str| -> Option<(u32, u64)> {
+        let rest: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+        let ppid = rest.get(1)?.parse().ok()?;
+        let t = rest.get(11)?.parse::<u64>().ok()? + rest.get(12)?.parse::<u64>().ok()?;
+        Some((ppid, t))
+    };
+    let mut total = 0;
+    if let Ok(s) = std::fs::read_to_string("/proc/self/stat") {
+        total += ticks(&s).map_or(0, |(_, t)| t);
+    }
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let path = entry.path().join("stat");
+        if let Some((ppid, t)) = std::fs::read_to_string(path).ok().and_then(|s| ticks(&s))
+            && ppid == me
+        {
+            total += t;
+        }
+    }
+    total as f64 / CLK_TCK
+}
+
+/// Prints one rate's comparison.
+fn report(rate: u32, samples: &[Sample]) {
+    let pick = |mode: Mode, f: fn(&Sample) -> Duration| -> Vec<Duration> {
+        samples.iter().filter(|s| s.mode == mode).map(f).collect()
+    };
+    let q = |mode, f: fn(&Sample) -> Duration| {
+        let mut v = pick(mode, f);
+        (
+            v.len(),
+            quantile_ms(&mut v, 0.50),
+            quantile_ms(&mut v, 0.99),
+        )
+    };
+    let (nd, d50, d99) = q(Mode::Direct, |s| s.ttft);
+    let (ng, g50, g99) = q(Mode::Gateway, |s| s.ttft);
+    let (_, dt50, dt99) = q(Mode::Direct, |s| s.total);
+    let (_, gt50, gt99) = q(Mode::Gateway, |s| s.total);
+    println!("{rate} req/s per mode ({nd} direct, {ng} gateway requests), ms:");
+    println!("  direct   TTFT p50 {d50:7.3}  p99 {d99:7.3}   total p50 {dt50:7.3}  p99 {dt99:7.3}");
+    println!("  gateway  TTFT p50 {g50:7.3}  p99 {g99:7.3}   total p50 {gt50:7.3}  p99 {gt99:7.3}");
+    println!(
+        "  added    TTFT p50 {:7.3}  p99 {:7.3}   total p50 {:7.3}  p99 {:7.3}",
+        g50 - d50,
+        g99 - d99,
+        gt50 - dt50,
+        gt99 - dt99
+    );
+}
+
+/// µs per 1,000 tokens of encoding a long text with the repo's test tokenizer.
+fn tokenization_cost(dir: &std::path::Path) -> anyhow::Result<(usize, f64)> {
+    let tok = ModelTokenizer::from_dir(dir, Limits::default())?;
+    let words: Vec<&str> = "the router sends each request to a worker whose cache already \
+        holds its prefix, balancing load across engines. Latency matters; throughput too. \
+        kv-cache blocks of 16 tokens are hashed and indexed"
+        .split_whitespace()
+        .collect();
+    let mut x: u64 = 0x2545_F491_4F6C_DD1D;
+    let text: String = (0..3000)
+        .map(|_| words[(xorshift(&mut x) % words.len() as u64) as usize])
+        .collect::<Vec<_>>()
+        .join(" ");
+    let tokens = tok.encode_completion(&text)?.len();
+    for _ in 0..20 {
+        tok.encode_completion(&text)?;
+    }
+    let rounds = 200;
+    let start = Instant::now();
+    for _ in 0..rounds {
+        std::hint::black_box(tok.encode_completion(std::hint::black_box(&text))?);
+    }
+    let per_round = start.elapsed().as_secs_f64() / f64::from(rounds);
+    Ok((tokens, per_round * 1e6 / tokens as f64 * 1000.0))
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../kv-tokenizer/tests/data");
+    let cluster = TestCluster::start(BLOCK).await?;
+    let engines = spawn_engines(
+        EngineArgs {
+            connection: ConnectionArgs {
+                nats_url: cluster.nats_server.url(),
+                etcd_endpoints: vec![cluster.etcd_server.endpoint()],
+                namespace: cluster.subjects.namespace().clone(),
+            },
+            fleet: FleetArgs {
+                workers: args.workers,
+                first_worker_id: 1,
+                dp_size: 1,
+            },
+            model: EngineModelConfig {
+                block_size: BLOCK,
+                num_gpu_blocks: 4096,
+                max_num_seqs: 256,
+                max_num_batched_tokens: 8192,
+            },
+            runtime: RuntimeArgs {
+                time_scale: args.time_scale,
+                lease_ttl_secs: 5,
+                metrics_interval_ms: 50,
+            },
+            http: HttpArgs {
+                model_dir: Some(dir.clone()),
+                served_model_name: MODEL.into(),
+                ..HttpArgs::default()
+            },
+        },
+        CancellationToken::new(),
+    )
+    .await?;
+    let daemon = cluster.start_daemon(|_| {}).await?;
+    let dir_flag = dir.display().to_string();
+    let gateway_args: GatewayArgs = cluster.flags(&[
+        "--listen",
+        "127.0.0.1:0",
+        "--served-model-name",
+        MODEL,
+        "--model-dir",
+        &dir_flag,
+    ]);
+    let gateway = Gateway::start(
+        gateway_args.to_config()?,
+        Arc::new(prometheus::Registry::new()),
+        CancellationToken::new(),
+    )
+    .await?;
+    let vocab = u32::try_from(ModelTokenizer::from_dir(&dir, Limits::default())?.vocab_size())?;
+    let target = Arc::new(Target {
+        http: reqwest::Client::new(),
+        gateway: format!("http://{}", gateway.local_addr()),
+        engines: engines.http_urls().to_vec(),
+        vocab,
+        prompt_tokens: args.prompt_tokens,
+        max_tokens: args.max_tokens,
+    });
+    integration_tests::eventually("gateway ready", Duration::from_secs(15), || async {
+        let r = (target.http.get(format!("{}/health/readyz", target.gateway)))
+            .send()
+            .await
+            .ok()?;
+        (r.status() == 200).then_some(())
+    })
+    .await?;
+    println!(
+        "{} mock engines at time_scale {}, prompts of {} token ids, max_tokens {}, \
+         {} s per phase; client, gateway, daemon and engines share this process",
+        args.workers, args.time_scale, args.prompt_tokens, args.max_tokens, args.seconds
+    );
+    let alternate = |i: u64| {
+        if i.is_multiple_of(2) {
+            Mode::Direct
+        } else {
+            Mode::Gateway
+        }
+    };
+    // Warm-up: connections, allocators, the daemon's index.
+    target
+        .open_loop(400, Duration::from_millis(2), alternate, 1 << 40)
+        .await;
+
+    let mut seed = 0;
+    let mut cpu_rows = Vec::new();
+    for &rate in &args.rates {
+        let count = u64::from(rate) * args.seconds;
+        let half = Duration::from_secs_f64(0.5 / f64::from(rate));
+        let samples = target.open_loop(2 * count, half, alternate, seed).await;
+        seed += 2 * count;
+        report(rate, &samples);
+
+        let period = Duration::from_secs_f64(1.0 / f64::from(rate));
+        let mut phase = |mode: Mode| {
+            let target = Arc::clone(&target);
+            let s = seed;
+            seed += count;
+            async move {
+                let cpu0 = cpu_seconds();
+                let samples = target.open_loop(count, period, move |_| mode, s).await;
+                let cpu = cpu_seconds() - cpu0;
+                let chunks: u64 = samples.iter().map(|s| s.chunks).sum();
+                (cpu, samples.len() as u64, chunks)
+            }
+        };
+        let (direct_cpu, direct_n, _) = phase(Mode::Direct).await;
+        let (gateway_cpu, gateway_n, gateway_chunks) = phase(Mode::Gateway).await;
+        cpu_rows.push((
+            rate,
+            direct_cpu,
+            direct_n,
+            gateway_cpu,
+            gateway_n,
+            gateway_chunks,
+        ));
+    }
+
+    println!(
+        "\nGateway CPU per streamed chunk: CPU time (utime+stime, /proc/PID/stat, 10 ms \
+         ticks) of this process and its children (nats-server, etcd) in a gateway-only \
+         phase minus a direct-only phase of equal length and rate, divided by the chunks \
+         the gateway relayed; it includes the routing round trip (gateway, NATS, daemon)."
+    );
+    for (rate, dc, dn, gc, gn, chunks) in cpu_rows {
+        let extra = gc - dc;
+        println!(
+            "  {rate} req/s: direct {dc:.2} s CPU / {dn} req, gateway {gc:.2} s CPU / {gn} req, \
+             {chunks} chunks → {:.1} µs per chunk, {:.1} µs per request",
+            extra * 1e6 / chunks.max(1) as f64,
+            extra * 1e6 / gn.max(1) as f64
+        );
+    }
+
+    let (tokens, us) = tokenization_cost(&dir)?;
+    println!(
+        "\nTokenization (kv-tokenizer/tests/data, a tiny byte-level BPE; a {tokens}-token \
+         text encoded 200 times, one thread): {us:.1} µs per 1,000 prompt tokens"
+    );
+
+    gateway.shutdown().await;
+    daemon.shutdown().await?;
+    engines.shutdown();
+    Ok(())
+}
