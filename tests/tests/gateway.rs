@@ -320,3 +320,34 @@ async fn an_overloaded_router_is_429_with_retry_after() {
     drop(held);
     stack.stop().await;
 }
+
+#[tokio::test]
+async fn a_long_stream_keeps_its_booking_alive() {
+    use router_daemon::counters::{MessageKind, Outcome};
+    let stack = Stack::start(1, 1.0, |_| {}, &["--keep-alive-s", "1"]).await;
+    let body = json!({
+        "model": MODEL,
+        "prompt": (0..64).collect::<Vec<u32>>(),
+        "max_tokens": 1000,
+        "stream": true,
+    });
+    let response = stack.post("/v1/completions", body.to_string()).await;
+    assert_eq!(response.status(), 200);
+    let mut chunks = response.bytes_stream();
+    chunks.next().await.unwrap().unwrap();
+    let counters = &stack.daemon().state().counters;
+    // One prefill_done, then keep_alive every second while the stream runs.
+    eventually("a keep_alive to reach the router", WAIT, || async {
+        (counters.messages(MessageKind::Lifecycle, Outcome::Ok) >= 2).then_some(())
+    })
+    .await
+    .unwrap();
+    assert_eq!(stack.booked(), 1, "still streaming, still booked");
+    drop(chunks);
+    eventually("the booking to be freed", WAIT, || async {
+        (stack.booked() == 0).then_some(())
+    })
+    .await
+    .unwrap();
+    stack.stop().await;
+}
