@@ -27,7 +27,6 @@ use std::fs::File;
 use std::io::{LineWriter, Write};
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
@@ -54,7 +53,8 @@ pub enum Echo {
 struct Shared {
     label: String,
     log: Mutex<LineLog>,
-    echo: AtomicBool,
+    /// Copy every line to our stderr ([`Echo::Forward`]).
+    echo: bool,
     /// Bumped on every appended line and on every closed stream.
     changed: watch::Sender<u64>,
 }
@@ -106,7 +106,7 @@ impl Shared {
     }
 
     fn push(&self, line: String) {
-        if self.echo.load(Ordering::Relaxed) {
+        if self.echo {
             eprintln!("[{}] {line}", self.label);
         }
         {
@@ -186,7 +186,7 @@ impl ManagedProcess {
                 open_streams: 0,
                 file: None,
             }),
-            echo: AtomicBool::new(echo == Echo::Forward),
+            echo: echo == Echo::Forward,
             changed,
         });
         if let Some(stdout) = child.stdout.take() {
@@ -210,14 +210,6 @@ impl ManagedProcess {
     /// The OS process id, or `None` once the process has been reaped.
     pub fn id(&self) -> Option<u32> {
         self.child.id()
-    }
-
-    /// Switches forwarding of the child's output to our stderr on or off, e.g. off
-    /// while a progress bar is drawn.
-    pub fn set_echo(&self, echo: Echo) {
-        self.shared
-            .echo
-            .store(echo == Echo::Forward, Ordering::Relaxed);
     }
 
     /// Writes the child's output to `path` from now on, starting with the lines still
