@@ -124,18 +124,26 @@ impl EngineClient {
     }
 }
 
-/// The engine's error message: `error.message` of an OpenAI error body, else the
-/// first bytes of the body.
-async fn error_text(response: reqwest::Response) -> String {
+/// At most `limit` bytes of `response`'s body, and whether it was longer (the rest is
+/// not read); a body that breaks off ends what is read.
+pub(crate) async fn read_bounded(response: reqwest::Response, limit: usize) -> (Vec<u8>, bool) {
     let mut body = Vec::new();
     let mut chunks = response.bytes_stream();
     while let Some(Ok(chunk)) = chunks.next().await {
-        let room = MAX_ERROR_BODY.saturating_sub(body.len());
-        body.extend_from_slice(&chunk[..chunk.len().min(room)]);
-        if body.len() >= MAX_ERROR_BODY {
-            break;
+        let room = limit.saturating_sub(body.len());
+        if chunk.len() > room {
+            body.extend_from_slice(&chunk[..room]);
+            return (body, true);
         }
+        body.extend_from_slice(&chunk);
     }
+    (body, false)
+}
+
+/// The engine's error message: `error.message` of an OpenAI error body, else the
+/// first bytes of the body (at most [`MAX_ERROR_BODY`] are read).
+pub(crate) async fn error_text(response: reqwest::Response) -> String {
+    let (body, _) = read_bounded(response, MAX_ERROR_BODY).await;
     serde_json::from_slice::<Value>(&body)
         .ok()
         .and_then(|v| {

@@ -14,6 +14,7 @@
 //! the engine prefills exactly the blocks the router priced.
 
 use crate::error::ApiError;
+use crate::forward::{error_text, read_bounded};
 use crate::workers::WorkerUrls;
 use kv_tokenizer::{ChatMessage, ChatOptions, ModelTokenizer, TokenizerError};
 use serde::Deserialize;
@@ -35,6 +36,9 @@ pub enum PromptTokenizer {
         max_prompt_tokens: usize,
     },
 }
+
+/// Bytes of one token id in a JSON list at most: ten digits, a comma and a space.
+const MAX_BYTES_PER_TOKEN_ID: usize = 12;
 
 #[derive(Deserialize)]
 struct TokenizeReply {
@@ -59,7 +63,19 @@ impl PromptTokenizer {
                     .map_err(|e| ApiError::internal(format!("tokenizer task: {e}")))?
                     .map_err(tokenizer_error)
             }
-            Self::Engine { .. } => self.remote(json!({ "prompt": prompt })).await,
+            Self::Engine {
+                client,
+                workers,
+                max_prompt_tokens,
+            } => {
+                remote(
+                    client,
+                    workers,
+                    *max_prompt_tokens,
+                    json!({ "prompt": prompt }),
+                )
+                .await
+            }
         }
     }
 
@@ -81,56 +97,64 @@ impl PromptTokenizer {
                     .map_err(|e| ApiError::internal(format!("tokenizer task: {e}")))?
                     .map_err(tokenizer_error)
             }
-            Self::Engine { .. } => {
-                self.remote(json!({
+            Self::Engine {
+                client,
+                workers,
+                max_prompt_tokens,
+            } => {
+                let body = json!({
                     "messages": messages,
                     "add_generation_prompt": options.add_generation_prompt,
                     "tools": options.tools,
-                }))
-                .await
+                });
+                remote(client, workers, *max_prompt_tokens, body).await
             }
         }
     }
+}
 
-    async fn remote(&self, body: serde_json::Value) -> Result<Vec<u32>, ApiError> {
-        let Self::Engine {
-            client,
-            workers,
-            max_prompt_tokens,
-        } = self
-        else {
-            return Err(ApiError::internal("not an engine tokenizer"));
-        };
-        let url = workers
-            .any_url()
-            .ok_or_else(|| ApiError::unavailable("no engine is registered to tokenize"))?;
-        let response = client
-            .post(format!("{url}/tokenize"))
-            .json(&body)
-            .send()
-            .await
-            .map_err(|e| ApiError::engine_failed(format!("tokenizing at {url}: {e}")))?;
-        let status = response.status();
-        if status.is_client_error() {
-            let detail = response.text().await.unwrap_or_default();
-            return Err(ApiError::bad_request(format!(
-                "the engine refused to tokenize the prompt ({status}): {detail}"
-            )));
-        }
-        if !status.is_success() {
-            return Err(ApiError::engine_failed(format!(
-                "tokenizing at {url}: {status}"
-            )));
-        }
-        let reply: TokenizeReply = response
-            .json()
-            .await
-            .map_err(|e| ApiError::engine_failed(format!("tokenize reply from {url}: {e}")))?;
-        if reply.tokens.len() > *max_prompt_tokens {
-            return Err(too_many(reply.tokens.len(), *max_prompt_tokens));
-        }
-        Ok(reply.tokens)
+/// Asks some engine's `/tokenize` for the token ids of `body` (vLLM's request shape).
+async fn remote(
+    client: &reqwest::Client,
+    workers: &WorkerUrls,
+    max_prompt_tokens: usize,
+    body: serde_json::Value,
+) -> Result<Vec<u32>, ApiError> {
+    let url = workers
+        .any_url()
+        .ok_or_else(|| ApiError::unavailable("no engine is registered to tokenize"))?;
+    let response = client
+        .post(format!("{url}/tokenize"))
+        .json(&body)
+        .send()
+        .await
+        .map_err(|e| ApiError::engine_failed(format!("tokenizing at {url}: {e}")))?;
+    let status = response.status();
+    if status.is_client_error() {
+        let detail = error_text(response).await;
+        return Err(ApiError::bad_request(format!(
+            "the engine refused to tokenize the prompt ({status}): {detail}"
+        )));
     }
+    if !status.is_success() {
+        return Err(ApiError::engine_failed(format!(
+            "tokenizing at {url}: {status}"
+        )));
+    }
+    // A reply longer than the allowed prompt could possibly be is not read further.
+    let limit = max_prompt_tokens.saturating_mul(MAX_BYTES_PER_TOKEN_ID) + 1024;
+    let (bytes, cut) = read_bounded(response, limit).await;
+    if cut {
+        return Err(ApiError::bad_request(format!(
+            "the prompt has more than the {max_prompt_tokens} tokens allowed"
+        )));
+    }
+    let reply: TokenizeReply = serde_json::from_slice(&bytes)
+        .map_err(|e| ApiError::engine_failed(format!("tokenize reply from {url}: {e}")))?;
+    if reply.tokens.len() > max_prompt_tokens {
+        return Err(too_many(reply.tokens.len(), max_prompt_tokens));
+    }
+    Ok(reply.tokens)
 }
 
 fn too_many(tokens: usize, limit: usize) -> ApiError {

@@ -46,14 +46,11 @@ impl WorkerUrls {
     /// Some worker's engine URL (the lowest id with one), for engine-side
     /// tokenization, which any engine of the model can do.
     pub fn any_url(&self) -> Option<String> {
-        let map = self.read();
-        let mut ids: Vec<&WorkerId> = map
+        self.read()
             .iter()
-            .filter(|(_, u)| u.is_some())
-            .map(|(id, _)| id)
-            .collect();
-        ids.sort();
-        ids.first().and_then(|id| map.get(id).cloned().flatten())
+            .filter_map(|(id, url)| Some((id, url.as_ref()?)))
+            .min_by_key(|(id, _)| **id)
+            .map(|(_, url)| url.clone())
     }
 
     /// Adds or replaces a worker (tests and tools; the directory calls it on puts).

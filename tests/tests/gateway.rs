@@ -351,3 +351,32 @@ async fn a_long_stream_keeps_its_booking_alive() {
     .unwrap();
     stack.stop().await;
 }
+
+#[tokio::test]
+async fn engine_side_tokenization_routes_on_the_engines_own_token_ids() {
+    let stack = Stack::start(1, 10.0, |_| {}, &["--tokenize-via", "engine"]).await;
+    let prompt = "word1 word2 word3 ".repeat(40);
+    let engine = stack.gateway().workers().any_url().unwrap();
+    let tokenized: Value = stack
+        .http
+        .post(format!("{engine}/tokenize"))
+        .json(&json!({ "prompt": prompt }))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let count = tokenized["count"].as_u64().unwrap();
+    let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 2});
+    let response = stack.post("/v1/completions", body.to_string()).await;
+    assert_eq!(response.status(), 200);
+    let done: Value = response.json().await.unwrap();
+    assert_eq!(done["usage"]["prompt_tokens"], count, "{done}");
+    let text = metrics(&stack).await;
+    assert_eq!(
+        metric(&text, r#"kv_gateway_stage_seconds_count{stage="tokenize"}"#),
+        1.0
+    );
+    stack.stop().await;
+}
