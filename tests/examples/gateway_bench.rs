@@ -29,9 +29,7 @@ use futures::StreamExt;
 use integration_tests::TestCluster;
 use kv_gateway::{Gateway, GatewayArgs};
 use kv_tokenizer::{Limits, ModelTokenizer};
-use mocker::engine::{
-    ConnectionArgs, EngineArgs, EngineModelConfig, FleetArgs, HttpArgs, RuntimeArgs, spawn_engines,
-};
+use mocker::engine::{EngineModelConfig, HttpArgs};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -279,38 +277,20 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../kv-tokenizer/tests/data");
     let cluster = TestCluster::start(BLOCK).await?;
-    let engines = spawn_engines(
-        EngineArgs {
-            connection: ConnectionArgs {
-                nats_url: cluster.nats_server.url(),
-                etcd_endpoints: vec![cluster.etcd_server.endpoint()],
-                namespace: cluster.subjects.namespace().clone(),
-            },
-            fleet: FleetArgs {
-                workers: args.workers,
-                first_worker_id: 1,
-                dp_size: 1,
-            },
-            model: EngineModelConfig {
-                block_size: BLOCK,
-                num_gpu_blocks: 4096,
-                max_num_seqs: 256,
-                max_num_batched_tokens: 8192,
-            },
-            runtime: RuntimeArgs {
-                time_scale: args.time_scale,
-                lease_ttl_secs: 5,
-                metrics_interval_ms: 50,
-            },
-            http: HttpArgs {
-                model_dir: Some(dir.clone()),
-                served_model_name: MODEL.into(),
-                ..HttpArgs::default()
-            },
-        },
-        CancellationToken::new(),
-    )
-    .await?;
+    let model = EngineModelConfig {
+        block_size: BLOCK,
+        num_gpu_blocks: 4096,
+        max_num_seqs: 256,
+        max_num_batched_tokens: 8192,
+    };
+    let http = HttpArgs {
+        model_dir: Some(dir.clone()),
+        served_model_name: MODEL.into(),
+        ..HttpArgs::default()
+    };
+    let engines = cluster
+        .spawn_engines(args.workers, model, args.time_scale, http)
+        .await?;
     let daemon = cluster.start_daemon(|_| {}).await?;
     let dir_flag = dir.display().to_string();
     let gateway_args: GatewayArgs = cluster.flags(&[

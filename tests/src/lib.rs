@@ -102,6 +102,42 @@ impl TestCluster {
         self.flags(&["--block-size", &block_size, "--shards", "2", "--seed", "7"])
     }
 
+    /// Starts mock engines `1..=workers` (dp_size 1) of `model` in this cluster's
+    /// namespace, at `time_scale`, serving OpenAI HTTP as `http` says.
+    ///
+    /// # Errors
+    /// When the engines cannot start or register.
+    pub async fn spawn_engines(
+        &self,
+        workers: u32,
+        model: mocker::engine::EngineModelConfig,
+        time_scale: f64,
+        http: mocker::engine::HttpArgs,
+    ) -> anyhow::Result<mocker::engine::EnginesHandle> {
+        use mocker::engine::{ConnectionArgs, EngineArgs, FleetArgs, RuntimeArgs};
+        let args = EngineArgs {
+            connection: ConnectionArgs {
+                nats_url: self.nats_server.url(),
+                etcd_endpoints: vec![self.etcd_server.endpoint()],
+                namespace: self.subjects.namespace().clone(),
+            },
+            fleet: FleetArgs {
+                workers,
+                first_worker_id: 1,
+                dp_size: 1,
+            },
+            model,
+            runtime: RuntimeArgs {
+                time_scale,
+                lease_ttl_secs: 5,
+                metrics_interval_ms: 50,
+            },
+            http,
+        };
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        Ok(mocker::engine::spawn_engines(args, shutdown).await?)
+    }
+
     /// Starts a daemon with [`Self::serve_args`], modified by `adjust`.
     ///
     /// # Errors

@@ -3,10 +3,7 @@
 
 use integration_tests::TestCluster;
 use kv_gateway::{Gateway, GatewayArgs};
-use mocker::engine::{
-    ConnectionArgs, EngineArgs, EngineModelConfig, EnginesHandle, FleetArgs, HttpArgs, RuntimeArgs,
-    spawn_engines,
-};
+use mocker::engine::{EngineModelConfig, EnginesHandle, HttpArgs};
 use router_daemon::{Daemon, ServeArgs};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -42,39 +39,21 @@ impl Stack {
         gateway_flags: &[&str],
     ) -> Self {
         let cluster = TestCluster::start(BLOCK).await.expect("servers start");
-        let engines = spawn_engines(
-            EngineArgs {
-                connection: ConnectionArgs {
-                    nats_url: cluster.nats_server.url(),
-                    etcd_endpoints: vec![cluster.etcd_server.endpoint()],
-                    namespace: cluster.subjects.namespace().clone(),
-                },
-                fleet: FleetArgs {
-                    workers,
-                    first_worker_id: 1,
-                    dp_size: 1,
-                },
-                model: EngineModelConfig {
-                    block_size: BLOCK,
-                    num_gpu_blocks: 1024,
-                    max_num_seqs: 16,
-                    max_num_batched_tokens: 2048,
-                },
-                runtime: RuntimeArgs {
-                    time_scale,
-                    lease_ttl_secs: 5,
-                    metrics_interval_ms: 50,
-                },
-                http: HttpArgs {
-                    model_dir: Some(model_dir()),
-                    served_model_name: MODEL.into(),
-                    ..HttpArgs::default()
-                },
-            },
-            CancellationToken::new(),
-        )
-        .await
-        .expect("engines start");
+        let model = EngineModelConfig {
+            block_size: BLOCK,
+            num_gpu_blocks: 1024,
+            max_num_seqs: 16,
+            max_num_batched_tokens: 2048,
+        };
+        let http = HttpArgs {
+            model_dir: Some(model_dir()),
+            served_model_name: MODEL.into(),
+            ..HttpArgs::default()
+        };
+        let engines = cluster
+            .spawn_engines(workers, model, time_scale, http)
+            .await
+            .expect("engines start");
         let daemon = cluster.start_daemon(adjust).await.expect("daemon starts");
         let mut flags = vec![
             "--listen",
