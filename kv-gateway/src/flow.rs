@@ -19,7 +19,7 @@ use crate::openai::{
     completion_for_engine, parse_chat, parse_completion,
 };
 use crate::router::RouterClient;
-use crate::tokenize::PromptTokenizer;
+use crate::tokenize::{PromptTokenizer, too_many};
 use crate::workers::WorkerUrls;
 use axum::Json;
 use axum::http::header;
@@ -113,10 +113,7 @@ impl Flow {
     fn check_length(&self, tokens: &[u32]) -> Result<(), ApiError> {
         let limit = self.limits.max_prompt_tokens;
         if tokens.len() > limit {
-            return Err(ApiError::bad_request(format!(
-                "the prompt has {} tokens, more than the {limit} allowed",
-                tokens.len()
-            )));
+            return Err(too_many(tokens.len(), limit));
         }
         Ok(())
     }

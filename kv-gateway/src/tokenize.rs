@@ -151,13 +151,12 @@ async fn remote(
     }
     let reply: TokenizeReply = serde_json::from_slice(&bytes)
         .map_err(|e| ApiError::engine_failed(format!("tokenize reply from {url}: {e}")))?;
-    if reply.tokens.len() > max_prompt_tokens {
-        return Err(too_many(reply.tokens.len(), max_prompt_tokens));
-    }
+    // The token count itself is checked by the request path, for every tokenizer.
     Ok(reply.tokens)
 }
 
-fn too_many(tokens: usize, limit: usize) -> ApiError {
+/// 400 for a prompt of `tokens` tokens over the `limit`.
+pub(crate) fn too_many(tokens: usize, limit: usize) -> ApiError {
     ApiError::bad_request(format!(
         "the prompt has {tokens} tokens, more than the {limit} allowed"
     ))
