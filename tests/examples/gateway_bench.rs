@@ -246,6 +246,42 @@ fn report(rate: u32, samples: &[Sample]) {
     );
 }
 
+/// Sum (s) and count of each `kv_gateway_stage_seconds` stage in `registry`.
+fn stage_totals(registry: &prometheus::Registry) -> Vec<(String, f64, u64)> {
+    let mut out = Vec::new();
+    for family in registry.gather() {
+        if family.name() != "kv_gateway_stage_seconds" {
+            continue;
+        }
+        for m in family.get_metric() {
+            let stage = m.get_label().iter().find(|l| l.name() == "stage");
+            let h = m.get_histogram();
+            out.push((
+                stage.map_or_else(String::new, |l| l.value().to_owned()),
+                h.get_sample_sum(),
+                h.get_sample_count(),
+            ));
+        }
+    }
+    out
+}
+
+/// Prints the mean of each gateway stage between two [`stage_totals`] readings.
+fn report_stages(before: &[(String, f64, u64)], after: &[(String, f64, u64)]) {
+    let mut line = String::from("  gateway stages (mean ms, from its /metrics):");
+    for (stage, sum, count) in after {
+        let (s0, c0) = before
+            .iter()
+            .find(|(s, ..)| s == stage)
+            .map_or((0.0, 0), |(_, s, c)| (*s, *c));
+        if count > &c0 {
+            let mean = (sum - s0) * 1e3 / (count - c0) as f64;
+            line.push_str(&format!(" {stage} {mean:.3}"));
+        }
+    }
+    println!("{line}");
+}
+
 /// µs per 1,000 tokens of encoding a long text with the repo's test tokenizer.
 fn tokenization_cost(dir: &std::path::Path) -> anyhow::Result<(usize, f64)> {
     let tok = ModelTokenizer::from_dir(dir, Limits::default())?;
@@ -301,9 +337,10 @@ async fn main() -> anyhow::Result<()> {
         "--model-dir",
         &dir_flag,
     ]);
+    let registry = Arc::new(prometheus::Registry::new());
     let gateway = Gateway::start(
         gateway_args.to_config()?,
-        Arc::new(prometheus::Registry::new()),
+        Arc::clone(&registry),
         CancellationToken::new(),
     )
     .await?;
@@ -346,9 +383,11 @@ async fn main() -> anyhow::Result<()> {
     for &rate in &args.rates {
         let count = u64::from(rate) * args.seconds;
         let half = Duration::from_secs_f64(0.5 / f64::from(rate));
+        let before = stage_totals(&registry);
         let samples = target.open_loop(2 * count, half, alternate, seed).await;
         seed += 2 * count;
         report(rate, &samples);
+        report_stages(&before, &stage_totals(&registry));
 
         let period = Duration::from_secs_f64(1.0 / f64::from(rate));
         let mut phase = |mode: Mode| {

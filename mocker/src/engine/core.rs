@@ -4,7 +4,7 @@
 //! The caller owns time. It adds requests with [`EngineCore::add_request`] and calls
 //! [`EngineCore::step`] while [`EngineCore::has_work`]; each step reports how long it
 //! took in model ms, the KV events it caused, which requests produced their first token
-//! and which finished. The live service sleeps `duration_ms / time_scale` per step; an
+//! and which finished. The live service waits `duration_ms / time_scale` per step (`rank.rs`); an
 //! offline simulator can instead advance a virtual clock by `duration_ms`. Same inputs,
 //! same outputs: nothing here reads a clock or a random source.
 //!

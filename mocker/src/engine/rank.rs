@@ -1,9 +1,13 @@
 //! One live dp rank: an [`EngineCore`] behind a mutex, the reply inboxes of its
 //! requests, its KV event sequence, and the real-time loop that steps it.
 //!
-//! The loop steps the core, sleeps the step's model duration divided by the time scale
-//! (a timer against an accumulated deadline, so timer rounding does not drift), then
-//! publishes the step's KV events and responses. When the core is idle the loop parks
+//! The loop steps the core, waits the step's model duration divided by the time scale,
+//! then publishes the step's KV events and responses. tokio's timer rounds deadlines
+//! up to whole milliseconds, which at a large time scale is longer than a step: the
+//! wait is therefore against model time (the end of the previous step while busy, see
+//! [`step_start`]), so rounding never accumulates, and a step shorter than the timer's
+//! resolution is not slept for at all. Model time and wall time stay within 1 ms of
+//! each other, either way, while the CPU keeps up. When the core is idle the loop parks
 //! on a [`Notify`] until a request arrives — no polling. All publication happens under
 //! the rank's lock via the ordered [`Outbox`]; event ids come from the worker's
 //! [`SharedJournal`], which keeps them gap-free and in order per (worker, dp_rank) and
@@ -23,10 +27,25 @@ use async_nats::Subject;
 use kv_events::{KvCacheEventData, LoadMetrics, RequestId, WorkerRank};
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
 use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
+
+/// tokio's timer resolution. A step that would end sooner than this is not slept
+/// for, and waking up this much after a deadline is timer rounding, not the engine
+/// falling behind.
+const TIMER_RESOLUTION: Duration = Duration::from_millis(1);
+
+/// When a step taken at `now` starts in model time: right after the previous step
+/// (`clock`) while the rank is busy, so a timer that fires late by its rounding does
+/// not push every later step back; `now` when the rank was idle or fell behind by
+/// more than [`TIMER_RESOLUTION`] (then the engine really is late: the CPU was busy).
+fn step_start(clock: Option<Instant>, now: Instant) -> Instant {
+    let forgiven = now.checked_sub(TIMER_RESOLUTION).unwrap_or(now);
+    clock.filter(|end| *end >= forgiven).unwrap_or(now)
+}
 
 /// The error message sent to requests still in flight when the engines shut down.
 pub(super) const SHUTTING_DOWN: &str = "engine shutting down";
@@ -202,23 +221,35 @@ impl Rank {
 
     /// Steps the core in real time until `shutdown`, then fails the requests left.
     pub async fn run(&self, runtime: RuntimeArgs, shutdown: CancellationToken) {
-        let mut next_start = Instant::now();
+        // Where model time stands while the rank is busy: the end of the last step.
+        // `None` when idle, so a step after a pause starts at the arrival.
+        let mut clock: Option<Instant> = None;
         loop {
             let output = {
                 let mut st = self.lock();
                 st.core.has_work().then(|| st.core.step())
             };
             let Some(output) = output else {
+                clock = None;
                 tokio::select! {
                     () = self.notify.notified() => continue,
                     () = shutdown.cancelled() => break,
                 }
             };
-            let start = next_start.max(Instant::now());
-            next_start = start + runtime.wall_duration(output.duration_ms);
-            let cancelled = tokio::select! {
-                () = tokio::time::sleep_until(next_start) => false,
-                () = shutdown.cancelled() => true,
+            let now = Instant::now();
+            let end = step_start(clock, now) + runtime.wall_duration(output.duration_ms);
+            clock = Some(end);
+            let cancelled = if end > now + TIMER_RESOLUTION {
+                tokio::select! {
+                    () = tokio::time::sleep_until(end) => false,
+                    () = shutdown.cancelled() => true,
+                }
+            } else {
+                // Shorter than the timer can measure: publish now (at most one
+                // resolution early; the clock keeps the debt, so the next sleep
+                // repays it) but let other tasks run first.
+                tokio::task::yield_now().await;
+                shutdown.is_cancelled()
             };
             self.finish_step(output);
             if cancelled {
@@ -308,5 +339,59 @@ impl Rank {
     fn send_error(&self, reply: Subject, message: String) {
         self.outbox
             .send(reply, &GenerateResponse::Error { message });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    #[test]
+    fn a_step_starts_at_the_arrival_when_idle_and_after_the_last_step_when_busy() {
+        let now = Instant::now() + 10 * MS;
+        assert_eq!(step_start(None, now), now);
+        // The timer fired 0.6 ms after the last step's end: rounding, forgiven.
+        let end = now - Duration::from_micros(600);
+        assert_eq!(step_start(Some(end), now), end);
+        // The last step "ends" in the future (it was not slept for): keep the debt.
+        let ahead = now + Duration::from_micros(300);
+        assert_eq!(step_start(Some(ahead), now), ahead);
+        // 5 ms late: the CPU was busy, the engine really is behind.
+        assert_eq!(step_start(Some(now - 5 * MS), now), now);
+    }
+
+    /// The loop's arithmetic against a timer that rounds every deadline up to the
+    /// next whole millisecond, as tokio's does: 1,000 back-to-back steps of 0.3 ms and
+    /// of 1.7 ms end within one resolution of their model time, where starting each
+    /// step when the timer fired would drift by the rounding of every step.
+    #[test]
+    fn timer_rounding_does_not_accumulate_over_busy_steps() {
+        let t0 = Instant::now();
+        let round_up = |t: Instant| {
+            let since = (t - t0).as_nanos().div_ceil(MS.as_nanos());
+            t0 + MS * u32::try_from(since).expect("a short simulated run")
+        };
+        for step in [Duration::from_micros(300), Duration::from_micros(1_700)] {
+            let (mut now, mut clock) = (t0, None);
+            for _ in 0..1_000 {
+                let end = step_start(clock, now) + step;
+                clock = Some(end);
+                if end > now + TIMER_RESOLUTION {
+                    now = round_up(end);
+                }
+            }
+            let model = t0 + step * 1_000;
+            let drift = if now > model {
+                now - model
+            } else {
+                model - now
+            };
+            assert!(
+                drift <= TIMER_RESOLUTION,
+                "{step:?} steps drifted {drift:?}"
+            );
+        }
     }
 }
