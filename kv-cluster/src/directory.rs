@@ -22,6 +22,7 @@ use crate::Error;
 use crate::etcd::{Backoff, EtcdConfig, connect, wait_or_cancelled};
 use etcd_client::{Client, EventType, GetOptions, WatchOptions};
 use kv_events::discovery::WorkerRegistration;
+use kv_events::limits::{Limits, WithinLimits as _};
 use kv_events::{Subjects, WorkerId};
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -92,6 +93,7 @@ pub trait Registrations: Send {
 pub struct WorkerDirectory {
     config: EtcdConfig,
     subjects: Subjects,
+    limits: Limits,
     client: Client,
     revision: i64,
     workers: BTreeMap<WorkerId, WorkerRegistration>,
@@ -101,9 +103,13 @@ impl WorkerDirectory {
     /// Connects to etcd and loads every registration of `subjects`' namespace into
     /// `to`, retrying with [`Backoff`] until it succeeds; each failure is logged and
     /// reported as [`EtcdStatus::Down`]. `None` when `shutdown` is cancelled first.
+    /// A value longer than [`Limits::max_message_bytes`], or a registration over
+    /// `limits` (a `dp_size` or KV capacity no engine has), is rejected like a
+    /// malformed one, before anything is sized by it.
     pub async fn connect_and_load(
         config: EtcdConfig,
         subjects: Subjects,
+        limits: Limits,
         to: &mut impl Registrations,
         shutdown: &CancellationToken,
     ) -> Option<Self> {
@@ -112,12 +118,13 @@ impl WorkerDirectory {
         for attempt in 1u64.. {
             let (stage, error) = match connect(&config).await {
                 Ok(mut client) => {
-                    match resync(&mut client, &subjects, &mut workers, to, &config).await {
+                    match resync(&mut client, &subjects, &limits, &mut workers, to, &config).await {
                         Ok(revision) => {
                             to.status(EtcdStatus::Up("connected; watching registrations"));
                             return Some(Self {
                                 config,
                                 subjects,
+                                limits,
                                 client,
                                 revision,
                                 workers,
@@ -205,6 +212,7 @@ impl WorkerDirectory {
         let revision = resync(
             &mut fresh,
             &self.subjects,
+            &self.limits,
             &mut self.workers,
             to,
             &self.config,
@@ -245,7 +253,7 @@ impl WorkerDirectory {
                 let key = String::from_utf8_lossy(kv.key()).into_owned();
                 match event.event_type() {
                     EventType::Put => {
-                        if let Some(worker) = parse(&self.subjects, key, kv, to) {
+                        if let Some(worker) = parse(&self.subjects, &self.limits, key, kv, to) {
                             let reg = worker.registration.clone();
                             self.workers.insert(reg.worker_id, reg);
                             to.put(worker).await;
@@ -280,11 +288,12 @@ async fn bounded<T>(
 /// or values that cannot be used.
 fn parse(
     subjects: &Subjects,
+    limits: &Limits,
     key: String,
     kv: &etcd_client::KeyValue,
     to: &mut impl Registrations,
 ) -> Option<Registered> {
-    match registration(subjects, &key, kv.value(), to) {
+    match registration(subjects, limits, &key, kv.value(), to) {
         Ok(registration) => Some(Registered {
             key,
             registration,
@@ -307,6 +316,7 @@ fn parse(
 /// The registration at `key`, checked against the key, itself and `to`.
 fn registration(
     subjects: &Subjects,
+    limits: &Limits,
     key: &str,
     value: &[u8],
     to: &impl Registrations,
@@ -314,6 +324,8 @@ fn registration(
     let id = subjects
         .worker_id_from_etcd_key(key)
         .ok_or_else(|| Rejection::Refused("key does not end in a numeric worker id".into()))?;
+    kv_events::limits::check_bytes(value.len(), limits)
+        .map_err(|e| Rejection::Refused(e.to_string()))?;
     let registration: WorkerRegistration =
         serde_json::from_slice(value).map_err(|e| Rejection::Malformed(e.to_string()))?;
     if registration.worker_id != id {
@@ -325,6 +337,9 @@ fn registration(
     registration
         .validate()
         .map_err(|e| Rejection::Refused(e.to_string()))?;
+    registration
+        .within(limits)
+        .map_err(|e| Rejection::Refused(e.to_string()))?;
     to.check(&registration).map_err(Rejection::Refused)?;
     Ok(registration)
 }
@@ -335,6 +350,7 @@ fn registration(
 async fn resync(
     client: &mut Client,
     subjects: &Subjects,
+    limits: &Limits,
     workers: &mut BTreeMap<WorkerId, WorkerRegistration>,
     to: &mut impl Registrations,
     config: &EtcdConfig,
@@ -350,7 +366,7 @@ async fn resync(
     let mut snapshot = BTreeMap::new();
     for kv in resp.kvs() {
         let key = String::from_utf8_lossy(kv.key()).into_owned();
-        if let Some(worker) = parse(subjects, key, kv, to) {
+        if let Some(worker) = parse(subjects, limits, key, kv, to) {
             snapshot.insert(worker.registration.worker_id, worker);
         }
     }

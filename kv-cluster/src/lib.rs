@@ -13,6 +13,7 @@
 //! - [`nats`]: NATS seed list, authentication (creds, token, user/password) and TLS,
 //!   turned into connect options.
 //! - [`etcd`]: etcd connection settings, the client, and the retry [`etcd::Backoff`].
+//! - [`limits`]: the `Limits` flags, the bounds on messages and registrations.
 //! - [`lease`]: a worker's registration under an etcd lease (register, keep alive,
 //!   revoke).
 //! - [`directory`]: the worker directory: load the registrations, then watch them,
@@ -29,6 +30,7 @@ mod error;
 pub mod etcd;
 pub mod http;
 pub mod lease;
+pub mod limits;
 pub mod metrics;
 pub mod nats;
 pub mod process;

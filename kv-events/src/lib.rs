@@ -17,6 +17,8 @@
 //! - [`discovery`]: the worker registration record stored in etcd.
 //! - [`hashing`]: tokens → [`LocalBlockHash`] per full block (xxh3-64, seeded).
 //! - [`codec`]: msgpack encode / decode with typed errors.
+//! - [`limits`]: [`limits::Limits`], the bounds on every message from the network,
+//!   checked before it allocates ([`limits::decode_within`]).
 //! - [`recovery`]: gap recovery requests and replies, and the index snapshot format.
 //! - [`journal`]: [`journal::EventJournal`], the publisher side of event numbering and
 //!   recovery (ring buffer of recent events, held blocks, dumps).
@@ -30,6 +32,7 @@ pub mod events;
 pub mod hashing;
 pub mod ids;
 pub mod journal;
+pub mod limits;
 pub mod metrics;
 pub mod recovery;
 pub mod replicas;

@@ -70,6 +70,10 @@ pub struct GatewayArgs {
     /// etcd endpoints and connect timeout (shared with `serve` and `relay`).
     #[command(flatten)]
     pub etcd: EtcdArgs,
+    /// Bounds on registrations read from etcd (shared with `serve`; the gateway uses
+    /// `--max-message-bytes`, `--max-dp-size` and `--max-kv-blocks`).
+    #[command(flatten)]
+    pub wire_limits: kv_cluster::limits::LimitArgs,
     /// Namespace of every subject and etcd key.
     #[arg(
         long,
@@ -213,6 +217,8 @@ pub struct GatewayConfig {
     pub model: ModelConfig,
     /// Timeouts, sizes and retries.
     pub limits: Limits,
+    /// Bounds on registrations read from etcd.
+    pub wire_limits: kv_events::limits::Limits,
 }
 
 impl GatewayArgs {
@@ -284,6 +290,10 @@ impl GatewayArgs {
                 request_timeout: Duration::from_secs(self.request_timeout_s),
                 keep_alive: Duration::from_secs(self.keep_alive_s),
             },
+            wire_limits: self
+                .wire_limits
+                .to_limits()
+                .map_err(|e| bad(e.to_string()))?,
         })
     }
 }

@@ -120,15 +120,21 @@ impl Gateway {
         );
 
         let directory_shutdown = shutdown.child_token();
-        let (etcd, subjects, mut urls) = (
+        let (etcd, subjects, limits, mut urls) = (
             config.etcd.clone(),
             config.subjects.clone(),
+            config.wire_limits,
             workers.clone(),
         );
         tokio::spawn(async move {
-            let loaded =
-                WorkerDirectory::connect_and_load(etcd, subjects, &mut urls, &directory_shutdown)
-                    .await;
+            let loaded = WorkerDirectory::connect_and_load(
+                etcd,
+                subjects,
+                limits,
+                &mut urls,
+                &directory_shutdown,
+            )
+            .await;
             if let Some(directory) = loaded {
                 directory.watch(urls, directory_shutdown).await;
             }

@@ -93,6 +93,7 @@ impl Starting {
             indexer,
             counters,
             admission,
+            config.limits,
         ));
         Ok(Self {
             config,
@@ -177,12 +178,16 @@ impl Starting {
             .subscribe(subjects.lifecycle())
             .await
             .context("subscribing to lifecycle")?;
-        let (admission, counters) = (state.admission.clone(), state.counters.clone());
+        let (admission, counters, limits) = (
+            state.admission.clone(),
+            state.counters.clone(),
+            state.limits,
+        );
         intake_tasks.spawn(intake::serve_with(
             metrics,
             intake.child_token(),
             move |subject, payload| {
-                intake::handle_metrics(&admission, &counters, subject, payload);
+                intake::handle_metrics(&admission, &counters, &limits, subject, payload);
             },
         ));
         let (admission, counters) = (state.admission.clone(), state.counters.clone());
@@ -190,12 +195,13 @@ impl Starting {
             lifecycle,
             intake.child_token(),
             move |subject, payload| {
-                lifecycle::handle_lifecycle(&admission, &counters, subject, payload);
+                lifecycle::handle_lifecycle(&admission, &counters, &limits, subject, payload);
             },
         ));
         replicas::sync::start(
             &state.admission,
             &state.counters,
+            state.limits,
             &subjects,
             &nats,
             &intake_tasks,
@@ -214,6 +220,7 @@ impl Starting {
         let Some(directory) = WorkerDirectory::connect_and_load(
             config.etcd.clone(),
             subjects.clone(),
+            config.limits,
             &mut discovery,
             &discovery_token,
         )
@@ -235,7 +242,13 @@ impl Starting {
         // The peers' bookings are gathered at the same time.
         let (recovered, _snapshot) = tokio::join!(
             crate::durability::initial_recovery(&state, &recovery, event_intake),
-            replicas::snapshot::gather(&state.admission, &state.counters, &subjects, &nats),
+            replicas::snapshot::gather(
+                &state.admission,
+                &state.counters,
+                &state.limits,
+                &subjects,
+                &nats,
+            ),
         );
         let recovered = recovered?;
         info!(summary = %recovered, "initial recovery done");

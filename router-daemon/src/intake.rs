@@ -2,30 +2,32 @@
 //!
 //! One task per subscription. Events are decoded here and handed to the indexer,
 //! whose bounded shard queues apply backpressure: a slow shard slows this loop (and
-//! NATS buffers for us) rather than growing memory without bound. A payload that does
-//! not decode, or whose worker id disagrees with its subject, is counted, logged with
-//! its subject, and skipped; the loop goes on.
+//! NATS buffers for us) rather than growing memory without bound. A payload that is
+//! too large, does not decode, is over a limit (`crate::gate`), or whose worker id
+//! disagrees with its subject, is counted, logged with its subject, and skipped; the
+//! loop goes on.
 
 use crate::admission::Admission;
+use crate::gate::admit;
 use crate::metrics::counters::{Counters, MessageKind, Outcome};
 use futures::StreamExt;
 use indexer::{Indexer, IndexerApi as _};
-use kv_events::{KvEventBatch, LoadMetrics, Subjects, decode};
+use kv_events::limits::Limits;
+use kv_events::{KvEventBatch, LoadMetrics, Subjects};
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
 /// Decodes and checks one KV event payload from `subject`.
 ///
 /// Returns `None` (after counting and logging) when it must be skipped.
-pub fn decode_events(counters: &Counters, subject: &str, payload: &[u8]) -> Option<KvEventBatch> {
-    let batch: KvEventBatch = match decode(payload) {
-        Ok(b) => b,
-        Err(e) => {
-            counters.message(MessageKind::Events, Outcome::Malformed);
-            warn!(subject, error = %e, "malformed kv event batch skipped");
-            return None;
-        }
-    };
+pub fn decode_events(
+    counters: &Counters,
+    limits: &Limits,
+    subject: &str,
+    payload: &[u8],
+) -> Option<KvEventBatch> {
+    let batch: KvEventBatch =
+        admit(counters, limits, MessageKind::Events, subject, payload).ok()?;
     if Subjects::worker_id_from_subject(subject) != Some(batch.worker_id) {
         counters.message(MessageKind::Events, Outcome::Rejected);
         warn!(subject, worker_id = %batch.worker_id, "kv event batch published on another worker's subject skipped");
@@ -38,13 +40,14 @@ pub fn decode_events(counters: &Counters, subject: &str, payload: &[u8]) -> Opti
 pub async fn serve_events(
     indexer: Indexer,
     counters: Counters,
+    limits: Limits,
     subscriber: async_nats::Subscriber,
     intake: CancellationToken,
 ) {
     let mut messages = std::pin::pin!(crate::nats::drain_on_cancel(subscriber, intake));
     while let Some(msg) = messages.next().await {
         let received = std::time::Instant::now();
-        let Some(batch) = decode_events(&counters, &msg.subject, &msg.payload) else {
+        let Some(batch) = decode_events(&counters, &limits, &msg.subject, &msg.payload) else {
             continue;
         };
         if let Err(e) = indexer.apply(batch).await {
@@ -57,8 +60,14 @@ pub async fn serve_events(
 }
 
 /// Applies one load-metrics payload from `subject` to the scheduler.
-pub fn handle_metrics(admission: &Admission, counters: &Counters, subject: &str, payload: &[u8]) {
-    match decode::<LoadMetrics>(payload) {
+pub fn handle_metrics(
+    admission: &Admission,
+    counters: &Counters,
+    limits: &Limits,
+    subject: &str,
+    payload: &[u8],
+) {
+    match admit::<LoadMetrics>(counters, limits, MessageKind::Metrics, subject, payload) {
         Ok(m) if Subjects::worker_id_from_subject(subject) == Some(m.worker_id) => {
             admission.scheduler().update_load_metrics(m);
             counters.message(MessageKind::Metrics, Outcome::Ok);
@@ -69,10 +78,7 @@ pub fn handle_metrics(admission: &Admission, counters: &Counters, subject: &str,
             counters.message(MessageKind::Metrics, Outcome::Rejected);
             warn!(subject, worker_id = %m.worker_id, "load metrics published on another worker's subject skipped");
         }
-        Err(e) => {
-            counters.message(MessageKind::Metrics, Outcome::Malformed);
-            warn!(subject, error = %e, "malformed load metrics skipped");
-        }
+        Err(_) => {} // counted and logged by `admit`
     }
 }
 

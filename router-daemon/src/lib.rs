@@ -41,6 +41,7 @@ pub mod daemon;
 pub mod directory;
 pub mod discovery;
 pub mod durability;
+pub mod gate;
 pub mod health;
 pub mod http;
 pub mod intake;

@@ -11,22 +11,26 @@
 //! load accounting is advisory and must never fail on a frontend's retry.
 
 use crate::admission::Admission;
+use crate::gate::admit;
 use crate::metrics::counters::{Counters, MessageKind, Outcome};
-use kv_events::decode;
+use kv_events::limits::Limits;
 use kv_events::replicas::SequenceUpdate;
 use kv_events::routing::{LifecycleEvent, LifecycleMessage};
 use std::time::Instant;
-use tracing::{debug, warn};
+use tracing::debug;
 
 /// Applies one lifecycle payload received on `subject` to the scheduler.
-pub fn handle_lifecycle(admission: &Admission, counters: &Counters, subject: &str, payload: &[u8]) {
-    let msg: LifecycleMessage = match decode(payload) {
-        Ok(m) => m,
-        Err(e) => {
-            counters.message(MessageKind::Lifecycle, Outcome::Malformed);
-            warn!(subject, error = %e, "malformed lifecycle message skipped");
-            return;
-        }
+pub fn handle_lifecycle(
+    admission: &Admission,
+    counters: &Counters,
+    limits: &Limits,
+    subject: &str,
+    payload: &[u8],
+) {
+    let Ok(msg) =
+        admit::<LifecycleMessage>(counters, limits, MessageKind::Lifecycle, subject, payload)
+    else {
+        return; // counted and logged by `admit`
     };
     let now = Instant::now();
     let id = &msg.request_id;

@@ -12,11 +12,12 @@ use crate::queue::QueueError;
 use crate::state::RouterState;
 use futures::StreamExt;
 use indexer::IndexerApi as _;
+use kv_events::limits::decode_within;
 use kv_events::routing::{
     MAX_EXCLUDED_WORKERS, Prompt, RouteDecision, RouteError, RouteErrorCode, RouteReply,
     RouteRequest,
 };
-use kv_events::{LocalBlockHash, RequestId, compute_block_hashes, decode, encode};
+use kv_events::{LocalBlockHash, RequestId, compute_block_hashes, encode};
 use scheduler::{ScheduleRequest, SchedulerError, Selection};
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
@@ -82,15 +83,16 @@ pub fn prompt_blocks(prompt: Prompt, block_size: u32) -> Result<PromptBlocks, Ro
 /// Answers one route request payload. Counts the outcome.
 pub async fn handle_route(state: &RouterState, payload: &[u8]) -> RouteReply {
     let started = std::time::Instant::now();
-    let request: RouteRequest = match decode(payload) {
+    let request: RouteRequest = match decode_within(payload, &state.limits) {
         Ok(r) => r,
-        Err(e) => {
+        Err(refusal) => {
+            let subject = state.subjects.route();
             state
                 .counters
-                .message(MessageKind::Route, Outcome::Malformed);
+                .refused(MessageKind::Route, &subject, &refusal);
             return error(
                 RouteErrorCode::BadRequest,
-                format!("malformed route request: {e}"),
+                format!("route request refused: {refusal}"),
             );
         }
     };

@@ -18,7 +18,7 @@ use crate::route::{admit_error, error, routed, schedule_request};
 use crate::state::RouterState;
 use futures::future::join_all;
 use indexer::IndexerApi as _;
-use kv_events::decode;
+use kv_events::limits::decode_within;
 use kv_events::routing::{
     RouteBatchReply, RouteBatchRequest, RouteError, RouteErrorCode, RouteReply,
 };
@@ -42,15 +42,16 @@ pub async fn handle_route_batch(
     max_batch: usize,
 ) -> RouteBatchReply {
     let started = Instant::now();
-    let batch: RouteBatchRequest = match decode(payload) {
+    let batch: RouteBatchRequest = match decode_within(payload, &state.limits) {
         Ok(b) => b,
-        Err(e) => {
+        Err(refusal) => {
+            let subject = state.subjects.route_batch();
             state
                 .counters
-                .message(MessageKind::RouteBatch, Outcome::Malformed);
+                .refused(MessageKind::RouteBatch, &subject, &refusal);
             return refuse(
                 RouteErrorCode::BadRequest,
-                format!("malformed route batch: {e}"),
+                format!("route batch refused: {refusal}"),
             );
         }
     };

@@ -13,6 +13,7 @@ use crate::health::Health;
 use crate::metrics::counters::Counters;
 use indexer::Indexer;
 use kv_events::Subjects;
+use kv_events::limits::Limits;
 use scheduler::Scheduler;
 use std::sync::{Arc, MutexGuard};
 
@@ -32,6 +33,8 @@ pub struct RouterState {
     pub health: Arc<Health>,
     /// The scheduler lock, wait queue, replica sync and request expiry.
     pub admission: Arc<Admission>,
+    /// Bounds on every message decoded (`crate::gate`).
+    pub limits: Limits,
 }
 
 impl RouterState {
@@ -42,6 +45,7 @@ impl RouterState {
         indexer: Indexer,
         counters: Counters,
         admission: Admission,
+        limits: Limits,
     ) -> Self {
         Self {
             subjects,
@@ -51,6 +55,7 @@ impl RouterState {
             counters,
             directory: WorkerDirectory::new(),
             admission: Arc::new(admission),
+            limits,
         }
     }
 

@@ -319,6 +319,17 @@ impl FakeWorker {
     }
 }
 
+/// The worker a route reply chose.
+///
+/// # Panics
+/// When the reply is an error: the test expected a route.
+pub fn routed_worker(reply: &RouteReply) -> WorkerId {
+    match reply {
+        RouteReply::Routed(d) => d.worker_id,
+        RouteReply::Error(e) => panic!("route failed: {e:?}"),
+    }
+}
+
 /// Writes `registration` at its worker key under a fresh etcd lease of `ttl_secs`, as
 /// an engine (or the relay) does; returns the lease id, for revoking it.
 ///

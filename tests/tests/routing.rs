@@ -3,7 +3,7 @@
 
 use anyhow::Context;
 use indexer::IndexerApi as _;
-use integration_tests::{FakeWorker, TestCluster, eventually};
+use integration_tests::{FakeWorker, TestCluster, eventually, routed_worker};
 use kv_events::routing::{RouteErrorCode, RouteReply};
 use kv_events::{WorkerId, WorkerRank, encode};
 use std::time::Duration;
@@ -13,13 +13,6 @@ const WAIT: Duration = Duration::from_secs(10);
 
 fn prompt(seed: u32, blocks: u32) -> Vec<u32> {
     (0..blocks * BLOCK).map(|i| seed * 10_000 + i).collect()
-}
-
-fn routed_worker(reply: &RouteReply) -> WorkerId {
-    match reply {
-        RouteReply::Routed(d) => d.worker_id,
-        RouteReply::Error(e) => panic!("route failed: {e:?}"),
-    }
 }
 
 async fn wait_for_overlap(

@@ -19,7 +19,8 @@
 //! - [`policy`]: the default policy and each policy's knob flags.
 //! - [`index`]: the index backend, memory bound, mode, recovery and JetStream flags.
 //! - The NATS and etcd flags are `kv_cluster::args`, shared with `kv-router relay`
-//!   and every other participant.
+//!   and every other participant; the `Limits` flags are `kv_cluster::limits`,
+//!   shared with the gateway.
 
 pub mod error;
 pub mod file;
@@ -106,6 +107,9 @@ pub struct ServeArgs {
         default_value_t = 256
     )]
     pub max_route_batch: usize,
+    /// Bounds on every message from NATS and every registration from etcd.
+    #[command(flatten)]
+    pub limits: kv_cluster::limits::LimitArgs,
 }
 
 /// Settings of the routing service itself.
@@ -142,6 +146,8 @@ pub struct DaemonConfig {
     pub admission: crate::admission::AdmissionConfig,
     /// RNG seed of the scheduler, `None` for an OS seed.
     pub rng_seed: Option<u64>,
+    /// Bounds on messages and registrations, applied where each is decoded.
+    pub limits: kv_events::limits::Limits,
 }
 
 /// The `serve` command: every setting the file, environment and flags can set (for
@@ -166,6 +172,7 @@ impl DaemonConfig {
         }
         let nats = args.nats.to_config()?;
         let etcd = args.etcd.to_config()?;
+        let limits = args.limits.to_limits()?;
         if args.max_inflight_routes == 0 {
             return Err(invalid("max-inflight-routes", "must be at least 1"));
         }
@@ -204,6 +211,7 @@ impl DaemonConfig {
             scheduler,
             admission,
             rng_seed: args.seed,
+            limits,
         })
     }
 }

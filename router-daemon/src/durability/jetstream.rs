@@ -350,9 +350,12 @@ pub async fn consume(
                 continue;
             }
         };
-        if let Some(batch) =
-            crate::intake::decode_events(&state.counters, &message.subject, &message.payload)
-        {
+        if let Some(batch) = crate::intake::decode_events(
+            &state.counters,
+            &state.limits,
+            &message.subject,
+            &message.payload,
+        ) {
             if let Err(e) = state.indexer.apply(batch).await {
                 warn!(error = %e, "indexer refused events; stopping jetstream intake");
                 return;

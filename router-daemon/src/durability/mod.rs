@@ -107,6 +107,7 @@ pub async fn start_event_intake(
         tasks.spawn(crate::intake::serve_events(
             state.indexer.clone(),
             state.counters.clone(),
+            state.limits,
             events,
             intake.child_token(),
         ));

@@ -8,11 +8,14 @@
 
 use super::Metrics;
 use super::registrar::{self, Registrar};
+use kv_events::limits::Refusal;
 use prometheus::core::Desc;
 use prometheus::{IntCounterVec, IntGauge, Registry};
+use std::time::Instant;
+use tracing::warn;
 
 /// Message kinds the daemon consumes, used as the `kind` label.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum MessageKind {
     /// KV event batches.
     Events,
@@ -57,6 +60,10 @@ pub enum Outcome {
     Malformed,
     /// Decoded but refused (unknown request, invalid registration, ...).
     Rejected,
+    /// Longer than `--max-message-bytes`; not decoded.
+    TooLarge,
+    /// Decoded, but a count or value is over its limit (`Limits` flags).
+    OverLimit,
 }
 
 impl Outcome {
@@ -65,6 +72,8 @@ impl Outcome {
             Outcome::Ok => "ok",
             Outcome::Malformed => "malformed",
             Outcome::Rejected => "rejected",
+            Outcome::TooLarge => "too_large",
+            Outcome::OverLimit => "over_limit",
         }
     }
 }
@@ -74,6 +83,8 @@ impl Outcome {
 pub struct Counters {
     messages: IntCounterVec,
     workers: IntGauge,
+    /// Rate limiter of refusal log lines.
+    refusal_log: std::sync::Arc<super::refusals::RefusalLog>,
     /// Routing, event, recovery, queue, load and connection metrics.
     pub metrics: Metrics,
 }
@@ -91,6 +102,7 @@ impl Counters {
                 &["kind", "outcome"],
             )?,
             workers: r.gauge("kv_router_workers", "Workers currently registered in etcd")?,
+            refusal_log: std::sync::Arc::default(),
             metrics: Metrics::new(r)?,
         })
     }
@@ -129,6 +141,29 @@ impl Counters {
         self.messages
             .with_label_values(&[kind.label(), outcome.label()])
             .get()
+    }
+
+    /// Counts a refused message of `kind` from `subject` and logs it, rate-limited.
+    pub fn refused(&self, kind: MessageKind, subject: &str, refusal: &Refusal) {
+        let outcome = match refusal {
+            Refusal::TooLarge { .. } => Outcome::TooLarge,
+            Refusal::Malformed(_) => Outcome::Malformed,
+            Refusal::OverLimit(_) => Outcome::OverLimit,
+        };
+        self.message(kind, outcome);
+        if let Some(not_logged) =
+            self.refusal_log
+                .should_log(kind.label(), refusal.reason(), Instant::now())
+        {
+            warn!(
+                subject,
+                kind = kind.label(),
+                reason = refusal.reason(),
+                error = %refusal,
+                not_logged,
+                "message refused and skipped"
+            );
+        }
     }
 
     /// Sets the registered-workers gauge.

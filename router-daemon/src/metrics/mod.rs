@@ -35,6 +35,7 @@ pub mod connections;
 pub mod counters;
 pub mod events;
 pub mod load;
+pub mod refusals;
 pub use kv_cluster::metrics as registrar;
 pub mod route;
 

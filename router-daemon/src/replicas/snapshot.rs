@@ -46,9 +46,11 @@
 
 use super::bookings::{RecentStep, booked_event};
 use crate::admission::Admission;
+use crate::gate::admit;
 use crate::metrics::counters::{Counters, MessageKind, Outcome};
 use anyhow::Context;
 use futures::StreamExt;
+use kv_events::limits::Limits;
 use kv_events::replicas::{
     BookedSequence, SNAPSHOT_CHUNK_BYTES, SnapshotEntry, SnapshotReply, SnapshotRequest,
 };
@@ -108,6 +110,7 @@ impl fmt::Display for SnapshotSummary {
 pub async fn gather(
     admission: &Admission,
     counters: &Counters,
+    limits: &Limits,
     subjects: &Subjects,
     nats: &async_nats::Client,
 ) -> SnapshotSummary {
@@ -122,7 +125,17 @@ pub async fn gather(
         return summary;
     }
     let subject = subjects.sequences_snapshot();
-    match collect(admission, counters, nats, &subject, window, &mut summary).await {
+    match collect(
+        admission,
+        counters,
+        limits,
+        nats,
+        &subject,
+        window,
+        &mut summary,
+    )
+    .await
+    {
         Ok(()) => {
             let (peers, complete) = summary.peer_counts();
             info!(
@@ -154,6 +167,7 @@ pub async fn gather(
 async fn collect(
     admission: &Admission,
     counters: &Counters,
+    limits: &Limits,
     nats: &async_nats::Client,
     subject: &str,
     window: std::time::Duration,
@@ -187,6 +201,7 @@ async fn collect(
         apply_reply(
             admission,
             counters,
+            limits,
             &message.subject,
             &message.payload,
             summary,
@@ -203,17 +218,20 @@ async fn collect(
 pub fn apply_reply(
     admission: &Admission,
     counters: &Counters,
+    limits: &Limits,
     subject: &str,
     payload: &[u8],
     summary: &mut SnapshotSummary,
 ) {
     let replicas = &admission.replicas;
     let metrics = replicas.metrics();
-    let reply: SnapshotReply = match decode(payload) {
+    let kind = MessageKind::SequenceSnapshot;
+    let reply: SnapshotReply = match admit(counters, limits, kind, subject, payload) {
         Ok(r) => r,
-        Err(e) => {
+        Err(refusal) => {
             summary.malformed += 1;
-            return skip_malformed(admission, counters, subject, "reply", &e);
+            metrics.count("snapshot_in", refusal.reason());
+            return;
         }
     };
     counters.message(MessageKind::SequenceSnapshot, Outcome::Ok);

@@ -8,6 +8,7 @@ use crate::lifecycle::handle_lifecycle;
 use crate::replicas::bookings::OwnBookings;
 use crate::replicas::sync::handle_sync;
 use kv_events::discovery::WorkerRegistration;
+use kv_events::limits::Limits;
 use kv_events::replicas::{SequenceSync, SequenceUpdate};
 use kv_events::routing::{LifecycleEvent, LifecycleMessage};
 use kv_events::{DpRank, LocalBlockHash, WorkerId, WorkerRank};
@@ -106,24 +107,28 @@ async fn a_reply_skips_what_was_freed_or_known_and_keeps_prefill_done() {
     handle_sync(
         &state.admission,
         &state.counters,
+        &Limits::default(),
         "it.router.sequences",
         &sync("known", SequenceUpdate::Booked(booked(1))),
     );
     handle_lifecycle(
         &state.admission,
         &state.counters,
+        &Limits::default(),
         "it.router.lifecycle",
         &lifecycle("gone-frontend", LifecycleEvent::Freed),
     );
     handle_sync(
         &state.admission,
         &state.counters,
+        &Limits::default(),
         "it.router.sequences",
         &sync("gone-peer", SequenceUpdate::Freed),
     );
     handle_lifecycle(
         &state.admission,
         &state.counters,
+        &Limits::default(),
         "it.router.lifecycle",
         &lifecycle("early", LifecycleEvent::PrefillDone),
     );
@@ -149,6 +154,7 @@ async fn a_reply_skips_what_was_freed_or_known_and_keeps_prefill_done() {
     apply_reply(
         &state.admission,
         &state.counters,
+        &Limits::default(),
         "_INBOX.x",
         &payload,
         &mut summary,
@@ -212,6 +218,7 @@ async fn a_reply_skips_what_was_freed_or_known_and_keeps_prefill_done() {
     handle_sync(
         &state.admission,
         &state.counters,
+        &Limits::default(),
         "it.router.sequences",
         &sync("fresh", SequenceUpdate::Booked(booked(1))),
     );
@@ -228,6 +235,7 @@ async fn a_reply_skips_what_was_freed_or_known_and_keeps_prefill_done() {
     handle_lifecycle(
         &state.admission,
         &state.counters,
+        &Limits::default(),
         "it.router.lifecycle",
         &lifecycle("later", LifecycleEvent::Freed),
     );
@@ -243,6 +251,7 @@ async fn malformed_and_own_replies_are_skipped() {
     apply_reply(
         &state.admission,
         &state.counters,
+        &Limits::default(),
         "_INBOX.x",
         &[0xc1, 0x00],
         &mut summary,
@@ -250,6 +259,7 @@ async fn malformed_and_own_replies_are_skipped() {
     apply_reply(
         &state.admission,
         &state.counters,
+        &Limits::default(),
         "_INBOX.x",
         &reply(US, vec![entry("mine", 1, false)]),
         &mut summary,

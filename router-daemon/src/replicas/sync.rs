@@ -7,11 +7,13 @@
 
 use super::bookings::booked_event;
 use crate::admission::Admission;
+use crate::gate::admit;
 use crate::metrics::SyncMetrics;
 use crate::metrics::counters::{Counters, MessageKind, Outcome};
 use anyhow::Context;
+use kv_events::limits::Limits;
 use kv_events::replicas::{SequenceSync, SequenceUpdate};
-use kv_events::{Subjects, decode, encode};
+use kv_events::{Subjects, encode};
 use scheduler::{SchedulerError, SequenceEvent};
 use std::sync::Arc;
 use std::time::Instant;
@@ -29,6 +31,7 @@ use tracing::{debug, info, warn};
 pub async fn start(
     admission: &Arc<Admission>,
     counters: &Counters,
+    limits: Limits,
     subjects: &Subjects,
     nats: &async_nats::Client,
     tasks: &TaskTracker,
@@ -54,7 +57,7 @@ pub async fn start(
     tasks.spawn(crate::intake::serve_with(
         peers,
         stop.child_token(),
-        move |subject, payload| handle_sync(&admission, &counters, subject, payload),
+        move |subject, payload| handle_sync(&admission, &counters, &limits, subject, payload),
     ));
     tasks.spawn(publish(
         nats.clone(),
@@ -100,14 +103,19 @@ pub async fn publish(
 }
 
 /// Applies one sync payload received on `subject`.
-pub fn handle_sync(admission: &Admission, counters: &Counters, subject: &str, payload: &[u8]) {
+pub fn handle_sync(
+    admission: &Admission,
+    counters: &Counters,
+    limits: &Limits,
+    subject: &str,
+    payload: &[u8],
+) {
     let replicas = &admission.replicas;
-    let msg: SequenceSync = match decode(payload) {
+    let msg: SequenceSync = match admit(counters, limits, MessageKind::Sequences, subject, payload)
+    {
         Ok(m) => m,
-        Err(e) => {
-            counters.message(MessageKind::Sequences, Outcome::Malformed);
-            replicas.metrics().count("in", "malformed");
-            warn!(subject, error = %e, "malformed sequence sync skipped");
+        Err(refusal) => {
+            replicas.metrics().count("in", refusal.reason());
             return;
         }
     };

@@ -1,0 +1,516 @@
+//! Bounds on what one message from the network may carry, checked before anything
+//! is allocated for it.
+//!
+//! Why: a router replica keeps state for everything it accepts, so a single record
+//! or message that is merely *valid* can still take it down. A registration with
+//! `dp_size` 4,294,967,295 once made every replica allocate a rank list of 64 GiB
+//! and abort; a `Stored` event of 5M blocks or a route request of 50M tokens held
+//! gigabytes. Two checks close that:
+//!
+//! 1. **Bytes before decoding** ([`decode_within`]): a payload longer than
+//!    [`Limits::max_message_bytes`] is refused unread. msgpack decoding (rmp-serde)
+//!    preallocates cautiously and grows with the elements actually present, so what a
+//!    decode allocates is then bounded by a small multiple of this.
+//! 2. **Counts and values after decoding** ([`WithinLimits`]): every count that sizes
+//!    state (ranks, blocks, tokens, events, requests) and every load value the
+//!    scheduler adds up is checked against its limit, so nothing over it reaches the
+//!    index or the scheduler.
+//!
+//! A refusal names the field, the value and the limit ([`LimitError`]), and
+//! [`Refusal::reason`] gives a short label for a metric. The caller counts it, logs it
+//! once with its subject or key, and goes on with the next message.
+//!
+//! The defaults fit real engines with room to spare; each is a flag of the daemon
+//! (`docs/configuration.md`, "Limits"). Cost: one comparison per count, and one pass
+//! over a batch's events.
+
+use crate::discovery::WorkerRegistration;
+use crate::events::{KvCacheEventData, KvEventBatch};
+use crate::metrics::LoadMetrics;
+use crate::replicas::{BookedSequence, SequenceSync, SequenceUpdate, SnapshotReply};
+use crate::routing::{Prompt, RouteBatchRequest, RouteRequest};
+use crate::{CodecError, DpRank, RequestId, decode};
+use serde::de::DeserializeOwned;
+
+/// The bounds of one router replica (or other reader of the protocol); see the module
+/// docs. `Copy`, so every task keeps its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Largest payload decoded, in bytes (default 8 MiB: NATS's default `max_payload`
+    /// is 1 MiB, and operators who raise it for large dumps use a few MiB).
+    pub max_message_bytes: usize,
+    /// Largest `dp_size` of a registration, in ranks (default 1,024; the largest
+    /// data-parallel deployments published, DeepSeek-V3 with DP attention, use 32–256).
+    pub max_dp_size: u32,
+    /// Largest KV capacity of one rank, in blocks, for registrations and load metrics
+    /// (default 2^32: 4 billion blocks, 1,000× an 8-GPU node's HBM at 16-token blocks).
+    pub max_kv_blocks: u64,
+    /// Longest prompt of a route request or booking, in tokens (default 2^20 =
+    /// 1,048,576, the longest `max_model_len` of common models today, e.g.
+    /// Qwen2.5-1M; raise it together with `max_message_bytes` for 10M-token models).
+    pub max_route_tokens: u64,
+    /// Most events in one KV event batch (default 16,384; vLLM publishes one batch per
+    /// engine step, a few events per running request).
+    pub max_batch_events: usize,
+    /// Most blocks named by one KV event batch, over all its `Stored` and `Removed`
+    /// events (default 2^20: a full 1M-token prompt at one token per block).
+    pub max_batch_blocks: usize,
+}
+
+/// Longest request id, in bytes: ids are UUIDs or similar.
+pub const MAX_REQUEST_ID_BYTES: usize = 512;
+
+/// Longest expected prefill of a booking, in ms (one hour).
+pub const MAX_PREFILL_MS: u64 = 3_600_000;
+
+/// Most prefill tokens a rank may report as queued, in tokens: 2^40, far above any
+/// engine, and low enough that a sum over a million ranks cannot overflow a `u64`.
+pub const MAX_QUEUED_PREFILL_TOKENS: u64 = 1 << 40;
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_message_bytes: 8 << 20,
+            max_dp_size: 1024,
+            max_kv_blocks: 1 << 32,
+            max_route_tokens: 1 << 20,
+            max_batch_events: 16_384,
+            max_batch_blocks: 1 << 20,
+        }
+    }
+}
+
+/// A value over its limit: the field, what it was and the limit.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field} is {value}, over the limit of {limit}")]
+pub struct LimitError {
+    /// The field or count, as named on the wire (e.g. `dp_size`, `token_ids`).
+    pub field: &'static str,
+    /// Its value.
+    pub value: u64,
+    /// The limit it broke.
+    pub limit: u64,
+}
+
+/// Why a payload was not accepted by [`decode_within`].
+#[derive(Debug, thiserror::Error)]
+pub enum Refusal {
+    /// Longer than [`Limits::max_message_bytes`]; not decoded.
+    #[error("message of {bytes} bytes, over the limit of {limit}")]
+    TooLarge {
+        /// The payload's length, in bytes.
+        bytes: usize,
+        /// The limit, in bytes.
+        limit: usize,
+    },
+    /// Not a valid encoding of the expected message.
+    #[error("malformed: {0}")]
+    Malformed(#[from] CodecError),
+    /// Decoded, but a count or value is over its limit.
+    #[error(transparent)]
+    OverLimit(#[from] LimitError),
+}
+
+impl Refusal {
+    /// A short label for metrics: `too_large`, `malformed` or `over_limit`.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::TooLarge { .. } => "too_large",
+            Self::Malformed(_) => "malformed",
+            Self::OverLimit(_) => "over_limit",
+        }
+    }
+}
+
+/// A message whose counts and values can be checked against [`Limits`].
+pub trait WithinLimits {
+    /// `Ok` when every count and value is within `limits`.
+    ///
+    /// # Errors
+    /// The first [`LimitError`] found.
+    fn within(&self, limits: &Limits) -> Result<(), LimitError>;
+}
+
+/// Decodes a msgpack `payload` of at most [`Limits::max_message_bytes`] and checks the
+/// result against `limits`.
+///
+/// # Errors
+/// [`Refusal`]: too large (not decoded), malformed, or over a limit.
+pub fn decode_within<T: DeserializeOwned + WithinLimits>(
+    payload: &[u8],
+    limits: &Limits,
+) -> Result<T, Refusal> {
+    check_bytes(payload.len(), limits)?;
+    let message: T = decode(payload)?;
+    message.within(limits)?;
+    Ok(message)
+}
+
+/// [`Refusal::TooLarge`] when `bytes` is over [`Limits::max_message_bytes`].
+///
+/// # Errors
+/// As described.
+pub fn check_bytes(bytes: usize, limits: &Limits) -> Result<(), Refusal> {
+    if bytes > limits.max_message_bytes {
+        return Err(Refusal::TooLarge {
+            bytes,
+            limit: limits.max_message_bytes,
+        });
+    }
+    Ok(())
+}
+
+/// `Err` naming `field` when `value` is over `limit`.
+fn at_most(
+    field: &'static str,
+    value: impl TryInto<u64>,
+    limit: impl TryInto<u64>,
+) -> Result<(), LimitError> {
+    let value = value.try_into().unwrap_or(u64::MAX);
+    let limit = limit.try_into().unwrap_or(u64::MAX);
+    if value > limit {
+        return Err(LimitError {
+            field,
+            value,
+            limit,
+        });
+    }
+    Ok(())
+}
+
+/// A rank below `max_dp_size`.
+fn rank(dp_rank: DpRank, limits: &Limits) -> Result<(), LimitError> {
+    at_most("dp_rank", dp_rank.0, limits.max_dp_size.saturating_sub(1))
+}
+
+fn request_id(id: &RequestId) -> Result<(), LimitError> {
+    at_most("request_id", id.0.len(), MAX_REQUEST_ID_BYTES)
+}
+
+impl WithinLimits for WorkerRegistration {
+    fn within(&self, limits: &Limits) -> Result<(), LimitError> {
+        at_most("dp_size", self.dp_size, limits.max_dp_size)?;
+        at_most(
+            "total_kv_blocks",
+            self.total_kv_blocks,
+            limits.max_kv_blocks,
+        )
+    }
+}
+
+impl WithinLimits for KvEventBatch {
+    fn within(&self, limits: &Limits) -> Result<(), LimitError> {
+        at_most("events", self.events.len(), limits.max_batch_events)?;
+        let mut blocks = 0usize;
+        for event in &self.events {
+            blocks += match &event.data {
+                KvCacheEventData::Stored { blocks, .. } => blocks.len(),
+                KvCacheEventData::Removed { block_hashes } => block_hashes.len(),
+                KvCacheEventData::Cleared => 0,
+            };
+        }
+        at_most("blocks", blocks, limits.max_batch_blocks)?;
+        for event in &self.events {
+            rank(event.dp_rank, limits)?;
+        }
+        Ok(())
+    }
+}
+
+impl WithinLimits for LoadMetrics {
+    fn within(&self, limits: &Limits) -> Result<(), LimitError> {
+        rank(self.dp_rank, limits)?;
+        at_most(
+            "kv_total_blocks",
+            self.kv_total_blocks,
+            limits.max_kv_blocks,
+        )?;
+        at_most("kv_used_blocks", self.kv_used_blocks, limits.max_kv_blocks)?;
+        at_most(
+            "active_decode_blocks",
+            self.active_decode_blocks,
+            limits.max_kv_blocks,
+        )?;
+        at_most(
+            "active_prefill_tokens",
+            self.active_prefill_tokens,
+            MAX_QUEUED_PREFILL_TOKENS,
+        )
+    }
+}
+
+impl WithinLimits for RouteRequest {
+    fn within(&self, limits: &Limits) -> Result<(), LimitError> {
+        request_id(&self.request_id)?;
+        match &self.prompt {
+            Prompt::Tokens { token_ids } => {
+                at_most("token_ids", token_ids.len(), limits.max_route_tokens)
+            }
+            Prompt::Blocks {
+                block_hashes,
+                num_tokens,
+            } => {
+                at_most("num_tokens", *num_tokens, limits.max_route_tokens)?;
+                at_most("block_hashes", block_hashes.len(), limits.max_route_tokens)
+            }
+        }
+    }
+}
+
+/// The count of requests is the daemon's `--max-route-batch` (answered with an error
+/// reply, not skipped); here each request is checked.
+impl WithinLimits for RouteBatchRequest {
+    fn within(&self, limits: &Limits) -> Result<(), LimitError> {
+        self.requests.iter().try_for_each(|r| r.within(limits))
+    }
+}
+
+impl WithinLimits for BookedSequence {
+    fn within(&self, limits: &Limits) -> Result<(), LimitError> {
+        rank(self.dp_rank, limits)?;
+        at_most(
+            "block_hashes",
+            self.block_hashes.len(),
+            limits.max_route_tokens,
+        )?;
+        at_most(
+            "request_blocks",
+            self.request_blocks,
+            limits.max_route_tokens,
+        )?;
+        at_most(
+            "prefill_tokens",
+            self.prefill_tokens,
+            limits.max_route_tokens,
+        )?;
+        if let Some(ms) = self.expected_prefill_ms {
+            at_most("expected_prefill_ms", ms, MAX_PREFILL_MS)?;
+        }
+        Ok(())
+    }
+}
+
+impl WithinLimits for SequenceSync {
+    fn within(&self, limits: &Limits) -> Result<(), LimitError> {
+        request_id(&self.request_id)?;
+        match &self.update {
+            SequenceUpdate::Booked(booked) => booked.within(limits),
+            SequenceUpdate::PrefillDone | SequenceUpdate::KeepAlive | SequenceUpdate::Freed => {
+                Ok(())
+            }
+        }
+    }
+}
+
+/// The number of entries is bounded by the payload's bytes; each entry is checked.
+impl WithinLimits for SnapshotReply {
+    fn within(&self, limits: &Limits) -> Result<(), LimitError> {
+        self.requests.iter().try_for_each(|entry| {
+            request_id(&entry.request_id)?;
+            entry.booked.within(limits)
+        })
+    }
+}
+
+impl WithinLimits for crate::routing::LifecycleMessage {
+    fn within(&self, _: &Limits) -> Result<(), LimitError> {
+        request_id(&self.request_id)
+    }
+}
+
+impl WithinLimits for crate::replicas::SnapshotRequest {
+    fn within(&self, _: &Limits) -> Result<(), LimitError> {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::events::{KvCacheEvent, StoredBlock};
+    use crate::replicas::RouterId;
+    use crate::{DpRank, ExternalBlockHash, LocalBlockHash, WorkerId, encode};
+
+    fn registration(dp_size: u32, total_kv_blocks: u64) -> WorkerRegistration {
+        WorkerRegistration {
+            worker_id: WorkerId(1),
+            dp_size,
+            block_size: 16,
+            total_kv_blocks,
+            url: None,
+        }
+    }
+
+    fn stored(blocks: u64) -> KvCacheEventData {
+        KvCacheEventData::Stored {
+            parent_hash: None,
+            blocks: (0..blocks)
+                .map(|i| StoredBlock {
+                    block_hash: ExternalBlockHash(i),
+                    tokens_hash: LocalBlockHash(i),
+                })
+                .collect(),
+        }
+    }
+
+    fn batch(events: Vec<KvCacheEventData>) -> KvEventBatch {
+        KvEventBatch {
+            worker_id: WorkerId(1),
+            epoch: 0,
+            events: (0u64..)
+                .zip(events)
+                .map(|(event_id, data)| KvCacheEvent {
+                    event_id,
+                    dp_rank: DpRank(0),
+                    data,
+                })
+                .collect(),
+        }
+    }
+
+    fn booked(prefill_tokens: u64) -> SequenceSync {
+        SequenceSync {
+            router_id: RouterId(7),
+            request_id: RequestId("r".into()),
+            update: SequenceUpdate::Booked(BookedSequence {
+                worker_id: WorkerId(1),
+                dp_rank: DpRank(0),
+                block_hashes: vec![LocalBlockHash(1)],
+                request_blocks: 1,
+                prefill_tokens,
+                expected_prefill_ms: Some(20),
+            }),
+        }
+    }
+
+    fn refused_field<T: WithinLimits>(message: &T, limits: &Limits) -> &'static str {
+        message.within(limits).expect_err("over a limit").field
+    }
+
+    #[test]
+    fn a_registration_over_the_rank_or_capacity_limit_is_refused_by_name() {
+        let limits = Limits::default();
+        assert_eq!(registration(8, 1 << 20).within(&limits), Ok(()));
+        assert_eq!(
+            registration(u32::MAX, 100).within(&limits),
+            Err(LimitError {
+                field: "dp_size",
+                value: u64::from(u32::MAX),
+                limit: 1024
+            })
+        );
+        assert_eq!(
+            refused_field(&registration(1, u64::MAX), &limits),
+            "total_kv_blocks"
+        );
+    }
+
+    #[test]
+    fn event_batches_are_bounded_in_events_blocks_and_ranks() {
+        let limits = Limits {
+            max_batch_events: 3,
+            max_batch_blocks: 10,
+            max_dp_size: 2,
+            ..Limits::default()
+        };
+        assert_eq!(batch(vec![stored(4), stored(6)]).within(&limits), Ok(()));
+        // 11 blocks over two events: the sum counts, not each event.
+        assert_eq!(
+            refused_field(&batch(vec![stored(5), stored(6)]), &limits),
+            "blocks"
+        );
+        let removed = KvCacheEventData::Removed {
+            block_hashes: (0..11).map(ExternalBlockHash).collect(),
+        };
+        assert_eq!(refused_field(&batch(vec![removed]), &limits), "blocks");
+        let four = vec![KvCacheEventData::Cleared; 4];
+        assert_eq!(refused_field(&batch(four), &limits), "events");
+        let mut far_rank = batch(vec![stored(1)]);
+        far_rank.events[0].dp_rank = DpRank(2);
+        assert_eq!(refused_field(&far_rank, &limits), "dp_rank");
+    }
+
+    #[test]
+    fn route_requests_and_bookings_are_bounded_in_tokens() {
+        let limits = Limits {
+            max_route_tokens: 100,
+            ..Limits::default()
+        };
+        let tokens = |n: u32| {
+            RouteRequest::new(
+                "r",
+                Prompt::Tokens {
+                    token_ids: (0..n).collect(),
+                },
+            )
+        };
+        assert_eq!(tokens(100).within(&limits), Ok(()));
+        assert_eq!(refused_field(&tokens(101), &limits), "token_ids");
+        let blocks = RouteRequest::new(
+            "r",
+            Prompt::Blocks {
+                block_hashes: vec![LocalBlockHash(1)],
+                num_tokens: u64::MAX,
+            },
+        );
+        assert_eq!(refused_field(&blocks, &limits), "num_tokens");
+        let batch = RouteBatchRequest {
+            requests: vec![tokens(1), tokens(101)],
+            order: crate::routing::BatchOrder::AsGiven,
+        };
+        assert_eq!(refused_field(&batch, &limits), "token_ids");
+        assert_eq!(booked(100).within(&limits), Ok(()));
+        assert_eq!(refused_field(&booked(u64::MAX), &limits), "prefill_tokens");
+        let long_id = RouteRequest::new(
+            "x".repeat(MAX_REQUEST_ID_BYTES + 1),
+            Prompt::Tokens { token_ids: vec![1] },
+        );
+        assert_eq!(refused_field(&long_id, &Limits::default()), "request_id");
+    }
+
+    #[test]
+    fn load_metrics_over_the_capacity_are_refused() {
+        let metrics = |kv_used_blocks| LoadMetrics {
+            worker_id: WorkerId(1),
+            dp_rank: DpRank(0),
+            active_decode_blocks: 1,
+            active_prefill_tokens: 1,
+            kv_used_blocks,
+            kv_total_blocks: 100,
+            num_requests_running: 1,
+            num_requests_waiting: 0,
+        };
+        let limits = Limits::default();
+        assert_eq!(metrics(10).within(&limits), Ok(()));
+        assert_eq!(refused_field(&metrics(u64::MAX), &limits), "kv_used_blocks");
+    }
+
+    #[test]
+    fn a_payload_over_the_byte_limit_is_refused_before_decoding() {
+        let limits = Limits {
+            max_message_bytes: 256,
+            ..Limits::default()
+        };
+        let big = encode(&batch(vec![stored(100)])).expect("encodes");
+        let refusal = decode_within::<KvEventBatch>(&big, &limits).expect_err("too large");
+        assert!(
+            matches!(refusal, Refusal::TooLarge { bytes, limit: 256 } if bytes == big.len()),
+            "{refusal}"
+        );
+        assert_eq!(refusal.reason(), "too_large");
+        // Garbage within the byte limit is malformed, a valid one over a count limit
+        // is over_limit, and a valid one within every limit decodes.
+        let garbage = decode_within::<KvEventBatch>(&[0xc1], &limits).expect_err("bad");
+        assert_eq!(garbage.reason(), "malformed");
+        let small = encode(&batch(vec![stored(1)])).expect("encodes");
+        let one_block = Limits {
+            max_batch_blocks: 0,
+            ..limits
+        };
+        let over = decode_within::<KvEventBatch>(&small, &one_block).expect_err("over");
+        assert_eq!(over.reason(), "over_limit");
+        assert_eq!(over.to_string(), "blocks is 1, over the limit of 0");
+        let ok: KvEventBatch = decode_within(&small, &limits).expect("within limits");
+        assert_eq!(ok, batch(vec![stored(1)]));
+    }
+}
