@@ -96,6 +96,9 @@ counters! {
     buffered_events,
     /// Recovery buffers that overflowed and were replaced by a dump request.
     buffer_overflows,
+    /// Events whose id was further ahead of the rank's cursor than its recovery
+    /// buffer holds: dropped, and a dump requested instead of the range.
+    far_ahead_events,
     /// (rank, block) entries pruned to stay under the memory bound.
     pruned_entries,
     /// Blocks named by events after this index had pruned them.
@@ -181,6 +184,7 @@ impl IndexerCounters {
             Counter::EventsLost => &self.events_lost,
             Counter::BufferedEvents => &self.buffered_events,
             Counter::BufferOverflows => &self.buffer_overflows,
+            Counter::FarAheadEvents => &self.far_ahead_events,
             Counter::ApproximateBlocks => &self.approximate_blocks,
             Counter::ExpiredBlocks => &self.expired_blocks,
         };
@@ -205,6 +209,7 @@ pub(crate) enum Counter {
     EventsLost,
     BufferedEvents,
     BufferOverflows,
+    FarAheadEvents,
     ApproximateBlocks,
     ExpiredBlocks,
 }

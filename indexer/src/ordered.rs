@@ -54,6 +54,8 @@ pub(crate) struct Cursor {
     epoch: u64,
     next: u64,
     pending: Option<RecoveryToken>,
+    /// Whether the pending recovery (if any) is a dump.
+    pending_dump: bool,
     buffer: BTreeMap<u64, KvCacheEvent>,
 }
 
@@ -63,6 +65,7 @@ impl Cursor {
             epoch,
             next: 0,
             pending: None,
+            pending_dump: false,
             buffer: BTreeMap::new(),
         }
     }
@@ -159,6 +162,26 @@ impl OrderedIndex {
             self.counters.add(Counter::DuplicateEvents, 1);
             return;
         }
+        let horizon = cursor.next.saturating_add(limit as u64);
+        if event.event_id > horizon {
+            // Beyond what the buffer can hold, so beyond any range worth asking for;
+            // and a forged id (u64::MAX) kept in the buffer would leave the same hole
+            // after every reply, asked for again at once, forever. The event is
+            // dropped, and so is the buffer: a dump covers both if they were real.
+            // While a dump is pending it covers this event too (it is taken later).
+            self.counters.add(Counter::FarAheadEvents, 1);
+            cursor.buffer.clear();
+            if cursor.pending.is_some() && cursor.pending_dump {
+                return;
+            }
+            let reason = RecoveryReason::FarAhead {
+                expected: cursor.next,
+                received: event.event_id,
+            };
+            warn!(%worker_id, dp_rank = %rank.dp_rank, expected = cursor.next, received = event.event_id, limit, "kv event id beyond the recovery buffer dropped; requesting a dump");
+            needs.push(self.start_recovery(rank, reason, true));
+            return;
+        }
         if cursor.pending.is_some() || event.event_id > cursor.next {
             let gap = (cursor.pending.is_none()).then_some(RecoveryReason::Gap {
                 expected: cursor.next,
@@ -224,6 +247,7 @@ impl OrderedIndex {
         let token = RecoveryToken(self.next_token);
         let cursor = self.cursors.entry(rank).or_insert_with(|| Cursor::new(0));
         cursor.pending = Some(token);
+        cursor.pending_dump = dump;
         let request = RecoveryRequest {
             dp_rank: rank.dp_rank,
             epoch: cursor.epoch,

@@ -40,6 +40,15 @@ pub enum RecoveryReason {
     UnknownParent,
     /// The rank's recovery buffer overflowed while waiting; a dump replaces it.
     BufferOverflow,
+    /// An event arrived further ahead of the cursor than the recovery buffer holds
+    /// (no journal serves such a range, and a forged id would pin the buffer): the
+    /// event is dropped and a dump, which covers it if it was real, is requested.
+    FarAhead {
+        /// The `event_id` the rank's cursor expected.
+        expected: u64,
+        /// The `event_id` that arrived.
+        received: u64,
+    },
     /// The owner asked for the rank's full state (daemon start-up).
     Resync,
     /// A recovery reply left a gap or could not be used; asking again.
@@ -53,6 +62,7 @@ impl RecoveryReason {
             RecoveryReason::Gap { .. } => "gap",
             RecoveryReason::UnknownParent => "unknown_parent",
             RecoveryReason::BufferOverflow => "buffer_overflow",
+            RecoveryReason::FarAhead { .. } => "far_ahead",
             RecoveryReason::Resync => "resync",
             RecoveryReason::Retry => "retry",
         }

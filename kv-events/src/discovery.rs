@@ -37,6 +37,19 @@ pub struct WorkerRegistration {
     /// `https`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub url: Option<String>,
+    /// The epoch of the worker's KV event stream (the `epoch` of its
+    /// `KvEventBatch`es): a publisher that numbers its events from 0 again after a
+    /// restart registers the new epoch before (or as) it publishes under it. The
+    /// router applies a worker's events only up to its registered epoch, so an
+    /// ordinary event cannot move a worker to a new epoch (and wipe its index); a
+    /// batch of a newer epoch waits a short grace for the registration, then is
+    /// dropped. 0 (the default, not serialized): the publisher does not use epochs.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub epoch: u64,
+}
+
+fn is_zero(epoch: &u64) -> bool {
+    *epoch == 0
 }
 
 /// Why a registration record is unusable.
@@ -105,6 +118,7 @@ mod tests {
             block_size: 16,
             total_kv_blocks: 100,
             url: None,
+            epoch: 0,
         };
         assert!(ok.validate().is_ok());
         assert_eq!(
@@ -132,6 +146,7 @@ mod tests {
             block_size: 16,
             total_kv_blocks: 10,
             url: Some(url.to_owned()),
+            epoch: 0,
         }
     }
 

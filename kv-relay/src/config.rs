@@ -311,6 +311,7 @@ impl RelayConfig {
             block_size: 1,
             total_kv_blocks: 0,
             url: engine_url.clone(),
+            epoch: 0,
         };
         if let Err(e) = check.validate() {
             return Err(invalid("engine-url", e.to_string()));
@@ -333,6 +334,7 @@ impl RelayConfig {
                     block_size: args.block_size,
                     total_kv_blocks: args.total_kv_blocks,
                     url: engine_url,
+                    epoch: 0,
                 },
                 lease_ttl_secs: args.lease_ttl_secs,
                 journal_events: args.journal_events,

@@ -70,6 +70,7 @@ pub use counters::RelayCounters;
 pub use error::Error;
 
 use kv_events::DpRank;
+use kv_events::discovery::WorkerRegistration;
 use kv_events::journal::{EventJournal, JournalConfig, unix_epoch_micros};
 use std::future::Future;
 use std::sync::{Arc, Mutex};
@@ -114,12 +115,18 @@ impl Relay {
             .connect_with("kv-router-relay", |options| options)
             .await?;
         let etcd = kv_cluster::etcd::connect(&config.etcd).await?;
-        let registration = config.worker.registration.clone();
+        // The epoch of this relay's event stream, registered with the worker so the
+        // router follows it (and nothing else can move the worker to a new epoch).
+        let epoch = unix_epoch_micros();
+        let registration = WorkerRegistration {
+            epoch,
+            ..config.worker.registration.clone()
+        };
         let worker_id = registration.worker_id;
         let subjects = &config.subjects;
         let journal = Arc::new(Mutex::new(EventJournal::new(
             worker_id,
-            unix_epoch_micros(),
+            epoch,
             JournalConfig {
                 ring_capacity: config.worker.journal_events,
                 ..JournalConfig::default()

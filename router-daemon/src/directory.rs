@@ -77,6 +77,7 @@ mod tests {
                 block_size: 16,
                 total_kv_blocks: 100,
                 url: None,
+                epoch: 0,
             },
             lease_id,
             mod_revision: 3,

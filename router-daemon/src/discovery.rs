@@ -83,6 +83,7 @@ impl Registrations for Discovery {
         }
         let (worker_id, dp_size, total_kv_blocks) =
             (reg.worker_id, reg.dp_size, reg.total_kv_blocks);
+        state.publishers.register(worker_id, reg.epoch);
         self.known.insert(worker_id, reg);
         state.directory.upsert(entry);
         state
@@ -100,6 +101,7 @@ impl Registrations for Discovery {
             return;
         };
         state.directory.remove(id);
+        state.publishers.remove(id);
         state.counters.metrics.route.forget_worker(id, reg.dp_size);
         state.scheduler().remove_worker(id);
         // Waiters pinned to a rank that left, or with no worker left, get their answer.

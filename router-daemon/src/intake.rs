@@ -10,10 +10,13 @@
 use crate::admission::Admission;
 use crate::gate::admit;
 use crate::metrics::counters::{Counters, MessageKind, Outcome};
+use crate::publishers::{Dropped, Hold, HoldConfig, HoldReason, Registered};
 use futures::StreamExt;
 use indexer::{Indexer, IndexerApi as _};
 use kv_events::limits::Limits;
 use kv_events::{KvEventBatch, LoadMetrics, Subjects};
+use tokio::sync::watch;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
@@ -36,26 +39,113 @@ pub fn decode_events(
     Some(batch)
 }
 
-/// Consumes KV events into `indexer` until `intake` is cancelled.
+/// What the KV event intake task uses.
+pub struct EventIntake {
+    /// Where batches go.
+    pub indexer: Indexer,
+    /// Message counters.
+    pub counters: Counters,
+    /// Bounds on each payload.
+    pub limits: Limits,
+    /// The registered publishers and their epochs (`crate::publishers`).
+    pub publishers: watch::Receiver<Registered>,
+    /// How long and how many batches wait for their registration.
+    pub hold: HoldConfig,
+    /// Subject names, for logging.
+    pub subjects: Subjects,
+}
+
+/// Consumes KV events into the indexer until `intake` is cancelled: decodes and bounds
+/// each batch, applies it if its worker is registered at (or after) its epoch, and
+/// otherwise holds it for its registration (`crate::publishers`). Registrations are
+/// looked at before each message, so held batches of a worker are applied before
+/// its later ones.
 pub async fn serve_events(
-    indexer: Indexer,
-    counters: Counters,
-    limits: Limits,
+    mut parts: EventIntake,
     subscriber: async_nats::Subscriber,
     intake: CancellationToken,
 ) {
     let mut messages = std::pin::pin!(crate::nats::drain_on_cancel(subscriber, intake));
-    while let Some(msg) = messages.next().await {
-        let received = std::time::Instant::now();
-        let Some(batch) = decode_events(&counters, &limits, &msg.subject, &msg.payload) else {
-            continue;
+    let mut hold = Hold::new(parts.hold);
+    loop {
+        let deadline = hold.next_deadline();
+        let expired = async {
+            match deadline {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
         };
-        if let Err(e) = indexer.apply(batch).await {
-            warn!(error = %e, "indexer refused events; stopping event intake");
-            return;
+        tokio::select! {
+            biased;
+            Ok(()) = parts.publishers.changed() => {
+                if !parts.release(&mut hold).await {
+                    return;
+                }
+            }
+            () = expired => {
+                let registered = parts.publishers.borrow().clone();
+                for dropped in hold.expire(Instant::now(), &registered) {
+                    parts.drop_held(dropped);
+                }
+            }
+            msg = messages.next() => {
+                let Some(msg) = msg else { return };
+                let received = std::time::Instant::now();
+                let Some(batch) = decode_events(&parts.counters, &parts.limits, &msg.subject, &msg.payload) else {
+                    continue;
+                };
+                if parts.publishers.has_changed().unwrap_or(false) && !parts.release(&mut hold).await {
+                    return;
+                }
+                let registered = parts.publishers.borrow().clone();
+                match hold.admit(batch, &registered, Instant::now()) {
+                    Ok(batch) => {
+                        if !parts.apply(batch).await {
+                            return;
+                        }
+                        parts.counters.metrics.events.observe_lag(received.elapsed());
+                    }
+                    Err(evicted) => evicted.into_iter().for_each(|d| parts.drop_held(d)),
+                }
+            }
         }
-        counters.metrics.events.observe_lag(received.elapsed());
-        counters.message(MessageKind::Events, Outcome::Ok);
+    }
+}
+
+impl EventIntake {
+    /// Applies one batch; false when the indexer is gone (intake must stop).
+    async fn apply(&self, batch: KvEventBatch) -> bool {
+        if let Err(e) = self.indexer.apply(batch).await {
+            warn!(error = %e, "indexer refused events; stopping event intake");
+            return false;
+        }
+        self.counters.message(MessageKind::Events, Outcome::Ok);
+        true
+    }
+
+    /// Applies the held batches the current registrations allow, in arrival order.
+    async fn release(&mut self, hold: &mut Hold) -> bool {
+        let registered = self.publishers.borrow_and_update().clone();
+        for batch in hold.release(&registered) {
+            if !self.apply(batch).await {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Counts and logs (rate-limited) a held batch given up on.
+    fn drop_held(&self, dropped: Dropped) {
+        let outcome = match dropped.reason {
+            HoldReason::Unregistered => Outcome::Unregistered,
+            HoldReason::FutureEpoch => Outcome::FutureEpoch,
+        };
+        let detail = format!(
+            "worker {} (epoch {}) is not registered at that epoch",
+            dropped.worker_id, dropped.epoch
+        );
+        let subject = self.subjects.kv_events(dropped.worker_id);
+        (self.counters).skipped(MessageKind::Events, outcome, &subject, &detail);
     }
 }
 

@@ -49,6 +49,7 @@ pub mod lifecycle;
 pub mod metrics;
 pub mod nats;
 pub mod probe;
+pub mod publishers;
 pub mod queue;
 pub mod replicas;
 pub mod route;

@@ -20,6 +20,7 @@ fn busy_scheduler(dp_size: u32) -> Scheduler {
         block_size: BLOCK,
         total_kv_blocks: 100,
         url: None,
+        epoch: 0,
     })
     .unwrap();
     s
@@ -173,6 +174,7 @@ fn waiters_that_cannot_be_served_as_asked_are_answered_with_the_reason() {
         block_size: BLOCK,
         total_kv_blocks: 100,
         url: None,
+        epoch: 0,
     })
     .unwrap();
     assert_eq!(q.release(&mut state, &mut s, t, |_, _| {}).failed, 1);

@@ -11,6 +11,7 @@ use crate::admission::Admission;
 use crate::directory::WorkerDirectory;
 use crate::health::Health;
 use crate::metrics::counters::Counters;
+use crate::publishers::Publishers;
 use indexer::Indexer;
 use kv_events::Subjects;
 use kv_events::limits::Limits;
@@ -35,6 +36,8 @@ pub struct RouterState {
     pub admission: Arc<Admission>,
     /// Bounds on every message decoded (`crate::gate`).
     pub limits: Limits,
+    /// Registered publishers and their epochs (written by discovery, read by intake).
+    pub publishers: Publishers,
 }
 
 impl RouterState {
@@ -56,6 +59,7 @@ impl RouterState {
             directory: WorkerDirectory::new(),
             admission: Arc::new(admission),
             limits,
+            publishers: Publishers::default(),
         }
     }
 

@@ -87,6 +87,7 @@ async fn endpoints_report_health_metrics_and_workers() {
         block_size: 4,
         total_kv_blocks: 64,
         url: None,
+        epoch: 0,
     };
     state.scheduler().add_worker(reg.clone()).unwrap();
     state.directory.upsert(DirectoryEntry {

@@ -159,6 +159,7 @@ mod tests {
             block_size: 16,
             total_kv_blocks,
             url: None,
+            epoch: 0,
         }
     }
 

@@ -19,6 +19,7 @@ fn scheduler(config: SchedulerConfig, workers: &[(u64, u32)]) -> Scheduler {
             block_size: BLOCK,
             total_kv_blocks: 100,
             url: None,
+            epoch: 0,
         })
         .unwrap();
     }

@@ -19,6 +19,7 @@ fn reg(id: u64, dp_size: u32) -> WorkerRegistration {
         block_size: BLOCK,
         total_kv_blocks: 100,
         url: None,
+        epoch: 0,
     }
 }
 

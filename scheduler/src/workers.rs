@@ -109,6 +109,7 @@ mod tests {
             block_size: 16,
             total_kv_blocks: 1000,
             url: None,
+            epoch: 0,
         }
     }
 

@@ -164,6 +164,7 @@ pub async fn register_workers(
             block_size,
             total_kv_blocks,
             url: None,
+            epoch: 0,
         };
         crate::register_worker(etcd, subjects, &reg, 600).await?;
     }

@@ -246,6 +246,7 @@ impl FakeWorker {
             block_size: cluster.block_size,
             total_kv_blocks: 1024,
             url: None,
+            epoch: 0,
         };
         let lease = register_worker(&mut cluster.etcd, &cluster.subjects, &reg, ttl_secs).await?;
         Ok(Self {

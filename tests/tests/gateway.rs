@@ -252,6 +252,7 @@ async fn an_engine_that_refuses_connections_is_failed_over_before_the_first_toke
         block_size: BLOCK,
         total_kv_blocks: 1024,
         url: Some(dead_url),
+        epoch: 0,
     };
     let cluster = &mut stack.cluster;
     let lease = register_worker(&mut cluster.etcd, &cluster.subjects, &registration, 30)

@@ -36,6 +36,7 @@ async fn a_registration_with_an_absurd_dp_size_is_rejected_and_routing_goes_on()
         block_size: BLOCK,
         total_kv_blocks: 1024,
         url: None,
+        epoch: 0,
     };
     register_worker(
         &mut cluster.etcd,

@@ -156,6 +156,7 @@ async fn malformed_input_is_counted_skipped_and_loses_nothing() -> anyhow::Resul
         block_size: BLOCK + 1,
         total_kv_blocks: 10,
         url: None,
+        epoch: 0,
     };
     cluster
         .etcd

@@ -28,6 +28,7 @@ async fn register(cluster: &mut TestCluster, id: u64, dp_size: u32) -> anyhow::R
         block_size: BLOCK,
         total_kv_blocks: 1024,
         url: None,
+        epoch: 0,
     };
     integration_tests::register_worker(&mut cluster.etcd, &cluster.subjects, &reg, 60).await?;
     Ok(())

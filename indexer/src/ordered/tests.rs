@@ -170,6 +170,7 @@ fn an_overflowing_buffer_turns_into_a_dump_request() {
         needs.extend(idx.apply_batch(&j.record_batch(DpRank(0), [store(Some(h - 1), h)])));
     }
     let reasons: Vec<RecoveryReason> = needs.iter().map(|n| n.reason).collect();
+    // Ids 2–4 fit the buffer of 3 past the cursor (1); id 5 does not.
     assert_eq!(
         reasons,
         vec![
@@ -177,7 +178,10 @@ fn an_overflowing_buffer_turns_into_a_dump_request() {
                 expected: 1,
                 received: 2
             },
-            RecoveryReason::BufferOverflow
+            RecoveryReason::FarAhead {
+                expected: 1,
+                received: 5
+            }
         ]
     );
     assert!(needs[1].request.dump);
@@ -186,6 +190,66 @@ fn an_overflowing_buffer_turns_into_a_dump_request() {
     assert_eq!(idx.counters().snapshot().recovery_replies_ignored, 1);
     assert!(serve(&mut idx, &j, &needs[1]).is_empty());
     same_as_journal(&idx, &j, 0);
+}
+
+/// Issue 14, finding 2: an id far ahead (here `u64::MAX`) was buffered, the range up
+/// to it requested, and after every reply the hole remained, so the daemon asked again
+/// at once, forever. Now such an event is dropped, one dump is requested, and once it
+/// is applied nothing is left to ask for.
+#[test]
+fn an_event_id_far_ahead_is_dropped_and_one_dump_settles_the_rank() {
+    let mut idx = index(8);
+    let mut j = journal(5, 64);
+    idx.apply_batch(&j.record_batch(DpRank(0), [store(None, 1)]));
+    let forged = KvEventBatch {
+        worker_id: W,
+        epoch: 5,
+        events: vec![KvCacheEvent {
+            event_id: u64::MAX,
+            dp_rank: DpRank(0),
+            data: store(Some(1), 99),
+        }],
+    };
+    let needs = idx.apply_batch(&forged);
+    assert_eq!(needs.len(), 1);
+    assert_eq!(
+        needs[0].reason,
+        RecoveryReason::FarAhead {
+            expected: 1,
+            received: u64::MAX
+        }
+    );
+    assert!(needs[0].request.dump);
+    // Again while the dump is pending: counted, no second request.
+    assert!(idx.apply_batch(&forged).is_empty());
+    assert_eq!(idx.counters().snapshot().far_ahead_events, 2);
+    // The real stream goes on; the dump settles the rank with nothing left to ask.
+    idx.apply_batch(&j.record_batch(DpRank(0), [store(Some(1), 2)]));
+    assert!(serve(&mut idx, &j, &needs[0]).is_empty());
+    same_as_journal(&idx, &j, 0);
+    assert_eq!(score(&idx, 0, &[1, 2]), 2);
+    assert_eq!(
+        score(&idx, 0, &[1, 99]),
+        1,
+        "the forged block was never indexed"
+    );
+    // An id just inside the buffer's reach is still a gap recovered as a range.
+    let within = j.next_event_id(DpRank(0)) + 8;
+    let gap = KvEventBatch {
+        worker_id: W,
+        epoch: 5,
+        events: vec![KvCacheEvent {
+            event_id: within,
+            dp_rank: DpRank(0),
+            data: KvCacheEventData::Cleared,
+        }],
+    };
+    let needs = idx.apply_batch(&gap);
+    assert!(
+        matches!(needs[0].reason, RecoveryReason::Gap { .. }),
+        "{:?}",
+        needs[0].reason
+    );
 }
 
 #[test]

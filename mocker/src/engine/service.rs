@@ -232,6 +232,7 @@ pub async fn spawn_engines(
             block_size: args.model.block_size,
             total_kv_blocks: args.model.num_gpu_blocks,
             url: Some(url.clone()),
+            epoch,
         };
         let key = subjects.etcd_worker_key(worker_id);
         match WorkerLease::register(etcd.clone(), key, &record, args.runtime.lease_ttl_secs).await {

@@ -71,6 +71,7 @@ impl Router {
                         block_size: config.engine.block_size,
                         total_kv_blocks: config.engine.num_gpu_blocks,
                         url: None,
+                        epoch: 0,
                     })?;
                 }
                 Decider::Scheduler {

@@ -56,6 +56,7 @@ async fn register(target: &ReplayTarget, worker: u64) {
         block_size: 512,
         total_kv_blocks: 100,
         url: None,
+        epoch: 0,
     };
     target
         .etcd

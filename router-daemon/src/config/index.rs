@@ -54,6 +54,13 @@ pub struct IndexArgs {
     /// approximate mode: how long a routed prompt is assumed cached, in seconds.
     #[arg(long, env = "KV_ROUTER_APPROXIMATE_TTL_SECS", default_value_t = 120)]
     pub approximate_ttl_secs: u64,
+    /// How long a KV event batch from an unregistered worker, or of a newer epoch than
+    /// its registration, waits for that registration before it is dropped, in ms.
+    #[arg(long, env = "KV_ROUTER_EVENT_HOLD_MS", default_value_t = 5000)]
+    pub event_hold_ms: u64,
+    /// Most such batches held at once (over all workers); the oldest goes first.
+    #[arg(long, env = "KV_ROUTER_EVENT_HOLD_BATCHES", default_value_t = 1024)]
+    pub event_hold_batches: usize,
     /// Events buffered per worker rank while a gap in its events is recovered; past
     /// it a full dump is requested instead.
     #[arg(long, env = "KV_ROUTER_RECOVERY_BUFFER_EVENTS", default_value_t = 8192)]
@@ -213,9 +220,16 @@ impl IndexArgs {
         } else {
             None
         };
+        if self.event_hold_batches == 0 {
+            return Err(invalid("event-hold-batches", "must be at least 1"));
+        }
         Ok(DurabilityConfig {
             recovery,
             jetstream,
+            hold: crate::publishers::HoldConfig {
+                grace: Duration::from_millis(self.event_hold_ms),
+                capacity: self.event_hold_batches,
+            },
         })
     }
 }

@@ -70,6 +70,8 @@ pub struct DurabilityConfig {
     pub recovery: RecoveryConfig,
     /// The JetStream path, when enabled.
     pub jetstream: Option<JetStreamConfig>,
+    /// The wait of batches from unregistered workers or unregistered epochs.
+    pub hold: crate::publishers::HoldConfig,
 }
 
 /// The running KV event intake, as chosen by the config.
@@ -105,9 +107,14 @@ pub async fn start_event_intake(
             .await
             .context("subscribing to kv events")?;
         tasks.spawn(crate::intake::serve_events(
-            state.indexer.clone(),
-            state.counters.clone(),
-            state.limits,
+            crate::intake::EventIntake {
+                indexer: state.indexer.clone(),
+                counters: state.counters.clone(),
+                limits: state.limits,
+                publishers: state.publishers.subscribe(),
+                hold: config.hold,
+                subjects: state.subjects.clone(),
+            },
             events,
             intake.child_token(),
         ));

@@ -64,6 +64,10 @@ pub enum Outcome {
     TooLarge,
     /// Decoded, but a count or value is over its limit (`Limits` flags).
     OverLimit,
+    /// KV events of a worker no registration names, dropped after their wait.
+    Unregistered,
+    /// KV events of a newer epoch than the worker registered, dropped after their wait.
+    FutureEpoch,
 }
 
 impl Outcome {
@@ -74,6 +78,8 @@ impl Outcome {
             Outcome::Rejected => "rejected",
             Outcome::TooLarge => "too_large",
             Outcome::OverLimit => "over_limit",
+            Outcome::Unregistered => "unregistered",
+            Outcome::FutureEpoch => "future_epoch",
         }
     }
 }
@@ -150,18 +156,24 @@ impl Counters {
             Refusal::Malformed(_) => Outcome::Malformed,
             Refusal::OverLimit(_) => Outcome::OverLimit,
         };
+        self.skipped(kind, outcome, subject, &refusal.to_string());
+    }
+
+    /// Counts a skipped message of `kind` from `subject` under `outcome`, and logs it
+    /// with `detail`, at most once per `refusals::LOG_EVERY` per (kind, outcome).
+    pub fn skipped(&self, kind: MessageKind, outcome: Outcome, subject: &str, detail: &str) {
         self.message(kind, outcome);
         if let Some(not_logged) =
             self.refusal_log
-                .should_log(kind.label(), refusal.reason(), Instant::now())
+                .should_log(kind.label(), outcome.label(), Instant::now())
         {
             warn!(
                 subject,
                 kind = kind.label(),
-                reason = refusal.reason(),
-                error = %refusal,
+                reason = outcome.label(),
+                error = detail,
                 not_logged,
-                "message refused and skipped"
+                "message skipped"
             );
         }
     }

@@ -132,6 +132,7 @@ impl EventMetrics {
             ("publisher_restart", c.publisher_restarts),
             ("buffered", c.buffered_events),
             ("buffer_overflow", c.buffer_overflows),
+            ("far_ahead", c.far_ahead_events),
             ("lost", c.events_lost),
         ];
         for (kind, value) in order {

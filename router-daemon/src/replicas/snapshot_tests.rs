@@ -42,6 +42,7 @@ fn starting() -> Starting {
                 block_size: 4,
                 total_kv_blocks: 1024,
                 url: None,
+                epoch: 0,
             })
             .expect("valid registration");
     }

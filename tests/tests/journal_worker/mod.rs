@@ -66,12 +66,9 @@ impl JournalWorker {
         config: JournalConfig,
         responder: Responder,
     ) -> anyhow::Result<Self> {
-        register(cluster, WorkerId(id), dp_size).await?;
-        let journal = Arc::new(Mutex::new(EventJournal::new(
-            WorkerId(id),
-            unix_epoch_micros(),
-            config,
-        )));
+        let epoch = unix_epoch_micros();
+        register(cluster, WorkerId(id), dp_size, epoch).await?;
+        let journal = Arc::new(Mutex::new(EventJournal::new(WorkerId(id), epoch, config)));
         let nats = async_nats::connect(cluster.nats_server.url()).await?;
         let served = Arc::new(Served::default());
         let mut responder_task = None;
@@ -260,14 +257,21 @@ impl JournalWorker {
     }
 }
 
-/// Registers `id` with `dp_size` ranks in etcd under a fresh 30 s lease.
-async fn register(cluster: &mut TestCluster, id: WorkerId, dp_size: u32) -> anyhow::Result<()> {
+/// Registers `id` with `dp_size` ranks and its event `epoch` in etcd under a fresh
+/// 30 s lease.
+async fn register(
+    cluster: &mut TestCluster,
+    id: WorkerId,
+    dp_size: u32,
+    epoch: u64,
+) -> anyhow::Result<()> {
     let reg = WorkerRegistration {
         worker_id: id,
         dp_size,
         block_size: cluster.block_size,
         total_kv_blocks: 1024,
         url: None,
+        epoch,
     };
     integration_tests::register_worker(&mut cluster.etcd, &cluster.subjects, &reg, 30).await?;
     Ok(())

@@ -191,6 +191,7 @@ impl Fixture {
             block_size: BLOCK,
             total_kv_blocks: 1024,
             url: None,
+            epoch: 0,
         };
         integration_tests::register_worker(&mut etcd, &self.subjects, &reg, ttl_secs).await
     }

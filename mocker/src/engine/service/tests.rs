@@ -164,6 +164,9 @@ async fn engines_register_serve_publish_and_revoke() {
         urls.iter().all(|u| u.starts_with("http://127.0.0.1:")),
         "{urls:?}"
     );
+    // Every engine registers the epoch of its event stream, so the router follows it.
+    let epoch = regs.first().map_or(0, |r| r.epoch);
+    assert!(epoch > 0, "the registered epoch is the engines' start time");
     assert_eq!(
         regs,
         vec![
@@ -173,6 +176,7 @@ async fn engines_register_serve_publish_and_revoke() {
                 block_size: 16,
                 total_kv_blocks: 64,
                 url: Some(urls[0].clone()),
+                epoch,
             },
             WorkerRegistration {
                 worker_id: WorkerId(8),
@@ -180,6 +184,7 @@ async fn engines_register_serve_publish_and_revoke() {
                 block_size: 16,
                 total_kv_blocks: 64,
                 url: Some(urls[1].clone()),
+                epoch,
             },
         ]
     );
@@ -220,6 +225,7 @@ async fn engines_register_serve_publish_and_revoke() {
     )
     .expect("batch decodes");
     assert_eq!(batch.worker_id, WorkerId(8));
+    assert_eq!(batch.epoch, epoch, "events carry the registered epoch");
     assert_eq!(batch.events.len(), 1);
     assert_eq!(
         (batch.events[0].event_id, batch.events[0].dp_rank),
