@@ -29,8 +29,10 @@ pub enum Pruning {
     /// No bound: every block engines report stays indexed until they remove it.
     #[default]
     Unbounded,
-    /// Past `max_entries` (rank, block) entries, forget the least recently matched
-    /// leaves until `target_percent` of `max_entries` remain (see `tree/prune.rs`).
+    /// Keep at most `max_entries` (rank, block) entries: past it (or before a store
+    /// that would pass it), forget leaves until `target_percent` of `max_entries`
+    /// remain, blocks never matched first, then the least recently matched (see
+    /// `tree/prune.rs`).
     LeastRecentlyMatched {
         /// Most (rank, block) entries kept, over the whole indexer (each of N shards
         /// gets `max_entries / N`). At least 1.

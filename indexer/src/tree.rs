@@ -125,10 +125,10 @@ impl RadixTree {
         !matches!(self.pruning, Pruning::Unbounded)
     }
 
-    /// The next logical time (0 when unbounded: no recency is tracked).
+    /// The next logical time, 31 bits (0 when unbounded: no recency is tracked).
     fn tick(&self) -> u32 {
         if self.bounded() {
-            self.clock.fetch_add(1, Ordering::Relaxed).wrapping_add(1)
+            self.clock.fetch_add(1, Ordering::Relaxed).wrapping_add(1) & !arena::MATCHED
         } else {
             0
         }
@@ -147,7 +147,9 @@ impl RadixTree {
     /// - `Cleared`: every block of the rank is dropped.
     ///
     /// `event_id` is not checked here (see [`crate::OrderedIndex`] for ordering). A
-    /// bounded tree prunes after a store that took it over its bound.
+    /// bounded tree prunes before a store that would take it over its bound (keeping
+    /// the event's parent), so it never holds more than its bound plus the event's
+    /// own blocks, and again after it if it still is over.
     ///
     /// # Errors
     /// [`ApplyError::UnknownParent`] when `parent_hash` is `Some` and the rank does not
@@ -166,8 +168,10 @@ impl RadixTree {
                 parent_hash,
                 blocks,
             } => {
+                // Room first, so the bound holds at the peak too, not only after.
+                let room = self.make_room(rank, *parent_hash, blocks.len());
                 let mut outcome = self.store(rank, *parent_hash, blocks)?;
-                outcome.pruned = self.enforce_bound();
+                outcome.pruned = room + self.enforce_bound();
                 Ok(outcome)
             }
             KvCacheEventData::Removed { block_hashes } => Ok(self.remove(rank, block_hashes)),
@@ -215,7 +219,7 @@ impl RadixTree {
                         parent_hash: parent,
                     });
                 }
-                self.arena.node(held.node).last_used.set(tick);
+                self.arena.node(held.node).last_used.stored(tick);
                 (idx, held.node)
             }
         };
@@ -228,7 +232,7 @@ impl RadixTree {
                 Some(&held) if is_live(&self.arena, state, held) => {
                     outcome.already_present += 1;
                     cur = held.node;
-                    self.arena.node(cur).last_used.set(tick);
+                    self.arena.node(cur).last_used.stored(tick);
                     continue;
                 }
                 Some(_) => {
@@ -356,7 +360,7 @@ impl RadixTree {
                 break;
             };
             if bounded {
-                self.arena.node(child).last_used.set(tick);
+                self.arena.node(child).last_used.matched(tick);
             }
             let holders = self.arena.node(child).holders.as_raw();
             if i == 0 {

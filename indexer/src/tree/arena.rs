@@ -36,9 +36,16 @@ impl NodeIdx {
     }
 }
 
-/// The logical time a node was last stored into or matched. Atomic so that a query
-/// holding only `&RadixTree` (possibly shared between threads) can record its visit;
-/// relaxed ordering is enough, the value is only a pruning hint.
+/// The bit of a [`Tick`] that says a query matched the node. Logical times use the
+/// other 31 bits, so comparing two ticks as integers orders every block never matched
+/// before every block matched, then by time: pruning eats a flood of stored-only
+/// blocks before any prefix that served a route.
+pub(crate) const MATCHED: u32 = 1 << 31;
+
+/// The logical time a node was last stored into or matched, and whether it was ever
+/// matched ([`MATCHED`]). Atomic so that a query holding only `&RadixTree` (possibly
+/// shared between threads) can record its visit; relaxed ordering is enough, the
+/// value is only a pruning hint.
 #[derive(Debug, Default)]
 pub(crate) struct Tick(AtomicU32);
 
@@ -47,7 +54,17 @@ impl Tick {
         self.0.load(Ordering::Relaxed)
     }
 
-    pub(crate) fn set(&self, tick: u32) {
+    /// A store at `tick`: the time moves, a past match is remembered.
+    pub(crate) fn stored(&self, tick: u32) {
+        self.set((tick & !MATCHED) | (self.get() & MATCHED));
+    }
+
+    /// A query matched the node at `tick`.
+    pub(crate) fn matched(&self, tick: u32) {
+        self.set(tick | MATCHED);
+    }
+
+    fn set(&self, tick: u32) {
         // Skipping equal values keeps repeated queries from dirtying shared lines.
         if self.get() != tick {
             self.0.store(tick, Ordering::Relaxed);
@@ -269,7 +286,7 @@ impl Arena {
         tick: u32,
     ) -> NodeIdx {
         if let Some(child) = self.node(parent).children.get(hash) {
-            self.node(child).last_used.set(tick);
+            self.node(child).last_used.stored(tick);
             return child;
         }
         let fresh = Node {

@@ -12,6 +12,25 @@
 //!    above it, so chains are eaten from the tail, never cut in the middle;
 //! 3. stop as soon as the entries are at the target.
 //!
+//! What goes first: leaves are ordered by their [`Tick`](super::arena::Tick), whose
+//! top bit says "matched by a query at least once". Every block never matched goes
+//! before every block that served a route, each kind least recent first — so a flood
+//! of stored blocks nobody asks for (a faulty or hostile publisher) is eaten before a
+//! real, recently matched prompt. (Entries of unregistered workers never reach the
+//! index: the daemon holds and drops their events, `router-daemon/src/publishers.rs`.)
+//!
+//! The bound holds at the peak: before a `Stored` event that would take the tree over
+//! its bound, [`RadixTree::make_room`] prunes to the target minus the event's blocks,
+//! after marking the event's parent as just used so it is not the block pruned. A
+//! tree therefore never holds more than `max_entries` plus one event's blocks (which
+//! the daemon's `--max-batch-blocks` bounds).
+//!
+//! Memory is returned, not just reused: nodes freed by pruning go back to the arena's
+//! free list (reused by the next stores), and a rank whose engine-hash map is mostly
+//! tombstones (more than [`PURGE_MIN_TOMBSTONES`] and more than its live entries) is
+//! rebuilt without them and shrunk. A `Stored` below a purged tombstone is then an
+//! unknown parent (a dump is requested) instead of a forgotten one.
+//!
 //! Forgetting a node does not search the holders' engine-hash maps (that would cost
 //! O(rank blocks) per node): the node's slot generation is bumped instead, which
 //! turns those map entries into tombstones. A later `Removed` for such a block drops
@@ -27,23 +46,62 @@
 
 use super::RadixTree;
 use super::arena::NodeIdx;
+use super::ranks::BlockRef;
 use super::rankset::RankIdx;
 use crate::config::Pruning;
+use kv_events::{ExternalBlockHash, WorkerRank};
+
+/// Tombstones a rank may keep before its map is rebuilt without them.
+pub(super) const PURGE_MIN_TOMBSTONES: u64 = 1024;
 
 impl RadixTree {
-    /// Prunes when the tree is over its bound; returns the entries forgotten.
-    pub(super) fn enforce_bound(&mut self) -> u64 {
+    /// `(max_entries, target)` of a bounded tree.
+    fn bound(&self) -> Option<(usize, usize)> {
         match self.pruning {
             Pruning::LeastRecentlyMatched {
                 max_entries,
                 target_percent,
-            } if self.entries > max_entries => {
+            } => {
                 let percent = usize::from(target_percent.min(100));
                 let target = max_entries / 100 * percent + max_entries % 100 * percent / 100;
-                self.prune_to(target)
+                Some((max_entries, target))
             }
+            Pruning::Unbounded => None,
+        }
+    }
+
+    /// Prunes when the tree is over its bound; returns the entries forgotten.
+    pub(super) fn enforce_bound(&mut self) -> u64 {
+        match self.bound() {
+            Some((max_entries, target)) if self.entries > max_entries => self.prune_to(target),
             _ => 0,
         }
+    }
+
+    /// Before `rank` stores `incoming` blocks below `parent`: if they would take the
+    /// tree over its bound, marks the parent as just used and prunes to the target
+    /// minus `incoming`. Returns the entries forgotten.
+    pub(super) fn make_room(
+        &mut self,
+        rank: WorkerRank,
+        parent: Option<ExternalBlockHash>,
+        incoming: usize,
+    ) -> u64 {
+        let Some((max_entries, target)) = self.bound() else {
+            return 0;
+        };
+        if self.entries.saturating_add(incoming) <= max_entries {
+            return 0;
+        }
+        if let Some(parent) = parent
+            && let Some(state) = self.ranks.lookup(rank).and_then(|i| self.ranks.get(i))
+            && let Some(&held) = state.blocks.get(&parent)
+            && super::is_live(&self.arena, state, held)
+        {
+            let tick = self.tick();
+            self.arena.node(held.node).last_used.stored(tick);
+        }
+        self.prune_to(target.saturating_sub(incoming))
     }
 
     /// Forgets least recently used leaves until at most `target` entries remain.
@@ -78,7 +136,31 @@ impl RadixTree {
                 }
             }
         }
+        self.purge_tombstones();
         (before - self.entries) as u64
+    }
+
+    /// Rebuilds the engine-hash map of every rank that holds more tombstones than
+    /// [`PURGE_MIN_TOMBSTONES`] and than live entries, without them, and shrinks it.
+    fn purge_tombstones(&mut self) {
+        let crowded: Vec<RankIdx> = self
+            .ranks
+            .iter()
+            .filter(|(_, s)| {
+                let live = (s.blocks.len() as u64).saturating_sub(s.forgotten);
+                s.forgotten > PURGE_MIN_TOMBSTONES && s.forgotten > live
+            })
+            .map(|(idx, _)| idx)
+            .collect();
+        for idx in crowded {
+            let arena = &self.arena;
+            if let Some(state) = self.ranks.get_mut(idx) {
+                let stale = |r: &BlockRef| arena.generation(r.node) != r.generation;
+                state.blocks.retain(|_, r| !stale(r));
+                state.blocks.shrink_to_fit();
+                state.forgotten = 0;
+            }
+        }
     }
 
     /// Forgets the leaf `node` for every holder. Returns the nearest ancestor that
@@ -134,17 +216,18 @@ mod tests {
         // Worker 2's chain is matched after everything else was stored.
         let prefix: Vec<u64> = (200..206).collect();
         assert_eq!(tree.find_matches(&q(&prefix)).get(wr(2, 0)), 6);
-        let out = store_chain(&mut tree, 4, 400, 6); // 24 entries > 20: prune to 10
+        // 18 + 6 > 20: room is made first, down to 10 - 6 = 4, then the chain is
+        // stored (10 entries).
+        let out = store_chain(&mut tree, 4, 400, 6);
         assert_eq!(out.pruned, 14);
         assert_eq!(tree.num_entries(), 10);
-        // Worker 3 stored after worker 2 but was never matched: it goes entirely,
-        // like worker 1. Worker 2 (matched after worker 3's store) loses only its
-        // tail; the newest chain survives.
-        let newest: Vec<u64> = (400..406).collect();
-        assert_eq!(tree.find_matches(&q(&newest)).get(wr(4, 0)), 6);
-        assert_eq!(tree.find_matches(&q(&prefix)).get(wr(2, 0)), 4);
+        // Never-matched chains go first, oldest first: worker 1's, worker 3's, then
+        // the tail of worker 2's — the only one a query matched — is left with 4.
         let third: Vec<u64> = (300..306).collect();
         assert!(tree.find_matches(&q(&third)).is_empty());
+        assert_eq!(tree.find_matches(&q(&prefix)).get(wr(2, 0)), 4);
+        let newest: Vec<u64> = (400..406).collect();
+        assert_eq!(tree.find_matches(&q(&newest)).get(wr(4, 0)), 6);
         check_invariants(&tree);
     }
 
@@ -192,5 +275,79 @@ mod tests {
         let out = tree.clear_rank(wr(1, 0));
         assert_eq!(out.removed, 2);
         check_invariants(&tree);
+    }
+
+    /// Issue 14, finding 6: a flood of junk blocks stored after a real prompt used to
+    /// push the real, recently matched prompt out (it was older) while the junk
+    /// stayed. Blocks never matched now go first, whoever stored them last.
+    #[test]
+    fn a_flood_of_never_matched_blocks_goes_before_a_matched_prompt() {
+        let mut tree = bounded(1000, 90);
+        store_chain(&mut tree, 1, 100, 20);
+        let real: Vec<u64> = (100..120).collect();
+        assert_eq!(tree.find_matches(&q(&real)).get(wr(1, 0)), 20);
+        // Worker 2 floods 4,500 blocks in 45 chains, never asked for.
+        for c in 0..45 {
+            let chain: Vec<(u64, u64)> = (0..100)
+                .map(|i| (2_000_000 + c * 100 + i, 1_000_000 + c * 1000 + i))
+                .collect();
+            tree.apply_event(WorkerId(2), &stored(0, None, &chain))
+                .expect("stores");
+            assert!(tree.num_entries() <= 1000, "over the bound");
+        }
+        check_invariants(&tree);
+        assert_eq!(
+            tree.find_matches(&q(&real)).get(wr(1, 0)),
+            20,
+            "the real prompt stays"
+        );
+    }
+
+    /// The bound holds at the peak: a store that would go over it prunes first, so
+    /// the arena never grows past the bound plus one event.
+    #[test]
+    fn the_bound_holds_at_the_peak_not_only_after_the_store() {
+        let mut tree = bounded(100, 90);
+        for w in 1..=10 {
+            store_chain(&mut tree, w, w * 1000, 60);
+            assert!(tree.num_entries() <= 100);
+        }
+        // Ten chains of 60 went through a tree bounded at 100: the arena's slots
+        // never held more than the bound (the root and 100 nodes), where pruning
+        // after the store needed 160.
+        assert!(tree.arena.slots() <= 101, "{} slots", tree.arena.slots());
+        // The event's parent survives the room made for it.
+        let chain: Vec<(u64, u64)> = (0..60).map(|i| (11_000 + i, 11_000 + i)).collect();
+        tree.apply_event(WorkerId(11), &stored(0, None, &chain[..1]))
+            .expect("stores");
+        let out = tree
+            .apply_event(WorkerId(11), &stored(0, Some(11_000), &chain[1..]))
+            .expect("the parent was kept");
+        assert_eq!(out.stored, 59);
+        check_invariants(&tree);
+    }
+
+    /// Pruned blocks leave tombstones in their rank's engine-hash map; a rank whose
+    /// map is mostly tombstones is rebuilt without them, so the map does not grow with
+    /// every block ever pruned.
+    #[test]
+    fn tombstones_are_purged_when_they_outnumber_live_entries() {
+        let mut tree = bounded(500, 50);
+        for c in 0..100u64 {
+            let chain: Vec<(u64, u64)> = (0..100)
+                .map(|i| (c * 100 + i, 500_000 + c * 1000 + i))
+                .collect();
+            tree.apply_event(WorkerId(3), &stored(0, None, &chain))
+                .expect("stores");
+        }
+        check_invariants(&tree);
+        let idx = tree.ranks.lookup(wr(3, 0)).expect("rank known");
+        let state = tree.ranks.get(idx).expect("state");
+        assert!(
+            state.blocks.len() as u64 <= 500 + 2 * PURGE_MIN_TOMBSTONES,
+            "{} map entries for {} live blocks",
+            state.blocks.len(),
+            tree.num_entries()
+        );
     }
 }

@@ -36,8 +36,9 @@ pub struct IndexArgs {
     /// place) or sharded (one task per shard, queries fan out over channels).
     #[arg(long, env = "KV_ROUTER_INDEX_BACKEND", default_value = "inline")]
     pub index_backend: BackendArg,
-    /// Most (worker, block) entries the index keeps; past it the least recently
-    /// matched leaves are pruned. Unbounded when unset.
+    /// Most (worker, block) entries the index keeps, at the peak too; past it blocks
+    /// never matched are pruned first, then the least recently matched. Unbounded
+    /// when unset.
     #[arg(long, env = "KV_ROUTER_INDEX_MAX_BLOCKS")]
     pub index_max_blocks: Option<usize>,
     /// Entries left after a pruning pass, in percent of --index-max-blocks (1-99).
