@@ -204,7 +204,7 @@ impl OrderedIndex {
             }
             return;
         }
-        cursor.next += 1;
+        cursor.next = cursor.next.saturating_add(1);
         if self.apply_one(worker_id, event).is_err() {
             needs.push(self.start_recovery(rank, RecoveryReason::UnknownParent, true));
         }

@@ -137,7 +137,7 @@ impl OrderedIndex {
             if event.event_id > cursor.next {
                 break; // a hole in the reply: the drain asks again
             }
-            cursor.next += 1;
+            cursor.next = cursor.next.saturating_add(1);
             applied += 1;
             refused |= self.apply_one(rank.worker_id, event).is_err();
         }
@@ -169,7 +169,7 @@ impl OrderedIndex {
                 warn!(worker_id = %rank.worker_id, dp_rank = %rank.dp_rank, from = cursor.next, lost, "kv events lost: skipping a gap");
                 cursor.next = event.event_id;
             }
-            cursor.next += 1;
+            cursor.next = cursor.next.saturating_add(1);
             if self.apply_one(rank.worker_id, &event).is_err() && !skip_holes {
                 needs.push(self.start_recovery(rank, RecoveryReason::UnknownParent, true));
                 return;
