@@ -15,6 +15,7 @@
 //!
 //! The client side (`kv-router probe`, tests) is [`kv_cluster::http::get`].
 
+use crate::durability::recovery::status::RankRecoveryView;
 use crate::health::{Check, Readiness};
 use crate::state::RouterState;
 use axum::Router;
@@ -147,6 +148,9 @@ pub struct RankView {
     pub indexed_blocks: Option<usize>,
     /// The engine's last load report, if any.
     pub engine: Option<LoadMetrics>,
+    /// Gap recovery trouble (`{"state": "recovering" | "backing_off" | "degraded",
+    /// ...}`); `null` while the rank's events are in order.
+    pub recovery: Option<RankRecoveryView>,
 }
 
 /// Builds the workers view from the directory, the scheduler and the indexer's
@@ -160,6 +164,7 @@ pub async fn workers_view(router: &RouterState) -> WorkersView {
         .map(|r| r.blocks_per_rank.into_iter().collect());
     let entries = router.directory.snapshot();
     let scheduler = router.scheduler();
+    let now = tokio::time::Instant::now();
     let workers = entries
         .into_iter()
         .map(|e| {
@@ -177,6 +182,7 @@ pub async fn workers_view(router: &RouterState) -> WorkersView {
                             .as_ref()
                             .map(|m| m.get(&rank).copied().unwrap_or(0)),
                         engine: scheduler.load_metrics(rank).copied(),
+                        recovery: router.recovery.view(rank, now),
                     }
                 })
                 .collect();

@@ -9,6 +9,7 @@
 
 use crate::admission::Admission;
 use crate::directory::WorkerDirectory;
+use crate::durability::recovery::status::RecoveryStatus;
 use crate::health::Health;
 use crate::metrics::counters::Counters;
 use indexer::Indexer;
@@ -32,6 +33,8 @@ pub struct RouterState {
     pub health: Arc<Health>,
     /// The scheduler lock, wait queue, replica sync and request expiry.
     pub admission: Arc<Admission>,
+    /// Ranks with recovery trouble (written by the recovery service).
+    pub recovery: RecoveryStatus,
 }
 
 impl RouterState {
@@ -51,6 +54,7 @@ impl RouterState {
             counters,
             directory: WorkerDirectory::new(),
             admission: Arc::new(admission),
+            recovery: RecoveryStatus::default(),
         }
     }
 

@@ -17,7 +17,8 @@
 //!   `config reference`.
 //! - [`scheduling`]: the scheduling, queue and replica flags.
 //! - [`policy`]: the default policy and each policy's knob flags.
-//! - [`index`]: the index backend, memory bound, mode, recovery and JetStream flags.
+//! - [`index`]: the index backend, memory bound, mode and JetStream flags.
+//! - [`recovery`]: the gap recovery flags (flattened into [`index`]).
 //! - The NATS and etcd flags are `kv_cluster::args`, shared with `kv-router relay`
 //!   and every other participant.
 
@@ -25,6 +26,7 @@ pub mod error;
 pub mod file;
 pub mod index;
 pub mod policy;
+pub mod recovery;
 pub mod scheduling;
 
 pub use crate::http::HttpConfig;
