@@ -26,6 +26,7 @@ use axum::routing::get as get_route;
 use indexer::IndexerApi as _;
 use kv_cluster::http::ListenAddr;
 use kv_events::LoadMetrics;
+use scheduler::Liveness;
 use serde::Serialize;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -148,6 +149,11 @@ pub struct RankView {
     pub indexed_blocks: Option<usize>,
     /// The engine's last load report, if any.
     pub engine: Option<LoadMetrics>,
+    /// What the silence of its load reports says: `never_reported` (judged by its
+    /// lease alone), `live`, `quiet` (deprioritized) or `silent` (excluded).
+    pub liveness: Liveness,
+    /// Time since its last load report, in ms (`None`: never reported).
+    pub metrics_age_ms: Option<u64>,
     /// Gap recovery trouble (`{"state": "recovering" | "backing_off" | "degraded",
     /// ...}`); `null` while the rank's events are in order.
     pub recovery: Option<RankRecoveryView>,
@@ -165,6 +171,7 @@ pub async fn workers_view(router: &RouterState) -> WorkersView {
     let entries = router.directory.snapshot();
     let scheduler = router.scheduler();
     let now = tokio::time::Instant::now();
+    let clock = std::time::Instant::now();
     let workers = entries
         .into_iter()
         .map(|e| {
@@ -173,6 +180,7 @@ pub async fn workers_view(router: &RouterState) -> WorkersView {
                 .map(|r| {
                     let rank = kv_events::WorkerRank::new(reg.worker_id, kv_events::DpRank(r));
                     let load = scheduler.rank_load(rank);
+                    let (liveness, heard) = scheduler.liveness(rank, clock);
                     RankView {
                         dp_rank: r,
                         active_prefill_tokens: load.active_prefill_tokens,
@@ -182,6 +190,11 @@ pub async fn workers_view(router: &RouterState) -> WorkersView {
                             .as_ref()
                             .map(|m| m.get(&rank).copied().unwrap_or(0)),
                         engine: scheduler.load_metrics(rank).copied(),
+                        liveness,
+                        metrics_age_ms: heard.map(|h| {
+                            u64::try_from(clock.saturating_duration_since(h).as_millis())
+                                .unwrap_or(u64::MAX)
+                        }),
                         recovery: router.recovery.view(rank, now),
                     }
                 })

@@ -8,6 +8,7 @@
 
 use crate::busy::BusyThresholds;
 use crate::error::SchedulerError;
+use crate::liveness::LivenessConfig;
 use crate::policy::PolicyConfig;
 use serde::{Deserialize, Serialize};
 use std::time::Duration;
@@ -27,6 +28,9 @@ pub struct SchedulerConfig {
     /// How the expected prefill duration of a booking is estimated (it drives the
     /// linear decay of the oldest in-flight prefill). Default: unknown, no decay.
     pub prefill_duration: PrefillDurationModel,
+    /// When a rank whose load metrics went silent is deprioritized and excluded.
+    /// Default: on, 1 s interval, quiet after 3, silent after 10.
+    pub liveness: LivenessConfig,
 }
 
 impl SchedulerConfig {
@@ -38,6 +42,7 @@ impl SchedulerConfig {
         self.policy.validate()?;
         self.sequences.validate()?;
         self.busy.validate()?;
+        self.liveness.validate()?;
         self.prefill_duration.validate()
     }
 }
@@ -229,11 +234,18 @@ mod tests {
             prefill_duration: PrefillDurationModel::Throughput {
                 tokens_per_second: 5000.0,
             },
+            liveness: LivenessConfig {
+                enabled: false,
+                metrics_interval: Duration::from_millis(250),
+                quiet_intervals: 2,
+                silent_intervals: 4,
+            },
         };
         let json = serde_json::to_value(&config).unwrap();
         assert_eq!(json["sequences"]["request_ttl_ms"], 1500);
         assert_eq!(json["policy"]["kind"], "cache-aware-threshold");
         assert_eq!(json["prefill_duration"]["model"], "throughput");
+        assert_eq!(json["liveness"]["metrics_interval_ms"], 250);
         let back: SchedulerConfig = serde_json::from_value(json).unwrap();
         assert_eq!(back, config);
         // Missing sections take their defaults.

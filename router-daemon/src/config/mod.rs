@@ -16,6 +16,8 @@
 //! - [`file`]: the TOML file under environment and flags; `config print` and
 //!   `config reference`.
 //! - [`scheduling`]: the scheduling, queue and replica flags.
+//! - [`liveness`]: liveness from silence in load metrics (flattened into
+//!   [`scheduling`]).
 //! - [`policy`]: the default policy and each policy's knob flags.
 //! - [`index`]: the index backend, memory bound, mode and JetStream flags.
 //! - [`recovery`]: the gap recovery flags (flattened into [`index`]).
@@ -25,6 +27,7 @@
 pub mod error;
 pub mod file;
 pub mod index;
+pub mod liveness;
 pub mod policy;
 pub mod recovery;
 pub mod scheduling;
