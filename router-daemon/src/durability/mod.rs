@@ -47,7 +47,7 @@ pub struct RecoveryConfig {
     pub backoff_max: Duration,
     /// Recoveries in a row that did not close a rank's hole before the rank is
     /// degraded: no more requests until `cooldown` ends or its publisher restarts
-    /// (at least 1). Default 8: about 25 s of tries at the default backoff.
+    /// (at least 1). Default 8: 13 to 25 s of tries at the default backoff.
     pub budget: u32,
     /// How long a degraded rank is left alone, and how long a failing streak is
     /// remembered without a new need. Default 5 min.

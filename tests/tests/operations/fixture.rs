@@ -12,7 +12,6 @@ use mocker::cluster::{EtcdServer, NatsServer};
 use router_daemon::config::{DaemonConfig, ServeArgs};
 use router_daemon::daemon::Starting;
 use serde_json::{Value, json};
-use std::net::SocketAddr;
 use std::time::Duration;
 
 /// Tokens per block in these tests.
