@@ -7,6 +7,7 @@
 //! it is plain data, cheap to clone, and costs nothing at scheduling time.
 
 use crate::busy::BusyThresholds;
+pub use crate::duration_ms;
 use crate::error::SchedulerError;
 use crate::liveness::LivenessConfig;
 use crate::policy::PolicyConfig;
@@ -136,28 +137,6 @@ impl PrefillDurationModel {
                 }
             }
         }
-    }
-}
-
-/// Serializes a [`Duration`] as whole milliseconds (a `u64`), for config files.
-pub mod duration_ms {
-    use serde::{Deserialize, Deserializer, Serializer};
-    use std::time::Duration;
-
-    /// Writes `d` as milliseconds, saturating at `u64::MAX`.
-    ///
-    /// # Errors
-    /// Whatever the serializer reports.
-    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_u64(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-    }
-
-    /// Reads milliseconds into a [`Duration`].
-    ///
-    /// # Errors
-    /// Whatever the deserializer reports for a non-integer.
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-        u64::deserialize(d).map(Duration::from_millis)
     }
 }
 

@@ -27,12 +27,12 @@
 //! - [`request`]: [`ScheduleRequest`] in, [`Selection`] out.
 //! - [`overlap`]: the [`Overlaps`] trait (per-rank overlap blocks) and [`NoOverlap`].
 //! - [`workers`]: [`WorkerRegistry`], registered workers and their ranks.
-//! - [`liveness`]: [`LivenessConfig`], [`Liveness`]: a rank whose load metrics stop
-//!   is deprioritized, then excluded, until it reports again.
+//! - [`liveness`]: [`LivenessConfig`], [`Liveness`]: silent ranks are left out.
 //! - [`error`]: [`SchedulerError`], the crate's one error type.
 
 pub mod busy;
 pub mod config;
+pub mod duration_ms;
 pub mod error;
 pub mod liveness;
 pub mod load;
@@ -126,12 +126,10 @@ impl Scheduler {
     /// nothing changes.
     pub fn add_worker(&mut self, reg: WorkerRegistration) -> Result<(), SchedulerError> {
         let vanished = self.workers.add(reg)?;
-        for &rank in &vanished {
+        self.reports.retain(|rank| !vanished.contains(&rank));
+        for rank in vanished {
             let dropped = self.sequences.remove_rank(rank);
             tracing::debug!(%rank, dropped, "rank vanished on re-registration");
-        }
-        if !vanished.is_empty() {
-            self.reports.retain(|rank| !vanished.contains(&rank));
         }
         Ok(())
     }
@@ -345,12 +343,7 @@ impl Scheduler {
                     .new_blocks(rank, block_ids, req.request_blocks),
             });
         }
-        // Deprioritized ranks only compete when no preferred rank does.
-        if let Some(&best) = self.tiers.iter().min() {
-            let mut tiers = self.tiers.iter();
-            self.candidates
-                .retain(|_| tiers.next().is_some_and(|&t| t == best));
-        }
+        LoadReports::keep_best(&mut self.candidates, &self.tiers);
         match (
             req.dp_rank,
             pinned_exists,
@@ -419,10 +412,9 @@ impl Scheduler {
         self.sequences.next_deadline()
     }
 
-    /// Stores the latest engine-reported sample for its rank, heard at `now` (which
-    /// also tells the rank is alive, see [`liveness`]). Samples from ranks that are
-    /// not registered are ignored (returns `false`), which bounds memory against
-    /// metrics from departed or unknown workers.
+    /// Stores the latest engine-reported sample for its rank, heard at `now` (a sign
+    /// of life, see [`liveness`]). Samples of unregistered ranks are ignored (returns
+    /// `false`), which bounds memory against departed or unknown workers.
     pub fn update_load_metrics(&mut self, m: LoadMetrics, now: Instant) -> bool {
         let rank = WorkerRank::new(m.worker_id, m.dp_rank);
         if !self.workers.contains_rank(rank) {

@@ -19,8 +19,9 @@
 //! Cost: one hash lookup per rank per decision, and the latest sample time kept
 //! aside so the safeguard is O(1).
 
-use crate::config::duration_ms;
+use crate::duration_ms;
 use crate::error::SchedulerError;
+use crate::policy::Candidate;
 use kv_events::{LoadMetrics, WorkerId, WorkerRank};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -203,6 +204,15 @@ impl LoadReports {
             Liveness::Quiet => Some(Tier::Fallback),
             Liveness::Silent if self.none_live(config, now) => Some(Tier::Fallback),
             Liveness::Silent => None,
+        }
+    }
+
+    /// Keeps the candidates of the best tier in `tiers` (parallel to `candidates`):
+    /// deprioritized ranks only compete when no preferred rank does.
+    pub(crate) fn keep_best(candidates: &mut Vec<Candidate>, tiers: &[Tier]) {
+        if let Some(&best) = tiers.iter().min() {
+            let mut tiers = tiers.iter();
+            candidates.retain(|_| tiers.next().is_some_and(|&t| t == best));
         }
     }
 
