@@ -371,3 +371,33 @@ async fn a_publisher_whose_replies_never_close_the_gap_is_paced_then_degraded() 
     assert_eq!(recovery_view(&daemon, 2).await, serde_json::Value::Null);
     daemon.shutdown().await
 }
+
+#[tokio::test]
+async fn a_reply_past_the_chunk_limit_is_refused_counted_and_not_asked_again_at_once()
+-> anyhow::Result<()> {
+    let mut cluster = TestCluster::start(BLOCK).await?;
+    // Chunks of at most 8 blocks: a dump of 12 blocks takes 2 chunks.
+    let w1 = JournalWorker::start(&mut cluster, 1, 1, 64).await?;
+    for i in 0..4 {
+        w1.record(DpRank(0), chain_from_root(w1.id(), i, 3));
+    }
+    let daemon = cluster
+        .start_daemon(|args| args.index.recovery.recovery_max_reply_chunks = 1)
+        .await?;
+    // The start-up dump was refused at its second chunk, once (no retry of an
+    // oversized reply), and the rank was given up rather than left waiting.
+    assert_eq!(w1.recovery_requests(), 1);
+    let recovery = &daemon.state().counters.metrics.recovery;
+    assert_eq!(recovery.refused("too_many_chunks"), 1);
+    assert_eq!(recovery.runs("dump", "failed"), 1);
+    assert_eq!(
+        daemon
+            .state()
+            .indexer
+            .counters()
+            .snapshot()
+            .recoveries_abandoned,
+        1
+    );
+    daemon.shutdown().await
+}

@@ -261,6 +261,11 @@ impl RecoveryMetrics {
         self.degraded_ranks.get()
     }
 
+    /// Replies counted as refused for `reason`.
+    pub fn refused(&self, reason: &str) -> u64 {
+        self.refused.with_label_values(&[reason]).get()
+    }
+
     /// Needs counted as skipped for `reason`.
     pub fn skipped(&self, reason: &str) -> u64 {
         self.skipped.with_label_values(&[reason]).get()
