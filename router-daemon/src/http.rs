@@ -15,6 +15,7 @@
 //!
 //! The client side (`kv-router probe`, tests) is [`kv_cluster::http::get`].
 
+use crate::durability::recovery::status::RankRecoveryView;
 use crate::health::{Check, Readiness};
 use crate::state::RouterState;
 use axum::Router;
@@ -25,6 +26,7 @@ use axum::routing::get as get_route;
 use indexer::IndexerApi as _;
 use kv_cluster::http::ListenAddr;
 use kv_events::LoadMetrics;
+use scheduler::Liveness;
 use serde::Serialize;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -147,6 +149,14 @@ pub struct RankView {
     pub indexed_blocks: Option<usize>,
     /// The engine's last load report, if any.
     pub engine: Option<LoadMetrics>,
+    /// What the silence of its load reports says: `never_reported` (judged by its
+    /// lease alone), `live`, `quiet` (deprioritized) or `silent` (excluded).
+    pub liveness: Liveness,
+    /// Time since its last load report, in ms (`None`: never reported).
+    pub metrics_age_ms: Option<u64>,
+    /// Gap recovery trouble (`{"state": "recovering" | "backing_off" | "degraded",
+    /// ...}`); `null` while the rank's events are in order.
+    pub recovery: Option<RankRecoveryView>,
 }
 
 /// Builds the workers view from the directory, the scheduler and the indexer's
@@ -160,6 +170,8 @@ pub async fn workers_view(router: &RouterState) -> WorkersView {
         .map(|r| r.blocks_per_rank.into_iter().collect());
     let entries = router.directory.snapshot();
     let scheduler = router.scheduler();
+    let now = tokio::time::Instant::now();
+    let clock = std::time::Instant::now();
     let workers = entries
         .into_iter()
         .map(|e| {
@@ -168,6 +180,7 @@ pub async fn workers_view(router: &RouterState) -> WorkersView {
                 .map(|r| {
                     let rank = kv_events::WorkerRank::new(reg.worker_id, kv_events::DpRank(r));
                     let load = scheduler.rank_load(rank);
+                    let (liveness, heard) = scheduler.liveness(rank, clock);
                     RankView {
                         dp_rank: r,
                         active_prefill_tokens: load.active_prefill_tokens,
@@ -177,6 +190,12 @@ pub async fn workers_view(router: &RouterState) -> WorkersView {
                             .as_ref()
                             .map(|m| m.get(&rank).copied().unwrap_or(0)),
                         engine: scheduler.load_metrics(rank).copied(),
+                        liveness,
+                        metrics_age_ms: heard.map(|h| {
+                            u64::try_from(clock.saturating_duration_since(h).as_millis())
+                                .unwrap_or(u64::MAX)
+                        }),
+                        recovery: router.recovery.view(rank, now),
                     }
                 })
                 .collect();

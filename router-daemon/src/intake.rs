@@ -159,7 +159,9 @@ pub fn handle_metrics(
 ) {
     match admit::<LoadMetrics>(counters, limits, MessageKind::Metrics, subject, payload) {
         Ok(m) if Subjects::worker_id_from_subject(subject) == Some(m.worker_id) => {
-            admission.scheduler().update_load_metrics(m);
+            admission
+                .scheduler()
+                .update_load_metrics(m, std::time::Instant::now());
             counters.message(MessageKind::Metrics, Outcome::Ok);
             // Engine-reported load counts toward busy: a lower sample may free room.
             admission.release_waiters();

@@ -9,6 +9,7 @@
 
 use crate::admission::Admission;
 use crate::directory::WorkerDirectory;
+use crate::durability::recovery::status::RecoveryStatus;
 use crate::health::Health;
 use crate::metrics::counters::Counters;
 use crate::publishers::Publishers;
@@ -38,6 +39,8 @@ pub struct RouterState {
     pub limits: Limits,
     /// Registered publishers and their epochs (written by discovery, read by intake).
     pub publishers: Publishers,
+    /// Ranks with recovery trouble (written by the recovery service).
+    pub recovery: RecoveryStatus,
 }
 
 impl RouterState {
@@ -60,6 +63,7 @@ impl RouterState {
             admission: Arc::new(admission),
             limits,
             publishers: Publishers::default(),
+            recovery: RecoveryStatus::default(),
         }
     }
 

@@ -7,7 +7,9 @@
 //! it is plain data, cheap to clone, and costs nothing at scheduling time.
 
 use crate::busy::BusyThresholds;
+pub use crate::duration_ms;
 use crate::error::SchedulerError;
+use crate::liveness::LivenessConfig;
 use crate::policy::PolicyConfig;
 use serde::{Deserialize, Serialize};
 use std::time::Duration;
@@ -27,6 +29,9 @@ pub struct SchedulerConfig {
     /// How the expected prefill duration of a booking is estimated (it drives the
     /// linear decay of the oldest in-flight prefill). Default: unknown, no decay.
     pub prefill_duration: PrefillDurationModel,
+    /// When a rank whose load metrics went silent is deprioritized and excluded.
+    /// Default: on, 1 s interval, quiet after 3, silent after 10.
+    pub liveness: LivenessConfig,
 }
 
 impl SchedulerConfig {
@@ -38,6 +43,7 @@ impl SchedulerConfig {
         self.policy.validate()?;
         self.sequences.validate()?;
         self.busy.validate()?;
+        self.liveness.validate()?;
         self.prefill_duration.validate()
     }
 }
@@ -134,28 +140,6 @@ impl PrefillDurationModel {
     }
 }
 
-/// Serializes a [`Duration`] as whole milliseconds (a `u64`), for config files.
-pub mod duration_ms {
-    use serde::{Deserialize, Deserializer, Serializer};
-    use std::time::Duration;
-
-    /// Writes `d` as milliseconds, saturating at `u64::MAX`.
-    ///
-    /// # Errors
-    /// Whatever the serializer reports.
-    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_u64(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-    }
-
-    /// Reads milliseconds into a [`Duration`].
-    ///
-    /// # Errors
-    /// Whatever the deserializer reports for a non-integer.
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-        u64::deserialize(d).map(Duration::from_millis)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -229,11 +213,18 @@ mod tests {
             prefill_duration: PrefillDurationModel::Throughput {
                 tokens_per_second: 5000.0,
             },
+            liveness: LivenessConfig {
+                enabled: false,
+                metrics_interval: Duration::from_millis(250),
+                quiet_intervals: 2,
+                silent_intervals: 4,
+            },
         };
         let json = serde_json::to_value(&config).unwrap();
         assert_eq!(json["sequences"]["request_ttl_ms"], 1500);
         assert_eq!(json["policy"]["kind"], "cache-aware-threshold");
         assert_eq!(json["prefill_duration"]["model"], "throughput");
+        assert_eq!(json["liveness"]["metrics_interval_ms"], 250);
         let back: SchedulerConfig = serde_json::from_value(json).unwrap();
         assert_eq!(back, config);
         // Missing sections take their defaults.

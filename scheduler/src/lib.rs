@@ -27,11 +27,14 @@
 //! - [`request`]: [`ScheduleRequest`] in, [`Selection`] out.
 //! - [`overlap`]: the [`Overlaps`] trait (per-rank overlap blocks) and [`NoOverlap`].
 //! - [`workers`]: [`WorkerRegistry`], registered workers and their ranks.
+//! - [`liveness`]: [`LivenessConfig`], [`Liveness`]: silent ranks are left out.
 //! - [`error`]: [`SchedulerError`], the crate's one error type.
 
 pub mod busy;
 pub mod config;
+pub mod duration_ms;
 pub mod error;
+pub mod liveness;
 pub mod load;
 pub mod overlap;
 pub mod policy;
@@ -42,6 +45,7 @@ pub mod workers;
 pub use busy::{BusyThresholds, Threshold};
 pub use config::{PrefillDurationModel, SchedulerConfig, SequencesConfig};
 pub use error::SchedulerError;
+pub use liveness::{Liveness, LivenessConfig};
 pub use overlap::{NoOverlap, Overlaps};
 pub use policy::{
     CacheAwareThresholdConfig, KvNormalizedConfig, KvPolicyConfig, PolicyConfig,
@@ -56,12 +60,13 @@ pub use workers::WorkerRegistry;
 use kv_events::discovery::WorkerRegistration;
 use kv_events::routing::PolicyKind;
 use kv_events::{DpRank, LoadMetrics, RequestId, WorkerId, WorkerRank};
+use liveness::{LoadReports, Tier};
 use policy::{Candidate, SelectContext, Selector};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use std::borrow::Borrow;
 use std::cmp::Reverse;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::time::Instant;
 
 /// In which order [`Scheduler::schedule_batch`] places a batch (a wire type: a
@@ -76,10 +81,12 @@ pub struct Scheduler {
     workers: WorkerRegistry,
     sequences: ActiveSequences,
     selector: Selector,
-    /// Latest engine-reported sample per registered rank (busy checks, reporting).
-    load_metrics: HashMap<WorkerRank, LoadMetrics>,
-    /// Scratch buffer reused by every decision.
+    /// Latest engine-reported sample per registered rank and when it came (busy
+    /// checks, liveness, reporting).
+    reports: LoadReports,
+    /// Scratch buffers reused by every decision: the candidates and their tiers.
     candidates: Vec<Candidate>,
+    tiers: Vec<Tier>,
 }
 
 impl Scheduler {
@@ -99,8 +106,9 @@ impl Scheduler {
             config,
             workers: WorkerRegistry::new(),
             selector: Selector::new(rng),
-            load_metrics: HashMap::new(),
+            reports: LoadReports::default(),
             candidates: Vec::new(),
+            tiers: Vec::new(),
         })
     }
 
@@ -117,9 +125,10 @@ impl Scheduler {
     /// [`SchedulerError::InvalidRegistration`] when `dp_size` or `block_size` is 0;
     /// nothing changes.
     pub fn add_worker(&mut self, reg: WorkerRegistration) -> Result<(), SchedulerError> {
-        for rank in self.workers.add(reg)? {
+        let vanished = self.workers.add(reg)?;
+        self.reports.retain(|rank| !vanished.contains(&rank));
+        for rank in vanished {
             let dropped = self.sequences.remove_rank(rank);
-            self.load_metrics.remove(&rank);
             tracing::debug!(%rank, dropped, "rank vanished on re-registration");
         }
         Ok(())
@@ -130,7 +139,7 @@ impl Scheduler {
     /// requests were dropped; 0 also when the worker was unknown.
     pub fn remove_worker(&mut self, id: WorkerId) -> usize {
         self.workers.remove(id);
-        self.load_metrics.retain(|rank, _| rank.worker_id != id);
+        self.reports.remove_worker(id);
         let dropped = self.sequences.remove_worker(id);
         tracing::debug!(worker_id = %id, dropped, "worker removed");
         dropped
@@ -151,7 +160,8 @@ impl Scheduler {
     /// duration of [`SchedulerConfig::prefill_duration`]) and `request_blocks` decode
     /// blocks. `overlaps` gives each rank's overlap blocks for this prompt; values
     /// above `request_blocks` are clamped. Candidates are the registered ranks that
-    /// match `req.dp_rank` (if set), are not in `req.exclude_workers` and are not busy.
+    /// match `req.dp_rank` (if set), are not in `req.exclude_workers`, are not busy
+    /// and are not silent ([`liveness`]); quiet ranks only when no live one is left.
     ///
     /// # Errors
     /// - [`SchedulerError::DuplicateRequest`] if `req.request_id` is already active.
@@ -161,7 +171,7 @@ impl Scheduler {
     ///   dp_rank.
     /// - [`SchedulerError::AllExcluded`] if the request excludes every registered
     ///   worker (that has the pinned dp_rank, if any).
-    /// - [`SchedulerError::AllBusy`] if every candidate is busy.
+    /// - [`SchedulerError::AllBusy`] if every candidate is busy or silent.
     ///
     /// On error nothing is booked.
     pub fn schedule<O: Overlaps + ?Sized>(
@@ -301,6 +311,7 @@ impl Scheduler {
             return Err(SchedulerError::NoWorkers);
         }
         self.candidates.clear();
+        self.tiers.clear();
         let mut pinned_exists = false;
         let mut any_allowed = false;
         for &rank in self.workers.ranks() {
@@ -312,16 +323,17 @@ impl Scheduler {
                 continue;
             }
             any_allowed = true;
+            let Some(tier) = self.reports.tier(&self.config.liveness, rank, now) else {
+                continue; // silent
+            };
             let load = self.sequences.load(rank, now);
             if self.config.busy.enabled()
                 && let Some(reg) = self.workers.get(rank.worker_id)
-                && self
-                    .config
-                    .busy
-                    .is_busy(&load, self.load_metrics.get(&rank), reg)
+                && self.config.busy.is_busy(&load, self.reports.get(rank), reg)
             {
                 continue;
             }
+            self.tiers.push(tier);
             self.candidates.push(Candidate {
                 rank,
                 overlap_blocks: overlaps.overlap(rank).min(req.request_blocks),
@@ -331,6 +343,7 @@ impl Scheduler {
                     .new_blocks(rank, block_ids, req.request_blocks),
             });
         }
+        LoadReports::keep_best(&mut self.candidates, &self.tiers);
         match (
             req.dp_rank,
             pinned_exists,
@@ -399,21 +412,28 @@ impl Scheduler {
         self.sequences.next_deadline()
     }
 
-    /// Stores the latest engine-reported sample for its rank. Samples from ranks that
-    /// are not registered are ignored (returns `false`), which bounds memory against
-    /// metrics from departed or unknown workers.
-    pub fn update_load_metrics(&mut self, m: LoadMetrics) -> bool {
+    /// Stores the latest engine-reported sample for its rank, heard at `now` (a sign
+    /// of life, see [`liveness`]). Samples of unregistered ranks are ignored (returns
+    /// `false`), which bounds memory against departed or unknown workers.
+    pub fn update_load_metrics(&mut self, m: LoadMetrics, now: Instant) -> bool {
         let rank = WorkerRank::new(m.worker_id, m.dp_rank);
         if !self.workers.contains_rank(rank) {
             return false;
         }
-        self.load_metrics.insert(rank, m);
+        self.reports.insert(rank, m, now);
         true
     }
 
     /// The latest engine-reported sample of `rank`, if any.
     pub fn load_metrics(&self, rank: WorkerRank) -> Option<&LoadMetrics> {
-        self.load_metrics.get(&rank)
+        self.reports.get(rank)
+    }
+
+    /// What the silence of `rank`'s load metrics says at `now`, and since when it
+    /// reported last (`None`: never since it registered).
+    pub fn liveness(&self, rank: WorkerRank, now: Instant) -> (Liveness, Option<Instant>) {
+        let heard = self.reports.heard(rank);
+        (self.config.liveness.classify(heard, now), heard)
     }
 
     /// The load booked on `rank` now (wall clock); zeros when none.
@@ -441,7 +461,7 @@ impl Scheduler {
             self.workers.contains_rank(rank)
                 && self.config.busy.is_busy(
                     &self.sequences.load(rank, now),
-                    self.load_metrics.get(&rank),
+                    self.reports.get(rank),
                     reg,
                 )
         })
@@ -474,3 +494,7 @@ mod tests;
 #[cfg(test)]
 #[path = "scheduler_batch_tests.rs"]
 mod batch_tests;
+
+#[cfg(test)]
+#[path = "scheduler_liveness_tests.rs"]
+mod liveness_tests;

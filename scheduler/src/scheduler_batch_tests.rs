@@ -3,6 +3,7 @@
 
 use super::*;
 use kv_events::{LocalBlockHash, RouterId};
+use std::collections::HashMap;
 
 const BLOCK: u32 = 16;
 

@@ -4,11 +4,12 @@
 use super::*;
 use kv_events::LocalBlockHash;
 use kv_events::routing::CostOverrides;
+use std::collections::HashMap;
 use std::time::Duration;
 
 const BLOCK: u32 = 16;
 
-fn rank(id: u64, dp: u32) -> WorkerRank {
+pub(super) fn rank(id: u64, dp: u32) -> WorkerRank {
     WorkerRank::new(WorkerId(id), DpRank(dp))
 }
 
@@ -23,7 +24,7 @@ fn reg(id: u64, dp_size: u32) -> WorkerRegistration {
     }
 }
 
-fn with_policy(policy: PolicyConfig) -> SchedulerConfig {
+pub(super) fn with_policy(policy: PolicyConfig) -> SchedulerConfig {
     SchedulerConfig {
         policy,
         ..SchedulerConfig::default()
@@ -37,7 +38,7 @@ fn kv_config(prefill_load_scale: f64) -> SchedulerConfig {
     }))
 }
 
-fn scheduler(config: SchedulerConfig, workers: &[(u64, u32)]) -> Scheduler {
+pub(super) fn scheduler(config: SchedulerConfig, workers: &[(u64, u32)]) -> Scheduler {
     let mut s = Scheduler::new(config, Some(11)).unwrap();
     for &(id, dp) in workers {
         s.add_worker(reg(id, dp)).unwrap();
@@ -47,7 +48,7 @@ fn scheduler(config: SchedulerConfig, workers: &[(u64, u32)]) -> Scheduler {
 
 /// A request of `num_tokens` tokens at block size 16 whose full blocks hash to
 /// `seed * 1000 + i`.
-fn request(id: &str, num_tokens: u64) -> ScheduleRequest {
+pub(super) fn request(id: &str, num_tokens: u64) -> ScheduleRequest {
     prefixed(id, num_tokens, 0)
 }
 
@@ -309,11 +310,14 @@ fn engine_reported_load_can_make_a_rank_busy() {
     let mut config = SchedulerConfig::default();
     config.busy.prefill_tokens = Some(Threshold::Absolute(1000));
     let mut s = scheduler(config, &[(1, 1), (2, 1)]);
-    s.update_load_metrics(LoadMetrics {
-        worker_id: WorkerId(1),
-        active_prefill_tokens: 5000,
-        ..LoadMetrics::default()
-    });
+    s.update_load_metrics(
+        LoadMetrics {
+            worker_id: WorkerId(1),
+            active_prefill_tokens: 5000,
+            ..LoadMetrics::default()
+        },
+        t,
+    );
     let overlaps = HashMap::from([(rank(1, 0), 4)]);
     for i in 0..5 {
         let sel = s
@@ -440,10 +444,10 @@ fn duplicate_ids_and_load_metrics() {
         num_requests_running: running,
         ..LoadMetrics::default()
     };
-    assert!(s.update_load_metrics(sample(1, 5)));
+    assert!(s.update_load_metrics(sample(1, 5), Instant::now()));
     assert_eq!(s.load_metrics(rank(1, 1)).unwrap().num_requests_running, 5);
     assert!(
-        !s.update_load_metrics(sample(2, 1)),
+        !s.update_load_metrics(sample(2, 1), Instant::now()),
         "unregistered rank ignored"
     );
     assert_eq!(s.rank_loads().count(), 2);

@@ -10,10 +10,12 @@
 //! - [`FakeWorker`]: a hand-driven worker: etcd registration under a lease, KV events.
 //! - [`child_daemon`]: the release binary as a child process, for the measurement
 //!   tools in `tests/examples/`.
+//! - [`etcd_proxy`]: a path to etcd the test can cut.
 
 use anyhow::Context;
 
 pub mod child_daemon;
+pub mod etcd_proxy;
 pub mod python;
 use etcd_client::{Client as Etcd, PutOptions};
 use indexer::IndexerApi as _;
@@ -114,8 +116,23 @@ impl TestCluster {
         time_scale: f64,
         http: mocker::engine::HttpArgs,
     ) -> anyhow::Result<mocker::engine::EnginesHandle> {
+        let args = self.engine_args(workers, model, time_scale, http);
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        Ok(mocker::engine::spawn_engines(args, shutdown).await?)
+    }
+
+    /// The arguments of [`Self::spawn_engines`]: engines `1..=workers` of this
+    /// cluster, 5 s leases, load metrics every 50 ms; adjust them to start a fleet
+    /// otherwise (other ids, another etcd path, longer leases).
+    pub fn engine_args(
+        &self,
+        workers: u32,
+        model: mocker::engine::EngineModelConfig,
+        time_scale: f64,
+        http: mocker::engine::HttpArgs,
+    ) -> mocker::engine::EngineArgs {
         use mocker::engine::{ConnectionArgs, EngineArgs, FleetArgs, RuntimeArgs};
-        let args = EngineArgs {
+        EngineArgs {
             connection: ConnectionArgs {
                 nats_url: self.nats_server.url(),
                 etcd_endpoints: vec![self.etcd_server.endpoint()],
@@ -133,9 +150,7 @@ impl TestCluster {
                 metrics_interval_ms: 50,
             },
             http,
-        };
-        let shutdown = tokio_util::sync::CancellationToken::new();
-        Ok(mocker::engine::spawn_engines(args, shutdown).await?)
+        }
     }
 
     /// Starts a daemon with [`Self::serve_args`], modified by `adjust`.

@@ -13,6 +13,7 @@ use integration_tests::{TestCluster, eventually};
 use journal_worker::{JournalWorker, chain_from_root, held_paths, router_paths};
 use kv_events::routing::RouteReply;
 use kv_events::{DpRank, KvCacheEventData, WorkerId};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 const BLOCK: u32 = 4;
@@ -113,8 +114,8 @@ async fn a_publisher_that_cannot_recover_does_not_stall_the_index() -> anyhow::R
     let w6 = JournalWorker::start_silent(&mut cluster, 6).await?;
     let daemon = cluster
         .start_daemon(|args| {
-            args.index.recovery_timeout_ms = 300;
-            args.index.recovery_attempts = 2;
+            args.index.recovery.recovery_timeout_ms = 300;
+            args.index.recovery.recovery_attempts = 2;
         })
         .await?;
     for w in [&w5, &w6] {
@@ -241,4 +242,155 @@ async fn with_jetstream_a_restarted_daemon_restores_its_snapshot_and_replays_the
          no router ran were replayed"
     );
     second.shutdown().await
+}
+
+/// The `recovery` field of worker `id`'s rank 0 in `/debug/workers`.
+async fn recovery_view(daemon: &router_daemon::Daemon, id: u64) -> serde_json::Value {
+    let view = router_daemon::http::workers_view(daemon.state()).await;
+    let json = serde_json::to_value(&view).expect("the view serializes");
+    json["workers"]
+        .as_array()
+        .and_then(|ws| ws.iter().find(|w| w["worker_id"] == id))
+        .map(|w| w["ranks"][0]["recovery"].clone())
+        .unwrap_or_default()
+}
+
+#[tokio::test]
+async fn a_publisher_whose_replies_never_close_the_gap_is_paced_then_degraded() -> anyhow::Result<()>
+{
+    const BUDGET: u64 = 5;
+    const BACKOFF_MIN_MS: u64 = 50;
+    let mut cluster = TestCluster::start(BLOCK).await?;
+    // Worker 1 answers every recovery request with an empty range: a gap in its
+    // events is never closed. Worker 2 is healthy.
+    let stuck = JournalWorker::start_stuck(&mut cluster, 1).await?;
+    let healthy = JournalWorker::start(&mut cluster, 2, 1, 4096).await?;
+    let daemon = cluster
+        .start_daemon(|args| {
+            let r = &mut args.index.recovery;
+            r.recovery_backoff_min_ms = BACKOFF_MIN_MS;
+            r.recovery_backoff_max_ms = 400;
+            r.recovery_budget = BUDGET as u32;
+        })
+        .await?;
+    // The start-up resync got its (empty) answer and left no hole.
+    assert_eq!(stuck.recovery_requests(), 1);
+    let rank = kv_events::WorkerRank::new(stuck.id(), DpRank(0));
+
+    stuck
+        .record_and_publish(DpRank(0), chain_from_root(stuck.id(), 0, 2))
+        .await?;
+    for i in 1..4 {
+        stuck.record(DpRank(0), chain_from_root(stuck.id(), i, 2)); // lost
+    }
+    let asked_from = std::time::Instant::now();
+    stuck
+        .record_and_publish(DpRank(0), chain_from_root(stuck.id(), 4, 2))
+        .await?;
+    eventually("the stuck rank to be degraded", WAIT, || async {
+        (recovery_view(&daemon, 1).await["state"] == "degraded").then_some(())
+    })
+    .await?;
+    let paced_for = asked_from.elapsed();
+    // One request per recovery, each after the previous one's backoff: BUDGET
+    // requests spread over at least the un-jittered delays 50 + 100 + 200 + 400 ms
+    // (unpaced, the same hole drew thousands of requests per second).
+    assert_eq!(stuck.recovery_requests(), 1 + BUDGET);
+    let min_spacing: u64 = (0..BUDGET - 1)
+        .map(|k| (BACKOFF_MIN_MS << k).min(400))
+        .sum();
+    assert!(
+        paced_for >= Duration::from_millis(min_spacing),
+        "{BUDGET} recoveries in {paced_for:?}"
+    );
+    let view = recovery_view(&daemon, 1).await;
+    assert_eq!(view["reason"], "hole_not_closed", "{view}");
+    assert_eq!(view["failures"], BUDGET, "{view}");
+    let recovery = &daemon.state().counters.metrics.recovery;
+    assert_eq!(recovery.degraded_ranks(), 1);
+    // Degraded: the buffered event went in past the hole (3 events lost) ...
+    let hashes = |i| {
+        kv_events::compute_block_hashes(
+            &journal_worker::chain_tokens(stuck.id(), i, 2, BLOCK),
+            BLOCK,
+        )
+    };
+    let indexed = |i| {
+        let hashes = hashes(i);
+        let daemon = &daemon;
+        async move {
+            let scores = daemon.state().indexer.find_matches(hashes).await.ok()?;
+            (scores.get(rank) == 2).then_some(())
+        }
+    };
+    eventually("the event after the hole to be applied", WAIT, || {
+        indexed(4)
+    })
+    .await?;
+    assert_eq!(daemon.state().indexer.counters().snapshot().events_lost, 3);
+    // ... and a further gap is skipped without asking the publisher.
+    stuck.record(DpRank(0), chain_from_root(stuck.id(), 5, 2)); // lost
+    stuck
+        .record_and_publish(DpRank(0), chain_from_root(stuck.id(), 6, 2))
+        .await?;
+    eventually(
+        "the event after the second hole to be applied",
+        WAIT,
+        || indexed(6),
+    )
+    .await?;
+    assert_eq!(
+        stuck.recovery_requests(),
+        1 + BUDGET,
+        "not asked while degraded"
+    );
+    assert!(recovery.skipped("degraded") >= 2);
+
+    // The other worker's events and every route are unaffected.
+    for i in 0..3 {
+        healthy
+            .record_and_publish(DpRank(0), chain_from_root(healthy.id(), i, 3))
+            .await?;
+    }
+    let attempt = std::sync::atomic::AtomicU64::new(0);
+    for (w, i, blocks) in [(healthy.id(), 2, 3), (stuck.id(), 6, 2)] {
+        let tokens = journal_worker::chain_tokens(w, i, blocks, BLOCK);
+        let routed = eventually("a route to the cached rank", WAIT, || {
+            let tokens = tokens.clone();
+            let (cluster, n) = (&cluster, attempt.fetch_add(1, Ordering::Relaxed));
+            async move {
+                match cluster.route_tokens(&format!("r-{n}"), tokens).await.ok()? {
+                    RouteReply::Routed(d) if d.overlap_blocks == blocks as u32 => Some(d),
+                    _ => None,
+                }
+            }
+        })
+        .await?;
+        assert_eq!(routed.worker_id, w);
+    }
+    assert_eq!(recovery_view(&daemon, 2).await, serde_json::Value::Null);
+    daemon.shutdown().await
+}
+
+#[tokio::test]
+async fn a_reply_past_the_chunk_limit_is_refused_counted_and_not_asked_again_at_once()
+-> anyhow::Result<()> {
+    let mut cluster = TestCluster::start(BLOCK).await?;
+    // Chunks of at most 8 blocks: a dump of 12 blocks takes 2 chunks.
+    let w1 = JournalWorker::start(&mut cluster, 1, 1, 64).await?;
+    for i in 0..4 {
+        w1.record(DpRank(0), chain_from_root(w1.id(), i, 3));
+    }
+    let daemon = cluster
+        .start_daemon(|args| args.index.recovery.recovery_max_reply_chunks = 1)
+        .await?;
+    // The start-up dump was refused at its second chunk, once (no retry of an
+    // oversized reply), and the rank was given up rather than left waiting.
+    assert_eq!(w1.recovery_requests(), 1);
+    let recovery = &daemon.state().counters.metrics.recovery;
+    assert_eq!(recovery.refused("too_many_chunks"), 1);
+    assert_eq!(recovery.runs("dump", "failed"), 1);
+    let counters = daemon.state().indexer.counters().snapshot();
+    assert_eq!(counters.recoveries_abandoned, 1);
+    daemon.shutdown().await
 }

@@ -5,7 +5,7 @@
 //! [`crate::durability`].
 
 use super::error::ConfigError;
-use crate::durability::{DurabilityConfig, JetStreamConfig, RecoveryConfig};
+use crate::durability::{DurabilityConfig, JetStreamConfig};
 use clap::{Args, ValueEnum};
 use indexer::{Backend, IndexMode, IndexerConfig, Pruning};
 use kv_events::Subjects;
@@ -66,15 +66,9 @@ pub struct IndexArgs {
     /// it a full dump is requested instead.
     #[arg(long, env = "KV_ROUTER_RECOVERY_BUFFER_EVENTS", default_value_t = 8192)]
     pub recovery_buffer_events: usize,
-    /// Timeout of a recovery request (and of each further reply chunk), in ms.
-    #[arg(long, env = "KV_ROUTER_RECOVERY_TIMEOUT_MS", default_value_t = 2000)]
-    pub recovery_timeout_ms: u64,
-    /// Attempts of one recovery before it is given up (backoff doubles from 100 ms).
-    #[arg(long, env = "KV_ROUTER_RECOVERY_ATTEMPTS", default_value_t = 4)]
-    pub recovery_attempts: u32,
-    /// Recovery requests in flight at once.
-    #[arg(long, env = "KV_ROUTER_RECOVERY_CONCURRENCY", default_value_t = 16)]
-    pub recovery_concurrency: usize,
+    /// Gap recovery: timeouts, attempts, backoff, budget, reply limits.
+    #[command(flatten)]
+    pub recovery: super::recovery::RecoveryArgs,
     /// Consume KV events from a JetStream stream (created if missing) and snapshot
     /// the index to a JetStream object store; a restart loads the snapshot and replays
     /// the stream from there. Off by default.
@@ -167,20 +161,7 @@ impl IndexArgs {
             return Err(invalid("recovery-buffer-events", "must be at least 1"));
         }
         indexer.recovery_buffer_events = self.recovery_buffer_events;
-        if self.recovery_attempts == 0 {
-            return Err(invalid("recovery-attempts", "must be at least 1"));
-        }
-        if self.recovery_concurrency == 0 {
-            return Err(invalid("recovery-concurrency", "must be at least 1"));
-        }
-        if self.recovery_timeout_ms == 0 {
-            return Err(invalid("recovery-timeout-ms", "must be at least 1"));
-        }
-        let recovery = RecoveryConfig {
-            timeout: Duration::from_millis(self.recovery_timeout_ms),
-            attempts: self.recovery_attempts,
-            concurrency: self.recovery_concurrency,
-        };
+        let recovery = self.recovery.to_config()?;
         let jetstream = if self.jetstream {
             if matches!(self.index_mode, IndexModeArg::Approximate) {
                 return Err(invalid(
@@ -260,7 +241,10 @@ mod tests {
         assert_eq!(indexer.backend, Backend::Inline);
         assert_eq!(indexer.pruning, Pruning::Unbounded);
         assert_eq!(indexer.mode, IndexMode::KvEvents);
-        assert_eq!(durability.recovery, RecoveryConfig::default());
+        assert_eq!(
+            durability.recovery,
+            crate::durability::RecoveryConfig::default()
+        );
         assert_eq!(durability.jetstream, None);
     }
 
@@ -303,7 +287,6 @@ mod tests {
     fn bad_values_name_their_flag() {
         for (args, flag) in [
             (&["--index-max-blocks", "1"][..], "index-max-blocks"),
-            (&["--recovery-attempts", "0"][..], "recovery-attempts"),
             (
                 &["--jetstream", "--jetstream-stream", "a.b"][..],
                 "jetstream-stream",

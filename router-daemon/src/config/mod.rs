@@ -16,8 +16,11 @@
 //! - [`file`]: the TOML file under environment and flags; `config print` and
 //!   `config reference`.
 //! - [`scheduling`]: the scheduling, queue and replica flags.
+//! - [`liveness`]: liveness from silence in load metrics (flattened into
+//!   [`scheduling`]).
 //! - [`policy`]: the default policy and each policy's knob flags.
-//! - [`index`]: the index backend, memory bound, mode, recovery and JetStream flags.
+//! - [`index`]: the index backend, memory bound, mode and JetStream flags.
+//! - [`recovery`]: the gap recovery flags (flattened into [`index`]).
 //! - The NATS and etcd flags are `kv_cluster::args`, shared with `kv-router relay`
 //!   and every other participant; the `Limits` flags are `kv_cluster::limits`,
 //!   shared with the gateway.
@@ -25,7 +28,9 @@
 pub mod error;
 pub mod file;
 pub mod index;
+pub mod liveness;
 pub mod policy;
+pub mod recovery;
 pub mod scheduling;
 
 pub use crate::http::HttpConfig;

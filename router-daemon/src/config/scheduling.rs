@@ -6,6 +6,7 @@
 //! The policy and its knobs are their own flag groups ([`PolicyArgs`]).
 
 use super::error::ConfigError;
+use super::liveness::LivenessArgs;
 use super::policy::PolicyArgs;
 use crate::admission::AdmissionConfig;
 use crate::queue::QueueConfig;
@@ -23,6 +24,9 @@ pub struct SchedulingArgs {
     /// The default policy and its knobs.
     #[command(flatten)]
     pub policy: PolicyArgs,
+    /// Liveness from silence in the engines' load metrics.
+    #[command(flatten)]
+    pub liveness: LivenessArgs,
     /// Count prefix blocks shared by concurrent requests on one rank once (engines
     /// with prefix sharing during decode); false counts every request's blocks.
     #[arg(long, env = "KV_ROUTER_ASSUME_KV_REUSE", default_value_t = true, action = ArgAction::Set)]
@@ -95,6 +99,7 @@ impl SchedulingArgs {
                 None => PrefillDurationModel::Unknown,
                 Some(tokens_per_second) => PrefillDurationModel::Throughput { tokens_per_second },
             },
+            liveness: self.liveness.to_config(),
         };
         scheduler.validate()?;
         let admission = AdmissionConfig {
@@ -132,6 +137,7 @@ mod tests {
         assert_eq!(scheduler.policy, PolicyConfig::default());
         assert_eq!(scheduler.sequences, SequencesConfig::default());
         assert_eq!(scheduler.busy, BusyThresholds::default());
+        assert_eq!(scheduler.liveness, scheduler::LivenessConfig::default());
         assert_eq!(admission.queue, QueueConfig::default());
         assert!(admission.replicas.sync);
         assert_eq!(
@@ -178,6 +184,14 @@ mod tests {
             "false",
             "--replica-snapshot-timeout-ms",
             "0",
+            "--metrics-interval-ms",
+            "50",
+            "--metrics-quiet-intervals",
+            "2",
+            "--metrics-silent-intervals",
+            "5",
+            "--metrics-liveness",
+            "false",
         ])
         .to_configs()
         .unwrap();
@@ -189,6 +203,15 @@ mod tests {
                 fair_share_multiplier: 3.0,
                 temperature: 0.1,
             })
+        );
+        assert_eq!(
+            scheduler.liveness,
+            scheduler::LivenessConfig {
+                enabled: false,
+                metrics_interval: Duration::from_millis(50),
+                quiet_intervals: 2,
+                silent_intervals: 5,
+            }
         );
         assert!(!scheduler.sequences.assume_kv_reuse);
         assert_eq!(scheduler.sequences.request_ttl, Duration::from_millis(1500));

@@ -19,7 +19,9 @@ pub mod recovery;
 
 use crate::state::RouterState;
 use anyhow::Context;
+use backon::ExponentialBuilder;
 use indexer::IndexerApi as _;
+use kv_events::recovery::ReplyLimits;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::oneshot;
@@ -27,15 +29,31 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::info;
 
-/// How recovery requests are sent.
+/// How recovery requests are sent, spaced and bounded (`recovery::ranks` has the
+/// pacing rules).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RecoveryConfig {
     /// Timeout of the request and of each further reply chunk.
     pub timeout: Duration,
-    /// Attempts before giving up (at least 1).
+    /// Attempts of one recovery before giving up (at least 1).
     pub attempts: u32,
-    /// Requests in flight at once (at least 1).
+    /// Requests in flight at once (at least 1); at most one per rank.
     pub concurrency: usize,
+    /// The first delay between attempts of one recovery, and between recoveries of a
+    /// rank that did not close its hole; doubles up to `backoff_max`, each plus a
+    /// random jitter of up to 100 %. Default 100 ms.
+    pub backoff_min: Duration,
+    /// The largest delay (before jitter). Default 30 s.
+    pub backoff_max: Duration,
+    /// Recoveries in a row that did not close a rank's hole before the rank is
+    /// degraded: no more requests until `cooldown` ends or its publisher restarts
+    /// (at least 1). Default 8: 13 to 25 s of tries at the default backoff.
+    pub budget: u32,
+    /// How long a degraded rank is left alone, and how long a failing streak is
+    /// remembered without a new need. Default 5 min.
+    pub cooldown: Duration,
+    /// The most one reply may hold, checked before each chunk is decoded.
+    pub reply_limits: ReplyLimits,
 }
 
 impl Default for RecoveryConfig {
@@ -44,6 +62,38 @@ impl Default for RecoveryConfig {
             timeout: Duration::from_secs(2),
             attempts: 4,
             concurrency: 16,
+            backoff_min: Duration::from_millis(100),
+            backoff_max: Duration::from_secs(30),
+            budget: 8,
+            cooldown: Duration::from_secs(300),
+            reply_limits: ReplyLimits::default(),
+        }
+    }
+}
+
+impl RecoveryConfig {
+    /// The exponential, jittered delays from `backoff_min` to `backoff_max`.
+    fn backoff(&self) -> ExponentialBuilder {
+        ExponentialBuilder::default()
+            .with_min_delay(self.backoff_min)
+            .with_max_delay(self.backoff_max)
+            .with_factor(2.0)
+            .with_jitter()
+            .without_max_times()
+    }
+
+    /// Delays between the attempts of one recovery: `attempts − 1` of them.
+    pub fn attempt_backoff(&self) -> ExponentialBuilder {
+        let retries = usize::try_from(self.attempts.saturating_sub(1)).unwrap_or(usize::MAX);
+        self.backoff().with_max_times(retries)
+    }
+
+    /// How recoveries of one rank are spaced and bounded.
+    pub fn pacing(&self) -> recovery::Pacing {
+        recovery::Pacing {
+            backoff: self.backoff(),
+            budget: self.budget,
+            cooldown: self.cooldown,
         }
     }
 }

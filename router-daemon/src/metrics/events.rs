@@ -186,6 +186,10 @@ impl EventMetrics {
 pub struct RecoveryMetrics {
     runs: IntCounterVec,
     duration: Histogram,
+    degraded_ranks: IntGauge,
+    degraded: IntCounterVec,
+    skipped: IntCounterVec,
+    refused: IntCounterVec,
 }
 
 impl RecoveryMetrics {
@@ -207,7 +211,65 @@ impl RecoveryMetrics {
                  state, in seconds",
                 latency_buckets(),
             )?,
+            degraded_ranks: r.gauge(
+                "kv_router_recovery_degraded_ranks",
+                "Worker ranks whose recoveries stopped closing their gap: not asked \
+                 again until a cool-down ends or their publisher restarts",
+            )?,
+            degraded: r.counter_vec(
+                "kv_router_recovery_degraded_total",
+                "Worker ranks degraded after their recovery budget was spent, by reason \
+                 (hole_not_closed, unreachable)",
+                &["reason"],
+            )?,
+            skipped: r.counter_vec(
+                "kv_router_recovery_skipped_total",
+                "Recovery needs resolved without a request, by reason (degraded: the \
+                 rank is degraded; superseded: a newer need of the rank replaced it)",
+                &["reason"],
+            )?,
+            refused: r.counter_vec(
+                "kv_router_recovery_replies_refused_total",
+                "Recovery replies refused, by reason (too_many_chunks, too_large, \
+                 malformed, out_of_order, mismatch)",
+                &["reason"],
+            )?,
         })
+    }
+
+    /// Sets the number of degraded ranks.
+    pub fn set_degraded_ranks(&self, ranks: usize) {
+        self.degraded_ranks.set(to_i64(ranks));
+    }
+
+    /// Counts a rank degraded for `reason`.
+    pub fn degrade(&self, reason: &str) {
+        self.degraded.with_label_values(&[reason]).inc();
+    }
+
+    /// Counts a need resolved without a request for `reason`.
+    pub fn skip(&self, reason: &str) {
+        self.skipped.with_label_values(&[reason]).inc();
+    }
+
+    /// Counts a reply refused for `reason`.
+    pub fn refuse(&self, reason: &str) {
+        self.refused.with_label_values(&[reason]).inc();
+    }
+
+    /// Ranks degraded now.
+    pub fn degraded_ranks(&self) -> i64 {
+        self.degraded_ranks.get()
+    }
+
+    /// Replies counted as refused for `reason`.
+    pub fn refused(&self, reason: &str) -> u64 {
+        self.refused.with_label_values(&[reason]).get()
+    }
+
+    /// Needs counted as skipped for `reason`.
+    pub fn skipped(&self, reason: &str) -> u64 {
+        self.skipped.with_label_values(&[reason]).get()
     }
 
     /// Records one recovery run of `kind` (lowercase, e.g. `replay`, `dump`) that ended

@@ -5,7 +5,7 @@
 use super::common::{RANK_LABELS, latency_buckets, rank_labels, to_i64};
 use super::registrar::Registrar;
 use prometheus::{Histogram, IntGauge, IntGaugeVec};
-use scheduler::Scheduler;
+use scheduler::{Liveness, Scheduler};
 use std::time::Duration;
 
 /// The wait queue of routing queries when every worker is busy.
@@ -56,6 +56,7 @@ pub struct WorkerLoadMetrics {
     engine_kv_total: IntGaugeVec,
     engine_running: IntGaugeVec,
     engine_waiting: IntGaugeVec,
+    liveness: IntGaugeVec,
 }
 
 impl WorkerLoadMetrics {
@@ -101,6 +102,12 @@ impl WorkerLoadMetrics {
                  engine rank",
                 RANK_LABELS,
             )?,
+            liveness: r.gauge_vec(
+                "kv_router_worker_liveness_ranks",
+                "Registered ranks by what the silence of their load metrics says \
+                 (never_reported, live, quiet: deprioritized, silent: excluded)",
+                &["state"],
+            )?,
         })
     }
 
@@ -121,7 +128,13 @@ impl WorkerLoadMetrics {
         for g in self.all() {
             g.reset();
         }
+        let now = std::time::Instant::now();
+        let mut liveness = [0i64; Liveness::ALL.len()];
         for &rank in scheduler.ranks() {
+            let state = scheduler.liveness(rank, now).0;
+            if let Some(i) = Liveness::ALL.iter().position(|&l| l == state) {
+                liveness[i] += 1;
+            }
             let labels = rank_labels(rank);
             let load = scheduler.rank_load(rank);
             self.prefill_tokens
@@ -147,6 +160,9 @@ impl WorkerLoadMetrics {
                     .with_label_values(&labels)
                     .set(i64::from(m.num_requests_waiting));
             }
+        }
+        for (state, count) in Liveness::ALL.iter().zip(liveness) {
+            self.liveness.with_label_values(&[state.label()]).set(count);
         }
     }
 }

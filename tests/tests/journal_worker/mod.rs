@@ -8,7 +8,7 @@ use indexer::IndexerApi as _;
 use integration_tests::TestCluster;
 use kv_events::discovery::WorkerRegistration;
 use kv_events::journal::{EventJournal, JournalConfig, unix_epoch_micros};
-use kv_events::recovery::{RecoveryBody, RecoveryReply};
+use kv_events::recovery::{RecoveryBody, RecoveryReply, RecoveryRequest};
 use kv_events::{
     DpRank, ExternalBlockHash, KvCacheEvent, KvCacheEventData, KvEventBatch, LocalBlockHash,
     StoredBlock, Subjects, WorkerId, hash_block,
@@ -29,6 +29,9 @@ enum Responder {
     Garbage,
     /// Not at all (nobody subscribed to its recovery subject).
     Silent,
+    /// With an empty range at the requested position, whatever was asked: a reply
+    /// that never closes a gap.
+    Stuck,
 }
 
 /// What the worker answered.
@@ -84,6 +87,25 @@ impl JournalWorker {
                     let Some(reply) = msg.reply else { continue };
                     let payloads: Vec<Vec<u8>> = match responder {
                         Responder::Garbage => vec![vec![0xc1, 0x00, 0xff]],
+                        Responder::Stuck => {
+                            let Ok(request) = kv_events::decode::<RecoveryRequest>(&msg.payload)
+                            else {
+                                continue;
+                            };
+                            let reply = RecoveryReply {
+                                worker_id: WorkerId(id),
+                                dp_rank: request.dp_rank,
+                                epoch: request.epoch,
+                                next_event_id: request.start_event_id,
+                                body: RecoveryBody::Events { events: Vec::new() },
+                            };
+                            served.ranges.fetch_add(1, Ordering::Relaxed);
+                            reply
+                                .into_chunks(8)
+                                .iter()
+                                .map(|c| kv_events::encode(c).expect("chunks encode"))
+                                .collect()
+                        }
                         _ => {
                             let chunks = journal.lock().expect("journal lock").answer(&msg.payload);
                             if let Some(first) = chunks.first() {
@@ -145,6 +167,12 @@ impl JournalWorker {
     /// A worker that answers recovery requests with garbage.
     pub async fn start_garbage(cluster: &mut TestCluster, id: u64) -> anyhow::Result<Self> {
         Self::start_with(cluster, id, 1, JournalConfig::default(), Responder::Garbage).await
+    }
+
+    /// A worker that answers every recovery request with an empty range at the
+    /// requested position, so a gap is never closed.
+    pub async fn start_stuck(cluster: &mut TestCluster, id: u64) -> anyhow::Result<Self> {
+        Self::start_with(cluster, id, 1, JournalConfig::default(), Responder::Stuck).await
     }
 
     /// A worker that does not serve recovery at all.

@@ -5,87 +5,19 @@
 
 use anyhow::Context;
 use etcd_client::Client as Etcd;
+pub use integration_tests::etcd_proxy::{EtcdProxy, etcd_addr};
 use kv_cluster::http::{HttpResponse, get};
 use kv_events::{Namespace, Subjects, decode, encode};
-use mocker::cluster::servers::free_port;
 use mocker::cluster::{EtcdServer, NatsServer};
 use router_daemon::config::{DaemonConfig, ServeArgs};
 use router_daemon::daemon::Starting;
 use serde_json::{Value, json};
-use std::net::SocketAddr;
 use std::time::Duration;
-use tokio::net::{TcpListener, TcpStream};
-use tokio::task::JoinSet;
 
 /// Tokens per block in these tests.
 pub const BLOCK: u32 = 4;
 /// Upper bound for anything eventual.
 pub const WAIT: Duration = Duration::from_secs(30);
-
-/// A TCP forwarder from `listen` to `upstream`. [`EtcdProxy::cut`] closes the listener
-/// and every forwarded connection, as a network partition would; [`EtcdProxy::restore`]
-/// listens again on the same port.
-pub struct EtcdProxy {
-    listen: SocketAddr,
-    upstream: SocketAddr,
-    tasks: JoinSet<()>,
-}
-
-impl EtcdProxy {
-    /// A proxy on a free loopback port, not listening yet: connections are refused.
-    ///
-    /// # Errors
-    /// When no port can be probed.
-    pub fn new(upstream: SocketAddr) -> anyhow::Result<Self> {
-        let listen = SocketAddr::from(([127, 0, 0, 1], free_port()?));
-        Ok(Self {
-            listen,
-            upstream,
-            tasks: JoinSet::new(),
-        })
-    }
-
-    /// The endpoint to give the daemon.
-    pub fn endpoint(&self) -> String {
-        format!("http://{}", self.listen)
-    }
-
-    /// Starts forwarding.
-    ///
-    /// # Errors
-    /// When the port cannot be bound.
-    pub async fn restore(&mut self) -> anyhow::Result<()> {
-        let listener = TcpListener::bind(self.listen)
-            .await
-            .with_context(|| format!("binding the proxy on {}", self.listen))?;
-        let upstream = self.upstream;
-        self.tasks.spawn(async move {
-            let mut connections = JoinSet::new();
-            while let Ok((mut inbound, _)) = listener.accept().await {
-                connections.spawn(async move {
-                    if let Ok(mut outbound) = TcpStream::connect(upstream).await {
-                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
-                    }
-                });
-            }
-        });
-        Ok(())
-    }
-
-    /// Stops listening and drops every forwarded connection.
-    pub async fn cut(&mut self) {
-        self.tasks.abort_all();
-        while self.tasks.join_next().await.is_some() {}
-    }
-}
-
-/// Parses an etcd endpoint `http://host:port` into a socket address.
-pub fn etcd_addr(endpoint: &str) -> SocketAddr {
-    endpoint
-        .trim_start_matches("http://")
-        .parse()
-        .expect("etcd endpoints of the test cluster are host:port")
-}
 
 /// nats-server and etcd, plus clients playing workers and frontends.
 pub struct Fixture {

@@ -13,10 +13,16 @@
 //! A reply can be large (a dump of a big cache is megabytes), and a NATS message is
 //! limited (1 MiB by default), so a reply travels as one or more [`RecoveryChunk`]s
 //! published to the request's reply inbox, numbered from 0, the last one flagged.
-//! [`RecoveryReply::into_chunks`] splits, [`ChunkAssembler`] joins and checks.
+//! [`RecoveryReply::into_chunks`] splits, [`ChunkAssembler`] joins and checks
+//! (`assemble.rs`), refusing a reply past the receiver's [`ReplyLimits`] before it
+//! decodes the chunk that crosses them.
 //!
 //! Costs: a dump is O(held blocks) to build and about 45 bytes per block on the wire
 //! (named msgpack maps); an events reply is as large as the events it repeats.
+
+mod assemble;
+
+pub use assemble::{AssemblyError, ChunkAssembler, ReplyLimits};
 
 use crate::events::{KvCacheEvent, KvCacheEventData, StoredBlock};
 use crate::ids::{DpRank, ExternalBlockHash, WorkerId};
@@ -132,22 +138,6 @@ pub struct RecoveryChunk {
     pub body: RecoveryBody,
 }
 
-/// Why a sequence of chunks does not form a reply.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum AssemblyError {
-    /// A chunk arrived out of order or twice.
-    #[error("recovery chunk {got} arrived where chunk {expected} was expected")]
-    OutOfOrder {
-        /// The chunk number that was due.
-        expected: u32,
-        /// The chunk number received.
-        got: u32,
-    },
-    /// A chunk's header or body kind differs from chunk 0's.
-    #[error("recovery chunk {0} does not match the reply's header or body kind")]
-    Mismatch(u32),
-}
-
 impl RecoveryBody {
     /// Blocks the body names (stored blocks in events and chains); used to size chunks.
     pub fn block_count(&self) -> usize {
@@ -160,7 +150,7 @@ impl RecoveryBody {
         }
     }
 
-    fn kind(&self) -> u8 {
+    pub(crate) fn kind(&self) -> u8 {
         match self {
             RecoveryBody::Events { .. } => 0,
             RecoveryBody::Dump { .. } => 1,
@@ -258,77 +248,6 @@ fn split_chains(
     out
 }
 
-/// Joins [`RecoveryChunk`]s back into a [`RecoveryReply`], checking their order and
-/// that they belong together.
-#[derive(Debug, Default)]
-pub struct ChunkAssembler {
-    reply: Option<RecoveryReply>,
-    next_chunk: u32,
-}
-
-impl ChunkAssembler {
-    /// An assembler expecting chunk 0.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Adds the next chunk; returns the whole reply once the last chunk is in.
-    ///
-    /// # Errors
-    /// [`AssemblyError`] for a chunk out of order, or whose header or body kind
-    /// differs from chunk 0's. The assembler is then unusable; start a new one.
-    pub fn push(&mut self, chunk: RecoveryChunk) -> Result<Option<RecoveryReply>, AssemblyError> {
-        if chunk.chunk != self.next_chunk {
-            return Err(AssemblyError::OutOfOrder {
-                expected: self.next_chunk,
-                got: chunk.chunk,
-            });
-        }
-        self.next_chunk += 1;
-        match &mut self.reply {
-            None => {
-                self.reply = Some(RecoveryReply {
-                    worker_id: chunk.worker_id,
-                    dp_rank: chunk.dp_rank,
-                    epoch: chunk.epoch,
-                    next_event_id: chunk.next_event_id,
-                    body: chunk.body,
-                });
-            }
-            Some(reply) => {
-                let same_header = reply.worker_id == chunk.worker_id
-                    && reply.dp_rank == chunk.dp_rank
-                    && reply.epoch == chunk.epoch
-                    && reply.next_event_id == chunk.next_event_id;
-                if !same_header || reply.body.kind() != chunk.body.kind() {
-                    return Err(AssemblyError::Mismatch(chunk.chunk));
-                }
-                match (&mut reply.body, chunk.body) {
-                    (RecoveryBody::Events { events }, RecoveryBody::Events { events: more }) => {
-                        events.extend(more)
-                    }
-                    (
-                        RecoveryBody::Dump { chains, unheld },
-                        RecoveryBody::Dump {
-                            chains: more,
-                            unheld: more_unheld,
-                        },
-                    ) => {
-                        chains.extend(more);
-                        unheld.extend(more_unheld);
-                    }
-                    _ => return Err(AssemblyError::Mismatch(chunk.chunk)),
-                }
-            }
-        }
-        if chunk.last {
-            Ok(self.reply.take())
-        } else {
-            Ok(None)
-        }
-    }
-}
-
 /// The ordering state of one worker rank inside an index snapshot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RankCursor {
@@ -355,164 +274,4 @@ pub struct IndexSnapshot {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::codec::{decode, encode};
-    use crate::ids::LocalBlockHash;
-
-    fn block(h: u64) -> StoredBlock {
-        StoredBlock {
-            block_hash: ExternalBlockHash(h),
-            tokens_hash: LocalBlockHash(h + 1000),
-        }
-    }
-
-    fn dump_reply(chains: Vec<StoredChain>) -> RecoveryReply {
-        RecoveryReply {
-            worker_id: WorkerId(4),
-            dp_rank: DpRank(1),
-            epoch: 9,
-            next_event_id: 77,
-            body: RecoveryBody::Dump {
-                chains,
-                unheld: vec![ExternalBlockHash(3)],
-            },
-        }
-    }
-
-    fn assemble(chunks: Vec<RecoveryChunk>) -> RecoveryReply {
-        let mut asm = ChunkAssembler::new();
-        let n = chunks.len();
-        for (i, chunk) in chunks.into_iter().enumerate() {
-            // Every chunk crosses the wire.
-            let chunk: RecoveryChunk = decode(&encode(&chunk).unwrap()).unwrap();
-            let out = asm.push(chunk).unwrap();
-            assert_eq!(out.is_some(), i + 1 == n, "only the last chunk completes");
-            if let Some(reply) = out {
-                return reply;
-            }
-        }
-        unreachable!("the last chunk completes the reply")
-    }
-
-    /// Flattens a dump into (parent, block) pairs: the relation chunking must keep.
-    fn links(reply: &RecoveryReply) -> Vec<(Option<u64>, u64)> {
-        let RecoveryBody::Dump { chains, .. } = &reply.body else {
-            panic!("not a dump")
-        };
-        let mut out = Vec::new();
-        for chain in chains {
-            let mut parent = chain.parent_hash.map(|p| p.0);
-            for b in &chain.blocks {
-                out.push((parent, b.block_hash.0));
-                parent = Some(b.block_hash.0);
-            }
-        }
-        out
-    }
-
-    #[test]
-    fn dumps_split_into_bounded_chunks_and_reassemble_with_the_same_links() {
-        let reply = dump_reply(vec![
-            StoredChain {
-                parent_hash: None,
-                blocks: (1..=7).map(block).collect(),
-            },
-            StoredChain {
-                parent_hash: Some(ExternalBlockHash(3)),
-                blocks: (20..=22).map(block).collect(),
-            },
-        ]);
-        let chunks = reply.clone().into_chunks(3);
-        assert_eq!(chunks.len(), 4);
-        // Exactly full chunks: the unheld list rides on the last one.
-        assert_eq!(reply.clone().into_chunks(5).len(), 2);
-        for chunk in &chunks {
-            assert!(chunk.body.block_count() <= 3);
-        }
-        for chunk in &chunks[..3] {
-            assert!(
-                matches!(&chunk.body, RecoveryBody::Dump { unheld, .. } if unheld.is_empty()),
-                "unheld blocks travel last"
-            );
-        }
-        let back = assemble(chunks);
-        assert_eq!(links(&back), links(&reply));
-        assert!(
-            matches!(&back.body, RecoveryBody::Dump { unheld, .. } if unheld == &[ExternalBlockHash(3)])
-        );
-        // One chunk when everything fits; an empty dump is one empty chunk.
-        assert_eq!(reply.clone().into_chunks(100).len(), 1);
-        let empty = dump_reply(vec![]);
-        let chunks = empty.clone().into_chunks(5);
-        assert_eq!(chunks.len(), 1);
-        assert_eq!(assemble(chunks), empty);
-    }
-
-    #[test]
-    fn events_split_between_events_and_reassemble_in_order() {
-        let events: Vec<KvCacheEvent> = (0..5)
-            .map(|i| KvCacheEvent {
-                event_id: 10 + i,
-                dp_rank: DpRank(1),
-                data: KvCacheEventData::Stored {
-                    parent_hash: None,
-                    blocks: vec![block(i), block(i + 50)],
-                },
-            })
-            .collect();
-        let reply = RecoveryReply {
-            body: RecoveryBody::Events {
-                events: events.clone(),
-            },
-            ..dump_reply(vec![])
-        };
-        let chunks = reply.clone().into_chunks(3);
-        assert_eq!(
-            chunks.len(),
-            5,
-            "two 2-block events never share a 3-block chunk"
-        );
-        assert_eq!(assemble(chunks), reply);
-    }
-
-    #[test]
-    fn out_of_order_and_foreign_chunks_are_errors() {
-        let reply = dump_reply(vec![StoredChain {
-            parent_hash: None,
-            blocks: (1..=4).map(block).collect(),
-        }]);
-        let chunks = reply.into_chunks(2);
-        let mut asm = ChunkAssembler::new();
-        assert_eq!(
-            asm.push(chunks[1].clone()),
-            Err(AssemblyError::OutOfOrder {
-                expected: 0,
-                got: 1
-            })
-        );
-        let mut asm = ChunkAssembler::new();
-        asm.push(chunks[0].clone()).unwrap();
-        let foreign = RecoveryChunk {
-            epoch: 10,
-            ..chunks[1].clone()
-        };
-        assert_eq!(asm.push(foreign), Err(AssemblyError::Mismatch(1)));
-    }
-
-    #[test]
-    fn request_fields_are_optional_on_the_wire() {
-        #[derive(Serialize)]
-        struct Empty {}
-        let request: RecoveryRequest = decode(&encode(&Empty {}).unwrap()).unwrap();
-        assert_eq!(
-            request,
-            RecoveryRequest {
-                dp_rank: DpRank(0),
-                epoch: 0,
-                start_event_id: 0,
-                dump: false
-            }
-        );
-    }
-}
+mod tests;
