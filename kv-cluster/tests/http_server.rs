@@ -29,10 +29,19 @@ struct Server {
 }
 
 impl Server {
+    /// A server of `/health/livez` only.
     async fn start(header_read_timeout: Duration, max_connections: usize) -> Self {
+        let router = Router::new().route("/health/livez", get(|| async { "ok\n" }));
+        Self::serving(router, header_read_timeout, max_connections).await
+    }
+
+    async fn serving(
+        router: Router,
+        header_read_timeout: Duration,
+        max_connections: usize,
+    ) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let router = Router::new().route("/health/livez", get(|| async { "ok\n" }));
         let limits = ServerLimits {
             header_read_timeout,
             max_connections: NonZeroUsize::new(max_connections).unwrap(),
@@ -118,6 +127,9 @@ async fn headers_sent_a_byte_at_a_time_are_cut_at_the_header_read_timeout() {
                 return;
             }
         }
+        // Keep the connection open for writing (dropping the half would end it).
+        std::future::pending::<()>().await;
+        drop(write);
     });
     let mut got = Vec::new();
     let mut buf = [0u8; 1024];
@@ -156,8 +168,6 @@ async fn an_idle_keep_alive_connection_is_closed_after_its_answer() {
 /// streamed for longer than the timeout (an SSE completion) arrives whole.
 #[tokio::test]
 async fn an_answer_longer_than_the_header_read_timeout_is_not_cut() {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
     let router = Router::new().route(
         "/stream",
         get(|| async {
@@ -172,20 +182,14 @@ async fn an_answer_longer_than_the_header_read_timeout_is_not_cut() {
             axum::body::Body::from_stream(chunks)
         }),
     );
-    let limits = ServerLimits {
-        header_read_timeout: Duration::from_millis(200),
-        max_connections: NonZeroUsize::new(4).unwrap(),
-    };
-    let shutdown = CancellationToken::new();
-    let task = tokio::spawn(serve(listener, router, limits, shutdown.clone()));
-    let answer = kv_cluster::http::get(&addr.to_string(), "/stream", WAIT)
+    let server = Server::serving(router, Duration::from_millis(200), 4).await;
+    let answer = kv_cluster::http::get(&server.addr.to_string(), "/stream", WAIT)
         .await
         .unwrap();
     assert_eq!(answer.status, 200);
     assert_eq!(answer.body.lines().count(), 10, "{}", answer.body);
     assert!(answer.body.ends_with("chunk 10\n"), "{}", answer.body);
-    shutdown.cancel();
-    tokio::time::timeout(WAIT, task).await.unwrap().unwrap();
+    server.stop().await;
 }
 
 #[tokio::test]
@@ -215,8 +219,6 @@ async fn connections_over_the_cap_wait_until_one_closes() {
 
 #[tokio::test]
 async fn shutdown_lets_a_request_in_flight_finish() {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
     let (entered_tx, entered_rx) = tokio::sync::oneshot::channel::<()>();
     let (release_tx, release_rx) = tokio::sync::oneshot::channel::<()>();
     let slot = std::sync::Arc::new(std::sync::Mutex::new(Some((entered_tx, release_rx))));
@@ -233,20 +235,16 @@ async fn shutdown_lets_a_request_in_flight_finish() {
             }
         }),
     );
-    let limits = ServerLimits {
-        header_read_timeout: Duration::from_secs(5),
-        max_connections: NonZeroUsize::new(4).unwrap(),
-    };
-    let shutdown = CancellationToken::new();
-    let task = tokio::spawn(serve(listener, router, limits, shutdown.clone()));
+    let server = Server::serving(router, Duration::from_secs(5), 4).await;
+    let addr = server.addr;
     let request =
         tokio::spawn(async move { kv_cluster::http::get(&addr.to_string(), "/slow", WAIT).await });
     entered_rx.await.unwrap();
-    shutdown.cancel();
+    server.shutdown.cancel();
     release_tx.send(()).unwrap();
     let answer = request.await.unwrap().unwrap();
     assert_eq!((answer.status, answer.body.as_str()), (200, "done"));
-    tokio::time::timeout(WAIT, task).await.unwrap().unwrap();
+    server.stop().await;
     assert!(
         TcpStream::connect(addr).await.is_err(),
         "no longer listening"
