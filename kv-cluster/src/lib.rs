@@ -5,7 +5,8 @@
 //! each other.
 //!
 //! It depends only on `kv-events` (subjects, ids, the registration record) and on
-//! the NATS, etcd, clap and tracing crates; it holds no router state.
+//! the NATS, etcd, clap, tracing and HTTP (axum, hyper) crates; it holds no router
+//! state.
 //!
 //! # Layout
 //! - [`args`]: the NATS and etcd flags (with `KV_ROUTER_NATS_*` / `KV_ROUTER_ETCD_*`
@@ -21,7 +22,8 @@
 //! - [`metrics`]: the one way every binary creates its Prometheus metrics, in an
 //!   injected registry or none ([`metrics::Registrar`]).
 //! - [`process`]: tracing set-up and the shutdown signal of every binary.
-//! - [`http`]: the listen-address flag value and a minimal HTTP `GET` client.
+//! - [`http`]: the listen-address flag value, the bounded HTTP server every
+//!   participant serves with, and a minimal HTTP `GET` client.
 //! - [`Error`]: the crate's one error type.
 
 pub mod args;

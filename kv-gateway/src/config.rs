@@ -9,9 +9,11 @@ use crate::error::GatewayError;
 use clap::{Args, ValueEnum};
 use kv_cluster::args::{EtcdArgs, NatsArgs};
 use kv_cluster::etcd::EtcdConfig;
+use kv_cluster::http::{DEFAULT_HEADER_READ_TIMEOUT_MS, ServerLimits};
 use kv_cluster::nats::NatsConfig;
 use kv_events::{Namespace, Subjects};
 use std::net::SocketAddr;
+use std::num::NonZeroUsize;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -93,6 +95,26 @@ pub struct GatewayArgs {
     /// Largest request body accepted, in bytes; more is refused with 413.
     #[arg(long, help_heading = "HTTP", env = "KV_GATEWAY_MAX_BODY_BYTES", default_value_t = 8 << 20)]
     pub max_body_bytes: usize,
+    /// Time a client connection has to deliver a request's headers, in ms, from
+    /// accept or from the previous answer (so also the longest idle keep-alive); then
+    /// it is closed. Streams already answering are not cut.
+    #[arg(
+        long,
+        help_heading = "HTTP",
+        env = "KV_GATEWAY_HEADER_READ_TIMEOUT_MS",
+        default_value_t = DEFAULT_HEADER_READ_TIMEOUT_MS,
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
+    pub header_read_timeout_ms: u64,
+    /// Most client connections served at once (each streaming request holds one);
+    /// more wait in the listen backlog. Keep it under the process's open-file limit.
+    #[arg(
+        long,
+        help_heading = "HTTP",
+        env = "KV_GATEWAY_MAX_CONNECTIONS",
+        default_value = "4096"
+    )]
+    pub max_connections: NonZeroUsize,
     /// Model directory holding `tokenizer.json` and `tokenizer_config.json` (the
     /// files of the model the engines serve); never downloaded at run time.
     #[arg(long, help_heading = "Model", env = "KV_GATEWAY_MODEL_DIR")]
@@ -213,6 +235,8 @@ pub struct GatewayConfig {
     pub subjects: Subjects,
     /// HTTP listen address.
     pub listen: SocketAddr,
+    /// Header-read timeout and connection cap of the HTTP server.
+    pub http: ServerLimits,
     /// Model, tokenization and forwarding.
     pub model: ModelConfig,
     /// Timeouts, sizes and retries.
@@ -273,6 +297,7 @@ impl GatewayArgs {
             etcd: self.etcd.to_config().map_err(|e| bad(e.to_string()))?,
             subjects: Subjects::new(namespace),
             listen: self.listen,
+            http: ServerLimits::from_flags(self.header_read_timeout_ms, self.max_connections),
             model: ModelConfig {
                 model_dir: self.model_dir.clone(),
                 served_model_name,

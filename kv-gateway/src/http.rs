@@ -10,7 +10,10 @@
 //! | `GET /metrics` | Prometheus text |
 //!
 //! Bodies are bounded (`--max-body-bytes`, 413 above) before they are read; every
-//! error is OpenAI's JSON error shape.
+//! error is OpenAI's JSON error shape. Connections are served by
+//! [`kv_cluster::http::serve`]: one that has not delivered a request's headers within
+//! `--header-read-timeout-ms` (from accept or from the previous answer) is closed, and
+//! at most `--max-connections` are served at once.
 
 use crate::error::ApiError;
 use crate::flow::Flow;

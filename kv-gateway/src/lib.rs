@@ -162,7 +162,7 @@ impl Gateway {
             addr: config.listen,
             source,
         })?;
-        let stop = shutdown.clone();
+        let (stop, limits) = (shutdown.clone(), config.http);
         let server = tokio::spawn(async move {
             // Each SSE chunk is a small write: without TCP_NODELAY, Nagle's algorithm
             // holds it until the client's delayed ACK (up to 40 ms on Linux).
@@ -171,11 +171,7 @@ impl Gateway {
                     warn!(error = %e, "cannot set TCP_NODELAY");
                 }
             });
-            let serve = axum::serve(listener, http::router(state))
-                .with_graceful_shutdown(stop.cancelled_owned());
-            if let Err(e) = serve.await {
-                warn!(error = %e, "http server stopped");
-            }
+            kv_cluster::http::serve(listener, http::router(state), limits, stop).await;
         });
         info!(%local_addr, model = %config.model.served_model_name, "kv-router gateway ready");
         Ok(Self {

@@ -15,7 +15,6 @@ use crate::Error;
 use clap::{Args, ValueEnum};
 use kv_cluster::args::{EtcdArgs, NatsArgs, trimmed};
 use kv_cluster::etcd::EtcdConfig;
-use kv_cluster::http::ListenAddr;
 use kv_cluster::nats::NatsConfig;
 use kv_events::discovery::WorkerRegistration;
 use kv_events::{DpRank, Namespace, Subjects, WorkerId};
@@ -81,10 +80,9 @@ pub struct RelayArgs {
     /// this worker.
     #[arg(long, env = "KV_RELAY_ENGINE_URL")]
     pub engine_url: Option<String>,
-    /// Address of the relay's own HTTP endpoint (`/metrics` with the `kv_relay_*`
-    /// counters), or `off`.
-    #[arg(long, env = "KV_RELAY_HTTP_LISTEN", default_value = "off")]
-    pub http_listen: ListenAddr,
+    /// The relay's own HTTP endpoint: address, header-read timeout, connection cap.
+    #[command(flatten, next_help_heading = "HTTP")]
+    pub http: crate::http::HttpArgs,
     /// Scrape period of --metrics-url, in milliseconds.
     #[arg(long, env = "KV_RELAY_METRICS_INTERVAL_MS", default_value_t = 1000)]
     pub metrics_interval_ms: u64,
@@ -173,8 +171,8 @@ pub struct RelayConfig {
     pub worker: WorkerConfig,
     /// Load scrape, if `--metrics-url` was given.
     pub scrape: Option<ScrapeConfig>,
-    /// Where to serve the relay's `/metrics`, if anywhere.
-    pub http_listen: Option<std::net::SocketAddr>,
+    /// Where and how to serve the relay's `/metrics`, if anywhere.
+    pub http: Option<crate::http::HttpConfig>,
 }
 
 fn invalid(field: &'static str, reason: impl Into<String>) -> Error {
@@ -340,7 +338,7 @@ impl RelayConfig {
                 journal_events: args.journal_events,
             },
             scrape,
-            http_listen: args.http_listen.0,
+            http: args.http.to_config(),
         })
     }
 }

@@ -7,6 +7,7 @@
 //! | `kv_relay_engine_events_total` | `kind`, `outcome`: `published` or a skip reason | engine events |
 //! | `kv_relay_gaps_total` | `result`: `filled`, `cleared` | gaps in the engine's seq |
 //! | `kv_relay_resets_total` | `reason`: `restart`, `reconnect`, `gap` | ranks cleared |
+//! | `kv_relay_connect_replays_total` | `result`: `complete`, `partial`, `empty`, `failed` | replay-buffer reads when an engine socket connects |
 //! | `kv_relay_published_events_total` | | our KV events published to NATS |
 //! | `kv_relay_recovery_requests_total` | | router recovery requests answered |
 //! | `kv_relay_scrapes_total` | `outcome`: `ok`, `failed` | engine /metrics scrapes |
@@ -22,6 +23,7 @@ pub struct RelayCounters {
     events: IntCounterVec,
     gaps: IntCounterVec,
     resets: IntCounterVec,
+    connect_replays: IntCounterVec,
     published: IntCounter,
     recovery: IntCounter,
     scrapes: IntCounterVec,
@@ -54,6 +56,11 @@ impl RelayCounters {
                 "kv_relay_resets_total",
                 "Ranks cleared because the engine stream broke, by reason",
                 &["reason"],
+            )?,
+            connect_replays: r.counter_vec(
+                "kv_relay_connect_replays_total",
+                "Reads of the engine's replay buffer when an engine socket connects, by result",
+                &["result"],
             )?,
             published: r.counter(
                 "kv_relay_published_events_total",
@@ -126,6 +133,16 @@ impl RelayCounters {
     /// Ranks cleared for `reason`.
     pub fn resets(&self, reason: &str) -> u64 {
         self.resets.with_label_values(&[reason]).get()
+    }
+
+    /// Counts one replay-buffer read at connect.
+    pub fn connect_replay(&self, result: &str) {
+        self.connect_replays.with_label_values(&[result]).inc();
+    }
+
+    /// Replay-buffer reads at connect counted with `result`.
+    pub fn connect_replays(&self, result: &str) -> u64 {
+        self.connect_replays.with_label_values(&[result]).get()
     }
 
     /// Counts published KV events.

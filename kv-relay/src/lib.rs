@@ -8,8 +8,8 @@
 //! NATS with its own event numbering, registered in etcd as the engine's worker.
 //!
 //! ```text
-//!  engine rank 0 PUB ──► Source 0 ─┐ seq check, gap fill       ┌─► {ns}.kv.events.{w}
-//!  engine rank 0 ROUTER ◄─ replay ─┘ from the replay socket     │
+//!  engine rank 0 PUB ──► Source 0 ─┐ seq check; at connect and  ┌─► {ns}.kv.events.{w}
+//!  engine rank 0 ROUTER ◄─ replay ─┘ on a gap, read the replay  │
 //!  engine rank 1 PUB ──► Source 1 ──┐                           │  Publisher: translate,
 //!        …                          ├─ mpsc (stream order) ──► ─┤  number (EventJournal),
 //!                                   │                           │  publish; liveness
@@ -20,6 +20,9 @@
 //! ```
 //!
 //! Ordering and consistency rules:
+//! - When a socket connects (first time or again), the engine's replay buffer is read
+//!   from seq 0 and forwarded before any live batch, so an idle engine's cached
+//!   blocks reach the router without waiting for its next batch.
 //! - Per socket, batches are forwarded in engine seq order; a gap is filled from the
 //!   replay socket before anything later is forwarded, or the socket's ranks are
 //!   cleared (`cleared` published) and the stream resynchronises from what follows.
@@ -166,11 +169,14 @@ impl Relay {
                 .run(services.clone()),
             );
         }
-        let http_addr = match config.http_listen {
-            Some(addr) => {
-                let (bound, task) = http::serve_metrics(addr, registry.clone(), services.clone())
+        let http_addr = match config.http {
+            Some(http) => {
+                let (bound, task) = http::serve_metrics(http, registry.clone(), services.clone())
                     .await
-                    .map_err(|source| Error::Listen { addr, source })?;
+                    .map_err(|source| Error::Listen {
+                        addr: http.listen,
+                        source,
+                    })?;
                 service_tasks.spawn(async move {
                     // The server logs its own failure; a join error is a panic there.
                     let _ = task.await;

@@ -1,9 +1,11 @@
 //! The replay client: asks an engine's replay ROUTER socket for the batches from a
 //! given seq on, over a fresh DEALER connection per request.
 //!
-//! A fresh connection per gap keeps the client stateless (no stale replies from an
-//! earlier, timed-out request can be mistaken for this one's) at the cost of one TCP
-//! handshake per gap; gaps are rare. The whole exchange is bounded by one timeout.
+//! Used when an engine socket connects (from seq 0: the whole buffer) and for every
+//! gap. A fresh connection per request keeps the client stateless (no stale replies
+//! from an earlier, timed-out request can be mistaken for this one's) at the cost of
+//! one TCP handshake per request; connects and gaps are rare. The whole exchange is
+//! bounded by one timeout.
 
 use crate::frames::{FrameError, ReplayItem, parse_replay, replay_request};
 use bytes::Bytes;

@@ -13,6 +13,16 @@
 //! - seq going backwards: the engine restarted, reset ([`ResetReason::Restart`]), then
 //!   handle `seq` as a stream start (a gap from 0 unless it is 0).
 //!
+//! On connect (the first one, and every reconnect) the socket reads the engine's whole
+//! replay buffer (`["", seq 0]`) before any live batch, so the engine's cached blocks
+//! reach the router at once, not at the engine's next batch: an idle engine may
+//! publish nothing for a long time. If the buffer still starts at seq 0 every batch
+//! is forwarded; if it starts later, the contiguous run that ends at its newest batch
+//! is (what the gap rule below keeps). Live batches the replay already covered are
+//! then duplicates; a failed read leaves the start to the gap rule. A batch the engine
+//! publishes after the buffer was read but before the subscription reached it is
+//! found missing, as a gap, at the next batch.
+//!
 //! A reconnect of the socket (the engine went away and came back) is treated like a
 //! restart: the engine stream carries no process identity, so a reconnect cannot be
 //! told apart from a new engine whose seq already passed ours. Undecodable payloads
@@ -147,6 +157,7 @@ impl Source {
                         }
                         ever_connected = true;
                         self.send(SourceMsg::Connected { socket: self.socket }).await;
+                        self.catch_up(&mut tracker).await;
                     }
                     Some(SocketEvent::Disconnected(_)) => {
                         warn!(endpoint = %self.endpoint.publish, "engine socket disconnected");
@@ -195,6 +206,42 @@ impl Source {
                     self.fill(0, frame.seq, &frame.payload, tracker).await;
                 }
             }
+        }
+    }
+
+    /// Reads the engine's whole replay buffer right after the socket connected and
+    /// delivers it (see the module docs); `tracker` is a fresh stream's.
+    async fn catch_up(&self, tracker: &mut SeqTracker) {
+        let Some(endpoint) = &self.endpoint.replay else {
+            return;
+        };
+        let replayed = match replay::fetch(endpoint, 0, self.replay_timeout).await {
+            Ok(batches) => batches,
+            Err(e) => {
+                self.counters.connect_replay("failed");
+                warn!(error = %e, "reading the engine's replay buffer at connect failed; waiting for its next batch");
+                return;
+            }
+        };
+        let Some(newest) = replayed.iter().map(|(seq, _)| *seq).max() else {
+            self.counters.connect_replay("empty");
+            debug!(endpoint = %self.endpoint.publish, "the engine's replay buffer is empty");
+            return;
+        };
+        let batches = match replay::covering(&replayed, 0, newest + 1) {
+            Some(all) => {
+                self.counters.connect_replay("complete");
+                all
+            }
+            None => {
+                self.counters.connect_replay("partial");
+                warn!(endpoint = %self.endpoint.publish, newest, replayed = replayed.len(), "the engine's replay buffer no longer starts at seq 0; applying its newest contiguous run");
+                contiguous_suffix(&replayed, newest + 1)
+            }
+        };
+        info!(endpoint = %self.endpoint.publish, batches = batches.len(), newest, "engine replay buffer read at connect");
+        for (seq, payload) in batches {
+            self.deliver(seq, &payload, tracker).await;
         }
     }
 

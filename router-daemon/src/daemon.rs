@@ -111,13 +111,17 @@ impl Starting {
     }
 
     /// Serves the HTTP endpoint on `addr` (port 0 picks one) from now until the end of
-    /// [`Daemon::shutdown`]. Returns the bound address.
+    /// [`Daemon::shutdown`], with `/debug/*` and the connection limits of the
+    /// configuration's [`crate::http::HttpConfig`]. Returns the bound address (the
+    /// separate `/debug` one is [`Starting::http_debug_addr`]).
     ///
     /// # Errors
-    /// When the address cannot be bound.
+    /// When an address cannot be bound.
     pub async fn serve_http(&mut self, addr: SocketAddr) -> anyhow::Result<SocketAddr> {
         let server = HttpServer::start(
             addr,
+            self.config.http.debug,
+            self.config.http.limits,
             HttpState {
                 registry: self.registry.clone(),
                 router: self.state.clone(),
@@ -127,6 +131,12 @@ impl Starting {
         let bound = server.local_addr();
         self.http = Some(server);
         Ok(bound)
+    }
+
+    /// The separate `/debug` listener's address, when [`Starting::serve_http`] started
+    /// one.
+    pub fn http_debug_addr(&self) -> Option<SocketAddr> {
+        self.http.as_ref().and_then(HttpServer::debug_addr)
     }
 
     /// Connects, subscribes, loads discovery (retrying etcd with backoff) and recovers;

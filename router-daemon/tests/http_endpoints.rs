@@ -15,16 +15,18 @@ use std::time::Duration;
 
 const T: Duration = Duration::from_secs(5);
 
-fn config() -> DaemonConfig {
-    let args = router_daemon::config::parse_flags::<ServeArgs, _, _>([
-        "kv-router",
-        "--block-size",
-        "4",
-        "--shards",
-        "2",
-    ])
-    .expect("test flags parse");
+/// The test daemon's configuration: `extra` flags after the common ones.
+fn config_with(extra: &[&str]) -> DaemonConfig {
+    let common = ["kv-router", "--block-size", "4", "--shards", "2"];
+    let args =
+        router_daemon::config::parse_flags::<ServeArgs, _, _>(common.iter().chain(extra).copied())
+            .expect("test flags parse");
     DaemonConfig::from_args(&args).expect("test flags are valid")
+}
+
+/// `/debug` on a free loopback port of its own (the default address is fixed).
+fn config() -> DaemonConfig {
+    config_with(&["--http-debug-listen", "127.0.0.1:0"])
 }
 
 /// Every metric a daemon can export: the descriptors of [`Counters`] (including label
@@ -182,7 +184,16 @@ async fn endpoints_report_health_metrics_and_workers() {
     );
     assert!(text.contains("kv_router_build_info{version="), "{text}");
 
-    let workers = get(&addr, "/debug/workers", T).await.unwrap();
+    assert_eq!(
+        get(&addr, "/debug/workers", T).await.unwrap().status,
+        404,
+        "/debug is not on the main listener"
+    );
+    let debug_addr = starting
+        .http_debug_addr()
+        .expect("a debug listener")
+        .to_string();
+    let workers = get(&debug_addr, "/debug/workers", T).await.unwrap();
     assert_eq!(workers.status, 200);
     let view: Value = serde_json::from_str(&workers.body).unwrap();
     let w = &view["workers"][0];
@@ -199,4 +210,92 @@ async fn endpoints_report_health_metrics_and_workers() {
 
     let missing = get(&addr, "/nope", T).await.unwrap();
     assert_eq!(missing.status, 404);
+    assert_eq!(get(&debug_addr, "/metrics", T).await.unwrap().status, 404);
+}
+
+/// `--http-debug-listen off` serves `/debug` nowhere; `main` serves it beside the rest.
+#[tokio::test]
+async fn debug_endpoint_off_or_on_the_main_listener() {
+    for (value, status) in [("off", 404), ("main", 200)] {
+        let registry = prometheus::Registry::new();
+        let mut starting =
+            Starting::new(config_with(&["--http-debug-listen", value]), &registry).unwrap();
+        let addr = starting
+            .serve_http("127.0.0.1:0".parse().unwrap())
+            .await
+            .unwrap()
+            .to_string();
+        assert_eq!(starting.http_debug_addr(), None, "{value}");
+        let workers = get(&addr, "/debug/workers", T).await.unwrap();
+        assert_eq!(workers.status, status, "--http-debug-listen {value}");
+        assert_eq!(get(&addr, "/health/livez", T).await.unwrap().status, 200);
+    }
+}
+
+/// Finding 11: a thousand connections that never send a request, and one that sends
+/// its headers a byte at a time, are all closed unanswered after the header-read
+/// timeout, and a normal client's `/health/livez` is answered. Before the timeout
+/// existed every such connection stayed open.
+#[tokio::test]
+async fn slowloris_connections_are_closed_and_probes_still_answered() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let registry = prometheus::Registry::new();
+    let flags = [
+        "--http-debug-listen",
+        "off",
+        "--http-header-read-timeout-ms",
+        "300",
+        "--http-max-connections",
+        "256",
+    ];
+    let mut starting = Starting::new(config_with(&flags), &registry).unwrap();
+    let addr = starting
+        .serve_http("127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    /// Reads until the daemon closes the connection; returns what it answered.
+    async fn answer(stream: &mut tokio::net::TcpStream) -> Vec<u8> {
+        let mut got = Vec::new();
+        let mut buf = [0u8; 512];
+        loop {
+            let read = tokio::time::timeout(Duration::from_secs(60), stream.read(&mut buf));
+            match read.await.expect("the daemon closes the connection") {
+                Ok(0) | Err(_) => return got,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+            }
+        }
+    }
+    let mut idle = Vec::new();
+    for _ in 0..1000 {
+        let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        idle.push(tokio::spawn(async move { answer(&mut stream).await }));
+    }
+    let slow = tokio::spawn(async move {
+        let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let request = b"GET /health/livez HTTP/1.1\r\nHost: daemon\r\n\r\n";
+        let mut tick = tokio::time::interval(Duration::from_millis(100));
+        for byte in request {
+            tick.tick().await;
+            if stream.write_all(&[*byte]).await.is_err() {
+                break;
+            }
+        }
+        answer(&mut stream).await
+    });
+    let live = get(&addr.to_string(), "/health/livez", Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!((live.status, live.body.as_str()), (200, "ok\n"));
+    for connection in idle {
+        assert_eq!(
+            connection.await.unwrap(),
+            b"",
+            "idle connection closed unanswered"
+        );
+    }
+    assert_eq!(
+        slow.await.unwrap(),
+        b"",
+        "slow headers cut before they were complete"
+    );
 }

@@ -53,6 +53,8 @@ impl ChildDaemon {
                 &block_size.to_string(),
                 "--http-listen",
                 &http,
+                "--http-debug-listen",
+                "off",
             ])
             .args(extra);
         let mut process = ManagedProcess::spawn("kv-router", command, Echo::Quiet)

@@ -322,10 +322,17 @@ async fn an_overloaded_router_is_429_with_retry_after() {
     stack.stop().await;
 }
 
+/// Also: the gateway's header-read timeout (300 ms here) closes a connection that
+/// sends nothing, and does not cut a stream that lasts far longer.
 #[tokio::test]
 async fn a_long_stream_keeps_its_booking_alive() {
     use router_daemon::counters::{MessageKind, Outcome};
-    let stack = Stack::start(1, 1.0, |_| {}, &["--keep-alive-s", "1"]).await;
+    use tokio::io::AsyncReadExt;
+    let flags = ["--keep-alive-s", "1", "--header-read-timeout-ms", "300"];
+    let stack = Stack::start(1, 1.0, |_| {}, &flags).await;
+    let mut idle = tokio::net::TcpStream::connect(stack.gateway().local_addr())
+        .await
+        .unwrap();
     let body = json!({
         "model": MODEL,
         "prompt": (0..64).collect::<Vec<u32>>(),
@@ -344,6 +351,18 @@ async fn a_long_stream_keeps_its_booking_alive() {
     .await
     .unwrap();
     assert_eq!(stack.booked(), 1, "still streaming, still booked");
+    let more = chunks.next().await.unwrap().unwrap();
+    assert!(
+        !more.is_empty(),
+        "the stream goes on past the header-read timeout"
+    );
+    let mut buf = [0u8; 64];
+    let read = tokio::time::timeout(WAIT, idle.read(&mut buf)).await;
+    assert_eq!(
+        read.unwrap().unwrap_or(0),
+        0,
+        "the idle connection was closed"
+    );
     drop(chunks);
     eventually("the booking to be freed", WAIT, || async {
         (stack.booked() == 0).then_some(())

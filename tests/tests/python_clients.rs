@@ -176,19 +176,27 @@ async fn relay_reads_a_libzmq_publisher_and_replay_socket() {
     wait_for_overlap(&daemon, &hashes, WorkerRank::new(WorkerId(7), DpRank(0)), 3)
         .await
         .unwrap();
-    // The counters are bumped after the recovered events are published, so the index
-    // can show prompt B a moment before they do: wait for them too.
-    eventually("the relay to count the filled gap", WAIT, || async {
-        (relay.counters().gaps("filled") >= 1 && relay.counters().frames("ok") >= 4).then_some(())
+    // The relay reads libzmq's ROUTER as soon as its socket connects, before any live
+    // batch: the buffer holds batches 0-3 (2 was never sent live), so all four come
+    // from the replay socket and the live 0, 1 and 3 are duplicates. The counters are
+    // bumped after the events are published, so wait for them too.
+    let c = relay.counters();
+    eventually("the relay to count the replayed batches", WAIT, || async {
+        (c.frames("ok") >= 4 && c.frames("duplicate") >= 3).then_some(())
     })
     .await
     .unwrap();
     assert_eq!(
-        relay.counters().gaps("filled"),
+        c.connect_replays("complete"),
         1,
         "batch 2 came from libzmq's ROUTER"
     );
-    assert_eq!(relay.counters().frames("ok"), 4);
+    assert_eq!((c.frames("ok"), c.frames("duplicate")), (4, 3));
+    assert_eq!(
+        c.gaps("filled") + c.gaps("cleared"),
+        0,
+        "no gap left to fill"
+    );
 
     drop(engine.stdin.take());
     engine.wait().await.unwrap();

@@ -86,6 +86,16 @@ async fn wait_registered(daemon: &Daemon, worker: WorkerId, registered: bool) {
     .unwrap();
 }
 
+/// Waits until the relay has read the engine's replay buffer at connect, with
+/// `result` (so live batches published from here on are not also in that read).
+async fn wait_connect_replay(relay: &Relay, result: &str) {
+    eventually("the replay buffer read at connect", WAIT, || async {
+        (relay.counters().connect_replays(result) == 1).then_some(())
+    })
+    .await
+    .unwrap();
+}
+
 /// The engine hashes vLLM gave prompt A's blocks 0 and 1 and prompt B's block 2.
 const A0: u64 = 7_322_446_309_363_477_352;
 const A1: u64 = 17_027_874_615_116_373_601;
@@ -160,6 +170,7 @@ async fn captured_vllm_frames_reach_the_router_with_a_gap_filled_from_replay() {
     );
     let relay = Relay::start(config, &registry).await.unwrap();
     engine.wait_subscribed().await;
+    wait_connect_replay(&relay, "empty").await;
     wait_registered(&daemon, WORKER, true).await;
 
     let frames = payloads("vllm_zmq_frames_topic_kv-events.json");
@@ -286,6 +297,7 @@ async fn legacy_replay_restart_bad_payload_and_unfillable_gap() {
         .await
         .unwrap();
     engine.wait_subscribed().await;
+    wait_connect_replay(&relay, "empty").await;
     wait_registered(&daemon, WORKER, true).await;
     let p = payloads("vllm_0.23.0_payloads.json");
     let a = compute_block_hashes(&prompt_a(), BLOCK);
@@ -351,5 +363,109 @@ async fn legacy_replay_restart_bad_payload_and_unfillable_gap() {
     wait_registered(&daemon, WORKER, false).await;
     metrics_page.abort();
     engine.stop();
+    daemon.shutdown().await.unwrap();
+}
+
+/// One engine format of the idle-engine catch-up test.
+struct Idle {
+    name: &'static str,
+    file: &'static str,
+    topic: &'static str,
+    framing: ReplayFraming,
+    /// Engine seqs of the fixture's first batches, as the replay buffer holds them.
+    seqs: std::ops::Range<u64>,
+    /// (prompt, rank 0 overlap, in blocks) once the buffer is applied.
+    expected: Vec<(Vec<u32>, u32)>,
+    /// `kv_relay_connect_replays_total`'s result.
+    result: &'static str,
+}
+
+/// Finding 7: a relay started (or restarted) beside an idle engine reads the engine's
+/// replay buffer as soon as its socket connects, so the router sees the engine's
+/// cached blocks without any new engine batch; for vLLM 0.33, vLLM 0.11 (legacy
+/// replay framing) and SGLang 0.5.23. The engine here never publishes.
+#[tokio::test]
+async fn an_idle_engines_replay_buffer_reaches_the_router_at_connect() {
+    let cluster = TestCluster::start(BLOCK).await.unwrap();
+    let daemon = cluster.start_daemon(|_| {}).await.unwrap();
+    let cases = [
+        Idle {
+            name: "vLLM 0.33",
+            file: "vllm_zmq_frames_topic_kv-events.json",
+            topic: "kv-events",
+            framing: ReplayFraming::WithTopic,
+            seqs: 0..3,
+            expected: vec![(prompt_b(), 3), (prompt_a(), 2)],
+            result: "complete",
+        },
+        Idle {
+            name: "vLLM 0.11",
+            file: "vllm_0.11.0_payloads.json",
+            topic: "",
+            framing: ReplayFraming::Legacy,
+            seqs: 0..3,
+            expected: vec![(prompt_b(), 3), (prompt_a(), 2)],
+            result: "complete",
+        },
+        Idle {
+            name: "SGLang 0.5.23",
+            file: "sglang_0.5.23_payloads.json",
+            topic: "kv-events",
+            framing: ReplayFraming::WithTopic,
+            seqs: 0..1,
+            expected: vec![(prompt_a(), 2), (prompt_b(), 2)],
+            result: "complete",
+        },
+        // A buffer that no longer reaches back to seq 0: what it holds still applies.
+        Idle {
+            name: "vLLM 0.33, buffer from seq 5",
+            file: "vllm_zmq_frames_topic_kv-events.json",
+            topic: "kv-events",
+            framing: ReplayFraming::WithTopic,
+            seqs: 5..6,
+            expected: vec![(prompt_a(), 3), (prompt_b(), 2)],
+            result: "partial",
+        },
+    ];
+    for case in cases {
+        let engine = FakeEngine::start(case.topic, case.framing).await;
+        let batches = payloads(case.file);
+        for (i, seq) in case.seqs.clone().enumerate() {
+            engine.buffer_only(seq, &batches[i]);
+        }
+        let hashes: Vec<(Vec<LocalBlockHash>, u32)> = case
+            .expected
+            .iter()
+            .map(|(prompt, blocks)| (compute_block_hashes(prompt, BLOCK), *blocks))
+            .collect();
+        // The relay starts, and later restarts, while the engine stays idle.
+        for run in ["start", "restart"] {
+            let registry = prometheus::Registry::new();
+            let relay = Relay::start(relay_config(&cluster, &engine, &[]), &registry)
+                .await
+                .unwrap();
+            wait_connect_replay(&relay, case.result).await;
+            wait_registered(&daemon, WORKER, true).await;
+            for (hashes, blocks) in &hashes {
+                let what = format!(
+                    "{}: the engine's cached blocks after the relay's {run}",
+                    case.name
+                );
+                wait_overlap(&daemon, &what, hashes, 0, *blocks).await;
+            }
+            relay.shutdown().await.unwrap();
+            // The revoked lease drops the worker and its blocks from the router.
+            wait_registered(&daemon, WORKER, false).await;
+            for (hashes, _) in &hashes {
+                assert_eq!(
+                    overlap(&daemon, hashes.clone(), 0).await,
+                    0,
+                    "{}",
+                    case.name
+                );
+            }
+        }
+        engine.stop();
+    }
     daemon.shutdown().await.unwrap();
 }

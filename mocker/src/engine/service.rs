@@ -331,7 +331,7 @@ async fn serve_http(
         .as_deref()
         .unwrap_or(&args.http_host);
     let url = format!("http://{}:{}", bracket_v6(host), local.port());
-    let worker_id = worker.worker_id;
+    let limits = args.limits();
     let router = http::router(Arc::new(HttpState::new(args, worker)?));
     tasks.spawn(async move {
         // Small SSE writes go out at once (no Nagle wait for a delayed ACK).
@@ -340,11 +340,7 @@ async fn serve_http(
                 warn!(%err, "cannot set TCP_NODELAY");
             }
         });
-        let serve = axum::serve(listener, router)
-            .with_graceful_shutdown(async move { shutdown.cancelled().await });
-        if let Err(err) = serve.await {
-            warn!(worker_id = %worker_id, %err, "http server failed");
-        }
+        kv_cluster::http::serve(listener, router, limits, shutdown).await;
     });
     Ok(url)
 }

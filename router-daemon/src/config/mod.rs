@@ -56,15 +56,10 @@ pub struct ServeArgs {
     /// NATS servers, authentication and TLS (shared with `relay`).
     #[command(flatten)]
     pub nats: NatsArgs,
-    /// Address of the HTTP endpoint (/metrics, /health/livez, /health/readyz,
-    /// /debug/workers), or `off`.
-    #[arg(
-        long,
-        help_heading = "HTTP",
-        env = "KV_ROUTER_HTTP_LISTEN",
-        default_value = "0.0.0.0:9090"
-    )]
-    pub http_listen: ListenAddr,
+    /// HTTP endpoint: listen addresses (main and `/debug`), header-read timeout,
+    /// connection cap.
+    #[command(flatten)]
+    pub http: crate::http::HttpArgs,
     /// etcd endpoints and connect timeout (shared with `relay`).
     #[command(flatten)]
     pub etcd: EtcdArgs,
@@ -202,9 +197,7 @@ impl DaemonConfig {
         Ok(Self {
             subjects,
             nats,
-            http: HttpConfig {
-                listen: args.http_listen,
-            },
+            http: args.http.to_config(),
             etcd,
             route: RouteConfig {
                 block_size: args.block_size,

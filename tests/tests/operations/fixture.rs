@@ -86,6 +86,8 @@ impl Fixture {
             "7",
             "--http-listen",
             "127.0.0.1:0",
+            "--http-debug-listen",
+            "main",
         ])
         .expect("test flags parse");
         DaemonConfig::from_args(&args).expect("fixture flags are valid")

@@ -11,6 +11,9 @@
 //! Bounds: bodies over [`MAX_BODY_BYTES`] are refused with 413 before they are read;
 //! a prompt plus `max_tokens` over `--max-model-len` is a 400; text prompts are bounded
 //! by the tokenizer's limits. Malformed JSON is a 400 in OpenAI's error shape.
+//! Connections are served by [`kv_cluster::http::serve`]: one that has not delivered a
+//! request's headers within `--http-header-read-timeout-ms` is closed, and each
+//! listener serves at most `--http-max-connections` at once.
 //! Cost: one tokio task per connection, one watch channel per request.
 
 mod accepted;
@@ -28,10 +31,12 @@ use super::rank::Rank;
 use axum::Router;
 use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
+use kv_cluster::http::{DEFAULT_HEADER_READ_TIMEOUT_MS, ServerLimits};
 use kv_events::WorkerId;
 use kv_tokenizer::ModelTokenizer;
 use metrics::EngineMetrics;
 use openai::ApiError;
+use std::num::NonZeroUsize;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -69,6 +74,29 @@ pub struct HttpArgs {
     /// (`num_gpu_blocks × block_size`).
     #[arg(long)]
     pub max_model_len: Option<u64>,
+    /// Time a connection has to deliver a request's headers, in ms, from accept or
+    /// from the previous answer (so also the longest idle keep-alive).
+    #[arg(
+        long,
+        default_value_t = DEFAULT_HEADER_READ_TIMEOUT_MS,
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
+    pub http_header_read_timeout_ms: u64,
+    /// Most connections one worker's listener serves at once; more wait in the
+    /// listen backlog.
+    #[arg(long, default_value_t = DEFAULT_MAX_CONNECTIONS)]
+    pub http_max_connections: NonZeroUsize,
+}
+
+/// Default `--http-max-connections` of each worker's listener.
+// A non-zero literal: the `expect` cannot fail (and is checked at compile time).
+pub const DEFAULT_MAX_CONNECTIONS: NonZeroUsize = NonZeroUsize::new(4096).expect("4096 is not 0");
+
+impl HttpArgs {
+    /// The listeners' header-read timeout and connection cap.
+    pub fn limits(&self) -> ServerLimits {
+        ServerLimits::from_flags(self.http_header_read_timeout_ms, self.http_max_connections)
+    }
 }
 
 impl Default for HttpArgs {
@@ -80,6 +108,8 @@ impl Default for HttpArgs {
             model_dir: None,
             served_model_name: DEFAULT_MODEL_NAME.to_owned(),
             max_model_len: None,
+            http_header_read_timeout_ms: DEFAULT_HEADER_READ_TIMEOUT_MS,
+            http_max_connections: DEFAULT_MAX_CONNECTIONS,
         }
     }
 }

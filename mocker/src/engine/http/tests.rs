@@ -35,6 +35,15 @@ fn tokenizer_dir() -> PathBuf {
 
 /// One worker with 2 dp ranks of 64 blocks of 16 tokens (max model len 1,024).
 async fn start(time_scale: f64, model_dir: Option<PathBuf>) -> Engines {
+    let http = HttpArgs {
+        model_dir,
+        ..HttpArgs::default()
+    };
+    start_with(time_scale, http).await
+}
+
+/// [`start`] with the given HTTP flags.
+async fn start_with(time_scale: f64, http: HttpArgs) -> Engines {
     let nats = NatsServer::start().await.expect("nats-server starts");
     let etcd = EtcdServer::start().await.expect("etcd starts");
     let args = EngineArgs {
@@ -59,10 +68,7 @@ async fn start(time_scale: f64, model_dir: Option<PathBuf>) -> Engines {
             lease_ttl_secs: 5,
             metrics_interval_ms: 50,
         },
-        http: HttpArgs {
-            model_dir,
-            ..HttpArgs::default()
-        },
+        http,
     };
     let handle = spawn_engines(args, CancellationToken::new())
         .await
@@ -375,4 +381,28 @@ async fn a_disconnect_mid_stream_aborts_the_request_and_frees_its_blocks() {
         .await;
     assert_eq!(status, 200, "{r}");
     assert_eq!(r["usage"]["prompt_tokens_details"]["cached_tokens"], 64);
+}
+
+/// A connection that never sends a request is closed after
+/// `--http-header-read-timeout-ms`, and the engine goes on answering.
+#[tokio::test]
+async fn an_idle_connection_is_closed_after_the_header_read_timeout() {
+    use tokio::io::AsyncReadExt;
+    let http = HttpArgs {
+        http_header_read_timeout_ms: 200,
+        ..HttpArgs::default()
+    };
+    let engines = start_with(1.0, http).await;
+    let addr = engines.url.trim_start_matches("http://").to_owned();
+    let mut idle = tokio::net::TcpStream::connect(&addr)
+        .await
+        .expect("connects");
+    let mut buf = [0u8; 64];
+    let read = tokio::time::timeout(Duration::from_secs(30), idle.read(&mut buf)).await;
+    assert_eq!(read.expect("closed by the engine").unwrap_or(0), 0);
+    let models = engines
+        .http
+        .get(format!("{}/v1/models", engines.url))
+        .send();
+    assert_eq!(models.await.expect("answered").status().as_u16(), 200);
 }

@@ -1,38 +1,11 @@
-//! A participant's HTTP plumbing: the listen-address flag value ([`ListenAddr`],
-//! `ADDR` or `off`) and a minimal HTTP/1.1 `GET` client ([`get`]) for the cluster's
-//! own plain-text endpoints: `kv-router probe` (container health checks need no
-//! curl), the relay's scrape of an engine's `/metrics`, and tests. It handles
-//! `Content-Length` and chunked bodies and nothing more; it is not a general client.
+//! A minimal HTTP/1.1 `GET` client ([`get`]) for the cluster's own plain-text
+//! endpoints: `kv-router probe` (container health checks need no curl), the relay's
+//! scrape of an engine's `/metrics`, and tests. It handles `Content-Length` and
+//! chunked bodies and nothing more; it is not a general client.
 
 use crate::Error;
-use std::net::SocketAddr;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-/// Where an HTTP endpoint listens: a socket address, or `off` (case-insensitive).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ListenAddr(pub Option<SocketAddr>);
-
-impl std::str::FromStr for ListenAddr {
-    type Err = std::net::AddrParseError;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        if s.trim().eq_ignore_ascii_case("off") {
-            Ok(Self(None))
-        } else {
-            s.trim().parse().map(|a| Self(Some(a)))
-        }
-    }
-}
-
-impl std::fmt::Display for ListenAddr {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self.0 {
-            Some(addr) => write!(f, "{addr}"),
-            None => f.write_str("off"),
-        }
-    }
-}
 
 /// A response of [`get`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -140,16 +113,6 @@ fn dechunk(mut rest: &[u8]) -> Result<Vec<u8>, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn listen_addr_parses_addresses_and_off() {
-        let on: ListenAddr = "127.0.0.1:9090".parse().unwrap();
-        assert_eq!(on.to_string(), "127.0.0.1:9090");
-        let off: ListenAddr = "OFF".parse().unwrap();
-        assert_eq!(off, ListenAddr(None));
-        assert_eq!(off.to_string(), "off");
-        assert!("nine-thousand".parse::<ListenAddr>().is_err());
-    }
 
     #[test]
     fn parses_length_and_chunked_bodies() {

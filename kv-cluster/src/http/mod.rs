@@ -1,0 +1,58 @@
+//! A participant's HTTP plumbing: the listen-address flag value ([`ListenAddr`],
+//! `ADDR` or `off`), the one way every HTTP server of the cluster serves its
+//! connections ([`serve`], bounded by [`ServerLimits`]), and a minimal HTTP/1.1 `GET`
+//! client ([`get`]) for the cluster's own plain-text endpoints.
+//!
+//! # Layout
+//! - [`server`]: [`serve`] and [`ServerLimits`]: header-read timeout (which also bounds
+//!   idle keep-alive connections) and connection cap, for the daemon's, the gateway's,
+//!   the relay's and the mock engine's servers alike.
+//! - [`client`]: [`get`] and [`metric_sample`].
+
+pub mod client;
+pub mod server;
+
+pub use client::{HttpResponse, get, metric_sample};
+pub use server::{DEFAULT_HEADER_READ_TIMEOUT_MS, ServerLimits, serve};
+
+use std::net::SocketAddr;
+
+/// Where an HTTP endpoint listens: a socket address, or `off` (case-insensitive).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ListenAddr(pub Option<SocketAddr>);
+
+impl std::str::FromStr for ListenAddr {
+    type Err = std::net::AddrParseError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if s.trim().eq_ignore_ascii_case("off") {
+            Ok(Self(None))
+        } else {
+            s.trim().parse().map(|a| Self(Some(a)))
+        }
+    }
+}
+
+impl std::fmt::Display for ListenAddr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            Some(addr) => write!(f, "{addr}"),
+            None => f.write_str("off"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn listen_addr_parses_addresses_and_off() {
+        let on: ListenAddr = "127.0.0.1:9090".parse().unwrap();
+        assert_eq!(on.to_string(), "127.0.0.1:9090");
+        let off: ListenAddr = "OFF".parse().unwrap();
+        assert_eq!(off, ListenAddr(None));
+        assert_eq!(off.to_string(), "off");
+        assert!("nine-thousand".parse::<ListenAddr>().is_err());
+    }
+}
