@@ -12,7 +12,8 @@
 //!   variables) and their validation; [`args::parse_flags`] for embedding and tests.
 //! - [`nats`]: NATS seed list, authentication (creds, token, user/password) and TLS,
 //!   turned into connect options.
-//! - [`etcd`]: etcd connection settings, the client, and the retry [`etcd::Backoff`].
+//! - [`etcd`]: etcd connection settings (TLS, user and password), the client, and the
+//!   retry [`etcd::Backoff`].
 //! - [`lease`]: a worker's registration under an etcd lease (register, keep alive,
 //!   revoke).
 //! - [`directory`]: the worker directory: load the registrations, then watch them,
@@ -21,6 +22,8 @@
 //!   injected registry or none ([`metrics::Registrar`]).
 //! - [`process`]: tracing set-up and the shutdown signal of every binary.
 //! - [`http`]: the listen-address flag value and a minimal HTTP `GET` client.
+//! - [`security`]: the NATS permissions of each role (router, worker, frontend,
+//!   operator), rendered as nats-server configuration.
 //! - [`Error`]: the crate's one error type.
 
 pub mod args;
@@ -32,5 +35,6 @@ pub mod lease;
 pub mod metrics;
 pub mod nats;
 pub mod process;
+pub mod security;
 
 pub use error::Error;
