@@ -22,7 +22,15 @@ use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-/// How to reach and authenticate to NATS.
+/// The default NATS server (`--nats-url`).
+pub const DEFAULT_NATS_URL: &str = "nats://127.0.0.1:4222";
+/// The default etcd endpoint (`--etcd-endpoints`).
+pub const DEFAULT_ETCD_ENDPOINT: &str = "http://127.0.0.1:2379";
+/// The default etcd connect timeout (`--etcd-connect-timeout-ms`), in milliseconds.
+pub const DEFAULT_ETCD_CONNECT_TIMEOUT_MS: u64 = 5000;
+
+/// How to reach and authenticate to NATS. `Default` is what no flag gives: the
+/// local server, no authentication, no TLS.
 #[derive(Debug, Clone, Args)]
 pub struct NatsArgs {
     /// NATS server URL(s), comma-separated (a cluster's seed list).
@@ -30,7 +38,7 @@ pub struct NatsArgs {
         long,
         help_heading = "NATS",
         env = "KV_ROUTER_NATS_URL",
-        default_value = "nats://127.0.0.1:4222",
+        default_value = DEFAULT_NATS_URL,
         value_delimiter = ','
     )]
     pub nats_url: Vec<String>,
@@ -75,7 +83,8 @@ pub struct NatsArgs {
     pub nats_inbox_prefix: Option<String>,
 }
 
-/// How to reach etcd.
+/// How to reach etcd. `Default` is what no flag gives: the local endpoint, no
+/// authentication, no TLS.
 #[derive(Debug, Clone, Args)]
 pub struct EtcdArgs {
     /// etcd endpoint URL(s), comma-separated.
@@ -83,7 +92,7 @@ pub struct EtcdArgs {
         long,
         help_heading = "etcd",
         env = "KV_ROUTER_ETCD_ENDPOINTS",
-        default_value = "http://127.0.0.1:2379",
+        default_value = DEFAULT_ETCD_ENDPOINT,
         value_delimiter = ','
     )]
     pub etcd_endpoints: Vec<String>,
@@ -92,7 +101,7 @@ pub struct EtcdArgs {
         long,
         help_heading = "etcd",
         env = "KV_ROUTER_ETCD_CONNECT_TIMEOUT_MS",
-        default_value_t = 5000
+        default_value_t = DEFAULT_ETCD_CONNECT_TIMEOUT_MS
     )]
     pub etcd_connect_timeout_ms: u64,
     /// etcd user name, when etcd has authentication enabled (with --etcd-password).
@@ -116,6 +125,37 @@ pub struct EtcdArgs {
     /// Private key (PEM) of --etcd-tls-cert.
     #[arg(long, help_heading = "etcd", env = "KV_ROUTER_ETCD_TLS_KEY")]
     pub etcd_tls_key: Option<PathBuf>,
+}
+
+impl Default for NatsArgs {
+    fn default() -> Self {
+        Self {
+            nats_url: vec![DEFAULT_NATS_URL.to_owned()],
+            nats_creds: None,
+            nats_token: None,
+            nats_user: None,
+            nats_password: None,
+            nats_tls_ca: None,
+            nats_tls_cert: None,
+            nats_tls_key: None,
+            nats_tls_required: false,
+            nats_inbox_prefix: None,
+        }
+    }
+}
+
+impl Default for EtcdArgs {
+    fn default() -> Self {
+        Self {
+            etcd_endpoints: vec![DEFAULT_ETCD_ENDPOINT.to_owned()],
+            etcd_connect_timeout_ms: DEFAULT_ETCD_CONNECT_TIMEOUT_MS,
+            etcd_user: None,
+            etcd_password: None,
+            etcd_tls_ca: None,
+            etcd_tls_cert: None,
+            etcd_tls_key: None,
+        }
+    }
 }
 
 fn invalid(field: &'static str, reason: &'static str) -> Error {
@@ -308,12 +348,17 @@ impl EtcdArgs {
 
 /// `endpoint` with an explicit scheme matching whether TLS is configured.
 fn with_scheme(endpoint: String, tls: bool) -> Result<String, Error> {
-    let refuse = |reason| Err(Error::InvalidEndpoint { endpoint: endpoint.clone(), reason });
+    let refuse = |reason| {
+        Err(Error::InvalidEndpoint {
+            endpoint: endpoint.clone(),
+            reason,
+        })
+    };
     match (endpoint.split_once("://"), tls) {
         (Some(("https", _)), true) | (Some(("http", _)), false) => Ok(endpoint),
-        (Some(("https", _)), false) => refuse(
-            "https:// needs --etcd-tls-ca, the CA that signed etcd's server certificate",
-        ),
+        (Some(("https", _)), false) => {
+            refuse("https:// needs --etcd-tls-ca, the CA that signed etcd's server certificate")
+        }
         (Some(("http", _)), true) => {
             refuse("is plain http:// but etcd TLS is configured; use https://")
         }

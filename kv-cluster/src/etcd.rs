@@ -202,7 +202,10 @@ mod tests {
             }),
         };
         let shown = format!("{config:?}");
-        assert!(shown.contains("router") && shown.contains("/s/k.pem"), "{shown}");
+        assert!(
+            shown.contains("router") && shown.contains("/s/k.pem"),
+            "{shown}"
+        );
         for secret in ["hunter2", "KEY-BYTES", "CA-BYTES"] {
             assert!(!shown.contains(secret), "{shown}");
         }

@@ -212,7 +212,10 @@ fn quoted_list(subjects: &[String]) -> String {
 /// # Errors
 /// [`SecurityError`] for an invalid or duplicate user name, or a worker user
 /// without worker ids.
-pub fn nats_authorization(subjects: &Subjects, users: &[NatsUser]) -> Result<String, SecurityError> {
+pub fn nats_authorization(
+    subjects: &Subjects,
+    users: &[NatsUser],
+) -> Result<String, SecurityError> {
     check_users(users)?;
     let mut out = String::new();
     let ns = subjects.namespace();
@@ -244,7 +247,11 @@ pub fn nats_authorization(subjects: &Subjects, users: &[NatsUser]) -> Result<Str
         let _ = writeln!(out, "      password: {password}");
         if let Some(p) = permissions(subjects, &user.name, &user.role) {
             let _ = writeln!(out, "      permissions: {{");
-            let _ = writeln!(out, "        publish: {{ allow: {} }}", quoted_list(&p.publish));
+            let _ = writeln!(
+                out,
+                "        publish: {{ allow: {} }}",
+                quoted_list(&p.publish)
+            );
             let _ = writeln!(
                 out,
                 "        subscribe: {{ allow: {} }}",

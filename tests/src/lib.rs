@@ -114,28 +114,12 @@ impl TestCluster {
         time_scale: f64,
         http: mocker::engine::HttpArgs,
     ) -> anyhow::Result<mocker::engine::EnginesHandle> {
-        use mocker::engine::{ConnectionArgs, EngineArgs, FleetArgs, RuntimeArgs};
-        let args = EngineArgs {
-            connection: ConnectionArgs {
-                nats_url: self.nats_server.url(),
-                etcd_endpoints: vec![self.etcd_server.endpoint()],
-                namespace: self.subjects.namespace().clone(),
-            },
-            fleet: FleetArgs {
-                workers,
-                first_worker_id: 1,
-                dp_size: 1,
-            },
-            model,
-            runtime: RuntimeArgs {
-                time_scale,
-                lease_ttl_secs: 5,
-                metrics_interval_ms: 50,
-            },
-            http,
+        let fleet = mocker::engine::FleetArgs {
+            workers,
+            first_worker_id: 1,
+            dp_size: 1,
         };
-        let shutdown = tokio_util::sync::CancellationToken::new();
-        Ok(mocker::engine::spawn_engines(args, shutdown).await?)
+        spawn_mock_engines(self.flags(&[]), fleet, model, time_scale, http).await
     }
 
     /// Starts a daemon with [`Self::serve_args`], modified by `adjust`.
@@ -205,6 +189,35 @@ impl TestCluster {
         self.route(&RouteRequest::new(request_id, Prompt::Tokens { token_ids }))
             .await
     }
+}
+
+/// Starts the mock engines of `fleet`, connected as `connection` says, at
+/// `time_scale` (lease TTL 5 s, metrics every 50 ms), serving OpenAI HTTP as `http`
+/// says.
+///
+/// # Errors
+/// When the engines cannot start or register.
+pub async fn spawn_mock_engines(
+    connection: mocker::engine::ConnectionArgs,
+    fleet: mocker::engine::FleetArgs,
+    model: mocker::engine::EngineModelConfig,
+    time_scale: f64,
+    http: mocker::engine::HttpArgs,
+) -> anyhow::Result<mocker::engine::EnginesHandle> {
+    use mocker::engine::{EngineArgs, RuntimeArgs};
+    let args = EngineArgs {
+        connection,
+        fleet,
+        model,
+        runtime: RuntimeArgs {
+            time_scale,
+            lease_ttl_secs: 5,
+            metrics_interval_ms: 50,
+        },
+        http,
+    };
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    Ok(mocker::engine::spawn_engines(args, shutdown).await?)
 }
 
 /// A worker driven by hand from a test: it registers under a lease and publishes the

@@ -30,6 +30,9 @@ fn defaults_are_one_local_server_without_auth_or_tls() {
     assert_eq!(e.connect_timeout, Duration::from_secs(5));
     assert_eq!((e.credentials, e.tls), (None, None));
     assert_eq!(n.inbox_prefix, None);
+    let (n, e) = (NatsArgs::default(), EtcdArgs::default());
+    assert_eq!(n.to_config().unwrap(), cli.nats.to_config().unwrap());
+    assert_eq!(e.to_config().unwrap(), cli.etcd.to_config().unwrap());
 }
 
 #[test]
@@ -133,7 +136,11 @@ impl Pems {
 #[test]
 fn etcd_credentials_and_tls_are_read_and_checked() {
     let pems = Pems::new();
-    let (ca, cert, key) = (pems.path("ca.pem"), pems.path("cert.pem"), pems.path("key.pem"));
+    let (ca, cert, key) = (
+        pems.path("ca.pem"),
+        pems.path("cert.pem"),
+        pems.path("key.pem"),
+    );
     let e = etcd(&[
         "--etcd-endpoints",
         "https://a:2379,b:2379",
@@ -151,7 +158,10 @@ fn etcd_credentials_and_tls_are_read_and_checked() {
     .unwrap();
     assert_eq!(e.endpoints, ["https://a:2379", "https://b:2379"]);
     let credentials = e.credentials.expect("credentials");
-    assert_eq!((credentials.user.as_str(), credentials.password.as_str()), ("router", "pw"));
+    assert_eq!(
+        (credentials.user.as_str(), credentials.password.as_str()),
+        ("router", "pw")
+    );
     let tls = e.tls.expect("tls");
     assert_eq!(tls.ca.pem, std::fs::read(&ca).unwrap());
     let (c, k) = tls.client.expect("client certificate");
@@ -166,10 +176,21 @@ fn etcd_scheme_must_match_the_tls_flags() {
     let ca = pems.path("ca.pem");
     let err = |args: &[&str]| etcd(args).unwrap_err().to_string();
     let e = err(&["--etcd-endpoints", "https://etcd:2379"]);
-    assert!(e.contains("https://etcd:2379") && e.contains("--etcd-tls-ca"), "{e}");
+    assert!(
+        e.contains("https://etcd:2379") && e.contains("--etcd-tls-ca"),
+        "{e}"
+    );
     let e = err(&["--etcd-endpoints", "http://etcd:2379", "--etcd-tls-ca", &ca]);
-    assert!(e.contains("http://etcd:2379") && e.contains("use https://"), "{e}");
-    let e = err(&["--etcd-endpoints", "https://a:1,http://b:2", "--etcd-tls-ca", &ca]);
+    assert!(
+        e.contains("http://etcd:2379") && e.contains("use https://"),
+        "{e}"
+    );
+    let e = err(&[
+        "--etcd-endpoints",
+        "https://a:1,http://b:2",
+        "--etcd-tls-ca",
+        &ca,
+    ]);
     assert!(e.contains("http://b:2"), "{e}");
     let e = err(&["--etcd-endpoints", "unix://etcd.sock"]);
     assert!(e.contains("http:// or https://"), "{e}");
@@ -192,6 +213,16 @@ fn etcd_bad_combinations_and_files_name_the_flag() {
     let e = err(&["--etcd-tls-ca", &garbage]);
     assert!(e.contains("no pem certificate"), "{e}");
     let ca = pems.path("ca.pem");
-    let e = err(&["--etcd-tls-ca", &ca, "--etcd-tls-cert", &cert, "--etcd-tls-key", &ca]);
-    assert!(e.contains("--etcd-tls-key") && e.contains("private key"), "{e}");
+    let e = err(&[
+        "--etcd-tls-ca",
+        &ca,
+        "--etcd-tls-cert",
+        &cert,
+        "--etcd-tls-key",
+        &ca,
+    ]);
+    assert!(
+        e.contains("--etcd-tls-key") && e.contains("private key"),
+        "{e}"
+    );
 }

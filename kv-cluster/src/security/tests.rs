@@ -25,7 +25,11 @@ fn a_worker_publishes_only_its_own_subjects() {
 fn only_routers_join_the_route_queue_group() {
     let s = subjects();
     let router = permissions(&s, "r", &Role::Router).expect("restricted");
-    assert!(router.subscribe.contains(&"ns.router.route ns-router".to_owned()));
+    assert!(
+        router
+            .subscribe
+            .contains(&"ns.router.route ns-router".to_owned())
+    );
     assert!(
         router
             .subscribe
@@ -68,8 +72,11 @@ fn names_are_checked_and_passwords_are_variables() {
     let s = subjects();
     let err = nats_authorization(&s, &[user("a.b", Role::Router)]).unwrap_err();
     assert_eq!(err, SecurityError::UserName("a.b".into()));
-    let err = nats_authorization(&s, &[user("a-b", Role::Router), user("a_b", Role::Frontend)])
-        .unwrap_err();
+    let err = nats_authorization(
+        &s,
+        &[user("a-b", Role::Router), user("a_b", Role::Frontend)],
+    )
+    .unwrap_err();
     assert_eq!(err, SecurityError::Duplicate("a-b".into(), "a_b".into()));
     let err = nats_authorization(&s, &[user("w", Role::Worker(vec![]))]).unwrap_err();
     assert_eq!(err, SecurityError::NoWorkers("w".into()));
