@@ -8,6 +8,8 @@
 //! # Layout
 //! - [`TestCluster`]: nats-server + etcd + a running daemon, and clients to both.
 //! - [`FakeWorker`]: a hand-driven worker: etcd registration under a lease, KV events.
+//! - [`security`]: [`security::SecureCluster`]: nats-server with the shipped
+//!   permissions, etcd over mutual TLS with authentication and the shipped roles.
 //! - [`child_daemon`]: the release binary as a child process, for the measurement
 //!   tools in `tests/examples/`.
 
@@ -15,6 +17,7 @@ use anyhow::Context;
 
 pub mod child_daemon;
 pub mod python;
+pub mod security;
 use etcd_client::{Client as Etcd, PutOptions};
 use indexer::IndexerApi as _;
 use kv_events::discovery::WorkerRegistration;

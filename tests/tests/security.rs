@@ -1,0 +1,615 @@
+//! The trust model end to end (docs/security.md): nats-server started with the shipped
+//! `deploy/security/nats-server.conf` and generated users, etcd over mutual TLS with
+//! authentication and the roles of the shipped `deploy/security/etcd-rbac.sh`.
+//!
+//! Each forbidden action is attempted with real clients and must be refused by the
+//! server (a NATS permissions violation, an etcd permission or TLS error); each
+//! allowed path (router, relay, mock engines, gateway) must work with only its role's
+//! rights. Two tests reproduce the findings of issue 14: a fake member of the route
+//! queue group steals routes on an open bus but not under the shipped configuration,
+//! and an `https://` etcd endpoint without TLS settings is refused at start.
+
+use bytes::Bytes;
+use futures::StreamExt;
+use indexer::IndexerApi as _;
+use integration_tests::security::{
+    ENGINES, FRONTEND, OPERATOR, RELAY_7, ROOT, ROUTER, SecureCluster, password, violation,
+};
+use integration_tests::{FakeWorker, TestCluster, eventually};
+use kv_events::routing::{
+    LifecycleEvent, LifecycleMessage, PolicyKind, Prompt, RouteDecision, RouteReply, RouteRequest,
+};
+use kv_events::{DpRank, WorkerId, WorkerRank, compute_block_hashes, decode, encode};
+use mocker::engine::{ConnectionArgs, EngineModelConfig, FleetArgs, HttpArgs};
+use router_daemon::{Daemon, DaemonConfig, ServeArgs};
+use std::time::Duration;
+
+#[path = "relay/engine.rs"]
+#[allow(dead_code)]
+mod engine;
+
+const BLOCK: u32 = 16;
+const WAIT: Duration = Duration::from_secs(15);
+/// Route queries sent per attack.
+const ROUTES: usize = 200;
+/// The worker id a fake router answers with.
+const FAKE: WorkerId = WorkerId(666);
+
+fn model() -> EngineModelConfig {
+    EngineModelConfig {
+        block_size: BLOCK,
+        num_gpu_blocks: 1024,
+        max_num_seqs: 16,
+        max_num_batched_tokens: 2048,
+    }
+}
+
+fn model_dir() -> std::path::PathBuf {
+    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../kv-tokenizer/tests/data")
+}
+
+/// The daemon as user `router-1` of the secured cluster.
+async fn secure_daemon(cluster: &SecureCluster) -> Daemon {
+    let block = BLOCK.to_string();
+    let args: ServeArgs = cluster.flags(ROUTER, &["--block-size", &block, "--seed", "7"]);
+    let config = DaemonConfig::from_args(&args).expect("daemon flags are valid");
+    Daemon::start(config, &prometheus::Registry::new())
+        .await
+        .expect("the daemon starts with router credentials")
+}
+
+/// Mock engines 1 and 2 as user `engines`, serving OpenAI HTTP.
+async fn secure_engines(cluster: &SecureCluster) -> mocker::engine::EnginesHandle {
+    let connection: ConnectionArgs = cluster.flags(ENGINES, &[]);
+    let fleet = FleetArgs {
+        workers: 2,
+        first_worker_id: 1,
+        dp_size: 1,
+    };
+    let http = HttpArgs {
+        model_dir: Some(model_dir()),
+        served_model_name: "tiny".into(),
+        ..HttpArgs::default()
+    };
+    integration_tests::spawn_mock_engines(connection, fleet, model(), 50.0, http)
+        .await
+        .expect("engines start with worker credentials")
+}
+
+/// Sends `request` on the route subject from `nats` and decodes the reply.
+async fn route(nats: &async_nats::Client, subject: String, request: &RouteRequest) -> RouteReply {
+    let reply = tokio::time::timeout(
+        WAIT,
+        nats.request(subject, encode(request).expect("encodes").into()),
+    )
+    .await
+    .expect("a reply in time")
+    .expect("a reply");
+    decode(&reply.payload).expect("a route reply")
+}
+
+/// Joins the route queue group from `nats` and answers every query with [`FAKE`].
+async fn fake_router(nats: async_nats::Client, subject: String, group: String) {
+    let mut queries = nats
+        .queue_subscribe(subject, group)
+        .await
+        .expect("subscribe is sent");
+    tokio::spawn(async move {
+        while let Some(query) = queries.next().await {
+            let Ok(request) = decode::<RouteRequest>(&query.payload) else {
+                continue;
+            };
+            let reply = RouteReply::Routed(RouteDecision {
+                request_id: request.request_id,
+                worker_id: FAKE,
+                dp_rank: DpRank(0),
+                overlap_blocks: 0,
+                request_blocks: 1,
+                policy: PolicyKind::Random,
+            });
+            if let Some(to) = query.reply {
+                let _ = nats
+                    .publish(to, encode(&reply).expect("encodes").into())
+                    .await;
+            }
+        }
+    });
+}
+
+/// How many of [`ROUTES`] queries went to [`FAKE`]; panics on any error reply.
+async fn stolen_routes(nats: &async_nats::Client, subject: &str) -> usize {
+    let mut stolen = 0;
+    for i in 0..ROUTES {
+        let request = RouteRequest::new(
+            format!("q-{i}"),
+            Prompt::Tokens {
+                token_ids: (0..64).collect(),
+            },
+        );
+        match route(nats, subject.to_owned(), &request).await {
+            RouteReply::Routed(d) if d.worker_id == FAKE => stolen += 1,
+            RouteReply::Routed(_) => {}
+            RouteReply::Error(e) => panic!("route {i} failed: {e:?}"),
+        }
+    }
+    stolen
+}
+
+/// Finding 9: on the open bus any client can join the router's queue group and answer
+/// queries with a worker of its choosing; under the shipped permissions only routers
+/// may join it, so every query is answered by the real router.
+#[tokio::test]
+async fn a_fake_router_steals_routes_on_an_open_bus_but_not_under_the_shipped_config() {
+    // The open bus: the attack works (this is what the shipped configuration fixes).
+    let mut open = TestCluster::start(BLOCK).await.expect("servers start");
+    let _worker = FakeWorker::register(&mut open, 1, 30)
+        .await
+        .expect("registers");
+    let _daemon = open.start_daemon(|_| {}).await.expect("daemon starts");
+    let attacker = async_nats::connect(open.nats_server.url())
+        .await
+        .expect("connects");
+    let (route_subject, group) = (open.subjects.route(), open.subjects.route_queue_group());
+    fake_router(attacker.clone(), route_subject.clone(), group).await;
+    router_daemon::barrier::server_barrier(&attacker)
+        .await
+        .expect("the fake router is subscribed");
+    let stolen = stolen_routes(&open.nats, &route_subject).await;
+    println!("open bus: {stolen} of {ROUTES} routes answered by the fake router");
+    assert!(
+        stolen > 0,
+        "the open-bus control did not reproduce the attack"
+    );
+
+    // The shipped configuration: frontends and workers may not join the group.
+    let cluster = SecureCluster::start().await.expect("secured servers start");
+    let _engines = secure_engines(&cluster).await;
+    let _daemon = secure_daemon(&cluster).await;
+    let s = &cluster.subjects;
+    for user in [FRONTEND, RELAY_7] {
+        let (attacker, mut errors) = cluster.nats_as(user).await.expect("connects");
+        fake_router(attacker.clone(), s.route(), s.route_queue_group()).await;
+        violation(&mut errors, &s.route())
+            .await
+            .expect("queue join refused");
+        // Nor may it read the queries with a plain subscription.
+        let _sub = attacker
+            .subscribe(s.route())
+            .await
+            .expect("subscribe is sent");
+        violation(&mut errors, &s.route())
+            .await
+            .expect("plain subscription refused");
+        let _sub = attacker
+            .queue_subscribe(s.route_batch(), s.route_queue_group())
+            .await
+            .expect("subscribe is sent");
+        violation(&mut errors, &s.route_batch())
+            .await
+            .expect("batch queue join refused");
+    }
+    let (frontend, _errors) = cluster.nats_as(FRONTEND).await.expect("connects");
+    eventually("the router to know both engines", WAIT, || async {
+        let request = RouteRequest::new("warm-up", Prompt::Tokens { token_ids: vec![1] });
+        matches!(
+            route(&frontend, s.route(), &request).await,
+            RouteReply::Routed(_)
+        )
+        .then_some(())
+    })
+    .await
+    .expect("routes are served");
+    let stolen = stolen_routes(&frontend, &s.route()).await;
+    println!("shipped config: {stolen} of {ROUTES} routes answered by a fake router");
+    assert_eq!(stolen, 0);
+}
+
+/// A worker's credentials publish only its own worker's events and metrics; the
+/// relay serves its worker end to end with them (etcd registration over TLS with its
+/// own key, KV events, recovery answers).
+#[tokio::test]
+async fn a_relay_publishes_only_its_own_workers_subjects() {
+    let cluster = SecureCluster::start().await.expect("secured servers start");
+    let s = &cluster.subjects;
+    let (relay, mut errors) = cluster.nats_as(RELAY_7).await.expect("connects");
+    let (operator, _) = cluster.nats_as(OPERATOR).await.expect("connects");
+    let mut events = operator
+        .subscribe(s.kv_events_all())
+        .await
+        .expect("subscribes");
+    let mut metrics = operator
+        .subscribe(s.load_metrics_all())
+        .await
+        .expect("subscribes");
+    router_daemon::barrier::server_barrier(&operator)
+        .await
+        .expect("round trip");
+    for subject in [s.kv_events(WorkerId(8)), s.load_metrics(WorkerId(8))] {
+        relay
+            .publish(subject.clone(), Bytes::from_static(b"poison"))
+            .await
+            .unwrap();
+        violation(&mut errors, &subject)
+            .await
+            .expect("publish refused");
+    }
+    relay
+        .publish(s.kv_events(WorkerId(7)), Bytes::from_static(b"own"))
+        .await
+        .unwrap();
+    relay
+        .publish(s.load_metrics(WorkerId(7)), Bytes::from_static(b"own"))
+        .await
+        .unwrap();
+    // One connection's messages arrive in order: had worker 8's gone through, they
+    // would come first.
+    for sub in [&mut events, &mut metrics] {
+        let first = tokio::time::timeout(WAIT, sub.next())
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(first.subject.ends_with(".7"), "{}", first.subject);
+        assert_eq!(&first.payload[..], b"own");
+    }
+    // Nor may a worker book, free or read bookings, or read other clients' replies.
+    for subject in [s.sequences(), s.sequences_snapshot(), s.lifecycle()] {
+        relay
+            .publish(subject.clone(), Bytes::from_static(b"x"))
+            .await
+            .unwrap();
+        violation(&mut errors, &subject)
+            .await
+            .expect("publish refused");
+    }
+    let _sub = relay
+        .subscribe("_INBOX.>")
+        .await
+        .expect("subscribe is sent");
+    violation(&mut errors, "_INBOX.>")
+        .await
+        .expect("inbox snooping refused");
+
+    // The real relay with the same credentials.
+    let daemon = secure_daemon(&cluster).await;
+    let mut engine = engine::FakeEngine::start("kv-events", engine::ReplayFraming::WithTopic).await;
+    let topic = String::from_utf8(engine.topic.to_vec()).unwrap();
+    let args: kv_relay::RelayArgs = cluster.flags(
+        RELAY_7,
+        &[
+            "--engine-endpoint",
+            engine.pub_endpoint.as_str(),
+            "--replay-endpoint",
+            engine.replay_endpoint.as_str(),
+            "--topic",
+            topic.as_str(),
+            "--worker-id",
+            "7",
+            "--block-size",
+            "16",
+            "--total-kv-blocks",
+            "1000",
+            "--dp-size",
+            "4",
+            "--shared-endpoint",
+        ],
+    );
+    let config = kv_relay::RelayConfig::from_args(&args).expect("relay flags are valid");
+    let _relay = kv_relay::Relay::start(config, &prometheus::Registry::new())
+        .await
+        .expect("the relay starts with worker 7's credentials");
+    engine.wait_subscribed().await;
+    // Frames 0-3 of the capture (the later ones clear the cache).
+    for (seq, frame) in engine::payloads("vllm_zmq_frames_topic_kv-events.json")
+        .iter()
+        .take(4)
+        .enumerate()
+    {
+        engine.publish(seq as u64, frame).await;
+    }
+    // Prompt B of the capture (see relay.rs): three blocks on rank 0 of worker 7.
+    let prompt_b: Vec<u32> = (1000..1032).chain(5000..5020).collect();
+    let hashes = compute_block_hashes(&prompt_b, BLOCK);
+    eventually("prompt B indexed on worker 7", WAIT, || async {
+        let scores = daemon
+            .state()
+            .indexer
+            .find_matches(hashes.clone())
+            .await
+            .ok()?;
+        (scores.get(WorkerRank::new(WorkerId(7), DpRank(0))) == 3).then_some(())
+    })
+    .await
+    .expect("the relay's events reach the router");
+    let (frontend, _) = cluster.nats_as(FRONTEND).await.expect("connects");
+    let reply = route(
+        &frontend,
+        s.route(),
+        &RouteRequest::new(
+            "b-1",
+            Prompt::Tokens {
+                token_ids: prompt_b,
+            },
+        ),
+    )
+    .await;
+    let RouteReply::Routed(decision) = reply else {
+        panic!("{reply:?}")
+    };
+    assert_eq!(
+        (decision.worker_id, decision.overlap_blocks),
+        (WorkerId(7), 3)
+    );
+}
+
+/// A frontend asks for routes and publishes lifecycle messages, nothing else: no KV
+/// events, no bookings, no snapshot requests, no other client's replies.
+#[tokio::test]
+async fn a_frontend_routes_but_cannot_publish_events_or_read_bookings() {
+    let cluster = SecureCluster::start().await.expect("secured servers start");
+    let s = &cluster.subjects;
+    let _engines = secure_engines(&cluster).await;
+    let daemon = secure_daemon(&cluster).await;
+    let (frontend, mut errors) = cluster.nats_as(FRONTEND).await.expect("connects");
+    for subject in [
+        s.kv_events(WorkerId(1)),
+        s.load_metrics(WorkerId(1)),
+        s.sequences(),
+        s.sequences_snapshot(),
+        s.kv_recovery(WorkerId(1)),
+    ] {
+        frontend
+            .publish(subject.clone(), Bytes::from_static(b"x"))
+            .await
+            .unwrap();
+        violation(&mut errors, &subject)
+            .await
+            .expect("publish refused");
+    }
+    for subject in [s.sequences(), s.sequences_snapshot(), "_INBOX.>".to_owned()] {
+        let _sub = frontend
+            .subscribe(subject.clone())
+            .await
+            .expect("subscribe is sent");
+        violation(&mut errors, &subject)
+            .await
+            .expect("subscription refused");
+    }
+
+    // Allowed: route (reply on its own inbox), then free the booking.
+    let booked = || daemon.state().scheduler().active_requests();
+    let request = RouteRequest::new(
+        "f-1",
+        Prompt::Tokens {
+            token_ids: (0..40).collect(),
+        },
+    );
+    let reply = eventually("a route", WAIT, || async {
+        match route(&frontend, s.route(), &request).await {
+            RouteReply::Routed(d) => Some(d),
+            RouteReply::Error(_) => None,
+        }
+    })
+    .await
+    .expect("routes are served");
+    assert!([WorkerId(1), WorkerId(2)].contains(&reply.worker_id));
+    assert_eq!(booked(), 1);
+    let freed = LifecycleMessage {
+        request_id: "f-1".into(),
+        event: LifecycleEvent::Freed,
+    };
+    frontend
+        .publish(s.lifecycle(), encode(&freed).unwrap().into())
+        .await
+        .unwrap();
+    eventually("the booking to be freed", WAIT, || async {
+        (booked() == 0).then_some(())
+    })
+    .await
+    .expect("lifecycle messages are delivered");
+}
+
+/// The gateway, as a frontend user, serves an OpenAI completion through the router
+/// and a mock engine, each with only its role's rights.
+#[tokio::test]
+async fn the_gateway_serves_completions_on_the_secured_cluster() {
+    let cluster = SecureCluster::start().await.expect("secured servers start");
+    let _engines = secure_engines(&cluster).await;
+    let _daemon = secure_daemon(&cluster).await;
+    let dir = model_dir().display().to_string();
+    let args: kv_gateway::GatewayArgs = cluster.flags(
+        FRONTEND,
+        &[
+            "--listen",
+            "127.0.0.1:0",
+            "--served-model-name",
+            "tiny",
+            "--model-dir",
+            &dir,
+        ],
+    );
+    let gateway = kv_gateway::Gateway::start(
+        args.to_config().expect("gateway flags are valid"),
+        std::sync::Arc::new(prometheus::Registry::new()),
+        tokio_util::sync::CancellationToken::new(),
+    )
+    .await
+    .expect("the gateway starts with frontend credentials");
+    let base = format!("http://{}", gateway.local_addr());
+    let http = reqwest::Client::new();
+    let body = eventually("a completion", WAIT, || async {
+        let response = http
+            .post(format!("{base}/v1/completions"))
+            .json(&serde_json::json!({"model": "tiny", "prompt": "hello there", "max_tokens": 4}))
+            .send()
+            .await
+            .ok()?;
+        if response.status() != 200 {
+            return None;
+        }
+        response.json::<serde_json::Value>().await.ok()
+    })
+    .await
+    .expect("the gateway answers");
+    assert_eq!(body["usage"]["completion_tokens"], 4, "{body}");
+}
+
+/// etcd enforces the shipped roles: a worker writes only its own key, a reader only
+/// reads, and a client without the CA's certificate or without a password gets
+/// nothing.
+#[tokio::test]
+async fn etcd_refuses_what_the_roles_do_not_allow() {
+    let cluster = SecureCluster::start().await.expect("secured servers start");
+    let s = &cluster.subjects;
+    let denied = |e: etcd_client::Error| {
+        let e = e.to_string();
+        assert!(e.contains("permission denied"), "{e}");
+    };
+    let mut relay = cluster
+        .etcd_as(Some("client"), Some(RELAY_7))
+        .await
+        .expect("worker 7 connects");
+    relay
+        .put(s.etcd_worker_key(WorkerId(7)), "{}", None)
+        .await
+        .expect("own key");
+    denied(
+        relay
+            .put(s.etcd_worker_key(WorkerId(8)), "{}", None)
+            .await
+            .unwrap_err(),
+    );
+    denied(
+        relay
+            .put("kv-router/other/workers/7", "{}", None)
+            .await
+            .unwrap_err(),
+    );
+    let mut engines = cluster
+        .etcd_as(Some("client"), Some(ENGINES))
+        .await
+        .unwrap();
+    engines
+        .put(s.etcd_worker_key(WorkerId(2)), "{}", None)
+        .await
+        .expect("own key");
+    denied(
+        engines
+            .delete(s.etcd_worker_key(WorkerId(7)), None)
+            .await
+            .unwrap_err(),
+    );
+
+    let mut router = cluster.etcd_as(Some("client"), Some(ROUTER)).await.unwrap();
+    let listed = router
+        .get(
+            s.etcd_worker_prefix(),
+            Some(etcd_client::GetOptions::new().with_prefix()),
+        )
+        .await
+        .expect("readers list the prefix");
+    assert_eq!(listed.kvs().len(), 2);
+    denied(
+        router
+            .put(s.etcd_worker_key(WorkerId(9)), "{}", None)
+            .await
+            .unwrap_err(),
+    );
+
+    // A certificate but no password: the certificate's name is no etcd user.
+    let mut anonymous = cluster.etcd_as(Some("client"), None).await.unwrap();
+    let err = anonymous
+        .get(s.etcd_worker_prefix(), None)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("user name is empty") || err.contains("permission denied"),
+        "{err}"
+    );
+    // A wrong password, no client certificate, or one from another CA: no session.
+    let flags = std::iter::once("t".to_owned()).chain(cluster.etcd_flags(ROUTER));
+    let mut config = kv_cluster::args::parse_flags::<kv_cluster::args::EtcdArgs, _, _>(flags)
+        .unwrap()
+        .to_config()
+        .unwrap();
+    config.credentials.as_mut().unwrap().password = password(ROOT);
+    let Err(err) = kv_cluster::etcd::connect(&config).await else {
+        panic!("a wrong password connected")
+    };
+    assert!(err.to_string().contains("authentication failed"), "{err}");
+    for cert in [None, Some("rogue")] {
+        let Err(err) = cluster.etcd_as(cert, Some(ROUTER)).await else {
+            panic!("client certificate {cert:?} connected")
+        };
+        println!("client certificate {cert:?}: {err}");
+    }
+    // The script refuses to run without root once auth is on.
+    let err = cluster
+        .rbac(&["reader", "intruder"], Some("pw"), None)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("etcd-rbac.sh"), "{err}");
+}
+
+/// Finding 10: an `https://` etcd endpoint without TLS settings (or TLS settings with
+/// an `http://` endpoint) is refused when the flags are validated, by every
+/// participant, instead of retrying forever without becoming ready.
+#[test]
+fn an_https_etcd_endpoint_without_tls_is_refused_at_start() {
+    let https = ["kv-router", "--etcd-endpoints", "https://127.0.0.1:2379"];
+    let check = |err: String| {
+        assert!(
+            err.contains("https://127.0.0.1:2379") && err.contains("--etcd-tls-ca"),
+            "{err}"
+        );
+    };
+    let serve: ServeArgs =
+        kv_cluster::args::parse_flags(https.iter().chain(&["--block-size", "16"])).unwrap();
+    check(format!(
+        "{:#}",
+        DaemonConfig::from_args(&serve).unwrap_err()
+    ));
+    let relay: kv_relay::RelayArgs = kv_cluster::args::parse_flags(https.iter().chain(&[
+        "--engine-endpoint",
+        "tcp://127.0.0.1:5557",
+        "--worker-id",
+        "1",
+        "--block-size",
+        "16",
+        "--total-kv-blocks",
+        "10",
+    ]))
+    .unwrap();
+    check(format!(
+        "{:#}",
+        kv_relay::RelayConfig::from_args(&relay).unwrap_err()
+    ));
+    let gateway: kv_gateway::GatewayArgs = kv_cluster::args::parse_flags(https.iter().chain(&[
+        "--served-model-name",
+        "m",
+        "--tokenize-via",
+        "engine",
+    ]))
+    .unwrap();
+    check(format!("{:#}", gateway.to_config().unwrap_err()));
+    let engines: ConnectionArgs = kv_cluster::args::parse_flags(https).unwrap();
+    check(engines.etcd.to_config().unwrap_err().to_string());
+
+    let pki = integration_tests::security::Pki::generate().unwrap();
+    let ca = pki.arg("ca.pem");
+    let plain: ServeArgs = kv_cluster::args::parse_flags([
+        "kv-router",
+        "--etcd-endpoints",
+        "http://127.0.0.1:2379",
+        "--etcd-tls-ca",
+        &ca,
+        "--block-size",
+        "16",
+    ])
+    .unwrap();
+    let err = format!("{:#}", DaemonConfig::from_args(&plain).unwrap_err());
+    assert!(
+        err.contains("http://127.0.0.1:2379") && err.contains("https://"),
+        "{err}"
+    );
+}
