@@ -222,10 +222,9 @@ impl SecureCluster {
         let mut child = command
             .spawn()
             .context("running etcd-rbac.sh (needs bash and etcdctl)")?;
-        if let Some(mut input) = child.stdin.take() {
-            if let Some(text) = stdin {
-                input.write_all(format!("{text}\n").as_bytes()).await?;
-            }
+        // Dropping the pipe closes the script's standard input.
+        if let (Some(mut input), Some(text)) = (child.stdin.take(), stdin) {
+            input.write_all(format!("{text}\n").as_bytes()).await?;
         }
         let out = child.wait_with_output().await?;
         anyhow::ensure!(

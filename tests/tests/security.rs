@@ -9,6 +9,10 @@
 //! queue group steals routes on an open bus but not under the shipped configuration,
 //! and an `https://` etcd endpoint without TLS settings is refused at start.
 
+// The relay tests' fake engine unwraps, as do these tests: a broken fixture, socket or
+// refusal must fail the test loudly.
+#![allow(clippy::unwrap_used)]
+
 use bytes::Bytes;
 use futures::StreamExt;
 use indexer::IndexerApi as _;
