@@ -15,11 +15,10 @@
 
 use bytes::Bytes;
 use futures::StreamExt;
-use indexer::IndexerApi as _;
 use integration_tests::security::{
     ENGINES, FRONTEND, OPERATOR, RELAY_7, ROOT, ROUTER, SecureCluster, password, violation,
 };
-use integration_tests::{FakeWorker, TestCluster, eventually};
+use integration_tests::{FakeWorker, TestCluster, eventually, wait_for_overlap};
 use kv_events::routing::{
     LifecycleEvent, LifecycleMessage, PolicyKind, Prompt, RouteDecision, RouteReply, RouteRequest,
 };
@@ -118,6 +117,22 @@ async fn fake_router(nats: async_nats::Client, subject: String, group: String) {
             }
         }
     });
+}
+
+/// Publishes to each of `subjects` from `client` and waits for the server to refuse
+/// each one.
+async fn refused_publishes(
+    client: &async_nats::Client,
+    errors: &mut tokio::sync::mpsc::UnboundedReceiver<String>,
+    subjects: impl IntoIterator<Item = String>,
+) {
+    for subject in subjects {
+        client
+            .publish(subject.clone(), Bytes::from_static(b"poison"))
+            .await
+            .unwrap();
+        violation(errors, &subject).await.expect("publish refused");
+    }
 }
 
 /// How many of [`ROUTES`] queries went to [`FAKE`]; panics on any error reply.
@@ -228,15 +243,8 @@ async fn a_relay_publishes_only_its_own_workers_subjects() {
     router_daemon::barrier::server_barrier(&operator)
         .await
         .expect("round trip");
-    for subject in [s.kv_events(WorkerId(8)), s.load_metrics(WorkerId(8))] {
-        relay
-            .publish(subject.clone(), Bytes::from_static(b"poison"))
-            .await
-            .unwrap();
-        violation(&mut errors, &subject)
-            .await
-            .expect("publish refused");
-    }
+    let others = [s.kv_events(WorkerId(8)), s.load_metrics(WorkerId(8))];
+    refused_publishes(&relay, &mut errors, others).await;
     relay
         .publish(s.kv_events(WorkerId(7)), Bytes::from_static(b"own"))
         .await
@@ -256,15 +264,8 @@ async fn a_relay_publishes_only_its_own_workers_subjects() {
         assert_eq!(&first.payload[..], b"own");
     }
     // Nor may a worker book, free or read bookings, or read other clients' replies.
-    for subject in [s.sequences(), s.sequences_snapshot(), s.lifecycle()] {
-        relay
-            .publish(subject.clone(), Bytes::from_static(b"x"))
-            .await
-            .unwrap();
-        violation(&mut errors, &subject)
-            .await
-            .expect("publish refused");
-    }
+    let bookings = [s.sequences(), s.sequences_snapshot(), s.lifecycle()];
+    refused_publishes(&relay, &mut errors, bookings).await;
     let _sub = relay
         .subscribe("_INBOX.>")
         .await
@@ -276,27 +277,10 @@ async fn a_relay_publishes_only_its_own_workers_subjects() {
     // The real relay with the same credentials.
     let daemon = secure_daemon(&cluster).await;
     let mut engine = engine::FakeEngine::start("kv-events", engine::ReplayFraming::WithTopic).await;
-    let topic = String::from_utf8(engine.topic.to_vec()).unwrap();
-    let args: kv_relay::RelayArgs = cluster.flags(
-        RELAY_7,
-        &[
-            "--engine-endpoint",
-            engine.pub_endpoint.as_str(),
-            "--replay-endpoint",
-            engine.replay_endpoint.as_str(),
-            "--topic",
-            topic.as_str(),
-            "--worker-id",
-            "7",
-            "--block-size",
-            "16",
-            "--total-kv-blocks",
-            "1000",
-            "--dp-size",
-            "4",
-            "--shared-endpoint",
-        ],
-    );
+    let mut flags = engine.relay_flags();
+    flags.extend(["--dp-size", "4", "--shared-endpoint"].map(str::to_owned));
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let args: kv_relay::RelayArgs = cluster.flags(RELAY_7, &flags);
     let config = kv_relay::RelayConfig::from_args(&args).expect("relay flags are valid");
     let _relay = kv_relay::Relay::start(config, &prometheus::Registry::new())
         .await
@@ -313,17 +297,9 @@ async fn a_relay_publishes_only_its_own_workers_subjects() {
     // Prompt B of the capture (see relay.rs): three blocks on rank 0 of worker 7.
     let prompt_b: Vec<u32> = (1000..1032).chain(5000..5020).collect();
     let hashes = compute_block_hashes(&prompt_b, BLOCK);
-    eventually("prompt B indexed on worker 7", WAIT, || async {
-        let scores = daemon
-            .state()
-            .indexer
-            .find_matches(hashes.clone())
-            .await
-            .ok()?;
-        (scores.get(WorkerRank::new(WorkerId(7), DpRank(0))) == 3).then_some(())
-    })
-    .await
-    .expect("the relay's events reach the router");
+    wait_for_overlap(&daemon, &hashes, WorkerRank::new(WorkerId(7), DpRank(0)), 3)
+        .await
+        .expect("the relay's events reach the router");
     let (frontend, _) = cluster.nats_as(FRONTEND).await.expect("connects");
     let reply = route(
         &frontend,
@@ -354,21 +330,14 @@ async fn a_frontend_routes_but_cannot_publish_events_or_read_bookings() {
     let _engines = secure_engines(&cluster).await;
     let daemon = secure_daemon(&cluster).await;
     let (frontend, mut errors) = cluster.nats_as(FRONTEND).await.expect("connects");
-    for subject in [
+    let forbidden = [
         s.kv_events(WorkerId(1)),
         s.load_metrics(WorkerId(1)),
         s.sequences(),
         s.sequences_snapshot(),
         s.kv_recovery(WorkerId(1)),
-    ] {
-        frontend
-            .publish(subject.clone(), Bytes::from_static(b"x"))
-            .await
-            .unwrap();
-        violation(&mut errors, &subject)
-            .await
-            .expect("publish refused");
-    }
+    ];
+    refused_publishes(&frontend, &mut errors, forbidden).await;
     for subject in [s.sequences(), s.sequences_snapshot(), "_INBOX.>".to_owned()] {
         let _sub = frontend
             .subscribe(subject.clone())
