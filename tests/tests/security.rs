@@ -300,6 +300,15 @@ async fn a_relay_publishes_only_its_own_workers_subjects() {
     wait_for_overlap(&daemon, &hashes, WorkerRank::new(WorkerId(7), DpRank(0)), 3)
         .await
         .expect("the relay's events reach the router");
+    eventually("worker 7's registration", WAIT, || async {
+        let scheduler = daemon.state().scheduler();
+        scheduler
+            .workers()
+            .any(|w| w.worker_id == WorkerId(7))
+            .then_some(())
+    })
+    .await
+    .expect("the relay registers over etcd tls with its own user");
     let (frontend, _) = cluster.nats_as(FRONTEND).await.expect("connects");
     let reply = route(
         &frontend,
