@@ -314,6 +314,6 @@ mod tests {
             }
             count += 1;
         }
-        assert_eq!(count, 11);
+        assert_eq!(count, 17);
     }
 }
