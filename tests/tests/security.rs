@@ -15,6 +15,7 @@
 
 use bytes::Bytes;
 use futures::StreamExt;
+use indexer::IndexerApi as _;
 use integration_tests::security::{
     ENGINES, FRONTEND, OPERATOR, RELAY_7, ROOT, ROUTER, SecureCluster, password, violation,
 };
@@ -22,7 +23,10 @@ use integration_tests::{FakeWorker, TestCluster, eventually, wait_for_overlap};
 use kv_events::routing::{
     LifecycleEvent, LifecycleMessage, PolicyKind, Prompt, RouteDecision, RouteReply, RouteRequest,
 };
-use kv_events::{DpRank, WorkerId, WorkerRank, compute_block_hashes, decode, encode};
+use kv_events::{
+    DpRank, ExternalBlockHash, KvCacheEvent, KvCacheEventData, KvEventBatch, StoredBlock, WorkerId,
+    WorkerRank, compute_block_hashes, decode, encode,
+};
 use mocker::engine::{ConnectionArgs, EngineModelConfig, FleetArgs, HttpArgs};
 use router_daemon::{Daemon, DaemonConfig, ServeArgs};
 use std::time::Duration;
@@ -433,6 +437,100 @@ async fn the_gateway_serves_completions_on_the_secured_cluster() {
     .await
     .expect("the gateway answers");
     assert_eq!(body["usage"]["completion_tokens"], 4, "{body}");
+}
+
+/// The router's JetStream path (`--jetstream`: the KV event stream, its consumer and
+/// the index snapshot bucket) works with the router's permissions alone, and a second
+/// router restores the snapshot the first stored.
+#[tokio::test]
+async fn a_router_with_jetstream_works_under_the_shipped_permissions() {
+    use futures::TryStreamExt as _;
+    let cluster = SecureCluster::start().await.expect("secured servers start");
+    let _engines = secure_engines(&cluster).await;
+    let s = &cluster.subjects;
+    let block = BLOCK.to_string();
+    let flags = [
+        "--block-size",
+        &block,
+        "--jetstream",
+        "--jetstream-snapshot-every",
+        "1",
+    ];
+    let start = || async {
+        let args: ServeArgs = cluster.flags(ROUTER, &flags);
+        let config = DaemonConfig::from_args(&args).expect("daemon flags are valid");
+        Daemon::start(config, &prometheus::Registry::new())
+            .await
+            .expect("the daemon starts with --jetstream and router credentials")
+    };
+    let (frontend, _) = cluster.nats_as(FRONTEND).await.expect("connects");
+    let routed = |id: &'static str| {
+        let frontend = frontend.clone();
+        async move {
+            eventually("a route", WAIT, || async {
+                let request = RouteRequest::new(
+                    id,
+                    Prompt::Tokens {
+                        token_ids: (0..40).collect(),
+                    },
+                );
+                matches!(
+                    route(&frontend, s.route(), &request).await,
+                    RouteReply::Routed(_)
+                )
+                .then_some(())
+            })
+            .await
+            .expect("routes are served");
+        }
+    };
+    let first = start().await;
+    routed("js-1").await;
+    // Worker 7 stores a block: consumed from the stream, then snapshotted.
+    let hashes = compute_block_hashes(&(0..BLOCK).collect::<Vec<u32>>(), BLOCK);
+    let batch = KvEventBatch {
+        worker_id: WorkerId(7),
+        epoch: 0,
+        events: vec![KvCacheEvent {
+            event_id: 0,
+            dp_rank: DpRank(0),
+            data: KvCacheEventData::Stored {
+                parent_hash: None,
+                blocks: vec![StoredBlock {
+                    block_hash: ExternalBlockHash(77),
+                    tokens_hash: hashes[0],
+                }],
+            },
+        }],
+    };
+    let (relay, _) = cluster.nats_as(RELAY_7).await.expect("connects");
+    relay
+        .publish(s.kv_events(WorkerId(7)), encode(&batch).unwrap().into())
+        .await
+        .unwrap();
+    relay.flush().await.unwrap();
+    let rank = WorkerRank::new(WorkerId(7), DpRank(0));
+    wait_for_overlap(&first, &hashes, rank, 1)
+        .await
+        .expect("consumed from the stream");
+    let (operator, _) = cluster.nats_as(OPERATOR).await.expect("connects");
+    let bucket = format!("{}-kv-index", s.namespace());
+    eventually("an index snapshot in the bucket", WAIT, || async {
+        let store = async_nats::jetstream::new(operator.clone())
+            .get_object_store(&bucket)
+            .await
+            .ok()?;
+        let objects: Vec<_> = store.list().await.ok()?.try_collect().await.ok()?;
+        (!objects.is_empty()).then_some(())
+    })
+    .await
+    .expect("the router stores its snapshot");
+    first.shutdown().await.expect("stops");
+    let second = start().await;
+    // Ready means restored and caught up with the stream.
+    let scores = second.state().indexer.find_matches(hashes).await.unwrap();
+    assert_eq!(scores.get(rank), 1);
+    routed("js-2").await;
 }
 
 /// etcd enforces the shipped roles: a worker writes only its own key, a reader only
