@@ -34,6 +34,8 @@ KV_ROUTER_WELL_KNOWN_PROTOS=(
 kv_router_requirements() {
   echo "cmd:nats-server|_have_nats_server|nats-server"
   echo "cmd:etcd|_have_executable etcd|etcd-server"
+  # etcdctl: deploy/security/etcd-rbac.sh, run by the trust-model tests.
+  echo "cmd:etcdctl|_have_executable etcdctl|etcd-client"
   echo "cmd:protoc|_have_executable protoc|protobuf-compiler"
   local proto
   for proto in "${KV_ROUTER_WELL_KNOWN_PROTOS[@]}"; do

@@ -14,13 +14,23 @@
 //! configuration file.
 
 use crate::Error;
-use crate::etcd::EtcdConfig;
+use crate::etcd::{EtcdConfig, EtcdCredentials, EtcdTls, PemFile};
 use crate::nats::{ClientCertificate, NatsAuth, NatsConfig, NatsTls};
 use clap::Args;
-use std::path::PathBuf;
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-/// How to reach and authenticate to NATS.
+/// The default NATS server (`--nats-url`).
+pub const DEFAULT_NATS_URL: &str = "nats://127.0.0.1:4222";
+/// The default etcd endpoint (`--etcd-endpoints`).
+pub const DEFAULT_ETCD_ENDPOINT: &str = "http://127.0.0.1:2379";
+/// The default etcd connect timeout (`--etcd-connect-timeout-ms`), in milliseconds.
+pub const DEFAULT_ETCD_CONNECT_TIMEOUT_MS: u64 = 5000;
+
+/// How to reach and authenticate to NATS. `Default` is what no flag gives: the
+/// local server, no authentication, no TLS.
 #[derive(Debug, Clone, Args)]
 pub struct NatsArgs {
     /// NATS server URL(s), comma-separated (a cluster's seed list).
@@ -28,7 +38,7 @@ pub struct NatsArgs {
         long,
         help_heading = "NATS",
         env = "KV_ROUTER_NATS_URL",
-        default_value = "nats://127.0.0.1:4222",
+        default_value = DEFAULT_NATS_URL,
         value_delimiter = ','
     )]
     pub nats_url: Vec<String>,
@@ -66,9 +76,15 @@ pub struct NatsArgs {
     /// Refuse to talk to NATS without TLS.
     #[arg(long, help_heading = "NATS", env = "KV_ROUTER_NATS_TLS_REQUIRED")]
     pub nats_tls_required: bool,
+    /// Prefix of this client's reply inboxes [default: `_INBOX`]. With the shipped
+    /// NATS permissions each user may only subscribe to its own `_INBOX.<user>`, so
+    /// it cannot read other clients' replies (docs/security.md).
+    #[arg(long, help_heading = "NATS", env = "KV_ROUTER_NATS_INBOX_PREFIX")]
+    pub nats_inbox_prefix: Option<String>,
 }
 
-/// How to reach etcd.
+/// How to reach etcd. `Default` is what no flag gives: the local endpoint, no
+/// authentication, no TLS.
 #[derive(Debug, Clone, Args)]
 pub struct EtcdArgs {
     /// etcd endpoint URL(s), comma-separated.
@@ -76,7 +92,7 @@ pub struct EtcdArgs {
         long,
         help_heading = "etcd",
         env = "KV_ROUTER_ETCD_ENDPOINTS",
-        default_value = "http://127.0.0.1:2379",
+        default_value = DEFAULT_ETCD_ENDPOINT,
         value_delimiter = ','
     )]
     pub etcd_endpoints: Vec<String>,
@@ -85,9 +101,61 @@ pub struct EtcdArgs {
         long,
         help_heading = "etcd",
         env = "KV_ROUTER_ETCD_CONNECT_TIMEOUT_MS",
-        default_value_t = 5000
+        default_value_t = DEFAULT_ETCD_CONNECT_TIMEOUT_MS
     )]
     pub etcd_connect_timeout_ms: u64,
+    /// etcd user name, when etcd has authentication enabled (with --etcd-password).
+    #[arg(long, help_heading = "etcd", env = "KV_ROUTER_ETCD_USER")]
+    pub etcd_user: Option<String>,
+    /// etcd password (with --etcd-user).
+    #[arg(
+        long,
+        help_heading = "etcd",
+        env = "KV_ROUTER_ETCD_PASSWORD",
+        hide_env_values = true
+    )]
+    pub etcd_password: Option<String>,
+    /// CA certificate (PEM) that signed etcd's server certificates; required with
+    /// `https://` endpoints (system roots are not used).
+    #[arg(long, help_heading = "etcd", env = "KV_ROUTER_ETCD_TLS_CA")]
+    pub etcd_tls_ca: Option<PathBuf>,
+    /// Client certificate (PEM) for mutual TLS with etcd (with --etcd-tls-key).
+    #[arg(long, help_heading = "etcd", env = "KV_ROUTER_ETCD_TLS_CERT")]
+    pub etcd_tls_cert: Option<PathBuf>,
+    /// Private key (PEM) of --etcd-tls-cert.
+    #[arg(long, help_heading = "etcd", env = "KV_ROUTER_ETCD_TLS_KEY")]
+    pub etcd_tls_key: Option<PathBuf>,
+}
+
+impl Default for NatsArgs {
+    fn default() -> Self {
+        Self {
+            nats_url: vec![DEFAULT_NATS_URL.to_owned()],
+            nats_creds: None,
+            nats_token: None,
+            nats_user: None,
+            nats_password: None,
+            nats_tls_ca: None,
+            nats_tls_cert: None,
+            nats_tls_key: None,
+            nats_tls_required: false,
+            nats_inbox_prefix: None,
+        }
+    }
+}
+
+impl Default for EtcdArgs {
+    fn default() -> Self {
+        Self {
+            etcd_endpoints: vec![DEFAULT_ETCD_ENDPOINT.to_owned()],
+            etcd_connect_timeout_ms: DEFAULT_ETCD_CONNECT_TIMEOUT_MS,
+            etcd_user: None,
+            etcd_password: None,
+            etcd_tls_ca: None,
+            etcd_tls_cert: None,
+            etcd_tls_key: None,
+        }
+    }
 }
 
 fn invalid(field: &'static str, reason: &'static str) -> Error {
@@ -170,6 +238,16 @@ impl NatsArgs {
                 return Err(invalid("nats-tls-cert", "required with --nats-tls-key"));
             }
         };
+        let inbox_prefix = match &self.nats_inbox_prefix {
+            None => None,
+            Some(prefix) if is_subject(prefix) => Some(prefix.clone()),
+            Some(_) => {
+                return Err(invalid(
+                    "nats-inbox-prefix",
+                    "must be dot-separated tokens without spaces or wildcards",
+                ));
+            }
+        };
         Ok(NatsConfig {
             servers,
             auth,
@@ -178,15 +256,35 @@ impl NatsArgs {
                 client_cert,
                 required: self.nats_tls_required,
             },
+            inbox_prefix,
         })
     }
 }
 
+/// Whether `s` is a literal NATS subject: non-empty tokens separated by `.`, without
+/// wildcards or whitespace.
+fn is_subject(s: &str) -> bool {
+    s.split('.').all(|token| {
+        !token.is_empty()
+            && token
+                .chars()
+                .all(|c| !c.is_whitespace() && c != '*' && c != '>')
+    })
+}
+
 impl EtcdArgs {
-    /// etcd endpoints and connect timeout from the flags.
+    /// etcd endpoints, connect timeout, credentials and TLS from the flags; the TLS
+    /// files are read and checked here, so a bad one stops the process at start.
+    /// An endpoint without a scheme gets `https://` with --etcd-tls-ca, `http://`
+    /// without.
     ///
     /// # Errors
-    /// [`Error::InvalidFlag`] naming `--etcd-endpoints` when no endpoint is given.
+    /// [`Error::InvalidFlag`] naming the flag: no endpoint, a user without a password
+    /// (or the reverse), a client certificate without its key (or the reverse) or
+    /// without --etcd-tls-ca. [`Error::InvalidEndpoint`] for an `https://` endpoint
+    /// without --etcd-tls-ca, an `http://` one with it, or another scheme.
+    /// [`Error::TlsFile`] for a file that cannot be read or holds no PEM
+    /// certificate (key).
     pub fn to_config(&self) -> Result<EtcdConfig, Error> {
         let endpoints = trimmed(&self.etcd_endpoints);
         if endpoints.is_empty() {
@@ -195,93 +293,117 @@ impl EtcdArgs {
                 "at least one endpoint is required",
             ));
         }
+        let credentials = match (&self.etcd_user, &self.etcd_password) {
+            (None, None) => None,
+            (Some(user), Some(password)) => Some(EtcdCredentials {
+                user: user.clone(),
+                password: password.clone(),
+            }),
+            (Some(_), None) => {
+                return Err(invalid("etcd-password", "required with --etcd-user"));
+            }
+            (None, Some(_)) => {
+                return Err(invalid("etcd-user", "required with --etcd-password"));
+            }
+        };
+        let client = match (&self.etcd_tls_cert, &self.etcd_tls_key) {
+            (None, None) => None,
+            (Some(cert), Some(key)) => Some((cert, key)),
+            (Some(_), None) => {
+                return Err(invalid("etcd-tls-key", "required with --etcd-tls-cert"));
+            }
+            (None, Some(_)) => {
+                return Err(invalid("etcd-tls-cert", "required with --etcd-tls-key"));
+            }
+        };
+        let tls = match (&self.etcd_tls_ca, client) {
+            (None, None) => None,
+            (None, Some(_)) => {
+                return Err(invalid("etcd-tls-ca", "required with --etcd-tls-cert"));
+            }
+            (Some(ca), client) => Some(EtcdTls {
+                ca: read_pem("etcd-tls-ca", ca, Pem::Certificate)?,
+                client: client
+                    .map(|(cert, key)| {
+                        Ok::<_, Error>((
+                            read_pem("etcd-tls-cert", cert, Pem::Certificate)?,
+                            read_pem("etcd-tls-key", key, Pem::PrivateKey)?,
+                        ))
+                    })
+                    .transpose()?,
+            }),
+        };
+        let endpoints = endpoints
+            .into_iter()
+            .map(|e| with_scheme(e, tls.is_some()))
+            .collect::<Result<_, _>>()?;
         Ok(EtcdConfig {
             endpoints,
             connect_timeout: Duration::from_millis(self.etcd_connect_timeout_ms),
+            credentials,
+            tls,
         })
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use clap::Parser;
-
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        nats: NatsArgs,
-        #[command(flatten)]
-        etcd: EtcdArgs,
-    }
-
-    fn nats(args: &[&str]) -> Result<NatsConfig, Error> {
-        Cli::try_parse_from(std::iter::once("t").chain(args.iter().copied()))
-            .expect("flags parse")
-            .nats
-            .to_config()
-    }
-
-    #[test]
-    fn defaults_are_one_local_server_without_auth_or_tls() {
-        let cli = Cli::try_parse_from(["t"]).expect("no flags parse");
-        let n = cli.nats.to_config().unwrap();
-        assert_eq!(n.servers, ["nats://127.0.0.1:4222"]);
-        assert_eq!(n.auth, NatsAuth::None);
-        assert_eq!(n.tls, NatsTls::default());
-        let e = cli.etcd.to_config().unwrap();
-        assert_eq!(e.endpoints, ["http://127.0.0.1:2379"]);
-        assert_eq!(e.connect_timeout, Duration::from_secs(5));
-    }
-
-    #[test]
-    fn each_auth_method_and_tls() {
-        let n = nats(&["--nats-creds", "/s/r.creds"]).unwrap();
-        assert_eq!(n.auth, NatsAuth::CredentialsFile("/s/r.creds".into()));
-        let n = nats(&["--nats-token", "t0k"]).unwrap();
-        assert_eq!(n.auth, NatsAuth::Token("t0k".into()));
-        let n = nats(&["--nats-user", "u", "--nats-password", "p"]).unwrap();
-        assert_eq!(
-            n.auth,
-            NatsAuth::UserPassword {
-                user: "u".into(),
-                password: "p".into()
-            }
-        );
-        let n = nats(&[
-            "--nats-tls-ca",
-            "/s/ca.pem",
-            "--nats-tls-cert",
-            "/s/c.pem",
-            "--nats-tls-key",
-            "/s/k.pem",
-            "--nats-tls-required",
-        ])
-        .unwrap();
-        assert_eq!(
-            n.tls,
-            NatsTls {
-                ca_file: Some("/s/ca.pem".into()),
-                client_cert: Some(ClientCertificate {
-                    cert: "/s/c.pem".into(),
-                    key: "/s/k.pem".into(),
-                }),
-                required: true,
-            }
-        );
-    }
-
-    #[test]
-    fn bad_combinations_name_the_flag() {
-        let err = |args: &[&str]| nats(args).unwrap_err().to_string();
-        assert!(err(&["--nats-tls-cert", "c"]).contains("--nats-tls-key"));
-        assert!(err(&["--nats-tls-key", "k"]).contains("--nats-tls-cert"));
-        assert!(err(&["--nats-user", "u"]).contains("--nats-password"));
-        assert!(err(&["--nats-password", "p"]).contains("--nats-user"));
-        assert!(err(&["--nats-token", "t", "--nats-creds", "c"]).contains("--nats-creds"));
-        assert!(err(&["--nats-url", " , "]).contains("--nats-url"));
-        let cli = Cli::try_parse_from(["t", "--etcd-endpoints", ","]).expect("flags parse");
-        let err = cli.etcd.to_config().unwrap_err().to_string();
-        assert!(err.contains("--etcd-endpoints"), "{err}");
+/// `endpoint` with an explicit scheme matching whether TLS is configured.
+fn with_scheme(endpoint: String, tls: bool) -> Result<String, Error> {
+    let refuse = |reason| {
+        Err(Error::InvalidEndpoint {
+            endpoint: endpoint.clone(),
+            reason,
+        })
+    };
+    match (endpoint.split_once("://"), tls) {
+        (Some(("https", _)), true) | (Some(("http", _)), false) => Ok(endpoint),
+        (Some(("https", _)), false) => {
+            refuse("https:// needs --etcd-tls-ca, the CA that signed etcd's server certificate")
+        }
+        (Some(("http", _)), true) => {
+            refuse("is plain http:// but etcd TLS is configured; use https://")
+        }
+        (Some(_), _) => refuse("must start with http:// or https://"),
+        (None, true) => Ok(format!("https://{endpoint}")),
+        (None, false) => Ok(format!("http://{endpoint}")),
     }
 }
+
+/// What a PEM file must hold.
+#[derive(Clone, Copy)]
+enum Pem {
+    /// One or more certificates.
+    Certificate,
+    /// One private key.
+    PrivateKey,
+}
+
+/// Reads `path` (given by `--flag`) and checks that it holds what `kind` says.
+fn read_pem(flag: &'static str, path: &Path, kind: Pem) -> Result<PemFile, Error> {
+    let refuse = |reason: String| Error::TlsFile {
+        flag,
+        path: path.to_owned(),
+        reason,
+    };
+    let pem = std::fs::read(path).map_err(|e| refuse(e.to_string()))?;
+    match kind {
+        Pem::Certificate => {
+            let certs = CertificateDer::pem_slice_iter(&pem)
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| refuse(format!("not a pem certificate: {e}")))?;
+            if certs.is_empty() {
+                return Err(refuse("holds no pem certificate".to_owned()));
+            }
+        }
+        Pem::PrivateKey => {
+            PrivateKeyDer::from_pem_slice(&pem)
+                .map_err(|e| refuse(format!("not a pem private key: {e}")))?;
+        }
+    }
+    Ok(PemFile {
+        path: path.to_owned(),
+        pem,
+    })
+}
+
+#[cfg(test)]
+mod tests;

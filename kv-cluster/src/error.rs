@@ -16,6 +16,24 @@ pub enum Error {
         /// What is wrong with it.
         reason: &'static str,
     },
+    /// An etcd endpoint's scheme does not match the TLS flags.
+    #[error("invalid --etcd-endpoints {endpoint}: {reason}")]
+    InvalidEndpoint {
+        /// The endpoint as given.
+        endpoint: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// A TLS file named by a flag cannot be read or holds no usable PEM block.
+    #[error("cannot use --{flag} {path}: {reason}")]
+    TlsFile {
+        /// The flag name, without `--`.
+        flag: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it, lowercase.
+        reason: String,
+    },
     /// The NATS credentials file could not be read or parsed.
     #[error("cannot load nats credentials from {path}: {source}")]
     NatsCredentials {

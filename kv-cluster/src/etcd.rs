@@ -5,31 +5,113 @@
 //! with the configured connect timeout and a TCP keep-alive, so a dead endpoint is
 //! noticed instead of waited on forever. Retries use one [`Backoff`] (100 ms doubling
 //! to 5 s) everywhere, so every participant treats an etcd outage the same way.
+//!
+//! # Security
+//! etcd's own TLS and role-based access control do the enforcing (see
+//! `docs/security.md`); this module only presents the credentials. [`EtcdTls`] holds
+//! PEM material read and checked once when the flags are validated
+//! ([`crate::args::EtcdArgs::to_config`]), so a missing or malformed file stops the
+//! process at start instead of failing every reconnect; rotating a certificate takes
+//! a restart. With [`EtcdCredentials`] the client authenticates on every connect
+//! (one extra round trip) and renews its token when etcd expires it. Secrets never
+//! appear in `Debug` output or logs.
 
 use crate::Error;
-use etcd_client::{Client, ConnectOptions};
+use etcd_client::{Certificate, Client, ConnectOptions, Identity, TlsOptions};
+use std::path::PathBuf;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 /// How to reach etcd.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EtcdConfig {
-    /// Endpoint URLs.
+    /// Endpoint URLs (all `https://` when [`Self::tls`] is set, none otherwise).
     pub endpoints: Vec<String>,
     /// Timeout of the initial connection, and the bound on each call of the worker
     /// directory.
     pub connect_timeout: Duration,
+    /// User name and password for etcd's authentication, if it is enabled.
+    pub credentials: Option<EtcdCredentials>,
+    /// TLS material; `None` for plain `http://` endpoints.
+    pub tls: Option<EtcdTls>,
 }
 
-/// Connects to etcd (lazily: the first call finds out whether an endpoint answers).
+/// An etcd user and its password. `Debug` prints the user only.
+#[derive(Clone, PartialEq, Eq)]
+pub struct EtcdCredentials {
+    /// User name.
+    pub user: String,
+    /// Password.
+    pub password: String,
+}
+
+impl std::fmt::Debug for EtcdCredentials {
+    /// Never prints the password.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdCredentials")
+            .field("user", &self.user)
+            .field("password", &"<redacted>")
+            .finish()
+    }
+}
+
+/// A PEM file's path and contents, read when the flags were validated. `Debug`
+/// prints the path only (the contents may be a private key).
+#[derive(Clone, PartialEq, Eq)]
+pub struct PemFile {
+    /// Where it was read from.
+    pub path: PathBuf,
+    /// Its contents (one or more PEM blocks).
+    pub pem: Vec<u8>,
+}
+
+impl std::fmt::Debug for PemFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("PemFile").field(&self.path).finish()
+    }
+}
+
+/// TLS towards etcd: the CA that signed the servers' certificates (system roots are
+/// not consulted: etcd clusters use their own CA) and, for mutual TLS, a client
+/// certificate.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EtcdTls {
+    /// Root CA certificate(s).
+    pub ca: PemFile,
+    /// Client certificate chain and its private key.
+    pub client: Option<(PemFile, PemFile)>,
+}
+
+impl EtcdConfig {
+    /// The etcd client options: timeouts, keep-alive, credentials and TLS.
+    pub fn connect_options(&self) -> ConnectOptions {
+        let mut options = ConnectOptions::new()
+            .with_connect_timeout(self.connect_timeout)
+            .with_keep_alive(Duration::from_secs(10), Duration::from_secs(5));
+        if let Some(credentials) = &self.credentials {
+            options = options
+                .with_user(credentials.user.clone(), credentials.password.clone())
+                .with_auto_token_refresh(true);
+        }
+        if let Some(tls) = &self.tls {
+            let mut config = TlsOptions::new().ca_certificate(Certificate::from_pem(&tls.ca.pem));
+            if let Some((cert, key)) = &tls.client {
+                config = config.identity(Identity::from_pem(&cert.pem, &key.pem));
+            }
+            options = options.with_tls(config);
+        }
+        options
+    }
+}
+
+/// Connects to etcd: lazily without credentials (the first call finds out whether an
+/// endpoint answers); with credentials the connect authenticates at once.
 ///
 /// # Errors
-/// [`Error::EtcdConnect`] when the endpoints or options are invalid.
+/// [`Error::EtcdConnect`] when the endpoints or options are invalid, or the
+/// authentication fails (wrong password, etcd unreachable).
 pub async fn connect(config: &EtcdConfig) -> Result<Client, Error> {
-    let options = ConnectOptions::new()
-        .with_connect_timeout(config.connect_timeout)
-        .with_keep_alive(Duration::from_secs(10), Duration::from_secs(5));
-    Client::connect(&config.endpoints, Some(options))
+    Client::connect(&config.endpoints, Some(config.connect_options()))
         .await
         .map_err(|source| Error::EtcdConnect {
             endpoints: config.endpoints.clone(),
@@ -91,5 +173,41 @@ mod tests {
         assert_eq!(delays[5], Duration::from_millis(3_200));
         assert_eq!(delays[6], Backoff::MAX);
         assert_eq!(delays[7], Backoff::MAX);
+    }
+
+    #[test]
+    fn debug_never_prints_secrets() {
+        let config = EtcdConfig {
+            endpoints: vec!["https://etcd:2379".into()],
+            connect_timeout: Duration::from_secs(1),
+            credentials: Some(EtcdCredentials {
+                user: "router".into(),
+                password: "hunter2".into(),
+            }),
+            tls: Some(EtcdTls {
+                ca: PemFile {
+                    path: "/s/ca.pem".into(),
+                    pem: b"CA-BYTES".to_vec(),
+                },
+                client: Some((
+                    PemFile {
+                        path: "/s/c.pem".into(),
+                        pem: b"CERT-BYTES".to_vec(),
+                    },
+                    PemFile {
+                        path: "/s/k.pem".into(),
+                        pem: b"KEY-BYTES".to_vec(),
+                    },
+                )),
+            }),
+        };
+        let shown = format!("{config:?}");
+        assert!(
+            shown.contains("router") && shown.contains("/s/k.pem"),
+            "{shown}"
+        );
+        for secret in ["hunter2", "KEY-BYTES", "CA-BYTES"] {
+            assert!(!shown.contains(secret), "{shown}");
+        }
     }
 }

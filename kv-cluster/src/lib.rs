@@ -13,7 +13,8 @@
 //!   variables) and their validation; [`args::parse_flags`] for embedding and tests.
 //! - [`nats`]: NATS seed list, authentication (creds, token, user/password) and TLS,
 //!   turned into connect options.
-//! - [`etcd`]: etcd connection settings, the client, and the retry [`etcd::Backoff`].
+//! - [`etcd`]: etcd connection settings (TLS, user and password), the client, and the
+//!   retry [`etcd::Backoff`].
 //! - [`limits`]: the `Limits` flags, the bounds on messages and registrations.
 //! - [`lease`]: a worker's registration under an etcd lease (register, keep alive,
 //!   revoke).
@@ -24,6 +25,8 @@
 //! - [`process`]: tracing set-up and the shutdown signal of every binary.
 //! - [`http`]: the listen-address flag value, the bounded HTTP server every
 //!   participant serves with, and a minimal HTTP `GET` client.
+//! - [`security`]: the NATS permissions of each role (router, worker, frontend,
+//!   operator), rendered as nats-server configuration.
 //! - [`Error`]: the crate's one error type.
 
 pub mod args;
@@ -36,5 +39,6 @@ pub mod limits;
 pub mod metrics;
 pub mod nats;
 pub mod process;
+pub mod security;
 
 pub use error::Error;

@@ -76,6 +76,8 @@ pub struct NatsConfig {
     pub auth: NatsAuth,
     /// TLS.
     pub tls: NatsTls,
+    /// Prefix of this client's reply inboxes; `None`: async-nats' `_INBOX`.
+    pub inbox_prefix: Option<String>,
 }
 
 impl NatsConfig {
@@ -107,6 +109,9 @@ impl NatsConfig {
         }
         if self.tls.required {
             options = options.require_tls(true);
+        }
+        if let Some(prefix) = &self.inbox_prefix {
+            options = options.custom_inbox_prefix(prefix.clone());
         }
         Ok(options.name(name))
     }
@@ -158,6 +163,7 @@ mod tests {
             servers: vec!["nats://127.0.0.1:1".into()],
             auth: NatsAuth::CredentialsFile("/nonexistent/router.creds".into()),
             tls: NatsTls::default(),
+            inbox_prefix: None,
         };
         let err = config.connect_options("t").await.unwrap_err();
         assert!(

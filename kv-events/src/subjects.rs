@@ -112,6 +112,11 @@ impl Subjects {
         format!("{}.kv.recovery.{worker}", self.ns)
     }
 
+    /// Wildcard matching every worker's recovery subject.
+    pub fn kv_recovery_all(&self) -> String {
+        format!("{}.kv.recovery.*", self.ns)
+    }
+
     /// What a JetStream stream must capture to hold every worker's KV events
     /// (`{ns}.kv.events.>`).
     pub fn kv_events_stream_filter(&self) -> String {
@@ -160,6 +165,16 @@ impl Subjects {
     /// A request-reply subject served by one engine, e.g. `op = "generate"`.
     pub fn engine(&self, worker: WorkerId, op: &str) -> String {
         format!("{}.engine.{worker}.{op}", self.ns)
+    }
+
+    /// Wildcard matching every request subject served by engine `worker`.
+    pub fn engine_ops(&self, worker: WorkerId) -> String {
+        format!("{}.engine.{worker}.*", self.ns)
+    }
+
+    /// Wildcard matching every engine's request subjects.
+    pub fn engine_all(&self) -> String {
+        format!("{}.engine.*.*", self.ns)
     }
 
     /// The etcd prefix under which workers register (ends with `/`).
@@ -220,6 +235,9 @@ mod tests {
         assert_eq!(s.sequences(), "ns.router.sequences");
         assert_eq!(s.sequences_snapshot(), "ns.router.sequences.snapshot");
         assert_eq!(s.engine(WorkerId(3), "generate"), "ns.engine.3.generate");
+        assert_eq!(s.engine_ops(WorkerId(3)), "ns.engine.3.*");
+        assert_eq!(s.engine_all(), "ns.engine.*.*");
+        assert_eq!(s.kv_recovery_all(), "ns.kv.recovery.*");
         assert_eq!(s.etcd_worker_key(WorkerId(9)), "kv-router/ns/workers/9");
         assert_eq!(
             s.worker_id_from_etcd_key("kv-router/ns/workers/9"),

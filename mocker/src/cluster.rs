@@ -21,7 +21,7 @@ pub mod process;
 pub mod servers;
 
 pub use process::{Echo, ManagedProcess, find_on_path};
-pub use servers::{EtcdServer, NatsServer};
+pub use servers::{EtcdServer, EtcdServerTls, NatsServer};
 
 use std::time::Duration;
 

@@ -18,7 +18,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run M mock engine workers in this process until SIGINT/SIGTERM.
-    Engines(mocker::engine::EngineArgs),
+    Engines(Box<mocker::engine::EngineArgs>),
     /// Replay a Mooncake trace through a running router and engines, per policy.
     Replay(mocker::replay::ReplayArgs),
     /// Start NATS, etcd, the router and mock engines, replay the bundled trace, report.
@@ -44,7 +44,7 @@ async fn main() -> Result<()> {
                 kv_cluster::process::shutdown_signal().await;
                 signal.cancel();
             });
-            mocker::engine::run_engines(args, shutdown).await
+            mocker::engine::run_engines(*args, shutdown).await
         }
         Command::Replay(args) => {
             let report = mocker::replay::run_replay(args).await?;

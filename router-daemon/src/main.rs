@@ -33,6 +33,16 @@ enum Command {
     /// OpenAI-compatible HTTP gateway: tokenize, ask the router over NATS, forward to
     /// the chosen engine, stream the answer back (see docs/gateway.md).
     Gateway(Box<kv_gateway::GatewayArgs>),
+    /// Generate access control for a secured cluster (see docs/security.md).
+    #[command(subcommand)]
+    Security(SecurityCommand),
+}
+
+#[derive(Subcommand)]
+enum SecurityCommand {
+    /// Print the nats-server `authorization` block giving each router, worker,
+    /// frontend and operator user only the subjects its role needs.
+    NatsUsers(Box<kv_cluster::security::cli::NatsUsersArgs>),
 }
 
 #[derive(Subcommand)]
@@ -87,6 +97,10 @@ async fn main() -> Result<()> {
             Ok(())
         }
         Command::Gateway(args) => Ok(kv_gateway::run(*args).await?),
+        Command::Security(SecurityCommand::NatsUsers(args)) => {
+            print!("{}", args.render()?);
+            Ok(())
+        }
     }
 }
 

@@ -161,7 +161,17 @@ fn printed_configuration_loads_back_to_the_same_settings() {
     let command = file.apply(serve_command());
     let matches = command
         .clone()
-        .try_get_matches_from(["serve", "--nats-token", "s3cret", "--shards", "3"])
+        .try_get_matches_from([
+            "serve",
+            "--nats-token",
+            "s3cret",
+            "--etcd-user",
+            "router",
+            "--etcd-password",
+            "hunter2",
+            "--shards",
+            "3",
+        ])
         .unwrap();
     let printed = effective_toml(&serve_command(), &matches, Some(&file));
     assert!(
@@ -171,6 +181,7 @@ fn printed_configuration_loads_back_to_the_same_settings() {
     assert!(printed.contains("shards = 3   # command line"), "{printed}");
     assert!(printed.contains("policy = \"round-robin\""), "{printed}");
     assert!(!printed.contains("s3cret") && printed.contains("token = \"<redacted>\""));
+    assert!(!printed.contains("hunter2") && printed.contains("password = \"<redacted>\""));
 
     // Without the secret (redacted), the printed file reproduces every setting.
     let reloadable: String = printed

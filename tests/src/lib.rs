@@ -8,6 +8,8 @@
 //! # Layout
 //! - [`TestCluster`]: nats-server + etcd + a running daemon, and clients to both.
 //! - [`FakeWorker`]: a hand-driven worker: etcd registration under a lease, KV events.
+//! - [`security`]: [`security::SecureCluster`]: nats-server with the shipped
+//!   permissions, etcd over mutual TLS with authentication and the shipped roles.
 //! - [`child_daemon`]: the release binary as a child process, for the measurement
 //!   tools in `tests/examples/`.
 //! - [`etcd_proxy`]: a path to etcd the test can cut.
@@ -17,6 +19,7 @@ use anyhow::Context;
 pub mod child_daemon;
 pub mod etcd_proxy;
 pub mod python;
+pub mod security;
 use etcd_client::{Client as Etcd, PutOptions};
 use indexer::IndexerApi as _;
 use kv_events::discovery::WorkerRegistration;
@@ -131,26 +134,12 @@ impl TestCluster {
         time_scale: f64,
         http: mocker::engine::HttpArgs,
     ) -> mocker::engine::EngineArgs {
-        use mocker::engine::{ConnectionArgs, EngineArgs, FleetArgs, RuntimeArgs};
-        EngineArgs {
-            connection: ConnectionArgs {
-                nats_url: self.nats_server.url(),
-                etcd_endpoints: vec![self.etcd_server.endpoint()],
-                namespace: self.subjects.namespace().clone(),
-            },
-            fleet: FleetArgs {
-                workers,
-                first_worker_id: 1,
-                dp_size: 1,
-            },
-            model,
-            runtime: RuntimeArgs {
-                time_scale,
-                lease_ttl_secs: 5,
-                metrics_interval_ms: 50,
-            },
-            http,
-        }
+        let fleet = mocker::engine::FleetArgs {
+            workers,
+            first_worker_id: 1,
+            dp_size: 1,
+        };
+        engine_args(self.flags(&[]), fleet, model, time_scale, http)
     }
 
     /// Starts a daemon with [`Self::serve_args`], modified by `adjust`.
@@ -219,6 +208,45 @@ impl TestCluster {
     ) -> anyhow::Result<RouteReply> {
         self.route(&RouteRequest::new(request_id, Prompt::Tokens { token_ids }))
             .await
+    }
+}
+
+/// Starts the mock engines of `fleet`, connected as `connection` says, at
+/// `time_scale` (lease TTL 5 s, metrics every 50 ms), serving OpenAI HTTP as `http`
+/// says.
+///
+/// # Errors
+/// When the engines cannot start or register.
+pub async fn spawn_mock_engines(
+    connection: mocker::engine::ConnectionArgs,
+    fleet: mocker::engine::FleetArgs,
+    model: mocker::engine::EngineModelConfig,
+    time_scale: f64,
+    http: mocker::engine::HttpArgs,
+) -> anyhow::Result<mocker::engine::EnginesHandle> {
+    let args = engine_args(connection, fleet, model, time_scale, http);
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    Ok(mocker::engine::spawn_engines(args, shutdown).await?)
+}
+
+/// Engine arguments for `fleet` on `connection`: 5 s leases, load metrics every 50 ms.
+fn engine_args(
+    connection: mocker::engine::ConnectionArgs,
+    fleet: mocker::engine::FleetArgs,
+    model: mocker::engine::EngineModelConfig,
+    time_scale: f64,
+    http: mocker::engine::HttpArgs,
+) -> mocker::engine::EngineArgs {
+    mocker::engine::EngineArgs {
+        connection,
+        fleet,
+        model,
+        runtime: mocker::engine::RuntimeArgs {
+            time_scale,
+            lease_ttl_secs: 5,
+            metrics_interval_ms: 50,
+        },
+        http,
     }
 }
 

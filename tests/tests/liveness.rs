@@ -68,7 +68,7 @@ async fn an_engine_killed_while_its_lease_lives_stops_getting_routes_once_silent
     path.restore().await?;
     let mut args = cluster.engine_args(1, model(), 1.0, HttpArgs::default());
     args.fleet.first_worker_id = 3;
-    args.connection.etcd_endpoints = vec![path.endpoint()];
+    args.connection.etcd.etcd_endpoints = vec![path.endpoint()];
     args.runtime.lease_ttl_secs = 600;
     let victim = mocker::engine::spawn_engines(args, Default::default()).await?;
     // A worker registered without ever publishing metrics (an integration without

@@ -8,6 +8,7 @@ use futures::StreamExt;
 use indexer::IndexerApi as _;
 use integration_tests::TestCluster;
 use journal_worker::{held_paths, router_paths_of};
+use kv_cluster::args::{EtcdArgs, NatsArgs};
 use kv_events::recovery::{ChunkAssembler, RecoveryChunk, RecoveryRequest};
 use kv_events::routing::RouteReply;
 use kv_events::{DpRank, LocalBlockHash, RequestId, WorkerId};
@@ -99,8 +100,14 @@ async fn a_router_started_after_the_engines_resyncs_from_them() -> anyhow::Resul
     let cluster = TestCluster::start(BLOCK).await?;
     let args = EngineArgs {
         connection: ConnectionArgs {
-            nats_url: cluster.nats_server.url(),
-            etcd_endpoints: vec![cluster.etcd_server.endpoint()],
+            nats: NatsArgs {
+                nats_url: vec![cluster.nats_server.url()],
+                ..NatsArgs::default()
+            },
+            etcd: EtcdArgs {
+                etcd_endpoints: vec![cluster.etcd_server.endpoint()],
+                ..EtcdArgs::default()
+            },
             namespace: cluster.subjects.namespace().clone(),
         },
         fleet: FleetArgs {

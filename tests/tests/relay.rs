@@ -34,22 +34,9 @@ mod engine;
 use engine::{FakeEngine, ReplayFraming, VLLM_METRICS, payloads, serve_page};
 
 fn relay_config(cluster: &TestCluster, engine: &FakeEngine, extra: &[&str]) -> RelayConfig {
-    let topic = String::from_utf8(engine.topic.to_vec()).unwrap();
-    let mut args = vec![
-        "--engine-endpoint",
-        engine.pub_endpoint.as_str(),
-        "--replay-endpoint",
-        engine.replay_endpoint.as_str(),
-        "--topic",
-        topic.as_str(),
-        "--worker-id",
-        "7",
-        "--block-size",
-        "16",
-        "--total-kv-blocks",
-        "1000",
-    ];
-    args.extend_from_slice(extra);
+    let mut args = engine.relay_flags();
+    args.extend(extra.iter().map(|a| (*a).to_owned()));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     RelayConfig::from_args(&cluster.flags::<RelayArgs>(&args)).unwrap()
 }
 

@@ -94,6 +94,7 @@ pub struct NatsServer {
     process: Option<ManagedProcess>,
     port: u16,
     store: TempDir,
+    config: Option<PathBuf>,
 }
 
 impl NatsServer {
@@ -104,11 +105,25 @@ impl NatsServer {
     /// [`ClusterError::BinaryNotFound`] if nats-server is not installed; spawn, exit or
     /// timeout errors otherwise (quoting the server's last log lines).
     pub async fn start() -> Result<Self, ClusterError> {
+        Self::launch(None).await
+    }
+
+    /// Starts nats-server as [`Self::start`] does, with the configuration file
+    /// `config` (`-c`; e.g. users and permissions). The address, port and JetStream
+    /// flags override the file's.
+    ///
+    /// # Errors
+    /// As [`Self::start`]; a file nats-server refuses makes it exit, quoting why.
+    pub async fn start_with_config(config: &Path) -> Result<Self, ClusterError> {
+        Self::launch(Some(config.to_owned())).await
+    }
+
+    async fn launch(config: Option<PathBuf>) -> Result<Self, ClusterError> {
         let binary = require_binary(NATS_BINARY, "nats-server")?;
         let store = temp_dir("kv-router-nats-")?;
         let (process, port) = start_with_retries(
             free_port,
-            |port| spawn_nats(&binary, port, store.path()),
+            |port| spawn_nats(&binary, port, store.path(), config.as_deref()),
             NATS_READY,
         )
         .await?;
@@ -116,6 +131,7 @@ impl NatsServer {
             process: Some(process),
             port,
             store,
+            config,
         })
     }
 
@@ -147,7 +163,12 @@ impl NatsServer {
             process.stop(STOP_GRACE).await?;
         }
         let binary = require_binary(NATS_BINARY, "nats-server")?;
-        let mut process = spawn_nats(&binary, self.port, self.store.path())?;
+        let mut process = spawn_nats(
+            &binary,
+            self.port,
+            self.store.path(),
+            self.config.as_deref(),
+        )?;
         process.wait_for_line(NATS_READY, READY_TIMEOUT).await?;
         self.process = Some(process);
         Ok(())
@@ -165,8 +186,16 @@ impl NatsServer {
     }
 }
 
-fn spawn_nats(binary: &Path, port: u16, store: &Path) -> Result<ManagedProcess, ClusterError> {
+fn spawn_nats(
+    binary: &Path,
+    port: u16,
+    store: &Path,
+    config: Option<&Path>,
+) -> Result<ManagedProcess, ClusterError> {
     let mut command = Command::new(binary);
+    if let Some(config) = config {
+        command.arg("-c").arg(config);
+    }
     command
         .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
         .arg(store);
@@ -181,6 +210,18 @@ pub struct EtcdServer {
     process: Option<ManagedProcess>,
     client_port: u16,
     data: TempDir,
+    tls: bool,
+}
+
+/// The PEM files of an etcd that serves its clients over mutual TLS.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EtcdServerTls {
+    /// The server certificate (valid for `127.0.0.1`).
+    pub cert: PathBuf,
+    /// Its private key.
+    pub key: PathBuf,
+    /// The CA client certificates must be signed by.
+    pub client_ca: PathBuf,
 }
 
 impl EtcdServer {
@@ -191,11 +232,24 @@ impl EtcdServer {
     /// [`ClusterError::BinaryNotFound`] if etcd is not installed; spawn, exit or timeout
     /// errors otherwise (quoting etcd's last log lines).
     pub async fn start() -> Result<Self, ClusterError> {
+        Self::launch(None).await
+    }
+
+    /// Starts etcd as [`Self::start`] does, serving clients over `https://` and
+    /// requiring a client certificate signed by `tls.client_ca`.
+    ///
+    /// # Errors
+    /// As [`Self::start`].
+    pub async fn start_with_tls(tls: &EtcdServerTls) -> Result<Self, ClusterError> {
+        Self::launch(Some(tls)).await
+    }
+
+    async fn launch(tls: Option<&EtcdServerTls>) -> Result<Self, ClusterError> {
         let binary = require_binary(ETCD_BINARY, "etcd-server")?;
         let data = temp_dir("kv-router-etcd-")?;
         let (process, (client_port, _)) = start_with_retries(
             || Ok((free_port()?, free_port()?)),
-            |(client, peer)| spawn_etcd(&binary, client, peer, &data.path().join("member")),
+            |(client, peer)| spawn_etcd(&binary, client, peer, &data.path().join("member"), tls),
             ETCD_READY,
         )
         .await?;
@@ -203,12 +257,14 @@ impl EtcdServer {
             process: Some(process),
             client_port,
             data,
+            tls: tls.is_some(),
         })
     }
 
-    /// The client endpoint, `http://127.0.0.1:PORT`.
+    /// The client endpoint, `http://127.0.0.1:PORT` (`https://` with TLS).
     pub fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
+        let scheme = if self.tls { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}", self.client_port)
     }
 
     /// The client port.
@@ -246,8 +302,10 @@ fn spawn_etcd(
     client_port: u16,
     peer_port: u16,
     data_dir: &Path,
+    tls: Option<&EtcdServerTls>,
 ) -> Result<ManagedProcess, ClusterError> {
-    let client = format!("http://127.0.0.1:{client_port}");
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let client = format!("{scheme}://127.0.0.1:{client_port}");
     let peer = format!("http://127.0.0.1:{peer_port}");
     let cluster = format!("default={peer}");
     let mut command = Command::new(binary);
@@ -259,6 +317,16 @@ fn spawn_etcd(
         .args(["--listen-peer-urls", &peer])
         .args(["--initial-advertise-peer-urls", &peer])
         .args(["--initial-cluster", &cluster]);
+    if let Some(tls) = tls {
+        command
+            .arg("--cert-file")
+            .arg(&tls.cert)
+            .arg("--key-file")
+            .arg(&tls.key)
+            .arg("--trusted-ca-file")
+            .arg(&tls.client_ca)
+            .arg("--client-cert-auth");
+    }
     ManagedProcess::spawn("etcd", command, Echo::Quiet)
 }
 

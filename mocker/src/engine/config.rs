@@ -6,6 +6,7 @@
 //! directly (every group implements `Default` with the CLI defaults). Validation is
 //! explicit ([`EngineModelConfig::validate`], [`RuntimeArgs::validate`]) and cheap.
 
+use kv_cluster::args::{EtcdArgs, NatsArgs};
 use kv_events::{Namespace, WorkerId};
 use std::time::Duration;
 
@@ -71,9 +72,6 @@ pub enum ConfigError {
         /// Workers needing a port.
         workers: usize,
     },
-    /// No etcd endpoint was given.
-    #[error("at least one etcd endpoint is required")]
-    NoEtcdEndpoints,
 }
 
 /// The engine model's knobs (per dp rank), shared by the live engines and offline
@@ -131,29 +129,19 @@ impl EngineModelConfig {
     }
 }
 
-/// Where the engines find NATS and etcd, and the namespace they serve.
-#[derive(Debug, Clone, PartialEq, Eq, clap::Args)]
+/// Where the engines find NATS and etcd, and the namespace they serve: the NATS and
+/// etcd flags (authentication, TLS) of every kv-router participant.
+#[derive(Debug, Clone, clap::Args)]
 pub struct ConnectionArgs {
-    /// NATS server URL.
-    #[arg(long, default_value = "nats://127.0.0.1:4222")]
-    pub nats_url: String,
-    /// etcd endpoints, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "http://127.0.0.1:2379")]
-    pub etcd_endpoints: Vec<String>,
+    /// NATS servers, authentication and TLS.
+    #[command(flatten)]
+    pub nats: NatsArgs,
+    /// etcd endpoints, authentication and TLS.
+    #[command(flatten)]
+    pub etcd: EtcdArgs,
     /// Namespace of subjects and etcd keys (1-64 characters of `[A-Za-z0-9_-]`).
     #[arg(long, default_value = "kv-router")]
     pub namespace: Namespace,
-}
-
-impl Default for ConnectionArgs {
-    fn default() -> Self {
-        Self {
-            nats_url: "nats://127.0.0.1:4222".to_owned(),
-            etcd_endpoints: vec!["http://127.0.0.1:2379".to_owned()],
-            // "kv-router" is a valid namespace literal.
-            namespace: Namespace::new("kv-router").expect("valid namespace literal"),
-        }
-    }
 }
 
 /// Which workers this process runs.

@@ -59,7 +59,7 @@ use tokio_util::sync::CancellationToken;
 
 /// Flags of `kv-mocker engines`: M mock workers with ids `first-worker-id ..
 /// first-worker-id + M`, each with `dp-size` ranks of the engine model.
-#[derive(Debug, Clone, PartialEq, Default, clap::Args)]
+#[derive(Debug, Clone, clap::Args)]
 pub struct EngineArgs {
     /// NATS URL, etcd endpoints and namespace.
     #[command(flatten)]

@@ -20,7 +20,6 @@ use super::timing::TimingModel;
 use super::worker::Worker;
 use crate::protocol::{OP_CLEAR, OP_GENERATE};
 use axum::serve::ListenerExt;
-use etcd_client::ConnectOptions;
 use kv_cluster::lease::WorkerLease;
 use kv_events::discovery::WorkerRegistration;
 use kv_events::journal::{EventJournal, JournalConfig};
@@ -41,14 +40,9 @@ pub enum ServiceError {
     /// A flag is out of range.
     #[error("invalid engine configuration: {0}")]
     Config(#[from] ConfigError),
-    /// The NATS server could not be reached.
-    #[error("could not connect to nats at {url}: {source}")]
-    NatsConnect {
-        /// The URL tried.
-        url: String,
-        /// The client's error.
-        source: async_nats::ConnectError,
-    },
+    /// The NATS or etcd flags are invalid, or a server could not be reached.
+    #[error(transparent)]
+    Cluster(#[from] kv_cluster::Error),
     /// A subscription could not be created.
     #[error("could not subscribe to {subject}: {source}")]
     Subscribe {
@@ -60,14 +54,6 @@ pub enum ServiceError {
     /// Subscriptions could not be flushed to the NATS server.
     #[error("nats flush failed: {0}")]
     Flush(#[from] async_nats::client::FlushError),
-    /// etcd could not be reached.
-    #[error("could not connect to etcd at {endpoints:?}: {source}")]
-    EtcdConnect {
-        /// The endpoints tried.
-        endpoints: Vec<String>,
-        /// The client's error.
-        source: etcd_client::Error,
-    },
     /// A worker could not be registered.
     #[error("could not register worker {worker_id} in etcd: {source}")]
     Register {
@@ -145,22 +131,14 @@ pub async fn spawn_engines(
     args.model.validate()?;
     args.runtime.validate()?;
     let worker_ids = args.fleet.worker_ids()?;
-    if args.connection.etcd_endpoints.is_empty() {
-        return Err(ConfigError::NoEtcdEndpoints.into());
-    }
+    let nats_config = args.connection.nats.to_config()?;
+    let etcd_config = args.connection.etcd.to_config()?;
     let tokenizer = load_tokenizer(&args)?;
     let subjects = Subjects::new(args.connection.namespace.clone());
-    let url = args.connection.nats_url.clone();
-    let nats = async_nats::connect(url.as_str())
-        .await
-        .map_err(|source| ServiceError::NatsConnect { url, source })?;
-    let etcd_options = ConnectOptions::new().with_connect_timeout(Duration::from_secs(5));
-    let etcd = etcd_client::Client::connect(&args.connection.etcd_endpoints, Some(etcd_options))
-        .await
-        .map_err(|source| ServiceError::EtcdConnect {
-            endpoints: args.connection.etcd_endpoints.clone(),
-            source,
-        })?;
+    let nats = nats_config
+        .connect_with("kv-mocker-engines", |options| options)
+        .await?;
+    let etcd = kv_cluster::etcd::connect(&etcd_config).await?;
 
     // Tasks stop on `inner`, which also fires if start-up fails half way.
     let inner = shutdown.child_token();

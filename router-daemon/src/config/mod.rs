@@ -320,6 +320,6 @@ mod tests {
             }
             count += 1;
         }
-        assert_eq!(count, 11);
+        assert_eq!(count, 17);
     }
 }

@@ -61,6 +61,28 @@ pub fn message(frames: Vec<Bytes>) -> ZmqMessage {
 }
 
 impl FakeEngine {
+    /// The `kv-router relay` flags that read this engine as worker 7, with 16-token
+    /// blocks and 1,000 blocks per rank.
+    pub fn relay_flags(&self) -> Vec<String> {
+        let topic = String::from_utf8(self.topic.to_vec()).unwrap();
+        [
+            "--engine-endpoint",
+            self.pub_endpoint.as_str(),
+            "--replay-endpoint",
+            self.replay_endpoint.as_str(),
+            "--topic",
+            topic.as_str(),
+            "--worker-id",
+            "7",
+            "--block-size",
+            "16",
+            "--total-kv-blocks",
+            "1000",
+        ]
+        .map(str::to_owned)
+        .to_vec()
+    }
+
     pub async fn start(topic: &str, framing: ReplayFraming) -> Self {
         let mut publisher = XPubSocket::new();
         let pub_endpoint = publisher

@@ -8,6 +8,7 @@ use crate::engine::{
     spawn_engines,
 };
 use futures::StreamExt;
+use kv_cluster::args::{EtcdArgs, NatsArgs};
 use kv_events::Namespace;
 use serde_json::{Value, json};
 use std::path::PathBuf;
@@ -48,8 +49,14 @@ async fn start_with(time_scale: f64, http: HttpArgs) -> Engines {
     let etcd = EtcdServer::start().await.expect("etcd starts");
     let args = EngineArgs {
         connection: ConnectionArgs {
-            nats_url: nats.url(),
-            etcd_endpoints: vec![etcd.endpoint()],
+            nats: NatsArgs {
+                nats_url: vec![nats.url()],
+                ..NatsArgs::default()
+            },
+            etcd: EtcdArgs {
+                etcd_endpoints: vec![etcd.endpoint()],
+                ..EtcdArgs::default()
+            },
             namespace: Namespace::new("httptest").expect("valid"),
         },
         fleet: FleetArgs {

@@ -6,6 +6,7 @@ use crate::engine::{ConnectionArgs, EngineModelConfig, FleetArgs, RuntimeArgs};
 use crate::protocol::{ClearReply, GenerateRequest, GenerateResponse};
 use bytes::Bytes;
 use futures::StreamExt;
+use kv_cluster::args::{EtcdArgs, NatsArgs};
 use kv_events::{
     KvCacheEventData, KvEventBatch, LoadMetrics, LocalBlockHash, Namespace, RequestId,
 };
@@ -29,8 +30,14 @@ async fn start(fleet: FleetArgs, model: EngineModelConfig, time_scale: f64) -> H
     let namespace = Namespace::new("enginetest").expect("valid");
     let args = EngineArgs {
         connection: ConnectionArgs {
-            nats_url: nats_server.url(),
-            etcd_endpoints: vec![etcd_server.endpoint()],
+            nats: NatsArgs {
+                nats_url: vec![nats_server.url()],
+                ..NatsArgs::default()
+            },
+            etcd: EtcdArgs {
+                etcd_endpoints: vec![etcd_server.endpoint()],
+                ..EtcdArgs::default()
+            },
             namespace: namespace.clone(),
         },
         fleet,
