@@ -27,6 +27,19 @@ fn metric(text: &str, line_prefix: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
+/// What `python/gateway_client.py` (the official `openai` client) saw of `stack`.
+async fn openai_client(stack: &Stack) -> Value {
+    let python = integration_tests::python::venv(
+        env!("CARGO_TARGET_TMPDIR"),
+        "kv-router-openai",
+        &["openai==3.54.0"],
+        "openai",
+    )
+    .await;
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("python/gateway_client.py");
+    integration_tests::python::run_json(&python, &script, &[&stack.base, MODEL]).await
+}
+
 async fn metrics(stack: &Stack) -> String {
     let url = format!("{}/metrics", stack.base);
     stack
@@ -43,15 +56,7 @@ async fn metrics(stack: &Stack) -> String {
 #[tokio::test]
 async fn the_openai_client_gets_completions_and_chats_streamed_and_whole() {
     let stack = Stack::start(2, 10.0, |_| {}, &[]).await;
-    let python = integration_tests::python::venv(
-        env!("CARGO_TARGET_TMPDIR"),
-        "kv-router-openai",
-        &["openai==3.54.0"],
-        "openai",
-    )
-    .await;
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("python/gateway_client.py");
-    let seen = integration_tests::python::run_json(&python, &script, &[&stack.base, MODEL]).await;
+    let seen = openai_client(&stack).await;
 
     assert_eq!(seen["models"], json!([MODEL]));
     let done = &seen["completion"];
@@ -398,5 +403,54 @@ async fn engine_side_tokenization_routes_on_the_engines_own_token_ids() {
         metric(&text, r#"kv_gateway_stage_seconds_count{stage="tokenize"}"#),
         1.0
     );
+    stack.stop().await;
+}
+
+/// `--chat-forward passthrough`: chats go to the engine's own `/v1/chat/completions`
+/// as the client sent them. The official client gets chat shapes, streamed and whole,
+/// and a repeated chat lands on the worker that cached it: the router's overlap (the
+/// gateway's rendering and tokenization) matches the prefix the engine itself found
+/// cached (its own rendering), block for block.
+#[tokio::test]
+async fn passthrough_chats_reach_the_engines_chat_endpoint_with_token_parity() {
+    let stack = Stack::start(2, 10.0, |_| {}, &["--chat-forward", "passthrough"]).await;
+    let seen = openai_client(&stack).await;
+    let chat = &seen["chat"];
+    assert_eq!(chat["object"], "chat.completion", "{chat}");
+    assert_eq!(chat["role"], "assistant");
+    assert_eq!(chat["completion_tokens"], 4);
+    let chat_stream = &seen["chat_stream"];
+    assert_eq!(chat_stream["first_role"], "assistant", "{chat_stream}");
+    assert_eq!(chat_stream["last_finish_reason"], "length");
+
+    let body = json!({
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "tell me about word ".repeat(60)}],
+        "max_tokens": 2,
+    })
+    .to_string();
+    let header = |r: &reqwest::Response, name: &str| -> u64 {
+        r.headers()[name].to_str().unwrap().parse().unwrap()
+    };
+    let first = stack.post("/v1/chat/completions", body.clone()).await;
+    assert_eq!(first.status(), 200);
+    let worker = header(&first, "x-kv-router-worker-id");
+    let _: Value = first.json().await.unwrap();
+    eventually("the first chat to be freed", WAIT, || async {
+        (stack.booked() == 0).then_some(())
+    })
+    .await
+    .unwrap();
+    let second = stack.post("/v1/chat/completions", body).await;
+    assert_eq!(second.status(), 200);
+    assert_eq!(header(&second, "x-kv-router-worker-id"), worker);
+    let overlap = header(&second, "x-kv-router-overlap-blocks");
+    let done: Value = second.json().await.unwrap();
+    let prompt_tokens = done["usage"]["prompt_tokens"].as_u64().unwrap();
+    let cached = done["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert_eq!(overlap, prompt_tokens / u64::from(BLOCK), "{done}");
+    assert_eq!(cached, overlap * u64::from(BLOCK), "{done}");
     stack.stop().await;
 }

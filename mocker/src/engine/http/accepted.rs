@@ -39,6 +39,18 @@ pub(super) struct Accepted {
     pub max_tokens: u64,
     /// Stream with a final usage chunk.
     pub include_usage: bool,
+    /// Which endpoint's JSON shapes the answer takes.
+    pub shape: Shape,
+}
+
+/// The endpoint an answer is shaped for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Shape {
+    /// `/v1/completions`: `text_completion` objects, `choices[].text`.
+    Completion,
+    /// `/v1/chat/completions`: `chat.completion(.chunk)` objects, `choices[].message`
+    /// or `choices[].delta` with the assistant's role and content.
+    Chat,
 }
 
 /// A failure reported by the engine after the request was accepted.

@@ -1,5 +1,7 @@
 //! `POST /v1/completions`: validate, pick the dp rank, tokenize if needed, submit to
-//! the rank's engine core, then answer as one JSON or as server-sent events.
+//! the rank's engine core, then answer as one JSON or as server-sent events. The
+//! submission and the answer are shared with `/v1/chat/completions` (`chat.rs`),
+//! which differs only in how the prompt becomes tokens and in the answer's shape.
 //!
 //! The request runs on the same [`Rank`] and [`EngineCore`] as NATS requests, so its
 //! timing, batching and KV cache (and the KV events the router sees) are the engine
@@ -10,7 +12,7 @@
 //! [`EngineCore`]: crate::engine::EngineCore
 
 use super::HttpState;
-use super::accepted::{AbortOnDrop, Accepted, engine_error};
+use super::accepted::{AbortOnDrop, Accepted, Shape, engine_error};
 use super::openai::{ApiError, CompletionRequest, DEFAULT_MAX_TOKENS, Prompt, Usage, parse_json};
 use super::sse;
 use crate::engine::progress::Progress;
@@ -35,10 +37,14 @@ pub(super) async fn completions(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let (accepted, stream) = match accept(&state, &headers, body) {
-        Ok(a) => a,
-        Err(e) => return e.into_response(),
-    };
+    match accept(&state, &headers, body) {
+        Ok((accepted, stream)) => answer(state, accepted, stream).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+/// Answers an accepted request: server-sent events, or one JSON once it finished.
+pub(super) async fn answer(state: Arc<HttpState>, accepted: Accepted, stream: bool) -> Response {
     if stream {
         return sse::response(state, accepted);
     }
@@ -52,18 +58,34 @@ pub(super) async fn completions(
                 progress.cached_tokens.unwrap_or(0),
                 progress.output_tokens,
             );
+            let (object, choice) = match accepted.shape {
+                Shape::Completion => (
+                    "text_completion",
+                    json!({
+                        "index": 0,
+                        "text": text,
+                        "logprobs": null,
+                        "finish_reason": "length",
+                        "stop_reason": null,
+                    }),
+                ),
+                Shape::Chat => (
+                    "chat.completion",
+                    json!({
+                        "index": 0,
+                        "message": {"role": "assistant", "content": text},
+                        "logprobs": null,
+                        "finish_reason": "length",
+                        "stop_reason": null,
+                    }),
+                ),
+            };
             let body = json!({
                 "id": accepted.id,
-                "object": "text_completion",
+                "object": object,
                 "created": state.created,
                 "model": state.model_name,
-                "choices": [{
-                    "index": 0,
-                    "text": text,
-                    "logprobs": null,
-                    "finish_reason": "length",
-                    "stop_reason": null,
-                }],
+                "choices": [choice],
                 "usage": usage,
             });
             drop(accepted.guard);
@@ -98,21 +120,63 @@ fn accept(
     headers: &HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<(Accepted, bool), ApiError> {
-    let body = body.map_err(|rejection| ApiError {
-        status: rejection.status(),
-        message: rejection.body_text().to_lowercase(),
-    })?;
+    let body = read_body(body)?;
     let req: CompletionRequest = parse_json(&body)?;
-    state.check_model(req.model.as_deref())?;
-    let dp_rank = dp_rank(headers, req.data_parallel_rank, state.ranks.len())?;
+    state.check_model(req.options.model.as_deref())?;
     let tokens = match &req.prompt {
         Prompt::Tokens(ids) => ids.clone(),
         Prompt::Text(text) => state.encode(text)?,
     };
+    let submission = Submission {
+        tokens,
+        max_tokens: req.options.max_tokens,
+        body_rank: req.options.data_parallel_rank,
+        include_usage: req.options.stream_options.is_some_and(|o| o.include_usage),
+        shape: Shape::Completion,
+    };
+    Ok((submit(state, headers, submission)?, req.options.stream))
+}
+
+/// The body, or the extractor's rejection as an OpenAI error.
+pub(super) fn read_body(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    body.map_err(|rejection| ApiError {
+        status: rejection.status(),
+        message: rejection.body_text().to_lowercase(),
+    })
+}
+
+/// A prompt ready for a rank, from either endpoint.
+pub(super) struct Submission {
+    /// The prompt's token ids.
+    pub tokens: Vec<u32>,
+    /// Tokens to generate (default [`DEFAULT_MAX_TOKENS`]).
+    pub max_tokens: Option<u64>,
+    /// SGLang's body field naming the dp rank.
+    pub body_rank: Option<u32>,
+    /// Stream a final usage chunk.
+    pub include_usage: bool,
+    /// The answer's shape.
+    pub shape: Shape,
+}
+
+/// Checks the prompt against the context length, picks the rank and submits it.
+pub(super) fn submit(
+    state: &HttpState,
+    headers: &HeaderMap,
+    submission: Submission,
+) -> Result<Accepted, ApiError> {
+    let Submission {
+        tokens,
+        max_tokens,
+        body_rank,
+        include_usage,
+        shape,
+    } = submission;
+    let dp_rank = dp_rank(headers, body_rank, state.ranks.len())?;
     if tokens.is_empty() {
         return Err(ApiError::bad_request("prompt is empty"));
     }
-    let max_tokens = req.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS);
+    let max_tokens = max_tokens.unwrap_or(DEFAULT_MAX_TOKENS);
     if max_tokens == 0 {
         return Err(ApiError::bad_request("max_tokens must be at least 1"));
     }
@@ -140,19 +204,22 @@ fn accept(
             ApiError::bad_request(message)
         }
     })?;
-    let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
-    let accepted = Accepted {
+    let prefix = match shape {
+        Shape::Completion => "cmpl",
+        Shape::Chat => "chatcmpl",
+    };
+    Ok(Accepted {
         rx,
         guard: AbortOnDrop {
             rank,
             request_id: request_id.clone(),
         },
-        id: format!("cmpl-{request_id}"),
+        id: format!("{prefix}-{request_id}"),
         prompt_tokens,
         max_tokens,
         include_usage,
-    };
-    Ok((accepted, req.stream))
+        shape,
+    })
 }
 
 /// The dp rank: vLLM's `X-data-parallel-rank` header, else SGLang's body field, else 0.

@@ -17,6 +17,7 @@
 //! Cost: one tokio task per connection, one watch channel per request.
 
 mod accepted;
+mod chat;
 mod completions;
 mod info;
 mod metrics;
@@ -222,6 +223,7 @@ impl HttpState {
 pub(super) fn router(state: Arc<HttpState>) -> Router {
     Router::new()
         .route("/v1/completions", post(completions::completions))
+        .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/tokenize", post(info::tokenize))
         .route("/v1/models", get(info::models))
         .route("/metrics", get(info::metrics))

@@ -29,14 +29,12 @@ pub struct StreamOptions {
     pub include_usage: bool,
 }
 
-/// The body of `POST /v1/completions` (fields the mock does not model are ignored).
+/// The fields `/v1/completions` and `/v1/chat/completions` share.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-pub struct CompletionRequest {
+pub struct RequestOptions {
     /// Model name; when set it must be the served name.
     #[serde(default)]
     pub model: Option<String>,
-    /// The prompt.
-    pub prompt: Prompt,
     /// Tokens to generate, in tokens (default [`DEFAULT_MAX_TOKENS`]). The mock always
     /// generates exactly this many (no stop conditions), `finish_reason` `length`.
     #[serde(default)]
@@ -51,6 +49,30 @@ pub struct CompletionRequest {
     /// `X-data-parallel-rank` header, which wins when both are given).
     #[serde(default)]
     pub data_parallel_rank: Option<u32>,
+}
+
+/// The body of `POST /v1/completions` (fields the mock does not model are ignored).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct CompletionRequest {
+    /// The prompt.
+    pub prompt: Prompt,
+    /// Model, length, streaming and rank.
+    #[serde(flatten)]
+    pub options: RequestOptions,
+}
+
+/// The body of `POST /v1/chat/completions` (fields the mock does not model, such as
+/// sampling parameters and tools, are ignored).
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatRequest {
+    /// The conversation, rendered with the model's chat template.
+    pub messages: Vec<kv_tokenizer::ChatMessage>,
+    /// Tokens to generate (OpenAI's newer name); wins over `max_tokens`.
+    #[serde(default)]
+    pub max_completion_tokens: Option<u64>,
+    /// Model, length, streaming and rank.
+    #[serde(flatten)]
+    pub options: RequestOptions,
 }
 
 /// The body of `POST /tokenize` (vLLM's completion form).

@@ -1,6 +1,7 @@
-//! The streaming answer of `/v1/completions`: server-sent events in OpenAI's
-//! completion-chunk shape, one `data: {…}` event per generated token as the engine
-//! produces it, an optional usage chunk, and `data: [DONE]`.
+//! The streaming answer of `/v1/completions` and `/v1/chat/completions`: server-sent
+//! events in OpenAI's completion-chunk (or chat-completion-chunk) shape, one
+//! `data: {…}` event per generated token as the engine produces it, an optional usage
+//! chunk, and `data: [DONE]`.
 //!
 //! The body is a stream that owns the request's [`AbortOnDrop`] guard: when the client
 //! disconnects, hyper drops the body, the guard aborts the request and its KV space is
@@ -9,7 +10,7 @@
 //! produced since the last one (the step loop never waits for a slow client).
 
 use super::HttpState;
-use super::accepted::{Accepted, engine_error};
+use super::accepted::{Accepted, Shape, engine_error};
 use super::openai::Usage;
 use axum::body::{Body, Bytes};
 use axum::http::{StatusCode, header};
@@ -74,16 +75,30 @@ impl Stream {
         while self.sent < upto {
             let last = p.finished && self.sent + 1 == upto;
             let text = self.state.token_text(self.sent);
-            self.push(self.chunk(
-                json!([{
+            let finish_reason = if last { Some("length") } else { None };
+            let choice = match self.req.shape {
+                Shape::Completion => json!({
                     "index": 0,
                     "text": text,
                     "logprobs": null,
-                    "finish_reason": if last { Some("length") } else { None },
+                    "finish_reason": finish_reason,
                     "stop_reason": null,
-                }]),
-                None,
-            ));
+                }),
+                // The role comes with the first delta only, as vLLM sends it.
+                Shape::Chat if self.sent == 0 => json!({
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": text},
+                    "logprobs": null,
+                    "finish_reason": finish_reason,
+                }),
+                Shape::Chat => json!({
+                    "index": 0,
+                    "delta": {"content": text},
+                    "logprobs": null,
+                    "finish_reason": finish_reason,
+                }),
+            };
+            self.push(self.chunk(json!([choice]), None));
             self.sent += 1;
         }
         if p.finished {
@@ -108,9 +123,13 @@ impl Stream {
     }
 
     fn chunk(&self, choices: serde_json::Value, usage: Option<Usage>) -> serde_json::Value {
+        let object = match self.req.shape {
+            Shape::Completion => "text_completion",
+            Shape::Chat => "chat.completion.chunk",
+        };
         let mut c = json!({
             "id": self.req.id,
-            "object": "text_completion",
+            "object": object,
             "created": self.state.created,
             "model": self.state.model_name,
             "choices": choices,
