@@ -3,6 +3,7 @@
 //! goes on routing. Real nats-server and etcd, the daemon in-process, workers, peers
 //! and frontends played by the test over the real wire protocol.
 
+use indexer::IndexerApi as _;
 use integration_tests::{FakeWorker, TestCluster, eventually, register_worker, routed_worker};
 use kv_events::discovery::WorkerRegistration;
 use kv_events::replicas::{BookedSequence, RouterId, SequenceSync, SequenceUpdate};
@@ -175,6 +176,57 @@ async fn messages_over_a_limit_are_refused_by_reason_and_nothing_else_is_lost() 
     let reply = cluster.route_tokens("after", tokens).await?;
     match reply {
         RouteReply::Routed(d) => assert_eq!((d.worker_id, d.overlap_blocks), (w1.id, 5)),
+        RouteReply::Error(e) => panic!("route failed: {e:?}"),
+    }
+    daemon.shutdown().await
+}
+
+/// Finding 6: with `--index-max-blocks` set, a flood of blocks nobody asks for pushed
+/// a real, recently matched prompt out of the index while the junk stayed, and the
+/// index went over its bound at each store. Here a worker floods 100 × 50 blocks into
+/// an index capped at 2,000: the index stays under the cap and the real prompt keeps
+/// its full overlap.
+#[tokio::test]
+async fn a_flood_at_the_index_cap_leaves_the_matched_prompt_in_place() -> anyhow::Result<()> {
+    let mut cluster = TestCluster::start(BLOCK).await?;
+    let mut real = FakeWorker::register(&mut cluster, 1, 30).await?;
+    let mut flood = FakeWorker::register(&mut cluster, 2, 30).await?;
+    let daemon = cluster
+        .start_daemon(|args| {
+            args.shards = Some(1); // one tree: the flood and the prompt share the bound
+            args.index.index_max_blocks = Some(2000);
+        })
+        .await?;
+    let tokens = prompt(1, 8);
+    real.store_prompt(&cluster, &tokens).await?;
+    let hashes = FakeWorker::hashes(&tokens, BLOCK);
+    let rank = kv_events::WorkerRank::new(real.id, DpRank(0));
+    integration_tests::wait_for_overlap(&daemon, &hashes, rank, 8).await?;
+    let first = cluster.route_tokens("real-1", tokens.clone()).await?;
+    assert_eq!(routed_worker(&first), real.id);
+    cluster
+        .lifecycle("real-1", kv_events::routing::LifecycleEvent::Freed)
+        .await?;
+
+    for chain in 0..100 {
+        flood
+            .store_prompt(&cluster, &prompt(1000 + chain, 50))
+            .await?;
+    }
+    let indexer = &daemon.state().indexer;
+    eventually("the flood to be applied", WAIT, || async {
+        let stats = indexer.counters().snapshot();
+        (stats.stored_events >= 101).then_some(())
+    })
+    .await?;
+    let report = indexer.report().await?;
+    assert!(
+        report.stats.entries <= 2000,
+        "{} entries over the cap",
+        report.stats.entries
+    );
+    match cluster.route_tokens("real-2", tokens).await? {
+        RouteReply::Routed(d) => assert_eq!((d.worker_id, d.overlap_blocks), (real.id, 8)),
         RouteReply::Error(e) => panic!("route failed: {e:?}"),
     }
     daemon.shutdown().await
