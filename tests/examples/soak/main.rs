@@ -27,7 +27,8 @@
 //! machine's cores.
 
 use clap::Parser;
-use integration_tests::child_daemon::{ChildDaemon, register_workers};
+use integration_tests::child_daemon::ChildDaemon;
+use kv_events::discovery::WorkerRegistration;
 use kv_events::routing::{LifecycleEvent, LifecycleMessage, Prompt, RouteReply, RouteRequest};
 use kv_events::{
     DpRank, ExternalBlockHash, KvCacheEvent, KvCacheEventData, KvEventBatch, LocalBlockHash,
@@ -228,14 +229,19 @@ async fn main() -> anyhow::Result<()> {
     .await?;
     let subjects = Arc::new(Subjects::new(Namespace::new("soak")?));
     let mut etcd = etcd_client::Client::connect([etcd_server.endpoint()], None).await?;
-    register_workers(
-        &mut etcd,
-        &subjects,
-        0..args.workers,
-        BLOCK_SIZE,
-        args.kv_blocks as u64,
-    )
-    .await?;
+    // Leases outlive the run: nothing keeps them alive here, as engines would.
+    let ttl = (args.minutes * 60.0) as i64 + 600;
+    for w in 0..args.workers {
+        let reg = WorkerRegistration {
+            worker_id: WorkerId(w),
+            dp_size: 1,
+            block_size: BLOCK_SIZE,
+            total_kv_blocks: args.kv_blocks as u64,
+            url: None,
+            epoch: 0,
+        };
+        integration_tests::register_worker(&mut etcd, &subjects, &reg, ttl).await?;
+    }
     daemon
         .wait_for_sum(&["kv_router_workers"], args.workers as f64)
         .await?;
