@@ -148,17 +148,16 @@ async fn vllm_mode_engines_reach_the_router_through_the_relay_alone() {
     // The repeated prompt routes with its full overlap, and the engine serves it from
     // its prefix cache.
     let reply = cluster.route_tokens("repeat-b", b.clone()).await.unwrap();
-    let RouteReply::Routed(decision) = reply else {
-        panic!("{reply:?}")
+    let RouteReply::Routed(routed) = reply else {
+        panic!("not routed: {reply:?}")
     };
+    assert_eq!(routed.worker_id, WORKER);
     assert_eq!(
-        (
-            decision.worker_id,
-            decision.dp_rank,
-            decision.overlap_blocks
-        ),
-        (WORKER, DpRank(1), 4)
+        routed.dp_rank,
+        DpRank(1),
+        "prompt B is cached on rank 1 only"
     );
+    assert_eq!(routed.overlap_blocks, 4, "full overlap");
     assert_eq!(complete(&http, &url, &b, 1).await, 4 * u64::from(BLOCK));
 
     relay.shutdown().await.unwrap();
