@@ -247,6 +247,7 @@ fn engine_args(
             metrics_interval_ms: 50,
         },
         http,
+        kv_events: mocker::engine::KvEventsArgs::default(),
     }
 }
 

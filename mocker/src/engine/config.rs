@@ -64,6 +64,17 @@ pub enum ConfigError {
     /// `metrics_interval_ms` was 0.
     #[error("metrics interval must be at least 1 ms")]
     ZeroMetricsInterval,
+    /// `--zmq-port` or `--zmq-replay-port` + socket offset passes 65535.
+    #[error("zmq port {base} + {offset} is past 65535")]
+    ZmqPortOverflow {
+        /// The base port.
+        base: u16,
+        /// Worker index × dp size + rank.
+        offset: u64,
+    },
+    /// `--zmq-buffer-steps` was 0.
+    #[error("zmq buffer steps must be at least 1")]
+    ZeroBufferSteps,
     /// `--http-port` + worker index overflows a port number.
     #[error("http port {base} + {workers} workers is past 65535")]
     HttpPortOverflow {

@@ -26,8 +26,8 @@ use super::config::{ConfigError, EngineModelConfig};
 use super::kv_cache::KvCache;
 use super::request::{EngineRequest, RejectReason, Running, Waiting};
 use super::timing::{StepWork, TimingModel};
-use kv_events::{KvCacheEventData, LoadMetrics, RequestId, WorkerRank};
-use std::collections::{HashSet, VecDeque};
+use kv_events::{ExternalBlockHash, KvCacheEventData, LoadMetrics, RequestId, WorkerRank};
+use std::collections::{HashMap, HashSet, VecDeque};
 
 /// A request produced its first token (its prefill completed).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -59,6 +59,10 @@ pub struct StepOutput {
     /// KV events caused by the step (evictions at admission, blocks stored by prefill),
     /// in order.
     pub kv_events: Vec<KvCacheEventData>,
+    /// The tokens of every block this step newly cached (the blocks of the `Stored`
+    /// events), for requests that came with token ids; a vLLM-style publisher puts
+    /// them in `BlockStored.token_ids`.
+    pub block_tokens: HashMap<ExternalBlockHash, Vec<u32>>,
     /// Requests whose first token was produced in this step.
     pub first_tokens: Vec<FirstToken>,
     /// Requests that finished in this step (a request with `max_tokens == 1` appears in
@@ -275,6 +279,7 @@ impl EngineCore {
                 max_tokens: w.max_tokens,
                 cached_tokens: alloc.hit_blocks() as u64 * u64::from(self.config.block_size),
                 prompt: w.prompt,
+                token_ids: w.token_ids,
                 alloc,
                 computed_tokens: skipped,
                 output_tokens: 0,
@@ -302,7 +307,12 @@ impl EngineCore {
             }
             r.computed_tokens += r.scheduled;
             for i in r.blocks_ready_to_commit(bs) {
-                self.cache.commit(&mut r.alloc, r.prompt[i]);
+                let block = r.prompt[i];
+                if self.cache.commit(&mut r.alloc, block)
+                    && let Some(tokens) = r.block_tokens(i, bs)
+                {
+                    out.block_tokens.insert(block.block_hash, tokens.to_vec());
+                }
             }
             if r.prefill_done() {
                 r.output_tokens = 1;

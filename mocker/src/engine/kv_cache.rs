@@ -244,7 +244,8 @@ impl KvCache {
     ///
     /// Emits `Stored` if the block was not cached yet; if another request cached the
     /// same block meanwhile, references that copy and frees the reservation instead.
-    pub fn commit(&mut self, alloc: &mut Allocation, block: StoredBlock) {
+    /// Returns true when the block was newly cached (a `Stored` was emitted).
+    pub fn commit(&mut self, alloc: &mut Allocation, block: StoredBlock) -> bool {
         debug_assert!(alloc.reserved > 0, "commit without a reserved block");
         let parent = alloc.held.last().copied();
         alloc.reserved = alloc.reserved.saturating_sub(1);
@@ -256,6 +257,8 @@ impl KvCache {
                     self.lru.remove(&tick);
                 }
                 cached.refcount += 1;
+                alloc.held.push(block.block_hash);
+                false
             }
             Entry::Vacant(slot) => {
                 slot.insert(CachedBlock {
@@ -263,9 +266,10 @@ impl KvCache {
                     lru_tick: None,
                 });
                 self.push_stored(parent, block);
+                alloc.held.push(block.block_hash);
+                true
             }
         }
-        alloc.held.push(block.block_hash);
     }
 
     /// Returns a finished request's space: reserved blocks become free and held blocks

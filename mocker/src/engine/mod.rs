@@ -29,6 +29,7 @@
 //!   channel.
 //! - [`http`]: the per-worker OpenAI HTTP server (`/v1/completions`, `/tokenize`,
 //!   `/v1/models`, `/metrics`).
+//! - [`vllm`]: `--kv-events vllm`, the engines as vLLM stand-ins (ZMQ KV events).
 //! - `service`: [`spawn_engines`], which wires all of the above.
 
 pub mod config;
@@ -42,6 +43,7 @@ mod rank;
 pub mod request;
 mod service;
 pub mod timing;
+pub mod vllm;
 mod worker;
 
 #[cfg(test)]
@@ -54,6 +56,7 @@ pub use self::kv_cache::{Allocation, KvCache, chain_block_hashes, engine_block_h
 pub use self::request::{EngineRequest, RejectReason};
 pub use self::service::{EnginesHandle, READY_LINE, ServiceError, spawn_engines};
 pub use self::timing::{StepWork, TimingModel};
+pub use self::vllm::{KvEventsArgs, KvEventsMode, RankEndpoints};
 
 use tokio_util::sync::CancellationToken;
 
@@ -76,6 +79,9 @@ pub struct EngineArgs {
     /// The per-worker OpenAI HTTP servers (address, model directory).
     #[command(flatten)]
     pub http: HttpArgs,
+    /// Where KV events go: NATS, or vLLM's ZMQ wire for `kv-router relay`.
+    #[command(flatten)]
+    pub kv_events: KvEventsArgs,
 }
 
 /// Runs the engines until `shutdown` is cancelled, then stops them in order (leases

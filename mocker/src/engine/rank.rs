@@ -22,16 +22,17 @@ use super::journal::SharedJournal;
 use super::outbox::Outbox;
 use super::progress::{Progress, Reply};
 use super::request::EngineRequest;
+use super::vllm::{self, VllmPublisher};
 use crate::protocol::GenerateResponse;
 use async_nats::Subject;
-use kv_events::{KvCacheEventData, LoadMetrics, RequestId, WorkerRank};
+use kv_events::{ExternalBlockHash, KvCacheEventData, LoadMetrics, RequestId, WorkerRank};
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::debug;
+use tracing::{debug, warn};
 
 /// tokio's timer resolution. A step that would end sooner than this is not slept
 /// for, and waking up this much after a deadline is timer rounding, not the engine
@@ -49,6 +50,11 @@ fn step_start(clock: Option<Instant>, now: Instant) -> Instant {
 
 /// The error message sent to requests still in flight when the engines shut down.
 pub(super) const SHUTTING_DOWN: &str = "engine shutting down";
+
+/// Why a vLLM-mode rank refuses a request without token ids: its `BlockStored`
+/// events must carry each block's tokens.
+pub(super) const NEEDS_TOKEN_IDS: &str =
+    "this engine publishes vllm kv events, which need the prompt's token ids";
 
 /// Mutable state of one rank, guarded by [`Rank::lock`].
 #[derive(Debug)]
@@ -78,29 +84,37 @@ pub(super) struct RankUsage {
     pub kv_cache_usage: f64,
 }
 
+/// Where a rank's KV events (and load metrics) go.
+#[derive(Debug)]
+pub(super) enum RankSink {
+    /// The router's protocol: KV event batches numbered by the worker's journal and
+    /// load metrics, on NATS through the outbox (which also carries NATS replies).
+    Nats {
+        /// The ordered NATS publication path.
+        outbox: Outbox,
+        /// The worker's KV event journal.
+        journal: SharedJournal,
+        /// `{ns}.kv.events.{worker_id}`.
+        kv_subject: String,
+        /// `{ns}.load.metrics.{worker_id}`.
+        metrics_subject: String,
+    },
+    /// vLLM's ZMQ wire; no load metrics (a relay scrapes the HTTP `/metrics`).
+    Vllm(VllmPublisher),
+}
+
 /// One dp rank of one worker. See the module docs.
 #[derive(Debug)]
 pub(super) struct Rank {
     id: WorkerRank,
     state: Mutex<RankState>,
     notify: Notify,
-    outbox: Outbox,
-    journal: SharedJournal,
-    kv_subject: String,
-    metrics_subject: String,
+    sink: RankSink,
 }
 
 impl Rank {
-    /// A rank serving `core`, numbering its KV events in the worker's `journal` and
-    /// publishing on the given KV events and metrics subjects.
-    pub fn new(
-        id: WorkerRank,
-        core: EngineCore,
-        outbox: Outbox,
-        journal: SharedJournal,
-        kv_subject: String,
-        metrics_subject: String,
-    ) -> Self {
+    /// A rank serving `core`, publishing its KV events through `sink`.
+    pub fn new(id: WorkerRank, core: EngineCore, sink: RankSink) -> Self {
         Self {
             id,
             state: Mutex::new(RankState {
@@ -109,10 +123,16 @@ impl Rank {
                 accepting: true,
             }),
             notify: Notify::new(),
-            outbox,
-            journal,
-            kv_subject,
-            metrics_subject,
+            sink,
+        }
+    }
+
+    /// The NATS outbox, in NATS mode. NATS replies only exist in that mode (vLLM-mode
+    /// engines take no NATS requests), so a missing outbox drops nothing real.
+    fn outbox(&self) -> Option<&Outbox> {
+        match &self.sink {
+            RankSink::Nats { outbox, .. } => Some(outbox),
+            RankSink::Vllm(_) => None,
         }
     }
 
@@ -155,6 +175,9 @@ impl Rank {
             return Err(SHUTTING_DOWN.to_owned());
         }
         let id = req.request_id.clone();
+        if matches!(self.sink, RankSink::Vllm(_)) && req.token_ids.is_none() {
+            return Err(NEEDS_TOKEN_IDS.to_owned());
+        }
         if st.replies.contains_key(&id) {
             return Err(format!("request {id} is already active"));
         }
@@ -206,17 +229,25 @@ impl Rank {
         }
         match st.core.clear() {
             Ok(events) => {
-                self.publish_events(st, events);
+                self.publish_events(st, events, &HashMap::new());
                 true
             }
             Err(_) => false,
         }
     }
 
-    /// Enqueues this rank's current load metrics.
+    /// Enqueues this rank's current load metrics (NATS mode; a no-op in vLLM mode,
+    /// where the relay scrapes `/metrics`).
     pub fn publish_metrics(&self) {
-        let metrics: LoadMetrics = self.lock().core.load_metrics(self.id);
-        self.outbox.send(self.metrics_subject.clone(), &metrics);
+        if let RankSink::Nats {
+            outbox,
+            metrics_subject,
+            ..
+        } = &self.sink
+        {
+            let metrics: LoadMetrics = self.lock().core.load_metrics(self.id);
+            outbox.send(metrics_subject.clone(), &metrics);
+        }
     }
 
     /// Steps the core in real time until `shutdown`, then fails the requests left.
@@ -263,7 +294,7 @@ impl Rank {
     /// requests, in that order.
     fn finish_step(&self, out: StepOutput) {
         let mut st = self.lock();
-        self.publish_events(&mut st, out.kv_events);
+        self.publish_events(&mut st, out.kv_events, &out.block_tokens);
         for ft in out.first_tokens {
             match st.replies.get(&ft.request_id) {
                 Some(Reply::Nats(reply)) => {
@@ -271,7 +302,7 @@ impl Rank {
                         cached_tokens: ft.cached_tokens,
                         prompt_tokens: ft.prompt_tokens,
                     };
-                    self.outbox.send(reply.clone(), &resp);
+                    self.send_reply(reply.clone(), &resp);
                 }
                 Some(Reply::Stream(tx)) => {
                     tx.send_modify(|p| {
@@ -302,7 +333,7 @@ impl Rank {
                     let resp = GenerateResponse::Finished {
                         output_tokens: f.output_tokens,
                     };
-                    self.outbox.send(reply, &resp);
+                    self.send_reply(reply, &resp);
                 }
                 Some(Reply::Stream(tx)) => tx.send_modify(|p| {
                     p.output_tokens = f.output_tokens;
@@ -325,20 +356,54 @@ impl Rank {
         }
     }
 
-    /// Records the events in the worker's journal (which numbers them) and enqueues
-    /// them as one batch. Called with the rank's lock held, so batches go out in
-    /// event id order.
-    fn publish_events(&self, _st: &mut RankState, events: Vec<KvCacheEventData>) {
+    /// Publishes the events as one batch: in NATS mode recorded in the worker's
+    /// journal (which numbers them) and enqueued on the outbox; in vLLM mode encoded
+    /// as vLLM's `KVEventBatch` (with each stored block's tokens from `block_tokens`)
+    /// and handed to the rank's ZMQ publisher, which numbers it. Called with the
+    /// rank's lock held, so batches go out in order.
+    fn publish_events(
+        &self,
+        st: &mut RankState,
+        events: Vec<KvCacheEventData>,
+        block_tokens: &HashMap<ExternalBlockHash, Vec<u32>>,
+    ) {
         if events.is_empty() {
             return;
         }
-        let batch = self.journal.record(self.id.dp_rank, events);
-        self.outbox.send(self.kv_subject.clone(), &batch);
+        match &self.sink {
+            RankSink::Nats {
+                outbox,
+                journal,
+                kv_subject,
+                ..
+            } => {
+                let batch = journal.record(self.id.dp_rank, events);
+                outbox.send(kv_subject.clone(), &batch);
+            }
+            RankSink::Vllm(publisher) => {
+                let block_size = st.core.config().block_size;
+                match vllm::to_vllm(&events, block_tokens, block_size) {
+                    Ok(events) => {
+                        let ts = std::time::SystemTime::now()
+                            .duration_since(std::time::UNIX_EPOCH)
+                            .map_or(0.0, |d| d.as_secs_f64());
+                        publisher.send(vllm::encode_batch(ts, &events, self.id.dp_rank));
+                    }
+                    // Requests without token ids are refused at intake in this mode.
+                    Err(err) => warn!(rank = %self.id, %err, "kv events not published"),
+                }
+            }
+        }
+    }
+
+    fn send_reply(&self, reply: Subject, response: &GenerateResponse) {
+        if let Some(outbox) = self.outbox() {
+            outbox.send(reply, response);
+        }
     }
 
     fn send_error(&self, reply: Subject, message: String) {
-        self.outbox
-            .send(reply, &GenerateResponse::Error { message });
+        self.send_reply(reply, &GenerateResponse::Error { message });
     }
 }
 

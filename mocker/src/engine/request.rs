@@ -22,6 +22,10 @@ pub struct EngineRequest {
     pub prompt_tokens: u64,
     /// Tokens to generate, in tokens (at least 1).
     pub max_tokens: u64,
+    /// The prompt's token ids when the sender has them (HTTP requests), else `None`
+    /// (NATS generate requests carry only block hashes). Needed to publish vLLM
+    /// `BlockStored` events, which carry each block's tokens.
+    pub token_ids: Option<Vec<u32>>,
 }
 
 impl From<GenerateRequest> for EngineRequest {
@@ -31,6 +35,7 @@ impl From<GenerateRequest> for EngineRequest {
             block_hashes: req.block_hashes,
             prompt_tokens: req.num_tokens,
             max_tokens: req.max_tokens,
+            token_ids: None,
         }
     }
 }
@@ -60,6 +65,14 @@ pub enum RejectReason {
         /// The rank's capacity, in blocks.
         capacity: u64,
     },
+    /// `token_ids` does not hold exactly `prompt_tokens` tokens.
+    #[error("{token_ids} token ids for a prompt of {prompt_tokens} tokens")]
+    TokenIdsLength {
+        /// Token ids received.
+        token_ids: usize,
+        /// The prompt length, in tokens.
+        prompt_tokens: u64,
+    },
     /// A request with the same id is already waiting or running.
     #[error("request {0} is already active")]
     DuplicateRequestId(RequestId),
@@ -75,6 +88,8 @@ pub(super) struct Waiting {
     pub prompt: Vec<StoredBlock>,
     /// KV space reserved at admission, in blocks.
     pub total_blocks: u64,
+    /// The prompt's token ids, if the sender gave them.
+    pub token_ids: Option<Vec<u32>>,
 }
 
 impl Waiting {
@@ -106,6 +121,14 @@ impl Waiting {
         if needed > capacity {
             return Err(RejectReason::ExceedsCapacity { needed, capacity });
         }
+        if let Some(ids) = &req.token_ids
+            && ids.len() as u64 != req.prompt_tokens
+        {
+            return Err(RejectReason::TokenIdsLength {
+                token_ids: ids.len(),
+                prompt_tokens: req.prompt_tokens,
+            });
+        }
         let full = (req.prompt_tokens / bs).min(req.block_hashes.len() as u64) as usize;
         Ok(Self {
             request_id: req.request_id,
@@ -113,6 +136,7 @@ impl Waiting {
             max_tokens: req.max_tokens,
             prompt: chain_block_hashes(&req.block_hashes[..full]),
             total_blocks: needed,
+            token_ids: req.token_ids,
         })
     }
 
@@ -131,6 +155,8 @@ pub(super) struct Running {
     pub prompt_tokens: u64,
     pub max_tokens: u64,
     pub prompt: Vec<StoredBlock>,
+    /// The prompt's token ids, if the sender gave them.
+    pub token_ids: Option<Vec<u32>>,
     pub alloc: Allocation,
     /// Prompt tokens served from the prefix cache (hit blocks × block size), in tokens.
     pub cached_tokens: u64,
@@ -156,6 +182,12 @@ impl Running {
     /// Tokens of KV a decode step of this request reads, in tokens.
     pub fn context_tokens(&self) -> u64 {
         self.prompt_tokens + self.output_tokens
+    }
+
+    /// The tokens of full prompt block `index`, if the request has token ids.
+    pub fn block_tokens(&self, index: usize, block_size: u32) -> Option<&[u32]> {
+        let bs = block_size as usize;
+        self.token_ids.as_deref()?.get(index * bs..(index + 1) * bs)
     }
 
     /// Full prompt blocks whose KV is computed but not yet cached, in prefix order.

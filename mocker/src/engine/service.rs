@@ -15,8 +15,9 @@ use super::core::EngineCore;
 use super::http::{self, HttpArgs, HttpState, WorkerHttp};
 use super::journal::SharedJournal;
 use super::outbox::Outbox;
-use super::rank::Rank;
+use super::rank::{Rank, RankSink};
 use super::timing::TimingModel;
+use super::vllm::{BindError, KvEventsMode, RankEndpoints, VllmPublisher};
 use super::worker::Worker;
 use crate::protocol::{OP_CLEAR, OP_GENERATE};
 use axum::serve::ListenerExt;
@@ -73,6 +74,9 @@ pub enum ServiceError {
         /// The socket error.
         source: std::io::Error,
     },
+    /// A rank's ZMQ socket could not bind (vLLM mode).
+    #[error(transparent)]
+    ZmqBind(#[from] BindError),
     /// The HTTP metrics could not be registered.
     #[error("could not register http metrics: {0}")]
     Metrics(#[from] prometheus::Error),
@@ -86,6 +90,7 @@ pub enum ServiceError {
 pub struct EnginesHandle {
     worker_ids: Vec<WorkerId>,
     http_urls: Vec<String>,
+    zmq_endpoints: Vec<Vec<RankEndpoints>>,
     shutdown: CancellationToken,
     supervisor: JoinHandle<Result<(), ServiceError>>,
 }
@@ -100,6 +105,13 @@ impl EnginesHandle {
     /// URL its registration carries.
     pub fn http_urls(&self) -> &[String] {
         &self.http_urls
+    }
+
+    /// Each worker's bound ZMQ endpoints, one per dp rank, in worker order (vLLM
+    /// mode; empty lists in NATS mode): what `kv-router relay --engine-endpoint` and
+    /// `--replay-endpoint` take.
+    pub fn zmq_endpoints(&self) -> &[Vec<RankEndpoints>] {
+        &self.zmq_endpoints
     }
 
     /// Starts the shutdown of these engines (a child of the token given to
@@ -118,12 +130,15 @@ impl EnginesHandle {
 }
 
 /// Starts `args.fleet.workers` mock workers and returns once every one of them is
-/// subscribed and registered (after logging [`READY_LINE`]). They run until `shutdown`
-/// is cancelled; then [`EnginesHandle::wait`] returns after an orderly stop.
+/// subscribed and registered (after logging [`READY_LINE`]); in vLLM mode
+/// (`--kv-events vllm`) once every rank's ZMQ sockets are bound, with no NATS or
+/// etcd connection at all. They run until `shutdown` is cancelled; then
+/// [`EnginesHandle::wait`] returns after an orderly stop.
 ///
 /// # Errors
-/// [`ServiceError`] for invalid flags, unreachable NATS or etcd, or a failed
-/// registration; anything already started is stopped and revoked first.
+/// [`ServiceError`] for invalid flags, unreachable NATS or etcd, a failed
+/// registration or an unbindable socket; anything already started is stopped and
+/// revoked first.
 pub async fn spawn_engines(
     args: EngineArgs,
     shutdown: CancellationToken,
@@ -131,107 +146,72 @@ pub async fn spawn_engines(
     args.model.validate()?;
     args.runtime.validate()?;
     let worker_ids = args.fleet.worker_ids()?;
-    let nats_config = args.connection.nats.to_config()?;
-    let etcd_config = args.connection.etcd.to_config()?;
     let tokenizer = load_tokenizer(&args)?;
     let subjects = Subjects::new(args.connection.namespace.clone());
-    let nats = nats_config
-        .connect_with("kv-mocker-engines", |options| options)
-        .await?;
-    let etcd = kv_cluster::etcd::connect(&etcd_config).await?;
+    let cluster = match args.kv_events.mode {
+        KvEventsMode::Nats => Some(Cluster::connect(&args).await?),
+        KvEventsMode::Vllm => None,
+    };
 
     // Tasks stop on `inner`, which also fires if start-up fails half way.
     let inner = shutdown.child_token();
-    let (outbox, publisher) = Outbox::start(nats.clone());
     let mut tasks = JoinSet::new();
     let mut all_ranks = Vec::new();
     let mut http_urls = Vec::new();
+    let mut zmq_endpoints = Vec::new();
     // Every batch carries this epoch: a restarted engine is told apart by it.
     let epoch = kv_events::journal::unix_epoch_micros();
     for (index, &worker_id) in worker_ids.iter().enumerate() {
-        let journal = EventJournal::new(worker_id, epoch, JournalConfig::default());
-        let journal = SharedJournal::new(journal);
-        let mut ranks = Vec::new();
-        for dp in 0..args.fleet.dp_size {
-            let core = EngineCore::new(args.model, TimingModel::default())?;
-            let rank = Arc::new(Rank::new(
-                WorkerRank::new(worker_id, DpRank(dp)),
-                core,
-                outbox.clone(),
-                journal.clone(),
-                subjects.kv_events(worker_id),
-                subjects.load_metrics(worker_id),
-            ));
-            let (r, token, runtime) = (rank.clone(), inner.clone(), args.runtime);
-            tasks.spawn(async move { r.run(runtime, token).await });
-            ranks.push(rank);
-        }
-        all_ranks.extend(ranks.iter().cloned());
-        let w = WorkerHttp {
+        let started = start_worker(
+            &args,
+            index,
             worker_id,
-            ranks: ranks.clone(),
-            block_size: args.model.block_size,
-            num_gpu_blocks: args.model.num_gpu_blocks,
-            tokenizer: tokenizer.clone(),
-        };
-        match serve_http(&args.http, index, w, &mut tasks, inner.clone()).await {
-            Ok(url) => http_urls.push(url),
+            epoch,
+            cluster.as_ref(),
+            &subjects,
+            tokenizer.clone(),
+            &mut tasks,
+            &inner,
+        )
+        .await;
+        match started {
+            Ok((ranks, url, endpoints)) => {
+                all_ranks.extend(ranks);
+                http_urls.push(url);
+                zmq_endpoints.push(endpoints);
+            }
             Err(err) => {
                 inner.cancel();
                 return Err(err);
             }
         }
-        let worker = Worker::new(worker_id, ranks, outbox.clone(), journal);
-        let generate = subscribe(&nats, subjects.engine(worker_id, OP_GENERATE)).await;
-        let clear = subscribe(&nats, subjects.engine(worker_id, OP_CLEAR)).await;
-        let recovery = subscribe(&nats, subjects.kv_recovery(worker_id)).await;
-        let (generate, clear, recovery) = match (generate, clear, recovery) {
-            (Ok(g), Ok(c), Ok(r)) => (g, c, r),
-            (Err(err), _, _) | (_, Err(err), _) | (_, _, Err(err)) => {
+    }
+    let mut leases: JoinSet<()> = JoinSet::new();
+    if let Some(cluster) = &cluster {
+        let metrics_period = Duration::from_millis(args.runtime.metrics_interval_ms);
+        tasks.spawn(publish_metrics(all_ranks, metrics_period, inner.clone()));
+        if let Err(err) = cluster.nats.flush().await {
+            inner.cancel();
+            return Err(err.into());
+        }
+        let registrations = register(&args, cluster, &subjects, &worker_ids, &http_urls, epoch);
+        match registrations.await {
+            Ok(registrations) => {
+                for reg in registrations {
+                    leases.spawn(reg.keep_alive_until(inner.clone()));
+                }
+            }
+            Err(err) => {
                 inner.cancel();
                 return Err(err);
             }
-        };
-        let token = inner.clone();
-        tasks.spawn(async move { worker.serve(generate, clear, recovery, token).await });
-    }
-    let metrics_period = Duration::from_millis(args.runtime.metrics_interval_ms);
-    tasks.spawn(publish_metrics(all_ranks, metrics_period, inner.clone()));
-    if let Err(err) = nats.flush().await {
-        inner.cancel();
-        return Err(err.into());
-    }
-
-    let mut registrations = Vec::new();
-    for (&worker_id, url) in worker_ids.iter().zip(&http_urls) {
-        let record = WorkerRegistration {
-            worker_id,
-            dp_size: args.fleet.dp_size,
-            block_size: args.model.block_size,
-            total_kv_blocks: args.model.num_gpu_blocks,
-            url: Some(url.clone()),
-            epoch,
-        };
-        let key = subjects.etcd_worker_key(worker_id);
-        match WorkerLease::register(etcd.clone(), key, &record, args.runtime.lease_ttl_secs).await {
-            Ok(reg) => registrations.push(reg),
-            Err(source) => {
-                for mut reg in registrations {
-                    reg.revoke().await;
-                }
-                inner.cancel();
-                return Err(ServiceError::Register { worker_id, source });
-            }
         }
-    }
-    let mut leases: JoinSet<()> = JoinSet::new();
-    for reg in registrations {
-        leases.spawn(reg.keep_alive_until(inner.clone()));
     }
     info!(
         workers = worker_ids.len(),
         dp_size = args.fleet.dp_size,
         namespace = %subjects.namespace(),
+        kv_events = ?args.kv_events.mode,
         "{READY_LINE}"
     );
 
@@ -247,17 +227,154 @@ pub async fn spawn_engines(
                 }
             }
         }
-        drop(outbox);
-        publisher.await?;
+        if let Some(cluster) = cluster {
+            drop(cluster.outbox);
+            cluster.publisher.await?;
+        }
         info!("kv-mocker engines stopped");
         result
     });
     Ok(EnginesHandle {
         worker_ids,
         http_urls,
+        zmq_endpoints,
         shutdown: handle_token,
         supervisor,
     })
+}
+
+/// The NATS and etcd side of NATS mode.
+struct Cluster {
+    nats: async_nats::Client,
+    etcd: etcd_client::Client,
+    outbox: Outbox,
+    publisher: JoinHandle<()>,
+}
+
+impl Cluster {
+    async fn connect(args: &EngineArgs) -> Result<Self, ServiceError> {
+        let nats_config = args.connection.nats.to_config()?;
+        let etcd_config = args.connection.etcd.to_config()?;
+        let nats = nats_config
+            .connect_with("kv-mocker-engines", |options| options)
+            .await?;
+        let etcd = kv_cluster::etcd::connect(&etcd_config).await?;
+        let (outbox, publisher) = Outbox::start(nats.clone());
+        Ok(Self {
+            nats,
+            etcd,
+            outbox,
+            publisher,
+        })
+    }
+}
+
+/// Starts worker `index`: its ranks (with their sinks), its HTTP server and, in NATS
+/// mode, its intake. Returns the ranks, the HTTP URL and (vLLM mode) each rank's
+/// bound ZMQ endpoints.
+#[allow(clippy::too_many_arguments)]
+async fn start_worker(
+    args: &EngineArgs,
+    index: usize,
+    worker_id: WorkerId,
+    epoch: u64,
+    cluster: Option<&Cluster>,
+    subjects: &Subjects,
+    tokenizer: Option<Arc<ModelTokenizer>>,
+    tasks: &mut JoinSet<()>,
+    inner: &CancellationToken,
+) -> Result<(Vec<Arc<Rank>>, String, Vec<RankEndpoints>), ServiceError> {
+    let journal = SharedJournal::new(EventJournal::new(
+        worker_id,
+        epoch,
+        JournalConfig::default(),
+    ));
+    let mut ranks = Vec::new();
+    let mut endpoints = Vec::new();
+    for dp in 0..args.fleet.dp_size {
+        let core = EngineCore::new(args.model, TimingModel::default())?;
+        let sink = match cluster {
+            Some(cluster) => RankSink::Nats {
+                outbox: cluster.outbox.clone(),
+                journal: journal.clone(),
+                kv_subject: subjects.kv_events(worker_id),
+                metrics_subject: subjects.load_metrics(worker_id),
+            },
+            None => {
+                let index = u32::try_from(index).unwrap_or(u32::MAX);
+                let config = args.kv_events.rank_config(index, args.fleet.dp_size, dp)?;
+                let (publisher, bound, task) =
+                    VllmPublisher::start(DpRank(dp), config, inner.clone()).await?;
+                tasks.spawn(async move {
+                    if let Err(err) = task.await {
+                        warn!(%err, "zmq publisher task failed");
+                    }
+                });
+                endpoints.push(bound);
+                RankSink::Vllm(publisher)
+            }
+        };
+        let rank = Arc::new(Rank::new(
+            WorkerRank::new(worker_id, DpRank(dp)),
+            core,
+            sink,
+        ));
+        let (r, token, runtime) = (rank.clone(), inner.clone(), args.runtime);
+        tasks.spawn(async move { r.run(runtime, token).await });
+        ranks.push(rank);
+    }
+    let w = WorkerHttp {
+        worker_id,
+        ranks: ranks.clone(),
+        block_size: args.model.block_size,
+        num_gpu_blocks: args.model.num_gpu_blocks,
+        tokenizer,
+    };
+    let url = serve_http(&args.http, index, w, tasks, inner.clone()).await?;
+    if let Some(cluster) = cluster {
+        let worker = Worker::new(worker_id, ranks.clone(), cluster.outbox.clone(), journal);
+        let generate = subscribe(&cluster.nats, subjects.engine(worker_id, OP_GENERATE)).await?;
+        let clear = subscribe(&cluster.nats, subjects.engine(worker_id, OP_CLEAR)).await?;
+        let recovery = subscribe(&cluster.nats, subjects.kv_recovery(worker_id)).await?;
+        let token = inner.clone();
+        tasks.spawn(async move { worker.serve(generate, clear, recovery, token).await });
+    }
+    Ok((ranks, url, endpoints))
+}
+
+/// Registers every worker under its own lease; on a failure the ones already
+/// registered are revoked.
+async fn register(
+    args: &EngineArgs,
+    cluster: &Cluster,
+    subjects: &Subjects,
+    worker_ids: &[WorkerId],
+    http_urls: &[String],
+    epoch: u64,
+) -> Result<Vec<WorkerLease>, ServiceError> {
+    let mut registrations = Vec::new();
+    for (&worker_id, url) in worker_ids.iter().zip(http_urls) {
+        let record = WorkerRegistration {
+            worker_id,
+            dp_size: args.fleet.dp_size,
+            block_size: args.model.block_size,
+            total_kv_blocks: args.model.num_gpu_blocks,
+            url: Some(url.clone()),
+            epoch,
+        };
+        let key = subjects.etcd_worker_key(worker_id);
+        let etcd = cluster.etcd.clone();
+        match WorkerLease::register(etcd, key, &record, args.runtime.lease_ttl_secs).await {
+            Ok(reg) => registrations.push(reg),
+            Err(source) => {
+                for mut reg in registrations {
+                    reg.revoke().await;
+                }
+                return Err(ServiceError::Register { worker_id, source });
+            }
+        }
+    }
+    Ok(registrations)
 }
 
 /// Loads `--model-dir`, bounding prompts by the body limit and the model length.

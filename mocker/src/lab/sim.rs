@@ -298,6 +298,7 @@ impl Sim<'_> {
             block_hashes: request.block_hashes.clone(),
             prompt_tokens: request.prompt_tokens,
             max_tokens: request.max_tokens,
+            token_ids: None,
         };
         if let Err(reason) = self.ranks[rank].core.add_request(engine_request) {
             tracing::debug!(request = index, %reason, "engine refused");

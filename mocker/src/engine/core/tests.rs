@@ -24,6 +24,7 @@ fn req(id: &str, hashes: &[u64], prompt: u64, max_tokens: u64) -> EngineRequest 
         block_hashes: hashes.iter().map(|&h| LocalBlockHash(h)).collect(),
         prompt_tokens: prompt,
         max_tokens,
+        token_ids: None,
     }
 }
 

@@ -195,6 +195,7 @@ pub(super) fn submit(
         block_hashes: kv_events::compute_block_hashes(&tokens, state.block_size),
         prompt_tokens,
         max_tokens,
+        token_ids: Some(tokens),
     };
     let rank = state.ranks[dp_rank].clone();
     let rx = rank.submit_stream(engine_request).map_err(|message| {

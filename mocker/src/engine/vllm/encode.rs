@@ -1,0 +1,205 @@
+//! vLLM 0.33's KV event payload, byte for byte: the msgpack `KVEventBatch` that
+//! `vllm.distributed.kv_events.ZmqEventPublisher` sends as the third ZMQ frame.
+//!
+//! ```text
+//! batch            = [ts: float64, [event, …], data_parallel_rank: int]
+//! BlockStored      = map16 {"type", "block_hashes", "parent_block_hash", "token_ids",
+//!                           "block_size", "lora_id", "medium", "lora_name", "group_idx"}
+//! BlockRemoved     = fixmap {"type", "block_hashes", "medium", "group_idx"}
+//! AllBlocksCleared = fixmap {"type"}
+//! ```
+//!
+//! Keys come in vLLM's field order; `extra_keys` is omitted (nil: no LoRA, salt or
+//! multimodal input), `lora_id` and `lora_name` are nil, `medium` is `"GPU"` and
+//! `group_idx` 0 (one KV cache group). Integers take msgpack's smallest form, as
+//! msgspec writes them (block hashes ≥ 2^32 as `uint 64`). msgspec reserves a `map16`
+//! header for `BlockStored` (a struct with more than 15 fields, most omitted), which
+//! is reproduced so that a payload equals the captured one byte for byte (checked in
+//! the golden tests against `kv-events/tests/fixtures/engines/`).
+//!
+//! Cost: one buffer per batch, sized by its token ids (≤ 3 bytes per token).
+
+use kv_events::{DpRank, ExternalBlockHash, KvCacheEventData};
+use rmp::encode::{self as mp, ByteBuf, RmpWrite, ValueWriteError};
+use std::collections::HashMap;
+use std::convert::Infallible;
+
+/// The storage tier every mock block lives in.
+pub const MEDIUM_GPU: &str = "GPU";
+
+/// One event as vLLM publishes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VllmEvent {
+    /// A chain of full blocks was cached.
+    BlockStored {
+        /// Engine hashes of the new blocks, in prefix order.
+        block_hashes: Vec<ExternalBlockHash>,
+        /// Engine hash of the block before the first; `None` at a sequence start.
+        parent_block_hash: Option<ExternalBlockHash>,
+        /// The tokens of every new block, concatenated (`block_size` per block).
+        token_ids: Vec<u32>,
+        /// Tokens per block.
+        block_size: u32,
+    },
+    /// Blocks were evicted.
+    BlockRemoved {
+        /// Engine hashes of the evicted blocks.
+        block_hashes: Vec<ExternalBlockHash>,
+    },
+    /// The whole cache of the rank was dropped.
+    AllBlocksCleared,
+}
+
+/// A `Stored` block whose tokens the step did not report (a request without token
+/// ids): vLLM always knows its tokens, so such an event cannot be published.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("no token ids for stored block {0}")]
+pub struct MissingTokens(pub ExternalBlockHash);
+
+/// Turns the core's KV events into vLLM's. `block_tokens` holds the tokens of every
+/// block stored in the step (see [`crate::engine::StepOutput::block_tokens`]);
+/// `block_size` is in tokens.
+///
+/// # Errors
+/// [`MissingTokens`] for a stored block without tokens (nothing is converted then).
+pub fn to_vllm(
+    events: &[KvCacheEventData],
+    block_tokens: &HashMap<ExternalBlockHash, Vec<u32>>,
+    block_size: u32,
+) -> Result<Vec<VllmEvent>, MissingTokens> {
+    events
+        .iter()
+        .map(|event| {
+            Ok(match event {
+                KvCacheEventData::Stored {
+                    parent_hash,
+                    blocks,
+                } => {
+                    let mut token_ids = Vec::with_capacity(blocks.len() * block_size as usize);
+                    for b in blocks {
+                        let tokens = block_tokens
+                            .get(&b.block_hash)
+                            .ok_or(MissingTokens(b.block_hash))?;
+                        token_ids.extend_from_slice(tokens);
+                    }
+                    VllmEvent::BlockStored {
+                        block_hashes: blocks.iter().map(|b| b.block_hash).collect(),
+                        parent_block_hash: *parent_hash,
+                        token_ids,
+                        block_size,
+                    }
+                }
+                KvCacheEventData::Removed { block_hashes } => VllmEvent::BlockRemoved {
+                    block_hashes: block_hashes.clone(),
+                },
+                KvCacheEventData::Cleared => VllmEvent::AllBlocksCleared,
+            })
+        })
+        .collect()
+}
+
+/// Encodes one batch: `ts` in seconds since the Unix epoch, the events in order, the
+/// publishing rank.
+pub fn encode_batch(ts: f64, events: &[VllmEvent], dp_rank: DpRank) -> Vec<u8> {
+    let mut w = Writer(ByteBuf::new());
+    w.array(3);
+    ok(mp::write_f64(&mut w.0, ts));
+    w.array(events.len());
+    for event in events {
+        match event {
+            VllmEvent::BlockStored {
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                block_size,
+            } => {
+                // map16 with 9 entries, as msgspec reserves it (see the module docs).
+                let Ok(()) = w.0.write_bytes(&[0xde, 0x00, 9]);
+                w.entry_str("type", "BlockStored");
+                w.str("block_hashes");
+                w.hashes(block_hashes);
+                w.str("parent_block_hash");
+                match parent_block_hash {
+                    Some(p) => w.uint(p.0),
+                    None => w.nil(),
+                }
+                w.str("token_ids");
+                w.array(token_ids.len());
+                for t in token_ids {
+                    w.uint(u64::from(*t));
+                }
+                w.str("block_size");
+                w.uint(u64::from(*block_size));
+                w.str("lora_id");
+                w.nil();
+                w.entry_str("medium", MEDIUM_GPU);
+                w.str("lora_name");
+                w.nil();
+                w.str("group_idx");
+                w.uint(0);
+            }
+            VllmEvent::BlockRemoved { block_hashes } => {
+                w.map(4);
+                w.entry_str("type", "BlockRemoved");
+                w.str("block_hashes");
+                w.hashes(block_hashes);
+                w.entry_str("medium", MEDIUM_GPU);
+                w.str("group_idx");
+                w.uint(0);
+            }
+            VllmEvent::AllBlocksCleared => {
+                w.map(1);
+                w.entry_str("type", "AllBlocksCleared");
+            }
+        }
+    }
+    w.uint(u64::from(dp_rank.0));
+    w.0.into_vec()
+}
+
+/// Writing to a [`ByteBuf`] cannot fail: its error type is uninhabited.
+fn ok<T>(result: Result<T, ValueWriteError<Infallible>>) -> T {
+    let Ok(value) = result;
+    value
+}
+
+/// Thin msgpack writer over a growable buffer.
+struct Writer(ByteBuf);
+
+impl Writer {
+    fn array(&mut self, len: usize) {
+        // Batches and events are far below u32::MAX entries (bounded by the cache).
+        ok(mp::write_array_len(
+            &mut self.0,
+            u32::try_from(len).unwrap_or(u32::MAX),
+        ));
+    }
+
+    fn map(&mut self, len: u32) {
+        ok(mp::write_map_len(&mut self.0, len));
+    }
+
+    fn str(&mut self, s: &str) {
+        ok(mp::write_str(&mut self.0, s));
+    }
+
+    fn entry_str(&mut self, key: &str, value: &str) {
+        self.str(key);
+        self.str(value);
+    }
+
+    fn uint(&mut self, v: u64) {
+        ok(mp::write_uint(&mut self.0, v));
+    }
+
+    fn nil(&mut self) {
+        let Ok(()) = mp::write_nil(&mut self.0);
+    }
+
+    fn hashes(&mut self, hashes: &[ExternalBlockHash]) {
+        self.array(hashes.len());
+        for h in hashes {
+            self.uint(h.0);
+        }
+    }
+}

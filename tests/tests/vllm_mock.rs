@@ -1,0 +1,167 @@
+//! End to end with zero engine changes: mock engines in vLLM mode
+//! (`kv-mocker engines --kv-events vllm`) publish KV events over ZMQ exactly as vLLM
+//! 0.33 does, and `kv-router relay` alone carries them to the router — the engines
+//! touch neither NATS nor etcd. Real nats-server, etcd, router daemon, relay and mock
+//! HTTP; requests are OpenAI completions with token-id prompts.
+
+// Test helpers unwrap: a broken socket or server must fail the test loudly.
+#![allow(clippy::unwrap_used)]
+
+use indexer::IndexerApi as _;
+use integration_tests::{TestCluster, eventually};
+use kv_events::routing::RouteReply;
+use kv_events::{DpRank, LocalBlockHash, WorkerId, WorkerRank, compute_block_hashes};
+use kv_relay::{Relay, RelayArgs, RelayConfig};
+use mocker::engine::{EngineModelConfig, FleetArgs, KvEventsArgs, RankEndpoints};
+use router_daemon::Daemon;
+use serde_json::json;
+use std::time::Duration;
+
+const BLOCK: u32 = 16;
+const WAIT: Duration = Duration::from_secs(15);
+const WORKER: WorkerId = WorkerId(1);
+
+async fn overlap(daemon: &Daemon, hashes: &[LocalBlockHash], rank: u32) -> u32 {
+    let scores = daemon
+        .state()
+        .indexer
+        .find_matches(hashes.to_vec())
+        .await
+        .unwrap();
+    scores.get(WorkerRank::new(WORKER, DpRank(rank)))
+}
+
+async fn wait_overlap(daemon: &Daemon, what: &str, tokens: &[u32], rank: u32, blocks: u32) {
+    let hashes = compute_block_hashes(tokens, BLOCK);
+    eventually(what, WAIT, || async {
+        (overlap(daemon, &hashes, rank).await == blocks).then_some(())
+    })
+    .await
+    .unwrap();
+}
+
+/// A whole (non-streamed) completion of `prompt` on `rank`; returns the cached
+/// prompt tokens the engine reports.
+async fn complete(http: &reqwest::Client, url: &str, prompt: &[u32], rank: u32) -> u64 {
+    let response = http
+        .post(format!("{url}/v1/completions"))
+        .header("x-data-parallel-rank", rank.to_string())
+        .json(&json!({"prompt": prompt, "max_tokens": 2}))
+        .send()
+        .await
+        .unwrap();
+    assert!(response.status().is_success(), "{}", response.status());
+    let body: serde_json::Value = response.json().await.unwrap();
+    body["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0)
+}
+
+fn relay_config(cluster: &TestCluster, sockets: &[RankEndpoints], url: &str) -> RelayConfig {
+    let join = |f: fn(&RankEndpoints) -> &str| sockets.iter().map(f).collect::<Vec<_>>().join(",");
+    let (publish, replay) = (join(|s| &s.publish), join(|s| &s.replay));
+    let metrics = format!("{url}/metrics");
+    let args = [
+        "--engine-endpoint",
+        publish.as_str(),
+        "--replay-endpoint",
+        replay.as_str(),
+        "--worker-id",
+        "1",
+        "--block-size",
+        "16",
+        "--total-kv-blocks",
+        "64",
+        "--engine-url",
+        url,
+        "--metrics-url",
+        metrics.as_str(),
+    ];
+    RelayConfig::from_args(&cluster.flags::<RelayArgs>(&args)).unwrap()
+}
+
+/// A request served before any relay runs reaches the router through the replay
+/// socket once a relay connects; a request served afterwards arrives live; the
+/// repeated prompt routes to the worker with full overlap; the worker is registered
+/// by the relay (with its URL), not by the engines.
+#[tokio::test]
+async fn vllm_mode_engines_reach_the_router_through_the_relay_alone() {
+    let cluster = TestCluster::start(BLOCK).await.unwrap();
+    let daemon = cluster.start_daemon(|_| {}).await.unwrap();
+    let model = EngineModelConfig {
+        block_size: BLOCK,
+        num_gpu_blocks: 64,
+        ..EngineModelConfig::default()
+    };
+    let mut args = cluster.engine_args(1, model, 100.0, Default::default());
+    args.fleet = FleetArgs {
+        workers: 1,
+        first_worker_id: WORKER.0,
+        dp_size: 2,
+    };
+    args.kv_events = KvEventsArgs::vllm_on_free_ports();
+    let engines = mocker::engine::spawn_engines(args, Default::default())
+        .await
+        .unwrap();
+    let url = engines.http_urls()[0].clone();
+    let sockets = engines.zmq_endpoints()[0].clone();
+    assert_eq!(sockets.len(), 2, "one PUB and one replay socket per rank");
+    let http = reqwest::Client::new();
+
+    // Before any relay: rank 0 caches prompt A (3 full blocks). Nobody is
+    // subscribed, so the batch lives only in rank 0's replay buffer.
+    let a: Vec<u32> = (1000..1050).collect();
+    assert_eq!(complete(&http, &url, &a, 0).await, 0);
+    assert!(
+        daemon.state().scheduler().workers().next().is_none(),
+        "vllm-mode engines register nothing"
+    );
+
+    let registry = prometheus::Registry::new();
+    let relay = Relay::start(relay_config(&cluster, &sockets, &url), &registry)
+        .await
+        .unwrap();
+    wait_overlap(&daemon, "prompt A replayed at connect", &a, 0, 3).await;
+    eventually("both sockets read at connect", WAIT, || async {
+        let c = relay.counters();
+        (c.connect_replays("complete") + c.connect_replays("empty") == 2).then_some(())
+    })
+    .await
+    .unwrap();
+    let registered = daemon
+        .state()
+        .scheduler()
+        .workers()
+        .find(|w| w.worker_id == WORKER)
+        .map(|w| (w.dp_size, w.url.clone()));
+    assert_eq!(registered, Some((2, Some(url.clone()))));
+
+    // Live: rank 1 caches prompt B; its data_parallel_rank puts it on rank 1.
+    let b: Vec<u32> = (5000..5064).collect();
+    assert_eq!(complete(&http, &url, &b, 1).await, 0);
+    wait_overlap(&daemon, "prompt B live on rank 1", &b, 1, 4).await;
+    assert_eq!(
+        overlap(&daemon, &compute_block_hashes(&b, BLOCK), 0).await,
+        0
+    );
+
+    // The repeated prompt routes with its full overlap, and the engine serves it from
+    // its prefix cache.
+    let reply = cluster.route_tokens("repeat-b", b.clone()).await.unwrap();
+    let RouteReply::Routed(routed) = reply else {
+        panic!("not routed: {reply:?}")
+    };
+    assert_eq!(routed.worker_id, WORKER);
+    assert_eq!(
+        routed.dp_rank,
+        DpRank(1),
+        "prompt B is cached on rank 1 only"
+    );
+    assert_eq!(routed.overlap_blocks, 4, "full overlap");
+    assert_eq!(complete(&http, &url, &b, 1).await, 4 * u64::from(BLOCK));
+
+    relay.shutdown().await.unwrap();
+    engines.shutdown();
+    engines.wait().await.unwrap();
+    daemon.shutdown().await.unwrap();
+}
