@@ -15,6 +15,10 @@ fn metric_names_are_a_reviewed_change() {
         .iter()
         .map(|d| format!("{} {:?}", d.fq_name, d.variable_labels))
         .collect();
-    assert!(listing.iter().any(|l| l.starts_with("kv_gateway_ttft_seconds ")));
+    assert!(
+        listing
+            .iter()
+            .any(|l| l.starts_with("kv_gateway_ttft_seconds "))
+    );
     insta::assert_snapshot!(listing.join("\n"));
 }
