@@ -1,0 +1,50 @@
+//! Allocation metering: the peak of live heap bytes while one input is handled.
+//!
+//! The binary that runs the harness installs [`peak_alloc::PeakAlloc`] as its global
+//! allocator (one line, see `tests/decoders.rs`); this module reads its counters. The
+//! counters are process-wide, so the harness handles inputs on one thread and nothing
+//! else may allocate meanwhile. [`Meter::new`] refuses to start when the allocator is
+//! not installed, so a run can never pass by measuring nothing.
+
+use peak_alloc::PeakAlloc;
+
+/// Reads the counters of the installed [`PeakAlloc`].
+#[derive(Debug)]
+pub struct Meter {
+    alloc: PeakAlloc,
+}
+
+/// Why metering cannot start.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "peak_alloc::PeakAlloc is not the global allocator: add `#[global_allocator] static A: \
+     peak_alloc::PeakAlloc = peak_alloc::PeakAlloc;` to the binary"
+)]
+pub struct NotInstalled;
+
+impl Meter {
+    /// A meter, after checking that an allocation moves the counters.
+    ///
+    /// # Errors
+    /// [`NotInstalled`] when [`PeakAlloc`] is not the global allocator.
+    pub fn new() -> Result<Self, NotInstalled> {
+        let alloc = PeakAlloc;
+        let before = alloc.current_usage();
+        let probe: Vec<u8> = Vec::with_capacity(1 << 16);
+        let during = alloc.current_usage();
+        drop(std::hint::black_box(probe));
+        if during < before + (1 << 16) {
+            return Err(NotInstalled);
+        }
+        Ok(Self { alloc })
+    }
+
+    /// Runs `f` and returns its result with the peak of live heap bytes above the
+    /// level at the start, in bytes.
+    pub fn peak_of<R>(&self, f: impl FnOnce() -> R) -> (R, usize) {
+        let base = self.alloc.current_usage();
+        self.alloc.reset_peak_usage();
+        let out = f();
+        (out, self.alloc.peak_usage().saturating_sub(base))
+    }
+}

@@ -1,0 +1,68 @@
+//! Inputs the fuzz harness once failed on, kept as tests (each reproduced its finding
+//! before the fix). New ones come from the `test_snippet` the long run prints.
+
+#[global_allocator]
+static ALLOC: peak_alloc::PeakAlloc = peak_alloc::PeakAlloc;
+
+use kv_fuzz::targets::Verdict;
+
+/// A `KvEventBatch` whose `stored` event nests `levels` arrays, each announcing
+/// `u32::MAX` elements with only the next array behind it.
+fn lying_nested_arrays(levels: usize) -> Vec<u8> {
+    let mut bytes = vec![0x83];
+    bytes.extend(b"\xa9worker_id\x07\xa5epoch\x01\xa6events\x91");
+    bytes.extend(b"\x83\xa8event_id\x00\xa7dp_rank\x00\xa4data\x82\xa4type\xa6stored\xa6blocks");
+    for _ in 0..levels {
+        bytes.extend([0xdd, 0xff, 0xff, 0xff, 0xff]);
+    }
+    bytes
+}
+
+#[test]
+fn lying_lengths_inside_a_tagged_event_are_refused_before_allocating() {
+    // Before the codec checked lengths, serde pre-allocated 1 MiB per announced
+    // array while buffering the tagged `data` map: 30 MiB for these 226 bytes.
+    let input = lying_nested_arrays(30);
+    assert!(matches!(
+        kv_fuzz::assert_handles("events", &input),
+        Verdict::Refused(_)
+    ));
+}
+
+/// Runs `f` on a thread with a tokio worker's stack, as the daemon would.
+fn on_worker_stack<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) -> R {
+    std::thread::Builder::new()
+        .stack_size(kv_fuzz::runner::WORKER_STACK_BYTES)
+        .spawn(f)
+        .expect("spawn a thread")
+        .join()
+        .expect("no panic")
+}
+
+#[test]
+fn deep_nesting_is_refused_on_a_worker_sized_stack() {
+    // Before the codec capped nesting at 32 levels, rmp-serde recursed up to 1,024
+    // levels (skipping an unknown key's value) and overflowed a 2 MiB stack in a
+    // debug build: the process aborted.
+    let mut input = vec![0x84];
+    input.extend(b"\xa9worker_id\x07\xa5epoch\x01\xa6events\x90\xa6future");
+    input.extend(std::iter::repeat_n(0x91, 100_000));
+    input.push(0x00);
+    let verdict = on_worker_stack(move || kv_fuzz::assert_handles("events", &input));
+    assert!(matches!(verdict, Verdict::Refused(e) if e.contains("nesting")));
+}
+
+#[test]
+fn engine_token_ids_announcing_4g_elements_are_refused_before_allocating() {
+    // A vLLM BlockStored (tagged map) whose token_ids announce u32::MAX elements and
+    // hold 2: the engine decoder reserved 1 MiB for them (serde's cap) from 80 bytes.
+    let mut input = vec![
+        0x93, 0xcb, 0x41, 0xd9, 0x54, 0xfc, 0x40, 0x20, 0, 0, 0x91, 0x85,
+    ];
+    input.extend(b"\xa4type\xabBlockStored\xacblock_hashes\x91\x01");
+    input.extend(b"\xb1parent_block_hash\xc0\xa9token_ids\xdd\xff\xff\xff\xff\x01\x02");
+    input.extend(b"\xaablock_size\x10");
+    input.push(0xc0);
+    let verdict = kv_fuzz::assert_handles("engine_batch", &input);
+    assert!(matches!(verdict, Verdict::Refused(e) if e.contains("announces")));
+}
