@@ -37,6 +37,9 @@ struct Args {
     /// Only these targets (comma-separated names); default all.
     #[arg(long, value_delimiter = ',')]
     targets: Vec<String>,
+    /// List the targets (name, input, decoder and what runs after it) and exit.
+    #[arg(long)]
+    list: bool,
     /// Print input TARGET:INDEX as hex and handle it alone.
     #[arg(long)]
     replay: Option<String>,
@@ -44,12 +47,13 @@ struct Args {
     /// aborts the process, e.g. by overflowing the stack).
     #[arg(long)]
     trace: bool,
-    /// Heap bytes allowed per input byte.
-    #[arg(long, default_value_t = Bound::default().per_byte)]
-    bound_per_byte: usize,
-    /// Heap bytes allowed per input whatever its length.
-    #[arg(long, default_value_t = Bound::default().constant)]
-    bound_constant: usize,
+    /// Heap bytes allowed per input byte, for every target (default: each target's
+    /// own bound, `--list` shows them).
+    #[arg(long, requires = "bound_constant")]
+    bound_per_byte: Option<usize>,
+    /// Heap bytes allowed per input whatever its length, for every target.
+    #[arg(long, requires = "bound_per_byte")]
+    bound_constant: Option<usize>,
 }
 
 fn targets(names: &[String]) -> anyhow::Result<Vec<&'static Target>> {
@@ -82,11 +86,12 @@ fn replay(spec: &str, seed: u64) -> anyhow::Result<()> {
 fn line(r: &TargetReport) -> String {
     let rate = r.inputs as f64 / r.elapsed.as_secs_f64().max(1e-9);
     format!(
-        "{:<19} {:>9} {:>9} {:>9} {:>6} {:>9} {:>10} ({:>7} B) {:>8.1} {:>8.1}s {:>8.0}/s",
+        "{:<19} {:>9} {:>9} {:>9} {:>7} {:>6} {:>9} {:>10} ({:>7} B) {:>8.1} {:>8.1}s {:>8.0}/s",
         r.name,
         r.inputs,
         r.accepted,
         r.refused,
+        r.skipped.0,
         r.failed,
         r.max_len,
         r.max_peak.0,
@@ -99,14 +104,24 @@ fn line(r: &TargetReport) -> String {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    if args.list {
+        for target in ALL {
+            let b = target.bound;
+            println!(
+                "{:<19} bound {} B/byte + {} B\n{:<19} {}",
+                target.name, b.per_byte, b.constant, "", target.about
+            );
+        }
+        return Ok(());
+    }
     if let Some(spec) = &args.replay {
         return replay(spec, args.seed);
     }
     let targets = targets(&args.targets)?;
-    let bound = Bound {
-        per_byte: args.bound_per_byte,
-        constant: args.bound_constant,
-    };
+    let bound = args
+        .bound_per_byte
+        .zip(args.bound_constant)
+        .map(|(per_byte, constant)| Bound { per_byte, constant });
     let per_target = args.inputs / targets.len() as u64;
     if per_target == 0 {
         bail!(
@@ -133,22 +148,25 @@ fn main() -> anyhow::Result<()> {
             .map_err(|_| anyhow::anyhow!("an input failed"))?;
         return Ok(());
     }
+    let bounds = bound.map_or_else(
+        || "each target's own".to_owned(),
+        |b| format!("{} B/byte + {} B", b.per_byte, b.constant),
+    );
     println!(
-        "seed {} start {} inputs {} ({} per target over {} targets), bound {} B/byte + {} B",
+        "seed {} start {} inputs {} ({} per target over {} targets), bound {bounds}",
         args.seed,
         args.start,
         per_target * targets.len() as u64,
         per_target,
         targets.len(),
-        bound.per_byte,
-        bound.constant
     );
     println!(
-        "{:<19} {:>9} {:>9} {:>9} {:>6} {:>9} {:>10} {:>11} {:>8} {:>9} {:>10}",
+        "{:<19} {:>9} {:>9} {:>9} {:>7} {:>6} {:>9} {:>10} {:>11} {:>8} {:>9} {:>10}",
         "target",
         "inputs",
         "accepted",
         "refused",
+        "skipped",
         "failed",
         "max len",
         "max peak",
@@ -174,6 +192,14 @@ fn main() -> anyhow::Result<()> {
         let _ = std::io::stdout().flush();
     })?;
     let elapsed = started.elapsed();
+    for r in reports.iter().filter(|r| r.skipped.0 > 0) {
+        println!(
+            "{}: {} inputs not applied for want of a limit, e.g. {}",
+            r.name,
+            r.skipped.0,
+            r.skipped.1.as_deref().unwrap_or_default()
+        );
+    }
     let total: u64 = reports.iter().map(|r| r.inputs).sum();
     let failed: u64 = reports.iter().map(|r| r.failed).sum();
     println!(

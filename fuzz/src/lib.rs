@@ -78,7 +78,7 @@ pub fn unhex(s: &str) -> Option<Vec<u8>> {
         .collect()
 }
 
-/// Handles `input` with the target called `name` under the default [`Bound`], and
+/// Handles `input` with the target called `name` under its [`Bound`], and
 /// panics with the problem if there is one: the body of a regression test. The test
 /// binary must install [`peak_alloc::PeakAlloc`] as its global allocator.
 ///
@@ -87,6 +87,7 @@ pub fn unhex(s: &str) -> Option<Vec<u8>> {
 pub fn assert_handles(name: &str, input: &[u8]) -> targets::Verdict {
     let target = targets::by_name(name).unwrap_or_else(|| panic!("no target called {name}"));
     let meter = meter::Meter::new().unwrap_or_else(|e| panic!("{e}"));
-    runner::check(target, &meter, Bound::default(), input)
+    runner::check(target, &meter, target.bound, input)
         .unwrap_or_else(|problem| panic!("{name}: {problem}"))
+        .verdict
 }

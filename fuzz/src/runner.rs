@@ -16,6 +16,15 @@ pub const WORKER_STACK_BYTES: usize = 2 << 20;
 /// Random bytes behind each generated input's choices.
 const ENTROPY_BYTES: usize = 4096;
 
+/// Longest input, in bytes; longer generated inputs are cut (a truncation is one more
+/// mutation). Four times NATS's default `max_payload`, and above the gateway's body
+/// limit.
+pub const MAX_INPUT_BYTES: usize = 4 << 20;
+
+/// Inputs at least this long count toward [`TargetReport::max_ratio`]: below it the
+/// fixed part of what an input holds dominates.
+const RATIO_MIN_BYTES: usize = 4096;
+
 /// The allocation bound: handling an input of `n` bytes may hold at most
 /// `per_byte × n + constant` heap bytes at once (decoded value and state changes
 /// included).
@@ -27,18 +36,16 @@ pub struct Bound {
     pub constant: usize,
 }
 
-impl Default for Bound {
+impl Bound {
     /// 64 bytes per input byte plus 256 KiB: a decoded value is a few times its
     /// encoding (a 1-byte msgpack integer becomes an 8-byte `u64`, serde buffers
     /// internally tagged enums as 32-byte values), and a fresh index or scheduler
     /// grows by tens of bytes per block. Far below what trusting a length prefix costs
     /// (1 MiB per container for serde's capped pre-allocation).
-    fn default() -> Self {
-        Self {
-            per_byte: 64,
-            constant: 256 << 10,
-        }
-    }
+    pub const DEFAULT: Bound = Bound {
+        per_byte: 64,
+        constant: 256 << 10,
+    };
 }
 
 impl Bound {
@@ -61,8 +68,8 @@ pub struct Plan {
     pub inputs: u64,
     /// The targets, in order.
     pub targets: Vec<&'static Target>,
-    /// The allocation bound.
-    pub bound: Bound,
+    /// One allocation bound for every target instead of each target's own.
+    pub bound: Option<Bound>,
 }
 
 /// What went wrong with one input.
@@ -136,6 +143,9 @@ pub struct TargetReport {
     pub accepted: u64,
     /// Inputs refused with an error.
     pub refused: u64,
+    /// Inputs decoded but not applied for want of a limit (see [`Verdict::Skipped`]),
+    /// and the first one's reason.
+    pub skipped: (u64, Option<String>),
     /// Failing inputs (the first [`MAX_FAILURES_KEPT`] of them).
     pub failures: Vec<Failure>,
     /// Failing inputs in all.
@@ -144,7 +154,7 @@ pub struct TargetReport {
     pub max_len: usize,
     /// Largest peak heap of one input, in bytes, and that input's length.
     pub max_peak: (usize, usize),
-    /// Largest peak heap per input byte over inputs of at least 64 bytes.
+    /// Largest peak heap per input byte over inputs of at least 4 KiB.
     pub max_ratio: f64,
     /// Wall-clock time.
     pub elapsed: Duration,
@@ -172,13 +182,24 @@ pub fn input(target: &Target, corpus: &crate::mutate::Corpus, seed: u64, index: 
     rng.fill_bytes(&mut entropy);
     let mut u = Unstructured::new(&entropy);
     // An exhausted `Unstructured` yields zeros rather than failing.
-    corpus.generate(&mut u).unwrap_or_default()
+    let mut bytes = corpus.generate(&mut u).unwrap_or_default();
+    bytes.truncate(MAX_INPUT_BYTES);
+    bytes
 }
 
 fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
         (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
     })
+}
+
+/// What one input did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Handled {
+    /// Accepted or refused.
+    pub verdict: Verdict,
+    /// Peak of live heap bytes while it was handled.
+    pub peak: usize,
 }
 
 /// Handles one input of `target` on fresh state and judges it.
@@ -190,7 +211,7 @@ pub fn check(
     meter: &Meter,
     bound: Bound,
     input: &[u8],
-) -> Result<Verdict, Problem> {
+) -> Result<Handled, Problem> {
     let mut harness = target.fresh();
     let (result, peak) = meter.peak_of(|| catch_unwind(AssertUnwindSafe(|| harness.feed(input))));
     drop(harness);
@@ -209,23 +230,8 @@ pub fn check(
     }
     match verdict {
         Verdict::Refused(e) if e.trim().is_empty() => Err(Problem::EmptyError),
-        v => {
-            record_peak(peak, input.len());
-            Ok(v)
-        }
+        verdict => Ok(Handled { verdict, peak }),
     }
-}
-
-thread_local! {
-    static PEAK: std::cell::Cell<(usize, usize)> = const { std::cell::Cell::new((0, 0)) };
-}
-
-fn record_peak(peak: usize, len: usize) {
-    PEAK.with(|p| p.set((peak, len)));
-}
-
-fn last_peak() -> (usize, usize) {
-    PEAK.with(std::cell::Cell::get)
 }
 
 /// Runs `plan` on a thread with [`WORKER_STACK_BYTES`] of stack; `progress` sees each
@@ -272,17 +278,21 @@ fn run_here(
             let bytes = input(target, &corpus, plan.seed, index);
             report.inputs += 1;
             report.max_len = report.max_len.max(bytes.len());
-            match check(target, &meter, plan.bound, &bytes) {
-                Ok(verdict) => {
+            match check(target, &meter, plan.bound.unwrap_or(target.bound), &bytes) {
+                Ok(Handled { verdict, peak }) => {
                     match verdict {
                         Verdict::Accepted => report.accepted += 1,
                         Verdict::Refused(_) => report.refused += 1,
+                        Verdict::Skipped(why) => {
+                            report.skipped.0 += 1;
+                            report.skipped.1.get_or_insert(why);
+                        }
                     }
-                    let (peak, len) = last_peak();
+                    let len = bytes.len();
                     if peak > report.max_peak.0 {
                         report.max_peak = (peak, len);
                     }
-                    if len >= 64 {
+                    if len >= RATIO_MIN_BYTES {
                         report.max_ratio = report.max_ratio.max(peak as f64 / len as f64);
                     }
                 }

@@ -21,7 +21,7 @@ fn lying_nested_arrays(levels: usize) -> Vec<u8> {
 #[test]
 fn lying_lengths_inside_a_tagged_event_are_refused_before_allocating() {
     // Before the codec checked lengths, serde pre-allocated 1 MiB per announced
-    // array while buffering the tagged `data` map: 30 MiB for these 226 bytes.
+    // array while buffering the tagged `data` map: 30 MiB for these 222 bytes.
     let input = lying_nested_arrays(30);
     assert!(matches!(
         kv_fuzz::assert_handles("events", &input),
@@ -65,4 +65,35 @@ fn engine_token_ids_announcing_4g_elements_are_refused_before_allocating() {
     input.push(0xc0);
     let verdict = kv_fuzz::assert_handles("engine_batch", &input);
     assert!(matches!(verdict, Verdict::Refused(e) if e.contains("announces")));
+}
+
+#[test]
+fn a_registration_with_four_billion_ranks_is_never_applied() {
+    // Open finding: nothing bounds `dp_size`, and `Scheduler::add_worker` builds every
+    // rank (≈ 48 bytes each): applied, this etcd value would ask for ~200 GiB. The
+    // harness skips it until the directory refuses it.
+    let input = br#"{"worker_id":7,"dp_size":4294967295,"block_size":16,"total_kv_blocks":1}"#;
+    let verdict = kv_fuzz::assert_handles("registration", input);
+    assert!(
+        matches!(verdict, Verdict::Skipped(_) | Verdict::Refused(_)),
+        "{verdict:?}"
+    );
+}
+
+#[test]
+fn small_engine_events_do_not_decode_into_large_ones() {
+    // 10,001 three-byte events of an unknown type (`["\0"]`, 30 KB): each decoded
+    // into a ~200-byte `EngineEvent` (its `BlockStored` variant held inline), 3.1 MB
+    // at peak, 100 bytes per input byte. `BlockStored` is boxed now.
+    let mut input = vec![
+        0x93, 0xcb, 0x41, 0xd9, 0x54, 0xfc, 0x41, 0, 0, 0, 0xdc, 0x27, 0x11,
+    ];
+    for _ in 0..10_001 {
+        input.extend([0x91, 0xa1, 0x00]);
+    }
+    input.push(0xc0);
+    assert_eq!(
+        kv_fuzz::assert_handles("engine_batch", &input),
+        Verdict::Accepted
+    );
 }
