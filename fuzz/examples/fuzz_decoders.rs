@@ -5,7 +5,7 @@
 //! cargo run --release -p kv-fuzz --example fuzz_decoders -- --inputs 10000000
 //! ```
 //!
-//! `--inputs` is the total, split evenly over the targets. Input `i` of a target is
+//! `--inputs` is the total, split evenly over the targets (rounded up). Input `i` of a target is
 //! the same for the same `--seed`, so `--start` resumes a run and
 //! `--replay TARGET:INDEX` prints one input as hex and handles it alone (in the
 //! foreground: a crash shows its backtrace). Failing inputs are printed as hex with a
@@ -25,7 +25,7 @@ static ALLOC: peak_alloc::PeakAlloc = peak_alloc::PeakAlloc;
 #[derive(Debug, Parser)]
 #[command(about = "Fuzz every kv-router decoder of network input")]
 struct Args {
-    /// Inputs in total, split evenly over the targets.
+    /// Inputs in total (at least), split evenly over the targets.
     #[arg(long, default_value_t = 1_000_000)]
     inputs: u64,
     /// Seed of the generated inputs.
@@ -122,12 +122,9 @@ fn main() -> anyhow::Result<()> {
         .bound_per_byte
         .zip(args.bound_constant)
         .map(|(per_byte, constant)| Bound { per_byte, constant });
-    let per_target = args.inputs / targets.len() as u64;
+    let per_target = args.inputs.div_ceil(targets.len() as u64);
     if per_target == 0 {
-        bail!(
-            "--inputs must be at least the number of targets ({})",
-            targets.len()
-        );
+        bail!("--inputs must be at least 1");
     }
     if args.trace {
         let (seed, start) = (args.seed, args.start);

@@ -2,16 +2,23 @@
 //!
 //! The binary that runs the harness installs [`peak_alloc::PeakAlloc`] as its global
 //! allocator (one line, see `tests/decoders.rs`); this module reads its counters. The
-//! counters are process-wide, so the harness handles inputs on one thread and nothing
-//! else may allocate meanwhile. [`Meter::new`] refuses to start when the allocator is
-//! not installed, so a run can never pass by measuring nothing.
+//! counters are process-wide, so only one [`Meter`] exists at a time (a second one
+//! waits), the harness handles inputs on one thread, and nothing else in the process
+//! may allocate meanwhile: a test binary that meters must meter in every test.
+//! [`Meter::new`] refuses to start when the allocator is not installed, so a run can
+//! never pass by measuring nothing.
 
 use peak_alloc::PeakAlloc;
+use std::sync::{Mutex, MutexGuard};
 
-/// Reads the counters of the installed [`PeakAlloc`].
+/// Held by the one live [`Meter`].
+static TURN: Mutex<()> = Mutex::new(());
+
+/// Reads the counters of the installed [`PeakAlloc`]; one at a time per process.
 #[derive(Debug)]
 pub struct Meter {
     alloc: PeakAlloc,
+    _turn: MutexGuard<'static, ()>,
 }
 
 /// Why metering cannot start.
@@ -23,11 +30,16 @@ pub struct Meter {
 pub struct NotInstalled;
 
 impl Meter {
-    /// A meter, after checking that an allocation moves the counters.
+    /// A meter, after checking that an allocation moves the counters; waits while
+    /// another meter lives.
     ///
     /// # Errors
     /// [`NotInstalled`] when [`PeakAlloc`] is not the global allocator.
     pub fn new() -> Result<Self, NotInstalled> {
+        // A meter that panicked left nothing to repair: the lock only orders meters.
+        let turn = TURN
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let alloc = PeakAlloc;
         let before = alloc.current_usage();
         let probe: Vec<u8> = Vec::with_capacity(1 << 16);
@@ -36,7 +48,7 @@ impl Meter {
         if during < before + (1 << 16) {
             return Err(NotInstalled);
         }
-        Ok(Self { alloc })
+        Ok(Self { alloc, _turn: turn })
     }
 
     /// Runs `f` and returns its result with the peak of live heap bytes above the

@@ -5,20 +5,15 @@
 
 use kv_fuzz::runner::{self, Bound, Plan, Problem};
 use kv_fuzz::targets::{ALL, Verdict, by_name};
-use std::sync::Mutex;
 
 #[global_allocator]
 static ALLOC: peak_alloc::PeakAlloc = peak_alloc::PeakAlloc;
-
-/// The allocator's counters are process-wide: one test at a time.
-static SERIAL: Mutex<()> = Mutex::new(());
 
 /// Inputs per target: a few seconds for all targets in a debug build.
 const INPUTS: u64 = 400;
 
 #[test]
 fn every_decoder_survives_a_short_run() {
-    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let plan = Plan {
         seed: 20_251_123,
         start: 0,
@@ -51,7 +46,6 @@ fn every_decoder_survives_a_short_run() {
 
 #[test]
 fn the_meter_sees_allocations_and_the_bound_is_enforced() {
-    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let meter = kv_fuzz::meter::Meter::new().expect("the counting allocator is installed");
     let (v, peak) = meter.peak_of(|| Vec::<u8>::with_capacity(1 << 20));
     drop(v);
