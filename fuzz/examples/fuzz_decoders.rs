@@ -47,13 +47,12 @@ struct Args {
     /// aborts the process, e.g. by overflowing the stack).
     #[arg(long)]
     trace: bool,
-    /// Heap bytes allowed per input byte, for every target (default: each target's
-    /// own bound, `--list` shows them).
-    #[arg(long, requires = "bound_constant")]
-    bound_per_byte: Option<usize>,
-    /// Heap bytes allowed per input whatever its length, for every target.
-    #[arg(long, requires = "bound_per_byte")]
-    bound_constant: Option<usize>,
+    /// Heap bytes allowed per input byte.
+    #[arg(long, default_value_t = Bound::DEFAULT.per_byte)]
+    bound_per_byte: usize,
+    /// Heap bytes allowed per input whatever its length.
+    #[arg(long, default_value_t = Bound::DEFAULT.constant)]
+    bound_constant: usize,
 }
 
 fn targets(names: &[String]) -> anyhow::Result<Vec<&'static Target>> {
@@ -106,11 +105,7 @@ fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     if args.list {
         for target in ALL {
-            let b = target.bound;
-            println!(
-                "{:<19} bound {} B/byte + {} B\n{:<19} {}",
-                target.name, b.per_byte, b.constant, "", target.about
-            );
+            println!("{:<19} {}", target.name, target.about);
         }
         return Ok(());
     }
@@ -118,10 +113,10 @@ fn main() -> anyhow::Result<()> {
         return replay(spec, args.seed);
     }
     let targets = targets(&args.targets)?;
-    let bound = args
-        .bound_per_byte
-        .zip(args.bound_constant)
-        .map(|(per_byte, constant)| Bound { per_byte, constant });
+    let bound = Bound {
+        per_byte: args.bound_per_byte,
+        constant: args.bound_constant,
+    };
     let per_target = args.inputs.div_ceil(targets.len() as u64);
     if per_target == 0 {
         bail!("--inputs must be at least 1");
@@ -145,17 +140,15 @@ fn main() -> anyhow::Result<()> {
             .map_err(|_| anyhow::anyhow!("an input failed"))?;
         return Ok(());
     }
-    let bounds = bound.map_or_else(
-        || "each target's own".to_owned(),
-        |b| format!("{} B/byte + {} B", b.per_byte, b.constant),
-    );
     println!(
-        "seed {} start {} inputs {} ({} per target over {} targets), bound {bounds}",
+        "seed {} start {} inputs {} ({} per target over {} targets), bound {} B/byte + {} B",
         args.seed,
         args.start,
         per_target * targets.len() as u64,
         per_target,
         targets.len(),
+        bound.per_byte,
+        bound.constant,
     );
     println!(
         "{:<19} {:>9} {:>9} {:>9} {:>7} {:>6} {:>9} {:>10} {:>11} {:>8} {:>9} {:>10}",

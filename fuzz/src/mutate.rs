@@ -330,6 +330,10 @@ impl Corpus {
                         2 => {
                             let times = *u.choose(&[2usize, 16, 100, 1000, 10_000])?;
                             let item = items[i].clone();
+                            // Keep the input under the runner's cap rather than build
+                            // hundreds of MB only to cut them.
+                            let size = item.to_msgpack().0.len().max(1);
+                            let times = times.min(crate::runner::MAX_INPUT_BYTES / size);
                             items.extend(std::iter::repeat_n(item, times));
                         }
                         3 => {

@@ -37,18 +37,20 @@ pub struct Bound {
 }
 
 impl Bound {
-    /// 64 bytes per input byte plus 256 KiB: a decoded value is a few times its
-    /// encoding (a 1-byte msgpack integer becomes an 8-byte `u64`, serde buffers
-    /// internally tagged enums as 32-byte values), and a fresh index or scheduler
-    /// grows by tens of bytes per block. Far below what trusting a length prefix costs
-    /// (1 MiB per container for serde's capped pre-allocation).
+    /// 128 bytes per input byte plus 256 KiB. What decoding holds is linear in the
+    /// input once the codec has checked every announced length, but the factor is
+    /// not small: serde reserves room for all announced elements before decoding the
+    /// first, so 10,001 one-byte elements of a 96-byte `SnapshotEntry` reserve 96
+    /// bytes per input byte; internally tagged enums are buffered as 32-byte generic
+    /// values per msgpack value; and a `serde_json::Value` tree holds up to ~100
+    /// bytes per JSON byte. The largest factors of the 10M-input run are in
+    /// `docs/benchmarks.md`. Trusting a length prefix costs far more (1 MiB per
+    /// announced container, whatever the input's length).
     pub const DEFAULT: Bound = Bound {
-        per_byte: 64,
+        per_byte: 128,
         constant: 256 << 10,
     };
-}
 
-impl Bound {
     /// Heap bytes allowed for an input of `len` bytes.
     pub fn allowed(&self, len: usize) -> usize {
         self.per_byte
@@ -68,8 +70,8 @@ pub struct Plan {
     pub inputs: u64,
     /// The targets, in order.
     pub targets: Vec<&'static Target>,
-    /// One allocation bound for every target instead of each target's own.
-    pub bound: Option<Bound>,
+    /// The allocation bound.
+    pub bound: Bound,
 }
 
 /// What went wrong with one input.
@@ -278,7 +280,7 @@ fn run_here(
             let bytes = input(target, &corpus, plan.seed, index);
             report.inputs += 1;
             report.max_len = report.max_len.max(bytes.len());
-            match check(target, &meter, plan.bound.unwrap_or(target.bound), &bytes) {
+            match check(target, &meter, plan.bound, &bytes) {
                 Ok(Handled { verdict, peak }) => {
                     match verdict {
                         Verdict::Accepted => report.accepted += 1,

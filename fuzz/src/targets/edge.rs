@@ -6,7 +6,6 @@ use super::router::scheduler;
 use super::seeds::{self, BLOCK_SIZE, WORKER};
 use super::{Harness, Target, Verdict};
 use crate::mutate::Format;
-use crate::runner::Bound;
 use bytes::Bytes;
 use kv_cluster::directory::{EtcdStatus, Registered, Registrations, Rejection, registration};
 use kv_events::discovery::WorkerRegistration;
@@ -69,7 +68,6 @@ pub const REGISTRATION: Target = Target {
     name: "registration",
     about: "WorkerRegistration (JSON, etcd workers/{id}) → kv_cluster::directory::registration (key, validate, block size) → Scheduler::add_worker",
     format: Format::Json,
-    bound: Bound::DEFAULT,
     seeds: seeds::registration_json,
     fresh: || {
         // A constant, valid namespace.
@@ -134,7 +132,6 @@ pub const ENGINE_BATCH: Target = Target {
     name: "engine_batch",
     about: "vLLM / SGLang KV event batch (msgpack, third ZMQ frame) → engines::decode_batch → Translator::apply (local block hashes) → EventJournal::record",
     format: Format::Msgpack,
-    bound: Bound::DEFAULT,
     seeds: seeds::engine_payloads,
     fresh: || Box::new(EngineBatch(Relay::new())),
 };
@@ -171,21 +168,8 @@ pub const RELAY_FRAMES: Target = Target {
     name: "relay_frames",
     about: "ZMQ multipart (live [topic, seq, payload], replay [\"\", (topic,) seq, payload]) → frames::parse_live / parse_replay → SeqTracker → the engine_batch path",
     format: Format::Frames,
-    bound: Bound::DEFAULT,
     seeds: seeds::relay_frames,
     fresh: || Box::new(Frames(Relay::new())),
-};
-
-/// The gateway parses bodies into a `serde_json::Value` tree and keeps it (to forward
-/// the fields it does not read). That tree holds up to ~80 bytes per body byte (a
-/// finding: `{"a":0},` is 8 bytes and becomes a B-tree node of several hundred bytes;
-/// `[0],` becomes a 32-byte `Value` and a 4-slot array), so an 8 MiB body
-/// (`--max-body-bytes` default) can hold ~650 MB. Only a typed parse or a smaller body
-/// limit lowers it; until then these targets are held to 128 bytes per byte, which
-/// still catches anything worse than linear.
-const JSON_VALUE_BOUND: Bound = Bound {
-    per_byte: 128,
-    constant: Bound::DEFAULT.constant,
 };
 
 struct Parse(fn(&[u8]) -> Verdict);
@@ -200,7 +184,6 @@ pub const GATEWAY_COMPLETION: Target = Target {
     name: "gateway_completion",
     about: "POST /v1/completions body (JSON, HTTP) → kv_gateway::openai::parse_completion",
     format: Format::Json,
-    bound: JSON_VALUE_BOUND,
     seeds: seeds::completion_bodies,
     fresh: || {
         Box::new(Parse(|b| {
@@ -213,7 +196,6 @@ pub const GATEWAY_CHAT: Target = Target {
     name: "gateway_chat",
     about: "POST /v1/chat/completions body (JSON, HTTP) → kv_gateway::openai::parse_chat",
     format: Format::Json,
-    bound: JSON_VALUE_BOUND,
     seeds: seeds::chat_bodies,
     fresh: || {
         Box::new(Parse(|b| {
@@ -226,7 +208,6 @@ pub const ROUTE_REPLY: Target = Target {
     name: "route_reply",
     about: "RouteReply / RouteBatchReply (msgpack, NATS reply read by the gateway and frontends) → decode",
     format: Format::Msgpack,
-    bound: Bound::DEFAULT,
     seeds: seeds::route_replies,
     fresh: || {
         Box::new(Parse(|b| match decode::<RouteReply>(b) {

@@ -8,7 +8,6 @@ mod router;
 mod seeds;
 
 use crate::mutate::{Corpus, Format};
-use crate::runner::Bound;
 
 /// What a target made of one input.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -46,8 +45,6 @@ pub struct Target {
     pub about: &'static str,
     /// How inputs are encoded.
     pub format: Format,
-    /// What handling one input may hold.
-    pub bound: Bound,
     seeds: fn() -> Vec<Vec<u8>>,
     fresh: fn() -> Box<dyn Harness>,
 }

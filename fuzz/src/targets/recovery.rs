@@ -6,7 +6,6 @@ use super::router::index;
 use super::seeds::{self, WORKER};
 use super::{Harness, Target, Verdict};
 use crate::mutate::Format;
-use crate::runner::Bound;
 use indexer::{OrderedIndex, RecoveryNeed};
 use kv_events::journal::{EventJournal, JournalConfig};
 use kv_events::recovery::{ChunkAssembler, RecoveryBody, RecoveryChunk, RecoveryRequest};
@@ -69,7 +68,6 @@ pub const RECOVERY_REQUEST: Target = Target {
     name: "recovery_request",
     about: "RecoveryRequest (msgpack, NATS kv.recovery.{worker}, publisher side: relay, mock engine) → EventJournal::answer (replay or dump, chunked)",
     format: Format::Msgpack,
-    bound: Bound::DEFAULT,
     seeds: recovery_requests,
     fresh: || Box::new(Publisher { journal: journal() }),
 };
@@ -136,7 +134,6 @@ pub const RECOVERY_REPLY: Target = Target {
     name: "recovery_reply",
     about: "RecoveryChunk × n (msgpack, NATS reply inbox) → ChunkAssembler::push → OrderedIndex::apply_recovered",
     format: Format::Frames,
-    bound: Bound::DEFAULT,
     seeds: recovery_replies,
     fresh: || {
         let mut index = index();
@@ -181,7 +178,6 @@ pub const INDEX_SNAPSHOT: Target = Target {
     name: "index_snapshot",
     about: "StoredSnapshot (msgpack, JetStream object store, read at start-up) → OrderedIndex::restore",
     format: Format::Msgpack,
-    bound: Bound::DEFAULT,
     seeds: snapshots,
     fresh: || Box::new(Restore { index: index() }),
 };

@@ -5,7 +5,6 @@
 use super::seeds::{self, BLOCK_SIZE, BOOKED, OWN_ROUTER, WORKER};
 use super::{Harness, Target, Verdict};
 use crate::mutate::Format;
-use crate::runner::Bound;
 use indexer::{IndexerCounters, OrderedIndex, OverlapScores, ShardSettings};
 use kv_events::discovery::WorkerRegistration;
 use kv_events::replicas::{SnapshotReply, SnapshotRequest};
@@ -146,7 +145,6 @@ pub const EVENTS: Target = Target {
     name: "events",
     about: "KvEventBatch (msgpack, NATS kv.events.{worker}) → intake::decode_events → OrderedIndex::apply_batch, find_matches",
     format: Format::Msgpack,
-    bound: Bound::DEFAULT,
     seeds: seeds::events,
     fresh: || {
         Box::new(Events {
@@ -181,7 +179,6 @@ pub const METRICS: Target = Target {
     name: "metrics",
     about: "LoadMetrics (msgpack, NATS kv.metrics.{worker}) → intake::handle_metrics → Scheduler::update_load_metrics",
     format: Format::Msgpack,
-    bound: Bound::DEFAULT,
     seeds: seeds::metrics,
     fresh: || {
         handler(subjects().load_metrics(WORKER), |d, subject, input| {
@@ -196,7 +193,6 @@ pub const LIFECYCLE: Target = Target {
     name: "lifecycle",
     about: "LifecycleMessage (msgpack, NATS router.lifecycle) → lifecycle::handle_lifecycle → scheduler prefill_done / keep_alive / free",
     format: Format::Msgpack,
-    bound: Bound::DEFAULT,
     seeds: seeds::lifecycle,
     fresh: || {
         handler(subjects().lifecycle(), |d, subject, input| {
@@ -211,7 +207,6 @@ pub const BOOKINGS: Target = Target {
     name: "bookings",
     about: "SequenceSync (msgpack, NATS router.sequences, replica sharing) → replicas::sync::handle_sync → Scheduler::apply",
     format: Format::Msgpack,
-    bound: Bound::DEFAULT,
     seeds: seeds::bookings,
     fresh: || {
         handler(subjects().sequences(), |d, subject, input| {
@@ -226,7 +221,6 @@ pub const SNAPSHOT_REPLY: Target = Target {
     name: "snapshot_reply",
     about: "SnapshotReply (msgpack, a peer replica's answer on our inbox) → replicas::snapshot::apply_reply → Scheduler::apply",
     format: Format::Msgpack,
-    bound: Bound::DEFAULT,
     seeds: seeds::snapshot_reply,
     fresh: || {
         handler(subjects().sequences_snapshot(), |d, subject, input| {
@@ -250,7 +244,6 @@ pub const SNAPSHOT_REQUEST: Target = Target {
     name: "snapshot_request",
     about: "SnapshotRequest (msgpack, NATS router.sequences.snapshot) → decode (the answer depends only on the router id)",
     format: Format::Msgpack,
-    bound: Bound::DEFAULT,
     seeds: seeds::snapshot_request,
     fresh: || Box::new(Decode::<SnapshotRequest>(std::marker::PhantomData)),
 };
@@ -281,7 +274,6 @@ pub const ROUTE: Target = Target {
     name: "route",
     about: "RouteRequest (msgpack, NATS router.route) → route::schedule_request (prompt hashing, validation) → Scheduler::schedule",
     format: Format::Msgpack,
-    bound: Bound::DEFAULT,
     seeds: seeds::route,
     fresh: || {
         Box::new(Route {
@@ -328,7 +320,6 @@ pub const ROUTE_BATCH: Target = Target {
     name: "route_batch",
     about: "RouteBatchRequest (msgpack, NATS router.route_batch) → count check → route::schedule_request per entry → Scheduler::schedule_batch",
     format: Format::Msgpack,
-    bound: Bound::DEFAULT,
     seeds: seeds::route_batch,
     fresh: || {
         Box::new(RouteBatch(Route {
