@@ -69,7 +69,7 @@ pub fn hex(bytes: &[u8]) -> String {
 
 /// The bytes of a hex string; `None` for an odd length or a non-hex digit.
 pub fn unhex(s: &str) -> Option<Vec<u8>> {
-    if s.len() % 2 != 0 {
+    if !s.len().is_multiple_of(2) {
         return None;
     }
     (0..s.len())

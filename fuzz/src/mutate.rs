@@ -18,6 +18,11 @@
 use crate::value::Node;
 use arbitrary::{Result, Unstructured};
 
+/// Longest input, in bytes; longer generated inputs are cut (a truncation is one more
+/// mutation). Four times NATS's default `max_payload`, and half the gateway's default
+/// body limit.
+pub const MAX_INPUT_BYTES: usize = 4 << 20;
+
 /// How a target's inputs are encoded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Format {
@@ -96,16 +101,18 @@ impl Corpus {
         &self.seeds
     }
 
-    /// One input drawn from `u`.
+    /// One input drawn from `u`, at most [`MAX_INPUT_BYTES`] long.
     ///
     /// # Errors
     /// Only if `u` refuses a draw (it never does; an exhausted `u` yields zeros).
     pub fn generate(&self, u: &mut Unstructured<'_>) -> Result<Vec<u8>> {
-        match self.format {
+        let mut bytes = match self.format {
             Format::Msgpack => self.msgpack(u, &self.trees),
             Format::Json => self.json(u),
             Format::Frames => self.frames(u),
-        }
+        }?;
+        bytes.truncate(MAX_INPUT_BYTES);
+        Ok(bytes)
     }
 
     fn msgpack(&self, u: &mut Unstructured<'_>, trees: &[Node]) -> Result<Vec<u8>> {
@@ -333,7 +340,7 @@ impl Corpus {
                             // Keep the input under the runner's cap rather than build
                             // hundreds of MB only to cut them.
                             let size = item.to_msgpack().0.len().max(1);
-                            let times = times.min(crate::runner::MAX_INPUT_BYTES / size);
+                            let times = times.min(MAX_INPUT_BYTES / size);
                             items.extend(std::iter::repeat_n(item, times));
                         }
                         3 => {

@@ -16,11 +16,6 @@ pub const WORKER_STACK_BYTES: usize = 2 << 20;
 /// Random bytes behind each generated input's choices.
 const ENTROPY_BYTES: usize = 4096;
 
-/// Longest input, in bytes; longer generated inputs are cut (a truncation is one more
-/// mutation). Four times NATS's default `max_payload`, and above the gateway's body
-/// limit.
-pub const MAX_INPUT_BYTES: usize = 4 << 20;
-
 /// Inputs at least this long count toward [`TargetReport::max_ratio`]: below it the
 /// fixed part of what an input holds dominates.
 const RATIO_MIN_BYTES: usize = 4096;
@@ -184,9 +179,7 @@ pub fn input(target: &Target, corpus: &crate::mutate::Corpus, seed: u64, index: 
     rng.fill_bytes(&mut entropy);
     let mut u = Unstructured::new(&entropy);
     // An exhausted `Unstructured` yields zeros rather than failing.
-    let mut bytes = corpus.generate(&mut u).unwrap_or_default();
-    bytes.truncate(MAX_INPUT_BYTES);
-    bytes
+    corpus.generate(&mut u).unwrap_or_default()
 }
 
 fn fnv1a(bytes: &[u8]) -> u64 {
@@ -311,7 +304,7 @@ fn run_here(
                     }
                 }
             }
-            if every > 0 && report.inputs % every == 0 {
+            if every > 0 && report.inputs.is_multiple_of(every) {
                 report.elapsed = started.elapsed();
                 progress(&report, false);
             }

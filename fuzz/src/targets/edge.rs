@@ -4,7 +4,7 @@
 
 use super::router::scheduler;
 use super::seeds::{self, BLOCK_SIZE, WORKER};
-use super::{Harness, Target, Verdict};
+use super::target::{Harness, Target, Verdict};
 use crate::mutate::Format;
 use bytes::Bytes;
 use kv_cluster::directory::{EtcdStatus, Registered, Registrations, Rejection, registration};

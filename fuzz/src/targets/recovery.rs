@@ -4,7 +4,7 @@
 
 use super::router::index;
 use super::seeds::{self, WORKER};
-use super::{Harness, Target, Verdict};
+use super::target::{Harness, Target, Verdict};
 use crate::mutate::Format;
 use indexer::{OrderedIndex, RecoveryNeed};
 use kv_events::journal::{EventJournal, JournalConfig};

@@ -3,12 +3,12 @@
 //! fresh state (a scheduler with two workers and one booked request, an empty index).
 
 use super::seeds::{self, BLOCK_SIZE, BOOKED, OWN_ROUTER, WORKER};
-use super::{Harness, Target, Verdict};
+use super::target::{Harness, Target, Verdict};
 use crate::mutate::Format;
 use indexer::{IndexerCounters, OrderedIndex, OverlapScores, ShardSettings};
 use kv_events::discovery::WorkerRegistration;
-use kv_events::replicas::{SnapshotReply, SnapshotRequest};
-use kv_events::routing::{RouteBatchRequest, RouteRequest};
+use kv_events::replicas::{SequenceSync, SnapshotReply, SnapshotRequest};
+use kv_events::routing::{LifecycleMessage, RouteBatchRequest, RouteRequest};
 use kv_events::{KvEventBatch, LoadMetrics, Namespace, Subjects, WorkerId, decode};
 use router_daemon::admission::{Admission, AdmissionConfig};
 use router_daemon::counters::{Counters, MessageKind, Outcome};
@@ -83,24 +83,6 @@ impl Daemon {
             counters,
         }
     }
-
-    /// Runs `handle` on `input`, judging it by the decode error (if any) and the
-    /// counter the handler moves.
-    fn judge<T: DeserializeOwned>(
-        &self,
-        kind: MessageKind,
-        input: &[u8],
-        handle: impl FnOnce(&Self),
-    ) -> Verdict {
-        let error = decode::<T>(input).err().map(|e| e.to_string());
-        let before = self.counters.messages(kind, Outcome::Ok);
-        handle(self);
-        match error {
-            Some(e) => Verdict::Refused(e),
-            None if self.counters.messages(kind, Outcome::Ok) > before => Verdict::Accepted,
-            None => Verdict::Refused(format!("{kind:?} message counted as rejected")),
-        }
-    }
 }
 
 struct Events {
@@ -155,23 +137,48 @@ pub const EVENTS: Target = Target {
     },
 };
 
-struct Handler {
+/// A daemon handler of one NATS message kind: `(admission, counters, subject,
+/// payload)`.
+type HandleFn = fn(&Admission, &Counters, &str, &[u8]);
+
+/// Runs a daemon handler on a fresh daemon, judging each input by its decode error
+/// (if any, as a `T`) and by the counter of `kind` the handler moves.
+struct Handler<T> {
     daemon: Daemon,
     subject: String,
-    kind: fn(&Daemon, &str, &[u8]) -> Verdict,
+    kind: MessageKind,
+    handle: HandleFn,
+    message: std::marker::PhantomData<T>,
 }
 
-impl Harness for Handler {
+impl<T: DeserializeOwned> Harness for Handler<T> {
     fn feed(&mut self, input: &[u8]) -> Verdict {
-        (self.kind)(&self.daemon, &self.subject, input)
+        let Daemon {
+            admission,
+            counters,
+        } = &self.daemon;
+        let error = decode::<T>(input).err().map(|e| e.to_string());
+        let before = counters.messages(self.kind, Outcome::Ok);
+        (self.handle)(admission, counters, &self.subject, input);
+        match error {
+            Some(e) => Verdict::Refused(e),
+            None if counters.messages(self.kind, Outcome::Ok) > before => Verdict::Accepted,
+            None => Verdict::Refused(format!("{:?} message counted as rejected", self.kind)),
+        }
     }
 }
 
-fn handler(subject: String, kind: fn(&Daemon, &str, &[u8]) -> Verdict) -> Box<dyn Harness> {
-    Box::new(Handler {
+fn handler<T: DeserializeOwned + 'static>(
+    subject: String,
+    kind: MessageKind,
+    handle: HandleFn,
+) -> Box<dyn Harness> {
+    Box::new(Handler::<T> {
         daemon: Daemon::new(),
         subject,
         kind,
+        handle,
+        message: std::marker::PhantomData,
     })
 }
 
@@ -181,11 +188,8 @@ pub const METRICS: Target = Target {
     format: Format::Msgpack,
     seeds: seeds::metrics,
     fresh: || {
-        handler(subjects().load_metrics(WORKER), |d, subject, input| {
-            d.judge::<LoadMetrics>(MessageKind::Metrics, input, |d| {
-                intake::handle_metrics(&d.admission, &d.counters, subject, input);
-            })
-        })
+        let subject = subjects().load_metrics(WORKER);
+        handler::<LoadMetrics>(subject, MessageKind::Metrics, intake::handle_metrics)
     },
 };
 
@@ -195,11 +199,8 @@ pub const LIFECYCLE: Target = Target {
     format: Format::Msgpack,
     seeds: seeds::lifecycle,
     fresh: || {
-        handler(subjects().lifecycle(), |d, subject, input| {
-            d.judge::<kv_events::routing::LifecycleMessage>(MessageKind::Lifecycle, input, |d| {
-                lifecycle::handle_lifecycle(&d.admission, &d.counters, subject, input);
-            })
-        })
+        let subject = subjects().lifecycle();
+        handler::<LifecycleMessage>(subject, MessageKind::Lifecycle, lifecycle::handle_lifecycle)
     },
 };
 
@@ -209,11 +210,8 @@ pub const BOOKINGS: Target = Target {
     format: Format::Msgpack,
     seeds: seeds::bookings,
     fresh: || {
-        handler(subjects().sequences(), |d, subject, input| {
-            d.judge::<kv_events::replicas::SequenceSync>(MessageKind::Sequences, input, |d| {
-                replicas::sync::handle_sync(&d.admission, &d.counters, subject, input);
-            })
-        })
+        let subject = subjects().sequences();
+        handler::<SequenceSync>(subject, MessageKind::Sequences, replicas::sync::handle_sync)
     },
 };
 
@@ -223,11 +221,9 @@ pub const SNAPSHOT_REPLY: Target = Target {
     format: Format::Msgpack,
     seeds: seeds::snapshot_reply,
     fresh: || {
-        handler(subjects().sequences_snapshot(), |d, subject, input| {
-            d.judge::<SnapshotReply>(MessageKind::SequenceSnapshot, input, |d| {
-                let mut summary = SnapshotSummary::default();
-                apply_reply(&d.admission, &d.counters, subject, input, &mut summary);
-            })
+        let subject = subjects().sequences_snapshot();
+        handler::<SnapshotReply>(subject, MessageKind::SequenceSnapshot, |a, c, s, p| {
+            apply_reply(a, c, s, p, &mut SnapshotSummary::default());
         })
     },
 };

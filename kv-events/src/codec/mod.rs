@@ -14,7 +14,8 @@
 //! 1 MiB per level, and 1,024 levels (rmp-serde's own limit) overflowed a 2 MiB
 //! tokio worker stack in debug builds. After the walk every announced element
 //! exists, so what decoding holds grows with the input's length. Cost: one pass
-//! over the bytes without allocating, a small fraction of the decode itself.
+//! over the bytes without allocating, about 10% of the decode itself (17 µs of
+//! 157 µs for an 8,192-token route request, release build).
 
 mod shape;
 

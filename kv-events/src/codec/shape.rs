@@ -205,7 +205,7 @@ mod tests {
             Err(ShapeError::TooDeep { at: MAX_DEPTH })
         );
         // Maps count as levels too.
-        let mut maps = vec![0x81, 0x00].repeat(MAX_DEPTH + 1);
+        let mut maps = [0x81, 0x00].repeat(MAX_DEPTH + 1);
         maps.push(0x00);
         assert!(matches!(check(&maps), Err(ShapeError::TooDeep { .. })));
     }

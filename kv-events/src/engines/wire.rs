@@ -47,7 +47,7 @@ impl EventForm {
 
 /// One engine event and the form it arrived in.
 ///
-/// `BlockStored` is boxed so that every event is 32 bytes: inline it made each event
+/// `BlockStored` is boxed so that every event is 64 bytes: inline it made each event
 /// ~200 bytes, and a batch of 3-byte events of an unknown type held 100 bytes per
 /// payload byte.
 #[derive(Debug, Clone, PartialEq)]
