@@ -85,12 +85,11 @@ fn replay(spec: &str, seed: u64) -> anyhow::Result<()> {
 fn line(r: &TargetReport) -> String {
     let rate = r.inputs as f64 / r.elapsed.as_secs_f64().max(1e-9);
     format!(
-        "{:<19} {:>9} {:>9} {:>9} {:>7} {:>6} {:>9} {:>10} ({:>7} B) {:>8.1} {:>8.1}s {:>8.0}/s",
+        "{:<19} {:>9} {:>9} {:>9} {:>6} {:>9} {:>10} ({:>7} B) {:>8.1} {:>8.1}s {:>8.0}/s",
         r.name,
         r.inputs,
         r.accepted,
         r.refused,
-        r.skipped.0,
         r.failed,
         r.max_len,
         r.max_peak.0,
@@ -151,12 +150,11 @@ fn main() -> anyhow::Result<()> {
         bound.constant,
     );
     println!(
-        "{:<19} {:>9} {:>9} {:>9} {:>7} {:>6} {:>9} {:>10} {:>11} {:>8} {:>9} {:>10}",
+        "{:<19} {:>9} {:>9} {:>9} {:>6} {:>9} {:>10} {:>11} {:>8} {:>9} {:>10}",
         "target",
         "inputs",
         "accepted",
         "refused",
-        "skipped",
         "failed",
         "max len",
         "max peak",
@@ -182,14 +180,6 @@ fn main() -> anyhow::Result<()> {
         let _ = std::io::stdout().flush();
     })?;
     let elapsed = started.elapsed();
-    for r in reports.iter().filter(|r| r.skipped.0 > 0) {
-        println!(
-            "{}: {} inputs not applied for want of a limit, e.g. {}",
-            r.name,
-            r.skipped.0,
-            r.skipped.1.as_deref().unwrap_or_default()
-        );
-    }
     let total: u64 = reports.iter().map(|r| r.inputs).sum();
     let failed: u64 = reports.iter().map(|r| r.failed).sum();
     println!(

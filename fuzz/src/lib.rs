@@ -13,22 +13,22 @@
 //!   measured by a counting global allocator ([`meter`]).
 //!
 //! Each target drives the decoder *and* the pure step the process runs right after
-//! it, on fresh state:
+//! it, on fresh state, with the default [`kv_events::limits::Limits`]:
 //!
 //! | target | input (where from) | decoder → what runs next |
 //! |---|---|---|
 //! | `events` | `KvEventBatch` msgpack (NATS `kv.events.{worker}`) | `router_daemon::intake::decode_events` → `OrderedIndex::apply_batch`, `find_matches` |
 //! | `metrics` | `LoadMetrics` msgpack (NATS `kv.metrics.{worker}`) | `intake::handle_metrics` → `Scheduler::update_load_metrics` |
-//! | `route` | `RouteRequest` msgpack (NATS `router.route`) | `decode` → `route::schedule_request` → `Scheduler::schedule` |
-//! | `route_batch` | `RouteBatchRequest` msgpack (NATS `router.route_batch`) | `decode` → count check → `schedule_request` → `Scheduler::schedule_batch` |
+//! | `route` | `RouteRequest` msgpack (NATS `router.route`) | `limits::decode_within` → `route::schedule_request` → `Scheduler::schedule` |
+//! | `route_batch` | `RouteBatchRequest` msgpack (NATS `router.route_batch`) | `limits::decode_within` → count check → `schedule_request` → `Scheduler::schedule_batch` |
 //! | `lifecycle` | `LifecycleMessage` msgpack (NATS `router.lifecycle`) | `lifecycle::handle_lifecycle` → scheduler |
 //! | `bookings` | `SequenceSync` msgpack (NATS `router.sequences`, replica sharing) | `replicas::sync::handle_sync` → `Scheduler::apply` |
 //! | `snapshot_request` | `SnapshotRequest` msgpack (NATS `router.sequences.snapshot`) | `decode` |
 //! | `snapshot_reply` | `SnapshotReply` msgpack (a peer's answer) | `replicas::snapshot::apply_reply` → `Scheduler::apply` |
 //! | `recovery_request` | `RecoveryRequest` msgpack (NATS `kv.recovery.{worker}`, publisher side) | `EventJournal::answer` |
-//! | `recovery_reply` | `RecoveryChunk`s msgpack (NATS reply inbox) | `decode` → `ChunkAssembler::push` → `OrderedIndex::apply_recovered` |
+//! | `recovery_reply` | `RecoveryChunk`s msgpack (NATS reply inbox) | `ChunkAssembler::push_payload` (reply limits, decode) → `OrderedIndex::apply_recovered` |
 //! | `index_snapshot` | `StoredSnapshot` msgpack (JetStream object store) | `decode` → `OrderedIndex::restore` |
-//! | `registration` | `WorkerRegistration` JSON (etcd `workers/{id}`) | `kv_cluster::directory::registration` (`validate`, key and block size checks) → `Scheduler::add_worker` |
+//! | `registration` | `WorkerRegistration` JSON (etcd `workers/{id}`) | `kv_cluster::directory::registration` (size, `validate`, limits, key and block size checks) → `Scheduler::add_worker` |
 //! | `engine_batch` | vLLM / SGLang event batch msgpack (ZMQ) | `engines::decode_batch` → `Translator::apply` → `EventJournal::record` |
 //! | `relay_frames` | ZMQ multipart, live and replay | `frames::parse_live` / `parse_replay` → `SeqTracker` → the `engine_batch` path |
 //! | `gateway_completion` | `POST /v1/completions` JSON body (HTTP) | `kv_gateway::openai::parse_completion` |

@@ -140,9 +140,6 @@ pub struct TargetReport {
     pub accepted: u64,
     /// Inputs refused with an error.
     pub refused: u64,
-    /// Inputs decoded but not applied for want of a limit (see [`Verdict::Skipped`]),
-    /// and the first one's reason.
-    pub skipped: (u64, Option<String>),
     /// Failing inputs (the first [`MAX_FAILURES_KEPT`] of them).
     pub failures: Vec<Failure>,
     /// Failing inputs in all.
@@ -278,10 +275,6 @@ fn run_here(
                     match verdict {
                         Verdict::Accepted => report.accepted += 1,
                         Verdict::Refused(_) => report.refused += 1,
-                        Verdict::Skipped(why) => {
-                            report.skipped.0 += 1;
-                            report.skipped.1.get_or_insert(why);
-                        }
                     }
                     let len = bytes.len();
                     if peak > report.max_peak.0 {

@@ -68,14 +68,13 @@ fn engine_token_ids_announcing_4g_elements_are_refused_before_allocating() {
 }
 
 #[test]
-fn a_registration_with_four_billion_ranks_is_never_applied() {
-    // Open finding: nothing bounds `dp_size`, and `Scheduler::add_worker` builds every
-    // rank (≈ 48 bytes each): applied, this etcd value would ask for ~200 GiB. The
-    // harness skips it until the directory refuses it.
+fn a_registration_with_four_billion_ranks_is_refused() {
+    // Applied, this etcd value made `Scheduler::add_worker` build every rank (≈ 48
+    // bytes each, ~200 GiB); the directory now refuses `dp_size` over its limit.
     let input = br#"{"worker_id":7,"dp_size":4294967295,"block_size":16,"total_kv_blocks":1}"#;
     let verdict = kv_fuzz::assert_handles("registration", input);
     assert!(
-        matches!(verdict, Verdict::Skipped(_) | Verdict::Refused(_)),
+        matches!(&verdict, Verdict::Refused(e) if e.contains("dp_size")),
         "{verdict:?}"
     );
 }

@@ -11,6 +11,7 @@ use kv_cluster::directory::{EtcdStatus, Registered, Registrations, Rejection, re
 use kv_events::discovery::WorkerRegistration;
 use kv_events::engines::decode_batch;
 use kv_events::journal::{EventJournal, JournalConfig};
+use kv_events::limits::Limits;
 use kv_events::routing::{RouteBatchReply, RouteReply};
 use kv_events::{DpRank, Namespace, Subjects, WorkerId, decode};
 use kv_relay::EngineFormat;
@@ -20,13 +21,6 @@ use scheduler::Scheduler;
 
 /// Ranks the relay under test registers (`--dp-size`).
 const RELAY_DP_SIZE: u32 = 4;
-
-/// Most data-parallel ranks of a registration this harness applies. Nothing bounds
-/// `dp_size` yet (a finding; issue 14 adds a configured limit): `Scheduler::add_worker`
-/// builds every rank, ≈ 48 bytes each, so `dp_size` 2^32 − 1 asks for ~200 GiB.
-/// Registrations above this are [`Verdict::Skipped`]; drop the check once the
-/// directory refuses them.
-const APPLIED_DP_SIZE: u32 = 1024;
 
 /// The daemon's check on registrations: the router's block size.
 struct BlockSize;
@@ -53,11 +47,13 @@ struct Registration {
 
 impl Harness for Registration {
     fn feed(&mut self, input: &[u8]) -> Verdict {
-        match registration(&self.subjects, &self.key, input, &BlockSize) {
-            Ok(reg) if reg.dp_size > APPLIED_DP_SIZE => Verdict::Skipped(format!(
-                "dp_size {} is unbounded: add_worker would build every rank",
-                reg.dp_size
-            )),
+        match registration(
+            &self.subjects,
+            &Limits::default(),
+            &self.key,
+            input,
+            &BlockSize,
+        ) {
             Ok(reg) => Verdict::of(self.scheduler.add_worker(reg)),
             Err(Rejection::Malformed(e) | Rejection::Refused(e)) => Verdict::Refused(e),
         }
@@ -66,7 +62,7 @@ impl Harness for Registration {
 
 pub const REGISTRATION: Target = Target {
     name: "registration",
-    about: "WorkerRegistration (JSON, etcd workers/{id}) → kv_cluster::directory::registration (key, validate, block size) → Scheduler::add_worker",
+    about: "WorkerRegistration (JSON, etcd workers/{id}) → kv_cluster::directory::registration (size, key, validate, limits, block size) → Scheduler::add_worker",
     format: Format::Json,
     seeds: seeds::registration_json,
     fresh: || {

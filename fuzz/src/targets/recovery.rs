@@ -8,7 +8,7 @@ use super::target::{Harness, Target, Verdict};
 use crate::mutate::Format;
 use indexer::{OrderedIndex, RecoveryNeed};
 use kv_events::journal::{EventJournal, JournalConfig};
-use kv_events::recovery::{ChunkAssembler, RecoveryBody, RecoveryChunk, RecoveryRequest};
+use kv_events::recovery::{ChunkAssembler, RecoveryBody, RecoveryRequest, ReplyLimits};
 use kv_events::{DpRank, WorkerRank, decode, encode};
 use router_daemon::durability::jetstream::StoredSnapshot;
 
@@ -80,13 +80,9 @@ struct Router {
 
 impl Harness for Router {
     fn feed(&mut self, input: &[u8]) -> Verdict {
-        let mut assembler = ChunkAssembler::new();
+        let mut assembler = ChunkAssembler::with_limits(ReplyLimits::default());
         for payload in crate::frames::split(input) {
-            let chunk: RecoveryChunk = match decode(&payload) {
-                Ok(c) => c,
-                Err(e) => return Verdict::Refused(e.to_string()),
-            };
-            match assembler.push(chunk) {
+            match assembler.push_payload(&payload) {
                 Ok(None) => {}
                 Ok(Some(reply)) => {
                     let _more = self
@@ -132,7 +128,7 @@ fn recovery_replies() -> Vec<Vec<u8>> {
 
 pub const RECOVERY_REPLY: Target = Target {
     name: "recovery_reply",
-    about: "RecoveryChunk × n (msgpack, NATS reply inbox) → ChunkAssembler::push → OrderedIndex::apply_recovered",
+    about: "RecoveryChunk × n (msgpack, NATS reply inbox) → ChunkAssembler::push_payload (reply limits, decode, order) → OrderedIndex::apply_recovered",
     format: Format::Frames,
     seeds: recovery_replies,
     fresh: || {

@@ -7,6 +7,7 @@ use super::target::{Harness, Target, Verdict};
 use crate::mutate::Format;
 use indexer::{IndexerCounters, OrderedIndex, OverlapScores, ShardSettings};
 use kv_events::discovery::WorkerRegistration;
+use kv_events::limits::{Limits, WithinLimits, decode_within};
 use kv_events::replicas::{SequenceSync, SnapshotReply, SnapshotRequest};
 use kv_events::routing::{LifecycleMessage, RouteBatchRequest, RouteRequest};
 use kv_events::{KvEventBatch, LoadMetrics, Namespace, Subjects, WorkerId, decode};
@@ -36,6 +37,7 @@ fn registration(worker_id: WorkerId, dp_size: u32) -> WorkerRegistration {
         block_size: BLOCK_SIZE,
         total_kv_blocks: 1000,
         url: None,
+        epoch: 0,
     }
 }
 
@@ -93,8 +95,8 @@ struct Events {
 
 impl Harness for Events {
     fn feed(&mut self, input: &[u8]) -> Verdict {
-        let error = decode::<KvEventBatch>(input).err();
-        match intake::decode_events(&self.counters, &self.subject, input) {
+        let error = decode_within::<KvEventBatch>(input, &Limits::default()).err();
+        match intake::decode_events(&self.counters, &Limits::default(), &self.subject, input) {
             Some(batch) => {
                 let _needs = self.index.apply_batch(&batch);
                 let hashes: Vec<_> = batch
@@ -137,12 +139,13 @@ pub const EVENTS: Target = Target {
     },
 };
 
-/// A daemon handler of one NATS message kind: `(admission, counters, subject,
-/// payload)`.
-type HandleFn = fn(&Admission, &Counters, &str, &[u8]);
+/// A daemon handler of one NATS message kind: `(admission, counters, limits,
+/// subject, payload)`.
+type HandleFn = fn(&Admission, &Counters, &Limits, &str, &[u8]);
 
-/// Runs a daemon handler on a fresh daemon, judging each input by its decode error
-/// (if any, as a `T`) and by the counter of `kind` the handler moves.
+/// Runs a daemon handler on a fresh daemon with the default [`Limits`], judging each
+/// input by its decode error (if any, as a `T` within the limits) and by the counter
+/// of `kind` the handler moves.
 struct Handler<T> {
     daemon: Daemon,
     subject: String,
@@ -151,15 +154,18 @@ struct Handler<T> {
     message: std::marker::PhantomData<T>,
 }
 
-impl<T: DeserializeOwned> Harness for Handler<T> {
+impl<T: DeserializeOwned + WithinLimits> Harness for Handler<T> {
     fn feed(&mut self, input: &[u8]) -> Verdict {
         let Daemon {
             admission,
             counters,
         } = &self.daemon;
-        let error = decode::<T>(input).err().map(|e| e.to_string());
+        let limits = Limits::default();
+        let error = decode_within::<T>(input, &limits)
+            .err()
+            .map(|e| e.to_string());
         let before = counters.messages(self.kind, Outcome::Ok);
-        (self.handle)(admission, counters, &self.subject, input);
+        (self.handle)(admission, counters, &limits, &self.subject, input);
         match error {
             Some(e) => Verdict::Refused(e),
             None if counters.messages(self.kind, Outcome::Ok) > before => Verdict::Accepted,
@@ -168,7 +174,7 @@ impl<T: DeserializeOwned> Harness for Handler<T> {
     }
 }
 
-fn handler<T: DeserializeOwned + 'static>(
+fn handler<T: DeserializeOwned + WithinLimits + 'static>(
     subject: String,
     kind: MessageKind,
     handle: HandleFn,
@@ -222,8 +228,8 @@ pub const SNAPSHOT_REPLY: Target = Target {
     seeds: seeds::snapshot_reply,
     fresh: || {
         let subject = subjects().sequences_snapshot();
-        handler::<SnapshotReply>(subject, MessageKind::SequenceSnapshot, |a, c, s, p| {
-            apply_reply(a, c, s, p, &mut SnapshotSummary::default());
+        handler::<SnapshotReply>(subject, MessageKind::SequenceSnapshot, |a, c, l, s, p| {
+            apply_reply(a, c, l, s, p, &mut SnapshotSummary::default());
         })
     },
 };
@@ -250,7 +256,7 @@ struct Route {
 
 impl Harness for Route {
     fn feed(&mut self, input: &[u8]) -> Verdict {
-        let request: RouteRequest = match decode(input) {
+        let request: RouteRequest = match decode_within(input, &Limits::default()) {
             Ok(r) => r,
             Err(e) => return Verdict::Refused(e.to_string()),
         };
@@ -280,7 +286,7 @@ pub const ROUTE: Target = Target {
 
 impl Route {
     fn batch(&mut self, input: &[u8]) -> Verdict {
-        let batch: RouteBatchRequest = match decode(input) {
+        let batch: RouteBatchRequest = match decode_within(input, &Limits::default()) {
             Ok(b) => b,
             Err(e) => return Verdict::Refused(e.to_string()),
         };

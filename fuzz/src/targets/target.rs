@@ -10,10 +10,6 @@ pub enum Verdict {
     Accepted,
     /// Refused with this error text (must be non-empty: a clear error).
     Refused(String),
-    /// Decoded and valid, but not applied: applying it needs a limit kv-router does
-    /// not have yet (an open finding, named in the text). Counted apart, so a long run
-    /// neither hides the finding nor takes the machine down with it.
-    Skipped(String),
 }
 
 impl Verdict {
