@@ -4,7 +4,8 @@
 //! allocator (one line, see `tests/decoders.rs`); this module reads its counters. The
 //! counters are process-wide, so only one [`Meter`] exists at a time (a second one
 //! waits), the harness handles inputs on one thread, and nothing else in the process
-//! may allocate meanwhile: a test binary that meters must meter in every test.
+//! may allocate meanwhile: a test binary that meters must run its tests one at a time
+//! (see `tests/regressions.rs`).
 //! [`Meter::new`] refuses to start when the allocator is not installed, so a run can
 //! never pass by measuring nothing.
 
