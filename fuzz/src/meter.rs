@@ -4,8 +4,8 @@
 //! allocator (one line, see `tests/decoders.rs`); this module reads its counters. The
 //! counters are process-wide, so only one [`Meter`] exists at a time (a second one
 //! waits), the harness handles inputs on one thread, and nothing else in the process
-//! may allocate meanwhile: a test binary that meters must run its tests one at a time
-//! (see `tests/regressions.rs`).
+//! may allocate meanwhile: a test binary that meters runs its tests one at a time
+//! ([`one_test_at_a_time`]).
 //! [`Meter::new`] refuses to start when the allocator is not installed, so a run can
 //! never pass by measuring nothing.
 
@@ -14,6 +14,17 @@ use std::sync::{Mutex, MutexGuard};
 
 /// Held by the one live [`Meter`].
 static TURN: Mutex<()> = Mutex::new(());
+
+/// Held by the one running test of a metering test binary.
+static TEST: Mutex<()> = Mutex::new(());
+
+/// Hold for the whole of a test in a binary that meters: a test building its input
+/// while another is metered would count against it, so such tests run one at a time.
+pub fn one_test_at_a_time() -> MutexGuard<'static, ()> {
+    // A test that panicked left nothing to repair: the lock only orders tests.
+    TEST.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
 
 /// Reads the counters of the installed [`PeakAlloc`]; one at a time per process.
 #[derive(Debug)]

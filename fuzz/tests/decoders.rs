@@ -9,22 +9,12 @@ use kv_fuzz::targets::{ALL, Verdict, by_name};
 #[global_allocator]
 static ALLOC: peak_alloc::PeakAlloc = peak_alloc::PeakAlloc;
 
-/// The allocator's counters are process-wide: a test building its input while another
-/// is metered would count against it, so the tests of this file run one at a time.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
 /// Inputs per target: a few seconds for all targets in a debug build.
 const INPUTS: u64 = 400;
 
 #[test]
 fn every_decoder_survives_a_short_run() {
-    let _serial = serial();
+    let _serial = kv_fuzz::meter::one_test_at_a_time();
     let plan = Plan {
         seed: 20_251_123,
         start: 0,
@@ -57,7 +47,7 @@ fn every_decoder_survives_a_short_run() {
 
 #[test]
 fn the_meter_sees_allocations_and_the_bound_is_enforced() {
-    let _serial = serial();
+    let _serial = kv_fuzz::meter::one_test_at_a_time();
     let meter = kv_fuzz::meter::Meter::new().expect("the counting allocator is installed");
     let (v, peak) = meter.peak_of(|| Vec::<u8>::with_capacity(1 << 20));
     drop(v);

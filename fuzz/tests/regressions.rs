@@ -4,16 +4,6 @@
 #[global_allocator]
 static ALLOC: peak_alloc::PeakAlloc = peak_alloc::PeakAlloc;
 
-/// The allocator's counters are process-wide: a test building its input while another
-/// is metered would count against it, so the tests of this file run one at a time.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
 use kv_fuzz::targets::Verdict;
 
 /// A `KvEventBatch` whose `stored` event nests `levels` arrays, each announcing
@@ -30,7 +20,7 @@ fn lying_nested_arrays(levels: usize) -> Vec<u8> {
 
 #[test]
 fn lying_lengths_inside_a_tagged_event_are_refused_before_allocating() {
-    let _serial = serial();
+    let _serial = kv_fuzz::meter::one_test_at_a_time();
     // Before the codec checked lengths, serde pre-allocated 1 MiB per announced
     // array while buffering the tagged `data` map: 30 MiB for these 222 bytes.
     let input = lying_nested_arrays(30);
@@ -52,7 +42,7 @@ fn on_worker_stack<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) ->
 
 #[test]
 fn deep_nesting_is_refused_on_a_worker_sized_stack() {
-    let _serial = serial();
+    let _serial = kv_fuzz::meter::one_test_at_a_time();
     // Before the codec capped nesting at 32 levels, rmp-serde recursed up to 1,024
     // levels (skipping an unknown key's value) and overflowed a 2 MiB stack in a
     // debug build: the process aborted.
@@ -66,7 +56,7 @@ fn deep_nesting_is_refused_on_a_worker_sized_stack() {
 
 #[test]
 fn engine_token_ids_announcing_4g_elements_are_refused_before_allocating() {
-    let _serial = serial();
+    let _serial = kv_fuzz::meter::one_test_at_a_time();
     // A vLLM BlockStored (tagged map) whose token_ids announce u32::MAX elements and
     // hold 2: the engine decoder reserved 1 MiB for them (serde's cap) from 80 bytes.
     let mut input = vec![
@@ -82,7 +72,7 @@ fn engine_token_ids_announcing_4g_elements_are_refused_before_allocating() {
 
 #[test]
 fn a_registration_with_four_billion_ranks_is_refused() {
-    let _serial = serial();
+    let _serial = kv_fuzz::meter::one_test_at_a_time();
     // Applied, this etcd value made `Scheduler::add_worker` build every rank (≈ 48
     // bytes each, ~200 GiB); the directory now refuses `dp_size` over its limit.
     let input = br#"{"worker_id":7,"dp_size":4294967295,"block_size":16,"total_kv_blocks":1}"#;
@@ -95,7 +85,7 @@ fn a_registration_with_four_billion_ranks_is_refused() {
 
 #[test]
 fn small_engine_events_do_not_decode_into_large_ones() {
-    let _serial = serial();
+    let _serial = kv_fuzz::meter::one_test_at_a_time();
     // 10,001 three-byte events of an unknown type (`["\0"]`, 30 KB): each decoded
     // into a ~200-byte `EngineEvent` (its `BlockStored` variant held inline), 3.1 MB
     // at peak, 104 bytes per input byte. `BlockStored` is boxed now: 21.
@@ -117,7 +107,7 @@ fn small_engine_events_do_not_decode_into_large_ones() {
 
 #[test]
 fn a_chat_body_is_not_copied_to_read_its_messages() {
-    let _serial = serial();
+    let _serial = kv_fuzz::meter::one_test_at_a_time();
     // `parse_chat` deserialized the messages from a copy of the list: the body's
     // JSON tree, that copy and the messages' own fields were alive at once, 120 heap
     // bytes per body byte here; 98 without the copy.
