@@ -313,8 +313,14 @@ fn parse(
     }
 }
 
-/// The registration at `key`, checked against the key, itself and `to`.
-fn registration(
+/// The registration at `key`, checked against the key, itself and `to`: what the
+/// directory does with every value it reads from etcd (public for the fuzz harness).
+///
+/// # Errors
+/// [`Rejection::Malformed`] for a value that is not a JSON registration,
+/// [`Rejection::Refused`] for a key without a numeric worker id, a worker id that
+/// differs from the key's, an invalid record, or one `to` refuses.
+pub fn registration(
     subjects: &Subjects,
     limits: &Limits,
     key: &str,

@@ -162,7 +162,7 @@ fn vllm_0_11_positional_arrays_decode() {
         panic!("{:?}", batches[0]);
     };
     assert_eq!(
-        s,
+        &**s,
         &BlockStored {
             block_hashes: vec![
                 ExternalBlockHash(A0),

@@ -13,6 +13,7 @@ use crate::config::EngineApi;
 use crate::error::ApiError;
 use kv_events::DpRank;
 use kv_tokenizer::{ChatMessage, ChatOptions, template_value};
+use serde::Deserialize as _;
 use serde_json::{Map, Value, json};
 
 /// A completion prompt as a client sent it.
@@ -170,8 +171,9 @@ pub fn parse_chat(bytes: &[u8]) -> Result<ChatRequest, ApiError> {
     let model = model(&body)?;
     let (stream, include_usage) = streaming(&body)?;
     let messages: Vec<ChatMessage> = match body.get("messages") {
+        // Read in place: a copy of the list first would double what a body holds.
         Some(messages @ Value::Array(list)) if !list.is_empty() => {
-            serde_json::from_value(messages.clone())
+            Vec::<ChatMessage>::deserialize(messages)
                 .map_err(|e| ApiError::bad_request(format!("`messages`: {e}")))?
         }
         _ => return Err(ApiError::bad_request("`messages` must be a non-empty list")),

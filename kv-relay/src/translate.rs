@@ -204,7 +204,7 @@ mod tests {
             .flat_map(|h| [*h as u32, *h as u32 + 1])
             .collect();
         EngineEvent::BlockStored(
-            BlockStored {
+            Box::new(BlockStored {
                 block_hashes: hashes.iter().copied().map(ExternalBlockHash).collect(),
                 parent_block_hash: parent.map(ExternalBlockHash),
                 token_ids: tokens,
@@ -212,7 +212,7 @@ mod tests {
                 medium: Some(medium.into()),
                 group_idx: Some(group),
                 ..BlockStored::default()
-            },
+            }),
             EventForm::TaggedMap,
         )
     }

@@ -148,7 +148,7 @@ async fn route(state: &RouterState, request: RouteRequest) -> RouteReply {
 /// # Errors
 /// A `bad_request` reply for a prompt [`prompt_blocks`] refuses, or for more than
 /// [`MAX_EXCLUDED_WORKERS`] excluded workers.
-pub(crate) fn schedule_request(
+pub fn schedule_request(
     request: RouteRequest,
     block_size: u32,
 ) -> Result<ScheduleRequest, RouteReply> {

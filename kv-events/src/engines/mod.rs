@@ -23,10 +23,12 @@
 //! salts never match each other (see `docs/protocol.md`, "Engine block hashes").
 //!
 //! Cost: decoding allocates the event vectors once; no intermediate generic value
-//! tree is built except for `extra_keys`. Nesting is capped at [`MAX_DEPTH`] levels, so
-//! hostile input cannot exhaust the stack, and no length prefix is trusted for
-//! pre-allocation. Decoding never panics (property-tested on random and truncated
-//! input).
+//! tree is built except for `extra_keys`. The payload is first checked by the codec's
+//! walk ([`crate::codec::ShapeError`]): complete, nesting at most [`MAX_DEPTH`]
+//! levels, and no length announcing more than follows, so hostile input can neither
+//! exhaust the stack nor make serde pre-allocate for elements that are not there
+//! (it reserves up to 1 MiB per announced sequence). Decoding never panics
+//! (property-tested on random and truncated input, and fuzzed by `kv-fuzz`).
 //!
 //! This module is tokio-free like the rest of the crate: the relay in `router-daemon`
 //! does the networking.
@@ -44,7 +46,11 @@ pub use wire::{
 /// Why an engine payload could not be decoded.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineDecodeError {
-    /// The bytes are not msgpack of the expected shape (truncated, wrong types, too deep).
+    /// The bytes are not one complete msgpack value within [`MAX_DEPTH`] levels, or a
+    /// length announces more than follows; nothing was decoded.
+    #[error("engine kv event payload refused before decoding: {0}")]
+    Shape(#[from] crate::codec::ShapeError),
+    /// The bytes are not msgpack of the expected shape (wrong types, missing fields).
     #[error("engine kv event payload is malformed: {0}")]
     Malformed(#[from] rmp_serde::decode::Error),
 }
@@ -55,6 +61,7 @@ pub enum EngineDecodeError {
 /// [`EngineDecodeError`] for anything that does not start with one complete batch
 /// (bytes after it are ignored, as msgpack readers do). Never panics.
 pub fn decode_batch(payload: &[u8]) -> Result<EngineBatch, EngineDecodeError> {
+    crate::codec::check_shape(payload)?;
     let mut de = rmp_serde::Deserializer::from_read_ref(payload);
     de.set_max_depth(MAX_DEPTH);
     Ok(<EngineBatch as serde::Deserialize>::deserialize(&mut de)?)
