@@ -51,7 +51,9 @@ fn the_meter_sees_allocations_and_the_bound_is_enforced() {
     let meter = kv_fuzz::meter::Meter::new().expect("the counting allocator is installed");
     let (v, peak) = meter.peak_of(|| Vec::<u8>::with_capacity(1 << 20));
     drop(v);
-    assert!(peak >= 1 << 20, "peak {peak}");
+    // The counters are process-wide: the test harness's own threads may free a few
+    // bytes meanwhile (seen in CI: 34 bytes short of 1 MiB), so allow 64 KiB of noise.
+    assert!(peak >= (1 << 20) - (64 << 10), "peak {peak}");
     let target = by_name("events").expect("the events target exists");
     let seed = target.corpus().seeds()[0].clone();
     let handled = runner::check(target, &meter, Bound::DEFAULT, &seed).expect("a seed passes");
