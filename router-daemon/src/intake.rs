@@ -83,8 +83,8 @@ pub async fn serve_events(
                 }
             }
             () = expired => {
-                let registered = parts.publishers.borrow().clone();
-                for dropped in hold.expire(Instant::now(), &registered) {
+                let dropped = hold.expire(Instant::now(), &parts.publishers.borrow());
+                for dropped in dropped {
                     parts.drop_held(dropped);
                 }
             }
@@ -97,8 +97,8 @@ pub async fn serve_events(
                 if parts.publishers.has_changed().unwrap_or(false) && !parts.release(&mut hold).await {
                     return;
                 }
-                let registered = parts.publishers.borrow().clone();
-                match hold.admit(batch, &registered, Instant::now()) {
+                let admitted = hold.admit(batch, &parts.publishers.borrow(), Instant::now());
+                match admitted {
                     Ok(batch) => {
                         if !parts.apply(batch).await {
                             return;
@@ -125,8 +125,8 @@ impl EventIntake {
 
     /// Applies the held batches the current registrations allow, in arrival order.
     async fn release(&mut self, hold: &mut Hold) -> bool {
-        let registered = self.publishers.borrow_and_update().clone();
-        for batch in hold.release(&registered) {
+        let released = hold.release(&self.publishers.borrow_and_update());
+        for batch in released {
             if !self.apply(batch).await {
                 return false;
             }
