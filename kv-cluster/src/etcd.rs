@@ -17,6 +17,9 @@
 //! appear in `Debug` output or logs.
 
 use crate::Error;
+/// The etcd client type [`connect`] returns, for crates that hold one without depending
+/// on `etcd-client` themselves.
+pub use etcd_client::Client as EtcdClient;
 use etcd_client::{Certificate, Client, ConnectOptions, Identity, TlsOptions};
 use std::path::PathBuf;
 use std::time::Duration;

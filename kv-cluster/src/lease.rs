@@ -95,6 +95,29 @@ impl WorkerLease {
         Ok(lease)
     }
 
+    /// Replaces the record; when a lease is granted, the key is written again under
+    /// it at once (routers see a changed registration), otherwise at the next
+    /// [`Self::grant`].
+    ///
+    /// # Errors
+    /// [`Error::Encode`] if the record cannot be serialized; [`Error`] if etcd
+    /// refuses the write or does not answer in time (the record is kept for the next
+    /// grant).
+    pub async fn update(&mut self, record: &WorkerRegistration) -> Result<(), Error> {
+        self.value = serde_json::to_string(record)?;
+        let Some(active) = &self.active else {
+            return Ok(());
+        };
+        let put = PutOptions::new().with_lease(active.lease_id);
+        bounded(
+            self.client
+                .put(self.key.clone(), self.value.clone(), Some(put)),
+        )
+        .await?;
+        info!(key = %self.key, lease_id = active.lease_id, "worker registration updated");
+        Ok(())
+    }
+
     /// The etcd key.
     pub fn key(&self) -> &str {
         &self.key

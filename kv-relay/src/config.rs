@@ -58,10 +58,6 @@ pub struct RelayArgs {
     /// Worker id to register and publish as (unique in the namespace).
     #[arg(long, env = "KV_RELAY_WORKER_ID")]
     pub worker_id: u64,
-    /// Tokens per KV block: the engine's block size (vLLM --block-size, SGLang
-    /// --page-size); must equal the router's.
-    #[arg(long, env = "KV_ROUTER_BLOCK_SIZE")]
-    pub block_size: u32,
     /// Data-parallel ranks of the engine (default: one per --engine-endpoint).
     #[arg(long, env = "KV_RELAY_DP_SIZE")]
     pub dp_size: Option<u32>,
@@ -69,15 +65,14 @@ pub struct RelayArgs {
     /// batch (nil means rank 0) instead of from the endpoint.
     #[arg(long, env = "KV_RELAY_SHARED_ENDPOINT")]
     pub shared_endpoint: bool,
-    /// KV cache capacity of each rank, in blocks (registered; 0 = unknown).
-    #[arg(long, env = "KV_RELAY_TOTAL_KV_BLOCKS", default_value_t = 0)]
-    pub total_kv_blocks: u64,
-    /// Engine Prometheus endpoint to scrape for load, e.g. http://127.0.0.1:8000/metrics.
+    /// Engine Prometheus page, scraped for load and for the engine's block size and
+    /// KV capacity (vLLM `cache_config_info`, SGLang `page_size`/`num_pages`)
+    /// [default: <engine-url>/metrics].
     #[arg(long, env = "KV_RELAY_METRICS_URL")]
     pub metrics_url: Option<String>,
     /// The engine's OpenAI HTTP base URL as the gateway reaches it, e.g.
     /// http://10.0.0.7:8000; registered so `kv-router gateway` can forward requests to
-    /// this worker.
+    /// this worker, and where its /metrics page is read.
     #[arg(long, env = "KV_RELAY_ENGINE_URL")]
     pub engine_url: Option<String>,
     /// The relay's own HTTP endpoint: address, header-read timeout, connection cap.
@@ -134,11 +129,16 @@ pub struct EngineConfig {
     pub shared: bool,
 }
 
-/// The worker the relay stands for.
+/// The worker the relay stands for. Its block size and KV capacity are not
+/// configured: they are learned from the engine ([`crate::facts`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WorkerConfig {
-    /// What is written to etcd.
-    pub registration: WorkerRegistration,
+    /// The worker id registered and published under.
+    pub worker_id: WorkerId,
+    /// Data-parallel ranks of the engine.
+    pub dp_size: u32,
+    /// The engine's OpenAI HTTP base URL, registered for the gateway.
+    pub url: Option<String>,
     /// Lease TTL, in seconds.
     pub lease_ttl_secs: u64,
     /// Events kept per rank for recovery.
@@ -169,7 +169,8 @@ pub struct RelayConfig {
     pub engine: EngineConfig,
     /// The worker identity and registration.
     pub worker: WorkerConfig,
-    /// Load scrape, if `--metrics-url` was given.
+    /// Load and facts scrape, if `--metrics-url` or an `http://` `--engine-url` was
+    /// given.
     pub scrape: Option<ScrapeConfig>,
     /// Where and how to serve the relay's `/metrics`, if anywhere.
     pub http: Option<crate::http::HttpConfig>,
@@ -241,9 +242,6 @@ impl RelayConfig {
                 "at least one endpoint is required",
             ));
         }
-        if args.block_size == 0 {
-            return Err(invalid("block-size", "must be at least 1 token"));
-        }
         let default_size = if args.shared_endpoint {
             1
         } else {
@@ -294,15 +292,21 @@ impl RelayConfig {
         }
         let nats = args.nats.to_config()?;
         let etcd = args.etcd.to_config()?;
-        let scrape = args
-            .metrics_url
-            .as_deref()
-            .map(|url| scrape_config(url, args.metrics_interval_ms))
-            .transpose()?;
         let engine_url = args
             .engine_url
             .as_deref()
             .map(|u| u.trim().trim_end_matches('/').to_owned());
+        // An https engine is scraped only through an explicit http --metrics-url.
+        let metrics_url = args.metrics_url.clone().or_else(|| {
+            engine_url
+                .as_deref()
+                .filter(|u| u.starts_with("http://"))
+                .map(|u| format!("{u}/metrics"))
+        });
+        let scrape = metrics_url
+            .as_deref()
+            .map(|url| scrape_config(url, args.metrics_interval_ms))
+            .transpose()?;
         let check = WorkerRegistration {
             worker_id: WorkerId(args.worker_id),
             dp_size: 1,
@@ -326,14 +330,9 @@ impl RelayConfig {
                 shared: args.shared_endpoint,
             },
             worker: WorkerConfig {
-                registration: WorkerRegistration {
-                    worker_id: WorkerId(args.worker_id),
-                    dp_size,
-                    block_size: args.block_size,
-                    total_kv_blocks: args.total_kv_blocks,
-                    url: engine_url,
-                    epoch: 0,
-                },
+                worker_id: WorkerId(args.worker_id),
+                dp_size,
+                url: engine_url,
                 lease_ttl_secs: args.lease_ttl_secs,
                 journal_events: args.journal_events,
             },
@@ -370,7 +369,7 @@ mod tests {
     use kv_cluster::nats::{ClientCertificate, NatsAuth};
 
     fn config(args: &[&str]) -> Result<RelayConfig, Error> {
-        let base = ["kv-router", "--worker-id", "7", "--block-size", "16"];
+        let base = ["kv-router", "--worker-id", "7"];
         let cli = kv_cluster::args::parse_flags::<RelayArgs, _, _>(
             base.iter().chain(args.iter()).copied(),
         )
@@ -382,13 +381,16 @@ mod tests {
     fn the_engine_url_is_registered_for_the_gateway() {
         let base = ["--engine-endpoint", "tcp://10.0.0.1:5557"];
         let none = config(&base).unwrap();
-        assert_eq!(none.worker.registration.url, None);
+        assert_eq!(none.worker.url, None);
+        assert!(none.scrape.is_none(), "nothing to scrape");
         let mut with = base.to_vec();
         with.extend(["--engine-url", "http://10.0.0.1:8000/"]);
         let c = config(&with).unwrap();
+        assert_eq!(c.worker.url.as_deref(), Some("http://10.0.0.1:8000"));
+        let s = c.scrape.expect("the engine's page is read by default");
         assert_eq!(
-            c.worker.registration.url.as_deref(),
-            Some("http://10.0.0.1:8000")
+            (s.addr.as_str(), s.path.as_str()),
+            ("10.0.0.1:8000", "/metrics")
         );
         let mut bad = base.to_vec();
         bad.extend(["--engine-url", "10.0.0.1:8000"]);
@@ -412,14 +414,14 @@ mod tests {
         assert_eq!(e[2].publish, "tcp://10.0.0.1:5559");
         assert_eq!(e[2].replay.as_deref(), Some("tcp://10.0.0.1:5602"));
         assert_eq!(e[2].default_rank, DpRank(2));
-        assert_eq!(c.worker.registration.dp_size, 3);
+        assert_eq!(c.worker.dp_size, 3);
         assert_eq!(c.engine.format, EngineFormat::Auto);
     }
 
     #[test]
     fn explicit_endpoints_and_shared_endpoint() {
         let c = config(&["--engine-endpoint", "tcp://a:1,tcp://b:2"]).unwrap();
-        assert_eq!(c.worker.registration.dp_size, 2);
+        assert_eq!(c.worker.dp_size, 2);
         assert_eq!(c.engine.endpoints[1].publish, "tcp://b:2");
         assert_eq!(c.engine.endpoints[1].replay, None);
         let c = config(&[
@@ -432,7 +434,7 @@ mod tests {
         .unwrap();
         assert_eq!(c.engine.endpoints.len(), 1);
         assert_eq!(c.engine.endpoints[0].default_rank, DpRank(0));
-        assert_eq!(c.worker.registration.dp_size, 4);
+        assert_eq!(c.worker.dp_size, 4);
     }
 
     #[test]

@@ -51,6 +51,7 @@
 //! - [`translate`]: engine events to kv-router events with local block hashes.
 //! - [`publish`]: the one publishing task (numbering, journal) and the recovery
 //!   responder.
+//! - [`facts`]: the engine's block size and KV capacity, learned from the engine.
 //! - [`lease`]: the etcd registration, alive exactly while the engine's stream is.
 //! - [`scrape`]: the optional scrape of the engine's Prometheus load metrics.
 //! - [`counters`]: the `kv_relay_*` metrics; [`http`]: their optional `/metrics`.
@@ -59,6 +60,7 @@
 pub mod config;
 pub mod counters;
 mod error;
+pub mod facts;
 pub mod frames;
 pub mod http;
 pub mod lease;
@@ -72,8 +74,8 @@ pub use config::{EngineFormat, RelayArgs, RelayConfig};
 pub use counters::RelayCounters;
 pub use error::Error;
 
+use facts::{EngineFacts, WorkerIdentity};
 use kv_events::DpRank;
-use kv_events::discovery::WorkerRegistration;
 use kv_events::journal::{EventJournal, JournalConfig, unix_epoch_micros};
 use std::future::Future;
 use std::sync::{Arc, Mutex};
@@ -90,6 +92,7 @@ const SOURCE_QUEUE: usize = 1024;
 /// A running relay. Call [`Relay::shutdown`] for the orderly stop.
 pub struct Relay {
     counters: RelayCounters,
+    facts: watch::Receiver<EngineFacts>,
     http_addr: Option<std::net::SocketAddr>,
     nats: async_nats::Client,
     sources: CancellationToken,
@@ -121,11 +124,18 @@ impl Relay {
         // The epoch of this relay's event stream, registered with the worker so the
         // router follows it (and nothing else can move the worker to a new epoch).
         let epoch = unix_epoch_micros();
-        let registration = WorkerRegistration {
+        let who = WorkerIdentity {
+            worker_id: config.worker.worker_id,
+            dp_size: config.worker.dp_size,
+            url: config.worker.url.clone(),
             epoch,
-            ..config.worker.registration.clone()
         };
-        let worker_id = registration.worker_id;
+        let worker_id = who.worker_id;
+        // Without a page to read, registration waits only for the block size.
+        let (facts, facts_rx) = watch::channel(EngineFacts {
+            scraped: config.scrape.is_none(),
+            ..EngineFacts::default()
+        });
         let subjects = &config.subjects;
         let journal = Arc::new(Mutex::new(EventJournal::new(
             worker_id,
@@ -147,14 +157,17 @@ impl Relay {
             services.clone(),
         ));
         let (alive_tx, alive_rx) = watch::channel(false);
-        let lease = kv_cluster::lease::WorkerLease::new(
-            etcd,
-            subjects.etcd_worker_key(worker_id),
-            &registration,
-            config.worker.lease_ttl_secs,
-        )
-        .map_err(Error::Registration)?;
-        service_tasks.spawn(lease::run(lease, alive_rx, services.clone()));
+        service_tasks.spawn(lease::run(
+            lease::Registration {
+                etcd,
+                key: subjects.etcd_worker_key(worker_id),
+                ttl_secs: config.worker.lease_ttl_secs,
+                who: who.clone(),
+            },
+            alive_rx,
+            facts.clone(),
+            services.clone(),
+        ));
         if let Some(scrape) = config.scrape.clone() {
             service_tasks.spawn(
                 scrape::Scraper {
@@ -162,8 +175,8 @@ impl Relay {
                     nats: nats.clone(),
                     subject: subjects.load_metrics(worker_id),
                     worker_id,
-                    dp_size: registration.dp_size,
-                    total_kv_blocks: registration.total_kv_blocks,
+                    dp_size: who.dp_size,
+                    facts: facts.clone(),
                     counters: counters.clone(),
                 }
                 .run(services.clone()),
@@ -190,10 +203,7 @@ impl Relay {
         let (tx, rx) = mpsc::channel(SOURCE_QUEUE);
         let publisher = tokio::spawn(
             publish::Publisher {
-                translator: translate::Translator::new(
-                    registration.block_size,
-                    config.engine.format,
-                ),
+                translator: translate::Translator::new(config.engine.format),
                 journal,
                 nats: nats.clone(),
                 subject: subjects.kv_events(worker_id),
@@ -204,9 +214,10 @@ impl Relay {
                     .map(|e| e.default_rank)
                     .collect::<Vec<DpRank>>(),
                 shared: config.engine.shared,
-                dp_size: registration.dp_size,
+                dp_size: who.dp_size,
                 counters: counters.clone(),
                 alive: alive_tx,
+                facts,
             }
             .run(rx),
         );
@@ -234,6 +245,7 @@ impl Relay {
         info!(worker_id = %worker_id, sockets = config.engine.endpoints.len(), "kv-router relay started");
         Ok(Self {
             counters,
+            facts: facts_rx,
             http_addr,
             nats,
             sources,
@@ -247,6 +259,11 @@ impl Relay {
     /// The relay's metrics.
     pub fn counters(&self) -> &RelayCounters {
         &self.counters
+    }
+
+    /// The engine's KV cache facts learned so far (block size, capacity).
+    pub fn facts(&self) -> EngineFacts {
+        self.facts.borrow().clone()
     }
 
     /// Where `/metrics` is served (`--http-listen`), once bound.

@@ -15,17 +15,18 @@
 //! lease task.
 
 use crate::counters::RelayCounters;
+use crate::facts::EngineFacts;
 use crate::source::SourceMsg;
-use crate::translate::Translator;
+use crate::translate::{Skip, Translator};
 use futures::StreamExt;
-use kv_events::engines::EngineEvent;
+use kv_events::engines::{EngineEvent, LocalHashError};
 use kv_events::journal::EventJournal;
 use kv_events::{DpRank, KvCacheEventData, encode};
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex, PoisonError};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, warn};
+use tracing::{debug, error, info, warn};
 
 /// The journal shared by the publishing task and the recovery responder.
 pub type SharedJournal = Arc<Mutex<EventJournal>>;
@@ -56,6 +57,9 @@ pub struct Publisher {
     pub counters: RelayCounters,
     /// "At least one engine socket is connected", for the lease task.
     pub alive: watch::Sender<bool>,
+    /// The engine's KV cache facts: the block size is read from here, or learned
+    /// from the first stored event and offered here.
+    pub facts: watch::Sender<EngineFacts>,
 }
 
 fn kind(event: &EngineEvent) -> &'static str {
@@ -76,6 +80,8 @@ impl Publisher {
                 .await;
         }
         let mut connected = BTreeSet::new();
+        // The last refused event block size logged, so a mismatch is logged once.
+        let mut refused_size = None;
         while let Some(msg) = rx.recv().await {
             match msg {
                 SourceMsg::Batch { socket, seq, batch } => {
@@ -85,6 +91,7 @@ impl Publisher {
                         warn!(%rank, dp_size = self.dp_size, seq, "engine batch for a rank outside --dp-size skipped");
                         continue;
                     }
+                    self.sync_block_size();
                     let mut out = Vec::new();
                     for event in &batch.events {
                         match self.translator.apply(rank, event) {
@@ -94,10 +101,22 @@ impl Publisher {
                             }
                             Err(skip) => {
                                 self.counters.event(kind(event), skip.label());
-                                debug!(%rank, seq, reason = %skip, "engine event not published");
+                                if let Skip::Hashing(LocalHashError::BlockSize {
+                                    event,
+                                    expected,
+                                }) = skip
+                                {
+                                    if refused_size.replace(event) != Some(event) {
+                                        error!(%rank, seq, event_block_size = event, block_size = expected,
+                                            "engine event refused: its block_size {event} differs from the {expected} tokens in use");
+                                    }
+                                } else {
+                                    debug!(%rank, seq, reason = %skip, "engine event not published");
+                                }
                             }
                         }
                     }
+                    self.sync_block_size();
                     self.publish(out).await;
                 }
                 SourceMsg::Reset { socket, reason } => {
@@ -124,6 +143,26 @@ impl Publisher {
             }
         }
         self.alive.send_replace(false);
+    }
+
+    /// Brings the translator and the shared facts to one block size: a size from the
+    /// metrics page reaches the translator before it translates, and a size the
+    /// translator learned from an event reaches the facts (and the registration).
+    fn sync_block_size(&mut self) {
+        if let Some(size) = self.facts.borrow().block_size {
+            self.translator.learn_block_size(size);
+        }
+        if let Some(size) = self.translator.block_size() {
+            let learned = self
+                .facts
+                .send_if_modified(|f| f.block_size.is_none() && f.offer_block_size(size).is_none());
+            if learned {
+                info!(
+                    block_size = size,
+                    "block size learned from the engine's events"
+                );
+            }
+        }
     }
 
     fn set_alive(&self, connected: &BTreeSet<usize>) {

@@ -74,19 +74,32 @@ struct RankBlocks {
 /// Translates one worker's engine events, rank by rank.
 #[derive(Debug)]
 pub struct Translator {
-    block_size: u32,
+    /// Tokens per block; until known, the first stored event's `block_size` fixes it
+    /// (see [`crate::facts`]).
+    block_size: Option<u32>,
     format: EngineFormat,
     ranks: HashMap<DpRank, RankBlocks>,
 }
 
 impl Translator {
-    /// A translator for blocks of `block_size` tokens accepting `format`.
-    pub fn new(block_size: u32, format: EngineFormat) -> Self {
+    /// A translator accepting `format`, with the block size not known yet.
+    pub fn new(format: EngineFormat) -> Self {
         Self {
-            block_size,
+            block_size: None,
             format,
             ranks: HashMap::new(),
         }
+    }
+
+    /// Tokens per block in use, once known.
+    pub fn block_size(&self) -> Option<u32> {
+        self.block_size
+    }
+
+    /// Fixes the block size learned elsewhere (the engine's metrics page) when none
+    /// is in use yet; a size already in use is kept.
+    pub fn learn_block_size(&mut self, size: u32) {
+        self.block_size.get_or_insert(size);
     }
 
     /// Translates one engine event of `rank`.
@@ -123,7 +136,11 @@ impl Translator {
     }
 
     fn stored(&mut self, rank: DpRank, event: &BlockStored) -> Result<KvCacheEventData, Skip> {
-        let locals = local_block_hashes(event, self.block_size)?;
+        // Until the size is known, the event's own size is tried, and kept only if the
+        // event hashes at it (a 0 or inconsistent size fixes nothing).
+        let block_size = self.block_size.unwrap_or(event.block_size);
+        let locals = local_block_hashes(event, block_size)?;
+        self.block_size.get_or_insert(block_size);
         let blocks = &mut self.ranks.entry(rank).or_default().blocks;
         if let Some(parent) = event.parent_block_hash
             && !blocks.contains_key(&parent)
@@ -230,9 +247,42 @@ mod tests {
 
     const R: DpRank = DpRank(0);
 
+    fn translator(format: EngineFormat) -> Translator {
+        let mut t = Translator::new(format);
+        t.learn_block_size(BS);
+        t
+    }
+
+    #[test]
+    fn the_first_stored_event_fixes_the_block_size_and_others_are_refused() {
+        let mut t = Translator::new(EngineFormat::Auto);
+        assert_eq!(t.block_size(), None);
+        let mut zero = stored(&[10], None, "GPU", 0);
+        if let EngineEvent::BlockStored(b, _) = &mut zero {
+            b.block_size = 0;
+        }
+        assert!(matches!(t.apply(R, &zero), Err(Skip::Hashing(_))));
+        assert_eq!(
+            t.block_size(),
+            None,
+            "a size that does not hash fixes nothing"
+        );
+        t.apply(R, &stored(&[10], None, "GPU", 0)).expect("stored");
+        assert_eq!(t.block_size(), Some(BS));
+        t.learn_block_size(64);
+        assert_eq!(t.block_size(), Some(BS), "the size in use stays");
+        let mut other = stored(&[11], Some(10), "GPU", 0);
+        if let EngineEvent::BlockStored(b, _) = &mut other {
+            b.block_size = 4;
+            b.token_ids.extend([1, 2]);
+        }
+        let err = t.apply(R, &other).unwrap_err().to_string();
+        assert!(err.contains('4') && err.contains(&BS.to_string()), "{err}");
+    }
+
     #[test]
     fn stores_become_chains_with_local_hashes() {
-        let mut t = Translator::new(BS, EngineFormat::Auto);
+        let mut t = translator(EngineFormat::Auto);
         let out = t.apply(R, &stored(&[10, 11], None, "GPU", 0)).unwrap();
         let KvCacheEventData::Stored {
             parent_hash,
@@ -265,7 +315,7 @@ mod tests {
 
     #[test]
     fn a_block_is_removed_when_its_last_holder_removes_it() {
-        let mut t = Translator::new(BS, EngineFormat::Auto);
+        let mut t = translator(EngineFormat::Auto);
         t.apply(R, &stored(&[10], None, "GPU", 0)).unwrap();
         assert_eq!(
             t.apply(R, &stored(&[10], None, "CPU", 0)),
@@ -286,7 +336,7 @@ mod tests {
 
     #[test]
     fn orphans_bad_blocks_unknown_types_and_refused_forms_are_skipped() {
-        let mut t = Translator::new(BS, EngineFormat::Tagged);
+        let mut t = translator(EngineFormat::Tagged);
         assert_eq!(
             t.apply(R, &stored(&[5], Some(4), "GPU", 0)),
             Err(Skip::Orphan(ExternalBlockHash(4)))
@@ -316,7 +366,7 @@ mod tests {
 
     #[test]
     fn ranks_are_independent_and_clear_drops_one_rank() {
-        let mut t = Translator::new(BS, EngineFormat::Auto);
+        let mut t = translator(EngineFormat::Auto);
         t.apply(R, &stored(&[1, 2], None, "GPU", 0)).unwrap();
         t.apply(DpRank(1), &stored(&[1], None, "GPU", 0)).unwrap();
         assert_eq!(

@@ -60,7 +60,6 @@ async fn complete(http: &reqwest::Client, url: &str, prompt: &[u32], rank: u32) 
 fn relay_config(cluster: &TestCluster, sockets: &[RankEndpoints], url: &str) -> RelayConfig {
     let join = |f: fn(&RankEndpoints) -> &str| sockets.iter().map(f).collect::<Vec<_>>().join(",");
     let (publish, replay) = (join(|s| &s.publish), join(|s| &s.replay));
-    let metrics = format!("{url}/metrics");
     let args = [
         "--engine-endpoint",
         publish.as_str(),
@@ -68,14 +67,9 @@ fn relay_config(cluster: &TestCluster, sockets: &[RankEndpoints], url: &str) -> 
         replay.as_str(),
         "--worker-id",
         "1",
-        "--block-size",
-        "16",
-        "--total-kv-blocks",
-        "64",
+        // The block size and KV capacity come from the engine's /metrics page.
         "--engine-url",
         url,
-        "--metrics-url",
-        metrics.as_str(),
     ];
     RelayConfig::from_args(&cluster.flags::<RelayArgs>(&args)).unwrap()
 }
@@ -133,8 +127,9 @@ async fn vllm_mode_engines_reach_the_router_through_the_relay_alone() {
         .scheduler()
         .workers()
         .find(|w| w.worker_id == WORKER)
-        .map(|w| (w.dp_size, w.url.clone()));
-    assert_eq!(registered, Some((2, Some(url.clone()))));
+        .map(|w| (w.dp_size, w.url.clone(), w.block_size, w.total_kv_blocks));
+    // The block size and capacity are the engine's, read from its /metrics page.
+    assert_eq!(registered, Some((2, Some(url.clone()), BLOCK, 64)));
 
     // Live: rank 1 caches prompt B; its data_parallel_rank puts it on rank 1.
     let b: Vec<u32> = (5000..5064).collect();

@@ -57,7 +57,7 @@ pub struct HashScope {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LocalHashError {
     /// The event's block size differs from the cluster's.
-    #[error("event block_size {event} differs from the configured {expected} tokens")]
+    #[error("event block_size {event} differs from the {expected} tokens in use")]
     BlockSize {
         /// `block_size` in the event, in tokens.
         event: u32,

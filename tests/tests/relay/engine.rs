@@ -51,9 +51,12 @@ pub struct FakeEngine {
     publisher: XPubSocket,
     pub pub_endpoint: String,
     pub replay_endpoint: String,
+    /// The engine's Prometheus page ([`VLLM_METRICS`]), as vLLM serves it.
+    pub metrics_url: String,
     pub topic: Bytes,
     buffer: Buffer,
     replay_task: JoinHandle<()>,
+    page_task: JoinHandle<()>,
 }
 
 pub fn message(frames: Vec<Bytes>) -> ZmqMessage {
@@ -61,9 +64,17 @@ pub fn message(frames: Vec<Bytes>) -> ZmqMessage {
 }
 
 impl FakeEngine {
-    /// The `kv-router relay` flags that read this engine as worker 7, with 16-token
-    /// blocks and 1,000 blocks per rank.
+    /// The `kv-router relay` flags that read this engine as worker 7; the relay
+    /// learns 16-token blocks and 1,000 blocks per rank from the engine's page.
     pub fn relay_flags(&self) -> Vec<String> {
+        let mut flags = self.relay_flags_without_page();
+        flags.extend(["--metrics-url".to_owned(), self.metrics_url.clone()]);
+        flags
+    }
+
+    /// [`Self::relay_flags`] without the metrics page: the relay learns the block
+    /// size from the first stored event, and no capacity.
+    pub fn relay_flags_without_page(&self) -> Vec<String> {
         let topic = String::from_utf8(self.topic.to_vec()).unwrap();
         [
             "--engine-endpoint",
@@ -74,10 +85,6 @@ impl FakeEngine {
             topic.as_str(),
             "--worker-id",
             "7",
-            "--block-size",
-            "16",
-            "--total-kv-blocks",
-            "1000",
         ]
         .map(str::to_owned)
         .to_vec()
@@ -96,13 +103,16 @@ impl FakeEngine {
         let topic = Bytes::copy_from_slice(topic.as_bytes());
         let replay_task =
             tokio::spawn(serve_replay(router, buffer.clone(), topic.clone(), framing));
+        let (metrics_url, page_task) = serve_page(VLLM_METRICS.to_owned()).await;
         Self {
             publisher,
             pub_endpoint,
             replay_endpoint,
+            metrics_url,
             topic,
             buffer,
             replay_task,
+            page_task,
         }
     }
 
@@ -139,6 +149,7 @@ impl FakeEngine {
 
     pub fn stop(self) {
         self.replay_task.abort();
+        self.page_task.abort();
     }
 }
 
@@ -177,14 +188,16 @@ pub async fn serve_replay(
     }
 }
 
-/// A vLLM-style Prometheus page (the relay reads running, waiting and KV usage).
+/// A vLLM-style Prometheus page: running, waiting and KV usage, and the cache
+/// configuration (16-token blocks, 1,000 blocks).
 pub const VLLM_METRICS: &str = "# TYPE vllm:num_requests_running gauge\n\
 vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 3.0\n\
 vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 2.0\n\
-vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.25\n";
+vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.25\n\
+vllm:cache_config_info{block_size=\"16\",cache_dtype=\"auto\",engine=\"0\",num_gpu_blocks=\"1000\"} 1.0\n";
 
 /// Serves `page` over HTTP/1.1 on a free port; returns its URL and the server task.
-pub async fn serve_page(page: &'static str) -> (String, JoinHandle<()>) {
+pub async fn serve_page(page: String) -> (String, JoinHandle<()>) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}/metrics", listener.local_addr().unwrap());

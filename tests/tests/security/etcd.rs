@@ -127,10 +127,6 @@ fn an_https_etcd_endpoint_without_tls_is_refused_at_start() {
         "tcp://127.0.0.1:5557",
         "--worker-id",
         "1",
-        "--block-size",
-        "16",
-        "--total-kv-blocks",
-        "10",
     ]))
     .unwrap();
     check(format!(

@@ -4,11 +4,14 @@ engine's ZMQ KV events on the pod's loopback, publishes them and the engine's lo
 NATS, and registers the worker (with the pod's engine URL for the gateway) in etcd.
 It shares the router's ConfigMap and NATS secret.
 
+The relay reads the engine's block size and KV capacity from the engine's metrics
+page (vllm:cache_config_info, SGLang's page_size and pool size), so no number the
+engine knows is set here.
+
 The worker id is the StatefulSet pod index (label apps.kubernetes.io/pod-index,
 Kubernetes >= 1.28): unique within one engine StatefulSet, stable across restarts.
-This is a placeholder until the relay derives its worker id, block size and KV
-capacity from the engine itself (issue 16); then KV_RELAY_WORKER_ID,
-KV_ROUTER_BLOCK_SIZE and KV_RELAY_TOTAL_KV_BLOCKS go away here.
+This is a placeholder until the relay allocates its worker id itself; then
+KV_RELAY_WORKER_ID goes away here.
 */}}
 {{- define "kv-router.relayContainer" -}}
 {{- $e := .Values.engines -}}
@@ -33,9 +36,6 @@ KV_ROUTER_BLOCK_SIZE and KV_RELAY_TOTAL_KV_BLOCKS go away here.
       valueFrom:
         fieldRef:
           fieldPath: metadata.labels['apps.kubernetes.io/pod-index']
-    # Placeholder (see above): 0 = unknown until the relay reads it from the engine.
-    - name: KV_RELAY_TOTAL_KV_BLOCKS
-      value: {{ $e.relay.totalKvBlocks | quote }}
     - name: KV_RELAY_ENGINE_ENDPOINT
       value: tcp://127.0.0.1:{{ $e.eventsPort }}
     - name: KV_RELAY_REPLAY_ENDPOINT
@@ -44,6 +44,7 @@ KV_ROUTER_BLOCK_SIZE and KV_RELAY_TOTAL_KV_BLOCKS go away here.
       value: {{ $e.relay.dpSize | quote }}
     - name: KV_RELAY_TOPIC
       value: {{ $e.topic | quote }}
+    # Load, block size and KV capacity, read on the pod's loopback.
     - name: KV_RELAY_METRICS_URL
       value: http://127.0.0.1:{{ $e.port }}/metrics
     # How the gateway reaches this engine: the pod's address.

@@ -1,0 +1,181 @@
+//! Optional load scrape: reads the engine's Prometheus `/metrics` and publishes our
+//! [`LoadMetrics`] per dp rank on `{ns}.kv.metrics.{worker_id}`; the same page gives
+//! the engine's KV cache facts (block size and capacity, [`crate::facts`]).
+//!
+//! | our field | vLLM metric | SGLang metric |
+//! |---|---|---|
+//! | `num_requests_running` | `vllm:num_requests_running` | `sglang:num_running_reqs` |
+//! | `num_requests_waiting` | `vllm:num_requests_waiting` | `sglang:num_queue_reqs` |
+//! | `kv_used_blocks` = usage × the rank's capacity | `vllm:kv_cache_usage_perc` (≥ 0.10) or `vllm:gpu_cache_usage_perc` | `sglang:token_usage` |
+//! | `kv_total_blocks` | `vllm:cache_config_info{num_gpu_blocks}` | `sglang:num_pages` (or max tokens / page size) |
+//! | `active_decode_blocks` | = `kv_used_blocks` (blocks referenced by running requests) | same |
+//! | `active_prefill_tokens` | 0: not exported by the engines | 0 |
+//!
+//! Parsing is in [`page`]. Cost: one HTTP GET per period; parsing is linear in the
+//! page size.
+
+pub mod page;
+
+use crate::config::ScrapeConfig;
+use crate::counters::RelayCounters;
+use crate::facts::EngineFacts;
+use kv_events::{DpRank, LoadMetrics, WorkerId, encode};
+pub use page::{CacheFacts, RankLoad, parse_cache_facts, parse_metrics};
+use std::time::Duration;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, error, warn};
+
+/// Our load metrics for one rank from its scraped figures.
+pub fn to_load_metrics(
+    worker_id: WorkerId,
+    rank: DpRank,
+    load: &RankLoad,
+    total_kv_blocks: u64,
+) -> LoadMetrics {
+    let used = (load.usage.clamp(0.0, 1.0) * total_kv_blocks as f64).round() as u64;
+    let count = |v: f64| v.max(0.0).min(f64::from(u32::MAX)) as u32;
+    LoadMetrics {
+        worker_id,
+        dp_rank: rank,
+        active_decode_blocks: used,
+        active_prefill_tokens: 0,
+        kv_used_blocks: used,
+        kv_total_blocks: total_kv_blocks,
+        num_requests_running: count(load.running),
+        num_requests_waiting: count(load.waiting),
+    }
+}
+
+/// The scrape task's inputs.
+pub struct Scraper {
+    /// Where and how often.
+    pub config: ScrapeConfig,
+    /// Where to publish.
+    pub nats: async_nats::Client,
+    /// The worker's load metrics subject.
+    pub subject: String,
+    /// The worker.
+    pub worker_id: WorkerId,
+    /// Ranks `0..dp_size` are published; others ignored.
+    pub dp_size: u32,
+    /// The engine's KV cache facts: the page's are offered here.
+    pub facts: watch::Sender<EngineFacts>,
+    /// Metrics.
+    pub counters: RelayCounters,
+}
+
+impl Scraper {
+    /// Scrapes every period and publishes until `shutdown`.
+    pub async fn run(self, shutdown: CancellationToken) {
+        let mut tick = tokio::time::interval(self.config.interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut failing = false;
+        // The last conflicting page block size logged, so a conflict is logged once.
+        let mut reported = None;
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                _ = tick.tick() => {}
+            }
+            let result = self.scrape_once(&mut reported).await;
+            // Read or tried once: the worker may register (see `crate::facts`).
+            self.facts
+                .send_if_modified(|f| !std::mem::replace(&mut f.scraped, true));
+            match result {
+                Ok(()) => {
+                    failing = false;
+                    self.counters.scrape("ok");
+                }
+                Err(reason) => {
+                    self.counters.scrape("failed");
+                    if !failing {
+                        warn!(addr = %self.config.addr, path = %self.config.path, %reason, "engine metrics scrape failed");
+                    }
+                    failing = true;
+                }
+            }
+        }
+    }
+
+    async fn scrape_once(&self, reported: &mut Option<u32>) -> Result<(), String> {
+        let timeout = self.config.interval.min(Duration::from_secs(5));
+        let resp = kv_cluster::http::get(&self.config.addr, &self.config.path, timeout)
+            .await
+            .map_err(|e| e.to_string())?;
+        if resp.status != 200 {
+            return Err(format!("http status {}", resp.status));
+        }
+        let cache = parse_cache_facts(&resp.body);
+        self.offer(&cache, reported);
+        let known = self.facts.borrow().kv_blocks.unwrap_or(0);
+        for (rank, load) in parse_metrics(&resp.body) {
+            if rank.0 >= self.dp_size {
+                debug!(%rank, "metrics for a rank outside the dp size ignored");
+                continue;
+            }
+            let capacity = cache.kv_blocks.get(&rank).copied().unwrap_or(known);
+            let metrics = to_load_metrics(self.worker_id, rank, &load, capacity);
+            let bytes = encode(&metrics).map_err(|e| e.to_string())?;
+            self.nats
+                .publish(self.subject.clone(), bytes.into())
+                .await
+                .map_err(|e| format!("publishing load metrics: {e}"))?;
+        }
+        Ok(())
+    }
+
+    /// Offers the page's block size and capacity to the shared facts; a block size
+    /// other than the one already fixed is logged (once per value) and counted.
+    fn offer(&self, cache: &CacheFacts, reported: &mut Option<u32>) {
+        for &size in &cache.block_sizes {
+            let mut conflict = None;
+            self.facts.send_if_modified(|f| {
+                let before = f.block_size;
+                conflict = f.offer_block_size(size);
+                before != f.block_size
+            });
+            if let Some(fixed) = conflict {
+                self.counters.scrape("block_size_conflict");
+                if reported.replace(size) != Some(size) {
+                    error!(addr = %self.config.addr, page_block_size = size, block_size = fixed,
+                        "the engine's metrics page states block_size {size} but the relay already \
+                         uses {fixed} tokens (from the engine's events or an earlier page); \
+                         events of another size are refused");
+                }
+            }
+        }
+        let smallest = (0..self.dp_size)
+            .filter_map(|r| cache.kv_blocks.get(&DpRank(r)).copied())
+            .min();
+        if let Some(blocks) = smallest {
+            self.facts
+                .send_if_modified(|f| f.kv_blocks.replace(blocks) != Some(blocks));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn usage_is_scaled_by_the_ranks_capacity() {
+        let load = RankLoad {
+            running: 3.0,
+            waiting: 2.0,
+            usage: 0.25,
+        };
+        let m = to_load_metrics(WorkerId(7), DpRank(0), &load, 1000);
+        assert_eq!(
+            (
+                m.kv_used_blocks,
+                m.kv_total_blocks,
+                m.active_decode_blocks,
+                m.num_requests_running,
+                m.num_requests_waiting
+            ),
+            (250, 1000, 250, 3, 2)
+        );
+    }
+}

@@ -1,0 +1,312 @@
+//! Reading an engine's Prometheus text page: the samples, the load per rank, and what
+//! the engine states about its KV cache (block size and capacity).
+//!
+//! Only the lines the relay uses are interpreted; comments, unknown metrics and
+//! malformed lines are skipped, so a page from a newer engine version still parses.
+//! Label values are read with the text format's quoting rules (`\"`, `\\`, `\n`
+//! escapes; commas and braces inside quotes), because vLLM's `cache_config_info`
+//! carries free-form configuration values. Cost: linear in the page size, no
+//! allocation per sample.
+//!
+//! The rank of a sample is its `engine` label (vLLM: one engine core per dp rank) or
+//! its `dp_rank` label (SGLang); an unlabeled sample is rank 0.
+//!
+//! KV cache facts (engine code: vLLM `vllm/v1/metrics/loggers.py` publishes the
+//! `CacheConfig` as an info gauge; SGLang's metrics collector publishes its pool
+//! constants as gauges):
+//!
+//! | fact | vLLM | SGLang |
+//! |---|---|---|
+//! | block size, tokens | `vllm:cache_config_info{block_size}` | `sglang:page_size` |
+//! | capacity per rank, blocks | `vllm:cache_config_info{num_gpu_blocks}` | `sglang:num_pages`, else `sglang:max_total_num_tokens` / page size |
+
+use kv_events::DpRank;
+use std::collections::{BTreeMap, BTreeSet};
+
+/// One sample line: `name{labels} value [timestamp]`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sample<'a> {
+    /// Metric name.
+    pub name: &'a str,
+    /// The raw label set between the braces (empty without labels).
+    labels: &'a str,
+    /// The sample value (finite).
+    pub value: f64,
+}
+
+impl<'a> Sample<'a> {
+    /// The raw value of label `name` (escapes are not undone: the labels read here
+    /// are numbers); `None` when absent.
+    pub fn label(&self, name: &str) -> Option<&'a str> {
+        labels(self.labels).find_map(|(k, v)| (k == name).then_some(v))
+    }
+
+    /// The sample's dp rank (see the module docs).
+    pub fn rank(&self) -> DpRank {
+        self.label("engine")
+            .or_else(|| self.label("dp_rank"))
+            .and_then(|r| r.parse::<u32>().ok())
+            .map_or(DpRank(0), DpRank)
+    }
+}
+
+/// Iterates `key="value"` pairs of a label set, honouring quotes and escapes; stops
+/// at the first malformed pair.
+fn labels(set: &str) -> impl Iterator<Item = (&str, &str)> {
+    let mut rest = set;
+    std::iter::from_fn(move || {
+        rest = rest.trim_start_matches([',', ' ']);
+        let (key, after) = rest.split_once('=')?;
+        let after = after.trim_start().strip_prefix('"')?;
+        let end = closing_quote(after)?;
+        rest = &after[end + 1..];
+        Some((key.trim(), &after[..end]))
+    })
+}
+
+/// Byte index of the quote closing a value that starts right after its opening quote.
+fn closing_quote(s: &str) -> Option<usize> {
+    let bytes = s.as_bytes();
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'\\' => i += 2,
+            b'"' => return Some(i),
+            _ => i += 1,
+        }
+    }
+    None
+}
+
+/// Splits a sample line into name, raw labels and value; `None` for comments,
+/// blank or malformed lines and non-finite values.
+fn sample(line: &str) -> Option<Sample<'_>> {
+    let line = line.trim();
+    if line.is_empty() || line.starts_with('#') {
+        return None;
+    }
+    let name_end = line.find(|c: char| c == '{' || c.is_whitespace())?;
+    let (name, rest) = line.split_at(name_end);
+    let (labels, rest) = match rest.strip_prefix('{') {
+        Some(inner) => {
+            // The closing brace is the first one outside quotes.
+            let mut in_quotes = false;
+            let mut escaped = false;
+            let close = inner.char_indices().find_map(|(i, c)| {
+                match (escaped, c) {
+                    (true, _) => escaped = false,
+                    (false, '\\') => escaped = in_quotes,
+                    (false, '"') => in_quotes = !in_quotes,
+                    (false, '}') if !in_quotes => return Some(i),
+                    _ => {}
+                }
+                None
+            })?;
+            (&inner[..close], &inner[close + 1..])
+        }
+        None => ("", rest),
+    };
+    let value = rest
+        .split_whitespace()
+        .next()?
+        .parse::<f64>()
+        .ok()
+        .filter(|v| v.is_finite())?;
+    Some(Sample {
+        name,
+        labels,
+        value,
+    })
+}
+
+/// The sample lines of a page, in order.
+pub fn samples(page: &str) -> impl Iterator<Item = Sample<'_>> {
+    page.lines().filter_map(sample)
+}
+
+/// Load figures of one rank read from a metrics page.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct RankLoad {
+    /// Requests running.
+    pub running: f64,
+    /// Requests waiting.
+    pub waiting: f64,
+    /// KV cache usage fraction, `[0, 1]`.
+    pub usage: f64,
+}
+
+/// Parses a page into per-rank load. Several samples of one metric and rank (other
+/// labels, e.g. `model_name`) are summed.
+pub fn parse_metrics(page: &str) -> BTreeMap<DpRank, RankLoad> {
+    let mut out: BTreeMap<DpRank, RankLoad> = BTreeMap::new();
+    for s in samples(page) {
+        let slot: fn(&mut RankLoad) -> &mut f64 = match s.name {
+            "vllm:num_requests_running" | "sglang:num_running_reqs" => {
+                |l: &mut RankLoad| &mut l.running
+            }
+            "vllm:num_requests_waiting" | "sglang:num_queue_reqs" => {
+                |l: &mut RankLoad| &mut l.waiting
+            }
+            "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" | "sglang:token_usage" => {
+                |l: &mut RankLoad| &mut l.usage
+            }
+            _ => continue,
+        };
+        *slot(out.entry(s.rank()).or_default()) += s.value;
+    }
+    out
+}
+
+/// What a metrics page states about the engine's KV cache.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CacheFacts {
+    /// Every block size the page states, in tokens (one in a sane engine; more is
+    /// reported as a conflict by the caller).
+    pub block_sizes: BTreeSet<u32>,
+    /// KV cache capacity per rank, in blocks.
+    pub kv_blocks: BTreeMap<DpRank, u64>,
+}
+
+/// A positive integer sample value or label.
+fn count(v: f64) -> Option<u64> {
+    (v >= 1.0 && v <= u64::MAX as f64).then_some(v as u64)
+}
+
+/// Reads the KV cache facts of a page (see the module docs for the sources).
+pub fn parse_cache_facts(page: &str) -> CacheFacts {
+    let mut facts = CacheFacts::default();
+    let mut sglang_tokens: BTreeMap<DpRank, u64> = BTreeMap::new();
+    let mut sglang_pages: BTreeMap<DpRank, u64> = BTreeMap::new();
+    let label_count = |s: &Sample<'_>, name: &str| {
+        s.label(name)
+            .and_then(|v| v.parse::<u64>().ok())
+            .filter(|v| *v > 0)
+    };
+    for s in samples(page) {
+        match s.name {
+            "vllm:cache_config_info" => {
+                if let Some(bs) = label_count(&s, "block_size").and_then(|b| u32::try_from(b).ok())
+                {
+                    facts.block_sizes.insert(bs);
+                }
+                if let Some(blocks) = label_count(&s, "num_gpu_blocks") {
+                    facts.kv_blocks.insert(s.rank(), blocks);
+                }
+            }
+            "sglang:page_size" => {
+                if let Some(bs) = count(s.value).and_then(|b| u32::try_from(b).ok()) {
+                    facts.block_sizes.insert(bs);
+                }
+            }
+            "sglang:num_pages" => {
+                if let Some(pages) = count(s.value) {
+                    sglang_pages.insert(s.rank(), pages);
+                }
+            }
+            "sglang:max_total_num_tokens" => {
+                if let Some(tokens) = count(s.value) {
+                    sglang_tokens.insert(s.rank(), tokens);
+                }
+            }
+            _ => {}
+        }
+    }
+    let page_size = (facts.block_sizes.len() == 1)
+        .then(|| facts.block_sizes.first().copied())
+        .flatten();
+    for (rank, tokens) in sglang_tokens {
+        if let Some(bs) = page_size {
+            let pages = tokens / u64::from(bs);
+            if pages > 0 {
+                facts.kv_blocks.entry(rank).or_insert(pages);
+            }
+        }
+    }
+    // The pool's own page count wins over the token-derived one.
+    facts.kv_blocks.extend(sglang_pages);
+    facts
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const VLLM: &str = r#"
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 1.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 2.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:prompt_tokens_total{engine="0",model_name="m"} 1234.0
+vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",num_gpu_blocks="2048",prefix_caching_hash_algo="sha256"} 1.0
+vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="2040",note="a,b}c \"q\""} 1.0
+garbage line
+"#;
+
+    #[test]
+    fn vllm_pages_parse_per_engine_rank() {
+        let loads = parse_metrics(VLLM);
+        assert_eq!(
+            loads[&DpRank(0)],
+            RankLoad {
+                running: 3.0,
+                waiting: 2.0,
+                usage: 0.25
+            }
+        );
+        assert_eq!(loads[&DpRank(1)].running, 1.0);
+    }
+
+    #[test]
+    fn vllm_cache_config_info_gives_block_size_and_capacity_per_rank() {
+        let facts = parse_cache_facts(VLLM);
+        assert_eq!(facts.block_sizes, BTreeSet::from([16]));
+        assert_eq!(
+            facts.kv_blocks,
+            BTreeMap::from([(DpRank(0), 2048), (DpRank(1), 2040)])
+        );
+        // vLLM writes "None" before the KV cache is profiled: not a fact.
+        let early = "vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"None\"} 1.0";
+        let facts = parse_cache_facts(early);
+        assert_eq!(facts.block_sizes, BTreeSet::from([16]));
+        assert!(facts.kv_blocks.is_empty());
+    }
+
+    #[test]
+    fn sglang_page_size_and_pool_give_the_facts() {
+        let page = "sglang:page_size{dp_rank=\"0\"} 32\nsglang:page_size{dp_rank=\"1\"} 32\n\
+                    sglang:max_total_num_tokens{dp_rank=\"0\"} 471258\n\
+                    sglang:max_total_num_tokens{dp_rank=\"1\"} 64000\nsglang:num_pages{dp_rank=\"1\"} 1999\n";
+        let facts = parse_cache_facts(page);
+        assert_eq!(facts.block_sizes, BTreeSet::from([32]));
+        assert_eq!(
+            facts.kv_blocks,
+            BTreeMap::from([(DpRank(0), 471_258 / 32), (DpRank(1), 1999)])
+        );
+        let conflict =
+            parse_cache_facts("sglang:page_size 16\nvllm:cache_config_info{block_size=\"32\"} 1\n");
+        assert_eq!(conflict.block_sizes, BTreeSet::from([16, 32]));
+    }
+
+    #[test]
+    fn sglang_pages_and_unlabeled_samples_parse() {
+        let page = "sglang:num_running_reqs{dp_rank=\"1\"} 4\nsglang:num_queue_reqs 7\nsglang:token_usage{dp_rank=\"1\"} 0.5 1700000000\n";
+        let loads = parse_metrics(page);
+        assert_eq!(loads[&DpRank(0)].waiting, 7.0);
+        assert_eq!(loads[&DpRank(1)].running, 4.0);
+        assert_eq!(loads[&DpRank(1)].usage, 0.5);
+        assert!(parse_metrics("vllm:num_requests_running{engine=\"0\"} NaN").is_empty());
+    }
+
+    #[test]
+    fn quoted_braces_commas_and_escapes_do_not_split_labels() {
+        let s = sample(r#"m{a="x,}y",b="q\"}",engine="3"} 2 17"#).expect("a sample");
+        assert_eq!((s.name, s.value), ("m", 2.0));
+        assert_eq!(s.label("a"), Some("x,}y"));
+        assert_eq!(s.label("b"), Some(r#"q\"}"#));
+        assert_eq!(s.rank(), DpRank(3));
+        assert_eq!(sample("m{a=\"unterminated} 1"), None);
+        assert_eq!(sample("# HELP m text"), None);
+    }
+}
