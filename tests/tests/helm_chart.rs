@@ -206,6 +206,9 @@ async fn the_validator_and_the_chart_refuse_broken_input() {
     let defaults = chart().join("ci/default-values.yaml");
     let refused = render(&defaults, &["gateway.tokenizeVia=local"]).expect_err("refused");
     assert!(refused.contains("gateway.modelVolume"), "{refused}");
+    // Engines need the block size for their flag and the relay sidecar.
+    let refused = render(&defaults, &["engines.enabled=true"]).expect_err("refused");
+    assert!(refused.contains("engines.enabled needs blockSize"), "{refused}");
 }
 
 #[tokio::test]
@@ -373,6 +376,9 @@ async fn the_defaults_need_no_monitoring_crds_and_run_no_engines() {
         find(&objects, "Deployment", "kv-router")["spec"]["replicas"],
         2
     );
+    // No block size by default: the router adopts the registered workers' size.
+    let env = find(&objects, "ConfigMap", "kv-router-env");
+    assert!(env["data"].get("KV_ROUTER_BLOCK_SIZE").is_none(), "{env}");
     let gateway = container(find(&objects, "Deployment", "kv-router-gateway"), "gateway");
     assert!(
         gateway["args"]
