@@ -201,5 +201,4 @@ mod tests {
         assert_eq!(b.get(), Some(tokens(64)));
         assert_eq!(b.accept(tokens(64)), Ok(()));
     }
-
 }

@@ -208,7 +208,10 @@ async fn the_validator_and_the_chart_refuse_broken_input() {
     assert!(refused.contains("gateway.modelVolume"), "{refused}");
     // Engines need the block size for their flag and the relay sidecar.
     let refused = render(&defaults, &["engines.enabled=true"]).expect_err("refused");
-    assert!(refused.contains("engines.enabled needs blockSize"), "{refused}");
+    assert!(
+        refused.contains("engines.enabled needs blockSize"),
+        "{refused}"
+    );
 }
 
 #[tokio::test]
