@@ -31,6 +31,17 @@ fn registration(id: u64, block_size: u32) -> WorkerRegistration {
     }
 }
 
+/// Registers worker `id` at `block_size` tokens per block under a 30 s lease.
+async fn register(cluster: &mut TestCluster, id: u64, block_size: u32) -> anyhow::Result<i64> {
+    register_worker(
+        &mut cluster.etcd,
+        &cluster.subjects,
+        &registration(id, block_size),
+        30,
+    )
+    .await
+}
+
 fn block_size(daemon: &Daemon) -> Option<u32> {
     daemon.state().block_size.get().map(NonZeroU32::get)
 }
@@ -97,13 +108,7 @@ async fn without_the_flag_the_first_size_is_adopted_and_forgotten_when_the_last_
     assert_eq!(decision.request_blocks, 5);
 
     // Another size is rejected and counted; worker 1 stays.
-    let w2 = register_worker(
-        &mut cluster.etcd,
-        &cluster.subjects,
-        &registration(2, 32),
-        30,
-    )
-    .await?;
+    let w2 = register(&mut cluster, 2, 32).await?;
     wait_for_rejections(&daemon, 1).await?;
     wait_for_workers(&daemon, &[1]).await?;
     assert_eq!(block_size(&daemon), Some(16));
@@ -124,13 +129,7 @@ async fn without_the_flag_the_first_size_is_adopted_and_forgotten_when_the_last_
     wait_for_workers(&daemon, &[]).await?;
     assert_eq!(block_size(&daemon), None);
     assert_no_workers(&cluster.route_tokens("none", (0..40).collect()).await?);
-    register_worker(
-        &mut cluster.etcd,
-        &cluster.subjects,
-        &registration(3, 8),
-        30,
-    )
-    .await?;
+    register(&mut cluster, 3, 8).await?;
     wait_for_workers(&daemon, &[3]).await?;
     assert_eq!(block_size(&daemon), Some(8));
     assert_eq!(
@@ -149,20 +148,8 @@ async fn start_up_adopts_the_oldest_registration_not_the_lowest_worker_id() -> a
     let mut cluster = TestCluster::start(16).await?;
     // Worker 9 registers first at 16 tokens, then worker 2 at 32: etcd key order (and
     // worker id order) puts worker 2 first, registration order worker 9.
-    register_worker(
-        &mut cluster.etcd,
-        &cluster.subjects,
-        &registration(9, 16),
-        30,
-    )
-    .await?;
-    register_worker(
-        &mut cluster.etcd,
-        &cluster.subjects,
-        &registration(2, 32),
-        30,
-    )
-    .await?;
+    register(&mut cluster, 9, 16).await?;
+    register(&mut cluster, 2, 32).await?;
     let daemon = cluster.start_daemon(|a| a.block_size = None).await?;
     assert_eq!(
         block_size(&daemon),
@@ -182,26 +169,14 @@ async fn a_pinned_size_rejects_other_sizes_even_with_no_worker() -> anyhow::Resu
     assert_eq!(daemon.state().block_size.source(), BlockSizeSource::Pinned);
     let w1 = FakeWorker::register(&mut cluster, 1, 30).await?;
     wait_for_workers(&daemon, &[1]).await?;
-    register_worker(
-        &mut cluster.etcd,
-        &cluster.subjects,
-        &registration(2, 32),
-        30,
-    )
-    .await?;
+    register(&mut cluster, 2, 32).await?;
     wait_for_rejections(&daemon, 1).await?;
 
     // The last worker leaves: a pinned size is kept, so worker 2 stays rejected and a
     // new worker of another size is rejected too.
     cluster.etcd.lease_revoke(w1.lease).await?;
     wait_for_workers(&daemon, &[]).await?;
-    register_worker(
-        &mut cluster.etcd,
-        &cluster.subjects,
-        &registration(3, 32),
-        30,
-    )
-    .await?;
+    register(&mut cluster, 3, 32).await?;
     wait_for_rejections(&daemon, 2).await?;
     assert_eq!(block_size(&daemon), Some(16));
     FakeWorker::register(&mut cluster, 4, 30).await?;
