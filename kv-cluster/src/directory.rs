@@ -40,6 +40,9 @@ pub struct Registered {
     pub lease_id: i64,
     /// The etcd revision of the key's last change.
     pub mod_revision: i64,
+    /// The etcd revision that created the key (unchanged by later puts to it): the
+    /// order in which workers registered, the same for every reader of the cluster.
+    pub create_revision: i64,
 }
 
 /// A registration key or value the directory could not use.
@@ -299,6 +302,7 @@ fn parse(
             registration,
             lease_id: kv.lease(),
             mod_revision: kv.mod_revision(),
+            create_revision: kv.create_revision(),
         }),
         Err(rejection) => {
             match &rejection {
@@ -351,8 +355,11 @@ pub fn registration(
 }
 
 /// Reads every registration and reconciles `workers` (and `to`) with it: workers gone
-/// from etcd are deleted, then every present one is put. Returns the etcd revision of
-/// the snapshot, from which a watch must continue.
+/// from etcd are deleted, then every present one is put, in the order the workers
+/// registered (key creation revision, then worker id) — the order a watch that saw
+/// them arrive would have put them in, so every reader that loads the same snapshot
+/// makes the same order-dependent choices (the daemon's adopted block size). Returns
+/// the etcd revision of the snapshot, from which a watch must continue.
 async fn resync(
     client: &mut Client,
     subjects: &Subjects,
@@ -385,7 +392,9 @@ async fn resync(
         workers.remove(&id);
         to.delete(id).await;
     }
-    for worker in snapshot.into_values() {
+    let mut present: Vec<Registered> = snapshot.into_values().collect();
+    present.sort_by_key(|w| (w.create_revision, w.registration.worker_id));
+    for worker in present {
         let reg = worker.registration.clone();
         workers.insert(reg.worker_id, reg);
         to.put(worker).await;

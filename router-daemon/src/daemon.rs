@@ -33,6 +33,7 @@
 //! every task it spawned is cancelled.
 
 use crate::admission::Admission;
+use crate::block_size::BlockSize;
 use crate::config::DaemonConfig;
 use crate::health::Phase;
 use crate::http::{HttpServer, HttpState};
@@ -89,7 +90,10 @@ impl Starting {
         );
         let state = Arc::new(RouterState::new(
             config.subjects.clone(),
-            config.route.block_size,
+            config
+                .route
+                .block_size
+                .map_or_else(BlockSize::adopted, BlockSize::pinned),
             indexer,
             counters,
             admission,

@@ -6,7 +6,11 @@
 //! `/debug/workers`; a delete — including the one etcd generates when a lease expires,
 //! and a worker a resync found gone — removes the worker from the scheduler (dropping
 //! its in-flight requests) and from every indexer shard. A registration whose block
-//! size differs from the router's is rejected. Each outcome is counted
+//! size the router cannot take ([`crate::block_size`]) is rejected: refused at parse
+//! time against a pinned `--block-size`; against an adopted size, remembered while its
+//! key exists and reconsidered (oldest registration first) when the last accepted
+//! worker leaves and the adopted size is forgotten. A worker that re-registers at
+//! another size leaves at the old one first. Each outcome is counted
 //! (`kv_router_messages_total{kind="registration"}`), and the directory's connection
 //! state drives `kv_router_etcd_connected` and the `etcd` readiness check. While etcd
 //! is lost the daemon keeps routing to the workers it knows.
@@ -19,6 +23,7 @@ use kv_cluster::directory::{EtcdStatus, Registered, Registrations, Rejection};
 use kv_events::WorkerId;
 use kv_events::discovery::WorkerRegistration;
 use std::collections::BTreeMap;
+use std::num::NonZeroU32;
 use std::sync::Arc;
 use tracing::{error, info, warn};
 
@@ -29,6 +34,9 @@ pub type KnownWorkers = BTreeMap<WorkerId, WorkerRegistration>;
 pub struct Discovery {
     state: Arc<RouterState>,
     known: KnownWorkers,
+    /// Present registrations rejected for their block size against an adopted size,
+    /// by id: reconsidered when that size is forgotten.
+    parked: BTreeMap<WorkerId, Registered>,
 }
 
 impl Discovery {
@@ -37,6 +45,7 @@ impl Discovery {
         Self {
             state,
             known: KnownWorkers::new(),
+            parked: BTreeMap::new(),
         }
     }
 
@@ -50,22 +59,31 @@ impl Discovery {
             .counters
             .message(MessageKind::Registration, outcome);
     }
-}
 
-impl Registrations for Discovery {
-    fn check(&self, reg: &WorkerRegistration) -> Result<(), String> {
-        if reg.block_size == self.state.block_size {
-            Ok(())
-        } else {
-            Err(format!(
-                "block_size {} differs from the router's {} tokens",
-                reg.block_size, self.state.block_size
-            ))
-        }
-    }
-
-    async fn put(&mut self, worker: Registered) {
+    /// Accepts `worker` into the scheduler, or parks it when its block size differs
+    /// from the router's (logged and counted when `report`).
+    fn accept(&mut self, worker: Registered, report: bool) {
         let state = &self.state;
+        let id = worker.registration.worker_id;
+        let refused = match NonZeroU32::new(worker.registration.block_size) {
+            Some(size) => state.block_size.accept(size).err().map(|e| e.to_string()),
+            // Registrations are validated (`WorkerRegistration::validate`) first.
+            None => Some("block_size 0".to_owned()),
+        };
+        if let Some(reason) = refused {
+            if report {
+                self.reject(Outcome::Rejected);
+                error!(
+                    worker_id = %id,
+                    block_size = worker.registration.block_size,
+                    router_block_size = state.block_size.get().map(NonZeroU32::get),
+                    reason,
+                    "worker registration rejected"
+                );
+            }
+            self.parked.insert(id, worker);
+            return;
+        }
         let reg = worker.registration;
         let entry = DirectoryEntry {
             registration: reg.clone(),
@@ -79,10 +97,18 @@ impl Registrations for Discovery {
         if let Err(e) = state.scheduler().add_worker(reg.clone()) {
             self.reject(Outcome::Rejected);
             error!(worker_id = %reg.worker_id, error = %e, "worker registration rejected");
+            if self.known.is_empty() {
+                // Nothing registered holds the size this registration may have set.
+                state.block_size.forget();
+            }
             return;
         }
-        let (worker_id, dp_size, total_kv_blocks) =
-            (reg.worker_id, reg.dp_size, reg.total_kv_blocks);
+        let (worker_id, dp_size, total_kv_blocks, block_size) = (
+            reg.worker_id,
+            reg.dp_size,
+            reg.total_kv_blocks,
+            reg.block_size,
+        );
         state.publishers.register(worker_id, reg.epoch);
         self.known.insert(worker_id, reg);
         state.directory.upsert(entry);
@@ -90,12 +116,13 @@ impl Registrations for Discovery {
             .counters
             .message(MessageKind::Registration, Outcome::Ok);
         state.counters.set_workers(self.known.len());
-        info!(worker_id = %worker_id, dp_size, total_kv_blocks, "worker registered");
+        info!(worker_id = %worker_id, dp_size, total_kv_blocks, block_size, "worker registered");
         // New ranks may take requests waiting for room.
         state.admission.release_waiters();
     }
 
-    async fn delete(&mut self, id: WorkerId) {
+    /// Removes an accepted worker from the scheduler, the directory and the index.
+    async fn remove(&mut self, id: WorkerId) {
         let state = &self.state;
         let Some(reg) = self.known.remove(&id) else {
             return;
@@ -110,7 +137,72 @@ impl Registrations for Discovery {
             warn!(worker_id = %id, error = %e, "indexer could not drop the worker's blocks");
         }
         state.counters.set_workers(self.known.len());
-        info!(worker_id = %id, "worker removed (key deleted or lease expired)");
+        info!(worker_id = %id, "worker removed");
+    }
+
+    /// When no worker is left, forgets an adopted block size and reconsiders the
+    /// parked registrations, oldest first (as a replica loading etcd now would);
+    /// `report` names the one whose rejection is still to be logged and counted.
+    /// Returns whether a size was forgotten.
+    async fn forget_if_empty(&mut self, report: Option<WorkerId>) -> bool {
+        if !self.known.is_empty() || !self.state.block_size.forget() {
+            return false;
+        }
+        info!(
+            parked = self.parked.len(),
+            "no worker registered: adopted block size forgotten"
+        );
+        let mut parked: Vec<Registered> = std::mem::take(&mut self.parked).into_values().collect();
+        parked.sort_by_key(|w| (w.create_revision, w.registration.worker_id));
+        for worker in parked {
+            let report = report == Some(worker.registration.worker_id);
+            self.accept(worker, report);
+        }
+        true
+    }
+}
+
+impl Registrations for Discovery {
+    fn check(&self, reg: &WorkerRegistration) -> Result<(), String> {
+        // Only a pinned size refuses for good; an adopted one is checked on put.
+        self.state
+            .block_size
+            .check_pinned(reg.block_size)
+            .map_err(|e| e.to_string())
+    }
+
+    async fn put(&mut self, worker: Registered) {
+        let id = worker.registration.worker_id;
+        self.parked.remove(&id);
+        let resized = self
+            .known
+            .get(&id)
+            .is_some_and(|old| old.block_size != worker.registration.block_size);
+        if resized {
+            // It leaves at the old size. If it was the last worker, it joins the parked
+            // registrations so that the oldest of them picks the new size.
+            self.remove(id).await;
+            if self.known.is_empty() {
+                self.parked.insert(id, worker);
+                if !self.forget_if_empty(Some(id)).await
+                    && let Some(worker) = self.parked.remove(&id)
+                {
+                    self.accept(worker, true);
+                }
+                return;
+            }
+        }
+        self.accept(worker, true);
+    }
+
+    async fn delete(&mut self, id: WorkerId) {
+        self.parked.remove(&id);
+        if !self.known.contains_key(&id) {
+            return;
+        }
+        self.remove(id).await;
+        info!(worker_id = %id, "worker left (key deleted or lease expired)");
+        self.forget_if_empty(None).await;
     }
 
     fn rejected(&mut self, _key: &str, rejection: &Rejection) {

@@ -8,6 +8,8 @@
 //!
 //! # Layout
 //! - [`barrier`]: a NATS round trip proving our subscriptions are registered.
+//! - [`block_size`]: the tokens per block, pinned by `--block-size` or adopted from
+//!   the registrations (and why replicas agree on it).
 //! - [`config`]: every `serve` setting (flags, environment, TOML file, `config print`),
 //!   validated once into typed sub-configs: scheduling, policy and index flag groups.
 //! - [`daemon`]: start-up and the shutdown order (stop intake → drain shards → close).
@@ -36,6 +38,7 @@
 
 pub mod admission;
 pub mod barrier;
+pub mod block_size;
 pub mod config;
 pub mod daemon;
 pub mod directory;

@@ -112,7 +112,10 @@ pub async fn handle_route(state: &RouterState, payload: &[u8]) -> RouteReply {
 
 async fn route(state: &RouterState, request: RouteRequest) -> RouteReply {
     let priority = request.priority;
-    let schedule = match schedule_request(request, state.block_size) {
+    let Some(block_size) = state.block_size.get() else {
+        return no_block_size();
+    };
+    let schedule = match schedule_request(request, block_size.get()) {
         Ok(s) => s,
         Err(reply) => return reply,
     };
@@ -199,6 +202,12 @@ pub(crate) async fn routed(
         request_blocks,
         policy: sel.policy,
     })
+}
+
+/// The reply while no block size is known (adopted, no worker registered): the same
+/// `no_workers` reply as for a router with no worker.
+pub(crate) fn no_block_size() -> RouteReply {
+    admit_error(AdmitError::Scheduler(SchedulerError::NoWorkers))
 }
 
 /// The reply for a request that was not booked.

@@ -14,7 +14,7 @@
 //! for single queries.
 
 use crate::metrics::counters::{MessageKind, Outcome};
-use crate::route::{admit_error, error, routed, schedule_request};
+use crate::route::{admit_error, error, no_block_size, routed, schedule_request};
 use crate::state::RouterState;
 use futures::future::join_all;
 use indexer::IndexerApi as _;
@@ -81,11 +81,14 @@ pub async fn handle_route_batch(
 
 async fn route_batch(state: &RouterState, batch: RouteBatchRequest) -> Vec<RouteReply> {
     let order = batch.order;
+    let Some(block_size) = state.block_size.get() else {
+        return batch.requests.iter().map(|_| no_block_size()).collect();
+    };
     // Entries that fail validation keep their error reply; the rest are scheduled.
     let mut replies: Vec<Option<RouteReply>> = Vec::with_capacity(batch.requests.len());
     let mut valid: Vec<(usize, ScheduleRequest)> = Vec::new();
     for (i, request) in batch.requests.into_iter().enumerate() {
-        match schedule_request(request, state.block_size) {
+        match schedule_request(request, block_size.get()) {
             Ok(schedule) => {
                 replies.push(None);
                 valid.push((i, schedule));

@@ -8,6 +8,7 @@
 //! the module graph stays one-way: parts → state → services → daemon.
 
 use crate::admission::Admission;
+use crate::block_size::BlockSize;
 use crate::directory::WorkerDirectory;
 use crate::durability::recovery::status::RecoveryStatus;
 use crate::health::Health;
@@ -23,8 +24,9 @@ use std::sync::{Arc, MutexGuard};
 pub struct RouterState {
     /// Subjects and etcd keys of the namespace.
     pub subjects: Subjects,
-    /// Tokens per KV block in this namespace.
-    pub block_size: u32,
+    /// Tokens per KV block in this namespace: pinned, or adopted by discovery from
+    /// the registrations (one atomic load to read).
+    pub block_size: BlockSize,
     /// The block index (either backend, see `indexer::Indexer`); a cheap handle.
     pub indexer: Indexer,
     /// Message counters and every other metric group (cheap handles).
@@ -47,7 +49,7 @@ impl RouterState {
     /// Bundles the parts; health starts as "starting, nothing connected".
     pub fn new(
         subjects: Subjects,
-        block_size: u32,
+        block_size: BlockSize,
         indexer: Indexer,
         counters: Counters,
         admission: Admission,

@@ -48,7 +48,7 @@ fn file_values_are_used_where_nothing_overrides_them() {
     assert_eq!(from_file.nats.servers, ["nats://a:4222", "nats://b:4222"]);
     assert!(from_file.nats.tls.required);
     assert_eq!(from_file.etcd.connect_timeout, Duration::from_millis(1234));
-    assert_eq!(from_file.route.block_size, 16);
+    assert_eq!(from_file.route.block_size.map(|b| b.get()), Some(16));
     assert_eq!(from_file.scheduler.policy.kind().to_string(), "round-robin");
     let flags = config(
         &file,
@@ -276,5 +276,5 @@ fn the_shipped_example_file_is_valid() {
     let file = ConfigFile::load(&path, &serve_command()).unwrap();
     let config = config(&file, &[]);
     assert_eq!(config.http.listen.to_string(), "127.0.0.1:9090");
-    assert_eq!(config.route.block_size, 64);
+    assert_eq!(config.route.block_size, None);
 }

@@ -373,6 +373,9 @@ async fn the_defaults_need_no_monitoring_crds_and_run_no_engines() {
         find(&objects, "Deployment", "kv-router")["spec"]["replicas"],
         2
     );
+    // No block size by default: the router adopts the registered workers' size.
+    let env = find(&objects, "ConfigMap", "kv-router-env");
+    assert!(env["data"].get("KV_ROUTER_BLOCK_SIZE").is_none(), "{env}");
     let gateway = container(find(&objects, "Deployment", "kv-router-gateway"), "gateway");
     assert!(
         gateway["args"]

@@ -71,14 +71,10 @@ pub struct ServeArgs {
         default_value = "kv-router"
     )]
     pub namespace: String,
-    /// Tokens per KV block; every worker in the namespace must register the same size.
-    #[arg(
-        long,
-        help_heading = "Cluster",
-        env = "KV_ROUTER_BLOCK_SIZE",
-        default_value_t = 64
-    )]
-    pub block_size: u32,
+    /// Tokens per KV block, pinned; a worker registering another size is rejected.
+    /// Default: adopted from the first worker registration (see docs/operations.md).
+    #[arg(long, help_heading = "Cluster", env = "KV_ROUTER_BLOCK_SIZE")]
+    pub block_size: Option<u32>,
     /// Policy, its knobs, load accounting, busy thresholds, wait queue, replica sync.
     #[command(flatten, next_help_heading = "Scheduler")]
     pub scheduling: Box<scheduling::SchedulingArgs>,
@@ -115,8 +111,10 @@ pub struct ServeArgs {
 /// Settings of the routing service itself.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RouteConfig {
-    /// Tokens per KV block, used to hash token prompts and count request blocks.
-    pub block_size: u32,
+    /// Tokens per KV block, used to hash token prompts and count request blocks, when
+    /// pinned by `--block-size`; `None` adopts the registered workers' size
+    /// ([`crate::block_size`]).
+    pub block_size: Option<std::num::NonZeroU32>,
     /// Routing queries handled concurrently (single queries and batches each).
     pub max_inflight: usize,
     /// Most requests in one batch route request.
@@ -167,9 +165,13 @@ impl DaemonConfig {
             field,
             reason: reason.to_owned(),
         };
-        if args.block_size == 0 {
-            return Err(invalid("block-size", "must be at least 1 token"));
-        }
+        let block_size = match args.block_size {
+            None => None,
+            Some(tokens) => Some(
+                std::num::NonZeroU32::new(tokens)
+                    .ok_or_else(|| invalid("block-size", "must be at least 1 token"))?,
+            ),
+        };
         let nats = args.nats.to_config()?;
         let etcd = args.etcd.to_config()?;
         let limits = args.limits.to_limits()?;
@@ -200,7 +202,7 @@ impl DaemonConfig {
             http: args.http.to_config(),
             etcd,
             route: RouteConfig {
-                block_size: args.block_size,
+                block_size,
                 max_inflight: args.max_inflight_routes,
                 max_batch: args.max_route_batch,
             },
@@ -227,7 +229,7 @@ mod tests {
     #[test]
     fn defaults_validate() {
         let config = DaemonConfig::from_args(&parse(&[])).unwrap();
-        assert_eq!(config.route.block_size, 64);
+        assert_eq!(config.route.block_size, None);
         assert_eq!(config.subjects.namespace().as_str(), "kv-router");
         assert!(matches!(
             config.scheduler.policy,

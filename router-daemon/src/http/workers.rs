@@ -29,6 +29,10 @@ pub fn debug_app(state: HttpState) -> Router {
 pub struct WorkersView {
     /// etcd reachability; when not ok, `workers` are the last known ones.
     pub etcd: Check,
+    /// The router's tokens per KV block (`None`: not adopted yet, no worker).
+    pub block_size: Option<u32>,
+    /// Where it comes from: `pinned` (`--block-size`) or `adopted` (the registrations).
+    pub block_size_source: crate::block_size::BlockSizeSource,
     /// Registered workers by id.
     pub workers: Vec<WorkerView>,
 }
@@ -131,6 +135,8 @@ pub async fn workers_view(router: &RouterState) -> WorkersView {
     drop(scheduler);
     WorkersView {
         etcd: router.health.report().checks.etcd,
+        block_size: router.block_size.get().map(std::num::NonZeroU32::get),
+        block_size_source: router.block_size.source(),
         workers,
     }
 }
