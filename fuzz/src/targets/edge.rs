@@ -87,8 +87,11 @@ struct Relay {
 
 impl Relay {
     fn new() -> Self {
+        let mut translator = Translator::new(EngineFormat::Auto);
+        // As when the engine's metrics page stated the size before any event.
+        translator.learn_block_size(BLOCK_SIZE);
         Self {
-            translator: Translator::new(BLOCK_SIZE, EngineFormat::Auto),
+            translator,
             journal: EventJournal::new(WORKER, 1, JournalConfig::default()),
             tracker: SeqTracker::new(),
         }
