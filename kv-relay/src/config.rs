@@ -55,9 +55,9 @@ pub struct RelayArgs {
     /// Accepted event encodings: auto, vllm-array or tagged.
     #[arg(long, env = "KV_RELAY_ENGINE_FORMAT", value_enum, default_value_t = EngineFormat::Auto)]
     pub engine_format: EngineFormat,
-    /// Worker id to register and publish as (unique in the namespace).
-    #[arg(long, env = "KV_RELAY_WORKER_ID")]
-    pub worker_id: u64,
+    /// Worker id and name: which id to claim in etcd.
+    #[command(flatten)]
+    pub identity: crate::identity::IdentityArgs,
     /// Tokens per KV block: the engine's block size (vLLM --block-size, SGLang
     /// --page-size); must equal the router's.
     #[arg(long, env = "KV_ROUTER_BLOCK_SIZE")]
@@ -137,7 +137,10 @@ pub struct EngineConfig {
 /// The worker the relay stands for.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WorkerConfig {
-    /// What is written to etcd.
+    /// Which worker id to claim, under which name ([`crate::identity`]).
+    pub claim: kv_cluster::claim::ClaimRequest,
+    /// What is written to etcd; its `worker_id` and `epoch` are set at start (the
+    /// claimed id, the event stream's epoch).
     pub registration: WorkerRegistration,
     /// Lease TTL, in seconds.
     pub lease_ttl_secs: u64,
@@ -303,8 +306,10 @@ impl RelayConfig {
             .engine_url
             .as_deref()
             .map(|u| u.trim().trim_end_matches('/').to_owned());
+        let claim = args.identity.to_request(args.lease_ttl_secs)?;
+        let worker_id = claim.worker_id.unwrap_or(WorkerId(0));
         let check = WorkerRegistration {
-            worker_id: WorkerId(args.worker_id),
+            worker_id,
             dp_size: 1,
             block_size: 1,
             total_kv_blocks: 0,
@@ -326,8 +331,9 @@ impl RelayConfig {
                 shared: args.shared_endpoint,
             },
             worker: WorkerConfig {
+                claim,
                 registration: WorkerRegistration {
-                    worker_id: WorkerId(args.worker_id),
+                    worker_id,
                     dp_size,
                     block_size: args.block_size,
                     total_kv_blocks: args.total_kv_blocks,
@@ -370,7 +376,7 @@ mod tests {
     use kv_cluster::nats::{ClientCertificate, NatsAuth};
 
     fn config(args: &[&str]) -> Result<RelayConfig, Error> {
-        let base = ["kv-router", "--worker-id", "7", "--block-size", "16"];
+        let base = ["kv-router", "--worker-name", "w", "--block-size", "16"];
         let cli = kv_cluster::args::parse_flags::<RelayArgs, _, _>(
             base.iter().chain(args.iter()).copied(),
         )
