@@ -12,6 +12,8 @@ const RELAY: &[&str] = &[
     "tcp://127.0.0.1:1",
     "--worker-id",
     "1",
+    "--worker-name",
+    "relay-1",
     "--block-size",
     "16",
 ];

@@ -156,6 +156,8 @@ async fn relay_reads_a_libzmq_publisher_and_replay_socket() {
         "kv-events",
         "--worker-id",
         "7",
+        "--worker-name",
+        "relay-7",
         "--block-size",
         "16",
         "--dp-size",

@@ -68,6 +68,8 @@ fn relay_config(cluster: &TestCluster, sockets: &[RankEndpoints], url: &str) -> 
         replay.as_str(),
         "--worker-id",
         "1",
+        "--worker-name",
+        "vllm-mock-1",
         "--block-size",
         "16",
         "--total-kv-blocks",

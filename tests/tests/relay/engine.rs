@@ -74,6 +74,8 @@ impl FakeEngine {
             topic.as_str(),
             "--worker-id",
             "7",
+            "--worker-name",
+            "relay-7",
             "--block-size",
             "16",
             "--total-kv-blocks",
