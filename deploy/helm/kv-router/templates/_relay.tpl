@@ -4,11 +4,11 @@ engine's ZMQ KV events on the pod's loopback, publishes them and the engine's lo
 NATS, and registers the worker (with the pod's engine URL for the gateway) in etcd.
 It shares the router's ConfigMap and NATS secret.
 
-The worker id is the StatefulSet pod index (label apps.kubernetes.io/pod-index,
-Kubernetes >= 1.28): unique within one engine StatefulSet, stable across restarts.
-This is a placeholder until the relay derives its worker id, block size and KV
-capacity from the engine itself (issue 16); then KV_RELAY_WORKER_ID,
-KV_ROUTER_BLOCK_SIZE and KV_RELAY_TOTAL_KV_BLOCKS go away here.
+The worker id is claimed in etcd by the relay itself, derived from the pod name
+(KV_RELAY_WORKER_NAME): unique in the namespace, stable across restarts of the same
+pod. The block size and KV capacity are placeholders until the relay reads them from
+the engine itself (issue 16); then KV_ROUTER_BLOCK_SIZE and KV_RELAY_TOTAL_KV_BLOCKS
+go away here.
 */}}
 {{- define "kv-router.relayContainer" -}}
 {{- $e := .Values.engines -}}
@@ -28,11 +28,11 @@ KV_ROUTER_BLOCK_SIZE and KV_RELAY_TOTAL_KV_BLOCKS go away here.
       valueFrom:
         fieldRef:
           fieldPath: status.podIP
-    # Placeholder (see above): the relay will read it from the engine.
-    - name: KV_RELAY_WORKER_ID
+    # The worker id is derived from this name and claimed in etcd (see above).
+    - name: KV_RELAY_WORKER_NAME
       valueFrom:
         fieldRef:
-          fieldPath: metadata.labels['apps.kubernetes.io/pod-index']
+          fieldPath: metadata.name
     # Placeholder (see above): 0 = unknown until the relay reads it from the engine.
     - name: KV_RELAY_TOTAL_KV_BLOCKS
       value: {{ $e.relay.totalKvBlocks | quote }}
