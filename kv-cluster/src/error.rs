@@ -107,7 +107,9 @@ pub enum Error {
         holder: String,
     },
     /// Every derived candidate id of a name is claimed by other names.
-    #[error("no free worker id for name {name:?}: all {attempts} derived candidates are claimed by other names")]
+    #[error(
+        "no free worker id for name {name:?}: all {attempts} derived candidates are claimed by other names"
+    )]
     NoFreeWorkerId {
         /// The name.
         name: String,

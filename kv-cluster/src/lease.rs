@@ -21,7 +21,9 @@ use tracing::{info, warn};
 /// Upper bound on one etcd call, in wall-clock time.
 pub const ETCD_CALL_TIMEOUT: Duration = Duration::from_secs(5);
 
-pub(crate) async fn bounded<T>(call: impl Future<Output = Result<T, etcd_client::Error>>) -> Result<T, Error> {
+pub(crate) async fn bounded<T>(
+    call: impl Future<Output = Result<T, etcd_client::Error>>,
+) -> Result<T, Error> {
     tokio::time::timeout(ETCD_CALL_TIMEOUT, call)
         .await
         .map_err(|_| Error::Timeout(ETCD_CALL_TIMEOUT))?

@@ -81,8 +81,14 @@ mod tests {
         assert_eq!(name(None, Some("b"), Some("c")).unwrap(), "b");
         assert_eq!(name(Some(" "), Some(""), Some("c")).unwrap(), "c");
         let err = name(None, None, Some("")).unwrap_err().to_string();
-        assert!(err.contains("--worker-name") && err.contains("POD_NAME"), "{err}");
+        assert!(
+            err.contains("--worker-name") && err.contains("POD_NAME"),
+            "{err}"
+        );
         let err = name(Some("a b"), None, None).unwrap_err().to_string();
-        assert!(err.contains("--worker-name") && err.contains("whitespace"), "{err}");
+        assert!(
+            err.contains("--worker-name") && err.contains("whitespace"),
+            "{err}"
+        );
     }
 }

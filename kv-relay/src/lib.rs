@@ -81,9 +81,9 @@ pub use counters::RelayCounters;
 pub use error::Error;
 
 use kv_cluster::claim::WorkerIdClaim;
-use kv_events::{DpRank, WorkerId};
 use kv_events::discovery::WorkerRegistration;
 use kv_events::journal::{EventJournal, JournalConfig, unix_epoch_micros};
+use kv_events::{DpRank, WorkerId};
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use tokio::sync::{mpsc, watch};

@@ -13,9 +13,7 @@ mod engine;
 use engine::{FakeEngine, ReplayFraming};
 use etcd_client::{Client as Etcd, PutOptions};
 use integration_tests::{TestCluster, eventually};
-use kv_cluster::claim::{
-    ClaimHolder, ClaimRequest, WorkerIdClaim, WorkerName, derived_worker_id,
-};
+use kv_cluster::claim::{ClaimHolder, ClaimRequest, WorkerIdClaim, WorkerName, derived_worker_id};
 use kv_events::WorkerId;
 use kv_events::discovery::WorkerRegistration;
 use kv_relay::{Relay, RelayArgs, RelayConfig};
@@ -171,7 +169,11 @@ async fn an_explicit_id_held_by_another_name_is_a_start_up_error() {
     assert_eq!(lease_count(&mut etcd).await, leases_before);
 
     let engine = FakeEngine::start("kv-events", ReplayFraming::WithTopic).await;
-    let config = relay_config(&cluster, &engine, &["--worker-id", "42", "--worker-name", "engine-y"]);
+    let config = relay_config(
+        &cluster,
+        &engine,
+        &["--worker-id", "42", "--worker-name", "engine-y"],
+    );
     let Err(err) = Relay::start(config, &prometheus::Registry::new()).await else {
         panic!("the relay started with a held worker id")
     };
@@ -236,7 +238,11 @@ async fn relays_without_worker_ids_register_distinct_derived_ids() {
     }
     for id in [a, b] {
         assert_eq!(registration(&cluster, id).await, None);
-        assert_eq!(holder(&cluster, id).await, None, "claims released at shutdown");
+        assert_eq!(
+            holder(&cluster, id).await,
+            None,
+            "claims released at shutdown"
+        );
     }
 }
 
@@ -254,9 +260,11 @@ async fn a_lost_claim_stops_the_relay() {
         kv_relay::run(config, &prometheus::Registry::new(), std::future::pending()).await
     });
     engine.wait_subscribed().await;
-    eventually("the relay's registration", WAIT, || registration(&cluster, id))
-        .await
-        .unwrap();
+    eventually("the relay's registration", WAIT, || {
+        registration(&cluster, id)
+    })
+    .await
+    .unwrap();
     let (_, relay_lease) = holder(&cluster, id).await.unwrap();
 
     let mut etcd = cluster.etcd.clone();

@@ -8,8 +8,13 @@ fn name(s: &str) -> WorkerName {
 fn derived_ids_are_stable_53_bit_and_differ_per_attempt() {
     let a = name("vllm-0");
     // Pinned: a change here moves every deployed worker to a new id.
-    assert_eq!(derived_worker_id(&a, 0), derived_worker_id(&name("vllm-0"), 0));
-    let ids: Vec<u64> = (0..MAX_PROBES).map(|i| derived_worker_id(&a, i).0).collect();
+    assert_eq!(
+        derived_worker_id(&a, 0),
+        derived_worker_id(&name("vllm-0"), 0)
+    );
+    let ids: Vec<u64> = (0..MAX_PROBES)
+        .map(|i| derived_worker_id(&a, i).0)
+        .collect();
     for id in &ids {
         assert!(*id <= MAX_DERIVED_ID, "{id}");
     }
@@ -17,16 +22,27 @@ fn derived_ids_are_stable_53_bit_and_differ_per_attempt() {
     distinct.sort_unstable();
     distinct.dedup();
     assert_eq!(distinct.len(), ids.len(), "{ids:?}");
-    assert_ne!(derived_worker_id(&name("vllm-1"), 0), derived_worker_id(&a, 0));
+    assert_ne!(
+        derived_worker_id(&name("vllm-1"), 0),
+        derived_worker_id(&a, 0)
+    );
 }
 
 #[test]
 fn names_are_bounded_and_printable() {
     assert!(WorkerName::new("pod-7.engines").is_ok());
     assert!(WorkerName::new("x".repeat(MAX_NAME_BYTES)).is_ok());
-    for bad in [String::new(), "x".repeat(MAX_NAME_BYTES + 1), "a b".into(), "a\u{7}".into()] {
+    for bad in [
+        String::new(),
+        "x".repeat(MAX_NAME_BYTES + 1),
+        "a b".into(),
+        "a\u{7}".into(),
+    ] {
         let err = WorkerName::new(bad.clone()).expect_err("refused");
-        assert!(err.to_string().contains("invalid worker name"), "{bad:?}: {err}");
+        assert!(
+            err.to_string().contains("invalid worker name"),
+            "{bad:?}: {err}"
+        );
     }
 }
 
@@ -41,7 +57,10 @@ fn holders_print_for_humans_and_unreadable_values_are_named() {
         lease_id: 31,
         bytes: 40,
     };
-    assert_eq!(seen.to_string(), r#""pod-a" (host node-1, pid 12, lease 0x1f)"#);
+    assert_eq!(
+        seen.to_string(),
+        r#""pod-a" (host node-1, pid 12, lease 0x1f)"#
+    );
     assert!(seen.is(&name("pod-a")));
     assert!(!seen.is(&name("pod-b")));
     let unreadable = HolderSeen {
