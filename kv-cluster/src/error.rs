@@ -90,6 +90,32 @@ pub enum Error {
     /// The registration record could not be serialized.
     #[error("could not encode registration: {0}")]
     Encode(#[from] serde_json::Error),
+    /// A worker name (`--worker-name`, `$POD_NAME`, `$HOSTNAME`) is unusable.
+    #[error("invalid worker name {name:?}: {reason}")]
+    InvalidWorkerName {
+        /// The name as given.
+        name: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// An explicit worker id is claimed by another name.
+    #[error("worker id {worker_id} is claimed by {holder}; give another --worker-id or none")]
+    WorkerIdHeld {
+        /// The id asked for.
+        worker_id: kv_events::WorkerId,
+        /// Who holds it: name, host, pid and lease.
+        holder: String,
+    },
+    /// Every derived candidate id of a name is claimed by other names.
+    #[error(
+        "no free worker id for name {name:?}: all {attempts} derived candidates are claimed by other names"
+    )]
+    NoFreeWorkerId {
+        /// The name.
+        name: String,
+        /// How many candidates were tried.
+        attempts: u32,
+    },
     /// An HTTP request failed (connect, write, read, parse or timeout).
     #[error("http request to {target} failed: {reason}")]
     HttpRequest {

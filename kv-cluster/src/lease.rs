@@ -21,7 +21,9 @@ use tracing::{info, warn};
 /// Upper bound on one etcd call, in wall-clock time.
 pub const ETCD_CALL_TIMEOUT: Duration = Duration::from_secs(5);
 
-async fn bounded<T>(call: impl Future<Output = Result<T, etcd_client::Error>>) -> Result<T, Error> {
+pub(crate) async fn bounded<T>(
+    call: impl Future<Output = Result<T, etcd_client::Error>>,
+) -> Result<T, Error> {
     tokio::time::timeout(ETCD_CALL_TIMEOUT, call)
         .await
         .map_err(|_| Error::Timeout(ETCD_CALL_TIMEOUT))?
@@ -29,7 +31,7 @@ async fn bounded<T>(call: impl Future<Output = Result<T, etcd_client::Error>>) -
 }
 
 /// A TTL etcd accepts: 1 to `i64::MAX` seconds.
-fn checked_ttl(ttl_secs: u64) -> Result<i64, Error> {
+pub(crate) fn checked_ttl(ttl_secs: u64) -> Result<i64, Error> {
     i64::try_from(ttl_secs)
         .ok()
         .filter(|t| *t > 0)
@@ -37,15 +39,99 @@ fn checked_ttl(ttl_secs: u64) -> Result<i64, Error> {
 }
 
 /// A third of the TTL, so two renewals can fail before the lease expires.
-fn renew_period(ttl_secs: i64) -> Duration {
+pub(crate) fn renew_period(ttl_secs: i64) -> Duration {
     Duration::from_millis(ttl_secs.unsigned_abs().saturating_mul(1_000) / 3)
 }
 
+/// An interval firing every `period`, first one period from now, delaying (not
+/// bursting) after a missed tick.
+pub(crate) fn ticks_every(period: Duration) -> tokio::time::Interval {
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick
+}
+
+/// What one renewal found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Renewal {
+    /// etcd renewed the lease.
+    Alive,
+    /// etcd answered that the lease is gone (TTL 0): its keys are deleted.
+    Expired,
+    /// The keep-alive failed, timed out or its stream closed (logged); the lease may
+    /// still be alive.
+    Failed,
+}
+
 /// A granted lease with its keep-alive stream.
-struct Active {
-    lease_id: i64,
+pub(crate) struct KeptLease {
+    pub(crate) lease_id: i64,
     keeper: LeaseKeeper,
     stream: LeaseKeepAliveStream,
+}
+
+impl KeptLease {
+    /// Grants a lease of `ttl_secs` (no key attached yet) and opens its keep-alive
+    /// stream.
+    pub(crate) async fn grant(client: &mut Client, ttl_secs: i64) -> Result<Self, Error> {
+        let lease_id = bounded(client.lease_grant(ttl_secs, None)).await?.id();
+        match Self::keep(client, lease_id).await {
+            Ok(kept) => Ok(kept),
+            Err(e) => {
+                Self::revoke_id(client, lease_id, "").await;
+                Err(e)
+            }
+        }
+    }
+
+    /// Opens a (new) keep-alive stream for an existing lease.
+    pub(crate) async fn keep(client: &mut Client, lease_id: i64) -> Result<Self, Error> {
+        let (keeper, stream) = bounded(client.lease_keep_alive(lease_id)).await?;
+        Ok(Self {
+            lease_id,
+            keeper,
+            stream,
+        })
+    }
+
+    /// Renews the lease once; `key` names it in the logs.
+    pub(crate) async fn renew(&mut self, key: &str) -> Renewal {
+        if let Err(e) = self.keeper.keep_alive().await {
+            warn!(key, error = %e, "lease keep-alive failed");
+            return Renewal::Failed;
+        }
+        match tokio::time::timeout(ETCD_CALL_TIMEOUT, self.stream.message()).await {
+            Ok(Ok(Some(resp))) if resp.ttl() > 0 => Renewal::Alive,
+            Ok(Ok(Some(_))) => {
+                warn!(key, lease_id = self.lease_id, "lease expired");
+                Renewal::Expired
+            }
+            Ok(Ok(None)) => {
+                warn!(key, "lease keep-alive stream closed");
+                Renewal::Failed
+            }
+            Ok(Err(e)) => {
+                warn!(key, error = %e, "lease keep-alive failed");
+                Renewal::Failed
+            }
+            Err(_) => {
+                warn!(key, "lease keep-alive timed out");
+                Renewal::Failed
+            }
+        }
+    }
+
+    /// Revokes lease `lease_id`, deleting its keys; a failure is logged (the lease
+    /// then expires after its TTL). Returns whether etcd confirmed.
+    pub(crate) async fn revoke_id(client: &mut Client, lease_id: i64, key: &str) -> bool {
+        match bounded(client.lease_revoke(lease_id)).await {
+            Ok(_) => true,
+            Err(e) => {
+                warn!(key, lease_id, error = %e, "lease revoke failed; it expires after its ttl");
+                false
+            }
+        }
+    }
 }
 
 /// One worker's registration: what to write where, and the lease holding it (if
@@ -55,7 +141,7 @@ pub struct WorkerLease {
     key: String,
     value: String,
     ttl_secs: i64,
-    active: Option<Active>,
+    active: Option<KeptLease>,
 }
 
 impl WorkerLease {
@@ -135,53 +221,28 @@ impl WorkerLease {
     /// [`Error`] if etcd refuses or does not answer in time.
     pub async fn grant(&mut self) -> Result<(), Error> {
         self.active = None;
-        let lease_id = bounded(self.client.lease_grant(self.ttl_secs, None))
-            .await?
-            .id();
-        let put = PutOptions::new().with_lease(lease_id);
-        bounded(
+        let kept = KeptLease::grant(&mut self.client, self.ttl_secs).await?;
+        let put = PutOptions::new().with_lease(kept.lease_id);
+        let written = bounded(
             self.client
                 .put(self.key.clone(), self.value.clone(), Some(put)),
         )
-        .await?;
-        let (keeper, stream) = bounded(self.client.lease_keep_alive(lease_id)).await?;
-        info!(key = %self.key, lease_id, "worker registered");
-        self.active = Some(Active {
-            lease_id,
-            keeper,
-            stream,
-        });
+        .await;
+        if let Err(e) = written {
+            KeptLease::revoke_id(&mut self.client, kept.lease_id, &self.key).await;
+            return Err(e);
+        }
+        info!(key = %self.key, lease_id = kept.lease_id, "worker registered");
+        self.active = Some(kept);
         Ok(())
     }
 
     /// Renews the lease once; false if none is granted, the lease is gone, or etcd
     /// failed (logged).
     pub async fn renew(&mut self) -> bool {
-        let Some(active) = self.active.as_mut() else {
-            return false;
-        };
-        if let Err(e) = active.keeper.keep_alive().await {
-            warn!(key = %self.key, error = %e, "lease keep-alive failed");
-            return false;
-        }
-        match tokio::time::timeout(ETCD_CALL_TIMEOUT, active.stream.message()).await {
-            Ok(Ok(Some(resp))) if resp.ttl() > 0 => true,
-            Ok(Ok(Some(_))) => {
-                warn!(key = %self.key, lease_id = active.lease_id, "lease expired");
-                false
-            }
-            Ok(Ok(None)) => {
-                warn!(key = %self.key, "lease keep-alive stream closed");
-                false
-            }
-            Ok(Err(e)) => {
-                warn!(key = %self.key, error = %e, "lease keep-alive failed");
-                false
-            }
-            Err(_) => {
-                warn!(key = %self.key, "lease keep-alive timed out");
-                false
-            }
+        match self.active.as_mut() {
+            Some(active) => active.renew(&self.key).await == Renewal::Alive,
+            None => false,
         }
     }
 
@@ -202,11 +263,8 @@ impl WorkerLease {
         let Some(active) = self.active.take() else {
             return;
         };
-        match bounded(self.client.lease_revoke(active.lease_id)).await {
-            Ok(_) => info!(key = %self.key, "worker registration revoked"),
-            Err(e) => {
-                warn!(key = %self.key, error = %e, "lease revoke failed; it expires after its ttl")
-            }
+        if KeptLease::revoke_id(&mut self.client, active.lease_id, &self.key).await {
+            info!(key = %self.key, "worker registration revoked");
         }
     }
 
@@ -226,10 +284,7 @@ impl WorkerLease {
     /// An interval firing every [`Self::renew_period`], first one period from now,
     /// delaying (not bursting) after a missed tick.
     pub fn renewal_ticks(&self) -> tokio::time::Interval {
-        let period = self.renew_period();
-        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        tick
+        ticks_every(self.renew_period())
     }
 }
 

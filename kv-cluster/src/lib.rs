@@ -18,6 +18,8 @@
 //! - [`limits`]: the `Limits` flags, the bounds on messages and registrations.
 //! - [`lease`]: a worker's registration under an etcd lease (register, keep alive,
 //!   revoke).
+//! - [`claim`]: a worker id claimed in etcd (derived from a stable name or given),
+//!   unique in the namespace, held under a lease for the life of the process.
 //! - [`directory`]: the worker directory: load the registrations, then watch them,
 //!   reconnecting and reconciling after an outage.
 //! - [`metrics`]: the one way every binary creates its Prometheus metrics, in an
@@ -30,6 +32,7 @@
 //! - [`Error`]: the crate's one error type.
 
 pub mod args;
+pub mod claim;
 pub mod directory;
 mod error;
 pub mod etcd;

@@ -12,6 +12,7 @@
 //! | replica snapshot | `{ns}.router.sequences.snapshot` | request to every replica, chunked replies, [`crate::replicas::SnapshotRequest`] → [`crate::replicas::SnapshotReply`]s |
 //! | engine requests | `{ns}.engine.{worker_id}.{op}` | request-reply (mock engine) |
 //! | discovery | `kv-router/{ns}/workers/{worker_id}` | etcd key with a lease |
+//! | worker id claim | `kv-router/{ns}/worker-ids/{worker_id}` | etcd key with a lease, written only if absent |
 //!
 //! Keeping them here means a subject is renamed in one place and documented once
 //! (`docs/protocol.md`).
@@ -187,6 +188,19 @@ impl Subjects {
         format!("{}{worker}", self.etcd_worker_prefix())
     }
 
+    /// The etcd prefix of the worker id claims (ends with `/`). It is not under
+    /// [`Self::etcd_worker_prefix`] (`worker-ids/` does not start with `workers/`), so
+    /// the routers' directory watch never sees a claim.
+    pub fn etcd_worker_id_prefix(&self) -> String {
+        format!("kv-router/{}/worker-ids/", self.ns)
+    }
+
+    /// The etcd key of one worker id's claim: whoever holds it may publish and
+    /// register as `worker`.
+    pub fn etcd_worker_id_key(&self, worker: WorkerId) -> String {
+        format!("{}{worker}", self.etcd_worker_id_prefix())
+    }
+
     /// Parses the worker id out of a key under [`Self::etcd_worker_prefix`]; `None` for
     /// keys outside the prefix or with a non-numeric id.
     pub fn worker_id_from_etcd_key(&self, key: &str) -> Option<WorkerId> {
@@ -245,6 +259,12 @@ mod tests {
         );
         assert_eq!(s.worker_id_from_etcd_key("kv-router/other/workers/9"), None);
         assert_eq!(s.worker_id_from_etcd_key("kv-router/ns/workers/x"), None);
+        let claim = s.etcd_worker_id_key(WorkerId(9));
+        assert_eq!(claim, "kv-router/ns/worker-ids/9");
+        assert!(claim.starts_with(&s.etcd_worker_id_prefix()));
+        // The directory's watch prefix must not see claims.
+        assert!(!claim.starts_with(&s.etcd_worker_prefix()));
+        assert_eq!(s.worker_id_from_etcd_key(&claim), None);
         assert_eq!(
             Subjects::worker_id_from_subject("ns.kv.events.12"),
             Some(WorkerId(12))

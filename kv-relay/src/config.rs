@@ -55,9 +55,9 @@ pub struct RelayArgs {
     /// Accepted event encodings: auto, vllm-array or tagged.
     #[arg(long, env = "KV_RELAY_ENGINE_FORMAT", value_enum, default_value_t = EngineFormat::Auto)]
     pub engine_format: EngineFormat,
-    /// Worker id to register and publish as (unique in the namespace).
-    #[arg(long, env = "KV_RELAY_WORKER_ID")]
-    pub worker_id: u64,
+    /// Worker id and name: which id to claim in etcd.
+    #[command(flatten)]
+    pub identity: crate::identity::IdentityArgs,
     /// Data-parallel ranks of the engine (default: one per --engine-endpoint).
     #[arg(long, env = "KV_RELAY_DP_SIZE")]
     pub dp_size: Option<u32>,
@@ -133,8 +133,8 @@ pub struct EngineConfig {
 /// configured: they are learned from the engine ([`crate::facts`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WorkerConfig {
-    /// The worker id registered and published under.
-    pub worker_id: WorkerId,
+    /// Which worker id to claim, under which name ([`crate::identity`]).
+    pub claim: kv_cluster::claim::ClaimRequest,
     /// Data-parallel ranks of the engine.
     pub dp_size: u32,
     /// The engine's OpenAI HTTP base URL, registered for the gateway.
@@ -307,8 +307,10 @@ impl RelayConfig {
             .as_deref()
             .map(|url| scrape_config(url, args.metrics_interval_ms))
             .transpose()?;
+        let claim = args.identity.to_request(args.lease_ttl_secs)?;
+        let worker_id = claim.worker_id.unwrap_or(WorkerId(0));
         let check = WorkerRegistration {
-            worker_id: WorkerId(args.worker_id),
+            worker_id,
             dp_size: 1,
             block_size: 1,
             total_kv_blocks: 0,
@@ -330,7 +332,7 @@ impl RelayConfig {
                 shared: args.shared_endpoint,
             },
             worker: WorkerConfig {
-                worker_id: WorkerId(args.worker_id),
+                claim,
                 dp_size,
                 url: engine_url,
                 lease_ttl_secs: args.lease_ttl_secs,
@@ -369,7 +371,7 @@ mod tests {
     use kv_cluster::nats::{ClientCertificate, NatsAuth};
 
     fn config(args: &[&str]) -> Result<RelayConfig, Error> {
-        let base = ["kv-router", "--worker-id", "7"];
+        let base = ["kv-router", "--worker-name", "w"];
         let cli = kv_cluster::args::parse_flags::<RelayArgs, _, _>(
             base.iter().chain(args.iter()).copied(),
         )

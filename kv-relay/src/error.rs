@@ -1,4 +1,4 @@
-//! The relay's start-up and configuration errors. Failures while running (a bad frame,
+//! The relay's start-up and configuration errors, and the loss of its worker id. Failures while running (a bad frame,
 //! a replay that times out, an engine socket that cannot be opened) are counted and
 //! logged by the task that meets them, with their own small error types next to it.
 
@@ -27,6 +27,17 @@ pub enum Error {
     /// The worker registration could not be prepared.
     #[error("preparing the worker registration: {0}")]
     Registration(kv_cluster::Error),
+    /// The worker id could not be claimed (held by another name, no free derived id,
+    /// or etcd failed).
+    #[error("claiming the worker id: {0}")]
+    Claim(kv_cluster::Error),
+    /// Another relay took this relay's worker id while it ran (after its claim lease
+    /// expired); it stopped publishing.
+    #[error("worker id {worker_id} was claimed by another relay; stopped")]
+    ClaimLost {
+        /// The lost id.
+        worker_id: kv_events::WorkerId,
+    },
     /// The recovery subscription failed.
     #[error("subscribing to recovery requests: {0}")]
     Subscribe(#[from] async_nats::SubscribeError),

@@ -29,11 +29,17 @@
 //! - One publishing task numbers and publishes everything, so our event ids per
 //!   (worker, dp_rank) go out strictly increasing and match the journal that answers
 //!   recovery requests.
-//! - The etcd lease exists exactly while at least one engine socket is connected; it
-//!   is revoked when the engine goes away and when the relay stops.
+//! - The worker id is claimed in etcd ([`identity`], [`kv_cluster::claim`]) before
+//!   anything subscribes or publishes under it, and held for the life of the process
+//!   under a lease of its own. If the claim is lost (its lease expired and another
+//!   relay took the id), the relay stops in order and [`run`] returns
+//!   [`Error::ClaimLost`]: two relays never keep publishing under one id.
+//! - The etcd registration lease exists exactly while at least one engine socket is
+//!   connected; it is revoked when the engine goes away and when the relay stops.
 //!
-//! Shutdown order: stop the sources → drain the publishing task → revoke the lease →
-//! stop the recovery responder and scraper → flush NATS.
+//! Shutdown order: stop the sources → drain the publishing task → revoke the
+//! registration lease → stop the recovery responder and scraper → release the worker
+//! id claim → flush NATS.
 //!
 //! Cost: one decode and one xxh3 per block of every event, one NATS message per
 //! engine batch, and the journal's ring (`--journal-events` events per rank).
@@ -45,6 +51,7 @@
 //!
 //! # Layout
 //! - [`config`]: the relay's flags ([`RelayArgs`]) validated into [`RelayConfig`].
+//! - [`identity`]: `--worker-id` and `--worker-name`, the worker id claim to make.
 //! - [`source`]: one engine ZMQ PUB socket, its sequence check and gap filling.
 //! - [`frames`]: the engines' ZMQ frame layouts and the sequence tracker (pure).
 //! - [`replay`]: a request to the engine's replay ROUTER socket.
@@ -63,6 +70,7 @@ mod error;
 pub mod facts;
 pub mod frames;
 pub mod http;
+pub mod identity;
 pub mod lease;
 pub mod publish;
 pub mod replay;
@@ -75,8 +83,9 @@ pub use counters::RelayCounters;
 pub use error::Error;
 
 use facts::{EngineFacts, WorkerIdentity};
-use kv_events::DpRank;
+use kv_cluster::claim::WorkerIdClaim;
 use kv_events::journal::{EventJournal, JournalConfig, unix_epoch_micros};
+use kv_events::{DpRank, WorkerId};
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use tokio::sync::{mpsc, watch};
@@ -91,6 +100,12 @@ const SOURCE_QUEUE: usize = 1024;
 
 /// A running relay. Call [`Relay::shutdown`] for the orderly stop.
 pub struct Relay {
+    running: Running,
+    claim: HeldClaim,
+}
+
+/// Everything of a relay but its claim.
+struct Running {
     counters: RelayCounters,
     facts: watch::Receiver<EngineFacts>,
     http_addr: Option<std::net::SocketAddr>,
@@ -102,13 +117,44 @@ pub struct Relay {
     service_tasks: TaskTracker,
 }
 
+/// The worker id claim being kept, and how to stop keeping it.
+struct HeldClaim {
+    worker_id: WorkerId,
+    lost: CancellationToken,
+    stop: CancellationToken,
+    task: JoinHandle<()>,
+}
+
+impl HeldClaim {
+    /// Starts keeping `claim` in a task.
+    fn keep(claim: WorkerIdClaim) -> Self {
+        let stop = CancellationToken::new();
+        Self {
+            worker_id: claim.worker_id(),
+            lost: claim.lost(),
+            stop: stop.clone(),
+            task: tokio::spawn(claim.keep_until(stop)),
+        }
+    }
+
+    /// Stops keeping the claim and releases it (unless it was lost).
+    async fn release(self) {
+        self.stop.cancel();
+        if let Err(e) = self.task.await {
+            error!(error = %e, "worker id claim task failed");
+        }
+    }
+}
+
 impl Relay {
-    /// Connects to NATS and etcd, starts answering recovery requests, and starts
-    /// reading the engine's sockets (waiting as long as needed for the engine).
+    /// Connects to NATS and etcd, claims the worker id (waiting while this name's
+    /// previous incarnation still holds it), starts answering recovery requests, and
+    /// starts reading the engine's sockets (waiting as long as needed for the engine).
     ///
     /// # Errors
-    /// [`Error`] when NATS or etcd cannot be reached, a subscription fails, the
-    /// metrics cannot be registered in `registry`, or `--http-listen` cannot be bound.
+    /// [`Error`] when NATS or etcd cannot be reached, the worker id cannot be claimed
+    /// ([`Error::Claim`]), a subscription fails, the metrics cannot be registered in
+    /// `registry`, or `--http-listen` cannot be bound.
     pub async fn start(
         config: RelayConfig,
         registry: &prometheus::Registry,
@@ -121,16 +167,37 @@ impl Relay {
             .connect_with("kv-router-relay", |options| options)
             .await?;
         let etcd = kv_cluster::etcd::connect(&config.etcd).await?;
+        let claim = WorkerIdClaim::acquire(etcd.clone(), &config.subjects, &config.worker.claim)
+            .await
+            .map_err(Error::Claim)?;
+        let claim = HeldClaim::keep(claim);
+        match Self::start_claimed(config, registry, counters, nats, etcd, claim.worker_id).await {
+            Ok(running) => Ok(Self { running, claim }),
+            Err(e) => {
+                claim.release().await;
+                Err(e)
+            }
+        }
+    }
+
+    /// The rest of [`Self::start`], publishing as the claimed `worker_id`.
+    async fn start_claimed(
+        config: RelayConfig,
+        registry: &prometheus::Registry,
+        counters: RelayCounters,
+        nats: async_nats::Client,
+        etcd: etcd_client::Client,
+        worker_id: WorkerId,
+    ) -> Result<Running, Error> {
         // The epoch of this relay's event stream, registered with the worker so the
         // router follows it (and nothing else can move the worker to a new epoch).
         let epoch = unix_epoch_micros();
         let who = WorkerIdentity {
-            worker_id: config.worker.worker_id,
+            worker_id,
             dp_size: config.worker.dp_size,
             url: config.worker.url.clone(),
             epoch,
         };
-        let worker_id = who.worker_id;
         // Without a page to read, registration waits only for the block size.
         let (facts, facts_rx) = watch::channel(EngineFacts {
             scraped: config.scrape.is_none(),
@@ -243,7 +310,7 @@ impl Relay {
         // Barrier: the recovery subscription is registered with the server.
         nats.flush().await?;
         info!(worker_id = %worker_id, sockets = config.engine.endpoints.len(), "kv-router relay started");
-        Ok(Self {
+        Ok(Running {
             counters,
             facts: facts_rx,
             http_addr,
@@ -256,19 +323,30 @@ impl Relay {
         })
     }
 
+    /// The worker id this relay claimed and publishes as.
+    pub fn worker_id(&self) -> WorkerId {
+        self.claim.worker_id
+    }
+
+    /// Fires when the worker id claim is lost to another relay: stop this one
+    /// ([`run`] does, returning [`Error::ClaimLost`]).
+    pub fn claim_lost(&self) -> CancellationToken {
+        self.claim.lost.clone()
+    }
+
     /// The relay's metrics.
     pub fn counters(&self) -> &RelayCounters {
-        &self.counters
+        &self.running.counters
     }
 
     /// The engine's KV cache facts learned so far (block size, capacity).
     pub fn facts(&self) -> EngineFacts {
-        self.facts.borrow().clone()
+        self.running.facts.borrow().clone()
     }
 
     /// Where `/metrics` is served (`--http-listen`), once bound.
     pub fn http_addr(&self) -> Option<std::net::SocketAddr> {
-        self.http_addr
+        self.running.http_addr
     }
 
     /// Stops in the order given in the module docs.
@@ -277,30 +355,45 @@ impl Relay {
     /// [`Error::Flush`] when the final NATS flush fails.
     pub async fn shutdown(self) -> Result<(), Error> {
         info!("relay shutting down");
-        self.sources.cancel();
-        self.source_tasks.wait().await;
+        let Self { running, claim } = self;
+        running.sources.cancel();
+        running.source_tasks.wait().await;
         // Every sender is gone: the publisher drains and ends, marking the engine gone.
-        if let Err(e) = self.publisher.await {
+        if let Err(e) = running.publisher.await {
             error!(error = %e, "relay publishing task failed");
         }
-        self.services.cancel();
-        self.service_tasks.wait().await;
-        self.nats.flush().await?;
+        running.services.cancel();
+        running.service_tasks.wait().await;
+        claim.release().await;
+        running.nats.flush().await?;
         info!("relay stopped");
         Ok(())
     }
 }
 
-/// Runs a relay until `shutdown` resolves, then stops it in order.
+/// Runs a relay until `shutdown` resolves (also while it is still waiting for its
+/// worker id), then stops it in order.
 ///
 /// # Errors
-/// Start-up or shutdown failures (see [`Relay::start`]).
+/// Start-up or shutdown failures (see [`Relay::start`]); [`Error::ClaimLost`] after
+/// an orderly stop when another relay took the worker id.
 pub async fn run(
     config: RelayConfig,
     registry: &prometheus::Registry,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), Error> {
-    let relay = Relay::start(config, registry).await?;
-    shutdown.await;
-    relay.shutdown().await
+    let mut shutdown = std::pin::pin!(shutdown);
+    let relay = tokio::select! {
+        started = Relay::start(config, registry) => started?,
+        () = &mut shutdown => return Ok(()),
+    };
+    let lost = relay.claim_lost();
+    let worker_id = relay.worker_id();
+    tokio::select! {
+        () = &mut shutdown => relay.shutdown().await,
+        () = lost.cancelled() => {
+            relay.shutdown().await?;
+            Err(Error::ClaimLost { worker_id })
+        }
+    }
 }

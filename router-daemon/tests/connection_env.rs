@@ -12,8 +12,8 @@ const RELAY: &[&str] = &[
     "tcp://127.0.0.1:1",
     "--worker-id",
     "1",
-    "--block-size",
-    "16",
+    "--worker-name",
+    "relay-1",
 ];
 
 fn run(args: &[&str], env: &[(&str, &str)]) -> Output {

@@ -250,7 +250,7 @@ async fn the_kit_is_wired_together() {
     assert_eq!(container(router, "kv-router")["args"][0], "serve");
     assert_eq!(container(gateway, "gateway")["args"][0], "gateway");
 
-    // The relay sidecar: worker id from the StatefulSet pod index, the engine on the
+    // The relay sidecar: worker id claimed under the pod name, the engine on the
     // pod's loopback, the engine block size from the shared value.
     let relay = container(engines, "kv-router-relay");
     assert_eq!(relay["args"][0], "relay");
@@ -264,8 +264,12 @@ async fn the_kit_is_wired_together() {
             .clone()
     };
     assert_eq!(
-        relay_env("KV_RELAY_WORKER_ID")["valueFrom"]["fieldRef"]["fieldPath"],
-        "metadata.labels['apps.kubernetes.io/pod-index']"
+        relay_env("KV_RELAY_WORKER_NAME")["valueFrom"]["fieldRef"]["fieldPath"],
+        "metadata.name"
+    );
+    assert!(
+        !relay["env"].to_string().contains("KV_RELAY_WORKER_ID"),
+        "the relay claims its worker id; the chart allocates none"
     );
     assert_eq!(
         relay_env("KV_RELAY_ENGINE_ENDPOINT")["value"],

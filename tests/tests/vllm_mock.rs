@@ -67,6 +67,8 @@ fn relay_config(cluster: &TestCluster, sockets: &[RankEndpoints], url: &str) -> 
         replay.as_str(),
         "--worker-id",
         "1",
+        "--worker-name",
+        "vllm-mock-1",
         // The block size and KV capacity come from the engine's /metrics page.
         "--engine-url",
         url,

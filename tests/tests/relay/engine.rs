@@ -85,6 +85,8 @@ impl FakeEngine {
             topic.as_str(),
             "--worker-id",
             "7",
+            "--worker-name",
+            "relay-7",
         ]
         .map(str::to_owned)
         .to_vec()

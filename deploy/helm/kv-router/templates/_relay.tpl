@@ -6,12 +6,9 @@ It shares the router's ConfigMap and NATS secret.
 
 The relay reads the engine's block size and KV capacity from the engine's metrics
 page (vllm:cache_config_info, SGLang's page_size and pool size), so no number the
-engine knows is set here.
-
-The worker id is the StatefulSet pod index (label apps.kubernetes.io/pod-index,
-Kubernetes >= 1.28): unique within one engine StatefulSet, stable across restarts.
-This is a placeholder until the relay allocates its worker id itself; then
-KV_RELAY_WORKER_ID goes away here.
+engine knows is set here. The worker id is claimed in etcd by the relay itself,
+derived from the pod name (KV_RELAY_WORKER_NAME): unique in the namespace, stable
+across restarts of the same pod.
 */}}
 {{- define "kv-router.relayContainer" -}}
 {{- $e := .Values.engines -}}
@@ -31,11 +28,11 @@ KV_RELAY_WORKER_ID goes away here.
       valueFrom:
         fieldRef:
           fieldPath: status.podIP
-    # Placeholder (see above): the relay will read it from the engine.
-    - name: KV_RELAY_WORKER_ID
+    # The worker id is derived from this name and claimed in etcd (see above).
+    - name: KV_RELAY_WORKER_NAME
       valueFrom:
         fieldRef:
-          fieldPath: metadata.labels['apps.kubernetes.io/pod-index']
+          fieldPath: metadata.name
     - name: KV_RELAY_ENGINE_ENDPOINT
       value: tcp://127.0.0.1:{{ $e.eventsPort }}
     - name: KV_RELAY_REPLAY_ENDPOINT
