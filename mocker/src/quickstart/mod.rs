@@ -29,8 +29,12 @@ use stack::{Binaries, Stack, child_command};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+mod engines;
 mod gateway;
+mod relay;
 mod stack;
+
+pub use engines::Engines;
 
 /// The namespace the quickstart's router and engines share.
 pub const QUICKSTART_NAMESPACE: &str = "quickstart";
@@ -82,6 +86,10 @@ pub struct QuickstartArgs {
     /// application would, or straight over NATS with the replay as the frontend.
     #[arg(long, value_enum, default_value_t = Via::Gateway)]
     pub via: Via,
+    /// How the mock engines join: `vllm` (vLLM's ZMQ KV events, each worker behind
+    /// its own `kv-router relay`) or `nats` (the router's protocol, self-registered).
+    #[arg(long, value_enum, default_value_t = Engines::Vllm)]
+    pub engines: Engines,
 }
 
 /// The quickstart's frontend.
@@ -102,6 +110,11 @@ pub enum Via {
 pub async fn run(args: QuickstartArgs) -> anyhow::Result<()> {
     if let Err(err) = BlockMapping::new(args.block_size) {
         bail!("--block-size: {err}");
+    }
+    if (args.engines, args.via) == (Engines::Vllm, Via::Nats) {
+        bail!(
+            "--via nats needs --engines nats: engines in vLLM mode take requests over HTTP only"
+        );
     }
     let (mut trace, trace_name) = match &args.trace {
         Some(path) => (trace::load_trace(path)?, path.display().to_string()),
@@ -201,27 +214,11 @@ async fn run_stack(
         "--namespace",
         QUICKSTART_NAMESPACE,
     ];
-    let mut command = child_command(&binaries.mocker);
-    command.arg("engines").args(connection).args([
-        "--workers",
-        &args.workers.to_string(),
-        "--block-size",
-        &args.block_size.to_string(),
-        "--num-gpu-blocks",
-        &args.num_gpu_blocks.to_string(),
-        "--time-scale",
-        &args.time_scale.to_string(),
-    ]);
-    let engines = stack.spawn("engines", command)?;
-    engines.wait_for_line(ENGINES_READY, READY_TIMEOUT).await?;
-    progress(&format!(
-        "{} mock engines registered in etcd ({} KV blocks of {} tokens each, time scale {}x)",
-        args.workers, args.num_gpu_blocks, args.block_size, args.time_scale
-    ));
-
     let namespace = Namespace::new(QUICKSTART_NAMESPACE)?;
     let target =
         ReplayTarget::connect(&nats_url, std::slice::from_ref(&etcd_endpoint), namespace).await?;
+    engines::start(args, stack, binaries, &connection, &target).await?;
+
     let gateway = match args.via {
         Via::Gateway => Some(gateway::start(stack, binaries, &connection).await?),
         Via::Nats => None,
