@@ -1,11 +1,20 @@
 //! `kv-mocker quickstart`: the README's first command, end to end on one machine.
 //!
-//! Starts a real nats-server and etcd on free loopback ports, the mock engines
-//! (`kv-mocker engines`, this same executable) and the router daemon (`kv-router
-//! serve`, expected next to this executable), replays the bundled Mooncake excerpt once
-//! per policy (`predicted-ttft`, `kv`, then `round-robin`) from a cold cluster, prints
-//! the comparison table and writes `<out>/report.json`. Everything it started is stopped in reverse
-//! order (router, engines, etcd, nats), also on error, Ctrl-C or SIGTERM.
+//! Starts a real nats-server and etcd on free loopback ports; the mock engines
+//! (`kv-mocker engines`, this same executable) in vLLM mode, publishing vLLM 0.33's
+//! ZMQ KV events, with one `kv-router relay` per worker that republishes them to NATS,
+//! scrapes the worker's `/metrics` and registers it in etcd (or, with `--engines
+//! nats`, engines that speak the router's protocol and register themselves; see
+//! `engines`); `kv-router gateway`; and per policy the router daemon (`kv-router
+//! serve`; `kv-router` is expected next to this executable). It replays the bundled
+//! Mooncake excerpt once per policy (`predicted-ttft`, `kv`, then `round-robin`)
+//! through the gateway from a cold cluster, prints the comparison table and writes
+//! `<out>/report.json`. Everything it started is stopped in reverse order (router,
+//! gateway, relays, engines, etcd, nats), also on error, Ctrl-C or SIGTERM.
+//!
+//! Each relay is one more process (a few MB, one NATS and one etcd connection, one
+//! xxh3 per block of every event, a scrape every 100 ms); that is what a real vLLM
+//! deployment runs, so the quickstart measures the path users take.
 //!
 //! The terminal is for a person: the steps (servers ready, engines registered, router
 //! ready), a progress display per pass, the table and the report's path. Every
@@ -49,8 +58,9 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(300);
 const ENGINES_READY: &str = "kv-mocker engines ready";
 const ROUTER_READY: &str = "kv-router ready";
 
-/// `kv-mocker quickstart`: start NATS, etcd, mock engines and the router, replay a
-/// trace per policy, print the comparison and write a JSON report.
+/// `kv-mocker quickstart`: start NATS, etcd, mock engines (behind relays), the
+/// gateway and the router, replay a trace per policy, print the comparison and write
+/// a JSON report.
 #[derive(Debug, Clone, clap::Args)]
 pub struct QuickstartArgs {
     /// Mock engine workers to start.
@@ -320,6 +330,21 @@ mod tests {
         );
         assert_eq!(args.out, PathBuf::from("target/quickstart"));
         assert!(args.trace.is_none());
+        assert_eq!(args.engines, Engines::Vllm);
+        assert_eq!(args.via, Via::Gateway);
+        let nats = Cli::parse_from(["quickstart", "--engines", "nats"]).args;
+        assert_eq!(nats.engines, Engines::Nats);
+        assert!(Cli::try_parse_from(["quickstart", "--engines", "sglang"]).is_err());
+    }
+
+    #[tokio::test]
+    async fn vllm_engines_cannot_take_requests_over_nats() {
+        let args = Cli::parse_from(["quickstart", "--via", "nats"]).args;
+        let err = run(args).await.unwrap_err();
+        assert!(
+            err.to_string().contains("--via nats needs --engines nats"),
+            "{err}"
+        );
     }
 
     #[test]
