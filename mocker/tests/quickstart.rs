@@ -78,7 +78,11 @@ fn quickstart(extra: &[&str]) -> Run {
 fn assert_steps(run: &Run, engines_step: &[&str]) {
     let stderr = &run.stderr;
     let steps = [
-        &["logs of every process go to", "nats-server ready at", "etcd ready at"][..],
+        &[
+            "logs of every process go to",
+            "nats-server ready at",
+            "etcd ready at",
+        ][..],
         engines_step,
         &[
             "gateway ready at http://127.0.0.1:",
@@ -175,8 +179,15 @@ fn quickstart_runs_vllm_mode_engines_behind_relays_by_default() {
     for worker in 1..=4 {
         let relay = read(&logs.join(format!("relay-{worker}.log")));
         assert!(relay.contains("kv-router relay started"), "{relay}");
-        assert!(relay.contains("engine replay buffer read at connect"), "{relay}");
-        assert!(relay.contains("relay stopped"), "stopped gracefully: {relay}");
+        let key = format!("worker registered key=kv-router/quickstart/workers/{worker}");
+        assert!(
+            relay.contains(&key),
+            "the relay registered its worker: {relay}"
+        );
+        assert!(
+            relay.contains("relay stopped"),
+            "stopped gracefully: {relay}"
+        );
     }
 }
 

@@ -122,9 +122,7 @@ pub async fn run(args: QuickstartArgs) -> anyhow::Result<()> {
         bail!("--block-size: {err}");
     }
     if (args.engines, args.via) == (Engines::Vllm, Via::Nats) {
-        bail!(
-            "--via nats needs --engines nats: engines in vLLM mode take requests over HTTP only"
-        );
+        bail!("--via nats needs --engines nats: engines in vLLM mode take requests over HTTP only");
     }
     let (mut trace, trace_name) = match &args.trace {
         Some(path) => (trace::load_trace(path)?, path.display().to_string()),

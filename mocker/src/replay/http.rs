@@ -203,7 +203,9 @@ mod tests {
         use std::sync::atomic::{AtomicUsize, Ordering};
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let idle_limit = Duration::from_millis(kv_cluster::http::DEFAULT_HEADER_READ_TIMEOUT_MS);
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
         let addr = listener.local_addr().expect("bound").to_string();
         let accepted = std::sync::Arc::new(AtomicUsize::new(0));
         let count = accepted.clone();

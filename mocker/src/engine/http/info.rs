@@ -3,10 +3,10 @@
 
 use super::HttpState;
 use super::openai::{ApiError, TokenizeRequest, parse_json};
+use crate::protocol::ClearReply;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
-use crate::protocol::ClearReply;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
