@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The README's first command: builds kv-router and kv-mocker, then starts nats-server
-# (JetStream on) and etcd on free loopback ports, the router daemon and mock engines,
-# replays the bundled Mooncake trace excerpt with kv routing and with round robin,
+# (JetStream on) and etcd on free loopback ports, mock engines in vLLM mode with one
+# kv-router relay each, the gateway and the router daemon, replays the bundled Mooncake trace excerpt with kv routing and with round robin,
 # prints the comparison and writes target/quickstart/report.json. Every process it
 # starts is stopped before it exits. Extra arguments go to `kv-mocker quickstart`.
 set -euo pipefail

@@ -89,7 +89,10 @@ impl ClusterError {
     /// process between our port probe and its bind); such starts are retried.
     pub fn is_port_conflict(&self) -> bool {
         match self {
-            ClusterError::Exited { tail, .. } => tail.contains("address already in use"),
+            // Servers log it lowercase; Rust's io::Error says "Address already in use".
+            ClusterError::Exited { tail, .. } => {
+                tail.to_lowercase().contains("address already in use")
+            }
             _ => false,
         }
     }

@@ -23,7 +23,7 @@ use super::outbox::Outbox;
 use super::progress::{Progress, Reply};
 use super::request::EngineRequest;
 use super::vllm::{self, VllmPublisher};
-use crate::protocol::GenerateResponse;
+use crate::protocol::{ClearReply, GenerateResponse};
 use async_nats::Subject;
 use kv_events::{ExternalBlockHash, KvCacheEventData, LoadMetrics, RequestId, WorkerRank};
 use std::collections::HashMap;
@@ -101,6 +101,23 @@ pub(super) enum RankSink {
     },
     /// vLLM's ZMQ wire; no load metrics (a relay scrapes the HTTP `/metrics`).
     Vllm(VllmPublisher),
+}
+
+/// Clears every rank of one worker atomically: all locks are taken (in rank order)
+/// and the caches dropped, each with its `Cleared` KV event, only if no rank has a
+/// request in flight; otherwise nothing changes and the reply says how many are.
+/// Used by the NATS clear subject and by `POST /reset_prefix_cache`.
+pub(super) fn clear_all(ranks: &[std::sync::Arc<Rank>]) -> ClearReply {
+    let mut guards: Vec<_> = ranks.iter().map(|r| r.lock()).collect();
+    let active_requests: u64 = guards.iter().map(|g| g.in_flight()).sum();
+    if active_requests > 0 {
+        return ClearReply::Busy { active_requests };
+    }
+    for (rank, guard) in ranks.iter().zip(guards.iter_mut()) {
+        // Cannot refuse: the rank is idle and its lock is held.
+        rank.clear_locked(guard);
+    }
+    ClearReply::Cleared
 }
 
 /// One dp rank of one worker. See the module docs.

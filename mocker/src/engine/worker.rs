@@ -115,17 +115,8 @@ impl Worker {
         }
     }
 
-    /// Clears all ranks atomically (all locks held, in rank order).
+    /// Clears all ranks atomically (see [`super::rank::clear_all`]).
     pub fn clear(&self) -> ClearReply {
-        let mut guards: Vec<_> = self.ranks.iter().map(|r| r.lock()).collect();
-        let active_requests: u64 = guards.iter().map(|g| g.in_flight()).sum();
-        if active_requests > 0 {
-            return ClearReply::Busy { active_requests };
-        }
-        for (rank, guard) in self.ranks.iter().zip(guards.iter_mut()) {
-            // Cannot refuse: the rank is idle and its lock is held.
-            rank.clear_locked(guard);
-        }
-        ClearReply::Cleared
+        super::rank::clear_all(&self.ranks)
     }
 }

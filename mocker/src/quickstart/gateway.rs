@@ -38,11 +38,7 @@ pub(super) async fn start(
     gateway.wait_for_line(GATEWAY_READY, READY_TIMEOUT).await?;
     let url = format!("http://{listen}");
     progress(&format!("gateway ready at {url}/v1 (OpenAI API)"));
-    Ok(GatewayTarget {
-        url,
-        model: DEFAULT_MODEL_NAME.to_owned(),
-        client: reqwest::Client::new(),
-    })
+    GatewayTarget::new(url, DEFAULT_MODEL_NAME.to_owned()).context("building the http client")
 }
 
 /// Sums the gateway exports, read from its `/metrics`.

@@ -1,11 +1,20 @@
 //! `kv-mocker quickstart`: the README's first command, end to end on one machine.
 //!
-//! Starts a real nats-server and etcd on free loopback ports, the mock engines
-//! (`kv-mocker engines`, this same executable) and the router daemon (`kv-router
-//! serve`, expected next to this executable), replays the bundled Mooncake excerpt once
-//! per policy (`predicted-ttft`, `kv`, then `round-robin`) from a cold cluster, prints
-//! the comparison table and writes `<out>/report.json`. Everything it started is stopped in reverse
-//! order (router, engines, etcd, nats), also on error, Ctrl-C or SIGTERM.
+//! Starts a real nats-server and etcd on free loopback ports; the mock engines
+//! (`kv-mocker engines`, this same executable) in vLLM mode, publishing vLLM 0.33's
+//! ZMQ KV events, with one `kv-router relay` per worker that republishes them to NATS,
+//! scrapes the worker's `/metrics` and registers it in etcd (or, with `--engines
+//! nats`, engines that speak the router's protocol and register themselves; see
+//! `engines`); `kv-router gateway`; and per policy the router daemon (`kv-router
+//! serve`; `kv-router` is expected next to this executable). It replays the bundled
+//! Mooncake excerpt once per policy (`predicted-ttft`, `kv`, then `round-robin`)
+//! through the gateway from a cold cluster, prints the comparison table and writes
+//! `<out>/report.json`. Everything it started is stopped in reverse order (router,
+//! gateway, relays, engines, etcd, nats), also on error, Ctrl-C or SIGTERM.
+//!
+//! Each relay is one more process (a few MB, one NATS and one etcd connection, one
+//! xxh3 per block of every event, a scrape every 100 ms); that is what a real vLLM
+//! deployment runs, so the quickstart measures the path users take.
 //!
 //! The terminal is for a person: the steps (servers ready, engines registered, router
 //! ready), a progress display per pass, the table and the report's path. Every
@@ -29,8 +38,12 @@ use stack::{Binaries, Stack, child_command};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+mod engines;
 mod gateway;
+mod relay;
 mod stack;
+
+pub use engines::Engines;
 
 /// The namespace the quickstart's router and engines share.
 pub const QUICKSTART_NAMESPACE: &str = "quickstart";
@@ -45,8 +58,9 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(300);
 const ENGINES_READY: &str = "kv-mocker engines ready";
 const ROUTER_READY: &str = "kv-router ready";
 
-/// `kv-mocker quickstart`: start NATS, etcd, mock engines and the router, replay a
-/// trace per policy, print the comparison and write a JSON report.
+/// `kv-mocker quickstart`: start NATS, etcd, mock engines (behind relays), the
+/// gateway and the router, replay a trace per policy, print the comparison and write
+/// a JSON report.
 #[derive(Debug, Clone, clap::Args)]
 pub struct QuickstartArgs {
     /// Mock engine workers to start.
@@ -82,6 +96,10 @@ pub struct QuickstartArgs {
     /// application would, or straight over NATS with the replay as the frontend.
     #[arg(long, value_enum, default_value_t = Via::Gateway)]
     pub via: Via,
+    /// How the mock engines join: `vllm` (vLLM's ZMQ KV events, each worker behind
+    /// its own `kv-router relay`) or `nats` (the router's protocol, self-registered).
+    #[arg(long, value_enum, default_value_t = Engines::Vllm)]
+    pub engines: Engines,
 }
 
 /// The quickstart's frontend.
@@ -102,6 +120,9 @@ pub enum Via {
 pub async fn run(args: QuickstartArgs) -> anyhow::Result<()> {
     if let Err(err) = BlockMapping::new(args.block_size) {
         bail!("--block-size: {err}");
+    }
+    if (args.engines, args.via) == (Engines::Vllm, Via::Nats) {
+        bail!("--via nats needs --engines nats: engines in vLLM mode take requests over HTTP only");
     }
     let (mut trace, trace_name) = match &args.trace {
         Some(path) => (trace::load_trace(path)?, path.display().to_string()),
@@ -201,27 +222,11 @@ async fn run_stack(
         "--namespace",
         QUICKSTART_NAMESPACE,
     ];
-    let mut command = child_command(&binaries.mocker);
-    command.arg("engines").args(connection).args([
-        "--workers",
-        &args.workers.to_string(),
-        "--block-size",
-        &args.block_size.to_string(),
-        "--num-gpu-blocks",
-        &args.num_gpu_blocks.to_string(),
-        "--time-scale",
-        &args.time_scale.to_string(),
-    ]);
-    let engines = stack.spawn("engines", command)?;
-    engines.wait_for_line(ENGINES_READY, READY_TIMEOUT).await?;
-    progress(&format!(
-        "{} mock engines registered in etcd ({} KV blocks of {} tokens each, time scale {}x)",
-        args.workers, args.num_gpu_blocks, args.block_size, args.time_scale
-    ));
-
     let namespace = Namespace::new(QUICKSTART_NAMESPACE)?;
     let target =
         ReplayTarget::connect(&nats_url, std::slice::from_ref(&etcd_endpoint), namespace).await?;
+    engines::start(args, stack, binaries, &connection, &target).await?;
+
     let gateway = match args.via {
         Via::Gateway => Some(gateway::start(stack, binaries, &connection).await?),
         Via::Nats => None,
@@ -323,6 +328,21 @@ mod tests {
         );
         assert_eq!(args.out, PathBuf::from("target/quickstart"));
         assert!(args.trace.is_none());
+        assert_eq!(args.engines, Engines::Vllm);
+        assert_eq!(args.via, Via::Gateway);
+        let nats = Cli::parse_from(["quickstart", "--engines", "nats"]).args;
+        assert_eq!(nats.engines, Engines::Nats);
+        assert!(Cli::try_parse_from(["quickstart", "--engines", "sglang"]).is_err());
+    }
+
+    #[tokio::test]
+    async fn vllm_engines_cannot_take_requests_over_nats() {
+        let args = Cli::parse_from(["quickstart", "--via", "nats"]).args;
+        let err = run(args).await.unwrap_err();
+        assert!(
+            err.to_string().contains("--via nats needs --engines nats"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -64,7 +64,7 @@ pub(super) struct Stack {
     pub(super) logs: PathBuf,
     pub(super) nats: Option<NatsServer>,
     pub(super) etcd: Option<EtcdServer>,
-    /// The engines and the router, in start order.
+    /// The engines, relays, gateway and router, in start order.
     children: Vec<ManagedProcess>,
 }
 
@@ -106,8 +106,8 @@ impl Stack {
         Ok(())
     }
 
-    /// Runs `work` unless a child exits first: the engines and the router must live
-    /// for the whole replay, so an early exit is an error naming the child.
+    /// Runs `work` unless a child exits first: the engines, relays, gateway and router
+    /// must live for the whole replay, so an early exit is an error naming the child.
     pub(super) async fn unless_a_child_exits<T>(
         &mut self,
         work: impl std::future::Future<Output = T>,
@@ -146,8 +146,9 @@ impl Stack {
         }
     }
 
-    /// Stops router, engines, etcd and nats, in that order, each gracefully; errors are
-    /// reported and do not stop the rest.
+    /// Stops the children in reverse start order (router, gateway, relays, engines),
+    /// then etcd and nats, each gracefully; errors are reported and do not stop the
+    /// rest.
     pub(super) async fn shutdown(self) {
         let Stack {
             nats,

@@ -3,12 +3,17 @@
 //!
 //! Without this the second policy would inherit the first one's warm caches and look
 //! better than it is. Costs one etcd range read and one NATS request per worker.
+//! A worker whose engine serves no NATS clear subject (a mock in vLLM mode behind
+//! `kv-router relay`: NATS answers "no responders") is cleared over HTTP instead, with
+//! vLLM's `POST /reset_prefix_cache` at the URL its registration carries; the engine's
+//! `AllBlocksCleared` KV event reaches the router through the relay.
 //! A worker that answers `busy` still has requests in flight (there should be none:
 //! every pass awaits all its requests); it is asked again after a backoff of
 //! [`CLEAR_BACKOFF`], doubling, at most [`CLEAR_ATTEMPTS`] times.
 
 use super::{ReplayError, ReplayTarget};
 use crate::protocol::{ClearReply, OP_CLEAR};
+use async_nats::{RequestError, RequestErrorKind};
 use etcd_client::GetOptions;
 use kv_events::discovery::WorkerRegistration;
 use kv_events::{WorkerId, decode};
@@ -68,40 +73,40 @@ pub async fn clear_all(target: &ReplayTarget) -> Result<Vec<WorkerRegistration>,
             prefix: target.subjects.etcd_worker_prefix(),
         });
     }
-    let ids: Vec<WorkerId> = workers.iter().map(|w| w.worker_id).collect();
-    futures::future::try_join_all(ids.iter().map(|id| clear_worker(target, *id))).await?;
+    let http = reqwest::Client::new();
+    futures::future::try_join_all(workers.iter().map(|w| clear_worker(target, &http, w))).await?;
     Ok(workers)
 }
 
-async fn clear_worker(target: &ReplayTarget, worker: WorkerId) -> Result<(), ReplayError> {
-    let subject = target.subjects.engine(worker, OP_CLEAR);
+async fn clear_worker(
+    target: &ReplayTarget,
+    http: &reqwest::Client,
+    registration: &WorkerRegistration,
+) -> Result<(), ReplayError> {
+    let worker = registration.worker_id;
     let mut backoff = CLEAR_BACKOFF;
     for attempt in 1..=CLEAR_ATTEMPTS {
-        let request = async_nats::client::Request::new()
-            .payload(bytes::Bytes::new())
-            .timeout(Some(CLEAR_TIMEOUT));
-        let reply = target
-            .nats
-            .send_request(subject.clone(), request)
-            .await
-            .map_err(|err| ReplayError::Clear {
-                worker,
-                reason: err.to_string(),
-            })?;
-        match decode::<ClearReply>(&reply.payload) {
-            Ok(ClearReply::Cleared) => return Ok(()),
-            Ok(ClearReply::Busy { active_requests }) => {
+        let reply = match clear_over_nats(target, worker).await {
+            Err(err) if err.kind() == RequestErrorKind::NoResponders => {
+                let Some(url) = &registration.url else {
+                    return Err(ReplayError::Clear {
+                        worker,
+                        reason: "no engine answers its nats clear subject and its registration has no url".to_owned(),
+                    });
+                };
+                clear_over_http(http, url).await
+            }
+            Err(err) => Err(err.to_string()),
+            Ok(reply) => Ok(reply),
+        };
+        match reply.map_err(|reason| ReplayError::Clear { worker, reason })? {
+            ClearReply::Cleared => return Ok(()),
+            ClearReply::Busy { active_requests } => {
                 tracing::info!(%worker, active_requests, attempt, "worker busy, retrying clear");
                 if attempt < CLEAR_ATTEMPTS {
                     tokio::time::sleep(backoff).await;
                     backoff *= 2;
                 }
-            }
-            Err(err) => {
-                return Err(ReplayError::Clear {
-                    worker,
-                    reason: format!("undecodable clear reply: {err}"),
-                });
             }
         }
     }
@@ -109,4 +114,46 @@ async fn clear_worker(target: &ReplayTarget, worker: WorkerId) -> Result<(), Rep
         worker,
         reason: format!("still busy after {CLEAR_ATTEMPTS} attempts"),
     })
+}
+
+/// One clear request on the engine's NATS subject; an undecodable reply is an `Ok`
+/// carrying nothing usable, reported as a [`RequestError`] of kind `Other`.
+async fn clear_over_nats(
+    target: &ReplayTarget,
+    worker: WorkerId,
+) -> Result<ClearReply, RequestError> {
+    let request = async_nats::client::Request::new()
+        .payload(bytes::Bytes::new())
+        .timeout(Some(CLEAR_TIMEOUT));
+    let reply = target
+        .nats
+        .send_request(target.subjects.engine(worker, OP_CLEAR), request)
+        .await?;
+    decode::<ClearReply>(&reply.payload).map_err(|err| {
+        RequestError::with_source(
+            RequestErrorKind::Other,
+            format!("undecodable clear reply: {err}"),
+        )
+    })
+}
+
+/// `POST {url}/reset_prefix_cache`: 200 is cleared, 409 is busy (the mock's answer
+/// while requests run), anything else an error naming the status.
+async fn clear_over_http(http: &reqwest::Client, url: &str) -> Result<ClearReply, String> {
+    let response = http
+        .post(format!("{url}/reset_prefix_cache"))
+        .timeout(CLEAR_TIMEOUT)
+        .send()
+        .await
+        .map_err(|err| format!("POST {url}/reset_prefix_cache: {err}"))?;
+    match response.status().as_u16() {
+        200 => Ok(ClearReply::Cleared),
+        409 => {
+            let body: serde_json::Value = response.json().await.unwrap_or_default();
+            Ok(ClearReply::Busy {
+                active_requests: body["active_requests"].as_u64().unwrap_or(0),
+            })
+        }
+        status => Err(format!("POST {url}/reset_prefix_cache answered {status}")),
+    }
 }

@@ -23,6 +23,22 @@ use serde_json::{Value, json};
 use std::time::Duration;
 use tokio::time::Instant;
 
+/// How long the replay keeps an idle keep-alive connection to the gateway: half the
+/// gateway's default header-read timeout (`--header-read-timeout-ms`, 5 s), which is
+/// also how long the gateway keeps an idle connection before closing it.
+///
+/// Why below it: with reqwest's default of 90 s, a connection the gateway is closing
+/// at its timeout can still be taken from the pool and a request written onto it; the
+/// request then fails as "connection closed before message completed" (the
+/// quickstart once counted 1 of 2,000 requests "unreachable" this way). reqwest does
+/// not retry it: over HTTP/1 it only resends a request the connection dropped before
+/// any byte was written, and a completion is not idempotent, so no client should
+/// resend it blindly. Expiring our side first, with margin for timer and scheduling
+/// skew on a loaded machine, means the pool never hands out a connection the server
+/// may be closing. Costs one TCP connect per request after 2.5 s of idleness.
+pub const POOL_IDLE_TIMEOUT: Duration =
+    Duration::from_millis(kv_cluster::http::DEFAULT_HEADER_READ_TIMEOUT_MS / 2);
+
 /// A gateway to replay through.
 #[derive(Debug, Clone)]
 pub struct GatewayTarget {
@@ -30,8 +46,33 @@ pub struct GatewayTarget {
     pub url: String,
     /// The model name it serves.
     pub model: String,
-    /// The HTTP client.
+    /// The HTTP client (see [`GatewayTarget::client`]).
     pub client: reqwest::Client,
+}
+
+impl GatewayTarget {
+    /// A gateway at `url` serving `model`, with [`Self::client`].
+    ///
+    /// # Errors
+    /// The HTTP client cannot be built (no TLS backend or resolver).
+    pub fn new(url: String, model: String) -> reqwest::Result<Self> {
+        Ok(Self {
+            url,
+            model,
+            client: Self::client()?,
+        })
+    }
+
+    /// The replay's HTTP client: idle connections expire after [`POOL_IDLE_TIMEOUT`],
+    /// before the gateway closes them.
+    ///
+    /// # Errors
+    /// The HTTP client cannot be built (no TLS backend or resolver).
+    pub fn client() -> reqwest::Result<reqwest::Client> {
+        reqwest::Client::builder()
+            .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+            .build()
+    }
 }
 
 /// The prompt of `request` as token ids, `input_length` of them (see the module
@@ -152,5 +193,69 @@ mod tests {
         // An id names a block's content (Mooncake ids are prefix hashes).
         assert_eq!(a[512..600], c[512..600]);
         assert_eq!(prompt_tokens(&request(1024, vec![7, 8])), a[..1024]);
+    }
+
+    /// A keep-alive server as the gateway's: a request arriving on a connection idle
+    /// for the header-read timeout finds it closed (the server closes it at that
+    /// instant); any other request gets `200 ok`. Returns the address and a count of
+    /// accepted connections.
+    async fn closing_server() -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let idle_limit = Duration::from_millis(kv_cluster::http::DEFAULT_HEADER_READ_TIMEOUT_MS);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("bound").to_string();
+        let accepted = std::sync::Arc::new(AtomicUsize::new(0));
+        let count = accepted.clone();
+        tokio::spawn(async move {
+            while let Ok((mut socket, _)) = listener.accept().await {
+                count.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let mut last = Instant::now();
+                    let mut buf = vec![0u8; 4096];
+                    // One GET without a body per read: the client sends each in one write.
+                    while let Ok(n) = socket.read(&mut buf).await {
+                        if n == 0 || last.elapsed() >= idle_limit {
+                            return;
+                        }
+                        let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                        if socket.write_all(ok).await.is_err() {
+                            return;
+                        }
+                        last = Instant::now();
+                    }
+                });
+            }
+        });
+        (addr, accepted)
+    }
+
+    /// Two requests 5 s apart (the gateway's header-read timeout): the second is
+    /// written onto the connection the server is closing by a client that keeps idle
+    /// connections 90 s (reqwest's default), and fails; the replay's client has let
+    /// the connection go and opens a new one.
+    #[tokio::test(start_paused = true)]
+    async fn the_replay_client_never_reuses_a_connection_the_gateway_is_closing() {
+        let idle = Duration::from_millis(kv_cluster::http::DEFAULT_HEADER_READ_TIMEOUT_MS);
+        let ninety = reqwest::Client::builder()
+            .pool_idle_timeout(Duration::from_secs(90))
+            .build()
+            .expect("client");
+        let ours = GatewayTarget::client().expect("client");
+        for (client, second_succeeds, connections) in [(ninety, false, 1), (ours, true, 2)] {
+            let (addr, accepted) = closing_server().await;
+            let url = format!("http://{addr}/");
+            let first = client.get(&url).send().await.expect("first request");
+            assert_eq!(first.text().await.expect("body"), "ok");
+            tokio::time::advance(idle).await;
+            let second = client.get(&url).send().await;
+            assert_eq!(second.is_ok(), second_succeeds, "{second:?}");
+            assert_eq!(
+                accepted.load(std::sync::atomic::Ordering::SeqCst),
+                connections
+            );
+        }
     }
 }

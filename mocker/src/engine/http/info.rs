@@ -1,11 +1,13 @@
-//! The small endpoints: `POST /tokenize`, `GET /v1/models`, `GET /metrics`.
+//! The small endpoints: `POST /tokenize`, `GET /v1/models`, `GET /metrics`,
+//! `POST /reset_prefix_cache`.
 
 use super::HttpState;
 use super::openai::{ApiError, TokenizeRequest, parse_json};
+use crate::protocol::ClearReply;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
-use axum::http::header;
+use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 use std::sync::Arc;
@@ -61,4 +63,20 @@ pub(super) async fn metrics(State(state): State<Arc<HttpState>>) -> Response {
         state.metrics.render(&state.ranks),
     )
         .into_response()
+}
+
+/// `POST /reset_prefix_cache` (vLLM's endpoint of that name): drops every rank's KV
+/// cache, each with its `AllBlocksCleared` / `Cleared` KV event, if the worker is
+/// idle: 200 with `{"cleared": true}`. With requests in flight nothing changes: 409
+/// with `{"cleared": false, "active_requests": n}` (vLLM answers 200 and only logs
+/// the refusal; the status lets a caller retry). The body is ignored.
+pub(super) async fn reset_prefix_cache(State(state): State<Arc<HttpState>>) -> Response {
+    match crate::engine::rank::clear_all(&state.ranks) {
+        ClearReply::Cleared => axum::Json(json!({"cleared": true})).into_response(),
+        ClearReply::Busy { active_requests } => (
+            StatusCode::CONFLICT,
+            axum::Json(json!({"cleared": false, "active_requests": active_requests})),
+        )
+            .into_response(),
+    }
 }

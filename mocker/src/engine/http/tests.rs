@@ -102,6 +102,21 @@ impl Engines {
         (status, resp.json().await.expect("json body"))
     }
 
+    /// The body stream of a streamed `/v1/completions` request.
+    async fn stream(
+        &self,
+        body: &Value,
+    ) -> impl futures::Stream<Item = reqwest::Result<bytes::Bytes>> + use<> {
+        let resp = self
+            .http
+            .post(format!("{}/v1/completions", self.url))
+            .json(body)
+            .send()
+            .await
+            .expect("request");
+        resp.bytes_stream()
+    }
+
     async fn metrics(&self) -> String {
         let resp = self.http.get(format!("{}/metrics", self.url)).send().await;
         resp.expect("metrics").text().await.expect("text")
@@ -343,14 +358,7 @@ async fn a_disconnect_mid_stream_aborts_the_request_and_frees_its_blocks() {
     let e = start(1.0, None).await;
     // ~900 decode steps of ~10 ms: ~9 s if it ran to the end.
     let body = json!({"prompt": prompt(64), "max_tokens": 900, "stream": true});
-    let resp = e
-        .http
-        .post(format!("{}/v1/completions", e.url))
-        .json(&body)
-        .send()
-        .await
-        .expect("request");
-    let mut stream = resp.bytes_stream();
+    let mut stream = e.stream(&body).await;
     let mut seen = String::new();
     while seen.matches("data: ").count() < 3 {
         let bytes = stream.next().await.expect("chunk").expect("bytes");
@@ -413,4 +421,36 @@ async fn an_idle_connection_is_closed_after_the_header_read_timeout() {
         .get(format!("{}/v1/models", engines.url))
         .send();
     assert_eq!(models.await.expect("answered").status().as_u16(), 200);
+}
+
+/// `POST /reset_prefix_cache` refuses (409, nothing dropped) while a request runs and
+/// drops the cache once the worker is idle: the repeated prompt then hits nothing.
+#[tokio::test]
+async fn reset_prefix_cache_drops_an_idle_workers_cache_and_refuses_a_busy_one() {
+    let e = start(1.0, None).await;
+    let body = json!({"prompt": prompt(40), "max_tokens": 1});
+    let cached = |v: &Value| v["usage"]["prompt_tokens_details"]["cached_tokens"].clone();
+    let (_, first) = e.post("/v1/completions", body.clone(), None).await;
+    assert_eq!(cached(&first), 0);
+
+    // ~30 decode steps of ~10 ms, streamed: running while its first chunk is read.
+    let long = json!({"prompt": prompt(16), "max_tokens": 30, "stream": true});
+    let mut stream = e.stream(&long).await;
+    let mut seen = String::from_utf8(stream.next().await.expect("chunk").expect("bytes").to_vec())
+        .expect("utf-8");
+    let (status, busy) = e.post("/reset_prefix_cache", json!({}), None).await;
+    assert_eq!(status, 409, "{busy}");
+    assert_eq!(busy, json!({"cleared": false, "active_requests": 1}));
+    let (_, warm) = e.post("/v1/completions", body.clone(), None).await;
+    assert_eq!(cached(&warm), 32, "a refused reset drops nothing");
+
+    // The request's finish is recorded before `[DONE]` is sent: idle once read.
+    while let Some(bytes) = stream.next().await {
+        seen.push_str(std::str::from_utf8(&bytes.expect("bytes")).expect("utf-8"));
+    }
+    assert!(seen.ends_with("data: [DONE]\n\n"), "{seen}");
+    let (status, reply) = e.post("/reset_prefix_cache", json!({}), None).await;
+    assert_eq!((status, reply), (200, json!({"cleared": true})));
+    let (_, again) = e.post("/v1/completions", body, None).await;
+    assert_eq!(cached(&again), 0, "the cache was dropped");
 }

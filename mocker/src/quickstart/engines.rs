@@ -1,0 +1,246 @@
+//! The quickstart's engines: how the mock workers join the cluster.
+//!
+//! - [`Engines::Vllm`] (the default): `kv-mocker engines --kv-events vllm`, each
+//!   worker a vLLM stand-in publishing vLLM 0.33's ZMQ KV events and serving OpenAI
+//!   HTTP and vLLM's `/metrics`; one `kv-router relay` per worker subscribes to its
+//!   sockets, republishes to NATS, scrapes its load and registers it in etcd. The
+//!   path a real vLLM deployment takes, with no engine change.
+//! - [`Engines::Nats`]: `kv-mocker engines` speaking the router's protocol on NATS
+//!   and registering themselves in etcd; no relay.
+//!
+//! Ports (vLLM mode): worker `i` of `n` listens on HTTP `base + i`, ZMQ PUB
+//! `base + n + i` and ZMQ replay `base + 2n + i`, one block of `3n` loopback ports
+//! probed free together ([`free_port_block`]). As for nats-server and etcd, another
+//! process can take a port between the probe and the bind; the engines then exit with
+//! "address already in use" and the quickstart retries on a fresh block
+//! ([`PORT_ATTEMPTS`] times).
+//!
+//! Readiness: the engines log `kv-mocker engines ready` once every socket is bound;
+//! the relays are ready when every worker's registration is in etcd, read from a
+//! watch (no polling), while a relay that dies is reported at once.
+
+use super::relay::{RelayTarget, relay_args};
+use super::stack::{Binaries, Stack, child_command};
+use super::{ENGINES_READY, QuickstartArgs, READY_TIMEOUT, progress};
+use crate::cluster::ClusterError;
+use crate::cluster::servers::{PORT_ATTEMPTS, free_port};
+use crate::replay::ReplayTarget;
+use anyhow::{Context, anyhow, bail};
+use etcd_client::{EventType, GetOptions, WatchOptions};
+use kv_events::WorkerId;
+use std::collections::BTreeSet;
+use std::net::TcpListener;
+
+/// How the quickstart's mock engines publish KV events and join the cluster.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Engines {
+    /// As vLLM does (ZMQ), each worker behind its own `kv-router relay`.
+    Vllm,
+    /// The router's protocol on NATS; the engines register themselves.
+    Nats,
+}
+
+/// The first worker id of `kv-mocker engines` (its `--first-worker-id` default).
+const FIRST_WORKER_ID: u64 = 1;
+
+/// Starts the engines (and, in vLLM mode, their relays) and returns once every worker
+/// is registered in etcd.
+///
+/// # Errors
+/// A child that fails to start, exits or is not ready within [`READY_TIMEOUT`]; no
+/// free port block; etcd unreadable.
+pub(super) async fn start(
+    args: &QuickstartArgs,
+    stack: &mut Stack,
+    binaries: &Binaries,
+    connection: &[&str],
+    target: &ReplayTarget,
+) -> anyhow::Result<()> {
+    let model = [
+        "--workers".to_owned(),
+        args.workers.to_string(),
+        "--first-worker-id".to_owned(),
+        FIRST_WORKER_ID.to_string(),
+        "--block-size".to_owned(),
+        args.block_size.to_string(),
+        "--num-gpu-blocks".to_owned(),
+        args.num_gpu_blocks.to_string(),
+        "--time-scale".to_owned(),
+        args.time_scale.to_string(),
+    ];
+    match args.engines {
+        Engines::Nats => {
+            let mut command = child_command(&binaries.mocker);
+            command.arg("engines").args(connection).args(model);
+            let engines = stack.spawn("engines", command)?;
+            engines.wait_for_line(ENGINES_READY, READY_TIMEOUT).await?;
+            progress(&format!(
+                "{} mock engines registered in etcd ({} KV blocks of {} tokens each, time scale {}x)",
+                args.workers, args.num_gpu_blocks, args.block_size, args.time_scale
+            ));
+        }
+        Engines::Vllm => {
+            let base = start_vllm_engines(args, stack, binaries, &model).await?;
+            progress(&format!(
+                "{} mock engines in vLLM mode, ZMQ KV events ({} KV blocks of {} tokens each, time scale {}x)",
+                args.workers, args.num_gpu_blocks, args.block_size, args.time_scale
+            ));
+            let n = u16::try_from(args.workers).context("--workers")?;
+            let mut ids = Vec::new();
+            for i in 0..n {
+                let worker_id = WorkerId(FIRST_WORKER_ID + u64::from(i));
+                let engine = RelayTarget {
+                    worker_id,
+                    http_url: format!("http://127.0.0.1:{}", base + i),
+                    publish: format!("tcp://127.0.0.1:{}", base + n + i),
+                    replay: format!("tcp://127.0.0.1:{}", base + 2 * n + i),
+                    block_size: args.block_size,
+                    total_kv_blocks: args.num_gpu_blocks,
+                };
+                let mut command = child_command(&binaries.router);
+                command.args(relay_args(&engine, connection));
+                stack.spawn(&format!("relay-{worker_id}"), command)?;
+                ids.push(worker_id);
+            }
+            stack
+                .unless_a_child_exits(tokio::time::timeout(
+                    READY_TIMEOUT,
+                    wait_for_registrations(target, &ids),
+                ))
+                .await?
+                .map_err(|_| {
+                    anyhow!(
+                        "the relays did not register every worker within {READY_TIMEOUT:?}; see {}/relay-*.log",
+                        stack.logs.display()
+                    )
+                })??;
+            progress(&format!(
+                "{} relays (kv-router relay) registered the engines in etcd",
+                ids.len()
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Spawns `kv-mocker engines --kv-events vllm` on a free port block until it is ready,
+/// retrying on a port taken meanwhile; returns the block's first port.
+async fn start_vllm_engines(
+    args: &QuickstartArgs,
+    stack: &mut Stack,
+    binaries: &Binaries,
+    model: &[String],
+) -> anyhow::Result<u16> {
+    let n = u16::try_from(args.workers).context("--workers")?;
+    let mut attempt = 1;
+    loop {
+        let base = free_port_block(3 * usize::from(n))?;
+        let ports = [
+            "--http-port".to_owned(),
+            base.to_string(),
+            "--zmq-port".to_owned(),
+            (base + n).to_string(),
+            "--zmq-replay-port".to_owned(),
+            (base + 2 * n).to_string(),
+        ];
+        let mut command = child_command(&binaries.mocker);
+        command
+            .args(["engines", "--kv-events", "vllm"])
+            .args(model)
+            .args(ports);
+        let engines = stack.spawn("engines", command)?;
+        match engines.wait_for_line(ENGINES_READY, READY_TIMEOUT).await {
+            Ok(_) => return Ok(base),
+            Err(err) if err.is_port_conflict() && attempt < PORT_ATTEMPTS => {
+                tracing::info!(attempt, base, "engine port taken, retrying");
+                stack.stop_child("engines").await?;
+                attempt += 1;
+            }
+            Err(err) => return Err(err.into()),
+        }
+    }
+}
+
+/// Probes for `len` consecutive free loopback TCP ports (all bound at once, then
+/// released) and returns the first. See the module docs for the race.
+///
+/// # Errors
+/// [`ClusterError::Io`] if no port can be probed, or no block was found in
+/// [`PORT_ATTEMPTS`] × 4 tries.
+pub(super) fn free_port_block(len: usize) -> Result<u16, ClusterError> {
+    for _ in 0..PORT_ATTEMPTS * 4 {
+        let first = free_port()?;
+        let Some(last) = usize::from(first)
+            .checked_add(len.saturating_sub(1))
+            .filter(|&p| p <= usize::from(u16::MAX))
+        else {
+            continue;
+        };
+        let bound: Result<Vec<TcpListener>, _> = (usize::from(first)..=last)
+            .map(|port| TcpListener::bind(("127.0.0.1", port as u16)))
+            .collect();
+        if bound.is_ok() {
+            return Ok(first);
+        }
+    }
+    Err(ClusterError::Io {
+        context: format!("probing for {len} consecutive free ports"),
+        source: std::io::Error::from(std::io::ErrorKind::AddrInUse),
+    })
+}
+
+/// Returns once every worker of `ids` has a registration key in etcd: one listing,
+/// then a watch from the revision after it, so no registration in between is missed.
+async fn wait_for_registrations(target: &ReplayTarget, ids: &[WorkerId]) -> anyhow::Result<()> {
+    let prefix = target.subjects.etcd_worker_prefix();
+    let want: BTreeSet<Vec<u8>> = ids
+        .iter()
+        .map(|&id| target.subjects.etcd_worker_key(id).into_bytes())
+        .collect();
+    let mut etcd = target.etcd.clone();
+    let listed = etcd
+        .get(
+            prefix.as_str(),
+            Some(GetOptions::new().with_prefix().with_keys_only()),
+        )
+        .await?;
+    let mut present: BTreeSet<Vec<u8>> = listed.kvs().iter().map(|kv| kv.key().to_vec()).collect();
+    let revision = listed.header().map_or(0, |h| h.revision());
+    let mut watch = etcd
+        .watch(
+            prefix.as_str(),
+            Some(
+                WatchOptions::new()
+                    .with_prefix()
+                    .with_start_revision(revision + 1),
+            ),
+        )
+        .await?;
+    while !want.is_subset(&present) {
+        let Some(response) = watch.message().await? else {
+            bail!("etcd closed the watch of {prefix}");
+        };
+        for event in response.events() {
+            let Some(kv) = event.kv() else { continue };
+            match event.event_type() {
+                EventType::Put => present.insert(kv.key().to_vec()),
+                EventType::Delete => present.remove(kv.key()),
+            };
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_port_block_is_free_as_a_whole() {
+        let first = free_port_block(24).expect("a free block");
+        let held: Vec<TcpListener> = (first..first + 24)
+            .map(|p| TcpListener::bind(("127.0.0.1", p)).expect("free"))
+            .collect();
+        assert_eq!(held.len(), 24);
+    }
+}
