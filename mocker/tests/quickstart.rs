@@ -176,13 +176,21 @@ fn quickstart_runs_vllm_mode_engines_behind_relays_by_default() {
     assert_logs(&run);
     let logs = run.out.path().join("logs");
     assert!(read(&logs.join("engines.log")).contains("kv_events=Vllm"));
-    for worker in 1..=4 {
-        let relay = read(&logs.join(format!("relay-{worker}.log")));
+    for i in 0..4 {
+        let relay = read(&logs.join(format!("relay-{i}.log")));
         assert!(relay.contains("kv-router relay started"), "{relay}");
-        let key = format!("worker registered key=kv-router/quickstart/workers/{worker}");
+        // The relay claimed the id derived from its name (no collision among 4)...
+        let name = kv_cluster::claim::WorkerName::new(format!("engine-{i}")).expect("a name");
+        let id = kv_cluster::claim::derived_worker_id(&name, 0);
+        let key = format!("worker registered key=kv-router/quickstart/workers/{id}");
         assert!(
             relay.contains(&key),
             "the relay registered its worker: {relay}"
+        );
+        // ...and registered the block size and capacity it read from the engine.
+        assert!(
+            relay.contains("block_size=512 total_kv_blocks=1024"),
+            "the engine's facts: {relay}"
         );
         assert!(
             relay.contains("relay stopped"),
@@ -198,5 +206,5 @@ fn quickstart_with_nats_engines_needs_no_relay() {
     assert_tables(&run);
     assert_logs(&run);
     let logs = run.out.path().join("logs");
-    assert!(!logs.join("relay-1.log").exists());
+    assert!(!logs.join("relay-0.log").exists());
 }

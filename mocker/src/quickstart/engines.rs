@@ -27,7 +27,6 @@ use crate::cluster::servers::{PORT_ATTEMPTS, free_port};
 use crate::replay::ReplayTarget;
 use anyhow::{Context, anyhow, bail};
 use etcd_client::{EventType, GetOptions, WatchOptions};
-use kv_events::WorkerId;
 use std::collections::BTreeSet;
 use std::net::TcpListener;
 
@@ -86,26 +85,21 @@ pub(super) async fn start(
                 args.workers, args.num_gpu_blocks, args.block_size, args.time_scale
             ));
             let n = u16::try_from(args.workers).context("--workers")?;
-            let mut ids = Vec::new();
             for i in 0..n {
-                let worker_id = WorkerId(FIRST_WORKER_ID + u64::from(i));
                 let engine = RelayTarget {
-                    worker_id,
+                    name: format!("engine-{i}"),
                     http_url: format!("http://127.0.0.1:{}", base + i),
                     publish: format!("tcp://127.0.0.1:{}", base + n + i),
                     replay: format!("tcp://127.0.0.1:{}", base + 2 * n + i),
-                    block_size: args.block_size,
-                    total_kv_blocks: args.num_gpu_blocks,
                 };
                 let mut command = child_command(&binaries.router);
                 command.args(relay_args(&engine, connection));
-                stack.spawn(&format!("relay-{worker_id}"), command)?;
-                ids.push(worker_id);
+                stack.spawn(&format!("relay-{i}"), command)?;
             }
             stack
                 .unless_a_child_exits(tokio::time::timeout(
                     READY_TIMEOUT,
-                    wait_for_registrations(target, &ids),
+                    wait_for_registrations(target, usize::from(n)),
                 ))
                 .await?
                 .map_err(|_| {
@@ -115,8 +109,8 @@ pub(super) async fn start(
                     )
                 })??;
             progress(&format!(
-                "{} relays (kv-router relay) registered the engines in etcd",
-                ids.len()
+                "{n} relays (kv-router relay) registered the engines in etcd, each with a worker id \
+                 it claimed and the block size and KV capacity it read from its engine"
             ));
         }
     }
@@ -189,14 +183,11 @@ pub(super) fn free_port_block(len: usize) -> Result<u16, ClusterError> {
     })
 }
 
-/// Returns once every worker of `ids` has a registration key in etcd: one listing,
-/// then a watch from the revision after it, so no registration in between is missed.
-async fn wait_for_registrations(target: &ReplayTarget, ids: &[WorkerId]) -> anyhow::Result<()> {
+/// Returns once `workers` registration keys are in etcd (the relays claim their own
+/// worker ids, so the keys are counted, not named): one listing, then a watch from
+/// the revision after it, so no registration in between is missed.
+async fn wait_for_registrations(target: &ReplayTarget, workers: usize) -> anyhow::Result<()> {
     let prefix = target.subjects.etcd_worker_prefix();
-    let want: BTreeSet<Vec<u8>> = ids
-        .iter()
-        .map(|&id| target.subjects.etcd_worker_key(id).into_bytes())
-        .collect();
     let mut etcd = target.etcd.clone();
     let listed = etcd
         .get(
@@ -216,7 +207,7 @@ async fn wait_for_registrations(target: &ReplayTarget, ids: &[WorkerId]) -> anyh
             ),
         )
         .await?;
-    while !want.is_subset(&present) {
+    while present.len() < workers {
         let Some(response) = watch.message().await? else {
             bail!("etcd closed the watch of {prefix}");
         };

@@ -1,24 +1,24 @@
 //! The arguments of the quickstart's `kv-router relay` processes, one per mock worker
 //! in vLLM mode, built in one place ([`relay_args`]).
-
-use kv_events::WorkerId;
+//!
+//! A relay is told where its engine is and a stable name, nothing the engine knows:
+//! it claims a worker id derived from the name in etcd, and reads the block size and
+//! the KV capacity from the engine's `/metrics` page (`vllm:cache_config_info`), as
+//! it would beside a real vLLM.
 
 /// What one relay needs to know about its engine worker.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct RelayTarget {
-    /// The worker id the relay registers and publishes as.
-    pub(super) worker_id: WorkerId,
+    /// The worker's stable name (as a pod name would be); its worker id is derived
+    /// from it.
+    pub(super) name: String,
     /// The engine's OpenAI HTTP base URL, `http://host:port` (registered for the
-    /// gateway; its `/metrics` is scraped for load).
+    /// gateway; its `/metrics` is scraped for load, block size and capacity).
     pub(super) http_url: String,
     /// The engine's ZMQ PUB endpoint, `tcp://host:port`.
     pub(super) publish: String,
     /// The engine's ZMQ replay ROUTER endpoint, `tcp://host:port`.
     pub(super) replay: String,
-    /// Tokens per KV block of the engine.
-    pub(super) block_size: u32,
-    /// KV cache capacity of the engine's rank, in blocks.
-    pub(super) total_kv_blocks: u64,
 }
 
 /// Load scrape period, in ms: the mock engines publish their load every 100 ms in
@@ -28,7 +28,6 @@ const METRICS_INTERVAL_MS: &str = "100";
 /// Every argument of `kv-router relay` for `engine`, after `connection` (the NATS,
 /// etcd and namespace flags shared with the router).
 pub(super) fn relay_args(engine: &RelayTarget, connection: &[&str]) -> Vec<String> {
-    let metrics_url = format!("{}/metrics", engine.http_url);
     let mut args: Vec<String> = ["relay"]
         .iter()
         .chain(connection)
@@ -42,26 +41,13 @@ pub(super) fn relay_args(engine: &RelayTarget, connection: &[&str]) -> Vec<Strin
             &engine.replay,
             "--engine-url",
             &engine.http_url,
-            "--metrics-url",
-            &metrics_url,
+            "--worker-name",
+            &engine.name,
             "--metrics-interval-ms",
             METRICS_INTERVAL_MS,
         ]
         .map(str::to_owned),
     );
-    // --- What the engine itself can tell the relay -------------------------------
-    // The relay is about to derive the worker id (from `--worker-name`), the block
-    // size and the KV capacity from the engine (its `/metrics` cache_config_info).
-    // Then delete this block, and the fields it reads from `RelayTarget`.
-    args.extend([
-        "--worker-id".to_owned(),
-        engine.worker_id.0.to_string(),
-        "--block-size".to_owned(),
-        engine.block_size.to_string(),
-        "--total-kv-blocks".to_owned(),
-        engine.total_kv_blocks.to_string(),
-    ]);
-    // -------------------------------------------------------------------------------
     args
 }
 
@@ -70,14 +56,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_relay_gets_its_engines_sockets_url_and_identity() {
+    fn a_relay_gets_its_engines_sockets_url_and_name_only() {
         let engine = RelayTarget {
-            worker_id: WorkerId(3),
+            name: "engine-3".to_owned(),
             http_url: "http://127.0.0.1:4000".to_owned(),
             publish: "tcp://127.0.0.1:4008".to_owned(),
             replay: "tcp://127.0.0.1:4016".to_owned(),
-            block_size: 512,
-            total_kv_blocks: 1024,
         };
         let args = relay_args(&engine, &["--namespace", "quickstart"]);
         let flag = |name: &str| {
@@ -88,9 +72,10 @@ mod tests {
         assert_eq!(flag("--engine-endpoint"), "tcp://127.0.0.1:4008");
         assert_eq!(flag("--replay-endpoint"), "tcp://127.0.0.1:4016");
         assert_eq!(flag("--engine-url"), "http://127.0.0.1:4000");
-        assert_eq!(flag("--metrics-url"), "http://127.0.0.1:4000/metrics");
-        assert_eq!(flag("--worker-id"), "3");
-        assert_eq!(flag("--block-size"), "512");
-        assert_eq!(flag("--total-kv-blocks"), "1024");
+        assert_eq!(flag("--worker-name"), "engine-3");
+        // Nothing the engine publishes: the relay reads it from the engine.
+        for learned in ["--worker-id", "--block-size", "--total-kv-blocks"] {
+            assert!(!args.iter().any(|a| a == learned), "{learned} in {args:?}");
+        }
     }
 }
