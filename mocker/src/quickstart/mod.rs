@@ -255,9 +255,8 @@ async fn run_stack(
         let mut command = child_command(&binaries.router);
         // Its HTTP endpoint takes a free loopback port, so a busy 9090 cannot stop the
         // demo; `/debug` is served there too, not on its own port.
+        // No --block-size: the router adopts the size the workers register.
         command.arg("serve").args(connection).args([
-            "--block-size",
-            &args.block_size.to_string(),
             "--http-listen",
             "127.0.0.1:0",
             "--http-debug-listen",
