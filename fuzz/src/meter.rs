@@ -53,11 +53,15 @@ impl Meter {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         let alloc = PeakAlloc;
+        // The counters are process-wide: other threads (the test harness's) may free
+        // memory during the probe, so a 1 MiB probe must move them by at least half
+        // of it. Without the allocator installed they never move at all.
+        const PROBE: usize = 1 << 20;
         let before = alloc.current_usage();
-        let probe: Vec<u8> = Vec::with_capacity(1 << 16);
+        let probe: Vec<u8> = Vec::with_capacity(PROBE);
         let during = alloc.current_usage();
         drop(std::hint::black_box(probe));
-        if during < before + (1 << 16) {
+        if during < before.saturating_add(PROBE / 2) {
             return Err(NotInstalled);
         }
         Ok(Self { alloc, _turn: turn })
