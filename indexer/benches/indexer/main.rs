@@ -19,7 +19,6 @@
 mod apply;
 mod query;
 mod recovery;
-mod workload;
 
 use std::time::Duration;
 
