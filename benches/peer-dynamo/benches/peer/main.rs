@@ -304,6 +304,14 @@ fn main() {
     table(&columns);
 }
 
+fn millions(x: f64) -> String {
+    format!("{:.2}M", x / 1e6)
+}
+
+fn micros(x: f64) -> String {
+    format!("{x:.1} µs")
+}
+
 /// A table row: its title, the figure it shows, how a value is printed.
 type Row = (&'static str, fn(&Figures) -> f64, fn(f64) -> String);
 
@@ -321,32 +329,20 @@ fn table(columns: &[Column]) {
         (
             "apply, bare tree, 1 thread, blocks/s (higher is better)",
             |f| f.apply,
-            |x| format!("{:.2}M", x / 1e6),
+            millions,
         ),
-        (
-            "query p50, bare tree",
-            |f| f.bare_p50,
-            |x| format!("{x:.1} µs"),
-        ),
+        ("query p50, bare tree", |f| f.bare_p50, micros),
         (
             "bulk ingest via the front, 2 threads, blocks/s (higher is better)",
             |f| f.ingest,
-            |x| format!("{:.2}M", x / 1e6),
+            millions,
         ),
-        (
-            "front query p50, idle",
-            |f| f.front_p50,
-            |x| format!("{x:.1} µs"),
-        ),
-        (
-            "front query p99, idle",
-            |f| f.front_p99,
-            |x| format!("{x:.1} µs"),
-        ),
+        ("front query p50, idle", |f| f.front_p50, micros),
+        ("front query p99, idle", |f| f.front_p99, micros),
         (
             "front query p99, 1M blocks/s flood",
             |f| f.flood_p99,
-            |x| format!("{x:.1} µs"),
+            micros,
         ),
     ];
     for (i, (name, get, fmt)) in rows.iter().enumerate() {
