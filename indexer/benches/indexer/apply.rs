@@ -1,7 +1,7 @@
 //! Apply throughput (stored blocks per second) and bytes per entry.
 
-use crate::workload::{Shape, Workload, build};
 use crate::{Scale, rss_bytes};
+use bench_workload::{Shape, Workload, build};
 use indexer::{
     Backend, IndexerApi, IndexerConfig, InlineIndexer, OrderedIndex, RadixTree, ShardSettings,
     ShardedIndexer,

@@ -1,13 +1,10 @@
 //! `find_matches` latency: 128-block queries over 256 workers holding 10M entries,
 //! idle and under a concurrent flood of 1M stored blocks per second.
 
-use crate::workload::{Rng, Shape, build};
 use crate::{Scale, percentiles};
+use bench_workload::{EngineHashes, Shape, build, flood_batches};
 use indexer::{Backend, Indexer, IndexerApi, IndexerConfig, RadixTree};
-use kv_events::{
-    DpRank, ExternalBlockHash, KvCacheEvent, KvCacheEventData, KvEventBatch, LocalBlockHash,
-    StoredBlock, WorkerId,
-};
+use kv_events::{KvEventBatch, LocalBlockHash};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -26,47 +23,8 @@ fn shape(scale: Scale) -> Shape {
         prefix_len: 32,
         event_blocks: 16,
         conversation_events: 6, // 32 + 6 × 16 = 128-block conversations
+        hashes: EngineHashes::Salted,
     }
-}
-
-/// Flood batches: worker `1000 + k` stores a fresh 16-block chain, then removes it,
-/// so the index size stays put while writes keep coming.
-fn flood_batches(n: usize) -> Vec<KvEventBatch> {
-    let mut rng = Rng::new(99);
-    let mut next_id = [0u64; 64];
-    (0..n)
-        .map(|i| {
-            let k = i / 2 % 64;
-            let worker = WorkerId(1000 + k as u64);
-            let base = (i / 2) as u64 * 16;
-            let data = if i % 2 == 0 {
-                KvCacheEventData::Stored {
-                    parent_hash: None,
-                    blocks: (0..16)
-                        .map(|b| StoredBlock {
-                            block_hash: ExternalBlockHash(base + b),
-                            tokens_hash: LocalBlockHash(rng.next()),
-                        })
-                        .collect(),
-                }
-            } else {
-                KvCacheEventData::Removed {
-                    block_hashes: (0..16).map(|b| ExternalBlockHash(base + b)).collect(),
-                }
-            };
-            let event_id = next_id[k];
-            next_id[k] += 1;
-            KvEventBatch {
-                worker_id: worker,
-                epoch: 1,
-                events: vec![KvCacheEvent {
-                    event_id,
-                    dp_rank: DpRank(0),
-                    data,
-                }],
-            }
-        })
-        .collect()
 }
 
 fn row(name: &str, idle: Vec<Duration>, flooded: Option<(Vec<Duration>, f64)>) {

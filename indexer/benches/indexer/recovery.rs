@@ -4,7 +4,7 @@
 //! measured by `tests/tests/recovery_bench.rs`.
 
 use crate::Scale;
-use crate::workload::{Shape, build};
+use bench_workload::{Shape, build};
 use indexer::{OrderedIndex, ShardSettings};
 use kv_events::journal::{EventJournal, JournalConfig};
 use kv_events::recovery::{ChunkAssembler, IndexSnapshot, RecoveryChunk, RecoveryRequest};

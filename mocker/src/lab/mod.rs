@@ -23,6 +23,8 @@
 //! - `router`: index plus scheduler (or prototype) as the lab drives them.
 //! - [`candidates`]: prototype cost functions, for ideas not yet in the scheduler.
 //! - [`inflight`]: prompt blocks booked on each rank but not yet indexed.
+//! - [`log`]: [`simulate_logged`], a run's route lookups and KV events, for replaying
+//!   the same traffic into other indexes.
 //! - [`oracle`]: the infinite-cache hit-rate bound.
 //! - [`metrics`]: per-request records and their aggregate.
 //! - [`sweep`]: all runs on several threads with a progress bar.
@@ -33,6 +35,7 @@ pub mod candidates;
 pub mod charts;
 pub mod config;
 pub mod inflight;
+pub mod log;
 pub mod metrics;
 pub mod oracle;
 pub mod report;
@@ -46,6 +49,7 @@ mod tests;
 
 pub use candidates::Candidate;
 pub use config::{LabPolicy, Setting, SimConfig, Speedup};
+pub use log::{LogEntry, simulate_logged};
 pub use oracle::{OracleBound, oracle_bound};
 pub use report::{LabReport, RunReport};
 pub use sim::{PreparedTrace, RunResult, simulate};

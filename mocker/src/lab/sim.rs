@@ -23,6 +23,7 @@
 
 use super::LabError;
 use super::config::{LabPolicy, Setting, SimConfig, ms_to_ns};
+use super::log::LogEntry;
 use super::metrics::{RequestRecord, RunMetrics};
 use super::router::Router;
 use crate::engine::{EngineCore, EngineRequest, StepOutput};
@@ -180,6 +181,8 @@ struct Sim<'a> {
     /// Request id → trace index, for requests routed and not yet finished.
     active: HashMap<RequestId, usize>,
     steps: u64,
+    /// Where route lookups and deliveries are recorded, when the caller asked.
+    log: Option<&'a mut Vec<LogEntry>>,
 }
 
 /// Simulates `trace` on `setting.workers` ranks under `policy`.
@@ -193,6 +196,18 @@ pub fn simulate(
     setting: Setting,
     policy: LabPolicy,
     config: &SimConfig,
+) -> Result<RunResult, LabError> {
+    run_sim(trace, setting, policy, config, None)
+}
+
+/// Runs one simulation; when `log` is given, every route lookup and every KV event
+/// delivery the index sees is appended to it, in order (see [`super::log`]).
+pub(super) fn run_sim(
+    trace: &PreparedTrace,
+    setting: Setting,
+    policy: LabPolicy,
+    config: &SimConfig,
+    log: Option<&mut Vec<LogEntry>>,
 ) -> Result<RunResult, LabError> {
     config.validate()?;
     if config.engine.block_size != trace.block_size {
@@ -236,6 +251,7 @@ pub fn simulate(
             .collect(),
         active: HashMap::new(),
         steps: 0,
+        log,
     };
     sim.run();
     Ok(RunResult {
@@ -277,9 +293,23 @@ impl Sim<'_> {
         }));
     }
 
+    /// Rank `rank`'s KV events reach the index (and the log, if kept).
+    fn deliver(&mut self, rank: usize, events: Vec<KvCacheEvent>) {
+        let worker_id = self.ranks[rank].id.worker_id;
+        self.router.apply(worker_id, &events);
+        if let Some(log) = self.log.as_mut() {
+            log.push(LogEntry::Events { worker_id, events });
+        }
+    }
+
     fn arrive(&mut self, index: usize, now: u64) {
         let trace = self.trace;
         let request = &trace.requests[index];
+        if let Some(log) = self.log.as_mut() {
+            log.push(LogEntry::Route {
+                block_hashes: request.block_hashes.clone(),
+            });
+        }
         let id = RequestId(index.to_string());
         let rank = match self
             .router
@@ -325,10 +355,7 @@ impl Sim<'_> {
     fn handle(&mut self, now: u64, event: Event) {
         match event {
             Event::StepEnd { rank, output } => self.end_step(rank, now, output),
-            Event::Deliver { rank, events } => {
-                let worker = self.ranks[rank].id.worker_id;
-                self.router.apply(worker, &events);
-            }
+            Event::Deliver { rank, events } => self.deliver(rank, events),
         }
     }
 
@@ -336,8 +363,7 @@ impl Sim<'_> {
         let events = self.number_events(rank, output.kv_events);
         if !events.is_empty() {
             if self.lag_ns == 0 {
-                let worker = self.ranks[rank].id.worker_id;
-                self.router.apply(worker, &events);
+                self.deliver(rank, events);
             } else {
                 self.push(now + self.lag_ns, Event::Deliver { rank, events });
             }
