@@ -71,6 +71,11 @@ impl ChildDaemon {
         })
     }
 
+    /// The daemon's process id (for `perf record -p`).
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
     /// Resident set size, in bytes (`/proc/PID/status` `VmRSS`).
     ///
     /// # Errors
@@ -93,16 +98,7 @@ impl ChildDaemon {
     /// # Errors
     /// When `/proc` cannot be read or parsed.
     pub fn cpu_seconds(&self) -> anyhow::Result<f64> {
-        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid))?;
-        // Fields after the parenthesised command name; utime and stime are the 14th
-        // and 15th fields of the whole line.
-        let rest = stat.rsplit_once(')').context("bad stat")?.1;
-        let fields: Vec<&str> = rest.split_whitespace().collect();
-        let field = |i: usize| -> anyhow::Result<u64> {
-            Ok(fields.get(i).context("short stat line")?.parse()?)
-        };
-        // CLK_TCK is 100 on Linux for every architecture this runs on.
-        Ok((field(11)? + field(12)?) as f64 / 100.0)
+        process_cpu_seconds(self.pid)
     }
 
     /// The value of the unlabelled (or fully labelled, e.g. `name{a="b"}`) sample
@@ -171,4 +167,21 @@ pub async fn register_workers(
         crate::register_worker(etcd, subjects, &reg, 600).await?;
     }
     Ok(())
+}
+
+/// CPU time process `pid` used so far (utime + stime), in seconds.
+///
+/// # Errors
+/// When `/proc` cannot be read or parsed.
+pub fn process_cpu_seconds(pid: u32) -> anyhow::Result<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // Fields after the parenthesised command name; utime and stime are the 14th
+    // and 15th fields of the whole line.
+    let rest = stat.rsplit_once(')').context("bad stat")?.1;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let field = |i: usize| -> anyhow::Result<u64> {
+        Ok(fields.get(i).context("short stat line")?.parse()?)
+    };
+    // CLK_TCK is 100 on Linux for every architecture this runs on.
+    Ok((field(11)? + field(12)?) as f64 / 100.0)
 }

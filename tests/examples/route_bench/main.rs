@@ -1,0 +1,509 @@
+//! Routing throughput, latency and daemon CPU of the real release daemon, for
+//! `docs/benchmarks.md`: routes against a bare NATS echo, single route queries at
+//! growing load, and batches, through real NATS.
+//!
+//! ```sh
+//! cargo build --release -p router-daemon
+//! cargo run --release -p integration-tests --example route_bench -- [OPTIONS]
+//! ```
+//!
+//! It starts nats-server and etcd on free loopback ports, spawns
+//! `target/release/kv-router serve` (override with `KV_ROUTER_BIN`) at its default
+//! policy and an echo responder (this binary, [`echo`]), registers `--workers`
+//! workers and indexes `--chains-per-worker` cached prefixes of `--chain-blocks`
+//! blocks on each. Frontend tasks send prompts of `--prompt-blocks` block hashes (a
+//! random cached prefix plus new blocks) for `--seconds` per measurement, and free
+//! each request as soon as it is routed, so the booked load stays at about (tasks ×
+//! requests per round trip). Sections (`--sections`):
+//! - **echo**: `--concurrency` tasks send the encoded `RouteRequest` to the echo
+//!   responder, then as `RouteRequest`s to the daemon, alternating `--rounds`
+//!   times; idle, then while the daemon ingests `--ingest-blocks-per-s` blocks of
+//!   KV events per second ([`ingest`]). Printed: the route round trip p50/p99 as a
+//!   ratio of the echo's.
+//! - **curve**: single `RouteRequest`s at each of `--curve` tasks in flight.
+//! - **batch**: `--batch` requests per `RouteBatchRequest` on
+//!   `{ns}.router.route_batch`, with `--concurrency / --batch` tasks (as many
+//!   requests in flight as the single mode) and with `--concurrency` tasks.
+//!
+//! Printed per measurement: round trips/s, round-trip latency p50/p99 (a batch's
+//! round trip covers all its routes) and the CPU time per round trip or route of
+//! the process answering (`/proc/PID/stat`). The load generator shares the
+//! machine's cores with the daemon and NATS; compare within one run.
+
+mod echo;
+mod ingest;
+
+use anyhow::Context;
+use clap::{Parser, ValueEnum};
+use integration_tests::child_daemon::{ChildDaemon, register_workers};
+use kv_events::routing::{
+    LifecycleEvent, LifecycleMessage, Prompt, RouteBatchReply, RouteBatchRequest, RouteReply,
+    RouteRequest,
+};
+use kv_events::{
+    DpRank, ExternalBlockHash, KvCacheEvent, KvCacheEventData, KvEventBatch, LocalBlockHash,
+    Namespace, StoredBlock, Subjects, WorkerId, decode, encode,
+};
+use mocker::cluster::{EtcdServer, NatsServer};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+
+const BLOCK_SIZE: u32 = 16;
+const NAMESPACE: &str = "bench";
+
+/// A part of the bench.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Section {
+    /// Route round trips as a ratio of a bare NATS echo, idle and under ingest.
+    Echo,
+    /// Single routes at each `--curve` number of tasks.
+    Curve,
+    /// Batches of `--batch` requests.
+    Batch,
+}
+
+/// Routing throughput and latency of the release daemon against a bare NATS echo,
+/// single queries at growing load, and batches.
+#[derive(Parser, Debug, Clone)]
+struct Args {
+    /// Registered workers (dp_size 1 each).
+    #[arg(long, default_value_t = 64)]
+    workers: u64,
+    /// Cached prefixes indexed on each worker.
+    #[arg(long, default_value_t = 64)]
+    chains_per_worker: u64,
+    /// Blocks per cached prefix.
+    #[arg(long, default_value_t = 32)]
+    chain_blocks: u64,
+    /// Blocks per routed prompt: a cached prefix, then new blocks.
+    #[arg(long, default_value_t = 64)]
+    prompt_blocks: u64,
+    /// Concurrent frontend tasks in the echo and batch sections.
+    #[arg(long, default_value_t = 32)]
+    concurrency: usize,
+    /// Requests per batch in the batch section.
+    #[arg(long, default_value_t = 16)]
+    batch: usize,
+    /// Duration of each measurement, in seconds.
+    #[arg(long, default_value_t = 5)]
+    seconds: u64,
+    /// Echo / route alternations per condition in the echo section.
+    #[arg(long, default_value_t = 2)]
+    rounds: usize,
+    /// KV event blocks per second the daemon ingests in the loaded echo comparison
+    /// (`Stored` and `Removed` blocks both count).
+    #[arg(long, default_value_t = 200_000)]
+    ingest_blocks_per_s: u64,
+    /// Tasks (single requests in flight) of the curve section.
+    #[arg(long, value_delimiter = ',', default_values_t = [32, 64, 128, 256, 512])]
+    curve: Vec<usize>,
+    /// Sections to run, in order.
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Section::Echo, Section::Curve, Section::Batch])]
+    sections: Vec<Section>,
+    /// Serve as the echo responder on this NATS URL (how the bench runs its
+    /// baseline process).
+    #[arg(long, hide = true)]
+    echo_responder: Option<String>,
+}
+
+/// Local hash of block `i` of cached prefix `chain`.
+fn block(chain: u64, i: u64) -> LocalBlockHash {
+    LocalBlockHash(
+        chain
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            .wrapping_add(i.wrapping_mul(0xC2B2_AE3D_27D4_EB4F)),
+    )
+}
+
+/// Indexes `chains_per_worker` prefixes on every worker; chain `c` lives on workers
+/// `c % workers` and `(c + 1) % workers`, so prefixes have two holders. Returns the
+/// (worker, block) entries indexed and each worker's next event id.
+async fn index_prefixes(
+    nats: &async_nats::Client,
+    subjects: &Subjects,
+    args: &Args,
+) -> anyhow::Result<(u64, Vec<u64>)> {
+    let chains = args.workers * args.chains_per_worker / 2;
+    let mut next_event = vec![0u64; args.workers as usize];
+    for c in 0..chains {
+        for w in [c % args.workers, (c + 1) % args.workers] {
+            let blocks = (0..args.chain_blocks)
+                .map(|i| StoredBlock {
+                    block_hash: ExternalBlockHash(block(c, i).0 ^ (w << 48)),
+                    tokens_hash: block(c, i),
+                })
+                .collect();
+            let id = &mut next_event[w as usize];
+            let batch = KvEventBatch::new(
+                WorkerId(w),
+                vec![KvCacheEvent {
+                    event_id: *id,
+                    dp_rank: DpRank(0),
+                    data: KvCacheEventData::Stored {
+                        parent_hash: None,
+                        blocks,
+                    },
+                }],
+            );
+            *id += 1;
+            nats.publish(subjects.kv_events(WorkerId(w)), encode(&batch)?.into())
+                .await?;
+        }
+    }
+    nats.flush().await?;
+    Ok((chains * 2 * args.chain_blocks, next_event))
+}
+
+/// A prompt of `prompt_blocks` hashes: cached prefix `chain`, then fresh blocks.
+fn prompt(args: &Args, chain: u64, fresh: u64) -> Prompt {
+    let cached = args.chain_blocks.min(args.prompt_blocks);
+    let mut hashes: Vec<LocalBlockHash> = (0..cached).map(|i| block(chain, i)).collect();
+    hashes.extend((cached..args.prompt_blocks).map(|i| block(u64::MAX - fresh, i)));
+    Prompt::Blocks {
+        block_hashes: hashes,
+        num_tokens: args.prompt_blocks * u64::from(BLOCK_SIZE),
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// The encoded `RouteRequest` to the echo responder.
+    Echo,
+    /// One `RouteRequest` per round trip.
+    Single,
+    /// `--batch` requests per `RouteBatchRequest`.
+    Batch,
+}
+
+/// What one frontend task measured.
+#[derive(Default)]
+struct Tally {
+    routes: u64,
+    failed: u64,
+    round_trips_us: Vec<u64>,
+}
+
+async fn frontend(
+    nats: async_nats::Client,
+    subjects: Arc<Subjects>,
+    args: Arc<Args>,
+    mode: Mode,
+    task: usize,
+    until: Instant,
+) -> anyhow::Result<Tally> {
+    let mut tally = Tally::default();
+    let chains = args.workers * args.chains_per_worker / 2;
+    let mut n: u64 = 0;
+    while Instant::now() < until {
+        let count = match mode {
+            Mode::Echo | Mode::Single => 1,
+            Mode::Batch => args.batch,
+        };
+        let requests: Vec<RouteRequest> = (0..count)
+            .map(|_| {
+                n += 1;
+                let id = format!("t{task}-{n}");
+                let chain = (n * 7919 + task as u64 * 104_729) % chains.max(1);
+                RouteRequest::new(id, prompt(&args, chain, n * 1_000 + task as u64))
+            })
+            .collect();
+        let started = Instant::now();
+        let replies = match mode {
+            Mode::Echo => {
+                let payload = encode(&requests[0])?;
+                let reply = nats.request(echo::SUBJECT, payload.clone().into()).await?;
+                anyhow::ensure!(reply.payload[..] == payload[..], "echo changed the payload");
+                tally.routes += 1;
+                tally
+                    .round_trips_us
+                    .push(u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX));
+                continue;
+            }
+            Mode::Single => {
+                let reply = nats
+                    .request(subjects.route(), encode(&requests[0])?.into())
+                    .await?;
+                vec![decode::<RouteReply>(&reply.payload)?]
+            }
+            Mode::Batch => {
+                let batch = RouteBatchRequest {
+                    requests: requests.clone(),
+                    order: Default::default(),
+                };
+                let reply = nats
+                    .request(subjects.route_batch(), encode(&batch)?.into())
+                    .await?;
+                match decode::<RouteBatchReply>(&reply.payload)? {
+                    RouteBatchReply::Answered { replies } => replies,
+                    RouteBatchReply::Error(e) => anyhow::bail!("batch refused: {e:?}"),
+                }
+            }
+        };
+        tally
+            .round_trips_us
+            .push(u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX));
+        for (request, reply) in requests.iter().zip(&replies) {
+            match reply {
+                RouteReply::Routed(_) => {
+                    tally.routes += 1;
+                    let freed = LifecycleMessage {
+                        request_id: request.request_id.clone(),
+                        event: LifecycleEvent::Freed,
+                    };
+                    nats.publish(subjects.lifecycle(), encode(&freed)?.into())
+                        .await?;
+                }
+                RouteReply::Error(_) => tally.failed += 1,
+            }
+        }
+    }
+    Ok(tally)
+}
+
+fn percentile(sorted: &[u64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)] as f64 / 1000.0
+}
+
+/// One measurement: its answers, sorted round trips and the answering process's CPU.
+struct Measured {
+    routes: u64,
+    failed: u64,
+    round_trips_us: Vec<u64>,
+    elapsed: f64,
+    /// CPU seconds of the process that answered (the daemon, or the echo responder).
+    cpu: f64,
+}
+
+impl Measured {
+    fn p50(&self) -> f64 {
+        percentile(&self.round_trips_us, 0.5)
+    }
+    fn p99(&self) -> f64 {
+        percentile(&self.round_trips_us, 0.99)
+    }
+    fn per_s(&self) -> f64 {
+        self.routes as f64 / self.elapsed
+    }
+    /// CPU per route (or per echo), in µs.
+    fn cpu_us(&self) -> f64 {
+        self.cpu / self.routes.max(1) as f64 * 1e6
+    }
+}
+
+/// The running processes and connection the measurements use.
+struct Bench {
+    args: Arc<Args>,
+    subjects: Arc<Subjects>,
+    nats: async_nats::Client,
+    daemon: ChildDaemon,
+    echo: echo::Responder,
+    nats_url: String,
+}
+
+impl Bench {
+    async fn measure(&self, mode: Mode, tasks: usize) -> anyhow::Result<Measured> {
+        let cpu_seconds = || match mode {
+            Mode::Echo => self.echo.cpu_seconds(),
+            Mode::Single | Mode::Batch => self.daemon.cpu_seconds(),
+        };
+        let cpu_before = cpu_seconds()?;
+        let started = Instant::now();
+        let until = started + Duration::from_secs(self.args.seconds);
+        let handles: Vec<_> = (0..tasks)
+            .map(|task| {
+                tokio::spawn(frontend(
+                    self.nats.clone(),
+                    self.subjects.clone(),
+                    self.args.clone(),
+                    mode,
+                    task,
+                    until,
+                ))
+            })
+            .collect();
+        let mut total = Tally::default();
+        for handle in handles {
+            let t = handle.await??;
+            total.routes += t.routes;
+            total.failed += t.failed;
+            total.round_trips_us.extend(t.round_trips_us);
+        }
+        let elapsed = started.elapsed().as_secs_f64();
+        let cpu = cpu_seconds()? - cpu_before;
+        total.round_trips_us.sort_unstable();
+        Ok(Measured {
+            routes: total.routes,
+            failed: total.failed,
+            round_trips_us: total.round_trips_us,
+            elapsed,
+            cpu,
+        })
+    }
+}
+
+/// Echo and route alternated `rounds` times, one printed row per round.
+async fn compare_with_echo(bench: &Bench, condition: &str) -> anyhow::Result<()> {
+    let tasks = bench.args.concurrency;
+    for round in 1..=bench.args.rounds {
+        let echo = bench.measure(Mode::Echo, tasks).await?;
+        let route = bench.measure(Mode::Single, tasks).await?;
+        println!(
+            "| {condition} | {round} | {tasks} | {:.0} | {:.2} ms | {:.2} ms | {:.1} µs | {:.0} | {:.2} ms | {:.2} ms | {:.1} µs | **{:.2}** | **{:.2}** | {} |",
+            echo.per_s(),
+            echo.p50(),
+            echo.p99(),
+            echo.cpu_us(),
+            route.per_s(),
+            route.p50(),
+            route.p99(),
+            route.cpu_us(),
+            route.p50() / echo.p50(),
+            route.p99() / echo.p99(),
+            route.failed
+        );
+    }
+    Ok(())
+}
+
+async fn echo_section(bench: &Bench, next_event: &mut Vec<u64>) -> anyhow::Result<()> {
+    println!(
+        "| ingest | round | in flight | echo/s | echo p50 | echo p99 | echo CPU per echo | routes/s | route p50 | route p99 | daemon CPU per route | p50 ratio | p99 ratio | failed |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    compare_with_echo(bench, "idle").await?;
+    let stop = CancellationToken::new();
+    let flood = tokio::spawn(ingest::flood(
+        async_nats::connect(bench.nats_url.as_str()).await?,
+        (*bench.subjects).clone(),
+        std::mem::take(next_event),
+        bench.args.ingest_blocks_per_s,
+        stop.clone(),
+    ));
+    let label = format!("{} blocks/s", bench.args.ingest_blocks_per_s);
+    let compared = compare_with_echo(bench, &label).await;
+    stop.cancel();
+    let flooded = flood.await??;
+    *next_event = flooded.next_event;
+    compared?;
+    println!();
+    println!(
+        "ingest: {} blocks of KV events published in {:.1} s ({:.0} blocks/s)",
+        flooded.blocks,
+        flooded.elapsed.as_secs_f64(),
+        flooded.blocks as f64 / flooded.elapsed.as_secs_f64()
+    );
+    Ok(())
+}
+
+async fn curve_section(bench: &Bench) -> anyhow::Result<()> {
+    println!("| in flight | routes/s | round trip p50 | p99 | daemon CPU per route | failed |");
+    println!("|---:|---:|---:|---:|---:|---:|");
+    for &tasks in &bench.args.curve {
+        let m = bench.measure(Mode::Single, tasks).await?;
+        println!(
+            "| {tasks} | {:.0} | {:.2} ms | {:.2} ms | {:.1} µs | {} |",
+            m.per_s(),
+            m.p50(),
+            m.p99(),
+            m.cpu_us(),
+            m.failed
+        );
+    }
+    Ok(())
+}
+
+async fn batch_section(bench: &Bench) -> anyhow::Result<()> {
+    let batch = bench.args.batch.max(1);
+    println!(
+        "| mode | tasks | in flight | routes/s | round trips/s | round trip p50 | p99 | daemon CPU per route | failed |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for tasks in [
+        (bench.args.concurrency / batch).max(1),
+        bench.args.concurrency,
+    ] {
+        let m = bench.measure(Mode::Batch, tasks).await?;
+        println!(
+            "| batch of {batch} | {tasks} | {} | {:.0} | {:.0} | {:.2} ms | {:.2} ms | {:.1} µs | {} |",
+            tasks * batch,
+            m.per_s(),
+            m.round_trips_us.len() as f64 / m.elapsed,
+            m.p50(),
+            m.p99(),
+            m.cpu_us(),
+            m.failed
+        );
+    }
+    Ok(())
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let runtime = tokio::runtime::Runtime::new()?;
+    match args.echo_responder.clone() {
+        Some(url) => runtime.block_on(echo::respond(&url)),
+        None => runtime.block_on(run(args)),
+    }
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
+    let args = Arc::new(args);
+    let nats_server = NatsServer::start().await?;
+    let etcd_server = EtcdServer::start().await?;
+    let daemon = ChildDaemon::start(
+        &nats_server.url(),
+        &etcd_server.endpoint(),
+        NAMESPACE,
+        BLOCK_SIZE,
+        &[],
+    )
+    .await?;
+    let echo = echo::Responder::start(&nats_server.url()).await?;
+    let subjects = Arc::new(Subjects::new(Namespace::new(NAMESPACE)?));
+    let mut etcd = etcd_client::Client::connect([etcd_server.endpoint()], None).await?;
+    register_workers(&mut etcd, &subjects, 0..args.workers, BLOCK_SIZE, 1_000_000).await?;
+    daemon
+        .wait_for_sum(&["kv_router_workers"], args.workers as f64)
+        .await?;
+    let nats = async_nats::connect(nats_server.url()).await?;
+    let (indexed, mut next_event) = index_prefixes(&nats, &subjects, &args).await?;
+    daemon
+        .wait_for_sum(&["kv_router_indexer_blocks"], indexed as f64)
+        .await
+        .context("indexing the cached prefixes")?;
+
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    println!(
+        "machine: {cores} cores; daemon: {} (pid {}, default policy); {} workers, {indexed} indexed (worker, block) entries; prompts of {} blocks ({} cached); {} s per measurement",
+        daemon.bin,
+        daemon.pid(),
+        args.workers,
+        args.prompt_blocks,
+        args.chain_blocks.min(args.prompt_blocks),
+        args.seconds
+    );
+    let bench = Bench {
+        args: args.clone(),
+        subjects,
+        nats,
+        daemon,
+        echo,
+        nats_url: nats_server.url(),
+    };
+    for section in &args.sections {
+        println!();
+        match section {
+            Section::Echo => echo_section(&bench, &mut next_event).await?,
+            Section::Curve => curve_section(&bench).await?,
+            Section::Batch => batch_section(&bench).await?,
+        }
+    }
+    let Bench { daemon, echo, .. } = bench;
+    echo.stop().await?;
+    daemon.stop().await
+}
