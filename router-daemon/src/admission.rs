@@ -226,6 +226,11 @@ impl Admission {
     /// Routes queued requests while ranks have room. Call after anything that may have
     /// reduced load or changed the ranks.
     pub fn release_waiters(&self) {
+        // Every route's `freed` comes here; without waiters, skip the queue lock that
+        // the route tasks hold while they book.
+        if !self.queue.may_have_waiters() {
+            return;
+        }
         let mut queue = self.queue.lock();
         if queue.is_empty() {
             return;

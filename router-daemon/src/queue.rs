@@ -23,6 +23,7 @@ use scheduler::{BatchOrder, ScheduleRequest, Scheduler, SchedulerError, Selectio
 use serde::{Deserialize, Serialize};
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, HashSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
@@ -111,6 +112,9 @@ pub struct WaitQueue {
     /// `kv_router_queue_wait_seconds`).
     metrics: QueueMetrics,
     outcomes: QueueOutcomes,
+    /// The number of waiters, written under the queue lock wherever it changes, so
+    /// that [`WaitQueue::may_have_waiters`] can skip the lock when nobody waits.
+    waiting: AtomicUsize,
 }
 
 impl WaitQueue {
@@ -121,7 +125,23 @@ impl WaitQueue {
             state: Mutex::new(QueueState::default()),
             metrics,
             outcomes,
+            waiting: AtomicUsize::new(0),
         }
+    }
+
+    /// Whether anyone may wait, without taking the queue lock. Waiters are only added
+    /// under both the queue and the scheduler lock, so a caller that changed the
+    /// scheduler under its lock and then sees `false` here knows that every later
+    /// waiter was queued after seeing that change (and so needs no release for it).
+    pub fn may_have_waiters(&self) -> bool {
+        self.waiting.load(Ordering::Acquire) > 0
+    }
+
+    /// Publishes the queue depth to the gauge and to [`WaitQueue::may_have_waiters`].
+    /// Call under the queue lock.
+    fn set_depth(&self, depth: usize) {
+        self.waiting.store(depth, Ordering::Release);
+        self.metrics.set_depth(depth);
     }
 
     /// The settings.
@@ -179,7 +199,7 @@ impl WaitQueue {
                 reply,
             },
         );
-        self.metrics.set_depth(state.waiters.len());
+        self.set_depth(state.waiters.len());
         Ok(Ticket { key, receiver })
     }
 
@@ -190,7 +210,7 @@ impl WaitQueue {
             return false;
         };
         state.ids.remove(&waiter.request.request_id);
-        self.metrics.set_depth(state.waiters.len());
+        self.set_depth(state.waiters.len());
         self.outcomes.count("timed_out");
         true
     }
@@ -244,7 +264,7 @@ impl WaitQueue {
             // freed or expired, exactly like a frontend that vanishes after routing.
             let _ = waiter.reply.send(result);
         }
-        self.metrics.set_depth(state.waiters.len());
+        self.set_depth(state.waiters.len());
         released
     }
 
@@ -253,7 +273,7 @@ impl WaitQueue {
         state.closed = true;
         state.waiters.clear();
         state.ids.clear();
-        self.metrics.set_depth(0);
+        self.set_depth(0);
     }
 }
 

@@ -239,3 +239,31 @@ fn a_waiter_pinned_to_a_busy_rank_does_not_block_later_ones() {
         DpRank(1)
     );
 }
+
+#[test]
+fn may_have_waiters_follows_every_change_of_the_queue() {
+    let t = Instant::now();
+    let q = queue(8);
+    let mut scheduler = hogged_scheduler(t);
+    let mut state = q.lock();
+    assert!(!q.may_have_waiters());
+    let gone = q
+        .push(&mut state, request("gone", 1), OverlapScores::new(), 0, t)
+        .unwrap();
+    assert!(q.may_have_waiters());
+    assert!(q.withdraw(&mut state, &gone));
+    assert!(!q.may_have_waiters());
+    let _waiting = q
+        .push(&mut state, request("w", 1), OverlapScores::new(), 0, t)
+        .unwrap();
+    assert!(q.may_have_waiters());
+    scheduler.free(&rid("hog"), t).unwrap();
+    let released = q.release(&mut state, &mut scheduler, t, |_, _| {});
+    assert_eq!(released.routed, 1);
+    assert!(!q.may_have_waiters());
+    let _closed = q
+        .push(&mut state, request("c", 1), OverlapScores::new(), 0, t)
+        .unwrap();
+    q.close(&mut state);
+    assert!(!q.may_have_waiters());
+}
