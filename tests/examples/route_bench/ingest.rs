@@ -71,18 +71,7 @@ pub async fn flood(
                 block_hashes: hashes,
             };
             for data in [stored, removed] {
-                let id = &mut next_event[w as usize];
-                let batch = KvEventBatch::new(
-                    WorkerId(w),
-                    vec![KvCacheEvent {
-                        event_id: *id,
-                        dp_rank: DpRank(0),
-                        data,
-                    }],
-                );
-                *id += 1;
-                nats.publish(subjects.kv_events(WorkerId(w)), encode(&batch)?.into())
-                    .await?;
+                publish_event(&nats, &subjects, &mut next_event, WorkerId(w), data).await?;
             }
             published += 2 * BLOCKS_PER_BATCH;
         }
@@ -93,4 +82,31 @@ pub async fn flood(
         elapsed: started.elapsed(),
         next_event,
     })
+}
+
+/// Publishes one event of `worker` (rank 0) as a batch on its subject, with the
+/// worker's next event id from `next_event`, which it advances.
+///
+/// # Errors
+/// When encoding or the publish fails.
+pub async fn publish_event(
+    nats: &async_nats::Client,
+    subjects: &Subjects,
+    next_event: &mut [u64],
+    worker: WorkerId,
+    data: KvCacheEventData,
+) -> anyhow::Result<()> {
+    let id = &mut next_event[worker.0 as usize];
+    let batch = KvEventBatch::new(
+        worker,
+        vec![KvCacheEvent {
+            event_id: *id,
+            dp_rank: DpRank(0),
+            data,
+        }],
+    );
+    *id += 1;
+    nats.publish(subjects.kv_events(worker), encode(&batch)?.into())
+        .await?;
+    Ok(())
 }

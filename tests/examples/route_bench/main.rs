@@ -41,8 +41,8 @@ use kv_events::routing::{
     RouteRequest,
 };
 use kv_events::{
-    DpRank, ExternalBlockHash, KvCacheEvent, KvCacheEventData, KvEventBatch, LocalBlockHash,
-    Namespace, StoredBlock, Subjects, WorkerId, decode, encode,
+    ExternalBlockHash, KvCacheEventData, LocalBlockHash, Namespace, StoredBlock, Subjects,
+    WorkerId, decode, encode,
 };
 use mocker::cluster::{EtcdServer, NatsServer};
 use std::sync::Arc;
@@ -134,21 +134,11 @@ async fn index_prefixes(
                     tokens_hash: block(c, i),
                 })
                 .collect();
-            let id = &mut next_event[w as usize];
-            let batch = KvEventBatch::new(
-                WorkerId(w),
-                vec![KvCacheEvent {
-                    event_id: *id,
-                    dp_rank: DpRank(0),
-                    data: KvCacheEventData::Stored {
-                        parent_hash: None,
-                        blocks,
-                    },
-                }],
-            );
-            *id += 1;
-            nats.publish(subjects.kv_events(WorkerId(w)), encode(&batch)?.into())
-                .await?;
+            let data = KvCacheEventData::Stored {
+                parent_hash: None,
+                blocks,
+            };
+            ingest::publish_event(nats, subjects, &mut next_event, WorkerId(w), data).await?;
         }
     }
     nats.flush().await?;
