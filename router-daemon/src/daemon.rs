@@ -217,7 +217,7 @@ impl Starting {
             &state.counters,
             state.limits,
             &subjects,
-            &nats,
+            &config.nats,
             &intake_tasks,
             &intake,
         )

@@ -43,6 +43,32 @@ pub async fn connect(
         .await
 }
 
+/// A second connection, for replica sync only, opened with NATS's `no_echo`: the
+/// server does not deliver this connection's own publications back to it. Every
+/// route books, steps and frees a request, and each step is published to the peers
+/// on `{ns}.router.sequences`; on the daemon's main connection the server would
+/// hand each of those messages back to the replica that sent it, two of the four
+/// messages a route makes the daemon read (measured in `route_bench`, see
+/// docs/benchmarks.md). Same seed list, authentication and TLS as the main
+/// connection; its events are logged, not counted in readiness (sync is best
+/// effort: a replica that misses peers' messages only mispredicts their load until
+/// the requests end or expire).
+///
+/// # Errors
+/// [`NatsError`] when the options are unusable (unreadable credentials, bad URL).
+pub async fn connect_sync(config: &NatsConfig) -> Result<async_nats::Client, NatsError> {
+    config
+        .connect_with("kv-router-sync", |options| {
+            options
+                .retry_on_initial_connect()
+                .no_echo()
+                .event_callback(|event| async move {
+                    tracing::info!(%event, "replica sync connection event");
+                })
+        })
+        .await
+}
+
 /// How long a subscription drain may take at shutdown before its remaining messages
 /// are given up (the connection is down, so the server will not confirm).
 pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);

@@ -13,6 +13,7 @@ use crate::metrics::counters::{Counters, MessageKind, Outcome};
 use anyhow::Context;
 use kv_events::limits::{Limits, check_bytes};
 use kv_events::replicas::{SequenceSync, SequenceUpdate};
+use kv_cluster::nats::NatsConfig;
 use kv_events::{RouterId, Subjects, decode, encode};
 use scheduler::{SchedulerError, SequenceEvent};
 use serde::Deserialize;
@@ -23,18 +24,21 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
-/// Subscribes to the sequences subject and spawns the sync tasks on `tasks` (until
-/// `stop`): one applying peers' messages, one publishing ours. Starts recording steps
-/// for the start-up snapshot when it is on. Does nothing when sync is off.
+/// Opens the sync connection ([`crate::nats::connect_sync`]: without echo, so this
+/// replica never reads its own messages), subscribes to the sequences subject and
+/// spawns the sync tasks on `tasks` (until `stop`): one applying peers' messages, one
+/// publishing ours. Starts recording steps for the start-up snapshot when it is on.
+/// Does nothing when sync is off.
 ///
 /// # Errors
-/// When the subscription fails, or sync was already started.
+/// When the connection options are unusable, the subscription fails, or sync was
+/// already started.
 pub async fn start(
     admission: &Arc<Admission>,
     counters: &Counters,
     limits: Limits,
     subjects: &Subjects,
-    nats: &async_nats::Client,
+    nats: &NatsConfig,
     tasks: &TaskTracker,
     stop: &CancellationToken,
 ) -> anyhow::Result<()> {
@@ -50,6 +54,9 @@ pub async fn start(
     if !replicas.snapshot_timeout().is_zero() {
         replicas.begin_recording();
     }
+    let nats = crate::nats::connect_sync(nats)
+        .await
+        .context("configuring the replica sync connection")?;
     let peers = nats
         .subscribe(subject.clone())
         .await
@@ -61,7 +68,7 @@ pub async fn start(
         move |subject, payload| handle_sync(&admission, &counters, &limits, subject, payload),
     ));
     tasks.spawn(publish(
-        nats.clone(),
+        nats,
         subject,
         outbox,
         replicas.metrics().clone(),
@@ -72,7 +79,8 @@ pub async fn start(
 }
 
 /// Publishes queued sync messages on `subject` in order until `stop`, then publishes
-/// what is still queued and returns.
+/// what is still queued, flushes the connection (bounded by
+/// [`crate::nats::DRAIN_TIMEOUT`]) and returns.
 pub async fn publish(
     client: async_nats::Client,
     subject: String,
@@ -87,6 +95,12 @@ pub async fn publish(
             () = stop.cancelled() => None,
         };
         let Some(msg) = msg.or_else(|| outbox.try_recv().ok()) else {
+            if tokio::time::timeout(crate::nats::DRAIN_TIMEOUT, client.flush())
+                .await
+                .is_err()
+            {
+                warn!("the last sequence sync messages may be lost: flush timed out");
+            }
             return;
         };
         match encode(&msg) {
@@ -109,8 +123,9 @@ struct Sender {
     router_id: RouterId,
 }
 
-/// Whether `payload` is one of this replica's own sync messages, which NATS hands
-/// back for every booking and step. Reads only the sender (the request id and the
+/// Whether `payload` is one of this replica's own sync messages. The sync connection
+/// has no echo, so NATS does not hand them back; this guards against a peer that
+/// (wrongly) shares our router id. Reads only the sender (the request id and the
 /// booking's block hashes are skipped, not allocated), so an own message costs a
 /// scan of its bytes instead of a decode; anything that does not read as a sender
 /// goes the full way through [`admit`] and is refused there.
