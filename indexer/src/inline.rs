@@ -220,11 +220,13 @@ impl IndexerApi for InlineIndexer {
         let hashes = hashes.into();
         async move {
             self.running()?;
-            let mut scores = OverlapScores::new();
+            // Pairs from every shard first, then one map sized once: no per-shard map,
+            // no merge, no rehash.
+            let mut pairs = Vec::new();
             for shard in 0..self.num_shards() {
-                scores.merge(self.inner.read(shard).find_matches(&hashes));
+                self.inner.read(shard).collect_matches(&hashes, &mut pairs);
             }
-            Ok(scores)
+            Ok(OverlapScores::from_unique(pairs))
         }
     }
 
