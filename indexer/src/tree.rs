@@ -84,6 +84,17 @@ fn is_live(arena: &Arena, state: &RankState, r: BlockRef) -> bool {
     state.forgotten == 0 || arena.generation(r.node) == r.generation
 }
 
+/// True when a node's holders are exactly the ranks still matching. Inlined for the
+/// common single-rank case (the private tail of a prompt), where a `memcmp` call
+/// would cost more than the comparison.
+#[inline]
+fn same_holders(holders: &[u32], active: &[u32]) -> bool {
+    match (holders, active) {
+        ([a], [b]) => a == b,
+        _ => holders == active,
+    }
+}
+
 /// Prefix tree over block hashes recording which worker ranks hold each prefix.
 ///
 /// Not thread-safe by design: one owner applies events and answers queries, which is
@@ -377,7 +388,7 @@ impl RadixTree {
                 // Every rank that scores holds the first block: size the output once.
                 active.extend_from_slice(holders);
                 out.reserve(holders.len());
-            } else if holders != active.as_slice() {
+            } else if !same_holders(holders, &active) {
                 // Both sides are sorted: one merge pass splits `active` into the ranks
                 // that continue and those whose match ends at `depth` blocks.
                 kept.clear();
