@@ -9,7 +9,9 @@
 //! one intake task and go to one shard; read-your-writes holds trivially (an `apply`
 //! that returned has been applied).
 //!
-//! Costs: a query is N lock acquisitions plus N tree walks on the calling thread; an
+//! Costs: a query is N lock acquisitions plus N tree walks on the calling thread,
+//! which append (rank, score) pairs to one vector, then one score map built at its
+//! final size (a map per shard and a merge cost as much as the walks); an
 //! event batch holds one write lock for its application (microseconds for normal
 //! batches; a pruning pass or a large dump holds it for longer, up to ~100 ms at 10 M
 //! entries). A background task expires approximate-mode entries. The comparison with

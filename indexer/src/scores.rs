@@ -159,6 +159,13 @@ mod tests {
     }
 
     #[test]
+    fn from_unique_drops_zeros_and_keeps_the_larger_of_a_repeat() {
+        let s = OverlapScores::from_unique(vec![(wr(1, 0), 2), (wr(2, 0), 0), (wr(1, 0), 5)]);
+        assert_eq!(s.sorted(), vec![(wr(1, 0), 5)]);
+        assert!(OverlapScores::from_unique(Vec::new()).is_empty());
+    }
+
+    #[test]
     fn max_and_best_break_ties_by_smallest_rank() {
         let s: OverlapScores = [(wr(5, 0), 7), (wr(2, 1), 7), (wr(2, 0), 3)]
             .into_iter()
