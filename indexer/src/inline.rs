@@ -9,7 +9,9 @@
 //! one intake task and go to one shard; read-your-writes holds trivially (an `apply`
 //! that returned has been applied).
 //!
-//! Costs: a query is N lock acquisitions plus N tree walks on the calling thread; an
+//! Costs: a query is N lock acquisitions plus N tree walks on the calling thread,
+//! which append (rank, score) pairs to one vector, then one score map built at its
+//! final size (a map per shard and a merge cost as much as the walks); an
 //! event batch holds one write lock for its application (microseconds for normal
 //! batches; a pruning pass or a large dump holds it for longer, up to ~100 ms at 10 M
 //! entries). A background task expires approximate-mode entries. The comparison with
@@ -220,11 +222,13 @@ impl IndexerApi for InlineIndexer {
         let hashes = hashes.into();
         async move {
             self.running()?;
-            let mut scores = OverlapScores::new();
+            // Pairs from every shard first, then one map sized once: no per-shard map,
+            // no merge, no rehash.
+            let mut pairs = Vec::new();
             for shard in 0..self.num_shards() {
-                scores.merge(self.inner.read(shard).find_matches(&hashes));
+                self.inner.read(shard).collect_matches(&hashes, &mut pairs);
             }
-            Ok(scores)
+            Ok(OverlapScores::from_unique(pairs))
         }
     }
 

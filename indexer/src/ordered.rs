@@ -371,6 +371,12 @@ impl OrderedIndex {
         self.tree.find_matches(hashes)
     }
 
+    /// See [`RadixTree::collect_matches`].
+    pub fn collect_matches(&self, hashes: &[LocalBlockHash], out: &mut Vec<(WorkerRank, u32)>) {
+        self.counters.record_query();
+        self.tree.collect_matches(hashes, out);
+    }
+
     /// See [`RadixTree::dump`].
     pub fn dump(&self) -> Vec<KvEventBatch> {
         self.tree.dump()

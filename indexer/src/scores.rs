@@ -42,6 +42,23 @@ impl OverlapScores {
         }
     }
 
+    /// Scores from (rank, blocks) pairs gathered from the trees of several shards
+    /// ([`crate::RadixTree::collect_matches`]): the map is sized once for all of them,
+    /// so building it never rehashes. Zero scores are dropped; a repeated rank (not
+    /// expected: shards hold disjoint workers) keeps its largest score.
+    pub fn from_unique(pairs: Vec<(WorkerRank, u32)>) -> Self {
+        let mut scores = FxHashMap::with_capacity_and_hasher(pairs.len(), Default::default());
+        for (rank, blocks) in pairs {
+            if blocks > 0 {
+                scores
+                    .entry(rank)
+                    .and_modify(|old: &mut u32| *old = (*old).max(blocks))
+                    .or_insert(blocks);
+            }
+        }
+        Self { scores }
+    }
+
     /// Folds in the scores of another query answer, for example a second shard's.
     ///
     /// Shards hold disjoint workers, so keys normally do not collide; if they do, the
@@ -52,6 +69,7 @@ impl OverlapScores {
             self.scores = other.scores;
             return;
         }
+        self.scores.reserve(other.scores.len());
         for (rank, blocks) in other.scores {
             let entry = self.scores.entry(rank).or_insert(0);
             *entry = (*entry).max(blocks);
@@ -138,6 +156,13 @@ mod tests {
         let mut empty = OverlapScores::new();
         empty.merge(a.clone());
         assert_eq!(empty, a);
+    }
+
+    #[test]
+    fn from_unique_drops_zeros_and_keeps_the_larger_of_a_repeat() {
+        let s = OverlapScores::from_unique(vec![(wr(1, 0), 2), (wr(2, 0), 0), (wr(1, 0), 5)]);
+        assert_eq!(s.sorted(), vec![(wr(1, 0), 5)]);
+        assert!(OverlapScores::from_unique(Vec::new()).is_empty());
     }
 
     #[test]

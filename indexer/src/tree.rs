@@ -84,6 +84,17 @@ fn is_live(arena: &Arena, state: &RankState, r: BlockRef) -> bool {
     state.forgotten == 0 || arena.generation(r.node) == r.generation
 }
 
+/// True when a node's holders are exactly the ranks still matching. Inlined for the
+/// common single-rank case (the private tail of a prompt), where a `memcmp` call
+/// would cost more than the comparison.
+#[inline]
+fn same_holders(holders: &[u32], active: &[u32]) -> bool {
+    match (holders, active) {
+        ([a], [b]) => a == b,
+        _ => holders == active,
+    }
+}
+
 /// Prefix tree over block hashes recording which worker ranks hold each prefix.
 ///
 /// Not thread-safe by design: one owner applies events and answers queries, which is
@@ -347,9 +358,19 @@ impl RadixTree {
     /// matches or when no rank is left. A rank missing block `i` scores `i` even if it
     /// holds later blocks. Ranks scoring 0 are absent from the result.
     pub fn find_matches(&self, hashes: &[LocalBlockHash]) -> OverlapScores {
+        let mut pairs = Vec::new();
+        self.collect_matches(hashes, &mut pairs);
+        OverlapScores::from_unique(pairs)
+    }
+
+    /// [`RadixTree::find_matches`] as (rank, score in blocks) pairs appended to `out`:
+    /// one pair per rank scoring at least 1 block, each rank once, in no particular
+    /// order. No hashing: a front that asks several trees builds one
+    /// [`OverlapScores`] from all their pairs, sized once
+    /// ([`OverlapScores::from_unique`]).
+    pub fn collect_matches(&self, hashes: &[LocalBlockHash], out: &mut Vec<(WorkerRank, u32)>) {
         let tick = self.tick();
         let bounded = self.bounded();
-        let mut scores = OverlapScores::new();
         // Raw rank indices (see `RankSet`), so the per-block comparison is a memcmp.
         let mut active: Vec<u32> = Vec::new();
         let mut kept: Vec<u32> = Vec::new();
@@ -364,9 +385,10 @@ impl RadixTree {
             }
             let holders = self.arena.node(child).holders.as_raw();
             if i == 0 {
+                // Every rank that scores holds the first block: size the output once.
                 active.extend_from_slice(holders);
-                scores.scores.reserve(holders.len());
-            } else if holders != active.as_slice() {
+                out.reserve(holders.len());
+            } else if !same_holders(holders, &active) {
                 // Both sides are sorted: one merge pass splits `active` into the ranks
                 // that continue and those whose match ends at `depth` blocks.
                 kept.clear();
@@ -376,7 +398,7 @@ impl RadixTree {
                     if h.next_if_eq(&&rank).is_some() {
                         kept.push(rank);
                     } else {
-                        self.score(&mut scores, RankIdx(rank), depth);
+                        self.score(out, rank, depth);
                     }
                 }
                 std::mem::swap(&mut active, &mut kept);
@@ -387,15 +409,16 @@ impl RadixTree {
             depth += 1;
             cur = child;
         }
-        for rank in active {
-            self.score(&mut scores, RankIdx(rank), depth);
+        if depth > 0 {
+            for rank in active {
+                self.score(out, rank, depth);
+            }
         }
-        scores
     }
 
-    fn score(&self, scores: &mut OverlapScores, idx: RankIdx, depth: u32) {
-        if let Some(rank) = self.ranks.rank_of(idx) {
-            scores.set(rank, depth);
+    fn score(&self, out: &mut Vec<(WorkerRank, u32)>, raw: u32, depth: u32) {
+        if let Some(rank) = self.ranks.rank_of(RankIdx(raw)) {
+            out.push((rank, depth));
         }
     }
 

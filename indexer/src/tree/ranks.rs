@@ -71,6 +71,10 @@ impl RankState {
 pub(crate) struct RankTable {
     index: FxHashMap<WorkerRank, RankIdx>,
     slots: Vec<Option<RankState>>,
+    /// The rank of each live slot, dense (16 bytes a slot), so that a query naming
+    /// hundreds of scoring ranks reads a few contiguous cache lines instead of one
+    /// `RankState` each.
+    names: Vec<Option<WorkerRank>>,
     free: Vec<RankIdx>,
 }
 
@@ -88,6 +92,7 @@ impl RankTable {
         let idx = match self.free.pop() {
             Some(idx) => {
                 self.slots[idx.0 as usize] = Some(RankState::new(rank));
+                self.names[idx.0 as usize] = Some(rank);
                 idx
             }
             None => {
@@ -95,6 +100,7 @@ impl RankTable {
                 // memory than any host has just for their states.
                 let idx = RankIdx(u32::try_from(self.slots.len()).expect("fewer than 2^32 ranks"));
                 self.slots.push(Some(RankState::new(rank)));
+                self.names.push(Some(rank));
                 idx
             }
         };
@@ -114,7 +120,7 @@ impl RankTable {
 
     /// The worker rank behind a live index.
     pub(crate) fn rank_of(&self, idx: RankIdx) -> Option<WorkerRank> {
-        self.get(idx).map(|state| state.rank)
+        self.names.get(idx.0 as usize).copied().flatten()
     }
 
     /// Forgets the rank at `idx` and returns its state; the index may be reused.
@@ -122,6 +128,7 @@ impl RankTable {
     pub(crate) fn release(&mut self, idx: RankIdx) -> Option<RankState> {
         let state = self.slots.get_mut(idx.0 as usize)?.take()?;
         self.index.remove(&state.rank);
+        self.names[idx.0 as usize] = None;
         self.free.push(idx);
         Some(state)
     }
@@ -152,6 +159,7 @@ impl RankTable {
         let index_entry = size_of::<(WorkerRank, RankIdx)>() + 1;
         self.index.capacity() * index_entry
             + self.slots.capacity() * size_of::<Option<RankState>>()
+            + self.names.capacity() * size_of::<Option<WorkerRank>>()
             + self.free.capacity() * size_of::<RankIdx>()
             + self.iter().map(|(_, s)| s.heap_bytes()).sum::<usize>()
     }

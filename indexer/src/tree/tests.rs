@@ -31,6 +31,11 @@ pub(super) fn check_invariants(tree: &RadixTree) {
     let mut live_entries = 0;
     for (idx, state) in tree.ranks.iter() {
         assert_eq!(tree.ranks.lookup(state.rank), Some(idx));
+        assert_eq!(
+            tree.ranks.rank_of(idx),
+            Some(state.rank),
+            "dense rank names"
+        );
         let mut stale = 0;
         for held in state.blocks.values() {
             if tree.arena.generation(held.node) != held.generation {
