@@ -25,12 +25,14 @@
 //! (state → rebuild events), `prune` (the memory bound).
 
 mod arena;
+mod children;
 #[cfg(test)]
 mod differential;
 mod dump;
 mod prune;
 mod ranks;
 mod rankset;
+mod runs;
 #[cfg(test)]
 mod tests;
 
@@ -38,7 +40,7 @@ use crate::config::Pruning;
 use crate::error::ApplyError;
 use crate::scores::OverlapScores;
 use crate::stats::IndexerStats;
-use arena::{Arena, NodeIdx};
+use arena::{Arena, BlockId, NodeIdx};
 use kv_events::{
     ExternalBlockHash, KvCacheEvent, KvCacheEventData, LocalBlockHash, StoredBlock, WorkerId,
     WorkerRank,
@@ -81,7 +83,76 @@ impl AddAssign for ApplyOutcome {
 /// True when `r` names a live node: always while the rank has no forgotten entries,
 /// else when the slot's generation still matches.
 fn is_live(arena: &Arena, state: &RankState, r: BlockRef) -> bool {
-    state.forgotten == 0 || arena.generation(r.node) == r.generation
+    state.forgotten == 0 || arena.generation(r.id) == r.generation
+}
+
+/// Blocks of one run that a store found the rank now holds: `start..end` of `node`.
+struct Pending {
+    node: NodeIdx,
+    start: usize,
+    end: usize,
+}
+
+/// The storing rank `rank` also holds the existing block `id` now: extends the
+/// pending piece when `id` continues it, else adds the pending piece to its run's
+/// holders and starts a new one. True when `rank` already held the block (under
+/// another engine hash: an alias).
+fn hold(
+    arena: &mut Arena,
+    pending: &mut Option<Pending>,
+    id: BlockId,
+    rank: RankIdx,
+    tick: u32,
+) -> bool {
+    let slot = arena.slot(id);
+    let offset = slot.offset as usize;
+    arena.node(slot.node).last_used.stored(tick);
+    if let Some(p) = pending.as_mut()
+        && p.node == slot.node
+    {
+        if (p.start..p.end).contains(&offset) {
+            return true;
+        }
+        if offset == p.end {
+            p.end += 1;
+            return false;
+        }
+    }
+    flush(arena, pending, rank);
+    let slot = arena.slot(id); // the flush may have moved the block
+    if arena.node(slot.node).holders.contains(rank) {
+        return true;
+    }
+    let offset = slot.offset as usize;
+    *pending = Some(Pending {
+        node: slot.node,
+        start: offset,
+        end: offset + 1,
+    });
+    false
+}
+
+/// Adds the pending piece, if any, to its run's holders.
+fn flush(arena: &mut Arena, pending: &mut Option<Pending>, rank: RankIdx) {
+    if let Some(p) = pending.take() {
+        arena.add_holder(p.node, p.start, p.end, rank);
+    }
+}
+
+/// How many leading hashes `run` and `query` share.
+#[inline]
+fn common_prefix(run: &[LocalBlockHash], query: &[LocalBlockHash]) -> usize {
+    let n = run.len().min(query.len());
+    let (run, query) = (&run[..n], &query[..n]);
+    // Eight at a time (one slice compare each) while they agree, then one by one.
+    let mut i = 0;
+    while i + 8 <= n && run[i..i + 8] == query[i..i + 8] {
+        i += 8;
+    }
+    while i < n && run[i] == query[i] {
+        i += 1;
+    }
+    i
 }
 
 /// True when a node's holders are exactly the ranks still matching. Inlined for the
@@ -201,7 +272,7 @@ impl RadixTree {
         }
         let tick = self.tick();
         let (idx, mut cur) = match parent_hash {
-            None => (self.ranks.intern(rank), NodeIdx::ROOT),
+            None => (self.ranks.intern(rank), BlockId::ROOT),
             Some(parent) => {
                 let unknown = ApplyError::UnknownParent {
                     rank,
@@ -230,20 +301,26 @@ impl RadixTree {
                         parent_hash: parent,
                     });
                 }
-                self.arena.node(held.node).last_used.stored(tick);
-                (idx, held.node)
+                let run = self.arena.run_of(held.id);
+                self.arena.node(run).last_used.stored(tick);
+                (idx, held.id)
             }
         };
         let mut outcome = ApplyOutcome::default();
         let Some(state) = self.ranks.get_mut(idx) else {
             return Ok(outcome); // unreachable: `idx` was just interned or looked up
         };
-        for block in blocks {
+        // Existing blocks the rank now holds too, not yet added to their run's
+        // holders: one contiguous piece of one run, so that a store over part of a
+        // run splits it at most twice, not once per block.
+        let mut pending: Option<Pending> = None;
+        for (k, block) in blocks.iter().enumerate() {
             match state.blocks.get(&block.block_hash) {
                 Some(&held) if is_live(&self.arena, state, held) => {
                     outcome.already_present += 1;
-                    cur = held.node;
-                    self.arena.node(cur).last_used.stored(tick);
+                    cur = held.id;
+                    let run = self.arena.run_of(cur);
+                    self.arena.node(run).last_used.stored(tick);
                     continue;
                 }
                 Some(_) => {
@@ -253,22 +330,29 @@ impl RadixTree {
                 }
                 None => {}
             }
-            let child = self.arena.child_or_insert(cur, block.tokens_hash, tick);
-            if !self.arena.add_holder(child, idx) {
-                *state.aliases.entry(child).or_insert(0) += 1;
-            }
-            let generation = self.arena.generation(child);
-            state.blocks.insert(
-                block.block_hash,
-                BlockRef {
-                    node: child,
-                    generation,
-                },
-            );
+            let id = match self.arena.next(cur, block.tokens_hash) {
+                Some(id) => {
+                    if hold(&mut self.arena, &mut pending, id, idx, tick) {
+                        *state.aliases.entry(id).or_insert(0) += 1;
+                    }
+                    id
+                }
+                None => {
+                    flush(&mut self.arena, &mut pending, idx);
+                    let more = blocks.len() - k - 1;
+                    self.arena
+                        .new_child(cur, block.tokens_hash, idx, tick, more)
+                }
+            };
+            let generation = self.arena.generation(id);
+            state
+                .blocks
+                .insert(block.block_hash, BlockRef { id, generation });
             self.entries += 1;
             outcome.stored += 1;
-            cur = child;
+            cur = id;
         }
+        flush(&mut self.arena, &mut pending, idx);
         Ok(outcome)
     }
 
@@ -292,16 +376,15 @@ impl RadixTree {
                 outcome.forgotten += 1;
                 continue;
             }
-            let node = held.node;
             outcome.removed += 1;
             self.entries -= 1;
-            match state.aliases.get_mut(&node) {
+            match state.aliases.get_mut(&held.id) {
                 Some(extra) if *extra > 1 => *extra -= 1,
                 Some(_) => {
-                    state.aliases.remove(&node);
+                    state.aliases.remove(&held.id);
                 }
                 None => {
-                    self.arena.drop_holder(node, idx);
+                    self.arena.drop_holder(held.id, idx);
                 }
             }
         }
@@ -331,20 +414,28 @@ impl RadixTree {
         let Some(state) = self.ranks.release(idx) else {
             return ApplyOutcome::default();
         };
-        // Liveness first: dropping a holder can free a node and bump its generation,
-        // which would make an alias of the same node look stale.
-        let live: Vec<NodeIdx> = state
+        // The rank holds every block of each run it is a holder of, so it leaves
+        // whole runs: first drop it from every run (no structural change), then free
+        // or merge them, naming each by one of its blocks (runs move, blocks do not).
+        let mut live: Vec<BlockRef> = state
             .blocks
             .values()
             .filter(|held| is_live(&self.arena, &state, **held))
-            .map(|held| held.node)
+            .copied()
             .collect();
-        for node in &live {
-            // Aliased nodes appear more than once; the second drop is a no-op.
-            self.arena.drop_holder(*node, idx);
-        }
         let removed = live.len() as u64;
         self.entries -= live.len();
+        live.sort_unstable_by_key(|held| self.arena.run_of(held.id));
+        live.dedup_by_key(|held| self.arena.run_of(held.id));
+        for held in &live {
+            let run = self.arena.run_of(held.id);
+            self.arena.update(run, |r| r.holders.remove(idx));
+        }
+        for held in &live {
+            if self.arena.generation(held.id) == held.generation {
+                self.arena.tidy(self.arena.run_of(held.id));
+            }
+        }
         ApplyOutcome {
             removed,
             forgotten: state.forgotten,
@@ -371,20 +462,21 @@ impl RadixTree {
     pub fn collect_matches(&self, hashes: &[LocalBlockHash], out: &mut Vec<(WorkerRank, u32)>) {
         let tick = self.tick();
         let bounded = self.bounded();
-        // Raw rank indices (see `RankSet`), so the per-block comparison is a memcmp.
+        // Raw rank indices (see `RankSet`), so the per-run comparison is a memcmp.
         let mut active: Vec<u32> = Vec::new();
         let mut kept: Vec<u32> = Vec::new();
         let mut cur = NodeIdx::ROOT;
-        let mut depth = 0u32;
-        for (i, hash) in hashes.iter().enumerate() {
-            let Some(child) = self.arena.node(cur).children.get(*hash) else {
+        let mut depth = 0usize;
+        while let Some(&first) = hashes.get(depth) {
+            let Some(child) = self.arena.node(cur).children.get(first) else {
                 break;
             };
+            let run = self.arena.node(child);
             if bounded {
-                self.arena.node(child).last_used.matched(tick);
+                run.last_used.matched(tick);
             }
-            let holders = self.arena.node(child).holders.as_raw();
-            if i == 0 {
+            let holders = run.holders.as_raw();
+            if depth == 0 {
                 // Every rank that scores holds the first block: size the output once.
                 active.extend_from_slice(holders);
                 out.reserve(holders.len());
@@ -406,7 +498,13 @@ impl RadixTree {
             if active.is_empty() {
                 break;
             }
-            depth += 1;
+            // The run's first block matched (it is the child's key); the rest is one
+            // contiguous comparison.
+            let matched = common_prefix(&run.hashes, &hashes[depth..]);
+            depth += matched;
+            if matched < run.hashes.len() {
+                break;
+            }
             cur = child;
         }
         if depth > 0 {
@@ -416,15 +514,24 @@ impl RadixTree {
         }
     }
 
-    fn score(&self, out: &mut Vec<(WorkerRank, u32)>, raw: u32, depth: u32) {
+    fn score(&self, out: &mut Vec<(WorkerRank, u32)>, raw: u32, depth: usize) {
+        // A score never exceeds the query's length, which is far below 2^32 blocks.
         if let Some(rank) = self.ranks.rank_of(RankIdx(raw)) {
-            out.push((rank, depth));
+            out.push((rank, depth as u32));
         }
     }
 
-    /// Live tree nodes (distinct (prefix, block) positions), the root not counted.
+    /// Live block positions (distinct (prefix, block) pairs), the root not counted.
+    /// Unchanged by path compression: a run of 16 blocks counts 16 (see
+    /// [`RadixTree::num_runs`] for the runs).
     pub fn num_nodes(&self) -> usize {
-        self.arena.live_nodes()
+        self.arena.live_blocks()
+    }
+
+    /// Live runs (compressed nodes: consecutive blocks with one holder set), the root
+    /// not counted. At most [`RadixTree::num_nodes`].
+    pub fn num_runs(&self) -> usize {
+        self.arena.live_runs()
     }
 
     /// Total (rank, block) entries: engine block hashes held, summed over ranks.

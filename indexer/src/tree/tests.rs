@@ -22,12 +22,12 @@ fn ok(tree: &mut RadixTree, worker: u64, event: KvCacheEvent) -> ApplyOutcome {
 /// Asserts that nodes, holder sets and per-rank maps agree with each other.
 pub(super) fn check_invariants(tree: &RadixTree) {
     let live = tree.arena.check();
-    assert_eq!(live.len() - 1, tree.num_nodes());
-    let held_by_nodes: HashSet<(NodeIdx, RankIdx)> = live
+    assert_eq!(live.len(), tree.num_nodes());
+    let held_by_nodes: HashSet<(BlockId, RankIdx)> = live
         .iter()
         .flat_map(|(node, holders)| holders.iter().map(move |r| (*node, *r)))
         .collect();
-    let mut held_by_maps: HashMap<(NodeIdx, RankIdx), u32> = HashMap::new();
+    let mut held_by_maps: HashMap<(BlockId, RankIdx), u32> = HashMap::new();
     let mut live_entries = 0;
     for (idx, state) in tree.ranks.iter() {
         assert_eq!(tree.ranks.lookup(state.rank), Some(idx));
@@ -38,12 +38,12 @@ pub(super) fn check_invariants(tree: &RadixTree) {
         );
         let mut stale = 0;
         for held in state.blocks.values() {
-            if tree.arena.generation(held.node) != held.generation {
+            if tree.arena.generation(held.id) != held.generation {
                 stale += 1;
                 continue;
             }
             live_entries += 1;
-            *held_by_maps.entry((held.node, idx)).or_insert(0) += 1;
+            *held_by_maps.entry((held.id, idx)).or_insert(0) += 1;
         }
         assert_eq!(
             stale, state.forgotten,
