@@ -362,7 +362,10 @@ impl Arena {
                 live.push((*id, node.holders.to_vec()));
             }
             if idx == NodeIdx::ROOT {
-                assert!(node.hashes.is_empty() && node.holders.is_empty(), "root run");
+                assert!(
+                    node.hashes.is_empty() && node.holders.is_empty(),
+                    "root run"
+                );
                 continue;
             }
             assert!(!node.hashes.is_empty(), "empty run {idx:?}");

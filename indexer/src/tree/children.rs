@@ -11,7 +11,6 @@ use super::arena::NodeIdx;
 use kv_events::LocalBlockHash;
 use rustc_hash::FxHashMap;
 
-
 /// Most children a node keeps in a linear `Vec` before switching to a hash map.
 const FEW_CHILDREN: usize = 8;
 /// A hash map of children shrinks back to a `Vec` at this many entries (hysteresis,

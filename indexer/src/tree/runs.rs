@@ -97,7 +97,13 @@ impl Arena {
             n.hashes.shrink_to_fit();
             n.ids.shrink_to_fit();
             let children = std::mem::take(&mut n.children);
-            (hashes, ids, children, n.holders.clone(), n.last_used.clone())
+            (
+                hashes,
+                ids,
+                children,
+                n.holders.clone(),
+                n.last_used.clone(),
+            )
         });
         let first = hashes[0];
         let tail = self.alloc_node(Node {
