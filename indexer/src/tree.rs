@@ -1,26 +1,42 @@
 //! [`RadixTree`]: the single-threaded index of which worker rank holds which prefix.
 //!
-//! Each node is one block ([`LocalBlockHash`]) at one position of a prefix; the path
-//! from the root spells the prefix. A node records the interned worker ranks holding
-//! it, and every rank maps the engine's [`ExternalBlockHash`] of each block it holds
-//! to that block's node, which is how `Stored` events find their parent and `Removed`
-//! events find their block.
+//! The tree is path-compressed: a node is a *run* of consecutive blocks
+//! ([`LocalBlockHash`]es, contiguous in memory) at consecutive positions of a prefix,
+//! all held by the same worker ranks; the path from the root spells the prefix. A run
+//! records its holders once. Every block position has a stable id, and every rank
+//! maps the engine's [`ExternalBlockHash`] of each block it holds to that id, which is
+//! how `Stored` events find their parent and `Removed` events find their block — for
+//! any engine hashes (chained or not, salted per worker or not), since the tree never
+//! relies on engine hashes being shared.
 //!
-//! Costs: applying a `Stored` event is O(blocks) hash-map operations; a `Removed` is
-//! O(blocks) plus the pruning of nodes left empty; a prefix match is O(query blocks ×
-//! holders) in the worst case and one `memcmp` of the holder sets per block when they
-//! do not change along the path (the common case: everyone holding a long prefix).
-//! Memory is one 48-byte node (plus a 4-byte slot generation) per distinct (prefix,
-//! block) and about 20-40 bytes per (rank, block) entry for the engine-hash map, plus
-//! a 4-byte holder slot when a node has several holders. Measured at 10M entries on a
-//! release build (`docs/benchmarks.md`): 81 bytes per entry when nearly every block
-//! has one holder; shared prefixes cost much less per extra holder.
+//! How runs change: a `Stored` continuing a chain that only the storing rank holds
+//! appends to the run in place (the common case: a conversation's chain appended by
+//! one rank); a store by another rank over part of a run, a child branching off the
+//! middle of a run, or a removal of a block in the middle of a run splits the run
+//! (into at most three); a run whose holders come to equal its parent's again (the
+//! parent having no other child) is merged back into it. Splits and merges move only
+//! the moved blocks' slots in the arena, never a rank's map (`tree/runs.rs`).
+//!
+//! Costs: applying a `Stored` event is O(blocks) hash-map operations plus, when it
+//! covers part of an existing run, one split or merge (O(run length)); a `Removed` is
+//! O(blocks) plus a split per block removed from the middle of a shared run. A prefix
+//! match visits each run once: one child lookup, one contiguous comparison of the
+//! run's hashes with the prompt's, and one comparison of the run's holders with the
+//! ranks still matching (a `memcmp`, or one integer when a single rank is left), so
+//! O(runs × holders) in the worst case and O(query blocks) memory reads in sequence.
+//! Memory per block position is 24 bytes (hash 8 and id 4 in its run, slot 8 and
+//! generation 4 in the block slab), plus an 88-byte run shared by all the run's
+//! blocks, plus about 20-25 bytes per (rank, block) entry for the engine-hash map and
+//! a 4-byte holder slot per extra holder of a run. Measured on a release build
+//! (`docs/benchmarks.md`, "Compressed edges"): 49-69 bytes per entry at 100k-1M
+//! entries, where one node per block cost 72-121.
 //!
 //! A tree may be bounded ([`Pruning::LeastRecentlyMatched`]): past a number of
 //! (rank, block) entries it forgets the least recently matched leaves (see
 //! `tree/prune.rs` for the algorithm and its cost).
 //!
-//! Layout of the submodules: `arena` (node slab, children, free list), `rankset`
+//! Layout of the submodules: `arena` (run and block slabs, free lists), `runs`
+//! (extend, split, merge, free), `children` (child maps), `rankset`
 //! (compact holder sets), `ranks` (rank interning and per-rank maps), `dump`
 //! (state → rebuild events), `prune` (the memory bound).
 
@@ -366,6 +382,7 @@ impl RadixTree {
             outcome.unknown_removed = block_hashes.len() as u64;
             return outcome;
         };
+        let mut dropped = Vec::new();
         for hash in block_hashes {
             let Some(held) = state.blocks.remove(hash) else {
                 outcome.unknown_removed += 1;
@@ -383,12 +400,44 @@ impl RadixTree {
                 Some(_) => {
                     state.aliases.remove(&held.id);
                 }
-                None => {
-                    self.arena.drop_holder(held.id, idx);
-                }
+                None => dropped.push(held.id),
             }
         }
+        self.drop_blocks(idx, &mut dropped);
         outcome
+    }
+
+    /// Drops `rank` from the blocks `ids` (which it holds, each once), one contiguous
+    /// piece of a run at a time: removing a whole chain is one change of its run, not
+    /// one split per block. The end state does not depend on the order.
+    fn drop_blocks(&mut self, rank: RankIdx, ids: &mut [BlockId]) {
+        let arena = &mut self.arena;
+        ids.sort_unstable_by_key(|id| {
+            let slot = arena.slot(*id);
+            (slot.node, slot.offset)
+        });
+        // Pieces as (first block, length). Dropping one piece splits runs only at its
+        // own ends and frees or merges whole runs, so every other piece stays
+        // contiguous in one run: it is found again from its first block.
+        let mut pieces: Vec<(BlockId, usize)> = Vec::new();
+        let mut last: Option<arena::Slot> = None;
+        for id in ids.iter() {
+            let slot = arena.slot(*id);
+            match (last, pieces.last_mut()) {
+                (Some(prev), Some(piece))
+                    if prev.node == slot.node && prev.offset + 1 == slot.offset =>
+                {
+                    piece.1 += 1;
+                }
+                _ => pieces.push((*id, 1)),
+            }
+            last = Some(slot);
+        }
+        for (first, len) in pieces {
+            let slot = arena.slot(first);
+            let start = slot.offset as usize;
+            arena.drop_holder(slot.node, start, start + len, rank);
+        }
     }
 
     /// Drops every block of `rank` and forgets the rank. Unknown ranks are a no-op.

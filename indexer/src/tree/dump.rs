@@ -2,9 +2,10 @@
 //!
 //! A dump lets a fresh router (or a test) rebuild an index by replaying ordinary
 //! `Stored` events, so no second serialization format exists. Per rank, the held
-//! nodes are walked depth-first from the root and emitted as chains: one `Stored`
+//! blocks are walked depth-first from the root and emitted as chains: one `Stored`
 //! event per maximal run of single-child descent, whose `parent_hash` is an engine
-//! hash the rank holds for the parent node. Cost: O(entries) time and memory, and
+//! hash the rank holds for the parent block. (Chains follow the rank's blocks, not
+//! the tree's runs, so a dump does not depend on how runs happen to be split.) Cost: O(entries) time and memory, and
 //! the result is about as large as the stream of stores that built the tree.
 //!
 //! Blocks a rank still holds below a block it removed are reproduced too: the removed

@@ -230,3 +230,27 @@ fn salted_engine_hashes_share_runs_and_stay_apart_in_rank_maps() {
     assert_eq!(rebuilt.num_entries(), tree.num_entries());
     assert_eq!(rebuilt.dump(), tree.dump());
 }
+
+/// A `Removed` naming a whole piece of a run (in any order) changes the run once:
+/// the flood of store-then-remove chains leaves no runs behind, and a piece removed
+/// from the middle of a shared run splits it in three, not once per block.
+#[test]
+fn a_removed_event_drops_each_piece_of_a_run_at_once() {
+    let mut tree = RadixTree::new();
+    ok(&mut tree, 1, stored(0, None, &chain(1, 0..16)));
+    let head_first: Vec<u64> = (0..16).map(|l| 1_000_000 + l).collect();
+    ok(&mut tree, 1, removed(0, &head_first));
+    assert_eq!((tree.num_runs(), tree.num_nodes(), tree.num_entries()), (0, 0, 0));
+    ok(&mut tree, 1, stored(0, None, &chain(1, 0..16)));
+    ok(&mut tree, 2, stored(0, None, &chain(2, 0..16)));
+    let middle = [1_000_009, 1_000_005, 1_000_007, 1_000_006, 1_000_008];
+    ok(&mut tree, 1, removed(0, &middle));
+    assert_eq!((tree.num_runs(), tree.num_nodes()), (3, 16));
+    let all: Vec<u64> = (0..16).collect();
+    assert_eq!(scores(&tree, &all), vec![(wr(1, 0), 5), (wr(2, 0), 16)]);
+    // Two pieces of one run in one event, with a block of another rank's run.
+    let two = [1_000_001, 1_000_002, 1_000_012, 1_000_013, 2_000_015];
+    ok(&mut tree, 1, removed(0, &[two[0], two[1], two[2], two[3]]));
+    ok(&mut tree, 2, removed(0, &[two[4]]));
+    assert_eq!(scores(&tree, &all), vec![(wr(1, 0), 1), (wr(2, 0), 15)]);
+}

@@ -159,26 +159,33 @@ impl Arena {
         self.try_merge(run);
     }
 
-    /// Drops `rank` from block `id` alone, then frees what is left empty and merges
-    /// runs whose holders agree again. False when `rank` did not hold it.
-    pub(crate) fn drop_holder(&mut self, id: BlockId, rank: RankIdx) -> bool {
-        let Slot { node, offset } = self.slot(id);
+    /// Drops `rank` from blocks `start..end` of run `node`, then frees what is left
+    /// empty and merges runs whose holders agree again. False (and nothing changes)
+    /// when `rank` does not hold the run.
+    pub(crate) fn drop_holder(
+        &mut self,
+        node: NodeIdx,
+        start: usize,
+        end: usize,
+        rank: RankIdx,
+    ) -> bool {
         let n = self.node(node);
         if !n.holders.contains(rank) {
             return false;
         }
-        let (offset, len) = (offset as usize, n.hashes.len());
         let sole = matches!(n.holders, RankSet::One(_));
-        if sole && len > 1 && offset == len - 1 && n.children.is_empty() {
+        if sole && start > 0 && end == n.hashes.len() && n.children.is_empty() {
             // The tail of a chain only `rank` holds: shorten the run.
-            self.update(node, |n| {
-                n.hashes.pop();
-                n.ids.pop();
+            let gone = self.update(node, |n| {
+                n.hashes.truncate(start);
+                n.ids.split_off(start)
             });
-            self.free_id(id);
+            for id in gone {
+                self.free_id(id);
+            }
             return true;
         }
-        let run = self.isolate(node, offset, offset + 1);
+        let run = self.isolate(node, start, end);
         self.update(run, |r| r.holders.remove(rank));
         self.tidy(run);
         true
