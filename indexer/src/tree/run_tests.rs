@@ -240,7 +240,10 @@ fn a_removed_event_drops_each_piece_of_a_run_at_once() {
     ok(&mut tree, 1, stored(0, None, &chain(1, 0..16)));
     let head_first: Vec<u64> = (0..16).map(|l| 1_000_000 + l).collect();
     ok(&mut tree, 1, removed(0, &head_first));
-    assert_eq!((tree.num_runs(), tree.num_nodes(), tree.num_entries()), (0, 0, 0));
+    assert_eq!(
+        (tree.num_runs(), tree.num_nodes(), tree.num_entries()),
+        (0, 0, 0)
+    );
     ok(&mut tree, 1, stored(0, None, &chain(1, 0..16)));
     ok(&mut tree, 2, stored(0, None, &chain(2, 0..16)));
     let middle = [1_000_009, 1_000_005, 1_000_007, 1_000_006, 1_000_008];

@@ -1,7 +1,8 @@
 //! Unit tests of the radix tree, with an invariant check run after every step.
 
+use super::arena::BlockId;
 use super::*;
-use kv_events::DpRank;
+use kv_events::{DpRank, ExternalBlockHash};
 
 /// The event builders of the integration tests (`indexer/tests/common`), shared so the
 /// unit tests and the integration tests build events one way.
