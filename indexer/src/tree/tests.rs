@@ -12,7 +12,7 @@ pub(super) use events::{cleared, q, removed, stored, wr};
 use std::collections::{HashMap, HashSet};
 
 /// Applies an event that must succeed, then checks every invariant.
-fn ok(tree: &mut RadixTree, worker: u64, event: KvCacheEvent) -> ApplyOutcome {
+pub(super) fn ok(tree: &mut RadixTree, worker: u64, event: KvCacheEvent) -> ApplyOutcome {
     let outcome = tree
         .apply_event(WorkerId(worker), &event)
         .expect("event applies");
@@ -73,7 +73,7 @@ pub(super) fn check_invariants(tree: &RadixTree) {
     );
 }
 
-fn scores(tree: &RadixTree, hashes: &[u64]) -> Vec<(WorkerRank, u32)> {
+pub(super) fn scores(tree: &RadixTree, hashes: &[u64]) -> Vec<(WorkerRank, u32)> {
     tree.find_matches(&q(hashes)).sorted()
 }
 
