@@ -24,24 +24,12 @@
 //! The run operations (walk, extend, split, merge, free) are in `tree/runs.rs`.
 
 use super::children::Children;
+pub(crate) use super::children::NodeIdx;
 #[cfg(test)]
 use super::rankset::RankIdx;
 use super::rankset::RankSet;
 use kv_events::LocalBlockHash;
 use std::sync::atomic::{AtomicU32, Ordering};
-
-/// Index of a run in the arena. The root is slot 0 (an empty run) and is never freed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
-pub(crate) struct NodeIdx(pub(super) u32);
-
-impl NodeIdx {
-    /// The root: the empty prefix, parent of every first run.
-    pub(crate) const ROOT: NodeIdx = NodeIdx(0);
-
-    pub(super) fn slot(self) -> usize {
-        self.0 as usize
-    }
-}
 
 /// Stable id of one block position (one block at one place of a prefix). Slot 0 is
 /// reserved: it names the root (the position before every first block) and is never

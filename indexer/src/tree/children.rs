@@ -7,9 +7,23 @@
 //! and other hot branching points become. Boxing the rare shapes keeps [`Children`]
 //! at 16 bytes.
 
-use super::arena::NodeIdx;
 use kv_events::LocalBlockHash;
 use rustc_hash::FxHashMap;
+
+/// Index of a run in the arena (`tree/arena.rs`). Defined here, below the arena,
+/// because child maps are made of it. The root is slot 0 (an empty run) and is
+/// never freed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub(crate) struct NodeIdx(pub(crate) u32);
+
+impl NodeIdx {
+    /// The root: the empty prefix, parent of every first run.
+    pub(crate) const ROOT: NodeIdx = NodeIdx(0);
+
+    pub(crate) fn slot(self) -> usize {
+        self.0 as usize
+    }
+}
 
 /// Most children a node keeps in a linear `Vec` before switching to a hash map.
 const FEW_CHILDREN: usize = 8;
