@@ -7,6 +7,7 @@ use super::rankset::RankIdx;
 use super::{ApplyOutcome, RadixTree, is_live};
 use crate::error::ApplyError;
 use kv_events::{ExternalBlockHash, StoredBlock, WorkerRank};
+use std::collections::hash_map::Entry;
 
 impl RadixTree {
     pub(super) fn store(
@@ -63,20 +64,21 @@ impl RadixTree {
         // run splits it at most twice, not once per block.
         let mut pending: Option<Pending> = None;
         for (k, block) in blocks.iter().enumerate() {
-            match state.blocks.get(&block.block_hash) {
-                Some(&held) if is_live(&self.arena, state, held) => {
+            // One hash-map probe per block: the entry stays open while the arena
+            // changes (the arena and the rank's other fields are separate borrows).
+            let entry = state.blocks.entry(block.block_hash);
+            if let Entry::Occupied(held) = &entry {
+                let held = *held.get();
+                if state.forgotten == 0 || self.arena.generation(held.id) == held.generation {
                     outcome.already_present += 1;
                     cur = held.id;
                     let run = self.arena.run_of(cur);
                     self.arena.node(run).last_used.stored(tick);
                     continue;
                 }
-                Some(_) => {
-                    // A forgotten block stored again: its entry is revived below.
-                    state.forgotten -= 1;
-                    outcome.forgotten += 1;
-                }
-                None => {}
+                // A forgotten block stored again: its entry is revived below.
+                state.forgotten -= 1;
+                outcome.forgotten += 1;
             }
             let id = match self.arena.next(cur, block.tokens_hash) {
                 Some(id) => {
@@ -92,10 +94,18 @@ impl RadixTree {
                         .new_child(cur, block.tokens_hash, idx, tick, more)
                 }
             };
-            let generation = self.arena.generation(id);
-            state
-                .blocks
-                .insert(block.block_hash, BlockRef { id, generation });
+            let held = BlockRef {
+                id,
+                generation: self.arena.generation(id),
+            };
+            match entry {
+                Entry::Occupied(mut old) => {
+                    old.insert(held);
+                }
+                Entry::Vacant(slot) => {
+                    slot.insert(held);
+                }
+            }
             self.entries += 1;
             outcome.stored += 1;
             cur = id;
