@@ -40,9 +40,12 @@ pub(crate) struct BlockId(pub(super) u32);
 impl BlockId {
     /// The empty prefix (the root), as a position.
     pub(crate) const ROOT: BlockId = BlockId(0);
+}
 
-    pub(super) fn slot(self) -> usize {
-        self.0 as usize
+impl From<BlockId> for usize {
+    /// The id's index in the block slab.
+    fn from(id: BlockId) -> usize {
+        id.0 as usize
     }
 }
 
@@ -181,17 +184,17 @@ impl Arena {
 
     /// The generation of the slot of block `id` (see the module docs).
     pub(crate) fn generation(&self, id: BlockId) -> u32 {
-        self.gens[id.slot()]
+        self.gens[usize::from(id)]
     }
 
     /// The run and offset of block `id`.
     pub(crate) fn slot(&self, id: BlockId) -> Slot {
-        self.slots[id.slot()]
+        self.slots[usize::from(id)]
     }
 
     /// The run holding block `id` (the root for [`BlockId::ROOT`]).
     pub(crate) fn run_of(&self, id: BlockId) -> NodeIdx {
-        self.slots[id.slot()].node
+        self.slots[usize::from(id)].node
     }
 
     /// The block before `id` in its prefix; [`BlockId::ROOT`] for a first block.
@@ -247,7 +250,7 @@ impl Arena {
         };
         match self.free_ids.pop() {
             Some(id) => {
-                self.slots[id.slot()] = slot;
+                self.slots[usize::from(id)] = slot;
                 id
             }
             None => {
@@ -264,15 +267,15 @@ impl Arena {
 
     /// Frees block `id`: its generation moves on, so references to it go stale.
     pub(super) fn free_id(&mut self, id: BlockId) {
-        self.gens[id.slot()] = self.gens[id.slot()].wrapping_add(1);
-        self.slots[id.slot()] = Slot::default();
+        self.gens[usize::from(id)] = self.gens[usize::from(id)].wrapping_add(1);
+        self.slots[usize::from(id)] = Slot::default();
         self.free_ids.push(id);
     }
 
     /// Points the blocks `ids` at `node`, from offset `first` on.
     pub(super) fn place(&mut self, node: NodeIdx, first: usize, ids: &[BlockId]) {
         for (i, id) in ids.iter().enumerate() {
-            self.slots[id.slot()] = Slot {
+            self.slots[usize::from(*id)] = Slot {
                 node,
                 offset: (first + i) as u32,
             };
