@@ -8,10 +8,11 @@
 //! those counts into an estimate of the prefill each worker would save.
 //!
 //! Three layers:
-//! - [`RadixTree`] is the single-threaded core: an arena of 48-byte nodes with `u32`
-//!   indices, compact per-node holder sets and a per-rank map from the engine's
-//!   [`ExternalBlockHash`](kv_events::ExternalBlockHash) to the node it names;
-//!   optionally bounded ([`Pruning`]).
+//! - [`RadixTree`] is the single-threaded core, path-compressed: an arena of runs
+//!   (consecutive blocks sharing one holder set, their hashes contiguous) with `u32`
+//!   indices, compact per-run holder sets, stable `u32` block ids, and a per-rank map
+//!   from the engine's [`ExternalBlockHash`](kv_events::ExternalBlockHash) to the
+//!   block it names; optionally bounded ([`Pruning`]).
 //! - [`OrderedIndex`] adds what one shard needs around a tree: per-(worker, dp_rank)
 //!   event cursors (duplicates dropped, gaps buffered and recovered, restarted
 //!   publishers reset), approximate-mode TTL entries and snapshots. It does no I/O:

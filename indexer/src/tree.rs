@@ -1,36 +1,57 @@
 //! [`RadixTree`]: the single-threaded index of which worker rank holds which prefix.
 //!
-//! Each node is one block ([`LocalBlockHash`]) at one position of a prefix; the path
-//! from the root spells the prefix. A node records the interned worker ranks holding
-//! it, and every rank maps the engine's [`ExternalBlockHash`] of each block it holds
-//! to that block's node, which is how `Stored` events find their parent and `Removed`
-//! events find their block.
+//! The tree is path-compressed: a node is a *run* of consecutive blocks
+//! ([`LocalBlockHash`]es, contiguous in memory) at consecutive positions of a prefix,
+//! all held by the same worker ranks; the path from the root spells the prefix. A run
+//! records its holders once. Every block position has a stable id, and every rank
+//! maps the engine's [`ExternalBlockHash`] of each block it holds to that id, which is
+//! how `Stored` events find their parent and `Removed` events find their block — for
+//! any engine hashes (chained or not, salted per worker or not), since the tree never
+//! relies on engine hashes being shared.
 //!
-//! Costs: applying a `Stored` event is O(blocks) hash-map operations; a `Removed` is
-//! O(blocks) plus the pruning of nodes left empty; a prefix match is O(query blocks ×
-//! holders) in the worst case and one `memcmp` of the holder sets per block when they
-//! do not change along the path (the common case: everyone holding a long prefix).
-//! Memory is one 48-byte node (plus a 4-byte slot generation) per distinct (prefix,
-//! block) and about 20-40 bytes per (rank, block) entry for the engine-hash map, plus
-//! a 4-byte holder slot when a node has several holders. Measured at 10M entries on a
-//! release build (`docs/benchmarks.md`): 81 bytes per entry when nearly every block
-//! has one holder; shared prefixes cost much less per extra holder.
+//! How runs change: a `Stored` continuing a chain that only the storing rank holds
+//! appends to the run in place (the common case: a conversation's chain appended by
+//! one rank); a store by another rank over part of a run, a child branching off the
+//! middle of a run, or a removal of a block in the middle of a run splits the run
+//! (into at most three); a run whose holders come to equal its parent's again (the
+//! parent having no other child) is merged back into it. Splits and merges move only
+//! the moved blocks' slots in the arena, never a rank's map (`tree/runs.rs`).
+//!
+//! Costs: applying a `Stored` event is O(blocks) hash-map operations plus, when it
+//! covers part of an existing run, one split or merge (O(run length)); a `Removed` is
+//! O(blocks) plus a split per block removed from the middle of a shared run. A prefix
+//! match visits each run once: one child lookup, one contiguous comparison of the
+//! run's hashes with the prompt's, and one comparison of the run's holders with the
+//! ranks still matching (a `memcmp`, or one integer when a single rank is left), so
+//! O(runs × holders) in the worst case and O(query blocks) memory reads in sequence.
+//! Memory per block position is 24 bytes (hash 8 and id 4 in its run, slot 8 and
+//! generation 4 in the block slab), plus an 88-byte run shared by all the run's
+//! blocks, plus about 20-25 bytes per (rank, block) entry for the engine-hash map and
+//! a 4-byte holder slot per extra holder of a run. Measured on a release build
+//! (`docs/benchmarks.md`, "Compressed edges"): 49-69 bytes per entry at 100k-1M
+//! entries, where one node per block cost 72-121.
 //!
 //! A tree may be bounded ([`Pruning::LeastRecentlyMatched`]): past a number of
 //! (rank, block) entries it forgets the least recently matched leaves (see
 //! `tree/prune.rs` for the algorithm and its cost).
 //!
-//! Layout of the submodules: `arena` (node slab, children, free list), `rankset`
+//! Layout of the submodules: `arena` (run and block slabs, free lists), `runs`
+//! (extend, split, merge, free), `children` (child maps), `rankset`
 //! (compact holder sets), `ranks` (rank interning and per-rank maps), `dump`
 //! (state → rebuild events), `prune` (the memory bound).
 
+mod apply;
 mod arena;
+mod children;
 #[cfg(test)]
 mod differential;
 mod dump;
 mod prune;
 mod ranks;
 mod rankset;
+#[cfg(test)]
+mod run_tests;
+mod runs;
 #[cfg(test)]
 mod tests;
 
@@ -39,10 +60,7 @@ use crate::error::ApplyError;
 use crate::scores::OverlapScores;
 use crate::stats::IndexerStats;
 use arena::{Arena, NodeIdx};
-use kv_events::{
-    ExternalBlockHash, KvCacheEvent, KvCacheEventData, LocalBlockHash, StoredBlock, WorkerId,
-    WorkerRank,
-};
+use kv_events::{KvCacheEvent, KvCacheEventData, LocalBlockHash, WorkerId, WorkerRank};
 use ranks::{BlockRef, RankState, RankTable};
 use rankset::RankIdx;
 use std::ops::AddAssign;
@@ -81,7 +99,23 @@ impl AddAssign for ApplyOutcome {
 /// True when `r` names a live node: always while the rank has no forgotten entries,
 /// else when the slot's generation still matches.
 fn is_live(arena: &Arena, state: &RankState, r: BlockRef) -> bool {
-    state.forgotten == 0 || arena.generation(r.node) == r.generation
+    state.forgotten == 0 || arena.generation(r.id) == r.generation
+}
+
+/// How many leading hashes `run` and `query` share.
+#[inline]
+fn common_prefix(run: &[LocalBlockHash], query: &[LocalBlockHash]) -> usize {
+    let n = run.len().min(query.len());
+    let (run, query) = (&run[..n], &query[..n]);
+    // Eight at a time (one slice compare each) while they agree, then one by one.
+    let mut i = 0;
+    while i + 8 <= n && run[i..i + 8] == query[i..i + 8] {
+        i += 8;
+    }
+    while i < n && run[i] == query[i] {
+        i += 1;
+    }
+    i
 }
 
 /// True when a node's holders are exactly the ranks still matching. Inlined for the
@@ -190,124 +224,6 @@ impl RadixTree {
         }
     }
 
-    fn store(
-        &mut self,
-        rank: WorkerRank,
-        parent_hash: Option<ExternalBlockHash>,
-        blocks: &[StoredBlock],
-    ) -> Result<ApplyOutcome, ApplyError> {
-        if blocks.is_empty() && parent_hash.is_none() {
-            return Ok(ApplyOutcome::default()); // do not intern a rank that holds nothing
-        }
-        let tick = self.tick();
-        let (idx, mut cur) = match parent_hash {
-            None => (self.ranks.intern(rank), NodeIdx::ROOT),
-            Some(parent) => {
-                let unknown = ApplyError::UnknownParent {
-                    rank,
-                    parent_hash: parent,
-                };
-                let idx = self.ranks.lookup(rank).ok_or(unknown)?;
-                let state = self.ranks.get_mut(idx).ok_or(unknown)?;
-                let held = *state.blocks.get(&parent).ok_or(unknown)?;
-                if !is_live(&self.arena, state, held) {
-                    // Children of a forgotten block are forgotten too.
-                    state.blocks.insert(parent, BlockRef::FORGOTTEN);
-                    for block in blocks {
-                        if let Some(old) =
-                            state.blocks.insert(block.block_hash, BlockRef::FORGOTTEN)
-                        {
-                            if is_live(&self.arena, state, old) {
-                                // A live block under a forgotten parent: keep it.
-                                state.blocks.insert(block.block_hash, old);
-                            }
-                            continue;
-                        }
-                        state.forgotten += 1;
-                    }
-                    return Err(ApplyError::ForgottenParent {
-                        rank,
-                        parent_hash: parent,
-                    });
-                }
-                self.arena.node(held.node).last_used.stored(tick);
-                (idx, held.node)
-            }
-        };
-        let mut outcome = ApplyOutcome::default();
-        let Some(state) = self.ranks.get_mut(idx) else {
-            return Ok(outcome); // unreachable: `idx` was just interned or looked up
-        };
-        for block in blocks {
-            match state.blocks.get(&block.block_hash) {
-                Some(&held) if is_live(&self.arena, state, held) => {
-                    outcome.already_present += 1;
-                    cur = held.node;
-                    self.arena.node(cur).last_used.stored(tick);
-                    continue;
-                }
-                Some(_) => {
-                    // A forgotten block stored again: its entry is revived below.
-                    state.forgotten -= 1;
-                    outcome.forgotten += 1;
-                }
-                None => {}
-            }
-            let child = self.arena.child_or_insert(cur, block.tokens_hash, tick);
-            if !self.arena.add_holder(child, idx) {
-                *state.aliases.entry(child).or_insert(0) += 1;
-            }
-            let generation = self.arena.generation(child);
-            state.blocks.insert(
-                block.block_hash,
-                BlockRef {
-                    node: child,
-                    generation,
-                },
-            );
-            self.entries += 1;
-            outcome.stored += 1;
-            cur = child;
-        }
-        Ok(outcome)
-    }
-
-    fn remove(&mut self, rank: WorkerRank, block_hashes: &[ExternalBlockHash]) -> ApplyOutcome {
-        let mut outcome = ApplyOutcome::default();
-        let state = self
-            .ranks
-            .lookup(rank)
-            .and_then(|idx| Some((idx, self.ranks.get_mut(idx)?)));
-        let Some((idx, state)) = state else {
-            outcome.unknown_removed = block_hashes.len() as u64;
-            return outcome;
-        };
-        for hash in block_hashes {
-            let Some(held) = state.blocks.remove(hash) else {
-                outcome.unknown_removed += 1;
-                continue;
-            };
-            if !is_live(&self.arena, state, held) {
-                state.forgotten -= 1;
-                outcome.forgotten += 1;
-                continue;
-            }
-            let node = held.node;
-            outcome.removed += 1;
-            self.entries -= 1;
-            match state.aliases.get_mut(&node) {
-                Some(extra) if *extra > 1 => *extra -= 1,
-                Some(_) => {
-                    state.aliases.remove(&node);
-                }
-                None => {
-                    self.arena.drop_holder(node, idx);
-                }
-            }
-        }
-        outcome
-    }
-
     /// Drops every block of `rank` and forgets the rank. Unknown ranks are a no-op.
     /// Returns the number of blocks dropped in `removed`.
     pub fn clear_rank(&mut self, rank: WorkerRank) -> ApplyOutcome {
@@ -325,31 +241,6 @@ impl RadixTree {
             outcome += self.release_rank(idx);
         }
         outcome
-    }
-
-    fn release_rank(&mut self, idx: RankIdx) -> ApplyOutcome {
-        let Some(state) = self.ranks.release(idx) else {
-            return ApplyOutcome::default();
-        };
-        // Liveness first: dropping a holder can free a node and bump its generation,
-        // which would make an alias of the same node look stale.
-        let live: Vec<NodeIdx> = state
-            .blocks
-            .values()
-            .filter(|held| is_live(&self.arena, &state, **held))
-            .map(|held| held.node)
-            .collect();
-        for node in &live {
-            // Aliased nodes appear more than once; the second drop is a no-op.
-            self.arena.drop_holder(*node, idx);
-        }
-        let removed = live.len() as u64;
-        self.entries -= live.len();
-        ApplyOutcome {
-            removed,
-            forgotten: state.forgotten,
-            ..ApplyOutcome::default()
-        }
     }
 
     /// Scores every rank by the number of leading blocks of `hashes` it holds.
@@ -371,20 +262,21 @@ impl RadixTree {
     pub fn collect_matches(&self, hashes: &[LocalBlockHash], out: &mut Vec<(WorkerRank, u32)>) {
         let tick = self.tick();
         let bounded = self.bounded();
-        // Raw rank indices (see `RankSet`), so the per-block comparison is a memcmp.
+        // Raw rank indices (see `RankSet`), so the per-run comparison is a memcmp.
         let mut active: Vec<u32> = Vec::new();
         let mut kept: Vec<u32> = Vec::new();
         let mut cur = NodeIdx::ROOT;
-        let mut depth = 0u32;
-        for (i, hash) in hashes.iter().enumerate() {
-            let Some(child) = self.arena.node(cur).children.get(*hash) else {
+        let mut depth = 0usize;
+        while let Some(&first) = hashes.get(depth) {
+            let Some(child) = self.arena.node(cur).children.get(first) else {
                 break;
             };
+            let run = self.arena.node(child);
             if bounded {
-                self.arena.node(child).last_used.matched(tick);
+                run.last_used.matched(tick);
             }
-            let holders = self.arena.node(child).holders.as_raw();
-            if i == 0 {
+            let holders = run.holders.as_raw();
+            if depth == 0 {
                 // Every rank that scores holds the first block: size the output once.
                 active.extend_from_slice(holders);
                 out.reserve(holders.len());
@@ -406,7 +298,13 @@ impl RadixTree {
             if active.is_empty() {
                 break;
             }
-            depth += 1;
+            // The run's first block matched (it is the child's key); the rest is one
+            // contiguous comparison.
+            let matched = common_prefix(&run.hashes, &hashes[depth..]);
+            depth += matched;
+            if matched < run.hashes.len() {
+                break;
+            }
             cur = child;
         }
         if depth > 0 {
@@ -416,15 +314,24 @@ impl RadixTree {
         }
     }
 
-    fn score(&self, out: &mut Vec<(WorkerRank, u32)>, raw: u32, depth: u32) {
+    fn score(&self, out: &mut Vec<(WorkerRank, u32)>, raw: u32, depth: usize) {
+        // A score never exceeds the query's length, which is far below 2^32 blocks.
         if let Some(rank) = self.ranks.rank_of(RankIdx(raw)) {
-            out.push((rank, depth));
+            out.push((rank, depth as u32));
         }
     }
 
-    /// Live tree nodes (distinct (prefix, block) positions), the root not counted.
+    /// Live block positions (distinct (prefix, block) pairs), the root not counted.
+    /// Unchanged by path compression: a run of 16 blocks counts 16 (see
+    /// [`RadixTree::num_runs`] for the runs).
     pub fn num_nodes(&self) -> usize {
-        self.arena.live_nodes()
+        self.arena.live_blocks()
+    }
+
+    /// Live runs (compressed nodes: consecutive blocks with one holder set), the root
+    /// not counted. At most [`RadixTree::num_nodes`].
+    pub fn num_runs(&self) -> usize {
+        self.arena.live_runs()
     }
 
     /// Total (rank, block) entries: engine block hashes held, summed over ranks.

@@ -2,9 +2,10 @@
 //!
 //! A dump lets a fresh router (or a test) rebuild an index by replaying ordinary
 //! `Stored` events, so no second serialization format exists. Per rank, the held
-//! nodes are walked depth-first from the root and emitted as chains: one `Stored`
+//! blocks are walked depth-first from the root and emitted as chains: one `Stored`
 //! event per maximal run of single-child descent, whose `parent_hash` is an engine
-//! hash the rank holds for the parent node. Cost: O(entries) time and memory, and
+//! hash the rank holds for the parent block. (Chains follow the rank's blocks, not
+//! the tree's runs, so a dump does not depend on how runs happen to be split.) Cost: O(entries) time and memory, and
 //! the result is about as large as the stream of stores that built the tree.
 //!
 //! Blocks a rank still holds below a block it removed are reproduced too: the removed
@@ -15,7 +16,7 @@
 //! the original tree.
 
 use super::RadixTree;
-use super::arena::NodeIdx;
+use super::arena::BlockId;
 use super::ranks::RankState;
 use kv_events::{
     ExternalBlockHash, KvCacheEvent, KvCacheEventData, KvEventBatch, StoredBlock, WorkerId,
@@ -55,13 +56,13 @@ impl RadixTree {
         // The smallest engine hash of each held node names it in the dump; further
         // hashes of the same node (aliases) are replayed after the walk. Ordering by
         // engine hashes only makes the dump independent of arena slot numbers.
-        let mut primary: FxHashMap<NodeIdx, ExternalBlockHash> = FxHashMap::default();
-        let mut extra: Vec<(ExternalBlockHash, NodeIdx)> = Vec::new();
+        let mut primary: FxHashMap<BlockId, ExternalBlockHash> = FxHashMap::default();
+        let mut extra: Vec<(ExternalBlockHash, BlockId)> = Vec::new();
         let live = state
             .blocks
             .iter()
             .filter(|(_, held)| super::is_live(&self.arena, state, **held))
-            .map(|(hash, held)| (hash, held.node));
+            .map(|(hash, held)| (hash, held.id));
         for (hash, node) in live {
             match primary.entry(node) {
                 Entry::Vacant(slot) => {
@@ -76,16 +77,16 @@ impl RadixTree {
         }
         // Ancestors the rank does not hold (it removed them) but needs, to place the
         // blocks it still holds below them: emitted, then removed again.
-        let mut nodes: FxHashSet<NodeIdx> = primary.keys().copied().collect();
+        let mut nodes: FxHashSet<BlockId> = primary.keys().copied().collect();
         for node in primary.keys() {
-            let mut up = self.arena.node(*node).parent;
-            while up != NodeIdx::ROOT && nodes.insert(up) {
-                up = self.arena.node(up).parent;
+            let mut up = self.arena.block_parent(*node);
+            while up != BlockId::ROOT && nodes.insert(up) {
+                up = self.arena.block_parent(up);
             }
         }
-        let mut kids: FxHashMap<NodeIdx, Vec<NodeIdx>> = FxHashMap::default();
+        let mut kids: FxHashMap<BlockId, Vec<BlockId>> = FxHashMap::default();
         for node in &nodes {
-            kids.entry(self.arena.node(*node).parent)
+            kids.entry(self.arena.block_parent(*node))
                 .or_default()
                 .push(*node);
         }
@@ -100,22 +101,22 @@ impl RadixTree {
                 data,
             });
         };
-        let block = |node: NodeIdx, block_hash: ExternalBlockHash| StoredBlock {
+        let block = |node: BlockId, block_hash: ExternalBlockHash| StoredBlock {
             block_hash,
-            tokens_hash: self.arena.node(node).hash,
+            tokens_hash: self.arena.block_hash(node),
         };
         // Engine hash of every emitted node: the rank's own, or a placeholder.
-        let mut names: FxHashMap<NodeIdx, ExternalBlockHash> = FxHashMap::default();
+        let mut names: FxHashMap<BlockId, ExternalBlockHash> = FxHashMap::default();
         // The children of `node` (named `name`, `None` for the root), named and
         // sorted by name so the dump does not depend on arena slots.
-        let named_kids = |node: NodeIdx, name: Option<ExternalBlockHash>| {
-            let mut out: Vec<(ExternalBlockHash, NodeIdx)> = kids
+        let named_kids = |node: BlockId, name: Option<ExternalBlockHash>| {
+            let mut out: Vec<(ExternalBlockHash, BlockId)> = kids
                 .get(&node)
                 .map(|list| {
                     list.iter()
                         .map(|kid| {
                             let kid_name = primary.get(kid).copied().unwrap_or_else(|| {
-                                placeholder_hash(name, self.arena.node(*kid).hash)
+                                placeholder_hash(name, self.arena.block_hash(*kid))
                             });
                             (kid_name, *kid)
                         })
@@ -126,8 +127,8 @@ impl RadixTree {
             out
         };
         let mut unheld = Vec::new();
-        let mut starts: Vec<(Option<ExternalBlockHash>, ExternalBlockHash, NodeIdx)> =
-            named_kids(NodeIdx::ROOT, None)
+        let mut starts: Vec<(Option<ExternalBlockHash>, ExternalBlockHash, BlockId)> =
+            named_kids(BlockId::ROOT, None)
                 .into_iter()
                 .rev()
                 .map(|(name, node)| (None, name, node))
@@ -155,8 +156,8 @@ impl RadixTree {
             });
         }
         for (hash, node) in extra {
-            let parent = self.arena.node(node).parent;
-            let parent_hash = (parent != NodeIdx::ROOT).then(|| names[&parent]);
+            let parent = self.arena.block_parent(node);
+            let parent_hash = (parent != BlockId::ROOT).then(|| names[&parent]);
             emit(KvCacheEventData::Stored {
                 parent_hash,
                 blocks: vec![block(node, hash)],

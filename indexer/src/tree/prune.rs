@@ -6,7 +6,8 @@
 //! down to `target_percent` of the bound:
 //!
 //! 1. collect every leaf with its last use and sort them, oldest first;
-//! 2. for each, forget the leaf (all its holders), then walk up: a parent that has
+//! 2. for each, forget the leaf run's blocks from its tail (for all its holders)
+//!    until the target is met or the run is gone, then walk up: a parent that has
 //!    just become a leaf and was not used more recently than that leaf is forgotten
 //!    too, and so on. A query that matched a deep block also touched every block
 //!    above it, so chains are eaten from the tail, never cut in the middle;
@@ -31,8 +32,12 @@
 //! rebuilt without them and shrunk. A `Stored` below a purged tombstone is then an
 //! unknown parent (a dump is requested) instead of a forgotten one.
 //!
-//! Forgetting a node does not search the holders' engine-hash maps (that would cost
-//! O(rank blocks) per node): the node's slot generation is bumped instead, which
+//! Recency is kept per run (a run's time is its most recent block's), so a query
+//! that matched the head of a run protects its tail too; a run is still eaten block
+//! by block from its tail.
+//!
+//! Forgetting a block does not search the holders' engine-hash maps (that would cost
+//! O(rank blocks) per node): the block's slot generation is bumped instead, which
 //! turns those map entries into tombstones. A later `Removed` for such a block drops
 //! its tombstone, a later `Stored` of it revives it, and a `Stored` below it is
 //! refused as [`ApplyError::ForgottenParent`](crate::ApplyError::ForgottenParent)
@@ -99,7 +104,8 @@ impl RadixTree {
             && super::is_live(&self.arena, state, held)
         {
             let tick = self.tick();
-            self.arena.node(held.node).last_used.stored(tick);
+            let run = self.arena.run_of(held.id);
+            self.arena.node(run).last_used.stored(tick);
         }
         self.prune_to(target.saturating_sub(incoming))
     }
@@ -122,7 +128,7 @@ impl RadixTree {
                     if self.entries <= target {
                         break 'leaves;
                     }
-                    let Some(survivor) = self.forget_leaf(node) else {
+                    let Some(survivor) = self.forget_leaf(node, target) else {
                         continue 'leaves;
                     };
                     let parent = self.arena.node(survivor);
@@ -155,7 +161,7 @@ impl RadixTree {
         for idx in crowded {
             let arena = &self.arena;
             if let Some(state) = self.ranks.get_mut(idx) {
-                let stale = |r: &BlockRef| arena.generation(r.node) != r.generation;
+                let stale = |r: &BlockRef| arena.generation(r.id) != r.generation;
                 state.blocks.retain(|_, r| !stale(r));
                 state.blocks.shrink_to_fit();
                 state.forgotten = 0;
@@ -163,20 +169,30 @@ impl RadixTree {
         }
     }
 
-    /// Forgets the leaf `node` for every holder. Returns the nearest ancestor that
-    /// survived (still held or still branching; possibly the root), or `None` when
+    /// Forgets the blocks of the leaf run `node` for every holder, from its tail,
+    /// until at most `target` entries remain or the run is gone. Returns the nearest
+    /// ancestor that survived (still held or still branching; possibly the root) when
+    /// the run went, `node` itself when the target was reached first, or `None` when
     /// `node` was not a leaf.
-    fn forget_leaf(&mut self, node: NodeIdx) -> Option<NodeIdx> {
-        let (holders, survivor) = self.arena.prune_leaf(node)?;
-        for raw in holders.as_raw() {
-            let Some(state) = self.ranks.get_mut(RankIdx(*raw)) else {
-                continue;
-            };
-            let extra = state.aliases.remove(&node).map_or(0, u64::from);
-            state.forgotten += 1 + extra;
-            self.entries -= 1 + extra as usize;
+    fn forget_leaf(&mut self, node: NodeIdx, target: usize) -> Option<NodeIdx> {
+        let holders: Vec<u32> = self.arena.node(node).holders.as_raw().to_vec();
+        loop {
+            let (id, survivor) = self.arena.pop_leaf_block(node)?;
+            for raw in &holders {
+                let Some(state) = self.ranks.get_mut(RankIdx(*raw)) else {
+                    continue;
+                };
+                let extra = state.aliases.remove(&id).map_or(0, u64::from);
+                state.forgotten += 1 + extra;
+                self.entries -= 1 + extra as usize;
+            }
+            if let Some(survivor) = survivor {
+                return Some(survivor);
+            }
+            if self.entries <= target {
+                return Some(node);
+            }
         }
-        Some(survivor)
     }
 }
 

@@ -3,21 +3,22 @@
 //! Tree nodes name their holders by a 4-byte [`RankIdx`] instead of the 12-byte
 //! [`WorkerRank`], which keeps holder sets small and makes them sortable by a plain
 //! integer. The table maps both ways and owns, per rank, the map from the engine's
-//! [`ExternalBlockHash`] to the node it names (needed to find a `Stored` event's
+//! [`ExternalBlockHash`] to the block it names (needed to find a `Stored` event's
 //! parent and a `Removed` event's block). Released indices are reused, so the table
 //! stays as large as the number of live ranks ever seen at once.
 
-use super::arena::NodeIdx;
+use super::arena::BlockId;
 use super::rankset::RankIdx;
 use kv_events::{ExternalBlockHash, WorkerId, WorkerRank};
 use rustc_hash::FxHashMap;
 
-/// A rank's reference to the node of one of its blocks: the slot and the slot's
+/// A rank's reference to one of its blocks: the block's stable id and the id's
 /// generation when the reference was made. The reference is stale (the block was
-/// pruned) when the generations differ. 8 bytes, so a map entry stays 16.
+/// pruned) when the generations differ. 8 bytes, so a map entry stays 16. Runs may
+/// split and merge under it: the id keeps naming the same block position.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct BlockRef {
-    pub(crate) node: NodeIdx,
+    pub(crate) id: BlockId,
     pub(crate) generation: u32,
 }
 
@@ -25,7 +26,7 @@ impl BlockRef {
     /// A tombstone: a block the index chose to forget (pruned, or stored below a
     /// pruned block). Never live: the root's generation is never bumped from 0.
     pub(crate) const FORGOTTEN: BlockRef = BlockRef {
-        node: NodeIdx::ROOT,
+        id: BlockId::ROOT,
         generation: u32::MAX,
     };
 }
@@ -35,17 +36,17 @@ impl BlockRef {
 pub(crate) struct RankState {
     /// The rank this state belongs to.
     pub(crate) rank: WorkerRank,
-    /// Engine block hash → node, one entry per block the rank holds, plus
+    /// Engine block hash → block, one entry per block the rank holds, plus
     /// `forgotten` stale entries (pruned blocks), dropped when next looked up.
     pub(crate) blocks: FxHashMap<ExternalBlockHash, BlockRef>,
     /// Entries of `blocks` that may be stale. While 0, every entry is live and no
     /// generation needs checking.
     pub(crate) forgotten: u64,
-    /// Nodes that more than one engine hash of this rank map to, with the number of
+    /// Blocks that more than one engine hash of this rank map to, with the number of
     /// extra hashes. Only engines that cache identical content twice create these;
     /// the map is empty (and unallocated) otherwise. A node stays held until its last
     /// engine hash is removed.
-    pub(crate) aliases: FxHashMap<NodeIdx, u32>,
+    pub(crate) aliases: FxHashMap<BlockId, u32>,
 }
 
 impl RankState {
@@ -61,7 +62,7 @@ impl RankState {
     /// Heap bytes of the two maps, by capacity (key + value + one control byte).
     fn heap_bytes(&self) -> usize {
         let block_entry = size_of::<(ExternalBlockHash, BlockRef)>() + 1;
-        let alias_entry = size_of::<(NodeIdx, u32)>() + 1;
+        let alias_entry = size_of::<(BlockId, u32)>() + 1;
         self.blocks.capacity() * block_entry + self.aliases.capacity() * alias_entry
     }
 }

@@ -54,7 +54,6 @@ impl RankSet {
     }
 
     /// True when `rank` holds the node. O(log n).
-    #[cfg(test)]
     pub(crate) fn contains(&self, rank: RankIdx) -> bool {
         self.as_raw().binary_search(&rank.0).is_ok()
     }

@@ -1,7 +1,8 @@
 //! Unit tests of the radix tree, with an invariant check run after every step.
 
+use super::arena::BlockId;
 use super::*;
-use kv_events::DpRank;
+use kv_events::{DpRank, ExternalBlockHash};
 
 /// The event builders of the integration tests (`indexer/tests/common`), shared so the
 /// unit tests and the integration tests build events one way.
@@ -11,7 +12,7 @@ pub(super) use events::{cleared, q, removed, stored, wr};
 use std::collections::{HashMap, HashSet};
 
 /// Applies an event that must succeed, then checks every invariant.
-fn ok(tree: &mut RadixTree, worker: u64, event: KvCacheEvent) -> ApplyOutcome {
+pub(super) fn ok(tree: &mut RadixTree, worker: u64, event: KvCacheEvent) -> ApplyOutcome {
     let outcome = tree
         .apply_event(WorkerId(worker), &event)
         .expect("event applies");
@@ -22,12 +23,12 @@ fn ok(tree: &mut RadixTree, worker: u64, event: KvCacheEvent) -> ApplyOutcome {
 /// Asserts that nodes, holder sets and per-rank maps agree with each other.
 pub(super) fn check_invariants(tree: &RadixTree) {
     let live = tree.arena.check();
-    assert_eq!(live.len() - 1, tree.num_nodes());
-    let held_by_nodes: HashSet<(NodeIdx, RankIdx)> = live
+    assert_eq!(live.len(), tree.num_nodes());
+    let held_by_nodes: HashSet<(BlockId, RankIdx)> = live
         .iter()
         .flat_map(|(node, holders)| holders.iter().map(move |r| (*node, *r)))
         .collect();
-    let mut held_by_maps: HashMap<(NodeIdx, RankIdx), u32> = HashMap::new();
+    let mut held_by_maps: HashMap<(BlockId, RankIdx), u32> = HashMap::new();
     let mut live_entries = 0;
     for (idx, state) in tree.ranks.iter() {
         assert_eq!(tree.ranks.lookup(state.rank), Some(idx));
@@ -38,12 +39,12 @@ pub(super) fn check_invariants(tree: &RadixTree) {
         );
         let mut stale = 0;
         for held in state.blocks.values() {
-            if tree.arena.generation(held.node) != held.generation {
+            if tree.arena.generation(held.id) != held.generation {
                 stale += 1;
                 continue;
             }
             live_entries += 1;
-            *held_by_maps.entry((held.node, idx)).or_insert(0) += 1;
+            *held_by_maps.entry((held.id, idx)).or_insert(0) += 1;
         }
         assert_eq!(
             stale, state.forgotten,
@@ -72,7 +73,7 @@ pub(super) fn check_invariants(tree: &RadixTree) {
     );
 }
 
-fn scores(tree: &RadixTree, hashes: &[u64]) -> Vec<(WorkerRank, u32)> {
+pub(super) fn scores(tree: &RadixTree, hashes: &[u64]) -> Vec<(WorkerRank, u32)> {
     tree.find_matches(&q(hashes)).sorted()
 }
 
