@@ -12,88 +12,24 @@
 
 use bytes::Bytes;
 use futures::StreamExt;
-use indexer::IndexerApi as _;
 use integration_tests::{FakeWorker, TestCluster, eventually};
-use kv_events::discovery::WorkerRegistration;
 use kv_events::engines::{AdapterScope, HashScope};
 use kv_events::recovery::{ChunkAssembler, RecoveryBody, RecoveryRequest};
 use kv_events::routing::{Prompt, RouteReply, RouteRequest};
 use kv_events::{
-    DpRank, LocalBlockHash, StoredBlock, WorkerId, WorkerRank, compute_block_hashes, decode, encode,
+    DpRank, LocalBlockHash, StoredBlock, WorkerRank, compute_block_hashes, decode, encode,
 };
-use kv_relay::{Relay, RelayArgs, RelayConfig};
-use router_daemon::Daemon;
-use std::time::Duration;
-
-const BLOCK: u32 = 16;
-const WAIT: Duration = Duration::from_secs(15);
-const WORKER: WorkerId = WorkerId(7);
+use kv_relay::Relay;
 
 #[path = "relay/engine.rs"]
+#[allow(dead_code)]
 mod engine;
+#[path = "relay/helpers.rs"]
+#[allow(dead_code)]
+mod helpers;
 
-use engine::{FakeEngine, ReplayFraming, payloads, serve_page};
-use router_daemon::counters::{MessageKind, Outcome};
-
-fn relay_config(cluster: &TestCluster, engine: &FakeEngine, extra: &[&str]) -> RelayConfig {
-    config_from(cluster, engine.relay_flags(), extra)
-}
-
-fn config_from(cluster: &TestCluster, mut args: Vec<String>, extra: &[&str]) -> RelayConfig {
-    args.extend(extra.iter().map(|a| (*a).to_owned()));
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    RelayConfig::from_args(&cluster.flags::<RelayArgs>(&args)).unwrap()
-}
-
-async fn overlap(daemon: &Daemon, hashes: Vec<LocalBlockHash>, rank: u32) -> u32 {
-    let scores = daemon.state().indexer.find_matches(hashes).await.unwrap();
-    scores.get(WorkerRank::new(WORKER, DpRank(rank)))
-}
-
-/// Waits until the router's overlap for `hashes` on `rank` of worker 7 is `blocks`.
-async fn wait_overlap(
-    daemon: &Daemon,
-    what: &str,
-    hashes: &[LocalBlockHash],
-    rank: u32,
-    blocks: u32,
-) {
-    eventually(what, WAIT, || async {
-        (overlap(daemon, hashes.to_vec(), rank).await == blocks).then_some(())
-    })
-    .await
-    .unwrap();
-}
-
-/// The router's registration of worker 7.
-fn registration(daemon: &Daemon) -> Option<WorkerRegistration> {
-    let scheduler = daemon.state().scheduler();
-    let mut workers = scheduler.workers();
-    workers.find(|w| w.worker_id == WORKER).cloned()
-}
-
-async fn wait_registered(daemon: &Daemon, worker: WorkerId, registered: bool) {
-    eventually("worker 7's registration", WAIT, || async {
-        let known = daemon
-            .state()
-            .scheduler()
-            .workers()
-            .any(|w| w.worker_id == worker);
-        (known == registered).then_some(())
-    })
-    .await
-    .unwrap();
-}
-
-/// Waits until the relay has read the engine's replay buffer at connect, with
-/// `result` (so live batches published from here on are not also in that read).
-async fn wait_connect_replay(relay: &Relay, result: &str) {
-    eventually("the replay buffer read at connect", WAIT, || async {
-        (relay.counters().connect_replays(result) == 1).then_some(())
-    })
-    .await
-    .unwrap();
-}
+use engine::{FakeEngine, ReplayFraming, payloads};
+use helpers::*;
 
 /// The engine hashes vLLM gave prompt A's blocks 0 and 1 and prompt B's block 2.
 const A0: u64 = 7_322_446_309_363_477_352;
@@ -134,14 +70,6 @@ async fn recovery_dump(cluster: &TestCluster, rank: u32) -> Vec<StoredBlock> {
         panic!("{:?}", reply.body)
     };
     chains.into_iter().flat_map(|c| c.blocks).collect()
-}
-
-fn prompt_a() -> Vec<u32> {
-    (1000..1048).collect()
-}
-
-fn prompt_b() -> Vec<u32> {
-    (1000..1032).chain(5000..5020).collect()
 }
 
 /// vLLM 0.33 frames (tagged maps, u64 and 32-byte hashes, LoRA, dp rank 3) with
@@ -459,96 +387,5 @@ async fn an_idle_engines_replay_buffer_reaches_the_router_at_connect() {
         }
         engine.stop();
     }
-    daemon.shutdown().await.unwrap();
-}
-
-/// Issue 16: no operator flag holds a number the engine publishes. The relay reads
-/// the block size and the KV capacity from the engine's metrics page before it
-/// registers; without a page it learns the block size from the first stored event
-/// (and registers only then); a page stating another block size than the router's is
-/// refused by the router, naming both values, and the engine's events of another size
-/// than the page's are refused by the relay.
-#[tokio::test]
-async fn the_block_size_and_capacity_come_from_the_engine() {
-    let cluster = TestCluster::start(BLOCK).await.unwrap();
-    let daemon = cluster.start_daemon(|_| {}).await.unwrap();
-    let frames = payloads("vllm_zmq_frames_topic_kv-events.json");
-    let a = compute_block_hashes(&prompt_a(), BLOCK);
-
-    // From the page, before any event.
-    let mut engine = FakeEngine::start("kv-events", ReplayFraming::WithTopic).await;
-    let relay = Relay::start(
-        relay_config(&cluster, &engine, &[]),
-        &prometheus::Registry::new(),
-    )
-    .await
-    .unwrap();
-    engine.wait_subscribed().await;
-    wait_registered(&daemon, WORKER, true).await;
-    let reg = registration(&daemon).unwrap();
-    assert_eq!((reg.block_size, reg.total_kv_blocks), (BLOCK, 1000));
-    assert_eq!(relay.facts().block_size, Some(BLOCK));
-    relay.shutdown().await.unwrap();
-    wait_registered(&daemon, WORKER, false).await;
-    engine.stop();
-
-    // Without a page: from the first stored event, and only then registered.
-    let mut engine = FakeEngine::start("kv-events", ReplayFraming::WithTopic).await;
-    let flags = engine.relay_flags_without_page();
-    let relay = Relay::start(
-        config_from(&cluster, flags, &[]),
-        &prometheus::Registry::new(),
-    )
-    .await
-    .unwrap();
-    engine.wait_subscribed().await;
-    wait_connect_replay(&relay, "empty").await;
-    assert_eq!(relay.facts().block_size, None);
-    assert!(
-        registration(&daemon).is_none(),
-        "no block size, no registration"
-    );
-    engine.publish(0, &frames[0]).await;
-    wait_registered(&daemon, WORKER, true).await;
-    let reg = registration(&daemon).unwrap();
-    assert_eq!((reg.block_size, reg.total_kv_blocks), (BLOCK, 0));
-    wait_overlap(&daemon, "prompt A indexed", &a, 0, 3).await;
-    relay.shutdown().await.unwrap();
-    wait_registered(&daemon, WORKER, false).await;
-    engine.stop();
-
-    // A page saying 32 tokens: the router (16) refuses the registration, and the
-    // relay refuses the engine's 16-token events.
-    let mut engine = FakeEngine::start("kv-events", ReplayFraming::WithTopic).await;
-    let (url, page) = serve_page(
-        "vllm:cache_config_info{block_size=\"32\",engine=\"0\",num_gpu_blocks=\"500\"} 1.0\n"
-            .to_owned(),
-    )
-    .await;
-    let flags = engine.relay_flags_without_page();
-    let relay = Relay::start(
-        config_from(&cluster, flags, &["--metrics-url", url.as_str()]),
-        &prometheus::Registry::new(),
-    )
-    .await
-    .unwrap();
-    engine.wait_subscribed().await;
-    let counters = &daemon.state().counters;
-    eventually("the 32-token registration rejected", WAIT, || async {
-        (counters.messages(MessageKind::Registration, Outcome::Rejected) == 1).then_some(())
-    })
-    .await
-    .unwrap();
-    assert_eq!(relay.facts().block_size, Some(32));
-    engine.publish(0, &frames[0]).await;
-    eventually("the 16-token event refused", WAIT, || async {
-        (relay.counters().events("stored", "bad_blocks") == 1).then_some(())
-    })
-    .await
-    .unwrap();
-    assert!(registration(&daemon).is_none());
-    relay.shutdown().await.unwrap();
-    page.abort();
-    engine.stop();
     daemon.shutdown().await.unwrap();
 }

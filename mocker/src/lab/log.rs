@@ -12,27 +12,8 @@
 
 use super::LabError;
 use super::config::{LabPolicy, Setting, SimConfig};
+pub use super::log_entry::LogEntry;
 use super::sim::{PreparedTrace, RunResult, run_sim};
-use kv_events::{KvCacheEvent, LocalBlockHash, WorkerId};
-
-/// One thing the index saw during a run, in simulated-time order.
-#[derive(Debug, Clone, PartialEq)]
-pub enum LogEntry {
-    /// A request arrived and its prompt was looked up (before the policy chose a
-    /// rank): the prompt's engine block hashes.
-    Route {
-        /// The prompt's block hashes, one per engine block.
-        block_hashes: Vec<LocalBlockHash>,
-    },
-    /// A worker's KV events reached the index (worker ids are 1-based, one dp rank 0
-    /// per worker); event ids count from 0 per worker.
-    Events {
-        /// The publishing worker.
-        worker_id: WorkerId,
-        /// Its events, in publication order.
-        events: Vec<KvCacheEvent>,
-    },
-}
 
 /// [`super::simulate`], also returning every route lookup and KV event delivery of
 /// the run, in the order the index saw them.

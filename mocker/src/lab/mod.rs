@@ -36,6 +36,7 @@ pub mod charts;
 pub mod config;
 pub mod inflight;
 pub mod log;
+mod log_entry;
 pub mod metrics;
 pub mod oracle;
 pub mod report;

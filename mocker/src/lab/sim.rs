@@ -23,7 +23,7 @@
 
 use super::LabError;
 use super::config::{LabPolicy, Setting, SimConfig, ms_to_ns};
-use super::log::LogEntry;
+use super::log_entry::LogEntry;
 use super::metrics::{RequestRecord, RunMetrics};
 use super::router::Router;
 use crate::engine::{EngineCore, EngineRequest, StepOutput};

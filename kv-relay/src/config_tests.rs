@@ -1,0 +1,145 @@
+//! Tests of the relay's flags and their validation (`config.rs`).
+
+use super::*;
+use kv_cluster::nats::{ClientCertificate, NatsAuth};
+
+fn config(args: &[&str]) -> Result<RelayConfig, Error> {
+    let base = ["kv-router", "--worker-name", "w"];
+    let cli =
+        kv_cluster::args::parse_flags::<RelayArgs, _, _>(base.iter().chain(args.iter()).copied())
+            .expect("flags parse");
+    RelayConfig::from_args(&cli)
+}
+
+#[test]
+fn the_engine_url_is_registered_for_the_gateway() {
+    let base = ["--engine-endpoint", "tcp://10.0.0.1:5557"];
+    let none = config(&base).unwrap();
+    assert_eq!(none.worker.url, None);
+    assert!(none.scrape.is_none(), "nothing to scrape");
+    let mut with = base.to_vec();
+    with.extend(["--engine-url", "http://10.0.0.1:8000/"]);
+    let c = config(&with).unwrap();
+    assert_eq!(c.worker.url.as_deref(), Some("http://10.0.0.1:8000"));
+    let s = c.scrape.expect("the engine's page is read by default");
+    assert_eq!(
+        (s.addr.as_str(), s.path.as_str()),
+        ("10.0.0.1:8000", "/metrics")
+    );
+    let mut bad = base.to_vec();
+    bad.extend(["--engine-url", "10.0.0.1:8000"]);
+    let err = config(&bad).err().unwrap().to_string();
+    assert!(err.contains("engine-url"), "{err}");
+}
+
+#[test]
+fn one_base_endpoint_is_offset_by_rank_like_vllm() {
+    let c = config(&[
+        "--engine-endpoint",
+        "tcp://10.0.0.1:5557",
+        "--replay-endpoint",
+        "tcp://10.0.0.1:5600",
+        "--dp-size",
+        "3",
+    ])
+    .unwrap();
+    let e = &c.engine.endpoints;
+    assert_eq!(e.len(), 3);
+    assert_eq!(e[2].publish, "tcp://10.0.0.1:5559");
+    assert_eq!(e[2].replay.as_deref(), Some("tcp://10.0.0.1:5602"));
+    assert_eq!(e[2].default_rank, DpRank(2));
+    assert_eq!(c.worker.dp_size, 3);
+    assert_eq!(c.engine.format, EngineFormat::Auto);
+}
+
+#[test]
+fn explicit_endpoints_and_shared_endpoint() {
+    let c = config(&["--engine-endpoint", "tcp://a:1,tcp://b:2"]).unwrap();
+    assert_eq!(c.worker.dp_size, 2);
+    assert_eq!(c.engine.endpoints[1].publish, "tcp://b:2");
+    assert_eq!(c.engine.endpoints[1].replay, None);
+    let c = config(&[
+        "--engine-endpoint",
+        "tcp://a:1",
+        "--shared-endpoint",
+        "--dp-size",
+        "4",
+    ])
+    .unwrap();
+    assert_eq!(c.engine.endpoints.len(), 1);
+    assert_eq!(c.engine.endpoints[0].default_rank, DpRank(0));
+    assert_eq!(c.worker.dp_size, 4);
+}
+
+#[test]
+fn scrape_url_splits_into_address_and_path() {
+    let c = config(&[
+        "--engine-endpoint",
+        "tcp://a:1",
+        "--metrics-url",
+        "http://127.0.0.1:8000/metrics",
+    ])
+    .unwrap();
+    let s = c.scrape.unwrap();
+    assert_eq!(
+        (s.addr.as_str(), s.path.as_str()),
+        ("127.0.0.1:8000", "/metrics")
+    );
+}
+
+#[test]
+fn nats_auth_tls_and_etcd_flags_are_serves() {
+    let with = |extra: &[&str]| config(&[&["--engine-endpoint", "tcp://a:1"], extra].concat());
+    let auth = |extra: &[&str]| with(extra).unwrap().nats.auth;
+    let creds = NatsAuth::CredentialsFile("r.creds".into());
+    assert_eq!(auth(&["--nats-creds", "r.creds"]), creds);
+    assert_eq!(auth(&["--nats-token", "t"]), NatsAuth::Token("t".into()));
+    let (user, password) = ("u".into(), "p".into());
+    let up = NatsAuth::UserPassword { user, password };
+    assert_eq!(auth(&["--nats-user", "u", "--nats-password", "p"]), up);
+    let tls = [
+        "--nats-tls-ca",
+        "ca",
+        "--nats-tls-cert",
+        "c",
+        "--nats-tls-key",
+        "k",
+    ];
+    let c = with(&[&tls[..], &["--etcd-connect-timeout-ms", "250"]].concat()).unwrap();
+    let cert = ClientCertificate {
+        cert: "c".into(),
+        key: "k".into(),
+    };
+    assert_eq!(c.nats.tls.client_cert, Some(cert));
+    assert_eq!(c.nats.tls.ca_file, Some("ca".into()));
+    assert_eq!(c.etcd.connect_timeout, Duration::from_millis(250));
+    let err = |extra: &[&str]| with(extra).unwrap_err().to_string();
+    assert!(err(&["--nats-tls-cert", "c.pem"]).contains("--nats-tls-key"));
+    assert!(err(&["--nats-user", "u"]).contains("--nats-password"));
+    assert!(err(&["--nats-token", "t", "--nats-creds", "c"]).contains("--nats-creds"));
+}
+
+#[test]
+fn bad_flags_name_themselves() {
+    let err = |args: &[&str]| config(args).unwrap_err().to_string();
+    assert!(err(&["--engine-endpoint", "ipc:///tmp/x"]).contains("--engine-endpoint"));
+    assert!(
+        err(&["--engine-endpoint", "tcp://a:1,tcp://b:2", "--dp-size", "3"])
+            .contains("--engine-endpoint")
+    );
+    assert!(err(&["--engine-endpoint", "tcp://a:65535", "--dp-size", "2"]).contains("65535"));
+    assert!(err(&["--engine-endpoint", "tcp://a:1", "--dp-size", "0"]).contains("--dp-size"));
+    assert!(
+        err(&[
+            "--engine-endpoint",
+            "tcp://a:1",
+            "--metrics-url",
+            "https://x"
+        ])
+        .contains("--metrics-url")
+    );
+    assert!(
+        err(&["--engine-endpoint", "tcp://a:1", "--lease-ttl-secs", "1"])
+            .contains("--lease-ttl-secs")
+    );
+}

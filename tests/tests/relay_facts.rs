@@ -1,0 +1,112 @@
+//! `kv-router relay` learns what the engine publishes (issue 16): the block size and
+//! KV capacity from its metrics page or its first stored event, against real
+//! nats-server and etcd and the router daemon in-process, beside the fake engine of
+//! `relay.rs`.
+
+// Test helpers unwrap: a broken fixture or socket must fail the test loudly.
+#![allow(clippy::unwrap_used)]
+
+#[path = "relay/engine.rs"]
+#[allow(dead_code)]
+mod engine;
+#[path = "relay/helpers.rs"]
+#[allow(dead_code)]
+mod helpers;
+
+use engine::{FakeEngine, ReplayFraming, payloads, serve_page};
+use helpers::*;
+use integration_tests::{TestCluster, eventually};
+use kv_events::compute_block_hashes;
+use kv_relay::Relay;
+use router_daemon::counters::{MessageKind, Outcome};
+
+/// Issue 16: no operator flag holds a number the engine publishes. The relay reads
+/// the block size and the KV capacity from the engine's metrics page before it
+/// registers; without a page it learns the block size from the first stored event
+/// (and registers only then); a page stating another block size than the router's is
+/// refused by the router, naming both values, and the engine's events of another size
+/// than the page's are refused by the relay.
+#[tokio::test]
+async fn the_block_size_and_capacity_come_from_the_engine() {
+    let cluster = TestCluster::start(BLOCK).await.unwrap();
+    let daemon = cluster.start_daemon(|_| {}).await.unwrap();
+    let frames = payloads("vllm_zmq_frames_topic_kv-events.json");
+    let a = compute_block_hashes(&prompt_a(), BLOCK);
+
+    // From the page, before any event.
+    let mut engine = FakeEngine::start("kv-events", ReplayFraming::WithTopic).await;
+    let relay = Relay::start(
+        relay_config(&cluster, &engine, &[]),
+        &prometheus::Registry::new(),
+    )
+    .await
+    .unwrap();
+    engine.wait_subscribed().await;
+    wait_registered(&daemon, WORKER, true).await;
+    let reg = registration(&daemon).unwrap();
+    assert_eq!((reg.block_size, reg.total_kv_blocks), (BLOCK, 1000));
+    assert_eq!(relay.facts().block_size, Some(BLOCK));
+    relay.shutdown().await.unwrap();
+    wait_registered(&daemon, WORKER, false).await;
+    engine.stop();
+
+    // Without a page: from the first stored event, and only then registered.
+    let mut engine = FakeEngine::start("kv-events", ReplayFraming::WithTopic).await;
+    let flags = engine.relay_flags_without_page();
+    let relay = Relay::start(
+        config_from(&cluster, flags, &[]),
+        &prometheus::Registry::new(),
+    )
+    .await
+    .unwrap();
+    engine.wait_subscribed().await;
+    wait_connect_replay(&relay, "empty").await;
+    assert_eq!(relay.facts().block_size, None);
+    assert!(
+        registration(&daemon).is_none(),
+        "no block size, no registration"
+    );
+    engine.publish(0, &frames[0]).await;
+    wait_registered(&daemon, WORKER, true).await;
+    let reg = registration(&daemon).unwrap();
+    assert_eq!((reg.block_size, reg.total_kv_blocks), (BLOCK, 0));
+    wait_overlap(&daemon, "prompt A indexed", &a, 0, 3).await;
+    relay.shutdown().await.unwrap();
+    wait_registered(&daemon, WORKER, false).await;
+    engine.stop();
+
+    // A page saying 32 tokens: the router (16) refuses the registration, and the
+    // relay refuses the engine's 16-token events.
+    let mut engine = FakeEngine::start("kv-events", ReplayFraming::WithTopic).await;
+    let (url, page) = serve_page(
+        "vllm:cache_config_info{block_size=\"32\",engine=\"0\",num_gpu_blocks=\"500\"} 1.0\n"
+            .to_owned(),
+    )
+    .await;
+    let flags = engine.relay_flags_without_page();
+    let relay = Relay::start(
+        config_from(&cluster, flags, &["--metrics-url", url.as_str()]),
+        &prometheus::Registry::new(),
+    )
+    .await
+    .unwrap();
+    engine.wait_subscribed().await;
+    let counters = &daemon.state().counters;
+    eventually("the 32-token registration rejected", WAIT, || async {
+        (counters.messages(MessageKind::Registration, Outcome::Rejected) == 1).then_some(())
+    })
+    .await
+    .unwrap();
+    assert_eq!(relay.facts().block_size, Some(32));
+    engine.publish(0, &frames[0]).await;
+    eventually("the 16-token event refused", WAIT, || async {
+        (relay.counters().events("stored", "bad_blocks") == 1).then_some(())
+    })
+    .await
+    .unwrap();
+    assert!(registration(&daemon).is_none());
+    relay.shutdown().await.unwrap();
+    page.abort();
+    engine.stop();
+    daemon.shutdown().await.unwrap();
+}
