@@ -91,7 +91,14 @@ impl Publisher {
                         warn!(%rank, dp_size = self.dp_size, seq, "engine batch for a rank outside --dp-size skipped");
                         continue;
                     }
-                    self.sync_block_size();
+                    // Until the translator has a block size, a size from the metrics
+                    // page reaches it before it translates, and one it learns from an
+                    // event reaches the facts (and the registration) after; once it
+                    // has one, nothing more is exchanged per batch.
+                    let unsized_before = self.translator.block_size().is_none();
+                    if unsized_before {
+                        self.take_page_block_size();
+                    }
                     let mut out = Vec::new();
                     for event in &batch.events {
                         match self.translator.apply(rank, event) {
@@ -116,7 +123,9 @@ impl Publisher {
                             }
                         }
                     }
-                    self.sync_block_size();
+                    if unsized_before {
+                        self.offer_event_block_size();
+                    }
                     self.publish(out).await;
                 }
                 SourceMsg::Reset { socket, reason } => {
@@ -145,13 +154,15 @@ impl Publisher {
         self.alive.send_replace(false);
     }
 
-    /// Brings the translator and the shared facts to one block size: a size from the
-    /// metrics page reaches the translator before it translates, and a size the
-    /// translator learned from an event reaches the facts (and the registration).
-    fn sync_block_size(&mut self) {
+    /// Gives the translator the block size the metrics page stated, if any.
+    fn take_page_block_size(&mut self) {
         if let Some(size) = self.facts.borrow().block_size {
             self.translator.learn_block_size(size);
         }
+    }
+
+    /// Offers the block size the translator learned from an event to the facts.
+    fn offer_event_block_size(&self) {
         if let Some(size) = self.translator.block_size() {
             let learned = self
                 .facts
