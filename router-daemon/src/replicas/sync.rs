@@ -12,11 +12,10 @@ use crate::metrics::SyncMetrics;
 use crate::metrics::counters::{Counters, MessageKind, Outcome};
 use anyhow::Context;
 use kv_cluster::nats::NatsConfig;
-use kv_events::limits::{Limits, check_bytes};
+use kv_events::limits::Limits;
 use kv_events::replicas::{SequenceSync, SequenceUpdate};
-use kv_events::{RouterId, Subjects, decode, encode};
+use kv_events::{Subjects, encode};
 use scheduler::{SchedulerError, SequenceEvent};
-use serde::Deserialize;
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc;
@@ -117,23 +116,6 @@ pub async fn publish(
     }
 }
 
-/// The sender of a [`SequenceSync`], read without the rest of the message.
-#[derive(Deserialize)]
-struct Sender {
-    router_id: RouterId,
-}
-
-/// Whether `payload` is one of this replica's own sync messages. The sync connection
-/// has no echo, so NATS does not hand them back; this guards against a peer that
-/// (wrongly) shares our router id. Reads only the sender (the request id and the
-/// booking's block hashes are skipped, not allocated), so an own message costs a
-/// scan of its bytes instead of a decode; anything that does not read as a sender
-/// goes the full way through [`admit`] and is refused there.
-fn is_own(payload: &[u8], limits: &Limits, own: RouterId) -> bool {
-    check_bytes(payload.len(), limits).is_ok()
-        && decode::<Sender>(payload).is_ok_and(|sender| sender.router_id == own)
-}
-
 /// Applies one sync payload received on `subject`.
 pub fn handle_sync(
     admission: &Admission,
@@ -143,10 +125,6 @@ pub fn handle_sync(
     payload: &[u8],
 ) {
     let replicas = &admission.replicas;
-    if is_own(payload, limits, replicas.router_id()) {
-        replicas.metrics().count("in", "own");
-        return;
-    }
     let msg: SequenceSync = match admit(counters, limits, MessageKind::Sequences, subject, payload)
     {
         Ok(m) => m,
@@ -155,6 +133,8 @@ pub fn handle_sync(
             return;
         }
     };
+    // The sync connection has no echo, so our own messages never come back; this
+    // guards against a peer that (wrongly) shares our router id.
     if msg.router_id == replicas.router_id() {
         replicas.metrics().count("in", "own");
         return;
