@@ -11,7 +11,9 @@
 //!
 //! Costs: a query is N lock acquisitions plus N tree walks on the calling thread,
 //! which append (rank, score) pairs to one vector, then one score map built at its
-//! final size (a map per shard and a merge cost as much as the walks); an
+//! final size (a map per shard and a merge cost as much as the walks). A query
+//! first reads the shards no writer holds (`try_read`), then waits for the others,
+//! so under an event flood it overlaps its walks with the writer's batch; an
 //! event batch holds one write lock for its application (microseconds for normal
 //! batches; a pruning pass or a large dump holds it for longer, up to ~100 ms at 10 M
 //! entries). A background task expires approximate-mode entries. The comparison with
@@ -28,7 +30,7 @@ use crate::stats::{IndexerReport, IndexerStats};
 use kv_events::recovery::{IndexSnapshot, RecoveryReply};
 use kv_events::{KvEventBatch, LocalBlockHash, WorkerId, WorkerRank};
 use std::future::Future;
-use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard, TryLockError};
 use std::time::Duration;
 use tokio::sync::{Notify, mpsc};
 use tokio_util::sync::CancellationToken;
@@ -69,6 +71,15 @@ impl Inner {
     // stopping routing would; the poisoned lock is recovered.
     fn read(&self, shard: usize) -> RwLockReadGuard<'_, OrderedIndex> {
         self.shards[shard].read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The read lock of `shard` if no writer holds it now.
+    fn try_read(&self, shard: usize) -> Option<RwLockReadGuard<'_, OrderedIndex>> {
+        match self.shards[shard].try_read() {
+            Ok(guard) => Some(guard),
+            Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(TryLockError::WouldBlock) => None,
+        }
     }
 
     fn write(&self, shard: usize) -> RwLockWriteGuard<'_, OrderedIndex> {
@@ -223,9 +234,18 @@ impl IndexerApi for InlineIndexer {
         async move {
             self.running()?;
             // Pairs from every shard first, then one map sized once: no per-shard map,
-            // no merge, no rehash.
+            // no merge, no rehash. Shards a writer holds now are read last, so the
+            // query walks the free ones while the writer finishes its batch instead of
+            // waiting for it first.
             let mut pairs = Vec::new();
+            let mut busy = Vec::new();
             for shard in 0..self.num_shards() {
+                match self.inner.try_read(shard) {
+                    Some(index) => index.collect_matches(&hashes, &mut pairs),
+                    None => busy.push(shard),
+                }
+            }
+            for shard in busy {
                 self.inner.read(shard).collect_matches(&hashes, &mut pairs);
             }
             Ok(OverlapScores::from_unique(pairs))

@@ -63,6 +63,7 @@ impl RadixTree {
         // holders: one contiguous piece of one run, so that a store over part of a
         // run splits it at most twice, not once per block.
         let mut pending: Option<Pending> = None;
+        state.warm(blocks.iter().map(|block| &block.block_hash));
         for (k, block) in blocks.iter().enumerate() {
             // One hash-map probe per block: the entry stays open while the arena
             // changes (the arena and the rank's other fields are separate borrows).
@@ -129,6 +130,7 @@ impl RadixTree {
             return outcome;
         };
         let mut dropped = Vec::new();
+        state.warm(block_hashes.iter());
         for hash in block_hashes {
             let Some(held) = state.blocks.remove(hash) else {
                 outcome.unknown_removed += 1;
