@@ -54,7 +54,7 @@ async fn main() -> Result<()> {
         Command::Quickstart(args) => mocker::quickstart::run(args).await,
         Command::Lab(args) => {
             // CPU-bound and multi-threaded on its own: keep it off the async workers.
-            tokio::task::spawn_blocking(move || mocker::lab::run_lab(args)).await??;
+            tokio::task::spawn_blocking(move || mocker::lab::run(args)).await??;
             Ok(())
         }
     }
