@@ -257,12 +257,14 @@ pub fn run_lab(args: LabArgs) -> Result<LabReport, LabError> {
     let mapping = BlockMapping::new(args.engine.block_size)?;
     let prepared = PreparedTrace::new(&trace, mapping);
     eprintln!(
-        "lab: {} requests of {name}, {} runs ({} settings x {} policies) on {} threads",
+        "lab: {} requests of {name}, {} runs ({} settings x {} policies) on {} threads; engines {}, worker speeds {}",
         prepared.len(),
         sweep.settings.len() * sweep.policies.len(),
         sweep.settings.len(),
         sweep.policies.len(),
-        sweep.jobs
+        sweep.jobs,
+        args.fleet.engine_preset.name(),
+        sweep.config.speeds.describe(),
     );
     let report = run_lab_with(&prepared, &name, &sweep, &progress_bar(sweep.runs().len()))?;
     println!("{}", report.render_table());
