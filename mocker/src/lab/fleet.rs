@@ -264,7 +264,12 @@ pub struct FleetArgs {
     pub engine_step_base_factor: Factor,
     /// Per-worker engine speed, comma-separated (> 0; 0.5 = every step takes twice
     /// as long): one value for every worker, or exactly one per worker.
-    #[arg(long, value_delimiter = ',', value_name = "SPEEDS", conflicts_with = "fleet")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_name = "SPEEDS",
+        conflicts_with = "fleet"
+    )]
     pub worker_speed: Vec<Factor>,
     /// A named fleet: `half-slow` runs the first half of the workers at speed 1 and
     /// the rest at 0.5.

@@ -37,7 +37,9 @@ fn defaults_are_the_router_constants_on_every_worker() {
     assert_eq!(args.timing(), TimingModel::H100_8B);
     assert_eq!(args.speeds(), WorkerSpeeds::Uniform);
     assert_eq!(
-        args.speeds().for_workers(3).expect("uniform fits any count"),
+        args.speeds()
+            .for_workers(3)
+            .expect("uniform fits any count"),
         vec![Factor::ONE; 3]
     );
 }
@@ -46,10 +48,14 @@ fn defaults_are_the_router_constants_on_every_worker() {
 fn worker_speed_list_parses_and_must_match_the_workers() {
     let args = parse(&["--worker-speed", "1,1,1,1,0.5,0.5,0.5,0.5"]).expect("valid list");
     let speeds = args.speeds();
-    let per_worker = speeds.for_workers(8).expect("eight speeds for eight workers");
+    let per_worker = speeds
+        .for_workers(8)
+        .expect("eight speeds for eight workers");
     assert_eq!(per_worker[3], f(1.0));
     assert_eq!(per_worker[4], f(0.5));
-    let err = speeds.for_workers(4).expect_err("eight speeds for four workers");
+    let err = speeds
+        .for_workers(4)
+        .expect_err("eight speeds for four workers");
     assert!(matches!(
         err,
         LabError::WorkerSpeedCount {
@@ -174,15 +180,30 @@ fn a_worker_at_half_speed_takes_twice_as_long_in_the_simulator() {
         other => panic!("round robin should use both workers, got {other:?}"),
     };
     // Whole-ns rounding per step: within a few ns of exactly 2x.
-    assert!((ttft(slow) - 2.0 * ttft(fast)).abs() <= 2.0, "{} {}", ttft(slow), ttft(fast));
-    assert!((e2e(slow) - 2.0 * e2e(fast)).abs() <= 8.0, "{} {}", e2e(slow), e2e(fast));
+    assert!(
+        (ttft(slow) - 2.0 * ttft(fast)).abs() <= 2.0,
+        "{} {}",
+        ttft(slow),
+        ttft(fast)
+    );
+    assert!(
+        (e2e(slow) - 2.0 * e2e(fast)).abs() <= 8.0,
+        "{} {}",
+        e2e(slow),
+        e2e(fast)
+    );
     // A list of the wrong length is refused before anything runs.
     let three = Setting {
         workers: 3,
         ..setting
     };
     assert!(matches!(
-        simulate(&trace, three, LabPolicy::Scheduler(PolicyKind::RoundRobin), &config),
+        simulate(
+            &trace,
+            three,
+            LabPolicy::Scheduler(PolicyKind::RoundRobin),
+            &config
+        ),
         Err(LabError::WorkerSpeedCount { .. })
     ));
 }

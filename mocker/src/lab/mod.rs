@@ -56,10 +56,10 @@ mod tests;
 pub use candidates::Candidate;
 pub use config::{LabPolicy, Setting, SimConfig, Speedup};
 pub use fleet::{EnginePreset, Factor, FleetArgs, FleetPreset, WorkerSpeeds};
-pub use robustness::{RobustnessArgs, RobustnessReport, run_robustness};
 pub use log::{LogEntry, simulate_logged};
 pub use oracle::{OracleBound, oracle_bound};
 pub use report::{LabReport, RunReport};
+pub use robustness::{RobustnessArgs, RobustnessReport, run_robustness};
 pub use sim::{PreparedTrace, RunResult, simulate};
 pub use sweep::{Sweep, run_sweep};
 

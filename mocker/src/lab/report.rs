@@ -160,15 +160,23 @@ impl LabReport {
     /// # Errors
     /// [`LabError::Write`] if the file cannot be written.
     pub fn write_json(&self, path: &Path) -> Result<(), LabError> {
-        let write_error = |source| LabError::Write {
-            path: path.to_owned(),
-            source,
-        };
-        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-            std::fs::create_dir_all(parent).map_err(write_error)?;
-        }
-        let json = serde_json::to_string_pretty(self)
-            .map_err(|err| write_error(std::io::Error::other(err)))?;
-        std::fs::write(path, json + "\n").map_err(write_error)
+        write_json(self, path)
     }
+}
+
+/// Writes `value` as pretty JSON to `path`, creating parent directories.
+///
+/// # Errors
+/// [`LabError::Write`] if the file cannot be written.
+pub(super) fn write_json<T: Serialize>(value: &T, path: &Path) -> Result<(), LabError> {
+    let write_error = |source| LabError::Write {
+        path: path.to_owned(),
+        source,
+    };
+    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).map_err(write_error)?;
+    }
+    let json = serde_json::to_string_pretty(value)
+        .map_err(|err| write_error(std::io::Error::other(err)))?;
+    std::fs::write(path, json + "\n").map_err(write_error)
 }

@@ -18,7 +18,7 @@
 use super::config::{DEFAULT_EVENT_LAG_MS, LabPolicy, Setting, SimConfig, Speedup};
 use super::fleet::{DYNAMO_POLYNOMIAL, Factor, ShapeFactors, WorkerSpeeds};
 use super::metrics::RunMetrics;
-use super::report::{RunReport, TraceInfo};
+use super::report::{RunReport, TraceInfo, write_json};
 use super::sim::PreparedTrace;
 use super::sweep::{run_parallel, timed_run};
 use super::{LabError, progress_bar};
@@ -312,19 +312,6 @@ fn plan(
         }
     }
     Ok(items)
-}
-
-fn write_json(report: &RobustnessReport, path: &std::path::Path) -> Result<(), LabError> {
-    let write_error = |source| LabError::Write {
-        path: path.to_owned(),
-        source,
-    };
-    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-        std::fs::create_dir_all(parent).map_err(write_error)?;
-    }
-    let json = serde_json::to_string_pretty(report)
-        .map_err(|err| write_error(std::io::Error::other(err)))?;
-    std::fs::write(path, json + "\n").map_err(write_error)
 }
 
 /// `(mean, p99)` TTFT of a run, in model ms.

@@ -22,7 +22,10 @@ fn default_cells_vary_one_constant_each() {
         .iter()
         .find(|c| c.name == "prefill x4")
         .expect("prefill x4 cell");
-    assert_eq!(prefill_x4.timing.prefill_ms_per_token, 4.0 * router.prefill_ms_per_token);
+    assert_eq!(
+        prefill_x4.timing.prefill_ms_per_token,
+        4.0 * router.prefill_ms_per_token
+    );
     assert_eq!(prefill_x4.timing.step_base_ms, router.step_base_ms);
     let base_quarter = cells
         .iter()
@@ -144,6 +147,16 @@ fn table_gives_ratios_to_the_baseline_and_the_gain_kept() {
     };
     let table = render(&report);
     // Matched: -20%, all of its own gain; prefill x4: -10%, half of it.
-    assert!(table.contains("| matched | 1000 / 1000 / 0.0% | 800 / 800 / 0.0% | -20% / -20% | 100% / 100% |"), "{table}");
-    assert!(table.contains("| prefill x4 | 2000 / 2000 / 0.0% | 1800 / 1800 / 0.0% | -10% / -10% | 50% / 50% |"), "{table}");
+    assert!(
+        table.contains(
+            "| matched | 1000 / 1000 / 0.0% | 800 / 800 / 0.0% | -20% / -20% | 100% / 100% |"
+        ),
+        "{table}"
+    );
+    assert!(
+        table.contains(
+            "| prefill x4 | 2000 / 2000 / 0.0% | 1800 / 1800 / 0.0% | -10% / -10% | 50% / 50% |"
+        ),
+        "{table}"
+    );
 }
