@@ -6,6 +6,7 @@
 
 use super::LabError;
 use super::candidates::Candidate;
+use super::fleet::WorkerSpeeds;
 use crate::engine::{EngineModelConfig, TimingModel};
 use kv_events::routing::PolicyKind;
 use serde::{Deserialize, Serialize};
@@ -66,12 +67,16 @@ pub struct Setting {
 }
 
 /// Knobs shared by every run of a sweep.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct SimConfig {
     /// The engine model of every rank (block size, cache size, batch limits).
     pub engine: EngineModelConfig,
-    /// Step durations.
+    /// The engines' step durations at speed 1 (the router keeps its own constants,
+    /// see [`ROUTER_TIMING`]).
     pub timing: TimingModel,
+    /// Each worker's engine speed: rank `i` runs `timing` at `speeds[i]`
+    /// (see [`super::fleet`]).
+    pub speeds: WorkerSpeeds,
     /// Delay between a step's end (when the live engine publishes its KV events) and
     /// the events reaching the router's index, in simulated ms; finite and ≥ 0.
     pub event_lag_ms: f64,
@@ -80,12 +85,13 @@ pub struct SimConfig {
 }
 
 impl Default for SimConfig {
-    /// Engine defaults (`EngineModelConfig::default`), `TimingModel::H100_8B`, an event
-    /// lag of [`DEFAULT_EVENT_LAG_MS`] and seed 42.
+    /// Engine defaults (`EngineModelConfig::default`), `TimingModel::H100_8B` on every
+    /// worker, an event lag of [`DEFAULT_EVENT_LAG_MS`] and seed 42.
     fn default() -> Self {
         Self {
             engine: EngineModelConfig::default(),
             timing: TimingModel::H100_8B,
+            speeds: WorkerSpeeds::Uniform,
             event_lag_ms: DEFAULT_EVENT_LAG_MS,
             seed: 42,
         }
@@ -96,14 +102,31 @@ impl Default for SimConfig {
 /// healthy cluster is a few ms.
 pub const DEFAULT_EVENT_LAG_MS: f64 = 5.0;
 
+/// The step-time constants the router assumes: the scheduler's `predicted-ttft`
+/// defaults (`StepTimeModel::default()`) and the lab prototypes' model. The engines
+/// may differ (`SimConfig::timing`, `SimConfig::speeds`); the router does not learn it.
+pub const ROUTER_TIMING: TimingModel = TimingModel::H100_8B;
+
 impl SimConfig {
-    /// Checks the engine model and the lag.
+    /// Checks the engine model, the timing and the lag.
     ///
     /// # Errors
-    /// [`LabError::Engine`] for a bad engine knob, [`LabError::EventLag`] for a
+    /// [`LabError::Engine`] for a bad engine knob, [`LabError::Timing`] for a timing
+    /// coefficient that is negative or not finite, [`LabError::EventLag`] for a
     /// negative or non-finite lag.
     pub fn validate(&self) -> Result<(), LabError> {
         self.engine.validate()?;
+        let t = &self.timing;
+        for value in [
+            t.step_base_ms,
+            t.prefill_ms_per_token,
+            t.decode_ms_per_seq,
+            t.kv_read_ms_per_token,
+        ] {
+            if !(value.is_finite() && value >= 0.0) {
+                return Err(LabError::Timing(value));
+            }
+        }
         if !(self.event_lag_ms.is_finite() && self.event_lag_ms >= 0.0) {
             return Err(LabError::EventLag(self.event_lag_ms));
         }
@@ -179,9 +202,12 @@ mod tests {
         assert!(ok.validate().is_ok());
         let lag = SimConfig {
             event_lag_ms: -1.0,
-            ..ok
+            ..ok.clone()
         };
         assert!(matches!(lag.validate(), Err(LabError::EventLag(_))));
+        let mut timing = ok.clone();
+        timing.timing.prefill_ms_per_token = f64::INFINITY;
+        assert!(matches!(timing.validate(), Err(LabError::Timing(_))));
         let mut engine = ok;
         engine.engine.block_size = 0;
         assert!(matches!(engine.validate(), Err(LabError::Engine(_))));

@@ -19,6 +19,9 @@
 //! # Layout
 //! - [`config`]: sweep points ([`Setting`], [`Speedup`]), shared knobs ([`SimConfig`]),
 //!   policies under test ([`LabPolicy`]).
+//! - [`fleet`]: engines that differ from the router's assumption (engine preset,
+//!   shape factors, per-worker speed).
+//! - [`robustness`]: `kv-mocker lab robustness`, the policies across engine shapes.
 //! - [`sim`]: the discrete-event simulator of one run.
 //! - `router`: index plus scheduler (or prototype) as the lab drives them.
 //! - [`candidates`]: prototype cost functions, for ideas not yet in the scheduler.
@@ -34,12 +37,14 @@ pub mod candidate_router;
 pub mod candidates;
 pub mod charts;
 pub mod config;
+pub mod fleet;
 pub mod inflight;
 pub mod log;
 mod log_entry;
 pub mod metrics;
 pub mod oracle;
 pub mod report;
+pub mod robustness;
 mod router;
 pub mod sim;
 pub mod sweep;
@@ -50,13 +55,15 @@ mod tests;
 
 pub use candidates::Candidate;
 pub use config::{LabPolicy, Setting, SimConfig, Speedup};
+pub use fleet::{EnginePreset, Factor, FleetArgs, FleetPreset, WorkerSpeeds};
 pub use log::{LogEntry, simulate_logged};
 pub use oracle::{OracleBound, oracle_bound};
 pub use report::{LabReport, RunReport};
+pub use robustness::{RobustnessArgs, RobustnessReport, run_robustness};
 pub use sim::{PreparedTrace, RunResult, simulate};
 pub use sweep::{Sweep, run_sweep};
 
-use crate::engine::{ConfigError, EngineModelConfig, TimingModel};
+use crate::engine::{ConfigError, EngineModelConfig};
 use crate::trace::{self, BUNDLED_EXCERPT_NAME, BlockMapping, BlockSizeMismatch, TraceError};
 use indicatif::{ProgressBar, ProgressStyle};
 use kv_events::WorkerRank;
@@ -89,6 +96,22 @@ pub enum LabError {
     /// A speed-up is not a finite number greater than 0.
     #[error("speed-up must be a finite number greater than 0, got {0}")]
     Speedup(f64),
+    /// A worker speed or timing factor is not a finite number greater than 0.
+    #[error("factor must be a finite number greater than 0, got {0}")]
+    Factor(f64),
+    /// A timing coefficient of the engines is negative or not finite.
+    #[error("engine timing coefficients must be finite and >= 0 ms, got {0}")]
+    Timing(f64),
+    /// `--worker-speed` lists another number of speeds than a setting has workers.
+    #[error(
+        "--worker-speed gives {given} speeds but a setting has {workers} workers (give one speed for all, or one per worker)"
+    )]
+    WorkerSpeedCount {
+        /// Speeds given.
+        given: usize,
+        /// Workers in the setting.
+        workers: u32,
+    },
     /// A setting has no workers, or no setting or policy was given.
     #[error("nothing to simulate: need at least one worker, setting and policy")]
     NoWorkers,
@@ -114,9 +137,14 @@ pub enum LabError {
     Chart(String),
 }
 
-/// `kv-mocker lab`: simulate a trace under every policy × workers × speed-up.
+/// `kv-mocker lab`: simulate a trace under every policy × workers × speed-up, or run
+/// one of the lab's other studies (`kv-mocker lab robustness`).
 #[derive(Debug, Clone, clap::Args)]
+#[command(args_conflicts_with_subcommands = true)]
 pub struct LabArgs {
+    /// Another study instead of the sweep.
+    #[command(subcommand)]
+    pub command: Option<LabCommand>,
     /// Mooncake JSONL trace; default: the bundled 2,000-request conversation excerpt.
     #[arg(long, value_name = "PATH")]
     pub trace: Option<PathBuf>,
@@ -147,6 +175,9 @@ pub struct LabArgs {
     /// The engine model of every rank.
     #[command(flatten)]
     pub engine: EngineModelConfig,
+    /// The simulated engines' timing and speeds (the router keeps its defaults).
+    #[command(flatten)]
+    pub fleet: FleetArgs,
     /// Threads to run simulations on; default: the machine's cores.
     #[arg(long)]
     pub jobs: Option<usize>,
@@ -156,6 +187,25 @@ pub struct LabArgs {
     /// Skip the PNG charts.
     #[arg(long)]
     pub no_charts: bool,
+}
+
+/// The lab's studies besides the main sweep.
+#[derive(Debug, Clone, clap::Subcommand)]
+pub enum LabCommand {
+    /// Compare `kv` and `predicted-ttft` on engines whose step-time shape differs
+    /// from the router's constants (issue 17's robustness table).
+    Robustness(RobustnessArgs),
+}
+
+/// Runs `kv-mocker lab`: the sweep ([`run_lab`]) or the study named by its subcommand.
+///
+/// # Errors
+/// The study's [`LabError`].
+pub fn run(mut args: LabArgs) -> Result<(), LabError> {
+    match args.command.take() {
+        Some(LabCommand::Robustness(study)) => run_robustness(study).map(drop),
+        None => run_lab(args).map(drop),
+    }
 }
 
 /// Runs `kv-mocker lab`: load and map the trace, run the sweep with a progress bar on
@@ -173,7 +223,8 @@ pub fn run_lab(args: LabArgs) -> Result<LabReport, LabError> {
     }
     let config = SimConfig {
         engine: args.engine,
-        timing: TimingModel::H100_8B,
+        timing: args.fleet.timing(),
+        speeds: args.fleet.speeds(),
         event_lag_ms: args.event_lag_ms,
         seed: args.seed,
     };
@@ -206,12 +257,14 @@ pub fn run_lab(args: LabArgs) -> Result<LabReport, LabError> {
     let mapping = BlockMapping::new(args.engine.block_size)?;
     let prepared = PreparedTrace::new(&trace, mapping);
     eprintln!(
-        "lab: {} requests of {name}, {} runs ({} settings x {} policies) on {} threads",
+        "lab: {} requests of {name}, {} runs ({} settings x {} policies) on {} threads; engines {}, worker speeds {}",
         prepared.len(),
         sweep.settings.len() * sweep.policies.len(),
         sweep.settings.len(),
         sweep.policies.len(),
-        sweep.jobs
+        sweep.jobs,
+        args.fleet.engine_preset.name(),
+        sweep.config.speeds.describe(),
     );
     let report = run_lab_with(&prepared, &name, &sweep, &progress_bar(sweep.runs().len()))?;
     println!("{}", report.render_table());
@@ -243,6 +296,9 @@ pub fn run_lab_with(
         || sweep.settings.iter().any(|s| s.workers == 0)
     {
         return Err(LabError::NoWorkers);
+    }
+    for setting in &sweep.settings {
+        sweep.config.speeds.for_workers(setting.workers)?;
     }
     let runs = run_sweep(prepared, sweep, progress)?;
     progress.finish_and_clear();

@@ -8,7 +8,7 @@
 //!   "config": { "block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens",
 //!               "timing": { "step_base_ms", "prefill_ms_per_token", "decode_ms_per_seq",
 //!                           "kv_read_ms_per_token" },
-//!               "event_lag_ms", "seed" },
+//!               "worker_speeds", "event_lag_ms", "seed" },
 //!   "oracle": { "hit_rate", "cached_tokens", "prompt_tokens" },
 //!   "runs": [ { "workers", "speedup", "policy",
 //!               "requests", "completed", "rejected", "hit_rate",
@@ -53,7 +53,7 @@ pub struct TimingInfo {
 }
 
 /// The simulated engine and router settings shared by every run.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ConfigInfo {
     /// Tokens per KV block.
     pub block_size: u32,
@@ -63,8 +63,11 @@ pub struct ConfigInfo {
     pub max_num_seqs: u32,
     /// Step token budget, in tokens.
     pub max_num_batched_tokens: u64,
-    /// Step-time model.
+    /// The engines' step-time model at speed 1 (the router keeps its defaults).
     pub timing: TimingInfo,
+    /// Per-worker engine speeds: `uniform`, `half-slow`, `all <speed>` or one speed
+    /// per worker, comma-separated.
+    pub worker_speeds: String,
     /// KV event lag, in model ms.
     pub event_lag_ms: f64,
     /// RNG seed.
@@ -84,6 +87,7 @@ impl From<&SimConfig> for ConfigInfo {
                 decode_ms_per_seq: c.timing.decode_ms_per_seq,
                 kv_read_ms_per_token: c.timing.kv_read_ms_per_token,
             },
+            worker_speeds: c.speeds.describe(),
             event_lag_ms: c.event_lag_ms,
             seed: c.seed,
         }
@@ -156,15 +160,23 @@ impl LabReport {
     /// # Errors
     /// [`LabError::Write`] if the file cannot be written.
     pub fn write_json(&self, path: &Path) -> Result<(), LabError> {
-        let write_error = |source| LabError::Write {
-            path: path.to_owned(),
-            source,
-        };
-        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-            std::fs::create_dir_all(parent).map_err(write_error)?;
-        }
-        let json = serde_json::to_string_pretty(self)
-            .map_err(|err| write_error(std::io::Error::other(err)))?;
-        std::fs::write(path, json + "\n").map_err(write_error)
+        write_json(self, path)
     }
+}
+
+/// Writes `value` as pretty JSON to `path`, creating parent directories.
+///
+/// # Errors
+/// [`LabError::Write`] if the file cannot be written.
+pub(super) fn write_json<T: Serialize>(value: &T, path: &Path) -> Result<(), LabError> {
+    let write_error = |source| LabError::Write {
+        path: path.to_owned(),
+        source,
+    };
+    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).map_err(write_error)?;
+    }
+    let json = serde_json::to_string_pretty(value)
+        .map_err(|err| write_error(std::io::Error::other(err)))?;
+    std::fs::write(path, json + "\n").map_err(write_error)
 }

@@ -9,7 +9,7 @@
 
 use super::LabError;
 use super::candidate_router::CandidateRouter;
-use super::config::{LabPolicy, SimConfig};
+use super::config::{LabPolicy, ROUTER_TIMING, SimConfig};
 use super::inflight::InFlight;
 use indexer::RadixTree;
 use kv_events::discovery::WorkerRegistration;
@@ -84,7 +84,7 @@ impl Router {
                     candidate,
                     ranks.len(),
                     config.engine,
-                    config.timing,
+                    ROUTER_TIMING,
                     config.seed,
                 )),
                 in_flight: candidate

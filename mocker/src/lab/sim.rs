@@ -23,6 +23,7 @@
 
 use super::LabError;
 use super::config::{LabPolicy, Setting, SimConfig, ms_to_ns};
+use super::fleet::at_speed;
 use super::log_entry::LogEntry;
 use super::metrics::{RequestRecord, RunMetrics};
 use super::router::Router;
@@ -185,10 +186,12 @@ struct Sim<'a> {
     log: Option<&'a mut Vec<LogEntry>>,
 }
 
-/// Simulates `trace` on `setting.workers` ranks under `policy`.
+/// Simulates `trace` on `setting.workers` ranks under `policy`; rank `i` runs the
+/// engines' timing at `config.speeds`' `i`-th speed.
 ///
 /// # Errors
-/// [`LabError`] if the configuration is invalid (engine model, event lag), the block
+/// [`LabError`] if the configuration is invalid (engine model, timing, event lag, a
+/// speed list that does not match the workers), the block
 /// size differs from the one the trace was prepared for, or the scheduler refuses its
 /// configuration. Individual requests never fail the run: refusals are recorded.
 pub fn simulate(
@@ -222,12 +225,14 @@ pub(super) fn run_sim(
     let ids: Vec<WorkerRank> = (1..=u64::from(setting.workers))
         .map(|w| WorkerRank::new(WorkerId(w), DpRank(0)))
         .collect();
+    let speeds = config.speeds.for_workers(setting.workers)?;
     let ranks = ids
         .iter()
-        .map(|&id| {
+        .zip(speeds)
+        .map(|(&id, speed)| {
             Ok(SimRank {
                 id,
-                core: EngineCore::new(config.engine, config.timing)?,
+                core: EngineCore::new(config.engine, at_speed(config.timing, speed))?,
                 stepping: false,
                 next_event_id: 0,
             })

@@ -50,33 +50,68 @@ pub fn run_sweep(
 ) -> Result<Vec<RunReport>, LabError> {
     sweep.config.validate()?;
     let runs = sweep.runs();
-    let slots: Vec<Mutex<Option<Result<RunReport, LabError>>>> =
-        runs.iter().map(|_| Mutex::new(None)).collect();
+    run_parallel(&runs, sweep.jobs, progress, |&(setting, policy)| {
+        progress.set_message(format!(
+            "{} workers, {}, {}",
+            setting.workers,
+            setting.speedup,
+            policy.name()
+        ));
+        timed_run(trace, setting, policy, &sweep.config)
+    })
+}
+
+/// One simulation, as a report entry with its wall time.
+///
+/// # Errors
+/// The run's [`LabError`].
+pub(super) fn timed_run(
+    trace: &PreparedTrace,
+    setting: Setting,
+    policy: LabPolicy,
+    config: &SimConfig,
+) -> Result<RunReport, LabError> {
+    let started = Instant::now();
+    simulate(trace, setting, policy, config).map(|run| RunReport {
+        setting,
+        policy: policy.name(),
+        metrics: run.metrics(setting.workers as usize),
+        steps: run.steps,
+        wall_ms: started.elapsed().as_secs_f64() * 1_000.0,
+    })
+}
+
+/// Runs `job` on every item, on `jobs` threads (at least 1) that take the next item
+/// from a shared counter, ticking `progress` once per finished item; results come
+/// back in item order whatever the thread timing.
+///
+/// # Errors
+/// The first item's error, in item order; [`LabError::Incomplete`] for an item whose
+/// job panicked.
+pub(super) fn run_parallel<I, O, F>(
+    items: &[I],
+    jobs: usize,
+    progress: &ProgressBar,
+    job: F,
+) -> Result<Vec<O>, LabError>
+where
+    I: Sync,
+    O: Send,
+    F: Fn(&I) -> Result<O, LabError> + Sync,
+{
+    let slots: Vec<Mutex<Option<Result<O, LabError>>>> =
+        items.iter().map(|_| Mutex::new(None)).collect();
     let next = AtomicUsize::new(0);
-    let jobs = sweep.jobs.clamp(1, runs.len().max(1));
+    let jobs = jobs.clamp(1, items.len().max(1));
     std::thread::scope(|scope| {
         for _ in 0..jobs {
             scope.spawn(|| {
                 loop {
                     let i = next.fetch_add(1, Ordering::Relaxed);
-                    let Some(&(setting, policy)) = runs.get(i) else {
+                    let Some(item) = items.get(i) else {
                         break;
                     };
-                    let started = Instant::now();
-                    let result =
-                        simulate(trace, setting, policy, &sweep.config).map(|run| RunReport {
-                            setting,
-                            policy: policy.name(),
-                            metrics: run.metrics(setting.workers as usize),
-                            steps: run.steps,
-                            wall_ms: started.elapsed().as_secs_f64() * 1_000.0,
-                        });
-                    progress.set_message(format!(
-                        "{} workers, {}, {}",
-                        setting.workers,
-                        setting.speedup,
-                        policy.name()
-                    ));
+                    let result = job(item);
                     progress.inc(1);
                     // A poisoned slot can only come from a panic in this very block;
                     // keep the value either way.

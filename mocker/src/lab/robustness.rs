@@ -1,0 +1,439 @@
+//! `kv-mocker lab robustness`: how the routing policies fare when the engines are not
+//! what the router assumes.
+//!
+//! Each *cell* simulates engines of another shape than the router's constants
+//! ([`super::config::ROUTER_TIMING`], which the router keeps): the prefill cost per
+//! token alone at 0.25×, 0.5×, 2× and 4×, the step base alone at the same factors, a
+//! half-fast/half-slow fleet, and Dynamo's mocker timing ([`super::fleet`]); plus the
+//! `matched` cell, where engines and router agree, as the reference. Each *row* is a
+//! router configuration ([`rows`]); `kv` comes first and is the baseline of the ratios.
+//! Every (cell, setting, row) is one full simulation of the trace.
+//!
+//! Why shapes and not a uniform scale: scaling every constant alike only changes the
+//! load (see [`super::fleet`]), which the main sweep's speed-ups already cover.
+//!
+//! What it costs: cells × settings × rows runs; with the defaults (11 cells, 8 workers
+//! at 1× and 4×, 2 rows) 44 runs, spread over `--jobs` threads like the main sweep.
+
+use super::config::{DEFAULT_EVENT_LAG_MS, LabPolicy, Setting, SimConfig, Speedup};
+use super::fleet::{DYNAMO_POLYNOMIAL, Factor, ShapeFactors, WorkerSpeeds};
+use super::metrics::RunMetrics;
+use super::report::{RunReport, TraceInfo, write_json};
+use super::sim::PreparedTrace;
+use super::sweep::{run_parallel, timed_run};
+use super::{LabError, progress_bar};
+use crate::engine::{EngineModelConfig, TimingModel};
+use crate::trace::{self, BUNDLED_EXCERPT_NAME, BlockMapping};
+use kv_events::routing::PolicyKind;
+use serde::Serialize;
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// The factors each single constant is scaled by, one cell per factor.
+pub const SHAPE_FACTORS: [f64; 4] = [0.25, 0.5, 2.0, 4.0];
+
+/// Name of the reference cell, where the engines use the router's constants.
+pub const MATCHED: &str = "matched";
+
+/// `kv-mocker lab robustness` flags.
+#[derive(Debug, Clone, clap::Args)]
+pub struct RobustnessArgs {
+    /// Mooncake JSONL trace; default: the bundled 2,000-request conversation excerpt.
+    #[arg(long, value_name = "PATH")]
+    pub trace: Option<PathBuf>,
+    /// Simulate only the first N requests of the trace.
+    #[arg(long)]
+    pub max_requests: Option<usize>,
+    /// Worker counts (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "8")]
+    pub workers: Vec<u32>,
+    /// Arrival speed-ups (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "1,4")]
+    pub speedup: Vec<Speedup>,
+    /// Delay between a step's end and its KV events reaching the index, in model ms.
+    #[arg(long, default_value_t = DEFAULT_EVENT_LAG_MS)]
+    pub event_lag_ms: f64,
+    /// Seed of every random choice.
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    /// The engine model of every rank (block size, cache, batch limits).
+    #[command(flatten)]
+    pub engine: EngineModelConfig,
+    /// Threads to run simulations on; default: the machine's cores.
+    #[arg(long)]
+    pub jobs: Option<usize>,
+    /// Directory for `robustness.json`.
+    #[arg(long, default_value = "target/lab-robustness")]
+    pub out: PathBuf,
+}
+
+/// One engine variant: what the simulated engines run, the router unchanged.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Cell {
+    /// Display name, e.g. `prefill x0.25`.
+    pub name: String,
+    /// The engines' timing at speed 1.
+    pub timing: TimingModel,
+    /// Per-worker speeds.
+    pub speeds: WorkerSpeeds,
+}
+
+impl Cell {
+    fn new(name: impl Into<String>, timing: TimingModel, speeds: WorkerSpeeds) -> Self {
+        Self {
+            name: name.into(),
+            timing,
+            speeds,
+        }
+    }
+
+    /// `base` with this cell's engines.
+    pub fn config(&self, base: &SimConfig) -> SimConfig {
+        SimConfig {
+            timing: self.timing,
+            speeds: self.speeds.clone(),
+            ..base.clone()
+        }
+    }
+}
+
+/// The default cells: `matched`, the prefill and step-base factors of
+/// [`SHAPE_FACTORS`], the half-slow fleet and the Dynamo preset.
+pub fn default_cells() -> Vec<Cell> {
+    let router = super::config::ROUTER_TIMING;
+    let mut cells = vec![Cell::new(MATCHED, router, WorkerSpeeds::Uniform)];
+    let shaped = |prefill: f64, step_base: f64| {
+        // The factors are positive literals; `Factor::new` cannot fail on them.
+        let factor = |v| Factor::new(v).unwrap_or(Factor::ONE);
+        ShapeFactors {
+            prefill: factor(prefill),
+            step_base: factor(step_base),
+        }
+        .apply(router)
+    };
+    for f in SHAPE_FACTORS {
+        cells.push(Cell::new(
+            format!("prefill x{f}"),
+            shaped(f, 1.0),
+            WorkerSpeeds::Uniform,
+        ));
+    }
+    for f in SHAPE_FACTORS {
+        cells.push(Cell::new(
+            format!("step base x{f}"),
+            shaped(1.0, f),
+            WorkerSpeeds::Uniform,
+        ));
+    }
+    cells.push(Cell::new("half-slow fleet", router, WorkerSpeeds::HalfSlow));
+    cells.push(Cell::new(
+        "dynamo-polynomial",
+        DYNAMO_POLYNOMIAL,
+        WorkerSpeeds::Uniform,
+    ));
+    cells
+}
+
+/// A router configuration compared in every cell.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Row {
+    /// Display name.
+    pub label: &'static str,
+    /// The policy, with its defaults (the router's constants).
+    pub policy: LabPolicy,
+}
+
+impl Row {
+    /// The run's configuration for this row in a cell. Rows that change the router
+    /// itself (issue 17's online calibration, once the lab has its switch) set it
+    /// here.
+    pub fn config(&self, cell: &SimConfig) -> SimConfig {
+        cell.clone()
+    }
+}
+
+/// The rows, baseline first: `kv` and `predicted-ttft` with the router's default
+/// constants. The third row of issue 17 — `predicted-ttft` with online calibration —
+/// belongs here once the lab can switch calibration on (see [`Row::config`]).
+pub fn rows() -> Vec<Row> {
+    vec![
+        Row {
+            label: "kv",
+            policy: LabPolicy::Scheduler(PolicyKind::Kv),
+        },
+        Row {
+            label: "predicted-ttft",
+            policy: LabPolicy::Scheduler(PolicyKind::PredictedTtft),
+        },
+    ]
+}
+
+/// One (cell, setting, row) run.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CellRun {
+    /// The cell's name.
+    pub cell: String,
+    /// The row's label.
+    pub row: String,
+    /// Setting, metrics, steps and wall time.
+    #[serde(flatten)]
+    pub run: RunReport,
+}
+
+/// Everything `kv-mocker lab robustness` measured (`robustness.json`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RobustnessReport {
+    /// The trace.
+    pub trace: TraceInfo,
+    /// The router's constants, which every cell keeps.
+    pub router_timing: super::report::TimingInfo,
+    /// Every run, cell by cell, then setting, then row.
+    pub runs: Vec<CellRun>,
+    /// Wall time of the whole sweep, in s.
+    pub wall_s: f64,
+}
+
+/// Runs `kv-mocker lab robustness`: every default cell × setting × row, prints the
+/// table and writes `robustness.json` into `--out`.
+///
+/// # Errors
+/// Trace, configuration, simulation and file errors ([`LabError`]).
+pub fn run_robustness(args: RobustnessArgs) -> Result<RobustnessReport, LabError> {
+    let started = Instant::now();
+    let (mut requests, name) = match &args.trace {
+        Some(path) => (trace::load_trace(path)?, path.display().to_string()),
+        None => (trace::bundled_excerpt()?, BUNDLED_EXCERPT_NAME.to_owned()),
+    };
+    if let Some(max) = args.max_requests {
+        requests.truncate(max);
+    }
+    let prepared = PreparedTrace::new(&requests, BlockMapping::new(args.engine.block_size)?);
+    let base = SimConfig {
+        engine: args.engine,
+        event_lag_ms: args.event_lag_ms,
+        seed: args.seed,
+        ..SimConfig::default()
+    };
+    let settings: Vec<Setting> = args
+        .workers
+        .iter()
+        .flat_map(|&workers| {
+            args.speedup
+                .iter()
+                .map(move |&speedup| Setting { workers, speedup })
+        })
+        .collect();
+    let jobs = args
+        .jobs
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let cells = default_cells();
+    let items = plan(&cells, &settings, &rows(), &base)?;
+    eprintln!(
+        "lab robustness: {} requests of {name}, {} runs ({} cells x {} settings x {} rows) on {jobs} threads",
+        prepared.len(),
+        items.len(),
+        cells.len(),
+        settings.len(),
+        rows().len(),
+    );
+    let progress = progress_bar(items.len());
+    let runs = run_parallel(&items, jobs, &progress, |item| {
+        progress.set_message(format!("{}, {}", item.cell, item.row));
+        timed_run(&prepared, item.setting, item.policy, &item.config).map(|run| CellRun {
+            cell: item.cell.clone(),
+            row: item.row.to_owned(),
+            run,
+        })
+    })?;
+    progress.finish_and_clear();
+    let t = super::config::ROUTER_TIMING;
+    let report = RobustnessReport {
+        trace: TraceInfo {
+            name,
+            requests: prepared.len() as u64,
+            span_ms: prepared.span_ms(),
+        },
+        router_timing: super::report::TimingInfo {
+            step_base_ms: t.step_base_ms,
+            prefill_ms_per_token: t.prefill_ms_per_token,
+            decode_ms_per_seq: t.decode_ms_per_seq,
+            kv_read_ms_per_token: t.kv_read_ms_per_token,
+        },
+        runs,
+        wall_s: started.elapsed().as_secs_f64(),
+    };
+    println!("{}", render(&report));
+    let path = args.out.join("robustness.json");
+    write_json(&report, &path)?;
+    eprintln!(
+        "report written to {}; {:.1} s",
+        path.display(),
+        report.wall_s
+    );
+    Ok(report)
+}
+
+/// One planned run.
+#[derive(Debug, Clone)]
+struct Item {
+    cell: String,
+    row: &'static str,
+    setting: Setting,
+    policy: LabPolicy,
+    config: SimConfig,
+}
+
+/// Every (cell, setting, row) with its validated configuration, in report order.
+fn plan(
+    cells: &[Cell],
+    settings: &[Setting],
+    rows: &[Row],
+    base: &SimConfig,
+) -> Result<Vec<Item>, LabError> {
+    if settings.is_empty() || settings.iter().any(|s| s.workers == 0) {
+        return Err(LabError::NoWorkers);
+    }
+    let mut items = Vec::new();
+    for cell in cells {
+        let cell_config = cell.config(base);
+        cell_config.validate()?;
+        for &setting in settings {
+            cell_config.speeds.for_workers(setting.workers)?;
+            for row in rows {
+                items.push(Item {
+                    cell: cell.name.clone(),
+                    row: row.label,
+                    setting,
+                    policy: row.policy,
+                    config: row.config(&cell_config),
+                });
+            }
+        }
+    }
+    Ok(items)
+}
+
+/// `(mean, p99)` TTFT of a run, in model ms.
+fn ttft(metrics: &RunMetrics) -> Option<(f64, f64)> {
+    metrics.ttft_ms.as_ref().map(|s| (s.mean, s.p99))
+}
+
+/// `new / base − 1` as a signed percentage.
+fn change(new: f64, base: f64) -> String {
+    if base > 0.0 {
+        format!("{:+.0}%", (new / base - 1.0) * 100.0)
+    } else {
+        "n/a".into()
+    }
+}
+
+/// The share of the matched cell's gain over the baseline that `ratio` keeps.
+fn kept(ratio: f64, matched_ratio: Option<f64>) -> String {
+    match matched_ratio {
+        Some(m) if m < 1.0 => format!("{:.0}%", (1.0 - ratio) / (1.0 - m) * 100.0),
+        _ => "n/a".into(),
+    }
+}
+
+/// The report as Markdown tables, one per setting: one line per cell; per row mean /
+/// p99 TTFT (model ms) and hit rate; per non-baseline row the change against the
+/// baseline row and the share of the `matched` cell's gain it keeps.
+pub fn render(report: &RobustnessReport) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "trace {}: {} requests over {} s; router constants: step base {} ms, prefill {} ms/token",
+        report.trace.name,
+        report.trace.requests,
+        report.trace.span_ms / 1_000,
+        report.router_timing.step_base_ms,
+        report.router_timing.prefill_ms_per_token,
+    );
+    let mut settings: Vec<Setting> = Vec::new();
+    let mut cells: Vec<&str> = Vec::new();
+    let mut labels: Vec<&str> = Vec::new();
+    for r in &report.runs {
+        if !settings.contains(&r.run.setting) {
+            settings.push(r.run.setting);
+        }
+        if !cells.contains(&r.cell.as_str()) {
+            cells.push(&r.cell);
+        }
+        if !labels.contains(&r.row.as_str()) {
+            labels.push(&r.row);
+        }
+    }
+    let Some((&baseline, others)) = labels.split_first() else {
+        return out;
+    };
+    let find = |cell: &str, setting: Setting, row: &str| {
+        report
+            .runs
+            .iter()
+            .find(|r| r.cell == cell && r.run.setting == setting && r.row == row)
+    };
+    for setting in settings {
+        let _ = writeln!(
+            out,
+            "\n{} workers, {} arrivals (TTFT mean / p99 in model ms, hit rate)\n",
+            setting.workers, setting.speedup
+        );
+        let mut header = String::from("| engines vs router |");
+        let mut rule = String::from("|---|");
+        for label in &labels {
+            let _ = write!(header, " {label} |");
+            rule.push_str("---|");
+        }
+        for label in others {
+            let _ = write!(
+                header,
+                " {label} vs {baseline}: mean / p99 | gain kept: mean / p99 |"
+            );
+            rule.push_str("---|---|");
+        }
+        let _ = writeln!(out, "{header}\n{rule}");
+        let ratios = |cell: &str, row: &str| {
+            let base = find(cell, setting, baseline).and_then(|r| ttft(&r.run.metrics))?;
+            let new = find(cell, setting, row).and_then(|r| ttft(&r.run.metrics))?;
+            Some((new.0 / base.0, new.1 / base.1))
+        };
+        for &cell in &cells {
+            let mut line = format!("| {cell} |");
+            for label in &labels {
+                let run = find(cell, setting, label);
+                match run.and_then(|r| Some((ttft(&r.run.metrics)?, r.run.metrics.hit_rate))) {
+                    Some(((mean, p99), hit)) => {
+                        let hit = hit.map_or("n/a".into(), |h| format!("{:.1}%", h * 100.0));
+                        let _ = write!(line, " {mean:.0} / {p99:.0} / {hit} |");
+                    }
+                    None => line.push_str(" n/a |"),
+                }
+            }
+            for label in others {
+                let base = find(cell, setting, baseline).and_then(|r| ttft(&r.run.metrics));
+                let new = find(cell, setting, label).and_then(|r| ttft(&r.run.metrics));
+                match (base, new, ratios(cell, label)) {
+                    (Some(b), Some(n), Some((rm, rp))) => {
+                        let matched = ratios(MATCHED, label);
+                        let _ = write!(
+                            line,
+                            " {} / {} | {} / {} |",
+                            change(n.0, b.0),
+                            change(n.1, b.1),
+                            kept(rm, matched.map(|m| m.0)),
+                            kept(rp, matched.map(|m| m.1)),
+                        );
+                    }
+                    _ => line.push_str(" n/a | n/a |"),
+                }
+            }
+            let _ = writeln!(out, "{line}");
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+#[path = "robustness_tests.rs"]
+mod tests;

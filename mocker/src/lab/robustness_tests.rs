@@ -1,0 +1,162 @@
+//! The robustness study's cells, plan, flags and table.
+
+use super::*;
+use crate::lab::LabArgs;
+use crate::lab::metrics::RequestRecord;
+use clap::Parser;
+
+#[derive(Debug, Parser)]
+struct Cli {
+    #[command(flatten)]
+    lab: LabArgs,
+}
+
+#[test]
+fn default_cells_vary_one_constant_each() {
+    let cells = default_cells();
+    let router = crate::lab::config::ROUTER_TIMING;
+    assert_eq!(cells.len(), 1 + 2 * SHAPE_FACTORS.len() + 2);
+    assert_eq!(cells[0].name, MATCHED);
+    assert_eq!(cells[0].timing, router);
+    let prefill_x4 = cells
+        .iter()
+        .find(|c| c.name == "prefill x4")
+        .expect("prefill x4 cell");
+    assert_eq!(
+        prefill_x4.timing.prefill_ms_per_token,
+        4.0 * router.prefill_ms_per_token
+    );
+    assert_eq!(prefill_x4.timing.step_base_ms, router.step_base_ms);
+    let base_quarter = cells
+        .iter()
+        .find(|c| c.name == "step base x0.25")
+        .expect("step base x0.25 cell");
+    assert_eq!(base_quarter.timing.step_base_ms, router.step_base_ms / 4.0);
+    assert_eq!(
+        base_quarter.timing.prefill_ms_per_token,
+        router.prefill_ms_per_token
+    );
+    assert!(cells.iter().any(|c| c.speeds == WorkerSpeeds::HalfSlow));
+    assert!(cells.iter().any(|c| c.timing == DYNAMO_POLYNOMIAL));
+}
+
+#[test]
+fn plan_covers_every_cell_setting_and_row_and_validates_first() {
+    let settings = [1.0, 4.0].map(|s| Setting {
+        workers: 8,
+        speedup: Speedup::new(s).expect("valid"),
+    });
+    let base = SimConfig::default();
+    let items = plan(&default_cells(), &settings, &rows(), &base).expect("valid plan");
+    assert_eq!(items.len(), default_cells().len() * 2 * rows().len());
+    assert_eq!(items[0].row, "kv");
+    // A per-worker list that does not fit the setting fails the plan, not a run.
+    let odd = [Cell::new(
+        "bad",
+        base.timing,
+        WorkerSpeeds::PerWorker(vec![Factor::ONE; 3]),
+    )];
+    assert!(matches!(
+        plan(&odd, &settings, &rows(), &base),
+        Err(LabError::WorkerSpeedCount { .. })
+    ));
+    assert!(matches!(
+        plan(&default_cells(), &[], &rows(), &base),
+        Err(LabError::NoWorkers)
+    ));
+}
+
+#[test]
+fn robustness_is_a_lab_subcommand_with_its_own_flags() {
+    let cli = Cli::try_parse_from([
+        "lab",
+        "robustness",
+        "--trace",
+        "t.jsonl",
+        "--speedup",
+        "1,4",
+        "--jobs",
+        "2",
+    ])
+    .expect("valid subcommand");
+    match cli.lab.command {
+        Some(crate::lab::LabCommand::Robustness(args)) => {
+            assert_eq!(args.trace, Some(PathBuf::from("t.jsonl")));
+            assert_eq!(args.workers, vec![8]);
+            assert_eq!(args.speedup.len(), 2);
+            assert_eq!(args.jobs, Some(2));
+        }
+        None => panic!("no subcommand parsed"),
+    }
+    // The plain sweep still parses, with its fleet flags.
+    let sweep = Cli::try_parse_from(["lab", "--fleet", "half-slow", "--workers", "8"])
+        .expect("plain sweep");
+    assert!(sweep.lab.command.is_none());
+    assert_eq!(sweep.lab.fleet.speeds(), WorkerSpeeds::HalfSlow);
+    assert!(Cli::try_parse_from(["lab", "robustness", "--speedup", "0"]).is_err());
+}
+
+fn run_with(cell: &str, row: &str, mean_ms: u64) -> CellRun {
+    let setting = Setting {
+        workers: 1,
+        speedup: Speedup::new(1.0).expect("valid"),
+    };
+    let record = RequestRecord {
+        arrival_ns: 0,
+        prompt_tokens: 100,
+        first_token_ns: Some(mean_ms * 1_000_000),
+        finish_ns: Some(mean_ms * 1_000_000),
+        output_tokens: 1,
+        worker: Some(0),
+        ..RequestRecord::default()
+    };
+    CellRun {
+        cell: cell.into(),
+        row: row.into(),
+        run: RunReport {
+            setting,
+            policy: row.into(),
+            metrics: RunMetrics::from_records(&[record], 1, 0),
+            steps: 1,
+            wall_ms: 1.0,
+        },
+    }
+}
+
+#[test]
+fn table_gives_ratios_to_the_baseline_and_the_gain_kept() {
+    let report = RobustnessReport {
+        trace: TraceInfo {
+            name: "t".into(),
+            requests: 1,
+            span_ms: 0,
+        },
+        router_timing: crate::lab::report::TimingInfo {
+            step_base_ms: 9.0,
+            prefill_ms_per_token: 0.06,
+            decode_ms_per_seq: 0.04,
+            kv_read_ms_per_token: 4e-5,
+        },
+        runs: vec![
+            run_with(MATCHED, "kv", 1_000),
+            run_with(MATCHED, "predicted-ttft", 800),
+            run_with("prefill x4", "kv", 2_000),
+            run_with("prefill x4", "predicted-ttft", 1_800),
+        ],
+        wall_s: 0.0,
+    };
+    let table = render(&report);
+    // Matched: -20%, all of its own gain; prefill x4: -10%, half of it.
+    assert!(
+        table.contains(
+            "| matched | 1000 / 1000 / 0.0% | 800 / 800 / 0.0% | -20% / -20% | 100% / 100% |"
+        ),
+        "{table}"
+    );
+    assert!(
+        table.contains(
+            "| prefill x4 | 2000 / 2000 / 0.0% | 1800 / 1800 / 0.0% | -10% / -10% | 50% / 50% |"
+        ),
+        "{table}"
+    );
+}
