@@ -58,39 +58,23 @@ impl CalibrationArgs {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn parse(args: &[&str]) -> CalibrationArgs {
-        kv_cluster::args::parse_flags::<CalibrationArgs, _, _>(
-            std::iter::once("kv-router").chain(args.iter().copied()),
-        )
-        .expect("flags parse")
-    }
+    use kv_cluster::args::parse_flags;
 
     #[test]
     fn defaults_match_the_scheduler_and_every_flag_reaches_its_field() {
-        assert_eq!(parse(&[]).to_config(), CalibrationConfig::default());
-        let config = parse(&[
-            "--calibration",
-            "true",
-            "--calibration-forgetting",
-            "0.98",
-            "--calibration-max-factor",
-            "5",
-            "--calibration-outlier-ratio",
-            "3",
-            "--calibration-warmup-samples",
-            "7",
-        ])
-        .to_config();
-        assert_eq!(
-            config,
-            CalibrationConfig {
-                enabled: true,
-                forgetting: 0.98,
-                max_factor: 5.0,
-                outlier_ratio: 3.0,
-                warmup_samples: 7,
-            }
-        );
+        let defaults = parse_flags::<CalibrationArgs, _, _>(["kv-router"]).expect("no flags");
+        assert_eq!(defaults.to_config(), CalibrationConfig::default());
+        let flags = "kv-router --calibration true --calibration-forgetting 0.98 \
+                     --calibration-max-factor 5 --calibration-outlier-ratio 3 \
+                     --calibration-warmup-samples 7";
+        let set = parse_flags::<CalibrationArgs, _, _>(flags.split_whitespace()).expect("flags");
+        let expected = CalibrationConfig {
+            enabled: true,
+            forgetting: 0.98,
+            max_factor: 5.0,
+            outlier_ratio: 3.0,
+            warmup_samples: 7,
+        };
+        assert_eq!(set.to_config(), expected);
     }
 }
