@@ -1,0 +1,506 @@
+//! Routing and request-lifecycle messages, spoken by frontends.
+//!
+//! A frontend sends a [`RouteRequest`] as a NATS request on `{ns}.router.route` and gets
+//! one [`RouteReply`]. Routing *books* the request on the chosen worker: the router
+//! counts its prefill tokens and decode blocks as that worker's load. The frontend then
+//! publishes [`LifecycleMessage`]s on `{ns}.router.lifecycle`: `prefill_done` when the
+//! first token arrives, `keep_alive` now and then for long requests, `freed` when the
+//! request ends (for any reason).
+//!
+//! Every field added after the first release is `#[serde(default)]`, so older
+//! frontends keep working; decoders ignore unknown keys, so newer frontends can talk
+//! to older routers (which then ignore the new fields).
+
+use crate::ids::{DpRank, LocalBlockHash, RequestId, WorkerId};
+use serde::{Deserialize, Serialize};
+
+mod prompt;
+
+/// The prompt of a request, as the router needs it.
+///
+/// On the wire: `{"type": "tokens", "token_ids": [...]}` or
+/// `{"type": "blocks", "block_hashes": [...], "num_tokens": n}`, keys in any order,
+/// unknown keys ignored. Decoded without buffering the map ([`prompt`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Prompt {
+    /// Raw token ids. The router hashes every full block with
+    /// [`crate::hashing::compute_block_hashes`] at the cluster's block size; a partial
+    /// last block is not hashed (it cannot be cached yet) but counts as prefill work.
+    Tokens {
+        /// Prompt token ids.
+        token_ids: Vec<u32>,
+    },
+    /// Ready-made local block hashes, for frontends that hash themselves and for trace
+    /// replay (Mooncake traces carry one hash id per 512-token block).
+    Blocks {
+        /// One hash per block, in prefix order; the last block may be partial.
+        block_hashes: Vec<LocalBlockHash>,
+        /// Prompt length in tokens.
+        num_tokens: u64,
+    },
+}
+
+/// Routing policy names, as selectable per daemon and overridable per request.
+///
+/// The formulas and their sources are documented on the scheduler's `PolicyConfig`
+/// variants and in `scheduler/README.md`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PolicyKind {
+    /// KV-cache-aware cost (NVIDIA Dynamo): weighted prefill blocks plus decode blocks.
+    Kv,
+    /// TensorRT-LLM's KV-cache-aware ADP router score: uncached tokens plus a
+    /// normalized-load penalty, with a fair-share cap per rank.
+    KvNormalized,
+    /// SGLang's cache-aware router: least loaded when load is imbalanced, else the
+    /// best prefix match if it is good enough, else least loaded.
+    CacheAwareThreshold,
+    /// Cycle through workers in order, ignoring cache and load.
+    RoundRobin,
+    /// Pick a worker uniformly at random.
+    Random,
+    /// The rank with the least booked load, ignoring cache.
+    LeastLoaded,
+    /// Lowest predicted time to first token (queued prefill, uncached tokens, decode
+    /// load, through a step-time model), with extra credit for prefix reuse.
+    PredictedTtft,
+}
+
+impl PolicyKind {
+    /// Every policy, in documentation order.
+    pub const ALL: [PolicyKind; 7] = [
+        PolicyKind::Kv,
+        PolicyKind::KvNormalized,
+        PolicyKind::CacheAwareThreshold,
+        PolicyKind::RoundRobin,
+        PolicyKind::Random,
+        PolicyKind::LeastLoaded,
+        PolicyKind::PredictedTtft,
+    ];
+
+    /// The wire / command-line name (`kv`, `kv-normalized`, `cache-aware-threshold`,
+    /// `round-robin`, `random`, `least-loaded`, `predicted-ttft`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PolicyKind::Kv => "kv",
+            PolicyKind::KvNormalized => "kv-normalized",
+            PolicyKind::CacheAwareThreshold => "cache-aware-threshold",
+            PolicyKind::RoundRobin => "round-robin",
+            PolicyKind::Random => "random",
+            PolicyKind::LeastLoaded => "least-loaded",
+            PolicyKind::PredictedTtft => "predicted-ttft",
+        }
+    }
+}
+
+impl std::fmt::Display for PolicyKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for PolicyKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        PolicyKind::ALL
+            .into_iter()
+            .find(|p| p.as_str() == s)
+            .ok_or_else(|| {
+                let names: Vec<&str> = PolicyKind::ALL.iter().map(|p| p.as_str()).collect();
+                format!(
+                    "unknown policy `{s}` (expected one of {})",
+                    names.join(", ")
+                )
+            })
+    }
+}
+
+/// Per-request overrides of the policy's cost knobs. Each field is optional; an absent
+/// field keeps the daemon's value. Naming a knob the resolved policy does not have
+/// (e.g. `temperature` under `round-robin`) is a `bad_request`, as is a value that is
+/// negative or not finite.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct CostOverrides {
+    /// `kv`: weight of prefill blocks against decode blocks (dimensionless).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefill_load_scale: Option<f64>,
+    /// `kv`: how much one cached (overlap) block reduces the prefill term, in blocks.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub overlap_credit: Option<f64>,
+    /// `kv-normalized`: β, the weight of the normalized-load term.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub load_balance_weight: Option<f64>,
+    /// `kv`, `kv-normalized`: softmax temperature over normalized costs; 0 = argmin.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub temperature: Option<f64>,
+}
+
+impl CostOverrides {
+    /// Whether no knob is overridden.
+    pub fn is_empty(&self) -> bool {
+        *self == Self::default()
+    }
+}
+
+/// A routing query: which (worker, dp_rank) should serve this prompt?
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RouteRequest {
+    /// Frontend-chosen id; lifecycle messages refer to it.
+    pub request_id: RequestId,
+    /// The prompt.
+    pub prompt: Prompt,
+    /// Use this policy instead of the daemon's default (A/B comparisons, replay).
+    #[serde(default)]
+    pub policy: Option<PolicyKind>,
+    /// Only consider this data-parallel rank (on any worker). If no registered worker
+    /// has it, the reply is `rank_unavailable`; the router never falls back to
+    /// another rank.
+    #[serde(default)]
+    pub dp_rank: Option<DpRank>,
+    /// Per-request cost knob overrides.
+    #[serde(default, skip_serializing_if = "CostOverrides::is_empty")]
+    pub overrides: CostOverrides,
+    /// Queue priority hint when every worker is busy: higher leaves the wait queue
+    /// first; equal priorities are first come, first served. Default 0.
+    #[serde(default)]
+    pub priority: i32,
+    /// Workers this request must not be routed to: a frontend retrying after the
+    /// chosen engine failed (connection refused, error before the first byte) names
+    /// the workers it already tried. At most [`MAX_EXCLUDED_WORKERS`]; more is a
+    /// `bad_request`. When every registered worker is excluded the reply is
+    /// `no_workers`. Empty (and absent on the wire) by default.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub exclude_workers: Vec<WorkerId>,
+}
+
+/// The most workers one [`RouteRequest`] may exclude: far above any sane retry count,
+/// and small enough that checking candidates against the list stays cheap.
+pub const MAX_EXCLUDED_WORKERS: usize = 64;
+
+impl RouteRequest {
+    /// A request with the daemon's policy, no pinned rank, no overrides, priority 0.
+    pub fn new(request_id: impl Into<RequestId>, prompt: Prompt) -> Self {
+        Self {
+            request_id: request_id.into(),
+            prompt,
+            policy: None,
+            dp_rank: None,
+            overrides: CostOverrides::default(),
+            priority: 0,
+            exclude_workers: Vec::new(),
+        }
+    }
+}
+
+/// The router's choice for one request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RouteDecision {
+    /// Echo of the request id.
+    pub request_id: RequestId,
+    /// The chosen worker.
+    pub worker_id: WorkerId,
+    /// The chosen data-parallel rank on that worker.
+    pub dp_rank: DpRank,
+    /// Leading prompt blocks already cached on the chosen rank (prefix match), in blocks.
+    pub overlap_blocks: u32,
+    /// Prompt length in blocks (a partial last block counts as one).
+    pub request_blocks: u32,
+    /// The policy that made the decision.
+    pub policy: PolicyKind,
+}
+
+/// Why a route request failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RouteErrorCode {
+    /// The request could not be decoded or is invalid (e.g. an empty prompt, a bad
+    /// override, a duplicate request id).
+    BadRequest,
+    /// No worker is registered.
+    NoWorkers,
+    /// Every eligible worker is busy and the wait queue is full, or the request
+    /// waited in the queue longer than the router's limit.
+    Overloaded,
+    /// The request pinned a `dp_rank` that no registered worker has.
+    RankUnavailable,
+    /// The router failed internally (e.g. shutting down).
+    Internal,
+}
+
+/// A failed routing query.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RouteError {
+    /// Machine-readable reason.
+    pub code: RouteErrorCode,
+    /// Human-readable detail, lowercase.
+    pub message: String,
+}
+
+/// The reply to a [`RouteRequest`]: `{"status": "routed", ...decision}` or
+/// `{"status": "error", "code": ..., "message": ...}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "status", rename_all = "snake_case")]
+pub enum RouteReply {
+    /// The request was routed and booked.
+    Routed(RouteDecision),
+    /// The request was not routed.
+    Error(RouteError),
+}
+
+/// In which order the router places the requests of a batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum BatchOrder {
+    /// In the given order (first come, first served).
+    AsGiven,
+    /// Requests pinned to a dp_rank first, then grouped by their first block hash
+    /// (requests of one conversation or shared system prompt together), longer
+    /// prompts first within a group — TensorRT-LLM's ADP router order, so requests
+    /// sharing a prefix see each other's bookings. The default.
+    #[default]
+    GroupByPrefix,
+}
+
+/// Several routing queries answered together, on `{ns}.router.route_batch`: each
+/// request is placed seeing the bookings of the ones placed before it (and
+/// `kv-normalized` sizes its fair share with the requests still to place), in one
+/// round trip — for a frontend that receives a batch (parallel sampling with `n > 1`,
+/// an offline batch API). A batch never waits in the router's queue: entries that find
+/// every eligible rank busy, or arrive while other requests wait, are `overloaded`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RouteBatchRequest {
+    /// The requests, at least one; the daemon caps the count (`--max-route-batch`).
+    pub requests: Vec<RouteRequest>,
+    /// Placement order. Default `group-by-prefix`.
+    #[serde(default)]
+    pub order: BatchOrder,
+}
+
+/// The reply to a [`RouteBatchRequest`]: `{"status": "answered", "replies": [...]}`
+/// with one [`RouteReply`] per request in input order (each routed or failed on its
+/// own), or `{"status": "error", "code": ..., "message": ...}` when the batch as a
+/// whole is refused (malformed, empty, too large, shutting down).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "status", rename_all = "snake_case")]
+pub enum RouteBatchReply {
+    /// Every request got its own reply.
+    Answered {
+        /// One reply per request, in input order.
+        replies: Vec<RouteReply>,
+    },
+    /// The batch was refused as a whole; nothing was booked.
+    Error(RouteError),
+}
+
+/// A step in a routed request's life. Every one of them refreshes the request's
+/// time-to-live in the router.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LifecycleEvent {
+    /// The first output token was produced: prefill is over, the request now decodes.
+    PrefillDone,
+    /// The request is still running. Frontends send it for requests that may outlive
+    /// the router's request TTL, so they are not expired by accident.
+    KeepAlive,
+    /// The request finished or was aborted; its load is released.
+    Freed,
+}
+
+/// A lifecycle update for a previously routed request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LifecycleMessage {
+    /// The id given in the [`RouteRequest`].
+    pub request_id: RequestId,
+    /// What happened.
+    pub event: LifecycleEvent,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::codec::{decode, encode};
+
+    #[test]
+    fn route_messages_round_trip() {
+        let req = RouteRequest {
+            policy: Some(PolicyKind::KvNormalized),
+            dp_rank: Some(DpRank(3)),
+            overrides: CostOverrides {
+                temperature: Some(0.5),
+                ..CostOverrides::default()
+            },
+            priority: -2,
+            exclude_workers: vec![WorkerId(4), WorkerId(9)],
+            ..RouteRequest::new(
+                "r1",
+                Prompt::Blocks {
+                    block_hashes: vec![LocalBlockHash(1)],
+                    num_tokens: 700,
+                },
+            )
+        };
+        assert_eq!(decode::<RouteRequest>(&encode(&req).unwrap()).unwrap(), req);
+
+        let ok = RouteReply::Routed(RouteDecision {
+            request_id: "r1".into(),
+            worker_id: WorkerId(2),
+            dp_rank: DpRank(0),
+            overlap_blocks: 1,
+            request_blocks: 2,
+            policy: PolicyKind::Kv,
+        });
+        assert_eq!(decode::<RouteReply>(&encode(&ok).unwrap()).unwrap(), ok);
+
+        for code in [
+            RouteErrorCode::NoWorkers,
+            RouteErrorCode::RankUnavailable,
+            RouteErrorCode::Overloaded,
+        ] {
+            let err = RouteReply::Error(RouteError {
+                code,
+                message: "no workers registered".into(),
+            });
+            assert_eq!(decode::<RouteReply>(&encode(&err).unwrap()).unwrap(), err);
+        }
+
+        for event in [
+            LifecycleEvent::PrefillDone,
+            LifecycleEvent::KeepAlive,
+            LifecycleEvent::Freed,
+        ] {
+            let life = LifecycleMessage {
+                request_id: "r1".into(),
+                event,
+            };
+            assert_eq!(
+                decode::<LifecycleMessage>(&encode(&life).unwrap()).unwrap(),
+                life
+            );
+        }
+    }
+
+    #[test]
+    fn wire_names_are_stable() {
+        let code: String = decode(&encode(&RouteErrorCode::RankUnavailable).unwrap()).unwrap();
+        assert_eq!(code, "rank_unavailable");
+        let event: String = decode(&encode(&LifecycleEvent::KeepAlive).unwrap()).unwrap();
+        assert_eq!(event, "keep_alive");
+    }
+
+    #[test]
+    fn policy_names_parse_and_print() {
+        for p in PolicyKind::ALL {
+            assert_eq!(p.as_str().parse::<PolicyKind>().unwrap(), p);
+            let wire: String = decode(&encode(&p).unwrap()).unwrap();
+            assert_eq!(wire, p.as_str());
+        }
+        let err = "fastest".parse::<PolicyKind>().unwrap_err();
+        assert!(err.contains("cache-aware-threshold"), "{err}");
+    }
+
+    #[test]
+    fn request_without_new_fields_decodes_with_defaults() {
+        #[derive(Serialize)]
+        struct Minimal {
+            request_id: &'static str,
+            prompt: Prompt,
+        }
+        let bytes = encode(&Minimal {
+            request_id: "x",
+            prompt: Prompt::Tokens {
+                token_ids: vec![1, 2],
+            },
+        })
+        .unwrap();
+        let req: RouteRequest = decode(&bytes).unwrap();
+        assert_eq!(
+            req,
+            RouteRequest::new(
+                "x",
+                Prompt::Tokens {
+                    token_ids: vec![1, 2]
+                }
+            )
+        );
+        // Without exclusions the key is not sent: older routers see the message they
+        // know.
+        let map: serde_json::Value = rmp_serde::from_slice(&encode(&req).unwrap()).unwrap();
+        assert!(map.get("exclude_workers").is_none(), "{map}");
+    }
+
+    #[test]
+    fn overrides_are_partial_and_omitted_when_empty() {
+        #[derive(Serialize)]
+        struct Partial {
+            request_id: &'static str,
+            prompt: Prompt,
+            overrides: std::collections::BTreeMap<&'static str, f64>,
+        }
+        let bytes = encode(&Partial {
+            request_id: "x",
+            prompt: Prompt::Tokens { token_ids: vec![1] },
+            overrides: [("overlap_credit", 0.5)].into_iter().collect(),
+        })
+        .unwrap();
+        let req: RouteRequest = decode(&bytes).unwrap();
+        assert_eq!(req.overrides.overlap_credit, Some(0.5));
+        assert_eq!(req.overrides.temperature, None);
+
+        // An empty override set is not written at all.
+        let plain = RouteRequest::new("y", Prompt::Tokens { token_ids: vec![1] });
+        let map: std::collections::BTreeMap<String, serde::de::IgnoredAny> =
+            decode(&encode(&plain).unwrap()).unwrap();
+        assert!(!map.contains_key("overrides"));
+    }
+
+    #[test]
+    fn batch_messages_round_trip_and_default_to_group_by_prefix() {
+        let batch = RouteBatchRequest {
+            requests: vec![
+                RouteRequest::new("a", Prompt::Tokens { token_ids: vec![1] }),
+                RouteRequest::new("b", Prompt::Tokens { token_ids: vec![2] }),
+            ],
+            order: BatchOrder::AsGiven,
+        };
+        let back: RouteBatchRequest = decode(&encode(&batch).unwrap()).unwrap();
+        assert_eq!(back, batch);
+        let order: String = decode(&encode(&BatchOrder::GroupByPrefix).unwrap()).unwrap();
+        assert_eq!(order, "group-by-prefix");
+
+        #[derive(Serialize)]
+        struct NoOrder {
+            requests: Vec<RouteRequest>,
+        }
+        let bytes = encode(&NoOrder {
+            requests: batch.requests.clone(),
+        })
+        .unwrap();
+        let back: RouteBatchRequest = decode(&bytes).unwrap();
+        assert_eq!(back.order, BatchOrder::GroupByPrefix);
+
+        let answered = RouteBatchReply::Answered {
+            replies: vec![RouteReply::Error(RouteError {
+                code: RouteErrorCode::Overloaded,
+                message: "busy".into(),
+            })],
+        };
+        assert_eq!(
+            decode::<RouteBatchReply>(&encode(&answered).unwrap()).unwrap(),
+            answered
+        );
+        let refused = RouteBatchReply::Error(RouteError {
+            code: RouteErrorCode::BadRequest,
+            message: "empty batch".into(),
+        });
+        let map: std::collections::BTreeMap<String, serde::de::IgnoredAny> =
+            decode(&encode(&refused).unwrap()).unwrap();
+        assert!(map.contains_key("status") && map.contains_key("code"));
+        assert_eq!(
+            decode::<RouteBatchReply>(&encode(&refused).unwrap()).unwrap(),
+            refused
+        );
+    }
+}
