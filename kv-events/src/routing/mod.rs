@@ -14,11 +14,14 @@
 use crate::ids::{DpRank, LocalBlockHash, RequestId, WorkerId};
 use serde::{Deserialize, Serialize};
 
+mod prompt;
+
 /// The prompt of a request, as the router needs it.
 ///
 /// On the wire: `{"type": "tokens", "token_ids": [...]}` or
-/// `{"type": "blocks", "block_hashes": [...], "num_tokens": n}`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// `{"type": "blocks", "block_hashes": [...], "num_tokens": n}`, keys in any order,
+/// unknown keys ignored. Decoded without buffering the map ([`prompt`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Prompt {
     /// Raw token ids. The router hashes every full block with
