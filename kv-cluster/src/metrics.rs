@@ -17,8 +17,8 @@
 
 use prometheus::core::{Collector, Desc};
 use prometheus::{
-    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry,
+    GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry,
 };
 use std::cell::RefCell;
 
@@ -76,6 +76,16 @@ impl<'a> Registrar<'a> {
         labels: &[&str],
     ) -> Result<IntGaugeVec, prometheus::Error> {
         self.add(IntGaugeVec::new(Opts::new(name, help), labels)?)
+    }
+
+    /// Floating-point gauges (ratios, estimates), one per value of `labels`.
+    pub fn float_gauge_vec(
+        &self,
+        name: &str,
+        help: &str,
+        labels: &[&str],
+    ) -> Result<GaugeVec, prometheus::Error> {
+        self.add(GaugeVec::new(Opts::new(name, help), labels)?)
     }
 
     /// A histogram with the given bucket bounds.

@@ -8,7 +8,7 @@
 //! | routing | `{ns}.router.route` | request-reply, queue group `{ns}-router` |
 //! | batch routing | `{ns}.router.route_batch` | request-reply, queue group `{ns}-router`, [`crate::routing::RouteBatchRequest`] |
 //! | lifecycle | `{ns}.router.lifecycle` | publish, [`crate::routing::LifecycleMessage`] |
-//! | replica sync | `{ns}.router.sequences` | publish, [`crate::replicas::SequenceSync`] |
+//! | replica sync | `{ns}.router.sequences` | publish, [`crate::replicas::SequenceSyncBatch`] |
 //! | replica snapshot | `{ns}.router.sequences.snapshot` | request to every replica, chunked replies, [`crate::replicas::SnapshotRequest`] → [`crate::replicas::SnapshotReply`]s |
 //! | engine requests | `{ns}.engine.{worker_id}.{op}` | request-reply (mock engine) |
 //! | discovery | `kv-router/{ns}/workers/{worker_id}` | etcd key with a lease |

@@ -11,8 +11,9 @@
 //!  load frees ──► release_waiters ──► Scheduler::schedule_batch (queue order) ──► reply
 //!   (lifecycle, peer sync, expiry, worker added/removed, engine metrics)
 //!
-//!  expiry task: sleep until the earliest request deadline (woken early by new
-//!  bookings) ──► Scheduler::expire ──► sync "freed" for own ──► release_waiters
+//!  expiry task: sleep until the earliest request deadline (woken early by a booking
+//!  with an earlier one, `crate::expiry`) ──► Scheduler::expire ──► sync "freed" for
+//!  own ──► release_waiters
 //! ```
 //!
 //! A batch route ([`Admission::admit_batch`]) books every entry it can at once, in one
@@ -30,6 +31,7 @@
 //! that reads or changes booked load (lifecycle, replica sync, discovery, metrics)
 //! takes the lock through [`Admission::scheduler`].
 
+use crate::expiry::ExpiryWake;
 use crate::metrics::{AdmissionMetrics, QueueMetrics};
 use crate::queue::{QueueConfig, QueueError, WaitQueue};
 use crate::replicas::{ReplicaConfig, Replicas};
@@ -41,7 +43,6 @@ use scheduler::{BatchOrder, ScheduleRequest, Scheduler, SchedulerError, Selectio
 use serde::{Deserialize, Serialize};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
-use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info};
 
@@ -82,8 +83,9 @@ pub struct Admission {
     pub queue: WaitQueue,
     /// Sequence sync with peer replicas.
     pub replicas: Replicas,
-    /// Wakes the expiry task when a booking arrives (its deadline may be the first).
-    pub expiry: Notify,
+    /// Wakes the expiry task when a booking's deadline comes before the one it sleeps
+    /// until.
+    pub expiry: ExpiryWake,
     /// `kv_router_requests_expired_total`: bookings dropped because no lifecycle
     /// message arrived within the request TTL.
     pub expired: IntCounter,
@@ -102,7 +104,7 @@ impl Admission {
             scheduler: Mutex::new(scheduler),
             queue: WaitQueue::new(config.queue, queue_metrics, metrics.outcomes),
             replicas: Replicas::new(config.replicas, metrics.sync),
-            expiry: Notify::new(),
+            expiry: ExpiryWake::default(),
             expired: metrics.expired,
         }
     }
@@ -135,9 +137,9 @@ impl Admission {
                 match scheduler.schedule(&request, &overlaps, now) {
                     Ok(selection) => {
                         self.replicas.booked(&request, &selection);
+                        self.expiry.booked(&scheduler);
                         drop(scheduler);
                         drop(queue);
-                        self.expiry.notify_one();
                         return Ok(selection);
                     }
                     Err(SchedulerError::AllBusy) => self
@@ -159,7 +161,7 @@ impl Admission {
                     self.replicas.booked(r, s);
                 });
                 if released.routed > 0 {
-                    self.expiry.notify_one();
+                    self.expiry.booked(&scheduler);
                 }
                 ticket
             }
@@ -211,12 +213,12 @@ impl Admission {
                     self.replicas.booked(request, selection);
                 }
             }
+            if results.iter().any(Result::is_ok) {
+                self.expiry.booked(&scheduler);
+            }
             results
         };
         drop(queue);
-        if results.iter().any(Result::is_ok) {
-            self.expiry.notify_one();
-        }
         results
             .into_iter()
             .map(|r| r.map_err(AdmitError::from))
@@ -237,18 +239,21 @@ impl Admission {
         }
         let released = {
             let mut scheduler = self.scheduler();
-            self.queue.release(
+            let released = self.queue.release(
                 &mut queue,
                 &mut scheduler,
                 Instant::now(),
                 |request, selection| {
                     self.replicas.booked(request, selection);
                 },
-            )
+            );
+            if released.routed > 0 {
+                self.expiry.booked(&scheduler);
+            }
+            released
         };
         drop(queue);
         if released.routed > 0 {
-            self.expiry.notify_one();
             debug!(
                 routed = released.routed,
                 failed = released.failed,
@@ -275,7 +280,12 @@ impl Admission {
     /// a booking.
     pub async fn expire_requests(self: Arc<Self>, stop: CancellationToken) {
         loop {
-            let next = self.scheduler().next_expiry();
+            let next = {
+                let scheduler = self.scheduler();
+                let next = scheduler.next_expiry();
+                self.expiry.arm(next);
+                next
+            };
             let wake = self.expiry.notified();
             tokio::select! {
                 () = stop.cancelled() => return,

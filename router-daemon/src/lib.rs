@@ -44,6 +44,7 @@ pub mod daemon;
 pub mod directory;
 pub mod discovery;
 pub mod durability;
+pub mod expiry;
 pub mod gate;
 pub mod health;
 pub mod http;

@@ -7,6 +7,7 @@
 //! it is plain data, cheap to clone, and costs nothing at scheduling time.
 
 use crate::busy::BusyThresholds;
+use crate::calibration::CalibrationConfig;
 pub use crate::duration_ms;
 use crate::error::SchedulerError;
 use crate::liveness::LivenessConfig;
@@ -32,6 +33,11 @@ pub struct SchedulerConfig {
     /// When a rank whose load metrics went silent is deprioritized and excluded.
     /// Default: on, 1 s interval, quiet after 3, silent after 10.
     pub liveness: LivenessConfig,
+    /// Whether `predicted-ttft` learns each rank's step-time constants from observed
+    /// TTFTs (see [`crate::calibration`]). Default: off; forgetting 0.995, constants
+    /// within 8× of the configured ones, outliers clipped at 4×, 20 samples of
+    /// warm-up.
+    pub calibration: CalibrationConfig,
 }
 
 impl SchedulerConfig {
@@ -44,6 +50,7 @@ impl SchedulerConfig {
         self.sequences.validate()?;
         self.busy.validate()?;
         self.liveness.validate()?;
+        self.calibration.validate()?;
         self.prefill_duration.validate()
     }
 }
@@ -166,6 +173,7 @@ mod tests {
         assert_eq!(config.sequences.request_ttl, Duration::from_secs(600));
         assert_eq!(config.busy, BusyThresholds::default());
         assert_eq!(config.prefill_duration, PrefillDurationModel::Unknown);
+        assert!(!config.calibration.enabled, "calibration is off by default");
         assert!(config.validate().is_ok());
     }
 
@@ -186,6 +194,43 @@ mod tests {
         let mut config = SchedulerConfig::default();
         config.busy.decode_blocks = Some(Threshold::Fraction(f64::NAN));
         assert_eq!(bad_field(&config), "busy.decode_blocks");
+
+        for (bad, field) in [
+            (
+                CalibrationConfig {
+                    forgetting: 0.0,
+                    ..CalibrationConfig::default()
+                },
+                "calibration.forgetting",
+            ),
+            (
+                CalibrationConfig {
+                    forgetting: f64::NAN,
+                    ..CalibrationConfig::default()
+                },
+                "calibration.forgetting",
+            ),
+            (
+                CalibrationConfig {
+                    max_factor: 0.5,
+                    ..CalibrationConfig::default()
+                },
+                "calibration.max_factor",
+            ),
+            (
+                CalibrationConfig {
+                    outlier_ratio: 1.0,
+                    ..CalibrationConfig::default()
+                },
+                "calibration.outlier_ratio",
+            ),
+        ] {
+            let config = SchedulerConfig {
+                calibration: bad,
+                ..SchedulerConfig::default()
+            };
+            assert_eq!(bad_field(&config), field);
+        }
     }
 
     #[test]
@@ -219,12 +264,20 @@ mod tests {
                 quiet_intervals: 2,
                 silent_intervals: 4,
             },
+            calibration: CalibrationConfig {
+                enabled: true,
+                forgetting: 0.99,
+                max_factor: 4.0,
+                outlier_ratio: 3.0,
+                warmup_samples: 5,
+            },
         };
         let json = serde_json::to_value(&config).unwrap();
         assert_eq!(json["sequences"]["request_ttl_ms"], 1500);
         assert_eq!(json["policy"]["kind"], "cache-aware-threshold");
         assert_eq!(json["prefill_duration"]["model"], "throughput");
         assert_eq!(json["liveness"]["metrics_interval_ms"], 250);
+        assert_eq!(json["calibration"]["warmup_samples"], 5);
         let back: SchedulerConfig = serde_json::from_value(json).unwrap();
         assert_eq!(back, config);
         // Missing sections take their defaults.

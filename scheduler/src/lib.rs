@@ -29,8 +29,14 @@
 //! - [`workers`]: [`WorkerRegistry`], registered workers and their ranks.
 //! - [`liveness`]: [`LivenessConfig`], [`Liveness`]: silent ranks are left out.
 //! - [`error`]: [`SchedulerError`], the crate's one error type.
+//! - [`calibration`]: [`CalibrationConfig`], [`Calibration`]: per-rank step-time
+//!   constants learned from observed TTFTs (off by default).
+//! - `batch.rs`: [`Scheduler::schedule_batch`].
+//! - `reads.rs`: the facade's read accessors (load, metrics, liveness, calibration).
 
+mod batch;
 pub mod busy;
+pub mod calibration;
 pub mod config;
 pub mod duration_ms;
 pub mod error;
@@ -38,18 +44,20 @@ pub mod liveness;
 pub mod load;
 pub mod overlap;
 pub mod policy;
+mod reads;
 pub mod request;
 pub mod sequences;
 pub mod workers;
 
 pub use busy::{BusyThresholds, Threshold};
+pub use calibration::{Calibration, CalibrationConfig, RankCalibration};
 pub use config::{PrefillDurationModel, SchedulerConfig, SequencesConfig};
 pub use error::SchedulerError;
 pub use liveness::{Liveness, LivenessConfig};
 pub use overlap::{NoOverlap, Overlaps};
 pub use policy::{
     CacheAwareThresholdConfig, KvNormalizedConfig, KvPolicyConfig, PolicyConfig,
-    PredictedTtftConfig,
+    PredictedTtftConfig, TimingScale,
 };
 pub use request::{RequestShape, ScheduleRequest, Selection};
 pub use sequences::{
@@ -59,14 +67,12 @@ pub use workers::WorkerRegistry;
 
 use kv_events::discovery::WorkerRegistration;
 use kv_events::routing::PolicyKind;
-use kv_events::{DpRank, LoadMetrics, RequestId, WorkerId, WorkerRank};
+use kv_events::{RequestId, WorkerId, WorkerRank};
 use liveness::{LoadReports, Tier};
+use policy::predicted_ttft::TtftFeatures;
 use policy::{Candidate, SelectContext, Selector};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
-use std::borrow::Borrow;
-use std::cmp::Reverse;
-use std::collections::HashSet;
 use std::time::Instant;
 
 /// In which order [`Scheduler::schedule_batch`] places a batch (a wire type: a
@@ -84,9 +90,13 @@ pub struct Scheduler {
     /// Latest engine-reported sample per registered rank and when it came (busy
     /// checks, liveness, reporting).
     reports: LoadReports,
-    /// Scratch buffers reused by every decision: the candidates and their tiers.
+    /// Per-rank step-time constants learned from observed TTFTs.
+    calibration: Calibration,
+    /// Scratch buffers reused by every decision: the candidates, their tiers and
+    /// their calibrated step-time multipliers.
     candidates: Vec<Candidate>,
     tiers: Vec<Tier>,
+    scales: Vec<TimingScale>,
 }
 
 impl Scheduler {
@@ -103,12 +113,14 @@ impl Scheduler {
         };
         Ok(Self {
             sequences: ActiveSequences::new(config.sequences),
+            calibration: Calibration::new(config.calibration, &config.policy),
             config,
             workers: WorkerRegistry::new(),
             selector: Selector::new(rng),
             reports: LoadReports::default(),
             candidates: Vec::new(),
             tiers: Vec::new(),
+            scales: Vec::new(),
         })
     }
 
@@ -127,6 +139,8 @@ impl Scheduler {
     pub fn add_worker(&mut self, reg: WorkerRegistration) -> Result<(), SchedulerError> {
         let vanished = self.workers.add(reg)?;
         self.reports.retain(|rank| !vanished.contains(&rank));
+        self.calibration
+            .remove_ranks(|rank| vanished.contains(&rank));
         for rank in vanished {
             let dropped = self.sequences.remove_rank(rank);
             tracing::debug!(%rank, dropped, "rank vanished on re-registration");
@@ -140,6 +154,7 @@ impl Scheduler {
     pub fn remove_worker(&mut self, id: WorkerId) -> usize {
         self.workers.remove(id);
         self.reports.remove_worker(id);
+        self.calibration.remove_ranks(|rank| rank.worker_id == id);
         let dropped = self.sequences.remove_worker(id);
         tracing::debug!(worker_id = %id, dropped, "worker removed");
         dropped
@@ -183,61 +198,7 @@ impl Scheduler {
         self.schedule_one(req, overlaps, now, 1)
     }
 
-    /// Schedules several requests routed together, each seeing the bookings of the
-    /// ones placed before it (`kv-normalized` also sizes its fair share with the
-    /// requests still to place). Returns one result per request, in input order.
-    /// Once an unpinned request finds every rank busy, later unpinned ones fail with
-    /// [`SchedulerError::AllBusy`] without another scan (bookings only add load);
-    /// likewise per pinned dp_rank.
-    pub fn schedule_batch<R: Borrow<ScheduleRequest>, O: Overlaps>(
-        &mut self,
-        batch: &[(R, O)],
-        order: BatchOrder,
-        now: Instant,
-    ) -> Vec<Result<Selection, SchedulerError>> {
-        let mut sequence: Vec<usize> = (0..batch.len()).collect();
-        if order == BatchOrder::GroupByPrefix {
-            sequence.sort_by_key(|&i| {
-                let r = batch[i].0.borrow();
-                (
-                    r.dp_rank.is_none(),
-                    r.block_hashes.first().copied(),
-                    Reverse(r.num_tokens),
-                )
-            });
-        }
-        let mut results: Vec<Result<Selection, SchedulerError>> =
-            batch.iter().map(|_| Err(SchedulerError::AllBusy)).collect();
-        let mut all_busy = false;
-        let mut busy_pins: HashSet<DpRank> = HashSet::new();
-        for (k, &i) in sequence.iter().enumerate() {
-            let (req, overlaps) = (batch[i].0.borrow(), &batch[i].1);
-            // A request with exclusions has fewer candidates than the others, so what
-            // it finds says nothing about them, nor theirs about it.
-            let excludes = !req.exclude_workers.is_empty();
-            let known_busy = match req.dp_rank {
-                _ if excludes => false,
-                None => all_busy,
-                Some(dp) => busy_pins.contains(&dp),
-            };
-            if known_busy && !self.sequences.contains(&req.request_id) {
-                continue; // stays AllBusy
-            }
-            let result = self.schedule_one(req, overlaps, now, batch.len() - k);
-            if matches!(result, Err(SchedulerError::AllBusy)) && !excludes {
-                match req.dp_rank {
-                    None => all_busy = true,
-                    Some(dp) => {
-                        busy_pins.insert(dp);
-                    }
-                }
-            }
-            results[i] = result;
-        }
-        results
-    }
-
-    fn schedule_one<O: Overlaps + ?Sized>(
+    pub(crate) fn schedule_one<O: Overlaps + ?Sized>(
         &mut self,
         req: &ScheduleRequest,
         overlaps: &O,
@@ -257,10 +218,21 @@ impl Scheduler {
             Vec::new()
         };
         self.gather_candidates(req, overlaps, &block_ids, now)?;
+        self.scales.clear();
+        let ttft = match &policy {
+            PolicyConfig::PredictedTtft(c) => Some(c),
+            _ => None,
+        };
+        if ttft.is_some() && self.calibration.enabled() {
+            let calibration = &self.calibration;
+            self.scales
+                .extend(self.candidates.iter().map(|c| calibration.scale(c.rank)));
+        }
         let ctx = SelectContext {
             request: req.shape(),
             candidates: &self.candidates,
             batch_remaining,
+            timing_scales: &self.scales,
         };
         let choice = self.selector.select(&policy, &ctx)?;
         let chosen = self.candidates[choice.index];
@@ -280,6 +252,22 @@ impl Scheduler {
             },
             now,
         )?;
+        if self.calibration.enabled() {
+            let seeded;
+            let features_config = match ttft {
+                Some(c) => c,
+                None => {
+                    seeded = PredictedTtftConfig {
+                        timing: *self.calibration.seed(),
+                        ..PredictedTtftConfig::default()
+                    };
+                    &seeded
+                }
+            };
+            let features = TtftFeatures::of(features_config, &req.shape(), &chosen);
+            self.calibration
+                .book(&req.request_id, chosen.rank, features, now);
+        }
         tracing::debug!(
             request_id = %req.request_id,
             rank = %chosen.rank,
@@ -365,12 +353,32 @@ impl Scheduler {
     /// [`SchedulerError::UnregisteredRank`] for a booking on a rank that is not
     /// registered here; otherwise as [`ActiveSequences::apply`].
     pub fn apply(&mut self, event: SequenceEvent, now: Instant) -> Result<Origin, SchedulerError> {
-        if let SequenceEvent::AddRequest(add) = &event
-            && !self.workers.contains_rank(add.rank)
-        {
-            return Err(SchedulerError::UnregisteredRank(add.rank));
+        match event {
+            SequenceEvent::AddRequest(add) => {
+                let Some(reg) = self
+                    .workers
+                    .get(add.rank.worker_id)
+                    .filter(|_| self.workers.contains_rank(add.rank))
+                else {
+                    return Err(SchedulerError::UnregisteredRank(add.rank));
+                };
+                // What the rank held before this booking: the features the policy
+                // would have priced (the peer's own overlap is not known here).
+                let features = TtftFeatures::new(
+                    add.prefill.initial_effective_prefill_tokens,
+                    &self.sequences.load(add.rank, now),
+                    reg.block_size,
+                    self.calibration.seed().max_num_batched_tokens,
+                );
+                let (id, rank) = (add.request_id.clone(), add.rank);
+                let origin = self.sequences.apply(SequenceEvent::AddRequest(add), now)?;
+                self.calibration.book(&id, rank, features, now);
+                Ok(origin)
+            }
+            SequenceEvent::MarkPrefillCompleted(id) => self.mark_prefill_completed(&id, now),
+            SequenceEvent::KeepAlive(id) => self.keep_alive(&id, now),
+            SequenceEvent::Free(id) => self.free(&id, now),
         }
-        self.sequences.apply(event, now)
     }
 
     /// The request produced its first token: its prefill tokens leave its rank's load.
@@ -383,7 +391,9 @@ impl Scheduler {
         id: &RequestId,
         now: Instant,
     ) -> Result<Origin, SchedulerError> {
-        self.sequences.mark_prefill_completed(id, now)
+        let origin = self.sequences.mark_prefill_completed(id, now)?;
+        self.calibration.prefill_done(id, now);
+        Ok(origin)
     }
 
     /// The request is still running: refreshes its TTL.
@@ -399,82 +409,23 @@ impl Scheduler {
     /// # Errors
     /// [`SchedulerError::UnknownRequest`] if `id` is not active.
     pub fn free(&mut self, id: &RequestId, now: Instant) -> Result<Origin, SchedulerError> {
-        self.sequences.free(id, now).map(|r| r.origin)
+        let origin = self.sequences.free(id, now).map(|r| r.origin)?;
+        self.calibration.forget(id);
+        Ok(origin)
     }
 
     /// Frees every request whose TTL lapsed at or before `now`; returns them.
     pub fn expire(&mut self, now: Instant) -> Vec<(RequestId, ActiveRequest)> {
-        self.sequences.expire(now)
+        let expired = self.sequences.expire(now);
+        for (id, _) in &expired {
+            self.calibration.forget(id);
+        }
+        expired
     }
 
     /// When the next request expires, if any is active.
     pub fn next_expiry(&self) -> Option<Instant> {
         self.sequences.next_deadline()
-    }
-
-    /// Stores the latest engine-reported sample for its rank, heard at `now` (a sign
-    /// of life, see [`liveness`]). Samples of unregistered ranks are ignored (returns
-    /// `false`), which bounds memory against departed or unknown workers.
-    pub fn update_load_metrics(&mut self, m: LoadMetrics, now: Instant) -> bool {
-        let rank = WorkerRank::new(m.worker_id, m.dp_rank);
-        if !self.workers.contains_rank(rank) {
-            return false;
-        }
-        self.reports.insert(rank, m, now);
-        true
-    }
-
-    /// The latest engine-reported sample of `rank`, if any.
-    pub fn load_metrics(&self, rank: WorkerRank) -> Option<&LoadMetrics> {
-        self.reports.get(rank)
-    }
-
-    /// What the silence of `rank`'s load metrics says at `now`, and since when it
-    /// reported last (`None`: never since it registered).
-    pub fn liveness(&self, rank: WorkerRank, now: Instant) -> (Liveness, Option<Instant>) {
-        let heard = self.reports.heard(rank);
-        (self.config.liveness.classify(heard, now), heard)
-    }
-
-    /// The load booked on `rank` now (wall clock); zeros when none.
-    pub fn rank_load(&self, rank: WorkerRank) -> RankLoad {
-        self.rank_load_at(rank, Instant::now())
-    }
-
-    /// The load booked on `rank` at `now`; zeros when none.
-    pub fn rank_load_at(&self, rank: WorkerRank, now: Instant) -> RankLoad {
-        self.sequences.load(rank, now)
-    }
-
-    /// Booked load of every registered rank now (wall clock), in rank order.
-    pub fn rank_loads(&self) -> impl Iterator<Item = (WorkerRank, RankLoad)> + '_ {
-        let now = Instant::now();
-        self.workers
-            .ranks()
-            .iter()
-            .map(move |&rank| (rank, self.sequences.load(rank, now)))
-    }
-
-    /// Whether `rank` is registered and busy at `now` (see [`BusyThresholds`]).
-    pub fn is_busy_at(&self, rank: WorkerRank, now: Instant) -> bool {
-        self.workers.get(rank.worker_id).is_some_and(|reg| {
-            self.workers.contains_rank(rank)
-                && self.config.busy.is_busy(
-                    &self.sequences.load(rank, now),
-                    self.reports.get(rank),
-                    reg,
-                )
-        })
-    }
-
-    /// Number of booked, not yet freed requests over all ranks.
-    pub fn active_requests(&self) -> usize {
-        self.sequences.len()
-    }
-
-    /// Read access to the booked requests.
-    pub fn sequences(&self) -> &ActiveSequences {
-        &self.sequences
     }
 
     /// The policy for one request: the daemon's, or the override. An override of the
@@ -498,3 +449,7 @@ mod batch_tests;
 #[cfg(test)]
 #[path = "scheduler_liveness_tests.rs"]
 mod liveness_tests;
+
+#[cfg(test)]
+#[path = "scheduler_calibration_tests.rs"]
+mod calibration_tests;

@@ -2,6 +2,7 @@
 //! router replicas ([`Scheduler::apply`]).
 
 use super::*;
+use kv_events::DpRank;
 use kv_events::{LocalBlockHash, RouterId};
 use std::collections::HashMap;
 

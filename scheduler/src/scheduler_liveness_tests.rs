@@ -3,6 +3,7 @@
 
 use super::tests::{rank, request, scheduler, with_policy};
 use super::*;
+use kv_events::LoadMetrics;
 use kv_events::routing::PolicyKind;
 use std::time::Duration;
 

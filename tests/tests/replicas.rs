@@ -15,6 +15,8 @@ use router_daemon::{Daemon, DaemonConfig, ServeArgs};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+#[path = "replicas/batch.rs"]
+mod batch;
 #[path = "replicas/snapshot.rs"]
 mod snapshot;
 

@@ -8,7 +8,7 @@ use crate::mutate::Format;
 use indexer::{IndexerCounters, OrderedIndex, OverlapScores, ShardSettings};
 use kv_events::discovery::WorkerRegistration;
 use kv_events::limits::{Limits, WithinLimits, decode_within};
-use kv_events::replicas::{SequenceSync, SnapshotReply, SnapshotRequest};
+use kv_events::replicas::{SequenceSyncBatch, SnapshotReply, SnapshotRequest};
 use kv_events::routing::{LifecycleMessage, RouteBatchRequest, RouteRequest};
 use kv_events::{KvEventBatch, LoadMetrics, Namespace, Subjects, WorkerId, decode};
 use router_daemon::admission::{Admission, AdmissionConfig};
@@ -212,12 +212,12 @@ pub const LIFECYCLE: Target = Target {
 
 pub const BOOKINGS: Target = Target {
     name: "bookings",
-    about: "SequenceSync (msgpack, NATS router.sequences, replica sharing) → replicas::sync::handle_sync → Scheduler::apply",
+    about: "SequenceSyncBatch or single-step SequenceSync (msgpack, NATS router.sequences, replica sharing) → replicas::sync::handle_sync → Scheduler::apply",
     format: Format::Msgpack,
     seeds: seeds::bookings,
     fresh: || {
         let subject = subjects().sequences();
-        handler::<SequenceSync>(subject, MessageKind::Sequences, replicas::sync::handle_sync)
+        handler::<SequenceSyncBatch>(subject, MessageKind::Sequences, replicas::sync::handle_sync)
     },
 };
 

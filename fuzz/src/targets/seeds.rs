@@ -6,8 +6,8 @@ use kv_events::discovery::WorkerRegistration;
 use kv_events::events::KvCacheEvent;
 use kv_events::ids::{DpRank, ExternalBlockHash, LocalBlockHash, RequestId, WorkerId};
 use kv_events::replicas::{
-    BookedSequence, RouterId, SequenceSync, SequenceUpdate, SnapshotEntry, SnapshotReply,
-    SnapshotRequest,
+    BookedSequence, RouterId, SequenceSync, SequenceSyncBatch, SequenceUpdate, SnapshotEntry,
+    SnapshotReply, SnapshotRequest,
 };
 use kv_events::routing::{
     BatchOrder, CostOverrides, LifecycleEvent, LifecycleMessage, PolicyKind, Prompt,
@@ -199,12 +199,24 @@ pub fn bookings() -> Vec<Vec<u8>> {
         request_id: RequestId::from(request),
         update,
     };
-    enc(&[
+    let singles = [
         sync("r-peer", SequenceUpdate::Booked(booked(1))),
         sync(BOOKED, SequenceUpdate::PrefillDone),
         sync(BOOKED, SequenceUpdate::KeepAlive),
         sync(BOOKED, SequenceUpdate::Freed),
-    ])
+    ];
+    // The batch form: a booking and its steps in one message.
+    let batch = SequenceSyncBatch {
+        router_id: RouterId(2),
+        steps: singles
+            .iter()
+            .cloned()
+            .flat_map(|s| SequenceSyncBatch::from(s).steps)
+            .collect(),
+    };
+    let mut seeds = enc(&singles);
+    seeds.extend(enc(&[batch]));
+    seeds
 }
 
 pub fn snapshot_request() -> Vec<Vec<u8>> {

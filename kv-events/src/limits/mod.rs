@@ -28,7 +28,9 @@
 use crate::discovery::WorkerRegistration;
 use crate::events::{KvCacheEventData, KvEventBatch};
 use crate::metrics::LoadMetrics;
-use crate::replicas::{BookedSequence, SequenceSync, SequenceUpdate, SnapshotReply};
+use crate::replicas::{
+    BookedSequence, SequenceStep, SequenceSync, SequenceSyncBatch, SequenceUpdate, SnapshotReply,
+};
 use crate::routing::{Prompt, RouteBatchRequest, RouteRequest};
 use crate::{CodecError, DpRank, RequestId, decode};
 use serde::de::DeserializeOwned;
@@ -293,13 +295,28 @@ impl WithinLimits for BookedSequence {
 
 impl WithinLimits for SequenceSync {
     fn within(&self, limits: &Limits) -> Result<(), LimitError> {
-        request_id(&self.request_id)?;
-        match &self.update {
-            SequenceUpdate::Booked(booked) => booked.within(limits),
-            SequenceUpdate::PrefillDone | SequenceUpdate::KeepAlive | SequenceUpdate::Freed => {
-                Ok(())
-            }
-        }
+        step_within(&self.request_id, &self.update, limits)
+    }
+}
+
+impl WithinLimits for SequenceStep {
+    fn within(&self, limits: &Limits) -> Result<(), LimitError> {
+        step_within(&self.request_id, &self.update, limits)
+    }
+}
+
+/// The number of steps is bounded by the payload's bytes; each step is checked.
+impl WithinLimits for SequenceSyncBatch {
+    fn within(&self, limits: &Limits) -> Result<(), LimitError> {
+        self.steps.iter().try_for_each(|step| step.within(limits))
+    }
+}
+
+fn step_within(id: &RequestId, update: &SequenceUpdate, limits: &Limits) -> Result<(), LimitError> {
+    request_id(id)?;
+    match update {
+        SequenceUpdate::Booked(booked) => booked.within(limits),
+        SequenceUpdate::PrefillDone | SequenceUpdate::KeepAlive | SequenceUpdate::Freed => Ok(()),
     }
 }
 

@@ -138,6 +138,15 @@ fn route_requests_and_bookings_are_bounded_in_tokens() {
     assert_eq!(refused_field(&batch, &limits), "token_ids");
     assert_eq!(booked(100).within(&limits), Ok(()));
     assert_eq!(refused_field(&booked(u64::MAX), &limits), "prefill_tokens");
+    // A batch is refused by its first step over a limit.
+    let sync = SequenceSyncBatch {
+        router_id: RouterId(7),
+        steps: [booked(100), booked(u64::MAX)]
+            .into_iter()
+            .flat_map(|b| SequenceSyncBatch::from(b).steps)
+            .collect(),
+    };
+    assert_eq!(refused_field(&sync, &limits), "prefill_tokens");
     let long_id = RouteRequest::new(
         "x".repeat(MAX_REQUEST_ID_BYTES + 1),
         Prompt::Tokens { token_ids: vec![1] },

@@ -145,6 +145,10 @@ pub enum LabPolicy {
     /// A policy of the `scheduler` crate with its default knobs, run through
     /// `scheduler::Scheduler` exactly as the daemon runs it.
     Scheduler(PolicyKind),
+    /// The same with the scheduler's online calibration on (`scheduler::calibration`,
+    /// default knobs): each rank's step-time constants are learned from the TTFTs the
+    /// run observes. Named `<kind>+cal`.
+    Calibrated(PolicyKind),
     /// A prototype cost function evaluated by the lab itself (see
     /// [`super::candidates`]), for trying ideas before they become scheduler policies.
     Candidate(Candidate),
@@ -164,6 +168,7 @@ impl LabPolicy {
     pub fn name(&self) -> String {
         match self {
             LabPolicy::Scheduler(kind) => kind.as_str().to_owned(),
+            LabPolicy::Calibrated(kind) => format!("{}+cal", kind.as_str()),
             LabPolicy::Candidate(c) => format!("proto:{}", c.name()),
         }
     }
@@ -223,6 +228,10 @@ mod tests {
     #[test]
     fn policy_names() {
         assert_eq!(LabPolicy::Scheduler(PolicyKind::Kv).name(), "kv");
+        assert_eq!(
+            LabPolicy::Calibrated(PolicyKind::PredictedTtft).name(),
+            "predicted-ttft+cal"
+        );
         assert_eq!(LabPolicy::all_scheduler().len(), PolicyKind::ALL.len());
     }
 }

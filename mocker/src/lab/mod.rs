@@ -161,6 +161,10 @@ pub struct LabArgs {
     /// Scheduler policies to compare (repeatable); default: all of them.
     #[arg(long = "policy", value_name = "POLICY")]
     pub policies: Vec<PolicyKind>,
+    /// Also run these scheduler policies with online calibration on (repeatable),
+    /// reported as `<policy>+cal`.
+    #[arg(long = "calibrated", value_name = "POLICY")]
+    pub calibrated: Vec<PolicyKind>,
     /// Also run these prototype costs (repeatable): ttft, ttft-inflight, ttft-credit,
     /// ttft-tuned, or ttft:<base>,<balanced>,<backlog>,<inflight 0|1>,<min match ratio>
     /// (see `mocker::lab::candidates`).
@@ -237,6 +241,7 @@ pub fn run_lab(args: LabArgs) -> Result<LabReport, LabError> {
             .map(LabPolicy::Scheduler)
             .collect()
     };
+    policies.extend(args.calibrated.iter().copied().map(LabPolicy::Calibrated));
     policies.extend(args.candidates.iter().copied().map(LabPolicy::Candidate));
     let sweep = Sweep {
         settings: args

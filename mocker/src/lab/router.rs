@@ -14,7 +14,7 @@ use super::inflight::InFlight;
 use indexer::RadixTree;
 use kv_events::discovery::WorkerRegistration;
 use kv_events::{KvCacheEvent, LocalBlockHash, RequestId, WorkerId, WorkerRank};
-use scheduler::{PolicyConfig, ScheduleRequest, Scheduler, SchedulerConfig};
+use scheduler::{CalibrationConfig, PolicyConfig, ScheduleRequest, Scheduler, SchedulerConfig};
 use std::time::{Duration, Instant};
 
 /// Who decides.
@@ -58,9 +58,13 @@ impl Router {
         config: &SimConfig,
     ) -> Result<Self, LabError> {
         let decider = match policy {
-            LabPolicy::Scheduler(kind) => {
+            LabPolicy::Scheduler(kind) | LabPolicy::Calibrated(kind) => {
                 let scheduler_config = SchedulerConfig {
                     policy: PolicyConfig::default_for(kind),
+                    calibration: CalibrationConfig {
+                        enabled: matches!(policy, LabPolicy::Calibrated(_)),
+                        ..CalibrationConfig::default()
+                    },
                     ..SchedulerConfig::default()
                 };
                 let mut scheduler = Scheduler::new(scheduler_config, Some(config.seed))?;

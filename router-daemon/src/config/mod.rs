@@ -18,6 +18,8 @@
 //! - [`scheduling`]: the scheduling, queue and replica flags.
 //! - [`liveness`]: liveness from silence in load metrics (flattened into
 //!   [`scheduling`]).
+//! - [`calibration`]: online calibration of `predicted-ttft` (flattened into
+//!   [`scheduling`]).
 //! - [`policy`]: the default policy and each policy's knob flags.
 //! - [`index`]: the index backend, memory bound, mode and JetStream flags.
 //! - [`recovery`]: the gap recovery flags (flattened into [`index`]).
@@ -25,6 +27,7 @@
 //!   and every other participant; the `Limits` flags are `kv_cluster::limits`,
 //!   shared with the gateway.
 
+pub mod calibration;
 pub mod error;
 pub mod file;
 pub mod index;

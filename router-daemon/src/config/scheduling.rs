@@ -5,6 +5,7 @@
 //!
 //! The policy and its knobs are their own flag groups ([`PolicyArgs`]).
 
+use super::calibration::CalibrationArgs;
 use super::error::ConfigError;
 use super::liveness::LivenessArgs;
 use super::policy::PolicyArgs;
@@ -27,6 +28,9 @@ pub struct SchedulingArgs {
     /// Liveness from silence in the engines' load metrics.
     #[command(flatten)]
     pub liveness: LivenessArgs,
+    /// Online calibration of `predicted-ttft`'s step-time constants.
+    #[command(flatten)]
+    pub calibration: CalibrationArgs,
     /// Count prefix blocks shared by concurrent requests on one rank once (engines
     /// with prefix sharing during decode); false counts every request's blocks.
     #[arg(long, env = "KV_ROUTER_ASSUME_KV_REUSE", default_value_t = true, action = ArgAction::Set)]
@@ -100,6 +104,7 @@ impl SchedulingArgs {
                 Some(tokens_per_second) => PrefillDurationModel::Throughput { tokens_per_second },
             },
             liveness: self.liveness.to_config(),
+            calibration: self.calibration.to_config(),
         };
         scheduler.validate()?;
         let admission = AdmissionConfig {

@@ -79,6 +79,10 @@ pub struct RankView {
     /// Gap recovery trouble (`{"state": "recovering" | "backing_off" | "degraded",
     /// ...}`); `null` while the rank's events are in order.
     pub recovery: Option<RankRecoveryView>,
+    /// What online calibration learned (`null` unless `--calibration`): `samples`,
+    /// `in_use` (warm-up done), the learned multipliers `scale` and the learned
+    /// `model` in ms.
+    pub calibration: Option<scheduler::RankCalibration>,
 }
 
 /// Builds the workers view from the directory, the scheduler and the indexer's
@@ -118,6 +122,7 @@ pub async fn workers_view(router: &RouterState) -> WorkersView {
                                 .unwrap_or(u64::MAX)
                         }),
                         recovery: router.recovery.view(rank, now),
+                        calibration: scheduler.calibration(rank),
                     }
                 })
                 .collect();

@@ -77,10 +77,11 @@ impl QueueOutcomes {
 /// Sync message counters.
 #[derive(Clone)]
 pub struct SyncMetrics {
-    /// `kv_router_sequence_sync_total{direction, outcome}`. Out: `queued`, `dropped`
-    /// (outbox full), `published`, `failed`. In: `applied`, `duplicate` (already
-    /// applied), `own` (our own message, ignored), `rejected` (e.g. unknown rank),
-    /// `malformed`. Start-up snapshot, `snapshot_out` (answering a peer):
+    /// `kv_router_sequence_sync_total{direction, outcome}`, in steps (a sync
+    /// message carries one or more). Out: `queued`, `dropped` (outbox full),
+    /// `published`, `failed`. In: `applied`, `duplicate` (already applied), `own`
+    /// (our own message, ignored), `rejected` (e.g. unknown rank), and `malformed`
+    /// (in messages). Start-up snapshot, `snapshot_out` (answering a peer):
     /// `answered` (requests), `published` and `failed` (reply chunks);
     /// `snapshot_in` (our own snapshot): `applied`, `duplicate` (already known from
     /// the live subject), `freed` (freed meanwhile, skipped), `rejected` (e.g.
@@ -106,6 +107,13 @@ impl SyncMetrics {
 
     pub(crate) fn count(&self, direction: &str, outcome: &str) {
         self.messages.with_label_values(&[direction, outcome]).inc();
+    }
+
+    /// Counts `steps` steps of one sync message.
+    pub(crate) fn count_steps(&self, direction: &str, outcome: &str, steps: u64) {
+        self.messages
+            .with_label_values(&[direction, outcome])
+            .inc_by(steps);
     }
 
     /// Messages counted so far for (direction, outcome).

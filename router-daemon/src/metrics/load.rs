@@ -4,7 +4,7 @@
 
 use super::common::{RANK_LABELS, latency_buckets, rank_labels, to_i64};
 use super::registrar::Registrar;
-use prometheus::{Histogram, IntGauge, IntGaugeVec};
+use prometheus::{GaugeVec, Histogram, IntGauge, IntGaugeVec};
 use scheduler::{Liveness, Scheduler};
 use std::time::Duration;
 
@@ -57,6 +57,8 @@ pub struct WorkerLoadMetrics {
     engine_running: IntGaugeVec,
     engine_waiting: IntGaugeVec,
     liveness: IntGaugeVec,
+    calibration_factor: GaugeVec,
+    calibration_samples: IntGaugeVec,
 }
 
 impl WorkerLoadMetrics {
@@ -108,11 +110,25 @@ impl WorkerLoadMetrics {
                  (never_reported, live, quiet: deprioritized, silent: excluded)",
                 &["state"],
             )?,
+            calibration_factor: r.float_gauge_vec(
+                "kv_router_worker_calibration_factor",
+                "Learned multiplier of a configured predicted-ttft step-time constant \
+                 (prefill: prefill_ms_per_token, step_base: step_base_ms, decode: both \
+                 decode terms) on the rank; only with --calibration",
+                &["worker_id", "dp_rank", "constant"],
+            )?,
+            calibration_samples: r.gauge_vec(
+                "kv_router_worker_calibration_samples",
+                "TTFT observations calibration took on the rank; its own constants are \
+                 used from --calibration-warmup-samples on",
+                RANK_LABELS,
+            )?,
         })
     }
 
-    pub(crate) fn all(&self) -> [&IntGaugeVec; 7] {
+    pub(crate) fn all(&self) -> [&IntGaugeVec; 8] {
         [
+            &self.calibration_samples,
             &self.prefill_tokens,
             &self.decode_blocks,
             &self.requests,
@@ -128,6 +144,7 @@ impl WorkerLoadMetrics {
         for g in self.all() {
             g.reset();
         }
+        self.calibration_factor.reset();
         let now = std::time::Instant::now();
         let mut liveness = [0i64; Liveness::ALL.len()];
         for &rank in scheduler.ranks() {
@@ -146,6 +163,21 @@ impl WorkerLoadMetrics {
             self.requests
                 .with_label_values(&labels)
                 .set(to_i64(load.active_requests));
+            if let Some(c) = scheduler.calibration(rank) {
+                self.calibration_samples
+                    .with_label_values(&labels)
+                    .set(to_i64(c.samples));
+                let [worker, dp] = &labels;
+                for (constant, factor) in [
+                    ("prefill", c.scale.prefill),
+                    ("step_base", c.scale.step_base),
+                    ("decode", c.scale.decode),
+                ] {
+                    self.calibration_factor
+                        .with_label_values(&[worker.as_str(), dp.as_str(), constant])
+                        .set(factor);
+                }
+            }
             if let Some(m) = scheduler.load_metrics(rank) {
                 self.engine_kv_used
                     .with_label_values(&labels)

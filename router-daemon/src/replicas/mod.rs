@@ -3,8 +3,10 @@
 //! Replicas share the route queue group, so each books only the requests NATS hands
 //! it. To let every replica see the whole cluster's booked load, each publishes the
 //! changes to the requests it booked (its *own* requests) on `{ns}.router.sequences`
-//! as `SequenceSync` messages tagged with its [`RouterId`], and applies the others'
-//! (ignoring its own). A replica that starts while others serve first learns what
+//! as `SequenceSyncBatch` messages tagged with its [`RouterId`] — every step queued
+//! when the publisher wakes goes into one message — and applies the others'
+//! (ignoring its own; a peer's older single-step `SequenceSync` decodes as a batch of
+//! one). A replica that starts while others serve first learns what
 //! they booked earlier from a start-up snapshot ([`snapshot`]):
 //!
 //! ```text
@@ -24,7 +26,8 @@
 //!
 //! Ordering: messages are queued for publication while the scheduler lock is held,
 //! in the order the bookings and steps were applied, and one task publishes them in
-//! that order; NATS keeps one connection's messages on one subject in order. So a
+//! that order, a batch listing its steps in order; NATS keeps one connection's
+//! messages on one subject in order. So a
 //! peer applies a booking before its later steps. Frontends publish lifecycle
 //! messages to every replica directly as well; applying a step twice is harmless,
 //! and the owner's relayed copy repairs the race where a peer sees `freed` from the
@@ -32,7 +35,10 @@
 //! known (learned from a snapshot reply first) is counted as a duplicate.
 //!
 //! Costs: one small message per booking and per lifecycle step of a replica's own
-//! requests, fanned out to every replica. The outbound buffer is bounded; when it is
+//! requests at low load, fanned out to every replica; under load one message per
+//! publisher wake-up carries all the steps queued since the last (up to 64 KiB), so
+//! a route costs less than its two steps' publications (`route_bench`,
+//! docs/benchmarks.md). The outbound buffer is bounded; when it is
 //! full a message is dropped and counted (peers then under-count that request until
 //! its TTL), never blocking routing. To answer snapshots, each replica keeps a copy
 //! of its own in-flight bookings (8 bytes per prompt block hash of each own request).
@@ -57,7 +63,7 @@ pub mod sync;
 
 use crate::metrics::SyncMetrics;
 use bookings::{OwnBookings, RecentStep, RecentSteps};
-use kv_events::replicas::{BookedSequence, SequenceSync, SequenceUpdate};
+use kv_events::replicas::{BookedSequence, SequenceStep, SequenceUpdate};
 use kv_events::routing::LifecycleEvent;
 use kv_events::{RequestId, RouterId};
 use scheduler::{ScheduleRequest, Selection};
@@ -104,9 +110,9 @@ impl Default for ReplicaConfig {
 /// This replica's side of the sync: its id, the outbound queue, and counters.
 pub struct Replicas {
     config: ReplicaConfig,
-    outbox: mpsc::Sender<SequenceSync>,
+    outbox: mpsc::Sender<SequenceStep>,
     /// Taken once by the publisher task at start-up.
-    outbox_rx: Mutex<Option<mpsc::Receiver<SequenceSync>>>,
+    outbox_rx: Mutex<Option<mpsc::Receiver<SequenceStep>>>,
     metrics: SyncMetrics,
     /// Our own in-flight bookings, to answer peers' snapshot requests. Locked under
     /// the scheduler lock (scheduler first).
@@ -257,11 +263,7 @@ impl Replicas {
     }
 
     fn send(&self, request_id: RequestId, update: SequenceUpdate) {
-        let msg = SequenceSync {
-            router_id: self.config.router_id,
-            request_id,
-            update,
-        };
+        let msg = SequenceStep { request_id, update };
         let outcome = match self.outbox.try_send(msg) {
             Ok(()) => "queued",
             Err(e) => {
@@ -273,7 +275,7 @@ impl Replicas {
     }
 
     /// Takes the outbound receiver (once) for the publisher task.
-    pub fn take_outbox(&self) -> Option<mpsc::Receiver<SequenceSync>> {
+    pub fn take_outbox(&self) -> Option<mpsc::Receiver<SequenceStep>> {
         self.outbox_rx
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())

@@ -279,7 +279,7 @@ pub fn apply_reply(
         }
     }
     if applied {
-        admission.expiry.notify_one();
+        admission.expiry.booked(&admission.scheduler());
     }
 }
 

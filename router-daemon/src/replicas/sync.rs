@@ -2,8 +2,10 @@
 //! `{ns}.router.sequences`, and applying its peers' (see the [`super`] docs for the
 //! protocol and its ordering).
 //!
-//! Applying a peer's message takes the scheduler lock once and may release waiters;
-//! publishing is one NATS publish per message, from one task so the order holds.
+//! Applying a peer's message takes the scheduler lock once per step and may release
+//! waiters once per message; publishing is one NATS publish per publisher wake-up,
+//! carrying every step queued by then (a [`SequenceSyncBatch`]), from one task so
+//! the order holds.
 
 use super::bookings::booked_event;
 use crate::admission::Admission;
@@ -13,7 +15,9 @@ use crate::metrics::counters::{Counters, MessageKind, Outcome};
 use anyhow::Context;
 use kv_cluster::nats::NatsConfig;
 use kv_events::limits::Limits;
-use kv_events::replicas::{SequenceSync, SequenceUpdate};
+use kv_events::replicas::{
+    RouterId, SYNC_BATCH_BYTES, SequenceStep, SequenceSyncBatch, SequenceUpdate,
+};
 use kv_events::{Subjects, encode};
 use scheduler::{SchedulerError, SequenceEvent};
 use std::sync::Arc;
@@ -69,6 +73,7 @@ pub async fn start(
     tasks.spawn(publish(
         nats,
         subject,
+        replicas.router_id(),
         outbox,
         replicas.metrics().clone(),
         stop.child_token(),
@@ -77,23 +82,25 @@ pub async fn start(
     Ok(())
 }
 
-/// Publishes queued sync messages on `subject` in order until `stop`, then publishes
-/// what is still queued, flushes the connection (bounded by
-/// [`crate::nats::DRAIN_TIMEOUT`]) and returns.
+/// Publishes queued steps on `subject` in order until `stop`, then publishes what is
+/// still queued, flushes the connection (bounded by [`crate::nats::DRAIN_TIMEOUT`])
+/// and returns. Each wake-up publishes one [`SequenceSyncBatch`] of every step queued
+/// by then ([`next_batch`]); the `out` counters count steps.
 pub async fn publish(
     client: async_nats::Client,
     subject: String,
-    mut outbox: mpsc::Receiver<SequenceSync>,
+    router_id: RouterId,
+    mut outbox: mpsc::Receiver<SequenceStep>,
     metrics: SyncMetrics,
     stop: CancellationToken,
 ) {
     loop {
-        let msg = tokio::select! {
+        let first = tokio::select! {
             biased;
-            msg = outbox.recv() => msg,
+            step = outbox.recv() => step,
             () = stop.cancelled() => None,
         };
-        let Some(msg) = msg.or_else(|| outbox.try_recv().ok()) else {
+        let Some(first) = first.or_else(|| outbox.try_recv().ok()) else {
             if tokio::time::timeout(crate::nats::DRAIN_TIMEOUT, client.flush())
                 .await
                 .is_err()
@@ -102,21 +109,44 @@ pub async fn publish(
             }
             return;
         };
-        match encode(&msg) {
+        let batch = next_batch(router_id, first, &mut outbox);
+        let steps = batch.steps.len() as u64;
+        match encode(&batch) {
             Ok(bytes) => {
                 if let Err(e) = client.publish(subject.clone(), bytes.into()).await {
-                    warn!(error = %e, "failed to publish sequence sync");
-                    metrics.count("out", "failed");
+                    warn!(error = %e, steps, "failed to publish sequence sync");
+                    metrics.count_steps("out", "failed", steps);
                 } else {
-                    metrics.count("out", "published");
+                    metrics.count_steps("out", "published", steps);
                 }
             }
-            Err(e) => warn!(error = %e, "failed to encode sequence sync"),
+            Err(e) => warn!(error = %e, steps, "failed to encode sequence sync"),
         }
     }
 }
 
-/// Applies one sync payload received on `subject`.
+/// `first` and the steps queued behind it, in order, until the outbox is empty or
+/// the steps reach [`SYNC_BATCH_BYTES`] (by [`SequenceStep::encoded_len_bound`]; the
+/// last step may go over).
+pub fn next_batch(
+    router_id: RouterId,
+    first: SequenceStep,
+    outbox: &mut mpsc::Receiver<SequenceStep>,
+) -> SequenceSyncBatch {
+    let mut bytes = first.encoded_len_bound();
+    let mut steps = vec![first];
+    while bytes < SYNC_BATCH_BYTES
+        && let Ok(step) = outbox.try_recv()
+    {
+        bytes += step.encoded_len_bound();
+        steps.push(step);
+    }
+    SequenceSyncBatch { router_id, steps }
+}
+
+/// Applies one sync payload received on `subject`: a peer's batch of steps, or the
+/// single step of an older peer, in order. The whole message is refused (counted
+/// once) when it does not decode or any step is over a limit.
 pub fn handle_sync(
     admission: &Admission,
     counters: &Counters,
@@ -125,32 +155,56 @@ pub fn handle_sync(
     payload: &[u8],
 ) {
     let replicas = &admission.replicas;
-    let msg: SequenceSync = match admit(counters, limits, MessageKind::Sequences, subject, payload)
-    {
-        Ok(m) => m,
-        Err(refusal) => {
-            replicas.metrics().count("in", refusal.reason());
-            return;
-        }
-    };
+    let msg: SequenceSyncBatch =
+        match admit(counters, limits, MessageKind::Sequences, subject, payload) {
+            Ok(m) => m,
+            Err(refusal) => {
+                replicas.metrics().count("in", refusal.reason());
+                return;
+            }
+        };
     // The sync connection has no echo, so our own messages never come back; this
     // guards against a peer that (wrongly) shares our router id.
     if msg.router_id == replicas.router_id() {
-        replicas.metrics().count("in", "own");
+        replicas
+            .metrics()
+            .count_steps("in", "own", msg.steps.len() as u64);
         return;
     }
-    replicas.note_step(&msg.request_id, &msg.update);
-    let (event, frees_load) = match msg.update {
-        SequenceUpdate::Booked(b) => (
-            booked_event(msg.router_id, msg.request_id.clone(), b),
-            false,
-        ),
+    let (mut frees_load, mut booking) = (false, false);
+    for step in msg.steps {
+        let (frees, booked) = apply_step(admission, counters, subject, msg.router_id, step);
+        frees_load |= frees;
+        booking |= booked;
+    }
+    if booking {
+        admission.expiry.booked(&admission.scheduler());
+    }
+    if frees_load {
+        admission.release_waiters();
+    }
+}
+
+/// Applies one step of peer `router_id` under the scheduler lock and counts it.
+/// Returns whether it may have freed load and whether it was a booking.
+fn apply_step(
+    admission: &Admission,
+    counters: &Counters,
+    subject: &str,
+    router_id: RouterId,
+    step: SequenceStep,
+) -> (bool, bool) {
+    let replicas = &admission.replicas;
+    let SequenceStep { request_id, update } = step;
+    replicas.note_step(&request_id, &update);
+    let (event, frees_load) = match update {
+        SequenceUpdate::Booked(b) => (booked_event(router_id, request_id.clone(), b), false),
         SequenceUpdate::PrefillDone => (
-            SequenceEvent::MarkPrefillCompleted(msg.request_id.clone()),
+            SequenceEvent::MarkPrefillCompleted(request_id.clone()),
             true,
         ),
-        SequenceUpdate::KeepAlive => (SequenceEvent::KeepAlive(msg.request_id.clone()), false),
-        SequenceUpdate::Freed => (SequenceEvent::Free(msg.request_id.clone()), true),
+        SequenceUpdate::KeepAlive => (SequenceEvent::KeepAlive(request_id.clone()), false),
+        SequenceUpdate::Freed => (SequenceEvent::Free(request_id.clone()), true),
     };
     let booking = matches!(event, SequenceEvent::AddRequest(_));
     let result = admission.scheduler().apply(event, Instant::now());
@@ -169,13 +223,8 @@ pub fn handle_sync(
         Err(e) => {
             replicas.metrics().count("in", "rejected");
             counters.message(MessageKind::Sequences, Outcome::Rejected);
-            debug!(subject, request_id = %msg.request_id, router_id = %msg.router_id, error = %e, "sequence sync refused");
+            debug!(subject, %request_id, %router_id, error = %e, "sequence sync refused");
         }
     }
-    if booking {
-        admission.expiry.notify_one();
-    }
-    if frees_load {
-        admission.release_waiters();
-    }
+    (frees_load, booking)
 }

@@ -25,6 +25,35 @@ pub struct Candidate {
     pub new_blocks: u32,
 }
 
+/// Per-rank multipliers of the `predicted-ttft` step-time constants, as online
+/// calibration (`crate::calibration`) learned them; [`TimingScale::ONE`] leaves the
+/// configured model as it is. Each factor is finite and > 0.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct TimingScale {
+    /// Multiplier of `prefill_ms_per_token`.
+    pub prefill: f64,
+    /// Multiplier of `step_base_ms`.
+    pub step_base: f64,
+    /// Multiplier of both decode terms, `decode_ms_per_seq` and
+    /// `kv_read_ms_per_token`.
+    pub decode: f64,
+}
+
+impl TimingScale {
+    /// No change.
+    pub const ONE: TimingScale = TimingScale {
+        prefill: 1.0,
+        step_base: 1.0,
+        decode: 1.0,
+    };
+}
+
+impl Default for TimingScale {
+    fn default() -> Self {
+        Self::ONE
+    }
+}
+
 /// What a policy decides on.
 #[derive(Debug, Clone, Copy)]
 pub struct SelectContext<'a> {
@@ -35,6 +64,10 @@ pub struct SelectContext<'a> {
     /// Requests of the current batch still to place, this one included (1 outside a
     /// batch); `kv-normalized` sizes its fair share with it.
     pub batch_remaining: usize,
+    /// Calibrated step-time multipliers, parallel to `candidates`, for
+    /// `predicted-ttft`; empty when calibration is off (every rank then uses the
+    /// configured model).
+    pub timing_scales: &'a [TimingScale],
 }
 
 /// The outcome of a selection.

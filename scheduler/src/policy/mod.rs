@@ -26,7 +26,7 @@ pub mod predicted_ttft;
 pub mod sampling;
 
 pub use cache_aware::CacheAwareThresholdConfig;
-pub use context::{Candidate, Choice, SelectContext};
+pub use context::{Candidate, Choice, SelectContext, TimingScale};
 pub use kv::KvPolicyConfig;
 pub use kv_normalized::KvNormalizedConfig;
 pub use predicted_ttft::PredictedTtftConfig;
@@ -285,6 +285,7 @@ pub(crate) mod test_support {
             request,
             candidates,
             batch_remaining: 1,
+            timing_scales: &[],
         }
     }
 

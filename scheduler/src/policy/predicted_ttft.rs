@@ -43,10 +43,13 @@
 //! conversation trace; the step-time defaults are the mock engine's
 //! `TimingModel::H100_8B` (`docs/engine-model.md`), and `docs/benchmarks.md` has the
 //! ablation and the comparison with every other policy. Calibrate the timing knobs to
-//! the real engine. Exact ties are broken uniformly at random.
+//! the real engine, or turn on online calibration (`crate::calibration`): it learns
+//! per-rank multipliers of the step-time constants ([`TimingScale`]) from observed
+//! TTFTs, and [`select`] then prices each rank with its own model. Exact ties are
+//! broken uniformly at random.
 
 use super::context::check_non_negative;
-use super::context::{Candidate, Choice, SelectContext};
+use super::context::{Candidate, Choice, SelectContext, TimingScale};
 use super::sampling::pick_by_cost;
 use crate::error::SchedulerError;
 use crate::request::RequestShape;
@@ -81,6 +84,89 @@ impl Default for StepTimeModel {
             max_num_batched_tokens: 8_192,
         }
     }
+}
+
+impl StepTimeModel {
+    /// This model with its constants multiplied by `scale` (the batch budget is the
+    /// engine's setting, not learned).
+    pub fn scaled(&self, scale: TimingScale) -> Self {
+        Self {
+            step_base_ms: self.step_base_ms * scale.step_base,
+            prefill_ms_per_token: self.prefill_ms_per_token * scale.prefill,
+            decode_ms_per_seq: self.decode_ms_per_seq * scale.decode,
+            kv_read_ms_per_token: self.kv_read_ms_per_token * scale.decode,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+        }
+    }
+}
+
+/// What the uncredited (`credit = 1`) TTFT prediction of a request on one rank is
+/// made of; online calibration regresses observed TTFTs on these.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TtftFeatures {
+    /// Prefill tokens ahead of and in the request: `P + N − O`, in tokens.
+    pub prefill_tokens: u64,
+    /// Engine steps until its first token: `max(1, ceil((P + N − O) / B))`.
+    pub steps: u64,
+    /// Active requests on the rank (`R`), decoding in every one of those steps.
+    pub active_requests: u64,
+    /// KV tokens decode attention reads per step (`D × block_size`), in tokens.
+    pub context_tokens: u64,
+}
+
+impl TtftFeatures {
+    /// The features of a request with `uncached` tokens to prefill on a rank with
+    /// `load`, at `block_size` tokens per block and `budget` tokens per step.
+    pub fn new(uncached: u64, load: &crate::load::RankLoad, block_size: u32, budget: u64) -> Self {
+        let prefill_tokens = load.active_prefill_tokens.saturating_add(uncached);
+        Self {
+            prefill_tokens,
+            steps: prefill_tokens.div_ceil(budget.max(1)).max(1),
+            active_requests: load.active_requests as u64,
+            context_tokens: load
+                .active_context_blocks
+                .saturating_mul(u64::from(block_size.max(1))),
+        }
+    }
+
+    /// The features of `request` on candidate `c`, with the overlap the policy
+    /// credits (indexed or in flight, see the module docs).
+    pub fn of(config: &PredictedTtftConfig, request: &RequestShape, c: &Candidate) -> Self {
+        let uncached = request.num_tokens - cached_tokens(config, request, c);
+        Self::new(
+            uncached,
+            &c.load,
+            request.block_size,
+            config.timing.max_num_batched_tokens,
+        )
+    }
+
+    /// The predicted TTFT's three parts under `t`, in ms: prefill
+    /// (`prefill_ms_per_token × (P + N − O)`), step base (`steps × step_base_ms`) and
+    /// decode (`steps × (decode_ms_per_seq × R + kv_read_ms_per_token × D × bs)`).
+    pub fn parts(&self, t: &StepTimeModel) -> [f64; 3] {
+        let steps = self.steps as f64;
+        [
+            t.prefill_ms_per_token * self.prefill_tokens as f64,
+            t.step_base_ms * steps,
+            steps
+                * (t.decode_ms_per_seq * self.active_requests as f64
+                    + t.kv_read_ms_per_token * self.context_tokens as f64),
+        ]
+    }
+}
+
+/// Prompt tokens the policy counts as cached on `c`: the larger of the indexed and
+/// the in-flight overlap, in tokens, at most the prompt.
+fn cached_tokens(config: &PredictedTtftConfig, request: &RequestShape, c: &Candidate) -> u64 {
+    let bs = u64::from(request.block_size.max(1));
+    let in_flight = if config.credit.in_flight {
+        request.request_blocks.saturating_sub(c.new_blocks)
+    } else {
+        0
+    };
+    let overlap = c.overlap_blocks.max(in_flight);
+    (u64::from(overlap) * bs).min(request.num_tokens)
 }
 
 /// How much a cached prompt token is worth, in prefill tokens (see the module docs).
@@ -181,13 +267,7 @@ pub fn predicted_ttft_cost(
     let bs = u64::from(request.block_size.max(1));
     let budget = t.max_num_batched_tokens.max(1);
     let n = request.num_tokens;
-    let in_flight = if k.in_flight {
-        request.request_blocks.saturating_sub(c.new_blocks)
-    } else {
-        0
-    };
-    let overlap = c.overlap_blocks.max(in_flight);
-    let cached = (u64::from(overlap) * bs).min(n);
+    let cached = cached_tokens(config, request, c);
     let pending = c.load.active_prefill_tokens;
     let excess = pending.saturating_sub(min_pending) as f64 / budget as f64;
     let credit = if (cached as f64) < k.min_match_ratio * n as f64 {
@@ -219,7 +299,17 @@ pub(super) fn select(
     costs.extend(
         ctx.candidates
             .iter()
-            .map(|c| predicted_ttft_cost(config, &ctx.request, c, min_pending)),
+            .enumerate()
+            .map(|(i, c)| match ctx.timing_scales.get(i) {
+                Some(&scale) if scale != TimingScale::ONE => {
+                    let own = PredictedTtftConfig {
+                        timing: config.timing.scaled(scale),
+                        ..*config
+                    };
+                    predicted_ttft_cost(&own, &ctx.request, c, min_pending)
+                }
+                _ => predicted_ttft_cost(config, &ctx.request, c, min_pending),
+            }),
     );
     let index = pick_by_cost(rng, costs, 0.0);
     Choice {

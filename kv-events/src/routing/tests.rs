@@ -1,0 +1,185 @@
+//! Round trips and refusals of the routing messages.
+
+use super::*;
+use crate::codec::{decode, encode};
+
+#[test]
+fn route_messages_round_trip() {
+    let req = RouteRequest {
+        policy: Some(PolicyKind::KvNormalized),
+        dp_rank: Some(DpRank(3)),
+        overrides: CostOverrides {
+            temperature: Some(0.5),
+            ..CostOverrides::default()
+        },
+        priority: -2,
+        exclude_workers: vec![WorkerId(4), WorkerId(9)],
+        ..RouteRequest::new(
+            "r1",
+            Prompt::Blocks {
+                block_hashes: vec![LocalBlockHash(1)],
+                num_tokens: 700,
+            },
+        )
+    };
+    assert_eq!(decode::<RouteRequest>(&encode(&req).unwrap()).unwrap(), req);
+
+    let ok = RouteReply::Routed(RouteDecision {
+        request_id: "r1".into(),
+        worker_id: WorkerId(2),
+        dp_rank: DpRank(0),
+        overlap_blocks: 1,
+        request_blocks: 2,
+        policy: PolicyKind::Kv,
+    });
+    assert_eq!(decode::<RouteReply>(&encode(&ok).unwrap()).unwrap(), ok);
+
+    for code in [
+        RouteErrorCode::NoWorkers,
+        RouteErrorCode::RankUnavailable,
+        RouteErrorCode::Overloaded,
+    ] {
+        let err = RouteReply::Error(RouteError {
+            code,
+            message: "no workers registered".into(),
+        });
+        assert_eq!(decode::<RouteReply>(&encode(&err).unwrap()).unwrap(), err);
+    }
+
+    for event in [
+        LifecycleEvent::PrefillDone,
+        LifecycleEvent::KeepAlive,
+        LifecycleEvent::Freed,
+    ] {
+        let life = LifecycleMessage {
+            request_id: "r1".into(),
+            event,
+        };
+        assert_eq!(
+            decode::<LifecycleMessage>(&encode(&life).unwrap()).unwrap(),
+            life
+        );
+    }
+}
+
+#[test]
+fn wire_names_are_stable() {
+    let code: String = decode(&encode(&RouteErrorCode::RankUnavailable).unwrap()).unwrap();
+    assert_eq!(code, "rank_unavailable");
+    let event: String = decode(&encode(&LifecycleEvent::KeepAlive).unwrap()).unwrap();
+    assert_eq!(event, "keep_alive");
+}
+
+#[test]
+fn policy_names_parse_and_print() {
+    for p in PolicyKind::ALL {
+        assert_eq!(p.as_str().parse::<PolicyKind>().unwrap(), p);
+        let wire: String = decode(&encode(&p).unwrap()).unwrap();
+        assert_eq!(wire, p.as_str());
+    }
+    let err = "fastest".parse::<PolicyKind>().unwrap_err();
+    assert!(err.contains("cache-aware-threshold"), "{err}");
+}
+
+#[test]
+fn request_without_new_fields_decodes_with_defaults() {
+    #[derive(Serialize)]
+    struct Minimal {
+        request_id: &'static str,
+        prompt: Prompt,
+    }
+    let bytes = encode(&Minimal {
+        request_id: "x",
+        prompt: Prompt::Tokens {
+            token_ids: vec![1, 2],
+        },
+    })
+    .unwrap();
+    let req: RouteRequest = decode(&bytes).unwrap();
+    assert_eq!(
+        req,
+        RouteRequest::new(
+            "x",
+            Prompt::Tokens {
+                token_ids: vec![1, 2]
+            }
+        )
+    );
+    // Without exclusions the key is not sent: older routers see the message they
+    // know.
+    let map: serde_json::Value = rmp_serde::from_slice(&encode(&req).unwrap()).unwrap();
+    assert!(map.get("exclude_workers").is_none(), "{map}");
+}
+
+#[test]
+fn overrides_are_partial_and_omitted_when_empty() {
+    #[derive(Serialize)]
+    struct Partial {
+        request_id: &'static str,
+        prompt: Prompt,
+        overrides: std::collections::BTreeMap<&'static str, f64>,
+    }
+    let bytes = encode(&Partial {
+        request_id: "x",
+        prompt: Prompt::Tokens { token_ids: vec![1] },
+        overrides: [("overlap_credit", 0.5)].into_iter().collect(),
+    })
+    .unwrap();
+    let req: RouteRequest = decode(&bytes).unwrap();
+    assert_eq!(req.overrides.overlap_credit, Some(0.5));
+    assert_eq!(req.overrides.temperature, None);
+
+    // An empty override set is not written at all.
+    let plain = RouteRequest::new("y", Prompt::Tokens { token_ids: vec![1] });
+    let map: std::collections::BTreeMap<String, serde::de::IgnoredAny> =
+        decode(&encode(&plain).unwrap()).unwrap();
+    assert!(!map.contains_key("overrides"));
+}
+
+#[test]
+fn batch_messages_round_trip_and_default_to_group_by_prefix() {
+    let batch = RouteBatchRequest {
+        requests: vec![
+            RouteRequest::new("a", Prompt::Tokens { token_ids: vec![1] }),
+            RouteRequest::new("b", Prompt::Tokens { token_ids: vec![2] }),
+        ],
+        order: BatchOrder::AsGiven,
+    };
+    let back: RouteBatchRequest = decode(&encode(&batch).unwrap()).unwrap();
+    assert_eq!(back, batch);
+    let order: String = decode(&encode(&BatchOrder::GroupByPrefix).unwrap()).unwrap();
+    assert_eq!(order, "group-by-prefix");
+
+    #[derive(Serialize)]
+    struct NoOrder {
+        requests: Vec<RouteRequest>,
+    }
+    let bytes = encode(&NoOrder {
+        requests: batch.requests.clone(),
+    })
+    .unwrap();
+    let back: RouteBatchRequest = decode(&bytes).unwrap();
+    assert_eq!(back.order, BatchOrder::GroupByPrefix);
+
+    let answered = RouteBatchReply::Answered {
+        replies: vec![RouteReply::Error(RouteError {
+            code: RouteErrorCode::Overloaded,
+            message: "busy".into(),
+        })],
+    };
+    assert_eq!(
+        decode::<RouteBatchReply>(&encode(&answered).unwrap()).unwrap(),
+        answered
+    );
+    let refused = RouteBatchReply::Error(RouteError {
+        code: RouteErrorCode::BadRequest,
+        message: "empty batch".into(),
+    });
+    let map: std::collections::BTreeMap<String, serde::de::IgnoredAny> =
+        decode(&encode(&refused).unwrap()).unwrap();
+    assert!(map.contains_key("status") && map.contains_key("code"));
+    assert_eq!(
+        decode::<RouteBatchReply>(&encode(&refused).unwrap()).unwrap(),
+        refused
+    );
+}

@@ -1,0 +1,80 @@
+//! The `serve` flags of online calibration (under the `Scheduler` heading, so
+//! `[scheduler] calibration…` in the TOML file): whether `predicted-ttft` learns each
+//! rank's step-time constants from observed TTFTs, and how. What it does:
+//! `scheduler::calibration`.
+
+use clap::{ArgAction, Args};
+use scheduler::CalibrationConfig;
+
+/// Calibration flags, flattened into [`super::scheduling::SchedulingArgs`].
+#[derive(Debug, Clone, Args)]
+pub struct CalibrationArgs {
+    /// Learn each rank's step-time constants (step base, prefill per token, decode)
+    /// from its observed routed → prefill_done times and price each rank with its
+    /// own (`predicted-ttft` only). Off until the lab shows it pays everywhere.
+    #[arg(long, env = "KV_ROUTER_CALIBRATION", default_value_t = false, action = ArgAction::Set)]
+    pub calibration: bool,
+    /// Forgetting factor of the estimator, in (0, 1]; the memory is about
+    /// 1 / (1 − factor) samples per rank.
+    #[arg(
+        long,
+        env = "KV_ROUTER_CALIBRATION_FORGETTING",
+        default_value_t = 0.995
+    )]
+    pub calibration_forgetting: f64,
+    /// Learned constants stay within this factor of the configured ones (≥ 1).
+    #[arg(long, env = "KV_ROUTER_CALIBRATION_MAX_FACTOR", default_value_t = 8.0)]
+    pub calibration_max_factor: f64,
+    /// An observed TTFT is clipped to within this factor of the prediction before it
+    /// updates the estimate (> 1).
+    #[arg(
+        long,
+        env = "KV_ROUTER_CALIBRATION_OUTLIER_RATIO",
+        default_value_t = 4.0
+    )]
+    pub calibration_outlier_ratio: f64,
+    /// Observations a rank needs before its own constants are used.
+    #[arg(
+        long,
+        env = "KV_ROUTER_CALIBRATION_WARMUP_SAMPLES",
+        default_value_t = 20
+    )]
+    pub calibration_warmup_samples: u32,
+}
+
+impl CalibrationArgs {
+    /// The scheduler's calibration settings (validated with the rest of its config).
+    pub fn to_config(&self) -> CalibrationConfig {
+        CalibrationConfig {
+            enabled: self.calibration,
+            forgetting: self.calibration_forgetting,
+            max_factor: self.calibration_max_factor,
+            outlier_ratio: self.calibration_outlier_ratio,
+            warmup_samples: self.calibration_warmup_samples,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kv_cluster::args::parse_flags;
+
+    #[test]
+    fn defaults_match_the_scheduler_and_every_flag_reaches_its_field() {
+        let defaults = parse_flags::<CalibrationArgs, _, _>(["kv-router"]).expect("no flags");
+        assert_eq!(defaults.to_config(), CalibrationConfig::default());
+        let flags = "kv-router --calibration true --calibration-forgetting 0.98 \
+                     --calibration-max-factor 5 --calibration-outlier-ratio 3 \
+                     --calibration-warmup-samples 7";
+        let set = parse_flags::<CalibrationArgs, _, _>(flags.split_whitespace()).expect("flags");
+        let expected = CalibrationConfig {
+            enabled: true,
+            forgetting: 0.98,
+            max_factor: 5.0,
+            outlier_ratio: 3.0,
+            warmup_samples: 7,
+        };
+        assert_eq!(set.to_config(), expected);
+    }
+}

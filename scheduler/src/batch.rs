@@ -1,0 +1,70 @@
+//! [`Scheduler::schedule_batch`]: several requests routed together, each seeing the
+//! bookings of the ones placed before it. A second `impl` block of [`Scheduler`]; a
+//! batch costs what its requests cost one by one, minus the scans it skips once every
+//! rank is known busy.
+
+use crate::error::SchedulerError;
+use crate::overlap::Overlaps;
+use crate::request::{ScheduleRequest, Selection};
+use crate::{BatchOrder, Scheduler};
+use kv_events::DpRank;
+use std::borrow::Borrow;
+use std::cmp::Reverse;
+use std::collections::HashSet;
+use std::time::Instant;
+
+impl Scheduler {
+    /// Schedules several requests routed together, each seeing the bookings of the
+    /// ones placed before it (`kv-normalized` also sizes its fair share with the
+    /// requests still to place). Returns one result per request, in input order.
+    /// Once an unpinned request finds every rank busy, later unpinned ones fail with
+    /// [`SchedulerError::AllBusy`] without another scan (bookings only add load);
+    /// likewise per pinned dp_rank.
+    pub fn schedule_batch<R: Borrow<ScheduleRequest>, O: Overlaps>(
+        &mut self,
+        batch: &[(R, O)],
+        order: BatchOrder,
+        now: Instant,
+    ) -> Vec<Result<Selection, SchedulerError>> {
+        let mut sequence: Vec<usize> = (0..batch.len()).collect();
+        if order == BatchOrder::GroupByPrefix {
+            sequence.sort_by_key(|&i| {
+                let r = batch[i].0.borrow();
+                (
+                    r.dp_rank.is_none(),
+                    r.block_hashes.first().copied(),
+                    Reverse(r.num_tokens),
+                )
+            });
+        }
+        let mut results: Vec<Result<Selection, SchedulerError>> =
+            batch.iter().map(|_| Err(SchedulerError::AllBusy)).collect();
+        let mut all_busy = false;
+        let mut busy_pins: HashSet<DpRank> = HashSet::new();
+        for (k, &i) in sequence.iter().enumerate() {
+            let (req, overlaps) = (batch[i].0.borrow(), &batch[i].1);
+            // A request with exclusions has fewer candidates than the others, so what
+            // it finds says nothing about them, nor theirs about it.
+            let excludes = !req.exclude_workers.is_empty();
+            let known_busy = match req.dp_rank {
+                _ if excludes => false,
+                None => all_busy,
+                Some(dp) => busy_pins.contains(&dp),
+            };
+            if known_busy && !self.sequences.contains(&req.request_id) {
+                continue; // stays AllBusy
+            }
+            let result = self.schedule_one(req, overlaps, now, batch.len() - k);
+            if matches!(result, Err(SchedulerError::AllBusy)) && !excludes {
+                match req.dp_rank {
+                    None => all_busy = true,
+                    Some(dp) => {
+                        busy_pins.insert(dp);
+                    }
+                }
+            }
+            results[i] = result;
+        }
+        results
+    }
+}

@@ -1,0 +1,259 @@
+//! Tests of the calibration estimator and its per-rank bookkeeping, on synthetic
+//! observations with explicit `Instant`s.
+
+use super::rls::TRACE_CAP;
+use super::*;
+use kv_events::{DpRank, WorkerId};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use std::time::Duration;
+
+fn bounds() -> Bounds {
+    CalibrationConfig::default().bounds()
+}
+
+/// Varied parts in ms (the seed's constants), like requests of 100–3,000 tokens
+/// behind 1–5 steps of queue on ranks running 0–255 decodes over up to 200k KV
+/// tokens.
+fn parts(rng: &mut StdRng) -> [f64; 3] {
+    let steps = f64::from(rng.random_range(1..6_u32));
+    [
+        0.06 * f64::from(rng.random_range(100..3_000_u32)),
+        9.0 * steps,
+        steps
+            * (0.04 * f64::from(rng.random_range(0..256_u32))
+                + 4e-5 * f64::from(rng.random_range(0..200_000_u32))),
+    ]
+}
+
+fn observe(theta: [f64; 3], z: [f64; 3]) -> f64 {
+    theta.iter().zip(z).map(|(t, v)| t * v).sum()
+}
+
+fn close(a: [f64; 3], b: [f64; 3], tol: f64) -> bool {
+    a.iter().zip(b).all(|(x, y)| (x - y).abs() <= tol * y)
+}
+
+#[test]
+fn converges_to_the_true_multipliers_on_exact_data() {
+    let truth = [2.0, 0.5, 1.5];
+    let mut rng = StdRng::seed_from_u64(1);
+    let mut rls = Rls::default();
+    for _ in 0..1_000 {
+        let z = parts(&mut rng);
+        assert!(rls.update(z, observe(truth, z), &bounds()));
+    }
+    assert!(close(rls.theta(), truth, 0.02), "{:?}", rls.theta());
+    assert_eq!(rls.samples(), 1_000);
+}
+
+#[test]
+fn converges_on_noisy_data() {
+    let truth = [0.5, 3.0, 1.0];
+    let mut rng = StdRng::seed_from_u64(2);
+    let mut rls = Rls::default();
+    for _ in 0..3_000 {
+        let z = parts(&mut rng);
+        // ±25% multiplicative noise on every observation.
+        let y = observe(truth, z) * rng.random_range(0.75..1.25);
+        rls.update(z, y, &bounds());
+    }
+    assert!(close(rls.theta(), truth, 0.1), "{:?}", rls.theta());
+}
+
+#[test]
+fn follows_a_step_change_through_forgetting() {
+    let mut rng = StdRng::seed_from_u64(3);
+    let mut rls = Rls::default();
+    for _ in 0..1_000 {
+        let z = parts(&mut rng);
+        rls.update(z, observe([1.0; 3], z), &bounds());
+    }
+    assert!(close(rls.theta(), [1.0; 3], 0.01));
+    // The engine becomes 2× slower in prefill and step base.
+    let slower = [2.0, 2.0, 1.0];
+    for _ in 0..1_000 {
+        let z = parts(&mut rng);
+        rls.update(z, observe(slower, z), &bounds());
+    }
+    let theta = rls.theta();
+    assert!(close([theta[0], theta[1], 1.0], slower, 0.05), "{theta:?}");
+}
+
+#[test]
+fn learned_constants_stay_within_the_clamp() {
+    let mut rng = StdRng::seed_from_u64(4);
+    let (mut fast, mut slow) = (Rls::default(), Rls::default());
+    for _ in 0..500 {
+        let z = parts(&mut rng);
+        fast.update(z, observe([0.01; 3], z), &bounds());
+        slow.update(z, observe([50.0; 3], z), &bounds());
+        for t in fast.theta().into_iter().chain(slow.theta()) {
+            assert!((0.125..=8.0).contains(&t), "{t}");
+        }
+    }
+    // At the bounds in the dominant (prefill) direction, on the way in the others.
+    assert!((fast.theta()[0] - 0.125).abs() < 0.01, "{:?}", fast.theta());
+    assert!((slow.theta()[0] - 8.0).abs() < 0.2, "{:?}", slow.theta());
+    // The default clamp covers engines 4× faster or slower in any one constant.
+    let mut rls = Rls::default();
+    let truth = [0.25, 4.0, 1.0];
+    for _ in 0..2_000 {
+        let z = parts(&mut rng);
+        rls.update(z, observe(truth, z), &bounds());
+    }
+    assert!(close(rls.theta(), truth, 0.02), "{:?}", rls.theta());
+}
+
+#[test]
+fn degenerate_samples_are_skipped_without_nan() {
+    let mut rls = Rls::default();
+    let b = bounds();
+    assert!(!rls.update([0.0; 3], 10.0, &b), "all-zero features");
+    assert!(!rls.update([1.0, 1.0, 0.0], f64::NAN, &b));
+    assert!(!rls.update([1.0, 1.0, 0.0], f64::INFINITY, &b));
+    assert!(!rls.update([f64::NAN, 1.0, 0.0], 1.0, &b));
+    assert!(!rls.update([-1.0, 2.0, 0.0], 1.0, &b));
+    assert!(
+        !rls.update([f64::MAX, f64::MAX, 0.0], 1.0, &b),
+        "sum overflows"
+    );
+    assert_eq!(rls, Rls::default(), "nothing changed");
+    // A zero interval (prefill_done in the same instant) is winsorised, not a NaN.
+    assert!(rls.update([6.0, 9.0, 0.0], 0.0, &b));
+    assert!(rls.theta().iter().all(|t| t.is_finite() && *t > 0.0));
+}
+
+#[test]
+fn a_single_repeated_feature_vector_stays_bounded() {
+    // Only one direction is excited (an idle rank serving one prompt size): the
+    // others must not wind up, and the excited direction must fit the data.
+    let mut rls = Rls::default();
+    let z = [60.0, 9.0, 0.0];
+    for _ in 0..100_000 {
+        rls.update(z, 2.0 * 69.0, &bounds());
+    }
+    let theta = rls.theta();
+    assert!(theta.iter().all(|t| t.is_finite()), "{theta:?}");
+    assert!((observe(theta, z) - 138.0).abs() < 1e-3, "{theta:?}");
+    let trace = rls.covariance_trace();
+    assert!(trace.is_finite() && trace <= TRACE_CAP + 1e-9, "{trace}");
+}
+
+#[test]
+fn one_outlier_moves_a_converged_estimate_little() {
+    let mut rng = StdRng::seed_from_u64(5);
+    let mut rls = Rls::default();
+    for _ in 0..500 {
+        let z = parts(&mut rng);
+        rls.update(z, observe([1.0; 3], z), &bounds());
+    }
+    let before = rls.theta();
+    let z = parts(&mut rng);
+    rls.update(z, observe([1.0; 3], z) * 1_000.0, &bounds());
+    assert!(
+        close(rls.theta(), before, 0.05),
+        "{before:?} → {:?}",
+        rls.theta()
+    );
+}
+
+fn rank(w: u64) -> WorkerRank {
+    WorkerRank::new(WorkerId(w), DpRank(0))
+}
+
+fn calibration(warmup_samples: u32) -> Calibration {
+    Calibration::new(
+        CalibrationConfig {
+            enabled: true,
+            warmup_samples,
+            ..CalibrationConfig::default()
+        },
+        &PolicyConfig::default(),
+    )
+}
+
+fn features(tokens: u64) -> TtftFeatures {
+    TtftFeatures {
+        prefill_tokens: tokens,
+        steps: tokens.div_ceil(8_192).max(1),
+        active_requests: 0,
+        context_tokens: 0,
+    }
+}
+
+/// Books and completes `n` requests on `rank`, each taking `slowdown` × the seed's
+/// prediction; returns the time after the last.
+fn serve(c: &mut Calibration, rank: WorkerRank, n: u32, slowdown: f64, t: Instant) -> Instant {
+    let mut now = t;
+    for i in 0..n {
+        let id = RequestId::from(format!("{rank}-{i}"));
+        let f = features(500 + u64::from(i % 7) * 900);
+        c.book(&id, rank, f, now);
+        let ms = slowdown * f.parts(c.seed()).iter().sum::<f64>();
+        now += Duration::from_secs_f64(ms / 1e3);
+        assert!(c.prefill_done(&id, now));
+    }
+    now
+}
+
+#[test]
+fn warm_up_falls_back_to_the_seed() {
+    let mut c = calibration(10);
+    let t = Instant::now();
+    assert_eq!(
+        c.scale(rank(1)),
+        TimingScale::ONE,
+        "an idle rank uses the seed"
+    );
+    let report = c.report(rank(1)).unwrap();
+    assert_eq!((report.samples, report.in_use), (0, false));
+    assert_eq!(report.model, *c.seed());
+    let t = serve(&mut c, rank(1), 9, 2.0, t);
+    assert_eq!(c.scale(rank(1)), TimingScale::ONE, "still warming up");
+    assert!(!c.report(rank(1)).unwrap().in_use);
+    serve(&mut c, rank(1), 1, 2.0, t);
+    let scale = c.scale(rank(1));
+    assert!((scale.prefill - 2.0).abs() < 0.3, "{scale:?}");
+    let report = c.report(rank(1)).unwrap();
+    assert!(report.in_use);
+    assert_eq!(report.samples, 10);
+    assert!((report.model.prefill_ms_per_token / 0.06 - scale.prefill).abs() < 1e-12);
+    assert_eq!(
+        c.scale(rank(2)),
+        TimingScale::ONE,
+        "other ranks are untouched"
+    );
+}
+
+#[test]
+fn bookkeeping_is_bounded_and_off_means_off() {
+    let mut c = calibration(1);
+    let t = Instant::now();
+    let id = RequestId::from("a");
+    assert!(!c.prefill_done(&id, t), "unknown request");
+    c.book(&id, rank(1), features(100), t);
+    c.forget(&id);
+    assert!(
+        !c.prefill_done(&id, t + Duration::from_millis(5)),
+        "freed first"
+    );
+    c.book(&id, rank(1), features(100), t);
+    assert!(c.prefill_done(&id, t + Duration::from_millis(20)));
+    assert!(
+        !c.prefill_done(&id, t + Duration::from_millis(30)),
+        "repeated"
+    );
+    c.book(&RequestId::from("b"), rank(1), features(100), t);
+    c.book(&RequestId::from("c"), rank(2), features(100), t);
+    c.remove_ranks(|r| r == rank(1));
+    assert_eq!(c.pending(), 1);
+    assert_eq!(c.report(rank(1)).unwrap().samples, 0, "estimator dropped");
+
+    let mut off = Calibration::new(CalibrationConfig::default(), &PolicyConfig::default());
+    off.book(&id, rank(1), features(100), t);
+    assert_eq!(off.pending(), 0);
+    assert!(!off.prefill_done(&id, t + Duration::from_millis(20)));
+    assert_eq!(off.report(rank(1)), None);
+    assert_eq!(off.scale(rank(1)), TimingScale::ONE);
+}
