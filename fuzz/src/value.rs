@@ -407,6 +407,7 @@ mod tests {
                 dp_rank: kv_events::DpRank(70_000),
                 data: kv_events::KvCacheEventData::Removed {
                     block_hashes: vec![kv_events::ExternalBlockHash(1 << 40)],
+                    tier: kv_events::StorageTier::Gpu,
                 },
             }],
         );

@@ -324,6 +324,7 @@ impl OrderedIndex {
             data: KvCacheEventData::Stored {
                 parent_hash: None,
                 blocks,
+                tier: kv_events::StorageTier::Gpu,
             },
         };
         // A chain from the root cannot be refused.
@@ -349,7 +350,10 @@ impl OrderedIndex {
             let event = KvCacheEvent {
                 event_id: 0,
                 dp_rank: rank.dp_rank,
-                data: KvCacheEventData::Removed { block_hashes },
+                data: KvCacheEventData::Removed {
+                    block_hashes,
+                    tier: kv_events::StorageTier::Gpu,
+                },
             };
             if let Ok(outcome) = self.tree.apply_event(rank.worker_id, &event) {
                 self.counters.record_outcome(&outcome);

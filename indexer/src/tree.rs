@@ -208,10 +208,18 @@ impl RadixTree {
         event: &KvCacheEvent,
     ) -> Result<ApplyOutcome, ApplyError> {
         let rank = WorkerRank::new(worker_id, event.dp_rank);
+        if let KvCacheEventData::Stored { tier, .. } | KvCacheEventData::Removed { tier, .. } =
+            &event.data
+            && !tier.is_gpu()
+        {
+            // Lower tiers are not indexed yet: the index is the GPU tier.
+            return Ok(ApplyOutcome::default());
+        }
         match &event.data {
             KvCacheEventData::Stored {
                 parent_hash,
                 blocks,
+                ..
             } => {
                 // Room first, so the bound holds at the peak too, not only after.
                 let room = self.make_room(rank, *parent_hash, blocks.len());
@@ -219,7 +227,7 @@ impl RadixTree {
                 outcome.pruned = room + self.enforce_bound();
                 Ok(outcome)
             }
-            KvCacheEventData::Removed { block_hashes } => Ok(self.remove(rank, block_hashes)),
+            KvCacheEventData::Removed { block_hashes, .. } => Ok(self.remove(rank, block_hashes)),
             KvCacheEventData::Cleared => Ok(self.clear_rank(rank)),
         }
     }

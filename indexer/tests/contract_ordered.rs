@@ -40,12 +40,14 @@ fn store(parent: Option<u64>, hashes: &[u64]) -> KvCacheEventData {
                 tokens_hash: LocalBlockHash(*h),
             })
             .collect(),
+        tier: kv_events::StorageTier::Gpu,
     }
 }
 
 fn remove(hashes: &[u64]) -> KvCacheEventData {
     KvCacheEventData::Removed {
         block_hashes: hashes.iter().map(|h| ExternalBlockHash(*h)).collect(),
+        tier: kv_events::StorageTier::Gpu,
     }
 }
 

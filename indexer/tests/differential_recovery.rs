@@ -200,6 +200,7 @@ impl World {
                     KvCacheEventData::Stored {
                         parent_hash: parent_hash.map(ExternalBlockHash),
                         blocks,
+                        tier: kv_events::StorageTier::Gpu,
                     },
                 );
             }
@@ -216,7 +217,14 @@ impl World {
                     }
                 }
                 let block_hashes = hashes.into_iter().map(ExternalBlockHash).collect();
-                self.publish(*worker, *dp, KvCacheEventData::Removed { block_hashes });
+                self.publish(
+                    *worker,
+                    *dp,
+                    KvCacheEventData::Removed {
+                        block_hashes,
+                        tier: kv_events::StorageTier::Gpu,
+                    },
+                );
             }
             Op::Clear { worker, dp } => {
                 let rank = WorkerRank::new(WorkerId(*worker), DpRank(*dp));
@@ -288,6 +296,7 @@ impl World {
             for dp in 0..RANKS {
                 let noop = KvCacheEventData::Removed {
                     block_hashes: vec![ExternalBlockHash(u64::MAX)],
+                    tier: kv_events::StorageTier::Gpu,
                 };
                 self.publish(w, dp, noop);
             }

@@ -12,9 +12,61 @@
 //!   routing queries are matched against.
 //! - `Removed` drops the named blocks for that worker rank.
 //! - `Cleared` drops every block of that worker rank (engine reset or cache flush).
+//!
+//! `Stored` and `Removed` name the [`StorageTier`] the blocks went to or left: the
+//! GPU (the default, and the only tier of a publisher that predates tiers) or a
+//! lower tier an engine offloads to (CPU memory, local disk). The tier is optional on
+//! the wire and omitted for the GPU, so GPU events are byte-identical to those of
+//! publishers that predate tiers.
 
 use crate::ids::{DpRank, ExternalBlockHash, LocalBlockHash, WorkerId};
 use serde::{Deserialize, Serialize};
+
+/// Where a worker rank holds a block: the storage tier a `Stored` event wrote to or
+/// a `Removed` event evicted from.
+///
+/// On the wire a lowercase string (`"gpu"`, `"cpu"`, `"disk"`), omitted for
+/// [`StorageTier::Gpu`]. A block on a lower tier is not usable as is: the engine
+/// loads it back to the GPU first (for vLLM's offloading connector, over PCIe), which
+/// is cheaper than recomputing its prefill but not free.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum StorageTier {
+    /// GPU memory: the engine's KV cache proper. The default.
+    #[default]
+    Gpu,
+    /// Host (CPU) memory, e.g. vLLM's `OffloadingConnector` with a CPU backend.
+    Cpu,
+    /// Local disk or other storage below host memory.
+    Disk,
+}
+
+impl StorageTier {
+    /// Every tier, fastest first.
+    pub const ALL: [StorageTier; 3] = [StorageTier::Gpu, StorageTier::Cpu, StorageTier::Disk];
+
+    /// True for [`StorageTier::Gpu`] (used to omit the default on the wire).
+    pub fn is_gpu(&self) -> bool {
+        matches!(self, StorageTier::Gpu)
+    }
+
+    /// The lowercase wire name, for logs and metric labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StorageTier::Gpu => "gpu",
+            StorageTier::Cpu => "cpu",
+            StorageTier::Disk => "disk",
+        }
+    }
+}
+
+impl std::fmt::Display for StorageTier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
 
 /// One block in a `Stored` event.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -28,7 +80,8 @@ pub struct StoredBlock {
 /// The payload of one KV cache event.
 ///
 /// On the wire this is a map with a `"type"` key: `{"type": "stored", "parent_hash": …,
-/// "blocks": […]}`, `{"type": "removed", "block_hashes": […]}` or `{"type": "cleared"}`.
+/// "blocks": […], "tier": …}`, `{"type": "removed", "block_hashes": […], "tier": …}`
+/// or `{"type": "cleared"}`; `tier` is omitted for the GPU.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum KvCacheEventData {
@@ -39,13 +92,20 @@ pub enum KvCacheEventData {
         parent_hash: Option<ExternalBlockHash>,
         /// The new blocks, in prefix order.
         blocks: Vec<StoredBlock>,
+        /// The tier the blocks were written to; GPU when absent on the wire.
+        #[serde(default, skip_serializing_if = "StorageTier::is_gpu")]
+        tier: StorageTier,
     },
     /// Blocks were evicted from the cache.
     Removed {
         /// The engine hashes of the evicted blocks.
         block_hashes: Vec<ExternalBlockHash>,
+        /// The tier they were evicted from (the rank may still hold them on another
+        /// tier); GPU when absent on the wire.
+        #[serde(default, skip_serializing_if = "StorageTier::is_gpu")]
+        tier: StorageTier,
     },
-    /// Every block of this worker rank was dropped.
+    /// Every block of this worker rank was dropped, on every tier.
     Cleared,
 }
 
@@ -93,7 +153,7 @@ impl KvCacheEventData {
     pub fn block_count(&self) -> usize {
         match self {
             KvCacheEventData::Stored { blocks, .. } => blocks.len(),
-            KvCacheEventData::Removed { block_hashes } => block_hashes.len(),
+            KvCacheEventData::Removed { block_hashes, .. } => block_hashes.len(),
             KvCacheEventData::Cleared => 0,
         }
     }
@@ -133,6 +193,7 @@ mod tests {
                                 tokens_hash: LocalBlockHash(12),
                             },
                         ],
+                        tier: StorageTier::Gpu,
                     },
                 },
                 KvCacheEvent {
@@ -140,6 +201,7 @@ mod tests {
                     dp_rank: DpRank(1),
                     data: KvCacheEventData::Removed {
                         block_hashes: vec![ExternalBlockHash(2)],
+                        tier: StorageTier::Cpu,
                     },
                 },
                 KvCacheEvent {
@@ -202,6 +264,83 @@ mod tests {
         .unwrap();
         let batch: KvEventBatch = decode(&bytes).unwrap();
         assert_eq!(batch, KvEventBatch::new(WorkerId(3), vec![]));
+    }
+
+    #[test]
+    fn the_tier_is_omitted_for_the_gpu_and_defaults_to_it() {
+        // A publisher that predates tiers: no `tier` key.
+        #[derive(Serialize)]
+        #[serde(tag = "type", rename_all = "snake_case")]
+        enum OldData {
+            Stored {
+                parent_hash: Option<ExternalBlockHash>,
+                blocks: Vec<StoredBlock>,
+            },
+            Removed {
+                block_hashes: Vec<ExternalBlockHash>,
+            },
+        }
+        let block = StoredBlock {
+            block_hash: ExternalBlockHash(9),
+            tokens_hash: LocalBlockHash(10),
+        };
+        let old_stored = encode(&OldData::Stored {
+            parent_hash: None,
+            blocks: vec![block],
+        })
+        .unwrap();
+        let old_removed = encode(&OldData::Removed {
+            block_hashes: vec![ExternalBlockHash(9)],
+        })
+        .unwrap();
+        let gpu_stored = KvCacheEventData::Stored {
+            parent_hash: None,
+            blocks: vec![block],
+            tier: StorageTier::Gpu,
+        };
+        let gpu_removed = KvCacheEventData::Removed {
+            block_hashes: vec![ExternalBlockHash(9)],
+            tier: StorageTier::Gpu,
+        };
+        // Old bytes decode as GPU events, and GPU events encode to the old bytes.
+        assert_eq!(decode::<KvCacheEventData>(&old_stored).unwrap(), gpu_stored);
+        assert_eq!(
+            decode::<KvCacheEventData>(&old_removed).unwrap(),
+            gpu_removed
+        );
+        assert_eq!(encode(&gpu_stored).unwrap(), old_stored);
+        assert_eq!(encode(&gpu_removed).unwrap(), old_removed);
+    }
+
+    #[test]
+    fn lower_tiers_round_trip_by_lowercase_name() {
+        for tier in [StorageTier::Cpu, StorageTier::Disk] {
+            let data = KvCacheEventData::Removed {
+                block_hashes: vec![ExternalBlockHash(1)],
+                tier,
+            };
+            let bytes = encode(&data).unwrap();
+            assert_eq!(decode::<KvCacheEventData>(&bytes).unwrap(), data);
+            #[derive(Deserialize)]
+            struct Named {
+                tier: String,
+            }
+            assert_eq!(decode::<Named>(&bytes).unwrap().tier, tier.as_str());
+        }
+        // A tier this build does not know is a decode error, not a GPU event.
+        #[derive(Serialize)]
+        struct Future {
+            r#type: &'static str,
+            block_hashes: Vec<u64>,
+            tier: &'static str,
+        }
+        let future = encode(&Future {
+            r#type: "removed",
+            block_hashes: vec![1],
+            tier: "tape",
+        })
+        .unwrap();
+        assert!(decode::<KvCacheEventData>(&future).is_err());
     }
 
     #[test]

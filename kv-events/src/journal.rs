@@ -13,11 +13,16 @@
 //! publishes what [`EventJournal::record_batch`] returns; [`EventJournal::answer`]
 //! turns a raw request payload into the reply chunks to publish.
 //!
+//! The held set and the dump cover the GPU tier only: a `Stored` or `Removed` of a
+//! lower [`crate::StorageTier`] is numbered, buffered and replayed like any event, but
+//! a router that recovers from a dump relearns the rank's lower tiers only from later
+//! events.
+//!
 //! Costs per rank: `ring_capacity` events (the ring), plus about 40 bytes per held
 //! block (engine hash → parent and tokens hash). Recording is O(blocks) per event; a
 //! dump is O(held blocks).
 
-use crate::events::{KvCacheEvent, KvCacheEventData, KvEventBatch, StoredBlock};
+use crate::events::{KvCacheEvent, KvCacheEventData, KvEventBatch, StorageTier, StoredBlock};
 use crate::ids::{DpRank, ExternalBlockHash, LocalBlockHash, WorkerId};
 use crate::recovery::{RecoveryBody, RecoveryChunk, RecoveryReply, RecoveryRequest, StoredChain};
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -64,9 +69,14 @@ struct RankJournal {
 impl RankJournal {
     fn apply(&mut self, data: &KvCacheEventData) {
         match data {
+            // The held set is the rank's GPU blocks: a dump rebuilds the GPU tier only
+            // (lower tiers come back as the engine offloads again).
+            KvCacheEventData::Stored { tier, .. } | KvCacheEventData::Removed { tier, .. }
+                if !tier.is_gpu() => {}
             KvCacheEventData::Stored {
                 parent_hash,
                 blocks,
+                ..
             } => {
                 let mut parent = *parent_hash;
                 for block in blocks {
@@ -74,7 +84,7 @@ impl RankJournal {
                     parent = Some(block.block_hash);
                 }
             }
-            KvCacheEventData::Removed { block_hashes } => {
+            KvCacheEventData::Removed { block_hashes, .. } => {
                 for hash in block_hashes {
                     self.remove(*hash);
                 }
@@ -183,6 +193,7 @@ impl RankJournal {
             chains.push(StoredChain {
                 parent_hash,
                 blocks,
+                tier: StorageTier::Gpu,
             });
         }
         (chains, unheld)
@@ -368,12 +379,14 @@ mod tests {
         KvCacheEventData::Stored {
             parent_hash: parent.map(ExternalBlockHash),
             blocks: chain(hashes),
+            tier: StorageTier::Gpu,
         }
     }
 
     fn removed(hashes: &[u64]) -> KvCacheEventData {
         KvCacheEventData::Removed {
             block_hashes: hashes.iter().map(|h| ExternalBlockHash(*h)).collect(),
+            tier: StorageTier::Gpu,
         }
     }
 
@@ -460,10 +473,12 @@ mod tests {
                 StoredChain {
                     parent_hash: None,
                     blocks: chain(&[1, 2, 3]),
+                    tier: StorageTier::Gpu
                 },
                 StoredChain {
                     parent_hash: Some(ExternalBlockHash(2)),
                     blocks: chain(&[4]),
+                    tier: StorageTier::Gpu
                 },
             ]
         );

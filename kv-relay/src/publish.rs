@@ -82,6 +82,8 @@ impl Publisher {
         let mut connected = BTreeSet::new();
         // The last refused event block size logged, so a mismatch is logged once.
         let mut refused_size = None;
+        // Whether an event naming an unknown storage medium was logged (once).
+        let mut unknown_medium_logged = false;
         while let Some(msg) = rx.recv().await {
             match msg {
                 SourceMsg::Batch { socket, seq, batch } => {
@@ -116,6 +118,11 @@ impl Publisher {
                                     if refused_size.replace(event) != Some(event) {
                                         error!(%rank, seq, event_block_size = event, block_size = expected,
                                             "engine event refused: its block_size {event} differs from the {expected} tokens in use");
+                                    }
+                                } else if let Skip::UnknownMedium(medium) = &skip {
+                                    if !std::mem::replace(&mut unknown_medium_logged, true) {
+                                        warn!(%rank, seq, medium = %medium.0,
+                                            "engine event skipped: unknown storage medium (counted in kv_relay_engine_events_total{{outcome=\"unknown_medium\"}}; logged once)");
                                     }
                                 } else {
                                     debug!(%rank, seq, reason = %skip, "engine event not published");

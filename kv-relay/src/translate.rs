@@ -1,27 +1,32 @@
 //! Engine events → our [`KvCacheEventData`], per data-parallel rank. Pure and
 //! synchronous.
 //!
-//! Per rank the translator keeps the blocks the engine holds and which (medium, KV
-//! cache group) pairs hold each (the engine hash → local hash map and the parents live
-//! in the publisher's [`kv_events::journal::EventJournal`], which also answers the
-//! router's recovery requests). The holder sets make the engine's storage tiers and
-//! hybrid-model groups fold into one "cached" fact per block:
-//! - a block is stored when the first (medium, group) stores it, and removed when the
-//!   last one removes it, so a CPU-offloaded copy keeps a block routable after the GPU
-//!   copy is evicted, and a sliding-window group dropping old blocks does not hide
-//!   blocks the full-attention group still holds;
-//! - a `BlockStored` whose parent the rank does not hold cannot be placed in the
-//!   prefix tree; it is dropped and counted (the engine's next blocks from the root
-//!   rebuild the picture);
-//! - `AllBlocksCleared` drops everything of the rank.
+//! Per rank the translator keeps the blocks the engine holds and which (storage tier,
+//! KV cache group) pairs hold each (the engine hash → local hash map and the parents
+//! live in the publisher's [`kv_events::journal::EventJournal`], which also answers
+//! the router's recovery requests). The engine's `medium` becomes a [`StorageTier`]
+//! ([`tier_of_medium`]); the holder sets fold hybrid-model groups into one "cached"
+//! fact per (block, tier):
+//! - a block is stored on a tier when the first group stores it there, and removed
+//!   from the tier when the last group there removes it, so a sliding-window group
+//!   dropping old blocks does not hide blocks the full-attention group still holds;
+//!   a CPU-offloaded copy is published as a `Stored` on the CPU tier and the GPU
+//!   copy's eviction as a `Removed` from the GPU tier, so the router sees both;
+//! - a `BlockStored` whose parent the rank does not hold on any tier cannot be placed
+//!   in the prefix tree; it is dropped and counted (the engine's next blocks from the
+//!   root rebuild the picture);
+//! - an event naming a medium this build does not know is dropped and counted
+//!   (`unknown_medium`);
+//! - `AllBlocksCleared` drops everything of the rank, on every tier.
 //!
 //! Cost: one hash map entry per held block (≈ 60 bytes), O(blocks) per event.
 
 use crate::config::EngineFormat;
 use kv_events::engines::{
-    BlockRemoved, BlockStored, EngineEvent, EventForm, LocalHashError, local_block_hashes,
+    BlockRemoved, BlockStored, EngineEvent, EventForm, LocalHashError, UnknownMedium,
+    local_block_hashes, tier_of_medium,
 };
-use kv_events::{DpRank, ExternalBlockHash, KvCacheEventData, StoredBlock};
+use kv_events::{DpRank, ExternalBlockHash, KvCacheEventData, StorageTier, StoredBlock};
 use std::collections::HashMap;
 
 /// Why an engine event produced nothing.
@@ -36,6 +41,9 @@ pub enum Skip {
     /// An event type the relay does not know.
     #[error("unknown engine event type {0:?}")]
     UnknownType(String),
+    /// The event names a storage medium the relay does not know.
+    #[error(transparent)]
+    UnknownMedium(#[from] UnknownMedium),
     /// The event's encoding is excluded by `--engine-format`.
     #[error("{} event refused by --engine-format", .0.as_str())]
     Format(EventForm),
@@ -52,20 +60,21 @@ impl Skip {
             Skip::Hashing(_) => "bad_blocks",
             Skip::Orphan(_) => "orphan",
             Skip::UnknownType(_) => "unknown_type",
+            Skip::UnknownMedium(_) => "unknown_medium",
             Skip::Format(_) => "format",
             Skip::NoChange => "no_change",
         }
     }
 }
 
-/// A (medium, KV cache group) pair that holds a block.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// A (storage tier, KV cache group) pair that holds a block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Holder {
-    medium: Option<String>,
+    tier: StorageTier,
     group: Option<u32>,
 }
 
-/// The blocks one rank holds, each with the (medium, group) pairs holding it.
+/// The blocks one rank holds, each with the (tier, group) pairs holding it.
 #[derive(Debug, Default)]
 struct RankBlocks {
     blocks: HashMap<ExternalBlockHash, Vec<Holder>>,
@@ -136,6 +145,7 @@ impl Translator {
     }
 
     fn stored(&mut self, rank: DpRank, event: &BlockStored) -> Result<KvCacheEventData, Skip> {
+        let tier = tier_of_medium(event.medium.as_deref())?;
         // Until the size is known, the event's own size is tried, and kept only if the
         // event hashes at it (a 0 or inconsistent size fixes nothing).
         let block_size = self.block_size.unwrap_or(event.block_size);
@@ -148,17 +158,15 @@ impl Translator {
             return Err(Skip::Orphan(parent));
         }
         let holder = Holder {
-            medium: event.medium.clone(),
+            tier,
             group: event.group_idx,
         };
         let mut any_new = false;
         for &hash in &event.block_hashes {
-            let holders = blocks.entry(hash).or_insert_with(|| {
-                any_new = true;
-                Vec::new()
-            });
+            let holders = blocks.entry(hash).or_default();
+            any_new |= !holders.iter().any(|h| h.tier == tier);
             if !holders.contains(&holder) {
-                holders.push(holder.clone());
+                holders.push(holder);
             }
         }
         if !any_new {
@@ -175,10 +183,12 @@ impl Translator {
                     tokens_hash,
                 })
                 .collect(),
+            tier,
         })
     }
 
     fn removed(&mut self, rank: DpRank, event: &BlockRemoved) -> Result<KvCacheEventData, Skip> {
+        let tier = tier_of_medium(event.medium.as_deref())?;
         let Some(rank_blocks) = self.ranks.get_mut(&rank) else {
             return Err(Skip::NoChange);
         };
@@ -187,24 +197,30 @@ impl Translator {
             let Some(holders) = rank_blocks.blocks.get_mut(hash) else {
                 continue;
             };
-            // The exact (medium, group) if it holds the block; else any holder on
-            // that medium (an engine that omits the group on removal).
+            // The exact (tier, group) if it holds the block; else any holder on that
+            // tier (an engine that omits the group on removal).
             let exact = holders
                 .iter()
-                .position(|h| h.medium == event.medium && h.group == event.group_idx);
-            let same_medium = || holders.iter().position(|h| h.medium == event.medium);
-            if let Some(i) = exact.or_else(same_medium) {
-                holders.swap_remove(i);
+                .position(|h| h.tier == tier && h.group == event.group_idx);
+            let same_tier = || holders.iter().position(|h| h.tier == tier);
+            let Some(i) = exact.or_else(same_tier) else {
+                continue;
+            };
+            holders.swap_remove(i);
+            if !holders.iter().any(|h| h.tier == tier) {
+                gone.push(*hash);
             }
             if holders.is_empty() {
                 rank_blocks.blocks.remove(hash);
-                gone.push(*hash);
             }
         }
         if gone.is_empty() {
             return Err(Skip::NoChange);
         }
-        Ok(KvCacheEventData::Removed { block_hashes: gone })
+        Ok(KvCacheEventData::Removed {
+            block_hashes: gone,
+            tier,
+        })
     }
 }
 
@@ -287,6 +303,7 @@ mod tests {
         let KvCacheEventData::Stored {
             parent_hash,
             blocks,
+            ..
         } = out
         else {
             panic!("{out:?}")
@@ -314,24 +331,84 @@ mod tests {
     }
 
     #[test]
-    fn a_block_is_removed_when_its_last_holder_removes_it() {
+    fn a_block_leaves_a_tier_when_its_last_group_there_removes_it() {
         let mut t = translator(EngineFormat::Auto);
         t.apply(R, &stored(&[10], None, "GPU", 0)).unwrap();
         assert_eq!(
-            t.apply(R, &stored(&[10], None, "CPU", 0)),
-            Err(Skip::NoChange)
+            t.apply(R, &stored(&[10], None, "GPU", 1)),
+            Err(Skip::NoChange),
+            "a second group on the same tier changes nothing"
+        );
+        assert_eq!(
+            t.apply(R, &removed(&[10], "GPU", Some(1))),
+            Err(Skip::NoChange),
+            "group 0 still holds it on the GPU"
         );
         assert_eq!(
             t.apply(R, &removed(&[10], "GPU", Some(0))),
-            Err(Skip::NoChange)
-        );
-        assert_eq!(
-            t.apply(R, &removed(&[10, 99], "CPU", None)),
             Ok(KvCacheEventData::Removed {
-                block_hashes: vec![ExternalBlockHash(10)]
+                block_hashes: vec![ExternalBlockHash(10)],
+                tier: StorageTier::Gpu,
             })
         );
         assert_eq!(t.held(R), 0);
+    }
+
+    #[test]
+    fn an_offloaded_copy_is_its_own_tier() {
+        let mut t = translator(EngineFormat::Auto);
+        t.apply(R, &stored(&[10], None, "GPU", 0)).unwrap();
+        // vLLM's offloading connector: the CPU copy (medium "CPU"), later the GPU
+        // copy's eviction; the block stays held on the CPU.
+        let cpu = t.apply(R, &stored(&[10, 11], None, "CPU", 0)).unwrap();
+        assert!(matches!(
+            cpu,
+            KvCacheEventData::Stored {
+                tier: StorageTier::Cpu,
+                ref blocks,
+                ..
+            } if blocks.len() == 2
+        ));
+        assert_eq!(
+            t.apply(R, &removed(&[10], "GPU", Some(0))),
+            Ok(KvCacheEventData::Removed {
+                block_hashes: vec![ExternalBlockHash(10)],
+                tier: StorageTier::Gpu,
+            })
+        );
+        assert_eq!(t.held(R), 2);
+        // A GPU child of a block held only on the CPU is not an orphan.
+        assert!(t.apply(R, &stored(&[12], Some(11), "GPU", 0)).is_ok());
+        assert_eq!(
+            t.apply(R, &removed(&[10, 11, 99], "Disk", None)),
+            Err(Skip::NoChange),
+            "nothing is held on disk"
+        );
+        assert_eq!(
+            t.apply(R, &removed(&[10, 11, 99], "cpu", None)),
+            Ok(KvCacheEventData::Removed {
+                block_hashes: vec![ExternalBlockHash(10), ExternalBlockHash(11)],
+                tier: StorageTier::Cpu,
+            })
+        );
+        assert_eq!(t.held(R), 1);
+    }
+
+    #[test]
+    fn an_unknown_medium_is_skipped_with_its_reason() {
+        let mut t = translator(EngineFormat::Auto);
+        let skip = t.apply(R, &stored(&[10], None, "tape", 0)).unwrap_err();
+        assert_eq!(skip, Skip::UnknownMedium(UnknownMedium("tape".into())));
+        assert_eq!(skip.label(), "unknown_medium");
+        assert_eq!(t.held(R), 0);
+        t.apply(R, &stored(&[10], None, "GPU", 0)).unwrap();
+        assert_eq!(
+            t.apply(R, &removed(&[10], "tape", None))
+                .unwrap_err()
+                .label(),
+            "unknown_medium"
+        );
+        assert_eq!(t.held(R), 1);
     }
 
     #[test]

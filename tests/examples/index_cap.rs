@@ -135,6 +135,7 @@ async fn main() -> anyhow::Result<()> {
         KvCacheEventData::Stored {
             parent_hash: None,
             blocks,
+            tier: kv_events::StorageTier::Gpu,
         },
     );
     nats.publish(subjects.kv_events(WorkerId(1)), encode(&real)?.into())
@@ -179,6 +180,7 @@ async fn main() -> anyhow::Result<()> {
                 KvCacheEventData::Stored {
                     parent_hash: None,
                     blocks: junk,
+                    tier: kv_events::StorageTier::Gpu,
                 },
             );
             nats.publish(subjects.kv_events(WorkerId(2)), encode(&b)?.into())

@@ -154,6 +154,7 @@ async fn main() -> anyhow::Result<()> {
                     KvCacheEventData::Stored {
                         parent_hash: None,
                         blocks,
+                        tier: kv_events::StorageTier::Gpu,
                     },
                 )
                 .await?;
@@ -213,11 +214,13 @@ async fn main() -> anyhow::Result<()> {
                     KvCacheEventData::Stored {
                         parent_hash: None,
                         blocks: vec![block],
+                        tier: kv_events::StorageTier::Gpu,
                     }
                 } else {
                     chain_id += 1;
                     KvCacheEventData::Removed {
                         block_hashes: vec![block.block_hash],
+                        tier: kv_events::StorageTier::Gpu,
                     }
                 };
                 publisher.send(worker, data).await?;

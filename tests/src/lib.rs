@@ -326,6 +326,7 @@ impl FakeWorker {
             KvCacheEventData::Stored {
                 parent_hash: None,
                 blocks,
+                tier: kv_events::StorageTier::Gpu,
             },
         )
         .await

@@ -115,6 +115,7 @@ async fn messages_over_a_limit_are_refused_by_reason_and_nothing_else_is_lost() 
                 tokens_hash: LocalBlockHash(i),
             })
             .collect(),
+        tier: kv_events::StorageTier::Gpu,
     };
     w1.publish(&cluster, blocks(5000)).await?;
     // 1,500 blocks (~27 KiB): within the bytes, over --max-batch-blocks.

@@ -47,6 +47,7 @@ fn one_block(h: u64) -> KvCacheEventData {
             block_hash: ExternalBlockHash(h),
             tokens_hash: LocalBlockHash(h),
         }],
+        tier: kv_events::StorageTier::Gpu,
     }
 }
 

@@ -38,6 +38,7 @@ fn event(w: u64, i: u64) -> KvCacheEventData {
     KvCacheEventData::Stored {
         parent_hash: parent,
         blocks,
+        tier: kv_events::StorageTier::Gpu,
     }
 }
 

@@ -100,7 +100,17 @@ async fn captured_vllm_frames_reach_the_router_with_a_gap_filled_from_replay() {
     wait_connect_replay(&relay, "empty").await;
     wait_registered(&daemon, WORKER, true).await;
 
-    let frames = payloads("vllm_zmq_frames_topic_kv-events.json");
+    let mut frames = payloads("vllm_zmq_frames_topic_kv-events.json");
+    // Batch 3 stores its LoRA block with medium "CPU": the relay publishes it on the
+    // CPU tier, which the index does not hold yet (issue 17, storage tiers, step 2).
+    // Relabel it "GPU" (same length) so this test keeps checking LoRA scoping.
+    let cpu = frames[3]
+        .windows(4)
+        .position(|w| w == b"\xa3CPU")
+        .expect("batch 3 names medium CPU");
+    let mut batch3 = frames[3].to_vec();
+    batch3[cpu + 1..cpu + 4].copy_from_slice(b"GPU");
+    frames[3] = batch3.into();
     engine.publish(0, &frames[0]).await;
     engine.publish(1, &frames[1]).await;
     engine.buffer_only(2, &frames[2]);

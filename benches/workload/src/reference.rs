@@ -83,6 +83,7 @@ impl Reference {
             KvCacheEventData::Stored {
                 parent_hash,
                 blocks,
+                ..
             } => {
                 let mut key = match parent_hash {
                     None => ROOT,
@@ -100,7 +101,7 @@ impl Reference {
                     self.hold(worker, key);
                 }
             }
-            KvCacheEventData::Removed { block_hashes } => {
+            KvCacheEventData::Removed { block_hashes, .. } => {
                 for h in block_hashes {
                     if let Some(key) = self.blocks.remove(&(worker, *h)) {
                         self.release(worker, key);
@@ -196,6 +197,7 @@ mod tests {
                         tokens_hash: LocalBlockHash(l),
                     })
                     .collect(),
+                tier: kv_events::StorageTier::Gpu,
             },
         }
     }
@@ -236,6 +238,7 @@ mod tests {
             dp_rank: DpRank(0),
             data: KvCacheEventData::Removed {
                 block_hashes: vec![ExternalBlockHash(11)],
+                tier: kv_events::StorageTier::Gpu,
             },
         };
         r.apply(WorkerId(1), &removed);

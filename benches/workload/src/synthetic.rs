@@ -186,6 +186,7 @@ pub fn build(shape: Shape, seed: u64) -> Workload {
             let data = KvCacheEventData::Stored {
                 parent_hash: None,
                 blocks: stored,
+                tier: kv_events::StorageTier::Gpu,
             };
             batches.push(KvEventBatch {
                 worker_id: WorkerId(w),
@@ -230,6 +231,7 @@ pub fn build(shape: Shape, seed: u64) -> Workload {
             let data = KvCacheEventData::Stored {
                 parent_hash,
                 blocks: chain,
+                tier: kv_events::StorageTier::Gpu,
             };
             batches.push(KvEventBatch {
                 worker_id: WorkerId(w),
@@ -277,10 +279,12 @@ pub fn flood_batches(n: usize) -> Vec<KvEventBatch> {
                             tokens_hash: LocalBlockHash(rng.next_u64()),
                         })
                         .collect(),
+                    tier: kv_events::StorageTier::Gpu,
                 }
             } else {
                 KvCacheEventData::Removed {
                     block_hashes: (0..16).map(|b| ExternalBlockHash(base + b)).collect(),
+                    tier: kv_events::StorageTier::Gpu,
                 }
             };
             let event_id = next_id[k];

@@ -62,6 +62,7 @@ pub fn event_batch(first: u64, dp_rank: u32) -> KvEventBatch {
                 KvCacheEventData::Stored {
                     parent_hash: None,
                     blocks: vec![block(1), block(2), block(3)],
+                    tier: kv_events::StorageTier::Gpu,
                 },
             ),
             event(
@@ -70,6 +71,7 @@ pub fn event_batch(first: u64, dp_rank: u32) -> KvEventBatch {
                 KvCacheEventData::Stored {
                     parent_hash: Some(ExternalBlockHash(2)),
                     blocks: vec![block(u64::MAX)],
+                    tier: kv_events::StorageTier::Gpu,
                 },
             ),
             event(
@@ -77,6 +79,7 @@ pub fn event_batch(first: u64, dp_rank: u32) -> KvEventBatch {
                 dp_rank,
                 KvCacheEventData::Removed {
                     block_hashes: vec![ExternalBlockHash(3)],
+                    tier: kv_events::StorageTier::Gpu,
                 },
             ),
         ],

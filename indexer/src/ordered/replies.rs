@@ -112,6 +112,7 @@ impl OrderedIndex {
                 dp_rank: rank.dp_rank,
                 data: kv_events::KvCacheEventData::Removed {
                     block_hashes: unheld,
+                    tier: kv_events::StorageTier::Gpu,
                 },
             };
             let _ = self.apply_one(rank.worker_id, &event); // a remove is never refused

@@ -36,12 +36,14 @@ fn store(parent: Option<u64>, h: u64) -> KvCacheEventData {
             block_hash: ExternalBlockHash(h),
             tokens_hash: LocalBlockHash(h),
         }],
+        tier: kv_events::StorageTier::Gpu,
     }
 }
 
 fn remove(h: u64) -> KvCacheEventData {
     KvCacheEventData::Removed {
         block_hashes: vec![ExternalBlockHash(h)],
+        tier: kv_events::StorageTier::Gpu,
     }
 }
 

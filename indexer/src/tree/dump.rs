@@ -153,6 +153,7 @@ impl RadixTree {
             emit(KvCacheEventData::Stored {
                 parent_hash,
                 blocks: chain,
+                tier: kv_events::StorageTier::Gpu,
             });
         }
         for (hash, node) in extra {
@@ -161,11 +162,13 @@ impl RadixTree {
             emit(KvCacheEventData::Stored {
                 parent_hash,
                 blocks: vec![block(node, hash)],
+                tier: kv_events::StorageTier::Gpu,
             });
         }
         if !unheld.is_empty() {
             emit(KvCacheEventData::Removed {
                 block_hashes: unheld,
+                tier: kv_events::StorageTier::Gpu,
             });
         }
         events

@@ -29,6 +29,7 @@ pub fn stored(dp: u32, parent: Option<u64>, blocks: &[(u64, u64)]) -> KvCacheEve
                     tokens_hash: LocalBlockHash(*l),
                 })
                 .collect(),
+            tier: kv_events::StorageTier::Gpu,
         },
     }
 }
@@ -39,6 +40,7 @@ pub fn removed(dp: u32, hashes: &[u64]) -> KvCacheEvent {
         dp_rank: DpRank(dp),
         data: KvCacheEventData::Removed {
             block_hashes: hashes.iter().map(|h| ExternalBlockHash(*h)).collect(),
+            tier: kv_events::StorageTier::Gpu,
         },
     }
 }

@@ -43,6 +43,31 @@ pub use wire::{
     BlockRemoved, BlockStored, EngineBatch, EngineEvent, EventForm, ExtraKey, MAX_DEPTH,
 };
 
+/// The [`crate::StorageTier`] an engine's `medium` names.
+///
+/// vLLM's offloading connector sends the medium of its load/store spec: `"GPU"`,
+/// `"CPU"` or `"Disk"` (`vllm/v1/kv_offload/mediums.py`); SGLang sends `"GPU"` or
+/// nothing. Matched without regard to case; an absent medium (nil or omitted, every
+/// publisher that predates tiers) is the GPU.
+///
+/// # Errors
+/// [`UnknownMedium`] for any other name; the caller counts and skips the event.
+pub fn tier_of_medium(medium: Option<&str>) -> Result<crate::StorageTier, UnknownMedium> {
+    let Some(name) = medium else {
+        return Ok(crate::StorageTier::Gpu);
+    };
+    crate::StorageTier::ALL
+        .into_iter()
+        .find(|tier| tier.as_str().eq_ignore_ascii_case(name))
+        .ok_or_else(|| UnknownMedium(name.chars().take(32).collect()))
+}
+
+/// An engine event named a storage medium this build does not know (the name, cut to
+/// 32 characters).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown storage medium {0:?}")]
+pub struct UnknownMedium(pub String);
+
 /// Why an engine payload could not be decoded.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineDecodeError {
@@ -65,4 +90,24 @@ pub fn decode_batch(payload: &[u8]) -> Result<EngineBatch, EngineDecodeError> {
     let mut de = rmp_serde::Deserializer::from_read_ref(payload);
     de.set_max_depth(MAX_DEPTH);
     Ok(<EngineBatch as serde::Deserialize>::deserialize(&mut de)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::StorageTier;
+
+    #[test]
+    fn engine_media_map_to_tiers_and_unknown_ones_are_errors() {
+        assert_eq!(tier_of_medium(None), Ok(StorageTier::Gpu));
+        assert_eq!(tier_of_medium(Some("GPU")), Ok(StorageTier::Gpu));
+        assert_eq!(tier_of_medium(Some("CPU")), Ok(StorageTier::Cpu));
+        assert_eq!(tier_of_medium(Some("Disk")), Ok(StorageTier::Disk));
+        assert_eq!(
+            tier_of_medium(Some("tape")),
+            Err(UnknownMedium("tape".into()))
+        );
+        let long = "x".repeat(100);
+        assert_eq!(tier_of_medium(Some(&long)).unwrap_err().0.len(), 32);
+    }
 }

@@ -208,7 +208,7 @@ impl WithinLimits for KvEventBatch {
         for event in &self.events {
             blocks += match &event.data {
                 KvCacheEventData::Stored { blocks, .. } => blocks.len(),
-                KvCacheEventData::Removed { block_hashes } => block_hashes.len(),
+                KvCacheEventData::Removed { block_hashes, .. } => block_hashes.len(),
                 KvCacheEventData::Cleared => 0,
             };
         }

@@ -1,7 +1,7 @@
 //! Unit tests of the limits: each message kind refused by the field it breaks.
 
 use super::*;
-use crate::events::{KvCacheEvent, StoredBlock};
+use crate::events::{KvCacheEvent, StorageTier, StoredBlock};
 use crate::replicas::RouterId;
 use crate::{DpRank, ExternalBlockHash, LocalBlockHash, WorkerId, encode};
 
@@ -25,6 +25,7 @@ fn stored(blocks: u64) -> KvCacheEventData {
                 tokens_hash: LocalBlockHash(i),
             })
             .collect(),
+        tier: StorageTier::Gpu,
     }
 }
 
@@ -96,6 +97,7 @@ fn event_batches_are_bounded_in_events_blocks_and_ranks() {
     );
     let removed = KvCacheEventData::Removed {
         block_hashes: (0..11).map(ExternalBlockHash).collect(),
+        tier: StorageTier::Gpu,
     };
     assert_eq!(refused_field(&batch(vec![removed]), &limits), "blocks");
     let four = vec![KvCacheEventData::Cleared; 4];

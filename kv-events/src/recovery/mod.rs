@@ -24,7 +24,7 @@ mod assemble;
 
 pub use assemble::{AssemblyError, ChunkAssembler, ReplyLimits};
 
-use crate::events::{KvCacheEvent, KvCacheEventData, StoredBlock};
+use crate::events::{KvCacheEvent, KvCacheEventData, StorageTier, StoredBlock};
 use crate::ids::{DpRank, ExternalBlockHash, WorkerId};
 use serde::{Deserialize, Serialize};
 
@@ -54,6 +54,11 @@ pub struct StoredChain {
     pub parent_hash: Option<ExternalBlockHash>,
     /// The chain's blocks in prefix order.
     pub blocks: Vec<StoredBlock>,
+    /// The tier the rank holds the chain on; GPU when absent on the wire (publishers'
+    /// dumps name GPU blocks only, see [`crate::journal`]; a router's snapshot names
+    /// every tier).
+    #[serde(default, skip_serializing_if = "StorageTier::is_gpu")]
+    pub tier: StorageTier,
 }
 
 impl StoredChain {
@@ -62,6 +67,7 @@ impl StoredChain {
         KvCacheEventData::Stored {
             parent_hash: self.parent_hash,
             blocks: self.blocks,
+            tier: self.tier,
         }
     }
 }
@@ -225,6 +231,7 @@ fn split_chains(
             current.push(StoredChain {
                 parent_hash,
                 blocks: head.to_vec(),
+                tier: StorageTier::Gpu,
             });
             size += head.len();
             parent_hash = head.last().map(|b| b.block_hash);

@@ -59,10 +59,12 @@ fn dumps_split_into_bounded_chunks_and_reassemble_with_the_same_links() {
         StoredChain {
             parent_hash: None,
             blocks: (1..=7).map(block).collect(),
+            tier: StorageTier::Gpu,
         },
         StoredChain {
             parent_hash: Some(ExternalBlockHash(3)),
             blocks: (20..=22).map(block).collect(),
+            tier: StorageTier::Gpu,
         },
     ]);
     let chunks = reply.clone().into_chunks(3);
@@ -100,6 +102,7 @@ fn events_split_between_events_and_reassemble_in_order() {
             data: KvCacheEventData::Stored {
                 parent_hash: None,
                 blocks: vec![block(i), block(i + 50)],
+                tier: StorageTier::Gpu,
             },
         })
         .collect();
@@ -123,6 +126,7 @@ fn out_of_order_and_foreign_chunks_are_errors() {
     let reply = dump_reply(vec![StoredChain {
         parent_hash: None,
         blocks: (1..=4).map(block).collect(),
+        tier: StorageTier::Gpu,
     }]);
     let chunks = reply.into_chunks(2);
     let mut asm = ChunkAssembler::new();
@@ -163,6 +167,7 @@ fn replies_past_the_limits_are_refused_before_decoding() {
     let reply = dump_reply(vec![StoredChain {
         parent_hash: None,
         blocks: (1..=6).map(block).collect(),
+        tier: StorageTier::Gpu,
     }]);
     let wire: Vec<Vec<u8>> = reply
         .clone()

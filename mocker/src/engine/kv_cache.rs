@@ -336,11 +336,12 @@ impl KvCache {
         if removed.is_empty() {
             return;
         }
-        if let Some(KvCacheEventData::Removed { block_hashes }) = self.events.last_mut() {
+        if let Some(KvCacheEventData::Removed { block_hashes, .. }) = self.events.last_mut() {
             block_hashes.extend(removed);
         } else {
             self.events.push(KvCacheEventData::Removed {
                 block_hashes: removed,
+                tier: kv_events::StorageTier::Gpu,
             });
         }
     }
@@ -356,6 +357,7 @@ impl KvCache {
         self.events.push(KvCacheEventData::Stored {
             parent_hash: parent,
             blocks: vec![block],
+            tier: kv_events::StorageTier::Gpu,
         });
     }
 }

@@ -19,6 +19,7 @@ impl EventReplica {
                 KvCacheEventData::Stored {
                     parent_hash,
                     blocks,
+                    ..
                 } => {
                     if let Some(parent) = parent_hash {
                         assert!(self.blocks.contains(parent), "unknown parent {parent}");
@@ -27,7 +28,7 @@ impl EventReplica {
                         assert!(self.blocks.insert(b.block_hash), "stored twice {b:?}");
                     }
                 }
-                KvCacheEventData::Removed { block_hashes } => {
+                KvCacheEventData::Removed { block_hashes, .. } => {
                     for h in block_hashes {
                         assert!(self.blocks.remove(h), "removed unknown block {h}");
                     }

@@ -64,6 +64,7 @@ impl InFlight {
                 KvCacheEventData::Stored {
                     parent_hash: parent,
                     blocks: chain[known..].to_vec(),
+                    tier: kv_events::StorageTier::Gpu,
                 },
             );
         }
@@ -88,7 +89,13 @@ impl InFlight {
             }
         }
         if !gone.is_empty() {
-            self.apply(rank, KvCacheEventData::Removed { block_hashes: gone });
+            self.apply(
+                rank,
+                KvCacheEventData::Removed {
+                    block_hashes: gone,
+                    tier: kv_events::StorageTier::Gpu,
+                },
+            );
         }
     }
 

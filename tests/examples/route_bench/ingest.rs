@@ -66,9 +66,11 @@ pub async fn flood(
             let stored = KvCacheEventData::Stored {
                 parent_hash: None,
                 blocks,
+                tier: kv_events::StorageTier::Gpu,
             };
             let removed = KvCacheEventData::Removed {
                 block_hashes: hashes,
+                tier: kv_events::StorageTier::Gpu,
             };
             for data in [stored, removed] {
                 publish_event(&nats, &subjects, &mut next_event, WorkerId(w), data).await?;

@@ -137,6 +137,7 @@ async fn index_prefixes(
             let data = KvCacheEventData::Stored {
                 parent_hash: None,
                 blocks,
+                tier: kv_events::StorageTier::Gpu,
             };
             ingest::publish_event(nats, subjects, &mut next_event, WorkerId(w), data).await?;
         }

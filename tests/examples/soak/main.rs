@@ -96,6 +96,7 @@ impl Engine {
                 .unwrap_or((ExternalBlockHash(0), LocalBlockHash(0)));
             KvCacheEventData::Removed {
                 block_hashes: vec![old],
+                tier: kv_events::StorageTier::Gpu,
             }
         } else {
             if self.len == PROMPT_BLOCKS {
@@ -128,6 +129,7 @@ impl Engine {
                     block_hash: ext,
                     tokens_hash: local,
                 }],
+                tier: kv_events::StorageTier::Gpu,
             }
         };
         let event_id = self.next_event;

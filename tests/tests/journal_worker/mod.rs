@@ -266,6 +266,7 @@ impl JournalWorker {
                 let data = if i % 3 == 0 {
                     KvCacheEventData::Removed {
                         block_hashes: vec![engine_hash(id, i - 2, 1)],
+                        tier: kv_events::StorageTier::Gpu,
                     }
                 } else {
                     chain_from_root(id, i, 2)
@@ -360,6 +361,7 @@ pub fn chain_from_root(w: WorkerId, i: u64, len: u64) -> KvCacheEventData {
     KvCacheEventData::Stored {
         parent_hash: None,
         blocks,
+        tier: kv_events::StorageTier::Gpu,
     }
 }
 
@@ -375,6 +377,7 @@ fn paths_of<'a>(events: impl IntoIterator<Item = &'a KvCacheEventData>) -> Paths
             KvCacheEventData::Stored {
                 parent_hash,
                 blocks,
+                ..
             } => {
                 let mut path = parent_hash
                     .and_then(|p| known.get(&p).cloned())
@@ -385,7 +388,7 @@ fn paths_of<'a>(events: impl IntoIterator<Item = &'a KvCacheEventData>) -> Paths
                     held.insert(b.block_hash, path.clone());
                 }
             }
-            KvCacheEventData::Removed { block_hashes } => {
+            KvCacheEventData::Removed { block_hashes, .. } => {
                 for h in block_hashes {
                     held.remove(h);
                 }
@@ -408,6 +411,7 @@ pub fn held_paths(dump: &RecoveryReply) -> Paths {
         .collect();
     events.push(KvCacheEventData::Removed {
         block_hashes: unheld.clone(),
+        tier: kv_events::StorageTier::Gpu,
     });
     paths_of(&events)
 }

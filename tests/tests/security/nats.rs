@@ -357,6 +357,7 @@ async fn a_router_with_jetstream_works_under_the_shipped_permissions() {
                     block_hash: ExternalBlockHash(77),
                     tokens_hash: hashes[0],
                 }],
+                tier: kv_events::StorageTier::Gpu,
             },
         }],
     };

@@ -33,6 +33,7 @@ fn event(worker: WorkerId, e: &kv_events::KvCacheEvent) -> RouterEvent {
         kv_events::KvCacheEventData::Stored {
             parent_hash,
             blocks,
+            ..
         } => KvCacheEventData::Stored(KvCacheStoreData {
             parent_hash: parent_hash.map(ext),
             start_position: None,
@@ -45,7 +46,7 @@ fn event(worker: WorkerId, e: &kv_events::KvCacheEvent) -> RouterEvent {
                 })
                 .collect(),
         }),
-        kv_events::KvCacheEventData::Removed { block_hashes } => {
+        kv_events::KvCacheEventData::Removed { block_hashes, .. } => {
             KvCacheEventData::Removed(KvCacheRemoveData {
                 block_hashes: block_hashes.iter().copied().map(ext).collect(),
             })

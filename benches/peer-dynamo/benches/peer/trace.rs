@@ -41,7 +41,7 @@ pub fn case(path: Option<&Path>, workers: u64) -> Case {
         engine,
         timing: TimingModel::H100_8B,
         event_lag_ms: 0.0,
-        seed: 42,
+        ..SimConfig::default()
     };
     let setting = Setting {
         workers: u32::try_from(workers).expect("a worker count fits u32"),

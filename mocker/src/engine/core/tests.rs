@@ -96,6 +96,7 @@ fn a_request_prefills_then_decodes_one_token_per_step() {
             KvCacheEventData::Stored {
                 parent_hash: None,
                 blocks,
+                ..
             },
         ] => assert_eq!(blocks.len(), 2),
         other => panic!("unexpected events {other:?}"),
@@ -133,6 +134,7 @@ fn second_request_with_shared_prefix_hits_the_cache() {
         vec![KvCacheEventData::Stored {
             parent_hash: Some(a_chain[1].block_hash),
             blocks: vec![b_chain[2]],
+            tier: kv_events::StorageTier::Gpu
         }]
     );
     assert_eq!(stored_a.len(), 1);

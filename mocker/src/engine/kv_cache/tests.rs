@@ -63,7 +63,8 @@ fn committed_blocks_are_stored_as_one_chain() {
         cache.take_events(),
         vec![KvCacheEventData::Stored {
             parent_hash: None,
-            blocks: prompt.clone()
+            blocks: prompt.clone(),
+            tier: kv_events::StorageTier::Gpu
         }]
     );
     cache.release(alloc);
@@ -87,6 +88,7 @@ fn shared_prefix_is_a_hit_and_only_new_blocks_are_stored() {
         vec![KvCacheEventData::Stored {
             parent_hash: Some(first[1].block_hash),
             blocks: second[2..].to_vec(),
+            tier: kv_events::StorageTier::Gpu
         }]
     );
     // Shared blocks are counted once: 3 + 2 new cached + 1 reserved.
@@ -128,6 +130,7 @@ fn eviction_is_lru_and_never_touches_referenced_blocks() {
         cache.take_events(),
         vec![KvCacheEventData::Removed {
             block_hashes: vec![old[1].block_hash, old[0].block_hash, newer[1].block_hash],
+            tier: kv_events::StorageTier::Gpu
         }]
     );
     assert!(cache.contains(newer[0].block_hash));

@@ -242,6 +242,7 @@ async fn engines_register_serve_publish_and_revoke() {
     let KvCacheEventData::Stored {
         parent_hash: None,
         blocks,
+        ..
     } = &batch.events[0].data
     else {
         panic!(

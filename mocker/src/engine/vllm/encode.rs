@@ -74,6 +74,7 @@ pub fn to_vllm(
                 KvCacheEventData::Stored {
                     parent_hash,
                     blocks,
+                    ..
                 } => {
                     let mut token_ids = Vec::with_capacity(blocks.len() * block_size as usize);
                     for b in blocks {
@@ -89,7 +90,7 @@ pub fn to_vllm(
                         block_size,
                     }
                 }
-                KvCacheEventData::Removed { block_hashes } => VllmEvent::BlockRemoved {
+                KvCacheEventData::Removed { block_hashes, .. } => VllmEvent::BlockRemoved {
                     block_hashes: block_hashes.clone(),
                 },
                 KvCacheEventData::Cleared => VllmEvent::AllBlocksCleared,
