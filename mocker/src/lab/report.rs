@@ -22,6 +22,7 @@
 //! of the inputs and the seed.
 
 use super::LabError;
+use super::calibration::CalibrationPoint;
 use super::config::{Setting, SimConfig};
 use super::metrics::RunMetrics;
 use super::oracle::OracleBound;
@@ -109,6 +110,9 @@ pub struct RunReport {
     pub steps: u64,
     /// Wall-clock time the simulation took, in ms (the only non-deterministic field).
     pub wall_ms: f64,
+    /// Each rank's calibration estimates at the end of the run (`+cal` policies only).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub calibration: Vec<CalibrationPoint>,
 }
 
 /// The whole lab report. See the module docs for the JSON shape.
