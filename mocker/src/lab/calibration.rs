@@ -281,7 +281,7 @@ pub fn render_swing(report: &SwingReport) -> String {
                     .iter()
                     .filter(move |p| p.worker == w && p.at_ms >= from && p.at_ms <= phase.end_ms)
             };
-            let samples = points().last().map_or(0, |p| p.samples);
+            let samples = points().next_back().map_or(0, |p| p.samples);
             let cell = |s: Option<(f64, f64, f64)>| {
                 s.map_or("n/a".into(), |(m, lo, hi)| {
                     format!("{m:.2} [{lo:.2}–{hi:.2}]")
