@@ -13,11 +13,11 @@
 
 use super::LabError;
 use super::config::{DEFAULT_EVENT_LAG_MS, LabPolicy, Setting, SimConfig, Speedup};
-use super::report::write_json;
+use super::report::{publish, study_trace};
 use super::robustness::default_cells;
 use super::sim::{PreparedTrace, simulate};
 use crate::engine::EngineModelConfig;
-use crate::trace::{self, BUNDLED_EXCERPT_NAME, BlockMapping, TraceRequest};
+use crate::trace::{BlockMapping, TraceRequest};
 use kv_events::routing::PolicyKind;
 use scheduler::RankCalibration;
 use serde::{Deserialize, Serialize};
@@ -174,13 +174,7 @@ pub fn run_swing(args: SwingArgs) -> Result<SwingReport, LabError> {
         .into_iter()
         .find(|c| c.name == args.cell)
         .ok_or_else(|| LabError::UnknownCell(args.cell.clone()))?;
-    let (mut requests, name) = match &args.trace {
-        Some(path) => (trace::load_trace(path)?, path.display().to_string()),
-        None => (trace::bundled_excerpt()?, BUNDLED_EXCERPT_NAME.to_owned()),
-    };
-    if let Some(max) = args.max_requests {
-        requests.truncate(max);
-    }
+    let (requests, name) = study_trace(args.trace.as_deref(), args.max_requests)?;
     let (retimed, starts) = retime(&requests, &args.phases);
     let prepared = PreparedTrace::new(&retimed, BlockMapping::new(args.engine.block_size)?);
     let config = cell.config(&SimConfig {
@@ -228,14 +222,8 @@ pub fn run_swing(args: SwingArgs) -> Result<SwingReport, LabError> {
         ttft_p99_ms: metrics.ttft_ms.as_ref().map(|s| s.p99),
         wall_s: started.elapsed().as_secs_f64(),
     };
-    println!("{}", render_swing(&report));
     let path = args.out.join("swing.json");
-    write_json(&report, &path)?;
-    eprintln!(
-        "report written to {}; {:.1} s",
-        path.display(),
-        report.wall_s
-    );
+    publish(&render_swing(&report), &report, &path, report.wall_s)?;
     Ok(report)
 }
 

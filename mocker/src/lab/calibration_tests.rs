@@ -32,7 +32,7 @@ fn retiming_compresses_each_phase_by_its_speedup() {
 
 #[test]
 fn calibrated_runs_sample_every_rank_and_others_record_nothing() {
-    let requests = trace::bundled_excerpt().expect("bundled excerpt");
+    let requests = crate::trace::bundled_excerpt().expect("bundled excerpt");
     let prepared = PreparedTrace::new(
         &requests[..400],
         BlockMapping::new(EngineModelConfig::default().block_size).expect("block size"),

@@ -18,12 +18,12 @@
 use super::config::{DEFAULT_EVENT_LAG_MS, LabPolicy, Setting, SimConfig, Speedup};
 use super::fleet::{DYNAMO_POLYNOMIAL, Factor, ShapeFactors, WorkerSpeeds};
 use super::metrics::RunMetrics;
-use super::report::{RunReport, TraceInfo, write_json};
+use super::report::{RunReport, TraceInfo, publish, study_trace};
 use super::sim::PreparedTrace;
 use super::sweep::{run_parallel, timed_run};
 use super::{LabError, progress_bar};
 use crate::engine::{EngineModelConfig, TimingModel};
-use crate::trace::{self, BUNDLED_EXCERPT_NAME, BlockMapping};
+use crate::trace::BlockMapping;
 use kv_events::routing::PolicyKind;
 use serde::Serialize;
 use std::fmt::Write as _;
@@ -203,13 +203,7 @@ pub struct RobustnessReport {
 /// Trace, configuration, simulation and file errors ([`LabError`]).
 pub fn run_robustness(args: RobustnessArgs) -> Result<RobustnessReport, LabError> {
     let started = Instant::now();
-    let (mut requests, name) = match &args.trace {
-        Some(path) => (trace::load_trace(path)?, path.display().to_string()),
-        None => (trace::bundled_excerpt()?, BUNDLED_EXCERPT_NAME.to_owned()),
-    };
-    if let Some(max) = args.max_requests {
-        requests.truncate(max);
-    }
+    let (requests, name) = study_trace(args.trace.as_deref(), args.max_requests)?;
     let prepared = PreparedTrace::new(&requests, BlockMapping::new(args.engine.block_size)?);
     let base = SimConfig {
         engine: args.engine,
@@ -265,14 +259,8 @@ pub fn run_robustness(args: RobustnessArgs) -> Result<RobustnessReport, LabError
         runs,
         wall_s: started.elapsed().as_secs_f64(),
     };
-    println!("{}", render(&report));
     let path = args.out.join("robustness.json");
-    write_json(&report, &path)?;
-    eprintln!(
-        "report written to {}; {:.1} s",
-        path.display(),
-        report.wall_s
-    );
+    publish(&render(&report), &report, &path, report.wall_s)?;
     Ok(report)
 }
 
