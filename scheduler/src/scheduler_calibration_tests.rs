@@ -73,6 +73,7 @@ fn a_rank_observed_twice_as_slow_gets_fewer_requests_once_calibrated() {
         steps: 1,
         active_requests: 0,
         context_tokens: 0,
+        mid_step: false,
     };
     let predicted =
         |m: &policy::predicted_ttft::StepTimeModel| features.parts(m).iter().sum::<f64>();

@@ -82,6 +82,10 @@ pub struct SimConfig {
     pub event_lag_ms: f64,
     /// Seed of every random choice (the scheduler's tie-breaks and samplers).
     pub seed: u64,
+    /// Sample every rank's calibration estimates this often, in simulated ms, into
+    /// [`super::sim::RunResult::calibration`] (only under a `+cal` policy); `None`
+    /// keeps only the final estimates. Finite and ≥ 1 when set.
+    pub calibration_sample_ms: Option<f64>,
 }
 
 impl Default for SimConfig {
@@ -94,6 +98,7 @@ impl Default for SimConfig {
             speeds: WorkerSpeeds::Uniform,
             event_lag_ms: DEFAULT_EVENT_LAG_MS,
             seed: 42,
+            calibration_sample_ms: None,
         }
     }
 }
@@ -129,6 +134,11 @@ impl SimConfig {
         }
         if !(self.event_lag_ms.is_finite() && self.event_lag_ms >= 0.0) {
             return Err(LabError::EventLag(self.event_lag_ms));
+        }
+        if let Some(ms) = self.calibration_sample_ms
+            && !(ms.is_finite() && ms >= 1.0)
+        {
+            return Err(LabError::SampleInterval(ms));
         }
         Ok(())
     }

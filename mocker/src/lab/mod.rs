@@ -33,6 +33,7 @@
 //! - [`sweep`]: all runs on several threads with a progress bar.
 //! - [`report`]: the JSON report; `table`: its terminal rendering; [`charts`]: PNGs.
 
+pub mod calibration;
 pub mod candidate_router;
 pub mod candidates;
 pub mod charts;
@@ -93,6 +94,12 @@ pub enum LabError {
     /// The event lag is negative or not finite.
     #[error("event lag must be finite and >= 0 ms, got {0}")]
     EventLag(f64),
+    /// `kv-mocker lab swing --cell` names no robustness cell.
+    #[error("unknown cell {0:?} (see `kv-mocker lab robustness` for the names)")]
+    UnknownCell(String),
+    /// The calibration sample interval is below 1 ms or not finite.
+    #[error("calibration sample interval must be finite and >= 1 ms, got {0}")]
+    SampleInterval(f64),
     /// A speed-up is not a finite number greater than 0.
     #[error("speed-up must be a finite number greater than 0, got {0}")]
     Speedup(f64),
@@ -199,6 +206,9 @@ pub enum LabCommand {
     /// Compare `kv` and `predicted-ttft` on engines whose step-time shape differs
     /// from the router's constants (issue 17's robustness table).
     Robustness(RobustnessArgs),
+    /// Replay the trace in phases of different arrival speed-ups under calibrated
+    /// `predicted-ttft` and show how its learned multipliers move (issue 17).
+    Swing(calibration::SwingArgs),
 }
 
 /// Runs `kv-mocker lab`: the sweep ([`run_lab`]) or the study named by its subcommand.
@@ -208,6 +218,7 @@ pub enum LabCommand {
 pub fn run(mut args: LabArgs) -> Result<(), LabError> {
     match args.command.take() {
         Some(LabCommand::Robustness(study)) => run_robustness(study).map(drop),
+        Some(LabCommand::Swing(study)) => calibration::run_swing(study).map(drop),
         None => run_lab(args).map(drop),
     }
 }
@@ -231,6 +242,7 @@ pub fn run_lab(args: LabArgs) -> Result<LabReport, LabError> {
         speeds: args.fleet.speeds(),
         event_lag_ms: args.event_lag_ms,
         seed: args.seed,
+        calibration_sample_ms: None,
     };
     let mut policies: Vec<LabPolicy> = if args.policies.is_empty() {
         LabPolicy::all_scheduler()

@@ -22,6 +22,7 @@
 //! of the inputs and the seed.
 
 use super::LabError;
+use super::calibration::CalibrationPoint;
 use super::config::{Setting, SimConfig};
 use super::metrics::RunMetrics;
 use super::oracle::OracleBound;
@@ -109,6 +110,9 @@ pub struct RunReport {
     pub steps: u64,
     /// Wall-clock time the simulation took, in ms (the only non-deterministic field).
     pub wall_ms: f64,
+    /// Each rank's calibration estimates at the end of the run (`+cal` policies only).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub calibration: Vec<CalibrationPoint>,
 }
 
 /// The whole lab report. See the module docs for the JSON shape.
@@ -162,6 +166,45 @@ impl LabReport {
     pub fn write_json(&self, path: &Path) -> Result<(), LabError> {
         write_json(self, path)
     }
+}
+
+/// A study's end: prints `table`, writes `value` to `path` and says where, with the
+/// study's wall time `wall_s`.
+///
+/// # Errors
+/// [`LabError::Write`] if the file cannot be written.
+pub(super) fn publish<T: Serialize>(
+    table: &str,
+    value: &T,
+    path: &Path,
+    wall_s: f64,
+) -> Result<(), LabError> {
+    println!("{table}");
+    write_json(value, path)?;
+    eprintln!("report written to {}; {wall_s:.1} s", path.display());
+    Ok(())
+}
+
+/// The trace a study replays: the file at `path` or the bundled excerpt, cut to
+/// `max_requests`; returns the requests and the trace's display name.
+///
+/// # Errors
+/// The trace's [`LabError`].
+pub(super) fn study_trace(
+    path: Option<&Path>,
+    max_requests: Option<usize>,
+) -> Result<(Vec<crate::trace::TraceRequest>, String), LabError> {
+    let (mut requests, name) = match path {
+        Some(path) => (crate::trace::load_trace(path)?, path.display().to_string()),
+        None => (
+            crate::trace::bundled_excerpt()?,
+            crate::trace::BUNDLED_EXCERPT_NAME.to_owned(),
+        ),
+    };
+    if let Some(max) = max_requests {
+        requests.truncate(max);
+    }
+    Ok((requests, name))
 }
 
 /// Writes `value` as pretty JSON to `path`, creating parent directories.

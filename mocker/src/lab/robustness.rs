@@ -13,17 +13,17 @@
 //! load (see [`super::fleet`]), which the main sweep's speed-ups already cover.
 //!
 //! What it costs: cells × settings × rows runs; with the defaults (11 cells, 8 workers
-//! at 1× and 4×, 2 rows) 44 runs, spread over `--jobs` threads like the main sweep.
+//! at 1× and 4×, 3 rows) 66 runs, spread over `--jobs` threads like the main sweep.
 
 use super::config::{DEFAULT_EVENT_LAG_MS, LabPolicy, Setting, SimConfig, Speedup};
 use super::fleet::{DYNAMO_POLYNOMIAL, Factor, ShapeFactors, WorkerSpeeds};
 use super::metrics::RunMetrics;
-use super::report::{RunReport, TraceInfo, write_json};
+use super::report::{RunReport, TraceInfo, publish, study_trace};
 use super::sim::PreparedTrace;
 use super::sweep::{run_parallel, timed_run};
 use super::{LabError, progress_bar};
 use crate::engine::{EngineModelConfig, TimingModel};
-use crate::trace::{self, BUNDLED_EXCERPT_NAME, BlockMapping};
+use crate::trace::BlockMapping;
 use kv_events::routing::PolicyKind;
 use serde::Serialize;
 use std::fmt::Write as _;
@@ -145,17 +145,15 @@ pub struct Row {
 }
 
 impl Row {
-    /// The run's configuration for this row in a cell. Rows that change the router
-    /// itself (issue 17's online calibration, once the lab has its switch) set it
-    /// here.
+    /// The run's configuration for this row in a cell (the policy carries the
+    /// router's own switches, such as calibration).
     pub fn config(&self, cell: &SimConfig) -> SimConfig {
         cell.clone()
     }
 }
 
-/// The rows, baseline first: `kv` and `predicted-ttft` with the router's default
-/// constants. The third row of issue 17 — `predicted-ttft` with online calibration —
-/// belongs here once the lab can switch calibration on (see [`Row::config`]).
+/// The rows, baseline first: `kv`, `predicted-ttft` with the router's default
+/// constants, and the same with online calibration (`predicted-ttft+cal`).
 pub fn rows() -> Vec<Row> {
     vec![
         Row {
@@ -165,6 +163,10 @@ pub fn rows() -> Vec<Row> {
         Row {
             label: "predicted-ttft",
             policy: LabPolicy::Scheduler(PolicyKind::PredictedTtft),
+        },
+        Row {
+            label: "predicted-ttft+cal",
+            policy: LabPolicy::Calibrated(PolicyKind::PredictedTtft),
         },
     ]
 }
@@ -201,13 +203,7 @@ pub struct RobustnessReport {
 /// Trace, configuration, simulation and file errors ([`LabError`]).
 pub fn run_robustness(args: RobustnessArgs) -> Result<RobustnessReport, LabError> {
     let started = Instant::now();
-    let (mut requests, name) = match &args.trace {
-        Some(path) => (trace::load_trace(path)?, path.display().to_string()),
-        None => (trace::bundled_excerpt()?, BUNDLED_EXCERPT_NAME.to_owned()),
-    };
-    if let Some(max) = args.max_requests {
-        requests.truncate(max);
-    }
+    let (requests, name) = study_trace(args.trace.as_deref(), args.max_requests)?;
     let prepared = PreparedTrace::new(&requests, BlockMapping::new(args.engine.block_size)?);
     let base = SimConfig {
         engine: args.engine,
@@ -263,14 +259,8 @@ pub fn run_robustness(args: RobustnessArgs) -> Result<RobustnessReport, LabError
         runs,
         wall_s: started.elapsed().as_secs_f64(),
     };
-    println!("{}", render(&report));
     let path = args.out.join("robustness.json");
-    write_json(&report, &path)?;
-    eprintln!(
-        "report written to {}; {:.1} s",
-        path.display(),
-        report.wall_s
-    );
+    publish(&render(&report), &report, &path, report.wall_s)?;
     Ok(report)
 }
 
@@ -431,7 +421,52 @@ pub fn render(report: &RobustnessReport) -> String {
             let _ = writeln!(out, "{line}");
         }
     }
+    render_learned(report, &mut out);
     out
+}
+
+/// Per calibrated run, the range of the learned multipliers over the ranks at the
+/// end of the run: `prefill lo–hi, per step lo–hi`.
+fn render_learned(report: &RobustnessReport, out: &mut String) {
+    let calibrated: Vec<&CellRun> = report
+        .runs
+        .iter()
+        .filter(|r| !r.run.calibration.is_empty())
+        .collect();
+    if calibrated.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        out,
+        "
+learned multipliers at the end of each calibrated run (min–max over ranks)
+
+| cell | setting | row | prefill | per step |
+|---|---|---|---|---|"
+    );
+    for r in calibrated {
+        let range = |f: fn(&super::calibration::CalibrationPoint) -> f64| {
+            let (lo, hi) = r
+                .run
+                .calibration
+                .iter()
+                .map(f)
+                .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| {
+                    (lo.min(v), hi.max(v))
+                });
+            format!("{lo:.2}–{hi:.2}")
+        };
+        let _ = writeln!(
+            out,
+            "| {} | {} workers, {} | {} | {} | {} |",
+            r.cell,
+            r.run.setting.workers,
+            r.run.setting.speedup,
+            r.row,
+            range(|p| p.prefill),
+            range(|p| p.per_step),
+        );
+    }
 }
 
 #[cfg(test)]

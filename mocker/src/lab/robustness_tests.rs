@@ -86,7 +86,7 @@ fn robustness_is_a_lab_subcommand_with_its_own_flags() {
             assert_eq!(args.speedup.len(), 2);
             assert_eq!(args.jobs, Some(2));
         }
-        None => panic!("no subcommand parsed"),
+        other => panic!("not the robustness subcommand: {other:?}"),
     }
     // The plain sweep still parses, with its fleet flags.
     let sweep = Cli::try_parse_from(["lab", "--fleet", "half-slow", "--workers", "8"])
@@ -119,6 +119,7 @@ fn run_with(cell: &str, row: &str, mean_ms: u64) -> CellRun {
             metrics: RunMetrics::from_records(&[record], 1, 0),
             steps: 1,
             wall_ms: 1.0,
+            calibration: Vec::new(),
         },
     }
 }

@@ -14,7 +14,9 @@ use super::inflight::InFlight;
 use indexer::RadixTree;
 use kv_events::discovery::WorkerRegistration;
 use kv_events::{KvCacheEvent, LocalBlockHash, RequestId, WorkerId, WorkerRank};
-use scheduler::{CalibrationConfig, PolicyConfig, ScheduleRequest, Scheduler, SchedulerConfig};
+use scheduler::{
+    CalibrationConfig, PolicyConfig, RankCalibration, ScheduleRequest, Scheduler, SchedulerConfig,
+};
 use std::time::{Duration, Instant};
 
 /// Who decides.
@@ -190,6 +192,15 @@ impl Router {
             if self.tree.apply_event(worker_id, event).is_err() {
                 self.refused_events += 1;
             }
+        }
+    }
+
+    /// What online calibration learned about rank `index` (`None` when the decider
+    /// does not calibrate).
+    pub fn calibration(&self, index: usize) -> Option<RankCalibration> {
+        match &self.decider {
+            Decider::Scheduler { scheduler, .. } => scheduler.calibration(*self.ranks.get(index)?),
+            Decider::Candidate { .. } => None,
         }
     }
 

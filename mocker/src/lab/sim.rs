@@ -22,7 +22,8 @@
 //! is a pure function of its inputs (the scheduler's RNG is seeded).
 
 use super::LabError;
-use super::config::{LabPolicy, Setting, SimConfig, ms_to_ns};
+use super::calibration::CalibrationPoint;
+use super::config::{LabPolicy, Setting, SimConfig, ms_to_ns, ns_to_ms};
 use super::fleet::at_speed;
 use super::log_entry::LogEntry;
 use super::metrics::{RequestRecord, RunMetrics};
@@ -111,6 +112,10 @@ pub struct RunResult {
     pub refused_events: u64,
     /// Engine steps simulated, over all ranks.
     pub steps: u64,
+    /// Every rank's calibration estimates, at each sample time
+    /// ([`SimConfig::calibration_sample_ms`]) and at the end of the run, in time
+    /// order; empty unless the router calibrates.
+    pub calibration: Vec<CalibrationPoint>,
 }
 
 impl RunResult {
@@ -184,6 +189,10 @@ struct Sim<'a> {
     steps: u64,
     /// Where route lookups and deliveries are recorded, when the caller asked.
     log: Option<&'a mut Vec<LogEntry>>,
+    /// Calibration sample interval and the next sample time, in ns.
+    sample_every_ns: Option<u64>,
+    next_sample_ns: u64,
+    calibration: Vec<CalibrationPoint>,
 }
 
 /// Simulates `trace` on `setting.workers` ranks under `policy`; rank `i` runs the
@@ -257,12 +266,23 @@ pub(super) fn run_sim(
         active: HashMap::new(),
         steps: 0,
         log,
+        sample_every_ns: config.calibration_sample_ms.map(|ms| ms_to_ns(ms).max(1)),
+        next_sample_ns: 0,
+        calibration: Vec::new(),
     };
     sim.run();
+    let end_ns = sim
+        .records
+        .iter()
+        .filter_map(|r| r.finish_ns)
+        .max()
+        .unwrap_or(0);
+    sim.sample_calibration(end_ns);
     Ok(RunResult {
         refused_events: sim.router.refused_events(),
         steps: sim.steps,
         records: sim.records,
+        calibration: sim.calibration,
     })
 }
 
@@ -278,6 +298,13 @@ impl Sim<'_> {
                 (None, Some(_)) => false,
                 (None, None) => break,
             };
+            if let Some(every) = self.sample_every_ns {
+                let now = if event_first { due } else { arrival }.unwrap_or(0);
+                while self.next_sample_ns <= now {
+                    self.sample_calibration(self.next_sample_ns);
+                    self.next_sample_ns += every;
+                }
+            }
             if event_first {
                 if let Some(Reverse(timed)) = self.queue.pop() {
                     self.handle(timed.at, timed.event);
@@ -392,6 +419,17 @@ impl Sim<'_> {
         self.ranks[rank].stepping = false;
         if self.ranks[rank].core.has_work() {
             self.start_step(rank, now);
+        }
+    }
+
+    /// Records every rank's calibration estimates at `now_ns` (nothing when the
+    /// router does not calibrate).
+    fn sample_calibration(&mut self, now_ns: u64) {
+        for worker in 0..self.ranks.len() {
+            if let Some(c) = self.router.calibration(worker) {
+                self.calibration
+                    .push(CalibrationPoint::new(ns_to_ms(now_ns), worker + 1, &c));
+            }
         }
     }
 

@@ -78,6 +78,7 @@ pub(super) fn timed_run(
         metrics: run.metrics(setting.workers as usize),
         steps: run.steps,
         wall_ms: started.elapsed().as_secs_f64() * 1_000.0,
+        calibration: run.final_calibration(),
     })
 }
 

@@ -10,21 +10,26 @@
 //! - At booking (local, or a peer replica's through [`crate::Scheduler::apply`]) the
 //!   request's [`TtftFeatures`] on its rank are recorded with the booking time: the
 //!   prefill tokens ahead of and in it (`P + N − O`), its steps, the rank's active
-//!   requests `R` and context tokens `D × block_size` — what the policy priced.
+//!   requests `R`, context tokens `D × block_size` and whether it was mid-step — what
+//!   the policy priced.
 //! - At `prefill_done` (local or peer) the interval since booking is one observation
-//!   `y` (ms) of the seed model's parts `z = [prefill, step base, decode]` weighted by
-//!   unknown multipliers `θ`, `y ≈ zᵀθ`; [`rls`] updates `θ` by recursive least
+//!   `y` (ms) of the seed model's parts `z = [prefill, per step]` weighted by unknown
+//!   multipliers `θ`, `y ≈ zᵀθ` (the per-step part includes the wait for a running
+//!   step, see [`TtftFeatures::parts`]); [`rls`] updates `θ` by recursive least
 //!   squares with forgetting, winsorised, trace-capped and projected onto
-//!   `[1/max_factor, max_factor]` (formula and sources there).
+//!   `[1/max_factor, max_factor]` (formula, sources, and why two multipliers and not
+//!   one per constant, there).
 //! - A rank with at least `warmup_samples` observations is priced with its own
 //!   model, the seed scaled by `θ` ([`TimingScale`]); the others with the seed.
 //!
 //! The seed is the daemon's `predicted-ttft` model (or its default under another
 //! policy). A constant configured as 0 stays 0: its multiplier has nothing to scale.
-//! The decode multiplier scales `decode_ms_per_seq` and `kv_read_ms_per_token`
-//! together; `max_num_batched_tokens` is the engine's setting, not learned.
+//! The per-step multiplier scales `step_base_ms`, `decode_ms_per_seq` and
+//! `kv_read_ms_per_token` together (reported as equal `step_base` and `decode`
+//! factors of [`TimingScale`]); `max_num_batched_tokens` is the engine's setting, not
+//! learned.
 //!
-//! Costs: one map entry per booked, not yet prefilled request (its features, 48
+//! Costs: one map entry per booked, not yet prefilled request (its features, 40
 //! bytes), dropped at `prefill_done`, `free`, expiry or when its worker leaves; one
 //! estimator per rank that ever got a sample (dropped with the rank); O(1) per
 //! booking, per `prefill_done` and per candidate of a decision. Off by default.
@@ -245,11 +250,11 @@ impl Calibration {
     }
 }
 
-fn to_scale(theta: [f64; 3]) -> TimingScale {
+fn to_scale(theta: [f64; rls::DIM]) -> TimingScale {
     TimingScale {
         prefill: theta[0],
         step_base: theta[1],
-        decode: theta[2],
+        decode: theta[1],
     }
 }
 

@@ -1,10 +1,19 @@
 //! The estimator of one rank: recursive least squares with exponential forgetting
-//! over three multipliers of the configured step-time model, bounded four ways.
+//! over two multipliers of the configured step-time model, bounded four ways.
 //!
 //! Model: an observed TTFT `y` (routed → `prefill_done`, in ms) is the configured
-//! model's three parts `z = [prefill, step base, decode]` (ms, see
+//! model's two parts `z = [prefill, per step]` (ms, see
 //! [`crate::policy::predicted_ttft::TtftFeatures::parts`]) weighted by the unknown
-//! multipliers `θ`: `y ≈ zᵀθ`. Each sample is divided by the seed's prediction
+//! multipliers `θ`: `y ≈ zᵀθ`.
+//!
+//! Why two and not one per constant: a step's fixed cost and its decode cost are paid
+//! together, once per step, so their parts differ only through the rank's decode load
+//! (`R`, `D`), which moves slowly. A filter given both splits their sum arbitrarily
+//! along that near-collinear direction and drifts there under forgetting (measured in
+//! the lab: with the engines' step base 4× the router's, the step-base multiplier stayed
+//! near 1 and the decode one absorbed the difference). The
+//! prefill part, which grows with the prompt while the per-step part does not (most
+//! requests fit in one step), is well separated from it. Each sample is divided by the seed's prediction
 //! `s = Σ z` before it enters the filter (`z/s`, `y/s`), so the filter minimises
 //! *relative* error: TTFT noise grows with TTFT, and a long prompt should not
 //! outweigh a hundred short ones.
@@ -41,15 +50,18 @@
 //!   skipped; should `θ` or `P` ever stop being finite, the estimator resets to its
 //!   seed.
 //!
-//! Cost: 3×3 arithmetic per sample, 96 bytes of state per rank.
+//! Cost: 2×2 arithmetic per sample, 64 bytes of state per rank.
+
+/// Number of learned multipliers: prefill and per step.
+pub const DIM: usize = 2;
 
 /// Initial covariance of every multiplier: `P₀ = I`. With normalised samples (their
 /// parts sum to 1) the seed weighs about as much as one observation.
 const P0: f64 = 1.0;
 
-/// Cap of `trace(P)`: 10 × the initial 3, so an unexcited multiplier's variance stays
+/// Cap of `trace(P)`: 10 × the initial `DIM`, so an unexcited multiplier's variance stays
 /// bounded while an excited one converges.
-pub const TRACE_CAP: f64 = 30.0 * P0 / 3.0;
+pub const TRACE_CAP: f64 = 10.0 * P0 * DIM as f64;
 
 /// Innovations beyond `HUBER_K` running scales are clipped.
 pub const HUBER_K: f64 = 3.0;
@@ -73,12 +85,11 @@ pub(crate) struct Bounds {
     pub outlier_ratio: f64,
 }
 
-/// Multipliers of the seed's prefill, step-base and decode parts, and their
-/// covariance.
+/// Multipliers of the seed's prefill and per-step parts, and their covariance.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Rls {
-    theta: [f64; 3],
-    p: [[f64; 3]; 3],
+    theta: [f64; DIM],
+    p: [[f64; DIM]; DIM],
     /// Running scale of the (relative) innovations.
     scale: f64,
     samples: u64,
@@ -88,8 +99,8 @@ impl Default for Rls {
     /// The seed: every multiplier 1, `P = P₀ I`, no samples.
     fn default() -> Self {
         Self {
-            theta: [1.0; 3],
-            p: [[P0, 0.0, 0.0], [0.0, P0, 0.0], [0.0, 0.0, P0]],
+            theta: [1.0; DIM],
+            p: std::array::from_fn(|i| std::array::from_fn(|j| if i == j { P0 } else { 0.0 })),
             scale: SCALE_INIT,
             samples: 0,
         }
@@ -97,8 +108,8 @@ impl Default for Rls {
 }
 
 impl Rls {
-    /// The multipliers `[prefill, step base, decode]`.
-    pub fn theta(&self) -> [f64; 3] {
+    /// The multipliers `[prefill, per step]`.
+    pub fn theta(&self) -> [f64; DIM] {
         self.theta
     }
 
@@ -109,12 +120,12 @@ impl Rls {
 
     /// `trace(P)`, the total variance left (at most [`TRACE_CAP`]).
     pub fn covariance_trace(&self) -> f64 {
-        self.p[0][0] + self.p[1][1] + self.p[2][2]
+        (0..DIM).map(|i| self.p[i][i]).sum()
     }
 
     /// Takes one observation: the seed model's parts `z` (ms) and the observed TTFT
     /// `y` (ms). Returns whether it was used (see the module docs for when not).
-    pub fn update(&mut self, z: [f64; 3], y: f64, b: &Bounds) -> bool {
+    pub fn update(&mut self, z: [f64; DIM], y: f64, b: &Bounds) -> bool {
         let s: f64 = z.iter().sum();
         if !(s.is_finite() && s > f64::MIN_POSITIVE && y.is_finite())
             || z.iter().any(|&v| !(v.is_finite() && v >= 0.0))
@@ -147,8 +158,8 @@ impl Rls {
     /// Symmetrises `P`, caps its trace, projects `θ` onto the box, and resets to the
     /// seed if anything stopped being finite.
     fn condition(&mut self, b: &Bounds) {
-        for i in 0..3 {
-            for j in (i + 1)..3 {
+        for i in 0..DIM {
+            for j in (i + 1)..DIM {
                 let m = 0.5 * (self.p[i][j] + self.p[j][i]);
                 self.p[i][j] = m;
                 self.p[j][i] = m;
@@ -168,7 +179,7 @@ impl Rls {
             .iter()
             .chain(self.p.iter().flatten())
             .all(|v| v.is_finite());
-        if !finite || (0..3).any(|i| self.p[i][i] < 0.0) {
+        if !finite || (0..DIM).any(|i| self.p[i][i] < 0.0) {
             let samples = self.samples;
             *self = Self::default();
             self.samples = samples;
@@ -177,10 +188,10 @@ impl Rls {
     }
 }
 
-fn dot(a: &[f64; 3], b: &[f64; 3]) -> f64 {
-    a[0] * b[0] + a[1] * b[1] + a[2] * b[2]
+fn dot(a: &[f64; DIM], b: &[f64; DIM]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
-fn mat_vec(m: &[[f64; 3]; 3], v: &[f64; 3]) -> [f64; 3] {
-    [dot(&m[0], v), dot(&m[1], v), dot(&m[2], v)]
+fn mat_vec(m: &[[f64; DIM]; DIM], v: &[f64; DIM]) -> [f64; DIM] {
+    std::array::from_fn(|i| dot(&m[i], v))
 }

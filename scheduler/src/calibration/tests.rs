@@ -12,31 +12,37 @@ fn bounds() -> Bounds {
     CalibrationConfig::default().bounds()
 }
 
-/// Varied parts in ms (the seed's constants), like requests of 100–3,000 tokens
-/// behind 1–5 steps of queue on ranks running 0–255 decodes over up to 200k KV
-/// tokens.
-fn parts(rng: &mut StdRng) -> [f64; 3] {
-    let steps = f64::from(rng.random_range(1..6_u32));
-    [
-        0.06 * f64::from(rng.random_range(100..3_000_u32)),
-        9.0 * steps,
-        steps
-            * (0.04 * f64::from(rng.random_range(0..256_u32))
-                + 4e-5 * f64::from(rng.random_range(0..200_000_u32))),
-    ]
+/// Varied features, like requests of 100–3,000 tokens behind 0–4 steps of queue on
+/// ranks running 0–255 decodes over up to 200k KV tokens.
+fn features_of(rng: &mut StdRng) -> TtftFeatures {
+    let queued = u64::from(rng.random_range(0..5_u32)) * 8_192;
+    let prefill_tokens = queued + u64::from(rng.random_range(100..3_000_u32));
+    let active_requests = u64::from(rng.random_range(0..256_u32));
+    TtftFeatures {
+        prefill_tokens,
+        steps: prefill_tokens.div_ceil(8_192),
+        active_requests,
+        context_tokens: u64::from(rng.random_range(0..200_000_u32)),
+        mid_step: active_requests > 0,
+    }
 }
 
-fn observe(theta: [f64; 3], z: [f64; 3]) -> f64 {
+/// The seed model's two parts of varied features, in ms.
+fn parts(rng: &mut StdRng) -> [f64; 2] {
+    features_of(rng).parts(&StepTimeModel::default())
+}
+
+fn observe(theta: [f64; 2], z: [f64; 2]) -> f64 {
     theta.iter().zip(z).map(|(t, v)| t * v).sum()
 }
 
-fn close(a: [f64; 3], b: [f64; 3], tol: f64) -> bool {
+fn close(a: [f64; 2], b: [f64; 2], tol: f64) -> bool {
     a.iter().zip(b).all(|(x, y)| (x - y).abs() <= tol * y)
 }
 
 #[test]
 fn converges_to_the_true_multipliers_on_exact_data() {
-    let truth = [2.0, 0.5, 1.5];
+    let truth = [2.0, 0.5];
     let mut rng = StdRng::seed_from_u64(1);
     let mut rls = Rls::default();
     for _ in 0..1_000 {
@@ -49,7 +55,7 @@ fn converges_to_the_true_multipliers_on_exact_data() {
 
 #[test]
 fn converges_on_noisy_data() {
-    let truth = [0.5, 3.0, 1.0];
+    let truth = [0.5, 3.0];
     let mut rng = StdRng::seed_from_u64(2);
     let mut rls = Rls::default();
     for _ in 0..3_000 {
@@ -61,23 +67,113 @@ fn converges_on_noisy_data() {
     assert!(close(rls.theta(), truth, 0.1), "{:?}", rls.theta());
 }
 
+/// A TTFT from an engine whose constants are the seed's times `engine`
+/// (`[prefill, step base, decode]`), with the mid-step wait.
+fn engine_ttft(engine: [f64; 3], f: &TtftFeatures) -> f64 {
+    let seed = StepTimeModel::default();
+    let t = seed.scaled(TimingScale {
+        prefill: engine[0],
+        step_base: engine[1],
+        decode: engine[2],
+    });
+    f.parts(&t).iter().sum()
+}
+
+#[test]
+fn an_engine_with_another_step_base_settles_and_does_not_drift() {
+    // The engines' step base is 4× the seed's, their decode cost is the seed's: the
+    // finding that motivated two multipliers. Prefill must settle at 1, and the
+    // per-step multiplier at the ratio of true to seed step cost at the load seen,
+    // between 1 (decode-bound steps) and 4 (idle steps) — and stay there.
+    let mut rng = StdRng::seed_from_u64(6);
+    let mut rls = Rls::default();
+    let seed = StepTimeModel::default();
+    let (mut lo, mut hi) = (f64::INFINITY, 0.0_f64);
+    let (mut fit, mut n) = (0.0, 0.0);
+    for i in 0..20_000 {
+        let f = features_of(&mut rng);
+        let y = engine_ttft([1.0, 4.0, 1.0], &f);
+        let z = f.parts(&seed);
+        if i >= 2_000 {
+            let theta = rls.theta();
+            lo = lo.min(theta[1]);
+            hi = hi.max(theta[1]);
+            fit += (observe(theta, z) / y - 1.0).abs();
+            n += 1.0;
+        }
+        rls.update(z, y, &bounds());
+    }
+    let theta = rls.theta();
+    assert!((theta[0] - 1.0).abs() < 0.1, "{theta:?}");
+    assert!(theta[1] > 1.0 && theta[1] < 4.0, "{theta:?}");
+    assert!(
+        hi - lo < 0.5,
+        "per-step multiplier wandered over [{lo}, {hi}]"
+    );
+    assert!(fit / n < 0.2, "mean relative error {}", fit / n);
+}
+
+#[test]
+fn an_engine_slower_in_every_constant_is_learned_exactly() {
+    // A half-speed GPU: every constant 2×, so both multipliers are exactly 2.
+    let mut rng = StdRng::seed_from_u64(7);
+    let mut rls = Rls::default();
+    for _ in 0..2_000 {
+        let f = features_of(&mut rng);
+        rls.update(
+            f.parts(&StepTimeModel::default()),
+            engine_ttft([2.0; 3], &f),
+            &bounds(),
+        );
+    }
+    assert!(close(rls.theta(), [2.0, 2.0], 0.01), "{:?}", rls.theta());
+}
+
+#[test]
+fn the_mid_step_wait_is_half_a_step_on_a_busy_rank() {
+    let seed = StepTimeModel::default();
+    let idle = TtftFeatures {
+        prefill_tokens: 1_000,
+        steps: 1,
+        active_requests: 0,
+        context_tokens: 0,
+        mid_step: false,
+    };
+    assert_eq!(idle.parts(&seed), [60.0, 9.0]);
+    let busy = TtftFeatures {
+        active_requests: 10,
+        context_tokens: 10_000,
+        mid_step: true,
+        ..idle
+    };
+    // Step: 9 + 0.04 × 10 + 4e-5 × 10,000 = 9.8 ms, paid 1.5 times.
+    let [prefill, per_step] = busy.parts(&seed);
+    assert_eq!(prefill, 60.0);
+    assert!((per_step - 1.5 * 9.8).abs() < 1e-9, "{per_step}");
+    let load = crate::load::RankLoad {
+        active_requests: 3,
+        ..Default::default()
+    };
+    assert!(TtftFeatures::new(100, &load, 16, 8_192).mid_step);
+    assert!(!TtftFeatures::new(100, &Default::default(), 16, 8_192).mid_step);
+}
+
 #[test]
 fn follows_a_step_change_through_forgetting() {
     let mut rng = StdRng::seed_from_u64(3);
     let mut rls = Rls::default();
     for _ in 0..1_000 {
         let z = parts(&mut rng);
-        rls.update(z, observe([1.0; 3], z), &bounds());
+        rls.update(z, observe([1.0; 2], z), &bounds());
     }
-    assert!(close(rls.theta(), [1.0; 3], 0.01));
-    // The engine becomes 2× slower in prefill and step base.
-    let slower = [2.0, 2.0, 1.0];
+    assert!(close(rls.theta(), [1.0; 2], 0.01));
+    // The engine becomes 2× slower in prefill and per step.
+    let slower = [2.0, 2.0];
     for _ in 0..1_000 {
         let z = parts(&mut rng);
         rls.update(z, observe(slower, z), &bounds());
     }
-    let theta = rls.theta();
-    assert!(close([theta[0], theta[1], 1.0], slower, 0.05), "{theta:?}");
+    assert!(close(rls.theta(), slower, 0.05), "{:?}", rls.theta());
 }
 
 #[test]
@@ -86,18 +182,19 @@ fn learned_constants_stay_within_the_clamp() {
     let (mut fast, mut slow) = (Rls::default(), Rls::default());
     for _ in 0..500 {
         let z = parts(&mut rng);
-        fast.update(z, observe([0.01; 3], z), &bounds());
-        slow.update(z, observe([50.0; 3], z), &bounds());
+        fast.update(z, observe([0.01; 2], z), &bounds());
+        slow.update(z, observe([50.0; 2], z), &bounds());
         for t in fast.theta().into_iter().chain(slow.theta()) {
             assert!((0.125..=8.0).contains(&t), "{t}");
         }
     }
-    // At the bounds in the dominant (prefill) direction, on the way in the others.
-    assert!((fast.theta()[0] - 0.125).abs() < 0.01, "{:?}", fast.theta());
-    assert!((slow.theta()[0] - 8.0).abs() < 0.2, "{:?}", slow.theta());
-    // The default clamp covers engines 4× faster or slower in any one constant.
+    // At the bounds, or (the slow one's per-step part, winsorised at 4×) on the way.
+    assert!(close(fast.theta(), [0.125; 2], 0.05), "{:?}", fast.theta());
+    let slow = slow.theta();
+    assert!((slow[0] - 8.0).abs() < 0.2 && slow[1] > 4.0, "{slow:?}");
+    // The default clamp covers engines 4× faster or slower in either part.
     let mut rls = Rls::default();
-    let truth = [0.25, 4.0, 1.0];
+    let truth = [0.25, 4.0];
     for _ in 0..2_000 {
         let z = parts(&mut rng);
         rls.update(z, observe(truth, z), &bounds());
@@ -109,27 +206,24 @@ fn learned_constants_stay_within_the_clamp() {
 fn degenerate_samples_are_skipped_without_nan() {
     let mut rls = Rls::default();
     let b = bounds();
-    assert!(!rls.update([0.0; 3], 10.0, &b), "all-zero features");
-    assert!(!rls.update([1.0, 1.0, 0.0], f64::NAN, &b));
-    assert!(!rls.update([1.0, 1.0, 0.0], f64::INFINITY, &b));
-    assert!(!rls.update([f64::NAN, 1.0, 0.0], 1.0, &b));
-    assert!(!rls.update([-1.0, 2.0, 0.0], 1.0, &b));
-    assert!(
-        !rls.update([f64::MAX, f64::MAX, 0.0], 1.0, &b),
-        "sum overflows"
-    );
+    assert!(!rls.update([0.0; 2], 10.0, &b), "all-zero features");
+    assert!(!rls.update([1.0, 1.0], f64::NAN, &b));
+    assert!(!rls.update([1.0, 1.0], f64::INFINITY, &b));
+    assert!(!rls.update([f64::NAN, 1.0], 1.0, &b));
+    assert!(!rls.update([-1.0, 2.0], 1.0, &b));
+    assert!(!rls.update([f64::MAX, f64::MAX], 1.0, &b), "sum overflows");
     assert_eq!(rls, Rls::default(), "nothing changed");
     // A zero interval (prefill_done in the same instant) is winsorised, not a NaN.
-    assert!(rls.update([6.0, 9.0, 0.0], 0.0, &b));
+    assert!(rls.update([6.0, 9.0], 0.0, &b));
     assert!(rls.theta().iter().all(|t| t.is_finite() && *t > 0.0));
 }
 
 #[test]
 fn a_single_repeated_feature_vector_stays_bounded() {
     // Only one direction is excited (an idle rank serving one prompt size): the
-    // others must not wind up, and the excited direction must fit the data.
+    // other must not wind up, and the excited direction must fit the data.
     let mut rls = Rls::default();
-    let z = [60.0, 9.0, 0.0];
+    let z = [60.0, 9.0];
     for _ in 0..100_000 {
         rls.update(z, 2.0 * 69.0, &bounds());
     }
@@ -146,11 +240,11 @@ fn one_outlier_moves_a_converged_estimate_little() {
     let mut rls = Rls::default();
     for _ in 0..500 {
         let z = parts(&mut rng);
-        rls.update(z, observe([1.0; 3], z), &bounds());
+        rls.update(z, observe([1.0; 2], z), &bounds());
     }
     let before = rls.theta();
     let z = parts(&mut rng);
-    rls.update(z, observe([1.0; 3], z) * 1_000.0, &bounds());
+    rls.update(z, observe([1.0; 2], z) * 1_000.0, &bounds());
     assert!(
         close(rls.theta(), before, 0.05),
         "{before:?} → {:?}",
@@ -179,6 +273,7 @@ fn features(tokens: u64) -> TtftFeatures {
         steps: tokens.div_ceil(8_192).max(1),
         active_requests: 0,
         context_tokens: 0,
+        mid_step: false,
     }
 }
 

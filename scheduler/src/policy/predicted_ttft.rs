@@ -112,6 +112,10 @@ pub struct TtftFeatures {
     pub active_requests: u64,
     /// KV tokens decode attention reads per step (`D × block_size`), in tokens.
     pub context_tokens: u64,
+    /// The rank had active requests at booking, so it was most likely mid-step: the
+    /// request first waits for that step to end, half a step on average (an engine
+    /// fixes a step's batch when the step starts).
+    pub mid_step: bool,
 }
 
 impl TtftFeatures {
@@ -126,6 +130,7 @@ impl TtftFeatures {
             context_tokens: load
                 .active_context_blocks
                 .saturating_mul(u64::from(block_size.max(1))),
+            mid_step: load.active_requests > 0,
         }
     }
 
@@ -141,17 +146,22 @@ impl TtftFeatures {
         )
     }
 
-    /// The predicted TTFT's three parts under `t`, in ms: prefill
-    /// (`prefill_ms_per_token × (P + N − O)`), step base (`steps × step_base_ms`) and
-    /// decode (`steps × (decode_ms_per_seq × R + kv_read_ms_per_token × D × bs)`).
-    pub fn parts(&self, t: &StepTimeModel) -> [f64; 3] {
-        let steps = self.steps as f64;
+    /// The TTFT calibration expects under `t`, in two parts, in ms: prefill
+    /// (`prefill_ms_per_token × (P + N − O)`) and per step (`(steps + w) ×
+    /// (step_base_ms + decode_ms_per_seq × R + kv_read_ms_per_token × D × bs)`), with
+    /// `w` = ½ when [`Self::mid_step`] (the wait for the running step), else 0.
+    ///
+    /// The policy's cost leaves `w` out: every busy rank pays it alike, and an idle
+    /// rank is already the cheapest. Calibration needs it, or the per-step
+    /// multiplier of a busy rank would absorb it (≈ 1.5 on single-step requests).
+    pub fn parts(&self, t: &StepTimeModel) -> [f64; 2] {
+        let wait = if self.mid_step { 0.5 } else { 0.0 };
+        let per_step = t.step_base_ms
+            + t.decode_ms_per_seq * self.active_requests as f64
+            + t.kv_read_ms_per_token * self.context_tokens as f64;
         [
             t.prefill_ms_per_token * self.prefill_tokens as f64,
-            t.step_base_ms * steps,
-            steps
-                * (t.decode_ms_per_seq * self.active_requests as f64
-                    + t.kv_read_ms_per_token * self.context_tokens as f64),
+            (self.steps as f64 + wait) * per_step,
         ]
     }
 }
