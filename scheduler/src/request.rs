@@ -5,7 +5,8 @@
 //! plain-data records (the request owns its block hashes, 8 bytes per block).
 
 use crate::load::PrefillLoadHint;
-use kv_events::routing::{CostOverrides, PolicyKind};
+use crate::sessions::SessionOutcome;
+use kv_events::routing::{CostOverrides, PolicyKind, SessionId};
 use kv_events::{DpRank, LocalBlockHash, RequestId, WorkerId, WorkerRank};
 
 /// One request to place.
@@ -37,6 +38,9 @@ pub struct ScheduleRequest {
     /// every registered worker is excluded, scheduling fails with
     /// [`crate::SchedulerError::AllExcluded`].
     pub exclude_workers: Vec<WorkerId>,
+    /// The session (conversation) the request belongs to: its last rank is preferred
+    /// within a margin ([`crate::sessions`]). `None`: no affinity.
+    pub session_id: Option<SessionId>,
 }
 
 impl ScheduleRequest {
@@ -63,6 +67,7 @@ impl ScheduleRequest {
             dp_rank: None,
             overrides: CostOverrides::default(),
             exclude_workers: Vec::new(),
+            session_id: None,
         }
     }
 
@@ -126,6 +131,9 @@ pub struct Selection {
     pub cost: Option<f64>,
     /// The prefill load booked with the request, as computed at routing time.
     pub prefill: PrefillLoadHint,
+    /// What session affinity did; `None` for a request without a session id (or with
+    /// affinity off).
+    pub session: Option<SessionOutcome>,
 }
 
 #[cfg(test)]
