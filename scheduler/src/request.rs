@@ -5,7 +5,6 @@
 //! plain-data records (the request owns its block hashes, 8 bytes per block).
 
 use crate::load::PrefillLoadHint;
-use crate::sessions::SessionOutcome;
 use kv_events::routing::{CostOverrides, PolicyKind, SessionId};
 use kv_events::{DpRank, LocalBlockHash, RequestId, WorkerId, WorkerRank};
 
@@ -134,6 +133,33 @@ pub struct Selection {
     /// What session affinity did; `None` for a request without a session id (or with
     /// affinity off).
     pub session: Option<SessionOutcome>,
+}
+
+/// What session affinity ([`crate::sessions`]) did for one request that carried a
+/// session id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SessionOutcome {
+    /// Served by the session's last rank (the policy's pick, or kept within the
+    /// margin).
+    Hit,
+    /// The session's last rank was a priced candidate, but another was cheaper by
+    /// more than the margin.
+    Override,
+    /// No last rank to prefer: a new, expired, evicted or departed session, or a
+    /// last rank that is not a candidate now (busy, silent, excluded, pinned away)
+    /// or not priced by the policy.
+    Miss,
+}
+
+impl SessionOutcome {
+    /// A metric label: `hit`, `override` or `miss`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Hit => "hit",
+            Self::Override => "override",
+            Self::Miss => "miss",
+        }
+    }
 }
 
 #[cfg(test)]

@@ -32,6 +32,7 @@
 use crate::duration_ms;
 use crate::error::SchedulerError;
 use crate::policy::Candidate;
+pub use crate::request::SessionOutcome;
 use kv_events::routing::{PolicyKind, SessionId};
 use kv_events::{WorkerId, WorkerRank};
 use serde::{Deserialize, Serialize};
@@ -104,32 +105,6 @@ impl SessionConfig {
             });
         }
         Ok(())
-    }
-}
-
-/// What session affinity did for one request that carried a session id.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum SessionOutcome {
-    /// Served by the session's last rank (the policy's pick, or kept within the
-    /// margin).
-    Hit,
-    /// The session's last rank was a priced candidate, but another was cheaper by
-    /// more than the margin.
-    Override,
-    /// No last rank to prefer: a new, expired, evicted or departed session, or a
-    /// last rank that is not a candidate now (busy, silent, excluded, pinned away)
-    /// or not priced by the policy.
-    Miss,
-}
-
-impl SessionOutcome {
-    /// A metric label: `hit`, `override` or `miss`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Hit => "hit",
-            Self::Override => "override",
-            Self::Miss => "miss",
-        }
     }
 }
 
