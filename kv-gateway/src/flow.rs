@@ -24,6 +24,7 @@ use crate::workers::WorkerUrls;
 use axum::Json;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
+use kv_events::routing::SessionId;
 use kv_events::{DpRank, WorkerId};
 use serde_json::{Map, Value};
 use std::collections::HashSet;
@@ -99,6 +100,8 @@ struct Plan {
     request: EngineRequest,
     stream: bool,
     include_usage: bool,
+    /// The `x-session-id` header, passed to the router.
+    session: Option<SessionId>,
 }
 
 impl Flow {
@@ -118,8 +121,13 @@ impl Flow {
         Ok(())
     }
 
-    /// `POST /v1/completions`.
-    pub async fn completion(&self, body: &[u8], arrived: Instant) -> Result<Response, ApiError> {
+    /// `POST /v1/completions`, of the session `session` (the `x-session-id` header).
+    pub async fn completion(
+        &self,
+        body: &[u8],
+        session: Option<SessionId>,
+        arrived: Instant,
+    ) -> Result<Response, ApiError> {
         let request = parse_completion(body)?;
         self.check_model(&request.model)?;
         let started = Instant::now();
@@ -138,6 +146,7 @@ impl Flow {
             endpoint: "completions",
             stream: request.stream,
             include_usage: request.include_usage,
+            session,
             tokens,
             request: EngineRequest::Completion {
                 request,
@@ -147,8 +156,14 @@ impl Flow {
         self.serve(plan, arrived).await
     }
 
-    /// `POST /v1/chat/completions`.
-    pub async fn chat(&self, body: &[u8], arrived: Instant) -> Result<Response, ApiError> {
+    /// `POST /v1/chat/completions`, of the session `session` (the `x-session-id`
+    /// header).
+    pub async fn chat(
+        &self,
+        body: &[u8],
+        session: Option<SessionId>,
+        arrived: Instant,
+    ) -> Result<Response, ApiError> {
         let chat = parse_chat(body)?;
         self.check_model(&chat.model)?;
         if self.model.chat_forward == ChatForward::Tokens {
@@ -166,6 +181,7 @@ impl Flow {
             endpoint: "chat_completions",
             stream: chat.stream,
             include_usage: chat.include_usage,
+            session,
             tokens,
             request: match self.model.chat_forward {
                 ChatForward::Tokens => EngineRequest::ChatAsCompletion(chat),
@@ -185,7 +201,12 @@ impl Flow {
             let started = Instant::now();
             let routed = self
                 .router
-                .route(self.router.request_id(), plan.tokens.clone(), &exclude)
+                .route(
+                    self.router.request_id(),
+                    plan.tokens.clone(),
+                    &exclude,
+                    plan.session.as_ref(),
+                )
                 .await;
             let (decision, mut booking) = match routed {
                 Ok(routed) => routed,

@@ -9,6 +9,8 @@
 //! | `GET /health/readyz` | 200 when NATS is connected, a router answers and a worker is known; else 503 with the failing checks |
 //! | `GET /metrics` | Prometheus text |
 //!
+//! Both POST routes read an optional `x-session-id` header ([`crate::session`]).
+//!
 //! Bodies are bounded (`--max-body-bytes`, 413 above) before they are read; every
 //! error is OpenAI's JSON error shape. Connections are served by
 //! [`kv_cluster::http::serve`]: one that has not delivered a request's headers within
@@ -17,12 +19,13 @@
 
 use crate::error::ApiError;
 use crate::flow::Flow;
+use crate::session::session_of;
 use axum::Json;
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, State};
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use prometheus::{Encoder, Registry, TextEncoder};
@@ -74,24 +77,32 @@ fn finish(state: &AppState, endpoint: &str, result: Result<Response, ApiError>) 
 
 async fn completions(
     State(state): State<AppState>,
+    headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let arrived = Instant::now();
-    let result = match body_of(body, state.flow.limits.max_body_bytes) {
-        Ok(body) => state.flow.completion(&body, arrived).await,
-        Err(e) => Err(e),
+    let result = match (
+        body_of(body, state.flow.limits.max_body_bytes),
+        session_of(&headers),
+    ) {
+        (Ok(body), Ok(session)) => state.flow.completion(&body, session, arrived).await,
+        (Err(e), _) | (_, Err(e)) => Err(e),
     };
     finish(&state, "completions", result)
 }
 
 async fn chat_completions(
     State(state): State<AppState>,
+    headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let arrived = Instant::now();
-    let result = match body_of(body, state.flow.limits.max_body_bytes) {
-        Ok(body) => state.flow.chat(&body, arrived).await,
-        Err(e) => Err(e),
+    let result = match (
+        body_of(body, state.flow.limits.max_body_bytes),
+        session_of(&headers),
+    ) {
+        (Ok(body), Ok(session)) => state.flow.chat(&body, session, arrived).await,
+        (Err(e), _) | (_, Err(e)) => Err(e),
     };
     finish(&state, "chat_completions", result)
 }

@@ -32,6 +32,7 @@ pub mod http;
 pub mod metrics;
 pub mod openai;
 pub mod router;
+pub mod session;
 pub mod tokenize;
 pub mod workers;
 

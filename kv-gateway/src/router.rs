@@ -10,7 +10,7 @@ use crate::error::ApiError;
 use async_nats::Client;
 use kv_events::routing::{
     LifecycleEvent, LifecycleMessage, Prompt, RouteDecision, RouteErrorCode, RouteReply,
-    RouteRequest,
+    RouteRequest, SessionId,
 };
 use kv_events::{RequestId, Subjects, WorkerId, decode, encode};
 use std::sync::Arc;
@@ -80,7 +80,8 @@ impl RouterClient {
         &self.nats
     }
 
-    /// Asks the router for a worker for `token_ids`, excluding `exclude`. On success
+    /// Asks the router for a worker for `token_ids` of the session `session` (if any),
+    /// excluding `exclude`. On success
     /// the request is booked and the returned [`Booking`] owns it.
     ///
     /// # Errors
@@ -91,9 +92,11 @@ impl RouterClient {
         request_id: RequestId,
         token_ids: Vec<u32>,
         exclude: &[WorkerId],
+        session: Option<&SessionId>,
     ) -> Result<(RouteDecision, Booking), ApiError> {
         let request = RouteRequest {
             exclude_workers: exclude.to_vec(),
+            session_id: session.cloned(),
             ..RouteRequest::new(request_id, Prompt::Tokens { token_ids })
         };
         let payload =

@@ -176,6 +176,7 @@ pub fn schedule_request(
     schedule.dp_rank = request.dp_rank;
     schedule.overrides = request.overrides;
     schedule.exclude(request.exclude_workers);
+    schedule.session_id = request.session_id;
     Ok(schedule)
 }
 
@@ -189,6 +190,7 @@ pub(crate) async fn routed(
     routed_hashes: Option<Vec<LocalBlockHash>>,
 ) -> RouteReply {
     debug!(request_id = %request_id, worker = %sel.rank, overlap_blocks = sel.overlap_blocks, "routed");
+    state.counters.metrics.sessions.observe(sel.session);
     if let Some(hashes) = routed_hashes
         && let Err(e) = state.indexer.record_routing(sel.rank, hashes).await
     {

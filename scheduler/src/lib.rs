@@ -31,6 +31,8 @@
 //! - [`error`]: [`SchedulerError`], the crate's one error type.
 //! - [`calibration`]: [`CalibrationConfig`], [`Calibration`]: per-rank step-time
 //!   constants learned from observed TTFTs (off by default).
+//! - [`sessions`]: [`SessionConfig`], [`SessionTable`]: session affinity, a
+//!   request's session's last rank preferred within a margin.
 //! - `batch.rs`: [`Scheduler::schedule_batch`].
 //! - `reads.rs`: the facade's read accessors (load, metrics, liveness, calibration).
 
@@ -47,6 +49,7 @@ pub mod policy;
 mod reads;
 pub mod request;
 pub mod sequences;
+pub mod sessions;
 pub mod workers;
 
 pub use busy::{BusyThresholds, Threshold};
@@ -63,6 +66,7 @@ pub use request::{RequestShape, ScheduleRequest, Selection};
 pub use sequences::{
     ActiveRequest, ActiveSequences, AddRequest, Origin, PrefillLoadHint, RankLoad, SequenceEvent,
 };
+pub use sessions::{SessionConfig, SessionOutcome, SessionTable};
 pub use workers::WorkerRegistry;
 
 use kv_events::discovery::WorkerRegistration;
@@ -92,6 +96,8 @@ pub struct Scheduler {
     reports: LoadReports,
     /// Per-rank step-time constants learned from observed TTFTs.
     calibration: Calibration,
+    /// Each session's last rank (session affinity).
+    sessions: SessionTable,
     /// Scratch buffers reused by every decision: the candidates, their tiers and
     /// their calibrated step-time multipliers.
     candidates: Vec<Candidate>,
@@ -114,6 +120,7 @@ impl Scheduler {
         Ok(Self {
             sequences: ActiveSequences::new(config.sequences),
             calibration: Calibration::new(config.calibration, &config.policy),
+            sessions: SessionTable::new(config.sessions),
             config,
             workers: WorkerRegistry::new(),
             selector: Selector::new(rng),
@@ -141,6 +148,7 @@ impl Scheduler {
         self.reports.retain(|rank| !vanished.contains(&rank));
         self.calibration
             .remove_ranks(|rank| vanished.contains(&rank));
+        self.sessions.remove_ranks(|rank| vanished.contains(&rank));
         for rank in vanished {
             let dropped = self.sequences.remove_rank(rank);
             tracing::debug!(%rank, dropped, "rank vanished on re-registration");
@@ -155,6 +163,7 @@ impl Scheduler {
         self.workers.remove(id);
         self.reports.remove_worker(id);
         self.calibration.remove_ranks(|rank| rank.worker_id == id);
+        self.sessions.remove_worker(id);
         let dropped = self.sequences.remove_worker(id);
         tracing::debug!(worker_id = %id, dropped, "worker removed");
         dropped
@@ -235,7 +244,21 @@ impl Scheduler {
             timing_scales: &self.scales,
         };
         let choice = self.selector.select(&policy, &ctx)?;
-        let chosen = self.candidates[choice.index];
+        let selector = &self.selector;
+        let (index, session) = self.sessions.steer(
+            req.session_id.as_ref(),
+            policy.kind(),
+            choice.index,
+            &self.candidates,
+            |i| selector.cost_of(&policy, i),
+            now,
+        );
+        let cost = if index == choice.index {
+            choice.cost
+        } else {
+            selector.cost_of(&policy, index)
+        };
+        let chosen = self.candidates[index];
         let tokens = req.uncached_tokens(chosen.overlap_blocks);
         let prefill = PrefillLoadHint {
             initial_effective_prefill_tokens: tokens,
@@ -252,6 +275,9 @@ impl Scheduler {
             },
             now,
         )?;
+        if let Some(id) = &req.session_id {
+            self.sessions.record(id, chosen.rank, now);
+        }
         if self.calibration.enabled() {
             let seeded;
             let features_config = match ttft {
@@ -275,15 +301,17 @@ impl Scheduler {
             overlap_blocks = chosen.overlap_blocks,
             request_blocks = req.request_blocks,
             prefill_tokens = tokens,
-            cost = ?choice.cost,
+            cost = ?cost,
+            session = ?session,
             "request scheduled",
         );
         Ok(Selection {
             rank: chosen.rank,
             overlap_blocks: chosen.overlap_blocks,
             policy: policy.kind(),
-            cost: choice.cost,
+            cost,
             prefill,
+            session,
         })
     }
 

@@ -80,4 +80,9 @@ impl Scheduler {
     pub fn calibration(&self, rank: WorkerRank) -> Option<RankCalibration> {
         self.calibration.report(rank)
     }
+
+    /// Sessions held by session affinity (at most its capacity).
+    pub fn sessions_held(&self) -> usize {
+        self.sessions.len()
+    }
 }

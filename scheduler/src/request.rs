@@ -5,7 +5,7 @@
 //! plain-data records (the request owns its block hashes, 8 bytes per block).
 
 use crate::load::PrefillLoadHint;
-use kv_events::routing::{CostOverrides, PolicyKind};
+use kv_events::routing::{CostOverrides, PolicyKind, SessionId};
 use kv_events::{DpRank, LocalBlockHash, RequestId, WorkerId, WorkerRank};
 
 /// One request to place.
@@ -37,6 +37,9 @@ pub struct ScheduleRequest {
     /// every registered worker is excluded, scheduling fails with
     /// [`crate::SchedulerError::AllExcluded`].
     pub exclude_workers: Vec<WorkerId>,
+    /// The session (conversation) the request belongs to: its last rank is preferred
+    /// within a margin ([`crate::sessions`]). `None`: no affinity.
+    pub session_id: Option<SessionId>,
 }
 
 impl ScheduleRequest {
@@ -63,6 +66,7 @@ impl ScheduleRequest {
             dp_rank: None,
             overrides: CostOverrides::default(),
             exclude_workers: Vec::new(),
+            session_id: None,
         }
     }
 
@@ -126,6 +130,36 @@ pub struct Selection {
     pub cost: Option<f64>,
     /// The prefill load booked with the request, as computed at routing time.
     pub prefill: PrefillLoadHint,
+    /// What session affinity did; `None` for a request without a session id (or with
+    /// affinity off).
+    pub session: Option<SessionOutcome>,
+}
+
+/// What session affinity ([`crate::sessions`]) did for one request that carried a
+/// session id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SessionOutcome {
+    /// Served by the session's last rank (the policy's pick, or kept within the
+    /// margin).
+    Hit,
+    /// The session's last rank was a priced candidate, but another was cheaper by
+    /// more than the margin.
+    Override,
+    /// No last rank to prefer: a new, expired, evicted or departed session, or a
+    /// last rank that is not a candidate now (busy, silent, excluded, pinned away)
+    /// or not priced by the policy.
+    Miss,
+}
+
+impl SessionOutcome {
+    /// A metric label: `hit`, `override` or `miss`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Hit => "hit",
+            Self::Override => "override",
+            Self::Miss => "miss",
+        }
+    }
 }
 
 #[cfg(test)]

@@ -15,6 +15,9 @@ use crate::ids::{DpRank, LocalBlockHash, RequestId, WorkerId};
 use serde::{Deserialize, Serialize};
 
 mod prompt;
+mod session;
+
+pub use session::{MAX_SESSION_ID_BYTES, SessionId, SessionIdError};
 
 /// The prompt of a request, as the router needs it.
 ///
@@ -174,6 +177,13 @@ pub struct RouteRequest {
     /// `no_workers`. Empty (and absent on the wire) by default.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub exclude_workers: Vec<WorkerId>,
+    /// The conversation (or agent run) this request belongs to: the router prefers
+    /// the rank that served the session's last request unless another is cheaper by
+    /// a margin (`docs/protocol.md`, "Session affinity"). 1 to
+    /// [`MAX_SESSION_ID_BYTES`] bytes; an empty or longer id makes the request
+    /// malformed (`bad_request`). Absent on the wire by default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_id: Option<SessionId>,
 }
 
 /// The most workers one [`RouteRequest`] may exclude: far above any sane retry count,
@@ -191,6 +201,7 @@ impl RouteRequest {
             overrides: CostOverrides::default(),
             priority: 0,
             exclude_workers: Vec::new(),
+            session_id: None,
         }
     }
 }

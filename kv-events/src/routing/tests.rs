@@ -109,6 +109,50 @@ fn request_without_new_fields_decodes_with_defaults() {
     // know.
     let map: serde_json::Value = rmp_serde::from_slice(&encode(&req).unwrap()).unwrap();
     assert!(map.get("exclude_workers").is_none(), "{map}");
+    assert!(map.get("session_id").is_none(), "{map}");
+}
+
+#[test]
+fn a_session_id_round_trips_and_an_oversized_one_is_refused_as_malformed() {
+    let with = |id: &str| {
+        let mut req = RouteRequest::new("s", Prompt::Tokens { token_ids: vec![1] });
+        req.session_id = Some(SessionId::new(id).expect("valid id"));
+        req
+    };
+    let req = with("conversation-1");
+    assert_eq!(decode::<RouteRequest>(&encode(&req).unwrap()).unwrap(), req);
+    // In a batch entry too.
+    let batch = RouteBatchRequest {
+        requests: vec![req.clone()],
+        order: BatchOrder::AsGiven,
+    };
+    assert_eq!(
+        decode::<RouteBatchRequest>(&encode(&batch).unwrap()).unwrap(),
+        batch
+    );
+    // A peer that writes a longer id than the limit: refused by name, before the
+    // copy, through the same path (and metric reason) as any malformed request.
+    #[derive(Serialize)]
+    struct Raw<'a> {
+        request_id: &'a str,
+        prompt: Prompt,
+        session_id: &'a str,
+    }
+    let long = "s".repeat(MAX_SESSION_ID_BYTES + 1);
+    let bytes = encode(&Raw {
+        request_id: "s",
+        prompt: Prompt::Tokens { token_ids: vec![1] },
+        session_id: &long,
+    })
+    .unwrap();
+    let refusal =
+        crate::limits::decode_within::<RouteRequest>(&bytes, &crate::limits::Limits::default())
+            .expect_err("over the session id limit");
+    assert_eq!(refusal.reason(), "malformed");
+    assert!(
+        refusal.to_string().contains("session_id is 257 bytes"),
+        "{refusal}"
+    );
 }
 
 #[test]

@@ -159,6 +159,10 @@ pub enum LabPolicy {
     /// default knobs): each rank's step-time constants are learned from the TTFTs the
     /// run observes. Named `<kind>+cal`.
     Calibrated(PolicyKind),
+    /// The same with session affinity (`scheduler::sessions`, default knobs), each
+    /// request carrying the session derived from the trace's prefix chains
+    /// ([`super::sessions`]). Named `<kind>+sess`.
+    Sessions(PolicyKind),
     /// A prototype cost function evaluated by the lab itself (see
     /// [`super::candidates`]), for trying ideas before they become scheduler policies.
     Candidate(Candidate),
@@ -179,6 +183,7 @@ impl LabPolicy {
         match self {
             LabPolicy::Scheduler(kind) => kind.as_str().to_owned(),
             LabPolicy::Calibrated(kind) => format!("{}+cal", kind.as_str()),
+            LabPolicy::Sessions(kind) => format!("{}+sess", kind.as_str()),
             LabPolicy::Candidate(c) => format!("proto:{}", c.name()),
         }
     }

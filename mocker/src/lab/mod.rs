@@ -47,6 +47,7 @@ pub mod oracle;
 pub mod report;
 pub mod robustness;
 mod router;
+pub mod sessions;
 pub mod sim;
 pub mod sweep;
 mod table;
@@ -172,6 +173,11 @@ pub struct LabArgs {
     /// reported as `<policy>+cal`.
     #[arg(long = "calibrated", value_name = "POLICY")]
     pub calibrated: Vec<PolicyKind>,
+    /// Also run these scheduler policies with session affinity (repeatable), each
+    /// request carrying the session derived from the trace's prefix chains
+    /// (`mocker::lab::sessions`), reported as `<policy>+sess`.
+    #[arg(long = "sessions", value_name = "POLICY")]
+    pub sessions: Vec<PolicyKind>,
     /// Also run these prototype costs (repeatable): ttft, ttft-inflight, ttft-credit,
     /// ttft-tuned, or ttft:<base>,<balanced>,<backlog>,<inflight 0|1>,<min match ratio>
     /// (see `mocker::lab::candidates`).
@@ -254,6 +260,7 @@ pub fn run_lab(args: LabArgs) -> Result<LabReport, LabError> {
             .collect()
     };
     policies.extend(args.calibrated.iter().copied().map(LabPolicy::Calibrated));
+    policies.extend(args.sessions.iter().copied().map(LabPolicy::Sessions));
     policies.extend(args.candidates.iter().copied().map(LabPolicy::Candidate));
     let sweep = Sweep {
         settings: args

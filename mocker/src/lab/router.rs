@@ -13,9 +13,11 @@ use super::config::{LabPolicy, ROUTER_TIMING, SimConfig};
 use super::inflight::InFlight;
 use indexer::RadixTree;
 use kv_events::discovery::WorkerRegistration;
+use kv_events::routing::SessionId;
 use kv_events::{KvCacheEvent, LocalBlockHash, RequestId, WorkerId, WorkerRank};
 use scheduler::{
     CalibrationConfig, PolicyConfig, RankCalibration, ScheduleRequest, Scheduler, SchedulerConfig,
+    SessionConfig,
 };
 use std::time::{Duration, Instant};
 
@@ -46,6 +48,8 @@ pub(super) struct Router {
     decider: Decider,
     refused_events: u64,
     overlaps: Vec<u32>,
+    /// Whether route requests carry their derived session ([`LabPolicy::Sessions`]).
+    sessions: bool,
 }
 
 impl Router {
@@ -60,12 +64,18 @@ impl Router {
         config: &SimConfig,
     ) -> Result<Self, LabError> {
         let decider = match policy {
-            LabPolicy::Scheduler(kind) | LabPolicy::Calibrated(kind) => {
+            LabPolicy::Scheduler(kind)
+            | LabPolicy::Calibrated(kind)
+            | LabPolicy::Sessions(kind) => {
                 let scheduler_config = SchedulerConfig {
                     policy: PolicyConfig::default_for(kind),
                     calibration: CalibrationConfig {
                         enabled: matches!(policy, LabPolicy::Calibrated(_)),
                         ..CalibrationConfig::default()
+                    },
+                    sessions: SessionConfig {
+                        enabled: matches!(policy, LabPolicy::Sessions(_)),
+                        ..SessionConfig::default()
                     },
                     ..SchedulerConfig::default()
                 };
@@ -105,11 +115,13 @@ impl Router {
             decider,
             refused_events: 0,
             overlaps: Vec::with_capacity(ranks.len()),
+            sessions: matches!(policy, LabPolicy::Sessions(_)),
         })
     }
 
     /// Routes and books, at simulated time `now_ns`, a prompt of `block_hashes` (one
-    /// per engine block, the last may be partial) and `num_tokens` tokens; returns the
+    /// per engine block, the last may be partial) and `num_tokens` tokens of the
+    /// derived session `session` (sent only under [`LabPolicy::Sessions`]); returns the
     /// chosen rank's index.
     ///
     /// # Errors
@@ -120,18 +132,23 @@ impl Router {
         id: &RequestId,
         block_hashes: &[LocalBlockHash],
         num_tokens: u64,
+        session: u32,
         now_ns: u64,
     ) -> Result<usize, LabError> {
         let scores = self.tree.find_matches(block_hashes);
         let request_blocks = u32::try_from(block_hashes.len()).unwrap_or(u32::MAX);
         match &mut self.decider {
             Decider::Scheduler { scheduler, epoch } => {
-                let request = ScheduleRequest::new(
+                let mut request = ScheduleRequest::new(
                     id.clone(),
                     block_hashes.to_vec(),
                     num_tokens,
                     self.block_size,
                 );
+                if self.sessions {
+                    // A short ASCII name is always a valid id.
+                    request.session_id = SessionId::new(&format!("s{session}")).ok();
+                }
                 let selection = scheduler.schedule(&request, &scores, at(*epoch, now_ns))?;
                 self.ranks
                     .binary_search(&selection.rank)

@@ -50,20 +50,25 @@ struct PreparedRequest {
     prompt_tokens: u64,
     max_tokens: u64,
     block_hashes: Vec<LocalBlockHash>,
+    /// The session derived from the trace's prefix chains ([`super::sessions`]).
+    session: u32,
 }
 
 impl PreparedTrace {
-    /// Maps every request of `trace` onto engine blocks with `mapping`. A request with
+    /// Maps every request of `trace` onto engine blocks with `mapping` and derives its
+    /// session ([`super::sessions`]). A request with
     /// `output_length` 0 asks for 1 token (the first token is always produced), as the
     /// online replay does.
     pub fn new(trace: &[TraceRequest], mapping: BlockMapping) -> Self {
         let requests = trace
             .iter()
-            .map(|r| PreparedRequest {
+            .zip(super::sessions::derive(trace))
+            .map(|(r, session)| PreparedRequest {
                 timestamp_ms: r.timestamp_ms,
                 prompt_tokens: r.input_length,
                 max_tokens: r.output_length.max(1),
                 block_hashes: mapping.block_hashes(r),
+                session,
             })
             .collect();
         Self {
@@ -343,10 +348,13 @@ impl Sim<'_> {
             });
         }
         let id = RequestId(index.to_string());
-        let rank = match self
-            .router
-            .route(&id, &request.block_hashes, request.prompt_tokens, now)
-        {
+        let rank = match self.router.route(
+            &id,
+            &request.block_hashes,
+            request.prompt_tokens,
+            request.session,
+            now,
+        ) {
             Ok(rank) => rank,
             Err(err) => {
                 tracing::debug!(request = index, %err, "route refused");

@@ -20,6 +20,7 @@
 //!   [`scheduling`]).
 //! - [`calibration`]: online calibration of `predicted-ttft` (flattened into
 //!   [`scheduling`]).
+//! - [`sessions`]: session affinity (flattened into [`scheduling`]).
 //! - [`policy`]: the default policy and each policy's knob flags.
 //! - [`index`]: the index backend, memory bound, mode and JetStream flags.
 //! - [`recovery`]: the gap recovery flags (flattened into [`index`]).
@@ -35,6 +36,7 @@ pub mod liveness;
 pub mod policy;
 pub mod recovery;
 pub mod scheduling;
+pub mod sessions;
 
 pub use crate::http::HttpConfig;
 use clap::Args;

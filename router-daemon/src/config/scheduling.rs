@@ -9,6 +9,7 @@ use super::calibration::CalibrationArgs;
 use super::error::ConfigError;
 use super::liveness::LivenessArgs;
 use super::policy::PolicyArgs;
+use super::sessions::SessionArgs;
 use crate::admission::AdmissionConfig;
 use crate::queue::QueueConfig;
 use crate::replicas::ReplicaConfig;
@@ -31,6 +32,9 @@ pub struct SchedulingArgs {
     /// Online calibration of `predicted-ttft`'s step-time constants.
     #[command(flatten)]
     pub calibration: CalibrationArgs,
+    /// Session affinity for requests with a session id.
+    #[command(flatten)]
+    pub sessions: SessionArgs,
     /// Count prefix blocks shared by concurrent requests on one rank once (engines
     /// with prefix sharing during decode); false counts every request's blocks.
     #[arg(long, env = "KV_ROUTER_ASSUME_KV_REUSE", default_value_t = true, action = ArgAction::Set)]
@@ -105,6 +109,7 @@ impl SchedulingArgs {
             },
             liveness: self.liveness.to_config(),
             calibration: self.calibration.to_config(),
+            sessions: self.sessions.to_config(),
         };
         scheduler.validate()?;
         let admission = AdmissionConfig {
@@ -143,6 +148,7 @@ mod tests {
         assert_eq!(scheduler.sequences, SequencesConfig::default());
         assert_eq!(scheduler.busy, BusyThresholds::default());
         assert_eq!(scheduler.liveness, scheduler::LivenessConfig::default());
+        assert_eq!(scheduler.sessions, scheduler::SessionConfig::default());
         assert_eq!(admission.queue, QueueConfig::default());
         assert!(admission.replicas.sync);
         assert_eq!(
@@ -401,5 +407,24 @@ mod tests {
             panic!("expected kv-normalized, got {:?}", scheduler.policy);
         };
         assert_eq!(c.match_rate_threshold, 0.3);
+    }
+
+    #[test]
+    fn every_session_flag_reaches_its_field() {
+        let flags = "--session-affinity false --session-capacity 10 --session-ttl-ms 1500 \
+                     --session-margin-ms 20 --session-relative-margin 0.25";
+        let (scheduler, _) = parse(&flags.split_whitespace().collect::<Vec<_>>())
+            .to_configs()
+            .unwrap();
+        let expected = scheduler::SessionConfig {
+            enabled: false,
+            capacity: 10,
+            ttl: Duration::from_millis(1500),
+            margin_ms: 20.0,
+            relative_margin: 0.25,
+        };
+        assert_eq!(scheduler.sessions, expected);
+        let zero = parse(&["--session-capacity", "0"]).to_configs();
+        assert!(zero.is_err(), "capacity 0 is refused");
     }
 }

@@ -27,6 +27,7 @@
 //! - [`events`]: KV event intake, the indexer's counters and sizes, recovery.
 //! - [`load`]: the wait queue and per-rank load.
 //! - [`admission`]: wait-queue outcomes, replica sync, expired bookings.
+//! - [`sessions`]: session affinity (sessions held, hits and overrides).
 //! - [`connections`]: NATS and etcd connection state, readiness.
 
 pub mod admission;
@@ -38,6 +39,7 @@ pub mod load;
 pub mod refusals;
 pub use kv_cluster::metrics as registrar;
 pub mod route;
+pub mod sessions;
 
 pub use admission::{AdmissionMetrics, QueueOutcomes, SyncMetrics};
 pub use connections::ConnectionMetrics;
@@ -45,6 +47,7 @@ pub use events::{EventMetrics, RecoveryMetrics};
 pub use load::{QueueMetrics, WorkerLoadMetrics};
 pub use registrar::Registrar;
 pub use route::RouteMetrics;
+pub use sessions::SessionMetrics;
 
 use common::to_i64;
 use indexer::{Indexer, IndexerApi as _};
@@ -66,6 +69,8 @@ pub struct Metrics {
     pub load: WorkerLoadMetrics,
     /// NATS and etcd connections, readiness.
     pub connections: ConnectionMetrics,
+    /// Session affinity.
+    pub sessions: SessionMetrics,
     /// Serialises [`Metrics::refresh`], whose counter sampling must not interleave.
     refresh_lock: std::sync::Arc<tokio::sync::Mutex<()>>,
 }
@@ -91,6 +96,7 @@ impl Metrics {
             queue: QueueMetrics::new(r)?,
             load: WorkerLoadMetrics::new(r)?,
             connections: ConnectionMetrics::new(r)?,
+            sessions: SessionMetrics::new(r)?,
             refresh_lock: Default::default(),
         })
     }
@@ -111,6 +117,8 @@ impl Metrics {
         if let Ok(report) = indexer.report().await {
             self.events.sample_report(&report);
         }
-        self.load.sample(&lock_scheduler());
+        let scheduler = lock_scheduler();
+        self.load.sample(&scheduler);
+        self.sessions.sample(&scheduler);
     }
 }

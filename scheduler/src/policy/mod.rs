@@ -206,6 +206,23 @@ impl Selector {
         }
     }
 
+    /// The cost the last [`Selector::select`] under `policy` gave candidate `index`
+    /// (`kv`: weighted blocks; `kv-normalized`: tokens; `predicted-ttft`: model ms);
+    /// `None` for policies without per-candidate costs and for a `kv-normalized`
+    /// candidate over its fair share. Session affinity compares these.
+    pub fn cost_of(&self, policy: &PolicyConfig, index: usize) -> Option<f64> {
+        match policy {
+            PolicyConfig::Kv(_) | PolicyConfig::PredictedTtft(_) => self.costs.get(index).copied(),
+            PolicyConfig::KvNormalized(_) => self
+                .eligible
+                .iter()
+                .position(|&i| i == index)
+                .and_then(|pos| self.keys.get(pos))
+                .map(|k| k.0),
+            _ => None,
+        }
+    }
+
     /// Chooses one of `ctx.candidates` under `policy`.
     ///
     /// # Errors
