@@ -89,7 +89,10 @@ impl CandidateRouter {
         let credit = if (cached as f64) < k.min_match_ratio * num_tokens as f64 {
             1.0
         } else {
-            k.base_credit
+            let f = k
+                .base_shape
+                .factor(excess, min_pending as f64 / budget as f64);
+            1.0 + (k.base_credit - 1.0) * f
                 + k.balanced_credit / (1.0 + excess)
                 + k.backlog_credit * min_pending as f64 / budget as f64
         };
@@ -183,7 +186,7 @@ impl CandidateRouter {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::lab::candidates::PredictedTtftKnobs;
+    use crate::lab::candidates::{BaseShape, PredictedTtftKnobs};
 
     fn router(candidate: Candidate, ranks: usize) -> CandidateRouter {
         let engine = EngineModelConfig {
@@ -223,6 +226,7 @@ mod tests {
         let knobs = PredictedTtftKnobs {
             in_flight: false,
             base_credit: 2.0,
+            base_shape: BaseShape::Flat,
             balanced_credit: 4.0,
             backlog_credit: 1.0,
             min_match_ratio: 0.0,
@@ -250,6 +254,7 @@ mod tests {
         let knobs = PredictedTtftKnobs {
             in_flight: false,
             base_credit: 5.0,
+            base_shape: BaseShape::Flat,
             balanced_credit: 0.0,
             backlog_credit: 0.0,
             min_match_ratio: 0.5,

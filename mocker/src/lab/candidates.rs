@@ -17,8 +17,11 @@ pub struct PredictedTtftKnobs {
     /// ([`super::inflight`]).
     pub in_flight: bool,
     /// Credit per cached token on every rank; 1 means a cached token is worth exactly
-    /// the prefill it saves this request.
+    /// the prefill it saves this request. [`Self::base_shape`] says how its part
+    /// above 1 depends on the load.
     pub base_credit: f64,
+    /// How the base credit above 1 depends on the rank's and the fleet's queue.
+    pub base_shape: BaseShape,
     /// Extra credit on a rank whose pending prefill is the cluster minimum, halving
     /// once the rank's pending prefill exceeds the minimum by one
     /// `max_num_batched_tokens`: reuse is worth more where it does not make the
@@ -36,6 +39,66 @@ pub struct PredictedTtftKnobs {
     pub min_match_ratio: f64,
 }
 
+/// How the part of the base credit above 1 depends on the load (prototypes of the
+/// light-load fix, issue 17): `base = 1 + (base_credit − 1) × f`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum BaseShape {
+    /// `f = 1`: the same on every rank, however long its queue.
+    Flat,
+    /// `f = 1 / (1 + (P − P_min) / (steps × B))`: halves once the rank's pending
+    /// prefill exceeds the minimum by `steps` batch budgets (the balanced credit's
+    /// decay at `steps` = 1).
+    Decay {
+        /// Excess queue, in batch budgets, at which the base credit above 1 halves;
+        /// greater than 0.
+        steps: f64,
+    },
+    /// `f = min(1, P_min / B)`: only when every rank has a queue.
+    Backlog,
+    /// `f = max(decay, backlog)`: decays with the excess queue unless the whole
+    /// fleet is backlogged.
+    Mix {
+        /// As in [`BaseShape::Decay`].
+        steps: f64,
+    },
+}
+
+impl BaseShape {
+    /// The factor `f`, given the rank's excess pending prefill and the least-loaded
+    /// rank's, both in batch budgets.
+    pub fn factor(self, excess_steps: f64, min_pending_steps: f64) -> f64 {
+        let decay = |steps: f64| 1.0 / (1.0 + excess_steps / steps);
+        let backlog = min_pending_steps.min(1.0);
+        match self {
+            BaseShape::Flat => 1.0,
+            BaseShape::Decay { steps } => decay(steps),
+            BaseShape::Backlog => backlog,
+            BaseShape::Mix { steps } => decay(steps).max(backlog),
+        }
+    }
+
+    /// `flat`, `decay:<steps>`, `backlog` or `mix:<steps>`.
+    fn name(self) -> String {
+        match self {
+            BaseShape::Flat => "flat".to_owned(),
+            BaseShape::Decay { steps } => format!("decay:{steps}"),
+            BaseShape::Backlog => "backlog".to_owned(),
+            BaseShape::Mix { steps } => format!("mix:{steps}"),
+        }
+    }
+
+    fn parse(s: &str) -> Option<Self> {
+        let steps = |v: &str| v.parse::<f64>().ok().filter(|x| x.is_finite() && *x > 0.0);
+        match s.split_once(':') {
+            None if s == "flat" => Some(BaseShape::Flat),
+            None if s == "backlog" => Some(BaseShape::Backlog),
+            Some(("decay", v)) => steps(v).map(|steps| BaseShape::Decay { steps }),
+            Some(("mix", v)) => steps(v).map(|steps| BaseShape::Mix { steps }),
+            _ => None,
+        }
+    }
+}
+
 /// A prototype cost, in predicted model ms. Lower wins.
 ///
 /// With `P` the rank's booked pending prefill tokens, `P_min` the smallest `P` over
@@ -45,7 +108,8 @@ pub struct PredictedTtftKnobs {
 ///
 /// ```text
 /// credit = 1                                                          if O < min_match_ratio × N
-///        = base_credit + balanced_credit / (1 + (P − P_min) / B) + backlog_credit × P_min / B  otherwise
+///        = 1 + (base_credit − 1) × f + balanced_credit / (1 + (P − P_min) / B)
+///          + backlog_credit × P_min / B                                otherwise
 /// steps  = max(1, ceil((P + N − O) / B))
 /// cost   = prefill_ms_per_token × (P + N − credit × O)
 ///        + steps × (step_base_ms + decode_ms_per_seq × R + kv_read_ms_per_token × D × block_size)
@@ -55,7 +119,8 @@ pub struct PredictedTtftKnobs {
 /// on that rank: the rank prefills everything booked before it (FCFS) plus the
 /// request's uncached tokens, and every prefill step also carries the running decodes
 /// (`docs/engine-model.md`). Credits above 1 value reuse beyond this request's own
-/// saving.
+/// saving. `f` is 1 unless [`PredictedTtftKnobs::base_shape`] says otherwise
+/// ([`BaseShape`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Candidate {
     /// Prototype of a predicted-TTFT cost with the given knobs.
@@ -67,6 +132,7 @@ impl Candidate {
     pub const TTFT: Candidate = Candidate::PredictedTtft(PredictedTtftKnobs {
         in_flight: false,
         base_credit: 1.0,
+        base_shape: BaseShape::Flat,
         balanced_credit: 0.0,
         backlog_credit: 0.0,
         min_match_ratio: 0.0,
@@ -75,6 +141,7 @@ impl Candidate {
     pub const TTFT_INFLIGHT: Candidate = Candidate::PredictedTtft(PredictedTtftKnobs {
         in_flight: true,
         base_credit: 1.0,
+        base_shape: BaseShape::Flat,
         balanced_credit: 0.0,
         backlog_credit: 0.0,
         min_match_ratio: 0.0,
@@ -84,6 +151,7 @@ impl Candidate {
     pub const TTFT_CREDIT: Candidate = Candidate::PredictedTtft(PredictedTtftKnobs {
         in_flight: true,
         base_credit: 12.0,
+        base_shape: BaseShape::Flat,
         balanced_credit: 40.0,
         backlog_credit: 1.0,
         min_match_ratio: 0.3,
@@ -94,6 +162,7 @@ impl Candidate {
     pub const TTFT_TUNED: Candidate = Candidate::PredictedTtft(PredictedTtftKnobs {
         in_flight: true,
         base_credit: 12.0,
+        base_shape: BaseShape::Flat,
         balanced_credit: 40.0,
         backlog_credit: 0.5,
         min_match_ratio: 0.2,
@@ -115,7 +184,8 @@ impl Candidate {
     }
 
     /// The command-line name: `ttft`, `ttft-inflight`, `ttft-credit`, `ttft-tuned`,
-    /// or `ttft:<base>,<balanced>,<backlog>,<inflight 0|1>,<min ratio>` for other knobs.
+    /// or `ttft:<base>,<balanced>,<backlog>,<inflight 0|1>,<min ratio>[,<base shape>]`
+    /// for other knobs (the shape is left out when [`BaseShape::Flat`]).
     pub fn name(self) -> String {
         if self == Candidate::TTFT {
             "ttft".to_owned()
@@ -127,8 +197,12 @@ impl Candidate {
             "ttft-tuned".to_owned()
         } else {
             let Candidate::PredictedTtft(k) = self;
+            let shape = match k.base_shape {
+                BaseShape::Flat => String::new(),
+                other => format!(",{}", other.name()),
+            };
             format!(
-                "ttft:{},{},{},{},{}",
+                "ttft:{},{},{},{},{}{shape}",
                 k.base_credit,
                 k.balanced_credit,
                 k.backlog_credit,
@@ -139,20 +213,24 @@ impl Candidate {
     }
 }
 
-/// Parses `<base>,<balanced>,<backlog>,<inflight 0|1>,<min ratio>` (finite, ≥ 0).
+/// Parses `<base>,<balanced>,<backlog>,<inflight 0|1>,<min ratio>[,<base shape>]`
+/// (credits finite and ≥ 0; shape `flat`, `decay:<steps>`, `backlog`, `mix:<steps>`).
 fn parse_knobs(s: &str) -> Option<PredictedTtftKnobs> {
     let parts: Vec<&str> = s.split(',').collect();
-    let [base, balanced, backlog, in_flight, ratio] = parts.as_slice() else {
-        return None;
+    let (base, balanced, backlog, in_flight, ratio, shape) = match parts.as_slice() {
+        [a, b, c, d, e] => (*a, *b, *c, *d, *e, BaseShape::Flat),
+        [a, b, c, d, e, f] => (*a, *b, *c, *d, *e, BaseShape::parse(f)?),
+        _ => return None,
     };
     let credit = |v: &str| v.parse::<f64>().ok().filter(|x| x.is_finite() && *x >= 0.0);
     Some(PredictedTtftKnobs {
-        in_flight: match *in_flight {
+        in_flight: match in_flight {
             "0" => false,
             "1" => true,
             _ => return None,
         },
         base_credit: credit(base)?,
+        base_shape: shape,
         balanced_credit: credit(balanced)?,
         backlog_credit: credit(backlog)?,
         min_match_ratio: credit(ratio)?,
@@ -168,7 +246,7 @@ impl std::str::FromStr for Candidate {
                 .map(Candidate::PredictedTtft)
                 .ok_or_else(|| {
                     format!(
-                        "candidate `{s}`: expected ttft:<base>,<balanced>,<backlog>,<0|1>,<ratio>"
+                        "candidate `{s}`: expected ttft:<base>,<balanced>,<backlog>,<0|1>,<ratio>[,<shape>]"
                     )
                 });
         }
@@ -178,7 +256,7 @@ impl std::str::FromStr for Candidate {
             .ok_or_else(|| {
                 let names: Vec<String> = Candidate::ALL.iter().map(|c| c.name()).collect();
                 format!(
-                    "unknown candidate `{s}` (expected one of {}, or ttft:<base>,<balanced>,<backlog>,<0|1>,<ratio>)",
+                    "unknown candidate `{s}` (expected one of {}, or ttft:<base>,<balanced>,<backlog>,<0|1>,<ratio>[,<shape>])",
                     names.join(", ")
                 )
             })
@@ -203,14 +281,29 @@ mod tests {
         let custom = Candidate::PredictedTtft(PredictedTtftKnobs {
             in_flight: false,
             base_credit: 3.0,
+            base_shape: BaseShape::Flat,
             balanced_credit: 0.5,
             backlog_credit: 0.0,
             min_match_ratio: 0.25,
         });
         assert_eq!(custom.name(), "ttft:3,0.5,0,0,0.25");
         assert_eq!(custom.name().parse::<Candidate>(), Ok(custom));
+        for shape in [
+            BaseShape::Decay { steps: 2.0 },
+            BaseShape::Backlog,
+            BaseShape::Mix { steps: 0.5 },
+        ] {
+            let c = Candidate::PredictedTtft(PredictedTtftKnobs {
+                base_shape: shape,
+                ..custom_knobs(&custom)
+            });
+            assert_eq!(c.name().parse::<Candidate>(), Ok(c), "{}", c.name());
+        }
+        assert_eq!("ttft:3,0.5,0,0,0.25,flat".parse::<Candidate>(), Ok(custom));
         for bad in [
             "ttft:1,2,3,1",
+            "ttft:1,2,3,1,0,decay:0",
+            "ttft:1,2,3,1,0,steep",
             "ttft:1,2,3,2,0",
             "ttft:-1,0,0,0,0",
             "ttft:x,0,0,1,0",
@@ -218,5 +311,25 @@ mod tests {
             assert!(bad.parse::<Candidate>().is_err(), "{bad}");
         }
         assert!(Candidate::TTFT_CREDIT.uses_in_flight() && !Candidate::TTFT.uses_in_flight());
+    }
+
+    fn custom_knobs(c: &Candidate) -> PredictedTtftKnobs {
+        let Candidate::PredictedTtft(k) = *c;
+        k
+    }
+
+    #[test]
+    fn base_shapes_scale_the_base_credit_with_the_queue() {
+        assert_eq!(BaseShape::Flat.factor(6.0, 0.0), 1.0);
+        // Halves at `steps` budgets of excess queue.
+        assert_eq!(BaseShape::Decay { steps: 2.0 }.factor(2.0, 0.0), 0.5);
+        assert_eq!(BaseShape::Decay { steps: 1.0 }.factor(0.0, 5.0), 1.0);
+        // Only a backlogged fleet earns it, in full from one budget on.
+        assert_eq!(BaseShape::Backlog.factor(0.0, 0.0), 0.0);
+        assert_eq!(BaseShape::Backlog.factor(0.0, 0.5), 0.5);
+        assert_eq!(BaseShape::Backlog.factor(3.0, 4.0), 1.0);
+        // The larger of the two.
+        assert_eq!(BaseShape::Mix { steps: 1.0 }.factor(3.0, 0.0), 0.25);
+        assert_eq!(BaseShape::Mix { steps: 1.0 }.factor(3.0, 2.0), 1.0);
     }
 }

@@ -180,6 +180,7 @@ pub struct LabArgs {
     pub sessions: Vec<PolicyKind>,
     /// Also run these prototype costs (repeatable): ttft, ttft-inflight, ttft-credit,
     /// ttft-tuned, or ttft:<base>,<balanced>,<backlog>,<inflight 0|1>,<min match ratio>
+    /// with an optional base shape: `,decay:<steps>`, `,backlog` or `,mix:<steps>`
     /// (see `mocker::lab::candidates`).
     #[arg(long = "candidate", value_name = "NAME")]
     pub candidates: Vec<Candidate>,
