@@ -12,11 +12,11 @@
 //! What it costs: one simulation of the trace, plus one point per rank and sample.
 
 use super::LabError;
-use super::config::{DEFAULT_EVENT_LAG_MS, LabPolicy, Setting, SimConfig, Speedup};
-use super::report::{publish, study_trace};
+use super::config::{LabPolicy, Setting, SimConfig, Speedup};
+use super::report::publish;
 use super::robustness::default_cells;
 use super::sim::{PreparedTrace, simulate};
-use crate::engine::EngineModelConfig;
+use super::study_args::StudyArgs;
 use crate::trace::{BlockMapping, TraceRequest};
 use kv_events::routing::PolicyKind;
 use scheduler::RankCalibration;
@@ -70,12 +70,9 @@ impl super::sim::RunResult {
 /// `kv-mocker lab swing` flags.
 #[derive(Debug, Clone, clap::Args)]
 pub struct SwingArgs {
-    /// Mooncake JSONL trace; default: the bundled 2,000-request conversation excerpt.
-    #[arg(long, value_name = "PATH")]
-    pub trace: Option<PathBuf>,
-    /// Simulate only the first N requests of the trace.
-    #[arg(long)]
-    pub max_requests: Option<usize>,
+    /// Trace and simulation flags shared by every study.
+    #[command(flatten)]
+    pub study: StudyArgs,
     /// Workers.
     #[arg(long, default_value_t = 8)]
     pub workers: u32,
@@ -90,15 +87,6 @@ pub struct SwingArgs {
     /// Sample interval of the estimates, in simulated ms.
     #[arg(long, default_value_t = 10_000.0)]
     pub sample_ms: f64,
-    /// Delay between a step's end and its KV events reaching the index, in model ms.
-    #[arg(long, default_value_t = DEFAULT_EVENT_LAG_MS)]
-    pub event_lag_ms: f64,
-    /// Seed of every random choice.
-    #[arg(long, default_value_t = 42)]
-    pub seed: u64,
-    /// The engine model of every rank (block size, cache, batch limits).
-    #[command(flatten)]
-    pub engine: EngineModelConfig,
     /// Directory for `swing.json`.
     #[arg(long, default_value = "target/lab-swing")]
     pub out: PathBuf,
@@ -174,15 +162,12 @@ pub fn run_swing(args: SwingArgs) -> Result<SwingReport, LabError> {
         .into_iter()
         .find(|c| c.name == args.cell)
         .ok_or_else(|| LabError::UnknownCell(args.cell.clone()))?;
-    let (requests, name) = study_trace(args.trace.as_deref(), args.max_requests)?;
+    let (requests, name) = args.study.load_trace()?;
     let (retimed, starts) = retime(&requests, &args.phases);
-    let prepared = PreparedTrace::new(&retimed, BlockMapping::new(args.engine.block_size)?);
+    let prepared = PreparedTrace::new(&retimed, BlockMapping::new(args.study.engine.block_size)?);
     let config = cell.config(&SimConfig {
-        engine: args.engine,
-        event_lag_ms: args.event_lag_ms,
-        seed: args.seed,
         calibration_sample_ms: Some(args.sample_ms),
-        ..SimConfig::default()
+        ..args.study.sim_config()
     });
     let setting = Setting {
         workers: args.workers,

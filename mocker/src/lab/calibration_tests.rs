@@ -1,6 +1,7 @@
 //! Tests of the lab's calibration sampling and the swing study's retiming.
 
 use super::*;
+use crate::engine::EngineModelConfig;
 use crate::lab::config::Speedup;
 
 fn request(timestamp_ms: u64) -> TraceRequest {

@@ -49,6 +49,7 @@ pub mod robustness;
 mod router;
 pub mod sessions;
 pub mod sim;
+mod study_args;
 pub mod sweep;
 mod table;
 
@@ -63,10 +64,11 @@ pub use oracle::{OracleBound, oracle_bound};
 pub use report::{LabReport, RunReport};
 pub use robustness::{RobustnessArgs, RobustnessReport, run_robustness};
 pub use sim::{PreparedTrace, RunResult, simulate};
+pub use study_args::StudyArgs;
 pub use sweep::{Sweep, run_sweep};
 
-use crate::engine::{ConfigError, EngineModelConfig};
-use crate::trace::{self, BUNDLED_EXCERPT_NAME, BlockMapping, BlockSizeMismatch, TraceError};
+use crate::engine::ConfigError;
+use crate::trace::{BlockMapping, BlockSizeMismatch, TraceError};
 use indicatif::{ProgressBar, ProgressStyle};
 use kv_events::WorkerRank;
 use kv_events::routing::PolicyKind;
@@ -153,12 +155,9 @@ pub struct LabArgs {
     /// Another study instead of the sweep.
     #[command(subcommand)]
     pub command: Option<LabCommand>,
-    /// Mooncake JSONL trace; default: the bundled 2,000-request conversation excerpt.
-    #[arg(long, value_name = "PATH")]
-    pub trace: Option<PathBuf>,
-    /// Simulate only the first N requests of the trace.
-    #[arg(long)]
-    pub max_requests: Option<usize>,
+    /// Trace and simulation flags shared by every study.
+    #[command(flatten)]
+    pub study: StudyArgs,
     /// Worker counts to sweep (comma-separated).
     #[arg(long, value_delimiter = ',', default_value = "4,8,16")]
     pub workers: Vec<u32>,
@@ -184,15 +183,6 @@ pub struct LabArgs {
     /// (see `mocker::lab::candidates`).
     #[arg(long = "candidate", value_name = "NAME")]
     pub candidates: Vec<Candidate>,
-    /// Delay between a step's end and its KV events reaching the index, in model ms.
-    #[arg(long, default_value_t = config::DEFAULT_EVENT_LAG_MS)]
-    pub event_lag_ms: f64,
-    /// Seed of every random choice (tie-breaks, samplers).
-    #[arg(long, default_value_t = 42)]
-    pub seed: u64,
-    /// The engine model of every rank.
-    #[command(flatten)]
-    pub engine: EngineModelConfig,
     /// The simulated engines' timing and speeds (the router keeps its defaults).
     #[command(flatten)]
     pub fleet: FleetArgs,
@@ -236,20 +226,11 @@ pub fn run(mut args: LabArgs) -> Result<(), LabError> {
 /// # Errors
 /// Trace, configuration, simulation and file errors ([`LabError`]).
 pub fn run_lab(args: LabArgs) -> Result<LabReport, LabError> {
-    let (mut trace, name) = match &args.trace {
-        Some(path) => (trace::load_trace(path)?, path.display().to_string()),
-        None => (trace::bundled_excerpt()?, BUNDLED_EXCERPT_NAME.to_owned()),
-    };
-    if let Some(max) = args.max_requests {
-        trace.truncate(max);
-    }
+    let (trace, name) = args.study.load_trace()?;
     let config = SimConfig {
-        engine: args.engine,
         timing: args.fleet.timing(),
         speeds: args.fleet.speeds(),
-        event_lag_ms: args.event_lag_ms,
-        seed: args.seed,
-        calibration_sample_ms: None,
+        ..args.study.sim_config()
     };
     let mut policies: Vec<LabPolicy> = if args.policies.is_empty() {
         LabPolicy::all_scheduler()
@@ -279,7 +260,7 @@ pub fn run_lab(args: LabArgs) -> Result<LabReport, LabError> {
             .jobs
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
     };
-    let mapping = BlockMapping::new(args.engine.block_size)?;
+    let mapping = BlockMapping::new(args.study.engine.block_size)?;
     let prepared = PreparedTrace::new(&trace, mapping);
     eprintln!(
         "lab: {} requests of {name}, {} runs ({} settings x {} policies) on {} threads; engines {}, worker speeds {}",

@@ -185,28 +185,6 @@ pub(super) fn publish<T: Serialize>(
     Ok(())
 }
 
-/// The trace a study replays: the file at `path` or the bundled excerpt, cut to
-/// `max_requests`; returns the requests and the trace's display name.
-///
-/// # Errors
-/// The trace's [`LabError`].
-pub(super) fn study_trace(
-    path: Option<&Path>,
-    max_requests: Option<usize>,
-) -> Result<(Vec<crate::trace::TraceRequest>, String), LabError> {
-    let (mut requests, name) = match path {
-        Some(path) => (crate::trace::load_trace(path)?, path.display().to_string()),
-        None => (
-            crate::trace::bundled_excerpt()?,
-            crate::trace::BUNDLED_EXCERPT_NAME.to_owned(),
-        ),
-    };
-    if let Some(max) = max_requests {
-        requests.truncate(max);
-    }
-    Ok((requests, name))
-}
-
 /// Writes `value` as pretty JSON to `path`, creating parent directories.
 ///
 /// # Errors

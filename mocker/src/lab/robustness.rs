@@ -15,14 +15,15 @@
 //! What it costs: cells × settings × rows runs; with the defaults (11 cells, 8 workers
 //! at 1× and 4×, 3 rows) 66 runs, spread over `--jobs` threads like the main sweep.
 
-use super::config::{DEFAULT_EVENT_LAG_MS, LabPolicy, Setting, SimConfig, Speedup};
+use super::config::{LabPolicy, Setting, SimConfig, Speedup};
 use super::fleet::{DYNAMO_POLYNOMIAL, Factor, ShapeFactors, WorkerSpeeds};
 use super::metrics::RunMetrics;
-use super::report::{RunReport, TraceInfo, publish, study_trace};
+use super::report::{RunReport, TraceInfo, publish};
 use super::sim::PreparedTrace;
+use super::study_args::StudyArgs;
 use super::sweep::{run_parallel, timed_run};
 use super::{LabError, progress_bar};
-use crate::engine::{EngineModelConfig, TimingModel};
+use crate::engine::TimingModel;
 use crate::trace::BlockMapping;
 use kv_events::routing::PolicyKind;
 use serde::Serialize;
@@ -39,27 +40,15 @@ pub const MATCHED: &str = "matched";
 /// `kv-mocker lab robustness` flags.
 #[derive(Debug, Clone, clap::Args)]
 pub struct RobustnessArgs {
-    /// Mooncake JSONL trace; default: the bundled 2,000-request conversation excerpt.
-    #[arg(long, value_name = "PATH")]
-    pub trace: Option<PathBuf>,
-    /// Simulate only the first N requests of the trace.
-    #[arg(long)]
-    pub max_requests: Option<usize>,
+    /// Trace and simulation flags shared by every study.
+    #[command(flatten)]
+    pub study: StudyArgs,
     /// Worker counts (comma-separated).
     #[arg(long, value_delimiter = ',', default_value = "8")]
     pub workers: Vec<u32>,
     /// Arrival speed-ups (comma-separated).
     #[arg(long, value_delimiter = ',', default_value = "1,4")]
     pub speedup: Vec<Speedup>,
-    /// Delay between a step's end and its KV events reaching the index, in model ms.
-    #[arg(long, default_value_t = DEFAULT_EVENT_LAG_MS)]
-    pub event_lag_ms: f64,
-    /// Seed of every random choice.
-    #[arg(long, default_value_t = 42)]
-    pub seed: u64,
-    /// The engine model of every rank (block size, cache, batch limits).
-    #[command(flatten)]
-    pub engine: EngineModelConfig,
     /// Threads to run simulations on; default: the machine's cores.
     #[arg(long)]
     pub jobs: Option<usize>,
@@ -203,14 +192,9 @@ pub struct RobustnessReport {
 /// Trace, configuration, simulation and file errors ([`LabError`]).
 pub fn run_robustness(args: RobustnessArgs) -> Result<RobustnessReport, LabError> {
     let started = Instant::now();
-    let (requests, name) = study_trace(args.trace.as_deref(), args.max_requests)?;
-    let prepared = PreparedTrace::new(&requests, BlockMapping::new(args.engine.block_size)?);
-    let base = SimConfig {
-        engine: args.engine,
-        event_lag_ms: args.event_lag_ms,
-        seed: args.seed,
-        ..SimConfig::default()
-    };
+    let (requests, name) = args.study.load_trace()?;
+    let prepared = PreparedTrace::new(&requests, BlockMapping::new(args.study.engine.block_size)?);
+    let base = args.study.sim_config();
     let settings: Vec<Setting> = args
         .workers
         .iter()

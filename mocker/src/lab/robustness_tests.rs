@@ -81,7 +81,7 @@ fn robustness_is_a_lab_subcommand_with_its_own_flags() {
     .expect("valid subcommand");
     match cli.lab.command {
         Some(crate::lab::LabCommand::Robustness(args)) => {
-            assert_eq!(args.trace, Some(PathBuf::from("t.jsonl")));
+            assert_eq!(args.study.trace, Some(PathBuf::from("t.jsonl")));
             assert_eq!(args.workers, vec![8]);
             assert_eq!(args.speedup.len(), 2);
             assert_eq!(args.jobs, Some(2));

@@ -4,7 +4,7 @@
 
 use super::*;
 use crate::engine::StepWork;
-use crate::trace::TraceRequest;
+use crate::trace::{self, TraceRequest};
 use kv_events::routing::PolicyKind;
 
 /// `sessions` conversations of `turns` turns each; turn `k` of session `s` repeats the
