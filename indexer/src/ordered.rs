@@ -383,6 +383,7 @@ impl OrderedIndex {
 
     /// See [`RadixTree::collect_any_tier_matches`]; not counted as a query (it goes
     /// with a [`OrderedIndex::collect_matches`] of the same hashes).
+    #[inline]
     pub fn collect_any_tier_matches(
         &self,
         hashes: &[LocalBlockHash],

@@ -57,6 +57,9 @@ impl OverlapScores {
     /// where it exceeds the rank's GPU score.
     pub fn from_tiers(gpu: Vec<(WorkerRank, u32)>, any_tier: Vec<(WorkerRank, u32)>) -> Self {
         let mut out = Self::from_unique(gpu);
+        if any_tier.is_empty() {
+            return out; // GPU-only trees
+        }
         for (rank, blocks) in any_tier {
             if blocks > out.get_any_tier(rank) {
                 out.any_tier.insert(rank, blocks);

@@ -18,14 +18,20 @@ impl RadixTree {
     /// block of `hashes` on some tier: the number of leading blocks it holds, each on
     /// any tier. Each rank once, in no particular order. Appends nothing while every
     /// holder is on the GPU (then the any-tier overlap is the GPU overlap).
+    #[inline]
     pub fn collect_any_tier_matches(
         &self,
         hashes: &[LocalBlockHash],
         out: &mut Vec<(WorkerRank, u32)>,
     ) {
-        if !self.ranks.has_lower_tiers() {
-            return;
+        // The check alone is inlined into the query fronts: one load and a branch.
+        if self.ranks.has_lower_tiers() {
+            self.any_tier_walk(hashes, out);
         }
+    }
+
+    #[inline(never)]
+    fn any_tier_walk(&self, hashes: &[LocalBlockHash], out: &mut Vec<(WorkerRank, u32)>) {
         // Ranks still matching, sorted and distinct; the ranks of the current run.
         let mut active: Vec<WorkerRank> = Vec::new();
         let mut here: Vec<WorkerRank> = Vec::new();

@@ -152,6 +152,7 @@ impl RankTable {
     }
 
     /// True when some live holder is on a tier other than the GPU.
+    #[inline]
     pub(crate) fn has_lower_tiers(&self) -> bool {
         self.lower_tier > 0
     }
