@@ -238,17 +238,22 @@ impl IndexerApi for InlineIndexer {
             // query walks the free ones while the writer finishes its batch instead of
             // waiting for it first.
             let mut pairs = Vec::new();
+            let mut any_tier = Vec::new();
             let mut busy = Vec::new();
+            let collect = |index: &OrderedIndex, pairs: &mut _, any_tier: &mut _| {
+                index.collect_matches(&hashes, pairs);
+                index.collect_any_tier_matches(&hashes, any_tier);
+            };
             for shard in 0..self.num_shards() {
                 match self.inner.try_read(shard) {
-                    Some(index) => index.collect_matches(&hashes, &mut pairs),
+                    Some(index) => collect(&index, &mut pairs, &mut any_tier),
                     None => busy.push(shard),
                 }
             }
             for shard in busy {
-                self.inner.read(shard).collect_matches(&hashes, &mut pairs);
+                collect(&self.inner.read(shard), &mut pairs, &mut any_tier);
             }
-            Ok(OverlapScores::from_unique(pairs))
+            Ok(OverlapScores::from_tiers(pairs, any_tier))
         }
     }
 

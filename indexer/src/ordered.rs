@@ -381,6 +381,17 @@ impl OrderedIndex {
         self.tree.collect_matches(hashes, out);
     }
 
+    /// See [`RadixTree::collect_any_tier_matches`]; not counted as a query (it goes
+    /// with a [`OrderedIndex::collect_matches`] of the same hashes).
+    #[inline]
+    pub fn collect_any_tier_matches(
+        &self,
+        hashes: &[LocalBlockHash],
+        out: &mut Vec<(WorkerRank, u32)>,
+    ) {
+        self.tree.collect_any_tier_matches(hashes, out);
+    }
+
     /// See [`RadixTree::dump`].
     pub fn dump(&self) -> Vec<KvEventBatch> {
         self.tree.dump()

@@ -14,12 +14,21 @@ use rustc_hash::FxHashMap;
 /// Per-[`WorkerRank`] count of leading query blocks held, in blocks.
 ///
 /// A rank scores `k` when it holds blocks `0..k` of the query (as one prefix in the
-/// radix tree) and not block `k`. Ranks that score 0 are normally absent from
-/// `scores`; [`OverlapScores::get`] returns 0 for them.
+/// radix tree) on the GPU and not block `k`. Ranks that score 0 are normally absent
+/// from `scores`; [`OverlapScores::get`] returns 0 for them.
+///
+/// Engines that offload KV to a lower storage tier (CPU, disk) also get an any-tier
+/// score: the leading blocks the rank holds each on *some* tier (a block offloaded
+/// to CPU and evicted from the GPU still counts there). It is at least the GPU
+/// score, and recorded in `any_tier` only where it is larger, so the map stays empty
+/// for GPU-only clusters; [`OverlapScores::get_any_tier`] reads it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct OverlapScores {
-    /// Leading matched blocks per worker rank (absent means 0).
+    /// Leading matched blocks held on the GPU per worker rank (absent means 0).
     pub scores: FxHashMap<WorkerRank, u32>,
+    /// Leading matched blocks held on any tier per worker rank, only for ranks where
+    /// this exceeds their `scores` entry (absent means: the GPU score).
+    pub any_tier: FxHashMap<WorkerRank, u32>,
 }
 
 impl OverlapScores {
@@ -31,6 +40,32 @@ impl OverlapScores {
     /// The overlap of `rank` in blocks, 0 when the rank matched nothing.
     pub fn get(&self, rank: WorkerRank) -> u32 {
         self.scores.get(&rank).copied().unwrap_or(0)
+    }
+
+    /// The overlap of `rank` in blocks held on any storage tier: at least
+    /// [`OverlapScores::get`], more when the rank holds the next blocks on CPU or disk.
+    pub fn get_any_tier(&self, rank: WorkerRank) -> u32 {
+        self.any_tier
+            .get(&rank)
+            .copied()
+            .unwrap_or(0)
+            .max(self.get(rank))
+    }
+
+    /// Scores from GPU pairs ([`OverlapScores::from_unique`]) and any-tier pairs
+    /// ([`crate::RadixTree::collect_any_tier_matches`]); an any-tier pair is kept only
+    /// where it exceeds the rank's GPU score.
+    pub fn from_tiers(gpu: Vec<(WorkerRank, u32)>, any_tier: Vec<(WorkerRank, u32)>) -> Self {
+        let mut out = Self::from_unique(gpu);
+        if any_tier.is_empty() {
+            return out; // GPU-only trees
+        }
+        for (rank, blocks) in any_tier {
+            if blocks > out.get_any_tier(rank) {
+                out.any_tier.insert(rank, blocks);
+            }
+        }
+        out
     }
 
     /// Sets the score of `rank`; a score of 0 removes the rank.
@@ -56,7 +91,10 @@ impl OverlapScores {
                     .or_insert(blocks);
             }
         }
-        Self { scores }
+        Self {
+            scores,
+            any_tier: FxHashMap::default(),
+        }
     }
 
     /// Folds in the scores of another query answer, for example a second shard's.
@@ -65,6 +103,10 @@ impl OverlapScores {
     /// larger score is kept, which is the right answer when both describe the same
     /// query.
     pub fn merge(&mut self, other: OverlapScores) {
+        for (rank, blocks) in other.any_tier {
+            let entry = self.any_tier.entry(rank).or_insert(0);
+            *entry = (*entry).max(blocks);
+        }
         if self.scores.is_empty() {
             self.scores = other.scores;
             return;

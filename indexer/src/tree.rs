@@ -35,11 +35,17 @@
 //! (rank, block) entries it forgets the least recently matched leaves (see
 //! `tree/prune.rs` for the algorithm and its cost).
 //!
+//! Storage tiers: each (rank, tier) is its own holder (`tree/ranks.rs`), so a
+//! rank's CPU-offloaded chain is a second holder of the same runs; GPU overlap is
+//! answered as before, and the overlap on any tier by a second walk that runs only
+//! while some holder is on a lower tier (`tree/any_tier.rs`).
+//!
 //! Layout of the submodules: `arena` (run and block slabs, free lists), `runs`
 //! (extend, split, merge, free), `children` (child maps), `rankset`
 //! (compact holder sets), `ranks` (rank interning and per-rank maps), `dump`
 //! (state → rebuild events), `prune` (the memory bound).
 
+mod any_tier;
 mod apply;
 mod arena;
 mod children;
@@ -59,7 +65,7 @@ use crate::config::Pruning;
 use crate::error::ApplyError;
 use crate::scores::OverlapScores;
 use crate::stats::IndexerStats;
-use arena::{Arena, NodeIdx};
+use arena::{Arena, Node, NodeIdx};
 use kv_events::{KvCacheEvent, KvCacheEventData, LocalBlockHash, WorkerId, WorkerRank};
 use ranks::{BlockRef, RankState, RankTable};
 use rankset::RankIdx;
@@ -208,37 +214,34 @@ impl RadixTree {
         event: &KvCacheEvent,
     ) -> Result<ApplyOutcome, ApplyError> {
         let rank = WorkerRank::new(worker_id, event.dp_rank);
-        if let KvCacheEventData::Stored { tier, .. } | KvCacheEventData::Removed { tier, .. } =
-            &event.data
-            && !tier.is_gpu()
-        {
-            // Lower tiers are not indexed yet: the index is the GPU tier.
-            return Ok(ApplyOutcome::default());
-        }
         match &event.data {
             KvCacheEventData::Stored {
                 parent_hash,
                 blocks,
-                ..
+                tier,
             } => {
                 // Room first, so the bound holds at the peak too, not only after.
-                let room = self.make_room(rank, *parent_hash, blocks.len());
-                let mut outcome = self.store(rank, *parent_hash, blocks)?;
+                let room = self.make_room(rank, *tier, *parent_hash, blocks.len());
+                let mut outcome = self.store(rank, *tier, *parent_hash, blocks)?;
                 outcome.pruned = room + self.enforce_bound();
                 Ok(outcome)
             }
-            KvCacheEventData::Removed { block_hashes, .. } => Ok(self.remove(rank, block_hashes)),
+            KvCacheEventData::Removed { block_hashes, tier } => {
+                Ok(self.remove(rank, *tier, block_hashes))
+            }
             KvCacheEventData::Cleared => Ok(self.clear_rank(rank)),
         }
     }
 
-    /// Drops every block of `rank` and forgets the rank. Unknown ranks are a no-op.
-    /// Returns the number of blocks dropped in `removed`.
+    /// Drops every block of `rank`, on every tier, and forgets the rank. Unknown
+    /// ranks are a no-op. Returns the number of blocks dropped in `removed`.
     pub fn clear_rank(&mut self, rank: WorkerRank) -> ApplyOutcome {
-        match self.ranks.lookup(rank) {
-            Some(idx) => self.release_rank(idx),
-            None => ApplyOutcome::default(),
+        let mut outcome = ApplyOutcome::default();
+        let holders: Vec<RankIdx> = self.ranks.tiers_of(rank).collect();
+        for idx in holders {
+            outcome += self.release_rank(idx);
         }
+        outcome
     }
 
     /// Drops every rank of `worker_id` (a worker left or its lease expired).
@@ -251,15 +254,21 @@ impl RadixTree {
         outcome
     }
 
-    /// Scores every rank by the number of leading blocks of `hashes` it holds.
+    /// Scores every rank by the number of leading blocks of `hashes` it holds on the
+    /// GPU, and (only while some rank holds blocks on a lower tier) by the number it
+    /// holds on any tier.
     ///
     /// Walks from the root along `hashes` and stops at the first block no node
     /// matches or when no rank is left. A rank missing block `i` scores `i` even if it
-    /// holds later blocks. Ranks scoring 0 are absent from the result.
+    /// holds later blocks. Ranks scoring 0 are absent from the result; the any-tier
+    /// scores ([`OverlapScores::any_tier`]) name only ranks whose any-tier overlap
+    /// exceeds their GPU overlap.
     pub fn find_matches(&self, hashes: &[LocalBlockHash]) -> OverlapScores {
         let mut pairs = Vec::new();
         self.collect_matches(hashes, &mut pairs);
-        OverlapScores::from_unique(pairs)
+        let mut any_tier = Vec::new();
+        self.collect_any_tier_matches(hashes, &mut any_tier);
+        OverlapScores::from_tiers(pairs, any_tier)
     }
 
     /// [`RadixTree::find_matches`] as (rank, score in blocks) pairs appended to `out`:
@@ -273,13 +282,7 @@ impl RadixTree {
         // Raw rank indices (see `RankSet`), so the per-run comparison is a memcmp.
         let mut active: Vec<u32> = Vec::new();
         let mut kept: Vec<u32> = Vec::new();
-        let mut cur = NodeIdx::ROOT;
-        let mut depth = 0usize;
-        while let Some(&first) = hashes.get(depth) {
-            let Some(child) = self.arena.node(cur).children.get(first) else {
-                break;
-            };
-            let run = self.arena.node(child);
+        let depth = self.walk(hashes, |depth, run| {
             if bounded {
                 run.last_used.matched(tick);
             }
@@ -303,23 +306,41 @@ impl RadixTree {
                 }
                 std::mem::swap(&mut active, &mut kept);
             }
-            if active.is_empty() {
+            !active.is_empty()
+        });
+        if depth > 0 {
+            for rank in active {
+                self.score(out, rank, depth);
+            }
+        }
+    }
+
+    /// Walks the runs along `query` from the root, calling `visit(depth, run)` on
+    /// each run whose first block matches (`depth`: the blocks matched before it).
+    /// Stops when `visit` returns false, at the first block no run matches, or inside
+    /// a run that matches only in part. Returns the blocks matched.
+    #[inline]
+    fn walk(&self, query: &[LocalBlockHash], mut visit: impl FnMut(usize, &Node) -> bool) -> usize {
+        let mut cur = NodeIdx::ROOT;
+        let mut depth = 0usize;
+        while let Some(&first) = query.get(depth) {
+            let Some(child) = self.arena.node(cur).children.get(first) else {
+                break;
+            };
+            let run = self.arena.node(child);
+            if !visit(depth, run) {
                 break;
             }
             // The run's first block matched (it is the child's key); the rest is one
             // contiguous comparison.
-            let matched = common_prefix(&run.hashes, &hashes[depth..]);
+            let matched = common_prefix(&run.hashes, &query[depth..]);
             depth += matched;
             if matched < run.hashes.len() {
                 break;
             }
             cur = child;
         }
-        if depth > 0 {
-            for rank in active {
-                self.score(out, rank, depth);
-            }
-        }
+        depth
     }
 
     fn score(&self, out: &mut Vec<(WorkerRank, u32)>, raw: u32, depth: usize) {
@@ -342,22 +363,25 @@ impl RadixTree {
         self.arena.live_runs()
     }
 
-    /// Total (rank, block) entries: engine block hashes held, summed over ranks.
+    /// Total (rank, block) entries: engine block hashes held, summed over ranks and
+    /// tiers.
     /// O(1).
     pub fn num_entries(&self) -> usize {
         self.entries
     }
 
-    /// Worker ranks the tree knows (those stored into and not cleared since).
+    /// Holders the tree knows: (worker rank, storage tier) pairs stored into and not
+    /// cleared since, so a rank holding blocks on the GPU and on CPU counts twice.
     pub fn num_ranks(&self) -> usize {
         self.ranks.len()
     }
 
-    /// Blocks held per worker rank, sorted by rank.
+    /// Blocks held on the GPU per worker rank, sorted by rank.
     pub fn blocks_per_rank(&self) -> Vec<(WorkerRank, usize)> {
         let mut out: Vec<_> = self
             .ranks
             .iter()
+            .filter(|(_, s)| s.tier.is_gpu())
             .map(|(_, s)| (s.rank, s.blocks.len() - s.forgotten as usize))
             .collect();
         out.sort_unstable();

@@ -6,13 +6,14 @@ use super::ranks::BlockRef;
 use super::rankset::RankIdx;
 use super::{ApplyOutcome, RadixTree, is_live};
 use crate::error::ApplyError;
-use kv_events::{ExternalBlockHash, StoredBlock, WorkerRank};
+use kv_events::{ExternalBlockHash, StorageTier, StoredBlock, WorkerRank};
 use std::collections::hash_map::Entry;
 
 impl RadixTree {
     pub(super) fn store(
         &mut self,
         rank: WorkerRank,
+        tier: StorageTier,
         parent_hash: Option<ExternalBlockHash>,
         blocks: &[StoredBlock],
     ) -> Result<ApplyOutcome, ApplyError> {
@@ -21,38 +22,67 @@ impl RadixTree {
         }
         let tick = self.tick();
         let (idx, mut cur) = match parent_hash {
-            None => (self.ranks.intern(rank), BlockId::ROOT),
+            None => (self.ranks.intern(rank, tier), BlockId::ROOT),
             Some(parent) => {
                 let unknown = ApplyError::UnknownParent {
                     rank,
                     parent_hash: parent,
                 };
-                let idx = self.ranks.lookup(rank).ok_or(unknown)?;
-                let state = self.ranks.get_mut(idx).ok_or(unknown)?;
-                let held = *state.blocks.get(&parent).ok_or(unknown)?;
-                if !is_live(&self.arena, state, held) {
-                    // Children of a forgotten block are forgotten too.
-                    state.blocks.insert(parent, BlockRef::FORGOTTEN);
-                    for block in blocks {
-                        if let Some(old) =
-                            state.blocks.insert(block.block_hash, BlockRef::FORGOTTEN)
-                        {
-                            if is_live(&self.arena, state, old) {
-                                // A live block under a forgotten parent: keep it.
-                                state.blocks.insert(block.block_hash, old);
-                            }
-                            continue;
+                let own = self.ranks.lookup(rank, tier);
+                let here = own
+                    .and_then(|idx| self.ranks.get(idx))
+                    .and_then(|state| state.blocks.get(&parent).copied());
+                match here {
+                    None => {
+                        // Not held on this tier: an engine offloading a chain below
+                        // parents on another tier (vLLM stores a GPU chain's blocks to
+                        // CPU one event at a time). The chain hangs below the block the
+                        // rank holds on another tier, fastest first.
+                        let other = self
+                            .ranks
+                            .tiers_of(rank)
+                            .filter(|other| Some(*other) != own)
+                            .find_map(|other| {
+                                let state = self.ranks.get(other)?;
+                                let held = *state.blocks.get(&parent)?;
+                                is_live(&self.arena, state, held).then_some(held)
+                            })
+                            .ok_or(unknown)?;
+                        if blocks.is_empty() {
+                            return Ok(ApplyOutcome::default()); // nothing to hold on `tier`
                         }
-                        state.forgotten += 1;
+                        let run = self.arena.run_of(other.id);
+                        self.arena.node(run).last_used.stored(tick);
+                        (self.ranks.intern(rank, tier), other.id)
                     }
-                    return Err(ApplyError::ForgottenParent {
-                        rank,
-                        parent_hash: parent,
-                    });
+                    Some(held) => {
+                        let idx = own.ok_or(unknown)?; // `here` is Some only when `own` is
+                        let state = self.ranks.get_mut(idx).ok_or(unknown)?;
+                        if !is_live(&self.arena, state, held) {
+                            // Children of a forgotten block are forgotten too.
+                            state.blocks.insert(parent, BlockRef::FORGOTTEN);
+                            for block in blocks {
+                                if let Some(old) =
+                                    state.blocks.insert(block.block_hash, BlockRef::FORGOTTEN)
+                                {
+                                    if is_live(&self.arena, state, old) {
+                                        // A live block under a forgotten parent: keep it.
+                                        state.blocks.insert(block.block_hash, old);
+                                    }
+                                    continue;
+                                }
+                                state.forgotten += 1;
+                            }
+                            return Err(ApplyError::ForgottenParent {
+                                rank,
+                                parent_hash: parent,
+                            });
+                        }
+                        let run = self.arena.run_of(held.id);
+                        self.arena.node(run).last_used.stored(tick);
+                        (idx, held.id)
+                    }
                 }
-                let run = self.arena.run_of(held.id);
-                self.arena.node(run).last_used.stored(tick);
-                (idx, held.id)
             }
         };
         let mut outcome = ApplyOutcome::default();
@@ -118,12 +148,13 @@ impl RadixTree {
     pub(super) fn remove(
         &mut self,
         rank: WorkerRank,
+        tier: StorageTier,
         block_hashes: &[ExternalBlockHash],
     ) -> ApplyOutcome {
         let mut outcome = ApplyOutcome::default();
         let state = self
             .ranks
-            .lookup(rank)
+            .lookup(rank, tier)
             .and_then(|idx| Some((idx, self.ranks.get_mut(idx)?)));
         let Some((idx, state)) = state else {
             outcome.unknown_removed = block_hashes.len() as u64;

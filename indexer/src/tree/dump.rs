@@ -29,16 +29,24 @@ use std::collections::hash_map::Entry;
 impl RadixTree {
     /// Events that rebuild this tree's prefix-match state when applied, in order, to
     /// an empty tree: one batch per worker (sorted by worker id) holding `Stored`
-    /// events for each of its ranks, with `event_id`s counted from 0 per rank.
+    /// events for each of its ranks, with `event_id`s counted from 0 per rank. A rank
+    /// holding blocks on several storage tiers gets its GPU chains first, then each
+    /// lower tier's, every event carrying its tier; a lower tier's blocks below
+    /// blocks it does not hold itself reach them through placeholders like removed
+    /// ancestors (below), so the rebuild does not depend on the other tiers.
     ///
     /// Every engine block hash a rank holds reachably from the root is included, so
     /// later `Removed` events from the engine still find their blocks. O(entries).
     pub fn dump(&self) -> Vec<KvEventBatch> {
         let mut states: Vec<&RankState> = self.ranks.iter().map(|(_, s)| s).collect();
-        states.sort_unstable_by_key(|s| s.rank);
+        // GPU first per rank: a lower tier's chain may hang below GPU-held parents.
+        states.sort_unstable_by_key(|s| (s.rank, s.tier));
         let mut per_worker: BTreeMap<WorkerId, Vec<KvCacheEvent>> = BTreeMap::new();
+        let mut next_id: FxHashMap<kv_events::WorkerRank, u64> = FxHashMap::default();
         for state in states {
-            let events = self.dump_rank(state);
+            let first = next_id.entry(state.rank).or_insert(0);
+            let events = self.dump_rank(state, *first);
+            *first += events.len() as u64;
             if !events.is_empty() {
                 per_worker
                     .entry(state.rank.worker_id)
@@ -52,7 +60,8 @@ impl RadixTree {
             .collect()
     }
 
-    fn dump_rank(&self, state: &RankState) -> Vec<KvCacheEvent> {
+    /// The events of one holder (a rank on one tier), numbered from `first_id`.
+    fn dump_rank(&self, state: &RankState, first_id: u64) -> Vec<KvCacheEvent> {
         // The smallest engine hash of each held node names it in the dump; further
         // hashes of the same node (aliases) are replayed after the walk. Ordering by
         // engine hashes only makes the dump independent of arena slot numbers.
@@ -94,7 +103,7 @@ impl RadixTree {
 
         let mut events = Vec::new();
         let mut emit = |data: KvCacheEventData| {
-            let event_id = events.len() as u64;
+            let event_id = first_id + events.len() as u64;
             events.push(KvCacheEvent {
                 event_id,
                 dp_rank: state.rank.dp_rank,
@@ -153,7 +162,7 @@ impl RadixTree {
             emit(KvCacheEventData::Stored {
                 parent_hash,
                 blocks: chain,
-                tier: kv_events::StorageTier::Gpu,
+                tier: state.tier,
             });
         }
         for (hash, node) in extra {
@@ -162,13 +171,13 @@ impl RadixTree {
             emit(KvCacheEventData::Stored {
                 parent_hash,
                 blocks: vec![block(node, hash)],
-                tier: kv_events::StorageTier::Gpu,
+                tier: state.tier,
             });
         }
         if !unheld.is_empty() {
             emit(KvCacheEventData::Removed {
                 block_hashes: unheld,
-                tier: kv_events::StorageTier::Gpu,
+                tier: state.tier,
             });
         }
         events

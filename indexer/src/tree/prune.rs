@@ -54,7 +54,7 @@ use super::arena::NodeIdx;
 use super::ranks::BlockRef;
 use super::rankset::RankIdx;
 use crate::config::Pruning;
-use kv_events::{ExternalBlockHash, WorkerRank};
+use kv_events::{ExternalBlockHash, StorageTier, WorkerRank};
 
 /// Tombstones a rank may keep before its map is rebuilt without them.
 pub(super) const PURGE_MIN_TOMBSTONES: u64 = 1024;
@@ -89,6 +89,7 @@ impl RadixTree {
     pub(super) fn make_room(
         &mut self,
         rank: WorkerRank,
+        tier: StorageTier,
         parent: Option<ExternalBlockHash>,
         incoming: usize,
     ) -> u64 {
@@ -99,7 +100,10 @@ impl RadixTree {
             return 0;
         }
         if let Some(parent) = parent
-            && let Some(state) = self.ranks.lookup(rank).and_then(|i| self.ranks.get(i))
+            && let Some(state) = self
+                .ranks
+                .lookup(rank, tier)
+                .and_then(|i| self.ranks.get(i))
             && let Some(&held) = state.blocks.get(&parent)
             && super::is_live(&self.arena, state, held)
         {
@@ -357,7 +361,10 @@ mod tests {
                 .expect("stores");
         }
         check_invariants(&tree);
-        let idx = tree.ranks.lookup(wr(3, 0)).expect("rank known");
+        let idx = tree
+            .ranks
+            .lookup(wr(3, 0), StorageTier::Gpu)
+            .expect("rank known");
         let state = tree.ranks.get(idx).expect("state");
         assert!(
             state.blocks.len() as u64 <= 500 + 2 * PURGE_MIN_TOMBSTONES,

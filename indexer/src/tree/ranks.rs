@@ -1,15 +1,21 @@
-//! [`RankTable`]: interning of worker ranks and each rank's engine-hash map.
+//! [`RankTable`]: interning of holders (worker rank, storage tier) and each holder's
+//! engine-hash map.
 //!
 //! Tree nodes name their holders by a 4-byte [`RankIdx`] instead of the 12-byte
 //! [`WorkerRank`], which keeps holder sets small and makes them sortable by a plain
-//! integer. The table maps both ways and owns, per rank, the map from the engine's
+//! integer. Each (rank, [`StorageTier`]) is its own holder: a rank's GPU blocks and
+//! its CPU-offloaded blocks are two holders, with two engine-hash maps (an engine
+//! names a block by the same hash on both tiers, and removes it per tier). A GPU-only
+//! cluster interns only GPU holders and pays nothing for the tiers; the prefix-match
+//! walk over GPU holders reads only [`RankTable::rank_of`], which names GPU holders
+//! alone, so a lower-tier holder in a run is carried along but never scored there. The table maps both ways and owns, per rank, the map from the engine's
 //! [`ExternalBlockHash`] to the block it names (needed to find a `Stored` event's
 //! parent and a `Removed` event's block). Released indices are reused, so the table
 //! stays as large as the number of live ranks ever seen at once.
 
 use super::arena::BlockId;
 use super::rankset::RankIdx;
-use kv_events::{ExternalBlockHash, WorkerId, WorkerRank};
+use kv_events::{ExternalBlockHash, StorageTier, WorkerId, WorkerRank};
 use rustc_hash::FxHashMap;
 
 /// A rank's reference to one of its blocks: the block's stable id and the id's
@@ -31,11 +37,13 @@ impl BlockRef {
     };
 }
 
-/// Everything the tree knows about one worker rank.
+/// Everything the tree knows about one holder: a worker rank on one storage tier.
 #[derive(Debug)]
 pub(crate) struct RankState {
     /// The rank this state belongs to.
     pub(crate) rank: WorkerRank,
+    /// The tier of the rank's KV cache these blocks are on.
+    pub(crate) tier: StorageTier,
     /// Engine block hash → block, one entry per block the rank holds, plus
     /// `forgotten` stale entries (pruned blocks), dropped when next looked up.
     pub(crate) blocks: FxHashMap<ExternalBlockHash, BlockRef>,
@@ -50,9 +58,10 @@ pub(crate) struct RankState {
 }
 
 impl RankState {
-    fn new(rank: WorkerRank) -> Self {
+    fn new(rank: WorkerRank, tier: StorageTier) -> Self {
         Self {
             rank,
+            tier,
             blocks: FxHashMap::default(),
             forgotten: 0,
             aliases: FxHashMap::default(),
@@ -85,46 +94,72 @@ impl RankState {
     }
 }
 
-/// Two-way interning of worker ranks plus their per-rank state.
+/// Two-way interning of holders (worker rank, tier) plus their per-holder state.
 #[derive(Debug, Default)]
 pub(crate) struct RankTable {
-    index: FxHashMap<WorkerRank, RankIdx>,
+    index: FxHashMap<(WorkerRank, StorageTier), RankIdx>,
     slots: Vec<Option<RankState>>,
-    /// The rank of each live slot, dense (16 bytes a slot), so that a query naming
-    /// hundreds of scoring ranks reads a few contiguous cache lines instead of one
-    /// `RankState` each.
+    /// The rank of each live GPU holder's slot, dense (16 bytes a slot), so that a
+    /// query naming hundreds of scoring ranks reads a few contiguous cache lines
+    /// instead of one `RankState` each. `None` for free slots and lower-tier holders.
     names: Vec<Option<WorkerRank>>,
     free: Vec<RankIdx>,
+    /// Live holders on a tier other than the GPU; while 0, queries skip the any-tier
+    /// walk.
+    lower_tier: usize,
 }
 
 impl RankTable {
-    /// The index of `rank`, if it is known.
-    pub(crate) fn lookup(&self, rank: WorkerRank) -> Option<RankIdx> {
-        self.index.get(&rank).copied()
+    /// The index of `rank` on `tier`, if it is known.
+    pub(crate) fn lookup(&self, rank: WorkerRank, tier: StorageTier) -> Option<RankIdx> {
+        self.index.get(&(rank, tier)).copied()
     }
 
-    /// The index of `rank`, interning it (with no blocks) when it is new.
-    pub(crate) fn intern(&mut self, rank: WorkerRank) -> RankIdx {
-        if let Some(idx) = self.lookup(rank) {
+    /// The index of `rank` on `tier`, interning it (with no blocks) when it is new.
+    pub(crate) fn intern(&mut self, rank: WorkerRank, tier: StorageTier) -> RankIdx {
+        if let Some(idx) = self.lookup(rank, tier) {
             return idx;
         }
+        let name = tier.is_gpu().then_some(rank);
         let idx = match self.free.pop() {
             Some(idx) => {
-                self.slots[idx.0 as usize] = Some(RankState::new(rank));
-                self.names[idx.0 as usize] = Some(rank);
+                self.slots[idx.0 as usize] = Some(RankState::new(rank, tier));
+                self.names[idx.0 as usize] = name;
                 idx
             }
             None => {
                 // Cannot overflow in practice: 2^32 live ranks would need far more
                 // memory than any host has just for their states.
                 let idx = RankIdx(u32::try_from(self.slots.len()).expect("fewer than 2^32 ranks"));
-                self.slots.push(Some(RankState::new(rank)));
-                self.names.push(Some(rank));
+                self.slots.push(Some(RankState::new(rank, tier)));
+                self.names.push(name);
                 idx
             }
         };
-        self.index.insert(rank, idx);
+        self.index.insert((rank, tier), idx);
+        if !tier.is_gpu() {
+            self.lower_tier += 1;
+        }
         idx
+    }
+
+    /// Indices of every live holder of `rank`, one per tier it holds blocks on, GPU
+    /// first.
+    pub(crate) fn tiers_of(&self, rank: WorkerRank) -> impl Iterator<Item = RankIdx> + '_ {
+        StorageTier::ALL
+            .into_iter()
+            .filter_map(move |tier| self.lookup(rank, tier))
+    }
+
+    /// True when some live holder is on a tier other than the GPU.
+    #[inline]
+    pub(crate) fn has_lower_tiers(&self) -> bool {
+        self.lower_tier > 0
+    }
+
+    /// The worker rank behind a live index of any tier.
+    pub(crate) fn holder_of(&self, idx: RankIdx) -> Option<WorkerRank> {
+        self.get(idx).map(|state| state.rank)
     }
 
     /// The state of a live index.
@@ -137,7 +172,8 @@ impl RankTable {
         self.slots.get_mut(idx.0 as usize).and_then(Option::as_mut)
     }
 
-    /// The worker rank behind a live index.
+    /// The worker rank behind a live GPU holder's index; `None` for a lower-tier
+    /// holder (its blocks are not GPU overlap).
     pub(crate) fn rank_of(&self, idx: RankIdx) -> Option<WorkerRank> {
         self.names.get(idx.0 as usize).copied().flatten()
     }
@@ -146,8 +182,11 @@ impl RankTable {
     /// The caller must already have dropped the rank from every node.
     pub(crate) fn release(&mut self, idx: RankIdx) -> Option<RankState> {
         let state = self.slots.get_mut(idx.0 as usize)?.take()?;
-        self.index.remove(&state.rank);
+        self.index.remove(&(state.rank, state.tier));
         self.names[idx.0 as usize] = None;
+        if !state.tier.is_gpu() {
+            self.lower_tier -= 1;
+        }
         self.free.push(idx);
         Some(state)
     }
@@ -175,7 +214,7 @@ impl RankTable {
 
     /// Heap bytes of the table and every rank's maps, by capacity.
     pub(crate) fn memory_bytes(&self) -> usize {
-        let index_entry = size_of::<(WorkerRank, RankIdx)>() + 1;
+        let index_entry = size_of::<((WorkerRank, StorageTier), RankIdx)>() + 1;
         self.index.capacity() * index_entry
             + self.slots.capacity() * size_of::<Option<RankState>>()
             + self.names.capacity() * size_of::<Option<WorkerRank>>()

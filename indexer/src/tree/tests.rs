@@ -31,11 +31,11 @@ pub(super) fn check_invariants(tree: &RadixTree) {
     let mut held_by_maps: HashMap<(BlockId, RankIdx), u32> = HashMap::new();
     let mut live_entries = 0;
     for (idx, state) in tree.ranks.iter() {
-        assert_eq!(tree.ranks.lookup(state.rank), Some(idx));
+        assert_eq!(tree.ranks.lookup(state.rank, state.tier), Some(idx));
         assert_eq!(
             tree.ranks.rank_of(idx),
-            Some(state.rank),
-            "dense rank names"
+            state.tier.is_gpu().then_some(state.rank),
+            "dense rank names, GPU holders only"
         );
         let mut stale = 0;
         for held in state.blocks.values() {

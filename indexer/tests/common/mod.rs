@@ -45,6 +45,16 @@ pub fn removed(dp: u32, hashes: &[u64]) -> KvCacheEvent {
     }
 }
 
+/// `event` (a `Stored` or `Removed`) on storage tier `tier` instead of the GPU.
+pub fn on_tier(mut event: KvCacheEvent, on: kv_events::StorageTier) -> KvCacheEvent {
+    if let KvCacheEventData::Stored { tier, .. } | KvCacheEventData::Removed { tier, .. } =
+        &mut event.data
+    {
+        *tier = on;
+    }
+    event
+}
+
 pub fn cleared(dp: u32) -> KvCacheEvent {
     KvCacheEvent {
         event_id: 0,
@@ -97,8 +107,14 @@ pub type Path = Vec<u64>;
 /// the block it names (held blocks only). Each test adds the operations it models.
 #[derive(Debug, Default)]
 pub struct Model {
-    /// Held blocks per rank.
+    /// Held blocks per rank on the GPU.
     pub ranks: std::collections::BTreeMap<WorkerRank, std::collections::BTreeMap<u64, Path>>,
+    /// Held blocks per rank on a lower storage tier (CPU, disk); empty in the tests
+    /// that store on the GPU only.
+    pub lower: std::collections::BTreeMap<
+        (WorkerRank, kv_events::StorageTier),
+        std::collections::BTreeMap<u64, Path>,
+    >,
 }
 
 impl Model {

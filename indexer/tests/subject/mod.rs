@@ -253,6 +253,19 @@ impl Subject {
         scores.sorted()
     }
 
+    /// The any-tier scores: ranks whose overlap on any storage tier exceeds their
+    /// GPU overlap, sorted.
+    pub async fn find_any_tier(&self, hashes: &[u64]) -> Vec<(WorkerRank, u32)> {
+        let scores = match &self.kind {
+            Kind::Tree(tree) => tree.find_matches(&q(hashes)),
+            Kind::Ordered(index) => index.find_matches(&q(hashes)),
+            Kind::Async(indexer, _) => indexer.find_matches(q(hashes)).await.expect("running"),
+        };
+        let mut pairs: Vec<_> = scores.any_tier.into_iter().collect();
+        pairs.sort_unstable();
+        pairs
+    }
+
     pub async fn dump(&self) -> Vec<KvEventBatch> {
         match &self.kind {
             Kind::Tree(tree) => tree.dump(),

@@ -30,6 +30,14 @@ pub async fn overlap(daemon: &Daemon, hashes: Vec<LocalBlockHash>, rank: u32) ->
     scores.get(WorkerRank::new(WORKER, DpRank(rank)))
 }
 
+/// The router's overlap for `hashes` on `rank` of worker 7 counting blocks held on
+/// any storage tier (GPU, CPU, disk), read from the daemon's index: the route reply
+/// carries the GPU overlap only.
+pub async fn overlap_any_tier(daemon: &Daemon, hashes: Vec<LocalBlockHash>, rank: u32) -> u32 {
+    let scores = daemon.state().indexer.find_matches(hashes).await.unwrap();
+    scores.get_any_tier(WorkerRank::new(WORKER, DpRank(rank)))
+}
+
 /// Waits until the router's overlap for `hashes` on `rank` of worker 7 is `blocks`.
 pub async fn wait_overlap(
     daemon: &Daemon,
