@@ -299,6 +299,7 @@ impl Scheduler {
             rank = %chosen.rank,
             policy = %policy.kind(),
             overlap_blocks = chosen.overlap_blocks,
+            any_tier_blocks = chosen.any_tier_blocks,
             request_blocks = req.request_blocks,
             prefill_tokens = tokens,
             cost = ?cost,
@@ -350,9 +351,13 @@ impl Scheduler {
                 continue;
             }
             self.tiers.push(tier);
+            let overlap_blocks = overlaps.overlap(rank).min(req.request_blocks);
             self.candidates.push(Candidate {
                 rank,
-                overlap_blocks: overlaps.overlap(rank).min(req.request_blocks),
+                overlap_blocks,
+                any_tier_blocks: overlaps
+                    .overlap_any_tier(rank)
+                    .clamp(overlap_blocks, req.request_blocks),
                 load,
                 new_blocks: self
                     .sequences

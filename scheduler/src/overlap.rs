@@ -15,11 +15,23 @@ pub trait Overlaps {
     /// Number of leading prompt blocks cached on `rank` (overlap blocks); 0 when the
     /// rank matched nothing or is unknown to the index.
     fn overlap(&self, rank: WorkerRank) -> u32;
+
+    /// Number of leading prompt blocks `rank` holds each on *some* storage tier (GPU,
+    /// CPU or disk), in blocks: at least [`Overlaps::overlap`]; the blocks beyond it
+    /// must be loaded from a lower tier instead of prefilled. Defaults to
+    /// [`Overlaps::overlap`] (no lower tier).
+    fn overlap_any_tier(&self, rank: WorkerRank) -> u32 {
+        self.overlap(rank)
+    }
 }
 
 impl Overlaps for OverlapScores {
     fn overlap(&self, rank: WorkerRank) -> u32 {
         self.get(rank)
+    }
+
+    fn overlap_any_tier(&self, rank: WorkerRank) -> u32 {
+        self.get_any_tier(rank)
     }
 }
 
@@ -32,6 +44,10 @@ impl Overlaps for HashMap<WorkerRank, u32> {
 impl<T: Overlaps + ?Sized> Overlaps for &T {
     fn overlap(&self, rank: WorkerRank) -> u32 {
         (**self).overlap(rank)
+    }
+
+    fn overlap_any_tier(&self, rank: WorkerRank) -> u32 {
+        (**self).overlap_any_tier(rank)
     }
 }
 
@@ -63,5 +79,16 @@ mod tests {
         scores.scores.insert(b, 3);
         assert_eq!(scores.overlap(b), 3);
         assert_eq!(scores.overlap(a), 0);
+        assert_eq!(map.overlap_any_tier(a), 5, "default: the GPU overlap");
+
+        // A rank holding 3 blocks on the GPU and 7 on some tier.
+        scores.any_tier.insert(b, 7);
+        assert_eq!(scores.overlap(b), 3);
+        assert_eq!(scores.overlap_any_tier(b), 7);
+        fn any_tier<O: Overlaps>(o: O, rank: WorkerRank) -> u32 {
+            o.overlap_any_tier(rank)
+        }
+        assert_eq!(any_tier(&scores, b), 7, "forwarded through &T");
+        assert_eq!(scores.overlap_any_tier(a), 0);
     }
 }

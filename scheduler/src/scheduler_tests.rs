@@ -461,3 +461,26 @@ fn duplicate_ids_and_load_metrics() {
         }
     ));
 }
+
+#[test]
+fn lower_tier_overlap_flows_from_the_index_scores() {
+    let t = Instant::now();
+    // Rank 2 holds 5 of the 7 prompt blocks on CPU only, rank 1 nothing.
+    let mut scores = indexer::OverlapScores::new();
+    scores.any_tier.insert(rank(2, 0), 5);
+    for config in [kv_config(1.0), SchedulerConfig::default()] {
+        let mut s = scheduler(config, &[(1, 1), (2, 1)]);
+        let sel = s.schedule(&request("a", 100), &scores, t).unwrap();
+        assert_eq!(sel.rank, rank(2, 0), "{:?}", sel.policy);
+        assert_eq!(sel.overlap_blocks, 0, "no GPU overlap");
+    }
+    // kv: 7 − 0.5 × 5 prefill blocks + 7 new decode blocks; an any-tier prefix
+    // longer than the prompt counts as the prompt.
+    let mut s = scheduler(kv_config(1.0), &[(2, 1)]);
+    let sel = s.schedule(&request("b", 100), &scores, t).unwrap();
+    assert_eq!(sel.cost, Some(4.5 + 7.0));
+    scores.any_tier.insert(rank(2, 0), 50);
+    let mut s = scheduler(kv_config(1.0), &[(2, 1)]);
+    let sel = s.schedule(&request("c", 100), &scores, t).unwrap();
+    assert_eq!(sel.cost, Some(3.5 + 7.0));
+}

@@ -65,6 +65,14 @@ pub struct KvArgs {
     /// kv: prefill blocks saved per cached block [default: 1.0].
     #[arg(long, env = "KV_ROUTER_OVERLAP_CREDIT", allow_negative_numbers = true)]
     pub overlap_credit: Option<f64>,
+    /// kv: prefill blocks saved per block held beyond the GPU overlap only on a
+    /// lower storage tier (CPU or disk), in [0, 1] [default: 0.5].
+    #[arg(
+        long,
+        env = "KV_ROUTER_LOWER_TIER_CREDIT",
+        allow_negative_numbers = true
+    )]
+    pub lower_tier_credit: Option<f64>,
 }
 
 /// Knobs of the `kv-normalized` policy.
@@ -141,6 +149,15 @@ pub struct PredictedTtftArgs {
     /// [default: 8192].
     #[arg(long, env = "KV_ROUTER_MAX_NUM_BATCHED_TOKENS")]
     pub max_num_batched_tokens: Option<u64>,
+    /// predicted-ttft: cost of loading one prompt token's KV from a lower storage
+    /// tier (CPU or disk) instead of prefilling it, in ms [default: 0.005, PCIe Gen4
+    /// x16 for Llama-3-8B].
+    #[arg(
+        long,
+        env = "KV_ROUTER_TIER_LOAD_MS_PER_TOKEN",
+        allow_negative_numbers = true
+    )]
+    pub tier_load_ms_per_token: Option<f64>,
     /// predicted-ttft: prefill tokens a cached token is worth on every rank
     /// [default: 12].
     #[arg(long, env = "KV_ROUTER_REUSE_CREDIT", allow_negative_numbers = true)]
@@ -172,6 +189,7 @@ impl KvArgs {
         given(&[
             ("prefill-load-scale", self.prefill_load_scale.is_some()),
             ("overlap-credit", self.overlap_credit.is_some()),
+            ("lower-tier-credit", self.lower_tier_credit.is_some()),
         ])
     }
 }
@@ -215,6 +233,10 @@ impl PredictedTtftArgs {
                 "max-num-batched-tokens",
                 self.max_num_batched_tokens.is_some(),
             ),
+            (
+                "tier-load-ms-per-token",
+                self.tier_load_ms_per_token.is_some(),
+            ),
             ("reuse-credit", self.reuse_credit.is_some()),
             (
                 "balanced-reuse-credit",
@@ -239,6 +261,10 @@ impl PredictedTtftArgs {
         set(
             &mut c.timing.max_num_batched_tokens,
             self.max_num_batched_tokens,
+        );
+        set(
+            &mut c.timing.tier_load_ms_per_token,
+            self.tier_load_ms_per_token,
         );
         set(&mut c.credit.base, self.reuse_credit);
         set(&mut c.credit.balanced, self.balanced_reuse_credit);
@@ -290,6 +316,7 @@ impl PolicyArgs {
             PolicyConfig::Kv(c) => {
                 set(&mut c.prefill_load_scale, self.kv.prefill_load_scale);
                 set(&mut c.overlap_credit, self.kv.overlap_credit);
+                set(&mut c.lower_tier_credit, self.kv.lower_tier_credit);
                 set(&mut c.temperature, self.temperature);
             }
             PolicyConfig::KvNormalized(c) => {

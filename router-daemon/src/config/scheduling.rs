@@ -271,6 +271,8 @@ mod tests {
             "2",
             "--overlap-credit",
             "0.5",
+            "--lower-tier-credit",
+            "0.25",
         ])
         .to_configs()
         .unwrap();
@@ -279,6 +281,7 @@ mod tests {
             PolicyConfig::Kv(scheduler::KvPolicyConfig {
                 prefill_load_scale: 2.0,
                 overlap_credit: 0.5,
+                lower_tier_credit: 0.25,
                 temperature: 0.0,
             })
         );
@@ -367,6 +370,8 @@ mod tests {
             "0.00002",
             "--max-num-batched-tokens",
             "4096",
+            "--tier-load-ms-per-token",
+            "0.01",
             "--reuse-credit",
             "6",
             "--balanced-reuse-credit",
@@ -389,6 +394,7 @@ mod tests {
                     decode_ms_per_seq: 0.02,
                     kv_read_ms_per_token: 0.00002,
                     max_num_batched_tokens: 4096,
+                    tier_load_ms_per_token: 0.01,
                 },
                 credit: ReuseCredit {
                     base: 6.0,

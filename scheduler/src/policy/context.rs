@@ -18,11 +18,23 @@ pub struct Candidate {
     /// Leading prompt blocks already cached there (prefix match), in blocks, at most
     /// the request's blocks.
     pub overlap_blocks: u32,
+    /// Leading prompt blocks held there on any storage tier (GPU, CPU or disk), in
+    /// blocks: at least `overlap_blocks`, at most the request's blocks. The blocks
+    /// beyond `overlap_blocks` are on a lower tier only: loaded, not prefilled.
+    pub any_tier_blocks: u32,
     /// The rank's load projection now.
     pub load: RankLoad,
     /// Decode blocks this request would add there, in blocks: its blocks minus those
     /// already held by active requests with the same prefix (when KV reuse is assumed).
     pub new_blocks: u32,
+}
+
+impl Candidate {
+    /// Leading prompt blocks held beyond the GPU overlap on a lower tier only
+    /// (`any_tier_blocks − overlap_blocks`), in blocks.
+    pub fn lower_tier_blocks(&self) -> u32 {
+        self.any_tier_blocks.saturating_sub(self.overlap_blocks)
+    }
 }
 
 /// Per-rank multipliers of the `predicted-ttft` step-time constants, as online

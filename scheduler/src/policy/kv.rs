@@ -5,7 +5,8 @@
 //!
 //! ```text
 //! prefill(rank) = active_prefill_tokens(rank) / block_size
-//!               + max(request_blocks − overlap_credit × overlap_blocks(rank), 0)
+//!               + max(request_blocks − overlap_credit × overlap_blocks(rank)
+//!                                    − lower_tier_credit × lower_tier_blocks(rank), 0)
 //! decode(rank)  = active_decode_blocks(rank) + new_blocks(rank)
 //! cost(rank)    = prefill_load_scale × prefill(rank) + decode(rank)
 //! ```
@@ -16,6 +17,14 @@
 //! `prefill_load_scale` trades one for the other (0 = pure decode balance);
 //! `overlap_credit` scales how much one cached block is worth (1 = a cached block
 //! saves a full block of prefill, 0 = ignore the cache).
+//!
+//! `lower_tier_blocks` are the leading prompt blocks the rank holds beyond its GPU
+//! overlap on a lower storage tier only (CPU or disk, for engines that offload KV):
+//! the engine loads them instead of prefilling them, which is cheaper than a prefill
+//! but not free, so one counts `lower_tier_credit` (in `[0, 1]`, default 0.5) of a
+//! cached block. The index reports one combined any-tier prefix per rank, so the
+//! weight is the same for CPU and disk. With no lower tier the term is 0 and the
+//! cost is the GPU-only one.
 //!
 //! Source: Dynamo's `DefaultWorkerSelector` logit
 //! `overlap_score_weight × potential_prefill_blocks + potential_active_blocks`
@@ -48,6 +57,12 @@ pub struct KvPolicyConfig {
     pub prefill_load_scale: f64,
     /// Prefill blocks saved per cached (overlap) block. Finite and ≥ 0. Default 1.0.
     pub overlap_credit: f64,
+    /// Prefill blocks saved per block held beyond the GPU overlap on a lower tier
+    /// only (CPU or disk; loaded, not prefilled). In `[0, 1]`: a lower-tier block is
+    /// worth at most a GPU-cached one. Default 0.5 (half a prefill: a load over
+    /// PCIe costs far less than a prefill, but it is not free and the index cannot
+    /// tell CPU from disk).
+    pub lower_tier_credit: f64,
     /// Softmax temperature over normalized costs; 0 always picks the lowest cost.
     /// Finite and ≥ 0. Default 0.0 (Dynamo's `--router-temperature`).
     pub temperature: f64,
@@ -58,19 +73,27 @@ impl Default for KvPolicyConfig {
         Self {
             prefill_load_scale: 1.0,
             overlap_credit: 1.0,
+            lower_tier_credit: 0.5,
             temperature: 0.0,
         }
     }
 }
 
 impl KvPolicyConfig {
-    /// Checks that every knob is finite and non-negative.
+    /// Checks that every knob is finite and non-negative, and `lower_tier_credit` in
+    /// `[0, 1]`.
     ///
     /// # Errors
     /// [`SchedulerError::InvalidConfig`] with field `policy.kv.<knob>`.
     pub fn validate(&self) -> Result<(), SchedulerError> {
         check_non_negative("policy.kv.prefill_load_scale", self.prefill_load_scale)?;
         check_non_negative("policy.kv.overlap_credit", self.overlap_credit)?;
+        if !(0.0..=1.0).contains(&self.lower_tier_credit) {
+            return Err(SchedulerError::InvalidConfig {
+                field: "policy.kv.lower_tier_credit",
+                reason: format!("must be in [0, 1], got {}", self.lower_tier_credit),
+            });
+        }
         check_non_negative("policy.kv.temperature", self.temperature)
     }
 }
@@ -78,7 +101,8 @@ impl KvPolicyConfig {
 /// The cost of one candidate, in weighted blocks (module docs give the formula).
 pub fn kv_cost(config: &KvPolicyConfig, request: &RequestShape, c: &Candidate) -> f64 {
     let uncached = (f64::from(request.request_blocks)
-        - config.overlap_credit * f64::from(c.overlap_blocks))
+        - config.overlap_credit * f64::from(c.overlap_blocks)
+        - config.lower_tier_credit * f64::from(c.lower_tier_blocks()))
     .max(0.0);
     let pending = c.load.active_prefill_tokens as f64 / f64::from(request.block_size.max(1));
     let decode = c.load.active_decode_blocks as f64 + f64::from(c.new_blocks);

@@ -2,8 +2,8 @@
 //! [`super::super::Selector`], so they live in their own file: `kv.rs` itself then
 //! imports nothing from `policy/mod.rs`, which imports it.
 
-use super::super::PolicyConfig;
 use super::super::test_support::*;
+use super::super::{PolicyConfig, Selector};
 use super::*;
 use crate::sequences::RankLoad;
 
@@ -12,6 +12,7 @@ fn kv(scale: f64, credit: f64, temperature: f64) -> PolicyConfig {
         prefill_load_scale: scale,
         overlap_credit: credit,
         temperature,
+        ..KvPolicyConfig::default()
     })
 }
 
@@ -20,6 +21,7 @@ fn cfg(scale: f64, credit: f64) -> KvPolicyConfig {
         prefill_load_scale: scale,
         overlap_credit: credit,
         temperature: 0.0,
+        ..KvPolicyConfig::default()
     }
 }
 
@@ -130,4 +132,62 @@ fn validation_names_the_knob() {
     assert!(bad.validate().is_err());
     let old: KvPolicyConfig = serde_json::from_str(r#"{"overlap_weight": 2.5}"#).unwrap();
     assert_eq!(old.prefill_load_scale, 2.5, "the old knob name still reads");
+}
+
+#[test]
+fn a_gpu_prefix_beats_a_cpu_prefix_beats_none() {
+    // Three level ranks; 8 of the 10 prompt blocks are held on the GPU by A, only on
+    // a lower tier by B (offloaded to CPU, evicted from the GPU), nowhere by C.
+    let req = shape(10, 160, 16);
+    let gpu = cand(1, 8, 4, 1, 10);
+    let cpu = on_any_tier(cand(2, 0, 4, 1, 10), 8);
+    let none = cand(3, 0, 4, 1, 10);
+    let k = KvPolicyConfig::default();
+    // Prefill blocks: A 10 − 8 = 2, B 10 − 0.5 × 8 = 6, C 10; plus 4 + 10 decode.
+    assert_eq!(kv_cost(&k, &req, &gpu), 2.0 + 14.0);
+    assert_eq!(kv_cost(&k, &req, &cpu), 6.0 + 14.0);
+    assert_eq!(kv_cost(&k, &req, &none), 10.0 + 14.0);
+    let mut s = selector(5);
+    let pick = |s: &mut Selector, cands: &[Candidate]| {
+        s.select(&PolicyConfig::Kv(k), &ctx(req, cands))
+            .unwrap()
+            .index
+    };
+    assert_eq!(pick(&mut s, &[none, cpu, gpu]), 2, "GPU beats CPU and none");
+    assert_eq!(pick(&mut s, &[none, cpu]), 1, "CPU beats none");
+    // Blocks on the GPU beyond which more sit on CPU: 4 on the GPU and 4 more on CPU
+    // cost 10 − 4 − 0.5 × 4 = 4 prefill blocks.
+    let mixed = on_any_tier(cand(4, 4, 4, 1, 10), 8);
+    assert_eq!(kv_cost(&k, &req, &mixed), 4.0 + 14.0);
+    // Weight 0 ignores lower tiers: the GPU-only cost.
+    let gpu_only = KvPolicyConfig {
+        lower_tier_credit: 0.0,
+        ..k
+    };
+    assert_eq!(kv_cost(&gpu_only, &req, &cpu), kv_cost(&k, &req, &none));
+}
+
+#[test]
+fn lower_tier_credit_is_a_fraction() {
+    for bad in [-0.1, 1.5, f64::NAN] {
+        let c = KvPolicyConfig {
+            lower_tier_credit: bad,
+            ..KvPolicyConfig::default()
+        };
+        assert!(
+            matches!(
+                c.validate(),
+                Err(SchedulerError::InvalidConfig {
+                    field: "policy.kv.lower_tier_credit",
+                    ..
+                })
+            ),
+            "{bad}"
+        );
+    }
+    let edge = KvPolicyConfig {
+        lower_tier_credit: 1.0,
+        ..KvPolicyConfig::default()
+    };
+    assert!(edge.validate().is_ok());
 }

@@ -280,6 +280,7 @@ pub(crate) mod test_support {
         Candidate {
             rank: rank(id, 0),
             overlap_blocks: overlap,
+            any_tier_blocks: overlap,
             load: RankLoad {
                 active_decode_blocks: decode,
                 active_requests: requests,
@@ -287,6 +288,13 @@ pub(crate) mod test_support {
             },
             new_blocks: new,
         }
+    }
+
+    /// `c` holding `blocks` leading prompt blocks on some tier (at least its GPU
+    /// overlap).
+    pub fn on_any_tier(mut c: Candidate, blocks: u32) -> Candidate {
+        c.any_tier_blocks = blocks.max(c.overlap_blocks);
+        c
     }
 
     pub fn shape(request_blocks: u32, num_tokens: u64, block_size: u32) -> RequestShape {

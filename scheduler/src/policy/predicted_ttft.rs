@@ -8,8 +8,9 @@
 //!                                                            in-flight overlap blocks)
 //! credit = 1                                                    if O < min_match_ratio × N
 //!        = base + balanced / (1 + (P − P_min) / B) + backlog × P_min / B   otherwise
-//! steps  = max(1, ceil((P + N − O) / B))
-//! cost   = prefill_ms_per_token × (P + N − credit × O)
+//! L      = min(N, block_size × any_tier_blocks) − O, at least 0
+//! steps  = max(1, ceil((P + N − O − L) / B))
+//! cost   = prefill_ms_per_token × (P + N − credit × O − L) + tier_load_ms_per_token × L
 //!        + steps × (step_base_ms + decode_ms_per_seq × R + kv_read_ms_per_token × D × block_size)
 //! ```
 //!
@@ -37,6 +38,20 @@
 //! `min_match_ratio` of the prompt (default 0.2; SGLang's cache-aware router gates on
 //! a match ratio too, at 0.3): a short shared prefix such as a system prompt must not
 //! pull every request to the rank that holds it.
+//!
+//! `L` is how the router prices a block held on a lower storage tier: engines that
+//! offload KV (vLLM's CPU offloading, LMCache) keep blocks evicted from the GPU on
+//! CPU or disk, and the index reports per rank the leading prompt blocks held on
+//! *any* tier (`any_tier_blocks` ≥ the GPU overlap). Those `L` tokens beyond the GPU
+//! overlap are copied back instead of prefilled: they cost `tier_load_ms_per_token`
+//! each (default 0.005 ms, ~12× cheaper than the 0.06 ms prefill; see
+//! [`StepTimeModel::tier_load_ms_per_token`]) and take no room in the step's token
+//! budget. They earn no reuse credit and do not count towards `min_match_ratio`:
+//! the credits value keeping a prefix hot on the GPU. The index gives one combined
+//! any-tier count, so CPU and disk share one load cost. On a cluster without
+//! offloading `L` = 0 and the cost is unchanged. Online calibration (below) still
+//! sees lower-tier tokens as uncached ([`TtftFeatures`] counts only `O` as cached),
+//! so on an offloading cluster it learns a somewhat smaller prefill multiplier.
 //!
 //! Source: designed and tuned with the routing-quality lab (`kv-mocker lab`, the
 //! `ttft-credit` prototype in `mocker/src/lab/candidates.rs`) on the Mooncake FAST'25
@@ -71,6 +86,15 @@ pub struct StepTimeModel {
     /// Tokens per step (the engine's `max_num_batched_tokens`); at least 1.
     /// Default 8,192.
     pub max_num_batched_tokens: u64,
+    /// Cost of loading one prompt token's KV from a lower storage tier (CPU or disk,
+    /// one value for both: the index reports one combined any-tier prefix) instead of
+    /// prefilling it, in ms. Not learned by calibration. Default 0.005: a PCIe Gen4
+    /// x16 link moves ≈ 25 GB/s host-to-device in practice (31.5 GB/s per direction
+    /// by the PCI-SIG 4.0 spec: 16 GT/s × 16 lanes, 128b/130b), and Llama-3-8B's KV
+    /// cache is 128 KiB per token in fp16 (its `config.json`: 32 layers × 8 KV heads
+    /// × 128 head dim × K and V × 2 bytes), so 131,072 B / 25 GB/s ≈ 0.0052 ms per
+    /// token. Raise it for disk tiers (NVMe Gen4 ≈ 7 GB/s: ≈ 0.019 ms per token).
+    pub tier_load_ms_per_token: f64,
 }
 
 impl Default for StepTimeModel {
@@ -82,13 +106,14 @@ impl Default for StepTimeModel {
             decode_ms_per_seq: 0.04,
             kv_read_ms_per_token: 4e-5,
             max_num_batched_tokens: 8_192,
+            tier_load_ms_per_token: 0.005,
         }
     }
 }
 
 impl StepTimeModel {
     /// This model with its constants multiplied by `scale` (the batch budget is the
-    /// engine's setting, not learned).
+    /// engine's setting and the tier load cost a link's, neither learned).
     pub fn scaled(&self, scale: TimingScale) -> Self {
         Self {
             step_base_ms: self.step_base_ms * scale.step_base,
@@ -96,6 +121,7 @@ impl StepTimeModel {
             decode_ms_per_seq: self.decode_ms_per_seq * scale.decode,
             kv_read_ms_per_token: self.kv_read_ms_per_token * scale.decode,
             max_num_batched_tokens: self.max_num_batched_tokens,
+            tier_load_ms_per_token: self.tier_load_ms_per_token,
         }
     }
 }
@@ -179,6 +205,15 @@ fn cached_tokens(config: &PredictedTtftConfig, request: &RequestShape, c: &Candi
     (u64::from(overlap) * bs).min(request.num_tokens)
 }
 
+/// Prompt tokens held on `c` beyond `cached` on a lower storage tier only (`L` in the
+/// module docs), in tokens: loaded, not prefilled.
+fn lower_tier_tokens(request: &RequestShape, c: &Candidate, cached: u64) -> u64 {
+    let bs = u64::from(request.block_size.max(1));
+    (u64::from(c.any_tier_blocks) * bs)
+        .min(request.num_tokens)
+        .saturating_sub(cached)
+}
+
 /// How much a cached prompt token is worth, in prefill tokens (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -244,6 +279,10 @@ impl PredictedTtftConfig {
             "policy.predicted_ttft.timing.kv_read_ms_per_token",
             t.kv_read_ms_per_token,
         )?;
+        check_non_negative(
+            "policy.predicted_ttft.timing.tier_load_ms_per_token",
+            t.tier_load_ms_per_token,
+        )?;
         if t.max_num_batched_tokens == 0 {
             return Err(SchedulerError::InvalidConfig {
                 field: "policy.predicted_ttft.timing.max_num_batched_tokens",
@@ -278,6 +317,7 @@ pub fn predicted_ttft_cost(
     let budget = t.max_num_batched_tokens.max(1);
     let n = request.num_tokens;
     let cached = cached_tokens(config, request, c);
+    let loaded = lower_tier_tokens(request, c, cached);
     let pending = c.load.active_prefill_tokens;
     let excess = pending.saturating_sub(min_pending) as f64 / budget as f64;
     let credit = if (cached as f64) < k.min_match_ratio * n as f64 {
@@ -285,11 +325,15 @@ pub fn predicted_ttft_cost(
     } else {
         k.base + k.balanced / (1.0 + excess) + k.backlog * min_pending as f64 / budget as f64
     };
-    let steps = pending.saturating_add(n - cached).div_ceil(budget).max(1);
+    let steps = pending
+        .saturating_add(n - cached - loaded)
+        .div_ceil(budget)
+        .max(1);
     let per_step = t.step_base_ms
         + t.decode_ms_per_seq * c.load.active_requests as f64
         + t.kv_read_ms_per_token * c.load.active_context_blocks.saturating_mul(bs) as f64;
-    t.prefill_ms_per_token * (pending as f64 + n as f64 - credit * cached as f64)
+    t.prefill_ms_per_token * (pending as f64 + n as f64 - credit * cached as f64 - loaded as f64)
+        + t.tier_load_ms_per_token * loaded as f64
         + steps as f64 * per_step
 }
 

@@ -17,6 +17,7 @@ fn config(base: f64, balanced: f64, backlog: f64, in_flight: bool) -> PredictedT
             decode_ms_per_seq: 1.0,
             kv_read_ms_per_token: 0.001,
             max_num_batched_tokens: 1_000,
+            tier_load_ms_per_token: 0.01,
         },
         credit: ReuseCredit {
             base,
@@ -166,4 +167,97 @@ fn validation_names_the_knob() {
         parsed.credit.balanced, 40.0,
         "unset knobs keep their defaults"
     );
+}
+
+#[test]
+fn a_lower_tier_block_costs_its_load_instead_of_a_prefill() {
+    // 640 tokens in 10 blocks of 64; 2 decoding requests, no context: 12 ms a step.
+    // A holds 8 blocks (512 tokens) on the GPU, B the same 8 only on a lower tier,
+    // C nothing.
+    let req = shape(10, 640, 64);
+    let gpu = cand(1, 8, 0, 2, 10);
+    let cpu = on_any_tier(cand(2, 0, 0, 2, 10), 8);
+    let none = cand(3, 0, 0, 2, 10);
+    let cfg = config(1.0, 0.0, 0.0, true);
+    let cost = |c: &Candidate| predicted_ttft_cost(&cfg, &req, c, 0);
+    // A: 128 tokens prefilled (12.8 ms); B: the same plus 512 loaded at 0.01 ms
+    // (5.12 ms); C: 640 prefilled (64 ms). One step each.
+    assert!((cost(&gpu) - (12.8 + 12.0)).abs() < 1e-9, "{}", cost(&gpu));
+    assert!(
+        (cost(&cpu) - (12.8 + 5.12 + 12.0)).abs() < 1e-9,
+        "{}",
+        cost(&cpu)
+    );
+    assert!(
+        (cost(&none) - (64.0 + 12.0)).abs() < 1e-9,
+        "{}",
+        cost(&none)
+    );
+    // Loaded tokens take no room in a step: with 800 tokens queued, B's 928 fit in
+    // one step of 1,000, C's 1,440 need two.
+    let cost = |c: Candidate| predicted_ttft_cost(&cfg, &req, &with_pending(c, 800), 0);
+    assert!(
+        (cost(cpu) - (92.8 + 5.12 + 12.0)).abs() < 1e-9,
+        "{}",
+        cost(cpu)
+    );
+    assert!((cost(none) - (144.0 + 24.0)).abs() < 1e-9, "{}", cost(none));
+    // A lower-tier prefix under the in-flight overlap is not counted twice: with 8
+    // blocks in flight (2 new of 10) B prices as a GPU hit.
+    let in_flight = |mut c: Candidate| {
+        c.new_blocks = 2;
+        c
+    };
+    let cfg_cost = |c: &Candidate| predicted_ttft_cost(&cfg, &req, c, 0);
+    assert_eq!(cfg_cost(&in_flight(cpu)), cfg_cost(&in_flight(gpu)));
+}
+
+#[test]
+fn gpu_beats_cpu_beats_none_under_the_defaults() {
+    let req = shape(10, 640, 64);
+    let gpu = cand(1, 8, 4, 2, 10);
+    let cpu = on_any_tier(cand(2, 0, 4, 2, 10), 8);
+    let none = cand(3, 0, 4, 2, 10);
+    let policy = PolicyConfig::PredictedTtft(PredictedTtftConfig::default());
+    let mut s = selector(3);
+    let mut pick = |cands: &[Candidate]| s.select(&policy, &ctx(req, cands)).unwrap().index;
+    assert_eq!(pick(&[none, cpu, gpu]), 2, "GPU beats CPU and none");
+    assert_eq!(pick(&[none, cpu]), 1, "CPU beats none");
+    // Without lower-tier blocks the cost is the GPU-only one, whatever the load cost.
+    let free_loads = PredictedTtftConfig {
+        timing: StepTimeModel {
+            tier_load_ms_per_token: 0.0,
+            ..StepTimeModel::default()
+        },
+        ..PredictedTtftConfig::default()
+    };
+    for c in [gpu, none] {
+        assert_eq!(
+            predicted_ttft_cost(&free_loads, &req, &c, 0),
+            predicted_ttft_cost(&PredictedTtftConfig::default(), &req, &c, 0)
+        );
+    }
+}
+
+#[test]
+fn tier_load_cost_is_validated() {
+    for bad in [-0.001, f64::NAN, f64::INFINITY] {
+        let c = PredictedTtftConfig {
+            timing: StepTimeModel {
+                tier_load_ms_per_token: bad,
+                ..StepTimeModel::default()
+            },
+            ..PredictedTtftConfig::default()
+        };
+        assert!(
+            matches!(
+                c.validate(),
+                Err(SchedulerError::InvalidConfig {
+                    field: "policy.predicted_ttft.timing.tier_load_ms_per_token",
+                    ..
+                })
+            ),
+            "{bad}"
+        );
+    }
 }

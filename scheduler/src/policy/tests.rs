@@ -37,6 +37,7 @@ fn overrides_replace_only_the_named_knobs() {
             prefill_load_scale: 1.0,
             overlap_credit: 0.5,
             temperature: 2.0,
+            ..KvPolicyConfig::default()
         })
     );
     let norm = PolicyConfig::default_for(PolicyKind::KvNormalized);

@@ -27,6 +27,7 @@ fn candidates(ranks: &[WorkerRank]) -> Vec<Candidate> {
         .map(|&rank| Candidate {
             rank,
             overlap_blocks: 0,
+            any_tier_blocks: 0,
             load: RankLoad::default(),
             new_blocks: 0,
         })
