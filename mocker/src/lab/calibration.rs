@@ -12,6 +12,7 @@
 //! What it costs: one simulation of the trace, plus one point per rank and sample.
 
 use super::LabError;
+pub use super::calibration_point::CalibrationPoint;
 use super::config::{LabPolicy, Setting, SimConfig, Speedup};
 use super::report::publish;
 use super::robustness::default_cells;
@@ -19,53 +20,10 @@ use super::sim::{PreparedTrace, simulate};
 use super::study_args::StudyArgs;
 use crate::trace::{BlockMapping, TraceRequest};
 use kv_events::routing::PolicyKind;
-use scheduler::RankCalibration;
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::time::Instant;
-
-/// One rank's calibration estimates at one simulated instant.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct CalibrationPoint {
-    /// Simulated time, in ms from the first arrival.
-    pub at_ms: f64,
-    /// The worker, numbered from 1 as in `--worker-speed`.
-    pub worker: usize,
-    /// Observations the rank's estimator took.
-    pub samples: u64,
-    /// Learned multiplier of the prefill cost per token.
-    pub prefill: f64,
-    /// Learned multiplier of the per-step cost (step base and decode together).
-    pub per_step: f64,
-}
-
-impl CalibrationPoint {
-    /// The point of `worker` at `at_ms` from the scheduler's report.
-    pub fn new(at_ms: f64, worker: usize, c: &RankCalibration) -> Self {
-        Self {
-            at_ms,
-            worker,
-            samples: c.samples,
-            prefill: c.scale.prefill,
-            per_step: c.scale.step_base,
-        }
-    }
-}
-
-impl super::sim::RunResult {
-    /// Each rank's last calibration point, by worker.
-    pub fn final_calibration(&self) -> Vec<CalibrationPoint> {
-        let mut last: Vec<CalibrationPoint> = Vec::new();
-        for p in self.calibration.iter().rev() {
-            if !last.iter().any(|q| q.worker == p.worker) {
-                last.push(*p);
-            }
-        }
-        last.sort_by_key(|p| p.worker);
-        last
-    }
-}
 
 /// `kv-mocker lab swing` flags.
 #[derive(Debug, Clone, clap::Args)]

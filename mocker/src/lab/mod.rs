@@ -34,6 +34,7 @@
 //! - [`report`]: the JSON report; `table`: its terminal rendering; [`charts`]: PNGs.
 
 pub mod calibration;
+mod calibration_point;
 pub mod candidate_router;
 pub mod candidates;
 pub mod charts;

@@ -22,7 +22,7 @@
 //! of the inputs and the seed.
 
 use super::LabError;
-use super::calibration::CalibrationPoint;
+use super::calibration_point::CalibrationPoint;
 use super::config::{Setting, SimConfig};
 use super::metrics::RunMetrics;
 use super::oracle::OracleBound;

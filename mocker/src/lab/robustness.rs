@@ -429,7 +429,7 @@ learned multipliers at the end of each calibrated run (min–max over ranks)
 |---|---|---|---|---|"
     );
     for r in calibrated {
-        let range = |f: fn(&super::calibration::CalibrationPoint) -> f64| {
+        let range = |f: fn(&super::calibration_point::CalibrationPoint) -> f64| {
             let (lo, hi) = r
                 .run
                 .calibration

@@ -22,7 +22,7 @@
 //! is a pure function of its inputs (the scheduler's RNG is seeded).
 
 use super::LabError;
-use super::calibration::CalibrationPoint;
+use super::calibration_point::CalibrationPoint;
 use super::config::{LabPolicy, Setting, SimConfig, ms_to_ns, ns_to_ms};
 use super::fleet::at_speed;
 use super::log_entry::LogEntry;
@@ -455,5 +455,19 @@ impl Sim<'_> {
                 }
             })
             .collect()
+    }
+}
+
+impl RunResult {
+    /// Each rank's last calibration point, by worker.
+    pub fn final_calibration(&self) -> Vec<CalibrationPoint> {
+        let mut last: Vec<CalibrationPoint> = Vec::new();
+        for p in self.calibration.iter().rev() {
+            if !last.iter().any(|q| q.worker == p.worker) {
+                last.push(*p);
+            }
+        }
+        last.sort_by_key(|p| p.worker);
+        last
     }
 }
