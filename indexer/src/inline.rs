@@ -240,18 +240,15 @@ impl IndexerApi for InlineIndexer {
             let mut pairs = Vec::new();
             let mut any_tier = Vec::new();
             let mut busy = Vec::new();
-            let collect = |index: &OrderedIndex, pairs: &mut _, any_tier: &mut _| {
-                index.collect_matches(&hashes, pairs);
-                index.collect_any_tier_matches(&hashes, any_tier);
-            };
             for shard in 0..self.num_shards() {
                 match self.inner.try_read(shard) {
-                    Some(index) => collect(&index, &mut pairs, &mut any_tier),
+                    Some(index) => index.collect_matches(&hashes, &mut pairs, &mut any_tier),
                     None => busy.push(shard),
                 }
             }
             for shard in busy {
-                collect(&self.inner.read(shard), &mut pairs, &mut any_tier);
+                let index = self.inner.read(shard);
+                index.collect_matches(&hashes, &mut pairs, &mut any_tier);
             }
             Ok(OverlapScores::from_tiers(pairs, any_tier))
         }

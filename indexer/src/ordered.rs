@@ -375,21 +375,18 @@ impl OrderedIndex {
         self.tree.find_matches(hashes)
     }
 
-    /// See [`RadixTree::collect_matches`].
-    pub fn collect_matches(&self, hashes: &[LocalBlockHash], out: &mut Vec<(WorkerRank, u32)>) {
-        self.counters.record_query();
-        self.tree.collect_matches(hashes, out);
-    }
-
-    /// See [`RadixTree::collect_any_tier_matches`]; not counted as a query (it goes
-    /// with a [`OrderedIndex::collect_matches`] of the same hashes).
-    #[inline]
-    pub fn collect_any_tier_matches(
+    /// One query's pairs, appended: GPU overlaps to `gpu` ([`RadixTree::collect_matches`])
+    /// and any-tier overlaps to `any_tier` ([`RadixTree::collect_any_tier_matches`]),
+    /// counted as one query.
+    pub fn collect_matches(
         &self,
         hashes: &[LocalBlockHash],
-        out: &mut Vec<(WorkerRank, u32)>,
+        gpu: &mut Vec<(WorkerRank, u32)>,
+        any_tier: &mut Vec<(WorkerRank, u32)>,
     ) {
-        self.tree.collect_any_tier_matches(hashes, out);
+        self.counters.record_query();
+        self.tree.collect_matches(hashes, gpu);
+        self.tree.collect_any_tier_matches(hashes, any_tier);
     }
 
     /// See [`RadixTree::dump`].
