@@ -395,6 +395,9 @@ impl Scheduler {
                 else {
                     return Err(SchedulerError::UnregisteredRank(add.rank));
                 };
+                if !self.calibration.enabled() {
+                    return self.sequences.apply(SequenceEvent::AddRequest(add), now);
+                }
                 // What the rank held before this booking: the features the policy
                 // would have priced (the peer's own overlap is not known here).
                 let features = TtftFeatures::new(
