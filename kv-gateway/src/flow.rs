@@ -100,7 +100,8 @@ struct Plan {
     request: EngineRequest,
     stream: bool,
     include_usage: bool,
-    /// The `x-session-id` header, passed to the router.
+    /// The `x-session-id` header, else the body's `prompt_cache_key`, passed to the
+    /// router.
     session: Option<SessionId>,
 }
 
@@ -121,7 +122,8 @@ impl Flow {
         Ok(())
     }
 
-    /// `POST /v1/completions`, of the session `session` (the `x-session-id` header).
+    /// `POST /v1/completions`, of the session `session` (the `x-session-id` header,
+    /// which wins over the body's `prompt_cache_key`).
     pub async fn completion(
         &self,
         body: &[u8],
@@ -146,7 +148,7 @@ impl Flow {
             endpoint: "completions",
             stream: request.stream,
             include_usage: request.include_usage,
-            session,
+            session: session.or_else(|| request.prompt_cache_key.clone()),
             tokens,
             request: EngineRequest::Completion {
                 request,
@@ -157,7 +159,7 @@ impl Flow {
     }
 
     /// `POST /v1/chat/completions`, of the session `session` (the `x-session-id`
-    /// header).
+    /// header, which wins over the body's `prompt_cache_key`).
     pub async fn chat(
         &self,
         body: &[u8],
@@ -181,7 +183,7 @@ impl Flow {
             endpoint: "chat_completions",
             stream: chat.stream,
             include_usage: chat.include_usage,
-            session,
+            session: session.or_else(|| chat.prompt_cache_key.clone()),
             tokens,
             request: match self.model.chat_forward {
                 ChatForward::Tokens => EngineRequest::ChatAsCompletion(chat),

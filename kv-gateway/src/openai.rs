@@ -11,7 +11,9 @@
 
 use crate::config::EngineApi;
 use crate::error::ApiError;
+use crate::session::take_prompt_cache_key;
 use kv_events::DpRank;
+use kv_events::routing::SessionId;
 use kv_tokenizer::{ChatMessage, ChatOptions, template_value};
 use serde::Deserialize as _;
 use serde_json::{Map, Value, json};
@@ -38,6 +40,8 @@ pub struct CompletionRequest {
     pub stream: bool,
     /// Whether a streaming client asked for a final usage chunk.
     pub include_usage: bool,
+    /// The body's `prompt_cache_key`, taken out of `body` ([`crate::session`]).
+    pub prompt_cache_key: Option<SessionId>,
 }
 
 /// A `POST /v1/chat/completions` body.
@@ -55,6 +59,8 @@ pub struct ChatRequest {
     pub stream: bool,
     /// Whether a streaming client asked for a final usage chunk.
     pub include_usage: bool,
+    /// The body's `prompt_cache_key`, taken out of `body` ([`crate::session`]).
+    pub prompt_cache_key: Option<SessionId>,
 }
 
 /// Fields a chat request may carry that the completions API takes under the same
@@ -122,10 +128,12 @@ fn token_ids(values: &[Value]) -> Option<Vec<u32>> {
 /// Parses a completions body.
 ///
 /// # Errors
-/// 400 for malformed JSON, a missing model, or a prompt that is not one text or one
-/// list of token ids (batches of prompts are not routed as one request).
+/// 400 for malformed JSON, a missing model, a prompt that is not one text or one
+/// list of token ids (batches of prompts are not routed as one request), or a bad
+/// `prompt_cache_key`.
 pub fn parse_completion(bytes: &[u8]) -> Result<CompletionRequest, ApiError> {
-    let body = object(bytes)?;
+    let mut body = object(bytes)?;
+    let prompt_cache_key = take_prompt_cache_key(&mut body)?;
     let model = model(&body)?;
     let (stream, include_usage) = streaming(&body)?;
     let prompt = match body.get("prompt") {
@@ -158,16 +166,18 @@ pub fn parse_completion(bytes: &[u8]) -> Result<CompletionRequest, ApiError> {
         prompt,
         stream,
         include_usage,
+        prompt_cache_key,
     })
 }
 
 /// Parses a chat completions body.
 ///
 /// # Errors
-/// 400 for malformed JSON, a missing model, or messages that are not a non-empty list
-/// of `{role, content}` objects with text content.
+/// 400 for malformed JSON, a missing model, messages that are not a non-empty list
+/// of `{role, content}` objects with text content, or a bad `prompt_cache_key`.
 pub fn parse_chat(bytes: &[u8]) -> Result<ChatRequest, ApiError> {
-    let body = object(bytes)?;
+    let mut body = object(bytes)?;
+    let prompt_cache_key = take_prompt_cache_key(&mut body)?;
     let model = model(&body)?;
     let (stream, include_usage) = streaming(&body)?;
     let messages: Vec<ChatMessage> = match body.get("messages") {
@@ -201,6 +211,7 @@ pub fn parse_chat(bytes: &[u8]) -> Result<ChatRequest, ApiError> {
         options,
         stream,
         include_usage,
+        prompt_cache_key,
     })
 }
 

@@ -15,7 +15,6 @@ use integration_tests::{FakeWorker, eventually, register_worker};
 use kv_events::discovery::WorkerRegistration;
 use kv_events::{WorkerId, compute_block_hashes};
 use serde_json::{Value, json};
-use std::path::PathBuf;
 use std::time::Duration;
 
 const WAIT: Duration = Duration::from_secs(15);
@@ -29,14 +28,7 @@ fn metric(text: &str, line_prefix: &str) -> f64 {
 
 /// What `python/gateway_client.py` (the official `openai` client) saw of `stack`.
 async fn openai_client(stack: &Stack) -> Value {
-    let python = integration_tests::python::venv(
-        env!("CARGO_TARGET_TMPDIR"),
-        "kv-router-openai",
-        &["openai==3.54.0"],
-        "openai",
-    )
-    .await;
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("python/gateway_client.py");
+    let (python, script) = fixture::openai_python("gateway_client.py").await;
     integration_tests::python::run_json(&python, &script, &[&stack.base, MODEL]).await
 }
 

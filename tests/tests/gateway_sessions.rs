@@ -19,6 +19,15 @@ use std::time::Duration;
 
 const WAIT: Duration = Duration::from_secs(15);
 
+/// Waits until nothing is booked, so the next turn sees level costs.
+async fn freed(stack: &Stack) {
+    eventually("the turn to be freed", WAIT, || async {
+        (stack.booked() == 0).then_some(())
+    })
+    .await
+    .unwrap();
+}
+
 /// POSTs a completion of `prompt` with an optional session header; returns the status.
 async fn turn(stack: &Stack, prompt: Vec<u32>, session: Option<&str>) -> u16 {
     let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 2}).to_string();
@@ -31,12 +40,7 @@ async fn turn(stack: &Stack, prompt: Vec<u32>, session: Option<&str>) -> u16 {
         request = request.header("x-session-id", session);
     }
     let status = request.send().await.unwrap().status().as_u16();
-    // Level costs for the next turn: nothing of this one is booked any more.
-    eventually("the turn to be freed", WAIT, || async {
-        (stack.booked() == 0).then_some(())
-    })
-    .await
-    .unwrap();
+    freed(stack).await;
     status
 }
 
@@ -71,6 +75,49 @@ async fn turns_with_the_same_session_header_stay_on_one_worker_when_costs_are_le
     assert_eq!(
         sessions.decisions(SessionOutcome::Hit) + sessions.decisions(SessionOutcome::Miss),
         u64::from(TURNS)
+    );
+    stack.stop().await;
+}
+
+/// One chat turn sent by the official `openai` client with `prompt_cache_key` set to
+/// `key` (and the `x-session-id` header when `header` is given), then waits until it
+/// is freed.
+async fn openai_turn(stack: &Stack, key: &str, text: &str, header: Option<&str>) {
+    let (python, script) = fixture::openai_python("session_turn.py").await;
+    let mut args = vec![stack.base.as_str(), MODEL, key, text];
+    args.extend(header);
+    let seen = integration_tests::python::run_json(&python, &script, &args).await;
+    assert!(seen["content"].is_string(), "an answer: {seen}");
+    freed(stack).await;
+}
+
+#[tokio::test]
+async fn the_openai_prompt_cache_key_names_the_session_and_the_header_wins() {
+    let stack = Stack::start(4, 10.0, |_| {}, &[]).await;
+    let sessions = &stack.daemon().state().counters.metrics.sessions;
+    const TURNS: u64 = 5;
+    for n in 0..TURNS {
+        let text = format!("turn {n}: {}", "lorem ipsum ".repeat(5 + n as usize));
+        openai_turn(&stack, "conversation-11", &text, None).await;
+    }
+    assert_eq!(
+        sessions.decisions(SessionOutcome::Miss),
+        1,
+        "the first turn"
+    );
+    assert_eq!(
+        sessions.decisions(SessionOutcome::Hit),
+        TURNS - 1,
+        "later turns went to the session's last worker"
+    );
+    // With both, the header names the session: "k-2" is never seen, so the turn that
+    // sends only that key afterwards starts a session of its own.
+    openai_turn(&stack, "k-2", "with both", Some("h-2")).await;
+    openai_turn(&stack, "k-2", "key only", None).await;
+    assert_eq!(
+        sessions.decisions(SessionOutcome::Miss),
+        3,
+        "h-2 and then k-2 were new sessions"
     );
     stack.stop().await;
 }

@@ -19,6 +19,22 @@ pub fn model_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../kv-tokenizer/tests/data")
 }
 
+/// A Python with the official `openai` client, and the path of `script` under
+/// `tests/python/`.
+pub async fn openai_python(script: &str) -> (PathBuf, PathBuf) {
+    let python = integration_tests::python::venv(
+        env!("CARGO_TARGET_TMPDIR"),
+        "kv-router-openai",
+        &["openai==3.54.0"],
+        "openai",
+    )
+    .await;
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("python")
+        .join(script);
+    (python, script)
+}
+
 /// Everything, started in dependency order; dropped in reverse.
 pub struct Stack {
     pub gateway: Option<Gateway>,
