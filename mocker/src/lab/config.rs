@@ -9,6 +9,7 @@ use super::candidates::Candidate;
 use super::fleet::WorkerSpeeds;
 use crate::engine::{EngineModelConfig, TimingModel};
 use kv_events::routing::PolicyKind;
+use scheduler::SessionConfig;
 use serde::{Deserialize, Serialize};
 
 /// How many times faster than in the trace requests arrive: a finite number > 0.
@@ -86,6 +87,9 @@ pub struct SimConfig {
     /// [`super::sim::RunResult::calibration`] (only under a `+cal` policy); `None`
     /// keeps only the final estimates. Finite and ≥ 1 when set.
     pub calibration_sample_ms: Option<f64>,
+    /// Session affinity's knobs for `+sess` runs (`enabled` follows the policy:
+    /// on for [`LabPolicy::Sessions`], off otherwise).
+    pub sessions: SessionConfig,
 }
 
 impl Default for SimConfig {
@@ -99,6 +103,7 @@ impl Default for SimConfig {
             event_lag_ms: DEFAULT_EVENT_LAG_MS,
             seed: 42,
             calibration_sample_ms: None,
+            sessions: SessionConfig::default(),
         }
     }
 }

@@ -73,6 +73,7 @@ use crate::trace::{BlockMapping, BlockSizeMismatch, TraceError};
 use indicatif::{ProgressBar, ProgressStyle};
 use kv_events::WorkerRank;
 use kv_events::routing::PolicyKind;
+use scheduler::SessionConfig;
 use std::path::PathBuf;
 
 /// Why the lab could not run or report.
@@ -178,6 +179,14 @@ pub struct LabArgs {
     /// (`mocker::lab::sessions`), reported as `<policy>+sess`.
     #[arg(long = "sessions", value_name = "POLICY")]
     pub sessions: Vec<PolicyKind>,
+    /// `+sess` rows of `predicted-ttft`: a session's last rank is left only for a rank
+    /// predicted faster by more than this, in ms (the daemon's `--session-margin-ms`).
+    #[arg(long, default_value_t = SessionConfig::default().margin_ms)]
+    pub session_margin_ms: f64,
+    /// `+sess` rows of `kv`: a session's last rank is left only for a rank cheaper by
+    /// more than this share of its cost (the daemon's `--session-relative-margin`).
+    #[arg(long, default_value_t = SessionConfig::default().relative_margin)]
+    pub session_relative_margin: f64,
     /// Also run these prototype costs (repeatable): ttft, ttft-inflight, ttft-credit,
     /// ttft-tuned, or ttft:<base>,<balanced>,<backlog>,<inflight 0|1>,<min match ratio>
     /// with an optional base shape: `,decay:<steps>`, `,backlog` or `,mix:<steps>`
@@ -231,6 +240,11 @@ pub fn run_lab(args: LabArgs) -> Result<LabReport, LabError> {
     let config = SimConfig {
         timing: args.fleet.timing(),
         speeds: args.fleet.speeds(),
+        sessions: SessionConfig {
+            margin_ms: args.session_margin_ms,
+            relative_margin: args.session_relative_margin,
+            ..SessionConfig::default()
+        },
         ..args.study.sim_config()
     };
     let mut policies: Vec<LabPolicy> = if args.policies.is_empty() {

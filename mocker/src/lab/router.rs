@@ -75,7 +75,7 @@ impl Router {
                     },
                     sessions: SessionConfig {
                         enabled: matches!(policy, LabPolicy::Sessions(_)),
-                        ..SessionConfig::default()
+                        ..config.sessions
                     },
                     ..SchedulerConfig::default()
                 };

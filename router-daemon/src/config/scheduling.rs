@@ -418,7 +418,7 @@ mod tests {
     #[test]
     fn every_session_flag_reaches_its_field() {
         let flags = "--session-affinity false --session-capacity 10 --session-ttl-ms 1500 \
-                     --session-margin-ms 20 --session-relative-margin 0.25";
+                     --session-margin-ms 20 --session-relative-margin 0.4";
         let (scheduler, _) = parse(&flags.split_whitespace().collect::<Vec<_>>())
             .to_configs()
             .unwrap();
@@ -427,7 +427,7 @@ mod tests {
             capacity: 10,
             ttl: Duration::from_millis(1500),
             margin_ms: 20.0,
-            relative_margin: 0.25,
+            relative_margin: 0.4,
         };
         assert_eq!(scheduler.sessions, expected);
         let zero = parse(&["--session-capacity", "0"]).to_configs();

@@ -28,7 +28,11 @@ pub struct SessionArgs {
     pub session_margin_ms: f64,
     /// `kv`, `kv-normalized`: leave the session's last rank only for one whose cost
     /// is lower by more than this share of the last rank's cost, in [0, 1].
-    #[arg(long, env = "KV_ROUTER_SESSION_RELATIVE_MARGIN", default_value_t = 0.1)]
+    #[arg(
+        long,
+        env = "KV_ROUTER_SESSION_RELATIVE_MARGIN",
+        default_value_t = 0.25
+    )]
     pub session_relative_margin: f64,
 }
 
