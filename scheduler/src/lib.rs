@@ -272,6 +272,7 @@ impl Scheduler {
                 request_blocks: req.request_blocks,
                 prefill,
                 origin: Origin::Local,
+                session_id: None,
             },
             now,
         )?;
@@ -387,7 +388,13 @@ impl Scheduler {
     /// registered here; otherwise as [`ActiveSequences::apply`].
     pub fn apply(&mut self, event: SequenceEvent, now: Instant) -> Result<Origin, SchedulerError> {
         match event {
-            SequenceEvent::AddRequest(add) => {
+            SequenceEvent::AddRequest(mut add) => {
+                // A peer's session decision: the session's next turn may reach us.
+                if let Some(session) = add.session_id.take()
+                    && self.workers.contains_rank(add.rank)
+                {
+                    self.sessions.record(&session, add.rank, now);
+                }
                 let Some(reg) = self
                     .workers
                     .get(add.rank.worker_id)

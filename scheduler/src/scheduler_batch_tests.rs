@@ -116,6 +116,7 @@ fn peer_bookings_are_applied_only_on_registered_ranks() {
             expected_prefill_duration: None,
         },
         origin: peer,
+        session_id: None,
     };
     assert_eq!(
         s.apply(SequenceEvent::AddRequest(add(rank(4, 0))), t),

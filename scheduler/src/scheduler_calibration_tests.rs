@@ -105,6 +105,7 @@ fn peer_bookings_and_lifecycle_feed_calibration_and_departures_drop_it() {
                 expected_prefill_duration: None,
             },
             origin: Origin::Peer(kv_events::RouterId(9)),
+            session_id: None,
         })
     };
     s.apply(add("p1"), t).unwrap();

@@ -146,6 +146,7 @@ async fn messages_over_a_limit_are_refused_by_reason_and_nothing_else_is_lost() 
             request_blocks: 1,
             prefill_tokens: u64::MAX,
             expected_prefill_ms: None,
+            session_id: None,
         }),
     };
     nats.publish(subjects.sequences(), encode(&booking)?.into())

@@ -2,7 +2,8 @@
 //! and sync their bookings, so each sees the whole cluster's load and the queries NATS
 //! spreads between them land as a single replica would place them; without sync,
 //! each replica sees only its own half. A replica that starts late learns the
-//! bookings its peers already hold from the start-up snapshot.
+//! bookings its peers already hold from the start-up snapshot. A session's turns stay
+//! on one worker whichever replica routes them.
 
 use indexer::IndexerApi as _;
 use integration_tests::{FakeWorker, TestCluster, eventually};
@@ -17,6 +18,8 @@ use std::time::Duration;
 
 #[path = "replicas/batch.rs"]
 mod batch;
+#[path = "replicas/sessions.rs"]
+mod sessions;
 #[path = "replicas/snapshot.rs"]
 mod snapshot;
 
@@ -265,6 +268,7 @@ async fn lifecycle_reaches_every_replica_and_bad_sync_input_is_skipped() -> anyh
             request_blocks: 2,
             prefill_tokens: 8,
             expected_prefill_ms: None,
+            session_id: None,
         }),
     };
     for msg in [booking(99, "ghost"), booking(2, "peer")] {

@@ -190,6 +190,7 @@ fn booked(dp_rank: u32) -> BookedSequence {
         request_blocks: 3,
         prefill_tokens: 40,
         expected_prefill_ms: Some(12),
+        session_id: None,
     }
 }
 

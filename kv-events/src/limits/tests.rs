@@ -55,6 +55,7 @@ fn booked(prefill_tokens: u64) -> SequenceSync {
             request_blocks: 1,
             prefill_tokens,
             expected_prefill_ms: Some(20),
+            session_id: None,
         }),
     }
 }

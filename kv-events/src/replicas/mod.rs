@@ -24,6 +24,7 @@
 //! prompt block of every in-flight request.
 
 use crate::ids::{DpRank, LocalBlockHash, RequestId, WorkerId};
+use crate::routing::SessionId;
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
@@ -86,6 +87,12 @@ pub struct BookedSequence {
     /// booking replica has no estimate (then the prefill load does not decay).
     #[serde(default)]
     pub expected_prefill_ms: Option<u64>,
+    /// The session the request belongs to (the route request's `session_id`), so every
+    /// replica records the chosen rank as the session's last rank: a session's next
+    /// turn may reach any replica of the queue group. Absent without a session, and
+    /// from replicas that predate it (their sessions stay per replica).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_id: Option<SessionId>,
 }
 
 /// One change to one request, as listed in a [`SequenceSyncBatch`].
@@ -99,14 +106,14 @@ pub struct SequenceStep {
 
 impl SequenceStep {
     /// An upper bound of this step's size in a named msgpack encoding, in bytes: 192
-    /// bytes of keys and scalars, the request id, and 9 bytes per block hash of a
-    /// booking. Cheap: nothing is encoded.
+    /// bytes of keys and scalars, the request id, and for a booking 9 bytes per block
+    /// hash and its session id. Cheap: nothing is encoded.
     pub fn encoded_len_bound(&self) -> usize {
-        let hashes = match &self.update {
-            SequenceUpdate::Booked(b) => b.block_hashes.len(),
-            SequenceUpdate::PrefillDone | SequenceUpdate::KeepAlive | SequenceUpdate::Freed => 0,
+        let booked = match &self.update {
+            SequenceUpdate::Booked(b) => Some(b),
+            SequenceUpdate::PrefillDone | SequenceUpdate::KeepAlive | SequenceUpdate::Freed => None,
         };
-        len_bound(&self.request_id, hashes)
+        len_bound(&self.request_id, booked)
     }
 }
 
@@ -228,17 +235,22 @@ const REPLY_ENVELOPE_BOUND: usize = 64;
 
 impl SnapshotEntry {
     /// An upper bound of this entry's size in a named msgpack encoding, in bytes: 192
-    /// bytes of keys and scalars, the request id, and 9 bytes per block hash (a u64
-    /// is at most 9 bytes in msgpack). Cheap: nothing is encoded.
+    /// bytes of keys and scalars, the request id, 9 bytes per block hash (a u64 is at
+    /// most 9 bytes in msgpack) and the session id. Cheap: nothing is encoded.
     pub fn encoded_len_bound(&self) -> usize {
-        len_bound(&self.request_id, self.booked.block_hashes.len())
+        len_bound(&self.request_id, Some(&self.booked))
     }
 }
 
 /// An upper bound of the encoded size of one request's entry (a sync step or a
-/// snapshot entry) naming `hashes` block hashes, in bytes.
-fn len_bound(request_id: &RequestId, hashes: usize) -> usize {
-    192 + request_id.0.len() + 9 * hashes
+/// snapshot entry), with its booking if it is one, in bytes: a session id adds its
+/// key (11 bytes), a string header (at most 3) and its bytes.
+fn len_bound(request_id: &RequestId, booked: Option<&BookedSequence>) -> usize {
+    let (hashes, session) = booked.map_or((0, 0), |b| {
+        let session = b.session_id.as_ref().map_or(0, |s| 14 + s.as_str().len());
+        (b.block_hashes.len(), session)
+    });
+    192 + request_id.0.len() + 9 * hashes + session
 }
 
 impl SnapshotReply {

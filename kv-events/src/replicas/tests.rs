@@ -1,5 +1,6 @@
 use super::*;
 use crate::codec::{decode, encode};
+use crate::routing::MAX_SESSION_ID_BYTES;
 
 #[test]
 fn sync_messages_round_trip() {
@@ -13,6 +14,7 @@ fn sync_messages_round_trip() {
             request_blocks: 3,
             prefill_tokens: 130,
             expected_prefill_ms: Some(25),
+            session_id: None,
         }),
     };
     assert_eq!(
@@ -72,6 +74,7 @@ fn entry(id: &str, blocks: usize) -> SnapshotEntry {
             request_blocks: u32::MAX,
             prefill_tokens: u64::MAX,
             expected_prefill_ms: Some(u64::MAX),
+            session_id: Some(longest_session()),
         },
         prefill_done: true,
     }
@@ -232,7 +235,48 @@ fn booked_update(blocks: u64) -> SequenceUpdate {
         request_blocks: 3,
         prefill_tokens: 130,
         expected_prefill_ms: Some(25),
+        session_id: Some(longest_session()),
     })
+}
+
+/// A session id of the longest length the wire allows.
+fn longest_session() -> SessionId {
+    SessionId::new(&"s".repeat(MAX_SESSION_ID_BYTES)).expect("at the limit")
+}
+
+#[test]
+fn a_booking_carries_its_session_and_an_over_long_one_does_not_decode() {
+    let SequenceUpdate::Booked(mut booked) = booked_update(2) else {
+        unreachable!("booked_update books")
+    };
+    let with = encode(&booked).unwrap();
+    assert_eq!(decode::<BookedSequence>(&with).unwrap(), booked);
+    // Without a session the field is left out (the form older replicas send and read).
+    booked.session_id = None;
+    let without = encode(&booked).unwrap();
+    assert!(without.len() + MAX_SESSION_ID_BYTES < with.len());
+    assert_eq!(decode::<BookedSequence>(&without).unwrap(), booked);
+    // Over the limit: refused by the decoder, before it is kept anywhere.
+    #[derive(serde::Serialize)]
+    struct Wire<'a> {
+        worker_id: u64,
+        dp_rank: u32,
+        block_hashes: Vec<u64>,
+        request_blocks: u32,
+        prefill_tokens: u64,
+        session_id: &'a str,
+    }
+    let long = "s".repeat(MAX_SESSION_ID_BYTES + 1);
+    let wire = Wire {
+        worker_id: 1,
+        dp_rank: 0,
+        block_hashes: vec![],
+        request_blocks: 1,
+        prefill_tokens: 1,
+        session_id: &long,
+    };
+    let err = decode::<BookedSequence>(&encode(&wire).unwrap()).expect_err("too long");
+    assert!(err.to_string().contains("session_id"), "{err}");
 }
 
 #[test]

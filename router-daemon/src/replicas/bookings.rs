@@ -152,6 +152,7 @@ pub fn booked_event(
             expected_prefill_duration: b.expected_prefill_ms.map(Duration::from_millis),
         },
         origin: Origin::Peer(router_id),
+        session_id: b.session_id,
     })
 }
 
@@ -167,6 +168,7 @@ mod tests {
             request_blocks: 3,
             prefill_tokens: 12,
             expected_prefill_ms: None,
+            session_id: None,
         }
     }
 

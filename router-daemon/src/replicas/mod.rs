@@ -184,6 +184,7 @@ impl Replicas {
                 .prefill
                 .expected_prefill_duration
                 .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+            session_id: request.session_id.clone(),
         };
         if self
             .own_bookings()

@@ -57,6 +57,7 @@ fn booked(worker: u64) -> BookedSequence {
         request_blocks: 3,
         prefill_tokens: 12,
         expected_prefill_ms: None,
+        session_id: None,
     }
 }
 
@@ -300,6 +301,7 @@ async fn answers_hold_only_bookings_still_our_own() {
                     request_blocks: 1,
                     prefill: PrefillLoadHint::default(),
                     origin,
+                    session_id: None,
                 }),
                 now,
             )

@@ -57,6 +57,11 @@ pub struct AddRequest {
     pub prefill: PrefillLoadHint,
     /// Who booked it.
     pub origin: Origin,
+    /// The session it belongs to: [`crate::Scheduler::apply`] records its rank as the
+    /// session's last rank (how a replica learns its peers' session decisions). The
+    /// write model itself ignores it; a local booking records its session when it is
+    /// routed ([`crate::Scheduler::schedule`]) and leaves this `None`.
+    pub session_id: Option<kv_events::routing::SessionId>,
 }
 
 /// One write to the model.

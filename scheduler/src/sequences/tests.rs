@@ -32,6 +32,7 @@ fn add(req: &str, at: WorkerRank, hashes: &[u64], blocks: u32, tokens: u64) -> A
             expected_prefill_duration: None,
         },
         origin: Origin::Local,
+        session_id: None,
     }
 }
 

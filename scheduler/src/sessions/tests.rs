@@ -21,6 +21,33 @@ fn table(capacity: usize, ttl_ms: u64) -> SessionTable {
     })
 }
 
+/// A `kv` scheduler (session affinity on by default) over workers 1–4, one rank
+/// each, tie-breaks seeded with `seed`.
+fn kv_scheduler(seed: u64) -> crate::Scheduler {
+    use crate::{PolicyConfig, Scheduler, SchedulerConfig};
+    use kv_events::discovery::WorkerRegistration;
+    let mut s = Scheduler::new(
+        SchedulerConfig {
+            policy: PolicyConfig::default_for(PolicyKind::Kv),
+            ..SchedulerConfig::default()
+        },
+        Some(seed),
+    )
+    .expect("valid config");
+    for worker in 1..=4 {
+        s.add_worker(WorkerRegistration {
+            worker_id: WorkerId(worker),
+            dp_size: 1,
+            block_size: 16,
+            total_kv_blocks: 1_000,
+            url: None,
+            epoch: 0,
+        })
+        .expect("valid registration");
+    }
+    s
+}
+
 fn candidates(ranks: &[WorkerRank]) -> Vec<Candidate> {
     ranks
         .iter()
@@ -200,28 +227,9 @@ fn validation_names_the_bad_field() {
 /// sessions are forgotten.
 #[test]
 fn the_scheduler_keeps_a_session_on_its_rank_until_the_margin_or_the_worker_goes() {
-    use crate::{PolicyConfig, ScheduleRequest, Scheduler, SchedulerConfig};
-    use kv_events::discovery::WorkerRegistration;
+    use crate::ScheduleRequest;
     let t0 = Instant::now();
-    let mut s = Scheduler::new(
-        SchedulerConfig {
-            policy: PolicyConfig::default_for(PolicyKind::Kv),
-            ..SchedulerConfig::default()
-        },
-        Some(3),
-    )
-    .expect("valid config");
-    for worker in 1..=4 {
-        s.add_worker(WorkerRegistration {
-            worker_id: WorkerId(worker),
-            dp_size: 1,
-            block_size: 16,
-            total_kv_blocks: 1_000,
-            url: None,
-            epoch: 0,
-        })
-        .expect("valid registration");
-    }
+    let mut s = kv_scheduler(3);
     let turn = |n: usize| {
         let mut req = ScheduleRequest::new(format!("t{n}"), Vec::new(), 160, 16);
         req.session_id = Some(id("conv"));
@@ -259,4 +267,44 @@ fn the_scheduler_keeps_a_session_on_its_rank_until_the_margin_or_the_worker_goes
     // the session is forgotten.
     s.remove_worker(moved.rank.worker_id);
     assert_eq!(s.sessions_held(), 0);
+}
+
+/// A peer replica's booking of a session's turn (through [`crate::Scheduler::apply`])
+/// makes its rank the session's last rank here too, so the next turn stays there
+/// whichever replica routes it; a booking on a rank this replica does not know is
+/// not recorded.
+#[test]
+fn a_peer_booking_records_its_session_for_the_next_turn() {
+    use crate::ScheduleRequest;
+    use crate::sequences::{AddRequest, Origin, SequenceEvent};
+    use kv_events::RouterId;
+    let t0 = Instant::now();
+    let mut s = kv_scheduler(5);
+    let peer_booking = |request: &str, worker: u64| {
+        SequenceEvent::AddRequest(AddRequest {
+            request_id: request.into(),
+            rank: rank(worker, 0),
+            block_hashes: Vec::new(),
+            request_blocks: 10,
+            prefill: crate::PrefillLoadHint::default(),
+            origin: Origin::Peer(RouterId(9)),
+            session_id: Some(id("conv")),
+        })
+    };
+    s.apply(peer_booking("ghost", 99), t0)
+        .expect_err("an unknown rank is refused");
+    assert_eq!(s.sessions_held(), 0, "nor is its session recorded");
+    s.apply(peer_booking("p0", 3), t0).expect("a known rank");
+    assert_eq!(s.sessions_held(), 1);
+    s.free(&RequestId::from("p0"), t0).expect("active");
+    // Level costs; repeated so a random tie-break cannot pass by chance.
+    for n in 0..8 {
+        let mut req = ScheduleRequest::new(format!("t{n}"), Vec::new(), 160, 16);
+        req.session_id = Some(id("conv"));
+        let next = s.schedule(&req, &crate::NoOverlap, t0).expect("routed");
+        assert_eq!(next.rank, rank(3, 0), "turn {n}");
+        assert_eq!(next.session, Some(SessionOutcome::Hit));
+        s.free(&RequestId::from(format!("t{n}").as_str()), t0)
+            .expect("active");
+    }
 }

@@ -24,6 +24,7 @@ fn peer_booking(id: &str) -> SequenceStep {
             request_blocks: 2,
             prefill_tokens: 8,
             expected_prefill_ms: None,
+            session_id: None,
         }),
     }
 }

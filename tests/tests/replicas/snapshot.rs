@@ -199,6 +199,7 @@ async fn a_request_freed_while_a_replica_starts_is_not_resurrected() -> anyhow::
             request_blocks: 3,
             prefill_tokens: 12,
             expected_prefill_ms: None,
+            session_id: None,
         },
         prefill_done: false,
     };
