@@ -406,15 +406,19 @@ impl KvCache {
     /// `Removed`, so every `Stored` names a parent the rank still holds).
     fn evict(&mut self, count: u64) {
         let mut removed = Vec::new();
+        let mut copies = Vec::new();
         for _ in 0..count {
             let Some((_, hash)) = self.lru.pop_first() else {
                 break;
             };
-            if let Some(block) = self.blocks.remove(&hash) {
-                self.offload(block.copy);
+            if let Some(block) = self.blocks.remove(&hash)
+                && self.cpu.is_some()
+            {
+                copies.push(block.copy);
             }
             removed.push(hash);
         }
+        self.offload(copies);
         self.push_removed(StorageTier::Gpu, removed);
     }
 

@@ -7,7 +7,7 @@
 //! one ordered-map entry per block, plus the tokens when known.
 
 use super::{CachedBlock, KvCache};
-use kv_events::{ExternalBlockHash, KvCacheEventData, StorageTier, StoredBlock};
+use kv_events::{ExternalBlockHash, StorageTier, StoredBlock};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
@@ -26,6 +26,13 @@ pub(super) struct BlockCopy {
 struct Entry {
     copy: BlockCopy,
     tick: u64,
+}
+
+/// Blocks kept in one offload, gathered leaf first, and the parent of the first.
+#[derive(Debug, Default)]
+struct Chain {
+    leaf_first: Vec<StoredBlock>,
+    parent: Option<ExternalBlockHash>,
 }
 
 /// What [`CpuTier::offload`] did.
@@ -201,34 +208,48 @@ impl KvCache {
         copies.len()
     }
 
-    /// Keeps an evicted GPU block in the CPU tier, if there is one.
-    pub(super) fn offload(&mut self, copy: BlockCopy) {
-        let Some(cpu) = &mut self.cpu else {
+    /// Keeps the blocks `evicted` from the GPU (in eviction order) in the CPU tier,
+    /// if there is one, and emits its events in order: each newly kept block's
+    /// `Stored` and each block the full tier drops's `Removed`. A chain is evicted
+    /// from its end, so consecutive kept blocks of one chain are gathered and stored
+    /// as one event, root first. Every parent a `Stored` names is still held: it is
+    /// on the GPU until the caller's GPU `Removed`, or kept earlier in this event (a
+    /// GPU block's parent is evicted after it, never before).
+    pub(super) fn offload(&mut self, evicted: Vec<BlockCopy>) {
+        let Some(mut cpu) = self.cpu.take() else {
             return;
         };
-        let (hash, parent, block) = (copy.block.block_hash, copy.parent, copy.block);
-        let tokens = copy.tokens.clone();
-        let done = cpu.offload(copy);
-        self.push_removed(StorageTier::Cpu, done.evicted);
-        if !done.stored {
-            return;
+        let mut chain = Chain::default();
+        for copy in evicted {
+            let (hash, parent, block) = (copy.block.block_hash, copy.parent, copy.block);
+            let tokens = copy.tokens.clone();
+            let done = cpu.offload(copy);
+            if !done.evicted.is_empty() {
+                self.flush(&mut chain);
+                self.push_removed(StorageTier::Cpu, done.evicted);
+            }
+            if !done.stored {
+                continue;
+            }
+            if let Some(tokens) = tokens {
+                self.event_tokens.insert(hash, tokens);
+            }
+            if chain.leaf_first.is_empty() || chain.parent != Some(hash) {
+                self.flush(&mut chain);
+            }
+            chain.leaf_first.push(block);
+            chain.parent = parent;
         }
-        if let Some(tokens) = tokens {
-            self.event_tokens.insert(hash, tokens);
+        self.flush(&mut chain);
+        self.cpu = Some(cpu);
+    }
+
+    /// Emits the gathered chain's CPU `Stored`, root first, and empties it.
+    fn flush(&mut self, chain: &mut Chain) {
+        let mut parent = chain.parent;
+        for block in chain.leaf_first.drain(..).rev() {
+            self.push_stored(StorageTier::Cpu, parent, block);
+            parent = Some(block.block_hash);
         }
-        // A chain is evicted from its end, so the block may be the parent of the
-        // previous CPU `Stored`: prepend it there.
-        if let Some(KvCacheEventData::Stored {
-            parent_hash,
-            blocks,
-            tier: StorageTier::Cpu,
-        }) = self.events.last_mut()
-            && *parent_hash == Some(hash)
-        {
-            blocks.insert(0, block);
-            *parent_hash = parent;
-            return;
-        }
-        self.push_stored(StorageTier::Cpu, parent, block);
     }
 }
