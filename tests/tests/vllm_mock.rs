@@ -12,7 +12,7 @@ use integration_tests::{TestCluster, eventually};
 use kv_events::routing::RouteReply;
 use kv_events::{DpRank, LocalBlockHash, WorkerId, WorkerRank, compute_block_hashes};
 use kv_relay::{Relay, RelayArgs, RelayConfig};
-use mocker::engine::{EngineModelConfig, FleetArgs, KvEventsArgs, RankEndpoints};
+use mocker::engine::{CpuTierConfig, EngineModelConfig, FleetArgs, KvEventsArgs, RankEndpoints};
 use router_daemon::Daemon;
 use serde_json::json;
 use std::time::Duration;
@@ -156,6 +156,70 @@ async fn vllm_mode_engines_reach_the_router_through_the_relay_alone() {
     );
     assert_eq!(routed.overlap_blocks, 4, "full overlap");
     assert_eq!(complete(&http, &url, &b, 1).await, 4 * u64::from(BLOCK));
+
+    relay.shutdown().await.unwrap();
+    engines.shutdown();
+    engines.wait().await.unwrap();
+    daemon.shutdown().await.unwrap();
+}
+
+/// With a CPU tier, the blocks an engine offloads reach the router through the relay
+/// as CPU-tier holders (`medium: "CPU"`, with their tokens), and the blocks it loads
+/// back come back as GPU holders.
+#[tokio::test]
+async fn vllm_mode_cpu_tier_blocks_reach_the_router_as_a_lower_tier() {
+    let cluster = TestCluster::start(BLOCK).await.unwrap();
+    let daemon = cluster.start_daemon(|_| {}).await.unwrap();
+    let model = EngineModelConfig {
+        block_size: BLOCK,
+        num_gpu_blocks: 8,
+        ..EngineModelConfig::default()
+    };
+    let mut args = cluster.engine_args(1, model, 100.0, Default::default());
+    args.fleet = FleetArgs {
+        workers: 1,
+        first_worker_id: WORKER.0,
+        dp_size: 1,
+    };
+    args.kv_events = KvEventsArgs::vllm_on_free_ports();
+    args.cpu_tier = CpuTierConfig {
+        cpu_tier_blocks: 32,
+        ..CpuTierConfig::default()
+    };
+    let engines = mocker::engine::spawn_engines(args, Default::default())
+        .await
+        .unwrap();
+    let url = engines.http_urls()[0].clone();
+    let sockets = engines.zmq_endpoints()[0].clone();
+    let registry = prometheus::Registry::new();
+    let relay = Relay::start(relay_config(&cluster, &sockets, &url), &registry)
+        .await
+        .unwrap();
+    let http = reqwest::Client::new();
+
+    let a: Vec<u32> = (1000..1050).collect();
+    let a_hashes = compute_block_hashes(&a, BLOCK);
+    assert_eq!(complete(&http, &url, &a, 0).await, 0);
+    wait_overlap(&daemon, "prompt A on the GPU", &a, 0, 3).await;
+    // B's footprint (ceil((112 + 2) / 16) = 8 blocks) is the whole GPU: A's three
+    // blocks are offloaded to the CPU tier.
+    let b: Vec<u32> = (5000..5112).collect();
+    assert_eq!(complete(&http, &url, &b, 0).await, 0);
+    let rank = WorkerRank::new(WORKER, DpRank(0));
+    eventually("prompt A held on the CPU tier only", WAIT, || async {
+        let scores = daemon
+            .state()
+            .indexer
+            .find_matches(a_hashes.clone())
+            .await
+            .unwrap();
+        (scores.get(rank) == 0 && scores.get_any_tier(rank) == 3).then_some(())
+    })
+    .await
+    .unwrap();
+    // A again: loaded back from the CPU tier (reported as cached), GPU-held again.
+    assert_eq!(complete(&http, &url, &a, 0).await, 3 * u64::from(BLOCK));
+    wait_overlap(&daemon, "prompt A back on the GPU", &a, 0, 3).await;
 
     relay.shutdown().await.unwrap();
     engines.shutdown();
