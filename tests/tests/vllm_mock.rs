@@ -12,7 +12,9 @@ use integration_tests::{TestCluster, eventually};
 use kv_events::routing::RouteReply;
 use kv_events::{DpRank, LocalBlockHash, WorkerId, WorkerRank, compute_block_hashes};
 use kv_relay::{Relay, RelayArgs, RelayConfig};
-use mocker::engine::{CpuTierConfig, EngineModelConfig, FleetArgs, KvEventsArgs, RankEndpoints};
+use mocker::engine::{
+    CpuTierConfig, EngineModelConfig, EnginesHandle, FleetArgs, KvEventsArgs, RankEndpoints,
+};
 use router_daemon::Daemon;
 use serde_json::json;
 use std::time::Duration;
@@ -57,6 +59,32 @@ async fn complete(http: &reqwest::Client, url: &str, prompt: &[u32], rank: u32) 
         .unwrap_or(0)
 }
 
+/// Worker `WORKER` as vLLM-mode mock engines on free ports: `dp_size` ranks of
+/// `num_gpu_blocks` blocks each, with `cpu_tier`, 100× faster than real time.
+async fn vllm_engines(
+    cluster: &TestCluster,
+    num_gpu_blocks: u64,
+    dp_size: u32,
+    cpu_tier: CpuTierConfig,
+) -> EnginesHandle {
+    let model = EngineModelConfig {
+        block_size: BLOCK,
+        num_gpu_blocks,
+        ..EngineModelConfig::default()
+    };
+    let mut args = cluster.engine_args(1, model, 100.0, Default::default());
+    args.fleet = FleetArgs {
+        workers: 1,
+        first_worker_id: WORKER.0,
+        dp_size,
+    };
+    args.kv_events = KvEventsArgs::vllm_on_free_ports();
+    args.cpu_tier = cpu_tier;
+    mocker::engine::spawn_engines(args, Default::default())
+        .await
+        .unwrap()
+}
+
 fn relay_config(cluster: &TestCluster, sockets: &[RankEndpoints], url: &str) -> RelayConfig {
     let join = |f: fn(&RankEndpoints) -> &str| sockets.iter().map(f).collect::<Vec<_>>().join(",");
     let (publish, replay) = (join(|s| &s.publish), join(|s| &s.replay));
@@ -84,21 +112,7 @@ fn relay_config(cluster: &TestCluster, sockets: &[RankEndpoints], url: &str) -> 
 async fn vllm_mode_engines_reach_the_router_through_the_relay_alone() {
     let cluster = TestCluster::start(BLOCK).await.unwrap();
     let daemon = cluster.start_daemon(|_| {}).await.unwrap();
-    let model = EngineModelConfig {
-        block_size: BLOCK,
-        num_gpu_blocks: 64,
-        ..EngineModelConfig::default()
-    };
-    let mut args = cluster.engine_args(1, model, 100.0, Default::default());
-    args.fleet = FleetArgs {
-        workers: 1,
-        first_worker_id: WORKER.0,
-        dp_size: 2,
-    };
-    args.kv_events = KvEventsArgs::vllm_on_free_ports();
-    let engines = mocker::engine::spawn_engines(args, Default::default())
-        .await
-        .unwrap();
+    let engines = vllm_engines(&cluster, 64, 2, CpuTierConfig::default()).await;
     let url = engines.http_urls()[0].clone();
     let sockets = engines.zmq_endpoints()[0].clone();
     assert_eq!(sockets.len(), 2, "one PUB and one replay socket per rank");
@@ -170,25 +184,11 @@ async fn vllm_mode_engines_reach_the_router_through_the_relay_alone() {
 async fn vllm_mode_cpu_tier_blocks_reach_the_router_as_a_lower_tier() {
     let cluster = TestCluster::start(BLOCK).await.unwrap();
     let daemon = cluster.start_daemon(|_| {}).await.unwrap();
-    let model = EngineModelConfig {
-        block_size: BLOCK,
-        num_gpu_blocks: 8,
-        ..EngineModelConfig::default()
-    };
-    let mut args = cluster.engine_args(1, model, 100.0, Default::default());
-    args.fleet = FleetArgs {
-        workers: 1,
-        first_worker_id: WORKER.0,
-        dp_size: 1,
-    };
-    args.kv_events = KvEventsArgs::vllm_on_free_ports();
-    args.cpu_tier = CpuTierConfig {
+    let cpu_tier = CpuTierConfig {
         cpu_tier_blocks: 32,
         ..CpuTierConfig::default()
     };
-    let engines = mocker::engine::spawn_engines(args, Default::default())
-        .await
-        .unwrap();
+    let engines = vllm_engines(&cluster, 8, 1, cpu_tier).await;
     let url = engines.http_urls()[0].clone();
     let sockets = engines.zmq_endpoints()[0].clone();
     let registry = prometheus::Registry::new();
