@@ -23,14 +23,20 @@ const BLOCK: u32 = 16;
 const WAIT: Duration = Duration::from_secs(15);
 const WORKER: WorkerId = WorkerId(1);
 
-async fn overlap(daemon: &Daemon, hashes: &[LocalBlockHash], rank: u32) -> u32 {
-    let scores = daemon
+/// The index's overlap scores of a prompt of `hashes`.
+async fn scores(daemon: &Daemon, hashes: &[LocalBlockHash]) -> indexer::OverlapScores {
+    daemon
         .state()
         .indexer
         .find_matches(hashes.to_vec())
         .await
-        .unwrap();
-    scores.get(WorkerRank::new(WORKER, DpRank(rank)))
+        .unwrap()
+}
+
+async fn overlap(daemon: &Daemon, hashes: &[LocalBlockHash], rank: u32) -> u32 {
+    scores(daemon, hashes)
+        .await
+        .get(WorkerRank::new(WORKER, DpRank(rank)))
 }
 
 async fn wait_overlap(daemon: &Daemon, what: &str, tokens: &[u32], rank: u32, blocks: u32) {
@@ -207,12 +213,7 @@ async fn vllm_mode_cpu_tier_blocks_reach_the_router_as_a_lower_tier() {
     assert_eq!(complete(&http, &url, &b, 0).await, 0);
     let rank = WorkerRank::new(WORKER, DpRank(0));
     eventually("prompt A held on the CPU tier only", WAIT, || async {
-        let scores = daemon
-            .state()
-            .indexer
-            .find_matches(a_hashes.clone())
-            .await
-            .unwrap();
+        let scores = scores(&daemon, &a_hashes).await;
         (scores.get(rank) == 0 && scores.get_any_tier(rank) == 3).then_some(())
     })
     .await
