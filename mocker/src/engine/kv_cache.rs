@@ -28,7 +28,9 @@
 //! charges a load time, not prefill): the blocks become cached GPU blocks again
 //! (`Stored` tier GPU) and, as in vLLM, the CPU copy stays (marked recently used), so
 //! the rank then holds the block on both tiers. A GPU eviction of a block the CPU tier
-//! already holds only marks the CPU copy recently used (no event). `Cleared` drops
+//! already holds only marks the CPU copy recently used (no event). The admission
+//! evicts for its space before loading back, so on a CPU tier too small for both, the
+//! blocks it offloads can push out blocks it would have loaded. `Cleared` drops
 //! both tiers. Without a CPU tier (the default) nothing of this happens: evictions
 //! emit `Removed` only, exactly as before.
 //!
