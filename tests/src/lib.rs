@@ -247,6 +247,7 @@ fn engine_args(
             metrics_interval_ms: 50,
         },
         http,
+        cpu_tier: mocker::engine::CpuTierConfig::default(),
         kv_events: mocker::engine::KvEventsArgs::default(),
     }
 }

@@ -126,6 +126,7 @@ async fn a_router_started_after_the_engines_resyncs_from_them() -> anyhow::Resul
             metrics_interval_ms: 50,
         },
         http: Default::default(),
+        cpu_tier: Default::default(),
         kv_events: Default::default(),
     };
     // The engines stop on their own handle's shutdown (a default, unshared token).

@@ -12,7 +12,9 @@ use integration_tests::{TestCluster, eventually};
 use kv_events::routing::RouteReply;
 use kv_events::{DpRank, LocalBlockHash, WorkerId, WorkerRank, compute_block_hashes};
 use kv_relay::{Relay, RelayArgs, RelayConfig};
-use mocker::engine::{EngineModelConfig, FleetArgs, KvEventsArgs, RankEndpoints};
+use mocker::engine::{
+    CpuTierConfig, EngineModelConfig, EnginesHandle, FleetArgs, KvEventsArgs, RankEndpoints,
+};
 use router_daemon::Daemon;
 use serde_json::json;
 use std::time::Duration;
@@ -21,14 +23,20 @@ const BLOCK: u32 = 16;
 const WAIT: Duration = Duration::from_secs(15);
 const WORKER: WorkerId = WorkerId(1);
 
-async fn overlap(daemon: &Daemon, hashes: &[LocalBlockHash], rank: u32) -> u32 {
-    let scores = daemon
+/// The index's overlap scores of a prompt of `hashes`.
+async fn scores(daemon: &Daemon, hashes: &[LocalBlockHash]) -> indexer::OverlapScores {
+    daemon
         .state()
         .indexer
         .find_matches(hashes.to_vec())
         .await
-        .unwrap();
-    scores.get(WorkerRank::new(WORKER, DpRank(rank)))
+        .unwrap()
+}
+
+async fn overlap(daemon: &Daemon, hashes: &[LocalBlockHash], rank: u32) -> u32 {
+    scores(daemon, hashes)
+        .await
+        .get(WorkerRank::new(WORKER, DpRank(rank)))
 }
 
 async fn wait_overlap(daemon: &Daemon, what: &str, tokens: &[u32], rank: u32, blocks: u32) {
@@ -55,6 +63,32 @@ async fn complete(http: &reqwest::Client, url: &str, prompt: &[u32], rank: u32) 
     body["usage"]["prompt_tokens_details"]["cached_tokens"]
         .as_u64()
         .unwrap_or(0)
+}
+
+/// Worker `WORKER` as vLLM-mode mock engines on free ports: `dp_size` ranks of
+/// `num_gpu_blocks` blocks each, with `cpu_tier`, 100× faster than real time.
+async fn vllm_engines(
+    cluster: &TestCluster,
+    num_gpu_blocks: u64,
+    dp_size: u32,
+    cpu_tier: CpuTierConfig,
+) -> EnginesHandle {
+    let model = EngineModelConfig {
+        block_size: BLOCK,
+        num_gpu_blocks,
+        ..EngineModelConfig::default()
+    };
+    let mut args = cluster.engine_args(1, model, 100.0, Default::default());
+    args.fleet = FleetArgs {
+        workers: 1,
+        first_worker_id: WORKER.0,
+        dp_size,
+    };
+    args.kv_events = KvEventsArgs::vllm_on_free_ports();
+    args.cpu_tier = cpu_tier;
+    mocker::engine::spawn_engines(args, Default::default())
+        .await
+        .unwrap()
 }
 
 fn relay_config(cluster: &TestCluster, sockets: &[RankEndpoints], url: &str) -> RelayConfig {
@@ -84,21 +118,7 @@ fn relay_config(cluster: &TestCluster, sockets: &[RankEndpoints], url: &str) -> 
 async fn vllm_mode_engines_reach_the_router_through_the_relay_alone() {
     let cluster = TestCluster::start(BLOCK).await.unwrap();
     let daemon = cluster.start_daemon(|_| {}).await.unwrap();
-    let model = EngineModelConfig {
-        block_size: BLOCK,
-        num_gpu_blocks: 64,
-        ..EngineModelConfig::default()
-    };
-    let mut args = cluster.engine_args(1, model, 100.0, Default::default());
-    args.fleet = FleetArgs {
-        workers: 1,
-        first_worker_id: WORKER.0,
-        dp_size: 2,
-    };
-    args.kv_events = KvEventsArgs::vllm_on_free_ports();
-    let engines = mocker::engine::spawn_engines(args, Default::default())
-        .await
-        .unwrap();
+    let engines = vllm_engines(&cluster, 64, 2, CpuTierConfig::default()).await;
     let url = engines.http_urls()[0].clone();
     let sockets = engines.zmq_endpoints()[0].clone();
     assert_eq!(sockets.len(), 2, "one PUB and one replay socket per rank");
@@ -156,6 +176,51 @@ async fn vllm_mode_engines_reach_the_router_through_the_relay_alone() {
     );
     assert_eq!(routed.overlap_blocks, 4, "full overlap");
     assert_eq!(complete(&http, &url, &b, 1).await, 4 * u64::from(BLOCK));
+
+    relay.shutdown().await.unwrap();
+    engines.shutdown();
+    engines.wait().await.unwrap();
+    daemon.shutdown().await.unwrap();
+}
+
+/// With a CPU tier, the blocks an engine offloads reach the router through the relay
+/// as CPU-tier holders (`medium: "CPU"`, with their tokens), and the blocks it loads
+/// back come back as GPU holders.
+#[tokio::test]
+async fn vllm_mode_cpu_tier_blocks_reach_the_router_as_a_lower_tier() {
+    let cluster = TestCluster::start(BLOCK).await.unwrap();
+    let daemon = cluster.start_daemon(|_| {}).await.unwrap();
+    let cpu_tier = CpuTierConfig {
+        cpu_tier_blocks: 32,
+        ..CpuTierConfig::default()
+    };
+    let engines = vllm_engines(&cluster, 8, 1, cpu_tier).await;
+    let url = engines.http_urls()[0].clone();
+    let sockets = engines.zmq_endpoints()[0].clone();
+    let registry = prometheus::Registry::new();
+    let relay = Relay::start(relay_config(&cluster, &sockets, &url), &registry)
+        .await
+        .unwrap();
+    let http = reqwest::Client::new();
+
+    let a: Vec<u32> = (1000..1050).collect();
+    let a_hashes = compute_block_hashes(&a, BLOCK);
+    assert_eq!(complete(&http, &url, &a, 0).await, 0);
+    wait_overlap(&daemon, "prompt A on the GPU", &a, 0, 3).await;
+    // B's footprint (ceil((112 + 2) / 16) = 8 blocks) is the whole GPU: A's three
+    // blocks are offloaded to the CPU tier.
+    let b: Vec<u32> = (5000..5112).collect();
+    assert_eq!(complete(&http, &url, &b, 0).await, 0);
+    let rank = WorkerRank::new(WORKER, DpRank(0));
+    eventually("prompt A held on the CPU tier only", WAIT, || async {
+        let scores = scores(&daemon, &a_hashes).await;
+        (scores.get(rank) == 0 && scores.get_any_tier(rank) == 3).then_some(())
+    })
+    .await
+    .unwrap();
+    // A again: loaded back from the CPU tier (reported as cached), GPU-held again.
+    assert_eq!(complete(&http, &url, &a, 0).await, 3 * u64::from(BLOCK));
+    wait_overlap(&daemon, "prompt A back on the GPU", &a, 0, 3).await;
 
     relay.shutdown().await.unwrap();
     engines.shutdown();

@@ -18,6 +18,13 @@ pub const DEFAULT_NUM_GPU_BLOCKS: u64 = 16_384;
 pub const DEFAULT_MAX_NUM_SEQS: u32 = 256;
 /// Default `--max-num-batched-tokens`, in tokens per step.
 pub const DEFAULT_MAX_NUM_BATCHED_TOKENS: u64 = 8_192;
+/// Default `--cpu-tier-load-ms-per-token`, in ms per token: copying one token's KV
+/// back from pinned host memory over PCIe. Llama-3-8B holds 128 KiB of KV per token
+/// (see [`super::TimingModel::H100_8B`]); a PCIe Gen4 x16 link moves ~25 GB/s in
+/// practice (half of Gen5's), so one token takes 131,072 B / 25 GB/s ≈ 5.2 µs. This
+/// is the scheduler's `tier_load_ms_per_token` default, 12× cheaper than prefilling
+/// the token (0.06 ms).
+pub const DEFAULT_CPU_TIER_LOAD_MS_PER_TOKEN: f64 = 0.005;
 
 /// Why an engine configuration is unusable.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -75,6 +82,9 @@ pub enum ConfigError {
     /// `--zmq-buffer-steps` was 0.
     #[error("zmq buffer steps must be at least 1")]
     ZeroBufferSteps,
+    /// `--cpu-tier-load-ms-per-token` was negative or not finite.
+    #[error("cpu tier load time must be finite and >= 0 ms per token, got {0}")]
+    BadCpuTierLoad(f64),
     /// `--http-port` + worker index overflows a port number.
     #[error("http port {base} + {workers} workers is past 65535")]
     HttpPortOverflow {
@@ -135,6 +145,46 @@ impl EngineModelConfig {
                 max_num_batched_tokens: self.max_num_batched_tokens,
                 max_num_seqs: self.max_num_seqs,
             });
+        }
+        Ok(())
+    }
+}
+
+/// The CPU tier of each dp rank (vLLM's CPU KV offloading): blocks evicted from the
+/// GPU cache are kept in host memory, with their own capacity and LRU, and a request
+/// whose prefix continues there copies them back instead of prefilling them.
+/// `cpu_tier_blocks = 0` (the default) is no CPU tier: the engine behaves exactly as
+/// without this group. See [`super::kv_cache`] for the events.
+#[derive(Debug, Clone, Copy, PartialEq, clap::Args)]
+pub struct CpuTierConfig {
+    /// Blocks the CPU tier of each dp rank holds (0 = no CPU tier).
+    #[arg(long, default_value_t = 0)]
+    pub cpu_tier_blocks: u64,
+    /// Time to copy one token's KV from the CPU tier back to the GPU, in ms per
+    /// token; charged to the step that admits the request.
+    #[arg(long, default_value_t = DEFAULT_CPU_TIER_LOAD_MS_PER_TOKEN)]
+    pub cpu_tier_load_ms_per_token: f64,
+}
+
+impl Default for CpuTierConfig {
+    /// No CPU tier; the default load time.
+    fn default() -> Self {
+        Self {
+            cpu_tier_blocks: 0,
+            cpu_tier_load_ms_per_token: DEFAULT_CPU_TIER_LOAD_MS_PER_TOKEN,
+        }
+    }
+}
+
+impl CpuTierConfig {
+    /// Checks the load time.
+    ///
+    /// # Errors
+    /// [`ConfigError::BadCpuTierLoad`] for a negative or non-finite load time.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let load = self.cpu_tier_load_ms_per_token;
+        if !(load.is_finite() && load >= 0.0) {
+            return Err(ConfigError::BadCpuTierLoad(load));
         }
         Ok(())
     }
@@ -262,6 +312,7 @@ mod tests {
     fn defaults_are_valid() {
         assert_eq!(EngineModelConfig::default().validate(), Ok(()));
         assert_eq!(RuntimeArgs::default().validate(), Ok(()));
+        assert_eq!(CpuTierConfig::default().validate(), Ok(()));
         assert_eq!(
             FleetArgs::default().worker_ids(),
             Ok(vec![WorkerId(1), WorkerId(2), WorkerId(3), WorkerId(4)])
@@ -283,6 +334,14 @@ mod tests {
             .validate(),
             Err(ConfigError::BudgetBelowMaxNumSeqs { .. })
         ));
+        assert_eq!(
+            CpuTierConfig {
+                cpu_tier_load_ms_per_token: -1.0,
+                ..CpuTierConfig::default()
+            }
+            .validate(),
+            Err(ConfigError::BadCpuTierLoad(-1.0))
+        );
         let r = RuntimeArgs::default();
         assert!(
             RuntimeArgs {

@@ -21,8 +21,14 @@
 //! A request emits its first token in the step that computes its last prompt token and
 //! then one token per step; it finishes when it has `max_tokens` tokens. Costs: O(batch
 //! + prompt blocks committed) per step.
+//!
+//! With a CPU tier ([`EngineCore::with_cpu_tier`]), prompt blocks an admission copies
+//! back from it skip prefill like a GPU hit; instead the admitting step takes
+//! `cpu_tier_load_ms_per_token` per loaded token longer. The copy is synchronous in
+//! this model (the whole batch waits for it), an upper bound on its cost: vLLM's
+//! offloading connector loads asynchronously while other requests keep running.
 
-use super::config::{ConfigError, EngineModelConfig};
+use super::config::{ConfigError, CpuTierConfig, EngineModelConfig};
 use super::kv_cache::KvCache;
 use super::request::{EngineRequest, RejectReason, Running, Waiting};
 use super::timing::{StepWork, TimingModel};
@@ -34,8 +40,11 @@ use std::collections::{HashMap, HashSet, VecDeque};
 pub struct FirstToken {
     /// The request.
     pub request_id: RequestId,
-    /// Prompt tokens served from the prefix cache (hit blocks × block size), in tokens.
+    /// Prompt tokens served from the prefix cache (GPU hit blocks plus blocks loaded
+    /// back from the CPU tier, × block size), in tokens.
     pub cached_tokens: u64,
+    /// The part of `cached_tokens` loaded back from the CPU tier, in tokens.
+    pub loaded_tokens: u64,
     /// Prompt length, in tokens.
     pub prompt_tokens: u64,
 }
@@ -56,12 +65,15 @@ pub struct StepOutput {
     pub duration_ms: f64,
     /// The work the duration was computed from.
     pub work: StepWork,
+    /// Prompt tokens copied back from the CPU tier in this step (their load time is in
+    /// `duration_ms`), in tokens.
+    pub loaded_tokens: u64,
     /// KV events caused by the step (evictions at admission, blocks stored by prefill),
     /// in order.
     pub kv_events: Vec<KvCacheEventData>,
-    /// The tokens of every block this step newly cached (the blocks of the `Stored`
-    /// events), for requests that came with token ids; a vLLM-style publisher puts
-    /// them in `BlockStored.token_ids`.
+    /// The tokens of every block this step newly cached on a tier (the blocks of the
+    /// `Stored` events), for requests that came with token ids; a vLLM-style publisher
+    /// puts them in `BlockStored.token_ids`.
     pub block_tokens: HashMap<ExternalBlockHash, Vec<u32>>,
     /// Requests whose first token was produced in this step.
     pub first_tokens: Vec<FirstToken>,
@@ -87,6 +99,9 @@ pub struct EngineCore {
     config: EngineModelConfig,
     timing: TimingModel,
     cache: KvCache,
+    cpu_tier: CpuTierConfig,
+    /// Tokens loaded back from the CPU tier by this step's admissions.
+    loaded_tokens: u64,
     waiting: VecDeque<Waiting>,
     running: Vec<Running>,
     active_ids: HashSet<RequestId>,
@@ -103,10 +118,25 @@ impl EngineCore {
             config,
             timing,
             cache: KvCache::new(config.block_size, config.num_gpu_blocks),
+            cpu_tier: CpuTierConfig::default(),
+            loaded_tokens: 0,
             waiting: VecDeque::new(),
             running: Vec::new(),
             active_ids: HashSet::new(),
         })
+    }
+
+    /// Gives this (idle, empty) core a CPU tier; `cpu_tier_blocks = 0` keeps it
+    /// without one.
+    ///
+    /// # Errors
+    /// [`ConfigError`] if `tier` fails [`CpuTierConfig::validate`].
+    pub fn with_cpu_tier(mut self, tier: CpuTierConfig) -> Result<Self, ConfigError> {
+        tier.validate()?;
+        self.cache = KvCache::new(self.config.block_size, self.config.num_gpu_blocks)
+            .with_cpu_tier(tier.cpu_tier_blocks);
+        self.cpu_tier = tier;
+        Ok(self)
     }
 
     /// The model configuration.
@@ -192,14 +222,20 @@ impl EngineCore {
     /// always makes progress: with no running request every cached block is
     /// unreferenced, so the queue head (which fits the cache by validation) is admitted.
     pub fn step(&mut self) -> StepOutput {
+        self.loaded_tokens = 0;
         let work = self.schedule();
+        let load_ms = self.cpu_tier.cpu_tier_load_ms_per_token * self.loaded_tokens as f64;
         let mut out = StepOutput {
-            duration_ms: self.timing.step_duration_ms(&work),
+            duration_ms: self.timing.step_duration_ms(&work) + load_ms,
             work,
+            loaded_tokens: self.loaded_tokens,
             ..StepOutput::default()
         };
         self.execute(&mut out);
         out.kv_events = self.cache.take_events();
+        for (hash, tokens) in self.cache.take_event_tokens() {
+            out.block_tokens.insert(hash, tokens.to_vec());
+        }
         out
     }
 
@@ -272,12 +308,17 @@ impl EngineCore {
             let Some(w) = self.waiting.pop_front() else {
                 break;
             };
-            let skipped = w.skipped_tokens(alloc.hit_blocks(), self.config.block_size);
+            let bs = u64::from(self.config.block_size);
+            let reused = alloc.hit_blocks() + alloc.loaded_blocks();
+            let skipped = w.skipped_tokens(reused, self.config.block_size);
+            let loaded_tokens = alloc.loaded_blocks() as u64 * bs;
+            self.loaded_tokens += loaded_tokens;
             let mut r = Running {
                 request_id: w.request_id,
                 prompt_tokens: w.prompt_tokens,
                 max_tokens: w.max_tokens,
-                cached_tokens: alloc.hit_blocks() as u64 * u64::from(self.config.block_size),
+                cached_tokens: reused as u64 * bs,
+                loaded_tokens,
                 prompt: w.prompt,
                 token_ids: w.token_ids,
                 alloc,
@@ -308,8 +349,9 @@ impl EngineCore {
             r.computed_tokens += r.scheduled;
             for i in r.blocks_ready_to_commit(bs) {
                 let block = r.prompt[i];
-                if self.cache.commit(&mut r.alloc, block)
-                    && let Some(tokens) = r.block_tokens(i, bs)
+                let tokens = Running::block_tokens(r.token_ids.as_deref(), i, bs);
+                if self.cache.commit(&mut r.alloc, block, tokens)
+                    && let Some(tokens) = tokens
                 {
                     out.block_tokens.insert(block.block_hash, tokens.to_vec());
                 }
@@ -319,6 +361,7 @@ impl EngineCore {
                 out.first_tokens.push(FirstToken {
                     request_id: r.request_id.clone(),
                     cached_tokens: r.cached_tokens,
+                    loaded_tokens: r.loaded_tokens,
                     prompt_tokens: r.prompt_tokens,
                 });
             }

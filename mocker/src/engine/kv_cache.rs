@@ -16,13 +16,41 @@
 //! are coalesced into one event with the right `parent_hash`), an eviction emits
 //! `Removed`, [`KvCache::clear`] emits `Cleared`. Reserved blocks are never announced.
 //! Replaying the emitted events into a set always yields exactly the cached blocks.
+//! Every event above is on the GPU tier.
+//!
+//! # CPU tier
+//! With [`KvCache::with_cpu_tier`] (vLLM's CPU KV offloading), a block evicted from
+//! the GPU is kept in a CPU tier of its own capacity ([`cpu_tier`]): the eviction emits
+//! `Stored` tier CPU for the block (before the GPU `Removed`, so its parent is still
+//! held), and a block the full CPU tier drops, least recently used first, emits
+//! `Removed` tier CPU. An admission whose prompt continues in the CPU tier past its
+//! GPU prefix hit copies that run back ([`Allocation::loaded_blocks`]: the engine
+//! charges a load time, not prefill): the blocks become cached GPU blocks again
+//! (`Stored` tier GPU) and, as in vLLM, the CPU copy stays (marked recently used), so
+//! the rank then holds the block on both tiers. A GPU eviction of a block the CPU tier
+//! already holds only marks the CPU copy recently used (no event). The admission
+//! evicts for its space before loading back, so on a CPU tier too small for both, the
+//! blocks it offloads can push out blocks it would have loaded. `Cleared` drops
+//! both tiers. Without a CPU tier (the default) nothing of this happens: evictions
+//! emit `Removed` only, exactly as before.
+//!
+//! vLLM's offloading connector writes blocks to the CPU as they are computed; the mock
+//! offloads at GPU eviction instead. The router sees the same holders once the GPU
+//! copy is gone; it differs only while a block is on both tiers before any reload.
 //!
 //! Costs: one hash-map entry per cached block plus one ordered-map entry per
-//! unreferenced block; admission is O(prompt blocks + evictions × log n).
+//! unreferenced block; admission is O(prompt blocks + evictions × log n). With a CPU
+//! tier, each block also keeps its tokens when the request came with token ids.
 
-use kv_events::{ExternalBlockHash, KvCacheEventData, LocalBlockHash, StoredBlock, hash_block};
+mod cpu_tier;
+
+use cpu_tier::{BlockCopy, CpuTier};
+use kv_events::{
+    ExternalBlockHash, KvCacheEventData, LocalBlockHash, StorageTier, StoredBlock, hash_block,
+};
 use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 
 /// The engine hash of a block: xxh3-64 (seed [`kv_events::BLOCK_HASH_SEED`]) over the
 /// little-endian bytes of the parent's engine hash followed by the block's
@@ -77,12 +105,19 @@ pub struct Allocation {
     held: Vec<ExternalBlockHash>,
     reserved: u64,
     hit_blocks: usize,
+    loaded_blocks: usize,
 }
 
 impl Allocation {
     /// Leading prompt blocks that were already cached at admission (prefix hit), in blocks.
     pub fn hit_blocks(&self) -> usize {
         self.hit_blocks
+    }
+
+    /// Prompt blocks after the GPU hit copied back from the CPU tier at admission, in
+    /// blocks (0 without a CPU tier).
+    pub fn loaded_blocks(&self) -> usize {
+        self.loaded_blocks
     }
 
     /// Cached blocks referenced by the request, in prefix order.
@@ -111,11 +146,13 @@ pub struct CacheInUse {
     pub reserved: u64,
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct CachedBlock {
     refcount: u32,
     /// Position in the LRU list while unreferenced.
     lru_tick: Option<u64>,
+    /// What the CPU tier keeps when the block is evicted.
+    copy: BlockCopy,
 }
 
 /// The paged KV cache of one dp rank. See the module docs for states and event rules.
@@ -129,6 +166,11 @@ pub struct KvCache {
     next_tick: u64,
     reserved: u64,
     events: Vec<KvCacheEventData>,
+    /// `None` without a CPU tier.
+    cpu: Option<CpuTier>,
+    /// Tokens of the blocks in `events` that the cache stored from a copy (offloaded
+    /// or loaded back), when known.
+    event_tokens: HashMap<ExternalBlockHash, Arc<[u32]>>,
 }
 
 impl KvCache {
@@ -142,7 +184,16 @@ impl KvCache {
             next_tick: 0,
             reserved: 0,
             events: Vec::new(),
+            cpu: None,
+            event_tokens: HashMap::new(),
         }
+    }
+
+    /// Adds a CPU tier of `blocks` blocks (see the module docs); 0 leaves the cache
+    /// without one.
+    pub fn with_cpu_tier(mut self, blocks: u64) -> Self {
+        self.cpu = (blocks > 0).then(|| CpuTier::new(blocks));
+        self
     }
 
     /// Tokens per block.
@@ -200,7 +251,9 @@ impl KvCache {
 
     /// Admits a request occupying `total_blocks` blocks whose full prompt blocks are
     /// `prompt`: references the cached prefix, reserves the rest and evicts unreferenced
-    /// blocks (LRU first, each emitting `Removed`) if free space is short.
+    /// blocks (LRU first, each emitting `Removed`) if free space is short. With a CPU
+    /// tier, the run of prompt blocks after the GPU hit that the CPU tier holds is then
+    /// copied back into the reserved space (see the module docs).
     ///
     /// Returns `None`, changing nothing, when even evicting every unreferenced block
     /// would not make room.
@@ -231,21 +284,31 @@ impl KvCache {
         }
         let shortfall = need.saturating_sub(self.free_blocks());
         self.evict(shortfall);
-        self.reserved += need;
+        let hit_blocks = hits.len();
+        let loaded = self.load_back(&prompt[hit_blocks..], &mut held);
+        self.reserved += need - loaded as u64;
         Some(Allocation {
             held,
-            reserved: need,
-            hit_blocks: hits.len(),
+            reserved: need - loaded as u64,
+            hit_blocks,
+            loaded_blocks: loaded,
         })
     }
 
     /// Turns one reserved block of `alloc` into the cached block `block`, the next full
     /// prompt block of its chain (its parent is the last block `alloc` holds).
+    /// `tokens` are the block's tokens when known; a cache with a CPU tier keeps them
+    /// for the events of the block's later offload and reload.
     ///
     /// Emits `Stored` if the block was not cached yet; if another request cached the
     /// same block meanwhile, references that copy and frees the reservation instead.
     /// Returns true when the block was newly cached (a `Stored` was emitted).
-    pub fn commit(&mut self, alloc: &mut Allocation, block: StoredBlock) -> bool {
+    pub fn commit(
+        &mut self,
+        alloc: &mut Allocation,
+        block: StoredBlock,
+        tokens: Option<&[u32]>,
+    ) -> bool {
         debug_assert!(alloc.reserved > 0, "commit without a reserved block");
         let parent = alloc.held.last().copied();
         alloc.reserved = alloc.reserved.saturating_sub(1);
@@ -261,11 +324,17 @@ impl KvCache {
                 false
             }
             Entry::Vacant(slot) => {
+                let tokens = tokens.filter(|_| self.cpu.is_some()).map(Arc::from);
                 slot.insert(CachedBlock {
                     refcount: 1,
                     lru_tick: None,
+                    copy: BlockCopy {
+                        block,
+                        parent,
+                        tokens,
+                    },
                 });
-                self.push_stored(parent, block);
+                self.push_stored(StorageTier::Gpu, parent, block);
                 alloc.held.push(block.block_hash);
                 true
             }
@@ -306,6 +375,9 @@ impl KvCache {
         }
         self.blocks.clear();
         self.lru.clear();
+        if let Some(cpu) = &mut self.cpu {
+            cpu.clear();
+        }
         self.events.push(KvCacheEventData::Cleared);
         Ok(())
     }
@@ -313,6 +385,13 @@ impl KvCache {
     /// Takes the KV events emitted since the last call, in order.
     pub fn take_events(&mut self) -> Vec<KvCacheEventData> {
         std::mem::take(&mut self.events)
+    }
+
+    /// Takes the tokens of the blocks the cache stored from a copy since the last call
+    /// (CPU-tier offloads and reloads), when known. The tokens of newly computed
+    /// blocks are the caller's (it passed them to [`Self::commit`]).
+    pub fn take_event_tokens(&mut self) -> HashMap<ExternalBlockHash, Arc<[u32]>> {
+        std::mem::take(&mut self.event_tokens)
     }
 
     fn acquire(&mut self, hash: ExternalBlockHash) {
@@ -324,30 +403,56 @@ impl KvCache {
         }
     }
 
+    /// Evicts `count` unreferenced blocks, LRU first. With a CPU tier each is offloaded
+    /// first (its CPU `Stored` and the CPU tier's own `Removed`s precede the GPU
+    /// `Removed`, so every `Stored` names a parent the rank still holds).
     fn evict(&mut self, count: u64) {
         let mut removed = Vec::new();
+        let mut copies = Vec::new();
         for _ in 0..count {
             let Some((_, hash)) = self.lru.pop_first() else {
                 break;
             };
-            self.blocks.remove(&hash);
+            if let Some(block) = self.blocks.remove(&hash)
+                && self.cpu.is_some()
+            {
+                copies.push(block.copy);
+            }
             removed.push(hash);
         }
+        self.offload(copies);
+        self.push_removed(StorageTier::Gpu, removed);
+    }
+
+    pub(super) fn push_removed(&mut self, tier: StorageTier, removed: Vec<ExternalBlockHash>) {
         if removed.is_empty() {
             return;
         }
-        if let Some(KvCacheEventData::Removed { block_hashes, .. }) = self.events.last_mut() {
+        if let Some(KvCacheEventData::Removed {
+            block_hashes,
+            tier: last,
+        }) = self.events.last_mut()
+            && *last == tier
+        {
             block_hashes.extend(removed);
         } else {
             self.events.push(KvCacheEventData::Removed {
                 block_hashes: removed,
-                tier: kv_events::StorageTier::Gpu,
+                tier,
             });
         }
     }
 
-    fn push_stored(&mut self, parent: Option<ExternalBlockHash>, block: StoredBlock) {
-        if let Some(KvCacheEventData::Stored { blocks, .. }) = self.events.last_mut()
+    pub(super) fn push_stored(
+        &mut self,
+        tier: StorageTier,
+        parent: Option<ExternalBlockHash>,
+        block: StoredBlock,
+    ) {
+        if let Some(KvCacheEventData::Stored {
+            blocks, tier: last, ..
+        }) = self.events.last_mut()
+            && *last == tier
             && parent.is_some()
             && blocks.last().map(|b| b.block_hash) == parent
         {
@@ -357,10 +462,12 @@ impl KvCache {
         self.events.push(KvCacheEventData::Stored {
             parent_hash: parent,
             blocks: vec![block],
-            tier: kv_events::StorageTier::Gpu,
+            tier,
         });
     }
 }
 
+#[cfg(test)]
+mod cpu_tests;
 #[cfg(test)]
 mod tests;

@@ -16,7 +16,8 @@
 //! # Layout
 //! - [`config`]: typed flag groups ([`EngineModelConfig`], connection, fleet, runtime).
 //! - [`timing`]: the step-duration model ([`TimingModel`]).
-//! - [`kv_cache`]: the paged KV cache of one dp rank and its KV events.
+//! - [`kv_cache`]: the paged KV cache of one dp rank and its KV events, with an
+//!   optional CPU tier ([`CpuTierConfig`], `--cpu-tier-blocks`).
 //! - [`request`]: request validation and per-request progress.
 //! - [`core`]: [`EngineCore`], the continuous-batching state machine of one dp rank.
 //! - `outbox`: the single ordered publication path to NATS.
@@ -49,7 +50,9 @@ mod worker;
 #[cfg(test)]
 mod test_support;
 
-pub use self::config::{ConfigError, ConnectionArgs, EngineModelConfig, FleetArgs, RuntimeArgs};
+pub use self::config::{
+    ConfigError, ConnectionArgs, CpuTierConfig, EngineModelConfig, FleetArgs, RuntimeArgs,
+};
 pub use self::core::{ClearError, EngineCore, Finished, FirstToken, StepOutput};
 pub use self::http::HttpArgs;
 pub use self::kv_cache::{Allocation, KvCache, chain_block_hashes, engine_block_hash};
@@ -73,6 +76,9 @@ pub struct EngineArgs {
     /// The engine model of every rank (block size, cache size, batch limits).
     #[command(flatten)]
     pub model: EngineModelConfig,
+    /// The CPU tier of every rank (off by default).
+    #[command(flatten)]
+    pub cpu_tier: CpuTierConfig,
     /// Time scale, lease TTL and metrics interval.
     #[command(flatten)]
     pub runtime: RuntimeArgs,

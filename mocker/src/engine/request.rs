@@ -158,8 +158,11 @@ pub(super) struct Running {
     /// The prompt's token ids, if the sender gave them.
     pub token_ids: Option<Vec<u32>>,
     pub alloc: Allocation,
-    /// Prompt tokens served from the prefix cache (hit blocks × block size), in tokens.
+    /// Prompt tokens served from the prefix cache (GPU hit and CPU-tier loaded blocks ×
+    /// block size), in tokens.
     pub cached_tokens: u64,
+    /// The part of `cached_tokens` loaded back from the CPU tier, in tokens.
+    pub loaded_tokens: u64,
     /// Prompt tokens whose KV exists (skipped by the hit or computed), in tokens.
     pub computed_tokens: u64,
     /// Tokens generated so far.
@@ -184,10 +187,15 @@ impl Running {
         self.prompt_tokens + self.output_tokens
     }
 
-    /// The tokens of full prompt block `index`, if the request has token ids.
-    pub fn block_tokens(&self, index: usize, block_size: u32) -> Option<&[u32]> {
+    /// The tokens of full prompt block `index`, if the request has token ids
+    /// (`token_ids` is the request's [`Running::token_ids`]).
+    pub fn block_tokens(
+        token_ids: Option<&[u32]>,
+        index: usize,
+        block_size: u32,
+    ) -> Option<&[u32]> {
         let bs = block_size as usize;
-        self.token_ids.as_deref()?.get(index * bs..(index + 1) * bs)
+        token_ids?.get(index * bs..(index + 1) * bs)
     }
 
     /// Full prompt blocks whose KV is computed but not yet cached, in prefix order.

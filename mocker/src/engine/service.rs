@@ -292,7 +292,8 @@ async fn start_worker(
     let mut ranks = Vec::new();
     let mut endpoints = Vec::new();
     for dp in 0..args.fleet.dp_size {
-        let core = EngineCore::new(args.model, TimingModel::default())?;
+        let core =
+            EngineCore::new(args.model, TimingModel::default())?.with_cpu_tier(args.cpu_tier)?;
         let sink = match cluster {
             Some(cluster) => RankSink::Nats {
                 outbox: cluster.outbox.clone(),

@@ -6,8 +6,8 @@
 
 use super::LabError;
 use super::candidates::Candidate;
-use super::fleet::WorkerSpeeds;
-use crate::engine::{EngineModelConfig, TimingModel};
+use super::fleet::{TierPricing, WorkerSpeeds};
+use crate::engine::{CpuTierConfig, EngineModelConfig, TimingModel};
 use kv_events::routing::PolicyKind;
 use scheduler::SessionConfig;
 use serde::{Deserialize, Serialize};
@@ -83,6 +83,10 @@ pub struct SimConfig {
     pub event_lag_ms: f64,
     /// Seed of every random choice (the scheduler's tie-breaks and samplers).
     pub seed: u64,
+    /// Every engine's CPU tier (none by default).
+    pub cpu_tier: CpuTierConfig,
+    /// How the router prices blocks held only on the CPU tier.
+    pub tier_pricing: TierPricing,
     /// Sample every rank's calibration estimates this often, in simulated ms, into
     /// [`super::sim::RunResult::calibration`] (only under a `+cal` policy); `None`
     /// keeps only the final estimates. Finite and ≥ 1 when set.
@@ -102,6 +106,8 @@ impl Default for SimConfig {
             speeds: WorkerSpeeds::Uniform,
             event_lag_ms: DEFAULT_EVENT_LAG_MS,
             seed: 42,
+            cpu_tier: CpuTierConfig::default(),
+            tier_pricing: TierPricing::On,
             calibration_sample_ms: None,
             sessions: SessionConfig::default(),
         }
@@ -121,11 +127,12 @@ impl SimConfig {
     /// Checks the engine model, the timing and the lag.
     ///
     /// # Errors
-    /// [`LabError::Engine`] for a bad engine knob, [`LabError::Timing`] for a timing
+    /// [`LabError::Engine`] for a bad engine or CPU tier knob, [`LabError::Timing`] for a timing
     /// coefficient that is negative or not finite, [`LabError::EventLag`] for a
     /// negative or non-finite lag.
     pub fn validate(&self) -> Result<(), LabError> {
         self.engine.validate()?;
+        self.cpu_tier.validate()?;
         let t = &self.timing;
         for value in [
             t.step_base_ms,

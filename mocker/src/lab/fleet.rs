@@ -18,7 +18,7 @@
 //! Cost: per rank, one scaled copy of the timing model (four floats); nothing per step.
 
 use super::LabError;
-use crate::engine::TimingModel;
+use crate::engine::{CpuTierConfig, TimingModel};
 use serde::{Deserialize, Serialize};
 
 /// A multiplier that is finite and greater than 0: a worker's speed or a timing
@@ -275,6 +275,30 @@ pub struct FleetArgs {
     /// the rest at 0.5.
     #[arg(long, value_enum)]
     pub fleet: Option<FleetPreset>,
+    /// Every engine's CPU tier (`--cpu-tier-blocks`, default 0 = none, and its load
+    /// time per token).
+    #[command(flatten)]
+    pub cpu_tier: CpuTierConfig,
+    /// Whether the router prices blocks held only on a lower tier (see
+    /// [`TierPricing`]).
+    #[arg(long, value_enum, default_value_t = TierPricing::On)]
+    pub tier_pricing: TierPricing,
+}
+
+/// How the simulated router prices prefix blocks a rank holds only on a lower tier
+/// (CPU): with the scheduler's defaults, or as if they were not cached (to measure
+/// what the pricing buys).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TierPricing {
+    /// The policies' defaults: `predicted-ttft` charges `tier_load_ms_per_token`
+    /// (0.005 ms) per such token instead of prefill, `kv` gives such a block
+    /// `lower_tier_credit` (0.5) of a GPU block's credit.
+    #[default]
+    On,
+    /// No value for lower-tier blocks: `predicted-ttft` charges them the prefill
+    /// cost per token, `kv` a credit of 0.
+    Off,
 }
 
 impl FleetArgs {

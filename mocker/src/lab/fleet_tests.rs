@@ -207,3 +207,45 @@ fn a_worker_at_half_speed_takes_twice_as_long_in_the_simulator() {
         Err(LabError::WorkerSpeedCount { .. })
     ));
 }
+
+#[test]
+fn a_cpu_tier_serves_an_evicted_prompt_and_its_events_are_indexed() {
+    let fleet = parse(&["--cpu-tier-blocks", "64", "--tier-pricing", "off"]).expect("parses");
+    assert_eq!(fleet.cpu_tier.cpu_tier_blocks, 64);
+    assert_eq!(fleet.tier_pricing, TierPricing::Off);
+    assert_eq!(parse(&[]).expect("parses").cpu_tier.cpu_tier_blocks, 0);
+    // Prompts of 3,000 tokens (46 full engine blocks, a 47-block footprint) on one
+    // rank of 60 blocks: B evicts most of A, then A comes again.
+    let request = |timestamp_ms, block| TraceRequest {
+        timestamp_ms,
+        input_length: 3_000,
+        output_length: 4,
+        hash_ids: (block..block + 6).collect(),
+    };
+    let trace = PreparedTrace::new(
+        &[request(0, 100), request(60_000, 200), request(120_000, 100)],
+        BlockMapping::new(64).expect("valid block size"),
+    );
+    let setting = Setting {
+        workers: 1,
+        speedup: Speedup::new(1.0).expect("valid speed-up"),
+    };
+    let run = |cpu_tier_blocks| {
+        let mut config = SimConfig::default();
+        config.engine.num_gpu_blocks = 60;
+        config.cpu_tier.cpu_tier_blocks = cpu_tier_blocks;
+        let policy = LabPolicy::Scheduler(PolicyKind::PredictedTtft);
+        let run = simulate(&trace, setting, policy, &config).expect("valid run");
+        assert_eq!(run.refused_events, 0, "the index takes every tier's events");
+        let again = run.records[2];
+        (again.cached_tokens / 64, again.loaded_tokens / 64)
+    };
+    let (gpu_only, _) = run(0);
+    assert!(gpu_only < 46, "B evicted part of A ({gpu_only} blocks hit)");
+    assert_eq!(run(0), (gpu_only, 0));
+    assert_eq!(
+        run(128),
+        (46, 46 - gpu_only),
+        "the rest comes back from the CPU"
+    );
+}

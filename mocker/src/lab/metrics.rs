@@ -23,6 +23,8 @@ pub struct RequestRecord {
     pub prompt_tokens: u64,
     /// Prompt tokens served from the prefix cache, in tokens (set at first token).
     pub cached_tokens: u64,
+    /// The part of `cached_tokens` loaded back from the engine's CPU tier, in tokens.
+    pub loaded_tokens: u64,
     /// When the first token was produced; `None` until then.
     pub first_token_ns: Option<u64>,
     /// When the request finished; `None` until then.
@@ -45,8 +47,13 @@ pub struct RunMetrics {
     pub completed: u64,
     /// Requests the router or an engine refused.
     pub rejected: u64,
-    /// Prefix-cache hit rate: Σ cached tokens / Σ prompt tokens over completed requests.
+    /// Prefix-cache hit rate: Σ cached tokens / Σ prompt tokens over completed requests
+    /// (GPU hits and CPU-tier loads).
     pub hit_rate: Option<f64>,
+    /// The CPU-tier part of `hit_rate`: Σ tokens loaded back from the CPU tier / Σ
+    /// prompt tokens (0 without a CPU tier; absent in older reports).
+    #[serde(default)]
+    pub cpu_tier_hit_rate: Option<f64>,
     /// Time to first token, in model ms.
     pub ttft_ms: Option<LatencyStats>,
     /// Inter-token latency per request (requests with ≥ 2 output tokens), in model ms.
@@ -75,6 +82,7 @@ impl RunMetrics {
         let mut itl = Vec::new();
         let mut e2e = Vec::new();
         let (mut cached, mut prompt, mut output) = (0u64, 0u64, 0u64);
+        let mut loaded = 0u64;
         let mut completed = 0u64;
         let mut rejected = 0u64;
         let mut per_worker = vec![0u64; workers];
@@ -93,6 +101,7 @@ impl RunMetrics {
             completed += 1;
             span_end = span_end.max(finish);
             cached += r.cached_tokens;
+            loaded += r.loaded_tokens;
             prompt += r.prompt_tokens;
             output += r.output_tokens;
             ttft.push(ns_to_ms(first.saturating_sub(r.arrival_ns)));
@@ -116,6 +125,7 @@ impl RunMetrics {
             completed,
             rejected,
             hit_rate: (prompt > 0).then(|| cached as f64 / prompt as f64),
+            cpu_tier_hit_rate: (prompt > 0).then(|| loaded as f64 / prompt as f64),
             ttft_ms: LatencyStats::from_samples(ttft),
             itl_ms: LatencyStats::from_samples(itl),
             e2e_ms: LatencyStats::from_samples(e2e),
@@ -137,6 +147,7 @@ mod tests {
             arrival_ns: arrival_ms * 1_000_000,
             prompt_tokens: 1_000,
             cached_tokens: 250,
+            loaded_tokens: 100,
             first_token_ns: Some((arrival_ms + ttft_ms) * 1_000_000),
             finish_ns: Some((arrival_ms + e2e_ms) * 1_000_000),
             output_tokens: out,
@@ -160,6 +171,7 @@ mod tests {
         let m = RunMetrics::from_records(&records, 2, 0);
         assert_eq!((m.requests, m.completed, m.rejected), (3, 2, 1));
         assert_eq!(m.hit_rate, Some(0.25));
+        assert_eq!(m.cpu_tier_hit_rate, Some(0.1));
         let ttft = m.ttft_ms.unwrap();
         assert_eq!((ttft.mean, ttft.p50), (200.0, 200.0));
         // Only the 11-token request has an ITL: 1000 ms over 10 gaps.

@@ -59,7 +59,7 @@ mod tests;
 
 pub use candidates::Candidate;
 pub use config::{LabPolicy, Setting, SimConfig, Speedup};
-pub use fleet::{EnginePreset, Factor, FleetArgs, FleetPreset, WorkerSpeeds};
+pub use fleet::{EnginePreset, Factor, FleetArgs, FleetPreset, TierPricing, WorkerSpeeds};
 pub use log::{LogEntry, simulate_logged};
 pub use oracle::{OracleBound, oracle_bound};
 pub use report::{LabReport, RunReport};
@@ -245,6 +245,8 @@ pub fn run_lab(args: LabArgs) -> Result<LabReport, LabError> {
             relative_margin: args.session_relative_margin,
             ..SessionConfig::default()
         },
+        cpu_tier: args.fleet.cpu_tier,
+        tier_pricing: args.fleet.tier_pricing,
         ..args.study.sim_config()
     };
     let mut policies: Vec<LabPolicy> = if args.policies.is_empty() {
@@ -278,7 +280,7 @@ pub fn run_lab(args: LabArgs) -> Result<LabReport, LabError> {
     let mapping = BlockMapping::new(args.study.engine.block_size)?;
     let prepared = PreparedTrace::new(&trace, mapping);
     eprintln!(
-        "lab: {} requests of {name}, {} runs ({} settings x {} policies) on {} threads; engines {}, worker speeds {}",
+        "lab: {} requests of {name}, {} runs ({} settings x {} policies) on {} threads; engines {}, worker speeds {}, cpu tier {} blocks (pricing {:?})",
         prepared.len(),
         sweep.settings.len() * sweep.policies.len(),
         sweep.settings.len(),
@@ -286,6 +288,8 @@ pub fn run_lab(args: LabArgs) -> Result<LabReport, LabError> {
         sweep.jobs,
         args.fleet.engine_preset.name(),
         sweep.config.speeds.describe(),
+        sweep.config.cpu_tier.cpu_tier_blocks,
+        sweep.config.tier_pricing,
     );
     let report = run_lab_with(&prepared, &name, &sweep, &progress_bar(sweep.runs().len()))?;
     println!("{}", report.render_table());

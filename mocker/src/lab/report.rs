@@ -8,10 +8,11 @@
 //!   "config": { "block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens",
 //!               "timing": { "step_base_ms", "prefill_ms_per_token", "decode_ms_per_seq",
 //!                           "kv_read_ms_per_token" },
-//!               "worker_speeds", "event_lag_ms", "seed" },
+//!               "worker_speeds", "event_lag_ms", "seed",
+//!               "cpu_tier_blocks", "cpu_tier_load_ms_per_token", "tier_pricing" },
 //!   "oracle": { "hit_rate", "cached_tokens", "prompt_tokens" },
 //!   "runs": [ { "workers", "speedup", "policy",
-//!               "requests", "completed", "rejected", "hit_rate",
+//!               "requests", "completed", "rejected", "hit_rate", "cpu_tier_hit_rate",
 //!               "ttft_ms": {mean,p50,p90,p99}, "itl_ms": {…}, "e2e_ms": {…},
 //!               "throughput_tokens_per_s", "throughput_requests_per_s",
 //!               "requests_per_worker": [...], "ttft_cdf_ms": [101 quantiles],
@@ -24,6 +25,7 @@
 use super::LabError;
 use super::calibration_point::CalibrationPoint;
 use super::config::{Setting, SimConfig};
+use super::fleet::TierPricing;
 use super::metrics::RunMetrics;
 use super::oracle::OracleBound;
 use serde::{Deserialize, Serialize};
@@ -73,6 +75,15 @@ pub struct ConfigInfo {
     pub event_lag_ms: f64,
     /// RNG seed.
     pub seed: u64,
+    /// CPU tier capacity per rank, in blocks (0 = none; absent in older reports).
+    #[serde(default)]
+    pub cpu_tier_blocks: u64,
+    /// CPU tier load time, in ms per token (absent in older reports).
+    #[serde(default)]
+    pub cpu_tier_load_ms_per_token: f64,
+    /// Whether the router priced CPU-tier blocks (`on`, the default, or `off`).
+    #[serde(default)]
+    pub tier_pricing: TierPricing,
 }
 
 impl From<&SimConfig> for ConfigInfo {
@@ -91,6 +102,9 @@ impl From<&SimConfig> for ConfigInfo {
             worker_speeds: c.speeds.describe(),
             event_lag_ms: c.event_lag_ms,
             seed: c.seed,
+            cpu_tier_blocks: c.cpu_tier.cpu_tier_blocks,
+            cpu_tier_load_ms_per_token: c.cpu_tier.cpu_tier_load_ms_per_token,
+            tier_pricing: c.tier_pricing,
         }
     }
 }

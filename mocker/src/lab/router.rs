@@ -10,6 +10,7 @@
 use super::LabError;
 use super::candidate_router::CandidateRouter;
 use super::config::{LabPolicy, ROUTER_TIMING, SimConfig};
+use super::fleet::TierPricing;
 use super::inflight::InFlight;
 use indexer::RadixTree;
 use kv_events::discovery::WorkerRegistration;
@@ -68,7 +69,7 @@ impl Router {
             | LabPolicy::Calibrated(kind)
             | LabPolicy::Sessions(kind) => {
                 let scheduler_config = SchedulerConfig {
-                    policy: PolicyConfig::default_for(kind),
+                    policy: tier_priced(PolicyConfig::default_for(kind), config.tier_pricing),
                     calibration: CalibrationConfig {
                         enabled: matches!(policy, LabPolicy::Calibrated(_)),
                         ..CalibrationConfig::default()
@@ -225,6 +226,22 @@ impl Router {
     pub fn refused_events(&self) -> u64 {
         self.refused_events
     }
+}
+
+/// `policy` with blocks held only on a lower tier priced per `pricing`: unchanged
+/// when on; when off, `predicted-ttft` charges them the prefill cost per token and
+/// `kv` gives them no credit (other policies never price tiers).
+fn tier_priced(mut policy: PolicyConfig, pricing: TierPricing) -> PolicyConfig {
+    if pricing == TierPricing::Off {
+        match &mut policy {
+            PolicyConfig::Kv(c) => c.lower_tier_credit = 0.0,
+            PolicyConfig::PredictedTtft(c) => {
+                c.timing.tier_load_ms_per_token = c.timing.prefill_ms_per_token;
+            }
+            _ => {}
+        }
+    }
+    policy
 }
 
 /// Simulated time `ns` as an `Instant` after `epoch`.

@@ -246,7 +246,8 @@ pub(super) fn run_sim(
         .map(|(&id, speed)| {
             Ok(SimRank {
                 id,
-                core: EngineCore::new(config.engine, at_speed(config.timing, speed))?,
+                core: EngineCore::new(config.engine, at_speed(config.timing, speed))?
+                    .with_cpu_tier(config.cpu_tier)?,
                 stepping: false,
                 next_event_id: 0,
             })
@@ -413,6 +414,7 @@ impl Sim<'_> {
                 let record = &mut self.records[index];
                 record.first_token_ns = Some(now);
                 record.cached_tokens = first.cached_tokens;
+                record.loaded_tokens = first.loaded_tokens;
                 self.router.prefill_done(&first.request_id, now);
             }
         }

@@ -57,7 +57,7 @@ impl LabReport {
             }
         }
         out.push_str(
-            "\n(latencies in model ms; hit rate = cached / prompt tokens; tok/s = output tokens per simulated second)\n",
+            "\n(latencies in model ms; hit rate = cached / prompt tokens, cpu = the part loaded back from a CPU tier; tok/s = output tokens per simulated second)\n",
         );
         out
     }
@@ -70,8 +70,13 @@ fn row(r: &RunReport) -> Vec<String> {
     let itl = m.itl_ms;
     vec![
         r.policy.clone(),
-        m.hit_rate
-            .map_or_else(|| "-".to_owned(), |h| format!("{:.1}%", h * 100.0)),
+        match (m.hit_rate, m.cpu_tier_hit_rate) {
+            (None, _) => "-".to_owned(),
+            (Some(h), Some(cpu)) if cpu > 0.0 => {
+                format!("{:.1}% (cpu {:.1}%)", h * 100.0, cpu * 100.0)
+            }
+            (Some(h), _) => format!("{:.1}%", h * 100.0),
+        },
         ms(ttft.map(|t| t.mean)),
         ms(ttft.map(|t| t.p50)),
         ms(ttft.map(|t| t.p90)),

@@ -1,4 +1,5 @@
 use super::*;
+use crate::engine::config::CpuTierConfig;
 use crate::engine::kv_cache::chain_block_hashes;
 use crate::engine::test_support::{EventReplica, sorted};
 use kv_events::{DpRank, LocalBlockHash, WorkerId};
@@ -74,6 +75,7 @@ fn a_request_prefills_then_decodes_one_token_per_step() {
         vec![FirstToken {
             request_id: "a".into(),
             cached_tokens: 0,
+            loaded_tokens: 0,
             prompt_tokens: 10
         }]
     );
@@ -373,4 +375,71 @@ fn abort_frees_a_running_requests_space_and_drops_a_waiting_one() {
     c.add_request(req("a", &[1, 2], 8, 1)).unwrap();
     let out = c.step();
     assert_eq!(out.first_tokens[0].cached_tokens, 8);
+}
+
+fn tiered(cfg: EngineModelConfig, cpu_tier_blocks: u64, load_ms: f64) -> EngineCore {
+    core(cfg)
+        .with_cpu_tier(CpuTierConfig {
+            cpu_tier_blocks,
+            cpu_tier_load_ms_per_token: load_ms,
+        })
+        .expect("valid tier")
+}
+
+#[test]
+fn a_prefix_in_the_cpu_tier_is_loaded_back_for_its_load_time_not_prefilled() {
+    // 4 GPU blocks: b's 4-block footprint evicts a's 3 cached blocks to the CPU.
+    let mut c = tiered(config(4, 4, 8, 64), 16, 0.5);
+    c.add_request(req("a", &[1, 2, 3], 13, 1))
+        .expect("accepted");
+    c.add_request(req("b", &[7, 8, 9], 13, 1))
+        .expect("accepted");
+    run_to_idle(&mut c);
+    assert_eq!(c.cache().cpu_blocks(), 3);
+    c.add_request(req("a2", &[1, 2, 3], 13, 1))
+        .expect("accepted");
+    let outs = run_to_idle(&mut c);
+    let (step, ft) = first_token_of(&outs, "a2");
+    assert_eq!((ft.cached_tokens, ft.loaded_tokens), (12, 12));
+    let out = &outs[step];
+    assert_eq!(
+        out.work.prefill_tokens, 1,
+        "only the partial block is computed"
+    );
+    assert_eq!(out.loaded_tokens, 12);
+    let compute = TimingModel::default().step_duration_ms(&out.work);
+    assert!((out.duration_ms - (compute + 0.5 * 12.0)).abs() < 1e-9);
+    assert!(out.kv_events.iter().any(|e| matches!(
+        e,
+        KvCacheEventData::Stored { tier: kv_events::StorageTier::Gpu, blocks, parent_hash: None }
+            if blocks.len() == 3
+    )));
+}
+
+#[test]
+fn a_zero_block_cpu_tier_changes_nothing() {
+    let run = |mut c: EngineCore| {
+        let mut rng = StdRng::seed_from_u64(3);
+        let mut outs = Vec::new();
+        for i in 0..200 {
+            let hashes: Vec<u64> = (0..rng.random_range(1..6))
+                .map(|_| rng.random_range(0..4))
+                .collect();
+            let prompt = hashes.len() as u64 * 4 + 1;
+            c.add_request(req(&i.to_string(), &hashes, prompt, 2))
+                .expect("accepted");
+            outs.push(c.step());
+        }
+        outs.extend(run_to_idle(&mut c));
+        outs
+    };
+    let plain = run(core(config(4, 12, 4, 64)));
+    assert!(
+        plain.iter().any(|o| o
+            .kv_events
+            .iter()
+            .any(|e| matches!(e, KvCacheEventData::Removed { .. }))),
+        "the workload must evict"
+    );
+    assert_eq!(plain, run(tiered(config(4, 12, 4, 64), 0, 1.0)));
 }

@@ -76,6 +76,7 @@ async fn start_with(time_scale: f64, http: HttpArgs) -> Engines {
             metrics_interval_ms: 50,
         },
         http,
+        cpu_tier: Default::default(),
         kv_events: Default::default(),
     };
     let handle = spawn_engines(args, CancellationToken::new())

@@ -3,20 +3,20 @@ use crate::engine::test_support::{EventReplica, sorted};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-fn chain(ids: &[u64]) -> Vec<StoredBlock> {
+pub(super) fn chain(ids: &[u64]) -> Vec<StoredBlock> {
     let locals: Vec<_> = ids.iter().map(|&i| LocalBlockHash(i)).collect();
     chain_block_hashes(&locals)
 }
 
-fn hashes(blocks: &[StoredBlock]) -> Vec<ExternalBlockHash> {
+pub(super) fn hashes(blocks: &[StoredBlock]) -> Vec<ExternalBlockHash> {
     blocks.iter().map(|b| b.block_hash).collect()
 }
 
 /// Allocates and commits every prompt block, like a finished prefill.
-fn prefill(cache: &mut KvCache, prompt: &[StoredBlock], total: u64) -> Allocation {
+pub(super) fn prefill(cache: &mut KvCache, prompt: &[StoredBlock], total: u64) -> Allocation {
     let mut alloc = cache.try_allocate(prompt, total).expect("fits");
     for b in &prompt[alloc.held().len()..] {
-        cache.commit(&mut alloc, *b);
+        cache.commit(&mut alloc, *b, None);
     }
     alloc
 }
@@ -169,10 +169,10 @@ fn committing_a_block_cached_meanwhile_reuses_it_silently() {
     let mut b = cache.try_allocate(&prompt, 2).expect("fits");
     assert_eq!(cache.used_blocks(), 4);
     for blk in &prompt {
-        cache.commit(&mut a, *blk);
+        cache.commit(&mut a, *blk, None);
     }
     for blk in &prompt {
-        cache.commit(&mut b, *blk);
+        cache.commit(&mut b, *blk, None);
     }
     // One Stored event; b's reservation was returned.
     assert_eq!(cache.take_events().len(), 1);
@@ -208,11 +208,25 @@ fn clear_requires_an_idle_cache() {
 
 #[test]
 fn replayed_events_always_equal_the_cached_blocks() {
-    let mut rng = StdRng::seed_from_u64(7);
-    let mut cache = KvCache::new(4, 40);
+    let events = random_workload(&mut KvCache::new(4, 40), 7);
+    let evictions = events
+        .iter()
+        .filter(|e| matches!(e, KvCacheEventData::Removed { .. }))
+        .count();
+    assert!(
+        evictions > 10,
+        "workload must exercise eviction ({evictions})"
+    );
+}
+
+/// Runs 2,000 random admissions, commits, releases and clears on `cache` (seeded by
+/// `seed`), checking after each that replaying the events gives exactly the blocks of
+/// each tier and that no tier is over capacity; returns every event, in order.
+pub(super) fn random_workload(cache: &mut KvCache, seed: u64) -> Vec<KvCacheEventData> {
+    let mut rng = StdRng::seed_from_u64(seed);
     let mut replica = EventReplica::default();
+    let mut all = Vec::new();
     let mut live: Vec<(Vec<StoredBlock>, Allocation)> = Vec::new();
-    let mut evictions = 0;
     for _ in 0..2_000 {
         match rng.random_range(0..10) {
             0..=4 => {
@@ -233,7 +247,7 @@ fn replayed_events_always_equal_the_cached_blocks() {
                 for _ in 0..n {
                     let next = alloc.held().len();
                     if next < prompt.len() {
-                        cache.commit(alloc, prompt[next]);
+                        cache.commit(alloc, prompt[next], None);
                     }
                 }
             }
@@ -248,18 +262,17 @@ fn replayed_events_always_equal_the_cached_blocks() {
             _ => {}
         }
         let events = cache.take_events();
-        evictions += events
-            .iter()
-            .filter(|e| matches!(e, KvCacheEventData::Removed { .. }))
-            .count();
         replica.apply(&events);
+        all.extend(events);
         assert_eq!(replica.sorted(), sorted(cache.cached_hashes()));
+        assert_eq!(
+            replica.sorted_cpu(),
+            sorted(cache.cpu_lru_order().into_iter())
+        );
+        assert!(cache.cpu_blocks() <= cache.cpu_capacity());
         let reserved: u64 = live.iter().map(|(_, a)| a.reserved()).sum();
         assert_eq!(cache.used_blocks(), cache.cached_blocks() + reserved);
         assert!(cache.used_blocks() <= cache.capacity());
     }
-    assert!(
-        evictions > 10,
-        "workload must exercise eviction ({evictions})"
-    );
+    all
 }

@@ -48,6 +48,7 @@ async fn start(fleet: FleetArgs, model: EngineModelConfig, time_scale: f64) -> H
             metrics_interval_ms: 20,
         },
         http: Default::default(),
+        cpu_tier: Default::default(),
         kv_events: Default::default(),
     };
     let handle = spawn_engines(args, CancellationToken::new())

@@ -10,8 +10,11 @@
 //! ```
 //!
 //! Keys come in vLLM's field order; `extra_keys` is omitted (nil: no LoRA, salt or
-//! multimodal input), `lora_id` and `lora_name` are nil, `medium` is `"GPU"` and
-//! `group_idx` 0 (one KV cache group). Integers take msgpack's smallest form, as
+//! multimodal input), `lora_id` and `lora_name` are nil, `medium` is the block's tier
+//! as vLLM names it (`"GPU"`; `"CPU"` for the CPU tier, as vLLM's offloading connector
+//! publishes it, [`medium`]) and `group_idx` 0 (one KV cache group). Unlike vLLM
+//! releases whose connector sends CPU `BlockStored` events without tokens, the mock
+//! sends each offloaded block's tokens and parent, so a relay can hash them. Integers take msgpack's smallest form, as
 //! msgspec writes them (block hashes ≥ 2^32 as `uint 64`). msgspec reserves a `map16`
 //! header for `BlockStored` (a struct with more than 15 fields, most omitted), which
 //! is reproduced so that a payload equals the captured one byte for byte (checked in
@@ -19,13 +22,19 @@
 //!
 //! Cost: one buffer per batch, sized by its token ids (≤ 3 bytes per token).
 
-use kv_events::{DpRank, ExternalBlockHash, KvCacheEventData};
+use kv_events::{DpRank, ExternalBlockHash, KvCacheEventData, StorageTier};
 use rmp::encode::{self as mp, ByteBuf, RmpWrite, ValueWriteError};
 use std::collections::HashMap;
 use std::convert::Infallible;
 
-/// The storage tier every mock block lives in.
-pub const MEDIUM_GPU: &str = "GPU";
+/// vLLM's name of a storage tier (its `medium` field): `"GPU"`, `"CPU"`, `"DISK"`.
+pub fn medium(tier: StorageTier) -> &'static str {
+    match tier {
+        StorageTier::Gpu => "GPU",
+        StorageTier::Cpu => "CPU",
+        StorageTier::Disk => "DISK",
+    }
+}
 
 /// One event as vLLM publishes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -40,11 +49,15 @@ pub enum VllmEvent {
         token_ids: Vec<u32>,
         /// Tokens per block.
         block_size: u32,
+        /// The tier the blocks were stored on.
+        tier: StorageTier,
     },
     /// Blocks were evicted.
     BlockRemoved {
         /// Engine hashes of the evicted blocks.
         block_hashes: Vec<ExternalBlockHash>,
+        /// The tier they were evicted from.
+        tier: StorageTier,
     },
     /// The whole cache of the rank was dropped.
     AllBlocksCleared,
@@ -74,7 +87,7 @@ pub fn to_vllm(
                 KvCacheEventData::Stored {
                     parent_hash,
                     blocks,
-                    ..
+                    tier,
                 } => {
                     let mut token_ids = Vec::with_capacity(blocks.len() * block_size as usize);
                     for b in blocks {
@@ -88,10 +101,12 @@ pub fn to_vllm(
                         parent_block_hash: *parent_hash,
                         token_ids,
                         block_size,
+                        tier: *tier,
                     }
                 }
-                KvCacheEventData::Removed { block_hashes, .. } => VllmEvent::BlockRemoved {
+                KvCacheEventData::Removed { block_hashes, tier } => VllmEvent::BlockRemoved {
                     block_hashes: block_hashes.clone(),
+                    tier: *tier,
                 },
                 KvCacheEventData::Cleared => VllmEvent::AllBlocksCleared,
             })
@@ -113,6 +128,7 @@ pub fn encode_batch(ts: f64, events: &[VllmEvent], dp_rank: DpRank) -> Vec<u8> {
                 parent_block_hash,
                 token_ids,
                 block_size,
+                tier,
             } => {
                 // map16 with 9 entries, as msgspec reserves it (see the module docs).
                 let Ok(()) = w.0.write_bytes(&[0xde, 0x00, 9]);
@@ -133,18 +149,18 @@ pub fn encode_batch(ts: f64, events: &[VllmEvent], dp_rank: DpRank) -> Vec<u8> {
                 w.uint(u64::from(*block_size));
                 w.str("lora_id");
                 w.nil();
-                w.entry_str("medium", MEDIUM_GPU);
+                w.entry_str("medium", medium(*tier));
                 w.str("lora_name");
                 w.nil();
                 w.str("group_idx");
                 w.uint(0);
             }
-            VllmEvent::BlockRemoved { block_hashes } => {
+            VllmEvent::BlockRemoved { block_hashes, tier } => {
                 w.map(4);
                 w.entry_str("type", "BlockRemoved");
                 w.str("block_hashes");
                 w.hashes(block_hashes);
-                w.entry_str("medium", MEDIUM_GPU);
+                w.entry_str("medium", medium(*tier));
                 w.str("group_idx");
                 w.uint(0);
             }

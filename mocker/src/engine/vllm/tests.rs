@@ -2,12 +2,12 @@
 //! captured in `kv-events/tests/fixtures/engines/` (see that folder's README).
 
 use super::*;
-use crate::engine::config::EngineModelConfig;
+use crate::engine::config::{CpuTierConfig, EngineModelConfig};
 use crate::engine::core::EngineCore;
 use crate::engine::request::EngineRequest;
 use crate::engine::timing::TimingModel;
 use kv_events::engines::{EngineEvent, EventForm, decode_batch, local_block_hashes};
-use kv_events::{DpRank, ExternalBlockHash, compute_block_hashes};
+use kv_events::{DpRank, ExternalBlockHash, StorageTier, compute_block_hashes};
 use serde_json::Value;
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -38,6 +38,11 @@ fn hashes(v: &Value) -> Vec<ExternalBlockHash> {
         .collect()
 }
 
+/// The tier a captured event's `medium` names.
+fn tier_of(event: &Value) -> StorageTier {
+    kv_events::engines::tier_of_medium(event["medium"].as_str()).expect("known medium")
+}
+
 /// The capture's events as [`VllmEvent`]s (batch 3, with bytes hashes and LoRA
 /// fields the mock never produces, is `None`).
 fn captured_events(decoded: &Value) -> Option<Vec<VllmEvent>> {
@@ -61,10 +66,12 @@ fn captured_events(decoded: &Value) -> Option<Vec<VllmEvent>> {
                         .collect(),
                     block_size: u32::try_from(e["block_size"].as_u64().expect("size"))
                         .expect("u32"),
+                    tier: tier_of(e),
                 })
             }
             "BlockRemoved" => Some(VllmEvent::BlockRemoved {
                 block_hashes: hashes(&e["block_hashes"]),
+                tier: tier_of(e),
             }),
             "AllBlocksCleared" => Some(VllmEvent::AllBlocksCleared),
             other => panic!("unexpected event type {other}"),
@@ -107,15 +114,23 @@ fn event_keys(payload: &[u8]) -> Vec<(String, BTreeSet<String>)> {
         .collect()
 }
 
-/// A mock engine core serving `prompt` with token ids, then evicting it and clearing:
-/// the payloads it publishes in vLLM mode, one per step that had KV events.
-fn mock_payloads(prompt: &[u32], block_size: u32) -> Vec<Vec<u8>> {
+/// A mock engine core serving `prompt` with token ids, then evicting it (with a CPU
+/// tier of `cpu_tier_blocks`, offloading it, and serving it again from there) and
+/// clearing: the payloads it publishes in vLLM mode, one per step that had KV events.
+fn mock_payloads(prompt: &[u32], block_size: u32, cpu_tier_blocks: u64) -> Vec<Vec<u8>> {
     let config = EngineModelConfig {
         block_size,
         num_gpu_blocks: 8,
         ..EngineModelConfig::default()
     };
-    let mut core = EngineCore::new(config, TimingModel::default()).expect("valid config");
+    let mut core = EngineCore::new(config, TimingModel::default())
+        .and_then(|c| {
+            c.with_cpu_tier(CpuTierConfig {
+                cpu_tier_blocks,
+                ..CpuTierConfig::default()
+            })
+        })
+        .expect("valid config");
     let request = |id: &str, tokens: &[u32]| EngineRequest {
         request_id: id.into(),
         block_hashes: compute_block_hashes(tokens, block_size),
@@ -140,6 +155,13 @@ fn mock_payloads(prompt: &[u32], block_size: u32) -> Vec<Vec<u8>> {
         let out = core.step();
         publish(&out.kv_events, &out.block_tokens);
     }
+    if cpu_tier_blocks > 0 {
+        core.add_request(request("a again", prompt)).expect("fits");
+        while core.has_work() {
+            let out = core.step();
+            publish(&out.kv_events, &out.block_tokens);
+        }
+    }
     publish(&core.clear().expect("idle"), &Default::default());
     payloads
 }
@@ -148,7 +170,7 @@ fn mock_payloads(prompt: &[u32], block_size: u32) -> Vec<Vec<u8>> {
 fn mock_payloads_decode_like_vllms_with_the_same_fields_and_the_routers_hashes() {
     let bs = 16;
     let prompt: Vec<u32> = (1000..1048).collect();
-    let payloads = mock_payloads(&prompt, bs);
+    let payloads = mock_payloads(&prompt, bs, 0);
     let doc = fixture("vllm_zmq_frames_topic_kv-events.json");
     let mut captured_keys = BTreeSet::new();
     for frame in doc["frames"].as_array().expect("frames") {
@@ -197,6 +219,54 @@ fn mock_payloads_decode_like_vllms_with_the_same_fields_and_the_routers_hashes()
     a_blocks.sort_unstable();
     assert_eq!(evicted, a_blocks);
     assert_eq!(cleared, 1);
+}
+
+#[test]
+fn cpu_tier_events_name_their_medium_and_carry_tokens_like_gpu_ones() {
+    let bs = 16;
+    let prompt: Vec<u32> = (1000..1048).collect();
+    let router_hashes = compute_block_hashes(&prompt, bs);
+    let mut events = Vec::new();
+    for payload in mock_payloads(&prompt, bs, 64) {
+        events.extend(decode_batch(&payload).expect("decodes").events);
+    }
+    let stored: Vec<_> = events
+        .iter()
+        .filter_map(|e| match e {
+            EngineEvent::BlockStored(s, _) => Some(s),
+            _ => None,
+        })
+        .collect();
+    let mediums: Vec<_> = stored.iter().map(|s| s.medium.as_deref()).collect();
+    // b's admission evicts a before b's blocks are computed; a's second admission
+    // evicts b's last blocks before loading a back.
+    assert_eq!(
+        mediums,
+        [
+            Some("GPU"),
+            Some("CPU"),
+            Some("GPU"),
+            Some("CPU"),
+            Some("GPU")
+        ],
+        "a on the GPU, a offloaded, b computed, b offloaded, a loaded back"
+    );
+    for s in [stored[1], stored[4]] {
+        assert_eq!(s.parent_block_hash, None);
+        assert_eq!(s.token_ids, prompt, "the relay hashes the tokens");
+        assert_eq!(
+            local_block_hashes(s, bs).expect("whole blocks"),
+            router_hashes
+        );
+    }
+    let removed: Vec<_> = events
+        .iter()
+        .filter_map(|e| match e {
+            EngineEvent::BlockRemoved(r, _) => r.medium.as_deref(),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(removed, ["GPU", "GPU"]);
 }
 
 fn message(frames: Vec<Bytes>) -> ZmqMessage {
