@@ -20,6 +20,7 @@ fn features_of(rng: &mut StdRng) -> TtftFeatures {
     let active_requests = u64::from(rng.random_range(0..256_u32));
     TtftFeatures {
         prefill_tokens,
+        uncached_tokens: prefill_tokens - queued,
         steps: prefill_tokens.div_ceil(8_192),
         active_requests,
         context_tokens: u64::from(rng.random_range(0..200_000_u32)),
@@ -134,6 +135,7 @@ fn the_mid_step_wait_is_half_a_step_on_a_busy_rank() {
     let seed = StepTimeModel::default();
     let idle = TtftFeatures {
         prefill_tokens: 1_000,
+        uncached_tokens: 1_000,
         steps: 1,
         active_requests: 0,
         context_tokens: 0,
@@ -270,6 +272,7 @@ fn calibration(warmup_samples: u32) -> Calibration {
 fn features(tokens: u64) -> TtftFeatures {
     TtftFeatures {
         prefill_tokens: tokens,
+        uncached_tokens: tokens,
         steps: tokens.div_ceil(8_192).max(1),
         active_requests: 0,
         context_tokens: 0,
