@@ -216,7 +216,7 @@ impl RankState {
         let mut fill = 0;
         for &(at, total) in self.history.range(first..) {
             let f = total.saturating_sub(p.booked_through).min(room);
-            if !started(f).is_some_and(|start| at <= start) {
+            if started(f).is_none_or(|start| at > start) {
                 break;
             }
             fill = f;
