@@ -318,10 +318,37 @@ fn warm_up_falls_back_to_the_seed() {
     assert_eq!(report.samples, 10);
     assert!((report.model.prefill_ms_per_token / 0.06 - scale.prefill).abs() < 1e-12);
     assert_eq!(
-        c.scale(rank(2)),
-        TimingScale::ONE,
+        c.report(rank(2)).unwrap().samples,
+        0,
         "other ranks are untouched"
     );
+}
+
+#[test]
+fn a_rank_still_warming_up_is_priced_like_the_warmed_up_ones() {
+    // Ranks 1 and 2 are warm at 3× and 2× the seed; rank 3 has 5 samples and rank 9
+    // none: both get the geometric mean, √6 ≈ 2.45, not the seed's 1 (which would
+    // make them look cheapest, flood them, and, saturated, keep them cold).
+    let mut c = calibration(20);
+    let t = Instant::now();
+    let t = serve(&mut c, rank(1), 200, 3.0, t);
+    let t = serve(&mut c, rank(2), 200, 2.0, t);
+    serve(&mut c, rank(3), 5, 1.0, t);
+    let own = |c: &Calibration, w| c.report(rank(w)).unwrap().scale.prefill;
+    let (own1, own2) = (own(&c, 1), own(&c, 2));
+    let mean = (own1 * own2).sqrt();
+    assert!((mean - 6.0_f64.sqrt()).abs() < 0.1, "{mean}");
+    for cold in [3, 9] {
+        let scale = c.scale(rank(cold));
+        assert!((scale.prefill - mean).abs() < 1e-9, "{cold}: {scale:?}");
+    }
+    assert!(
+        (c.scale(rank(1)).prefill - own1).abs() < 1e-12,
+        "warm: its own"
+    );
+    // A warm rank leaving takes its estimate out of the mean.
+    c.remove_ranks(|r| r == rank(1));
+    assert!((c.scale(rank(9)).prefill - own2).abs() < 1e-9);
 }
 
 #[test]
