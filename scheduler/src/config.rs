@@ -230,6 +230,13 @@ mod tests {
                 },
                 "calibration.outlier_ratio",
             ),
+            (
+                CalibrationConfig {
+                    max_queue_steps: 0,
+                    ..CalibrationConfig::default()
+                },
+                "calibration.max_queue_steps",
+            ),
         ] {
             let config = SchedulerConfig {
                 calibration: bad,
@@ -276,6 +283,7 @@ mod tests {
                 max_factor: 4.0,
                 outlier_ratio: 3.0,
                 warmup_samples: 5,
+                max_queue_steps: 3,
             },
             sessions: SessionConfig {
                 capacity: 10,

@@ -70,6 +70,7 @@ fn a_rank_observed_twice_as_slow_gets_fewer_requests_once_calibrated() {
     // estimate stays a little short of 2× (the seed still weighs as one sample).
     let features = policy::predicted_ttft::TtftFeatures {
         prefill_tokens: 2_000,
+        uncached_tokens: 2_000,
         steps: 1,
         active_requests: 0,
         context_tokens: 0,

@@ -40,6 +40,15 @@ pub struct CalibrationArgs {
         default_value_t = 20
     )]
     pub calibration_warmup_samples: u32,
+    /// A rank's observed TTFT is learned from only if the request's booking saw at
+    /// most this many engine steps of prefill ahead (≥ 1); beyond that the rank is
+    /// saturated and its TTFT is queueing the step-time model does not describe.
+    #[arg(
+        long,
+        env = "KV_ROUTER_CALIBRATION_MAX_QUEUE_STEPS",
+        default_value_t = 4
+    )]
+    pub calibration_max_queue_steps: u64,
 }
 
 impl CalibrationArgs {
@@ -51,6 +60,7 @@ impl CalibrationArgs {
             max_factor: self.calibration_max_factor,
             outlier_ratio: self.calibration_outlier_ratio,
             warmup_samples: self.calibration_warmup_samples,
+            max_queue_steps: self.calibration_max_queue_steps,
         }
     }
 }
@@ -66,7 +76,7 @@ mod tests {
         assert_eq!(defaults.to_config(), CalibrationConfig::default());
         let flags = "kv-router --calibration true --calibration-forgetting 0.98 \
                      --calibration-max-factor 5 --calibration-outlier-ratio 3 \
-                     --calibration-warmup-samples 7";
+                     --calibration-warmup-samples 7 --calibration-max-queue-steps 2";
         let set = parse_flags::<CalibrationArgs, _, _>(flags.split_whitespace()).expect("flags");
         let expected = CalibrationConfig {
             enabled: true,
@@ -74,6 +84,7 @@ mod tests {
             max_factor: 5.0,
             outlier_ratio: 3.0,
             warmup_samples: 7,
+            max_queue_steps: 2,
         };
         assert_eq!(set.to_config(), expected);
     }

@@ -20,6 +20,7 @@ fn features_of(rng: &mut StdRng) -> TtftFeatures {
     let active_requests = u64::from(rng.random_range(0..256_u32));
     TtftFeatures {
         prefill_tokens,
+        uncached_tokens: prefill_tokens - queued,
         steps: prefill_tokens.div_ceil(8_192),
         active_requests,
         context_tokens: u64::from(rng.random_range(0..200_000_u32)),
@@ -134,6 +135,7 @@ fn the_mid_step_wait_is_half_a_step_on_a_busy_rank() {
     let seed = StepTimeModel::default();
     let idle = TtftFeatures {
         prefill_tokens: 1_000,
+        uncached_tokens: 1_000,
         steps: 1,
         active_requests: 0,
         context_tokens: 0,
@@ -270,6 +272,7 @@ fn calibration(warmup_samples: u32) -> Calibration {
 fn features(tokens: u64) -> TtftFeatures {
     TtftFeatures {
         prefill_tokens: tokens,
+        uncached_tokens: tokens,
         steps: tokens.div_ceil(8_192).max(1),
         active_requests: 0,
         context_tokens: 0,
@@ -315,10 +318,37 @@ fn warm_up_falls_back_to_the_seed() {
     assert_eq!(report.samples, 10);
     assert!((report.model.prefill_ms_per_token / 0.06 - scale.prefill).abs() < 1e-12);
     assert_eq!(
-        c.scale(rank(2)),
-        TimingScale::ONE,
+        c.report(rank(2)).unwrap().samples,
+        0,
         "other ranks are untouched"
     );
+}
+
+#[test]
+fn a_rank_still_warming_up_is_priced_like_the_warmed_up_ones() {
+    // Ranks 1 and 2 are warm at 3× and 2× the seed; rank 3 has 5 samples and rank 9
+    // none: both get the geometric mean, √6 ≈ 2.45, not the seed's 1 (which would
+    // make them look cheapest, flood them, and, saturated, keep them cold).
+    let mut c = calibration(20);
+    let t = Instant::now();
+    let t = serve(&mut c, rank(1), 200, 3.0, t);
+    let t = serve(&mut c, rank(2), 200, 2.0, t);
+    serve(&mut c, rank(3), 5, 1.0, t);
+    let own = |c: &Calibration, w| c.report(rank(w)).unwrap().scale.prefill;
+    let (own1, own2) = (own(&c, 1), own(&c, 2));
+    let mean = (own1 * own2).sqrt();
+    assert!((mean - 6.0_f64.sqrt()).abs() < 0.1, "{mean}");
+    for cold in [3, 9] {
+        let scale = c.scale(rank(cold));
+        assert!((scale.prefill - mean).abs() < 1e-9, "{cold}: {scale:?}");
+    }
+    assert!(
+        (c.scale(rank(1)).prefill - own1).abs() < 1e-12,
+        "warm: its own"
+    );
+    // A warm rank leaving takes its estimate out of the mean.
+    c.remove_ranks(|r| r == rank(1));
+    assert!((c.scale(rank(9)).prefill - own2).abs() < 1e-9);
 }
 
 #[test]

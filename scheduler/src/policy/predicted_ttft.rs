@@ -132,6 +132,9 @@ impl StepTimeModel {
 pub struct TtftFeatures {
     /// Prefill tokens ahead of and in the request: `P + N − O`, in tokens.
     pub prefill_tokens: u64,
+    /// The request's own prefill tokens: `N − O`, in tokens (what it adds to the
+    /// rank's queue).
+    pub uncached_tokens: u64,
     /// Engine steps until its first token: `max(1, ceil((P + N − O) / B))`.
     pub steps: u64,
     /// Active requests on the rank (`R`), decoding in every one of those steps.
@@ -151,6 +154,7 @@ impl TtftFeatures {
         let prefill_tokens = load.active_prefill_tokens.saturating_add(uncached);
         Self {
             prefill_tokens,
+            uncached_tokens: uncached,
             steps: prefill_tokens.div_ceil(budget.max(1)).max(1),
             active_requests: load.active_requests as u64,
             context_tokens: load
