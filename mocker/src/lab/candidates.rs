@@ -61,12 +61,19 @@ pub enum BaseShape {
         /// As in [`BaseShape::Decay`].
         steps: f64,
     },
+    /// `f = max(decay, min(1, P_mean / B))`: as [`BaseShape::Mix`] with the fleet's
+    /// mean pending prefill instead of its minimum, so a fleet where most ranks
+    /// queue keeps the credit even while one rank is idle.
+    MixMean {
+        /// As in [`BaseShape::Decay`].
+        steps: f64,
+    },
 }
 
 impl BaseShape {
-    /// The factor `f`, given the rank's excess pending prefill and the least-loaded
-    /// rank's, both in batch budgets.
-    pub fn factor(self, excess_steps: f64, min_pending_steps: f64) -> f64 {
+    /// The factor `f`, given the rank's excess pending prefill, the least-loaded
+    /// rank's and the mean over the ranks, all in batch budgets.
+    pub fn factor(self, excess_steps: f64, min_pending_steps: f64, mean_pending_steps: f64) -> f64 {
         let decay = |steps: f64| 1.0 / (1.0 + excess_steps / steps);
         let backlog = min_pending_steps.min(1.0);
         match self {
@@ -74,16 +81,18 @@ impl BaseShape {
             BaseShape::Decay { steps } => decay(steps),
             BaseShape::Backlog => backlog,
             BaseShape::Mix { steps } => decay(steps).max(backlog),
+            BaseShape::MixMean { steps } => decay(steps).max(mean_pending_steps.min(1.0)),
         }
     }
 
-    /// `flat`, `decay:<steps>`, `backlog` or `mix:<steps>`.
+    /// `flat`, `decay:<steps>`, `backlog`, `mix:<steps>` or `mix-mean:<steps>`.
     fn name(self) -> String {
         match self {
             BaseShape::Flat => "flat".to_owned(),
             BaseShape::Decay { steps } => format!("decay:{steps}"),
             BaseShape::Backlog => "backlog".to_owned(),
             BaseShape::Mix { steps } => format!("mix:{steps}"),
+            BaseShape::MixMean { steps } => format!("mix-mean:{steps}"),
         }
     }
 
@@ -94,6 +103,7 @@ impl BaseShape {
             None if s == "backlog" => Some(BaseShape::Backlog),
             Some(("decay", v)) => steps(v).map(|steps| BaseShape::Decay { steps }),
             Some(("mix", v)) => steps(v).map(|steps| BaseShape::Mix { steps }),
+            Some(("mix-mean", v)) => steps(v).map(|steps| BaseShape::MixMean { steps }),
             _ => None,
         }
     }
@@ -214,7 +224,8 @@ impl Candidate {
 }
 
 /// Parses `<base>,<balanced>,<backlog>,<inflight 0|1>,<min ratio>[,<base shape>]`
-/// (credits finite and ≥ 0; shape `flat`, `decay:<steps>`, `backlog`, `mix:<steps>`).
+/// (credits finite and ≥ 0; shape `flat`, `decay:<steps>`, `backlog`, `mix:<steps>` or
+/// `mix-mean:<steps>`).
 fn parse_knobs(s: &str) -> Option<PredictedTtftKnobs> {
     let parts: Vec<&str> = s.split(',').collect();
     let (base, balanced, backlog, in_flight, ratio, shape) = match parts.as_slice() {
@@ -292,6 +303,7 @@ mod tests {
             BaseShape::Decay { steps: 2.0 },
             BaseShape::Backlog,
             BaseShape::Mix { steps: 0.5 },
+            BaseShape::MixMean { steps: 2.0 },
         ] {
             let c = Candidate::PredictedTtft(PredictedTtftKnobs {
                 base_shape: shape,
@@ -320,16 +332,19 @@ mod tests {
 
     #[test]
     fn base_shapes_scale_the_base_credit_with_the_queue() {
-        assert_eq!(BaseShape::Flat.factor(6.0, 0.0), 1.0);
+        assert_eq!(BaseShape::Flat.factor(6.0, 0.0, 0.0), 1.0);
         // Halves at `steps` budgets of excess queue.
-        assert_eq!(BaseShape::Decay { steps: 2.0 }.factor(2.0, 0.0), 0.5);
-        assert_eq!(BaseShape::Decay { steps: 1.0 }.factor(0.0, 5.0), 1.0);
+        assert_eq!(BaseShape::Decay { steps: 2.0 }.factor(2.0, 0.0, 0.0), 0.5);
+        assert_eq!(BaseShape::Decay { steps: 1.0 }.factor(0.0, 5.0, 5.0), 1.0);
         // Only a backlogged fleet earns it, in full from one budget on.
-        assert_eq!(BaseShape::Backlog.factor(0.0, 0.0), 0.0);
-        assert_eq!(BaseShape::Backlog.factor(0.0, 0.5), 0.5);
-        assert_eq!(BaseShape::Backlog.factor(3.0, 4.0), 1.0);
+        assert_eq!(BaseShape::Backlog.factor(0.0, 0.0, 0.0), 0.0);
+        assert_eq!(BaseShape::Backlog.factor(0.0, 0.5, 0.5), 0.5);
+        assert_eq!(BaseShape::Backlog.factor(3.0, 4.0, 6.0), 1.0);
         // The larger of the two.
-        assert_eq!(BaseShape::Mix { steps: 1.0 }.factor(3.0, 0.0), 0.25);
-        assert_eq!(BaseShape::Mix { steps: 1.0 }.factor(3.0, 2.0), 1.0);
+        assert_eq!(BaseShape::Mix { steps: 1.0 }.factor(3.0, 0.0, 2.0), 0.25);
+        assert_eq!(BaseShape::Mix { steps: 1.0 }.factor(3.0, 2.0, 3.0), 1.0);
+        // The mean queue keeps it while one rank idles; `mix` would give 0.25.
+        assert_eq!(BaseShape::MixMean { steps: 1.0 }.factor(3.0, 0.0, 2.0), 1.0);
+        assert_eq!(BaseShape::MixMean { steps: 1.0 }.factor(3.0, 0.0, 0.5), 0.5);
     }
 }
