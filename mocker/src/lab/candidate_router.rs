@@ -89,18 +89,21 @@ impl CandidateRouter {
         let credit = if (cached as f64) < k.min_match_ratio * num_tokens as f64 {
             1.0
         } else {
-            let mean_pending = match k.base_shape {
-                // Only this shape reads the fleet's mean; the others stay O(1) per rank.
-                BaseShape::MixMean { .. } if !self.ranks.is_empty() => {
-                    let total: u64 = self.ranks.iter().map(|r| r.pending_prefill_tokens).sum();
-                    total as f64 / self.ranks.len() as f64
+            // Only these shapes read the whole fleet; the others stay O(1) per rank.
+            let (mean_pending, busy_share) = match k.base_shape {
+                BaseShape::MixMean { .. } | BaseShape::MixBusy { .. } if !self.ranks.is_empty() => {
+                    let n = self.ranks.len() as f64;
+                    let pending = self.ranks.iter().map(|r| r.pending_prefill_tokens);
+                    let busy = pending.clone().filter(|&p| p >= budget).count();
+                    (pending.sum::<u64>() as f64 / n, busy as f64 / n)
                 }
-                _ => 0.0,
+                _ => (0.0, 0.0),
             };
             let f = k.base_shape.factor(
                 excess,
                 min_pending as f64 / budget as f64,
                 mean_pending / budget as f64,
+                busy_share,
             );
             1.0 + (k.base_credit - 1.0) * f
                 + k.balanced_credit / (1.0 + excess)

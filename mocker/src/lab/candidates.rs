@@ -68,12 +68,25 @@ pub enum BaseShape {
         /// As in [`BaseShape::Decay`].
         steps: f64,
     },
+    /// `f = max(decay, share of ranks with at least one budget pending)`: as
+    /// [`BaseShape::Mix`] with the fleet's busy share as the floor.
+    MixBusy {
+        /// As in [`BaseShape::Decay`].
+        steps: f64,
+    },
 }
 
 impl BaseShape {
     /// The factor `f`, given the rank's excess pending prefill, the least-loaded
-    /// rank's and the mean over the ranks, all in batch budgets.
-    pub fn factor(self, excess_steps: f64, min_pending_steps: f64, mean_pending_steps: f64) -> f64 {
+    /// rank's and the mean over the ranks, all in batch budgets, and the share of
+    /// ranks with at least one budget pending, in `[0, 1]`.
+    pub fn factor(
+        self,
+        excess_steps: f64,
+        min_pending_steps: f64,
+        mean_pending_steps: f64,
+        busy_share: f64,
+    ) -> f64 {
         let decay = |steps: f64| 1.0 / (1.0 + excess_steps / steps);
         let backlog = min_pending_steps.min(1.0);
         match self {
@@ -82,10 +95,12 @@ impl BaseShape {
             BaseShape::Backlog => backlog,
             BaseShape::Mix { steps } => decay(steps).max(backlog),
             BaseShape::MixMean { steps } => decay(steps).max(mean_pending_steps.min(1.0)),
+            BaseShape::MixBusy { steps } => decay(steps).max(busy_share),
         }
     }
 
-    /// `flat`, `decay:<steps>`, `backlog`, `mix:<steps>` or `mix-mean:<steps>`.
+    /// `flat`, `decay:<steps>`, `backlog`, `mix:<steps>`, `mix-mean:<steps>` or
+    /// `mix-busy:<steps>`.
     fn name(self) -> String {
         match self {
             BaseShape::Flat => "flat".to_owned(),
@@ -93,6 +108,7 @@ impl BaseShape {
             BaseShape::Backlog => "backlog".to_owned(),
             BaseShape::Mix { steps } => format!("mix:{steps}"),
             BaseShape::MixMean { steps } => format!("mix-mean:{steps}"),
+            BaseShape::MixBusy { steps } => format!("mix-busy:{steps}"),
         }
     }
 
@@ -104,6 +120,7 @@ impl BaseShape {
             Some(("decay", v)) => steps(v).map(|steps| BaseShape::Decay { steps }),
             Some(("mix", v)) => steps(v).map(|steps| BaseShape::Mix { steps }),
             Some(("mix-mean", v)) => steps(v).map(|steps| BaseShape::MixMean { steps }),
+            Some(("mix-busy", v)) => steps(v).map(|steps| BaseShape::MixBusy { steps }),
             _ => None,
         }
     }
@@ -224,8 +241,8 @@ impl Candidate {
 }
 
 /// Parses `<base>,<balanced>,<backlog>,<inflight 0|1>,<min ratio>[,<base shape>]`
-/// (credits finite and ≥ 0; shape `flat`, `decay:<steps>`, `backlog`, `mix:<steps>` or
-/// `mix-mean:<steps>`).
+/// (credits finite and ≥ 0; shape `flat`, `decay:<steps>`, `backlog`, `mix:<steps>`,
+/// `mix-mean:<steps>` or `mix-busy:<steps>`).
 fn parse_knobs(s: &str) -> Option<PredictedTtftKnobs> {
     let parts: Vec<&str> = s.split(',').collect();
     let (base, balanced, backlog, in_flight, ratio, shape) = match parts.as_slice() {
@@ -304,6 +321,7 @@ mod tests {
             BaseShape::Backlog,
             BaseShape::Mix { steps: 0.5 },
             BaseShape::MixMean { steps: 2.0 },
+            BaseShape::MixBusy { steps: 4.0 },
         ] {
             let c = Candidate::PredictedTtft(PredictedTtftKnobs {
                 base_shape: shape,
@@ -332,19 +350,46 @@ mod tests {
 
     #[test]
     fn base_shapes_scale_the_base_credit_with_the_queue() {
-        assert_eq!(BaseShape::Flat.factor(6.0, 0.0, 0.0), 1.0);
+        assert_eq!(BaseShape::Flat.factor(6.0, 0.0, 0.0, 0.0), 1.0);
         // Halves at `steps` budgets of excess queue.
-        assert_eq!(BaseShape::Decay { steps: 2.0 }.factor(2.0, 0.0, 0.0), 0.5);
-        assert_eq!(BaseShape::Decay { steps: 1.0 }.factor(0.0, 5.0, 5.0), 1.0);
+        assert_eq!(
+            BaseShape::Decay { steps: 2.0 }.factor(2.0, 0.0, 0.0, 0.0),
+            0.5
+        );
+        assert_eq!(
+            BaseShape::Decay { steps: 1.0 }.factor(0.0, 5.0, 5.0, 0.0),
+            1.0
+        );
         // Only a backlogged fleet earns it, in full from one budget on.
-        assert_eq!(BaseShape::Backlog.factor(0.0, 0.0, 0.0), 0.0);
-        assert_eq!(BaseShape::Backlog.factor(0.0, 0.5, 0.5), 0.5);
-        assert_eq!(BaseShape::Backlog.factor(3.0, 4.0, 6.0), 1.0);
+        assert_eq!(BaseShape::Backlog.factor(0.0, 0.0, 0.0, 0.0), 0.0);
+        assert_eq!(BaseShape::Backlog.factor(0.0, 0.5, 0.5, 0.0), 0.5);
+        assert_eq!(BaseShape::Backlog.factor(3.0, 4.0, 6.0, 0.0), 1.0);
         // The larger of the two.
-        assert_eq!(BaseShape::Mix { steps: 1.0 }.factor(3.0, 0.0, 2.0), 0.25);
-        assert_eq!(BaseShape::Mix { steps: 1.0 }.factor(3.0, 2.0, 3.0), 1.0);
+        assert_eq!(
+            BaseShape::Mix { steps: 1.0 }.factor(3.0, 0.0, 2.0, 0.0),
+            0.25
+        );
+        assert_eq!(
+            BaseShape::Mix { steps: 1.0 }.factor(3.0, 2.0, 3.0, 0.0),
+            1.0
+        );
         // The mean queue keeps it while one rank idles; `mix` would give 0.25.
-        assert_eq!(BaseShape::MixMean { steps: 1.0 }.factor(3.0, 0.0, 2.0), 1.0);
-        assert_eq!(BaseShape::MixMean { steps: 1.0 }.factor(3.0, 0.0, 0.5), 0.5);
+        assert_eq!(
+            BaseShape::MixMean { steps: 1.0 }.factor(3.0, 0.0, 2.0, 0.0),
+            1.0
+        );
+        assert_eq!(
+            BaseShape::MixMean { steps: 1.0 }.factor(3.0, 0.0, 0.5, 0.0),
+            0.5
+        );
+        // The busy share: 7 of 8 ranks queue.
+        assert_eq!(
+            BaseShape::MixBusy { steps: 1.0 }.factor(3.0, 0.0, 0.0, 0.875),
+            0.875
+        );
+        assert_eq!(
+            BaseShape::MixBusy { steps: 1.0 }.factor(3.0, 0.0, 5.0, 0.0),
+            0.25
+        );
     }
 }
