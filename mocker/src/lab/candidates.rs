@@ -350,46 +350,32 @@ mod tests {
 
     #[test]
     fn base_shapes_scale_the_base_credit_with_the_queue() {
-        assert_eq!(BaseShape::Flat.factor(6.0, 0.0, 0.0, 0.0), 1.0);
-        // Halves at `steps` budgets of excess queue.
-        assert_eq!(
-            BaseShape::Decay { steps: 2.0 }.factor(2.0, 0.0, 0.0, 0.0),
-            0.5
-        );
-        assert_eq!(
-            BaseShape::Decay { steps: 1.0 }.factor(0.0, 5.0, 5.0, 0.0),
-            1.0
-        );
-        // Only a backlogged fleet earns it, in full from one budget on.
-        assert_eq!(BaseShape::Backlog.factor(0.0, 0.0, 0.0, 0.0), 0.0);
-        assert_eq!(BaseShape::Backlog.factor(0.0, 0.5, 0.5, 0.0), 0.5);
-        assert_eq!(BaseShape::Backlog.factor(3.0, 4.0, 6.0, 0.0), 1.0);
-        // The larger of the two.
-        assert_eq!(
-            BaseShape::Mix { steps: 1.0 }.factor(3.0, 0.0, 2.0, 0.0),
-            0.25
-        );
-        assert_eq!(
-            BaseShape::Mix { steps: 1.0 }.factor(3.0, 2.0, 3.0, 0.0),
-            1.0
-        );
-        // The mean queue keeps it while one rank idles; `mix` would give 0.25.
-        assert_eq!(
-            BaseShape::MixMean { steps: 1.0 }.factor(3.0, 0.0, 2.0, 0.0),
-            1.0
-        );
-        assert_eq!(
-            BaseShape::MixMean { steps: 1.0 }.factor(3.0, 0.0, 0.5, 0.0),
-            0.5
-        );
-        // The busy share: 7 of 8 ranks queue.
-        assert_eq!(
-            BaseShape::MixBusy { steps: 1.0 }.factor(3.0, 0.0, 0.0, 0.875),
-            0.875
-        );
-        assert_eq!(
-            BaseShape::MixBusy { steps: 1.0 }.factor(3.0, 0.0, 5.0, 0.0),
-            0.25
-        );
+        let decay = |steps| BaseShape::Decay { steps };
+        let mix = |steps| BaseShape::Mix { steps };
+        let mix_mean = |steps| BaseShape::MixMean { steps };
+        let mix_busy = |steps| BaseShape::MixBusy { steps };
+        // (shape, [excess, min pending, mean pending, busy share], factor)
+        let cases = [
+            (BaseShape::Flat, [6.0, 0.0, 0.0, 0.0], 1.0),
+            // Halves at `steps` budgets of excess queue.
+            (decay(2.0), [2.0, 0.0, 0.0, 0.0], 0.5),
+            (decay(1.0), [0.0, 5.0, 5.0, 0.0], 1.0),
+            // Only a backlogged fleet earns it, in full from one budget on.
+            (BaseShape::Backlog, [0.0, 0.0, 0.0, 0.0], 0.0),
+            (BaseShape::Backlog, [0.0, 0.5, 0.5, 0.0], 0.5),
+            (BaseShape::Backlog, [3.0, 4.0, 6.0, 0.0], 1.0),
+            // The larger of the two.
+            (mix(1.0), [3.0, 0.0, 2.0, 0.0], 0.25),
+            (mix(1.0), [3.0, 2.0, 3.0, 0.0], 1.0),
+            // The mean queue keeps it while one rank idles; `mix` gives 0.25 there.
+            (mix_mean(1.0), [3.0, 0.0, 2.0, 0.0], 1.0),
+            (mix_mean(1.0), [3.0, 0.0, 0.5, 0.0], 0.5),
+            // The busy share: 7 of 8 ranks queue.
+            (mix_busy(1.0), [3.0, 0.0, 0.0, 0.875], 0.875),
+            (mix_busy(1.0), [3.0, 0.0, 5.0, 0.0], 0.25),
+        ];
+        for (shape, [excess, min, mean, busy], want) in cases {
+            assert_eq!(shape.factor(excess, min, mean, busy), want, "{shape:?}");
+        }
     }
 }
