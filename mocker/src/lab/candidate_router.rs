@@ -6,7 +6,7 @@
 //! Every prototype breaks exact ties uniformly at random from a seeded RNG, as the
 //! scheduler's `kv` policy does.
 
-use super::candidates::Candidate;
+use super::candidates::{BaseShape, Candidate};
 use crate::engine::{EngineModelConfig, TimingModel};
 use kv_events::RequestId;
 use rand::rngs::StdRng;
@@ -89,9 +89,22 @@ impl CandidateRouter {
         let credit = if (cached as f64) < k.min_match_ratio * num_tokens as f64 {
             1.0
         } else {
-            let f = k
-                .base_shape
-                .factor(excess, min_pending as f64 / budget as f64);
+            // Only these shapes read the whole fleet; the others stay O(1) per rank.
+            let (mean_pending, busy_share) = match k.base_shape {
+                BaseShape::MixMean { .. } | BaseShape::MixBusy { .. } if !self.ranks.is_empty() => {
+                    let n = self.ranks.len() as f64;
+                    let pending = self.ranks.iter().map(|r| r.pending_prefill_tokens);
+                    let busy = pending.clone().filter(|&p| p >= budget).count();
+                    (pending.sum::<u64>() as f64 / n, busy as f64 / n)
+                }
+                _ => (0.0, 0.0),
+            };
+            let f = k.base_shape.factor(
+                excess,
+                min_pending as f64 / budget as f64,
+                mean_pending / budget as f64,
+                busy_share,
+            );
             1.0 + (k.base_credit - 1.0) * f
                 + k.balanced_credit / (1.0 + excess)
                 + k.backlog_credit * min_pending as f64 / budget as f64
@@ -247,6 +260,30 @@ mod tests {
         assert!((credit(1_000, 0) - 4.0).abs() < 1e-9);
         // A backlog of two budgets everywhere: 2 + 4 + 1 × 2.
         assert!((credit(2_000, 2_000) - 8.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn mix_mean_keeps_the_base_credit_while_the_fleet_mostly_queues() {
+        let credit = |shape: BaseShape| {
+            let mut r = router(
+                Candidate::PredictedTtft(PredictedTtftKnobs {
+                    in_flight: false,
+                    base_credit: 3.0,
+                    base_shape: shape,
+                    balanced_credit: 0.0,
+                    backlog_credit: 0.0,
+                    min_match_ratio: 0.0,
+                }),
+                2,
+            );
+            // One idle rank, one with three budgets queued: the mean is 1.5 budgets.
+            r.ranks[1].pending_prefill_tokens = 3_000;
+            let load = r.ranks[1];
+            (r.cost(load, 0, 640, 0) - r.cost(load, 1, 640, 0)) / 6.4
+        };
+        // `mix:1` decays to 1 + 2 / (1 + 3); `mix-mean:1` keeps the full 3.
+        assert!((credit(BaseShape::Mix { steps: 1.0 }) - 1.5).abs() < 1e-9);
+        assert!((credit(BaseShape::MixMean { steps: 1.0 }) - 3.0).abs() < 1e-9);
     }
 
     #[test]

@@ -61,12 +61,32 @@ pub enum BaseShape {
         /// As in [`BaseShape::Decay`].
         steps: f64,
     },
+    /// `f = max(decay, min(1, P_mean / B))`: as [`BaseShape::Mix`] with the fleet's
+    /// mean pending prefill instead of its minimum, so a fleet where most ranks
+    /// queue keeps the credit even while one rank is idle.
+    MixMean {
+        /// As in [`BaseShape::Decay`].
+        steps: f64,
+    },
+    /// `f = max(decay, share of ranks with at least one budget pending)`: as
+    /// [`BaseShape::Mix`] with the fleet's busy share as the floor.
+    MixBusy {
+        /// As in [`BaseShape::Decay`].
+        steps: f64,
+    },
 }
 
 impl BaseShape {
-    /// The factor `f`, given the rank's excess pending prefill and the least-loaded
-    /// rank's, both in batch budgets.
-    pub fn factor(self, excess_steps: f64, min_pending_steps: f64) -> f64 {
+    /// The factor `f`, given the rank's excess pending prefill, the least-loaded
+    /// rank's and the mean over the ranks, all in batch budgets, and the share of
+    /// ranks with at least one budget pending, in `[0, 1]`.
+    pub fn factor(
+        self,
+        excess_steps: f64,
+        min_pending_steps: f64,
+        mean_pending_steps: f64,
+        busy_share: f64,
+    ) -> f64 {
         let decay = |steps: f64| 1.0 / (1.0 + excess_steps / steps);
         let backlog = min_pending_steps.min(1.0);
         match self {
@@ -74,16 +94,21 @@ impl BaseShape {
             BaseShape::Decay { steps } => decay(steps),
             BaseShape::Backlog => backlog,
             BaseShape::Mix { steps } => decay(steps).max(backlog),
+            BaseShape::MixMean { steps } => decay(steps).max(mean_pending_steps.min(1.0)),
+            BaseShape::MixBusy { steps } => decay(steps).max(busy_share),
         }
     }
 
-    /// `flat`, `decay:<steps>`, `backlog` or `mix:<steps>`.
+    /// `flat`, `decay:<steps>`, `backlog`, `mix:<steps>`, `mix-mean:<steps>` or
+    /// `mix-busy:<steps>`.
     fn name(self) -> String {
         match self {
             BaseShape::Flat => "flat".to_owned(),
             BaseShape::Decay { steps } => format!("decay:{steps}"),
             BaseShape::Backlog => "backlog".to_owned(),
             BaseShape::Mix { steps } => format!("mix:{steps}"),
+            BaseShape::MixMean { steps } => format!("mix-mean:{steps}"),
+            BaseShape::MixBusy { steps } => format!("mix-busy:{steps}"),
         }
     }
 
@@ -94,6 +119,8 @@ impl BaseShape {
             None if s == "backlog" => Some(BaseShape::Backlog),
             Some(("decay", v)) => steps(v).map(|steps| BaseShape::Decay { steps }),
             Some(("mix", v)) => steps(v).map(|steps| BaseShape::Mix { steps }),
+            Some(("mix-mean", v)) => steps(v).map(|steps| BaseShape::MixMean { steps }),
+            Some(("mix-busy", v)) => steps(v).map(|steps| BaseShape::MixBusy { steps }),
             _ => None,
         }
     }
@@ -214,7 +241,8 @@ impl Candidate {
 }
 
 /// Parses `<base>,<balanced>,<backlog>,<inflight 0|1>,<min ratio>[,<base shape>]`
-/// (credits finite and ≥ 0; shape `flat`, `decay:<steps>`, `backlog`, `mix:<steps>`).
+/// (credits finite and ≥ 0; shape `flat`, `decay:<steps>`, `backlog`, `mix:<steps>`,
+/// `mix-mean:<steps>` or `mix-busy:<steps>`).
 fn parse_knobs(s: &str) -> Option<PredictedTtftKnobs> {
     let parts: Vec<&str> = s.split(',').collect();
     let (base, balanced, backlog, in_flight, ratio, shape) = match parts.as_slice() {
@@ -292,6 +320,8 @@ mod tests {
             BaseShape::Decay { steps: 2.0 },
             BaseShape::Backlog,
             BaseShape::Mix { steps: 0.5 },
+            BaseShape::MixMean { steps: 2.0 },
+            BaseShape::MixBusy { steps: 4.0 },
         ] {
             let c = Candidate::PredictedTtft(PredictedTtftKnobs {
                 base_shape: shape,
@@ -320,16 +350,32 @@ mod tests {
 
     #[test]
     fn base_shapes_scale_the_base_credit_with_the_queue() {
-        assert_eq!(BaseShape::Flat.factor(6.0, 0.0), 1.0);
-        // Halves at `steps` budgets of excess queue.
-        assert_eq!(BaseShape::Decay { steps: 2.0 }.factor(2.0, 0.0), 0.5);
-        assert_eq!(BaseShape::Decay { steps: 1.0 }.factor(0.0, 5.0), 1.0);
-        // Only a backlogged fleet earns it, in full from one budget on.
-        assert_eq!(BaseShape::Backlog.factor(0.0, 0.0), 0.0);
-        assert_eq!(BaseShape::Backlog.factor(0.0, 0.5), 0.5);
-        assert_eq!(BaseShape::Backlog.factor(3.0, 4.0), 1.0);
-        // The larger of the two.
-        assert_eq!(BaseShape::Mix { steps: 1.0 }.factor(3.0, 0.0), 0.25);
-        assert_eq!(BaseShape::Mix { steps: 1.0 }.factor(3.0, 2.0), 1.0);
+        let decay = |steps| BaseShape::Decay { steps };
+        let mix = |steps| BaseShape::Mix { steps };
+        let mix_mean = |steps| BaseShape::MixMean { steps };
+        let mix_busy = |steps| BaseShape::MixBusy { steps };
+        // (shape, [excess, min pending, mean pending, busy share], factor)
+        let cases = [
+            (BaseShape::Flat, [6.0, 0.0, 0.0, 0.0], 1.0),
+            // Halves at `steps` budgets of excess queue.
+            (decay(2.0), [2.0, 0.0, 0.0, 0.0], 0.5),
+            (decay(1.0), [0.0, 5.0, 5.0, 0.0], 1.0),
+            // Only a backlogged fleet earns it, in full from one budget on.
+            (BaseShape::Backlog, [0.0, 0.0, 0.0, 0.0], 0.0),
+            (BaseShape::Backlog, [0.0, 0.5, 0.5, 0.0], 0.5),
+            (BaseShape::Backlog, [3.0, 4.0, 6.0, 0.0], 1.0),
+            // The larger of the two.
+            (mix(1.0), [3.0, 0.0, 2.0, 0.0], 0.25),
+            (mix(1.0), [3.0, 2.0, 3.0, 0.0], 1.0),
+            // The mean queue keeps it while one rank idles; `mix` gives 0.25 there.
+            (mix_mean(1.0), [3.0, 0.0, 2.0, 0.0], 1.0),
+            (mix_mean(1.0), [3.0, 0.0, 0.5, 0.0], 0.5),
+            // The busy share: 7 of 8 ranks queue.
+            (mix_busy(1.0), [3.0, 0.0, 0.0, 0.875], 0.875),
+            (mix_busy(1.0), [3.0, 0.0, 5.0, 0.0], 0.25),
+        ];
+        for (shape, [excess, min, mean, busy], want) in cases {
+            assert_eq!(shape.factor(excess, min, mean, busy), want, "{shape:?}");
+        }
     }
 }

@@ -189,8 +189,8 @@ pub struct LabArgs {
     pub session_relative_margin: f64,
     /// Also run these prototype costs (repeatable): ttft, ttft-inflight, ttft-credit,
     /// ttft-tuned, or ttft:<base>,<balanced>,<backlog>,<inflight 0|1>,<min match ratio>
-    /// with an optional base shape: `,decay:<steps>`, `,backlog` or `,mix:<steps>`
-    /// (see `mocker::lab::candidates`).
+    /// with an optional base shape: `,decay:<steps>`, `,backlog`, `,mix:<steps>`,
+    /// `,mix-mean:<steps>` or `,mix-busy:<steps>` (see `mocker::lab::candidates`).
     #[arg(long = "candidate", value_name = "NAME")]
     pub candidates: Vec<Candidate>,
     /// The simulated engines' timing and speeds (the router keeps its defaults).

@@ -15,6 +15,7 @@
 //! What it costs: cells × settings × rows runs; with the defaults (11 cells, 8 workers
 //! at 1× and 4×, 3 rows) 66 runs, spread over `--jobs` threads like the main sweep.
 
+use super::candidates::Candidate;
 use super::config::{LabPolicy, Setting, SimConfig, Speedup};
 use super::fleet::{DYNAMO_POLYNOMIAL, Factor, ShapeFactors, WorkerSpeeds};
 use super::metrics::RunMetrics;
@@ -49,6 +50,17 @@ pub struct RobustnessArgs {
     /// Arrival speed-ups (comma-separated).
     #[arg(long, value_delimiter = ',', default_value = "1,4")]
     pub speedup: Vec<Speedup>,
+    /// Also score these prototype costs, one row each, named `proto:<name>`
+    /// (repeatable; names as the sweep's `--candidate`, see `mocker::lab::candidates`).
+    #[arg(long = "candidate", value_name = "NAME")]
+    pub candidates: Vec<Candidate>,
+    /// Leave out the `predicted-ttft+cal` row (grids of prototypes do not need it).
+    #[arg(long)]
+    pub no_calibrated: bool,
+    /// Run only these cells, by name (repeatable, e.g. `--cell "prefill x4"`);
+    /// default: every cell.
+    #[arg(long = "cell", value_name = "NAME")]
+    pub cells: Vec<String>,
     /// Threads to run simulations on; default: the machine's cores.
     #[arg(long)]
     pub jobs: Option<usize>,
@@ -125,10 +137,10 @@ pub fn default_cells() -> Vec<Cell> {
 }
 
 /// A router configuration compared in every cell.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Row {
     /// Display name.
-    pub label: &'static str,
+    pub label: String,
     /// The policy, with its defaults (the router's constants).
     pub policy: LabPolicy,
 }
@@ -146,18 +158,56 @@ impl Row {
 pub fn rows() -> Vec<Row> {
     vec![
         Row {
-            label: "kv",
+            label: "kv".into(),
             policy: LabPolicy::Scheduler(PolicyKind::Kv),
         },
         Row {
-            label: "predicted-ttft",
+            label: "predicted-ttft".into(),
             policy: LabPolicy::Scheduler(PolicyKind::PredictedTtft),
         },
         Row {
-            label: "predicted-ttft+cal",
+            label: "predicted-ttft+cal".into(),
             policy: LabPolicy::Calibrated(PolicyKind::PredictedTtft),
         },
     ]
+}
+
+impl RobustnessArgs {
+    /// [`rows`] (without the calibrated row under `--no-calibrated`), then one row
+    /// per `--candidate`.
+    pub fn rows(&self) -> Vec<Row> {
+        let mut rows = rows();
+        if self.no_calibrated {
+            rows.retain(|r| !matches!(r.policy, LabPolicy::Calibrated(_)));
+        }
+        rows.extend(self.candidates.iter().map(|&c| {
+            let policy = LabPolicy::Candidate(c);
+            Row {
+                label: policy.name(),
+                policy,
+            }
+        }));
+        rows
+    }
+
+    /// The `--cell` cells in [`default_cells`] order, or every cell.
+    ///
+    /// # Errors
+    /// [`LabError::UnknownCell`] for a name no cell has.
+    pub fn selected_cells(&self) -> Result<Vec<Cell>, LabError> {
+        let cells = default_cells();
+        if let Some(unknown) = self
+            .cells
+            .iter()
+            .find(|name| !cells.iter().any(|c| &c.name == *name))
+        {
+            return Err(LabError::UnknownCell(unknown.clone()));
+        }
+        Ok(cells
+            .into_iter()
+            .filter(|c| self.cells.is_empty() || self.cells.contains(&c.name))
+            .collect())
+    }
 }
 
 /// One (cell, setting, row) run.
@@ -207,22 +257,23 @@ pub fn run_robustness(args: RobustnessArgs) -> Result<RobustnessReport, LabError
     let jobs = args
         .jobs
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    let cells = default_cells();
-    let items = plan(&cells, &settings, &rows(), &base)?;
+    let cells = args.selected_cells()?;
+    let rows = args.rows();
+    let items = plan(&cells, &settings, &rows, &base)?;
     eprintln!(
         "lab robustness: {} requests of {name}, {} runs ({} cells x {} settings x {} rows) on {jobs} threads",
         prepared.len(),
         items.len(),
         cells.len(),
         settings.len(),
-        rows().len(),
+        rows.len(),
     );
     let progress = progress_bar(items.len());
     let runs = run_parallel(&items, jobs, &progress, |item| {
         progress.set_message(format!("{}, {}", item.cell, item.row));
         timed_run(&prepared, item.setting, item.policy, &item.config).map(|run| CellRun {
             cell: item.cell.clone(),
-            row: item.row.to_owned(),
+            row: item.row.clone(),
             run,
         })
     })?;
@@ -252,7 +303,7 @@ pub fn run_robustness(args: RobustnessArgs) -> Result<RobustnessReport, LabError
 #[derive(Debug, Clone)]
 struct Item {
     cell: String,
-    row: &'static str,
+    row: String,
     setting: Setting,
     policy: LabPolicy,
     config: SimConfig,
@@ -277,7 +328,7 @@ fn plan(
             for row in rows {
                 items.push(Item {
                     cell: cell.name.clone(),
-                    row: row.label,
+                    row: row.label.clone(),
                     setting,
                     policy: row.policy,
                     config: row.config(&cell_config),

@@ -96,6 +96,54 @@ fn robustness_is_a_lab_subcommand_with_its_own_flags() {
     assert!(Cli::try_parse_from(["lab", "robustness", "--speedup", "0"]).is_err());
 }
 
+#[test]
+fn candidate_rows_and_cell_selection() {
+    let cli = Cli::try_parse_from([
+        "lab",
+        "robustness",
+        "--candidate",
+        "ttft:12,40,0.5,1,0.2,mix:2",
+        "--no-calibrated",
+        "--cell",
+        "prefill x4",
+        "--cell",
+        MATCHED,
+    ])
+    .expect("valid flags");
+    let Some(crate::lab::LabCommand::Robustness(args)) = cli.lab.command else {
+        panic!("not the robustness subcommand");
+    };
+    let labels: Vec<String> = args.rows().into_iter().map(|r| r.label).collect();
+    assert_eq!(
+        labels,
+        ["kv", "predicted-ttft", "proto:ttft:12,40,0.5,1,0.2,mix:2"]
+    );
+    let cells: Vec<String> = args
+        .selected_cells()
+        .expect("known cells")
+        .into_iter()
+        .map(|c| c.name)
+        .collect();
+    // Study order, not flag order.
+    assert_eq!(cells, [MATCHED, "prefill x4"]);
+    let typo = Cli::try_parse_from(["lab", "robustness", "--cell", "prefill x3"])
+        .expect("parses; the name is checked against the cells");
+    let Some(crate::lab::LabCommand::Robustness(args)) = typo.lab.command else {
+        panic!("not the robustness subcommand");
+    };
+    assert!(matches!(
+        args.selected_cells(),
+        Err(LabError::UnknownCell(name)) if name == "prefill x3"
+    ));
+    // Without flags: every cell and the three default rows.
+    let plain = Cli::try_parse_from(["lab", "robustness"]).expect("defaults");
+    let Some(crate::lab::LabCommand::Robustness(args)) = plain.lab.command else {
+        panic!("not the robustness subcommand");
+    };
+    assert_eq!(args.rows(), rows());
+    assert_eq!(args.selected_cells().expect("all"), default_cells());
+}
+
 fn run_with(cell: &str, row: &str, mean_ms: u64) -> CellRun {
     let setting = Setting {
         workers: 1,
