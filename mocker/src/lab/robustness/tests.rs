@@ -2,7 +2,7 @@
 
 use super::*;
 use crate::lab::LabArgs;
-use crate::lab::metrics::RequestRecord;
+use crate::lab::metrics::{RequestRecord, RunMetrics};
 use clap::Parser;
 
 #[derive(Debug, Parser)]
