@@ -175,6 +175,12 @@ pub enum LabPolicy {
     /// request carrying the session derived from the trace's prefix chains
     /// ([`super::sessions`]). Named `<kind>+sess`.
     Sessions(PolicyKind),
+    /// The same with its step-time constants set to the simulated engines' own
+    /// (speed 1), as an operator who measured the engine exactly would configure it:
+    /// the yardstick of "the gain it has when the constants are right". Only
+    /// `predicted-ttft` has constants; other kinds run as [`LabPolicy::Scheduler`].
+    /// Named `<kind>@engine`.
+    Tuned(PolicyKind),
     /// A prototype cost function evaluated by the lab itself (see
     /// [`super::candidates`]), for trying ideas before they become scheduler policies.
     Candidate(Candidate),
@@ -196,6 +202,7 @@ impl LabPolicy {
             LabPolicy::Scheduler(kind) => kind.as_str().to_owned(),
             LabPolicy::Calibrated(kind) => format!("{}+cal", kind.as_str()),
             LabPolicy::Sessions(kind) => format!("{}+sess", kind.as_str()),
+            LabPolicy::Tuned(kind) => format!("{}@engine", kind.as_str()),
             LabPolicy::Candidate(c) => format!("proto:{}", c.name()),
         }
     }

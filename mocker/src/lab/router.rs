@@ -67,9 +67,14 @@ impl Router {
         let decider = match policy {
             LabPolicy::Scheduler(kind)
             | LabPolicy::Calibrated(kind)
-            | LabPolicy::Sessions(kind) => {
+            | LabPolicy::Sessions(kind)
+            | LabPolicy::Tuned(kind) => {
+                let mut policy_config = PolicyConfig::default_for(kind);
+                if matches!(policy, LabPolicy::Tuned(_)) {
+                    engines_constants(&mut policy_config, config);
+                }
                 let scheduler_config = SchedulerConfig {
-                    policy: tier_priced(PolicyConfig::default_for(kind), config.tier_pricing),
+                    policy: tier_priced(policy_config, config.tier_pricing),
                     calibration: CalibrationConfig {
                         enabled: matches!(policy, LabPolicy::Calibrated(_)),
                         ..CalibrationConfig::default()
@@ -231,6 +236,19 @@ impl Router {
 /// `policy` with blocks held only on a lower tier priced per `pricing`: unchanged
 /// when on; when off, `predicted-ttft` charges them the prefill cost per token and
 /// `kv` gives them no credit (other policies never price tiers).
+/// Sets `predicted-ttft`'s step-time constants to the simulated engines' own (at
+/// speed 1) and its batch budget to theirs; other policies have no constants.
+fn engines_constants(policy: &mut PolicyConfig, config: &SimConfig) {
+    if let PolicyConfig::PredictedTtft(c) = policy {
+        let t = config.timing;
+        c.timing.step_base_ms = t.step_base_ms;
+        c.timing.prefill_ms_per_token = t.prefill_ms_per_token;
+        c.timing.decode_ms_per_seq = t.decode_ms_per_seq;
+        c.timing.kv_read_ms_per_token = t.kv_read_ms_per_token;
+        c.timing.max_num_batched_tokens = config.engine.max_num_batched_tokens;
+    }
+}
+
 fn tier_priced(mut policy: PolicyConfig, pricing: TierPricing) -> PolicyConfig {
     if pricing == TierPricing::Off {
         match &mut policy {

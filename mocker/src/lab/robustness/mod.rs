@@ -6,14 +6,17 @@
 //! token alone at 0.25×, 0.5×, 2× and 4×, the step base alone at the same factors, a
 //! half-fast/half-slow fleet, and Dynamo's mocker timing ([`super::fleet`]); plus the
 //! `matched` cell, where engines and router agree, as the reference. Each *row* is a
-//! router configuration ([`rows`]); `kv` comes first and is the baseline of the ratios.
+//! router configuration ([`rows`]); `kv` comes first and is the baseline of the ratios,
+//! and `predicted-ttft@engine` (the router given the cell's true constants) is the
+//! yardstick of how much of the attainable gain a row keeps.
 //! Every (cell, setting, row) is one full simulation of the trace.
 //!
 //! Why shapes and not a uniform scale: scaling every constant alike only changes the
 //! load (see [`super::fleet`]), which the main sweep's speed-ups already cover.
 //!
 //! What it costs: cells × settings × rows runs; with the defaults (11 cells, 8 workers
-//! at 1× and 4×, 3 rows) 66 runs, spread over `--jobs` threads like the main sweep.
+//! at 1× and 4×, 4 rows, `@engine` not in the mixed fleet) 86 runs, spread over
+//! `--jobs` threads like the main sweep.
 
 mod render;
 
@@ -156,22 +159,23 @@ impl Row {
 }
 
 /// The rows, baseline first: `kv`, `predicted-ttft` with the router's default
-/// constants, and the same with online calibration (`predicted-ttft+cal`).
+/// constants, the same with online calibration (`predicted-ttft+cal`), and the same
+/// with the engines' own constants (`predicted-ttft@engine`, the yardstick of the
+/// gain kept; run only in cells whose workers all share one speed, since one set of
+/// constants cannot be right for a mixed fleet).
 pub fn rows() -> Vec<Row> {
-    vec![
-        Row {
-            label: "kv".into(),
-            policy: LabPolicy::Scheduler(PolicyKind::Kv),
-        },
-        Row {
-            label: "predicted-ttft".into(),
-            policy: LabPolicy::Scheduler(PolicyKind::PredictedTtft),
-        },
-        Row {
-            label: "predicted-ttft+cal".into(),
-            policy: LabPolicy::Calibrated(PolicyKind::PredictedTtft),
-        },
+    [
+        LabPolicy::Scheduler(PolicyKind::Kv),
+        LabPolicy::Scheduler(PolicyKind::PredictedTtft),
+        LabPolicy::Calibrated(PolicyKind::PredictedTtft),
+        LabPolicy::Tuned(PolicyKind::PredictedTtft),
     ]
+    .into_iter()
+    .map(|policy| Row {
+        label: policy.name(),
+        policy,
+    })
+    .collect()
 }
 
 impl RobustnessArgs {
@@ -328,6 +332,10 @@ fn plan(
         for &setting in settings {
             cell_config.speeds.for_workers(setting.workers)?;
             for row in rows {
+                let tuned = matches!(row.policy, LabPolicy::Tuned(_));
+                if tuned && cell_config.speeds != WorkerSpeeds::Uniform {
+                    continue;
+                }
                 items.push(Item {
                     cell: cell.name.clone(),
                     row: row.label.clone(),

@@ -2,8 +2,9 @@
 //! the multipliers each calibrated run learned.
 
 use super::{CellRun, MATCHED, RobustnessReport};
-use crate::lab::config::Setting;
+use crate::lab::config::{LabPolicy, Setting};
 use crate::lab::metrics::RunMetrics;
+use kv_events::routing::PolicyKind;
 use std::fmt::Write as _;
 
 /// `(mean, p99)` TTFT of a run, in model ms.
@@ -20,9 +21,9 @@ fn change(new: f64, base: f64) -> String {
     }
 }
 
-/// The share of the matched cell's gain over the baseline that `ratio` keeps.
-fn kept(ratio: f64, matched_ratio: Option<f64>) -> String {
-    match matched_ratio {
+/// The share of the yardstick's gain over the baseline that `ratio` keeps.
+fn kept(ratio: f64, yardstick_ratio: Option<f64>) -> String {
+    match yardstick_ratio {
         Some(m) if m < 1.0 => format!("{:.0}%", (1.0 - ratio) / (1.0 - m) * 100.0),
         _ => "n/a".into(),
     }
@@ -30,7 +31,10 @@ fn kept(ratio: f64, matched_ratio: Option<f64>) -> String {
 
 /// The report as Markdown tables, one per setting: one line per cell; per row mean /
 /// p99 TTFT (model ms) and hit rate; per non-baseline row the change against the
-/// baseline row and the share of the `matched` cell's gain it keeps.
+/// baseline row and the share it keeps of the gain `predicted-ttft@engine` (the
+/// engines' own constants) has over the baseline in the same cell — in the `matched`
+/// cell where a cell has no such row (a mixed-speed fleet), and of the row's own
+/// `matched` gain when no run has one (e.g. a `--cell` selection without it).
 pub fn render(report: &RobustnessReport) -> String {
     let mut out = String::new();
     let _ = writeln!(
@@ -59,6 +63,7 @@ pub fn render(report: &RobustnessReport) -> String {
     let Some((&baseline, others)) = labels.split_first() else {
         return out;
     };
+    let yardstick = LabPolicy::Tuned(PolicyKind::PredictedTtft).name();
     let find = |cell: &str, setting: Setting, row: &str| {
         report
             .runs
@@ -107,7 +112,9 @@ pub fn render(report: &RobustnessReport) -> String {
                 let new = find(cell, setting, label).and_then(|r| ttft(&r.run.metrics));
                 match (base, new, ratios(cell, label)) {
                     (Some(b), Some(n), Some((rm, rp))) => {
-                        let matched = ratios(MATCHED, label);
+                        let matched = ratios(cell, &yardstick)
+                            .or_else(|| ratios(MATCHED, &yardstick))
+                            .or_else(|| ratios(MATCHED, label));
                         let _ = write!(
                             line,
                             " {} / {} | {} / {} |",

@@ -48,8 +48,26 @@ fn plan_covers_every_cell_setting_and_row_and_validates_first() {
     });
     let base = SimConfig::default();
     let items = plan(&default_cells(), &settings, &rows(), &base).expect("valid plan");
-    assert_eq!(items.len(), default_cells().len() * 2 * rows().len());
+    // Every row in every cell, except `@engine` in the mixed-speed fleet (one set of
+    // constants cannot be right for both halves).
+    assert_eq!(items.len(), default_cells().len() * 2 * rows().len() - 2);
     assert_eq!(items[0].row, "kv");
+    let engine_rows: Vec<&str> = items
+        .iter()
+        .filter(|i| matches!(i.policy, LabPolicy::Tuned(_)))
+        .map(|i| i.cell.as_str())
+        .collect();
+    assert_eq!(engine_rows.len(), (default_cells().len() - 1) * 2);
+    assert!(!engine_rows.contains(&"half-slow fleet"));
+    // Its router has the cell's engine constants; the others keep the router's.
+    let quarter = items
+        .iter()
+        .find(|i| i.cell == "prefill x0.25")
+        .expect("a prefill x0.25 run");
+    assert_eq!(
+        quarter.config.timing.prefill_ms_per_token,
+        0.25 * base.timing.prefill_ms_per_token
+    );
     // A per-worker list that does not fit the setting fails the plan, not a run.
     let odd = [Cell::new(
         "bad",
@@ -116,7 +134,12 @@ fn candidate_rows_and_cell_selection() {
     let labels: Vec<String> = args.rows().into_iter().map(|r| r.label).collect();
     assert_eq!(
         labels,
-        ["kv", "predicted-ttft", "proto:ttft:12,40,0.5,1,0.2,mix:2"]
+        [
+            "kv",
+            "predicted-ttft",
+            "predicted-ttft@engine",
+            "proto:ttft:12,40,0.5,1,0.2,mix:2"
+        ]
     );
     let cells: Vec<String> = args
         .selected_cells()
@@ -205,6 +228,51 @@ fn table_gives_ratios_to_the_baseline_and_the_gain_kept() {
     assert!(
         table.contains(
             "| prefill x4 | 2000 / 2000 / 0.0% | 1800 / 1800 / 0.0% | -10% / -10% | 50% / 50% |"
+        ),
+        "{table}"
+    );
+}
+
+#[test]
+fn the_gain_kept_is_measured_against_the_engines_own_constants_in_the_same_cell() {
+    let report = RobustnessReport {
+        trace: TraceInfo {
+            name: "t".into(),
+            requests: 1,
+            span_ms: 0,
+        },
+        router_timing: crate::lab::report::TimingInfo {
+            step_base_ms: 9.0,
+            prefill_ms_per_token: 0.06,
+            decode_ms_per_seq: 0.04,
+            kv_read_ms_per_token: 4e-5,
+        },
+        runs: vec![
+            run_with(MATCHED, "kv", 1_000),
+            run_with(MATCHED, "predicted-ttft", 800),
+            run_with(MATCHED, "predicted-ttft@engine", 800),
+            run_with("prefill x4", "kv", 2_000),
+            run_with("prefill x4", "predicted-ttft", 1_800),
+            run_with("prefill x4", "predicted-ttft@engine", 1_600),
+            run_with("half-slow fleet", "kv", 1_000),
+            run_with("half-slow fleet", "predicted-ttft", 900),
+        ],
+        wall_s: 0.0,
+    };
+    let table = render(&report);
+    // prefill x4: -10% of the -20% the engines' constants give there.
+    assert!(
+        table.contains(
+            "| prefill x4 | 2000 / 2000 / 0.0% | 1800 / 1800 / 0.0% | 1600 / 1600 / 0.0% \
+             | -10% / -10% | 50% / 50% | -20% / -20% | 100% / 100% |"
+        ),
+        "{table}"
+    );
+    // No @engine run in the mixed fleet: against the matched cell's (-20%).
+    assert!(
+        table.contains(
+            "| half-slow fleet | 1000 / 1000 / 0.0% | 900 / 900 / 0.0% | n/a \
+             | -10% / -10% | 50% / 50% | n/a | n/a |"
         ),
         "{table}"
     );
