@@ -168,7 +168,7 @@ mod tests {
     }
 
     #[test]
-    fn defaults_are_predicted_ttft_reuse_ten_minutes_never_busy_no_decay() {
+    fn defaults_are_calibrated_predicted_ttft_reuse_ten_minutes_never_busy_no_decay() {
         let config = SchedulerConfig::default();
         assert_eq!(config.policy.kind(), PolicyKind::PredictedTtft);
         assert_eq!(
@@ -179,7 +179,7 @@ mod tests {
         assert_eq!(config.sequences.request_ttl, Duration::from_secs(600));
         assert_eq!(config.busy, BusyThresholds::default());
         assert_eq!(config.prefill_duration, PrefillDurationModel::Unknown);
-        assert!(!config.calibration.enabled, "calibration is off by default");
+        assert!(config.calibration.enabled, "calibration is on by default");
         assert!(config.validate().is_ok());
     }
 

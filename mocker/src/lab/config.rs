@@ -164,12 +164,13 @@ impl SimConfig {
 /// A routing policy under test.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum LabPolicy {
-    /// A policy of the `scheduler` crate with its default knobs, run through
-    /// `scheduler::Scheduler` exactly as the daemon runs it.
+    /// A policy of the `scheduler` crate with its default knobs but online
+    /// calibration off, so its rows show the policy with the configured constants;
+    /// run through `scheduler::Scheduler` exactly as the daemon runs it.
     Scheduler(PolicyKind),
     /// The same with the scheduler's online calibration on (`scheduler::calibration`,
-    /// default knobs): each rank's step-time constants are learned from the TTFTs the
-    /// run observes. Named `<kind>+cal`.
+    /// default knobs; the daemon's default): each rank's step-time constants are
+    /// learned from the TTFTs the run observes. Named `<kind>+cal`.
     Calibrated(PolicyKind),
     /// The same with session affinity (`scheduler::sessions`, default knobs), each
     /// request carrying the session derived from the trace's prefix chains

@@ -11,8 +11,9 @@ use scheduler::CalibrationConfig;
 pub struct CalibrationArgs {
     /// Learn each rank's step-time constants (step base, prefill per token, decode)
     /// from its observed routed → prefill_done times and price each rank with its
-    /// own (`predicted-ttft` only). Off until the lab shows it pays everywhere.
-    #[arg(long, env = "KV_ROUTER_CALIBRATION", default_value_t = false, action = ArgAction::Set)]
+    /// own (`predicted-ttft` only). On by default; `--calibration false` prices every
+    /// rank with the configured constants.
+    #[arg(long, env = "KV_ROUTER_CALIBRATION", default_value_t = true, action = ArgAction::Set)]
     pub calibration: bool,
     /// Forgetting factor of the estimator, in (0, 1]; the memory is about
     /// 1 / (1 − factor) samples per rank.
@@ -74,12 +75,12 @@ mod tests {
     fn defaults_match_the_scheduler_and_every_flag_reaches_its_field() {
         let defaults = parse_flags::<CalibrationArgs, _, _>(["kv-router"]).expect("no flags");
         assert_eq!(defaults.to_config(), CalibrationConfig::default());
-        let flags = "kv-router --calibration true --calibration-forgetting 0.98 \
+        let flags = "kv-router --calibration false --calibration-forgetting 0.98 \
                      --calibration-max-factor 5 --calibration-outlier-ratio 3 \
                      --calibration-warmup-samples 7 --calibration-max-queue-steps 2";
         let set = parse_flags::<CalibrationArgs, _, _>(flags.split_whitespace()).expect("flags");
         let expected = CalibrationConfig {
-            enabled: true,
+            enabled: false,
             forgetting: 0.98,
             max_factor: 5.0,
             outlier_ratio: 3.0,

@@ -375,7 +375,11 @@ fn bookkeeping_is_bounded_and_off_means_off() {
     assert_eq!(c.pending(), 1);
     assert_eq!(c.report(rank(1)).unwrap().samples, 0, "estimator dropped");
 
-    let mut off = Calibration::new(CalibrationConfig::default(), &PolicyConfig::default());
+    let disabled = CalibrationConfig {
+        enabled: false,
+        ..CalibrationConfig::default()
+    };
+    let mut off = Calibration::new(disabled, &PolicyConfig::default());
     off.book(&id, rank(1), features(100), t);
     assert_eq!(off.pending(), 0);
     assert!(!off.prefill_done(&id, t + Duration::from_millis(20)));
