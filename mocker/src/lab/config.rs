@@ -10,6 +10,7 @@ use super::fleet::{TierPricing, WorkerSpeeds};
 use crate::engine::{CpuTierConfig, EngineModelConfig, TimingModel};
 use kv_events::routing::PolicyKind;
 use scheduler::SessionConfig;
+use scheduler::policy::delay_cap::DelayCap;
 use serde::{Deserialize, Serialize};
 
 /// How many times faster than in the trace requests arrive: a finite number > 0.
@@ -94,6 +95,8 @@ pub struct SimConfig {
     /// Session affinity's knobs for `+sess` runs (`enabled` follows the policy:
     /// on for [`LabPolicy::Sessions`], off otherwise).
     pub sessions: SessionConfig,
+    /// `predicted-ttft`'s delay cap (every row of that policy).
+    pub delay_cap: DelayCap,
 }
 
 impl Default for SimConfig {
@@ -110,6 +113,7 @@ impl Default for SimConfig {
             tier_pricing: TierPricing::On,
             calibration_sample_ms: None,
             sessions: SessionConfig::default(),
+            delay_cap: DelayCap::default(),
         }
     }
 }

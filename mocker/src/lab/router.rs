@@ -70,6 +70,9 @@ impl Router {
             | LabPolicy::Sessions(kind)
             | LabPolicy::Tuned(kind) => {
                 let mut policy_config = PolicyConfig::default_for(kind);
+                if let PolicyConfig::PredictedTtft(c) = &mut policy_config {
+                    c.delay_cap = config.delay_cap;
+                }
                 if matches!(policy, LabPolicy::Tuned(_)) {
                     engines_constants(&mut policy_config, config);
                 }

@@ -8,6 +8,7 @@ use super::LabError;
 use super::config::{DEFAULT_EVENT_LAG_MS, SimConfig};
 use crate::engine::EngineModelConfig;
 use crate::trace::{self, TraceRequest};
+use scheduler::policy::delay_cap::DelayCap;
 use std::path::PathBuf;
 
 /// Trace and simulation flags shared by every lab study.
@@ -28,6 +29,16 @@ pub struct StudyArgs {
     /// The engine model of every rank (block size, cache, batch limits).
     #[command(flatten)]
     pub engine: EngineModelConfig,
+    /// `predicted-ttft`'s delay cap ratio (the daemon's `--delay-cap-ratio`, ≥ 1).
+    #[arg(long, default_value_t = DelayCap::default().max_ratio)]
+    pub delay_cap_ratio: f64,
+    /// The delay cap applies below this mean prefill queue, in steps (the daemon's
+    /// `--delay-cap-spare-steps`, ≥ 0).
+    #[arg(long, default_value_t = DelayCap::default().spare_steps)]
+    pub delay_cap_spare_steps: f64,
+    /// Run `predicted-ttft` without the delay cap (the daemon's `--delay-cap false`).
+    #[arg(long)]
+    pub no_delay_cap: bool,
 }
 
 impl StudyArgs {
@@ -57,6 +68,11 @@ impl StudyArgs {
             engine: self.engine,
             event_lag_ms: self.event_lag_ms,
             seed: self.seed,
+            delay_cap: DelayCap {
+                enabled: !self.no_delay_cap,
+                max_ratio: self.delay_cap_ratio,
+                spare_steps: self.delay_cap_spare_steps,
+            },
             ..SimConfig::default()
         }
     }

@@ -182,6 +182,18 @@ pub struct PredictedTtftArgs {
     /// there (needs --assume-kv-reuse) [default: true].
     #[arg(long, env = "KV_ROUTER_IN_FLIGHT_REUSE")]
     pub in_flight_reuse: Option<bool>,
+    /// predicted-ttft: while the fleet has spare capacity, leave out ranks where the
+    /// request's own predicted TTFT exceeds --delay-cap-ratio times the lowest
+    /// [default: true].
+    #[arg(long, env = "KV_ROUTER_DELAY_CAP")]
+    pub delay_cap: Option<bool>,
+    /// predicted-ttft: the delay cap's ratio, ≥ 1 [default: 2].
+    #[arg(long, env = "KV_ROUTER_DELAY_CAP_RATIO")]
+    pub delay_cap_ratio: Option<f64>,
+    /// predicted-ttft: the delay cap applies while the ranks' mean prefill queue is
+    /// below this many steps of max_num_batched_tokens [default: 3].
+    #[arg(long, env = "KV_ROUTER_DELAY_CAP_SPARE_STEPS")]
+    pub delay_cap_spare_steps: Option<f64>,
 }
 
 impl KvArgs {
@@ -244,6 +256,12 @@ impl PredictedTtftArgs {
             ),
             ("backlog-reuse-credit", self.backlog_reuse_credit.is_some()),
             ("in-flight-reuse", self.in_flight_reuse.is_some()),
+            ("delay-cap", self.delay_cap.is_some()),
+            ("delay-cap-ratio", self.delay_cap_ratio.is_some()),
+            (
+                "delay-cap-spare-steps",
+                self.delay_cap_spare_steps.is_some(),
+            ),
         ])
     }
 
@@ -270,6 +288,9 @@ impl PredictedTtftArgs {
         set(&mut c.credit.balanced, self.balanced_reuse_credit);
         set(&mut c.credit.backlog, self.backlog_reuse_credit);
         set(&mut c.credit.in_flight, self.in_flight_reuse);
+        set(&mut c.delay_cap.enabled, self.delay_cap);
+        set(&mut c.delay_cap.max_ratio, self.delay_cap_ratio);
+        set(&mut c.delay_cap.spare_steps, self.delay_cap_spare_steps);
     }
 }
 

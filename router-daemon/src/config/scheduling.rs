@@ -358,6 +358,7 @@ mod tests {
 
     #[test]
     fn predicted_ttft_knobs_reach_timing_and_credit() {
+        use scheduler::policy::delay_cap::DelayCap;
         use scheduler::policy::predicted_ttft::{PredictedTtftConfig, ReuseCredit, StepTimeModel};
         let (scheduler, _) = parse(&[
             "--step-base-ms",
@@ -380,6 +381,12 @@ mod tests {
             "0.25",
             "--in-flight-reuse",
             "false",
+            "--delay-cap",
+            "false",
+            "--delay-cap-ratio",
+            "3",
+            "--delay-cap-spare-steps",
+            "1.5",
             "--match-rate-threshold",
             "0.4",
         ])
@@ -402,6 +409,11 @@ mod tests {
                     backlog: 0.25,
                     in_flight: false,
                     min_match_ratio: 0.4,
+                },
+                delay_cap: DelayCap {
+                    enabled: false,
+                    max_ratio: 3.0,
+                    spare_steps: 1.5,
                 },
             })
         );

@@ -20,6 +20,7 @@
 pub mod baseline;
 pub mod cache_aware;
 mod context;
+pub mod delay_cap;
 pub mod kv;
 pub mod kv_normalized;
 pub mod predicted_ttft;

@@ -39,6 +39,13 @@
 //! a match ratio too, at 0.3): a short shared prefix such as a system prompt must not
 //! pull every request to the rank that holds it.
 //!
+//! The credit may make a rank with a long queue the cheapest even though *this*
+//! request's first token comes later there. While the fleet has spare capacity (the
+//! candidates' mean `P` below `spare_steps × B`, default 3 steps), the delay cap
+//! leaves out every rank whose uncredited cost (`credit = 1`: the request's own
+//! predicted TTFT) is more than `max_ratio` (default 2) times the lowest
+//! ([`super::delay_cap`]; it fixed the light-load p99 in the lab).
+//!
 //! `L` is how the router prices a block held on a lower storage tier: engines that
 //! offload KV (vLLM's CPU offloading, LMCache) keep blocks evicted from the GPU on
 //! CPU or disk, and the index reports per rank the leading prompt blocks held on
@@ -65,6 +72,7 @@
 
 use super::context::check_non_negative;
 use super::context::{Candidate, Choice, SelectContext, TimingScale};
+use super::delay_cap::DelayCap;
 use super::sampling::pick_by_cost;
 use crate::error::SchedulerError;
 use crate::request::RequestShape;
@@ -261,6 +269,9 @@ pub struct PredictedTtftConfig {
     pub timing: StepTimeModel,
     /// The value of reuse.
     pub credit: ReuseCredit,
+    /// How much the credit may delay the request itself while the fleet has spare
+    /// capacity ([`super::delay_cap`]).
+    pub delay_cap: DelayCap,
 }
 
 impl PredictedTtftConfig {
@@ -303,7 +314,7 @@ impl PredictedTtftConfig {
                 reason: format!("must be in [0, 1], got {}", c.min_match_ratio),
             });
         }
-        Ok(())
+        self.delay_cap.validate()
     }
 }
 
@@ -353,22 +364,46 @@ pub(super) fn select(
         .map(|c| c.load.active_prefill_tokens)
         .min()
         .unwrap_or(0);
+    // Each candidate priced with its own (calibrated) timing under `config`'s credit.
+    let cost_under =
+        |config: &PredictedTtftConfig, i: usize, c: &Candidate| match ctx.timing_scales.get(i) {
+            Some(&scale) if scale != TimingScale::ONE => {
+                let own = PredictedTtftConfig {
+                    timing: config.timing.scaled(scale),
+                    ..*config
+                };
+                predicted_ttft_cost(&own, &ctx.request, c, min_pending)
+            }
+            _ => predicted_ttft_cost(config, &ctx.request, c, min_pending),
+        };
     costs.clear();
     costs.extend(
         ctx.candidates
             .iter()
             .enumerate()
-            .map(|(i, c)| match ctx.timing_scales.get(i) {
-                Some(&scale) if scale != TimingScale::ONE => {
-                    let own = PredictedTtftConfig {
-                        timing: config.timing.scaled(scale),
-                        ..*config
-                    };
-                    predicted_ttft_cost(&own, &ctx.request, c, min_pending)
-                }
-                _ => predicted_ttft_cost(config, &ctx.request, c, min_pending),
-            }),
+            .map(|(i, c)| cost_under(config, i, c)),
     );
+    let cap = &config.delay_cap;
+    let pending = ctx.candidates.iter().map(|c| c.load.active_prefill_tokens);
+    if cap.applies(pending, config.timing.max_num_batched_tokens) {
+        // The request's own predicted TTFT: no credit beyond its own saving.
+        let plain = PredictedTtftConfig {
+            credit: ReuseCredit {
+                base: 1.0,
+                balanced: 0.0,
+                backlog: 0.0,
+                ..config.credit
+            },
+            ..*config
+        };
+        let own: Vec<f64> = ctx
+            .candidates
+            .iter()
+            .enumerate()
+            .map(|(i, c)| cost_under(&plain, i, c))
+            .collect();
+        cap.apply(costs, &own);
+    }
     let index = pick_by_cost(rng, costs, 0.0);
     Choice {
         index,

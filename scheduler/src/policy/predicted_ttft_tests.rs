@@ -26,6 +26,12 @@ fn config(base: f64, balanced: f64, backlog: f64, in_flight: bool) -> PredictedT
             in_flight,
             min_match_ratio: 0.0,
         },
+        // Off, so the formula tests see the credited costs alone (the cap has its
+        // own test below).
+        delay_cap: DelayCap {
+            enabled: false,
+            ..DelayCap::default()
+        },
     }
 }
 
@@ -129,6 +135,45 @@ fn picks_the_cached_rank_unless_its_queue_is_too_long() {
     let choice = selector(1).select(&cfg, &ctx(req, &cands)).unwrap();
     assert_eq!(choice.index, 0);
     assert!((choice.cost.unwrap() - 40.0).abs() < 1e-9);
+}
+
+#[test]
+fn the_delay_cap_keeps_a_long_queue_from_delaying_the_request_with_spare_capacity() {
+    let req = shape(10, 640, 64);
+    // A big credit (base 10) makes rank 1's full cache worth its 1,500 queued tokens:
+    // credited 0.1 × (1500 + 640 − 10 × 640) + 2 × 10 = −406 ms against rank 2's
+    // 0.1 × 640 + 10 = 74 ms. Its own TTFT is 0.1 × 1500 + 20 = 170 ms, 2.3× rank 2's.
+    let mut capped = config(10.0, 0.0, 0.0, false);
+    capped.delay_cap = DelayCap::default();
+    let uncapped = config(10.0, 0.0, 0.0, false);
+    let fleet = |cached_rank: u64, other: u64| {
+        [
+            with_pending(cand(1, 10, 0, 0, 10), cached_rank),
+            with_pending(cand(2, 0, 0, 0, 10), other),
+        ]
+    };
+    let pick = |cfg: PredictedTtftConfig, cands: &[Candidate]| {
+        selector(1)
+            .select(&PolicyConfig::PredictedTtft(cfg), &ctx(req, cands))
+            .unwrap()
+            .index
+    };
+    // Mean queue 750 tokens, under 3 steps of 1,000: the cap sends it to rank 2.
+    assert_eq!(pick(uncapped, &fleet(1_500, 0)), 0);
+    assert_eq!(pick(capped, &fleet(1_500, 0)), 1);
+    // Rank 1 with 6,000 queued, rank 2 with 500: its own TTFT is 660 ms against
+    // 134 ms (4.9×), credited 84 against 134. The mean queue is 3,250 tokens, over 3
+    // steps: the fleet is backlogged and the credit decides; with a higher gate the
+    // cap would have applied.
+    assert_eq!(pick(capped, &fleet(6_000, 500)), 0);
+    let high_gate = PredictedTtftConfig {
+        delay_cap: DelayCap {
+            spare_steps: 4.0,
+            ..DelayCap::default()
+        },
+        ..capped
+    };
+    assert_eq!(pick(high_gate, &fleet(6_000, 500)), 1);
 }
 
 #[test]

@@ -95,11 +95,17 @@ fn robustness_is_a_lab_subcommand_with_its_own_flags() {
         "1,4",
         "--jobs",
         "2",
+        "--delay-cap-ratio",
+        "3",
+        "--no-delay-cap",
     ])
     .expect("valid subcommand");
     match cli.lab.command {
         Some(crate::lab::LabCommand::Robustness(args)) => {
             assert_eq!(args.study.trace, Some(PathBuf::from("t.jsonl")));
+            let cap = args.study.sim_config().delay_cap;
+            assert!(!cap.enabled);
+            assert_eq!(cap.max_ratio, 3.0);
             assert_eq!(args.workers, vec![8]);
             assert_eq!(args.speedup.len(), 2);
             assert_eq!(args.jobs, Some(2));
