@@ -23,6 +23,25 @@ pub enum BarrierError {
     Closed,
 }
 
+/// Returns once the server has processed everything `sender` sent before, for a
+/// `sender` that cannot read its own messages (a `no_echo` connection): `receiver`
+/// subscribes to a private inbox (made visible by its own [`server_barrier`]), and
+/// once the empty message `sender` publishes there arrives, every subscription
+/// `sender` made before it is registered.
+///
+/// # Errors
+/// [`BarrierError`] when either connection fails meanwhile.
+pub async fn server_barrier_between(
+    sender: &async_nats::Client,
+    receiver: &async_nats::Client,
+) -> Result<(), BarrierError> {
+    let inbox = receiver.new_inbox();
+    let mut sub = receiver.subscribe(inbox.clone()).await?;
+    server_barrier(receiver).await?;
+    sender.publish(inbox, bytes::Bytes::new()).await?;
+    sub.next().await.map(|_| ()).ok_or(BarrierError::Closed)
+}
+
 /// Returns once the server has processed everything this client sent before.
 ///
 /// # Errors

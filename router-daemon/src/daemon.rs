@@ -217,7 +217,10 @@ impl Starting {
             &state.counters,
             state.limits,
             &subjects,
-            &config.nats,
+            replicas::sync::SyncNats {
+                config: &config.nats,
+                main: &nats,
+            },
             &intake_tasks,
             &intake,
         )

@@ -27,11 +27,22 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
+/// What the sync connection is made from.
+#[derive(Clone, Copy)]
+pub struct SyncNats<'a> {
+    /// The daemon's NATS settings, for the sync connection's own.
+    pub config: &'a NatsConfig,
+    /// The daemon's main connection, the other end of the start-up barrier.
+    pub main: &'a async_nats::Client,
+}
+
 /// Opens the sync connection ([`crate::nats::connect_sync`]: without echo, so this
 /// replica never reads its own messages), subscribes to the sequences subject and
 /// spawns the sync tasks on `tasks` (until `stop`): one applying peers' messages, one
-/// publishing ours. Starts recording steps for the start-up snapshot when it is on.
-/// Does nothing when sync is off.
+/// publishing ours. Returns once the server has the subscription (a round trip to
+/// the daemon's `main` connection, since the sync connection cannot read its own
+/// messages). Starts recording steps for the start-up snapshot when it is on. Does
+/// nothing when sync is off.
 ///
 /// # Errors
 /// When the connection options are unusable, the subscription fails, or sync was
@@ -41,7 +52,7 @@ pub async fn start(
     counters: &Counters,
     limits: Limits,
     subjects: &Subjects,
-    nats: &NatsConfig,
+    nats: SyncNats<'_>,
     tasks: &TaskTracker,
     stop: &CancellationToken,
 ) -> anyhow::Result<()> {
@@ -57,13 +68,21 @@ pub async fn start(
     if !replicas.snapshot_timeout().is_zero() {
         replicas.begin_recording();
     }
-    let nats = crate::nats::connect_sync(nats)
+    let main = nats.main;
+    let nats = crate::nats::connect_sync(nats.config)
         .await
         .context("configuring the replica sync connection")?;
     let peers = nats
         .subscribe(subject.clone())
         .await
         .context("subscribing to sequence sync")?;
+    // The subscription is on its own connection: make sure the server has it before
+    // the daemon asks its peers for a snapshot (on the main connection), or a step
+    // a peer publishes right after its snapshot could be missed and the snapshot's
+    // copy of a freed request resurrected.
+    crate::barrier::server_barrier_between(&nats, main)
+        .await
+        .context("syncing the sequence sync subscription with NATS")?;
     let (admission, counters) = (admission.clone(), counters.clone());
     tasks.spawn(crate::intake::serve_with(
         peers,
