@@ -201,9 +201,9 @@ fn run_with(cell: &str, row: &str, mean_ms: u64) -> CellRun {
     }
 }
 
-#[test]
-fn table_gives_ratios_to_the_baseline_and_the_gain_kept() {
-    let report = RobustnessReport {
+/// A report of `runs` on a one-request trace.
+fn report_of(runs: Vec<CellRun>) -> RobustnessReport {
+    RobustnessReport {
         trace: TraceInfo {
             name: "t".into(),
             requests: 1,
@@ -215,14 +215,19 @@ fn table_gives_ratios_to_the_baseline_and_the_gain_kept() {
             decode_ms_per_seq: 0.04,
             kv_read_ms_per_token: 4e-5,
         },
-        runs: vec![
-            run_with(MATCHED, "kv", 1_000),
-            run_with(MATCHED, "predicted-ttft", 800),
-            run_with("prefill x4", "kv", 2_000),
-            run_with("prefill x4", "predicted-ttft", 1_800),
-        ],
+        runs,
         wall_s: 0.0,
-    };
+    }
+}
+
+#[test]
+fn table_gives_ratios_to_the_baseline_and_the_gain_kept() {
+    let report = report_of(vec![
+        run_with(MATCHED, "kv", 1_000),
+        run_with(MATCHED, "predicted-ttft", 800),
+        run_with("prefill x4", "kv", 2_000),
+        run_with("prefill x4", "predicted-ttft", 1_800),
+    ]);
     let table = render(&report);
     // Matched: -20%, all of its own gain; prefill x4: -10%, half of it.
     assert!(
@@ -241,30 +246,16 @@ fn table_gives_ratios_to_the_baseline_and_the_gain_kept() {
 
 #[test]
 fn the_gain_kept_is_measured_against_the_engines_own_constants_in_the_same_cell() {
-    let report = RobustnessReport {
-        trace: TraceInfo {
-            name: "t".into(),
-            requests: 1,
-            span_ms: 0,
-        },
-        router_timing: crate::lab::report::TimingInfo {
-            step_base_ms: 9.0,
-            prefill_ms_per_token: 0.06,
-            decode_ms_per_seq: 0.04,
-            kv_read_ms_per_token: 4e-5,
-        },
-        runs: vec![
-            run_with(MATCHED, "kv", 1_000),
-            run_with(MATCHED, "predicted-ttft", 800),
-            run_with(MATCHED, "predicted-ttft@engine", 800),
-            run_with("prefill x4", "kv", 2_000),
-            run_with("prefill x4", "predicted-ttft", 1_800),
-            run_with("prefill x4", "predicted-ttft@engine", 1_600),
-            run_with("half-slow fleet", "kv", 1_000),
-            run_with("half-slow fleet", "predicted-ttft", 900),
-        ],
-        wall_s: 0.0,
-    };
+    let report = report_of(vec![
+        run_with(MATCHED, "kv", 1_000),
+        run_with(MATCHED, "predicted-ttft", 800),
+        run_with(MATCHED, "predicted-ttft@engine", 800),
+        run_with("prefill x4", "kv", 2_000),
+        run_with("prefill x4", "predicted-ttft", 1_800),
+        run_with("prefill x4", "predicted-ttft@engine", 1_600),
+        run_with("half-slow fleet", "kv", 1_000),
+        run_with("half-slow fleet", "predicted-ttft", 900),
+    ]);
     let table = render(&report);
     // prefill x4: -10% of the -20% the engines' constants give there.
     assert!(
