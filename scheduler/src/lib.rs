@@ -389,12 +389,6 @@ impl Scheduler {
     pub fn apply(&mut self, event: SequenceEvent, now: Instant) -> Result<Origin, SchedulerError> {
         match event {
             SequenceEvent::AddRequest(mut add) => {
-                // A peer's session decision: the session's next turn may reach us.
-                if let Some(session) = add.session_id.take()
-                    && self.workers.contains_rank(add.rank)
-                {
-                    self.sessions.record(&session, add.rank, now);
-                }
                 let Some(reg) = self
                     .workers
                     .get(add.rank.worker_id)
@@ -402,6 +396,10 @@ impl Scheduler {
                 else {
                     return Err(SchedulerError::UnregisteredRank(add.rank));
                 };
+                // A peer's session decision: the session's next turn may reach us.
+                if let Some(session) = add.session_id.take() {
+                    self.sessions.record(&session, add.rank, now);
+                }
                 if !self.calibration.enabled() {
                     return self.sequences.apply(SequenceEvent::AddRequest(add), now);
                 }

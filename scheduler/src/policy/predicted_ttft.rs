@@ -396,13 +396,7 @@ pub(super) fn select(
             },
             ..*config
         };
-        let own: Vec<f64> = ctx
-            .candidates
-            .iter()
-            .enumerate()
-            .map(|(i, c)| cost_under(&plain, i, c))
-            .collect();
-        cap.apply(costs, &own);
+        cap.apply(costs, |i| cost_under(&plain, i, &ctx.candidates[i]));
     }
     let index = pick_by_cost(rng, costs, 0.0);
     Choice {
