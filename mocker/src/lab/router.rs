@@ -14,7 +14,7 @@ use super::fleet::TierPricing;
 use super::inflight::InFlight;
 use indexer::RadixTree;
 use kv_events::discovery::WorkerRegistration;
-use kv_events::routing::SessionId;
+use kv_events::routing::{PolicyKind, SessionId};
 use kv_events::{KvCacheEvent, LocalBlockHash, RequestId, WorkerId, WorkerRank};
 use scheduler::{
     CalibrationConfig, PolicyConfig, RankCalibration, ScheduleRequest, Scheduler, SchedulerConfig,
@@ -69,15 +69,8 @@ impl Router {
             | LabPolicy::Calibrated(kind)
             | LabPolicy::Sessions(kind)
             | LabPolicy::Tuned(kind) => {
-                let mut policy_config = PolicyConfig::default_for(kind);
-                if let PolicyConfig::PredictedTtft(c) = &mut policy_config {
-                    c.delay_cap = config.delay_cap;
-                }
-                if matches!(policy, LabPolicy::Tuned(_)) {
-                    engines_constants(&mut policy_config, config);
-                }
                 let scheduler_config = SchedulerConfig {
-                    policy: tier_priced(policy_config, config.tier_pricing),
+                    policy: policy_config(policy, kind, config),
                     calibration: CalibrationConfig {
                         enabled: matches!(policy, LabPolicy::Calibrated(_)),
                         ..CalibrationConfig::default()
@@ -236,9 +229,20 @@ impl Router {
     }
 }
 
-/// `policy` with blocks held only on a lower tier priced per `pricing`: unchanged
-/// when on; when off, `predicted-ttft` charges them the prefill cost per token and
-/// `kv` gives them no credit (other policies never price tiers).
+/// The scheduler policy `kind` as the run `config` sets it up for `policy`: its
+/// defaults with the run's delay cap, the engines' own constants under
+/// [`LabPolicy::Tuned`], and lower tiers priced per the run's [`TierPricing`].
+fn policy_config(policy: LabPolicy, kind: PolicyKind, config: &SimConfig) -> PolicyConfig {
+    let mut policy_config = PolicyConfig::default_for(kind);
+    if let PolicyConfig::PredictedTtft(c) = &mut policy_config {
+        c.delay_cap = config.delay_cap;
+    }
+    if matches!(policy, LabPolicy::Tuned(_)) {
+        engines_constants(&mut policy_config, config);
+    }
+    tier_priced(policy_config, config.tier_pricing)
+}
+
 /// Sets `predicted-ttft`'s step-time constants to the simulated engines' own (at
 /// speed 1) and its batch budget to theirs; other policies have no constants.
 fn engines_constants(policy: &mut PolicyConfig, config: &SimConfig) {
@@ -252,6 +256,9 @@ fn engines_constants(policy: &mut PolicyConfig, config: &SimConfig) {
     }
 }
 
+/// `policy` with blocks held only on a lower tier priced per `pricing`: unchanged
+/// when on; when off, `predicted-ttft` charges them the prefill cost per token and
+/// `kv` gives them no credit (other policies never price tiers).
 fn tier_priced(mut policy: PolicyConfig, pricing: TierPricing) -> PolicyConfig {
     if pricing == TierPricing::Off {
         match &mut policy {
