@@ -4,7 +4,9 @@
 //!
 //! An [`Answer`] owns the request's [`Booking`], so its end — the last event, an
 //! engine error, the deadline, or the client going away (axum drops the body stream)
-//! — frees the booking. Each engine event is parsed once (a few µs for a one-token
+//! — frees the booking. An engine silent for longer than the stream idle timeout
+//! (`--stream-idle-timeout-ms`) after its first token is taken as hung: the answer
+//! ends with an error. Each engine event is parsed once (a few µs for a one-token
 //! chunk), to see usage and errors and, for a chat forwarded as tokens, to rewrite a
 //! completion chunk into a chat chunk; nothing is buffered beyond one event.
 
@@ -18,6 +20,7 @@ use futures::StreamExt;
 use serde_json::{Map, Value, json};
 use std::collections::{BTreeMap, HashSet};
 use std::convert::Infallible;
+use std::time::Duration;
 use tokio::time::Instant;
 
 /// What the client gets, given what the engine sends.
@@ -42,6 +45,8 @@ pub struct Answer {
     /// Whether a streaming client asked for the final usage chunk.
     pub(crate) include_usage: bool,
     pub(crate) deadline: Instant,
+    /// Longest silence between two engine events.
+    pub(crate) idle: Duration,
     pub(crate) metrics: GatewayMetrics,
     pub(crate) endpoint: &'static str,
     /// When the request arrived.
@@ -72,7 +77,12 @@ impl Answer {
         }
         let event = match self.first.take() {
             Some(event) => event,
-            None => match tokio::time::timeout_at(self.deadline, self.events.next()).await {
+            None => match tokio::time::timeout_at(
+                self.deadline.min(self.last + self.idle),
+                self.events.next(),
+            )
+            .await
+            {
                 Ok(Some(Ok(event))) => {
                     let now = Instant::now();
                     self.metrics.itl(self.endpoint, now - self.last);
@@ -81,7 +91,15 @@ impl Answer {
                 }
                 Ok(Some(Err(e))) => return Some(Read::Error(format!("engine stream broke: {e}"))),
                 Ok(None) => return Some(Read::Error("engine closed the stream early".into())),
-                Err(_) => return Some(Read::Error("request timed out".into())),
+                Err(_) if Instant::now() >= self.deadline => {
+                    return Some(Read::Error("request timed out".into()));
+                }
+                Err(_) => {
+                    return Some(Read::Error(format!(
+                        "the engine sent nothing for {} ms",
+                        self.idle.as_millis()
+                    )));
+                }
             },
         };
         if event.data.trim() == "[DONE]" {

@@ -169,6 +169,28 @@ pub struct GatewayArgs {
         default_value_t = 2_000
     )]
     pub engine_connect_timeout_ms: u64,
+    /// How long an engine may take to send a request's first token, in ms, from
+    /// when it is sent there. Then the request is routed again without that worker
+    /// (up to `--max-retries`), as for an engine that refused it; nothing has reached
+    /// the client yet. Raise it for prompts whose prefill alone takes longer.
+    #[arg(
+        long,
+        help_heading = "Forwarding",
+        env = "KV_GATEWAY_FIRST_TOKEN_TIMEOUT_MS",
+        default_value_t = 60_000
+    )]
+    pub first_token_timeout_ms: u64,
+    /// Longest silence between two events of an engine's stream after its first
+    /// token, in ms. Then the engine is taken as hung: a streaming client gets an
+    /// error event and `[DONE]`; a client that did not stream (and so has seen
+    /// nothing) gets its request routed again without that worker.
+    #[arg(
+        long,
+        help_heading = "Forwarding",
+        env = "KV_GATEWAY_STREAM_IDLE_TIMEOUT_MS",
+        default_value_t = 30_000
+    )]
+    pub stream_idle_timeout_ms: u64,
     /// How long one request may take from routing to its last token, in seconds.
     #[arg(
         long,
@@ -201,6 +223,10 @@ pub struct Limits {
     pub route_timeout: Duration,
     /// Engine connect timeout.
     pub engine_connect_timeout: Duration,
+    /// Longest wait for an engine's first token, per attempt.
+    pub first_token_timeout: Duration,
+    /// Longest silence between two events of an engine's stream.
+    pub stream_idle_timeout: Duration,
     /// Whole-request timeout, from routing to the last token.
     pub request_timeout: Duration,
     /// Interval of `keep_alive` lifecycle messages.
@@ -280,6 +306,8 @@ impl GatewayArgs {
                 "--engine-connect-timeout-ms",
                 self.engine_connect_timeout_ms,
             ),
+            ("--first-token-timeout-ms", self.first_token_timeout_ms),
+            ("--stream-idle-timeout-ms", self.stream_idle_timeout_ms),
             ("--request-timeout-s", self.request_timeout_s),
             ("--keep-alive-s", self.keep_alive_s),
         ] {
@@ -312,6 +340,8 @@ impl GatewayArgs {
                 max_retries: self.max_retries,
                 route_timeout: Duration::from_millis(self.route_timeout_ms),
                 engine_connect_timeout: Duration::from_millis(self.engine_connect_timeout_ms),
+                first_token_timeout: Duration::from_millis(self.first_token_timeout_ms),
+                stream_idle_timeout: Duration::from_millis(self.stream_idle_timeout_ms),
                 request_timeout: Duration::from_secs(self.request_timeout_s),
                 keep_alive: Duration::from_secs(self.keep_alive_s),
             },

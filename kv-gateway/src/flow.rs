@@ -1,5 +1,6 @@
 //! One request's way through the gateway: tokenize → route → forward → answer, with
-//! failover before the first token.
+//! failover while the client has seen nothing (before the first token; for a client
+//! that did not stream, until the answer is whole).
 //!
 //! ```text
 //! body ─ parse ─ model? ─ tokenize ─┬─ route (exclude tried) ─ engine URL? ─ open ─┬─ first event ─ Answer (stream / assemble)
@@ -12,19 +13,19 @@
 use crate::answer::{Answer, Shape};
 use crate::config::{ChatForward, EngineApi, Limits, ModelConfig, PromptForward};
 use crate::error::ApiError;
-use crate::forward::{EngineClient, Failure};
+use crate::forward::{EngineClient, Failure, FirstTokenDeadline};
 use crate::metrics::GatewayMetrics;
 use crate::openai::{
     ChatRequest, CompletionRequest, PromptInput, chat_as_completion, chat_for_engine,
     completion_for_engine, parse_chat, parse_completion,
 };
-use crate::router::RouterClient;
+use crate::router::{Booking, RouterClient};
 use crate::tokenize::{PromptTokenizer, too_many};
 use crate::workers::WorkerUrls;
 use axum::Json;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
-use kv_events::routing::SessionId;
+use kv_events::routing::{RouteDecision, SessionId};
 use kv_events::{DpRank, WorkerId};
 use serde_json::{Map, Value};
 use std::collections::HashSet;
@@ -193,7 +194,9 @@ impl Flow {
         self.serve(plan, arrived).await
     }
 
-    /// Routes and forwards, failing over before the first token.
+    /// Routes and forwards, failing over while nothing has reached the client: before
+    /// the first token, and for a client that did not stream, until the answer is
+    /// whole.
     async fn serve(&self, plan: Plan, arrived: Instant) -> Result<Response, ApiError> {
         let deadline = arrived + self.limits.request_timeout;
         let attempts = self.limits.max_retries + 1;
@@ -210,7 +213,7 @@ impl Flow {
                     plan.session.as_ref(),
                 )
                 .await;
-            let (decision, mut booking) = match routed {
+            let (decision, booking) = match routed {
                 Ok(routed) => routed,
                 // Every worker was tried: the engines failed, not the router.
                 Err(e) if !exclude.is_empty() && e.status.as_u16() == 503 => break,
@@ -220,56 +223,22 @@ impl Flow {
             self.metrics
                 .overlap(decision.overlap_blocks, decision.request_blocks);
             let worker = decision.worker_id;
-            let failure = match self.workers.url(worker) {
-                None => Failure::Retry {
-                    reason: "no_url",
-                    detail: format!("worker {worker} registered no engine url"),
-                },
-                Some(url) => {
-                    let body =
-                        plan.request
-                            .body(&plan.tokens, self.model.engine_api, decision.dp_rank)?;
-                    let opened = Instant::now();
-                    match self
-                        .engine
-                        .open(&url, plan.request.path(), &body, decision.dp_rank, deadline)
-                        .await
-                    {
-                        Ok((first, events)) => {
-                            booking.prefill_done();
-                            self.metrics.stage("engine", opened.elapsed());
-                            self.metrics.ttft(plan.endpoint, arrived.elapsed());
-                            self.metrics.prompt_tokens(plan.tokens.len());
-                            self.metrics.in_flight().inc();
-                            debug!(request_id = %booking.request_id(), worker = %worker, dp_rank = %decision.dp_rank, overlap_blocks = decision.overlap_blocks, "first token");
-                            let now = Instant::now();
-                            let answer = Answer {
-                                first: Some(first),
-                                events,
-                                booking: Some(booking),
-                                shape: plan.request.shape(),
-                                include_usage: plan.include_usage,
-                                deadline,
-                                metrics: self.metrics.clone(),
-                                endpoint: plan.endpoint,
-                                arrived,
-                                last: now,
-                                roles_sent: HashSet::new(),
-                                finished: false,
-                            };
-                            let mut response = self.respond(answer, plan.stream).await;
-                            decision_headers(&mut response, &decision);
-                            return Ok(response);
-                        }
-                        Err(failure) => failure,
-                    }
+            let failure = match self
+                .attempt(&plan, &decision, booking, arrived, deadline)
+                .await
+            {
+                Ok(mut response) => {
+                    decision_headers(&mut response, &decision);
+                    return Ok(response);
                 }
+                Err(failure) => failure,
             };
             match failure {
                 Failure::Final(e) => return Err(e),
                 Failure::Retry { reason, detail } => {
-                    warn!(worker = %worker, attempt, attempts, reason, detail, "engine failed before the first token");
-                    drop(booking); // frees this attempt's load before the next route
+                    // The attempt's booking is gone: the router freed that load
+                    // before the next route.
+                    warn!(worker = %worker, attempt, attempts, reason, detail, "engine failed before the client saw anything");
                     if attempt < attempts {
                         self.metrics.retry(reason);
                     }
@@ -284,20 +253,84 @@ impl Flow {
         )))
     }
 
-    async fn respond(&self, answer: Answer, stream: bool) -> Response {
-        if stream {
-            return (
+    /// One engine attempt of `plan` on the routed worker, holding `booking` (dropped,
+    /// and so freed, when the attempt fails).
+    async fn attempt(
+        &self,
+        plan: &Plan,
+        decision: &RouteDecision,
+        mut booking: Booking,
+        arrived: Instant,
+        deadline: Instant,
+    ) -> Result<Response, Failure> {
+        let worker = decision.worker_id;
+        let Some(url) = self.workers.url(worker) else {
+            return Err(Failure::Retry {
+                reason: "no_url",
+                detail: format!("worker {worker} registered no engine url"),
+            });
+        };
+        let body = plan
+            .request
+            .body(&plan.tokens, self.model.engine_api, decision.dp_rank)
+            .map_err(Failure::Final)?;
+        let opened = Instant::now();
+        let first_token = FirstTokenDeadline {
+            attempt: opened + self.limits.first_token_timeout,
+            request: deadline,
+        };
+        let (first, events) = self
+            .engine
+            .open(
+                &url,
+                plan.request.path(),
+                &body,
+                decision.dp_rank,
+                first_token,
+            )
+            .await?;
+        booking.prefill_done();
+        self.metrics.stage("engine", opened.elapsed());
+        self.metrics.ttft(plan.endpoint, arrived.elapsed());
+        self.metrics.prompt_tokens(plan.tokens.len());
+        self.metrics.in_flight().inc();
+        debug!(request_id = %booking.request_id(), worker = %worker, dp_rank = %decision.dp_rank, overlap_blocks = decision.overlap_blocks, "first token");
+        let answer = Answer {
+            first: Some(first),
+            events,
+            booking: Some(booking),
+            shape: plan.request.shape(),
+            include_usage: plan.include_usage,
+            deadline,
+            idle: self.limits.stream_idle_timeout,
+            metrics: self.metrics.clone(),
+            endpoint: plan.endpoint,
+            arrived,
+            last: Instant::now(),
+            roles_sent: HashSet::new(),
+            finished: false,
+        };
+        if plan.stream {
+            return Ok((
                 [
                     (header::CONTENT_TYPE, "text/event-stream"),
                     (header::CACHE_CONTROL, "no-cache"),
                 ],
                 answer.into_sse(),
             )
-                .into_response();
+                .into_response());
         }
+        // The client sees nothing until the answer is whole, so an engine that fails
+        // after its first token is failed over like one that failed before it.
         match answer.collect().await {
-            Ok(whole) => Json(whole).into_response(),
-            Err(message) => ApiError::engine_failed(message).into_response(),
+            Ok(whole) => Ok(Json(whole).into_response()),
+            Err(_) if Instant::now() >= deadline => Err(Failure::Final(ApiError::timeout(
+                format!("{url} did not finish in time"),
+            ))),
+            Err(message) => Err(Failure::Retry {
+                reason: "engine_error",
+                detail: format!("{url} failed after its first token: {message}"),
+            }),
         }
     }
 }
@@ -311,7 +344,7 @@ pub const OVERLAP_HEADER: &str = "x-kv-router-overlap-blocks";
 
 /// Says where the request went, for operators and load generators: the worker, its
 /// rank and the prefix overlap the router predicted there.
-fn decision_headers(response: &mut Response, decision: &kv_events::routing::RouteDecision) {
+fn decision_headers(response: &mut Response, decision: &RouteDecision) {
     let headers = response.headers_mut();
     for (name, value) in [
         (WORKER_HEADER, decision.worker_id.0),

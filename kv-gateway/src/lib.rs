@@ -109,15 +109,25 @@ impl Gateway {
                 PromptTokenizer::Local(Arc::new(ModelTokenizer::from_dir(dir, limits)?))
             }
         };
+        // The lifecycle publisher re-sends `freed` after a reconnect: it hears of the
+        // connection's ups and downs through this channel.
+        let (events, connection) = tokio::sync::mpsc::unbounded_channel();
         let nats = config
             .nats
-            .connect_with("kv-gateway", |options| options)
+            .connect_with("kv-gateway", |options| {
+                options.event_callback(move |event| {
+                    // The receiver lives as long as the lifecycle publisher.
+                    let _ = events.send(event);
+                    async {}
+                })
+            })
             .await?;
         let router = RouterClient::new(
             nats.clone(),
             config.subjects.clone(),
             config.limits.route_timeout,
             config.limits.keep_alive,
+            connection,
         );
 
         let directory_shutdown = shutdown.child_token();

@@ -11,8 +11,7 @@ mod fixture;
 use fixture::{BLOCK, MODEL, Stack};
 use futures::StreamExt;
 use indexer::IndexerApi as _;
-use integration_tests::{FakeWorker, eventually, register_worker};
-use kv_events::discovery::WorkerRegistration;
+use integration_tests::eventually;
 use kv_events::{WorkerId, compute_block_hashes};
 use serde_json::{Value, json};
 use std::time::Duration;
@@ -243,35 +242,10 @@ async fn an_engine_that_refuses_connections_is_failed_over_before_the_first_toke
     let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let dead_url = format!("http://{}", dead.local_addr().unwrap());
     drop(dead);
-    let registration = WorkerRegistration {
-        worker_id: WorkerId(9),
-        dp_size: 1,
-        block_size: BLOCK,
-        total_kv_blocks: 1024,
-        url: Some(dead_url),
-        epoch: 0,
-    };
-    let cluster = &mut stack.cluster;
-    let lease = register_worker(&mut cluster.etcd, &cluster.subjects, &registration, 30)
-        .await
-        .unwrap();
     let tokens: Vec<u32> = (5000..5000 + 8 * BLOCK).collect();
-    let mut fake = FakeWorker::publisher(WorkerId(9), lease);
-    fake.store_prompt(&stack.cluster, &tokens).await.unwrap();
-    let rank = kv_events::WorkerRank::new(WorkerId(9), kv_events::DpRank(0));
-    integration_tests::wait_for_overlap(
-        stack.daemon(),
-        &compute_block_hashes(&tokens, BLOCK),
-        rank,
-        8,
-    )
-    .await
-    .unwrap();
-    eventually("the gateway to know worker 9", WAIT, || async {
-        stack.gateway().workers().url(WorkerId(9)).map(|_| ())
-    })
-    .await
-    .unwrap();
+    stack
+        .add_engine_holding(WorkerId(9), dead_url, std::slice::from_ref(&tokens))
+        .await;
 
     let body = json!({"model": MODEL, "prompt": tokens, "max_tokens": 3, "stream": true});
     let response = stack.post("/v1/completions", body.to_string()).await;

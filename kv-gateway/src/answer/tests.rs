@@ -23,6 +23,7 @@ fn answer(shape: Shape, include_usage: bool, rest: &[&str], first: &str) -> Answ
         shape,
         include_usage,
         deadline: now + Duration::from_secs(5),
+        idle: Duration::from_secs(5),
         metrics,
         endpoint: "completions",
         arrived: now,
@@ -148,4 +149,13 @@ async fn the_in_flight_gauge_returns_to_zero_on_every_end() {
     assert_eq!(metrics.in_flight().get(), 1);
     drop(a); // the client went away before reading anything
     assert_eq!(metrics.in_flight().get(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_engine_silent_past_the_idle_timeout_ends_the_answer() {
+    let mut silent = answer(Shape::Completion, false, &[], C1);
+    silent.events = Box::pin(futures::stream::pending());
+    silent.idle = Duration::from_millis(300);
+    let error = silent.collect().await.unwrap_err();
+    assert!(error.contains("sent nothing for 300 ms"), "{error}");
 }

@@ -1,7 +1,9 @@
 //! The whole request path on loopback: nats-server, etcd, the router daemon, mock
 //! engines speaking OpenAI HTTP, and the gateway — each real, each on free ports.
 
-use integration_tests::TestCluster;
+use integration_tests::{FakeWorker, TestCluster, register_worker};
+use kv_events::discovery::WorkerRegistration;
+use kv_events::{DpRank, WorkerId, WorkerRank, compute_block_hashes};
 use kv_gateway::{Gateway, GatewayArgs};
 use mocker::engine::{EngineModelConfig, EnginesHandle, HttpArgs};
 use router_daemon::{Daemon, ServeArgs};
@@ -55,6 +57,17 @@ impl Stack {
         gateway_flags: &[&str],
     ) -> Self {
         let cluster = TestCluster::start(BLOCK).await.expect("servers start");
+        Self::start_on(cluster, workers, time_scale, adjust, gateway_flags).await
+    }
+
+    /// [`Self::start`] on servers the test started itself.
+    pub async fn start_on(
+        cluster: TestCluster,
+        workers: u32,
+        time_scale: f64,
+        adjust: impl FnOnce(&mut ServeArgs),
+        gateway_flags: &[&str],
+    ) -> Self {
         let model = EngineModelConfig {
             block_size: BLOCK,
             num_gpu_blocks: 1024,
@@ -146,6 +159,50 @@ impl Stack {
             .send()
             .await
             .expect("gateway answers")
+    }
+
+    /// Registers worker `worker` with the engine at `url` and has it hold each of
+    /// `prompts`, so the router routes them there first; returns once the daemon and
+    /// the gateway both know it.
+    pub async fn add_engine_holding(
+        &mut self,
+        worker: WorkerId,
+        url: String,
+        prompts: &[Vec<u32>],
+    ) {
+        let registration = WorkerRegistration {
+            worker_id: worker,
+            dp_size: 1,
+            block_size: BLOCK,
+            total_kv_blocks: 1024,
+            url: Some(url),
+            epoch: 0,
+        };
+        let cluster = &mut self.cluster;
+        let lease = register_worker(&mut cluster.etcd, &cluster.subjects, &registration, 30)
+            .await
+            .expect("registered");
+        let mut fake = FakeWorker::publisher(worker, lease);
+        for tokens in prompts {
+            fake.store_prompt(&self.cluster, tokens)
+                .await
+                .expect("published");
+            integration_tests::wait_for_overlap(
+                self.daemon(),
+                &compute_block_hashes(tokens, BLOCK),
+                WorkerRank::new(worker, DpRank(0)),
+                tokens.len() as u32 / BLOCK,
+            )
+            .await
+            .expect("the daemon sees the prompt on the worker");
+        }
+        integration_tests::eventually(
+            "the gateway to know the worker",
+            std::time::Duration::from_secs(15),
+            || async { self.gateway().workers().url(worker).map(|_| ()) },
+        )
+        .await
+        .expect("the gateway knows the worker");
     }
 
     /// Stops gateway, daemon and engines in that order.

@@ -18,7 +18,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio::task::AbortHandle;
-use tracing::{debug, warn};
+use tracing::debug;
+
+mod lifecycle;
 
 /// Routing queries and lifecycle messages over NATS.
 #[derive(Clone)]
@@ -39,25 +41,19 @@ pub struct RouterClient {
 
 impl RouterClient {
     /// A client asking with `timeout` per query and keeping bookings alive every
-    /// `keep_alive`.
+    /// `keep_alive`; `connection` tells it of the NATS connection's events (for
+    /// re-sending `freed` after an outage; module `router::lifecycle`).
     /// Must be called inside a tokio runtime: it spawns the lifecycle publisher, which
     /// ends when the last clone of the client is dropped.
-    pub fn new(nats: Client, subjects: Subjects, timeout: Duration, keep_alive: Duration) -> Self {
-        let (lifecycle, mut queue) = mpsc::unbounded_channel::<LifecycleMessage>();
-        let publisher = nats.clone();
-        let subject = subjects.lifecycle();
-        tokio::spawn(async move {
-            while let Some(message) = queue.recv().await {
-                let Ok(payload) = encode(&message) else {
-                    continue;
-                };
-                // Fails only when the client is closed; the router then expires the
-                // booking by its TTL.
-                if let Err(e) = publisher.publish(subject.clone(), payload.into()).await {
-                    warn!(request_id = %message.request_id, event = ?message.event, error = %e, "lifecycle message not sent");
-                }
-            }
-        });
+    pub fn new(
+        nats: Client,
+        subjects: Subjects,
+        timeout: Duration,
+        keep_alive: Duration,
+        connection: mpsc::UnboundedReceiver<async_nats::Event>,
+    ) -> Self {
+        let (lifecycle, queue) = mpsc::unbounded_channel::<LifecycleMessage>();
+        lifecycle::spawn(nats.clone(), subjects.clone(), queue, connection);
         Self {
             nats,
             subjects: Arc::new(subjects),
@@ -136,23 +132,9 @@ impl RouterClient {
         }
     }
 
-    /// Whether a router answers on the route subject: a query with an empty prompt,
-    /// which every router refuses as `bad_request` without booking anything.
+    /// Whether a router answers on the route subject (see [`probe`]).
     pub async fn probe(&self) -> bool {
-        let request = RouteRequest::new(
-            RequestId("gateway-readiness-probe".into()),
-            Prompt::Tokens { token_ids: vec![] },
-        );
-        let Ok(payload) = encode(&request) else {
-            return false;
-        };
-        let asked = self.nats.send_request(
-            self.subjects.route(),
-            async_nats::client::Request::new()
-                .payload(payload.into())
-                .timeout(Some(Duration::from_secs(1))),
-        );
-        matches!(asked.await, Ok(reply) if decode::<RouteReply>(&reply.payload).is_ok())
+        probe(&self.nats, &self.subjects).await
     }
 
     fn publish(&self, request_id: &RequestId, event: LifecycleEvent) {
@@ -162,6 +144,25 @@ impl RouterClient {
             event,
         });
     }
+}
+
+/// Whether a router answers on the route subject within a second: a query with an
+/// empty prompt, which every router refuses as `bad_request` without booking anything.
+async fn probe(nats: &Client, subjects: &Subjects) -> bool {
+    let request = RouteRequest::new(
+        RequestId("gateway-readiness-probe".into()),
+        Prompt::Tokens { token_ids: vec![] },
+    );
+    let Ok(payload) = encode(&request) else {
+        return false;
+    };
+    let asked = nats.send_request(
+        subjects.route(),
+        async_nats::client::Request::new()
+            .payload(payload.into())
+            .timeout(Some(Duration::from_secs(1))),
+    );
+    matches!(asked.await, Ok(reply) if decode::<RouteReply>(&reply.payload).is_ok())
 }
 
 /// A request booked on a worker. Sends `prefill_done` once ([`Booking::prefill_done`]),

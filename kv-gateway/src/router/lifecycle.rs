@@ -1,0 +1,195 @@
+//! The lifecycle publisher: one task sends every lifecycle message of the gateway, in
+//! order (a `freed` must not overtake the `prefill_done` before it), and makes sure a
+//! `freed` survives a NATS outage.
+//!
+//! Why: core NATS delivers at most once, to the subscribers the server knows when the
+//! message arrives. When the NATS server restarts, the gateway may reconnect before
+//! the router has re-subscribed to `{ns}.router.lifecycle`; the `freed` it buffered
+//! during the outage (or sends right after) then reach no router, and the router holds
+//! that load until its request TTL (`--request-ttl-ms`, 10 minutes by default). So
+//! the task keeps the ids it freed in the last [`RECENT_WINDOW`] (at most
+//! [`MAX_RECENT`]); after a reconnect it waits until a router answers a probe route
+//! query (which proves the router is connected and subscribed again), then sends once
+//! more every `freed` since shortly before the disconnect. `freed` is idempotent: a
+//! router that already released the request ignores the repeat (counted as a rejected
+//! lifecycle message).
+//!
+//! Cost: one request id per `freed` of the last minute (~40 bytes each); after an
+//! outage, one probe every 0.1–2 s until a router answers (for at most
+//! [`ROUTER_PATIENCE`]), then one message per recent `freed`.
+
+use async_nats::{Client, Event, Subject};
+use backon::{ExponentialBuilder, Retryable as _};
+use futures::FutureExt as _;
+use futures::future::BoxFuture;
+use kv_events::routing::{LifecycleEvent, LifecycleMessage};
+use kv_events::{RequestId, Subjects, encode};
+use std::collections::VecDeque;
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tracing::{info, warn};
+
+/// How long a sent `freed` is kept for a re-send after an outage.
+pub const RECENT_WINDOW: Duration = Duration::from_secs(60);
+/// Most `freed` ids kept for a re-send (the oldest go first).
+pub const MAX_RECENT: usize = 1 << 17;
+/// Messages published this long before a disconnect was noticed may have been lost
+/// with the connection; they are re-sent too.
+const BEFORE_DISCONNECT: Duration = Duration::from_secs(5);
+/// How long the task waits for a router after a reconnect before giving up the
+/// re-send (the router's TTL then frees what was lost).
+pub const ROUTER_PATIENCE: Duration = Duration::from_secs(120);
+
+/// Starts the publisher of `queue` on `subjects.lifecycle()`, told of the connection's
+/// ups and downs by `connection`; it ends when `queue` closes.
+pub(super) fn spawn(
+    nats: Client,
+    subjects: Subjects,
+    queue: mpsc::UnboundedReceiver<LifecycleMessage>,
+    connection: mpsc::UnboundedReceiver<Event>,
+) {
+    let publisher = Publisher {
+        subject: subjects.lifecycle().into(),
+        nats,
+        subjects,
+        recent: VecDeque::new(),
+        disconnected_at: None,
+    };
+    tokio::spawn(publisher.run(queue, connection));
+}
+
+struct Publisher {
+    nats: Client,
+    subjects: Subjects,
+    subject: Subject,
+    /// `freed` ids sent, with when, oldest first.
+    recent: VecDeque<(Instant, RequestId)>,
+    /// The first disconnect not yet covered by a re-send.
+    disconnected_at: Option<Instant>,
+}
+
+impl Publisher {
+    async fn run(
+        mut self,
+        mut queue: mpsc::UnboundedReceiver<LifecycleMessage>,
+        mut connection: mpsc::UnboundedReceiver<Event>,
+    ) {
+        let mut waiting: Option<BoxFuture<'static, bool>> = None;
+        loop {
+            tokio::select! {
+                message = queue.recv() => match message {
+                    Some(message) => self.send(message).await,
+                    None => break,
+                },
+                Some(event) = connection.recv() => match event {
+                    Event::Disconnected => {
+                        self.disconnected_at.get_or_insert_with(Instant::now);
+                    }
+                    Event::Connected if self.disconnected_at.is_some() => {
+                        waiting = Some(router_answers(self.nats.clone(), self.subjects.clone()).boxed());
+                    }
+                    _ => {}
+                },
+                answered = async {
+                    match waiting.as_mut() {
+                        Some(router) => router.await,
+                        None => std::future::pending().await,
+                    }
+                } => {
+                    waiting = None;
+                    self.resend(answered).await;
+                }
+            }
+        }
+    }
+
+    async fn send(&mut self, message: LifecycleMessage) {
+        let Ok(payload) = encode(&message) else {
+            return;
+        };
+        if message.event == LifecycleEvent::Freed {
+            let now = Instant::now();
+            while self.recent.len() >= MAX_RECENT
+                || self
+                    .recent
+                    .front()
+                    .is_some_and(|(at, _)| now.duration_since(*at) > RECENT_WINDOW)
+            {
+                self.recent.pop_front();
+            }
+            self.recent.push_back((now, message.request_id.clone()));
+        }
+        // Fails only when the client is closed; the router then expires the booking
+        // by its TTL.
+        if let Err(e) = self
+            .nats
+            .publish(self.subject.clone(), payload.into())
+            .await
+        {
+            warn!(request_id = %message.request_id, event = ?message.event, error = %e, "lifecycle message not sent");
+        }
+    }
+
+    /// After a reconnect: if a router `answered`, sends again every `freed` since
+    /// shortly before the disconnect.
+    async fn resend(&mut self, answered: bool) {
+        let Some(disconnected_at) = self.disconnected_at.take() else {
+            return;
+        };
+        if !answered {
+            warn!(
+                patience_s = ROUTER_PATIENCE.as_secs(),
+                "no router answered after the nats reconnect; freed messages of the outage are not re-sent (the router's request TTL frees them)"
+            );
+            return;
+        }
+        let since = disconnected_at
+            .checked_sub(BEFORE_DISCONNECT)
+            .unwrap_or(disconnected_at);
+        let again: Vec<RequestId> = self
+            .recent
+            .iter()
+            .filter(|(at, _)| *at >= since)
+            .map(|(_, id)| id.clone())
+            .collect();
+        info!(
+            freed = again.len(),
+            "a router answers again after the nats reconnect; re-sending the outage's freed messages"
+        );
+        for request_id in again {
+            let message = LifecycleMessage {
+                request_id,
+                event: LifecycleEvent::Freed,
+            };
+            if let Ok(payload) = encode(&message)
+                && let Err(e) = self
+                    .nats
+                    .publish(self.subject.clone(), payload.into())
+                    .await
+            {
+                warn!(error = %e, "freed message not re-sent");
+                return;
+            }
+        }
+    }
+}
+
+/// Whether a router answers a probe within [`ROUTER_PATIENCE`], asking with backoff.
+async fn router_answers(nats: Client, subjects: Subjects) -> bool {
+    let backoff = ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(100))
+        .with_max_delay(Duration::from_secs(2))
+        .without_max_times()
+        .with_total_delay(Some(ROUTER_PATIENCE));
+    (|| async {
+        if super::probe(&nats, &subjects).await {
+            Ok(())
+        } else {
+            Err(())
+        }
+    })
+    .retry(backoff)
+    .await
+    .is_ok()
+}
