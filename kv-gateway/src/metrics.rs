@@ -10,7 +10,7 @@
 //! | `kv_gateway_stage_seconds` | `stage`: `tokenize`, `route`, `engine` | time in each stage before the first token (`engine`: forward → first token) |
 //! | `kv_gateway_prompt_tokens_total` | | prompt tokens routed |
 //! | `kv_gateway_completion_tokens_total` | | tokens generated (engines' usage) |
-//! | `kv_gateway_retries_total` | `reason`: `connect`, `engine_error`, `no_url` | failovers to another worker |
+//! | `kv_gateway_retries_total` | `reason`: `connect`, `engine_error`, `first_token_timeout`, `no_url` | failovers to another worker |
 //! | `kv_gateway_overlap_ratio` | | overlap blocks / prompt blocks of each routed request |
 //! | `kv_gateway_requests_in_flight` | | requests between routing and their end |
 

@@ -1,6 +1,8 @@
 //! Worker id → engine HTTP base URL, kept from the etcd worker directory
 //! (`kv_cluster::directory`): the router answers with a worker id, and this is where
-//! the gateway finds the engine behind it.
+//! the gateway finds the engine behind it. It also keeps each worker's KV block size,
+//! so the gateway can hash a prompt's blocks itself ([`WorkerUrls::block_size`]) when
+//! the whole fleet agrees on one, as the router does.
 //!
 //! Reads take a shared lock for one map lookup; the directory task is the only writer.
 //! A registration without a URL (an engine registered by an older relay) is kept as
@@ -12,25 +14,44 @@ use std::collections::HashMap;
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use tracing::{info, warn};
 
+/// What the gateway keeps of one registered worker.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Worker {
+    /// Engine base URL, without a trailing slash.
+    url: Option<String>,
+    /// Tokens per KV block.
+    block_size: u32,
+}
+
 /// The engine URLs of the registered workers. Cheap to clone; clones share the map.
 #[derive(Debug, Clone, Default)]
 pub struct WorkerUrls {
-    inner: Arc<RwLock<HashMap<WorkerId, Option<String>>>>,
+    inner: Arc<RwLock<HashMap<WorkerId, Worker>>>,
 }
 
 impl WorkerUrls {
-    fn read(&self) -> RwLockReadGuard<'_, HashMap<WorkerId, Option<String>>> {
+    fn read(&self) -> RwLockReadGuard<'_, HashMap<WorkerId, Worker>> {
         // Writers only insert or remove one entry, so a poisoned map is still whole.
         self.inner.read().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn write(&self) -> RwLockWriteGuard<'_, HashMap<WorkerId, Option<String>>> {
+    fn write(&self) -> RwLockWriteGuard<'_, HashMap<WorkerId, Worker>> {
         self.inner.write().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The engine base URL of `worker_id` (no trailing slash), if it registered one.
     pub fn url(&self, worker_id: WorkerId) -> Option<String> {
-        self.read().get(&worker_id).cloned().flatten()
+        self.read().get(&worker_id).and_then(|w| w.url.clone())
+    }
+
+    /// The KV block size of the fleet, in tokens: `Some` when at least one worker is
+    /// registered and all registered workers have the same one (the router adopts
+    /// the same), `None` otherwise. O(workers) under a shared lock.
+    pub fn block_size(&self) -> Option<u32> {
+        let workers = self.read();
+        let mut sizes = workers.values().map(|w| w.block_size);
+        let first = sizes.next()?;
+        sizes.all(|size| size == first).then_some(first)
     }
 
     /// Registered workers, with or without a URL.
@@ -48,15 +69,16 @@ impl WorkerUrls {
     pub fn any_url(&self) -> Option<String> {
         self.read()
             .iter()
-            .filter_map(|(id, url)| Some((id, url.as_ref()?)))
+            .filter_map(|(id, w)| Some((id, w.url.as_ref()?)))
             .min_by_key(|(id, _)| **id)
             .map(|(_, url)| url.clone())
     }
 
-    /// Adds or replaces a worker (tests and tools; the directory calls it on puts).
-    pub fn insert(&self, worker_id: WorkerId, url: Option<String>) {
+    /// Adds or replaces a worker with blocks of `block_size` tokens (tests and tools;
+    /// the directory calls it on puts).
+    pub fn insert(&self, worker_id: WorkerId, url: Option<String>, block_size: u32) {
         let url = url.map(|u| u.trim_end_matches('/').to_owned());
-        self.write().insert(worker_id, url);
+        self.write().insert(worker_id, Worker { url, block_size });
     }
 
     /// Forgets a worker.
@@ -73,7 +95,11 @@ impl Registrations for WorkerUrls {
         } else {
             info!(worker_id = %registration.worker_id, url = registration.url.as_deref(), "worker known");
         }
-        self.insert(registration.worker_id, registration.url);
+        self.insert(
+            registration.worker_id,
+            registration.url,
+            registration.block_size,
+        );
     }
 
     async fn delete(&mut self, worker_id: WorkerId) {
@@ -100,8 +126,10 @@ mod tests {
     #[test]
     fn urls_are_kept_per_worker_without_a_trailing_slash() {
         let urls = WorkerUrls::default();
-        urls.insert(WorkerId(2), Some("http://b:8000/".into()));
-        urls.insert(WorkerId(1), None);
+        assert_eq!(urls.block_size(), None);
+        urls.insert(WorkerId(2), Some("http://b:8000/".into()), 16);
+        urls.insert(WorkerId(1), None, 16);
+        assert_eq!(urls.block_size(), Some(16));
         assert_eq!(urls.url(WorkerId(2)).as_deref(), Some("http://b:8000"));
         assert_eq!(urls.url(WorkerId(1)), None);
         assert_eq!(urls.any_url().as_deref(), Some("http://b:8000"));
@@ -109,5 +137,7 @@ mod tests {
         urls.remove(WorkerId(2));
         assert_eq!(urls.any_url(), None);
         assert!(!urls.is_empty());
+        urls.insert(WorkerId(3), None, 32);
+        assert_eq!(urls.block_size(), None, "the fleet disagrees");
     }
 }

@@ -76,7 +76,7 @@ impl RouterClient {
         &self.nats
     }
 
-    /// Asks the router for a worker for `token_ids` of the session `session` (if any),
+    /// Asks the router for a worker for `prompt` of the session `session` (if any),
     /// excluding `exclude`. On success
     /// the request is booked and the returned [`Booking`] owns it.
     ///
@@ -86,14 +86,14 @@ impl RouterClient {
     pub async fn route(
         &self,
         request_id: RequestId,
-        token_ids: Vec<u32>,
+        prompt: Prompt,
         exclude: &[WorkerId],
         session: Option<&SessionId>,
     ) -> Result<(RouteDecision, Booking), ApiError> {
         let request = RouteRequest {
             exclude_workers: exclude.to_vec(),
             session_id: session.cloned(),
-            ..RouteRequest::new(request_id, Prompt::Tokens { token_ids })
+            ..RouteRequest::new(request_id, prompt)
         };
         let payload =
             encode(&request).map_err(|e| ApiError::internal(format!("encoding route: {e}")))?;
