@@ -6,9 +6,12 @@
 //! engine error, the deadline, or the client going away (axum drops the body stream)
 //! — frees the booking. An engine silent for longer than the stream idle timeout
 //! (`--stream-idle-timeout-ms`) after its first token is taken as hung: the answer
-//! ends with an error. Each engine event is parsed once (a few µs for a one-token
-//! chunk), to see usage and errors and, for a chat forwarded as tokens, to rewrite a
-//! completion chunk into a chat chunk; nothing is buffered beyond one event.
+//! ends with an error. A streamed chunk the client gets as the engine sent it
+//! (completions, pass-through chats) is only peeked at — errors, usage, an empty
+//! `choices` — and its text passed on unchanged: no JSON tree is built and nothing is
+//! re-serialized. Other chunks (a chat forwarded as tokens, rewritten from completion
+//! chunks; a non-streamed answer, assembled) are parsed once. Nothing is buffered
+//! beyond one event.
 
 use crate::forward::Events;
 use crate::metrics::GatewayMetrics;
@@ -17,6 +20,8 @@ use axum::body::Body;
 use bytes::Bytes;
 use eventsource_stream::Event;
 use futures::StreamExt;
+use serde::Deserialize;
+use serde::de::IgnoredAny;
 use serde_json::{Map, Value, json};
 use std::collections::{BTreeMap, HashSet};
 use std::convert::Infallible;
@@ -42,6 +47,8 @@ pub struct Answer {
     pub(crate) events: Events,
     pub(crate) booking: Option<Booking>,
     pub(crate) shape: Shape,
+    /// Whether the answer is streamed to the client (set by [`Answer::into_sse`]).
+    pub(crate) stream: bool,
     /// Whether a streaming client asked for the final usage chunk.
     pub(crate) include_usage: bool,
     pub(crate) deadline: Instant,
@@ -58,10 +65,36 @@ pub struct Answer {
     pub(crate) finished: bool,
 }
 
+/// A chunk on its way to the client.
+enum Chunk {
+    /// The engine's own JSON text, passed on unchanged.
+    Raw(String),
+    /// A parsed (and possibly rewritten) chunk.
+    Parsed(Value),
+}
+
+/// What the gateway must see of a chunk it passes on unchanged; the rest is skipped
+/// without being built (no map, no string is allocated for it).
+#[derive(Deserialize)]
+struct Peek {
+    #[serde(default)]
+    error: Option<IgnoredAny>,
+    #[serde(default)]
+    usage: Option<PeekUsage>,
+    #[serde(default)]
+    choices: Option<Vec<IgnoredAny>>,
+}
+
+#[derive(Deserialize)]
+struct PeekUsage {
+    #[serde(default)]
+    completion_tokens: Option<u64>,
+}
+
 /// An engine event, read.
 enum Read {
     /// A chunk to pass on (rewritten if needed), or `None` to drop it.
-    Chunk(Option<Value>),
+    Chunk(Option<Chunk>),
     /// The engine said `[DONE]`.
     Done,
     /// The engine reported an error in its stream.
@@ -105,6 +138,21 @@ impl Answer {
         if event.data.trim() == "[DONE]" {
             return Some(Read::Done);
         }
+        if self.pass_through() {
+            // Streamed as the engine sent it: only peek at what the gateway needs.
+            if let Ok(peek) = serde_json::from_str::<Peek>(&event.data)
+                && peek.error.is_none()
+            {
+                if let Some(tokens) = peek.usage.and_then(|u| u.completion_tokens) {
+                    self.metrics.completion_tokens(tokens);
+                }
+                let usage_only = peek.choices.is_some_and(|c| c.is_empty());
+                return Some(Read::Chunk(
+                    (!usage_only || self.include_usage).then_some(Chunk::Raw(event.data)),
+                ));
+            }
+            // Not JSON, or an error: the full read below says which.
+        }
         let Ok(mut chunk) = serde_json::from_str::<Value>(&event.data) else {
             return Some(Read::Error("engine sent a chunk that is not JSON".into()));
         };
@@ -130,8 +178,14 @@ impl Answer {
             chunk = self.chat_chunk(chunk);
         }
         Some(Read::Chunk(
-            (!usage_only || self.include_usage).then_some(chunk),
+            (!usage_only || self.include_usage).then_some(Chunk::Parsed(chunk)),
         ))
+    }
+
+    /// Whether chunks go to the client as the engine sent them: streamed, and not
+    /// turned from completion chunks into chat chunks.
+    fn pass_through(&self) -> bool {
+        self.stream && self.shape != Shape::ChatFromCompletion
     }
 
     /// A completion chunk as a chat chunk: `text` becomes `delta.content`, the first
@@ -188,13 +242,17 @@ impl Answer {
 
     /// The answer as a server-sent event body: `data: {...}\n\n` per chunk, then
     /// `data: [DONE]\n\n`; an engine failure mid-stream becomes an `error` event.
-    pub fn into_sse(self) -> Body {
+    pub fn into_sse(mut self) -> Body {
+        self.stream = true;
         let stream = futures::stream::unfold(self, |mut answer| async move {
             loop {
                 match answer.next().await? {
                     Read::Chunk(None) => continue,
-                    Read::Chunk(Some(chunk)) => {
-                        return Some((Ok::<_, Infallible>(sse(&chunk.to_string())), answer));
+                    Read::Chunk(Some(Chunk::Raw(data))) => {
+                        return Some((Ok::<_, Infallible>(sse(&data)), answer));
+                    }
+                    Read::Chunk(Some(Chunk::Parsed(chunk))) => {
+                        return Some((Ok(sse(&chunk.to_string())), answer));
                     }
                     Read::Done => {
                         answer.finish();
@@ -223,7 +281,9 @@ impl Answer {
         let result = loop {
             match self.next().await {
                 None | Some(Read::Done) => break Ok(()),
-                Some(Read::Chunk(Some(chunk))) => assembly.add(&chunk),
+                Some(Read::Chunk(Some(Chunk::Parsed(chunk)))) => assembly.add(&chunk),
+                // Only a stream passes chunks through unparsed.
+                Some(Read::Chunk(Some(Chunk::Raw(_)))) => {}
                 Some(Read::Chunk(None)) => {}
                 Some(Read::Error(message)) => break Err(message),
             }

@@ -317,6 +317,7 @@ impl Flow {
             events,
             booking: Some(booking),
             shape: plan.request.shape(),
+            stream: false,
             include_usage: plan.include_usage,
             deadline,
             idle: self.limits.stream_idle_timeout,

@@ -158,6 +158,11 @@ impl GatewayMetrics {
         self.completion_tokens.inc_by(tokens);
     }
 
+    /// Generated tokens counted so far.
+    pub fn completion_tokens_total(&self) -> u64 {
+        self.completion_tokens.get()
+    }
+
     /// Counts a failover.
     pub fn retry(&self, reason: &str) {
         self.retries.with_label_values(&[reason]).inc();

@@ -21,6 +21,7 @@ fn answer(shape: Shape, include_usage: bool, rest: &[&str], first: &str) -> Answ
         events: Box::pin(futures::stream::iter(events)),
         booking: None,
         shape,
+        stream: false,
         include_usage,
         deadline: now + Duration::from_secs(5),
         idle: Duration::from_secs(5),
@@ -47,10 +48,15 @@ async fn a_stream_is_relayed_and_the_usage_chunk_only_when_asked() {
     let sse =
         body_text(answer(Shape::Completion, false, &[C2, USAGE, "[DONE]"], C1).into_sse()).await;
     let lines: Vec<&str> = sse.split("\n\n").filter(|l| !l.is_empty()).collect();
-    assert_eq!(lines.len(), 3, "{sse}");
-    assert!(lines[0].contains(r#""text":" a""#));
-    assert!(lines[1].contains(r#""finish_reason":"length""#));
-    assert_eq!(lines[2], "data: [DONE]");
+    // Passed on byte for byte, as the engine wrote them.
+    assert_eq!(
+        lines,
+        [
+            format!("data: {C1}"),
+            format!("data: {C2}"),
+            "data: [DONE]".into()
+        ]
+    );
     let with_usage =
         body_text(answer(Shape::Completion, true, &[C2, USAGE, "[DONE]"], C1).into_sse()).await;
     assert!(
@@ -158,4 +164,27 @@ async fn an_engine_silent_past_the_idle_timeout_ends_the_answer() {
     silent.idle = Duration::from_millis(300);
     let error = silent.collect().await.unwrap_err();
     assert!(error.contains("sent nothing for 300 ms"), "{error}");
+}
+
+#[tokio::test]
+async fn a_passed_through_stream_still_sees_errors_and_usage() {
+    let metrics = metrics::unregistered(GatewayMetrics::new);
+    let mut relayed = answer(Shape::Completion, true, &[USAGE, "[DONE]"], C1);
+    relayed.metrics = metrics.clone();
+    let sse = body_text(relayed.into_sse()).await;
+    assert!(sse.contains(USAGE), "{sse}");
+    assert_eq!(metrics.completion_tokens_total(), 2);
+
+    let failing = r#"{"error":{"message":"KV cache exhausted","code":500}}"#;
+    let sse = body_text(answer(Shape::Chat, false, &[failing, C2], C1).into_sse()).await;
+    assert!(
+        sse.contains("KV cache exhausted") && sse.contains("engine_error"),
+        "{sse}"
+    );
+    assert!(
+        !sse.contains(r#""text":" b""#),
+        "nothing after the error: {sse}"
+    );
+    let garbage = body_text(answer(Shape::Chat, false, &["<html>"], C1).into_sse()).await;
+    assert!(garbage.contains("not JSON"), "{garbage}");
 }
