@@ -1,104 +1,31 @@
 //! `kv_cluster::http::serve` over real loopback sockets: connections that never
 //! send a request (slowloris), headers sent a byte at a time, idle keep-alive
-//! connections, and connections over the cap. Timeouts are short so the tests are
-//! quick; every assertion is about what the server did (closed unanswered, answered
-//! after a slot freed), never about how fast.
+//! connections (kept past the header-read timeout, closed at the idle timeout, closed
+//! first at the cap) and shutdown. Timeouts are short so the tests are quick; every
+//! assertion is about what the server did (closed unanswered, answered after a slot
+//! freed), never about how fast. Request bodies: `http_bodies.rs`.
 
 // Test helpers unwrap: a broken socket must fail the test loudly.
 #![allow(clippy::unwrap_used)]
 
+#[path = "http_server/common.rs"]
+mod common;
+
 use axum::Router;
 use axum::routing::get;
-use kv_cluster::http::{ServerLimits, serve};
-use std::net::SocketAddr;
-use std::num::NonZeroUsize;
+use common::raw::{
+    WAIT, closed_now, read_answer, read_answer_then_idle_close, read_until_closed, trickle,
+};
+use common::{REQUEST, Server, limits};
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::task::JoinHandle;
-use tokio_util::sync::CancellationToken;
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
 
-/// Upper bound on anything the server should do (a closed connection, an answer).
-const WAIT: Duration = Duration::from_secs(30);
-const REQUEST: &[u8] = b"GET /health/livez HTTP/1.1\r\nHost: test\r\n\r\n";
-
-struct Server {
-    addr: SocketAddr,
-    shutdown: CancellationToken,
-    task: JoinHandle<()>,
-}
-
-impl Server {
-    /// A server of `/health/livez` only.
-    async fn start(header_read_timeout: Duration, max_connections: usize) -> Self {
-        let router = Router::new().route("/health/livez", get(|| async { "ok\n" }));
-        Self::serving(router, header_read_timeout, max_connections).await
-    }
-
-    async fn serving(
-        router: Router,
-        header_read_timeout: Duration,
-        max_connections: usize,
-    ) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let limits = ServerLimits {
-            header_read_timeout,
-            max_connections: NonZeroUsize::new(max_connections).unwrap(),
-        };
-        let shutdown = CancellationToken::new();
-        let task = tokio::spawn(serve(listener, router, limits, shutdown.clone()));
-        Self {
-            addr,
-            shutdown,
-            task,
-        }
-    }
-
-    async fn stop(self) {
-        self.shutdown.cancel();
-        tokio::time::timeout(WAIT, self.task)
-            .await
-            .expect("the server stops")
-            .unwrap();
-    }
-
-    async fn livez(&self) -> u16 {
-        kv_cluster::http::get(&self.addr.to_string(), "/health/livez", WAIT)
-            .await
-            .unwrap()
-            .status
-    }
-}
-
-/// Reads until the server closes the connection (end of stream or reset) and returns
-/// what it sent; panics if it is still open after [`WAIT`].
-async fn read_until_closed(stream: &mut TcpStream) -> Vec<u8> {
-    let mut got = Vec::new();
-    let mut buf = [0u8; 1024];
-    loop {
-        let read = tokio::time::timeout(WAIT, stream.read(&mut buf))
-            .await
-            .expect("the server closes the connection");
-        match read {
-            Ok(0) | Err(_) => return got,
-            Ok(n) => got.extend_from_slice(&buf[..n]),
-        }
-    }
-}
-
-/// Whether the server has closed `stream` already (a non-blocking look).
-fn closed_now(stream: &std::net::TcpStream) -> bool {
-    match stream.peek(&mut [0u8; 1]) {
-        Ok(0) => true,
-        Ok(_) => false,
-        Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
-    }
-}
+const MS: Duration = Duration::from_millis(1);
 
 #[tokio::test]
 async fn idle_connections_are_closed_unanswered_after_the_header_read_timeout() {
-    let server = Server::start(Duration::from_millis(300), 1000).await;
+    let server = Server::start(limits(300 * MS, WAIT, 1000)).await;
     let mut readers = Vec::new();
     for _ in 0..200 {
         let mut stream = TcpStream::connect(server.addr).await.unwrap();
@@ -115,63 +42,75 @@ async fn idle_connections_are_closed_unanswered_after_the_header_read_timeout() 
 
 #[tokio::test]
 async fn headers_sent_a_byte_at_a_time_are_cut_at_the_header_read_timeout() {
-    let server = Server::start(Duration::from_millis(300), 16).await;
-    let stream = TcpStream::connect(server.addr).await.unwrap();
-    let (mut read, mut write) = stream.into_split();
-    let writer = tokio::spawn(async move {
-        // One byte every 100 ms: the request would take about 4 s to arrive whole.
-        let mut tick = tokio::time::interval(Duration::from_millis(100));
-        for byte in REQUEST {
-            tick.tick().await;
-            if write.write_all(&[*byte]).await.is_err() {
-                return;
-            }
-        }
-        // Keep the connection open for writing (dropping the half would end it).
-        std::future::pending::<()>().await;
-        drop(write);
-    });
-    let mut got = Vec::new();
-    let mut buf = [0u8; 1024];
-    loop {
-        let n = tokio::time::timeout(WAIT, read.read(&mut buf))
-            .await
-            .expect("the server closes the connection")
-            .unwrap_or(0);
-        if n == 0 {
-            break;
-        }
-        got.extend_from_slice(&buf[..n]);
-    }
-    assert_eq!(got, b"", "the slow request is never answered");
+    let server = Server::start(limits(300 * MS, WAIT, 16)).await;
+    let (mut read, write) = server.connect().await.into_split();
+    // One byte every 100 ms: the request would take about 4 s to arrive whole.
+    let writer = trickle(write, REQUEST.to_vec(), 100 * MS);
+    assert_eq!(read_until_closed(&mut read).await, b"", "never answered");
     writer.abort();
     assert_eq!(server.livez().await, 200);
     server.stop().await;
 }
 
+/// The header-read timeout of a kept-alive connection counts from the first byte of
+/// its next head, not from the previous answer: a long pause is not a slow head.
 #[tokio::test]
-async fn an_idle_keep_alive_connection_is_closed_after_its_answer() {
-    let server = Server::start(Duration::from_millis(300), 16).await;
-    let mut stream = TcpStream::connect(server.addr).await.unwrap();
+async fn a_keep_alive_connection_idle_past_the_header_read_timeout_serves_its_next_request() {
+    let server = Server::start(limits(300 * MS, WAIT, 16)).await;
+    let mut stream = server.connect().await;
     stream.write_all(REQUEST).await.unwrap();
-    // The answer, then nothing: the connection stays idle until the server closes it.
-    let got = String::from_utf8(read_until_closed(&mut stream).await).unwrap();
-    assert!(got.starts_with("HTTP/1.1 200"), "{got}");
-    assert!(
-        got.ends_with("\r\n\r\nok\n"),
-        "one answer and no more: {got}"
+    let first = read_answer(&mut stream).await.expect("answered");
+    assert_eq!(first.status(), 200);
+    assert_eq!(
+        first.header("keep-alive"),
+        Some("timeout=30"),
+        "{}",
+        first.head
     );
+    tokio::time::sleep(1000 * MS).await;
+    stream.write_all(REQUEST).await.unwrap();
+    let second = read_answer(&mut stream)
+        .await
+        .expect("still open, answered");
+    assert_eq!((second.status(), second.body.as_str()), (200, "ok\n"));
+    server.stop().await;
+}
+
+/// ... but the next head, once begun, has the header-read timeout to arrive whole.
+#[tokio::test]
+async fn a_slow_next_head_on_a_keep_alive_connection_is_cut_at_the_header_read_timeout() {
+    let server = Server::start(limits(300 * MS, WAIT, 16)).await;
+    let (mut read, mut write) = server.connect().await.into_split();
+    write.write_all(REQUEST).await.unwrap();
+    assert_eq!(
+        read_answer(&mut read).await.expect("answered").status(),
+        200
+    );
+    let writer = trickle(write, REQUEST.to_vec(), 100 * MS);
+    assert_eq!(read_until_closed(&mut read).await, b"", "never answered");
+    writer.abort();
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn an_idle_keep_alive_connection_is_closed_after_the_idle_timeout() {
+    // A header-read timeout far beyond the wait: only the idle timeout can close it.
+    let server = Server::start(limits(WAIT * 2, 300 * MS, 16)).await;
+    let mut stream = server.connect().await;
+    stream.write_all(REQUEST).await.unwrap();
+    read_answer_then_idle_close(&mut stream, "timeout=1").await;
     server.stop().await;
 }
 
 /// The header-read timeout bounds waiting for a request, not answering it: a body
-/// streamed for longer than the timeout (an SSE completion) arrives whole.
+/// streamed for longer than the timeout (an SSE completion) arrives whole, and so
+/// it does past the idle timeout.
 #[tokio::test]
-async fn an_answer_longer_than_the_header_read_timeout_is_not_cut() {
+async fn an_answer_longer_than_the_header_read_and_idle_timeouts_is_not_cut() {
     let router = Router::new().route(
         "/stream",
         get(|| async {
-            // Ten chunks 100 ms apart: about 1 s, against a 200 ms timeout.
+            // Ten chunks 100 ms apart: about 1 s, against 200 ms timeouts.
             let chunks = futures::stream::unfold(1u32, |n| async move {
                 if n > 10 {
                     return None;
@@ -182,7 +121,7 @@ async fn an_answer_longer_than_the_header_read_timeout_is_not_cut() {
             axum::body::Body::from_stream(chunks)
         }),
     );
-    let server = Server::serving(router, Duration::from_millis(200), 4).await;
+    let server = Server::serving(router, limits(200 * MS, 200 * MS, 4)).await;
     let answer = kv_cluster::http::get(&server.addr.to_string(), "/stream", WAIT)
         .await
         .unwrap();
@@ -194,7 +133,7 @@ async fn an_answer_longer_than_the_header_read_timeout_is_not_cut() {
 
 #[tokio::test]
 async fn connections_over_the_cap_wait_until_one_closes() {
-    let server = Server::start(Duration::from_millis(1000), 4).await;
+    let server = Server::start(limits(1000 * MS, WAIT, 4)).await;
     // Four connections that send nothing take every slot (the listen backlog is
     // first in, first out, so they are accepted before the client below).
     let idle: Vec<std::net::TcpStream> = (0..4)
@@ -212,36 +151,71 @@ async fn connections_over_the_cap_wait_until_one_closes() {
     let freed = idle.iter().filter(|s| closed_now(s)).count();
     assert!(
         freed >= 1,
-        "answered only once an idle connection timed out and freed its slot"
+        "answered only once an idle connection freed its slot"
+    );
+    server.stop().await;
+}
+
+/// At the cap an idle keep-alive connection is closed for a new client, though
+/// neither of its timeouts (far beyond the wait) has passed: idle pools cannot lock
+/// new clients out.
+#[tokio::test]
+async fn at_the_cap_an_idle_keep_alive_connection_is_closed_for_a_new_one() {
+    let server = Server::start(limits(WAIT * 2, WAIT * 2, 1)).await;
+    let mut pooled = server.connect().await;
+    pooled.write_all(REQUEST).await.unwrap();
+    assert_eq!(
+        read_answer(&mut pooled).await.expect("answered").status(),
+        200
+    );
+    assert_eq!(server.livez().await, 200, "the new client is served");
+    assert_eq!(
+        read_until_closed(&mut pooled).await,
+        b"",
+        "closed between answers"
+    );
+    server.stop().await;
+}
+
+/// Making room at the cap never cuts an answer: a connection with a request in
+/// flight keeps it, and is closed for the waiting client once it is answered.
+#[tokio::test]
+async fn at_the_cap_a_connection_is_closed_for_a_new_one_only_after_its_answer() {
+    let (router, held) = common::held_routes();
+    let server = Server::serving(router, limits(WAIT * 2, WAIT * 2, 1)).await;
+    let mut busy = server.connect().await;
+    busy.write_all(b"GET /slow HTTP/1.1\r\nHost: test\r\n\r\n")
+        .await
+        .unwrap();
+    held.entered.await.unwrap();
+    let waiting = server.livez_in_background();
+    tokio::time::sleep(300 * MS).await;
+    assert!(
+        !waiting.is_finished(),
+        "no room while the only slot is busy"
+    );
+    held.release.send(()).unwrap();
+    let answer = read_answer(&mut busy).await.expect("answered whole");
+    assert_eq!((answer.status(), answer.body.as_str()), (200, "done"));
+    assert_eq!(waiting.await.unwrap(), 200, "then the new client");
+    assert_eq!(
+        read_until_closed(&mut busy).await,
+        b"",
+        "closed after its answer"
     );
     server.stop().await;
 }
 
 #[tokio::test]
 async fn shutdown_lets_a_request_in_flight_finish() {
-    let (entered_tx, entered_rx) = tokio::sync::oneshot::channel::<()>();
-    let (release_tx, release_rx) = tokio::sync::oneshot::channel::<()>();
-    let slot = std::sync::Arc::new(std::sync::Mutex::new(Some((entered_tx, release_rx))));
-    let router = Router::new().route(
-        "/slow",
-        get(move || {
-            let taken = slot.lock().unwrap().take();
-            async move {
-                if let Some((entered, release)) = taken {
-                    entered.send(()).unwrap();
-                    release.await.unwrap();
-                }
-                "done"
-            }
-        }),
-    );
-    let server = Server::serving(router, Duration::from_secs(5), 4).await;
+    let (router, held) = common::held_routes();
+    let server = Server::serving(router, limits(5000 * MS, WAIT, 4)).await;
     let addr = server.addr;
     let request =
         tokio::spawn(async move { kv_cluster::http::get(&addr.to_string(), "/slow", WAIT).await });
-    entered_rx.await.unwrap();
+    held.entered.await.unwrap();
     server.shutdown.cancel();
-    release_tx.send(()).unwrap();
+    held.release.send(()).unwrap();
     let answer = request.await.unwrap().unwrap();
     assert_eq!((answer.status, answer.body.as_str()), (200, "done"));
     server.stop().await;

@@ -9,7 +9,10 @@ use crate::error::GatewayError;
 use clap::{Args, ValueEnum};
 use kv_cluster::args::{EtcdArgs, NatsArgs};
 use kv_cluster::etcd::EtcdConfig;
-use kv_cluster::http::{DEFAULT_HEADER_READ_TIMEOUT_MS, ServerLimits};
+use kv_cluster::http::{
+    BodyTimeouts, DEFAULT_BODY_IDLE_TIMEOUT_MS, DEFAULT_BODY_READ_TIMEOUT_MS,
+    DEFAULT_HEADER_READ_TIMEOUT_MS, DEFAULT_IDLE_TIMEOUT_S, ServerLimits,
+};
 use kv_cluster::nats::NatsConfig;
 use kv_events::{Namespace, Subjects};
 use std::net::SocketAddr;
@@ -95,9 +98,9 @@ pub struct GatewayArgs {
     /// Largest request body accepted, in bytes; more is refused with 413.
     #[arg(long, help_heading = "HTTP", env = "KV_GATEWAY_MAX_BODY_BYTES", default_value_t = 8 << 20)]
     pub max_body_bytes: usize,
-    /// Time a client connection has to deliver a request's headers, in ms, from
-    /// accept or from the previous answer (so also the longest idle keep-alive); then
-    /// it is closed. Streams already answering are not cut.
+    /// Time a client connection has to deliver a request's headers, in ms: from
+    /// accept for its first request, from the head's first byte on a kept-alive
+    /// connection; then it is closed unanswered. Streams already answering are not cut.
     #[arg(
         long,
         help_heading = "HTTP",
@@ -106,6 +109,50 @@ pub struct GatewayArgs {
         value_parser = clap::value_parser!(u64).range(1..)
     )]
     pub header_read_timeout_ms: u64,
+    /// How long a client connection stays open with no request in flight and no bytes
+    /// received, in seconds; then it is closed between requests (advertised as
+    /// `Keep-Alive: timeout=N`). Above common clients' pools (aiperf 300 s, Go and
+    /// reqwest 90 s), so they retire idle connections first; at `--max-connections`
+    /// idle connections are closed first anyway.
+    #[arg(
+        long,
+        help_heading = "HTTP",
+        env = "KV_GATEWAY_IDLE_TIMEOUT_S",
+        default_value_t = DEFAULT_IDLE_TIMEOUT_S,
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
+    pub idle_timeout_s: u64,
+    /// Time a request body has to arrive whole, in ms, from its request's headers;
+    /// then it is answered 408 and the connection closed.
+    #[arg(
+        long,
+        help_heading = "HTTP",
+        env = "KV_GATEWAY_BODY_READ_TIMEOUT_MS",
+        default_value_t = DEFAULT_BODY_READ_TIMEOUT_MS,
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
+    pub body_read_timeout_ms: u64,
+    /// Longest pause between two chunks of a request body (or before the first), in
+    /// ms; then it is answered 408 and the connection closed.
+    #[arg(
+        long,
+        help_heading = "HTTP",
+        env = "KV_GATEWAY_BODY_IDLE_TIMEOUT_MS",
+        default_value_t = DEFAULT_BODY_IDLE_TIMEOUT_MS,
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
+    pub body_idle_timeout_ms: u64,
+    /// How long an idle connection to an engine is kept for reuse, in ms: below the
+    /// engine's own keep-alive (vLLM's and SGLang's uvicorn: 5 s), so the gateway never
+    /// sends a request onto a connection the engine is closing.
+    #[arg(
+        long,
+        help_heading = "Forwarding",
+        env = "KV_GATEWAY_ENGINE_IDLE_TIMEOUT_MS",
+        default_value_t = 4_000,
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
+    pub engine_idle_timeout_ms: u64,
     /// Most client connections served at once (each streaming request holds one);
     /// more wait in the listen backlog. Keep it under the process's open-file limit.
     #[arg(
@@ -227,6 +274,8 @@ pub struct Limits {
     pub first_token_timeout: Duration,
     /// Longest silence between two events of an engine's stream.
     pub stream_idle_timeout: Duration,
+    /// How long an idle engine connection is kept for reuse.
+    pub engine_idle_timeout: Duration,
     /// Whole-request timeout, from routing to the last token.
     pub request_timeout: Duration,
     /// Interval of `keep_alive` lifecycle messages.
@@ -261,7 +310,7 @@ pub struct GatewayConfig {
     pub subjects: Subjects,
     /// HTTP listen address.
     pub listen: SocketAddr,
-    /// Header-read timeout and connection cap of the HTTP server.
+    /// Header-read, idle and body timeouts and connection cap of the HTTP server.
     pub http: ServerLimits,
     /// Model, tokenization and forwarding.
     pub model: ModelConfig,
@@ -325,7 +374,14 @@ impl GatewayArgs {
             etcd: self.etcd.to_config().map_err(|e| bad(e.to_string()))?,
             subjects: Subjects::new(namespace),
             listen: self.listen,
-            http: ServerLimits::from_flags(self.header_read_timeout_ms, self.max_connections),
+            http: ServerLimits {
+                idle_timeout: Duration::from_secs(self.idle_timeout_s),
+                body: BodyTimeouts {
+                    total: Duration::from_millis(self.body_read_timeout_ms),
+                    idle: Duration::from_millis(self.body_idle_timeout_ms),
+                },
+                ..ServerLimits::from_flags(self.header_read_timeout_ms, self.max_connections)
+            },
             model: ModelConfig {
                 model_dir: self.model_dir.clone(),
                 served_model_name,
@@ -342,6 +398,7 @@ impl GatewayArgs {
                 engine_connect_timeout: Duration::from_millis(self.engine_connect_timeout_ms),
                 first_token_timeout: Duration::from_millis(self.first_token_timeout_ms),
                 stream_idle_timeout: Duration::from_millis(self.stream_idle_timeout_ms),
+                engine_idle_timeout: Duration::from_millis(self.engine_idle_timeout_ms),
                 request_timeout: Duration::from_secs(self.request_timeout_s),
                 keep_alive: Duration::from_secs(self.keep_alive_s),
             },
@@ -373,6 +430,41 @@ mod tests {
         assert_eq!(config.model.forward, PromptForward::Tokens);
         assert_eq!(config.model.engine_api, EngineApi::Vllm);
         assert_eq!(config.limits.max_retries, 2);
+    }
+
+    #[test]
+    fn connection_timeouts_have_defaults_and_refuse_zero() {
+        let config = parse(&["--model-dir", "/m/x"]).to_config().unwrap();
+        assert_eq!(config.http.header_read_timeout, Duration::from_secs(5));
+        assert_eq!(config.http.idle_timeout, Duration::from_secs(600));
+        assert_eq!(config.http.body.total, Duration::from_secs(30));
+        assert_eq!(config.http.body.idle, Duration::from_secs(5));
+        assert_eq!(config.limits.engine_idle_timeout, Duration::from_secs(4));
+        let config = parse(&[
+            "--model-dir=/m/x",
+            "--idle-timeout-s=7",
+            "--body-read-timeout-ms=900",
+            "--body-idle-timeout-ms=300",
+            "--engine-idle-timeout-ms=1500",
+        ])
+        .to_config()
+        .unwrap();
+        assert_eq!(config.http.idle_timeout, Duration::from_secs(7));
+        assert_eq!(config.http.body.total, Duration::from_millis(900));
+        assert_eq!(config.http.body.idle, Duration::from_millis(300));
+        assert_eq!(
+            config.limits.engine_idle_timeout,
+            Duration::from_millis(1500)
+        );
+        for flag in [
+            "--idle-timeout-s",
+            "--body-read-timeout-ms",
+            "--body-idle-timeout-ms",
+            "--engine-idle-timeout-ms",
+        ] {
+            let args = ["gateway", "--model-dir=/m/x", flag, "0"];
+            assert!(parse_flags::<GatewayArgs, _, _>(args).is_err(), "{flag} 0");
+        }
     }
 
     #[test]

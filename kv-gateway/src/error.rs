@@ -3,7 +3,7 @@
 //!
 //! The statuses follow what OpenAI-compatible servers return, so client libraries
 //! retry what is worth retrying: 400 for a request that can never succeed, 404 for an
-//! unknown model, 429 with `Retry-After` when the router is overloaded, 503 when there
+//! unknown model, 408 for a body sent too slowly, 429 with `Retry-After` when the router is overloaded, 503 when there
 //! is no worker or router, 502 when the engine failed, 504 when it took too long.
 
 use axum::http::{HeaderValue, StatusCode, header};
@@ -82,6 +82,16 @@ impl ApiError {
             StatusCode::PAYLOAD_TOO_LARGE,
             "invalid_request_error",
             format!("request body over {limit} bytes"),
+        )
+    }
+
+    /// 408: the request body did not arrive in time (`--body-read-timeout-ms`,
+    /// `--body-idle-timeout-ms`); the connection is closed after it.
+    pub fn body_too_slow(message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            message,
         )
     }
 

@@ -11,11 +11,14 @@
 //!
 //! Both POST routes read an optional `x-session-id` header ([`crate::session`]).
 //!
-//! Bodies are bounded (`--max-body-bytes`, 413 above) before they are read; every
-//! error is OpenAI's JSON error shape. Connections are served by
-//! [`kv_cluster::http::serve`]: one that has not delivered a request's headers within
-//! `--header-read-timeout-ms` (from accept or from the previous answer) is closed, and
-//! at most `--max-connections` are served at once.
+//! Bodies are bounded (`--max-body-bytes`, 413 above) before they are read, and must
+//! arrive within `--body-read-timeout-ms` with no pause over `--body-idle-timeout-ms`
+//! (408 and the connection closed); every error is OpenAI's JSON error shape.
+//! Connections are served by [`kv_cluster::http::serve`]: one that has not delivered a
+//! request's headers within `--header-read-timeout-ms` (from accept, or from the
+//! head's first byte on a kept-alive connection) is closed; one idle for
+//! `--idle-timeout-s` is closed between requests; at most `--max-connections` are
+//! served at once, idle ones closed first to make room.
 
 use crate::error::ApiError;
 use crate::flow::Flow;
@@ -28,6 +31,7 @@ use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use kv_cluster::http::BodyTimeout;
 use prometheus::{Encoder, Registry, TextEncoder};
 use serde_json::json;
 use std::sync::Arc;
@@ -58,7 +62,9 @@ pub fn router(state: AppState) -> Router {
 
 fn body_of(body: Result<Bytes, BytesRejection>, limit: usize) -> Result<Bytes, ApiError> {
     body.map_err(|rejection| {
-        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+        if let Some(timeout) = BodyTimeout::find(&rejection) {
+            ApiError::body_too_slow(timeout.to_string())
+        } else if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
             ApiError::too_large(limit)
         } else {
             ApiError::bad_request(rejection.body_text())

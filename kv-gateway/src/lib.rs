@@ -89,6 +89,9 @@ impl Gateway {
         let metrics = GatewayMetrics::new(&Registrar::new(&registry))?;
         let client = reqwest::Client::builder()
             .connect_timeout(config.limits.engine_connect_timeout)
+            // Below the engines' own keep-alive: a pooled connection is never one the
+            // engine is closing (reqwest's default, 90 s, showed as retries).
+            .pool_idle_timeout(config.limits.engine_idle_timeout)
             .tcp_nodelay(true)
             .build()?;
         let workers = WorkerUrls::default();

@@ -23,8 +23,9 @@ pub struct HttpArgs {
     /// counters), or `off`.
     #[arg(long, env = "KV_RELAY_HTTP_LISTEN", default_value = "off")]
     pub http_listen: ListenAddr,
-    /// Time a connection has to deliver a request's headers, in ms, from accept or
-    /// from the previous answer (so also the longest idle keep-alive).
+    /// Time a connection has to deliver a request's headers, in ms, from accept, or
+    /// from the head's first byte on a kept-alive connection (idle ones are closed
+    /// after 600 s, or first at the cap).
     #[arg(
         long,
         env = "KV_RELAY_HTTP_HEADER_READ_TIMEOUT_MS",
@@ -42,7 +43,7 @@ pub struct HttpArgs {
 pub struct HttpConfig {
     /// The listen address.
     pub listen: SocketAddr,
-    /// Header-read timeout and connection cap.
+    /// Header-read, idle and body timeouts and connection cap.
     pub limits: ServerLimits,
 }
 
@@ -138,10 +139,7 @@ mod tests {
     async fn an_idle_connection_is_closed_and_scrapes_are_answered() {
         let config = HttpConfig {
             listen: "127.0.0.1:0".parse().expect("an address"),
-            limits: ServerLimits {
-                header_read_timeout: Duration::from_millis(200),
-                max_connections: NonZeroUsize::MIN,
-            },
+            limits: ServerLimits::from_flags(200, NonZeroUsize::MIN),
         };
         let shutdown = CancellationToken::new();
         let registry = prometheus::Registry::new();

@@ -4,16 +4,25 @@
 //! client ([`get`]) for the cluster's own plain-text endpoints.
 //!
 //! # Layout
-//! - [`server`]: [`serve`] and [`ServerLimits`]: header-read timeout (which also bounds
-//!   idle keep-alive connections) and connection cap, for the daemon's, the gateway's,
-//!   the relay's and the mock engine's servers alike.
+//! - [`server`]: [`serve`] and [`ServerLimits`]: header-read, idle keep-alive and
+//!   request body deadlines, and the connection cap (closing idle connections first),
+//!   for the daemon's, the gateway's, the relay's and the mock engine's servers alike.
+//! - `connection` (private): one connection's record and the watchdog that closes it.
+//! - `request` (private): requests counted in flight, bodies under deadlines
+//!   ([`BodyTimeout`]), answers marked for what the connection does next.
 //! - [`client`]: [`get`] and [`metric_sample`].
 
 pub mod client;
+mod connection;
+mod request;
 pub mod server;
 
 pub use client::{HttpResponse, get, metric_sample};
-pub use server::{DEFAULT_HEADER_READ_TIMEOUT_MS, ServerLimits, serve};
+pub use request::BodyTimeout;
+pub use server::{
+    BodyTimeouts, DEFAULT_BODY_IDLE_TIMEOUT_MS, DEFAULT_BODY_READ_TIMEOUT_MS,
+    DEFAULT_HEADER_READ_TIMEOUT_MS, DEFAULT_IDLE_TIMEOUT_S, ServerLimits, serve,
+};
 
 use std::net::SocketAddr;
 

@@ -2,68 +2,135 @@
 //! operator endpoint (and its separate `/debug` listener), the gateway, the relay's
 //! `/metrics` and the mock engine's OpenAI server all call [`serve`].
 //!
-//! Why not `axum::serve`: it sets no timer, so hyper enforces no header-read timeout
-//! and a client that connects and never sends a request (slowloris) holds its
-//! connection, a task and a file descriptor forever; and it accepts without limit.
-//! [`serve`] is axum's accept loop with both bounds, built from hyper's own pieces
-//! (no HTTP parsing of ours):
+//! Why not `axum::serve`: it sets no timer, so a client that connects and never sends
+//! a request (slowloris) holds its connection, a task and a file descriptor forever;
+//! and it accepts without limit. Why not hyper's own `header_read_timeout` either: hyper
+//! starts it whenever it begins waiting for a request head, at accept *and* right
+//! after each response, so it doubles as an idle keep-alive timeout of a few seconds,
+//! far below the pools of common clients (aiohttp in aiperf 300 s, Go's `net/http`
+//! and reqwest 90 s). A request written onto a connection the server is closing at
+//! that moment fails with "connection reset", and clients do not resend a POST.
 //!
-//! - **Header-read timeout** ([`ServerLimits::header_read_timeout`], hyper's
-//!   `http1::Builder::header_read_timeout` on tokio's timer): a connection must
-//!   deliver a request's complete headers within it, counted from when the server
-//!   starts waiting for them: from accept, and on a keep-alive connection from the end
-//!   of the previous response. So the same timeout bounds idle keep-alive
-//!   connections. A timed-out connection is closed without an answer. It does not
-//!   limit request bodies or responses: a long SSE stream is not cut.
-//! - **Connection cap** ([`ServerLimits::max_connections`]): a permit is taken before
-//!   each `accept`. At the cap the server stops accepting; new connections wait in
-//!   the kernel's listen backlog (their requests are answered once a connection
-//!   closes) and are refused by the kernel when the backlog is full.
+//! [`serve`] is axum's accept loop with separate bounds, built from hyper's pieces
+//! (no HTTP parsing of ours); [`ServerLimits`] holds them:
+//!
+//! - **Header-read timeout**: a new connection must deliver its first request's
+//!   complete headers within it from accept; a keep-alive connection, from the first
+//!   byte of its next request. Else it is closed without an answer.
+//! - **Idle timeout**: a connection with no request in flight and no bytes received
+//!   for this long is closed, gracefully: only between requests, never mid-answer.
+//!   Answers on a connection that stays open carry `Keep-Alive: timeout=N` (seconds),
+//!   so clients that read it (undici, browsers) expire their side first.
+//! - **Request body deadlines** ([`BodyTimeouts`]): a body must arrive whole within
+//!   a total deadline from its request's head, with no gap between chunks longer than
+//!   an idle deadline. A handler reading the body then sees a [`BodyTimeout`] error;
+//!   the answer is 408 with `Connection: close` (the handler's own 408, such as the
+//!   gateway's OpenAI error JSON, or else a plain one in place of what it answered)
+//!   and the connection closes, freeing its slot.
+//! - **Connection cap** ([`ServerLimits::max_connections`]): at the cap, a new
+//!   connection is accepted and the longest-idle connection (no request in flight,
+//!   no head begun) is closed to make room, as nginx does; so idle pools cannot lock
+//!   new clients out. When none is idle, the new connection waits until one is idle
+//!   (and closes it) or ends, and further ones wait in the kernel's listen backlog
+//!   (refused when it is full).
+//!
+//! A response after which the server closes carries `Connection: close` (hyper adds
+//! it once keep-alive is off: a graceful close asked mid-request, an unread body).
 //!
 //! Shutdown: on `shutdown`, accepting stops, idle keep-alive connections are closed,
-//! requests in flight finish (hyper's graceful shutdown), then [`serve`] returns.
-//! Dropping the [`serve`] future instead cuts every connection at once (they run in
-//! a `JoinSet` it owns).
+//! requests in flight finish, then [`serve`] returns. Dropping the [`serve`] future
+//! instead cuts every connection at once (they run in a `JoinSet` it owns).
 //!
-//! Cost: one tokio task and one timer per connection, one semaphore per server.
+//! Cost: per connection one tokio task, one watchdog timer (reset only when its
+//! deadline moves) and one small shared record; per read that returns bytes a
+//! clock read and an uncontended lock; per request one boxed future and, for a body
+//! that is not empty, one timer; per server one semaphore and a table of open
+//! connections, scanned only when a connection arrives at the cap.
 
+use super::connection::{self, Conn, Tracked};
+use super::request::Requests;
 use axum::Router;
 use axum::serve::Listener;
 use hyper::server::conn::http1;
-use hyper_util::rt::{TokioIo, TokioTimer};
-use hyper_util::server::graceful::GracefulShutdown;
-use hyper_util::service::TowerToHyperService;
+use hyper_util::rt::TokioIo;
+use std::collections::HashMap;
 use std::fmt::Debug;
 use std::num::NonZeroUsize;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
-use tokio::sync::Semaphore;
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 /// Default [`ServerLimits::header_read_timeout`] of every server, in ms: a client
-/// sends its headers in one packet, and clients' keep-alive pools (httpx, uvicorn's
-/// server side) expire idle connections after 5 s too.
+/// sends its headers in one packet, right after connecting or all at once when it
+/// reuses a connection.
 pub const DEFAULT_HEADER_READ_TIMEOUT_MS: u64 = 5_000;
 
-/// How one HTTP server bounds its connections.
+/// Default [`ServerLimits::idle_timeout`], in seconds: twice the longest idle pool of
+/// common clients (aiohttp as aiperf sets it: 300 s; Go's `net/http`, reqwest and
+/// SMG: 90 s), so the client, not the server, retires an idle connection. An idle
+/// connection costs a task and a few KiB, and at the cap idle ones are closed first,
+/// so a long idle timeout cannot lock new clients out.
+pub const DEFAULT_IDLE_TIMEOUT_S: u64 = 600;
+
+/// Default [`BodyTimeouts::total`], in ms: the largest body the gateway accepts by
+/// default (8 MiB) arrives whole at about 2.2 Mbit/s or more.
+pub const DEFAULT_BODY_READ_TIMEOUT_MS: u64 = 30_000;
+
+/// Default [`BodyTimeouts::idle`], in ms: a client sends its body right after its
+/// head, so a gap as long as the header-read timeout means a stalled or hostile
+/// client; TCP's retransmissions (1, 2, 4 s backoff) fit under it once or twice.
+pub const DEFAULT_BODY_IDLE_TIMEOUT_MS: u64 = 5_000;
+
+/// Deadlines of a request body; missing one is answered 408 with `Connection:
+/// close`. A request without a body (`Content-Length: 0`, a `GET`) has none.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BodyTimeouts {
+    /// Longest a body may take to arrive whole, from when its request's head was read.
+    pub total: Duration,
+    /// Longest wait for the body's next chunk (or its first), from the previous one.
+    pub idle: Duration,
+}
+
+impl Default for BodyTimeouts {
+    fn default() -> Self {
+        Self {
+            total: Duration::from_millis(DEFAULT_BODY_READ_TIMEOUT_MS),
+            idle: Duration::from_millis(DEFAULT_BODY_IDLE_TIMEOUT_MS),
+        }
+    }
+}
+
+/// How one HTTP server bounds its connections (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ServerLimits {
-    /// Longest a connection may take to deliver a request's headers, counted from
-    /// accept or from the end of the previous response on the connection; so also
-    /// the longest a keep-alive connection stays idle. Then it is closed unanswered.
+    /// Longest a connection may take to deliver a request's headers: from accept for
+    /// its first request, from the first byte of the head for the next ones. Then it
+    /// is closed unanswered.
     pub header_read_timeout: Duration,
-    /// Most connections served at once; further ones wait in the listen backlog.
+    /// Longest a connection stays open with no request in flight and no bytes
+    /// received; then it is closed (gracefully: never mid-answer). Advertised to
+    /// clients in whole seconds as `Keep-Alive: timeout=N`.
+    pub idle_timeout: Duration,
+    /// Deadlines of request bodies.
+    pub body: BodyTimeouts,
+    /// Most connections served at once; at the cap the longest-idle one is closed
+    /// for a new one, or the new one waits (see the module docs).
     pub max_connections: NonZeroUsize,
 }
 
 impl ServerLimits {
-    /// The limits from their flag values: the timeout in milliseconds (flags refuse
-    /// 0) and the cap.
+    /// The limits from their flag values, the header-read timeout in milliseconds
+    /// (flags refuse 0) and the cap; the idle timeout and the body deadlines are the
+    /// defaults ([`DEFAULT_IDLE_TIMEOUT_S`], [`BodyTimeouts::default`]). Set those
+    /// fields afterwards to change them.
     pub fn from_flags(header_read_timeout_ms: u64, max_connections: NonZeroUsize) -> Self {
         Self {
             header_read_timeout: Duration::from_millis(header_read_timeout_ms),
+            idle_timeout: Duration::from_secs(DEFAULT_IDLE_TIMEOUT_S),
+            body: BodyTimeouts::default(),
             max_connections,
         }
     }
@@ -83,47 +150,123 @@ pub async fn serve<L>(
     L::Addr: Debug,
 {
     let permits = Arc::new(Semaphore::new(limits.max_connections.get()));
-    let graceful = GracefulShutdown::new();
-    let mut connections = JoinSet::new();
+    let open = Arc::new(Open::default());
+    let mut tasks = JoinSet::new();
     let mut builder = http1::Builder::new();
-    builder
-        .timer(TokioTimer::new())
-        .header_read_timeout(limits.header_read_timeout);
+    // Ours instead (see the module docs); hyper's would also time idle connections.
+    builder.header_read_timeout(None);
+    let requests = Requests::new(router, &limits);
     let mut at_cap = false;
     loop {
-        while connections.try_join_next().is_some() {}
-        let permit = tokio::select! {
-            () = shutdown.cancelled() => break,
-            permit = permits.clone().acquire_owned() => match permit {
-                Ok(permit) => permit,
-                // The semaphore is never closed.
-                Err(_) => break,
-            },
-        };
+        while tasks.try_join_next().is_some() {}
         let (io, remote) = tokio::select! {
             () = shutdown.cancelled() => break,
             accepted = listener.accept() => accepted,
         };
-        let full = permits.available_permits() == 0;
-        if full && !at_cap {
-            warn!(
-                max_connections = limits.max_connections.get(),
-                "http connection limit reached; new connections wait until one closes"
-            );
-        }
-        at_cap = full;
-        let connection =
-            builder.serve_connection(TokioIo::new(io), TowerToHyperService::new(router.clone()));
-        let connection = graceful.watch(connection);
-        connections.spawn(async move {
-            if let Err(e) = connection.await {
-                // Timed-out headers, malformed requests, resets: the client's doing.
-                debug!(?remote, error = %e, "http connection closed");
+        let permit = if let Ok(permit) = permits.clone().try_acquire_owned() {
+            at_cap = false;
+            permit
+        } else {
+            if !at_cap {
+                warn!(
+                    max_connections = limits.max_connections.get(),
+                    "http connection limit reached; the longest-idle connection is \
+                     closed for a new one, or it waits until one is idle or ends"
+                );
+                at_cap = true;
             }
+            match open.make_room(&permits, &shutdown).await {
+                Some(permit) => permit,
+                None => break,
+            }
+        };
+        let conn = Conn::new(&limits, shutdown.child_token(), open.answered.clone());
+        let registered = open.insert(conn.clone());
+        let connection = builder.serve_connection(
+            TokioIo::new(Tracked::new(io, conn.clone())),
+            requests.on(conn.clone()),
+        );
+        tasks.spawn(async move {
+            connection::drive(connection, &conn, remote).await;
+            drop(registered);
             drop(permit);
         });
     }
     drop(listener);
-    graceful.shutdown().await;
-    while connections.join_next().await.is_some() {}
+    // Each connection's close token is a child of `shutdown`: idle ones close now,
+    // busy ones after their answer.
+    while tasks.join_next().await.is_some() {}
+}
+
+/// The open connections, by a serial number, for closing the longest-idle one at
+/// the cap.
+#[derive(Default)]
+struct Open {
+    table: Mutex<(u64, HashMap<u64, Arc<Conn>>)>,
+    /// Told when an answer ends (its connection may now be idle).
+    answered: Arc<Notify>,
+}
+
+impl Open {
+    fn insert(self: &Arc<Self>, conn: Arc<Conn>) -> Registered {
+        let mut table = self.table.lock().unwrap_or_else(PoisonError::into_inner);
+        let id = table.0;
+        table.0 += 1;
+        table.1.insert(id, conn);
+        Registered {
+            open: self.clone(),
+            id,
+        }
+    }
+
+    /// A permit for a connection accepted at the cap: closes the longest-idle
+    /// connection, or waits until one is idle (and closes it) or ends. `None` at
+    /// shutdown.
+    async fn make_room(
+        &self,
+        permits: &Arc<Semaphore>,
+        shutdown: &CancellationToken,
+    ) -> Option<OwnedSemaphorePermit> {
+        loop {
+            let answered = self.answered.notified();
+            self.close_idlest();
+            tokio::select! {
+                () = shutdown.cancelled() => return None,
+                // The semaphore is never closed.
+                permit = permits.clone().acquire_owned() => return permit.ok(),
+                () = answered => {}
+            }
+        }
+    }
+
+    /// Asks the connection idle for longest to close, if there is one.
+    fn close_idlest(&self) {
+        let table = self.table.lock().unwrap_or_else(PoisonError::into_inner);
+        let idlest = table
+            .1
+            .values()
+            .filter_map(|conn| Some((conn.idle_since()?, conn)))
+            .min_by_key(|(since, _)| *since);
+        if let Some((since, conn)) = idlest {
+            debug!(idle_for = ?since.elapsed(), "closing an idle connection to make room");
+            conn.close.cancel();
+        }
+    }
+}
+
+/// Removes its connection from [`Open`] when the connection's task ends.
+struct Registered {
+    open: Arc<Open>,
+    id: u64,
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        let mut table = self
+            .open
+            .table
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        table.1.remove(&self.id);
+    }
 }

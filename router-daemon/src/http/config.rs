@@ -10,8 +10,9 @@
 //!   or through `kubectl port-forward`, not by anyone who can reach port 9090.
 //!
 //! Every listener closes a connection that has not delivered a request's headers
-//! within `--http-header-read-timeout-ms` (from accept, or from the previous answer on
-//! a keep-alive connection) and serves at most `--http-max-connections` at once.
+//! within `--http-header-read-timeout-ms` (from accept, or from the head's first byte
+//! on a keep-alive connection) and serves at most `--http-max-connections` at once,
+//! closing idle ones first to make room (`kv_cluster::http::serve`).
 
 use clap::Args;
 use kv_cluster::http::{DEFAULT_HEADER_READ_TIMEOUT_MS, ListenAddr, ServerLimits};
@@ -83,9 +84,9 @@ pub struct HttpArgs {
         default_value = "127.0.0.1:9095"
     )]
     pub http_debug_listen: DebugListen,
-    /// Time a connection has to deliver a request's headers, in ms, from accept or
-    /// from the previous answer (so also the longest idle keep-alive); then it is
-    /// closed.
+    /// Time a connection has to deliver a request's headers, in ms, from accept, or
+    /// from the head's first byte on a kept-alive connection; then it is closed
+    /// (idle ones are closed after 600 s, or first at the cap).
     #[arg(
         long,
         help_heading = "HTTP",
@@ -111,7 +112,7 @@ pub struct HttpConfig {
     pub listen: ListenAddr,
     /// Where `/debug/*` is served. Default `127.0.0.1:9095`.
     pub debug: DebugListen,
-    /// Header-read timeout and connection cap of every listener.
+    /// Header-read, idle and body timeouts and connection cap of every listener.
     pub limits: ServerLimits,
 }
 

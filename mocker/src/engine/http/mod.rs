@@ -42,6 +42,7 @@ use std::num::NonZeroUsize;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 /// Largest accepted request body, in bytes (4 MiB: a 128k-token prompt as token ids
 /// is under 1 MiB of JSON).
@@ -76,8 +77,9 @@ pub struct HttpArgs {
     /// (`num_gpu_blocks × block_size`).
     #[arg(long)]
     pub max_model_len: Option<u64>,
-    /// Time a connection has to deliver a request's headers, in ms, from accept or
-    /// from the previous answer (so also the longest idle keep-alive).
+    /// Time a connection has to deliver a request's headers, in ms, from accept, or
+    /// from the head's first byte on a kept-alive connection (idle ones are closed
+    /// after [`ENGINE_IDLE_TIMEOUT`]).
     #[arg(
         long,
         default_value_t = DEFAULT_HEADER_READ_TIMEOUT_MS,
@@ -90,14 +92,23 @@ pub struct HttpArgs {
     pub http_max_connections: NonZeroUsize,
 }
 
+/// How long a worker's listener keeps an idle connection: uvicorn's
+/// `timeout_keep_alive` default, which vLLM and SGLang serve with, so clients of the
+/// mock engine (the gateway's engine pool among them) meet what a real engine does.
+pub const ENGINE_IDLE_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// Default `--http-max-connections` of each worker's listener.
 // A non-zero literal: the `expect` cannot fail (and is checked at compile time).
 pub const DEFAULT_MAX_CONNECTIONS: NonZeroUsize = NonZeroUsize::new(4096).expect("4096 is not 0");
 
 impl HttpArgs {
-    /// The listeners' header-read timeout and connection cap.
+    /// The listeners' limits: header-read timeout and connection cap from the flags,
+    /// and a real engine's idle keep-alive ([`ENGINE_IDLE_TIMEOUT`]).
     pub fn limits(&self) -> ServerLimits {
-        ServerLimits::from_flags(self.http_header_read_timeout_ms, self.http_max_connections)
+        ServerLimits {
+            idle_timeout: ENGINE_IDLE_TIMEOUT,
+            ..ServerLimits::from_flags(self.http_header_read_timeout_ms, self.http_max_connections)
+        }
     }
 }
 
