@@ -136,7 +136,7 @@ pub struct GatewayArgs {
     pub max_prompt_tokens: usize,
     /// Longest prompt text tokenized, in bytes (a completion's prompt, or a chat as
     /// rendered); longer is refused with 400 before it is queued or encoded. An encode
-    /// holds about a hundred bytes of memory per prompt byte (docs/gateway.md,
+    /// holds 150–170 bytes of memory per prompt byte (docs/gateway.md,
     /// "Tokenization limits and memory"). Default: `--max-prompt-tokens` × 8.
     #[arg(
         long,

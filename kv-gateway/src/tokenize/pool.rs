@@ -7,7 +7,7 @@
 //! request's stream — waited for the CPU behind them (the route stage, a millisecond
 //! of the router's time, took 2.9 s). With at most about a core's worth of encode
 //! threads the async workers always get their share, and the tokenizer's memory,
-//! about a hundred bytes per prompt byte while an encode runs, is bounded by
+//! 150–170 bytes per prompt byte while an encode runs, is bounded by
 //! `threads × --max-prompt-bytes`, not by how many clients send long prompts at once.
 //!
 //! The threads are the pool's own (named `kv-tokenize-N`), not tokio's blocking pool:
