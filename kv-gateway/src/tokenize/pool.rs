@@ -237,6 +237,34 @@ mod tests {
         assert_eq!(pool.run(far(), || 2).await.unwrap().value, 2);
     }
 
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_queued_job_whose_caller_left_is_skipped() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let pool = Arc::new(pool(1, 1));
+        let (started_tx, started) = mpsc::channel();
+        let (release, job) = blocking(started_tx);
+        let running = tokio::spawn({
+            let pool = Arc::clone(&pool);
+            async move { pool.run(far(), job).await.map(|r| r.value) }
+        });
+        started.recv().unwrap();
+        let ran = Arc::new(AtomicBool::new(false));
+        let waiting = tokio::spawn({
+            let (pool, ran) = (Arc::clone(&pool), Arc::clone(&ran));
+            async move {
+                pool.run(far(), move || ran.store(true, Ordering::SeqCst))
+                    .await
+            }
+        });
+        until(|| pool.admitted() == 2).await;
+        waiting.abort(); // the client disconnects while its prompt waits
+        assert!(waiting.await.unwrap_err().is_cancelled());
+        release.send(()).unwrap();
+        assert_eq!(running.await.unwrap().unwrap(), 7);
+        until(|| pool.admitted() == 0).await;
+        assert!(!ran.load(Ordering::SeqCst), "the abandoned job did not run");
+    }
+
     #[tokio::test]
     async fn a_panicking_job_is_reported_and_its_thread_goes_on() {
         let pool = pool(1, 0);
