@@ -181,6 +181,35 @@ pub struct GatewayArgs {
         default_value_t = 131_072
     )]
     pub max_prompt_tokens: usize,
+    /// Longest prompt text tokenized, in bytes (a completion's prompt, or a chat as
+    /// rendered); longer is refused with 400 before it is queued or encoded. An encode
+    /// holds 150–170 bytes of memory per prompt byte (docs/gateway.md,
+    /// "Tokenization limits and memory"). Default: `--max-prompt-tokens` × 8.
+    #[arg(
+        long,
+        help_heading = "Model",
+        env = "KV_GATEWAY_MAX_PROMPT_BYTES",
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
+    pub max_prompt_bytes: Option<u64>,
+    /// Prompts tokenized at once (`--tokenize-via local`), each on one of the
+    /// gateway's tokenizer threads. Default: the number of cores.
+    #[arg(
+        long,
+        help_heading = "Model",
+        env = "KV_GATEWAY_TOKENIZER_THREADS",
+        default_value_t = default_tokenizer_threads()
+    )]
+    pub tokenizer_threads: NonZeroUsize,
+    /// Prompts that may wait for a tokenizer thread; more are refused at once with
+    /// 503 and `Retry-After`.
+    #[arg(
+        long,
+        help_heading = "Model",
+        env = "KV_GATEWAY_TOKENIZER_QUEUE",
+        default_value_t = 64
+    )]
+    pub tokenizer_queue: usize,
     /// What a completion's engine request carries as its prompt.
     #[arg(long, help_heading = "Forwarding", env = "KV_GATEWAY_FORWARD", value_enum, default_value_t = PromptForward::Tokens)]
     pub forward: PromptForward,
@@ -282,6 +311,23 @@ pub struct Limits {
     pub keep_alive: Duration,
 }
 
+/// The cores this process may use: the default of `--tokenizer-threads`.
+fn default_tokenizer_threads() -> NonZeroUsize {
+    std::thread::available_parallelism().unwrap_or(NonZeroUsize::MIN)
+}
+
+/// Local tokenization: the thread pool and the prompt bound that bound its CPU and
+/// memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TokenizerConfig {
+    /// Encodes at once, one per thread.
+    pub threads: NonZeroUsize,
+    /// Prompts that may wait for a thread.
+    pub queue: usize,
+    /// Longest prompt text tokenized, in bytes.
+    pub max_prompt_bytes: usize,
+}
+
 /// How requests are tokenized and forwarded.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ModelConfig {
@@ -291,6 +337,8 @@ pub struct ModelConfig {
     pub served_model_name: String,
     /// Where prompts are tokenized.
     pub tokenize_via: TokenizeVia,
+    /// Tokenizer threads, queue and prompt byte bound.
+    pub tokenizer: TokenizerConfig,
     /// The prompt a completion's engine request carries.
     pub forward: PromptForward,
     /// How chats reach the engine.
@@ -321,6 +369,19 @@ pub struct GatewayConfig {
 }
 
 impl GatewayArgs {
+    /// The tokenizer pool and byte bound (`--max-prompt-bytes` defaults to
+    /// `--max-prompt-tokens` × [`kv_tokenizer::MAX_BYTES_PER_TOKEN`]).
+    fn tokenizer_config(&self) -> TokenizerConfig {
+        let derived = kv_tokenizer::Limits::for_tokens(self.max_prompt_tokens).max_prompt_bytes;
+        TokenizerConfig {
+            threads: self.tokenizer_threads,
+            queue: self.tokenizer_queue,
+            max_prompt_bytes: self
+                .max_prompt_bytes
+                .map_or(derived, |b| usize::try_from(b).unwrap_or(usize::MAX)),
+        }
+    }
+
     /// Validates the flags.
     ///
     /// # Errors
@@ -386,6 +447,7 @@ impl GatewayArgs {
                 model_dir: self.model_dir.clone(),
                 served_model_name,
                 tokenize_via: self.tokenize_via,
+                tokenizer: self.tokenizer_config(),
                 forward: self.forward,
                 chat_forward: self.chat_forward,
                 engine_api: self.engine_api,
@@ -480,6 +542,44 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("--served-model-name"), "{err}");
+    }
+
+    #[test]
+    fn the_prompt_byte_bound_follows_the_token_bound_unless_given() {
+        let config = parse(&["--model-dir", "/m/x"]).to_config().unwrap();
+        let cores = std::thread::available_parallelism().unwrap();
+        assert_eq!(
+            config.model.tokenizer,
+            TokenizerConfig {
+                threads: cores,
+                queue: 64,
+                max_prompt_bytes: 131_072 * 8,
+            }
+        );
+        let config = parse(&["--model-dir", "/m/x", "--max-prompt-tokens", "1000"])
+            .to_config()
+            .unwrap();
+        assert_eq!(config.model.tokenizer.max_prompt_bytes, 8000);
+        let config = parse(&[
+            "--model-dir",
+            "/m/x",
+            "--max-prompt-bytes",
+            "5000",
+            "--tokenizer-threads",
+            "3",
+            "--tokenizer-queue",
+            "0",
+        ])
+        .to_config()
+        .unwrap();
+        assert_eq!(config.model.tokenizer.max_prompt_bytes, 5000);
+        assert_eq!(config.model.tokenizer.threads.get(), 3);
+        assert_eq!(config.model.tokenizer.queue, 0);
+        for bad in [["--max-prompt-bytes", "0"], ["--tokenizer-threads", "0"]] {
+            let mut args = vec!["gateway", "--model-dir", "/m/x"];
+            args.extend(bad);
+            assert!(parse_flags::<GatewayArgs, _, _>(args).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

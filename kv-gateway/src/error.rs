@@ -36,6 +36,9 @@ pub enum GatewayError {
     /// The metrics could not be registered.
     #[error("metrics: {0}")]
     Metrics(#[from] prometheus::Error),
+    /// The tokenizer threads could not be started.
+    #[error("cannot start the tokenizer threads: {0}")]
+    Threads(#[source] std::io::Error),
 }
 
 /// An error answered to a client: status, OpenAI `type`, message, and for 429 how

@@ -133,14 +133,9 @@ impl Flow {
     ) -> Result<Response, ApiError> {
         let request = parse_completion(body)?;
         self.check_model(&request.model)?;
-        let started = Instant::now();
         let tokens = match &request.prompt {
             PromptInput::Tokens(ids) => ids.clone(),
-            PromptInput::Text(text) => {
-                let ids = self.tokenizer.completion(text).await?;
-                self.metrics.stage("tokenize", started.elapsed());
-                ids
-            }
+            PromptInput::Text(text) => self.tokenizer.completion(text).await?,
         };
         self.check_length(&tokens)?;
         let forward_tokens = self.model.forward == PromptForward::Tokens
@@ -173,12 +168,10 @@ impl Flow {
             // Refuse what tokens mode cannot do before anything is routed.
             chat_as_completion(&chat, &[], self.model.engine_api, DpRank(0))?;
         }
-        let started = Instant::now();
         let tokens = self
             .tokenizer
             .chat(chat.messages.clone(), chat.options.clone())
             .await?;
-        self.metrics.stage("tokenize", started.elapsed());
         self.check_length(&tokens)?;
         let plan = Plan {
             endpoint: "chat_completions",

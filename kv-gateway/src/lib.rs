@@ -46,6 +46,7 @@ use crate::http::AppState;
 use crate::metrics::GatewayMetrics;
 use crate::router::RouterClient;
 use crate::tokenize::PromptTokenizer;
+use crate::tokenize::pool::TokenizerPool;
 use crate::workers::WorkerUrls;
 use axum::serve::ListenerExt;
 use kv_cluster::directory::WorkerDirectory;
@@ -95,21 +96,27 @@ impl Gateway {
             .tcp_nodelay(true)
             .build()?;
         let workers = WorkerUrls::default();
+        let limits = kv_tokenizer::Limits {
+            max_prompt_bytes: config.model.tokenizer.max_prompt_bytes,
+            max_prompt_tokens: config.limits.max_prompt_tokens,
+        };
         let tokenizer = match config.model.tokenize_via {
-            TokenizeVia::Engine => PromptTokenizer::Engine {
-                client: client.clone(),
-                workers: workers.clone(),
-                max_prompt_tokens: config.limits.max_prompt_tokens,
-            },
+            TokenizeVia::Engine => {
+                PromptTokenizer::engine(client.clone(), workers.clone(), limits, metrics.clone())
+            }
             TokenizeVia::Local => {
                 let dir = config.model.model_dir.clone().ok_or_else(|| {
                     GatewayError::Config("--tokenize-via local needs --model-dir".into())
                 })?;
-                let limits = kv_tokenizer::Limits {
-                    max_prompt_bytes: config.limits.max_body_bytes,
-                    max_prompt_tokens: config.limits.max_prompt_tokens,
-                };
-                PromptTokenizer::Local(Arc::new(ModelTokenizer::from_dir(dir, limits)?))
+                let tokenizer = Arc::new(ModelTokenizer::from_dir(dir, limits)?);
+                let pool = TokenizerPool::start(
+                    config.model.tokenizer.threads,
+                    config.model.tokenizer.queue,
+                )
+                .map_err(GatewayError::Threads)?;
+                // A prompt waits for a thread no longer than the request may take.
+                let deadline = config.limits.request_timeout;
+                PromptTokenizer::local(tokenizer, Arc::new(pool), deadline, metrics.clone())
             }
         };
         // The lifecycle publisher re-sends `freed` after a reconnect: it hears of the

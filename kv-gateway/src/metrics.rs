@@ -7,7 +7,9 @@
 //! | `kv_gateway_ttft_seconds` | `endpoint` | arrival → first token, as the gateway sees it |
 //! | `kv_gateway_itl_seconds` | `endpoint` | time between two streamed chunks (inter-token latency) |
 //! | `kv_gateway_e2e_seconds` | `endpoint` | arrival → last token |
-//! | `kv_gateway_stage_seconds` | `stage`: `tokenize`, `route`, `engine` | time in each stage before the first token (`engine`: forward → first token) |
+//! | `kv_gateway_stage_seconds` | `stage`: `tokenize_queue`, `tokenize`, `route`, `engine` | time in each stage before the first token (`tokenize_queue`: waiting for a tokenizer thread; `tokenize`: the encode itself; `engine`: forward → first token) |
+//! | `kv_gateway_tokenize_jobs` | | prompts admitted to the tokenizer pool, encoding or waiting for a thread |
+//! | `kv_gateway_tokenize_rejected_total` | `reason`: `queue_full`, `deadline` | prompts refused by the tokenizer pool (503 + `Retry-After`, 504) |
 //! | `kv_gateway_prompt_tokens_total` | | prompt tokens routed |
 //! | `kv_gateway_completion_tokens_total` | | tokens generated (engines' usage) |
 //! | `kv_gateway_retries_total` | `reason`: `connect`, `engine_error`, `first_token_timeout`, `no_url` | failovers to another worker |
@@ -42,6 +44,8 @@ pub struct GatewayMetrics {
     retries: IntCounterVec,
     overlap: Histogram,
     in_flight: IntGauge,
+    tokenize_jobs: IntGauge,
+    tokenize_rejected: IntCounterVec,
 }
 
 impl GatewayMetrics {
@@ -77,7 +81,7 @@ impl GatewayMetrics {
             )?,
             stages: r.histogram_vec(
                 "kv_gateway_stage_seconds",
-                "Time spent before the first token in tokenize, route and engine, in seconds",
+                "Time spent before the first token in tokenize_queue, tokenize, route and engine, in seconds",
                 &["stage"],
                 latency,
             )?,
@@ -102,6 +106,15 @@ impl GatewayMetrics {
             in_flight: r.gauge(
                 "kv_gateway_requests_in_flight",
                 "Requests between routing and their last token",
+            )?,
+            tokenize_jobs: r.gauge(
+                "kv_gateway_tokenize_jobs",
+                "Prompts admitted to the tokenizer pool, encoding or waiting for a thread",
+            )?,
+            tokenize_rejected: r.counter_vec(
+                "kv_gateway_tokenize_rejected_total",
+                "Prompts the tokenizer pool refused, by reason (queue_full, deadline)",
+                &["reason"],
             )?,
         })
     }
@@ -184,5 +197,20 @@ impl GatewayMetrics {
     /// The in-flight gauge.
     pub fn in_flight(&self) -> &IntGauge {
         &self.in_flight
+    }
+
+    /// The gauge of prompts admitted to the tokenizer pool.
+    pub fn tokenize_jobs(&self) -> &IntGauge {
+        &self.tokenize_jobs
+    }
+
+    /// Counts a prompt the tokenizer pool refused for `reason`.
+    pub fn tokenize_rejected(&self, reason: &str) {
+        self.tokenize_rejected.with_label_values(&[reason]).inc();
+    }
+
+    /// Prompts refused for `reason` so far.
+    pub fn tokenize_rejections(&self, reason: &str) -> u64 {
+        self.tokenize_rejected.with_label_values(&[reason]).get()
     }
 }

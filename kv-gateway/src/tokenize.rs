@@ -5,7 +5,10 @@
 //! - **local** (`--tokenize-via local`): `kv_tokenizer::ModelTokenizer` over the
 //!   model's own `tokenizer.json` and chat template. Completions are encoded with
 //!   special tokens and chats rendered then encoded without them, as vLLM does.
-//!   Costs CPU in the gateway (see docs/benchmarks.md), no round trip.
+//!   Costs CPU in the gateway (see docs/benchmarks.md), no round trip. Encodes run on
+//!   a bounded [`pool::TokenizerPool`] (`--tokenizer-threads`, `--tokenizer-queue`),
+//!   never on the async workers, and a prompt over `--max-prompt-bytes` is refused
+//!   before it is queued.
 //! - **engine** (`--tokenize-via engine`): vLLM's `POST /tokenize` on any known
 //!   engine, so the engine's own code decides. Costs one HTTP round trip per request,
 //!   and needs no model files here.
@@ -13,27 +16,43 @@
 //! Either way, the ids are what the gateway forwards in `--forward tokens` mode, so
 //! the engine prefills exactly the blocks the router priced.
 
+pub mod pool;
+
 use crate::error::ApiError;
 use crate::forward::{error_text, read_bounded};
+use crate::metrics::GatewayMetrics;
 use crate::workers::WorkerUrls;
 use kv_tokenizer::{ChatMessage, ChatOptions, ModelTokenizer, TokenizerError};
+use pool::{PoolError, TokenizerPool};
+use prometheus::IntGauge;
 use serde::Deserialize;
 use serde_json::json;
 use std::sync::Arc;
+use std::time::Duration;
+use tokio::time::Instant;
 
-/// Where prompts are tokenized.
+/// Where and how prompts are tokenized, and the metrics of it.
 #[derive(Clone)]
-pub enum PromptTokenizer {
-    /// In process, from the model's files.
-    Local(Arc<ModelTokenizer>),
+pub struct PromptTokenizer {
+    via: Via,
+    metrics: GatewayMetrics,
+}
+
+#[derive(Clone)]
+enum Via {
+    /// In process, from the model's files, on the pool's threads.
+    Local {
+        tokenizer: Arc<ModelTokenizer>,
+        pool: Arc<TokenizerPool>,
+        /// Longest a prompt may wait for and take on the pool.
+        deadline: Duration,
+    },
     /// By an engine's `/tokenize`.
     Engine {
-        /// The HTTP client for engines.
         client: reqwest::Client,
-        /// Where the engines are.
         workers: WorkerUrls,
-        /// Longest prompt accepted, in tokens.
-        max_prompt_tokens: usize,
+        /// Longest prompt accepted, in bytes (a completion's text) and tokens.
+        limits: kv_tokenizer::Limits,
     },
 }
 
@@ -45,42 +64,95 @@ struct TokenizeReply {
     tokens: Vec<u32>,
 }
 
+/// Holds one admitted prompt in the `kv_gateway_tokenize_jobs` gauge until the pool
+/// drops its job (run, skipped or refused).
+struct Admitted(IntGauge);
+
+impl Admitted {
+    fn new(gauge: &IntGauge) -> Self {
+        gauge.inc();
+        Self(gauge.clone())
+    }
+}
+
+impl Drop for Admitted {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
 impl PromptTokenizer {
+    /// In process with `tokenizer` (its [`kv_tokenizer::Limits`] are the prompt
+    /// bounds) on `pool`; a prompt must be encoded within `deadline` of its arrival at
+    /// the pool (504 otherwise).
+    pub fn local(
+        tokenizer: Arc<ModelTokenizer>,
+        pool: Arc<TokenizerPool>,
+        deadline: Duration,
+        metrics: GatewayMetrics,
+    ) -> Self {
+        let via = Via::Local {
+            tokenizer,
+            pool,
+            deadline,
+        };
+        Self { via, metrics }
+    }
+
+    /// By the `/tokenize` of any engine of `workers`; completion prompts over
+    /// `limits.max_prompt_bytes` are refused before they are sent, replies longer
+    /// than `limits.max_prompt_tokens` could be are not read.
+    pub fn engine(
+        client: reqwest::Client,
+        workers: WorkerUrls,
+        limits: kv_tokenizer::Limits,
+        metrics: GatewayMetrics,
+    ) -> Self {
+        let via = Via::Engine {
+            client,
+            workers,
+            limits,
+        };
+        Self { via, metrics }
+    }
+
     /// Token ids of a completion prompt (special tokens added, as vLLM's
     /// `/v1/completions` does by default).
     ///
     /// # Errors
-    /// 400 for a prompt over the limits; 503 or 502 when no engine can tokenize.
+    /// 400 for a prompt over the limits (over `--max-prompt-bytes` before anything is
+    /// queued or encoded); 503 with `Retry-After` when the tokenizer pool is full;
+    /// 504 past the deadline; 503 or 502 when no engine can tokenize.
     pub async fn completion(&self, prompt: &str) -> Result<Vec<u32>, ApiError> {
-        match self {
-            Self::Local(tokenizer) => {
+        match &self.via {
+            Via::Local { tokenizer, .. } => {
+                tokenizer
+                    .limits()
+                    .check_bytes(prompt.len())
+                    .map_err(tokenizer_error)?;
                 let tokenizer = Arc::clone(tokenizer);
                 let prompt = prompt.to_owned();
-                // Encoding a long prompt takes milliseconds of CPU: off the async
-                // workers, so streams of other requests keep flowing.
-                tokio::task::spawn_blocking(move || tokenizer.encode_completion(&prompt))
+                self.on_pool(move || tokenizer.encode_completion(&prompt))
                     .await
-                    .map_err(|e| ApiError::internal(format!("tokenizer task: {e}")))?
-                    .map_err(tokenizer_error)
             }
-            Self::Engine {
+            Via::Engine {
                 client,
                 workers,
-                max_prompt_tokens,
+                limits,
             } => {
-                remote(
-                    client,
-                    workers,
-                    *max_prompt_tokens,
-                    json!({ "prompt": prompt }),
-                )
-                .await
+                limits.check_bytes(prompt.len()).map_err(tokenizer_error)?;
+                let started = Instant::now();
+                let body = json!({ "prompt": prompt });
+                let ids = remote(client, workers, limits.max_prompt_tokens, body).await?;
+                self.metrics.stage("tokenize", started.elapsed());
+                Ok(ids)
             }
         }
     }
 
     /// Token ids of a chat: the chat template rendered with the generation prompt,
-    /// then encoded without adding special tokens (the template has them).
+    /// then encoded without adding special tokens (the template has them). A rendered
+    /// chat over `--max-prompt-bytes` is refused before it is encoded.
     ///
     /// # Errors
     /// As [`Self::completion`]; 400 also for a model without a chat template.
@@ -89,26 +161,75 @@ impl PromptTokenizer {
         messages: Vec<ChatMessage>,
         options: ChatOptions,
     ) -> Result<Vec<u32>, ApiError> {
-        match self {
-            Self::Local(tokenizer) => {
+        match &self.via {
+            Via::Local { tokenizer, .. } => {
                 let tokenizer = Arc::clone(tokenizer);
-                tokio::task::spawn_blocking(move || tokenizer.encode_chat(&messages, &options))
+                self.on_pool(move || tokenizer.encode_chat(&messages, &options))
                     .await
-                    .map_err(|e| ApiError::internal(format!("tokenizer task: {e}")))?
-                    .map_err(tokenizer_error)
             }
-            Self::Engine {
+            Via::Engine {
                 client,
                 workers,
-                max_prompt_tokens,
+                limits,
             } => {
+                let started = Instant::now();
                 let body = json!({
                     "messages": messages,
                     "add_generation_prompt": options.add_generation_prompt,
                     "tools": options.tools,
                 });
-                remote(client, workers, *max_prompt_tokens, body).await
+                let ids = remote(client, workers, limits.max_prompt_tokens, body).await?;
+                self.metrics.stage("tokenize", started.elapsed());
+                Ok(ids)
             }
+        }
+    }
+
+    /// Runs `encode` on the pool, recording the wait (`tokenize_queue`) and, when the
+    /// tokenizer ran, the encode (`tokenize`).
+    async fn on_pool(
+        &self,
+        encode: impl FnOnce() -> Result<Vec<u32>, TokenizerError> + Send + 'static,
+    ) -> Result<Vec<u32>, ApiError> {
+        let Via::Local { pool, deadline, .. } = &self.via else {
+            return Err(ApiError::internal("no tokenizer pool"));
+        };
+        let admitted = Admitted::new(self.metrics.tokenize_jobs());
+        let job = move || {
+            let _admitted = admitted;
+            encode()
+        };
+        let ran = match pool.run(Instant::now() + *deadline, job).await {
+            Ok(ran) => ran,
+            Err(e) => return Err(self.refused(pool, e)),
+        };
+        self.metrics.stage("tokenize_queue", ran.waited);
+        // A prompt refused for its bytes was not encoded.
+        if !matches!(ran.value, Err(TokenizerError::PromptTooLarge { .. })) {
+            self.metrics.stage("tokenize", ran.ran);
+        }
+        ran.value.map_err(tokenizer_error)
+    }
+
+    fn refused(&self, pool: &TokenizerPool, e: PoolError) -> ApiError {
+        match e {
+            PoolError::Full => {
+                self.metrics.tokenize_rejected("queue_full");
+                ApiError {
+                    retry_after_s: Some(1),
+                    ..ApiError::unavailable(format!(
+                        "the gateway's tokenizer is busy ({} prompts encoding, {} waiting, \
+                         none more accepted); retry shortly",
+                        pool.threads(),
+                        pool.queue()
+                    ))
+                }
+            }
+            PoolError::Deadline => {
+                self.metrics.tokenize_rejected("deadline");
+                ApiError::timeout("the prompt was not tokenized before the request deadline")
+            }
+            PoolError::Panicked => ApiError::internal("the tokenizer failed on this prompt"),
         }
     }
 }

@@ -35,7 +35,9 @@ mod pyjson;
 pub use chat::{ChatMessage, ChatOptions, ChatTemplate};
 pub use config::{ModelConfig, SpecialTokens};
 pub use error::{BoxedError, TokenizerError};
-pub use limits::{DEFAULT_MAX_PROMPT_BYTES, DEFAULT_MAX_PROMPT_TOKENS, Limits};
+pub use limits::{
+    DEFAULT_MAX_PROMPT_BYTES, DEFAULT_MAX_PROMPT_TOKENS, Limits, MAX_BYTES_PER_TOKEN,
+};
 /// Template values (message extras, tools, template kwargs) are MiniJinja values.
 pub use minijinja::Value as TemplateValue;
 
@@ -194,12 +196,7 @@ impl ModelTokenizer {
     /// [`TokenizerError::PromptTooLarge`], [`TokenizerError::TooManyTokens`],
     /// [`TokenizerError::Encode`].
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizerError> {
-        if text.len() > self.limits.max_prompt_bytes {
-            return Err(TokenizerError::PromptTooLarge {
-                bytes: text.len(),
-                max: self.limits.max_prompt_bytes,
-            });
-        }
+        self.limits.check_bytes(text.len())?;
         let encoding = self
             .tokenizer
             .encode_fast(text, add_special_tokens)

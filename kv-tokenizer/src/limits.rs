@@ -1,11 +1,28 @@
 //! Input bounds: every prompt is measured before it is tokenized, and its token count
 //! is checked before it is handed on, so a huge prompt is an error rather than an
 //! allocation proportional to whatever a client sent.
+//!
+//! Why bytes as well as tokens: a prompt's token count is only known after encoding
+//! it, and encoding is what costs. Hugging Face `tokenizers` holds, while it encodes,
+//! 150–170 bytes of memory per prompt byte (the normalized text with one
+//! alignment per byte, the pre-tokenized splits, a token string per token; measured
+//! in docs/benchmarks.md, "CPU and memory per stage, text prompts"), so the byte bound is
+//! what bounds a tokenizer thread's memory. [`Limits::for_tokens`] derives it from the
+//! token bound with [`MAX_BYTES_PER_TOKEN`].
 
-/// Default [`Limits::max_prompt_bytes`]: 4 MiB, about a million tokens of English.
-pub const DEFAULT_MAX_PROMPT_BYTES: usize = 4 << 20;
+use crate::TokenizerError;
+
 /// Default [`Limits::max_prompt_tokens`]: 131,072 tokens (a 128k-context model).
 pub const DEFAULT_MAX_PROMPT_TOKENS: usize = 131_072;
+/// Bytes per token assumed when the byte bound is derived from the token bound: 8.
+/// English text averages about 4 bytes per token with today's 100k–150k-token
+/// vocabularies, code about 3, CJK text about 1.5–3; only long runs of one character
+/// (whitespace, `=====`) reach more, so a prompt within the token bound is within
+/// this byte bound unless it is mostly such runs.
+pub const MAX_BYTES_PER_TOKEN: usize = 8;
+/// Default [`Limits::max_prompt_bytes`]: [`DEFAULT_MAX_PROMPT_TOKENS`] ×
+/// [`MAX_BYTES_PER_TOKEN`], 1 MiB.
+pub const DEFAULT_MAX_PROMPT_BYTES: usize = DEFAULT_MAX_PROMPT_TOKENS * MAX_BYTES_PER_TOKEN;
 
 /// Bounds on one prompt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -18,11 +35,52 @@ pub struct Limits {
     pub max_prompt_tokens: usize,
 }
 
+impl Limits {
+    /// At most `max_prompt_tokens` tokens and [`MAX_BYTES_PER_TOKEN`] bytes for each
+    /// (saturating).
+    pub fn for_tokens(max_prompt_tokens: usize) -> Self {
+        Self {
+            max_prompt_bytes: max_prompt_tokens.saturating_mul(MAX_BYTES_PER_TOKEN),
+            max_prompt_tokens,
+        }
+    }
+
+    /// Checks a prompt of `bytes` bytes against [`Self::max_prompt_bytes`], before
+    /// anything is rendered or encoded.
+    ///
+    /// # Errors
+    /// [`TokenizerError::PromptTooLarge`] above the bound.
+    pub fn check_bytes(&self, bytes: usize) -> Result<(), TokenizerError> {
+        if bytes > self.max_prompt_bytes {
+            return Err(TokenizerError::PromptTooLarge {
+                bytes,
+                max: self.max_prompt_bytes,
+            });
+        }
+        Ok(())
+    }
+}
+
 impl Default for Limits {
     fn default() -> Self {
-        Self {
-            max_prompt_bytes: DEFAULT_MAX_PROMPT_BYTES,
-            max_prompt_tokens: DEFAULT_MAX_PROMPT_TOKENS,
-        }
+        Self::for_tokens(DEFAULT_MAX_PROMPT_TOKENS)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_byte_bound_follows_the_token_bound() {
+        assert_eq!(Limits::default().max_prompt_bytes, 1 << 20);
+        assert_eq!(Limits::for_tokens(1000).max_prompt_bytes, 8000);
+        assert_eq!(Limits::for_tokens(usize::MAX).max_prompt_bytes, usize::MAX);
+        let limits = Limits::for_tokens(10);
+        assert!(limits.check_bytes(80).is_ok());
+        assert!(matches!(
+            limits.check_bytes(81),
+            Err(TokenizerError::PromptTooLarge { bytes: 81, max: 80 })
+        ));
     }
 }

@@ -81,16 +81,7 @@ impl ChildDaemon {
     /// # Errors
     /// When `/proc` cannot be read or parsed.
     pub fn rss_bytes(&self) -> anyhow::Result<u64> {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid))?;
-        let kib: u64 = status
-            .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
-            .context("no VmRSS")?
-            .trim()
-            .trim_end_matches("kB")
-            .trim()
-            .parse()?;
-        Ok(kib * 1024)
+        status_bytes(&self.pid.to_string(), "VmRSS:")
     }
 
     /// CPU time used so far (utime + stime), in seconds.
@@ -184,4 +175,22 @@ pub fn process_cpu_seconds(pid: u32) -> anyhow::Result<f64> {
     };
     // CLK_TCK is 100 on Linux for every architecture this runs on.
     Ok((field(11)? + field(12)?) as f64 / 100.0)
+}
+
+/// A size field (`VmRSS:`, `VmHWM:`, …) of `/proc/{process}/status` (`process`: a pid
+/// or `self`), in bytes.
+///
+/// # Errors
+/// When `/proc` cannot be read or has no such field.
+pub fn status_bytes(process: &str, field: &str) -> anyhow::Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{process}/status"))?;
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .with_context(|| format!("no {field}"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()?;
+    Ok(kib * 1024)
 }
