@@ -1,0 +1,129 @@
+//! The gateway's forwarding flags: what engines receive, and the retries and
+//! deadlines of each request on its way there and back.
+
+use clap::{Args, ValueEnum};
+
+/// What the engine receives as the prompt of a completion.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PromptForward {
+    /// The token ids the router hashed (vLLM accepts a list of ints as `prompt`), so
+    /// the engine caches exactly the blocks the router predicted: parity by
+    /// construction.
+    Tokens,
+    /// The client's text, re-tokenized by the engine; parity then rests on both
+    /// sides using the same tokenizer.
+    Text,
+}
+
+/// How a chat completion reaches the engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ChatForward {
+    /// Rendered and tokenized here, sent to the engine's `/v1/completions` as token
+    /// ids, and the answer turned back into chat shape. Parity by construction; gives
+    /// up the engine's tool-call and reasoning parsers (a request with `tools` is
+    /// refused in this mode).
+    Tokens,
+    /// Sent unchanged to the engine's `/v1/chat/completions`: everything the engine
+    /// does for chats keeps working; parity rests on the engine rendering the same
+    /// template as the gateway.
+    Passthrough,
+}
+
+/// How the chosen data-parallel rank is named to the engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum EngineApi {
+    /// vLLM: the `X-data-parallel-rank` request header.
+    Vllm,
+    /// SGLang: the `data_parallel_rank` field of the request body.
+    Sglang,
+}
+
+/// What engines receive, retries and deadlines.
+#[derive(Debug, Clone, Args)]
+pub struct ForwardArgs {
+    /// What a completion's engine request carries as its prompt.
+    #[arg(long, help_heading = "Forwarding", env = "KV_GATEWAY_FORWARD", value_enum, default_value_t = PromptForward::Tokens)]
+    pub forward: PromptForward,
+    /// How chat completions reach the engine.
+    #[arg(long, help_heading = "Forwarding", env = "KV_GATEWAY_CHAT_FORWARD", value_enum, default_value_t = ChatForward::Tokens)]
+    pub chat_forward: ChatForward,
+    /// The engines' API, for naming the data-parallel rank.
+    #[arg(long, help_heading = "Forwarding", env = "KV_GATEWAY_ENGINE_API", value_enum, default_value_t = EngineApi::Vllm)]
+    pub engine_api: EngineApi,
+    /// Other workers tried when the chosen engine refuses the connection or fails
+    /// before its first token.
+    #[arg(
+        long,
+        help_heading = "Forwarding",
+        env = "KV_GATEWAY_MAX_RETRIES",
+        default_value_t = 2
+    )]
+    pub max_retries: u32,
+    /// How long a routing query may take, in ms (above the router's queue wait,
+    /// 5000 ms by default, so a queued request is answered rather than timed out).
+    #[arg(
+        long,
+        help_heading = "Forwarding",
+        env = "KV_GATEWAY_ROUTE_TIMEOUT_MS",
+        default_value_t = 10_000
+    )]
+    pub route_timeout_ms: u64,
+    /// How long connecting to an engine may take, in ms.
+    #[arg(
+        long,
+        help_heading = "Forwarding",
+        env = "KV_GATEWAY_ENGINE_CONNECT_TIMEOUT_MS",
+        default_value_t = 2_000
+    )]
+    pub engine_connect_timeout_ms: u64,
+    /// How long an idle connection to an engine is kept for reuse, in ms: below the
+    /// engine's own keep-alive (vLLM's and SGLang's uvicorn: 5 s), so the gateway never
+    /// sends a request onto a connection the engine is closing.
+    #[arg(
+        long,
+        help_heading = "Forwarding",
+        env = "KV_GATEWAY_ENGINE_IDLE_TIMEOUT_MS",
+        default_value_t = 4_000,
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
+    pub engine_idle_timeout_ms: u64,
+    /// How long an engine may take to send a request's first token, in ms, from
+    /// when it is sent there. Then the request is routed again without that worker
+    /// (up to `--max-retries`), as for an engine that refused it; nothing has reached
+    /// the client yet. Raise it for prompts whose prefill alone takes longer.
+    #[arg(
+        long,
+        help_heading = "Forwarding",
+        env = "KV_GATEWAY_FIRST_TOKEN_TIMEOUT_MS",
+        default_value_t = 60_000
+    )]
+    pub first_token_timeout_ms: u64,
+    /// Longest silence between two events of an engine's stream after its first
+    /// token, in ms. Then the engine is taken as hung: a streaming client gets an
+    /// error event and `[DONE]`; a client that did not stream (and so has seen
+    /// nothing) gets its request routed again without that worker.
+    #[arg(
+        long,
+        help_heading = "Forwarding",
+        env = "KV_GATEWAY_STREAM_IDLE_TIMEOUT_MS",
+        default_value_t = 30_000
+    )]
+    pub stream_idle_timeout_ms: u64,
+    /// How long one request may take from routing to its last token, in seconds.
+    #[arg(
+        long,
+        help_heading = "Forwarding",
+        env = "KV_GATEWAY_REQUEST_TIMEOUT_S",
+        default_value_t = 600
+    )]
+    pub request_timeout_s: u64,
+    /// Interval of `keep_alive` lifecycle messages for a running request, in seconds
+    /// (well under the router's `--request-ttl-ms`, 600 s by default).
+    #[arg(
+        long,
+        help_heading = "Forwarding",
+        env = "KV_GATEWAY_KEEP_ALIVE_S",
+        default_value_t = 120
+    )]
+    pub keep_alive_s: u64,
+}

@@ -1,0 +1,104 @@
+//! The gateway's model flags: which model it serves and how prompts become token
+//! ids (where, with how many threads, within which bounds).
+
+use super::TokenizerConfig;
+use clap::{Args, ValueEnum};
+use std::num::NonZeroUsize;
+use std::path::PathBuf;
+
+/// How the gateway turns a prompt into the token ids it routes on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum TokenizeVia {
+    /// With `tokenizer.json` and `tokenizer_config.json` from `--model-dir`, in
+    /// process (Hugging Face `tokenizers`, chat templates with `minijinja`).
+    Local,
+    /// By asking an engine's `POST /tokenize` (vLLM's endpoint): no model files
+    /// needed, one extra round trip per request.
+    Engine,
+}
+
+/// The cores this process may use: the default of `--tokenizer-threads`.
+fn default_tokenizer_threads() -> NonZeroUsize {
+    std::thread::available_parallelism().unwrap_or(NonZeroUsize::MIN)
+}
+
+/// The served model and its tokenization.
+#[derive(Debug, Clone, Args)]
+pub struct ModelArgs {
+    /// Model directory holding `tokenizer.json` and `tokenizer_config.json` (the
+    /// files of the model the engines serve); never downloaded at run time.
+    #[arg(long, help_heading = "Model", env = "KV_GATEWAY_MODEL_DIR")]
+    pub model_dir: Option<PathBuf>,
+    /// The model name clients ask for (`model` in requests, `/v1/models`); default:
+    /// the model directory's name.
+    #[arg(long, help_heading = "Model", env = "KV_GATEWAY_SERVED_MODEL_NAME")]
+    pub served_model_name: Option<String>,
+    /// Where prompts are tokenized.
+    #[arg(long, help_heading = "Model", env = "KV_GATEWAY_TOKENIZE_VIA", value_enum, default_value_t = TokenizeVia::Local)]
+    pub tokenize_via: TokenizeVia,
+    /// Longest prompt accepted, in tokens; longer is refused with 400.
+    #[arg(
+        long,
+        help_heading = "Model",
+        env = "KV_GATEWAY_MAX_PROMPT_TOKENS",
+        default_value_t = 131_072
+    )]
+    pub max_prompt_tokens: usize,
+    /// Longest prompt text tokenized, in bytes (a completion's prompt, or a chat as
+    /// rendered); longer is refused with 400 before it is queued or encoded. An encode
+    /// holds 150–170 bytes of memory per prompt byte (docs/gateway.md,
+    /// "Tokenization limits and memory"). Default: `--max-prompt-tokens` × 8.
+    #[arg(
+        long,
+        help_heading = "Model",
+        env = "KV_GATEWAY_MAX_PROMPT_BYTES",
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
+    pub max_prompt_bytes: Option<u64>,
+    /// Prompts tokenized at once (`--tokenize-via local`), each on one of the
+    /// gateway's tokenizer threads. Default: the number of cores.
+    #[arg(
+        long,
+        help_heading = "Model",
+        env = "KV_GATEWAY_TOKENIZER_THREADS",
+        default_value_t = default_tokenizer_threads()
+    )]
+    pub tokenizer_threads: NonZeroUsize,
+    /// Prompts that may wait for a tokenizer thread; more are refused at once with
+    /// 503 and `Retry-After`.
+    #[arg(
+        long,
+        help_heading = "Model",
+        env = "KV_GATEWAY_TOKENIZER_QUEUE",
+        default_value_t = 64
+    )]
+    pub tokenizer_queue: usize,
+}
+
+impl ModelArgs {
+    /// The tokenizer pool and byte bound (`--max-prompt-bytes` defaults to
+    /// `--max-prompt-tokens` × [`kv_tokenizer::MAX_BYTES_PER_TOKEN`]).
+    pub(super) fn tokenizer_config(&self) -> TokenizerConfig {
+        let derived = kv_tokenizer::Limits::for_tokens(self.max_prompt_tokens).max_prompt_bytes;
+        TokenizerConfig {
+            threads: self.tokenizer_threads,
+            queue: self.tokenizer_queue,
+            max_prompt_bytes: self
+                .max_prompt_bytes
+                .map_or(derived, |b| usize::try_from(b).unwrap_or(usize::MAX)),
+        }
+    }
+
+    /// The model name clients ask for: `--served-model-name`, else the model
+    /// directory's name.
+    pub(super) fn served_model_name(&self) -> Result<String, String> {
+        match (&self.served_model_name, &self.model_dir) {
+            (Some(name), _) if !name.trim().is_empty() => Ok(name.trim().to_owned()),
+            (_, Some(dir)) => dir
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .ok_or_else(|| "--served-model-name is needed: --model-dir has no name".into()),
+            _ => Err("--served-model-name is needed without --model-dir".into()),
+        }
+    }
+}

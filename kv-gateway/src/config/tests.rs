@@ -1,0 +1,123 @@
+//! Flag parsing and validation of `kv-router gateway`.
+
+use super::*;
+use kv_cluster::args::parse_flags;
+
+fn parse(extra: &[&str]) -> GatewayArgs {
+    let mut args = vec!["gateway"];
+    args.extend_from_slice(extra);
+    parse_flags::<GatewayArgs, _, _>(args).unwrap()
+}
+
+#[test]
+fn the_model_name_defaults_to_the_model_directory() {
+    let config = parse(&["--model-dir", "/models/Qwen3-8B"])
+        .to_config()
+        .unwrap();
+    assert_eq!(config.model.served_model_name, "Qwen3-8B");
+    assert_eq!(config.model.forward, PromptForward::Tokens);
+    assert_eq!(config.model.engine_api, EngineApi::Vllm);
+    assert_eq!(config.limits.max_retries, 2);
+}
+
+#[test]
+fn connection_timeouts_have_defaults_and_refuse_zero() {
+    let config = parse(&["--model-dir", "/m/x"]).to_config().unwrap();
+    assert_eq!(config.http.header_read_timeout, Duration::from_secs(5));
+    assert_eq!(config.http.idle_timeout, Duration::from_secs(600));
+    assert_eq!(config.http.body.total, Duration::from_secs(30));
+    assert_eq!(config.http.body.idle, Duration::from_secs(5));
+    assert_eq!(config.limits.engine_idle_timeout, Duration::from_secs(4));
+    let config = parse(&[
+        "--model-dir=/m/x",
+        "--idle-timeout-s=7",
+        "--body-read-timeout-ms=900",
+        "--body-idle-timeout-ms=300",
+        "--engine-idle-timeout-ms=1500",
+    ])
+    .to_config()
+    .unwrap();
+    assert_eq!(config.http.idle_timeout, Duration::from_secs(7));
+    assert_eq!(config.http.body.total, Duration::from_millis(900));
+    assert_eq!(config.http.body.idle, Duration::from_millis(300));
+    assert_eq!(
+        config.limits.engine_idle_timeout,
+        Duration::from_millis(1500)
+    );
+    for flag in [
+        "--idle-timeout-s",
+        "--body-read-timeout-ms",
+        "--body-idle-timeout-ms",
+        "--engine-idle-timeout-ms",
+    ] {
+        let args = ["gateway", "--model-dir=/m/x", flag, "0"];
+        assert!(parse_flags::<GatewayArgs, _, _>(args).is_err(), "{flag} 0");
+    }
+}
+
+#[test]
+fn local_tokenization_needs_a_model_directory() {
+    let err = parse(&[]).to_config().unwrap_err().to_string();
+    assert!(err.contains("--model-dir"), "{err}");
+    let config = parse(&["--tokenize-via", "engine", "--served-model-name", "m"])
+        .to_config()
+        .unwrap();
+    assert_eq!(config.model.served_model_name, "m");
+    let err = parse(&["--tokenize-via", "engine"])
+        .to_config()
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("--served-model-name"), "{err}");
+}
+
+#[test]
+fn the_prompt_byte_bound_follows_the_token_bound_unless_given() {
+    let config = parse(&["--model-dir", "/m/x"]).to_config().unwrap();
+    let cores = std::thread::available_parallelism().unwrap();
+    assert_eq!(
+        config.model.tokenizer,
+        TokenizerConfig {
+            threads: cores,
+            queue: 64,
+            max_prompt_bytes: 131_072 * 8,
+        }
+    );
+    let config = parse(&["--model-dir", "/m/x", "--max-prompt-tokens", "1000"])
+        .to_config()
+        .unwrap();
+    assert_eq!(config.model.tokenizer.max_prompt_bytes, 8000);
+    let config = parse(&[
+        "--model-dir",
+        "/m/x",
+        "--max-prompt-bytes",
+        "5000",
+        "--tokenizer-threads",
+        "3",
+        "--tokenizer-queue",
+        "0",
+    ])
+    .to_config()
+    .unwrap();
+    assert_eq!(config.model.tokenizer.max_prompt_bytes, 5000);
+    assert_eq!(config.model.tokenizer.threads.get(), 3);
+    assert_eq!(config.model.tokenizer.queue, 0);
+    for bad in [["--max-prompt-bytes", "0"], ["--tokenizer-threads", "0"]] {
+        let mut args = vec!["gateway", "--model-dir", "/m/x"];
+        args.extend(bad);
+        assert!(parse_flags::<GatewayArgs, _, _>(args).is_err(), "{bad:?}");
+    }
+}
+
+#[test]
+fn zero_timeouts_and_bad_namespaces_are_refused() {
+    let base = ["--model-dir", "/m/x"];
+    for extra in [
+        &["--keep-alive-s", "0"][..],
+        &["--route-timeout-ms", "0"][..],
+        &["--namespace", "a.b"][..],
+    ] {
+        let mut args = base.to_vec();
+        args.extend_from_slice(extra);
+        assert!(parse(&args).to_config().is_err(), "{extra:?}");
+    }
+}
