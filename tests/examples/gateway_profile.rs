@@ -274,29 +274,47 @@ async fn cluster_steps(
         cluster.subjects.clone(),
         Duration::from_secs(10),
         Duration::from_secs(120),
+        tokio::sync::mpsc::unbounded_channel().1,
     );
     let ready = || async {
-        let routed = client
-            .route(client.request_id(), vec![1; 64], &[], None)
-            .await;
+        let prompt = Prompt::Tokens {
+            token_ids: vec![1; 64],
+        };
+        let routed = client.route(client.request_id(), prompt, &[], None).await;
         routed.is_ok().then_some(())
     };
     integration_tests::eventually("a worker to be routable", Duration::from_secs(15), ready)
         .await?;
-    println!("\nRoute round trip (gateway's NATS client → nats-server → daemon → reply), wall ms:");
-    println!("| prompt tokens | mean |");
-    println!("|---|---|");
+    println!(
+        "\nRoute round trip (gateway's NATS client → nats-server → daemon → reply), wall ms, \
+         with the prompt as token ids and as block hashes (the gateway's way since 37e8df7), \
+         each with its msgpack size in bytes:"
+    );
+    println!("| prompt tokens | token ids | block hashes |");
+    println!("|---|---|---|");
     for (tokens, ids) in prompts {
-        let start = Instant::now();
-        let mut n = 0u32;
-        while n < 3 || start.elapsed() < min {
-            let routed = client
-                .route(client.request_id(), ids.clone(), &[], None)
-                .await;
-            drop(routed.map_err(|e| anyhow::anyhow!("{e}"))?);
-            n += 1;
+        let as_ids = Prompt::Tokens {
+            token_ids: ids.clone(),
+        };
+        let as_blocks = Prompt::Blocks {
+            block_hashes: compute_block_hashes(&ids, BLOCK),
+            num_tokens: ids.len() as u64,
+        };
+        let mut cells = Vec::new();
+        for prompt in [as_ids, as_blocks] {
+            let bytes = encode(&RouteRequest::new("sized", prompt.clone()))?.len();
+            let start = Instant::now();
+            let mut n = 0u32;
+            while n < 3 || start.elapsed() < min {
+                let routed = client
+                    .route(client.request_id(), prompt.clone(), &[], None)
+                    .await;
+                drop(routed.map_err(|e| anyhow::anyhow!("{e}"))?);
+                n += 1;
+            }
+            cells.push(format!("{} ({bytes})", ms(start.elapsed() / n)));
         }
-        println!("| {tokens} | {} |", ms(start.elapsed() / n));
+        println!("| {tokens} | {} | {} |", cells[0], cells[1]);
     }
     gateway_process(&cluster, args, dir, corpus).await?;
     daemon.shutdown().await?;
