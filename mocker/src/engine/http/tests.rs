@@ -455,3 +455,21 @@ async fn reset_prefix_cache_drops_an_idle_workers_cache_and_refuses_a_busy_one()
     let (_, again) = e.post("/v1/completions", body, None).await;
     assert_eq!(cached(&again), 0, "the cache was dropped");
 }
+
+/// `GET /health` answers 200 with an empty body, idle and with a request running (as
+/// vLLM's does): SMG and vllm-router poll it on every worker.
+#[tokio::test]
+async fn health_answers_200_with_an_empty_body_idle_and_busy() {
+    let e = start(1.0, None).await;
+    let health = || async {
+        let resp = e.http.get(format!("{}/health", e.url)).send().await;
+        let resp = resp.expect("answered");
+        let status = resp.status().as_u16();
+        (status, resp.text().await.expect("body"))
+    };
+    assert_eq!(health().await, (200, String::new()));
+    let long = json!({"prompt": prompt(16), "max_tokens": 30, "stream": true});
+    let mut stream = e.stream(&long).await;
+    stream.next().await.expect("chunk").expect("bytes");
+    assert_eq!(health().await, (200, String::new()), "while a request runs");
+}
