@@ -473,3 +473,34 @@ async fn health_answers_200_with_an_empty_body_idle_and_busy() {
     stream.next().await.expect("chunk").expect("bytes");
     assert_eq!(health().await, (200, String::new()), "while a request runs");
 }
+
+/// vLLM's counters: prefix-cache queries and hits in tokens, and finished requests,
+/// for JSON and streamed answers alike.
+#[tokio::test]
+async fn metrics_count_prefix_cache_queries_hits_and_finished_requests() {
+    let e = start(20.0, None).await;
+    let body = json!({"prompt": prompt(40), "max_tokens": 2});
+    for _ in 0..2 {
+        let (status, r) = e.post("/v1/completions", body.clone(), None).await;
+        assert_eq!(status, 200, "{r}");
+    }
+    let streamed = json!({"prompt": prompt(40), "max_tokens": 2, "stream": true});
+    let chunks: Vec<_> = e.stream(&streamed).await.collect().await;
+    assert!(chunks.iter().all(Result::is_ok));
+    let m = e.metrics().await;
+    let rank0 = "engine=\"0\"";
+    // 3 × 40 prompt tokens; the second and third reuse 2 full blocks of 16 each.
+    assert_eq!(
+        sample(&m, "vllm:prefix_cache_queries_total", rank0),
+        Some(120.0)
+    );
+    assert_eq!(
+        sample(&m, "vllm:prefix_cache_hits_total", rank0),
+        Some(64.0)
+    );
+    assert_eq!(sample(&m, "vllm:request_success_total", rank0), Some(3.0));
+    assert_eq!(
+        sample(&m, "vllm:request_success_total", "engine=\"1\""),
+        Some(0.0)
+    );
+}
