@@ -221,14 +221,23 @@ class Stack:
                                  f"{child._quote()}")
 
 
+def _probe_socket() -> socket.socket:
+    """A socket bound as the servers bind theirs: with SO_REUSEADDR (tokio's and Go's
+    listeners set it), so a port whose old connections linger in TIME_WAIT after a
+    busy pass still counts as free."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    return s
+
+
 def free_port() -> int:
     """A loopback TCP port that was free a moment ago."""
-    with socket.socket() as s:
+    with _probe_socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def free_port_block(n: int, attempts: int = 20) -> int:
+def free_port_block(n: int, attempts: int = 100) -> int:
     """The first of ``n`` consecutive loopback ports that were free together."""
     for _ in range(attempts):
         first = free_port()
@@ -237,7 +246,7 @@ def free_port_block(n: int, attempts: int = 20) -> int:
         held = []
         try:
             for port in range(first, first + n):
-                s = socket.socket()
+                s = _probe_socket()
                 held.append(s)
                 s.bind(("127.0.0.1", port))
             return first

@@ -130,10 +130,11 @@ def trace_row(row: gateways.Row, cluster: Cluster, aiperf: Aiperf, trace: Path,
 
 
 def overhead_rows(rows: list[gateways.Row], cluster: Cluster, aiperf: Aiperf,
-                  rates: list[float], seconds: float, out: Path) -> list[OverheadRow]:
-    """Open-loop short prompts at each rate: the engines directly (aiperf spreading
-    requests round robin over their URLs), then through each gateway."""
-    results: list[OverheadRow] = []
+                  rates: list[float], seconds: float, out: Path,
+                  results: list[OverheadRow]) -> None:
+    """Open-loop short prompts at each rate, appended to ``results``: the engines
+    directly (aiperf spreading requests round robin over their URLs), then through
+    each gateway."""
     direct_p50: dict[float, float] = {}
     targets: list[gateways.Row | None] = [None, *rows]
     for row in targets:
@@ -168,10 +169,11 @@ def overhead_rows(rows: list[gateways.Row], cluster: Cluster, aiperf: Aiperf,
         finally:
             if running:
                 gateways.stop(running, cluster)
-    return results
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, report: dict) -> None:
+    """Runs every load into ``report`` (filled as rows finish, so an interrupted run
+    still leaves what it measured)."""
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     bins = tools.resolve(REPO, out / "venvs", not args.no_build, log)
@@ -183,12 +185,12 @@ def run(args: argparse.Namespace) -> dict:
     loads = [Load("light", f"Light load: {args.workers} engines", args.workers),
              Load("bound", f"Engine-bound load: {args.bound_workers} engines",
                   args.bound_workers)]
-    report: dict = {
+    report.update({
         "commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain")),
         "command": " ".join(sys.argv), "uptime_start": loadavg(),
         "config": {k: str(v) for k, v in vars(args).items()},
         "loads": {}, "overhead": [],
-    }
+    })
     rates = [float(r) for r in args.overhead_rates.split(",") if r]
     for load in (l for l in loads if l.name in args.loads.split(",")):
         shape = EngineShape(load.workers, args.time_scale, args.block_size,
@@ -197,7 +199,9 @@ def run(args: argparse.Namespace) -> dict:
         try:
             log(f"{load.title}: starting nats, etcd, {load.workers} engines and relays")
             cluster.start()
-            results = []
+            results: list[TraceRow] = []
+            report["loads"][load.name] = {"title": load.title, "workers": load.workers,
+                                          "rows": results}
             for row in rows:
                 log(f"{load.name}: {row.label}: {args.requests} requests over {span_s:.0f} s")
                 results.append(trace_row(row, cluster, aiperf, trace,
@@ -207,20 +211,16 @@ def run(args: argparse.Namespace) -> dict:
                 log(f"  mean TTFT {r.ttft_model_ms['mean']:,.0f} model ms, "
                     f"{r.failed} failed, cached {100 * r.cached_ratio:.1f}%, "
                     f"gateway {r.gateway_cpu_ms_per_request:.1f} ms CPU/req")
-            report["loads"][load.name] = {"title": load.title, "workers": load.workers,
-                                          "rows": as_json(results)}
             print(trace_table(load.title, results), flush=True)
             if load.name == "light" and rates:
                 log(f"overhead pass: {', '.join(f'{r:g}' for r in rates)} requests/s")
                 targets = [r for r in gateways.ROWS if r.key in args.overhead_rows.split(",")]
-                report["overhead"] = as_json(overhead_rows(
-                    targets, cluster, aiperf, rates, args.overhead_seconds,
-                    out / "aiperf" / "overhead"))
+                overhead_rows(targets, cluster, aiperf, rates, args.overhead_seconds,
+                              out / "aiperf" / "overhead", report["overhead"])
         finally:
             cluster.stop()
     report["uptime_end"] = loadavg()
     report["round_robin_bound_over_light"] = round_robin_ratio(report)
-    return report
 
 
 def round_robin_ratio(report: dict) -> float | None:
@@ -229,25 +229,24 @@ def round_robin_ratio(report: dict) -> float | None:
     means = {}
     for name, load in report["loads"].items():
         for row in load["rows"]:
-            if row["key"] == "kv-round-robin":
-                means[name] = row["ttft_model_ms"]["mean"]
+            if row.key == "kv-round-robin":
+                means[name] = row.ttft_model_ms["mean"]
     if "light" in means and "bound" in means and means["light"]:
         return means["bound"] / means["light"]
     return None
 
 
 def markdown(report: dict) -> str:
-    parts = [f"commit {report['commit']}{' (dirty)' if report['dirty'] else ''}; "
-             f"load {report['uptime_start']} → {report['uptime_end']}\n"]
+    parts = [f"commit {report.get('commit')}{' (dirty)' if report.get('dirty') else ''}; "
+             f"load {report.get('uptime_start')} → {report.get('uptime_end', loadavg())}\n"]
     ratio = report.get("round_robin_bound_over_light")
     if ratio is not None:
         parts.append(f"round robin's mean TTFT, engine-bound over light: {ratio:.2f}×\n")
     for load in report["loads"].values():
-        parts.append(trace_table(load["title"] + " (TTFT in model ms)",
-                                 [TraceRow(**r) for r in load["rows"]]))
-    if report["overhead"]:
+        parts.append(trace_table(load["title"] + " (TTFT in model ms)", load["rows"]))
+    if report.get("overhead"):
         parts.append(overhead_table("Open-loop short prompts (256 tokens in, 16 out; wall ms)",
-                                    [OverheadRow(**r) for r in report["overhead"]]))
+                                    report["overhead"]))
     return "\n".join(parts)
 
 
@@ -259,17 +258,31 @@ def interrupt(_signum, _frame) -> None:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, interrupt)
+    report: dict = {}
+    code = 0
     try:
-        report = run(args)
+        run(args, report)
     except KeyboardInterrupt:
         log("interrupted; every process started was stopped")
-        return 130
-    (args.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    text = markdown(report)
-    (args.out / "report.md").write_text(text)
-    print(text)
-    log(f"report: {args.out / 'report.json'}, {args.out / 'report.md'}; logs: {args.out / 'logs'}")
-    return 0
+        code = 130
+    finally:
+        # Whatever was measured is written, also when a later row failed.
+        if report.get("loads"):
+            (args.out / "report.json").write_text(json.dumps(as_json_report(report), indent=2)
+                                                  + "\n")
+            text = markdown(report)
+            (args.out / "report.md").write_text(text)
+            print(text)
+            log(f"report: {args.out / 'report.json'}, {args.out / 'report.md'}; "
+                f"logs: {args.out / 'logs'}")
+    return code
+
+
+def as_json_report(report: dict) -> dict:
+    """``report`` with its rows as plain JSON values."""
+    loads = {name: {**load, "rows": as_json(load["rows"])}
+             for name, load in report["loads"].items()}
+    return {**report, "loads": loads, "overhead": as_json(report.get("overhead", []))}
 
 
 if __name__ == "__main__":
