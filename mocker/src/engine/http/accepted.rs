@@ -1,7 +1,9 @@
 //! An accepted completion request, shared by the JSON and the server-sent-event
-//! answers: its progress channel, and the guard that aborts it in its rank when the
-//! client goes away. A leaf below both answer modules, so neither imports the other.
+//! answers: its progress channel, the guard that aborts it in its rank when the
+//! client goes away, and the one that adds it to the rank's request counters. A leaf
+//! below both answer modules, so neither imports the other.
 
+use super::metrics::RankCounters;
 use super::openai::ApiError;
 use crate::engine::progress::Progress;
 use crate::engine::rank::Rank;
@@ -24,6 +26,23 @@ impl Drop for AbortOnDrop {
     }
 }
 
+/// Adds the request to its rank's counters when dropped, with the request's last
+/// progress: however the answer ended (finished, failed, client gone), it is counted
+/// once.
+#[derive(Debug)]
+pub(super) struct CountOnDrop {
+    pub(super) counters: RankCounters,
+    pub(super) rx: watch::Receiver<Progress>,
+    /// Prompt length, in tokens.
+    pub(super) prompt_tokens: u64,
+}
+
+impl Drop for CountOnDrop {
+    fn drop(&mut self) {
+        self.counters.record(&self.rx.borrow(), self.prompt_tokens);
+    }
+}
+
 /// An accepted request and what its response needs.
 #[derive(Debug)]
 pub(super) struct Accepted {
@@ -31,6 +50,8 @@ pub(super) struct Accepted {
     pub rx: watch::Receiver<Progress>,
     /// Keeps the request alive; dropping it aborts the request.
     pub guard: AbortOnDrop,
+    /// Counts the request when the answer is dropped (held only to be dropped).
+    pub _count: CountOnDrop,
     /// The response id (`cmpl-…`).
     pub id: String,
     /// Prompt length, in tokens.

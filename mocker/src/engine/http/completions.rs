@@ -12,7 +12,7 @@
 //! [`EngineCore`]: crate::engine::EngineCore
 
 use super::HttpState;
-use super::accepted::{AbortOnDrop, Accepted, Shape, engine_error};
+use super::accepted::{AbortOnDrop, Accepted, CountOnDrop, Shape, engine_error};
 use super::openai::{ApiError, CompletionRequest, DEFAULT_MAX_TOKENS, Prompt, Usage, parse_json};
 use super::sse;
 use crate::engine::progress::Progress;
@@ -209,8 +209,14 @@ pub(super) fn submit(
         Shape::Completion => "cmpl",
         Shape::Chat => "chatcmpl",
     };
+    let count = CountOnDrop {
+        counters: state.metrics.rank_counters(dp_rank),
+        rx: rx.clone(),
+        prompt_tokens,
+    };
     Ok(Accepted {
         rx,
+        _count: count,
         guard: AbortOnDrop {
             rank,
             request_id: request_id.clone(),

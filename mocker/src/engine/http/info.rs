@@ -1,5 +1,5 @@
 //! The small endpoints: `POST /tokenize`, `GET /v1/models`, `GET /metrics`,
-//! `POST /reset_prefix_cache`.
+//! `POST /reset_prefix_cache`, `GET /health`.
 
 use super::HttpState;
 use super::openai::{ApiError, TokenizeRequest, parse_json};
@@ -54,6 +54,12 @@ pub(super) async fn models(State(state): State<Arc<HttpState>>) -> Response {
         }],
     }))
     .into_response()
+}
+
+/// `GET /health` (vLLM's): 200 with an empty body while the listener serves. Routers
+/// that health-check their workers (SMG, vllm-router) mark a worker down without it.
+pub(super) async fn health() -> StatusCode {
+    StatusCode::OK
 }
 
 /// `GET /metrics`: Prometheus text with vLLM's names (see `metrics`).

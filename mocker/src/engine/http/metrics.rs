@@ -7,9 +7,18 @@
 //! info gauge `vllm:cache_config_info` (value 1) whose labels carry `block_size` and
 //! `num_gpu_blocks`. Values are read from the ranks at scrape time, so a scrape costs
 //! one short lock per rank and nothing between scrapes.
+//!
+//! Counters per dp rank, as vLLM's: `vllm:prefix_cache_queries_total` and
+//! `vllm:prefix_cache_hits_total` (prompt tokens of the HTTP requests that were
+//! prefilled, and the part of them served from the prefix cache, in tokens) and
+//! `vllm:request_success_total` (HTTP requests that generated all their tokens, label
+//! `finished_reason="length"`), so a benchmark reads the cached ratio and the requests
+//! each engine served from two scrapes. Each request adds to them once, when its answer
+//! is dropped ([`RankCounters::record`]): three atomic adds.
 
+use super::super::progress::Progress;
 use super::super::rank::Rank;
-use prometheus::{Encoder, GaugeVec, Opts, Registry, TextEncoder};
+use prometheus::{Encoder, GaugeVec, IntCounter, IntCounterVec, Opts, Registry, TextEncoder};
 use std::sync::Arc;
 
 /// The registry and gauges of one worker.
@@ -19,7 +28,30 @@ pub(super) struct EngineMetrics {
     running: GaugeVec,
     waiting: GaugeVec,
     usage: GaugeVec,
+    counters: Vec<RankCounters>,
     model_name: String,
+}
+
+/// One dp rank's request counters (see the module docs); clones share the counts.
+#[derive(Debug, Clone)]
+pub(super) struct RankCounters {
+    queries: IntCounter,
+    hits: IntCounter,
+    success: IntCounter,
+}
+
+impl RankCounters {
+    /// Counts one request of `prompt_tokens` tokens whose last progress was `p`: its
+    /// prompt and cached tokens once it was prefilled, a success once it finished.
+    pub fn record(&self, p: &Progress, prompt_tokens: u64) {
+        if let Some(cached) = p.cached_tokens {
+            self.queries.inc_by(prompt_tokens);
+            self.hits.inc_by(cached.min(prompt_tokens));
+        }
+        if p.finished && p.error.is_none() {
+            self.success.inc();
+        }
+    }
 }
 
 impl EngineMetrics {
@@ -66,6 +98,38 @@ impl EngineMetrics {
             ],
         )?;
         registry.register(Box::new(info.clone()))?;
+        let counter = |name: &str, help: &str, labels: &[&str]| {
+            let c = IntCounterVec::new(Opts::new(name, help), labels)?;
+            registry.register(Box::new(c.clone()))?;
+            Ok::<_, prometheus::Error>(c)
+        };
+        let per_rank = ["model_name", "engine"];
+        let queries = counter(
+            "vllm:prefix_cache_queries_total",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            &per_rank,
+        )?;
+        let hits = counter(
+            "vllm:prefix_cache_hits_total",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            &per_rank,
+        )?;
+        let success = counter(
+            "vllm:request_success_total",
+            "Count of successfully processed requests.",
+            &["model_name", "engine", "finished_reason"],
+        )?;
+        let counters = (0..dp_size)
+            .map(|rank| {
+                let engine = rank.to_string();
+                let labels = [model_name, engine.as_str()];
+                RankCounters {
+                    queries: queries.with_label_values(&labels),
+                    hits: hits.with_label_values(&labels),
+                    success: success.with_label_values(&[model_name, engine.as_str(), "length"]),
+                }
+            })
+            .collect();
         let (bs, blocks) = (block_size.to_string(), num_gpu_blocks.to_string());
         for engine in 0..dp_size {
             let engine = engine.to_string();
@@ -77,8 +141,15 @@ impl EngineMetrics {
             running,
             waiting,
             usage,
+            counters,
             model_name: model_name.to_owned(),
         })
+    }
+
+    /// The counters of dp rank `rank`, which must be below the `dp_size` given to
+    /// [`Self::new`] (as `HttpState::ranks` is indexed: the rank is validated before).
+    pub fn rank_counters(&self, rank: usize) -> RankCounters {
+        self.counters[rank].clone()
     }
 
     /// Reads every rank and renders the Prometheus text format.

@@ -3,7 +3,8 @@
 //!
 //! Endpoints: `POST /v1/completions` (token-id or text prompts, streaming or not),
 //! `POST /tokenize`, `GET /v1/models`, `GET /metrics` (vLLM metric names),
-//! `POST /reset_prefix_cache` (vLLM's: drops an idle worker's KV cache). The dp rank
+//! `POST /reset_prefix_cache` (vLLM's: drops an idle worker's KV cache), `GET /health`
+//! (vLLM's liveness probe, which SMG and vllm-router poll on every worker). The dp rank
 //! comes from vLLM's `X-data-parallel-rank` header or SGLang's `data_parallel_rank`
 //! body field. Requests run on the same engine core as the NATS protocol — same
 //! timing, same KV cache, same KV events — and a client disconnect aborts the request
@@ -240,6 +241,7 @@ pub(super) fn router(state: Arc<HttpState>) -> Router {
         .route("/v1/models", get(info::models))
         .route("/metrics", get(info::metrics))
         .route("/reset_prefix_cache", post(info::reset_prefix_cache))
+        .route("/health", get(info::health))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
 }

@@ -455,3 +455,52 @@ async fn reset_prefix_cache_drops_an_idle_workers_cache_and_refuses_a_busy_one()
     let (_, again) = e.post("/v1/completions", body, None).await;
     assert_eq!(cached(&again), 0, "the cache was dropped");
 }
+
+/// `GET /health` answers 200 with an empty body, idle and with a request running (as
+/// vLLM's does): SMG and vllm-router poll it on every worker.
+#[tokio::test]
+async fn health_answers_200_with_an_empty_body_idle_and_busy() {
+    let e = start(1.0, None).await;
+    let health = || async {
+        let resp = e.http.get(format!("{}/health", e.url)).send().await;
+        let resp = resp.expect("answered");
+        let status = resp.status().as_u16();
+        (status, resp.text().await.expect("body"))
+    };
+    assert_eq!(health().await, (200, String::new()));
+    let long = json!({"prompt": prompt(16), "max_tokens": 30, "stream": true});
+    let mut stream = e.stream(&long).await;
+    stream.next().await.expect("chunk").expect("bytes");
+    assert_eq!(health().await, (200, String::new()), "while a request runs");
+}
+
+/// vLLM's counters: prefix-cache queries and hits in tokens, and finished requests,
+/// for JSON and streamed answers alike.
+#[tokio::test]
+async fn metrics_count_prefix_cache_queries_hits_and_finished_requests() {
+    let e = start(20.0, None).await;
+    let body = json!({"prompt": prompt(40), "max_tokens": 2});
+    for _ in 0..2 {
+        let (status, r) = e.post("/v1/completions", body.clone(), None).await;
+        assert_eq!(status, 200, "{r}");
+    }
+    let streamed = json!({"prompt": prompt(40), "max_tokens": 2, "stream": true});
+    let chunks: Vec<_> = e.stream(&streamed).await.collect().await;
+    assert!(chunks.iter().all(Result::is_ok));
+    let m = e.metrics().await;
+    let rank0 = "engine=\"0\"";
+    // 3 × 40 prompt tokens; the second and third reuse 2 full blocks of 16 each.
+    assert_eq!(
+        sample(&m, "vllm:prefix_cache_queries_total", rank0),
+        Some(120.0)
+    );
+    assert_eq!(
+        sample(&m, "vllm:prefix_cache_hits_total", rank0),
+        Some(64.0)
+    );
+    assert_eq!(sample(&m, "vllm:request_success_total", rank0), Some(3.0));
+    assert_eq!(
+        sample(&m, "vllm:request_success_total", "engine=\"1\""),
+        Some(0.0)
+    );
+}
