@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import os
+import random
 import re
 import signal
 import socket
@@ -238,11 +239,14 @@ def free_port() -> int:
 
 
 def free_port_block(n: int, attempts: int = 100) -> int:
-    """The first of ``n`` consecutive loopback ports that were free together."""
+    """The first of ``n`` consecutive loopback ports that were free together.
+
+    Blocks are taken below the kernel's ephemeral range, which a busy pass fills with
+    client ports in TIME_WAIT (and which outgoing connections draw from)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    floor = 10000
     for _ in range(attempts):
-        first = free_port()
-        if first + n > 65535:
-            continue
+        first = random.randrange(floor, max(floor + 1, low - n))
         held = []
         try:
             for port in range(first, first + n):
