@@ -4,7 +4,7 @@ vllm-router in front of the same mock vLLM engines, driven by aiperf.
 
 See README.md beside this file. Usage:
 
-    python3 benches/gateway-peers/run.py            # full run, ~20 min on 2 cores
+    python3 benches/gateway-peers/run.py            # full run, ~16 min on 2 cores
     python3 benches/gateway-peers/run.py --quick    # smoke run, a few minutes
 """
 
@@ -251,13 +251,15 @@ def markdown(report: dict) -> str:
 
 
 def interrupt(_signum, _frame) -> None:
-    """SIGTERM unwinds like Ctrl-C, so every started process is stopped."""
+    """SIGINT and SIGTERM unwind the run, so every started process is stopped."""
     raise KeyboardInterrupt
 
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, interrupt)
+    # SIGINT explicitly too: a shell starts background jobs with it ignored.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, interrupt)
     report: dict = {}
     code = 0
     try:
