@@ -14,9 +14,10 @@
 //! or an eviction at the cap) comes from another task. Cost: a lock and a clock read
 //! per read that returns bytes; one `Sleep`, reset only when the deadline moves.
 
-use super::request::Tracking;
-use super::server::ServerLimits;
+use super::limits::ServerLimits;
+use hyper::body::{Body, Incoming};
 use hyper::server::conn::http1;
+use hyper::service::HttpService;
 use hyper_util::rt::TokioIo;
 use std::fmt::Debug;
 use std::future::Future;
@@ -316,12 +317,17 @@ pub(super) fn poll_deadline(
 /// Drives `connection` until it ends: closed by the client, by hyper (an error, a
 /// graceful close), or by the watchdog at one of `conn`'s deadlines. After a last
 /// answer that left its request's body unread, the close lingers (see [`LINGER`]).
-pub(super) async fn drive<IO>(
-    mut connection: http1::Connection<TokioIo<Tracked<IO>>, Tracking>,
+pub(super) async fn drive<IO, S>(
+    mut connection: http1::Connection<TokioIo<Tracked<IO>>, S>,
     conn: &Arc<Conn>,
     remote: impl Debug,
 ) where
     IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    S: HttpService<Incoming> + Unpin,
+    S::Future: Unpin,
+    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    S::ResBody: 'static,
+    <S::ResBody as Body>::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let mut watchdog = Watchdog {
         conn: conn.clone(),

@@ -14,15 +14,17 @@
 
 pub mod client;
 mod connection;
+mod limits;
 mod request;
 pub mod server;
 
 pub use client::{HttpResponse, get, metric_sample};
-pub use request::BodyTimeout;
-pub use server::{
+pub use limits::{
     BodyTimeouts, DEFAULT_BODY_IDLE_TIMEOUT_MS, DEFAULT_BODY_READ_TIMEOUT_MS,
-    DEFAULT_HEADER_READ_TIMEOUT_MS, DEFAULT_IDLE_TIMEOUT_S, ServerLimits, serve,
+    DEFAULT_HEADER_READ_TIMEOUT_MS, DEFAULT_IDLE_TIMEOUT_S, ServerLimits,
 };
+pub use request::BodyTimeout;
+pub use server::serve;
 
 use std::net::SocketAddr;
 

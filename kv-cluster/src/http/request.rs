@@ -10,7 +10,7 @@
 //! not empty, one timer, reset only while the body is awaited.
 
 use super::connection::{Conn, InFlight, poll_deadline};
-use super::server::{BodyTimeouts, ServerLimits};
+use super::limits::{BodyTimeouts, ServerLimits};
 use axum::Router;
 use axum::body::Body;
 use axum::http::header::{CONNECTION, HeaderName};
