@@ -13,6 +13,8 @@ approximate character tree) and leave tokenization to the engine.
 
 from __future__ import annotations
 
+import re
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +45,9 @@ class Row:
 ROWS: list[Row] = [
     Row("kv-default", "kv-router default", "gateway (local), token ids to the engine",
         "kv-router"),
+    Row("kv-no-cache", "kv-router --tokenizer-cache-mib 0",
+        "gateway (local, no tokenizer cache), token ids to the engine", "kv-router",
+        flags=("--tokenizer-cache-mib", "0")),
     Row("kv-text", "kv-router --forward text", "gateway (local) to route; engine again",
         "kv-router", flags=("--forward", "text")),
     Row("kv-engine-tok", "kv-router --tokenize-via engine",
@@ -61,7 +66,7 @@ ROWS: list[Row] = [
 ROW_KEYS = [r.key for r in ROWS]
 #: Rows run unless ``--rows`` says otherwise. vllm-router ``kv_aware`` is left out:
 #: on these engines it sends every request to one engine (see README.md).
-DEFAULT_ROWS = [k for k in ROW_KEYS if k != "vllm-router-kv"]
+DEFAULT_ROWS = [k for k in ROW_KEYS if k not in ("vllm-router-kv", "kv-no-cache")]
 #: Rows of the overhead pass: the router's policy does not change the gateway's cost.
 DEFAULT_OVERHEAD_ROWS = [k for k in DEFAULT_ROWS if k != "kv-round-robin"]
 
@@ -118,6 +123,21 @@ def start(row: Row, cluster: Cluster, model_dir: Path) -> Running:
                               ready_timeout_s=READY_TIMEOUT_S)
         return Running(url, gateway, None, argv)
     raise ValueError(f"unknown gateway kind {row.kind}")
+
+
+def scrape(running: Running) -> dict[str, float]:
+    """A kv-router gateway's ``/metrics`` samples, ``name{labels}`` → value; empty for
+    the peers."""
+    if running.router is None:
+        return {}
+    with urllib.request.urlopen(f"{running.url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        match = re.match(r"^(\S+) (\S+)$", line)
+        if match and not line.startswith("#"):
+            samples[match[1]] = float(match[2])
+    return samples
 
 
 def stop(running: Running, cluster: Cluster) -> None:

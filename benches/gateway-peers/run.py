@@ -95,6 +95,33 @@ def git(*argv: str) -> str:
                           check=False).stdout.strip()
 
 
+def cache_hits(before: dict[str, float], after: dict[str, float]) -> float | None:
+    """Tokens from the tokenizer cache over all tokenized between two scrapes."""
+    def delta(source: str) -> float:
+        name = f'kv_gateway_tokenized_tokens_total{{source="{source}"}}'
+        return after.get(name, 0.0) - before.get(name, 0.0)
+    total = delta("cache") + delta("encoded")
+    return delta("cache") / total if total > 0 else None
+
+
+STAGES = ("tokenize_queue", "tokenize", "route", "engine")
+
+
+def stage_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float] | None:
+    """Mean ms of each of the gateway's stages before the first token between two
+    scrapes (``kv_gateway_stage_seconds``), and of its own TTFT."""
+    if not after:
+        return None
+    def mean_ms(series: str) -> float:
+        total = after.get(f"{series}_sum", 0.0) - before.get(f"{series}_sum", 0.0)
+        count = after.get(f"{series}_count", 0.0) - before.get(f"{series}_count", 0.0)
+        return 1000 * total / count if count > 0 else 0.0
+    means = {s: mean_ms(f'kv_gateway_stage_seconds{{stage="{s}"}}') for s in STAGES}
+    ttft = [k[: -len("_sum")] for k in after if k.startswith("kv_gateway_ttft_seconds_sum")]
+    means["gateway_ttft"] = sum(mean_ms(k) for k in ttft) / len(ttft) if ttft else 0.0
+    return means
+
+
 def trace_row(row: gateways.Row, cluster: Cluster, aiperf: Aiperf, trace: Path,
               artifacts: Path, scale: float, timeout_s: float) -> TraceRow:
     """Cold caches, the gateway started, the trace replayed, everything read."""
@@ -106,6 +133,7 @@ def trace_row(row: gateways.Row, cluster: Cluster, aiperf: Aiperf, trace: Path,
         gw0 = running.gateway.cpu_seconds()
         router0 = running.router.cpu_seconds() if running.router else 0.0
         relays0 = sum(r.cpu_seconds() for r in cluster.relays)
+        tokenized0 = gateways.scrape(running)
         outcome = aiperf.trace(running.url, trace, artifacts, timeout_s)
         gw = running.gateway.cpu_seconds() - gw0
         router = running.router.cpu_seconds() - router0 if running.router else None
@@ -113,6 +141,7 @@ def trace_row(row: gateways.Row, cluster: Cluster, aiperf: Aiperf, trace: Path,
         engines = engine_report(counts, cluster.counts())
         rss = running.gateway.peak_rss_bytes() / (1 << 20)
         load_after = loadavg()
+        tokenized = gateways.scrape(running)
     finally:
         gateways.stop(running, cluster)
     n = outcome.requests
@@ -125,6 +154,7 @@ def trace_row(row: gateways.Row, cluster: Cluster, aiperf: Aiperf, trace: Path,
         gateway_cpu_ms_per_request=per_request_ms(gw, n),
         router_cpu_ms_per_request=None if router is None else per_request_ms(router, n),
         relays_cpu_ms_per_request=per_request_ms(relays, n),
+        tokenizer_cache_hits=cache_hits(tokenized0, tokenized),
         gateway_peak_rss_mib=rss, load_before=load_before, load_after=load_after,
         gateway_command=running.command, client_command=outcome.command)
 
@@ -146,10 +176,12 @@ def overhead_rows(rows: list[gateways.Row], cluster: Cluster, aiperf: Aiperf,
                 key = row.key if row else "direct"
                 load_before = loadavg()
                 cpu0 = running.gateway.cpu_seconds() if running else 0.0
+                scraped0 = gateways.scrape(running) if running else {}
                 urls = [running.url] if running else cluster.engine_urls
                 outcome = aiperf.rate(urls, rate, count, out / f"{key}-{rate:g}",
                                       timeout_s=4 * seconds + 60)
                 cpu = running.gateway.cpu_seconds() - cpu0 if running else None
+                stages = stage_means(scraped0, gateways.scrape(running)) if running else None
                 p50 = percentile(outcome.ttft_ms, 0.5)
                 if row is None:
                     direct_p50[rate] = p50
@@ -162,7 +194,7 @@ def overhead_rows(rows: list[gateways.Row], cluster: Cluster, aiperf: Aiperf,
                     added_p50_ms=None if row is None else p50 - direct_p50[rate],
                     gateway_cpu_ms_per_request=None if cpu is None
                     else per_request_ms(cpu, outcome.requests),
-                    load_before=load_before, load_after=loadavg(),
+                    load_before=load_before, load_after=loadavg(), stages_ms=stages,
                     client_command=outcome.command))
                 log(f"  overhead {key} at {rate:g}/s: p50 TTFT {p50:.2f} ms, "
                     f"{outcome.failed} failed")

@@ -51,7 +51,7 @@ use crate::workers::WorkerUrls;
 use axum::serve::ListenerExt;
 use kv_cluster::directory::WorkerDirectory;
 use kv_cluster::metrics::Registrar;
-use kv_tokenizer::ModelTokenizer;
+use kv_tokenizer::{CachedTokenizer, ModelTokenizer};
 use prometheus::Registry;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -109,6 +109,10 @@ impl Gateway {
                     GatewayError::Config("--tokenize-via local needs --model-dir".into())
                 })?;
                 let tokenizer = Arc::new(ModelTokenizer::from_dir(dir, limits)?);
+                let tokenizer = CachedTokenizer::new(tokenizer, config.model.tokenizer.cache_bytes);
+                if let Some(reason) = tokenizer.off_reason() {
+                    tracing::info!(reason, "no tokenizer cache");
+                }
                 let pool = TokenizerPool::start(
                     config.model.tokenizer.threads,
                     config.model.tokenizer.queue,
@@ -116,7 +120,12 @@ impl Gateway {
                 .map_err(GatewayError::Threads)?;
                 // A prompt waits for a thread no longer than the request may take.
                 let deadline = config.limits.request_timeout;
-                PromptTokenizer::local(tokenizer, Arc::new(pool), deadline, metrics.clone())
+                PromptTokenizer::local(
+                    Arc::new(tokenizer),
+                    Arc::new(pool),
+                    deadline,
+                    metrics.clone(),
+                )
             }
         };
         // The lifecycle publisher re-sends `freed` after a reconnect: it hears of the

@@ -10,6 +10,8 @@
 //! | `kv_gateway_stage_seconds` | `stage`: `tokenize_queue`, `tokenize`, `route`, `engine` | time in each stage before the first token (`tokenize_queue`: waiting for a tokenizer thread; `tokenize`: the encode itself; `engine`: forward → first token) |
 //! | `kv_gateway_tokenize_jobs` | | prompts admitted to the tokenizer pool, encoding or waiting for a thread |
 //! | `kv_gateway_tokenize_rejected_total` | `reason`: `queue_full`, `deadline` | prompts refused by the tokenizer pool (503 + `Retry-After`, 504) |
+//! | `kv_gateway_tokenized_tokens_total` | `source`: `cache`, `encoded` | prompt tokens the gateway's tokenizer took from its piece cache or encoded (`--tokenize-via local`; the hit rate is `cache` over both) |
+//! | `kv_gateway_tokenizer_cache_bytes` | | bytes the tokenizer's piece cache holds (`--tokenizer-cache-mib`) |
 //! | `kv_gateway_prompt_tokens_total` | | prompt tokens routed |
 //! | `kv_gateway_completion_tokens_total` | | tokens generated (engines' usage) |
 //! | `kv_gateway_retries_total` | `reason`: `connect`, `engine_error`, `first_token_timeout`, `no_url` | failovers to another worker |
@@ -46,6 +48,8 @@ pub struct GatewayMetrics {
     in_flight: IntGauge,
     tokenize_jobs: IntGauge,
     tokenize_rejected: IntCounterVec,
+    tokenized: IntCounterVec,
+    tokenizer_cache_bytes: IntGauge,
 }
 
 impl GatewayMetrics {
@@ -115,6 +119,15 @@ impl GatewayMetrics {
                 "kv_gateway_tokenize_rejected_total",
                 "Prompts the tokenizer pool refused, by reason (queue_full, deadline)",
                 &["reason"],
+            )?,
+            tokenized: r.counter_vec(
+                "kv_gateway_tokenized_tokens_total",
+                "Prompt tokens the gateway's tokenizer took from its piece cache or encoded, by source (cache, encoded)",
+                &["source"],
+            )?,
+            tokenizer_cache_bytes: r.gauge(
+                "kv_gateway_tokenizer_cache_bytes",
+                "Bytes held by the tokenizer's cache of text pieces' token ids",
             )?,
         })
     }
@@ -212,5 +225,23 @@ impl GatewayMetrics {
     /// Prompts refused for `reason` so far.
     pub fn tokenize_rejections(&self, reason: &str) -> u64 {
         self.tokenize_rejected.with_label_values(&[reason]).get()
+    }
+
+    /// Counts a prompt's tokens by where they came from, and the cache's size after.
+    pub fn tokenized(&self, cached: usize, encoded: usize, cache_bytes: u64) {
+        let count = |n: usize| u64::try_from(n).unwrap_or(u64::MAX);
+        self.tokenized
+            .with_label_values(&["cache"])
+            .inc_by(count(cached));
+        self.tokenized
+            .with_label_values(&["encoded"])
+            .inc_by(count(encoded));
+        self.tokenizer_cache_bytes
+            .set(i64::try_from(cache_bytes).unwrap_or(i64::MAX));
+    }
+
+    /// Prompt tokens taken from `source` (`cache` or `encoded`) so far.
+    pub fn tokenized_tokens(&self, source: &str) -> u64 {
+        self.tokenized.with_label_values(&[source]).get()
     }
 }

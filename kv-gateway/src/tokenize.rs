@@ -8,7 +8,10 @@
 //!   Costs CPU in the gateway (see docs/benchmarks.md), no round trip. Encodes run on
 //!   a bounded [`pool::TokenizerPool`] (`--tokenizer-threads`, `--tokenizer-queue`),
 //!   never on the async workers, and a prompt over `--max-prompt-bytes` is refused
-//!   before it is queued.
+//!   before it is queued. The text between added tokens (a chat's turns, the BOS a
+//!   client wrote into a completion) is encoded once and then taken from a cache
+//!   (`kv_tokenizer::CachedTokenizer`, `--tokenizer-cache-mib`), with exactly the
+//!   ids of encoding the whole prompt.
 //! - **engine** (`--tokenize-via engine`): vLLM's `POST /tokenize` on any known
 //!   engine, so the engine's own code decides. Costs one HTTP round trip per request,
 //!   and needs no model files here.
@@ -22,7 +25,7 @@ use crate::error::ApiError;
 use crate::forward::{error_text, read_bounded};
 use crate::metrics::GatewayMetrics;
 use crate::workers::WorkerUrls;
-use kv_tokenizer::{ChatMessage, ChatOptions, ModelTokenizer, TokenizerError};
+use kv_tokenizer::{CachedTokenizer, ChatMessage, ChatOptions, Encoded, TokenizerError};
 use pool::{PoolError, TokenizerPool};
 use prometheus::IntGauge;
 use serde::Deserialize;
@@ -42,7 +45,7 @@ pub struct PromptTokenizer {
 enum Via {
     /// In process, from the model's files, on the pool's threads.
     Local {
-        tokenizer: Arc<ModelTokenizer>,
+        tokenizer: Arc<CachedTokenizer>,
         pool: Arc<TokenizerPool>,
         /// Longest a prompt may wait for and take on the pool.
         deadline: Duration,
@@ -86,7 +89,7 @@ impl PromptTokenizer {
     /// bounds) on `pool`; a prompt must be encoded within `deadline` of its arrival at
     /// the pool (504 otherwise).
     pub fn local(
-        tokenizer: Arc<ModelTokenizer>,
+        tokenizer: Arc<CachedTokenizer>,
         pool: Arc<TokenizerPool>,
         deadline: Duration,
         metrics: GatewayMetrics,
@@ -132,7 +135,7 @@ impl PromptTokenizer {
                     .map_err(tokenizer_error)?;
                 let tokenizer = Arc::clone(tokenizer);
                 let prompt = prompt.to_owned();
-                self.on_pool(move || tokenizer.encode_completion(&prompt))
+                self.on_pool(tokenizer, move |t| t.completion(&prompt))
                     .await
             }
             Via::Engine {
@@ -164,7 +167,7 @@ impl PromptTokenizer {
         match &self.via {
             Via::Local { tokenizer, .. } => {
                 let tokenizer = Arc::clone(tokenizer);
-                self.on_pool(move || tokenizer.encode_chat(&messages, &options))
+                self.on_pool(tokenizer, move |t| t.chat(&messages, &options))
                     .await
             }
             Via::Engine {
@@ -185,19 +188,25 @@ impl PromptTokenizer {
         }
     }
 
-    /// Runs `encode` on the pool, recording the wait (`tokenize_queue`) and, when the
-    /// tokenizer ran, the encode (`tokenize`).
+    /// Runs `encode` with `tokenizer` on the pool, recording the wait
+    /// (`tokenize_queue`), and when the tokenizer ran, the encode (`tokenize`) and
+    /// where its tokens came from.
     async fn on_pool(
         &self,
-        encode: impl FnOnce() -> Result<Vec<u32>, TokenizerError> + Send + 'static,
+        tokenizer: Arc<CachedTokenizer>,
+        encode: impl FnOnce(&CachedTokenizer) -> Result<Encoded, TokenizerError> + Send + 'static,
     ) -> Result<Vec<u32>, ApiError> {
         let Via::Local { pool, deadline, .. } = &self.via else {
             return Err(ApiError::internal("no tokenizer pool"));
         };
         let admitted = Admitted::new(self.metrics.tokenize_jobs());
+        let metrics = self.metrics.clone();
         let job = move || {
             let _admitted = admitted;
-            encode()
+            let encoded = encode(&tokenizer)?;
+            let fresh = encoded.ids.len().saturating_sub(encoded.cached_tokens);
+            metrics.tokenized(encoded.cached_tokens, fresh, tokenizer.cached_bytes());
+            Ok(encoded.ids)
         };
         let ran = match pool.run(Instant::now() + *deadline, job).await {
             Ok(ran) => ran,

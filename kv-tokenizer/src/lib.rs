@@ -26,12 +26,14 @@
 //! vocabulary); encoding is linear in the prompt; a [`ModelTokenizer`] is immutable and
 //! can be shared across threads behind an `Arc`.
 
+mod cached;
 mod chat;
 mod config;
 mod error;
 mod limits;
 mod pyjson;
 
+pub use cached::{CachedTokenizer, Encoded};
 pub use chat::{ChatMessage, ChatOptions, ChatTemplate};
 pub use config::{ModelConfig, SpecialTokens};
 pub use error::{BoxedError, TokenizerError};
@@ -197,18 +199,27 @@ impl ModelTokenizer {
     /// [`TokenizerError::Encode`].
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizerError> {
         self.limits.check_bytes(text.len())?;
+        let ids = self.encode_raw(text, add_special_tokens)?;
+        self.limits.check_tokens(ids.len())?;
+        Ok(ids)
+    }
+
+    /// Encodes `text` without checking the limits.
+    pub(crate) fn encode_raw(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>, TokenizerError> {
         let encoding = self
             .tokenizer
             .encode_fast(text, add_special_tokens)
             .map_err(TokenizerError::Encode)?;
-        let ids = encoding.get_ids();
-        if ids.len() > self.limits.max_prompt_tokens {
-            return Err(TokenizerError::TooManyTokens {
-                tokens: ids.len(),
-                max: self.limits.max_prompt_tokens,
-            });
-        }
-        Ok(ids.to_vec())
+        Ok(encoding.get_ids().to_vec())
+    }
+
+    /// The Hugging Face tokenizer.
+    pub(crate) fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.tokenizer
     }
 
     /// Decodes token ids to text (ids outside the vocabulary are skipped), leaving out

@@ -59,6 +59,20 @@ impl Limits {
         }
         Ok(())
     }
+
+    /// Checks an encoded prompt of `tokens` tokens against [`Self::max_prompt_tokens`].
+    ///
+    /// # Errors
+    /// [`TokenizerError::TooManyTokens`] above the bound.
+    pub fn check_tokens(&self, tokens: usize) -> Result<(), TokenizerError> {
+        if tokens > self.max_prompt_tokens {
+            return Err(TokenizerError::TooManyTokens {
+                tokens,
+                max: self.max_prompt_tokens,
+            });
+        }
+        Ok(())
+    }
 }
 
 impl Default for Limits {

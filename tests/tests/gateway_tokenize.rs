@@ -170,3 +170,84 @@ async fn a_prompt_over_the_byte_bound_is_refused_before_it_is_tokenized() {
     assert_eq!(stage_count(&stack, "tokenize").await, encoded + 1.0);
     stack.stop().await;
 }
+
+/// `usage.prompt_tokens` of a non-streamed request.
+async fn prompt_tokens(stack: &Stack, path: &str, body: &Value) -> u64 {
+    let response = stack.post(path, body.to_string()).await;
+    assert_eq!(response.status(), 200);
+    let answer: Value = response.json().await.unwrap();
+    answer["usage"]["prompt_tokens"].as_u64().unwrap()
+}
+
+#[tokio::test]
+async fn a_conversation_and_shared_documents_are_encoded_once() {
+    let stack = Stack::start(1, 10.0, |_| {}, &[]).await;
+    let metrics = stack.gateway().metrics().clone();
+    let tokenizer = kv_tokenizer::ModelTokenizer::from_dir(
+        fixture::model_dir(),
+        kv_tokenizer::Limits::default(),
+    )
+    .unwrap();
+
+    // A chat's second turn resends the first: its pieces come from the cache, and the
+    // engine gets exactly the ids of encoding the whole chat.
+    let mut messages = vec![
+        json!({"role": "system", "content": text(600)}),
+        json!({"role": "user", "content": text(300)}),
+    ];
+    let chat =
+        |messages: &Vec<Value>| json!({"model": MODEL, "max_tokens": 2, "messages": messages});
+    prompt_tokens(&stack, "/v1/chat/completions", &chat(&messages)).await;
+    let before = metrics.tokenized_tokens("cache");
+    messages.push(json!({"role": "assistant", "content": "a short answer"}));
+    messages.push(json!({"role": "user", "content": "and a follow-up question"}));
+    let tokens = prompt_tokens(&stack, "/v1/chat/completions", &chat(&messages)).await;
+    let parsed: Vec<kv_tokenizer::ChatMessage> =
+        serde_json::from_value(Value::Array(messages)).unwrap();
+    let whole = tokenizer
+        .encode_chat(&parsed, &kv_tokenizer::ChatOptions::default())
+        .unwrap();
+    assert_eq!(tokens, whole.len() as u64);
+    let from_cache = metrics.tokenized_tokens("cache") - before;
+    assert!(
+        from_cache > 100,
+        "{from_cache} of {tokens} tokens from the cache"
+    );
+
+    // Completions built from shared documents, each behind a BOS (as aiperf writes a
+    // trace's blocks): the documents already seen are not encoded again.
+    let docs = [
+        "<|bos|>".to_owned() + &text(900),
+        "<|bos|>".to_owned() + &text(700),
+    ];
+    let prompt =
+        |tail: &str| json!({"model": MODEL, "max_tokens": 2, "prompt": docs.concat() + tail});
+    prompt_tokens(&stack, "/v1/completions", &prompt("<|bos|>first question")).await;
+    let before = metrics.tokenized_tokens("cache");
+    let second = docs.concat() + "<|bos|>second question";
+    let tokens = prompt_tokens(&stack, "/v1/completions", &prompt("<|bos|>second question")).await;
+    assert_eq!(
+        tokens,
+        tokenizer.encode_completion(&second).unwrap().len() as u64
+    );
+    let from_cache = metrics.tokenized_tokens("cache") - before;
+    assert!(
+        from_cache > 300,
+        "{from_cache} of {tokens} tokens from the cache"
+    );
+    stack.stop().await;
+}
+
+#[tokio::test]
+async fn a_zero_cache_encodes_every_token() {
+    let stack = Stack::start(1, 10.0, |_| {}, &["--tokenizer-cache-mib", "0"]).await;
+    let metrics = stack.gateway().metrics().clone();
+    let prompt = "<|bos|>".to_owned() + &text(500) + "<|bos|>question";
+    let body = json!({"model": MODEL, "max_tokens": 2, "prompt": prompt});
+    let first = prompt_tokens(&stack, "/v1/completions", &body).await;
+    let second = prompt_tokens(&stack, "/v1/completions", &body).await;
+    assert_eq!(first, second);
+    assert_eq!(metrics.tokenized_tokens("cache"), 0);
+    assert_eq!(metrics.tokenized_tokens("encoded"), first + second);
+    stack.stop().await;
+}

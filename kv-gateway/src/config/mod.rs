@@ -94,6 +94,8 @@ pub struct TokenizerConfig {
     pub queue: usize,
     /// Longest prompt text tokenized, in bytes.
     pub max_prompt_bytes: usize,
+    /// Capacity of the cache of text pieces' token ids, in bytes; 0: no cache.
+    pub cache_bytes: u64,
 }
 
 /// How requests are tokenized and forwarded.

@@ -73,6 +73,17 @@ pub struct ModelArgs {
         default_value_t = 64
     )]
     pub tokenizer_queue: usize,
+    /// Memory for the token ids of prompt text between added tokens (a chat's past
+    /// turns, documents behind a BOS), so a conversation's history is not encoded again
+    /// each turn; the ids are exactly those of encoding the whole prompt. In MiB; 0
+    /// turns the cache off.
+    #[arg(
+        long,
+        help_heading = "Model",
+        env = "KV_GATEWAY_TOKENIZER_CACHE_MIB",
+        default_value_t = 128
+    )]
+    pub tokenizer_cache_mib: u64,
 }
 
 impl ModelArgs {
@@ -83,6 +94,7 @@ impl ModelArgs {
         TokenizerConfig {
             threads: self.tokenizer_threads,
             queue: self.tokenizer_queue,
+            cache_bytes: self.tokenizer_cache_mib.saturating_mul(1 << 20),
             max_prompt_bytes: self
                 .max_prompt_bytes
                 .map_or(derived, |b| usize::try_from(b).unwrap_or(usize::MAX)),

@@ -80,6 +80,7 @@ fn the_prompt_byte_bound_follows_the_token_bound_unless_given() {
             threads: cores,
             queue: 64,
             max_prompt_bytes: 131_072 * 8,
+            cache_bytes: 128 << 20,
         }
     );
     let config = parse(&["--model-dir", "/m/x", "--max-prompt-tokens", "1000"])
