@@ -135,7 +135,7 @@ impl Flow {
         self.check_model(&request.model)?;
         let tokens = match &request.prompt {
             PromptInput::Tokens(ids) => ids.clone(),
-            PromptInput::Text(text) => self.tokenizer.completion(text).await?,
+            PromptInput::Text(text) => self.tokenizer.completion(text, &request.body).await?,
         };
         self.check_length(&tokens)?;
         let forward_tokens = self.model.forward == PromptForward::Tokens
@@ -170,7 +170,7 @@ impl Flow {
         }
         let tokens = self
             .tokenizer
-            .chat(chat.messages.clone(), chat.options.clone())
+            .chat(chat.messages.clone(), chat.options.clone(), &chat.body)
             .await?;
         self.check_length(&tokens)?;
         let plan = Plan {

@@ -47,6 +47,7 @@ use crate::metrics::GatewayMetrics;
 use crate::router::RouterClient;
 use crate::tokenize::PromptTokenizer;
 use crate::tokenize::pool::TokenizerPool;
+use crate::tokenize::remote::{Api, Remote, Target};
 use crate::workers::WorkerUrls;
 use axum::serve::ListenerExt;
 use kv_cluster::directory::WorkerDirectory;
@@ -100,10 +101,19 @@ impl Gateway {
             max_prompt_bytes: config.model.tokenizer.max_prompt_bytes,
             max_prompt_tokens: config.limits.max_prompt_tokens,
         };
+        // An engine's tokenization is bounded like its first token.
+        let remote_timeout = config.limits.first_token_timeout;
+        let remote = |api| {
+            let target = match &config.model.render_url {
+                Some(url) if api == Api::Render => Target::Server(url.clone()),
+                _ => Target::Engines(workers.clone()),
+            };
+            let remote = Remote::new(client.clone(), api, target, limits, remote_timeout);
+            PromptTokenizer::remote(remote, metrics.clone())
+        };
         let tokenizer = match config.model.tokenize_via {
-            TokenizeVia::Engine => {
-                PromptTokenizer::engine(client.clone(), workers.clone(), limits, metrics.clone())
-            }
+            TokenizeVia::Engine => remote(Api::Tokenize),
+            TokenizeVia::Render => remote(Api::Render),
             TokenizeVia::Local => {
                 let dir = config.model.model_dir.clone().ok_or_else(|| {
                     GatewayError::Config("--tokenize-via local needs --model-dir".into())

@@ -12,24 +12,25 @@
 //!   client wrote into a completion) is encoded once and then taken from a cache
 //!   (`kv_tokenizer::CachedTokenizer`, `--tokenizer-cache-mib`), with exactly the
 //!   ids of encoding the whole prompt.
-//! - **engine** (`--tokenize-via engine`): vLLM's `POST /tokenize` on any known
-//!   engine, so the engine's own code decides. Costs one HTTP round trip per request,
-//!   and needs no model files here.
+//! - **engine** (`--tokenize-via engine`) and **render** (`--tokenize-via render`):
+//!   vLLM's `POST /tokenize`, or its render endpoints (which take the client's body as
+//!   it is, so every field that shapes the prompt counts), on the engines or a render
+//!   server ([`remote`]), so the engine's own code decides. Costs one HTTP round trip
+//!   per request, and needs no model files here.
 //!
 //! Either way, the ids are what the gateway forwards in `--forward tokens` mode, so
 //! the engine prefills exactly the blocks the router priced.
 
 pub mod pool;
+pub(crate) mod remote;
 
 use crate::error::ApiError;
-use crate::forward::{error_text, read_bounded};
 use crate::metrics::GatewayMetrics;
-use crate::workers::WorkerUrls;
 use kv_tokenizer::{CachedTokenizer, ChatMessage, ChatOptions, Encoded, TokenizerError};
 use pool::{PoolError, TokenizerPool};
 use prometheus::IntGauge;
-use serde::Deserialize;
-use serde_json::json;
+use remote::Remote;
+use serde_json::{Map, Value};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
@@ -50,21 +51,8 @@ enum Via {
         /// Longest a prompt may wait for and take on the pool.
         deadline: Duration,
     },
-    /// By an engine's `/tokenize`.
-    Engine {
-        client: reqwest::Client,
-        workers: WorkerUrls,
-        /// Longest prompt accepted, in bytes (a completion's text) and tokens.
-        limits: kv_tokenizer::Limits,
-    },
-}
-
-/// Bytes of one token id in a JSON list at most: ten digits, a comma and a space.
-const MAX_BYTES_PER_TOKEN_ID: usize = 12;
-
-#[derive(Deserialize)]
-struct TokenizeReply {
-    tokens: Vec<u32>,
+    /// By an engine's `/tokenize` or render endpoints.
+    Remote(Arc<Remote>),
 }
 
 /// Holds one admitted prompt in the `kv_gateway_tokenize_jobs` gauge until the pool
@@ -102,31 +90,26 @@ impl PromptTokenizer {
         Self { via, metrics }
     }
 
-    /// By the `/tokenize` of any engine of `workers`; completion prompts over
-    /// `limits.max_prompt_bytes` are refused before they are sent, replies longer
-    /// than `limits.max_prompt_tokens` could be are not read.
-    pub fn engine(
-        client: reqwest::Client,
-        workers: WorkerUrls,
-        limits: kv_tokenizer::Limits,
-        metrics: GatewayMetrics,
-    ) -> Self {
-        let via = Via::Engine {
-            client,
-            workers,
-            limits,
-        };
+    /// By an engine's HTTP endpoint ([`Remote`]: `/tokenize` or the render
+    /// endpoints, on the engines or a render server, with its bounds).
+    pub(crate) fn remote(remote: Remote, metrics: GatewayMetrics) -> Self {
+        let via = Via::Remote(Arc::new(remote));
         Self { via, metrics }
     }
 
     /// Token ids of a completion prompt (special tokens added, as vLLM's
-    /// `/v1/completions` does by default).
+    /// `/v1/completions` does by default), from the client's `body` (which an engine's
+    /// render endpoint takes as it is).
     ///
     /// # Errors
     /// 400 for a prompt over the limits (over `--max-prompt-bytes` before anything is
     /// queued or encoded); 503 with `Retry-After` when the tokenizer pool is full;
     /// 504 past the deadline; 503 or 502 when no engine can tokenize.
-    pub async fn completion(&self, prompt: &str) -> Result<Vec<u32>, ApiError> {
+    pub async fn completion(
+        &self,
+        prompt: &str,
+        body: &Map<String, Value>,
+    ) -> Result<Vec<u32>, ApiError> {
         match &self.via {
             Via::Local { tokenizer, .. } => {
                 tokenizer
@@ -138,15 +121,9 @@ impl PromptTokenizer {
                 self.on_pool(tokenizer, move |t| t.completion(&prompt))
                     .await
             }
-            Via::Engine {
-                client,
-                workers,
-                limits,
-            } => {
-                limits.check_bytes(prompt.len()).map_err(tokenizer_error)?;
+            Via::Remote(remote) => {
                 let started = Instant::now();
-                let body = json!({ "prompt": prompt });
-                let ids = remote(client, workers, limits.max_prompt_tokens, body).await?;
+                let ids = remote.completion(prompt, body).await?;
                 self.metrics.stage("tokenize", started.elapsed());
                 Ok(ids)
             }
@@ -155,7 +132,9 @@ impl PromptTokenizer {
 
     /// Token ids of a chat: the chat template rendered with the generation prompt,
     /// then encoded without adding special tokens (the template has them). A rendered
-    /// chat over `--max-prompt-bytes` is refused before it is encoded.
+    /// chat over `--max-prompt-bytes` is refused before it is encoded (by an engine:
+    /// one whose messages' text alone is over it, before it is sent). `body` is the
+    /// client's, which an engine's render endpoint takes as it is.
     ///
     /// # Errors
     /// As [`Self::completion`]; 400 also for a model without a chat template.
@@ -163,6 +142,7 @@ impl PromptTokenizer {
         &self,
         messages: Vec<ChatMessage>,
         options: ChatOptions,
+        body: &Map<String, Value>,
     ) -> Result<Vec<u32>, ApiError> {
         match &self.via {
             Via::Local { tokenizer, .. } => {
@@ -170,18 +150,9 @@ impl PromptTokenizer {
                 self.on_pool(tokenizer, move |t| t.chat(&messages, &options))
                     .await
             }
-            Via::Engine {
-                client,
-                workers,
-                limits,
-            } => {
+            Via::Remote(remote) => {
                 let started = Instant::now();
-                let body = json!({
-                    "messages": messages,
-                    "add_generation_prompt": options.add_generation_prompt,
-                    "tools": options.tools,
-                });
-                let ids = remote(client, workers, limits.max_prompt_tokens, body).await?;
+                let ids = remote.chat(&messages, body).await?;
                 self.metrics.stage("tokenize", started.elapsed());
                 Ok(ids)
             }
@@ -241,48 +212,6 @@ impl PromptTokenizer {
             PoolError::Panicked => ApiError::internal("the tokenizer failed on this prompt"),
         }
     }
-}
-
-/// Asks some engine's `/tokenize` for the token ids of `body` (vLLM's request shape).
-async fn remote(
-    client: &reqwest::Client,
-    workers: &WorkerUrls,
-    max_prompt_tokens: usize,
-    body: serde_json::Value,
-) -> Result<Vec<u32>, ApiError> {
-    let url = workers
-        .any_url()
-        .ok_or_else(|| ApiError::unavailable("no engine is registered to tokenize"))?;
-    let response = client
-        .post(format!("{url}/tokenize"))
-        .json(&body)
-        .send()
-        .await
-        .map_err(|e| ApiError::engine_failed(format!("tokenizing at {url}: {e}")))?;
-    let status = response.status();
-    if status.is_client_error() {
-        let detail = error_text(response).await;
-        return Err(ApiError::bad_request(format!(
-            "the engine refused to tokenize the prompt ({status}): {detail}"
-        )));
-    }
-    if !status.is_success() {
-        return Err(ApiError::engine_failed(format!(
-            "tokenizing at {url}: {status}"
-        )));
-    }
-    // A reply longer than the allowed prompt could possibly be is not read further.
-    let limit = max_prompt_tokens.saturating_mul(MAX_BYTES_PER_TOKEN_ID) + 1024;
-    let (bytes, cut) = read_bounded(response, limit).await;
-    if cut {
-        return Err(ApiError::bad_request(format!(
-            "the prompt has more than the {max_prompt_tokens} tokens allowed"
-        )));
-    }
-    let reply: TokenizeReply = serde_json::from_slice(&bytes)
-        .map_err(|e| ApiError::engine_failed(format!("tokenize reply from {url}: {e}")))?;
-    // The token count itself is checked by the request path, for every tokenizer.
-    Ok(reply.tokens)
 }
 
 /// 400 for a prompt of `tokens` tokens over the `limit`.

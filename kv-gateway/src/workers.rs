@@ -74,6 +74,18 @@ impl WorkerUrls {
             .map(|(_, url)| url.clone())
     }
 
+    /// The engine URLs of the workers that registered one, in worker-id order, for
+    /// engine-side tokenization (which any engine of the model can do). O(workers).
+    pub fn urls(&self) -> Vec<String> {
+        let workers = self.read();
+        let mut urls: Vec<_> = workers
+            .iter()
+            .filter_map(|(id, w)| Some((*id, w.url.clone()?)))
+            .collect();
+        urls.sort_unstable_by_key(|(id, _)| *id);
+        urls.into_iter().map(|(_, url)| url).collect()
+    }
+
     /// Adds or replaces a worker with blocks of `block_size` tokens (tests and tools;
     /// the directory calls it on puts).
     pub fn insert(&self, worker_id: WorkerId, url: Option<String>, block_size: u32) {
@@ -133,6 +145,9 @@ mod tests {
         assert_eq!(urls.url(WorkerId(2)).as_deref(), Some("http://b:8000"));
         assert_eq!(urls.url(WorkerId(1)), None);
         assert_eq!(urls.any_url().as_deref(), Some("http://b:8000"));
+        urls.insert(WorkerId(0), Some("http://a:8000".into()), 16);
+        assert_eq!(urls.urls(), ["http://a:8000", "http://b:8000"], "by id");
+        urls.remove(WorkerId(0));
         assert_eq!(urls.len(), 2);
         urls.remove(WorkerId(2));
         assert_eq!(urls.any_url(), None);

@@ -90,7 +90,8 @@ pub struct ForwardArgs {
     /// How long an engine may take to send a request's first token, in ms, from
     /// when it is sent there. Then the request is routed again without that worker
     /// (up to `--max-retries`), as for an engine that refused it; nothing has reached
-    /// the client yet. Raise it for prompts whose prefill alone takes longer.
+    /// the client yet. Raise it for prompts whose prefill alone takes longer. It also
+    /// bounds each attempt of `--tokenize-via engine` or `render` (504 after the last).
     #[arg(
         long,
         help_heading = "Forwarding",

@@ -107,6 +107,8 @@ pub struct ModelConfig {
     pub served_model_name: String,
     /// Where prompts are tokenized.
     pub tokenize_via: TokenizeVia,
+    /// The render server of `--tokenize-via render`, if not the engines.
+    pub render_url: Option<String>,
     /// Tokenizer threads, queue and prompt byte bound.
     pub tokenizer: TokenizerConfig,
     /// The prompt a completion's engine request carries.
@@ -154,6 +156,9 @@ impl GatewayArgs {
                 "--tokenize-via local needs --model-dir (or use --tokenize-via engine)".into(),
             ));
         }
+        if model.render_url.is_some() && model.tokenize_via != TokenizeVia::Render {
+            return Err(bad("--render-url needs --tokenize-via render".into()));
+        }
         let served_model_name = model.served_model_name().map_err(bad)?;
         for (flag, value) in [
             ("--route-timeout-ms", fwd.route_timeout_ms),
@@ -182,6 +187,7 @@ impl GatewayArgs {
                 model_dir: model.model_dir.clone(),
                 served_model_name,
                 tokenize_via: model.tokenize_via,
+                render_url: model.render_url.clone(),
                 tokenizer: model.tokenizer_config(),
                 forward: fwd.forward,
                 chat_forward: fwd.chat_forward,

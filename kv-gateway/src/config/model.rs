@@ -15,6 +15,22 @@ pub enum TokenizeVia {
     /// By asking an engine's `POST /tokenize` (vLLM's endpoint): no model files
     /// needed, one extra round trip per request.
     Engine,
+    /// By vLLM's render endpoints (`POST /v1/completions/render`,
+    /// `POST /v1/chat/completions/render`), sent the client's body as it is: the ids
+    /// the engine will prefill, every template option included. On the registered
+    /// engines (vLLM with `VLLM_ENABLE_SCALE_OUT_ENDPOINTS=1`) or the server of
+    /// `--render-url` (`vllm launch render`); no model files needed, one extra round
+    /// trip per request.
+    Render,
+}
+
+/// `--render-url`: an `http` or `https` base URL, kept without a trailing slash.
+fn render_url(value: &str) -> Result<String, String> {
+    let url = reqwest::Url::parse(value).map_err(|e| format!("not a URL: {e}"))?;
+    if !matches!(url.scheme(), "http" | "https") || url.query().is_some() {
+        return Err("an http:// or https:// base URL without a query is needed".into());
+    }
+    Ok(value.trim_end_matches('/').to_owned())
 }
 
 /// The cores this process may use: the default of `--tokenizer-threads`.
@@ -36,6 +52,11 @@ pub struct ModelArgs {
     /// Where prompts are tokenized.
     #[arg(long, help_heading = "Model", env = "KV_GATEWAY_TOKENIZE_VIA", value_enum, default_value_t = TokenizeVia::Local)]
     pub tokenize_via: TokenizeVia,
+    /// Base URL of a render server (`http://host:port`, e.g. `vllm launch render`)
+    /// that every render goes to (`--tokenize-via render`); default: the registered
+    /// engines, in turn.
+    #[arg(long, help_heading = "Model", env = "KV_GATEWAY_RENDER_URL", value_parser = render_url)]
+    pub render_url: Option<String>,
     /// Longest prompt accepted, in tokens; longer is refused with 400.
     #[arg(
         long,

@@ -71,6 +71,31 @@ fn local_tokenization_needs_a_model_directory() {
 }
 
 #[test]
+fn render_tokenization_goes_to_the_engines_or_the_render_url() {
+    let render = ["--tokenize-via", "render", "--served-model-name", "m"];
+    let config = parse(&render).to_config().unwrap();
+    assert_eq!(config.model.tokenize_via, TokenizeVia::Render);
+    assert_eq!(config.model.render_url, None, "the engines by default");
+    let config = parse(&[&render[..], &["--render-url", "http://render:8000/"]].concat())
+        .to_config()
+        .unwrap();
+    assert_eq!(
+        config.model.render_url.as_deref(),
+        Some("http://render:8000")
+    );
+    let err = parse(&["--model-dir=/m/x", "--render-url=http://render:8000"])
+        .to_config()
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("--tokenize-via render"), "{err}");
+    for bad in ["render:8000", "ftp://render", "http://render:8000/?x=1"] {
+        let args = [&render[..], &["--render-url", bad]].concat();
+        let parsed = parse_flags::<GatewayArgs, _, _>([&["gateway"][..], &args].concat());
+        assert!(parsed.is_err(), "{bad}");
+    }
+}
+
+#[test]
 fn the_prompt_byte_bound_follows_the_token_bound_unless_given() {
     let config = parse(&["--model-dir", "/m/x"]).to_config().unwrap();
     let cores = std::thread::available_parallelism().unwrap();

@@ -1,8 +1,11 @@
 //! `POST /v1/chat/completions`: the conversation is rendered with the model's chat
-//! template and encoded as vLLM does (`kv_tokenizer::ModelTokenizer::encode_chat`,
-//! with the generation prompt), then submitted and answered like a completion, in the
-//! chat shapes. It lets a gateway in `--chat-forward passthrough` mode be tested end
-//! to end against the mock; tools, response formats and sampling are not modelled.
+//! template and encoded as vLLM does (with the request's `add_generation_prompt`,
+//! `tools`, `documents`, `chat_template_kwargs` and `add_special_tokens`), then
+//! submitted and answered like a completion, in the chat shapes. It lets a gateway in
+//! `--chat-forward passthrough` mode be tested end to end against the mock; tool
+//! calls, response formats and sampling are not modelled. [`prompt`] is also what
+//! `POST /v1/chat/completions/render` answers with, so a render's ids are exactly the
+//! ids this endpoint prefills.
 
 use super::HttpState;
 use super::accepted::{Accepted, Shape};
@@ -13,7 +16,7 @@ use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
-use kv_tokenizer::ChatOptions;
+use kv_tokenizer::{ChatOptions, template_value};
 use std::sync::Arc;
 
 /// The handler.
@@ -38,14 +41,7 @@ fn accept(
     let body = read_body(body)?;
     let req: ChatRequest = parse_json(&body)?;
     state.check_model(req.options.model.as_deref())?;
-    let options = ChatOptions {
-        add_generation_prompt: true,
-        ..ChatOptions::default()
-    };
-    let tokens = state
-        .tokenizer()?
-        .encode_chat(&req.messages, &options)
-        .map_err(|e| ApiError::bad_request(e.to_string()))?;
+    let tokens = prompt(state, &req)?;
     let submission = Submission {
         tokens,
         max_tokens: req.max_completion_tokens.or(req.options.max_tokens),
@@ -54,4 +50,38 @@ fn accept(
         shape: Shape::Chat,
     };
     Ok((submit(state, headers, submission)?, req.options.stream))
+}
+
+/// The prompt's token ids: the messages rendered with the model's chat template and
+/// the request's template options, encoded with special tokens only if the request
+/// asks (`add_special_tokens`, false by default: the template writes them).
+///
+/// # Errors
+/// 400 without a tokenizer or chat template, for a template error (e.g. a role it
+/// refuses) or an encode error.
+pub(super) fn prompt(state: &HttpState, req: &ChatRequest) -> Result<Vec<u32>, ApiError> {
+    let options = ChatOptions {
+        add_generation_prompt: req.add_generation_prompt,
+        tools: req
+            .tools
+            .as_ref()
+            .map(|tools| tools.iter().map(template_value).collect()),
+        documents: req
+            .documents
+            .as_ref()
+            .map(|docs| docs.iter().map(template_value).collect()),
+        template_kwargs: req
+            .chat_template_kwargs
+            .iter()
+            .flatten()
+            .map(|(k, v)| (k.clone(), template_value(v)))
+            .collect(),
+    };
+    let tokenizer = state.tokenizer()?;
+    let text = tokenizer
+        .render_chat(&req.messages, &options)
+        .map_err(|e| ApiError::bad_request(e.to_string()))?;
+    tokenizer
+        .encode(&text, req.add_special_tokens)
+        .map_err(|e| ApiError::bad_request(e.to_string()))
 }

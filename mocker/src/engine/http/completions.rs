@@ -123,10 +123,7 @@ fn accept(
     let body = read_body(body)?;
     let req: CompletionRequest = parse_json(&body)?;
     state.check_model(req.options.model.as_deref())?;
-    let tokens = match &req.prompt {
-        Prompt::Tokens(ids) => ids.clone(),
-        Prompt::Text(text) => state.encode(text)?,
-    };
+    let tokens = prompt(state, &req)?;
     let submission = Submission {
         tokens,
         max_tokens: req.options.max_tokens,
@@ -135,6 +132,19 @@ fn accept(
         shape: Shape::Completion,
     };
     Ok((submit(state, headers, submission)?, req.options.stream))
+}
+
+/// The prompt's token ids: token ids as given, or the text encoded (with special
+/// tokens unless the request says `add_special_tokens: false`, as vLLM does).
+/// `POST /v1/completions/render` answers with the same ids.
+///
+/// # Errors
+/// 400 for a text prompt without a tokenizer, or one the tokenizer refuses.
+pub(super) fn prompt(state: &HttpState, req: &CompletionRequest) -> Result<Vec<u32>, ApiError> {
+    match &req.prompt {
+        Prompt::Tokens(ids) => Ok(ids.clone()),
+        Prompt::Text(text) => state.encode(text, req.add_special_tokens),
+    }
 }
 
 /// The body, or the extractor's rejection as an OpenAI error.
@@ -173,22 +183,8 @@ pub(super) fn submit(
         shape,
     } = submission;
     let dp_rank = dp_rank(headers, body_rank, state.ranks.len())?;
-    if tokens.is_empty() {
-        return Err(ApiError::bad_request("prompt is empty"));
-    }
-    let max_tokens = max_tokens.unwrap_or(DEFAULT_MAX_TOKENS);
-    if max_tokens == 0 {
-        return Err(ApiError::bad_request("max_tokens must be at least 1"));
-    }
+    let max_tokens = fits(state, &tokens, max_tokens)?;
     let prompt_tokens = tokens.len() as u64;
-    let total = prompt_tokens.saturating_add(max_tokens);
-    if total > state.max_model_len {
-        return Err(ApiError::bad_request(format!(
-            "this model's maximum context length is {} tokens, but {total} were requested \
-             ({prompt_tokens} in the prompt, {max_tokens} to generate)",
-            state.max_model_len
-        )));
-    }
     let request_id = RequestId::from(state.next_request_id());
     let engine_request = EngineRequest {
         request_id: request_id.clone(),
@@ -227,6 +223,37 @@ pub(super) fn submit(
         include_usage,
         shape,
     })
+}
+
+/// Checks a prompt of `tokens` and `max_tokens` (default [`DEFAULT_MAX_TOKENS`])
+/// against the context length, as vLLM does before it schedules (or renders) a
+/// request; returns the tokens to generate.
+///
+/// # Errors
+/// 400 for an empty prompt, `max_tokens` 0, or a prompt plus `max_tokens` over
+/// `--max-model-len`.
+pub(super) fn fits(
+    state: &HttpState,
+    tokens: &[u32],
+    max_tokens: Option<u64>,
+) -> Result<u64, ApiError> {
+    if tokens.is_empty() {
+        return Err(ApiError::bad_request("prompt is empty"));
+    }
+    let max_tokens = max_tokens.unwrap_or(DEFAULT_MAX_TOKENS);
+    if max_tokens == 0 {
+        return Err(ApiError::bad_request("max_tokens must be at least 1"));
+    }
+    let prompt_tokens = tokens.len() as u64;
+    let total = prompt_tokens.saturating_add(max_tokens);
+    if total > state.max_model_len {
+        return Err(ApiError::bad_request(format!(
+            "this model's maximum context length is {} tokens, but {total} were requested \
+             ({prompt_tokens} in the prompt, {max_tokens} to generate)",
+            state.max_model_len
+        )));
+    }
+    Ok(max_tokens)
 }
 
 /// The dp rank: vLLM's `X-data-parallel-rank` header, else SGLang's body field, else 0.

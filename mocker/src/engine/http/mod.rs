@@ -2,7 +2,9 @@
 //! gateway (or any OpenAI client) can drive the mock exactly as it drives vLLM.
 //!
 //! Endpoints: `POST /v1/completions` (token-id or text prompts, streaming or not),
-//! `POST /tokenize`, `GET /v1/models`, `GET /metrics` (vLLM metric names),
+//! `POST /v1/chat/completions`, `POST /tokenize`, vLLM's render endpoints
+//! (`POST /v1/completions/render`, `POST /v1/chat/completions/render`: the token ids
+//! a request would prefill, see `render`), `GET /v1/models`, `GET /metrics` (vLLM metric names),
 //! `POST /reset_prefix_cache` (vLLM's: drops an idle worker's KV cache), `GET /health`
 //! (vLLM's liveness probe, which SMG and vllm-router poll on every worker). The dp rank
 //! comes from vLLM's `X-data-parallel-rank` header or SGLang's `data_parallel_rank`
@@ -24,6 +26,7 @@ mod completions;
 mod info;
 mod metrics;
 pub mod openai;
+mod render;
 mod sse;
 #[cfg(test)]
 mod tests;
@@ -210,10 +213,11 @@ impl HttpState {
         })
     }
 
-    /// Encodes a completion prompt as vLLM does (with special tokens).
-    fn encode(&self, text: &str) -> Result<Vec<u32>, ApiError> {
+    /// Encodes a completion prompt as vLLM does (with special tokens unless
+    /// `add_special_tokens` is false).
+    fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, ApiError> {
         self.tokenizer()?
-            .encode_completion(text)
+            .encode(text, add_special_tokens)
             .map_err(|e| ApiError::bad_request(e.to_string()))
     }
 
@@ -237,6 +241,8 @@ pub(super) fn router(state: Arc<HttpState>) -> Router {
     Router::new()
         .route("/v1/completions", post(completions::completions))
         .route("/v1/chat/completions", post(chat::chat_completions))
+        .route("/v1/completions/render", post(render::completion))
+        .route("/v1/chat/completions/render", post(render::chat))
         .route("/tokenize", post(info::tokenize))
         .route("/v1/models", get(info::models))
         .route("/metrics", get(info::metrics))

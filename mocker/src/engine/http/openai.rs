@@ -22,7 +22,7 @@ pub enum Prompt {
 }
 
 /// `stream_options` of a streaming request.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
 pub struct StreamOptions {
     /// Send a final chunk with `usage` and no choices before `[DONE]`.
     #[serde(default)]
@@ -51,22 +51,44 @@ pub struct RequestOptions {
     pub data_parallel_rank: Option<u32>,
 }
 
-/// The body of `POST /v1/completions` (fields the mock does not model are ignored).
+/// The body of `POST /v1/completions` and `POST /v1/completions/render` (fields the
+/// mock does not model are ignored).
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 pub struct CompletionRequest {
     /// The prompt.
     pub prompt: Prompt,
+    /// Add the tokenizer's special tokens to a text prompt (vLLM's default for
+    /// completions: true).
+    #[serde(default = "yes")]
+    pub add_special_tokens: bool,
     /// Model, length, streaming and rank.
     #[serde(flatten)]
     pub options: RequestOptions,
 }
 
-/// The body of `POST /v1/chat/completions` (fields the mock does not model, such as
-/// sampling parameters and tools, are ignored).
+/// The body of `POST /v1/chat/completions` and `POST /v1/chat/completions/render`
+/// (fields the mock does not model, such as sampling parameters and tool choice, are
+/// ignored; the template options below shape the prompt as vLLM's do).
 #[derive(Debug, Clone, Deserialize)]
 pub struct ChatRequest {
     /// The conversation, rendered with the model's chat template.
     pub messages: Vec<kv_tokenizer::ChatMessage>,
+    /// End the prompt with the header of an assistant turn (vLLM's default: true).
+    #[serde(default = "yes")]
+    pub add_generation_prompt: bool,
+    /// Tool schemas, passed to the template as `tools`.
+    #[serde(default)]
+    pub tools: Option<Vec<serde_json::Value>>,
+    /// Retrieval documents, passed to the template as `documents`.
+    #[serde(default)]
+    pub documents: Option<Vec<serde_json::Value>>,
+    /// Extra template variables (e.g. `enable_thinking`).
+    #[serde(default)]
+    pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
+    /// Add the tokenizer's special tokens to the rendered text (vLLM's default for
+    /// chats: false, the template writes them).
+    #[serde(default)]
+    pub add_special_tokens: bool,
     /// Tokens to generate (OpenAI's newer name); wins over `max_tokens`.
     #[serde(default)]
     pub max_completion_tokens: Option<u64>,

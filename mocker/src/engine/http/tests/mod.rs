@@ -34,6 +34,12 @@ fn tokenizer_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../kv-tokenizer/tests/data")
 }
 
+/// The tokenizer fixture's expected renders and ids.
+fn golden() -> Value {
+    let text = std::fs::read_to_string(tokenizer_dir().join("golden.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
 /// One worker with 2 dp ranks of 64 blocks of 16 tokens (max model len 1,024).
 async fn start(time_scale: f64, model_dir: Option<PathBuf>) -> Engines {
     let http = HttpArgs {
@@ -101,6 +107,20 @@ impl Engines {
         let resp = req.send().await.expect("request");
         let status = resp.status().as_u16();
         (status, resp.json().await.expect("json body"))
+    }
+
+    /// The status of a POST to `path` of a body one byte over [`super::MAX_BODY_BYTES`].
+    async fn post_too_large(&self, path: &str) -> u16 {
+        let huge = vec![b'1'; super::MAX_BODY_BYTES + 1];
+        let resp = self
+            .http
+            .post(format!("{}{path}", self.url))
+            .header("content-type", "application/json")
+            .body(huge)
+            .send()
+            .await
+            .expect("request");
+        resp.status().as_u16()
     }
 
     /// The body stream of a streamed `/v1/completions` request.
@@ -276,25 +296,13 @@ async fn malformed_and_unservable_requests_get_openai_errors() {
     }
     let (status, r) = e.post("/tokenize", json!({"prompt": "hi"}), None).await;
     assert_eq!(status, 400, "{r}");
-    let huge = vec![b'1'; super::MAX_BODY_BYTES + 1];
-    let resp = e
-        .http
-        .post(format!("{}/v1/completions", e.url))
-        .header("content-type", "application/json")
-        .body(huge)
-        .send()
-        .await
-        .expect("request");
-    assert_eq!(resp.status(), 413);
+    assert_eq!(e.post_too_large("/v1/completions").await, 413);
 }
 
 #[tokio::test]
 async fn tokenize_models_metrics_and_text_prompts_with_a_model_dir() {
     let e = start(20.0, Some(tokenizer_dir())).await;
-    let golden: Value = serde_json::from_str(
-        &std::fs::read_to_string(tokenizer_dir().join("golden.json")).unwrap(),
-    )
-    .unwrap();
+    let golden = golden();
     let (status, r) = e
         .post("/tokenize", json!({"prompt": golden["completion"]}), None)
         .await;
@@ -504,3 +512,5 @@ async fn metrics_count_prefix_cache_queries_hits_and_finished_requests() {
         Some(0.0)
     );
 }
+
+mod render;
