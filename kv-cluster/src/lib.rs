@@ -25,6 +25,8 @@
 //! - [`metrics`]: the one way every binary creates its Prometheus metrics, in an
 //!   injected registry or none ([`metrics::Registrar`]).
 //! - [`process`]: tracing set-up and the shutdown signal of every binary.
+//! - [`shutdown`]: the shutdown budget (`--shutdown-timeout-ms`): one deadline for a
+//!   whole shutdown sequence, so no step can hang it when NATS or etcd are gone.
 //! - [`http`]: the listen-address flag value, the bounded HTTP server every
 //!   participant serves with, and a minimal HTTP `GET` client.
 //! - [`security`]: the NATS permissions of each role (router, worker, frontend,
@@ -43,5 +45,6 @@ pub mod metrics;
 pub mod nats;
 pub mod process;
 pub mod security;
+pub mod shutdown;
 
 pub use error::Error;

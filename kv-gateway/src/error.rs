@@ -39,6 +39,9 @@ pub enum GatewayError {
     /// The tokenizer threads could not be started.
     #[error("cannot start the tokenizer threads: {0}")]
     Threads(#[source] std::io::Error),
+    /// The shutdown did not finish in time (NATS unreachable, typically).
+    #[error(transparent)]
+    ShutdownIncomplete(#[from] kv_cluster::shutdown::ShutdownIncomplete),
 }
 
 /// An error answered to a client: status, OpenAI `type`, message, and for 429 how

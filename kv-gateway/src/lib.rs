@@ -52,6 +52,7 @@ use crate::workers::WorkerUrls;
 use axum::serve::ListenerExt;
 use kv_cluster::directory::WorkerDirectory;
 use kv_cluster::metrics::Registrar;
+use kv_cluster::shutdown::{ShutdownBudget, ShutdownIncomplete};
 use kv_tokenizer::{CachedTokenizer, ModelTokenizer};
 use prometheus::Registry;
 use std::net::SocketAddr;
@@ -63,6 +64,10 @@ use tracing::{info, warn};
 
 /// How long shutdown waits for streams in flight before it cuts them.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+/// How long shutdown then waits for the lifecycle messages to reach NATS; with NATS
+/// unreachable the flush never completes, and the gateway exits with an error. With
+/// [`SHUTDOWN_GRACE`], 13 s: inside the Helm chart's 15 s termination grace period.
+pub const SHUTDOWN_FLUSH_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// A running gateway.
 pub struct Gateway {
@@ -241,8 +246,13 @@ impl Gateway {
 
     /// Stops accepting requests, lets streams in flight end for up to
     /// [`SHUTDOWN_GRACE`] (then cuts them, which frees their bookings), and flushes
-    /// the lifecycle messages to NATS.
-    pub async fn shutdown(mut self) {
+    /// the lifecycle messages to NATS for up to [`SHUTDOWN_FLUSH_TIMEOUT`].
+    ///
+    /// # Errors
+    /// [`ShutdownIncomplete`] when the flush did not finish in time (NATS unreachable):
+    /// the lifecycle messages still queued are lost, and the router frees their
+    /// bookings at its request TTL.
+    pub async fn shutdown(mut self) -> Result<(), ShutdownIncomplete> {
         self.shutdown.cancel();
         if tokio::time::timeout(SHUTDOWN_GRACE, &mut self.server)
             .await
@@ -251,23 +261,31 @@ impl Gateway {
             warn!("streams still open after the grace period; closing them");
             self.server.abort();
         }
-        if let Err(e) = self.nats.flush().await {
+        let mut budget = ShutdownBudget::start(SHUTDOWN_FLUSH_TIMEOUT);
+        let flush = self.nats.flush();
+        if let Some(Err(e)) = budget
+            .step("flushing the lifecycle messages to NATS", flush)
+            .await
+        {
             warn!(error = %e, "lifecycle messages may not all have reached nats");
         }
+        budget.finish()?;
         info!("kv-router gateway stopped");
+        Ok(())
     }
 }
 
 /// `kv-router gateway`: runs until SIGINT or SIGTERM.
 ///
 /// # Errors
-/// [`GatewayError`] from the configuration or start-up.
+/// [`GatewayError`] from the configuration or start-up, or
+/// [`GatewayError::ShutdownIncomplete`] when the shutdown ran out of time.
 pub async fn run(args: GatewayArgs) -> Result<(), GatewayError> {
     let config = args.to_config()?;
     let registry = Arc::new(Registry::new());
     let shutdown = CancellationToken::new();
     let gateway = Gateway::start(config, registry, shutdown).await?;
     kv_cluster::process::shutdown_signal().await;
-    gateway.shutdown().await;
+    gateway.shutdown().await?;
     Ok(())
 }

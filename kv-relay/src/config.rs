@@ -101,6 +101,10 @@ pub struct RelayArgs {
     /// Namespace of every subject and etcd key (letters, digits, '_' and '-').
     #[arg(long, env = "KV_ROUTER_NAMESPACE", default_value = "kv-router")]
     pub namespace: String,
+    /// The budget of the whole shutdown sequence: the same flag and variable as
+    /// `serve`.
+    #[command(flatten)]
+    pub shutdown: kv_cluster::shutdown::ShutdownArgs,
 }
 
 /// One engine socket and the rank its batches belong to when they name none.
@@ -174,6 +178,8 @@ pub struct RelayConfig {
     pub scrape: Option<ScrapeConfig>,
     /// Where and how to serve the relay's `/metrics`, if anywhere.
     pub http: Option<crate::http::HttpConfig>,
+    /// Longest the whole shutdown sequence may take ([`crate::Relay::shutdown`]).
+    pub shutdown_timeout: Duration,
 }
 
 fn invalid(field: &'static str, reason: impl Into<String>) -> Error {
@@ -292,6 +298,7 @@ impl RelayConfig {
         }
         let nats = args.nats.to_config()?;
         let etcd = args.etcd.to_config()?;
+        let shutdown_timeout = args.shutdown.budget()?;
         let engine_url = args
             .engine_url
             .as_deref()
@@ -340,6 +347,7 @@ impl RelayConfig {
             },
             scrape,
             http: args.http.to_config(),
+            shutdown_timeout,
         })
     }
 }

@@ -52,4 +52,8 @@ pub enum Error {
     /// Flushing NATS (the start-up barrier, or the last flush at shutdown) failed.
     #[error("flushing nats: {0}")]
     Flush(#[from] async_nats::client::FlushError),
+    /// The shutdown did not finish within `--shutdown-timeout-ms` (NATS or etcd
+    /// unreachable, typically); it names the steps skipped.
+    #[error(transparent)]
+    ShutdownIncomplete(#[from] kv_cluster::shutdown::ShutdownIncomplete),
 }

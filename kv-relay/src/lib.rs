@@ -39,7 +39,11 @@
 //!
 //! Shutdown order: stop the sources → drain the publishing task → revoke the
 //! registration lease → stop the recovery responder and scraper → release the worker
-//! id claim → flush NATS.
+//! id claim → flush NATS. The steps share one deadline, `--shutdown-timeout-ms`
+//! (`kv_cluster::shutdown`): with NATS or etcd gone a publish or flush never
+//! completes, so past it the rest is skipped, each step logged, and the relay exits
+//! with [`Error::ShutdownIncomplete`] (a skipped revoke or claim release expires with
+//! its lease TTL).
 //!
 //! Cost: one decode and one xxh3 per block of every event, one NATS message per
 //! engine batch, and the journal's ring (`--journal-events` events per rank).
@@ -84,6 +88,7 @@ pub use error::Error;
 
 use facts::{EngineFacts, WorkerIdentity};
 use kv_cluster::claim::WorkerIdClaim;
+use kv_cluster::shutdown::ShutdownBudget;
 use kv_events::journal::{EventJournal, JournalConfig, unix_epoch_micros};
 use kv_events::{DpRank, WorkerId};
 use std::future::Future;
@@ -115,6 +120,7 @@ struct Running {
     publisher: JoinHandle<()>,
     services: CancellationToken,
     service_tasks: TaskTracker,
+    shutdown_timeout: std::time::Duration,
 }
 
 /// The worker id claim being kept, and how to stop keeping it.
@@ -320,6 +326,7 @@ impl Relay {
             publisher,
             services,
             service_tasks,
+            shutdown_timeout: config.shutdown_timeout,
         })
     }
 
@@ -349,23 +356,44 @@ impl Relay {
         self.running.http_addr
     }
 
-    /// Stops in the order given in the module docs.
+    /// Stops in the order given in the module docs, within `--shutdown-timeout-ms`.
     ///
     /// # Errors
-    /// [`Error::Flush`] when the final NATS flush fails.
+    /// [`Error::ShutdownIncomplete`] naming the steps skipped when the budget ran out
+    /// (NATS or etcd unreachable, typically); [`Error::Flush`] when the final NATS
+    /// flush fails.
     pub async fn shutdown(self) -> Result<(), Error> {
-        info!("relay shutting down");
-        let Self { running, claim } = self;
+        let Self { mut running, claim } = self;
+        let timeout = running.shutdown_timeout;
+        info!(budget_ms = timeout.as_millis(), "relay shutting down");
+        let mut budget = ShutdownBudget::start(timeout);
         running.sources.cancel();
-        running.source_tasks.wait().await;
+        let sockets = running.source_tasks.wait();
+        budget.step("closing the engine sockets", sockets).await;
         // Every sender is gone: the publisher drains and ends, marking the engine gone.
-        if let Err(e) = running.publisher.await {
-            error!(error = %e, "relay publishing task failed");
+        let published = budget.step(
+            "publishing the batches taken from the engine",
+            &mut running.publisher,
+        );
+        match published.await {
+            Some(Ok(())) => {}
+            Some(Err(e)) => error!(error = %e, "relay publishing task failed"),
+            // Its sender of the engine's liveness drops with it: the registration
+            // task sees the engine gone.
+            None => running.publisher.abort(),
         }
         running.services.cancel();
-        running.service_tasks.wait().await;
-        claim.release().await;
-        running.nats.flush().await?;
+        let services = running.service_tasks.wait();
+        let step = "revoking the registration and stopping the services";
+        budget.step(step, services).await;
+        // Skipped, the claim is kept until the process ends, then expires after its
+        // lease TTL: the id is never free while this relay may still publish.
+        budget
+            .step("releasing the worker id claim", claim.release())
+            .await;
+        let flushed = budget.step("flushing NATS", running.nats.flush()).await;
+        budget.finish()?;
+        flushed.transpose()?;
         info!("relay stopped");
         Ok(())
     }

@@ -25,9 +25,13 @@
 //!
 //! Shutdown order ([`Daemon::shutdown`]): report not ready → stop intake (unsubscribe;
 //! route queries already received are still answered, later ones get "no responders")
-//! → wait for the intake tasks → stop discovery → drain the indexer shards (every
-//! event batch intake accepted is applied) and stop them → drain the NATS connection →
-//! stop the HTTP endpoint.
+//! → wait for the intake tasks → confirm the unsubscribes with a NATS round trip →
+//! stop discovery → drain the indexer shards (every event batch intake accepted is
+//! applied) and stop them → drain the NATS connection → stop the HTTP endpoint.
+//! Every step that waits shares one deadline, `--shutdown-timeout-ms` from the start
+//! of the sequence (`kv_cluster::shutdown`): with NATS or etcd gone a drain or a round
+//! trip never completes, so past the deadline the step under way is abandoned and the
+//! rest skipped, each logged, and [`Daemon::shutdown`] fails naming them.
 //!
 //! If start-up fails, or its future is dropped (a shutdown signal during start-up),
 //! every task it spawned is cancelled.
@@ -45,6 +49,7 @@ use anyhow::Context;
 use indexer::Indexer;
 use indexer::IndexerApi as _;
 use kv_cluster::directory::WorkerDirectory;
+use kv_cluster::shutdown::ShutdownBudget;
 use scheduler::Scheduler;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -312,6 +317,7 @@ impl Starting {
         info!(namespace = %subjects.namespace(), route = %subjects.route(), "kv-router ready");
         Ok(Daemon {
             state,
+            shutdown_timeout: config.shutdown_timeout,
             nats,
             intake,
             intake_tasks,
@@ -327,6 +333,7 @@ impl Starting {
 /// abruptly; call `shutdown` for the orderly sequence.
 pub struct Daemon {
     state: Arc<RouterState>,
+    shutdown_timeout: std::time::Duration,
     nats: async_nats::Client,
     intake: CancellationToken,
     intake_tasks: TaskTracker,
@@ -360,12 +367,19 @@ impl Daemon {
         self.http.as_ref().map(HttpServer::local_addr)
     }
 
-    /// Runs the shutdown sequence described in the module docs.
+    /// Runs the shutdown sequence described in the module docs, within the
+    /// configured budget (`--shutdown-timeout-ms`).
     ///
     /// # Errors
-    /// When the final NATS drain fails.
+    /// [`kv_cluster::shutdown::ShutdownIncomplete`] naming the steps abandoned or
+    /// skipped when the budget ran out (NATS or etcd unreachable, typically); the
+    /// NATS client's error when the final drain cannot be requested.
     pub async fn shutdown(self) -> anyhow::Result<()> {
-        info!("shutting down: stopping intake");
+        info!(
+            budget_ms = self.shutdown_timeout.as_millis(),
+            "shutting down: stopping intake"
+        );
+        let mut budget = ShutdownBudget::start(self.shutdown_timeout);
         self.state.health.set_phase(Phase::ShuttingDown);
         self.intake.cancel();
         // Requests waiting for a busy worker are answered now instead of at their
@@ -374,32 +388,47 @@ impl Daemon {
             let queue = &self.state.admission.queue;
             queue.close(&mut queue.lock());
         }
-        self.intake_tasks.wait().await;
+        budget
+            .step(
+                "draining intake and answering the route queries taken",
+                self.intake_tasks.wait(),
+            )
+            .await;
         // The subscriptions were dropped; make sure the server has processed the
         // unsubscribes, so clients get "no responders" instead of a timeout.
-        if let Err(e) = crate::barrier::server_barrier(&self.nats).await {
+        let barrier = crate::barrier::server_barrier(&self.nats);
+        if let Some(Err(e)) = budget
+            .step("confirming the unsubscribes with NATS", barrier)
+            .await
+        {
             tracing::warn!(error = %e, "could not confirm unsubscribes with NATS");
         }
         self.discovery.cancel();
         self.discovery_tasks.close();
-        self.discovery_tasks.wait().await;
-        info!("draining indexer shards");
+        budget
+            .step("stopping discovery", self.discovery_tasks.wait())
+            .await;
         // Shards serve their event queues before snapshot requests, so once this
         // answers, every batch intake handed to them has been applied.
-        if let Err(e) = self.state.indexer.stats().await {
+        let drained = budget.step("draining the indexer shards", self.state.indexer.stats());
+        if let Some(Err(e)) = drained.await {
             tracing::warn!(error = %e, "indexer stopped before it could be drained");
         }
         self.indexer_shutdown.cancel();
-        self.state.indexer.closed().await;
-        let drained = self
-            .nats
-            .drain()
+        budget
+            .step("stopping the indexer shards", self.state.indexer.closed())
+            .await;
+        let drained = budget
+            .step("draining the NATS connection", self.nats.drain())
             .await
+            .transpose()
             .context("draining the NATS connection");
         self.state.health.set_phase(Phase::Stopped);
         if let Some(http) = self.http {
-            http.stop().await;
+            // Skipped, the server is dropped, which stops it without waiting.
+            budget.step("stopping the HTTP endpoint", http.stop()).await;
         }
+        budget.finish()?;
         drained?;
         info!("shutdown complete");
         Ok(())

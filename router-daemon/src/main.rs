@@ -58,8 +58,17 @@ enum ConfigCommand {
 /// Subcommands that take the `serve` settings, and so the config file.
 const SERVE_LIKE: &[&[&str]] = &[&["serve"], &["config", "print"]];
 
-#[tokio::main]
-async fn main() -> Result<()> {
+fn main() -> Result<()> {
+    let runtime = tokio::runtime::Runtime::new()?;
+    let result = runtime.block_on(run());
+    // Every step of the orderly shutdown has finished or was abandoned at its
+    // deadline by now; work left in a blocking thread (a DNS lookup of a client still
+    // reconnecting) is not waited for, so the process always exits.
+    runtime.shutdown_background();
+    result
+}
+
+async fn run() -> Result<()> {
     kv_cluster::process::init_tracing();
     let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
     let (command, file) =

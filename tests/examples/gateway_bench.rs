@@ -436,7 +436,7 @@ async fn main() -> anyhow::Result<()> {
          text encoded 200 times, one thread): {us:.1} µs per 1,000 prompt tokens"
     );
 
-    gateway.shutdown().await;
+    gateway.shutdown().await?;
     daemon.shutdown().await?;
     engines.shutdown();
     Ok(())

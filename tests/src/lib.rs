@@ -245,6 +245,7 @@ fn engine_args(
             time_scale,
             lease_ttl_secs: 5,
             metrics_interval_ms: 50,
+            shutdown: Default::default(),
         },
         http,
         cpu_tier: mocker::engine::CpuTierConfig::default(),

@@ -124,6 +124,7 @@ async fn a_router_started_after_the_engines_resyncs_from_them() -> anyhow::Resul
             time_scale: 100.0,
             lease_ttl_secs: 10,
             metrics_interval_ms: 50,
+            shutdown: Default::default(),
         },
         http: Default::default(),
         cpu_tier: Default::default(),

@@ -268,6 +268,9 @@ pub struct RuntimeArgs {
     /// `time_scale`: it is about router freshness, which is wall-clock).
     #[arg(long, default_value_t = 100)]
     pub metrics_interval_ms: u64,
+    /// Budget of the whole shutdown (`--shutdown-timeout-ms`, as `kv-router serve`).
+    #[command(flatten)]
+    pub shutdown: kv_cluster::shutdown::ShutdownArgs,
 }
 
 impl Default for RuntimeArgs {
@@ -276,6 +279,7 @@ impl Default for RuntimeArgs {
             time_scale: 1.0,
             lease_ttl_secs: 10,
             metrics_interval_ms: 100,
+            shutdown: Default::default(),
         }
     }
 }

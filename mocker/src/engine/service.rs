@@ -7,7 +7,9 @@
 //! so a router that discovers a worker can route to it immediately. The ready line
 //! `kv-mocker engines ready` is logged only after every registration succeeded.
 //! Shutdown: stop intake, stop the rank loops (failing requests still in flight with
-//! an `error` response), revoke the leases, drain and flush the outbox.
+//! an `error` response), revoke the leases, drain and flush the outbox — within
+//! `--shutdown-timeout-ms` ([`kv_cluster::shutdown`]), so engines whose NATS or etcd
+//! is gone still exit.
 
 use super::EngineArgs;
 use super::config::ConfigError;
@@ -83,6 +85,10 @@ pub enum ServiceError {
     /// An engine task panicked.
     #[error("engine task failed: {0}")]
     Task(#[from] tokio::task::JoinError),
+    /// The shutdown did not finish within `--shutdown-timeout-ms` (NATS or etcd
+    /// unreachable, typically).
+    #[error(transparent)]
+    ShutdownIncomplete(#[from] kv_cluster::shutdown::ShutdownIncomplete),
 }
 
 /// Running engines, returned once they are ready.
@@ -146,6 +152,7 @@ pub async fn spawn_engines(
     args.model.validate()?;
     args.runtime.validate()?;
     let worker_ids = args.fleet.worker_ids()?;
+    let shutdown_timeout = args.runtime.shutdown.budget()?;
     let tokenizer = load_tokenizer(&args)?;
     let subjects = Subjects::new(args.connection.namespace.clone());
     let cluster = match args.kv_events.mode {
@@ -216,24 +223,13 @@ pub async fn spawn_engines(
     );
 
     let handle_token = inner.clone();
-    let supervisor = tokio::spawn(async move {
-        inner.cancelled().await;
-        let mut result = Ok(());
-        for set in [&mut tasks, &mut leases] {
-            while let Some(joined) = set.join_next().await {
-                if let Err(err) = joined {
-                    warn!(%err, "engine task panicked");
-                    result = Err(err.into());
-                }
-            }
-        }
-        if let Some(cluster) = cluster {
-            drop(cluster.outbox);
-            cluster.publisher.await?;
-        }
-        info!("kv-mocker engines stopped");
-        result
-    });
+    let supervisor = tokio::spawn(stop::supervise(
+        inner,
+        tasks,
+        leases,
+        cluster,
+        shutdown_timeout,
+    ));
     Ok(EnginesHandle {
         worker_ids,
         http_urls,
@@ -473,6 +469,8 @@ async fn publish_metrics(ranks: Vec<Arc<Rank>>, period: Duration, shutdown: Canc
         }
     }
 }
+
+mod stop;
 
 #[cfg(test)]
 mod tests;

@@ -26,7 +26,8 @@
 //! - [`recovery`]: the gap recovery flags (flattened into [`index`]).
 //! - The NATS and etcd flags are `kv_cluster::args`, shared with `kv-router relay`
 //!   and every other participant; the `Limits` flags are `kv_cluster::limits`,
-//!   shared with the gateway.
+//!   shared with the gateway; the shutdown budget is `kv_cluster::shutdown`, shared
+//!   with `kv-router relay` and the mock engines.
 
 pub mod calibration;
 pub mod error;
@@ -111,6 +112,9 @@ pub struct ServeArgs {
     /// Bounds on every message from NATS and every registration from etcd.
     #[command(flatten)]
     pub limits: kv_cluster::limits::LimitArgs,
+    /// The budget of the whole shutdown sequence (shared with `relay`).
+    #[command(flatten)]
+    pub shutdown: kv_cluster::shutdown::ShutdownArgs,
 }
 
 /// Settings of the routing service itself.
@@ -151,6 +155,9 @@ pub struct DaemonConfig {
     pub rng_seed: Option<u64>,
     /// Bounds on messages and registrations, applied where each is decoded.
     pub limits: kv_events::limits::Limits,
+    /// Longest the whole shutdown sequence may take
+    /// ([`crate::daemon::Daemon::shutdown`]); past it the remaining steps are skipped.
+    pub shutdown_timeout: std::time::Duration,
 }
 
 /// The `serve` command: every setting the file, environment and flags can set (for
@@ -180,6 +187,7 @@ impl DaemonConfig {
         let nats = args.nats.to_config()?;
         let etcd = args.etcd.to_config()?;
         let limits = args.limits.to_limits()?;
+        let shutdown_timeout = args.shutdown.budget()?;
         if args.max_inflight_routes == 0 {
             return Err(invalid("max-inflight-routes", "must be at least 1"));
         }
@@ -217,6 +225,7 @@ impl DaemonConfig {
             admission,
             rng_seed: args.seed,
             limits,
+            shutdown_timeout,
         })
     }
 }

@@ -208,7 +208,7 @@ impl Stack {
     /// Stops gateway, daemon and engines in that order.
     pub async fn stop(mut self) {
         if let Some(gateway) = self.gateway.take() {
-            gateway.shutdown().await;
+            gateway.shutdown().await.expect("gateway stops");
         }
         if let Some(daemon) = self.daemon.take() {
             daemon.shutdown().await.expect("daemon stops");

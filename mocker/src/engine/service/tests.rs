@@ -46,6 +46,7 @@ async fn start(fleet: FleetArgs, model: EngineModelConfig, time_scale: f64) -> H
             time_scale,
             lease_ttl_secs: 5,
             metrics_interval_ms: 20,
+            shutdown: Default::default(),
         },
         http: Default::default(),
         cpu_tier: Default::default(),

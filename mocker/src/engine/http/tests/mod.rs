@@ -80,6 +80,7 @@ async fn start_with(time_scale: f64, http: HttpArgs) -> Engines {
             time_scale,
             lease_ttl_secs: 5,
             metrics_interval_ms: 50,
+            shutdown: Default::default(),
         },
         http,
         cpu_tier: Default::default(),
