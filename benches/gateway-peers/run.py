@@ -112,13 +112,19 @@ def stage_means(before: dict[str, float], after: dict[str, float]) -> dict[str, 
     scrapes (``kv_gateway_stage_seconds``), and of its own TTFT."""
     if not after:
         return None
-    def mean_ms(series: str) -> float:
-        total = after.get(f"{series}_sum", 0.0) - before.get(f"{series}_sum", 0.0)
-        count = after.get(f"{series}_count", 0.0) - before.get(f"{series}_count", 0.0)
-        return 1000 * total / count if count > 0 else 0.0
-    means = {s: mean_ms(f'kv_gateway_stage_seconds{{stage="{s}"}}') for s in STAGES}
-    ttft = [k[: -len("_sum")] for k in after if k.startswith("kv_gateway_ttft_seconds_sum")]
-    means["gateway_ttft"] = sum(mean_ms(k) for k in ttft) / len(ttft) if ttft else 0.0
+    def mean_ms(name: str, labels: str) -> float:
+        def delta(suffix: str) -> float:
+            key = f"{name}_{suffix}{labels}"
+            return after.get(key, 0.0) - before.get(key, 0.0)
+        count = delta("count")
+        return 1000 * delta("sum") / count if count > 0 else 0.0
+    means = {s: mean_ms("kv_gateway_stage_seconds", f'{{stage="{s}"}}') for s in STAGES}
+    def total(key_prefix: str, snapshot: dict[str, float]) -> float:
+        return sum(v for k, v in snapshot.items() if k.startswith(key_prefix))
+    ttft_sum = total("kv_gateway_ttft_seconds_sum", after) - total("kv_gateway_ttft_seconds_sum", before)
+    ttft_count = (total("kv_gateway_ttft_seconds_count", after)
+                  - total("kv_gateway_ttft_seconds_count", before))
+    means["gateway_ttft"] = 1000 * ttft_sum / ttft_count if ttft_count > 0 else 0.0
     return means
 
 
