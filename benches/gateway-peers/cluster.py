@@ -12,6 +12,7 @@ queries and hits (tokens) and finished requests, read before and after a row.
 
 from __future__ import annotations
 
+import json
 import tempfile
 import time
 import urllib.error
@@ -126,7 +127,8 @@ class Cluster:
             "--num-gpu-blocks", str(s.num_gpu_blocks), "--time-scale", str(s.time_scale),
             "--http-port", str(base), "--zmq-port", str(base + n),
             "--zmq-replay-port", str(base + 2 * n),
-            "--model-dir", str(self.model_dir), "--served-model-name", MODEL],
+            "--model-dir", str(self.model_dir), "--served-model-name", MODEL,
+            "--vllm-dev-mode"],
             ready="kv-mocker engines ready")
         self.engine_urls = [f"http://127.0.0.1:{base + i}" for i in range(n)]
         self.zmq_publish = [f"tcp://127.0.0.1:{base + n + i}" for i in range(n)]
@@ -140,15 +142,19 @@ class Cluster:
             "--policy", policy], ready="kv-router ready")
 
     def reset_prefix_caches(self) -> None:
-        """vLLM's ``POST /reset_prefix_cache`` on every engine; an engine still busy
-        (409) is asked again until ``RESET_DEADLINE_S``."""
+        """vLLM's ``POST /reset_prefix_cache`` on every engine (a development endpoint:
+        the engines run with ``--vllm-dev-mode``, as vLLM with VLLM_SERVER_DEV_MODE=1);
+        an engine still busy (``{"success": false}``) is asked again until
+        ``RESET_DEADLINE_S``. Then a one-token request on each, because vLLM publishes
+        ``AllBlocksCleared`` only with its next engine step."""
         deadline = time.monotonic() + RESET_DEADLINE_S
         pending = list(self.engine_urls)
         while pending:
             busy = []
             for url in pending:
                 status, body = http("POST", f"{url}/reset_prefix_cache", b"")
-                if status == 409:
+                refused = status == 200 and body.strip() and json.loads(body).get("success") is False
+                if status in (409, 500) or refused:
                     busy.append(url)
                 elif status != 200:
                     raise ChildError(f"{url}/reset_prefix_cache: {status} {body[:200]!r}")
@@ -158,6 +164,11 @@ class Cluster:
             if busy:
                 # Requests cancelled by the client are freed at the engine's next step.
                 time.sleep(0.5)
+        nudge = json.dumps({"model": MODEL, "prompt": [0], "max_tokens": 1}).encode()
+        for url in self.engine_urls:
+            status, body = http("POST", f"{url}/v1/completions", nudge)
+            if status != 200:
+                raise ChildError(f"{url}/v1/completions: {status} {body[:200]!r}")
 
     def counts(self) -> list[EngineCounts]:
         """Every engine's counters now, in engine order."""

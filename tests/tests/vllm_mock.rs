@@ -13,8 +13,10 @@ use kv_events::routing::RouteReply;
 use kv_events::{DpRank, LocalBlockHash, WorkerId, WorkerRank, compute_block_hashes};
 use kv_relay::{Relay, RelayArgs, RelayConfig};
 use mocker::engine::{
-    CpuTierConfig, EngineModelConfig, EnginesHandle, FleetArgs, KvEventsArgs, RankEndpoints,
+    CpuTierConfig, EngineModelConfig, EnginesHandle, FleetArgs, HttpArgs, KvEventsArgs,
+    RankEndpoints,
 };
+use mocker::replay::{ReplayTarget, cold};
 use router_daemon::Daemon;
 use serde_json::json;
 use std::time::Duration;
@@ -73,12 +75,30 @@ async fn vllm_engines(
     dp_size: u32,
     cpu_tier: CpuTierConfig,
 ) -> EnginesHandle {
+    vllm_engines_with(
+        cluster,
+        num_gpu_blocks,
+        dp_size,
+        cpu_tier,
+        HttpArgs::default(),
+    )
+    .await
+}
+
+/// [`vllm_engines`] with the given HTTP flags.
+async fn vllm_engines_with(
+    cluster: &TestCluster,
+    num_gpu_blocks: u64,
+    dp_size: u32,
+    cpu_tier: CpuTierConfig,
+    http: HttpArgs,
+) -> EnginesHandle {
     let model = EngineModelConfig {
         block_size: BLOCK,
         num_gpu_blocks,
         ..EngineModelConfig::default()
     };
-    let mut args = cluster.engine_args(1, model, 100.0, Default::default());
+    let mut args = cluster.engine_args(1, model, 100.0, http);
     args.fleet = FleetArgs {
         workers: 1,
         first_worker_id: WORKER.0,
@@ -222,6 +242,81 @@ async fn vllm_mode_cpu_tier_blocks_reach_the_router_as_a_lower_tier() {
     assert_eq!(complete(&http, &url, &a, 0).await, 3 * u64::from(BLOCK));
     wait_overlap(&daemon, "prompt A back on the GPU", &a, 0, 3).await;
 
+    relay.shutdown().await.unwrap();
+    engines.shutdown();
+    engines.wait().await.unwrap();
+    daemon.shutdown().await.unwrap();
+}
+
+/// `kv-mocker replay`'s cold start clears a vLLM-mode engine over HTTP and returns only
+/// once the router's picture of it is empty, on every rank: the engine, like vLLM,
+/// publishes `AllBlocksCleared` only with its next step, so the cold start waits for
+/// the event and makes the engine step. Without vLLM's dev mode the reset endpoint is
+/// 404, and the cold start says how to turn it on.
+#[tokio::test]
+async fn the_cold_start_empties_the_routers_picture_of_a_vllm_engine() {
+    let cluster = TestCluster::start(BLOCK).await.unwrap();
+    let daemon = cluster.start_daemon(|_| {}).await.unwrap();
+    let dev = HttpArgs {
+        vllm_dev_mode: true,
+        ..HttpArgs::default()
+    };
+    let engines = vllm_engines_with(&cluster, 64, 2, CpuTierConfig::default(), dev).await;
+    let url = engines.http_urls()[0].clone();
+    let sockets = engines.zmq_endpoints()[0].clone();
+    let registry = prometheus::Registry::new();
+    let relay = Relay::start(relay_config(&cluster, &sockets, &url), &registry)
+        .await
+        .unwrap();
+    let http = reqwest::Client::new();
+    let (a, b): (Vec<u32>, Vec<u32>) = ((1000..1050).collect(), (5000..5064).collect());
+    complete(&http, &url, &a, 0).await;
+    complete(&http, &url, &b, 1).await;
+    wait_overlap(&daemon, "prompt A on rank 0", &a, 0, 3).await;
+    wait_overlap(&daemon, "prompt B on rank 1", &b, 1, 4).await;
+
+    let target = ReplayTarget {
+        nats: cluster.nats.clone(),
+        etcd: cluster.etcd.clone(),
+        subjects: cluster.subjects.clone(),
+    };
+    let cleared = cold::clear_all(&target).await.unwrap();
+    assert_eq!(cleared.len(), 1);
+    // At once, not eventually: the pass that follows routes on this picture.
+    let (ha, hb) = (
+        compute_block_hashes(&a, BLOCK),
+        compute_block_hashes(&b, BLOCK),
+    );
+    assert_eq!(overlap(&daemon, &ha, 0).await, 0, "rank 0 cleared");
+    assert_eq!(overlap(&daemon, &hb, 1).await, 0, "rank 1 cleared");
+    assert_eq!(
+        complete(&http, &url, &a, 0).await,
+        0,
+        "the engine dropped it"
+    );
+
+    relay.shutdown().await.unwrap();
+    engines.shutdown();
+    engines.wait().await.unwrap();
+
+    // The same engine without dev mode: the reset is 404, and the error says why.
+    let engines = vllm_engines(&cluster, 64, 1, CpuTierConfig::default()).await;
+    let url = engines.http_urls()[0].clone();
+    let sockets = engines.zmq_endpoints()[0].clone();
+    let registry = prometheus::Registry::new();
+    let relay = Relay::start(relay_config(&cluster, &sockets, &url), &registry)
+        .await
+        .unwrap();
+    eventually("the worker registered again", WAIT, || async {
+        cold::list_workers(&target)
+            .await
+            .ok()
+            .filter(|w| w.iter().any(|r| r.url.as_deref() == Some(url.as_str())))
+    })
+    .await
+    .unwrap();
+    let err = cold::clear_all(&target).await.unwrap_err().to_string();
+    assert!(err.contains("VLLM_SERVER_DEV_MODE=1"), "{err}");
     relay.shutdown().await.unwrap();
     engines.shutdown();
     engines.wait().await.unwrap();

@@ -63,6 +63,9 @@ pub(super) struct RankState {
     /// Reply destination of every accepted request whose `finished` is not yet sent.
     replies: HashMap<RequestId, Reply>,
     accepting: bool,
+    /// vLLM mode: the events of a cache reset, which vLLM publishes only with its next
+    /// engine step (so the router keeps the old picture until a request runs).
+    held: Vec<KvCacheEventData>,
 }
 
 impl RankState {
@@ -138,6 +141,7 @@ impl Rank {
                 core,
                 replies: HashMap::new(),
                 accepting: true,
+                held: Vec::new(),
             }),
             notify: Notify::new(),
             sink,
@@ -238,15 +242,21 @@ impl Rank {
         }
     }
 
-    /// Drops the cache of the locked, idle rank and enqueues its `Cleared` event.
-    /// Returns false (changing nothing) if the rank has requests in flight.
+    /// Drops the cache of the locked, idle rank and enqueues its `Cleared` event: at
+    /// once in NATS mode; in vLLM mode with the next engine step, as vLLM publishes
+    /// `AllBlocksCleared`. Returns false (changing nothing) if the rank has requests
+    /// in flight.
     pub fn clear_locked(&self, st: &mut RankState) -> bool {
         if st.in_flight() > 0 {
             return false;
         }
         match st.core.clear() {
             Ok(events) => {
-                self.publish_events(st, events, &HashMap::new());
+                if matches!(self.sink, RankSink::Vllm(_)) {
+                    st.held.extend(events);
+                } else {
+                    self.publish_events(st, events, &HashMap::new());
+                }
                 true
             }
             Err(_) => false,
@@ -311,7 +321,9 @@ impl Rank {
     /// requests, in that order.
     fn finish_step(&self, out: StepOutput) {
         let mut st = self.lock();
-        self.publish_events(&mut st, out.kv_events, &out.block_tokens);
+        let mut events = std::mem::take(&mut st.held);
+        events.extend(out.kv_events);
+        self.publish_events(&mut st, events, &out.block_tokens);
         for ft in out.first_tokens {
             match st.replies.get(&ft.request_id) {
                 Some(Reply::Nats(reply)) => {

@@ -424,7 +424,7 @@ async fn serve_http(
         .unwrap_or(&args.http_host);
     let url = format!("http://{}:{}", bracket_v6(host), local.port());
     let limits = args.limits();
-    let router = http::router(Arc::new(HttpState::new(args, worker)?));
+    let router = http::router(Arc::new(HttpState::new(args, worker)?), args.vllm_dev_mode);
     tasks.spawn(async move {
         // Small SSE writes go out at once (no Nagle wait for a delayed ACK).
         let listener = listener.tap_io(|tcp| {

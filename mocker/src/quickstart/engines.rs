@@ -139,7 +139,9 @@ async fn start_vllm_engines(
         ];
         let mut command = child_command(&binaries.mocker);
         command
-            .args(["engines", "--kv-events", "vllm"])
+            // Development endpoints on, as vLLM with VLLM_SERVER_DEV_MODE=1: the
+            // cold start between policies resets every engine's prefix cache.
+            .args(["engines", "--kv-events", "vllm", "--vllm-dev-mode"])
             .args(model)
             .args(ports);
         let engines = stack.spawn("engines", command)?;

@@ -3,13 +3,16 @@
 //!
 //! Without this the second policy would inherit the first one's warm caches and look
 //! better than it is. Costs one etcd range read and one NATS request per worker.
-//! A worker whose engine serves no NATS clear subject (a mock in vLLM mode behind
-//! `kv-router relay`: NATS answers "no responders") is cleared over HTTP instead, with
-//! vLLM's `POST /reset_prefix_cache` at the URL its registration carries; the engine's
-//! `AllBlocksCleared` KV event reaches the router through the relay.
+//! A worker whose engine serves no NATS clear subject (vLLM, or a mock in vLLM mode,
+//! behind `kv-router relay`: NATS answers "no responders") is cleared over HTTP instead
+//! (see [`http`]): vLLM's `POST /reset_prefix_cache` at the URL its registration
+//! carries, then a wait until the engine's `AllBlocksCleared` KV event is on the
+//! worker's events subject, which vLLM publishes only with its next engine step.
 //! A worker that answers `busy` still has requests in flight (there should be none:
 //! every pass awaits all its requests); it is asked again after a backoff of
 //! [`CLEAR_BACKOFF`], doubling, at most [`CLEAR_ATTEMPTS`] times.
+
+mod http;
 
 use super::{ReplayError, ReplayTarget};
 use crate::protocol::{ClearReply, OP_CLEAR};
@@ -94,7 +97,7 @@ async fn clear_worker(
                         reason: "no engine answers its nats clear subject and its registration has no url".to_owned(),
                     });
                 };
-                clear_over_http(http, url).await
+                http::clear(target, http, registration, url).await
             }
             Err(err) => Err(err.to_string()),
             Ok(reply) => Ok(reply),
@@ -135,25 +138,4 @@ async fn clear_over_nats(
             format!("undecodable clear reply: {err}"),
         )
     })
-}
-
-/// `POST {url}/reset_prefix_cache`: 200 is cleared, 409 is busy (the mock's answer
-/// while requests run), anything else an error naming the status.
-async fn clear_over_http(http: &reqwest::Client, url: &str) -> Result<ClearReply, String> {
-    let response = http
-        .post(format!("{url}/reset_prefix_cache"))
-        .timeout(CLEAR_TIMEOUT)
-        .send()
-        .await
-        .map_err(|err| format!("POST {url}/reset_prefix_cache: {err}"))?;
-    match response.status().as_u16() {
-        200 => Ok(ClearReply::Cleared),
-        409 => {
-            let body: serde_json::Value = response.json().await.unwrap_or_default();
-            Ok(ClearReply::Busy {
-                active_requests: body["active_requests"].as_u64().unwrap_or(0),
-            })
-        }
-        status => Err(format!("POST {url}/reset_prefix_cache answered {status}")),
-    }
 }

@@ -71,18 +71,15 @@ pub(super) async fn metrics(State(state): State<Arc<HttpState>>) -> Response {
         .into_response()
 }
 
-/// `POST /reset_prefix_cache` (vLLM's endpoint of that name): drops every rank's KV
-/// cache, each with its `AllBlocksCleared` / `Cleared` KV event, if the worker is
-/// idle: 200 with `{"cleared": true}`. With requests in flight nothing changes: 409
-/// with `{"cleared": false, "active_requests": n}` (vLLM answers 200 and only logs
-/// the refusal; the status lets a caller retry). The body is ignored.
+/// `POST /reset_prefix_cache` (vLLM's development endpoint of that name): drops every
+/// rank's KV cache if the worker is idle and answers 200 `{"success": true}`; with
+/// requests in flight nothing changes and the answer is 200 `{"success": false}`, as
+/// vLLM 0.32's. In vLLM mode the `AllBlocksCleared` KV event goes out with the next
+/// engine step, as vLLM's does (see `rank::Rank::clear_locked`). The body is ignored.
 pub(super) async fn reset_prefix_cache(State(state): State<Arc<HttpState>>) -> Response {
-    match crate::engine::rank::clear_all(&state.ranks) {
-        ClearReply::Cleared => axum::Json(json!({"cleared": true})).into_response(),
-        ClearReply::Busy { active_requests } => (
-            StatusCode::CONFLICT,
-            axum::Json(json!({"cleared": false, "active_requests": active_requests})),
-        )
-            .into_response(),
-    }
+    let success = matches!(
+        crate::engine::rank::clear_all(&state.ranks),
+        ClearReply::Cleared
+    );
+    axum::Json(json!({ "success": success })).into_response()
 }

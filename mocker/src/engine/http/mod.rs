@@ -5,7 +5,8 @@
 //! `POST /v1/chat/completions`, `POST /tokenize`, vLLM's render endpoints
 //! (`POST /v1/completions/render`, `POST /v1/chat/completions/render`: the token ids
 //! a request would prefill, see `render`), `GET /v1/models`, `GET /metrics` (vLLM metric names),
-//! `POST /reset_prefix_cache` (vLLM's: drops an idle worker's KV cache), `GET /health`
+//! `POST /reset_prefix_cache` (vLLM's development endpoint: drops an idle worker's KV
+//! cache; served only with `--vllm-dev-mode` / `VLLM_SERVER_DEV_MODE=1`, as vLLM's), `GET /health`
 //! (vLLM's liveness probe, which SMG and vllm-router poll on every worker). The dp rank
 //! comes from vLLM's `X-data-parallel-rank` header or SGLang's `data_parallel_rank`
 //! body field. Requests run on the same engine core as the NATS protocol — same
@@ -94,6 +95,11 @@ pub struct HttpArgs {
     /// listen backlog.
     #[arg(long, default_value_t = DEFAULT_MAX_CONNECTIONS)]
     pub http_max_connections: NonZeroUsize,
+    /// Serve vLLM's development endpoints (`POST /reset_prefix_cache`), as vLLM does
+    /// only when started with `VLLM_SERVER_DEV_MODE=1`; without, they answer 404, as
+    /// vLLM's do.
+    #[arg(long, env = "VLLM_SERVER_DEV_MODE")]
+    pub vllm_dev_mode: bool,
 }
 
 /// How long a worker's listener keeps an idle connection: uvicorn's
@@ -127,6 +133,7 @@ impl Default for HttpArgs {
             max_model_len: None,
             http_header_read_timeout_ms: DEFAULT_HEADER_READ_TIMEOUT_MS,
             http_max_connections: DEFAULT_MAX_CONNECTIONS,
+            vllm_dev_mode: false,
         }
     }
 }
@@ -236,9 +243,15 @@ impl HttpState {
     }
 }
 
-/// The routes of one worker's server, with the body limit.
-pub(super) fn router(state: Arc<HttpState>) -> Router {
-    Router::new()
+/// The routes of one worker's server, with the body limit; the development
+/// endpoints only with `dev_mode`.
+pub(super) fn router(state: Arc<HttpState>, dev_mode: bool) -> Router {
+    let router = if dev_mode {
+        Router::new().route("/reset_prefix_cache", post(info::reset_prefix_cache))
+    } else {
+        Router::new()
+    };
+    router
         .route("/v1/completions", post(completions::completions))
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/completions/render", post(render::completion))
@@ -246,7 +259,6 @@ pub(super) fn router(state: Arc<HttpState>) -> Router {
         .route("/tokenize", post(info::tokenize))
         .route("/v1/models", get(info::models))
         .route("/metrics", get(info::metrics))
-        .route("/reset_prefix_cache", post(info::reset_prefix_cache))
         .route("/health", get(info::health))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)

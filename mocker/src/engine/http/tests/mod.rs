@@ -433,11 +433,22 @@ async fn an_idle_connection_is_closed_after_the_header_read_timeout() {
     assert_eq!(models.await.expect("answered").status().as_u16(), 200);
 }
 
-/// `POST /reset_prefix_cache` refuses (409, nothing dropped) while a request runs and
-/// drops the cache once the worker is idle: the repeated prompt then hits nothing.
+/// `POST /reset_prefix_cache` is served only in dev mode (404 otherwise, as vLLM's
+/// without `VLLM_SERVER_DEV_MODE=1`); it refuses (`{"success": false}`, nothing dropped)
+/// while a request runs and drops the cache once the worker is idle: the repeated
+/// prompt then hits nothing.
 #[tokio::test]
 async fn reset_prefix_cache_drops_an_idle_workers_cache_and_refuses_a_busy_one() {
     let e = start(1.0, None).await;
+    let url = format!("{}/reset_prefix_cache", e.url);
+    let response = e.http.post(url).send().await.expect("answered");
+    assert_eq!(response.status(), 404, "not served without dev mode");
+
+    let http = HttpArgs {
+        vllm_dev_mode: true,
+        ..HttpArgs::default()
+    };
+    let e = start_with(1.0, http).await;
     let body = json!({"prompt": prompt(40), "max_tokens": 1});
     let cached = |v: &Value| v["usage"]["prompt_tokens_details"]["cached_tokens"].clone();
     let (_, first) = e.post("/v1/completions", body.clone(), None).await;
@@ -449,8 +460,7 @@ async fn reset_prefix_cache_drops_an_idle_workers_cache_and_refuses_a_busy_one()
     let mut seen = String::from_utf8(stream.next().await.expect("chunk").expect("bytes").to_vec())
         .expect("utf-8");
     let (status, busy) = e.post("/reset_prefix_cache", json!({}), None).await;
-    assert_eq!(status, 409, "{busy}");
-    assert_eq!(busy, json!({"cleared": false, "active_requests": 1}));
+    assert_eq!((status, busy), (200, json!({"success": false})));
     let (_, warm) = e.post("/v1/completions", body.clone(), None).await;
     assert_eq!(cached(&warm), 32, "a refused reset drops nothing");
 
@@ -460,7 +470,7 @@ async fn reset_prefix_cache_drops_an_idle_workers_cache_and_refuses_a_busy_one()
     }
     assert!(seen.ends_with("data: [DONE]\n\n"), "{seen}");
     let (status, reply) = e.post("/reset_prefix_cache", json!({}), None).await;
-    assert_eq!((status, reply), (200, json!({"cleared": true})));
+    assert_eq!((status, reply), (200, json!({"success": true})));
     let (_, again) = e.post("/v1/completions", body, None).await;
     assert_eq!(cached(&again), 0, "the cache was dropped");
 }
