@@ -316,6 +316,7 @@ impl RelayConfig {
             total_kv_blocks: 0,
             url: engine_url.clone(),
             epoch: 0,
+            max_model_len: None,
         };
         if let Err(e) = check.validate() {
             return Err(invalid("engine-url", e.to_string()));

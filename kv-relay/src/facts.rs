@@ -60,6 +60,7 @@ impl EngineFacts {
             total_kv_blocks: self.kv_blocks.unwrap_or(0),
             url: who.url.clone(),
             epoch: who.epoch,
+            max_model_len: None,
         })
     }
 

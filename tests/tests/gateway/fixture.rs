@@ -177,6 +177,7 @@ impl Stack {
             total_kv_blocks: 1024,
             url: Some(url),
             epoch: 0,
+            max_model_len: None,
         };
         let cluster = &mut self.cluster;
         let lease = register_worker(&mut cluster.etcd, &cluster.subjects, &registration, 30)
