@@ -10,6 +10,12 @@
 //! routed request without a directory of its own. It is optional on the wire so that
 //! registrations written before it existed still decode; a router that does not forward
 //! ignores it. Its length is bounded by [`MAX_URL_BYTES`] in [`WorkerRegistration::validate`].
+//!
+//! The optional `max_model_len` (the engine's context length, in tokens, as vLLM
+//! publishes it on `GET /v1/models`) lets a gateway refuse a prompt the engine would
+//! refuse, before it is routed, and accept every prompt it would take. Optional for
+//! the same reason as `url`; a reader that does not know the field ignores it (no
+//! reader of registrations refuses unknown fields).
 
 use crate::ids::WorkerId;
 use serde::{Deserialize, Serialize};
@@ -18,6 +24,11 @@ use serde::{Deserialize, Serialize};
 /// `scheme://host:port/prefix`, small enough that a directory of thousands of workers
 /// stays in the megabytes.
 pub const MAX_URL_BYTES: usize = 2048;
+
+/// Largest accepted [`WorkerRegistration::max_model_len`], in tokens: 2^32, 400× the
+/// longest context of models today (10M tokens), so a value above it is a broken
+/// writer, not a model.
+pub const MAX_MODEL_LEN: u64 = 1 << 32;
 
 /// What a worker tells the cluster about itself.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -46,6 +57,13 @@ pub struct WorkerRegistration {
     /// dropped. 0 (the default, not serialized): the publisher does not use epochs.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub epoch: u64,
+    /// The engine's context length, in tokens: the longest prompt plus `max_tokens`
+    /// it serves (vLLM's `max_model_len`). Absent when unknown (the engine does not
+    /// publish it, it was not read yet, or the registration is older than the field);
+    /// not serialized when absent. When present, 1 to [`MAX_MODEL_LEN`]: 0 is
+    /// invalid, not "unknown".
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_model_len: Option<u64>,
 }
 
 fn is_zero(epoch: &u64) -> bool {
@@ -72,12 +90,24 @@ pub enum RegistrationError {
     /// `url` did not start with `http://` or `https://` followed by a host.
     #[error("worker {0} registered a url that is not http:// or https://")]
     UrlScheme(WorkerId),
+    /// `max_model_len` was 0 or over [`MAX_MODEL_LEN`].
+    #[error(
+        "worker {worker_id} registered max_model_len {value} (1 to {MAX_MODEL_LEN} tokens, \
+         or absent when unknown)"
+    )]
+    MaxModelLen {
+        /// The worker.
+        worker_id: WorkerId,
+        /// The value registered, in tokens.
+        value: u64,
+    },
 }
 
 impl WorkerRegistration {
     /// Checks the invariants a router relies on: `dp_size` and `block_size` at least 1,
-    /// and a `url`, if present, of at most [`MAX_URL_BYTES`] bytes with an `http` or
-    /// `https` scheme and a non-empty rest (the rest is not parsed further).
+    /// a `url`, if present, of at most [`MAX_URL_BYTES`] bytes with an `http` or
+    /// `https` scheme and a non-empty rest (the rest is not parsed further), and a
+    /// `max_model_len`, if present, of 1 to [`MAX_MODEL_LEN`] tokens.
     ///
     /// # Errors
     /// [`RegistrationError`] naming the offending field.
@@ -102,6 +132,14 @@ impl WorkerRegistration {
                 return Err(RegistrationError::UrlScheme(self.worker_id));
             }
         }
+        if let Some(value) = self.max_model_len
+            && !(1..=MAX_MODEL_LEN).contains(&value)
+        {
+            return Err(RegistrationError::MaxModelLen {
+                worker_id: self.worker_id,
+                value,
+            });
+        }
         Ok(())
     }
 }
@@ -119,6 +157,7 @@ mod tests {
             total_kv_blocks: 100,
             url: None,
             epoch: 0,
+            max_model_len: None,
         };
         assert!(ok.validate().is_ok());
         assert_eq!(
@@ -147,6 +186,7 @@ mod tests {
             total_kv_blocks: 10,
             url: Some(url.to_owned()),
             epoch: 0,
+            max_model_len: None,
         }
     }
 
@@ -176,6 +216,7 @@ mod tests {
         let old = r#"{"worker_id": 7, "dp_size": 1, "block_size": 64, "total_kv_blocks": 16384}"#;
         let reg: WorkerRegistration = serde_json::from_str(old).unwrap();
         assert_eq!(reg.url, None);
+        assert_eq!(reg.max_model_len, None);
         assert_eq!(reg.worker_id, WorkerId(7));
         // And an absent url is not written, so older readers see the old shape.
         assert_eq!(
@@ -193,5 +234,62 @@ mod tests {
             serde_json::from_str::<WorkerRegistration>(&json).unwrap(),
             reg
         );
+    }
+
+    #[test]
+    fn max_model_len_is_one_to_the_cap_or_absent() {
+        let with_len = |max_model_len| WorkerRegistration {
+            max_model_len,
+            ..with_url("http://10.0.0.5:8000")
+        };
+        for ok in [None, Some(1), Some(4096), Some(MAX_MODEL_LEN)] {
+            assert_eq!(with_len(ok).validate(), Ok(()), "{ok:?}");
+        }
+        for bad in [0, MAX_MODEL_LEN + 1, u64::MAX] {
+            let err = with_len(Some(bad)).validate().unwrap_err();
+            assert_eq!(
+                err,
+                RegistrationError::MaxModelLen {
+                    worker_id: WorkerId(3),
+                    value: bad
+                }
+            );
+            assert!(err.to_string().contains("max_model_len"), "{err}");
+        }
+    }
+
+    /// Both directions of the upgrade: a record with `max_model_len` round-trips
+    /// here, and the decoder of the previous version (the record without the field,
+    /// which like this one refuses no unknown field) still reads it.
+    #[test]
+    fn max_model_len_round_trips_and_older_readers_ignore_it() {
+        let reg = WorkerRegistration {
+            max_model_len: Some(32_768),
+            ..with_url("http://127.0.0.1:8100")
+        };
+        let json = serde_json::to_string(&reg).unwrap();
+        assert!(json.contains(r#""max_model_len":32768"#), "{json}");
+        assert_eq!(
+            serde_json::from_str::<WorkerRegistration>(&json).unwrap(),
+            reg
+        );
+
+        #[derive(Debug, Deserialize)]
+        #[allow(dead_code)]
+        struct Previous {
+            worker_id: WorkerId,
+            dp_size: u32,
+            block_size: u32,
+            total_kv_blocks: u64,
+            #[serde(default)]
+            url: Option<String>,
+            #[serde(default)]
+            epoch: u64,
+        }
+        let old: Previous = serde_json::from_str(&json).unwrap();
+        assert_eq!((old.worker_id, old.block_size), (WorkerId(3), 16));
+        // And an absent length is not written at all.
+        let unknown = serde_json::to_string(&with_url("http://a:1")).unwrap();
+        assert!(!unknown.contains("max_model_len"), "{unknown}");
     }
 }

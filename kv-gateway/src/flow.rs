@@ -3,9 +3,12 @@
 //! that did not stream, until the answer is whole).
 //!
 //! ```text
-//! body ─ parse ─ model? ─ tokenize ─┬─ route (exclude tried) ─ engine URL? ─ open ─┬─ first event ─ Answer (stream / assemble)
-//!                                   └────────────── retry on Failure::Retry ◀──────┘
+//! body ─ parse ─ model? ─ tokenize ─ length? ─┬─ route (exclude tried) ─ engine URL? ─ open ─┬─ first event ─ Answer (stream / assemble)
+//!                                             └────────────── retry on Failure::Retry ◀──────┘
 //! ```
+//!
+//! `length?` is the prompt bound of [`crate::limit`]: a prompt the engines would refuse
+//! for its length is refused here, before it costs a route and a forward.
 //!
 //! Every routed attempt holds a [`crate::router::Booking`]; an attempt that fails
 //! drops it (so the router frees that worker's load) before the next one is routed.
@@ -14,13 +17,14 @@ use crate::answer::{Answer, Shape};
 use crate::config::{ChatForward, EngineApi, Limits, ModelConfig, PromptForward};
 use crate::error::ApiError;
 use crate::forward::{EngineClient, Failure, FirstTokenDeadline};
+use crate::limit::PromptLimits;
 use crate::metrics::GatewayMetrics;
 use crate::openai::{
     ChatRequest, CompletionRequest, PromptInput, chat_as_completion, chat_for_engine,
-    completion_for_engine, parse_chat, parse_completion,
+    completion_for_engine, max_output_tokens, parse_chat, parse_completion,
 };
 use crate::router::{Booking, RouterClient};
-use crate::tokenize::{PromptTokenizer, too_many};
+use crate::tokenize::PromptTokenizer;
 use crate::workers::WorkerUrls;
 use axum::Json;
 use axum::http::header;
@@ -39,6 +43,8 @@ pub struct Flow {
     pub model: ModelConfig,
     /// Timeouts, sizes, retries.
     pub limits: Limits,
+    /// The bound on one prompt, read per request.
+    pub prompt: PromptLimits,
     /// Prompt → token ids.
     pub tokenizer: PromptTokenizer,
     /// Routing and lifecycle.
@@ -115,14 +121,6 @@ impl Flow {
         }
     }
 
-    fn check_length(&self, tokens: &[u32]) -> Result<(), ApiError> {
-        let limit = self.limits.max_prompt_tokens;
-        if tokens.len() > limit {
-            return Err(too_many(tokens.len(), limit));
-        }
-        Ok(())
-    }
-
     /// `POST /v1/completions`, of the session `session` (the `x-session-id` header,
     /// which wins over the body's `prompt_cache_key`).
     pub async fn completion(
@@ -133,11 +131,16 @@ impl Flow {
     ) -> Result<Response, ApiError> {
         let request = parse_completion(body)?;
         self.check_model(&request.model)?;
+        // One bound for the whole request, though workers may come and go meanwhile.
+        let bound = self.prompt.current();
         let tokens = match &request.prompt {
             PromptInput::Tokens(ids) => ids.clone(),
-            PromptInput::Text(text) => self.tokenizer.completion(text, &request.body).await?,
+            PromptInput::Text(text) => {
+                let body = &request.body;
+                self.tokenizer.completion(text, body, bound.limits).await?
+            }
         };
-        self.check_length(&tokens)?;
+        bound.check(tokens.len(), max_output_tokens(&request.body, false))?;
         let forward_tokens = self.model.forward == PromptForward::Tokens
             || matches!(request.prompt, PromptInput::Tokens(_));
         let plan = Plan {
@@ -168,11 +171,17 @@ impl Flow {
             // Refuse what tokens mode cannot do before anything is routed.
             chat_as_completion(&chat, &[], self.model.engine_api, DpRank(0))?;
         }
+        let bound = self.prompt.current();
         let tokens = self
             .tokenizer
-            .chat(chat.messages.clone(), chat.options.clone(), &chat.body)
+            .chat(
+                chat.messages.clone(),
+                chat.options.clone(),
+                &chat.body,
+                bound.limits,
+            )
             .await?;
-        self.check_length(&tokens)?;
+        bound.check(tokens.len(), max_output_tokens(&chat.body, true))?;
         let plan = Plan {
             endpoint: "chat_completions",
             stream: chat.stream,

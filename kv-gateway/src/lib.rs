@@ -14,6 +14,7 @@
 //!   limits).
 //! - [`http`]: routes, handlers, health and metrics endpoints.
 //! - [`flow`]: one request's path: tokenize → route → forward → answer, with failover.
+//! - [`limit`]: the bound on one prompt, fixed or the engines' context length.
 //! - [`openai`]: the request bodies read, and the engine bodies built from them.
 //! - [`tokenize`]: prompt → token ids, in process or by the engine.
 //! - [`router`]: route queries and the [`router::Booking`] that frees on every path.
@@ -29,6 +30,7 @@ pub mod error;
 pub mod flow;
 pub mod forward;
 pub mod http;
+pub mod limit;
 pub mod metrics;
 pub mod openai;
 pub mod router;
@@ -43,6 +45,7 @@ use crate::config::TokenizeVia;
 use crate::flow::Flow;
 use crate::forward::EngineClient;
 use crate::http::AppState;
+use crate::limit::PromptLimits;
 use crate::metrics::GatewayMetrics;
 use crate::router::RouterClient;
 use crate::tokenize::PromptTokenizer;
@@ -102,10 +105,9 @@ impl Gateway {
             .tcp_nodelay(true)
             .build()?;
         let workers = WorkerUrls::default();
-        let limits = kv_tokenizer::Limits {
-            max_prompt_bytes: config.model.tokenizer.max_prompt_bytes,
-            max_prompt_tokens: config.limits.max_prompt_tokens,
-        };
+        // The tokenizer is built with the largest bound there can be; each request is
+        // checked against the bound of its moment (`Flow::prompt`).
+        let limits = config.limits.prompt.ceiling();
         // An engine's tokenization is bounded like its first token.
         let remote_timeout = config.limits.first_token_timeout;
         let remote = |api| {
@@ -113,7 +115,7 @@ impl Gateway {
                 Some(url) if api == Api::Render => Target::Server(url.clone()),
                 _ => Target::Engines(workers.clone()),
             };
-            let remote = Remote::new(client.clone(), api, target, limits, remote_timeout);
+            let remote = Remote::new(client.clone(), api, target, remote_timeout);
             PromptTokenizer::remote(remote, metrics.clone())
         };
         let tokenizer = match config.model.tokenize_via {
@@ -189,6 +191,7 @@ impl Gateway {
             flow: Flow {
                 model: config.model.clone(),
                 limits: config.limits,
+                prompt: PromptLimits::new(config.limits.prompt, workers.clone()),
                 tokenizer,
                 router,
                 workers: workers.clone(),

@@ -125,6 +125,17 @@ fn token_ids(values: &[Value]) -> Option<Vec<u32>> {
         .collect()
 }
 
+/// The output tokens a request asks for at most, when it says: `max_tokens`, or for a
+/// chat `max_completion_tokens` (taking precedence unless 0 or absent, as in vLLM). A
+/// value that is not a non-negative integer is left to the engine to refuse.
+pub fn max_output_tokens(body: &Map<String, Value>, chat: bool) -> Option<u64> {
+    let field = |name: &str| body.get(name).and_then(Value::as_u64);
+    chat.then(|| field("max_completion_tokens"))
+        .flatten()
+        .filter(|&n| n > 0)
+        .or_else(|| field("max_tokens"))
+}
+
 /// Parses a completions body.
 ///
 /// # Errors
@@ -292,6 +303,23 @@ pub fn chat_for_engine(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_output_bound_is_max_tokens_or_a_chats_max_completion_tokens() {
+        let body = |v: Value| v.as_object().cloned().unwrap();
+        let both = body(json!({"max_tokens": 7, "max_completion_tokens": 5}));
+        assert_eq!(max_output_tokens(&both, true), Some(5));
+        assert_eq!(max_output_tokens(&both, false), Some(7));
+        let zero = body(json!({"max_tokens": 7, "max_completion_tokens": 0}));
+        assert_eq!(max_output_tokens(&zero, true), Some(7));
+        for none in [
+            json!({}),
+            json!({"max_tokens": null}),
+            json!({"max_tokens": "9"}),
+        ] {
+            assert_eq!(max_output_tokens(&body(none.clone()), true), None, "{none}");
+        }
+    }
 
     #[test]
     fn completion_prompts_are_one_text_or_one_list_of_ids() {

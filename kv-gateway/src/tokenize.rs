@@ -26,7 +26,7 @@ pub(crate) mod remote;
 
 use crate::error::ApiError;
 use crate::metrics::GatewayMetrics;
-use kv_tokenizer::{CachedTokenizer, ChatMessage, ChatOptions, Encoded, TokenizerError};
+use kv_tokenizer::{CachedTokenizer, ChatMessage, ChatOptions, Encoded, Limits, TokenizerError};
 use pool::{PoolError, TokenizerPool};
 use prometheus::IntGauge;
 use remote::Remote;
@@ -73,9 +73,10 @@ impl Drop for Admitted {
 }
 
 impl PromptTokenizer {
-    /// In process with `tokenizer` (its [`kv_tokenizer::Limits`] are the prompt
-    /// bounds) on `pool`; a prompt must be encoded within `deadline` of its arrival at
-    /// the pool (504 otherwise).
+    /// In process with `tokenizer` (its [`kv_tokenizer::Limits`] are the largest
+    /// bound there can be; each prompt is checked against its own too) on `pool`; a
+    /// prompt must be encoded within `deadline` of its arrival at the pool (504
+    /// otherwise).
     pub fn local(
         tokenizer: Arc<CachedTokenizer>,
         pool: Arc<TokenizerPool>,
@@ -99,23 +100,22 @@ impl PromptTokenizer {
 
     /// Token ids of a completion prompt (special tokens added, as vLLM's
     /// `/v1/completions` does by default), from the client's `body` (which an engine's
-    /// render endpoint takes as it is).
+    /// render endpoint takes as it is), within `limits` (the token count itself is the
+    /// caller's to check: `crate::limit::PromptBound::check`).
     ///
     /// # Errors
-    /// 400 for a prompt over the limits (over `--max-prompt-bytes` before anything is
-    /// queued or encoded); 503 with `Retry-After` when the tokenizer pool is full;
-    /// 504 past the deadline; 503 or 502 when no engine can tokenize.
+    /// 400 for a prompt over the limits (over their bytes before anything is queued
+    /// or encoded); 503 with `Retry-After` when the tokenizer pool is full; 504 past
+    /// the deadline; 503 or 502 when no engine can tokenize.
     pub async fn completion(
         &self,
         prompt: &str,
         body: &Map<String, Value>,
+        limits: Limits,
     ) -> Result<Vec<u32>, ApiError> {
+        limits.check_bytes(prompt.len()).map_err(tokenizer_error)?;
         match &self.via {
             Via::Local { tokenizer, .. } => {
-                tokenizer
-                    .limits()
-                    .check_bytes(prompt.len())
-                    .map_err(tokenizer_error)?;
                 let tokenizer = Arc::clone(tokenizer);
                 let prompt = prompt.to_owned();
                 self.on_pool(tokenizer, move |t| t.completion(&prompt))
@@ -123,7 +123,7 @@ impl PromptTokenizer {
             }
             Via::Remote(remote) => {
                 let started = Instant::now();
-                let ids = remote.completion(prompt, body).await?;
+                let ids = remote.completion(prompt, body, limits).await?;
                 self.metrics.stage("tokenize", started.elapsed());
                 Ok(ids)
             }
@@ -132,7 +132,7 @@ impl PromptTokenizer {
 
     /// Token ids of a chat: the chat template rendered with the generation prompt,
     /// then encoded without adding special tokens (the template has them). A rendered
-    /// chat over `--max-prompt-bytes` is refused before it is encoded (by an engine:
+    /// chat over the bytes of `limits` is refused before it is encoded (by an engine:
     /// one whose messages' text alone is over it, before it is sent). `body` is the
     /// client's, which an engine's render endpoint takes as it is.
     ///
@@ -143,16 +143,21 @@ impl PromptTokenizer {
         messages: Vec<ChatMessage>,
         options: ChatOptions,
         body: &Map<String, Value>,
+        limits: Limits,
     ) -> Result<Vec<u32>, ApiError> {
         match &self.via {
             Via::Local { tokenizer, .. } => {
                 let tokenizer = Arc::clone(tokenizer);
-                self.on_pool(tokenizer, move |t| t.chat(&messages, &options))
-                    .await
+                self.on_pool(tokenizer, move |t| {
+                    let text = t.tokenizer().render_chat(&messages, &options)?;
+                    limits.check_bytes(text.len())?;
+                    t.encode(&text, false)
+                })
+                .await
             }
             Via::Remote(remote) => {
                 let started = Instant::now();
-                let ids = remote.chat(&messages, body).await?;
+                let ids = remote.chat(&messages, body, limits).await?;
                 self.metrics.stage("tokenize", started.elapsed());
                 Ok(ids)
             }

@@ -2,15 +2,22 @@
 //! (`kv_cluster::directory`): the router answers with a worker id, and this is where
 //! the gateway finds the engine behind it. It also keeps each worker's KV block size,
 //! so the gateway can hash a prompt's blocks itself ([`WorkerUrls::block_size`]) when
-//! the whole fleet agrees on one, as the router does.
+//! the whole fleet agrees on one, as the router does, and each worker's context length
+//! (`max_model_len`), whose smallest ([`WorkerUrls::max_model_len`]) bounds prompts
+//! when `--max-prompt-tokens` is not given ([`crate::limit`]).
 //!
 //! Reads take a shared lock for one map lookup; the directory task is the only writer.
+//! The smallest context length is recomputed on each put and delete (O(workers)) and
+//! kept in an atomic, so a request reads it without the lock.
 //! A registration without a URL (an engine registered by an older relay) is kept as
 //! known-but-unreachable: routing to it fails over to another worker.
 
 use kv_cluster::directory::{EtcdStatus, Registered, Registrations, Rejection};
 use kv_events::WorkerId;
+use kv_events::discovery::WorkerRegistration;
 use std::collections::HashMap;
+use std::num::NonZeroU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use tracing::{info, warn};
 
@@ -21,12 +28,17 @@ struct Worker {
     url: Option<String>,
     /// Tokens per KV block.
     block_size: u32,
+    /// The engine's context length, in tokens, if it published one.
+    max_model_len: Option<u64>,
 }
 
 /// The engine URLs of the registered workers. Cheap to clone; clones share the map.
 #[derive(Debug, Clone, Default)]
 pub struct WorkerUrls {
     inner: Arc<RwLock<HashMap<WorkerId, Worker>>>,
+    /// The smallest `max_model_len` of the workers, in tokens; 0 while none publishes
+    /// one (a registration's is never 0: `WorkerRegistration::validate`).
+    min_max_model_len: Arc<AtomicU64>,
 }
 
 impl WorkerUrls {
@@ -52,6 +64,12 @@ impl WorkerUrls {
         let mut sizes = workers.values().map(|w| w.block_size);
         let first = sizes.next()?;
         sizes.all(|size| size == first).then_some(first)
+    }
+
+    /// The smallest context length (`max_model_len`, in tokens) among the registered
+    /// workers that publish one; `None` when none does. One atomic load.
+    pub fn max_model_len(&self) -> Option<NonZeroU64> {
+        NonZeroU64::new(self.min_max_model_len.load(Ordering::Acquire))
     }
 
     /// Registered workers, with or without a URL.
@@ -86,16 +104,32 @@ impl WorkerUrls {
         urls.into_iter().map(|(_, url)| url).collect()
     }
 
-    /// Adds or replaces a worker with blocks of `block_size` tokens (tests and tools;
-    /// the directory calls it on puts).
-    pub fn insert(&self, worker_id: WorkerId, url: Option<String>, block_size: u32) {
-        let url = url.map(|u| u.trim_end_matches('/').to_owned());
-        self.write().insert(worker_id, Worker { url, block_size });
+    /// Adds or replaces the worker of `registration` (tests and tools; the directory
+    /// calls it on puts).
+    pub fn insert(&self, registration: &WorkerRegistration) {
+        let worker = Worker {
+            url: (registration.url.as_deref()).map(|u| u.trim_end_matches('/').to_owned()),
+            block_size: registration.block_size,
+            max_model_len: registration.max_model_len,
+        };
+        let mut workers = self.write();
+        workers.insert(registration.worker_id, worker);
+        self.store_min_max_model_len(&workers);
     }
 
     /// Forgets a worker.
     pub fn remove(&self, worker_id: WorkerId) {
-        self.write().remove(&worker_id);
+        let mut workers = self.write();
+        workers.remove(&worker_id);
+        self.store_min_max_model_len(&workers);
+    }
+
+    /// Publishes the smallest context length of `workers` (called under the write
+    /// lock, so stores happen in the order of the changes).
+    fn store_min_max_model_len(&self, workers: &HashMap<WorkerId, Worker>) {
+        let min = workers.values().filter_map(|w| w.max_model_len).min();
+        self.min_max_model_len
+            .store(min.unwrap_or(0), Ordering::Release);
     }
 }
 
@@ -105,13 +139,10 @@ impl Registrations for WorkerUrls {
         if registration.url.is_none() {
             warn!(worker_id = %registration.worker_id, "worker registered without an engine url; the gateway cannot forward to it");
         } else {
-            info!(worker_id = %registration.worker_id, url = registration.url.as_deref(), "worker known");
+            info!(worker_id = %registration.worker_id, url = registration.url.as_deref(),
+                max_model_len = registration.max_model_len, "worker known");
         }
-        self.insert(
-            registration.worker_id,
-            registration.url,
-            registration.block_size,
-        );
+        self.insert(&registration);
     }
 
     async fn delete(&mut self, worker_id: WorkerId) {
@@ -135,24 +166,60 @@ impl Registrations for WorkerUrls {
 mod tests {
     use super::*;
 
+    fn worker(id: u64, url: Option<&str>, block_size: u32) -> WorkerRegistration {
+        WorkerRegistration {
+            worker_id: WorkerId(id),
+            dp_size: 1,
+            block_size,
+            total_kv_blocks: 100,
+            url: url.map(str::to_owned),
+            epoch: 0,
+            max_model_len: None,
+        }
+    }
+
     #[test]
     fn urls_are_kept_per_worker_without_a_trailing_slash() {
         let urls = WorkerUrls::default();
         assert_eq!(urls.block_size(), None);
-        urls.insert(WorkerId(2), Some("http://b:8000/".into()), 16);
-        urls.insert(WorkerId(1), None, 16);
+        urls.insert(&worker(2, Some("http://b:8000/"), 16));
+        urls.insert(&worker(1, None, 16));
         assert_eq!(urls.block_size(), Some(16));
         assert_eq!(urls.url(WorkerId(2)).as_deref(), Some("http://b:8000"));
         assert_eq!(urls.url(WorkerId(1)), None);
         assert_eq!(urls.any_url().as_deref(), Some("http://b:8000"));
-        urls.insert(WorkerId(0), Some("http://a:8000".into()), 16);
+        urls.insert(&worker(0, Some("http://a:8000"), 16));
         assert_eq!(urls.urls(), ["http://a:8000", "http://b:8000"], "by id");
         urls.remove(WorkerId(0));
         assert_eq!(urls.len(), 2);
         urls.remove(WorkerId(2));
         assert_eq!(urls.any_url(), None);
         assert!(!urls.is_empty());
-        urls.insert(WorkerId(3), None, 32);
+        urls.insert(&worker(3, None, 32));
         assert_eq!(urls.block_size(), None, "the fleet disagrees");
+    }
+
+    #[test]
+    fn the_smallest_published_context_length_follows_puts_and_deletes() {
+        let urls = WorkerUrls::default();
+        let with_len = |id, len| WorkerRegistration {
+            max_model_len: len,
+            ..worker(id, Some("http://e:1"), 16)
+        };
+        urls.insert(&with_len(1, None));
+        assert_eq!(urls.max_model_len(), None, "none published");
+        urls.insert(&with_len(2, Some(8192)));
+        urls.insert(&with_len(3, Some(4096)));
+        assert_eq!(urls.max_model_len().map(NonZeroU64::get), Some(4096));
+        urls.insert(&with_len(3, Some(16_384)));
+        assert_eq!(
+            urls.max_model_len().map(NonZeroU64::get),
+            Some(8192),
+            "a changed registration counts"
+        );
+        urls.remove(WorkerId(2));
+        assert_eq!(urls.max_model_len().map(NonZeroU64::get), Some(16_384));
+        urls.remove(WorkerId(3));
+        assert_eq!(urls.max_model_len(), None, "back to none");
     }
 }

@@ -67,12 +67,14 @@ pub struct RelayArgs {
     pub shared_endpoint: bool,
     /// Engine Prometheus page, scraped for load and for the engine's block size and
     /// KV capacity (vLLM `cache_config_info`, SGLang `page_size`/`num_pages`)
-    /// [default: <engine-url>/metrics].
+    /// [default: <engine-url>/metrics]. While it is scraped, an `http://` --engine-url's
+    /// `/v1/models` is read too, for the engine's `max_model_len`.
     #[arg(long, env = "KV_RELAY_METRICS_URL")]
     pub metrics_url: Option<String>,
     /// The engine's OpenAI HTTP base URL as the gateway reaches it, e.g.
     /// http://10.0.0.7:8000; registered so `kv-router gateway` can forward requests to
-    /// this worker, and where its /metrics page is read.
+    /// this worker, and where its /metrics page and /v1/models (its `max_model_len`,
+    /// registered for the gateway's prompt limit) are read.
     #[arg(long, env = "KV_RELAY_ENGINE_URL")]
     pub engine_url: Option<String>,
     /// The relay's own HTTP endpoint: address, header-read timeout, connection cap.
@@ -158,6 +160,9 @@ pub struct ScrapeConfig {
     pub path: String,
     /// Scrape period.
     pub interval: Duration,
+    /// The engine's `/v1/models` (from an `http://` `--engine-url`), read with the
+    /// page until it answers once, for the engine's context length.
+    pub models: Option<crate::models::ModelsEndpoint>,
 }
 
 /// The validated relay configuration.
@@ -310,9 +315,17 @@ impl RelayConfig {
                 .filter(|u| u.starts_with("http://"))
                 .map(|u| format!("{u}/metrics"))
         });
+        let models = engine_url
+            .as_deref()
+            .filter(|u| u.starts_with("http://"))
+            .map(|u| {
+                let (addr, path) = split_http_url(&format!("{u}/v1/models"), "engine-url")?;
+                Ok::<_, Error>(crate::models::ModelsEndpoint { addr, path })
+            })
+            .transpose()?;
         let scrape = metrics_url
             .as_deref()
-            .map(|url| scrape_config(url, args.metrics_interval_ms))
+            .map(|url| scrape_config(url, args.metrics_interval_ms, models))
             .transpose()?;
         let claim = args.identity.to_request(args.lease_ttl_secs)?;
         let worker_id = claim.worker_id.unwrap_or(WorkerId(0));
@@ -323,6 +336,7 @@ impl RelayConfig {
             total_kv_blocks: 0,
             url: engine_url.clone(),
             epoch: 0,
+            max_model_len: None,
         };
         if let Err(e) = check.validate() {
             return Err(invalid("engine-url", e.to_string()));
@@ -352,24 +366,35 @@ impl RelayConfig {
     }
 }
 
-fn scrape_config(url: &str, interval_ms: u64) -> Result<ScrapeConfig, Error> {
+/// `http://host:port/path` as `host:port` and the path (`/metrics` when none).
+fn split_http_url(url: &str, field: &'static str) -> Result<(String, String), Error> {
     let rest = url
         .strip_prefix("http://")
-        .ok_or_else(|| invalid("metrics-url", format!("{url:?} is not an http:// url")))?;
+        .ok_or_else(|| invalid(field, format!("{url:?} is not an http:// url")))?;
     let (addr, path) = match rest.find('/') {
         Some(i) => (&rest[..i], &rest[i..]),
         None => (rest, "/metrics"),
     };
     if addr.is_empty() {
-        return Err(invalid("metrics-url", format!("{url:?} has no host")));
+        return Err(invalid(field, format!("{url:?} has no host")));
     }
+    Ok((addr.to_owned(), path.to_owned()))
+}
+
+fn scrape_config(
+    url: &str,
+    interval_ms: u64,
+    models: Option<crate::models::ModelsEndpoint>,
+) -> Result<ScrapeConfig, Error> {
+    let (addr, path) = split_http_url(url, "metrics-url")?;
     if interval_ms == 0 {
         return Err(invalid("metrics-interval-ms", "must be at least 1"));
     }
     Ok(ScrapeConfig {
-        addr: addr.to_owned(),
-        path: path.to_owned(),
+        addr,
+        path,
         interval: Duration::from_millis(interval_ms),
+        models,
     })
 }
 

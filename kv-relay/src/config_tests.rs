@@ -26,6 +26,24 @@ fn the_engine_url_is_registered_for_the_gateway() {
         (s.addr.as_str(), s.path.as_str()),
         ("10.0.0.1:8000", "/metrics")
     );
+    let models = s.models.expect("and its /v1/models");
+    assert_eq!(
+        (models.addr.as_str(), models.path.as_str()),
+        ("10.0.0.1:8000", "/v1/models")
+    );
+    // A path prefix is kept; an https engine's models are not read (no TLS client).
+    let mut prefixed = base.to_vec();
+    prefixed.extend(["--engine-url", "http://gw:80/engine-3"]);
+    let models = config(&prefixed).unwrap().scrape.unwrap().models.unwrap();
+    assert_eq!(models.path, "/engine-3/v1/models");
+    let mut https = base.to_vec();
+    https.extend([
+        "--engine-url",
+        "https://e:443",
+        "--metrics-url",
+        "http://e:9000/m",
+    ]);
+    assert_eq!(config(&https).unwrap().scrape.unwrap().models, None);
     let mut bad = base.to_vec();
     bad.extend(["--engine-url", "10.0.0.1:8000"]);
     let err = config(&bad).err().unwrap().to_string();

@@ -10,7 +10,7 @@
 //! | `kv_relay_connect_replays_total` | `result`: `complete`, `partial`, `empty`, `failed` | replay-buffer reads when an engine socket connects |
 //! | `kv_relay_published_events_total` | | our KV events published to NATS |
 //! | `kv_relay_recovery_requests_total` | | router recovery requests answered |
-//! | `kv_relay_scrapes_total` | `outcome`: `ok`, `failed`, `block_size_conflict` | engine /metrics scrapes (and pages stating another block size than the one in use) |
+//! | `kv_relay_scrapes_total` | `outcome`: `ok`, `failed`, `block_size_conflict`, `models_ok`, `models_failed` | engine /metrics scrapes (and pages stating another block size than the one in use), and reads of its /v1/models for `max_model_len` |
 //! | `kv_relay_engine_connected` | | engine sockets currently connected |
 
 use kv_cluster::metrics::{self, Registrar};
@@ -72,7 +72,7 @@ impl RelayCounters {
             )?,
             scrapes: r.counter_vec(
                 "kv_relay_scrapes_total",
-                "Scrapes of the engine's Prometheus endpoint, by outcome",
+                "Scrapes of the engine's Prometheus endpoint and reads of its /v1/models, by outcome",
                 &["outcome"],
             )?,
             connected: r.gauge(

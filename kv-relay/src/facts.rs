@@ -11,6 +11,12 @@
 //! - **KV capacity** (blocks per rank): only from the metrics page
 //!   (`num_gpu_blocks`, SGLang's pool size). The smallest rank's figure is
 //!   registered; unknown stays 0 ("unknown" in [`WorkerRegistration`]).
+//! - **Context length** (`max_model_len`, tokens): from the engine's `GET /v1/models`
+//!   ([`crate::models`]), read with the metrics page until the engine answers once;
+//!   the smallest of its models' figures is registered, so a gateway refuses what the
+//!   engine would refuse before routing it. Unknown (an https engine, no
+//!   `--engine-url`, an engine that publishes none, or not read yet) is left out of
+//!   the registration; it never holds the registration back.
 //!
 //! The worker registers once the engine is connected, the block size is known, and
 //! the metrics page was read once (or failed once, or there is none), so a worker
@@ -31,6 +37,8 @@ pub struct EngineFacts {
     pub block_size: Option<u32>,
     /// KV cache capacity of each rank (the smallest), in blocks, once known.
     pub kv_blocks: Option<u64>,
+    /// The engine's context length, in tokens, once read from its `/v1/models`.
+    pub max_model_len: Option<u64>,
     /// The metrics page was read or tried once, or the relay has none to read.
     pub scraped: bool,
 }
@@ -60,6 +68,7 @@ impl EngineFacts {
             total_kv_blocks: self.kv_blocks.unwrap_or(0),
             url: who.url.clone(),
             epoch: who.epoch,
+            max_model_len: self.max_model_len,
         })
     }
 
@@ -103,6 +112,12 @@ mod tests {
         assert_eq!(
             f.registration(&who()).map(|r| r.total_kv_blocks),
             Some(2048)
+        );
+        assert_eq!(reg.max_model_len, None, "unknown until read");
+        f.max_model_len = Some(4096);
+        assert_eq!(
+            f.registration(&who()).and_then(|r| r.max_model_len),
+            Some(4096)
         );
     }
 

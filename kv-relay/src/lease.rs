@@ -111,7 +111,8 @@ pub async fn run(
             }
         }
         info!(key = %lease.key(), block_size = current.block_size,
-            total_kv_blocks = current.total_kv_blocks, "registered the engine's block size and capacity");
+            total_kv_blocks = current.total_kv_blocks, max_model_len = current.max_model_len,
+            "registered the engine's block size and capacity");
         let mut tick = lease.renewal_ticks();
         loop {
             tokio::select! {

@@ -16,6 +16,7 @@
 //!                                   ┘                           ├─► watch ─► lease task ─► etcd
 //!  {ns}.kv.recovery.{w} ──► recovery responder (same journal) ──┘
 //!  engine /metrics ──► scraper ──► {ns}.kv.metrics.{w}  (optional)
+//!  engine /v1/models ─► scraper ─► max_model_len ─► facts ─► lease task (until read)
 //!  relay /metrics (--http-listen, optional): the kv_relay_* counters
 //! ```
 //!
@@ -62,7 +63,9 @@
 //! - [`translate`]: engine events to kv-router events with local block hashes.
 //! - [`publish`]: the one publishing task (numbering, journal) and the recovery
 //!   responder.
-//! - [`facts`]: the engine's block size and KV capacity, learned from the engine.
+//! - [`facts`]: the engine's block size, KV capacity and context length, learned
+//!   from the engine.
+//! - [`models`]: the engine's `max_model_len`, from its `GET /v1/models`.
 //! - [`lease`]: the etcd registration, alive exactly while the engine's stream is.
 //! - [`scrape`]: the optional scrape of the engine's Prometheus load metrics.
 //! - [`counters`]: the `kv_relay_*` metrics; [`http`]: their optional `/metrics`.
@@ -76,6 +79,7 @@ pub mod frames;
 pub mod http;
 pub mod identity;
 pub mod lease;
+pub mod models;
 pub mod publish;
 pub mod replay;
 pub mod scrape;

@@ -78,6 +78,7 @@ mod tests {
                 total_kv_blocks: 100,
                 url: None,
                 epoch: 0,
+                max_model_len: None,
             },
             lease_id,
             mod_revision: 3,

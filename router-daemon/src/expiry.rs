@@ -98,6 +98,7 @@ mod tests {
             total_kv_blocks: 100,
             url: None,
             epoch: 0,
+            max_model_len: None,
         })
         .expect("a valid registration");
         s

@@ -21,6 +21,7 @@ fn busy_scheduler(dp_size: u32) -> Scheduler {
         total_kv_blocks: 100,
         url: None,
         epoch: 0,
+        max_model_len: None,
     })
     .unwrap();
     s
@@ -175,6 +176,7 @@ fn waiters_that_cannot_be_served_as_asked_are_answered_with_the_reason() {
         total_kv_blocks: 100,
         url: None,
         epoch: 0,
+        max_model_len: None,
     })
     .unwrap();
     assert_eq!(q.release(&mut state, &mut s, t, |_, _| {}).failed, 1);

@@ -90,6 +90,7 @@ async fn endpoints_report_health_metrics_and_workers() {
         total_kv_blocks: 64,
         url: None,
         epoch: 0,
+        max_model_len: None,
     };
     state.scheduler().add_worker(reg.clone()).unwrap();
     state.directory.upsert(DirectoryEntry {

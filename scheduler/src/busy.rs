@@ -160,6 +160,7 @@ mod tests {
             total_kv_blocks,
             url: None,
             epoch: 0,
+            max_model_len: None,
         }
     }
 

@@ -22,6 +22,7 @@ fn scheduler(config: SchedulerConfig, workers: &[(u64, u32)]) -> Scheduler {
             total_kv_blocks: 100,
             url: None,
             epoch: 0,
+            max_model_len: None,
         })
         .unwrap();
     }

@@ -145,6 +145,7 @@ fn removing_a_worker_forgets_its_reports() {
         total_kv_blocks: 100,
         url: None,
         epoch: 0,
+        max_model_len: None,
     })
     .unwrap();
     assert_eq!(

@@ -22,6 +22,7 @@ fn reg(id: u64, dp_size: u32) -> WorkerRegistration {
         total_kv_blocks: 100,
         url: None,
         epoch: 0,
+        max_model_len: None,
     }
 }
 

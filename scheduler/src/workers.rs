@@ -110,6 +110,7 @@ mod tests {
             total_kv_blocks: 1000,
             url: None,
             epoch: 0,
+            max_model_len: None,
         }
     }
 

@@ -154,6 +154,7 @@ pub async fn register_workers(
             total_kv_blocks,
             url: None,
             epoch: 0,
+            max_model_len: None,
         };
         crate::register_worker(etcd, subjects, &reg, 600).await?;
     }

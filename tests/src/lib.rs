@@ -293,6 +293,7 @@ impl FakeWorker {
             total_kv_blocks: 1024,
             url: None,
             epoch: 0,
+            max_model_len: None,
         };
         let lease = register_worker(&mut cluster.etcd, &cluster.subjects, &reg, ttl_secs).await?;
         Ok(Self {

@@ -28,6 +28,7 @@ fn registration(id: u64, block_size: u32) -> WorkerRegistration {
         total_kv_blocks: 1024,
         url: None,
         epoch: 0,
+        max_model_len: None,
     }
 }
 

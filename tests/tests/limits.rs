@@ -38,6 +38,7 @@ async fn a_registration_with_an_absurd_dp_size_is_rejected_and_routing_goes_on()
         total_kv_blocks: 1024,
         url: None,
         epoch: 0,
+        max_model_len: None,
     };
     register_worker(
         &mut cluster.etcd,

@@ -1,5 +1,6 @@
 //! `kv-router relay` learns what the engine publishes (issue 16): the block size and
-//! KV capacity from its metrics page or its first stored event, against real
+//! KV capacity from its metrics page or its first stored event, and (issue 24) its
+//! context length from `/v1/models` without ever waiting on it, against real
 //! nats-server and etcd and the router daemon in-process, beside the fake engine of
 //! `relay.rs`.
 
@@ -17,8 +18,35 @@ use engine::{FakeEngine, ReplayFraming, payloads, serve_page};
 use helpers::*;
 use integration_tests::{TestCluster, eventually};
 use kv_events::compute_block_hashes;
+use kv_events::discovery::WorkerRegistration;
 use kv_relay::Relay;
+use router_daemon::Daemon;
 use router_daemon::counters::{MessageKind, Outcome};
+
+/// A fake engine with its page, and a relay for it (reading the page every 100 ms,
+/// and given the page server as `--engine-url` if `engine_url`), once the router has
+/// its registration.
+async fn registered_relay(
+    cluster: &TestCluster,
+    daemon: &Daemon,
+    engine_url: bool,
+) -> (FakeEngine, Relay, WorkerRegistration) {
+    let mut engine = FakeEngine::start("kv-events", ReplayFraming::WithTopic).await;
+    let base = engine.metrics_url.trim_end_matches("/metrics").to_owned();
+    let mut flags = vec!["--metrics-interval-ms", "100"];
+    if engine_url {
+        flags.extend(["--engine-url", base.as_str()]);
+    }
+    let relay = Relay::start(
+        relay_config(cluster, &engine, &flags),
+        &prometheus::Registry::new(),
+    )
+    .await
+    .unwrap();
+    engine.wait_subscribed().await;
+    wait_registered(daemon, WORKER, true).await;
+    (engine, relay, registration(daemon).unwrap())
+}
 
 /// Issue 16: no operator flag holds a number the engine publishes. The relay reads
 /// the block size and the KV capacity from the engine's metrics page before it
@@ -34,16 +62,7 @@ async fn the_block_size_and_capacity_come_from_the_engine() {
     let a = compute_block_hashes(&prompt_a(), BLOCK);
 
     // From the page, before any event.
-    let mut engine = FakeEngine::start("kv-events", ReplayFraming::WithTopic).await;
-    let relay = Relay::start(
-        relay_config(&cluster, &engine, &[]),
-        &prometheus::Registry::new(),
-    )
-    .await
-    .unwrap();
-    engine.wait_subscribed().await;
-    wait_registered(&daemon, WORKER, true).await;
-    let reg = registration(&daemon).unwrap();
+    let (engine, relay, reg) = registered_relay(&cluster, &daemon, false).await;
     assert_eq!((reg.block_size, reg.total_kv_blocks), (BLOCK, 1000));
     assert_eq!(relay.facts().block_size, Some(BLOCK));
     relay.shutdown().await.unwrap();
@@ -107,6 +126,32 @@ async fn the_block_size_and_capacity_come_from_the_engine() {
     assert!(registration(&daemon).is_none());
     relay.shutdown().await.unwrap();
     page.abort();
+    engine.stop();
+    daemon.shutdown().await.unwrap();
+}
+
+/// The engine's context length is read from `/v1/models` at `--engine-url`, but an
+/// engine whose answer there is unusable (here its Prometheus text, no model list) is
+/// registered all the same, without one, and asked again every scrape period: the
+/// read never holds the registration back.
+#[tokio::test]
+async fn an_unreadable_context_length_does_not_hold_the_registration_back() {
+    let cluster = TestCluster::start(BLOCK).await.unwrap();
+    let daemon = cluster.start_daemon(|_| {}).await.unwrap();
+    // The engine's page server answers its page on every path, /v1/models included.
+    let (engine, relay, reg) = registered_relay(&cluster, &daemon, true).await;
+    assert_eq!(
+        (reg.block_size, reg.total_kv_blocks, reg.max_model_len),
+        (BLOCK, 1000, None)
+    );
+    eventually("the read retried every period", WAIT, || async {
+        (relay.counters().scrapes("models_failed") >= 3).then_some(())
+    })
+    .await
+    .unwrap();
+    assert_eq!(relay.counters().scrapes("models_ok"), 0);
+    assert_eq!(relay.facts().max_model_len, None);
+    relay.shutdown().await.unwrap();
     engine.stop();
     daemon.shutdown().await.unwrap();
 }

@@ -157,6 +157,7 @@ async fn malformed_input_is_counted_skipped_and_loses_nothing() -> anyhow::Resul
         total_kv_blocks: 10,
         url: None,
         epoch: 0,
+        max_model_len: None,
     };
     cluster
         .etcd

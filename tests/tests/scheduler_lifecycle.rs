@@ -29,6 +29,7 @@ async fn register(cluster: &mut TestCluster, id: u64, dp_size: u32) -> anyhow::R
         total_kv_blocks: 1024,
         url: None,
         epoch: 0,
+        max_model_len: None,
     };
     integration_tests::register_worker(&mut cluster.etcd, &cluster.subjects, &reg, 60).await?;
     Ok(())

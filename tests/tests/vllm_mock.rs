@@ -9,6 +9,7 @@
 
 use indexer::IndexerApi as _;
 use integration_tests::{TestCluster, eventually};
+use kv_events::discovery::WorkerRegistration;
 use kv_events::routing::RouteReply;
 use kv_events::{DpRank, LocalBlockHash, WorkerId, WorkerRank, compute_block_hashes};
 use kv_relay::{Relay, RelayArgs, RelayConfig};
@@ -68,21 +69,20 @@ async fn complete(http: &reqwest::Client, url: &str, prompt: &[u32], rank: u32) 
 }
 
 /// Worker `WORKER` as vLLM-mode mock engines on free ports: `dp_size` ranks of
-/// `num_gpu_blocks` blocks each, with `cpu_tier`, 100× faster than real time.
+/// `num_gpu_blocks` blocks each, with `cpu_tier` and a context of `max_model_len`
+/// tokens (default: one rank's cache), 100× faster than real time.
 async fn vllm_engines(
     cluster: &TestCluster,
     num_gpu_blocks: u64,
     dp_size: u32,
     cpu_tier: CpuTierConfig,
+    max_model_len: Option<u64>,
 ) -> EnginesHandle {
-    vllm_engines_with(
-        cluster,
-        num_gpu_blocks,
-        dp_size,
-        cpu_tier,
-        HttpArgs::default(),
-    )
-    .await
+    let http = HttpArgs {
+        max_model_len,
+        ..HttpArgs::default()
+    };
+    vllm_engines_with(cluster, num_gpu_blocks, dp_size, cpu_tier, http).await
 }
 
 /// [`vllm_engines`] with the given HTTP flags.
@@ -133,12 +133,12 @@ fn relay_config(cluster: &TestCluster, sockets: &[RankEndpoints], url: &str) -> 
 /// A request served before any relay runs reaches the router through the replay
 /// socket once a relay connects; a request served afterwards arrives live; the
 /// repeated prompt routes to the worker with full overlap; the worker is registered
-/// by the relay (with its URL), not by the engines.
+/// by the relay (with its URL and the engine's context length), not by the engines.
 #[tokio::test]
 async fn vllm_mode_engines_reach_the_router_through_the_relay_alone() {
     let cluster = TestCluster::start(BLOCK).await.unwrap();
     let daemon = cluster.start_daemon(|_| {}).await.unwrap();
-    let engines = vllm_engines(&cluster, 64, 2, CpuTierConfig::default()).await;
+    let engines = vllm_engines(&cluster, 64, 2, CpuTierConfig::default(), Some(1000)).await;
     let url = engines.http_urls()[0].clone();
     let sockets = engines.zmq_endpoints()[0].clone();
     assert_eq!(sockets.len(), 2, "one PUB and one replay socket per rank");
@@ -172,6 +172,22 @@ async fn vllm_mode_engines_reach_the_router_through_the_relay_alone() {
         .map(|w| (w.dp_size, w.url.clone(), w.block_size, w.total_kv_blocks));
     // The block size and capacity are the engine's, read from its /metrics page.
     assert_eq!(registered, Some((2, Some(url.clone()), BLOCK, 64)));
+    // Its context length too, from its /v1/models, in the record in etcd (for the
+    // gateway's prompt bound).
+    let key = cluster.subjects.etcd_worker_key(WORKER);
+    eventually(
+        "the registration in etcd to carry max_model_len",
+        WAIT,
+        || async {
+            let mut etcd = cluster.etcd.clone();
+            let got = etcd.get(key.as_str(), None).await.ok()?;
+            let record: WorkerRegistration =
+                serde_json::from_slice(got.kvs().first()?.value()).ok()?;
+            (record.max_model_len == Some(1000)).then_some(())
+        },
+    )
+    .await
+    .unwrap();
 
     // Live: rank 1 caches prompt B; its data_parallel_rank puts it on rank 1.
     let b: Vec<u32> = (5000..5064).collect();
@@ -214,7 +230,7 @@ async fn vllm_mode_cpu_tier_blocks_reach_the_router_as_a_lower_tier() {
         cpu_tier_blocks: 32,
         ..CpuTierConfig::default()
     };
-    let engines = vllm_engines(&cluster, 8, 1, cpu_tier).await;
+    let engines = vllm_engines(&cluster, 8, 1, cpu_tier, None).await;
     let url = engines.http_urls()[0].clone();
     let sockets = engines.zmq_endpoints()[0].clone();
     let registry = prometheus::Registry::new();
@@ -300,7 +316,7 @@ async fn the_cold_start_empties_the_routers_picture_of_a_vllm_engine() {
     engines.wait().await.unwrap();
 
     // The same engine without dev mode: the reset is 404, and the error says why.
-    let engines = vllm_engines(&cluster, 64, 1, CpuTierConfig::default()).await;
+    let engines = vllm_engines(&cluster, 64, 1, CpuTierConfig::default(), None).await;
     let url = engines.http_urls()[0].clone();
     let sockets = engines.zmq_endpoints()[0].clone();
     let registry = prometheus::Registry::new();

@@ -38,6 +38,7 @@ fn registration(worker_id: WorkerId, dp_size: u32) -> WorkerRegistration {
         total_kv_blocks: 1000,
         url: None,
         epoch: 0,
+        max_model_len: None,
     }
 }
 

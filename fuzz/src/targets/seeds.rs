@@ -251,6 +251,7 @@ pub fn registration_json() -> Vec<Vec<u8>> {
         total_kv_blocks: 1000,
         url: url.map(str::to_owned),
         epoch: 0,
+        max_model_len: None,
     };
     [reg(Some("http://127.0.0.1:8000"), 2), reg(None, 1)]
         .iter()

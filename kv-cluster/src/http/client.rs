@@ -1,7 +1,9 @@
 //! A minimal HTTP/1.1 `GET` client ([`get`]) for the cluster's own plain-text
 //! endpoints: `kv-router probe` (container health checks need no curl), the relay's
-//! scrape of an engine's `/metrics`, and tests. It handles `Content-Length` and
-//! chunked bodies and nothing more; it is not a general client.
+//! scrape of an engine's `/metrics` and read of its `/v1/models`, and tests. It
+//! handles `Content-Length` and chunked bodies and nothing more; it is not a general
+//! client. Every exchange has a deadline and a byte bound ([`get_within`]), so a
+//! server that never ends its answer costs neither time nor memory without end.
 
 use crate::Error;
 use std::time::Duration;
@@ -29,12 +31,32 @@ pub fn metric_sample(text: &str, name: &str, labels: &str) -> Option<f64> {
         .find_map(|l| l.strip_prefix(&key)?.strip_prefix(' ')?.parse().ok())
 }
 
-/// `GET http://{addr}{path}` with HTTP/1.1 and `Connection: close`, within `timeout`.
-/// Handles `Content-Length` and chunked bodies; enough for the daemon's own endpoints.
+/// Most bytes of a response [`get`] reads, head and body: 16 MiB, far above any
+/// metrics page or health answer.
+pub const MAX_RESPONSE_BYTES: usize = 16 << 20;
+
+/// `GET http://{addr}{path}` with HTTP/1.1 and `Connection: close`, within `timeout`,
+/// reading at most [`MAX_RESPONSE_BYTES`]. Handles `Content-Length` and chunked
+/// bodies; enough for the daemon's own endpoints.
 ///
 /// # Errors
-/// [`Error::HttpRequest`] on connect, I/O or parse failure or timeout.
+/// [`Error::HttpRequest`] on connect, I/O or parse failure, timeout, or a response
+/// over the bound.
 pub async fn get(addr: &str, path: &str, timeout: Duration) -> Result<HttpResponse, Error> {
+    get_within(addr, path, timeout, MAX_RESPONSE_BYTES).await
+}
+
+/// [`get`] reading at most `max_bytes` of the response (head and body, in bytes): a
+/// longer one is an error, and is read no further.
+///
+/// # Errors
+/// As [`get`].
+pub async fn get_within(
+    addr: &str,
+    path: &str,
+    timeout: Duration,
+    max_bytes: usize,
+) -> Result<HttpResponse, Error> {
     let target = format!("{addr}{path}");
     let fail = |reason: String| Error::HttpRequest {
         target: target.clone(),
@@ -50,10 +72,17 @@ pub async fn get(addr: &str, path: &str, timeout: Duration) -> Result<HttpRespon
             .await
             .map_err(|e| format!("write: {e}"))?;
         let mut raw = Vec::new();
-        stream
+        let limit = u64::try_from(max_bytes)
+            .unwrap_or(u64::MAX)
+            .saturating_add(1);
+        (&mut stream)
+            .take(limit)
             .read_to_end(&mut raw)
             .await
             .map_err(|e| format!("read: {e}"))?;
+        if raw.len() > max_bytes {
+            return Err(format!("the response is over {max_bytes} bytes"));
+        }
         parse_response(&raw)
     };
     match tokio::time::timeout(timeout, exchange).await {
@@ -129,5 +158,32 @@ mod tests {
         assert_eq!(parse_response(chunked).unwrap().body, "abcde");
         assert!(parse_response(b"HTTP/1.1 200 OK\r\n").is_err());
         assert!(parse_response(b"garbage\r\n\r\n").is_err());
+    }
+
+    /// A server that sends more than the bound is cut off with an error, and a
+    /// response within it is read whole.
+    #[tokio::test]
+    async fn a_response_over_the_bound_is_an_error() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let server = tokio::spawn(async move {
+            for body_len in [10usize, 1000] {
+                let (mut socket, _) = listener.accept().await.unwrap();
+                let mut head = [0u8; 1024];
+                let _ = socket.read(&mut head).await.unwrap();
+                let answer = format!(
+                    "HTTP/1.1 200 OK\r\nContent-Length: {body_len}\r\n\r\n{}",
+                    "x".repeat(body_len)
+                );
+                // The client may close early: a failed write is what it does then.
+                let _ = socket.write_all(answer.as_bytes()).await;
+            }
+        });
+        let wait = Duration::from_secs(30);
+        let small = get_within(&addr, "/", wait, 200).await.unwrap();
+        assert_eq!(small.body.len(), 10);
+        let err = get_within(&addr, "/", wait, 200).await.unwrap_err();
+        assert!(err.to_string().contains("over 200 bytes"), "{err}");
+        server.await.unwrap();
     }
 }

@@ -10,7 +10,7 @@
 //! - `connection` (private): one connection's record and the watchdog that closes it.
 //! - `request` (private): requests counted in flight, bodies under deadlines
 //!   ([`BodyTimeout`]), answers marked for what the connection does next.
-//! - [`client`]: [`get`] and [`metric_sample`].
+//! - [`client`]: [`get`] (and [`get_within`], with a byte bound) and [`metric_sample`].
 
 pub mod client;
 mod connection;
@@ -18,7 +18,7 @@ mod limits;
 mod request;
 pub mod server;
 
-pub use client::{HttpResponse, get, metric_sample};
+pub use client::{HttpResponse, MAX_RESPONSE_BYTES, get, get_within, metric_sample};
 pub use limits::{
     BodyTimeouts, DEFAULT_BODY_IDLE_TIMEOUT_MS, DEFAULT_BODY_READ_TIMEOUT_MS,
     DEFAULT_HEADER_READ_TIMEOUT_MS, DEFAULT_IDLE_TIMEOUT_S, ServerLimits,

@@ -13,6 +13,7 @@ fn registration(dp_size: u32, total_kv_blocks: u64) -> WorkerRegistration {
         total_kv_blocks,
         url: None,
         epoch: 0,
+        max_model_len: None,
     }
 }
 

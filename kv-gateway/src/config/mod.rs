@@ -16,6 +16,7 @@ pub use http::HttpArgs;
 pub use model::{ModelArgs, TokenizeVia};
 
 use crate::error::GatewayError;
+use crate::limit::PromptLimitConfig;
 use clap::Args;
 use kv_cluster::args::{EtcdArgs, NatsArgs};
 use kv_cluster::etcd::EtcdConfig;
@@ -37,7 +38,8 @@ pub struct GatewayArgs {
     #[command(flatten)]
     pub etcd: EtcdArgs,
     /// Bounds on registrations read from etcd (shared with `serve`; the gateway uses
-    /// `--max-message-bytes`, `--max-dp-size` and `--max-kv-blocks`).
+    /// `--max-message-bytes`, `--max-dp-size` and `--max-kv-blocks`, and
+    /// `--max-route-tokens` as the most its default prompt bound can be).
     #[command(flatten)]
     pub wire_limits: kv_cluster::limits::LimitArgs,
     /// Namespace of every subject and etcd key.
@@ -64,8 +66,8 @@ pub struct GatewayArgs {
 pub struct Limits {
     /// Largest request body, in bytes.
     pub max_body_bytes: usize,
-    /// Longest prompt, in tokens.
-    pub max_prompt_tokens: usize,
+    /// Longest prompt, in tokens and bytes: fixed, or the engines' context length.
+    pub prompt: PromptLimitConfig,
     /// Other workers tried after an engine failure before the first token.
     pub max_retries: u32,
     /// Routing query timeout.
@@ -84,16 +86,14 @@ pub struct Limits {
     pub keep_alive: Duration,
 }
 
-/// Local tokenization: the thread pool and the prompt bound that bound its CPU and
-/// memory.
+/// Local tokenization: the thread pool that bounds its CPU (the prompt bound,
+/// [`Limits::prompt`], bounds its memory).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TokenizerConfig {
     /// Encodes at once, one per thread.
     pub threads: NonZeroUsize,
     /// Prompts that may wait for a thread.
     pub queue: usize,
-    /// Longest prompt text tokenized, in bytes.
-    pub max_prompt_bytes: usize,
     /// Capacity of the cache of text pieces' token ids, in bytes; 0: no cache.
     pub cache_bytes: u64,
 }
@@ -109,7 +109,7 @@ pub struct ModelConfig {
     pub tokenize_via: TokenizeVia,
     /// The render server of `--tokenize-via render`, if not the engines.
     pub render_url: Option<String>,
-    /// Tokenizer threads, queue and prompt byte bound.
+    /// Tokenizer threads and queue.
     pub tokenizer: TokenizerConfig,
     /// The prompt a completion's engine request carries.
     pub forward: PromptForward,
@@ -172,11 +172,13 @@ impl GatewayArgs {
                 return Err(bad(format!("{flag} must be above 0")));
             }
         }
-        if model.max_prompt_tokens == 0 || http.max_body_bytes == 0 {
-            return Err(bad(
-                "--max-prompt-tokens and --max-body-bytes must be above 0".into(),
-            ));
+        if http.max_body_bytes == 0 {
+            return Err(bad("--max-body-bytes must be above 0".into()));
         }
+        let wire_limits = self
+            .wire_limits
+            .to_limits()
+            .map_err(|e| bad(e.to_string()))?;
         Ok(GatewayConfig {
             nats: self.nats.to_config().map_err(|e| bad(e.to_string()))?,
             etcd: self.etcd.to_config().map_err(|e| bad(e.to_string()))?,
@@ -195,7 +197,7 @@ impl GatewayArgs {
             },
             limits: Limits {
                 max_body_bytes: http.max_body_bytes,
-                max_prompt_tokens: model.max_prompt_tokens,
+                prompt: model.prompt_limit(wire_limits.max_route_tokens),
                 max_retries: fwd.max_retries,
                 route_timeout: Duration::from_millis(fwd.route_timeout_ms),
                 engine_connect_timeout: Duration::from_millis(fwd.engine_connect_timeout_ms),
@@ -205,10 +207,7 @@ impl GatewayArgs {
                 request_timeout: Duration::from_secs(fwd.request_timeout_s),
                 keep_alive: Duration::from_secs(fwd.keep_alive_s),
             },
-            wire_limits: self
-                .wire_limits
-                .to_limits()
-                .map_err(|e| bad(e.to_string()))?,
+            wire_limits,
         })
     }
 }

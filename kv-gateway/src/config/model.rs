@@ -2,6 +2,7 @@
 //! ids (where, with how many threads, within which bounds).
 
 use super::TokenizerConfig;
+use crate::limit::{PromptLimitConfig, PromptTokens};
 use clap::{Args, ValueEnum};
 use std::num::NonZeroUsize;
 use std::path::PathBuf;
@@ -57,25 +58,18 @@ pub struct ModelArgs {
     /// engines, in turn.
     #[arg(long, help_heading = "Model", env = "KV_GATEWAY_RENDER_URL", value_parser = render_url)]
     pub render_url: Option<String>,
-    /// Longest prompt accepted, in tokens; longer is refused with 400.
-    #[arg(
-        long,
-        help_heading = "Model",
-        env = "KV_GATEWAY_MAX_PROMPT_TOKENS",
-        default_value_t = 131_072
-    )]
-    pub max_prompt_tokens: usize,
+    /// Longest prompt accepted, in tokens; longer is refused with 400. Default: the
+    /// engines' context length — the smallest `max_model_len` the registered workers
+    /// publish, checked as vLLM does (prompt below it, prompt plus `max_tokens` within
+    /// it) — else 131,072; at most `--max-route-tokens` either way.
+    #[arg(long, help_heading = "Model", env = "KV_GATEWAY_MAX_PROMPT_TOKENS")]
+    pub max_prompt_tokens: Option<NonZeroUsize>,
     /// Longest prompt text tokenized, in bytes (a completion's prompt, or a chat as
     /// rendered); longer is refused with 400 before it is queued or encoded. An encode
     /// holds 150–170 bytes of memory per prompt byte (docs/gateway.md,
-    /// "Tokenization limits and memory"). Default: `--max-prompt-tokens` × 8.
-    #[arg(
-        long,
-        help_heading = "Model",
-        env = "KV_GATEWAY_MAX_PROMPT_BYTES",
-        value_parser = clap::value_parser!(u64).range(1..)
-    )]
-    pub max_prompt_bytes: Option<u64>,
+    /// "Tokenization limits and memory"). Default: the prompt token bound × 8.
+    #[arg(long, help_heading = "Model", env = "KV_GATEWAY_MAX_PROMPT_BYTES")]
+    pub max_prompt_bytes: Option<NonZeroUsize>,
     /// Prompts tokenized at once (`--tokenize-via local`), each on one of the
     /// gateway's tokenizer threads. Default: the number of cores.
     #[arg(
@@ -108,17 +102,28 @@ pub struct ModelArgs {
 }
 
 impl ModelArgs {
-    /// The tokenizer pool and byte bound (`--max-prompt-bytes` defaults to
-    /// `--max-prompt-tokens` × [`kv_tokenizer::MAX_BYTES_PER_TOKEN`]).
+    /// The tokenizer pool.
     pub(super) fn tokenizer_config(&self) -> TokenizerConfig {
-        let derived = kv_tokenizer::Limits::for_tokens(self.max_prompt_tokens).max_prompt_bytes;
         TokenizerConfig {
             threads: self.tokenizer_threads,
             queue: self.tokenizer_queue,
             cache_bytes: self.tokenizer_cache_mib.saturating_mul(1 << 20),
-            max_prompt_bytes: self
-                .max_prompt_bytes
-                .map_or(derived, |b| usize::try_from(b).unwrap_or(usize::MAX)),
+        }
+    }
+
+    /// The prompt bound: `--max-prompt-tokens` if given, else the engines' context
+    /// length under `route_tokens` (the cluster's `--max-route-tokens`); and
+    /// `--max-prompt-bytes`.
+    pub(super) fn prompt_limit(&self, route_tokens: u64) -> PromptLimitConfig {
+        let tokens = match self.max_prompt_tokens {
+            Some(tokens) => PromptTokens::Explicit(tokens),
+            None => PromptTokens::FromEngines {
+                ceiling: usize::try_from(route_tokens).unwrap_or(usize::MAX),
+            },
+        };
+        PromptLimitConfig {
+            tokens,
+            bytes: self.max_prompt_bytes,
         }
     }
 

@@ -1,6 +1,7 @@
 //! Flag parsing and validation of `kv-router gateway`.
 
 use super::*;
+use crate::limit::PromptTokens;
 use kv_cluster::args::parse_flags;
 
 fn parse(extra: &[&str]) -> GatewayArgs {
@@ -96,7 +97,7 @@ fn render_tokenization_goes_to_the_engines_or_the_render_url() {
 }
 
 #[test]
-fn the_prompt_byte_bound_follows_the_token_bound_unless_given() {
+fn the_prompt_bound_is_the_engines_unless_given() {
     let config = parse(&["--model-dir", "/m/x"]).to_config().unwrap();
     let cores = std::thread::available_parallelism().unwrap();
     assert_eq!(
@@ -104,14 +105,32 @@ fn the_prompt_byte_bound_follows_the_token_bound_unless_given() {
         TokenizerConfig {
             threads: cores,
             queue: 64,
-            max_prompt_bytes: 131_072 * 8,
             cache_bytes: 128 << 20,
         }
+    );
+    // No --max-prompt-tokens: the engines' context length, under the route bound.
+    assert_eq!(
+        config.limits.prompt,
+        PromptLimitConfig {
+            tokens: PromptTokens::FromEngines { ceiling: 1 << 20 },
+            bytes: None,
+        }
+    );
+    let config = parse(&["--model-dir", "/m/x", "--max-route-tokens", "4096"])
+        .to_config()
+        .unwrap();
+    assert_eq!(
+        config.limits.prompt.tokens,
+        PromptTokens::FromEngines { ceiling: 4096 }
     );
     let config = parse(&["--model-dir", "/m/x", "--max-prompt-tokens", "1000"])
         .to_config()
         .unwrap();
-    assert_eq!(config.model.tokenizer.max_prompt_bytes, 8000);
+    assert_eq!(
+        config.limits.prompt.tokens,
+        PromptTokens::Explicit(NonZeroUsize::new(1000).unwrap())
+    );
+    assert_eq!(config.limits.prompt.ceiling().max_prompt_bytes, 8000);
     let config = parse(&[
         "--model-dir",
         "/m/x",
@@ -124,10 +143,15 @@ fn the_prompt_byte_bound_follows_the_token_bound_unless_given() {
     ])
     .to_config()
     .unwrap();
-    assert_eq!(config.model.tokenizer.max_prompt_bytes, 5000);
+    assert_eq!(config.limits.prompt.ceiling().max_prompt_bytes, 5000);
     assert_eq!(config.model.tokenizer.threads.get(), 3);
     assert_eq!(config.model.tokenizer.queue, 0);
-    for bad in [["--max-prompt-bytes", "0"], ["--tokenizer-threads", "0"]] {
+    for bad in [
+        ["--max-prompt-bytes", "0"],
+        ["--max-prompt-tokens", "0"],
+        ["--max-prompt-tokens", "-1"],
+        ["--tokenizer-threads", "0"],
+    ] {
         let mut args = vec!["gateway", "--model-dir", "/m/x"];
         args.extend(bad);
         assert!(parse_flags::<GatewayArgs, _, _>(args).is_err(), "{bad:?}");

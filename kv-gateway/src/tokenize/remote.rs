@@ -24,7 +24,8 @@
 //! to that one server (a `vllm launch render` sidecar or service) and is not retried.
 //!
 //! **Bounds.** A completion's text (a chat's message text, a lower bound of what it
-//! renders to) over `--max-prompt-bytes` is refused before anything is sent; each
+//! renders to) over the request's byte bound (`--max-prompt-bytes`, or derived,
+//! [`crate::limit`]) is refused before anything is sent; each
 //! attempt must be answered within `--first-token-timeout-ms` (504 after the last);
 //! the reply is read up to what the longest allowed prompt could take, never whole
 //! (a longer one is refused as too many tokens). An engine 4xx is the client's 400
@@ -40,7 +41,7 @@ use crate::error::ApiError;
 use crate::forward::read_bounded;
 use crate::workers::WorkerUrls;
 use bytes::Bytes;
-use kv_tokenizer::ChatMessage;
+use kv_tokenizer::{ChatMessage, Limits};
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
@@ -72,7 +73,6 @@ pub struct Remote {
     client: reqwest::Client,
     api: Api,
     target: Target,
-    limits: kv_tokenizer::Limits,
     /// Longest wait for one attempt's whole answer.
     timeout: Duration,
     /// Round-robin position over the engines.
@@ -120,48 +120,40 @@ enum Failed {
 }
 
 impl Remote {
-    /// Tokenizes with `api` at `target`, over `client`; prompts over `limits` are
-    /// refused, each attempt waits at most `timeout` for its whole answer.
-    pub fn new(
-        client: reqwest::Client,
-        api: Api,
-        target: Target,
-        limits: kv_tokenizer::Limits,
-        timeout: Duration,
-    ) -> Self {
+    /// Tokenizes with `api` at `target`, over `client`; each attempt waits at most
+    /// `timeout` for its whole answer.
+    pub fn new(client: reqwest::Client, api: Api, target: Target, timeout: Duration) -> Self {
         Self {
             client,
             api,
             target,
-            limits,
             timeout,
             next: AtomicUsize::new(0),
         }
     }
 
-    /// Token ids of the completion `prompt` of the client's `body`.
+    /// Token ids of the completion `prompt` of the client's `body`, within `limits`.
     ///
     /// # Errors
-    /// 400 for a prompt over `--max-prompt-bytes` (nothing sent), a reply longer than
-    /// the longest allowed prompt, or an engine 4xx; 502, 503 or 504 as the module
-    /// says.
+    /// 400 for a prompt over the bytes of `limits` (nothing sent), a reply longer than
+    /// its tokens could take, or an engine 4xx; 502, 503 or 504 as the module says.
     pub(super) async fn completion(
         &self,
         prompt: &str,
         body: &Map<String, Value>,
+        limits: Limits,
     ) -> Result<Vec<u32>, ApiError> {
-        self.limits
-            .check_bytes(prompt.len())
-            .map_err(tokenizer_error)?;
+        limits.check_bytes(prompt.len()).map_err(tokenizer_error)?;
         match self.api {
             Api::Tokenize => {
                 let mut request = pick(body, &["model", "add_special_tokens"]);
                 request.insert("prompt".into(), Value::from(prompt));
-                let reply: Tokens = self.ask("/tokenize", &request).await?;
+                let reply: Tokens = self.ask("/tokenize", &request, limits).await?;
                 Ok(reply.tokens)
             }
             Api::Render => {
-                let replies: Vec<Rendered> = self.ask("/v1/completions/render", body).await?;
+                let replies: Vec<Rendered> =
+                    self.ask("/v1/completions/render", body, limits).await?;
                 let count = replies.len();
                 match <[Rendered; 1]>::try_from(replies) {
                     Ok([one]) => Ok(one.token_ids),
@@ -181,32 +173,37 @@ impl Remote {
         &self,
         messages: &[ChatMessage],
         body: &Map<String, Value>,
+        limits: Limits,
     ) -> Result<Vec<u32>, ApiError> {
         let text: usize = messages
             .iter()
             .filter_map(|m| m.content.as_ref())
             .map(String::len)
             .sum();
-        self.limits.check_bytes(text).map_err(tokenizer_error)?;
+        limits.check_bytes(text).map_err(tokenizer_error)?;
         match self.api {
             Api::Tokenize => {
                 let request = pick(body, TOKENIZE_CHAT_FIELDS);
-                let reply: Tokens = self.ask("/tokenize", &request).await?;
+                let reply: Tokens = self.ask("/tokenize", &request, limits).await?;
                 Ok(reply.tokens)
             }
             Api::Render => {
-                let reply: Rendered = self.ask("/v1/chat/completions/render", body).await?;
+                let reply: Rendered = self
+                    .ask("/v1/chat/completions/render", body, limits)
+                    .await?;
                 Ok(reply.token_ids)
             }
         }
     }
 
     /// POSTs `request` to `path` of the target, asking one other engine after a
-    /// failure worth retrying, and parses the reply as `T`.
+    /// failure worth retrying, and parses the reply as `T` (read no further than a
+    /// prompt within `limits` could take).
     async fn ask<T: DeserializeOwned>(
         &self,
         path: &str,
         request: &Map<String, Value>,
+        limits: Limits,
     ) -> Result<T, ApiError> {
         let body: Bytes = serde_json::to_vec(request)
             .map_err(|e| ApiError::internal(format!("the request body: {e}")))?
@@ -226,7 +223,10 @@ impl Remote {
         };
         let mut last = None;
         for url in &urls {
-            let attempt = tokio::time::timeout(self.timeout, self.attempt(url, path, &body));
+            let attempt = tokio::time::timeout(
+                self.timeout,
+                self.attempt(url, path, &body, limits.max_prompt_tokens),
+            );
             let failed = match attempt.await {
                 Ok(Ok(reply)) => return Ok(reply),
                 Ok(Err(failed)) => failed,
@@ -246,12 +246,13 @@ impl Remote {
         Err(last.unwrap_or_else(|| ApiError::internal("no tokenization attempt")))
     }
 
-    /// One attempt at `url`.
+    /// One attempt at `url`, reading a reply of at most `max_tokens` ids.
     async fn attempt<T: DeserializeOwned>(
         &self,
         url: &str,
         path: &str,
         body: &Bytes,
+        max_tokens: usize,
     ) -> Result<T, Failed> {
         let response = self
             .client
@@ -277,7 +278,6 @@ impl Remote {
             Api::Tokenize => MAX_BYTES_PER_TOKEN_ID,
             Api::Render => 2 * MAX_BYTES_PER_TOKEN_ID,
         };
-        let max_tokens = self.limits.max_prompt_tokens;
         let limit = max_tokens
             .saturating_mul(per_token)
             .saturating_add(body.len())

@@ -11,6 +11,10 @@
 //! | `active_decode_blocks` | = `kv_used_blocks` (blocks referenced by running requests) | same |
 //! | `active_prefill_tokens` | 0: not exported by the engines | 0 |
 //!
+//! Each period also reads the engine's `/v1/models` ([`crate::models`]) until it
+//! answers once, before the first scrape counts as done, so the worker's first
+//! registration carries its context length when the engine is up.
+//!
 //! Parsing is in [`page`]. Cost: one HTTP GET per period; parsing is linear in the
 //! page size.
 
@@ -19,12 +23,13 @@ pub mod page;
 use crate::config::ScrapeConfig;
 use crate::counters::RelayCounters;
 use crate::facts::EngineFacts;
+use crate::models::ModelsEndpoint;
 use kv_events::{DpRank, LoadMetrics, WorkerId, encode};
 pub use page::{CacheFacts, RankLoad, parse_cache_facts, parse_metrics};
 use std::time::Duration;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, error, warn};
+use tracing::{debug, error, info, warn};
 
 /// Our load metrics for one rank from its scraped figures.
 pub fn to_load_metrics(
@@ -73,10 +78,18 @@ impl Scraper {
         let mut failing = false;
         // The last conflicting page block size logged, so a conflict is logged once.
         let mut reported = None;
+        // `/v1/models` still to be read, and whether its last read failed.
+        let mut models = self.config.models.clone();
+        let mut models_failing = false;
         loop {
             tokio::select! {
                 () = shutdown.cancelled() => return,
                 _ = tick.tick() => {}
+            }
+            if let Some(endpoint) = &models
+                && self.read_models(endpoint, &mut models_failing).await
+            {
+                models = None;
             }
             let result = self.scrape_once(&mut reported).await;
             // Read or tried once: the worker may register (see `crate::facts`).
@@ -98,8 +111,43 @@ impl Scraper {
         }
     }
 
+    /// The deadline of one read of the engine: the period, at most 5 s.
+    fn timeout(&self) -> Duration {
+        self.config.interval.min(Duration::from_secs(5))
+    }
+
+    /// Reads the engine's context length into the facts; `true` once the engine
+    /// answered (with one or without), `false` to try again next period (the first
+    /// failure of a run is logged).
+    async fn read_models(&self, endpoint: &ModelsEndpoint, failing: &mut bool) -> bool {
+        match endpoint.read(self.timeout()).await {
+            Ok(len) => {
+                self.counters.scrape("models_ok");
+                match len {
+                    Some(len) => {
+                        self.facts
+                            .send_if_modified(|f| f.max_model_len.replace(len) != Some(len));
+                    }
+                    None => {
+                        info!(addr = %endpoint.addr, path = %endpoint.path,
+                            "the engine's /v1/models names no max_model_len; none is registered");
+                    }
+                }
+                true
+            }
+            Err(reason) => {
+                self.counters.scrape("models_failed");
+                if !std::mem::replace(failing, true) {
+                    warn!(addr = %endpoint.addr, path = %endpoint.path, %reason,
+                        "reading the engine's max_model_len failed; retrying every scrape period");
+                }
+                false
+            }
+        }
+    }
+
     async fn scrape_once(&self, reported: &mut Option<u32>) -> Result<(), String> {
-        let timeout = self.config.interval.min(Duration::from_secs(5));
+        let timeout = self.timeout();
         let resp = kv_cluster::http::get(&self.config.addr, &self.config.path, timeout)
             .await
             .map_err(|e| e.to_string())?;

@@ -358,6 +358,11 @@ async fn register(
             total_kv_blocks: args.model.num_gpu_blocks,
             url: Some(url.clone()),
             epoch,
+            // What its `/v1/models` answers, so a gateway bounds prompts by it.
+            max_model_len: Some(
+                args.http
+                    .max_model_len_or_cache(args.model.block_size, args.model.num_gpu_blocks),
+            ),
         };
         let key = subjects.etcd_worker_key(worker_id);
         let etcd = cluster.etcd.clone();
@@ -379,11 +384,9 @@ fn load_tokenizer(args: &EngineArgs) -> Result<Option<Arc<ModelTokenizer>>, Serv
     let Some(dir) = &args.http.model_dir else {
         return Ok(None);
     };
-    let cache_tokens = args
-        .model
-        .num_gpu_blocks
-        .saturating_mul(u64::from(args.model.block_size));
-    let max_len = args.http.max_model_len.unwrap_or(cache_tokens);
+    let max_len = args
+        .http
+        .max_model_len_or_cache(args.model.block_size, args.model.num_gpu_blocks);
     let limits = Limits {
         max_prompt_bytes: http::MAX_BODY_BYTES,
         max_prompt_tokens: usize::try_from(max_len).unwrap_or(usize::MAX),

@@ -90,6 +90,7 @@ impl Router {
                         total_kv_blocks: config.engine.num_gpu_blocks,
                         url: None,
                         epoch: 0,
+                        max_model_len: None,
                     })?;
                 }
                 Decider::Scheduler {

@@ -57,6 +57,7 @@ async fn register(target: &ReplayTarget, worker: u64) {
         total_kv_blocks: 100,
         url: None,
         epoch: 0,
+        max_model_len: None,
     };
     target
         .etcd

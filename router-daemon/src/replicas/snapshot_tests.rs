@@ -43,6 +43,7 @@ fn starting() -> Starting {
                 total_kv_blocks: 1024,
                 url: None,
                 epoch: 0,
+                max_model_len: None,
             })
             .expect("valid registration");
     }

@@ -42,6 +42,7 @@ fn kv_scheduler(seed: u64) -> crate::Scheduler {
             total_kv_blocks: 1_000,
             url: None,
             epoch: 0,
+            max_model_len: None,
         })
         .expect("valid registration");
     }

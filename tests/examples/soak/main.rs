@@ -241,6 +241,7 @@ async fn main() -> anyhow::Result<()> {
             total_kv_blocks: args.kv_blocks as u64,
             url: None,
             epoch: 0,
+            max_model_len: None,
         };
         integration_tests::register_worker(&mut etcd, &subjects, &reg, ttl).await?;
     }

@@ -37,6 +37,16 @@ pub async fn openai_python(script: &str) -> (PathBuf, PathBuf) {
     (python, script)
 }
 
+/// The mock engines of a [`Stack`].
+pub struct Engines {
+    /// How many, one worker each.
+    pub workers: u32,
+    /// Their speed over real time.
+    pub time_scale: f64,
+    /// Their `--max-model-len` (default: one rank's KV cache, 16,384 tokens).
+    pub max_model_len: Option<u64>,
+}
+
 /// Everything, started in dependency order; dropped in reverse.
 pub struct Stack {
     pub gateway: Option<Gateway>,
@@ -68,6 +78,29 @@ impl Stack {
         adjust: impl FnOnce(&mut ServeArgs),
         gateway_flags: &[&str],
     ) -> Self {
+        let engines = Engines {
+            workers,
+            time_scale,
+            max_model_len: None,
+        };
+        let mut flags = vec!["--max-prompt-tokens", "8000"];
+        flags.extend_from_slice(gateway_flags);
+        Self::start_with(cluster, engines, adjust, &flags).await
+    }
+
+    /// `engines`, a daemon adjusted by `adjust`, and a gateway with `gateway_flags`
+    /// only (no `--max-prompt-tokens` unless given), on `cluster`.
+    pub async fn start_with(
+        cluster: TestCluster,
+        engines: Engines,
+        adjust: impl FnOnce(&mut ServeArgs),
+        gateway_flags: &[&str],
+    ) -> Self {
+        let Engines {
+            workers,
+            time_scale,
+            max_model_len,
+        } = engines;
         let model = EngineModelConfig {
             block_size: BLOCK,
             num_gpu_blocks: 1024,
@@ -77,6 +110,7 @@ impl Stack {
         let http = HttpArgs {
             model_dir: Some(model_dir()),
             served_model_name: MODEL.into(),
+            max_model_len,
             ..HttpArgs::default()
         };
         let engines = cluster
@@ -84,14 +118,7 @@ impl Stack {
             .await
             .expect("engines start");
         let daemon = cluster.start_daemon(adjust).await.expect("daemon starts");
-        let mut flags = vec![
-            "--listen",
-            "127.0.0.1:0",
-            "--served-model-name",
-            MODEL,
-            "--max-prompt-tokens",
-            "8000",
-        ];
+        let mut flags = vec!["--listen", "127.0.0.1:0", "--served-model-name", MODEL];
         let dir = model_dir().display().to_string();
         flags.extend(["--model-dir", &dir]);
         flags.extend_from_slice(gateway_flags);
@@ -177,6 +204,7 @@ impl Stack {
             total_kv_blocks: 1024,
             url: Some(url),
             epoch: 0,
+            max_model_len: None,
         };
         let cluster = &mut self.cluster;
         let lease = register_worker(&mut cluster.etcd, &cluster.subjects, &registration, 30)

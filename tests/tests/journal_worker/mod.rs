@@ -301,6 +301,7 @@ async fn register(
         total_kv_blocks: 1024,
         url: None,
         epoch,
+        max_model_len: None,
     };
     integration_tests::register_worker(&mut cluster.etcd, &cluster.subjects, &reg, 30).await?;
     Ok(())

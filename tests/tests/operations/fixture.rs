@@ -126,6 +126,7 @@ impl Fixture {
             total_kv_blocks: 1024,
             url: None,
             epoch: 0,
+            max_model_len: None,
         };
         integration_tests::register_worker(&mut etcd, &self.subjects, &reg, ttl_secs).await
     }

@@ -112,6 +112,14 @@ pub const ENGINE_IDLE_TIMEOUT: Duration = Duration::from_secs(5);
 pub const DEFAULT_MAX_CONNECTIONS: NonZeroUsize = NonZeroUsize::new(4096).expect("4096 is not 0");
 
 impl HttpArgs {
+    /// The context length served, in tokens: `--max-model-len`, else one rank's whole
+    /// KV cache (`num_gpu_blocks` × `block_size` tokens). Answered on `/v1/models` and
+    /// registered as the worker's `max_model_len`.
+    pub fn max_model_len_or_cache(&self, block_size: u32, num_gpu_blocks: u64) -> u64 {
+        self.max_model_len
+            .unwrap_or_else(|| num_gpu_blocks.saturating_mul(u64::from(block_size)))
+    }
+
     /// The listeners' limits: header-read timeout and connection cap from the flags,
     /// and a real engine's idle keep-alive ([`ENGINE_IDLE_TIMEOUT`]).
     pub fn limits(&self) -> ServerLimits {
@@ -174,7 +182,6 @@ impl HttpState {
     /// # Errors
     /// A [`prometheus::Error`] if the metrics cannot be registered.
     pub fn new(args: &HttpArgs, w: WorkerHttp) -> Result<Self, prometheus::Error> {
-        let cache_tokens = w.num_gpu_blocks.saturating_mul(u64::from(w.block_size));
         let metrics = EngineMetrics::new(
             &args.served_model_name,
             w.block_size,
@@ -186,7 +193,7 @@ impl HttpState {
             ranks: w.ranks,
             block_size: w.block_size,
             model_name: args.served_model_name.clone(),
-            max_model_len: args.max_model_len.unwrap_or(cache_tokens),
+            max_model_len: args.max_model_len_or_cache(w.block_size, w.num_gpu_blocks),
             tokenizer: w.tokenizer,
             metrics,
             next_id: AtomicU64::new(0),

@@ -187,6 +187,8 @@ async fn engines_register_serve_publish_and_revoke() {
                 total_kv_blocks: 64,
                 url: Some(urls[0].clone()),
                 epoch,
+                // No --max-model-len: one rank's cache, 64 blocks of 16 tokens.
+                max_model_len: Some(1024),
             },
             WorkerRegistration {
                 worker_id: WorkerId(8),
@@ -195,6 +197,7 @@ async fn engines_register_serve_publish_and_revoke() {
                 total_kv_blocks: 64,
                 url: Some(urls[1].clone()),
                 epoch,
+                max_model_len: Some(1024),
             },
         ]
     );
