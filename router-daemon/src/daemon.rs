@@ -257,6 +257,9 @@ impl Starting {
             revision = directory.revision(),
             "loaded worker registrations"
         );
+        // Workers joining from now on are asked for a dump; the loaded ones are
+        // resynced by the initial recovery below.
+        discovery.resync_joins();
         discovery_tasks.spawn(directory.watch(discovery, discovery_token.clone()));
 
         // Initial recovery: JetStream catch-up and/or a dump from every registered

@@ -14,14 +14,26 @@
 //! (`kv_router_messages_total{kind="registration"}`), and the directory's connection
 //! state drives `kv_router_etcd_connected` and the `etcd` readiness check. While etcd
 //! is lost the daemon keeps routing to the workers it knows.
+//!
+//! A worker that joins once the daemon watches ([`Discovery::resync_joins`]) — a new
+//! registration, or one that comes back after its key was deleted (its lease expired)
+//! — is asked for a dump of every rank, so its index is exact as soon as the reply is
+//! applied instead of empty until its next KV event (a worker that was dropped had its
+//! blocks removed). The request is the indexer's resync need: at most one pending per
+//! rank (a second join before the reply asks nothing more), served by the recovery
+//! task with its timeout, attempts and `--recovery-concurrency` bound, so many workers
+//! joining at once queue up rather than storm. Workers loaded at start-up are resynced
+//! by the initial recovery instead. A worker whose registration only changes (a new
+//! lease, a new capacity) keeps its index and is not asked. Cost: one dump per join and
+//! rank (about 45 bytes per cached block).
 
 use crate::directory::DirectoryEntry;
 use crate::metrics::counters::{MessageKind, Outcome};
 use crate::state::RouterState;
 use indexer::IndexerApi as _;
 use kv_cluster::directory::{EtcdStatus, Registered, Registrations, Rejection};
-use kv_events::WorkerId;
 use kv_events::discovery::WorkerRegistration;
+use kv_events::{DpRank, WorkerId, WorkerRank};
 use std::collections::BTreeMap;
 use std::num::NonZeroU32;
 use std::sync::Arc;
@@ -37,6 +49,11 @@ pub struct Discovery {
     /// Present registrations rejected for their block size against an adopted size,
     /// by id: reconsidered when that size is forgotten.
     parked: BTreeMap<WorkerId, Registered>,
+    /// Whether a worker that joins is asked for a dump ([`Self::resync_joins`]).
+    resync_joins: bool,
+    /// Workers that joined during the current put or delete, with their rank count:
+    /// asked for a dump at its end.
+    joined: Vec<(WorkerId, u32)>,
 }
 
 impl Discovery {
@@ -46,7 +63,16 @@ impl Discovery {
             state,
             known: KnownWorkers::new(),
             parked: BTreeMap::new(),
+            resync_joins: false,
+            joined: Vec::new(),
         }
+    }
+
+    /// From now on, asks every worker that joins for a dump of its ranks (see the
+    /// module docs); a no-op for an approximate index, which holds no events. Called
+    /// once the registrations are loaded: the initial recovery resyncs those.
+    pub fn resync_joins(&mut self) {
+        self.resync_joins = !self.state.indexer.is_approximate();
     }
 
     /// The workers the scheduler accepted.
@@ -110,7 +136,9 @@ impl Discovery {
             reg.block_size,
         );
         state.publishers.register(worker_id, reg.epoch);
-        self.known.insert(worker_id, reg);
+        if self.known.insert(worker_id, reg).is_none() && self.resync_joins {
+            self.joined.push((worker_id, dp_size));
+        }
         state.directory.upsert(entry);
         state
             .counters
@@ -138,6 +166,21 @@ impl Discovery {
         }
         state.counters.set_workers(self.known.len());
         info!(worker_id = %id, "worker removed");
+    }
+
+    /// Asks the workers that joined for a dump of each rank, through the indexer's
+    /// resync (which skips a rank whose recovery is already pending).
+    async fn resync_joined(&mut self) {
+        for (worker_id, dp_size) in std::mem::take(&mut self.joined) {
+            for dp_rank in (0..dp_size).map(DpRank) {
+                let rank = WorkerRank::new(worker_id, dp_rank);
+                if let Err(e) = self.state.indexer.resync(rank).await {
+                    warn!(%worker_id, error = %e, "indexer stopped; no dump requested");
+                    return;
+                }
+            }
+            info!(%worker_id, dp_size, "worker joined: dump of its ranks requested");
+        }
     }
 
     /// When no worker is left, forgets an adopted block size and reconsiders the
@@ -189,10 +232,12 @@ impl Registrations for Discovery {
                 {
                     self.accept(worker, true);
                 }
+                self.resync_joined().await;
                 return;
             }
         }
         self.accept(worker, true);
+        self.resync_joined().await;
     }
 
     async fn delete(&mut self, id: WorkerId) {
@@ -203,6 +248,7 @@ impl Registrations for Discovery {
         self.remove(id).await;
         info!(worker_id = %id, "worker left (key deleted or lease expired)");
         self.forget_if_empty(None).await;
+        self.resync_joined().await;
     }
 
     fn rejected(&mut self, _key: &str, rejection: &Rejection) {

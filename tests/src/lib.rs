@@ -17,6 +17,7 @@
 use anyhow::Context;
 
 pub mod child_daemon;
+pub mod etcd_cluster;
 pub mod etcd_proxy;
 pub mod python;
 pub mod security;

@@ -42,20 +42,10 @@ impl WorkerIdClaim {
 
     async fn renew_or_take_again(&mut self) -> Held {
         if let Some(lease) = self.lease.as_mut() {
-            match lease.renew(&self.key).await {
-                Renewal::Alive => return Held::Kept,
-                Renewal::Failed => {
-                    // The stream may be broken: open a new one for the same lease; the
-                    // next tick tells whether the lease survived.
-                    let lease_id = lease.lease_id;
-                    match KeptLease::keep(&mut self.client, lease_id).await {
-                        Ok(kept) => self.lease = Some(kept),
-                        Err(e) => {
-                            warn!(key = %self.key, error = %e, "reopening the claim keep-alive failed")
-                        }
-                    }
-                    return Held::Kept;
-                }
+            match lease.renew(&mut self.client, &self.key).await {
+                // Failed: no member answered within the period; the lease may well
+                // be alive, the next tick tries again.
+                Renewal::Alive | Renewal::Failed => return Held::Kept,
                 Renewal::Expired => self.lease = None,
             }
         }

@@ -421,7 +421,7 @@ impl WorkerIdClaim {
                     }
                 }
                 _ = tick.tick() => {
-                    if lease.renew(&self.key).await != Renewal::Alive {
+                    if lease.renew(&mut self.client, &self.key).await == Renewal::Expired {
                         // Our own lease (not yet holding anything) lapsed: a new one.
                         *lease = KeptLease::grant(&mut self.client, self.ttl_secs).await?;
                     }
