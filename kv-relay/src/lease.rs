@@ -7,8 +7,9 @@
 //! and the metrics page was read once); it is renewed every TTL/3, and revoked as
 //! soon as every engine socket is disconnected (routers then drop the worker at once:
 //! its engine is gone) or the relay shuts down. A fact learned while registered (the
-//! capacity, say) rewrites the key under the same lease. A renewal that fails or
-//! finds the lease expired grants a new lease and writes the key again. If the relay
+//! capacity, say) rewrites the key under the same lease. A renewal that cannot reach
+//! one etcd member keeps the same lease alive through another; only a lease etcd
+//! says is gone is replaced by a new one, with the key written again. If the relay
 //! itself dies, the lease expires after the TTL. Cost: one etcd round trip per TTL/3.
 //! The lease itself is [`kv_cluster::lease`], shared with the mock engines.
 
@@ -138,7 +139,7 @@ pub async fn run(
                     if let Some(next) = next.filter(|n| *n != current) {
                         match lease.update(&next).await {
                             Ok(()) => current = next,
-                            Err(e) => warn!(key = %lease.key(), error = %e, "registration update failed; written at the next re-grant or change"),
+                            Err(e) => warn!(key = %lease.key(), error = %e, "registration update failed; written again after the next renewal"),
                         }
                     }
                 }
