@@ -167,7 +167,15 @@ impl Source {
                 socket: self.socket,
             })
             .await;
-            self.catch_up(&mut tracker).await;
+            // A read of the replay socket may take several requests: a shutdown does
+            // not wait for it (nor for a gap's, below).
+            if shutdown
+                .run_until_cancelled(self.catch_up(&mut tracker))
+                .await
+                .is_none()
+            {
+                return Ok(());
+            }
             loop {
                 tokio::select! {
                     biased;
@@ -177,7 +185,12 @@ impl Source {
                         Some(_) => {}
                     },
                     message = socket.recv() => match message {
-                        Ok(message) => self.on_message(message.into_vec(), &mut tracker).await,
+                        Ok(message) => {
+                            let handled = self.on_message(message.into_vec(), &mut tracker);
+                            if shutdown.run_until_cancelled(handled).await.is_none() {
+                                return Ok(());
+                            }
+                        }
                         // A peer error: the monitor reports the disconnect.
                         Err(e) => debug!(endpoint = %self.endpoint.publish, error = %e, "engine socket receive failed"),
                     },
