@@ -12,6 +12,7 @@
 //! is read from each batch.
 
 use crate::Error;
+use crate::replay::ReplayPolicy;
 use clap::{Args, ValueEnum};
 use kv_cluster::args::{EtcdArgs, NatsArgs, trimmed};
 use kv_cluster::etcd::EtcdConfig;
@@ -19,6 +20,11 @@ use kv_cluster::nats::NatsConfig;
 use kv_events::discovery::WorkerRegistration;
 use kv_events::{DpRank, Namespace, Subjects, WorkerId};
 use std::time::Duration;
+
+/// Bounds of `--reconnect-max-backoff-ms`: the first retry waits 100 ms, and an
+/// engine back after an outage is read again within a minute at most.
+const MIN_RECONNECT_BACKOFF_MS: u64 = 100;
+const MAX_RECONNECT_BACKOFF_MS: u64 = 60_000;
 
 /// Which event encodings the relay accepts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -83,9 +89,23 @@ pub struct RelayArgs {
     /// Scrape period of --metrics-url, in milliseconds.
     #[arg(long, env = "KV_RELAY_METRICS_INTERVAL_MS", default_value_t = 1000)]
     pub metrics_interval_ms: u64,
-    /// How long one replay request may take before the gap is given up, in ms.
+    /// Deadline of one replay request, from connecting to its last message, in ms;
+    /// a reply cut short is asked again from its first missing batch.
     #[arg(long, env = "KV_RELAY_REPLAY_TIMEOUT_MS", default_value_t = 2000)]
     pub replay_timeout_ms: u64,
+    /// Requests one read of the engine's replay buffer may make (the first and its
+    /// re-asks from the first missing batch) before the relay goes on with what it
+    /// has.
+    #[arg(long, env = "KV_RELAY_REPLAY_MAX_REQUESTS", default_value_t = 16)]
+    pub replay_max_requests: u32,
+    /// Longest wait between two attempts to (re)connect an engine socket, in ms
+    /// (100 to 60000); attempts start 100 ms apart and double up to it.
+    #[arg(
+        long,
+        env = "KV_RELAY_RECONNECT_MAX_BACKOFF_MS",
+        default_value_t = 1000
+    )]
+    pub reconnect_max_backoff_ms: u64,
     /// Events kept per rank to answer the router's recovery requests.
     #[arg(long, env = "KV_RELAY_JOURNAL_EVENTS", default_value_t = 16_384)]
     pub journal_events: usize,
@@ -129,8 +149,10 @@ pub struct EngineConfig {
     pub topic: String,
     /// Accepted encodings.
     pub format: EngineFormat,
-    /// Time limit of one replay exchange.
-    pub replay_timeout: Duration,
+    /// How the replay socket is read ([`crate::replay`]).
+    pub replay: ReplayPolicy,
+    /// Longest wait between two connection attempts to an engine socket.
+    pub reconnect_max_backoff: Duration,
     /// Every socket carries every rank (`--shared-endpoint`).
     pub shared: bool,
 }
@@ -295,6 +317,17 @@ impl RelayConfig {
         if args.replay_timeout_ms == 0 {
             return Err(invalid("replay-timeout-ms", "must be at least 1"));
         }
+        if args.replay_max_requests == 0 {
+            return Err(invalid("replay-max-requests", "must be at least 1"));
+        }
+        if !(MIN_RECONNECT_BACKOFF_MS..=MAX_RECONNECT_BACKOFF_MS)
+            .contains(&args.reconnect_max_backoff_ms)
+        {
+            return Err(invalid(
+                "reconnect-max-backoff-ms",
+                format!("must be {MIN_RECONNECT_BACKOFF_MS} to {MAX_RECONNECT_BACKOFF_MS}"),
+            ));
+        }
         if args.journal_events == 0 {
             return Err(invalid("journal-events", "must be at least 1"));
         }
@@ -349,7 +382,11 @@ impl RelayConfig {
                 endpoints,
                 topic: args.topic.clone(),
                 format: args.engine_format,
-                replay_timeout: Duration::from_millis(args.replay_timeout_ms),
+                replay: ReplayPolicy {
+                    request_timeout: Duration::from_millis(args.replay_timeout_ms),
+                    max_requests: args.replay_max_requests,
+                },
+                reconnect_max_backoff: Duration::from_millis(args.reconnect_max_backoff_ms),
                 shared: args.shared_endpoint,
             },
             worker: WorkerConfig {

@@ -161,3 +161,32 @@ fn bad_flags_name_themselves() {
             .contains("--lease-ttl-secs")
     );
 }
+
+#[test]
+fn the_replay_and_reconnect_bounds_have_defaults_and_limits() {
+    let c = config(&["--engine-endpoint", "tcp://a:1"]).unwrap();
+    assert_eq!(
+        c.engine.replay,
+        ReplayPolicy {
+            request_timeout: Duration::from_secs(2),
+            max_requests: 16,
+        }
+    );
+    assert_eq!(c.engine.reconnect_max_backoff, Duration::from_secs(1));
+    let with = |extra: &[&str]| config(&[&["--engine-endpoint", "tcp://a:1"], extra].concat());
+    let c = with(&[
+        "--replay-max-requests",
+        "3",
+        "--reconnect-max-backoff-ms",
+        "250",
+    ])
+    .unwrap();
+    assert_eq!(c.engine.replay.max_requests, 3);
+    assert_eq!(c.engine.reconnect_max_backoff, Duration::from_millis(250));
+    let err = |extra: &[&str]| with(extra).unwrap_err().to_string();
+    assert!(err(&["--replay-max-requests", "0"]).contains("--replay-max-requests"));
+    for bad in ["99", "60001"] {
+        let e = err(&["--reconnect-max-backoff-ms", bad]);
+        assert!(e.contains("--reconnect-max-backoff-ms"), "{e}");
+    }
+}

@@ -7,7 +7,9 @@
 //! | `kv_relay_engine_events_total` | `kind`, `outcome`: `published` or a skip reason | engine events |
 //! | `kv_relay_gaps_total` | `result`: `filled`, `cleared` | gaps in the engine's seq |
 //! | `kv_relay_resets_total` | `reason`: `restart`, `reconnect`, `gap` | ranks cleared |
-//! | `kv_relay_connect_replays_total` | `result`: `complete`, `partial`, `empty`, `failed` | replay-buffer reads when an engine socket connects |
+//! | `kv_relay_connect_replays_total` | `result`: `complete`, `partial`, `empty`, `incomplete`, `failed` | replay-buffer reads when an engine socket connects |
+//! | `kv_relay_replay_requests_total` | `stop`: `end`, `hole`, `cut`, `enough`, `silent`, `failed` | requests to the engine's replay socket, by how the reply stopped ([`crate::replay::Stop`]) |
+//! | `kv_relay_replay_missing_batches_total` | | batches known to exist (seen after a hole) that a read ending short did not get |
 //! | `kv_relay_published_events_total` | | our KV events published to NATS |
 //! | `kv_relay_recovery_requests_total` | | router recovery requests answered |
 //! | `kv_relay_scrapes_total` | `outcome`: `ok`, `failed`, `block_size_conflict`, `models_ok`, `models_failed` | engine /metrics scrapes (and pages stating another block size than the one in use), and reads of its /v1/models for `max_model_len` |
@@ -24,6 +26,8 @@ pub struct RelayCounters {
     gaps: IntCounterVec,
     resets: IntCounterVec,
     connect_replays: IntCounterVec,
+    replay_requests: IntCounterVec,
+    replay_missing: IntCounter,
     published: IntCounter,
     recovery: IntCounter,
     scrapes: IntCounterVec,
@@ -61,6 +65,15 @@ impl RelayCounters {
                 "kv_relay_connect_replays_total",
                 "Reads of the engine's replay buffer when an engine socket connects, by result",
                 &["result"],
+            )?,
+            replay_requests: r.counter_vec(
+                "kv_relay_replay_requests_total",
+                "Requests to the engine's replay socket, by how the reply stopped",
+                &["stop"],
+            )?,
+            replay_missing: r.counter(
+                "kv_relay_replay_missing_batches_total",
+                "Engine batches known to exist that a replay read ending short did not get",
             )?,
             published: r.counter(
                 "kv_relay_published_events_total",
@@ -143,6 +156,26 @@ impl RelayCounters {
     /// Replay-buffer reads at connect counted with `result`.
     pub fn connect_replays(&self, result: &str) -> u64 {
         self.connect_replays.with_label_values(&[result]).get()
+    }
+
+    /// Counts one replay request that stopped with `stop`.
+    pub fn replay_request(&self, stop: &str) {
+        self.replay_requests.with_label_values(&[stop]).inc();
+    }
+
+    /// Replay requests counted with `stop`.
+    pub fn replay_requests(&self, stop: &str) -> u64 {
+        self.replay_requests.with_label_values(&[stop]).get()
+    }
+
+    /// Counts `n` batches a replay read did not get.
+    pub fn replay_missing(&self, n: u64) {
+        self.replay_missing.inc_by(n);
+    }
+
+    /// Batches replay reads did not get, so far.
+    pub fn replay_missing_total(&self) -> u64 {
+        self.replay_missing.get()
     }
 
     /// Counts published KV events.

@@ -9,8 +9,10 @@
 //!   events of another size are refused (counted as `bad_blocks`). A router whose
 //!   block size differs refuses the registration, naming both values.
 //! - **KV capacity** (blocks per rank): only from the metrics page
-//!   (`num_gpu_blocks`, SGLang's pool size). The smallest rank's figure is
-//!   registered; unknown stays 0 ("unknown" in [`WorkerRegistration`]).
+//!   (`num_gpu_blocks`, SGLang's pool size). A data-parallel vLLM states its engines'
+//!   total under every engine label; the page reader divides it per rank
+//!   ([`crate::scrape::page`]). The smallest rank's figure is registered; unknown
+//!   stays 0 ("unknown" in [`WorkerRegistration`]).
 //! - **Context length** (`max_model_len`, tokens): from the engine's `GET /v1/models`
 //!   ([`crate::models`]), read with the metrics page until the engine answers once;
 //!   the smallest of its models' figures is registered, so a gateway refuses what the

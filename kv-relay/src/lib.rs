@@ -27,6 +27,11 @@
 //! - Per socket, batches are forwarded in engine seq order; a gap is filled from the
 //!   replay socket before anything later is forwarded, or the socket's ranks are
 //!   cleared (`cleared` published) and the stream resynchronises from what follows.
+//!   vLLM's replay reply drops messages when the reader falls behind: the read asks
+//!   again from the first missing batch ([`replay`]), never applying one twice.
+//! - A socket whose engine went away is tried again at most
+//!   `--reconnect-max-backoff-ms` apart ([`connect`]), so a restarted engine is read
+//!   again within about that.
 //! - One publishing task numbers and publishes everything, so our event ids per
 //!   (worker, dp_rank) go out strictly increasing and match the journal that answers
 //!   recovery requests.
@@ -58,8 +63,11 @@
 //! - [`config`]: the relay's flags ([`RelayArgs`]) validated into [`RelayConfig`].
 //! - [`identity`]: `--worker-id` and `--worker-name`, the worker id claim to make.
 //! - [`source`]: one engine ZMQ PUB socket, its sequence check and gap filling.
+//! - [`connect`]: (re)connecting that socket, at most `--reconnect-max-backoff-ms`
+//!   between tries.
 //! - [`frames`]: the engines' ZMQ frame layouts and the sequence tracker (pure).
-//! - [`replay`]: a request to the engine's replay ROUTER socket.
+//! - [`replay`]: reading the engine's replay ROUTER socket, asking again from the
+//!   first batch its lossy reply dropped.
 //! - [`translate`]: engine events to kv-router events with local block hashes.
 //! - [`publish`]: the one publishing task (numbering, journal) and the recovery
 //!   responder.
@@ -72,6 +80,7 @@
 //! - [`Error`]: start-up and configuration errors.
 
 pub mod config;
+pub mod connect;
 pub mod counters;
 mod error;
 pub mod facts;
@@ -305,7 +314,8 @@ impl Relay {
                 socket,
                 endpoint,
                 topic: config.engine.topic.clone(),
-                replay_timeout: config.engine.replay_timeout,
+                replay: config.engine.replay,
+                reconnect_max_backoff: config.engine.reconnect_max_backoff,
                 tx: tx.clone(),
                 counters: counters.clone(),
             };

@@ -5,34 +5,38 @@
 //! Per message: parse `[topic, seq, payload]` → [`SeqTracker::observe`] →
 //! - in order: decode and forward;
 //! - duplicate (already replayed): drop;
-//! - gap `from..seq`: fetch from the replay socket; if the engine still has every
-//!   missing batch, forward them, else ask for a reset of the socket's ranks
-//!   ([`ResetReason::Gap`]) and forward the longest run of replayed batches that ends
-//!   right before `seq` (a contiguous suffix cannot hide a removal of a block we
+//! - gap `from..seq`: read `from..seq` from the replay socket ([`crate::replay`]:
+//!   re-asked from the first missing batch when the engine's reply drops some) and
+//!   forward it in order; if the engine no longer has some of it, or the read ends
+//!   without it, ask for a reset of the socket's ranks ([`ResetReason::Gap`]) and go
+//!   on from what follows (a picture with a hole could hide a removal of a block we
 //!   would then believe cached);
 //! - seq going backwards: the engine restarted, reset ([`ResetReason::Restart`]), then
 //!   handle `seq` as a stream start (a gap from 0 unless it is 0).
 //!
 //! On connect (the first one, and every reconnect) the socket reads the engine's whole
-//! replay buffer (`["", seq 0]`) before any live batch, so the engine's cached blocks
+//! replay buffer (from seq 0) before any live batch, so the engine's cached blocks
 //! reach the router at once, not at the engine's next batch: an idle engine may
 //! publish nothing for a long time. If the buffer still starts at seq 0 every batch
-//! is forwarded; if it starts later, the contiguous run that ends at its newest batch
-//! is (what the gap rule below keeps). Live batches the replay already covered are
-//! then duplicates; a failed read leaves the start to the gap rule. A batch the engine
-//! publishes after the buffer was read but before the subscription reached it is
-//! found missing, as a gap, at the next batch.
+//! is forwarded; if it starts later, what it holds is, from its first batch. A read
+//! that ends short (the engine kept dropping its reply, `--replay-max-requests`) is
+//! logged and counted, and the relay goes live from there: the next live batch is a
+//! gap, filled by the rule above. Live batches the read already covered are then
+//! duplicates. A batch the engine publishes after the buffer was read but before the
+//! subscription reached it is found missing, as a gap, at the next batch.
 //!
 //! A reconnect of the socket (the engine went away and came back) is treated like a
 //! restart: the engine stream carries no process identity, so a reconnect cannot be
 //! told apart from a new engine whose seq already passed ours. Undecodable payloads
 //! are counted, logged with the endpoint and seq, and skipped; the stream goes on.
-//! The zeromq SUB socket reconnects by itself (100 ms backoff doubling to 30 s).
+//! Connecting and reconnecting is [`crate::connect`]'s: tries at most
+//! `--reconnect-max-backoff-ms` apart.
 
 use crate::config::RankEndpoint;
+use crate::connect::{Connected, connect};
 use crate::counters::RelayCounters;
 use crate::frames::{SeqStep, SeqTracker, parse_live};
-use crate::replay;
+use crate::replay::{Outcome, ReplayPolicy, ReplayRead, Round};
 use bytes::Bytes;
 use futures::StreamExt;
 use kv_events::engines::{EngineBatch, decode_batch};
@@ -40,7 +44,7 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
-use zeromq::{Socket, SocketEvent, SocketOptions, SocketRecv, SubSocket};
+use zeromq::{SocketEvent, SocketRecv};
 
 /// Why the ranks of a socket are cleared.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -103,8 +107,10 @@ pub struct Source {
     pub endpoint: RankEndpoint,
     /// ZMQ subscription prefix.
     pub topic: String,
-    /// Replay time limit.
-    pub replay_timeout: Duration,
+    /// How the replay socket is read.
+    pub replay: ReplayPolicy,
+    /// Longest wait between two connection attempts.
+    pub reconnect_max_backoff: Duration,
     /// Where to send what was read.
     pub tx: mpsc::Sender<SourceMsg>,
     /// Metrics.
@@ -122,56 +128,81 @@ pub struct SourceError {
 }
 
 impl Source {
-    /// Connects (waiting as long as it takes for the engine to come up) and reads
-    /// until `shutdown`.
+    /// Connects (waiting as long as it takes for the engine to come up), reads until
+    /// the engine goes away, connects again, and so on until `shutdown`.
     ///
     /// # Errors
     /// [`SourceError`] when the endpoint is unusable (not when the engine is down).
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), SourceError> {
-        let err = |source| SourceError {
-            endpoint: self.endpoint.publish.clone(),
-            source,
-        };
-        let mut options = SocketOptions::default();
-        options.no_connect_timeout();
-        let mut sub = SubSocket::with_options(options);
-        let mut monitor = sub.monitor();
-        sub.subscribe(&self.topic).await.map_err(err)?;
-        tokio::select! {
-            () = shutdown.cancelled() => return Ok(()),
-            connected = sub.connect(&self.endpoint.publish) => connected.map_err(err)?,
-        }
-        info!(endpoint = %self.endpoint.publish, topic = %self.topic, "subscribed to engine kv events");
         let mut tracker = SeqTracker::new();
         let mut ever_connected = false;
         loop {
-            tokio::select! {
-                biased;
-                () = shutdown.cancelled() => return Ok(()),
-                event = monitor.next() => match event {
-                    Some(SocketEvent::Connected(..)) => {
-                        if ever_connected {
-                            info!(endpoint = %self.endpoint.publish, "engine socket reconnected; treating as a restart");
-                            tracker.reset();
-                            self.send(SourceMsg::Reset { socket: self.socket, reason: ResetReason::Reconnect }).await;
-                        }
-                        ever_connected = true;
-                        self.send(SourceMsg::Connected { socket: self.socket }).await;
-                        self.catch_up(&mut tracker).await;
-                    }
-                    Some(SocketEvent::Disconnected(_)) => {
-                        warn!(endpoint = %self.endpoint.publish, "engine socket disconnected");
-                        self.send(SourceMsg::Disconnected { socket: self.socket }).await;
-                    }
-                    Some(_) => {}
-                    None => return Ok(()),
-                },
-                message = sub.recv() => match message {
-                    Ok(message) => self.on_message(message.into_vec(), &mut tracker).await,
-                    // A peer error: the socket reconnects by itself.
-                    Err(e) => debug!(endpoint = %self.endpoint.publish, error = %e, "engine socket receive failed"),
-                },
+            let connected = connect(
+                &self.endpoint.publish,
+                &self.topic,
+                self.reconnect_max_backoff,
+                &shutdown,
+            )
+            .await?;
+            let Some(Connected {
+                mut socket,
+                mut monitor,
+            }) = connected
+            else {
+                return Ok(());
+            };
+            if ever_connected {
+                info!(endpoint = %self.endpoint.publish, "engine socket reconnected; treating as a restart");
+                tracker.reset();
+                self.send(SourceMsg::Reset {
+                    socket: self.socket,
+                    reason: ResetReason::Reconnect,
+                })
+                .await;
+            } else {
+                info!(endpoint = %self.endpoint.publish, topic = %self.topic, "subscribed to engine kv events");
             }
+            ever_connected = true;
+            self.send(SourceMsg::Connected {
+                socket: self.socket,
+            })
+            .await;
+            // A read of the replay socket may take several requests: a shutdown does
+            // not wait for it (nor for a gap's, below).
+            if shutdown
+                .run_until_cancelled(self.catch_up(&mut tracker))
+                .await
+                .is_none()
+            {
+                return Ok(());
+            }
+            loop {
+                tokio::select! {
+                    biased;
+                    () = shutdown.cancelled() => return Ok(()),
+                    event = monitor.next() => match event {
+                        Some(SocketEvent::Disconnected(_)) | None => break,
+                        Some(_) => {}
+                    },
+                    message = socket.recv() => match message {
+                        Ok(message) => {
+                            let handled = self.on_message(message.into_vec(), &mut tracker);
+                            if shutdown.run_until_cancelled(handled).await.is_none() {
+                                return Ok(());
+                            }
+                        }
+                        // A peer error: the monitor reports the disconnect.
+                        Err(e) => debug!(endpoint = %self.endpoint.publish, error = %e, "engine socket receive failed"),
+                    },
+                }
+            }
+            warn!(endpoint = %self.endpoint.publish, "engine socket disconnected");
+            self.send(SourceMsg::Disconnected {
+                socket: self.socket,
+            })
+            .await;
+            // Dropping the socket stops its own reconnect task: `connect` reconnects.
+            drop(socket);
         }
     }
 
@@ -215,67 +246,125 @@ impl Source {
         let Some(endpoint) = &self.endpoint.replay else {
             return;
         };
-        let replayed = match replay::fetch(endpoint, 0, self.replay_timeout).await {
-            Ok(batches) => batches,
-            Err(e) => {
-                self.counters.connect_replay("failed");
-                warn!(error = %e, "reading the engine's replay buffer at connect failed; waiting for its next batch");
-                return;
+        let mut read = ReplayRead::new(endpoint, 0, None, self.replay);
+        let (mut delivered, mut late_start) = (0u64, false);
+        while let Some(round) = read.next_round().await {
+            self.count_request(&round);
+            if let Some(skipped) = &round.skipped {
+                if delivered == 0 {
+                    late_start = true;
+                    warn!(endpoint = %self.endpoint.publish, first = skipped.end,
+                        "the engine's replay buffer no longer starts at seq 0; applying it from its first batch");
+                } else {
+                    self.counters.gap("cleared");
+                    self.reset_for_gap(skipped.start, skipped.end).await;
+                }
             }
-        };
-        let Some(newest) = replayed.iter().map(|(seq, _)| *seq).max() else {
-            self.counters.connect_replay("empty");
-            debug!(endpoint = %self.endpoint.publish, "the engine's replay buffer is empty");
-            return;
-        };
-        let batches = match replay::covering(&replayed, 0, newest + 1) {
-            Some(all) => {
-                self.counters.connect_replay("complete");
-                all
-            }
-            None => {
-                self.counters.connect_replay("partial");
-                warn!(endpoint = %self.endpoint.publish, newest, replayed = replayed.len(), "the engine's replay buffer no longer starts at seq 0; applying its newest contiguous run");
-                contiguous_suffix(&replayed, newest + 1)
-            }
-        };
-        info!(endpoint = %self.endpoint.publish, batches = batches.len(), newest, "engine replay buffer read at connect");
-        for (seq, payload) in batches {
-            self.deliver(seq, &payload, tracker).await;
+            delivered += round.batches.len() as u64;
+            self.deliver_all(round.batches, tracker).await;
         }
+        let requests = read.requests();
+        let result = match read.outcome() {
+            Some(Outcome::Complete) if delivered == 0 => "empty",
+            Some(Outcome::Complete) if late_start => "partial",
+            Some(Outcome::Complete) => "complete",
+            Some(Outcome::Failed(reason)) => {
+                warn!(endpoint = %self.endpoint.publish, %reason, "reading the engine's replay buffer at connect failed; waiting for its next batch");
+                "failed"
+            }
+            Some(incomplete) => {
+                self.missing(incomplete, requests, "at connect");
+                "incomplete"
+            }
+            None => "failed", // The read is over once it yields no more rounds.
+        };
+        self.counters.connect_replay(result);
+        info!(endpoint = %self.endpoint.publish, batches = delivered, requests, result, "engine replay buffer read at connect");
     }
 
     /// Fills `from..to` from the replay socket, then delivers live batch `to`.
     async fn fill(&self, from: u64, to: u64, live: &Bytes, tracker: &mut SeqTracker) {
-        let replayed = match &self.endpoint.replay {
-            Some(endpoint) => match replay::fetch(endpoint, from, self.replay_timeout).await {
-                Ok(batches) => batches,
-                Err(e) => {
-                    warn!(error = %e, from, to, "replay failed");
-                    Vec::new()
+        let mut cleared = false;
+        let failure = match &self.endpoint.replay {
+            Some(endpoint) => {
+                let mut read = ReplayRead::new(endpoint, from, Some(to), self.replay);
+                while let Some(round) = read.next_round().await {
+                    self.count_request(&round);
+                    if let Some(skipped) = &round.skipped {
+                        self.clear(&mut cleared, skipped.start, skipped.end).await;
+                    }
+                    self.deliver_all(round.batches, tracker).await;
                 }
-            },
-            None => Vec::new(),
-        };
-        if let Some(batches) = replay::covering(&replayed, from, to) {
-            self.counters.gap("filled");
-            debug!(endpoint = %self.endpoint.publish, from, to, "gap filled from the replay socket");
-            for (seq, payload) in batches {
-                self.deliver(seq, &payload, tracker).await;
+                let requests = read.requests();
+                match read.outcome() {
+                    Some(Outcome::Complete) => None,
+                    Some(Outcome::Failed(reason)) => Some(reason.clone()),
+                    Some(incomplete) => {
+                        self.missing(incomplete, requests, "for a gap");
+                        Some("the read ended short".to_owned())
+                    }
+                    None => Some("the read ended short".to_owned()),
+                }
             }
-        } else {
-            self.counters.gap("cleared");
-            warn!(endpoint = %self.endpoint.publish, from, to, replayed = replayed.len(), "gap cannot be filled; clearing the socket's ranks");
-            self.send(SourceMsg::Reset {
-                socket: self.socket,
-                reason: ResetReason::Gap,
-            })
-            .await;
-            for (seq, payload) in contiguous_suffix(&replayed, to) {
-                self.deliver(seq, &payload, tracker).await;
+            None => Some("no --replay-endpoint".to_owned()),
+        };
+        match failure {
+            None if !cleared => {
+                self.counters.gap("filled");
+                debug!(endpoint = %self.endpoint.publish, from, to, "gap filled from the replay socket");
+            }
+            None => {}
+            Some(reason) => {
+                let unread = tracker.last_applied().map_or(from, |a| a + 1).max(from);
+                warn!(endpoint = %self.endpoint.publish, from = unread, to, %reason, "gap cannot be filled from the replay socket");
+                // Even after a clear for an earlier part: what was applied since may
+                // precede this hole.
+                self.clear(&mut cleared, unread, to).await;
             }
         }
         self.deliver(to, live, tracker).await;
+    }
+
+    /// Clears the socket's ranks: batches `from..to` cannot be had. The gap is counted
+    /// `cleared` once, however often it clears.
+    async fn clear(&self, counted: &mut bool, from: u64, to: u64) {
+        if !std::mem::replace(counted, true) {
+            self.counters.gap("cleared");
+        }
+        self.reset_for_gap(from, to).await;
+    }
+
+    /// Asks for a reset of the socket's ranks: batches `from..to` cannot be had.
+    async fn reset_for_gap(&self, from: u64, to: u64) {
+        warn!(endpoint = %self.endpoint.publish, from, to, "the engine's batches in this range cannot be had; clearing the socket's ranks");
+        self.send(SourceMsg::Reset {
+            socket: self.socket,
+            reason: ResetReason::Gap,
+        })
+        .await;
+    }
+
+    /// Logs and counts what a read that ended short left unread.
+    fn missing(&self, outcome: &Outcome, requests: u32, when: &str) {
+        let known = outcome.known_missing();
+        self.counters.replay_missing(known);
+        if let Outcome::Incomplete { next, seen, reason } = outcome {
+            warn!(endpoint = %self.endpoint.publish, next, ?seen, known_missing = known, requests, %reason,
+                "the engine's replay {when} ended short; going on from seq {next}: the next live batch fills the rest as a gap");
+        }
+    }
+
+    fn count_request(&self, round: &Round) {
+        self.counters.replay_request(round.stop.label());
+        if let crate::replay::Stop::Failed(e) = &round.stop {
+            debug!(endpoint = %self.endpoint.publish, error = %e, "replay request failed");
+        }
+    }
+
+    async fn deliver_all(&self, batches: Vec<(u64, Bytes)>, tracker: &mut SeqTracker) {
+        for (seq, payload) in batches {
+            self.deliver(seq, &payload, tracker).await;
+        }
     }
 
     async fn deliver(&self, seq: u64, payload: &[u8], tracker: &mut SeqTracker) {
@@ -295,39 +384,5 @@ impl Source {
                 warn!(endpoint = %self.endpoint.publish, seq, error = %e, "undecodable engine payload skipped");
             }
         }
-    }
-}
-
-/// The longest run of consecutive seqs in `replayed` that ends at `to - 1`.
-fn contiguous_suffix(replayed: &[(u64, Bytes)], to: u64) -> Vec<(u64, Bytes)> {
-    let mut before: Vec<&(u64, Bytes)> = replayed.iter().filter(|(s, _)| *s < to).collect();
-    before.sort_by_key(|(s, _)| *s);
-    before.dedup_by_key(|(s, _)| *s);
-    let mut start = before.len();
-    let mut expected = to;
-    while start > 0 && before[start - 1].0 + 1 == expected {
-        start -= 1;
-        expected -= 1;
-    }
-    before[start..].iter().map(|b| (*b).clone()).collect()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn only_the_run_ending_before_the_live_seq_is_kept() {
-        let b = |s: u64| (s, Bytes::from(vec![s as u8]));
-        let seqs = |v: Vec<(u64, Bytes)>| v.into_iter().map(|x| x.0).collect::<Vec<_>>();
-        assert_eq!(
-            seqs(contiguous_suffix(&[b(3), b(5), b(6), b(7), b(9)], 8)),
-            vec![5, 6, 7]
-        );
-        assert!(
-            contiguous_suffix(&[b(3), b(5)], 8).is_empty(),
-            "7 is missing"
-        );
-        assert!(contiguous_suffix(&[], 8).is_empty());
     }
 }

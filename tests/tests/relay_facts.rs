@@ -17,8 +17,8 @@ mod helpers;
 use engine::{FakeEngine, ReplayFraming, payloads, serve_page};
 use helpers::*;
 use integration_tests::{TestCluster, eventually};
-use kv_events::compute_block_hashes;
 use kv_events::discovery::WorkerRegistration;
+use kv_events::{DpRank, WorkerRank, compute_block_hashes};
 use kv_relay::Relay;
 use router_daemon::Daemon;
 use router_daemon::counters::{MessageKind, Outcome};
@@ -152,6 +152,64 @@ async fn an_unreadable_context_length_does_not_hold_the_registration_back() {
     assert_eq!(relay.counters().scrapes("models_ok"), 0);
     assert_eq!(relay.facts().max_model_len, None);
     relay.shutdown().await.unwrap();
+    engine.stop();
+    daemon.shutdown().await.unwrap();
+}
+
+/// Issue 25, finding 6: a vLLM started with `--data-parallel-size 2` states its two
+/// engine cores' total `num_gpu_blocks` (here 512) under both engine labels of
+/// `vllm:cache_config_info`. The worker registers each rank's capacity (256), and
+/// each rank's scraped KV usage is scaled by it.
+#[tokio::test]
+async fn a_data_parallel_vllm_registers_each_ranks_capacity() {
+    let cluster = TestCluster::start(BLOCK).await.unwrap();
+    let daemon = cluster.start_daemon(|_| {}).await.unwrap();
+    let mut engine = FakeEngine::start("kv-events", ReplayFraming::WithTopic).await;
+    // The page of the real vLLM CPU server of the issue, 16-token blocks here.
+    let dp_page = "vllm:cache_config_info{block_size=\"16\",cache_dtype=\"auto\",engine=\"0\",\
+                   gpu_memory_utilization=\"0.9\",num_gpu_blocks=\"512\",num_gpu_blocks_override=\"None\"} 1.0\n\
+                   vllm:cache_config_info{block_size=\"16\",cache_dtype=\"auto\",engine=\"1\",\
+                   gpu_memory_utilization=\"0.9\",num_gpu_blocks=\"512\",num_gpu_blocks_override=\"None\"} 1.0\n\
+                   vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.25\n\
+                   vllm:kv_cache_usage_perc{engine=\"1\",model_name=\"m\"} 0.5\n";
+    let (url, page) = serve_page(dp_page.to_owned()).await;
+    let flags = engine.relay_flags_without_page();
+    let extra = [
+        "--metrics-url",
+        url.as_str(),
+        "--metrics-interval-ms",
+        "100",
+        "--dp-size",
+        "2",
+        "--shared-endpoint",
+    ];
+    let relay = Relay::start(
+        config_from(&cluster, flags, &extra),
+        &prometheus::Registry::new(),
+    )
+    .await
+    .unwrap();
+    engine.wait_subscribed().await;
+    wait_registered(&daemon, WORKER, true).await;
+    let reg = registration(&daemon).unwrap();
+    assert_eq!(
+        (reg.dp_size, reg.block_size, reg.total_kv_blocks),
+        (2, BLOCK, 256)
+    );
+    assert_eq!(relay.facts().kv_blocks, Some(256));
+    for (rank, used) in [(0, 64), (1, 128)] {
+        let load = eventually("rank's scraped load", WAIT, || async {
+            let scheduler = daemon.state().scheduler();
+            scheduler
+                .load_metrics(WorkerRank::new(WORKER, DpRank(rank)))
+                .copied()
+        })
+        .await
+        .unwrap();
+        assert_eq!((load.kv_used_blocks, load.kv_total_blocks), (used, 256));
+    }
+    relay.shutdown().await.unwrap();
+    page.abort();
     engine.stop();
     daemon.shutdown().await.unwrap();
 }

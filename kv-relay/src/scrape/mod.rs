@@ -7,7 +7,7 @@
 //! | `num_requests_running` | `vllm:num_requests_running` | `sglang:num_running_reqs` |
 //! | `num_requests_waiting` | `vllm:num_requests_waiting` | `sglang:num_queue_reqs` |
 //! | `kv_used_blocks` = usage × the rank's capacity | `vllm:kv_cache_usage_perc` (≥ 0.10) or `vllm:gpu_cache_usage_perc` | `sglang:token_usage` |
-//! | `kv_total_blocks` | `vllm:cache_config_info{num_gpu_blocks}` | `sglang:num_pages` (or max tokens / page size) |
+//! | `kv_total_blocks` | `vllm:cache_config_info{num_gpu_blocks}`, per rank ([`page`]: a data-parallel vLLM states the total) | `sglang:num_pages` (or max tokens / page size) |
 //! | `active_decode_blocks` | = `kv_used_blocks` (blocks referenced by running requests) | same |
 //! | `active_prefill_tokens` | 0: not exported by the engines | 0 |
 //!

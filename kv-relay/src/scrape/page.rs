@@ -18,7 +18,20 @@
 //! | fact | vLLM | SGLang |
 //! |---|---|---|
 //! | block size, tokens | `vllm:cache_config_info{block_size}` | `sglang:page_size` |
-//! | capacity per rank, blocks | `vllm:cache_config_info{num_gpu_blocks}` | `sglang:num_pages`, else `sglang:max_total_num_tokens` / page size |
+//! | capacity per rank, blocks | `vllm:cache_config_info{num_gpu_blocks}`, divided by the engines it labels when they all carry one figure (below) | `sglang:num_pages`, else `sglang:max_total_num_tokens` / page size |
+//!
+//! vLLM with data parallelism (`--data-parallel-size N`, one API server for the N
+//! engine cores) states the **sum** of its engines' `num_gpu_blocks` under every
+//! `engine` label: the API server's `CacheConfig` adds up each engine core's
+//! `num_gpu_blocks` as the cores report ready (`vllm/v1/engine/utils.py`,
+//! `wait_for_engine_startup`: "Sum values from all engines in DP case"), and
+//! `PrometheusStatLogger.log_metrics_info` (`vllm/v1/metrics/loggers.py`) writes that
+//! one config once per engine index it serves. Read as is, each rank would count N
+//! times its real capacity. So when two or more engine labels carry the same figure,
+//! it is the total of those engines and each rank's capacity is the figure divided by
+//! their number (ranks of one deployment are sized alike; the total is all the page
+//! says). Labels carrying different figures are per-rank figures and taken as they
+//! are; a single label is that engine's own figure.
 
 use kv_events::DpRank;
 use std::collections::{BTreeMap, BTreeSet};
@@ -172,9 +185,25 @@ fn count(v: f64) -> Option<u64> {
     (v >= 1.0 && v <= u64::MAX as f64).then_some(v as u64)
 }
 
+/// Each rank's capacity from vLLM's `num_gpu_blocks` per engine label: one figure
+/// under several labels is their engines' total (see the module docs).
+fn vllm_per_rank(stated: BTreeMap<DpRank, u64>) -> BTreeMap<DpRank, u64> {
+    let engines = stated.len() as u64;
+    let mut figures = stated.values();
+    let total = figures.next().copied();
+    match total {
+        Some(total) if engines > 1 && figures.all(|f| *f == total) => {
+            let per_rank = (total / engines).max(1);
+            stated.into_keys().map(|rank| (rank, per_rank)).collect()
+        }
+        _ => stated,
+    }
+}
+
 /// Reads the KV cache facts of a page (see the module docs for the sources).
 pub fn parse_cache_facts(page: &str) -> CacheFacts {
     let mut facts = CacheFacts::default();
+    let mut vllm_blocks: BTreeMap<DpRank, u64> = BTreeMap::new();
     let mut sglang_tokens: BTreeMap<DpRank, u64> = BTreeMap::new();
     let mut sglang_pages: BTreeMap<DpRank, u64> = BTreeMap::new();
     let label_count = |s: &Sample<'_>, name: &str| {
@@ -190,7 +219,7 @@ pub fn parse_cache_facts(page: &str) -> CacheFacts {
                     facts.block_sizes.insert(bs);
                 }
                 if let Some(blocks) = label_count(&s, "num_gpu_blocks") {
-                    facts.kv_blocks.insert(s.rank(), blocks);
+                    vllm_blocks.insert(s.rank(), blocks);
                 }
             }
             "sglang:page_size" => {
@@ -211,6 +240,7 @@ pub fn parse_cache_facts(page: &str) -> CacheFacts {
             _ => {}
         }
     }
+    facts.kv_blocks = vllm_per_rank(vllm_blocks);
     let page_size = (facts.block_sizes.len() == 1)
         .then(|| facts.block_sizes.first().copied())
         .flatten();
@@ -271,6 +301,29 @@ garbage line
         let facts = parse_cache_facts(early);
         assert_eq!(facts.block_sizes, BTreeSet::from([16]));
         assert!(facts.kv_blocks.is_empty());
+    }
+
+    /// Issue 25: the page of a real vLLM CPU server started with
+    /// `--data-parallel-size 2` (256 blocks per engine core) states the cores' total,
+    /// 512, under both engine labels.
+    #[test]
+    fn vllm_dp_pages_state_the_total_under_every_engine_label() {
+        let dp = "vllm:cache_config_info{block_size=\"32\",cache_dtype=\"auto\",engine=\"0\",gpu_memory_utilization=\"0.9\",num_gpu_blocks=\"512\",num_gpu_blocks_override=\"None\"} 1.0\n\
+                  vllm:cache_config_info{block_size=\"32\",cache_dtype=\"auto\",engine=\"1\",gpu_memory_utilization=\"0.9\",num_gpu_blocks=\"512\",num_gpu_blocks_override=\"None\"} 1.0\n\
+                  vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.5\n";
+        let facts = parse_cache_facts(dp);
+        assert_eq!(facts.block_sizes, BTreeSet::from([32]));
+        assert_eq!(
+            facts.kv_blocks,
+            BTreeMap::from([(DpRank(0), 256), (DpRank(1), 256)])
+        );
+        // One engine: its own figure.
+        let one =
+            "vllm:cache_config_info{block_size=\"16\",engine=\"0\",num_gpu_blocks=\"512\"} 1\n";
+        assert_eq!(
+            parse_cache_facts(one).kv_blocks,
+            BTreeMap::from([(DpRank(0), 512)])
+        );
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! The fake engine of `relay.rs`: the engine's side of vLLM's KV-event wire in
 //! Rust (a publisher socket and a replay ROUTER socket), the captured frames, and a
-//! fixed Prometheus page.
+//! fixed Prometheus page. Its replay socket can answer requests with messages left
+//! out, as vLLM's does when its send queue is full ([`Lossy`]).
 
 use bytes::Bytes;
 use serde_json::Value;
@@ -46,6 +47,26 @@ pub enum ReplayFraming {
 
 pub type Buffer = Arc<Mutex<Vec<(u64, Bytes)>>>;
 
+/// What the replay socket leaves out of its answer to one request, as vLLM's does:
+/// its ROUTER socket drops whole messages, silently, once the reader is a send
+/// high-water mark behind (a hole), up to the end marker.
+#[derive(Debug, Clone, Default)]
+pub struct Lossy {
+    /// Seqs of the buffer not sent.
+    pub dropped: std::ops::Range<u64>,
+    /// The end marker is not sent either.
+    pub end_marker_dropped: bool,
+}
+
+/// The replay socket's state: the buffer, the answers to make lossy (one per request,
+/// in order; later requests are answered whole), and the start seq of each request.
+#[derive(Clone, Default)]
+pub struct ReplayState {
+    pub buffer: Buffer,
+    pub lossy: Arc<Mutex<std::collections::VecDeque<Lossy>>>,
+    pub requests: Arc<Mutex<Vec<u64>>>,
+}
+
 /// The engine's side of the wire.
 pub struct FakeEngine {
     publisher: XPubSocket,
@@ -55,6 +76,7 @@ pub struct FakeEngine {
     pub metrics_url: String,
     pub topic: Bytes,
     buffer: Buffer,
+    replay: ReplayState,
     replay_task: JoinHandle<()>,
     page_task: JoinHandle<()>,
 }
@@ -101,10 +123,11 @@ impl FakeEngine {
             .to_string();
         let mut router = RouterSocket::new();
         let replay_endpoint = router.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
-        let buffer: Buffer = Arc::default();
+        let replay = ReplayState::default();
+        let buffer = replay.buffer.clone();
         let topic = Bytes::copy_from_slice(topic.as_bytes());
         let replay_task =
-            tokio::spawn(serve_replay(router, buffer.clone(), topic.clone(), framing));
+            tokio::spawn(serve_replay(router, replay.clone(), topic.clone(), framing));
         let (metrics_url, page_task) = serve_page(VLLM_METRICS.to_owned()).await;
         Self {
             publisher,
@@ -113,6 +136,7 @@ impl FakeEngine {
             metrics_url,
             topic,
             buffer,
+            replay,
             replay_task,
             page_task,
         }
@@ -144,6 +168,16 @@ impl FakeEngine {
         self.buffer.lock().unwrap().push((seq, payload.clone()));
     }
 
+    /// Answers the next replay requests, one entry each, with messages left out.
+    pub fn drop_from_replies(&self, plan: Vec<Lossy>) {
+        self.replay.lossy.lock().unwrap().extend(plan);
+    }
+
+    /// The start seq of every replay request so far, in order.
+    pub fn replay_requests(&self) -> Vec<u64> {
+        self.replay.requests.lock().unwrap().clone()
+    }
+
     /// Empties the replay buffer (an engine whose buffer no longer reaches back).
     pub fn forget(&self) {
         self.buffer.lock().unwrap().clear();
@@ -155,10 +189,12 @@ impl FakeEngine {
     }
 }
 
-/// Serves `["", start_seq]` requests from `buffer`, ended by a seq of -1.
+/// Serves `["", start_seq]` requests from the buffer, ended by a seq of -1, leaving
+/// out what the state's next [`Lossy`] says. A reader that went away mid-answer ends
+/// the answer, as its messages are then dropped.
 pub async fn serve_replay(
     mut router: RouterSocket,
-    buffer: Buffer,
+    state: ReplayState,
     topic: Bytes,
     framing: ReplayFraming,
 ) {
@@ -166,27 +202,42 @@ pub async fn serve_replay(
         let frames = request.into_vec();
         let (id, start) = (frames[0].clone(), &frames[2]);
         let start = u64::from_be_bytes(start[..].try_into().unwrap());
-        let batches: Vec<(u64, Bytes)> = buffer
+        state.requests.lock().unwrap().push(start);
+        let lossy = state.lossy.lock().unwrap().pop_front().unwrap_or_default();
+        let batches: Vec<(u64, Bytes)> = state
+            .buffer
             .lock()
             .unwrap()
             .iter()
-            .filter(|(s, _)| *s >= start)
+            .filter(|(s, _)| *s >= start && !lossy.dropped.contains(s))
             .cloned()
             .collect();
         let reply = |seq: Bytes, payload: Bytes, topic: Bytes| match framing {
             ReplayFraming::WithTopic => vec![id.clone(), Bytes::new(), topic, seq, payload],
             ReplayFraming::Legacy => vec![id.clone(), Bytes::new(), seq, payload],
         };
-        for (seq, payload) in batches {
-            let frames = reply(
-                Bytes::copy_from_slice(&seq.to_be_bytes()),
-                payload,
-                topic.clone(),
-            );
-            router.send(message(frames)).await.unwrap();
+        let mut messages: Vec<Vec<Bytes>> = batches
+            .into_iter()
+            .map(|(seq, payload)| {
+                reply(
+                    Bytes::copy_from_slice(&seq.to_be_bytes()),
+                    payload,
+                    topic.clone(),
+                )
+            })
+            .collect();
+        if !lossy.end_marker_dropped {
+            messages.push(reply(
+                Bytes::from_static(&[0xff; 8]),
+                Bytes::new(),
+                Bytes::new(),
+            ));
         }
-        let end = reply(Bytes::from_static(&[0xff; 8]), Bytes::new(), Bytes::new());
-        router.send(message(end)).await.unwrap();
+        for frames in messages {
+            if router.send(message(frames)).await.is_err() {
+                break;
+            }
+        }
     }
 }
 

@@ -5,8 +5,12 @@
 //! `vllm:num_requests_running`, `vllm:num_requests_waiting`,
 //! `vllm:kv_cache_usage_perc` (a fraction 0..=1 despite the name, as in vLLM), and the
 //! info gauge `vllm:cache_config_info` (value 1) whose labels carry `block_size` and
-//! `num_gpu_blocks`. Values are read from the ranks at scrape time, so a scrape costs
-//! one short lock per rank and nothing between scrapes.
+//! `num_gpu_blocks`. As vLLM's API server does with data parallelism, every `engine`
+//! label carries the total of all ranks' blocks (vLLM sums its engine cores'
+//! `num_gpu_blocks` into the one `CacheConfig` it labels per engine;
+//! `vllm/v1/engine/utils.py`), so a relay reading the mock reads vLLM's shape. Values
+//! are read from the ranks at scrape time, so a scrape costs one short lock per rank
+//! and nothing between scrapes.
 //!
 //! Counters per dp rank, as vLLM's: `vllm:prefix_cache_queries_total` and
 //! `vllm:prefix_cache_hits_total` (prompt tokens of the HTTP requests that were
@@ -130,7 +134,9 @@ impl EngineMetrics {
                 }
             })
             .collect();
-        let (bs, blocks) = (block_size.to_string(), num_gpu_blocks.to_string());
+        // vLLM's total over the ranks, under every rank's label (see the module docs).
+        let total = num_gpu_blocks.saturating_mul(dp_size as u64);
+        let (bs, blocks) = (block_size.to_string(), total.to_string());
         for engine in 0..dp_size {
             let engine = engine.to_string();
             info.with_label_values(&[bs.as_str(), blocks.as_str(), "True", engine.as_str()])

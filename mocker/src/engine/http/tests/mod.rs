@@ -357,7 +357,8 @@ async fn tokenize_models_metrics_and_text_prompts_with_a_model_dir() {
             .find(|l| l.starts_with("vllm:cache_config_info{") && l.contains(engine))
             .expect("cache_config_info");
         assert!(info.contains("block_size=\"16\""), "{info}");
-        assert!(info.contains("num_gpu_blocks=\"64\""), "{info}");
+        // vLLM's data-parallel page: both ranks' 64 blocks, under each engine label.
+        assert!(info.contains("num_gpu_blocks=\"128\""), "{info}");
         assert!(info.ends_with(" 1"), "{info}");
     }
     assert!(m.contains("model_name=\"kv-mocker\""));
