@@ -6,18 +6,20 @@
 //!    health — with no network; the HTTP endpoint can be served from here on
 //!    ([`Starting::serve_http`]) and reports "starting, not ready";
 //! 2. connect to NATS (retried in the background until a server answers);
-//! 3. subscribe to KV events, load metrics, lifecycle messages and replica sequence
-//!    sync (NATS buffers them from here on); start the sync publisher and the request
-//!    expiry task;
+//! 3. subscribe to KV events (with `--jetstream`: restore the snapshot and create the
+//!    stream consumer, which the stream feeds from here on), load metrics, lifecycle
+//!    messages and replica sequence sync (NATS buffers them from here on); start the
+//!    sync publisher and the request expiry task;
 //! 4. connect to etcd and load every worker registration, retrying with backoff while
 //!    etcd is unavailable; then watch from the next revision;
 //! 5. finish the initial recovery of the index: a dump from every registered worker
-//!    rank (or, with `--jetstream`, catching up with the stream after restoring the
-//!    snapshot); events arriving meanwhile are buffered and applied after it
-//!    (`durability`). Meanwhile, with replica sync on, ask the other replicas for the
-//!    requests they booked before step 3 and apply their answers for at most
-//!    `--replica-snapshot-timeout-ms` ([`crate::replicas::snapshot`]; after discovery,
-//!    because a booking needs its rank registered);
+//!    rank (or, with `--jetstream`, start consuming the stream, now that the
+//!    registrations are known, and catch up with it); events arriving meanwhile are
+//!    buffered and applied after it (`durability`). Meanwhile, with replica sync on,
+//!    ask the other replicas for the requests they booked before step 3 and apply
+//!    their answers for at most `--replica-snapshot-timeout-ms`
+//!    ([`crate::replicas::snapshot`]; after discovery, because a booking needs its
+//!    rank registered);
 //! 6. answer other replicas' snapshot requests from here on; join the route queue
 //!    group last, so no query is answered before workers and peers' bookings are
 //!    known; confirm the subscriptions with a server round trip; log `kv-router
@@ -263,7 +265,13 @@ impl Starting {
         // worker; live events arriving meanwhile are buffered, not lost or doubled.
         // The peers' bookings are gathered at the same time.
         let (recovered, _snapshot) = tokio::join!(
-            crate::durability::initial_recovery(&state, &recovery, event_intake),
+            crate::durability::initial_recovery(
+                &state,
+                &recovery,
+                event_intake,
+                &intake_tasks,
+                &intake,
+            ),
             replicas::snapshot::gather(
                 &state.admission,
                 &state.counters,
