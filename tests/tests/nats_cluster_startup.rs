@@ -98,6 +98,45 @@ async fn thirty_replica_starts_against_a_three_node_cluster_all_become_ready() -
     Ok(())
 }
 
+/// A node killed under two running replicas: queries through the surviving nodes are
+/// still answered (each replica's connections move to a live node), and through the
+/// node again once it is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_answer_through_every_live_node_while_one_is_killed_and_restarted()
+-> anyhow::Result<()> {
+    let mut nats = NatsCluster::start(3).await?;
+    let etcd = EtcdServer::start().await?;
+    let urls = nats.url_list();
+    let subjects = Subjects::new(Namespace::new("nats-cluster")?);
+    let (a, b) = tokio::join!(
+        start_replica(replica_args(&urls, &etcd.endpoint(), 1)?),
+        start_replica(replica_args(&urls, &etcd.endpoint(), 2)?),
+    );
+    let (a, b) = (a?, b?);
+    let node_urls = nats.urls();
+    let answered = |i: usize| {
+        let (url, subjects) = (node_urls[i].clone(), subjects.clone());
+        async move {
+            let client = async_nats::ConnectOptions::new()
+                .retain_servers_order()
+                .connect(url)
+                .await?;
+            eventually(&format!("an answer via node {i}"), READY_WITHIN, || {
+                route_probe(&client, &subjects)
+            })
+            .await
+        }
+    };
+    nats.kill(0);
+    for i in [1, 2] {
+        answered(i).await?;
+    }
+    nats.restart(0).await?;
+    answered(0).await?;
+    a.shutdown().await?;
+    b.shutdown().await
+}
+
 /// One route query through `client`: the reply, or `None` while nobody answers on
 /// that node yet.
 async fn route_probe(client: &async_nats::Client, subjects: &Subjects) -> Option<RouteReply> {
