@@ -33,6 +33,8 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 
 const NATS_READY: &str = "Server is ready";
+/// Logged after "Server is ready", once the route port is bound too.
+const ROUTES_READY: &str = "Listening for route connections";
 
 /// How long [`NatsCluster::start`] and [`NatsCluster::restart`] wait for the routes
 /// to carry messages between every pair of nodes.
@@ -108,27 +110,30 @@ impl NatsCluster {
         count: usize,
         latency: Duration,
     ) -> Result<Self, ClusterError> {
-        let ports = (0..count)
-            .map(|_| Ok((free_port()?, free_port()?)))
-            .collect::<Result<Vec<(u16, u16)>, ClusterError>>()?;
+        // The forwarders listen first and keep their ports, so no node is given one.
+        let mut forwarders = Vec::new();
+        if !latency.is_zero() {
+            for _ in 0..count {
+                let listener = TcpListener::bind("127.0.0.1:0")
+                    .await
+                    .map_err(|source| io_error("binding a route forwarder", source))?;
+                forwarders.push(listener);
+            }
+        }
+        let probed = distinct_free_ports(2 * count)?;
+        let ports: Vec<(u16, u16)> = probed.chunks(2).map(|p| (p[0], p[1])).collect();
         // Where the nodes dial each other: the route ports, or the forwarders.
         let mut proxies = JoinSet::new();
-        let mut dialled = Vec::with_capacity(count);
-        for &(_, route_port) in &ports {
-            if latency.is_zero() {
-                dialled.push(route_port);
-                continue;
-            }
-            let listener = TcpListener::bind("127.0.0.1:0")
-                .await
-                .map_err(|source| io_error("binding a route forwarder", source))?;
-            let port = listener
+        let mut dialled: Vec<u16> = ports.iter().map(|&(_, route)| route).collect();
+        for (listener, (dial, &(_, route_port))) in
+            forwarders.into_iter().zip(dialled.iter_mut().zip(&ports))
+        {
+            *dial = listener
                 .local_addr()
                 .map_err(|source| io_error("binding a route forwarder", source))?
                 .port();
             let upstream = SocketAddr::from(([127, 0, 0, 1], route_port));
             proxies.spawn(forward_delayed(listener, upstream, latency));
-            dialled.push(port);
         }
         let routes = dialled
             .iter()
@@ -165,7 +170,7 @@ impl NatsCluster {
         }
         for node in &mut nodes {
             if let Some(process) = node.process.as_mut() {
-                process.wait_for_line(NATS_READY, READY_TIMEOUT).await?;
+                wait_until_listening(process).await?;
             }
         }
         Ok(Self {
@@ -228,7 +233,7 @@ impl NatsCluster {
         }
         let binary = find_on_path("nats-server").context("nats-server not found on PATH")?;
         let mut process = spawn(&binary, i, &self.nodes[i].config())?;
-        process.wait_for_line(NATS_READY, READY_TIMEOUT).await?;
+        wait_until_listening(&mut process).await?;
         self.nodes[i].process = Some(process);
         self.wait_for_mesh().await
     }
@@ -271,6 +276,32 @@ impl NatsCluster {
         }
         Ok(())
     }
+}
+
+/// Waits until `process` serves clients and listens for routes. A port taken meanwhile
+/// makes it exit first, an error [`ClusterError::is_port_conflict`] recognises.
+async fn wait_until_listening(process: &mut ManagedProcess) -> Result<(), ClusterError> {
+    process.wait_for_line(NATS_READY, READY_TIMEOUT).await?;
+    process.wait_for_line(ROUTES_READY, READY_TIMEOUT).await?;
+    Ok(())
+}
+
+/// `count` different ports, each free when probed ([`free_port`]).
+fn distinct_free_ports(count: usize) -> Result<Vec<u16>, ClusterError> {
+    let mut ports = Vec::with_capacity(count);
+    for _ in 0..count * 100 {
+        if ports.len() == count {
+            return Ok(ports);
+        }
+        let port = free_port()?;
+        if !ports.contains(&port) {
+            ports.push(port);
+        }
+    }
+    Err(io_error(
+        "probing for free ports",
+        std::io::Error::other(format!("only {} distinct ones found", ports.len())),
+    ))
 }
 
 fn spawn(binary: &Path, i: usize, config: &Path) -> Result<ManagedProcess, ClusterError> {
