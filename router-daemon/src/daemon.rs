@@ -6,18 +6,20 @@
 //!    health — with no network; the HTTP endpoint can be served from here on
 //!    ([`Starting::serve_http`]) and reports "starting, not ready";
 //! 2. connect to NATS (retried in the background until a server answers);
-//! 3. subscribe to KV events, load metrics, lifecycle messages and replica sequence
-//!    sync (NATS buffers them from here on); start the sync publisher and the request
-//!    expiry task;
+//! 3. subscribe to KV events (with `--jetstream`: restore the snapshot and create the
+//!    stream consumer, which the stream feeds from here on), load metrics, lifecycle
+//!    messages and replica sequence sync (NATS buffers them from here on); start the
+//!    sync publisher and the request expiry task;
 //! 4. connect to etcd and load every worker registration, retrying with backoff while
 //!    etcd is unavailable; then watch from the next revision;
 //! 5. finish the initial recovery of the index: a dump from every registered worker
-//!    rank (or, with `--jetstream`, catching up with the stream after restoring the
-//!    snapshot); events arriving meanwhile are buffered and applied after it
-//!    (`durability`). Meanwhile, with replica sync on, ask the other replicas for the
-//!    requests they booked before step 3 and apply their answers for at most
-//!    `--replica-snapshot-timeout-ms` ([`crate::replicas::snapshot`]; after discovery,
-//!    because a booking needs its rank registered);
+//!    rank (or, with `--jetstream`, start consuming the stream, now that the
+//!    registrations are known, and catch up with it); events arriving meanwhile are
+//!    buffered and applied after it (`durability`). Meanwhile, with replica sync on,
+//!    ask the other replicas for the requests they booked before step 3 and apply
+//!    their answers for at most `--replica-snapshot-timeout-ms`
+//!    ([`crate::replicas::snapshot`]; after discovery, because a booking needs its
+//!    rank registered);
 //! 6. answer other replicas' snapshot requests from here on; join the route queue
 //!    group last, so no query is answered before workers and peers' bookings are
 //!    known; confirm the subscriptions with a server round trip; log `kv-router
@@ -32,6 +34,12 @@
 //! of the sequence (`kv_cluster::shutdown`): with NATS or etcd gone a drain or a round
 //! trip never completes, so past the deadline the step under way is abandoned and the
 //! rest skipped, each logged, and [`Daemon::shutdown`] fails naming them.
+//!
+//! Each step names itself in `/health/readyz` (`step`) and, once a start takes longer
+//! than 10 s, in a warning every 10 s ([`crate::startup`]). The NATS round trips
+//! (replica sync, step 3; the last one, step 6) re-publish until they arrive and fail
+//! the start after 30 s of NATS being up ([`crate::barrier`]); waits for NATS or etcd
+//! to come back are not bounded, and reported.
 //!
 //! If start-up fails, or its future is dropped (a shutdown signal during start-up),
 //! every task it spawned is cancelled.
@@ -165,7 +173,10 @@ impl Starting {
         } = self;
         // Cancels every task below if this future fails or is dropped before the end.
         let abandon = root.clone().drop_guard();
+        let _slow = crate::startup::report_slow_start(state.health.clone());
+        let step = |name| state.health.set_step(name);
         let subjects = config.subjects.clone();
+        step("connecting to NATS");
         let nats = crate::nats::connect(&config.nats, state.health.clone())
             .await
             .context("configuring the NATS connection")?;
@@ -174,6 +185,10 @@ impl Starting {
         let intake_tasks = TaskTracker::new();
         // KV events first: a core subscription, or the JetStream stream after its
         // snapshot is restored (see `durability`); then the recovery service.
+        step(match config.durability.jetstream {
+            Some(_) => "opening the jetstream stream and restoring the index snapshot",
+            None => "subscribing to kv events",
+        });
         let event_intake = crate::durability::start_event_intake(
             &config.durability,
             &state,
@@ -189,6 +204,7 @@ impl Starting {
             &intake_tasks,
             intake.child_token(),
         );
+        step("subscribing to load metrics and lifecycle messages");
         let metrics = nats
             .subscribe(subjects.load_metrics_all())
             .await
@@ -217,6 +233,7 @@ impl Starting {
                 lifecycle::handle_lifecycle(&admission, &counters, &limits, subject, payload);
             },
         ));
+        step("starting replica sync: a NATS round trip between its two connections");
         replicas::sync::start(
             &state.admission,
             &state.counters,
@@ -237,6 +254,7 @@ impl Starting {
                 .expire_requests(intake.child_token()),
         );
 
+        step("loading worker registrations from etcd");
         let discovery_token = root.child_token();
         let mut discovery = discovery::Discovery::new(state.clone());
         let Some(directory) = WorkerDirectory::connect_and_load(
@@ -265,8 +283,15 @@ impl Starting {
         // Initial recovery: JetStream catch-up and/or a dump from every registered
         // worker; live events arriving meanwhile are buffered, not lost or doubled.
         // The peers' bookings are gathered at the same time.
+        step("initial recovery of the index, and the peers' bookings");
         let (recovered, _snapshot) = tokio::join!(
-            crate::durability::initial_recovery(&state, &recovery, event_intake),
+            crate::durability::initial_recovery(
+                &state,
+                &recovery,
+                event_intake,
+                &intake_tasks,
+                &intake,
+            ),
             replicas::snapshot::gather(
                 &state.admission,
                 &state.counters,
@@ -278,6 +303,7 @@ impl Starting {
         let recovered = recovered?;
         info!(summary = %recovered, "initial recovery done");
         state.health.set_recovery_done(recovered);
+        step("joining the route queue groups");
         replicas::snapshot::serve(
             &state.admission,
             &state.counters,
@@ -312,6 +338,7 @@ impl Starting {
             intake.child_token(),
         ));
         intake_tasks.close();
+        step("confirming the subscriptions with NATS");
         crate::barrier::server_barrier(&nats)
             .await
             .context("syncing subscriptions with NATS")?;

@@ -83,6 +83,10 @@ pub struct Readiness {
     pub ready: bool,
     /// The daemon's phase.
     pub phase: Phase,
+    /// While starting, the start-up step under way (`crate::daemon`'s steps, e.g.
+    /// `"loading worker registrations from etcd"`); absent in the other phases.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub step: Option<&'static str>,
     /// Each input.
     pub checks: Checks,
 }
@@ -97,6 +101,8 @@ pub struct Health {
     /// Last etcd problem, or what etcd is doing; for the `etcd` check's detail.
     etcd_detail: Mutex<String>,
     recovery_detail: Mutex<String>,
+    /// The start-up step under way.
+    step: Mutex<&'static str>,
     metrics: ConnectionMetrics,
     ready: watch::Sender<bool>,
 }
@@ -115,6 +121,7 @@ impl Health {
             recovery_done: AtomicBool::new(false),
             etcd_detail: Mutex::new("not connected yet".to_owned()),
             recovery_detail: Mutex::new("waiting for discovery".to_owned()),
+            step: Mutex::new("building the router state"),
             metrics,
             ready: watch::channel(false).0,
         }
@@ -173,6 +180,16 @@ impl Health {
             Event::LameDuckMode => warn!("nats server entered lame duck mode"),
             Event::Draining => {}
         }
+    }
+
+    /// Records the start-up step now under way (reported while starting).
+    pub fn set_step(&self, step: &'static str) {
+        *self.step.lock().unwrap_or_else(|p| p.into_inner()) = step;
+    }
+
+    /// The start-up step last recorded.
+    pub fn step(&self) -> &'static str {
+        *self.step.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Records a successful etcd call (connect, load or watch start).
@@ -237,9 +254,11 @@ impl Health {
     pub fn report(&self) -> Readiness {
         let nats = self.nats.load(Ordering::Acquire);
         let discovery = self.discovery_loaded.load(Ordering::Acquire);
+        let phase = self.phase();
         Readiness {
             ready: self.is_ready(),
-            phase: self.phase(),
+            phase,
+            step: (phase == Phase::Starting).then(|| self.step()),
             checks: Checks {
                 nats: Check {
                     ok: nats,
@@ -318,6 +337,7 @@ mod tests {
         h.nats_event(&async_nats::Event::Connected);
         assert!(h.is_ready());
 
+        assert_eq!(h.report().step, None, "only a start has steps");
         h.set_phase(Phase::ShuttingDown);
         assert!(!h.is_ready());
         assert_eq!(h.report().phase, Phase::ShuttingDown);
@@ -362,9 +382,11 @@ mod tests {
     #[test]
     fn report_serializes_as_documented() {
         let (h, _) = health();
+        h.set_step("loading worker registrations from etcd");
         let json = serde_json::to_value(h.report()).unwrap();
         assert_eq!(json["ready"], false);
         assert_eq!(json["phase"], "starting");
+        assert_eq!(json["step"], "loading worker registrations from etcd");
         for check in ["nats", "etcd", "discovery", "recovery"] {
             assert_eq!(json["checks"][check]["ok"], false, "{check}");
             assert!(json["checks"][check]["detail"].is_string(), "{check}");

@@ -5,7 +5,9 @@
 //! NATS buffers for us) rather than growing memory without bound. A payload that is
 //! too large, does not decode, is over a limit (`crate::gate`), or whose worker id
 //! disagrees with its subject, is counted, logged with its subject, and skipped; the
-//! loop goes on.
+//! loop goes on. KV events from either intake (core NATS here, or the JetStream
+//! consumer) pass through one [`EventDoor`]: decode → hold for the registration →
+//! apply, so both enforce the same registration and epoch rules.
 
 use crate::admission::Admission;
 use crate::gate::admit;
@@ -39,7 +41,7 @@ pub fn decode_events(
     Some(batch)
 }
 
-/// What the KV event intake task uses.
+/// What a KV event intake uses.
 pub struct EventIntake {
     /// Where batches go.
     pub indexer: Indexer,
@@ -55,20 +57,44 @@ pub struct EventIntake {
     pub subjects: Subjects,
 }
 
-/// Consumes KV events into the indexer until `intake` is cancelled: decodes and bounds
-/// each batch, applies it if its worker is registered at (or after) its epoch, and
-/// otherwise holds it for its registration (`crate::publishers`). Registrations are
-/// looked at before each message, so held batches of a worker are applied before
-/// its later ones.
-pub async fn serve_events(
-    mut parts: EventIntake,
-    subscriber: async_nats::Subscriber,
-    intake: CancellationToken,
-) {
-    let mut messages = std::pin::pin!(crate::nats::drain_on_cancel(subscriber, intake));
-    let mut hold = Hold::new(parts.hold);
-    loop {
-        let deadline = hold.next_deadline();
+/// The one door every KV event message goes through, whichever intake received it
+/// (the core subscription, [`serve_events`], or the JetStream consumer,
+/// `crate::durability::jetstream`): decode and bound it ([`decode_events`]), apply it
+/// if its worker is registered at (or after) its epoch, and otherwise hold it for its
+/// registration (`crate::publishers`). Registrations are looked at before each
+/// message, so held batches of a worker are applied before its later ones.
+///
+/// `P` is where a message came from (`()` for core NATS, the stream sequence for
+/// JetStream), kept with each held batch ([`EventDoor::oldest_held`]).
+///
+/// The intake's loop waits on its messages and on [`EventDoor::wake`] in one
+/// `select!`, then calls [`EventDoor::take`] or [`EventDoor::handle`]; both return
+/// false once the indexer is gone, and the intake must stop.
+pub struct EventDoor<P> {
+    parts: EventIntake,
+    hold: Hold<(KvEventBatch, P)>,
+}
+
+/// Why [`EventDoor::wake`] returned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Wake {
+    /// The registrations changed: held batches may be applied now.
+    Registrations,
+    /// The oldest held batch's grace ended.
+    Expired,
+}
+
+impl<P: Copy> EventDoor<P> {
+    /// A door with nothing held.
+    pub fn new(parts: EventIntake) -> Self {
+        let hold = Hold::new(parts.hold);
+        Self { parts, hold }
+    }
+
+    /// Waits until the registrations change or a held batch's grace ends. Cancel-safe:
+    /// it only waits; [`Self::handle`] acts.
+    pub async fn wake(&mut self) -> Wake {
+        let deadline = self.hold.next_deadline();
         let expired = async {
             match deadline {
                 Some(at) => tokio::time::sleep_until(at).await,
@@ -77,56 +103,79 @@ pub async fn serve_events(
         };
         tokio::select! {
             biased;
-            Ok(()) = parts.publishers.changed() => {
-                if !parts.release(&mut hold).await {
-                    return;
-                }
-            }
-            () = expired => {
-                let dropped = hold.expire(Instant::now(), &parts.publishers.borrow());
+            Ok(()) = self.parts.publishers.changed() => Wake::Registrations,
+            () = expired => Wake::Expired,
+        }
+    }
+
+    /// Acts on `wake`: applies the held batches the registrations now allow, in
+    /// arrival order, or drops (and counts) those whose grace ended. False when the
+    /// indexer is gone.
+    pub async fn handle(&mut self, wake: Wake) -> bool {
+        match wake {
+            Wake::Registrations => self.release().await,
+            Wake::Expired => {
+                let dropped = self
+                    .hold
+                    .expire(Instant::now(), &self.parts.publishers.borrow());
                 for dropped in dropped {
-                    parts.drop_held(dropped);
+                    self.drop_held(dropped);
                 }
-            }
-            msg = messages.next() => {
-                let Some(msg) = msg else { return };
-                let received = std::time::Instant::now();
-                let Some(batch) = decode_events(&parts.counters, &parts.limits, &msg.subject, &msg.payload) else {
-                    continue;
-                };
-                if parts.publishers.has_changed().unwrap_or(false) && !parts.release(&mut hold).await {
-                    return;
-                }
-                let admitted = hold.admit(batch, &parts.publishers.borrow(), Instant::now());
-                match admitted {
-                    Ok(batch) => {
-                        if !parts.apply(batch).await {
-                            return;
-                        }
-                        parts.counters.metrics.events.observe_lag(received.elapsed());
-                    }
-                    Err(evicted) => evicted.into_iter().for_each(|d| parts.drop_held(d)),
-                }
+                true
             }
         }
     }
-}
 
-impl EventIntake {
+    /// Takes one message received on `subject` from `position`: skips it if it does
+    /// not decode or is over a limit (counted and logged), applies it, or holds it.
+    /// False when the indexer is gone.
+    pub async fn take(&mut self, subject: &str, payload: &[u8], position: P) -> bool {
+        let received = std::time::Instant::now();
+        let Some(batch) = decode_events(&self.parts.counters, &self.parts.limits, subject, payload)
+        else {
+            return true;
+        };
+        if self.parts.publishers.has_changed().unwrap_or(false) && !self.release().await {
+            return false;
+        }
+        let admitted = self.hold.admit(
+            (batch, position),
+            &self.parts.publishers.borrow(),
+            Instant::now(),
+        );
+        match admitted {
+            Ok((batch, _)) => {
+                if !self.apply(batch).await {
+                    return false;
+                }
+                (self.parts.counters.metrics.events).observe_lag(received.elapsed());
+            }
+            Err(evicted) => evicted.into_iter().for_each(|d| self.drop_held(d)),
+        }
+        true
+    }
+
+    /// Where the batch held longest came from; `None` when nothing is held.
+    pub fn oldest_held(&self) -> Option<P> {
+        self.hold.oldest().map(|(_, position)| *position)
+    }
+
     /// Applies one batch; false when the indexer is gone (intake must stop).
     async fn apply(&self, batch: KvEventBatch) -> bool {
-        if let Err(e) = self.indexer.apply(batch).await {
+        if let Err(e) = self.parts.indexer.apply(batch).await {
             warn!(error = %e, "indexer refused events; stopping event intake");
             return false;
         }
-        self.counters.message(MessageKind::Events, Outcome::Ok);
+        (self.parts.counters).message(MessageKind::Events, Outcome::Ok);
         true
     }
 
     /// Applies the held batches the current registrations allow, in arrival order.
-    async fn release(&mut self, hold: &mut Hold) -> bool {
-        let released = hold.release(&self.publishers.borrow_and_update());
-        for batch in released {
+    async fn release(&mut self) -> bool {
+        let released = self
+            .hold
+            .release(&self.parts.publishers.borrow_and_update());
+        for (batch, _) in released {
             if !self.apply(batch).await {
                 return false;
             }
@@ -144,8 +193,35 @@ impl EventIntake {
             "worker {} (epoch {}) is not registered at that epoch",
             dropped.worker_id, dropped.epoch
         );
-        let subject = self.subjects.kv_events(dropped.worker_id);
-        (self.counters).skipped(MessageKind::Events, outcome, &subject, &detail);
+        let subject = self.parts.subjects.kv_events(dropped.worker_id);
+        (self.parts.counters).skipped(MessageKind::Events, outcome, &subject, &detail);
+    }
+}
+
+/// The core NATS intake: consumes KV events from `subscriber` through an
+/// [`EventDoor`] until `intake` is cancelled (then drains the subscription).
+pub async fn serve_events(
+    parts: EventIntake,
+    subscriber: async_nats::Subscriber,
+    intake: CancellationToken,
+) {
+    let mut messages = std::pin::pin!(crate::nats::drain_on_cancel(subscriber, intake));
+    let mut door = EventDoor::new(parts);
+    loop {
+        tokio::select! {
+            biased;
+            wake = door.wake() => {
+                if !door.handle(wake).await {
+                    return;
+                }
+            }
+            msg = messages.next() => {
+                let Some(msg) = msg else { return };
+                if !door.take(&msg.subject, &msg.payload, ()).await {
+                    return;
+                }
+            }
+        }
     }
 }
 

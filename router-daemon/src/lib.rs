@@ -7,12 +7,14 @@
 //! [`tokio_util::sync::CancellationToken`].
 //!
 //! # Layout
-//! - [`barrier`]: a NATS round trip proving our subscriptions are registered.
+//! - [`barrier`]: a NATS round trip proving our subscriptions are registered,
+//!   re-published until it arrives (NATS clusters), with a deadline.
 //! - [`block_size`]: the tokens per block, pinned by `--block-size` or adopted from
 //!   the registrations (and why replicas agree on it).
 //! - [`config`]: every `serve` setting (flags, environment, TOML file, `config print`),
 //!   validated once into typed sub-configs: scheduling, policy and index flag groups.
 //! - [`daemon`]: start-up and the shutdown order (stop intake → drain shards → close).
+//! - [`startup`]: the start-up step under way, and warnings while a start is slow.
 //! - [`discovery`]: applies the etcd worker directory (`kv_cluster::directory`) to
 //!   the scheduler, the indexer and `/debug/workers`.
 //! - [`durability`]: gap recovery from publishers, start-up resync, the optional
@@ -58,6 +60,7 @@ pub mod queue;
 pub mod replicas;
 pub mod route;
 pub mod route_batch;
+pub mod startup;
 pub mod state;
 
 pub use config::{DaemonConfig, ServeArgs};

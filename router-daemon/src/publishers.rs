@@ -22,7 +22,10 @@
 //!
 //! [`Publishers`] is written by discovery and read by every event intake task through
 //! a `watch` channel (a copy of the map per registration change: O(workers), rare).
-//! [`Hold`] is owned by one intake task: plain data, tested without a runtime.
+//! [`Hold`] is owned by one intake task: plain data, tested without a runtime. It
+//! holds a bare [`KvEventBatch`], or one with where it came from ([`HeldBatch`]): the
+//! JetStream intake keeps each held batch's stream sequence, so its snapshots never
+//! claim a batch still waiting.
 //! Memory: at most `capacity` batches, each bounded by `--max-message-bytes`.
 
 use kv_events::{KvEventBatch, WorkerId};
@@ -122,17 +125,36 @@ pub struct Dropped {
     pub reason: HoldReason,
 }
 
-#[derive(Debug)]
-struct Held {
-    until: Instant,
-    batch: KvEventBatch,
+/// What a [`Hold`] holds: a batch, possibly with where it came from.
+pub trait HeldBatch {
+    /// The batch itself.
+    fn batch(&self) -> &KvEventBatch;
 }
 
-/// The batches one intake task holds; see the module docs.
+impl HeldBatch for KvEventBatch {
+    fn batch(&self) -> &KvEventBatch {
+        self
+    }
+}
+
+/// A batch and its position in its source (e.g. a JetStream stream sequence).
+impl<P> HeldBatch for (KvEventBatch, P) {
+    fn batch(&self) -> &KvEventBatch {
+        &self.0
+    }
+}
+
 #[derive(Debug)]
-pub struct Hold {
+struct Held<B> {
+    until: Instant,
+    batch: B,
+}
+
+/// The batches one intake task holds, each a `B` ([`HeldBatch`]); see the module docs.
+#[derive(Debug)]
+pub struct Hold<B = KvEventBatch> {
     config: HoldConfig,
-    held: VecDeque<Held>,
+    held: VecDeque<Held<B>>,
 }
 
 /// Whether `batch` may be applied under `registered`, or why not.
@@ -144,7 +166,7 @@ fn verdict(batch: &KvEventBatch, registered: &HashMap<WorkerId, u64>) -> Option<
     }
 }
 
-impl Hold {
+impl<B: HeldBatch> Hold<B> {
     /// An empty hold.
     pub fn new(config: HoldConfig) -> Self {
         Self {
@@ -171,15 +193,17 @@ impl Hold {
     /// As described: the batch is not to be applied now.
     pub fn admit(
         &mut self,
-        batch: KvEventBatch,
+        batch: B,
         registered: &HashMap<WorkerId, u64>,
         now: Instant,
-    ) -> Result<KvEventBatch, Option<Dropped>> {
-        if verdict(&batch, registered).is_none() {
+    ) -> Result<B, Option<Dropped>> {
+        if verdict(batch.batch(), registered).is_none() {
             return Ok(batch);
         }
         let evicted = if self.held.len() >= self.config.capacity {
-            self.held.pop_front().map(|h| dropped(&h.batch, registered))
+            self.held
+                .pop_front()
+                .map(|h| dropped(h.batch.batch(), registered))
         } else {
             None
         };
@@ -191,10 +215,11 @@ impl Hold {
     }
 
     /// The held batches that `registered` now allows, in arrival order.
-    pub fn release(&mut self, registered: &HashMap<WorkerId, u64>) -> Vec<KvEventBatch> {
-        let (ready, waiting): (VecDeque<Held>, VecDeque<Held>) = std::mem::take(&mut self.held)
-            .into_iter()
-            .partition(|h| verdict(&h.batch, registered).is_none());
+    pub fn release(&mut self, registered: &HashMap<WorkerId, u64>) -> Vec<B> {
+        let (ready, waiting): (VecDeque<Held<B>>, VecDeque<Held<B>>) =
+            std::mem::take(&mut self.held)
+                .into_iter()
+                .partition(|h| verdict(h.batch.batch(), registered).is_none());
         // Both keep arrival order, so `held` stays sorted by deadline.
         self.held = waiting;
         ready.into_iter().map(|h| h.batch).collect()
@@ -205,7 +230,7 @@ impl Hold {
         let mut out = Vec::new();
         while self.held.front().is_some_and(|h| h.until <= now) {
             if let Some(h) = self.held.pop_front() {
-                out.push(dropped(&h.batch, registered));
+                out.push(dropped(h.batch.batch(), registered));
             }
         }
         out
@@ -214,6 +239,11 @@ impl Hold {
     /// When the oldest held batch's grace ends.
     pub fn next_deadline(&self) -> Option<Instant> {
         self.held.front().map(|h| h.until)
+    }
+
+    /// The batch held longest (the first to arrive of those still held).
+    pub fn oldest(&self) -> Option<&B> {
+        self.held.front().map(|h| &h.batch)
     }
 }
 
@@ -303,6 +333,25 @@ mod tests {
         let released = hold.release(&registered(&[(7, 2), (8, 5)]));
         assert_eq!(released, vec![batch(8, 2), batch(7, 2)]);
         assert_eq!(hold.len(), 1);
+    }
+
+    #[test]
+    fn a_hold_keeps_where_each_batch_came_from_and_knows_the_oldest() {
+        let mut hold: Hold<(KvEventBatch, u64)> = Hold::new(CONFIG);
+        let now = Instant::now();
+        let reg = registered(&[(1, 0)]);
+        assert_eq!(
+            hold.admit((batch(1, 0), 5), &reg, now),
+            Ok((batch(1, 0), 5))
+        );
+        assert_eq!(hold.admit((batch(2, 0), 6), &reg, now), Err(None));
+        assert_eq!(hold.admit((batch(3, 0), 7), &reg, now), Err(None));
+        assert_eq!(hold.oldest().map(|(_, at)| *at), Some(6));
+        let released = hold.release(&registered(&[(1, 0), (2, 0)]));
+        assert_eq!(released, vec![(batch(2, 0), 6)]);
+        assert_eq!(hold.oldest().map(|(_, at)| *at), Some(7));
+        assert_eq!(hold.expire(now + CONFIG.grace, &reg).len(), 1);
+        assert_eq!(hold.oldest(), None);
     }
 
     #[test]

@@ -8,6 +8,8 @@
 //! # Layout
 //! - [`TestCluster`]: nats-server + etcd + a running daemon, and clients to both.
 //! - [`FakeWorker`]: a hand-driven worker: etcd registration under a lease, KV events.
+//! - [`nats_cluster`]: [`nats_cluster::NatsCluster`]: N nats-server nodes routed as one
+//!   cluster, a node killed and restarted.
 //! - [`security`]: [`security::SecureCluster`]: nats-server with the shipped
 //!   permissions, etcd over mutual TLS with authentication and the shipped roles.
 //! - [`child_daemon`]: the release binary as a child process, for the measurement
@@ -19,6 +21,7 @@ use anyhow::Context;
 pub mod child_daemon;
 pub mod etcd_cluster;
 pub mod etcd_proxy;
+pub mod nats_cluster;
 pub mod python;
 pub mod security;
 use etcd_client::{Client as Etcd, PutOptions};

@@ -13,6 +13,16 @@
 //! replays what is left and falls back to the publisher resync of
 //! [`super::recovery`].
 //!
+//! One door: every batch from the stream goes through the same
+//! [`crate::intake::EventDoor`] as the core subscription's — decode, hold while its
+//! worker (or its epoch) is not registered, apply — so a batch the core intake would
+//! hold or drop is held or dropped here too. The consumer starts pulling only once
+//! discovery has loaded (the stream keeps what arrives meanwhile), so a replay of many
+//! batches meets the registrations instead of filling the hold. A snapshot covers the
+//! stream up to just before the oldest batch still held, so a restart replays a held
+//! batch instead of losing it (the batches after it that were applied come again and
+//! are dropped as duplicates by the indexer's event ids).
+//!
 //! Costs, measured in `docs/benchmarks.md`: every event is stored once more by the
 //! server (disk and, in a cluster, replication); a snapshot is about as large as a
 //! dump of the index; a restart downloads one snapshot and replays the batches since.
@@ -20,7 +30,7 @@
 //! not in the stream either).
 
 use crate::durability::JetStreamConfig;
-use crate::metrics::counters::{MessageKind, Outcome};
+use crate::intake::EventDoor;
 use crate::state::RouterState;
 use async_nats::jetstream::{self, consumer, object_store, stream};
 use futures::StreamExt;
@@ -242,15 +252,25 @@ pub struct JetStreamStart {
     pub needs_resync: bool,
 }
 
+/// A restored JetStream path, ready to consume ([`consume`]).
+pub struct Restored {
+    /// What the restore found.
+    pub start: JetStreamStart,
+    path: JetStreamPath,
+    consumer: consumer::PullConsumer,
+    door: crate::intake::EventIntake,
+}
+
 /// Loads the latest snapshot into the indexer and creates the consumer that
-/// continues after it.
+/// continues after it; its batches will go through a door made of `door`.
 ///
 /// # Errors
 /// [`JetStreamError`] from the server, or when the indexer stopped.
 pub async fn restore(
     state: &RouterState,
-    path: &JetStreamPath,
-) -> Result<(JetStreamStart, consumer::PullConsumer), JetStreamError> {
+    path: JetStreamPath,
+    door: crate::intake::EventIntake,
+) -> Result<Restored, JetStreamError> {
     let started = Instant::now();
     let loaded = path.load_snapshot().await?;
     let (sequence, bytes) =
@@ -282,39 +302,89 @@ pub async fn restore(
         ms = started.elapsed().as_millis() as u64,
         "jetstream index snapshot restored"
     );
-    Ok((
-        JetStreamStart {
+    Ok(Restored {
+        start: JetStreamStart {
             snapshot_sequence: sequence,
             snapshot_bytes: bytes,
             needs_resync,
         },
+        path,
         consumer,
-    ))
+        door,
+    })
 }
 
-/// Consumes the stream into the indexer until `stop`, snapshotting every
+/// Attempts at reading the consumer's pending count before [`consume`] gives up.
+const INFO_ATTEMPTS: usize = 5;
+
+/// How many batches the consumer has to deliver before it has caught up, read with
+/// retries (each read bounded by the client's request timeout).
+async fn pending_at_start(consumer: &consumer::PullConsumer) -> anyhow::Result<u64> {
+    use backon::Retryable as _;
+    let read = || async { consumer.clone().info().await.map(|info| info.num_pending) };
+    let backoff = backon::ExponentialBuilder::default()
+        .with_min_delay(std::time::Duration::from_millis(100))
+        .with_max_delay(std::time::Duration::from_secs(2))
+        .with_max_times(INFO_ATTEMPTS - 1);
+    read.retry(backoff)
+        .notify(|e, delay| warn!(error = %e, retry_in = ?delay, "could not read the jetstream consumer; retrying"))
+        .await
+        .map_err(anyhow::Error::from)
+}
+
+/// Where the consumer is: what a snapshot taken now may claim.
+#[derive(Debug, Default)]
+struct Position {
+    /// Batches taken from the stream so far.
+    taken: u64,
+    /// Batches taken since the last snapshot.
+    since_snapshot: u64,
+    /// Stream sequence of the last batch taken.
+    last: u64,
+    /// Stream sequence the last snapshot covers.
+    snapshotted: u64,
+}
+
+impl Position {
+    /// The stream sequence a snapshot taken now covers: the last batch taken, or
+    /// just before the oldest one `door` still holds (which is not in the index).
+    fn covered(&self, door: &EventDoor<u64>) -> u64 {
+        door.oldest_held()
+            .map_or(self.last, |held| held.saturating_sub(1))
+    }
+}
+
+/// Consumes the stream through the [`EventDoor`] until `stop`, snapshotting every
 /// `snapshot_every` batches and once more when stopped (so a clean restart replays
-/// nothing). `caught_up` fires once the consumer had nothing pending (the index
-/// reflects every batch stored before start-up).
+/// nothing). `caught_up` fires once the consumer had nothing pending (every batch
+/// stored before it started has been taken: applied, held or skipped) with the
+/// number of batches taken. Ends without firing it when the consumer cannot be read
+/// ([`INFO_ATTEMPTS`]) or its messages cannot be pulled.
 pub async fn consume(
     state: Arc<RouterState>,
-    path: Arc<JetStreamPath>,
-    consumer: consumer::PullConsumer,
+    restored: Restored,
     caught_up: oneshot::Sender<u64>,
     stop: CancellationToken,
 ) {
+    let Restored {
+        path,
+        consumer,
+        door,
+        start,
+    } = restored;
+    let path = Arc::new(path);
     let mut caught_up = Some(caught_up);
-    let pending = match consumer.clone().info().await {
-        Ok(info) => info.num_pending,
-        Err(e) => {
-            warn!(error = %e, "could not read the jetstream consumer; assuming it is behind");
-            u64::MAX
+    match pending_at_start(&consumer).await {
+        Ok(0) => {
+            if let Some(tx) = caught_up.take() {
+                let _ = tx.send(0);
+            }
         }
-    };
-    if pending == 0
-        && let Some(tx) = caught_up.take()
-    {
-        let _ = tx.send(0);
+        Ok(_) => {}
+        Err(e) => {
+            warn!(error = %format!("{e:#}"), consumer = %path.config.consumer, "could not read the jetstream consumer; kv event intake stopped");
+            return;
+        }
     }
     let mut messages = match consumer.messages().await {
         Ok(m) => m,
@@ -323,13 +393,23 @@ pub async fn consume(
             return;
         }
     };
-    let mut applied = 0u64;
-    let mut since_snapshot = 0u64;
-    let mut last_sequence = 0u64;
+    let mut door = EventDoor::new(door);
+    let mut at = Position {
+        last: start.snapshot_sequence,
+        snapshotted: start.snapshot_sequence,
+        ..Position::default()
+    };
     let mut uploading: Option<tokio::task::JoinHandle<()>> = None;
     loop {
         let next = tokio::select! {
+            biased;
             () = stop.cancelled() => break,
+            wake = door.wake() => {
+                if !door.handle(wake).await {
+                    return;
+                }
+                continue;
+            }
             next = messages.next() => next,
         };
         let message = match next {
@@ -350,37 +430,33 @@ pub async fn consume(
                 continue;
             }
         };
-        if let Some(batch) = crate::intake::decode_events(
-            &state.counters,
-            &state.limits,
-            &message.subject,
-            &message.payload,
-        ) {
-            if let Err(e) = state.indexer.apply(batch).await {
-                warn!(error = %e, "indexer refused events; stopping jetstream intake");
-                return;
-            }
-            state.counters.message(MessageKind::Events, Outcome::Ok);
+        if !door
+            .take(&message.subject, &message.payload, sequence)
+            .await
+        {
+            return;
         }
-        applied += 1;
-        since_snapshot += 1;
-        last_sequence = sequence;
+        at.taken += 1;
+        at.since_snapshot += 1;
+        at.last = sequence;
         if pending == 0
             && let Some(tx) = caught_up.take()
         {
-            let _ = tx.send(applied);
+            let _ = tx.send(at.taken);
         }
         let idle = uploading.as_ref().is_none_or(|h| h.is_finished());
-        if since_snapshot >= path.config.snapshot_every && idle {
-            since_snapshot = 0;
-            uploading = snapshot(&state, &path, sequence).await;
+        if at.since_snapshot >= path.config.snapshot_every && idle {
+            at.since_snapshot = 0;
+            at.snapshotted = at.covered(&door);
+            uploading = snapshot(&state, &path, at.snapshotted).await;
         }
     }
     if let Some(upload) = uploading {
         let _ = upload.await;
     }
-    if since_snapshot > 0
-        && let Some(upload) = snapshot(&state, &path, last_sequence).await
+    let covered = at.covered(&door);
+    if covered > at.snapshotted
+        && let Some(upload) = snapshot(&state, &path, covered).await
     {
         let _ = upload.await;
     }

@@ -124,22 +124,33 @@ pub struct DurabilityConfig {
     pub hold: crate::publishers::HoldConfig,
 }
 
-/// The running KV event intake, as chosen by the config.
+/// The KV event intake, as chosen by the config.
 pub enum EventIntake {
-    /// A core NATS subscription to `{ns}.kv.events.*`.
+    /// A core NATS subscription to `{ns}.kv.events.*`, already consuming.
     Core,
-    /// The JetStream stream, from the restored snapshot on.
-    JetStream {
-        /// What the restore found.
-        start: jetstream::JetStreamStart,
-        /// Fires once the consumer has caught up with the stream.
-        caught_up: oneshot::Receiver<u64>,
-    },
+    /// The JetStream stream, restored from its snapshot; consumed from
+    /// [`initial_recovery`] on, once discovery has loaded.
+    JetStream(Box<jetstream::Restored>),
 }
 
-/// Starts the KV event intake on `tasks` (stopped by `intake`): a core subscription,
-/// or — with `--jetstream` — the stream consumer after restoring the latest
-/// snapshot. Either way events published from now on reach the indexer.
+/// What every KV event intake needs: the indexer, counters, limits, the registered
+/// publishers and the hold (`crate::intake::EventDoor`).
+fn door_parts(config: &DurabilityConfig, state: &RouterState) -> crate::intake::EventIntake {
+    crate::intake::EventIntake {
+        indexer: state.indexer.clone(),
+        counters: state.counters.clone(),
+        limits: state.limits,
+        publishers: state.publishers.subscribe(),
+        hold: config.hold,
+        subjects: state.subjects.clone(),
+    }
+}
+
+/// Starts the KV event intake: a core subscription consuming on `tasks` (stopped by
+/// `intake`), or — with `--jetstream` — the stream and its consumer after restoring
+/// the latest snapshot, not consuming yet: the stream keeps what is published
+/// meanwhile, and [`initial_recovery`] starts the consumer once the registrations are
+/// known, so a long replay is not held for registrations still loading.
 ///
 /// # Errors
 /// A failed subscription, or a JetStream stream, bucket or consumer the server
@@ -157,14 +168,7 @@ pub async fn start_event_intake(
             .await
             .context("subscribing to kv events")?;
         tasks.spawn(crate::intake::serve_events(
-            crate::intake::EventIntake {
-                indexer: state.indexer.clone(),
-                counters: state.counters.clone(),
-                limits: state.limits,
-                publishers: state.publishers.subscribe(),
-                hold: config.hold,
-                subjects: state.subjects.clone(),
-            },
+            door_parts(config, state),
             events,
             intake.child_token(),
         ));
@@ -173,40 +177,49 @@ pub async fn start_event_intake(
     let path = jetstream::JetStreamPath::open(nats, &state.subjects, js)
         .await
         .context("opening the jetstream stream and snapshot bucket")?;
-    let (start, consumer) = jetstream::restore(state, &path)
+    let restored = jetstream::restore(state, path, door_parts(config, state))
         .await
         .context("restoring the index snapshot")?;
-    let (tx, caught_up) = oneshot::channel();
-    tasks.spawn(jetstream::consume(
-        state.clone(),
-        Arc::new(path),
-        consumer,
-        tx,
-        intake.child_token(),
-    ));
-    Ok(EventIntake::JetStream { start, caught_up })
+    Ok(EventIntake::JetStream(Box::new(restored)))
 }
 
 /// The initial recovery of the index, after discovery has loaded: nothing in
-/// approximate mode; with JetStream, catch up with the stream (and resync from the
-/// publishers only if the stream lost batches after the snapshot); otherwise resync
-/// every registered rank from its publisher. Returns a summary for the readiness
-/// report.
+/// approximate mode; with JetStream, start consuming the stream on `tasks` (until
+/// `intake`) and catch up with it (and resync from the publishers only if the stream
+/// lost batches after the snapshot); otherwise resync every registered rank from its
+/// publisher. Returns a summary for the readiness report.
 ///
 /// # Errors
 /// When the indexer stopped or the JetStream consumer ended before catching up.
 pub async fn initial_recovery(
-    state: &RouterState,
+    state: &Arc<RouterState>,
     progress: &recovery::RecoveryProgress,
-    intake: EventIntake,
+    event_intake: EventIntake,
+    tasks: &TaskTracker,
+    intake: &CancellationToken,
 ) -> anyhow::Result<String> {
+    // The consumer runs in every mode; only an exact index waits for it to catch up.
+    let caught_up = match event_intake {
+        EventIntake::Core => None,
+        EventIntake::JetStream(restored) => {
+            let start = restored.start;
+            let (tx, caught_up) = oneshot::channel();
+            tasks.spawn(jetstream::consume(
+                state.clone(),
+                *restored,
+                tx,
+                intake.child_token(),
+            ));
+            Some((start, caught_up))
+        }
+    };
     if state.indexer.is_approximate() {
         return Ok("approximate mode: the index starts empty".to_owned());
     }
     let mut summary = String::new();
-    let resync = match intake {
-        EventIntake::Core => true,
-        EventIntake::JetStream { start, caught_up } => {
+    let resync = match caught_up {
+        None => true,
+        Some((start, caught_up)) => {
             let replayed = caught_up
                 .await
                 .context("the jetstream consumer stopped before catching up")?;

@@ -35,7 +35,11 @@
 //! has not registered are refused; the TTL and any prefill decay of a learned booking
 //! restart when B applies it; peers running a version without the snapshot do not
 //! answer; the record keeps at most [`super::bookings::RECENT_STEPS_CAPACITY`] steps (the oldest are
-//! forgotten — only steps around the request matter). Load accounting is advisory:
+//! forgotten — only steps around the request matter); in a NATS cluster, B's
+//! subscription reaches a node other than its two connections' over that node's own
+//! route, so a peer whose sync connection is there can publish a step in the first
+//! route delay after the barrier (milliseconds) that B misses, as any lost sync
+//! message ([`super::sync`]). Load accounting is advisory:
 //! each of these only makes B count differently for a while, never fails a request.
 //!
 //! Costs: at start-up one request, a wait of at most the window (overlapped with the

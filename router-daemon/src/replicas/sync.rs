@@ -79,7 +79,11 @@ pub async fn start(
     // The subscription is on its own connection: make sure the server has it before
     // the daemon asks its peers for a snapshot (on the main connection), or a step
     // a peer publishes right after its snapshot could be missed and the snapshot's
-    // copy of a freed request resurrected.
+    // copy of a freed request resurrected. In a NATS cluster the two connections may
+    // be on different nodes: the barrier re-publishes until its message crosses, which
+    // proves the subscription reached the main connection's node too (a route carries
+    // a node's subscriptions before its later messages), and fails the start after
+    // `barrier::BARRIER_DEADLINE` of NATS being up.
     crate::barrier::server_barrier_between(&nats, main)
         .await
         .context("syncing the sequence sync subscription with NATS")?;

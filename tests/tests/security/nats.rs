@@ -7,7 +7,8 @@ use bytes::Bytes;
 use futures::StreamExt;
 use indexer::IndexerApi as _;
 use integration_tests::security::{FRONTEND, OPERATOR, RELAY_7, ROUTER, SecureCluster, violation};
-use integration_tests::{FakeWorker, TestCluster, eventually, wait_for_overlap};
+use integration_tests::{FakeWorker, TestCluster, eventually, register_worker, wait_for_overlap};
+use kv_events::discovery::WorkerRegistration;
 use kv_events::routing::{LifecycleEvent, LifecycleMessage, Prompt, RouteReply, RouteRequest};
 use kv_events::{
     DpRank, ExternalBlockHash, KvCacheEvent, KvCacheEventData, KvEventBatch, StoredBlock, WorkerId,
@@ -361,6 +362,24 @@ async fn a_router_with_jetstream_works_under_the_shipped_permissions() {
             },
         }],
     };
+    // Worker 7 registers first, with its own etcd credentials, as its relay does:
+    // the router indexes only registered workers, from the stream as from core NATS.
+    let mut relay_etcd = cluster
+        .etcd_as(Some("client"), Some(RELAY_7))
+        .await
+        .expect("worker 7 connects to etcd");
+    let registration = WorkerRegistration {
+        worker_id: WorkerId(7),
+        dp_size: 1,
+        block_size: BLOCK,
+        total_kv_blocks: 1024,
+        url: None,
+        epoch: 0,
+        max_model_len: None,
+    };
+    register_worker(&mut relay_etcd, s, &registration, 120)
+        .await
+        .expect("worker 7 registers");
     let (relay, _) = cluster.nats_as(RELAY_7).await.expect("connects");
     relay
         .publish(s.kv_events(WorkerId(7)), encode(&batch).unwrap().into())
