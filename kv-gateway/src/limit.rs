@@ -113,7 +113,7 @@ impl PromptBound {
         }
         let limit = self.limits.max_prompt_tokens;
         if prompt_tokens > limit {
-            return Err(crate::tokenize::too_many(prompt_tokens, limit));
+            return Err(too_many(prompt_tokens, limit));
         }
         Ok(())
     }
@@ -267,4 +267,11 @@ mod tests {
             over.message
         );
     }
+}
+
+/// 400 for a prompt of `tokens` tokens over the `limit`.
+pub(crate) fn too_many(tokens: usize, limit: usize) -> ApiError {
+    ApiError::bad_request(format!(
+        "the prompt has {tokens} tokens, more than the {limit} allowed"
+    ))
 }

@@ -25,6 +25,7 @@ pub mod pool;
 pub(crate) mod remote;
 
 use crate::error::ApiError;
+use crate::limit::too_many;
 use crate::metrics::GatewayMetrics;
 use kv_tokenizer::{CachedTokenizer, ChatMessage, ChatOptions, Encoded, Limits, TokenizerError};
 use pool::{PoolError, TokenizerPool};
@@ -217,13 +218,6 @@ impl PromptTokenizer {
             PoolError::Panicked => ApiError::internal("the tokenizer failed on this prompt"),
         }
     }
-}
-
-/// 400 for a prompt of `tokens` tokens over the `limit`.
-pub(crate) fn too_many(tokens: usize, limit: usize) -> ApiError {
-    ApiError::bad_request(format!(
-        "the prompt has {tokens} tokens, more than the {limit} allowed"
-    ))
 }
 
 fn tokenizer_error(e: TokenizerError) -> ApiError {

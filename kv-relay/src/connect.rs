@@ -17,12 +17,21 @@
 //! up again is connected within about the cap. Cost: one TCP connect attempt per
 //! retry while the engine is away.
 
-use crate::source::SourceError;
 use futures::channel::mpsc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info};
 use zeromq::{Socket, SocketEvent, SocketOptions, SubSocket, ZmqError};
+
+/// A socket task failed to start.
+#[derive(Debug, thiserror::Error)]
+#[error("engine socket {endpoint}: {source}")]
+pub struct SourceError {
+    /// The PUB endpoint.
+    pub endpoint: String,
+    /// The cause.
+    pub source: zeromq::ZmqError,
+}
 
 /// The wait after the first failed attempt; doubled after each failure up to the cap.
 pub const FIRST_RETRY: Duration = Duration::from_millis(100);

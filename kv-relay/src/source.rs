@@ -33,7 +33,7 @@
 //! `--reconnect-max-backoff-ms` apart.
 
 use crate::config::RankEndpoint;
-use crate::connect::{Connected, connect};
+use crate::connect::{Connected, SourceError, connect};
 use crate::counters::RelayCounters;
 use crate::frames::{SeqStep, SeqTracker, parse_live};
 use crate::replay::{Outcome, ReplayPolicy, ReplayRead, Round};
@@ -115,16 +115,6 @@ pub struct Source {
     pub tx: mpsc::Sender<SourceMsg>,
     /// Metrics.
     pub counters: RelayCounters,
-}
-
-/// A socket task failed to start.
-#[derive(Debug, thiserror::Error)]
-#[error("engine socket {endpoint}: {source}")]
-pub struct SourceError {
-    /// The PUB endpoint.
-    pub endpoint: String,
-    /// The cause.
-    pub source: zeromq::ZmqError,
 }
 
 impl Source {
