@@ -158,6 +158,13 @@ impl PromptLimits {
     }
 }
 
+/// 400 for a prompt of `tokens` tokens over the `limit`.
+pub(crate) fn too_many(tokens: usize, limit: usize) -> ApiError {
+    ApiError::bad_request(format!(
+        "the prompt has {tokens} tokens, more than the {limit} allowed"
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -267,11 +274,4 @@ mod tests {
             over.message
         );
     }
-}
-
-/// 400 for a prompt of `tokens` tokens over the `limit`.
-pub(crate) fn too_many(tokens: usize, limit: usize) -> ApiError {
-    ApiError::bad_request(format!(
-        "the prompt has {tokens} tokens, more than the {limit} allowed"
-    ))
 }
