@@ -193,6 +193,11 @@ impl RelayCounters {
         self.recovery.inc();
     }
 
+    /// Router recovery requests answered so far.
+    pub fn recovery_requests(&self) -> u64 {
+        self.recovery.get()
+    }
+
     /// Counts one scrape.
     pub fn scrape(&self, outcome: &str) {
         self.scrapes.with_label_values(&[outcome]).inc();

@@ -100,6 +100,14 @@ async fn captured_vllm_frames_reach_the_router_with_a_gap_filled_from_replay() {
     engine.wait_subscribed().await;
     wait_connect_replay(&relay, "empty").await;
     wait_registered(&daemon, WORKER, true).await;
+    // The router asks a worker that joins for a dump of each rank. The relay's journal
+    // dumps the GPU tier only, so a dump answered after the CPU-tier store below would
+    // cover its event id without its block: let the four dumps be answered first.
+    eventually("the join's dumps answered", WAIT, || async {
+        (relay.counters().recovery_requests() >= 4).then_some(())
+    })
+    .await
+    .unwrap();
 
     let frames = payloads("vllm_zmq_frames_topic_kv-events.json");
     engine.publish(0, &frames[0]).await;
