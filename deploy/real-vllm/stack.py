@@ -138,7 +138,8 @@ class Cluster:
                 "--dtype", "float32", "--enforce-eager", "--enable-prefix-caching",
                 "--enable-prompt-tokens-details",
                 "--kv-events-config", json.dumps(events)]
-        engine.child = _spawn_unwaited(self.stack, f"vllm-{engine.index}", argv)
+        engine.child = self.stack.spawn(f"vllm-{engine.index}", argv, ready=VLLM_READY,
+                                        wait=False)
 
     def wait_engine(self, engine: Engine) -> float:
         """Waits for vLLM's ready line, then for a 200 on ``/health`` (the ready line
@@ -193,16 +194,15 @@ class Cluster:
                 samples[key[len(name):]] = float(value)
         return samples
 
-    def relay_replay_read(self, engine: Engine) -> tuple[int, int] | None:
-        """(batches applied, newest seq) of the relay's last replay read at connect, from
-        its log line ``engine replay buffer read at connect``; None if it logged none."""
-        found = None
+    def relay_replay_read(self, engine: Engine) -> str:
+        """The counts (``batches=``, ``newest=``, ``requests=``: which ones depends on
+        the relay's version) of the relay's last log line ``engine replay buffer read
+        at connect``; ``none`` if it logged none."""
+        found = "none"
         log = self.stack.logs / f"relay-{engine.index}.log"
         for line in log.read_text(errors="replace").splitlines():
-            m = re.search(r"engine replay buffer read at connect .*batches=(\d+) newest=(\d+)",
-                          line)
-            if m:
-                found = int(m.group(1)), int(m.group(2))
+            if "engine replay buffer read at connect" in line:
+                found = " ".join(re.findall(r"\b(?:batches|newest|requests)=\d+", line))
         return found
 
     # --- router ----------------------------------------------------------------------
@@ -219,9 +219,3 @@ class Cluster:
         self.stack.stop_all()
         self._tmp.cleanup()
 
-
-def _spawn_unwaited(stack: Stack, name: str, argv: list[str]) -> Child:
-    """``stack.spawn`` with a ready pattern but without waiting for it."""
-    child = Child(name, argv, stack.logs / f"{name}.log", VLLM_READY)
-    stack._children.append(child)  # noqa: SLF001 - Stack has no unwaited spawn
-    return child
