@@ -90,22 +90,8 @@ class Cluster:
                 "--namespace", NAMESPACE]
 
     def start(self) -> None:
-        tmp = Path(self._tmp.name)
-        port = free_port()
-        self.stack.spawn("nats", [str(self.bins.nats_server), "-a", "127.0.0.1", "-p",
-                                  str(port), "-js", "-sd", str(tmp / "nats")],
-                         ready="Server is ready")
-        self.nats_url = f"nats://127.0.0.1:{port}"
-        client, peer = free_port(), free_port()
-        self.stack.spawn("etcd", [
-            str(self.bins.etcd), "--name", "default", "--data-dir", str(tmp / "etcd"),
-            "--listen-client-urls", f"http://127.0.0.1:{client}",
-            "--advertise-client-urls", f"http://127.0.0.1:{client}",
-            "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-            "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-            "--initial-cluster", f"default=http://127.0.0.1:{peer}"],
-            ready="ready to serve client requests")
-        self.etcd_url = f"http://127.0.0.1:{client}"
+        self.nats_url, self.etcd_url = start_nats_etcd(
+            self.stack, self.bins.nats_server, self.bins.etcd, Path(self._tmp.name))
         self._start_engines()
         for i in range(self.shape.workers):
             self.relays.append(self.stack.spawn(f"relay-{i}", [
@@ -177,6 +163,25 @@ class Cluster:
     def stop(self) -> None:
         self.stack.stop_all()
         self._tmp.cleanup()
+
+
+def start_nats_etcd(stack: Stack, nats_server: Path, etcd: Path,
+                    tmp: Path) -> tuple[str, str]:
+    """nats-server (with JetStream) and a one-member etcd on free loopback ports, data
+    under ``tmp``, each waited for; their URLs ``(nats://…, http://…)``."""
+    port = free_port()
+    stack.spawn("nats", [str(nats_server), "-a", "127.0.0.1", "-p", str(port), "-js",
+                         "-sd", str(tmp / "nats")], ready="Server is ready")
+    client, peer = free_port(), free_port()
+    stack.spawn("etcd", [
+        str(etcd), "--name", "default", "--data-dir", str(tmp / "etcd"),
+        "--listen-client-urls", f"http://127.0.0.1:{client}",
+        "--advertise-client-urls", f"http://127.0.0.1:{client}",
+        "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+        "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+        "--initial-cluster", f"default=http://127.0.0.1:{peer}"],
+        ready="ready to serve client requests")
+    return f"nats://127.0.0.1:{port}", f"http://127.0.0.1:{client}"
 
 
 def parse_counts(metrics: str) -> EngineCounts:

@@ -197,12 +197,14 @@ class Stack:
         self._children: list[Child] = []
 
     def spawn(self, name: str, argv: list[str], ready: str | None = None,
-              ready_timeout_s: float = 60.0, ready_count: int = 1) -> Child:
+              ready_timeout_s: float = 60.0, ready_count: int = 1,
+              wait: bool = True) -> Child:
         """Starts ``argv`` as ``name`` and, given a ready pattern, waits until it was
-        logged ``ready_count`` times."""
+        logged ``ready_count`` times (unless ``wait`` is false: then the caller calls
+        ``Child.wait_ready``, e.g. to start slow servers side by side)."""
         child = Child(name, argv, self.logs / f"{name}.log", ready, ready_count)
         self._children.append(child)
-        if ready:
+        if ready and wait:
             child.wait_ready(ready_timeout_s)
         return child
 

@@ -1,0 +1,152 @@
+#!/usr/bin/env python3
+"""kv-router in front of two real vLLM servers on this machine's CPU: the opt-in
+real-engine test tier (issue 25). Not part of ``deploy/test.sh``: the first run
+installs about 6 GB and a run takes 3-5 minutes on 2 cores.
+
+    python3 deploy/real-vllm/run.py            # builds kv-router (release) first
+    python3 deploy/real-vllm/run.py --no-build # uses target/release/kv-router as is
+
+Steps: the venv (``install.py``, reused), a tiny random-weight Llama and tokenizer
+(``model.py``, no download), nats-server + etcd + 2 vLLM + 2 relays + router +
+gateway (``stack.py``), then the checks (``checks.py``): token parity, prefix reuse,
+eviction, a relay restarted beside an idle engine with a long history, an engine
+killed and back. Prints a table of figures; exits 1 if a check failed, 2 if the
+cluster could not be brought up. Every process is stopped on exit, Ctrl-C included;
+logs stay in ``target/real-vllm/logs``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+
+import install  # noqa: E402
+
+IN_VENV = "KV_REAL_VLLM_IN_VENV"
+
+
+def log(msg: str) -> None:
+    print(f"[real-vllm {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--no-build", action="store_true",
+                   help="do not run cargo build --release -p router-daemon")
+    p.add_argument("--kv-router", type=Path, default=None,
+                   help="kv-router binary to run (then nothing is built); default: "
+                        "$CARGO_TARGET_DIR or target/, release/kv-router")
+    p.add_argument("--out", type=Path, default=REPO / "target" / "real-vllm",
+                   help="venv, model, logs (default: target/real-vllm)")
+    p.add_argument("--prompts", type=int, default=6,
+                   help="prompts of the parity / reuse check (each sent 3 times)")
+    p.add_argument("--history", type=int, default=3000,
+                   help="requests sent straight to one engine before its relay restarts")
+    p.add_argument("--relay-restarts", type=int, default=3,
+                   help="times that engine's relay is stopped and started beside it")
+    p.add_argument("--seed", type=int, default=1)
+    return p.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    if os.environ.get(IN_VENV) != "1":
+        # Stage 1, system python: build, install, then run again inside the venv.
+        if not args.no_build and args.kv_router is None:
+            log("cargo build --release -p router-daemon")
+            subprocess.run(["cargo", "build", "--release", "-p", "router-daemon"],
+                           cwd=REPO, check=True)
+        python = install.ensure(args.out / "venv", log)
+        os.environ[IN_VENV] = "1"
+        os.execv(str(python), [str(python), __file__, *sys.argv[1:]])
+    return run_in_venv(args)
+
+
+def run_in_venv(args: argparse.Namespace) -> int:
+    import checks
+    import model
+    from stack import ChildError, Cluster, EngineShape
+
+    # No hub, no telemetry; vLLM's dev endpoints (/reset_prefix_cache); a small KV
+    # space so two servers fit beside the other work on this machine.
+    os.environ.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                       "VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1",
+                       "DO_NOT_TRACK": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
+    # Ctrl-C and SIGTERM stop every child (also when started where SIGINT is ignored).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    kv_router = args.kv_router or \
+        Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target")) / "release" / "kv-router"
+    if not kv_router.exists():
+        log(f"{kv_router} is missing: run without --no-build")
+        return 2
+    model_dir = model.make(args.out / "model", log)
+    shape = EngineShape(block_size=32, num_blocks=96, max_model_len=1024)
+    cluster = Cluster(args.out, kv_router, Path(sys.executable), model_dir, shape, log)
+    outcomes = []
+    try:
+        log("starting nats-server, etcd, 2 vLLM servers (minutes), relays, router, gateway")
+        started = time.monotonic()
+        try:
+            cluster.start(engines=2)
+        except ChildError as err:
+            log(f"the cluster did not come up: {err}")
+            return 2
+        log(f"cluster up in {time.monotonic() - started:.0f} s")
+        client = checks.Client(cluster, args.seed)
+        parity = checks.Parity(shape.block_size)
+        first = [client.prompt(300 + 40 * i) for i in range(args.prompts)]
+        steps = [
+            ("parity and reuse", lambda: checks.parity_and_reuse(client, parity, first)),
+            ("eviction", lambda: checks.eviction(client, parity, first, fill_tokens=700)),
+            ("relay restart", lambda: checks.relay_restart(
+                client, parity, cluster.engines[1], args.history, args.relay_restarts,
+                tokens=100)),
+            ("engine restart", lambda: checks.engine_restart(
+                client, parity, cluster.engines[0], tokens=200)),
+        ]
+        for name, step in steps:
+            try:
+                outcome = step()
+            except Exception as err:  # noqa: BLE001 - reported as that check's failure
+                outcome = checks.Outcome(name, failures=[f"{type(err).__name__}: {err}"])
+            log(f"{outcome.name}: {'ok' if not outcome.failures else 'FAILED'}")
+            outcomes.append(outcome)
+        total = checks.Outcome("token parity over every request")
+        total.figures["requests with overlap × block size = cached_tokens"] = \
+            f"{parity.checked - len(parity.mismatches)}/{parity.checked}"
+        total.figures["of which the engine found cached blocks"] = parity.with_overlap
+        total.failures.extend(parity.mismatches)
+        outcomes.insert(0, total)
+    except KeyboardInterrupt:
+        log("interrupted; stopping every process")
+        return 130
+    finally:
+        cluster.stop()
+    report(outcomes)
+    return 1 if any(o.failures for o in outcomes) else 0
+
+
+def report(outcomes) -> None:
+    print("\n| check | figure | value |\n|---|---|---|")
+    for o in outcomes:
+        for key, value in o.figures.items():
+            print(f"| {o.name} | {key} | {value} |")
+    failed = [(o.name, f) for o in outcomes for f in o.failures]
+    print(f"\n{sum(not o.failures for o in outcomes)} passed, "
+          f"{sum(bool(o.failures) for o in outcomes)} failed")
+    for name, failure in failed:
+        print(f"FAILED {name}: {failure}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
