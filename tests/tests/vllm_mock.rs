@@ -130,6 +130,25 @@ fn relay_config(cluster: &TestCluster, sockets: &[RankEndpoints], url: &str) -> 
     RelayConfig::from_args(&cluster.flags::<RelayArgs>(&args)).unwrap()
 }
 
+/// A relay (with its own metrics registry) for the first worker of `engines`; also
+/// returns that worker's HTTP URL.
+async fn start_relay(cluster: &TestCluster, engines: &EnginesHandle) -> (Relay, String) {
+    let url = engines.http_urls()[0].clone();
+    let sockets = engines.zmq_endpoints()[0].clone();
+    let registry = prometheus::Registry::new();
+    let relay = Relay::start(relay_config(cluster, &sockets, &url), &registry)
+        .await
+        .unwrap();
+    (relay, url)
+}
+
+/// Stops `relay`, then `engines`.
+async fn stop(relay: Relay, engines: EnginesHandle) {
+    relay.shutdown().await.unwrap();
+    engines.shutdown();
+    engines.wait().await.unwrap();
+}
+
 /// A request served before any relay runs reaches the router through the replay
 /// socket once a relay connects; a request served afterwards arrives live; the
 /// repeated prompt routes to the worker with full overlap; the worker is registered
@@ -213,9 +232,7 @@ async fn vllm_mode_engines_reach_the_router_through_the_relay_alone() {
     assert_eq!(routed.overlap_blocks, 4, "full overlap");
     assert_eq!(complete(&http, &url, &b, 1).await, 4 * u64::from(BLOCK));
 
-    relay.shutdown().await.unwrap();
-    engines.shutdown();
-    engines.wait().await.unwrap();
+    stop(relay, engines).await;
     daemon.shutdown().await.unwrap();
 }
 
@@ -231,12 +248,7 @@ async fn vllm_mode_cpu_tier_blocks_reach_the_router_as_a_lower_tier() {
         ..CpuTierConfig::default()
     };
     let engines = vllm_engines(&cluster, 8, 1, cpu_tier, None).await;
-    let url = engines.http_urls()[0].clone();
-    let sockets = engines.zmq_endpoints()[0].clone();
-    let registry = prometheus::Registry::new();
-    let relay = Relay::start(relay_config(&cluster, &sockets, &url), &registry)
-        .await
-        .unwrap();
+    let (relay, url) = start_relay(&cluster, &engines).await;
     let http = reqwest::Client::new();
 
     let a: Vec<u32> = (1000..1050).collect();
@@ -258,9 +270,7 @@ async fn vllm_mode_cpu_tier_blocks_reach_the_router_as_a_lower_tier() {
     assert_eq!(complete(&http, &url, &a, 0).await, 3 * u64::from(BLOCK));
     wait_overlap(&daemon, "prompt A back on the GPU", &a, 0, 3).await;
 
-    relay.shutdown().await.unwrap();
-    engines.shutdown();
-    engines.wait().await.unwrap();
+    stop(relay, engines).await;
     daemon.shutdown().await.unwrap();
 }
 
@@ -278,12 +288,7 @@ async fn the_cold_start_empties_the_routers_picture_of_a_vllm_engine() {
         ..HttpArgs::default()
     };
     let engines = vllm_engines_with(&cluster, 64, 2, CpuTierConfig::default(), dev).await;
-    let url = engines.http_urls()[0].clone();
-    let sockets = engines.zmq_endpoints()[0].clone();
-    let registry = prometheus::Registry::new();
-    let relay = Relay::start(relay_config(&cluster, &sockets, &url), &registry)
-        .await
-        .unwrap();
+    let (relay, url) = start_relay(&cluster, &engines).await;
     let http = reqwest::Client::new();
     let (a, b): (Vec<u32>, Vec<u32>) = ((1000..1050).collect(), (5000..5064).collect());
     complete(&http, &url, &a, 0).await;
@@ -311,18 +316,11 @@ async fn the_cold_start_empties_the_routers_picture_of_a_vllm_engine() {
         "the engine dropped it"
     );
 
-    relay.shutdown().await.unwrap();
-    engines.shutdown();
-    engines.wait().await.unwrap();
+    stop(relay, engines).await;
 
     // The same engine without dev mode: the reset is 404, and the error says why.
     let engines = vllm_engines(&cluster, 64, 1, CpuTierConfig::default(), None).await;
-    let url = engines.http_urls()[0].clone();
-    let sockets = engines.zmq_endpoints()[0].clone();
-    let registry = prometheus::Registry::new();
-    let relay = Relay::start(relay_config(&cluster, &sockets, &url), &registry)
-        .await
-        .unwrap();
+    let (relay, url) = start_relay(&cluster, &engines).await;
     eventually("the worker registered again", WAIT, || async {
         cold::list_workers(&target)
             .await
@@ -333,8 +331,6 @@ async fn the_cold_start_empties_the_routers_picture_of_a_vllm_engine() {
     .unwrap();
     let err = cold::clear_all(&target).await.unwrap_err().to_string();
     assert!(err.contains("VLLM_SERVER_DEV_MODE=1"), "{err}");
-    relay.shutdown().await.unwrap();
-    engines.shutdown();
-    engines.wait().await.unwrap();
+    stop(relay, engines).await;
     daemon.shutdown().await.unwrap();
 }

@@ -132,18 +132,19 @@ impl Remote {
         }
     }
 
-    /// Token ids of the completion `prompt` of the client's `body`, within `limits`.
+    /// Token ids of the completion `prompt` of the client's `body`, within `limits`
+    /// (its bytes are checked by the caller, [`super::PromptTokenizer::completion`],
+    /// before anything is sent).
     ///
     /// # Errors
-    /// 400 for a prompt over the bytes of `limits` (nothing sent), a reply longer than
-    /// its tokens could take, or an engine 4xx; 502, 503 or 504 as the module says.
+    /// 400 for a reply longer than its tokens could take, or an engine 4xx; 502, 503
+    /// or 504 as the module says.
     pub(super) async fn completion(
         &self,
         prompt: &str,
         body: &Map<String, Value>,
         limits: Limits,
     ) -> Result<Vec<u32>, ApiError> {
-        limits.check_bytes(prompt.len()).map_err(tokenizer_error)?;
         match self.api {
             Api::Tokenize => {
                 let mut request = pick(body, &["model", "add_special_tokens"]);
