@@ -1,5 +1,5 @@
 //! Everything a participant needs to join a kv-router cluster: the router daemon,
-//! the relay sidecar, the mock engines, and the coming gateway all connect,
+//! the relay sidecar, the mock engines and the gateway all connect,
 //! register and discover through this crate, so they agree on flags, environment
 //! variables, credentials, lease timing and reconnect behaviour without depending on
 //! each other.

@@ -30,7 +30,7 @@
 //! - [`liveness`]: [`LivenessConfig`], [`Liveness`]: silent ranks are left out.
 //! - [`error`]: [`SchedulerError`], the crate's one error type.
 //! - [`calibration`]: [`CalibrationConfig`], [`Calibration`]: per-rank step-time
-//!   constants learned from observed TTFTs (off by default).
+//!   constants learned from observed TTFTs (on by default).
 //! - [`sessions`]: [`SessionConfig`], [`SessionTable`]: session affinity, a
 //!   request's session's last rank preferred within a margin.
 //! - `batch.rs`: [`Scheduler::schedule_batch`].
@@ -73,7 +73,6 @@ use kv_events::discovery::WorkerRegistration;
 use kv_events::routing::PolicyKind;
 use kv_events::{RequestId, WorkerId, WorkerRank};
 use liveness::{LoadReports, Tier};
-use policy::predicted_ttft::TtftFeatures;
 use policy::{Candidate, SelectContext, Selector};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -227,16 +226,8 @@ impl Scheduler {
             Vec::new()
         };
         self.gather_candidates(req, overlaps, &block_ids, now)?;
-        self.scales.clear();
-        let ttft = match &policy {
-            PolicyConfig::PredictedTtft(c) => Some(c),
-            _ => None,
-        };
-        if ttft.is_some() && self.calibration.enabled() {
-            let calibration = &self.calibration;
-            self.scales
-                .extend(self.candidates.iter().map(|c| calibration.scale(c.rank)));
-        }
+        self.calibration
+            .timing_scales(&policy, &self.candidates, &mut self.scales);
         let ctx = SelectContext {
             request: req.shape(),
             candidates: &self.candidates,
@@ -279,22 +270,8 @@ impl Scheduler {
         if let Some(id) = &req.session_id {
             self.sessions.record(id, chosen.rank, now);
         }
-        if self.calibration.enabled() {
-            let seeded;
-            let features_config = match ttft {
-                Some(c) => c,
-                None => {
-                    seeded = PredictedTtftConfig {
-                        timing: *self.calibration.seed(),
-                        ..PredictedTtftConfig::default()
-                    };
-                    &seeded
-                }
-            };
-            let features = TtftFeatures::of(features_config, &req.shape(), &chosen);
-            self.calibration
-                .book(&req.request_id, chosen.rank, features, now);
-        }
+        self.calibration
+            .book_local(&policy, &req.shape(), &chosen, &req.request_id, now);
         tracing::debug!(
             request_id = %req.request_id,
             rank = %chosen.rank,
@@ -400,20 +377,17 @@ impl Scheduler {
                 if let Some(session) = add.session_id.take() {
                     self.sessions.record(&session, add.rank, now);
                 }
-                if !self.calibration.enabled() {
-                    return self.sequences.apply(SequenceEvent::AddRequest(add), now);
-                }
                 // What the rank held before this booking: the features the policy
-                // would have priced (the peer's own overlap is not known here).
-                let features = TtftFeatures::new(
+                // would have priced.
+                let sequences = &self.sequences;
+                let features = self.calibration.peer_features(
                     add.prefill.initial_effective_prefill_tokens,
-                    &self.sequences.load(add.rank, now),
+                    || sequences.load(add.rank, now),
                     reg.block_size,
-                    self.calibration.seed().max_num_batched_tokens,
                 );
                 let (id, rank) = (add.request_id.clone(), add.rank);
                 let origin = self.sequences.apply(SequenceEvent::AddRequest(add), now)?;
-                self.calibration.book(&id, rank, features, now);
+                self.calibration.book_peer(&id, rank, features, now);
                 Ok(origin)
             }
             SequenceEvent::MarkPrefillCompleted(id) => self.mark_prefill_completed(&id, now),

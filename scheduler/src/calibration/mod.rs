@@ -66,6 +66,7 @@
 //! it was pending) per `prefill_done`.
 //! On by default (see [`CalibrationConfig::enabled`] for the measurement).
 
+mod hooks;
 mod rls;
 
 use crate::error::SchedulerError;

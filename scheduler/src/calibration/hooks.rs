@@ -1,0 +1,93 @@
+//! Where calibration meets a decision: the multipliers a decision prices with, and
+//! the features recorded when a request is booked, locally or by a peer replica.
+//!
+//! Why here and not in [`crate::Scheduler`]: only `predicted-ttft` prices with the
+//! learned multipliers, and the features are that policy's. Keeping both behind
+//! [`Calibration`] lets the scheduler's decision path stay policy-agnostic: it asks
+//! for scales and reports bookings, and a policy without a timing model gets none.
+
+use super::Calibration;
+use crate::load::RankLoad;
+use crate::policy::predicted_ttft::{PredictedTtftConfig, TtftFeatures};
+use crate::policy::{Candidate, PolicyConfig, TimingScale};
+use crate::request::RequestShape;
+use kv_events::{RequestId, WorkerRank};
+use std::time::Instant;
+
+impl Calibration {
+    /// Fills `out` with one [`TimingScale`] per candidate, in order, when calibration
+    /// is on and `policy` prices with a timing model (`predicted-ttft`); leaves it
+    /// empty otherwise (a policy reads an empty slice as no scaling).
+    pub(crate) fn timing_scales(
+        &self,
+        policy: &PolicyConfig,
+        candidates: &[Candidate],
+        out: &mut Vec<TimingScale>,
+    ) {
+        out.clear();
+        if self.enabled() && matches!(policy, PolicyConfig::PredictedTtft(_)) {
+            out.extend(candidates.iter().map(|c| self.scale(c.rank)));
+        }
+    }
+
+    /// Records a local booking of `id` on `chosen` at `now`: the features `policy`
+    /// priced (the seed model's under a policy without one). Nothing when off.
+    pub(crate) fn book_local(
+        &mut self,
+        policy: &PolicyConfig,
+        request: &RequestShape,
+        chosen: &Candidate,
+        id: &RequestId,
+        now: Instant,
+    ) {
+        if !self.enabled() {
+            return;
+        }
+        let seeded;
+        let config = match policy {
+            PolicyConfig::PredictedTtft(c) => c,
+            _ => {
+                seeded = PredictedTtftConfig {
+                    timing: *self.seed(),
+                    ..PredictedTtftConfig::default()
+                };
+                &seeded
+            }
+        };
+        let features = TtftFeatures::of(config, request, chosen);
+        self.book(id, chosen.rank, features, now);
+    }
+
+    /// The features of a peer replica's booking of `uncached_tokens` prefill tokens
+    /// on a rank that held `before` (the peer's own overlap is not known here), for
+    /// [`Calibration::book`] once the booking is applied; `None` when off.
+    pub(crate) fn peer_features(
+        &self,
+        uncached_tokens: u64,
+        before: impl FnOnce() -> RankLoad,
+        block_size: u32,
+    ) -> Option<TtftFeatures> {
+        self.enabled().then(|| {
+            TtftFeatures::new(
+                uncached_tokens,
+                &before(),
+                block_size,
+                self.seed().max_num_batched_tokens,
+            )
+        })
+    }
+
+    /// Records a peer's booking of `id` on `rank` with the features taken before it
+    /// was applied ([`Calibration::peer_features`]).
+    pub(crate) fn book_peer(
+        &mut self,
+        id: &RequestId,
+        rank: WorkerRank,
+        features: Option<TtftFeatures>,
+        now: Instant,
+    ) {
+        if let Some(features) = features {
+            self.book(id, rank, features, now);
+        }
+    }
+}
