@@ -6,7 +6,7 @@
 //! it, and encoding is what costs. Hugging Face `tokenizers` holds, while it encodes,
 //! 150–170 bytes of memory per prompt byte (the normalized text with one
 //! alignment per byte, the pre-tokenized splits, a token string per token; measured
-//! in docs/benchmarks.md, "CPU and memory per stage, text prompts"), so the byte bound is
+//! in docs/studies/gateway.md, "CPU and memory per stage, text prompts"), so the byte bound is
 //! what bounds a tokenizer thread's memory. [`Limits::for_tokens`] derives it from the
 //! token bound with [`MAX_BYTES_PER_TOKEN`].
 

@@ -35,7 +35,7 @@ pub struct SchedulerConfig {
     /// Default: on, 1 s interval, quiet after 3, silent after 10.
     pub liveness: LivenessConfig,
     /// Whether `predicted-ttft` learns each rank's step-time constants from observed
-    /// TTFTs (see [`crate::calibration`]). Default: off; forgetting 0.995, constants
+    /// TTFTs (see [`crate::calibration`]). Default: on; forgetting 0.995, constants
     /// within 8× of the configured ones, outliers clipped at 4×, 20 samples of
     /// warm-up.
     pub calibration: CalibrationConfig,

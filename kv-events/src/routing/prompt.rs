@@ -5,7 +5,7 @@
 //! whole map as generic `Content` values (one allocated value per token id or block
 //! hash) and then decodes the variant again from that buffer. Every `RouteRequest`
 //! paid for it: serde's `ContentVisitor` was 3% of the daemon's CPU per route
-//! (docs/benchmarks.md, "Against a bare NATS round trip"). This decoder reads the
+//! (docs/studies/routing-service.md, "Against a bare NATS round trip"). This decoder reads the
 //! keys in whatever order they come and decodes each value straight into its field,
 //! then checks that the fields match the tag.
 //!

@@ -88,7 +88,7 @@ pub const HISTORY: usize = 256;
 #[serde(default, deny_unknown_fields)]
 pub struct CalibrationConfig {
     /// Learn and use per-rank constants. Default true: in the lab's robustness study
-    /// (`docs/benchmarks.md`, "Robustness with online calibration", seeds 42, 1, 2
+    /// (`docs/studies/robustness.md`, "Robustness with online calibration", seeds 42, 1, 2
     /// and 3) it keeps 96–108% of the mean-TTFT gain the engines' true constants give,
     /// is within noise of the configured constants where those are right, and cuts
     /// mean TTFT by 15% on a half-slow fleet.

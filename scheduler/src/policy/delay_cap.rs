@@ -8,7 +8,7 @@
 //! With spare capacity there is little queue to save, and the trade only delays long
 //! prompts, which set the p99: on engines 4× faster than the router assumes, at 1×
 //! arrivals, the policy was level with `kv` on mean TTFT and 4% worse on p99
-//! (`docs/benchmarks.md`, "The light-load weak spot").
+//! (`docs/studies/robustness.md`, "The light-load weak spot").
 //!
 //! What: while the candidates' mean in-flight prefill is below `spare_steps` engine
 //! steps (`max_num_batched_tokens` each), a rank is left out when the request's own
@@ -20,7 +20,7 @@
 //! Source: the routing-quality lab (`kv-mocker lab robustness` and the light-load cell,
 //! issue 17): ratio 2 and 3 steps fixed the light cells without losing the
 //! near-saturated prefill ×4 cell, where capping on the least-loaded rank's queue, or
-//! with no gate, lost 12–112% of mean TTFT. `docs/benchmarks.md` has the grid.
+//! with no gate, lost 12–112% of mean TTFT. `docs/studies/robustness.md` has the grid.
 //!
 //! Cost: per decision with spare capacity, one more prediction per candidate (O(1)
 //! each).

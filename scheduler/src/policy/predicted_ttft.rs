@@ -61,9 +61,9 @@
 //! so on an offloading cluster it learns a somewhat smaller prefill multiplier.
 //!
 //! Source: designed and tuned with the routing-quality lab (`kv-mocker lab`, the
-//! `ttft-credit` prototype in `mocker/src/lab/candidates.rs`) on the Mooncake FAST'25
+//! `ttft-credit` prototype, retired in issue 26) on the Mooncake FAST'25
 //! conversation trace; the step-time defaults are the mock engine's
-//! `TimingModel::H100_8B` (`docs/engine-model.md`), and `docs/benchmarks.md` has the
+//! `TimingModel::H100_8B` (`docs/engine-model.md`), and `docs/studies/routing-quality.md` has the
 //! ablation and the comparison with every other policy. Calibrate the timing knobs to
 //! the real engine, or turn on online calibration (`crate::calibration`): it learns
 //! per-rank multipliers of the step-time constants ([`TimingScale`]) from observed

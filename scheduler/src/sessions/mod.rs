@@ -62,7 +62,7 @@ pub struct SessionConfig {
     /// cost is lower by more than this share of the last rank's cost (dimensionless,
     /// in [0, 1]; 0 follows the policy's pick). Default 0.25: in the lab (8 workers,
     /// the conversation trace, seeds 1, 2 and 42) it beat 0.1 on mean TTFT at 1× and
-    /// 4× arrivals, and on p99 in five of six runs (`docs/benchmarks.md`, "Session
+    /// 4× arrivals, and on p99 in five of six runs (`docs/studies/tiers-and-sessions.md`, "Session
     /// affinity").
     pub relative_margin: f64,
 }
