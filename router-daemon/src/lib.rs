@@ -2,9 +2,10 @@
 //! sharded indexer, discovers workers through etcd leases, and answers routing queries
 //! on a NATS queue group with the scheduler's choice.
 //!
-//! The binary (`kv-router`) is a thin shell over [`Daemon`]; tests run the same code
-//! in-process against real nats-server and etcd processes and drive shutdown through a
-//! [`tokio_util::sync::CancellationToken`].
+//! The `kv-router` binary (crate `kv-router`) is a thin shell over [`run`] and
+//! [`Daemon`]; this library does not depend on the relay or the gateway. Tests run
+//! the same code in-process against real nats-server and etcd processes and drive
+//! shutdown through a [`tokio_util::sync::CancellationToken`].
 //!
 //! # Layout
 //! - [`barrier`]: a NATS round trip proving our subscriptions are registered,
