@@ -23,7 +23,7 @@ use tokio::time::Instant;
 /// How long a barrier may wait while both its connections are up before it fails: far
 /// beyond any route's propagation delay, so reaching it means the servers do not
 /// carry messages between the two connections (broken routes, a partition).
-pub const BARRIER_DEADLINE: Duration = Duration::from_secs(30);
+pub(crate) const BARRIER_DEADLINE: Duration = Duration::from_secs(30);
 
 /// The first wait before publishing again; doubles up to [`MAX_RETRY_DELAY`].
 const FIRST_RETRY_DELAY: Duration = Duration::from_millis(20);
@@ -68,7 +68,7 @@ pub enum BarrierError {
 /// # Errors
 /// [`BarrierError`] when either connection fails meanwhile, or after
 /// [`BARRIER_DEADLINE`] of waiting while both are up.
-pub async fn server_barrier_between(
+pub(crate) async fn server_barrier_between(
     sender: &async_nats::Client,
     receiver: &async_nats::Client,
 ) -> Result<(), BarrierError> {

@@ -392,11 +392,6 @@ impl Daemon {
         &self.state
     }
 
-    /// The HTTP endpoint's address, when one is served.
-    pub fn http_addr(&self) -> Option<SocketAddr> {
-        self.http.as_ref().map(HttpServer::local_addr)
-    }
-
     /// Runs the shutdown sequence described in the module docs, within the
     /// configured budget (`--shutdown-timeout-ms`).
     ///

@@ -47,7 +47,7 @@ pub struct RouterState {
 
 impl RouterState {
     /// Bundles the parts; health starts as "starting, nothing connected".
-    pub fn new(
+    pub(crate) fn new(
         subjects: Subjects,
         block_size: BlockSize,
         indexer: Indexer,

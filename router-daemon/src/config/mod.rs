@@ -29,23 +29,22 @@
 //!   shared with the gateway; the shutdown budget is `kv_cluster::shutdown`, shared
 //!   with `kv-router relay` and the mock engines.
 
-pub mod calibration;
-pub mod error;
+mod calibration;
+mod error;
 pub mod file;
 pub mod index;
-pub mod liveness;
-pub mod policy;
-pub mod recovery;
-pub mod scheduling;
-pub mod sessions;
+mod liveness;
+mod policy;
+mod recovery;
+mod scheduling;
+mod sessions;
 
-pub use crate::http::HttpConfig;
+pub(crate) use crate::http::config::HttpConfig;
 use clap::Args;
 pub use error::ConfigError;
-pub use kv_cluster::args::{EtcdArgs, NatsArgs, parse_flags};
-pub use kv_cluster::etcd::EtcdConfig;
-pub use kv_cluster::http::ListenAddr;
-pub use kv_cluster::nats::{ClientCertificate, NatsAuth, NatsConfig, NatsTls};
+pub(crate) use kv_cluster::args::{EtcdArgs, NatsArgs};
+pub(crate) use kv_cluster::etcd::EtcdConfig;
+pub(crate) use kv_cluster::nats::NatsConfig;
 use kv_events::{Namespace, Subjects};
 use scheduler::SchedulerConfig;
 use std::path::PathBuf;
@@ -233,6 +232,8 @@ impl DaemonConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kv_cluster::args::parse_flags;
+    use kv_cluster::nats::NatsAuth;
     use std::time::Duration;
 
     fn parse(args: &[&str]) -> ServeArgs {

@@ -100,7 +100,7 @@ impl Counters {
     ///
     /// # Errors
     /// A [`prometheus::Error`] if a metric of the same name is already registered.
-    pub fn new(r: &Registrar<'_>) -> Result<Self, prometheus::Error> {
+    pub(crate) fn new(r: &Registrar<'_>) -> Result<Self, prometheus::Error> {
         Ok(Self {
             messages: r.counter_vec(
                 "kv_router_messages_total",
@@ -117,7 +117,7 @@ impl Counters {
     ///
     /// # Errors
     /// A [`prometheus::Error`] if a metric of the same name is already registered.
-    pub fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
+    pub(crate) fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
         Self::new(&Registrar::new(registry))
     }
 
@@ -134,9 +134,7 @@ impl Counters {
     pub fn descriptors(&self) -> Vec<Desc> {
         registrar::unregistered(|twin| Self::new(twin).map(|_| twin.descriptors()))
     }
-
-    /// Counts one message.
-    pub fn message(&self, kind: MessageKind, outcome: Outcome) {
+    pub(crate) fn message(&self, kind: MessageKind, outcome: Outcome) {
         self.messages
             .with_label_values(&[kind.label(), outcome.label()])
             .inc();
@@ -150,7 +148,7 @@ impl Counters {
     }
 
     /// Counts a refused message of `kind` from `subject` and logs it, rate-limited.
-    pub fn refused(&self, kind: MessageKind, subject: &str, refusal: &Refusal) {
+    pub(crate) fn refused(&self, kind: MessageKind, subject: &str, refusal: &Refusal) {
         let outcome = match refusal {
             Refusal::TooLarge { .. } => Outcome::TooLarge,
             Refusal::Malformed(_) => Outcome::Malformed,
@@ -161,7 +159,7 @@ impl Counters {
 
     /// Counts a skipped message of `kind` from `subject` under `outcome`, and logs it
     /// with `detail`, at most once per `refusals::LOG_EVERY` per (kind, outcome).
-    pub fn skipped(&self, kind: MessageKind, outcome: Outcome, subject: &str, detail: &str) {
+    pub(crate) fn skipped(&self, kind: MessageKind, outcome: Outcome, subject: &str, detail: &str) {
         self.message(kind, outcome);
         if let Some(not_logged) =
             self.refusal_log
@@ -179,7 +177,7 @@ impl Counters {
     }
 
     /// Sets the registered-workers gauge.
-    pub fn set_workers(&self, n: usize) {
+    pub(crate) fn set_workers(&self, n: usize) {
         self.workers.set(i64::try_from(n).unwrap_or(i64::MAX));
     }
 }
