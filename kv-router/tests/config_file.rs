@@ -18,29 +18,44 @@ namespace = "from-file"
 policy = "kv"
 "#;
 
-/// The binary end to end: `kv-router config print` with a file, an environment
-/// variable and a flag setting overlapping values.
-#[test]
-fn the_binary_layers_file_then_environment_then_flags() {
-    let path = std::env::temp_dir().join(format!("kv-router-config-{}.toml", std::process::id()));
-    std::fs::write(&path, FILE).unwrap();
+/// `kv-router config print` with [`FILE`] as the config file, only the environment
+/// `env` and the flags `flags`: its output, and the note a value from the file has.
+fn config_print(env: &[(&str, &str)], flags: &[&str]) -> (String, String) {
+    let path = std::env::temp_dir().join(format!(
+        "kv-router-config-{}-{}.toml",
+        std::process::id(),
+        flags.len()
+    ));
+    std::fs::write(&path, FILE).expect("the temporary directory is writable");
     let output = std::process::Command::new(env!("CARGO_BIN_EXE_kv-router"))
         .env_clear()
-        .env("KV_ROUTER_BLOCK_SIZE", "32")
-        .env("KV_ROUTER_NAMESPACE", "from-env")
+        .envs(env.iter().copied())
         .args(["config", "print", "--config"])
         .arg(&path)
-        .args(["--policy", "random", "--namespace", "from-flag"])
+        .args(flags)
         .output()
-        .unwrap();
-    std::fs::remove_file(&path).unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
+        .expect("the kv-router binary runs");
+    std::fs::remove_file(&path).expect("the file written above");
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
     assert!(
         output.status.success(),
         "{stdout}{}",
         String::from_utf8_lossy(&output.stderr)
     );
-    let file_note = format!("# config file {}", path.display());
+    (stdout, format!("# config file {}", path.display()))
+}
+
+/// The binary end to end: `kv-router config print` with a file, an environment
+/// variable and a flag setting overlapping values.
+#[test]
+fn the_binary_layers_file_then_environment_then_flags() {
+    let (stdout, file_note) = config_print(
+        &[
+            ("KV_ROUTER_BLOCK_SIZE", "32"),
+            ("KV_ROUTER_NAMESPACE", "from-env"),
+        ],
+        &["--policy", "random", "--namespace", "from-flag"],
+    );
     for (line, note) in [
         (
             "url = [\"nats://a:4222\", \"nats://b:4222\"]",
@@ -75,5 +90,18 @@ fn the_binary_layers_file_then_environment_then_flags() {
     assert!(
         stderr.contains("unknown setting `etcd.endpoint`"),
         "{stderr}"
+    );
+}
+
+/// The namespace from the config file's `[cluster]` table when neither the
+/// environment nor a flag sets it.
+#[test]
+fn the_namespace_comes_from_the_config_file() {
+    let (stdout, note) = config_print(&[], &[]);
+    assert!(
+        stdout
+            .lines()
+            .any(|l| l.starts_with("namespace = \"from-file\"") && l.ends_with(&note)),
+        "{stdout}"
     );
 }

@@ -1,6 +1,7 @@
 //! The subcommands of the one binary declare the cluster flags they share from one
 //! place (`kv_cluster::args`), so they cannot drift apart: same flag, environment
-//! variable, default and help heading in `serve` and in `relay`.
+//! variable, default and help heading in `serve` and in `relay`, and one
+//! `--namespace` in every subcommand that takes it.
 
 use clap::{Args as _, Command};
 use kv_cluster::args::{EtcdArgs, NatsArgs};
@@ -36,4 +37,45 @@ fn serve_and_relay_declare_the_same_connection_flags() {
         count += 1;
     }
     assert_eq!(count, 17);
+}
+
+/// `--namespace` is one flag everywhere: the same environment variable, default and
+/// help in `serve`, `relay`, `gateway` and `security nats-users`; under `Cluster`
+/// (`serve`'s config file table) in the commands that group their flags.
+#[test]
+fn every_subcommand_declares_the_same_namespace_flag() {
+    let commands = [
+        (serve_command(), Some("Cluster")),
+        (
+            kv_relay::RelayArgs::augment_args(Command::new("relay")),
+            Some("Cluster"),
+        ),
+        (
+            kv_gateway::GatewayArgs::augment_args(Command::new("gateway")),
+            Some("Cluster"),
+        ),
+        (
+            kv_cluster::security::cli::NatsUsersArgs::augment_args(Command::new("nats-users")),
+            None,
+        ),
+    ];
+    let mut helps = Vec::new();
+    for (command, heading) in &commands {
+        let name = command.get_name();
+        let arg = command
+            .get_arguments()
+            .find(|a| a.get_long() == Some("namespace"))
+            .unwrap_or_else(|| panic!("--namespace missing in {name}"));
+        assert_eq!(
+            arg.get_env().and_then(|e| e.to_str()),
+            Some("KV_ROUTER_NAMESPACE"),
+            "{name}"
+        );
+        let defaults: Vec<_> = arg.get_default_values().iter().collect();
+        assert_eq!(defaults, ["kv-router"], "{name}");
+        assert_eq!(arg.get_help_heading(), *heading, "{name}");
+        helps.push(arg.get_help().map(ToString::to_string));
+    }
+    helps.dedup();
+    assert_eq!(helps.len(), 1, "the help of --namespace differs: {helps:?}");
 }

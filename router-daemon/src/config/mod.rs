@@ -45,7 +45,7 @@ pub use error::ConfigError;
 pub(crate) use kv_cluster::args::{EtcdArgs, NatsArgs};
 pub(crate) use kv_cluster::etcd::EtcdConfig;
 pub(crate) use kv_cluster::nats::NatsConfig;
-use kv_events::{Namespace, Subjects};
+use kv_events::Subjects;
 use scheduler::SchedulerConfig;
 use std::path::PathBuf;
 
@@ -68,14 +68,9 @@ pub struct ServeArgs {
     /// etcd endpoints and connect timeout (shared with `relay`).
     #[command(flatten)]
     pub etcd: EtcdArgs,
-    /// Namespace of every subject and etcd key (letters, digits, '_' and '-').
-    #[arg(
-        long,
-        help_heading = "Cluster",
-        env = "KV_ROUTER_NAMESPACE",
-        default_value = "kv-router"
-    )]
-    pub namespace: String,
+    /// The cluster's namespace (shared with every participant).
+    #[command(flatten, next_help_heading = "Cluster")]
+    pub namespace: kv_cluster::args::NamespaceArgs,
     /// Tokens per KV block, pinned; a worker registering another size is rejected.
     /// Default: adopted from the first worker registration (see docs/operations.md).
     #[arg(long, help_heading = "Cluster", env = "KV_ROUTER_BLOCK_SIZE")]
@@ -171,7 +166,7 @@ impl DaemonConfig {
     /// # Errors
     /// [`ConfigError`] naming the first bad field.
     pub fn from_args(args: &ServeArgs) -> Result<Self, ConfigError> {
-        let subjects = Subjects::new(Namespace::new(args.namespace.clone())?);
+        let subjects = Subjects::new(args.namespace.get()?);
         let invalid = |field: &'static str, reason: &str| ConfigError::Invalid {
             field,
             reason: reason.to_owned(),
