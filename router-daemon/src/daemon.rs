@@ -129,7 +129,7 @@ impl Starting {
 
     /// Serves the HTTP endpoint on `addr` (port 0 picks one) from now until the end of
     /// [`Daemon::shutdown`], with `/debug/*` and the connection limits of the
-    /// configuration's [`crate::http::HttpConfig`]. Returns the bound address (the
+    /// configuration's HTTP settings. Returns the bound address (the
     /// separate `/debug` one is [`Starting::http_debug_addr`]).
     ///
     /// # Errors

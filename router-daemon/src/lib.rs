@@ -79,7 +79,7 @@ pub use block_size::BlockSizeSource;
 pub use config::{DaemonConfig, ServeArgs};
 pub use daemon::{Daemon, Starting, run};
 pub use directory::DirectoryEntry;
-pub use durability::jetstream::JetStreamPath;
+pub use durability::jetstream::{JetStreamError, JetStreamPath};
 pub use health::Phase;
 pub use http::workers::workers_view;
 pub use metrics::counters;

@@ -149,7 +149,7 @@ async fn route(state: &RouterState, request: RouteRequest) -> RouteReply {
 /// Validates a route request into what the scheduler needs.
 ///
 /// # Errors
-/// A `bad_request` reply for a prompt [`prompt_blocks`] refuses, or for more than
+/// A `bad_request` reply for a prompt `prompt_blocks` refuses, or for more than
 /// [`MAX_EXCLUDED_WORKERS`] excluded workers.
 pub fn schedule_request(
     request: RouteRequest,

@@ -69,7 +69,7 @@ impl RouterState {
         }
     }
 
-    /// Locks the scheduler ([`Admission::scheduler`]).
+    /// Locks the scheduler (the admission's, so booking and reading share one lock).
     pub fn scheduler(&self) -> MutexGuard<'_, Scheduler> {
         self.admission.scheduler()
     }

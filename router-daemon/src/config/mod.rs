@@ -12,18 +12,18 @@
 //! # Layout
 //! - this file: [`ServeArgs`] (every `serve` flag), [`DaemonConfig`] and its
 //!   validation, [`serve_command`].
-//! - [`error`]: [`ConfigError`], the one error of every flag group.
+//! - `error`: [`ConfigError`], the one error of every flag group.
 //! - [`file`]: the TOML file under environment and flags; `config print` and
 //!   `config reference`.
-//! - [`scheduling`]: the scheduling, queue and replica flags.
-//! - [`liveness`]: liveness from silence in load metrics (flattened into
-//!   [`scheduling`]).
-//! - [`calibration`]: online calibration of `predicted-ttft` (flattened into
-//!   [`scheduling`]).
-//! - [`sessions`]: session affinity (flattened into [`scheduling`]).
-//! - [`policy`]: the default policy and each policy's knob flags.
+//! - `scheduling`: the scheduling, queue and replica flags.
+//! - `liveness`: liveness from silence in load metrics (flattened into
+//!   `scheduling`).
+//! - `calibration`: online calibration of `predicted-ttft` (flattened into
+//!   `scheduling`).
+//! - `sessions`: session affinity (flattened into `scheduling`).
+//! - `policy`: the default policy and each policy's knob flags.
 //! - [`index`]: the index backend, memory bound, mode and JetStream flags.
-//! - [`recovery`]: the gap recovery flags (flattened into [`index`]).
+//! - `recovery`: the gap recovery flags (flattened into [`index`]).
 //! - The NATS and etcd flags are `kv_cluster::args`, shared with `kv-router relay`
 //!   and every other participant; the `Limits` flags are `kv_cluster::limits`,
 //!   shared with the gateway; the shutdown budget is `kv_cluster::shutdown`, shared
@@ -116,7 +116,7 @@ pub struct ServeArgs {
 pub struct RouteConfig {
     /// Tokens per KV block, used to hash token prompts and count request blocks, when
     /// pinned by `--block-size`; `None` adopts the registered workers' size
-    /// ([`crate::block_size`]).
+    /// ([`crate::BlockSizeSource`]).
     pub block_size: Option<std::num::NonZeroU32>,
     /// Routing queries handled concurrently (single queries and batches each).
     pub max_inflight: usize,

@@ -1,5 +1,5 @@
 //! Prometheus counters for what the daemon received, applied and rejected, and the
-//! handle to every other daemon metric ([`super::Metrics`]).
+//! handle to every other daemon metric (`metrics::Metrics`).
 //!
 //! Metrics come from an injected [`prometheus::Registry`] (through a
 //! [`Registrar`]) so that several daemons can run in one process (tests) without
@@ -129,7 +129,7 @@ impl Counters {
     /// The descriptors of every metric (name, help, label names), sorted by name: what
     /// `/metrics` can export. Vectors without samples yet are included. Metric handles
     /// do not list their definitions, so this builds an unregistered twin of `self`
-    /// (every `Counters` comes from [`Counters::new`]) and reads them from its
+    /// (every `Counters` comes from `Counters::new`) and reads them from its
     /// registrar.
     pub fn descriptors(&self) -> Vec<Desc> {
         registrar::unregistered(|twin| Self::new(twin).map(|_| twin.descriptors()))

@@ -215,7 +215,7 @@ async fn collect(
 }
 
 /// Applies one snapshot reply chunk received on `subject`, as peer bookings, through
-/// the same path as a live `booked` ([`booked_event`]). Skips bookings already known
+/// the same path as a live `booked` (`booked_event`). Skips bookings already known
 /// and requests freed since the sequences subscription started; books with the
 /// prefill completed when the reply or a recorded step says so. Malformed replies are
 /// counted, logged with their subject and skipped.
