@@ -8,5 +8,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 . deploy/ensure-deps.sh
 ensure_deps
-cargo build --release --locked -p router-daemon -p mocker
+cargo build --release --locked -p kv-router -p mocker
 exec target/release/kv-mocker quickstart "$@"

@@ -58,9 +58,9 @@ def ensure_venv(venvs: Path, name: str, log) -> Path:
 
 
 def build_release(repo: Path, log) -> tuple[Path, Path]:
-    """``cargo build --release -p router-daemon -p mocker``; the two binaries."""
-    log("cargo build --release -p router-daemon -p mocker")
-    subprocess.run(["cargo", "build", "--release", "-p", "router-daemon", "-p", "mocker"],
+    """``cargo build --release -p kv-router -p mocker``; the two binaries."""
+    log("cargo build --release -p kv-router -p mocker")
+    subprocess.run(["cargo", "build", "--release", "-p", "kv-router", "-p", "mocker"],
                    cwd=repo, check=True)
     target = Path(os.environ.get("CARGO_TARGET_DIR", repo / "target"))
     return target / "release" / "kv-router", target / "release" / "kv-mocker"

@@ -41,7 +41,7 @@ def log(msg: str) -> None:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--no-build", action="store_true",
-                   help="do not run cargo build --release -p router-daemon")
+                   help="do not run cargo build --release -p kv-router")
     p.add_argument("--kv-router", type=Path, default=None,
                    help="kv-router binary to run (then nothing is built); default: "
                         "$CARGO_TARGET_DIR or target/, release/kv-router")
@@ -62,8 +62,8 @@ def main() -> int:
     if os.environ.get(IN_VENV) != "1":
         # Stage 1, system python: build, install, then run again inside the venv.
         if not args.no_build and args.kv_router is None:
-            log("cargo build --release -p router-daemon")
-            subprocess.run(["cargo", "build", "--release", "-p", "router-daemon"],
+            log("cargo build --release -p kv-router")
+            subprocess.run(["cargo", "build", "--release", "-p", "kv-router"],
                            cwd=REPO, check=True)
         python = install.ensure(args.out / "venv", log)
         os.environ[IN_VENV] = "1"

@@ -47,8 +47,8 @@
 //! bytes: input `i` of target `t` under seed `s` is always the same, so a run can be
 //! resumed (`--start`) and any input replayed.
 //!
-//! Two entry points: `tests/decoders.rs` (a short run in `cargo test`) and
-//! `examples/fuzz_decoders.rs` (the long run: `cargo run --release -p kv-fuzz
+//! Two entry points: `tests/decoders.rs` (a short run in `cargo test --workspace`)
+//! and `examples/fuzz_decoders.rs` (the long run: `cargo run --release -p kv-fuzz
 //! --example fuzz_decoders -- --inputs 10000000`). Both install the counting
 //! allocator. Cost: a few µs to a few hundred µs per input, most of it building the
 //! fresh state (metrics, scheduler) each input gets.

@@ -1,6 +1,6 @@
-//! The short fuzz run of `cargo test`: every decoder of network input gets a few
-//! hundred generated inputs (plus its seeds) and must not panic, must refuse with a
-//! message, and must stay within the allocation bound. The long run is
+//! The short fuzz run of `cargo test --workspace`: every decoder of network input
+//! gets a few hundred generated inputs (plus its seeds) and must not panic, must
+//! refuse with a message, and must stay within the allocation bound. The long run is
 //! `examples/fuzz_decoders.rs`.
 
 use kv_fuzz::runner::{self, Bound, Plan, Problem};

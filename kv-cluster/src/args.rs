@@ -1,5 +1,5 @@
-//! The NATS and etcd connection flags, declared once for every participant
-//! (`kv-router serve`, `kv-router relay`, the coming gateway).
+//! The cluster flags (NATS and etcd connection, namespace), declared once for every
+//! participant (`kv-router serve`, `relay`, `gateway`, `security nats-users`).
 //!
 //! Both commands talk to the same NATS cluster and the same etcd, usually with the
 //! same credentials: a relay sidecar and the router daemon can share one environment
@@ -11,12 +11,15 @@
 //! them.
 //!
 //! Each flag's help heading (`NATS`, `etcd`) is its TOML table in `serve`'s
-//! configuration file.
+//! configuration file. The namespace ([`NamespaceArgs`]) has no heading of its own:
+//! `serve`, `relay` and `gateway` flatten it under `Cluster` (`serve`'s `[cluster]`
+//! table), `security nats-users` among its few options.
 
 use crate::Error;
 use crate::etcd::{EtcdConfig, EtcdCredentials, EtcdTls, PemFile};
 use crate::nats::{ClientCertificate, NatsAuth, NatsConfig, NatsTls};
 use clap::Args;
+use kv_events::{Namespace, NamespaceError};
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use std::path::{Path, PathBuf};
@@ -125,6 +128,30 @@ pub struct EtcdArgs {
     /// Private key (PEM) of --etcd-tls-cert.
     #[arg(long, help_heading = "etcd", env = "KV_ROUTER_ETCD_TLS_KEY")]
     pub etcd_tls_key: Option<PathBuf>,
+}
+
+/// The namespace every participant of one cluster shares (`--namespace`,
+/// `KV_ROUTER_NAMESPACE`): the prefix of every NATS subject and etcd key, so several
+/// clusters can share one NATS and one etcd.
+#[derive(Debug, Clone, Args)]
+pub struct NamespaceArgs {
+    /// Namespace of every subject and etcd key (letters, digits, '_' and '-').
+    #[arg(long, env = "KV_ROUTER_NAMESPACE", default_value = DEFAULT_NAMESPACE)]
+    pub namespace: String,
+}
+
+/// The default namespace (`--namespace`).
+pub const DEFAULT_NAMESPACE: &str = "kv-router";
+
+impl NamespaceArgs {
+    /// The validated namespace. Each command reports the error its own way, naming
+    /// `--namespace`.
+    ///
+    /// # Errors
+    /// [`NamespaceError`] for an empty, over-long or non-token namespace.
+    pub fn get(&self) -> Result<Namespace, NamespaceError> {
+        Namespace::new(self.namespace.as_str())
+    }
 }
 
 impl Default for NatsArgs {

@@ -99,6 +99,9 @@ pub enum SecurityError {
     /// A worker user with no worker id.
     #[error("worker user {0:?} needs at least one worker id")]
     NoWorkers(String),
+    /// `--namespace` is not a valid subject token.
+    #[error("invalid --namespace: {0}")]
+    Namespace(#[from] kv_events::NamespaceError),
 }
 
 /// The inbox prefix user `name` must connect with (`--nats-inbox-prefix`).

@@ -14,11 +14,11 @@
 use crate::Error;
 use crate::replay::ReplayPolicy;
 use clap::{Args, ValueEnum};
-use kv_cluster::args::{EtcdArgs, NatsArgs, trimmed};
+use kv_cluster::args::{EtcdArgs, NamespaceArgs, NatsArgs, trimmed};
 use kv_cluster::etcd::EtcdConfig;
 use kv_cluster::nats::NatsConfig;
 use kv_events::discovery::WorkerRegistration;
-use kv_events::{DpRank, Namespace, Subjects, WorkerId};
+use kv_events::{DpRank, Subjects, WorkerId};
 use std::time::Duration;
 
 /// Bounds of `--reconnect-max-backoff-ms`: the first retry waits 100 ms, and an
@@ -120,9 +120,9 @@ pub struct RelayArgs {
     /// variables as `serve`.
     #[command(flatten)]
     pub etcd: EtcdArgs,
-    /// Namespace of every subject and etcd key (letters, digits, '_' and '-').
-    #[arg(long, env = "KV_ROUTER_NAMESPACE", default_value = "kv-router")]
-    pub namespace: String,
+    /// The cluster's namespace: the same flag and variable as `serve`.
+    #[command(flatten, next_help_heading = "Cluster")]
+    pub namespace: NamespaceArgs,
     /// The budget of the whole shutdown sequence: the same flag and variable as
     /// `serve`.
     #[command(flatten)]
@@ -266,7 +266,7 @@ impl RelayConfig {
     /// # Errors
     /// [`Error`] naming the first bad flag.
     pub fn from_args(args: &RelayArgs) -> Result<Self, Error> {
-        let subjects = Subjects::new(Namespace::new(args.namespace.clone())?);
+        let subjects = Subjects::new(args.namespace.get()?);
         let engines = trimmed(&args.engine_endpoint);
         let replays = trimmed(&args.replay_endpoint);
         if engines.is_empty() {

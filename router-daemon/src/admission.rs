@@ -58,7 +58,7 @@ pub struct AdmissionConfig {
 
 /// Why a request was not booked.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum AdmitError {
+pub(crate) enum AdmitError {
     /// The scheduler refused it (no workers, pinned rank unavailable, bad override,
     /// duplicate id).
     #[error(transparent)]
@@ -112,7 +112,7 @@ impl Admission {
     /// Locks the scheduler. A panic while holding the lock cannot leave the scheduler
     /// half-updated in a way that matters more than stopping routing would, so a
     /// poisoned lock is recovered rather than propagated.
-    pub fn scheduler(&self) -> MutexGuard<'_, Scheduler> {
+    pub(crate) fn scheduler(&self) -> MutexGuard<'_, Scheduler> {
         self.scheduler
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -123,7 +123,7 @@ impl Admission {
     ///
     /// # Errors
     /// [`AdmitError`]; nothing is booked on error.
-    pub async fn admit(
+    pub(crate) async fn admit(
         &self,
         request: ScheduleRequest,
         overlaps: OverlapScores,
@@ -193,7 +193,7 @@ impl Admission {
     /// [`AdmitError::WaitersAhead`] (the waiters keep their turn), and an entry that finds
     /// every eligible rank busy fails with `AllBusy`. Returns one result per request, in
     /// input order; each booked one is announced to peer replicas.
-    pub fn admit_batch(
+    pub(crate) fn admit_batch(
         &self,
         batch: &[(ScheduleRequest, OverlapScores)],
         order: BatchOrder,
@@ -227,7 +227,7 @@ impl Admission {
 
     /// Routes queued requests while ranks have room. Call after anything that may have
     /// reduced load or changed the ranks.
-    pub fn release_waiters(&self) {
+    pub(crate) fn release_waiters(&self) {
         // Every route's `freed` comes here; without waiters, skip the queue lock that
         // the route tasks hold while they book.
         if !self.queue.may_have_waiters() {
@@ -264,7 +264,7 @@ impl Admission {
 
     /// Queues the sync message for a lifecycle step of a request, if this replica booked
     /// it. Call under the scheduler lock, with the origin the scheduler reported.
-    pub fn relay_step(
+    pub(crate) fn relay_step(
         &self,
         origin: Origin,
         request_id: &kv_events::RequestId,
@@ -278,7 +278,7 @@ impl Admission {
     /// Frees requests whose TTL lapsed, until `stop`. Sleeps until the earliest deadline;
     /// a new booking wakes it to look again. No polling: with nothing booked it waits for
     /// a booking.
-    pub async fn expire_requests(self: Arc<Self>, stop: CancellationToken) {
+    pub(crate) async fn expire_requests(self: Arc<Self>, stop: CancellationToken) {
         loop {
             let next = {
                 let scheduler = self.scheduler();

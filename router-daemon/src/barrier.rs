@@ -23,7 +23,7 @@ use tokio::time::Instant;
 /// How long a barrier may wait while both its connections are up before it fails: far
 /// beyond any route's propagation delay, so reaching it means the servers do not
 /// carry messages between the two connections (broken routes, a partition).
-pub const BARRIER_DEADLINE: Duration = Duration::from_secs(30);
+pub(crate) const BARRIER_DEADLINE: Duration = Duration::from_secs(30);
 
 /// The first wait before publishing again; doubles up to [`MAX_RETRY_DELAY`].
 const FIRST_RETRY_DELAY: Duration = Duration::from_millis(20);
@@ -58,36 +58,36 @@ pub enum BarrierError {
     },
 }
 
-/// Returns once the server(s) have processed everything `sender` sent before, as seen
-/// from `receiver`: `receiver` subscribes to a private inbox, and `sender` publishes
-/// an empty message there until one arrives (see the module docs). Used for a
-/// `sender` that cannot read its own messages (a `no_echo` connection): once the
-/// message arrives, every subscription `sender` made before it is registered on its
-/// server and has reached the receiver's.
+/// [`round_trip`] within [`BARRIER_DEADLINE`], for a `sender` that cannot read its
+/// own messages (a `no_echo` connection): once the message arrives, every
+/// subscription `sender` made before it is registered on its server and has reached
+/// the receiver's.
 ///
 /// # Errors
-/// [`BarrierError`] when either connection fails meanwhile, or after
-/// [`BARRIER_DEADLINE`] of waiting while both are up.
-pub async fn server_barrier_between(
+/// As [`round_trip`].
+pub(crate) async fn server_barrier_between(
     sender: &async_nats::Client,
     receiver: &async_nats::Client,
 ) -> Result<(), BarrierError> {
     round_trip(sender, receiver, BARRIER_DEADLINE).await
 }
 
-/// Returns once the server has processed everything this client sent before.
+/// Returns once the server has processed everything this client sent before: a
+/// [`round_trip`] to itself, failing after 30 s of waiting while connected.
 ///
 /// # Errors
-/// As [`server_barrier_between`].
+/// As [`round_trip`].
 pub async fn server_barrier(client: &async_nats::Client) -> Result<(), BarrierError> {
     round_trip(client, client, BARRIER_DEADLINE).await
 }
 
-/// The barrier of [`server_barrier_between`], failing after `deadline` of waiting
-/// while both connections are up.
+/// Returns once the server(s) have processed everything `sender` sent before, as seen
+/// from `receiver`: `receiver` subscribes to a private inbox, and `sender` publishes
+/// an empty message there until one arrives (see the module docs).
 ///
 /// # Errors
-/// As [`server_barrier_between`].
+/// [`BarrierError`] when either connection fails meanwhile, or after `deadline` of
+/// waiting while both are up.
 pub async fn round_trip(
     sender: &async_nats::Client,
     receiver: &async_nats::Client,

@@ -61,7 +61,7 @@ pub enum BlockSizeSource {
     BlockSizeSource::Pinned => "pinned by --block-size",
     BlockSizeSource::Adopted => "adopted from the registered workers",
 })]
-pub struct BlockSizeMismatch {
+pub(crate) struct BlockSizeMismatch {
     /// The registration's block size, in tokens.
     pub registered: u32,
     /// The router's block size, in tokens.
@@ -82,7 +82,7 @@ pub struct BlockSize {
 
 impl BlockSize {
     /// A size fixed at `tokens` (`--block-size`).
-    pub fn pinned(tokens: NonZeroU32) -> Self {
+    pub(crate) fn pinned(tokens: NonZeroU32) -> Self {
         Self {
             size: AtomicU32::new(tokens.get()),
             source: BlockSizeSource::Pinned,
@@ -90,7 +90,7 @@ impl BlockSize {
     }
 
     /// No size yet: the first registration accepted sets it.
-    pub fn adopted() -> Self {
+    pub(crate) fn adopted() -> Self {
         Self {
             size: AtomicU32::new(0),
             source: BlockSizeSource::Adopted,
@@ -113,7 +113,7 @@ impl BlockSize {
     ///
     /// # Errors
     /// [`BlockSizeMismatch`] when pinned to another size.
-    pub fn check_pinned(&self, tokens: u32) -> Result<(), BlockSizeMismatch> {
+    pub(crate) fn check_pinned(&self, tokens: u32) -> Result<(), BlockSizeMismatch> {
         match self.source {
             BlockSizeSource::Pinned => self.check(tokens),
             BlockSizeSource::Adopted => Ok(()),
@@ -125,7 +125,7 @@ impl BlockSize {
     ///
     /// # Errors
     /// [`BlockSizeMismatch`] naming both sizes.
-    pub fn accept(&self, tokens: NonZeroU32) -> Result<(), BlockSizeMismatch> {
+    pub(crate) fn accept(&self, tokens: NonZeroU32) -> Result<(), BlockSizeMismatch> {
         if self.source == BlockSizeSource::Adopted && self.get().is_none() {
             // Discovery is the only writer, so nothing changed since the load.
             self.size.store(tokens.get(), Ordering::Release);
@@ -136,7 +136,7 @@ impl BlockSize {
 
     /// Forgets an adopted size (the last worker left); a pinned size stays. Returns
     /// whether a size was forgotten.
-    pub fn forget(&self) -> bool {
+    pub(crate) fn forget(&self) -> bool {
         self.source == BlockSizeSource::Adopted && self.size.swap(0, Ordering::AcqRel) != 0
     }
 

@@ -129,7 +129,7 @@ impl Starting {
 
     /// Serves the HTTP endpoint on `addr` (port 0 picks one) from now until the end of
     /// [`Daemon::shutdown`], with `/debug/*` and the connection limits of the
-    /// configuration's [`crate::http::HttpConfig`]. Returns the bound address (the
+    /// configuration's HTTP settings. Returns the bound address (the
     /// separate `/debug` one is [`Starting::http_debug_addr`]).
     ///
     /// # Errors
@@ -390,11 +390,6 @@ impl Daemon {
     /// The shared router state (indexer, scheduler, counters, health).
     pub fn state(&self) -> &Arc<RouterState> {
         &self.state
-    }
-
-    /// The HTTP endpoint's address, when one is served.
-    pub fn http_addr(&self) -> Option<SocketAddr> {
-        self.http.as_ref().map(HttpServer::local_addr)
     }
 
     /// Runs the shutdown sequence described in the module docs, within the

@@ -29,8 +29,7 @@ pub struct WorkerDirectory {
 }
 
 impl WorkerDirectory {
-    /// An empty directory.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self::default()
     }
 
@@ -43,9 +42,7 @@ impl WorkerDirectory {
     pub fn upsert(&self, entry: DirectoryEntry) {
         self.lock().insert(entry.registration.worker_id, entry);
     }
-
-    /// Forgets a worker.
-    pub fn remove(&self, id: WorkerId) -> Option<DirectoryEntry> {
+    pub(crate) fn remove(&self, id: WorkerId) -> Option<DirectoryEntry> {
         self.lock().remove(&id)
     }
 
@@ -55,13 +52,9 @@ impl WorkerDirectory {
     }
 
     /// Number of workers.
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    fn len(&self) -> usize {
         self.lock().len()
-    }
-
-    /// Whether no worker is registered.
-    pub fn is_empty(&self) -> bool {
-        self.lock().is_empty()
     }
 }
 

@@ -40,10 +40,10 @@ use std::sync::Arc;
 use tracing::{error, info, warn};
 
 /// Workers the daemon currently knows (accepted by its scheduler), by id.
-pub type KnownWorkers = BTreeMap<WorkerId, WorkerRegistration>;
+pub(crate) type KnownWorkers = BTreeMap<WorkerId, WorkerRegistration>;
 
 /// Applies the directory's registrations to the router state.
-pub struct Discovery {
+pub(crate) struct Discovery {
     state: Arc<RouterState>,
     known: KnownWorkers,
     /// Present registrations rejected for their block size against an adopted size,
@@ -58,7 +58,7 @@ pub struct Discovery {
 
 impl Discovery {
     /// Knows no worker yet.
-    pub fn new(state: Arc<RouterState>) -> Self {
+    pub(crate) fn new(state: Arc<RouterState>) -> Self {
         Self {
             state,
             known: KnownWorkers::new(),
@@ -71,12 +71,12 @@ impl Discovery {
     /// From now on, asks every worker that joins for a dump of its ranks (see the
     /// module docs); a no-op for an approximate index, which holds no events. Called
     /// once the registrations are loaded: the initial recovery resyncs those.
-    pub fn resync_joins(&mut self) {
+    pub(crate) fn resync_joins(&mut self) {
         self.resync_joins = !self.state.indexer.is_approximate();
     }
 
     /// The workers the scheduler accepted.
-    pub fn known(&self) -> &KnownWorkers {
+    pub(crate) fn known(&self) -> &KnownWorkers {
         &self.known
     }
 

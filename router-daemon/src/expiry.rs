@@ -48,7 +48,7 @@ impl Default for ExpiryWake {
 impl ExpiryWake {
     /// Wakes the task if `scheduler`'s earliest deadline comes before the one it sleeps
     /// until. Call under the scheduler lock after booking one or more requests.
-    pub fn booked(&self, scheduler: &Scheduler) {
+    pub(crate) fn booked(&self, scheduler: &Scheduler) {
         let Some(next) = scheduler.next_expiry() else {
             return;
         };
@@ -61,14 +61,14 @@ impl ExpiryWake {
 
     /// Records the deadline the task is about to sleep until (`None`: no request is
     /// active). Call under the scheduler lock, with the deadline read under it.
-    pub fn arm(&self, deadline: Option<Instant>) {
+    pub(crate) fn arm(&self, deadline: Option<Instant>) {
         let armed = deadline.map_or(UNARMED, |at| self.nanos(at));
         self.armed.store(armed, Ordering::Relaxed);
     }
 
     /// Resolves once [`Self::booked`] wakes the task (also when it did so before this
     /// was awaited).
-    pub fn notified(&self) -> Notified<'_> {
+    pub(crate) fn notified(&self) -> Notified<'_> {
         self.notify.notified()
     }
 

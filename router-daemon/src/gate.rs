@@ -24,7 +24,7 @@ use serde::de::DeserializeOwned;
 ///
 /// # Errors
 /// The [`Refusal`].
-pub fn admit<T: DeserializeOwned + WithinLimits>(
+pub(crate) fn admit<T: DeserializeOwned + WithinLimits>(
     counters: &Counters,
     limits: &Limits,
     kind: MessageKind,

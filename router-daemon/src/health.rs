@@ -109,7 +109,7 @@ pub struct Health {
 
 impl Health {
     /// A starting daemon: nothing connected, nothing loaded.
-    pub fn new(metrics: ConnectionMetrics) -> Self {
+    pub(crate) fn new(metrics: ConnectionMetrics) -> Self {
         metrics.ready.set(0);
         metrics.nats_connected.set(0);
         metrics.etcd_connected.set(0);
@@ -131,15 +131,13 @@ impl Health {
     pub fn phase(&self) -> Phase {
         Phase::from_u8(self.phase.load(Ordering::Acquire))
     }
-
-    /// Moves to `phase`.
-    pub fn set_phase(&self, phase: Phase) {
+    pub(crate) fn set_phase(&self, phase: Phase) {
         self.phase.store(phase.as_u8(), Ordering::Release);
         self.update();
     }
 
     /// Records the NATS connection going up or down.
-    pub fn set_nats_connected(&self, connected: bool) {
+    pub(crate) fn set_nats_connected(&self, connected: bool) {
         let was = self.nats.swap(connected, Ordering::AcqRel);
         self.metrics.nats_connected.set(i64::from(connected));
         if was != connected && self.phase() == Phase::Running {
@@ -153,7 +151,7 @@ impl Health {
     }
 
     /// Applies one event from the NATS client: counts it and tracks the connection.
-    pub fn nats_event(&self, event: &async_nats::Event) {
+    pub(crate) fn nats_event(&self, event: &async_nats::Event) {
         use async_nats::Event;
         let name = match event {
             Event::Connected => "connected",
@@ -183,17 +181,15 @@ impl Health {
     }
 
     /// Records the start-up step now under way (reported while starting).
-    pub fn set_step(&self, step: &'static str) {
+    pub(crate) fn set_step(&self, step: &'static str) {
         *self.step.lock().unwrap_or_else(|p| p.into_inner()) = step;
     }
-
-    /// The start-up step last recorded.
-    pub fn step(&self) -> &'static str {
+    pub(crate) fn step(&self) -> &'static str {
         *self.step.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Records a successful etcd call (connect, load or watch start).
-    pub fn etcd_ok(&self, detail: impl Into<String>) {
+    pub(crate) fn etcd_ok(&self, detail: impl Into<String>) {
         self.etcd.store(true, Ordering::Release);
         self.metrics.etcd_connected.set(1);
         *lock(&self.etcd_detail) = detail.into();
@@ -201,7 +197,7 @@ impl Health {
     }
 
     /// Records an etcd failure at `stage` (`connect`, `load` or `watch`).
-    pub fn etcd_failed(&self, stage: &str, error: &dyn std::fmt::Display) {
+    pub(crate) fn etcd_failed(&self, stage: &str, error: &dyn std::fmt::Display) {
         self.etcd.store(false, Ordering::Release);
         self.metrics.etcd_connected.set(0);
         self.metrics.etcd_error(stage);
@@ -220,7 +216,7 @@ impl Health {
     }
 
     /// Records that discovery loaded the registrations.
-    pub fn set_discovery_loaded(&self) {
+    pub(crate) fn set_discovery_loaded(&self) {
         self.discovery_loaded.store(true, Ordering::Release);
         let mut detail = lock(&self.recovery_detail);
         if !self.recovery_done.load(Ordering::Acquire) {
@@ -231,14 +227,14 @@ impl Health {
     }
 
     /// Records that the initial recovery of the index finished, with a summary.
-    pub fn set_recovery_done(&self, detail: impl Into<String>) {
+    pub(crate) fn set_recovery_done(&self, detail: impl Into<String>) {
         self.recovery_done.store(true, Ordering::Release);
         *lock(&self.recovery_detail) = detail.into();
         self.update();
     }
 
     /// Whether the daemon is ready (see the module docs).
-    pub fn is_ready(&self) -> bool {
+    pub(crate) fn is_ready(&self) -> bool {
         self.phase() == Phase::Running
             && self.nats.load(Ordering::Acquire)
             && self.discovery_loaded.load(Ordering::Acquire)

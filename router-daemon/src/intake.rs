@@ -42,7 +42,7 @@ pub fn decode_events(
 }
 
 /// What a KV event intake uses.
-pub struct EventIntake {
+pub(crate) struct EventIntake {
     /// Where batches go.
     pub indexer: Indexer,
     /// Message counters.
@@ -70,14 +70,14 @@ pub struct EventIntake {
 /// The intake's loop waits on its messages and on [`EventDoor::wake`] in one
 /// `select!`, then calls [`EventDoor::take`] or [`EventDoor::handle`]; both return
 /// false once the indexer is gone, and the intake must stop.
-pub struct EventDoor<P> {
+pub(crate) struct EventDoor<P> {
     parts: EventIntake,
     hold: Hold<(KvEventBatch, P)>,
 }
 
 /// Why [`EventDoor::wake`] returned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Wake {
+pub(crate) enum Wake {
     /// The registrations changed: held batches may be applied now.
     Registrations,
     /// The oldest held batch's grace ended.
@@ -86,14 +86,14 @@ pub enum Wake {
 
 impl<P: Copy> EventDoor<P> {
     /// A door with nothing held.
-    pub fn new(parts: EventIntake) -> Self {
+    pub(crate) fn new(parts: EventIntake) -> Self {
         let hold = Hold::new(parts.hold);
         Self { parts, hold }
     }
 
     /// Waits until the registrations change or a held batch's grace ends. Cancel-safe:
     /// it only waits; [`Self::handle`] acts.
-    pub async fn wake(&mut self) -> Wake {
+    pub(crate) async fn wake(&mut self) -> Wake {
         let deadline = self.hold.next_deadline();
         let expired = async {
             match deadline {
@@ -111,7 +111,7 @@ impl<P: Copy> EventDoor<P> {
     /// Acts on `wake`: applies the held batches the registrations now allow, in
     /// arrival order, or drops (and counts) those whose grace ended. False when the
     /// indexer is gone.
-    pub async fn handle(&mut self, wake: Wake) -> bool {
+    pub(crate) async fn handle(&mut self, wake: Wake) -> bool {
         match wake {
             Wake::Registrations => self.release().await,
             Wake::Expired => {
@@ -129,7 +129,7 @@ impl<P: Copy> EventDoor<P> {
     /// Takes one message received on `subject` from `position`: skips it if it does
     /// not decode or is over a limit (counted and logged), applies it, or holds it.
     /// False when the indexer is gone.
-    pub async fn take(&mut self, subject: &str, payload: &[u8], position: P) -> bool {
+    pub(crate) async fn take(&mut self, subject: &str, payload: &[u8], position: P) -> bool {
         let received = std::time::Instant::now();
         let Some(batch) = decode_events(&self.parts.counters, &self.parts.limits, subject, payload)
         else {
@@ -156,7 +156,7 @@ impl<P: Copy> EventDoor<P> {
     }
 
     /// Where the batch held longest came from; `None` when nothing is held.
-    pub fn oldest_held(&self) -> Option<P> {
+    pub(crate) fn oldest_held(&self) -> Option<P> {
         self.hold.oldest().map(|(_, position)| *position)
     }
 
@@ -200,7 +200,7 @@ impl<P: Copy> EventDoor<P> {
 
 /// The core NATS intake: consumes KV events from `subscriber` through an
 /// [`EventDoor`] until `intake` is cancelled (then drains the subscription).
-pub async fn serve_events(
+pub(crate) async fn serve_events(
     parts: EventIntake,
     subscriber: async_nats::Subscriber,
     intake: CancellationToken,
@@ -255,7 +255,7 @@ pub fn handle_metrics(
 /// messages ([`crate::lifecycle::handle_lifecycle`]) and peers' sequence sync
 /// ([`crate::replicas::sync::handle_sync`]), whose handling never awaits; the handler
 /// captures the parts of the daemon it uses.
-pub async fn serve_with(
+pub(crate) async fn serve_with(
     subscriber: async_nats::Subscriber,
     intake: CancellationToken,
     mut handler: impl FnMut(&str, &[u8]) + Send,

@@ -2,67 +2,101 @@
 //! sharded indexer, discovers workers through etcd leases, and answers routing queries
 //! on a NATS queue group with the scheduler's choice.
 //!
-//! The binary (`kv-router`) is a thin shell over [`Daemon`]; tests run the same code
-//! in-process against real nats-server and etcd processes and drive shutdown through a
-//! [`tokio_util::sync::CancellationToken`].
+//! The `kv-router` binary (crate `kv-router`) is a thin shell over [`run`] and
+//! [`Daemon`]; this library does not depend on the relay or the gateway. Tests run
+//! the same code in-process against real nats-server and etcd processes and drive
+//! shutdown through a [`tokio_util::sync::CancellationToken`].
 //!
 //! # Layout
-//! - [`barrier`]: a NATS round trip proving our subscriptions are registered,
+//! - `barrier`: a NATS round trip proving our subscriptions are registered,
 //!   re-published until it arrives (NATS clusters), with a deadline.
-//! - [`block_size`]: the tokens per block, pinned by `--block-size` or adopted from
+//! - `block_size`: the tokens per block, pinned by `--block-size` or adopted from
 //!   the registrations (and why replicas agree on it).
 //! - [`config`]: every `serve` setting (flags, environment, TOML file, `config print`),
 //!   validated once into typed sub-configs: scheduling, policy and index flag groups.
-//! - [`daemon`]: start-up and the shutdown order (stop intake → drain shards → close).
-//! - [`startup`]: the start-up step under way, and warnings while a start is slow.
-//! - [`discovery`]: applies the etcd worker directory (`kv_cluster::directory`) to
+//! - `daemon`: start-up and the shutdown order (stop intake → drain shards → close).
+//! - `startup`: the start-up step under way, and warnings while a start is slow.
+//! - `discovery`: applies the etcd worker directory (`kv_cluster::directory`) to
 //!   the scheduler, the indexer and `/debug/workers`.
-//! - [`durability`]: gap recovery from publishers, start-up resync, the optional
+//! - `durability`: gap recovery from publishers, start-up resync, the optional
 //!   JetStream snapshot path.
-//! - [`intake`]: KV event and load-metric subscriptions feeding indexer and scheduler.
-//! - [`route`]: the routing request-reply service.
-//! - [`route_batch`]: several routing queries placed together, in one round trip.
-//! - [`lifecycle`]: prefill-done / keep-alive / freed messages from frontends.
-//! - [`admission`]: book now or wait in the queue; release waiters; expire requests.
-//! - [`queue`]: the bounded FCFS wait queue for when every worker is busy.
-//! - [`replicas`]: sequence sync of booked load between router replicas, and the
+//! - `intake`: KV event and load-metric subscriptions feeding indexer and scheduler.
+//! - `route`: the routing request-reply service.
+//! - `route_batch`: several routing queries placed together, in one round trip.
+//! - `lifecycle`: prefill-done / keep-alive / freed messages from frontends.
+//! - `admission`: book now or wait in the queue; release waiters; expire requests.
+//! - `queue`: the bounded FCFS wait queue for when every worker is busy.
+//! - `replicas`: sequence sync of booked load between router replicas, and the
 //!   start-up snapshot in which a starting replica learns the bookings its peers hold.
-//! - [`state`]: the parts of the daemon bundled (indexer, admission, counters, health).
-//! - [`metrics`]: every Prometheus metric, and the one way to create them
-//!   ([`metrics::registrar`]); [`counters`] (per-message counters, the root of the
+//! - `state`: the parts of the daemon bundled (indexer, admission, counters, health).
+//! - `metrics`: every Prometheus metric, and the one way to create them
+//!   (`metrics::registrar`); [`counters`] (per-message counters, the root of the
 //!   metric groups) is re-exported at the crate root.
-//! - [`health`]: liveness and readiness state.
-//! - [`http`]: `/metrics`, `/health/livez`, `/health/readyz`, `/debug/workers`.
-//! - [`directory`]: registered workers with their etcd leases.
-//! - [`nats`]: NATS connection events and subscription draining (the connection
+//! - `health`: liveness and readiness state.
+//! - `http`: `/metrics`, `/health/livez`, `/health/readyz`, `/debug/workers`.
+//! - `directory`: registered workers with their etcd leases.
+//! - `nats`: NATS connection events and subscription draining (the connection
 //!   options are `kv_cluster::nats`).
 //! - [`probe`]: `kv-router probe`, a health check client for containers.
+//!
+//! # Public surface
+//! The modules are private: the binary needs [`run`], [`config`] and [`probe`]; the
+//! end-to-end tests start a [`Daemon`] and read its state; the fuzz harness drives
+//! the message [`handlers`] without a NATS connection. Everything else is
+//! `pub(crate)`, so a change inside the daemon breaks no other crate.
 
-pub mod admission;
-pub mod barrier;
-pub mod block_size;
+// A `pub` item no other crate can reach is `pub(crate)`, so `pub` means public.
+#![warn(unreachable_pub)]
+
+mod admission;
+mod barrier;
+mod block_size;
 pub mod config;
-pub mod daemon;
-pub mod directory;
-pub mod discovery;
-pub mod durability;
-pub mod expiry;
-pub mod gate;
-pub mod health;
-pub mod http;
-pub mod intake;
-pub mod lifecycle;
-pub mod metrics;
-pub mod nats;
+mod daemon;
+mod directory;
+mod discovery;
+mod durability;
+mod expiry;
+mod gate;
+mod health;
+mod http;
+mod intake;
+mod lifecycle;
+mod metrics;
+mod nats;
 pub mod probe;
-pub mod publishers;
-pub mod queue;
-pub mod replicas;
-pub mod route;
-pub mod route_batch;
-pub mod startup;
-pub mod state;
+mod publishers;
+mod queue;
+mod replicas;
+mod route;
+mod route_batch;
+mod startup;
+mod state;
 
+pub use admission::Origin;
+pub use barrier::{BarrierError, round_trip, server_barrier};
+pub use block_size::BlockSizeSource;
 pub use config::{DaemonConfig, ServeArgs};
-pub use daemon::{Daemon, run};
+pub use daemon::{Daemon, Starting, run};
+pub use directory::DirectoryEntry;
+pub use durability::jetstream::{JetStreamError, JetStreamPath};
+pub use health::Phase;
+pub use http::workers::workers_view;
 pub use metrics::counters;
+pub use state::RouterState;
+
+/// The handler of every message the daemon takes from the network, each a step from
+/// bytes to state with no NATS connection: public so that the fuzz harness
+/// (`kv-fuzz`) and the tests drive them directly.
+pub mod handlers {
+    pub use crate::admission::{Admission, AdmissionConfig};
+    pub use crate::durability::jetstream::StoredSnapshot;
+    pub use crate::intake::{decode_events, handle_metrics};
+    pub use crate::lifecycle::handle_lifecycle;
+    pub use crate::metrics::admission::AdmissionMetrics;
+    pub use crate::replicas::ReplicaConfig;
+    pub use crate::replicas::snapshot::{SnapshotSummary, apply_reply};
+    pub use crate::replicas::sync::handle_sync;
+    pub use crate::route::{handle_route, schedule_request};
+    pub use kv_cluster::metrics as registrar;
+}

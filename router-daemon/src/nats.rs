@@ -27,7 +27,7 @@ use tokio_util::sync::CancellationToken;
 ///
 /// # Errors
 /// [`NatsError`] when the options are unusable (unreadable credentials, bad URL).
-pub async fn connect(
+pub(crate) async fn connect(
     config: &NatsConfig,
     health: Arc<Health>,
 ) -> Result<async_nats::Client, NatsError> {
@@ -56,7 +56,7 @@ pub async fn connect(
 ///
 /// # Errors
 /// [`NatsError`] when the options are unusable (unreadable credentials, bad URL).
-pub async fn connect_sync(config: &NatsConfig) -> Result<async_nats::Client, NatsError> {
+pub(crate) async fn connect_sync(config: &NatsConfig) -> Result<async_nats::Client, NatsError> {
     config
         .connect_with("kv-router-sync", |options| {
             options
@@ -71,7 +71,7 @@ pub async fn connect_sync(config: &NatsConfig) -> Result<async_nats::Client, Nat
 
 /// How long a subscription drain may take at shutdown before its remaining messages
 /// are given up (the connection is down, so the server will not confirm).
-pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The messages of `subscriber` until `stop` is cancelled, then — instead of dropping
 /// what is buffered or still on the wire — a drain: the daemon unsubscribes, the server
@@ -79,7 +79,7 @@ pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
 /// still yielded; then the stream ends. This is what lets shutdown answer every route
 /// query the daemon received, and apply every KV event it received. If the drain
 /// cannot complete (connection down) the stream ends after [`DRAIN_TIMEOUT`].
-pub fn drain_on_cancel(
+pub(crate) fn drain_on_cancel(
     subscriber: async_nats::Subscriber,
     stop: CancellationToken,
 ) -> impl Stream<Item = async_nats::Message> + Send {

@@ -17,8 +17,7 @@ pub enum ProbeTarget {
 }
 
 impl ProbeTarget {
-    /// The endpoint path.
-    pub fn path(self) -> &'static str {
+    pub(crate) fn path(self) -> &'static str {
         match self {
             ProbeTarget::Live => "/health/livez",
             ProbeTarget::Ready => "/health/readyz",

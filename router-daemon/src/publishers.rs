@@ -36,7 +36,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 /// Registered workers and the epoch each registered (0: no epochs).
-pub type Registered = Arc<HashMap<WorkerId, u64>>;
+pub(crate) type Registered = Arc<HashMap<WorkerId, u64>>;
 
 /// The registered publishers, shared by discovery (writer) and intake (readers).
 #[derive(Debug, Clone)]
@@ -54,7 +54,7 @@ impl Default for Publishers {
 
 impl Publishers {
     /// Records (or updates) `worker`'s registered `epoch`.
-    pub fn register(&self, worker: WorkerId, epoch: u64) {
+    pub(crate) fn register(&self, worker: WorkerId, epoch: u64) {
         self.tx.send_if_modified(|map| {
             if map.get(&worker) == Some(&epoch) {
                 return false;
@@ -63,15 +63,13 @@ impl Publishers {
             true
         });
     }
-
-    /// Forgets `worker`.
-    pub fn remove(&self, worker: WorkerId) {
+    pub(crate) fn remove(&self, worker: WorkerId) {
         self.tx
             .send_if_modified(|map| Arc::make_mut(map).remove(&worker).is_some());
     }
 
     /// A receiver of every change, for an intake task.
-    pub fn subscribe(&self) -> watch::Receiver<Registered> {
+    pub(crate) fn subscribe(&self) -> watch::Receiver<Registered> {
         self.tx.subscribe()
     }
 }
@@ -97,26 +95,16 @@ impl Default for HoldConfig {
 
 /// Why a batch is held (and, when it is dropped, the counted outcome).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum HoldReason {
+pub(crate) enum HoldReason {
     /// No registration names the worker.
     Unregistered,
     /// The batch's epoch is newer than the worker's registered one.
     FutureEpoch,
 }
 
-impl HoldReason {
-    /// The metric label.
-    pub fn label(self) -> &'static str {
-        match self {
-            Self::Unregistered => "unregistered",
-            Self::FutureEpoch => "future_epoch",
-        }
-    }
-}
-
 /// A held batch given up on: its worker and epoch, and why it was held.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Dropped {
+pub(crate) struct Dropped {
     /// The publishing worker.
     pub worker_id: WorkerId,
     /// The batch's epoch.
@@ -126,7 +114,7 @@ pub struct Dropped {
 }
 
 /// What a [`Hold`] holds: a batch, possibly with where it came from.
-pub trait HeldBatch {
+pub(crate) trait HeldBatch {
     /// The batch itself.
     fn batch(&self) -> &KvEventBatch;
 }
@@ -152,7 +140,7 @@ struct Held<B> {
 
 /// The batches one intake task holds, each a `B` ([`HeldBatch`]); see the module docs.
 #[derive(Debug)]
-pub struct Hold<B = KvEventBatch> {
+pub(crate) struct Hold<B = KvEventBatch> {
     config: HoldConfig,
     held: VecDeque<Held<B>>,
 }
@@ -168,7 +156,7 @@ fn verdict(batch: &KvEventBatch, registered: &HashMap<WorkerId, u64>) -> Option<
 
 impl<B: HeldBatch> Hold<B> {
     /// An empty hold.
-    pub fn new(config: HoldConfig) -> Self {
+    pub(crate) fn new(config: HoldConfig) -> Self {
         Self {
             config,
             held: VecDeque::new(),
@@ -176,12 +164,14 @@ impl<B: HeldBatch> Hold<B> {
     }
 
     /// Batches held now.
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    fn len(&self) -> usize {
         self.held.len()
     }
 
     /// Whether nothing is held.
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    fn is_empty(&self) -> bool {
         self.held.is_empty()
     }
 
@@ -191,7 +181,7 @@ impl<B: HeldBatch> Hold<B> {
     ///
     /// # Errors
     /// As described: the batch is not to be applied now.
-    pub fn admit(
+    pub(crate) fn admit(
         &mut self,
         batch: B,
         registered: &HashMap<WorkerId, u64>,
@@ -215,7 +205,7 @@ impl<B: HeldBatch> Hold<B> {
     }
 
     /// The held batches that `registered` now allows, in arrival order.
-    pub fn release(&mut self, registered: &HashMap<WorkerId, u64>) -> Vec<B> {
+    pub(crate) fn release(&mut self, registered: &HashMap<WorkerId, u64>) -> Vec<B> {
         let (ready, waiting): (VecDeque<Held<B>>, VecDeque<Held<B>>) =
             std::mem::take(&mut self.held)
                 .into_iter()
@@ -226,7 +216,11 @@ impl<B: HeldBatch> Hold<B> {
     }
 
     /// Drops the batches whose grace ended at or before `now`.
-    pub fn expire(&mut self, now: Instant, registered: &HashMap<WorkerId, u64>) -> Vec<Dropped> {
+    pub(crate) fn expire(
+        &mut self,
+        now: Instant,
+        registered: &HashMap<WorkerId, u64>,
+    ) -> Vec<Dropped> {
         let mut out = Vec::new();
         while self.held.front().is_some_and(|h| h.until <= now) {
             if let Some(h) = self.held.pop_front() {
@@ -237,12 +231,12 @@ impl<B: HeldBatch> Hold<B> {
     }
 
     /// When the oldest held batch's grace ends.
-    pub fn next_deadline(&self) -> Option<Instant> {
+    pub(crate) fn next_deadline(&self) -> Option<Instant> {
         self.held.front().map(|h| h.until)
     }
 
     /// The batch held longest (the first to arrive of those still held).
-    pub fn oldest(&self) -> Option<&B> {
+    pub(crate) fn oldest(&self) -> Option<&B> {
         self.held.front().map(|h| &h.batch)
     }
 }

@@ -53,7 +53,7 @@ impl Default for QueueConfig {
 
 /// Why a request could not join the queue.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum QueueError {
+pub(crate) enum QueueError {
     /// The queue holds `capacity` waiters already.
     #[error("every eligible worker is busy and the wait queue is full ({0} requests)")]
     Full(usize),
@@ -66,11 +66,11 @@ pub enum QueueError {
 }
 
 /// What a waiter is eventually told: its selection, or why it cannot be routed.
-pub type WaitResult = Result<Selection, SchedulerError>;
+pub(crate) type WaitResult = Result<Selection, SchedulerError>;
 
 /// A request's place in the queue.
 #[derive(Debug)]
-pub struct Ticket {
+pub(crate) struct Ticket {
     key: Key,
     /// Resolves when the request is routed or refused; closed when the queue closes.
     pub receiver: oneshot::Receiver<WaitResult>,
@@ -97,7 +97,7 @@ pub struct QueueState {
 
 /// Outcome counts of one [`QueueState::release`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Released {
+pub(crate) struct Released {
     /// Waiters routed.
     pub routed: usize,
     /// Waiters answered with an error (e.g. their pinned rank disappeared).
@@ -119,7 +119,7 @@ pub struct WaitQueue {
 
 impl WaitQueue {
     /// An empty queue reporting to `metrics` and `outcomes`.
-    pub fn new(config: QueueConfig, metrics: QueueMetrics, outcomes: QueueOutcomes) -> Self {
+    pub(crate) fn new(config: QueueConfig, metrics: QueueMetrics, outcomes: QueueOutcomes) -> Self {
         Self {
             config,
             state: Mutex::new(QueueState::default()),
@@ -133,7 +133,7 @@ impl WaitQueue {
     /// under both the queue and the scheduler lock, so a caller that changed the
     /// scheduler under its lock and then sees `false` here knows that every later
     /// waiter was queued after seeing that change (and so needs no release for it).
-    pub fn may_have_waiters(&self) -> bool {
+    pub(crate) fn may_have_waiters(&self) -> bool {
         self.waiting.load(Ordering::Acquire) > 0
     }
 
@@ -143,9 +143,7 @@ impl WaitQueue {
         self.waiting.store(depth, Ordering::Release);
         self.metrics.set_depth(depth);
     }
-
-    /// The settings.
-    pub fn config(&self) -> &QueueConfig {
+    pub(crate) fn config(&self) -> &QueueConfig {
         &self.config
     }
 
@@ -166,7 +164,7 @@ impl WaitQueue {
     ///
     /// # Errors
     /// [`QueueError`] when the queue is full, closed, or already holds this id.
-    pub fn push(
+    pub(crate) fn push(
         &self,
         state: &mut QueueState,
         request: ScheduleRequest,
@@ -205,7 +203,7 @@ impl WaitQueue {
 
     /// Withdraws a waiter whose caller stopped waiting; false when it was already
     /// answered (its result is then in its ticket's receiver).
-    pub fn withdraw(&self, state: &mut QueueState, ticket: &Ticket) -> bool {
+    pub(crate) fn withdraw(&self, state: &mut QueueState, ticket: &Ticket) -> bool {
         let Some(waiter) = state.waiters.remove(&ticket.key) else {
             return false;
         };
@@ -220,7 +218,7 @@ impl WaitQueue {
     /// its replicas there, keeping sync messages in booking order), then the waiter
     /// gets its selection. Waiters that can never be routed as asked (pinned rank gone,
     /// no workers) get their error; the rest keep their place.
-    pub fn release(
+    pub(crate) fn release(
         &self,
         state: &mut QueueState,
         scheduler: &mut Scheduler,
@@ -269,7 +267,7 @@ impl WaitQueue {
     }
 
     /// Refuses new waiters and drops the current ones (their receivers close).
-    pub fn close(&self, state: &mut QueueState) {
+    pub(crate) fn close(&self, state: &mut QueueState) {
         state.closed = true;
         state.waiters.clear();
         state.ids.clear();
@@ -278,8 +276,7 @@ impl WaitQueue {
 }
 
 impl QueueState {
-    /// Whether nobody waits.
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.waiters.is_empty()
     }
 

@@ -25,7 +25,7 @@ use tracing::{debug, warn};
 
 /// A prompt reduced to what routing needs.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PromptBlocks {
+pub(crate) struct PromptBlocks {
     /// Hashes to prefix-match, in order.
     pub hashes: Vec<LocalBlockHash>,
     /// Prompt length, in tokens.
@@ -46,7 +46,7 @@ pub(crate) fn error(code: RouteErrorCode, message: impl Into<String>) -> RouteRe
 /// # Errors
 /// A `bad_request` reply for an empty prompt, or for more block hashes than
 /// `ceil(num_tokens / block_size)` blocks can hold.
-pub fn prompt_blocks(prompt: Prompt, block_size: u32) -> Result<PromptBlocks, RouteReply> {
+pub(crate) fn prompt_blocks(prompt: Prompt, block_size: u32) -> Result<PromptBlocks, RouteReply> {
     let bs = u64::from(block_size.max(1));
     let (hashes, num_tokens) = match prompt {
         Prompt::Tokens { token_ids } => (
@@ -149,7 +149,7 @@ async fn route(state: &RouterState, request: RouteRequest) -> RouteReply {
 /// Validates a route request into what the scheduler needs.
 ///
 /// # Errors
-/// A `bad_request` reply for a prompt [`prompt_blocks`] refuses, or for more than
+/// A `bad_request` reply for a prompt `prompt_blocks` refuses, or for more than
 /// [`MAX_EXCLUDED_WORKERS`] excluded workers.
 pub fn schedule_request(
     request: RouteRequest,
@@ -238,7 +238,7 @@ pub(crate) fn admit_error(e: AdmitError) -> RouteReply {
 
 /// Serves the route subject until `intake` is cancelled; queries already being handled
 /// are answered before this returns.
-pub async fn serve(
+pub(crate) async fn serve(
     state: Arc<RouterState>,
     client: async_nats::Client,
     subscriber: async_nats::Subscriber,

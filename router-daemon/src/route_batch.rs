@@ -36,7 +36,7 @@ fn refuse(code: RouteErrorCode, message: impl Into<String>) -> RouteBatchReply {
 
 /// Answers one batch payload of at most `max_batch` requests. Counts the batch under
 /// `route_batch` and observes every entry's reply in the route metrics.
-pub async fn handle_route_batch(
+pub(crate) async fn handle_route_batch(
     state: &RouterState,
     payload: &[u8],
     max_batch: usize,
@@ -147,7 +147,7 @@ async fn route_batch(state: &RouterState, batch: RouteBatchRequest) -> Vec<Route
 
 /// Serves the batch route subject until `intake` is cancelled; batches already being
 /// handled are answered before this returns.
-pub async fn serve(
+pub(crate) async fn serve(
     state: Arc<RouterState>,
     client: async_nats::Client,
     subscriber: async_nats::Subscriber,

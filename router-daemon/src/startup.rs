@@ -21,11 +21,11 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 use tracing::warn;
 
 /// How long a start may take before the first warning, and the time between two.
-pub const REPORT_EVERY: Duration = Duration::from_secs(10);
+pub(crate) const REPORT_EVERY: Duration = Duration::from_secs(10);
 
 /// One warning about a start not done yet.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SlowStart {
+pub(crate) struct SlowStart {
     /// The step under way.
     pub step: &'static str,
     /// Seconds since the start began.
@@ -38,7 +38,7 @@ pub struct SlowStart {
 
 /// Logs a [`SlowStart`] warning every [`REPORT_EVERY`] until the returned guard is
 /// dropped (the end of the start, whether it succeeded, failed or was abandoned).
-pub fn report_slow_start(health: Arc<Health>) -> DropGuard {
+pub(crate) fn report_slow_start(health: Arc<Health>) -> DropGuard {
     watch_start(health, REPORT_EVERY, |slow| {
         warn!(
             step = slow.step,
@@ -51,7 +51,7 @@ pub fn report_slow_start(health: Arc<Health>) -> DropGuard {
 }
 
 /// Hands `report` a [`SlowStart`] every `every` until the returned guard is dropped.
-pub fn watch_start(
+pub(crate) fn watch_start(
     health: Arc<Health>,
     every: Duration,
     report: impl Fn(&SlowStart) + Send + 'static,

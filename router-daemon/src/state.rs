@@ -47,7 +47,7 @@ pub struct RouterState {
 
 impl RouterState {
     /// Bundles the parts; health starts as "starting, nothing connected".
-    pub fn new(
+    pub(crate) fn new(
         subjects: Subjects,
         block_size: BlockSize,
         indexer: Indexer,
@@ -69,7 +69,7 @@ impl RouterState {
         }
     }
 
-    /// Locks the scheduler ([`Admission::scheduler`]).
+    /// Locks the scheduler (the admission's, so booking and reading share one lock).
     pub fn scheduler(&self) -> MutexGuard<'_, Scheduler> {
         self.admission.scheduler()
     }

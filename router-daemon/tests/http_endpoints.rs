@@ -6,10 +6,10 @@ use indexer::IndexerApi as _;
 use kv_cluster::http::get;
 use kv_events::discovery::WorkerRegistration;
 use kv_events::{WorkerId, decode, encode};
+use router_daemon::DirectoryEntry;
+use router_daemon::Starting;
 use router_daemon::config::{DaemonConfig, ServeArgs};
 use router_daemon::counters::Counters;
-use router_daemon::daemon::Starting;
-use router_daemon::directory::DirectoryEntry;
 use serde_json::{Value, json};
 use std::time::Duration;
 
@@ -19,7 +19,7 @@ const T: Duration = Duration::from_secs(5);
 fn config_with(extra: &[&str]) -> DaemonConfig {
     let common = ["kv-router", "--block-size", "4", "--shards", "2"];
     let args =
-        router_daemon::config::parse_flags::<ServeArgs, _, _>(common.iter().chain(extra).copied())
+        kv_cluster::args::parse_flags::<ServeArgs, _, _>(common.iter().chain(extra).copied())
             .expect("test flags parse");
     DaemonConfig::from_args(&args).expect("test flags are valid")
 }
@@ -111,14 +111,14 @@ async fn endpoints_report_health_metrics_and_workers() {
     let batch = decode(&encode(&batch).unwrap()).unwrap();
     state.indexer.apply(batch).await.unwrap();
     let request = json!({"request_id": "r1", "prompt": {"type": "tokens", "token_ids": tokens}});
-    let reply = router_daemon::route::handle_route(&state, &encode(&request).unwrap()).await;
+    let reply = router_daemon::handlers::handle_route(&state, &encode(&request).unwrap()).await;
     let reply = serde_json::to_value(&reply).unwrap();
     assert_eq!(reply["status"], "routed", "{reply}");
     assert_eq!(
         (reply["worker_id"].as_u64(), reply["dp_rank"].as_u64()),
         (Some(7), Some(1))
     );
-    let bad = router_daemon::route::handle_route(&state, b"\xc1 not msgpack").await;
+    let bad = router_daemon::handlers::handle_route(&state, b"\xc1 not msgpack").await;
     assert!(serde_json::to_value(&bad).unwrap()["status"] == "error");
 
     let metrics = get(&addr, "/metrics", T).await.unwrap();

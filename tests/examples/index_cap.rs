@@ -1,7 +1,7 @@
 //! The index memory cap under a flood, for `docs/benchmarks.md` (issue 14, finding 6).
 //!
 //! ```sh
-//! cargo build --release -p router-daemon
+//! cargo build --release -p kv-router
 //! cargo run --release -p integration-tests --example index_cap -- [OPTIONS]
 //! ```
 //!

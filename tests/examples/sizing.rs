@@ -2,7 +2,7 @@
 //! KV event, of the real release daemon under a synthetic event load.
 //!
 //! ```sh
-//! cargo build --release -p router-daemon
+//! cargo build --release -p kv-router
 //! cargo run --release -p integration-tests --example sizing -- [ENTRIES] [RATES...]
 //! ```
 //!

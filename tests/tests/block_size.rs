@@ -12,8 +12,8 @@ use integration_tests::{
 use kv_events::discovery::WorkerRegistration;
 use kv_events::routing::{RouteErrorCode, RouteReply};
 use kv_events::{DpRank, WorkerId, WorkerRank};
+use router_daemon::BlockSizeSource;
 use router_daemon::Daemon;
-use router_daemon::block_size::BlockSizeSource;
 use router_daemon::counters::{MessageKind, Outcome};
 use std::num::NonZeroU32;
 use std::time::Duration;

@@ -13,8 +13,8 @@ use kv_events::{
     DpRank, ExternalBlockHash, KvCacheEvent, KvCacheEventData, KvEventBatch, LocalBlockHash,
     StoredBlock, WorkerId, WorkerRank, encode,
 };
+use router_daemon::JetStreamPath;
 use router_daemon::counters::{MessageKind, Outcome};
-use router_daemon::durability::jetstream::JetStreamPath;
 use router_daemon::{Daemon, DaemonConfig, ServeArgs};
 use std::time::Duration;
 

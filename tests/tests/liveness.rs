@@ -111,7 +111,7 @@ async fn an_engine_killed_while_its_lease_lives_stops_getting_routes_once_silent
         "a worker that never reported metrics keeps its share: {after:?}"
     );
 
-    let view = router_daemon::http::workers_view(daemon.state()).await;
+    let view = router_daemon::workers_view(daemon.state()).await;
     let json = serde_json::to_value(&view)?;
     let rank_of = |id: u64| {
         json["workers"]

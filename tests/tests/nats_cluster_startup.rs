@@ -15,7 +15,7 @@ use integration_tests::nats_cluster::NatsCluster;
 use kv_events::routing::{Prompt, RouteReply, RouteRequest};
 use kv_events::{Namespace, Subjects};
 use mocker::cluster::{EtcdServer, NatsServer};
-use router_daemon::barrier::{BarrierError, round_trip};
+use router_daemon::{BarrierError, round_trip};
 use router_daemon::{Daemon, DaemonConfig, ServeArgs};
 use std::time::Duration;
 

@@ -13,8 +13,8 @@ use indexer::IndexerApi as _;
 use integration_tests::{TestCluster, eventually};
 use journal_worker::{JournalWorker, chain_from_root, held_paths, router_paths};
 use kv_events::DpRank;
+use router_daemon::Phase;
 use router_daemon::counters::{MessageKind, Outcome};
-use router_daemon::health::Phase;
 use serde_json::Value;
 use std::time::Duration;
 

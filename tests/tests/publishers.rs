@@ -13,8 +13,8 @@ use kv_events::{
     StoredBlock, WorkerId, encode,
 };
 use router_daemon::DaemonConfig;
+use router_daemon::Starting;
 use router_daemon::counters::{MessageKind, Outcome};
-use router_daemon::daemon::Starting;
 use std::time::Duration;
 
 const BLOCK: u32 = 4;

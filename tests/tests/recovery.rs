@@ -248,7 +248,7 @@ async fn with_jetstream_a_restarted_daemon_restores_its_snapshot_and_replays_the
 
 /// The `recovery` field of worker `id`'s rank 0 in `/debug/workers`.
 async fn recovery_view(daemon: &router_daemon::Daemon, id: u64) -> serde_json::Value {
-    let view = router_daemon::http::workers_view(daemon.state()).await;
+    let view = router_daemon::workers_view(daemon.state()).await;
     let json = serde_json::to_value(&view).expect("the view serializes");
     json["workers"]
         .as_array()

@@ -10,7 +10,7 @@ use integration_tests::{FakeWorker, TestCluster, eventually};
 use kv_events::replicas::{BookedSequence, SequenceSync, SequenceUpdate};
 use kv_events::routing::{LifecycleEvent, LifecycleMessage, PolicyKind, RouteReply};
 use kv_events::{DpRank, RouterId, WorkerId, WorkerRank, encode};
-use router_daemon::admission::Origin;
+use router_daemon::Origin;
 use router_daemon::counters::{MessageKind, Outcome};
 use router_daemon::{Daemon, DaemonConfig, ServeArgs};
 use std::collections::BTreeMap;

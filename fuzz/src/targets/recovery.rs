@@ -10,7 +10,7 @@ use indexer::{OrderedIndex, RecoveryNeed};
 use kv_events::journal::{EventJournal, JournalConfig};
 use kv_events::recovery::{ChunkAssembler, RecoveryBody, RecoveryRequest, ReplyLimits};
 use kv_events::{DpRank, WorkerRank, decode, encode};
-use router_daemon::durability::jetstream::StoredSnapshot;
+use router_daemon::handlers::StoredSnapshot;
 
 /// A journal that has published two batches on rank 0 and one on rank 3.
 fn journal() -> EventJournal {

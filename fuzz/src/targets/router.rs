@@ -11,12 +11,11 @@ use kv_events::limits::{Limits, WithinLimits, decode_within};
 use kv_events::replicas::{SequenceSyncBatch, SnapshotReply, SnapshotRequest};
 use kv_events::routing::{LifecycleMessage, RouteBatchRequest, RouteRequest};
 use kv_events::{KvEventBatch, LoadMetrics, Namespace, Subjects, WorkerId, decode};
-use router_daemon::admission::{Admission, AdmissionConfig};
 use router_daemon::counters::{Counters, MessageKind, Outcome};
-use router_daemon::metrics::{AdmissionMetrics, registrar};
-use router_daemon::replicas::ReplicaConfig;
-use router_daemon::replicas::snapshot::{SnapshotSummary, apply_reply};
-use router_daemon::{intake, lifecycle, replicas, route};
+use router_daemon::handlers::{
+    self, Admission, AdmissionConfig, AdmissionMetrics, ReplicaConfig, SnapshotSummary,
+    apply_reply, registrar,
+};
 use scheduler::{NoOverlap, ScheduleRequest, Scheduler, SchedulerConfig};
 use serde::de::DeserializeOwned;
 use std::sync::Arc;
@@ -97,7 +96,7 @@ struct Events {
 impl Harness for Events {
     fn feed(&mut self, input: &[u8]) -> Verdict {
         let error = decode_within::<KvEventBatch>(input, &Limits::default()).err();
-        match intake::decode_events(&self.counters, &Limits::default(), &self.subject, input) {
+        match handlers::decode_events(&self.counters, &Limits::default(), &self.subject, input) {
             Some(batch) => {
                 let _needs = self.index.apply_batch(&batch);
                 let hashes: Vec<_> = batch
@@ -196,7 +195,7 @@ pub const METRICS: Target = Target {
     seeds: seeds::metrics,
     fresh: || {
         let subject = subjects().load_metrics(WORKER);
-        handler::<LoadMetrics>(subject, MessageKind::Metrics, intake::handle_metrics)
+        handler::<LoadMetrics>(subject, MessageKind::Metrics, handlers::handle_metrics)
     },
 };
 
@@ -207,7 +206,7 @@ pub const LIFECYCLE: Target = Target {
     seeds: seeds::lifecycle,
     fresh: || {
         let subject = subjects().lifecycle();
-        handler::<LifecycleMessage>(subject, MessageKind::Lifecycle, lifecycle::handle_lifecycle)
+        handler::<LifecycleMessage>(subject, MessageKind::Lifecycle, handlers::handle_lifecycle)
     },
 };
 
@@ -218,7 +217,7 @@ pub const BOOKINGS: Target = Target {
     seeds: seeds::bookings,
     fresh: || {
         let subject = subjects().sequences();
-        handler::<SequenceSyncBatch>(subject, MessageKind::Sequences, replicas::sync::handle_sync)
+        handler::<SequenceSyncBatch>(subject, MessageKind::Sequences, handlers::handle_sync)
     },
 };
 
@@ -261,7 +260,7 @@ impl Harness for Route {
             Ok(r) => r,
             Err(e) => return Verdict::Refused(e.to_string()),
         };
-        let schedule = match route::schedule_request(request, BLOCK_SIZE) {
+        let schedule = match handlers::schedule_request(request, BLOCK_SIZE) {
             Ok(s) => s,
             Err(reply) => return Verdict::Refused(format!("{reply:?}")),
         };
@@ -299,7 +298,7 @@ impl Route {
         let valid: Vec<(ScheduleRequest, NoOverlap)> = batch
             .requests
             .into_iter()
-            .filter_map(|r| route::schedule_request(r, BLOCK_SIZE).ok())
+            .filter_map(|r| handlers::schedule_request(r, BLOCK_SIZE).ok())
             .map(|s| (s, NoOverlap))
             .collect();
         let results = self.scheduler.schedule_batch(&valid, order, Instant::now());

@@ -2,16 +2,17 @@
 //! into [`NatsUser`]s and rendered by [`super::nats_authorization`].
 
 use super::{NatsUser, Role, SecurityError, nats_authorization};
-use kv_events::{Namespace, Subjects, WorkerId};
+use crate::args::NamespaceArgs;
+use kv_events::{Subjects, WorkerId};
 
 /// Which users to generate NATS permissions for. Each user's password is the
 /// environment variable `KV_ROUTER_NATS_PASSWORD_<USER>` of nats-server (upper case,
 /// `-` → `_`); replace it with a bcrypt hash (`nats server passwd`) if you prefer.
 #[derive(Debug, Clone, clap::Args)]
 pub struct NatsUsersArgs {
-    /// Namespace of every subject (letters, digits, '_' and '-').
-    #[arg(long, env = "KV_ROUTER_NAMESPACE", default_value = "kv-router")]
-    pub namespace: Namespace,
+    /// The cluster's namespace: the same flag and variable as `serve`.
+    #[command(flatten)]
+    pub namespace: NamespaceArgs,
     /// A router user (`kv-router serve`); repeatable.
     #[arg(long = "router", value_name = "USER")]
     pub routers: Vec<String>,
@@ -80,8 +81,9 @@ impl NatsUsersArgs {
     /// The `authorization` block for these users.
     ///
     /// # Errors
-    /// [`SecurityError`] for an invalid or duplicate user name.
+    /// [`SecurityError`] for an invalid namespace or an invalid or duplicate user
+    /// name.
     pub fn render(&self) -> Result<String, SecurityError> {
-        nats_authorization(&Subjects::new(self.namespace.clone()), &self.users())
+        nats_authorization(&Subjects::new(self.namespace.get()?), &self.users())
     }
 }

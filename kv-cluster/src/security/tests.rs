@@ -124,3 +124,13 @@ fn the_shipped_example_is_the_generators_output() {
         EXAMPLE[1..].join(" ")
     );
 }
+
+#[test]
+fn a_bad_namespace_is_refused_naming_the_flag() {
+    let args: NatsUsersArgs =
+        crate::args::parse_flags(["kv-router", "--namespace", "a.b", "--router", "r"])
+            .expect("flags parse");
+    let err = args.render().expect_err("a.b is not a subject token");
+    assert!(matches!(err, SecurityError::Namespace(_)), "{err}");
+    assert!(err.to_string().contains("--namespace"), "{err}");
+}

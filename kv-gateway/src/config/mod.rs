@@ -22,7 +22,7 @@ use kv_cluster::args::{EtcdArgs, NatsArgs};
 use kv_cluster::etcd::EtcdConfig;
 use kv_cluster::http::ServerLimits;
 use kv_cluster::nats::NatsConfig;
-use kv_events::{Namespace, Subjects};
+use kv_events::Subjects;
 use std::net::SocketAddr;
 use std::num::NonZeroUsize;
 use std::path::PathBuf;
@@ -42,14 +42,9 @@ pub struct GatewayArgs {
     /// `--max-route-tokens` as the most its default prompt bound can be).
     #[command(flatten)]
     pub wire_limits: kv_cluster::limits::LimitArgs,
-    /// Namespace of every subject and etcd key.
-    #[arg(
-        long,
-        help_heading = "Cluster",
-        env = "KV_ROUTER_NAMESPACE",
-        default_value = "kv-router"
-    )]
-    pub namespace: String,
+    /// The cluster's namespace (shared with every participant).
+    #[command(flatten, next_help_heading = "Cluster")]
+    pub namespace: kv_cluster::args::NamespaceArgs,
     /// Listen address, body size and connection limits.
     #[command(flatten)]
     pub http: HttpArgs,
@@ -149,8 +144,10 @@ impl GatewayArgs {
     pub fn to_config(&self) -> Result<GatewayConfig, GatewayError> {
         let bad = |message: String| GatewayError::Config(message);
         let (http, model, fwd) = (&self.http, &self.model, &self.forwarding);
-        let namespace =
-            Namespace::new(&self.namespace).map_err(|e| bad(format!("--namespace: {e}")))?;
+        let namespace = self
+            .namespace
+            .get()
+            .map_err(|e| bad(format!("--namespace: {e}")))?;
         if model.tokenize_via == TokenizeVia::Local && model.model_dir.is_none() {
             return Err(bad(
                 "--tokenize-via local needs --model-dir (or use --tokenize-via engine)".into(),

@@ -381,7 +381,7 @@ mod tests {
         let err = Binaries::locate(Some(dir.path())).err().unwrap();
         assert!(
             err.to_string()
-                .contains("build it with `cargo build --release -p router-daemon`"),
+                .contains("build it with `cargo build --release -p kv-router`"),
             "{err}"
         );
     }

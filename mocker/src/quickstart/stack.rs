@@ -39,7 +39,7 @@ impl Binaries {
                 " --release"
             };
             bail!(
-                "kv-router not found at {}; build it with `cargo build{release} -p router-daemon`",
+                "kv-router not found at {}; build it with `cargo build{release} -p kv-router`",
                 router.display()
             );
         }

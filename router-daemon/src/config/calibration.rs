@@ -54,7 +54,7 @@ pub struct CalibrationArgs {
 
 impl CalibrationArgs {
     /// The scheduler's calibration settings (validated with the rest of its config).
-    pub fn to_config(&self) -> CalibrationConfig {
+    pub(crate) fn to_config(&self) -> CalibrationConfig {
         CalibrationConfig {
             enabled: self.calibration,
             forgetting: self.calibration_forgetting,

@@ -32,7 +32,7 @@ pub struct LivenessArgs {
 
 impl LivenessArgs {
     /// The scheduler's liveness settings (validated with the rest of its config).
-    pub fn to_config(&self) -> LivenessConfig {
+    pub(crate) fn to_config(&self) -> LivenessConfig {
         LivenessConfig {
             enabled: self.metrics_liveness,
             metrics_interval: Duration::from_millis(self.metrics_interval_ms),

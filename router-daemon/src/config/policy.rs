@@ -301,7 +301,7 @@ impl PolicyArgs {
     /// # Errors
     /// [`ConfigError::Invalid`] naming the first flag given for a policy that does
     /// not have that knob.
-    pub fn policy_config(&self) -> Result<PolicyConfig, ConfigError> {
+    pub(crate) fn policy_config(&self) -> Result<PolicyConfig, ConfigError> {
         use PolicyKind::{CacheAwareThreshold, Kv, KvNormalized, PredictedTtft};
         let groups: [(Vec<&'static str>, &[PolicyKind]); 6] = [
             (self.kv.given(), &[Kv]),

@@ -67,7 +67,7 @@ impl RecoveryArgs {
     ///
     /// # Errors
     /// [`ConfigError::Invalid`] naming the first bad flag.
-    pub fn to_config(&self) -> Result<RecoveryConfig, ConfigError> {
+    pub(crate) fn to_config(&self) -> Result<RecoveryConfig, ConfigError> {
         let invalid = |field: &'static str, reason: &str| ConfigError::Invalid {
             field,
             reason: reason.to_owned(),

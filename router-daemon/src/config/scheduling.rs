@@ -88,7 +88,7 @@ impl SchedulingArgs {
     ///
     /// # Errors
     /// [`ConfigError`] naming the first bad flag or field.
-    pub fn to_configs(&self) -> Result<(SchedulerConfig, AdmissionConfig), ConfigError> {
+    pub(crate) fn to_configs(&self) -> Result<(SchedulerConfig, AdmissionConfig), ConfigError> {
         let invalid = |field: &'static str, reason: String| ConfigError::Invalid { field, reason };
         if self.request_ttl_ms == 0 {
             return Err(invalid("request-ttl-ms", "must be at least 1 ms".into()));

@@ -38,7 +38,7 @@ pub struct SessionArgs {
 
 impl SessionArgs {
     /// The scheduler's session settings (validated with the rest of its config).
-    pub fn to_config(&self) -> SessionConfig {
+    pub(crate) fn to_config(&self) -> SessionConfig {
         SessionConfig {
             enabled: self.session_affinity,
             capacity: self.session_capacity,

@@ -182,7 +182,10 @@ impl JetStreamPath {
     ///
     /// # Errors
     /// [`JetStreamError::Store`] when the bucket cannot be written.
-    pub async fn save_snapshot(&self, snapshot: &StoredSnapshot) -> Result<usize, JetStreamError> {
+    pub(crate) async fn save_snapshot(
+        &self,
+        snapshot: &StoredSnapshot,
+    ) -> Result<usize, JetStreamError> {
         let store_error = |e: &dyn std::fmt::Display| JetStreamError::Store {
             bucket: self.config.bucket.clone(),
             reason: e.to_string(),
@@ -200,7 +203,7 @@ impl JetStreamPath {
     ///
     /// # Errors
     /// [`JetStreamError::Stream`] when the stream info cannot be read.
-    pub async fn first_sequence(&self) -> Result<u64, JetStreamError> {
+    pub(crate) async fn first_sequence(&self) -> Result<u64, JetStreamError> {
         let mut stream = self.stream.clone();
         let info = stream.info().await.map_err(|e| JetStreamError::Stream {
             stream: self.config.stream.clone(),
@@ -214,7 +217,7 @@ impl JetStreamPath {
     ///
     /// # Errors
     /// [`JetStreamError::Consumer`] when the server refuses it.
-    pub async fn consumer_from(
+    pub(crate) async fn consumer_from(
         &self,
         start_sequence: Option<u64>,
     ) -> Result<consumer::PullConsumer, JetStreamError> {
@@ -242,7 +245,7 @@ impl JetStreamPath {
 
 /// How the daemon started on the JetStream path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct JetStreamStart {
+pub(crate) struct JetStreamStart {
     /// Stream sequence of the restored snapshot (0: none was found).
     pub snapshot_sequence: u64,
     /// Size of the restored snapshot, in bytes.
@@ -253,7 +256,7 @@ pub struct JetStreamStart {
 }
 
 /// A restored JetStream path, ready to consume ([`consume`]).
-pub struct Restored {
+pub(crate) struct Restored {
     /// What the restore found.
     pub start: JetStreamStart,
     path: JetStreamPath,
@@ -266,7 +269,7 @@ pub struct Restored {
 ///
 /// # Errors
 /// [`JetStreamError`] from the server, or when the indexer stopped.
-pub async fn restore(
+pub(crate) async fn restore(
     state: &RouterState,
     path: JetStreamPath,
     door: crate::intake::EventIntake,
@@ -360,7 +363,7 @@ impl Position {
 /// stored before it started has been taken: applied, held or skipped) with the
 /// number of batches taken. Ends without firing it when the consumer cannot be read
 /// ([`INFO_ATTEMPTS`]) or its messages cannot be pulled.
-pub async fn consume(
+pub(crate) async fn consume(
     state: Arc<RouterState>,
     restored: Restored,
     caught_up: oneshot::Sender<u64>,

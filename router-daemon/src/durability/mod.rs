@@ -14,8 +14,8 @@
 //! serve`), validated into the indexer's own [`indexer::IndexerConfig`] fields plus a
 //! [`DurabilityConfig`]. `docs/architecture.md` compares the two recovery paths.
 
-pub mod jetstream;
-pub mod recovery;
+pub(crate) mod jetstream;
+pub(crate) mod recovery;
 
 use crate::state::RouterState;
 use anyhow::Context;
@@ -83,13 +83,13 @@ impl RecoveryConfig {
     }
 
     /// Delays between the attempts of one recovery: `attempts − 1` of them.
-    pub fn attempt_backoff(&self) -> ExponentialBuilder {
+    pub(crate) fn attempt_backoff(&self) -> ExponentialBuilder {
         let retries = usize::try_from(self.attempts.saturating_sub(1)).unwrap_or(usize::MAX);
         self.backoff().with_max_times(retries)
     }
 
     /// How recoveries of one rank are spaced and bounded.
-    pub fn pacing(&self) -> recovery::Pacing {
+    pub(crate) fn pacing(&self) -> recovery::Pacing {
         recovery::Pacing {
             backoff: self.backoff(),
             budget: self.budget,
@@ -125,7 +125,7 @@ pub struct DurabilityConfig {
 }
 
 /// The KV event intake, as chosen by the config.
-pub enum EventIntake {
+pub(crate) enum EventIntake {
     /// A core NATS subscription to `{ns}.kv.events.*`, already consuming.
     Core,
     /// The JetStream stream, restored from its snapshot; consumed from
@@ -155,7 +155,7 @@ fn door_parts(config: &DurabilityConfig, state: &RouterState) -> crate::intake::
 /// # Errors
 /// A failed subscription, or a JetStream stream, bucket or consumer the server
 /// refuses.
-pub async fn start_event_intake(
+pub(crate) async fn start_event_intake(
     config: &DurabilityConfig,
     state: &Arc<RouterState>,
     nats: &async_nats::Client,
@@ -191,7 +191,7 @@ pub async fn start_event_intake(
 ///
 /// # Errors
 /// When the indexer stopped or the JetStream consumer ended before catching up.
-pub async fn initial_recovery(
+pub(crate) async fn initial_recovery(
     state: &Arc<RouterState>,
     progress: &recovery::RecoveryProgress,
     event_intake: EventIntake,

@@ -118,7 +118,7 @@ pub struct HttpConfig {
 
 impl HttpArgs {
     /// The endpoint's settings (every value was checked when it was parsed).
-    pub fn to_config(&self) -> HttpConfig {
+    pub(crate) fn to_config(&self) -> HttpConfig {
         HttpConfig {
             listen: self.http_listen,
             debug: self.http_debug_listen,

@@ -23,11 +23,11 @@
 //! - [`config`]: the `[http]` flags ([`HttpArgs`]) and [`HttpConfig`].
 //! - [`workers`]: the `/debug/workers` view and its routes.
 
-pub mod config;
-pub mod workers;
+pub(crate) mod config;
+pub(crate) mod workers;
 
-pub use config::{DebugListen, HttpArgs, HttpConfig};
-pub use workers::{RankView, WorkerView, WorkersView, debug_app, workers_view};
+pub(crate) use config::{DebugListen, HttpArgs};
+pub(crate) use workers::debug_app;
 
 use crate::health::Readiness;
 use crate::state::RouterState;
@@ -46,7 +46,7 @@ use tracing::info;
 
 /// What the handlers read.
 #[derive(Clone)]
-pub struct HttpState {
+pub(crate) struct HttpState {
     /// The registry `/metrics` encodes.
     pub registry: prometheus::Registry,
     /// The router state (indexer, scheduler, counters, worker directory, health).
@@ -55,7 +55,7 @@ pub struct HttpState {
 
 /// Errors of the HTTP endpoint.
 #[derive(Debug, thiserror::Error)]
-pub enum HttpError {
+pub(crate) enum HttpError {
     /// The listen address could not be bound.
     #[error("cannot listen for http on {addr}: {source}")]
     Bind {
@@ -68,7 +68,7 @@ pub enum HttpError {
 
 /// The main routes (`/metrics`, `/health/*`), for embedding or testing; `/debug/*` is
 /// [`debug_app`].
-pub fn app(state: HttpState) -> Router {
+pub(crate) fn app(state: HttpState) -> Router {
     Router::new()
         .route("/metrics", get_route(metrics))
         .route("/health/livez", get_route(livez))
@@ -111,7 +111,7 @@ async fn readyz(State(s): State<HttpState>) -> (StatusCode, Json<Readiness>) {
 /// A running HTTP endpoint: the main listener and, with [`DebugListen::Separate`], the
 /// `/debug` one. Dropping it stops both without waiting; [`HttpServer::stop`] also
 /// waits for open requests to finish.
-pub struct HttpServer {
+pub(crate) struct HttpServer {
     local_addr: SocketAddr,
     debug_addr: Option<SocketAddr>,
     shutdown: CancellationToken,
@@ -138,7 +138,7 @@ impl HttpServer {
     ///
     /// # Errors
     /// [`HttpError::Bind`] when an address cannot be bound.
-    pub async fn start(
+    pub(crate) async fn start(
         addr: SocketAddr,
         debug_listen: DebugListen,
         limits: ServerLimits,
@@ -180,19 +180,17 @@ impl HttpServer {
             tasks,
         })
     }
-
-    /// The bound address.
-    pub fn local_addr(&self) -> SocketAddr {
+    pub(crate) fn local_addr(&self) -> SocketAddr {
         self.local_addr
     }
 
     /// The bound address of the separate `/debug` listener, if there is one.
-    pub fn debug_addr(&self) -> Option<SocketAddr> {
+    pub(crate) fn debug_addr(&self) -> Option<SocketAddr> {
         self.debug_addr
     }
 
     /// Stops accepting, lets open requests finish, and waits for the servers.
-    pub async fn stop(self) {
+    pub(crate) async fn stop(self) {
         self.shutdown.cancel();
         self.tasks.wait().await;
     }

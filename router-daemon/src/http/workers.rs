@@ -18,7 +18,7 @@ use scheduler::Liveness;
 use serde::Serialize;
 
 /// The `/debug/*` routes.
-pub fn debug_app(state: HttpState) -> Router {
+pub(crate) fn debug_app(state: HttpState) -> Router {
     Router::new()
         .route("/debug/workers", get(workers))
         .with_state(state)

@@ -22,7 +22,7 @@ impl ConnectionMetrics {
     ///
     /// # Errors
     /// A [`prometheus::Error`] if a metric of the same name is already registered.
-    pub fn new(r: &Registrar<'_>) -> Result<Self, prometheus::Error> {
+    pub(crate) fn new(r: &Registrar<'_>) -> Result<Self, prometheus::Error> {
         Ok(Self {
             nats_connected: r.gauge(
                 "kv_router_nats_connected",
@@ -51,7 +51,7 @@ impl ConnectionMetrics {
     }
 
     /// Counts one NATS connection event (lowercase snake-case name).
-    pub fn nats_event(&self, event: &str) {
+    pub(crate) fn nats_event(&self, event: &str) {
         self.nats_events.with_label_values(&[event]).inc();
     }
 
@@ -61,12 +61,13 @@ impl ConnectionMetrics {
     }
 
     /// Counts one etcd failure at `stage` (`connect`, `load` or `watch`).
-    pub fn etcd_error(&self, stage: &str) {
+    pub(crate) fn etcd_error(&self, stage: &str) {
         self.etcd_errors.with_label_values(&[stage]).inc();
     }
 
     /// etcd failures counted at `stage`.
-    pub fn etcd_errors(&self, stage: &str) -> u64 {
+    #[cfg(test)]
+    pub(crate) fn etcd_errors(&self, stage: &str) -> u64 {
         self.etcd_errors.with_label_values(&[stage]).get()
     }
 }

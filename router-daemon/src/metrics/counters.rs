@@ -1,5 +1,5 @@
 //! Prometheus counters for what the daemon received, applied and rejected, and the
-//! handle to every other daemon metric ([`super::Metrics`]).
+//! handle to every other daemon metric (`metrics::Metrics`).
 //!
 //! Metrics come from an injected [`prometheus::Registry`] (through a
 //! [`Registrar`]) so that several daemons can run in one process (tests) without
@@ -100,7 +100,7 @@ impl Counters {
     ///
     /// # Errors
     /// A [`prometheus::Error`] if a metric of the same name is already registered.
-    pub fn new(r: &Registrar<'_>) -> Result<Self, prometheus::Error> {
+    pub(crate) fn new(r: &Registrar<'_>) -> Result<Self, prometheus::Error> {
         Ok(Self {
             messages: r.counter_vec(
                 "kv_router_messages_total",
@@ -117,7 +117,7 @@ impl Counters {
     ///
     /// # Errors
     /// A [`prometheus::Error`] if a metric of the same name is already registered.
-    pub fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
+    pub(crate) fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
         Self::new(&Registrar::new(registry))
     }
 
@@ -129,14 +129,12 @@ impl Counters {
     /// The descriptors of every metric (name, help, label names), sorted by name: what
     /// `/metrics` can export. Vectors without samples yet are included. Metric handles
     /// do not list their definitions, so this builds an unregistered twin of `self`
-    /// (every `Counters` comes from [`Counters::new`]) and reads them from its
+    /// (every `Counters` comes from `Counters::new`) and reads them from its
     /// registrar.
     pub fn descriptors(&self) -> Vec<Desc> {
         registrar::unregistered(|twin| Self::new(twin).map(|_| twin.descriptors()))
     }
-
-    /// Counts one message.
-    pub fn message(&self, kind: MessageKind, outcome: Outcome) {
+    pub(crate) fn message(&self, kind: MessageKind, outcome: Outcome) {
         self.messages
             .with_label_values(&[kind.label(), outcome.label()])
             .inc();
@@ -150,7 +148,7 @@ impl Counters {
     }
 
     /// Counts a refused message of `kind` from `subject` and logs it, rate-limited.
-    pub fn refused(&self, kind: MessageKind, subject: &str, refusal: &Refusal) {
+    pub(crate) fn refused(&self, kind: MessageKind, subject: &str, refusal: &Refusal) {
         let outcome = match refusal {
             Refusal::TooLarge { .. } => Outcome::TooLarge,
             Refusal::Malformed(_) => Outcome::Malformed,
@@ -161,7 +159,7 @@ impl Counters {
 
     /// Counts a skipped message of `kind` from `subject` under `outcome`, and logs it
     /// with `detail`, at most once per `refusals::LOG_EVERY` per (kind, outcome).
-    pub fn skipped(&self, kind: MessageKind, outcome: Outcome, subject: &str, detail: &str) {
+    pub(crate) fn skipped(&self, kind: MessageKind, outcome: Outcome, subject: &str, detail: &str) {
         self.message(kind, outcome);
         if let Some(not_logged) =
             self.refusal_log
@@ -179,7 +177,7 @@ impl Counters {
     }
 
     /// Sets the registered-workers gauge.
-    pub fn set_workers(&self, n: usize) {
+    pub(crate) fn set_workers(&self, n: usize) {
         self.workers.set(i64::try_from(n).unwrap_or(i64::MAX));
     }
 }

@@ -30,7 +30,7 @@ impl EventMetrics {
     ///
     /// # Errors
     /// A [`prometheus::Error`] if a metric of the same name is already registered.
-    pub fn new(r: &Registrar<'_>) -> Result<Self, prometheus::Error> {
+    pub(crate) fn new(r: &Registrar<'_>) -> Result<Self, prometheus::Error> {
         Ok(Self {
             lag: r.histogram(
                 "kv_router_event_lag_seconds",
@@ -99,7 +99,7 @@ impl EventMetrics {
     }
 
     /// Records the intake lag of one batch.
-    pub fn observe_lag(&self, lag: Duration) {
+    pub(crate) fn observe_lag(&self, lag: Duration) {
         self.lag.observe(lag.as_secs_f64());
     }
 
@@ -197,7 +197,7 @@ impl RecoveryMetrics {
     ///
     /// # Errors
     /// A [`prometheus::Error`] if a metric of the same name is already registered.
-    pub fn new(r: &Registrar<'_>) -> Result<Self, prometheus::Error> {
+    pub(crate) fn new(r: &Registrar<'_>) -> Result<Self, prometheus::Error> {
         Ok(Self {
             runs: r.counter_vec(
                 "kv_router_recovery_runs_total",
@@ -236,24 +236,22 @@ impl RecoveryMetrics {
             )?,
         })
     }
-
-    /// Sets the number of degraded ranks.
-    pub fn set_degraded_ranks(&self, ranks: usize) {
+    pub(crate) fn set_degraded_ranks(&self, ranks: usize) {
         self.degraded_ranks.set(to_i64(ranks));
     }
 
     /// Counts a rank degraded for `reason`.
-    pub fn degrade(&self, reason: &str) {
+    pub(crate) fn degrade(&self, reason: &str) {
         self.degraded.with_label_values(&[reason]).inc();
     }
 
     /// Counts a need resolved without a request for `reason`.
-    pub fn skip(&self, reason: &str) {
+    pub(crate) fn skip(&self, reason: &str) {
         self.skipped.with_label_values(&[reason]).inc();
     }
 
     /// Counts a reply refused for `reason`.
-    pub fn refuse(&self, reason: &str) {
+    pub(crate) fn refuse(&self, reason: &str) {
         self.refused.with_label_values(&[reason]).inc();
     }
 
@@ -274,7 +272,7 @@ impl RecoveryMetrics {
 
     /// Records one recovery run of `kind` (lowercase, e.g. `replay`, `dump`) that ended
     /// with `ok` after `elapsed`.
-    pub fn observe(&self, kind: &str, ok: bool, elapsed: Duration) {
+    pub(crate) fn observe(&self, kind: &str, ok: bool, elapsed: Duration) {
         let outcome = if ok { "ok" } else { "failed" };
         self.runs.with_label_values(&[kind, outcome]).inc();
         self.duration.observe(elapsed.as_secs_f64());

@@ -20,7 +20,7 @@ impl QueueMetrics {
     ///
     /// # Errors
     /// A [`prometheus::Error`] if a metric of the same name is already registered.
-    pub fn new(r: &Registrar<'_>) -> Result<Self, prometheus::Error> {
+    pub(crate) fn new(r: &Registrar<'_>) -> Result<Self, prometheus::Error> {
         Ok(Self {
             depth: r.gauge(
                 "kv_router_queue_depth",
@@ -36,12 +36,12 @@ impl QueueMetrics {
     }
 
     /// Sets the number of queued queries.
-    pub fn set_depth(&self, depth: usize) {
+    pub(crate) fn set_depth(&self, depth: usize) {
         self.depth.set(to_i64(depth));
     }
 
     /// Records how long one query waited.
-    pub fn observe_wait(&self, wait: Duration) {
+    pub(crate) fn observe_wait(&self, wait: Duration) {
         self.wait.observe(wait.as_secs_f64());
     }
 }
@@ -66,7 +66,7 @@ impl WorkerLoadMetrics {
     ///
     /// # Errors
     /// A [`prometheus::Error`] if a metric of the same name is already registered.
-    pub fn new(r: &Registrar<'_>) -> Result<Self, prometheus::Error> {
+    pub(crate) fn new(r: &Registrar<'_>) -> Result<Self, prometheus::Error> {
         Ok(Self {
             prefill_tokens: r.gauge_vec(
                 "kv_router_worker_active_prefill_tokens",

@@ -30,24 +30,24 @@
 //! - [`sessions`]: session affinity (sessions held, hits and overrides).
 //! - [`connections`]: NATS and etcd connection state, readiness.
 
-pub mod admission;
+pub(crate) mod admission;
 mod common;
-pub mod connections;
+pub(crate) mod connections;
 pub mod counters;
-pub mod events;
-pub mod load;
-pub mod refusals;
-pub use kv_cluster::metrics as registrar;
-pub mod route;
-pub mod sessions;
+pub(crate) mod events;
+pub(crate) mod load;
+pub(crate) mod refusals;
+pub(crate) use kv_cluster::metrics as registrar;
+pub(crate) mod route;
+pub(crate) mod sessions;
 
-pub use admission::{AdmissionMetrics, QueueOutcomes, SyncMetrics};
-pub use connections::ConnectionMetrics;
-pub use events::{EventMetrics, RecoveryMetrics};
-pub use load::{QueueMetrics, WorkerLoadMetrics};
-pub use registrar::Registrar;
-pub use route::RouteMetrics;
-pub use sessions::SessionMetrics;
+pub(crate) use admission::{AdmissionMetrics, QueueOutcomes, SyncMetrics};
+pub(crate) use connections::ConnectionMetrics;
+pub(crate) use events::{EventMetrics, RecoveryMetrics};
+pub(crate) use load::{QueueMetrics, WorkerLoadMetrics};
+pub(crate) use registrar::Registrar;
+pub(crate) use route::RouteMetrics;
+pub(crate) use sessions::SessionMetrics;
 
 use common::to_i64;
 use indexer::{Indexer, IndexerApi as _};
@@ -80,7 +80,7 @@ impl Metrics {
     ///
     /// # Errors
     /// A [`prometheus::Error`] if a metric of the same name is already registered.
-    pub fn new(r: &Registrar<'_>) -> Result<Self, prometheus::Error> {
+    pub(crate) fn new(r: &Registrar<'_>) -> Result<Self, prometheus::Error> {
         // Registered and set once; nothing updates it afterwards.
         r.gauge_vec(
             "kv_router_build_info",
@@ -105,7 +105,7 @@ impl Metrics {
     /// blocks per rank from `indexer` (one round trip to every shard, O(ranks) each),
     /// then per-rank load under the scheduler lock `lock_scheduler` takes. Called
     /// before each scrape; concurrent calls are serialised.
-    pub async fn refresh<'a>(
+    pub(crate) async fn refresh<'a>(
         &self,
         indexer: &Indexer,
         lock_scheduler: impl FnOnce() -> MutexGuard<'a, Scheduler>,

@@ -11,19 +11,19 @@ use std::time::{Duration, Instant};
 type Key = (&'static str, &'static str);
 
 /// At most one log line per this interval per (message kind, refusal reason).
-pub const LOG_EVERY: Duration = Duration::from_secs(10);
+pub(crate) const LOG_EVERY: Duration = Duration::from_secs(10);
 
 /// The rate limiter of refusal log lines: per (kind, reason), when the last line was
 /// written and how many refusals were silent since.
 #[derive(Debug, Default)]
-pub struct RefusalLog {
+pub(crate) struct RefusalLog {
     lines: Mutex<HashMap<Key, (Instant, u64)>>,
 }
 
 impl RefusalLog {
     /// Whether to log a refusal of (kind, reason) now; `Some(n)` with the refusals not
     /// logged since the previous line.
-    pub fn should_log(
+    pub(crate) fn should_log(
         &self,
         kind: &'static str,
         reason: &'static str,

@@ -23,7 +23,7 @@ impl RouteMetrics {
     ///
     /// # Errors
     /// A [`prometheus::Error`] if a metric of the same name is already registered.
-    pub fn new(r: &Registrar<'_>) -> Result<Self, prometheus::Error> {
+    pub(crate) fn new(r: &Registrar<'_>) -> Result<Self, prometheus::Error> {
         Ok(Self {
             requests: r.counter_vec(
                 "kv_router_route_requests_total",
@@ -50,7 +50,7 @@ impl RouteMetrics {
     }
 
     /// Records one answered routing query that took `elapsed`.
-    pub fn observe(&self, reply: &RouteReply, elapsed: Duration) {
+    pub(crate) fn observe(&self, reply: &RouteReply, elapsed: Duration) {
         let outcome = outcome_label(reply);
         self.requests.with_label_values(&[&outcome]).inc();
         self.duration
@@ -63,14 +63,9 @@ impl RouteMetrics {
         }
     }
 
-    /// Routed queries counted for `outcome` (`routed` or an error code).
-    pub fn requests(&self, outcome: &str) -> u64 {
-        self.requests.with_label_values(&[outcome]).get()
-    }
-
     /// Forgets the per-rank decision counters of a worker that left, so label sets do
     /// not accumulate with worker churn.
-    pub fn forget_worker(&self, worker_id: kv_events::WorkerId, dp_size: u32) {
+    pub(crate) fn forget_worker(&self, worker_id: kv_events::WorkerId, dp_size: u32) {
         let worker = worker_id.0.to_string();
         for rank in 0..dp_size {
             let _ = self

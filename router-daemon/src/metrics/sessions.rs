@@ -19,7 +19,7 @@ impl SessionMetrics {
     ///
     /// # Errors
     /// A [`prometheus::Error`] if a metric of the same name is already registered.
-    pub fn new(r: &Registrar<'_>) -> Result<Self, prometheus::Error> {
+    pub(crate) fn new(r: &Registrar<'_>) -> Result<Self, prometheus::Error> {
         Ok(Self {
             held: r.gauge(
                 "kv_router_sessions",
@@ -36,7 +36,7 @@ impl SessionMetrics {
     }
 
     /// Counts one routed query's session outcome; nothing for `None` (no session id).
-    pub fn observe(&self, outcome: Option<SessionOutcome>) {
+    pub(crate) fn observe(&self, outcome: Option<SessionOutcome>) {
         if let Some(outcome) = outcome {
             self.decisions.with_label_values(&[outcome.as_str()]).inc();
         }

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 /// Most steps recorded while the start-up snapshot is pending; beyond it the oldest
 /// are forgotten. Bounds memory when start-up waits long (etcd down) under load.
-pub const RECENT_STEPS_CAPACITY: usize = 100_000;
+pub(crate) const RECENT_STEPS_CAPACITY: usize = 100_000;
 
 /// Own bookings are pruned when they reach this many entries, and then at twice the
 /// number left.
@@ -24,7 +24,7 @@ const MIN_PRUNE_AT: usize = 1024;
 
 /// A step recorded while the start-up snapshot is pending.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RecentStep {
+pub(crate) enum RecentStep {
     /// The request's prefill completed.
     PrefillDone,
     /// The request was freed (dominates a prefill-done).
@@ -34,14 +34,14 @@ pub enum RecentStep {
 /// Steps seen since the sequences subscription started, by request id, bounded by
 /// [`RECENT_STEPS_CAPACITY`] (oldest forgotten first).
 #[derive(Debug, Default)]
-pub struct RecentSteps {
+pub(crate) struct RecentSteps {
     steps: HashMap<RequestId, RecentStep>,
     order: VecDeque<RequestId>,
 }
 
 impl RecentSteps {
     /// Records `step` for `id`; a freed request stays freed.
-    pub fn note(&mut self, id: &RequestId, step: RecentStep) {
+    pub(crate) fn note(&mut self, id: &RequestId, step: RecentStep) {
         if let Some(known) = self.steps.get_mut(id) {
             if step == RecentStep::Freed {
                 *known = RecentStep::Freed;
@@ -58,7 +58,7 @@ impl RecentSteps {
     }
 
     /// The step recorded for `id`, if any.
-    pub fn get(&self, id: &RequestId) -> Option<RecentStep> {
+    pub(crate) fn get(&self, id: &RequestId) -> Option<RecentStep> {
         self.steps.get(id).copied()
     }
 }
@@ -68,7 +68,7 @@ impl RecentSteps {
 /// request is freed or expires; requests dropped with their worker leave stale
 /// entries, which answers skip and which are pruned once the map doubles.
 #[derive(Debug)]
-pub struct OwnBookings {
+pub(crate) struct OwnBookings {
     map: HashMap<RequestId, Arc<BookedSequence>>,
     prune_at: usize,
 }
@@ -84,28 +84,23 @@ impl Default for OwnBookings {
 
 impl OwnBookings {
     /// Keeps a booking. Returns true when the map has grown enough to be pruned.
-    pub fn insert(&mut self, id: RequestId, booked: Arc<BookedSequence>) -> bool {
+    pub(crate) fn insert(&mut self, id: RequestId, booked: Arc<BookedSequence>) -> bool {
         self.map.insert(id, booked);
         self.map.len() >= self.prune_at
     }
 
     /// Forgets a booking.
-    pub fn remove(&mut self, id: &RequestId) {
+    pub(crate) fn remove(&mut self, id: &RequestId) {
         self.map.remove(id);
     }
 
     /// Entries kept (stale ones included).
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.map.len()
     }
 
-    /// Whether nothing is kept.
-    pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
-    }
-
     /// Drops the entries the scheduler no longer holds as our own.
-    pub fn prune(&mut self, scheduler: &Scheduler) {
+    pub(crate) fn prune(&mut self, scheduler: &Scheduler) {
         self.map.retain(|id, _| is_own(scheduler, id));
         self.prune_at = (self.map.len() * 2).max(MIN_PRUNE_AT);
     }
@@ -137,7 +132,7 @@ fn is_own(scheduler: &Scheduler, id: &RequestId) -> bool {
 
 /// The write-model event booking `booked` for the peer `router_id`: a live `booked`
 /// message and a snapshot reply entry take this same path.
-pub fn booked_event(
+pub(crate) fn booked_event(
     router_id: RouterId,
     request_id: RequestId,
     b: BookedSequence,

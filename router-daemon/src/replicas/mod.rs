@@ -57,9 +57,9 @@
 //! `sync` and `snapshot` sit above admission (they lock the scheduler and release
 //! waiters through it); this file and `bookings` sit below it.
 
-pub mod bookings;
-pub mod snapshot;
-pub mod sync;
+pub(crate) mod bookings;
+pub(crate) mod snapshot;
+pub(crate) mod sync;
 
 use crate::metrics::SyncMetrics;
 use bookings::{OwnBookings, RecentStep, RecentSteps};
@@ -129,7 +129,7 @@ pub struct Replicas {
 
 impl Replicas {
     /// The sync side of one replica.
-    pub fn new(config: ReplicaConfig, metrics: SyncMetrics) -> Self {
+    pub(crate) fn new(config: ReplicaConfig, metrics: SyncMetrics) -> Self {
         let (outbox, rx) = mpsc::channel(OUTBOX_CAPACITY);
         Self {
             config,
@@ -145,21 +145,17 @@ impl Replicas {
 
     /// How long the start-up snapshot collects answers; zero when it is off (also
     /// when sync is off).
-    pub fn snapshot_timeout(&self) -> Duration {
+    pub(crate) fn snapshot_timeout(&self) -> Duration {
         if self.config.sync {
             self.config.snapshot_timeout
         } else {
             Duration::ZERO
         }
     }
-
-    /// This replica's id.
-    pub fn router_id(&self) -> RouterId {
+    pub(crate) fn router_id(&self) -> RouterId {
         self.config.router_id
     }
-
-    /// Whether sync is on.
-    pub fn enabled(&self) -> bool {
+    pub(crate) fn enabled(&self) -> bool {
         self.config.sync
     }
 
@@ -170,7 +166,7 @@ impl Replicas {
 
     /// Queues the booking of one of our own requests and keeps it for snapshot
     /// answers. Call under the scheduler lock.
-    pub fn booked(&self, request: &ScheduleRequest, selection: &Selection) {
+    pub(crate) fn booked(&self, request: &ScheduleRequest, selection: &Selection) {
         if !self.config.sync {
             return;
         }
@@ -197,7 +193,7 @@ impl Replicas {
 
     /// Queues a lifecycle step of one of our own requests. Call under the scheduler
     /// lock.
-    pub fn step(&self, request_id: &RequestId, update: SequenceUpdate) {
+    pub(crate) fn step(&self, request_id: &RequestId, update: SequenceUpdate) {
         if !self.config.sync {
             return;
         }
@@ -235,7 +231,7 @@ impl Replicas {
     /// start-up snapshot is pending, so a snapshot reply taken before the step does
     /// not undo it. Call *before* applying the step to the scheduler: a reply applied
     /// after this call sees the step, one applied before it is undone by the step.
-    pub fn note_step(&self, request_id: &RequestId, update: &SequenceUpdate) {
+    pub(crate) fn note_step(&self, request_id: &RequestId, update: &SequenceUpdate) {
         let step = match update {
             SequenceUpdate::PrefillDone => RecentStep::PrefillDone,
             SequenceUpdate::Freed => RecentStep::Freed,
@@ -247,7 +243,7 @@ impl Replicas {
     }
 
     /// [`Self::note_step`] for a frontend's lifecycle message.
-    pub fn note_lifecycle(&self, request_id: &RequestId, event: LifecycleEvent) {
+    pub(crate) fn note_lifecycle(&self, request_id: &RequestId, event: LifecycleEvent) {
         let update = match event {
             LifecycleEvent::PrefillDone => SequenceUpdate::PrefillDone,
             LifecycleEvent::Freed => SequenceUpdate::Freed,
@@ -276,7 +272,7 @@ impl Replicas {
     }
 
     /// Takes the outbound receiver (once) for the publisher task.
-    pub fn take_outbox(&self) -> Option<mpsc::Receiver<SequenceStep>> {
+    pub(crate) fn take_outbox(&self) -> Option<mpsc::Receiver<SequenceStep>> {
         self.outbox_rx
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())

@@ -89,7 +89,7 @@ pub struct SnapshotSummary {
 
 impl SnapshotSummary {
     /// Peers that answered, and how many of them completely (last chunk seen).
-    pub fn peer_counts(&self) -> (usize, usize) {
+    pub(crate) fn peer_counts(&self) -> (usize, usize) {
         let complete = self.peers.values().filter(|(_, last)| *last).count();
         (self.peers.len(), complete)
     }
@@ -111,7 +111,7 @@ impl fmt::Display for SnapshotSummary {
 /// (bookings need their ranks registered) and before serving routes. Never fails:
 /// no peers, no answers or a NATS error leave the replica with what the live
 /// subject brings.
-pub async fn gather(
+pub(crate) async fn gather(
     admission: &Admission,
     counters: &Counters,
     limits: &Limits,
@@ -215,7 +215,7 @@ async fn collect(
 }
 
 /// Applies one snapshot reply chunk received on `subject`, as peer bookings, through
-/// the same path as a live `booked` ([`booked_event`]). Skips bookings already known
+/// the same path as a live `booked` (`booked_event`). Skips bookings already known
 /// and requests freed since the sequences subscription started; books with the
 /// prefill completed when the reply or a recorded step says so. Malformed replies are
 /// counted, logged with their subject and skipped.
@@ -293,7 +293,7 @@ pub fn apply_reply(
 ///
 /// # Errors
 /// When the subscription fails.
-pub async fn serve(
+pub(crate) async fn serve(
     admission: &Arc<Admission>,
     counters: &Counters,
     subjects: &Subjects,

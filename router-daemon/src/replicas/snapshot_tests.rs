@@ -19,7 +19,7 @@ const US: RouterId = RouterId(1);
 
 /// A daemon state (router id 1, sync on) with workers 1 and 2 registered.
 fn starting() -> Starting {
-    let args = crate::config::parse_flags::<ServeArgs, _, _>([
+    let args = kv_cluster::args::parse_flags::<ServeArgs, _, _>([
         "kv-router",
         "--block-size",
         "4",

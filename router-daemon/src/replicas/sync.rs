@@ -29,7 +29,7 @@ use tracing::{debug, info, warn};
 
 /// What the sync connection is made from.
 #[derive(Clone, Copy)]
-pub struct SyncNats<'a> {
+pub(crate) struct SyncNats<'a> {
     /// The daemon's NATS settings, for the sync connection's own.
     pub config: &'a NatsConfig,
     /// The daemon's main connection, the other end of the start-up barrier.
@@ -47,7 +47,7 @@ pub struct SyncNats<'a> {
 /// # Errors
 /// When the connection options are unusable, the subscription fails, or sync was
 /// already started.
-pub async fn start(
+pub(crate) async fn start(
     admission: &Arc<Admission>,
     counters: &Counters,
     limits: Limits,
@@ -109,7 +109,7 @@ pub async fn start(
 /// still queued, flushes the connection (bounded by [`crate::nats::DRAIN_TIMEOUT`])
 /// and returns. Each wake-up publishes one [`SequenceSyncBatch`] of every step queued
 /// by then ([`next_batch`]); the `out` counters count steps.
-pub async fn publish(
+pub(crate) async fn publish(
     client: async_nats::Client,
     subject: String,
     router_id: RouterId,
@@ -151,7 +151,7 @@ pub async fn publish(
 /// `first` and the steps queued behind it, in order, until the outbox is empty or
 /// the steps reach [`SYNC_BATCH_BYTES`] (by [`SequenceStep::encoded_len_bound`]; the
 /// last step may go over).
-pub fn next_batch(
+pub(crate) fn next_batch(
     router_id: RouterId,
     first: SequenceStep,
     outbox: &mut mpsc::Receiver<SequenceStep>,

@@ -3,7 +3,7 @@
 //! growing load, and batches, through real NATS.
 //!
 //! ```sh
-//! cargo build --release -p router-daemon
+//! cargo build --release -p kv-router
 //! cargo run --release -p integration-tests --example route_bench -- [OPTIONS]
 //! ```
 //!

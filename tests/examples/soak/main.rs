@@ -3,7 +3,7 @@
 //! (issue 14: "memory must be flat").
 //!
 //! ```sh
-//! cargo build --release -p router-daemon
+//! cargo build --release -p kv-router
 //! cargo run --release -p integration-tests --example soak -- --minutes 30
 //! ```
 //!

@@ -9,8 +9,8 @@ pub use integration_tests::etcd_proxy::{EtcdProxy, etcd_addr};
 use kv_cluster::http::{HttpResponse, get};
 use kv_events::{Namespace, Subjects, decode, encode};
 use mocker::cluster::{EtcdServer, NatsServer};
+use router_daemon::Starting;
 use router_daemon::config::{DaemonConfig, ServeArgs};
-use router_daemon::daemon::Starting;
 use serde_json::{Value, json};
 use std::time::Duration;
 
@@ -68,7 +68,7 @@ impl Fixture {
     /// Daemon config: this cluster, etcd through the proxy, 2 shards, seeded, 1 s etcd
     /// timeout.
     pub fn config(&self) -> DaemonConfig {
-        let args = router_daemon::config::parse_flags::<ServeArgs, _, _>([
+        let args = kv_cluster::args::parse_flags::<ServeArgs, _, _>([
             "kv-router",
             "--nats-url",
             &self.nats_server.url(),

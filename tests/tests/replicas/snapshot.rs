@@ -5,7 +5,7 @@ use super::*;
 use futures::StreamExt;
 use kv_events::replicas::{SnapshotEntry, SnapshotReply, SnapshotRequest};
 use kv_events::{LocalBlockHash, decode};
-use router_daemon::daemon::Starting;
+use router_daemon::Starting;
 use std::time::Instant;
 
 /// Per-rank booked load, every field `rank_loads()` reports: prefill tokens, decode
@@ -136,7 +136,7 @@ async fn a_request_freed_while_a_replica_starts_is_not_resurrected() -> anyhow::
         .nats
         .subscribe(cluster.subjects.sequences_snapshot())
         .await?;
-    router_daemon::barrier::server_barrier(&cluster.nats).await?;
+    router_daemon::server_barrier(&cluster.nats).await?;
 
     let args = replica_args(&cluster, 101, |args| {
         args.scheduling.replica_snapshot_timeout_ms = 3000;

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 /// Why a recovery request got no usable reply.
 #[derive(Debug, thiserror::Error)]
-pub enum FetchError {
+pub(crate) enum FetchError {
     /// Nobody is subscribed to the worker's recovery subject.
     #[error("no publisher serves recovery on {0}")]
     NoResponders(String),
@@ -38,7 +38,7 @@ pub enum FetchError {
 impl FetchError {
     /// Whether asking again may help: not when nobody serves the subject, nor when
     /// the reply was too large (it would be as large again).
-    pub fn is_retryable(&self) -> bool {
+    pub(crate) fn is_retryable(&self) -> bool {
         match self {
             FetchError::NoResponders(_) => false,
             FetchError::Refused { error, .. } => !error.is_oversized(),
@@ -49,7 +49,7 @@ impl FetchError {
 
 /// A reassembled reply and what it cost on the wire.
 #[derive(Debug)]
-pub struct Fetched {
+pub(crate) struct Fetched {
     /// The reply.
     pub reply: RecoveryReply,
     /// Payload bytes received, over all chunks.
@@ -64,7 +64,7 @@ pub struct Fetched {
 ///
 /// # Errors
 /// [`FetchError`]; never panics on a malformed reply.
-pub async fn fetch(
+pub(crate) async fn fetch(
     nats: &async_nats::Client,
     subject: &str,
     request: &RecoveryRequest,

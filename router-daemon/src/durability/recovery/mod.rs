@@ -37,11 +37,11 @@
 
 mod fetch;
 mod ranks;
-pub mod status;
+pub(crate) mod status;
 
-pub use crate::durability::RecoveryConfig;
-pub use fetch::{FetchError, Fetched, fetch};
-pub use ranks::{Pacing, RankBook, Release, RunOutcome, Start};
+pub(crate) use crate::durability::RecoveryConfig;
+pub(crate) use fetch::{FetchError, fetch};
+pub(crate) use ranks::{Pacing, RankBook, Release, RunOutcome, Start};
 
 use crate::state::RouterState;
 use backon::Retryable as _;
@@ -59,7 +59,7 @@ use tracing::{debug, info, warn};
 
 /// Counts resolved recoveries so start-up can wait for the ones it caused.
 #[derive(Debug, Default)]
-pub struct RecoveryProgress {
+pub(crate) struct RecoveryProgress {
     resolved: AtomicU64,
     changed: Notify,
 }
@@ -71,12 +71,12 @@ impl RecoveryProgress {
     }
 
     /// Needs resolved so far (applied, abandoned or superseded).
-    pub fn resolved(&self) -> u64 {
+    pub(crate) fn resolved(&self) -> u64 {
         self.resolved.load(Ordering::Acquire)
     }
 
     /// Waits until at least `target` needs have been resolved.
-    pub async fn wait_for(&self, target: u64) {
+    pub(crate) async fn wait_for(&self, target: u64) {
         loop {
             let changed = self.changed.notified();
             let mut changed = std::pin::pin!(changed);
@@ -100,7 +100,7 @@ struct Service {
 
 /// Takes the indexer's recovery needs and serves them on `tasks` until `stop`.
 /// Returns the progress counter (which stays at 0 if the needs were already taken).
-pub fn spawn(
+pub(crate) fn spawn(
     state: Arc<RouterState>,
     nats: async_nats::Client,
     config: RecoveryConfig,
@@ -293,7 +293,7 @@ impl Service {
 
 /// What the start-up resync did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ResyncSummary {
+pub(crate) struct ResyncSummary {
     /// Ranks asked for their state.
     pub ranks: usize,
     /// Entries indexed once the replies were applied.
@@ -309,7 +309,7 @@ pub struct ResyncSummary {
 ///
 /// # Errors
 /// [`indexer::IndexerError::ShuttingDown`] if the indexer stopped.
-pub async fn resync_registered(
+pub(crate) async fn resync_registered(
     state: &RouterState,
     progress: &RecoveryProgress,
 ) -> Result<ResyncSummary, indexer::IndexerError> {

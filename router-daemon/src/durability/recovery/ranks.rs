@@ -38,7 +38,7 @@ use tracing::{debug, info, warn};
 
 /// How recoveries of a rank are spaced and bounded (see [`super::RecoveryConfig`]).
 #[derive(Debug, Clone, Copy)]
-pub struct Pacing {
+pub(crate) struct Pacing {
     /// Delays after failed recoveries.
     pub backoff: ExponentialBuilder,
     /// Failures in a row before the rank is degraded (at least 1).
@@ -49,7 +49,7 @@ pub struct Pacing {
 
 /// How a recovery run ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum RunOutcome {
+pub(crate) enum RunOutcome {
     /// A reply was handed to the indexer; `usable` is false for a publisher's error
     /// body (the indexer then gives the recovery up).
     Applied {
@@ -67,7 +67,7 @@ pub enum RunOutcome {
 
 /// What the caller must do with a need the book lets go.
 #[derive(Debug, PartialEq, Eq)]
-pub enum Release {
+pub(crate) enum Release {
     /// Nothing but count it resolved: a newer need of the rank replaced it.
     Superseded(RecoveryNeed),
     /// Give it up in the indexer without a request: the rank is degraded.
@@ -76,7 +76,7 @@ pub enum Release {
 
 /// A recovery the caller must run now.
 #[derive(Debug)]
-pub struct Start {
+pub(crate) struct Start {
     /// The need to serve.
     pub need: RecoveryNeed,
     /// Fires when a newer need of the rank supersedes this one.
@@ -135,7 +135,7 @@ impl Entry {
 }
 
 /// Per-rank recovery pacing; see the module docs.
-pub struct RankBook {
+pub(crate) struct RankBook {
     pacing: Pacing,
     metrics: RecoveryMetrics,
     ranks: HashMap<WorkerRank, Entry>,
@@ -143,7 +143,7 @@ pub struct RankBook {
 
 impl RankBook {
     /// An empty book recording degradations and skipped needs in `metrics`.
-    pub fn new(pacing: Pacing, metrics: RecoveryMetrics) -> Self {
+    pub(crate) fn new(pacing: Pacing, metrics: RecoveryMetrics) -> Self {
         Self {
             pacing: Pacing {
                 budget: pacing.budget.max(1),
@@ -156,7 +156,7 @@ impl RankBook {
 
     /// Takes a need of the indexer. Returns the need it lets go, if any: the one it
     /// replaced, or this one when its rank is degraded.
-    pub fn on_need(&mut self, need: RecoveryNeed, now: Instant) -> Option<Release> {
+    pub(crate) fn on_need(&mut self, need: RecoveryNeed, now: Instant) -> Option<Release> {
         let rank = need.rank;
         let entry = self.ranks.entry(rank).or_insert_with(|| Entry::new(now));
         entry.epoch = entry.epoch.max(need.request.epoch);
@@ -192,7 +192,7 @@ impl RankBook {
 
     /// Marks as running and returns up to `slots` waiting needs whose rank is due at
     /// `now` and has nothing running, the longest due first.
-    pub fn start_ready(&mut self, now: Instant, slots: usize) -> Vec<Start> {
+    pub(crate) fn start_ready(&mut self, now: Instant, slots: usize) -> Vec<Start> {
         let mut due: Vec<(Instant, WorkerRank)> = self
             .ranks
             .iter()
@@ -217,14 +217,14 @@ impl RankBook {
     }
 
     /// Whether `rank` is in a failing streak (its run's own log lines stay quiet).
-    pub fn failing(&self, rank: WorkerRank) -> bool {
+    pub(crate) fn failing(&self, rank: WorkerRank) -> bool {
         self.ranks.get(&rank).is_some_and(|e| e.failures > 0)
     }
 
     /// Records how the run of `rank` ended, after every need it caused was taken
     /// with [`RankBook::on_need`]. Returns the waiting need to give up if the rank
     /// was degraded just now.
-    pub fn on_done(
+    pub(crate) fn on_done(
         &mut self,
         rank: WorkerRank,
         outcome: &RunOutcome,
@@ -306,7 +306,7 @@ impl RankBook {
     }
 
     /// When the next waiting need becomes due or an idle entry is forgotten.
-    pub fn next_wakeup(&self) -> Option<Instant> {
+    pub(crate) fn next_wakeup(&self) -> Option<Instant> {
         self.ranks
             .values()
             .filter_map(|e| match (&e.waiting, &e.running) {
@@ -319,7 +319,7 @@ impl RankBook {
 
     /// Drops the idle entries whose time is up at `now` (a degraded rank's
     /// cool-down ended, or a failing streak was not followed by a need).
-    pub fn expire(&mut self, now: Instant) {
+    pub(crate) fn expire(&mut self, now: Instant) {
         let before = self.degraded();
         self.ranks.retain(|rank, e| {
             let idle = e.waiting.is_none() && e.running.is_none();
@@ -335,12 +335,12 @@ impl RankBook {
     }
 
     /// Ranks degraded now.
-    pub fn degraded(&self) -> usize {
+    pub(crate) fn degraded(&self) -> usize {
         self.ranks.values().filter(|e| e.degraded.is_some()).count()
     }
 
     /// The status of every tracked rank.
-    pub fn statuses(&self) -> HashMap<WorkerRank, RankStatus> {
+    pub(crate) fn statuses(&self) -> HashMap<WorkerRank, RankStatus> {
         self.ranks.iter().map(|(r, e)| (*r, e.status())).collect()
     }
 }

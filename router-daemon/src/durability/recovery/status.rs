@@ -11,7 +11,7 @@ use tokio::time::Instant;
 
 /// Why a rank was degraded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DegradeReason {
+pub(crate) enum DegradeReason {
     /// Its publisher answered, but the replies never closed the rank's hole (e.g.
     /// events numbered far ahead of what the publisher has).
     HoleNotClosed,
@@ -21,7 +21,7 @@ pub enum DegradeReason {
 
 impl DegradeReason {
     /// The metric label and JSON value: `hole_not_closed` or `unreachable`.
-    pub fn label(self) -> &'static str {
+    pub(crate) fn label(self) -> &'static str {
         match self {
             DegradeReason::HoleNotClosed => "hole_not_closed",
             DegradeReason::Unreachable => "unreachable",
@@ -31,7 +31,7 @@ impl DegradeReason {
 
 /// Where a rank with recovery trouble stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Phase {
+pub(crate) enum Phase {
     /// A recovery is in flight or due now.
     Recovering,
     /// Earlier recoveries did not close the hole; the next one waits until `until`.
@@ -42,7 +42,7 @@ pub enum Phase {
 
 /// One rank's entry in the table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RankStatus {
+pub(crate) struct RankStatus {
     /// Where it stands.
     pub phase: Phase,
     /// Recoveries in a row that did not close its hole.
@@ -96,17 +96,17 @@ impl RecoveryStatus {
     }
 
     /// Replaces the table.
-    pub fn publish(&self, ranks: HashMap<WorkerRank, RankStatus>) {
+    pub(crate) fn publish(&self, ranks: HashMap<WorkerRank, RankStatus>) {
         *self.lock() = ranks;
     }
 
     /// The entry of `rank`, if it has trouble.
-    pub fn get(&self, rank: WorkerRank) -> Option<RankStatus> {
+    pub(crate) fn get(&self, rank: WorkerRank) -> Option<RankStatus> {
         self.lock().get(&rank).copied()
     }
 
     /// The view of `rank` at `now`, for `/debug/workers`.
-    pub fn view(&self, rank: WorkerRank, now: Instant) -> Option<RankRecoveryView> {
+    pub(crate) fn view(&self, rank: WorkerRank, now: Instant) -> Option<RankRecoveryView> {
         let status = self.get(rank)?;
         let left = |until: Option<Instant>| {
             until.map_or(0, |u| {

@@ -1,4 +1,12 @@
-//! `kv-router`: the KV-cache-aware router daemon.
+//! `kv-router`: one binary for every process of a kv-router cluster.
+//!
+//! This crate only parses the command line and dispatches: `serve` (and `config`,
+//! `probe`) to the daemon library `router-daemon`, `relay` to `kv-relay`, `gateway`
+//! to `kv-gateway`, `security` to `kv-cluster`. It is the one crate that depends on
+//! both edge crates, so the daemon library does not build the gateway and the relay
+//! does not build the daemon; one image still ships one binary. The `serve`-like
+//! subcommands read an optional TOML config file, layered below the environment
+//! and the flags (`router_daemon::config::file`).
 
 use anyhow::Result;
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
