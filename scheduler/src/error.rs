@@ -54,6 +54,15 @@ pub enum SchedulerError {
         /// What is wrong with it, lowercase.
         reason: String,
     },
+    /// A command-line flag cannot be used: given for a policy that lacks the knob,
+    /// or out of range (see [`crate::args`], feature `clap`).
+    #[error("invalid --{flag}: {reason}")]
+    InvalidFlag {
+        /// The flag's long name, without `--`.
+        flag: &'static str,
+        /// What is wrong with it, lowercase.
+        reason: String,
+    },
     /// A worker registration record broke an invariant (e.g. `dp_size` 0).
     #[error("invalid worker registration: {0}")]
     InvalidRegistration(#[from] RegistrationError),

@@ -33,9 +33,13 @@
 //!   constants learned from observed TTFTs (on by default).
 //! - [`sessions`]: [`SessionConfig`], [`SessionTable`]: session affinity, a
 //!   request's session's last rank preferred within a margin.
+//! - `args` (feature `clap`): every scheduler flag, declared once for the daemon and
+//!   the lab.
 //! - `batch.rs`: [`Scheduler::schedule_batch`].
 //! - `reads.rs`: the facade's read accessors (load, metrics, liveness, calibration).
 
+#[cfg(feature = "clap")]
+pub mod args;
 mod batch;
 pub mod busy;
 pub mod calibration;

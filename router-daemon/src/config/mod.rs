@@ -15,13 +15,9 @@
 //! - `error`: [`ConfigError`], the one error of every flag group.
 //! - [`file`]: the TOML file under environment and flags; `config print` and
 //!   `config reference`.
-//! - `scheduling`: the scheduling, queue and replica flags.
-//! - `liveness`: liveness from silence in load metrics (flattened into
-//!   `scheduling`).
-//! - `calibration`: online calibration of `predicted-ttft` (flattened into
-//!   `scheduling`).
-//! - `sessions`: session affinity (flattened into `scheduling`).
-//! - `policy`: the default policy and each policy's knob flags.
+//! - `scheduling`: the queue and replica flags, with the scheduler's own flags
+//!   (`scheduler::args`: policy and knobs, liveness, calibration, sessions, load
+//!   accounting) flattened in.
 //! - [`index`]: the index backend, memory bound, mode and JetStream flags.
 //! - `recovery`: the gap recovery flags (flattened into [`index`]).
 //! - The NATS and etcd flags are `kv_cluster::args`, shared with `kv-router relay`
@@ -29,15 +25,11 @@
 //!   shared with the gateway; the shutdown budget is `kv_cluster::shutdown`, shared
 //!   with `kv-router relay` and the mock engines.
 
-mod calibration;
 mod error;
 pub mod file;
 pub mod index;
-mod liveness;
-mod policy;
 mod recovery;
 mod scheduling;
-mod sessions;
 
 pub(crate) use crate::http::config::HttpConfig;
 use clap::Args;

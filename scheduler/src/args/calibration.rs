@@ -1,12 +1,11 @@
-//! The `serve` flags of online calibration (under the `Scheduler` heading, so
-//! `[scheduler] calibration…` in the TOML file): whether `predicted-ttft` learns each
+//! The flags of online calibration: whether `predicted-ttft` learns each
 //! rank's step-time constants from observed TTFTs, and how. What it does:
 //! `scheduler::calibration`.
 
+use crate::CalibrationConfig;
 use clap::{ArgAction, Args};
-use scheduler::CalibrationConfig;
 
-/// Calibration flags, flattened into [`super::scheduling::SchedulingArgs`].
+/// Calibration flags, flattened into [`super::SchedulerArgs`].
 #[derive(Debug, Clone, Args)]
 pub struct CalibrationArgs {
     /// Learn each rank's step-time constants (step base, prefill per token, decode)
@@ -54,7 +53,7 @@ pub struct CalibrationArgs {
 
 impl CalibrationArgs {
     /// The scheduler's calibration settings (validated with the rest of its config).
-    pub(crate) fn to_config(&self) -> CalibrationConfig {
+    pub fn to_config(&self) -> CalibrationConfig {
         CalibrationConfig {
             enabled: self.calibration,
             forgetting: self.calibration_forgetting,
@@ -63,30 +62,5 @@ impl CalibrationArgs {
             warmup_samples: self.calibration_warmup_samples,
             max_queue_steps: self.calibration_max_queue_steps,
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use kv_cluster::args::parse_flags;
-
-    #[test]
-    fn defaults_match_the_scheduler_and_every_flag_reaches_its_field() {
-        let defaults = parse_flags::<CalibrationArgs, _, _>(["kv-router"]).expect("no flags");
-        assert_eq!(defaults.to_config(), CalibrationConfig::default());
-        let flags = "kv-router --calibration false --calibration-forgetting 0.98 \
-                     --calibration-max-factor 5 --calibration-outlier-ratio 3 \
-                     --calibration-warmup-samples 7 --calibration-max-queue-steps 2";
-        let set = parse_flags::<CalibrationArgs, _, _>(flags.split_whitespace()).expect("flags");
-        let expected = CalibrationConfig {
-            enabled: false,
-            forgetting: 0.98,
-            max_factor: 5.0,
-            outlier_ratio: 3.0,
-            warmup_samples: 7,
-            max_queue_steps: 2,
-        };
-        assert_eq!(set.to_config(), expected);
     }
 }

@@ -1,4 +1,4 @@
-//! The `serve` flags that choose the default routing policy and set its knobs.
+//! The flags that choose the routing policy and set its knobs.
 //!
 //! Each policy's knobs are one flag group ([`KvArgs`], [`KvNormalizedArgs`],
 //! [`CacheAwareArgs`], [`PredictedTtftArgs`]) that knows its flag names and writes
@@ -9,11 +9,11 @@
 //! belief about what the router does. Unset knobs keep `PolicyConfig::default_for`'s
 //! values (documented with their sources in the scheduler).
 
-use super::error::ConfigError;
+use crate::PolicyConfig;
+use crate::SchedulerError;
+use crate::policy::predicted_ttft::PredictedTtftConfig;
 use clap::Args;
 use kv_events::routing::PolicyKind;
-use scheduler::PolicyConfig;
-use scheduler::policy::predicted_ttft::PredictedTtftConfig;
 
 /// The default policy and every policy's knobs.
 #[derive(Debug, Clone, Args)]
@@ -265,7 +265,8 @@ impl PredictedTtftArgs {
         ])
     }
 
-    fn apply(&self, c: &mut PredictedTtftConfig) {
+    /// Writes the knobs that were given into `c`; the others keep their values.
+    pub fn apply(&self, c: &mut PredictedTtftConfig) {
         set(&mut c.timing.step_base_ms, self.step_base_ms);
         set(
             &mut c.timing.prefill_ms_per_token,
@@ -299,9 +300,9 @@ impl PolicyArgs {
     /// with the rest of the scheduler config.
     ///
     /// # Errors
-    /// [`ConfigError::Invalid`] naming the first flag given for a policy that does
+    /// [`SchedulerError::InvalidFlag`] naming the first flag given for a policy that does
     /// not have that knob.
-    pub(crate) fn policy_config(&self) -> Result<PolicyConfig, ConfigError> {
+    pub fn policy_config(&self) -> Result<PolicyConfig, SchedulerError> {
         use PolicyKind::{CacheAwareThreshold, Kv, KvNormalized, PredictedTtft};
         let groups: [(Vec<&'static str>, &[PolicyKind]); 6] = [
             (self.kv.given(), &[Kv]),
@@ -322,8 +323,8 @@ impl PolicyArgs {
                 && !policies.contains(&self.policy)
             {
                 let names: Vec<&str> = policies.iter().map(|p| p.as_str()).collect();
-                return Err(ConfigError::Invalid {
-                    field: flag,
+                return Err(SchedulerError::InvalidFlag {
+                    flag,
                     reason: format!(
                         "applies to policy {}, not {}",
                         names.join(" and "),

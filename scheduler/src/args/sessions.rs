@@ -1,13 +1,12 @@
-//! The `serve` flags of session affinity (under the `Scheduler` heading, so
-//! `[scheduler] session…` in the TOML file): whether a request's session id keeps it
+//! The flags of session affinity: whether a request's session id keeps it
 //! on the session's last rank, the table's bounds and the margins. What it does:
 //! `scheduler::sessions`.
 
+use crate::SessionConfig;
 use clap::{ArgAction, Args};
-use scheduler::SessionConfig;
 use std::time::Duration;
 
-/// Session affinity flags, flattened into [`super::scheduling::SchedulingArgs`].
+/// Session affinity flags, flattened into [`super::SchedulerArgs`].
 #[derive(Debug, Clone, Args)]
 pub struct SessionArgs {
     /// Prefer the rank that served a session's last request for requests that carry
@@ -38,7 +37,7 @@ pub struct SessionArgs {
 
 impl SessionArgs {
     /// The scheduler's session settings (validated with the rest of its config).
-    pub(crate) fn to_config(&self) -> SessionConfig {
+    pub fn to_config(&self) -> SessionConfig {
         SessionConfig {
             enabled: self.session_affinity,
             capacity: self.session_capacity,

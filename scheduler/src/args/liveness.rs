@@ -1,13 +1,12 @@
-//! The `serve` flags of liveness from silence (under the `Scheduler` heading, so
-//! `[scheduler] metrics-…` in the TOML file): how often engines publish load metrics
+//! The flags of liveness from silence: how often engines publish load metrics
 //! and after how many missed intervals a rank is deprioritized, then excluded. What
 //! the rule does: `scheduler::liveness`.
 
+use crate::LivenessConfig;
 use clap::{ArgAction, Args};
-use scheduler::LivenessConfig;
 use std::time::Duration;
 
-/// Liveness flags, flattened into [`super::scheduling::SchedulingArgs`].
+/// Liveness flags, flattened into [`super::SchedulerArgs`].
 #[derive(Debug, Clone, Args)]
 pub struct LivenessArgs {
     /// Treat silence in a rank's load metrics as a sign it died: deprioritize it after
@@ -32,7 +31,7 @@ pub struct LivenessArgs {
 
 impl LivenessArgs {
     /// The scheduler's liveness settings (validated with the rest of its config).
-    pub(crate) fn to_config(&self) -> LivenessConfig {
+    pub fn to_config(&self) -> LivenessConfig {
         LivenessConfig {
             enabled: self.metrics_liveness,
             metrics_interval: Duration::from_millis(self.metrics_interval_ms),
