@@ -5,18 +5,16 @@
 //! publishes real KV events and load metrics to NATS, registers in etcd under a lease,
 //! and answers generate requests on a documented timing model. The replay plays the
 //! frontend's role for a real request trace, and the quickstart wires real
-//! nats-server and etcd processes, the router daemon and mock engines together.
+//! nats-server and etcd processes (from the `testbed` crate), the router daemon and mock engines together.
 //!
 //! # Layout
 //! - [`protocol`]: the generate / clear request protocol between frontend and engine.
 //! - [`engine`]: the engine model (KV cache, batching, timing) and its NATS/etcd service.
 //! - [`trace`]: Mooncake JSONL trace loading and the trace-block → engine-block mapping.
 //! - [`replay`]: the frontend role: route, generate, lifecycle, and the JSON report.
-//! - [`cluster`]: start and stop nats-server and etcd processes on free loopback ports.
 //! - [`quickstart`]: the README's first command, end to end.
 //! - [`lab`]: the offline routing-quality lab: every policy on a simulated cluster.
 
-pub mod cluster;
 pub mod engine;
 pub mod lab;
 pub mod protocol;

@@ -44,11 +44,11 @@ use kv_gateway::config::EngineApi;
 use kv_gateway::openai::{completion_for_engine, parse_completion};
 use kv_gateway::router::RouterClient;
 use kv_tokenizer::{Limits, ModelTokenizer};
-use mocker::cluster::servers::free_port;
-use mocker::cluster::{Echo, ManagedProcess};
 use mocker::engine::{EngineModelConfig, HttpArgs};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
+use testbed::free_port;
+use testbed::{Echo, ManagedProcess};
 use tokio_util::sync::CancellationToken;
 
 const BLOCK: u32 = 16;

@@ -6,9 +6,9 @@
 use crate::eventually;
 use anyhow::Context;
 use kv_events::{Subjects, WorkerId};
-use mocker::cluster::servers::free_port;
-use mocker::cluster::{Echo, ManagedProcess};
 use std::time::Duration;
+use testbed::free_port;
+use testbed::{Echo, ManagedProcess};
 
 /// The binary the tools run unless `KV_ROUTER_BIN` names another.
 pub const DEFAULT_BIN: &str = "target/release/kv-router";

@@ -1,7 +1,7 @@
 //! Shared helpers for the end-to-end tests in `tests/tests/`.
 //!
 //! Every test starts its own nats-server and etcd on free loopback ports (through
-//! [`mocker::cluster`]), runs the router daemon in-process, and plays the roles of
+//! [`testbed`]), runs the router daemon in-process, and plays the roles of
 //! engines and frontends over real NATS and etcd with real msgpack. Servers are
 //! stopped when their guards drop.
 //!
@@ -35,8 +35,8 @@ use kv_events::{
     DpRank, ExternalBlockHash, KvCacheEvent, KvCacheEventData, KvEventBatch, LocalBlockHash,
     Namespace, StoredBlock, Subjects, WorkerId, WorkerRank, decode, encode,
 };
-use mocker::cluster::{EtcdServer, NatsServer};
 use router_daemon::{Daemon, DaemonConfig, ServeArgs};
+use testbed::{EtcdServer, NatsServer};
 
 /// Real servers plus an in-process daemon.
 pub struct TestCluster {

@@ -21,10 +21,10 @@ use kv_cluster::args::{EtcdArgs, NatsArgs};
 use kv_events::routing::{Prompt, RouteReply, RouteRequest};
 use kv_events::{DpRank, Namespace, Subjects, WorkerId};
 use mock_engine::{engine_dump, generate};
-use mocker::cluster::NatsServer;
 use mocker::engine::{ConnectionArgs, EngineModelConfig, EnginesHandle, FleetArgs};
 use router_daemon::{Daemon, DaemonConfig, ServeArgs};
 use std::time::Duration;
+use testbed::NatsServer;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 

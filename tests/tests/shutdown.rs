@@ -59,7 +59,7 @@ fn abandoned(incomplete: &ShutdownIncomplete) -> Vec<&'static str> {
 #[tokio::test]
 async fn serve_exits_within_its_budget_when_nats_and_etcd_are_gone() {
     let cluster = TestCluster::start(BLOCK).await.unwrap();
-    let port = mocker::cluster::servers::free_port().unwrap();
+    let port = testbed::free_port().unwrap();
     let listen = format!("127.0.0.1:{port}");
     let args: ServeArgs = cluster.flags(&[
         "--shards",

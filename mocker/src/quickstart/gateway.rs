@@ -3,11 +3,11 @@
 
 use super::stack::{Binaries, Stack, child_command};
 use super::{READY_TIMEOUT, progress};
-use crate::cluster::servers::free_port;
 use crate::engine::http::DEFAULT_MODEL_NAME;
 use crate::replay::http::GatewayTarget;
 use anyhow::Context;
 use kv_cluster::http::metric_sample;
+use testbed::free_port;
 
 const GATEWAY_READY: &str = "kv-router gateway ready";
 

@@ -27,7 +27,6 @@
 //! tokens, about what an 8B bf16 model leaves free on one 80 GB GPU) is well below the
 //! excerpt's ≈ 39 k distinct blocks, so caches evict and where a prefix lands matters.
 
-use crate::cluster::{ClusterError, EtcdServer, NatsServer};
 use crate::replay::{self, Frontend, ReplayConfig, ReplayReport, ReplayTarget, TimeScale};
 use crate::trace::{self, BUNDLED_EXCERPT_NAME, BlockMapping};
 use anyhow::{Context, anyhow, bail};
@@ -37,6 +36,7 @@ use kv_events::routing::PolicyKind;
 use stack::{Binaries, Stack, child_command};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
+use testbed::{EtcdServer, NatsServer, ProcessError};
 
 mod engines;
 mod gateway;
@@ -143,7 +143,7 @@ pub async fn run(args: QuickstartArgs) -> anyhow::Result<()> {
     if let Err(err) = &result {
         // The error may be a child's: show the end of the log of any child that died.
         // Start-up errors already quote the child's last lines.
-        if err.downcast_ref::<ClusterError>().is_none() {
+        if err.downcast_ref::<ProcessError>().is_none() {
             stack.report_exited();
         }
     }

@@ -1,7 +1,6 @@
 //! Service tests against real nats-server and etcd processes on free loopback ports.
 
 use super::*;
-use crate::cluster::{EtcdServer, NatsServer};
 use crate::engine::{ConnectionArgs, EngineModelConfig, FleetArgs, RuntimeArgs};
 use crate::protocol::{ClearReply, GenerateRequest, GenerateResponse};
 use bytes::Bytes;
@@ -11,6 +10,7 @@ use kv_events::{
     KvCacheEventData, KvEventBatch, LoadMetrics, LocalBlockHash, Namespace, RequestId,
 };
 use std::collections::HashSet;
+use testbed::{EtcdServer, NatsServer};
 
 const WAIT: Duration = Duration::from_secs(20);
 

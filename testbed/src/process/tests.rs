@@ -19,7 +19,7 @@ async fn waits_for_marker_lines_in_order() {
         .wait_for_line("ready", Duration::from_millis(200))
         .await
         .unwrap_err();
-    assert!(matches!(err, ClusterError::Timeout { .. }), "{err}");
+    assert!(matches!(err, ProcessError::Timeout { .. }), "{err}");
     assert!(err.to_string().contains("starting\nready 1\nready 2"));
     let status = p.stop(Duration::from_secs(10)).await.unwrap();
     assert!(!status.success(), "sleep was terminated by SIGTERM");
@@ -42,7 +42,7 @@ async fn exit_before_marker_is_reported_with_tail() {
         .wait_for_line("listening", Duration::from_secs(10))
         .await
         .unwrap_err();
-    assert!(matches!(err, ClusterError::Exited { .. }), "{err}");
+    assert!(matches!(err, ProcessError::Exited { .. }), "{err}");
     assert!(err.is_port_conflict());
     assert!(err.to_string().contains("fatal: address already in use"));
     assert_eq!(p.wait().await.unwrap().code(), Some(3));

@@ -18,7 +18,7 @@
 //! handle sends `SIGKILL` and reaps the child synchronously, so its ports and files are
 //! released by the time the drop returns.
 
-use super::ClusterError;
+use crate::error::ProcessError;
 use nix::sys::signal::{Signal, kill};
 use nix::sys::wait::waitpid;
 use nix::unistd::Pid;
@@ -157,12 +157,12 @@ impl ManagedProcess {
     /// called inside a tokio runtime.
     ///
     /// # Errors
-    /// [`ClusterError::Spawn`] if the process cannot be started.
+    /// [`ProcessError::Spawn`] if the process cannot be started.
     pub fn spawn(
         label: impl Into<String>,
         command: std::process::Command,
         echo: Echo,
-    ) -> Result<Self, ClusterError> {
+    ) -> Result<Self, ProcessError> {
         let label = label.into();
         let mut command = Command::from(command);
         command
@@ -173,7 +173,7 @@ impl ManagedProcess {
             // Our `Drop` kills and reaps the child itself; tokio's kill-on-drop would
             // signal the pid again after it was reaped.
             .kill_on_drop(false);
-        let mut child = command.spawn().map_err(|source| ClusterError::Spawn {
+        let mut child = command.spawn().map_err(|source| ProcessError::Spawn {
             label: label.clone(),
             source,
         })?;
@@ -217,9 +217,9 @@ impl ManagedProcess {
     /// truncates an existing file.
     ///
     /// # Errors
-    /// [`ClusterError::Io`] if the directory or file cannot be created or written.
-    pub fn log_to(&self, path: &Path) -> Result<(), ClusterError> {
-        let io_error = |source| ClusterError::Io {
+    /// [`ProcessError::Io`] if the directory or file cannot be created or written.
+    pub fn log_to(&self, path: &Path) -> Result<(), ProcessError> {
+        let io_error = |source| ProcessError::Io {
             context: format!(
                 "writing the log of {} to {}",
                 self.shared.label,
@@ -258,13 +258,13 @@ impl ManagedProcess {
     /// this call (but after spawn) are.
     ///
     /// # Errors
-    /// [`ClusterError::Exited`] if the process closes its output first,
-    /// [`ClusterError::Timeout`] after `timeout`. Both quote the last lines printed.
+    /// [`ProcessError::Exited`] if the process closes its output first,
+    /// [`ProcessError::Timeout`] after `timeout`. Both quote the last lines printed.
     pub async fn wait_for_line(
         &mut self,
         marker: &str,
         timeout: Duration,
-    ) -> Result<String, ClusterError> {
+    ) -> Result<String, ProcessError> {
         let deadline = tokio::time::Instant::now() + timeout;
         let mut changed = self.shared.changed.subscribe();
         loop {
@@ -278,7 +278,7 @@ impl ManagedProcess {
                 // Both readers are registered before `spawn` returns, so zero open
                 // streams means end of file on both: the process has exited.
                 if log.open_streams == 0 {
-                    return Err(ClusterError::Exited {
+                    return Err(ProcessError::Exited {
                         label: self.shared.label.clone(),
                         marker: marker.to_owned(),
                         tail: log.tail(),
@@ -290,7 +290,7 @@ impl ManagedProcess {
                 .await
                 .is_err()
             {
-                return Err(ClusterError::Timeout {
+                return Err(ProcessError::Timeout {
                     label: self.shared.label.clone(),
                     marker: marker.to_owned(),
                     after: timeout,
@@ -309,21 +309,21 @@ impl ManagedProcess {
     /// `SIGKILL`. Returns the exit status.
     ///
     /// # Errors
-    /// [`ClusterError::Signal`] if `SIGTERM` cannot be delivered for a reason other than
-    /// the process being gone; [`ClusterError::Io`] if waiting fails.
-    pub async fn stop(mut self, grace: Duration) -> Result<ExitStatus, ClusterError> {
+    /// [`ProcessError::Signal`] if `SIGTERM` cannot be delivered for a reason other than
+    /// the process being gone; [`ProcessError::Io`] if waiting fails.
+    pub async fn stop(mut self, grace: Duration) -> Result<ExitStatus, ProcessError> {
         if let Some(pid) = self.pid() {
             match kill(pid, Signal::SIGTERM) {
                 Ok(()) | Err(nix::errno::Errno::ESRCH) => {}
                 Err(source) => {
-                    return Err(ClusterError::Signal {
+                    return Err(ProcessError::Signal {
                         label: self.shared.label.clone(),
                         source,
                     });
                 }
             }
         }
-        let wait_error = |source| ClusterError::Io {
+        let wait_error = |source| ProcessError::Io {
             context: format!("waiting for {} to exit", self.shared.label),
             source,
         };
@@ -340,9 +340,9 @@ impl ManagedProcess {
     /// Waits for the process to exit on its own.
     ///
     /// # Errors
-    /// [`ClusterError::Io`] if waiting fails.
-    pub async fn wait(&mut self) -> Result<ExitStatus, ClusterError> {
-        self.child.wait().await.map_err(|source| ClusterError::Io {
+    /// [`ProcessError::Io`] if waiting fails.
+    pub async fn wait(&mut self) -> Result<ExitStatus, ProcessError> {
+        self.child.wait().await.map_err(|source| ProcessError::Io {
             context: format!("waiting for {} to exit", self.shared.label),
             source,
         })

@@ -1,33 +1,12 @@
-//! Real nats-server and etcd processes on free loopback ports, plus a managed child
-//! process type for the router daemon and the mock engines.
-//!
-//! The quickstart and the integration tests need the real infrastructure: an in-memory
-//! fake would not catch subject, codec, lease or ordering mistakes. Each server gets
-//! fresh loopback ports and a temporary data directory, readiness is detected by
-//! reading the server's own log line (no sleeps, no connection polling), and every
-//! process is killed and reaped when its handle is dropped, so a failing test does not
-//! leak servers. Starting a server costs one process spawn and, typically, 10–300 ms
-//! until it reports ready.
-//!
-//! Every child is put in its own process group, so a Ctrl-C in the terminal reaches
-//! only the quickstart, which then stops the children in order.
-//!
-//! # Layout
-//! - [`process`]: [`ManagedProcess`]: spawn, log capture and forwarding, wait for a log
-//!   line, graceful stop.
-//! - [`servers`]: [`NatsServer`] and [`EtcdServer`].
-
-pub mod process;
-pub mod servers;
-
-pub use process::{Echo, ManagedProcess, find_on_path};
-pub use servers::{EtcdServer, EtcdServerTls, NatsServer};
+//! The one error type of the test bed: what can go wrong starting, waiting for or
+//! stopping a local process. It sits in its own module so `process` and `servers`
+//! both import it without reaching back up into the crate root.
 
 use std::time::Duration;
 
-/// Errors from starting, waiting for or stopping cluster processes.
+/// Errors from starting, waiting for or stopping local processes.
 #[derive(Debug, thiserror::Error)]
-pub enum ClusterError {
+pub enum ProcessError {
     /// A required executable is not on `PATH`.
     #[error("{binary} not found on PATH; {hint}")]
     BinaryNotFound {
@@ -84,13 +63,13 @@ pub enum ClusterError {
     },
 }
 
-impl ClusterError {
+impl ProcessError {
     /// Whether the process died because its port was taken (a race with another
     /// process between our port probe and its bind); such starts are retried.
     pub fn is_port_conflict(&self) -> bool {
         match self {
             // Servers log it lowercase; Rust's io::Error says "Address already in use".
-            ClusterError::Exited { tail, .. } => {
+            ProcessError::Exited { tail, .. } => {
                 tail.to_lowercase().contains("address already in use")
             }
             _ => false,

@@ -6,8 +6,8 @@
 //! Data lives in a temporary directory removed when the handle drops (after the
 //! process has been killed and reaped).
 
-use super::ClusterError;
-use super::process::{Echo, ManagedProcess, find_on_path};
+use crate::error::ProcessError;
+use crate::process::{Echo, ManagedProcess, find_on_path};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -32,33 +32,33 @@ const ETCD_READY: &str = "ready to serve client requests";
 /// A free TCP port on 127.0.0.1 (free when probed; see the module docs for the race).
 ///
 /// # Errors
-/// [`ClusterError::Io`] if no socket can be bound.
-pub fn free_port() -> Result<u16, ClusterError> {
-    let listener = TcpListener::bind("127.0.0.1:0").map_err(|source| ClusterError::Io {
+/// [`ProcessError::Io`] if no socket can be bound.
+pub fn free_port() -> Result<u16, ProcessError> {
+    let listener = TcpListener::bind("127.0.0.1:0").map_err(|source| ProcessError::Io {
         context: "probing for a free port".to_owned(),
         source,
     })?;
     listener
         .local_addr()
         .map(|addr| addr.port())
-        .map_err(|source| ClusterError::Io {
+        .map_err(|source| ProcessError::Io {
             context: "probing for a free port".to_owned(),
             source,
         })
 }
 
-fn require_binary(binary: &str, package: &str) -> Result<PathBuf, ClusterError> {
-    find_on_path(binary).ok_or_else(|| ClusterError::BinaryNotFound {
+fn require_binary(binary: &str, package: &str) -> Result<PathBuf, ProcessError> {
+    find_on_path(binary).ok_or_else(|| ProcessError::BinaryNotFound {
         binary: binary.to_owned(),
         hint: format!("install it with `apt-get install {package}`"),
     })
 }
 
-fn temp_dir(prefix: &str) -> Result<TempDir, ClusterError> {
+fn temp_dir(prefix: &str) -> Result<TempDir, ProcessError> {
     tempfile::Builder::new()
         .prefix(prefix)
         .tempdir()
-        .map_err(|source| ClusterError::Io {
+        .map_err(|source| ProcessError::Io {
             context: "creating a temporary data directory".to_owned(),
             source,
         })
@@ -67,10 +67,10 @@ fn temp_dir(prefix: &str) -> Result<TempDir, ClusterError> {
 /// Spawns a server via `spawn` (given fresh ports by `ports`) until it logs `marker`,
 /// retrying on port conflicts.
 async fn start_with_retries<P: Copy>(
-    ports: impl Fn() -> Result<P, ClusterError>,
-    spawn: impl Fn(P) -> Result<ManagedProcess, ClusterError>,
+    ports: impl Fn() -> Result<P, ProcessError>,
+    spawn: impl Fn(P) -> Result<ManagedProcess, ProcessError>,
     marker: &str,
-) -> Result<(ManagedProcess, P), ClusterError> {
+) -> Result<(ManagedProcess, P), ProcessError> {
     let mut attempt = 1;
     loop {
         let chosen = ports()?;
@@ -102,9 +102,9 @@ impl NatsServer {
     /// "Server is ready".
     ///
     /// # Errors
-    /// [`ClusterError::BinaryNotFound`] if nats-server is not installed; spawn, exit or
+    /// [`ProcessError::BinaryNotFound`] if nats-server is not installed; spawn, exit or
     /// timeout errors otherwise (quoting the server's last log lines).
-    pub async fn start() -> Result<Self, ClusterError> {
+    pub async fn start() -> Result<Self, ProcessError> {
         Self::launch(None).await
     }
 
@@ -114,11 +114,11 @@ impl NatsServer {
     ///
     /// # Errors
     /// As [`Self::start`]; a file nats-server refuses makes it exit, quoting why.
-    pub async fn start_with_config(config: &Path) -> Result<Self, ClusterError> {
+    pub async fn start_with_config(config: &Path) -> Result<Self, ProcessError> {
         Self::launch(Some(config.to_owned())).await
     }
 
-    async fn launch(config: Option<PathBuf>) -> Result<Self, ClusterError> {
+    async fn launch(config: Option<PathBuf>) -> Result<Self, ProcessError> {
         let binary = require_binary(NATS_BINARY, "nats-server")?;
         let store = temp_dir("kv-router-nats-")?;
         let (process, port) = start_with_retries(
@@ -148,8 +148,8 @@ impl NatsServer {
     /// Writes the server's log to `path` from now on (see [`ManagedProcess::log_to`]).
     ///
     /// # Errors
-    /// [`ClusterError::Io`] if the file cannot be written.
-    pub fn log_to(&self, path: &Path) -> Result<(), ClusterError> {
+    /// [`ProcessError::Io`] if the file cannot be written.
+    pub fn log_to(&self, path: &Path) -> Result<(), ProcessError> {
         self.process.as_ref().map_or(Ok(()), |p| p.log_to(path))
     }
 
@@ -158,7 +158,7 @@ impl NatsServer {
     ///
     /// # Errors
     /// As [`Self::start`]; the port may have been taken while the server was down.
-    pub async fn restart(&mut self) -> Result<(), ClusterError> {
+    pub async fn restart(&mut self) -> Result<(), ProcessError> {
         if let Some(process) = self.process.take() {
             process.stop(STOP_GRACE).await?;
         }
@@ -177,8 +177,8 @@ impl NatsServer {
     /// Stops the server gracefully (`SIGTERM`, then `SIGKILL` after [`STOP_GRACE`]).
     ///
     /// # Errors
-    /// [`ClusterError::Signal`] or [`ClusterError::Io`] if it cannot be stopped.
-    pub async fn stop(mut self) -> Result<(), ClusterError> {
+    /// [`ProcessError::Signal`] or [`ProcessError::Io`] if it cannot be stopped.
+    pub async fn stop(mut self) -> Result<(), ProcessError> {
         if let Some(process) = self.process.take() {
             process.stop(STOP_GRACE).await?;
         }
@@ -191,7 +191,7 @@ fn spawn_nats(
     port: u16,
     store: &Path,
     config: Option<&Path>,
-) -> Result<ManagedProcess, ClusterError> {
+) -> Result<ManagedProcess, ProcessError> {
     let mut command = Command::new(binary);
     if let Some(config) = config {
         command.arg("-c").arg(config);
@@ -229,9 +229,9 @@ impl EtcdServer {
     /// to log "ready to serve client requests".
     ///
     /// # Errors
-    /// [`ClusterError::BinaryNotFound`] if etcd is not installed; spawn, exit or timeout
+    /// [`ProcessError::BinaryNotFound`] if etcd is not installed; spawn, exit or timeout
     /// errors otherwise (quoting etcd's last log lines).
-    pub async fn start() -> Result<Self, ClusterError> {
+    pub async fn start() -> Result<Self, ProcessError> {
         Self::launch(None).await
     }
 
@@ -240,11 +240,11 @@ impl EtcdServer {
     ///
     /// # Errors
     /// As [`Self::start`].
-    pub async fn start_with_tls(tls: &EtcdServerTls) -> Result<Self, ClusterError> {
+    pub async fn start_with_tls(tls: &EtcdServerTls) -> Result<Self, ProcessError> {
         Self::launch(Some(tls)).await
     }
 
-    async fn launch(tls: Option<&EtcdServerTls>) -> Result<Self, ClusterError> {
+    async fn launch(tls: Option<&EtcdServerTls>) -> Result<Self, ProcessError> {
         let binary = require_binary(ETCD_BINARY, "etcd-server")?;
         let data = temp_dir("kv-router-etcd-")?;
         let (process, (client_port, _)) = start_with_retries(
@@ -275,8 +275,8 @@ impl EtcdServer {
     /// Writes etcd's log to `path` from now on (see [`ManagedProcess::log_to`]).
     ///
     /// # Errors
-    /// [`ClusterError::Io`] if the file cannot be written.
-    pub fn log_to(&self, path: &Path) -> Result<(), ClusterError> {
+    /// [`ProcessError::Io`] if the file cannot be written.
+    pub fn log_to(&self, path: &Path) -> Result<(), ProcessError> {
         self.process.as_ref().map_or(Ok(()), |p| p.log_to(path))
     }
 
@@ -288,8 +288,8 @@ impl EtcdServer {
     /// Stops etcd gracefully (`SIGTERM`, then `SIGKILL` after [`STOP_GRACE`]).
     ///
     /// # Errors
-    /// [`ClusterError::Signal`] or [`ClusterError::Io`] if it cannot be stopped.
-    pub async fn stop(mut self) -> Result<(), ClusterError> {
+    /// [`ProcessError::Signal`] or [`ProcessError::Io`] if it cannot be stopped.
+    pub async fn stop(mut self) -> Result<(), ProcessError> {
         if let Some(process) = self.process.take() {
             process.stop(STOP_GRACE).await?;
         }
@@ -303,7 +303,7 @@ fn spawn_etcd(
     peer_port: u16,
     data_dir: &Path,
     tls: Option<&EtcdServerTls>,
-) -> Result<ManagedProcess, ClusterError> {
+) -> Result<ManagedProcess, ProcessError> {
     let scheme = if tls.is_some() { "https" } else { "http" };
     let client = format!("{scheme}://127.0.0.1:{client_port}");
     let peer = format!("http://127.0.0.1:{peer_port}");
