@@ -5,7 +5,6 @@
 //! milliseconds rather than after minutes of simulation.
 
 use super::LabError;
-use super::candidates::Candidate;
 use super::fleet::{TierPricing, WorkerSpeeds};
 use crate::engine::{CpuTierConfig, EngineModelConfig, TimingModel};
 use kv_events::routing::PolicyKind;
@@ -186,9 +185,6 @@ pub enum LabPolicy {
     /// `predicted-ttft` has constants; other kinds run as [`LabPolicy::Scheduler`].
     /// Named `<kind>@engine`.
     Tuned(PolicyKind),
-    /// A prototype cost function evaluated by the lab itself (see
-    /// [`super::candidates`]), for trying ideas before they become scheduler policies.
-    Candidate(Candidate),
 }
 
 impl LabPolicy {
@@ -200,15 +196,14 @@ impl LabPolicy {
             .collect()
     }
 
-    /// Display and JSON name: the scheduler's wire name (`kv`, `round-robin`, …) or
-    /// `proto:<candidate>` for prototypes.
+    /// Display and JSON name: the scheduler's wire name (`kv`, `round-robin`, …) with
+    /// the variant's suffix.
     pub fn name(&self) -> String {
         match self {
             LabPolicy::Scheduler(kind) => kind.as_str().to_owned(),
             LabPolicy::Calibrated(kind) => format!("{}+cal", kind.as_str()),
             LabPolicy::Sessions(kind) => format!("{}+sess", kind.as_str()),
             LabPolicy::Tuned(kind) => format!("{}@engine", kind.as_str()),
-            LabPolicy::Candidate(c) => format!("proto:{}", c.name()),
         }
     }
 }

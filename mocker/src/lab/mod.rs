@@ -23,9 +23,7 @@
 //!   shape factors, per-worker speed).
 //! - [`robustness`]: `kv-mocker lab robustness`, the policies across engine shapes.
 //! - [`sim`]: the discrete-event simulator of one run.
-//! - `router`: index plus scheduler (or prototype) as the lab drives them.
-//! - [`candidates`]: prototype cost functions, for ideas not yet in the scheduler.
-//! - [`inflight`]: prompt blocks booked on each rank but not yet indexed.
+//! - `router`: index plus scheduler as the lab drives them.
 //! - [`log`]: [`simulate_logged`], a run's route lookups and KV events, for replaying
 //!   the same traffic into other indexes.
 //! - [`oracle`]: the infinite-cache hit-rate bound.
@@ -35,12 +33,9 @@
 
 pub mod calibration;
 mod calibration_point;
-pub mod candidate_router;
-pub mod candidates;
 pub mod charts;
 pub mod config;
 pub mod fleet;
-pub mod inflight;
 pub mod log;
 mod log_entry;
 pub mod metrics;
@@ -57,7 +52,6 @@ mod table;
 #[cfg(test)]
 mod tests;
 
-pub use candidates::Candidate;
 pub use config::{LabPolicy, Setting, SimConfig, Speedup};
 pub use fleet::{EnginePreset, Factor, FleetArgs, FleetPreset, TierPricing, WorkerSpeeds};
 pub use log::{LogEntry, simulate_logged};
@@ -187,12 +181,6 @@ pub struct LabArgs {
     /// more than this share of its cost (the daemon's `--session-relative-margin`).
     #[arg(long, default_value_t = SessionConfig::default().relative_margin)]
     pub session_relative_margin: f64,
-    /// Also run these prototype costs (repeatable): ttft, ttft-inflight, ttft-credit,
-    /// ttft-tuned, or ttft:<base>,<balanced>,<backlog>,<inflight 0|1>,<min match ratio>
-    /// with an optional base shape: `,decay:<steps>`, `,backlog`, `,mix:<steps>`,
-    /// `,mix-mean:<steps>` or `,mix-busy:<steps>` (see `mocker::lab::candidates`).
-    #[arg(long = "candidate", value_name = "NAME")]
-    pub candidates: Vec<Candidate>,
     /// The simulated engines' timing and speeds (the router keeps its defaults).
     #[command(flatten)]
     pub fleet: FleetArgs,
@@ -260,7 +248,6 @@ pub fn run_lab(args: LabArgs) -> Result<LabReport, LabError> {
     };
     policies.extend(args.calibrated.iter().copied().map(LabPolicy::Calibrated));
     policies.extend(args.sessions.iter().copied().map(LabPolicy::Sessions));
-    policies.extend(args.candidates.iter().copied().map(LabPolicy::Candidate));
     let sweep = Sweep {
         settings: args
             .workers

@@ -1,6 +1,6 @@
 //! The router as the lab runs it: the real `indexer::RadixTree` fed with the engines'
-//! KV events, and the real `scheduler::Scheduler` (or a prototype from
-//! [`super::candidates`]) choosing and booking ranks — in-process, no NATS.
+//! KV events, and the real `scheduler::Scheduler` choosing and booking ranks —
+//! in-process, no NATS.
 //!
 //! This is the daemon's routing path without its transport: a route request looks up
 //! the prompt's overlap blocks in the tree, the scheduler picks and books a rank, and
@@ -8,10 +8,8 @@
 //! that touch the scheduler's API live in this file, so API changes land here only.
 
 use super::LabError;
-use super::candidate_router::CandidateRouter;
-use super::config::{LabPolicy, ROUTER_TIMING, SimConfig};
+use super::config::{LabPolicy, SimConfig};
 use super::fleet::TierPricing;
-use super::inflight::InFlight;
 use indexer::RadixTree;
 use kv_events::discovery::WorkerRegistration;
 use kv_events::routing::{PolicyKind, SessionId};
@@ -33,11 +31,6 @@ enum Decider {
         /// differences matter, so runs stay deterministic).
         epoch: Instant,
     },
-    /// A lab prototype, with its in-flight prefix tracker when it uses one.
-    Candidate {
-        router: Box<CandidateRouter>,
-        in_flight: Option<Box<InFlight>>,
-    },
 }
 
 /// Index plus decider for one run; ranks are identified by their index in `ranks`.
@@ -48,7 +41,6 @@ pub(super) struct Router {
     block_size: u32,
     decider: Decider,
     refused_events: u64,
-    overlaps: Vec<u32>,
     /// Whether route requests carry their derived session ([`LabPolicy::Sessions`]).
     sessions: bool,
 }
@@ -98,18 +90,6 @@ impl Router {
                     epoch: Instant::now(),
                 }
             }
-            LabPolicy::Candidate(candidate) => Decider::Candidate {
-                router: Box::new(CandidateRouter::new(
-                    candidate,
-                    ranks.len(),
-                    config.engine,
-                    ROUTER_TIMING,
-                    config.seed,
-                )),
-                in_flight: candidate
-                    .uses_in_flight()
-                    .then(|| Box::new(InFlight::new())),
-            },
         };
         Ok(Self {
             tree: RadixTree::new(),
@@ -117,7 +97,6 @@ impl Router {
             block_size: config.engine.block_size,
             decider,
             refused_events: 0,
-            overlaps: Vec::with_capacity(ranks.len()),
             sessions: matches!(policy, LabPolicy::Sessions(_)),
         })
     }
@@ -139,7 +118,6 @@ impl Router {
         now_ns: u64,
     ) -> Result<usize, LabError> {
         let scores = self.tree.find_matches(block_hashes);
-        let request_blocks = u32::try_from(block_hashes.len()).unwrap_or(u32::MAX);
         match &mut self.decider {
             Decider::Scheduler { scheduler, epoch } => {
                 let mut request = ScheduleRequest::new(
@@ -157,23 +135,6 @@ impl Router {
                     .binary_search(&selection.rank)
                     .map_err(|_| LabError::NoRank(selection.rank))
             }
-            Decider::Candidate { router, in_flight } => {
-                let full = (num_tokens / u64::from(self.block_size)).min(block_hashes.len() as u64);
-                let full_blocks = &block_hashes[..full as usize];
-                let pending = in_flight.as_ref().map(|f| f.overlaps(full_blocks));
-                self.overlaps.clear();
-                self.overlaps.extend(self.ranks.iter().map(|&rank| {
-                    let pending = pending.as_ref().map_or(0, |p| p.get(rank));
-                    scores.get(rank).max(pending)
-                }));
-                let index = router
-                    .route(id, &self.overlaps, request_blocks, num_tokens)
-                    .ok_or(LabError::NoWorkers)?;
-                if let Some(f) = in_flight {
-                    f.book(id, self.ranks[index], full_blocks);
-                }
-                Ok(index)
-            }
         }
     }
 
@@ -184,7 +145,6 @@ impl Router {
                 // An unknown id means the request was never booked; nothing to release.
                 let _ = scheduler.mark_prefill_completed(id, at(*epoch, now_ns));
             }
-            Decider::Candidate { router, .. } => router.prefill_done(id),
         }
     }
 
@@ -195,12 +155,6 @@ impl Router {
             Decider::Scheduler { scheduler, epoch } => {
                 // As above: unknown ids have nothing booked.
                 let _ = scheduler.free(id, at(*epoch, now_ns));
-            }
-            Decider::Candidate { router, in_flight } => {
-                router.free(id);
-                if let Some(f) = in_flight {
-                    f.release(id);
-                }
             }
         }
     }
@@ -220,7 +174,6 @@ impl Router {
     pub fn calibration(&self, index: usize) -> Option<RankCalibration> {
         match &self.decider {
             Decider::Scheduler { scheduler, .. } => scheduler.calibration(*self.ranks.get(index)?),
-            Decider::Candidate { .. } => None,
         }
     }
 

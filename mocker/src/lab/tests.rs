@@ -151,7 +151,6 @@ fn simulation_is_deterministic_under_a_seed() {
         KV,
         LabPolicy::Scheduler(PolicyKind::Random),
         LabPolicy::Scheduler(PolicyKind::PredictedTtft),
-        LabPolicy::Candidate(Candidate::TTFT_CREDIT),
     ] {
         let a = run(&trace, 4, policy, &config(5.0, 9));
         let b = run(&trace, 4, policy, &config(5.0, 9));
@@ -238,7 +237,7 @@ fn mismatched_block_size_and_bad_settings_are_errors() {
 fn small_sweep(jobs: usize) -> Sweep {
     Sweep {
         settings: vec![setting(2, 1.0), setting(2, 2.0), setting(3, 1.0)],
-        policies: vec![KV, LabPolicy::Candidate(Candidate::TTFT)],
+        policies: vec![KV, LabPolicy::Scheduler(PolicyKind::PredictedTtft)],
         config: config(5.0, 4),
         jobs,
     }
@@ -258,7 +257,7 @@ fn sweep_results_do_not_depend_on_threads() {
     let two = strip(run_sweep(&trace, &small_sweep(2), &hidden).unwrap());
     assert_eq!(one, two);
     assert_eq!(one.len(), 6);
-    assert_eq!(one[1].policy, "proto:ttft");
+    assert_eq!(one[1].policy, "predicted-ttft");
     assert_eq!(one[2].setting, setting(2, 2.0));
 }
 
@@ -323,7 +322,7 @@ fn report_json_has_the_documented_shape_and_charts_are_pngs() {
         );
         assert!((a.metrics.hit_rate.unwrap() - b.metrics.hit_rate.unwrap()).abs() < 1e-12);
     }
-    assert!(report.render_table().contains("proto:ttft"));
+    assert!(report.render_table().contains("predicted-ttft"));
 
     let charts = charts::write_charts(&report, dir.path()).unwrap();
     assert_eq!(charts.len(), charts::CHART_FILES.len());

@@ -22,7 +22,6 @@ mod render;
 
 pub use render::render;
 
-use super::candidates::Candidate;
 use super::config::{LabPolicy, Setting, SimConfig, Speedup};
 use super::fleet::{DYNAMO_POLYNOMIAL, Factor, ShapeFactors, WorkerSpeeds};
 use super::report::{RunReport, TraceInfo, publish};
@@ -55,11 +54,7 @@ pub struct RobustnessArgs {
     /// Arrival speed-ups (comma-separated).
     #[arg(long, value_delimiter = ',', default_value = "1,4")]
     pub speedup: Vec<Speedup>,
-    /// Also score these prototype costs, one row each, named `proto:<name>`
-    /// (repeatable; names as the sweep's `--candidate`, see `mocker::lab::candidates`).
-    #[arg(long = "candidate", value_name = "NAME")]
-    pub candidates: Vec<Candidate>,
-    /// Leave out the `predicted-ttft+cal` row (grids of prototypes do not need it).
+    /// Leave out the `predicted-ttft+cal` row (a quicker grid).
     #[arg(long)]
     pub no_calibrated: bool,
     /// Run only these cells, by name (repeatable, e.g. `--cell "prefill x4"`);
@@ -179,20 +174,12 @@ pub fn rows() -> Vec<Row> {
 }
 
 impl RobustnessArgs {
-    /// [`rows`] (without the calibrated row under `--no-calibrated`), then one row
-    /// per `--candidate`.
+    /// [`rows`], without the calibrated row under `--no-calibrated`.
     pub fn rows(&self) -> Vec<Row> {
         let mut rows = rows();
         if self.no_calibrated {
             rows.retain(|r| !matches!(r.policy, LabPolicy::Calibrated(_)));
         }
-        rows.extend(self.candidates.iter().map(|&c| {
-            let policy = LabPolicy::Candidate(c);
-            Row {
-                label: policy.name(),
-                policy,
-            }
-        }));
         rows
     }
 

@@ -121,12 +121,10 @@ fn robustness_is_a_lab_subcommand_with_its_own_flags() {
 }
 
 #[test]
-fn candidate_rows_and_cell_selection() {
+fn row_and_cell_selection() {
     let cli = Cli::try_parse_from([
         "lab",
         "robustness",
-        "--candidate",
-        "ttft:12,40,0.5,1,0.2,mix:2",
         "--no-calibrated",
         "--cell",
         "prefill x4",
@@ -138,15 +136,7 @@ fn candidate_rows_and_cell_selection() {
         panic!("not the robustness subcommand");
     };
     let labels: Vec<String> = args.rows().into_iter().map(|r| r.label).collect();
-    assert_eq!(
-        labels,
-        [
-            "kv",
-            "predicted-ttft",
-            "predicted-ttft@engine",
-            "proto:ttft:12,40,0.5,1,0.2,mix:2"
-        ]
-    );
+    assert_eq!(labels, ["kv", "predicted-ttft", "predicted-ttft@engine",]);
     let cells: Vec<String> = args
         .selected_cells()
         .expect("known cells")
