@@ -2,11 +2,12 @@
 //! stops getting routes once its load metrics fall silent, with real nats-server,
 //! etcd, mock engines and the daemon.
 
+use engine_model::EngineModelConfig;
 use integration_tests::etcd_proxy::{EtcdProxy, etcd_addr};
 use integration_tests::{FakeWorker, TestCluster, eventually};
 use kv_events::routing::RouteReply;
 use kv_events::{DpRank, WorkerId, WorkerRank};
-use mocker::engine::{EngineModelConfig, HttpArgs};
+use mocker::engine::HttpArgs;
 use std::time::{Duration, Instant};
 
 const BLOCK: u32 = 4;

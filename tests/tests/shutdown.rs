@@ -10,10 +10,11 @@
 // Test helpers unwrap: a broken server or socket must fail the test loudly.
 #![allow(clippy::unwrap_used)]
 
+use engine_model::EngineModelConfig;
 use integration_tests::{TestCluster, eventually};
 use kv_cluster::shutdown::ShutdownIncomplete;
 use kv_relay::{Relay, RelayArgs, RelayConfig};
-use mocker::engine::{EngineModelConfig, FleetArgs, KvEventsArgs};
+use mocker::engine::{FleetArgs, KvEventsArgs};
 use router_daemon::{DaemonConfig, ServeArgs};
 use std::future::Future;
 use std::sync::Arc;

@@ -18,7 +18,7 @@ use super::report::publish;
 use super::robustness::default_cells;
 use super::sim::{PreparedTrace, simulate};
 use super::study_args::StudyArgs;
-use crate::trace::{BlockMapping, TraceRequest};
+use engine_model::trace::{BlockMapping, TraceRequest};
 use kv_events::routing::PolicyKind;
 use serde::Serialize;
 use std::fmt::Write as _;

@@ -1,8 +1,8 @@
 //! Tests of the lab's calibration sampling and the swing study's retiming.
 
 use super::*;
-use crate::engine::EngineModelConfig;
 use crate::lab::config::Speedup;
+use engine_model::EngineModelConfig;
 
 fn request(timestamp_ms: u64) -> TraceRequest {
     TraceRequest {
@@ -33,7 +33,7 @@ fn retiming_compresses_each_phase_by_its_speedup() {
 
 #[test]
 fn calibrated_runs_sample_every_rank_and_others_record_nothing() {
-    let requests = crate::trace::bundled_excerpt().expect("bundled excerpt");
+    let requests = engine_model::trace::bundled_excerpt().expect("bundled excerpt");
     let prepared = PreparedTrace::new(
         &requests[..400],
         BlockMapping::new(EngineModelConfig::default().block_size).expect("block size"),

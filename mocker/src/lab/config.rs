@@ -6,7 +6,7 @@
 
 use super::LabError;
 use super::fleet::{TierPricing, WorkerSpeeds};
-use crate::engine::{CpuTierConfig, EngineModelConfig, TimingModel};
+use engine_model::{CpuTierConfig, EngineModelConfig, TimingModel};
 use kv_events::routing::PolicyKind;
 use scheduler::SessionConfig;
 use scheduler::policy::delay_cap::DelayCap;

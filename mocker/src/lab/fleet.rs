@@ -18,7 +18,7 @@
 //! Cost: per rank, one scaled copy of the timing model (four floats); nothing per step.
 
 use super::LabError;
-use crate::engine::{CpuTierConfig, TimingModel};
+use engine_model::{CpuTierConfig, TimingModel};
 use serde::{Deserialize, Serialize};
 
 /// A multiplier that is finite and greater than 0: a worker's speed or a timing

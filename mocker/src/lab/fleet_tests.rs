@@ -3,8 +3,8 @@
 use super::*;
 use crate::lab::config::{LabPolicy, Setting, SimConfig, Speedup};
 use crate::lab::sim::{PreparedTrace, simulate};
-use crate::trace::{BlockMapping, TraceRequest};
 use clap::Parser;
+use engine_model::trace::{BlockMapping, TraceRequest};
 use kv_events::routing::PolicyKind;
 
 #[derive(Debug, Parser)]
@@ -114,7 +114,7 @@ fn dynamo_preset_matches_its_source_at_a_full_chunk() {
     // Dynamo's polynomial for an 8,192-token prefill batch, in ms.
     let x = 8_192.0_f64;
     let polynomial = 4.209989e-7 * x * x + 1.518344e-2 * x + 16.50142;
-    let ours = DYNAMO_POLYNOMIAL.step_duration_ms(&crate::engine::StepWork {
+    let ours = DYNAMO_POLYNOMIAL.step_duration_ms(&engine_model::StepWork {
         prefill_tokens: 8_192,
         ..Default::default()
     });
@@ -124,7 +124,7 @@ fn dynamo_preset_matches_its_source_at_a_full_chunk() {
 
 #[test]
 fn half_speed_doubles_every_step() {
-    let work = crate::engine::StepWork {
+    let work = engine_model::StepWork {
         prefill_tokens: 1_000,
         decode_seqs: 3,
         decode_context_tokens: 5_000,

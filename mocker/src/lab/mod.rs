@@ -4,7 +4,7 @@
 //!
 //! Why offline: the online replay (`kv-mocker replay` / `quickstart`) exercises the
 //! real daemon, NATS and engines, but runs in (scaled) real time, one policy at a time,
-//! with timing noise. The lab runs the same engine model ([`crate::engine::EngineCore`]:
+//! with timing noise. The lab runs the same engine model ([`engine_model::EngineCore`]:
 //! KV cache, continuous batching, timing) and the same routing code (the real
 //! `indexer::RadixTree` and `scheduler::Scheduler`, in-process) on a simulated clock
 //! that jumps from event to event. A run of the 12,031-request Mooncake conversation
@@ -62,8 +62,8 @@ pub use sim::{PreparedTrace, RunResult, simulate};
 pub use study_args::StudyArgs;
 pub use sweep::{Sweep, run_sweep};
 
-use crate::engine::ConfigError;
-use crate::trace::{BlockMapping, BlockSizeMismatch, TraceError};
+use engine_model::ModelConfigError;
+use engine_model::trace::{BlockMapping, BlockSizeMismatch, TraceError};
 use indicatif::{ProgressBar, ProgressStyle};
 use kv_events::WorkerRank;
 use kv_events::routing::PolicyKind;
@@ -89,7 +89,7 @@ pub enum LabError {
     },
     /// An engine model knob is unusable.
     #[error("engine model: {0}")]
-    Engine(#[from] ConfigError),
+    Engine(#[from] ModelConfigError),
     /// The event lag is negative or not finite.
     #[error("event lag must be finite and >= 0 ms, got {0}")]
     EventLag(f64),

@@ -12,7 +12,7 @@
 //! hash-set entry per distinct block.
 
 use super::sim::PreparedTrace;
-use crate::engine::chain_block_hashes;
+use engine_model::chain_block_hashes;
 use kv_events::ExternalBlockHash;
 use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
@@ -62,7 +62,7 @@ pub fn oracle_bound(trace: &PreparedTrace) -> OracleBound {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::trace::{BlockMapping, TraceRequest};
+    use engine_model::trace::{BlockMapping, TraceRequest};
 
     fn request(t: u64, input_length: u64, hash_ids: Vec<u64>) -> TraceRequest {
         TraceRequest {

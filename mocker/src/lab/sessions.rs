@@ -20,7 +20,7 @@
 //!
 //! Cost: two passes, one hash lookup per block, one map entry per distinct block.
 
-use crate::trace::TraceRequest;
+use engine_model::trace::TraceRequest;
 use std::collections::{HashMap, HashSet};
 
 /// Distinct following blocks that make a block shared (a system prompt).

@@ -28,8 +28,8 @@ use super::fleet::at_speed;
 use super::log_entry::LogEntry;
 use super::metrics::{RequestRecord, RunMetrics};
 use super::router::Router;
-use crate::engine::{EngineCore, EngineRequest, StepOutput};
-use crate::trace::{BlockMapping, TraceRequest};
+use engine_model::trace::{BlockMapping, TraceRequest};
+use engine_model::{EngineCore, EngineRequest, StepOutput};
 use kv_events::{
     DpRank, KvCacheEvent, KvCacheEventData, LocalBlockHash, RequestId, WorkerId, WorkerRank,
 };

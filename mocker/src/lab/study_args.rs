@@ -6,8 +6,8 @@
 
 use super::LabError;
 use super::config::{DEFAULT_EVENT_LAG_MS, SimConfig};
-use crate::engine::EngineModelConfig;
-use crate::trace::{self, TraceRequest};
+use engine_model::EngineModelConfig;
+use engine_model::trace::{self, TraceRequest};
 use scheduler::policy::delay_cap::DelayCap;
 use std::path::PathBuf;
 

@@ -3,8 +3,8 @@
 //! event lag, the oracle bound, refusals, the report's JSON shape and the charts.
 
 use super::*;
-use crate::engine::StepWork;
-use crate::trace::{self, TraceRequest};
+use engine_model::StepWork;
+use engine_model::trace::{self, TraceRequest};
 use kv_events::routing::PolicyKind;
 
 /// `sessions` conversations of `turns` turns each; turn `k` of session `s` repeats the

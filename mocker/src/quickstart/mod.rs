@@ -28,8 +28,8 @@
 //! excerpt's ≈ 39 k distinct blocks, so caches evict and where a prefix lands matters.
 
 use crate::replay::{self, Frontend, ReplayConfig, ReplayReport, ReplayTarget, TimeScale};
-use crate::trace::{self, BUNDLED_EXCERPT_NAME, BlockMapping};
 use anyhow::{Context, anyhow, bail};
+use engine_model::trace::{self, BUNDLED_EXCERPT_NAME, BlockMapping};
 use gateway::GatewayTotals;
 use kv_events::Namespace;
 use kv_events::routing::PolicyKind;
@@ -315,7 +315,10 @@ mod tests {
     fn defaults_match_the_bundled_trace() {
         let args = Cli::parse_from(["quickstart"]).args;
         assert_eq!(args.workers, 8);
-        assert_eq!(u64::from(args.block_size), crate::trace::TRACE_BLOCK_SIZE);
+        assert_eq!(
+            u64::from(args.block_size),
+            engine_model::trace::TRACE_BLOCK_SIZE
+        );
         assert_eq!(args.time_scale.get(), 10.0);
         assert_eq!(
             args.policies,

@@ -1,9 +1,10 @@
 //! Service tests against real nats-server and etcd processes on free loopback ports.
 
 use super::*;
-use crate::engine::{ConnectionArgs, EngineModelConfig, FleetArgs, RuntimeArgs};
+use crate::engine::{ConnectionArgs, FleetArgs, RuntimeArgs};
 use crate::protocol::{ClearReply, GenerateRequest, GenerateResponse};
 use bytes::Bytes;
+use engine_model::EngineModelConfig;
 use futures::StreamExt;
 use kv_cluster::args::{EtcdArgs, NatsArgs};
 use kv_events::{

@@ -3,9 +3,9 @@
 
 use super::DP_RANK_HEADER;
 use crate::engine::{
-    ConnectionArgs, EngineArgs, EngineModelConfig, EnginesHandle, FleetArgs, HttpArgs, RuntimeArgs,
-    spawn_engines,
+    ConnectionArgs, EngineArgs, EnginesHandle, FleetArgs, HttpArgs, RuntimeArgs, spawn_engines,
 };
+use engine_model::EngineModelConfig;
 use futures::StreamExt;
 use kv_cluster::args::{EtcdArgs, NatsArgs};
 use kv_events::Namespace;

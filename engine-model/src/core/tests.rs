@@ -1,7 +1,7 @@
 use super::*;
-use crate::engine::config::CpuTierConfig;
-use crate::engine::kv_cache::chain_block_hashes;
-use crate::engine::test_support::{EventReplica, sorted};
+use crate::config::CpuTierConfig;
+use crate::kv_cache::chain_block_hashes;
+use crate::test_support::{EventReplica, sorted};
 use kv_events::{DpRank, LocalBlockHash, WorkerId};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};

@@ -28,10 +28,10 @@
 //! this model (the whole batch waits for it), an upper bound on its cost: vLLM's
 //! offloading connector loads asynchronously while other requests keep running.
 
-use super::config::{ConfigError, CpuTierConfig, EngineModelConfig};
-use super::kv_cache::KvCache;
-use super::request::{EngineRequest, RejectReason, Running, Waiting};
-use super::timing::{StepWork, TimingModel};
+use crate::config::{CpuTierConfig, EngineModelConfig, ModelConfigError};
+use crate::kv_cache::KvCache;
+use crate::request::{EngineRequest, RejectReason, Running, Waiting};
+use crate::timing::{StepWork, TimingModel};
 use kv_events::{ExternalBlockHash, KvCacheEventData, LoadMetrics, RequestId, WorkerRank};
 use std::collections::{HashMap, HashSet, VecDeque};
 
@@ -111,8 +111,8 @@ impl EngineCore {
     /// An idle core with an empty cache.
     ///
     /// # Errors
-    /// [`ConfigError`] if `config` fails [`EngineModelConfig::validate`].
-    pub fn new(config: EngineModelConfig, timing: TimingModel) -> Result<Self, ConfigError> {
+    /// [`ModelConfigError`] if `config` fails [`EngineModelConfig::validate`].
+    pub fn new(config: EngineModelConfig, timing: TimingModel) -> Result<Self, ModelConfigError> {
         config.validate()?;
         Ok(Self {
             config,
@@ -130,8 +130,8 @@ impl EngineCore {
     /// without one.
     ///
     /// # Errors
-    /// [`ConfigError`] if `tier` fails [`CpuTierConfig::validate`].
-    pub fn with_cpu_tier(mut self, tier: CpuTierConfig) -> Result<Self, ConfigError> {
+    /// [`ModelConfigError`] if `tier` fails [`CpuTierConfig::validate`].
+    pub fn with_cpu_tier(mut self, tier: CpuTierConfig) -> Result<Self, ModelConfigError> {
         tier.validate()?;
         self.cache = KvCache::new(self.config.block_size, self.config.num_gpu_blocks)
             .with_cpu_tier(tier.cpu_tier_blocks);

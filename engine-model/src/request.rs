@@ -6,8 +6,7 @@
 //! (empty prompt, zero output, more KV than the whole cache) is rejected up front
 //! instead of waiting forever. The cost is one chained hash per full prompt block.
 
-use super::kv_cache::{Allocation, chain_block_hashes};
-use crate::protocol::GenerateRequest;
+use crate::kv_cache::{Allocation, chain_block_hashes};
 use kv_events::{LocalBlockHash, RequestId, StoredBlock};
 
 /// One inference request for one dp rank's engine core.
@@ -26,18 +25,6 @@ pub struct EngineRequest {
     /// (NATS generate requests carry only block hashes). Needed to publish vLLM
     /// `BlockStored` events, which carry each block's tokens.
     pub token_ids: Option<Vec<u32>>,
-}
-
-impl From<GenerateRequest> for EngineRequest {
-    fn from(req: GenerateRequest) -> Self {
-        Self {
-            request_id: req.request_id,
-            block_hashes: req.block_hashes,
-            prompt_tokens: req.num_tokens,
-            max_tokens: req.max_tokens,
-            token_ids: None,
-        }
-    }
 }
 
 /// Why the core refused a request; it is answered with an error and never runs.

@@ -1,5 +1,5 @@
 use super::*;
-use crate::engine::test_support::{EventReplica, sorted};
+use crate::test_support::{EventReplica, sorted};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
