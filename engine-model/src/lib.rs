@@ -21,6 +21,7 @@
 //! - `kv_cache`: the paged KV cache of one dp rank and its KV events ([`KvCache`]).
 //! - `request`: request validation and per-request progress ([`EngineRequest`]).
 //! - `core`: [`EngineCore`], the continuous-batching state machine of one dp rank.
+//! - `stats`: [`LatencyStats`], the latency summary the replay and the lab report.
 //! - [`trace`]: Mooncake JSONL trace loading and the trace-block → engine-block
 //!   mapping shared by the online replay and the lab.
 
@@ -28,6 +29,7 @@ mod config;
 mod core;
 mod kv_cache;
 mod request;
+mod stats;
 #[cfg(test)]
 mod test_support;
 mod timing;
@@ -41,4 +43,5 @@ pub use self::config::{
 pub use self::core::{ClearError, EngineCore, Finished, FirstToken, StepOutput};
 pub use self::kv_cache::{Allocation, CacheInUse, KvCache, chain_block_hashes, engine_block_hash};
 pub use self::request::{EngineRequest, RejectReason};
+pub use self::stats::{LatencyStats, percentile};
 pub use self::timing::{StepWork, TimingModel};

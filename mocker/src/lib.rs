@@ -14,10 +14,10 @@
 //! - [`engine`]: the engine service: M workers of the model behind NATS, etcd and HTTP.
 //! - [`replay`]: the frontend role: route, generate, lifecycle, and the JSON report.
 //! - [`quickstart`]: the README's first command, end to end.
-//! - [`lab`]: the offline routing-quality lab: every policy on a simulated cluster.
+//!
+//! `kv-mocker lab` dispatches to the `kv_lab` crate (the offline routing-quality lab).
 
 pub mod engine;
-pub mod lab;
 pub mod protocol;
 pub mod quickstart;
 pub mod replay;

@@ -26,7 +26,7 @@ pub mod report;
 mod request;
 mod table;
 
-pub use report::{LatencyStats, PolicyReport, ReplayReport, RequestOutcome, RouteFailure};
+pub use report::{PolicyReport, ReplayReport, RequestOutcome, RouteFailure};
 
 use crate::replay::http::GatewayTarget;
 use crate::replay::progress::PassProgress;

@@ -12,9 +12,7 @@ use engine_model::trace::{BlockMapping, bundled_excerpt, load_trace};
 use engine_model::{EngineModelConfig, TimingModel};
 use kv_events::routing::PolicyKind;
 use kv_events::{KvEventBatch, LocalBlockHash};
-use mocker::lab::{
-    LabPolicy, LogEntry, PreparedTrace, Setting, SimConfig, Speedup, simulate_logged,
-};
+use kv_lab::{LabPolicy, LogEntry, PreparedTrace, Setting, SimConfig, Speedup, simulate_logged};
 use std::path::Path;
 use std::sync::Arc;
 

@@ -10,16 +10,16 @@
 //! What it costs: a copy of every delivered event and every prompt's block hashes,
 //! about `8 b` bytes for `b` logged block hashes; nothing when not asked for.
 
-use super::LabError;
-use super::config::{LabPolicy, Setting, SimConfig};
-pub use super::log_entry::LogEntry;
-use super::sim::{PreparedTrace, RunResult, run_sim};
+use crate::config::{LabPolicy, Setting, SimConfig};
+use crate::error::LabError;
+pub use crate::log_entry::LogEntry;
+use crate::sim::{PreparedTrace, RunResult, run_sim};
 
-/// [`super::simulate`], also returning every route lookup and KV event delivery of
+/// [`crate::simulate`], also returning every route lookup and KV event delivery of
 /// the run, in the order the index saw them.
 ///
 /// # Errors
-/// As [`super::simulate`].
+/// As [`crate::simulate`].
 pub fn simulate_logged(
     trace: &PreparedTrace,
     setting: Setting,

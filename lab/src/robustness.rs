@@ -2,9 +2,9 @@
 //! what the router assumes.
 //!
 //! Each *cell* simulates engines of another shape than the router's constants
-//! ([`super::config::ROUTER_TIMING`], which the router keeps): the prefill cost per
+//! ([`crate::config::ROUTER_TIMING`], which the router keeps): the prefill cost per
 //! token alone at 0.25×, 0.5×, 2× and 4×, the step base alone at the same factors, a
-//! half-fast/half-slow fleet, and Dynamo's mocker timing ([`super::fleet`]); plus the
+//! half-fast/half-slow fleet, and Dynamo's mocker timing ([`crate::fleet`]); plus the
 //! `matched` cell, where engines and router agree, as the reference. Each *row* is a
 //! router configuration ([`rows`]); `kv` comes first and is the baseline of the ratios,
 //! and `predicted-ttft@engine` (the router given the cell's true constants) is the
@@ -12,35 +12,29 @@
 //! Every (cell, setting, row) is one full simulation of the trace.
 //!
 //! Why shapes and not a uniform scale: scaling every constant alike only changes the
-//! load (see [`super::fleet`]), which the main sweep's speed-ups already cover.
+//! load (see [`crate::fleet`]), which the main sweep's speed-ups already cover.
 //!
 //! What it costs: cells × settings × rows runs; with the defaults (11 cells, 8 workers
 //! at 1× and 4×, 4 rows, `@engine` not in the mixed fleet) 86 runs, spread over
 //! `--jobs` threads like the main sweep.
 
-mod render;
-
-pub use render::render;
-
-use super::config::{LabPolicy, Setting, SimConfig, Speedup};
-use super::fleet::{DYNAMO_POLYNOMIAL, Factor, ShapeFactors, WorkerSpeeds};
-use super::report::{RunReport, TraceInfo, publish};
-use super::sim::PreparedTrace;
-use super::study_args::StudyArgs;
-use super::sweep::{run_parallel, timed_run};
-use super::{LabError, progress_bar};
+use crate::config::{LabPolicy, Setting, SimConfig, Speedup};
+use crate::error::LabError;
+use crate::fleet::{DYNAMO_POLYNOMIAL, Factor, ShapeFactors, WorkerSpeeds};
+use crate::report::{TimingInfo, TraceInfo, publish};
+use crate::robustness_report::{CellRun, MATCHED, RobustnessReport, render};
+use crate::sim::PreparedTrace;
+use crate::study_args::StudyArgs;
+use crate::sweep::progress_bar;
+use crate::sweep::{run_parallel, timed_run};
 use engine_model::TimingModel;
 use engine_model::trace::BlockMapping;
 use kv_events::routing::PolicyKind;
-use serde::Serialize;
 use std::path::PathBuf;
 use std::time::Instant;
 
 /// The factors each single constant is scaled by, one cell per factor.
 pub const SHAPE_FACTORS: [f64; 4] = [0.25, 0.5, 2.0, 4.0];
-
-/// Name of the reference cell, where the engines use the router's constants.
-pub const MATCHED: &str = "matched";
 
 /// `kv-mocker lab robustness` flags.
 #[derive(Debug, Clone, clap::Args)]
@@ -102,7 +96,7 @@ impl Cell {
 /// The default cells: `matched`, the prefill and step-base factors of
 /// [`SHAPE_FACTORS`], the half-slow fleet and the Dynamo preset.
 pub fn default_cells() -> Vec<Cell> {
-    let router = super::config::ROUTER_TIMING;
+    let router = crate::config::ROUTER_TIMING;
     let mut cells = vec![Cell::new(MATCHED, router, WorkerSpeeds::Uniform)];
     let shaped = |prefill: f64, step_base: f64| {
         // The factors are positive literals; `Factor::new` cannot fail on them.
@@ -203,31 +197,6 @@ impl RobustnessArgs {
     }
 }
 
-/// One (cell, setting, row) run.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct CellRun {
-    /// The cell's name.
-    pub cell: String,
-    /// The row's label.
-    pub row: String,
-    /// Setting, metrics, steps and wall time.
-    #[serde(flatten)]
-    pub run: RunReport,
-}
-
-/// Everything `kv-mocker lab robustness` measured (`robustness.json`).
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct RobustnessReport {
-    /// The trace.
-    pub trace: TraceInfo,
-    /// The router's constants, which every cell keeps.
-    pub router_timing: super::report::TimingInfo,
-    /// Every run, cell by cell, then setting, then row.
-    pub runs: Vec<CellRun>,
-    /// Wall time of the whole sweep, in s.
-    pub wall_s: f64,
-}
-
 /// Runs `kv-mocker lab robustness`: every default cell × setting × row, prints the
 /// table and writes `robustness.json` into `--out`.
 ///
@@ -271,14 +240,14 @@ pub fn run_robustness(args: RobustnessArgs) -> Result<RobustnessReport, LabError
         })
     })?;
     progress.finish_and_clear();
-    let t = super::config::ROUTER_TIMING;
+    let t = crate::config::ROUTER_TIMING;
     let report = RobustnessReport {
         trace: TraceInfo {
             name,
             requests: prepared.len() as u64,
             span_ms: prepared.span_ms(),
         },
-        router_timing: super::report::TimingInfo {
+        router_timing: TimingInfo {
             step_base_ms: t.step_base_ms,
             prefill_ms_per_token: t.prefill_ms_per_token,
             decode_ms_per_seq: t.decode_ms_per_seq,

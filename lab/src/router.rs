@@ -7,9 +7,9 @@
 //! the frontend's lifecycle (`prefill_done`, `freed`) releases the booking. All calls
 //! that touch the scheduler's API live in this file, so API changes land here only.
 
-use super::LabError;
-use super::config::{LabPolicy, SimConfig};
-use super::fleet::TierPricing;
+use crate::config::{LabPolicy, SimConfig};
+use crate::error::LabError;
+use crate::fleet::TierPricing;
 use indexer::RadixTree;
 use kv_events::discovery::WorkerRegistration;
 use kv_events::routing::{PolicyKind, SessionId};

@@ -22,12 +22,12 @@
 //! Everything but `wall_ms` (the simulator's own run time) is a deterministic function
 //! of the inputs and the seed.
 
-use super::LabError;
-use super::calibration_point::CalibrationPoint;
-use super::config::{Setting, SimConfig};
-use super::fleet::TierPricing;
-use super::metrics::RunMetrics;
-use super::oracle::OracleBound;
+use crate::calibration_point::CalibrationPoint;
+use crate::config::{Setting, SimConfig};
+use crate::error::LabError;
+use crate::fleet::TierPricing;
+use crate::metrics::RunMetrics;
+use crate::oracle::OracleBound;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 

@@ -1,11 +1,42 @@
-//! The robustness report as Markdown: one table per setting, one line per cell, and
-//! the multipliers each calibrated run learned.
+//! The robustness report: what `kv-mocker lab robustness` measured
+//! ([`RobustnessReport`], written as `robustness.json`) and its Markdown rendering —
+//! one table per setting, one line per cell, and the multipliers each calibrated run
+//! learned. The study itself (cells, rows, runs) is `robustness`, which fills this.
 
-use super::{CellRun, MATCHED, RobustnessReport};
-use crate::lab::config::{LabPolicy, Setting};
-use crate::lab::metrics::RunMetrics;
+use crate::config::{LabPolicy, Setting};
+use crate::metrics::RunMetrics;
+use crate::report::{RunReport, TimingInfo, TraceInfo};
 use kv_events::routing::PolicyKind;
+use serde::Serialize;
 use std::fmt::Write as _;
+
+/// Name of the reference cell, where the engines use the router's constants.
+pub const MATCHED: &str = "matched";
+
+/// One (cell, setting, row) run.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CellRun {
+    /// The cell's name.
+    pub cell: String,
+    /// The row's label.
+    pub row: String,
+    /// Setting, metrics, steps and wall time.
+    #[serde(flatten)]
+    pub run: RunReport,
+}
+
+/// Everything `kv-mocker lab robustness` measured (`robustness.json`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RobustnessReport {
+    /// The trace.
+    pub trace: TraceInfo,
+    /// The router's constants, which every cell keeps.
+    pub router_timing: TimingInfo,
+    /// Every run, cell by cell, then setting, then row.
+    pub runs: Vec<CellRun>,
+    /// Wall time of the whole sweep, in s.
+    pub wall_s: f64,
+}
 
 /// `(mean, p99)` TTFT of a run, in model ms.
 fn ttft(metrics: &RunMetrics) -> Option<(f64, f64)> {
@@ -154,7 +185,7 @@ learned multipliers at the end of each calibrated run (min–max over ranks)
 |---|---|---|---|---|"
     );
     for r in calibrated {
-        let range = |f: fn(&crate::lab::calibration_point::CalibrationPoint) -> f64| {
+        let range = |f: fn(&crate::calibration_point::CalibrationPoint) -> f64| {
             let (lo, hi) = r
                 .run
                 .calibration

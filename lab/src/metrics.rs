@@ -4,11 +4,11 @@
 //! latency is finish minus arrival; ITL (inter-token latency) of a request is
 //! `(finish − first token) / (output_tokens − 1)`, defined for requests with at least
 //! two output tokens. Percentiles interpolate linearly (numpy's default), as the online
-//! replay's report does ([`crate::replay::report::percentile`]). Aggregation sorts each
+//! replay does (`engine_model::LatencyStats`). Aggregation sorts each
 //! sample vector once: `O(n log n)` for `n` requests.
 
-use super::config::ns_to_ms;
-use crate::replay::report::{LatencyStats, percentile};
+use crate::config::ns_to_ms;
+use engine_model::{LatencyStats, percentile};
 use serde::{Deserialize, Serialize};
 
 /// Points of the TTFT CDF kept in the report: quantiles `0, 1/(N−1), …, 1`.

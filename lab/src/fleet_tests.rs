@@ -1,8 +1,8 @@
 //! Fleet flags, their validation, and per-worker speed through the simulator.
 
 use super::*;
-use crate::lab::config::{LabPolicy, Setting, SimConfig, Speedup};
-use crate::lab::sim::{PreparedTrace, simulate};
+use crate::config::{LabPolicy, Setting, SimConfig, Speedup};
+use crate::sim::{PreparedTrace, simulate};
 use clap::Parser;
 use engine_model::trace::{BlockMapping, TraceRequest};
 use kv_events::routing::PolicyKind;

@@ -1,4 +1,4 @@
-//! One entry of a simulated run's event log ([`super::log`]), in its own module so
+//! One entry of a simulated run's event log ([`crate::log`]), in its own module so
 //! the simulation can write entries without importing the log's runner (which calls
 //! the simulation).
 

@@ -1,147 +1,23 @@
-//! The routing-quality lab: replay a request trace offline against a simulated
-//! cluster, under every routing policy and several cluster sizes and loads, in one
-//! command, and report the table, a JSON file and charts.
-//!
-//! Why offline: the online replay (`kv-mocker replay` / `quickstart`) exercises the
-//! real daemon, NATS and engines, but runs in (scaled) real time, one policy at a time,
-//! with timing noise. The lab runs the same engine model ([`engine_model::EngineCore`]:
-//! KV cache, continuous batching, timing) and the same routing code (the real
-//! `indexer::RadixTree` and `scheduler::Scheduler`, in-process) on a simulated clock
-//! that jumps from event to event. A run of the 12,031-request Mooncake conversation
-//! trace takes seconds, not an hour, and is a pure function of its inputs and seed.
-//! What it leaves out is the transport: KV events reach the index after a fixed,
-//! configurable lag (`--event-lag-ms`), and route decisions and lifecycle messages are
-//! instantaneous. `docs/benchmarks.md` compares it with the online mode.
-//!
-//! What it costs: one engine core per rank and one index and scheduler per run, on
-//! `--jobs` threads; time proportional to the engine steps simulated (see [`sim`]).
-//!
-//! # Layout
-//! - [`config`]: sweep points ([`Setting`], [`Speedup`]), shared knobs ([`SimConfig`]),
-//!   policies under test ([`LabPolicy`]).
-//! - [`fleet`]: engines that differ from the router's assumption (engine preset,
-//!   shape factors, per-worker speed).
-//! - [`robustness`]: `kv-mocker lab robustness`, the policies across engine shapes.
-//! - [`sim`]: the discrete-event simulator of one run.
-//! - `router`: index plus scheduler as the lab drives them.
-//! - [`log`]: [`simulate_logged`], a run's route lookups and KV events, for replaying
-//!   the same traffic into other indexes.
-//! - [`oracle`]: the infinite-cache hit-rate bound.
-//! - [`metrics`]: per-request records and their aggregate.
-//! - [`sweep`]: all runs on several threads with a progress bar.
-//! - [`report`]: the JSON report; `table`: its terminal rendering; [`charts`]: PNGs.
+//! The `kv-mocker lab` command line: its flags ([`LabArgs`], [`LabCommand`]) and the
+//! sweep it runs by default ([`run_lab`]); the other studies have their own modules.
 
-pub mod calibration;
-mod calibration_point;
-pub mod charts;
-pub mod config;
-pub mod fleet;
-pub mod log;
-mod log_entry;
-pub mod metrics;
-pub mod oracle;
-pub mod report;
-pub mod robustness;
-mod router;
-pub mod sessions;
-pub mod sim;
-mod study_args;
-pub mod sweep;
-mod table;
-
-#[cfg(test)]
-mod tests;
-
-pub use config::{LabPolicy, Setting, SimConfig, Speedup};
-pub use fleet::{EnginePreset, Factor, FleetArgs, FleetPreset, TierPricing, WorkerSpeeds};
-pub use log::{LogEntry, simulate_logged};
-pub use oracle::{OracleBound, oracle_bound};
-pub use report::{LabReport, RunReport};
-pub use robustness::{RobustnessArgs, RobustnessReport, run_robustness};
-pub use sim::{PreparedTrace, RunResult, simulate};
-pub use study_args::StudyArgs;
-pub use sweep::{Sweep, run_sweep};
-
-use engine_model::ModelConfigError;
-use engine_model::trace::{BlockMapping, BlockSizeMismatch, TraceError};
-use indicatif::{ProgressBar, ProgressStyle};
-use kv_events::WorkerRank;
+use crate::calibration;
+use crate::charts;
+use crate::config::{LabPolicy, Setting};
+use crate::config::{SimConfig, Speedup};
+use crate::error::LabError;
+use crate::fleet::FleetArgs;
+use crate::oracle::oracle_bound;
+use crate::report::{self, LabReport};
+use crate::robustness::{RobustnessArgs, run_robustness};
+use crate::sim::PreparedTrace;
+use crate::study_args::StudyArgs;
+use crate::sweep::{Sweep, progress_bar, run_sweep};
+use engine_model::trace::BlockMapping;
+use indicatif::ProgressBar;
 use kv_events::routing::PolicyKind;
 use scheduler::SessionConfig;
 use std::path::PathBuf;
-
-/// Why the lab could not run or report.
-#[derive(Debug, thiserror::Error)]
-pub enum LabError {
-    /// The trace could not be loaded.
-    #[error(transparent)]
-    Trace(#[from] TraceError),
-    /// The engine block size cannot split the trace's blocks.
-    #[error(transparent)]
-    BlockSize(#[from] BlockSizeMismatch),
-    /// The trace was prepared for another block size than the engine model's.
-    #[error("trace prepared for {trace}-token blocks but the engine uses {engine}")]
-    BlockSizeMismatch {
-        /// Block size the trace was mapped to, in tokens.
-        trace: u32,
-        /// The engine model's block size, in tokens.
-        engine: u32,
-    },
-    /// An engine model knob is unusable.
-    #[error("engine model: {0}")]
-    Engine(#[from] ModelConfigError),
-    /// The event lag is negative or not finite.
-    #[error("event lag must be finite and >= 0 ms, got {0}")]
-    EventLag(f64),
-    /// `kv-mocker lab swing --cell` names no robustness cell.
-    #[error("unknown cell {0:?} (see `kv-mocker lab robustness` for the names)")]
-    UnknownCell(String),
-    /// The calibration sample interval is below 1 ms or not finite.
-    #[error("calibration sample interval must be finite and >= 1 ms, got {0}")]
-    SampleInterval(f64),
-    /// A speed-up is not a finite number greater than 0.
-    #[error("speed-up must be a finite number greater than 0, got {0}")]
-    Speedup(f64),
-    /// A worker speed or timing factor is not a finite number greater than 0.
-    #[error("factor must be a finite number greater than 0, got {0}")]
-    Factor(f64),
-    /// A timing coefficient of the engines is negative or not finite.
-    #[error("engine timing coefficients must be finite and >= 0 ms, got {0}")]
-    Timing(f64),
-    /// `--worker-speed` lists another number of speeds than a setting has workers.
-    #[error(
-        "--worker-speed gives {given} speeds but a setting has {workers} workers (give one speed for all, or one per worker)"
-    )]
-    WorkerSpeedCount {
-        /// Speeds given.
-        given: usize,
-        /// Workers in the setting.
-        workers: u32,
-    },
-    /// A setting has no workers, or no setting or policy was given.
-    #[error("nothing to simulate: need at least one worker, setting and policy")]
-    NoWorkers,
-    /// The scheduler refused its configuration, a registration or a request.
-    #[error("scheduler: {0}")]
-    Scheduler(#[from] scheduler::SchedulerError),
-    /// The scheduler chose a rank the lab does not simulate.
-    #[error("scheduler chose unknown rank {0}")]
-    NoRank(WorkerRank),
-    /// A run did not produce a result (its thread panicked).
-    #[error("a simulation run did not complete")]
-    Incomplete,
-    /// A report or chart file could not be written.
-    #[error("cannot write {path}: {source}")]
-    Write {
-        /// The file or directory.
-        path: PathBuf,
-        /// The underlying error.
-        source: std::io::Error,
-    },
-    /// A chart could not be drawn or encoded.
-    #[error("chart: {0}")]
-    Chart(String),
-}
 
 /// `kv-mocker lab`: simulate a trace under every policy × workers × speed-up, or run
 /// one of the lab's other studies (`kv-mocker lab robustness`).
@@ -170,7 +46,7 @@ pub struct LabArgs {
     pub calibrated: Vec<PolicyKind>,
     /// Also run these scheduler policies with session affinity (repeatable), each
     /// request carrying the session derived from the trace's prefix chains
-    /// (`mocker::lab::sessions`), reported as `<policy>+sess`.
+    /// (`kv_lab`'s `sessions`), reported as `<policy>+sess`.
     #[arg(long = "sessions", value_name = "POLICY")]
     pub sessions: Vec<PolicyKind>,
     /// `+sess` rows of `predicted-ttft`: a session's last rank is left only for a rank
@@ -324,15 +200,4 @@ pub fn run_lab_with(
         oracle: oracle_bound(prepared),
         runs,
     })
-}
-
-fn progress_bar(len: usize) -> ProgressBar {
-    let bar = ProgressBar::new(len as u64);
-    // The template is a literal known to be valid; fall back to the default otherwise.
-    if let Ok(style) = ProgressStyle::with_template(
-        "lab [{bar:40}] {pos}/{len} runs, {elapsed} ({eta} left) {msg}",
-    ) {
-        bar.set_style(style.progress_chars("=> "));
-    }
-    bar
 }

@@ -8,7 +8,7 @@
 //! simulated engines use the very same constants, the lab measures the policy at its
 //! best. These knobs change only the *engines*; the router keeps its defaults, so the
 //! lab shows what a wrong or uncalibrated model costs (`kv-mocker lab robustness`,
-//! [`super::robustness`]).
+//! [`crate::robustness`]).
 //!
 //! A uniform scale of every constant (all workers at speed 4, say) is only a change of
 //! load: every rank's predicted cost scales alike, so decisions are those of the
@@ -17,7 +17,7 @@
 //!
 //! Cost: per rank, one scaled copy of the timing model (four floats); nothing per step.
 
-use super::LabError;
+use crate::error::LabError;
 use engine_model::{CpuTierConfig, TimingModel};
 use serde::{Deserialize, Serialize};
 

@@ -4,7 +4,7 @@
 
 use super::*;
 use engine_model::StepWork;
-use engine_model::trace::{self, TraceRequest};
+use engine_model::trace::{self, BlockMapping, TraceRequest};
 use kv_events::routing::PolicyKind;
 
 /// `sessions` conversations of `turns` turns each; turn `k` of session `s` repeats the

@@ -1,8 +1,10 @@
 //! The robustness study's cells, plan, flags and table.
 
 use super::*;
-use crate::lab::LabArgs;
-use crate::lab::metrics::{RequestRecord, RunMetrics};
+use crate::LabArgs;
+use crate::metrics::{RequestRecord, RunMetrics};
+use crate::report::RunReport;
+use crate::robustness_report::{CellRun, MATCHED, RobustnessReport, render};
 use clap::Parser;
 
 #[derive(Debug, Parser)]
@@ -14,7 +16,7 @@ struct Cli {
 #[test]
 fn default_cells_vary_one_constant_each() {
     let cells = default_cells();
-    let router = crate::lab::config::ROUTER_TIMING;
+    let router = crate::config::ROUTER_TIMING;
     assert_eq!(cells.len(), 1 + 2 * SHAPE_FACTORS.len() + 2);
     assert_eq!(cells[0].name, MATCHED);
     assert_eq!(cells[0].timing, router);
@@ -101,7 +103,7 @@ fn robustness_is_a_lab_subcommand_with_its_own_flags() {
     ])
     .expect("valid subcommand");
     match cli.lab.command {
-        Some(crate::lab::LabCommand::Robustness(args)) => {
+        Some(crate::LabCommand::Robustness(args)) => {
             assert_eq!(args.study.trace, Some(PathBuf::from("t.jsonl")));
             let cap = args.study.sim_config().delay_cap;
             assert!(!cap.enabled);
@@ -132,7 +134,7 @@ fn row_and_cell_selection() {
         MATCHED,
     ])
     .expect("valid flags");
-    let Some(crate::lab::LabCommand::Robustness(args)) = cli.lab.command else {
+    let Some(crate::LabCommand::Robustness(args)) = cli.lab.command else {
         panic!("not the robustness subcommand");
     };
     let labels: Vec<String> = args.rows().into_iter().map(|r| r.label).collect();
@@ -147,7 +149,7 @@ fn row_and_cell_selection() {
     assert_eq!(cells, [MATCHED, "prefill x4"]);
     let typo = Cli::try_parse_from(["lab", "robustness", "--cell", "prefill x3"])
         .expect("parses; the name is checked against the cells");
-    let Some(crate::lab::LabCommand::Robustness(args)) = typo.lab.command else {
+    let Some(crate::LabCommand::Robustness(args)) = typo.lab.command else {
         panic!("not the robustness subcommand");
     };
     assert!(matches!(
@@ -156,7 +158,7 @@ fn row_and_cell_selection() {
     ));
     // Without flags: every cell and the three default rows.
     let plain = Cli::try_parse_from(["lab", "robustness"]).expect("defaults");
-    let Some(crate::lab::LabCommand::Robustness(args)) = plain.lab.command else {
+    let Some(crate::LabCommand::Robustness(args)) = plain.lab.command else {
         panic!("not the robustness subcommand");
     };
     assert_eq!(args.rows(), rows());
@@ -199,7 +201,7 @@ fn report_of(runs: Vec<CellRun>) -> RobustnessReport {
             requests: 1,
             span_ms: 0,
         },
-        router_timing: crate::lab::report::TimingInfo {
+        router_timing: crate::report::TimingInfo {
             step_base_ms: 9.0,
             prefill_ms_per_token: 0.06,
             decode_ms_per_seq: 0.04,

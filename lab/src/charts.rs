@@ -11,9 +11,9 @@
 //! plotters' pure-Rust `ab_glyph` path, so drawing needs no system font library.
 //! Drawing costs a few ms per panel; encoding the PNGs dominates.
 
-use super::LabError;
-use super::config::Setting;
-use super::report::LabReport;
+use crate::config::Setting;
+use crate::error::LabError;
+use crate::report::LabReport;
 use plotters::coord::Shift;
 use plotters::coord::ranged1d::ValueFormatter;
 use plotters::prelude::*;
@@ -23,7 +23,7 @@ use std::sync::OnceLock;
 
 /// The bundled font: DejaVu Sans Mono (Bitstream Vera licence, see
 /// `mocker/assets/LICENSE-DejaVu`).
-const FONT: &[u8] = include_bytes!("../../assets/DejaVuSansMono.ttf");
+const FONT: &[u8] = include_bytes!("../assets/DejaVuSansMono.ttf");
 const FAMILY: &str = "sans-serif";
 
 /// File names of the charts, in the order [`write_charts`] returns them.

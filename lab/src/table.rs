@@ -2,7 +2,7 @@
 //! speed-up), one row per policy, with the oracle bound in each block's title.
 //! Rendering is `O(runs)` string formatting.
 
-use super::report::{LabReport, RunReport};
+use crate::report::{LabReport, RunReport};
 use std::fmt::Write as _;
 
 const HEADER: [&str; 12] = [

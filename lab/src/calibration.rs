@@ -2,8 +2,8 @@
 //! that shows the estimates stay stable (issue 17).
 //!
 //! A run under a `+cal` policy records every rank's learned multipliers at the end
-//! ([`super::report::RunReport::calibration`]) and, when asked, at a fixed simulated
-//! interval ([`super::SimConfig::calibration_sample_ms`]). The swing study replays the
+//! ([`crate::report::RunReport::calibration`]) and, when asked, at a fixed simulated
+//! interval ([`crate::SimConfig::calibration_sample_ms`]). The swing study replays the
 //! trace in phases of equal request counts, each at its own arrival speed-up (default
 //! 1×, 4×, 1×), on one robustness cell's engines, and prints per phase and rank the
 //! range the multipliers moved in over the phase's second half — settled estimates
@@ -11,13 +11,13 @@
 //!
 //! What it costs: one simulation of the trace, plus one point per rank and sample.
 
-use super::LabError;
-pub use super::calibration_point::CalibrationPoint;
-use super::config::{LabPolicy, Setting, SimConfig, Speedup};
-use super::report::publish;
-use super::robustness::default_cells;
-use super::sim::{PreparedTrace, simulate};
-use super::study_args::StudyArgs;
+pub use crate::calibration_point::CalibrationPoint;
+use crate::config::{LabPolicy, Setting, SimConfig, Speedup};
+use crate::error::LabError;
+use crate::report::publish;
+use crate::robustness::default_cells;
+use crate::sim::{PreparedTrace, simulate};
+use crate::study_args::StudyArgs;
 use engine_model::trace::{BlockMapping, TraceRequest};
 use kv_events::routing::PolicyKind;
 use serde::Serialize;

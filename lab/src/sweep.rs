@@ -6,11 +6,11 @@
 //! not depend on thread timing. Memory is one run's state per thread plus the shared
 //! prepared trace.
 
-use super::LabError;
-use super::config::{LabPolicy, Setting, SimConfig};
-use super::report::RunReport;
-use super::sim::{PreparedTrace, simulate};
-use indicatif::ProgressBar;
+use crate::config::{LabPolicy, Setting, SimConfig};
+use crate::error::LabError;
+use crate::report::RunReport;
+use crate::sim::{PreparedTrace, simulate};
+use indicatif::{ProgressBar, ProgressStyle};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
@@ -129,4 +129,16 @@ where
                 .unwrap_or(Err(LabError::Incomplete))
         })
         .collect()
+}
+
+/// The progress bar of a study of `len` runs, on stderr.
+pub(crate) fn progress_bar(len: usize) -> ProgressBar {
+    let bar = ProgressBar::new(len as u64);
+    // The template is a literal known to be valid; fall back to the default otherwise.
+    if let Ok(style) = ProgressStyle::with_template(
+        "lab [{bar:40}] {pos}/{len} runs, {elapsed} ({eta} left) {msg}",
+    ) {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar
 }

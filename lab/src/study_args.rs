@@ -4,8 +4,8 @@
 //! subject (event lag, seed, engine model). One flag group, so the studies cannot drift
 //! apart in names, defaults or help text.
 
-use super::LabError;
-use super::config::{DEFAULT_EVENT_LAG_MS, SimConfig};
+use crate::config::{DEFAULT_EVENT_LAG_MS, SimConfig};
+use crate::error::LabError;
 use engine_model::EngineModelConfig;
 use engine_model::trace::{self, TraceRequest};
 use scheduler::policy::delay_cap::DelayCap;

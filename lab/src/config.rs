@@ -4,8 +4,8 @@
 //! Plain data, validated once before a sweep starts, so a bad flag fails in
 //! milliseconds rather than after minutes of simulation.
 
-use super::LabError;
-use super::fleet::{TierPricing, WorkerSpeeds};
+use crate::error::LabError;
+use crate::fleet::{TierPricing, WorkerSpeeds};
 use engine_model::{CpuTierConfig, EngineModelConfig, TimingModel};
 use kv_events::routing::PolicyKind;
 use scheduler::SessionConfig;
@@ -76,7 +76,7 @@ pub struct SimConfig {
     /// see [`ROUTER_TIMING`]).
     pub timing: TimingModel,
     /// Each worker's engine speed: rank `i` runs `timing` at `speeds[i]`
-    /// (see [`super::fleet`]).
+    /// (see [`crate::fleet`]).
     pub speeds: WorkerSpeeds,
     /// Delay between a step's end (when the live engine publishes its KV events) and
     /// the events reaching the router's index, in simulated ms; finite and ≥ 0.
@@ -88,7 +88,7 @@ pub struct SimConfig {
     /// How the router prices blocks held only on the CPU tier.
     pub tier_pricing: TierPricing,
     /// Sample every rank's calibration estimates this often, in simulated ms, into
-    /// [`super::sim::RunResult::calibration`] (only under a `+cal` policy); `None`
+    /// [`crate::sim::RunResult::calibration`] (only under a `+cal` policy); `None`
     /// keeps only the final estimates. Finite and ≥ 1 when set.
     pub calibration_sample_ms: Option<f64>,
     /// Session affinity's knobs for `+sess` runs (`enabled` follows the policy:
@@ -177,7 +177,7 @@ pub enum LabPolicy {
     Calibrated(PolicyKind),
     /// The same with session affinity (`scheduler::sessions`, default knobs), each
     /// request carrying the session derived from the trace's prefix chains
-    /// ([`super::sessions`]). Named `<kind>+sess`.
+    /// ([`crate::sessions`]). Named `<kind>+sess`.
     Sessions(PolicyKind),
     /// The same with its step-time constants set to the simulated engines' own
     /// (speed 1), as an operator who measured the engine exactly would configure it:

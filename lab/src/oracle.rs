@@ -11,7 +11,7 @@
 //! Cost: one pass over the prepared trace, one chained hash per full block and one
 //! hash-set entry per distinct block.
 
-use super::sim::PreparedTrace;
+use crate::sim::PreparedTrace;
 use engine_model::chain_block_hashes;
 use kv_events::ExternalBlockHash;
 use serde::{Deserialize, Serialize};

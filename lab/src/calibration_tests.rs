@@ -1,7 +1,7 @@
 //! Tests of the lab's calibration sampling and the swing study's retiming.
 
 use super::*;
-use crate::lab::config::Speedup;
+use crate::config::Speedup;
 use engine_model::EngineModelConfig;
 
 fn request(timestamp_ms: u64) -> TraceRequest {

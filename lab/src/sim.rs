@@ -21,13 +21,13 @@
 //! step ends and deliveries before arrivals, and among them by creation order, so a run
 //! is a pure function of its inputs (the scheduler's RNG is seeded).
 
-use super::LabError;
-use super::calibration_point::CalibrationPoint;
-use super::config::{LabPolicy, Setting, SimConfig, ms_to_ns, ns_to_ms};
-use super::fleet::at_speed;
-use super::log_entry::LogEntry;
-use super::metrics::{RequestRecord, RunMetrics};
-use super::router::Router;
+use crate::calibration_point::CalibrationPoint;
+use crate::config::{LabPolicy, Setting, SimConfig, ms_to_ns, ns_to_ms};
+use crate::error::LabError;
+use crate::fleet::at_speed;
+use crate::log_entry::LogEntry;
+use crate::metrics::{RequestRecord, RunMetrics};
+use crate::router::Router;
 use engine_model::trace::{BlockMapping, TraceRequest};
 use engine_model::{EngineCore, EngineRequest, StepOutput};
 use kv_events::{
@@ -50,19 +50,19 @@ struct PreparedRequest {
     prompt_tokens: u64,
     max_tokens: u64,
     block_hashes: Vec<LocalBlockHash>,
-    /// The session derived from the trace's prefix chains ([`super::sessions`]).
+    /// The session derived from the trace's prefix chains ([`crate::sessions`]).
     session: u32,
 }
 
 impl PreparedTrace {
     /// Maps every request of `trace` onto engine blocks with `mapping` and derives its
-    /// session ([`super::sessions`]). A request with
+    /// session ([`crate::sessions`]). A request with
     /// `output_length` 0 asks for 1 token (the first token is always produced), as the
     /// online replay does.
     pub fn new(trace: &[TraceRequest], mapping: BlockMapping) -> Self {
         let requests = trace
             .iter()
-            .zip(super::sessions::derive(trace))
+            .zip(crate::sessions::derive(trace))
             .map(|(r, session)| PreparedRequest {
                 timestamp_ms: r.timestamp_ms,
                 prompt_tokens: r.input_length,
@@ -218,7 +218,7 @@ pub fn simulate(
 }
 
 /// Runs one simulation; when `log` is given, every route lookup and every KV event
-/// delivery the index sees is appended to it, in order (see [`super::log`]).
+/// delivery the index sees is appended to it, in order (see [`crate::log`]).
 pub(super) fn run_sim(
     trace: &PreparedTrace,
     setting: Setting,
