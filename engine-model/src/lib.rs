@@ -21,7 +21,8 @@
 //! - `kv_cache`: the paged KV cache of one dp rank and its KV events ([`KvCache`]).
 //! - `request`: request validation and per-request progress ([`EngineRequest`]).
 //! - `core`: [`EngineCore`], the continuous-batching state machine of one dp rank.
-//! - `stats`: [`LatencyStats`], the latency summary the replay and the lab report.
+//! - `stats`: [`LatencyStats`] and [`LatencyHistogram`], the latency summary the replay
+//!   and the lab report.
 //! - [`trace`]: Mooncake JSONL trace loading and the trace-block → engine-block
 //!   mapping shared by the online replay and the lab.
 
@@ -43,5 +44,5 @@ pub use self::config::{
 pub use self::core::{ClearError, EngineCore, Finished, FirstToken, StepOutput};
 pub use self::kv_cache::{Allocation, CacheInUse, KvCache, chain_block_hashes, engine_block_hash};
 pub use self::request::{EngineRequest, RejectReason};
-pub use self::stats::{LatencyStats, percentile};
+pub use self::stats::{LatencyHistogram, LatencyStats};
 pub use self::timing::{StepWork, TimingModel};

@@ -3,12 +3,12 @@
 //! All times are simulated model time. TTFT is first token minus arrival; end-to-end
 //! latency is finish minus arrival; ITL (inter-token latency) of a request is
 //! `(finish − first token) / (output_tokens − 1)`, defined for requests with at least
-//! two output tokens. Percentiles interpolate linearly (numpy's default), as the online
-//! replay does (`engine_model::LatencyStats`). Aggregation sorts each
-//! sample vector once: `O(n log n)` for `n` requests.
+//! two output tokens. Statistics come from `engine_model::LatencyHistogram`, as the
+//! online replay's do: nearest-rank percentiles within 0.1%, exact means. Aggregation
+//! is one pass: `O(n)` for `n` requests.
 
 use crate::config::ns_to_ms;
-use engine_model::{LatencyStats, percentile};
+use engine_model::{LatencyHistogram, LatencyStats};
 use serde::{Deserialize, Serialize};
 
 /// Points of the TTFT CDF kept in the report: quantiles `0, 1/(N−1), …, 1`.
@@ -78,9 +78,9 @@ pub struct RunMetrics {
 impl RunMetrics {
     /// Aggregates the records of a run over `workers` workers.
     pub fn from_records(records: &[RequestRecord], workers: usize, refused_events: u64) -> Self {
-        let mut ttft = Vec::new();
-        let mut itl = Vec::new();
-        let mut e2e = Vec::new();
+        let mut ttft = LatencyHistogram::default();
+        let mut itl = LatencyHistogram::default();
+        let mut e2e = LatencyHistogram::default();
         let (mut cached, mut prompt, mut output) = (0u64, 0u64, 0u64);
         let mut loaded = 0u64;
         let mut completed = 0u64;
@@ -104,31 +104,26 @@ impl RunMetrics {
             loaded += r.loaded_tokens;
             prompt += r.prompt_tokens;
             output += r.output_tokens;
-            ttft.push(ns_to_ms(first.saturating_sub(r.arrival_ns)));
-            e2e.push(ns_to_ms(finish.saturating_sub(r.arrival_ns)));
+            ttft.record(ns_to_ms(first.saturating_sub(r.arrival_ns)));
+            e2e.record(ns_to_ms(finish.saturating_sub(r.arrival_ns)));
             if r.output_tokens >= 2 {
-                itl.push(ns_to_ms(finish.saturating_sub(first)) / (r.output_tokens - 1) as f64);
+                itl.record(ns_to_ms(finish.saturating_sub(first)) / (r.output_tokens - 1) as f64);
             }
         }
         let span_s = ns_to_ms(span_end.saturating_sub(span_start)) / 1_000.0;
         let per_s = |x: u64| if span_s > 0.0 { x as f64 / span_s } else { 0.0 };
-        ttft.sort_by(f64::total_cmp);
-        let ttft_cdf_ms = if ttft.is_empty() {
-            Vec::new()
-        } else {
-            (0..CDF_POINTS)
-                .map(|i| percentile(&ttft, i as f64 / (CDF_POINTS - 1) as f64))
-                .collect()
-        };
+        let ttft_cdf_ms = (0..CDF_POINTS)
+            .filter_map(|i| ttft.quantile(i as f64 / (CDF_POINTS - 1) as f64))
+            .collect();
         Self {
             requests: records.len() as u64,
             completed,
             rejected,
             hit_rate: (prompt > 0).then(|| cached as f64 / prompt as f64),
             cpu_tier_hit_rate: (prompt > 0).then(|| loaded as f64 / prompt as f64),
-            ttft_ms: LatencyStats::from_samples(ttft),
-            itl_ms: LatencyStats::from_samples(itl),
-            e2e_ms: LatencyStats::from_samples(e2e),
+            ttft_ms: ttft.stats(),
+            itl_ms: itl.stats(),
+            e2e_ms: e2e.stats(),
             throughput_tokens_per_s: per_s(output),
             throughput_requests_per_s: per_s(completed),
             requests_per_worker: per_worker,
@@ -172,19 +167,23 @@ mod tests {
         assert_eq!((m.requests, m.completed, m.rejected), (3, 2, 1));
         assert_eq!(m.hit_rate, Some(0.25));
         assert_eq!(m.cpu_tier_hit_rate, Some(0.1));
+        // Percentiles are nearest-rank within the histogram's 0.1%; means are exact.
+        let close = |got: f64, want: f64| (got - want).abs() <= want * 1e-3;
         let ttft = m.ttft_ms.unwrap();
-        assert_eq!((ttft.mean, ttft.p50), (200.0, 200.0));
+        assert_eq!(ttft.mean, 200.0);
+        assert!(close(ttft.p50, 100.0), "{ttft:?}");
         // Only the 11-token request has an ITL: 1000 ms over 10 gaps.
         assert_eq!(m.itl_ms.unwrap().mean, 100.0);
-        assert!((m.e2e_ms.unwrap().p99 - (1_100.0 + 0.99 * 900.0)).abs() < 1e-9);
+        assert!(close(m.e2e_ms.unwrap().p99, 2_000.0), "{:?}", m.e2e_ms);
         // 12 tokens and 2 requests from t = 0 to the last finish at 3 s.
         assert!((m.throughput_tokens_per_s - 4.0).abs() < 1e-9);
         assert!((m.throughput_requests_per_s - 2.0 / 3.0).abs() < 1e-9);
         assert_eq!(m.requests_per_worker, vec![1, 1]);
         assert_eq!(m.ttft_cdf_ms.len(), CDF_POINTS);
-        assert_eq!(m.ttft_cdf_ms[0], 100.0);
-        assert_eq!(m.ttft_cdf_ms[CDF_POINTS - 1], 300.0);
-        assert_eq!(m.ttft_cdf_ms[50], 200.0);
+        assert!(close(m.ttft_cdf_ms[0], 100.0));
+        assert!(close(m.ttft_cdf_ms[50], 100.0));
+        assert!(close(m.ttft_cdf_ms[51], 300.0));
+        assert!(close(m.ttft_cdf_ms[CDF_POINTS - 1], 300.0));
     }
 
     #[test]
