@@ -22,7 +22,7 @@
 //! - `request`: request validation and per-request progress ([`EngineRequest`]).
 //! - `core`: [`EngineCore`], the continuous-batching state machine of one dp rank.
 //! - `stats`: [`LatencyStats`] and [`LatencyHistogram`], the latency summary the replay
-//!   and the lab report.
+//!   and the lab report; `table`: [`render_table`], the terminal table both print.
 //! - [`trace`]: Mooncake JSONL trace loading and the trace-block → engine-block
 //!   mapping shared by the online replay and the lab.
 
@@ -31,6 +31,7 @@ mod core;
 mod kv_cache;
 mod request;
 mod stats;
+mod table;
 #[cfg(test)]
 mod test_support;
 mod timing;
@@ -45,4 +46,5 @@ pub use self::core::{ClearError, EngineCore, Finished, FirstToken, StepOutput};
 pub use self::kv_cache::{Allocation, CacheInUse, KvCache, chain_block_hashes, engine_block_hash};
 pub use self::request::{EngineRequest, RejectReason};
 pub use self::stats::{LatencyHistogram, LatencyStats};
+pub use self::table::render_table;
 pub use self::timing::{StepWork, TimingModel};

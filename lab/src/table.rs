@@ -1,8 +1,10 @@
 //! The terminal rendering of a [`LabReport`]: one aligned block per setting (workers,
-//! speed-up), one row per policy, with the oracle bound in each block's title.
+//! speed-up), one row per policy (`engine_model::render_table`, the replay's style
+//! too), with the oracle bound in each block's title.
 //! Rendering is `O(runs)` string formatting.
 
 use crate::report::{LabReport, RunReport};
+use engine_model::render_table;
 use std::fmt::Write as _;
 
 const HEADER: [&str; 12] = [
@@ -35,7 +37,6 @@ impl LabReport {
             self.config.event_lag_ms,
         );
         for setting in self.settings() {
-            let runs: Vec<&RunReport> = self.runs.iter().filter(|r| r.setting == setting).collect();
             let _ = writeln!(
                 out,
                 "\n{} workers, {} arrivals (oracle hit rate {:.1}%)",
@@ -43,18 +44,9 @@ impl LabReport {
                 setting.speedup,
                 self.oracle.hit_rate * 100.0
             );
-            let rows: Vec<Vec<String>> = runs.iter().map(|r| row(r)).collect();
-            let mut widths: Vec<usize> = HEADER.iter().map(|h| h.len()).collect();
-            for r in &rows {
-                for (w, cell) in widths.iter_mut().zip(r) {
-                    *w = (*w).max(cell.chars().count());
-                }
-            }
-            push_row(&mut out, HEADER.iter().map(|h| h.to_string()), &widths);
-            push_row(&mut out, widths.iter().map(|w| "-".repeat(*w)), &widths);
-            for r in rows {
-                push_row(&mut out, r, &widths);
-            }
+            let runs = self.runs.iter().filter(|r| r.setting == setting);
+            out.push_str(&render_table(&HEADER, runs.map(row)));
+            out.push('\n');
         }
         out.push_str(
             "\n(latencies in model ms; hit rate = cached / prompt tokens, cpu = the part loaded back from a CPU tier; tok/s = output tokens per simulated second)\n",
@@ -88,18 +80,4 @@ fn row(r: &RunReport) -> Vec<String> {
         m.completed.to_string(),
         m.rejected.to_string(),
     ]
-}
-
-/// Appends one row: the first column left-aligned, the others right-aligned.
-fn push_row(out: &mut String, cells: impl IntoIterator<Item = String>, widths: &[usize]) {
-    let mut line = String::new();
-    for (i, (cell, width)) in cells.into_iter().zip(widths).enumerate() {
-        if i == 0 {
-            let _ = write!(line, "{cell:<width$}");
-        } else {
-            let _ = write!(line, "  {cell:>width$}");
-        }
-    }
-    out.push_str(line.trim_end());
-    out.push('\n');
 }
