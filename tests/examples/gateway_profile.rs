@@ -48,8 +48,7 @@ use kv_tokenizer::{Limits, ModelTokenizer};
 use mocker::engine::HttpArgs;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
-use testbed::free_port;
-use testbed::{Echo, ManagedProcess};
+use testbed::{Echo, ManagedProcess, free_port};
 use tokio_util::sync::CancellationToken;
 
 const BLOCK: u32 = 16;

@@ -7,8 +7,7 @@ use crate::eventually;
 use anyhow::Context;
 use kv_events::{Subjects, WorkerId};
 use std::time::Duration;
-use testbed::free_port;
-use testbed::{Echo, ManagedProcess};
+use testbed::{Echo, ManagedProcess, free_port};
 
 /// The binary the tools run unless `KV_ROUTER_BIN` names another.
 pub const DEFAULT_BIN: &str = "target/release/kv-router";

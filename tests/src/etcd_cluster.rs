@@ -19,8 +19,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 use tempfile::TempDir;
-use testbed::{Echo, ManagedProcess, ProcessError, find_on_path};
-use testbed::{PORT_ATTEMPTS, READY_TIMEOUT, free_port};
+use testbed::{
+    Echo, ManagedProcess, PORT_ATTEMPTS, ProcessError, READY_TIMEOUT, find_on_path, free_port,
+};
 
 const ETCD_READY: &str = "ready to serve client requests";
 

@@ -26,8 +26,10 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 use tempfile::TempDir;
-use testbed::{Echo, ManagedProcess, ProcessError, find_on_path};
-use testbed::{PORT_ATTEMPTS, READY_TIMEOUT, STOP_GRACE, free_port};
+use testbed::{
+    Echo, ManagedProcess, PORT_ATTEMPTS, ProcessError, READY_TIMEOUT, STOP_GRACE, find_on_path,
+    free_port,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;

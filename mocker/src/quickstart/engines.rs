@@ -27,8 +27,7 @@ use anyhow::{Context, anyhow, bail};
 use etcd_client::{EventType, GetOptions, WatchOptions};
 use std::collections::BTreeSet;
 use std::net::TcpListener;
-use testbed::ProcessError;
-use testbed::{PORT_ATTEMPTS, free_port};
+use testbed::{PORT_ATTEMPTS, ProcessError, free_port};
 
 /// How the quickstart's mock engines publish KV events and join the cluster.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
