@@ -73,10 +73,10 @@ pub struct SimConfig {
     /// The engine model of every rank (block size, cache size, batch limits).
     pub engine: EngineModelConfig,
     /// The engines' step durations at speed 1 (the router keeps its own constants,
-    /// see [`ROUTER_TIMING`]).
+    /// see `ROUTER_TIMING`).
     pub timing: TimingModel,
     /// Each worker's engine speed: rank `i` runs `timing` at `speeds[i]`
-    /// (see [`crate::fleet`]).
+    /// (see the `fleet` module).
     pub speeds: WorkerSpeeds,
     /// Delay between a step's end (when the live engine publishes its KV events) and
     /// the events reaching the router's index, in simulated ms; finite and ≥ 0.
@@ -100,7 +100,7 @@ pub struct SimConfig {
 
 impl Default for SimConfig {
     /// Engine defaults (`EngineModelConfig::default`), `TimingModel::H100_8B` on every
-    /// worker, an event lag of [`DEFAULT_EVENT_LAG_MS`] and seed 42.
+    /// worker, an event lag of `DEFAULT_EVENT_LAG_MS` and seed 42.
     fn default() -> Self {
         Self {
             engine: EngineModelConfig::default(),
@@ -177,7 +177,7 @@ pub enum LabPolicy {
     Calibrated(PolicyKind),
     /// The same with session affinity (`scheduler::sessions`, default knobs), each
     /// request carrying the session derived from the trace's prefix chains
-    /// ([`crate::sessions`]). Named `<kind>+sess`.
+    /// (the `sessions` module). Named `<kind>+sess`.
     Sessions(PolicyKind),
     /// The same with its step-time constants set to the simulated engines' own
     /// (speed 1), as an operator who measured the engine exactly would configure it:

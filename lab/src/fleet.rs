@@ -79,7 +79,7 @@ pub enum EnginePreset {
     #[value(name = "h100-8b")]
     #[serde(rename = "h100-8b")]
     H100,
-    /// [`DYNAMO_POLYNOMIAL`]: NVIDIA Dynamo's mocker default timing, linearised.
+    /// `DYNAMO_POLYNOMIAL`: NVIDIA Dynamo's mocker default timing, linearised.
     DynamoPolynomial,
 }
 

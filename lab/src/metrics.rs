@@ -67,7 +67,7 @@ pub struct RunMetrics {
     pub throughput_requests_per_s: f64,
     /// Requests routed to each worker, in worker order.
     pub requests_per_worker: Vec<u64>,
-    /// TTFT quantiles `0, 0.01, …, 1` ([`CDF_POINTS`] values), in model ms; empty when
+    /// TTFT quantiles `0, 0.01, …, 1` (`CDF_POINTS`, 101 values), in model ms; empty when
     /// nothing completed. The chart's CDF is drawn from these.
     pub ttft_cdf_ms: Vec<f64>,
     /// KV events the index refused (a `Stored` with an unknown parent); 0 unless the

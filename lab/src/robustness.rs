@@ -168,7 +168,7 @@ pub fn rows() -> Vec<Row> {
 }
 
 impl RobustnessArgs {
-    /// [`rows`], without the calibrated row under `--no-calibrated`.
+    /// `rows`, without the calibrated row under `--no-calibrated`.
     pub fn rows(&self) -> Vec<Row> {
         let mut rows = rows();
         if self.no_calibrated {
@@ -177,7 +177,7 @@ impl RobustnessArgs {
         rows
     }
 
-    /// The `--cell` cells in [`default_cells`] order, or every cell.
+    /// The `--cell` cells in `default_cells` order, or every cell.
     ///
     /// # Errors
     /// [`LabError::UnknownCell`] for a name no cell has.

@@ -56,7 +56,7 @@ struct PreparedRequest {
 
 impl PreparedTrace {
     /// Maps every request of `trace` onto engine blocks with `mapping` and derives its
-    /// session ([`crate::sessions`]). A request with
+    /// session (the `sessions` module). A request with
     /// `output_length` 0 asks for 1 token (the first token is always produced), as the
     /// online replay does.
     pub fn new(trace: &[TraceRequest], mapping: BlockMapping) -> Self {

@@ -213,7 +213,7 @@ impl ManagedProcess {
     }
 
     /// Writes the child's output to `path` from now on, starting with the lines still
-    /// in the in-memory log (the last [`LOG_CAPACITY`]); creates parent directories and
+    /// in the in-memory log (the last `LOG_CAPACITY`, 4096); creates parent directories and
     /// truncates an existing file.
     ///
     /// # Errors
