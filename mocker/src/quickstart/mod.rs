@@ -29,8 +29,9 @@
 
 use crate::replay::{self, Frontend, ReplayConfig, ReplayReport, ReplayTarget, TimeScale};
 use anyhow::{Context, anyhow, bail};
+use engine_model::render_table;
 use engine_model::trace::{self, BUNDLED_EXCERPT_NAME, BlockMapping};
-use gateway::GatewayTotals;
+use gateway::{GATEWAY_HEADER, GatewayTotals};
 use kv_events::Namespace;
 use kv_events::routing::PolicyKind;
 use stack::{Binaries, Stack, child_command};
@@ -282,10 +283,7 @@ async fn run_stack(
     }
     println!("{}", report.render_table());
     if !gateway_rows.is_empty() {
-        println!("{}", GatewayTotals::header());
-        for row in &gateway_rows {
-            println!("{row}");
-        }
+        println!("{}", render_table(&GATEWAY_HEADER, gateway_rows));
         println!(
             "(as the gateway measured it, wall ms; gateway share = time before the first token\n not spent waiting for the engine: tokenize, route, forward)\n"
         );
