@@ -5,21 +5,19 @@
 //! publishes real KV events and load metrics to NATS, registers in etcd under a lease,
 //! and answers generate requests on a documented timing model. The replay plays the
 //! frontend's role for a real request trace, and the quickstart wires real
-//! nats-server and etcd processes, the router daemon and mock engines together.
+//! nats-server and etcd processes (from the `testbed` crate), the router daemon and
+//! mock engines together. The engine model itself (KV cache, batching, timing) and the
+//! trace loader are the `engine_model` crate's.
 //!
 //! # Layout
 //! - [`protocol`]: the generate / clear request protocol between frontend and engine.
-//! - [`engine`]: the engine model (KV cache, batching, timing) and its NATS/etcd service.
-//! - [`trace`]: Mooncake JSONL trace loading and the trace-block → engine-block mapping.
+//! - [`engine`]: the engine service: M workers of the model behind NATS, etcd and HTTP.
 //! - [`replay`]: the frontend role: route, generate, lifecycle, and the JSON report.
-//! - [`cluster`]: start and stop nats-server and etcd processes on free loopback ports.
 //! - [`quickstart`]: the README's first command, end to end.
-//! - [`lab`]: the offline routing-quality lab: every policy on a simulated cluster.
+//!
+//! `kv-mocker lab` dispatches to the `kv_lab` crate (the offline routing-quality lab).
 
-pub mod cluster;
 pub mod engine;
-pub mod lab;
 pub mod protocol;
 pub mod quickstart;
 pub mod replay;
-pub mod trace;

@@ -25,7 +25,7 @@ enum Command {
     Quickstart(mocker::quickstart::QuickstartArgs),
     /// Simulate a trace offline under every policy, cluster size and speed-up; print a
     /// table, write a JSON report and PNG charts.
-    Lab(Box<mocker::lab::LabArgs>),
+    Lab(Box<kv_lab::LabArgs>),
 }
 
 #[tokio::main]
@@ -54,7 +54,7 @@ async fn main() -> Result<()> {
         Command::Quickstart(args) => mocker::quickstart::run(args).await,
         Command::Lab(args) => {
             // CPU-bound and multi-threaded on its own: keep it off the async workers.
-            tokio::task::spawn_blocking(move || mocker::lab::run(*args)).await??;
+            tokio::task::spawn_blocking(move || kv_lab::run(*args)).await??;
             Ok(())
         }
     }

@@ -11,6 +11,7 @@
 //!
 //! All payloads are msgpack maps (see `kv_events::codec`).
 
+use engine_model::EngineRequest;
 use kv_events::{DpRank, LocalBlockHash, RequestId};
 use serde::{Deserialize, Serialize};
 
@@ -33,6 +34,19 @@ pub struct GenerateRequest {
     pub num_tokens: u64,
     /// Tokens to generate (decode steps), at least 1.
     pub max_tokens: u64,
+}
+
+/// The request as the engine core admits it; NATS requests carry no token ids.
+impl From<GenerateRequest> for EngineRequest {
+    fn from(req: GenerateRequest) -> Self {
+        Self {
+            request_id: req.request_id,
+            block_hashes: req.block_hashes,
+            prompt_tokens: req.num_tokens,
+            max_tokens: req.max_tokens,
+            token_ids: None,
+        }
+    }
 }
 
 /// A message from the engine to the request's reply inbox.

@@ -25,11 +25,12 @@
 //! Last, tokenization cost: the repo's test tokenizer encodes a long text repeatedly.
 
 use clap::Parser;
+use engine_model::EngineModelConfig;
 use futures::StreamExt;
 use integration_tests::TestCluster;
 use kv_gateway::{Gateway, GatewayArgs};
 use kv_tokenizer::{Limits, ModelTokenizer};
-use mocker::engine::{EngineModelConfig, HttpArgs};
+use mocker::engine::HttpArgs;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};

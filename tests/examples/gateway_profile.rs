@@ -35,6 +35,7 @@
 //! added latency").
 
 use clap::Parser;
+use engine_model::EngineModelConfig;
 use futures::StreamExt;
 use integration_tests::TestCluster;
 use integration_tests::child_daemon::{DEFAULT_BIN, status_bytes};
@@ -44,11 +45,10 @@ use kv_gateway::config::EngineApi;
 use kv_gateway::openai::{completion_for_engine, parse_completion};
 use kv_gateway::router::RouterClient;
 use kv_tokenizer::{Limits, ModelTokenizer};
-use mocker::cluster::servers::free_port;
-use mocker::cluster::{Echo, ManagedProcess};
-use mocker::engine::{EngineModelConfig, HttpArgs};
+use mocker::engine::HttpArgs;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
+use testbed::{Echo, ManagedProcess, free_port};
 use tokio_util::sync::CancellationToken;
 
 const BLOCK: u32 = 16;

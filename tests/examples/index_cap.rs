@@ -27,8 +27,8 @@ use kv_events::{
     DpRank, ExternalBlockHash, KvCacheEvent, KvCacheEventData, KvEventBatch, LocalBlockHash,
     Namespace, StoredBlock, Subjects, WorkerId, compute_block_hashes, decode, encode,
 };
-use mocker::cluster::{EtcdServer, NatsServer};
 use std::time::{Duration, Instant};
+use testbed::{EtcdServer, NatsServer};
 
 const BLOCK_SIZE: u32 = 16;
 const CHAIN: u64 = 64;

@@ -28,8 +28,8 @@ use kv_events::{
     DpRank, ExternalBlockHash, KvCacheEvent, KvCacheEventData, KvEventBatch, LocalBlockHash,
     Namespace, StoredBlock, Subjects, WorkerId, encode,
 };
-use mocker::cluster::{EtcdServer, NatsServer};
 use std::time::{Duration, Instant};
+use testbed::{EtcdServer, NatsServer};
 
 const WORKERS: u64 = 16;
 const CHAIN: u64 = 64;

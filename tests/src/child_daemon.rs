@@ -6,9 +6,8 @@
 use crate::eventually;
 use anyhow::Context;
 use kv_events::{Subjects, WorkerId};
-use mocker::cluster::servers::free_port;
-use mocker::cluster::{Echo, ManagedProcess};
 use std::time::Duration;
+use testbed::{Echo, ManagedProcess, free_port};
 
 /// The binary the tools run unless `KV_ROUTER_BIN` names another.
 pub const DEFAULT_BIN: &str = "target/release/kv-router";

@@ -15,12 +15,13 @@
 
 use anyhow::Context;
 use etcd_client::Client;
-use mocker::cluster::servers::{PORT_ATTEMPTS, READY_TIMEOUT, free_port};
-use mocker::cluster::{ClusterError, Echo, ManagedProcess, find_on_path};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 use tempfile::TempDir;
+use testbed::{
+    Echo, ManagedProcess, PORT_ATTEMPTS, ProcessError, READY_TIMEOUT, find_on_path, free_port,
+};
 
 const ETCD_READY: &str = "ready to serve client requests";
 
@@ -66,7 +67,7 @@ impl EtcdCluster {
     /// [`READY_TIMEOUT`] (quoting its last log lines), or ports stay taken.
     pub async fn start(members: usize) -> anyhow::Result<Self> {
         anyhow::ensure!(members > 0, "an etcd cluster needs at least one member");
-        let binary = find_on_path("etcd").ok_or_else(|| ClusterError::BinaryNotFound {
+        let binary = find_on_path("etcd").ok_or_else(|| ProcessError::BinaryNotFound {
             binary: "etcd".to_owned(),
             hint: "install it with `apt-get install etcd-server`".to_owned(),
         })?;
@@ -83,11 +84,11 @@ impl EtcdCluster {
         }
     }
 
-    async fn launch(binary: &Path, members: usize) -> Result<Self, ClusterError> {
+    async fn launch(binary: &Path, members: usize) -> Result<Self, ProcessError> {
         let data = tempfile::Builder::new()
             .prefix("kv-router-etcd-cluster-")
             .tempdir()
-            .map_err(|source| ClusterError::Io {
+            .map_err(|source| ProcessError::Io {
                 context: "creating a temporary data directory".to_owned(),
                 source,
             })?;
@@ -99,7 +100,7 @@ impl EtcdCluster {
                     peer_port: free_port()?,
                 })
             })
-            .collect::<Result<Vec<_>, ClusterError>>()?;
+            .collect::<Result<Vec<_>, ProcessError>>()?;
         let initial_cluster = members
             .iter()
             .map(|m| format!("{}={}", m.name, m.peer_url()))
@@ -132,7 +133,7 @@ impl EtcdCluster {
         Ok(cluster)
     }
 
-    fn spawn(&self, i: usize) -> Result<ManagedProcess, ClusterError> {
+    fn spawn(&self, i: usize) -> Result<ManagedProcess, ProcessError> {
         let member = &self.members[i];
         let (client, peer) = (member.client_url(), member.peer_url());
         let mut command = Command::new(&self.binary);

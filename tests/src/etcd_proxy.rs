@@ -3,8 +3,8 @@
 //! outlive them (a cut path means their revoke never arrives).
 
 use anyhow::Context;
-use mocker::cluster::servers::free_port;
 use std::net::SocketAddr;
+use testbed::free_port;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 

@@ -1,7 +1,7 @@
 //! Shared helpers for the end-to-end tests in `tests/tests/`.
 //!
 //! Every test starts its own nats-server and etcd on free loopback ports (through
-//! [`mocker::cluster`]), runs the router daemon in-process, and plays the roles of
+//! [`testbed`]), runs the router daemon in-process, and plays the roles of
 //! engines and frontends over real NATS and etcd with real msgpack. Servers are
 //! stopped when their guards drop.
 //!
@@ -35,8 +35,8 @@ use kv_events::{
     DpRank, ExternalBlockHash, KvCacheEvent, KvCacheEventData, KvEventBatch, LocalBlockHash,
     Namespace, StoredBlock, Subjects, WorkerId, WorkerRank, decode, encode,
 };
-use mocker::cluster::{EtcdServer, NatsServer};
 use router_daemon::{Daemon, DaemonConfig, ServeArgs};
+use testbed::{EtcdServer, NatsServer};
 
 /// Real servers plus an in-process daemon.
 pub struct TestCluster {
@@ -119,7 +119,7 @@ impl TestCluster {
     pub async fn spawn_engines(
         &self,
         workers: u32,
-        model: mocker::engine::EngineModelConfig,
+        model: engine_model::EngineModelConfig,
         time_scale: f64,
         http: mocker::engine::HttpArgs,
     ) -> anyhow::Result<mocker::engine::EnginesHandle> {
@@ -134,7 +134,7 @@ impl TestCluster {
     pub fn engine_args(
         &self,
         workers: u32,
-        model: mocker::engine::EngineModelConfig,
+        model: engine_model::EngineModelConfig,
         time_scale: f64,
         http: mocker::engine::HttpArgs,
     ) -> mocker::engine::EngineArgs {
@@ -224,7 +224,7 @@ impl TestCluster {
 pub async fn spawn_mock_engines(
     connection: mocker::engine::ConnectionArgs,
     fleet: mocker::engine::FleetArgs,
-    model: mocker::engine::EngineModelConfig,
+    model: engine_model::EngineModelConfig,
     time_scale: f64,
     http: mocker::engine::HttpArgs,
 ) -> anyhow::Result<mocker::engine::EnginesHandle> {
@@ -237,7 +237,7 @@ pub async fn spawn_mock_engines(
 fn engine_args(
     connection: mocker::engine::ConnectionArgs,
     fleet: mocker::engine::FleetArgs,
-    model: mocker::engine::EngineModelConfig,
+    model: engine_model::EngineModelConfig,
     time_scale: f64,
     http: mocker::engine::HttpArgs,
 ) -> mocker::engine::EngineArgs {
@@ -252,7 +252,7 @@ fn engine_args(
             shutdown: Default::default(),
         },
         http,
-        cpu_tier: mocker::engine::CpuTierConfig::default(),
+        cpu_tier: engine_model::CpuTierConfig::default(),
         kv_events: mocker::engine::KvEventsArgs::default(),
     }
 }

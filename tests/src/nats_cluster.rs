@@ -21,13 +21,15 @@
 
 use anyhow::Context;
 use futures::StreamExt;
-use mocker::cluster::servers::{PORT_ATTEMPTS, READY_TIMEOUT, STOP_GRACE, free_port};
-use mocker::cluster::{ClusterError, Echo, ManagedProcess, find_on_path};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 use tempfile::TempDir;
+use testbed::{
+    Echo, ManagedProcess, PORT_ATTEMPTS, ProcessError, READY_TIMEOUT, STOP_GRACE, find_on_path,
+    free_port,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
@@ -109,7 +111,7 @@ impl NatsCluster {
         binary: &Path,
         count: usize,
         latency: Duration,
-    ) -> Result<Self, ClusterError> {
+    ) -> Result<Self, ProcessError> {
         // The forwarders listen first and keep their ports, so no node is given one.
         let mut forwarders = Vec::new();
         if !latency.is_zero() {
@@ -279,15 +281,15 @@ impl NatsCluster {
 }
 
 /// Waits until `process` serves clients and listens for routes. A port taken meanwhile
-/// makes it exit first, an error [`ClusterError::is_port_conflict`] recognises.
-async fn wait_until_listening(process: &mut ManagedProcess) -> Result<(), ClusterError> {
+/// makes it exit first, an error [`ProcessError::is_port_conflict`] recognises.
+async fn wait_until_listening(process: &mut ManagedProcess) -> Result<(), ProcessError> {
     process.wait_for_line(NATS_READY, READY_TIMEOUT).await?;
     process.wait_for_line(ROUTES_READY, READY_TIMEOUT).await?;
     Ok(())
 }
 
 /// `count` different ports, each free when probed ([`free_port`]).
-fn distinct_free_ports(count: usize) -> Result<Vec<u16>, ClusterError> {
+fn distinct_free_ports(count: usize) -> Result<Vec<u16>, ProcessError> {
     let mut ports = Vec::with_capacity(count);
     for _ in 0..count * 100 {
         if ports.len() == count {
@@ -304,14 +306,14 @@ fn distinct_free_ports(count: usize) -> Result<Vec<u16>, ClusterError> {
     ))
 }
 
-fn spawn(binary: &Path, i: usize, config: &Path) -> Result<ManagedProcess, ClusterError> {
+fn spawn(binary: &Path, i: usize, config: &Path) -> Result<ManagedProcess, ProcessError> {
     let mut command = Command::new(binary);
     command.arg("-c").arg(config);
     ManagedProcess::spawn(format!("nats-{i}"), command, Echo::Quiet)
 }
 
-fn io_error(context: &str, source: std::io::Error) -> ClusterError {
-    ClusterError::Io {
+fn io_error(context: &str, source: std::io::Error) -> ProcessError {
+    ProcessError::Io {
         context: context.to_owned(),
         source,
     }

@@ -10,12 +10,12 @@
 use anyhow::Context as _;
 use kv_cluster::security::{NatsUser, Role, nats_authorization};
 use kv_events::{Namespace, Subjects, WorkerId};
-use mocker::cluster::{EtcdServer, EtcdServerTls, NatsServer};
 use rcgen::{
     BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair, KeyUsagePurpose,
 };
 use std::path::PathBuf;
 use tempfile::TempDir;
+use testbed::{EtcdServer, EtcdServerTls, NatsServer};
 use tokio::io::AsyncWriteExt as _;
 use tokio::sync::mpsc;
 

@@ -11,6 +11,7 @@
 mod journal_worker;
 mod mock_engine;
 
+use engine_model::EngineModelConfig;
 use etcd_client::{Client as Etcd, EventType, WatchOptions};
 use futures::StreamExt;
 use indexer::IndexerApi as _;
@@ -21,10 +22,10 @@ use kv_cluster::args::{EtcdArgs, NatsArgs};
 use kv_events::routing::{Prompt, RouteReply, RouteRequest};
 use kv_events::{DpRank, Namespace, Subjects, WorkerId};
 use mock_engine::{engine_dump, generate};
-use mocker::cluster::NatsServer;
-use mocker::engine::{ConnectionArgs, EngineModelConfig, EnginesHandle, FleetArgs};
+use mocker::engine::{ConnectionArgs, EnginesHandle, FleetArgs};
 use router_daemon::{Daemon, DaemonConfig, ServeArgs};
 use std::time::Duration;
+use testbed::NatsServer;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 

@@ -287,7 +287,7 @@ async fn an_overloaded_router_is_429_with_retry_after() {
         1,
         1.0,
         |args| {
-            args.scheduling.busy_decode_blocks = Some("1".parse().unwrap());
+            args.scheduling.scheduler.busy_decode_blocks = Some("1".parse().unwrap());
             args.scheduling.queue_capacity = 0;
         },
         &[],

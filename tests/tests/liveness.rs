@@ -2,11 +2,12 @@
 //! stops getting routes once its load metrics fall silent, with real nats-server,
 //! etcd, mock engines and the daemon.
 
+use engine_model::EngineModelConfig;
 use integration_tests::etcd_proxy::{EtcdProxy, etcd_addr};
 use integration_tests::{FakeWorker, TestCluster, eventually};
 use kv_events::routing::RouteReply;
 use kv_events::{DpRank, WorkerId, WorkerRank};
-use mocker::engine::{EngineModelConfig, HttpArgs};
+use mocker::engine::HttpArgs;
 use std::time::{Duration, Instant};
 
 const BLOCK: u32 = 4;
@@ -52,7 +53,7 @@ async fn an_engine_killed_while_its_lease_lives_stops_getting_routes_once_silent
     let mut cluster = TestCluster::start(BLOCK).await?;
     let daemon = cluster
         .start_daemon(|args| {
-            let l = &mut args.scheduling.liveness;
+            let l = &mut args.scheduling.scheduler.liveness;
             l.metrics_interval_ms = INTERVAL_MS;
             l.metrics_quiet_intervals = 3;
             l.metrics_silent_intervals = 6;

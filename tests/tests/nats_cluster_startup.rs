@@ -14,10 +14,10 @@ use integration_tests::eventually;
 use integration_tests::nats_cluster::NatsCluster;
 use kv_events::routing::{Prompt, RouteReply, RouteRequest};
 use kv_events::{Namespace, Subjects};
-use mocker::cluster::{EtcdServer, NatsServer};
 use router_daemon::{BarrierError, round_trip};
 use router_daemon::{Daemon, DaemonConfig, ServeArgs};
 use std::time::Duration;
+use testbed::{EtcdServer, NatsServer};
 
 /// Router starts in all, two replicas at a time.
 const STARTS: usize = 30;

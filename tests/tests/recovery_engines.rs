@@ -5,6 +5,7 @@
 mod journal_worker;
 mod mock_engine;
 
+use engine_model::EngineModelConfig;
 use indexer::IndexerApi as _;
 use integration_tests::TestCluster;
 use journal_worker::{held_paths, router_paths_of};
@@ -12,9 +13,7 @@ use kv_cluster::args::{EtcdArgs, NatsArgs};
 use kv_events::routing::RouteReply;
 use kv_events::{DpRank, WorkerId};
 use mock_engine::{engine_dump, generate};
-use mocker::engine::{
-    ConnectionArgs, EngineArgs, EngineModelConfig, FleetArgs, RuntimeArgs, spawn_engines,
-};
+use mocker::engine::{ConnectionArgs, EngineArgs, FleetArgs, RuntimeArgs, spawn_engines};
 
 const BLOCK: u32 = 4;
 

@@ -7,11 +7,12 @@
 // Test helpers unwrap: a broken socket or server must fail the test loudly.
 #![allow(clippy::unwrap_used)]
 
+use engine_model::EngineModelConfig;
 use indexer::IndexerApi as _;
 use integration_tests::{TestCluster, eventually};
 use kv_events::{DpRank, WorkerId, WorkerRank, compute_block_hashes};
 use kv_relay::{Relay, RelayArgs, RelayConfig};
-use mocker::engine::{EngineModelConfig, EnginesHandle, FleetArgs, HttpArgs, KvEventsArgs};
+use mocker::engine::{EnginesHandle, FleetArgs, HttpArgs, KvEventsArgs};
 use router_daemon::Daemon;
 use serde_json::json;
 use std::time::Duration;

@@ -48,7 +48,7 @@ fn replica_args(cluster: &TestCluster, id: u64, adjust: impl Fn(&mut ServeArgs))
     args.scheduling.router_id = Some(id);
     // The kv cost spreads these small requests as decode blocks pile up, which
     // makes "lands as a single replica would place them" observable.
-    args.scheduling.policy.policy = PolicyKind::Kv;
+    args.scheduling.scheduler.policy.policy = PolicyKind::Kv;
     adjust(&mut args);
     args
 }

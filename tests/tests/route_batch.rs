@@ -201,7 +201,7 @@ async fn a_batch_never_waits_nor_overtakes_waiters() -> anyhow::Result<()> {
     let daemon = cluster
         .start_daemon(|a| {
             // A rank holding 4 decode blocks is busy: one 4-block request each.
-            a.scheduling.busy_decode_blocks = Some("4".parse().expect("threshold"));
+            a.scheduling.scheduler.busy_decode_blocks = Some("4".parse().expect("threshold"));
             a.scheduling.queue_capacity = 1;
             a.scheduling.queue_max_wait_ms = 5000;
         })

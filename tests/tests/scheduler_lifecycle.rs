@@ -62,7 +62,7 @@ async fn route_prefill_done_keep_alive_free_and_expiry() -> anyhow::Result<()> {
     let mut cluster = TestCluster::start(BLOCK).await?;
     register(&mut cluster, 1, 1).await?;
     let daemon = cluster
-        .start_daemon(|a| a.scheduling.request_ttl_ms = 2000)
+        .start_daemon(|a| a.scheduling.scheduler.request_ttl_ms = 2000)
         .await?;
     let rank = WorkerRank::new(WorkerId(1), DpRank(0));
 
@@ -235,7 +235,7 @@ async fn busy_workers_make_requests_wait_and_a_free_releases_them() -> anyhow::R
     register(&mut cluster, 1, 1).await?;
     let daemon = cluster
         .start_daemon(|a| {
-            a.scheduling.busy_decode_blocks = Some("8".parse().expect("threshold"));
+            a.scheduling.scheduler.busy_decode_blocks = Some("8".parse().expect("threshold"));
             a.scheduling.queue_capacity = 1;
             a.scheduling.queue_max_wait_ms = 3000;
         })

@@ -10,10 +10,11 @@
 // Test helpers unwrap: a broken server or socket must fail the test loudly.
 #![allow(clippy::unwrap_used)]
 
+use engine_model::EngineModelConfig;
 use integration_tests::{TestCluster, eventually};
 use kv_cluster::shutdown::ShutdownIncomplete;
 use kv_relay::{Relay, RelayArgs, RelayConfig};
-use mocker::engine::{EngineModelConfig, FleetArgs, KvEventsArgs};
+use mocker::engine::{FleetArgs, KvEventsArgs};
 use router_daemon::{DaemonConfig, ServeArgs};
 use std::future::Future;
 use std::sync::Arc;
@@ -59,7 +60,7 @@ fn abandoned(incomplete: &ShutdownIncomplete) -> Vec<&'static str> {
 #[tokio::test]
 async fn serve_exits_within_its_budget_when_nats_and_etcd_are_gone() {
     let cluster = TestCluster::start(BLOCK).await.unwrap();
-    let port = mocker::cluster::servers::free_port().unwrap();
+    let port = testbed::free_port().unwrap();
     let listen = format!("127.0.0.1:{port}");
     let args: ServeArgs = cluster.flags(&[
         "--shards",

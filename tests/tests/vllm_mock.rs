@@ -7,16 +7,14 @@
 // Test helpers unwrap: a broken socket or server must fail the test loudly.
 #![allow(clippy::unwrap_used)]
 
+use engine_model::{CpuTierConfig, EngineModelConfig};
 use indexer::IndexerApi as _;
 use integration_tests::{TestCluster, eventually};
 use kv_events::discovery::WorkerRegistration;
 use kv_events::routing::RouteReply;
 use kv_events::{DpRank, LocalBlockHash, WorkerId, WorkerRank, compute_block_hashes};
 use kv_relay::{Relay, RelayArgs, RelayConfig};
-use mocker::engine::{
-    CpuTierConfig, EngineModelConfig, EnginesHandle, FleetArgs, HttpArgs, KvEventsArgs,
-    RankEndpoints,
-};
+use mocker::engine::{EnginesHandle, FleetArgs, HttpArgs, KvEventsArgs, RankEndpoints};
 use mocker::replay::{ReplayTarget, cold};
 use router_daemon::Daemon;
 use serde_json::json;

@@ -1,53 +1,24 @@
-//! Typed configuration of the mock engines, grouped by concern.
+//! Typed configuration of the engine service, grouped by concern: where NATS and etcd
+//! are ([`ConnectionArgs`]), which workers run ([`FleetArgs`]), and how the service
+//! paces itself ([`RuntimeArgs`]). The model's own knobs live in `engine_model`.
 //!
 //! Each group is a `clap::Args` struct so `kv-mocker engines` keeps flat flags (the
 //! groups are flattened into [`super::EngineArgs`]), while library users — the
-//! quickstart, integration tests and an offline simulator — build the same structs
-//! directly (every group implements `Default` with the CLI defaults). Validation is
-//! explicit ([`EngineModelConfig::validate`], [`RuntimeArgs::validate`]) and cheap.
+//! quickstart and integration tests — build the same structs directly (every group
+//! implements `Default` with the CLI defaults). Validation is explicit
+//! ([`RuntimeArgs::validate`], [`FleetArgs::worker_ids`]) and cheap.
 
+use engine_model::ModelConfigError;
 use kv_cluster::args::{EtcdArgs, NatsArgs};
 use kv_events::{Namespace, WorkerId};
 use std::time::Duration;
 
-/// Default `--block-size`, in tokens.
-pub const DEFAULT_BLOCK_SIZE: u32 = 64;
-/// Default `--num-gpu-blocks`, in blocks per dp rank.
-pub const DEFAULT_NUM_GPU_BLOCKS: u64 = 16_384;
-/// Default `--max-num-seqs`, in requests per dp rank.
-pub const DEFAULT_MAX_NUM_SEQS: u32 = 256;
-/// Default `--max-num-batched-tokens`, in tokens per step.
-pub const DEFAULT_MAX_NUM_BATCHED_TOKENS: u64 = 8_192;
-/// Default `--cpu-tier-load-ms-per-token`, in ms per token: copying one token's KV
-/// back from pinned host memory over PCIe. Llama-3-8B holds 128 KiB of KV per token
-/// (see [`super::TimingModel::H100_8B`]); a PCIe Gen4 x16 link moves ~25 GB/s in
-/// practice (half of Gen5's), so one token takes 131,072 B / 25 GB/s ≈ 5.2 µs. This
-/// is the scheduler's `tier_load_ms_per_token` default, 12× cheaper than prefilling
-/// the token (0.06 ms).
-pub const DEFAULT_CPU_TIER_LOAD_MS_PER_TOKEN: f64 = 0.005;
-
-/// Why an engine configuration is unusable.
+/// Why an engine service configuration is unusable.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ConfigError {
-    /// `block_size` was 0.
-    #[error("block size must be at least 1 token")]
-    ZeroBlockSize,
-    /// `num_gpu_blocks` was 0.
-    #[error("num gpu blocks must be at least 1")]
-    ZeroGpuBlocks,
-    /// `max_num_seqs` was 0.
-    #[error("max num seqs must be at least 1")]
-    ZeroMaxNumSeqs,
-    /// The step token budget cannot give every running request its decode token.
-    #[error(
-        "max num batched tokens ({max_num_batched_tokens}) must be at least max num seqs ({max_num_seqs})"
-    )]
-    BudgetBelowMaxNumSeqs {
-        /// The configured per-step token budget, in tokens.
-        max_num_batched_tokens: u64,
-        /// The configured batch size, in requests.
-        max_num_seqs: u32,
-    },
+    /// A knob of the engine model itself.
+    #[error(transparent)]
+    Model(#[from] ModelConfigError),
     /// `workers` was 0.
     #[error("at least one worker is required")]
     NoWorkers,
@@ -82,9 +53,6 @@ pub enum ConfigError {
     /// `--zmq-buffer-steps` was 0.
     #[error("zmq buffer steps must be at least 1")]
     ZeroBufferSteps,
-    /// `--cpu-tier-load-ms-per-token` was negative or not finite.
-    #[error("cpu tier load time must be finite and >= 0 ms per token, got {0}")]
-    BadCpuTierLoad(f64),
     /// `--http-port` + worker index overflows a port number.
     #[error("http port {base} + {workers} workers is past 65535")]
     HttpPortOverflow {
@@ -93,101 +61,6 @@ pub enum ConfigError {
         /// Workers needing a port.
         workers: usize,
     },
-}
-
-/// The engine model's knobs (per dp rank), shared by the live engines and offline
-/// simulation. Names follow vLLM's engine arguments.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::Args)]
-pub struct EngineModelConfig {
-    /// Tokens per KV block.
-    #[arg(long, default_value_t = DEFAULT_BLOCK_SIZE)]
-    pub block_size: u32,
-    /// KV cache capacity of each dp rank, in blocks.
-    #[arg(long, default_value_t = DEFAULT_NUM_GPU_BLOCKS)]
-    pub num_gpu_blocks: u64,
-    /// Maximum requests in one dp rank's running batch.
-    #[arg(long, default_value_t = DEFAULT_MAX_NUM_SEQS)]
-    pub max_num_seqs: u32,
-    /// Per-step token budget shared by decodes (1 token each) and prefill chunks, in
-    /// tokens; must be at least `max_num_seqs`.
-    #[arg(long, default_value_t = DEFAULT_MAX_NUM_BATCHED_TOKENS)]
-    pub max_num_batched_tokens: u64,
-}
-
-impl Default for EngineModelConfig {
-    fn default() -> Self {
-        Self {
-            block_size: DEFAULT_BLOCK_SIZE,
-            num_gpu_blocks: DEFAULT_NUM_GPU_BLOCKS,
-            max_num_seqs: DEFAULT_MAX_NUM_SEQS,
-            max_num_batched_tokens: DEFAULT_MAX_NUM_BATCHED_TOKENS,
-        }
-    }
-}
-
-impl EngineModelConfig {
-    /// Checks that every knob is usable.
-    ///
-    /// # Errors
-    /// [`ConfigError`] naming the first bad knob.
-    pub fn validate(&self) -> Result<(), ConfigError> {
-        if self.block_size == 0 {
-            return Err(ConfigError::ZeroBlockSize);
-        }
-        if self.num_gpu_blocks == 0 {
-            return Err(ConfigError::ZeroGpuBlocks);
-        }
-        if self.max_num_seqs == 0 {
-            return Err(ConfigError::ZeroMaxNumSeqs);
-        }
-        if self.max_num_batched_tokens < u64::from(self.max_num_seqs) {
-            return Err(ConfigError::BudgetBelowMaxNumSeqs {
-                max_num_batched_tokens: self.max_num_batched_tokens,
-                max_num_seqs: self.max_num_seqs,
-            });
-        }
-        Ok(())
-    }
-}
-
-/// The CPU tier of each dp rank (vLLM's CPU KV offloading): blocks evicted from the
-/// GPU cache are kept in host memory, with their own capacity and LRU, and a request
-/// whose prefix continues there copies them back instead of prefilling them.
-/// `cpu_tier_blocks = 0` (the default) is no CPU tier: the engine behaves exactly as
-/// without this group. See [`super::kv_cache`] for the events.
-#[derive(Debug, Clone, Copy, PartialEq, clap::Args)]
-pub struct CpuTierConfig {
-    /// Blocks the CPU tier of each dp rank holds (0 = no CPU tier).
-    #[arg(long, default_value_t = 0)]
-    pub cpu_tier_blocks: u64,
-    /// Time to copy one token's KV from the CPU tier back to the GPU, in ms per
-    /// token; charged to the step that admits the request.
-    #[arg(long, default_value_t = DEFAULT_CPU_TIER_LOAD_MS_PER_TOKEN)]
-    pub cpu_tier_load_ms_per_token: f64,
-}
-
-impl Default for CpuTierConfig {
-    /// No CPU tier; the default load time.
-    fn default() -> Self {
-        Self {
-            cpu_tier_blocks: 0,
-            cpu_tier_load_ms_per_token: DEFAULT_CPU_TIER_LOAD_MS_PER_TOKEN,
-        }
-    }
-}
-
-impl CpuTierConfig {
-    /// Checks the load time.
-    ///
-    /// # Errors
-    /// [`ConfigError::BadCpuTierLoad`] for a negative or non-finite load time.
-    pub fn validate(&self) -> Result<(), ConfigError> {
-        let load = self.cpu_tier_load_ms_per_token;
-        if !(load.is_finite() && load >= 0.0) {
-            return Err(ConfigError::BadCpuTierLoad(load));
-        }
-        Ok(())
-    }
 }
 
 /// Where the engines find NATS and etcd, and the namespace they serve: the NATS and
@@ -314,9 +187,7 @@ mod tests {
 
     #[test]
     fn defaults_are_valid() {
-        assert_eq!(EngineModelConfig::default().validate(), Ok(()));
         assert_eq!(RuntimeArgs::default().validate(), Ok(()));
-        assert_eq!(CpuTierConfig::default().validate(), Ok(()));
         assert_eq!(
             FleetArgs::default().worker_ids(),
             Ok(vec![WorkerId(1), WorkerId(2), WorkerId(3), WorkerId(4)])
@@ -325,27 +196,6 @@ mod tests {
 
     #[test]
     fn bad_knobs_are_named() {
-        let m = EngineModelConfig::default();
-        assert_eq!(
-            EngineModelConfig { block_size: 0, ..m }.validate(),
-            Err(ConfigError::ZeroBlockSize)
-        );
-        assert!(matches!(
-            EngineModelConfig {
-                max_num_batched_tokens: 10,
-                ..m
-            }
-            .validate(),
-            Err(ConfigError::BudgetBelowMaxNumSeqs { .. })
-        ));
-        assert_eq!(
-            CpuTierConfig {
-                cpu_tier_load_ms_per_token: -1.0,
-                ..CpuTierConfig::default()
-            }
-            .validate(),
-            Err(ConfigError::BadCpuTierLoad(-1.0))
-        );
         let r = RuntimeArgs::default();
         assert!(
             RuntimeArgs {

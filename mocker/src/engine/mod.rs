@@ -1,12 +1,12 @@
-//! The mock inference engine: a vLLM-like engine model and the NATS/etcd service that
-//! runs M of them in one process.
+//! The mock inference engine's service: the NATS/etcd/HTTP process that runs M workers
+//! of the `engine_model` crate's vLLM-like engine model.
 //!
 //! The router needs engines that behave like the real thing where it matters for
 //! routing — a finite paged KV cache with prefix reuse and LRU eviction, continuous
 //! batching with chunked prefill, and step times that grow with prefill and decode
 //! work — and that speak the real wire protocol: KV events, load metrics, etcd leases.
-//! The model core is pure and synchronous (no clock, no I/O), so an offline simulator
-//! can drive it on a virtual clock; the service drives it in real time, optionally
+//! The model core (`engine_model`) is pure and synchronous (no clock, no I/O), so the
+//! offline lab drives it on a virtual clock; this service drives it in real time, optionally
 //! faster than real time (`--time-scale`). One process with M workers costs one NATS
 //! connection, one etcd connection, and a few tokio tasks per worker.
 //!
@@ -14,12 +14,8 @@
 //! `docs/engine-model.md`.
 //!
 //! # Layout
-//! - [`config`]: typed flag groups ([`EngineModelConfig`], connection, fleet, runtime).
-//! - [`timing`]: the step-duration model ([`TimingModel`]).
-//! - [`kv_cache`]: the paged KV cache of one dp rank and its KV events, with an
-//!   optional CPU tier ([`CpuTierConfig`], `--cpu-tier-blocks`).
-//! - [`request`]: request validation and per-request progress.
-//! - [`core`]: [`EngineCore`], the continuous-batching state machine of one dp rank.
+//! - [`config`]: the service's typed flag groups (connection, fleet, runtime); the
+//!   model's own ([`EngineModelConfig`], [`CpuTierConfig`]) are `engine_model`'s.
 //! - `outbox`: the single ordered publication path to NATS.
 //! - `journal`: each worker's KV event journal (event ids, epoch, recovery replies).
 //! - `rank`: one live dp rank — the core, its reply inboxes, its real-time loop.
@@ -34,33 +30,21 @@
 //! - `service`: [`spawn_engines`], which wires all of the above.
 
 pub mod config;
-pub mod core;
 pub mod http;
 mod journal;
-pub mod kv_cache;
 mod outbox;
 mod progress;
 mod rank;
-pub mod request;
 mod service;
-pub mod timing;
 pub mod vllm;
 mod worker;
 
-#[cfg(test)]
-mod test_support;
-
-pub use self::config::{
-    ConfigError, ConnectionArgs, CpuTierConfig, EngineModelConfig, FleetArgs, RuntimeArgs,
-};
-pub use self::core::{ClearError, EngineCore, Finished, FirstToken, StepOutput};
+pub use self::config::{ConfigError, ConnectionArgs, FleetArgs, RuntimeArgs};
 pub use self::http::HttpArgs;
-pub use self::kv_cache::{Allocation, KvCache, chain_block_hashes, engine_block_hash};
-pub use self::request::{EngineRequest, RejectReason};
 pub use self::service::{EnginesHandle, READY_LINE, ServiceError, spawn_engines};
-pub use self::timing::{StepWork, TimingModel};
 pub use self::vllm::{KvEventsArgs, KvEventsMode, RankEndpoints};
 
+use engine_model::{CpuTierConfig, EngineModelConfig};
 use tokio_util::sync::CancellationToken;
 
 /// Flags of `kv-mocker engines`: M mock workers with ids `first-worker-id ..

@@ -17,14 +17,14 @@
 //! beyond the step's outputs.
 
 use super::config::RuntimeArgs;
-use super::core::{EngineCore, StepOutput};
 use super::journal::SharedJournal;
 use super::outbox::Outbox;
 use super::progress::{Progress, Reply};
-use super::request::EngineRequest;
 use super::vllm::{self, VllmPublisher};
 use crate::protocol::{ClearReply, GenerateResponse};
 use async_nats::Subject;
+use engine_model::EngineRequest;
+use engine_model::{EngineCore, StepOutput};
 use kv_events::{ExternalBlockHash, KvCacheEventData, LoadMetrics, RequestId, WorkerRank};
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};

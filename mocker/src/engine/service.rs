@@ -13,16 +13,16 @@
 
 use super::EngineArgs;
 use super::config::ConfigError;
-use super::core::EngineCore;
 use super::http::{self, HttpArgs, HttpState, WorkerHttp};
 use super::journal::SharedJournal;
 use super::outbox::Outbox;
 use super::rank::{Rank, RankSink};
-use super::timing::TimingModel;
 use super::vllm::{BindError, KvEventsMode, RankEndpoints, VllmPublisher};
 use super::worker::Worker;
 use crate::protocol::{OP_CLEAR, OP_GENERATE};
 use axum::serve::ListenerExt;
+use engine_model::EngineCore;
+use engine_model::TimingModel;
 use kv_cluster::lease::WorkerLease;
 use kv_events::discovery::WorkerRegistration;
 use kv_events::journal::{EventJournal, JournalConfig};
@@ -149,7 +149,7 @@ pub async fn spawn_engines(
     args: EngineArgs,
     shutdown: CancellationToken,
 ) -> Result<EnginesHandle, ServiceError> {
-    args.model.validate()?;
+    args.model.validate().map_err(ConfigError::from)?;
     args.runtime.validate()?;
     let worker_ids = args.fleet.worker_ids()?;
     let shutdown_timeout = args.runtime.shutdown.budget()?;
@@ -288,8 +288,9 @@ async fn start_worker(
     let mut ranks = Vec::new();
     let mut endpoints = Vec::new();
     for dp in 0..args.fleet.dp_size {
-        let core =
-            EngineCore::new(args.model, TimingModel::default())?.with_cpu_tier(args.cpu_tier)?;
+        let core = EngineCore::new(args.model, TimingModel::default())
+            .and_then(|core| core.with_cpu_tier(args.cpu_tier))
+            .map_err(ConfigError::from)?;
         let sink = match cluster {
             Some(cluster) => RankSink::Nats {
                 outbox: cluster.outbox.clone(),

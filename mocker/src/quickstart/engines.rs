@@ -22,13 +22,12 @@
 use super::relay::{RelayTarget, relay_args};
 use super::stack::{Binaries, Stack, child_command};
 use super::{ENGINES_READY, QuickstartArgs, READY_TIMEOUT, progress};
-use crate::cluster::ClusterError;
-use crate::cluster::servers::{PORT_ATTEMPTS, free_port};
 use crate::replay::ReplayTarget;
 use anyhow::{Context, anyhow, bail};
 use etcd_client::{EventType, GetOptions, WatchOptions};
 use std::collections::BTreeSet;
 use std::net::TcpListener;
+use testbed::{PORT_ATTEMPTS, ProcessError, free_port};
 
 /// How the quickstart's mock engines publish KV events and join the cluster.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -161,9 +160,9 @@ async fn start_vllm_engines(
 /// released) and returns the first. See the module docs for the race.
 ///
 /// # Errors
-/// [`ClusterError::Io`] if no port can be probed, or no block was found in
+/// [`ProcessError::Io`] if no port can be probed, or no block was found in
 /// [`PORT_ATTEMPTS`] × 4 tries.
-pub(super) fn free_port_block(len: usize) -> Result<u16, ClusterError> {
+pub(super) fn free_port_block(len: usize) -> Result<u16, ProcessError> {
     for _ in 0..PORT_ATTEMPTS * 4 {
         let first = free_port()?;
         let Some(last) = usize::from(first)
@@ -179,7 +178,7 @@ pub(super) fn free_port_block(len: usize) -> Result<u16, ClusterError> {
             return Ok(first);
         }
     }
-    Err(ClusterError::Io {
+    Err(ProcessError::Io {
         context: format!("probing for {len} consecutive free ports"),
         source: std::io::Error::from(std::io::ErrorKind::AddrInUse),
     })

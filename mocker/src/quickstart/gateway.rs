@@ -3,13 +3,17 @@
 
 use super::stack::{Binaries, Stack, child_command};
 use super::{READY_TIMEOUT, progress};
-use crate::cluster::servers::free_port;
 use crate::engine::http::DEFAULT_MODEL_NAME;
 use crate::replay::http::GatewayTarget;
 use anyhow::Context;
 use kv_cluster::http::metric_sample;
+use testbed::free_port;
 
 const GATEWAY_READY: &str = "kv-router gateway ready";
+
+/// The header of the gateway table's [`GatewayTotals::row`]s.
+pub(super) const GATEWAY_HEADER: [&str; 5] =
+    ["gateway", "TTFT mean", "route", "engine", "gateway share"];
 
 /// Starts the gateway on a free loopback port. The prompts are token ids, so it needs
 /// no model files: `--tokenize-via engine` would only be used for text.
@@ -71,10 +75,11 @@ impl GatewayTotals {
         })
     }
 
-    /// One table row for what happened between `before` and `self`: the gateway's mean
-    /// TTFT, its routing and engine stages, and the share of TTFT spent in the
-    /// gateway and router (everything but the engine's first token), wall ms.
-    pub(super) fn row(&self, before: &Self, policy: &str) -> String {
+    /// One table row (cells under [`GATEWAY_HEADER`]) for what happened between
+    /// `before` and `self`: the gateway's mean TTFT, its routing and engine stages, and
+    /// the share of TTFT spent in the gateway and router (everything but the engine's
+    /// first token), wall ms.
+    pub(super) fn row(&self, before: &Self, policy: &str) -> Vec<String> {
         let n = (self.requests - before.requests).max(1.0);
         let ms = |total: f64| total * 1000.0 / n;
         let ttft = ms(self.ttft_s - before.ttft_s);
@@ -85,19 +90,12 @@ impl GatewayTotals {
         } else {
             0.0
         };
-        format!("{policy:<14}  {ttft:>9.1}  {route:>5.2}  {engine:>9.1}  {share:>13.1}%")
-    }
-
-    /// The header of [`Self::row`]s.
-    pub(super) fn header() -> String {
-        format!(
-            "{:<14}  {:>9}  {:>5}  {:>9}  {:>14}\n{}",
-            "gateway",
-            "TTFT mean",
-            "route",
-            "engine",
-            "gateway share",
-            "-".repeat(60)
-        )
+        vec![
+            policy.to_owned(),
+            format!("{ttft:.1}"),
+            format!("{route:.2}"),
+            format!("{engine:.1}"),
+            format!("{share:.1}%"),
+        ]
     }
 }

@@ -27,16 +27,17 @@
 //! tokens, about what an 8B bf16 model leaves free on one 80 GB GPU) is well below the
 //! excerpt's ≈ 39 k distinct blocks, so caches evict and where a prefix lands matters.
 
-use crate::cluster::{ClusterError, EtcdServer, NatsServer};
 use crate::replay::{self, Frontend, ReplayConfig, ReplayReport, ReplayTarget, TimeScale};
-use crate::trace::{self, BUNDLED_EXCERPT_NAME, BlockMapping};
 use anyhow::{Context, anyhow, bail};
-use gateway::GatewayTotals;
+use engine_model::render_table;
+use engine_model::trace::{self, BUNDLED_EXCERPT_NAME, BlockMapping};
+use gateway::{GATEWAY_HEADER, GatewayTotals};
 use kv_events::Namespace;
 use kv_events::routing::PolicyKind;
 use stack::{Binaries, Stack, child_command};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
+use testbed::{EtcdServer, NatsServer, ProcessError};
 
 mod engines;
 mod gateway;
@@ -143,7 +144,7 @@ pub async fn run(args: QuickstartArgs) -> anyhow::Result<()> {
     if let Err(err) = &result {
         // The error may be a child's: show the end of the log of any child that died.
         // Start-up errors already quote the child's last lines.
-        if err.downcast_ref::<ClusterError>().is_none() {
+        if err.downcast_ref::<ProcessError>().is_none() {
             stack.report_exited();
         }
     }
@@ -282,10 +283,7 @@ async fn run_stack(
     }
     println!("{}", report.render_table());
     if !gateway_rows.is_empty() {
-        println!("{}", GatewayTotals::header());
-        for row in &gateway_rows {
-            println!("{row}");
-        }
+        println!("{}", render_table(&GATEWAY_HEADER, gateway_rows));
         println!(
             "(as the gateway measured it, wall ms; gateway share = time before the first token\n not spent waiting for the engine: tokenize, route, forward)\n"
         );
@@ -315,7 +313,10 @@ mod tests {
     fn defaults_match_the_bundled_trace() {
         let args = Cli::parse_from(["quickstart"]).args;
         assert_eq!(args.workers, 8);
-        assert_eq!(u64::from(args.block_size), crate::trace::TRACE_BLOCK_SIZE);
+        assert_eq!(
+            u64::from(args.block_size),
+            engine_model::trace::TRACE_BLOCK_SIZE
+        );
         assert_eq!(args.time_scale.get(), 10.0);
         assert_eq!(
             args.policies,

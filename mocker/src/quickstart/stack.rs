@@ -2,10 +2,10 @@
 //! spawns (each logging to its own file) and the order it stops them in.
 
 use super::{STOP_GRACE, progress};
-use crate::cluster::{Echo, EtcdServer, ManagedProcess, NatsServer};
 use anyhow::{Context, anyhow, bail};
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use testbed::{Echo, EtcdServer, ManagedProcess, NatsServer};
 
 /// The executables the quickstart spawns.
 pub(super) struct Binaries {

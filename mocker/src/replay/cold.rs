@@ -5,7 +5,7 @@
 //! better than it is. Costs one etcd range read and one NATS request per worker.
 //! A worker whose engine serves no NATS clear subject (vLLM, or a mock in vLLM mode,
 //! behind `kv-router relay`: NATS answers "no responders") is cleared over HTTP instead
-//! (see [`http`]): vLLM's `POST /reset_prefix_cache` at the URL its registration
+//! (see the `http` module): vLLM's `POST /reset_prefix_cache` at the URL its registration
 //! carries, then a wait until the engine's `AllBlocksCleared` KV event is on the
 //! worker's events subject, which vLLM publishes only with its next engine step.
 //! A worker that answers `busy` still has requests in flight (there should be none:

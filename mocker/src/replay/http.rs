@@ -15,7 +15,7 @@
 
 use super::TimeScale;
 use super::report::{RequestOutcome, RouteFailure};
-use crate::trace::{TRACE_BLOCK_SIZE, TraceRequest};
+use engine_model::trace::{TRACE_BLOCK_SIZE, TraceRequest};
 use eventsource_stream::Eventsource;
 use futures::StreamExt;
 use kv_events::WorkerId;

@@ -26,11 +26,11 @@ pub mod report;
 mod request;
 mod table;
 
-pub use report::{LatencyStats, PolicyReport, ReplayReport, RequestOutcome, RouteFailure};
+pub use report::{PolicyReport, ReplayReport, RequestOutcome, RouteFailure};
 
 use crate::replay::http::GatewayTarget;
 use crate::replay::progress::PassProgress;
-use crate::trace::{self, BlockMapping, BlockSizeMismatch, TraceError, TraceRequest};
+use engine_model::trace::{self, BlockMapping, BlockSizeMismatch, TraceError, TraceRequest};
 use kv_events::discovery::WorkerRegistration;
 use kv_events::routing::PolicyKind;
 use kv_events::{Namespace, RequestId, Subjects, WorkerId};
@@ -359,7 +359,7 @@ pub async fn replay_policy(
 }
 
 /// The prompt hashing for the registered workers' block size (see
-/// [`crate::trace::BlockMapping`]).
+/// [`engine_model::trace::BlockMapping`]).
 ///
 /// # Errors
 /// [`ReplayError::MixedBlockSizes`] if workers disagree, [`ReplayError::BlockSize`] if

@@ -2,12 +2,11 @@
 //! table.
 //!
 //! Latencies are in **model ms** (wall ms × time scale), so runs at different time
-//! scales are comparable. Percentiles use linear interpolation between closest ranks
-//! (Hyndman & Fan type 7, numpy's default `method="linear"`): for sorted samples
-//! `x[0..n]` and quantile `q`, rank `r = q (n - 1)`, result
-//! `x[floor r] + (x[ceil r] - x[floor r]) (r - floor r)`.
-//! Aggregation keeps every sample: `O(n log n)` for `n` completed requests.
+//! scales are comparable. Statistics are `engine_model::LatencyStats`, shared with the
+//! lab: an HDR histogram's nearest-rank percentiles, within 0.1%, and exact means.
+//! Aggregation is one pass: `O(n)` for `n` completed requests.
 
+use engine_model::LatencyStats;
 use kv_events::WorkerId;
 use kv_events::routing::{PolicyKind, RouteErrorCode};
 use serde::{Deserialize, Serialize};
@@ -79,48 +78,6 @@ pub enum RequestOutcome {
     },
     /// Not routed.
     RouteFailed(RouteFailure),
-}
-
-/// Mean and percentiles of a latency distribution, in model ms.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct LatencyStats {
-    /// Arithmetic mean.
-    pub mean: f64,
-    /// Median.
-    pub p50: f64,
-    /// 90th percentile.
-    pub p90: f64,
-    /// 99th percentile.
-    pub p99: f64,
-}
-
-impl LatencyStats {
-    /// Statistics of `samples` (any order); `None` when empty.
-    pub fn from_samples(mut samples: Vec<f64>) -> Option<Self> {
-        if samples.is_empty() {
-            return None;
-        }
-        samples.sort_by(f64::total_cmp);
-        let mean = samples.iter().sum::<f64>() / samples.len() as f64;
-        Some(Self {
-            mean,
-            p50: percentile(&samples, 0.50),
-            p90: percentile(&samples, 0.90),
-            p99: percentile(&samples, 0.99),
-        })
-    }
-}
-
-/// The `q` quantile (`0 ≤ q ≤ 1`) of non-empty ascending `sorted`, by linear
-/// interpolation (see the module docs).
-pub fn percentile(sorted: &[f64], q: f64) -> f64 {
-    let Some(last) = sorted.len().checked_sub(1) else {
-        return f64::NAN;
-    };
-    let rank = q.clamp(0.0, 1.0) * last as f64;
-    let lo = rank.floor() as usize;
-    let hi = rank.ceil() as usize;
-    sorted[lo] + (sorted[hi] - sorted[lo]) * (rank - lo as f64)
 }
 
 /// Results of replaying the trace under one policy.
@@ -238,30 +195,6 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn percentiles_interpolate_linearly() {
-        let s = [1.0, 2.0, 3.0, 4.0, 5.0];
-        assert_eq!(percentile(&s, 0.0), 1.0);
-        assert_eq!(percentile(&s, 0.5), 3.0);
-        assert_eq!(percentile(&s, 1.0), 5.0);
-        // rank 0.9 * 4 = 3.6 → 4 + 0.6 * (5 - 4)
-        assert!((percentile(&s, 0.9) - 4.6).abs() < 1e-12);
-        let ten: Vec<f64> = (1..=10).map(f64::from).collect();
-        // numpy.percentile(range(1, 11), 99) == 9.91
-        assert!((percentile(&ten, 0.99) - 9.91).abs() < 1e-12);
-        assert_eq!(percentile(&[7.0], 0.99), 7.0);
-        assert!(percentile(&[], 0.5).is_nan());
-    }
-
-    #[test]
-    fn latency_stats_sort_their_input() {
-        let stats = LatencyStats::from_samples(vec![30.0, 10.0, 20.0]).unwrap();
-        assert_eq!(stats.mean, 20.0);
-        assert_eq!(stats.p50, 20.0);
-        assert!((stats.p90 - 28.0).abs() < 1e-12);
-        assert_eq!(LatencyStats::from_samples(Vec::new()), None);
-    }
-
-    #[test]
     fn aggregates_outcomes() {
         let outcomes = vec![
             completed(1, 100.0, 512, 1024),
@@ -281,7 +214,10 @@ pub(crate) mod tests {
         assert_eq!(r.route_errors[&RouteFailure::Overloaded], 2);
         assert_eq!(r.hit_rate, Some(0.25));
         assert_eq!(r.ttft_ms.unwrap().mean, 200.0);
-        assert_eq!(r.e2e_ms.unwrap().p50, 2000.0);
+        // Nearest-rank percentiles of {1000, 3000} ms, within the histogram's 0.1%.
+        let e2e = r.e2e_ms.unwrap();
+        assert!((e2e.p50 - 1000.0).abs() <= 1.0, "{e2e:?}");
+        assert!((e2e.p99 - 3000.0).abs() <= 3.0, "{e2e:?}");
         assert_eq!(r.worker_request_counts[&WorkerId(1)], 1);
         assert_eq!(r.worker_request_counts[&WorkerId(2)], 2);
     }

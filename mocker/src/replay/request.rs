@@ -11,7 +11,7 @@
 use super::report::{RequestOutcome, RouteFailure};
 use super::{ReplayTarget, TimeScale};
 use crate::protocol::{GenerateRequest, GenerateResponse, OP_GENERATE};
-use crate::trace::TraceRequest;
+use engine_model::trace::TraceRequest;
 use futures::StreamExt;
 use kv_events::routing::{
     LifecycleEvent, LifecycleMessage, PolicyKind, Prompt, RouteDecision, RouteReply, RouteRequest,
@@ -45,7 +45,7 @@ pub(super) struct Pass {
 }
 
 /// Replays one trace request, whose prompt is `block_hashes` (engine blocks, from
-/// [`crate::trace::BlockMapping`]); never fails, every problem is an outcome.
+/// [`engine_model::trace::BlockMapping`]); never fails, every problem is an outcome.
 pub(super) async fn replay_request(
     target: &ReplayTarget,
     request_id: RequestId,

@@ -1,10 +1,12 @@
 //! The terminal rendering of a [`ReplayReport`]: an aligned table with one row per
-//! policy, route-error breakdowns, and a `kv` vs `round-robin` comparison line.
+//! policy (`engine_model::render_table`, the lab's style too), route-error breakdowns,
+//! and a `kv` vs `round-robin` comparison line.
 //!
 //! Kept apart from the aggregation so the numbers and their presentation evolve
 //! separately. Rendering is `O(policies)` string formatting.
 
 use super::report::{PolicyReport, ReplayReport};
+use engine_model::render_table;
 use kv_events::routing::PolicyKind;
 use std::fmt::Write as _;
 
@@ -26,20 +28,8 @@ impl ReplayReport {
             "e2e mean",
             "p99",
         ];
-        let rows: Vec<Vec<String>> = self.policies.iter().map(table_row).collect();
-        let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
-        for row in &rows {
-            for (width, cell) in widths.iter_mut().zip(row) {
-                *width = (*width).max(cell.chars().count());
-            }
-        }
-        let mut out = String::new();
-        push_row(&mut out, header.iter().map(|h| h.to_string()), &widths);
-        let rule: Vec<String> = widths.iter().map(|w| "-".repeat(*w)).collect();
-        push_row(&mut out, rule, &widths);
-        for row in rows {
-            push_row(&mut out, row, &widths);
-        }
+        let mut out = render_table(&header, self.policies.iter().map(table_row));
+        out.push('\n');
         out.push_str("(latencies in model ms; hit rate = cached / prompt tokens)\n");
         for report in &self.policies {
             if report.route_errors.is_empty() {
@@ -119,24 +109,6 @@ fn table_row(report: &PolicyReport) -> Vec<String> {
         ms(e2e.map(|s| s.mean)),
         ms(e2e.map(|s| s.p99)),
     ]
-}
-
-/// Appends one row: the first column left-aligned, the rest right-aligned.
-fn push_row(out: &mut String, cells: impl IntoIterator<Item = String>, widths: &[usize]) {
-    let cells: Vec<String> = cells
-        .into_iter()
-        .zip(widths)
-        .enumerate()
-        .map(|(i, (cell, w))| {
-            if i == 0 {
-                format!("{cell:<w$}")
-            } else {
-                format!("{cell:>w$}")
-            }
-        })
-        .collect();
-    out.push_str(cells.join("  ").trim_end());
-    out.push('\n');
 }
 
 #[cfg(test)]

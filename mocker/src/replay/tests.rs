@@ -2,7 +2,6 @@
 //! engine standing in for `kv-router` and the mock engines.
 
 use super::*;
-use crate::cluster::{EtcdServer, NatsServer};
 use crate::protocol::{ClearReply, GenerateRequest, GenerateResponse, OP_CLEAR, OP_GENERATE};
 use futures::StreamExt;
 use kv_events::discovery::WorkerRegistration;
@@ -12,6 +11,7 @@ use kv_events::routing::{
 };
 use kv_events::{DpRank, decode, encode};
 use std::sync::atomic::{AtomicU32, Ordering};
+use testbed::{EtcdServer, NatsServer};
 use tokio::sync::mpsc;
 
 #[test]

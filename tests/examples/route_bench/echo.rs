@@ -8,8 +8,8 @@
 use anyhow::Context;
 use futures::StreamExt;
 use integration_tests::child_daemon::process_cpu_seconds;
-use mocker::cluster::{Echo, ManagedProcess};
 use std::time::Duration;
+use testbed::{Echo, ManagedProcess};
 
 /// The subject the echo responder serves.
 pub const SUBJECT: &str = "bench.echo";

@@ -44,9 +44,9 @@ use kv_events::{
     ExternalBlockHash, KvCacheEventData, LocalBlockHash, Namespace, StoredBlock, Subjects,
     WorkerId, decode, encode,
 };
-use mocker::cluster::{EtcdServer, NatsServer};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use testbed::{EtcdServer, NatsServer};
 use tokio_util::sync::CancellationToken;
 
 const BLOCK_SIZE: u32 = 16;

@@ -5,7 +5,7 @@ use plotters::prelude::*;
 use plotters::style::{FontStyle, register_font};
 use std::path::Path;
 
-const FONT: &[u8] = include_bytes!("../../../mocker/assets/DejaVuSansMono.ttf");
+const FONT: &[u8] = include_bytes!("../../../lab/assets/DejaVuSansMono.ttf");
 const FAMILY: &str = "sans-serif";
 
 /// One sample of the soak.

@@ -34,11 +34,11 @@ use kv_events::{
     DpRank, ExternalBlockHash, KvCacheEvent, KvCacheEventData, KvEventBatch, LocalBlockHash,
     Namespace, StoredBlock, Subjects, WorkerId, decode, encode,
 };
-use mocker::cluster::{EtcdServer, NatsServer};
 use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use testbed::{EtcdServer, NatsServer};
 
 mod chart;
 

@@ -1,11 +1,12 @@
 //! The whole request path on loopback: nats-server, etcd, the router daemon, mock
 //! engines speaking OpenAI HTTP, and the gateway — each real, each on free ports.
 
+use engine_model::EngineModelConfig;
 use integration_tests::{FakeWorker, TestCluster, register_worker};
 use kv_events::discovery::WorkerRegistration;
 use kv_events::{DpRank, WorkerId, WorkerRank, compute_block_hashes};
 use kv_gateway::{Gateway, GatewayArgs};
-use mocker::engine::{EngineModelConfig, EnginesHandle, HttpArgs};
+use mocker::engine::{EnginesHandle, HttpArgs};
 use router_daemon::{Daemon, ServeArgs};
 use std::path::PathBuf;
 use std::sync::Arc;

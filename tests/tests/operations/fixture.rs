@@ -8,11 +8,11 @@ use etcd_client::Client as Etcd;
 pub use integration_tests::etcd_proxy::{EtcdProxy, etcd_addr};
 use kv_cluster::http::{HttpResponse, get};
 use kv_events::{Namespace, Subjects, decode, encode};
-use mocker::cluster::{EtcdServer, NatsServer};
 use router_daemon::Starting;
 use router_daemon::config::{DaemonConfig, ServeArgs};
 use serde_json::{Value, json};
 use std::time::Duration;
+use testbed::{EtcdServer, NatsServer};
 
 /// Tokens per block in these tests.
 pub const BLOCK: u32 = 4;

@@ -2,11 +2,12 @@
 //! a fake router, refused publishes.
 
 use bytes::Bytes;
+use engine_model::EngineModelConfig;
 use futures::StreamExt;
 use integration_tests::security::{ENGINES, ROUTER, SecureCluster, violation};
 use kv_events::routing::{PolicyKind, Prompt, RouteDecision, RouteReply, RouteRequest};
 use kv_events::{DpRank, WorkerId, decode, encode};
-use mocker::engine::{ConnectionArgs, EngineModelConfig, FleetArgs, HttpArgs};
+use mocker::engine::{ConnectionArgs, FleetArgs, HttpArgs};
 use router_daemon::{Daemon, DaemonConfig, ServeArgs};
 use std::time::Duration;
 

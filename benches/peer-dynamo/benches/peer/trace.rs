@@ -8,13 +8,11 @@
 
 use crate::run::{Case, expected};
 use bench_workload::flood_batches;
+use engine_model::trace::{BlockMapping, bundled_excerpt, load_trace};
+use engine_model::{EngineModelConfig, TimingModel};
 use kv_events::routing::PolicyKind;
 use kv_events::{KvEventBatch, LocalBlockHash};
-use mocker::engine::{EngineModelConfig, TimingModel};
-use mocker::lab::{
-    LabPolicy, LogEntry, PreparedTrace, Setting, SimConfig, Speedup, simulate_logged,
-};
-use mocker::trace::{BlockMapping, bundled_excerpt, load_trace};
+use kv_lab::{LabPolicy, LogEntry, PreparedTrace, Setting, SimConfig, Speedup, simulate_logged};
 use std::path::Path;
 use std::sync::Arc;
 

@@ -17,12 +17,12 @@ use super::openai::{ApiError, CompletionRequest, DEFAULT_MAX_TOKENS, Prompt, Usa
 use super::sse;
 use crate::engine::progress::Progress;
 use crate::engine::rank::SHUTTING_DOWN;
-use crate::engine::request::EngineRequest;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
+use engine_model::EngineRequest;
 use kv_events::RequestId;
 use serde_json::json;
 use std::sync::Arc;

@@ -1,16 +1,17 @@
 //! Service tests against real nats-server and etcd processes on free loopback ports.
 
 use super::*;
-use crate::cluster::{EtcdServer, NatsServer};
-use crate::engine::{ConnectionArgs, EngineModelConfig, FleetArgs, RuntimeArgs};
+use crate::engine::{ConnectionArgs, FleetArgs, RuntimeArgs};
 use crate::protocol::{ClearReply, GenerateRequest, GenerateResponse};
 use bytes::Bytes;
+use engine_model::EngineModelConfig;
 use futures::StreamExt;
 use kv_cluster::args::{EtcdArgs, NatsArgs};
 use kv_events::{
     KvCacheEventData, KvEventBatch, LoadMetrics, LocalBlockHash, Namespace, RequestId,
 };
 use std::collections::HashSet;
+use testbed::{EtcdServer, NatsServer};
 
 const WAIT: Duration = Duration::from_secs(20);
 

@@ -70,7 +70,7 @@ pub enum VllmEvent {
 pub struct MissingTokens(pub ExternalBlockHash);
 
 /// Turns the core's KV events into vLLM's. `block_tokens` holds the tokens of every
-/// block stored in the step (see [`crate::engine::StepOutput::block_tokens`]);
+/// block stored in the step (see [`engine_model::StepOutput::block_tokens`]);
 /// `block_size` is in tokens.
 ///
 /// # Errors

@@ -2,10 +2,10 @@
 //! captured in `kv-events/tests/fixtures/engines/` (see that folder's README).
 
 use super::*;
-use crate::engine::config::{CpuTierConfig, EngineModelConfig};
-use crate::engine::core::EngineCore;
-use crate::engine::request::EngineRequest;
-use crate::engine::timing::TimingModel;
+use engine_model::EngineCore;
+use engine_model::EngineRequest;
+use engine_model::TimingModel;
+use engine_model::{CpuTierConfig, EngineModelConfig};
 use kv_events::engines::{EngineEvent, EventForm, decode_batch, local_block_hashes};
 use kv_events::{DpRank, ExternalBlockHash, StorageTier, compute_block_hashes};
 use serde_json::Value;

@@ -2,17 +2,17 @@
 //! listeners on ephemeral ports, requests with reqwest.
 
 use super::DP_RANK_HEADER;
-use crate::cluster::{EtcdServer, NatsServer};
 use crate::engine::{
-    ConnectionArgs, EngineArgs, EngineModelConfig, EnginesHandle, FleetArgs, HttpArgs, RuntimeArgs,
-    spawn_engines,
+    ConnectionArgs, EngineArgs, EnginesHandle, FleetArgs, HttpArgs, RuntimeArgs, spawn_engines,
 };
+use engine_model::EngineModelConfig;
 use futures::StreamExt;
 use kv_cluster::args::{EtcdArgs, NatsArgs};
 use kv_events::Namespace;
 use serde_json::{Value, json};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
+use testbed::{EtcdServer, NatsServer};
 use tokio_util::sync::CancellationToken;
 
 struct Engines {

@@ -1,0 +1,84 @@
+//! The routing-quality lab: replay a request trace offline against a simulated
+//! cluster, under every routing policy and several cluster sizes and loads, in one
+//! command, and report the table, a JSON file and charts.
+//!
+//! Why offline: the online replay (`kv-mocker replay` / `quickstart`) exercises the
+//! real daemon, NATS and engines, but runs in (scaled) real time, one policy at a time,
+//! with timing noise. The lab runs the same engine model ([`engine_model::EngineCore`]:
+//! KV cache, continuous batching, timing) and the same routing code (the real
+//! `indexer::RadixTree` and `scheduler::Scheduler`, in-process) on a simulated clock
+//! that jumps from event to event. A run of the 12,031-request Mooncake conversation
+//! trace takes seconds, not an hour, and is a pure function of its inputs and seed.
+//! What it leaves out is the transport: KV events reach the index after a fixed,
+//! configurable lag (`--event-lag-ms`), and route decisions and lifecycle messages are
+//! instantaneous. `docs/benchmarks.md` compares it with the online mode.
+//!
+//! What it costs: one engine core per rank and one index and scheduler per run, on
+//! `--jobs` threads; time proportional to the engine steps simulated (see `sim`).
+//!
+//! Why a crate of its own: the lab is the only part of the mock tooling that needs the
+//! router's `indexer` and `scheduler` and the `plotters` charts. Apart, `kv-mocker`'s
+//! engines, replay and quickstart build without them, and the lab links no NATS, etcd
+//! or HTTP: it drives the pure `engine_model` on a simulated clock. `kv-mocker lab`
+//! dispatches here.
+//!
+//! # Layout
+//! - `cli`: the `kv-mocker lab` flags ([`LabArgs`], [`LabCommand`]) and the sweep.
+//! - `error`: [`LabError`].
+//! - `config`: sweep points ([`Setting`], [`Speedup`]), shared knobs ([`SimConfig`]),
+//!   policies under test ([`LabPolicy`]).
+//! - `fleet`: engines that differ from the router's assumption (engine preset,
+//!   shape factors, per-worker speed).
+//! - `robustness`: `kv-mocker lab robustness`, the policies across engine shapes.
+//! - `calibration`: `kv-mocker lab swing`, how calibration follows a changing load.
+//! - `sim`: the discrete-event simulator of one run; `sessions`: the sessions derived
+//!   from a trace's prefix chains.
+//! - `router`: index plus scheduler as the lab drives them.
+//! - `log`: [`simulate_logged`], a run's route lookups and KV events, for replaying
+//!   the same traffic into other indexes.
+//! - `oracle`: the infinite-cache hit-rate bound.
+//! - `metrics`: per-request records and their aggregate.
+//! - `sweep`: all runs on several threads with a progress bar.
+//! - `report`: the JSON report; `table`: its terminal rendering; `charts`: PNGs.
+
+mod calibration;
+mod calibration_point;
+mod charts;
+mod cli;
+mod config;
+mod error;
+mod fleet;
+mod log;
+mod log_entry;
+mod metrics;
+mod oracle;
+mod report;
+mod robustness;
+mod robustness_report;
+mod router;
+mod sessions;
+mod sim;
+mod study_args;
+mod sweep;
+mod table;
+
+#[cfg(test)]
+mod tests;
+
+pub use calibration::{SwingArgs, SwingReport};
+pub use calibration_point::CalibrationPoint;
+pub use charts::{CHART_FILES, write_charts};
+pub use cli::{LabArgs, LabCommand, run, run_lab, run_lab_with};
+pub use config::{LabPolicy, Setting, SimConfig, Speedup};
+pub use error::LabError;
+pub use fleet::{EnginePreset, Factor, FleetArgs, FleetPreset, TierPricing, WorkerSpeeds};
+pub use log::simulate_logged;
+pub use log_entry::LogEntry;
+pub use metrics::{RequestRecord, RunMetrics};
+pub use oracle::{OracleBound, oracle_bound};
+pub use report::{ConfigInfo, LabReport, RunReport, TimingInfo, TraceInfo};
+pub use robustness::{RobustnessArgs, run_robustness};
+pub use robustness_report::{CellRun, RobustnessReport};
+pub use sim::{PreparedTrace, RunResult, simulate};
+pub use study_args::StudyArgs;
+pub use sweep::{Sweep, run_sweep};

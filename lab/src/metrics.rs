@@ -1,0 +1,199 @@
+//! What one simulated run measured: a record per request, and their aggregate.
+//!
+//! All times are simulated model time. TTFT is first token minus arrival; end-to-end
+//! latency is finish minus arrival; ITL (inter-token latency) of a request is
+//! `(finish − first token) / (output_tokens − 1)`, defined for requests with at least
+//! two output tokens. Statistics come from `engine_model::LatencyHistogram`, as the
+//! online replay's do: nearest-rank percentiles within 0.1%, exact means. Aggregation
+//! is one pass: `O(n)` for `n` requests.
+
+use crate::config::ns_to_ms;
+use engine_model::{LatencyHistogram, LatencyStats};
+use serde::{Deserialize, Serialize};
+
+/// Points of the TTFT CDF kept in the report: quantiles `0, 1/(N−1), …, 1`.
+pub const CDF_POINTS: usize = 101;
+
+/// What happened to one request, in simulated ns since the start of the run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RequestRecord {
+    /// Arrival time.
+    pub arrival_ns: u64,
+    /// Prompt length, in tokens.
+    pub prompt_tokens: u64,
+    /// Prompt tokens served from the prefix cache, in tokens (set at first token).
+    pub cached_tokens: u64,
+    /// The part of `cached_tokens` loaded back from the engine's CPU tier, in tokens.
+    pub loaded_tokens: u64,
+    /// When the first token was produced; `None` until then.
+    pub first_token_ns: Option<u64>,
+    /// When the request finished; `None` until then.
+    pub finish_ns: Option<u64>,
+    /// Tokens generated.
+    pub output_tokens: u64,
+    /// Index of the worker it was routed to; `None` if not routed.
+    pub worker: Option<usize>,
+    /// The router or the engine refused it.
+    pub rejected: bool,
+}
+
+/// Aggregate of one run. JSON keys are the field names; latencies are
+/// `{mean, p50, p90, p99}` objects in model ms, `null` when nothing completed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunMetrics {
+    /// Requests in the trace.
+    pub requests: u64,
+    /// Requests that finished.
+    pub completed: u64,
+    /// Requests the router or an engine refused.
+    pub rejected: u64,
+    /// Prefix-cache hit rate: Σ cached tokens / Σ prompt tokens over completed requests
+    /// (GPU hits and CPU-tier loads).
+    pub hit_rate: Option<f64>,
+    /// The CPU-tier part of `hit_rate`: Σ tokens loaded back from the CPU tier / Σ
+    /// prompt tokens (0 without a CPU tier; absent in older reports).
+    #[serde(default)]
+    pub cpu_tier_hit_rate: Option<f64>,
+    /// Time to first token, in model ms.
+    pub ttft_ms: Option<LatencyStats>,
+    /// Inter-token latency per request (requests with ≥ 2 output tokens), in model ms.
+    pub itl_ms: Option<LatencyStats>,
+    /// End-to-end latency, in model ms.
+    pub e2e_ms: Option<LatencyStats>,
+    /// Output tokens per second of simulated time, from the first arrival to the last
+    /// finish.
+    pub throughput_tokens_per_s: f64,
+    /// Completed requests per second over the same span.
+    pub throughput_requests_per_s: f64,
+    /// Requests routed to each worker, in worker order.
+    pub requests_per_worker: Vec<u64>,
+    /// TTFT quantiles `0, 0.01, …, 1` (`CDF_POINTS`, 101 values), in model ms; empty when
+    /// nothing completed. The chart's CDF is drawn from these.
+    pub ttft_cdf_ms: Vec<f64>,
+    /// KV events the index refused (a `Stored` with an unknown parent); 0 unless the
+    /// simulator delivers events out of order, so a non-zero value is a bug.
+    pub refused_events: u64,
+}
+
+impl RunMetrics {
+    /// Aggregates the records of a run over `workers` workers.
+    pub fn from_records(records: &[RequestRecord], workers: usize, refused_events: u64) -> Self {
+        let mut ttft = LatencyHistogram::default();
+        let mut itl = LatencyHistogram::default();
+        let mut e2e = LatencyHistogram::default();
+        let (mut cached, mut prompt, mut output) = (0u64, 0u64, 0u64);
+        let mut loaded = 0u64;
+        let mut completed = 0u64;
+        let mut rejected = 0u64;
+        let mut per_worker = vec![0u64; workers];
+        let mut span_end = 0u64;
+        let span_start = records.iter().map(|r| r.arrival_ns).min().unwrap_or(0);
+        for r in records {
+            if r.rejected {
+                rejected += 1;
+            }
+            if let Some(w) = r.worker.and_then(|w| per_worker.get_mut(w)) {
+                *w += 1;
+            }
+            let (Some(first), Some(finish)) = (r.first_token_ns, r.finish_ns) else {
+                continue;
+            };
+            completed += 1;
+            span_end = span_end.max(finish);
+            cached += r.cached_tokens;
+            loaded += r.loaded_tokens;
+            prompt += r.prompt_tokens;
+            output += r.output_tokens;
+            ttft.record(ns_to_ms(first.saturating_sub(r.arrival_ns)));
+            e2e.record(ns_to_ms(finish.saturating_sub(r.arrival_ns)));
+            if r.output_tokens >= 2 {
+                itl.record(ns_to_ms(finish.saturating_sub(first)) / (r.output_tokens - 1) as f64);
+            }
+        }
+        let span_s = ns_to_ms(span_end.saturating_sub(span_start)) / 1_000.0;
+        let per_s = |x: u64| if span_s > 0.0 { x as f64 / span_s } else { 0.0 };
+        let ttft_cdf_ms = (0..CDF_POINTS)
+            .filter_map(|i| ttft.quantile(i as f64 / (CDF_POINTS - 1) as f64))
+            .collect();
+        Self {
+            requests: records.len() as u64,
+            completed,
+            rejected,
+            hit_rate: (prompt > 0).then(|| cached as f64 / prompt as f64),
+            cpu_tier_hit_rate: (prompt > 0).then(|| loaded as f64 / prompt as f64),
+            ttft_ms: ttft.stats(),
+            itl_ms: itl.stats(),
+            e2e_ms: e2e.stats(),
+            throughput_tokens_per_s: per_s(output),
+            throughput_requests_per_s: per_s(completed),
+            requests_per_worker: per_worker,
+            ttft_cdf_ms,
+            refused_events,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn done(arrival_ms: u64, ttft_ms: u64, e2e_ms: u64, out: u64, worker: usize) -> RequestRecord {
+        RequestRecord {
+            arrival_ns: arrival_ms * 1_000_000,
+            prompt_tokens: 1_000,
+            cached_tokens: 250,
+            loaded_tokens: 100,
+            first_token_ns: Some((arrival_ms + ttft_ms) * 1_000_000),
+            finish_ns: Some((arrival_ms + e2e_ms) * 1_000_000),
+            output_tokens: out,
+            worker: Some(worker),
+            rejected: false,
+        }
+    }
+
+    #[test]
+    fn aggregates_latencies_hit_rate_and_throughput() {
+        let records = [
+            done(0, 100, 1_100, 11, 0),
+            done(1_000, 300, 2_000, 1, 1),
+            RequestRecord {
+                arrival_ns: 5,
+                prompt_tokens: 10,
+                rejected: true,
+                ..RequestRecord::default()
+            },
+        ];
+        let m = RunMetrics::from_records(&records, 2, 0);
+        assert_eq!((m.requests, m.completed, m.rejected), (3, 2, 1));
+        assert_eq!(m.hit_rate, Some(0.25));
+        assert_eq!(m.cpu_tier_hit_rate, Some(0.1));
+        // Percentiles are nearest-rank within the histogram's 0.1%; means are exact.
+        let close = |got: f64, want: f64| (got - want).abs() <= want * 1e-3;
+        let ttft = m.ttft_ms.unwrap();
+        assert_eq!(ttft.mean, 200.0);
+        assert!(close(ttft.p50, 100.0), "{ttft:?}");
+        // Only the 11-token request has an ITL: 1000 ms over 10 gaps.
+        assert_eq!(m.itl_ms.unwrap().mean, 100.0);
+        assert!(close(m.e2e_ms.unwrap().p99, 2_000.0), "{:?}", m.e2e_ms);
+        // 12 tokens and 2 requests from t = 0 to the last finish at 3 s.
+        assert!((m.throughput_tokens_per_s - 4.0).abs() < 1e-9);
+        assert!((m.throughput_requests_per_s - 2.0 / 3.0).abs() < 1e-9);
+        assert_eq!(m.requests_per_worker, vec![1, 1]);
+        assert_eq!(m.ttft_cdf_ms.len(), CDF_POINTS);
+        assert!(close(m.ttft_cdf_ms[0], 100.0));
+        assert!(close(m.ttft_cdf_ms[50], 100.0));
+        assert!(close(m.ttft_cdf_ms[51], 300.0));
+        assert!(close(m.ttft_cdf_ms[CDF_POINTS - 1], 300.0));
+    }
+
+    #[test]
+    fn nothing_completed_gives_nulls() {
+        let m = RunMetrics::from_records(&[], 3, 0);
+        assert_eq!((m.hit_rate, m.ttft_ms, m.itl_ms), (None, None, None));
+        assert!(m.ttft_cdf_ms.is_empty());
+        assert_eq!(m.throughput_tokens_per_s, 0.0);
+        let json = serde_json::to_value(&m).unwrap();
+        assert!(json["ttft_ms"].is_null());
+        assert_eq!(json["requests_per_worker"], serde_json::json!([0, 0, 0]));
+    }
+}

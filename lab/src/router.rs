@@ -1,0 +1,232 @@
+//! The router as the lab runs it: the real `indexer::RadixTree` fed with the engines'
+//! KV events, and the real `scheduler::Scheduler` choosing and booking ranks —
+//! in-process, no NATS.
+//!
+//! This is the daemon's routing path without its transport: a route request looks up
+//! the prompt's overlap blocks in the tree, the scheduler picks and books a rank, and
+//! the frontend's lifecycle (`prefill_done`, `freed`) releases the booking. All calls
+//! that touch the scheduler's API live in this file, so API changes land here only.
+
+use crate::config::{LabPolicy, SimConfig};
+use crate::error::LabError;
+use crate::fleet::TierPricing;
+use indexer::RadixTree;
+use kv_events::discovery::WorkerRegistration;
+use kv_events::routing::{PolicyKind, SessionId};
+use kv_events::{KvCacheEvent, LocalBlockHash, RequestId, WorkerId, WorkerRank};
+use scheduler::{
+    CalibrationConfig, PolicyConfig, RankCalibration, ScheduleRequest, Scheduler, SchedulerConfig,
+    SessionConfig,
+};
+use std::time::{Duration, Instant};
+
+/// Who decides.
+#[derive(Debug)]
+enum Decider {
+    /// A scheduler configured with one policy's default knobs, as `kv-router serve
+    /// --policy <kind>` runs it.
+    Scheduler {
+        scheduler: Box<Scheduler>,
+        /// Simulated time 0 as an `Instant` (the scheduler takes `Instant`s; only
+        /// differences matter, so runs stay deterministic).
+        epoch: Instant,
+    },
+}
+
+/// Index plus decider for one run; ranks are identified by their index in `ranks`.
+#[derive(Debug)]
+pub(super) struct Router {
+    tree: RadixTree,
+    ranks: Vec<WorkerRank>,
+    block_size: u32,
+    decider: Decider,
+    refused_events: u64,
+    /// Whether route requests carry their derived session ([`LabPolicy::Sessions`]).
+    sessions: bool,
+}
+
+impl Router {
+    /// A router over `ranks` (sorted, one dp rank per worker), all registered.
+    ///
+    /// # Errors
+    /// [`LabError::Scheduler`] if the scheduler refuses the configuration or a
+    /// registration.
+    pub fn new(
+        policy: LabPolicy,
+        ranks: &[WorkerRank],
+        config: &SimConfig,
+    ) -> Result<Self, LabError> {
+        let decider = match policy {
+            LabPolicy::Scheduler(kind)
+            | LabPolicy::Calibrated(kind)
+            | LabPolicy::Sessions(kind)
+            | LabPolicy::Tuned(kind) => {
+                let scheduler_config = SchedulerConfig {
+                    policy: policy_config(policy, kind, config),
+                    calibration: CalibrationConfig {
+                        enabled: matches!(policy, LabPolicy::Calibrated(_)),
+                        ..CalibrationConfig::default()
+                    },
+                    sessions: SessionConfig {
+                        enabled: matches!(policy, LabPolicy::Sessions(_)),
+                        ..config.sessions
+                    },
+                    ..SchedulerConfig::default()
+                };
+                let mut scheduler = Scheduler::new(scheduler_config, Some(config.seed))?;
+                for rank in ranks {
+                    scheduler.add_worker(WorkerRegistration {
+                        worker_id: rank.worker_id,
+                        dp_size: 1,
+                        block_size: config.engine.block_size,
+                        total_kv_blocks: config.engine.num_gpu_blocks,
+                        url: None,
+                        epoch: 0,
+                        max_model_len: None,
+                    })?;
+                }
+                Decider::Scheduler {
+                    scheduler: Box::new(scheduler),
+                    epoch: Instant::now(),
+                }
+            }
+        };
+        Ok(Self {
+            tree: RadixTree::new(),
+            ranks: ranks.to_vec(),
+            block_size: config.engine.block_size,
+            decider,
+            refused_events: 0,
+            sessions: matches!(policy, LabPolicy::Sessions(_)),
+        })
+    }
+
+    /// Routes and books, at simulated time `now_ns`, a prompt of `block_hashes` (one
+    /// per engine block, the last may be partial) and `num_tokens` tokens of the
+    /// derived session `session` (sent only under [`LabPolicy::Sessions`]); returns the
+    /// chosen rank's index.
+    ///
+    /// # Errors
+    /// [`LabError::Scheduler`] when the scheduler refuses (e.g. a duplicate id), or
+    /// [`LabError::NoRank`] when the decision names a rank the lab does not run.
+    pub fn route(
+        &mut self,
+        id: &RequestId,
+        block_hashes: &[LocalBlockHash],
+        num_tokens: u64,
+        session: u32,
+        now_ns: u64,
+    ) -> Result<usize, LabError> {
+        let scores = self.tree.find_matches(block_hashes);
+        match &mut self.decider {
+            Decider::Scheduler { scheduler, epoch } => {
+                let mut request = ScheduleRequest::new(
+                    id.clone(),
+                    block_hashes.to_vec(),
+                    num_tokens,
+                    self.block_size,
+                );
+                if self.sessions {
+                    // A short ASCII name is always a valid id.
+                    request.session_id = SessionId::new(&format!("s{session}")).ok();
+                }
+                let selection = scheduler.schedule(&request, &scores, at(*epoch, now_ns))?;
+                self.ranks
+                    .binary_search(&selection.rank)
+                    .map_err(|_| LabError::NoRank(selection.rank))
+            }
+        }
+    }
+
+    /// The request's first token arrived at simulated time `now_ns`.
+    pub fn prefill_done(&mut self, id: &RequestId, now_ns: u64) {
+        match &mut self.decider {
+            Decider::Scheduler { scheduler, epoch } => {
+                // An unknown id means the request was never booked; nothing to release.
+                let _ = scheduler.mark_prefill_completed(id, at(*epoch, now_ns));
+            }
+        }
+    }
+
+    /// The request ended (finished or refused by its engine) at simulated time
+    /// `now_ns`.
+    pub fn free(&mut self, id: &RequestId, now_ns: u64) {
+        match &mut self.decider {
+            Decider::Scheduler { scheduler, epoch } => {
+                // As above: unknown ids have nothing booked.
+                let _ = scheduler.free(id, at(*epoch, now_ns));
+            }
+        }
+    }
+
+    /// Applies one rank's KV events, in order. Refused events are counted (see
+    /// [`Router::refused_events`]).
+    pub fn apply(&mut self, worker_id: WorkerId, events: &[KvCacheEvent]) {
+        for event in events {
+            if self.tree.apply_event(worker_id, event).is_err() {
+                self.refused_events += 1;
+            }
+        }
+    }
+
+    /// What online calibration learned about rank `index` (`None` when the decider
+    /// does not calibrate).
+    pub fn calibration(&self, index: usize) -> Option<RankCalibration> {
+        match &self.decider {
+            Decider::Scheduler { scheduler, .. } => scheduler.calibration(*self.ranks.get(index)?),
+        }
+    }
+
+    /// Events the index refused so far; non-zero only if events arrive out of order.
+    pub fn refused_events(&self) -> u64 {
+        self.refused_events
+    }
+}
+
+/// The scheduler policy `kind` as the run `config` sets it up for `policy`: its
+/// defaults with the run's delay cap, the engines' own constants under
+/// [`LabPolicy::Tuned`], and lower tiers priced per the run's [`TierPricing`].
+fn policy_config(policy: LabPolicy, kind: PolicyKind, config: &SimConfig) -> PolicyConfig {
+    let mut policy_config = PolicyConfig::default_for(kind);
+    if let PolicyConfig::PredictedTtft(c) = &mut policy_config {
+        c.delay_cap = config.delay_cap;
+    }
+    if matches!(policy, LabPolicy::Tuned(_)) {
+        engines_constants(&mut policy_config, config);
+    }
+    tier_priced(policy_config, config.tier_pricing)
+}
+
+/// Sets `predicted-ttft`'s step-time constants to the simulated engines' own (at
+/// speed 1) and its batch budget to theirs; other policies have no constants.
+fn engines_constants(policy: &mut PolicyConfig, config: &SimConfig) {
+    if let PolicyConfig::PredictedTtft(c) = policy {
+        let t = config.timing;
+        c.timing.step_base_ms = t.step_base_ms;
+        c.timing.prefill_ms_per_token = t.prefill_ms_per_token;
+        c.timing.decode_ms_per_seq = t.decode_ms_per_seq;
+        c.timing.kv_read_ms_per_token = t.kv_read_ms_per_token;
+        c.timing.max_num_batched_tokens = config.engine.max_num_batched_tokens;
+    }
+}
+
+/// `policy` with blocks held only on a lower tier priced per `pricing`: unchanged
+/// when on; when off, `predicted-ttft` charges them the prefill cost per token and
+/// `kv` gives them no credit (other policies never price tiers).
+fn tier_priced(mut policy: PolicyConfig, pricing: TierPricing) -> PolicyConfig {
+    if pricing == TierPricing::Off {
+        match &mut policy {
+            PolicyConfig::Kv(c) => c.lower_tier_credit = 0.0,
+            PolicyConfig::PredictedTtft(c) => {
+                c.timing.tier_load_ms_per_token = c.timing.prefill_ms_per_token;
+            }
+            _ => {}
+        }
+    }
+    policy
+}
+
+/// Simulated time `ns` as an `Instant` after `epoch`.
+fn at(epoch: Instant, ns: u64) -> Instant {
+    epoch + Duration::from_nanos(ns)
+}

@@ -1,0 +1,475 @@
+//! The discrete-event simulator: one trace, one cluster size, one speed-up, one policy.
+//!
+//! Simulated time is whole nanoseconds. Three kinds of things happen, and the clock
+//! jumps straight from one to the next (no ticks), so the cost is proportional to the
+//! work done — engine steps, arrivals, event deliveries — not to the simulated span:
+//!
+//! - **arrival** of request `i` at `timestamp_ms / speedup`: route it (index lookup
+//!   and scheduler decision), queue it on the chosen rank's [`EngineCore`], and start a
+//!   step there if the rank is idle;
+//! - **step end** of a rank, `duration_ms` after the step started: the step's first
+//!   tokens and finished requests take effect (TTFT and end-to-end times are taken
+//!   here; the router hears `prefill_done` / `freed` at once), its KV events leave for
+//!   the index, and the next step starts if the rank has work;
+//! - **event delivery**, `event_lag` after the step end that produced the events: they
+//!   are applied to the index. With a lag of 0 they are applied at the step end, before
+//!   anything else at that instant.
+//!
+//! As in the live engine (`engine::rank`), a step's schedule is fixed when it starts
+//! ([`EngineCore::step`]) and its outputs are published when it ends; requests that
+//! arrive meanwhile wait for the next step. Ties at one instant are ordered: pending
+//! step ends and deliveries before arrivals, and among them by creation order, so a run
+//! is a pure function of its inputs (the scheduler's RNG is seeded).
+
+use crate::calibration_point::CalibrationPoint;
+use crate::config::{LabPolicy, Setting, SimConfig, ms_to_ns, ns_to_ms};
+use crate::error::LabError;
+use crate::fleet::at_speed;
+use crate::log_entry::LogEntry;
+use crate::metrics::{RequestRecord, RunMetrics};
+use crate::router::Router;
+use engine_model::trace::{BlockMapping, TraceRequest};
+use engine_model::{EngineCore, EngineRequest, StepOutput};
+use kv_events::{
+    DpRank, KvCacheEvent, KvCacheEventData, LocalBlockHash, RequestId, WorkerId, WorkerRank,
+};
+use std::cmp::{Ordering, Reverse};
+use std::collections::{BinaryHeap, HashMap};
+
+/// A trace prepared for simulation: every prompt mapped onto engine blocks once, shared
+/// by all runs.
+#[derive(Debug, Clone)]
+pub struct PreparedTrace {
+    requests: Vec<PreparedRequest>,
+    block_size: u32,
+}
+
+#[derive(Debug, Clone)]
+struct PreparedRequest {
+    timestamp_ms: u64,
+    prompt_tokens: u64,
+    max_tokens: u64,
+    block_hashes: Vec<LocalBlockHash>,
+    /// The session derived from the trace's prefix chains ([`crate::sessions`]).
+    session: u32,
+}
+
+impl PreparedTrace {
+    /// Maps every request of `trace` onto engine blocks with `mapping` and derives its
+    /// session (the `sessions` module). A request with
+    /// `output_length` 0 asks for 1 token (the first token is always produced), as the
+    /// online replay does.
+    pub fn new(trace: &[TraceRequest], mapping: BlockMapping) -> Self {
+        let requests = trace
+            .iter()
+            .zip(crate::sessions::derive(trace))
+            .map(|(r, session)| PreparedRequest {
+                timestamp_ms: r.timestamp_ms,
+                prompt_tokens: r.input_length,
+                max_tokens: r.output_length.max(1),
+                block_hashes: mapping.block_hashes(r),
+                session,
+            })
+            .collect();
+        Self {
+            requests,
+            block_size: mapping.engine_block_size(),
+        }
+    }
+
+    /// Number of requests.
+    pub fn len(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// True when the trace has no request.
+    pub fn is_empty(&self) -> bool {
+        self.requests.is_empty()
+    }
+
+    /// Tokens per engine block the prompts were mapped to.
+    pub fn block_size(&self) -> u32 {
+        self.block_size
+    }
+
+    /// Span of the arrivals, from the first to the last, in trace ms.
+    pub fn span_ms(&self) -> u64 {
+        match (self.requests.first(), self.requests.last()) {
+            (Some(a), Some(b)) => b.timestamp_ms - a.timestamp_ms,
+            _ => 0,
+        }
+    }
+
+    /// `(prompt tokens, engine block hashes)` of every request, in arrival order.
+    pub fn prompts(&self) -> impl Iterator<Item = (u64, &[LocalBlockHash])> {
+        self.requests
+            .iter()
+            .map(|r| (r.prompt_tokens, r.block_hashes.as_slice()))
+    }
+}
+
+/// The result of one simulated run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunResult {
+    /// One record per trace request, in trace order.
+    pub records: Vec<RequestRecord>,
+    /// KV events the index refused (should be 0).
+    pub refused_events: u64,
+    /// Engine steps simulated, over all ranks.
+    pub steps: u64,
+    /// Every rank's calibration estimates, at each sample time
+    /// ([`SimConfig::calibration_sample_ms`]) and at the end of the run, in time
+    /// order; empty unless the router calibrates.
+    pub calibration: Vec<CalibrationPoint>,
+}
+
+impl RunResult {
+    /// The aggregate metrics of this run over `workers` workers.
+    pub fn metrics(&self, workers: usize) -> RunMetrics {
+        RunMetrics::from_records(&self.records, workers, self.refused_events)
+    }
+}
+
+/// Something scheduled at a simulated instant.
+#[derive(Debug)]
+enum Event {
+    /// Rank `rank`'s current step ends with `output`.
+    StepEnd { rank: usize, output: StepOutput },
+    /// Rank `rank`'s KV events reach the index.
+    Deliver {
+        rank: usize,
+        events: Vec<KvCacheEvent>,
+    },
+}
+
+/// An [`Event`] with its time and a creation sequence number for tie-breaking.
+#[derive(Debug)]
+struct Timed {
+    at: u64,
+    seq: u64,
+    event: Event,
+}
+
+impl PartialEq for Timed {
+    fn eq(&self, other: &Self) -> bool {
+        (self.at, self.seq) == (other.at, other.seq)
+    }
+}
+
+impl Eq for Timed {}
+
+impl PartialOrd for Timed {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Timed {
+    fn cmp(&self, other: &Self) -> Ordering {
+        (self.at, self.seq).cmp(&(other.at, other.seq))
+    }
+}
+
+/// One simulated dp rank.
+#[derive(Debug)]
+struct SimRank {
+    id: WorkerRank,
+    core: EngineCore,
+    /// A step is in flight (its end is in the queue).
+    stepping: bool,
+    next_event_id: u64,
+}
+
+/// The state of one run.
+struct Sim<'a> {
+    trace: &'a PreparedTrace,
+    lag_ns: u64,
+    ranks: Vec<SimRank>,
+    router: Router,
+    queue: BinaryHeap<Reverse<Timed>>,
+    seq: u64,
+    records: Vec<RequestRecord>,
+    /// Request id → trace index, for requests routed and not yet finished.
+    active: HashMap<RequestId, usize>,
+    steps: u64,
+    /// Where route lookups and deliveries are recorded, when the caller asked.
+    log: Option<&'a mut Vec<LogEntry>>,
+    /// Calibration sample interval and the next sample time, in ns.
+    sample_every_ns: Option<u64>,
+    next_sample_ns: u64,
+    calibration: Vec<CalibrationPoint>,
+}
+
+/// Simulates `trace` on `setting.workers` ranks under `policy`; rank `i` runs the
+/// engines' timing at `config.speeds`' `i`-th speed.
+///
+/// # Errors
+/// [`LabError`] if the configuration is invalid (engine model, timing, event lag, a
+/// speed list that does not match the workers), the block
+/// size differs from the one the trace was prepared for, or the scheduler refuses its
+/// configuration. Individual requests never fail the run: refusals are recorded.
+pub fn simulate(
+    trace: &PreparedTrace,
+    setting: Setting,
+    policy: LabPolicy,
+    config: &SimConfig,
+) -> Result<RunResult, LabError> {
+    run_sim(trace, setting, policy, config, None)
+}
+
+/// Runs one simulation; when `log` is given, every route lookup and every KV event
+/// delivery the index sees is appended to it, in order (see [`crate::log`]).
+pub(super) fn run_sim(
+    trace: &PreparedTrace,
+    setting: Setting,
+    policy: LabPolicy,
+    config: &SimConfig,
+    log: Option<&mut Vec<LogEntry>>,
+) -> Result<RunResult, LabError> {
+    config.validate()?;
+    if config.engine.block_size != trace.block_size {
+        return Err(LabError::BlockSizeMismatch {
+            trace: trace.block_size,
+            engine: config.engine.block_size,
+        });
+    }
+    if setting.workers == 0 {
+        return Err(LabError::NoWorkers);
+    }
+    let ids: Vec<WorkerRank> = (1..=u64::from(setting.workers))
+        .map(|w| WorkerRank::new(WorkerId(w), DpRank(0)))
+        .collect();
+    let speeds = config.speeds.for_workers(setting.workers)?;
+    let ranks = ids
+        .iter()
+        .zip(speeds)
+        .map(|(&id, speed)| {
+            Ok(SimRank {
+                id,
+                core: EngineCore::new(config.engine, at_speed(config.timing, speed))?
+                    .with_cpu_tier(config.cpu_tier)?,
+                stepping: false,
+                next_event_id: 0,
+            })
+        })
+        .collect::<Result<Vec<_>, LabError>>()?;
+    let mut sim = Sim {
+        trace,
+        lag_ns: config.event_lag_ns(),
+        ranks,
+        router: Router::new(policy, &ids, config)?,
+        queue: BinaryHeap::new(),
+        seq: 0,
+        records: trace
+            .requests
+            .iter()
+            .map(|r| RequestRecord {
+                arrival_ns: setting.speedup.arrival_ns(r.timestamp_ms),
+                prompt_tokens: r.prompt_tokens,
+                ..RequestRecord::default()
+            })
+            .collect(),
+        active: HashMap::new(),
+        steps: 0,
+        log,
+        sample_every_ns: config.calibration_sample_ms.map(|ms| ms_to_ns(ms).max(1)),
+        next_sample_ns: 0,
+        calibration: Vec::new(),
+    };
+    sim.run();
+    let end_ns = sim
+        .records
+        .iter()
+        .filter_map(|r| r.finish_ns)
+        .max()
+        .unwrap_or(0);
+    sim.sample_calibration(end_ns);
+    Ok(RunResult {
+        refused_events: sim.router.refused_events(),
+        steps: sim.steps,
+        records: sim.records,
+        calibration: sim.calibration,
+    })
+}
+
+impl Sim<'_> {
+    fn run(&mut self) {
+        let mut next = 0;
+        loop {
+            let arrival = self.records.get(next).map(|r| r.arrival_ns);
+            let due = self.queue.peek().map(|Reverse(t)| t.at);
+            let event_first = match (due, arrival) {
+                (Some(at), Some(a)) => at <= a,
+                (Some(_), None) => true,
+                (None, Some(_)) => false,
+                (None, None) => break,
+            };
+            if let Some(every) = self.sample_every_ns {
+                let now = if event_first { due } else { arrival }.unwrap_or(0);
+                while self.next_sample_ns <= now {
+                    self.sample_calibration(self.next_sample_ns);
+                    self.next_sample_ns += every;
+                }
+            }
+            if event_first {
+                if let Some(Reverse(timed)) = self.queue.pop() {
+                    self.handle(timed.at, timed.event);
+                }
+            } else if let Some(at) = arrival {
+                self.arrive(next, at);
+                next += 1;
+            }
+        }
+    }
+
+    fn push(&mut self, at: u64, event: Event) {
+        self.seq += 1;
+        self.queue.push(Reverse(Timed {
+            at,
+            seq: self.seq,
+            event,
+        }));
+    }
+
+    /// Rank `rank`'s KV events reach the index (and the log, if kept).
+    fn deliver(&mut self, rank: usize, events: Vec<KvCacheEvent>) {
+        let worker_id = self.ranks[rank].id.worker_id;
+        self.router.apply(worker_id, &events);
+        if let Some(log) = self.log.as_mut() {
+            log.push(LogEntry::Events { worker_id, events });
+        }
+    }
+
+    fn arrive(&mut self, index: usize, now: u64) {
+        let trace = self.trace;
+        let request = &trace.requests[index];
+        if let Some(log) = self.log.as_mut() {
+            log.push(LogEntry::Route {
+                block_hashes: request.block_hashes.clone(),
+            });
+        }
+        let id = RequestId(index.to_string());
+        let rank = match self.router.route(
+            &id,
+            &request.block_hashes,
+            request.prompt_tokens,
+            request.session,
+            now,
+        ) {
+            Ok(rank) => rank,
+            Err(err) => {
+                tracing::debug!(request = index, %err, "route refused");
+                self.records[index].rejected = true;
+                return;
+            }
+        };
+        self.records[index].worker = Some(rank);
+        let engine_request = EngineRequest {
+            request_id: id.clone(),
+            block_hashes: request.block_hashes.clone(),
+            prompt_tokens: request.prompt_tokens,
+            max_tokens: request.max_tokens,
+            token_ids: None,
+        };
+        if let Err(reason) = self.ranks[rank].core.add_request(engine_request) {
+            tracing::debug!(request = index, %reason, "engine refused");
+            self.records[index].rejected = true;
+            self.router.free(&id, now);
+            return;
+        }
+        self.active.insert(id, index);
+        if !self.ranks[rank].stepping {
+            self.start_step(rank, now);
+        }
+    }
+
+    fn start_step(&mut self, rank: usize, now: u64) {
+        let output = self.ranks[rank].core.step();
+        self.steps += 1;
+        self.ranks[rank].stepping = true;
+        // A step with work has a positive duration; max(1) keeps time moving even for
+        // a degenerate timing model of all zeros.
+        let end = now + ms_to_ns(output.duration_ms).max(1);
+        self.push(end, Event::StepEnd { rank, output });
+    }
+
+    fn handle(&mut self, now: u64, event: Event) {
+        match event {
+            Event::StepEnd { rank, output } => self.end_step(rank, now, output),
+            Event::Deliver { rank, events } => self.deliver(rank, events),
+        }
+    }
+
+    fn end_step(&mut self, rank: usize, now: u64, output: StepOutput) {
+        let events = self.number_events(rank, output.kv_events);
+        if !events.is_empty() {
+            if self.lag_ns == 0 {
+                self.deliver(rank, events);
+            } else {
+                self.push(now + self.lag_ns, Event::Deliver { rank, events });
+            }
+        }
+        for first in output.first_tokens {
+            if let Some(&index) = self.active.get(&first.request_id) {
+                let record = &mut self.records[index];
+                record.first_token_ns = Some(now);
+                record.cached_tokens = first.cached_tokens;
+                record.loaded_tokens = first.loaded_tokens;
+                self.router.prefill_done(&first.request_id, now);
+            }
+        }
+        for done in output.finished {
+            if let Some(index) = self.active.remove(&done.request_id) {
+                let record = &mut self.records[index];
+                record.finish_ns = Some(now);
+                record.output_tokens = done.output_tokens;
+                self.router.free(&done.request_id, now);
+            }
+        }
+        self.ranks[rank].stepping = false;
+        if self.ranks[rank].core.has_work() {
+            self.start_step(rank, now);
+        }
+    }
+
+    /// Records every rank's calibration estimates at `now_ns` (nothing when the
+    /// router does not calibrate).
+    fn sample_calibration(&mut self, now_ns: u64) {
+        for worker in 0..self.ranks.len() {
+            if let Some(c) = self.router.calibration(worker) {
+                self.calibration
+                    .push(CalibrationPoint::new(ns_to_ms(now_ns), worker + 1, &c));
+            }
+        }
+    }
+
+    /// Gives a step's events the rank's next event ids, as the live engine does.
+    fn number_events(&mut self, rank: usize, data: Vec<KvCacheEventData>) -> Vec<KvCacheEvent> {
+        let r = &mut self.ranks[rank];
+        data.into_iter()
+            .map(|data| {
+                let event_id = r.next_event_id;
+                r.next_event_id += 1;
+                KvCacheEvent {
+                    event_id,
+                    dp_rank: r.id.dp_rank,
+                    data,
+                }
+            })
+            .collect()
+    }
+}
+
+impl RunResult {
+    /// Each rank's last calibration point, by worker.
+    pub fn final_calibration(&self) -> Vec<CalibrationPoint> {
+        let mut last: Vec<CalibrationPoint> = Vec::new();
+        for p in self.calibration.iter().rev() {
+            if !last.iter().any(|q| q.worker == p.worker) {
+                last.push(*p);
+            }
+        }
+        last.sort_by_key(|p| p.worker);
+        last
+    }
+}
