@@ -88,6 +88,7 @@ pub struct EtcdTls {
 impl EtcdConfig {
     /// The etcd client options: timeouts, keep-alive, credentials and TLS.
     pub fn connect_options(&self) -> ConnectOptions {
+        crate::http::install_crypto_provider();
         let mut options = ConnectOptions::new()
             .with_connect_timeout(self.connect_timeout)
             .with_keep_alive(Duration::from_secs(10), Duration::from_secs(5));
