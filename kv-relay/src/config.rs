@@ -209,39 +209,41 @@ pub(crate) fn invalid(field: &'static str, reason: impl Into<String>) -> Error {
     }
 }
 
-/// `tcp://host:port` with the port increased by `offset`.
-fn offset_port(endpoint: &str, offset: u32, field: &'static str) -> Result<String, Error> {
-    let (head, port) = endpoint
-        .rsplit_once(':')
-        .ok_or_else(|| invalid(field, format!("{endpoint:?} has no port")))?;
-    let port: u32 = port
-        .parse()
-        .map_err(|_| invalid(field, format!("{endpoint:?} has no numeric port")))?;
-    let shifted = port + offset;
-    if shifted > u32::from(u16::MAX) {
-        return Err(invalid(
-            field,
-            format!("{endpoint:?} + rank {offset} passes port 65535"),
-        ));
-    }
-    Ok(format!("{head}:{shifted}"))
-}
-
-fn check_endpoint(endpoint: &str, field: &'static str) -> Result<(), Error> {
-    if !endpoint.starts_with("tcp://") {
+/// A `tcp://host:port` endpoint and its port.
+fn tcp_endpoint(endpoint: &str, field: &'static str) -> Result<(url::Url, u16), Error> {
+    let url =
+        url::Url::parse(endpoint).map_err(|e| invalid(field, format!("{endpoint:?}: {e}")))?;
+    if url.scheme() != "tcp" || url.host_str().is_none_or(str::is_empty) {
         return Err(invalid(
             field,
             format!("{endpoint:?} is not a tcp:// endpoint"),
         ));
     }
-    offset_port(endpoint, 0, field).map(|_| ())
+    let port = url
+        .port()
+        .ok_or_else(|| invalid(field, format!("{endpoint:?} has no port")))?;
+    Ok((url, port))
+}
+
+/// `tcp://host:port` with the port increased by `offset`.
+fn offset_port(endpoint: &str, offset: u32, field: &'static str) -> Result<String, Error> {
+    let (mut url, port) = tcp_endpoint(endpoint, field)?;
+    let shifted = u16::try_from(u32::from(port) + offset).map_err(|_| {
+        invalid(
+            field,
+            format!("{endpoint:?} + rank {offset} passes port 65535"),
+        )
+    })?;
+    url.set_port(Some(shifted))
+        .map_err(|()| invalid(field, format!("{endpoint:?} takes no port")))?;
+    Ok(url.to_string())
 }
 
 /// Expands `given` to `n` endpoints: as is when there are `n`, or by port offset
 /// from one base endpoint.
 fn expand(given: &[String], n: u32, field: &'static str) -> Result<Vec<String>, Error> {
     for e in given {
-        check_endpoint(e, field)?;
+        tcp_endpoint(e, field)?;
     }
     match given.len() {
         len if len == n as usize => Ok(given.to_vec()),
