@@ -14,7 +14,7 @@
 //! - [`nats`]: NATS seed list, authentication (creds, token, user/password) and TLS,
 //!   turned into connect options.
 //! - [`etcd`]: etcd connection settings (TLS, user and password), the client, and the
-//!   retry [`etcd::Backoff`].
+//!   retry schedule ([`etcd::retry_delays`]).
 //! - [`limits`]: the `Limits` flags, the bounds on messages and registrations.
 //! - [`lease`]: a worker's registration under an etcd lease (register, keep alive,
 //!   revoke).
