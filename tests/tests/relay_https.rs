@@ -90,11 +90,18 @@ async fn serve_https(pki: &Pki) -> (String, tokio::task::JoinHandle<()>) {
 }
 
 /// The worker registers the block size, KV capacity and context length that the
-/// engine states over https, trusted through `--metrics-tls-ca`.
+/// engine states over https, trusted through `--metrics-tls-ca`; without that CA
+/// the certificate is refused.
 #[tokio::test]
 async fn the_relay_scrapes_an_https_engine_signed_by_a_private_ca() {
     let pki = Pki::generate().unwrap();
     let (base, server) = serve_https(&pki).await;
+    let untrusting = kv_cluster::http::client().unwrap();
+    let refused = kv_cluster::http::get_text(&untrusting, format!("{base}/metrics"), WAIT, 1 << 20)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(refused.contains("certificate"), "{refused}");
     let cluster = TestCluster::start(BLOCK).await.unwrap();
     let daemon = cluster.start_daemon(|_| {}).await.unwrap();
     let mut engine = FakeEngine::start("kv-events", ReplayFraming::WithTopic).await;
