@@ -11,7 +11,7 @@
 //! - `connection` (private): one connection's record and the watchdog that closes it.
 //! - `request` (private): requests counted in flight, bodies under deadlines
 //!   ([`BodyTimeout`]), answers marked for what the connection does next.
-//! - [`client`]: reqwest clients with the process's one crypto provider
+//! - [`client`](mod@client): reqwest clients with the process's one crypto provider
 //!   ([`client_builder`]), bounded body reads ([`read_body`]) and [`get_text`].
 //! - [`exposition`]: the samples of a Prometheus text page ([`metric_sample`]).
 
