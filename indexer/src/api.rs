@@ -1,12 +1,9 @@
-//! [`IndexerApi`]: the one API of a running indexer, whichever design drives it.
+//! [`IndexerApi`]: the API of a running indexer.
 //!
-//! The index has two concurrent fronts ([`crate::InlineIndexer`] and
-//! [`crate::ShardedIndexer`]) and a handle that picks one at run time
-//! ([`crate::Indexer`]). They differ only in how a call reaches a shard's
-//! [`crate::OrderedIndex`] (a lock taken in the caller, or a message to the shard's
-//! task), so the calls, their guarantees and their errors are stated once, here, and
-//! the contract suite (`indexer/tests/contract*.rs`) runs every front through this
-//! trait.
+//! The calls, their guarantees and their errors are stated once, here, apart from
+//! how [`crate::Indexer`] meets them (a shard's [`crate::OrderedIndex`] behind a lock
+//! taken in the caller), and the contract suite (`indexer/tests/contract*.rs`) runs
+//! the front through this trait, next to the synchronous layers it is built on.
 //!
 //! # Guarantees, for every implementation
 //! - **Per-worker order**: a worker's batches and remove-worker commands are applied
@@ -27,8 +24,7 @@
 //!
 //! The async methods return `Send` futures, so a caller may run them in spawned
 //! tasks. The trait is not object safe (its futures are `impl Future`); code generic
-//! over the front takes `I: IndexerApi`, and the daemon holds the enum
-//! [`crate::Indexer`].
+//! over the front takes `I: IndexerApi`, and the daemon holds [`crate::Indexer`].
 
 use crate::counters::IndexerCounters;
 use crate::error::IndexerError;
@@ -43,9 +39,7 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 
 /// A running KV block index: KV events and recovery replies in, per-rank prefix
-/// scores, dumps and sizes out. Implemented by [`crate::InlineIndexer`],
-/// [`crate::ShardedIndexer`] and the run-time choice between them,
-/// [`crate::Indexer`]. Handles are cheap to clone; every clone shares the same
+/// scores, dumps and sizes out. Implemented by [`crate::Indexer`]. Handles are cheap to clone; every clone shares the same
 /// shards. See the module docs for the ordering, consistency and shutdown rules.
 pub trait IndexerApi: Clone + Send + Sync + 'static {
     /// Number of shards (each owns the workers `w` with `w % num_shards` equal to
@@ -65,9 +59,8 @@ pub trait IndexerApi: Clone + Send + Sync + 'static {
     fn take_recovery_needs(&self) -> Option<mpsc::UnboundedReceiver<RecoveryNeed>>;
 
     /// Applies a batch of KV events under the ordering rules (duplicates dropped,
-    /// gaps buffered and recovered, restarted publishers reset). The inline front
-    /// applies it before returning; the sharded one returns once it is enqueued on
-    /// its worker's shard, waiting while that queue is full (backpressure). Events
+    /// gaps buffered and recovered, restarted publishers reset), before returning,
+    /// under its worker's shard's write lock. Events
     /// the tree refuses are logged and counted ([`IndexerApi::counters`]), not
     /// returned.
     ///
@@ -143,7 +136,7 @@ pub trait IndexerApi: Clone + Send + Sync + 'static {
     /// holds, across all shards (see [`crate::RadixTree::find_matches`]).
     ///
     /// # Errors
-    /// [`IndexerError::ShuttingDown`] after shutdown or when a shard has stopped.
+    /// [`IndexerError::ShuttingDown`] after shutdown.
     fn find_matches(
         &self,
         hashes: impl Into<Arc<[LocalBlockHash]>>,
@@ -153,34 +146,35 @@ pub trait IndexerApi: Clone + Send + Sync + 'static {
     /// [`crate::RadixTree::dump`], one batch per worker, sorted by worker id.
     ///
     /// # Errors
-    /// [`IndexerError::ShuttingDown`] after shutdown or when a shard has stopped.
+    /// [`IndexerError::ShuttingDown`] after shutdown.
     fn dump(&self) -> impl Future<Output = Result<Vec<KvEventBatch>, IndexerError>> + Send;
 
     /// The whole index as data: the dump plus every rank's event cursor (batches
     /// sorted by worker, cursors by rank).
     ///
     /// # Errors
-    /// [`IndexerError::ShuttingDown`] after shutdown or when a shard has stopped.
+    /// [`IndexerError::ShuttingDown`] after shutdown.
     fn snapshot(&self) -> impl Future<Output = Result<IndexSnapshot, IndexerError>> + Send;
 
     /// Nodes, entries, ranks and approximate bytes, summed over shards.
     ///
     /// # Errors
-    /// [`IndexerError::ShuttingDown`] after shutdown or when a shard has stopped.
+    /// [`IndexerError::ShuttingDown`] after shutdown.
     fn stats(&self) -> impl Future<Output = Result<IndexerStats, IndexerError>> + Send;
 
     /// Sizes, blocks per rank and recovery state, summed over shards.
     ///
     /// # Errors
-    /// [`IndexerError::ShuttingDown`] after shutdown or when a shard has stopped.
+    /// [`IndexerError::ShuttingDown`] after shutdown.
     fn report(&self) -> impl Future<Output = Result<IndexerReport, IndexerError>> + Send;
 
     /// Counters of applied, skipped, rejected and recovered events, shared by all
     /// shards.
     fn counters(&self) -> &IndexerCounters;
 
-    /// Messages waiting in the shards' event queues, a backlog gauge (always 0 for
-    /// the inline front, whose callers apply their own events).
+    /// Messages waiting in the shards' event queues, a backlog gauge. Always 0 for
+    /// [`crate::Indexer`], whose callers apply their own events; the daemon still
+    /// exports it as `kv_router_indexer_queued_events`.
     fn queued_events(&self) -> usize;
 
     /// Stops the indexer: cancels its own child token (the token passed to `spawn`

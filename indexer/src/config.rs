@@ -1,27 +1,11 @@
-//! [`IndexerConfig`]: which concurrency design the indexer uses, how many shards it
-//! runs, how deep their queues are, how much it may buffer while recovering a gap,
-//! and whether its memory is bounded.
+//! [`IndexerConfig`]: how many shards the indexer runs, how much it may buffer while
+//! recovering a gap, and whether its memory is bounded.
 //!
-//! More shards spread event application over more cores (a worker's events always go
-//! to the same shard) but make every query visit more trees; queue capacities bound
-//! memory and give backpressure to the KV event intake. The measurements behind the
-//! default backend are in `docs/benchmarks.md`.
+//! More shards let more writers apply events at once (a worker's events always go to
+//! the same shard) but make every query visit more trees. The measurements are in
+//! `docs/benchmarks.md`.
 
 use crate::error::IndexerError;
-
-/// How the shards are driven.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Backend {
-    /// Each shard is a task owning its tree; events and queries reach it over
-    /// channels and a query fans out to every shard task ([`crate::ShardedIndexer`]).
-    Sharded,
-    /// Each shard is a tree behind a read-write lock; events take the write lock in
-    /// the caller, queries read every shard inline in the caller
-    /// ([`crate::InlineIndexer`]). The default: lower query latency, measured in
-    /// `docs/benchmarks.md`.
-    #[default]
-    Inline,
-}
 
 /// The memory bound of each tree.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -58,21 +42,13 @@ pub enum IndexMode {
     },
 }
 
-/// Shard count, queue capacities, recovery buffer and memory bound of an indexer.
+/// Shard count, recovery buffer and memory bound of an indexer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IndexerConfig {
-    /// How shards are driven. Default [`Backend::Inline`].
-    pub backend: Backend,
-    /// Number of shard tasks, each owning one radix tree. At least 1.
+    /// Number of shards, each one radix tree behind a lock. At least 1.
     /// Default: the number of available cores (`std::thread::available_parallelism`),
     /// or 1 when that is unknown.
     pub num_shards: usize,
-    /// Capacity of each shard's event queue, in messages (an event batch or a
-    /// remove-worker command). Senders wait when it is full. At least 1; default 4096.
-    pub event_queue_capacity: usize,
-    /// Capacity of each shard's query queue, in pending prefix-match queries. At
-    /// least 1; default 1024. (Sharded backend only.)
-    pub query_queue_capacity: usize,
     /// Events buffered per worker rank while a gap in its `event_id`s is being
     /// recovered. Past it the buffer is dropped and a full dump is requested instead.
     /// At least 1; default 8192.
@@ -86,10 +62,7 @@ pub struct IndexerConfig {
 impl Default for IndexerConfig {
     fn default() -> Self {
         Self {
-            backend: Backend::default(),
             num_shards: std::thread::available_parallelism().map_or(1, |n| n.get()),
-            event_queue_capacity: 4096,
-            query_queue_capacity: 1024,
             recovery_buffer_events: 8192,
             pruning: Pruning::Unbounded,
             mode: IndexMode::KvEvents,
@@ -114,8 +87,6 @@ impl IndexerConfig {
             }
         };
         at_least_one("num_shards", self.num_shards)?;
-        at_least_one("event_queue_capacity", self.event_queue_capacity)?;
-        at_least_one("query_queue_capacity", self.query_queue_capacity)?;
         at_least_one("recovery_buffer_events", self.recovery_buffer_events)?;
         if let Pruning::LeastRecentlyMatched {
             max_entries,
@@ -191,13 +162,13 @@ mod tests {
         assert!(config.num_shards >= 1);
         assert_eq!(config.validate(), Ok(()));
         let bad = IndexerConfig {
-            event_queue_capacity: 0,
+            recovery_buffer_events: 0,
             ..config.clone()
         };
         assert_eq!(
             bad.validate(),
             Err(IndexerError::InvalidConfig {
-                field: "event_queue_capacity",
+                field: "recovery_buffer_events",
                 reason: "must be at least 1"
             })
         );

@@ -3,7 +3,7 @@
 //! Two enums because the two layers fail for different reasons: [`ApplyError`] is a
 //! KV event the [`crate::RadixTree`] refuses (the event is dropped, the tree is left
 //! unchanged, and the shard logs and counts it), while [`IndexerError`] is a call on
-//! the async [`crate::ShardedIndexer`] that could not be served. Both are small,
+//! the running [`crate::Indexer`] that could not be served. Both are small,
 //! `Copy`-sized values: building one never allocates.
 
 use kv_events::{ExternalBlockHash, WorkerRank};
@@ -43,10 +43,10 @@ impl ApplyError {
     }
 }
 
-/// A call on the [`crate::ShardedIndexer`] that could not be served.
+/// A call on the running [`crate::Indexer`] that could not be served.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum IndexerError {
-    /// The shutdown token was cancelled or the shard tasks have stopped; the request
+    /// The shutdown token was cancelled; the request
     /// was not applied (for events) or not answered (for queries, dumps, stats).
     #[error("indexer is shutting down")]
     ShuttingDown,

@@ -1,7 +1,6 @@
-//! [`InlineIndexer`]: shards behind read-write locks, read inline by the query path.
+//! [`Indexer`]: shards behind read-write locks, read inline by the query path.
 //!
-//! The alternative to [`crate::ShardedIndexer`]'s shard tasks: each shard is an
-//! [`OrderedIndex`] behind a `std::sync::RwLock`. A writer (the event intake, a
+//! Each shard is an [`OrderedIndex`] behind a `std::sync::RwLock`. A writer (the event intake, a
 //! recovery reply) takes the write lock of its worker's shard in its own task; a
 //! query takes each shard's read lock in turn, in the caller, with no channel hop and
 //! no task switch. Many queries read a shard at once; a write waits for them and
@@ -16,11 +15,15 @@
 //! so under an event flood it overlaps its walks with the writer's batch; an
 //! event batch holds one write lock for its application (microseconds for normal
 //! batches; a pruning pass or a large dump holds it for longer, up to ~100 ms at 10 M
-//! entries). A background task expires approximate-mode entries. The comparison with
-//! the task-based design is in `docs/benchmarks.md`.
+//! entries). A background task expires approximate-mode entries. An earlier design
+//! with one task per shard behind channels (queries fanning out to the tasks) was
+//! slower in every measurement (`docs/benchmarks.md`) and was retired; git keeps it.
+//!
+//! The handle also carries the [`IndexMode`]: in approximate mode
+//! [`Indexer::record_routing`] indexes routing decisions, otherwise it does nothing.
 
 use crate::api::{IndexerApi, NeedsSlot, join_snapshots, split_snapshot, take_needs};
-use crate::config::IndexerConfig;
+use crate::config::{IndexMode, IndexerConfig};
 use crate::counters::IndexerCounters;
 use crate::error::IndexerError;
 use crate::ordered::OrderedIndex;
@@ -38,14 +41,14 @@ use tokio_util::task::TaskTracker;
 
 /// Handle to N lock-protected shards; cheap to clone, every clone shares them.
 ///
-/// Its API and guarantees are [`IndexerApi`]'s, as for [`crate::ShardedIndexer`]
-/// (per-worker order, read-your-writes, per-shard consistent queries,
+/// Its API and guarantees are [`IndexerApi`]'s (per-worker order, read-your-writes, per-shard consistent queries,
 /// [`IndexerError::ShuttingDown`] after shutdown); see the module docs for how they
 /// are met. Every write is applied in the caller, under its shard's write lock,
 /// before the call returns.
 #[derive(Debug, Clone)]
-pub struct InlineIndexer {
+pub struct Indexer {
     inner: Arc<Inner>,
+    mode: IndexMode,
 }
 
 #[derive(Debug)]
@@ -96,7 +99,7 @@ impl Inner {
     }
 }
 
-impl InlineIndexer {
+impl Indexer {
     /// Builds `config.num_shards` shards and starts the TTL expiry task on the current
     /// Tokio runtime. It stops when `shutdown` (or the indexer's child token) is
     /// cancelled.
@@ -108,6 +111,7 @@ impl InlineIndexer {
     /// When called outside a Tokio runtime (as `tokio::spawn` does).
     pub fn spawn(config: IndexerConfig, shutdown: CancellationToken) -> Result<Self, IndexerError> {
         config.validate()?;
+        let mode = config.mode;
         let counters = Arc::new(IndexerCounters::new());
         let settings = config.shard_settings();
         let (needs_tx, needs_rx) = mpsc::unbounded_channel();
@@ -128,7 +132,34 @@ impl InlineIndexer {
             inner.shutdown.clone(),
         ));
         inner.tracker.close();
-        Ok(Self { inner })
+        Ok(Self { inner, mode })
+    }
+
+    /// KV events or approximate.
+    pub fn mode(&self) -> IndexMode {
+        self.mode
+    }
+
+    /// True in approximate mode: the caller should report routing decisions.
+    pub fn is_approximate(&self) -> bool {
+        matches!(self.mode, IndexMode::Approximate { .. })
+    }
+
+    /// Reports that `rank` was chosen for a prompt of `hashes`: in approximate mode
+    /// the blocks are indexed for the configured TTL; in KV events mode nothing
+    /// happens (the engine's own events will tell).
+    ///
+    /// # Errors
+    /// [`IndexerError::ShuttingDown`] after shutdown.
+    pub async fn record_routing(
+        &self,
+        rank: WorkerRank,
+        hashes: impl Into<Arc<[LocalBlockHash]>>,
+    ) -> Result<(), IndexerError> {
+        match self.mode {
+            IndexMode::KvEvents => Ok(()),
+            IndexMode::Approximate { ttl } => self.insert_routed(rank, hashes, ttl).await,
+        }
     }
 
     fn running(&self) -> Result<(), IndexerError> {
@@ -140,7 +171,7 @@ impl InlineIndexer {
     }
 }
 
-impl IndexerApi for InlineIndexer {
+impl IndexerApi for Indexer {
     fn num_shards(&self) -> usize {
         self.inner.shards.len()
     }

@@ -17,11 +17,9 @@
 //!   event cursors (duplicates dropped, gaps buffered and recovered, restarted
 //!   publishers reset), approximate-mode TTL entries and snapshots. It does no I/O:
 //!   it emits [`RecoveryNeed`]s and takes their replies back.
-//! - Two concurrent fronts with one API, the [`IndexerApi`] trait: [`InlineIndexer`]
-//!   (default; shards behind read-write locks, read in place by queries) and
-//!   [`ShardedIndexer`] (shard tasks behind channels, queries fan out). Both give a
-//!   caller's own earlier events to its later queries. [`Indexer`] implements the
-//!   same trait by forwarding to the one the config names.
+//! - [`Indexer`], the concurrent front: shards behind read-write locks, read in place
+//!   by queries, giving a caller's own earlier events to its later queries. Its API
+//!   is the [`IndexerApi`] trait, which the contract suite runs it through.
 //!
 //! `indexer/README.md` draws the data flow and states the ordering, recovery and
 //! consistency rules; `docs/benchmarks.md` has the measurements.
@@ -33,11 +31,10 @@
 //! - [`approx`]: approximate mode (routing decisions with a TTL).
 //! - [`scores`]: [`OverlapScores`], the per-rank leading-block counts of one query.
 //! - `api` (private): [`IndexerApi`], the calls and guarantees of a running indexer,
-//!   and the snapshot helpers both fronts share.
-//! - [`inline`]: [`InlineIndexer`]; [`sharded`]: [`ShardedIndexer`]; `shard`
-//!   (private): one shard task and its biased loop; `facade` (private): [`Indexer`].
-//! - [`config`]: [`IndexerConfig`] ([`Backend`], [`Pruning`], [`IndexMode`], shard
-//!   count, queue capacities, recovery buffer) and the per-shard [`ShardSettings`].
+//!   and the snapshot helpers.
+//! - [`inline`]: [`Indexer`], its shards behind locks and its expiry task.
+//! - [`config`]: [`IndexerConfig`] ([`Pruning`], [`IndexMode`], shard count,
+//!   recovery buffer) and the per-shard [`ShardSettings`].
 //! - [`counters`]: [`IndexerCounters`], lock-free counters the daemon exports.
 //! - [`stats`]: [`IndexerStats`] and [`IndexerReport`] (sizes, blocks per rank).
 //! - [`error`]: [`ApplyError`] (an event the tree refuses) and [`IndexerError`].
@@ -47,25 +44,20 @@ pub mod approx;
 pub mod config;
 pub mod counters;
 pub mod error;
-mod facade;
 pub mod inline;
 pub mod ordered;
 pub mod recovery;
 pub mod scores;
-mod shard;
-pub mod sharded;
 pub mod stats;
 pub mod tree;
 
 pub use api::IndexerApi;
-pub use config::{Backend, IndexMode, IndexerConfig, Pruning, ShardSettings};
+pub use config::{IndexMode, IndexerConfig, Pruning, ShardSettings};
 pub use counters::{CountersSnapshot, IndexerCounters};
 pub use error::{ApplyError, IndexerError};
-pub use facade::Indexer;
-pub use inline::InlineIndexer;
+pub use inline::Indexer;
 pub use ordered::OrderedIndex;
 pub use recovery::{RecoveryNeed, RecoveryReason, RecoveryToken};
 pub use scores::OverlapScores;
-pub use sharded::ShardedIndexer;
 pub use stats::{IndexerReport, IndexerStats};
 pub use tree::{ApplyOutcome, RadixTree};

@@ -1,9 +1,9 @@
 //! [`OrderedIndex`]: a [`RadixTree`] plus per-(worker, dp_rank) event ordering,
 //! gap recovery bookkeeping, approximate (TTL) entries and snapshots.
 //!
-//! This is the whole state of one shard, as plain synchronous data: both concurrent
-//! fronts ([`crate::ShardedIndexer`], [`crate::InlineIndexer`]) wrap one per shard,
-//! and tests drive it directly without a runtime.
+//! This is the whole state of one shard, as plain synchronous data: the concurrent
+//! front ([`crate::Indexer`]) holds one per shard behind a lock, and tests drive it
+//! directly without a runtime.
 //!
 //! # Ordering rules (per worker rank)
 //! A cursor holds the publisher epoch the index follows and the next `event_id` it

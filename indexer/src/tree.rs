@@ -138,7 +138,7 @@ fn same_holders(holders: &[u32], active: &[u32]) -> bool {
 /// Prefix tree over block hashes recording which worker ranks hold each prefix.
 ///
 /// Not thread-safe by design: one owner applies events and answers queries, which is
-/// what a [`crate::ShardedIndexer`] shard does. All operations are infallible except
+/// what a shard's [`crate::OrderedIndex`] does under its lock. All operations are infallible except
 /// [`RadixTree::apply_event`] on a `Stored` event with an unknown parent, which
 /// leaves the tree unchanged.
 #[derive(Debug, Default)]

@@ -1,6 +1,5 @@
 //! The indexer contract, run over every implementation: the `RadixTree` directly, the
-//! synchronous `OrderedIndex`, and the `ShardedIndexer` and `InlineIndexer` backends
-//! with 1 and 3 shards (driven through the `IndexerApi` trait). Each case builds a
+//! synchronous `OrderedIndex`, and the running `Indexer` with 1 and 3 shards (driven through the `IndexerApi` trait). Each case builds a
 //! fresh subject of each kind, drives it through the same adapter and asserts the
 //! same answers (apart from node counts, which are per shard). The ordering, recovery, snapshot, approximate-mode and
 //! memory-bound cases run over every implementation with event ordering (all but the

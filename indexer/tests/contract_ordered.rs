@@ -1,6 +1,6 @@
 //! The ordering, recovery, snapshot, approximate-mode and memory-bound contract, run
-//! over every implementation with event ordering: `OrderedIndex`, and the sharded and
-//! inline backends with 1 and 3 shards. Publishers are real `EventJournal`s; recovery
+//! over every implementation with event ordering: `OrderedIndex`, and the running
+//! `Indexer` with 1 and 3 shards. Publishers are real `EventJournal`s; recovery
 //! needs are answered from them, as the daemon does over NATS.
 
 mod common;

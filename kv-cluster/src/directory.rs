@@ -11,7 +11,7 @@
 //! registration).
 //!
 //! If etcd is unreachable at start-up, loading retries with exponential backoff
-//! ([`Backoff`]: 100 ms doubling to 5 s). If the watch fails later (etcd restarted,
+//! ([`retry_delays`]: 100 ms doubling to 5 s). If the watch fails later (etcd restarted,
 //! network loss), the directory reports the loss, retries with the same backoff on a
 //! fresh client, and on reconnect re-reads the whole prefix and reconciles: workers
 //! that vanished meanwhile are deleted, every present one is put again. Every etcd
@@ -19,7 +19,7 @@
 //! waited on forever.
 
 use crate::Error;
-use crate::etcd::{Backoff, EtcdConfig, connect, wait_or_cancelled};
+use crate::etcd::{EtcdConfig, RETRY_MAX, connect, retry_delays, wait_or_cancelled};
 use etcd_client::{Client, EventType, GetOptions, WatchOptions};
 use kv_events::discovery::WorkerRegistration;
 use kv_events::limits::{Limits, WithinLimits as _};
@@ -104,7 +104,7 @@ pub struct WorkerDirectory {
 
 impl WorkerDirectory {
     /// Connects to etcd and loads every registration of `subjects`' namespace into
-    /// `to`, retrying with [`Backoff`] until it succeeds; each failure is logged and
+    /// `to`, retrying after [`retry_delays`] until it succeeds; each failure is logged and
     /// reported as [`EtcdStatus::Down`]. `None` when `shutdown` is cancelled first.
     /// A value longer than [`Limits::max_message_bytes`], or a registration over
     /// `limits` (a `dp_size` or KV capacity no engine has), is rejected like a
@@ -117,7 +117,7 @@ impl WorkerDirectory {
         shutdown: &CancellationToken,
     ) -> Option<Self> {
         let mut workers = BTreeMap::new();
-        let mut backoff = Backoff::new();
+        let mut delays = retry_delays();
         for attempt in 1u64.. {
             let (stage, error) = match connect(&config).await {
                 Ok(mut client) => {
@@ -138,7 +138,8 @@ impl WorkerDirectory {
                 }
                 Err(e) => ("connect", e),
             };
-            let delay = backoff.next_delay();
+            // The schedule never ends; RETRY_MAX is its last value anyway.
+            let delay = delays.next().unwrap_or(RETRY_MAX);
             let error = error.to_string();
             warn!(attempt, stage, error, retry_in = ?delay, "etcd unavailable; not ready, retrying");
             to.status(EtcdStatus::Down { stage, error });
@@ -161,7 +162,7 @@ impl WorkerDirectory {
 
     /// Watches the registrations from the loaded revision + 1 until `shutdown`,
     /// handing every change to `to`. When the watch fails it reports etcd lost and
-    /// reconnects with [`Backoff`] on a fresh client, resyncing before watching again.
+    /// reconnects after [`retry_delays`] on a fresh client, resyncing before watching again.
     pub async fn watch(mut self, mut to: impl Registrations, shutdown: CancellationToken) {
         loop {
             let result = tokio::select! {
@@ -182,9 +183,10 @@ impl WorkerDirectory {
                 stage: "watch",
                 error,
             });
-            let mut backoff = Backoff::new();
+            let mut delays = retry_delays();
             loop {
-                if wait_or_cancelled(backoff.next_delay(), &shutdown).await {
+                let delay = delays.next().unwrap_or(RETRY_MAX);
+                if wait_or_cancelled(delay, &shutdown).await {
                     return;
                 }
                 match self.reconnect(&mut to).await {

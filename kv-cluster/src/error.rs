@@ -119,7 +119,7 @@ pub enum Error {
     /// An HTTP request failed (connect, write, read, parse or timeout).
     #[error("http request to {target} failed: {reason}")]
     HttpRequest {
-        /// `host:port/path`.
+        /// The URL asked for.
         target: String,
         /// What went wrong, lowercase.
         reason: String,

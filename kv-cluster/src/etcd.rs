@@ -3,8 +3,8 @@
 //!
 //! The client connects lazily (the first call finds out whether an endpoint answers)
 //! with the configured connect timeout and a TCP keep-alive, so a dead endpoint is
-//! noticed instead of waited on forever. Retries use one [`Backoff`] (100 ms doubling
-//! to 5 s) everywhere, so every participant treats an etcd outage the same way.
+//! noticed instead of waited on forever. Retries wait by one schedule, [`retry_delays`]
+//! (100 ms doubling to 5 s), everywhere, so every participant treats an etcd outage the same way.
 //!
 //! # Security
 //! etcd's own TLS and role-based access control do the enforcing (see
@@ -17,6 +17,7 @@
 //! appear in `Debug` output or logs.
 
 use crate::Error;
+use backon::BackoffBuilder as _;
 /// The etcd client type [`connect`] returns, for crates that hold one without depending
 /// on `etcd-client` themselves.
 pub use etcd_client::Client as EtcdClient;
@@ -88,6 +89,7 @@ pub struct EtcdTls {
 impl EtcdConfig {
     /// The etcd client options: timeouts, keep-alive, credentials and TLS.
     pub fn connect_options(&self) -> ConnectOptions {
+        crate::http::install_crypto_provider();
         let mut options = ConnectOptions::new()
             .with_connect_timeout(self.connect_timeout)
             .with_keep_alive(Duration::from_secs(10), Duration::from_secs(5));
@@ -122,37 +124,20 @@ pub async fn connect(config: &EtcdConfig) -> Result<Client, Error> {
         })
 }
 
-/// Exponential backoff between etcd attempts: 100 ms, doubling, at most 5 s.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Backoff {
-    next: Duration,
-}
+/// First wait between etcd attempts.
+pub const RETRY_INITIAL: Duration = Duration::from_millis(100);
+/// Longest wait between etcd attempts.
+pub const RETRY_MAX: Duration = Duration::from_secs(5);
 
-impl Backoff {
-    /// First delay.
-    pub const INITIAL: Duration = Duration::from_millis(100);
-    /// Largest delay.
-    pub const MAX: Duration = Duration::from_secs(5);
-
-    /// Starts at [`Backoff::INITIAL`].
-    pub fn new() -> Self {
-        Self {
-            next: Self::INITIAL,
-        }
-    }
-
-    /// The delay to wait now; the one after is doubled, up to [`Backoff::MAX`].
-    pub fn next_delay(&mut self) -> Duration {
-        let delay = self.next;
-        self.next = (self.next * 2).min(Self::MAX);
-        delay
-    }
-}
-
-impl Default for Backoff {
-    fn default() -> Self {
-        Self::new()
-    }
+/// The waits between etcd attempts, without end: [`RETRY_INITIAL`], doubling, at
+/// most [`RETRY_MAX`], no jitter (`backon`).
+pub fn retry_delays() -> impl Iterator<Item = Duration> + Send {
+    backon::ExponentialBuilder::new()
+        .with_min_delay(RETRY_INITIAL)
+        .with_max_delay(RETRY_MAX)
+        .with_factor(2.0)
+        .without_max_times()
+        .build()
 }
 
 /// Waits `delay` unless `shutdown` fires first; returns whether it was cancelled.
@@ -168,14 +153,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn backoff_doubles_up_to_its_cap() {
-        let mut b = Backoff::new();
-        let delays: Vec<Duration> = (0..8).map(|_| b.next_delay()).collect();
-        assert_eq!(delays[0], Backoff::INITIAL);
-        assert_eq!(delays[1], Duration::from_millis(200));
-        assert_eq!(delays[5], Duration::from_millis(3_200));
-        assert_eq!(delays[6], Backoff::MAX);
-        assert_eq!(delays[7], Backoff::MAX);
+    fn retry_delays_double_up_to_their_cap_without_end() {
+        // backon multiplies in f32: compare whole milliseconds.
+        let delays: Vec<u128> = retry_delays().take(100).map(|d| d.as_millis()).collect();
+        assert_eq!(delays.len(), 100);
+        assert_eq!(delays[..7], [100, 200, 400, 800, 1600, 3200, 5000]);
+        assert_eq!(delays[99], RETRY_MAX.as_millis());
     }
 
     #[test]

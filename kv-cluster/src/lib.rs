@@ -5,7 +5,7 @@
 //! each other.
 //!
 //! It depends only on `kv-events` (subjects, ids, the registration record) and on
-//! the NATS, etcd, clap, tracing and HTTP (axum, hyper) crates; it holds no router
+//! the NATS, etcd, clap, tracing and HTTP (axum, hyper, reqwest) crates; it holds no router
 //! state.
 //!
 //! # Layout
@@ -14,7 +14,7 @@
 //! - [`nats`]: NATS seed list, authentication (creds, token, user/password) and TLS,
 //!   turned into connect options.
 //! - [`etcd`]: etcd connection settings (TLS, user and password), the client, and the
-//!   retry [`etcd::Backoff`].
+//!   retry schedule ([`etcd::retry_delays`]).
 //! - [`limits`]: the `Limits` flags, the bounds on messages and registrations.
 //! - [`lease`]: a worker's registration under an etcd lease (register, keep alive,
 //!   revoke).
@@ -28,7 +28,8 @@
 //! - [`shutdown`]: the shutdown budget (`--shutdown-timeout-ms`): one deadline for a
 //!   whole shutdown sequence, so no step can hang it when NATS or etcd are gone.
 //! - [`http`]: the listen-address flag value, the bounded HTTP server every
-//!   participant serves with, and a minimal HTTP `GET` client.
+//!   participant serves with, the bounded reqwest client side, and the Prometheus
+//!   text reader.
 //! - [`security`]: the NATS permissions of each role (router, worker, frontend,
 //!   operator), rendered as nats-server configuration.
 //! - [`Error`]: the crate's one error type.

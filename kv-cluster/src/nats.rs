@@ -86,6 +86,7 @@ impl NatsConfig {
     /// # Errors
     /// [`Error::NatsCredentials`] when the credentials file cannot be loaded.
     pub async fn connect_options(&self, name: &str) -> Result<async_nats::ConnectOptions, Error> {
+        crate::http::install_crypto_provider();
         let mut options = match &self.auth {
             NatsAuth::None => async_nats::ConnectOptions::new(),
             NatsAuth::CredentialsFile(path) => {

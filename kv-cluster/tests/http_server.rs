@@ -122,12 +122,10 @@ async fn an_answer_longer_than_the_header_read_and_idle_timeouts_is_not_cut() {
         }),
     );
     let server = Server::serving(router, limits(200 * MS, 200 * MS, 4)).await;
-    let answer = kv_cluster::http::get(&server.addr.to_string(), "/stream", WAIT)
-        .await
-        .unwrap();
-    assert_eq!(answer.status, 200);
-    assert_eq!(answer.body.lines().count(), 10, "{}", answer.body);
-    assert!(answer.body.ends_with("chunk 10\n"), "{}", answer.body);
+    let (status, body) = common::fetch(server.addr, "/stream").await;
+    assert_eq!(status, 200);
+    assert_eq!(body.lines().count(), 10, "{body}");
+    assert!(body.ends_with("chunk 10\n"), "{body}");
     server.stop().await;
 }
 
@@ -211,13 +209,12 @@ async fn shutdown_lets_a_request_in_flight_finish() {
     let (router, held) = common::held_routes();
     let server = Server::serving(router, limits(5000 * MS, WAIT, 4)).await;
     let addr = server.addr;
-    let request =
-        tokio::spawn(async move { kv_cluster::http::get(&addr.to_string(), "/slow", WAIT).await });
+    let request = tokio::spawn(async move { common::fetch(addr, "/slow").await });
     held.entered.await.unwrap();
     server.shutdown.cancel();
     held.release.send(()).unwrap();
-    let answer = request.await.unwrap().unwrap();
-    assert_eq!((answer.status, answer.body.as_str()), (200, "done"));
+    let (status, body) = request.await.unwrap();
+    assert_eq!((status, body.as_str()), (200, "done"));
     server.stop().await;
     assert!(
         TcpStream::connect(addr).await.is_err(),

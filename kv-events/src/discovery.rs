@@ -87,7 +87,7 @@ pub enum RegistrationError {
         /// The url's length, in bytes.
         len: usize,
     },
-    /// `url` did not start with `http://` or `https://` followed by a host.
+    /// `url` is not an `http://` or `https://` URL with a host.
     #[error("worker {0} registered a url that is not http:// or https://")]
     UrlScheme(WorkerId),
     /// `max_model_len` was 0 or over [`MAX_MODEL_LEN`].
@@ -125,10 +125,11 @@ impl WorkerRegistration {
                     len: url.len(),
                 });
             }
-            let rest = url
-                .strip_prefix("http://")
-                .or_else(|| url.strip_prefix("https://"));
-            if rest.is_none_or(str::is_empty) {
+            let web = url::Url::parse(url).is_ok_and(|u| {
+                matches!(u.scheme(), "http" | "https")
+                    && u.host_str().is_some_and(|h| !h.is_empty())
+            });
+            if !web {
                 return Err(RegistrationError::UrlScheme(self.worker_id));
             }
         }

@@ -19,7 +19,10 @@ use kv_cluster::etcd::EtcdConfig;
 use kv_cluster::nats::NatsConfig;
 use kv_events::discovery::WorkerRegistration;
 use kv_events::{DpRank, Subjects, WorkerId};
+use std::path::PathBuf;
 use std::time::Duration;
+
+pub use crate::scrape::target::ScrapeConfig;
 
 /// Bounds of `--reconnect-max-backoff-ms`: the first retry waits 100 ms, and an
 /// engine back after an outage is read again within a minute at most.
@@ -71,12 +74,16 @@ pub struct RelayArgs {
     /// batch (nil means rank 0) instead of from the endpoint.
     #[arg(long, env = "KV_RELAY_SHARED_ENDPOINT")]
     pub shared_endpoint: bool,
-    /// Engine Prometheus page, scraped for load and for the engine's block size and
-    /// KV capacity (vLLM `cache_config_info`, SGLang `page_size`/`num_pages`)
-    /// [default: <engine-url>/metrics]. While it is scraped, an `http://` --engine-url's
-    /// `/v1/models` is read too, for the engine's `max_model_len`.
+    /// Engine Prometheus page (`http://` or `https://`), scraped for load and for the
+    /// engine's block size and KV capacity (vLLM `cache_config_info`, SGLang
+    /// `page_size`/`num_pages`) [default: <engine-url>/metrics]. While it is scraped,
+    /// --engine-url's `/v1/models` is read too, for the engine's `max_model_len`.
     #[arg(long, env = "KV_RELAY_METRICS_URL")]
     pub metrics_url: Option<String>,
+    /// CA certificate (PEM) trusted for an `https://` --metrics-url or --engine-url,
+    /// besides the system's root certificates.
+    #[arg(long, env = "KV_RELAY_METRICS_TLS_CA")]
+    pub metrics_tls_ca: Option<PathBuf>,
     /// The engine's OpenAI HTTP base URL as the gateway reaches it, e.g.
     /// http://10.0.0.7:8000; registered so `kv-router gateway` can forward requests to
     /// this worker, and where its /metrics page and /v1/models (its `max_model_len`,
@@ -173,20 +180,6 @@ pub struct WorkerConfig {
     pub journal_events: usize,
 }
 
-/// The optional load scrape.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ScrapeConfig {
-    /// `host:port` of the engine's HTTP server.
-    pub addr: String,
-    /// Path of the metrics page, e.g. `/metrics`.
-    pub path: String,
-    /// Scrape period.
-    pub interval: Duration,
-    /// The engine's `/v1/models` (from an `http://` `--engine-url`), read with the
-    /// page until it answers once, for the engine's context length.
-    pub models: Option<crate::models::ModelsEndpoint>,
-}
-
 /// The validated relay configuration.
 #[derive(Debug, Clone)]
 pub struct RelayConfig {
@@ -200,8 +193,7 @@ pub struct RelayConfig {
     pub engine: EngineConfig,
     /// The worker identity and registration.
     pub worker: WorkerConfig,
-    /// Load and facts scrape, if `--metrics-url` or an `http://` `--engine-url` was
-    /// given.
+    /// Load and facts scrape, if `--metrics-url` or `--engine-url` was given.
     pub scrape: Option<ScrapeConfig>,
     /// Where and how to serve the relay's `/metrics`, if anywhere.
     pub http: Option<crate::http::HttpConfig>,
@@ -209,46 +201,49 @@ pub struct RelayConfig {
     pub shutdown_timeout: Duration,
 }
 
-fn invalid(field: &'static str, reason: impl Into<String>) -> Error {
+/// An [`Error::Invalid`] naming flag `field`.
+pub(crate) fn invalid(field: &'static str, reason: impl Into<String>) -> Error {
     Error::Invalid {
         field,
         reason: reason.into(),
     }
 }
 
-/// `tcp://host:port` with the port increased by `offset`.
-fn offset_port(endpoint: &str, offset: u32, field: &'static str) -> Result<String, Error> {
-    let (head, port) = endpoint
-        .rsplit_once(':')
-        .ok_or_else(|| invalid(field, format!("{endpoint:?} has no port")))?;
-    let port: u32 = port
-        .parse()
-        .map_err(|_| invalid(field, format!("{endpoint:?} has no numeric port")))?;
-    let shifted = port + offset;
-    if shifted > u32::from(u16::MAX) {
-        return Err(invalid(
-            field,
-            format!("{endpoint:?} + rank {offset} passes port 65535"),
-        ));
-    }
-    Ok(format!("{head}:{shifted}"))
-}
-
-fn check_endpoint(endpoint: &str, field: &'static str) -> Result<(), Error> {
-    if !endpoint.starts_with("tcp://") {
+/// A `tcp://host:port` endpoint and its port.
+fn tcp_endpoint(endpoint: &str, field: &'static str) -> Result<(url::Url, u16), Error> {
+    let url =
+        url::Url::parse(endpoint).map_err(|e| invalid(field, format!("{endpoint:?}: {e}")))?;
+    if url.scheme() != "tcp" || url.host_str().is_none_or(str::is_empty) {
         return Err(invalid(
             field,
             format!("{endpoint:?} is not a tcp:// endpoint"),
         ));
     }
-    offset_port(endpoint, 0, field).map(|_| ())
+    let port = url
+        .port()
+        .ok_or_else(|| invalid(field, format!("{endpoint:?} has no port")))?;
+    Ok((url, port))
+}
+
+/// `tcp://host:port` with the port increased by `offset`.
+fn offset_port(endpoint: &str, offset: u32, field: &'static str) -> Result<String, Error> {
+    let (mut url, port) = tcp_endpoint(endpoint, field)?;
+    let shifted = u16::try_from(u32::from(port) + offset).map_err(|_| {
+        invalid(
+            field,
+            format!("{endpoint:?} + rank {offset} passes port 65535"),
+        )
+    })?;
+    url.set_port(Some(shifted))
+        .map_err(|()| invalid(field, format!("{endpoint:?} takes no port")))?;
+    Ok(url.to_string())
 }
 
 /// Expands `given` to `n` endpoints: as is when there are `n`, or by port offset
 /// from one base endpoint.
 fn expand(given: &[String], n: u32, field: &'static str) -> Result<Vec<String>, Error> {
     for e in given {
-        check_endpoint(e, field)?;
+        tcp_endpoint(e, field)?;
     }
     match given.len() {
         len if len == n as usize => Ok(given.to_vec()),
@@ -341,25 +336,12 @@ impl RelayConfig {
             .engine_url
             .as_deref()
             .map(|u| u.trim().trim_end_matches('/').to_owned());
-        // An https engine is scraped only through an explicit http --metrics-url.
-        let metrics_url = args.metrics_url.clone().or_else(|| {
-            engine_url
-                .as_deref()
-                .filter(|u| u.starts_with("http://"))
-                .map(|u| format!("{u}/metrics"))
-        });
-        let models = engine_url
-            .as_deref()
-            .filter(|u| u.starts_with("http://"))
-            .map(|u| {
-                let (addr, path) = split_http_url(&format!("{u}/v1/models"), "engine-url")?;
-                Ok::<_, Error>(crate::models::ModelsEndpoint { addr, path })
-            })
-            .transpose()?;
-        let scrape = metrics_url
-            .as_deref()
-            .map(|url| scrape_config(url, args.metrics_interval_ms, models))
-            .transpose()?;
+        let scrape = crate::scrape::target::from_flags(
+            args.metrics_url.as_deref(),
+            engine_url.as_deref(),
+            args.metrics_interval_ms,
+            args.metrics_tls_ca.as_deref(),
+        )?;
         let claim = args.identity.to_request(args.lease_ttl_secs)?;
         let worker_id = claim.worker_id.unwrap_or(WorkerId(0));
         let check = WorkerRegistration {
@@ -401,38 +383,6 @@ impl RelayConfig {
             shutdown_timeout,
         })
     }
-}
-
-/// `http://host:port/path` as `host:port` and the path (`/metrics` when none).
-fn split_http_url(url: &str, field: &'static str) -> Result<(String, String), Error> {
-    let rest = url
-        .strip_prefix("http://")
-        .ok_or_else(|| invalid(field, format!("{url:?} is not an http:// url")))?;
-    let (addr, path) = match rest.find('/') {
-        Some(i) => (&rest[..i], &rest[i..]),
-        None => (rest, "/metrics"),
-    };
-    if addr.is_empty() {
-        return Err(invalid(field, format!("{url:?} has no host")));
-    }
-    Ok((addr.to_owned(), path.to_owned()))
-}
-
-fn scrape_config(
-    url: &str,
-    interval_ms: u64,
-    models: Option<crate::models::ModelsEndpoint>,
-) -> Result<ScrapeConfig, Error> {
-    let (addr, path) = split_http_url(url, "metrics-url")?;
-    if interval_ms == 0 {
-        return Err(invalid("metrics-interval-ms", "must be at least 1"));
-    }
-    Ok(ScrapeConfig {
-        addr,
-        path,
-        interval: Duration::from_millis(interval_ms),
-        models,
-    })
 }
 
 #[cfg(test)]

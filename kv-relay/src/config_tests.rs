@@ -22,20 +22,14 @@ fn the_engine_url_is_registered_for_the_gateway() {
     let c = config(&with).unwrap();
     assert_eq!(c.worker.url.as_deref(), Some("http://10.0.0.1:8000"));
     let s = c.scrape.expect("the engine's page is read by default");
-    assert_eq!(
-        (s.addr.as_str(), s.path.as_str()),
-        ("10.0.0.1:8000", "/metrics")
-    );
+    assert_eq!(s.url.as_str(), "http://10.0.0.1:8000/metrics");
     let models = s.models.expect("and its /v1/models");
-    assert_eq!(
-        (models.addr.as_str(), models.path.as_str()),
-        ("10.0.0.1:8000", "/v1/models")
-    );
-    // A path prefix is kept; an https engine's models are not read (no TLS client).
+    assert_eq!(models.url.as_str(), "http://10.0.0.1:8000/v1/models");
+    // A path prefix is kept; an https engine is read over https.
     let mut prefixed = base.to_vec();
     prefixed.extend(["--engine-url", "http://gw:80/engine-3"]);
     let models = config(&prefixed).unwrap().scrape.unwrap().models.unwrap();
-    assert_eq!(models.path, "/engine-3/v1/models");
+    assert_eq!(models.url.path(), "/engine-3/v1/models");
     let mut https = base.to_vec();
     https.extend([
         "--engine-url",
@@ -43,7 +37,9 @@ fn the_engine_url_is_registered_for_the_gateway() {
         "--metrics-url",
         "http://e:9000/m",
     ]);
-    assert_eq!(config(&https).unwrap().scrape.unwrap().models, None);
+    let s = config(&https).unwrap().scrape.unwrap();
+    assert_eq!(s.url.as_str(), "http://e:9000/m");
+    assert_eq!(s.models.unwrap().url.as_str(), "https://e/v1/models");
     let mut bad = base.to_vec();
     bad.extend(["--engine-url", "10.0.0.1:8000"]);
     let err = config(&bad).err().unwrap().to_string();
@@ -90,19 +86,19 @@ fn explicit_endpoints_and_shared_endpoint() {
 }
 
 #[test]
-fn scrape_url_splits_into_address_and_path() {
-    let c = config(&[
-        "--engine-endpoint",
-        "tcp://a:1",
-        "--metrics-url",
-        "http://127.0.0.1:8000/metrics",
-    ])
-    .unwrap();
-    let s = c.scrape.unwrap();
+fn scrape_urls_are_http_or_https_and_default_to_the_metrics_path() {
+    let scrape = |url: &str| {
+        config(&["--engine-endpoint", "tcp://a:1", "--metrics-url", url])
+            .unwrap()
+            .scrape
+            .unwrap()
+            .url
+    };
     assert_eq!(
-        (s.addr.as_str(), s.path.as_str()),
-        ("127.0.0.1:8000", "/metrics")
+        scrape("http://127.0.0.1:8000/metrics").as_str(),
+        "http://127.0.0.1:8000/metrics"
     );
+    assert_eq!(scrape("https://e:8443").as_str(), "https://e:8443/metrics");
 }
 
 #[test]
@@ -148,14 +144,22 @@ fn bad_flags_name_themselves() {
     assert!(err(&["--engine-endpoint", "tcp://a:65535", "--dp-size", "2"]).contains("65535"));
     assert!(err(&["--engine-endpoint", "tcp://a:1", "--dp-size", "0"]).contains("--dp-size"));
     assert!(
-        err(&[
+        err(&["--engine-endpoint", "tcp://a:1", "--metrics-url", "ftp://x"])
+            .contains("--metrics-url")
+    );
+    let empty = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(empty.path(), b"no certificate here").unwrap();
+    for ca in ["/nonexistent/ca.pem", empty.path().to_str().unwrap()] {
+        let e = err(&[
             "--engine-endpoint",
             "tcp://a:1",
             "--metrics-url",
-            "https://x"
-        ])
-        .contains("--metrics-url")
-    );
+            "https://x",
+            "--metrics-tls-ca",
+            ca,
+        ]);
+        assert!(e.contains("--metrics-tls-ca"), "{e}");
+    }
     assert!(
         err(&["--engine-endpoint", "tcp://a:1", "--lease-ttl-secs", "1"])
             .contains("--lease-ttl-secs")

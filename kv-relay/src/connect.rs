@@ -17,6 +17,7 @@
 //! up again is connected within about the cap. Cost: one TCP connect attempt per
 //! retry while the engine is away.
 
+use backon::BackoffBuilder as _;
 use futures::channel::mpsc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
@@ -36,28 +37,15 @@ pub struct SourceError {
 /// The wait after the first failed attempt; doubled after each failure up to the cap.
 pub const FIRST_RETRY: Duration = Duration::from_millis(100);
 
-/// The waits between failed attempts: [`FIRST_RETRY`], doubling, at most `cap`.
-#[derive(Debug, Clone)]
-pub struct Backoff {
-    next: Duration,
-    cap: Duration,
-}
-
-impl Backoff {
-    /// A schedule capped at `cap`.
-    pub fn new(cap: Duration) -> Self {
-        Self {
-            next: FIRST_RETRY.min(cap),
-            cap,
-        }
-    }
-
-    /// The wait before the next attempt.
-    pub fn next_wait(&mut self) -> Duration {
-        let wait = self.next;
-        self.next = (self.next * 2).min(self.cap);
-        wait
-    }
+/// The waits between failed attempts, without end: [`FIRST_RETRY`] (or `cap`, if
+/// smaller), doubling, at most `cap`, no jitter (`backon`).
+pub fn retry_waits(cap: Duration) -> impl Iterator<Item = Duration> + Send {
+    backon::ExponentialBuilder::new()
+        .with_min_delay(FIRST_RETRY.min(cap))
+        .with_max_delay(cap)
+        .with_factor(2.0)
+        .without_max_times()
+        .build()
 }
 
 /// A connected SUB socket and its event monitor (for the disconnect).
@@ -83,7 +71,7 @@ pub async fn connect(
         endpoint: endpoint.to_owned(),
         source,
     };
-    let mut backoff = Backoff::new(cap);
+    let mut waits = retry_waits(cap);
     let mut logged = false;
     loop {
         let mut options = SocketOptions::default();
@@ -102,7 +90,8 @@ pub async fn connect(
             Err(ZmqError::ConnectTimeout(_)) => Duration::ZERO,
             Err(e) => {
                 debug!(%endpoint, error = %e, "engine socket connect attempt failed");
-                backoff.next_wait()
+                // The schedule never ends; `cap` is its last value anyway.
+                waits.next().unwrap_or(cap)
             }
         };
         if !std::mem::replace(&mut logged, true) {
@@ -122,10 +111,14 @@ mod tests {
 
     #[test]
     fn the_waits_double_from_100_ms_up_to_the_cap() {
-        let mut b = Backoff::new(Duration::from_millis(1000));
-        let waits: Vec<u128> = (0..7).map(|_| b.next_wait().as_millis()).collect();
+        // backon multiplies in f32: compare whole milliseconds.
+        let waits: Vec<u128> = retry_waits(Duration::from_millis(1000))
+            .take(7)
+            .map(|w| w.as_millis())
+            .collect();
         assert_eq!(waits, vec![100, 200, 400, 800, 1000, 1000, 1000]);
-        let mut small = Backoff::new(Duration::from_millis(50));
-        assert_eq!(small.next_wait(), Duration::from_millis(50));
+        let mut small = retry_waits(Duration::from_millis(50));
+        assert_eq!(small.next(), Some(Duration::from_millis(50)));
+        assert_eq!(retry_waits(Duration::from_secs(1)).take(500).count(), 500);
     }
 }

@@ -16,7 +16,7 @@
 //! - **Context length** (`max_model_len`, tokens): from the engine's `GET /v1/models`
 //!   ([`crate::models`]), read with the metrics page until the engine answers once;
 //!   the smallest of its models' figures is registered, so a gateway refuses what the
-//!   engine would refuse before routing it. Unknown (an https engine, no
+//!   engine would refuse before routing it. Unknown (no
 //!   `--engine-url`, an engine that publishes none, or not read yet) is left out of
 //!   the registration; it never holds the registration back.
 //!

@@ -153,15 +153,14 @@ mod tests {
         let mut buf = [0u8; 64];
         let read = tokio::time::timeout(WAIT, idle.read(&mut buf)).await;
         assert_eq!(read.expect("closed by the relay").unwrap_or(0), 0);
-        let page = kv_cluster::http::get(&addr.to_string(), "/metrics", WAIT)
-            .await
-            .expect("scrape");
-        assert_eq!(page.status, 200);
-        assert!(
-            page.body.contains("kv_relay_published_events_total"),
-            "{}",
-            page.body
-        );
+        let client = kv_cluster::http::client().expect("a client");
+        let url = format!("http://{addr}/metrics");
+        let (status, page) =
+            kv_cluster::http::get_text(&client, url, WAIT, kv_cluster::http::MAX_RESPONSE_BYTES)
+                .await
+                .expect("scrape");
+        assert_eq!(status, 200);
+        assert!(page.contains("kv_relay_published_events_total"), "{page}");
         shutdown.cancel();
         task.await.expect("server task");
     }

@@ -6,7 +6,8 @@
 //! ([`crate::facts`]), so a gateway in front of the engine refuses a prompt the engine
 //! would refuse before routing it, and accepts every prompt it would take.
 //!
-//! Bounds: one read takes at most [`MAX_MODELS_BYTES`] and the scrape's deadline; a
+//! Bounds: one read takes at most [`MAX_MODELS_BYTES`] of body and the scrape's
+//! deadline; a
 //! value outside `1..=`[`MAX_MODEL_LEN`] is not taken. Cost: one small GET per scrape
 //! period until the engine answers once (an engine loading its weights refuses
 //! connections for minutes), then none.
@@ -15,18 +16,15 @@ use kv_events::discovery::MAX_MODEL_LEN;
 use serde::Deserialize;
 use std::time::Duration;
 
-/// Largest `/v1/models` answer read, head and body, in bytes: 1 MiB, room for
+/// Largest `/v1/models` body read, in bytes: 1 MiB, room for
 /// thousands of LoRA adapters at a few hundred bytes each.
 pub const MAX_MODELS_BYTES: usize = 1 << 20;
 
-/// Where the engine's `/v1/models` is: `host:port` and the path (with the engine
-/// URL's prefix, if it has one).
+/// Where the engine's `/v1/models` is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ModelsEndpoint {
-    /// `host:port` of the engine's HTTP server.
-    pub addr: String,
-    /// `{prefix}/v1/models`.
-    pub path: String,
+    /// `{engine-url}/v1/models` (the engine URL's path prefix kept).
+    pub url: url::Url,
 }
 
 #[derive(Deserialize)]
@@ -56,20 +54,25 @@ pub fn parse_max_model_len(body: &str) -> Result<Option<u64>, String> {
 }
 
 impl ModelsEndpoint {
-    /// Reads the engine's context length within `timeout`: `Ok(None)` when the engine
-    /// answered but publishes none.
+    /// Reads the engine's context length with `client` within `timeout`: `Ok(None)`
+    /// when the engine answered but publishes none.
     ///
     /// # Errors
-    /// Why the read failed: connection, deadline, an answer over
+    /// Why the read failed: connection, TLS, deadline, a body over
     /// [`MAX_MODELS_BYTES`], a status other than 200, or a body that is no model list.
-    pub async fn read(&self, timeout: Duration) -> Result<Option<u64>, String> {
-        let resp = kv_cluster::http::get_within(&self.addr, &self.path, timeout, MAX_MODELS_BYTES)
-            .await
-            .map_err(|e| e.to_string())?;
-        if resp.status != 200 {
-            return Err(format!("http status {}", resp.status));
+    pub async fn read(
+        &self,
+        client: &reqwest::Client,
+        timeout: Duration,
+    ) -> Result<Option<u64>, String> {
+        let (status, body) =
+            kv_cluster::http::get_text(client, self.url.clone(), timeout, MAX_MODELS_BYTES)
+                .await
+                .map_err(|e| e.to_string())?;
+        if status != reqwest::StatusCode::OK {
+            return Err(format!("http status {status}"));
         }
-        parse_max_model_len(&resp.body)
+        parse_max_model_len(&body)
     }
 }
 

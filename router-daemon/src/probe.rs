@@ -44,16 +44,16 @@ pub struct ProbeArgs {
 /// # Errors
 /// When the endpoint does not answer `200` in time (the message says what it did).
 pub async fn run(args: &ProbeArgs) -> anyhow::Result<()> {
-    let response = kv_cluster::http::get(
+    let (status, body) = kv_cluster::http::get_once(
         &args.addr,
         args.target.path(),
         Duration::from_millis(args.timeout_ms),
     )
     .await?;
-    println!("{}", response.body.trim_end());
-    if response.status == 200 {
+    println!("{}", body.trim_end());
+    if status.as_u16() == 200 {
         Ok(())
     } else {
-        anyhow::bail!("{} answered http {}", args.target.path(), response.status)
+        anyhow::bail!("{} answered http {}", args.target.path(), status.as_u16())
     }
 }

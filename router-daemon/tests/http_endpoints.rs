@@ -3,7 +3,6 @@
 //! Messages are built as JSON values and msgpack-encoded, as a non-Rust client would.
 
 use indexer::IndexerApi as _;
-use kv_cluster::http::get;
 use kv_events::discovery::WorkerRegistration;
 use kv_events::{WorkerId, decode, encode};
 use router_daemon::DirectoryEntry;
@@ -14,6 +13,21 @@ use serde_json::{Value, json};
 use std::time::Duration;
 
 const T: Duration = Duration::from_secs(5);
+
+/// The status and body of one `GET`.
+struct Answer {
+    status: u16,
+    body: String,
+}
+
+/// `GET http://{addr}{path}` on a connection of its own, within `timeout`.
+async fn get(addr: &str, path: &str, timeout: Duration) -> Result<Answer, kv_cluster::Error> {
+    let (status, body) = kv_cluster::http::get_once(addr, path, timeout).await?;
+    Ok(Answer {
+        status: status.as_u16(),
+        body,
+    })
+}
 
 /// The test daemon's configuration: `extra` flags after the common ones.
 fn config_with(extra: &[&str]) -> DaemonConfig {

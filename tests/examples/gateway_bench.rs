@@ -24,6 +24,7 @@
 //!
 //! Last, tokenization cost: the repo's test tokenizer encodes a long text repeatedly.
 
+use bench_workload::{latencies, quantile_ms};
 use clap::Parser;
 use engine_model::EngineModelConfig;
 use futures::StreamExt;
@@ -184,16 +185,6 @@ fn xorshift(x: &mut u64) -> u64 {
     *x
 }
 
-/// The `q` quantile of `v` in ms (sorted in place).
-fn quantile_ms(v: &mut [Duration], q: f64) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_unstable();
-    let i = ((v.len() as f64 * q).ceil() as usize).clamp(1, v.len()) - 1;
-    v[i].as_secs_f64() * 1e3
-}
-
 /// CPU seconds (user + system) of this process and of its direct child processes.
 fn cpu_seconds() -> f64 {
     let me = std::process::id();
@@ -224,11 +215,12 @@ fn report(rate: u32, samples: &[Sample]) {
         samples.iter().filter(|s| s.mode == mode).map(f).collect()
     };
     let q = |mode, f: fn(&Sample) -> Duration| {
-        let mut v = pick(mode, f);
+        let v = pick(mode, f);
+        let histogram = latencies(v.iter().copied());
         (
             v.len(),
-            quantile_ms(&mut v, 0.50),
-            quantile_ms(&mut v, 0.99),
+            quantile_ms(&histogram, 0.50),
+            quantile_ms(&histogram, 0.99),
         )
     };
     let (nd, d50, d99) = q(Mode::Direct, |s| s.ttft);

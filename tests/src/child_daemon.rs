@@ -97,9 +97,8 @@ impl ChildDaemon {
     /// # Errors
     /// When the endpoint fails or does not export the sample.
     pub async fn metric(&self, name: &str) -> anyhow::Result<f64> {
-        let text = kv_cluster::http::get(&self.http, "/metrics", Duration::from_secs(10))
-            .await?
-            .body;
+        let (_, text) =
+            kv_cluster::http::get_once(&self.http, "/metrics", Duration::from_secs(10)).await?;
         kv_cluster::http::metric_sample(&text, name, "")
             .with_context(|| format!("{name} not exported"))
     }

@@ -291,14 +291,14 @@ impl EtcdCluster {
     /// When the member does not answer within 5 s or its page lacks the counters.
     pub async fn keep_alive_streams(&self, i: usize) -> anyhow::Result<u64> {
         let url = format!("{}/metrics", self.endpoint(i));
-        let page = reqwest::Client::new()
-            .get(&url)
-            .timeout(CALL_TIMEOUT)
-            .send()
-            .await?
-            .error_for_status()?
-            .text()
-            .await?;
+        let (status, page) = kv_cluster::http::get_text(
+            &kv_cluster::http::client()?,
+            &url,
+            CALL_TIMEOUT,
+            kv_cluster::http::MAX_RESPONSE_BYTES,
+        )
+        .await?;
+        anyhow::ensure!(status.is_success(), "{url} answered {status}");
         let started = metric_sum(&page, "grpc_server_started_total", "LeaseKeepAlive")
             .with_context(|| format!("{url} has no LeaseKeepAlive stream counter"))?;
         let ended = metric_sum(&page, "grpc_server_handled_total", "LeaseKeepAlive").unwrap_or(0);
@@ -326,11 +326,9 @@ impl EtcdCluster {
 /// Prometheus text page; `None` if there is none.
 fn metric_sum(page: &str, name: &str, method: &str) -> Option<u64> {
     let quoted = format!("\"{method}\"");
-    page.lines()
-        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with('{'))
-        .filter(|l| l.contains(&quoted))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .map(|v| v as u64)
+    kv_cluster::http::exposition::samples(page)
+        .filter(|s| s.name == name && s.labels.contains(&quoted))
+        .map(|s| s.value as u64)
         .reduce(|a, b| a + b)
 }
 

@@ -31,7 +31,7 @@ async fn etcd_down_at_start_up_is_retried_and_ready_comes_only_after_discovery()
     let start = tokio::spawn(starting.start());
 
     // Live at once; not ready while etcd refuses connections; retried with backoff.
-    assert_eq!(http(&addr, "/health/livez").await?.status, 200);
+    assert_eq!(http(&addr, "/health/livez").await?.0, 200);
     eventually("two failed etcd attempts", WAIT, || async {
         let failures = metric(&addr, "kv_router_etcd_errors_total", r#"stage="load""#)
             .await
@@ -68,7 +68,7 @@ async fn etcd_down_at_start_up_is_retried_and_ready_comes_only_after_discovery()
     for check in ["nats", "etcd", "discovery", "recovery"] {
         assert_eq!(report["checks"][check]["ok"], true, "{check}: {report}");
     }
-    let workers: Value = serde_json::from_str(&http(&addr, "/debug/workers").await?.body)?;
+    let workers: Value = serde_json::from_str(&http(&addr, "/debug/workers").await?.1)?;
     assert_eq!(workers["workers"][0]["worker_id"], 1, "{workers}");
     assert_eq!(workers["workers"][0]["lease_id"], lease);
     assert_eq!(
@@ -168,7 +168,7 @@ async fn etcd_lost_later_keeps_the_last_known_workers_and_reports_it() -> anyhow
             .is_some_and(|d| d.contains("serving the last known workers")),
         "{report}"
     );
-    let workers: Value = serde_json::from_str(&http(&addr, "/debug/workers").await?.body)?;
+    let workers: Value = serde_json::from_str(&http(&addr, "/debug/workers").await?.1)?;
     assert_eq!(workers["etcd"]["ok"], false);
     assert_eq!(workers["workers"].as_array().map(Vec::len), Some(1));
     let reply = fx.route("during-outage", &prompt(3, 2)).await?;

@@ -209,10 +209,9 @@ async fn events_of_unregistered_workers_wait_briefly_then_are_dropped() -> anyho
         vec![WorkerId(1), WorkerId(5)],
         "only registered workers are indexed"
     );
-    let page = kv_cluster::http::get(&http.to_string(), "/metrics", WAIT).await?;
-    assert_eq!(page.status, 200);
+    let (status, page) = kv_cluster::http::get_once(http, "/metrics", WAIT).await?;
+    assert_eq!(status, 200);
     let mut series_workers: Vec<&str> = page
-        .body
         .lines()
         .filter_map(|line| line.split("worker_id=\"").nth(1)?.split('"').next())
         .collect();

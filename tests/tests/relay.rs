@@ -136,15 +136,13 @@ async fn captured_vllm_frames_reach_the_router_with_a_gap_filled_from_replay() {
     // 4 start `cleared`s + stored A, stored B, removed, stored (LoRA, rank 3).
     assert_eq!(c.published_total(), 8);
     let addr = relay.http_addr().unwrap().to_string();
-    let page = kv_cluster::http::get(&addr, "/metrics", WAIT)
+    let (status, page) = kv_cluster::http::get_once(&addr, "/metrics", WAIT)
         .await
         .unwrap();
-    assert_eq!(page.status, 200);
+    assert_eq!(status, 200);
     assert!(
-        page.body
-            .contains("kv_relay_gaps_total{result=\"filled\"} 1"),
-        "{}",
-        page.body
+        page.contains("kv_relay_gaps_total{result=\"filled\"} 1"),
+        "{page}"
     );
 
     // The relay answers the router's recovery requests from its journal: a dump of

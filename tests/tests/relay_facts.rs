@@ -183,15 +183,7 @@ async fn a_data_parallel_vllm_registers_each_ranks_capacity() {
         "2",
         "--shared-endpoint",
     ];
-    let relay = Relay::start(
-        config_from(&cluster, flags, &extra),
-        &prometheus::Registry::new(),
-    )
-    .await
-    .unwrap();
-    engine.wait_subscribed().await;
-    wait_registered(&daemon, WORKER, true).await;
-    let reg = registration(&daemon).unwrap();
+    let (relay, reg) = registered_with(&cluster, &daemon, &mut engine, flags, &extra).await;
     assert_eq!(
         (reg.dp_size, reg.block_size, reg.total_kv_blocks),
         (2, BLOCK, 256)

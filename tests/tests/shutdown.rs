@@ -81,8 +81,8 @@ async fn serve_exits_within_its_budget_when_nats_and_etcd_are_gone() {
         .await
     });
     eventually("the daemon to be ready", WAIT, || async {
-        let r = kv_cluster::http::get(&listen, "/health/readyz", Duration::from_secs(2)).await;
-        (r.ok()?.status == 200).then_some(())
+        let r = kv_cluster::http::get_once(&listen, "/health/readyz", Duration::from_secs(2)).await;
+        (r.ok()?.0 == 200).then_some(())
     })
     .await
     .unwrap();
@@ -102,7 +102,7 @@ async fn serve_exits_within_its_budget_when_nats_and_etcd_are_gone() {
         "{skipped:?}"
     );
     eventually("the HTTP endpoint to close", WAIT, || async {
-        let r = kv_cluster::http::get(&listen, "/health/livez", Duration::from_secs(2)).await;
+        let r = kv_cluster::http::get_once(&listen, "/health/livez", Duration::from_secs(2)).await;
         r.is_err().then_some(())
     })
     .await

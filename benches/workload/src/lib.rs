@@ -17,6 +17,6 @@ pub mod measure;
 pub mod reference;
 pub mod synthetic;
 
-pub use measure::{percentiles, rss_bytes};
+pub use measure::{latencies, percentiles, quantile_ms, rss_bytes};
 pub use reference::Reference;
 pub use synthetic::{EngineHashes, Rng, Shape, Workload, build, flood_batches};

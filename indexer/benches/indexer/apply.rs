@@ -2,10 +2,7 @@
 
 use crate::{Scale, rss_bytes};
 use bench_workload::{Shape, Workload, build};
-use indexer::{
-    Backend, IndexerApi, IndexerConfig, InlineIndexer, OrderedIndex, RadixTree, ShardSettings,
-    ShardedIndexer,
-};
+use indexer::{Indexer, IndexerApi, IndexerConfig, OrderedIndex, RadixTree, ShardSettings};
 use std::sync::Arc;
 use std::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -46,38 +43,17 @@ fn raw_tree(w: &Workload) -> f64 {
     w.blocks as f64 / start.elapsed().as_secs_f64()
 }
 
-fn config(backend: Backend) -> IndexerConfig {
+fn config() -> IndexerConfig {
     IndexerConfig {
-        backend,
         num_shards: cores(),
-        event_queue_capacity: 4096,
         ..IndexerConfig::default()
     }
 }
 
-/// Blocks per second of the sharded backend (one producer, one task per shard).
-fn sharded(rt: &tokio::runtime::Runtime, w: &Workload) -> f64 {
-    let batches = w.batches.clone();
-    rt.block_on(async {
-        let indexer = ShardedIndexer::spawn(config(Backend::Sharded), CancellationToken::new())
-            .expect("config");
-        let start = Instant::now();
-        for batch in batches {
-            indexer.apply(batch).await.expect("running");
-        }
-        let stats = indexer.stats().await.expect("running"); // all applied
-        let secs = start.elapsed().as_secs_f64();
-        assert_eq!(stats.entries as u64, w.blocks);
-        indexer.shutdown();
-        w.blocks as f64 / secs
-    })
-}
-
-/// Blocks per second of the inline backend (one writer task per shard).
+/// Blocks per second of the running [`Indexer`] (one writer task per shard).
 fn inline(rt: &tokio::runtime::Runtime, w: &Workload) -> f64 {
     let _guard = rt.enter();
-    let indexer =
-        InlineIndexer::spawn(config(Backend::Inline), CancellationToken::new()).expect("config");
+    let indexer = Indexer::spawn(config(), CancellationToken::new()).expect("config");
     let mut parts = vec![Vec::new(); indexer.num_shards()];
     for batch in &w.batches {
         parts[indexer.shard_of(batch.worker_id)].push(batch.clone());
@@ -115,23 +91,20 @@ pub fn run(scale: Scale) {
     let n = cores() as f64;
     println!("\n## apply throughput (stored blocks/s; 16-block Stored events)\n");
     println!(
-        "| entries | workers | one shard (ordered) | bare tree | sharded, all shards | per core | inline, all shards | per core |"
+        "| entries | workers | one shard (ordered) | bare tree | inline, all shards | per core |"
     );
-    println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---:|---:|---:|---:|---:|---:|");
     for entries in [1_000_000u64, 10_000_000] {
         for workers in [64u64, 256, 1024] {
             let w = build(Shape::apply(workers, scale.of(entries)), workers ^ entries);
             let one = one_shard(&w);
             let raw = raw_tree(&w);
-            let sh = sharded(&rt, &w);
             let il = inline(&rt, &w);
             println!(
-                "| {} | {workers} | {} | {} | {} | {} | {} | {} |",
+                "| {} | {workers} | {} | {} | {} | {} |",
                 w.blocks,
                 m(one),
                 m(raw),
-                m(sh),
-                m(sh / n),
                 m(il),
                 m(il / n)
             );

@@ -3,7 +3,7 @@
 
 use crate::{Scale, percentiles};
 use bench_workload::{EngineHashes, Shape, build, flood_batches};
-use indexer::{Backend, Indexer, IndexerApi, IndexerConfig, RadixTree};
+use indexer::{Indexer, IndexerApi, IndexerConfig, RadixTree};
 use kv_events::{KvEventBatch, LocalBlockHash};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -79,27 +79,22 @@ pub fn run(scale: Scale) {
 
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let flood = flood_batches(2 * (FLOOD_BLOCKS_PER_SEC as usize / 16) * 4);
-    for (name, backend) in [("inline", Backend::Inline), ("sharded", Backend::Sharded)] {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(cores)
-            .enable_all()
-            .build()
-            .expect("a tokio runtime");
-        let (idle, flooded) =
-            rt.block_on(measure(backend, cores, &w.batches, &queries, flood.clone()));
-        row(&format!("{name}, {cores} shards"), idle, Some(flooded));
-    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(cores)
+        .enable_all()
+        .build()
+        .expect("a tokio runtime");
+    let (idle, flooded) = rt.block_on(measure(cores, &w.batches, &queries, flood));
+    row(&format!("inline, {cores} shards"), idle, Some(flooded));
 }
 
 async fn measure(
-    backend: Backend,
     shards: usize,
     batches: &[KvEventBatch],
     queries: &[Arc<[LocalBlockHash]>],
     flood: Vec<KvEventBatch>,
 ) -> (Vec<Duration>, (Vec<Duration>, f64)) {
     let config = IndexerConfig {
-        backend,
         num_shards: shards,
         ..IndexerConfig::default()
     };

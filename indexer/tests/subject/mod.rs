@@ -1,13 +1,12 @@
 //! One adapter over every indexer implementation, for the contract suites. The
-//! running fronts are driven only through the [`IndexerApi`] trait: each async
-//! subject is an [`Indexer`] spawned with one [`Backend`], whose `IndexerApi`
-//! implementation forwards to that backend's (`InlineIndexer` or `ShardedIndexer`).
+//! running front is driven only through the [`IndexerApi`] trait: each async
+//! subject is an [`Indexer`] with 1 or 3 shards.
 
 #![allow(dead_code)] // each test binary uses a different subset
 
 use crate::common::{Numbering, q};
 use indexer::{
-    Backend, Indexer, IndexerApi, IndexerConfig, IndexerReport, OrderedIndex, Pruning, RadixTree,
+    Indexer, IndexerApi, IndexerConfig, IndexerReport, OrderedIndex, Pruning, RadixTree,
     RecoveryNeed, ShardSettings,
 };
 use kv_events::recovery::{IndexSnapshot, RecoveryReply};
@@ -23,7 +22,7 @@ pub enum Kind {
     Tree(RadixTree),
     /// The synchronous ordered index.
     Ordered(OrderedIndex),
-    /// A running backend, driven through [`IndexerApi`], with its recovery needs.
+    /// The running front, driven through [`IndexerApi`], with its recovery needs.
     Async(Indexer, mpsc::UnboundedReceiver<RecoveryNeed>),
 }
 
@@ -38,9 +37,8 @@ pub struct Subject {
     needs: Vec<RecoveryNeed>,
 }
 
-fn config(backend: Backend, num_shards: usize, pruning: Pruning) -> IndexerConfig {
+fn config(num_shards: usize, pruning: Pruning) -> IndexerConfig {
     IndexerConfig {
-        backend,
         num_shards,
         pruning,
         ..IndexerConfig::default()
@@ -68,7 +66,7 @@ impl Subject {
     pub fn all() -> Vec<Subject> {
         let mut out = vec![Subject::build(
             "tree",
-            config(Backend::Inline, 1, Pruning::Unbounded),
+            config(1, Pruning::Unbounded),
             Some(Kind::Tree(RadixTree::new())),
         )];
         out.extend(Self::ordered(Pruning::Unbounded));
@@ -83,15 +81,9 @@ impl Subject {
         };
         let ordered = OrderedIndex::new(settings, Arc::default());
         vec![
-            Subject::build(
-                "ordered",
-                config(Backend::Inline, 1, pruning),
-                Some(Kind::Ordered(ordered)),
-            ),
-            Subject::build("sharded-1", config(Backend::Sharded, 1, pruning), None),
-            Subject::build("sharded-3", config(Backend::Sharded, 3, pruning), None),
-            Subject::build("inline-1", config(Backend::Inline, 1, pruning), None),
-            Subject::build("inline-3", config(Backend::Inline, 3, pruning), None),
+            Subject::build("ordered", config(1, pruning), Some(Kind::Ordered(ordered))),
+            Subject::build("inline-1", config(1, pruning), None),
+            Subject::build("inline-3", config(3, pruning), None),
         ]
     }
 

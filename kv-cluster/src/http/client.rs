@@ -1,189 +1,225 @@
-//! A minimal HTTP/1.1 `GET` client ([`get`]) for the cluster's own plain-text
-//! endpoints: `kv-router probe` (container health checks need no curl), the relay's
-//! scrape of an engine's `/metrics` and read of its `/v1/models`, and tests. It
-//! handles `Content-Length` and chunked bodies and nothing more; it is not a general
-//! client. Every exchange has a deadline and a byte bound ([`get_within`]), so a
-//! server that never ends its answer costs neither time nor memory without end.
+//! The cluster's HTTP client side: [`reqwest`], plus the two things every caller
+//! needs around it and that reqwest leaves to its user.
+//!
+//! - A byte bound: [`read_body`] streams a response body and stops at a caller's
+//!   limit, so an endpoint that never ends its answer (or announces a huge one) costs
+//!   no memory past the bound; [`get_text`] is a `GET` under a deadline with it, and
+//!   [`get_once`] the same on a connection of its own.
+//! - One rustls crypto provider per process ([`install_crypto_provider`]): reqwest
+//!   verifies `https://` servers with rustls on aws-lc-rs while etcd and NATS use
+//!   rustls on ring, and rustls refuses to guess between two compiled-in providers.
+//!   Every TLS client of the cluster installs ring first ([`client_builder`], NATS,
+//!   etcd), so each of them works whichever starts first.
+//!
+//! Callers: `kv-router probe` (container health checks need no curl), the relay's
+//! scrape of an engine's `/metrics` (`http://` or `https://`) and its read of
+//! `/v1/models`, the mock engine tools and tests. Cost: reqwest's connection pool per
+//! client; build one client per task and reuse it.
 
 use crate::Error;
+use reqwest::{IntoUrl, StatusCode};
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-/// A response of [`get`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct HttpResponse {
-    /// Status code.
-    pub status: u16,
-    /// Body, decoded as UTF-8 (lossily).
-    pub body: String,
-}
-
-/// The value of the sample `name` with exactly `labels` (`k="v"` pairs, comma-separated
-/// in exposition order; empty for an unlabelled metric) in Prometheus text `text`, as
-/// `/metrics` serves it; for probes, measurement tools and tests.
-pub fn metric_sample(text: &str, name: &str, labels: &str) -> Option<f64> {
-    let key = if labels.is_empty() {
-        name.to_owned()
-    } else {
-        format!("{name}{{{labels}}}")
-    };
-    text.lines()
-        .find_map(|l| l.strip_prefix(&key)?.strip_prefix(' ')?.parse().ok())
-}
-
-/// Most bytes of a response [`get`] reads, head and body: 16 MiB, far above any
-/// metrics page or health answer.
+/// Most bytes of a response body [`get_text`] callers read by default: 16 MiB, far
+/// above any metrics page or health answer.
 pub const MAX_RESPONSE_BYTES: usize = 16 << 20;
 
-/// `GET http://{addr}{path}` with HTTP/1.1 and `Connection: close`, within `timeout`,
-/// reading at most [`MAX_RESPONSE_BYTES`]. Handles `Content-Length` and chunked
-/// bodies; enough for the daemon's own endpoints.
-///
-/// # Errors
-/// [`Error::HttpRequest`] on connect, I/O or parse failure, timeout, or a response
-/// over the bound.
-pub async fn get(addr: &str, path: &str, timeout: Duration) -> Result<HttpResponse, Error> {
-    get_within(addr, path, timeout, MAX_RESPONSE_BYTES).await
+/// Installs rustls's ring provider as the process default, unless a default is
+/// installed already (then that one stays). Idempotent and cheap; called before
+/// every TLS client the cluster builds.
+pub fn install_crypto_provider() {
+    // An error only means a default is installed already, which is what we want.
+    let _ = rustls::crypto::ring::default_provider().install_default();
 }
 
-/// [`get`] reading at most `max_bytes` of the response (head and body, in bytes): a
-/// longer one is an error, and is read no further.
-///
-/// # Errors
-/// As [`get`].
-pub async fn get_within(
-    addr: &str,
-    path: &str,
-    timeout: Duration,
-    max_bytes: usize,
-) -> Result<HttpResponse, Error> {
-    let target = format!("{addr}{path}");
-    let fail = |reason: String| Error::HttpRequest {
-        target: target.clone(),
-        reason,
-    };
-    let exchange = async {
-        let mut stream = tokio::net::TcpStream::connect(addr)
-            .await
-            .map_err(|e| format!("connect: {e}"))?;
-        let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
-        stream
-            .write_all(request.as_bytes())
-            .await
-            .map_err(|e| format!("write: {e}"))?;
-        let mut raw = Vec::new();
-        let limit = u64::try_from(max_bytes)
-            .unwrap_or(u64::MAX)
-            .saturating_add(1);
-        (&mut stream)
-            .take(limit)
-            .read_to_end(&mut raw)
-            .await
-            .map_err(|e| format!("read: {e}"))?;
-        if raw.len() > max_bytes {
-            return Err(format!("the response is over {max_bytes} bytes"));
-        }
-        parse_response(&raw)
-    };
-    match tokio::time::timeout(timeout, exchange).await {
-        Ok(result) => result.map_err(fail),
-        Err(_) => Err(fail(format!("no answer within {timeout:?}"))),
-    }
+/// A [`reqwest::ClientBuilder`] with the process's crypto provider installed: https
+/// with the platform's root certificates (on Linux the system store, or the
+/// `SSL_CERT_FILE` / `SSL_CERT_DIR` it names) plus any the caller adds.
+pub fn client_builder() -> reqwest::ClientBuilder {
+    install_crypto_provider();
+    reqwest::Client::builder()
 }
 
-fn parse_response(raw: &[u8]) -> Result<HttpResponse, String> {
-    let split = raw
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .ok_or("no end of headers")?;
-    let head = String::from_utf8_lossy(&raw[..split]);
-    let body = &raw[split + 4..];
-    let mut lines = head.split("\r\n");
-    let status = lines
-        .next()
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|s| s.parse::<u16>().ok())
-        .ok_or("bad status line")?;
-    let chunked = lines.any(|l| {
-        let l = l.to_ascii_lowercase();
-        l.starts_with("transfer-encoding:") && l.contains("chunked")
-    });
-    let body = if chunked {
-        dechunk(body)?
-    } else {
-        body.to_vec()
-    };
-    Ok(HttpResponse {
-        status,
-        body: String::from_utf8_lossy(&body).into_owned(),
+/// A default client from [`client_builder`].
+///
+/// # Errors
+/// [`Error::HttpRequest`] when the TLS set-up fails (no usable root store).
+pub fn client() -> Result<reqwest::Client, Error> {
+    client_builder().build().map_err(|e| Error::HttpRequest {
+        target: "(client)".to_owned(),
+        reason: format!("cannot build the http client: {e}"),
     })
 }
 
-fn dechunk(mut rest: &[u8]) -> Result<Vec<u8>, String> {
-    let mut out = Vec::new();
-    loop {
-        let eol = rest
-            .windows(2)
-            .position(|w| w == b"\r\n")
-            .ok_or("bad chunk header")?;
-        let size_text = String::from_utf8_lossy(&rest[..eol]);
-        let size_hex = size_text.split(';').next().unwrap_or_default().trim();
-        let size = usize::from_str_radix(size_hex, 16).map_err(|_| "bad chunk size")?;
-        rest = &rest[eol + 2..];
-        if size == 0 {
-            return Ok(out);
-        }
-        let chunk = rest.get(..size).ok_or("truncated chunk")?;
-        out.extend_from_slice(chunk);
-        rest = rest.get(size + 2..).ok_or("truncated chunk")?;
+/// Reads `response`'s body, at most `max_bytes` of it: a longer body (announced by
+/// `Content-Length` or found while streaming) is an error and is read no further.
+/// The body's deadline is the request's (`RequestBuilder::timeout`).
+///
+/// # Errors
+/// The reason, lowercase: a body over the bound, or the transfer failing.
+pub async fn read_body(
+    mut response: reqwest::Response,
+    max_bytes: usize,
+) -> Result<Vec<u8>, String> {
+    let over = || format!("the response body is over {max_bytes} bytes");
+    let announced = response.content_length().unwrap_or(0);
+    if usize::try_from(announced).map_or(true, |n| n > max_bytes) {
+        return Err(over());
     }
+    // The announced length is within the bound, so this allocation is too.
+    let mut body = Vec::with_capacity(usize::try_from(announced).unwrap_or(0));
+    while let Some(chunk) = response
+        .chunk()
+        .await
+        .map_err(|e| format!("reading the body: {e}"))?
+    {
+        if body.len() + chunk.len() > max_bytes {
+            return Err(over());
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body)
+}
+
+/// `GET url` with `client` within `timeout` (connect to last body byte), reading at
+/// most `max_bytes` of the body ([`read_body`]): the status and the body decoded as
+/// UTF-8 (lossily).
+///
+/// # Errors
+/// [`Error::HttpRequest`] naming the URL on a bad URL, connect or TLS failure,
+/// timeout, or a body over the bound. A status other than 200 is not an error.
+pub async fn get_text(
+    client: &reqwest::Client,
+    url: impl IntoUrl,
+    timeout: Duration,
+    max_bytes: usize,
+) -> Result<(StatusCode, String), Error> {
+    let url = url.into_url().map_err(|e| Error::HttpRequest {
+        target: "(url)".to_owned(),
+        reason: e.to_string(),
+    })?;
+    let fail = |reason: String| Error::HttpRequest {
+        target: url.to_string(),
+        reason,
+    };
+    let response = client
+        .get(url.clone())
+        .timeout(timeout)
+        .send()
+        .await
+        .map_err(|e| fail(describe(&e)))?;
+    let status = response.status();
+    let body = read_body(response, max_bytes).await.map_err(fail)?;
+    Ok((status, String::from_utf8_lossy(&body).into_owned()))
+}
+
+/// `GET http://{addr}{path}` on a connection of its own, closed after the answer,
+/// within `timeout`, reading at most [`MAX_RESPONSE_BYTES`]: for one-shot callers
+/// (`kv-router probe`, tests) that keep no client.
+///
+/// # Errors
+/// As [`get_text`], and [`Error::HttpRequest`] when the client cannot be built.
+pub async fn get_once(
+    addr: impl std::fmt::Display,
+    path: &str,
+    timeout: Duration,
+) -> Result<(StatusCode, String), Error> {
+    let client = client_builder()
+        .pool_max_idle_per_host(0)
+        .build()
+        .map_err(|e| Error::HttpRequest {
+            target: format!("{addr}{path}"),
+            reason: format!("cannot build the http client: {e}"),
+        })?;
+    get_text(
+        &client,
+        format!("http://{addr}{path}"),
+        timeout,
+        MAX_RESPONSE_BYTES,
+    )
+    .await
+}
+
+/// A reqwest error with its causes (reqwest's own message omits them: "error sending
+/// request" says nothing of a refused connection or an unknown certificate).
+fn describe(error: &reqwest::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = std::error::Error::source(error);
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    if error.is_timeout() {
+        text.push_str(" (deadline passed)");
+    }
+    text
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-    #[test]
-    fn parses_length_and_chunked_bodies() {
-        let plain = b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 2\r\n\r\nno";
-        assert_eq!(
-            parse_response(plain).unwrap(),
-            HttpResponse {
-                status: 503,
-                body: "no".into()
-            }
-        );
-        let chunked =
-            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2;x=y\r\nde\r\n0\r\n\r\n";
-        assert_eq!(parse_response(chunked).unwrap().body, "abcde");
-        assert!(parse_response(b"HTTP/1.1 200 OK\r\n").is_err());
-        assert!(parse_response(b"garbage\r\n\r\n").is_err());
-    }
-
-    /// A server that sends more than the bound is cut off with an error, and a
-    /// response within it is read whole.
+    /// A server that sends more than the bound is cut off with an error, whether it
+    /// announces its length or streams chunks, and a response within it is read
+    /// whole.
     #[tokio::test]
     async fn a_response_over_the_bound_is_an_error() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap().to_string();
+        let addr = listener.local_addr().unwrap();
         let server = tokio::spawn(async move {
-            for body_len in [10usize, 1000] {
+            let answers = [
+                "HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nxxxxxxxxxx".to_owned(),
+                format!(
+                    "HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n{}",
+                    "x".repeat(1000)
+                ),
+                format!(
+                    "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n{}0\r\n\r\n",
+                    format!("64\r\n{}\r\n", "x".repeat(100)).repeat(3)
+                ),
+            ];
+            for answer in answers {
                 let (mut socket, _) = listener.accept().await.unwrap();
                 let mut head = [0u8; 1024];
                 let _ = socket.read(&mut head).await.unwrap();
-                let answer = format!(
-                    "HTTP/1.1 200 OK\r\nContent-Length: {body_len}\r\n\r\n{}",
-                    "x".repeat(body_len)
-                );
                 // The client may close early: a failed write is what it does then.
                 let _ = socket.write_all(answer.as_bytes()).await;
             }
         });
+        let client = client().unwrap();
+        let url = format!("http://{addr}/");
         let wait = Duration::from_secs(30);
-        let small = get_within(&addr, "/", wait, 200).await.unwrap();
-        assert_eq!(small.body.len(), 10);
-        let err = get_within(&addr, "/", wait, 200).await.unwrap_err();
-        assert!(err.to_string().contains("over 200 bytes"), "{err}");
+        let (status, body) = get_text(&client, &url, wait, 200).await.unwrap();
+        assert_eq!((status, body.len()), (StatusCode::OK, 10));
+        for what in ["announced", "streamed"] {
+            let err = get_text(&client, &url, wait, 200).await.unwrap_err();
+            assert!(err.to_string().contains("over 200 bytes"), "{what}: {err}");
+        }
         server.await.unwrap();
+    }
+
+    /// A server that accepts and never answers is given up at the deadline.
+    #[tokio::test]
+    async fn a_silent_server_is_given_up_at_the_deadline() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            let (socket, _) = listener.accept().await.unwrap();
+            tokio::time::sleep(Duration::from_secs(60)).await;
+            drop(socket);
+        });
+        let client = client().unwrap();
+        let err = get_text(
+            &client,
+            format!("http://{addr}/"),
+            Duration::from_millis(200),
+            MAX_RESPONSE_BYTES,
+        )
+        .await
+        .unwrap_err();
+        assert!(err.to_string().contains("deadline"), "{err}");
+        server.abort();
     }
 }

@@ -1,7 +1,8 @@
 //! A participant's HTTP plumbing: the listen-address flag value ([`ListenAddr`],
 //! `ADDR` or `off`), the one way every HTTP server of the cluster serves its
-//! connections ([`serve`], bounded by [`ServerLimits`]), and a minimal HTTP/1.1 `GET`
-//! client ([`get`]) for the cluster's own plain-text endpoints.
+//! connections ([`serve`], bounded by [`ServerLimits`]), the client side around
+//! reqwest ([`get_text`], [`read_body`]: deadlines and byte bounds), and the reader of
+//! the Prometheus text pages those endpoints serve ([`exposition`]).
 //!
 //! # Layout
 //! - [`server`]: [`serve`] and [`ServerLimits`]: header-read, idle keep-alive and
@@ -10,15 +11,22 @@
 //! - `connection` (private): one connection's record and the watchdog that closes it.
 //! - `request` (private): requests counted in flight, bodies under deadlines
 //!   ([`BodyTimeout`]), answers marked for what the connection does next.
-//! - [`client`]: [`get`] (and [`get_within`], with a byte bound) and [`metric_sample`].
+//! - [`client`](mod@client): reqwest clients with the process's one crypto provider
+//!   ([`client_builder`]), bounded body reads ([`read_body`]) and [`get_text`].
+//! - [`exposition`]: the samples of a Prometheus text page ([`metric_sample`]).
 
 pub mod client;
 mod connection;
+pub mod exposition;
 mod limits;
 mod request;
 pub mod server;
 
-pub use client::{HttpResponse, MAX_RESPONSE_BYTES, get, get_within, metric_sample};
+pub use client::{
+    MAX_RESPONSE_BYTES, client, client_builder, get_once, get_text, install_crypto_provider,
+    read_body,
+};
+pub use exposition::metric_sample;
 pub use limits::{
     BodyTimeouts, DEFAULT_BODY_IDLE_TIMEOUT_MS, DEFAULT_BODY_READ_TIMEOUT_MS,
     DEFAULT_HEADER_READ_TIMEOUT_MS, DEFAULT_IDLE_TIMEOUT_S, ServerLimits,

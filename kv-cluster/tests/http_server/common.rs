@@ -112,23 +112,24 @@ impl Server {
 
     /// The status of `GET /health/livez` on a new connection.
     pub async fn livez(&self) -> u16 {
-        kv_cluster::http::get(&self.addr.to_string(), "/health/livez", WAIT)
-            .await
-            .unwrap()
-            .status
+        fetch(self.addr, "/health/livez").await.0
     }
 
     /// The status of `GET /health/livez` on a new connection, asked in a task of its
     /// own (to see it wait).
     pub fn livez_in_background(&self) -> JoinHandle<u16> {
-        let addr = self.addr.to_string();
-        tokio::spawn(async move {
-            let answer = kv_cluster::http::get(&addr, "/health/livez", WAIT).await;
-            answer.unwrap().status
-        })
+        let addr = self.addr;
+        tokio::spawn(async move { fetch(addr, "/health/livez").await.0 })
     }
 
     pub async fn connect(&self) -> TcpStream {
         TcpStream::connect(self.addr).await.unwrap()
     }
+}
+
+/// `GET http://{addr}{path}` on a connection of its own, within [`WAIT`]: the status
+/// and the body.
+pub async fn fetch(addr: SocketAddr, path: &str) -> (u16, String) {
+    let (status, body) = kv_cluster::http::get_once(addr, path, WAIT).await.unwrap();
+    (status.as_u16(), body)
 }

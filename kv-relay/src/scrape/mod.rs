@@ -15,10 +15,13 @@
 //! answers once, before the first scrape counts as done, so the worker's first
 //! registration carries its context length when the engine is up.
 //!
-//! Parsing is in [`page`]. Cost: one HTTP GET per period; parsing is linear in the
-//! page size.
+//! The page is read over `http://` or `https://` ([`target`]: the URLs and the
+//! client, with `--metrics-tls-ca`). Parsing is in [`page`]. Cost: one HTTP GET per
+//! period on a kept-alive connection, at most [`MAX_PAGE_BYTES`]; parsing is linear
+//! in the page size.
 
 pub mod page;
+pub mod target;
 
 use crate::config::ScrapeConfig;
 use crate::counters::RelayCounters;
@@ -30,6 +33,9 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
+
+/// Largest metrics page read, in bytes: 16 MiB, far above any engine's page.
+pub const MAX_PAGE_BYTES: usize = kv_cluster::http::MAX_RESPONSE_BYTES;
 
 /// Our load metrics for one rank from its scraped figures.
 pub fn to_load_metrics(
@@ -71,8 +77,19 @@ pub struct Scraper {
 }
 
 impl Scraper {
-    /// Scrapes every period and publishes until `shutdown`.
+    /// Scrapes every period and publishes until `shutdown`. A client that cannot be
+    /// built (no usable TLS set-up) is logged and ends the scrape; the worker then
+    /// registers without the page's facts, as with an engine that never answers.
     pub async fn run(self, shutdown: CancellationToken) {
+        let client = match self.config.client() {
+            Ok(client) => client,
+            Err(reason) => {
+                error!(url = %self.config.url, %reason, "cannot build the scrape's http client");
+                self.facts
+                    .send_if_modified(|f| !std::mem::replace(&mut f.scraped, true));
+                return;
+            }
+        };
         let mut tick = tokio::time::interval(self.config.interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut failing = false;
@@ -87,11 +104,13 @@ impl Scraper {
                 _ = tick.tick() => {}
             }
             if let Some(endpoint) = &models
-                && self.read_models(endpoint, &mut models_failing).await
+                && self
+                    .read_models(&client, endpoint, &mut models_failing)
+                    .await
             {
                 models = None;
             }
-            let result = self.scrape_once(&mut reported).await;
+            let result = self.scrape_once(&client, &mut reported).await;
             // Read or tried once: the worker may register (see `crate::facts`).
             self.facts
                 .send_if_modified(|f| !std::mem::replace(&mut f.scraped, true));
@@ -103,7 +122,7 @@ impl Scraper {
                 Err(reason) => {
                     self.counters.scrape("failed");
                     if !failing {
-                        warn!(addr = %self.config.addr, path = %self.config.path, %reason, "engine metrics scrape failed");
+                        warn!(url = %self.config.url, %reason, "engine metrics scrape failed");
                     }
                     failing = true;
                 }
@@ -119,8 +138,13 @@ impl Scraper {
     /// Reads the engine's context length into the facts; `true` once the engine
     /// answered (with one or without), `false` to try again next period (the first
     /// failure of a run is logged).
-    async fn read_models(&self, endpoint: &ModelsEndpoint, failing: &mut bool) -> bool {
-        match endpoint.read(self.timeout()).await {
+    async fn read_models(
+        &self,
+        client: &reqwest::Client,
+        endpoint: &ModelsEndpoint,
+        failing: &mut bool,
+    ) -> bool {
+        match endpoint.read(client, self.timeout()).await {
             Ok(len) => {
                 self.counters.scrape("models_ok");
                 match len {
@@ -129,7 +153,7 @@ impl Scraper {
                             .send_if_modified(|f| f.max_model_len.replace(len) != Some(len));
                     }
                     None => {
-                        info!(addr = %endpoint.addr, path = %endpoint.path,
+                        info!(url = %endpoint.url,
                             "the engine's /v1/models names no max_model_len; none is registered");
                     }
                 }
@@ -138,7 +162,7 @@ impl Scraper {
             Err(reason) => {
                 self.counters.scrape("models_failed");
                 if !std::mem::replace(failing, true) {
-                    warn!(addr = %endpoint.addr, path = %endpoint.path, %reason,
+                    warn!(url = %endpoint.url, %reason,
                         "reading the engine's max_model_len failed; retrying every scrape period");
                 }
                 false
@@ -146,18 +170,26 @@ impl Scraper {
         }
     }
 
-    async fn scrape_once(&self, reported: &mut Option<u32>) -> Result<(), String> {
-        let timeout = self.timeout();
-        let resp = kv_cluster::http::get(&self.config.addr, &self.config.path, timeout)
-            .await
-            .map_err(|e| e.to_string())?;
-        if resp.status != 200 {
-            return Err(format!("http status {}", resp.status));
+    async fn scrape_once(
+        &self,
+        client: &reqwest::Client,
+        reported: &mut Option<u32>,
+    ) -> Result<(), String> {
+        let (status, page) = kv_cluster::http::get_text(
+            client,
+            self.config.url.clone(),
+            self.timeout(),
+            MAX_PAGE_BYTES,
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+        if status != reqwest::StatusCode::OK {
+            return Err(format!("http status {status}"));
         }
-        let cache = parse_cache_facts(&resp.body);
+        let cache = parse_cache_facts(&page);
         self.offer(&cache, reported);
         let known = self.facts.borrow().kv_blocks.unwrap_or(0);
-        for (rank, load) in parse_metrics(&resp.body) {
+        for (rank, load) in parse_metrics(&page) {
             if rank.0 >= self.dp_size {
                 debug!(%rank, "metrics for a rank outside the dp size ignored");
                 continue;
@@ -186,7 +218,7 @@ impl Scraper {
             if let Some(fixed) = conflict {
                 self.counters.scrape("block_size_conflict");
                 if reported.replace(size) != Some(size) {
-                    error!(addr = %self.config.addr, page_block_size = size, block_size = fixed,
+                    error!(url = %self.config.url, page_block_size = size, block_size = fixed,
                         "the engine's metrics page states block_size {size} but the relay already \
                          uses {fixed} tokens (from the engine's events or an earlier page); \
                          events of another size are refused");

@@ -1,12 +1,13 @@
 //! Reading an engine's Prometheus text page: the samples, the load per rank, and what
 //! the engine states about its KV cache (block size and capacity).
 //!
-//! Only the lines the relay uses are interpreted; comments, unknown metrics and
-//! malformed lines are skipped, so a page from a newer engine version still parses.
-//! Label values are read with the text format's quoting rules (`\"`, `\\`, `\n`
-//! escapes; commas and braces inside quotes), because vLLM's `cache_config_info`
-//! carries free-form configuration values. Cost: linear in the page size, no
-//! allocation per sample.
+//! The samples are read by the workspace's one Prometheus text reader,
+//! [`kv_cluster::http::exposition`] (comments, malformed lines and non-finite values
+//! skipped; label values with the format's quoting rules, because vLLM's
+//! `cache_config_info` carries free-form configuration values). Only the metrics the
+//! relay uses are interpreted; unknown ones are skipped, so a page from a newer
+//! engine version still parses. Cost: linear in the page size, no allocation per
+//! sample.
 //!
 //! The rank of a sample is its `engine` label (vLLM: one engine core per dp rank) or
 //! its `dp_rank` label (SGLang); an unlabeled sample is rank 0.
@@ -33,108 +34,16 @@
 //! says). Labels carrying different figures are per-rank figures and taken as they
 //! are; a single label is that engine's own figure.
 
+use kv_cluster::http::exposition::{Sample, samples};
 use kv_events::DpRank;
 use std::collections::{BTreeMap, BTreeSet};
 
-/// One sample line: `name{labels} value [timestamp]`.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Sample<'a> {
-    /// Metric name.
-    pub name: &'a str,
-    /// The raw label set between the braces (empty without labels).
-    labels: &'a str,
-    /// The sample value (finite).
-    pub value: f64,
-}
-
-impl<'a> Sample<'a> {
-    /// The raw value of label `name` (escapes are not undone: the labels read here
-    /// are numbers); `None` when absent.
-    pub fn label(&self, name: &str) -> Option<&'a str> {
-        labels(self.labels).find_map(|(k, v)| (k == name).then_some(v))
-    }
-
-    /// The sample's dp rank (see the module docs).
-    pub fn rank(&self) -> DpRank {
-        self.label("engine")
-            .or_else(|| self.label("dp_rank"))
-            .and_then(|r| r.parse::<u32>().ok())
-            .map_or(DpRank(0), DpRank)
-    }
-}
-
-/// Iterates `key="value"` pairs of a label set, honouring quotes and escapes; stops
-/// at the first malformed pair.
-fn labels(set: &str) -> impl Iterator<Item = (&str, &str)> {
-    let mut rest = set;
-    std::iter::from_fn(move || {
-        rest = rest.trim_start_matches([',', ' ']);
-        let (key, after) = rest.split_once('=')?;
-        let after = after.trim_start().strip_prefix('"')?;
-        let end = closing_quote(after)?;
-        rest = &after[end + 1..];
-        Some((key.trim(), &after[..end]))
-    })
-}
-
-/// Byte index of the quote closing a value that starts right after its opening quote.
-fn closing_quote(s: &str) -> Option<usize> {
-    let bytes = s.as_bytes();
-    let mut i = 0;
-    while i < bytes.len() {
-        match bytes[i] {
-            b'\\' => i += 2,
-            b'"' => return Some(i),
-            _ => i += 1,
-        }
-    }
-    None
-}
-
-/// Splits a sample line into name, raw labels and value; `None` for comments,
-/// blank or malformed lines and non-finite values.
-fn sample(line: &str) -> Option<Sample<'_>> {
-    let line = line.trim();
-    if line.is_empty() || line.starts_with('#') {
-        return None;
-    }
-    let name_end = line.find(|c: char| c == '{' || c.is_whitespace())?;
-    let (name, rest) = line.split_at(name_end);
-    let (labels, rest) = match rest.strip_prefix('{') {
-        Some(inner) => {
-            // The closing brace is the first one outside quotes.
-            let mut in_quotes = false;
-            let mut escaped = false;
-            let close = inner.char_indices().find_map(|(i, c)| {
-                match (escaped, c) {
-                    (true, _) => escaped = false,
-                    (false, '\\') => escaped = in_quotes,
-                    (false, '"') => in_quotes = !in_quotes,
-                    (false, '}') if !in_quotes => return Some(i),
-                    _ => {}
-                }
-                None
-            })?;
-            (&inner[..close], &inner[close + 1..])
-        }
-        None => ("", rest),
-    };
-    let value = rest
-        .split_whitespace()
-        .next()?
-        .parse::<f64>()
-        .ok()
-        .filter(|v| v.is_finite())?;
-    Some(Sample {
-        name,
-        labels,
-        value,
-    })
-}
-
-/// The sample lines of a page, in order.
-pub fn samples(page: &str) -> impl Iterator<Item = Sample<'_>> {
-    page.lines().filter_map(sample)
+/// The dp rank of a sample (see the module docs).
+fn rank(s: &Sample<'_>) -> DpRank {
+    s.label("engine")
+        .or_else(|| s.label("dp_rank"))
+        .and_then(|r| r.parse::<u32>().ok())
+        .map_or(DpRank(0), DpRank)
 }
 
 /// Load figures of one rank read from a metrics page.
@@ -165,7 +74,7 @@ pub fn parse_metrics(page: &str) -> BTreeMap<DpRank, RankLoad> {
             }
             _ => continue,
         };
-        *slot(out.entry(s.rank()).or_default()) += s.value;
+        *slot(out.entry(rank(&s)).or_default()) += s.value;
     }
     out
 }
@@ -219,7 +128,7 @@ pub fn parse_cache_facts(page: &str) -> CacheFacts {
                     facts.block_sizes.insert(bs);
                 }
                 if let Some(blocks) = label_count(&s, "num_gpu_blocks") {
-                    vllm_blocks.insert(s.rank(), blocks);
+                    vllm_blocks.insert(rank(&s), blocks);
                 }
             }
             "sglang:page_size" => {
@@ -229,12 +138,12 @@ pub fn parse_cache_facts(page: &str) -> CacheFacts {
             }
             "sglang:num_pages" => {
                 if let Some(pages) = count(s.value) {
-                    sglang_pages.insert(s.rank(), pages);
+                    sglang_pages.insert(rank(&s), pages);
                 }
             }
             "sglang:max_total_num_tokens" => {
                 if let Some(tokens) = count(s.value) {
-                    sglang_tokens.insert(s.rank(), tokens);
+                    sglang_tokens.insert(rank(&s), tokens);
                 }
             }
             _ => {}
@@ -353,13 +262,9 @@ garbage line
     }
 
     #[test]
-    fn quoted_braces_commas_and_escapes_do_not_split_labels() {
-        let s = sample(r#"m{a="x,}y",b="q\"}",engine="3"} 2 17"#).expect("a sample");
-        assert_eq!((s.name, s.value), ("m", 2.0));
-        assert_eq!(s.label("a"), Some("x,}y"));
-        assert_eq!(s.label("b"), Some(r#"q\"}"#));
-        assert_eq!(s.rank(), DpRank(3));
-        assert_eq!(sample("m{a=\"unterminated} 1"), None);
-        assert_eq!(sample("# HELP m text"), None);
+    fn the_rank_is_the_engine_or_dp_rank_label() {
+        let page = "m{a=\"x,}y\",engine=\"3\"} 2\nm{dp_rank=\"2\"} 1\nm 0\n";
+        let ranks: Vec<DpRank> = samples(page).map(|s| rank(&s)).collect();
+        assert_eq!(ranks, [DpRank(3), DpRank(2), DpRank(0)]);
     }
 }

@@ -57,15 +57,18 @@ pub(super) struct GatewayTotals {
 impl GatewayTotals {
     /// Reads the totals now.
     pub(super) async fn read(gateway: &GatewayTarget) -> anyhow::Result<Self> {
-        let text = gateway
-            .client
-            .get(format!("{}/metrics", gateway.url))
-            .send()
-            .await
-            .and_then(reqwest::Response::error_for_status)
-            .context("reading the gateway's metrics")?
-            .text()
-            .await?;
+        let (status, text) = kv_cluster::http::get_text(
+            &gateway.client,
+            format!("{}/metrics", gateway.url),
+            std::time::Duration::from_secs(10),
+            kv_cluster::http::MAX_RESPONSE_BYTES,
+        )
+        .await
+        .context("reading the gateway's metrics")?;
+        anyhow::ensure!(
+            status.is_success(),
+            "the gateway's /metrics answered {status}"
+        );
         let sample = |name: &str, labels: &str| metric_sample(&text, name, labels).unwrap_or(0.0);
         Ok(Self {
             ttft_s: sample("kv_gateway_ttft_seconds_sum", r#"endpoint="completions""#),

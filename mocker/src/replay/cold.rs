@@ -87,7 +87,13 @@ async fn clear_worker(
     registration: &WorkerRegistration,
 ) -> Result<(), ReplayError> {
     let worker = registration.worker_id;
-    let mut backoff = CLEAR_BACKOFF;
+    let mut waits = backon::BackoffBuilder::build(
+        backon::ExponentialBuilder::new()
+            .with_min_delay(CLEAR_BACKOFF)
+            .with_factor(2.0)
+            .without_max_delay()
+            .without_max_times(),
+    );
     for attempt in 1..=CLEAR_ATTEMPTS {
         let reply = match clear_over_nats(target, worker).await {
             Err(err) if err.kind() == RequestErrorKind::NoResponders => {
@@ -107,8 +113,8 @@ async fn clear_worker(
             ClearReply::Busy { active_requests } => {
                 tracing::info!(%worker, active_requests, attempt, "worker busy, retrying clear");
                 if attempt < CLEAR_ATTEMPTS {
-                    tokio::time::sleep(backoff).await;
-                    backoff *= 2;
+                    // The schedule never ends (no max times).
+                    tokio::time::sleep(waits.next().unwrap_or(CLEAR_BACKOFF)).await;
                 }
             }
         }

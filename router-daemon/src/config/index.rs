@@ -1,24 +1,24 @@
-//! The index flags of `kv-router serve`: backend, memory bound, approximate mode, gap
+//! The index flags of `kv-router serve`: memory bound, approximate mode, gap
 //! recovery and the optional JetStream path. They are validated into the indexer's
 //! own [`IndexerConfig`] fields plus the daemon's
 //! [`crate::durability::DurabilityConfig`]; what those settings do is documented in
 //! [`crate::durability`].
+//!
+//! The `--index-backend` flag is gone with the sharded backend it chose: the flag
+//! and its config-file key (`[indexer] index-backend`) are refused by clap and the
+//! file loader as unknown, and its environment variable, which nothing else would
+//! notice, is refused by [`IndexArgs::apply`].
 
 use super::error::ConfigError;
 use crate::durability::{DurabilityConfig, JetStreamConfig};
 use clap::{Args, ValueEnum};
-use indexer::{Backend, IndexMode, IndexerConfig, Pruning};
+use indexer::{IndexMode, IndexerConfig, Pruning};
 use kv_events::Subjects;
+use std::ffi::OsString;
 use std::time::Duration;
 
-/// The indexer design, as a flag value.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum BackendArg {
-    /// Shards behind read-write locks, read inline by queries.
-    Inline,
-    /// Shard tasks behind channels, queries fan out to them.
-    Sharded,
-}
+/// The environment variable of the retired `--index-backend` flag.
+const RETIRED_BACKEND_ENV: &str = "KV_ROUTER_INDEX_BACKEND";
 
 /// Where the index's knowledge comes from, as a flag value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -32,10 +32,6 @@ pub enum IndexModeArg {
 /// Index, recovery and JetStream flags of `kv-router serve`.
 #[derive(Debug, Clone, Args)]
 pub struct IndexArgs {
-    /// Indexer design: inline (shards behind read-write locks, read by queries in
-    /// place) or sharded (one task per shard, queries fan out over channels).
-    #[arg(long, env = "KV_ROUTER_INDEX_BACKEND", default_value = "inline")]
-    pub index_backend: BackendArg,
     /// Most (worker, block) entries the index keeps, at the peak too; past it blocks
     /// never matched are pruned first, then the least recently matched. Unbounded
     /// when unset.
@@ -113,23 +109,39 @@ fn valid_name(name: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
 }
 
+/// Refuses the retired `KV_ROUTER_INDEX_BACKEND` when `env` (the process
+/// environment, or a test's map) still sets it.
+///
+/// # Errors
+/// [`ConfigError::Invalid`] naming `index-backend`.
+fn refuse_retired(env: impl Fn(&str) -> Option<OsString>) -> Result<(), ConfigError> {
+    match env(RETIRED_BACKEND_ENV) {
+        None => Ok(()),
+        Some(_) => Err(ConfigError::Invalid {
+            field: "index-backend",
+            reason: format!(
+                "was retired with the sharded index backend (the inline index is the only \
+                 one); unset {RETIRED_BACKEND_ENV}"
+            ),
+        }),
+    }
+}
+
 impl IndexArgs {
     /// Applies the index flags to `indexer` and builds the durability config.
     ///
     /// # Errors
-    /// [`ConfigError::Invalid`] naming the first bad flag.
+    /// [`ConfigError::Invalid`] naming the first bad flag, or `index-backend` when
+    /// the environment still sets the retired `KV_ROUTER_INDEX_BACKEND`.
     pub fn apply(
         &self,
         subjects: &Subjects,
         indexer: &mut IndexerConfig,
     ) -> Result<DurabilityConfig, ConfigError> {
+        refuse_retired(|name| std::env::var_os(name))?;
         let invalid = |field: &'static str, reason: &str| ConfigError::Invalid {
             field,
             reason: reason.to_owned(),
-        };
-        indexer.backend = match self.index_backend {
-            BackendArg::Inline => Backend::Inline,
-            BackendArg::Sharded => Backend::Sharded,
         };
         if let Some(max_entries) = self.index_max_blocks {
             if max_entries < indexer.num_shards {
@@ -236,9 +248,8 @@ mod tests {
     }
 
     #[test]
-    fn defaults_are_inline_unbounded_kv_events_without_jetstream() {
+    fn defaults_are_unbounded_kv_events_without_jetstream() {
         let (indexer, durability) = apply(&[]).unwrap();
-        assert_eq!(indexer.backend, Backend::Inline);
         assert_eq!(indexer.pruning, Pruning::Unbounded);
         assert_eq!(indexer.mode, IndexMode::KvEvents);
         assert_eq!(
@@ -251,8 +262,6 @@ mod tests {
     #[test]
     fn flags_map_to_typed_settings() {
         let (indexer, _) = apply(&[
-            "--index-backend",
-            "sharded",
             "--index-max-blocks",
             "1000",
             "--index-mode",
@@ -261,7 +270,6 @@ mod tests {
             "30",
         ])
         .unwrap();
-        assert_eq!(indexer.backend, Backend::Sharded);
         assert_eq!(
             indexer.pruning,
             Pruning::LeastRecentlyMatched {
@@ -299,5 +307,19 @@ mod tests {
             let err = apply(args).unwrap_err();
             assert!(err.to_string().contains(flag), "{err}");
         }
+    }
+
+    #[test]
+    fn the_retired_backend_flag_is_refused() {
+        let parsed =
+            kv_cluster::args::parse_flags::<IndexArgs, _, _>(["x", "--index-backend", "inline"]);
+        assert!(parsed.is_err(), "the flag is unknown");
+        let set = |name: &str| (name == RETIRED_BACKEND_ENV).then(|| OsString::from("inline"));
+        let err = refuse_retired(set).unwrap_err().to_string();
+        assert!(
+            err.contains("index-backend") && err.contains(RETIRED_BACKEND_ENV),
+            "{err}"
+        );
+        assert!(refuse_retired(|_| None).is_ok());
     }
 }

@@ -16,7 +16,7 @@
 //! Every listener is served by [`kv_cluster::http::serve`]: a header-read timeout that
 //! also bounds idle keep-alive connections, and a connection cap
 //! ([`HttpConfig::limits`]). The client side (`kv-router probe`, tests) is
-//! [`kv_cluster::http::get`].
+//! [`kv_cluster::http::get_text`].
 //!
 //! # Layout
 //! - this file: the main routes and the running [`HttpServer`].

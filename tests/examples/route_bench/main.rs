@@ -34,6 +34,7 @@ mod echo;
 mod ingest;
 
 use anyhow::Context;
+use bench_workload::{latencies, quantile_ms};
 use clap::{Parser, ValueEnum};
 use integration_tests::child_daemon::{ChildDaemon, register_workers};
 use kv_events::routing::{
@@ -252,15 +253,7 @@ async fn frontend(
     Ok(tally)
 }
 
-fn percentile(sorted: &[u64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
-    sorted[i.min(sorted.len() - 1)] as f64 / 1000.0
-}
-
-/// One measurement: its answers, sorted round trips and the answering process's CPU.
+/// One measurement: its answers, round trips and the answering process's CPU.
 struct Measured {
     routes: u64,
     failed: u64,
@@ -271,11 +264,18 @@ struct Measured {
 }
 
 impl Measured {
+    fn quantile_ms(&self, q: f64) -> f64 {
+        let samples = self
+            .round_trips_us
+            .iter()
+            .map(|&us| Duration::from_micros(us));
+        quantile_ms(&latencies(samples), q)
+    }
     fn p50(&self) -> f64 {
-        percentile(&self.round_trips_us, 0.5)
+        self.quantile_ms(0.5)
     }
     fn p99(&self) -> f64 {
-        percentile(&self.round_trips_us, 0.99)
+        self.quantile_ms(0.99)
     }
     fn per_s(&self) -> f64 {
         self.routes as f64 / self.elapsed
@@ -326,7 +326,6 @@ impl Bench {
         }
         let elapsed = started.elapsed().as_secs_f64();
         let cpu = cpu_seconds()? - cpu_before;
-        total.round_trips_us.sort_unstable();
         Ok(Measured {
             routes: total.routes,
             failed: total.failed,

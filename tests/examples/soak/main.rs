@@ -26,6 +26,7 @@
 //! and route p99 against time). Load generator, daemon, nats-server and etcd share the
 //! machine's cores.
 
+use bench_workload::{latencies, quantile_ms};
 use clap::Parser;
 use integration_tests::child_daemon::ChildDaemon;
 use kv_events::discovery::WorkerRegistration;
@@ -150,14 +151,6 @@ impl Engine {
 struct Window {
     latencies_us: Vec<u64>,
     errors: u64,
-}
-
-fn percentile(sorted: &[u64], q: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let i = ((sorted.len() as f64 * q).ceil() as usize).clamp(1, sorted.len()) - 1;
-    sorted[i] as f64 / 1e3
 }
 
 async fn one_route(
@@ -320,14 +313,14 @@ async fn main() -> anyhow::Result<()> {
         if last_sample.elapsed() >= Duration::from_secs(args.sample_s) {
             let secs = last_sample.elapsed().as_secs_f64();
             last_sample = Instant::now();
-            let (mut lat, errors) = {
+            let (lat, errors) = {
                 let mut w = window.lock().unwrap_or_else(|p| p.into_inner());
                 (
                     std::mem::take(&mut w.latencies_us),
                     std::mem::take(&mut w.errors),
                 )
             };
-            lat.sort_unstable();
+            let histogram = latencies(lat.iter().map(|&us| Duration::from_micros(us)));
             let cpu = daemon.cpu_seconds()?;
             let row = chart::Row {
                 t_s: start.elapsed().as_secs_f64(),
@@ -336,8 +329,8 @@ async fn main() -> anyhow::Result<()> {
                 events_per_s: (published - last_published) as f64 / secs,
                 routes: lat.len() as u64,
                 route_errors: errors,
-                route_p50_ms: percentile(&lat, 0.50),
-                route_p99_ms: percentile(&lat, 0.99),
+                route_p50_ms: quantile_ms(&histogram, 0.50),
+                route_p99_ms: quantile_ms(&histogram, 0.99),
                 index_blocks: daemon
                     .metric("kv_router_indexer_blocks")
                     .await

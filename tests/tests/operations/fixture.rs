@@ -6,7 +6,7 @@
 use anyhow::Context;
 use etcd_client::Client as Etcd;
 pub use integration_tests::etcd_proxy::{EtcdProxy, etcd_addr};
-use kv_cluster::http::{HttpResponse, get};
+use kv_cluster::http::get_once;
 use kv_events::{Namespace, Subjects, decode, encode};
 use router_daemon::Starting;
 use router_daemon::config::{DaemonConfig, ServeArgs};
@@ -173,12 +173,13 @@ pub fn prompt(seed: u32, blocks: u32) -> Vec<u32> {
     (0..blocks * BLOCK).map(|i| seed * 10_000 + i).collect()
 }
 
-/// `GET` on the daemon's endpoint.
+/// `GET` on the daemon's endpoint: the status and the body.
 ///
 /// # Errors
 /// When the endpoint does not answer.
-pub async fn http(addr: &str, path: &str) -> anyhow::Result<HttpResponse> {
-    Ok(get(addr, path, Duration::from_secs(5)).await?)
+pub async fn http(addr: &str, path: &str) -> anyhow::Result<(u16, String)> {
+    let (status, body) = get_once(addr, path, Duration::from_secs(5)).await?;
+    Ok((status.as_u16(), body))
 }
 
 /// The readiness report (status, JSON body).
@@ -186,8 +187,8 @@ pub async fn http(addr: &str, path: &str) -> anyhow::Result<HttpResponse> {
 /// # Errors
 /// When the endpoint does not answer or the body is not JSON.
 pub async fn readyz(addr: &str) -> anyhow::Result<(u16, Value)> {
-    let r = http(addr, "/health/readyz").await?;
-    Ok((r.status, serde_json::from_str(&r.body)?))
+    let (status, body) = http(addr, "/health/readyz").await?;
+    Ok((status, serde_json::from_str(&body)?))
 }
 
 /// The current value of a metric from the daemon's `/metrics`.
@@ -195,6 +196,6 @@ pub async fn readyz(addr: &str) -> anyhow::Result<(u16, Value)> {
 /// # Errors
 /// When the endpoint does not answer.
 pub async fn metric(addr: &str, name: &str, labels: &str) -> anyhow::Result<Option<f64>> {
-    let text = http(addr, "/metrics").await?.body;
+    let (_, text) = http(addr, "/metrics").await?;
     Ok(kv_cluster::http::metric_sample(&text, name, labels))
 }

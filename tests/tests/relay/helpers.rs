@@ -1,4 +1,4 @@
-//! Helpers of the relay tests (`relay.rs`, `relay_facts.rs`): the relay's
+//! Helpers of the relay tests (`relay.rs`, `relay_facts.rs`, `relay_https.rs`): the relay's
 //! configuration for the fake engine, and waits on what the router sees. Each test
 //! crate uses a subset.
 
@@ -23,6 +23,26 @@ pub fn config_from(cluster: &TestCluster, mut args: Vec<String>, extra: &[&str])
     args.extend(extra.iter().map(|a| (*a).to_owned()));
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     RelayConfig::from_args(&cluster.flags::<RelayArgs>(&args)).unwrap()
+}
+
+/// A relay for `engine` with the flags `engine_flags` then `extra`, once the engine
+/// is subscribed and the router has worker 7's registration, which is returned.
+pub async fn registered_with(
+    cluster: &TestCluster,
+    daemon: &Daemon,
+    engine: &mut FakeEngine,
+    engine_flags: Vec<String>,
+    extra: &[&str],
+) -> (Relay, WorkerRegistration) {
+    let relay = Relay::start(
+        config_from(cluster, engine_flags, extra),
+        &prometheus::Registry::new(),
+    )
+    .await
+    .unwrap();
+    engine.wait_subscribed().await;
+    wait_registered(daemon, WORKER, true).await;
+    (relay, registration(daemon).unwrap())
 }
 
 pub async fn overlap(daemon: &Daemon, hashes: Vec<LocalBlockHash>, rank: u32) -> u32 {

@@ -3,7 +3,7 @@
 
 use crate::lib_api::{Front, Library, Scores};
 use bench_workload::rss_bytes;
-use indexer::{Backend, Indexer, IndexerApi, IndexerConfig, OverlapScores, RadixTree};
+use indexer::{Indexer, IndexerApi, IndexerConfig, OverlapScores, RadixTree};
 use kv_events::{KvEventBatch, LocalBlockHash};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -54,7 +54,6 @@ impl Library for Ours {
 
     fn front() -> Indexer {
         let config = IndexerConfig {
-            backend: Backend::Inline,
             num_shards: 2,
             ..IndexerConfig::default()
         };
