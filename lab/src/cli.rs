@@ -16,7 +16,7 @@ use crate::sweep::{Sweep, progress_bar, run_sweep};
 use engine_model::trace::BlockMapping;
 use indicatif::ProgressBar;
 use kv_events::routing::PolicyKind;
-use scheduler::SessionConfig;
+use scheduler::args::SessionTuningArgs;
 use std::path::PathBuf;
 
 /// `kv-mocker lab`: simulate a trace under every policy × workers × speed-up, or run
@@ -49,14 +49,10 @@ pub struct LabArgs {
     /// (`kv_lab`'s `sessions`), reported as `<policy>+sess`.
     #[arg(long = "sessions", value_name = "POLICY")]
     pub sessions: Vec<PolicyKind>,
-    /// `+sess` rows of `predicted-ttft`: a session's last rank is left only for a rank
-    /// predicted faster by more than this, in ms (the daemon's `--session-margin-ms`).
-    #[arg(long, default_value_t = SessionConfig::default().margin_ms)]
-    pub session_margin_ms: f64,
-    /// `+sess` rows of `kv`: a session's last rank is left only for a rank cheaper by
-    /// more than this share of its cost (the daemon's `--session-relative-margin`).
-    #[arg(long, default_value_t = SessionConfig::default().relative_margin)]
-    pub session_relative_margin: f64,
+    /// Session affinity's bounds and margins for the `+sess` rows, the daemon's own
+    /// flags (`scheduler::args`).
+    #[command(flatten)]
+    pub session_tuning: SessionTuningArgs,
     /// The simulated engines' timing and speeds (the router keeps its defaults).
     #[command(flatten)]
     pub fleet: FleetArgs,
@@ -104,11 +100,7 @@ pub fn run_lab(args: LabArgs) -> Result<LabReport, LabError> {
     let config = SimConfig {
         timing: args.fleet.timing(),
         speeds: args.fleet.speeds(),
-        sessions: SessionConfig {
-            margin_ms: args.session_margin_ms,
-            relative_margin: args.session_relative_margin,
-            ..SessionConfig::default()
-        },
+        sessions: args.session_tuning.to_config(false),
         cpu_tier: args.fleet.cpu_tier,
         tier_pricing: args.fleet.tier_pricing,
         ..args.study.sim_config()

@@ -9,7 +9,7 @@ use crate::fleet::{TierPricing, WorkerSpeeds};
 use engine_model::{CpuTierConfig, EngineModelConfig, TimingModel};
 use kv_events::routing::PolicyKind;
 use scheduler::SessionConfig;
-use scheduler::policy::delay_cap::DelayCap;
+use scheduler::policy::predicted_ttft::PredictedTtftConfig;
 use serde::{Deserialize, Serialize};
 
 /// How many times faster than in the trace requests arrive: a finite number > 0.
@@ -94,8 +94,9 @@ pub struct SimConfig {
     /// Session affinity's knobs for `+sess` runs (`enabled` follows the policy:
     /// on for [`LabPolicy::Sessions`], off otherwise).
     pub sessions: SessionConfig,
-    /// `predicted-ttft`'s delay cap (every row of that policy).
-    pub delay_cap: DelayCap,
+    /// `predicted-ttft`'s knobs for every row of that policy (the step-time constants
+    /// are the engines' own under [`LabPolicy::Tuned`]).
+    pub predicted_ttft: PredictedTtftConfig,
 }
 
 impl Default for SimConfig {
@@ -112,7 +113,7 @@ impl Default for SimConfig {
             tier_pricing: TierPricing::On,
             calibration_sample_ms: None,
             sessions: SessionConfig::default(),
-            delay_cap: DelayCap::default(),
+            predicted_ttft: PredictedTtftConfig::default(),
         }
     }
 }

@@ -189,7 +189,7 @@ impl Router {
 fn policy_config(policy: LabPolicy, kind: PolicyKind, config: &SimConfig) -> PolicyConfig {
     let mut policy_config = PolicyConfig::default_for(kind);
     if let PolicyConfig::PredictedTtft(c) = &mut policy_config {
-        c.delay_cap = config.delay_cap;
+        *c = config.predicted_ttft;
     }
     if matches!(policy, LabPolicy::Tuned(_)) {
         engines_constants(&mut policy_config, config);

@@ -8,7 +8,8 @@ use crate::config::{DEFAULT_EVENT_LAG_MS, SimConfig};
 use crate::error::LabError;
 use engine_model::EngineModelConfig;
 use engine_model::trace::{self, TraceRequest};
-use scheduler::policy::delay_cap::DelayCap;
+use scheduler::args::{DelayCapArgs, ReuseCreditArgs};
+use scheduler::policy::predicted_ttft::PredictedTtftConfig;
 use std::path::PathBuf;
 
 /// Trace and simulation flags shared by every lab study.
@@ -29,16 +30,15 @@ pub struct StudyArgs {
     /// The engine model of every rank (block size, cache, batch limits).
     #[command(flatten)]
     pub engine: EngineModelConfig,
-    /// `predicted-ttft`'s delay cap ratio (the daemon's `--delay-cap-ratio`, ≥ 1).
-    #[arg(long, default_value_t = DelayCap::default().max_ratio)]
-    pub delay_cap_ratio: f64,
-    /// The delay cap applies below this mean prefill queue, in steps (the daemon's
-    /// `--delay-cap-spare-steps`, ≥ 0).
-    #[arg(long, default_value_t = DelayCap::default().spare_steps)]
-    pub delay_cap_spare_steps: f64,
-    /// Run `predicted-ttft` without the delay cap (the daemon's `--delay-cap false`).
-    #[arg(long)]
-    pub no_delay_cap: bool,
+    /// `predicted-ttft`'s reuse credits, the daemon's own flags (`scheduler::args`),
+    /// for every row of that policy; unset ones keep the scheduler's defaults. (Its
+    /// step-time constants are the router's defaults, or the engines' own under
+    /// `+tuned`: a study's subject, not a flag.)
+    #[command(flatten)]
+    pub reuse_credit: ReuseCreditArgs,
+    /// `predicted-ttft`'s delay cap, the daemon's own flags.
+    #[command(flatten)]
+    pub delay_cap: DelayCapArgs,
 }
 
 impl StudyArgs {
@@ -61,6 +61,14 @@ impl StudyArgs {
         Ok((requests, name))
     }
 
+    /// `predicted-ttft`'s defaults with the credit and delay cap flags applied.
+    pub fn predicted_ttft_config(&self) -> PredictedTtftConfig {
+        let mut config = PredictedTtftConfig::default();
+        self.reuse_credit.apply(&mut config);
+        self.delay_cap.apply(&mut config);
+        config
+    }
+
     /// The simulation these flags describe, engines at the router's constants and
     /// speed 1 (a study sets its own timing and speeds on top).
     pub fn sim_config(&self) -> SimConfig {
@@ -68,11 +76,7 @@ impl StudyArgs {
             engine: self.engine,
             event_lag_ms: self.event_lag_ms,
             seed: self.seed,
-            delay_cap: DelayCap {
-                enabled: !self.no_delay_cap,
-                max_ratio: self.delay_cap_ratio,
-                spare_steps: self.delay_cap_spare_steps,
-            },
+            predicted_ttft: self.predicted_ttft_config(),
             ..SimConfig::default()
         }
     }

@@ -99,15 +99,20 @@ fn robustness_is_a_lab_subcommand_with_its_own_flags() {
         "2",
         "--delay-cap-ratio",
         "3",
-        "--no-delay-cap",
+        "--delay-cap",
+        "false",
+        "--reuse-credit",
+        "6",
     ])
     .expect("valid subcommand");
     match cli.lab.command {
         Some(crate::LabCommand::Robustness(args)) => {
             assert_eq!(args.study.trace, Some(PathBuf::from("t.jsonl")));
-            let cap = args.study.sim_config().delay_cap;
-            assert!(!cap.enabled);
-            assert_eq!(cap.max_ratio, 3.0);
+            // The daemon's own predicted-ttft flags reach the lab's policy.
+            let predicted_ttft = args.study.sim_config().predicted_ttft;
+            assert!(!predicted_ttft.delay_cap.enabled);
+            assert_eq!(predicted_ttft.delay_cap.max_ratio, 3.0);
+            assert_eq!(predicted_ttft.credit.base, 6.0);
             assert_eq!(args.workers, vec![8]);
             assert_eq!(args.speedup.len(), 2);
             assert_eq!(args.jobs, Some(2));

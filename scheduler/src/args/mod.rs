@@ -19,8 +19,11 @@ mod sessions;
 
 pub use calibration::CalibrationArgs;
 pub use liveness::LivenessArgs;
-pub use policy::{CacheAwareArgs, KvArgs, KvNormalizedArgs, PolicyArgs, PredictedTtftArgs};
-pub use sessions::SessionArgs;
+pub use policy::{
+    CacheAwareArgs, DelayCapArgs, KvArgs, KvNormalizedArgs, PolicyArgs, PredictedTtftArgs,
+    ReuseCreditArgs,
+};
+pub use sessions::{SessionArgs, SessionTuningArgs};
 
 use crate::{
     BusyThresholds, PrefillDurationModel, SchedulerConfig, SchedulerError, SequencesConfig,

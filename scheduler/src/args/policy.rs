@@ -158,6 +158,17 @@ pub struct PredictedTtftArgs {
         allow_negative_numbers = true
     )]
     pub tier_load_ms_per_token: Option<f64>,
+    /// The value of reuse.
+    #[command(flatten)]
+    pub credit: ReuseCreditArgs,
+    /// The delay cap.
+    #[command(flatten)]
+    pub delay_cap: DelayCapArgs,
+}
+
+/// `predicted-ttft`'s reuse credits (tuned with the lab, which flattens this group).
+#[derive(Debug, Clone, Args)]
+pub struct ReuseCreditArgs {
     /// predicted-ttft: prefill tokens a cached token is worth on every rank
     /// [default: 12].
     #[arg(long, env = "KV_ROUTER_REUSE_CREDIT", allow_negative_numbers = true)]
@@ -182,6 +193,11 @@ pub struct PredictedTtftArgs {
     /// there (needs --assume-kv-reuse) [default: true].
     #[arg(long, env = "KV_ROUTER_IN_FLIGHT_REUSE")]
     pub in_flight_reuse: Option<bool>,
+}
+
+/// `predicted-ttft`'s delay cap (the lab flattens this group too).
+#[derive(Debug, Clone, Args)]
+pub struct DelayCapArgs {
     /// predicted-ttft: while the fleet has spare capacity, leave out ranks where the
     /// request's own predicted TTFT exceeds --delay-cap-ratio times the lowest
     /// [default: true].
@@ -236,7 +252,7 @@ impl CacheAwareArgs {
 
 impl PredictedTtftArgs {
     fn given(&self) -> Vec<&'static str> {
-        given(&[
+        let mut flags = given(&[
             ("step-base-ms", self.step_base_ms.is_some()),
             ("prefill-ms-per-token", self.prefill_ms_per_token.is_some()),
             ("decode-ms-per-seq", self.decode_ms_per_seq.is_some()),
@@ -249,20 +265,10 @@ impl PredictedTtftArgs {
                 "tier-load-ms-per-token",
                 self.tier_load_ms_per_token.is_some(),
             ),
-            ("reuse-credit", self.reuse_credit.is_some()),
-            (
-                "balanced-reuse-credit",
-                self.balanced_reuse_credit.is_some(),
-            ),
-            ("backlog-reuse-credit", self.backlog_reuse_credit.is_some()),
-            ("in-flight-reuse", self.in_flight_reuse.is_some()),
-            ("delay-cap", self.delay_cap.is_some()),
-            ("delay-cap-ratio", self.delay_cap_ratio.is_some()),
-            (
-                "delay-cap-spare-steps",
-                self.delay_cap_spare_steps.is_some(),
-            ),
-        ])
+        ]);
+        flags.extend(self.credit.given());
+        flags.extend(self.delay_cap.given());
+        flags
     }
 
     /// Writes the knobs that were given into `c`; the others keep their values.
@@ -285,10 +291,47 @@ impl PredictedTtftArgs {
             &mut c.timing.tier_load_ms_per_token,
             self.tier_load_ms_per_token,
         );
+        self.credit.apply(c);
+        self.delay_cap.apply(c);
+    }
+}
+
+impl ReuseCreditArgs {
+    fn given(&self) -> Vec<&'static str> {
+        given(&[
+            ("reuse-credit", self.reuse_credit.is_some()),
+            (
+                "balanced-reuse-credit",
+                self.balanced_reuse_credit.is_some(),
+            ),
+            ("backlog-reuse-credit", self.backlog_reuse_credit.is_some()),
+            ("in-flight-reuse", self.in_flight_reuse.is_some()),
+        ])
+    }
+
+    /// Writes the credits that were given into `c`; the others keep their values.
+    pub fn apply(&self, c: &mut PredictedTtftConfig) {
         set(&mut c.credit.base, self.reuse_credit);
         set(&mut c.credit.balanced, self.balanced_reuse_credit);
         set(&mut c.credit.backlog, self.backlog_reuse_credit);
         set(&mut c.credit.in_flight, self.in_flight_reuse);
+    }
+}
+
+impl DelayCapArgs {
+    fn given(&self) -> Vec<&'static str> {
+        given(&[
+            ("delay-cap", self.delay_cap.is_some()),
+            ("delay-cap-ratio", self.delay_cap_ratio.is_some()),
+            (
+                "delay-cap-spare-steps",
+                self.delay_cap_spare_steps.is_some(),
+            ),
+        ])
+    }
+
+    /// Writes the delay cap knobs that were given into `c`.
+    pub fn apply(&self, c: &mut PredictedTtftConfig) {
         set(&mut c.delay_cap.enabled, self.delay_cap);
         set(&mut c.delay_cap.max_ratio, self.delay_cap_ratio);
         set(&mut c.delay_cap.spare_steps, self.delay_cap_spare_steps);

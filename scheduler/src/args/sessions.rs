@@ -14,6 +14,15 @@ pub struct SessionArgs {
     /// cheaper by the margin. Requests without one are unaffected.
     #[arg(long, env = "KV_ROUTER_SESSION_AFFINITY", default_value_t = true, action = ArgAction::Set)]
     pub session_affinity: bool,
+    /// The table's bounds and the margins.
+    #[command(flatten)]
+    pub tuning: SessionTuningArgs,
+}
+
+/// Session affinity's bounds and margins, apart from whether it is on: the lab
+/// flattens these alone (it turns affinity on per policy row).
+#[derive(Debug, Clone, Args)]
+pub struct SessionTuningArgs {
     /// Most sessions remembered per replica; the least recently used is forgotten
     /// first (about 170 bytes per session with UUID ids).
     #[arg(long, env = "KV_ROUTER_SESSION_CAPACITY", default_value_t = 65_536)]
@@ -38,8 +47,15 @@ pub struct SessionArgs {
 impl SessionArgs {
     /// The scheduler's session settings (validated with the rest of its config).
     pub fn to_config(&self) -> SessionConfig {
+        self.tuning.to_config(self.session_affinity)
+    }
+}
+
+impl SessionTuningArgs {
+    /// The scheduler's session settings with affinity `enabled` or not.
+    pub fn to_config(&self, enabled: bool) -> SessionConfig {
         SessionConfig {
-            enabled: self.session_affinity,
+            enabled,
             capacity: self.session_capacity,
             ttl: Duration::from_millis(self.session_ttl_ms),
             margin_ms: self.session_margin_ms,
