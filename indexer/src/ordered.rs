@@ -25,11 +25,13 @@
 //! (`apply_recovered`), its events (or dump) are applied, then the buffer from the new
 //! cursor on; a remaining hole starts another recovery. When the owner gives up
 //! (`abandon_recovery`), buffered events are applied past the holes, which are
-//! counted as lost. The reply logic lives in `ordered/replies.rs`.
+//! counted as lost. The reply logic lives in `ordered/replies.rs`, the approximate
+//! (TTL) entries in `ordered/approximate.rs`.
 
+mod approximate;
 mod replies;
 
-use crate::approx::{ExpiryQueue, approximate_block_hash};
+use crate::approx::ExpiryQueue;
 pub use crate::config::ShardSettings;
 use crate::counters::{Counter, IndexerCounters};
 use crate::error::ApplyError;
@@ -39,13 +41,11 @@ use crate::stats::{IndexerReport, IndexerStats};
 use crate::tree::{ApplyOutcome, RadixTree};
 use kv_events::recovery::{IndexSnapshot, RankCursor, RecoveryRequest};
 use kv_events::{
-    DpRank, KvCacheEvent, KvCacheEventData, KvEventBatch, LocalBlockHash, StoredBlock, WorkerId,
-    WorkerRank,
+    DpRank, KvCacheEvent, KvCacheEventData, KvEventBatch, LocalBlockHash, WorkerId, WorkerRank,
 };
 use rustc_hash::FxHashMap;
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::Instant;
 use tracing::{info, warn};
 
 /// The ordering state of one worker rank.
@@ -293,80 +293,6 @@ impl OrderedIndex {
         let outcome = self.tree.remove_worker(worker_id);
         self.counters.record_worker_removed(&outcome);
         outcome
-    }
-
-    /// Indexes a routing decision (approximate mode): `rank` is assumed to cache the
-    /// prompt `hashes` until `expires_at`. Re-inserting a prefix refreshes it.
-    pub fn insert_routed(
-        &mut self,
-        rank: WorkerRank,
-        hashes: &[LocalBlockHash],
-        expires_at: Instant,
-    ) -> ApplyOutcome {
-        let mut parent = None;
-        let blocks: Vec<StoredBlock> = hashes
-            .iter()
-            .map(|&tokens_hash| {
-                let block_hash = approximate_block_hash(parent, tokens_hash);
-                parent = Some(block_hash);
-                StoredBlock {
-                    block_hash,
-                    tokens_hash,
-                }
-            })
-            .collect();
-        for block in &blocks {
-            self.expiry.insert(rank, block.block_hash, expires_at);
-        }
-        let event = KvCacheEvent {
-            event_id: 0,
-            dp_rank: rank.dp_rank,
-            data: KvCacheEventData::Stored {
-                parent_hash: None,
-                blocks,
-                tier: kv_events::StorageTier::Gpu,
-            },
-        };
-        // A chain from the root cannot be refused.
-        let outcome = self
-            .tree
-            .apply_event(rank.worker_id, &event)
-            .unwrap_or_default();
-        self.counters.record_outcome(&outcome);
-        self.counters
-            .add(Counter::ApproximateBlocks, outcome.stored);
-        outcome
-    }
-
-    /// Drops the approximate blocks whose TTL ended at or before `now`; returns how
-    /// many were dropped.
-    pub fn expire(&mut self, now: Instant) -> u64 {
-        let mut by_rank: BTreeMap<WorkerRank, Vec<kv_events::ExternalBlockHash>> = BTreeMap::new();
-        for (rank, block) in self.expiry.pop_expired(now) {
-            by_rank.entry(rank).or_default().push(block);
-        }
-        let mut dropped = 0;
-        for (rank, block_hashes) in by_rank {
-            let event = KvCacheEvent {
-                event_id: 0,
-                dp_rank: rank.dp_rank,
-                data: KvCacheEventData::Removed {
-                    block_hashes,
-                    tier: kv_events::StorageTier::Gpu,
-                },
-            };
-            if let Ok(outcome) = self.tree.apply_event(rank.worker_id, &event) {
-                self.counters.record_outcome(&outcome);
-                dropped += outcome.removed;
-            }
-        }
-        self.counters.add(Counter::ExpiredBlocks, dropped);
-        dropped
-    }
-
-    /// When the next approximate block expires, if any is tracked.
-    pub fn next_expiry(&self) -> Option<Instant> {
-        self.expiry.next_deadline()
     }
 
     /// See [`RadixTree::find_matches`].

@@ -29,10 +29,8 @@
 //! 4. **The gateway process's memory**: the release `kv-router gateway`
 //!    (`KV_ROUTER_BIN`, default `target/release/kv-router`) as a child process, sent
 //!    `--concurrent` prompts of `--prompt-bytes` (its `--max-prompt-bytes`) at once:
-//!    its resident set before, at the peak (`VmHWM`) and 2 s after the answers.
-//!
-//! The SSE relay's cost per chunk is `gateway_bench`'s (docs/benchmarks.md, "Gateway
-//! added latency").
+//!    its resident set before, at the peak (`VmHWM`) and 2 s after the answers. (The
+//!    SSE relay's cost per chunk is `gateway_bench`'s.)
 
 use clap::Parser;
 use engine_model::EngineModelConfig;
@@ -135,11 +133,6 @@ impl Corpus {
     }
 }
 
-/// `VmHWM` or `VmRSS` of this process, in bytes.
-fn own_bytes(field: &str) -> anyhow::Result<u64> {
-    status_bytes("self", field)
-}
-
 /// Resets the resident-set peak `VmHWM` to the current resident set.
 fn reset_peak() -> anyhow::Result<()> {
     std::fs::write("/proc/self/clear_refs", "5")?;
@@ -171,13 +164,13 @@ fn memory(tok: &ModelTokenizer, corpus: &Corpus, sizes: &[usize]) -> anyhow::Res
     println!("|---|---|---|---|---|");
     for &bytes in sizes {
         let text = corpus.text(bytes);
-        let base = own_bytes("VmRSS:")?;
+        let base = status_bytes("self", "VmRSS:")?;
         reset_peak()?;
         let tokens = std::thread::scope(|s| s.spawn(|| tok.encode_completion(&text)).join())
             .map_err(|_| anyhow::anyhow!("the encode panicked"))??
             .len();
-        let peak = own_bytes("VmHWM:")?.saturating_sub(base);
-        let after = own_bytes("VmRSS:")?.saturating_sub(base);
+        let peak = status_bytes("self", "VmHWM:")?.saturating_sub(base);
+        let after = status_bytes("self", "VmRSS:")?.saturating_sub(base);
         println!(
             "| {bytes} | {tokens} | {:.1} MiB | {:.0} B | {:.1} MiB |",
             peak as f64 / f64::from(1 << 20),

@@ -3,8 +3,8 @@
 use super::*;
 use kv_events::journal::{EventJournal, JournalConfig};
 use kv_events::recovery::RecoveryBody;
-use kv_events::{DpRank, ExternalBlockHash};
-use std::time::Duration;
+use kv_events::{DpRank, ExternalBlockHash, StoredBlock};
+use std::time::{Duration, Instant};
 
 const W: WorkerId = WorkerId(7);
 
