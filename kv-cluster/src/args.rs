@@ -373,7 +373,9 @@ impl EtcdArgs {
     }
 }
 
-/// `endpoint` with an explicit scheme matching whether TLS is configured.
+/// `endpoint` as `scheme://host[:port]`, the scheme matching whether TLS is
+/// configured; an endpoint without one (`host:port`) gets it. Parsed with `url`: a
+/// scheme other than `http`/`https`, no host, or a path is refused.
 fn with_scheme(endpoint: String, tls: bool) -> Result<String, Error> {
     let refuse = |reason| {
         Err(Error::InvalidEndpoint {
@@ -381,18 +383,33 @@ fn with_scheme(endpoint: String, tls: bool) -> Result<String, Error> {
             reason,
         })
     };
-    match (endpoint.split_once("://"), tls) {
-        (Some(("https", _)), true) | (Some(("http", _)), false) => Ok(endpoint),
-        (Some(("https", _)), false) => {
-            refuse("https:// needs --etcd-tls-ca, the CA that signed etcd's server certificate")
+    // `host:port` parses as a URL of scheme `host` without a host: no scheme given.
+    let url = match url::Url::parse(&endpoint).ok().filter(url::Url::has_host) {
+        Some(url) => url,
+        None => match url::Url::parse(&format!(
+            "{}://{endpoint}",
+            if tls { "https" } else { "http" }
+        )) {
+            Ok(url) if url.has_host() => url,
+            _ => return refuse("is not host:port or an http:// or https:// URL"),
+        },
+    };
+    match (url.scheme(), tls) {
+        ("https", true) | ("http", false) => {}
+        ("https", false) => {
+            return refuse(
+                "https:// needs --etcd-tls-ca, the CA that signed etcd's server certificate",
+            );
         }
-        (Some(("http", _)), true) => {
-            refuse("is plain http:// but etcd TLS is configured; use https://")
+        ("http", true) => {
+            return refuse("is plain http:// but etcd TLS is configured; use https://");
         }
-        (Some(_), _) => refuse("must start with http:// or https://"),
-        (None, true) => Ok(format!("https://{endpoint}")),
-        (None, false) => Ok(format!("http://{endpoint}")),
+        _ => return refuse("must start with http:// or https://"),
     }
+    if url.path() != "/" || url.query().is_some() {
+        return refuse("must be scheme://host:port, without a path");
+    }
+    Ok(url.origin().ascii_serialization())
 }
 
 /// What a PEM file must hold.

@@ -194,6 +194,15 @@ fn etcd_scheme_must_match_the_tls_flags() {
     assert!(e.contains("http://b:2"), "{e}");
     let e = err(&["--etcd-endpoints", "unix://etcd.sock"]);
     assert!(e.contains("http:// or https://"), "{e}");
+    for bad in ["http://", "etcd:2379/v3", "http://etcd:2379/v3", ":2379"] {
+        let e = err(&["--etcd-endpoints", bad]);
+        assert!(e.contains(bad), "{bad}: {e}");
+    }
+    let named = etcd(&["--etcd-endpoints", "localhost:2379,[::1]:2379,http:/c:1"]).unwrap();
+    assert_eq!(
+        named.endpoints,
+        ["http://localhost:2379", "http://[::1]:2379", "http://c:1"]
+    );
 }
 
 #[test]
