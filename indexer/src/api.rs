@@ -172,11 +172,6 @@ pub trait IndexerApi: Clone + Send + Sync + 'static {
     /// shards.
     fn counters(&self) -> &IndexerCounters;
 
-    /// Messages waiting in the shards' event queues, a backlog gauge. Always 0 for
-    /// [`crate::Indexer`], whose callers apply their own events; the daemon still
-    /// exports it as `kv_router_indexer_queued_events`.
-    fn queued_events(&self) -> usize;
-
     /// Stops the indexer: cancels its own child token (the token passed to `spawn`
     /// is not affected). Queued events are dropped.
     fn shutdown(&self);

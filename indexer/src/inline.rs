@@ -324,10 +324,6 @@ impl IndexerApi for Indexer {
         &self.inner.counters
     }
 
-    fn queued_events(&self) -> usize {
-        0
-    }
-
     fn shutdown(&self) {
         self.inner.shutdown.cancel();
     }

@@ -1,8 +1,8 @@
 //! KV event and load-metric intake.
 //!
-//! One task per subscription. Events are decoded here and handed to the indexer,
-//! whose bounded shard queues apply backpressure: a slow shard slows this loop (and
-//! NATS buffers for us) rather than growing memory without bound. A payload that is
+//! One task per subscription. Events are decoded here and applied to the indexer's
+//! shard in this task, so a slow shard slows this loop (and NATS buffers for us)
+//! rather than growing memory without bound. A payload that is
 //! too large, does not decode, is over a limit (`crate::gate`), or whose worker id
 //! disagrees with its subject, is counted, logged with its subject, and skipped; the
 //! loop goes on. KV events from either intake (core NATS here, or the JetStream

@@ -1,5 +1,5 @@
 //! The kv-router daemon: it consumes KV events and load metrics from NATS into the
-//! sharded indexer, discovers workers through etcd leases, and answers routing queries
+//! indexer, discovers workers through etcd leases, and answers routing queries
 //! on a NATS queue group with the scheduler's choice.
 //!
 //! The `kv-router` binary (crate `kv-router`) is a thin shell over [`run`] and

@@ -15,7 +15,6 @@ pub struct EventMetrics {
     order: IntCounterVec,
     recoveries: IntCounterVec,
     blocks: IntCounterVec,
-    pub(crate) queued: IntGauge,
     tree_nodes: IntGauge,
     tree_blocks: IntGauge,
     tree_ranks: IntGauge,
@@ -34,8 +33,9 @@ impl EventMetrics {
         Ok(Self {
             lag: r.histogram(
                 "kv_router_event_lag_seconds",
-                "Intake lag of a KV event batch: from its delivery to the daemon until its \
-                 shard queue accepted it (includes backpressure waits), in seconds",
+                "Intake lag of a KV event batch: from its delivery to the daemon until it \
+                 was applied to its shard (includes waiting for the shard's write lock), \
+                 in seconds",
                 latency_buckets(),
             )?,
             applied: r.counter_vec(
@@ -61,10 +61,6 @@ impl EventMetrics {
                  (stored, duplicate, removed, unknown_removed, recovered, pruned, \
                  forgotten, approximate, expired)",
                 &["op"],
-            )?,
-            queued: r.gauge(
-                "kv_router_indexer_queued_events",
-                "Event batches waiting in the shard queues",
             )?,
             tree_nodes: r.gauge(
                 "kv_router_indexer_nodes",

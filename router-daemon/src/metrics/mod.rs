@@ -3,7 +3,7 @@
 //!
 //! Two kinds of metric live here:
 //! - **recorded** where the thing happens (a message handled, a routing decision, an
-//!   event batch taken by a shard queue, a NATS connection event): histograms and
+//!   event batch applied to its shard, a NATS connection event): histograms and
 //!   counters updated inline, a few atomic adds each;
 //! - **sampled** at scrape time by [`Metrics::refresh`] from state the daemon keeps
 //!   anyway (indexer counters and sizes, per-rank booked load, engine-reported load).
@@ -49,7 +49,6 @@ pub(crate) use registrar::Registrar;
 pub(crate) use route::RouteMetrics;
 pub(crate) use sessions::SessionMetrics;
 
-use common::to_i64;
 use indexer::{Indexer, IndexerApi as _};
 use scheduler::Scheduler;
 use std::sync::MutexGuard;
@@ -112,7 +111,6 @@ impl Metrics {
     ) {
         let _guard = self.refresh_lock.lock().await;
         self.events.sample_counters(&indexer.counters().snapshot());
-        self.events.queued.set(to_i64(indexer.queued_events()));
         // After shutdown the shards are gone; the last sampled sizes stay exported.
         if let Ok(report) = indexer.report().await {
             self.events.sample_report(&report);
