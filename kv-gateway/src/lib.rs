@@ -97,7 +97,7 @@ impl Gateway {
         shutdown: CancellationToken,
     ) -> Result<Self, GatewayError> {
         let metrics = GatewayMetrics::new(&Registrar::new(&registry))?;
-        let client = reqwest::Client::builder()
+        let client = kv_cluster::http::client_builder()
             .connect_timeout(config.limits.engine_connect_timeout)
             // Below the engines' own keep-alive: a pooled connection is never one the
             // engine is closing (reqwest's default, 90 s, showed as retries).

@@ -339,7 +339,7 @@ async fn main() -> anyhow::Result<()> {
     .await?;
     let vocab = u32::try_from(ModelTokenizer::from_dir(&dir, Limits::default())?.vocab_size())?;
     let target = Arc::new(Target {
-        http: reqwest::Client::new(),
+        http: kv_cluster::http::client().expect("http client"),
         gateway: format!("http://{}", gateway.local_addr()),
         engines: engines.http_urls().to_vec(),
         vocab,

@@ -399,7 +399,7 @@ async fn gateway_process(
         .id()
         .ok_or_else(|| anyhow::anyhow!("no pid"))?
         .to_string();
-    let http = reqwest::Client::new();
+    let http = kv_cluster::http::client().expect("http client");
     let url = format!("http://{listen}/v1/completions");
     let ready = || async { probe(&http, &url, 0).await.ok() };
     integration_tests::eventually("the gateway to serve", Duration::from_secs(15), ready).await?;

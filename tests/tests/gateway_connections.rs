@@ -92,7 +92,8 @@ async fn slow_bodies_are_cut_with_408_and_do_not_lock_out_a_normal_client() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let base = stack.base.clone();
     let normal = tokio::spawn(async move {
-        reqwest::Client::new()
+        kv_cluster::http::client()
+            .expect("http client")
             .post(format!("{base}/v1/completions"))
             .header("content-type", "application/json")
             .body(completion())

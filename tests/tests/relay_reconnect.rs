@@ -66,7 +66,8 @@ async fn engine(cluster: &TestCluster, ports: Option<&Ports>) -> EnginesHandle {
 }
 
 async fn complete(url: &str, prompt: &[u32]) {
-    let response = reqwest::Client::new()
+    let response = kv_cluster::http::client()
+        .expect("http client")
         .post(format!("{url}/v1/completions"))
         .json(&json!({"prompt": prompt, "max_tokens": 2}))
         .send()

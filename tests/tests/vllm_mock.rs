@@ -159,7 +159,7 @@ async fn vllm_mode_engines_reach_the_router_through_the_relay_alone() {
     let url = engines.http_urls()[0].clone();
     let sockets = engines.zmq_endpoints()[0].clone();
     assert_eq!(sockets.len(), 2, "one PUB and one replay socket per rank");
-    let http = reqwest::Client::new();
+    let http = kv_cluster::http::client().expect("http client");
 
     // Before any relay: rank 0 caches prompt A (3 full blocks). Nobody is
     // subscribed, so the batch lives only in rank 0's replay buffer.
@@ -247,7 +247,7 @@ async fn vllm_mode_cpu_tier_blocks_reach_the_router_as_a_lower_tier() {
     };
     let engines = vllm_engines(&cluster, 8, 1, cpu_tier, None).await;
     let (relay, url) = start_relay(&cluster, &engines).await;
-    let http = reqwest::Client::new();
+    let http = kv_cluster::http::client().expect("http client");
 
     let a: Vec<u32> = (1000..1050).collect();
     let a_hashes = compute_block_hashes(&a, BLOCK);
@@ -287,7 +287,7 @@ async fn the_cold_start_empties_the_routers_picture_of_a_vllm_engine() {
     };
     let engines = vllm_engines_with(&cluster, 64, 2, CpuTierConfig::default(), dev).await;
     let (relay, url) = start_relay(&cluster, &engines).await;
-    let http = reqwest::Client::new();
+    let http = kv_cluster::http::client().expect("http client");
     let (a, b): (Vec<u32>, Vec<u32>) = ((1000..1050).collect(), (5000..5064).collect());
     complete(&http, &url, &a, 0).await;
     complete(&http, &url, &b, 1).await;

@@ -5,11 +5,13 @@
 //!   limit, so an endpoint that never ends its answer (or announces a huge one) costs
 //!   no memory past the bound; [`get_text`] is a `GET` under a deadline with it, and
 //!   [`get_once`] the same on a connection of its own.
-//! - One rustls crypto provider per process ([`install_crypto_provider`]): reqwest
-//!   verifies `https://` servers with rustls on aws-lc-rs while etcd and NATS use
-//!   rustls on ring, and rustls refuses to guess between two compiled-in providers.
-//!   Every TLS client of the cluster installs ring first ([`client_builder`], NATS,
-//!   etcd), so each of them works whichever starts first.
+//! - One rustls crypto provider per process, ring ([`install_crypto_provider`]), the
+//!   one etcd and NATS use. reqwest is built without one of its own
+//!   (`rustls-no-provider`: its default, aws-lc-rs, would add a second C crypto
+//!   library, and cmake, to every build) and panics if none is installed, so every
+//!   reqwest client in the workspace comes from [`client_builder`] or [`client`],
+//!   which install ring first; NATS and etcd connections install it too, so each
+//!   works whichever starts first.
 //!
 //! Callers: `kv-router probe` (container health checks need no curl), the relay's
 //! scrape of an engine's `/metrics` (`http://` or `https://`) and its read of

@@ -76,7 +76,7 @@ pub async fn clear_all(target: &ReplayTarget) -> Result<Vec<WorkerRegistration>,
             prefix: target.subjects.etcd_worker_prefix(),
         });
     }
-    let http = reqwest::Client::new();
+    let http = kv_cluster::http::client()?;
     futures::future::try_join_all(workers.iter().map(|w| clear_worker(target, &http, w))).await?;
     Ok(workers)
 }

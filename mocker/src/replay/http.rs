@@ -69,7 +69,7 @@ impl GatewayTarget {
     /// # Errors
     /// The HTTP client cannot be built (no TLS backend or resolver).
     pub fn client() -> reqwest::Result<reqwest::Client> {
-        reqwest::Client::builder()
+        kv_cluster::http::client_builder()
             .pool_idle_timeout(POOL_IDLE_TIMEOUT)
             .build()
     }
@@ -239,7 +239,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn the_replay_client_never_reuses_a_connection_the_gateway_is_closing() {
         let idle = Duration::from_millis(kv_cluster::http::DEFAULT_HEADER_READ_TIMEOUT_MS);
-        let ninety = reqwest::Client::builder()
+        let ninety = kv_cluster::http::client_builder()
             .pool_idle_timeout(Duration::from_secs(90))
             .build()
             .expect("client");

@@ -57,6 +57,9 @@ pub enum ReplayError {
     /// etcd could not be reached or read.
     #[error("etcd: {0}")]
     Etcd(#[from] etcd_client::Error),
+    /// The HTTP client could not be built (no usable TLS root store).
+    #[error(transparent)]
+    Http(#[from] kv_cluster::Error),
     /// No worker is registered, so there is nothing to replay against.
     #[error("no workers registered under etcd prefix {prefix}")]
     NoWorkers {

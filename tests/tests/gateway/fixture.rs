@@ -138,7 +138,7 @@ impl Stack {
             daemon: Some(daemon),
             cluster,
             base,
-            http: reqwest::Client::new(),
+            http: kv_cluster::http::client().expect("http client"),
         };
         stack.wait_ready().await;
         stack

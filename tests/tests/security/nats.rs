@@ -279,7 +279,7 @@ async fn the_gateway_serves_completions_on_the_secured_cluster() {
     .await
     .expect("the gateway starts with frontend credentials");
     let base = format!("http://{}", gateway.local_addr());
-    let http = reqwest::Client::new();
+    let http = kv_cluster::http::client().expect("http client");
     let body = eventually("a completion", WAIT, || async {
         let response = http
             .post(format!("{base}/v1/completions"))

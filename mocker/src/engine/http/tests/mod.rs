@@ -93,7 +93,7 @@ async fn start_with(time_scale: f64, http: HttpArgs) -> Engines {
     Engines {
         handle,
         url,
-        http: reqwest::Client::new(),
+        http: kv_cluster::http::client().expect("http client"),
         _nats: nats,
         _etcd: etcd,
     }
