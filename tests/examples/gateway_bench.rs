@@ -31,7 +31,7 @@ use futures::StreamExt;
 use integration_tests::TestCluster;
 use kv_gateway::{Gateway, GatewayArgs};
 use kv_tokenizer::{Limits, ModelTokenizer};
-use mocker::engine::HttpArgs;
+use mocker::engine::EngineHttpArgs;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -312,10 +312,10 @@ async fn main() -> anyhow::Result<()> {
         max_num_seqs: 256,
         max_num_batched_tokens: 8192,
     };
-    let http = HttpArgs {
+    let http = EngineHttpArgs {
         model_dir: Some(dir.clone()),
         served_model_name: MODEL.into(),
-        ..HttpArgs::default()
+        ..EngineHttpArgs::default()
     };
     let engines = cluster
         .spawn_engines(args.workers, model, args.time_scale, http)

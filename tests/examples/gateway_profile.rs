@@ -45,7 +45,7 @@ use kv_gateway::config::EngineApi;
 use kv_gateway::openai::{completion_for_engine, parse_completion};
 use kv_gateway::router::RouterClient;
 use kv_tokenizer::{Limits, ModelTokenizer};
-use mocker::engine::HttpArgs;
+use mocker::engine::EngineHttpArgs;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use testbed::{Echo, ManagedProcess, free_port};
@@ -262,10 +262,10 @@ async fn cluster_steps(
         max_num_seqs: 256,
         max_num_batched_tokens: 8192,
     };
-    let http = HttpArgs {
+    let http = EngineHttpArgs {
         model_dir: Some(dir.to_owned()),
         served_model_name: MODEL.into(),
-        ..HttpArgs::default()
+        ..EngineHttpArgs::default()
     };
     let engines = cluster.spawn_engines(2, model, 1000.0, http).await?;
     let daemon = cluster.start_daemon(|_| {}).await?;

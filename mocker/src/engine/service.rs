@@ -12,8 +12,8 @@
 //! is gone still exit.
 
 use super::EngineArgs;
-use super::config::ConfigError;
-use super::http::{self, HttpArgs, HttpState, WorkerHttp};
+use super::config::EngineConfigError;
+use super::http::{self, EngineHttpArgs, HttpState, WorkerHttp};
 use super::journal::SharedJournal;
 use super::outbox::Outbox;
 use super::rank::{Rank, RankSink};
@@ -42,7 +42,7 @@ pub const READY_LINE: &str = "kv-mocker engines ready";
 pub enum ServiceError {
     /// A flag is out of range.
     #[error("invalid engine configuration: {0}")]
-    Config(#[from] ConfigError),
+    Config(#[from] EngineConfigError),
     /// The NATS or etcd flags are invalid, or a server could not be reached.
     #[error(transparent)]
     Cluster(#[from] kv_cluster::Error),
@@ -149,7 +149,7 @@ pub async fn spawn_engines(
     args: EngineArgs,
     shutdown: CancellationToken,
 ) -> Result<EnginesHandle, ServiceError> {
-    args.model.validate().map_err(ConfigError::from)?;
+    args.model.validate().map_err(EngineConfigError::from)?;
     args.runtime.validate()?;
     let worker_ids = args.fleet.worker_ids()?;
     let shutdown_timeout = args.runtime.shutdown.budget()?;
@@ -290,7 +290,7 @@ async fn start_worker(
     for dp in 0..args.fleet.dp_size {
         let core = EngineCore::new(args.model, TimingModel::default())
             .and_then(|core| core.with_cpu_tier(args.cpu_tier))
-            .map_err(ConfigError::from)?;
+            .map_err(EngineConfigError::from)?;
         let sink = match cluster {
             Some(cluster) => RankSink::Nats {
                 outbox: cluster.outbox.clone(),
@@ -398,7 +398,7 @@ fn load_tokenizer(args: &EngineArgs) -> Result<Option<Arc<ModelTokenizer>>, Serv
 /// Binds worker `index`'s listener (`--http-port` + index, or ephemeral), spawns its
 /// server until `shutdown` and returns its base URL.
 async fn serve_http(
-    args: &HttpArgs,
+    args: &EngineHttpArgs,
     index: usize,
     worker: WorkerHttp,
     tasks: &mut JoinSet<()>,
@@ -408,7 +408,7 @@ async fn serve_http(
         0 => Some(0),
         base => u16::try_from(index).ok().and_then(|i| base.checked_add(i)),
     }
-    .ok_or(ConfigError::HttpPortOverflow {
+    .ok_or(EngineConfigError::HttpPortOverflow {
         base: args.http_port,
         workers: index + 1,
     })?;

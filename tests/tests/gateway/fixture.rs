@@ -6,7 +6,7 @@ use integration_tests::{FakeWorker, TestCluster, register_worker};
 use kv_events::discovery::WorkerRegistration;
 use kv_events::{DpRank, WorkerId, WorkerRank, compute_block_hashes};
 use kv_gateway::{Gateway, GatewayArgs};
-use mocker::engine::{EnginesHandle, HttpArgs};
+use mocker::engine::{EngineHttpArgs, EnginesHandle};
 use router_daemon::{Daemon, ServeArgs};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -108,11 +108,11 @@ impl Stack {
             max_num_seqs: 16,
             max_num_batched_tokens: 2048,
         };
-        let http = HttpArgs {
+        let http = EngineHttpArgs {
             model_dir: Some(model_dir()),
             served_model_name: MODEL.into(),
             max_model_len,
-            ..HttpArgs::default()
+            ..EngineHttpArgs::default()
         };
         let engines = cluster
             .spawn_engines(workers, model, time_scale, http)

@@ -4,7 +4,7 @@
 //! below both answer modules, so neither imports the other.
 
 use super::metrics::RankCounters;
-use super::openai::ApiError;
+use super::openai::EngineApiError;
 use crate::engine::progress::Progress;
 use crate::engine::rank::Rank;
 use axum::http::StatusCode;
@@ -75,8 +75,8 @@ pub(super) enum Shape {
 }
 
 /// A failure reported by the engine after the request was accepted.
-pub(super) fn engine_error(message: &str) -> ApiError {
-    ApiError {
+pub(super) fn engine_error(message: &str) -> EngineApiError {
+    EngineApiError {
         status: StatusCode::SERVICE_UNAVAILABLE,
         message: message.to_owned(),
     }

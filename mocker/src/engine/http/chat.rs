@@ -10,7 +10,7 @@
 use super::HttpState;
 use super::accepted::{Accepted, Shape};
 use super::completions::{Submission, answer, read_body, submit};
-use super::openai::{ApiError, ChatRequest, parse_json};
+use super::openai::{EngineApiError, EngineChatRequest, parse_json};
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
@@ -37,9 +37,9 @@ fn accept(
     state: &HttpState,
     headers: &HeaderMap,
     body: Result<Bytes, BytesRejection>,
-) -> Result<(Accepted, bool), ApiError> {
+) -> Result<(Accepted, bool), EngineApiError> {
     let body = read_body(body)?;
-    let req: ChatRequest = parse_json(&body)?;
+    let req: EngineChatRequest = parse_json(&body)?;
     state.check_model(req.options.model.as_deref())?;
     let tokens = prompt(state, &req)?;
     let submission = Submission {
@@ -59,7 +59,10 @@ fn accept(
 /// # Errors
 /// 400 without a tokenizer or chat template, for a template error (e.g. a role it
 /// refuses) or an encode error.
-pub(super) fn prompt(state: &HttpState, req: &ChatRequest) -> Result<Vec<u32>, ApiError> {
+pub(super) fn prompt(
+    state: &HttpState,
+    req: &EngineChatRequest,
+) -> Result<Vec<u32>, EngineApiError> {
     let options = ChatOptions {
         add_generation_prompt: req.add_generation_prompt,
         tools: req
@@ -80,8 +83,8 @@ pub(super) fn prompt(state: &HttpState, req: &ChatRequest) -> Result<Vec<u32>, A
     let tokenizer = state.tokenizer()?;
     let text = tokenizer
         .render_chat(&req.messages, &options)
-        .map_err(|e| ApiError::bad_request(e.to_string()))?;
+        .map_err(|e| EngineApiError::bad_request(e.to_string()))?;
     tokenizer
         .encode(&text, req.add_special_tokens)
-        .map_err(|e| ApiError::bad_request(e.to_string()))
+        .map_err(|e| EngineApiError::bad_request(e.to_string()))
 }

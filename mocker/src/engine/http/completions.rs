@@ -13,7 +13,9 @@
 
 use super::HttpState;
 use super::accepted::{AbortOnDrop, Accepted, CountOnDrop, Shape, engine_error};
-use super::openai::{ApiError, CompletionRequest, DEFAULT_MAX_TOKENS, Prompt, Usage, parse_json};
+use super::openai::{
+    DEFAULT_MAX_TOKENS, EngineApiError, EngineCompletionRequest, EnginePrompt, Usage, parse_json,
+};
 use super::sse;
 use crate::engine::progress::Progress;
 use crate::engine::rank::SHUTTING_DOWN;
@@ -96,7 +98,7 @@ pub(super) async fn answer(state: Arc<HttpState>, accepted: Accepted, stream: bo
 }
 
 /// Waits until the request finished (or failed).
-async fn wait_finished(mut rx: watch::Receiver<Progress>) -> Result<Progress, ApiError> {
+async fn wait_finished(mut rx: watch::Receiver<Progress>) -> Result<Progress, EngineApiError> {
     loop {
         {
             let p = rx.borrow_and_update();
@@ -119,9 +121,9 @@ fn accept(
     state: &HttpState,
     headers: &HeaderMap,
     body: Result<Bytes, BytesRejection>,
-) -> Result<(Accepted, bool), ApiError> {
+) -> Result<(Accepted, bool), EngineApiError> {
     let body = read_body(body)?;
-    let req: CompletionRequest = parse_json(&body)?;
+    let req: EngineCompletionRequest = parse_json(&body)?;
     state.check_model(req.options.model.as_deref())?;
     let tokens = prompt(state, &req)?;
     let submission = Submission {
@@ -140,16 +142,19 @@ fn accept(
 ///
 /// # Errors
 /// 400 for a text prompt without a tokenizer, or one the tokenizer refuses.
-pub(super) fn prompt(state: &HttpState, req: &CompletionRequest) -> Result<Vec<u32>, ApiError> {
+pub(super) fn prompt(
+    state: &HttpState,
+    req: &EngineCompletionRequest,
+) -> Result<Vec<u32>, EngineApiError> {
     match &req.prompt {
-        Prompt::Tokens(ids) => Ok(ids.clone()),
-        Prompt::Text(text) => state.encode(text, req.add_special_tokens),
+        EnginePrompt::Tokens(ids) => Ok(ids.clone()),
+        EnginePrompt::Text(text) => state.encode(text, req.add_special_tokens),
     }
 }
 
 /// The body, or the extractor's rejection as an OpenAI error.
-pub(super) fn read_body(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
-    body.map_err(|rejection| ApiError {
+pub(super) fn read_body(body: Result<Bytes, BytesRejection>) -> Result<Bytes, EngineApiError> {
+    body.map_err(|rejection| EngineApiError {
         status: rejection.status(),
         message: rejection.body_text().to_lowercase(),
     })
@@ -174,7 +179,7 @@ pub(super) fn submit(
     state: &HttpState,
     headers: &HeaderMap,
     submission: Submission,
-) -> Result<Accepted, ApiError> {
+) -> Result<Accepted, EngineApiError> {
     let Submission {
         tokens,
         max_tokens,
@@ -198,7 +203,7 @@ pub(super) fn submit(
         if message == SHUTTING_DOWN {
             engine_error(&message)
         } else {
-            ApiError::bad_request(message)
+            EngineApiError::bad_request(message)
         }
     })?;
     let prefix = match shape {
@@ -236,18 +241,18 @@ pub(super) fn fits(
     state: &HttpState,
     tokens: &[u32],
     max_tokens: Option<u64>,
-) -> Result<u64, ApiError> {
+) -> Result<u64, EngineApiError> {
     if tokens.is_empty() {
-        return Err(ApiError::bad_request("prompt is empty"));
+        return Err(EngineApiError::bad_request("prompt is empty"));
     }
     let max_tokens = max_tokens.unwrap_or(DEFAULT_MAX_TOKENS);
     if max_tokens == 0 {
-        return Err(ApiError::bad_request("max_tokens must be at least 1"));
+        return Err(EngineApiError::bad_request("max_tokens must be at least 1"));
     }
     let prompt_tokens = tokens.len() as u64;
     let total = prompt_tokens.saturating_add(max_tokens);
     if total > state.max_model_len {
-        return Err(ApiError::bad_request(format!(
+        return Err(EngineApiError::bad_request(format!(
             "this model's maximum context length is {} tokens, but {total} were requested \
              ({prompt_tokens} in the prompt, {max_tokens} to generate)",
             state.max_model_len
@@ -257,20 +262,26 @@ pub(super) fn fits(
 }
 
 /// The dp rank: vLLM's `X-data-parallel-rank` header, else SGLang's body field, else 0.
-fn dp_rank(headers: &HeaderMap, body: Option<u32>, dp_size: usize) -> Result<usize, ApiError> {
+fn dp_rank(
+    headers: &HeaderMap,
+    body: Option<u32>,
+    dp_size: usize,
+) -> Result<usize, EngineApiError> {
     let rank = match headers.get(DP_RANK_HEADER) {
         Some(value) => value
             .to_str()
             .ok()
             .and_then(|v| v.trim().parse::<u32>().ok())
             .ok_or_else(|| {
-                ApiError::bad_request(format!("{DP_RANK_HEADER} must be a non-negative integer"))
+                EngineApiError::bad_request(format!(
+                    "{DP_RANK_HEADER} must be a non-negative integer"
+                ))
             })?,
         None => body.unwrap_or(0),
     };
     let rank = rank as usize;
     if rank >= dp_size {
-        return Err(ApiError::bad_request(format!(
+        return Err(EngineApiError::bad_request(format!(
             "data parallel rank {rank} out of range (dp size {dp_size})"
         )));
     }

@@ -2,7 +2,7 @@
 //! `POST /reset_prefix_cache`, `GET /health`.
 
 use super::HttpState;
-use super::openai::{ApiError, TokenizeRequest, parse_json};
+use super::openai::{EngineApiError, TokenizeRequest, parse_json};
 use crate::protocol::ClearReply;
 use axum::body::Bytes;
 use axum::extract::State;
@@ -17,8 +17,8 @@ pub(super) async fn tokenize(
     State(state): State<Arc<HttpState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let run = || -> Result<serde_json::Value, ApiError> {
-        let body = body.map_err(|r| ApiError {
+    let run = || -> Result<serde_json::Value, EngineApiError> {
+        let body = body.map_err(|r| EngineApiError {
             status: r.status(),
             message: r.body_text().to_lowercase(),
         })?;
@@ -26,7 +26,7 @@ pub(super) async fn tokenize(
         let tokenizer = state.tokenizer()?;
         let tokens = tokenizer
             .encode(&req.prompt, req.add_special_tokens)
-            .map_err(|e| ApiError::bad_request(e.to_string()))?;
+            .map_err(|e| EngineApiError::bad_request(e.to_string()))?;
         Ok(json!({
             "tokens": tokens,
             "count": tokens.len(),

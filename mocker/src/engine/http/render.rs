@@ -27,7 +27,9 @@
 
 use super::HttpState;
 use super::completions::{fits, read_body};
-use super::openai::{ApiError, ChatRequest, CompletionRequest, RequestOptions, parse_json};
+use super::openai::{
+    EngineApiError, EngineChatRequest, EngineCompletionRequest, RequestOptions, parse_json,
+};
 use super::{chat, completions};
 use axum::body::Bytes;
 use axum::extract::State;
@@ -42,7 +44,7 @@ pub(super) async fn completion(
     State(state): State<Arc<HttpState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    answer(&state, body, |state, req: CompletionRequest| {
+    answer(&state, body, |state, req: EngineCompletionRequest| {
         state.check_model(req.options.model.as_deref())?;
         let tokens = completions::prompt(state, &req)?;
         let max_tokens = fits(state, &tokens, req.options.max_tokens)?;
@@ -56,7 +58,7 @@ pub(super) async fn chat(
     State(state): State<Arc<HttpState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    answer(&state, body, |state, req: ChatRequest| {
+    answer(&state, body, |state, req: EngineChatRequest| {
         state.check_model(req.options.model.as_deref())?;
         let tokens = chat::prompt(state, &req)?;
         let max_tokens = req.max_completion_tokens.or(req.options.max_tokens);
@@ -75,7 +77,7 @@ pub(super) async fn chat(
 fn answer<R: DeserializeOwned>(
     state: &HttpState,
     body: Result<Bytes, BytesRejection>,
-    render: impl FnOnce(&HttpState, R) -> Result<Value, ApiError>,
+    render: impl FnOnce(&HttpState, R) -> Result<Value, EngineApiError>,
 ) -> Response {
     let rendered = read_body(body)
         .and_then(|body| parse_json(&body))
