@@ -30,7 +30,7 @@ use engine_model::EngineModelConfig;
 use futures::StreamExt;
 use integration_tests::TestCluster;
 use kv_gateway::{Gateway, GatewayArgs};
-use kv_tokenizer::{Limits, ModelTokenizer};
+use kv_tokenizer::{ModelTokenizer, TokenizerLimits};
 use mocker::engine::EngineHttpArgs;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -277,7 +277,7 @@ fn report_stages(before: &[(String, f64, u64)], after: &[(String, f64, u64)]) {
 
 /// µs per 1,000 tokens of encoding a long text with the repo's test tokenizer.
 fn tokenization_cost(dir: &std::path::Path) -> anyhow::Result<(usize, f64)> {
-    let tok = ModelTokenizer::from_dir(dir, Limits::default())?;
+    let tok = ModelTokenizer::from_dir(dir, TokenizerLimits::default())?;
     let words: Vec<&str> = "the router sends each request to a worker whose cache already \
         holds its prefix, balancing load across engines. Latency matters; throughput too. \
         kv-cache blocks of 16 tokens are hashed and indexed"
@@ -337,7 +337,8 @@ async fn main() -> anyhow::Result<()> {
         CancellationToken::new(),
     )
     .await?;
-    let vocab = u32::try_from(ModelTokenizer::from_dir(&dir, Limits::default())?.vocab_size())?;
+    let vocab =
+        u32::try_from(ModelTokenizer::from_dir(&dir, TokenizerLimits::default())?.vocab_size())?;
     let target = Arc::new(Target {
         http: reqwest::Client::new(),
         gateway: format!("http://{}", gateway.local_addr()),

@@ -44,7 +44,7 @@ use kv_events::{DpRank, compute_block_hashes, encode};
 use kv_gateway::config::EngineApi;
 use kv_gateway::openai::{completion_for_engine, parse_completion};
 use kv_gateway::router::RouterClient;
-use kv_tokenizer::{Limits, ModelTokenizer};
+use kv_tokenizer::{ModelTokenizer, TokenizerLimits};
 use mocker::engine::EngineHttpArgs;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -484,7 +484,7 @@ async fn main() -> anyhow::Result<()> {
         Some(dir) => dir,
         None => bench_model_dir().await?,
     };
-    let limits = Limits {
+    let limits = TokenizerLimits {
         max_prompt_bytes: usize::MAX,
         max_prompt_tokens: usize::MAX,
     };

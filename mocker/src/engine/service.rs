@@ -27,7 +27,7 @@ use kv_cluster::lease::WorkerLease;
 use kv_events::discovery::WorkerRegistration;
 use kv_events::journal::{EventJournal, JournalConfig};
 use kv_events::{DpRank, Subjects, WorkerId, WorkerRank};
-use kv_tokenizer::{Limits, ModelTokenizer, TokenizerError};
+use kv_tokenizer::{ModelTokenizer, TokenizerError, TokenizerLimits};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::task::{JoinHandle, JoinSet};
@@ -388,7 +388,7 @@ fn load_tokenizer(args: &EngineArgs) -> Result<Option<Arc<ModelTokenizer>>, Serv
     let max_len = args
         .http
         .max_model_len_or_cache(args.model.block_size, args.model.num_gpu_blocks);
-    let limits = Limits {
+    let limits = TokenizerLimits {
         max_prompt_bytes: http::MAX_BODY_BYTES,
         max_prompt_tokens: usize::try_from(max_len).unwrap_or(usize::MAX),
     };
