@@ -39,7 +39,7 @@ pub async fn openai_python(script: &str) -> (PathBuf, PathBuf) {
 }
 
 /// The mock engines of a [`Stack`].
-pub struct Engines {
+pub struct StackEngines {
     /// How many, one worker each.
     pub workers: u32,
     /// Their speed over real time.
@@ -79,7 +79,7 @@ impl Stack {
         adjust: impl FnOnce(&mut ServeArgs),
         gateway_flags: &[&str],
     ) -> Self {
-        let engines = Engines {
+        let engines = StackEngines {
             workers,
             time_scale,
             max_model_len: None,
@@ -93,11 +93,11 @@ impl Stack {
     /// only (no `--max-prompt-tokens` unless given), on `cluster`.
     pub async fn start_with(
         cluster: TestCluster,
-        engines: Engines,
+        engines: StackEngines,
         adjust: impl FnOnce(&mut ServeArgs),
         gateway_flags: &[&str],
     ) -> Self {
-        let Engines {
+        let StackEngines {
             workers,
             time_scale,
             max_model_len,
