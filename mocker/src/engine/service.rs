@@ -13,8 +13,8 @@
 
 use super::EngineArgs;
 use super::config::EngineConfigError;
-use super::http::{self, EngineHttpArgs, HttpState, WorkerHttp};
-use super::journal::SharedJournal;
+use super::http::{self, EngineHttpArgs, EngineHttpState, WorkerHttp};
+use super::journal::WorkerJournal;
 use super::outbox::Outbox;
 use super::rank::{Rank, RankSink};
 use super::vllm::{BindError, KvEventsMode, RankEndpoints, VllmPublisher};
@@ -280,7 +280,7 @@ async fn start_worker(
     tasks: &mut JoinSet<()>,
     inner: &CancellationToken,
 ) -> Result<(Vec<Arc<Rank>>, String, Vec<RankEndpoints>), ServiceError> {
-    let journal = SharedJournal::new(EventJournal::new(
+    let journal = WorkerJournal::new(EventJournal::new(
         worker_id,
         epoch,
         JournalConfig::default(),
@@ -428,7 +428,10 @@ async fn serve_http(
         .unwrap_or(&args.http_host);
     let url = format!("http://{}:{}", bracket_v6(host), local.port());
     let limits = args.limits();
-    let router = http::router(Arc::new(HttpState::new(args, worker)?), args.vllm_dev_mode);
+    let router = http::router(
+        Arc::new(EngineHttpState::new(args, worker)?),
+        args.vllm_dev_mode,
+    );
     tasks.spawn(async move {
         // Small SSE writes go out at once (no Nagle wait for a delayed ACK).
         let listener = listener.tap_io(|tcp| {

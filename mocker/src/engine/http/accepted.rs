@@ -61,12 +61,12 @@ pub(super) struct Accepted {
     /// Stream with a final usage chunk.
     pub include_usage: bool,
     /// Which endpoint's JSON shapes the answer takes.
-    pub shape: Shape,
+    pub shape: EndpointShape,
 }
 
 /// The endpoint an answer is shaped for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Shape {
+pub(super) enum EndpointShape {
     /// `/v1/completions`: `text_completion` objects, `choices[].text`.
     Completion,
     /// `/v1/chat/completions`: `chat.completion(.chunk)` objects, `choices[].message`

@@ -7,8 +7,8 @@
 //! `POST /v1/chat/completions/render` answers with, so a render's ids are exactly the
 //! ids this endpoint prefills.
 
-use super::HttpState;
-use super::accepted::{Accepted, Shape};
+use super::EngineHttpState;
+use super::accepted::{Accepted, EndpointShape};
 use super::completions::{Submission, answer, read_body, submit};
 use super::openai::{EngineApiError, EngineChatRequest, parse_json};
 use axum::body::Bytes;
@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 /// The handler.
 pub(super) async fn chat_completions(
-    State(state): State<Arc<HttpState>>,
+    State(state): State<Arc<EngineHttpState>>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
@@ -34,7 +34,7 @@ pub(super) async fn chat_completions(
 /// Renders and encodes the chat, then submits it. Returns the accepted request and
 /// whether to stream.
 fn accept(
-    state: &HttpState,
+    state: &EngineHttpState,
     headers: &HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<(Accepted, bool), EngineApiError> {
@@ -47,7 +47,7 @@ fn accept(
         max_tokens: req.max_completion_tokens.or(req.options.max_tokens),
         body_rank: req.options.data_parallel_rank,
         include_usage: req.options.stream_options.is_some_and(|o| o.include_usage),
-        shape: Shape::Chat,
+        shape: EndpointShape::Chat,
     };
     Ok((submit(state, headers, submission)?, req.options.stream))
 }
@@ -60,7 +60,7 @@ fn accept(
 /// 400 without a tokenizer or chat template, for a template error (e.g. a role it
 /// refuses) or an encode error.
 pub(super) fn prompt(
-    state: &HttpState,
+    state: &EngineHttpState,
     req: &EngineChatRequest,
 ) -> Result<Vec<u32>, EngineApiError> {
     let options = ChatOptions {

@@ -11,8 +11,8 @@
 //!
 //! [`EngineCore`]: crate::engine::EngineCore
 
-use super::HttpState;
-use super::accepted::{AbortOnDrop, Accepted, CountOnDrop, Shape, engine_error};
+use super::EngineHttpState;
+use super::accepted::{AbortOnDrop, Accepted, CountOnDrop, EndpointShape, engine_error};
 use super::openai::{
     DEFAULT_MAX_TOKENS, EngineApiError, EngineCompletionRequest, EnginePrompt, Usage, parse_json,
 };
@@ -35,7 +35,7 @@ pub const DP_RANK_HEADER: &str = "x-data-parallel-rank";
 
 /// The handler.
 pub(super) async fn completions(
-    State(state): State<Arc<HttpState>>,
+    State(state): State<Arc<EngineHttpState>>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
@@ -46,7 +46,11 @@ pub(super) async fn completions(
 }
 
 /// Answers an accepted request: server-sent events, or one JSON once it finished.
-pub(super) async fn answer(state: Arc<HttpState>, accepted: Accepted, stream: bool) -> Response {
+pub(super) async fn answer(
+    state: Arc<EngineHttpState>,
+    accepted: Accepted,
+    stream: bool,
+) -> Response {
     if stream {
         return sse::response(state, accepted);
     }
@@ -61,7 +65,7 @@ pub(super) async fn answer(state: Arc<HttpState>, accepted: Accepted, stream: bo
                 progress.output_tokens,
             );
             let (object, choice) = match accepted.shape {
-                Shape::Completion => (
+                EndpointShape::Completion => (
                     "text_completion",
                     json!({
                         "index": 0,
@@ -71,7 +75,7 @@ pub(super) async fn answer(state: Arc<HttpState>, accepted: Accepted, stream: bo
                         "stop_reason": null,
                     }),
                 ),
-                Shape::Chat => (
+                EndpointShape::Chat => (
                     "chat.completion",
                     json!({
                         "index": 0,
@@ -118,7 +122,7 @@ async fn wait_finished(mut rx: watch::Receiver<Progress>) -> Result<Progress, En
 /// Validates the request and submits it to its rank. Returns the accepted request
 /// and whether to stream.
 fn accept(
-    state: &HttpState,
+    state: &EngineHttpState,
     headers: &HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<(Accepted, bool), EngineApiError> {
@@ -131,7 +135,7 @@ fn accept(
         max_tokens: req.options.max_tokens,
         body_rank: req.options.data_parallel_rank,
         include_usage: req.options.stream_options.is_some_and(|o| o.include_usage),
-        shape: Shape::Completion,
+        shape: EndpointShape::Completion,
     };
     Ok((submit(state, headers, submission)?, req.options.stream))
 }
@@ -143,7 +147,7 @@ fn accept(
 /// # Errors
 /// 400 for a text prompt without a tokenizer, or one the tokenizer refuses.
 pub(super) fn prompt(
-    state: &HttpState,
+    state: &EngineHttpState,
     req: &EngineCompletionRequest,
 ) -> Result<Vec<u32>, EngineApiError> {
     match &req.prompt {
@@ -171,12 +175,12 @@ pub(super) struct Submission {
     /// Stream a final usage chunk.
     pub include_usage: bool,
     /// The answer's shape.
-    pub shape: Shape,
+    pub shape: EndpointShape,
 }
 
 /// Checks the prompt against the context length, picks the rank and submits it.
 pub(super) fn submit(
-    state: &HttpState,
+    state: &EngineHttpState,
     headers: &HeaderMap,
     submission: Submission,
 ) -> Result<Accepted, EngineApiError> {
@@ -207,8 +211,8 @@ pub(super) fn submit(
         }
     })?;
     let prefix = match shape {
-        Shape::Completion => "cmpl",
-        Shape::Chat => "chatcmpl",
+        EndpointShape::Completion => "cmpl",
+        EndpointShape::Chat => "chatcmpl",
     };
     let count = CountOnDrop {
         counters: state.metrics.rank_counters(dp_rank),
@@ -238,7 +242,7 @@ pub(super) fn submit(
 /// 400 for an empty prompt, `max_tokens` 0, or a prompt plus `max_tokens` over
 /// `--max-model-len`.
 pub(super) fn fits(
-    state: &HttpState,
+    state: &EngineHttpState,
     tokens: &[u32],
     max_tokens: Option<u64>,
 ) -> Result<u64, EngineApiError> {

@@ -148,7 +148,7 @@ impl Default for EngineHttpArgs {
 
 /// What the handlers of one worker share.
 #[derive(Debug)]
-pub(super) struct HttpState {
+pub(super) struct EngineHttpState {
     worker_id: WorkerId,
     ranks: Vec<Arc<Rank>>,
     block_size: u32,
@@ -161,7 +161,7 @@ pub(super) struct HttpState {
     created: u64,
 }
 
-/// Everything needed to build one worker's [`HttpState`].
+/// Everything needed to build one worker's [`EngineHttpState`].
 #[derive(Debug)]
 pub(super) struct WorkerHttp {
     /// The worker.
@@ -176,7 +176,7 @@ pub(super) struct WorkerHttp {
     pub tokenizer: Option<Arc<ModelTokenizer>>,
 }
 
-impl HttpState {
+impl EngineHttpState {
     /// The state of one worker's server.
     ///
     /// # Errors
@@ -252,7 +252,7 @@ impl HttpState {
 
 /// The routes of one worker's server, with the body limit; the development
 /// endpoints only with `dev_mode`.
-pub(super) fn router(state: Arc<HttpState>, dev_mode: bool) -> Router {
+pub(super) fn router(state: Arc<EngineHttpState>, dev_mode: bool) -> Router {
     let router = if dev_mode {
         Router::new().route("/reset_prefix_cache", post(info::reset_prefix_cache))
     } else {

@@ -25,7 +25,7 @@
 //! [`completions::prompt`]: super::completions::prompt
 //! [`chat::prompt`]: super::chat::prompt
 
-use super::HttpState;
+use super::EngineHttpState;
 use super::completions::{fits, read_body};
 use super::openai::{
     EngineApiError, EngineChatRequest, EngineCompletionRequest, RequestOptions, parse_json,
@@ -41,7 +41,7 @@ use std::sync::Arc;
 
 /// `POST /v1/completions/render`: `[GenerateRequest]`.
 pub(super) async fn completion(
-    State(state): State<Arc<HttpState>>,
+    State(state): State<Arc<EngineHttpState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     answer(&state, body, |state, req: EngineCompletionRequest| {
@@ -55,7 +55,7 @@ pub(super) async fn completion(
 
 /// `POST /v1/chat/completions/render`: one `GenerateRequest`.
 pub(super) async fn chat(
-    State(state): State<Arc<HttpState>>,
+    State(state): State<Arc<EngineHttpState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     answer(&state, body, |state, req: EngineChatRequest| {
@@ -75,9 +75,9 @@ pub(super) async fn chat(
 
 /// Parses `body` as `R` and answers what `render` makes of it, or the error.
 fn answer<R: DeserializeOwned>(
-    state: &HttpState,
+    state: &EngineHttpState,
     body: Result<Bytes, BytesRejection>,
-    render: impl FnOnce(&HttpState, R) -> Result<Value, EngineApiError>,
+    render: impl FnOnce(&EngineHttpState, R) -> Result<Value, EngineApiError>,
 ) -> Response {
     let rendered = read_body(body)
         .and_then(|body| parse_json(&body))
@@ -90,7 +90,7 @@ fn answer<R: DeserializeOwned>(
 
 /// vLLM's `GenerateRequest` for a rendered prompt of `tokens`.
 fn generate_request(
-    state: &HttpState,
+    state: &EngineHttpState,
     prefix: &str,
     tokens: Vec<u32>,
     max_tokens: u64,
