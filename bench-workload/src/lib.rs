@@ -19,4 +19,4 @@ pub mod synthetic;
 
 pub use measure::{latencies, percentiles, quantile_ms, rss_bytes};
 pub use reference::Reference;
-pub use synthetic::{EngineHashes, Rng, Shape, Workload, build, flood_batches};
+pub use synthetic::{EngineHashes, Rng, Workload, WorkloadShape, build, flood_batches};

@@ -74,9 +74,9 @@ fn mix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// Shape of a workload.
+/// Shape of a workload: workers, entries and prefix structure.
 #[derive(Debug, Clone, Copy)]
-pub struct Shape {
+pub struct WorkloadShape {
     /// Workers (ids `0..workers`, dp rank 0 each).
     pub workers: u64,
     /// (worker, block) entries to reach.
@@ -93,11 +93,11 @@ pub struct Shape {
     pub hashes: EngineHashes,
 }
 
-impl Shape {
+impl WorkloadShape {
     /// The apply benchmark's shape: 16-block events, conversations of 8 events
     /// below one of 16 shared 16-block prefixes.
     pub fn apply(workers: u64, entries: u64) -> Self {
-        Shape {
+        WorkloadShape {
             workers,
             entries,
             prefixes: 16,
@@ -121,7 +121,7 @@ pub struct Workload {
 }
 
 /// Builds the workload of `shape`, with event ids counted per worker from 0.
-pub fn build(shape: Shape, seed: u64) -> Workload {
+pub fn build(shape: WorkloadShape, seed: u64) -> Workload {
     let mut rng = Rng::new(seed);
     let prefix_hashes: Vec<Vec<LocalBlockHash>> = (0..shape.prefixes)
         .map(|_| {

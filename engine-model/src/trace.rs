@@ -67,7 +67,7 @@ pub struct TraceRequest {
 #[error(
     "engine block size {0} tokens does not divide the trace block size of {TRACE_BLOCK_SIZE} tokens"
 )]
-pub struct BlockSizeMismatch(pub u32);
+pub struct TraceBlockSizeMismatch(pub u32);
 
 /// How trace blocks ([`TRACE_BLOCK_SIZE`] tokens) map onto engine blocks of
 /// `engine_block_size` tokens: each trace block becomes `512 / engine_block_size`
@@ -83,12 +83,12 @@ impl BlockMapping {
     /// The mapping onto engine blocks of `engine_block_size` tokens.
     ///
     /// # Errors
-    /// [`BlockSizeMismatch`] unless `engine_block_size` is a divisor of 512 (1, 2, 4,
+    /// [`TraceBlockSizeMismatch`] unless `engine_block_size` is a divisor of 512 (1, 2, 4,
     /// …, 64, …, 512).
-    pub fn new(engine_block_size: u32) -> Result<Self, BlockSizeMismatch> {
+    pub fn new(engine_block_size: u32) -> Result<Self, TraceBlockSizeMismatch> {
         let bs = u64::from(engine_block_size);
         if bs == 0 || !TRACE_BLOCK_SIZE.is_multiple_of(bs) {
-            return Err(BlockSizeMismatch(engine_block_size));
+            return Err(TraceBlockSizeMismatch(engine_block_size));
         }
         Ok(Self {
             engine_block_size,
@@ -310,7 +310,7 @@ mod tests {
     #[test]
     fn mapping_rejects_block_sizes_that_do_not_divide_512() {
         for bs in [0, 3, 48, 100, 1024] {
-            assert_eq!(BlockMapping::new(bs), Err(BlockSizeMismatch(bs)));
+            assert_eq!(BlockMapping::new(bs), Err(TraceBlockSizeMismatch(bs)));
         }
         for bs in [1, 16, 64, 128, 512] {
             assert_eq!(BlockMapping::new(bs).unwrap().engine_block_size(), bs);

@@ -15,7 +15,7 @@
 //! 3. byte-level (¼ of inputs): flips, inserts, deletions, truncation, a run of
 //!    nesting markers up to 100,000 deep, garbage appended.
 
-use crate::value::Node;
+use crate::value::MsgpackNode;
 use arbitrary::{Result, Unstructured};
 
 /// Longest input, in bytes; longer generated inputs are cut (a truncation is one more
@@ -41,11 +41,11 @@ pub struct Corpus {
     format: Format,
     seeds: Vec<Vec<u8>>,
     /// Each seed's value tree (msgpack and JSON formats; empty for frames).
-    trees: Vec<Node>,
+    trees: Vec<MsgpackNode>,
     /// Each seed's frames (frames format; empty otherwise).
     frame_sets: Vec<Vec<Vec<u8>>>,
     /// Trees of every msgpack frame of every frame seed, for splicing.
-    frame_trees: Vec<Node>,
+    frame_trees: Vec<MsgpackNode>,
     /// Every string found in the seeds, plus a few hostile ones.
     vocab: Vec<Vec<u8>>,
 }
@@ -61,21 +61,22 @@ impl Corpus {
         for seed in &seeds {
             match format {
                 Format::Msgpack => {
-                    let node = Node::parse(seed).unwrap_or_else(|| panic!("seed is not msgpack"));
+                    let node =
+                        MsgpackNode::parse(seed).unwrap_or_else(|| panic!("seed is not msgpack"));
                     node.strings(&mut vocab);
                     trees.push(node);
                 }
                 Format::Json => {
                     let value: serde_json::Value = serde_json::from_slice(seed)
                         .unwrap_or_else(|e| panic!("seed is not json: {e}"));
-                    let node = Node::from_json(&value);
+                    let node = MsgpackNode::from_json(&value);
                     node.strings(&mut vocab);
                     trees.push(node);
                 }
                 Format::Frames => {
                     let frames = crate::frames::split(seed);
                     for frame in &frames {
-                        if let Some(node) = Node::parse(frame) {
+                        if let Some(node) = MsgpackNode::parse(frame) {
                             node.strings(&mut vocab);
                             frame_trees.push(node);
                         }
@@ -115,7 +116,7 @@ impl Corpus {
         Ok(bytes)
     }
 
-    fn msgpack(&self, u: &mut Unstructured<'_>, trees: &[Node]) -> Result<Vec<u8>> {
+    fn msgpack(&self, u: &mut Unstructured<'_>, trees: &[MsgpackNode]) -> Result<Vec<u8>> {
         match u.int_in_range(0u8..=99)? {
             0..=7 => random_bytes(u, 1024),
             8..=15 => Ok(self.random_tree(u, 3)?.to_msgpack().0),
@@ -191,7 +192,7 @@ impl Corpus {
             if !u.ratio(1, 3)? {
                 continue;
             }
-            *frame = match Node::parse(frame) {
+            *frame = match MsgpackNode::parse(frame) {
                 Some(tree) if !frame.is_empty() => self.msgpack_from(u, &tree)?,
                 _ => {
                     let mut bytes = frame.clone();
@@ -234,7 +235,7 @@ impl Corpus {
     }
 
     /// A mutated encoding of `tree`, splicing from the frame trees.
-    fn msgpack_from(&self, u: &mut Unstructured<'_>, tree: &Node) -> Result<Vec<u8>> {
+    fn msgpack_from(&self, u: &mut Unstructured<'_>, tree: &MsgpackNode) -> Result<Vec<u8>> {
         let mut node = tree.clone();
         for _ in 0..u.int_in_range(1..=3)? {
             self.mutate(u, &mut node, &self.frame_trees)?;
@@ -250,12 +251,12 @@ impl Corpus {
         Ok(u.choose(&self.vocab)?.clone())
     }
 
-    fn scalar(&self, u: &mut Unstructured<'_>) -> Result<Node> {
+    fn scalar(&self, u: &mut Unstructured<'_>) -> Result<MsgpackNode> {
         Ok(match u.int_in_range(0u8..=9)? {
-            0 => Node::UInt(*u.choose(&EXTREME_UINTS)?),
-            1 => Node::UInt(u.arbitrary()?),
-            2 => Node::NInt(*u.choose(&[-1, -32, -33, i64::from(i32::MIN), i64::MIN])?),
-            3 => Node::F64(*u.choose(&[
+            0 => MsgpackNode::UInt(*u.choose(&EXTREME_UINTS)?),
+            1 => MsgpackNode::UInt(u.arbitrary()?),
+            2 => MsgpackNode::NInt(*u.choose(&[-1, -32, -33, i64::from(i32::MIN), i64::MIN])?),
+            3 => MsgpackNode::F64(*u.choose(&[
                 f64::NAN,
                 f64::INFINITY,
                 f64::NEG_INFINITY,
@@ -265,47 +266,57 @@ impl Corpus {
                 0.5,
                 -1.0,
             ])?),
-            4 => Node::F32(*u.choose(&[f32::NAN, f32::INFINITY, 1e10, -0.5])?),
-            5 => Node::Nil,
-            6 => Node::Bool(u.arbitrary()?),
-            7 => Node::Str(self.word(u)?),
+            4 => MsgpackNode::F32(*u.choose(&[f32::NAN, f32::INFINITY, 1e10, -0.5])?),
+            5 => MsgpackNode::Nil,
+            6 => MsgpackNode::Bool(u.arbitrary()?),
+            7 => MsgpackNode::Str(self.word(u)?),
             8 => {
                 let len = *u.choose(&[1usize, 31, 32, 255, 256, 4096, 65_535, 65_536])?;
-                Node::Str(vec![b'a'; len])
+                MsgpackNode::Str(vec![b'a'; len])
             }
-            _ => Node::Bin(random_bytes(u, 40)?),
+            _ => MsgpackNode::Bin(random_bytes(u, 40)?),
         })
     }
 
-    fn random_tree(&self, u: &mut Unstructured<'_>, depth: u32) -> Result<Node> {
+    fn random_tree(&self, u: &mut Unstructured<'_>, depth: u32) -> Result<MsgpackNode> {
         if depth == 0 || u.ratio(1, 2)? {
             return self.scalar(u);
         }
         let n = u.int_in_range(0..=4)?;
         Ok(if u.arbitrary()? {
-            Node::Array(
+            MsgpackNode::Array(
                 (0..n)
                     .map(|_| self.random_tree(u, depth - 1))
                     .collect::<Result<_>>()?,
             )
         } else {
-            Node::Map(
+            MsgpackNode::Map(
                 (0..n)
-                    .map(|_| Ok((Node::Str(self.word(u)?), self.random_tree(u, depth - 1)?)))
+                    .map(|_| {
+                        Ok((
+                            MsgpackNode::Str(self.word(u)?),
+                            self.random_tree(u, depth - 1)?,
+                        ))
+                    })
                     .collect::<Result<_>>()?,
             )
         })
     }
 
     /// One structural mutation of a random node of `root`.
-    fn mutate(&self, u: &mut Unstructured<'_>, root: &mut Node, splice: &[Node]) -> Result<()> {
+    fn mutate(
+        &self,
+        u: &mut Unstructured<'_>,
+        root: &mut MsgpackNode,
+        splice: &[MsgpackNode],
+    ) -> Result<()> {
         let k = u.choose_index(root.count())?;
         let Some(node) = root.nth_mut(k) else {
             return Ok(());
         };
         match u.int_in_range(0u8..=11)? {
             0..=2 => *node = self.scalar(u)?,
-            3 => *node = Node::Str(self.word(u)?),
+            3 => *node = MsgpackNode::Str(self.word(u)?),
             4 => *node = self.random_tree(u, 2)?,
             5 => {
                 let donor = u.choose(splice)?;
@@ -318,16 +329,16 @@ impl Corpus {
             6 => {
                 let levels = *u.choose(&[1u32, 2, 8, 40])?;
                 for _ in 0..levels {
-                    let inner = std::mem::replace(node, Node::Nil);
+                    let inner = std::mem::replace(node, MsgpackNode::Nil);
                     *node = if u.arbitrary()? {
-                        Node::Array(vec![inner])
+                        MsgpackNode::Array(vec![inner])
                     } else {
-                        Node::Map(vec![(Node::Str(self.word(u)?), inner)])
+                        MsgpackNode::Map(vec![(MsgpackNode::Str(self.word(u)?), inner)])
                     };
                 }
             }
             _ => match node {
-                Node::Array(items) if !items.is_empty() => {
+                MsgpackNode::Array(items) if !items.is_empty() => {
                     let i = u.choose_index(items.len())?;
                     match u.int_in_range(0u8..=4)? {
                         0 => {
@@ -350,19 +361,19 @@ impl Corpus {
                         _ => items.push(self.scalar(u)?),
                     }
                 }
-                Node::Map(pairs) if !pairs.is_empty() => {
+                MsgpackNode::Map(pairs) if !pairs.is_empty() => {
                     let i = u.choose_index(pairs.len())?;
                     match u.int_in_range(0u8..=5)? {
                         0 => {
                             pairs.remove(i);
                         }
                         1 => pairs.push(pairs[i].clone()),
-                        2 => pairs.push((Node::Str(self.word(u)?), self.scalar(u)?)),
+                        2 => pairs.push((MsgpackNode::Str(self.word(u)?), self.scalar(u)?)),
                         3 => pairs[i].0 = self.scalar(u)?,
                         4 => {
                             // The struct as a positional array of its values.
                             let values = pairs.iter().map(|(_, v)| v.clone()).collect();
-                            *node = Node::Array(values);
+                            *node = MsgpackNode::Array(values);
                         }
                         _ => {
                             let j = u.choose_index(pairs.len())?;

@@ -9,7 +9,7 @@ use serde_json::Value;
 
 /// One msgpack value.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Node {
+pub enum MsgpackNode {
     /// `nil`.
     Nil,
     /// `true` / `false`.
@@ -29,12 +29,12 @@ pub enum Node {
     /// An ext value: type tag and data.
     Ext(i8, Vec<u8>),
     /// An array.
-    Array(Vec<Node>),
+    Array(Vec<MsgpackNode>),
     /// A map, in wire order; keys may repeat.
-    Map(Vec<(Node, Node)>),
+    Map(Vec<(MsgpackNode, MsgpackNode)>),
 }
 
-/// Deepest nesting [`Node::parse`] reads; seeds are shallow.
+/// Deepest nesting [`MsgpackNode::parse`] reads; seeds are shallow.
 const PARSE_DEPTH: usize = 64;
 
 /// Where the writer put a length header: `at` is its first byte.
@@ -76,10 +76,10 @@ impl HeaderKind {
     }
 }
 
-impl Node {
+impl MsgpackNode {
     /// Reads the first msgpack value of `bytes`; `None` if it is not complete and
     /// well formed (or nests deeper than 64 levels).
-    pub fn parse(bytes: &[u8]) -> Option<Node> {
+    pub fn parse(bytes: &[u8]) -> Option<MsgpackNode> {
         let mut at = 0;
         parse(bytes, &mut at, 0)
     }
@@ -87,14 +87,14 @@ impl Node {
     /// Number of nodes in the tree, this one included.
     pub fn count(&self) -> usize {
         1 + match self {
-            Node::Array(items) => items.iter().map(Node::count).sum(),
-            Node::Map(pairs) => pairs.iter().map(|(k, v)| k.count() + v.count()).sum(),
+            MsgpackNode::Array(items) => items.iter().map(MsgpackNode::count).sum(),
+            MsgpackNode::Map(pairs) => pairs.iter().map(|(k, v)| k.count() + v.count()).sum(),
             _ => 0,
         }
     }
 
     /// The `k`-th node in pre-order (0 is `self`).
-    pub fn nth_mut(&mut self, k: usize) -> Option<&mut Node> {
+    pub fn nth_mut(&mut self, k: usize) -> Option<&mut MsgpackNode> {
         let mut k = k;
         nth(self, &mut k)
     }
@@ -102,9 +102,9 @@ impl Node {
     /// Every string (map keys and values) in the tree, for mutation vocabularies.
     pub fn strings(&self, out: &mut Vec<Vec<u8>>) {
         match self {
-            Node::Str(s) => out.push(s.clone()),
-            Node::Array(items) => items.iter().for_each(|n| n.strings(out)),
-            Node::Map(pairs) => pairs.iter().for_each(|(k, v)| {
+            MsgpackNode::Str(s) => out.push(s.clone()),
+            MsgpackNode::Array(items) => items.iter().for_each(|n| n.strings(out)),
+            MsgpackNode::Map(pairs) => pairs.iter().for_each(|(k, v)| {
                 k.strings(out);
                 v.strings(out);
             }),
@@ -124,25 +124,29 @@ impl Node {
     /// strings are written as their JSON text, non-finite floats become `null`.
     pub fn to_json(&self) -> Value {
         match self {
-            Node::Nil => Value::Null,
-            Node::Bool(b) => Value::Bool(*b),
-            Node::UInt(n) => Value::from(*n),
-            Node::NInt(n) => Value::from(*n),
-            Node::F32(f) => {
+            MsgpackNode::Nil => Value::Null,
+            MsgpackNode::Bool(b) => Value::Bool(*b),
+            MsgpackNode::UInt(n) => Value::from(*n),
+            MsgpackNode::NInt(n) => Value::from(*n),
+            MsgpackNode::F32(f) => {
                 serde_json::Number::from_f64(f64::from(*f)).map_or(Value::Null, Value::Number)
             }
-            Node::F64(f) => serde_json::Number::from_f64(*f).map_or(Value::Null, Value::Number),
-            Node::Str(s) => Value::String(String::from_utf8_lossy(s).into_owned()),
-            Node::Bin(b) | Node::Ext(_, b) => {
+            MsgpackNode::F64(f) => {
+                serde_json::Number::from_f64(*f).map_or(Value::Null, Value::Number)
+            }
+            MsgpackNode::Str(s) => Value::String(String::from_utf8_lossy(s).into_owned()),
+            MsgpackNode::Bin(b) | MsgpackNode::Ext(_, b) => {
                 Value::Array(b.iter().map(|&x| Value::from(x)).collect())
             }
-            Node::Array(items) => Value::Array(items.iter().map(Node::to_json).collect()),
-            Node::Map(pairs) => Value::Object(
+            MsgpackNode::Array(items) => {
+                Value::Array(items.iter().map(MsgpackNode::to_json).collect())
+            }
+            MsgpackNode::Map(pairs) => Value::Object(
                 pairs
                     .iter()
                     .map(|(k, v)| {
                         let key = match k {
-                            Node::Str(s) => String::from_utf8_lossy(s).into_owned(),
+                            MsgpackNode::Str(s) => String::from_utf8_lossy(s).into_owned(),
                             other => other.to_json().to_string(),
                         };
                         (key, v.to_json())
@@ -153,33 +157,40 @@ impl Node {
     }
 
     /// The tree of a JSON value (numbers keep their integer kind where they have one).
-    pub fn from_json(value: &Value) -> Node {
+    pub fn from_json(value: &Value) -> MsgpackNode {
         match value {
-            Value::Null => Node::Nil,
-            Value::Bool(b) => Node::Bool(*b),
+            Value::Null => MsgpackNode::Nil,
+            Value::Bool(b) => MsgpackNode::Bool(*b),
             Value::Number(n) => match (n.as_u64(), n.as_i64()) {
-                (Some(u), _) => Node::UInt(u),
-                (None, Some(i)) => Node::NInt(i),
-                _ => Node::F64(n.as_f64().unwrap_or(0.0)),
+                (Some(u), _) => MsgpackNode::UInt(u),
+                (None, Some(i)) => MsgpackNode::NInt(i),
+                _ => MsgpackNode::F64(n.as_f64().unwrap_or(0.0)),
             },
-            Value::String(s) => Node::Str(s.clone().into_bytes()),
-            Value::Array(items) => Node::Array(items.iter().map(Node::from_json).collect()),
-            Value::Object(map) => Node::Map(
+            Value::String(s) => MsgpackNode::Str(s.clone().into_bytes()),
+            Value::Array(items) => {
+                MsgpackNode::Array(items.iter().map(MsgpackNode::from_json).collect())
+            }
+            Value::Object(map) => MsgpackNode::Map(
                 map.iter()
-                    .map(|(k, v)| (Node::Str(k.clone().into_bytes()), Node::from_json(v)))
+                    .map(|(k, v)| {
+                        (
+                            MsgpackNode::Str(k.clone().into_bytes()),
+                            MsgpackNode::from_json(v),
+                        )
+                    })
                     .collect(),
             ),
         }
     }
 }
 
-fn nth<'a>(node: &'a mut Node, k: &mut usize) -> Option<&'a mut Node> {
+fn nth<'a>(node: &'a mut MsgpackNode, k: &mut usize) -> Option<&'a mut MsgpackNode> {
     if *k == 0 {
         return Some(node);
     }
     *k -= 1;
     match node {
-        Node::Array(items) => {
+        MsgpackNode::Array(items) => {
             for item in items {
                 let size = item.count();
                 if *k < size {
@@ -189,7 +200,7 @@ fn nth<'a>(node: &'a mut Node, k: &mut usize) -> Option<&'a mut Node> {
             }
             None
         }
-        Node::Map(pairs) => {
+        MsgpackNode::Map(pairs) => {
             for (key, value) in pairs {
                 for child in [key, value] {
                     let size = child.count();
@@ -220,13 +231,13 @@ fn be(bytes: &[u8], at: &mut usize, n: usize) -> Option<u64> {
     )
 }
 
-fn parse(bytes: &[u8], at: &mut usize, depth: usize) -> Option<Node> {
+fn parse(bytes: &[u8], at: &mut usize, depth: usize) -> Option<MsgpackNode> {
     if depth > PARSE_DEPTH {
         return None;
     }
     let marker = *bytes.get(*at)?;
     *at += 1;
-    let seq = |bytes: &[u8], at: &mut usize, n: u64| -> Option<Node> {
+    let seq = |bytes: &[u8], at: &mut usize, n: u64| -> Option<MsgpackNode> {
         // Each element takes at least one byte: a lying length fails here.
         if n > (bytes.len() - *at) as u64 {
             return None;
@@ -234,58 +245,58 @@ fn parse(bytes: &[u8], at: &mut usize, depth: usize) -> Option<Node> {
         (0..n)
             .map(|_| parse(bytes, at, depth + 1))
             .collect::<Option<Vec<_>>>()
-            .map(Node::Array)
+            .map(MsgpackNode::Array)
     };
-    let map = |bytes: &[u8], at: &mut usize, n: u64| -> Option<Node> {
+    let map = |bytes: &[u8], at: &mut usize, n: u64| -> Option<MsgpackNode> {
         if n > (bytes.len() - *at) as u64 {
             return None;
         }
         (0..n)
             .map(|_| Some((parse(bytes, at, depth + 1)?, parse(bytes, at, depth + 1)?)))
             .collect::<Option<Vec<_>>>()
-            .map(Node::Map)
+            .map(MsgpackNode::Map)
     };
     let raw = |bytes: &[u8], at: &mut usize, n: u64| -> Option<Vec<u8>> {
         take(bytes, at, usize::try_from(n).ok()?).map(<[u8]>::to_vec)
     };
     Some(match marker {
-        0x00..=0x7f => Node::UInt(u64::from(marker)),
+        0x00..=0x7f => MsgpackNode::UInt(u64::from(marker)),
         0x80..=0x8f => map(bytes, at, u64::from(marker & 0x0f))?,
         0x90..=0x9f => seq(bytes, at, u64::from(marker & 0x0f))?,
-        0xa0..=0xbf => Node::Str(raw(bytes, at, u64::from(marker & 0x1f))?),
-        0xc0 => Node::Nil,
-        0xc2 => Node::Bool(false),
-        0xc3 => Node::Bool(true),
+        0xa0..=0xbf => MsgpackNode::Str(raw(bytes, at, u64::from(marker & 0x1f))?),
+        0xc0 => MsgpackNode::Nil,
+        0xc2 => MsgpackNode::Bool(false),
+        0xc3 => MsgpackNode::Bool(true),
         0xc4..=0xc6 => {
             let n = be(bytes, at, 1 << (marker - 0xc4))?;
-            Node::Bin(raw(bytes, at, n)?)
+            MsgpackNode::Bin(raw(bytes, at, n)?)
         }
         0xc7..=0xc9 => {
             let n = be(bytes, at, 1 << (marker - 0xc7))?;
             let tag = take(bytes, at, 1)?[0] as i8;
-            Node::Ext(tag, raw(bytes, at, n)?)
+            MsgpackNode::Ext(tag, raw(bytes, at, n)?)
         }
-        0xca => Node::F32(f32::from_bits(u32::try_from(be(bytes, at, 4)?).ok()?)),
-        0xcb => Node::F64(f64::from_bits(be(bytes, at, 8)?)),
-        0xcc..=0xcf => Node::UInt(be(bytes, at, 1 << (marker - 0xcc))?),
+        0xca => MsgpackNode::F32(f32::from_bits(u32::try_from(be(bytes, at, 4)?).ok()?)),
+        0xcb => MsgpackNode::F64(f64::from_bits(be(bytes, at, 8)?)),
+        0xcc..=0xcf => MsgpackNode::UInt(be(bytes, at, 1 << (marker - 0xcc))?),
         0xd0..=0xd3 => {
             let width = 1usize << (marker - 0xd0);
             let raw = be(bytes, at, width)?;
             let shift = 64 - 8 * width as u32;
             let value = ((raw << shift) as i64) >> shift;
             if value >= 0 {
-                Node::UInt(value as u64)
+                MsgpackNode::UInt(value as u64)
             } else {
-                Node::NInt(value)
+                MsgpackNode::NInt(value)
             }
         }
         0xd4..=0xd8 => {
             let tag = take(bytes, at, 1)?[0] as i8;
-            Node::Ext(tag, raw(bytes, at, 1 << (marker - 0xd4))?)
+            MsgpackNode::Ext(tag, raw(bytes, at, 1 << (marker - 0xd4))?)
         }
         0xd9..=0xdb => {
             let n = be(bytes, at, 1 << (marker - 0xd9))?;
-            Node::Str(raw(bytes, at, n)?)
+            MsgpackNode::Str(raw(bytes, at, n)?)
         }
         0xdc | 0xdd => {
             let n = be(bytes, at, if marker == 0xdc { 2 } else { 4 })?;
@@ -295,7 +306,7 @@ fn parse(bytes: &[u8], at: &mut usize, depth: usize) -> Option<Node> {
             let n = be(bytes, at, if marker == 0xde { 2 } else { 4 })?;
             map(bytes, at, n)?
         }
-        0xe0..=0xff => Node::NInt(i64::from(marker as i8)),
+        0xe0..=0xff => MsgpackNode::NInt(i64::from(marker as i8)),
         0xc1 => return None,
     })
 }
@@ -329,11 +340,11 @@ fn len_header(out: &mut Vec<u8>, headers: &mut Vec<Header>, kind: HeaderKind, n:
     });
 }
 
-fn write(node: &Node, out: &mut Vec<u8>, headers: &mut Vec<Header>) {
+fn write(node: &MsgpackNode, out: &mut Vec<u8>, headers: &mut Vec<Header>) {
     match node {
-        Node::Nil => out.push(0xc0),
-        Node::Bool(b) => out.push(if *b { 0xc3 } else { 0xc2 }),
-        Node::UInt(n) => match *n {
+        MsgpackNode::Nil => out.push(0xc0),
+        MsgpackNode::Bool(b) => out.push(if *b { 0xc3 } else { 0xc2 }),
+        MsgpackNode::UInt(n) => match *n {
             0..=0x7f => out.push(*n as u8),
             0x80..=0xff => out.extend_from_slice(&[0xcc, *n as u8]),
             0x100..=0xffff => {
@@ -349,7 +360,7 @@ fn write(node: &Node, out: &mut Vec<u8>, headers: &mut Vec<Header>) {
                 out.extend_from_slice(&n.to_be_bytes());
             }
         },
-        Node::NInt(n) => {
+        MsgpackNode::NInt(n) => {
             if *n >= -32 {
                 out.push(*n as u8);
             } else {
@@ -357,34 +368,34 @@ fn write(node: &Node, out: &mut Vec<u8>, headers: &mut Vec<Header>) {
                 out.extend_from_slice(&n.to_be_bytes());
             }
         }
-        Node::F32(f) => {
+        MsgpackNode::F32(f) => {
             out.push(0xca);
             out.extend_from_slice(&f.to_bits().to_be_bytes());
         }
-        Node::F64(f) => {
+        MsgpackNode::F64(f) => {
             out.push(0xcb);
             out.extend_from_slice(&f.to_bits().to_be_bytes());
         }
-        Node::Str(s) => {
+        MsgpackNode::Str(s) => {
             len_header(out, headers, HeaderKind::Str, s.len());
             out.extend_from_slice(s);
         }
-        Node::Bin(b) => {
+        MsgpackNode::Bin(b) => {
             len_header(out, headers, HeaderKind::Bin, b.len());
             out.extend_from_slice(b);
         }
-        Node::Ext(tag, data) => {
+        MsgpackNode::Ext(tag, data) => {
             let n = u32::try_from(data.len()).unwrap_or(u32::MAX);
             out.push(0xc9);
             out.extend_from_slice(&n.to_be_bytes());
             out.push(*tag as u8);
             out.extend_from_slice(data);
         }
-        Node::Array(items) => {
+        MsgpackNode::Array(items) => {
             len_header(out, headers, HeaderKind::Array, items.len());
             items.iter().for_each(|n| write(n, out, headers));
         }
-        Node::Map(pairs) => {
+        MsgpackNode::Map(pairs) => {
             len_header(out, headers, HeaderKind::Map, pairs.len());
             for (k, v) in pairs {
                 write(k, out, headers);
@@ -412,23 +423,23 @@ mod tests {
             }],
         );
         let bytes = kv_events::encode(&batch).expect("a batch encodes");
-        let node = Node::parse(&bytes).expect("a real encoding parses");
+        let node = MsgpackNode::parse(&bytes).expect("a real encoding parses");
         let (again, headers) = node.to_msgpack();
         assert_eq!(again, bytes);
         assert!(headers.iter().any(|h| h.kind == HeaderKind::Map));
-        assert!(Node::parse(&bytes[..bytes.len() - 1]).is_none());
+        assert!(MsgpackNode::parse(&bytes[..bytes.len() - 1]).is_none());
     }
 
     #[test]
     fn negative_and_float_values_round_trip() {
-        let node = Node::Array(vec![
-            Node::NInt(-5),
-            Node::NInt(i64::MIN),
-            Node::F64(1.5),
-            Node::F32(-2.0),
-            Node::Ext(-1, vec![1, 2]),
-            Node::Bin(vec![0; 300]),
+        let node = MsgpackNode::Array(vec![
+            MsgpackNode::NInt(-5),
+            MsgpackNode::NInt(i64::MIN),
+            MsgpackNode::F64(1.5),
+            MsgpackNode::F32(-2.0),
+            MsgpackNode::Ext(-1, vec![1, 2]),
+            MsgpackNode::Bin(vec![0; 300]),
         ]);
-        assert_eq!(Node::parse(&node.to_msgpack().0), Some(node));
+        assert_eq!(MsgpackNode::parse(&node.to_msgpack().0), Some(node));
     }
 }

@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! body ─ parse ─ model? ─ tokenize ─ length? ─┬─ route (exclude tried) ─ engine URL? ─ open ─┬─ first event ─ Answer (stream / assemble)
-//!                                             └────────────── retry on Failure::Retry ◀──────┘
+//!                                             └─────── retry on AttemptFailure::Retry ◀──────┘
 //! ```
 //!
 //! `length?` is the prompt bound of [`crate::limit`]: a prompt the engines would refuse
@@ -14,9 +14,9 @@
 //! drops it (so the router frees that worker's load) before the next one is routed.
 
 use crate::answer::{Answer, Shape};
-use crate::config::{ChatForward, EngineApi, Limits, ModelConfig, PromptForward};
+use crate::config::{ChatForward, EngineApi, ModelConfig, PromptForward, RequestLimits};
 use crate::error::ApiError;
-use crate::forward::{EngineClient, Failure, FirstTokenDeadline};
+use crate::forward::{AttemptFailure, EngineClient, FirstTokenDeadline};
 use crate::limit::PromptLimits;
 use crate::metrics::GatewayMetrics;
 use crate::openai::{
@@ -42,7 +42,7 @@ pub struct Flow {
     /// Model, tokenization and forwarding settings.
     pub model: ModelConfig,
     /// Timeouts, sizes, retries.
-    pub limits: Limits,
+    pub limits: RequestLimits,
     /// The bound on one prompt, read per request.
     pub prompt: PromptLimits,
     /// Prompt → token ids.
@@ -237,8 +237,8 @@ impl Flow {
                 Err(failure) => failure,
             };
             match failure {
-                Failure::Final(e) => return Err(e),
-                Failure::Retry { reason, detail } => {
+                AttemptFailure::Final(e) => return Err(e),
+                AttemptFailure::Retry { reason, detail } => {
                     // The attempt's booking is gone: the router freed that load
                     // before the next route.
                     warn!(worker = %worker, attempt, attempts, reason, detail, "engine failed before the client saw anything");
@@ -281,10 +281,10 @@ impl Flow {
         mut booking: Booking,
         arrived: Instant,
         deadline: Instant,
-    ) -> Result<Response, Failure> {
+    ) -> Result<Response, AttemptFailure> {
         let worker = decision.worker_id;
         let Some(url) = self.workers.url(worker) else {
-            return Err(Failure::Retry {
+            return Err(AttemptFailure::Retry {
                 reason: "no_url",
                 detail: format!("worker {worker} registered no engine url"),
             });
@@ -292,7 +292,7 @@ impl Flow {
         let body = plan
             .request
             .body(&plan.tokens, self.model.engine_api, decision.dp_rank)
-            .map_err(Failure::Final)?;
+            .map_err(AttemptFailure::Final)?;
         let opened = Instant::now();
         let first_token = FirstTokenDeadline {
             attempt: opened + self.limits.first_token_timeout,
@@ -344,10 +344,10 @@ impl Flow {
         // after its first token is failed over like one that failed before it.
         match answer.collect().await {
             Ok(whole) => Ok(Json(whole).into_response()),
-            Err(_) if Instant::now() >= deadline => Err(Failure::Final(ApiError::timeout(
+            Err(_) if Instant::now() >= deadline => Err(AttemptFailure::Final(ApiError::timeout(
                 format!("{url} did not finish in time"),
             ))),
-            Err(message) => Err(Failure::Retry {
+            Err(message) => Err(AttemptFailure::Retry {
                 reason: "engine_error",
                 detail: format!("{url} failed after its first token: {message}"),
             }),

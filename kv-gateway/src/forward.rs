@@ -4,10 +4,10 @@
 //! the client's response until the engine's first server-sent event has arrived and
 //! been read. Anything that goes wrong before it — a refused or reset connection, a
 //! 5xx, a stream that closes empty, no first token within the first-token timeout, a
-//! first event that is not a JSON chunk or reports an error — is [`Failure::Retry`]:
+//! first event that is not a JSON chunk or reports an error — is [`AttemptFailure::Retry`]:
 //! the caller frees the booking and routes again without that worker. A 4xx is the
 //! engine's verdict on the request itself and is passed to the client
-//! ([`Failure::Final`]), as is running out of the whole request's time.
+//! ([`AttemptFailure::Final`]), as is running out of the whole request's time.
 //!
 //! The engine's stream is bounded before it is parsed: a line longer than
 //! [`MAX_SSE_LINE_BYTES`] breaks the stream, so an engine that sends garbage without
@@ -49,14 +49,14 @@ impl FirstTokenDeadline {
         self.attempt.min(self.request)
     }
 
-    fn missed(self, url: &str) -> Failure {
+    fn missed(self, url: &str) -> AttemptFailure {
         if self.attempt < self.request {
-            Failure::Retry {
+            AttemptFailure::Retry {
                 reason: "first_token_timeout",
                 detail: format!("{url} sent no first token in time"),
             }
         } else {
-            Failure::Final(ApiError::timeout(format!("{url} did not answer in time")))
+            AttemptFailure::Final(ApiError::timeout(format!("{url} did not answer in time")))
         }
     }
 }
@@ -66,7 +66,7 @@ pub type Events = Pin<Box<dyn Stream<Item = Result<Event, String>> + Send>>;
 
 /// Why an engine attempt did not produce a first token.
 #[derive(Debug)]
-pub enum Failure {
+pub enum AttemptFailure {
     /// Nothing reached the client: free the booking and try another worker.
     Retry {
         /// `connect` or `engine_error`, the retry metric's reason.
@@ -101,7 +101,7 @@ impl EngineClient {
     /// it with the rest of the stream.
     ///
     /// # Errors
-    /// [`Failure`], see the module docs.
+    /// [`AttemptFailure`], see the module docs.
     pub async fn open(
         &self,
         url: &str,
@@ -109,7 +109,7 @@ impl EngineClient {
         body: &Map<String, Value>,
         dp_rank: DpRank,
         deadline: FirstTokenDeadline,
-    ) -> Result<(Event, Events), Failure> {
+    ) -> Result<(Event, Events), AttemptFailure> {
         let mut request = self
             .client
             .post(format!("{url}{path}"))
@@ -121,7 +121,7 @@ impl EngineClient {
         let response = match tokio::time::timeout_at(deadline.at(), request.send()).await {
             Err(_) => return Err(deadline.missed(url)),
             Ok(Err(e)) => {
-                return Err(Failure::Retry {
+                return Err(AttemptFailure::Retry {
                     reason: "connect",
                     detail: format!("{url}: {e}"),
                 });
@@ -132,12 +132,12 @@ impl EngineClient {
         if !status.is_success() {
             let detail = error_text(response).await;
             return Err(if status.is_server_error() {
-                Failure::Retry {
+                AttemptFailure::Retry {
                     reason: "engine_error",
                     detail: format!("{url} answered {status}: {detail}"),
                 }
             } else {
-                Failure::Final(engine_refused(status, detail))
+                AttemptFailure::Final(engine_refused(status, detail))
             });
         }
         let mut events: Events = Box::pin(
@@ -149,16 +149,16 @@ impl EngineClient {
             Err(_) => Err(deadline.missed(url)),
             Ok(Some(Ok(first))) => match unusable_first(&first) {
                 None => Ok((first, events)),
-                Some(why) => Err(Failure::Retry {
+                Some(why) => Err(AttemptFailure::Retry {
                     reason: "engine_error",
                     detail: format!("{url} {why}"),
                 }),
             },
-            Ok(Some(Err(e))) => Err(Failure::Retry {
+            Ok(Some(Err(e))) => Err(AttemptFailure::Retry {
                 reason: "engine_error",
                 detail: format!("{url} broke its stream before the first token: {e}"),
             }),
-            Ok(None) => Err(Failure::Retry {
+            Ok(None) => Err(AttemptFailure::Retry {
                 reason: "engine_error",
                 detail: format!("{url} closed its stream before the first token"),
             }),

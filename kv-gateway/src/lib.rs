@@ -50,7 +50,7 @@ use crate::metrics::GatewayMetrics;
 use crate::router::RouterClient;
 use crate::tokenize::PromptTokenizer;
 use crate::tokenize::pool::TokenizerPool;
-use crate::tokenize::remote::{Api, Remote, Target};
+use crate::tokenize::remote::{Api, Remote, TokenizeTarget};
 use crate::workers::WorkerUrls;
 use axum::serve::ListenerExt;
 use kv_cluster::directory::WorkerDirectory;
@@ -112,8 +112,8 @@ impl Gateway {
         let remote_timeout = config.limits.first_token_timeout;
         let remote = |api| {
             let target = match &config.model.render_url {
-                Some(url) if api == Api::Render => Target::Server(url.clone()),
-                _ => Target::Engines(workers.clone()),
+                Some(url) if api == Api::Render => TokenizeTarget::Server(url.clone()),
+                _ => TokenizeTarget::Engines(workers.clone()),
             };
             let remote = Remote::new(client.clone(), api, target, remote_timeout);
             PromptTokenizer::remote(remote, metrics.clone())

@@ -27,7 +27,7 @@
 
 use crate::error::ApiError;
 use crate::workers::WorkerUrls;
-use kv_tokenizer::{DEFAULT_MAX_PROMPT_TOKENS, Limits, MAX_BYTES_PER_TOKEN};
+use kv_tokenizer::{DEFAULT_MAX_PROMPT_TOKENS, MAX_BYTES_PER_TOKEN, TokenizerLimits};
 use std::num::NonZeroUsize;
 
 /// Where the token bound of a prompt comes from.
@@ -55,8 +55,8 @@ pub struct PromptLimitConfig {
 
 impl PromptLimitConfig {
     /// Token and byte bounds for a token bound of `tokens`.
-    fn limits(&self, tokens: usize) -> Limits {
-        Limits {
+    fn limits(&self, tokens: usize) -> TokenizerLimits {
+        TokenizerLimits {
             max_prompt_tokens: tokens,
             max_prompt_bytes: self.bytes.map_or_else(
                 || tokens.saturating_mul(MAX_BYTES_PER_TOKEN),
@@ -67,7 +67,7 @@ impl PromptLimitConfig {
 
     /// The largest bound there can be: what the tokenizer is built with (each request
     /// is then checked against its own, [`PromptLimits::current`]).
-    pub fn ceiling(&self) -> Limits {
+    pub fn ceiling(&self) -> TokenizerLimits {
         match self.tokens {
             PromptTokens::Explicit(tokens) => self.limits(tokens.get()),
             PromptTokens::FromEngines { ceiling } => self.limits(ceiling),
@@ -79,7 +79,7 @@ impl PromptLimitConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PromptBound {
     /// Most tokens and bytes of text.
-    pub limits: Limits,
+    pub limits: TokenizerLimits,
     /// The engines' context length, in tokens, when the bound is theirs.
     pub context: Option<u64>,
 }
@@ -199,14 +199,18 @@ mod tests {
         assert_eq!(default.context, None);
         assert_eq!(
             default.limits,
-            Limits::for_tokens(DEFAULT_MAX_PROMPT_TOKENS)
+            TokenizerLimits::for_tokens(DEFAULT_MAX_PROMPT_TOKENS)
         );
         workers.insert(&worker(1, Some(4096)));
         workers.insert(&worker(2, Some(2048)));
         workers.insert(&worker(3, None));
         let now = limits.current();
         assert_eq!(now.context, Some(2048));
-        assert_eq!(now.limits, Limits::for_tokens(2048), "the bytes follow");
+        assert_eq!(
+            now.limits,
+            TokenizerLimits::for_tokens(2048),
+            "the bytes follow"
+        );
         workers.remove(WorkerId(2));
         assert_eq!(limits.current().context, Some(4096));
         // Above the router's own bound, the router's bound holds.
@@ -215,7 +219,10 @@ mod tests {
         let long = limits.current();
         assert_eq!(long.limits.max_prompt_tokens, 1 << 20);
         assert_eq!(long.context, Some(10_000_000));
-        assert_eq!(limits.config.ceiling(), Limits::for_tokens(1 << 20));
+        assert_eq!(
+            limits.config.ceiling(),
+            TokenizerLimits::for_tokens(1 << 20)
+        );
     }
 
     #[test]
@@ -232,7 +239,7 @@ mod tests {
         let bound = explicit.current();
         assert_eq!(
             (bound.limits, bound.context),
-            (Limits::for_tokens(2048), None)
+            (TokenizerLimits::for_tokens(2048), None)
         );
         assert!(
             bound.check(2048, Some(1_000_000)).is_ok(),
@@ -247,7 +254,7 @@ mod tests {
     #[test]
     fn the_engines_context_length_is_checked_as_vllm_does() {
         let bound = PromptBound {
-            limits: Limits::for_tokens(1024),
+            limits: TokenizerLimits::for_tokens(1024),
             context: Some(1024),
         };
         assert!(bound.check(1023, None).is_ok());

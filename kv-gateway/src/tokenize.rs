@@ -27,7 +27,9 @@ pub(crate) mod remote;
 use crate::error::ApiError;
 use crate::limit::too_many;
 use crate::metrics::GatewayMetrics;
-use kv_tokenizer::{CachedTokenizer, ChatMessage, ChatOptions, Encoded, Limits, TokenizerError};
+use kv_tokenizer::{
+    CachedTokenizer, ChatMessage, ChatOptions, Encoded, TokenizerError, TokenizerLimits,
+};
 use pool::{PoolError, TokenizerPool};
 use prometheus::IntGauge;
 use remote::Remote;
@@ -74,7 +76,7 @@ impl Drop for Admitted {
 }
 
 impl PromptTokenizer {
-    /// In process with `tokenizer` (its [`kv_tokenizer::Limits`] are the largest
+    /// In process with `tokenizer` (its [`kv_tokenizer::TokenizerLimits`] are the largest
     /// bound there can be; each prompt is checked against its own too) on `pool`; a
     /// prompt must be encoded within `deadline` of its arrival at the pool (504
     /// otherwise).
@@ -112,7 +114,7 @@ impl PromptTokenizer {
         &self,
         prompt: &str,
         body: &Map<String, Value>,
-        limits: Limits,
+        limits: TokenizerLimits,
     ) -> Result<Vec<u32>, ApiError> {
         limits.check_bytes(prompt.len()).map_err(tokenizer_error)?;
         match &self.via {
@@ -144,7 +146,7 @@ impl PromptTokenizer {
         messages: Vec<ChatMessage>,
         options: ChatOptions,
         body: &Map<String, Value>,
-        limits: Limits,
+        limits: TokenizerLimits,
     ) -> Result<Vec<u32>, ApiError> {
         match &self.via {
             Via::Local { tokenizer, .. } => {

@@ -11,7 +11,7 @@
 //! `--shared-endpoint` says every rank publishes on the given socket(s) and the rank
 //! is read from each batch.
 
-use crate::Error;
+use crate::RelayError;
 use crate::replay::ReplayPolicy;
 use clap::{Args, ValueEnum};
 use kv_cluster::args::{EtcdArgs, NamespaceArgs, NatsArgs, trimmed};
@@ -92,7 +92,7 @@ pub struct RelayArgs {
     pub engine_url: Option<String>,
     /// The relay's own HTTP endpoint: address, header-read timeout, connection cap.
     #[command(flatten, next_help_heading = "HTTP")]
-    pub http: crate::http::HttpArgs,
+    pub http: crate::http::RelayHttpArgs,
     /// Scrape period of --metrics-url, in milliseconds.
     #[arg(long, env = "KV_RELAY_METRICS_INTERVAL_MS", default_value_t = 1000)]
     pub metrics_interval_ms: u64,
@@ -196,21 +196,21 @@ pub struct RelayConfig {
     /// Load and facts scrape, if `--metrics-url` or `--engine-url` was given.
     pub scrape: Option<ScrapeConfig>,
     /// Where and how to serve the relay's `/metrics`, if anywhere.
-    pub http: Option<crate::http::HttpConfig>,
+    pub http: Option<crate::http::RelayHttpConfig>,
     /// Longest the whole shutdown sequence may take ([`crate::Relay::shutdown`]).
     pub shutdown_timeout: Duration,
 }
 
-/// An [`Error::Invalid`] naming flag `field`.
-pub(crate) fn invalid(field: &'static str, reason: impl Into<String>) -> Error {
-    Error::Invalid {
+/// A [`RelayError::Invalid`] naming flag `field`.
+pub(crate) fn invalid(field: &'static str, reason: impl Into<String>) -> RelayError {
+    RelayError::Invalid {
         field,
         reason: reason.into(),
     }
 }
 
 /// A `tcp://host:port` endpoint and its port.
-fn tcp_endpoint(endpoint: &str, field: &'static str) -> Result<(url::Url, u16), Error> {
+fn tcp_endpoint(endpoint: &str, field: &'static str) -> Result<(url::Url, u16), RelayError> {
     let url =
         url::Url::parse(endpoint).map_err(|e| invalid(field, format!("{endpoint:?}: {e}")))?;
     if url.scheme() != "tcp" || url.host_str().is_none_or(str::is_empty) {
@@ -226,7 +226,7 @@ fn tcp_endpoint(endpoint: &str, field: &'static str) -> Result<(url::Url, u16), 
 }
 
 /// `tcp://host:port` with the port increased by `offset`.
-fn offset_port(endpoint: &str, offset: u32, field: &'static str) -> Result<String, Error> {
+fn offset_port(endpoint: &str, offset: u32, field: &'static str) -> Result<String, RelayError> {
     let (mut url, port) = tcp_endpoint(endpoint, field)?;
     let shifted = u16::try_from(u32::from(port) + offset).map_err(|_| {
         invalid(
@@ -241,7 +241,7 @@ fn offset_port(endpoint: &str, offset: u32, field: &'static str) -> Result<Strin
 
 /// Expands `given` to `n` endpoints: as is when there are `n`, or by port offset
 /// from one base endpoint.
-fn expand(given: &[String], n: u32, field: &'static str) -> Result<Vec<String>, Error> {
+fn expand(given: &[String], n: u32, field: &'static str) -> Result<Vec<String>, RelayError> {
     for e in given {
         tcp_endpoint(e, field)?;
     }
@@ -259,8 +259,8 @@ impl RelayConfig {
     /// Validates flags into a configuration.
     ///
     /// # Errors
-    /// [`Error`] naming the first bad flag.
-    pub fn from_args(args: &RelayArgs) -> Result<Self, Error> {
+    /// [`RelayError`] naming the first bad flag.
+    pub fn from_args(args: &RelayArgs) -> Result<Self, RelayError> {
         let subjects = Subjects::new(args.namespace.get()?);
         let engines = trimmed(&args.engine_endpoint);
         let replays = trimmed(&args.replay_endpoint);

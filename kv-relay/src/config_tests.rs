@@ -3,7 +3,7 @@
 use super::*;
 use kv_cluster::nats::{ClientCertificate, NatsAuth};
 
-fn config(args: &[&str]) -> Result<RelayConfig, Error> {
+fn config(args: &[&str]) -> Result<RelayConfig, RelayError> {
     let base = ["kv-router", "--worker-name", "w"];
     let cli =
         kv_cluster::args::parse_flags::<RelayArgs, _, _>(base.iter().chain(args.iter()).copied())

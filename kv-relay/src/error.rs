@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 
 /// Why the relay's flags are unusable or the relay could not start or stop cleanly.
 #[derive(Debug, thiserror::Error)]
-pub enum Error {
+pub enum RelayError {
     /// The namespace is not a valid subject token.
     #[error("invalid --namespace: {0}")]
     Namespace(#[from] kv_events::NamespaceError),

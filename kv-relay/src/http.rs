@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 
 /// The relay's HTTP flags.
 #[derive(Debug, Clone, Args)]
-pub struct HttpArgs {
+pub struct RelayHttpArgs {
     /// Address of the relay's own HTTP endpoint (`/metrics` with the `kv_relay_*`
     /// counters), or `off`.
     #[arg(long, env = "KV_RELAY_HTTP_LISTEN", default_value = "off")]
@@ -40,17 +40,17 @@ pub struct HttpArgs {
 
 /// Where and how the relay serves `/metrics`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct HttpConfig {
+pub struct RelayHttpConfig {
     /// The listen address.
     pub listen: SocketAddr,
     /// Header-read, idle and body timeouts and connection cap.
     pub limits: ServerLimits,
 }
 
-impl HttpArgs {
+impl RelayHttpArgs {
     /// The endpoint's settings; `None` with `--http-listen off`.
-    pub fn to_config(&self) -> Option<HttpConfig> {
-        self.http_listen.0.map(|listen| HttpConfig {
+    pub fn to_config(&self) -> Option<RelayHttpConfig> {
+        self.http_listen.0.map(|listen| RelayHttpConfig {
             listen,
             limits: ServerLimits::from_flags(
                 self.http_header_read_timeout_ms,
@@ -77,7 +77,7 @@ async fn metrics(State(registry): State<prometheus::Registry>) -> Response {
 /// # Errors
 /// When the address cannot be bound.
 pub async fn serve_metrics(
-    config: HttpConfig,
+    config: RelayHttpConfig,
     registry: prometheus::Registry,
     shutdown: CancellationToken,
 ) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
@@ -106,7 +106,7 @@ mod tests {
     #[test]
     fn flags_give_the_limits_and_off_gives_no_endpoint() {
         let parse = |args: &[&str]| {
-            kv_cluster::args::parse_flags::<HttpArgs, _, _>(
+            kv_cluster::args::parse_flags::<RelayHttpArgs, _, _>(
                 std::iter::once("relay").chain(args.iter().copied()),
             )
             .expect("flags parse")
@@ -137,7 +137,7 @@ mod tests {
     /// answers a scrape.
     #[tokio::test]
     async fn an_idle_connection_is_closed_and_scrapes_are_answered() {
-        let config = HttpConfig {
+        let config = RelayHttpConfig {
             listen: "127.0.0.1:0".parse().expect("an address"),
             limits: ServerLimits::from_flags(200, NonZeroUsize::MIN),
         };

@@ -7,7 +7,7 @@
 //! its previous incarnation's claim to end). An explicit `--worker-id` is claimed the
 //! same way, so a duplicate is refused at start instead of mixing two engines' events.
 
-use crate::Error;
+use crate::RelayError;
 use clap::Args;
 use kv_cluster::claim::{ClaimRequest, WorkerName};
 use kv_events::WorkerId;
@@ -31,9 +31,9 @@ impl IdentityArgs {
     /// `$POD_NAME`, then `$HOSTNAME`.
     ///
     /// # Errors
-    /// [`Error::Invalid`] naming `--worker-name` when no name is given or found, or
+    /// [`RelayError::Invalid`] naming `--worker-name` when no name is given or found, or
     /// the name is unusable.
-    pub fn to_request(&self, ttl_secs: u64) -> Result<ClaimRequest, Error> {
+    pub fn to_request(&self, ttl_secs: u64) -> Result<ClaimRequest, RelayError> {
         let name = resolve_name(
             self.worker_name.as_deref(),
             std::env::var("POD_NAME").ok().as_deref(),
@@ -52,19 +52,19 @@ fn resolve_name(
     flag: Option<&str>,
     pod_name: Option<&str>,
     hostname: Option<&str>,
-) -> Result<WorkerName, Error> {
+) -> Result<WorkerName, RelayError> {
     let name = [flag, pod_name, hostname]
         .into_iter()
         .flatten()
         .map(str::trim)
         .find(|n| !n.is_empty())
-        .ok_or_else(|| Error::Invalid {
+        .ok_or_else(|| RelayError::Invalid {
             field: "worker-name",
             reason: "required when neither $POD_NAME nor $HOSTNAME is set: a stable name \
                      of this worker (e.g. the pod name) to derive and claim its worker id"
                 .to_owned(),
         })?;
-    WorkerName::new(name).map_err(|e| Error::Invalid {
+    WorkerName::new(name).map_err(|e| RelayError::Invalid {
         field: "worker-name",
         reason: e.to_string(),
     })

@@ -39,7 +39,7 @@
 //!   anything subscribes or publishes under it, and held for the life of the process
 //!   under a lease of its own. If the claim is lost (its lease expired and another
 //!   relay took the id), the relay stops in order and [`run`] returns
-//!   [`Error::ClaimLost`]: two relays never keep publishing under one id.
+//!   [`RelayError::ClaimLost`]: two relays never keep publishing under one id.
 //! - The etcd registration lease exists exactly while at least one engine socket is
 //!   connected; it is revoked when the engine goes away and when the relay stops.
 //!
@@ -48,7 +48,7 @@
 //! id claim → flush NATS. The steps share one deadline, `--shutdown-timeout-ms`
 //! (`kv_cluster::shutdown`): with NATS or etcd gone a publish or flush never
 //! completes, so past it the rest is skipped, each step logged, and the relay exits
-//! with [`Error::ShutdownIncomplete`] (a skipped revoke or claim release expires with
+//! with [`RelayError::ShutdownIncomplete`] (a skipped revoke or claim release expires with
 //! its lease TTL).
 //!
 //! Cost: one decode and one xxh3 per block of every event, one NATS message per
@@ -77,7 +77,7 @@
 //! - [`lease`]: the etcd registration, alive exactly while the engine's stream is.
 //! - [`scrape`]: the optional scrape of the engine's Prometheus load metrics.
 //! - [`counters`]: the `kv_relay_*` metrics; [`http`]: their optional `/metrics`.
-//! - [`Error`]: start-up and configuration errors.
+//! - [`RelayError`]: start-up and configuration errors.
 
 pub mod config;
 pub mod connect;
@@ -97,7 +97,7 @@ pub mod translate;
 
 pub use config::{EngineFormat, RelayArgs, RelayConfig};
 pub use counters::RelayCounters;
-pub use error::Error;
+pub use error::RelayError;
 
 use facts::{EngineFacts, WorkerIdentity};
 use kv_cluster::claim::WorkerIdClaim;
@@ -171,13 +171,13 @@ impl Relay {
     /// starts reading the engine's sockets (waiting as long as needed for the engine).
     ///
     /// # Errors
-    /// [`Error`] when NATS or etcd cannot be reached, the worker id cannot be claimed
-    /// ([`Error::Claim`]), a subscription fails, the metrics cannot be registered in
+    /// [`RelayError`] when NATS or etcd cannot be reached, the worker id cannot be claimed
+    /// ([`RelayError::Claim`]), a subscription fails, the metrics cannot be registered in
     /// `registry`, or `--http-listen` cannot be bound.
     pub async fn start(
         config: RelayConfig,
         registry: &prometheus::Registry,
-    ) -> Result<Self, Error> {
+    ) -> Result<Self, RelayError> {
         let counters = RelayCounters::register(registry)?;
         // The daemon's connections, with the same auth and TLS; unlike the daemon the
         // relay fails fast when NATS is down at start.
@@ -188,7 +188,7 @@ impl Relay {
         let etcd = kv_cluster::etcd::connect(&config.etcd).await?;
         let claim = WorkerIdClaim::acquire(etcd.clone(), &config.subjects, &config.worker.claim)
             .await
-            .map_err(Error::Claim)?;
+            .map_err(RelayError::Claim)?;
         let claim = HeldClaim::keep(claim);
         match Self::start_claimed(config, registry, counters, nats, etcd, claim.worker_id).await {
             Ok(running) => Ok(Self { running, claim }),
@@ -207,7 +207,7 @@ impl Relay {
         nats: async_nats::Client,
         etcd: etcd_client::Client,
         worker_id: WorkerId,
-    ) -> Result<Running, Error> {
+    ) -> Result<Running, RelayError> {
         // The epoch of this relay's event stream, registered with the worker so the
         // router follows it (and nothing else can move the worker to a new epoch).
         let epoch = unix_epoch_micros();
@@ -272,7 +272,7 @@ impl Relay {
             Some(http) => {
                 let (bound, task) = http::serve_metrics(http, registry.clone(), services.clone())
                     .await
-                    .map_err(|source| Error::Listen {
+                    .map_err(|source| RelayError::Listen {
                         addr: http.listen,
                         source,
                     })?;
@@ -350,7 +350,7 @@ impl Relay {
     }
 
     /// Fires when the worker id claim is lost to another relay: stop this one
-    /// ([`run`] does, returning [`Error::ClaimLost`]).
+    /// ([`run`] does, returning [`RelayError::ClaimLost`]).
     pub fn claim_lost(&self) -> CancellationToken {
         self.claim.lost.clone()
     }
@@ -373,10 +373,10 @@ impl Relay {
     /// Stops in the order given in the module docs, within `--shutdown-timeout-ms`.
     ///
     /// # Errors
-    /// [`Error::ShutdownIncomplete`] naming the steps skipped when the budget ran out
-    /// (NATS or etcd unreachable, typically); [`Error::Flush`] when the final NATS
+    /// [`RelayError::ShutdownIncomplete`] naming the steps skipped when the budget ran out
+    /// (NATS or etcd unreachable, typically); [`RelayError::Flush`] when the final NATS
     /// flush fails.
-    pub async fn shutdown(self) -> Result<(), Error> {
+    pub async fn shutdown(self) -> Result<(), RelayError> {
         let Self { mut running, claim } = self;
         let timeout = running.shutdown_timeout;
         info!(budget_ms = timeout.as_millis(), "relay shutting down");
@@ -417,13 +417,13 @@ impl Relay {
 /// worker id), then stops it in order.
 ///
 /// # Errors
-/// Start-up or shutdown failures (see [`Relay::start`]); [`Error::ClaimLost`] after
+/// Start-up or shutdown failures (see [`Relay::start`]); [`RelayError::ClaimLost`] after
 /// an orderly stop when another relay took the worker id.
 pub async fn run(
     config: RelayConfig,
     registry: &prometheus::Registry,
     shutdown: impl Future<Output = ()>,
-) -> Result<(), Error> {
+) -> Result<(), RelayError> {
     let mut shutdown = std::pin::pin!(shutdown);
     let relay = tokio::select! {
         started = Relay::start(config, registry) => started?,
@@ -435,7 +435,7 @@ pub async fn run(
         () = &mut shutdown => relay.shutdown().await,
         () = lost.cancelled() => {
             relay.shutdown().await?;
-            Err(Error::ClaimLost { worker_id })
+            Err(RelayError::ClaimLost { worker_id })
         }
     }
 }

@@ -36,7 +36,7 @@ use crate::config::RankEndpoint;
 use crate::connect::{Connected, SourceError, connect};
 use crate::counters::RelayCounters;
 use crate::frames::{SeqStep, SeqTracker, parse_live};
-use crate::replay::{Outcome, ReplayPolicy, ReplayRead, Round};
+use crate::replay::{ReadOutcome, ReplayPolicy, ReplayRead, Round};
 use bytes::Bytes;
 use futures::StreamExt;
 use kv_events::engines::{EngineBatch, decode_batch};
@@ -255,10 +255,10 @@ impl Source {
         }
         let requests = read.requests();
         let result = match read.outcome() {
-            Some(Outcome::Complete) if delivered == 0 => "empty",
-            Some(Outcome::Complete) if late_start => "partial",
-            Some(Outcome::Complete) => "complete",
-            Some(Outcome::Failed(reason)) => {
+            Some(ReadOutcome::Complete) if delivered == 0 => "empty",
+            Some(ReadOutcome::Complete) if late_start => "partial",
+            Some(ReadOutcome::Complete) => "complete",
+            Some(ReadOutcome::Failed(reason)) => {
                 warn!(endpoint = %self.endpoint.publish, %reason, "reading the engine's replay buffer at connect failed; waiting for its next batch");
                 "failed"
             }
@@ -287,8 +287,8 @@ impl Source {
                 }
                 let requests = read.requests();
                 match read.outcome() {
-                    Some(Outcome::Complete) => None,
-                    Some(Outcome::Failed(reason)) => Some(reason.clone()),
+                    Some(ReadOutcome::Complete) => None,
+                    Some(ReadOutcome::Failed(reason)) => Some(reason.clone()),
                     Some(incomplete) => {
                         self.missing(incomplete, requests, "for a gap");
                         Some("the read ended short".to_owned())
@@ -335,10 +335,10 @@ impl Source {
     }
 
     /// Logs and counts what a read that ended short left unread.
-    fn missing(&self, outcome: &Outcome, requests: u32, when: &str) {
+    fn missing(&self, outcome: &ReadOutcome, requests: u32, when: &str) {
         let known = outcome.known_missing();
         self.counters.replay_missing(known);
-        if let Outcome::Incomplete { next, seen, reason } = outcome {
+        if let ReadOutcome::Incomplete { next, seen, reason } = outcome {
             warn!(endpoint = %self.endpoint.publish, next, ?seen, known_missing = known, requests, %reason,
                 "the engine's replay {when} ended short; going on from seq {next}: the next live batch fills the rest as a gap");
         }

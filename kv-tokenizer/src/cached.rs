@@ -21,7 +21,7 @@
 
 mod split;
 
-use crate::{ChatMessage, ChatOptions, Limits, ModelTokenizer, TokenizerError};
+use crate::{ChatMessage, ChatOptions, ModelTokenizer, TokenizerError, TokenizerLimits};
 use quick_cache::Weighter;
 use split::{Piece, Splitter};
 use std::sync::Arc;
@@ -97,7 +97,7 @@ impl CachedTokenizer {
     }
 
     /// The prompt limits.
-    pub fn limits(&self) -> Limits {
+    pub fn limits(&self) -> TokenizerLimits {
         self.tokenizer.limits()
     }
 

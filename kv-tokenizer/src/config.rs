@@ -52,7 +52,7 @@ impl SpecialTokens {
 
 /// What a model directory's `tokenizer_config.json` contributes.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct ModelConfig {
+pub struct TokenizerConfigJson {
     /// The special tokens.
     pub special_tokens: SpecialTokens,
     /// The Jinja chat template source, if the model has one.
@@ -114,7 +114,7 @@ struct RawConfig {
     model_max_length: Option<f64>,
 }
 
-impl ModelConfig {
+impl TokenizerConfigJson {
     /// Parses the text of a `tokenizer_config.json`.
     ///
     /// # Errors
@@ -163,7 +163,7 @@ mod tests {
 
     #[test]
     fn reads_plain_and_added_tokens_and_named_templates() {
-        let c = ModelConfig::parse(
+        let c = TokenizerConfigJson::parse(
             r#"{"bos_token": {"__type": "AddedToken", "content": "<s>", "lstrip": false},
                 "eos_token": "</s>", "unk_token": null, "model_max_length": 1e30,
                 "additional_special_tokens": ["<a>", {"content": "<b>"}],
@@ -184,12 +184,12 @@ mod tests {
 
     #[test]
     fn real_max_length_is_kept_and_bad_shapes_are_errors() {
-        let c = ModelConfig::parse(r#"{"model_max_length": 4096}"#).unwrap();
+        let c = TokenizerConfigJson::parse(r#"{"model_max_length": 4096}"#).unwrap();
         assert_eq!(c.model_max_length, Some(4096));
         for bad in ["", "5", r#"{"bos_token": 5}"#, r#"{"chat_template": 1}"#] {
             assert!(
                 matches!(
-                    ModelConfig::parse(bad),
+                    TokenizerConfigJson::parse(bad),
                     Err(TokenizerError::MalformedConfig(_))
                 ),
                 "{bad}"

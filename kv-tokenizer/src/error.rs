@@ -32,7 +32,7 @@ pub enum TokenizerError {
     /// template's) or hit an error at run time (the messages do not fit it).
     #[error("chat template failed: {0}")]
     Render(String),
-    /// The prompt text is over [`crate::Limits::max_prompt_bytes`]; nothing was encoded.
+    /// The prompt text is over [`crate::TokenizerLimits::max_prompt_bytes`]; nothing was encoded.
     #[error("prompt of {bytes} bytes is over the limit of {max} bytes")]
     PromptTooLarge {
         /// The prompt's length, in bytes.
@@ -40,7 +40,7 @@ pub enum TokenizerError {
         /// The limit, in bytes.
         max: usize,
     },
-    /// The encoded prompt is over [`crate::Limits::max_prompt_tokens`].
+    /// The encoded prompt is over [`crate::TokenizerLimits::max_prompt_tokens`].
     #[error("prompt of {tokens} tokens is over the limit of {max} tokens")]
     TooManyTokens {
         /// The prompt's length, in tokens.

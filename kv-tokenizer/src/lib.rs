@@ -20,7 +20,7 @@
 //!
 //! Truncation and padding stored in `tokenizer.json` are switched off, as transformers
 //! does when a request asks for neither. Nothing is downloaded: files come from the
-//! directory given. Every prompt is bounded ([`Limits`]) before it is encoded.
+//! directory given. Every prompt is bounded ([`TokenizerLimits`]) before it is encoded.
 //!
 //! Cost: loading parses `tokenizer.json` (tens of MB and ~100 ms for a large
 //! vocabulary); encoding is linear in the prompt; a [`ModelTokenizer`] is immutable and
@@ -35,10 +35,10 @@ mod pyjson;
 
 pub use cached::{CachedTokenizer, Encoded};
 pub use chat::{ChatMessage, ChatOptions, ChatTemplate};
-pub use config::{ModelConfig, SpecialTokens};
+pub use config::{SpecialTokens, TokenizerConfigJson};
 pub use error::{BoxedError, TokenizerError};
 pub use limits::{
-    DEFAULT_MAX_PROMPT_BYTES, DEFAULT_MAX_PROMPT_TOKENS, Limits, MAX_BYTES_PER_TOKEN,
+    DEFAULT_MAX_PROMPT_BYTES, DEFAULT_MAX_PROMPT_TOKENS, MAX_BYTES_PER_TOKEN, TokenizerLimits,
 };
 /// Template values (message extras, tools, template kwargs) are MiniJinja values.
 pub use minijinja::Value as TemplateValue;
@@ -62,9 +62,9 @@ pub const TEMPLATE_FILE: &str = "chat_template.jinja";
 #[derive(Debug)]
 pub struct ModelTokenizer {
     tokenizer: tokenizers::Tokenizer,
-    config: ModelConfig,
+    config: TokenizerConfigJson,
     template: Option<ChatTemplate>,
-    limits: Limits,
+    limits: TokenizerLimits,
 }
 
 impl ModelTokenizer {
@@ -75,7 +75,10 @@ impl ModelTokenizer {
     /// [`TokenizerError::Read`] if `tokenizer.json` is missing or a file is unreadable;
     /// [`TokenizerError::MalformedTokenizer`], [`TokenizerError::MalformedConfig`] or
     /// [`TokenizerError::BadTemplate`] if a file's content is unusable.
-    pub fn from_dir(dir: impl AsRef<Path>, limits: Limits) -> Result<Self, TokenizerError> {
+    pub fn from_dir(
+        dir: impl AsRef<Path>,
+        limits: TokenizerLimits,
+    ) -> Result<Self, TokenizerError> {
         let dir = dir.as_ref();
         let tokenizer = read(&dir.join(TOKENIZER_FILE))?;
         let config = read_optional(&dir.join(CONFIG_FILE))?;
@@ -93,7 +96,7 @@ impl ModelTokenizer {
         tokenizer_json: &str,
         config_json: Option<&str>,
         template: Option<&str>,
-        limits: Limits,
+        limits: TokenizerLimits,
     ) -> Result<Self, TokenizerError> {
         let mut tokenizer = tokenizers::Tokenizer::from_str(tokenizer_json)
             .map_err(TokenizerError::MalformedTokenizer)?;
@@ -102,8 +105,8 @@ impl ModelTokenizer {
             .map_err(TokenizerError::MalformedTokenizer)?;
         tokenizer.with_padding(None);
         let mut config = match config_json {
-            Some(json) => ModelConfig::parse(json)?,
-            None => ModelConfig::default(),
+            Some(json) => TokenizerConfigJson::parse(json)?,
+            None => TokenizerConfigJson::default(),
         };
         if let Some(t) = template {
             config.chat_template = Some(t.to_owned());
@@ -121,7 +124,7 @@ impl ModelTokenizer {
     }
 
     /// The prompt limits.
-    pub fn limits(&self) -> Limits {
+    pub fn limits(&self) -> TokenizerLimits {
         self.limits
     }
 
@@ -191,8 +194,8 @@ impl ModelTokenizer {
     }
 
     /// Encodes `text`, adding the post-processor's special tokens if
-    /// `add_special_tokens`; the length is checked against [`Limits::max_prompt_bytes`]
-    /// before encoding and the result against [`Limits::max_prompt_tokens`].
+    /// `add_special_tokens`; the length is checked against [`TokenizerLimits::max_prompt_bytes`]
+    /// before encoding and the result against [`TokenizerLimits::max_prompt_tokens`].
     ///
     /// # Errors
     /// [`TokenizerError::PromptTooLarge`], [`TokenizerError::TooManyTokens`],

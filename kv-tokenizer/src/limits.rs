@@ -7,12 +7,12 @@
 //! 150–170 bytes of memory per prompt byte (the normalized text with one
 //! alignment per byte, the pre-tokenized splits, a token string per token; measured
 //! in docs/studies/gateway.md, "CPU and memory per stage, text prompts"), so the byte bound is
-//! what bounds a tokenizer thread's memory. [`Limits::for_tokens`] derives it from the
+//! what bounds a tokenizer thread's memory. [`TokenizerLimits::for_tokens`] derives it from the
 //! token bound with [`MAX_BYTES_PER_TOKEN`].
 
 use crate::TokenizerError;
 
-/// Default [`Limits::max_prompt_tokens`]: 131,072 tokens (a 128k-context model).
+/// Default [`TokenizerLimits::max_prompt_tokens`]: 131,072 tokens (a 128k-context model).
 pub const DEFAULT_MAX_PROMPT_TOKENS: usize = 131_072;
 /// Bytes per token assumed when the byte bound is derived from the token bound: 8.
 /// English text averages about 4 bytes per token with today's 100k–150k-token
@@ -20,13 +20,13 @@ pub const DEFAULT_MAX_PROMPT_TOKENS: usize = 131_072;
 /// (whitespace, `=====`) reach more, so a prompt within the token bound is within
 /// this byte bound unless it is mostly such runs.
 pub const MAX_BYTES_PER_TOKEN: usize = 8;
-/// Default [`Limits::max_prompt_bytes`]: [`DEFAULT_MAX_PROMPT_TOKENS`] ×
+/// Default [`TokenizerLimits::max_prompt_bytes`]: [`DEFAULT_MAX_PROMPT_TOKENS`] ×
 /// [`MAX_BYTES_PER_TOKEN`], 1 MiB.
 pub const DEFAULT_MAX_PROMPT_BYTES: usize = DEFAULT_MAX_PROMPT_TOKENS * MAX_BYTES_PER_TOKEN;
 
 /// Bounds on one prompt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Limits {
+pub struct TokenizerLimits {
     /// Longest prompt text accepted for encoding (a completion prompt, or a rendered
     /// chat), in bytes. Checked before the tokenizer runs; the tokenizer's own memory is
     /// proportional to this.
@@ -35,7 +35,7 @@ pub struct Limits {
     pub max_prompt_tokens: usize,
 }
 
-impl Limits {
+impl TokenizerLimits {
     /// At most `max_prompt_tokens` tokens and [`MAX_BYTES_PER_TOKEN`] bytes for each
     /// (saturating).
     pub fn for_tokens(max_prompt_tokens: usize) -> Self {
@@ -75,7 +75,7 @@ impl Limits {
     }
 }
 
-impl Default for Limits {
+impl Default for TokenizerLimits {
     fn default() -> Self {
         Self::for_tokens(DEFAULT_MAX_PROMPT_TOKENS)
     }
@@ -87,10 +87,13 @@ mod tests {
 
     #[test]
     fn the_byte_bound_follows_the_token_bound() {
-        assert_eq!(Limits::default().max_prompt_bytes, 1 << 20);
-        assert_eq!(Limits::for_tokens(1000).max_prompt_bytes, 8000);
-        assert_eq!(Limits::for_tokens(usize::MAX).max_prompt_bytes, usize::MAX);
-        let limits = Limits::for_tokens(10);
+        assert_eq!(TokenizerLimits::default().max_prompt_bytes, 1 << 20);
+        assert_eq!(TokenizerLimits::for_tokens(1000).max_prompt_bytes, 8000);
+        assert_eq!(
+            TokenizerLimits::for_tokens(usize::MAX).max_prompt_bytes,
+            usize::MAX
+        );
+        let limits = TokenizerLimits::for_tokens(10);
         assert!(limits.check_bytes(80).is_ok());
         assert!(matches!(
             limits.check_bytes(81),

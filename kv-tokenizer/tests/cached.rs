@@ -4,7 +4,7 @@
 //! depend on whether they start the text (`prepend_scheme: first`).
 #![allow(clippy::unwrap_used)]
 
-use kv_tokenizer::{CachedTokenizer, ChatMessage, ChatOptions, Limits, ModelTokenizer};
+use kv_tokenizer::{CachedTokenizer, ChatMessage, ChatOptions, ModelTokenizer, TokenizerLimits};
 use proptest::prelude::*;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -13,7 +13,7 @@ const MIB: u64 = 1 << 20;
 
 fn fixture() -> Arc<ModelTokenizer> {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data");
-    Arc::new(ModelTokenizer::from_dir(dir, Limits::default()).unwrap())
+    Arc::new(ModelTokenizer::from_dir(dir, TokenizerLimits::default()).unwrap())
 }
 
 /// A word-level tokenizer that tells `▁Hello` (a word after a space, or at the start
@@ -35,7 +35,7 @@ fn metaspace_first() -> Arc<ModelTokenizer> {
       "model": {"type": "WordLevel", "unk_token": "[UNK]",
         "vocab": {"[UNK]": 0, "<s>": 1, "</s>": 2, "▁Hello": 3, "Hello": 4, "▁world": 5, "world": 6, "▁": 7}}
     }"#;
-    Arc::new(ModelTokenizer::from_parts(json, None, None, Limits::default()).unwrap())
+    Arc::new(ModelTokenizer::from_parts(json, None, None, TokenizerLimits::default()).unwrap())
 }
 
 fn text(fragments: &'static [&'static str]) -> impl Strategy<Value = String> {
@@ -163,7 +163,7 @@ fn the_cache_stays_within_its_capacity() {
 fn limits_apply_as_without_the_cache() {
     let tokenizer = ModelTokenizer::from_dir(
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data"),
-        Limits {
+        TokenizerLimits {
             max_prompt_bytes: 64,
             max_prompt_tokens: 5,
         },

@@ -1,6 +1,6 @@
 //! Error paths: missing and malformed files, bad templates, prompts over the limits.
 
-use kv_tokenizer::{ChatMessage, ChatOptions, Limits, ModelTokenizer, TokenizerError};
+use kv_tokenizer::{ChatMessage, ChatOptions, ModelTokenizer, TokenizerError, TokenizerLimits};
 use std::path::PathBuf;
 
 fn tokenizer_json() -> String {
@@ -11,7 +11,7 @@ fn tokenizer_json() -> String {
 #[test]
 fn a_missing_tokenizer_json_names_the_file() {
     let dir = tempfile::tempdir().unwrap();
-    let err = ModelTokenizer::from_dir(dir.path(), Limits::default()).unwrap_err();
+    let err = ModelTokenizer::from_dir(dir.path(), TokenizerLimits::default()).unwrap_err();
     match &err {
         TokenizerError::Read { path, source } => {
             assert!(path.ends_with("tokenizer.json"));
@@ -25,14 +25,20 @@ fn a_missing_tokenizer_json_names_the_file() {
 #[test]
 fn malformed_files_are_errors() {
     for bad in ["", "{", r#"{"model": 5}"#, "[1, 2]"] {
-        let err = ModelTokenizer::from_parts(bad, None, None, Limits::default()).unwrap_err();
+        let err =
+            ModelTokenizer::from_parts(bad, None, None, TokenizerLimits::default()).unwrap_err();
         assert!(
             matches!(err, TokenizerError::MalformedTokenizer(_)),
             "{bad}: {err:?}"
         );
     }
-    let err = ModelTokenizer::from_parts(&tokenizer_json(), Some("{oops"), None, Limits::default())
-        .unwrap_err();
+    let err = ModelTokenizer::from_parts(
+        &tokenizer_json(),
+        Some("{oops"),
+        None,
+        TokenizerLimits::default(),
+    )
+    .unwrap_err();
     assert!(matches!(err, TokenizerError::MalformedConfig(_)), "{err:?}");
     assert!(
         err.to_string()
@@ -47,8 +53,13 @@ fn a_template_that_does_not_parse_is_refused_at_load() {
         "{{ messages | }}",
         "{% if %}x{% endif %}",
     ] {
-        let err = ModelTokenizer::from_parts(&tokenizer_json(), None, Some(bad), Limits::default())
-            .unwrap_err();
+        let err = ModelTokenizer::from_parts(
+            &tokenizer_json(),
+            None,
+            Some(bad),
+            TokenizerLimits::default(),
+        )
+        .unwrap_err();
         assert!(
             matches!(err, TokenizerError::BadTemplate(_)),
             "{bad}: {err:?}"
@@ -58,8 +69,13 @@ fn a_template_that_does_not_parse_is_refused_at_load() {
 
 #[test]
 fn a_model_without_template_cannot_render_chats() {
-    let t =
-        ModelTokenizer::from_parts(&tokenizer_json(), Some("{}"), None, Limits::default()).unwrap();
+    let t = ModelTokenizer::from_parts(
+        &tokenizer_json(),
+        Some("{}"),
+        None,
+        TokenizerLimits::default(),
+    )
+    .unwrap();
     assert!(!t.has_chat_template());
     let err = t
         .encode_chat(&[ChatMessage::new("user", "hi")], &ChatOptions::default())
@@ -72,7 +88,7 @@ fn a_model_without_template_cannot_render_chats() {
 
 #[test]
 fn prompts_over_the_limits_are_errors() {
-    let limits = Limits {
+    let limits = TokenizerLimits {
         max_prompt_bytes: 64,
         max_prompt_tokens: 5,
     };

@@ -3,7 +3,7 @@
 //! `tokenizers` package on the tiny tokenizer in `tests/data` (see
 //! `tests/data/make_fixture.py`), i.e. what vLLM and SGLang compute.
 
-use kv_tokenizer::{ChatMessage, ChatOptions, Limits, ModelTokenizer, TemplateValue};
+use kv_tokenizer::{ChatMessage, ChatOptions, ModelTokenizer, TemplateValue, TokenizerLimits};
 use serde::Deserialize;
 use std::path::PathBuf;
 
@@ -32,7 +32,7 @@ fn golden() -> Golden {
 }
 
 fn tokenizer() -> ModelTokenizer {
-    ModelTokenizer::from_dir(data_dir(), Limits::default()).expect("test tokenizer loads")
+    ModelTokenizer::from_dir(data_dir(), TokenizerLimits::default()).expect("test tokenizer loads")
 }
 
 #[test]
@@ -116,8 +116,13 @@ fn content_parts_extras_and_tojson_reach_the_template() {
     let config = r#"{"bos_token": "<|bos|>", "chat_template":
         "{% for m in messages %}{{ m.role }}={{ m.content }}|{{ m.tool_calls | tojson }};{% endfor %}{{ tools | tojson }} {{ enable_thinking }}"}"#;
     let tokenizer_json = std::fs::read_to_string(data_dir().join("tokenizer.json")).unwrap();
-    let t =
-        ModelTokenizer::from_parts(&tokenizer_json, Some(config), None, Limits::default()).unwrap();
+    let t = ModelTokenizer::from_parts(
+        &tokenizer_json,
+        Some(config),
+        None,
+        TokenizerLimits::default(),
+    )
+    .unwrap();
     let chat: Vec<ChatMessage> = serde_json::from_str(
         r#"[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
             {"role": "assistant", "content": null,
@@ -152,7 +157,7 @@ fn a_chat_template_file_overrides_the_config() {
         "{{ bos_token }}{{ messages | length }}\n",
     )
     .unwrap();
-    let t = ModelTokenizer::from_dir(dir.path(), Limits::default()).unwrap();
+    let t = ModelTokenizer::from_dir(dir.path(), TokenizerLimits::default()).unwrap();
     let chat = [ChatMessage::new("user", "hi")];
     // Like Jinja2 (keep_trailing_newline=False), the final newline is dropped.
     assert_eq!(

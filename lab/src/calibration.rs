@@ -52,7 +52,7 @@ pub struct SwingArgs {
 
 /// One phase of the swing: its speed-up and its span in simulated ms.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-pub struct Phase {
+pub struct SwingPhase {
     /// Arrival speed-up.
     pub speedup: f64,
     /// First arrival of the phase, in simulated ms.
@@ -71,7 +71,7 @@ pub struct SwingReport {
     /// The cell's name.
     pub cell: String,
     /// The phases.
-    pub phases: Vec<Phase>,
+    pub phases: Vec<SwingPhase>,
     /// Every rank's estimates at every sample time.
     pub points: Vec<CalibrationPoint>,
     /// TTFT mean and p99 over the run, in model ms.
@@ -149,7 +149,7 @@ pub fn run_swing(args: SwingArgs) -> Result<SwingReport, LabError> {
         .phases
         .iter()
         .enumerate()
-        .map(|(i, s)| Phase {
+        .map(|(i, s)| SwingPhase {
             speedup: s.get(),
             start_ms: starts.get(i).copied().unwrap_or(end_ms),
             end_ms: starts.get(i + 1).copied().unwrap_or(end_ms),

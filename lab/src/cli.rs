@@ -6,7 +6,7 @@ use crate::charts;
 use crate::config::{LabPolicy, Setting};
 use crate::config::{SimConfig, Speedup};
 use crate::error::LabError;
-use crate::fleet::FleetArgs;
+use crate::fleet::SimulatedFleetArgs;
 use crate::oracle::oracle_bound;
 use crate::report::{self, LabReport};
 use crate::robustness::{RobustnessArgs, run_robustness};
@@ -55,7 +55,7 @@ pub struct LabArgs {
     pub session_tuning: SessionTuningArgs,
     /// The simulated engines' timing and speeds (the router keeps its defaults).
     #[command(flatten)]
-    pub fleet: FleetArgs,
+    pub fleet: SimulatedFleetArgs,
     /// Threads to run simulations on; default: the machine's cores.
     #[arg(long)]
     pub jobs: Option<usize>,

@@ -3,7 +3,7 @@
 //! reaching back up into the crate root.
 
 use engine_model::ModelConfigError;
-use engine_model::trace::{BlockSizeMismatch, TraceError};
+use engine_model::trace::{TraceBlockSizeMismatch, TraceError};
 use kv_events::WorkerRank;
 use std::path::PathBuf;
 
@@ -15,7 +15,7 @@ pub enum LabError {
     Trace(#[from] TraceError),
     /// The engine block size cannot split the trace's blocks.
     #[error(transparent)]
-    BlockSize(#[from] BlockSizeMismatch),
+    BlockSize(#[from] TraceBlockSizeMismatch),
     /// The trace was prepared for another block size than the engine model's.
     #[error("trace prepared for {trace}-token blocks but the engine uses {engine}")]
     BlockSizeMismatch {

@@ -252,7 +252,7 @@ impl WorkerSpeeds {
 
 /// `kv-mocker lab` flags for the simulated engines (the router keeps its defaults).
 #[derive(Debug, Clone, Default, clap::Args)]
-pub struct FleetArgs {
+pub struct SimulatedFleetArgs {
     /// Step-time constants of the simulated engines.
     #[arg(long, value_enum, default_value_t = EnginePreset::H100)]
     pub engine_preset: EnginePreset,
@@ -301,7 +301,7 @@ pub enum TierPricing {
     Off,
 }
 
-impl FleetArgs {
+impl SimulatedFleetArgs {
     /// The engines' timing model before per-worker speed: the preset with the shape
     /// factors applied.
     pub fn timing(&self) -> TimingModel {

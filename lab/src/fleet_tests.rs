@@ -10,10 +10,10 @@ use kv_events::routing::PolicyKind;
 #[derive(Debug, Parser)]
 struct Cli {
     #[command(flatten)]
-    fleet: FleetArgs,
+    fleet: SimulatedFleetArgs,
 }
 
-fn parse(args: &[&str]) -> Result<FleetArgs, clap::Error> {
+fn parse(args: &[&str]) -> Result<SimulatedFleetArgs, clap::Error> {
     Cli::try_parse_from(std::iter::once("lab").chain(args.iter().copied())).map(|c| c.fleet)
 }
 

@@ -71,7 +71,7 @@ pub use charts::{CHART_FILES, write_charts};
 pub use cli::{LabArgs, LabCommand, run, run_lab, run_lab_with};
 pub use config::{LabPolicy, Setting, SimConfig, Speedup};
 pub use error::LabError;
-pub use fleet::{EnginePreset, Factor, FleetArgs, FleetPreset, TierPricing, WorkerSpeeds};
+pub use fleet::{EnginePreset, Factor, FleetPreset, SimulatedFleetArgs, TierPricing, WorkerSpeeds};
 pub use log::simulate_logged;
 pub use log_entry::LogEntry;
 pub use metrics::{RequestRecord, RunMetrics};

@@ -1,4 +1,4 @@
-//! [`WorkerDirectory`]: the registrations discovery has accepted, with the etcd lease
+//! [`RegistrationDirectory`]: the registrations discovery has accepted, with the etcd lease
 //! and revision each came with, for operators (`GET /debug/workers`).
 //!
 //! Discovery is the only writer (on every accepted put and every delete); readers take
@@ -24,11 +24,11 @@ pub struct DirectoryEntry {
 
 /// Registered workers by id.
 #[derive(Debug, Default)]
-pub struct WorkerDirectory {
+pub struct RegistrationDirectory {
     entries: Mutex<BTreeMap<WorkerId, DirectoryEntry>>,
 }
 
-impl WorkerDirectory {
+impl RegistrationDirectory {
     pub(crate) fn new() -> Self {
         Self::default()
     }
@@ -80,7 +80,7 @@ mod tests {
 
     #[test]
     fn upsert_replaces_and_remove_forgets() {
-        let d = WorkerDirectory::new();
+        let d = RegistrationDirectory::new();
         d.upsert(entry(2, 10));
         d.upsert(entry(1, 11));
         d.upsert(entry(2, 12));

@@ -12,7 +12,7 @@
 use crate::admission::Admission;
 use crate::gate::admit;
 use crate::metrics::counters::{Counters, MessageKind, Outcome};
-use crate::publishers::{Dropped, Hold, HoldConfig, HoldReason, Registered};
+use crate::publishers::{Dropped, Hold, HoldConfig, HoldReason, RegisteredEpochs};
 use futures::StreamExt;
 use indexer::{Indexer, IndexerApi as _};
 use kv_events::limits::Limits;
@@ -42,7 +42,7 @@ pub fn decode_events(
 }
 
 /// What a KV event intake uses.
-pub(crate) struct EventIntake {
+pub(crate) struct IntakeParts {
     /// Where batches go.
     pub indexer: Indexer,
     /// Message counters.
@@ -50,7 +50,7 @@ pub(crate) struct EventIntake {
     /// Bounds on each payload.
     pub limits: Limits,
     /// The registered publishers and their epochs (`crate::publishers`).
-    pub publishers: watch::Receiver<Registered>,
+    pub publishers: watch::Receiver<RegisteredEpochs>,
     /// How long and how many batches wait for their registration.
     pub hold: HoldConfig,
     /// Subject names, for logging.
@@ -71,7 +71,7 @@ pub(crate) struct EventIntake {
 /// `select!`, then calls [`EventDoor::take`] or [`EventDoor::handle`]; both return
 /// false once the indexer is gone, and the intake must stop.
 pub(crate) struct EventDoor<P> {
-    parts: EventIntake,
+    parts: IntakeParts,
     hold: Hold<(KvEventBatch, P)>,
 }
 
@@ -86,7 +86,7 @@ pub(crate) enum Wake {
 
 impl<P: Copy> EventDoor<P> {
     /// A door with nothing held.
-    pub(crate) fn new(parts: EventIntake) -> Self {
+    pub(crate) fn new(parts: IntakeParts) -> Self {
         let hold = Hold::new(parts.hold);
         Self { parts, hold }
     }
@@ -201,7 +201,7 @@ impl<P: Copy> EventDoor<P> {
 /// The core NATS intake: consumes KV events from `subscriber` through an
 /// [`EventDoor`] until `intake` is cancelled (then drains the subscription).
 pub(crate) async fn serve_events(
-    parts: EventIntake,
+    parts: IntakeParts,
     subscriber: async_nats::Subscriber,
     intake: CancellationToken,
 ) {

@@ -36,18 +36,18 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 /// Registered workers and the epoch each registered (0: no epochs).
-pub(crate) type Registered = Arc<HashMap<WorkerId, u64>>;
+pub(crate) type RegisteredEpochs = Arc<HashMap<WorkerId, u64>>;
 
 /// The registered publishers, shared by discovery (writer) and intake (readers).
 #[derive(Debug, Clone)]
 pub struct Publishers {
-    tx: Arc<watch::Sender<Registered>>,
+    tx: Arc<watch::Sender<RegisteredEpochs>>,
 }
 
 impl Default for Publishers {
     fn default() -> Self {
         Self {
-            tx: Arc::new(watch::Sender::new(Registered::default())),
+            tx: Arc::new(watch::Sender::new(RegisteredEpochs::default())),
         }
     }
 }
@@ -69,7 +69,7 @@ impl Publishers {
     }
 
     /// A receiver of every change, for an intake task.
-    pub(crate) fn subscribe(&self) -> watch::Receiver<Registered> {
+    pub(crate) fn subscribe(&self) -> watch::Receiver<RegisteredEpochs> {
         self.tx.subscribe()
     }
 }

@@ -9,7 +9,7 @@
 
 use crate::admission::Admission;
 use crate::block_size::BlockSize;
-use crate::directory::WorkerDirectory;
+use crate::directory::RegistrationDirectory;
 use crate::durability::recovery::status::RecoveryStatus;
 use crate::health::Health;
 use crate::metrics::counters::Counters;
@@ -32,7 +32,7 @@ pub struct RouterState {
     /// Message counters and every other metric group (cheap handles).
     pub counters: Counters,
     /// Registered workers with their etcd leases (written by discovery).
-    pub directory: WorkerDirectory,
+    pub directory: RegistrationDirectory,
     /// Readiness: NATS and etcd connection, discovery, recovery, phase.
     pub health: Arc<Health>,
     /// The scheduler lock, wait queue, replica sync and request expiry.
@@ -61,7 +61,7 @@ impl RouterState {
             indexer,
             health: Arc::new(Health::new(counters.metrics.connections.clone())),
             counters,
-            directory: WorkerDirectory::new(),
+            directory: RegistrationDirectory::new(),
             admission: Arc::new(admission),
             limits,
             publishers: Publishers::default(),

@@ -30,8 +30,8 @@ use engine_model::EngineModelConfig;
 use futures::StreamExt;
 use integration_tests::TestCluster;
 use kv_gateway::{Gateway, GatewayArgs};
-use kv_tokenizer::{Limits, ModelTokenizer};
-use mocker::engine::HttpArgs;
+use kv_tokenizer::{ModelTokenizer, TokenizerLimits};
+use mocker::engine::EngineHttpArgs;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -277,7 +277,7 @@ fn report_stages(before: &[(String, f64, u64)], after: &[(String, f64, u64)]) {
 
 /// µs per 1,000 tokens of encoding a long text with the repo's test tokenizer.
 fn tokenization_cost(dir: &std::path::Path) -> anyhow::Result<(usize, f64)> {
-    let tok = ModelTokenizer::from_dir(dir, Limits::default())?;
+    let tok = ModelTokenizer::from_dir(dir, TokenizerLimits::default())?;
     let words: Vec<&str> = "the router sends each request to a worker whose cache already \
         holds its prefix, balancing load across engines. Latency matters; throughput too. \
         kv-cache blocks of 16 tokens are hashed and indexed"
@@ -312,10 +312,10 @@ async fn main() -> anyhow::Result<()> {
         max_num_seqs: 256,
         max_num_batched_tokens: 8192,
     };
-    let http = HttpArgs {
+    let http = EngineHttpArgs {
         model_dir: Some(dir.clone()),
         served_model_name: MODEL.into(),
-        ..HttpArgs::default()
+        ..EngineHttpArgs::default()
     };
     let engines = cluster
         .spawn_engines(args.workers, model, args.time_scale, http)
@@ -337,7 +337,8 @@ async fn main() -> anyhow::Result<()> {
         CancellationToken::new(),
     )
     .await?;
-    let vocab = u32::try_from(ModelTokenizer::from_dir(&dir, Limits::default())?.vocab_size())?;
+    let vocab =
+        u32::try_from(ModelTokenizer::from_dir(&dir, TokenizerLimits::default())?.vocab_size())?;
     let target = Arc::new(Target {
         http: kv_cluster::http::client().expect("http client"),
         gateway: format!("http://{}", gateway.local_addr()),

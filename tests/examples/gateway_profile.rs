@@ -42,8 +42,8 @@ use kv_events::{DpRank, compute_block_hashes, encode};
 use kv_gateway::config::EngineApi;
 use kv_gateway::openai::{completion_for_engine, parse_completion};
 use kv_gateway::router::RouterClient;
-use kv_tokenizer::{Limits, ModelTokenizer};
-use mocker::engine::HttpArgs;
+use kv_tokenizer::{ModelTokenizer, TokenizerLimits};
+use mocker::engine::EngineHttpArgs;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use testbed::{Echo, ManagedProcess, free_port};
@@ -255,10 +255,10 @@ async fn cluster_steps(
         max_num_seqs: 256,
         max_num_batched_tokens: 8192,
     };
-    let http = HttpArgs {
+    let http = EngineHttpArgs {
         model_dir: Some(dir.to_owned()),
         served_model_name: MODEL.into(),
-        ..HttpArgs::default()
+        ..EngineHttpArgs::default()
     };
     let engines = cluster.spawn_engines(2, model, 1000.0, http).await?;
     let daemon = cluster.start_daemon(|_| {}).await?;
@@ -477,7 +477,7 @@ async fn main() -> anyhow::Result<()> {
         Some(dir) => dir,
         None => bench_model_dir().await?,
     };
-    let limits = Limits {
+    let limits = TokenizerLimits {
         max_prompt_bytes: usize::MAX,
         max_prompt_tokens: usize::MAX,
     };

@@ -121,7 +121,7 @@ impl TestCluster {
         workers: u32,
         model: engine_model::EngineModelConfig,
         time_scale: f64,
-        http: mocker::engine::HttpArgs,
+        http: mocker::engine::EngineHttpArgs,
     ) -> anyhow::Result<mocker::engine::EnginesHandle> {
         let args = self.engine_args(workers, model, time_scale, http);
         let shutdown = tokio_util::sync::CancellationToken::new();
@@ -136,7 +136,7 @@ impl TestCluster {
         workers: u32,
         model: engine_model::EngineModelConfig,
         time_scale: f64,
-        http: mocker::engine::HttpArgs,
+        http: mocker::engine::EngineHttpArgs,
     ) -> mocker::engine::EngineArgs {
         let fleet = mocker::engine::FleetArgs {
             workers,
@@ -226,7 +226,7 @@ pub async fn spawn_mock_engines(
     fleet: mocker::engine::FleetArgs,
     model: engine_model::EngineModelConfig,
     time_scale: f64,
-    http: mocker::engine::HttpArgs,
+    http: mocker::engine::EngineHttpArgs,
 ) -> anyhow::Result<mocker::engine::EnginesHandle> {
     let args = engine_args(connection, fleet, model, time_scale, http);
     let shutdown = tokio_util::sync::CancellationToken::new();
@@ -239,7 +239,7 @@ fn engine_args(
     fleet: mocker::engine::FleetArgs,
     model: engine_model::EngineModelConfig,
     time_scale: f64,
-    http: mocker::engine::HttpArgs,
+    http: mocker::engine::EngineHttpArgs,
 ) -> mocker::engine::EngineArgs {
     mocker::engine::EngineArgs {
         connection,

@@ -56,7 +56,7 @@ async fn send_completion(stream: &mut TcpStream) {
 }
 
 /// Sends a [`completion`] request on `stream` and reads its answer (`None`: closed).
-async fn complete_on(stream: &mut TcpStream) -> Option<raw::Answer> {
+async fn complete_on(stream: &mut TcpStream) -> Option<raw::RawResponse> {
     send_completion(stream).await;
     read_answer(stream).await
 }

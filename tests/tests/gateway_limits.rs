@@ -12,7 +12,7 @@
 #[path = "gateway/fixture.rs"]
 mod fixture;
 
-use fixture::{BLOCK, Engines, MODEL, Stack};
+use fixture::{BLOCK, MODEL, Stack, StackEngines};
 use integration_tests::{TestCluster, eventually, register_worker};
 use kv_events::WorkerId;
 use kv_events::discovery::WorkerRegistration;
@@ -25,7 +25,7 @@ const WAIT: Duration = Duration::from_secs(15);
 /// Engines serving a 1,024-token context, behind a gateway given `flags`.
 async fn stack(flags: &[&str]) -> Stack {
     let cluster = TestCluster::start(BLOCK).await.unwrap();
-    let engines = Engines {
+    let engines = StackEngines {
         workers: 2,
         time_scale: 10.0,
         max_model_len: Some(1024),

@@ -185,7 +185,7 @@ async fn a_conversation_and_shared_documents_are_encoded_once() {
     let metrics = stack.gateway().metrics().clone();
     let tokenizer = kv_tokenizer::ModelTokenizer::from_dir(
         fixture::model_dir(),
-        kv_tokenizer::Limits::default(),
+        kv_tokenizer::TokenizerLimits::default(),
     )
     .unwrap();
 

@@ -7,7 +7,7 @@ use integration_tests::etcd_proxy::{EtcdProxy, etcd_addr};
 use integration_tests::{FakeWorker, TestCluster, eventually};
 use kv_events::routing::RouteReply;
 use kv_events::{DpRank, WorkerId, WorkerRank};
-use mocker::engine::HttpArgs;
+use mocker::engine::EngineHttpArgs;
 use std::time::{Duration, Instant};
 
 const BLOCK: u32 = 4;
@@ -60,14 +60,14 @@ async fn an_engine_killed_while_its_lease_lives_stops_getting_routes_once_silent
         })
         .await?;
     let survivors = cluster
-        .spawn_engines(2, model(), 1.0, HttpArgs::default())
+        .spawn_engines(2, model(), 1.0, EngineHttpArgs::default())
         .await?;
     // The victim reaches etcd through a path the test cuts before killing it, so its
     // revoke never arrives and its lease (10 min) outlives it, as when an engine dies
     // during an etcd outage.
     let mut path = EtcdProxy::new(etcd_addr(&cluster.etcd_server.endpoint()))?;
     path.restore().await?;
-    let mut args = cluster.engine_args(1, model(), 1.0, HttpArgs::default());
+    let mut args = cluster.engine_args(1, model(), 1.0, EngineHttpArgs::default());
     args.fleet.first_worker_id = 3;
     args.connection.etcd.etcd_endpoints = vec![path.endpoint()];
     args.runtime.lease_ttl_secs = 600;

@@ -12,7 +12,7 @@ use indexer::IndexerApi as _;
 use integration_tests::{TestCluster, eventually};
 use kv_events::{DpRank, WorkerId, WorkerRank, compute_block_hashes};
 use kv_relay::{Relay, RelayArgs, RelayConfig};
-use mocker::engine::{EnginesHandle, FleetArgs, HttpArgs, KvEventsArgs};
+use mocker::engine::{EngineHttpArgs, EnginesHandle, FleetArgs, KvEventsArgs};
 use router_daemon::Daemon;
 use serde_json::json;
 use std::time::Duration;
@@ -40,9 +40,9 @@ fn port_of(url: &str) -> u16 {
 /// A vLLM-mode mock engine as worker 1 (one rank of 64 blocks), on `ports` or, for
 /// `None`, on free ones.
 async fn engine(cluster: &TestCluster, ports: Option<&Ports>) -> EnginesHandle {
-    let http = HttpArgs {
+    let http = EngineHttpArgs {
         http_port: ports.map_or(0, |p| p.http),
-        ..HttpArgs::default()
+        ..EngineHttpArgs::default()
     };
     let model = EngineModelConfig {
         block_size: BLOCK,

@@ -197,7 +197,7 @@ async fn relay_exits_within_its_budget_when_nats_and_etcd_are_gone() {
 
     stop_servers(cluster).await;
     let stopped = finishes("kv-router relay", Duration::from_secs(1), relay.shutdown()).await;
-    let Err(kv_relay::Error::ShutdownIncomplete(incomplete)) = stopped else {
+    let Err(kv_relay::RelayError::ShutdownIncomplete(incomplete)) = stopped else {
         panic!("not a shutdown past its budget: {stopped:?}")
     };
     let skipped = abandoned(&incomplete);

@@ -14,7 +14,7 @@ use kv_events::discovery::WorkerRegistration;
 use kv_events::routing::RouteReply;
 use kv_events::{DpRank, LocalBlockHash, WorkerId, WorkerRank, compute_block_hashes};
 use kv_relay::{Relay, RelayArgs, RelayConfig};
-use mocker::engine::{EnginesHandle, FleetArgs, HttpArgs, KvEventsArgs, RankEndpoints};
+use mocker::engine::{EngineHttpArgs, EnginesHandle, FleetArgs, KvEventsArgs, RankEndpoints};
 use mocker::replay::{ReplayTarget, cold};
 use router_daemon::Daemon;
 use serde_json::json;
@@ -76,9 +76,9 @@ async fn vllm_engines(
     cpu_tier: CpuTierConfig,
     max_model_len: Option<u64>,
 ) -> EnginesHandle {
-    let http = HttpArgs {
+    let http = EngineHttpArgs {
         max_model_len,
-        ..HttpArgs::default()
+        ..EngineHttpArgs::default()
     };
     vllm_engines_with(cluster, num_gpu_blocks, dp_size, cpu_tier, http).await
 }
@@ -89,7 +89,7 @@ async fn vllm_engines_with(
     num_gpu_blocks: u64,
     dp_size: u32,
     cpu_tier: CpuTierConfig,
-    http: HttpArgs,
+    http: EngineHttpArgs,
 ) -> EnginesHandle {
     let model = EngineModelConfig {
         block_size: BLOCK,
@@ -281,9 +281,9 @@ async fn vllm_mode_cpu_tier_blocks_reach_the_router_as_a_lower_tier() {
 async fn the_cold_start_empties_the_routers_picture_of_a_vllm_engine() {
     let cluster = TestCluster::start(BLOCK).await.unwrap();
     let daemon = cluster.start_daemon(|_| {}).await.unwrap();
-    let dev = HttpArgs {
+    let dev = EngineHttpArgs {
         vllm_dev_mode: true,
-        ..HttpArgs::default()
+        ..EngineHttpArgs::default()
     };
     let engines = vllm_engines_with(&cluster, 64, 2, CpuTierConfig::default(), dev).await;
     let (relay, url) = start_relay(&cluster, &engines).await;

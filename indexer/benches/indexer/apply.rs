@@ -1,7 +1,7 @@
 //! Apply throughput (stored blocks per second) and bytes per entry.
 
 use crate::{Scale, rss_bytes};
-use bench_workload::{Shape, Workload, build};
+use bench_workload::{Workload, WorkloadShape, build};
 use indexer::{Indexer, IndexerApi, IndexerConfig, OrderedIndex, RadixTree, ShardSettings};
 use std::sync::Arc;
 use std::time::Instant;
@@ -96,7 +96,10 @@ pub fn run(scale: Scale) {
     println!("|---:|---:|---:|---:|---:|---:|");
     for entries in [1_000_000u64, 10_000_000] {
         for workers in [64u64, 256, 1024] {
-            let w = build(Shape::apply(workers, scale.of(entries)), workers ^ entries);
+            let w = build(
+                WorkloadShape::apply(workers, scale.of(entries)),
+                workers ^ entries,
+            );
             let one = one_shard(&w);
             let raw = raw_tree(&w);
             let il = inline(&rt, &w);
@@ -131,7 +134,10 @@ pub fn memory(scale: Scale) {
 
 /// One row of [`memory`], in this (child) process.
 pub fn memory_one(workers: u64, scale: Scale) {
-    let w = build(Shape::apply(workers, scale.of(10_000_000)), 7 + workers);
+    let w = build(
+        WorkloadShape::apply(workers, scale.of(10_000_000)),
+        7 + workers,
+    );
     let before = rss_bytes();
     let mut tree = RadixTree::new();
     for batch in &w.batches {

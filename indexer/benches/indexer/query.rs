@@ -2,7 +2,7 @@
 //! idle and under a concurrent flood of 1M stored blocks per second.
 
 use crate::{Scale, percentiles};
-use bench_workload::{EngineHashes, Shape, build, flood_batches};
+use bench_workload::{EngineHashes, WorkloadShape, build, flood_batches};
 use indexer::{Indexer, IndexerApi, IndexerConfig, RadixTree};
 use kv_events::{KvEventBatch, LocalBlockHash};
 use std::sync::Arc;
@@ -15,8 +15,8 @@ const QUERY_BLOCKS: usize = 128;
 /// Flood: one 16-block batch per 16 µs, sent in bursts every millisecond.
 const FLOOD_BLOCKS_PER_SEC: u64 = 1_000_000;
 
-fn shape(scale: Scale) -> Shape {
-    Shape {
+fn shape(scale: Scale) -> WorkloadShape {
+    WorkloadShape {
         workers: 256,
         entries: scale.of(10_000_000),
         prefixes: 64,

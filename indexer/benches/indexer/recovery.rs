@@ -4,7 +4,7 @@
 //! measured by `tests/tests/recovery_bench.rs`.
 
 use crate::Scale;
-use bench_workload::{Shape, build};
+use bench_workload::{WorkloadShape, build};
 use indexer::{OrderedIndex, ShardSettings};
 use kv_events::journal::{EventJournal, JournalConfig};
 use kv_events::recovery::{ChunkAssembler, IndexSnapshot, RecoveryChunk, RecoveryRequest};
@@ -15,7 +15,7 @@ use std::time::Instant;
 
 pub fn run(scale: Scale) {
     let workers = 64;
-    let w = build(Shape::apply(workers, scale.of(1_000_000)), 5);
+    let w = build(WorkloadShape::apply(workers, scale.of(1_000_000)), 5);
     let mut journals: BTreeMap<WorkerId, EventJournal> = BTreeMap::new();
     for batch in &w.batches {
         let journal = journals

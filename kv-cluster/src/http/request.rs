@@ -88,9 +88,9 @@ pub(super) struct Tracking {
 }
 
 impl hyper::service::Service<Request<Incoming>> for Tracking {
-    type Response = Response<Answer>;
+    type Response = Response<AnswerBody>;
     type Error = Infallible;
-    type Future = Pin<Box<dyn Future<Output = Result<Response<Answer>, Infallible>> + Send>>;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<AnswerBody>, Infallible>> + Send>>;
 
     fn call(&self, request: Request<Incoming>) -> Self::Future {
         let conn = self.conn.clone();
@@ -120,7 +120,7 @@ impl hyper::service::Service<Request<Incoming>> for Tracking {
             } else if let Some(value) = keep_alive.filter(|_| !conn.is_closing()) {
                 response.headers_mut().entry(KEEP_ALIVE).or_insert(value);
             }
-            Ok(response.map(|body| Answer {
+            Ok(response.map(|body| AnswerBody {
                 body,
                 _in_flight: in_flight,
             }))
@@ -130,12 +130,12 @@ impl hyper::service::Service<Request<Incoming>> for Tracking {
 
 /// An answer's body, holding its request in flight until hyper drops it (sent
 /// whole, or the connection gone).
-pub(super) struct Answer {
+pub(super) struct AnswerBody {
     body: Body,
     _in_flight: InFlight,
 }
 
-impl HttpBody for Answer {
+impl HttpBody for AnswerBody {
     type Data = Bytes;
     type Error = axum::Error;
 

@@ -14,12 +14,12 @@ use tokio::task::JoinHandle;
 pub const WAIT: Duration = Duration::from_secs(30);
 
 /// One answer read off a kept-alive connection: its head (lowercased) and body.
-pub struct Answer {
+pub struct RawResponse {
     pub head: String,
     pub body: String,
 }
 
-impl Answer {
+impl RawResponse {
     pub fn status(&self) -> u16 {
         self.head[9..12].parse().unwrap()
     }
@@ -35,7 +35,7 @@ impl Answer {
 
 /// Reads one answer with a `Content-Length` body; `None` if the server closed the
 /// connection first. Panics if nothing happens within [`WAIT`].
-pub async fn read_answer(stream: &mut (impl AsyncRead + Unpin)) -> Option<Answer> {
+pub async fn read_answer(stream: &mut (impl AsyncRead + Unpin)) -> Option<RawResponse> {
     let mut raw = Vec::new();
     let end = loop {
         if let Some(at) = raw.windows(4).position(|w| w == b"\r\n\r\n") {
@@ -48,7 +48,7 @@ pub async fn read_answer(stream: &mut (impl AsyncRead + Unpin)) -> Option<Answer
     let head = String::from_utf8(raw[..end].to_vec())
         .unwrap()
         .to_lowercase();
-    let answer = Answer {
+    let answer = RawResponse {
         head,
         body: String::new(),
     };
@@ -57,7 +57,7 @@ pub async fn read_answer(stream: &mut (impl AsyncRead + Unpin)) -> Option<Answer
         assert_ne!(read_some(stream, &mut raw).await, 0, "cut mid-body");
     }
     let body = String::from_utf8(raw[end..end + length].to_vec()).unwrap();
-    Some(Answer { body, ..answer })
+    Some(RawResponse { body, ..answer })
 }
 
 async fn read_some(stream: &mut (impl AsyncRead + Unpin), raw: &mut Vec<u8>) -> usize {
@@ -72,7 +72,7 @@ async fn read_some(stream: &mut (impl AsyncRead + Unpin), raw: &mut Vec<u8>) -> 
 
 /// Reads the connection's last answer: it must say `Connection: close` (and no
 /// `Keep-Alive`), then the server must close the connection.
-pub async fn read_last_answer(stream: &mut (impl AsyncRead + Unpin)) -> Answer {
+pub async fn read_last_answer(stream: &mut (impl AsyncRead + Unpin)) -> RawResponse {
     let answer = read_answer(stream)
         .await
         .expect("answered, not just closed");
@@ -92,7 +92,7 @@ pub async fn read_last_answer(stream: &mut (impl AsyncRead + Unpin)) -> Answer {
 pub async fn read_answer_then_idle_close(
     stream: &mut (impl AsyncRead + Unpin),
     keep_alive: &str,
-) -> Answer {
+) -> RawResponse {
     let answer = read_answer(stream).await.expect("answered");
     assert_eq!(
         answer.header("keep-alive"),

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 /// Listen address, body size and connection limits.
 #[derive(Debug, Clone, Args)]
-pub struct HttpArgs {
+pub struct GatewayHttpArgs {
     /// Address the OpenAI-compatible HTTP server listens on.
     #[arg(
         long,
@@ -79,7 +79,7 @@ pub struct HttpArgs {
     pub max_connections: NonZeroUsize,
 }
 
-impl HttpArgs {
+impl GatewayHttpArgs {
     /// The connection limits `kv_cluster::http::serve` enforces.
     pub(super) fn server_limits(&self) -> ServerLimits {
         ServerLimits {

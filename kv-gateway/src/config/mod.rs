@@ -3,7 +3,7 @@
 //! The NATS and etcd flags are the cluster's shared ones (`kv_cluster::args`), so the
 //! gateway connects, authenticates and discovers workers exactly as the router and
 //! the relay do. The gateway's own flags come in three groups, one file each: HTTP
-//! ([`HttpArgs`]), model and tokenization ([`ModelArgs`]), forwarding
+//! ([`GatewayHttpArgs`]), model and tokenization ([`ModelArgs`]), forwarding
 //! ([`ForwardArgs`]). Every flag has a `KV_GATEWAY_*` environment variable (the
 //! namespace keeps the cluster-wide `KV_ROUTER_NAMESPACE`).
 
@@ -12,7 +12,7 @@ mod http;
 mod model;
 
 pub use forward::{ChatForward, EngineApi, ForwardArgs, PromptForward};
-pub use http::HttpArgs;
+pub use http::GatewayHttpArgs;
 pub use model::{ModelArgs, TokenizeVia};
 
 use crate::error::GatewayError;
@@ -47,7 +47,7 @@ pub struct GatewayArgs {
     pub namespace: kv_cluster::args::NamespaceArgs,
     /// Listen address, body size and connection limits.
     #[command(flatten)]
-    pub http: HttpArgs,
+    pub http: GatewayHttpArgs,
     /// The served model and its tokenization.
     #[command(flatten)]
     pub model: ModelArgs,
@@ -58,7 +58,7 @@ pub struct GatewayArgs {
 
 /// Timeouts and retry budget of the request path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Limits {
+pub struct RequestLimits {
     /// Largest request body, in bytes.
     pub max_body_bytes: usize,
     /// Longest prompt, in tokens and bytes: fixed, or the engines' context length.
@@ -82,7 +82,7 @@ pub struct Limits {
 }
 
 /// Local tokenization: the thread pool that bounds its CPU (the prompt bound,
-/// [`Limits::prompt`], bounds its memory).
+/// [`RequestLimits::prompt`], bounds its memory).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TokenizerConfig {
     /// Encodes at once, one per thread.
@@ -130,7 +130,7 @@ pub struct GatewayConfig {
     /// Model, tokenization and forwarding.
     pub model: ModelConfig,
     /// Timeouts, sizes and retries.
-    pub limits: Limits,
+    pub limits: RequestLimits,
     /// Bounds on registrations read from etcd.
     pub wire_limits: kv_events::limits::Limits,
 }
@@ -192,7 +192,7 @@ impl GatewayArgs {
                 chat_forward: fwd.chat_forward,
                 engine_api: fwd.engine_api,
             },
-            limits: Limits {
+            limits: RequestLimits {
                 max_body_bytes: http.max_body_bytes,
                 prompt: model.prompt_limit(wire_limits.max_route_tokens),
                 max_retries: fwd.max_retries,

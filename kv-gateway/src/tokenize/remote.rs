@@ -41,7 +41,7 @@ use crate::error::ApiError;
 use crate::forward::read_bounded;
 use crate::workers::WorkerUrls;
 use bytes::Bytes;
-use kv_tokenizer::{ChatMessage, Limits};
+use kv_tokenizer::{ChatMessage, TokenizerLimits};
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
@@ -60,7 +60,7 @@ pub enum Api {
 
 /// Where the requests go.
 #[derive(Debug, Clone)]
-pub enum Target {
+pub enum TokenizeTarget {
     /// The registered engines, in turn, each request retried once on another.
     Engines(WorkerUrls),
     /// One server (base URL without a trailing slash), e.g. `vllm launch render`.
@@ -72,7 +72,7 @@ pub enum Target {
 pub struct Remote {
     client: reqwest::Client,
     api: Api,
-    target: Target,
+    target: TokenizeTarget,
     /// Longest wait for one attempt's whole answer.
     timeout: Duration,
     /// Round-robin position over the engines.
@@ -122,7 +122,12 @@ enum Failed {
 impl Remote {
     /// Tokenizes with `api` at `target`, over `client`; each attempt waits at most
     /// `timeout` for its whole answer.
-    pub fn new(client: reqwest::Client, api: Api, target: Target, timeout: Duration) -> Self {
+    pub fn new(
+        client: reqwest::Client,
+        api: Api,
+        target: TokenizeTarget,
+        timeout: Duration,
+    ) -> Self {
         Self {
             client,
             api,
@@ -143,7 +148,7 @@ impl Remote {
         &self,
         prompt: &str,
         body: &Map<String, Value>,
-        limits: Limits,
+        limits: TokenizerLimits,
     ) -> Result<Vec<u32>, ApiError> {
         match self.api {
             Api::Tokenize => {
@@ -174,7 +179,7 @@ impl Remote {
         &self,
         messages: &[ChatMessage],
         body: &Map<String, Value>,
-        limits: Limits,
+        limits: TokenizerLimits,
     ) -> Result<Vec<u32>, ApiError> {
         let text: usize = messages
             .iter()
@@ -204,14 +209,14 @@ impl Remote {
         &self,
         path: &str,
         request: &Map<String, Value>,
-        limits: Limits,
+        limits: TokenizerLimits,
     ) -> Result<T, ApiError> {
         let body: Bytes = serde_json::to_vec(request)
             .map_err(|e| ApiError::internal(format!("the request body: {e}")))?
             .into();
         let urls = match &self.target {
-            Target::Server(url) => vec![url.clone()],
-            Target::Engines(workers) => {
+            TokenizeTarget::Server(url) => vec![url.clone()],
+            TokenizeTarget::Engines(workers) => {
                 let mut urls = workers.urls();
                 if urls.is_empty() {
                     return Err(ApiError::unavailable("no engine is registered to tokenize"));

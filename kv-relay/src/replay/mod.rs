@@ -26,7 +26,7 @@
 //!   seq with no end in view (at connect) asks once more: an end marker again, or one
 //!   with nothing before it, confirms the engine has nothing newer;
 //! - after [`ReplayPolicy::max_requests`] requests, a request with no answer, or a
-//!   socket error, the read ends with what it has ([`Outcome::Incomplete`]) and the
+//!   socket error, the read ends with what it has ([`ReadOutcome::Incomplete`]) and the
 //!   caller goes on from there: the next live batch is then a gap, filled the same way.
 //!
 //! Cost: one TCP connection per request; the engine resends its buffer from the
@@ -36,7 +36,7 @@
 
 mod read;
 
-pub use read::{Outcome, ReplayRead};
+pub use read::{ReadOutcome, ReplayRead};
 
 use crate::frames::{FrameError, ReplayItem, parse_replay, replay_request};
 use bytes::Bytes;
@@ -69,7 +69,7 @@ pub struct ReplayPolicy {
 
 /// Why a request failed.
 #[derive(Debug, thiserror::Error)]
-pub enum ReplayError {
+pub enum ReplayRequestError {
     /// ZMQ connect, send or receive failed.
     #[error("replay socket {endpoint}: {source}")]
     Zmq {
@@ -108,7 +108,7 @@ pub enum Stop {
     /// No message at all within the deadline.
     Silent,
     /// The socket failed or a reply was malformed.
-    Failed(ReplayError),
+    Failed(ReplayRequestError),
 }
 
 impl Stop {
@@ -222,7 +222,7 @@ async fn read_reply(
     collector: &mut Collector,
 ) -> Stop {
     let zmq = |source| {
-        Stop::Failed(ReplayError::Zmq {
+        Stop::Failed(ReplayRequestError::Zmq {
             endpoint: endpoint.to_owned(),
             source,
         })
@@ -266,7 +266,7 @@ async fn read_reply(
                 }
             }
             Err(source) => {
-                return Stop::Failed(ReplayError::Frame {
+                return Stop::Failed(ReplayRequestError::Frame {
                     endpoint: endpoint.to_owned(),
                     source,
                 });

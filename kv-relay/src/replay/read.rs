@@ -6,7 +6,7 @@ use super::{ReplayPolicy, Round, Stop, request};
 
 /// How a read ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Outcome {
+pub enum ReadOutcome {
     /// Every batch the engine buffers from the read's start was read: up to its end
     /// seq for a gap, or up to the engine's newest batch (confirmed by an end marker).
     Complete,
@@ -23,11 +23,11 @@ pub enum Outcome {
     Failed(String),
 }
 
-impl Outcome {
+impl ReadOutcome {
     /// Batches known to exist that were not read (`next..=seen`), 0 when unknown.
     pub fn known_missing(&self) -> u64 {
         match self {
-            Outcome::Incomplete {
+            ReadOutcome::Incomplete {
                 next,
                 seen: Some(seen),
                 ..
@@ -56,7 +56,7 @@ pub struct ReplayRead {
     /// be ruled out, so one more request confirms.
     unconfirmed: bool,
     seen: Option<u64>,
-    outcome: Option<Outcome>,
+    outcome: Option<ReadOutcome>,
 }
 
 impl ReplayRead {
@@ -73,7 +73,7 @@ impl ReplayRead {
             read_any: false,
             unconfirmed: false,
             seen: None,
-            outcome: done.then_some(Outcome::Complete),
+            outcome: done.then_some(ReadOutcome::Complete),
         }
     }
 
@@ -95,7 +95,7 @@ impl ReplayRead {
     }
 
     /// How the read ended; `None` while it goes on.
-    pub fn outcome(&self) -> Option<&Outcome> {
+    pub fn outcome(&self) -> Option<&ReadOutcome> {
         self.outcome.as_ref()
     }
 
@@ -114,24 +114,24 @@ impl ReplayRead {
             self.seen = self.seen.max(Some(seen));
         }
         let (next, seen) = (round.next, self.seen.filter(|s| *s >= round.next));
-        let incomplete = |reason| Some(Outcome::Incomplete { next, seen, reason });
+        let incomplete = |reason| Some(ReadOutcome::Incomplete { next, seen, reason });
         let verdict = match &round.stop {
-            _ if self.until.is_some_and(|u| self.next >= u) => Some(Outcome::Complete),
+            _ if self.until.is_some_and(|u| self.next >= u) => Some(ReadOutcome::Complete),
             Stop::Enough => None,
             Stop::End if self.until.is_some() => {
                 incomplete("the engine's buffer ends before the live batch")
             }
-            Stop::End if !progress || self.unconfirmed => Some(Outcome::Complete),
+            Stop::End if !progress || self.unconfirmed => Some(ReadOutcome::Complete),
             Stop::End => None,
             Stop::Hole { .. } | Stop::Cut if progress => None,
             Stop::Hole { .. } | Stop::Cut => incomplete("a request brought no new batch"),
             Stop::Silent if self.read_any => incomplete("a request had no answer"),
             Stop::Failed(_) if self.read_any => incomplete("a request failed"),
-            Stop::Silent => Some(Outcome::Failed(format!(
+            Stop::Silent => Some(ReadOutcome::Failed(format!(
                 "no answer within {:?}",
                 self.policy.request_timeout
             ))),
-            Stop::Failed(e) => Some(Outcome::Failed(e.to_string())),
+            Stop::Failed(e) => Some(ReadOutcome::Failed(e.to_string())),
         };
         self.unconfirmed = matches!(round.stop, Stop::End) && progress;
         self.outcome = match verdict {
@@ -195,11 +195,11 @@ mod tests {
         run(&mut r, vec![(0..3, Stop::End)]);
         assert_eq!(r.outcome(), None, "a dropped tail is not ruled out");
         assert_eq!(run(&mut r, vec![(3..3, Stop::End)]), 2);
-        assert_eq!(r.outcome(), Some(&Outcome::Complete));
+        assert_eq!(r.outcome(), Some(&ReadOutcome::Complete));
         // An engine that keeps publishing: two end markers in a row are enough.
         let mut r = read(0, None, 8);
         run(&mut r, vec![(0..3, Stop::End), (3..4, Stop::End)]);
-        assert_eq!(r.outcome(), Some(&Outcome::Complete));
+        assert_eq!(r.outcome(), Some(&ReadOutcome::Complete));
     }
 
     #[test]
@@ -214,7 +214,7 @@ mod tests {
                 (200..200, Stop::End),
             ],
         );
-        assert_eq!((requests, r.outcome()), (4, Some(&Outcome::Complete)));
+        assert_eq!((requests, r.outcome()), (4, Some(&ReadOutcome::Complete)));
         assert_eq!(r.next, 200);
     }
 
@@ -226,7 +226,7 @@ mod tests {
         assert!(
             matches!(
                 outcome,
-                Outcome::Incomplete {
+                ReadOutcome::Incomplete {
                     next: 15,
                     seen: Some(30),
                     ..
@@ -241,31 +241,31 @@ mod tests {
     fn a_gap_fill_ends_at_its_live_batch() {
         let mut r = read(5, Some(20), 8);
         run(&mut r, vec![(5..9, hole(9, 12)), (9..20, Stop::Enough)]);
-        assert_eq!(r.outcome(), Some(&Outcome::Complete));
+        assert_eq!(r.outcome(), Some(&ReadOutcome::Complete));
         // The engine no longer has the start: the read still ends at the live batch.
         let mut r = read(5, Some(20), 8);
         run(&mut r, vec![(8..20, Stop::Enough)]);
-        assert_eq!(r.outcome(), Some(&Outcome::Complete));
+        assert_eq!(r.outcome(), Some(&ReadOutcome::Complete));
         // A buffer that ends before the live batch cannot fill the gap.
         let mut r = read(5, Some(20), 8);
         run(&mut r, vec![(5..9, Stop::End)]);
         assert!(matches!(
             r.outcome(),
-            Some(Outcome::Incomplete { next: 9, .. })
+            Some(ReadOutcome::Incomplete { next: 9, .. })
         ));
-        assert_eq!(read(5, Some(5), 8).outcome(), Some(&Outcome::Complete));
+        assert_eq!(read(5, Some(5), 8).outcome(), Some(&ReadOutcome::Complete));
     }
 
     #[test]
     fn no_answer_fails_a_read_that_read_nothing_and_ends_one_that_did() {
         let mut r = read(0, None, 8);
         run(&mut r, vec![(0..0, Stop::Silent)]);
-        assert!(matches!(r.outcome(), Some(Outcome::Failed(_))));
+        assert!(matches!(r.outcome(), Some(ReadOutcome::Failed(_))));
         let mut r = read(0, None, 8);
         run(&mut r, vec![(0..10, Stop::Cut), (10..10, Stop::Silent)]);
         assert!(matches!(
             r.outcome(),
-            Some(Outcome::Incomplete {
+            Some(ReadOutcome::Incomplete {
                 next: 10,
                 seen: None,
                 ..
@@ -276,7 +276,7 @@ mod tests {
         run(&mut r, vec![(0..10, hole(10, 12)), (10..10, Stop::Cut)]);
         assert!(matches!(
             r.outcome(),
-            Some(Outcome::Incomplete {
+            Some(ReadOutcome::Incomplete {
                 next: 10,
                 seen: Some(12),
                 ..
@@ -295,6 +295,6 @@ mod tests {
                 (5000..5000, Stop::End),
             ],
         );
-        assert_eq!(r.outcome(), Some(&Outcome::Complete));
+        assert_eq!(r.outcome(), Some(&ReadOutcome::Complete));
     }
 }

@@ -28,7 +28,7 @@ use crate::counters::RelayCounters;
 use crate::facts::EngineFacts;
 use crate::models::ModelsEndpoint;
 use kv_events::{DpRank, LoadMetrics, WorkerId, encode};
-pub use page::{CacheFacts, RankLoad, parse_cache_facts, parse_metrics};
+pub use page::{CacheFacts, ScrapedRankLoad, parse_cache_facts, parse_metrics};
 use std::time::Duration;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -41,7 +41,7 @@ pub const MAX_PAGE_BYTES: usize = kv_cluster::http::MAX_RESPONSE_BYTES;
 pub fn to_load_metrics(
     worker_id: WorkerId,
     rank: DpRank,
-    load: &RankLoad,
+    load: &ScrapedRankLoad,
     total_kv_blocks: u64,
 ) -> LoadMetrics {
     let used = (load.usage.clamp(0.0, 1.0) * total_kv_blocks as f64).round() as u64;
@@ -241,7 +241,7 @@ mod tests {
 
     #[test]
     fn usage_is_scaled_by_the_ranks_capacity() {
-        let load = RankLoad {
+        let load = ScrapedRankLoad {
             running: 3.0,
             waiting: 2.0,
             usage: 0.25,

@@ -48,7 +48,7 @@ fn rank(s: &Sample<'_>) -> DpRank {
 
 /// Load figures of one rank read from a metrics page.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct RankLoad {
+pub struct ScrapedRankLoad {
     /// Requests running.
     pub running: f64,
     /// Requests waiting.
@@ -59,18 +59,18 @@ pub struct RankLoad {
 
 /// Parses a page into per-rank load. Several samples of one metric and rank (other
 /// labels, e.g. `model_name`) are summed.
-pub fn parse_metrics(page: &str) -> BTreeMap<DpRank, RankLoad> {
-    let mut out: BTreeMap<DpRank, RankLoad> = BTreeMap::new();
+pub fn parse_metrics(page: &str) -> BTreeMap<DpRank, ScrapedRankLoad> {
+    let mut out: BTreeMap<DpRank, ScrapedRankLoad> = BTreeMap::new();
     for s in samples(page) {
-        let slot: fn(&mut RankLoad) -> &mut f64 = match s.name {
+        let slot: fn(&mut ScrapedRankLoad) -> &mut f64 = match s.name {
             "vllm:num_requests_running" | "sglang:num_running_reqs" => {
-                |l: &mut RankLoad| &mut l.running
+                |l: &mut ScrapedRankLoad| &mut l.running
             }
             "vllm:num_requests_waiting" | "sglang:num_queue_reqs" => {
-                |l: &mut RankLoad| &mut l.waiting
+                |l: &mut ScrapedRankLoad| &mut l.waiting
             }
             "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" | "sglang:token_usage" => {
-                |l: &mut RankLoad| &mut l.usage
+                |l: &mut ScrapedRankLoad| &mut l.usage
             }
             _ => continue,
         };
@@ -188,7 +188,7 @@ garbage line
         let loads = parse_metrics(VLLM);
         assert_eq!(
             loads[&DpRank(0)],
-            RankLoad {
+            ScrapedRankLoad {
                 running: 3.0,
                 waiting: 2.0,
                 usage: 0.25

@@ -7,7 +7,7 @@
 //! `http://gw/engine-3/metrics` and `…/v1/models`); a `--metrics-url` with no path
 //! reads `/metrics`.
 
-use crate::Error;
+use crate::RelayError;
 use crate::config::invalid;
 use crate::models::ModelsEndpoint;
 use std::path::Path;
@@ -46,7 +46,7 @@ impl ScrapeConfig {
 }
 
 /// An `http://` or `https://` URL with a host.
-fn web_url(text: &str, field: &'static str) -> Result<Url, Error> {
+fn web_url(text: &str, field: &'static str) -> Result<Url, RelayError> {
     let url = Url::parse(text.trim()).map_err(|e| invalid(field, format!("{text:?}: {e}")))?;
     if !matches!(url.scheme(), "http" | "https") || url.host().is_none() {
         return Err(invalid(
@@ -69,14 +69,14 @@ fn below(base: &Url, rest: &str) -> Url {
 /// `--engine-url`; `None` when neither is given.
 ///
 /// # Errors
-/// [`Error::Invalid`] naming the flag: a URL that is not `http://` or `https://`, a
+/// [`RelayError::Invalid`] naming the flag: a URL that is not `http://` or `https://`, a
 /// zero period, an unreadable CA file or one with no certificate.
 pub fn from_flags(
     metrics_url: Option<&str>,
     engine_url: Option<&str>,
     interval_ms: u64,
     tls_ca: Option<&Path>,
-) -> Result<Option<ScrapeConfig>, Error> {
+) -> Result<Option<ScrapeConfig>, RelayError> {
     let engine = engine_url.map(|u| web_url(u, "engine-url")).transpose()?;
     let url = match (metrics_url, &engine) {
         (Some(text), _) => {

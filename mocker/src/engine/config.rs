@@ -15,7 +15,7 @@ use std::time::Duration;
 
 /// Why an engine service configuration is unusable.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum ConfigError {
+pub enum EngineConfigError {
     /// A knob of the engine model itself.
     #[error(transparent)]
     Model(#[from] ModelConfigError),
@@ -106,15 +106,15 @@ impl FleetArgs {
     /// The worker ids, in order.
     ///
     /// # Errors
-    /// [`ConfigError`] for zero workers, zero dp ranks or an id overflow.
-    pub fn worker_ids(&self) -> Result<Vec<WorkerId>, ConfigError> {
+    /// [`EngineConfigError`] for zero workers, zero dp ranks or an id overflow.
+    pub fn worker_ids(&self) -> Result<Vec<WorkerId>, EngineConfigError> {
         if self.workers == 0 {
-            return Err(ConfigError::NoWorkers);
+            return Err(EngineConfigError::NoWorkers);
         }
         if self.dp_size == 0 {
-            return Err(ConfigError::ZeroDpSize);
+            return Err(EngineConfigError::ZeroDpSize);
         }
-        let overflow = ConfigError::WorkerIdOverflow {
+        let overflow = EngineConfigError::WorkerIdOverflow {
             first: self.first_worker_id,
             workers: self.workers,
         };
@@ -161,16 +161,16 @@ impl RuntimeArgs {
     /// Checks the pacing knobs.
     ///
     /// # Errors
-    /// [`ConfigError`] naming the first bad knob.
-    pub fn validate(&self) -> Result<(), ConfigError> {
+    /// [`EngineConfigError`] naming the first bad knob.
+    pub fn validate(&self) -> Result<(), EngineConfigError> {
         if !(self.time_scale.is_finite() && self.time_scale > 0.0) {
-            return Err(ConfigError::BadTimeScale(self.time_scale));
+            return Err(EngineConfigError::BadTimeScale(self.time_scale));
         }
         if self.lease_ttl_secs < 2 {
-            return Err(ConfigError::LeaseTtlTooShort(self.lease_ttl_secs));
+            return Err(EngineConfigError::LeaseTtlTooShort(self.lease_ttl_secs));
         }
         if self.metrics_interval_ms == 0 {
-            return Err(ConfigError::ZeroMetricsInterval);
+            return Err(EngineConfigError::ZeroMetricsInterval);
         }
         Ok(())
     }
@@ -220,7 +220,7 @@ mod tests {
         };
         assert!(matches!(
             f.worker_ids(),
-            Err(ConfigError::WorkerIdOverflow { .. })
+            Err(EngineConfigError::WorkerIdOverflow { .. })
         ));
     }
 

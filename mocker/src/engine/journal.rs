@@ -22,9 +22,9 @@ use tracing::warn;
 
 /// One worker's journal, shared by its ranks and its recovery handler.
 #[derive(Debug, Clone)]
-pub(super) struct SharedJournal(Arc<Mutex<EventJournal>>);
+pub(super) struct WorkerJournal(Arc<Mutex<EventJournal>>);
 
-impl SharedJournal {
+impl WorkerJournal {
     /// Wraps a fresh journal.
     pub fn new(journal: EventJournal) -> Self {
         Self(Arc::new(Mutex::new(journal)))
@@ -45,7 +45,7 @@ impl SharedJournal {
 /// Answers one recovery request: the reply chunks go, in order, to the request's
 /// reply inbox through the outbox. A request without a reply subject is logged and
 /// dropped; a malformed one gets an `error` chunk.
-pub(super) fn answer(journal: &SharedJournal, outbox: &Outbox, msg: Message) {
+pub(super) fn answer(journal: &WorkerJournal, outbox: &Outbox, msg: Message) {
     let Some(reply) = msg.reply else {
         warn!(subject = %msg.subject, "recovery request without a reply subject dropped");
         return;

@@ -39,8 +39,8 @@ mod service;
 pub mod vllm;
 mod worker;
 
-pub use self::config::{ConfigError, ConnectionArgs, FleetArgs, RuntimeArgs};
-pub use self::http::HttpArgs;
+pub use self::config::{ConnectionArgs, EngineConfigError, FleetArgs, RuntimeArgs};
+pub use self::http::EngineHttpArgs;
 pub use self::service::{EnginesHandle, READY_LINE, ServiceError, spawn_engines};
 pub use self::vllm::{KvEventsArgs, KvEventsMode, RankEndpoints};
 
@@ -68,7 +68,7 @@ pub struct EngineArgs {
     pub runtime: RuntimeArgs,
     /// The per-worker OpenAI HTTP servers (address, model directory).
     #[command(flatten)]
-    pub http: HttpArgs,
+    pub http: EngineHttpArgs,
     /// Where KV events go: NATS, or vLLM's ZMQ wire for `kv-router relay`.
     #[command(flatten)]
     pub kv_events: KvEventsArgs,

@@ -10,14 +10,14 @@
 //! each other, either way, while the CPU keeps up. When the core is idle the loop parks
 //! on a [`Notify`] until a request arrives — no polling. All publication happens under
 //! the rank's lock via the ordered [`Outbox`]; event ids come from the worker's
-//! [`SharedJournal`], which keeps them gap-free and in order per (worker, dp_rank) and
+//! [`WorkerJournal`], which keeps them gap-free and in order per (worker, dp_rank) and
 //! remembers the events for recovery requests.
 //!
 //! Cost: one short lock per request, per step and per metrics sample; no allocation
 //! beyond the step's outputs.
 
 use super::config::RuntimeArgs;
-use super::journal::SharedJournal;
+use super::journal::WorkerJournal;
 use super::outbox::Outbox;
 use super::progress::{Progress, Reply};
 use super::vllm::{self, VllmPublisher};
@@ -58,7 +58,7 @@ pub(super) const NEEDS_TOKEN_IDS: &str =
 
 /// Mutable state of one rank, guarded by [`Rank::lock`].
 #[derive(Debug)]
-pub(super) struct RankState {
+pub(super) struct EngineRankState {
     core: EngineCore,
     /// Reply destination of every accepted request whose `finished` is not yet sent.
     replies: HashMap<RequestId, Reply>,
@@ -68,7 +68,7 @@ pub(super) struct RankState {
     held: Vec<KvCacheEventData>,
 }
 
-impl RankState {
+impl EngineRankState {
     /// Requests accepted whose `finished` has not been published yet (waiting, running,
     /// or done in a step whose outputs are still being timed).
     pub fn in_flight(&self) -> u64 {
@@ -96,7 +96,7 @@ pub(super) enum RankSink {
         /// The ordered NATS publication path.
         outbox: Outbox,
         /// The worker's KV event journal.
-        journal: SharedJournal,
+        journal: WorkerJournal,
         /// `{ns}.kv.events.{worker_id}`.
         kv_subject: String,
         /// `{ns}.load.metrics.{worker_id}`.
@@ -127,7 +127,7 @@ pub(super) fn clear_all(ranks: &[std::sync::Arc<Rank>]) -> ClearReply {
 #[derive(Debug)]
 pub(super) struct Rank {
     id: WorkerRank,
-    state: Mutex<RankState>,
+    state: Mutex<EngineRankState>,
     notify: Notify,
     sink: RankSink,
 }
@@ -137,7 +137,7 @@ impl Rank {
     pub fn new(id: WorkerRank, core: EngineCore, sink: RankSink) -> Self {
         Self {
             id,
-            state: Mutex::new(RankState {
+            state: Mutex::new(EngineRankState {
                 core,
                 replies: HashMap::new(),
                 accepting: true,
@@ -159,7 +159,7 @@ impl Rank {
 
     /// Locks the rank state. A poisoned lock (a panic elsewhere while holding it) is
     /// recovered: the state is plain data and stays consistent between statements.
-    pub fn lock(&self) -> MutexGuard<'_, RankState> {
+    pub fn lock(&self) -> MutexGuard<'_, EngineRankState> {
         self.state
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -246,7 +246,7 @@ impl Rank {
     /// once in NATS mode; in vLLM mode with the next engine step, as vLLM publishes
     /// `AllBlocksCleared`. Returns false (changing nothing) if the rank has requests
     /// in flight.
-    pub fn clear_locked(&self, st: &mut RankState) -> bool {
+    pub fn clear_locked(&self, st: &mut EngineRankState) -> bool {
         if st.in_flight() > 0 {
             return false;
         }
@@ -392,7 +392,7 @@ impl Rank {
     /// rank's lock held, so batches go out in order.
     fn publish_events(
         &self,
-        st: &mut RankState,
+        st: &mut EngineRankState,
         events: Vec<KvCacheEventData>,
         block_tokens: &HashMap<ExternalBlockHash, Vec<u32>>,
     ) {

@@ -12,9 +12,9 @@
 //! is gone still exit.
 
 use super::EngineArgs;
-use super::config::ConfigError;
-use super::http::{self, HttpArgs, HttpState, WorkerHttp};
-use super::journal::SharedJournal;
+use super::config::EngineConfigError;
+use super::http::{self, EngineHttpArgs, EngineHttpState, WorkerHttp};
+use super::journal::WorkerJournal;
 use super::outbox::Outbox;
 use super::rank::{Rank, RankSink};
 use super::vllm::{BindError, KvEventsMode, RankEndpoints, VllmPublisher};
@@ -27,7 +27,7 @@ use kv_cluster::lease::WorkerLease;
 use kv_events::discovery::WorkerRegistration;
 use kv_events::journal::{EventJournal, JournalConfig};
 use kv_events::{DpRank, Subjects, WorkerId, WorkerRank};
-use kv_tokenizer::{Limits, ModelTokenizer, TokenizerError};
+use kv_tokenizer::{ModelTokenizer, TokenizerError, TokenizerLimits};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::task::{JoinHandle, JoinSet};
@@ -42,7 +42,7 @@ pub const READY_LINE: &str = "kv-mocker engines ready";
 pub enum ServiceError {
     /// A flag is out of range.
     #[error("invalid engine configuration: {0}")]
-    Config(#[from] ConfigError),
+    Config(#[from] EngineConfigError),
     /// The NATS or etcd flags are invalid, or a server could not be reached.
     #[error(transparent)]
     Cluster(#[from] kv_cluster::Error),
@@ -149,7 +149,7 @@ pub async fn spawn_engines(
     args: EngineArgs,
     shutdown: CancellationToken,
 ) -> Result<EnginesHandle, ServiceError> {
-    args.model.validate().map_err(ConfigError::from)?;
+    args.model.validate().map_err(EngineConfigError::from)?;
     args.runtime.validate()?;
     let worker_ids = args.fleet.worker_ids()?;
     let shutdown_timeout = args.runtime.shutdown.budget()?;
@@ -280,7 +280,7 @@ async fn start_worker(
     tasks: &mut JoinSet<()>,
     inner: &CancellationToken,
 ) -> Result<(Vec<Arc<Rank>>, String, Vec<RankEndpoints>), ServiceError> {
-    let journal = SharedJournal::new(EventJournal::new(
+    let journal = WorkerJournal::new(EventJournal::new(
         worker_id,
         epoch,
         JournalConfig::default(),
@@ -290,7 +290,7 @@ async fn start_worker(
     for dp in 0..args.fleet.dp_size {
         let core = EngineCore::new(args.model, TimingModel::default())
             .and_then(|core| core.with_cpu_tier(args.cpu_tier))
-            .map_err(ConfigError::from)?;
+            .map_err(EngineConfigError::from)?;
         let sink = match cluster {
             Some(cluster) => RankSink::Nats {
                 outbox: cluster.outbox.clone(),
@@ -388,7 +388,7 @@ fn load_tokenizer(args: &EngineArgs) -> Result<Option<Arc<ModelTokenizer>>, Serv
     let max_len = args
         .http
         .max_model_len_or_cache(args.model.block_size, args.model.num_gpu_blocks);
-    let limits = Limits {
+    let limits = TokenizerLimits {
         max_prompt_bytes: http::MAX_BODY_BYTES,
         max_prompt_tokens: usize::try_from(max_len).unwrap_or(usize::MAX),
     };
@@ -398,7 +398,7 @@ fn load_tokenizer(args: &EngineArgs) -> Result<Option<Arc<ModelTokenizer>>, Serv
 /// Binds worker `index`'s listener (`--http-port` + index, or ephemeral), spawns its
 /// server until `shutdown` and returns its base URL.
 async fn serve_http(
-    args: &HttpArgs,
+    args: &EngineHttpArgs,
     index: usize,
     worker: WorkerHttp,
     tasks: &mut JoinSet<()>,
@@ -408,7 +408,7 @@ async fn serve_http(
         0 => Some(0),
         base => u16::try_from(index).ok().and_then(|i| base.checked_add(i)),
     }
-    .ok_or(ConfigError::HttpPortOverflow {
+    .ok_or(EngineConfigError::HttpPortOverflow {
         base: args.http_port,
         workers: index + 1,
     })?;
@@ -428,7 +428,10 @@ async fn serve_http(
         .unwrap_or(&args.http_host);
     let url = format!("http://{}:{}", bracket_v6(host), local.port());
     let limits = args.limits();
-    let router = http::router(Arc::new(HttpState::new(args, worker)?), args.vllm_dev_mode);
+    let router = http::router(
+        Arc::new(EngineHttpState::new(args, worker)?),
+        args.vllm_dev_mode,
+    );
     tasks.spawn(async move {
         // Small SSE writes go out at once (no Nagle wait for a delayed ACK).
         let listener = listener.tap_io(|tcp| {

@@ -7,7 +7,7 @@
 //! Clear requests lock every rank at once so the cache is dropped only if the whole
 //! worker is idle. Cost: one msgpack decode per message.
 
-use super::journal::{self, SharedJournal};
+use super::journal::{self, WorkerJournal};
 use super::outbox::Outbox;
 use super::rank::Rank;
 use crate::protocol::{ClearReply, GenerateRequest, GenerateResponse};
@@ -24,7 +24,7 @@ pub(super) struct Worker {
     id: WorkerId,
     ranks: Vec<Arc<Rank>>,
     outbox: Outbox,
-    journal: SharedJournal,
+    journal: WorkerJournal,
 }
 
 impl Worker {
@@ -33,7 +33,7 @@ impl Worker {
         id: WorkerId,
         ranks: Vec<Arc<Rank>>,
         outbox: Outbox,
-        journal: SharedJournal,
+        journal: WorkerJournal,
     ) -> Self {
         Self {
             id,

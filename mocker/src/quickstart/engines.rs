@@ -20,7 +20,7 @@
 //! watch (no polling), while a relay that dies is reported at once.
 
 use super::relay::{RelayTarget, relay_args};
-use super::stack::{Binaries, Stack, child_command};
+use super::stack::{Binaries, StartedProcesses, child_command};
 use super::{ENGINES_READY, QuickstartArgs, READY_TIMEOUT, progress};
 use crate::replay::ReplayTarget;
 use anyhow::{Context, anyhow, bail};
@@ -49,7 +49,7 @@ const FIRST_WORKER_ID: u64 = 1;
 /// free port block; etcd unreadable.
 pub(super) async fn start(
     args: &QuickstartArgs,
-    stack: &mut Stack,
+    stack: &mut StartedProcesses,
     binaries: &Binaries,
     connection: &[&str],
     target: &ReplayTarget,
@@ -120,7 +120,7 @@ pub(super) async fn start(
 /// retrying on a port taken meanwhile; returns the block's first port.
 async fn start_vllm_engines(
     args: &QuickstartArgs,
-    stack: &mut Stack,
+    stack: &mut StartedProcesses,
     binaries: &Binaries,
     model: &[String],
 ) -> anyhow::Result<u16> {

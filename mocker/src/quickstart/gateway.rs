@@ -1,7 +1,7 @@
 //! The quickstart's request path: `kv-router gateway` in front of the mock engines,
 //! and the gateway's own account of where the time before the first token went.
 
-use super::stack::{Binaries, Stack, child_command};
+use super::stack::{Binaries, StartedProcesses, child_command};
 use super::{READY_TIMEOUT, progress};
 use crate::engine::http::DEFAULT_MODEL_NAME;
 use crate::replay::http::GatewayTarget;
@@ -18,7 +18,7 @@ pub(super) const GATEWAY_HEADER: [&str; 5] =
 /// Starts the gateway on a free loopback port. The prompts are token ids, so it needs
 /// no model files: `--tokenize-via engine` would only be used for text.
 pub(super) async fn start(
-    stack: &mut Stack,
+    stack: &mut StartedProcesses,
     binaries: &Binaries,
     connection: &[&str],
 ) -> anyhow::Result<GatewayTarget> {

@@ -34,7 +34,7 @@ use engine_model::trace::{self, BUNDLED_EXCERPT_NAME, BlockMapping};
 use gateway::{GATEWAY_HEADER, GatewayTotals};
 use kv_events::Namespace;
 use kv_events::routing::PolicyKind;
-use stack::{Binaries, Stack, child_command};
+use stack::{Binaries, StartedProcesses, child_command};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 use testbed::{EtcdServer, NatsServer, ProcessError};
@@ -136,7 +136,7 @@ pub async fn run(args: QuickstartArgs) -> anyhow::Result<()> {
     let logs = logs_dir(&args.out);
     progress(&format!("logs of every process go to {}/", logs.display()));
 
-    let mut stack = Stack::new(logs);
+    let mut stack = StartedProcesses::new(logs);
     let result = tokio::select! {
         result = run_stack(&args, &trace, &trace_name, &binaries, &mut stack) => result,
         () = kv_cluster::process::shutdown_signal() => Err(anyhow!("interrupted by Ctrl-C or SIGTERM")),
@@ -203,7 +203,7 @@ async fn run_stack(
     trace: &[trace::TraceRequest],
     trace_name: &str,
     binaries: &Binaries,
-    stack: &mut Stack,
+    stack: &mut StartedProcesses,
 ) -> anyhow::Result<()> {
     let nats = stack.nats.insert(NatsServer::start().await?);
     nats.log_to(&stack.logs.join("nats.log"))?;

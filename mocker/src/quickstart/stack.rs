@@ -59,7 +59,7 @@ pub(super) fn child_command(program: &Path) -> Command {
 }
 
 /// What the quickstart has started so far; stopped in reverse order.
-pub(super) struct Stack {
+pub(super) struct StartedProcesses {
     /// Where every child's log goes.
     pub(super) logs: PathBuf,
     pub(super) nats: Option<NatsServer>,
@@ -68,7 +68,7 @@ pub(super) struct Stack {
     children: Vec<ManagedProcess>,
 }
 
-impl Stack {
+impl StartedProcesses {
     pub(super) fn new(logs: PathBuf) -> Self {
         Self {
             logs,
@@ -150,7 +150,7 @@ impl Stack {
     /// then etcd and nats, each gracefully; errors are reported and do not stop the
     /// rest.
     pub(super) async fn shutdown(self) {
-        let Stack {
+        let StartedProcesses {
             nats,
             etcd,
             children,

@@ -30,7 +30,7 @@ pub use report::{PolicyReport, ReplayReport, RequestOutcome, RouteFailure};
 
 use crate::replay::http::GatewayTarget;
 use crate::replay::progress::PassProgress;
-use engine_model::trace::{self, BlockMapping, BlockSizeMismatch, TraceError, TraceRequest};
+use engine_model::trace::{self, BlockMapping, TraceBlockSizeMismatch, TraceError, TraceRequest};
 use kv_events::discovery::WorkerRegistration;
 use kv_events::routing::PolicyKind;
 use kv_events::{Namespace, RequestId, Subjects, WorkerId};
@@ -76,7 +76,7 @@ pub enum ReplayError {
     },
     /// The workers' block size cannot be mapped onto the trace's 512-token blocks.
     #[error(transparent)]
-    BlockSize(#[from] BlockSizeMismatch),
+    BlockSize(#[from] TraceBlockSizeMismatch),
     /// Registered workers disagree on the block size, so one prompt hashing cannot
     /// serve them all.
     #[error("workers disagree on the block size: {first} and {other} tokens")]

@@ -31,7 +31,7 @@ pub mod index;
 mod recovery;
 mod scheduling;
 
-pub(crate) use crate::http::config::HttpConfig;
+pub(crate) use crate::http::config::DaemonHttpConfig;
 use clap::Args;
 pub use error::ConfigError;
 pub(crate) use kv_cluster::args::{EtcdArgs, NatsArgs};
@@ -56,7 +56,7 @@ pub struct ServeArgs {
     /// HTTP endpoint: listen addresses (main and `/debug`), header-read timeout,
     /// connection cap.
     #[command(flatten)]
-    pub http: crate::http::HttpArgs,
+    pub http: crate::http::DaemonHttpArgs,
     /// etcd endpoints and connect timeout (shared with `relay`).
     #[command(flatten)]
     pub etcd: EtcdArgs,
@@ -124,7 +124,7 @@ pub struct DaemonConfig {
     /// NATS connection.
     pub nats: NatsConfig,
     /// HTTP endpoint.
-    pub http: HttpConfig,
+    pub http: DaemonHttpConfig,
     /// etcd connection.
     pub etcd: EtcdConfig,
     /// Routing service.

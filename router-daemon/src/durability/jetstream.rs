@@ -261,7 +261,7 @@ pub(crate) struct Restored {
     pub start: JetStreamStart,
     path: JetStreamPath,
     consumer: consumer::PullConsumer,
-    door: crate::intake::EventIntake,
+    door: crate::intake::IntakeParts,
 }
 
 /// Loads the latest snapshot into the indexer and creates the consumer that
@@ -272,7 +272,7 @@ pub(crate) struct Restored {
 pub(crate) async fn restore(
     state: &RouterState,
     path: JetStreamPath,
-    door: crate::intake::EventIntake,
+    door: crate::intake::IntakeParts,
 ) -> Result<Restored, JetStreamError> {
     let started = Instant::now();
     let loaded = path.load_snapshot().await?;

@@ -135,8 +135,8 @@ pub(crate) enum EventIntake {
 
 /// What every KV event intake needs: the indexer, counters, limits, the registered
 /// publishers and the hold (`crate::intake::EventDoor`).
-fn door_parts(config: &DurabilityConfig, state: &RouterState) -> crate::intake::EventIntake {
-    crate::intake::EventIntake {
+fn door_parts(config: &DurabilityConfig, state: &RouterState) -> crate::intake::IntakeParts {
+    crate::intake::IntakeParts {
         indexer: state.indexer.clone(),
         counters: state.counters.clone(),
         limits: state.limits,

@@ -1,4 +1,4 @@
-//! The `[http]` flags of `kv-router serve` and the [`HttpConfig`] they validate into.
+//! The `[http]` flags of `kv-router serve` and the [`DaemonHttpConfig`] they validate into.
 //!
 //! Default binds, and why:
 //! - `--http-listen 0.0.0.0:9090`: `/metrics` and `/health/*` are read from outside
@@ -64,7 +64,7 @@ impl std::fmt::Display for DebugListen {
 
 /// The `[http]` flags of `kv-router serve`.
 #[derive(Debug, Clone, Args)]
-pub struct HttpArgs {
+pub struct DaemonHttpArgs {
     /// Address of the HTTP endpoint (/metrics, /health/livez, /health/readyz), or
     /// `off`. Every interface by default: Prometheus and health probes come from
     /// outside the pod.
@@ -107,7 +107,7 @@ pub struct HttpArgs {
 
 /// Settings of the HTTP endpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct HttpConfig {
+pub struct DaemonHttpConfig {
     /// Listen address (`off`: no endpoint). Default `0.0.0.0:9090`.
     pub listen: ListenAddr,
     /// Where `/debug/*` is served. Default `127.0.0.1:9095`.
@@ -116,10 +116,10 @@ pub struct HttpConfig {
     pub limits: ServerLimits,
 }
 
-impl HttpArgs {
+impl DaemonHttpArgs {
     /// The endpoint's settings (every value was checked when it was parsed).
-    pub(crate) fn to_config(&self) -> HttpConfig {
-        HttpConfig {
+    pub(crate) fn to_config(&self) -> DaemonHttpConfig {
+        DaemonHttpConfig {
             listen: self.http_listen,
             debug: self.http_debug_listen,
             limits: ServerLimits::from_flags(
@@ -151,7 +151,7 @@ mod tests {
     #[test]
     fn defaults_and_zero_limits() {
         let args =
-            kv_cluster::args::parse_flags::<HttpArgs, _, _>(["kv-router"]).expect("no flags");
+            kv_cluster::args::parse_flags::<DaemonHttpArgs, _, _>(["kv-router"]).expect("no flags");
         let config = args.to_config();
         assert_eq!(config.listen.to_string(), "0.0.0.0:9090");
         assert_eq!(config.debug.to_string(), "127.0.0.1:9095");
@@ -159,7 +159,8 @@ mod tests {
         assert_eq!(config.limits.max_connections.get(), 256);
         for flag in ["--http-max-connections", "--http-header-read-timeout-ms"] {
             assert!(
-                kv_cluster::args::parse_flags::<HttpArgs, _, _>(["kv-router", flag, "0"]).is_err(),
+                kv_cluster::args::parse_flags::<DaemonHttpArgs, _, _>(["kv-router", flag, "0"])
+                    .is_err(),
                 "{flag} 0 is refused"
             );
         }

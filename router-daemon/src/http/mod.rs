@@ -15,18 +15,18 @@
 //!
 //! Every listener is served by [`kv_cluster::http::serve`]: a header-read timeout that
 //! also bounds idle keep-alive connections, and a connection cap
-//! ([`HttpConfig::limits`]). The client side (`kv-router probe`, tests) is
+//! ([`DaemonHttpConfig::limits`]). The client side (`kv-router probe`, tests) is
 //! [`kv_cluster::http::get_text`].
 //!
 //! # Layout
 //! - this file: the main routes and the running [`HttpServer`].
-//! - [`config`]: the `[http]` flags ([`HttpArgs`]) and [`HttpConfig`].
+//! - [`config`]: the `[http]` flags ([`DaemonHttpArgs`]) and [`DaemonHttpConfig`].
 //! - [`workers`]: the `/debug/workers` view and its routes.
 
 pub(crate) mod config;
 pub(crate) mod workers;
 
-pub(crate) use config::{DebugListen, HttpArgs};
+pub(crate) use config::{DaemonHttpArgs, DebugListen};
 pub(crate) use workers::debug_app;
 
 use crate::health::Readiness;

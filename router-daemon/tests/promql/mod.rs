@@ -91,13 +91,16 @@ pub fn expressions(yaml: &str) -> Vec<String> {
 
 /// A metric reference in an expression: its exported name, the labels its selector
 /// uses, and whether it is a histogram's `_bucket` series (which adds `le`).
-pub struct Reference {
+pub struct MetricReference {
     pub name: String,
     pub labels: Vec<String>,
     pub bucket: bool,
 }
 
-pub fn references(expr: &str, exported: &BTreeMap<String, BTreeSet<String>>) -> Vec<Reference> {
+pub fn references(
+    expr: &str,
+    exported: &BTreeMap<String, BTreeSet<String>>,
+) -> Vec<MetricReference> {
     let is_name = |c: char| c.is_ascii_alphanumeric() || c == '_';
     let mut found = Vec::new();
     let mut rest = expr;
@@ -135,7 +138,7 @@ pub fn references(expr: &str, exported: &BTreeMap<String, BTreeSet<String>>) -> 
                     .collect()
             })
             .unwrap_or_default();
-        found.push(Reference {
+        found.push(MetricReference {
             name,
             labels,
             bucket,

@@ -9,7 +9,7 @@ const FONT: &[u8] = include_bytes!("../../../lab/assets/DejaVuSansMono.ttf");
 const FAMILY: &str = "sans-serif";
 
 /// One sample of the soak.
-pub struct Row {
+pub struct SoakSample {
     /// Seconds since the start.
     pub t_s: f64,
     /// The daemon's resident set, in MiB.
@@ -30,7 +30,7 @@ pub struct Row {
     pub index_blocks: f64,
 }
 
-impl Row {
+impl SoakSample {
     /// The row as a CSV line (no newline).
     pub fn csv(&self) -> String {
         format!(
@@ -56,12 +56,12 @@ fn chart_error(e: impl std::fmt::Display) -> anyhow::Error {
 ///
 /// # Errors
 /// When the font cannot be registered or the PNG cannot be drawn or written.
-pub fn draw(rows: &[Row], path: &Path) -> anyhow::Result<()> {
+pub fn draw(rows: &[SoakSample], path: &Path) -> anyhow::Result<()> {
     register_font(FAMILY, FontStyle::Normal, FONT).map_err(|_| chart_error("bad bundled font"))?;
     let root = BitMapBackend::new(path, (900, 700)).into_drawing_area();
     root.fill(&WHITE).map_err(chart_error)?;
     let panels = root.split_evenly((2, 1));
-    let minutes = |r: &Row| r.t_s / 60.0;
+    let minutes = |r: &SoakSample| r.t_s / 60.0;
     let t_max = rows.last().map_or(1.0, minutes).max(1.0);
     let finite = |v: f64| if v.is_finite() { v } else { 0.0 };
 
@@ -108,8 +108,12 @@ pub fn draw(rows: &[Row], path: &Path) -> anyhow::Result<()> {
         .draw()
         .map_err(chart_error)?;
     for (label, color, pick) in [
-        ("p99", RED, (|r: &Row| r.route_p99_ms) as fn(&Row) -> f64),
-        ("p50", GREEN, |r: &Row| r.route_p50_ms),
+        (
+            "p99",
+            RED,
+            (|r: &SoakSample| r.route_p99_ms) as fn(&SoakSample) -> f64,
+        ),
+        ("p50", GREEN, |r: &SoakSample| r.route_p50_ms),
     ] {
         bottom
             .draw_series(LineSeries::new(

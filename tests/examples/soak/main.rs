@@ -322,7 +322,7 @@ async fn main() -> anyhow::Result<()> {
             };
             let histogram = latencies(lat.iter().map(|&us| Duration::from_micros(us)));
             let cpu = daemon.cpu_seconds()?;
-            let row = chart::Row {
+            let row = chart::SoakSample {
                 t_s: start.elapsed().as_secs_f64(),
                 rss_mib: daemon.rss_bytes()? as f64 / f64::from(1u32 << 20),
                 cpu_cores: (cpu - last_cpu) / secs,

@@ -6,7 +6,7 @@ use integration_tests::{FakeWorker, TestCluster, register_worker};
 use kv_events::discovery::WorkerRegistration;
 use kv_events::{DpRank, WorkerId, WorkerRank, compute_block_hashes};
 use kv_gateway::{Gateway, GatewayArgs};
-use mocker::engine::{EnginesHandle, HttpArgs};
+use mocker::engine::{EngineHttpArgs, EnginesHandle};
 use router_daemon::{Daemon, ServeArgs};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -39,7 +39,7 @@ pub async fn openai_python(script: &str) -> (PathBuf, PathBuf) {
 }
 
 /// The mock engines of a [`Stack`].
-pub struct Engines {
+pub struct StackEngines {
     /// How many, one worker each.
     pub workers: u32,
     /// Their speed over real time.
@@ -79,7 +79,7 @@ impl Stack {
         adjust: impl FnOnce(&mut ServeArgs),
         gateway_flags: &[&str],
     ) -> Self {
-        let engines = Engines {
+        let engines = StackEngines {
             workers,
             time_scale,
             max_model_len: None,
@@ -93,11 +93,11 @@ impl Stack {
     /// only (no `--max-prompt-tokens` unless given), on `cluster`.
     pub async fn start_with(
         cluster: TestCluster,
-        engines: Engines,
+        engines: StackEngines,
         adjust: impl FnOnce(&mut ServeArgs),
         gateway_flags: &[&str],
     ) -> Self {
-        let Engines {
+        let StackEngines {
             workers,
             time_scale,
             max_model_len,
@@ -108,11 +108,11 @@ impl Stack {
             max_num_seqs: 16,
             max_num_batched_tokens: 2048,
         };
-        let http = HttpArgs {
+        let http = EngineHttpArgs {
             model_dir: Some(model_dir()),
             served_model_name: MODEL.into(),
             max_model_len,
-            ..HttpArgs::default()
+            ..EngineHttpArgs::default()
         };
         let engines = cluster
             .spawn_engines(workers, model, time_scale, http)

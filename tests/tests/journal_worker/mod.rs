@@ -247,7 +247,7 @@ impl JournalWorker {
 
     /// Publishes chain `i` (and every 3rd time, removes an older one) every
     /// `period` until stopped: a steady event flow.
-    pub fn flow(&self, dp: DpRank, period: Duration) -> Flow {
+    pub fn flow(&self, dp: DpRank, period: Duration) -> EventFlow {
         let (stop, mut stopped) = oneshot::channel::<()>();
         let (journal, nats, subjects, id) = (
             self.journal.clone(),
@@ -282,7 +282,7 @@ impl JournalWorker {
             }
             published
         });
-        Flow { stop, task }
+        EventFlow { stop, task }
     }
 }
 
@@ -322,12 +322,12 @@ async fn publish(
 }
 
 /// A running event flow.
-pub struct Flow {
+pub struct EventFlow {
     stop: oneshot::Sender<()>,
     task: JoinHandle<u64>,
 }
 
-impl Flow {
+impl EventFlow {
     /// Stops the flow; returns the batches it published.
     pub async fn stop(self) -> u64 {
         let _ = self.stop.send(());

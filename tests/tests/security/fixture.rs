@@ -7,7 +7,7 @@ use futures::StreamExt;
 use integration_tests::security::{ENGINES, ROUTER, SecureCluster, violation};
 use kv_events::routing::{PolicyKind, Prompt, RouteDecision, RouteReply, RouteRequest};
 use kv_events::{DpRank, WorkerId, decode, encode};
-use mocker::engine::{ConnectionArgs, FleetArgs, HttpArgs};
+use mocker::engine::{ConnectionArgs, EngineHttpArgs, FleetArgs};
 use router_daemon::{Daemon, DaemonConfig, ServeArgs};
 use std::time::Duration;
 
@@ -49,10 +49,10 @@ pub(crate) async fn secure_engines(cluster: &SecureCluster) -> mocker::engine::E
         first_worker_id: 1,
         dp_size: 1,
     };
-    let http = HttpArgs {
+    let http = EngineHttpArgs {
         model_dir: Some(model_dir()),
         served_model_name: "tiny".into(),
-        ..HttpArgs::default()
+        ..EngineHttpArgs::default()
     };
     integration_tests::spawn_mock_engines(connection, fleet, model(), 50.0, http)
         .await

@@ -29,7 +29,7 @@ mod ours;
 mod run;
 mod trace;
 
-use bench_workload::{EngineHashes, Shape, build, flood_batches, rss_bytes};
+use bench_workload::{EngineHashes, WorkloadShape, build, flood_batches, rss_bytes};
 use dynamo::Dynamo;
 use lib_api::{Front, Library};
 use ours::Ours;
@@ -96,7 +96,7 @@ fn synthetic(workers: u64, entries: u64, hashes: EngineHashes, scale: u64) -> Ca
     // Shared prefixes take at most a quarter of a worker's entries (fewer than 16
     // only in the smallest quick cases).
     let per_worker = entries / scale / workers;
-    let shape = Shape {
+    let shape = WorkloadShape {
         workers,
         entries: entries / scale,
         prefixes: (per_worker / (4 * 32)).clamp(1, 16),

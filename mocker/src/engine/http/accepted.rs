@@ -4,7 +4,7 @@
 //! below both answer modules, so neither imports the other.
 
 use super::metrics::RankCounters;
-use super::openai::ApiError;
+use super::openai::EngineApiError;
 use crate::engine::progress::Progress;
 use crate::engine::rank::Rank;
 use axum::http::StatusCode;
@@ -61,12 +61,12 @@ pub(super) struct Accepted {
     /// Stream with a final usage chunk.
     pub include_usage: bool,
     /// Which endpoint's JSON shapes the answer takes.
-    pub shape: Shape,
+    pub shape: EndpointShape,
 }
 
 /// The endpoint an answer is shaped for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Shape {
+pub(super) enum EndpointShape {
     /// `/v1/completions`: `text_completion` objects, `choices[].text`.
     Completion,
     /// `/v1/chat/completions`: `chat.completion(.chunk)` objects, `choices[].message`
@@ -75,8 +75,8 @@ pub(super) enum Shape {
 }
 
 /// A failure reported by the engine after the request was accepted.
-pub(super) fn engine_error(message: &str) -> ApiError {
-    ApiError {
+pub(super) fn engine_error(message: &str) -> EngineApiError {
+    EngineApiError {
         status: StatusCode::SERVICE_UNAVAILABLE,
         message: message.to_owned(),
     }

@@ -7,10 +7,10 @@
 //! `POST /v1/chat/completions/render` answers with, so a render's ids are exactly the
 //! ids this endpoint prefills.
 
-use super::HttpState;
-use super::accepted::{Accepted, Shape};
+use super::EngineHttpState;
+use super::accepted::{Accepted, EndpointShape};
 use super::completions::{Submission, answer, read_body, submit};
-use super::openai::{ApiError, ChatRequest, parse_json};
+use super::openai::{EngineApiError, EngineChatRequest, parse_json};
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 /// The handler.
 pub(super) async fn chat_completions(
-    State(state): State<Arc<HttpState>>,
+    State(state): State<Arc<EngineHttpState>>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
@@ -34,12 +34,12 @@ pub(super) async fn chat_completions(
 /// Renders and encodes the chat, then submits it. Returns the accepted request and
 /// whether to stream.
 fn accept(
-    state: &HttpState,
+    state: &EngineHttpState,
     headers: &HeaderMap,
     body: Result<Bytes, BytesRejection>,
-) -> Result<(Accepted, bool), ApiError> {
+) -> Result<(Accepted, bool), EngineApiError> {
     let body = read_body(body)?;
-    let req: ChatRequest = parse_json(&body)?;
+    let req: EngineChatRequest = parse_json(&body)?;
     state.check_model(req.options.model.as_deref())?;
     let tokens = prompt(state, &req)?;
     let submission = Submission {
@@ -47,7 +47,7 @@ fn accept(
         max_tokens: req.max_completion_tokens.or(req.options.max_tokens),
         body_rank: req.options.data_parallel_rank,
         include_usage: req.options.stream_options.is_some_and(|o| o.include_usage),
-        shape: Shape::Chat,
+        shape: EndpointShape::Chat,
     };
     Ok((submit(state, headers, submission)?, req.options.stream))
 }
@@ -59,7 +59,10 @@ fn accept(
 /// # Errors
 /// 400 without a tokenizer or chat template, for a template error (e.g. a role it
 /// refuses) or an encode error.
-pub(super) fn prompt(state: &HttpState, req: &ChatRequest) -> Result<Vec<u32>, ApiError> {
+pub(super) fn prompt(
+    state: &EngineHttpState,
+    req: &EngineChatRequest,
+) -> Result<Vec<u32>, EngineApiError> {
     let options = ChatOptions {
         add_generation_prompt: req.add_generation_prompt,
         tools: req
@@ -80,8 +83,8 @@ pub(super) fn prompt(state: &HttpState, req: &ChatRequest) -> Result<Vec<u32>, A
     let tokenizer = state.tokenizer()?;
     let text = tokenizer
         .render_chat(&req.messages, &options)
-        .map_err(|e| ApiError::bad_request(e.to_string()))?;
+        .map_err(|e| EngineApiError::bad_request(e.to_string()))?;
     tokenizer
         .encode(&text, req.add_special_tokens)
-        .map_err(|e| ApiError::bad_request(e.to_string()))
+        .map_err(|e| EngineApiError::bad_request(e.to_string()))
 }

@@ -11,9 +11,11 @@
 //!
 //! [`EngineCore`]: crate::engine::EngineCore
 
-use super::HttpState;
-use super::accepted::{AbortOnDrop, Accepted, CountOnDrop, Shape, engine_error};
-use super::openai::{ApiError, CompletionRequest, DEFAULT_MAX_TOKENS, Prompt, Usage, parse_json};
+use super::EngineHttpState;
+use super::accepted::{AbortOnDrop, Accepted, CountOnDrop, EndpointShape, engine_error};
+use super::openai::{
+    DEFAULT_MAX_TOKENS, EngineApiError, EngineCompletionRequest, EnginePrompt, Usage, parse_json,
+};
 use super::sse;
 use crate::engine::progress::Progress;
 use crate::engine::rank::SHUTTING_DOWN;
@@ -33,7 +35,7 @@ pub const DP_RANK_HEADER: &str = "x-data-parallel-rank";
 
 /// The handler.
 pub(super) async fn completions(
-    State(state): State<Arc<HttpState>>,
+    State(state): State<Arc<EngineHttpState>>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
@@ -44,7 +46,11 @@ pub(super) async fn completions(
 }
 
 /// Answers an accepted request: server-sent events, or one JSON once it finished.
-pub(super) async fn answer(state: Arc<HttpState>, accepted: Accepted, stream: bool) -> Response {
+pub(super) async fn answer(
+    state: Arc<EngineHttpState>,
+    accepted: Accepted,
+    stream: bool,
+) -> Response {
     if stream {
         return sse::response(state, accepted);
     }
@@ -59,7 +65,7 @@ pub(super) async fn answer(state: Arc<HttpState>, accepted: Accepted, stream: bo
                 progress.output_tokens,
             );
             let (object, choice) = match accepted.shape {
-                Shape::Completion => (
+                EndpointShape::Completion => (
                     "text_completion",
                     json!({
                         "index": 0,
@@ -69,7 +75,7 @@ pub(super) async fn answer(state: Arc<HttpState>, accepted: Accepted, stream: bo
                         "stop_reason": null,
                     }),
                 ),
-                Shape::Chat => (
+                EndpointShape::Chat => (
                     "chat.completion",
                     json!({
                         "index": 0,
@@ -96,7 +102,7 @@ pub(super) async fn answer(state: Arc<HttpState>, accepted: Accepted, stream: bo
 }
 
 /// Waits until the request finished (or failed).
-async fn wait_finished(mut rx: watch::Receiver<Progress>) -> Result<Progress, ApiError> {
+async fn wait_finished(mut rx: watch::Receiver<Progress>) -> Result<Progress, EngineApiError> {
     loop {
         {
             let p = rx.borrow_and_update();
@@ -116,12 +122,12 @@ async fn wait_finished(mut rx: watch::Receiver<Progress>) -> Result<Progress, Ap
 /// Validates the request and submits it to its rank. Returns the accepted request
 /// and whether to stream.
 fn accept(
-    state: &HttpState,
+    state: &EngineHttpState,
     headers: &HeaderMap,
     body: Result<Bytes, BytesRejection>,
-) -> Result<(Accepted, bool), ApiError> {
+) -> Result<(Accepted, bool), EngineApiError> {
     let body = read_body(body)?;
-    let req: CompletionRequest = parse_json(&body)?;
+    let req: EngineCompletionRequest = parse_json(&body)?;
     state.check_model(req.options.model.as_deref())?;
     let tokens = prompt(state, &req)?;
     let submission = Submission {
@@ -129,7 +135,7 @@ fn accept(
         max_tokens: req.options.max_tokens,
         body_rank: req.options.data_parallel_rank,
         include_usage: req.options.stream_options.is_some_and(|o| o.include_usage),
-        shape: Shape::Completion,
+        shape: EndpointShape::Completion,
     };
     Ok((submit(state, headers, submission)?, req.options.stream))
 }
@@ -140,16 +146,19 @@ fn accept(
 ///
 /// # Errors
 /// 400 for a text prompt without a tokenizer, or one the tokenizer refuses.
-pub(super) fn prompt(state: &HttpState, req: &CompletionRequest) -> Result<Vec<u32>, ApiError> {
+pub(super) fn prompt(
+    state: &EngineHttpState,
+    req: &EngineCompletionRequest,
+) -> Result<Vec<u32>, EngineApiError> {
     match &req.prompt {
-        Prompt::Tokens(ids) => Ok(ids.clone()),
-        Prompt::Text(text) => state.encode(text, req.add_special_tokens),
+        EnginePrompt::Tokens(ids) => Ok(ids.clone()),
+        EnginePrompt::Text(text) => state.encode(text, req.add_special_tokens),
     }
 }
 
 /// The body, or the extractor's rejection as an OpenAI error.
-pub(super) fn read_body(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
-    body.map_err(|rejection| ApiError {
+pub(super) fn read_body(body: Result<Bytes, BytesRejection>) -> Result<Bytes, EngineApiError> {
+    body.map_err(|rejection| EngineApiError {
         status: rejection.status(),
         message: rejection.body_text().to_lowercase(),
     })
@@ -166,15 +175,15 @@ pub(super) struct Submission {
     /// Stream a final usage chunk.
     pub include_usage: bool,
     /// The answer's shape.
-    pub shape: Shape,
+    pub shape: EndpointShape,
 }
 
 /// Checks the prompt against the context length, picks the rank and submits it.
 pub(super) fn submit(
-    state: &HttpState,
+    state: &EngineHttpState,
     headers: &HeaderMap,
     submission: Submission,
-) -> Result<Accepted, ApiError> {
+) -> Result<Accepted, EngineApiError> {
     let Submission {
         tokens,
         max_tokens,
@@ -198,12 +207,12 @@ pub(super) fn submit(
         if message == SHUTTING_DOWN {
             engine_error(&message)
         } else {
-            ApiError::bad_request(message)
+            EngineApiError::bad_request(message)
         }
     })?;
     let prefix = match shape {
-        Shape::Completion => "cmpl",
-        Shape::Chat => "chatcmpl",
+        EndpointShape::Completion => "cmpl",
+        EndpointShape::Chat => "chatcmpl",
     };
     let count = CountOnDrop {
         counters: state.metrics.rank_counters(dp_rank),
@@ -233,21 +242,21 @@ pub(super) fn submit(
 /// 400 for an empty prompt, `max_tokens` 0, or a prompt plus `max_tokens` over
 /// `--max-model-len`.
 pub(super) fn fits(
-    state: &HttpState,
+    state: &EngineHttpState,
     tokens: &[u32],
     max_tokens: Option<u64>,
-) -> Result<u64, ApiError> {
+) -> Result<u64, EngineApiError> {
     if tokens.is_empty() {
-        return Err(ApiError::bad_request("prompt is empty"));
+        return Err(EngineApiError::bad_request("prompt is empty"));
     }
     let max_tokens = max_tokens.unwrap_or(DEFAULT_MAX_TOKENS);
     if max_tokens == 0 {
-        return Err(ApiError::bad_request("max_tokens must be at least 1"));
+        return Err(EngineApiError::bad_request("max_tokens must be at least 1"));
     }
     let prompt_tokens = tokens.len() as u64;
     let total = prompt_tokens.saturating_add(max_tokens);
     if total > state.max_model_len {
-        return Err(ApiError::bad_request(format!(
+        return Err(EngineApiError::bad_request(format!(
             "this model's maximum context length is {} tokens, but {total} were requested \
              ({prompt_tokens} in the prompt, {max_tokens} to generate)",
             state.max_model_len
@@ -257,20 +266,26 @@ pub(super) fn fits(
 }
 
 /// The dp rank: vLLM's `X-data-parallel-rank` header, else SGLang's body field, else 0.
-fn dp_rank(headers: &HeaderMap, body: Option<u32>, dp_size: usize) -> Result<usize, ApiError> {
+fn dp_rank(
+    headers: &HeaderMap,
+    body: Option<u32>,
+    dp_size: usize,
+) -> Result<usize, EngineApiError> {
     let rank = match headers.get(DP_RANK_HEADER) {
         Some(value) => value
             .to_str()
             .ok()
             .and_then(|v| v.trim().parse::<u32>().ok())
             .ok_or_else(|| {
-                ApiError::bad_request(format!("{DP_RANK_HEADER} must be a non-negative integer"))
+                EngineApiError::bad_request(format!(
+                    "{DP_RANK_HEADER} must be a non-negative integer"
+                ))
             })?,
         None => body.unwrap_or(0),
     };
     let rank = rank as usize;
     if rank >= dp_size {
-        return Err(ApiError::bad_request(format!(
+        return Err(EngineApiError::bad_request(format!(
             "data parallel rank {rank} out of range (dp size {dp_size})"
         )));
     }

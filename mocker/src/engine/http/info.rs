@@ -1,8 +1,8 @@
 //! The small endpoints: `POST /tokenize`, `GET /v1/models`, `GET /metrics`,
 //! `POST /reset_prefix_cache`, `GET /health`.
 
-use super::HttpState;
-use super::openai::{ApiError, TokenizeRequest, parse_json};
+use super::EngineHttpState;
+use super::openai::{EngineApiError, TokenizeRequest, parse_json};
 use crate::protocol::ClearReply;
 use axum::body::Bytes;
 use axum::extract::State;
@@ -14,11 +14,11 @@ use std::sync::Arc;
 
 /// `POST /tokenize` (vLLM): `{"prompt": text}` → `{"tokens", "count", "max_model_len"}`.
 pub(super) async fn tokenize(
-    State(state): State<Arc<HttpState>>,
+    State(state): State<Arc<EngineHttpState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let run = || -> Result<serde_json::Value, ApiError> {
-        let body = body.map_err(|r| ApiError {
+    let run = || -> Result<serde_json::Value, EngineApiError> {
+        let body = body.map_err(|r| EngineApiError {
             status: r.status(),
             message: r.body_text().to_lowercase(),
         })?;
@@ -26,7 +26,7 @@ pub(super) async fn tokenize(
         let tokenizer = state.tokenizer()?;
         let tokens = tokenizer
             .encode(&req.prompt, req.add_special_tokens)
-            .map_err(|e| ApiError::bad_request(e.to_string()))?;
+            .map_err(|e| EngineApiError::bad_request(e.to_string()))?;
         Ok(json!({
             "tokens": tokens,
             "count": tokens.len(),
@@ -40,7 +40,7 @@ pub(super) async fn tokenize(
 }
 
 /// `GET /v1/models`: the one served model.
-pub(super) async fn models(State(state): State<Arc<HttpState>>) -> Response {
+pub(super) async fn models(State(state): State<Arc<EngineHttpState>>) -> Response {
     axum::Json(json!({
         "object": "list",
         "data": [{
@@ -63,7 +63,7 @@ pub(super) async fn health() -> StatusCode {
 }
 
 /// `GET /metrics`: Prometheus text with vLLM's names (see `metrics`).
-pub(super) async fn metrics(State(state): State<Arc<HttpState>>) -> Response {
+pub(super) async fn metrics(State(state): State<Arc<EngineHttpState>>) -> Response {
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         state.metrics.render(&state.ranks),
@@ -76,7 +76,7 @@ pub(super) async fn metrics(State(state): State<Arc<HttpState>>) -> Response {
 /// requests in flight nothing changes and the answer is 200 `{"success": false}`, as
 /// vLLM 0.32's. In vLLM mode the `AllBlocksCleared` KV event goes out with the next
 /// engine step, as vLLM's does (see `rank::Rank::clear_locked`). The body is ignored.
-pub(super) async fn reset_prefix_cache(State(state): State<Arc<HttpState>>) -> Response {
+pub(super) async fn reset_prefix_cache(State(state): State<Arc<EngineHttpState>>) -> Response {
     let success = matches!(
         crate::engine::rank::clear_all(&state.ranks),
         ClearReply::Cleared

@@ -153,7 +153,7 @@ impl EngineMetrics {
     }
 
     /// The counters of dp rank `rank`, which must be below the `dp_size` given to
-    /// [`Self::new`] (as `HttpState::ranks` is indexed: the rank is validated before).
+    /// [`Self::new`] (as `EngineHttpState::ranks` is indexed: the rank is validated before).
     pub fn rank_counters(&self, rank: usize) -> RankCounters {
         self.counters[rank].clone()
     }

@@ -42,7 +42,7 @@ use kv_cluster::http::{DEFAULT_HEADER_READ_TIMEOUT_MS, ServerLimits};
 use kv_events::WorkerId;
 use kv_tokenizer::ModelTokenizer;
 use metrics::EngineMetrics;
-use openai::ApiError;
+use openai::EngineApiError;
 use std::num::NonZeroUsize;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -58,7 +58,7 @@ pub const DEFAULT_MODEL_NAME: &str = "kv-mocker";
 
 /// Flags of the HTTP front end of `kv-mocker engines`.
 #[derive(Debug, Clone, PartialEq, Eq, clap::Args)]
-pub struct HttpArgs {
+pub struct EngineHttpArgs {
     /// Address the workers' HTTP listeners bind.
     #[arg(long, default_value = "127.0.0.1")]
     pub http_host: String,
@@ -111,7 +111,7 @@ pub const ENGINE_IDLE_TIMEOUT: Duration = Duration::from_secs(5);
 // A non-zero literal: the `expect` cannot fail (and is checked at compile time).
 pub const DEFAULT_MAX_CONNECTIONS: NonZeroUsize = NonZeroUsize::new(4096).expect("4096 is not 0");
 
-impl HttpArgs {
+impl EngineHttpArgs {
     /// The context length served, in tokens: `--max-model-len`, else one rank's whole
     /// KV cache (`num_gpu_blocks` × `block_size` tokens). Answered on `/v1/models` and
     /// registered as the worker's `max_model_len`.
@@ -130,7 +130,7 @@ impl HttpArgs {
     }
 }
 
-impl Default for HttpArgs {
+impl Default for EngineHttpArgs {
     fn default() -> Self {
         Self {
             http_host: "127.0.0.1".to_owned(),
@@ -148,7 +148,7 @@ impl Default for HttpArgs {
 
 /// What the handlers of one worker share.
 #[derive(Debug)]
-pub(super) struct HttpState {
+pub(super) struct EngineHttpState {
     worker_id: WorkerId,
     ranks: Vec<Arc<Rank>>,
     block_size: u32,
@@ -161,7 +161,7 @@ pub(super) struct HttpState {
     created: u64,
 }
 
-/// Everything needed to build one worker's [`HttpState`].
+/// Everything needed to build one worker's [`EngineHttpState`].
 #[derive(Debug)]
 pub(super) struct WorkerHttp {
     /// The worker.
@@ -176,12 +176,12 @@ pub(super) struct WorkerHttp {
     pub tokenizer: Option<Arc<ModelTokenizer>>,
 }
 
-impl HttpState {
+impl EngineHttpState {
     /// The state of one worker's server.
     ///
     /// # Errors
     /// A [`prometheus::Error`] if the metrics cannot be registered.
-    pub fn new(args: &HttpArgs, w: WorkerHttp) -> Result<Self, prometheus::Error> {
+    pub fn new(args: &EngineHttpArgs, w: WorkerHttp) -> Result<Self, prometheus::Error> {
         let metrics = EngineMetrics::new(
             &args.served_model_name,
             w.block_size,
@@ -208,9 +208,9 @@ impl HttpState {
         format!("http-{}-{n}", self.worker_id)
     }
 
-    fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
+    fn check_model(&self, model: Option<&str>) -> Result<(), EngineApiError> {
         match model {
-            Some(m) if m != self.model_name => Err(ApiError {
+            Some(m) if m != self.model_name => Err(EngineApiError {
                 status: axum::http::StatusCode::NOT_FOUND,
                 message: format!("the model `{m}` does not exist"),
             }),
@@ -218,9 +218,9 @@ impl HttpState {
         }
     }
 
-    fn tokenizer(&self) -> Result<&ModelTokenizer, ApiError> {
+    fn tokenizer(&self) -> Result<&ModelTokenizer, EngineApiError> {
         self.tokenizer.as_deref().ok_or_else(|| {
-            ApiError::bad_request(
+            EngineApiError::bad_request(
                 "text prompts need a tokenizer: start kv-mocker engines with --model-dir, \
                  or send the prompt as a list of token ids",
             )
@@ -229,10 +229,10 @@ impl HttpState {
 
     /// Encodes a completion prompt as vLLM does (with special tokens unless
     /// `add_special_tokens` is false).
-    fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, ApiError> {
+    fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, EngineApiError> {
         self.tokenizer()?
             .encode(text, add_special_tokens)
-            .map_err(|e| ApiError::bad_request(e.to_string()))
+            .map_err(|e| EngineApiError::bad_request(e.to_string()))
     }
 
     /// The text of generated token `i` (0-based): with a tokenizer, the decoded text of
@@ -252,7 +252,7 @@ impl HttpState {
 
 /// The routes of one worker's server, with the body limit; the development
 /// endpoints only with `dev_mode`.
-pub(super) fn router(state: Arc<HttpState>, dev_mode: bool) -> Router {
+pub(super) fn router(state: Arc<EngineHttpState>, dev_mode: bool) -> Router {
     let router = if dev_mode {
         Router::new().route("/reset_prefix_cache", post(info::reset_prefix_cache))
     } else {

@@ -14,7 +14,7 @@ pub const DEFAULT_MAX_TOKENS: u64 = 16;
 /// The prompt of a completion: text (tokenized by the engine) or token ids as given.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(untagged)]
-pub enum Prompt {
+pub enum EnginePrompt {
     /// Text, tokenized with special tokens like vLLM does.
     Text(String),
     /// Token ids, used as they are.
@@ -54,9 +54,9 @@ pub struct RequestOptions {
 /// The body of `POST /v1/completions` and `POST /v1/completions/render` (fields the
 /// mock does not model are ignored).
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-pub struct CompletionRequest {
+pub struct EngineCompletionRequest {
     /// The prompt.
-    pub prompt: Prompt,
+    pub prompt: EnginePrompt,
     /// Add the tokenizer's special tokens to a text prompt (vLLM's default for
     /// completions: true).
     #[serde(default = "yes")]
@@ -70,7 +70,7 @@ pub struct CompletionRequest {
 /// (fields the mock does not model, such as sampling parameters and tool choice, are
 /// ignored; the template options below shape the prompt as vLLM's do).
 #[derive(Debug, Clone, Deserialize)]
-pub struct ChatRequest {
+pub struct EngineChatRequest {
     /// The conversation, rendered with the model's chat template.
     pub messages: Vec<kv_tokenizer::ChatMessage>,
     /// End the prompt with the header of an assistant turn (vLLM's default: true).
@@ -148,14 +148,14 @@ impl Usage {
 
 /// An error answered as OpenAI's error JSON with a matching status.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ApiError {
+pub struct EngineApiError {
     /// The HTTP status.
     pub status: StatusCode,
     /// Lowercase explanation for the client.
     pub message: String,
 }
 
-impl ApiError {
+impl EngineApiError {
     /// 400: the request is malformed or cannot be served as asked.
     pub fn bad_request(message: impl Into<String>) -> Self {
         Self {
@@ -182,7 +182,7 @@ impl ApiError {
     }
 }
 
-impl IntoResponse for ApiError {
+impl IntoResponse for EngineApiError {
     fn into_response(self) -> Response {
         (self.status, axum::Json(self.body())).into_response()
     }
@@ -191,8 +191,8 @@ impl IntoResponse for ApiError {
 /// Parses a JSON body, mapping any failure to a 400 that quotes serde's reason.
 ///
 /// # Errors
-/// [`ApiError`] 400 `malformed request: …`.
-pub fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+/// [`EngineApiError`] 400 `malformed request: …`.
+pub fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, EngineApiError> {
     serde_json::from_slice(body)
-        .map_err(|e| ApiError::bad_request(format!("malformed request: {e}")))
+        .map_err(|e| EngineApiError::bad_request(format!("malformed request: {e}")))
 }

@@ -25,9 +25,11 @@
 //! [`completions::prompt`]: super::completions::prompt
 //! [`chat::prompt`]: super::chat::prompt
 
-use super::HttpState;
+use super::EngineHttpState;
 use super::completions::{fits, read_body};
-use super::openai::{ApiError, ChatRequest, CompletionRequest, RequestOptions, parse_json};
+use super::openai::{
+    EngineApiError, EngineChatRequest, EngineCompletionRequest, RequestOptions, parse_json,
+};
 use super::{chat, completions};
 use axum::body::Bytes;
 use axum::extract::State;
@@ -39,10 +41,10 @@ use std::sync::Arc;
 
 /// `POST /v1/completions/render`: `[GenerateRequest]`.
 pub(super) async fn completion(
-    State(state): State<Arc<HttpState>>,
+    State(state): State<Arc<EngineHttpState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    answer(&state, body, |state, req: CompletionRequest| {
+    answer(&state, body, |state, req: EngineCompletionRequest| {
         state.check_model(req.options.model.as_deref())?;
         let tokens = completions::prompt(state, &req)?;
         let max_tokens = fits(state, &tokens, req.options.max_tokens)?;
@@ -53,10 +55,10 @@ pub(super) async fn completion(
 
 /// `POST /v1/chat/completions/render`: one `GenerateRequest`.
 pub(super) async fn chat(
-    State(state): State<Arc<HttpState>>,
+    State(state): State<Arc<EngineHttpState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    answer(&state, body, |state, req: ChatRequest| {
+    answer(&state, body, |state, req: EngineChatRequest| {
         state.check_model(req.options.model.as_deref())?;
         let tokens = chat::prompt(state, &req)?;
         let max_tokens = req.max_completion_tokens.or(req.options.max_tokens);
@@ -73,9 +75,9 @@ pub(super) async fn chat(
 
 /// Parses `body` as `R` and answers what `render` makes of it, or the error.
 fn answer<R: DeserializeOwned>(
-    state: &HttpState,
+    state: &EngineHttpState,
     body: Result<Bytes, BytesRejection>,
-    render: impl FnOnce(&HttpState, R) -> Result<Value, ApiError>,
+    render: impl FnOnce(&EngineHttpState, R) -> Result<Value, EngineApiError>,
 ) -> Response {
     let rendered = read_body(body)
         .and_then(|body| parse_json(&body))
@@ -88,7 +90,7 @@ fn answer<R: DeserializeOwned>(
 
 /// vLLM's `GenerateRequest` for a rendered prompt of `tokens`.
 fn generate_request(
-    state: &HttpState,
+    state: &EngineHttpState,
     prefix: &str,
     tokens: Vec<u32>,
     max_tokens: u64,

@@ -9,8 +9,8 @@
 //! stream sleeps on the request's watch channel; each wake-up writes the tokens
 //! produced since the last one (the step loop never waits for a slow client).
 
-use super::HttpState;
-use super::accepted::{Accepted, Shape, engine_error};
+use super::EngineHttpState;
+use super::accepted::{Accepted, EndpointShape, engine_error};
 use super::openai::Usage;
 use axum::body::{Body, Bytes};
 use axum::http::{StatusCode, header};
@@ -21,7 +21,7 @@ use std::convert::Infallible;
 use std::sync::Arc;
 
 struct Stream {
-    state: Arc<HttpState>,
+    state: Arc<EngineHttpState>,
     req: Accepted,
     /// Token chunks written so far.
     sent: u64,
@@ -30,7 +30,7 @@ struct Stream {
 }
 
 /// The `text/event-stream` response for an accepted streaming request.
-pub(super) fn response(state: Arc<HttpState>, req: Accepted) -> Response {
+pub(super) fn response(state: Arc<EngineHttpState>, req: Accepted) -> Response {
     let stream = Stream {
         state,
         req,
@@ -77,7 +77,7 @@ impl Stream {
             let text = self.state.token_text(self.sent);
             let finish_reason = if last { Some("length") } else { None };
             let choice = match self.req.shape {
-                Shape::Completion => json!({
+                EndpointShape::Completion => json!({
                     "index": 0,
                     "text": text,
                     "logprobs": null,
@@ -85,13 +85,13 @@ impl Stream {
                     "stop_reason": null,
                 }),
                 // The role comes with the first delta only, as vLLM sends it.
-                Shape::Chat if self.sent == 0 => json!({
+                EndpointShape::Chat if self.sent == 0 => json!({
                     "index": 0,
                     "delta": {"role": "assistant", "content": text},
                     "logprobs": null,
                     "finish_reason": finish_reason,
                 }),
-                Shape::Chat => json!({
+                EndpointShape::Chat => json!({
                     "index": 0,
                     "delta": {"content": text},
                     "logprobs": null,
@@ -124,8 +124,8 @@ impl Stream {
 
     fn chunk(&self, choices: serde_json::Value, usage: Option<Usage>) -> serde_json::Value {
         let object = match self.req.shape {
-            Shape::Completion => "text_completion",
-            Shape::Chat => "chat.completion.chunk",
+            EndpointShape::Completion => "text_completion",
+            EndpointShape::Chat => "chat.completion.chunk",
         };
         let mut c = json!({
             "id": self.req.id,

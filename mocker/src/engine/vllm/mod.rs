@@ -22,7 +22,7 @@ pub mod publisher;
 #[cfg(test)]
 mod tests;
 
-use super::config::ConfigError;
+use super::config::EngineConfigError;
 use bytes::Bytes;
 pub use encode::{MissingTokens, VllmEvent, encode_batch, to_vllm};
 pub use publisher::{BindError, PublisherConfig, RankEndpoints, VllmPublisher};
@@ -96,16 +96,16 @@ impl KvEventsArgs {
     /// The socket configuration of rank `rank` of worker `index` with `dp_size` ranks.
     ///
     /// # Errors
-    /// [`ConfigError::ZmqPortOverflow`] when a port passes 65535;
-    /// [`ConfigError::ZeroBufferSteps`] for an empty replay buffer.
+    /// [`EngineConfigError::ZmqPortOverflow`] when a port passes 65535;
+    /// [`EngineConfigError::ZeroBufferSteps`] for an empty replay buffer.
     pub fn rank_config(
         &self,
         index: u32,
         dp_size: u32,
         rank: u32,
-    ) -> Result<PublisherConfig, ConfigError> {
+    ) -> Result<PublisherConfig, EngineConfigError> {
         if self.zmq_buffer_steps == 0 {
-            return Err(ConfigError::ZeroBufferSteps);
+            return Err(EngineConfigError::ZeroBufferSteps);
         }
         let host = if self.zmq_host.contains(':') && !self.zmq_host.starts_with('[') {
             format!("[{}]", self.zmq_host)
@@ -116,7 +116,7 @@ impl KvEventsArgs {
         let port = |base: u16| match base {
             0 => Ok(0),
             base => u16::try_from(u64::from(base) + offset)
-                .map_err(|_| ConfigError::ZmqPortOverflow { base, offset }),
+                .map_err(|_| EngineConfigError::ZmqPortOverflow { base, offset }),
         };
         Ok(PublisherConfig {
             publish: format!("tcp://{host}:{}", port(self.zmq_port)?),

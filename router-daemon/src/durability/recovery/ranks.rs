@@ -25,7 +25,7 @@
 //!   lines, degrading is one warning with the count, leaving it one info line with
 //!   the needs skipped meanwhile.
 
-use super::status::{DegradeReason, Phase, RankStatus};
+use super::status::{DegradeReason, RankStatus, RecoveryPhase};
 use crate::metrics::RecoveryMetrics;
 use backon::{BackoffBuilder as _, ExponentialBackoff, ExponentialBuilder};
 use indexer::RecoveryNeed;
@@ -121,9 +121,11 @@ impl Entry {
 
     fn status(&self) -> RankStatus {
         let (phase, until) = match &self.degraded {
-            Some(d) => (Phase::Degraded(d.reason), Some(d.until)),
-            None if self.running.is_some() || self.failures == 0 => (Phase::Recovering, None),
-            None => (Phase::BackingOff, Some(self.not_before)),
+            Some(d) => (RecoveryPhase::Degraded(d.reason), Some(d.until)),
+            None if self.running.is_some() || self.failures == 0 => {
+                (RecoveryPhase::Recovering, None)
+            }
+            None => (RecoveryPhase::BackingOff, Some(self.not_before)),
         };
         RankStatus {
             phase,

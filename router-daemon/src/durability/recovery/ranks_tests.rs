@@ -95,7 +95,7 @@ fn recoveries_that_leave_the_hole_back_off_exponentially_then_degrade_the_rank()
         let status = b.statuses()[&rank(1)];
         assert_eq!(
             (status.phase, status.failures),
-            (Phase::BackingOff, failure)
+            (RecoveryPhase::BackingOff, failure)
         );
         let due = status.until.expect("a backoff deadline");
         // backon: the delay doubles (capped), plus jitter of up to 100 %.
@@ -125,7 +125,7 @@ fn recoveries_that_leave_the_hole_back_off_exponentially_then_degrade_the_rank()
     assert_eq!(
         status,
         RankStatus {
-            phase: Phase::Degraded(DegradeReason::HoleNotClosed),
+            phase: RecoveryPhase::Degraded(DegradeReason::HoleNotClosed),
             failures: budget,
             until: Some(now + COOLDOWN),
             skipped: 3,
@@ -165,7 +165,7 @@ fn an_unreachable_publisher_degrades_and_a_restarted_one_resumes_at_once() {
     }
     assert_eq!(
         b.statuses()[&rank(1)].phase,
-        Phase::Degraded(DegradeReason::Unreachable)
+        RecoveryPhase::Degraded(DegradeReason::Unreachable)
     );
     assert!(matches!(
         b.on_need(need(1, 3, 7, GAP), now),

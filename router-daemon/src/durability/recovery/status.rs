@@ -31,7 +31,7 @@ impl DegradeReason {
 
 /// Where a rank with recovery trouble stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Phase {
+pub(crate) enum RecoveryPhase {
     /// A recovery is in flight or due now.
     Recovering,
     /// Earlier recoveries did not close the hole; the next one waits until `until`.
@@ -44,7 +44,7 @@ pub(crate) enum Phase {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct RankStatus {
     /// Where it stands.
-    pub phase: Phase,
+    pub phase: RecoveryPhase,
     /// Recoveries in a row that did not close its hole.
     pub failures: u32,
     /// When the backoff or the degraded cool-down ends.
@@ -114,14 +114,14 @@ impl RecoveryStatus {
             })
         };
         Some(match status.phase {
-            Phase::Recovering => RankRecoveryView::Recovering {
+            RecoveryPhase::Recovering => RankRecoveryView::Recovering {
                 failures: status.failures,
             },
-            Phase::BackingOff => RankRecoveryView::BackingOff {
+            RecoveryPhase::BackingOff => RankRecoveryView::BackingOff {
                 failures: status.failures,
                 retry_in_ms: left(status.until),
             },
-            Phase::Degraded(reason) => RankRecoveryView::Degraded {
+            RecoveryPhase::Degraded(reason) => RankRecoveryView::Degraded {
                 reason: reason.label(),
                 failures: status.failures,
                 needs_skipped: status.skipped,

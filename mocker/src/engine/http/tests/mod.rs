@@ -3,7 +3,8 @@
 
 use super::DP_RANK_HEADER;
 use crate::engine::{
-    ConnectionArgs, EngineArgs, EnginesHandle, FleetArgs, HttpArgs, RuntimeArgs, spawn_engines,
+    ConnectionArgs, EngineArgs, EngineHttpArgs, EnginesHandle, FleetArgs, RuntimeArgs,
+    spawn_engines,
 };
 use engine_model::EngineModelConfig;
 use futures::StreamExt;
@@ -42,15 +43,15 @@ fn golden() -> Value {
 
 /// One worker with 2 dp ranks of 64 blocks of 16 tokens (max model len 1,024).
 async fn start(time_scale: f64, model_dir: Option<PathBuf>) -> Engines {
-    let http = HttpArgs {
+    let http = EngineHttpArgs {
         model_dir,
-        ..HttpArgs::default()
+        ..EngineHttpArgs::default()
     };
     start_with(time_scale, http).await
 }
 
 /// [`start`] with the given HTTP flags.
-async fn start_with(time_scale: f64, http: HttpArgs) -> Engines {
+async fn start_with(time_scale: f64, http: EngineHttpArgs) -> Engines {
     let nats = NatsServer::start().await.expect("nats-server starts");
     let etcd = EtcdServer::start().await.expect("etcd starts");
     let args = EngineArgs {
@@ -415,9 +416,9 @@ async fn a_disconnect_mid_stream_aborts_the_request_and_frees_its_blocks() {
 #[tokio::test]
 async fn an_idle_connection_is_closed_after_the_header_read_timeout() {
     use tokio::io::AsyncReadExt;
-    let http = HttpArgs {
+    let http = EngineHttpArgs {
         http_header_read_timeout_ms: 200,
-        ..HttpArgs::default()
+        ..EngineHttpArgs::default()
     };
     let engines = start_with(1.0, http).await;
     let addr = engines.url.trim_start_matches("http://").to_owned();

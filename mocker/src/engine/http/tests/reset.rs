@@ -2,7 +2,7 @@
 //! only in dev mode, refused while requests run, as vLLM 0.32 answers.
 
 use super::{prompt, start, start_with};
-use crate::engine::HttpArgs;
+use crate::engine::EngineHttpArgs;
 use futures::StreamExt;
 use serde_json::{Value, json};
 
@@ -17,9 +17,9 @@ async fn reset_prefix_cache_drops_an_idle_workers_cache_and_refuses_a_busy_one()
     let response = e.http.post(url).send().await.expect("answered");
     assert_eq!(response.status(), 404, "not served without dev mode");
 
-    let http = HttpArgs {
+    let http = EngineHttpArgs {
         vllm_dev_mode: true,
-        ..HttpArgs::default()
+        ..EngineHttpArgs::default()
     };
     let e = start_with(1.0, http).await;
     let body = json!({"prompt": prompt(40), "max_tokens": 1});
