@@ -12,6 +12,7 @@
 //! is read from each batch.
 
 use crate::RelayError;
+use crate::error::invalid;
 use crate::replay::ReplayPolicy;
 use clap::{Args, ValueEnum};
 use kv_cluster::args::{EtcdArgs, NamespaceArgs, NatsArgs, trimmed};
@@ -199,14 +200,6 @@ pub struct RelayConfig {
     pub http: Option<crate::http::RelayHttpConfig>,
     /// Longest the whole shutdown sequence may take ([`crate::Relay::shutdown`]).
     pub shutdown_timeout: Duration,
-}
-
-/// A [`RelayError::Invalid`] naming flag `field`.
-pub(crate) fn invalid(field: &'static str, reason: impl Into<String>) -> RelayError {
-    RelayError::Invalid {
-        field,
-        reason: reason.into(),
-    }
 }
 
 /// A `tcp://host:port` endpoint and its port.

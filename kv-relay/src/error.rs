@@ -57,3 +57,11 @@ pub enum RelayError {
     #[error(transparent)]
     ShutdownIncomplete(#[from] kv_cluster::shutdown::ShutdownIncomplete),
 }
+
+/// A [`RelayError::Invalid`] naming flag `field`.
+pub(crate) fn invalid(field: &'static str, reason: impl Into<String>) -> RelayError {
+    RelayError::Invalid {
+        field,
+        reason: reason.into(),
+    }
+}

@@ -8,7 +8,7 @@
 //! reads `/metrics`.
 
 use crate::RelayError;
-use crate::config::invalid;
+use crate::error::invalid;
 use crate::models::ModelsEndpoint;
 use std::path::Path;
 use std::time::Duration;
