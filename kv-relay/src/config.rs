@@ -11,7 +11,7 @@
 //! `--shared-endpoint` says every rank publishes on the given socket(s) and the rank
 //! is read from each batch.
 
-use crate::RelayError;
+use crate::error::RelayError;
 use crate::error::invalid;
 use crate::replay::ReplayPolicy;
 use clap::{Args, ValueEnum};
@@ -198,7 +198,7 @@ pub struct RelayConfig {
     pub scrape: Option<ScrapeConfig>,
     /// Where and how to serve the relay's `/metrics`, if anywhere.
     pub http: Option<crate::http::RelayHttpConfig>,
-    /// Longest the whole shutdown sequence may take ([`crate::Relay::shutdown`]).
+    /// Longest the whole shutdown sequence may take (`Relay::shutdown`).
     pub shutdown_timeout: Duration,
 }
 

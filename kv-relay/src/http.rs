@@ -143,7 +143,7 @@ mod tests {
         };
         let shutdown = CancellationToken::new();
         let registry = prometheus::Registry::new();
-        crate::RelayCounters::register(&registry).expect("fresh registry");
+        crate::counters::RelayCounters::register(&registry).expect("fresh registry");
         let (addr, task) = serve_metrics(config, registry, shutdown.clone())
             .await
             .expect("binds");

@@ -7,7 +7,7 @@
 //! its previous incarnation's claim to end). An explicit `--worker-id` is claimed the
 //! same way, so a duplicate is refused at start instead of mixing two engines' events.
 
-use crate::RelayError;
+use crate::error::RelayError;
 use clap::Args;
 use kv_cluster::claim::{ClaimRequest, WorkerName};
 use kv_events::WorkerId;

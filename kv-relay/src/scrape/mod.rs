@@ -23,13 +23,13 @@
 pub mod page;
 pub mod target;
 
-use crate::config::ScrapeConfig;
 use crate::counters::RelayCounters;
 use crate::facts::EngineFacts;
 use crate::models::ModelsEndpoint;
 use kv_events::{DpRank, LoadMetrics, WorkerId, encode};
 pub use page::{CacheFacts, ScrapedRankLoad, parse_cache_facts, parse_metrics};
 use std::time::Duration;
+use target::ScrapeConfig;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
