@@ -20,7 +20,7 @@ enum Command {
     /// Run M mock engine workers in this process until SIGINT/SIGTERM.
     Engines(Box<mocker::engine::EngineArgs>),
     /// Replay a Mooncake trace through a running router and engines, per policy.
-    Replay(mocker::replay::ReplayArgs),
+    Replay(Box<mocker::replay::ReplayArgs>),
     /// Start NATS, etcd, the router and mock engines, replay the bundled trace, report.
     Quickstart(mocker::quickstart::QuickstartArgs),
     /// Simulate a trace offline under every policy, cluster size and speed-up; print a
@@ -47,7 +47,7 @@ async fn main() -> Result<()> {
             mocker::engine::run_engines(*args, shutdown).await
         }
         Command::Replay(args) => {
-            let report = mocker::replay::run_replay(args).await?;
+            let report = mocker::replay::run_replay(*args).await?;
             println!("{}", report.render_table());
             Ok(())
         }

@@ -85,7 +85,9 @@ impl Fixture {
                     etcd_endpoints: etcd.endpoints(),
                     ..EtcdArgs::default()
                 },
-                namespace: subjects.namespace().clone(),
+                namespace: kv_cluster::args::NamespaceArgs {
+                    namespace: subjects.namespace().as_str().to_owned(),
+                },
             },
             FleetArgs {
                 workers: 1,

@@ -34,7 +34,9 @@ async fn a_router_started_after_the_engines_resyncs_from_them() -> anyhow::Resul
                 etcd_endpoints: vec![cluster.etcd_server.endpoint()],
                 ..EtcdArgs::default()
             },
-            namespace: cluster.subjects.namespace().clone(),
+            namespace: kv_cluster::args::NamespaceArgs {
+                namespace: cluster.subjects.namespace().as_str().to_owned(),
+            },
         },
         fleet: FleetArgs {
             workers: 2,

@@ -9,7 +9,7 @@
 //! ([`RuntimeArgs::validate`], [`FleetArgs::worker_ids`]) and cheap.
 
 use engine_model::ModelConfigError;
-use kv_cluster::args::{EtcdArgs, NatsArgs};
+use kv_cluster::args::{EtcdArgs, NamespaceArgs, NatsArgs};
 use kv_events::{Namespace, WorkerId};
 use std::time::Duration;
 
@@ -73,9 +73,29 @@ pub struct ConnectionArgs {
     /// etcd endpoints, authentication and TLS.
     #[command(flatten)]
     pub etcd: EtcdArgs,
-    /// Namespace of subjects and etcd keys (1-64 characters of `[A-Za-z0-9_-]`).
-    #[arg(long, default_value = "kv-router")]
-    pub namespace: Namespace,
+    /// Namespace of subjects and etcd keys, the cluster's one `--namespace`.
+    #[command(flatten)]
+    pub namespace: NamespaceArgs,
+}
+
+impl ConnectionArgs {
+    /// Default TLS-less, unauthenticated flags for one NATS server at `nats_url` and
+    /// one etcd endpoint, in `namespace` (the quickstart's and the tests' cluster).
+    pub fn local(nats_url: &str, etcd_endpoint: &str, namespace: &Namespace) -> Self {
+        Self {
+            nats: NatsArgs {
+                nats_url: vec![nats_url.to_owned()],
+                ..NatsArgs::default()
+            },
+            etcd: EtcdArgs {
+                etcd_endpoints: vec![etcd_endpoint.to_owned()],
+                ..EtcdArgs::default()
+            },
+            namespace: NamespaceArgs {
+                namespace: namespace.as_str().to_owned(),
+            },
+        }
+    }
 }
 
 /// Which workers this process runs.

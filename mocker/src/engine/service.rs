@@ -46,6 +46,9 @@ pub enum ServiceError {
     /// The NATS or etcd flags are invalid, or a server could not be reached.
     #[error(transparent)]
     Cluster(#[from] kv_cluster::Error),
+    /// `--namespace` is not a subject token.
+    #[error("invalid --namespace: {0}")]
+    Namespace(#[from] kv_events::NamespaceError),
     /// A subscription could not be created.
     #[error("could not subscribe to {subject}: {source}")]
     Subscribe {
@@ -154,7 +157,7 @@ pub async fn spawn_engines(
     let worker_ids = args.fleet.worker_ids()?;
     let shutdown_timeout = args.runtime.shutdown.budget()?;
     let tokenizer = load_tokenizer(&args)?;
-    let subjects = Subjects::new(args.connection.namespace.clone());
+    let subjects = Subjects::new(args.connection.namespace.get()?);
     let cluster = match args.kv_events.mode {
         KvEventsMode::Nats => Some(Cluster::connect(&args).await?),
         KvEventsMode::Vllm => None,

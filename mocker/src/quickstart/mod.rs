@@ -27,6 +27,7 @@
 //! tokens, about what an 8B bf16 model leaves free on one 80 GB GPU) is well below the
 //! excerpt's ≈ 39 k distinct blocks, so caches evict and where a prefix lands matters.
 
+use crate::engine::ConnectionArgs;
 use crate::replay::{self, Frontend, ReplayConfig, ReplayReport, ReplayTarget, TimeScale};
 use anyhow::{Context, anyhow, bail};
 use engine_model::render_table;
@@ -224,8 +225,12 @@ async fn run_stack(
         QUICKSTART_NAMESPACE,
     ];
     let namespace = Namespace::new(QUICKSTART_NAMESPACE)?;
-    let target =
-        ReplayTarget::connect(&nats_url, std::slice::from_ref(&etcd_endpoint), namespace).await?;
+    let target = ReplayTarget::connect(&ConnectionArgs::local(
+        &nats_url,
+        &etcd_endpoint,
+        &namespace,
+    ))
+    .await?;
     engines::start(args, stack, binaries, &connection, &target).await?;
 
     let gateway = match args.via {

@@ -28,12 +28,13 @@ mod table;
 
 pub use report::{PolicyReport, ReplayReport, RequestOutcome, RouteFailure};
 
+use crate::engine::ConnectionArgs;
 use crate::replay::http::GatewayTarget;
 use crate::replay::progress::PassProgress;
 use engine_model::trace::{self, BlockMapping, TraceBlockSizeMismatch, TraceError, TraceRequest};
 use kv_events::discovery::WorkerRegistration;
 use kv_events::routing::PolicyKind;
-use kv_events::{Namespace, RequestId, Subjects, WorkerId};
+use kv_events::{RequestId, Subjects, WorkerId};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -46,20 +47,16 @@ pub enum ReplayError {
     /// The trace could not be loaded.
     #[error(transparent)]
     Trace(#[from] TraceError),
-    /// NATS could not be reached.
-    #[error("cannot connect to nats at {url}: {source}")]
-    Nats {
-        /// The server URL.
-        url: String,
-        /// The connection error.
-        source: async_nats::ConnectError,
-    },
+    /// `--namespace` is not a subject token.
+    #[error("invalid --namespace: {0}")]
+    Namespace(#[from] kv_events::NamespaceError),
     /// etcd could not be reached or read.
     #[error("etcd: {0}")]
     Etcd(#[from] etcd_client::Error),
-    /// The HTTP client could not be built (no usable TLS root store).
+    /// A cluster flag is unusable, NATS or etcd cannot be reached, or the HTTP
+    /// client cannot be built.
     #[error(transparent)]
-    Http(#[from] kv_cluster::Error),
+    Cluster(#[from] kv_cluster::Error),
     /// No worker is registered, so there is nothing to replay against.
     #[error("no workers registered under etcd prefix {prefix}")]
     NoWorkers {
@@ -151,20 +148,10 @@ impl std::fmt::Display for TimeScale {
 /// `kv-mocker replay`: replay a Mooncake trace through a running router and engines.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ReplayArgs {
-    /// NATS server URL.
-    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
-    pub nats_url: String,
-    /// etcd endpoints, comma-separated.
-    #[arg(
-        long,
-        env = "ETCD_ENDPOINTS",
-        value_delimiter = ',',
-        default_value = "http://127.0.0.1:2379"
-    )]
-    pub etcd_endpoints: Vec<String>,
-    /// Namespace shared by the router and the engines.
-    #[arg(long, default_value = "kv-router")]
-    pub namespace: Namespace,
+    /// NATS and etcd (authentication, TLS) and the namespace: the cluster's own
+    /// flags, as every participant declares them.
+    #[command(flatten)]
+    pub connection: ConnectionArgs,
     /// Mooncake JSONL trace; default: the bundled conversation excerpt.
     #[arg(long, value_name = "PATH")]
     pub trace: Option<PathBuf>,
@@ -224,22 +211,17 @@ pub struct ReplayTarget {
 }
 
 impl ReplayTarget {
-    /// Connects to NATS and etcd.
+    /// Connects to NATS and etcd with the cluster's flags, as every participant does
+    /// (connect timeouts, authentication, TLS).
     ///
     /// # Errors
-    /// [`ReplayError::Nats`] or [`ReplayError::Etcd`] if a server cannot be reached.
-    pub async fn connect(
-        nats_url: &str,
-        etcd_endpoints: &[String],
-        namespace: Namespace,
-    ) -> Result<Self, ReplayError> {
-        let nats = async_nats::connect(nats_url)
-            .await
-            .map_err(|source| ReplayError::Nats {
-                url: nats_url.to_owned(),
-                source,
-            })?;
-        let etcd = etcd_client::Client::connect(etcd_endpoints, None).await?;
+    /// [`ReplayError::Cluster`] if a flag is unusable or a server cannot be reached.
+    pub async fn connect(connection: &ConnectionArgs) -> Result<Self, ReplayError> {
+        let namespace = connection.namespace.get()?;
+        let nats = (connection.nats.to_config()?)
+            .connect_with("kv-mocker-replay", |options| options)
+            .await?;
+        let etcd = kv_cluster::etcd::connect(&connection.etcd.to_config()?).await?;
         Ok(Self {
             nats,
             etcd,
@@ -261,8 +243,7 @@ pub async fn run_replay(args: ReplayArgs) -> anyhow::Result<ReplayReport> {
     if let Some(max) = args.max_requests {
         trace.truncate(max);
     }
-    let target =
-        ReplayTarget::connect(&args.nats_url, &args.etcd_endpoints, args.namespace).await?;
+    let target = ReplayTarget::connect(&args.connection).await?;
     let config = ReplayConfig {
         time_scale: args.time_scale,
         request_timeout: Duration::from_secs(args.request_timeout_s),

@@ -35,13 +35,12 @@ struct Cluster {
 async fn cluster() -> Cluster {
     let nats = NatsServer::start().await.unwrap();
     let etcd = EtcdServer::start().await.unwrap();
-    let target = ReplayTarget::connect(
+    let connection = ConnectionArgs::local(
         &nats.url(),
-        &[etcd.endpoint()],
-        Namespace::new("replay-test").unwrap(),
-    )
-    .await
-    .unwrap();
+        &etcd.endpoint(),
+        &kv_events::Namespace::new("replay-test").unwrap(),
+    );
+    let target = ReplayTarget::connect(&connection).await.unwrap();
     Cluster {
         _nats: nats,
         _etcd: etcd,

@@ -39,7 +39,9 @@ async fn start(fleet: FleetArgs, model: EngineModelConfig, time_scale: f64) -> H
                 etcd_endpoints: vec![etcd_server.endpoint()],
                 ..EtcdArgs::default()
             },
-            namespace: namespace.clone(),
+            namespace: kv_cluster::args::NamespaceArgs {
+                namespace: namespace.as_str().to_owned(),
+            },
         },
         fleet,
         model,

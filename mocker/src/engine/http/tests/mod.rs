@@ -9,7 +9,6 @@ use crate::engine::{
 use engine_model::EngineModelConfig;
 use futures::StreamExt;
 use kv_cluster::args::{EtcdArgs, NatsArgs};
-use kv_events::Namespace;
 use serde_json::{Value, json};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -64,7 +63,9 @@ async fn start_with(time_scale: f64, http: EngineHttpArgs) -> Engines {
                 etcd_endpoints: vec![etcd.endpoint()],
                 ..EtcdArgs::default()
             },
-            namespace: Namespace::new("httptest").expect("valid"),
+            namespace: kv_cluster::args::NamespaceArgs {
+                namespace: "httptest".to_owned(),
+            },
         },
         fleet: FleetArgs {
             workers: 1,
