@@ -21,7 +21,10 @@
 
 mod split;
 
-use crate::{ChatMessage, ChatOptions, ModelTokenizer, TokenizerError, TokenizerLimits};
+use crate::chat::{ChatMessage, ChatOptions};
+use crate::error::TokenizerError;
+use crate::limits::TokenizerLimits;
+use crate::model::ModelTokenizer;
 use quick_cache::Weighter;
 use split::{Piece, Splitter};
 use std::sync::Arc;

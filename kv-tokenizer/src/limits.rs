@@ -10,7 +10,7 @@
 //! what bounds a tokenizer thread's memory. [`TokenizerLimits::for_tokens`] derives it from the
 //! token bound with [`MAX_BYTES_PER_TOKEN`].
 
-use crate::TokenizerError;
+use crate::error::TokenizerError;
 
 /// Default [`TokenizerLimits::max_prompt_tokens`]: 131,072 tokens (a 128k-context model).
 pub const DEFAULT_MAX_PROMPT_TOKENS: usize = 131_072;
