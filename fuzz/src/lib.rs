@@ -22,9 +22,9 @@
 //! | `route` | `RouteRequest` msgpack (NATS `router.route`) | `limits::decode_within` → `route::schedule_request` → `Scheduler::schedule` |
 //! | `route_batch` | `RouteBatchRequest` msgpack (NATS `router.route_batch`) | `limits::decode_within` → count check → `schedule_request` → `Scheduler::schedule_batch` |
 //! | `lifecycle` | `LifecycleMessage` msgpack (NATS `router.lifecycle`) | `lifecycle::handle_lifecycle` → scheduler |
-//! | `bookings` | `SequenceSyncBatch` (or single-step `SequenceSync`) msgpack (NATS `router.sequences`, replica sharing) | `replicas::sync::handle_sync` → `Scheduler::apply` |
+//! | `bookings` | `SequenceSyncBatch` (or single-step `SequenceSync`) msgpack (NATS `router.sequences`, replica sharing) | `replica_sync::sync::handle_sync` → `Scheduler::apply` |
 //! | `snapshot_request` | `SnapshotRequest` msgpack (NATS `router.sequences.snapshot`) | `decode` |
-//! | `snapshot_reply` | `SnapshotReply` msgpack (a peer's answer) | `replicas::snapshot::apply_reply` → `Scheduler::apply` |
+//! | `snapshot_reply` | `SnapshotReply` msgpack (a peer's answer) | `replica_sync::snapshot::apply_reply` → `Scheduler::apply` |
 //! | `recovery_request` | `RecoveryRequest` msgpack (NATS `kv.recovery.{worker}`, publisher side) | `EventJournal::answer` |
 //! | `recovery_reply` | `RecoveryChunk`s msgpack (NATS reply inbox) | `ChunkAssembler::push_payload` (reply limits, decode) → `OrderedIndex::apply_recovered` |
 //! | `index_snapshot` | `StoredSnapshot` msgpack (JetStream object store) | `decode` → `OrderedIndex::restore` |

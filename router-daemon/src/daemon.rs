@@ -18,7 +18,7 @@
 //!    buffered and applied after it (`durability`). Meanwhile, with replica sync on,
 //!    ask the other replicas for the requests they booked before step 3 and apply
 //!    their answers for at most `--replica-snapshot-timeout-ms`
-//!    ([`crate::replicas::snapshot`]; after discovery, because a booking needs its
+//!    ([`crate::replica_sync::snapshot`]; after discovery, because a booking needs its
 //!    rank registered);
 //! 6. answer other replicas' snapshot requests from here on; join the route queue
 //!    group last, so no query is answered before workers and peers' bookings are
@@ -52,7 +52,7 @@ use crate::http::{HttpServer, HttpState};
 use crate::metrics::counters::Counters;
 use crate::metrics::{AdmissionMetrics, Registrar};
 use crate::state::RouterState;
-use crate::{discovery, intake, lifecycle, replicas, route};
+use crate::{discovery, intake, lifecycle, replica_sync, route};
 use anyhow::Context;
 use indexer::Indexer;
 use indexer::IndexerApi as _;
@@ -234,12 +234,12 @@ impl Starting {
             },
         ));
         step("starting replica sync: a NATS round trip between its two connections");
-        replicas::sync::start(
+        replica_sync::sync::start(
             &state.admission,
             &state.counters,
             state.limits,
             &subjects,
-            replicas::sync::SyncNats {
+            replica_sync::sync::SyncNats {
                 config: &config.nats,
                 main: &nats,
             },
@@ -292,7 +292,7 @@ impl Starting {
                 &intake_tasks,
                 &intake,
             ),
-            replicas::snapshot::gather(
+            replica_sync::snapshot::gather(
                 &state.admission,
                 &state.counters,
                 &state.limits,
@@ -304,7 +304,7 @@ impl Starting {
         info!(summary = %recovered, "initial recovery done");
         state.health.set_recovery_done(recovered);
         step("joining the route queue groups");
-        replicas::snapshot::serve(
+        replica_sync::snapshot::serve(
             &state.admission,
             &state.counters,
             &subjects,

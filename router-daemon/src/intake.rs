@@ -253,7 +253,7 @@ pub fn handle_metrics(
 /// Feeds the subject and payload of every message of `subscriber` to `handler` until
 /// `intake` is cancelled. Used for load metrics ([`handle_metrics`]), lifecycle
 /// messages ([`crate::lifecycle::handle_lifecycle`]) and peers' sequence sync
-/// ([`crate::replicas::sync::handle_sync`]), whose handling never awaits; the handler
+/// (`replica_sync::sync::handle_sync`), whose handling never awaits; the handler
 /// captures the parts of the daemon it uses.
 pub(crate) async fn serve_with(
     subscriber: async_nats::Subscriber,

@@ -20,14 +20,17 @@
 //!   the scheduler, the indexer and `/debug/workers`.
 //! - `durability`: gap recovery from publishers, start-up resync, the optional
 //!   JetStream snapshot path.
+//! - `recovery_status`: each rank's recovery state as `/debug/workers` shows it
+//!   (a leaf: written by `durability`, read by the HTTP endpoint).
 //! - `intake`: KV event and load-metric subscriptions feeding indexer and scheduler.
 //! - `route`: the routing request-reply service.
 //! - `route_batch`: several routing queries placed together, in one round trip.
 //! - `lifecycle`: prefill-done / keep-alive / freed messages from frontends.
 //! - `admission`: book now or wait in the queue; release waiters; expire requests.
 //! - `queue`: the bounded FCFS wait queue for when every worker is busy.
-//! - `replicas`: sequence sync of booked load between router replicas, and the
-//!   start-up snapshot in which a starting replica learns the bookings its peers hold.
+//! - `replicas`: this replica's side of sequence sync (its outbox, its own
+//!   bookings), which admission holds; `replica_sync`: applying peers' bookings,
+//!   and the start-up snapshot in which a starting replica learns them.
 //! - `state`: the parts of the daemon bundled (indexer, admission, counters, health).
 //! - `metrics`: every Prometheus metric, and the one way to create them
 //!   (`metrics::registrar`); [`counters`] (per-message counters, the root of the
@@ -67,6 +70,8 @@ mod nats;
 pub mod probe;
 mod publishers;
 mod queue;
+mod recovery_status;
+mod replica_sync;
 mod replicas;
 mod route;
 mod route_batch;
@@ -94,9 +99,9 @@ pub mod handlers {
     pub use crate::intake::{decode_events, handle_metrics};
     pub use crate::lifecycle::handle_lifecycle;
     pub use crate::metrics::admission::AdmissionMetrics;
+    pub use crate::replica_sync::snapshot::{SnapshotSummary, apply_reply};
+    pub use crate::replica_sync::sync::handle_sync;
     pub use crate::replicas::ReplicaConfig;
-    pub use crate::replicas::snapshot::{SnapshotSummary, apply_reply};
-    pub use crate::replicas::sync::handle_sync;
     pub use crate::route::{handle_route, schedule_request};
     pub use kv_cluster::metrics as registrar;
 }

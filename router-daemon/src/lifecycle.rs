@@ -34,7 +34,7 @@ pub fn handle_lifecycle(
     };
     let now = Instant::now();
     let id = &msg.request_id;
-    // Before the scheduler lock, for the start-up snapshot (`crate::replicas::snapshot`).
+    // Before the scheduler lock, for the start-up snapshot (`crate::replica_sync::snapshot`).
     admission.replicas.note_lifecycle(id, msg.event);
     let result = {
         let mut scheduler = admission.scheduler();

@@ -10,10 +10,10 @@
 use crate::admission::Admission;
 use crate::block_size::BlockSize;
 use crate::directory::RegistrationDirectory;
-use crate::durability::recovery::status::RecoveryStatus;
 use crate::health::Health;
 use crate::metrics::counters::Counters;
 use crate::publishers::Publishers;
+use crate::recovery_status::RecoveryStatus;
 use indexer::Indexer;
 use kv_events::Subjects;
 use kv_events::limits::Limits;

@@ -212,7 +212,7 @@ pub const LIFECYCLE: Target = Target {
 
 pub const BOOKINGS: Target = Target {
     name: "bookings",
-    about: "SequenceSyncBatch or single-step SequenceSync (msgpack, NATS router.sequences, replica sharing) → replicas::sync::handle_sync → Scheduler::apply",
+    about: "SequenceSyncBatch or single-step SequenceSync (msgpack, NATS router.sequences, replica sharing) → replica_sync::sync::handle_sync → Scheduler::apply",
     format: Format::Msgpack,
     seeds: seeds::bookings,
     fresh: || {
@@ -223,7 +223,7 @@ pub const BOOKINGS: Target = Target {
 
 pub const SNAPSHOT_REPLY: Target = Target {
     name: "snapshot_reply",
-    about: "SnapshotReply (msgpack, a peer replica's answer on our inbox) → replicas::snapshot::apply_reply → Scheduler::apply",
+    about: "SnapshotReply (msgpack, a peer replica's answer on our inbox) → replica_sync::snapshot::apply_reply → Scheduler::apply",
     format: Format::Msgpack,
     seeds: seeds::snapshot_reply,
     fresh: || {

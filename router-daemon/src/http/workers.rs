@@ -5,8 +5,8 @@
 //! copy of the worker directory and one round trip to every indexer shard.
 
 use super::HttpState;
-use crate::durability::recovery::status::RankRecoveryView;
 use crate::health::Check;
+use crate::recovery_status::RankRecoveryView;
 use crate::state::RouterState;
 use axum::Router;
 use axum::extract::State;

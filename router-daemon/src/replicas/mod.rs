@@ -51,15 +51,13 @@
 //! - [`bookings`]: the records behind it ([`bookings::OwnBookings`],
 //!   [`bookings::RecentSteps`]) and the one way a peer's booking becomes a scheduler
 //!   event;
-//! - [`sync`]: the tasks publishing our steps and applying our peers';
-//! - [`snapshot`]: asking peers for their bookings at start-up, and answering them.
+//! - `crate::replica_sync` (a folder of its own): the tasks publishing our steps and
+//!   applying our peers' (`sync`), and the start-up snapshot (`snapshot`).
 //!
-//! `sync` and `snapshot` sit above admission (they lock the scheduler and release
-//! waiters through it); this file and `bookings` sit below it.
+//! `replica_sync` sits above admission (it locks the scheduler and releases waiters
+//! through it); this folder sits below it, so neither imports one above it.
 
 pub(crate) mod bookings;
-pub(crate) mod snapshot;
-pub(crate) mod sync;
 
 use crate::metrics::SyncMetrics;
 use bookings::{OwnBookings, RecentStep, RecentSteps};

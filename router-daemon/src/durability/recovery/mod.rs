@@ -20,7 +20,7 @@
 //! budget of such failures is *degraded*: its needs are given up without a request
 //! until a cool-down ends or its publisher restarts. Degraded ranks are counted in
 //! `kv_router_recovery_degraded_ranks` and shown in `/debug/workers` (from
-//! [`status::RecoveryStatus`]).
+//! `crate::recovery_status::RecoveryStatus`).
 //!
 //! [`resync_registered`] is the start-up step: a dump request for every registered
 //! rank, awaited until each is resolved, so the daemon only declares itself ready
@@ -37,7 +37,6 @@
 
 mod fetch;
 mod ranks;
-pub(crate) mod status;
 
 pub(crate) use crate::durability::RecoveryConfig;
 pub(crate) use fetch::{FetchError, fetch};

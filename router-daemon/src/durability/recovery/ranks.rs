@@ -25,8 +25,8 @@
 //!   lines, degrading is one warning with the count, leaving it one info line with
 //!   the needs skipped meanwhile.
 
-use super::status::{DegradeReason, RankStatus, RecoveryPhase};
 use crate::metrics::RecoveryMetrics;
+use crate::recovery_status::{DegradeReason, RankStatus, RecoveryPhase};
 use backon::{BackoffBuilder as _, ExponentialBackoff, ExponentialBuilder};
 use indexer::RecoveryNeed;
 use kv_events::WorkerRank;

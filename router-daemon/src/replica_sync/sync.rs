@@ -7,11 +7,11 @@
 //! carrying every step queued by then (a [`SequenceSyncBatch`]), from one task so
 //! the order holds.
 
-use super::bookings::booked_event;
 use crate::admission::Admission;
 use crate::gate::admit;
 use crate::metrics::SyncMetrics;
 use crate::metrics::counters::{Counters, MessageKind, Outcome};
+use crate::replicas::bookings::booked_event;
 use anyhow::Context;
 use kv_cluster::nats::NatsConfig;
 use kv_events::limits::Limits;

@@ -34,24 +34,24 @@
 //! dropped (B under-counts those bookings until they are freed); bookings on ranks B
 //! has not registered are refused; the TTL and any prefill decay of a learned booking
 //! restart when B applies it; peers running a version without the snapshot do not
-//! answer; the record keeps at most [`super::bookings::RECENT_STEPS_CAPACITY`] steps (the oldest are
+//! answer; the record keeps at most [`crate::replicas::bookings::RECENT_STEPS_CAPACITY`] steps (the oldest are
 //! forgotten — only steps around the request matter); in a NATS cluster, B's
 //! subscription reaches a node other than its two connections' over that node's own
 //! route, so a peer whose sync connection is there can publish a step in the first
 //! route delay after the barrier (milliseconds) that B misses, as any lost sync
-//! message ([`super::sync`]). Load accounting is advisory:
+//! message ([`crate::replica_sync::sync`]). Load accounting is advisory:
 //! each of these only makes B count differently for a while, never fails a request.
 //!
 //! Costs: at start-up one request, a wait of at most the window (overlapped with the
 //! index recovery; none for the first replica, which gets "no responders"), and
 //! replies of about 9 bytes per prompt block of every in-flight request. Each replica
 //! keeps a copy of its own bookings to answer from
-//! ([`super::bookings::OwnBookings`]).
+//! ([`crate::replicas::bookings::OwnBookings`]).
 
-use super::bookings::{RecentStep, booked_event};
 use crate::admission::Admission;
 use crate::gate::admit;
 use crate::metrics::counters::{Counters, MessageKind, Outcome};
+use crate::replicas::bookings::{RecentStep, booked_event};
 use anyhow::Context;
 use futures::StreamExt;
 use kv_events::limits::Limits;
