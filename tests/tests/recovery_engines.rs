@@ -9,7 +9,6 @@ use engine_model::EngineModelConfig;
 use indexer::IndexerApi as _;
 use integration_tests::TestCluster;
 use journal_worker::{held_paths, router_paths_of};
-use kv_cluster::args::{EtcdArgs, NatsArgs};
 use kv_events::routing::RouteReply;
 use kv_events::{DpRank, WorkerId};
 use mock_engine::{engine_dump, generate};
@@ -25,19 +24,11 @@ fn prompt(seed: u32, blocks: u32) -> Vec<u32> {
 async fn a_router_started_after_the_engines_resyncs_from_them() -> anyhow::Result<()> {
     let cluster = TestCluster::start(BLOCK).await?;
     let args = EngineArgs {
-        connection: ConnectionArgs {
-            nats: NatsArgs {
-                nats_url: vec![cluster.nats_server.url()],
-                ..NatsArgs::default()
-            },
-            etcd: EtcdArgs {
-                etcd_endpoints: vec![cluster.etcd_server.endpoint()],
-                ..EtcdArgs::default()
-            },
-            namespace: kv_cluster::args::NamespaceArgs {
-                namespace: cluster.subjects.namespace().as_str().to_owned(),
-            },
-        },
+        connection: ConnectionArgs::local(
+            &cluster.nats_server.url(),
+            &cluster.etcd_server.endpoint(),
+            cluster.subjects.namespace(),
+        ),
         fleet: FleetArgs {
             workers: 2,
             first_worker_id: 1,

@@ -6,7 +6,6 @@ use crate::protocol::{ClearReply, GenerateRequest, GenerateResponse};
 use bytes::Bytes;
 use engine_model::EngineModelConfig;
 use futures::StreamExt;
-use kv_cluster::args::{EtcdArgs, NatsArgs};
 use kv_events::{
     KvCacheEventData, KvEventBatch, LoadMetrics, LocalBlockHash, Namespace, RequestId,
 };
@@ -30,19 +29,7 @@ async fn start(fleet: FleetArgs, model: EngineModelConfig, time_scale: f64) -> H
     let etcd_server = EtcdServer::start().await.expect("etcd starts");
     let namespace = Namespace::new("enginetest").expect("valid");
     let args = EngineArgs {
-        connection: ConnectionArgs {
-            nats: NatsArgs {
-                nats_url: vec![nats_server.url()],
-                ..NatsArgs::default()
-            },
-            etcd: EtcdArgs {
-                etcd_endpoints: vec![etcd_server.endpoint()],
-                ..EtcdArgs::default()
-            },
-            namespace: kv_cluster::args::NamespaceArgs {
-                namespace: namespace.as_str().to_owned(),
-            },
-        },
+        connection: ConnectionArgs::local(&nats_server.url(), &etcd_server.endpoint(), &namespace),
         fleet,
         model,
         runtime: RuntimeArgs {

@@ -8,7 +8,6 @@ use crate::engine::{
 };
 use engine_model::EngineModelConfig;
 use futures::StreamExt;
-use kv_cluster::args::{EtcdArgs, NatsArgs};
 use serde_json::{Value, json};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -54,19 +53,11 @@ async fn start_with(time_scale: f64, http: EngineHttpArgs) -> Engines {
     let nats = NatsServer::start().await.expect("nats-server starts");
     let etcd = EtcdServer::start().await.expect("etcd starts");
     let args = EngineArgs {
-        connection: ConnectionArgs {
-            nats: NatsArgs {
-                nats_url: vec![nats.url()],
-                ..NatsArgs::default()
-            },
-            etcd: EtcdArgs {
-                etcd_endpoints: vec![etcd.endpoint()],
-                ..EtcdArgs::default()
-            },
-            namespace: kv_cluster::args::NamespaceArgs {
-                namespace: "httptest".to_owned(),
-            },
-        },
+        connection: ConnectionArgs::local(
+            &nats.url(),
+            &etcd.endpoint(),
+            &kv_events::Namespace::new("httptest").expect("valid"),
+        ),
         fleet: FleetArgs {
             workers: 1,
             first_worker_id: 1,
