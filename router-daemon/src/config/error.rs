@@ -21,5 +21,20 @@ pub enum ConfigError {
     Connection(#[from] kv_cluster::Error),
     /// The scheduler rejected its sub-config.
     #[error("invalid scheduler config: {0}")]
-    Scheduler(#[from] scheduler::SchedulerError),
+    Scheduler(scheduler::SchedulerError),
+}
+
+impl From<scheduler::SchedulerError> for ConfigError {
+    /// A bad scheduler flag is named like every other `serve` flag
+    /// ([`ConfigError::Invalid`]); anything else the scheduler refuses is
+    /// [`ConfigError::Scheduler`].
+    fn from(error: scheduler::SchedulerError) -> Self {
+        match error {
+            scheduler::SchedulerError::InvalidFlag { flag, reason } => ConfigError::Invalid {
+                field: flag,
+                reason,
+            },
+            other => ConfigError::Scheduler(other),
+        }
+    }
 }

@@ -9,8 +9,8 @@ use crate::queue::QueueConfig;
 use crate::replicas::ReplicaConfig;
 use clap::{ArgAction, Args};
 use kv_events::RouterId;
+use scheduler::SchedulerConfig;
 use scheduler::args::SchedulerArgs;
-use scheduler::{SchedulerConfig, SchedulerError};
 use std::time::Duration;
 
 /// Scheduling and admission flags.
@@ -50,13 +50,7 @@ impl SchedulingArgs {
     /// # Errors
     /// [`ConfigError`] naming the first bad flag or field.
     pub(crate) fn to_configs(&self) -> Result<(SchedulerConfig, AdmissionConfig), ConfigError> {
-        let scheduler = self.scheduler.to_config().map_err(|e| match e {
-            SchedulerError::InvalidFlag { flag, reason } => ConfigError::Invalid {
-                field: flag,
-                reason,
-            },
-            other => ConfigError::Scheduler(other),
-        })?;
+        let scheduler = self.scheduler.to_config()?;
         let admission = AdmissionConfig {
             queue: QueueConfig {
                 capacity: self.queue_capacity,
