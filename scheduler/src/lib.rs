@@ -391,7 +391,9 @@ impl Scheduler {
                 );
                 let (id, rank) = (add.request_id.clone(), add.rank);
                 let origin = self.sequences.apply(SequenceEvent::AddRequest(add), now)?;
-                self.calibration.book_peer(&id, rank, features, now);
+                if let Some(features) = features {
+                    self.calibration.book(&id, rank, features, now);
+                }
                 Ok(origin)
             }
             SequenceEvent::MarkPrefillCompleted(id) => self.mark_prefill_completed(&id, now),

@@ -11,7 +11,7 @@ use crate::load::RankLoad;
 use crate::policy::predicted_ttft::{PredictedTtftConfig, TtftFeatures};
 use crate::policy::{Candidate, PolicyConfig, TimingScale};
 use crate::request::RequestShape;
-use kv_events::{RequestId, WorkerRank};
+use kv_events::RequestId;
 use std::time::Instant;
 
 impl Calibration {
@@ -75,19 +75,5 @@ impl Calibration {
                 self.seed().max_num_batched_tokens,
             )
         })
-    }
-
-    /// Records a peer's booking of `id` on `rank` with the features taken before it
-    /// was applied ([`Calibration::peer_features`]).
-    pub(crate) fn book_peer(
-        &mut self,
-        id: &RequestId,
-        rank: WorkerRank,
-        features: Option<TtftFeatures>,
-        now: Instant,
-    ) {
-        if let Some(features) = features {
-            self.book(id, rank, features, now);
-        }
     }
 }
