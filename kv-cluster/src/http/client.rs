@@ -47,8 +47,13 @@ pub fn client_builder() -> reqwest::ClientBuilder {
 /// # Errors
 /// [`Error::HttpRequest`] when the TLS set-up fails (no usable root store).
 pub fn client() -> Result<reqwest::Client, Error> {
-    client_builder().build().map_err(|e| Error::HttpRequest {
-        target: "(client)".to_owned(),
+    build(client_builder(), "(client)".to_owned())
+}
+
+/// `builder`'s client; a failure is an [`Error::HttpRequest`] for `target`.
+fn build(builder: reqwest::ClientBuilder, target: String) -> Result<reqwest::Client, Error> {
+    builder.build().map_err(|e| Error::HttpRequest {
+        target,
         reason: format!("cannot build the http client: {e}"),
     })
 }
@@ -126,13 +131,10 @@ pub async fn get_once(
     path: &str,
     timeout: Duration,
 ) -> Result<(StatusCode, String), Error> {
-    let client = client_builder()
-        .pool_max_idle_per_host(0)
-        .build()
-        .map_err(|e| Error::HttpRequest {
-            target: format!("{addr}{path}"),
-            reason: format!("cannot build the http client: {e}"),
-        })?;
+    let client = build(
+        client_builder().pool_max_idle_per_host(0),
+        format!("{addr}{path}"),
+    )?;
     get_text(
         &client,
         format!("http://{addr}{path}"),
