@@ -11,8 +11,7 @@
 //! `--shared-endpoint` says every rank publishes on the given socket(s) and the rank
 //! is read from each batch.
 
-use crate::error::RelayError;
-use crate::error::invalid;
+use crate::error::{RelayError, invalid};
 use crate::replay::ReplayPolicy;
 use clap::{Args, ValueEnum};
 use kv_cluster::args::{EtcdArgs, NamespaceArgs, NatsArgs, trimmed};

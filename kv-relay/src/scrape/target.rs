@@ -7,8 +7,7 @@
 //! `http://gw/engine-3/metrics` and `…/v1/models`); a `--metrics-url` with no path
 //! reads `/metrics`.
 
-use crate::error::RelayError;
-use crate::error::invalid;
+use crate::error::{RelayError, invalid};
 use crate::models::ModelsEndpoint;
 use std::path::Path;
 use std::time::Duration;
