@@ -16,7 +16,11 @@
 //! refuse, before it is routed, and accept every prompt it would take. Optional for
 //! the same reason as `url`; a reader that does not know the field ignores it (no
 //! reader of registrations refuses unknown fields).
+//!
+//! The optional `role` and `kv_transfer` place the worker in a disaggregated fleet
+//! ([`crate::disaggregation`]); absent, the worker is an aggregated one (`both`).
 
+use crate::disaggregation::{KvTransfer, TransferProtocol, WorkerRole};
 use crate::ids::WorkerId;
 use serde::{Deserialize, Serialize};
 
@@ -64,6 +68,18 @@ pub struct WorkerRegistration {
     /// invalid, not "unknown".
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_model_len: Option<u64>,
+    /// The worker's role in a disaggregated fleet; `both` (the default, not
+    /// serialized) for an aggregated worker.
+    #[serde(default, skip_serializing_if = "is_both")]
+    pub role: WorkerRole,
+    /// How a frontend runs a KV transfer with this worker: required for a `prefill`
+    /// or `decode` worker, ignored for `both`; absent (not serialized) by default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_transfer: Option<KvTransfer>,
+}
+
+fn is_both(role: &WorkerRole) -> bool {
+    *role == WorkerRole::Both
 }
 
 fn is_zero(epoch: &u64) -> bool {
@@ -101,13 +117,26 @@ pub enum RegistrationError {
         /// The value registered, in tokens.
         value: u64,
     },
+    /// A `prefill` or `decode` worker registered no `kv_transfer`, or an SGLang
+    /// prefill worker no `bootstrap_port` (or port 0).
+    #[error("worker {worker_id} registered role {role} {detail}")]
+    KvTransfer {
+        /// The worker.
+        worker_id: WorkerId,
+        /// Its role.
+        role: WorkerRole,
+        /// What is missing, lowercase.
+        detail: &'static str,
+    },
 }
 
 impl WorkerRegistration {
     /// Checks the invariants a router relies on: `dp_size` and `block_size` at least 1,
     /// a `url`, if present, of at most [`MAX_URL_BYTES`] bytes with an `http` or
     /// `https` scheme and a non-empty rest (the rest is not parsed further), and a
-    /// `max_model_len`, if present, of 1 to [`MAX_MODEL_LEN`] tokens.
+    /// `max_model_len`, if present, of 1 to [`MAX_MODEL_LEN`] tokens, and a
+    /// `kv_transfer` for a `prefill` or `decode` role (with a non-zero
+    /// `bootstrap_port` for an SGLang prefill worker).
     ///
     /// # Errors
     /// [`RegistrationError`] naming the offending field.
@@ -141,7 +170,29 @@ impl WorkerRegistration {
                 value,
             });
         }
-        Ok(())
+        self.validate_kv_transfer()
+    }
+
+    fn validate_kv_transfer(&self) -> Result<(), RegistrationError> {
+        let missing = |detail| {
+            Err(RegistrationError::KvTransfer {
+                worker_id: self.worker_id,
+                role: self.role,
+                detail,
+            })
+        };
+        match (self.role, self.kv_transfer) {
+            (WorkerRole::Both, _) => Ok(()),
+            (_, None) => missing("without kv_transfer"),
+            (
+                WorkerRole::Prefill,
+                Some(KvTransfer {
+                    protocol: TransferProtocol::Sglang,
+                    bootstrap_port: None | Some(0),
+                }),
+            ) => missing("with sglang kv_transfer but no bootstrap_port"),
+            _ => Ok(()),
+        }
     }
 }
 
@@ -159,6 +210,8 @@ mod tests {
             url: None,
             epoch: 0,
             max_model_len: None,
+            role: Default::default(),
+            kv_transfer: None,
         };
         assert!(ok.validate().is_ok());
         assert_eq!(
@@ -188,6 +241,8 @@ mod tests {
             url: Some(url.to_owned()),
             epoch: 0,
             max_model_len: None,
+            role: Default::default(),
+            kv_transfer: None,
         }
     }
 
@@ -292,5 +347,60 @@ mod tests {
         // And an absent length is not written at all.
         let unknown = serde_json::to_string(&with_url("http://a:1")).unwrap();
         assert!(!unknown.contains("max_model_len"), "{unknown}");
+    }
+
+    #[test]
+    fn a_disaggregated_role_needs_its_transfer() {
+        let both = with_url("http://10.0.0.5:8000");
+        let prefill = |kv_transfer| WorkerRegistration {
+            role: WorkerRole::Prefill,
+            kv_transfer,
+            ..both.clone()
+        };
+        let vllm = KvTransfer {
+            protocol: TransferProtocol::Vllm,
+            bootstrap_port: None,
+        };
+        let sglang = |bootstrap_port| KvTransfer {
+            protocol: TransferProtocol::Sglang,
+            bootstrap_port,
+        };
+        assert_eq!(both.validate(), Ok(()));
+        assert_eq!(prefill(Some(vllm)).validate(), Ok(()));
+        assert_eq!(prefill(Some(sglang(Some(8998)))).validate(), Ok(()));
+        for bad in [None, Some(sglang(None)), Some(sglang(Some(0)))] {
+            let err = prefill(bad).validate().unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    RegistrationError::KvTransfer {
+                        role: WorkerRole::Prefill,
+                        ..
+                    }
+                ),
+                "{err}"
+            );
+        }
+        let decode = WorkerRegistration {
+            role: WorkerRole::Decode,
+            kv_transfer: Some(sglang(None)),
+            ..both.clone()
+        };
+        assert_eq!(decode.validate(), Ok(()));
+        let json = serde_json::to_string(&decode).unwrap();
+        assert!(
+            json.ends_with(r#""role":"decode","kv_transfer":{"protocol":"sglang"}}"#),
+            "{json}"
+        );
+        assert_eq!(
+            serde_json::from_str::<WorkerRegistration>(&json).unwrap(),
+            decode
+        );
+        // An aggregated worker writes neither field.
+        let json = serde_json::to_string(&both).unwrap();
+        assert!(
+            !json.contains("role") && !json.contains("kv_transfer"),
+            "{json}"
+        );
     }
 }

@@ -15,6 +15,8 @@
 //! - [`replicas`]: sequence-sync messages between router replicas ([`RouterId`]),
 //!   and the start-up snapshot of a replica's bookings.
 //! - [`discovery`]: the worker registration record stored in etcd.
+//! - [`disaggregation`]: prefill/decode roles, the router's pair decision, and the
+//!   booking id of a prefill half.
 //! - [`hashing`]: tokens → [`LocalBlockHash`] per full block (xxh3-64, seeded).
 //! - [`codec`]: msgpack encode / decode with typed errors.
 //! - [`limits`]: [`limits::Limits`], the bounds on every message from the network,
@@ -26,6 +28,7 @@
 //! - [`engines`]: decoders for vLLM and SGLang KV events (used by the relay).
 
 pub mod codec;
+pub mod disaggregation;
 pub mod discovery;
 pub mod engines;
 pub mod events;

@@ -180,6 +180,8 @@ mod tests {
             url: Some("http://e:1".into()),
             epoch: 0,
             max_model_len,
+            role: Default::default(),
+            kv_transfer: None,
         }
     }
 

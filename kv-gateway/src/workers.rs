@@ -175,6 +175,8 @@ mod tests {
             url: url.map(str::to_owned),
             epoch: 0,
             max_model_len: None,
+            role: Default::default(),
+            kv_transfer: None,
         }
     }
 

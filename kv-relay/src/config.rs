@@ -344,6 +344,8 @@ impl RelayConfig {
             url: engine_url.clone(),
             epoch: 0,
             max_model_len: None,
+            role: Default::default(),
+            kv_transfer: None,
         };
         if let Err(e) = check.validate() {
             return Err(invalid("engine-url", e.to_string()));

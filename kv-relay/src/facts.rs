@@ -71,6 +71,8 @@ impl EngineFacts {
             url: who.url.clone(),
             epoch: who.epoch,
             max_model_len: self.max_model_len,
+            role: Default::default(),
+            kv_transfer: None,
         })
     }
 

@@ -83,6 +83,8 @@ impl Router {
                         url: None,
                         epoch: 0,
                         max_model_len: None,
+                        role: Default::default(),
+                        kv_transfer: None,
                     })?;
                 }
                 Decider::Scheduler {

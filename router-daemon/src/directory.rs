@@ -72,6 +72,8 @@ mod tests {
                 url: None,
                 epoch: 0,
                 max_model_len: None,
+                role: Default::default(),
+                kv_transfer: None,
             },
             lease_id,
             mod_revision: 3,

@@ -99,6 +99,8 @@ mod tests {
             url: None,
             epoch: 0,
             max_model_len: None,
+            role: Default::default(),
+            kv_transfer: None,
         })
         .expect("a valid registration");
         s

@@ -13,6 +13,7 @@
 use crate::admission::Admission;
 use crate::gate::admit;
 use crate::metrics::counters::{Counters, MessageKind, Outcome};
+use kv_events::disaggregation::prefill_booking_id;
 use kv_events::limits::Limits;
 use kv_events::replicas::SequenceUpdate;
 use kv_events::routing::{LifecycleEvent, LifecycleMessage};
@@ -36,9 +37,20 @@ pub fn handle_lifecycle(
     let id = &msg.request_id;
     // Before the scheduler lock, for the start-up snapshot (`crate::replica_sync::snapshot`).
     admission.replicas.note_lifecycle(id, msg.event);
+    let half;
+    let id = if msg.event == LifecycleEvent::RemotePrefillDone {
+        half = prefill_booking_id(id);
+        &half
+    } else {
+        id
+    };
     let result = {
         let mut scheduler = admission.scheduler();
         let (result, update) = match msg.event {
+            LifecycleEvent::RemotePrefillDone => (
+                scheduler.mark_prefill_completed(id, now),
+                SequenceUpdate::PrefillDone,
+            ),
             LifecycleEvent::PrefillDone => (
                 scheduler.mark_prefill_completed(id, now),
                 SequenceUpdate::PrefillDone,

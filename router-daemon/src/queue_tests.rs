@@ -22,6 +22,8 @@ fn busy_scheduler(dp_size: u32) -> Scheduler {
         url: None,
         epoch: 0,
         max_model_len: None,
+        role: Default::default(),
+        kv_transfer: None,
     })
     .unwrap();
     s
@@ -177,6 +179,8 @@ fn waiters_that_cannot_be_served_as_asked_are_answered_with_the_reason() {
         url: None,
         epoch: 0,
         max_model_len: None,
+        role: Default::default(),
+        kv_transfer: None,
     })
     .unwrap();
     assert_eq!(q.release(&mut state, &mut s, t, |_, _| {}).failed, 1);

@@ -203,6 +203,7 @@ pub(crate) async fn routed(
         overlap_blocks: sel.overlap_blocks,
         request_blocks,
         policy: sel.policy,
+        disaggregation: None,
     })
 }
 

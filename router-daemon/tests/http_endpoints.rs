@@ -105,6 +105,8 @@ async fn endpoints_report_health_metrics_and_workers() {
         url: None,
         epoch: 0,
         max_model_len: None,
+        role: Default::default(),
+        kv_transfer: None,
     };
     state.scheduler().add_worker(reg.clone()).unwrap();
     state.directory.upsert(DirectoryEntry {

@@ -161,6 +161,8 @@ mod tests {
             url: None,
             epoch: 0,
             max_model_len: None,
+            role: Default::default(),
+            kv_transfer: None,
         }
     }
 

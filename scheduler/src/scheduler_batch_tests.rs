@@ -23,6 +23,8 @@ fn scheduler(config: SchedulerConfig, workers: &[(u64, u32)]) -> Scheduler {
             url: None,
             epoch: 0,
             max_model_len: None,
+            role: Default::default(),
+            kv_transfer: None,
         })
         .unwrap();
     }

@@ -146,6 +146,8 @@ fn removing_a_worker_forgets_its_reports() {
         url: None,
         epoch: 0,
         max_model_len: None,
+        role: Default::default(),
+        kv_transfer: None,
     })
     .unwrap();
     assert_eq!(

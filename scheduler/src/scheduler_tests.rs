@@ -23,6 +23,8 @@ fn reg(id: u64, dp_size: u32) -> WorkerRegistration {
         url: None,
         epoch: 0,
         max_model_len: None,
+        role: Default::default(),
+        kv_transfer: None,
     }
 }
 

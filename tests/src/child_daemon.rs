@@ -153,6 +153,8 @@ pub async fn register_workers(
             url: None,
             epoch: 0,
             max_model_len: None,
+            role: Default::default(),
+            kv_transfer: None,
         };
         crate::register_worker(etcd, subjects, &reg, 600).await?;
     }

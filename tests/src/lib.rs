@@ -298,6 +298,8 @@ impl FakeWorker {
             url: None,
             epoch: 0,
             max_model_len: None,
+            role: Default::default(),
+            kv_transfer: None,
         };
         let lease = register_worker(&mut cluster.etcd, &cluster.subjects, &reg, ttl_secs).await?;
         Ok(Self {

@@ -29,6 +29,8 @@ fn registration(id: u64, block_size: u32) -> WorkerRegistration {
         url: None,
         epoch: 0,
         max_model_len: None,
+        role: Default::default(),
+        kv_transfer: None,
     }
 }
 

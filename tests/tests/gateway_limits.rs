@@ -133,6 +133,8 @@ async fn the_bound_follows_workers_as_they_come_and_go() {
         url: Some("http://127.0.0.1:9".into()),
         epoch: 0,
         max_model_len: Some(512),
+        role: Default::default(),
+        kv_transfer: None,
     };
     let cluster = &mut stack.cluster;
     let lease = register_worker(&mut cluster.etcd, &cluster.subjects, &small, 30)

@@ -50,6 +50,8 @@ async fn register(cluster: &mut TestCluster, id: u64, epoch: u64) -> anyhow::Res
         url: None,
         epoch,
         max_model_len: None,
+        role: Default::default(),
+        kv_transfer: None,
     };
     register_worker(&mut cluster.etcd, &cluster.subjects, &registration, 30).await?;
     Ok(())

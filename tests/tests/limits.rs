@@ -39,6 +39,8 @@ async fn a_registration_with_an_absurd_dp_size_is_rejected_and_routing_goes_on()
         url: None,
         epoch: 0,
         max_model_len: None,
+        role: Default::default(),
+        kv_transfer: None,
     };
     register_worker(
         &mut cluster.etcd,

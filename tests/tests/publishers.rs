@@ -102,6 +102,8 @@ async fn a_forged_epoch_is_dropped_and_only_a_registration_moves_the_epoch() -> 
         url: None,
         epoch,
         max_model_len: None,
+        role: Default::default(),
+        kv_transfer: None,
     };
     register_worker(&mut cluster.etcd, &cluster.subjects, &reg, 30).await?;
     let rank = kv_events::WorkerRank::new(w1.id(), DpRank(0));
@@ -184,6 +186,8 @@ async fn events_of_unregistered_workers_wait_briefly_then_are_dropped() -> anyho
         url: None,
         epoch: 0,
         max_model_len: None,
+        role: Default::default(),
+        kv_transfer: None,
     };
     register_worker(&mut cluster.etcd, &cluster.subjects, &w5_reg, 30).await?;
     let hashes = FakeWorker::hashes(&tokens, BLOCK);

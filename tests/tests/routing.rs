@@ -158,6 +158,8 @@ async fn malformed_input_is_counted_skipped_and_loses_nothing() -> anyhow::Resul
         url: None,
         epoch: 0,
         max_model_len: None,
+        role: Default::default(),
+        kv_transfer: None,
     };
     cluster
         .etcd

@@ -30,6 +30,8 @@ async fn register(cluster: &mut TestCluster, id: u64, dp_size: u32) -> anyhow::R
         url: None,
         epoch: 0,
         max_model_len: None,
+        role: Default::default(),
+        kv_transfer: None,
     };
     integration_tests::register_worker(&mut cluster.etcd, &cluster.subjects, &reg, 60).await?;
     Ok(())

@@ -38,6 +38,8 @@ fn registration(worker_id: WorkerId, dp_size: u32) -> WorkerRegistration {
         url: None,
         epoch: 0,
         max_model_len: None,
+        role: Default::default(),
+        kv_transfer: None,
     }
 }
 

@@ -252,6 +252,8 @@ pub fn registration_json() -> Vec<Vec<u8>> {
         url: url.map(str::to_owned),
         epoch: 0,
         max_model_len: None,
+        role: Default::default(),
+        kv_transfer: None,
     };
     [reg(Some("http://127.0.0.1:8000"), 2), reg(None, 1)]
         .iter()
@@ -268,6 +270,7 @@ pub fn route_replies() -> Vec<Vec<u8>> {
         overlap_blocks: 2,
         request_blocks: 3,
         policy: PolicyKind::PredictedTtft,
+        disaggregation: None,
     });
     let error = RouteReply::Error(RouteError {
         code: RouteErrorCode::Overloaded,

@@ -14,6 +14,8 @@ fn registration(dp_size: u32, total_kv_blocks: u64) -> WorkerRegistration {
         url: None,
         epoch: 0,
         max_model_len: None,
+        role: Default::default(),
+        kv_transfer: None,
     }
 }
 

@@ -11,6 +11,7 @@
 //! frontends keep working; decoders ignore unknown keys, so newer frontends can talk
 //! to older routers (which then ignore the new fields).
 
+use crate::disaggregation::Disaggregation;
 use crate::ids::{DpRank, LocalBlockHash, RequestId, WorkerId};
 use serde::{Deserialize, Serialize};
 
@@ -184,6 +185,17 @@ pub struct RouteRequest {
     /// malformed (`bad_request`). Absent on the wire by default.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub session_id: Option<SessionId>,
+    /// The frontend can run a disaggregated request (both halves, see
+    /// [`crate::disaggregation`]): when prefill workers are registered, the router
+    /// may answer with a prefill worker besides the decode worker. Without it (the
+    /// default, not sent), the request is routed to one worker that decodes (role
+    /// `both` or `decode`), never to a prefill-only worker.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub allow_disaggregation: bool,
+}
+
+fn is_false(value: &bool) -> bool {
+    !*value
 }
 
 /// The most workers one [`RouteRequest`] may exclude: far above any sane retry count,
@@ -202,6 +214,7 @@ impl RouteRequest {
             priority: 0,
             exclude_workers: Vec::new(),
             session_id: None,
+            allow_disaggregation: false,
         }
     }
 }
@@ -221,6 +234,12 @@ pub struct RouteDecision {
     pub request_blocks: u32,
     /// The policy that made the decision.
     pub policy: PolicyKind,
+    /// For a request that allowed disaggregation, when prefill workers are
+    /// registered: whether (and where) its prompt is prefilled on another worker, and
+    /// why. `worker_id`, `dp_rank` and `overlap_blocks` above are then the decode
+    /// worker's. Absent otherwise (not serialized).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disaggregation: Option<Disaggregation>,
 }
 
 /// Why a route request failed.
@@ -312,7 +331,13 @@ pub enum RouteBatchReply {
 #[serde(rename_all = "snake_case")]
 pub enum LifecycleEvent {
     /// The first output token was produced: prefill is over, the request now decodes.
+    /// For a disaggregated request, the decode worker's first token: the KV transfer
+    /// is over too, so the prefill half's booking is released.
     PrefillDone,
+    /// A disaggregated request's prefill worker answered: its prefill tokens leave
+    /// that worker's load, while the blocks it holds for the transfer stay booked
+    /// until `prefill_done` ([`crate::disaggregation`]).
+    RemotePrefillDone,
     /// The request is still running. Frontends send it for requests that may outlive
     /// the router's request TTL, so they are not expired by accident.
     KeepAlive,

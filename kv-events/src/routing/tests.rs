@@ -31,6 +31,7 @@ fn route_messages_round_trip() {
         overlap_blocks: 1,
         request_blocks: 2,
         policy: PolicyKind::Kv,
+        disaggregation: None,
     });
     assert_eq!(decode::<RouteReply>(&encode(&ok).unwrap()).unwrap(), ok);
 

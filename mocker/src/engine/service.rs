@@ -367,6 +367,8 @@ async fn register(
                 args.http
                     .max_model_len_or_cache(args.model.block_size, args.model.num_gpu_blocks),
             ),
+            role: Default::default(),
+            kv_transfer: None,
         };
         let key = subjects.etcd_worker_key(worker_id);
         let etcd = cluster.etcd.clone();

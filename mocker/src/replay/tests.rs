@@ -57,6 +57,8 @@ async fn register(target: &ReplayTarget, worker: u64) {
         url: None,
         epoch: 0,
         max_model_len: None,
+        role: Default::default(),
+        kv_transfer: None,
     };
     target
         .etcd
@@ -101,6 +103,7 @@ async fn fake_router(target: &ReplayTarget, workers: u64, reject_suffix: &'stati
                     overlap_blocks: 0,
                     request_blocks: blocks,
                     policy: req.policy.unwrap(),
+                    disaggregation: None,
                 })
             };
             nats.publish(msg.reply.unwrap(), encode(&reply).unwrap().into())

@@ -44,6 +44,8 @@ fn starting() -> Starting {
                 url: None,
                 epoch: 0,
                 max_model_len: None,
+                role: Default::default(),
+                kv_transfer: None,
             })
             .expect("valid registration");
     }

@@ -245,7 +245,8 @@ impl Replicas {
         let update = match event {
             LifecycleEvent::PrefillDone => SequenceUpdate::PrefillDone,
             LifecycleEvent::Freed => SequenceUpdate::Freed,
-            LifecycleEvent::KeepAlive => return,
+            // Names the prefill half: noted by the caller under that half's id.
+            LifecycleEvent::RemotePrefillDone | LifecycleEvent::KeepAlive => return,
         };
         self.note_step(request_id, &update);
     }

@@ -43,6 +43,8 @@ fn kv_scheduler(seed: u64) -> crate::Scheduler {
             url: None,
             epoch: 0,
             max_model_len: None,
+            role: Default::default(),
+            kv_transfer: None,
         })
         .expect("valid registration");
     }

@@ -235,6 +235,8 @@ async fn main() -> anyhow::Result<()> {
             url: None,
             epoch: 0,
             max_model_len: None,
+            role: Default::default(),
+            kv_transfer: None,
         };
         integration_tests::register_worker(&mut etcd, &subjects, &reg, ttl).await?;
     }

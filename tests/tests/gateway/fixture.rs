@@ -206,6 +206,8 @@ impl Stack {
             url: Some(url),
             epoch: 0,
             max_model_len: None,
+            role: Default::default(),
+            kv_transfer: None,
         };
         let cluster = &mut self.cluster;
         let lease = register_worker(&mut cluster.etcd, &cluster.subjects, &registration, 30)

@@ -302,6 +302,8 @@ async fn register(
         url: None,
         epoch,
         max_model_len: None,
+        role: Default::default(),
+        kv_transfer: None,
     };
     integration_tests::register_worker(&mut cluster.etcd, &cluster.subjects, &reg, 30).await?;
     Ok(())

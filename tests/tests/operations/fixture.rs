@@ -127,6 +127,8 @@ impl Fixture {
             url: None,
             epoch: 0,
             max_model_len: None,
+            role: Default::default(),
+            kv_transfer: None,
         };
         integration_tests::register_worker(&mut etcd, &self.subjects, &reg, ttl_secs).await
     }

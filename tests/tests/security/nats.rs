@@ -376,6 +376,8 @@ async fn a_router_with_jetstream_works_under_the_shipped_permissions() {
         url: None,
         epoch: 0,
         max_model_len: None,
+        role: Default::default(),
+        kv_transfer: None,
     };
     register_worker(&mut relay_etcd, s, &registration, 120)
         .await

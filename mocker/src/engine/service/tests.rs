@@ -179,6 +179,8 @@ async fn engines_register_serve_publish_and_revoke() {
                 epoch,
                 // No --max-model-len: one rank's cache, 64 blocks of 16 tokens.
                 max_model_len: Some(1024),
+                role: Default::default(),
+                kv_transfer: None,
             },
             WorkerRegistration {
                 worker_id: WorkerId(8),
@@ -188,6 +190,8 @@ async fn engines_register_serve_publish_and_revoke() {
                 url: Some(urls[1].clone()),
                 epoch,
                 max_model_len: Some(1024),
+                role: Default::default(),
+                kv_transfer: None,
             },
         ]
     );
