@@ -40,7 +40,7 @@ pub(super) async fn transfer_side(
         (WorkerRole::Prefill, Some(TransferProtocol::Sglang), Some(port)) => {
             let rooms = Arc::new(Rooms::default());
             let listener = bind(&args.http_host, port).await?.0;
-            let router = rooms::router(rooms.clone());
+            let router = rooms::router(rooms.clone(), shutdown.clone());
             let (limits, token) = (args.limits(), shutdown.clone());
             tasks.spawn(kv_cluster::http::serve(listener, router, limits, token));
             Some(rooms)

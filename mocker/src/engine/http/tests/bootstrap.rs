@@ -176,3 +176,34 @@ async fn a_room_never_prefilled_times_out_and_a_failed_prefill_fails_its_decode(
         .await;
     assert_eq!(status, 200, "room 13 was prefilled: {answer}");
 }
+
+/// Waits for a room end with the engines: a prefill engine that stops answers the
+/// decode's long-poll at once (the decode fails, 500), and a decode engine that stops
+/// while a request waits for its room answers it 503 — neither holds its shutdown
+/// for the 30 s wait.
+#[tokio::test]
+async fn a_shutdown_ends_the_waits_for_a_room() {
+    for stopping in ["prefill", "decode"] {
+        let port = testbed::free_port().expect("a free port");
+        let (prefill, decode) = sglang_roles(port, 30_000);
+        let pair = Pair::start(prefill, decode).await;
+        let started = Instant::now();
+        let request = body(&tokens(0), port, 21, 2);
+        let waiting = pair.post(&pair.decode, "/v1/completions", &request);
+        let stop = async {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            match stopping {
+                "prefill" => pair.prefill.shutdown(),
+                _ => pair.decode.shutdown(),
+            }
+        };
+        let ((status, answer), ()) = tokio::join!(waiting, stop);
+        let expected = if stopping == "prefill" { 500 } else { 503 };
+        assert_eq!(status, expected, "{stopping} stopped: {answer}");
+        let waited = started.elapsed();
+        assert!(
+            waited < Duration::from_secs(10),
+            "answered at once, {waited:?}"
+        );
+    }
+}

@@ -225,20 +225,28 @@ struct PollQuery {
     wait_ms: Option<u64>,
 }
 
-/// The bootstrap server's routes: `GET /rooms/{room}?wait_ms=N`.
-pub fn router(rooms: Arc<Rooms>) -> Router {
+/// The bootstrap server's routes: `GET /rooms/{room}?wait_ms=N`. A poll still
+/// waiting when `shutdown` fires answers 503 at once, so the server stops promptly.
+pub fn router(rooms: Arc<Rooms>, shutdown: CancellationToken) -> Router {
     Router::new()
         .route("/rooms/{room}", get(poll))
-        .with_state(rooms)
+        .with_state((rooms, shutdown))
 }
 
 async fn poll(
-    State(rooms): State<Arc<Rooms>>,
+    State((rooms, shutdown)): State<(Arc<Rooms>, CancellationToken)>,
     Path(room): Path<u64>,
     Query(query): Query<PollQuery>,
 ) -> Response {
     let wait = Duration::from_millis(query.wait_ms.unwrap_or(0)).min(MAX_POLL);
-    match rooms.wait(room, wait).await {
+    let waited = tokio::select! {
+        waited = rooms.wait(room, wait) => waited,
+        () = shutdown.cancelled() => {
+            let stopping = "the prefill engine is shutting down";
+            return (StatusCode::SERVICE_UNAVAILABLE, stopping).into_response();
+        }
+    };
+    match waited {
         Ok(Some(RoomState::Ready(ready))) => axum::Json(ready.as_ref().clone()).into_response(),
         Ok(Some(RoomState::Failed(reason))) => (StatusCode::GONE, reason).into_response(),
         Ok(Some(RoomState::Pending) | None) => (
