@@ -47,6 +47,10 @@ pub(super) async fn transfer_side(
         }
         _ => None,
     };
+    let client = match (placement.role, protocol) {
+        (WorkerRole::Decode, Some(TransferProtocol::Sglang)) => Some(kv_cluster::http::client()?),
+        _ => None,
+    };
     Ok(TransferSide {
         role: placement.role,
         protocol,
@@ -57,7 +61,7 @@ pub(super) async fn transfer_side(
         bootstrap_timeout: config.bootstrap_timeout,
         host: String::new(),
         port: 0,
-        client: kv_cluster::http::client()?,
+        client,
         shutdown: shutdown.clone(),
     })
 }

@@ -68,8 +68,9 @@ pub(in crate::engine) struct TransferSide {
     pub host: String,
     /// See `host`.
     pub port: u16,
-    /// The client an SGLang decode worker polls bootstrap servers with.
-    pub client: reqwest::Client,
+    /// The client an SGLang decode worker polls bootstrap servers with (none for
+    /// other workers).
+    pub client: Option<reqwest::Client>,
     /// Cancelled when the engines stop: waits end with 503.
     pub shutdown: CancellationToken,
 }

@@ -123,8 +123,12 @@ async fn accept(
             submit(state, admission, KvConnector::Loaded)
         }
         Plan::BootstrapDecode { host, port, room } => {
+            // Only an SGLang decode worker, which has a client, plans this.
+            let client = side.client.as_ref().ok_or_else(|| {
+                EngineApiError::bad_request("this engine waits for no bootstrap rooms")
+            })?;
             let ready = fetch(
-                &side.client,
+                client,
                 (&host, port, room),
                 side.bootstrap_timeout,
                 &side.shutdown,
