@@ -232,6 +232,7 @@ pub async fn spawn_engines(
         dp_size = args.fleet.dp_size,
         namespace = %subjects.namespace(),
         kv_events = ?args.kv_events.mode,
+        role = %disaggregation.role(),
         "{READY_LINE}"
     );
 
