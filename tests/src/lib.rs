@@ -254,6 +254,7 @@ fn engine_args(
         http,
         cpu_tier: engine_model::CpuTierConfig::default(),
         kv_events: mocker::engine::KvEventsArgs::default(),
+        disaggregation: mocker::engine::EngineDisaggregationArgs::default(),
     }
 }
 
@@ -431,6 +432,20 @@ pub async fn wait_for_overlap(
         },
     )
     .await
+}
+
+/// Every request `daemon` holds booked, by id, with who booked it and whether its
+/// prefill completed.
+pub fn booked_requests(
+    daemon: &Daemon,
+) -> std::collections::BTreeMap<String, (router_daemon::Origin, bool)> {
+    daemon
+        .state()
+        .scheduler()
+        .sequences()
+        .iter()
+        .map(|(id, r)| (id.0.clone(), (r.origin, r.prefill_done)))
+        .collect()
 }
 
 /// Waits until `check` returns `Some`, re-checking with a short backoff, for at most
