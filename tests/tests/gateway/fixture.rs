@@ -90,6 +90,25 @@ pub async fn wait_ready(http: &reqwest::Client, base: &str) {
     .expect("gateway ready");
 }
 
+/// Checks what `python/gateway_client.py` saw: the token counts it asked for, the
+/// same prompt counted streamed and not, chat shapes, 404 and 400.
+pub fn assert_openai_client_saw(seen: &serde_json::Value) {
+    assert_eq!(seen["completion"]["completion_tokens"], 5, "{seen}");
+    assert_eq!(seen["completion"]["finish_reason"], "length", "{seen}");
+    let streamed = &seen["completion_stream"];
+    assert_eq!(streamed["completion_tokens"], 6, "{streamed}");
+    let prompt_tokens = &seen["completion"]["prompt_tokens"];
+    assert_eq!(&streamed["prompt_tokens"], prompt_tokens, "{seen}");
+    assert_eq!(seen["chat"]["completion_tokens"], 4, "{seen}");
+    assert_eq!(seen["chat_stream"]["first_role"], "assistant", "{seen}");
+    assert_eq!(
+        seen["chat_stream"]["last_finish_reason"], "length",
+        "{seen}"
+    );
+    assert_eq!(seen["unknown_model"], 404, "{seen}");
+    assert_eq!(seen["oversized"]["status"], 400, "{seen}");
+}
+
 /// The mock engines of a [`Stack`].
 pub struct StackEngines {
     /// How many, one worker each.

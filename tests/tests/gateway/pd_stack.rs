@@ -1,12 +1,12 @@
 //! A gateway in front of the protocol-level engines and router of `pd.rs`, and what
 //! the disaggregation tests check of it.
 
-use super::fixture::{self, BLOCK, MODEL};
+use super::fixture::{self, BLOCK};
 use super::pd::{self, Behaviour, PairRouter, PdEngine};
+use super::routed::{self, Routed};
 use integration_tests::{TestCluster, eventually};
 use kv_events::disaggregation::{TransferProtocol, WorkerRole};
 use kv_gateway::Gateway;
-use kv_gateway::flow::{DISAGGREGATION_HEADER, PREFILL_WORKER_HEADER, WORKER_HEADER};
 use serde_json::json;
 use std::time::Duration;
 
@@ -85,34 +85,9 @@ impl PdStack {
         self.gateway.as_ref().unwrap().metrics()
     }
 
-    /// A completion of `tokens` for `max_tokens`: status, served worker, prefill
-    /// worker, decision, body.
-    pub async fn complete(&self, tokens: &[u32], stream: bool, max_tokens: u32) -> Answer {
-        let body =
-            json!({"model": MODEL, "prompt": tokens, "max_tokens": max_tokens, "stream": stream});
-        let response = self
-            .http
-            .post(format!("{}/v1/completions", self.base))
-            .header("content-type", "application/json")
-            .body(body.to_string())
-            .send();
-        let response = tokio::time::timeout(WAIT, response).await.unwrap().unwrap();
-        let header = |name: &str| {
-            let value = response.headers().get(name)?;
-            Some(value.to_str().unwrap().to_owned())
-        };
-        let answer = Answer {
-            status: response.status().as_u16(),
-            worker: header(WORKER_HEADER),
-            prefill: header(PREFILL_WORKER_HEADER),
-            decision: header(DISAGGREGATION_HEADER),
-            text: String::new(),
-        };
-        let text = tokio::time::timeout(WAIT, response.text())
-            .await
-            .unwrap()
-            .unwrap();
-        Answer { text, ..answer }
+    /// A completion of `tokens` for `max_tokens` tokens.
+    pub async fn complete(&self, tokens: &[u32], stream: bool, max_tokens: u32) -> Routed {
+        routed::complete(&self.http, &self.base, tokens, stream, max_tokens).await
     }
 
     /// Waits until the router holds no booking.
@@ -130,20 +105,6 @@ impl PdStack {
             gateway.shutdown().await.unwrap();
         }
     }
-}
-
-/// What a client got.
-pub struct Answer {
-    /// The HTTP status.
-    pub status: u16,
-    /// The worker that decoded (or served) it.
-    pub worker: Option<String>,
-    /// The worker that prefilled it.
-    pub prefill: Option<String>,
-    /// The router's disaggregation decision.
-    pub decision: Option<String>,
-    /// The body.
-    pub text: String,
 }
 
 /// A prompt of six full blocks and a partial one, from token `first`.
