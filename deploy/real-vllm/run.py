@@ -28,6 +28,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
+# No __pycache__ in the checkout, here nor in the processes started (nixl_poll/).
+sys.dont_write_bytecode = True
+os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
 
 import install  # noqa: E402
 
@@ -185,22 +188,29 @@ class PdMode:
             "" if args.engines_only else ", nats-server, etcd, relays, router, gateway")
 
     def start(self) -> None:
+        from pd_gateway import ROUTER_FLAGS
         from stack import Role
 
         roles = [Role(r) for r in self.ROLES]
         if self.args.engines_only:
             self.cluster.start_engines(roles)
         else:
-            self.cluster.start(roles)
+            self.cluster.start(roles, ROUTER_FLAGS)
 
     def run(self) -> list:
         import checks
         import pd
+        import pd_gateway
 
-        client = checks.Client(self.cluster, self.args.seed)
+        cluster = self.cluster
+        client = checks.Client(cluster, self.args.seed)
         prompts = [client.prompt(300 + 200 * i) for i in range(3)]
-        return run_steps([("by hand", lambda: pd.engines_by_hand(
-            self.cluster.engines, prompts, self.cluster.shape.block_size))])
+        steps = [("by hand", lambda: pd.engines_by_hand(cluster.engines, prompts,
+                                                        cluster.shape.block_size))]
+        if not self.args.engines_only:
+            steps.append(("through the gateway",
+                          lambda: pd_gateway.through_gateway(cluster, self.args.seed + 1)))
+        return run_steps(steps)
 
 
 def report(outcomes) -> None:

@@ -222,7 +222,9 @@ class Cluster:
             "--replay-endpoint", f"tcp://127.0.0.1:{engine.replay_port}",
             "--topic", "kv-events", "--engine-url", engine.url,
             "--worker-name", f"vllm-{engine.index}", "--worker-id", str(engine.worker_id),
-            "--http-listen", f"127.0.0.1:{port}"],
+            "--http-listen", f"127.0.0.1:{port}",
+            *(["--role", engine.role.value, "--kv-transfer", "vllm"] if engine.role.kv_role
+              else [])],
             ready="registered the engine's block size and capacity",
             ready_timeout_s=KV_ROUTER_READY_S)
 
