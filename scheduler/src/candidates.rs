@@ -16,9 +16,13 @@ use std::time::Instant;
 /// Which workers' ranks a decision considers, by their role.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Side {
-    /// Workers that decode (`both`, `decode`): a whole request, or the decode half
-    /// of a disaggregated one. Ranks of other workers do not exist for it (a pinned
-    /// dp_rank only they have is unavailable).
+    /// Workers that serve a whole request themselves
+    /// ([`WorkerRegistration::serves_whole_requests`]: `both`, and vLLM `decode`
+    /// workers). Ranks of other workers do not exist for it (a pinned dp_rank only
+    /// they have is unavailable).
+    Whole,
+    /// Workers that decode (`both`, `decode`): the decode half of a disaggregated
+    /// request.
     Decode,
     /// `prefill` workers whose transfer protocol is this one: the prefill half of a
     /// disaggregated request, paired with a decode worker of that protocol.
@@ -28,6 +32,7 @@ pub(crate) enum Side {
 impl Side {
     fn admits(self, reg: &WorkerRegistration) -> bool {
         match self {
+            Side::Whole => reg.serves_whole_requests(),
             Side::Decode => reg.role.decodes(),
             Side::Prefill(protocol) => {
                 reg.role == WorkerRole::Prefill

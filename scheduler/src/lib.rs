@@ -273,7 +273,7 @@ impl Scheduler {
                 batch_remaining,
             });
         }
-        self.gather_candidates(req, overlaps, &block_ids, now, Side::Decode)?;
+        self.gather_candidates(req, overlaps, &block_ids, now, Side::Whole)?;
         self.calibration
             .timing_scales(&policy, &self.candidates, &mut self.scales);
         let ctx = SelectContext {

@@ -50,7 +50,9 @@ impl Scheduler {
     ///
     /// # Errors
     /// As [`Scheduler::schedule`]: the decode side's candidate errors; a prefill
-    /// side without candidates is the decision `no_prefill_worker`, not an error.
+    /// side without candidates is the decision `no_prefill_worker`, not an error,
+    /// unless the decode worker cannot prefill (an SGLang `decode` server): then
+    /// [`SchedulerError::AllBusy`], and nothing is booked.
     pub(crate) fn schedule_pair<O: Overlaps + ?Sized>(
         &mut self,
         ask: &PairAsk<'_, O>,
@@ -62,20 +64,30 @@ impl Scheduler {
         }
         self.gather_candidates(req, ask.overlaps, ask.block_ids, now, Side::Decode)?;
         let (decode, cost, session) = self.pick_decode(req, now);
-        let protocol = self
-            .workers
-            .get(decode.rank.worker_id)
-            .and_then(|reg| reg.kv_transfer)
-            .map(|t| t.protocol);
-        let local = self
-            .config
-            .disaggregation
-            .local_reason(req, decode.overlap_blocks);
+        // An SGLang decode server cannot prefill the prompt itself: its request is
+        // disaggregated whatever the thresholds say, and fails without a prefill worker.
+        let (protocol, whole) =
+            self.workers
+                .get(decode.rank.worker_id)
+                .map_or((None, true), |reg| {
+                    (
+                        reg.kv_transfer.map(|t| t.protocol),
+                        reg.serves_whole_requests(),
+                    )
+                });
+        let local = if whole {
+            self.config
+                .disaggregation
+                .local_reason(req, decode.overlap_blocks)
+        } else {
+            None
+        };
         let (reason, prefill) = match local {
             Some(reason) => (reason, None),
             None => match protocol.and_then(|p| self.pick_prefill(ask, p)) {
                 Some(pick) => (DisaggregationReason::LongUncached, Some(pick)),
-                None => (DisaggregationReason::NoPrefillWorker, None),
+                None if whole => (DisaggregationReason::NoPrefillWorker, None),
+                None => return Err(SchedulerError::AllBusy),
             },
         };
         let decode_hint = match prefill {
