@@ -6,6 +6,7 @@
 
 use crate::error::LabError;
 use crate::fleet::{TierPricing, WorkerSpeeds};
+use crate::serving::{KvTransferModel, Serving};
 use engine_model::{CpuTierConfig, EngineModelConfig, TimingModel};
 use kv_events::routing::PolicyKind;
 use scheduler::SessionConfig;
@@ -97,6 +98,11 @@ pub struct SimConfig {
     /// `predicted-ttft`'s knobs for every row of that policy (the step-time constants
     /// are the engines' own under [`LabPolicy::Tuned`]).
     pub predicted_ttft: PredictedTtftConfig,
+    /// The engines' roles: aggregated (the default) or split into prefill and decode
+    /// engines ([`crate::serving`]).
+    pub serving: Serving,
+    /// The KV transfer between a split fleet's engines.
+    pub transfer: KvTransferModel,
 }
 
 impl Default for SimConfig {
@@ -114,6 +120,8 @@ impl Default for SimConfig {
             calibration_sample_ms: None,
             sessions: SessionConfig::default(),
             predicted_ttft: PredictedTtftConfig::default(),
+            serving: Serving::Aggregated,
+            transfer: KvTransferModel::default(),
         }
     }
 }
@@ -133,10 +141,12 @@ impl SimConfig {
     /// # Errors
     /// [`LabError::Engine`] for a bad engine or CPU tier knob, [`LabError::Timing`] for a timing
     /// coefficient that is negative or not finite, [`LabError::EventLag`] for a
-    /// negative or non-finite lag.
+    /// negative or non-finite lag, [`LabError::TransferTime`] for a bad transfer
+    /// time.
     pub fn validate(&self) -> Result<(), LabError> {
         self.engine.validate()?;
         self.cpu_tier.validate()?;
+        self.transfer.validate()?;
         let t = &self.timing;
         for value in [
             t.step_base_ms,

@@ -11,6 +11,7 @@ use crate::config::{LabPolicy, SimConfig};
 use crate::error::LabError;
 use crate::fleet::TierPricing;
 use indexer::RadixTree;
+use kv_events::disaggregation::{WorkerRole, prefill_booking_id};
 use kv_events::discovery::WorkerRegistration;
 use kv_events::routing::{PolicyKind, SessionId};
 use kv_events::{KvCacheEvent, LocalBlockHash, RequestId, WorkerId, WorkerRank};
@@ -27,10 +28,22 @@ enum Decider {
     /// --policy <kind>` runs it.
     Scheduler {
         scheduler: Box<Scheduler>,
+        /// TEMPORARY (until the scheduler pairs): the prefill ranks' own scheduler.
+        prefill: Option<(Box<Scheduler>, Vec<WorkerRank>)>,
         /// Simulated time 0 as an `Instant` (the scheduler takes `Instant`s; only
         /// differences matter, so runs stay deterministic).
         epoch: Instant,
     },
+}
+
+/// Where a request runs, by rank index: its decode rank (the rank of a whole
+/// request) and, for a disaggregated request, its prefill rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Route {
+    /// The rank that decodes (and, without `prefill`, prefills).
+    pub decode: usize,
+    /// The rank that prefills a disaggregated request.
+    pub prefill: Option<usize>,
 }
 
 /// Index plus decider for one run; ranks are identified by their index in `ranks`.
@@ -46,7 +59,8 @@ pub(super) struct Router {
 }
 
 impl Router {
-    /// A router over `ranks` (sorted, one dp rank per worker), all registered.
+    /// A router over `ranks` (sorted, one dp rank per worker), all registered, worker
+    /// `i` in role `roles[i]`.
     ///
     /// # Errors
     /// [`LabError::Scheduler`] if the scheduler refuses the configuration or a
@@ -54,6 +68,7 @@ impl Router {
     pub fn new(
         policy: LabPolicy,
         ranks: &[WorkerRank],
+        roles: &[WorkerRole],
         config: &SimConfig,
     ) -> Result<Self, LabError> {
         let decider = match policy {
@@ -73,22 +88,38 @@ impl Router {
                     },
                     ..SchedulerConfig::default()
                 };
-                let mut scheduler = Scheduler::new(scheduler_config, Some(config.seed))?;
-                for rank in ranks {
-                    scheduler.add_worker(WorkerRegistration {
-                        worker_id: rank.worker_id,
-                        dp_size: 1,
-                        block_size: config.engine.block_size,
-                        total_kv_blocks: config.engine.num_gpu_blocks,
-                        url: None,
-                        epoch: 0,
-                        max_model_len: None,
-                        role: Default::default(),
-                        kv_transfer: None,
-                    })?;
+                let registration = |rank: &WorkerRank| WorkerRegistration {
+                    worker_id: rank.worker_id,
+                    dp_size: 1,
+                    block_size: config.engine.block_size,
+                    total_kv_blocks: config.engine.num_gpu_blocks,
+                    url: None,
+                    epoch: 0,
+                    max_model_len: None,
+                    role: Default::default(),
+                    kv_transfer: None,
+                };
+                let mut scheduler = Scheduler::new(scheduler_config.clone(), Some(config.seed))?;
+                let mut prefill_ranks = Vec::new();
+                for (rank, role) in ranks.iter().zip(roles) {
+                    if role.decodes() {
+                        scheduler.add_worker(registration(rank))?;
+                    } else {
+                        prefill_ranks.push(*rank);
+                    }
                 }
+                let prefill = if prefill_ranks.is_empty() {
+                    None
+                } else {
+                    let mut s = Scheduler::new(scheduler_config, Some(config.seed))?;
+                    for rank in &prefill_ranks {
+                        s.add_worker(registration(rank))?;
+                    }
+                    Some((Box::new(s), prefill_ranks))
+                };
                 Decider::Scheduler {
                     scheduler: Box::new(scheduler),
+                    prefill,
                     epoch: Instant::now(),
                 }
             }
@@ -118,10 +149,14 @@ impl Router {
         num_tokens: u64,
         session: u32,
         now_ns: u64,
-    ) -> Result<usize, LabError> {
+    ) -> Result<Route, LabError> {
         let scores = self.tree.find_matches(block_hashes);
         match &mut self.decider {
-            Decider::Scheduler { scheduler, epoch } => {
+            Decider::Scheduler {
+                scheduler,
+                prefill,
+                epoch,
+            } => {
                 let mut request = ScheduleRequest::new(
                     id.clone(),
                     block_hashes.to_vec(),
@@ -133,9 +168,35 @@ impl Router {
                     request.session_id = SessionId::new(&format!("s{session}")).ok();
                 }
                 let selection = scheduler.schedule(&request, &scores, at(*epoch, now_ns))?;
-                self.ranks
-                    .binary_search(&selection.rank)
-                    .map_err(|_| LabError::NoRank(selection.rank))
+                let prefill = match prefill {
+                    None => None,
+                    Some((p, _)) => {
+                        request.request_id = prefill_booking_id(id);
+                        let s = p.schedule(&request, &scores, at(*epoch, now_ns))?;
+                        Some(s.rank)
+                    }
+                };
+                Ok(Route {
+                    decode: self.index(selection.rank)?,
+                    prefill: prefill.map(|r| self.index(r)).transpose()?,
+                })
+            }
+        }
+    }
+
+    fn index(&self, rank: WorkerRank) -> Result<usize, LabError> {
+        self.ranks
+            .binary_search(&rank)
+            .map_err(|_| LabError::NoRank(rank))
+    }
+
+    /// A disaggregated request's prefill rank answered at simulated time `now_ns`.
+    pub fn remote_prefill_done(&mut self, id: &RequestId, now_ns: u64) {
+        match &mut self.decider {
+            Decider::Scheduler { prefill, epoch, .. } => {
+                if let Some((p, _)) = prefill {
+                    let _ = p.mark_prefill_completed(&prefill_booking_id(id), at(*epoch, now_ns));
+                }
             }
         }
     }
@@ -143,9 +204,16 @@ impl Router {
     /// The request's first token arrived at simulated time `now_ns`.
     pub fn prefill_done(&mut self, id: &RequestId, now_ns: u64) {
         match &mut self.decider {
-            Decider::Scheduler { scheduler, epoch } => {
+            Decider::Scheduler {
+                scheduler,
+                prefill,
+                epoch,
+            } => {
                 // An unknown id means the request was never booked; nothing to release.
                 let _ = scheduler.mark_prefill_completed(id, at(*epoch, now_ns));
+                if let Some((p, _)) = prefill {
+                    let _ = p.free(&prefill_booking_id(id), at(*epoch, now_ns));
+                }
             }
         }
     }
@@ -154,10 +222,27 @@ impl Router {
     /// `now_ns`.
     pub fn free(&mut self, id: &RequestId, now_ns: u64) {
         match &mut self.decider {
-            Decider::Scheduler { scheduler, epoch } => {
+            Decider::Scheduler {
+                scheduler,
+                prefill,
+                epoch,
+            } => {
                 // As above: unknown ids have nothing booked.
                 let _ = scheduler.free(id, at(*epoch, now_ns));
+                if let Some((p, _)) = prefill {
+                    let _ = p.free(&prefill_booking_id(id), at(*epoch, now_ns));
+                }
             }
+        }
+    }
+
+    /// Bookings still active (both halves of a disaggregated request count); expires
+    /// them all, so call it at the end of a run.
+    pub fn open_bookings(&mut self) -> usize {
+        match &mut self.decider {
+            Decider::Scheduler {
+                scheduler, prefill, ..
+            } => expire_all(scheduler) + prefill.as_mut().map_or(0, |(p, _)| expire_all(p)),
         }
     }
 
@@ -226,6 +311,16 @@ fn tier_priced(mut policy: PolicyConfig, pricing: TierPricing) -> PolicyConfig {
         }
     }
     policy
+}
+
+/// Expires every booking of `scheduler`; returns how many there were. Each round
+/// expires at least the earliest one.
+fn expire_all(scheduler: &mut Scheduler) -> usize {
+    let mut expired = 0;
+    while let Some(deadline) = scheduler.next_expiry() {
+        expired += scheduler.expire(deadline).len();
+    }
+    expired
 }
 
 /// Simulated time `ns` as an `Instant` after `epoch`.

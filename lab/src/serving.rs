@@ -1,0 +1,151 @@
+//! How a run's engines serve requests: all of them whole requests (*aggregated*, role
+//! `both`), or split into prefill and decode engines (*disaggregated*, or
+//! *conditional* when the router may keep a prompt on its decode engine), and what
+//! the KV transfer between the two halves of a request costs ([`KvTransferModel`]).
+//!
+//! Why in the lab: at an equal number of engines, a split fleet trades prefill
+//! capacity (only the prefill engines compute prompts) and a transfer per request for
+//! decode steps that no long prefill stalls. Which side wins depends on prompt length,
+//! prefix reuse and load, so the lab replays the same trace through each layout
+//! (`kv-mocker lab disagg`, [`crate::disagg`]).
+//!
+//! Cost: a role per engine; the transfer time is O(1) per request.
+
+use crate::config::ms_to_ns;
+use crate::error::LabError;
+use kv_events::disaggregation::WorkerRole;
+use serde::{Deserialize, Serialize};
+
+/// How a run's engines serve requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Serving {
+    /// Every engine prefills and decodes whole requests (role `both`), as before
+    /// disaggregation.
+    #[default]
+    Aggregated,
+    /// The first `prefill_engines` engines prefill (role `prefill`), the rest decode
+    /// (role `decode`); every request allows disaggregation.
+    Split(SplitFleet),
+}
+
+/// A fleet split into prefill and decode engines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SplitFleet {
+    /// Engines in the `prefill` role (the first ones, by worker id); the rest decode.
+    pub prefill_engines: u32,
+    /// When the router keeps a prompt on its decode engine.
+    pub mode: SplitMode,
+}
+
+/// When a split fleet's router prefills a prompt on its decode engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum SplitMode {
+    /// Every prompt goes to a prefill engine, unless its decode engine already holds
+    /// all of it (nothing left to prefill there).
+    Disaggregated,
+    /// Conditional disaggregation: the router's thresholds (`--disagg-*` flags) keep
+    /// a prompt on its decode engine when the uncached part is short or the decode
+    /// engine holds most of its prefix.
+    Conditional,
+}
+
+impl SplitMode {
+    /// The name in tables and reports.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SplitMode::Disaggregated => "disaggregated",
+            SplitMode::Conditional => "conditional",
+        }
+    }
+}
+
+impl Serving {
+    /// The role of each of `workers` engines, in worker order.
+    ///
+    /// # Errors
+    /// [`LabError::Split`] when a split fleet leaves no prefill or no decode engine.
+    pub fn roles(self, workers: u32) -> Result<Vec<WorkerRole>, LabError> {
+        match self {
+            Serving::Aggregated => Ok(vec![WorkerRole::Both; workers as usize]),
+            Serving::Split(split) => {
+                let prefill = split.prefill_engines;
+                if prefill == 0 || prefill >= workers {
+                    return Err(LabError::Split { prefill, workers });
+                }
+                Ok((0..workers)
+                    .map(|i| {
+                        if i < prefill {
+                            WorkerRole::Prefill
+                        } else {
+                            WorkerRole::Decode
+                        }
+                    })
+                    .collect())
+            }
+        }
+    }
+
+    /// The name in tables and reports: `aggregated`, or the mode with the split,
+    /// `disaggregated 2P+6D`, `conditional 3P+5D`.
+    pub fn label(self, workers: u32) -> String {
+        match self {
+            Serving::Aggregated => "aggregated".to_owned(),
+            Serving::Split(split) => format!(
+                "{} {}P+{}D",
+                split.mode.as_str(),
+                split.prefill_engines,
+                workers.saturating_sub(split.prefill_engines)
+            ),
+        }
+    }
+}
+
+/// Default KV transfer time, in ms per token: Llama-3-8B's KV is 128 KiB per token
+/// (`TimingModel::H100_8B`'s model), and a NIXL read over one 400 Gb/s RDMA NIC per
+/// GPU moves about 40 GB/s, so 3.3 µs per token, 0.21 ms per 64-token block: 18×
+/// cheaper than prefilling the token (0.06 ms). The mock engines' default too
+/// (`--transfer-ms-per-token`).
+pub const DEFAULT_TRANSFER_MS_PER_TOKEN: f64 = 0.0033;
+
+/// The KV transfer from a prefill engine to a decode engine: a fixed time per token
+/// of every whole prompt block the decode engine does not already hold (the partial
+/// last block moves whole). It runs beside both engines' steps, as NIXL's and
+/// Mooncake's reads do: the decode engine keeps decoding its batch meanwhile.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct KvTransferModel {
+    /// Time per token moved, in ms (finite, ≥ 0).
+    pub ms_per_token: f64,
+}
+
+impl Default for KvTransferModel {
+    fn default() -> Self {
+        Self {
+            ms_per_token: DEFAULT_TRANSFER_MS_PER_TOKEN,
+        }
+    }
+}
+
+impl KvTransferModel {
+    /// Checks the time per token.
+    ///
+    /// # Errors
+    /// [`LabError::TransferTime`] unless it is finite and ≥ 0.
+    pub fn validate(&self) -> Result<(), LabError> {
+        if self.ms_per_token.is_finite() && self.ms_per_token >= 0.0 {
+            Ok(())
+        } else {
+            Err(LabError::TransferTime(self.ms_per_token))
+        }
+    }
+
+    /// Time to move `blocks` whole blocks of `block_size` tokens, in ns.
+    pub fn duration_ns(&self, blocks: u64, block_size: u32) -> u64 {
+        ms_to_ns(self.ms_per_token * (blocks * u64::from(block_size)) as f64)
+    }
+}
+
+#[cfg(test)]
+#[path = "serving_tests.rs"]
+mod tests;
