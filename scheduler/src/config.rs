@@ -8,6 +8,7 @@
 
 use crate::busy::BusyThresholds;
 use crate::calibration::CalibrationConfig;
+use crate::disaggregation::DisaggregationConfig;
 pub use crate::duration_ms;
 use crate::error::SchedulerError;
 use crate::liveness::LivenessConfig;
@@ -43,6 +44,10 @@ pub struct SchedulerConfig {
     /// [`crate::sessions`]). Default: on, 65,536 sessions, 10 min TTL, margins 50 ms
     /// (`predicted-ttft`) and 10% (`kv`, `kv-normalized`).
     pub sessions: SessionConfig,
+    /// When a request that allows disaggregation is prefilled by its decode worker
+    /// instead (see [`crate::disaggregation`]). Default: up to 1,024 uncached tokens,
+    /// or 80% of the prompt's blocks held by the decode rank.
+    pub disaggregation: DisaggregationConfig,
 }
 
 impl SchedulerConfig {
@@ -57,6 +62,7 @@ impl SchedulerConfig {
         self.liveness.validate()?;
         self.calibration.validate()?;
         self.sessions.validate()?;
+        self.disaggregation.validate()?;
         self.prefill_duration.validate()
     }
 }
@@ -201,6 +207,10 @@ mod tests {
         config.busy.decode_blocks = Some(Threshold::Fraction(f64::NAN));
         assert_eq!(bad_field(&config), "busy.decode_blocks");
 
+        let mut config = SchedulerConfig::default();
+        config.disaggregation.min_decode_overlap = 2.0;
+        assert_eq!(bad_field(&config), "disaggregation.min_decode_overlap");
+
         for (bad, field) in [
             (
                 CalibrationConfig {
@@ -289,6 +299,10 @@ mod tests {
                 capacity: 10,
                 ..SessionConfig::default()
             },
+            disaggregation: DisaggregationConfig {
+                max_local_prefill_tokens: 256,
+                min_decode_overlap: 0.5,
+            },
         };
         let json = serde_json::to_value(&config).unwrap();
         assert_eq!(json["sequences"]["request_ttl_ms"], 1500);
@@ -297,6 +311,7 @@ mod tests {
         assert_eq!(json["liveness"]["metrics_interval_ms"], 250);
         assert_eq!(json["calibration"]["warmup_samples"], 5);
         assert_eq!(json["sessions"]["ttl_ms"], 600_000);
+        assert_eq!(json["disaggregation"]["min_decode_overlap"], 0.5);
         let back: SchedulerConfig = serde_json::from_value(json).unwrap();
         assert_eq!(back, config);
         // Missing sections take their defaults.

@@ -30,6 +30,11 @@ pub enum SchedulerError {
     /// requests (a frontend retry must use a new id or free the old one first).
     #[error("request {0} is already active")]
     DuplicateRequest(RequestId),
+    /// A frontend's request id ends with `#prefill`, the suffix reserved for the
+    /// booking of a disaggregated request's prefill half
+    /// (`kv_events::disaggregation::PREFILL_BOOKING_SUFFIX`).
+    #[error("request id {0} ends with `#prefill`, which is reserved for prefill halves")]
+    ReservedRequestId(RequestId),
     /// A lifecycle operation named a request that is not active (never routed here,
     /// already freed, expired, or dropped when its worker left).
     #[error("request {0} is not active")]

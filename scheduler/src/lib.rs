@@ -8,6 +8,9 @@
 //! message). Every decision reads a projection of that model at the decision time,
 //! so a burst of similar prompts spreads out instead of piling onto the best-cached
 //! rank. Bookings of peer router replicas are applied through [`Scheduler::apply`].
+//! In a fleet with `prefill` workers, a request that allows it is placed as a pair
+//! (a decode rank, and a prefill rank unless the decode rank should prefill it) and
+//! booked once per half ([`disaggregation`]).
 //!
 //! The scheduler is synchronous, single-owner and clock-free: every call that depends
 //! on time takes `now`, so the daemon passes the wall clock and tests or an offline
@@ -35,6 +38,12 @@
 //!   request's session's last rank preferred within a margin.
 //! - `args` (feature `clap`): every scheduler flag, declared once for the daemon and
 //!   the lab.
+//! - [`disaggregation`]: [`DisaggregationConfig`], when a request that may run
+//!   disaggregated is prefilled by its decode worker, and the decode cost.
+//! - `candidates.rs`: the candidate scan, by worker role.
+//! - `pair.rs`: pair selection and the two bookings of a disaggregated request.
+//! - `lifecycle.rs`: [`Scheduler::lifecycle`], a frontend's lifecycle event applied
+//!   to a request and its prefill half ([`lifecycle_steps`]).
 //! - `batch.rs`: [`Scheduler::schedule_batch`].
 //! - `reads.rs`: the facade's read accessors (load, metrics, liveness, calibration).
 
@@ -43,12 +52,16 @@ pub mod args;
 mod batch;
 pub mod busy;
 pub mod calibration;
+mod candidates;
 pub mod config;
+pub mod disaggregation;
 pub mod duration_ms;
 pub mod error;
+mod lifecycle;
 pub mod liveness;
 pub mod load;
 pub mod overlap;
+mod pair;
 pub mod policy;
 mod reads;
 pub mod request;
@@ -59,20 +72,24 @@ pub mod workers;
 pub use busy::{BusyThresholds, Threshold};
 pub use calibration::{Calibration, CalibrationConfig, RankCalibration};
 pub use config::{PrefillDurationModel, SchedulerConfig, SequencesConfig};
+pub use disaggregation::DisaggregationConfig;
 pub use error::SchedulerError;
+pub use lifecycle::{LifecycleStep, lifecycle_steps};
 pub use liveness::{Liveness, LivenessConfig};
 pub use overlap::{NoOverlap, Overlaps};
 pub use policy::{
     CacheAwareThresholdConfig, KvNormalizedConfig, KvPolicyConfig, PolicyConfig,
     PredictedTtftConfig, TimingScale,
 };
-pub use request::{RequestShape, ScheduleRequest, Selection};
+pub use request::{PairDecision, PrefillChoice, RequestShape, ScheduleRequest, Selection};
 pub use sequences::{
     ActiveRequest, ActiveSequences, AddRequest, Origin, PrefillLoadHint, RankLoad, SequenceEvent,
 };
 pub use sessions::{SessionConfig, SessionOutcome, SessionTable};
 pub use workers::WorkerRegistry;
 
+use candidates::Side;
+use kv_events::disaggregation::{WorkerRole, is_prefill_booking_id};
 use kv_events::discovery::WorkerRegistration;
 use kv_events::routing::PolicyKind;
 use kv_events::{RequestId, WorkerId, WorkerRank};
@@ -101,11 +118,12 @@ pub struct Scheduler {
     calibration: Calibration,
     /// Each session's last rank (session affinity).
     sessions: SessionTable,
-    /// Scratch buffers reused by every decision: the candidates, their tiers and
-    /// their calibrated step-time multipliers.
+    /// Scratch buffers reused by every decision: the candidates, their tiers,
+    /// their calibrated step-time multipliers and decode costs (`pair.rs`).
     candidates: Vec<Candidate>,
     tiers: Vec<Tier>,
     scales: Vec<TimingScale>,
+    decode_keys: Vec<(f64, f64)>,
 }
 
 impl Scheduler {
@@ -131,6 +149,7 @@ impl Scheduler {
             candidates: Vec::new(),
             tiers: Vec::new(),
             scales: Vec::new(),
+            decode_keys: Vec::new(),
         })
     }
 
@@ -186,21 +205,33 @@ impl Scheduler {
     /// `num_tokens − min(num_tokens, overlap_blocks × block_size)` (and the expected
     /// duration of [`SchedulerConfig::prefill_duration`]) and `request_blocks` decode
     /// blocks. `overlaps` gives each rank's overlap blocks for this prompt; values
-    /// above `request_blocks` are clamped. Candidates are the registered ranks that
-    /// match `req.dp_rank` (if set), are not in `req.exclude_workers`, are not busy
-    /// and are not silent ([`liveness`]); quiet ranks only when no live one is left.
+    /// above `request_blocks` are clamped. Candidates are the ranks of registered
+    /// workers that decode (role `both` or `decode`) that match `req.dp_rank` (if
+    /// set), are not in `req.exclude_workers`, are not busy and are not silent
+    /// ([`liveness`]); quiet ranks only when no live one is left.
+    ///
+    /// A request with `allow_disaggregation` while a `prefill` worker is registered
+    /// gets a decode rank and a disaggregation decision instead, and may be booked
+    /// twice: the decode half under its id, the prefill half on a prefill rank under
+    /// `{id}#prefill` ([`Selection::disaggregation`], [`disaggregation`]); the same
+    /// candidate rules apply to both sides. Otherwise the choice is the policy's as
+    /// described above.
     ///
     /// # Errors
-    /// - [`SchedulerError::DuplicateRequest`] if `req.request_id` is already active.
+    /// - [`SchedulerError::ReservedRequestId`] if `req.request_id` ends with
+    ///   `#prefill` (reserved for prefill halves).
+    /// - [`SchedulerError::DuplicateRequest`] if `req.request_id` (or, for a request
+    ///   that may be disaggregated, its prefill half) is already active.
     /// - [`SchedulerError::InvalidOverride`] for a bad per-request override.
-    /// - [`SchedulerError::NoWorkers`] if no rank is registered.
+    /// - [`SchedulerError::NoWorkers`] if no rank of a worker that decodes is
+    ///   registered.
     /// - [`SchedulerError::RankUnavailable`] if no registered worker has the pinned
     ///   dp_rank.
     /// - [`SchedulerError::AllExcluded`] if the request excludes every registered
     ///   worker (that has the pinned dp_rank, if any).
     /// - [`SchedulerError::AllBusy`] if every candidate is busy or silent.
     ///
-    /// On error nothing is booked.
+    /// On error nothing is booked (neither half).
     pub fn schedule<O: Overlaps + ?Sized>(
         &mut self,
         req: &ScheduleRequest,
@@ -217,6 +248,9 @@ impl Scheduler {
         now: Instant,
         batch_remaining: usize,
     ) -> Result<Selection, SchedulerError> {
+        if is_prefill_booking_id(&req.request_id) {
+            return Err(SchedulerError::ReservedRequestId(req.request_id.clone()));
+        }
         if self.sequences.contains(&req.request_id) {
             return Err(SchedulerError::DuplicateRequest(req.request_id.clone()));
         }
@@ -229,7 +263,17 @@ impl Scheduler {
         } else {
             Vec::new()
         };
-        self.gather_candidates(req, overlaps, &block_ids, now)?;
+        if req.allow_disaggregation && self.workers.has_prefill_workers() {
+            return self.schedule_pair(&pair::PairAsk {
+                req,
+                overlaps,
+                policy: &policy,
+                block_ids: &block_ids,
+                now,
+                batch_remaining,
+            });
+        }
+        self.gather_candidates(req, overlaps, &block_ids, now, Side::Decode)?;
         self.calibration
             .timing_scales(&policy, &self.candidates, &mut self.scales);
         let ctx = SelectContext {
@@ -255,10 +299,7 @@ impl Scheduler {
         };
         let chosen = self.candidates[index];
         let tokens = req.uncached_tokens(chosen.overlap_blocks);
-        let prefill = PrefillLoadHint {
-            initial_effective_prefill_tokens: tokens,
-            expected_prefill_duration: self.config.prefill_duration.expected(tokens),
-        };
+        let prefill = self.prefill_hint(tokens);
         self.sequences.add_request(
             AddRequest {
                 request_id: req.request_id.clone(),
@@ -295,68 +336,16 @@ impl Scheduler {
             cost,
             prefill,
             session,
+            disaggregation: None,
         })
     }
 
-    /// Fills `self.candidates` with the eligible ranks for `req`.
-    fn gather_candidates<O: Overlaps + ?Sized>(
-        &mut self,
-        req: &ScheduleRequest,
-        overlaps: &O,
-        block_ids: &[u64],
-        now: Instant,
-    ) -> Result<(), SchedulerError> {
-        if self.workers.ranks().is_empty() {
-            return Err(SchedulerError::NoWorkers);
-        }
-        self.candidates.clear();
-        self.tiers.clear();
-        let mut pinned_exists = false;
-        let mut any_allowed = false;
-        for &rank in self.workers.ranks() {
-            if req.dp_rank.is_some_and(|dp| dp != rank.dp_rank) {
-                continue;
-            }
-            pinned_exists = true;
-            if req.excludes(rank.worker_id) {
-                continue;
-            }
-            any_allowed = true;
-            let Some(tier) = self.reports.tier(&self.config.liveness, rank, now) else {
-                continue; // silent
-            };
-            let load = self.sequences.load(rank, now);
-            if self.config.busy.enabled()
-                && let Some(reg) = self.workers.get(rank.worker_id)
-                && self.config.busy.is_busy(&load, self.reports.get(rank), reg)
-            {
-                continue;
-            }
-            self.tiers.push(tier);
-            let overlap_blocks = overlaps.overlap(rank).min(req.request_blocks);
-            self.candidates.push(Candidate {
-                rank,
-                overlap_blocks,
-                any_tier_blocks: overlaps
-                    .overlap_any_tier(rank)
-                    .clamp(overlap_blocks, req.request_blocks),
-                load,
-                new_blocks: self
-                    .sequences
-                    .new_blocks(rank, block_ids, req.request_blocks),
-            });
-        }
-        LoadReports::keep_best(&mut self.candidates, &self.tiers);
-        match (
-            req.dp_rank,
-            pinned_exists,
-            any_allowed,
-            self.candidates.is_empty(),
-        ) {
-            (Some(dp), false, _, _) => Err(SchedulerError::RankUnavailable(dp)),
-            (_, _, false, _) => Err(SchedulerError::AllExcluded),
-            (_, _, _, true) => Err(SchedulerError::AllBusy),
-            _ => Ok(()),
+    /// The prefill load of a booking of `tokens` prompt tokens: the tokens and their
+    /// expected duration under [`SchedulerConfig::prefill_duration`].
+    fn prefill_hint(&self, tokens: u64) -> PrefillLoadHint {
+        PrefillLoadHint {
+            initial_effective_prefill_tokens: tokens,
+            expected_prefill_duration: self.config.prefill_duration.expected(tokens),
         }
     }
 
@@ -383,12 +372,21 @@ impl Scheduler {
                 }
                 // What the rank held before this booking: the features the policy
                 // would have priced.
+                // A decode worker's booking without prefill tokens is, but for a fully
+                // cached prompt, the decode half of a disaggregated request: its
+                // first token waits for another engine's prefill and the transfer,
+                // which this rank's model does not predict, so it is not learned from.
+                let remote_decode = reg.role == WorkerRole::Decode
+                    && add.prefill.initial_effective_prefill_tokens == 0;
                 let sequences = &self.sequences;
-                let features = self.calibration.peer_features(
-                    add.prefill.initial_effective_prefill_tokens,
-                    || sequences.load(add.rank, now),
-                    reg.block_size,
-                );
+                let features = self
+                    .calibration
+                    .peer_features(
+                        add.prefill.initial_effective_prefill_tokens,
+                        || sequences.load(add.rank, now),
+                        reg.block_size,
+                    )
+                    .filter(|_| !remote_decode);
                 let (id, rank) = (add.request_id.clone(), add.rank);
                 let origin = self.sequences.apply(SequenceEvent::AddRequest(add), now)?;
                 if let Some(features) = features {
@@ -474,3 +472,11 @@ mod liveness_tests;
 #[cfg(test)]
 #[path = "scheduler_calibration_tests.rs"]
 mod calibration_tests;
+
+#[cfg(test)]
+#[path = "scheduler_pair_tests.rs"]
+mod pair_tests;
+
+#[cfg(test)]
+#[path = "scheduler_pair_diff_tests.rs"]
+mod pair_diff_tests;

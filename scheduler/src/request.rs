@@ -5,6 +5,7 @@
 //! plain-data records (the request owns its block hashes, 8 bytes per block).
 
 use crate::load::PrefillLoadHint;
+use kv_events::disaggregation::DisaggregationReason;
 use kv_events::routing::{CostOverrides, PolicyKind, SessionId};
 use kv_events::{DpRank, LocalBlockHash, RequestId, WorkerId, WorkerRank};
 
@@ -40,6 +41,14 @@ pub struct ScheduleRequest {
     /// The session (conversation) the request belongs to: its last rank is preferred
     /// within a margin ([`crate::sessions`]). `None`: no affinity.
     pub session_id: Option<SessionId>,
+    /// The frontend can run the request disaggregated (a prefill worker, then a
+    /// decode worker): when a `prefill` worker is registered, the scheduler picks a
+    /// decode rank and decides where the prompt is prefilled
+    /// ([`Selection::disaggregation`], [`crate::disaggregation`]). Without it, or
+    /// with no prefill worker registered, the request is placed on one rank as
+    /// always. Either way only ranks of workers that decode (`both`, `decode`) serve
+    /// the request itself.
+    pub allow_disaggregation: bool,
 }
 
 impl ScheduleRequest {
@@ -67,6 +76,7 @@ impl ScheduleRequest {
             overrides: CostOverrides::default(),
             exclude_workers: Vec::new(),
             session_id: None,
+            allow_disaggregation: false,
         }
     }
 
@@ -133,6 +143,37 @@ pub struct Selection {
     /// What session affinity did; `None` for a request without a session id (or with
     /// affinity off).
     pub session: Option<SessionOutcome>,
+    /// The disaggregation decision: `Some` for a request that allowed it while a
+    /// `prefill` worker was registered, `None` otherwise. Then `rank` is the decode
+    /// rank, chosen by [`crate::disaggregation::decode_cost`] (and `cost` is that
+    /// cost), and `prefill` above is the decode half's booking: 0 tokens when the
+    /// prompt is prefilled remotely (it arrives by transfer).
+    pub disaggregation: Option<PairDecision>,
+}
+
+/// Where a request that allowed disaggregation is prefilled, and why.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PairDecision {
+    /// Why: `long_uncached` when `prefill` is set, else why the decode rank
+    /// prefills the prompt itself.
+    pub reason: DisaggregationReason,
+    /// The prefill rank, booked under the request's prefill booking id
+    /// (`kv_events::disaggregation::prefill_booking_id`); `None` when the decode
+    /// rank prefills.
+    pub prefill: Option<PrefillChoice>,
+}
+
+/// The prefill half of a disaggregated request.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PrefillChoice {
+    /// The prefill (worker, dp_rank).
+    pub rank: WorkerRank,
+    /// Leading prompt blocks cached there, in blocks (at most `request_blocks`).
+    pub overlap_blocks: u32,
+    /// The prefill load booked there: the prompt's tokens not cached there.
+    pub prefill: PrefillLoadHint,
+    /// Its cost or score under the request's policy, as [`Selection::cost`].
+    pub cost: Option<f64>,
 }
 
 /// What session affinity ([`crate::sessions`]) did for one request that carried a

@@ -8,6 +8,7 @@
 //! that `Vec` on add/remove (O(total ranks)) is the cheap side of the trade.
 
 use crate::error::SchedulerError;
+use kv_events::disaggregation::WorkerRole;
 use kv_events::discovery::WorkerRegistration;
 use kv_events::{DpRank, WorkerId, WorkerRank};
 use std::collections::BTreeMap;
@@ -18,6 +19,8 @@ pub struct WorkerRegistry {
     workers: BTreeMap<WorkerId, WorkerRegistration>,
     /// Every rank of every worker, sorted by (worker id, dp_rank).
     ranks: Vec<WorkerRank>,
+    /// Registered workers whose role is `prefill`.
+    prefill_workers: usize,
 }
 
 impl WorkerRegistry {
@@ -89,7 +92,17 @@ impl WorkerRegistry {
         self.workers.is_empty()
     }
 
+    /// Whether a worker of role `prefill` is registered (a disaggregated fleet).
+    pub fn has_prefill_workers(&self) -> bool {
+        self.prefill_workers > 0
+    }
+
     fn rebuild_ranks(&mut self) {
+        self.prefill_workers = self
+            .workers
+            .values()
+            .filter(|reg| reg.role == WorkerRole::Prefill)
+            .count();
         self.ranks.clear();
         for reg in self.workers.values() {
             self.ranks
@@ -168,6 +181,28 @@ mod tests {
         registry.remove(WorkerId(2));
         assert!(registry.is_empty());
         assert!(registry.ranks().is_empty());
+    }
+
+    #[test]
+    fn prefill_workers_are_counted_through_churn() {
+        let mut registry = WorkerRegistry::new();
+        registry.add(reg(1, 1)).unwrap();
+        assert!(!registry.has_prefill_workers());
+        let prefill = WorkerRegistration {
+            role: WorkerRole::Prefill,
+            kv_transfer: Some(kv_events::disaggregation::KvTransfer {
+                protocol: kv_events::disaggregation::TransferProtocol::Vllm,
+                bootstrap_port: None,
+            }),
+            ..reg(2, 1)
+        };
+        registry.add(prefill.clone()).unwrap();
+        assert!(registry.has_prefill_workers());
+        registry.add(reg(2, 1)).unwrap();
+        assert!(!registry.has_prefill_workers(), "re-registered as both");
+        registry.add(prefill).unwrap();
+        registry.remove(WorkerId(2));
+        assert!(!registry.has_prefill_workers());
     }
 
     #[test]

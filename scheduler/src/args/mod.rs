@@ -9,15 +9,17 @@
 //!
 //! # Layout
 //! - [`policy`]: the policy and every policy's knobs.
-//! - [`liveness`], [`calibration`], [`sessions`]: one group each, beside their
-//!   scheduler module.
+//! - [`liveness`], [`calibration`], [`sessions`], [`disaggregation`]: one group
+//!   each, beside their scheduler module.
 
 mod calibration;
+mod disaggregation;
 mod liveness;
 mod policy;
 mod sessions;
 
 pub use calibration::CalibrationArgs;
+pub use disaggregation::DisaggregationArgs;
 pub use liveness::LivenessArgs;
 pub use policy::{
     CacheAwareArgs, DelayCapArgs, KvArgs, KvNormalizedArgs, PolicyArgs, PredictedTtftArgs,
@@ -33,7 +35,7 @@ use clap::{ArgAction, Args};
 use std::time::Duration;
 
 /// Every scheduler flag: the policy and its knobs, liveness, calibration, sessions,
-/// booked-load accounting and busy thresholds.
+/// disaggregation, booked-load accounting and busy thresholds.
 #[derive(Debug, Clone, Args)]
 pub struct SchedulerArgs {
     /// The default policy and its knobs.
@@ -48,6 +50,9 @@ pub struct SchedulerArgs {
     /// Session affinity for requests with a session id.
     #[command(flatten)]
     pub sessions: SessionArgs,
+    /// Conditional disaggregation's thresholds.
+    #[command(flatten)]
+    pub disaggregation: DisaggregationArgs,
     /// Count prefix blocks shared by concurrent requests on one rank once (engines
     /// with prefix sharing during decode); false counts every request's blocks.
     #[arg(long, env = "KV_ROUTER_ASSUME_KV_REUSE", default_value_t = true, action = ArgAction::Set)]
@@ -105,6 +110,7 @@ impl SchedulerArgs {
             liveness: self.liveness.to_config(),
             calibration: self.calibration.to_config(),
             sessions: self.sessions.to_config(),
+            disaggregation: self.disaggregation.to_config(),
         };
         config.validate()?;
         Ok(config)

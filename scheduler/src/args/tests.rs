@@ -296,3 +296,28 @@ fn calibration_defaults_match_the_scheduler_and_every_flag_reaches_its_field() {
     };
     assert_eq!(set.to_config(), expected);
 }
+
+#[test]
+fn disaggregation_defaults_match_the_scheduler_and_the_flags_reach_their_fields() {
+    assert_eq!(
+        parse(&[]).to_config().unwrap().disaggregation,
+        crate::DisaggregationConfig::default()
+    );
+    let flags = "--disagg-max-local-prefill-tokens 256 --disagg-min-decode-overlap 0.5";
+    let scheduler = parse(&flags.split_whitespace().collect::<Vec<_>>())
+        .to_config()
+        .unwrap();
+    let expected = crate::DisaggregationConfig {
+        max_local_prefill_tokens: 256,
+        min_decode_overlap: 0.5,
+    };
+    assert_eq!(scheduler.disaggregation, expected);
+    let err = parse(&["--disagg-min-decode-overlap", "-0.5"])
+        .to_config()
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("disaggregation.min_decode_overlap"),
+        "{err}"
+    );
+}

@@ -226,6 +226,12 @@ impl Selector {
         }
     }
 
+    /// The index of the lowest `(primary, secondary)` key, exact ties uniformly at
+    /// random (see [`sampling::pick_min`]); `keys` must not be empty.
+    pub fn pick_min(&mut self, keys: &[(f64, f64)]) -> usize {
+        sampling::pick_min(&mut self.rng, keys)
+    }
+
     /// Chooses one of `ctx.candidates` under `policy`.
     ///
     /// # Errors

@@ -15,7 +15,9 @@
 //! the policy priced it, the request goes there unless the policy's pick is cheaper
 //! by more than the margin: [`SessionConfig::margin_ms`] of predicted TTFT under
 //! `predicted-ttft`, or the share [`SessionConfig::relative_margin`] of the last
-//! rank's cost under `kv` and `kv-normalized`. Policies without per-rank costs
+//! rank's cost under `kv` and `kv-normalized` (and for the decode rank of a request
+//! placed as a prefill/decode pair, whose cost is a KV fill level,
+//! [`crate::disaggregation::decode_cost`]). Policies without per-rank costs
 //! (`cache-aware-threshold` and the baselines) decide alone. The rank that serves the
 //! request becomes the session's last rank. Dynamo's router pins a session to a
 //! worker outright (hard affinity, later a soft mode); SGLang's model gateway hashes
@@ -108,6 +110,30 @@ impl SessionConfig {
             });
         }
         Ok(())
+    }
+}
+
+/// What a decision's costs measure, which picks the margin session affinity
+/// compares them with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CostScale {
+    /// Predicted milliseconds (`predicted-ttft`): [`SessionConfig::margin_ms`].
+    Ms,
+    /// A cost whose ratios are meaningful (`kv`, `kv-normalized`, a disaggregated
+    /// request's decode cost): [`SessionConfig::relative_margin`].
+    Relative,
+    /// No per-candidate costs (`cache-aware-threshold`, the baselines): the pick
+    /// stands.
+    Unpriced,
+}
+
+impl From<PolicyKind> for CostScale {
+    fn from(kind: PolicyKind) -> Self {
+        match kind {
+            PolicyKind::PredictedTtft => CostScale::Ms,
+            PolicyKind::Kv | PolicyKind::KvNormalized => CostScale::Relative,
+            _ => CostScale::Unpriced,
+        }
     }
 }
 
@@ -234,14 +260,15 @@ impl SessionTable {
         before - self.entries.len()
     }
 
-    /// Applies the affinity rule to one decision: `chosen` is the policy's pick among
-    /// `candidates`, `cost_of(i)` the policy's cost of candidate `i` (lower is better;
-    /// `None` when the policy does not price it). Returns the index to book and what
-    /// affinity did; `None` for a request without a session id or with affinity off.
+    /// Applies the affinity rule to one decision: `chosen` is the pick among
+    /// `candidates`, `cost_of(i)` the cost of candidate `i` (lower is better; `None`
+    /// when it is not priced) on `scale` (a [`PolicyKind`] converts to its policy's
+    /// scale). Returns the index to book and what affinity did; `None` for a request
+    /// without a session id or with affinity off.
     pub fn steer(
         &mut self,
         id: Option<&SessionId>,
-        kind: PolicyKind,
+        scale: impl Into<CostScale>,
         chosen: usize,
         candidates: &[Candidate],
         cost_of: impl Fn(usize) -> Option<f64>,
@@ -262,10 +289,10 @@ impl SessionTable {
         let (Some(kept), Some(best)) = (cost_of(last), cost_of(chosen)) else {
             return (chosen, Some(SessionOutcome::Miss));
         };
-        let bar = match kind {
-            PolicyKind::PredictedTtft => kept - self.config.margin_ms,
-            PolicyKind::Kv | PolicyKind::KvNormalized => kept * (1.0 - self.config.relative_margin),
-            _ => return (chosen, Some(SessionOutcome::Miss)),
+        let bar = match scale.into() {
+            CostScale::Ms => kept - self.config.margin_ms,
+            CostScale::Relative => kept * (1.0 - self.config.relative_margin),
+            CostScale::Unpriced => return (chosen, Some(SessionOutcome::Miss)),
         };
         if best < bar {
             (chosen, Some(SessionOutcome::Override))
