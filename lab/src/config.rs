@@ -6,11 +6,11 @@
 
 use crate::error::LabError;
 use crate::fleet::{TierPricing, WorkerSpeeds};
-use crate::serving::{KvTransferModel, Serving};
+use crate::serving::{ALWAYS_REMOTE, KvTransferModel, Serving, SplitFleet, SplitMode};
 use engine_model::{CpuTierConfig, EngineModelConfig, TimingModel};
 use kv_events::routing::PolicyKind;
-use scheduler::SessionConfig;
 use scheduler::policy::predicted_ttft::PredictedTtftConfig;
+use scheduler::{DisaggregationConfig, SessionConfig};
 use serde::{Deserialize, Serialize};
 
 /// How many times faster than in the trace requests arrive: a finite number > 0.
@@ -103,6 +103,9 @@ pub struct SimConfig {
     pub serving: Serving,
     /// The KV transfer between a split fleet's engines.
     pub transfer: KvTransferModel,
+    /// The router's conditional-disaggregation thresholds for a
+    /// [`SplitMode::Conditional`] split (the scheduler's defaults unless set).
+    pub conditional: DisaggregationConfig,
 }
 
 impl Default for SimConfig {
@@ -122,6 +125,7 @@ impl Default for SimConfig {
             predicted_ttft: PredictedTtftConfig::default(),
             serving: Serving::Aggregated,
             transfer: KvTransferModel::default(),
+            conditional: DisaggregationConfig::default(),
         }
     }
 }
@@ -142,11 +146,12 @@ impl SimConfig {
     /// [`LabError::Engine`] for a bad engine or CPU tier knob, [`LabError::Timing`] for a timing
     /// coefficient that is negative or not finite, [`LabError::EventLag`] for a
     /// negative or non-finite lag, [`LabError::TransferTime`] for a bad transfer
-    /// time.
+    /// time, [`LabError::Scheduler`] for a conditional threshold out of range.
     pub fn validate(&self) -> Result<(), LabError> {
         self.engine.validate()?;
         self.cpu_tier.validate()?;
         self.transfer.validate()?;
+        self.conditional.validate()?;
         let t = &self.timing;
         for value in [
             t.step_base_ms,
@@ -167,6 +172,19 @@ impl SimConfig {
             return Err(LabError::SampleInterval(ms));
         }
         Ok(())
+    }
+
+    /// The router's disaggregation thresholds in this run: [`Self::conditional`]
+    /// for a conditional split, [`ALWAYS_REMOTE`] for a disaggregated one (an
+    /// aggregated fleet has no prefill worker, so none apply).
+    pub fn disaggregation(&self) -> DisaggregationConfig {
+        match self.serving {
+            Serving::Split(SplitFleet {
+                mode: SplitMode::Disaggregated,
+                ..
+            }) => ALWAYS_REMOTE,
+            _ => self.conditional,
+        }
     }
 
     /// The event lag in ns.

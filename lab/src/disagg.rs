@@ -28,6 +28,8 @@ use crate::sweep::{progress_bar, run_parallel, timed_run};
 use crate::table::tables_per_setting;
 use engine_model::trace::BlockMapping;
 use kv_events::routing::PolicyKind;
+use scheduler::DisaggregationConfig;
+use scheduler::args::DisaggregationArgs;
 use serde::Serialize;
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -65,6 +67,9 @@ pub struct DisaggArgs {
     /// (default: Llama-3-8B's 128 KiB per token at 40 GB/s, a 400 Gb/s RDMA NIC).
     #[arg(long, default_value_t = DEFAULT_TRANSFER_MS_PER_TOKEN, value_name = "MS")]
     pub transfer_ms_per_token: f64,
+    /// The conditional rows' thresholds, the router's own flags (`scheduler::args`).
+    #[command(flatten)]
+    pub conditional: DisaggregationArgs,
     /// Threads to run simulations on; default: the machine's cores.
     #[arg(long)]
     pub jobs: Option<usize>,
@@ -86,6 +91,9 @@ pub struct DisaggReport {
     pub lab: LabReport,
     /// The router's policy in every run.
     pub routing_policy: String,
+    /// The conditional rows' thresholds (the disaggregated rows force every prompt
+    /// that is not wholly cached on its decode engine to a prefill engine).
+    pub conditional: DisaggregationConfig,
     /// Wall time of the whole study, in s.
     pub wall_s: f64,
 }
@@ -157,6 +165,7 @@ pub fn run_disagg(args: DisaggArgs) -> Result<DisaggReport, LabError> {
         transfer: KvTransferModel {
             ms_per_token: args.transfer_ms_per_token,
         },
+        conditional: args.conditional.to_config(),
         ..args.study.sim_config()
     };
     let items = args.plan(&base)?;
@@ -195,6 +204,7 @@ pub fn run_disagg(args: DisaggArgs) -> Result<DisaggReport, LabError> {
             runs,
         },
         routing_policy: policy.name(),
+        conditional: base.conditional,
         wall_s: started.elapsed().as_secs_f64(),
     };
     publish(
@@ -211,10 +221,11 @@ pub fn run_disagg(args: DisaggArgs) -> Result<DisaggReport, LabError> {
     Ok(report)
 }
 
-const HEADER: [&str; 12] = [
+const HEADER: [&str; 13] = [
     "serving",
     "hit rate",
     "remote",
+    "local short/held",
     "moved/req",
     "TTFT mean",
     "p50",
@@ -233,10 +244,12 @@ pub fn render(report: &DisaggReport) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{}; policy {}; KV transfer {} ms/token; block size {}, {} blocks per engine",
+        "{}; policy {}; KV transfer {} ms/token; conditional: local up to {} uncached tokens or {}% held; block size {}, {} blocks per engine",
         lab.trace.summary(),
         report.routing_policy,
         lab.config.transfer_ms_per_token,
+        report.conditional.max_local_prefill_tokens,
+        report.conditional.min_decode_overlap * 100.0,
         lab.config.block_size,
         lab.config.num_gpu_blocks,
     );
@@ -246,7 +259,7 @@ pub fn render(report: &DisaggReport) -> String {
         |s| format!("{} engines, {} arrivals", s.workers, s.speedup),
         &HEADER,
         row,
-        "latencies in model ms; hit rate = cached / prompt tokens where the prompt was prefilled; remote = share of completed requests prefilled on a prefill engine; moved/req = blocks transferred per remote prefill; ITL = per-request mean inter-token latency; tok/s = output tokens per simulated second",
+        "latencies in model ms; hit rate = cached / prompt tokens where the prompt was prefilled; remote = share of completed requests prefilled on a prefill engine; local short/held = kept on the decode engine as short_uncached / decode_holds_prefix; moved/req = blocks transferred per remote prefill; ITL = per-request mean inter-token latency; tok/s = output tokens per simulated second",
     );
     out
 }
@@ -275,6 +288,11 @@ fn row(r: &RunReport) -> Vec<String> {
         m.hit_rate
             .map_or_else(|| "-".to_owned(), |h| format!("{:.1}%", h * 100.0)),
         share(m.disaggregated, m.completed),
+        format!(
+            "{} / {}",
+            share(m.decisions.short_uncached, m.completed),
+            share(m.decisions.decode_holds_prefix, m.completed)
+        ),
         per_remote,
         ms(m.ttft_ms.map(|t| t.mean)),
         ms(m.ttft_ms.map(|t| t.p50)),

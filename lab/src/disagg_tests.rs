@@ -25,6 +25,11 @@ fn defaults_compare_three_splits_of_eight_engines_in_both_modes() {
     assert_eq!((args.engines.as_slice(), args.speedup.len()), (&[8][..], 3));
     assert_eq!(args.policy, PolicyKind::PredictedTtft);
     assert_eq!(args.transfer_ms_per_token, DEFAULT_TRANSFER_MS_PER_TOKEN);
+    // The router's own conditional thresholds and their defaults.
+    assert_eq!(
+        args.conditional.to_config(),
+        DisaggregationConfig::default()
+    );
     let items = args.plan(&SimConfig::default()).expect("valid plan");
     assert_eq!(items.len(), 3 * (1 + 3 * 2));
     let labels: Vec<String> = items[..7]
@@ -63,6 +68,13 @@ fn a_split_without_decode_engines_or_a_bad_transfer_is_refused_before_running() 
         ..SimConfig::default()
     };
     assert!(matches!(args.plan(&base), Err(LabError::TransferTime(_))));
+    let args = parse(&["--disagg-min-decode-overlap", "2"]).expect("parses");
+    let base = SimConfig {
+        conditional: args.conditional.to_config(),
+        ..SimConfig::default()
+    };
+    let err = args.plan(&base).expect_err("a fraction above 1");
+    assert!(err.to_string().contains("min_decode_overlap"), "{err}");
     assert!(parse(&["--mode", "sometimes"]).is_err());
     assert!(matches!(
         parse(&["--engines", "0"])
@@ -106,6 +118,8 @@ fn a_study_writes_its_table_report_and_charts() {
         "2",
         "--out",
         out.to_str().expect("utf-8 path"),
+        "--disagg-max-local-prefill-tokens",
+        "2500",
     ])
     .expect("parses");
     let report = run_disagg(args).expect("study runs");
@@ -124,6 +138,16 @@ fn a_study_writes_its_table_report_and_charts() {
         serde_json::from_slice(&std::fs::read(out.join("disagg.json")).expect("report written"))
             .expect("valid JSON");
     assert_eq!(json["routing_policy"], "predicted-ttft");
+    assert_eq!(json["conditional"]["max_local_prefill_tokens"], 2_500);
+    // Conditional keeps the first turns (2,000 tokens) on the decode engines.
+    let conditional = &json["runs"][2];
+    assert_eq!(conditional["policy"], "conditional 1P+2D");
+    assert!(
+        conditional["decisions"]["short_uncached"]
+            .as_u64()
+            .expect("count")
+            >= 4
+    );
     assert_eq!(
         json["config"]["transfer_ms_per_token"],
         DEFAULT_TRANSFER_MS_PER_TOKEN

@@ -9,6 +9,7 @@
 
 use crate::config::ns_to_ms;
 use engine_model::{LatencyHistogram, LatencyStats};
+use kv_events::disaggregation::DisaggregationReason;
 use serde::{Deserialize, Serialize};
 
 /// Points of the TTFT CDF kept in the report: quantiles `0, 1/(N−1), …, 1`.
@@ -39,6 +40,8 @@ pub struct RequestRecord {
     /// Prompt blocks moved from the prefill worker to the decode worker (those the
     /// decode worker did not hold), in blocks; 0 unless disaggregated.
     pub transferred_blocks: u64,
+    /// Why a split fleet's router placed it as it did; `None` in an aggregated fleet.
+    pub reason: Option<DisaggregationReason>,
     /// The router or the engine refused it.
     pub rejected: bool,
 }
@@ -82,12 +85,40 @@ pub struct RunMetrics {
     /// blocks (absent in older reports).
     #[serde(default)]
     pub transferred_blocks: u64,
+    /// Completed requests by the split fleet router's reason (all 0 in an aggregated
+    /// fleet; absent in older reports).
+    #[serde(default)]
+    pub decisions: Decisions,
     /// TTFT quantiles `0, 0.01, …, 1` (`CDF_POINTS`, 101 values), in model ms; empty when
     /// nothing completed. The chart's CDF is drawn from these.
     pub ttft_cdf_ms: Vec<f64>,
     /// KV events the index refused (a `Stored` with an unknown parent); 0 unless the
     /// simulator delivers events out of order, so a non-zero value is a bug.
     pub refused_events: u64,
+}
+
+/// Requests by the router's disaggregation reason (`kv_events::disaggregation`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Decisions {
+    /// Prefilled on a prefill worker: too much to prefill on the decode worker.
+    pub long_uncached: u64,
+    /// Prefilled on the decode worker: little of the prompt uncached there.
+    pub short_uncached: u64,
+    /// Prefilled on the decode worker: it held most of the prompt's blocks.
+    pub decode_holds_prefix: u64,
+    /// Prefilled on the decode worker: no prefill worker was eligible.
+    pub no_prefill_worker: u64,
+}
+
+impl Decisions {
+    fn count(&mut self, reason: DisaggregationReason) {
+        *match reason {
+            DisaggregationReason::LongUncached => &mut self.long_uncached,
+            DisaggregationReason::ShortUncached => &mut self.short_uncached,
+            DisaggregationReason::DecodeHoldsPrefix => &mut self.decode_holds_prefix,
+            DisaggregationReason::NoPrefillWorker => &mut self.no_prefill_worker,
+        } += 1;
+    }
 }
 
 impl RunMetrics {
@@ -101,6 +132,7 @@ impl RunMetrics {
         let mut completed = 0u64;
         let mut rejected = 0u64;
         let (mut disaggregated, mut transferred_blocks) = (0u64, 0u64);
+        let mut decisions = Decisions::default();
         let mut per_worker = vec![0u64; workers];
         let mut span_end = 0u64;
         let span_start = records.iter().map(|r| r.arrival_ns).min().unwrap_or(0);
@@ -117,6 +149,9 @@ impl RunMetrics {
                 continue;
             };
             completed += 1;
+            if let Some(reason) = r.reason {
+                decisions.count(reason);
+            }
             if r.prefill_worker.is_some() {
                 disaggregated += 1;
                 transferred_blocks += r.transferred_blocks;
@@ -151,6 +186,7 @@ impl RunMetrics {
             requests_per_worker: per_worker,
             disaggregated,
             transferred_blocks,
+            decisions,
             ttft_cdf_ms,
             refused_events,
         }
@@ -182,6 +218,7 @@ mod tests {
             RequestRecord {
                 prefill_worker: Some(0),
                 transferred_blocks: 7,
+                reason: Some(DisaggregationReason::LongUncached),
                 ..done(1_000, 300, 2_000, 1, 1)
             },
             RequestRecord {
@@ -209,6 +246,7 @@ mod tests {
         // Worker 0 prefilled the second request, which worker 1 decoded.
         assert_eq!(m.requests_per_worker, vec![2, 1]);
         assert_eq!((m.disaggregated, m.transferred_blocks), (1, 7));
+        assert_eq!(m.decisions.long_uncached, 1);
         assert_eq!(m.ttft_cdf_ms.len(), CDF_POINTS);
         assert!(close(m.ttft_cdf_ms[0], 100.0));
         assert!(close(m.ttft_cdf_ms[50], 100.0));

@@ -11,9 +11,9 @@ use crate::config::{LabPolicy, SimConfig};
 use crate::error::LabError;
 use crate::fleet::TierPricing;
 use indexer::RadixTree;
-use kv_events::disaggregation::{WorkerRole, prefill_booking_id};
+use kv_events::disaggregation::{DisaggregationReason, KvTransfer, TransferProtocol, WorkerRole};
 use kv_events::discovery::WorkerRegistration;
-use kv_events::routing::{PolicyKind, SessionId};
+use kv_events::routing::{LifecycleEvent, PolicyKind, SessionId};
 use kv_events::{KvCacheEvent, LocalBlockHash, RequestId, WorkerId, WorkerRank};
 use scheduler::{
     CalibrationConfig, PolicyConfig, RankCalibration, ScheduleRequest, Scheduler, SchedulerConfig,
@@ -28,8 +28,6 @@ enum Decider {
     /// --policy <kind>` runs it.
     Scheduler {
         scheduler: Box<Scheduler>,
-        /// TEMPORARY (until the scheduler pairs): the prefill ranks' own scheduler.
-        prefill: Option<(Box<Scheduler>, Vec<WorkerRank>)>,
         /// Simulated time 0 as an `Instant` (the scheduler takes `Instant`s; only
         /// differences matter, so runs stay deterministic).
         epoch: Instant,
@@ -44,6 +42,8 @@ pub(super) struct Route {
     pub decode: usize,
     /// The rank that prefills a disaggregated request.
     pub prefill: Option<usize>,
+    /// Why the router placed it so, in a split fleet.
+    pub reason: Option<DisaggregationReason>,
 }
 
 /// Index plus decider for one run; ranks are identified by their index in `ranks`.
@@ -56,6 +56,8 @@ pub(super) struct Router {
     refused_events: u64,
     /// Whether route requests carry their derived session ([`LabPolicy::Sessions`]).
     sessions: bool,
+    /// Whether route requests allow disaggregation (a split fleet).
+    disaggregation: bool,
 }
 
 impl Router {
@@ -86,40 +88,30 @@ impl Router {
                         enabled: matches!(policy, LabPolicy::Sessions(_)),
                         ..config.sessions
                     },
+                    disaggregation: config.disaggregation(),
                     ..SchedulerConfig::default()
                 };
-                let registration = |rank: &WorkerRank| WorkerRegistration {
-                    worker_id: rank.worker_id,
-                    dp_size: 1,
-                    block_size: config.engine.block_size,
-                    total_kv_blocks: config.engine.num_gpu_blocks,
-                    url: None,
-                    epoch: 0,
-                    max_model_len: None,
-                    role: Default::default(),
-                    kv_transfer: None,
-                };
-                let mut scheduler = Scheduler::new(scheduler_config.clone(), Some(config.seed))?;
-                let mut prefill_ranks = Vec::new();
-                for (rank, role) in ranks.iter().zip(roles) {
-                    if role.decodes() {
-                        scheduler.add_worker(registration(rank))?;
-                    } else {
-                        prefill_ranks.push(*rank);
-                    }
+                let mut scheduler = Scheduler::new(scheduler_config, Some(config.seed))?;
+                for (rank, &role) in ranks.iter().zip(roles) {
+                    scheduler.add_worker(WorkerRegistration {
+                        worker_id: rank.worker_id,
+                        dp_size: 1,
+                        block_size: config.engine.block_size,
+                        total_kv_blocks: config.engine.num_gpu_blocks,
+                        url: None,
+                        epoch: 0,
+                        max_model_len: None,
+                        role,
+                        // Every engine of a split fleet speaks one protocol; which one
+                        // does not change the decisions.
+                        kv_transfer: (role != WorkerRole::Both).then_some(KvTransfer {
+                            protocol: TransferProtocol::Vllm,
+                            bootstrap_port: None,
+                        }),
+                    })?;
                 }
-                let prefill = if prefill_ranks.is_empty() {
-                    None
-                } else {
-                    let mut s = Scheduler::new(scheduler_config, Some(config.seed))?;
-                    for rank in &prefill_ranks {
-                        s.add_worker(registration(rank))?;
-                    }
-                    Some((Box::new(s), prefill_ranks))
-                };
                 Decider::Scheduler {
                     scheduler: Box::new(scheduler),
-                    prefill,
                     epoch: Instant::now(),
                 }
             }
@@ -131,6 +123,7 @@ impl Router {
             decider,
             refused_events: 0,
             sessions: matches!(policy, LabPolicy::Sessions(_)),
+            disaggregation: roles.iter().any(|r| *r != WorkerRole::Both),
         })
     }
 
@@ -152,33 +145,27 @@ impl Router {
     ) -> Result<Route, LabError> {
         let scores = self.tree.find_matches(block_hashes);
         match &mut self.decider {
-            Decider::Scheduler {
-                scheduler,
-                prefill,
-                epoch,
-            } => {
+            Decider::Scheduler { scheduler, epoch } => {
                 let mut request = ScheduleRequest::new(
                     id.clone(),
                     block_hashes.to_vec(),
                     num_tokens,
                     self.block_size,
                 );
+                request.allow_disaggregation = self.disaggregation;
                 if self.sessions {
                     // A short ASCII name is always a valid id.
                     request.session_id = SessionId::new(&format!("s{session}")).ok();
                 }
                 let selection = scheduler.schedule(&request, &scores, at(*epoch, now_ns))?;
-                let prefill = match prefill {
-                    None => None,
-                    Some((p, _)) => {
-                        request.request_id = prefill_booking_id(id);
-                        let s = p.schedule(&request, &scores, at(*epoch, now_ns))?;
-                        Some(s.rank)
-                    }
-                };
+                let pair = selection.disaggregation;
                 Ok(Route {
                     decode: self.index(selection.rank)?,
-                    prefill: prefill.map(|r| self.index(r)).transpose()?,
+                    prefill: pair
+                        .and_then(|p| p.prefill)
+                        .map(|p| self.index(p.rank))
+                        .transpose()?,
+                    reason: pair.map(|p| p.reason),
                 })
             }
         }
@@ -192,46 +179,28 @@ impl Router {
 
     /// A disaggregated request's prefill rank answered at simulated time `now_ns`.
     pub fn remote_prefill_done(&mut self, id: &RequestId, now_ns: u64) {
-        match &mut self.decider {
-            Decider::Scheduler { prefill, epoch, .. } => {
-                if let Some((p, _)) = prefill {
-                    let _ = p.mark_prefill_completed(&prefill_booking_id(id), at(*epoch, now_ns));
-                }
-            }
-        }
+        self.lifecycle(id, LifecycleEvent::RemotePrefillDone, now_ns);
     }
 
-    /// The request's first token arrived at simulated time `now_ns`.
+    /// The request's first token arrived at simulated time `now_ns` (for a
+    /// disaggregated request, from its decode rank: the prefill half is released).
     pub fn prefill_done(&mut self, id: &RequestId, now_ns: u64) {
-        match &mut self.decider {
-            Decider::Scheduler {
-                scheduler,
-                prefill,
-                epoch,
-            } => {
-                // An unknown id means the request was never booked; nothing to release.
-                let _ = scheduler.mark_prefill_completed(id, at(*epoch, now_ns));
-                if let Some((p, _)) = prefill {
-                    let _ = p.free(&prefill_booking_id(id), at(*epoch, now_ns));
-                }
-            }
-        }
+        self.lifecycle(id, LifecycleEvent::PrefillDone, now_ns);
     }
 
     /// The request ended (finished or refused by its engine) at simulated time
-    /// `now_ns`.
+    /// `now_ns`: both halves are released.
     pub fn free(&mut self, id: &RequestId, now_ns: u64) {
+        self.lifecycle(id, LifecycleEvent::Freed, now_ns);
+    }
+
+    /// A frontend's lifecycle event, as the daemon applies it.
+    fn lifecycle(&mut self, id: &RequestId, event: LifecycleEvent, now_ns: u64) {
         match &mut self.decider {
-            Decider::Scheduler {
-                scheduler,
-                prefill,
-                epoch,
-            } => {
-                // As above: unknown ids have nothing booked.
-                let _ = scheduler.free(id, at(*epoch, now_ns));
-                if let Some((p, _)) = prefill {
-                    let _ = p.free(&prefill_booking_id(id), at(*epoch, now_ns));
-                }
+            Decider::Scheduler { scheduler, epoch } => {
+                // An unknown id means the request was never booked (or this half
+                // was already released); nothing to release.
+                let _ = scheduler.lifecycle(id, event, at(*epoch, now_ns));
             }
         }
     }
@@ -240,9 +209,7 @@ impl Router {
     /// them all, so call it at the end of a run.
     pub fn open_bookings(&mut self) -> usize {
         match &mut self.decider {
-            Decider::Scheduler {
-                scheduler, prefill, ..
-            } => expire_all(scheduler) + prefill.as_mut().map_or(0, |(p, _)| expire_all(p)),
+            Decider::Scheduler { scheduler, .. } => expire_all(scheduler),
         }
     }
 

@@ -14,6 +14,7 @@
 use crate::config::ms_to_ns;
 use crate::error::LabError;
 use kv_events::disaggregation::WorkerRole;
+use scheduler::DisaggregationConfig;
 use serde::{Deserialize, Serialize};
 
 /// How a run's engines serve requests.
@@ -50,6 +51,14 @@ pub enum SplitMode {
     /// engine holds most of its prefix.
     Conditional,
 }
+
+/// The thresholds of [`SplitMode::Disaggregated`]: a prompt stays on its decode
+/// engine only when nothing of it is left to prefill there (0 uncached tokens, or
+/// every block held), so every other prompt is prefilled remotely.
+pub const ALWAYS_REMOTE: DisaggregationConfig = DisaggregationConfig {
+    max_local_prefill_tokens: 0,
+    min_decode_overlap: 1.0,
+};
 
 impl SplitMode {
     /// The name in tables and reports.

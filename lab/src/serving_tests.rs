@@ -193,3 +193,65 @@ fn every_booking_of_both_halves_is_released_when_requests_end() {
         }
     }
 }
+
+/// A prompt of `tokens` tokens whose 512-token trace blocks are `ids`.
+fn request(timestamp_ms: u64, tokens: u64, ids: std::ops::Range<u64>) -> TraceRequest {
+    TraceRequest {
+        timestamp_ms,
+        input_length: tokens,
+        output_length: 2,
+        hash_ids: ids.collect(),
+    }
+}
+
+#[test]
+fn conditional_keeps_short_and_mostly_cached_prompts_on_the_decode_engine() {
+    use kv_events::disaggregation::DisaggregationReason as Reason;
+    // A short prompt; a long one (6,000 tokens, 94 blocks); then 7,000 tokens sharing
+    // its first 11 trace blocks (5,632 tokens, 88 of 110 blocks): 80% held by the
+    // decode engine that decoded the long one, 1,368 tokens uncached.
+    let trace = [
+        request(0, 500, 0..1),
+        request(10_000, 6_000, 10..22),
+        request(60_000, 7_000, 10..24),
+    ];
+    let mut trace = trace.to_vec();
+    trace[2].hash_ids[11] = 99; // the long prompt's 12th block was partial
+    let r = run(&trace, 2, &config(split(1, SplitMode::Conditional)));
+    let reasons: Vec<_> = r.records.iter().map(|x| x.reason).collect();
+    assert_eq!(
+        reasons,
+        [
+            Some(Reason::ShortUncached),
+            Some(Reason::LongUncached),
+            Some(Reason::DecodeHoldsPrefix)
+        ]
+    );
+    let prefill: Vec<_> = r.records.iter().map(|x| x.prefill_worker).collect();
+    assert_eq!(prefill, [None, Some(0), None]);
+    assert!(r.records.iter().all(|x| x.worker == Some(1)));
+    // A local prompt costs its prefill on the decode engine, as on an aggregated one.
+    assert!(
+        (ttft(&r, 0) - step(500, 0, 0)).abs() < 1e-5,
+        "{}",
+        ttft(&r, 0)
+    );
+    assert_eq!(r.records[1].transferred_blocks, 94);
+    assert_eq!(r.records[2].cached_tokens, 5_632);
+    assert!(
+        (ttft(&r, 2) - step(1_368, 0, 0)).abs() < 1e-5,
+        "{}",
+        ttft(&r, 2)
+    );
+    assert_eq!(r.open_bookings, 0);
+    // Forced disaggregation sends all three to the prefill engine; the decode engine
+    // still saves the transfer of the 88 blocks it holds.
+    let forced = run(&trace, 2, &config(split(1, SplitMode::Disaggregated)));
+    assert!(
+        forced
+            .records
+            .iter()
+            .all(|x| x.reason == Some(Reason::LongUncached) && x.prefill_worker == Some(0))
+    );
+    assert_eq!(forced.records[2].transferred_blocks, 110 - 88);
+}

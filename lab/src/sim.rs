@@ -324,6 +324,7 @@ impl Sim<'_> {
         let record = &mut self.records[index];
         record.worker = Some(route.decode);
         record.prefill_worker = route.prefill;
+        record.reason = route.reason;
         match route.prefill {
             Some(prefill) => self.admit(index, prefill, pair::Part::PrefillHalf, now),
             None => self.admit(index, route.decode, pair::Part::Request, now),
