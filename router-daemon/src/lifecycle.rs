@@ -1,22 +1,27 @@
 //! Lifecycle messages from frontends: `prefill_done` moves a request's prefill tokens
 //! out of the worker's load, `keep_alive` refreshes its TTL, `freed` releases its
-//! decode blocks. Every one of them restarts the request's TTL.
+//! decode blocks; for a disaggregated request `remote_prefill_done` moves the prefill
+//! half's tokens out of the prefill worker's load, and every event also applies to
+//! that half ([`scheduler::lifecycle_steps`]: `prefill_done` frees it). Every one of
+//! them restarts the TTL of what it touches.
 //!
 //! Every replica receives every lifecycle message. The replica that booked the
-//! request relays the step to its peers on the sequences subject (see
-//! [`crate::replicas`]); a step that frees load releases queued requests.
+//! request relays each step it applied to its peers on the sequences subject (see
+//! [`crate::replicas`]), one step per booking (request and prefill half); a step
+//! that frees load releases queued requests.
 //!
 //! A message for an unknown request (already freed or expired, not yet synced from
-//! another replica, or sent twice) is counted as rejected and otherwise ignored:
-//! load accounting is advisory and must never fail on a frontend's retry.
+//! another replica, or sent twice), or naming a prefill half's reserved id itself,
+//! is counted as rejected and otherwise ignored: load accounting is advisory and
+//! must never fail on a frontend's retry.
 
 use crate::admission::Admission;
 use crate::gate::admit;
 use crate::metrics::counters::{Counters, MessageKind, Outcome};
-use kv_events::disaggregation::prefill_booking_id;
+use kv_events::disaggregation::is_prefill_booking_id;
 use kv_events::limits::Limits;
 use kv_events::replicas::SequenceUpdate;
-use kv_events::routing::{LifecycleEvent, LifecycleMessage};
+use kv_events::routing::LifecycleMessage;
 use std::time::Instant;
 use tracing::debug;
 
@@ -35,38 +40,27 @@ pub fn handle_lifecycle(
     };
     let now = Instant::now();
     let id = &msg.request_id;
+    if is_prefill_booking_id(id) {
+        counters.message(MessageKind::Lifecycle, Outcome::Rejected);
+        debug!(subject, request_id = %id, "lifecycle message for a reserved prefill-half id ignored");
+        return;
+    }
     // Before the scheduler lock, for the start-up snapshot (`crate::replica_sync::snapshot`).
-    admission.replicas.note_lifecycle(id, msg.event);
-    let half;
-    let id = if msg.event == LifecycleEvent::RemotePrefillDone {
-        half = prefill_booking_id(id);
-        &half
-    } else {
-        id
-    };
+    for (request_id, update) in scheduler::lifecycle_steps(id, msg.event) {
+        admission.replicas.note_step(&request_id, &update);
+    }
     let result = {
         let mut scheduler = admission.scheduler();
-        let (result, update) = match msg.event {
-            LifecycleEvent::RemotePrefillDone => (
-                scheduler.mark_prefill_completed(id, now),
-                SequenceUpdate::PrefillDone,
-            ),
-            LifecycleEvent::PrefillDone => (
-                scheduler.mark_prefill_completed(id, now),
-                SequenceUpdate::PrefillDone,
-            ),
-            LifecycleEvent::KeepAlive => (scheduler.keep_alive(id, now), SequenceUpdate::KeepAlive),
-            LifecycleEvent::Freed => (scheduler.free(id, now), SequenceUpdate::Freed),
-        };
-        if let Ok(origin) = result {
-            admission.relay_step(origin, id, update);
+        let result = scheduler.lifecycle(id, msg.event, now);
+        for step in result.iter().flatten() {
+            admission.relay_step(step.origin, &step.request_id, step.update.clone());
         }
         result
     };
     match result {
-        Ok(_) => {
+        Ok(steps) => {
             counters.message(MessageKind::Lifecycle, Outcome::Ok);
-            if msg.event != LifecycleEvent::KeepAlive {
+            if steps.iter().any(|s| s.update != SequenceUpdate::KeepAlive) {
                 admission.release_waiters();
             }
         }

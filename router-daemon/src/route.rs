@@ -12,6 +12,9 @@ use crate::queue::QueueError;
 use crate::state::RouterState;
 use futures::StreamExt;
 use indexer::IndexerApi as _;
+use kv_events::disaggregation::{
+    Disaggregation, PREFILL_BOOKING_SUFFIX, PrefillPlacement, is_prefill_booking_id,
+};
 use kv_events::limits::decode_within;
 use kv_events::routing::{
     MAX_EXCLUDED_WORKERS, Prompt, RouteDecision, RouteError, RouteErrorCode, RouteReply,
@@ -149,12 +152,23 @@ async fn route(state: &RouterState, request: RouteRequest) -> RouteReply {
 /// Validates a route request into what the scheduler needs.
 ///
 /// # Errors
-/// A `bad_request` reply for a prompt `prompt_blocks` refuses, or for more than
-/// [`MAX_EXCLUDED_WORKERS`] excluded workers.
+/// A `bad_request` reply for a prompt `prompt_blocks` refuses, for more than
+/// [`MAX_EXCLUDED_WORKERS`] excluded workers, or for a request id ending with
+/// `#prefill` (reserved for the booking of a disaggregated request's prefill half).
 pub fn schedule_request(
     request: RouteRequest,
     block_size: u32,
 ) -> Result<ScheduleRequest, RouteReply> {
+    if is_prefill_booking_id(&request.request_id) {
+        return Err(error(
+            RouteErrorCode::BadRequest,
+            format!(
+                "request id {} ends with `{PREFILL_BOOKING_SUFFIX}`, which the router reserves \
+                 for the prefill half of a disaggregated request",
+                request.request_id
+            ),
+        ));
+    }
     if request.exclude_workers.len() > MAX_EXCLUDED_WORKERS {
         return Err(error(
             RouteErrorCode::BadRequest,
@@ -177,11 +191,14 @@ pub fn schedule_request(
     schedule.overrides = request.overrides;
     schedule.exclude(request.exclude_workers);
     schedule.session_id = request.session_id;
+    schedule.allow_disaggregation = request.allow_disaggregation;
     Ok(schedule)
 }
 
 /// The reply for a booked request; in approximate mode also indexes the decision
-/// (`routed_hashes`) as if the rank had cached the prompt.
+/// (`routed_hashes`) as if the rank had cached the prompt — for a disaggregated
+/// request on the prefill rank and on the decode rank, which stores the
+/// transferred blocks too (as vLLM's decode instances do).
 pub(crate) async fn routed(
     state: &RouterState,
     request_id: RequestId,
@@ -189,12 +206,23 @@ pub(crate) async fn routed(
     sel: &Selection,
     routed_hashes: Option<Vec<LocalBlockHash>>,
 ) -> RouteReply {
-    debug!(request_id = %request_id, worker = %sel.rank, overlap_blocks = sel.overlap_blocks, "routed");
+    let remote = sel.disaggregation.and_then(|d| d.prefill);
+    debug!(
+        request_id = %request_id,
+        worker = %sel.rank,
+        overlap_blocks = sel.overlap_blocks,
+        prefill = ?remote.map(|p| p.rank.to_string()),
+        "routed",
+    );
     state.counters.metrics.sessions.observe(sel.session);
-    if let Some(hashes) = routed_hashes
-        && let Err(e) = state.indexer.record_routing(sel.rank, hashes).await
-    {
-        warn!(error = %e, "routing decision not indexed");
+    if let Some(hashes) = routed_hashes {
+        let hashes: Arc<[LocalBlockHash]> = hashes.into();
+        let ranks = std::iter::once(sel.rank).chain(remote.map(|p| p.rank));
+        for rank in ranks {
+            if let Err(e) = state.indexer.record_routing(rank, hashes.clone()).await {
+                warn!(error = %e, %rank, "routing decision not indexed");
+            }
+        }
     }
     RouteReply::Routed(RouteDecision {
         request_id,
@@ -203,7 +231,14 @@ pub(crate) async fn routed(
         overlap_blocks: sel.overlap_blocks,
         request_blocks,
         policy: sel.policy,
-        disaggregation: None,
+        disaggregation: sel.disaggregation.map(|d| Disaggregation {
+            reason: d.reason,
+            prefill: d.prefill.map(|p| PrefillPlacement {
+                worker_id: p.rank.worker_id,
+                dp_rank: p.rank.dp_rank,
+                overlap_blocks: p.overlap_blocks,
+            }),
+        }),
     })
 }
 
@@ -223,7 +258,9 @@ pub(crate) fn admit_error(e: AdmitError) -> RouteReply {
             RouteErrorCode::RankUnavailable
         }
         AdmitError::Scheduler(
-            SchedulerError::DuplicateRequest(_) | SchedulerError::InvalidOverride { .. },
+            SchedulerError::DuplicateRequest(_)
+            | SchedulerError::InvalidOverride { .. }
+            | SchedulerError::ReservedRequestId(_),
         )
         | AdmitError::Queue(QueueError::Duplicate(_)) => RouteErrorCode::BadRequest,
         AdmitError::Scheduler(SchedulerError::AllBusy)
@@ -316,6 +353,28 @@ mod tests {
         assert_eq!(p.hashes.len(), 2);
         assert_eq!(p.num_tokens, 40);
         assert_eq!(p.request_blocks, 3);
+    }
+
+    #[test]
+    fn prefill_half_ids_are_refused_and_the_disaggregation_flag_is_kept() {
+        let prompt = || Prompt::Tokens {
+            token_ids: (0..8).collect(),
+        };
+        let reserved = schedule_request(RouteRequest::new("r-1#prefill", prompt()), 4);
+        let Err(RouteReply::Error(e)) = reserved else {
+            panic!("a reserved id was accepted: {reserved:?}");
+        };
+        assert_eq!(e.code, RouteErrorCode::BadRequest);
+        assert!(e.message.contains("r-1#prefill") && e.message.contains("reserves"));
+        let mut request = RouteRequest::new("r-1", prompt());
+        request.allow_disaggregation = true;
+        let schedule = schedule_request(request, 4).unwrap();
+        assert!(schedule.allow_disaggregation);
+        assert!(
+            !schedule_request(RouteRequest::new("r-2", prompt()), 4)
+                .unwrap()
+                .allow_disaggregation
+        );
     }
 
     #[test]

@@ -158,6 +158,11 @@ async fn endpoints_report_health_metrics_and_workers() {
         ),
         ("kv_router_route_overlap_blocks_sum", "", 3.0),
         (
+            "kv_router_disaggregation_decisions_total",
+            r#"reason="long_uncached""#,
+            0.0,
+        ),
+        (
             "kv_router_route_duration_seconds_count",
             r#"outcome="routed""#,
             1.0,

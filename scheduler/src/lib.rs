@@ -478,5 +478,9 @@ mod calibration_tests;
 mod pair_tests;
 
 #[cfg(test)]
+#[path = "scheduler_pair_lifecycle_tests.rs"]
+mod pair_lifecycle_tests;
+
+#[cfg(test)]
 #[path = "scheduler_pair_diff_tests.rs"]
 mod pair_diff_tests;

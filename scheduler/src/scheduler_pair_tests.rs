@@ -1,14 +1,12 @@
 //! Pair selection through the [`Scheduler`] facade: roles, the decision and its
-//! reasons, the decode and prefill picks, protocols, both bookings through every
-//! lifecycle path and expiry, nothing booked on error, batches, calibration and
-//! sessions.
+//! reasons, the decode and prefill picks, protocols, batches, calibration and
+//! sessions (both bookings' lifecycle: `scheduler_pair_lifecycle_tests.rs`).
 
 use super::*;
 use kv_events::LocalBlockHash;
 use kv_events::disaggregation::{
     DisaggregationReason, KvTransfer, TransferProtocol, WorkerRole, prefill_booking_id,
 };
-use kv_events::replicas::SequenceUpdate;
 use kv_events::routing::{LifecycleEvent, SessionId};
 use kv_events::{DpRank, WorkerRank};
 use std::collections::HashMap;
@@ -16,13 +14,17 @@ use std::time::Duration;
 
 const BLOCK: u32 = 16;
 /// 100 blocks: uncached 1,600 tokens > the default local limit of 1,024.
-const LONG: u64 = 1600;
+pub(super) const LONG: u64 = 1600;
 
-fn rank(id: u64) -> WorkerRank {
+pub(super) fn rank(id: u64) -> WorkerRank {
     WorkerRank::new(WorkerId(id), DpRank(0))
 }
 
-fn reg(id: u64, role: WorkerRole, protocol: Option<TransferProtocol>) -> WorkerRegistration {
+pub(super) fn reg(
+    id: u64,
+    role: WorkerRole,
+    protocol: Option<TransferProtocol>,
+) -> WorkerRegistration {
     WorkerRegistration {
         worker_id: WorkerId(id),
         dp_size: 1,
@@ -39,15 +41,15 @@ fn reg(id: u64, role: WorkerRole, protocol: Option<TransferProtocol>) -> WorkerR
     }
 }
 
-fn decode(id: u64) -> WorkerRegistration {
+pub(super) fn decode(id: u64) -> WorkerRegistration {
     reg(id, WorkerRole::Decode, Some(TransferProtocol::Vllm))
 }
 
-fn prefill(id: u64) -> WorkerRegistration {
+pub(super) fn prefill(id: u64) -> WorkerRegistration {
     reg(id, WorkerRole::Prefill, Some(TransferProtocol::Vllm))
 }
 
-fn fleet(config: SchedulerConfig, workers: Vec<WorkerRegistration>) -> Scheduler {
+pub(super) fn fleet(config: SchedulerConfig, workers: Vec<WorkerRegistration>) -> Scheduler {
     let mut s = Scheduler::new(config, Some(3)).unwrap();
     for w in workers {
         s.add_worker(w).unwrap();
@@ -56,7 +58,7 @@ fn fleet(config: SchedulerConfig, workers: Vec<WorkerRegistration>) -> Scheduler
 }
 
 /// Decode workers 1 and 2, prefill workers 11 and 12, all vLLM.
-fn vllm_fleet() -> Scheduler {
+pub(super) fn vllm_fleet() -> Scheduler {
     fleet(
         SchedulerConfig::default(),
         vec![decode(1), decode(2), prefill(11), prefill(12)],
@@ -65,7 +67,7 @@ fn vllm_fleet() -> Scheduler {
 
 /// A request of `num_tokens` whose blocks hash to `seed * 1000 + i`, allowing
 /// disaggregation.
-fn pair_request(id: &str, num_tokens: u64, seed: u64) -> ScheduleRequest {
+pub(super) fn pair_request(id: &str, num_tokens: u64, seed: u64) -> ScheduleRequest {
     let hashes = (0..num_tokens / u64::from(BLOCK))
         .map(|i| LocalBlockHash(seed * 1000 + i))
         .collect();
@@ -79,7 +81,7 @@ fn decision(sel: &Selection) -> (DisaggregationReason, Option<WorkerId>) {
     (d.reason, d.prefill.map(|p| p.rank.worker_id))
 }
 
-fn id(s: &str) -> RequestId {
+pub(super) fn id(s: &str) -> RequestId {
     RequestId::from(s)
 }
 
@@ -278,154 +280,6 @@ fn prefill_workers_pair_only_with_decode_workers_of_their_protocol() {
         assert_eq!(sel.rank.worker_id, WorkerId(decode_worker));
         assert_eq!(decision(&sel).1, prefill_worker.map(WorkerId));
     }
-}
-
-/// Books `long` (disaggregated) on the vLLM fleet; returns the scheduler, the
-/// decode and prefill ranks.
-fn booked_pair(t: Instant) -> (Scheduler, WorkerRank, WorkerRank) {
-    let mut s = fleet(
-        SchedulerConfig {
-            sequences: SequencesConfig {
-                request_ttl: Duration::from_secs(1),
-                ..SequencesConfig::default()
-            },
-            ..SchedulerConfig::default()
-        },
-        vec![decode(1), decode(2), prefill(11), prefill(12)],
-    );
-    let sel = s
-        .schedule(&pair_request("long", LONG, 1), &HashMap::new(), t)
-        .unwrap();
-    let prefill = sel.disaggregation.unwrap().prefill.unwrap().rank;
-    let d = s.rank_load_at(sel.rank, t);
-    assert_eq!((d.active_prefill_tokens, d.active_decode_blocks), (0, 100));
-    let p = s.rank_load_at(prefill, t);
-    assert_eq!(
-        (p.active_prefill_tokens, p.active_decode_blocks),
-        (LONG, 100)
-    );
-    (s, sel.rank, prefill)
-}
-
-fn loads(s: &Scheduler, ranks: [WorkerRank; 2], t: Instant) -> [(u64, u64); 2] {
-    ranks.map(|r| {
-        let l = s.rank_load_at(r, t);
-        (l.active_prefill_tokens, l.active_decode_blocks)
-    })
-}
-
-fn steps(applied: &[LifecycleStep]) -> Vec<(String, SequenceUpdate)> {
-    applied
-        .iter()
-        .map(|s| {
-            assert_eq!(s.origin, Origin::Local);
-            (s.request_id.0.clone(), s.update.clone())
-        })
-        .collect()
-}
-
-#[test]
-fn both_halves_are_released_through_the_lifecycle() {
-    let t = Instant::now();
-    let (mut s, d, p) = booked_pair(t);
-    let long = id("long");
-    let applied = s
-        .lifecycle(&long, LifecycleEvent::RemotePrefillDone, t)
-        .unwrap();
-    assert_eq!(
-        steps(&applied),
-        [("long#prefill".into(), SequenceUpdate::PrefillDone)]
-    );
-    assert_eq!(loads(&s, [d, p], t), [(0, 100), (0, 100)], "blocks held");
-    let applied = s.lifecycle(&long, LifecycleEvent::KeepAlive, t).unwrap();
-    assert_eq!(applied.len(), 2);
-    let applied = s.lifecycle(&long, LifecycleEvent::PrefillDone, t).unwrap();
-    assert_eq!(
-        steps(&applied),
-        [
-            ("long".into(), SequenceUpdate::PrefillDone),
-            ("long#prefill".into(), SequenceUpdate::Freed)
-        ]
-    );
-    assert_eq!(loads(&s, [d, p], t), [(0, 100), (0, 0)]);
-    assert_eq!(
-        s.lifecycle(&long, LifecycleEvent::RemotePrefillDone, t),
-        Err(SchedulerError::UnknownRequest(prefill_booking_id(&long))),
-        "late: the half is gone"
-    );
-    let applied = s.lifecycle(&long, LifecycleEvent::Freed, t).unwrap();
-    assert_eq!(steps(&applied), [("long".into(), SequenceUpdate::Freed)]);
-    assert_eq!(loads(&s, [d, p], t), [(0, 0), (0, 0)]);
-    assert_eq!(s.active_requests(), 0);
-    assert_eq!(
-        s.lifecycle(&long, LifecycleEvent::Freed, t),
-        Err(SchedulerError::UnknownRequest(long))
-    );
-}
-
-#[test]
-fn freed_releases_both_halves_at_once_and_half_ids_are_not_frontends() {
-    let t = Instant::now();
-    let (mut s, d, p) = booked_pair(t);
-    let half = prefill_booking_id(&id("long"));
-    assert_eq!(
-        s.lifecycle(&half, LifecycleEvent::Freed, t),
-        Err(SchedulerError::ReservedRequestId(half))
-    );
-    let applied = s.lifecycle(&id("long"), LifecycleEvent::Freed, t).unwrap();
-    assert_eq!(applied.len(), 2);
-    assert_eq!(loads(&s, [d, p], t), [(0, 0), (0, 0)]);
-    assert_eq!(s.active_requests(), 0);
-}
-
-#[test]
-fn keep_alive_refreshes_both_halves_and_expiry_frees_both() {
-    let t = Instant::now();
-    let ms = |n| t + Duration::from_millis(n);
-    let (mut s, d, p) = booked_pair(t);
-    s.lifecycle(&id("long"), LifecycleEvent::KeepAlive, ms(900))
-        .unwrap();
-    assert!(s.expire(ms(1500)).is_empty(), "both refreshed at 900 ms");
-    let mut expired: Vec<String> = s.expire(ms(1900)).into_iter().map(|(r, _)| r.0).collect();
-    expired.sort();
-    assert_eq!(expired, ["long", "long#prefill"]);
-    assert_eq!(loads(&s, [d, p], ms(1900)), [(0, 0), (0, 0)]);
-}
-
-#[test]
-fn nothing_is_booked_on_error() {
-    let t = Instant::now();
-    let (mut s, _, _) = booked_pair(t);
-    // Free the decode half alone (a peer's step): its prefill half stays.
-    s.free(&id("long"), t).unwrap();
-    assert_eq!(
-        s.schedule(&pair_request("long", LONG, 1), &HashMap::new(), t),
-        Err(SchedulerError::DuplicateRequest(prefill_booking_id(&id(
-            "long"
-        ))))
-    );
-    assert_eq!(s.active_requests(), 1, "the half only");
-    let reserved = pair_request("x#prefill", LONG, 2);
-    assert_eq!(
-        s.schedule(&reserved, &HashMap::new(), t),
-        Err(SchedulerError::ReservedRequestId(id("x#prefill")))
-    );
-    // Every decode rank busy: neither half is booked, though prefill ranks are free.
-    let config = SchedulerConfig {
-        busy: BusyThresholds {
-            decode_blocks: Some(Threshold::Absolute(50)),
-            prefill_tokens: None,
-        },
-        ..SchedulerConfig::default()
-    };
-    let mut s = fleet(config, vec![decode(1), prefill(11)]);
-    s.schedule(&pair_request("a", LONG, 1), &HashMap::new(), t)
-        .unwrap();
-    assert_eq!(
-        s.schedule(&pair_request("b", LONG, 2), &HashMap::new(), t),
-        Err(SchedulerError::AllBusy)
-    );
-    assert_eq!(s.active_requests(), 2, "a and its half");
 }
 
 #[test]

@@ -433,6 +433,20 @@ pub async fn wait_for_overlap(
     .await
 }
 
+/// Every request `daemon` holds booked, by id, with who booked it and whether its
+/// prefill completed.
+pub fn booked_requests(
+    daemon: &Daemon,
+) -> std::collections::BTreeMap<String, (router_daemon::Origin, bool)> {
+    daemon
+        .state()
+        .scheduler()
+        .sequences()
+        .iter()
+        .map(|(id, r)| (id.0.clone(), (r.origin, r.prefill_done)))
+        .collect()
+}
+
 /// Waits until `check` returns `Some`, re-checking with a short backoff, for at most
 /// `timeout`. The daemon consumes NATS and etcd asynchronously, so a test observes
 /// *eventual* application; this returns as soon as the condition holds.

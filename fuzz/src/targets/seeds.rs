@@ -2,6 +2,7 @@
 //! captures of `kv-events/tests/fixtures/engines` (compiled in; see that folder's
 //! README for their origin and licence).
 
+use kv_events::disaggregation::{Disaggregation, DisaggregationReason, PrefillPlacement};
 use kv_events::discovery::WorkerRegistration;
 use kv_events::events::KvCacheEvent;
 use kv_events::ids::{DpRank, ExternalBlockHash, LocalBlockHash, RequestId, WorkerId};
@@ -146,7 +147,14 @@ fn route_requests() -> Vec<RouteRequest> {
     );
     normalized.policy = Some(PolicyKind::KvNormalized);
     normalized.overrides.load_balance_weight = Some(0.1);
-    vec![route_request("r-tokens", 40), pinned, normalized]
+    let mut disaggregated = route_request("r-pair", 48);
+    disaggregated.allow_disaggregation = true;
+    vec![
+        route_request("r-tokens", 40),
+        pinned,
+        normalized,
+        disaggregated,
+    ]
 }
 
 pub fn route() -> Vec<Vec<u8>> {
@@ -168,6 +176,7 @@ pub fn route_batch() -> Vec<Vec<u8>> {
 
 pub fn lifecycle() -> Vec<Vec<u8>> {
     [
+        LifecycleEvent::RemotePrefillDone,
         LifecycleEvent::PrefillDone,
         LifecycleEvent::KeepAlive,
         LifecycleEvent::Freed,
@@ -272,11 +281,30 @@ pub fn route_replies() -> Vec<Vec<u8>> {
         policy: PolicyKind::PredictedTtft,
         disaggregation: None,
     });
+    // A decode worker paired with a prefill worker, and one that prefills itself.
+    let pair = |reason, prefill| {
+        RouteReply::Routed(RouteDecision {
+            request_id: RequestId::from("r-pair"),
+            worker_id: WORKER,
+            dp_rank: DpRank(0),
+            overlap_blocks: 1,
+            request_blocks: 3,
+            policy: PolicyKind::PredictedTtft,
+            disaggregation: Some(Disaggregation { reason, prefill }),
+        })
+    };
+    let remote = PrefillPlacement {
+        worker_id: WorkerId(8),
+        dp_rank: DpRank(1),
+        overlap_blocks: 2,
+    };
+    let disaggregated = pair(DisaggregationReason::LongUncached, Some(remote));
+    let local = pair(DisaggregationReason::ShortUncached, None);
     let error = RouteReply::Error(RouteError {
         code: RouteErrorCode::Overloaded,
         message: "every eligible worker is busy".into(),
     });
-    let mut out = enc(&[routed.clone(), error.clone()]);
+    let mut out = enc(&[routed.clone(), disaggregated, local, error.clone()]);
     out.extend(enc(&[RouteBatchReply::Answered {
         replies: vec![routed, error],
     }]));

@@ -52,6 +52,8 @@ pub struct WorkerView {
     pub block_size: u32,
     /// KV capacity of each rank, in blocks.
     pub total_kv_blocks: u64,
+    /// Its role in a disaggregated fleet (`both`, `prefill`, `decode`).
+    pub role: kv_events::disaggregation::WorkerRole,
     /// One entry per dp_rank.
     pub ranks: Vec<RankView>,
 }
@@ -133,6 +135,7 @@ pub async fn workers_view(router: &RouterState) -> WorkersView {
                 dp_size: reg.dp_size,
                 block_size: reg.block_size,
                 total_kv_blocks: reg.total_kv_blocks,
+                role: reg.role,
                 ranks,
             }
         })

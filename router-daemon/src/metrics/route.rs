@@ -1,10 +1,12 @@
 //! [`RouteMetrics`]: what routing queries got, how long they took, how much of their
-//! prompt was cached on the chosen rank, and where they went. Recorded once per
-//! answered query: a few atomic adds and, for errors, one label lookup.
+//! prompt was cached on the chosen rank, where they went, and where disaggregated
+//! requests' prompts were prefilled. Recorded once per answered query: a few atomic
+//! adds and, for errors and disaggregation decisions, one label lookup.
 
 use super::common::{RANK_LABELS, latency_buckets, overlap_buckets, rank_labels};
 use super::registrar::Registrar;
 use kv_events::WorkerRank;
+use kv_events::disaggregation::DisaggregationReason;
 use kv_events::routing::RouteReply;
 use prometheus::{Histogram, HistogramVec, IntCounterVec};
 use std::time::Duration;
@@ -16,6 +18,7 @@ pub struct RouteMetrics {
     duration: HistogramVec,
     overlap_blocks: Histogram,
     decisions: IntCounterVec,
+    disaggregation: IntCounterVec,
 }
 
 impl RouteMetrics {
@@ -46,6 +49,7 @@ impl RouteMetrics {
                 "Routed queries by chosen worker rank",
                 RANK_LABELS,
             )?,
+            disaggregation: disaggregation_decisions(r)?,
         })
     }
 
@@ -60,6 +64,11 @@ impl RouteMetrics {
             self.overlap_blocks.observe(f64::from(d.overlap_blocks));
             let rank = WorkerRank::new(d.worker_id, d.dp_rank);
             self.decisions.with_label_values(&rank_labels(rank)).inc();
+            if let Some(disaggregation) = &d.disaggregation {
+                self.disaggregation
+                    .with_label_values(&[disaggregation.reason.as_str()])
+                    .inc();
+            }
         }
     }
 
@@ -73,6 +82,23 @@ impl RouteMetrics {
                 .remove_label_values(&[&worker, &rank.to_string()]);
         }
     }
+}
+
+/// `kv_router_disaggregation_decisions_total{reason}`, every reason present from
+/// the start (at 0), so a rate over it never misses the first decision.
+fn disaggregation_decisions(r: &Registrar<'_>) -> Result<IntCounterVec, prometheus::Error> {
+    let counter = r.counter_vec(
+        "kv_router_disaggregation_decisions_total",
+        "Routed queries that allowed disaggregation while a prefill worker was \
+         registered, by the router's decision: long_uncached (prefilled on a prefill \
+         worker), short_uncached, decode_holds_prefix or no_prefill_worker (prefilled \
+         on the decode worker)",
+        &["reason"],
+    )?;
+    for reason in DisaggregationReason::ALL {
+        counter.with_label_values(&[reason.as_str()]);
+    }
+    Ok(counter)
 }
 
 /// `routed`, or the error code's wire name (`no_workers`, `overloaded`, ...).

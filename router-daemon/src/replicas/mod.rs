@@ -6,8 +6,10 @@
 //! as `SequenceSyncBatch` messages tagged with its [`RouterId`] — every step queued
 //! when the publisher wakes goes into one message — and applies the others'
 //! (ignoring its own; a peer's older single-step `SequenceSync` decodes as a batch of
-//! one). A replica that starts while others serve first learns what
-//! they booked earlier from a start-up snapshot ([`snapshot`]):
+//! one). A disaggregated request is two bookings, its decode half under its id and
+//! its prefill half under `{id}#prefill`, each published, applied and answered in
+//! snapshots as an ordinary booking. A replica that starts while others serve first
+//! learns what they booked earlier from a start-up snapshot ([`snapshot`]):
 //!
 //! ```text
 //!   replica A                          NATS {ns}.router.sequences            replica B
@@ -61,10 +63,11 @@ pub(crate) mod bookings;
 
 use crate::metrics::SyncMetrics;
 use bookings::{OwnBookings, RecentStep, RecentSteps};
+use kv_events::disaggregation::prefill_booking_id;
 use kv_events::replicas::{BookedSequence, SequenceStep, SequenceUpdate};
-use kv_events::routing::LifecycleEvent;
-use kv_events::{RequestId, RouterId};
-use scheduler::{ScheduleRequest, Selection};
+use kv_events::routing::SessionId;
+use kv_events::{RequestId, RouterId, WorkerRank};
+use scheduler::{PrefillLoadHint, ScheduleRequest, Selection};
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -162,31 +165,54 @@ impl Replicas {
         &self.metrics
     }
 
-    /// Queues the booking of one of our own requests and keeps it for snapshot
-    /// answers. Call under the scheduler lock.
+    /// Queues the booking of one of our own requests — and of its prefill half, when
+    /// it runs disaggregated, under `{id}#prefill` as a booking of its own — and
+    /// keeps them for snapshot answers. Call under the scheduler lock.
     pub(crate) fn booked(&self, request: &ScheduleRequest, selection: &Selection) {
         if !self.config.sync {
             return;
         }
+        let session = request.session_id.clone();
+        self.book(
+            request.request_id.clone(),
+            request,
+            selection.rank,
+            selection.prefill,
+            session,
+        );
+        if let Some(half) = selection.disaggregation.and_then(|d| d.prefill) {
+            let id = prefill_booking_id(&request.request_id);
+            self.book(id, request, half.rank, half.prefill, None);
+        }
+    }
+
+    /// Queues and keeps one booking of `request`'s prompt on `rank`.
+    fn book(
+        &self,
+        id: RequestId,
+        request: &ScheduleRequest,
+        rank: WorkerRank,
+        prefill: PrefillLoadHint,
+        session_id: Option<SessionId>,
+    ) {
         let booked = BookedSequence {
-            worker_id: selection.rank.worker_id,
-            dp_rank: selection.rank.dp_rank,
+            worker_id: rank.worker_id,
+            dp_rank: rank.dp_rank,
             block_hashes: request.block_hashes.clone(),
             request_blocks: request.request_blocks,
-            prefill_tokens: selection.prefill.initial_effective_prefill_tokens,
-            expected_prefill_ms: selection
-                .prefill
+            prefill_tokens: prefill.initial_effective_prefill_tokens,
+            expected_prefill_ms: prefill
                 .expected_prefill_duration
                 .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
-            session_id: request.session_id.clone(),
+            session_id,
         };
         if self
             .own_bookings()
-            .insert(request.request_id.clone(), Arc::new(booked.clone()))
+            .insert(id.clone(), Arc::new(booked.clone()))
         {
             self.prune.notify_one();
         }
-        self.send(request.request_id.clone(), SequenceUpdate::Booked(booked));
+        self.send(id, SequenceUpdate::Booked(booked));
     }
 
     /// Queues a lifecycle step of one of our own requests. Call under the scheduler
@@ -238,17 +264,6 @@ impl Replicas {
         if self.recording.load(Ordering::Acquire) {
             self.recent_steps().note(request_id, step);
         }
-    }
-
-    /// [`Self::note_step`] for a frontend's lifecycle message.
-    pub(crate) fn note_lifecycle(&self, request_id: &RequestId, event: LifecycleEvent) {
-        let update = match event {
-            LifecycleEvent::PrefillDone => SequenceUpdate::PrefillDone,
-            LifecycleEvent::Freed => SequenceUpdate::Freed,
-            // Names the prefill half: noted by the caller under that half's id.
-            LifecycleEvent::RemotePrefillDone | LifecycleEvent::KeepAlive => return,
-        };
-        self.note_step(request_id, &update);
     }
 
     /// The steps recorded since recording began.

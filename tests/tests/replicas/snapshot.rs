@@ -3,6 +3,7 @@
 
 use super::*;
 use futures::StreamExt;
+use integration_tests::booked_requests;
 use kv_events::replicas::{SnapshotEntry, SnapshotReply, SnapshotRequest};
 use kv_events::{LocalBlockHash, decode};
 use router_daemon::Starting;
@@ -25,17 +26,6 @@ fn rank_loads(daemon: &Daemon) -> Vec<(WorkerRank, [u64; 5])> {
             ];
             (rank, fields)
         })
-        .collect()
-}
-
-/// Each booked request with its origin and whether its prefill completed, by id.
-fn requests(daemon: &Daemon) -> BTreeMap<String, (Origin, bool)> {
-    daemon
-        .state()
-        .scheduler()
-        .sequences()
-        .iter()
-        .map(|(id, r)| (id.0.clone(), (r.origin, r.prefill_done)))
         .collect()
 }
 
@@ -68,12 +58,15 @@ async fn a_late_replica_learns_the_bookings_its_peers_hold() -> anyhow::Result<(
             .await?;
     }
     eventually("A to apply the prefill_done messages", WAIT, || async {
-        let done = requests(&a).values().filter(|(_, done)| *done).count();
+        let done = booked_requests(&a)
+            .values()
+            .filter(|(_, done)| *done)
+            .count();
         (done == BOOKED / 2).then_some(())
     })
     .await?;
     assert!(
-        requests(&a)
+        booked_requests(&a)
             .values()
             .all(|(origin, _)| *origin == Origin::Local)
     );
@@ -86,8 +79,8 @@ async fn a_late_replica_learns_the_bookings_its_peers_hold() -> anyhow::Result<(
     let a_loads = rank_loads(&a);
     assert!(a_loads.iter().any(|(_, l)| l[2] > 0));
     assert_eq!(rank_loads(&b), a_loads, "B sees A's per-rank load");
-    let a_requests = requests(&a);
-    let b_requests = requests(&b);
+    let a_requests = booked_requests(&a);
+    let b_requests = booked_requests(&b);
     assert_eq!(b_requests.len(), BOOKED);
     for (id, (origin, done)) in &b_requests {
         assert_eq!(*origin, Origin::Peer(RouterId(100)), "{id}");
