@@ -49,7 +49,7 @@ pub struct DisaggArgs {
     pub speedup: Vec<Speedup>,
     /// Prefill engine counts to compare (comma-separated); each must leave at least
     /// one decode engine.
-    #[arg(long, value_delimiter = ',', default_value = "2,3,4")]
+    #[arg(long, value_delimiter = ',', default_value = "2,4,6")]
     pub prefill_engines: Vec<u32>,
     /// Split modes to compare (comma-separated).
     #[arg(

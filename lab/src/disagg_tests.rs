@@ -42,10 +42,10 @@ fn defaults_compare_three_splits_of_eight_engines_in_both_modes() {
             "aggregated",
             "disaggregated 2P+6D",
             "conditional 2P+6D",
-            "disaggregated 3P+5D",
-            "conditional 3P+5D",
             "disaggregated 4P+4D",
             "conditional 4P+4D",
+            "disaggregated 6P+2D",
+            "conditional 6P+2D",
         ]
     );
 }
