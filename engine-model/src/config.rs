@@ -1,5 +1,6 @@
 //! The engine model's knobs, per dp rank: the KV cache and batch shape
-//! ([`EngineModelConfig`]) and the optional CPU tier ([`CpuTierConfig`]).
+//! ([`EngineModelConfig`]), the optional CPU tier ([`CpuTierConfig`]) and the KV
+//! transfer of a disaggregated decode worker ([`KvTransferConfig`]).
 //!
 //! Each group is a `clap::Args` struct so `kv-mocker engines` and the lab keep flat
 //! flags (the groups are flattened into their arguments), while library users — the
@@ -22,6 +23,17 @@ pub const DEFAULT_MAX_NUM_BATCHED_TOKENS: u64 = 8_192;
 /// is the scheduler's `tier_load_ms_per_token` default, 12× cheaper than prefilling
 /// the token (0.06 ms).
 pub const DEFAULT_CPU_TIER_LOAD_MS_PER_TOKEN: f64 = 0.005;
+/// Default `--transfer-ms-per-token`, in ms per token: pulling one token's KV from a
+/// prefill worker over the KV transfer (vLLM's NIXL, SGLang's Mooncake or NIXL
+/// backend), GPU to GPU over RDMA. Llama-3-8B holds 128 KiB of KV per token (see
+/// [`crate::TimingModel::H100_8B`]); an H100 node has one 400 Gb/s NIC per GPU
+/// (50 GB/s line rate), of which a NIXL/UCX read of multi-megabyte blocks achieves
+/// about 40 GB/s, so one token takes 131,072 B / 40 GB/s ≈ 3.3 µs: 18× cheaper than
+/// prefilling it (0.06 ms), 1.5× cheaper than a PCIe reload from the CPU tier. A
+/// transfer moves whole blocks, the prompt's last partial block too: vLLM's decode
+/// instance read 688,128 bytes over NIXL for a 649-token prompt of a tiny random
+/// model (issue 27's measurement), no whole multiple of 649 tokens.
+pub const DEFAULT_TRANSFER_MS_PER_TOKEN: f64 = 0.0033;
 
 /// Why an engine model configuration is unusable.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -48,6 +60,9 @@ pub enum ModelConfigError {
     /// `--cpu-tier-load-ms-per-token` was negative or not finite.
     #[error("cpu tier load time must be finite and >= 0 ms per token, got {0}")]
     BadCpuTierLoad(f64),
+    /// `--transfer-ms-per-token` was negative or not finite.
+    #[error("kv transfer time must be finite and >= 0 ms per token, got {0}")]
+    BadTransferTime(f64),
 }
 
 /// The engine model's knobs (per dp rank), shared by the live engines and offline
@@ -145,6 +160,46 @@ impl CpuTierConfig {
     }
 }
 
+/// The KV transfer of a decode worker in a disaggregated fleet: the prompt blocks it
+/// does not cache are pulled from the prefill worker instead of prefilled, at this
+/// cost (see [`crate::EngineCore::transfer_blocks`]).
+#[derive(Debug, Clone, Copy, PartialEq, clap::Args)]
+pub struct KvTransferConfig {
+    /// Time to pull one token's KV from a prefill worker over the KV transfer, in ms
+    /// per token; charged for every whole block a decode worker pulls, before it
+    /// admits the request (default: 128 KiB per token at 40 GB/s, a 400 Gb/s RDMA
+    /// NIC).
+    #[arg(long, default_value_t = DEFAULT_TRANSFER_MS_PER_TOKEN)]
+    pub transfer_ms_per_token: f64,
+}
+
+impl Default for KvTransferConfig {
+    fn default() -> Self {
+        Self {
+            transfer_ms_per_token: DEFAULT_TRANSFER_MS_PER_TOKEN,
+        }
+    }
+}
+
+impl KvTransferConfig {
+    /// Checks the transfer time.
+    ///
+    /// # Errors
+    /// [`ModelConfigError::BadTransferTime`] for a negative or non-finite time.
+    pub fn validate(&self) -> Result<(), ModelConfigError> {
+        let t = self.transfer_ms_per_token;
+        if !(t.is_finite() && t >= 0.0) {
+            return Err(ModelConfigError::BadTransferTime(t));
+        }
+        Ok(())
+    }
+
+    /// Time to pull `blocks` whole blocks of `block_size` tokens, in model ms.
+    pub fn duration_ms(&self, blocks: u64, block_size: u32) -> f64 {
+        self.transfer_ms_per_token * (blocks * u64::from(block_size)) as f64
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -153,6 +208,10 @@ mod tests {
     fn defaults_are_valid() {
         assert_eq!(EngineModelConfig::default().validate(), Ok(()));
         assert_eq!(CpuTierConfig::default().validate(), Ok(()));
+        assert_eq!(KvTransferConfig::default().validate(), Ok(()));
+        // 64 blocks of 16 tokens (1,024 tokens) at the default: about 3.4 ms.
+        let ms = KvTransferConfig::default().duration_ms(64, 16);
+        assert!((ms - 1_024.0 * DEFAULT_TRANSFER_MS_PER_TOKEN).abs() < 1e-9);
     }
 
     #[test]
@@ -178,5 +237,12 @@ mod tests {
             .validate(),
             Err(ModelConfigError::BadCpuTierLoad(-1.0))
         );
+        let nan = KvTransferConfig {
+            transfer_ms_per_token: f64::NAN,
+        };
+        assert!(matches!(
+            nan.validate(),
+            Err(ModelConfigError::BadTransferTime(_))
+        ));
     }
 }

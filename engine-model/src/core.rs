@@ -29,10 +29,12 @@
 //! offloading connector loads asynchronously while other requests keep running.
 
 use crate::config::{CpuTierConfig, EngineModelConfig, ModelConfigError};
-use crate::kv_cache::KvCache;
+use crate::kv_cache::{KvCache, chain_block_hashes};
 use crate::request::{EngineRequest, RejectReason, Running, Waiting};
 use crate::timing::{StepWork, TimingModel};
-use kv_events::{ExternalBlockHash, KvCacheEventData, LoadMetrics, RequestId, WorkerRank};
+use kv_events::{
+    ExternalBlockHash, KvCacheEventData, LoadMetrics, LocalBlockHash, RequestId, WorkerRank,
+};
 use std::collections::{HashMap, HashSet, VecDeque};
 
 /// A request produced its first token (its prefill completed).
@@ -155,10 +157,46 @@ impl EngineCore {
     /// [`RejectReason`] if the request is malformed, can never fit in the cache, or its
     /// id is already active; the core is unchanged.
     pub fn add_request(&mut self, req: EngineRequest) -> Result<(), RejectReason> {
+        self.enqueue(req, false)
+    }
+
+    /// Queues a request whose prompt KV was pulled from a prefill worker over a KV
+    /// transfer (a disaggregated decode, vLLM's `do_remote_prefill`): at admission
+    /// the prompt blocks the cache lacks are taken as loaded, so only the last
+    /// prompt token is computed (as vLLM's decode instance recomputes it), and the
+    /// step that computes it stores those blocks (`Stored` events), as vLLM's decode
+    /// instance publishes `BlockStored` for them. The transfer's duration is the
+    /// caller's to charge before it adds the request
+    /// ([`Self::transfer_blocks`], [`crate::KvTransferConfig::duration_ms`]): in
+    /// vLLM the read runs asynchronously while the batch keeps stepping. The first
+    /// token's `cached_tokens` counts this rank's own cache hits only; the rest of
+    /// the prompt (`prompt_tokens - cached_tokens`) came over the transfer.
+    ///
+    /// # Errors
+    /// As [`Self::add_request`].
+    pub fn add_transferred_request(&mut self, req: EngineRequest) -> Result<(), RejectReason> {
+        self.enqueue(req, true)
+    }
+
+    /// Whole prompt blocks a KV transfer of a prompt of `prompt_tokens` tokens with
+    /// local block hashes `block_hashes` pulls to this rank, in blocks: every prompt
+    /// block (the last one may be partial) after the leading full blocks this rank's
+    /// GPU cache holds now. A snapshot: the cache may change before the request is
+    /// admitted.
+    pub fn transfer_blocks(&self, block_hashes: &[LocalBlockHash], prompt_tokens: u64) -> u64 {
+        let bs = u64::from(self.config.block_size);
+        let full = (prompt_tokens / bs).min(block_hashes.len() as u64) as usize;
+        let prompt = chain_block_hashes(&block_hashes[..full]);
+        prompt_tokens.div_ceil(bs) - self.cache.prefix_hits(&prompt) as u64
+    }
+
+    fn enqueue(&mut self, req: EngineRequest, transferred: bool) -> Result<(), RejectReason> {
         if self.active_ids.contains(&req.request_id) {
             return Err(RejectReason::DuplicateRequestId(req.request_id));
         }
-        let waiting = Waiting::validate(req, self.config.block_size, self.config.num_gpu_blocks)?;
+        let mut waiting =
+            Waiting::validate(req, self.config.block_size, self.config.num_gpu_blocks)?;
+        waiting.transferred = transferred;
         self.active_ids.insert(waiting.request_id.clone());
         self.waiting.push_back(waiting);
         Ok(())
@@ -383,3 +421,5 @@ impl EngineCore {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod transfer_tests;

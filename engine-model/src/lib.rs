@@ -16,7 +16,8 @@
 //! `docs/engine-model.md`.
 //!
 //! # Layout
-//! - `config`: the model's knobs ([`EngineModelConfig`], [`CpuTierConfig`]).
+//! - `config`: the model's knobs ([`EngineModelConfig`], [`CpuTierConfig`],
+//!   [`KvTransferConfig`]).
 //! - `timing`: the step-duration model ([`TimingModel`]).
 //! - `kv_cache`: the paged KV cache of one dp rank and its KV events ([`KvCache`]).
 //! - `request`: request validation and per-request progress ([`EngineRequest`]).
@@ -40,7 +41,7 @@ pub mod trace;
 pub use self::config::{
     CpuTierConfig, DEFAULT_BLOCK_SIZE, DEFAULT_CPU_TIER_LOAD_MS_PER_TOKEN,
     DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_GPU_BLOCKS,
-    EngineModelConfig, ModelConfigError,
+    DEFAULT_TRANSFER_MS_PER_TOKEN, EngineModelConfig, KvTransferConfig, ModelConfigError,
 };
 pub use self::core::{ClearError, EngineCore, Finished, FirstToken, StepOutput};
 pub use self::kv_cache::{Allocation, CacheInUse, KvCache, chain_block_hashes, engine_block_hash};

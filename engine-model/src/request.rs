@@ -77,6 +77,9 @@ pub(super) struct Waiting {
     pub total_blocks: u64,
     /// The prompt's token ids, if the sender gave them.
     pub token_ids: Option<Vec<u32>>,
+    /// The prompt's KV arrives over a KV transfer (a disaggregated decode): only
+    /// its last token is computed, the blocks not cached are stored at admission.
+    pub transferred: bool,
 }
 
 impl Waiting {
@@ -124,13 +127,20 @@ impl Waiting {
             prompt: chain_block_hashes(&req.block_hashes[..full]),
             total_blocks: needed,
             token_ids: req.token_ids,
+            transferred: false,
         })
     }
 
     /// Prompt tokens a prefix hit of `hit_blocks` saves, in tokens. At least the last
     /// prompt token is always computed (its logits give the first output token), as in
-    /// vLLM, so the saving is capped at `prompt_tokens - 1`.
+    /// vLLM, so the saving is capped at `prompt_tokens - 1`; a transferred prompt
+    /// saves that much whatever the hit.
     pub fn skipped_tokens(&self, hit_blocks: usize, block_size: u32) -> u64 {
+        if self.transferred {
+            // The whole prompt's KV arrives; its last token is computed again, as
+            // vLLM's decode instance does after a NIXL read.
+            return self.prompt_tokens - 1;
+        }
         (hit_blocks as u64 * u64::from(block_size)).min(self.prompt_tokens - 1)
     }
 }

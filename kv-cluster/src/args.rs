@@ -14,6 +14,10 @@
 //! configuration file. The namespace ([`NamespaceArgs`]) has no heading of its own:
 //! `serve`, `relay` and `gateway` flatten it under `Cluster` (`serve`'s `[cluster]`
 //! table), `security nats-users` among its few options.
+//!
+//! The worker's place in a disaggregated fleet ([`DisaggregationArgs`]: `--role`,
+//! `--kv-transfer`, `--bootstrap-port`) is declared here too, for the two commands
+//! that register workers (`relay` and `kv-mocker engines`).
 
 use crate::Error;
 use crate::etcd::{EtcdConfig, EtcdCredentials, EtcdTls, PemFile};
@@ -24,6 +28,10 @@ use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
+
+mod disaggregation;
+
+pub use disaggregation::{DisaggregationArgs, RoleFlag, TransferFlag, WorkerPlacement};
 
 /// The default NATS server (`--nats-url`).
 pub const DEFAULT_NATS_URL: &str = "nats://127.0.0.1:4222";

@@ -10,7 +10,8 @@
 //!
 //! # Layout
 //! - [`args`]: the NATS and etcd flags (with `KV_ROUTER_NATS_*` / `KV_ROUTER_ETCD_*`
-//!   variables) and their validation; [`args::parse_flags`] for embedding and tests.
+//!   variables) and their validation; [`args::parse_flags`] for embedding and tests;
+//!   a worker's role in a disaggregated fleet ([`args::DisaggregationArgs`]).
 //! - [`nats`]: NATS seed list, authentication (creds, token, user/password) and TLS,
 //!   turned into connect options.
 //! - [`etcd`]: etcd connection settings (TLS, user and password), the client, and the

@@ -14,7 +14,9 @@
 use crate::error::{RelayError, invalid};
 use crate::replay::ReplayPolicy;
 use clap::{Args, ValueEnum};
-use kv_cluster::args::{EtcdArgs, NamespaceArgs, NatsArgs, trimmed};
+use kv_cluster::args::{
+    DisaggregationArgs, EtcdArgs, NamespaceArgs, NatsArgs, WorkerPlacement, trimmed,
+};
 use kv_cluster::etcd::EtcdConfig;
 use kv_cluster::nats::NatsConfig;
 use kv_events::discovery::WorkerRegistration;
@@ -90,6 +92,10 @@ pub struct RelayArgs {
     /// registered for the gateway's prompt limit) are read.
     #[arg(long, env = "KV_RELAY_ENGINE_URL")]
     pub engine_url: Option<String>,
+    /// The engine's role in a disaggregated fleet (`--role`, `--kv-transfer`,
+    /// `--bootstrap-port`), registered with the worker: the flags of every worker.
+    #[command(flatten)]
+    pub disaggregation: DisaggregationArgs,
     /// The relay's own HTTP endpoint: address, header-read timeout, connection cap.
     #[command(flatten, next_help_heading = "HTTP")]
     pub http: crate::http::RelayHttpArgs,
@@ -174,6 +180,8 @@ pub struct WorkerConfig {
     pub dp_size: u32,
     /// The engine's OpenAI HTTP base URL, registered for the gateway.
     pub url: Option<String>,
+    /// Its role in a disaggregated fleet and its transfer protocol, registered.
+    pub placement: WorkerPlacement,
     /// Lease TTL, in seconds.
     pub lease_ttl_secs: u64,
     /// Events kept per rank for recovery.
@@ -336,6 +344,16 @@ impl RelayConfig {
         )?;
         let claim = args.identity.to_request(args.lease_ttl_secs)?;
         let worker_id = claim.worker_id.unwrap_or(WorkerId(0));
+        let placement = args.disaggregation.placement()?;
+        if placement.kv_transfer.is_some() && engine_url.is_none() {
+            // A frontend sends each half to the registered url (and an SGLang
+            // decode worker reaches the prefill worker's bootstrap server on its host).
+            return Err(invalid(
+                "engine-url",
+                "required with --role prefill or decode: frontends send each half of a \
+                 disaggregated request to the registered url",
+            ));
+        }
         let check = WorkerRegistration {
             worker_id,
             dp_size: 1,
@@ -344,8 +362,8 @@ impl RelayConfig {
             url: engine_url.clone(),
             epoch: 0,
             max_model_len: None,
-            role: Default::default(),
-            kv_transfer: None,
+            role: placement.role,
+            kv_transfer: placement.kv_transfer,
         };
         if let Err(e) = check.validate() {
             return Err(invalid("engine-url", e.to_string()));
@@ -369,6 +387,7 @@ impl RelayConfig {
                 claim,
                 dp_size,
                 url: engine_url,
+                placement,
                 lease_ttl_secs: args.lease_ttl_secs,
                 journal_events: args.journal_events,
             },

@@ -47,6 +47,44 @@ fn the_engine_url_is_registered_for_the_gateway() {
 }
 
 #[test]
+fn the_role_flags_are_checked_and_kept_for_the_registration() {
+    use kv_events::disaggregation::{KvTransfer, TransferProtocol, WorkerRole};
+    let base = ["--engine-endpoint", "tcp://10.0.0.1:5557"];
+    let url = ["--engine-url", "http://10.0.0.1:8000"];
+    let aggregated = config(&base).unwrap().worker.placement;
+    assert_eq!(
+        (aggregated.role, aggregated.kv_transfer),
+        (WorkerRole::Both, None)
+    );
+    let mut prefill = [&base[..], &url[..]].concat();
+    prefill.extend([
+        "--role",
+        "prefill",
+        "--kv-transfer",
+        "sglang",
+        "--bootstrap-port",
+        "8998",
+    ]);
+    let placement = config(&prefill).unwrap().worker.placement;
+    assert_eq!(placement.role, WorkerRole::Prefill);
+    assert_eq!(
+        placement.kv_transfer,
+        Some(KvTransfer {
+            protocol: TransferProtocol::Sglang,
+            bootstrap_port: Some(8998)
+        })
+    );
+    let err = |args: &[&str]| config(args).unwrap_err().to_string();
+    let mut decode = [&base[..], &url[..]].concat();
+    decode.extend(["--role", "decode"]);
+    assert!(err(&decode).contains("--kv-transfer"), "{}", err(&decode));
+    // Without a url no frontend could send it either half.
+    let mut no_url = base.to_vec();
+    no_url.extend(["--role", "decode", "--kv-transfer", "vllm"]);
+    assert!(err(&no_url).contains("--engine-url"), "{}", err(&no_url));
+}
+
+#[test]
 fn one_base_endpoint_is_offset_by_rank_like_vllm() {
     let c = config(&[
         "--engine-endpoint",

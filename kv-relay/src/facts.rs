@@ -29,6 +29,7 @@
 //! one `watch` channel: a few copies of this small struct per change, nothing on the
 //! event path.
 
+use kv_cluster::args::WorkerPlacement;
 use kv_events::WorkerId;
 use kv_events::discovery::WorkerRegistration;
 
@@ -56,6 +57,9 @@ pub struct WorkerIdentity {
     pub url: Option<String>,
     /// The epoch of the relay's event stream.
     pub epoch: u64,
+    /// Its role in a disaggregated fleet and its transfer protocol (`--role`,
+    /// `--kv-transfer`, `--bootstrap-port`).
+    pub placement: WorkerPlacement,
 }
 
 impl EngineFacts {
@@ -71,8 +75,8 @@ impl EngineFacts {
             url: who.url.clone(),
             epoch: who.epoch,
             max_model_len: self.max_model_len,
-            role: Default::default(),
-            kv_transfer: None,
+            role: who.placement.role,
+            kv_transfer: who.placement.kv_transfer,
         })
     }
 
@@ -100,6 +104,7 @@ mod tests {
             dp_size: 2,
             url: None,
             epoch: 9,
+            placement: WorkerPlacement::default(),
         }
     }
 
@@ -122,6 +127,34 @@ mod tests {
         assert_eq!(
             f.registration(&who()).and_then(|r| r.max_model_len),
             Some(4096)
+        );
+    }
+
+    #[test]
+    fn the_registration_carries_the_role_and_transfer() {
+        use kv_events::disaggregation::{KvTransfer, TransferProtocol, WorkerRole};
+        let f = EngineFacts {
+            block_size: Some(16),
+            scraped: true,
+            ..EngineFacts::default()
+        };
+        let reg = f.registration(&who()).expect("registrable");
+        assert_eq!((reg.role, reg.kv_transfer), (WorkerRole::Both, None));
+        let transfer = KvTransfer {
+            protocol: TransferProtocol::Sglang,
+            bootstrap_port: Some(8998),
+        };
+        let prefill = WorkerIdentity {
+            placement: WorkerPlacement {
+                role: WorkerRole::Prefill,
+                kv_transfer: Some(transfer),
+            },
+            ..who()
+        };
+        let reg = f.registration(&prefill).expect("registrable");
+        assert_eq!(
+            (reg.role, reg.kv_transfer),
+            (WorkerRole::Prefill, Some(transfer))
         );
     }
 

@@ -216,6 +216,7 @@ impl Relay {
             dp_size: config.worker.dp_size,
             url: config.worker.url.clone(),
             epoch,
+            placement: config.worker.placement,
         };
         // Without a page to read, registration waits only for the block size.
         let (facts, facts_rx) = watch::channel(EngineFacts {

@@ -254,6 +254,7 @@ fn engine_args(
         http,
         cpu_tier: engine_model::CpuTierConfig::default(),
         kv_events: mocker::engine::KvEventsArgs::default(),
+        disaggregation: mocker::engine::EngineDisaggregationArgs::default(),
     }
 }
 

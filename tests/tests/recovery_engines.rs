@@ -48,6 +48,7 @@ async fn a_router_started_after_the_engines_resyncs_from_them() -> anyhow::Resul
         http: Default::default(),
         cpu_tier: Default::default(),
         kv_events: Default::default(),
+        disaggregation: Default::default(),
     };
     // The engines stop on their own handle's shutdown (a default, unshared token).
     let engines = spawn_engines(args, Default::default()).await?;

@@ -6,7 +6,7 @@ use kv_events::{DpRank, LocalBlockHash, WorkerId};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-fn config(block_size: u32, blocks: u64, seqs: u32, budget: u64) -> EngineModelConfig {
+pub(super) fn config(block_size: u32, blocks: u64, seqs: u32, budget: u64) -> EngineModelConfig {
     EngineModelConfig {
         block_size,
         num_gpu_blocks: blocks,
@@ -15,11 +15,11 @@ fn config(block_size: u32, blocks: u64, seqs: u32, budget: u64) -> EngineModelCo
     }
 }
 
-fn core(cfg: EngineModelConfig) -> EngineCore {
+pub(super) fn core(cfg: EngineModelConfig) -> EngineCore {
     EngineCore::new(cfg, TimingModel::default()).expect("valid config")
 }
 
-fn req(id: &str, hashes: &[u64], prompt: u64, max_tokens: u64) -> EngineRequest {
+pub(super) fn req(id: &str, hashes: &[u64], prompt: u64, max_tokens: u64) -> EngineRequest {
     EngineRequest {
         request_id: id.into(),
         block_hashes: hashes.iter().map(|&h| LocalBlockHash(h)).collect(),

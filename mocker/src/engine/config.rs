@@ -53,6 +53,18 @@ pub enum EngineConfigError {
     /// `--zmq-buffer-steps` was 0.
     #[error("zmq buffer steps must be at least 1")]
     ZeroBufferSteps,
+    /// The role flags do not fit together (`--role`, `--kv-transfer`,
+    /// `--bootstrap-port`); the message names the flag.
+    #[error("{0}")]
+    Placement(String),
+    /// `--bootstrap-port` + worker index overflows a port number.
+    #[error("bootstrap port {base} + {workers} workers is past 65535")]
+    BootstrapPortOverflow {
+        /// The base port.
+        base: u16,
+        /// Workers needing a port.
+        workers: usize,
+    },
     /// `--http-port` + worker index overflows a port number.
     #[error("http port {base} + {workers} workers is past 65535")]
     HttpPortOverflow {

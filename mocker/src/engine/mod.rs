@@ -16,6 +16,8 @@
 //! # Layout
 //! - [`config`]: the service's typed flag groups (connection, fleet, runtime); the
 //!   model's own ([`EngineModelConfig`], [`CpuTierConfig`]) are `engine_model`'s.
+//! - [`disaggregation`]: the workers' role (prefill, decode or both), transfer
+//!   protocol and transfer cost.
 //! - `outbox`: the single ordered publication path to NATS.
 //! - `journal`: each worker's KV event journal (event ids, epoch, recovery replies).
 //! - `rank`: one live dp rank — the core, its reply inboxes, its real-time loop.
@@ -30,6 +32,7 @@
 //! - `service`: [`spawn_engines`], which wires all of the above.
 
 pub mod config;
+pub mod disaggregation;
 pub mod http;
 mod journal;
 mod outbox;
@@ -40,6 +43,7 @@ pub mod vllm;
 mod worker;
 
 pub use self::config::{ConnectionArgs, EngineConfigError, FleetArgs, RuntimeArgs};
+pub use self::disaggregation::{DisaggregationConfig, EngineDisaggregationArgs};
 pub use self::http::EngineHttpArgs;
 pub use self::service::{EnginesHandle, READY_LINE, ServiceError, spawn_engines};
 pub use self::vllm::{KvEventsArgs, KvEventsMode, RankEndpoints};
@@ -72,6 +76,10 @@ pub struct EngineArgs {
     /// Where KV events go: NATS, or vLLM's ZMQ wire for `kv-router relay`.
     #[command(flatten)]
     pub kv_events: KvEventsArgs,
+    /// The workers' role in a disaggregated fleet (default: aggregated), the KV
+    /// transfer's cost and the SGLang decode's bootstrap wait.
+    #[command(flatten)]
+    pub disaggregation: EngineDisaggregationArgs,
 }
 
 /// Runs the engines until `shutdown` is cancelled, then stops them in order (leases

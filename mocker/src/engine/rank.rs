@@ -25,7 +25,9 @@ use crate::protocol::{ClearReply, GenerateResponse};
 use async_nats::Subject;
 use engine_model::EngineRequest;
 use engine_model::{EngineCore, StepOutput};
-use kv_events::{ExternalBlockHash, KvCacheEventData, LoadMetrics, RequestId, WorkerRank};
+use kv_events::{
+    ExternalBlockHash, KvCacheEventData, LoadMetrics, LocalBlockHash, RequestId, WorkerRank,
+};
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
@@ -168,7 +170,7 @@ impl Rank {
     /// Queues `req`, answering on `reply`. A rejected request (or any request after
     /// shutdown began) gets an `error` response immediately.
     pub fn submit(&self, req: EngineRequest, reply: Subject) {
-        if let Err(message) = self.accept(req, |_| Reply::Nats(reply.clone())) {
+        if let Err(message) = self.accept(req, false, |_| Reply::Nats(reply.clone())) {
             self.send_error(reply, message);
         }
     }
@@ -181,14 +183,44 @@ impl Rank {
     /// The lowercase reason when the request is rejected (malformed, never fits the
     /// cache, duplicate id, engine shutting down).
     pub fn submit_stream(&self, req: EngineRequest) -> Result<watch::Receiver<Progress>, String> {
+        self.submit_stream_as(req, false)
+    }
+
+    /// [`Self::submit_stream`] for a request whose prompt KV was pulled over a KV
+    /// transfer (a disaggregated decode, see [`EngineCore::add_transferred_request`]):
+    /// the caller has charged the transfer time.
+    ///
+    /// # Errors
+    /// As [`Self::submit_stream`].
+    pub fn submit_transferred(
+        &self,
+        req: EngineRequest,
+    ) -> Result<watch::Receiver<Progress>, String> {
+        self.submit_stream_as(req, true)
+    }
+
+    /// Whole prompt blocks a KV transfer of this prompt would pull to this rank now
+    /// (see [`EngineCore::transfer_blocks`]).
+    pub fn transfer_blocks(&self, block_hashes: &[LocalBlockHash], prompt_tokens: u64) -> u64 {
+        self.lock()
+            .core
+            .transfer_blocks(block_hashes, prompt_tokens)
+    }
+
+    fn submit_stream_as(
+        &self,
+        req: EngineRequest,
+        transferred: bool,
+    ) -> Result<watch::Receiver<Progress>, String> {
         let (tx, rx) = watch::channel(Progress::default());
-        self.accept(req, move |_| Reply::Stream(tx))?;
+        self.accept(req, transferred, move |_| Reply::Stream(tx))?;
         Ok(rx)
     }
 
     fn accept(
         &self,
         req: EngineRequest,
+        transferred: bool,
         reply: impl FnOnce(&RequestId) -> Reply,
     ) -> Result<(), String> {
         let mut st = self.lock();
@@ -202,7 +234,12 @@ impl Rank {
         if st.replies.contains_key(&id) {
             return Err(format!("request {id} is already active"));
         }
-        match st.core.add_request(req) {
+        let added = if transferred {
+            st.core.add_transferred_request(req)
+        } else {
+            st.core.add_request(req)
+        };
+        match added {
             Ok(()) => {
                 let reply = reply(&id);
                 st.replies.insert(id, reply);
@@ -437,55 +474,4 @@ impl Rank {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    const MS: Duration = Duration::from_millis(1);
-
-    #[test]
-    fn a_step_starts_at_the_arrival_when_idle_and_after_the_last_step_when_busy() {
-        let now = Instant::now() + 10 * MS;
-        assert_eq!(step_start(None, now), now);
-        // The timer fired 0.6 ms after the last step's end: rounding, forgiven.
-        let end = now - Duration::from_micros(600);
-        assert_eq!(step_start(Some(end), now), end);
-        // The last step "ends" in the future (it was not slept for): keep the debt.
-        let ahead = now + Duration::from_micros(300);
-        assert_eq!(step_start(Some(ahead), now), ahead);
-        // 5 ms late: the CPU was busy, the engine really is behind.
-        assert_eq!(step_start(Some(now - 5 * MS), now), now);
-    }
-
-    /// The loop's arithmetic against a timer that rounds every deadline up to the
-    /// next whole millisecond, as tokio's does: 1,000 back-to-back steps of 0.3 ms and
-    /// of 1.7 ms end within one resolution of their model time, where starting each
-    /// step when the timer fired would drift by the rounding of every step.
-    #[test]
-    fn timer_rounding_does_not_accumulate_over_busy_steps() {
-        let t0 = Instant::now();
-        let round_up = |t: Instant| {
-            let since = (t - t0).as_nanos().div_ceil(MS.as_nanos());
-            t0 + MS * u32::try_from(since).expect("a short simulated run")
-        };
-        for step in [Duration::from_micros(300), Duration::from_micros(1_700)] {
-            let (mut now, mut clock) = (t0, None);
-            for _ in 0..1_000 {
-                let end = step_start(clock, now) + step;
-                clock = Some(end);
-                if end > now + TIMER_RESOLUTION {
-                    now = round_up(end);
-                }
-            }
-            let model = t0 + step * 1_000;
-            let drift = if now > model {
-                now - model
-            } else {
-                model - now
-            };
-            assert!(
-                drift <= TIMER_RESOLUTION,
-                "{step:?} steps drifted {drift:?}"
-            );
-        }
-    }
-}
+mod tests;

@@ -13,16 +13,17 @@
 
 use super::EngineArgs;
 use super::config::EngineConfigError;
-use super::http::{self, EngineHttpArgs, EngineHttpState, WorkerHttp};
+use super::disaggregation::DisaggregationConfig;
+use super::http::{self, WorkerHttp};
 use super::journal::WorkerJournal;
 use super::outbox::Outbox;
 use super::rank::{Rank, RankSink};
 use super::vllm::{BindError, KvEventsMode, RankEndpoints, VllmPublisher};
 use super::worker::Worker;
 use crate::protocol::{OP_CLEAR, OP_GENERATE};
-use axum::serve::ListenerExt;
 use engine_model::EngineCore;
 use engine_model::TimingModel;
+use kv_cluster::args::WorkerPlacement;
 use kv_cluster::lease::WorkerLease;
 use kv_events::discovery::WorkerRegistration;
 use kv_events::journal::{EventJournal, JournalConfig};
@@ -154,6 +155,7 @@ pub async fn spawn_engines(
 ) -> Result<EnginesHandle, ServiceError> {
     args.model.validate().map_err(EngineConfigError::from)?;
     args.runtime.validate()?;
+    let disaggregation = args.disaggregation.validate()?;
     let worker_ids = args.fleet.worker_ids()?;
     let shutdown_timeout = args.runtime.shutdown.budget()?;
     let tokenizer = load_tokenizer(&args)?;
@@ -168,12 +170,14 @@ pub async fn spawn_engines(
     let mut tasks = JoinSet::new();
     let mut all_ranks = Vec::new();
     let mut http_urls = Vec::new();
+    let mut placements = Vec::new();
     let mut zmq_endpoints = Vec::new();
     // Every batch carries this epoch: a restarted engine is told apart by it.
     let epoch = kv_events::journal::unix_epoch_micros();
     for (index, &worker_id) in worker_ids.iter().enumerate() {
         let started = start_worker(
             &args,
+            &disaggregation,
             index,
             worker_id,
             epoch,
@@ -185,10 +189,11 @@ pub async fn spawn_engines(
         )
         .await;
         match started {
-            Ok((ranks, url, endpoints)) => {
-                all_ranks.extend(ranks);
-                http_urls.push(url);
-                zmq_endpoints.push(endpoints);
+            Ok(started) => {
+                all_ranks.extend(started.ranks);
+                http_urls.push(started.url);
+                placements.push(started.placement);
+                zmq_endpoints.push(started.endpoints);
             }
             Err(err) => {
                 inner.cancel();
@@ -204,7 +209,12 @@ pub async fn spawn_engines(
             inner.cancel();
             return Err(err.into());
         }
-        let registrations = register(&args, cluster, &subjects, &worker_ids, &http_urls, epoch);
+        let workers = Workers {
+            ids: &worker_ids,
+            urls: &http_urls,
+            placements: &placements,
+        };
+        let registrations = register(&args, cluster, &subjects, workers, epoch);
         match registrations.await {
             Ok(registrations) => {
                 for reg in registrations {
@@ -222,6 +232,7 @@ pub async fn spawn_engines(
         dp_size = args.fleet.dp_size,
         namespace = %subjects.namespace(),
         kv_events = ?args.kv_events.mode,
+        role = %disaggregation.role(),
         "{READY_LINE}"
     );
 
@@ -268,12 +279,21 @@ impl Cluster {
     }
 }
 
-/// Starts worker `index`: its ranks (with their sinks), its HTTP server and, in NATS
-/// mode, its intake. Returns the ranks, the HTTP URL and (vLLM mode) each rank's
-/// bound ZMQ endpoints.
+/// A started worker: its ranks, HTTP URL, registration role and (vLLM mode) each
+/// rank's bound ZMQ endpoints.
+struct Started {
+    ranks: Vec<Arc<Rank>>,
+    url: String,
+    placement: WorkerPlacement,
+    endpoints: Vec<RankEndpoints>,
+}
+
+/// Starts worker `index`: its ranks (with their sinks), its HTTP servers and, in NATS
+/// mode, its intake.
 #[allow(clippy::too_many_arguments)]
 async fn start_worker(
     args: &EngineArgs,
+    disaggregation: &DisaggregationConfig,
     index: usize,
     worker_id: WorkerId,
     epoch: u64,
@@ -282,7 +302,7 @@ async fn start_worker(
     tokenizer: Option<Arc<ModelTokenizer>>,
     tasks: &mut JoinSet<()>,
     inner: &CancellationToken,
-) -> Result<(Vec<Arc<Rank>>, String, Vec<RankEndpoints>), ServiceError> {
+) -> Result<Started, ServiceError> {
     let journal = WorkerJournal::new(EventJournal::new(
         worker_id,
         epoch,
@@ -324,14 +344,25 @@ async fn start_worker(
         tasks.spawn(async move { r.run(runtime, token).await });
         ranks.push(rank);
     }
+    let placement = disaggregation.for_worker(index)?;
+    let transfer = listen::transfer_side(
+        &args.http,
+        disaggregation,
+        placement,
+        args.runtime,
+        tasks,
+        inner,
+    )
+    .await?;
     let w = WorkerHttp {
         worker_id,
         ranks: ranks.clone(),
         block_size: args.model.block_size,
         num_gpu_blocks: args.model.num_gpu_blocks,
         tokenizer,
+        transfer,
     };
-    let url = serve_http(&args.http, index, w, tasks, inner.clone()).await?;
+    let url = listen::serve_http(&args.http, index, w, tasks, inner.clone()).await?;
     if let Some(cluster) = cluster {
         let worker = Worker::new(worker_id, ranks.clone(), cluster.outbox.clone(), journal);
         let generate = subscribe(&cluster.nats, subjects.engine(worker_id, OP_GENERATE)).await?;
@@ -340,7 +371,19 @@ async fn start_worker(
         let token = inner.clone();
         tasks.spawn(async move { worker.serve(generate, clear, recovery, token).await });
     }
-    Ok((ranks, url, endpoints))
+    Ok(Started {
+        ranks,
+        url,
+        placement,
+        endpoints,
+    })
+}
+
+/// The workers to register: ids, URLs and roles, in worker order.
+struct Workers<'a> {
+    ids: &'a [WorkerId],
+    urls: &'a [String],
+    placements: &'a [WorkerPlacement],
 }
 
 /// Registers every worker under its own lease; on a failure the ones already
@@ -349,12 +392,12 @@ async fn register(
     args: &EngineArgs,
     cluster: &Cluster,
     subjects: &Subjects,
-    worker_ids: &[WorkerId],
-    http_urls: &[String],
+    workers: Workers<'_>,
     epoch: u64,
 ) -> Result<Vec<WorkerLease>, ServiceError> {
     let mut registrations = Vec::new();
-    for (&worker_id, url) in worker_ids.iter().zip(http_urls) {
+    let all = workers.ids.iter().zip(workers.urls).zip(workers.placements);
+    for ((&worker_id, url), placement) in all {
         let record = WorkerRegistration {
             worker_id,
             dp_size: args.fleet.dp_size,
@@ -367,8 +410,8 @@ async fn register(
                 args.http
                     .max_model_len_or_cache(args.model.block_size, args.model.num_gpu_blocks),
             ),
-            role: Default::default(),
-            kv_transfer: None,
+            role: placement.role,
+            kv_transfer: placement.kv_transfer,
         };
         let key = subjects.etcd_worker_key(worker_id);
         let etcd = cluster.etcd.clone();
@@ -400,64 +443,6 @@ fn load_tokenizer(args: &EngineArgs) -> Result<Option<Arc<ModelTokenizer>>, Serv
     Ok(Some(Arc::new(ModelTokenizer::from_dir(dir, limits)?)))
 }
 
-/// Binds worker `index`'s listener (`--http-port` + index, or ephemeral), spawns its
-/// server until `shutdown` and returns its base URL.
-async fn serve_http(
-    args: &EngineHttpArgs,
-    index: usize,
-    worker: WorkerHttp,
-    tasks: &mut JoinSet<()>,
-    shutdown: CancellationToken,
-) -> Result<String, ServiceError> {
-    let port = match args.http_port {
-        0 => Some(0),
-        base => u16::try_from(index).ok().and_then(|i| base.checked_add(i)),
-    }
-    .ok_or(EngineConfigError::HttpPortOverflow {
-        base: args.http_port,
-        workers: index + 1,
-    })?;
-    let addr = format!("{}:{port}", bracket_v6(&args.http_host));
-    let listener = tokio::net::TcpListener::bind(&addr)
-        .await
-        .map_err(|source| ServiceError::HttpBind {
-            addr: addr.clone(),
-            source,
-        })?;
-    let local = listener
-        .local_addr()
-        .map_err(|source| ServiceError::HttpBind { addr, source })?;
-    let host = args
-        .http_advertise_host
-        .as_deref()
-        .unwrap_or(&args.http_host);
-    let url = format!("http://{}:{}", bracket_v6(host), local.port());
-    let limits = args.limits();
-    let router = http::router(
-        Arc::new(EngineHttpState::new(args, worker)?),
-        args.vllm_dev_mode,
-    );
-    tasks.spawn(async move {
-        // Small SSE writes go out at once (no Nagle wait for a delayed ACK).
-        let listener = listener.tap_io(|tcp| {
-            if let Err(err) = tcp.set_nodelay(true) {
-                warn!(%err, "cannot set TCP_NODELAY");
-            }
-        });
-        kv_cluster::http::serve(listener, router, limits, shutdown).await;
-    });
-    Ok(url)
-}
-
-/// `[addr]` for an IPv6 literal, so it can be followed by `:port`.
-fn bracket_v6(host: &str) -> String {
-    if host.contains(':') && !host.starts_with('[') {
-        format!("[{host}]")
-    } else {
-        host.to_owned()
-    }
-}
-
 async fn subscribe(
     nats: &async_nats::Client,
     subject: String,
@@ -482,6 +467,7 @@ async fn publish_metrics(ranks: Vec<Arc<Rank>>, period: Duration, shutdown: Canc
     }
 }
 
+mod listen;
 mod stop;
 
 #[cfg(test)]

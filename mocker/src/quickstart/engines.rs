@@ -8,9 +8,14 @@
 //! - [`Engines::Nats`]: `kv-mocker engines` speaking the router's protocol on NATS
 //!   and registering themselves in etcd; no relay.
 //!
-//! Ports (vLLM mode): worker `i` of `n` listens on HTTP `base + i`, ZMQ PUB
-//! `base + n + i` and ZMQ replay `base + 2n + i`, one block of `3n` loopback ports
-//! probed free together ([`free_port_block`]). As for nats-server and etcd, another
+//! A disaggregated fleet (`--prefill-engines`, `--decode-engines`) is two such
+//! groups, each one `kv-mocker engines` process in its role (`fleet`), whose relays
+//! register the role.
+//!
+//! Ports (vLLM mode, per group): worker `i` of `n` listens on HTTP `base + i`, ZMQ
+//! PUB `base + n + i`, ZMQ replay `base + 2n + i` (and an SGLang prefill worker's
+//! bootstrap rooms on `base + 3n + i`), one block of loopback ports probed free
+//! together ([`free_port_block`]). As for nats-server and etcd, another
 //! process can take a port between the probe and the bind; the engines then exit with
 //! "address already in use" and the quickstart retries on a fresh block
 //! ([`PORT_ATTEMPTS`] times).
@@ -19,6 +24,7 @@
 //! the relays are ready when every worker's registration is in etcd, read from a
 //! watch (no polling), while a relay that dies is reported at once.
 
+use super::fleet::{self, Group};
 use super::relay::{RelayTarget, relay_args};
 use super::stack::{Binaries, StartedProcesses, child_command};
 use super::{ENGINES_READY, QuickstartArgs, READY_TIMEOUT, progress};
@@ -38,9 +44,6 @@ pub enum Engines {
     Nats,
 }
 
-/// The first worker id of `kv-mocker engines` (its `--first-worker-id` default).
-const FIRST_WORKER_ID: u64 = 1;
-
 /// Starts the engines (and, in vLLM mode, their relays) and returns once every worker
 /// is registered in etcd.
 ///
@@ -54,11 +57,46 @@ pub(super) async fn start(
     connection: &[&str],
     target: &ReplayTarget,
 ) -> anyhow::Result<()> {
+    let groups = fleet::groups(args);
+    for group in &groups {
+        start_group(args, group, stack, binaries, connection).await?;
+    }
+    if args.engines == Engines::Vllm {
+        let workers: u32 = groups.iter().map(|g| g.workers).sum();
+        stack
+            .unless_a_child_exits(tokio::time::timeout(
+                READY_TIMEOUT,
+                wait_for_registrations(target, usize::try_from(workers)?),
+            ))
+            .await?
+            .map_err(|_| {
+                anyhow!(
+                    "the relays did not register every worker within {READY_TIMEOUT:?}; see {}/relay-*.log",
+                    stack.logs.display()
+                )
+            })??;
+        progress(&format!(
+            "{workers} relays (kv-router relay) registered the engines in etcd, each with a worker id \
+             it claimed and the block size and KV capacity it read from its engine"
+        ));
+    }
+    Ok(())
+}
+
+/// Starts one group's `kv-mocker engines` process and, in vLLM mode, a relay per
+/// worker registering the group's role.
+async fn start_group(
+    args: &QuickstartArgs,
+    group: &Group,
+    stack: &mut StartedProcesses,
+    binaries: &Binaries,
+    connection: &[&str],
+) -> anyhow::Result<()> {
     let model = [
         "--workers".to_owned(),
-        args.workers.to_string(),
+        group.workers.to_string(),
         "--first-worker-id".to_owned(),
-        FIRST_WORKER_ID.to_string(),
+        group.first_worker_id.to_string(),
         "--block-size".to_owned(),
         args.block_size.to_string(),
         "--num-gpu-blocks".to_owned(),
@@ -66,75 +104,101 @@ pub(super) async fn start(
         "--time-scale".to_owned(),
         args.time_scale.to_string(),
     ];
+    let shape = format!(
+        "({} KV blocks of {} tokens each, time scale {}x)",
+        args.num_gpu_blocks, args.block_size, args.time_scale
+    );
+    let what = match group.role {
+        fleet::Role::Aggregated => "mock engines".to_owned(),
+        _ => format!("{} mock engines", group.label),
+    };
+    let n = u16::try_from(group.workers).context("--workers")?;
+    let label = match group.role {
+        fleet::Role::Aggregated => "engines".to_owned(),
+        _ => format!("engines-{}", group.label),
+    };
     match args.engines {
         Engines::Nats => {
+            let bootstrap = group
+                .bootstrap()
+                .then(|| free_port_block(usize::from(n)))
+                .transpose()?;
             let mut command = child_command(&binaries.mocker);
-            command.arg("engines").args(connection).args(model);
-            let engines = stack.spawn("engines", command)?;
+            command
+                .arg("engines")
+                .args(connection)
+                .args(model)
+                .args(group.role_flags(bootstrap));
+            let engines = stack.spawn(&label, command)?;
             engines.wait_for_line(ENGINES_READY, READY_TIMEOUT).await?;
             progress(&format!(
-                "{} mock engines registered in etcd ({} KV blocks of {} tokens each, time scale {}x)",
-                args.workers, args.num_gpu_blocks, args.block_size, args.time_scale
+                "{} {what} registered in etcd {shape}",
+                group.workers
             ));
         }
         Engines::Vllm => {
-            let base = start_vllm_engines(args, stack, binaries, &model).await?;
+            let ports = start_vllm_engines(group, &label, stack, binaries, &model).await?;
             progress(&format!(
-                "{} mock engines in vLLM mode, ZMQ KV events ({} KV blocks of {} tokens each, time scale {}x)",
-                args.workers, args.num_gpu_blocks, args.block_size, args.time_scale
+                "{} {what} in vLLM mode, ZMQ KV events {shape}",
+                group.workers
             ));
-            let n = u16::try_from(args.workers).context("--workers")?;
             for i in 0..n {
                 let engine = RelayTarget {
-                    name: format!("engine-{i}"),
-                    http_url: format!("http://127.0.0.1:{}", base + i),
-                    publish: format!("tcp://127.0.0.1:{}", base + n + i),
-                    replay: format!("tcp://127.0.0.1:{}", base + 2 * n + i),
+                    name: format!("{}-{i}", group.label),
+                    http_url: format!("http://127.0.0.1:{}", ports.http + i),
+                    publish: format!("tcp://127.0.0.1:{}", ports.publish + i),
+                    replay: format!("tcp://127.0.0.1:{}", ports.replay + i),
+                };
+                let relay = match group.role {
+                    fleet::Role::Aggregated => format!("relay-{i}"),
+                    _ => format!("relay-{}-{i}", group.label),
                 };
                 let mut command = child_command(&binaries.router);
-                command.args(relay_args(&engine, connection));
-                stack.spawn(&format!("relay-{i}"), command)?;
+                command
+                    .args(relay_args(&engine, connection))
+                    .args(group.role_flags(ports.bootstrap.map(|p| p + i)));
+                stack.spawn(&relay, command)?;
             }
-            stack
-                .unless_a_child_exits(tokio::time::timeout(
-                    READY_TIMEOUT,
-                    wait_for_registrations(target, usize::from(n)),
-                ))
-                .await?
-                .map_err(|_| {
-                    anyhow!(
-                        "the relays did not register every worker within {READY_TIMEOUT:?}; see {}/relay-*.log",
-                        stack.logs.display()
-                    )
-                })??;
-            progress(&format!(
-                "{n} relays (kv-router relay) registered the engines in etcd, each with a worker id \
-                 it claimed and the block size and KV capacity it read from its engine"
-            ));
         }
     }
     Ok(())
 }
 
-/// Spawns `kv-mocker engines --kv-events vllm` on a free port block until it is ready,
-/// retrying on a port taken meanwhile; returns the block's first port.
+/// The first port of each kind of a group's workers (worker `i` at + `i`).
+struct GroupPorts {
+    http: u16,
+    publish: u16,
+    replay: u16,
+    bootstrap: Option<u16>,
+}
+
+/// Spawns a group's `kv-mocker engines --kv-events vllm` on a free port block until
+/// it is ready, retrying on a port taken meanwhile.
 async fn start_vllm_engines(
-    args: &QuickstartArgs,
+    group: &Group,
+    label: &str,
     stack: &mut StartedProcesses,
     binaries: &Binaries,
     model: &[String],
-) -> anyhow::Result<u16> {
-    let n = u16::try_from(args.workers).context("--workers")?;
+) -> anyhow::Result<GroupPorts> {
+    let n = u16::try_from(group.workers).context("--workers")?;
+    let kinds = if group.bootstrap() { 4 } else { 3 };
     let mut attempt = 1;
     loop {
-        let base = free_port_block(3 * usize::from(n))?;
-        let ports = [
+        let base = free_port_block(kinds * usize::from(n))?;
+        let ports = GroupPorts {
+            http: base,
+            publish: base + n,
+            replay: base + 2 * n,
+            bootstrap: group.bootstrap().then_some(base + 3 * n),
+        };
+        let flags = [
             "--http-port".to_owned(),
-            base.to_string(),
+            ports.http.to_string(),
             "--zmq-port".to_owned(),
-            (base + n).to_string(),
+            ports.publish.to_string(),
             "--zmq-replay-port".to_owned(),
-            (base + 2 * n).to_string(),
+            ports.replay.to_string(),
         ];
         let mut command = child_command(&binaries.mocker);
         command
@@ -142,13 +206,14 @@ async fn start_vllm_engines(
             // cold start between policies resets every engine's prefix cache.
             .args(["engines", "--kv-events", "vllm", "--vllm-dev-mode"])
             .args(model)
-            .args(ports);
-        let engines = stack.spawn("engines", command)?;
+            .args(flags)
+            .args(group.role_flags(ports.bootstrap));
+        let engines = stack.spawn(label, command)?;
         match engines.wait_for_line(ENGINES_READY, READY_TIMEOUT).await {
-            Ok(_) => return Ok(base),
+            Ok(_) => return Ok(ports),
             Err(err) if err.is_port_conflict() && attempt < PORT_ATTEMPTS => {
                 tracing::info!(attempt, base, "engine port taken, retrying");
-                stack.stop_child("engines").await?;
+                stack.stop_child(label).await?;
                 attempt += 1;
             }
             Err(err) => return Err(err.into()),

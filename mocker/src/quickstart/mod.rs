@@ -33,6 +33,7 @@ use anyhow::{Context, anyhow, bail};
 use engine_model::render_table;
 use engine_model::trace::{self, BUNDLED_EXCERPT_NAME, BlockMapping};
 use gateway::{GATEWAY_HEADER, GatewayTotals};
+use kv_cluster::args::TransferFlag;
 use kv_events::Namespace;
 use kv_events::routing::PolicyKind;
 use stack::{Binaries, StartedProcesses, child_command};
@@ -41,6 +42,7 @@ use std::time::Duration;
 use testbed::{EtcdServer, NatsServer, ProcessError};
 
 mod engines;
+mod fleet;
 mod gateway;
 mod relay;
 mod stack;
@@ -65,9 +67,30 @@ const ROUTER_READY: &str = "kv-router ready";
 /// a JSON report.
 #[derive(Debug, Clone, clap::Args)]
 pub struct QuickstartArgs {
-    /// Mock engine workers to start.
+    /// Mock engine workers to start (aggregated: each prefills and decodes).
     #[arg(long, default_value_t = 8)]
     pub workers: u32,
+    /// Start a disaggregated fleet instead of `--workers`: this many prefill workers
+    /// (with --decode-engines), each registered in the prefill role.
+    #[arg(
+        long,
+        requires = "decode_engines",
+        conflicts_with = "workers",
+        value_parser = clap::value_parser!(u32).range(1..)
+    )]
+    pub prefill_engines: Option<u32>,
+    /// The decode workers of a disaggregated fleet (with --prefill-engines).
+    #[arg(
+        long,
+        requires = "prefill_engines",
+        conflicts_with = "workers",
+        value_parser = clap::value_parser!(u32).range(1..)
+    )]
+    pub decode_engines: Option<u32>,
+    /// The transfer protocol of a disaggregated fleet: vllm (kv_transfer_params) or
+    /// sglang (bootstrap rooms).
+    #[arg(long, value_enum, default_value_t = TransferFlag::Vllm)]
+    pub kv_transfer: TransferFlag,
     /// Mooncake JSONL trace; default: the bundled 2,000-request conversation excerpt.
     #[arg(long, value_name = "PATH")]
     pub trace: Option<PathBuf>,
@@ -348,6 +371,69 @@ mod tests {
             err.to_string().contains("--via nats needs --engines nats"),
             "{err}"
         );
+    }
+
+    /// `--prefill-engines N --decode-engines M` is a fleet of two groups, ids in
+    /// order, each in its role (flags for the engines and each relay); without them
+    /// one aggregated group of `--workers`.
+    #[test]
+    fn a_disaggregated_fleet_is_two_groups_in_their_roles() {
+        let args = Cli::parse_from(["quickstart", "--workers", "3"]).args;
+        let groups = fleet::groups(&args);
+        assert_eq!(groups.len(), 1);
+        assert_eq!((groups[0].workers, groups[0].first_worker_id), (3, 1));
+        assert!(groups[0].role_flags(Some(9000)).is_empty());
+        let flags = [
+            "quickstart",
+            "--prefill-engines",
+            "2",
+            "--decode-engines",
+            "3",
+        ];
+        let args = Cli::parse_from(flags).args;
+        let groups = fleet::groups(&args);
+        let ids: Vec<_> = groups
+            .iter()
+            .map(|g| (g.workers, g.first_worker_id))
+            .collect();
+        assert_eq!(ids, [(2, 1), (3, 3)]);
+        assert_eq!(
+            groups[0].role_flags(None),
+            ["--role", "prefill", "--kv-transfer", "vllm"]
+        );
+        assert_eq!(
+            groups[1].role_flags(Some(9000)),
+            ["--role", "decode", "--kv-transfer", "vllm"]
+        );
+        let sglang = Cli::parse_from([&flags[..], &["--kv-transfer", "sglang"]].concat()).args;
+        let prefill = fleet::groups(&sglang)[0];
+        assert!(prefill.bootstrap());
+        assert_eq!(
+            prefill.role_flags(Some(9001))[4..],
+            ["--bootstrap-port", "9001"]
+        );
+        for bad in [
+            &["quickstart", "--prefill-engines", "2"][..],
+            &["quickstart", "--decode-engines", "2"],
+            &[
+                "quickstart",
+                "--workers",
+                "4",
+                "--prefill-engines",
+                "1",
+                "--decode-engines",
+                "1",
+            ],
+            &[
+                "quickstart",
+                "--prefill-engines",
+                "0",
+                "--decode-engines",
+                "1",
+            ],
+        ] {
+            assert!(Cli::try_parse_from(bad).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

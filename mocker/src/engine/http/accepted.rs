@@ -3,7 +3,7 @@
 //! client goes away, and the one that adds it to the rank's request counters. A leaf
 //! below both answer modules, so neither imports the other.
 
-use super::metrics::RankCounters;
+use super::metrics::{KvConnector, RankCounters};
 use super::openai::EngineApiError;
 use crate::engine::progress::Progress;
 use crate::engine::rank::Rank;
@@ -35,11 +35,14 @@ pub(super) struct CountOnDrop {
     pub(super) rx: watch::Receiver<Progress>,
     /// Prompt length, in tokens.
     pub(super) prompt_tokens: u64,
+    /// Whether (and how) a KV connector saw the request.
+    pub(super) kv: KvConnector,
 }
 
 impl Drop for CountOnDrop {
     fn drop(&mut self) {
-        self.counters.record(&self.rx.borrow(), self.prompt_tokens);
+        self.counters
+            .record(&self.rx.borrow(), self.prompt_tokens, self.kv);
     }
 }
 
@@ -62,6 +65,9 @@ pub(super) struct Accepted {
     pub include_usage: bool,
     /// Which endpoint's JSON shapes the answer takes.
     pub shape: EndpointShape,
+    /// vLLM prefill for a remote decode: the `kv_transfer_params` its JSON answer
+    /// carries at the top level.
+    pub kv_transfer_params: Option<serde_json::Value>,
 }
 
 /// The endpoint an answer is shaped for.

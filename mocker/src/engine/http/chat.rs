@@ -8,9 +8,10 @@
 //! ids this endpoint prefills.
 
 use super::EngineHttpState;
-use super::accepted::{Accepted, EndpointShape};
-use super::completions::{Submission, answer, read_body, submit};
+use super::accepted::EndpointShape;
+use super::completions::{Submission, read_body};
 use super::openai::{EngineApiError, EngineChatRequest, parse_json};
+use super::transfer;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
@@ -25,31 +26,25 @@ pub(super) async fn chat_completions(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    match accept(&state, &headers, body) {
-        Ok((accepted, stream)) => answer(state, accepted, stream).await,
+    match accept(&state, body) {
+        Ok(submission) => transfer::serve(state, headers, submission).await,
         Err(e) => e.into_response(),
     }
 }
 
-/// Renders and encodes the chat, then submits it. Returns the accepted request and
-/// whether to stream.
+/// Renders and encodes the chat into a submission.
 fn accept(
     state: &EngineHttpState,
-    headers: &HeaderMap,
     body: Result<Bytes, BytesRejection>,
-) -> Result<(Accepted, bool), EngineApiError> {
+) -> Result<Submission, EngineApiError> {
     let body = read_body(body)?;
     let req: EngineChatRequest = parse_json(&body)?;
     state.check_model(req.options.model.as_deref())?;
     let tokens = prompt(state, &req)?;
-    let submission = Submission {
-        tokens,
-        max_tokens: req.max_completion_tokens.or(req.options.max_tokens),
-        body_rank: req.options.data_parallel_rank,
-        include_usage: req.options.stream_options.is_some_and(|o| o.include_usage),
-        shape: EndpointShape::Chat,
-    };
-    Ok((submit(state, headers, submission)?, req.options.stream))
+    let max_tokens = req.max_completion_tokens.or(req.options.max_tokens);
+    let mut submission = Submission::new(tokens, req.options, EndpointShape::Chat);
+    submission.max_tokens = max_tokens;
+    Ok(submission)
 }
 
 /// The prompt's token ids: the messages rendered with the model's chat template and

@@ -13,10 +13,12 @@
 
 use super::EngineHttpState;
 use super::accepted::{AbortOnDrop, Accepted, CountOnDrop, EndpointShape, engine_error};
+use super::metrics::KvConnector;
 use super::openai::{
-    DEFAULT_MAX_TOKENS, EngineApiError, EngineCompletionRequest, EnginePrompt, Usage, parse_json,
+    DEFAULT_MAX_TOKENS, EngineApiError, EngineCompletionRequest, EnginePrompt, RequestOptions,
+    TransferFields, Usage, parse_json,
 };
-use super::sse;
+use super::{sse, transfer};
 use crate::engine::progress::Progress;
 use crate::engine::rank::SHUTTING_DOWN;
 use axum::body::Bytes;
@@ -39,8 +41,8 @@ pub(super) async fn completions(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    match accept(&state, &headers, body) {
-        Ok((accepted, stream)) => answer(state, accepted, stream).await,
+    match accept(&state, body) {
+        Ok(submission) => transfer::serve(state, headers, submission).await,
         Err(e) => e.into_response(),
     }
 }
@@ -86,7 +88,7 @@ pub(super) async fn answer(
                     }),
                 ),
             };
-            let body = json!({
+            let mut body = json!({
                 "id": accepted.id,
                 "object": object,
                 "created": state.created,
@@ -94,6 +96,9 @@ pub(super) async fn answer(
                 "choices": [choice],
                 "usage": usage,
             });
+            if let Some(params) = &accepted.kv_transfer_params {
+                body["kv_transfer_params"] = params.clone();
+            }
             drop(accepted.guard);
             (StatusCode::OK, axum::Json(body)).into_response()
         }
@@ -119,25 +124,20 @@ async fn wait_finished(mut rx: watch::Receiver<Progress>) -> Result<Progress, En
     }
 }
 
-/// Validates the request and submits it to its rank. Returns the accepted request
-/// and whether to stream.
+/// Reads and validates the request into a submission.
 fn accept(
     state: &EngineHttpState,
-    headers: &HeaderMap,
     body: Result<Bytes, BytesRejection>,
-) -> Result<(Accepted, bool), EngineApiError> {
+) -> Result<Submission, EngineApiError> {
     let body = read_body(body)?;
     let req: EngineCompletionRequest = parse_json(&body)?;
     state.check_model(req.options.model.as_deref())?;
     let tokens = prompt(state, &req)?;
-    let submission = Submission {
+    Ok(Submission::new(
         tokens,
-        max_tokens: req.options.max_tokens,
-        body_rank: req.options.data_parallel_rank,
-        include_usage: req.options.stream_options.is_some_and(|o| o.include_usage),
-        shape: EndpointShape::Completion,
-    };
-    Ok((submit(state, headers, submission)?, req.options.stream))
+        req.options,
+        EndpointShape::Completion,
+    ))
 }
 
 /// The prompt's token ids: token ids as given, or the text encoded (with special
@@ -172,38 +172,97 @@ pub(super) struct Submission {
     pub max_tokens: Option<u64>,
     /// SGLang's body field naming the dp rank.
     pub body_rank: Option<u32>,
+    /// Answer as server-sent events.
+    pub stream: bool,
+    /// Stream a final usage chunk.
+    pub include_usage: bool,
+    /// The answer's shape.
+    pub shape: EndpointShape,
+    /// The disaggregation fields, for `transfer`.
+    pub transfer: TransferFields,
+}
+
+impl Submission {
+    /// The submission of `tokens` with the request's `options` (a chat request sets
+    /// `max_tokens` from its own fields afterwards).
+    pub fn new(tokens: Vec<u32>, options: RequestOptions, shape: EndpointShape) -> Self {
+        Self {
+            tokens,
+            max_tokens: options.max_tokens,
+            body_rank: options.data_parallel_rank,
+            stream: options.stream,
+            include_usage: options.stream_options.is_some_and(|o| o.include_usage),
+            shape,
+            transfer: options.transfer,
+        }
+    }
+}
+
+/// A submission checked against the engine: its rank and its engine request.
+pub(super) struct Admission {
+    /// The dp rank.
+    pub rank: usize,
+    /// What the rank's core runs.
+    pub request: EngineRequest,
     /// Stream a final usage chunk.
     pub include_usage: bool,
     /// The answer's shape.
     pub shape: EndpointShape,
 }
 
-/// Checks the prompt against the context length, picks the rank and submits it.
-pub(super) fn submit(
+/// Checks the prompt against the context length and picks the rank.
+///
+/// # Errors
+/// 400 for a bad rank or a prompt the engine cannot serve.
+pub(super) fn admit(
     state: &EngineHttpState,
     headers: &HeaderMap,
     submission: Submission,
+) -> Result<Admission, EngineApiError> {
+    let rank = dp_rank(headers, submission.body_rank, state.ranks.len())?;
+    let max_tokens = fits(state, &submission.tokens, submission.max_tokens)?;
+    let tokens = submission.tokens;
+    Ok(Admission {
+        rank,
+        request: EngineRequest {
+            request_id: RequestId::from(state.next_request_id()),
+            block_hashes: kv_events::compute_block_hashes(&tokens, state.block_size),
+            prompt_tokens: tokens.len() as u64,
+            max_tokens,
+            token_ids: Some(tokens),
+        },
+        include_usage: submission.include_usage,
+        shape: submission.shape,
+    })
+}
+
+/// Submits an admitted request to its rank: prefilled there, or (`kv`
+/// [`KvConnector::Loaded`]) with its prompt KV pulled over a transfer.
+///
+/// # Errors
+/// 400 when the core refuses the request, 503 while the engines stop.
+pub(super) fn submit(
+    state: &EngineHttpState,
+    admission: Admission,
+    kv: KvConnector,
 ) -> Result<Accepted, EngineApiError> {
-    let Submission {
-        tokens,
-        max_tokens,
-        body_rank,
+    let Admission {
+        rank: dp_rank,
+        request,
         include_usage,
         shape,
-    } = submission;
-    let dp_rank = dp_rank(headers, body_rank, state.ranks.len())?;
-    let max_tokens = fits(state, &tokens, max_tokens)?;
-    let prompt_tokens = tokens.len() as u64;
-    let request_id = RequestId::from(state.next_request_id());
-    let engine_request = EngineRequest {
-        request_id: request_id.clone(),
-        block_hashes: kv_events::compute_block_hashes(&tokens, state.block_size),
-        prompt_tokens,
-        max_tokens,
-        token_ids: Some(tokens),
-    };
+    } = admission;
+    let (request_id, prompt_tokens, max_tokens) = (
+        request.request_id.clone(),
+        request.prompt_tokens,
+        request.max_tokens,
+    );
     let rank = state.ranks[dp_rank].clone();
-    let rx = rank.submit_stream(engine_request).map_err(|message| {
+    let submitted = match kv {
+        KvConnector::Loaded => rank.submit_transferred(request),
+        KvConnector::Absent | KvConnector::Queried => rank.submit_stream(request),
+    };
+    let rx = submitted.map_err(|message| {
         if message == SHUTTING_DOWN {
             engine_error(&message)
         } else {
@@ -218,6 +277,7 @@ pub(super) fn submit(
         counters: state.metrics.rank_counters(dp_rank),
         rx: rx.clone(),
         prompt_tokens,
+        kv,
     };
     Ok(Accepted {
         rx,
@@ -231,6 +291,7 @@ pub(super) fn submit(
         max_tokens,
         include_usage,
         shape,
+        kv_transfer_params: None,
     })
 }
 

@@ -18,7 +18,14 @@
 //! `vllm:request_success_total` (HTTP requests that generated all their tokens, label
 //! `finished_reason="length"`), so a benchmark reads the cached ratio and the requests
 //! each engine served from two scrapes. Each request adds to them once, when its answer
-//! is dropped ([`RankCounters::record`]): three atomic adds.
+//! is dropped ([`RankCounters::record`]): a few atomic adds.
+//!
+//! Counters of a KV connector, as vLLM's (an engine in the `prefill` or `decode` role
+//! has one; in role `both` they stay 0, as in a vLLM without a connector):
+//! `vllm:external_prefix_cache_queries_total` (prompt tokens of the requests it
+//! prefilled or loaded) and `vllm:external_prefix_cache_hits_total` (prompt tokens a
+//! decode worker loaded over a KV transfer instead of computing: the prompt minus
+//! its own cache hits), so a test or a real-vLLM comparison reads one name.
 
 use super::super::progress::Progress;
 use super::super::rank::Rank;
@@ -41,16 +48,37 @@ pub(super) struct EngineMetrics {
 pub(super) struct RankCounters {
     queries: IntCounter,
     hits: IntCounter,
+    external_queries: IntCounter,
+    external_hits: IntCounter,
     success: IntCounter,
+}
+
+/// What a request meant to the engine's KV connector.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(in crate::engine) enum KvConnector {
+    /// The engine has none (role `both`).
+    Absent,
+    /// Asked, nothing loaded: the prompt was computed here.
+    Queried,
+    /// The prompt's KV beyond the engine's own hits came over a transfer.
+    Loaded,
 }
 
 impl RankCounters {
     /// Counts one request of `prompt_tokens` tokens whose last progress was `p`: its
-    /// prompt and cached tokens once it was prefilled, a success once it finished.
-    pub fn record(&self, p: &Progress, prompt_tokens: u64) {
+    /// prompt and cached tokens once it was prefilled (and what its KV connector
+    /// queried and loaded), a success once it finished.
+    pub fn record(&self, p: &Progress, prompt_tokens: u64, kv: KvConnector) {
         if let Some(cached) = p.cached_tokens {
+            let cached = cached.min(prompt_tokens);
             self.queries.inc_by(prompt_tokens);
-            self.hits.inc_by(cached.min(prompt_tokens));
+            self.hits.inc_by(cached);
+            if kv != KvConnector::Absent {
+                self.external_queries.inc_by(prompt_tokens);
+            }
+            if kv == KvConnector::Loaded {
+                self.external_hits.inc_by(prompt_tokens - cached);
+            }
         }
         if p.finished && p.error.is_none() {
             self.success.inc();
@@ -118,6 +146,18 @@ impl EngineMetrics {
             "Prefix cache hits, in terms of number of cached tokens.",
             &per_rank,
         )?;
+        let external_queries = counter(
+            "vllm:external_prefix_cache_queries_total",
+            "External prefix cache queries from KV connector cross-instance cache \
+             sharing, in terms of number of queried tokens.",
+            &per_rank,
+        )?;
+        let external_hits = counter(
+            "vllm:external_prefix_cache_hits_total",
+            "External prefix cache hits from KV connector cross-instance cache sharing, \
+             in terms of number of cached tokens.",
+            &per_rank,
+        )?;
         let success = counter(
             "vllm:request_success_total",
             "Count of successfully processed requests.",
@@ -130,6 +170,8 @@ impl EngineMetrics {
                 RankCounters {
                     queries: queries.with_label_values(&labels),
                     hits: hits.with_label_values(&labels),
+                    external_queries: external_queries.with_label_values(&labels),
+                    external_hits: external_hits.with_label_values(&labels),
                     success: success.with_label_values(&[model_name, engine.as_str(), "length"]),
                 }
             })

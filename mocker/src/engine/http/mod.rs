@@ -9,7 +9,9 @@
 //! cache; served only with `--vllm-dev-mode` / `VLLM_SERVER_DEV_MODE=1`, as vLLM's), `GET /health`
 //! (vLLM's liveness probe, which SMG and vllm-router poll on every worker). The dp rank
 //! comes from vLLM's `X-data-parallel-rank` header or SGLang's `data_parallel_rank`
-//! body field. Requests run on the same engine core as the NATS protocol — same
+//! body field. A worker in the `prefill` or `decode` role serves its half of
+//! disaggregated requests (vLLM's `kv_transfer_params`, SGLang's bootstrap fields;
+//! see `transfer`). Requests run on the same engine core as the NATS protocol — same
 //! timing, same KV cache, same KV events — and a client disconnect aborts the request
 //! and frees its blocks.
 //!
@@ -31,6 +33,7 @@ mod render;
 mod sse;
 #[cfg(test)]
 mod tests;
+pub(super) mod transfer;
 
 pub use completions::DP_RANK_HEADER;
 
@@ -156,6 +159,8 @@ pub(super) struct EngineHttpState {
     max_model_len: u64,
     tokenizer: Option<Arc<ModelTokenizer>>,
     metrics: EngineMetrics,
+    /// Its half of disaggregated requests (role, protocol, transfer cost).
+    transfer: transfer::TransferSide,
     next_id: AtomicU64,
     /// Unix time of start-up, in seconds (the `created` of responses).
     created: u64,
@@ -174,6 +179,8 @@ pub(super) struct WorkerHttp {
     pub num_gpu_blocks: u64,
     /// The shared tokenizer, if a model directory was given.
     pub tokenizer: Option<Arc<ModelTokenizer>>,
+    /// Its half of disaggregated requests.
+    pub transfer: transfer::TransferSide,
 }
 
 impl EngineHttpState {
@@ -196,6 +203,7 @@ impl EngineHttpState {
             max_model_len: args.max_model_len_or_cache(w.block_size, w.num_gpu_blocks),
             tokenizer: w.tokenizer,
             metrics,
+            transfer: w.transfer,
             next_id: AtomicU64::new(0),
             created: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)

@@ -49,6 +49,30 @@ pub struct RequestOptions {
     /// `X-data-parallel-rank` header, which wins when both are given).
     #[serde(default)]
     pub data_parallel_rank: Option<u32>,
+    /// The two halves of a disaggregated request (vLLM's and SGLang's fields).
+    #[serde(flatten)]
+    pub transfer: TransferFields,
+}
+
+/// The fields that join the halves of a disaggregated request, kept as raw JSON:
+/// an engine in role `both` ignores them (as vLLM without a KV connector does), a
+/// prefill or decode engine checks them against its protocol (`transfer`), so a
+/// malformed one is a 400 there and nothing anywhere else.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+pub struct TransferFields {
+    /// vLLM: `{"do_remote_decode": true, …}` to a prefill worker, the prefill
+    /// worker's answer's object to a decode worker.
+    #[serde(default)]
+    pub kv_transfer_params: Option<serde_json::Value>,
+    /// SGLang: the prefill worker's host.
+    #[serde(default)]
+    pub bootstrap_host: Option<serde_json::Value>,
+    /// SGLang: the prefill worker's bootstrap port.
+    #[serde(default)]
+    pub bootstrap_port: Option<serde_json::Value>,
+    /// SGLang: the request's room, an integer in 0..2^63 shared by both halves.
+    #[serde(default)]
+    pub bootstrap_room: Option<serde_json::Value>,
 }
 
 /// The body of `POST /v1/completions` and `POST /v1/completions/render` (fields the
@@ -169,6 +193,7 @@ impl EngineApiError {
         let kind = match self.status {
             StatusCode::BAD_REQUEST => "BadRequestError",
             StatusCode::NOT_FOUND => "NotFoundError",
+            StatusCode::CONFLICT => "ConflictError",
             StatusCode::PAYLOAD_TOO_LARGE => "RequestTooLargeError",
             StatusCode::SERVICE_UNAVAILABLE => "ServiceUnavailableError",
             _ => "InternalServerError",

@@ -41,6 +41,7 @@ async fn start(fleet: FleetArgs, model: EngineModelConfig, time_scale: f64) -> H
         http: Default::default(),
         cpu_tier: Default::default(),
         kv_events: Default::default(),
+        disaggregation: Default::default(),
     };
     let handle = spawn_engines(args, CancellationToken::new())
         .await

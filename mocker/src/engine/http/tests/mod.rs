@@ -52,7 +52,29 @@ async fn start(time_scale: f64, model_dir: Option<PathBuf>) -> Engines {
 async fn start_with(time_scale: f64, http: EngineHttpArgs) -> Engines {
     let nats = NatsServer::start().await.expect("nats-server starts");
     let etcd = EtcdServer::start().await.expect("etcd starts");
-    let args = EngineArgs {
+    let args = engine_args((&nats, &etcd), 1, time_scale, http);
+    let handle = spawn_engines(args, CancellationToken::new())
+        .await
+        .expect("engines start");
+    let url = handle.http_urls()[0].clone();
+    Engines {
+        handle,
+        url,
+        http: kv_cluster::http::client().expect("http client"),
+        _nats: nats,
+        _etcd: etcd,
+    }
+}
+
+/// The flags of [`start_with`]'s engines: worker `worker_id` of 2 dp ranks of 64
+/// blocks of 16 tokens, aggregated.
+fn engine_args(
+    (nats, etcd): (&NatsServer, &EtcdServer),
+    worker_id: u64,
+    time_scale: f64,
+    http: EngineHttpArgs,
+) -> EngineArgs {
+    EngineArgs {
         connection: ConnectionArgs::local(
             &nats.url(),
             &etcd.endpoint(),
@@ -60,7 +82,7 @@ async fn start_with(time_scale: f64, http: EngineHttpArgs) -> Engines {
         ),
         fleet: FleetArgs {
             workers: 1,
-            first_worker_id: 1,
+            first_worker_id: worker_id,
             dp_size: 2,
         },
         model: EngineModelConfig {
@@ -78,17 +100,7 @@ async fn start_with(time_scale: f64, http: EngineHttpArgs) -> Engines {
         http,
         cpu_tier: Default::default(),
         kv_events: Default::default(),
-    };
-    let handle = spawn_engines(args, CancellationToken::new())
-        .await
-        .expect("engines start");
-    let url = handle.http_urls()[0].clone();
-    Engines {
-        handle,
-        url,
-        http: kv_cluster::http::client().expect("http client"),
-        _nats: nats,
-        _etcd: etcd,
+        disaggregation: Default::default(),
     }
 }
 
@@ -476,5 +488,7 @@ async fn metrics_count_prefix_cache_queries_hits_and_finished_requests() {
     );
 }
 
+mod bootstrap;
 mod render;
 mod reset;
+mod transfer;
