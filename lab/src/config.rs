@@ -6,8 +6,8 @@
 
 use crate::error::LabError;
 use crate::fleet::{TierPricing, WorkerSpeeds};
-use crate::serving::{ALWAYS_REMOTE, KvTransferModel, Serving, SplitFleet, SplitMode};
-use engine_model::{CpuTierConfig, EngineModelConfig, TimingModel};
+use crate::serving::{ALWAYS_REMOTE, Serving, SplitFleet, SplitMode};
+use engine_model::{CpuTierConfig, EngineModelConfig, KvTransferConfig, TimingModel};
 use kv_events::routing::PolicyKind;
 use scheduler::policy::predicted_ttft::PredictedTtftConfig;
 use scheduler::{DisaggregationConfig, SessionConfig};
@@ -101,8 +101,8 @@ pub struct SimConfig {
     /// The engines' roles: aggregated (the default) or split into prefill and decode
     /// engines ([`crate::serving`]).
     pub serving: Serving,
-    /// The KV transfer between a split fleet's engines.
-    pub transfer: KvTransferModel,
+    /// The KV transfer to a split fleet's decode engines.
+    pub transfer: KvTransferConfig,
     /// The router's conditional-disaggregation thresholds for a
     /// [`SplitMode::Conditional`] split (the scheduler's defaults unless set).
     pub conditional: DisaggregationConfig,
@@ -124,7 +124,7 @@ impl Default for SimConfig {
             sessions: SessionConfig::default(),
             predicted_ttft: PredictedTtftConfig::default(),
             serving: Serving::Aggregated,
-            transfer: KvTransferModel::default(),
+            transfer: KvTransferConfig::default(),
             conditional: DisaggregationConfig::default(),
         }
     }
@@ -143,10 +143,9 @@ impl SimConfig {
     /// Checks the engine model, the timing and the lag.
     ///
     /// # Errors
-    /// [`LabError::Engine`] for a bad engine or CPU tier knob, [`LabError::Timing`] for a timing
+    /// [`LabError::Engine`] for a bad engine, CPU tier or transfer knob, [`LabError::Timing`] for a timing
     /// coefficient that is negative or not finite, [`LabError::EventLag`] for a
-    /// negative or non-finite lag, [`LabError::TransferTime`] for a bad transfer
-    /// time, [`LabError::Scheduler`] for a conditional threshold out of range.
+    /// negative or non-finite lag, [`LabError::Scheduler`] for a conditional threshold out of range.
     pub fn validate(&self) -> Result<(), LabError> {
         self.engine.validate()?;
         self.cpu_tier.validate()?;

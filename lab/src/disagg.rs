@@ -19,13 +19,12 @@ use crate::error::LabError;
 use crate::metrics::RunMetrics;
 use crate::oracle::oracle_bound;
 use crate::report::{LabReport, RunReport, TraceInfo, publish};
-use crate::serving::{
-    DEFAULT_TRANSFER_MS_PER_TOKEN, KvTransferModel, Serving, SplitFleet, SplitMode,
-};
+use crate::serving::{Serving, SplitFleet, SplitMode};
 use crate::sim::PreparedTrace;
 use crate::study_args::StudyArgs;
 use crate::sweep::{progress_bar, run_parallel, timed_run};
 use crate::table::tables_per_setting;
+use engine_model::KvTransferConfig;
 use engine_model::trace::BlockMapping;
 use kv_events::routing::PolicyKind;
 use scheduler::DisaggregationConfig;
@@ -63,10 +62,10 @@ pub struct DisaggArgs {
     /// choice; the decode engine is chosen by decode load and free KV).
     #[arg(long, default_value = "predicted-ttft")]
     pub policy: PolicyKind,
-    /// Time to move one token's KV from a prefill to a decode engine, in ms per token
-    /// (default: Llama-3-8B's 128 KiB per token at 40 GB/s, a 400 Gb/s RDMA NIC).
-    #[arg(long, default_value_t = DEFAULT_TRANSFER_MS_PER_TOKEN, value_name = "MS")]
-    pub transfer_ms_per_token: f64,
+    /// The KV transfer to a decode engine, the mock engines' own flag
+    /// (`--transfer-ms-per-token`).
+    #[command(flatten)]
+    pub transfer: KvTransferConfig,
     /// The conditional rows' thresholds, the router's own flags (`scheduler::args`).
     #[command(flatten)]
     pub conditional: DisaggregationArgs,
@@ -162,9 +161,7 @@ pub fn run_disagg(args: DisaggArgs) -> Result<DisaggReport, LabError> {
     let (requests, name) = args.study.load_trace()?;
     let prepared = PreparedTrace::new(&requests, BlockMapping::new(args.study.engine.block_size)?);
     let base = SimConfig {
-        transfer: KvTransferModel {
-            ms_per_token: args.transfer_ms_per_token,
-        },
+        transfer: args.transfer,
         conditional: args.conditional.to_config(),
         ..args.study.sim_config()
     };
@@ -178,7 +175,7 @@ pub fn run_disagg(args: DisaggArgs) -> Result<DisaggReport, LabError> {
         prepared.len(),
         items.len(),
         policy.name(),
-        args.transfer_ms_per_token,
+        args.transfer.transfer_ms_per_token,
     );
     let progress = progress_bar(items.len());
     let runs = run_parallel(&items, jobs, &progress, |item| {

@@ -24,7 +24,7 @@ fn defaults_compare_three_splits_of_eight_engines_in_both_modes() {
     let args = parse(&[]).expect("no flags");
     assert_eq!((args.engines.as_slice(), args.speedup.len()), (&[8][..], 3));
     assert_eq!(args.policy, PolicyKind::PredictedTtft);
-    assert_eq!(args.transfer_ms_per_token, DEFAULT_TRANSFER_MS_PER_TOKEN);
+    assert_eq!(args.transfer, KvTransferConfig::default());
     // The router's own conditional thresholds and their defaults.
     assert_eq!(
         args.conditional.to_config(),
@@ -62,12 +62,15 @@ fn a_split_without_decode_engines_or_a_bad_transfer_is_refused_before_running() 
     ));
     let args = parse(&["--transfer-ms-per-token=-1"]).expect("parses");
     let base = SimConfig {
-        transfer: KvTransferModel {
-            ms_per_token: args.transfer_ms_per_token,
-        },
+        transfer: args.transfer,
         ..SimConfig::default()
     };
-    assert!(matches!(args.plan(&base), Err(LabError::TransferTime(_))));
+    assert!(matches!(
+        args.plan(&base),
+        Err(LabError::Engine(
+            engine_model::ModelConfigError::BadTransferTime(_)
+        ))
+    ));
     let args = parse(&["--disagg-min-decode-overlap", "2"]).expect("parses");
     let base = SimConfig {
         conditional: args.conditional.to_config(),
@@ -150,7 +153,7 @@ fn a_study_writes_its_table_report_and_charts() {
     );
     assert_eq!(
         json["config"]["transfer_ms_per_token"],
-        DEFAULT_TRANSFER_MS_PER_TOKEN
+        engine_model::DEFAULT_TRANSFER_MS_PER_TOKEN
     );
     let runs = json["runs"].as_array().expect("runs");
     assert_eq!(runs[1]["policy"], "disaggregated 1P+2D");

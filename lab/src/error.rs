@@ -65,9 +65,6 @@ pub enum LabError {
         /// Engines in the setting.
         workers: u32,
     },
-    /// The KV transfer time is negative or not finite.
-    #[error("kv transfer time must be finite and >= 0 ms per token, got {0}")]
-    TransferTime(f64),
     /// A setting has no workers, or no setting or policy was given.
     #[error("nothing to simulate: need at least one worker, setting and policy")]
     NoWorkers,

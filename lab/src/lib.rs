@@ -30,7 +30,7 @@
 //! - `fleet`: engines that differ from the router's assumption (engine preset,
 //!   shape factors, per-worker speed).
 //! - `serving`: the engines' roles (aggregated, or split into prefill and decode
-//!   engines) and the KV transfer between them; `disagg`: `kv-mocker lab disagg`,
+//!   engines); `disagg`: `kv-mocker lab disagg`,
 //!   aggregated against disaggregated against conditional serving.
 //! - `robustness`: `kv-mocker lab robustness`, the policies across engine shapes.
 //! - `calibration`: `kv-mocker lab swing`, how calibration follows a changing load.
@@ -87,7 +87,7 @@ pub use oracle::{OracleBound, oracle_bound};
 pub use report::{ConfigInfo, LabReport, RunReport, TimingInfo, TraceInfo};
 pub use robustness::{RobustnessArgs, run_robustness};
 pub use robustness_report::{CellRun, RobustnessReport};
-pub use serving::{DEFAULT_TRANSFER_MS_PER_TOKEN, KvTransferModel, Serving, SplitFleet, SplitMode};
+pub use serving::{ALWAYS_REMOTE, Serving, SplitFleet, SplitMode};
 pub use sim::{PreparedTrace, RunResult, simulate};
 pub use study_args::StudyArgs;
 pub use sweep::{Sweep, run_sweep};

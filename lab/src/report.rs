@@ -123,7 +123,7 @@ impl From<&SimConfig> for ConfigInfo {
             cpu_tier_blocks: c.cpu_tier.cpu_tier_blocks,
             cpu_tier_load_ms_per_token: c.cpu_tier.cpu_tier_load_ms_per_token,
             tier_pricing: c.tier_pricing,
-            transfer_ms_per_token: c.transfer.ms_per_token,
+            transfer_ms_per_token: c.transfer.transfer_ms_per_token,
         }
     }
 }

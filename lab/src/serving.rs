@@ -1,7 +1,8 @@
 //! How a run's engines serve requests: all of them whole requests (*aggregated*, role
 //! `both`), or split into prefill and decode engines (*disaggregated*, or
-//! *conditional* when the router may keep a prompt on its decode engine), and what
-//! the KV transfer between the two halves of a request costs ([`KvTransferModel`]).
+//! *conditional* when the router may keep a prompt on its decode engine). The KV
+//! transfer between the two halves is the engine model's
+//! ([`engine_model::KvTransferConfig`], `--transfer-ms-per-token`).
 //!
 //! Why in the lab: at an equal number of engines, a split fleet trades prefill
 //! capacity (only the prefill engines compute prompts) and a transfer per request for
@@ -9,9 +10,8 @@
 //! prefix reuse and load, so the lab replays the same trace through each layout
 //! (`kv-mocker lab disagg`, [`crate::disagg`]).
 //!
-//! Cost: a role per engine; the transfer time is O(1) per request.
+//! Cost: a role per engine.
 
-use crate::config::ms_to_ns;
 use crate::error::LabError;
 use kv_events::disaggregation::WorkerRole;
 use scheduler::DisaggregationConfig;
@@ -108,50 +108,6 @@ impl Serving {
                 workers.saturating_sub(split.prefill_engines)
             ),
         }
-    }
-}
-
-/// Default KV transfer time, in ms per token: Llama-3-8B's KV is 128 KiB per token
-/// (`TimingModel::H100_8B`'s model), and a NIXL read over one 400 Gb/s RDMA NIC per
-/// GPU moves about 40 GB/s, so 3.3 µs per token, 0.21 ms per 64-token block: 18×
-/// cheaper than prefilling the token (0.06 ms). The mock engines' default too
-/// (`--transfer-ms-per-token`).
-pub const DEFAULT_TRANSFER_MS_PER_TOKEN: f64 = 0.0033;
-
-/// The KV transfer from a prefill engine to a decode engine: a fixed time per token
-/// of every whole prompt block the decode engine does not already hold (the partial
-/// last block moves whole). It runs beside both engines' steps, as NIXL's and
-/// Mooncake's reads do: the decode engine keeps decoding its batch meanwhile.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct KvTransferModel {
-    /// Time per token moved, in ms (finite, ≥ 0).
-    pub ms_per_token: f64,
-}
-
-impl Default for KvTransferModel {
-    fn default() -> Self {
-        Self {
-            ms_per_token: DEFAULT_TRANSFER_MS_PER_TOKEN,
-        }
-    }
-}
-
-impl KvTransferModel {
-    /// Checks the time per token.
-    ///
-    /// # Errors
-    /// [`LabError::TransferTime`] unless it is finite and ≥ 0.
-    pub fn validate(&self) -> Result<(), LabError> {
-        if self.ms_per_token.is_finite() && self.ms_per_token >= 0.0 {
-            Ok(())
-        } else {
-            Err(LabError::TransferTime(self.ms_per_token))
-        }
-    }
-
-    /// Time to move `blocks` whole blocks of `block_size` tokens, in ns.
-    pub fn duration_ns(&self, blocks: u64, block_size: u32) -> u64 {
-        ms_to_ns(self.ms_per_token * (blocks * u64::from(block_size)) as f64)
     }
 }
 

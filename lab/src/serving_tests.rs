@@ -6,8 +6,8 @@
 use super::*;
 use crate::config::{LabPolicy, Setting, SimConfig, Speedup};
 use crate::sim::{PreparedTrace, RunResult, simulate};
-use engine_model::StepWork;
 use engine_model::trace::{BlockMapping, TraceRequest};
+use engine_model::{KvTransferConfig, StepWork};
 use kv_events::routing::PolicyKind;
 
 #[test]
@@ -31,19 +31,6 @@ fn roles_put_the_prefill_engines_first_and_need_both_sides() {
     }
 }
 
-#[test]
-fn transfer_time_is_per_token_of_whole_blocks() {
-    let t = KvTransferModel {
-        ms_per_token: 0.25 / 64.0,
-    };
-    assert_eq!(t.duration_ns(10, 64), 2_500_000);
-    assert_eq!(t.duration_ns(0, 64), 0);
-    assert!(KvTransferModel::default().validate().is_ok());
-    for bad in [-1.0, f64::NAN, f64::INFINITY] {
-        assert!(KvTransferModel { ms_per_token: bad }.validate().is_err());
-    }
-}
-
 fn split(prefill_engines: u32, mode: SplitMode) -> Serving {
     Serving::Split(SplitFleet {
         prefill_engines,
@@ -56,8 +43,8 @@ fn config(serving: Serving) -> SimConfig {
         event_lag_ms: 0.0,
         serving,
         // 0.25 ms per 64-token block.
-        transfer: KvTransferModel {
-            ms_per_token: 0.25 / 64.0,
+        transfer: KvTransferConfig {
+            transfer_ms_per_token: 0.25 / 64.0,
         },
         ..SimConfig::default()
     }
@@ -116,10 +103,9 @@ fn a_disaggregated_ttft_is_prefill_then_transfer_then_the_decode_step() {
         "every block, the partial one too"
     );
     // The prefill rank computes the prompt; 16 blocks move at 0.25 ms each; the decode
-    // rank's admission step computes nothing (the KV arrived) and emits the first
-    // token.
-    let base = SimConfig::default().timing.step_base_ms;
-    let want = step(1_000, 0, 0) + 16.0 * 0.25 + base;
+    // rank's admission step recomputes the last token only (the KV arrived) and
+    // emits the first token.
+    let want = step(1_000, 0, 0) + 16.0 * 0.25 + step(1, 0, 0);
     assert!(
         (ttft(&r, 0) - want).abs() < 1e-5,
         "{} vs {want}",
@@ -146,8 +132,7 @@ fn a_prefix_held_by_the_decode_engine_is_not_transferred() {
     // moves. The prefill rank holds them too: it computes the last token only.
     assert_eq!(again.transferred_blocks, 1);
     assert_eq!(again.cached_tokens, 960);
-    let base = SimConfig::default().timing.step_base_ms;
-    let want = step(40, 0, 0) + 0.25 + base;
+    let want = step(40, 0, 0) + 0.25 + step(1, 0, 0);
     assert!(
         (ttft(&r, 1) - want).abs() < 1e-5,
         "{} vs {want}",

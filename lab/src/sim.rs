@@ -33,9 +33,8 @@ use crate::fleet::at_speed;
 use crate::log_entry::LogEntry;
 use crate::metrics::{RequestRecord, RunMetrics};
 use crate::router::Router;
-use crate::serving::KvTransferModel;
-use engine_model::{EngineCore, StepOutput};
-use kv_events::disaggregation::{WorkerRole, is_prefill_booking_id};
+use engine_model::{EngineCore, KvTransferConfig, StepOutput};
+use kv_events::disaggregation::is_prefill_booking_id;
 use kv_events::{DpRank, KvCacheEvent, KvCacheEventData, RequestId, WorkerId, WorkerRank};
 use std::cmp::{Ordering, Reverse};
 use std::collections::{BinaryHeap, HashMap};
@@ -117,10 +116,6 @@ impl Ord for Timed {
 struct SimRank {
     id: WorkerRank,
     core: EngineCore,
-    /// A `decode` rank's prefill cost per token of a prompt it prefills itself, in ms
-    /// (the `pair` module explains why the lab charges it, not the core); `None`
-    /// for other roles, whose core charges its own prefill.
-    local_prefill_ms_per_token: Option<f64>,
     /// A step is in flight (its end is in the queue).
     stepping: bool,
     next_event_id: u64,
@@ -132,7 +127,7 @@ struct Sim<'a> {
     lag_ns: u64,
     ranks: Vec<SimRank>,
     router: Router,
-    transfer: KvTransferModel,
+    transfer: KvTransferConfig,
     queue: BinaryHeap<Reverse<Timed>>,
     seq: u64,
     records: Vec<RequestRecord>,
@@ -193,17 +188,11 @@ pub(super) fn run_sim(
     let ranks = ids
         .iter()
         .zip(speeds)
-        .zip(&roles)
-        .map(|((&id, speed), &role)| {
-            let timing = at_speed(config.timing, speed);
-            let (engine, timing, local_prefill_ms_per_token) = match role {
-                WorkerRole::Decode => pair::decode_engine(config.engine, timing),
-                WorkerRole::Both | WorkerRole::Prefill => (config.engine, timing, None),
-            };
+        .map(|(&id, speed)| {
             Ok(SimRank {
                 id,
-                core: EngineCore::new(engine, timing)?.with_cpu_tier(config.cpu_tier)?,
-                local_prefill_ms_per_token,
+                core: EngineCore::new(config.engine, at_speed(config.timing, speed))?
+                    .with_cpu_tier(config.cpu_tier)?,
                 stepping: false,
                 next_event_id: 0,
             })
@@ -335,10 +324,9 @@ impl Sim<'_> {
         let output = self.ranks[rank].core.step();
         self.steps += 1;
         self.ranks[rank].stepping = true;
-        let duration_ms = output.duration_ms + self.local_prefill_ms(rank, &output);
         // A step with work has a positive duration; max(1) keeps time moving even for
         // a degenerate timing model of all zeros.
-        let end = now + ms_to_ns(duration_ms).max(1);
+        let end = now + ms_to_ns(output.duration_ms).max(1);
         self.push(end, Event::StepEnd { rank, output });
     }
 
