@@ -101,7 +101,7 @@ fn ensure_font() -> Result<(), LabError> {
 /// encoding fails.
 pub fn write_charts(report: &LabReport, dir: &Path) -> Result<Vec<PathBuf>, LabError> {
     let charts = [
-        Chart::TtftCdf,
+        Chart::TtftCdf("TTFT CDF per policy"),
         Chart::VersusSpeedup(Metric::HitRate),
         Chart::VersusSpeedup(Metric::P99Ttft),
     ];
@@ -115,7 +115,7 @@ pub fn write_charts(report: &LabReport, dir: &Path) -> Result<Vec<PathBuf>, LabE
 /// As [`write_charts`].
 pub fn write_disagg_charts(report: &LabReport, dir: &Path) -> Result<Vec<PathBuf>, LabError> {
     let charts = [
-        Chart::TtftCdf,
+        Chart::TtftCdf("TTFT CDF per serving"),
         Chart::VersusSpeedup(Metric::P99Ttft),
         Chart::VersusSpeedup(Metric::P99Itl),
     ];
@@ -125,8 +125,9 @@ pub fn write_disagg_charts(report: &LabReport, dir: &Path) -> Result<Vec<PathBuf
 /// One chart of a report.
 #[derive(Debug, Clone, Copy)]
 enum Chart {
-    /// The TTFT CDF per policy, one panel per setting.
-    TtftCdf,
+    /// The TTFT CDF per run label (policy or serving), one panel per setting, under
+    /// this title.
+    TtftCdf(&'static str),
     /// A metric against speed-up, one panel per worker count.
     VersusSpeedup(Metric),
 }
@@ -149,7 +150,7 @@ fn write_set<const N: usize>(
         .map(|(file, chart)| {
             let path = dir.join(file);
             match chart {
-                Chart::TtftCdf => ttft_cdf(report, &path)?,
+                Chart::TtftCdf(title) => ttft_cdf(report, &path, title)?,
                 Chart::VersusSpeedup(metric) => versus_speedup(report, &path, metric)?,
             }
             Ok(path)
@@ -168,7 +169,7 @@ fn distinct<T: PartialEq + Copy>(items: impl Iterator<Item = T>) -> Vec<T> {
     out
 }
 
-fn ttft_cdf(report: &LabReport, path: &Path) -> Result<(), LabError> {
+fn ttft_cdf(report: &LabReport, path: &Path, title: &str) -> Result<(), LabError> {
     let settings = report.settings();
     let workers = distinct(settings.iter().map(|s| s.workers));
     let speedups = distinct(settings.iter().map(|s| s.speedup));
@@ -177,9 +178,7 @@ fn ttft_cdf(report: &LabReport, path: &Path) -> Result<(), LabError> {
     let size = (560 * cols as u32, 420 * rows as u32 + 40);
     let root = BitMapBackend::new(path, size).into_drawing_area();
     root.fill(&WHITE).map_err(chart_error)?;
-    let root = root
-        .titled("TTFT CDF per policy", (FAMILY, 26))
-        .map_err(chart_error)?;
+    let root = root.titled(title, (FAMILY, 26)).map_err(chart_error)?;
     let panels = root.split_evenly((rows, cols));
     // One x range for every panel, so panels compare at a glance.
     let all = report
