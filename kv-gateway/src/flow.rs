@@ -4,6 +4,7 @@
 //!
 //! ```text
 //! body ─ parse ─ model? ─ tokenize ─ length? ─┬─ route (exclude tried) ─ engine URL? ─ open ─┬─ first event ─ Answer (stream / assemble)
+//!                                             │                  └─ prefill half ─ open decode ─┤
 //!                                             └─────── retry on AttemptFailure::Retry ◀──────┘
 //! ```
 //!
@@ -12,15 +13,18 @@
 //!
 //! Every routed attempt holds a [`crate::router::Booking`]; an attempt that fails
 //! drops it (so the router frees that worker's load) before the next one is routed.
+//! When the router names a prefill worker, the attempt runs the two halves of a
+//! disaggregated request ([`halves`]) and its answer is the decode worker's; a failed
+//! half excludes the worker of that half from the next route.
 
 use crate::answer::{Answer, Shape};
-use crate::config::{ChatForward, EngineApi, ModelConfig, PromptForward, RequestLimits};
+use crate::config::{ChatForward, ModelConfig, PromptForward, RequestLimits};
 use crate::error::ApiError;
-use crate::forward::{AttemptFailure, EngineClient, FirstTokenDeadline};
+use crate::forward::{AttemptFailure, EngineCall, EngineClient, Events, FirstTokenDeadline};
 use crate::limit::PromptLimits;
 use crate::metrics::GatewayMetrics;
 use crate::openai::{
-    ChatRequest, CompletionRequest, PromptInput, chat_as_completion, chat_for_engine,
+    ChatRequest, CompletionRequest, EngineTarget, PromptInput, chat_as_completion, chat_for_engine,
     completion_for_engine, max_output_tokens, parse_chat, parse_completion,
 };
 use crate::router::{Booking, RouterClient};
@@ -29,12 +33,16 @@ use crate::workers::WorkerUrls;
 use axum::Json;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
+use eventsource_stream::Event;
+use halves::Half;
 use kv_events::routing::{Prompt, RouteDecision, SessionId};
-use kv_events::{DpRank, WorkerId, compute_block_hashes};
+use kv_events::{DpRank, RequestId, WorkerId, compute_block_hashes};
 use serde_json::{Map, Value};
 use std::collections::HashSet;
 use tokio::time::Instant;
 use tracing::{debug, warn};
+
+mod halves;
 
 /// What the request path needs, shared by every request.
 #[derive(Clone)]
@@ -71,16 +79,15 @@ impl EngineRequest {
     fn body(
         &self,
         tokens: &[u32],
-        api: EngineApi,
-        dp_rank: DpRank,
+        target: EngineTarget<'_>,
     ) -> Result<Map<String, Value>, ApiError> {
         Ok(match self {
             Self::Completion {
                 request,
                 forward_tokens,
-            } => completion_for_engine(request, forward_tokens.then_some(tokens), api, dp_rank),
-            Self::ChatAsCompletion(chat) => chat_as_completion(chat, tokens, api, dp_rank)?,
-            Self::Chat(chat) => chat_for_engine(chat, api, dp_rank),
+            } => completion_for_engine(request, forward_tokens.then_some(tokens), target),
+            Self::ChatAsCompletion(chat) => chat_as_completion(chat, tokens, target)?,
+            Self::Chat(chat) => chat_for_engine(chat, target),
         })
     }
 
@@ -169,7 +176,11 @@ impl Flow {
         self.check_model(&chat.model)?;
         if self.model.chat_forward == ChatForward::Tokens {
             // Refuse what tokens mode cannot do before anything is routed.
-            chat_as_completion(&chat, &[], self.model.engine_api, DpRank(0))?;
+            chat_as_completion(
+                &chat,
+                &[],
+                EngineTarget::whole(self.model.engine_api, DpRank(0)),
+            )?;
         }
         let bound = self.prompt.current();
         let tokens = self
@@ -202,6 +213,7 @@ impl Flow {
     async fn serve(&self, plan: Plan, arrived: Instant) -> Result<Response, ApiError> {
         let deadline = arrived + self.limits.request_timeout;
         let attempts = self.limits.max_retries + 1;
+        // Workers that failed, of either half: the router picks neither half there.
         let mut exclude: Vec<WorkerId> = Vec::new();
         let mut last_failure = String::new();
         let prompt = self.route_prompt(&plan.tokens);
@@ -214,6 +226,7 @@ impl Flow {
                     prompt.clone(),
                     &exclude,
                     plan.session.as_ref(),
+                    self.model.disaggregation,
                 )
                 .await;
             let (decision, booking) = match routed {
@@ -225,8 +238,12 @@ impl Flow {
             self.metrics.stage("route", started.elapsed());
             self.metrics
                 .overlap(decision.overlap_blocks, decision.request_blocks);
-            let worker = decision.worker_id;
-            let failure = match self
+            self.metrics.routed(
+                decision
+                    .disaggregation
+                    .map_or("aggregated", |d| d.reason.as_str()),
+            );
+            let failed = match self
                 .attempt(&plan, &decision, booking, arrived, deadline)
                 .await
             {
@@ -234,16 +251,25 @@ impl Flow {
                     decision_headers(&mut response, &decision);
                     return Ok(response);
                 }
-                Err(failure) => failure,
+                Err(failed) => failed,
             };
+            let Failed {
+                worker,
+                half,
+                failure,
+            } = failed;
             match failure {
                 AttemptFailure::Final(e) => return Err(e),
                 AttemptFailure::Retry { reason, detail } => {
                     // The attempt's booking is gone: the router freed that load
-                    // before the next route.
-                    warn!(worker = %worker, attempt, attempts, reason, detail, "engine failed before the client saw anything");
+                    // (both halves of a disaggregated attempt) before the next route.
+                    let half = half.map(Half::as_str);
+                    warn!(worker = %worker, half, attempt, attempts, reason, detail, "engine failed before the client saw anything");
                     if attempt < attempts {
                         self.metrics.retry(reason);
+                        if let Some(half) = half {
+                            self.metrics.half_retry(half, reason);
+                        }
                     }
                     exclude.push(worker);
                     last_failure = detail;
@@ -272,8 +298,9 @@ impl Flow {
         }
     }
 
-    /// One engine attempt of `plan` on the routed worker, holding `booking` (dropped,
-    /// and so freed, when the attempt fails).
+    /// One engine attempt of `plan` on the routed worker (and its prefill worker,
+    /// when the router named one), holding `booking` (dropped, and so freed, when
+    /// the attempt fails).
     async fn attempt(
         &self,
         plan: &Plan,
@@ -281,33 +308,26 @@ impl Flow {
         mut booking: Booking,
         arrived: Instant,
         deadline: Instant,
-    ) -> Result<Response, AttemptFailure> {
+    ) -> Result<Response, Failed> {
         let worker = decision.worker_id;
-        let Some(url) = self.workers.url(worker) else {
-            return Err(AttemptFailure::Retry {
-                reason: "no_url",
-                detail: format!("worker {worker} registered no engine url"),
-            });
-        };
-        let body = plan
-            .request
-            .body(&plan.tokens, self.model.engine_api, decision.dp_rank)
-            .map_err(AttemptFailure::Final)?;
         let opened = Instant::now();
-        let first_token = FirstTokenDeadline {
-            attempt: opened + self.limits.first_token_timeout,
-            request: deadline,
+        let prefill = decision.disaggregation.and_then(|d| d.prefill);
+        // Who failed when the answer breaks after its first token.
+        let decode_half = prefill.map(|_| Half::Decode);
+        let (first, events, url) = match prefill {
+            None => self
+                .open_whole(plan, decision, booking.request_id(), deadline)
+                .await
+                .map_err(|failure| Failed {
+                    worker,
+                    half: None,
+                    failure,
+                })?,
+            Some(prefill) => {
+                self.open_halves(plan, decision, prefill, &mut booking, deadline)
+                    .await?
+            }
         };
-        let (first, events) = self
-            .engine
-            .open(
-                &url,
-                plan.request.path(),
-                &body,
-                decision.dp_rank,
-                first_token,
-            )
-            .await?;
         booking.prefill_done();
         self.metrics.stage("engine", opened.elapsed());
         self.metrics.ttft(plan.endpoint, arrived.elapsed());
@@ -342,17 +362,75 @@ impl Flow {
         }
         // The client sees nothing until the answer is whole, so an engine that fails
         // after its first token is failed over like one that failed before it.
-        match answer.collect().await {
-            Ok(whole) => Ok(Json(whole).into_response()),
-            Err(_) if Instant::now() >= deadline => Err(AttemptFailure::Final(ApiError::timeout(
-                format!("{url} did not finish in time"),
-            ))),
-            Err(message) => Err(AttemptFailure::Retry {
+        let failure = match answer.collect().await {
+            Ok(whole) => return Ok(Json(whole).into_response()),
+            Err(_) if Instant::now() >= deadline => {
+                AttemptFailure::Final(ApiError::timeout(format!("{url} did not finish in time")))
+            }
+            Err(message) => AttemptFailure::Retry {
                 reason: "engine_error",
                 detail: format!("{url} failed after its first token: {message}"),
-            }),
+            },
+        };
+        Err(Failed {
+            worker,
+            half: decode_half,
+            failure,
+        })
+    }
+
+    /// Opens the whole request on the routed worker: its first event, the rest of
+    /// its stream, and its URL.
+    async fn open_whole(
+        &self,
+        plan: &Plan,
+        decision: &RouteDecision,
+        request_id: &RequestId,
+        deadline: Instant,
+    ) -> Result<(Event, Events, String), AttemptFailure> {
+        let worker = decision.worker_id;
+        let Some(url) = self.workers.url(worker) else {
+            return Err(AttemptFailure::Retry {
+                reason: "no_url",
+                detail: format!("worker {worker} registered no engine url"),
+            });
+        };
+        let target = EngineTarget::whole(self.model.engine_api, decision.dp_rank);
+        let body = plan
+            .request
+            .body(&plan.tokens, target)
+            .map_err(AttemptFailure::Final)?;
+        let call = EngineCall {
+            url: &url,
+            path: plan.request.path(),
+            body: &body,
+            dp_rank: decision.dp_rank,
+            request_id,
+        };
+        let (first, events) = self
+            .engine
+            .open(call, self.first_token(Instant::now(), deadline))
+            .await?;
+        Ok((first, events, url))
+    }
+
+    /// When an engine request sent at `sent` must have its first token (or, for a
+    /// prefill half, its whole answer).
+    fn first_token(&self, sent: Instant, deadline: Instant) -> FirstTokenDeadline {
+        FirstTokenDeadline {
+            attempt: sent + self.limits.first_token_timeout,
+            request: deadline,
         }
     }
+}
+
+/// An attempt that failed, and the worker the next route excludes for it.
+struct Failed {
+    /// The worker that failed: the routed one, or the prefill worker.
+    worker: WorkerId,
+    /// Which half of a disaggregated attempt failed; `None` for a whole request.
+    half: Option<Half>,
+    failure: AttemptFailure,
 }
 
 /// Response header naming the worker that served the request.
@@ -361,16 +439,32 @@ pub const WORKER_HEADER: &str = "x-kv-router-worker-id";
 pub const DP_RANK_RESPONSE_HEADER: &str = "x-kv-router-dp-rank";
 /// Response header with the router's overlap for the request, in blocks.
 pub const OVERLAP_HEADER: &str = "x-kv-router-overlap-blocks";
+/// Response header with the router's disaggregation decision (its reason's wire
+/// name), when the reply had one.
+pub const DISAGGREGATION_HEADER: &str = "x-kv-router-disaggregation";
+/// Response header naming the worker that prefilled a disaggregated request.
+pub const PREFILL_WORKER_HEADER: &str = "x-kv-router-prefill-worker-id";
+/// Response header with the router's overlap on the prefill worker, in blocks.
+pub const PREFILL_OVERLAP_HEADER: &str = "x-kv-router-prefill-overlap-blocks";
 
 /// Says where the request went, for operators and load generators: the worker, its
-/// rank and the prefix overlap the router predicted there.
+/// rank and the prefix overlap the router predicted there, and for a disaggregated
+/// request the decision, the prefill worker and its overlap.
 fn decision_headers(response: &mut Response, decision: &RouteDecision) {
     let headers = response.headers_mut();
-    for (name, value) in [
-        (WORKER_HEADER, decision.worker_id.0),
-        (DP_RANK_RESPONSE_HEADER, u64::from(decision.dp_rank.0)),
-        (OVERLAP_HEADER, u64::from(decision.overlap_blocks)),
-    ] {
+    let prefill = decision.disaggregation.and_then(|d| d.prefill);
+    let numbers = [
+        Some((WORKER_HEADER, decision.worker_id.0)),
+        Some((DP_RANK_RESPONSE_HEADER, u64::from(decision.dp_rank.0))),
+        Some((OVERLAP_HEADER, u64::from(decision.overlap_blocks))),
+        prefill.map(|p| (PREFILL_WORKER_HEADER, p.worker_id.0)),
+        prefill.map(|p| (PREFILL_OVERLAP_HEADER, u64::from(p.overlap_blocks))),
+    ];
+    for (name, value) in numbers.into_iter().flatten() {
         headers.insert(name, axum::http::HeaderValue::from(value));
+    }
+    if let Some(disaggregation) = decision.disaggregation {
+        let reason = axum::http::HeaderValue::from_static(disaggregation.reason.as_str());
+        headers.insert(DISAGGREGATION_HEADER, reason);
     }
 }

@@ -12,6 +12,10 @@
 //! The engine's stream is bounded before it is parsed: a line longer than
 //! [`MAX_SSE_LINE_BYTES`] breaks the stream, so an engine that sends garbage without
 //! newlines cannot make the gateway buffer it.
+//!
+//! The prefill half of a disaggregated request ([`EngineClient::prefill`]) is one
+//! non-streamed answer, read whole within the same deadline as a first token and at
+//! most [`MAX_PREFILL_ANSWER_BYTES`]; a longer or broken one fails like a 5xx.
 
 use crate::config::EngineApi;
 use crate::error::ApiError;
@@ -19,13 +23,23 @@ use axum::http::StatusCode;
 use bytes::Bytes;
 use eventsource_stream::{Event, Eventsource};
 use futures::{Stream, StreamExt};
-use kv_events::DpRank;
+use kv_events::{DpRank, RequestId};
 use serde_json::{Map, Value};
 use std::pin::Pin;
 use tokio::time::Instant;
 
 /// vLLM's header naming the data-parallel rank a request must run on.
 pub const DP_RANK_HEADER: &str = "X-data-parallel-rank";
+
+/// The header naming the request to the engine: the router's request id, the same on
+/// both halves of a disaggregated request, as vLLM's own disaggregation proxy does
+/// (vLLM then uses it as its request id).
+pub const REQUEST_ID_HEADER: &str = "X-Request-Id";
+
+/// Largest answer read from a prefill worker, in bytes: vLLM's carries one token and
+/// `kv_transfer_params` with one block id per prompt block (about 0.5 MiB for a
+/// 1M-token prompt at 16 tokens a block); a longer one fails the prefill half.
+pub const MAX_PREFILL_ANSWER_BYTES: usize = 4 << 20;
 
 /// Largest error body read from an engine, in bytes.
 const MAX_ERROR_BODY: usize = 64 << 10;
@@ -49,11 +63,13 @@ impl FirstTokenDeadline {
         self.attempt.min(self.request)
     }
 
-    fn missed(self, url: &str) -> AttemptFailure {
+    /// `url` did not do `what` in time: fail over, or, past the request's deadline,
+    /// a 504.
+    fn missed(self, url: &str, what: &str) -> AttemptFailure {
         if self.attempt < self.request {
             AttemptFailure::Retry {
                 reason: "first_token_timeout",
-                detail: format!("{url} sent no first token in time"),
+                detail: format!("{url} {what} in time"),
             }
         } else {
             AttemptFailure::Final(ApiError::timeout(format!("{url} did not answer in time")))
@@ -78,6 +94,21 @@ pub enum AttemptFailure {
     Final(ApiError),
 }
 
+/// One request to one engine.
+#[derive(Debug, Clone, Copy)]
+pub struct EngineCall<'a> {
+    /// The engine's base URL.
+    pub url: &'a str,
+    /// `/v1/completions` or `/v1/chat/completions`.
+    pub path: &'a str,
+    /// The body, built by [`crate::openai`].
+    pub body: &'a Map<String, Value>,
+    /// The rank it must run on (a header for vLLM; SGLang's is in the body).
+    pub dp_rank: DpRank,
+    /// The router's request id, sent as [`REQUEST_ID_HEADER`].
+    pub request_id: &'a RequestId,
+}
+
 /// The HTTP client for engines.
 #[derive(Clone)]
 pub struct EngineClient {
@@ -96,57 +127,25 @@ impl EngineClient {
         &self.client
     }
 
-    /// POSTs `body` to `{url}{path}` on `dp_rank` and waits until `deadline` for the
-    /// first server-sent event, which must be a JSON chunk without an error. Returns
-    /// it with the rest of the stream.
+    /// POSTs `call` and waits until `deadline` for the first server-sent event, which
+    /// must be a JSON chunk without an error. Returns it with the rest of the stream.
     ///
     /// # Errors
     /// [`AttemptFailure`], see the module docs.
     pub async fn open(
         &self,
-        url: &str,
-        path: &str,
-        body: &Map<String, Value>,
-        dp_rank: DpRank,
+        call: EngineCall<'_>,
         deadline: FirstTokenDeadline,
     ) -> Result<(Event, Events), AttemptFailure> {
-        let mut request = self
-            .client
-            .post(format!("{url}{path}"))
-            .header("accept", "text/event-stream")
-            .json(body);
-        if self.api == EngineApi::Vllm {
-            request = request.header(DP_RANK_HEADER, dp_rank.0);
-        }
-        let response = match tokio::time::timeout_at(deadline.at(), request.send()).await {
-            Err(_) => return Err(deadline.missed(url)),
-            Ok(Err(e)) => {
-                return Err(AttemptFailure::Retry {
-                    reason: "connect",
-                    detail: format!("{url}: {e}"),
-                });
-            }
-            Ok(Ok(response)) => response,
-        };
-        let status = response.status();
-        if !status.is_success() {
-            let detail = error_text(response).await;
-            return Err(if status.is_server_error() {
-                AttemptFailure::Retry {
-                    reason: "engine_error",
-                    detail: format!("{url} answered {status}: {detail}"),
-                }
-            } else {
-                AttemptFailure::Final(engine_refused(status, detail))
-            });
-        }
+        let url = call.url;
+        let response = self.send(call, "text/event-stream", deadline).await?;
         let mut events: Events = Box::pin(
             bounded_lines(response.bytes_stream(), MAX_SSE_LINE_BYTES)
                 .eventsource()
                 .map(|item| item.map_err(|e| e.to_string())),
         );
         match tokio::time::timeout_at(deadline.at(), events.next()).await {
-            Err(_) => Err(deadline.missed(url)),
+            Err(_) => Err(deadline.missed(url, "sent no first token")),
             Ok(Some(Ok(first))) => match unusable_first(&first) {
                 None => Ok((first, events)),
                 Some(why) => Err(AttemptFailure::Retry {
@@ -163,6 +162,79 @@ impl EngineClient {
                 detail: format!("{url} closed its stream before the first token"),
             }),
         }
+    }
+
+    /// POSTs `call`, a prefill half's non-streamed request, and reads its answer
+    /// whole (at most [`MAX_PREFILL_ANSWER_BYTES`]) by `deadline`.
+    ///
+    /// # Errors
+    /// [`AttemptFailure`] as for [`EngineClient::open`]; an answer that is longer,
+    /// breaks off or comes too late fails over too.
+    pub async fn prefill(
+        &self,
+        call: EngineCall<'_>,
+        deadline: FirstTokenDeadline,
+    ) -> Result<Vec<u8>, AttemptFailure> {
+        let url = call.url;
+        let response = self.send(call, "application/json", deadline).await?;
+        let read = read_body(response, MAX_PREFILL_ANSWER_BYTES);
+        let (body, end) = match tokio::time::timeout_at(deadline.at(), read).await {
+            Err(_) => return Err(deadline.missed(url, "did not finish its prefill")),
+            Ok(read) => read,
+        };
+        let broken = match end {
+            BodyEnd::Whole => return Ok(body),
+            BodyEnd::Over => {
+                format!("answered its prefill with over {MAX_PREFILL_ANSWER_BYTES} bytes")
+            }
+            BodyEnd::Broken(e) => format!("broke its prefill answer off: {e}"),
+        };
+        Err(AttemptFailure::Retry {
+            reason: "engine_error",
+            detail: format!("{url} {broken}"),
+        })
+    }
+
+    /// POSTs `call` by `deadline`; a 5xx fails over, a 4xx is the client's answer.
+    async fn send(
+        &self,
+        call: EngineCall<'_>,
+        accept: &str,
+        deadline: FirstTokenDeadline,
+    ) -> Result<reqwest::Response, AttemptFailure> {
+        let url = call.url;
+        let mut request = self
+            .client
+            .post(format!("{url}{}", call.path))
+            .header("accept", accept)
+            .header(REQUEST_ID_HEADER, call.request_id.0.as_str())
+            .json(call.body);
+        if self.api == EngineApi::Vllm {
+            request = request.header(DP_RANK_HEADER, call.dp_rank.0);
+        }
+        let response = match tokio::time::timeout_at(deadline.at(), request.send()).await {
+            Err(_) => return Err(deadline.missed(url, "did not answer")),
+            Ok(Err(e)) => {
+                return Err(AttemptFailure::Retry {
+                    reason: "connect",
+                    detail: format!("{url}: {e}"),
+                });
+            }
+            Ok(Ok(response)) => response,
+        };
+        let status = response.status();
+        if status.is_success() {
+            return Ok(response);
+        }
+        let detail = error_text(response).await;
+        Err(if status.is_server_error() {
+            AttemptFailure::Retry {
+                reason: "engine_error",
+                detail: format!("{url} answered {status}: {detail}"),
+            }
+        } else {
+            AttemptFailure::Final(engine_refused(status, detail))
+        })
     }
 }
 
@@ -206,20 +278,40 @@ where
     })
 }
 
-/// At most `limit` bytes of `response`'s body, and whether it was longer (the rest is
-/// not read); a body that breaks off ends what is read.
-pub(crate) async fn read_bounded(response: reqwest::Response, limit: usize) -> (Vec<u8>, bool) {
+/// How a bounded read of a body ended.
+enum BodyEnd {
+    /// The body ended within the bound.
+    Whole,
+    /// More than the bound arrived; the rest was not read.
+    Over,
+    /// The body broke off.
+    Broken(String),
+}
+
+/// At most `limit` bytes of `response`'s body, and how the read ended.
+async fn read_body(response: reqwest::Response, limit: usize) -> (Vec<u8>, BodyEnd) {
     let mut body = Vec::new();
     let mut chunks = response.bytes_stream();
-    while let Some(Ok(chunk)) = chunks.next().await {
+    while let Some(chunk) = chunks.next().await {
+        let chunk = match chunk {
+            Ok(chunk) => chunk,
+            Err(e) => return (body, BodyEnd::Broken(e.to_string())),
+        };
         let room = limit.saturating_sub(body.len());
         if chunk.len() > room {
             body.extend_from_slice(&chunk[..room]);
-            return (body, true);
+            return (body, BodyEnd::Over);
         }
         body.extend_from_slice(&chunk);
     }
-    (body, false)
+    (body, BodyEnd::Whole)
+}
+
+/// At most `limit` bytes of `response`'s body, and whether it was longer (the rest is
+/// not read); a body that breaks off ends what is read.
+pub(crate) async fn read_bounded(response: reqwest::Response, limit: usize) -> (Vec<u8>, bool) {
+    let (body, end) = read_body(response, limit).await;
+    (body, matches!(end, BodyEnd::Over))
 }
 
 /// The engine's error message: `error.message` of an OpenAI error body, else the

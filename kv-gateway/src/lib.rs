@@ -3,6 +3,8 @@
 //! for a (worker, dp_rank) over the public NATS protocol, forwards the request to that
 //! engine's HTTP endpoint (found in the etcd worker directory), streams the answer
 //! back and reports the request's lifecycle (`prefill_done`, `keep_alive`, `freed`).
+//! When the router splits a request between a prefill and a decode worker, it runs
+//! both halves (vLLM's or SGLang's protocol) and answers with the decode worker's.
 //!
 //! It is stateless and depends only on the protocol (`kv-events`) and the cluster
 //! crate (`kv-cluster`), never on the indexer or the scheduler: any number of gateway
@@ -13,14 +15,16 @@
 //! - [`config`]: flags → [`config::GatewayConfig`] (connection, model, forwarding,
 //!   limits).
 //! - [`http`]: routes, handlers, health and metrics endpoints.
-//! - [`flow`]: one request's path: tokenize → route → forward → answer, with failover.
+//! - [`flow`]: one request's path: tokenize → route → forward → answer, with failover;
+//!   the two halves of a disaggregated request in its `halves` module.
 //! - [`limit`]: the bound on one prompt, fixed or the engines' context length.
 //! - [`openai`]: the request bodies read, and the engine bodies built from them.
 //! - [`tokenize`]: prompt → token ids, in process or by the engine.
 //! - [`router`]: route queries and the [`router::Booking`] that frees on every path.
 //! - [`forward`]: one engine attempt, up to its first token.
 //! - [`answer`]: relaying or assembling the engine's events.
-//! - [`workers`]: worker id → engine URL, from the etcd directory.
+//! - [`workers`]: worker id → engine URL, role and KV transfer, from the etcd
+//!   directory.
 //! - [`metrics`]: the gateway's Prometheus metrics.
 //! - [`error`]: [`GatewayError`] and the client-facing [`error::ApiError`].
 

@@ -14,7 +14,10 @@
 //! | `kv_gateway_tokenizer_cache_bytes` | | bytes the tokenizer's piece cache holds (`--tokenizer-cache-mib`) |
 //! | `kv_gateway_prompt_tokens_total` | | prompt tokens routed |
 //! | `kv_gateway_completion_tokens_total` | | tokens generated (engines' usage) |
-//! | `kv_gateway_retries_total` | `reason`: `connect`, `engine_error`, `first_token_timeout`, `no_url` | failovers to another worker |
+//! | `kv_gateway_retries_total` | `reason`: `connect`, `engine_error`, `first_token_timeout`, `no_url`, `no_transfer` | failovers to another worker |
+//! | `kv_gateway_disaggregation_total` | `reason`: `long_uncached`, `short_uncached`, `decode_holds_prefix`, `no_prefill_worker`, `aggregated` | routed attempts by the router's disaggregation decision (`aggregated`: the reply had none) |
+//! | `kv_gateway_remote_prefill_seconds` | `protocol`: `vllm`, `sglang` | a disaggregated request's prefill half: its request sent → its answer whole |
+//! | `kv_gateway_half_retries_total` | `half`: `prefill`, `decode`; `reason` as above | failovers of a disaggregated request, by the half that failed (also counted in `kv_gateway_retries_total`) |
 //! | `kv_gateway_overlap_ratio` | | overlap blocks / prompt blocks of each routed request |
 //! | `kv_gateway_requests_in_flight` | | requests between routing and their end |
 
@@ -44,6 +47,9 @@ pub struct GatewayMetrics {
     prompt_tokens: IntCounter,
     completion_tokens: IntCounter,
     retries: IntCounterVec,
+    disaggregation: IntCounterVec,
+    remote_prefill: HistogramVec,
+    half_retries: IntCounterVec,
     overlap: Histogram,
     in_flight: IntGauge,
     tokenize_jobs: IntGauge,
@@ -101,6 +107,22 @@ impl GatewayMetrics {
                 "kv_gateway_retries_total",
                 "Requests routed again to another worker, by reason",
                 &["reason"],
+            )?,
+            disaggregation: r.counter_vec(
+                "kv_gateway_disaggregation_total",
+                "Routed attempts by the router's disaggregation decision (long_uncached, short_uncached, decode_holds_prefix, no_prefill_worker), or aggregated when the reply had none",
+                &["reason"],
+            )?,
+            remote_prefill: r.histogram_vec(
+                "kv_gateway_remote_prefill_seconds",
+                "Time from sending a disaggregated request's prefill half to its whole answer, in seconds, by transfer protocol",
+                &["protocol"],
+                LATENCY_BUCKETS.to_vec(),
+            )?,
+            half_retries: r.counter_vec(
+                "kv_gateway_half_retries_total",
+                "Disaggregated requests routed again, by the half that failed (prefill, decode) and reason",
+                &["half", "reason"],
             )?,
             overlap: r.histogram(
                 "kv_gateway_overlap_ratio",
@@ -197,6 +219,42 @@ impl GatewayMetrics {
     /// Failovers counted with `reason` so far.
     pub fn retries(&self, reason: &str) -> u64 {
         self.retries.with_label_values(&[reason]).get()
+    }
+
+    /// Counts a routed attempt by the router's disaggregation decision: its reason's
+    /// wire name, or `aggregated`.
+    pub fn routed(&self, decision: &str) {
+        self.disaggregation.with_label_values(&[decision]).inc();
+    }
+
+    /// Routed attempts counted with `decision` so far.
+    pub fn routed_count(&self, decision: &str) -> u64 {
+        self.disaggregation.with_label_values(&[decision]).get()
+    }
+
+    /// Records how long a prefill half took over `protocol` (`vllm`, `sglang`).
+    pub fn remote_prefill(&self, protocol: &str, elapsed: Duration) {
+        self.remote_prefill
+            .with_label_values(&[protocol])
+            .observe(elapsed.as_secs_f64());
+    }
+
+    /// Prefill halves recorded over `protocol` so far.
+    pub fn remote_prefills(&self, protocol: &str) -> u64 {
+        self.remote_prefill
+            .with_label_values(&[protocol])
+            .get_sample_count()
+    }
+
+    /// Counts a failover of a disaggregated request whose `half` (`prefill`,
+    /// `decode`) failed for `reason`.
+    pub fn half_retry(&self, half: &str, reason: &str) {
+        self.half_retries.with_label_values(&[half, reason]).inc();
+    }
+
+    /// Failovers counted for `half` and `reason` so far.
+    pub fn half_retries(&self, half: &str, reason: &str) -> u64 {
+        self.half_retries.with_label_values(&[half, reason]).get()
     }
 
     /// Records the router's reported overlap of a routed request.

@@ -8,6 +8,10 @@
 //! with usage (`stream: true`, `stream_options.include_usage: true`): the gateway
 //! then sees the first token of every request — for `prefill_done`, TTFT and
 //! failover — and assembles a whole answer itself for a client that did not stream.
+//! The one exception is the prefill half of a disaggregated request ([`Step`]), which
+//! the gateway reads whole and never shows the client. Fields that join the halves
+//! (`kv_transfer_params`, `bootstrap_*`) are the gateway's alone: a client's are
+//! dropped.
 
 use crate::config::EngineApi;
 use crate::error::ApiError;
@@ -226,34 +230,140 @@ pub fn parse_chat(bytes: &[u8]) -> Result<ChatRequest, ApiError> {
     })
 }
 
-/// Streams with usage, and the dp_rank where the engine expects it (vLLM takes a
-/// header, see [`EngineApi`]).
-fn engine_streaming(body: &mut Map<String, Value>, api: EngineApi, dp_rank: DpRank) {
-    body.insert("stream".into(), Value::Bool(true));
-    body.insert("stream_options".into(), json!({ "include_usage": true }));
-    if api == EngineApi::Sglang {
-        body.insert("data_parallel_rank".into(), json!(dp_rank.0));
+/// Which engine request of a routed attempt a body is for: the whole request, or one
+/// half of a disaggregated one (docs/disaggregation.md, "The gateway").
+#[derive(Debug, Clone, Copy)]
+pub enum Step<'a> {
+    /// The whole request on one worker: streamed with usage.
+    Whole,
+    /// vLLM's first step, on the prefill worker: not streamed, one output token
+    /// (`max_tokens` 1, and for a chat sent as a chat `max_completion_tokens` 1;
+    /// `min_tokens` dropped, as it may not exceed them) and `kv_transfer_params`
+    /// asking for a remote decode.
+    VllmPrefill,
+    /// vLLM's second step, on the decode worker: the whole request, streamed, with
+    /// the prefill answer's `kv_transfer_params` (an object, forwarded unchanged).
+    VllmDecode(&'a Map<String, Value>),
+    /// SGLang's request to the prefill worker: the request, not streamed (its answer
+    /// is read and discarded), with the pair's bootstrap.
+    SglangPrefill(&'a Bootstrap),
+    /// SGLang's request to the decode worker: the whole request, streamed, with the
+    /// pair's bootstrap.
+    SglangDecode(&'a Bootstrap),
+}
+
+/// Where the two halves of an SGLang request meet: the prefill worker's bootstrap
+/// server and the request's room there.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Bootstrap {
+    /// `bootstrap_host`: the host of the prefill worker's registered URL.
+    pub host: String,
+    /// `bootstrap_port`: the prefill worker's registered `kv_transfer.bootstrap_port`.
+    pub port: u16,
+    /// `bootstrap_room`: random in 0..2^63, one per attempt.
+    pub room: u64,
+}
+
+/// Body fields only the gateway sets (the transfer between the halves of a
+/// disaggregated request): a client's own are dropped, so no client can point a
+/// decode worker at a transfer of its choosing.
+const TRANSFER_FIELDS: &[&str] = &[
+    "kv_transfer_params",
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
+];
+
+/// How an engine body is finished: for which step, and how the engine is told its
+/// data-parallel rank.
+#[derive(Debug, Clone, Copy)]
+pub struct EngineTarget<'a> {
+    /// vLLM names the rank in a header, SGLang in the body.
+    pub api: EngineApi,
+    /// The rank of the worker the body goes to.
+    pub dp_rank: DpRank,
+    /// The whole request or one half.
+    pub step: Step<'a>,
+}
+
+impl EngineTarget<'_> {
+    /// The whole request on `dp_rank`, told the `api` way.
+    pub fn whole(api: EngineApi, dp_rank: DpRank) -> Self {
+        Self {
+            api,
+            dp_rank,
+            step: Step::Whole,
+        }
     }
 }
 
-/// The engine's `/v1/completions` body for a completion: the client's body with
-/// `prompt` replaced by `tokens` when given (token forwarding).
+/// Finishes an engine body for `target`: streaming (with usage) or not, the transfer
+/// fields of its step, and the dp_rank where the engine expects it (vLLM takes a
+/// header, see [`EngineApi`]). `chat_api`: the body goes to `/v1/chat/completions`.
+fn for_engine(body: &mut Map<String, Value>, target: EngineTarget<'_>, chat_api: bool) {
+    for field in TRANSFER_FIELDS {
+        body.remove(*field);
+    }
+    let streamed = match target.step {
+        Step::Whole => true,
+        Step::VllmPrefill => {
+            body.insert("max_tokens".into(), json!(1));
+            if chat_api {
+                body.insert("max_completion_tokens".into(), json!(1));
+            }
+            body.remove("min_tokens");
+            body.insert(
+                "kv_transfer_params".into(),
+                json!({
+                    "do_remote_decode": true,
+                    "do_remote_prefill": false,
+                    "remote_engine_id": null,
+                    "remote_block_ids": null,
+                    "remote_host": null,
+                    "remote_port": null,
+                }),
+            );
+            false
+        }
+        Step::VllmDecode(params) => {
+            body.insert("kv_transfer_params".into(), Value::Object(params.clone()));
+            true
+        }
+        Step::SglangPrefill(bootstrap) | Step::SglangDecode(bootstrap) => {
+            body.insert("bootstrap_host".into(), json!(bootstrap.host));
+            body.insert("bootstrap_port".into(), json!(bootstrap.port));
+            body.insert("bootstrap_room".into(), json!(bootstrap.room));
+            matches!(target.step, Step::SglangDecode(_))
+        }
+    };
+    body.insert("stream".into(), Value::Bool(streamed));
+    if streamed {
+        body.insert("stream_options".into(), json!({ "include_usage": true }));
+    } else {
+        body.remove("stream_options");
+    }
+    if target.api == EngineApi::Sglang {
+        body.insert("data_parallel_rank".into(), json!(target.dp_rank.0));
+    }
+}
+
+/// The engine's `/v1/completions` body for a completion, for `target`: the client's
+/// body with `prompt` replaced by `tokens` when given (token forwarding).
 pub fn completion_for_engine(
     request: &CompletionRequest,
     tokens: Option<&[u32]>,
-    api: EngineApi,
-    dp_rank: DpRank,
+    target: EngineTarget<'_>,
 ) -> Map<String, Value> {
     let mut body = request.body.clone();
     if let Some(tokens) = tokens {
         body.insert("prompt".into(), json!(tokens));
     }
-    engine_streaming(&mut body, api, dp_rank);
+    for_engine(&mut body, target, false);
     body
 }
 
-/// The engine's `/v1/completions` body for a chat forwarded as tokens: the rendered,
-/// tokenized chat as `prompt`, and the sampling fields both APIs share.
+/// The engine's `/v1/completions` body for a chat forwarded as tokens, for `target`:
+/// the rendered, tokenized chat as `prompt`, and the sampling fields both APIs share.
 ///
 /// # Errors
 /// 400 when the chat uses what only the engine's chat endpoint can do (tools,
@@ -261,8 +371,7 @@ pub fn completion_for_engine(
 pub fn chat_as_completion(
     request: &ChatRequest,
     tokens: &[u32],
-    api: EngineApi,
-    dp_rank: DpRank,
+    target: EngineTarget<'_>,
 ) -> Result<Map<String, Value>, ApiError> {
     if let Some(field) = CHAT_PASSTHROUGH_ONLY.iter().find(|f| {
         request
@@ -285,112 +394,16 @@ pub fn chat_as_completion(
     if let Some(value) = request.body.get("max_completion_tokens") {
         body.insert("max_tokens".into(), value.clone());
     }
-    engine_streaming(&mut body, api, dp_rank);
+    for_engine(&mut body, target, false);
     Ok(body)
 }
 
-/// The engine's `/v1/chat/completions` body in pass-through mode.
-pub fn chat_for_engine(
-    request: &ChatRequest,
-    api: EngineApi,
-    dp_rank: DpRank,
-) -> Map<String, Value> {
+/// The engine's `/v1/chat/completions` body in pass-through mode, for `target`.
+pub fn chat_for_engine(request: &ChatRequest, target: EngineTarget<'_>) -> Map<String, Value> {
     let mut body = request.body.clone();
-    engine_streaming(&mut body, api, dp_rank);
+    for_engine(&mut body, target, true);
     body
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_output_bound_is_max_tokens_or_a_chats_max_completion_tokens() {
-        let body = |v: Value| v.as_object().cloned().unwrap();
-        let both = body(json!({"max_tokens": 7, "max_completion_tokens": 5}));
-        assert_eq!(max_output_tokens(&both, true), Some(5));
-        assert_eq!(max_output_tokens(&both, false), Some(7));
-        let zero = body(json!({"max_tokens": 7, "max_completion_tokens": 0}));
-        assert_eq!(max_output_tokens(&zero, true), Some(7));
-        for none in [
-            json!({}),
-            json!({"max_tokens": null}),
-            json!({"max_tokens": "9"}),
-        ] {
-            assert_eq!(max_output_tokens(&body(none.clone()), true), None, "{none}");
-        }
-    }
-
-    #[test]
-    fn completion_prompts_are_one_text_or_one_list_of_ids() {
-        let text = parse_completion(br#"{"model":"m","prompt":"hi","stream":true}"#).unwrap();
-        assert_eq!(text.prompt, PromptInput::Text("hi".into()));
-        assert!(text.stream && !text.include_usage);
-        let ids = parse_completion(br#"{"model":"m","prompt":[1,2,3]}"#).unwrap();
-        assert_eq!(ids.prompt, PromptInput::Tokens(vec![1, 2, 3]));
-        let nested = parse_completion(br#"{"model":"m","prompt":[[4,5]]}"#).unwrap();
-        assert_eq!(nested.prompt, PromptInput::Tokens(vec![4, 5]));
-        for bad in [
-            &br#"{"model":"m","prompt":["a","b"]}"#[..],
-            br#"{"model":"m","prompt":[]}"#,
-            br#"{"model":"m","prompt":[-1]}"#,
-            br#"{"model":"m"}"#,
-            br#"{"prompt":"x"}"#,
-            br#"{"model":"m","prompt":"x","stream":"yes"}"#,
-            br#"[1]"#,
-            br#"{"model": "m", "prompt": "#,
-        ] {
-            let err = parse_completion(bad).unwrap_err();
-            assert_eq!(err.status.as_u16(), 400, "{}", String::from_utf8_lossy(bad));
-        }
-    }
-
-    #[test]
-    fn the_engine_gets_token_ids_streaming_with_usage_and_the_rank_its_way() {
-        let request = parse_completion(
-            br#"{"model":"m","prompt":"hi","max_tokens":7,"stream":false,"custom":1}"#,
-        )
-        .unwrap();
-        let body = completion_for_engine(&request, Some(&[9, 8]), EngineApi::Sglang, DpRank(3));
-        assert_eq!(body["prompt"], json!([9, 8]));
-        assert_eq!(body["stream"], json!(true));
-        assert_eq!(body["stream_options"]["include_usage"], json!(true));
-        assert_eq!(body["data_parallel_rank"], json!(3));
-        assert_eq!(body["max_tokens"], json!(7));
-        assert_eq!(body["custom"], json!(1), "unknown fields are forwarded");
-        let vllm = completion_for_engine(&request, None, EngineApi::Vllm, DpRank(3));
-        assert_eq!(vllm["prompt"], json!("hi"));
-        assert!(
-            vllm.get("data_parallel_rank").is_none(),
-            "vLLM takes a header"
-        );
-    }
-
-    #[test]
-    fn a_chat_as_tokens_keeps_sampling_and_refuses_tools() {
-        let chat = parse_chat(
-            br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_completion_tokens":5,"temperature":0.5,"stream":true,"stream_options":{"include_usage":true}}"#,
-        )
-        .unwrap();
-        assert!(chat.stream && chat.include_usage);
-        assert!(chat.options.add_generation_prompt);
-        let body = chat_as_completion(&chat, &[1, 2], EngineApi::Vllm, DpRank(0)).unwrap();
-        assert_eq!(body["prompt"], json!([1, 2]));
-        assert_eq!(body["max_tokens"], json!(5));
-        assert_eq!(body["temperature"], json!(0.5));
-        assert!(body.get("messages").is_none());
-        let tools = parse_chat(
-            br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function"}]}"#,
-        )
-        .unwrap();
-        assert_eq!(tools.options.tools.as_ref().map(Vec::len), Some(1));
-        let err = chat_as_completion(&tools, &[1], EngineApi::Vllm, DpRank(0)).unwrap_err();
-        assert!(err.message.contains("passthrough"), "{err}");
-        for bad in [
-            &br#"{"model":"m","messages":[]}"#[..],
-            br#"{"model":"m","messages":[{"content":"no role"}]}"#,
-        ] {
-            assert_eq!(parse_chat(bad).unwrap_err().status.as_u16(), 400);
-        }
-    }
-}
+mod tests;

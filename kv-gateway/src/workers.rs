@@ -1,6 +1,7 @@
 //! Worker id → engine HTTP base URL, kept from the etcd worker directory
 //! (`kv_cluster::directory`): the router answers with a worker id, and this is where
-//! the gateway finds the engine behind it. It also keeps each worker's KV block size,
+//! the gateway finds the engine behind it, and, in a disaggregated fleet, the worker's
+//! role and how its KV is transferred ([`WorkerUrls::endpoint`]). It also keeps each worker's KV block size,
 //! so the gateway can hash a prompt's blocks itself ([`WorkerUrls::block_size`]) when
 //! the whole fleet agrees on one, as the router does, and each worker's context length
 //! (`max_model_len`), whose smallest ([`WorkerUrls::max_model_len`]) bounds prompts
@@ -14,6 +15,7 @@
 
 use kv_cluster::directory::{EtcdStatus, Registered, Registrations, Rejection};
 use kv_events::WorkerId;
+use kv_events::disaggregation::{KvTransfer, WorkerRole};
 use kv_events::discovery::WorkerRegistration;
 use std::collections::HashMap;
 use std::num::NonZeroU64;
@@ -30,6 +32,23 @@ struct Worker {
     block_size: u32,
     /// The engine's context length, in tokens, if it published one.
     max_model_len: Option<u64>,
+    /// Its role in a disaggregated fleet.
+    role: WorkerRole,
+    /// How a frontend joins its half of a disaggregated request to the other's.
+    kv_transfer: Option<KvTransfer>,
+}
+
+/// How the gateway reaches one worker: its engine URL and, for a `prefill` or
+/// `decode` worker, its role and KV transfer as registered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerEndpoint {
+    /// Engine base URL, without a trailing slash.
+    pub url: String,
+    /// The worker's role (`both` unless it registered another).
+    pub role: WorkerRole,
+    /// The protocol (and, for an SGLang prefill worker, the bootstrap port) by which
+    /// its half of a disaggregated request is joined to the other's.
+    pub kv_transfer: Option<KvTransfer>,
 }
 
 /// The engine URLs of the registered workers. Cheap to clone; clones share the map.
@@ -54,6 +73,18 @@ impl WorkerUrls {
     /// The engine base URL of `worker_id` (no trailing slash), if it registered one.
     pub fn url(&self, worker_id: WorkerId) -> Option<String> {
         self.read().get(&worker_id).and_then(|w| w.url.clone())
+    }
+
+    /// The engine URL, role and KV transfer of `worker_id`; `None` when it is not
+    /// registered or registered no URL.
+    pub fn endpoint(&self, worker_id: WorkerId) -> Option<WorkerEndpoint> {
+        let workers = self.read();
+        let worker = workers.get(&worker_id)?;
+        Some(WorkerEndpoint {
+            url: worker.url.clone()?,
+            role: worker.role,
+            kv_transfer: worker.kv_transfer,
+        })
     }
 
     /// The KV block size of the fleet, in tokens: `Some` when at least one worker is
@@ -111,6 +142,8 @@ impl WorkerUrls {
             url: (registration.url.as_deref()).map(|u| u.trim_end_matches('/').to_owned()),
             block_size: registration.block_size,
             max_model_len: registration.max_model_len,
+            role: registration.role,
+            kv_transfer: registration.kv_transfer,
         };
         let mut workers = self.write();
         workers.insert(registration.worker_id, worker);
@@ -140,7 +173,7 @@ impl Registrations for WorkerUrls {
             warn!(worker_id = %registration.worker_id, "worker registered without an engine url; the gateway cannot forward to it");
         } else {
             info!(worker_id = %registration.worker_id, url = registration.url.as_deref(),
-                max_model_len = registration.max_model_len, "worker known");
+                max_model_len = registration.max_model_len, role = %registration.role, "worker known");
         }
         self.insert(&registration);
     }
@@ -199,6 +232,31 @@ mod tests {
         assert!(!urls.is_empty());
         urls.insert(&worker(3, None, 32));
         assert_eq!(urls.block_size(), None, "the fleet disagrees");
+    }
+
+    #[test]
+    fn a_workers_role_and_transfer_are_kept_with_its_url() {
+        use kv_events::disaggregation::TransferProtocol;
+        let urls = WorkerUrls::default();
+        let transfer = KvTransfer {
+            protocol: TransferProtocol::Sglang,
+            bootstrap_port: Some(8998),
+        };
+        urls.insert(&WorkerRegistration {
+            role: WorkerRole::Prefill,
+            kv_transfer: Some(transfer),
+            ..worker(4, Some("http://p:30000/"), 16)
+        });
+        urls.insert(&worker(5, Some("http://d:30000"), 16));
+        urls.insert(&worker(6, None, 16));
+        let prefill = urls.endpoint(WorkerId(4)).unwrap();
+        assert_eq!(prefill.url, "http://p:30000");
+        assert_eq!(prefill.role, WorkerRole::Prefill);
+        assert_eq!(prefill.kv_transfer, Some(transfer));
+        let both = urls.endpoint(WorkerId(5)).unwrap();
+        assert_eq!((both.role, both.kv_transfer), (WorkerRole::Both, None));
+        assert_eq!(urls.endpoint(WorkerId(6)), None, "no url");
+        assert_eq!(urls.endpoint(WorkerId(7)), None, "unknown");
     }
 
     #[test]

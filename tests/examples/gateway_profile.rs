@@ -40,7 +40,7 @@ use integration_tests::child_daemon::{DEFAULT_BIN, status_bytes};
 use kv_events::routing::{Prompt, RouteRequest};
 use kv_events::{DpRank, compute_block_hashes, encode};
 use kv_gateway::config::EngineApi;
-use kv_gateway::openai::{completion_for_engine, parse_completion};
+use kv_gateway::openai::{EngineTarget, completion_for_engine, parse_completion};
 use kv_gateway::router::RouterClient;
 use kv_tokenizer::{ModelTokenizer, TokenizerLimits};
 use mocker::engine::EngineHttpArgs;
@@ -218,7 +218,11 @@ fn stages(
         let route_bytes = route(&ids)?.len();
         let route_t = mean_time(min, || route(&ids));
         let engine = || {
-            let body = completion_for_engine(&request, Some(&ids), EngineApi::Vllm, DpRank(0));
+            let body = completion_for_engine(
+                &request,
+                Some(&ids),
+                EngineTarget::whole(EngineApi::Vllm, DpRank(0)),
+            );
             serde_json::to_vec(&body)
         };
         let engine_bytes = engine()?.len();
@@ -273,7 +277,9 @@ async fn cluster_steps(
         let prompt = Prompt::Tokens {
             token_ids: vec![1; 64],
         };
-        let routed = client.route(client.request_id(), prompt, &[], None).await;
+        let routed = client
+            .route(client.request_id(), prompt, &[], None, false)
+            .await;
         routed.is_ok().then_some(())
     };
     integration_tests::eventually("a worker to be routable", Duration::from_secs(15), ready)
@@ -300,7 +306,7 @@ async fn cluster_steps(
             let mut n = 0u32;
             while n < 3 || start.elapsed() < min {
                 let routed = client
-                    .route(client.request_id(), prompt.clone(), &[], None)
+                    .route(client.request_id(), prompt.clone(), &[], None, false)
                     .await;
                 drop(routed.map_err(|e| anyhow::anyhow!("{e}"))?);
                 n += 1;

@@ -51,9 +51,8 @@ async fn the_openai_client_gets_completions_and_chats_streamed_and_whole() {
     let seen = openai_client(&stack).await;
 
     assert_eq!(seen["models"], json!([MODEL]));
+    fixture::assert_openai_client_saw(&seen);
     let done = &seen["completion"];
-    assert_eq!(done["completion_tokens"], 5);
-    assert_eq!(done["finish_reason"], "length");
     assert!(!done["text"].as_str().unwrap().is_empty(), "{done}");
     let prompt_tokens = done["prompt_tokens"].as_u64().unwrap();
     assert!(prompt_tokens > 10 * u64::from(BLOCK), "{done}");
@@ -62,24 +61,14 @@ async fn the_openai_client_gets_completions_and_chats_streamed_and_whole() {
         streamed["chunks"].as_u64().unwrap() >= 6,
         "one chunk per token: {streamed}"
     );
-    assert_eq!(streamed["completion_tokens"], 6);
-    assert_eq!(
-        streamed["prompt_tokens"], prompt_tokens,
-        "same tokens as the engine counts"
-    );
     let chat = &seen["chat"];
     assert_eq!(chat["object"], "chat.completion");
     assert_eq!(chat["role"], "assistant");
-    assert_eq!(chat["completion_tokens"], 4);
     let chat_stream = &seen["chat_stream"];
-    assert_eq!(chat_stream["first_role"], "assistant");
-    assert_eq!(chat_stream["last_finish_reason"], "length");
     assert!(
         chat_stream["chunks"].as_u64().unwrap() >= 4,
         "{chat_stream}"
     );
-    assert_eq!(seen["unknown_model"], 404);
-    assert_eq!(seen["oversized"]["status"], 400, "{}", seen["oversized"]);
 
     // Every request ended: nothing is booked in the router, nothing in flight here.
     eventually("bookings to be freed", WAIT, || async {

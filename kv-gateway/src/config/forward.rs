@@ -1,7 +1,7 @@
 //! The gateway's forwarding flags: what engines receive, and the retries and
 //! deadlines of each request on its way there and back.
 
-use clap::{Args, ValueEnum};
+use clap::{ArgAction, Args, ValueEnum};
 
 /// What the engine receives as the prompt of a completion.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -50,6 +50,12 @@ pub struct ForwardArgs {
     /// The engines' API, for naming the data-parallel rank.
     #[arg(long, help_heading = "Forwarding", env = "KV_GATEWAY_ENGINE_API", value_enum, default_value_t = EngineApi::Vllm)]
     pub engine_api: EngineApi,
+    /// Ask the router for a prefill worker too (`allow_disaggregation`): in a fleet
+    /// with `prefill` workers, a request the router disaggregates runs its prefill
+    /// there and its decode on the routed worker (docs/disaggregation.md). `false`:
+    /// every request runs whole on one worker, never on a `prefill` worker.
+    #[arg(long, help_heading = "Forwarding", env = "KV_GATEWAY_DISAGGREGATION", default_value_t = true, action = ArgAction::Set)]
+    pub disaggregation: bool,
     /// Other workers tried when the chosen engine refuses the connection or fails
     /// before its first token.
     #[arg(

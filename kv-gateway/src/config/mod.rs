@@ -112,6 +112,8 @@ pub struct ModelConfig {
     pub chat_forward: ChatForward,
     /// How the dp_rank is named to the engine.
     pub engine_api: EngineApi,
+    /// Whether the router may split a request into a prefill and a decode half.
+    pub disaggregation: bool,
 }
 
 /// The gateway's validated settings.
@@ -191,6 +193,7 @@ impl GatewayArgs {
                 forward: fwd.forward,
                 chat_forward: fwd.chat_forward,
                 engine_api: fwd.engine_api,
+                disaggregation: fwd.disaggregation,
             },
             limits: RequestLimits {
                 max_body_bytes: http.max_body_bytes,

@@ -19,6 +19,17 @@ fn the_model_name_defaults_to_the_model_directory() {
     assert_eq!(config.model.forward, PromptForward::Tokens);
     assert_eq!(config.model.engine_api, EngineApi::Vllm);
     assert_eq!(config.limits.max_retries, 2);
+    assert!(config.model.disaggregation, "asked for unless turned off");
+}
+
+#[test]
+fn disaggregation_is_turned_off_by_flag_and_needs_a_value() {
+    let off = parse(&["--model-dir=/m/x", "--disaggregation", "false"]);
+    assert!(!off.to_config().unwrap().model.disaggregation);
+    let on = parse(&["--model-dir=/m/x", "--disaggregation=true"]);
+    assert!(on.to_config().unwrap().model.disaggregation);
+    let args = ["gateway", "--model-dir=/m/x", "--disaggregation", "no"];
+    assert!(parse_flags::<GatewayArgs, _, _>(args).is_err());
 }
 
 #[test]

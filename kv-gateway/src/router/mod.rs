@@ -2,9 +2,11 @@
 //! `{ns}.router.route` and a publisher of lifecycle messages — exactly what any other
 //! frontend of the public protocol does (docs/protocol.md).
 //!
-//! A route reply books the request on the chosen worker; from then on a [`Booking`]
-//! owns it and guarantees a `freed` message on every path, including a client that
-//! disconnects mid-stream (the booking is dropped with the response stream).
+//! A route reply books the request on the chosen worker (for a disaggregated request,
+//! on its prefill and decode workers, one booking each in the router, both named by
+//! the request id); from then on a [`Booking`] owns it and guarantees a `freed`
+//! message on every path, including a client that disconnects mid-stream (the booking
+//! is dropped with the response stream), which frees both halves.
 
 use crate::error::ApiError;
 use async_nats::Client;
@@ -77,8 +79,9 @@ impl RouterClient {
     }
 
     /// Asks the router for a worker for `prompt` of the session `session` (if any),
-    /// excluding `exclude`. On success
-    /// the request is booked and the returned [`Booking`] owns it.
+    /// excluding `exclude`, and, with `allow_disaggregation`, for a prefill worker
+    /// too when the router finds one worth it. On success the request is booked and
+    /// the returned [`Booking`] owns it.
     ///
     /// # Errors
     /// An [`ApiError`]: 429 for `overloaded`, 503 for `no_workers` or no router
@@ -89,10 +92,12 @@ impl RouterClient {
         prompt: Prompt,
         exclude: &[WorkerId],
         session: Option<&SessionId>,
+        allow_disaggregation: bool,
     ) -> Result<(RouteDecision, Booking), ApiError> {
         let request = RouteRequest {
             exclude_workers: exclude.to_vec(),
             session_id: session.cloned(),
+            allow_disaggregation,
             ..RouteRequest::new(request_id, prompt)
         };
         let payload =
@@ -165,13 +170,15 @@ async fn probe(nats: &Client, subjects: &Subjects) -> bool {
     matches!(asked.await, Ok(reply) if decode::<RouteReply>(&reply.payload).is_ok())
 }
 
-/// A request booked on a worker. Sends `prefill_done` once ([`Booking::prefill_done`]),
+/// A request booked on a worker (or a pair of them). Sends `remote_prefill_done` once
+/// ([`Booking::remote_prefill_done`]), `prefill_done` once ([`Booking::prefill_done`]),
 /// `keep_alive` every interval while it lives, and `freed` exactly once: when
 /// [`Booking::free`] is called or, failing that, when it is dropped — so an error, a
 /// timeout or a client that goes away mid-stream never leaves a booking behind.
 pub struct Booking {
     router: RouterClient,
     request_id: RequestId,
+    remote_prefill_done: bool,
     prefill_done: bool,
     freed: bool,
     keep_alive: AbortHandle,
@@ -194,6 +201,7 @@ impl Booking {
         Self {
             router: router.clone(),
             request_id,
+            remote_prefill_done: false,
             prefill_done: false,
             freed: false,
             keep_alive,
@@ -205,7 +213,20 @@ impl Booking {
         &self.request_id
     }
 
-    /// The first token arrived: the request now decodes. Sent once.
+    /// The prefill worker of a disaggregated request answered: the router releases
+    /// its prefill load (the blocks it holds for the transfer stay booked until
+    /// `prefill_done`). Sent once, and never after `prefill_done`.
+    pub fn remote_prefill_done(&mut self) {
+        if !self.remote_prefill_done && !self.prefill_done && !self.freed {
+            self.remote_prefill_done = true;
+            self.router
+                .publish(&self.request_id, LifecycleEvent::RemotePrefillDone);
+        }
+    }
+
+    /// The first token arrived: the request now decodes (for a disaggregated
+    /// request, the transfer is over and the router frees the prefill half). Sent
+    /// once.
     pub fn prefill_done(&mut self) {
         if !self.prefill_done && !self.freed {
             self.prefill_done = true;

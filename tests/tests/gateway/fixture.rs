@@ -38,6 +38,77 @@ pub async fn openai_python(script: &str) -> (PathBuf, PathBuf) {
     (python, script)
 }
 
+/// The registration of worker `worker` (dp_size 1, 1024 blocks of [`BLOCK`] tokens,
+/// role `both`) with its engine at `url`.
+pub fn registration(worker: WorkerId, url: String) -> WorkerRegistration {
+    WorkerRegistration {
+        worker_id: worker,
+        dp_size: 1,
+        block_size: BLOCK,
+        total_kv_blocks: 1024,
+        url: Some(url),
+        epoch: 0,
+        max_model_len: None,
+        role: Default::default(),
+        kv_transfer: None,
+    }
+}
+
+/// A gateway on a free loopback port in front of `cluster`, serving [`MODEL`] with the
+/// test tokenizer, with `gateway_flags`.
+pub async fn start_gateway(cluster: &TestCluster, gateway_flags: &[&str]) -> Gateway {
+    let mut flags = vec!["--listen", "127.0.0.1:0", "--served-model-name", MODEL];
+    let dir = model_dir().display().to_string();
+    flags.extend(["--model-dir", &dir]);
+    flags.extend_from_slice(gateway_flags);
+    let args: GatewayArgs = cluster.flags(&flags);
+    Gateway::start(
+        args.to_config().expect("gateway flags are valid"),
+        Arc::new(prometheus::Registry::new()),
+        CancellationToken::new(),
+    )
+    .await
+    .expect("gateway starts")
+}
+
+/// Waits until the gateway at `base` says ready on `/health/readyz` (workers known,
+/// a router answering).
+pub async fn wait_ready(http: &reqwest::Client, base: &str) {
+    integration_tests::eventually(
+        "the gateway to be ready",
+        std::time::Duration::from_secs(15),
+        || async {
+            let r = http
+                .get(format!("{base}/health/readyz"))
+                .send()
+                .await
+                .ok()?;
+            (r.status() == 200).then_some(())
+        },
+    )
+    .await
+    .expect("gateway ready");
+}
+
+/// Checks what `python/gateway_client.py` saw: the token counts it asked for, the
+/// same prompt counted streamed and not, chat shapes, 404 and 400.
+pub fn assert_openai_client_saw(seen: &serde_json::Value) {
+    assert_eq!(seen["completion"]["completion_tokens"], 5, "{seen}");
+    assert_eq!(seen["completion"]["finish_reason"], "length", "{seen}");
+    let streamed = &seen["completion_stream"];
+    assert_eq!(streamed["completion_tokens"], 6, "{streamed}");
+    let prompt_tokens = &seen["completion"]["prompt_tokens"];
+    assert_eq!(&streamed["prompt_tokens"], prompt_tokens, "{seen}");
+    assert_eq!(seen["chat"]["completion_tokens"], 4, "{seen}");
+    assert_eq!(seen["chat_stream"]["first_role"], "assistant", "{seen}");
+    assert_eq!(
+        seen["chat_stream"]["last_finish_reason"], "length",
+        "{seen}"
+    );
+    assert_eq!(seen["unknown_model"], 404, "{seen}");
+    assert_eq!(seen["oversized"]["status"], 400, "{seen}");
+}
+
 /// The mock engines of a [`Stack`].
 pub struct StackEngines {
     /// How many, one worker each.
@@ -119,18 +190,7 @@ impl Stack {
             .await
             .expect("engines start");
         let daemon = cluster.start_daemon(adjust).await.expect("daemon starts");
-        let mut flags = vec!["--listen", "127.0.0.1:0", "--served-model-name", MODEL];
-        let dir = model_dir().display().to_string();
-        flags.extend(["--model-dir", &dir]);
-        flags.extend_from_slice(gateway_flags);
-        let args: GatewayArgs = cluster.flags(&flags);
-        let gateway = Gateway::start(
-            args.to_config().expect("gateway flags are valid"),
-            Arc::new(prometheus::Registry::new()),
-            CancellationToken::new(),
-        )
-        .await
-        .expect("gateway starts");
+        let gateway = start_gateway(&cluster, gateway_flags).await;
         let base = format!("http://{}", gateway.local_addr());
         let stack = Self {
             gateway: Some(gateway),
@@ -140,27 +200,8 @@ impl Stack {
             base,
             http: kv_cluster::http::client().expect("http client"),
         };
-        stack.wait_ready().await;
+        wait_ready(&stack.http, &stack.base).await;
         stack
-    }
-
-    /// Waits until `/health/readyz` says ready (workers known, router answering).
-    async fn wait_ready(&self) {
-        integration_tests::eventually(
-            "the gateway to be ready",
-            std::time::Duration::from_secs(15),
-            || async {
-                let r = self
-                    .http
-                    .get(format!("{}/health/readyz", self.base))
-                    .send()
-                    .await
-                    .ok()?;
-                (r.status() == 200).then_some(())
-            },
-        )
-        .await
-        .expect("gateway ready");
     }
 
     /// The daemon.
@@ -198,17 +239,7 @@ impl Stack {
         url: String,
         prompts: &[Vec<u32>],
     ) {
-        let registration = WorkerRegistration {
-            worker_id: worker,
-            dp_size: 1,
-            block_size: BLOCK,
-            total_kv_blocks: 1024,
-            url: Some(url),
-            epoch: 0,
-            max_model_len: None,
-            role: Default::default(),
-            kv_transfer: None,
-        };
+        let registration = registration(worker, url);
         let cluster = &mut self.cluster;
         let lease = register_worker(&mut cluster.etcd, &cluster.subjects, &registration, 30)
             .await
