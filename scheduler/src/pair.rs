@@ -17,7 +17,6 @@
 //! per candidate.
 
 use crate::Scheduler;
-use crate::candidates::Side;
 use crate::disaggregation::decode_cost;
 use crate::error::SchedulerError;
 use crate::overlap::Overlaps;
@@ -25,23 +24,24 @@ use crate::policy::{Candidate, PolicyConfig, SelectContext};
 use crate::request::{PairDecision, PrefillChoice, ScheduleRequest, Selection};
 use crate::sequences::{AddRequest, Origin};
 use crate::sessions::CostScale;
+use crate::workers::Side;
 use kv_events::disaggregation::{DisaggregationReason, TransferProtocol, prefill_booking_id};
 use std::time::Instant;
 
 /// One pair decision's inputs, shared by both sides.
-pub(crate) struct PairAsk<'a, O: ?Sized> {
+struct PairAsk<'a, O: ?Sized> {
     /// The request.
-    pub req: &'a ScheduleRequest,
+    req: &'a ScheduleRequest,
     /// Each rank's overlap blocks for its prompt.
-    pub overlaps: &'a O,
+    overlaps: &'a O,
     /// The request's resolved policy (it picks the prefill rank).
-    pub policy: &'a PolicyConfig,
+    policy: &'a PolicyConfig,
     /// The prompt's chained block ids (empty without KV reuse).
-    pub block_ids: &'a [u64],
+    block_ids: &'a [u64],
     /// The decision time.
-    pub now: Instant,
+    now: Instant,
     /// Requests of the batch still to place, this one included.
-    pub batch_remaining: usize,
+    batch_remaining: usize,
 }
 
 impl Scheduler {
@@ -55,9 +55,21 @@ impl Scheduler {
     /// [`SchedulerError::AllBusy`], and nothing is booked.
     pub(crate) fn schedule_pair<O: Overlaps + ?Sized>(
         &mut self,
-        ask: &PairAsk<'_, O>,
+        req: &ScheduleRequest,
+        overlaps: &O,
+        policy: &PolicyConfig,
+        block_ids: &[u64],
+        now: Instant,
+        batch_remaining: usize,
     ) -> Result<Selection, SchedulerError> {
-        let (req, policy, now) = (ask.req, ask.policy, ask.now);
+        let ask = &PairAsk {
+            req,
+            overlaps,
+            policy,
+            block_ids,
+            now,
+            batch_remaining,
+        };
         let half_id = prefill_booking_id(&req.request_id);
         if self.sequences.contains(&half_id) {
             return Err(SchedulerError::DuplicateRequest(half_id));
