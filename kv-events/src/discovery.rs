@@ -173,6 +173,21 @@ impl WorkerRegistration {
         self.validate_kv_transfer()
     }
 
+    /// Whether the worker prefills and decodes a whole request itself: a `both`
+    /// worker, or a vLLM `decode` worker (vLLM serves a request without
+    /// `kv_transfer_params` locally). An SGLang `decode` server refuses a request
+    /// without a bootstrap (it cannot prefill: sgl-project/sglang#14284), and a
+    /// `prefill` worker only prefills, so neither gets whole requests.
+    pub fn serves_whole_requests(&self) -> bool {
+        match self.role {
+            WorkerRole::Both => true,
+            WorkerRole::Prefill => false,
+            WorkerRole::Decode => self
+                .kv_transfer
+                .is_some_and(|t| t.protocol != TransferProtocol::Sglang),
+        }
+    }
+
     fn validate_kv_transfer(&self) -> Result<(), RegistrationError> {
         let missing = |detail| {
             Err(RegistrationError::KvTransfer {
@@ -387,6 +402,14 @@ mod tests {
             ..both.clone()
         };
         assert_eq!(decode.validate(), Ok(()));
+        // An SGLang decode server cannot prefill a whole request; a vLLM one can.
+        assert!(!decode.serves_whole_requests());
+        let vllm_decode = WorkerRegistration {
+            kv_transfer: Some(vllm),
+            ..decode.clone()
+        };
+        assert!(vllm_decode.serves_whole_requests());
+        assert!(both.serves_whole_requests() && !prefill(Some(vllm)).serves_whole_requests());
         let json = serde_json::to_string(&decode).unwrap();
         assert!(
             json.ends_with(r#""role":"decode","kv_transfer":{"protocol":"sglang"}}"#),

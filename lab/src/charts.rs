@@ -5,7 +5,9 @@
 //! - `hit_rate_vs_speedup.png`: hit rate against speed-up, one panel per worker count,
 //!   with the oracle bound dashed;
 //! - `p99_ttft_vs_speedup.png`: p99 TTFT against speed-up (log scale), one panel per
-//!   worker count.
+//!   worker count;
+//! - for `kv-mocker lab disagg` ([`write_disagg_charts`]), the TTFT CDF and p99 TTFT
+//!   per serving, and `p99_itl_vs_speedup.png`: p99 ITL against speed-up (log scale).
 //!
 //! Text is rendered with a bundled font (DejaVu Sans Mono, `mocker/assets/`) through
 //! plotters' pure-Rust `ab_glyph` path, so drawing needs no system font library.
@@ -31,6 +33,14 @@ pub const CHART_FILES: [&str; 3] = [
     "ttft_cdf.png",
     "hit_rate_vs_speedup.png",
     "p99_ttft_vs_speedup.png",
+];
+
+/// File names of `kv-mocker lab disagg`'s charts, in the order
+/// [`write_disagg_charts`] returns them.
+pub const DISAGG_CHART_FILES: [&str; 3] = [
+    "ttft_cdf.png",
+    "p99_ttft_vs_speedup.png",
+    "p99_itl_vs_speedup.png",
 ];
 
 /// Line colours, one per policy in report order (cycled beyond twelve).
@@ -90,16 +100,62 @@ fn ensure_font() -> Result<(), LabError> {
 /// [`LabError::Write`] if `dir` cannot be created, [`LabError::Chart`] if drawing or
 /// encoding fails.
 pub fn write_charts(report: &LabReport, dir: &Path) -> Result<Vec<PathBuf>, LabError> {
+    let charts = [
+        Chart::TtftCdf("TTFT CDF per policy"),
+        Chart::VersusSpeedup(Metric::HitRate),
+        Chart::VersusSpeedup(Metric::P99Ttft),
+    ];
+    write_set(report, dir, &CHART_FILES, charts)
+}
+
+/// Writes `kv-mocker lab disagg`'s charts into `dir` (created if missing): the TTFT
+/// CDF, p99 TTFT and p99 ITL per serving (the report's `policy`); returns their paths.
+///
+/// # Errors
+/// As [`write_charts`].
+pub fn write_disagg_charts(report: &LabReport, dir: &Path) -> Result<Vec<PathBuf>, LabError> {
+    let charts = [
+        Chart::TtftCdf("TTFT CDF per serving"),
+        Chart::VersusSpeedup(Metric::P99Ttft),
+        Chart::VersusSpeedup(Metric::P99Itl),
+    ];
+    write_set(report, dir, &DISAGG_CHART_FILES, charts)
+}
+
+/// One chart of a report.
+#[derive(Debug, Clone, Copy)]
+enum Chart {
+    /// The TTFT CDF per run label (policy or serving), one panel per setting, under
+    /// this title.
+    TtftCdf(&'static str),
+    /// A metric against speed-up, one panel per worker count.
+    VersusSpeedup(Metric),
+}
+
+/// Draws `charts` into `dir` (created if missing) under the matching `files` names.
+fn write_set<const N: usize>(
+    report: &LabReport,
+    dir: &Path,
+    files: &[&str; N],
+    charts: [Chart; N],
+) -> Result<Vec<PathBuf>, LabError> {
     ensure_font()?;
     std::fs::create_dir_all(dir).map_err(|source| LabError::Write {
         path: dir.to_owned(),
         source,
     })?;
-    let paths: Vec<PathBuf> = CHART_FILES.iter().map(|f| dir.join(f)).collect();
-    ttft_cdf(report, &paths[0])?;
-    versus_speedup(report, &paths[1], Metric::HitRate)?;
-    versus_speedup(report, &paths[2], Metric::P99Ttft)?;
-    Ok(paths)
+    files
+        .iter()
+        .zip(charts)
+        .map(|(file, chart)| {
+            let path = dir.join(file);
+            match chart {
+                Chart::TtftCdf(title) => ttft_cdf(report, &path, title)?,
+                Chart::VersusSpeedup(metric) => versus_speedup(report, &path, metric)?,
+            }
+            Ok(path)
+        })
+        .collect()
 }
 
 /// Distinct values, in first-seen order.
@@ -113,7 +169,7 @@ fn distinct<T: PartialEq + Copy>(items: impl Iterator<Item = T>) -> Vec<T> {
     out
 }
 
-fn ttft_cdf(report: &LabReport, path: &Path) -> Result<(), LabError> {
+fn ttft_cdf(report: &LabReport, path: &Path, title: &str) -> Result<(), LabError> {
     let settings = report.settings();
     let workers = distinct(settings.iter().map(|s| s.workers));
     let speedups = distinct(settings.iter().map(|s| s.speedup));
@@ -122,9 +178,7 @@ fn ttft_cdf(report: &LabReport, path: &Path) -> Result<(), LabError> {
     let size = (560 * cols as u32, 420 * rows as u32 + 40);
     let root = BitMapBackend::new(path, size).into_drawing_area();
     root.fill(&WHITE).map_err(chart_error)?;
-    let root = root
-        .titled("TTFT CDF per policy", (FAMILY, 26))
-        .map_err(chart_error)?;
+    let root = root.titled(title, (FAMILY, 26)).map_err(chart_error)?;
     let panels = root.split_evenly((rows, cols));
     // One x range for every panel, so panels compare at a glance.
     let all = report
@@ -198,6 +252,7 @@ fn ttft_cdf(report: &LabReport, path: &Path) -> Result<(), LabError> {
 enum Metric {
     HitRate,
     P99Ttft,
+    P99Itl,
 }
 
 impl Metric {
@@ -205,6 +260,7 @@ impl Metric {
         match self {
             Metric::HitRate => "Prefix-cache hit rate vs arrival speed-up",
             Metric::P99Ttft => "p99 TTFT vs arrival speed-up",
+            Metric::P99Itl => "p99 inter-token latency vs arrival speed-up",
         }
     }
 
@@ -212,6 +268,7 @@ impl Metric {
         match self {
             Metric::HitRate => "hit rate (%)",
             Metric::P99Ttft => "p99 TTFT (model time, log)",
+            Metric::P99Itl => "p99 ITL (model time, log)",
         }
     }
 
@@ -220,6 +277,7 @@ impl Metric {
         match self {
             Metric::HitRate => m.hit_rate.map(|h| h * 100.0),
             Metric::P99Ttft => m.ttft_ms.map(|t| t.p99).filter(|v| *v > 0.0),
+            Metric::P99Itl => m.itl_ms.map(|t| t.p99).filter(|v| *v > 0.0),
         }
     }
 }
@@ -286,7 +344,7 @@ fn versus_speedup(report: &LabReport, path: &Path, metric: Metric) -> Result<(),
                     .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], BLACK));
                 draw_policies(&mut chart, &policies, &series)?;
             }
-            Metric::P99Ttft => {
+            Metric::P99Ttft | Metric::P99Itl => {
                 let lo = values.iter().copied().fold(f64::INFINITY, f64::min);
                 let hi = values.iter().copied().fold(0.0, f64::max);
                 // Head room (a factor 30 on the log axis) for the legend.
@@ -336,7 +394,7 @@ where
         .y_desc(metric.y_desc())
         .x_label_formatter(&|x| format!("{x}x"))
         .label_style((FAMILY, 12));
-    if metric == Metric::P99Ttft {
+    if metric != Metric::HitRate {
         mesh.y_label_formatter(&|v| format_ms(*v));
     }
     mesh.draw().map_err(chart_error)

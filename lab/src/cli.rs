@@ -5,6 +5,7 @@ use crate::calibration;
 use crate::charts;
 use crate::config::{LabPolicy, Setting};
 use crate::config::{SimConfig, Speedup};
+use crate::disagg::{DisaggArgs, run_disagg};
 use crate::error::LabError;
 use crate::fleet::SimulatedFleetArgs;
 use crate::oracle::oracle_bound;
@@ -76,6 +77,9 @@ pub enum LabCommand {
     /// Replay the trace in phases of different arrival speed-ups under calibrated
     /// `predicted-ttft` and show how its learned multipliers move (issue 17).
     Swing(calibration::SwingArgs),
+    /// Compare aggregated, disaggregated and conditional serving at an equal number
+    /// of engines: TTFT, inter-token latency and throughput (issue 27).
+    Disagg(DisaggArgs),
 }
 
 /// Runs `kv-mocker lab`: the sweep ([`run_lab`]) or the study named by its subcommand.
@@ -86,6 +90,7 @@ pub fn run(mut args: LabArgs) -> Result<(), LabError> {
     match args.command.take() {
         Some(LabCommand::Robustness(study)) => run_robustness(study).map(drop),
         Some(LabCommand::Swing(study)) => calibration::run_swing(study).map(drop),
+        Some(LabCommand::Disagg(study)) => run_disagg(study).map(drop),
         None => run_lab(args).map(drop),
     }
 }

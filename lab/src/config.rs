@@ -6,10 +6,11 @@
 
 use crate::error::LabError;
 use crate::fleet::{TierPricing, WorkerSpeeds};
-use engine_model::{CpuTierConfig, EngineModelConfig, TimingModel};
+use crate::serving::{ALWAYS_REMOTE, Serving, SplitFleet, SplitMode};
+use engine_model::{CpuTierConfig, EngineModelConfig, KvTransferConfig, TimingModel};
 use kv_events::routing::PolicyKind;
-use scheduler::SessionConfig;
 use scheduler::policy::predicted_ttft::PredictedTtftConfig;
+use scheduler::{DisaggregationConfig, SessionConfig};
 use serde::{Deserialize, Serialize};
 
 /// How many times faster than in the trace requests arrive: a finite number > 0.
@@ -97,6 +98,14 @@ pub struct SimConfig {
     /// `predicted-ttft`'s knobs for every row of that policy (the step-time constants
     /// are the engines' own under [`LabPolicy::Tuned`]).
     pub predicted_ttft: PredictedTtftConfig,
+    /// The engines' roles: aggregated (the default) or split into prefill and decode
+    /// engines ([`crate::serving`]).
+    pub serving: Serving,
+    /// The KV transfer to a split fleet's decode engines.
+    pub transfer: KvTransferConfig,
+    /// The router's conditional-disaggregation thresholds for a
+    /// [`SplitMode::Conditional`] split (the scheduler's defaults unless set).
+    pub conditional: DisaggregationConfig,
 }
 
 impl Default for SimConfig {
@@ -114,6 +123,9 @@ impl Default for SimConfig {
             calibration_sample_ms: None,
             sessions: SessionConfig::default(),
             predicted_ttft: PredictedTtftConfig::default(),
+            serving: Serving::Aggregated,
+            transfer: KvTransferConfig::default(),
+            conditional: DisaggregationConfig::default(),
         }
     }
 }
@@ -131,12 +143,14 @@ impl SimConfig {
     /// Checks the engine model, the timing and the lag.
     ///
     /// # Errors
-    /// [`LabError::Engine`] for a bad engine or CPU tier knob, [`LabError::Timing`] for a timing
+    /// [`LabError::Engine`] for a bad engine, CPU tier or transfer knob, [`LabError::Timing`] for a timing
     /// coefficient that is negative or not finite, [`LabError::EventLag`] for a
-    /// negative or non-finite lag.
+    /// negative or non-finite lag, [`LabError::Scheduler`] for a conditional threshold out of range.
     pub fn validate(&self) -> Result<(), LabError> {
         self.engine.validate()?;
         self.cpu_tier.validate()?;
+        self.transfer.validate()?;
+        self.conditional.validate()?;
         let t = &self.timing;
         for value in [
             t.step_base_ms,
@@ -157,6 +171,19 @@ impl SimConfig {
             return Err(LabError::SampleInterval(ms));
         }
         Ok(())
+    }
+
+    /// The router's disaggregation thresholds in this run: [`Self::conditional`]
+    /// for a conditional split, [`ALWAYS_REMOTE`] for a disaggregated one (an
+    /// aggregated fleet has no prefill worker, so none apply).
+    pub fn disaggregation(&self) -> DisaggregationConfig {
+        match self.serving {
+            Serving::Split(SplitFleet {
+                mode: SplitMode::Disaggregated,
+                ..
+            }) => ALWAYS_REMOTE,
+            _ => self.conditional,
+        }
     }
 
     /// The event lag in ns.

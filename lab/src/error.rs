@@ -55,6 +55,16 @@ pub enum LabError {
         /// Workers in the setting.
         workers: u32,
     },
+    /// A split fleet leaves no prefill or no decode engine.
+    #[error(
+        "a split fleet needs at least one prefill and one decode engine: {prefill} prefill engines of {workers}"
+    )]
+    Split {
+        /// Prefill engines asked for.
+        prefill: u32,
+        /// Engines in the setting.
+        workers: u32,
+    },
     /// A setting has no workers, or no setting or policy was given.
     #[error("nothing to simulate: need at least one worker, setting and policy")]
     NoWorkers,

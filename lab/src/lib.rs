@@ -29,10 +29,14 @@
 //!   policies under test ([`LabPolicy`]).
 //! - `fleet`: engines that differ from the router's assumption (engine preset,
 //!   shape factors, per-worker speed).
+//! - `serving`: the engines' roles (aggregated, or split into prefill and decode
+//!   engines); `disagg`: `kv-mocker lab disagg`,
+//!   aggregated against disaggregated against conditional serving.
 //! - `robustness`: `kv-mocker lab robustness`, the policies across engine shapes.
 //! - `calibration`: `kv-mocker lab swing`, how calibration follows a changing load.
-//! - `sim`: the discrete-event simulator of one run; `sessions`: the sessions derived
-//!   from a trace's prefix chains.
+//! - `sim`: the discrete-event simulator of one run (its `pair` module: the two halves
+//!   of a disaggregated request); `prepared`: the trace mapped onto engine blocks;
+//!   `sessions`: the sessions derived from a trace's prefix chains.
 //! - `router`: index plus scheduler as the lab drives them.
 //! - `log`: [`simulate_logged`], a run's route lookups and KV events, for replaying
 //!   the same traffic into other indexes.
@@ -46,16 +50,19 @@ mod calibration_point;
 mod charts;
 mod cli;
 mod config;
+mod disagg;
 mod error;
 mod fleet;
 mod log;
 mod log_entry;
 mod metrics;
 mod oracle;
+mod prepared;
 mod report;
 mod robustness;
 mod robustness_report;
 mod router;
+mod serving;
 mod sessions;
 mod sim;
 mod study_args;
@@ -67,9 +74,10 @@ mod tests;
 
 pub use calibration::{SwingArgs, SwingReport};
 pub use calibration_point::CalibrationPoint;
-pub use charts::{CHART_FILES, write_charts};
+pub use charts::{CHART_FILES, DISAGG_CHART_FILES, write_charts, write_disagg_charts};
 pub use cli::{LabArgs, LabCommand, run, run_lab, run_lab_with};
 pub use config::{LabPolicy, Setting, SimConfig, Speedup};
+pub use disagg::{DisaggArgs, DisaggReport, run_disagg};
 pub use error::LabError;
 pub use fleet::{EnginePreset, Factor, FleetPreset, SimulatedFleetArgs, TierPricing, WorkerSpeeds};
 pub use log::simulate_logged;
@@ -79,6 +87,7 @@ pub use oracle::{OracleBound, oracle_bound};
 pub use report::{ConfigInfo, LabReport, RunReport, TimingInfo, TraceInfo};
 pub use robustness::{RobustnessArgs, run_robustness};
 pub use robustness_report::{CellRun, RobustnessReport};
+pub use serving::{ALWAYS_REMOTE, Serving, SplitFleet, SplitMode};
 pub use sim::{PreparedTrace, RunResult, simulate};
 pub use study_args::StudyArgs;
 pub use sweep::{Sweep, run_sweep};

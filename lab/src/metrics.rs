@@ -9,6 +9,7 @@
 
 use crate::config::ns_to_ms;
 use engine_model::{LatencyHistogram, LatencyStats};
+use kv_events::disaggregation::DisaggregationReason;
 use serde::{Deserialize, Serialize};
 
 /// Points of the TTFT CDF kept in the report: quantiles `0, 1/(N−1), …, 1`.
@@ -31,8 +32,16 @@ pub struct RequestRecord {
     pub finish_ns: Option<u64>,
     /// Tokens generated.
     pub output_tokens: u64,
-    /// Index of the worker it was routed to; `None` if not routed.
+    /// Index of the worker it was routed to (its decode worker when disaggregated);
+    /// `None` if not routed.
     pub worker: Option<usize>,
+    /// Index of the worker that prefilled it, when disaggregated.
+    pub prefill_worker: Option<usize>,
+    /// Prompt blocks moved from the prefill worker to the decode worker (those the
+    /// decode worker did not hold), in blocks; 0 unless disaggregated.
+    pub transferred_blocks: u64,
+    /// Why a split fleet's router placed it as it did; `None` in an aggregated fleet.
+    pub reason: Option<DisaggregationReason>,
     /// The router or the engine refused it.
     pub rejected: bool,
 }
@@ -65,14 +74,51 @@ pub struct RunMetrics {
     pub throughput_tokens_per_s: f64,
     /// Completed requests per second over the same span.
     pub throughput_requests_per_s: f64,
-    /// Requests routed to each worker, in worker order.
+    /// Requests routed to each worker, in worker order (a prefill worker counts the
+    /// requests it prefilled, a decode worker those it decoded).
     pub requests_per_worker: Vec<u64>,
+    /// Completed requests prefilled on a prefill worker and decoded on another (0 in
+    /// an aggregated fleet; absent in older reports).
+    #[serde(default)]
+    pub disaggregated: u64,
+    /// Prompt blocks moved from prefill to decode workers over completed requests, in
+    /// blocks (absent in older reports).
+    #[serde(default)]
+    pub transferred_blocks: u64,
+    /// Completed requests by the split fleet router's reason (all 0 in an aggregated
+    /// fleet; absent in older reports).
+    #[serde(default)]
+    pub decisions: Decisions,
     /// TTFT quantiles `0, 0.01, …, 1` (`CDF_POINTS`, 101 values), in model ms; empty when
     /// nothing completed. The chart's CDF is drawn from these.
     pub ttft_cdf_ms: Vec<f64>,
     /// KV events the index refused (a `Stored` with an unknown parent); 0 unless the
     /// simulator delivers events out of order, so a non-zero value is a bug.
     pub refused_events: u64,
+}
+
+/// Requests by the router's disaggregation reason (`kv_events::disaggregation`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Decisions {
+    /// Prefilled on a prefill worker: too much to prefill on the decode worker.
+    pub long_uncached: u64,
+    /// Prefilled on the decode worker: little of the prompt uncached there.
+    pub short_uncached: u64,
+    /// Prefilled on the decode worker: it held most of the prompt's blocks.
+    pub decode_holds_prefix: u64,
+    /// Prefilled on the decode worker: no prefill worker was eligible.
+    pub no_prefill_worker: u64,
+}
+
+impl Decisions {
+    fn count(&mut self, reason: DisaggregationReason) {
+        *match reason {
+            DisaggregationReason::LongUncached => &mut self.long_uncached,
+            DisaggregationReason::ShortUncached => &mut self.short_uncached,
+            DisaggregationReason::DecodeHoldsPrefix => &mut self.decode_holds_prefix,
+            DisaggregationReason::NoPrefillWorker => &mut self.no_prefill_worker,
+        } += 1;
+    }
 }
 
 impl RunMetrics {
@@ -85,6 +131,8 @@ impl RunMetrics {
         let mut loaded = 0u64;
         let mut completed = 0u64;
         let mut rejected = 0u64;
+        let (mut disaggregated, mut transferred_blocks) = (0u64, 0u64);
+        let mut decisions = Decisions::default();
         let mut per_worker = vec![0u64; workers];
         let mut span_end = 0u64;
         let span_start = records.iter().map(|r| r.arrival_ns).min().unwrap_or(0);
@@ -92,13 +140,22 @@ impl RunMetrics {
             if r.rejected {
                 rejected += 1;
             }
-            if let Some(w) = r.worker.and_then(|w| per_worker.get_mut(w)) {
-                *w += 1;
+            for w in [r.worker, r.prefill_worker].into_iter().flatten() {
+                if let Some(count) = per_worker.get_mut(w) {
+                    *count += 1;
+                }
             }
             let (Some(first), Some(finish)) = (r.first_token_ns, r.finish_ns) else {
                 continue;
             };
             completed += 1;
+            if let Some(reason) = r.reason {
+                decisions.count(reason);
+            }
+            if r.prefill_worker.is_some() {
+                disaggregated += 1;
+                transferred_blocks += r.transferred_blocks;
+            }
             span_end = span_end.max(finish);
             cached += r.cached_tokens;
             loaded += r.loaded_tokens;
@@ -127,6 +184,9 @@ impl RunMetrics {
             throughput_tokens_per_s: per_s(output),
             throughput_requests_per_s: per_s(completed),
             requests_per_worker: per_worker,
+            disaggregated,
+            transferred_blocks,
+            decisions,
             ttft_cdf_ms,
             refused_events,
         }
@@ -147,7 +207,7 @@ mod tests {
             finish_ns: Some((arrival_ms + e2e_ms) * 1_000_000),
             output_tokens: out,
             worker: Some(worker),
-            rejected: false,
+            ..RequestRecord::default()
         }
     }
 
@@ -155,7 +215,12 @@ mod tests {
     fn aggregates_latencies_hit_rate_and_throughput() {
         let records = [
             done(0, 100, 1_100, 11, 0),
-            done(1_000, 300, 2_000, 1, 1),
+            RequestRecord {
+                prefill_worker: Some(0),
+                transferred_blocks: 7,
+                reason: Some(DisaggregationReason::LongUncached),
+                ..done(1_000, 300, 2_000, 1, 1)
+            },
             RequestRecord {
                 arrival_ns: 5,
                 prompt_tokens: 10,
@@ -178,7 +243,10 @@ mod tests {
         // 12 tokens and 2 requests from t = 0 to the last finish at 3 s.
         assert!((m.throughput_tokens_per_s - 4.0).abs() < 1e-9);
         assert!((m.throughput_requests_per_s - 2.0 / 3.0).abs() < 1e-9);
-        assert_eq!(m.requests_per_worker, vec![1, 1]);
+        // Worker 0 prefilled the second request, which worker 1 decoded.
+        assert_eq!(m.requests_per_worker, vec![2, 1]);
+        assert_eq!((m.disaggregated, m.transferred_blocks), (1, 7));
+        assert_eq!(m.decisions.long_uncached, 1);
         assert_eq!(m.ttft_cdf_ms.len(), CDF_POINTS);
         assert!(close(m.ttft_cdf_ms[0], 100.0));
         assert!(close(m.ttft_cdf_ms[50], 100.0));

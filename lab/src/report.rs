@@ -9,13 +9,15 @@
 //!               "timing": { "step_base_ms", "prefill_ms_per_token", "decode_ms_per_seq",
 //!                           "kv_read_ms_per_token" },
 //!               "worker_speeds", "event_lag_ms", "seed",
-//!               "cpu_tier_blocks", "cpu_tier_load_ms_per_token", "tier_pricing" },
+//!               "cpu_tier_blocks", "cpu_tier_load_ms_per_token", "tier_pricing",
+//!               "transfer_ms_per_token" },
 //!   "oracle": { "hit_rate", "cached_tokens", "prompt_tokens" },
 //!   "runs": [ { "workers", "speedup", "policy",
 //!               "requests", "completed", "rejected", "hit_rate", "cpu_tier_hit_rate",
 //!               "ttft_ms": {mean,p50,p90,p99}, "itl_ms": {…}, "e2e_ms": {…},
 //!               "throughput_tokens_per_s", "throughput_requests_per_s",
-//!               "requests_per_worker": [...], "ttft_cdf_ms": [101 quantiles],
+//!               "requests_per_worker": [...], "disaggregated", "transferred_blocks",
+//!               "ttft_cdf_ms": [101 quantiles],
 //!               "refused_events", "steps", "wall_ms" } ] }
 //! ```
 //!
@@ -40,6 +42,18 @@ pub struct TraceInfo {
     pub requests: u64,
     /// Arrival span, first to last, in trace ms (before speed-up).
     pub span_ms: u64,
+}
+
+impl TraceInfo {
+    /// `trace NAME: N requests over S s`, the head of a study's table.
+    pub fn summary(&self) -> String {
+        format!(
+            "trace {}: {} requests over {:.0} s",
+            self.name,
+            self.requests,
+            self.span_ms as f64 / 1_000.0
+        )
+    }
 }
 
 /// The timing model's coefficients, in model ms (see `docs/engine-model.md`).
@@ -84,6 +98,10 @@ pub struct ConfigInfo {
     /// Whether the router priced CPU-tier blocks (`on`, the default, or `off`).
     #[serde(default)]
     pub tier_pricing: TierPricing,
+    /// KV transfer time between a split fleet's engines, in ms per token (absent in
+    /// older reports).
+    #[serde(default)]
+    pub transfer_ms_per_token: f64,
 }
 
 impl From<&SimConfig> for ConfigInfo {
@@ -105,6 +123,7 @@ impl From<&SimConfig> for ConfigInfo {
             cpu_tier_blocks: c.cpu_tier.cpu_tier_blocks,
             cpu_tier_load_ms_per_token: c.cpu_tier.cpu_tier_load_ms_per_token,
             tier_pricing: c.tier_pricing,
+            transfer_ms_per_token: c.transfer.transfer_ms_per_token,
         }
     }
 }

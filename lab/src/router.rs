@@ -11,8 +11,9 @@ use crate::config::{LabPolicy, SimConfig};
 use crate::error::LabError;
 use crate::fleet::TierPricing;
 use indexer::RadixTree;
+use kv_events::disaggregation::{DisaggregationReason, KvTransfer, TransferProtocol, WorkerRole};
 use kv_events::discovery::WorkerRegistration;
-use kv_events::routing::{PolicyKind, SessionId};
+use kv_events::routing::{LifecycleEvent, PolicyKind, SessionId};
 use kv_events::{KvCacheEvent, LocalBlockHash, RequestId, WorkerId, WorkerRank};
 use scheduler::{
     CalibrationConfig, PolicyConfig, RankCalibration, ScheduleRequest, Scheduler, SchedulerConfig,
@@ -33,6 +34,18 @@ enum Decider {
     },
 }
 
+/// Where a request runs, by rank index: its decode rank (the rank of a whole
+/// request) and, for a disaggregated request, its prefill rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Route {
+    /// The rank that decodes (and, without `prefill`, prefills).
+    pub decode: usize,
+    /// The rank that prefills a disaggregated request.
+    pub prefill: Option<usize>,
+    /// Why the router placed it so, in a split fleet.
+    pub reason: Option<DisaggregationReason>,
+}
+
 /// Index plus decider for one run; ranks are identified by their index in `ranks`.
 #[derive(Debug)]
 pub(super) struct Router {
@@ -43,10 +56,13 @@ pub(super) struct Router {
     refused_events: u64,
     /// Whether route requests carry their derived session ([`LabPolicy::Sessions`]).
     sessions: bool,
+    /// Whether route requests allow disaggregation (a split fleet).
+    disaggregation: bool,
 }
 
 impl Router {
-    /// A router over `ranks` (sorted, one dp rank per worker), all registered.
+    /// A router over `ranks` (sorted, one dp rank per worker), all registered, worker
+    /// `i` in role `roles[i]`.
     ///
     /// # Errors
     /// [`LabError::Scheduler`] if the scheduler refuses the configuration or a
@@ -54,6 +70,7 @@ impl Router {
     pub fn new(
         policy: LabPolicy,
         ranks: &[WorkerRank],
+        roles: &[WorkerRole],
         config: &SimConfig,
     ) -> Result<Self, LabError> {
         let decider = match policy {
@@ -71,10 +88,11 @@ impl Router {
                         enabled: matches!(policy, LabPolicy::Sessions(_)),
                         ..config.sessions
                     },
+                    disaggregation: config.disaggregation(),
                     ..SchedulerConfig::default()
                 };
                 let mut scheduler = Scheduler::new(scheduler_config, Some(config.seed))?;
-                for rank in ranks {
+                for (rank, &role) in ranks.iter().zip(roles) {
                     scheduler.add_worker(WorkerRegistration {
                         worker_id: rank.worker_id,
                         dp_size: 1,
@@ -83,8 +101,13 @@ impl Router {
                         url: None,
                         epoch: 0,
                         max_model_len: None,
-                        role: Default::default(),
-                        kv_transfer: None,
+                        role,
+                        // Every engine of a split fleet speaks one protocol; which one
+                        // does not change the decisions.
+                        kv_transfer: (role != WorkerRole::Both).then_some(KvTransfer {
+                            protocol: TransferProtocol::Vllm,
+                            bootstrap_port: None,
+                        }),
                     })?;
                 }
                 Decider::Scheduler {
@@ -100,6 +123,7 @@ impl Router {
             decider,
             refused_events: 0,
             sessions: matches!(policy, LabPolicy::Sessions(_)),
+            disaggregation: roles.iter().any(|r| *r != WorkerRole::Both),
         })
     }
 
@@ -118,7 +142,7 @@ impl Router {
         num_tokens: u64,
         session: u32,
         now_ns: u64,
-    ) -> Result<usize, LabError> {
+    ) -> Result<Route, LabError> {
         let scores = self.tree.find_matches(block_hashes);
         match &mut self.decider {
             Decider::Scheduler { scheduler, epoch } => {
@@ -128,36 +152,64 @@ impl Router {
                     num_tokens,
                     self.block_size,
                 );
+                request.allow_disaggregation = self.disaggregation;
                 if self.sessions {
                     // A short ASCII name is always a valid id.
                     request.session_id = SessionId::new(&format!("s{session}")).ok();
                 }
                 let selection = scheduler.schedule(&request, &scores, at(*epoch, now_ns))?;
-                self.ranks
-                    .binary_search(&selection.rank)
-                    .map_err(|_| LabError::NoRank(selection.rank))
+                let pair = selection.disaggregation;
+                Ok(Route {
+                    decode: self.index(selection.rank)?,
+                    prefill: pair
+                        .and_then(|p| p.prefill)
+                        .map(|p| self.index(p.rank))
+                        .transpose()?,
+                    reason: pair.map(|p| p.reason),
+                })
             }
         }
     }
 
-    /// The request's first token arrived at simulated time `now_ns`.
+    fn index(&self, rank: WorkerRank) -> Result<usize, LabError> {
+        self.ranks
+            .binary_search(&rank)
+            .map_err(|_| LabError::NoRank(rank))
+    }
+
+    /// A disaggregated request's prefill rank answered at simulated time `now_ns`.
+    pub fn remote_prefill_done(&mut self, id: &RequestId, now_ns: u64) {
+        self.lifecycle(id, LifecycleEvent::RemotePrefillDone, now_ns);
+    }
+
+    /// The request's first token arrived at simulated time `now_ns` (for a
+    /// disaggregated request, from its decode rank: the prefill half is released).
     pub fn prefill_done(&mut self, id: &RequestId, now_ns: u64) {
-        match &mut self.decider {
-            Decider::Scheduler { scheduler, epoch } => {
-                // An unknown id means the request was never booked; nothing to release.
-                let _ = scheduler.mark_prefill_completed(id, at(*epoch, now_ns));
-            }
-        }
+        self.lifecycle(id, LifecycleEvent::PrefillDone, now_ns);
     }
 
     /// The request ended (finished or refused by its engine) at simulated time
-    /// `now_ns`.
+    /// `now_ns`: both halves are released.
     pub fn free(&mut self, id: &RequestId, now_ns: u64) {
+        self.lifecycle(id, LifecycleEvent::Freed, now_ns);
+    }
+
+    /// A frontend's lifecycle event, as the daemon applies it.
+    fn lifecycle(&mut self, id: &RequestId, event: LifecycleEvent, now_ns: u64) {
         match &mut self.decider {
             Decider::Scheduler { scheduler, epoch } => {
-                // As above: unknown ids have nothing booked.
-                let _ = scheduler.free(id, at(*epoch, now_ns));
+                // An unknown id means the request was never booked (or this half
+                // was already released); nothing to release.
+                let _ = scheduler.lifecycle(id, event, at(*epoch, now_ns));
             }
+        }
+    }
+
+    /// Bookings still active (both halves of a disaggregated request count); expires
+    /// them all, so call it at the end of a run.
+    pub fn open_bookings(&mut self) -> usize {
+        match &mut self.decider {
+            Decider::Scheduler { scheduler, .. } => expire_all(scheduler),
         }
     }
 
@@ -226,6 +278,16 @@ fn tier_priced(mut policy: PolicyConfig, pricing: TierPricing) -> PolicyConfig {
         }
     }
     policy
+}
+
+/// Expires every booking of `scheduler`; returns how many there were. Each round
+/// expires at least the earliest one.
+fn expire_all(scheduler: &mut Scheduler) -> usize {
+    let mut expired = 0;
+    while let Some(deadline) = scheduler.next_expiry() {
+        expired += scheduler.expire(deadline).len();
+    }
+    expired
 }
 
 /// Simulated time `ns` as an `Instant` after `epoch`.

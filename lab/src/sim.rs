@@ -1,25 +1,30 @@
 //! The discrete-event simulator: one trace, one cluster size, one speed-up, one policy.
 //!
-//! Simulated time is whole nanoseconds. Three kinds of things happen, and the clock
+//! Simulated time is whole nanoseconds. Four kinds of things happen, and the clock
 //! jumps straight from one to the next (no ticks), so the cost is proportional to the
-//! work done — engine steps, arrivals, event deliveries — not to the simulated span:
+//! work done — engine steps, arrivals, event deliveries, transfers — not to the
+//! simulated span:
 //!
 //! - **arrival** of request `i` at `timestamp_ms / speedup`: route it (index lookup
-//!   and scheduler decision), queue it on the chosen rank's [`EngineCore`], and start a
+//!   and scheduler decision), queue it on the chosen rank's [`EngineCore`] (in a split
+//!   fleet, a disaggregated request's prefill half on its prefill rank), and start a
 //!   step there if the rank is idle;
 //! - **step end** of a rank, `duration_ms` after the step started: the step's first
 //!   tokens and finished requests take effect (TTFT and end-to-end times are taken
-//!   here; the router hears `prefill_done` / `freed` at once), its KV events leave for
-//!   the index, and the next step starts if the rank has work;
+//!   here; the router hears `prefill_done` / `freed` at once, and
+//!   `remote_prefill_done` for a prefill half, whose end starts its KV transfer), its
+//!   KV events leave for the index, and the next step starts if the rank has work;
 //! - **event delivery**, `event_lag` after the step end that produced the events: they
 //!   are applied to the index. With a lag of 0 they are applied at the step end, before
-//!   anything else at that instant.
+//!   anything else at that instant;
+//! - **transfer end** of a disaggregated request (the `pair` module): its decode half
+//!   joins its decode rank's queue.
 //!
 //! As in the live engine (`engine::rank`), a step's schedule is fixed when it starts
 //! ([`EngineCore::step`]) and its outputs are published when it ends; requests that
 //! arrive meanwhile wait for the next step. Ties at one instant are ordered: pending
-//! step ends and deliveries before arrivals, and among them by creation order, so a run
-//! is a pure function of its inputs (the scheduler's RNG is seeded).
+//! step ends, deliveries and transfer ends before arrivals, and among them by creation
+//! order, so a run is a pure function of its inputs (the scheduler's RNG is seeded).
 
 use crate::calibration_point::CalibrationPoint;
 use crate::config::{LabPolicy, Setting, SimConfig, ms_to_ns, ns_to_ms};
@@ -28,85 +33,16 @@ use crate::fleet::at_speed;
 use crate::log_entry::LogEntry;
 use crate::metrics::{RequestRecord, RunMetrics};
 use crate::router::Router;
-use engine_model::trace::{BlockMapping, TraceRequest};
-use engine_model::{EngineCore, EngineRequest, StepOutput};
-use kv_events::{
-    DpRank, KvCacheEvent, KvCacheEventData, LocalBlockHash, RequestId, WorkerId, WorkerRank,
-};
+use engine_model::{EngineCore, KvTransferConfig, StepOutput};
+use kv_events::disaggregation::is_prefill_booking_id;
+use kv_events::{DpRank, KvCacheEvent, KvCacheEventData, RequestId, WorkerId, WorkerRank};
 use std::cmp::{Ordering, Reverse};
 use std::collections::{BinaryHeap, HashMap};
 
-/// A trace prepared for simulation: every prompt mapped onto engine blocks once, shared
-/// by all runs.
-#[derive(Debug, Clone)]
-pub struct PreparedTrace {
-    requests: Vec<PreparedRequest>,
-    block_size: u32,
-}
+pub use crate::prepared::PreparedTrace;
 
-#[derive(Debug, Clone)]
-struct PreparedRequest {
-    timestamp_ms: u64,
-    prompt_tokens: u64,
-    max_tokens: u64,
-    block_hashes: Vec<LocalBlockHash>,
-    /// The session derived from the trace's prefix chains ([`crate::sessions`]).
-    session: u32,
-}
-
-impl PreparedTrace {
-    /// Maps every request of `trace` onto engine blocks with `mapping` and derives its
-    /// session (the `sessions` module). A request with
-    /// `output_length` 0 asks for 1 token (the first token is always produced), as the
-    /// online replay does.
-    pub fn new(trace: &[TraceRequest], mapping: BlockMapping) -> Self {
-        let requests = trace
-            .iter()
-            .zip(crate::sessions::derive(trace))
-            .map(|(r, session)| PreparedRequest {
-                timestamp_ms: r.timestamp_ms,
-                prompt_tokens: r.input_length,
-                max_tokens: r.output_length.max(1),
-                block_hashes: mapping.block_hashes(r),
-                session,
-            })
-            .collect();
-        Self {
-            requests,
-            block_size: mapping.engine_block_size(),
-        }
-    }
-
-    /// Number of requests.
-    pub fn len(&self) -> usize {
-        self.requests.len()
-    }
-
-    /// True when the trace has no request.
-    pub fn is_empty(&self) -> bool {
-        self.requests.is_empty()
-    }
-
-    /// Tokens per engine block the prompts were mapped to.
-    pub fn block_size(&self) -> u32 {
-        self.block_size
-    }
-
-    /// Span of the arrivals, from the first to the last, in trace ms.
-    pub fn span_ms(&self) -> u64 {
-        match (self.requests.first(), self.requests.last()) {
-            (Some(a), Some(b)) => b.timestamp_ms - a.timestamp_ms,
-            _ => 0,
-        }
-    }
-
-    /// `(prompt tokens, engine block hashes)` of every request, in arrival order.
-    pub fn prompts(&self) -> impl Iterator<Item = (u64, &[LocalBlockHash])> {
-        self.requests
-            .iter()
-            .map(|r| (r.prompt_tokens, r.block_hashes.as_slice()))
-    }
-}
+#[path = "sim_pair.rs"]
+mod pair;
 
 /// The result of one simulated run.
 #[derive(Debug, Clone, PartialEq)]
@@ -121,6 +57,9 @@ pub struct RunResult {
     /// ([`SimConfig::calibration_sample_ms`]) and at the end of the run, in time
     /// order; empty unless the router calibrates.
     pub calibration: Vec<CalibrationPoint>,
+    /// Bookings still active in the scheduler when every request had ended (both
+    /// halves of a disaggregated request count); 0 unless the lifecycle leaks.
+    pub open_bookings: usize,
 }
 
 impl RunResult {
@@ -140,6 +79,8 @@ enum Event {
         rank: usize,
         events: Vec<KvCacheEvent>,
     },
+    /// Request `index`'s KV reached its decode rank.
+    TransferEnd { index: usize },
 }
 
 /// An [`Event`] with its time and a creation sequence number for tie-breaking.
@@ -186,10 +127,12 @@ struct Sim<'a> {
     lag_ns: u64,
     ranks: Vec<SimRank>,
     router: Router,
+    transfer: KvTransferConfig,
     queue: BinaryHeap<Reverse<Timed>>,
     seq: u64,
     records: Vec<RequestRecord>,
-    /// Request id → trace index, for requests routed and not yet finished.
+    /// Engine request id → trace index, for requests queued or running on a rank (a
+    /// prefill half under its `#prefill` id).
     active: HashMap<RequestId, usize>,
     steps: u64,
     /// Where route lookups and deliveries are recorded, when the caller asked.
@@ -201,11 +144,12 @@ struct Sim<'a> {
 }
 
 /// Simulates `trace` on `setting.workers` ranks under `policy`; rank `i` runs the
-/// engines' timing at `config.speeds`' `i`-th speed.
+/// engines' timing at `config.speeds`' `i`-th speed, in the role `config.serving`
+/// gives it.
 ///
 /// # Errors
 /// [`LabError`] if the configuration is invalid (engine model, timing, event lag, a
-/// speed list that does not match the workers), the block
+/// speed list that does not match the workers, a split without both roles), the block
 /// size differs from the one the trace was prepared for, or the scheduler refuses its
 /// configuration. Individual requests never fail the run: refusals are recorded.
 pub fn simulate(
@@ -236,6 +180,7 @@ pub(super) fn run_sim(
     if setting.workers == 0 {
         return Err(LabError::NoWorkers);
     }
+    let roles = config.serving.roles(setting.workers)?;
     let ids: Vec<WorkerRank> = (1..=u64::from(setting.workers))
         .map(|w| WorkerRank::new(WorkerId(w), DpRank(0)))
         .collect();
@@ -257,7 +202,8 @@ pub(super) fn run_sim(
         trace,
         lag_ns: config.event_lag_ns(),
         ranks,
-        router: Router::new(policy, &ids, config)?,
+        router: Router::new(policy, &ids, &roles, config)?,
+        transfer: config.transfer,
         queue: BinaryHeap::new(),
         seq: 0,
         records: trace
@@ -286,6 +232,7 @@ pub(super) fn run_sim(
     sim.sample_calibration(end_ns);
     Ok(RunResult {
         refused_events: sim.router.refused_events(),
+        open_bookings: sim.router.open_bookings(),
         steps: sim.steps,
         records: sim.records,
         calibration: sim.calibration,
@@ -348,38 +295,28 @@ impl Sim<'_> {
                 block_hashes: request.block_hashes.clone(),
             });
         }
-        let id = RequestId(index.to_string());
-        let rank = match self.router.route(
+        let id = request_id(index);
+        let route = match self.router.route(
             &id,
             &request.block_hashes,
             request.prompt_tokens,
             request.session,
             now,
         ) {
-            Ok(rank) => rank,
+            Ok(route) => route,
             Err(err) => {
                 tracing::debug!(request = index, %err, "route refused");
                 self.records[index].rejected = true;
                 return;
             }
         };
-        self.records[index].worker = Some(rank);
-        let engine_request = EngineRequest {
-            request_id: id.clone(),
-            block_hashes: request.block_hashes.clone(),
-            prompt_tokens: request.prompt_tokens,
-            max_tokens: request.max_tokens,
-            token_ids: None,
-        };
-        if let Err(reason) = self.ranks[rank].core.add_request(engine_request) {
-            tracing::debug!(request = index, %reason, "engine refused");
-            self.records[index].rejected = true;
-            self.router.free(&id, now);
-            return;
-        }
-        self.active.insert(id, index);
-        if !self.ranks[rank].stepping {
-            self.start_step(rank, now);
+        let record = &mut self.records[index];
+        record.worker = Some(route.decode);
+        record.prefill_worker = route.prefill;
+        record.reason = route.reason;
+        match route.prefill {
+            Some(prefill) => self.admit(index, prefill, pair::Part::PrefillHalf, now),
+            None => self.admit(index, route.decode, pair::Part::Request, now),
         }
     }
 
@@ -397,6 +334,7 @@ impl Sim<'_> {
         match event {
             Event::StepEnd { rank, output } => self.end_step(rank, now, output),
             Event::Deliver { rank, events } => self.deliver(rank, events),
+            Event::TransferEnd { index } => self.end_transfer(index, now),
         }
     }
 
@@ -410,20 +348,35 @@ impl Sim<'_> {
             }
         }
         for first in output.first_tokens {
-            if let Some(&index) = self.active.get(&first.request_id) {
-                let record = &mut self.records[index];
-                record.first_token_ns = Some(now);
+            let Some(&index) = self.active.get(&first.request_id) else {
+                continue;
+            };
+            let record = &mut self.records[index];
+            let half = is_prefill_booking_id(&first.request_id);
+            // The prompt's cache hit is where it was prefilled.
+            if half || record.prefill_worker.is_none() {
                 record.cached_tokens = first.cached_tokens;
                 record.loaded_tokens = first.loaded_tokens;
-                self.router.prefill_done(&first.request_id, now);
+            }
+            let id = request_id(index);
+            if half {
+                self.router.remote_prefill_done(&id, now);
+            } else {
+                record.first_token_ns = Some(now);
+                self.router.prefill_done(&id, now);
             }
         }
         for done in output.finished {
-            if let Some(index) = self.active.remove(&done.request_id) {
+            let Some(index) = self.active.remove(&done.request_id) else {
+                continue;
+            };
+            if is_prefill_booking_id(&done.request_id) {
+                self.start_transfer(index, now);
+            } else {
                 let record = &mut self.records[index];
                 record.finish_ns = Some(now);
                 record.output_tokens = done.output_tokens;
-                self.router.free(&done.request_id, now);
+                self.router.free(&request_id(index), now);
             }
         }
         self.ranks[rank].stepping = false;
@@ -458,6 +411,12 @@ impl Sim<'_> {
             })
             .collect()
     }
+}
+
+/// The request id of trace request `index` (the router's and the decode half's; the
+/// prefill half runs under its `#prefill` id).
+fn request_id(index: usize) -> RequestId {
+    RequestId(index.to_string())
 }
 
 impl RunResult {

@@ -3,6 +3,7 @@
 //! too), with the oracle bound in each block's title.
 //! Rendering is `O(runs)` string formatting.
 
+use crate::config::Setting;
 use crate::report::{LabReport, RunReport};
 use engine_model::render_table;
 use std::fmt::Write as _;
@@ -28,31 +29,48 @@ impl LabReport {
         let mut out = String::new();
         let _ = writeln!(
             out,
-            "trace {}: {} requests over {:.0} s; block size {}, {} blocks per rank, event lag {} ms",
-            self.trace.name,
-            self.trace.requests,
-            self.trace.span_ms as f64 / 1_000.0,
+            "{}; block size {}, {} blocks per rank, event lag {} ms",
+            self.trace.summary(),
             self.config.block_size,
             self.config.num_gpu_blocks,
             self.config.event_lag_ms,
         );
-        for setting in self.settings() {
-            let _ = writeln!(
-                out,
-                "\n{} workers, {} arrivals (oracle hit rate {:.1}%)",
-                setting.workers,
-                setting.speedup,
-                self.oracle.hit_rate * 100.0
-            );
-            let runs = self.runs.iter().filter(|r| r.setting == setting);
-            out.push_str(&render_table(&HEADER, runs.map(row)));
-            out.push('\n');
-        }
-        out.push_str(
-            "\n(latencies in model ms; hit rate = cached / prompt tokens, cpu = the part loaded back from a CPU tier; tok/s = output tokens per simulated second)\n",
+        let oracle = self.oracle.hit_rate * 100.0;
+        tables_per_setting(
+            &mut out,
+            self,
+            |s| {
+                format!(
+                    "{} workers, {} arrivals (oracle hit rate {oracle:.1}%)",
+                    s.workers, s.speedup
+                )
+            },
+            &HEADER,
+            row,
+            "latencies in model ms; hit rate = cached / prompt tokens, cpu = the part loaded back from a CPU tier; tok/s = output tokens per simulated second",
         );
         out
     }
+}
+
+/// Appends to `out` one aligned table per setting of `report`, in report order,
+/// under its `heading`: `header` over one `row` per run of the setting; then `note`
+/// in parentheses. The layout every lab table shares.
+pub(crate) fn tables_per_setting(
+    out: &mut String,
+    report: &LabReport,
+    heading: impl Fn(Setting) -> String,
+    header: &[&str],
+    row: impl Fn(&RunReport) -> Vec<String>,
+    note: &str,
+) {
+    for setting in report.settings() {
+        let _ = writeln!(out, "\n{}", heading(setting));
+        let runs = report.runs.iter().filter(|r| r.setting == setting);
+        out.push_str(&render_table(header, runs.map(&row)));
+        out.push('\n');
+    }
+    let _ = writeln!(out, "\n({note})");
 }
 
 fn row(r: &RunReport) -> Vec<String> {

@@ -9,33 +9,8 @@ use crate::liveness::LoadReports;
 use crate::overlap::Overlaps;
 use crate::policy::Candidate;
 use crate::request::ScheduleRequest;
-use kv_events::disaggregation::{TransferProtocol, WorkerRole};
-use kv_events::discovery::WorkerRegistration;
+use crate::workers::Side;
 use std::time::Instant;
-
-/// Which workers' ranks a decision considers, by their role.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Side {
-    /// Workers that decode (`both`, `decode`): a whole request, or the decode half
-    /// of a disaggregated one. Ranks of other workers do not exist for it (a pinned
-    /// dp_rank only they have is unavailable).
-    Decode,
-    /// `prefill` workers whose transfer protocol is this one: the prefill half of a
-    /// disaggregated request, paired with a decode worker of that protocol.
-    Prefill(TransferProtocol),
-}
-
-impl Side {
-    fn admits(self, reg: &WorkerRegistration) -> bool {
-        match self {
-            Side::Decode => reg.role.decodes(),
-            Side::Prefill(protocol) => {
-                reg.role == WorkerRole::Prefill
-                    && reg.kv_transfer.is_some_and(|t| t.protocol == protocol)
-            }
-        }
-    }
-}
 
 impl Scheduler {
     /// Fills `self.candidates` with the ranks of `side` eligible for `req`: matching

@@ -40,10 +40,12 @@
 //!   the lab.
 //! - [`disaggregation`]: [`DisaggregationConfig`], when a request that may run
 //!   disaggregated is prefilled by its decode worker, and the decode cost.
-//! - `candidates.rs`: the candidate scan, by worker role.
+//! - `candidates.rs`: the candidate scan, by worker role (`workers::Side`).
 //! - `pair.rs`: pair selection and the two bookings of a disaggregated request.
 //! - `lifecycle.rs`: [`Scheduler::lifecycle`], a frontend's lifecycle event applied
-//!   to a request and its prefill half ([`lifecycle_steps`]).
+//!   to a request and its prefill half.
+//! - `steps.rs`: [`lifecycle_steps`] and [`LifecycleStep`], the steps one event
+//!   means (a leaf, so the daemon can list them before applying them).
 //! - `batch.rs`: [`Scheduler::schedule_batch`].
 //! - `reads.rs`: the facade's read accessors (load, metrics, liveness, calibration).
 
@@ -67,6 +69,7 @@ mod reads;
 pub mod request;
 pub mod sequences;
 pub mod sessions;
+mod steps;
 pub mod workers;
 
 pub use busy::{BusyThresholds, Threshold};
@@ -74,7 +77,6 @@ pub use calibration::{Calibration, CalibrationConfig, RankCalibration};
 pub use config::{PrefillDurationModel, SchedulerConfig, SequencesConfig};
 pub use disaggregation::DisaggregationConfig;
 pub use error::SchedulerError;
-pub use lifecycle::{LifecycleStep, lifecycle_steps};
 pub use liveness::{Liveness, LivenessConfig};
 pub use overlap::{NoOverlap, Overlaps};
 pub use policy::{
@@ -86,9 +88,9 @@ pub use sequences::{
     ActiveRequest, ActiveSequences, AddRequest, Origin, PrefillLoadHint, RankLoad, SequenceEvent,
 };
 pub use sessions::{SessionConfig, SessionOutcome, SessionTable};
+pub use steps::{LifecycleStep, lifecycle_steps};
 pub use workers::WorkerRegistry;
 
-use candidates::Side;
 use kv_events::disaggregation::{WorkerRole, is_prefill_booking_id};
 use kv_events::discovery::WorkerRegistration;
 use kv_events::routing::PolicyKind;
@@ -98,6 +100,7 @@ use policy::{Candidate, SelectContext, Selector};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use std::time::Instant;
+use workers::Side;
 
 /// In which order [`Scheduler::schedule_batch`] places a batch (a wire type: a
 /// batch route request names it).
@@ -264,16 +267,9 @@ impl Scheduler {
             Vec::new()
         };
         if req.allow_disaggregation && self.workers.has_prefill_workers() {
-            return self.schedule_pair(&pair::PairAsk {
-                req,
-                overlaps,
-                policy: &policy,
-                block_ids: &block_ids,
-                now,
-                batch_remaining,
-            });
+            return self.schedule_pair(req, overlaps, &policy, &block_ids, now, batch_remaining);
         }
-        self.gather_candidates(req, overlaps, &block_ids, now, Side::Decode)?;
+        self.gather_candidates(req, overlaps, &block_ids, now, Side::Whole)?;
         self.calibration
             .timing_scales(&policy, &self.candidates, &mut self.scales);
         let ctx = SelectContext {

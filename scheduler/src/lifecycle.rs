@@ -2,7 +2,7 @@
 //!
 //! Frontends name the request id only; a disaggregated request is booked twice (the
 //! decode half under its id, the prefill half under `{id}#prefill`), so one event
-//! means up to two write-model steps ([`lifecycle_steps`]):
+//! means up to two write-model steps ([`crate::lifecycle_steps`]):
 //!
 //! | event | `{id}` | `{id}#prefill` |
 //! |---|---|---|
@@ -20,47 +20,12 @@
 
 use crate::Scheduler;
 use crate::error::SchedulerError;
-use crate::sequences::Origin;
+use crate::steps::{LifecycleStep, lifecycle_steps};
 use kv_events::RequestId;
-use kv_events::disaggregation::{is_prefill_booking_id, prefill_booking_id};
+use kv_events::disaggregation::is_prefill_booking_id;
 use kv_events::replicas::SequenceUpdate;
 use kv_events::routing::LifecycleEvent;
 use std::time::Instant;
-
-/// One write-model step a lifecycle event applied.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LifecycleStep {
-    /// The booking it touched: the request's id or its prefill half's.
-    pub request_id: RequestId,
-    /// What it did: [`SequenceUpdate::PrefillDone`], [`SequenceUpdate::KeepAlive`]
-    /// or [`SequenceUpdate::Freed`] (never `Booked`).
-    pub update: SequenceUpdate,
-    /// Who booked it: a daemon relays the steps of its own ([`Origin::Local`])
-    /// bookings to its peers.
-    pub origin: Origin,
-}
-
-/// The steps `event` for request `id` means, in order: one per booking it touches
-/// (module docs give the table). The same for every replica, so a daemon can record
-/// them before it applies them.
-pub fn lifecycle_steps(id: &RequestId, event: LifecycleEvent) -> Vec<(RequestId, SequenceUpdate)> {
-    let half = || prefill_booking_id(id);
-    match event {
-        LifecycleEvent::RemotePrefillDone => vec![(half(), SequenceUpdate::PrefillDone)],
-        LifecycleEvent::PrefillDone => vec![
-            (id.clone(), SequenceUpdate::PrefillDone),
-            (half(), SequenceUpdate::Freed),
-        ],
-        LifecycleEvent::KeepAlive => vec![
-            (id.clone(), SequenceUpdate::KeepAlive),
-            (half(), SequenceUpdate::KeepAlive),
-        ],
-        LifecycleEvent::Freed => vec![
-            (id.clone(), SequenceUpdate::Freed),
-            (half(), SequenceUpdate::Freed),
-        ],
-    }
-}
 
 impl Scheduler {
     /// Applies a frontend's lifecycle `event` for request `id` at `now` to the

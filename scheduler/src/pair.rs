@@ -17,7 +17,6 @@
 //! per candidate.
 
 use crate::Scheduler;
-use crate::candidates::Side;
 use crate::disaggregation::decode_cost;
 use crate::error::SchedulerError;
 use crate::overlap::Overlaps;
@@ -25,23 +24,24 @@ use crate::policy::{Candidate, PolicyConfig, SelectContext};
 use crate::request::{PairDecision, PrefillChoice, ScheduleRequest, Selection};
 use crate::sequences::{AddRequest, Origin};
 use crate::sessions::CostScale;
+use crate::workers::Side;
 use kv_events::disaggregation::{DisaggregationReason, TransferProtocol, prefill_booking_id};
 use std::time::Instant;
 
 /// One pair decision's inputs, shared by both sides.
-pub(crate) struct PairAsk<'a, O: ?Sized> {
+struct PairAsk<'a, O: ?Sized> {
     /// The request.
-    pub req: &'a ScheduleRequest,
+    req: &'a ScheduleRequest,
     /// Each rank's overlap blocks for its prompt.
-    pub overlaps: &'a O,
+    overlaps: &'a O,
     /// The request's resolved policy (it picks the prefill rank).
-    pub policy: &'a PolicyConfig,
+    policy: &'a PolicyConfig,
     /// The prompt's chained block ids (empty without KV reuse).
-    pub block_ids: &'a [u64],
+    block_ids: &'a [u64],
     /// The decision time.
-    pub now: Instant,
+    now: Instant,
     /// Requests of the batch still to place, this one included.
-    pub batch_remaining: usize,
+    batch_remaining: usize,
 }
 
 impl Scheduler {
@@ -50,32 +50,56 @@ impl Scheduler {
     ///
     /// # Errors
     /// As [`Scheduler::schedule`]: the decode side's candidate errors; a prefill
-    /// side without candidates is the decision `no_prefill_worker`, not an error.
+    /// side without candidates is the decision `no_prefill_worker`, not an error,
+    /// unless the decode worker cannot prefill (an SGLang `decode` server): then
+    /// [`SchedulerError::AllBusy`], and nothing is booked.
     pub(crate) fn schedule_pair<O: Overlaps + ?Sized>(
         &mut self,
-        ask: &PairAsk<'_, O>,
+        req: &ScheduleRequest,
+        overlaps: &O,
+        policy: &PolicyConfig,
+        block_ids: &[u64],
+        now: Instant,
+        batch_remaining: usize,
     ) -> Result<Selection, SchedulerError> {
-        let (req, policy, now) = (ask.req, ask.policy, ask.now);
+        let ask = &PairAsk {
+            req,
+            overlaps,
+            policy,
+            block_ids,
+            now,
+            batch_remaining,
+        };
         let half_id = prefill_booking_id(&req.request_id);
         if self.sequences.contains(&half_id) {
             return Err(SchedulerError::DuplicateRequest(half_id));
         }
         self.gather_candidates(req, ask.overlaps, ask.block_ids, now, Side::Decode)?;
         let (decode, cost, session) = self.pick_decode(req, now);
-        let protocol = self
-            .workers
-            .get(decode.rank.worker_id)
-            .and_then(|reg| reg.kv_transfer)
-            .map(|t| t.protocol);
-        let local = self
-            .config
-            .disaggregation
-            .local_reason(req, decode.overlap_blocks);
+        // An SGLang decode server cannot prefill the prompt itself: its request is
+        // disaggregated whatever the thresholds say, and fails without a prefill worker.
+        let (protocol, whole) =
+            self.workers
+                .get(decode.rank.worker_id)
+                .map_or((None, true), |reg| {
+                    (
+                        reg.kv_transfer.map(|t| t.protocol),
+                        reg.serves_whole_requests(),
+                    )
+                });
+        let local = if whole {
+            self.config
+                .disaggregation
+                .local_reason(req, decode.overlap_blocks)
+        } else {
+            None
+        };
         let (reason, prefill) = match local {
             Some(reason) => (reason, None),
             None => match protocol.and_then(|p| self.pick_prefill(ask, p)) {
                 Some(pick) => (DisaggregationReason::LongUncached, Some(pick)),
-                None => (DisaggregationReason::NoPrefillWorker, None),
+                None if whole => (DisaggregationReason::NoPrefillWorker, None),
+                None => return Err(SchedulerError::AllBusy),
             },
         };
         let decode_hint = match prefill {

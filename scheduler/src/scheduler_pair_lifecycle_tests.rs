@@ -1,9 +1,11 @@
 //! Both bookings of a disaggregated request through the [`Scheduler`] facade: every
 //! lifecycle path, keep-alive and expiry, and nothing booked on error.
 
-use super::pair_tests::{LONG, decode, fleet, id, pair_request, prefill};
+use super::pair_tests::{LONG, decode, fleet, id, pair_request, prefill, reg};
 use super::*;
-use kv_events::disaggregation::prefill_booking_id;
+use kv_events::disaggregation::{
+    DisaggregationReason, TransferProtocol, WorkerRole, prefill_booking_id,
+};
 use kv_events::replicas::SequenceUpdate;
 use kv_events::routing::LifecycleEvent;
 use std::collections::HashMap;
@@ -155,4 +157,44 @@ fn nothing_is_booked_on_error() {
         Err(SchedulerError::AllBusy)
     );
     assert_eq!(s.active_requests(), 2, "a and its half");
+}
+
+/// An SGLang decode server refuses a request without a bootstrap (it cannot prefill):
+/// it gets no whole request, a short prompt on it is still disaggregated, and without
+/// an eligible prefill worker the request fails with nothing booked.
+#[test]
+fn an_sglang_decode_worker_never_prefills_itself() {
+    let t = Instant::now();
+    let sglang = |id, role| reg(id, role, Some(TransferProtocol::Sglang));
+    let mut s = fleet(
+        SchedulerConfig::default(),
+        vec![
+            sglang(2, WorkerRole::Decode),
+            sglang(21, WorkerRole::Prefill),
+        ],
+    );
+    let mut whole = pair_request("whole", LONG, 1);
+    whole.allow_disaggregation = false;
+    assert_eq!(
+        s.schedule(&whole, &HashMap::new(), t),
+        Err(SchedulerError::NoWorkers)
+    );
+    // 32 tokens: short enough to stay local on a vLLM decode worker.
+    let sel = s
+        .schedule(&pair_request("short", 32, 2), &HashMap::new(), t)
+        .unwrap();
+    let decision = sel.disaggregation.unwrap();
+    assert_eq!(decision.reason, DisaggregationReason::LongUncached);
+    assert_eq!(decision.prefill.unwrap().rank.worker_id, WorkerId(21));
+    let mut no_prefill = pair_request("no-prefill", LONG, 3);
+    no_prefill.exclude(vec![WorkerId(21)]);
+    assert_eq!(
+        s.schedule(&no_prefill, &HashMap::new(), t),
+        Err(SchedulerError::AllBusy)
+    );
+    assert_eq!(
+        s.active_requests(),
+        2,
+        "only the short request's two halves"
+    );
 }

@@ -8,10 +8,39 @@
 //! that `Vec` on add/remove (O(total ranks)) is the cheap side of the trade.
 
 use crate::error::SchedulerError;
-use kv_events::disaggregation::WorkerRole;
+use kv_events::disaggregation::{TransferProtocol, WorkerRole};
 use kv_events::discovery::WorkerRegistration;
 use kv_events::{DpRank, WorkerId, WorkerRank};
 use std::collections::BTreeMap;
+
+/// Which workers' ranks a decision considers, by their role.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Side {
+    /// Workers that serve a whole request themselves
+    /// ([`WorkerRegistration::serves_whole_requests`]: `both`, and vLLM `decode`
+    /// workers). Ranks of other workers do not exist for it (a pinned dp_rank only
+    /// they have is unavailable).
+    Whole,
+    /// Workers that decode (`both`, `decode`): the decode half of a disaggregated
+    /// request.
+    Decode,
+    /// `prefill` workers whose transfer protocol is this one: the prefill half of a
+    /// disaggregated request, paired with a decode worker of that protocol.
+    Prefill(TransferProtocol),
+}
+
+impl Side {
+    pub(crate) fn admits(self, reg: &WorkerRegistration) -> bool {
+        match self {
+            Side::Whole => reg.serves_whole_requests(),
+            Side::Decode => reg.role.decodes(),
+            Side::Prefill(protocol) => {
+                reg.role == WorkerRole::Prefill
+                    && reg.kv_transfer.is_some_and(|t| t.protocol == protocol)
+            }
+        }
+    }
+}
 
 /// Registered workers, keyed and iterated by [`WorkerId`].
 #[derive(Debug, Clone, Default)]

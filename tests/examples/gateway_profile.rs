@@ -217,12 +217,9 @@ fn stages(
         };
         let route_bytes = route(&ids)?.len();
         let route_t = mean_time(min, || route(&ids));
+        let target = EngineTarget::whole(EngineApi::Vllm, DpRank(0));
         let engine = || {
-            let body = completion_for_engine(
-                &request,
-                Some(&ids),
-                EngineTarget::whole(EngineApi::Vllm, DpRank(0)),
-            );
+            let body = completion_for_engine(&request, Some(&ids), target);
             serde_json::to_vec(&body)
         };
         let engine_bytes = engine()?.len();
@@ -274,12 +271,10 @@ async fn cluster_steps(
         tokio::sync::mpsc::unbounded_channel().1,
     );
     let ready = || async {
-        let prompt = Prompt::Tokens {
-            token_ids: vec![1; 64],
-        };
-        let routed = client
-            .route(client.request_id(), prompt, &[], None, false)
-            .await;
+        let token_ids = vec![1; 64];
+        let prompt = Prompt::Tokens { token_ids };
+        let id = client.request_id();
+        let routed = client.route(id, prompt, &[], None, false).await;
         routed.is_ok().then_some(())
     };
     integration_tests::eventually("a worker to be routable", Duration::from_secs(15), ready)

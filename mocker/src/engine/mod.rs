@@ -14,6 +14,8 @@
 //! `docs/engine-model.md`.
 //!
 //! # Layout
+//! - `args`: [`EngineArgs`], the flags of `kv-mocker engines`, made of the groups
+//!   below.
 //! - [`config`]: the service's typed flag groups (connection, fleet, runtime); the
 //!   model's own ([`EngineModelConfig`], [`CpuTierConfig`]) are `engine_model`'s.
 //! - [`disaggregation`]: the workers' role (prefill, decode or both), transfer
@@ -31,6 +33,7 @@
 //! - [`vllm`]: `--kv-events vllm`, the engines as vLLM stand-ins (ZMQ KV events).
 //! - `service`: [`spawn_engines`], which wires all of the above.
 
+mod args;
 pub mod config;
 pub mod disaggregation;
 pub mod http;
@@ -42,45 +45,14 @@ mod service;
 pub mod vllm;
 mod worker;
 
+pub use self::args::EngineArgs;
 pub use self::config::{ConnectionArgs, EngineConfigError, FleetArgs, RuntimeArgs};
 pub use self::disaggregation::{DisaggregationConfig, EngineDisaggregationArgs};
 pub use self::http::EngineHttpArgs;
 pub use self::service::{EnginesHandle, READY_LINE, ServiceError, spawn_engines};
 pub use self::vllm::{KvEventsArgs, KvEventsMode, RankEndpoints};
 
-use engine_model::{CpuTierConfig, EngineModelConfig};
 use tokio_util::sync::CancellationToken;
-
-/// Flags of `kv-mocker engines`: M mock workers with ids `first-worker-id ..
-/// first-worker-id + M`, each with `dp-size` ranks of the engine model.
-#[derive(Debug, Clone, clap::Args)]
-pub struct EngineArgs {
-    /// NATS URL, etcd endpoints and namespace.
-    #[command(flatten)]
-    pub connection: ConnectionArgs,
-    /// How many workers, their ids and dp size.
-    #[command(flatten)]
-    pub fleet: FleetArgs,
-    /// The engine model of every rank (block size, cache size, batch limits).
-    #[command(flatten)]
-    pub model: EngineModelConfig,
-    /// The CPU tier of every rank (off by default).
-    #[command(flatten)]
-    pub cpu_tier: CpuTierConfig,
-    /// Time scale, lease TTL and metrics interval.
-    #[command(flatten)]
-    pub runtime: RuntimeArgs,
-    /// The per-worker OpenAI HTTP servers (address, model directory).
-    #[command(flatten)]
-    pub http: EngineHttpArgs,
-    /// Where KV events go: NATS, or vLLM's ZMQ wire for `kv-router relay`.
-    #[command(flatten)]
-    pub kv_events: KvEventsArgs,
-    /// The workers' role in a disaggregated fleet (default: aggregated), the KV
-    /// transfer's cost and the SGLang decode's bootstrap wait.
-    #[command(flatten)]
-    pub disaggregation: EngineDisaggregationArgs,
-}
 
 /// Runs the engines until `shutdown` is cancelled, then stops them in order (leases
 /// revoked, in-flight requests answered with an error, outbox flushed).

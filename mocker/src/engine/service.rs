@@ -11,7 +11,7 @@
 //! `--shutdown-timeout-ms` ([`kv_cluster::shutdown`]), so engines whose NATS or etcd
 //! is gone still exit.
 
-use super::EngineArgs;
+use super::args::EngineArgs;
 use super::config::EngineConfigError;
 use super::disaggregation::DisaggregationConfig;
 use super::http::{self, WorkerHttp};

@@ -7,13 +7,20 @@ use crate::engine::http::DEFAULT_MODEL_NAME;
 use crate::replay::http::GatewayTarget;
 use anyhow::Context;
 use kv_cluster::http::metric_sample;
+use kv_events::disaggregation::DisaggregationReason;
 use testbed::free_port;
 
 const GATEWAY_READY: &str = "kv-router gateway ready";
 
 /// The header of the gateway table's [`GatewayTotals::row`]s.
-pub(super) const GATEWAY_HEADER: [&str; 5] =
-    ["gateway", "TTFT mean", "route", "engine", "gateway share"];
+pub(super) const GATEWAY_HEADER: [&str; 6] = [
+    "gateway",
+    "TTFT mean",
+    "route",
+    "engine",
+    "gateway share",
+    "remote prefill",
+];
 
 /// Starts the gateway on a free loopback port. The prompts are token ids, so it needs
 /// no model files: `--tokenize-via engine` would only be used for text.
@@ -52,6 +59,11 @@ pub(super) struct GatewayTotals {
     requests: f64,
     route_s: f64,
     engine_s: f64,
+    /// Routed attempts the router answered without a disaggregation decision (an
+    /// aggregated fleet), and those it sent to a prefill worker (`long_uncached`).
+    aggregated: f64,
+    remote: f64,
+    attempts: f64,
 }
 
 impl GatewayTotals {
@@ -70,7 +82,17 @@ impl GatewayTotals {
             "the gateway's /metrics answered {status}"
         );
         let sample = |name: &str, labels: &str| metric_sample(&text, name, labels).unwrap_or(0.0);
+        let decided = |reason: &str| {
+            sample(
+                "kv_gateway_disaggregation_total",
+                &format!(r#"reason="{reason}""#),
+            )
+        };
+        let reasons = DisaggregationReason::ALL.map(|r| decided(r.as_str()));
         Ok(Self {
+            aggregated: decided("aggregated"),
+            remote: decided(DisaggregationReason::LongUncached.as_str()),
+            attempts: decided("aggregated") + reasons.iter().sum::<f64>(),
             ttft_s: sample("kv_gateway_ttft_seconds_sum", r#"endpoint="completions""#),
             requests: sample("kv_gateway_ttft_seconds_count", r#"endpoint="completions""#),
             route_s: sample("kv_gateway_stage_seconds_sum", r#"stage="route""#),
@@ -99,6 +121,17 @@ impl GatewayTotals {
             format!("{route:.2}"),
             format!("{engine:.1}"),
             format!("{share:.1}%"),
+            self.remote_share(before),
         ]
+    }
+
+    /// The share of routed attempts whose prompt ran on a prefill worker, or `-` when
+    /// the router made no disaggregation decision (an aggregated fleet).
+    fn remote_share(&self, before: &Self) -> String {
+        let attempts = self.attempts - before.attempts;
+        if attempts <= self.aggregated - before.aggregated {
+            return "-".to_owned();
+        }
+        format!("{:.1}%", 100.0 * (self.remote - before.remote) / attempts)
     }
 }

@@ -313,7 +313,7 @@ async fn run_stack(
     if !gateway_rows.is_empty() {
         println!("{}", render_table(&GATEWAY_HEADER, gateway_rows));
         println!(
-            "(as the gateway measured it, wall ms; gateway share = time before the first token\n not spent waiting for the engine: tokenize, route, forward)\n"
+            "(as the gateway measured it, wall ms; gateway share = time before the first token\n not spent waiting for the engine: tokenize, route, forward; remote prefill = routed\n attempts whose prompt the router sent to a prefill worker)\n"
         );
     }
     let path = args.out.join("report.json");
