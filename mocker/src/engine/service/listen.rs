@@ -52,9 +52,7 @@ pub(super) async fn transfer_side(
         _ => None,
     };
     Ok(TransferSide {
-        role: placement.role,
-        protocol,
-        bootstrap_port,
+        placement,
         rooms,
         cost: config.transfer,
         runtime,

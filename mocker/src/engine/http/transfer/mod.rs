@@ -35,7 +35,7 @@ mod run;
 pub(super) use run::serve;
 
 use engine_model::KvTransferConfig;
-use kv_events::disaggregation::{TransferProtocol, WorkerRole};
+use kv_cluster::args::WorkerPlacement;
 use rooms::Rooms;
 use std::sync::Arc;
 use std::time::Duration;
@@ -50,12 +50,10 @@ pub const MAX_FIELD_BYTES: usize = 256;
 /// requests.
 #[derive(Debug)]
 pub(in crate::engine) struct TransferSide {
-    /// The worker's role.
-    pub role: WorkerRole,
-    /// Its transfer protocol; `None` for role `both` (every field ignored).
-    pub protocol: Option<TransferProtocol>,
-    /// An SGLang prefill worker's own bootstrap port.
-    pub bootstrap_port: Option<u16>,
+    /// The worker's registered role and transfer (`kv_transfer` is `None` for role
+    /// `both`: every transfer field ignored); an SGLang prefill worker's own
+    /// bootstrap port is its `kv_transfer.bootstrap_port`.
+    pub placement: WorkerPlacement,
     /// The rooms its bootstrap server serves (SGLang prefill workers).
     pub rooms: Option<Arc<Rooms>>,
     /// What a transfer costs.

@@ -26,7 +26,7 @@ pub(in crate::engine::http) fn plan(
     stream: bool,
     prompt_blocks: u64,
 ) -> Result<Plan, EngineApiError> {
-    let Some(protocol) = side.protocol else {
+    let Some(protocol) = side.placement.kv_transfer.map(|t| t.protocol) else {
         return Ok(Plan::Local);
     };
     let vllm = fields.kv_transfer_params.as_ref();
@@ -42,7 +42,7 @@ pub(in crate::engine::http) fn plan(
                 ));
             }
             vllm.map_or(Ok(Plan::Local), |params| {
-                vllm_plan(side.role, params, stream, prompt_blocks)
+                vllm_plan(side.placement.role, params, stream, prompt_blocks)
             })
         }
         TransferProtocol::Sglang => {
@@ -145,11 +145,11 @@ fn sglang_plan(side: &TransferSide, fields: &TransferFields) -> Result<Plan, Eng
             .filter(|r| *r <= MAX_ROOM)
             .ok_or_else(|| bad("bootstrap_room must be an integer from 0 to 2^63 - 1"))?,
     };
-    match side.role {
-        WorkerRole::Prefill if side.bootstrap_port != Some(port) => Err(bad(format!(
+    let own_port = side.placement.kv_transfer.and_then(|t| t.bootstrap_port);
+    match side.placement.role {
+        WorkerRole::Prefill if own_port != Some(port) => Err(bad(format!(
             "bootstrap_port {port} is not this prefill engine's bootstrap port ({})",
-            side.bootstrap_port
-                .map_or("none".to_owned(), |p| p.to_string())
+            own_port.map_or("none".to_owned(), |p| p.to_string())
         ))),
         WorkerRole::Prefill => Ok(Plan::BootstrapPrefill { room }),
         WorkerRole::Decode => Ok(Plan::BootstrapDecode { host, port, room }),

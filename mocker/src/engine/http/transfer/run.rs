@@ -57,7 +57,7 @@ async fn accept(
             return Err(e);
         }
     };
-    let connector = if side.protocol.is_some() {
+    let connector = if side.placement.kv_transfer.is_some() {
         KvConnector::Queried
     } else {
         KvConnector::Absent
