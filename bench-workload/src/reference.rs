@@ -189,6 +189,7 @@ mod tests {
             event_id: 0,
             dp_rank: DpRank(0),
             data: KvCacheEventData::Stored {
+                group: None,
                 parent_hash: parent.map(ExternalBlockHash),
                 blocks: blocks
                     .iter()
@@ -237,6 +238,7 @@ mod tests {
             event_id: 1,
             dp_rank: DpRank(0),
             data: KvCacheEventData::Removed {
+                group: None,
                 block_hashes: vec![ExternalBlockHash(11)],
                 tier: kv_events::StorageTier::Gpu,
             },

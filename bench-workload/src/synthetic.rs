@@ -184,6 +184,7 @@ pub fn build(shape: WorkloadShape, seed: u64) -> Workload {
                 })
                 .collect();
             let data = KvCacheEventData::Stored {
+                group: None,
                 parent_hash: None,
                 blocks: stored,
                 tier: kv_events::StorageTier::Gpu,
@@ -229,6 +230,7 @@ pub fn build(shape: WorkloadShape, seed: u64) -> Workload {
                 })
                 .collect();
             let data = KvCacheEventData::Stored {
+                group: None,
                 parent_hash,
                 blocks: chain,
                 tier: kv_events::StorageTier::Gpu,
@@ -272,6 +274,7 @@ pub fn flood_batches(n: usize) -> Vec<KvEventBatch> {
             let base = (i / 2) as u64 * 16;
             let data = if i % 2 == 0 {
                 KvCacheEventData::Stored {
+                    group: None,
                     parent_hash: None,
                     blocks: (0..16)
                         .map(|b| StoredBlock {
@@ -283,6 +286,7 @@ pub fn flood_batches(n: usize) -> Vec<KvEventBatch> {
                 }
             } else {
                 KvCacheEventData::Removed {
+                    group: None,
                     block_hashes: (0..16).map(|b| ExternalBlockHash(base + b)).collect(),
                     tier: kv_events::StorageTier::Gpu,
                 }

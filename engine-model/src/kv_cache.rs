@@ -431,12 +431,14 @@ impl KvCache {
         if let Some(KvCacheEventData::Removed {
             block_hashes,
             tier: last,
+            group: None,
         }) = self.events.last_mut()
             && *last == tier
         {
             block_hashes.extend(removed);
         } else {
             self.events.push(KvCacheEventData::Removed {
+                group: None,
                 block_hashes: removed,
                 tier,
             });
@@ -460,6 +462,7 @@ impl KvCache {
             return;
         }
         self.events.push(KvCacheEventData::Stored {
+            group: None,
             parent_hash: parent,
             blocks: vec![block],
             tier,

@@ -21,6 +21,7 @@ impl EventReplica {
         for event in events {
             match event {
                 KvCacheEventData::Stored {
+                    group: _,
                     parent_hash,
                     blocks,
                     tier,
@@ -36,7 +37,11 @@ impl EventReplica {
                         assert!(set.insert(b.block_hash), "stored twice on {tier}: {b:?}");
                     }
                 }
-                KvCacheEventData::Removed { block_hashes, tier } => {
+                KvCacheEventData::Removed {
+                    group: _,
+                    block_hashes,
+                    tier,
+                } => {
                     let set = self.tier(*tier);
                     for h in block_hashes {
                         assert!(set.remove(h), "removed unknown block {h} from {tier}");

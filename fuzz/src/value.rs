@@ -417,6 +417,7 @@ mod tests {
                 event_id: 300,
                 dp_rank: kv_events::DpRank(70_000),
                 data: kv_events::KvCacheEventData::Removed {
+                    group: None,
                     block_hashes: vec![kv_events::ExternalBlockHash(1 << 40)],
                     tier: kv_events::StorageTier::Gpu,
                 },

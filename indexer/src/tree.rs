@@ -219,6 +219,7 @@ impl RadixTree {
                 parent_hash,
                 blocks,
                 tier,
+                group: _,
             } => {
                 // Room first, so the bound holds at the peak too, not only after.
                 let room = self.make_room(rank, *tier, *parent_hash, blocks.len());
@@ -226,9 +227,11 @@ impl RadixTree {
                 outcome.pruned = room + self.enforce_bound();
                 Ok(outcome)
             }
-            KvCacheEventData::Removed { block_hashes, tier } => {
-                Ok(self.remove(rank, *tier, block_hashes))
-            }
+            KvCacheEventData::Removed {
+                block_hashes,
+                tier,
+                group: _,
+            } => Ok(self.remove(rank, *tier, block_hashes)),
             KvCacheEventData::Cleared => Ok(self.clear_rank(rank)),
         }
     }

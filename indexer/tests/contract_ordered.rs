@@ -32,6 +32,7 @@ fn journal(worker: u64, epoch: u64, ring: usize) -> EventJournal {
 /// A chain of blocks `hashes` (engine hash = local hash) below `parent`.
 fn store(parent: Option<u64>, hashes: &[u64]) -> KvCacheEventData {
     KvCacheEventData::Stored {
+        group: None,
         parent_hash: parent.map(ExternalBlockHash),
         blocks: hashes
             .iter()
@@ -46,6 +47,7 @@ fn store(parent: Option<u64>, hashes: &[u64]) -> KvCacheEventData {
 
 fn remove(hashes: &[u64]) -> KvCacheEventData {
     KvCacheEventData::Removed {
+        group: None,
         block_hashes: hashes.iter().map(|h| ExternalBlockHash(*h)).collect(),
         tier: kv_events::StorageTier::Gpu,
     }

@@ -198,6 +198,7 @@ impl World {
                     *worker,
                     *dp,
                     KvCacheEventData::Stored {
+                        group: None,
                         parent_hash: parent_hash.map(ExternalBlockHash),
                         blocks,
                         tier: kv_events::StorageTier::Gpu,
@@ -221,6 +222,7 @@ impl World {
                     *worker,
                     *dp,
                     KvCacheEventData::Removed {
+                        group: None,
                         block_hashes,
                         tier: kv_events::StorageTier::Gpu,
                     },
@@ -295,6 +297,7 @@ impl World {
         for w in 0..WORKERS {
             for dp in 0..RANKS {
                 let noop = KvCacheEventData::Removed {
+                    group: None,
                     block_hashes: vec![ExternalBlockHash(u64::MAX)],
                     tier: kv_events::StorageTier::Gpu,
                 };

@@ -18,9 +18,24 @@
 //! lower tier an engine offloads to (CPU memory, local disk). The tier is optional on
 //! the wire and omitted for the GPU, so GPU events are byte-identical to those of
 //! publishers that predate tiers.
+//!
+//! Hybrid-attention models (sliding-window or Mamba layers next to full attention)
+//! keep one KV cache *group* per kind of layer, and the engine caches and evicts each
+//! group's copy of a block on its own. `Stored` names the [`KvCacheGroup`] (its id and
+//! its window) and `Removed` the group id; both are optional and omitted for models
+//! with one group, so their events are byte-identical to those of publishers that
+//! predate groups. The indexer keeps each (rank, tier, group) apart and computes the
+//! engine's own hybrid hit from them (see `docs/protocol.md`, "KV cache groups").
+//!
+//! Copies: an engine may hold two physical blocks under one block hash (vLLM does
+//! when a prompt is recomputed over a prefix it holds, and for an exactly
+//! block-aligned prompt repeated). A `Stored` that names a block the (rank, tier,
+//! group) already holds adds a copy, each `Removed` drops one, and the block leaves
+//! the index with its last copy.
 
-use crate::ids::{DpRank, ExternalBlockHash, LocalBlockHash, WorkerId};
+use crate::ids::{DpRank, ExternalBlockHash, GroupId, LocalBlockHash, WorkerId};
 use serde::{Deserialize, Serialize};
+use std::num::NonZeroU32;
 
 /// Where a worker rank holds a block: the storage tier a `Stored` event wrote to or
 /// a `Removed` event evicted from.
@@ -68,6 +83,49 @@ impl std::fmt::Display for StorageTier {
     }
 }
 
+/// The KV cache group a `Stored` event writes to: its id and what a prefix hit needs
+/// of it.
+///
+/// On the wire a map `{"id": 3}` (full attention) or `{"id": 0, "window_blocks": 4}`.
+/// A publisher sends the same `window_blocks` for a group on every store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct KvCacheGroup {
+    /// The engine's group index (vLLM's `group_idx`).
+    pub id: GroupId,
+    /// The blocks right before a hit point that this group must hold for the engine
+    /// to reuse a prefix ending there: a hit at `L` blocks needs the group to hold
+    /// blocks `max(0, L − window_blocks) .. L`. Absent for full attention, which needs
+    /// every block `0 .. L`. vLLM: `cdiv(sliding_window − 1, block_size)` for a
+    /// sliding-window group (`SlidingWindowManager`), 1 for a Mamba group (the state
+    /// at the hit point, `MambaManager`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window_blocks: Option<NonZeroU32>,
+}
+
+impl KvCacheGroup {
+    /// A full-attention group.
+    pub fn full(id: u32) -> Self {
+        Self {
+            id: GroupId(id),
+            window_blocks: None,
+        }
+    }
+
+    /// A group whose hit needs the `window_blocks` blocks before the hit point;
+    /// `None` when `window_blocks` is 0.
+    pub fn windowed(id: u32, window_blocks: u32) -> Option<Self> {
+        Some(Self {
+            id: GroupId(id),
+            window_blocks: Some(NonZeroU32::new(window_blocks)?),
+        })
+    }
+
+    /// True for a full-attention group.
+    pub fn is_full(&self) -> bool {
+        self.window_blocks.is_none()
+    }
+}
+
 /// One block in a `Stored` event.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct StoredBlock {
@@ -80,8 +138,9 @@ pub struct StoredBlock {
 /// The payload of one KV cache event.
 ///
 /// On the wire this is a map with a `"type"` key: `{"type": "stored", "parent_hash": …,
-/// "blocks": […], "tier": …}`, `{"type": "removed", "block_hashes": […], "tier": …}`
-/// or `{"type": "cleared"}`; `tier` is omitted for the GPU.
+/// "blocks": […], "tier": …, "group": {…}}`, `{"type": "removed", "block_hashes": […],
+/// "tier": …, "group": …}` or `{"type": "cleared"}`; `tier` is omitted for the GPU and
+/// `group` for models with one KV cache group.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum KvCacheEventData {
@@ -95,6 +154,12 @@ pub enum KvCacheEventData {
         /// The tier the blocks were written to; GPU when absent on the wire.
         #[serde(default, skip_serializing_if = "StorageTier::is_gpu")]
         tier: StorageTier,
+        /// The KV cache group the blocks belong to; absent for a model with one group.
+        /// A windowed group's store may be sparse (vLLM keeps only the blocks a hit
+        /// can use): `parent_hash` is then looked up in the rank's other groups on the
+        /// same tier when the group itself does not hold it.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        group: Option<KvCacheGroup>,
     },
     /// Blocks were evicted from the cache.
     Removed {
@@ -104,8 +169,12 @@ pub enum KvCacheEventData {
         /// tier); GPU when absent on the wire.
         #[serde(default, skip_serializing_if = "StorageTier::is_gpu")]
         tier: StorageTier,
+        /// The KV cache group they were evicted from; absent for a model with one
+        /// group. Never applies to another group's copy of the block.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        group: Option<GroupId>,
     },
-    /// Every block of this worker rank was dropped, on every tier.
+    /// Every block of this worker rank was dropped, on every tier and in every group.
     Cleared,
 }
 
@@ -182,6 +251,7 @@ mod tests {
                     event_id: 0,
                     dp_rank: DpRank(1),
                     data: KvCacheEventData::Stored {
+                        group: None,
                         parent_hash: None,
                         blocks: vec![
                             StoredBlock {
@@ -200,6 +270,7 @@ mod tests {
                     event_id: 1,
                     dp_rank: DpRank(1),
                     data: KvCacheEventData::Removed {
+                        group: None,
                         block_hashes: vec![ExternalBlockHash(2)],
                         tier: StorageTier::Cpu,
                     },
@@ -294,11 +365,13 @@ mod tests {
         })
         .unwrap();
         let gpu_stored = KvCacheEventData::Stored {
+            group: None,
             parent_hash: None,
             blocks: vec![block],
             tier: StorageTier::Gpu,
         };
         let gpu_removed = KvCacheEventData::Removed {
+            group: None,
             block_hashes: vec![ExternalBlockHash(9)],
             tier: StorageTier::Gpu,
         };
@@ -316,6 +389,7 @@ mod tests {
     fn lower_tiers_round_trip_by_lowercase_name() {
         for tier in [StorageTier::Cpu, StorageTier::Disk] {
             let data = KvCacheEventData::Removed {
+                group: None,
                 block_hashes: vec![ExternalBlockHash(1)],
                 tier,
             };
@@ -341,6 +415,71 @@ mod tests {
         })
         .unwrap();
         assert!(decode::<KvCacheEventData>(&future).is_err());
+    }
+
+    #[test]
+    fn groups_round_trip_and_are_omitted_for_one_group_models() {
+        let stored = KvCacheEventData::Stored {
+            parent_hash: Some(ExternalBlockHash(1)),
+            blocks: vec![StoredBlock {
+                block_hash: ExternalBlockHash(2),
+                tokens_hash: LocalBlockHash(3),
+            }],
+            tier: StorageTier::Gpu,
+            group: KvCacheGroup::windowed(0, 4),
+        };
+        let removed = KvCacheEventData::Removed {
+            block_hashes: vec![ExternalBlockHash(2)],
+            tier: StorageTier::Gpu,
+            group: Some(GroupId(3)),
+        };
+        for data in [&stored, &removed] {
+            assert_eq!(
+                &decode::<KvCacheEventData>(&encode(data).unwrap()).unwrap(),
+                data
+            );
+        }
+        #[derive(Deserialize)]
+        struct Named {
+            group: std::collections::BTreeMap<String, u32>,
+        }
+        let named: Named = decode(&encode(&stored).unwrap()).unwrap();
+        assert_eq!(
+            format!("{:?}", named.group),
+            r#"{"id": 0, "window_blocks": 4}"#,
+            "the wire shape documented in docs/protocol.md"
+        );
+        let full = KvCacheEventData::Stored {
+            parent_hash: None,
+            blocks: vec![],
+            tier: StorageTier::Gpu,
+            group: Some(KvCacheGroup::full(3)),
+        };
+        let named: Named = decode(&encode(&full).unwrap()).unwrap();
+        assert_eq!(format!("{:?}", named.group), r#"{"id": 3}"#);
+        // No group: not on the wire at all.
+        let plain = KvCacheEventData::Removed {
+            block_hashes: vec![],
+            tier: StorageTier::Gpu,
+            group: None,
+        };
+        assert!(decode::<Named>(&encode(&plain).unwrap()).is_err());
+    }
+
+    #[test]
+    fn a_zero_window_is_a_decode_error() {
+        assert_eq!(KvCacheGroup::windowed(0, 0), None);
+        #[derive(Serialize)]
+        struct Forged {
+            id: u32,
+            window_blocks: u32,
+        }
+        let bytes = encode(&Forged {
+            id: 1,
+            window_blocks: 0,
+        })
+        .unwrap();
+        assert!(decode::<KvCacheGroup>(&bytes).is_err());
     }
 
     #[test]

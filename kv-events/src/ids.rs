@@ -50,6 +50,13 @@ int_newtype! {
 }
 
 int_newtype! {
+    /// A KV cache group of a hybrid-attention model, as the engine numbers it (vLLM's
+    /// `group_idx`): the layers of one attention kind whose KV blocks the engine
+    /// allocates, caches and evicts together. Unique per worker rank.
+    GroupId(u32)
+}
+
+int_newtype! {
     /// The engine's own (usually chained) hash of a block. Opaque to the router; used
     /// only to find a block's parent on `Stored` and the block itself on `Removed`.
     ExternalBlockHash(u64)

@@ -191,6 +191,7 @@ impl RankJournal {
                 }
             }
             chains.push(StoredChain {
+                group: None,
                 parent_hash,
                 blocks,
                 tier: StorageTier::Gpu,
@@ -304,7 +305,11 @@ impl EventJournal {
             request.start_event_id >= oldest && request.start_event_id <= rank.next_event_id;
         let body = if request.dump || request.epoch != self.epoch || !in_ring {
             let (chains, unheld) = rank.chains();
-            RecoveryBody::Dump { chains, unheld }
+            RecoveryBody::Dump {
+                unheld_in_groups: Vec::new(),
+                chains,
+                unheld,
+            }
         } else {
             let skip = usize::try_from(request.start_event_id - oldest).unwrap_or(usize::MAX);
             RecoveryBody::Events {

@@ -15,6 +15,7 @@ fn chain(hashes: &[u64]) -> Vec<StoredBlock> {
 
 fn stored(parent: Option<u64>, hashes: &[u64]) -> KvCacheEventData {
     KvCacheEventData::Stored {
+        group: None,
         parent_hash: parent.map(ExternalBlockHash),
         blocks: chain(hashes),
         tier: StorageTier::Gpu,
@@ -23,6 +24,7 @@ fn stored(parent: Option<u64>, hashes: &[u64]) -> KvCacheEventData {
 
 fn removed(hashes: &[u64]) -> KvCacheEventData {
     KvCacheEventData::Removed {
+        group: None,
         block_hashes: hashes.iter().map(|h| ExternalBlockHash(*h)).collect(),
         tier: StorageTier::Gpu,
     }
@@ -100,7 +102,12 @@ fn ranges_that_left_the_ring_other_epochs_and_forced_requests_get_a_dump() {
     };
     let reply = j.replay(&forced);
     assert_eq!(reply.next_event_id, 4);
-    let RecoveryBody::Dump { chains, unheld } = reply.body else {
+    let RecoveryBody::Dump {
+        unheld_in_groups: _,
+        chains,
+        unheld,
+    } = reply.body
+    else {
         panic!("expected a dump")
     };
     assert!(unheld.is_empty());
@@ -108,11 +115,13 @@ fn ranges_that_left_the_ring_other_epochs_and_forced_requests_get_a_dump() {
         chains,
         vec![
             StoredChain {
+                group: None,
                 parent_hash: None,
                 blocks: chain(&[1, 2, 3]),
                 tier: StorageTier::Gpu
             },
             StoredChain {
+                group: None,
                 parent_hash: Some(ExternalBlockHash(2)),
                 blocks: chain(&[4]),
                 tier: StorageTier::Gpu
@@ -126,6 +135,7 @@ fn ranges_that_left_the_ring_other_epochs_and_forced_requests_get_a_dump() {
     assert_eq!(
         j.dump(DpRank(3)).body,
         RecoveryBody::Dump {
+            unheld_in_groups: Vec::new(),
             chains: vec![],
             unheld: vec![]
         }
@@ -139,7 +149,11 @@ fn dumps_keep_blocks_below_a_removed_block_as_unheld_placeholders() {
     j.record(DpRank(0), stored(Some(2), &[4]));
     j.record(DpRank(0), removed(&[2]));
     let dump = |j: &EventJournal| match j.dump(DpRank(0)).body {
-        RecoveryBody::Dump { chains, unheld } => (
+        RecoveryBody::Dump {
+            unheld_in_groups: _,
+            chains,
+            unheld,
+        } => (
             chains
                 .iter()
                 .flat_map(|c| c.blocks.iter().map(|b| b.block_hash.0))

@@ -43,9 +43,13 @@ pub mod routing;
 pub mod subjects;
 
 pub use codec::{CodecError, decode, encode};
-pub use events::{KvCacheEvent, KvCacheEventData, KvEventBatch, StorageTier, StoredBlock};
+pub use events::{
+    KvCacheEvent, KvCacheEventData, KvCacheGroup, KvEventBatch, StorageTier, StoredBlock,
+};
 pub use hashing::{BLOCK_HASH_SEED, compute_block_hashes, hash_block};
-pub use ids::{DpRank, ExternalBlockHash, LocalBlockHash, RequestId, WorkerId, WorkerRank};
+pub use ids::{
+    DpRank, ExternalBlockHash, GroupId, LocalBlockHash, RequestId, WorkerId, WorkerRank,
+};
 pub use metrics::LoadMetrics;
 pub use replicas::RouterId;
 pub use subjects::{Namespace, NamespaceError, Subjects};

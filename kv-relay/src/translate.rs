@@ -173,6 +173,7 @@ impl Translator {
             return Err(Skip::NoChange);
         }
         Ok(KvCacheEventData::Stored {
+            group: None,
             parent_hash: event.parent_block_hash,
             blocks: event
                 .block_hashes
@@ -218,6 +219,7 @@ impl Translator {
             return Err(Skip::NoChange);
         }
         Ok(KvCacheEventData::Removed {
+            group: None,
             block_hashes: gone,
             tier,
         })
@@ -347,6 +349,7 @@ mod tests {
         assert_eq!(
             t.apply(R, &removed(&[10], "GPU", Some(0))),
             Ok(KvCacheEventData::Removed {
+                group: None,
                 block_hashes: vec![ExternalBlockHash(10)],
                 tier: StorageTier::Gpu,
             })
@@ -372,6 +375,7 @@ mod tests {
         assert_eq!(
             t.apply(R, &removed(&[10], "GPU", Some(0))),
             Ok(KvCacheEventData::Removed {
+                group: None,
                 block_hashes: vec![ExternalBlockHash(10)],
                 tier: StorageTier::Gpu,
             })
@@ -387,6 +391,7 @@ mod tests {
         assert_eq!(
             t.apply(R, &removed(&[10, 11, 99], "cpu", None)),
             Ok(KvCacheEventData::Removed {
+                group: None,
                 block_hashes: vec![ExternalBlockHash(10), ExternalBlockHash(11)],
                 tier: StorageTier::Cpu,
             })

@@ -133,6 +133,7 @@ async fn main() -> anyhow::Result<()> {
         1,
         0,
         KvCacheEventData::Stored {
+            group: None,
             parent_hash: None,
             blocks,
             tier: kv_events::StorageTier::Gpu,
@@ -178,6 +179,7 @@ async fn main() -> anyhow::Result<()> {
                 2,
                 event_id,
                 KvCacheEventData::Stored {
+                    group: None,
                     parent_hash: None,
                     blocks: junk,
                     tier: kv_events::StorageTier::Gpu,

@@ -152,6 +152,7 @@ async fn main() -> anyhow::Result<()> {
                 .send(
                     worker,
                     KvCacheEventData::Stored {
+                        group: None,
                         parent_hash: None,
                         blocks,
                         tier: kv_events::StorageTier::Gpu,
@@ -212,6 +213,7 @@ async fn main() -> anyhow::Result<()> {
                 let block = chain(chain_id, worker)[0];
                 let data = if sent % 2 == 0 {
                     KvCacheEventData::Stored {
+                        group: None,
                         parent_hash: None,
                         blocks: vec![block],
                         tier: kv_events::StorageTier::Gpu,
@@ -219,6 +221,7 @@ async fn main() -> anyhow::Result<()> {
                 } else {
                     chain_id += 1;
                     KvCacheEventData::Removed {
+                        group: None,
                         block_hashes: vec![block.block_hash],
                         tier: kv_events::StorageTier::Gpu,
                     }

@@ -334,6 +334,7 @@ impl FakeWorker {
         self.publish(
             cluster,
             KvCacheEventData::Stored {
+                group: None,
                 parent_hash: None,
                 blocks,
                 tier: kv_events::StorageTier::Gpu,

@@ -73,6 +73,7 @@ async fn store(
             event_id,
             dp_rank: DpRank(0),
             data: KvCacheEventData::Stored {
+                group: None,
                 parent_hash: None,
                 blocks: vec![StoredBlock {
                     block_hash: ExternalBlockHash(hash),

@@ -111,6 +111,7 @@ async fn messages_over_a_limit_are_refused_by_reason_and_nothing_else_is_lost() 
 
     // A Stored event of 5,000 blocks (~90 KiB): too large, not decoded.
     let blocks = |n: u64| KvCacheEventData::Stored {
+        group: None,
         parent_hash: None,
         blocks: (0..n)
             .map(|i| StoredBlock {

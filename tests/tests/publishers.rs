@@ -42,6 +42,7 @@ fn one_event(worker: WorkerId, epoch: u64, event_id: u64, data: KvCacheEventData
 
 fn one_block(h: u64) -> KvCacheEventData {
     KvCacheEventData::Stored {
+        group: None,
         parent_hash: None,
         blocks: vec![StoredBlock {
             block_hash: ExternalBlockHash(h),

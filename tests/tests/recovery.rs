@@ -38,6 +38,7 @@ async fn a_range_dropped_in_transit_is_recovered_exactly() -> anyhow::Result<()>
         }
         // And an eviction after the hole.
         let evict = KvCacheEventData::Removed {
+            group: None,
             block_hashes: vec![journal_worker::engine_hash(w.id(), 25, 2)],
             tier: kv_events::StorageTier::Gpu,
         };
@@ -220,6 +221,7 @@ async fn with_jetstream_a_restarted_daemon_restores_its_snapshot_and_replays_the
     w1.record_and_publish(
         DpRank(0),
         KvCacheEventData::Removed {
+            group: None,
             block_hashes: vec![journal_worker::engine_hash(w1.id(), 3, 0)],
             tier: kv_events::StorageTier::Gpu,
         },

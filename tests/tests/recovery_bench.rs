@@ -36,6 +36,7 @@ fn event(w: u64, i: u64) -> KvCacheEventData {
         })
         .collect();
     KvCacheEventData::Stored {
+        group: None,
         parent_hash: parent,
         blocks,
         tier: kv_events::StorageTier::Gpu,

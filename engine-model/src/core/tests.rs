@@ -134,6 +134,7 @@ fn second_request_with_shared_prefix_hits_the_cache() {
     assert_eq!(
         second[0].kv_events,
         vec![KvCacheEventData::Stored {
+            group: None,
             parent_hash: Some(a_chain[1].block_hash),
             blocks: vec![b_chain[2]],
             tier: kv_events::StorageTier::Gpu
@@ -411,7 +412,7 @@ fn a_prefix_in_the_cpu_tier_is_loaded_back_for_its_load_time_not_prefilled() {
     assert!((out.duration_ms - (compute + 0.5 * 12.0)).abs() < 1e-9);
     assert!(out.kv_events.iter().any(|e| matches!(
         e,
-        KvCacheEventData::Stored { tier: kv_events::StorageTier::Gpu, blocks, parent_hash: None }
+        KvCacheEventData::Stored { group: _, tier: kv_events::StorageTier::Gpu, blocks, parent_hash: None }
             if blocks.len() == 3
     )));
 }

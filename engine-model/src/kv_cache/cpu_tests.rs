@@ -10,6 +10,7 @@ fn stored(
     blocks: &[StoredBlock],
 ) -> KvCacheEventData {
     KvCacheEventData::Stored {
+        group: None,
         parent_hash: parent.map(|p| p.block_hash),
         blocks: blocks.to_vec(),
         tier,
@@ -18,6 +19,7 @@ fn stored(
 
 fn removed(tier: StorageTier, blocks: &[&StoredBlock]) -> KvCacheEventData {
     KvCacheEventData::Removed {
+        group: None,
         block_hashes: blocks.iter().map(|b| b.block_hash).collect(),
         tier,
     }

@@ -62,6 +62,7 @@ fn committed_blocks_are_stored_as_one_chain() {
     assert_eq!(
         cache.take_events(),
         vec![KvCacheEventData::Stored {
+            group: None,
             parent_hash: None,
             blocks: prompt.clone(),
             tier: kv_events::StorageTier::Gpu
@@ -86,6 +87,7 @@ fn shared_prefix_is_a_hit_and_only_new_blocks_are_stored() {
     assert_eq!(
         cache.take_events(),
         vec![KvCacheEventData::Stored {
+            group: None,
             parent_hash: Some(first[1].block_hash),
             blocks: second[2..].to_vec(),
             tier: kv_events::StorageTier::Gpu
@@ -129,6 +131,7 @@ fn eviction_is_lru_and_never_touches_referenced_blocks() {
     assert_eq!(
         cache.take_events(),
         vec![KvCacheEventData::Removed {
+            group: None,
             block_hashes: vec![old[1].block_hash, old[0].block_hash, newer[1].block_hash],
             tier: kv_events::StorageTier::Gpu
         }]

@@ -61,6 +61,7 @@ pub fn event_batch(first: u64, dp_rank: u32) -> KvEventBatch {
                 first,
                 dp_rank,
                 KvCacheEventData::Stored {
+                    group: None,
                     parent_hash: None,
                     blocks: vec![block(1), block(2), block(3)],
                     tier: kv_events::StorageTier::Gpu,
@@ -70,6 +71,7 @@ pub fn event_batch(first: u64, dp_rank: u32) -> KvEventBatch {
                 first + 1,
                 dp_rank,
                 KvCacheEventData::Stored {
+                    group: None,
                     parent_hash: Some(ExternalBlockHash(2)),
                     blocks: vec![block(u64::MAX)],
                     tier: kv_events::StorageTier::Gpu,
@@ -79,6 +81,7 @@ pub fn event_batch(first: u64, dp_rank: u32) -> KvEventBatch {
                 first + 2,
                 dp_rank,
                 KvCacheEventData::Removed {
+                    group: None,
                     block_hashes: vec![ExternalBlockHash(3)],
                     tier: kv_events::StorageTier::Gpu,
                 },

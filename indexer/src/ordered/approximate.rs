@@ -41,6 +41,7 @@ impl OrderedIndex {
             event_id: 0,
             dp_rank: rank.dp_rank,
             data: KvCacheEventData::Stored {
+                group: None,
                 parent_hash: None,
                 blocks,
                 tier: StorageTier::Gpu,
@@ -70,6 +71,7 @@ impl OrderedIndex {
                 event_id: 0,
                 dp_rank: rank.dp_rank,
                 data: KvCacheEventData::Removed {
+                    group: None,
                     block_hashes,
                     tier: StorageTier::Gpu,
                 },

@@ -55,9 +55,11 @@ impl OrderedIndex {
             cursor.pending = None;
         }
         let refused = match reply.body {
-            RecoveryBody::Dump { chains, unheld } => {
-                self.apply_dump(rank, reply.epoch, reply.next_event_id, chains, unheld)
-            }
+            RecoveryBody::Dump {
+                unheld_in_groups: _,
+                chains,
+                unheld,
+            } => self.apply_dump(rank, reply.epoch, reply.next_event_id, chains, unheld),
             RecoveryBody::Events { events } => self.apply_range(rank, &events),
             RecoveryBody::Error { .. } => false,
         };
@@ -111,6 +113,7 @@ impl OrderedIndex {
                 event_id: next_event_id,
                 dp_rank: rank.dp_rank,
                 data: kv_events::KvCacheEventData::Removed {
+                    group: None,
                     block_hashes: unheld,
                     tier: kv_events::StorageTier::Gpu,
                 },

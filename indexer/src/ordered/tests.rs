@@ -31,6 +31,7 @@ fn journal(epoch: u64, ring: usize) -> EventJournal {
 /// A `Stored` of one block `h` (local hash `h`) below `parent`.
 fn store(parent: Option<u64>, h: u64) -> KvCacheEventData {
     KvCacheEventData::Stored {
+        group: None,
         parent_hash: parent.map(ExternalBlockHash),
         blocks: vec![StoredBlock {
             block_hash: ExternalBlockHash(h),
@@ -42,6 +43,7 @@ fn store(parent: Option<u64>, h: u64) -> KvCacheEventData {
 
 fn remove(h: u64) -> KvCacheEventData {
     KvCacheEventData::Removed {
+        group: None,
         block_hashes: vec![ExternalBlockHash(h)],
         tier: kv_events::StorageTier::Gpu,
     }

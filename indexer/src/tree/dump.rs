@@ -160,6 +160,7 @@ impl RadixTree {
                 }
             }
             emit(KvCacheEventData::Stored {
+                group: None,
                 parent_hash,
                 blocks: chain,
                 tier: state.tier,
@@ -169,6 +170,7 @@ impl RadixTree {
             let parent = self.arena.block_parent(node);
             let parent_hash = (parent != BlockId::ROOT).then(|| names[&parent]);
             emit(KvCacheEventData::Stored {
+                group: None,
                 parent_hash,
                 blocks: vec![block(node, hash)],
                 tier: state.tier,
@@ -176,6 +178,7 @@ impl RadixTree {
         }
         if !unheld.is_empty() {
             emit(KvCacheEventData::Removed {
+                group: None,
                 block_hashes: unheld,
                 tier: state.tier,
             });

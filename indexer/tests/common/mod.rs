@@ -21,6 +21,7 @@ pub fn stored(dp: u32, parent: Option<u64>, blocks: &[(u64, u64)]) -> KvCacheEve
         event_id: 0,
         dp_rank: DpRank(dp),
         data: KvCacheEventData::Stored {
+            group: None,
             parent_hash: parent.map(ExternalBlockHash),
             blocks: blocks
                 .iter()
@@ -39,6 +40,7 @@ pub fn removed(dp: u32, hashes: &[u64]) -> KvCacheEvent {
         event_id: 0,
         dp_rank: DpRank(dp),
         data: KvCacheEventData::Removed {
+            group: None,
             block_hashes: hashes.iter().map(|h| ExternalBlockHash(*h)).collect(),
             tier: kv_events::StorageTier::Gpu,
         },

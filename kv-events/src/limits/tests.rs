@@ -21,6 +21,7 @@ fn registration(dp_size: u32, total_kv_blocks: u64) -> WorkerRegistration {
 
 fn stored(blocks: u64) -> KvCacheEventData {
     KvCacheEventData::Stored {
+        group: None,
         parent_hash: None,
         blocks: (0..blocks)
             .map(|i| StoredBlock {
@@ -100,6 +101,7 @@ fn event_batches_are_bounded_in_events_blocks_and_ranks() {
         "blocks"
     );
     let removed = KvCacheEventData::Removed {
+        group: None,
         block_hashes: (0..11).map(ExternalBlockHash).collect(),
         tier: StorageTier::Gpu,
     };

@@ -182,14 +182,20 @@ impl ChunkAssembler {
                         events.extend(more)
                     }
                     (
-                        RecoveryBody::Dump { chains, unheld },
+                        RecoveryBody::Dump {
+                            chains,
+                            unheld,
+                            unheld_in_groups,
+                        },
                         RecoveryBody::Dump {
                             chains: more,
                             unheld: more_unheld,
+                            unheld_in_groups: more_in_groups,
                         },
                     ) => {
                         chains.extend(more);
                         unheld.extend(more_unheld);
+                        unheld_in_groups.extend(more_in_groups);
                     }
                     _ => return Err(AssemblyError::Mismatch(chunk.chunk)),
                 }

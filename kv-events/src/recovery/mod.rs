@@ -24,8 +24,8 @@ mod assemble;
 
 pub use assemble::{AssemblyError, ChunkAssembler, ReplyLimits};
 
-use crate::events::{KvCacheEvent, KvCacheEventData, StorageTier, StoredBlock};
-use crate::ids::{DpRank, ExternalBlockHash, WorkerId};
+use crate::events::{KvCacheEvent, KvCacheEventData, KvCacheGroup, StorageTier, StoredBlock};
+use crate::ids::{DpRank, ExternalBlockHash, GroupId, WorkerId};
 use serde::{Deserialize, Serialize};
 
 /// Router → publisher, on `{ns}.kv.recovery.{worker_id}` with a reply inbox.
@@ -59,6 +59,10 @@ pub struct StoredChain {
     /// every tier).
     #[serde(default, skip_serializing_if = "StorageTier::is_gpu")]
     pub tier: StorageTier,
+    /// The KV cache group holding the chain; absent for a model with one group. A
+    /// block held as several copies appears in as many chains.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group: Option<KvCacheGroup>,
 }
 
 impl StoredChain {
@@ -68,8 +72,18 @@ impl StoredChain {
             parent_hash: self.parent_hash,
             blocks: self.blocks,
             tier: self.tier,
+            group: self.group,
         }
     }
+}
+
+/// Blocks of one KV cache group (see [`RecoveryBody::Dump`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupBlocks {
+    /// The group.
+    pub group: GroupId,
+    /// The blocks' engine hashes.
+    pub block_hashes: Vec<ExternalBlockHash>,
 }
 
 /// What a recovery reply carries.
@@ -96,6 +110,11 @@ pub enum RecoveryBody {
         /// interior block). Empty in the common case.
         #[serde(default)]
         unheld: Vec<ExternalBlockHash>,
+        /// The same for chains of a hybrid model's KV cache groups: per group, the
+        /// blocks to remove from that group after the chains are stored. Absent on
+        /// the wire when empty.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        unheld_in_groups: Vec<GroupBlocks>,
     },
     /// The request could not be served (malformed, unknown rank); lowercase reason.
     Error {
@@ -173,7 +192,11 @@ impl RecoveryReply {
         let max_blocks = max_blocks.max(1);
         let bodies: Vec<RecoveryBody> = match self.body {
             RecoveryBody::Events { events } => split_events(events, max_blocks),
-            RecoveryBody::Dump { chains, unheld } => split_chains(chains, unheld, max_blocks),
+            RecoveryBody::Dump {
+                chains,
+                unheld,
+                unheld_in_groups,
+            } => split_chains(chains, unheld, unheld_in_groups, max_blocks),
             error @ RecoveryBody::Error { .. } => vec![error],
         };
         let n = bodies.len();
@@ -213,11 +236,13 @@ fn split_events(events: Vec<KvCacheEvent>, max_blocks: usize) -> Vec<RecoveryBod
     out
 }
 
-/// Cuts chains into bodies of at most `max_blocks` blocks; `unheld` goes with the
-/// last body, so it is removed only after every chain is stored.
+/// Cuts chains into bodies of at most `max_blocks` blocks; `unheld` and
+/// `unheld_in_groups` go with the last body, so they are removed only after every
+/// chain is stored.
 fn split_chains(
     chains: Vec<StoredChain>,
     unheld: Vec<ExternalBlockHash>,
+    unheld_in_groups: Vec<GroupBlocks>,
     max_blocks: usize,
 ) -> Vec<RecoveryBody> {
     let mut out = Vec::new();
@@ -231,7 +256,8 @@ fn split_chains(
             current.push(StoredChain {
                 parent_hash,
                 blocks: head.to_vec(),
-                tier: StorageTier::Gpu,
+                tier: chain.tier,
+                group: chain.group,
             });
             size += head.len();
             parent_hash = head.last().map(|b| b.block_hash);
@@ -240,16 +266,25 @@ fn split_chains(
                 out.push(RecoveryBody::Dump {
                     chains: std::mem::take(&mut current),
                     unheld: Vec::new(),
+                    unheld_in_groups: Vec::new(),
                 });
                 size = 0;
             }
         }
     }
     match out.last_mut() {
-        Some(RecoveryBody::Dump { unheld: last, .. }) if current.is_empty() => *last = unheld,
+        Some(RecoveryBody::Dump {
+            unheld: last,
+            unheld_in_groups: last_in_groups,
+            ..
+        }) if current.is_empty() => {
+            *last = unheld;
+            *last_in_groups = unheld_in_groups;
+        }
         _ => out.push(RecoveryBody::Dump {
             chains: current,
             unheld,
+            unheld_in_groups,
         }),
     }
     out

@@ -16,6 +16,7 @@ fn dump_reply(chains: Vec<StoredChain>) -> RecoveryReply {
         epoch: 9,
         next_event_id: 77,
         body: RecoveryBody::Dump {
+            unheld_in_groups: Vec::new(),
             chains,
             unheld: vec![ExternalBlockHash(3)],
         },
@@ -57,11 +58,13 @@ fn links(reply: &RecoveryReply) -> Vec<(Option<u64>, u64)> {
 fn dumps_split_into_bounded_chunks_and_reassemble_with_the_same_links() {
     let reply = dump_reply(vec![
         StoredChain {
+            group: None,
             parent_hash: None,
             blocks: (1..=7).map(block).collect(),
             tier: StorageTier::Gpu,
         },
         StoredChain {
+            group: None,
             parent_hash: Some(ExternalBlockHash(3)),
             blocks: (20..=22).map(block).collect(),
             tier: StorageTier::Gpu,
@@ -100,6 +103,7 @@ fn events_split_between_events_and_reassemble_in_order() {
             event_id: 10 + i,
             dp_rank: DpRank(1),
             data: KvCacheEventData::Stored {
+                group: None,
                 parent_hash: None,
                 blocks: vec![block(i), block(i + 50)],
                 tier: StorageTier::Gpu,
@@ -124,6 +128,7 @@ fn events_split_between_events_and_reassemble_in_order() {
 #[test]
 fn out_of_order_and_foreign_chunks_are_errors() {
     let reply = dump_reply(vec![StoredChain {
+        group: None,
         parent_hash: None,
         blocks: (1..=4).map(block).collect(),
         tier: StorageTier::Gpu,
@@ -165,6 +170,7 @@ fn request_fields_are_optional_on_the_wire() {
 #[test]
 fn replies_past_the_limits_are_refused_before_decoding() {
     let reply = dump_reply(vec![StoredChain {
+        group: None,
         parent_hash: None,
         blocks: (1..=6).map(block).collect(),
         tier: StorageTier::Gpu,

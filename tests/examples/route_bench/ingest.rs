@@ -64,11 +64,13 @@ pub async fn flood(
                 })
                 .collect();
             let stored = KvCacheEventData::Stored {
+                group: None,
                 parent_hash: None,
                 blocks,
                 tier: kv_events::StorageTier::Gpu,
             };
             let removed = KvCacheEventData::Removed {
+                group: None,
                 block_hashes: hashes,
                 tier: kv_events::StorageTier::Gpu,
             };

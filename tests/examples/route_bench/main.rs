@@ -136,6 +136,7 @@ async fn index_prefixes(
                 })
                 .collect();
             let data = KvCacheEventData::Stored {
+                group: None,
                 parent_hash: None,
                 blocks,
                 tier: kv_events::StorageTier::Gpu,

@@ -96,6 +96,7 @@ impl Engine {
                 .pop_front()
                 .unwrap_or((ExternalBlockHash(0), LocalBlockHash(0)));
             KvCacheEventData::Removed {
+                group: None,
                 block_hashes: vec![old],
                 tier: kv_events::StorageTier::Gpu,
             }
@@ -125,6 +126,7 @@ impl Engine {
             (self.tail, self.len) = (Some(ext), self.len + 1);
             self.resident.push_back((ext, local));
             KvCacheEventData::Stored {
+                group: None,
                 parent_hash: parent,
                 blocks: vec![StoredBlock {
                     block_hash: ext,

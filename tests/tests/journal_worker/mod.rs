@@ -265,6 +265,7 @@ impl JournalWorker {
                 }
                 let data = if i % 3 == 0 {
                     KvCacheEventData::Removed {
+                        group: None,
                         block_hashes: vec![engine_hash(id, i - 2, 1)],
                         tier: kv_events::StorageTier::Gpu,
                     }
@@ -362,6 +363,7 @@ pub fn chain_from_root(w: WorkerId, i: u64, len: u64) -> KvCacheEventData {
         })
         .collect();
     KvCacheEventData::Stored {
+        group: None,
         parent_hash: None,
         blocks,
         tier: kv_events::StorageTier::Gpu,
@@ -404,7 +406,12 @@ fn paths_of<'a>(events: impl IntoIterator<Item = &'a KvCacheEventData>) -> Paths
 
 /// What a publisher holds, from its dump.
 pub fn held_paths(dump: &RecoveryReply) -> Paths {
-    let RecoveryBody::Dump { chains, unheld } = &dump.body else {
+    let RecoveryBody::Dump {
+        unheld_in_groups: _,
+        chains,
+        unheld,
+    } = &dump.body
+    else {
         panic!("not a dump: {dump:?}")
     };
     let mut events: Vec<KvCacheEventData> = chains
@@ -413,6 +420,7 @@ pub fn held_paths(dump: &RecoveryReply) -> Paths {
         .map(|c| c.into_event_data())
         .collect();
     events.push(KvCacheEventData::Removed {
+        group: None,
         block_hashes: unheld.clone(),
         tier: kv_events::StorageTier::Gpu,
     });

@@ -353,6 +353,7 @@ async fn a_router_with_jetstream_works_under_the_shipped_permissions() {
             event_id: 0,
             dp_rank: DpRank(0),
             data: KvCacheEventData::Stored {
+                group: None,
                 parent_hash: None,
                 blocks: vec![StoredBlock {
                     block_hash: ExternalBlockHash(77),

@@ -88,6 +88,7 @@ pub fn to_vllm(
                     parent_hash,
                     blocks,
                     tier,
+                    group: _,
                 } => {
                     let mut token_ids = Vec::with_capacity(blocks.len() * block_size as usize);
                     for b in blocks {
@@ -104,7 +105,11 @@ pub fn to_vllm(
                         tier: *tier,
                     }
                 }
-                KvCacheEventData::Removed { block_hashes, tier } => VllmEvent::BlockRemoved {
+                KvCacheEventData::Removed {
+                    block_hashes,
+                    tier,
+                    group: _,
+                } => VllmEvent::BlockRemoved {
                     block_hashes: block_hashes.clone(),
                     tier: *tier,
                 },
