@@ -57,13 +57,13 @@ impl Scheduler {
                 continue;
             }
             self.tiers.push(tier);
-            let overlap_blocks = overlaps.overlap(rank).min(req.request_blocks);
+            let overlap_blocks = overlaps.overlap(rank).min(req.reusable_blocks());
             self.candidates.push(Candidate {
                 rank,
                 overlap_blocks,
                 any_tier_blocks: overlaps
                     .overlap_any_tier(rank)
-                    .clamp(overlap_blocks, req.request_blocks),
+                    .clamp(overlap_blocks, req.reusable_blocks()),
                 load,
                 new_blocks: self
                     .sequences

@@ -80,6 +80,20 @@ impl ScheduleRequest {
         }
     }
 
+    /// The most prompt blocks an engine can reuse from its cache: every full block
+    /// before the prompt's last token, `min(request_blocks, (num_tokens − 1) /
+    /// block_size)`. Engines always compute the last prompt token (its logits give
+    /// the first output token): vLLM caps a prefix hit at `num_tokens − 1` tokens
+    /// (`KVCacheManager.get_computed_blocks`), SGLang at `len(input_ids) − 1`
+    /// (`Req.adjust_max_prefix_ids`), so an exactly block-aligned prompt of `n` blocks
+    /// held in full reuses `n − 1` of them.
+    pub fn reusable_blocks(&self) -> u32 {
+        let before_last = self.num_tokens.saturating_sub(1) / u64::from(self.block_size.max(1));
+        u32::try_from(before_last)
+            .unwrap_or(u32::MAX)
+            .min(self.request_blocks)
+    }
+
     /// Sets the workers this request must not be routed to (sorted and deduplicated,
     /// so a candidate check is a binary search).
     pub fn exclude(&mut self, mut workers: Vec<WorkerId>) {

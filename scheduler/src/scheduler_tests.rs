@@ -349,14 +349,20 @@ fn per_request_policy_and_overrides() {
     let sel = s.schedule(&prefixed("a", 64, 2), &overlaps, t).unwrap();
     assert_eq!((sel.rank, sel.cost), (rank(2, 0), Some(4.0)));
     s.mark_prefill_completed(&rid("a"), t).unwrap();
-    // Weight overridden to 10: rank 1 = 10×0 + 10 + 4 = 14, rank 2 = 10×4 + 4 + 4 = 48.
+    // Weight overridden to 10. The 64-token prompt is exactly 4 blocks, so an engine
+    // reuses at most 3 of them (it computes the last token): rank 1 = 10×1 + 10 + 4 =
+    // 24, rank 2 = 10×4 + 4 + 4 = 48.
     let mut heavy = prefixed("b", 64, 3);
     heavy.overrides = CostOverrides {
         prefill_load_scale: Some(10.0),
         ..CostOverrides::default()
     };
     let sel = s.schedule(&heavy, &overlaps, t).unwrap();
-    assert_eq!((sel.rank, sel.cost), (rank(1, 0), Some(14.0)));
+    assert_eq!((sel.rank, sel.cost), (rank(1, 0), Some(24.0)));
+    assert_eq!(
+        sel.overlap_blocks, 3,
+        "the last token's block is computed again"
+    );
     // An override the policy lacks is refused and books nothing.
     let mut bad = prefixed("c", 64, 4);
     bad.overrides.load_balance_weight = Some(1.0);
@@ -377,7 +383,7 @@ fn per_request_policy_and_overrides() {
         )
         .unwrap();
     assert_eq!((sel.policy, sel.cost), (PolicyKind::Random, None));
-    assert_eq!(sel.overlap_blocks, overlaps.overlap(sel.rank));
+    assert_eq!(sel.overlap_blocks, overlaps.overlap(sel.rank).min(3));
     let sel = s
         .schedule(
             &kind(prefixed("e", 64, 6), PolicyKind::KvNormalized),
@@ -478,12 +484,31 @@ fn lower_tier_overlap_flows_from_the_index_scores() {
         assert_eq!(sel.overlap_blocks, 0, "no GPU overlap");
     }
     // kv: 7 − 0.5 × 5 prefill blocks + 7 new decode blocks; an any-tier prefix
-    // longer than the prompt counts as the prompt.
+    // longer than the prompt counts as the prompt's 6 full blocks (the partial 7th
+    // cannot be cached).
     let mut s = scheduler(kv_config(1.0), &[(2, 1)]);
     let sel = s.schedule(&request("b", 100), &scores, t).unwrap();
     assert_eq!(sel.cost, Some(4.5 + 7.0));
     scores.any_tier.insert(rank(2, 0), 50);
     let mut s = scheduler(kv_config(1.0), &[(2, 1)]);
     let sel = s.schedule(&request("c", 100), &scores, t).unwrap();
-    assert_eq!(sel.cost, Some(3.5 + 7.0));
+    assert_eq!(sel.cost, Some(4.0 + 7.0));
+}
+
+#[test]
+fn overlap_stops_before_the_last_prompt_token() {
+    let t = Instant::now();
+    let held = HashMap::from([(rank(1, 0), 4)]);
+    // An exactly block-aligned prompt of 4 blocks held in full: the engine computes its
+    // last token again, so it reuses 3 blocks (vLLM reports 3 × BLOCK cached tokens).
+    let aligned = prefixed("aligned", 4 * u64::from(BLOCK), 1);
+    assert_eq!(aligned.reusable_blocks(), 3);
+    let mut s = scheduler(kv_config(1.0), &[(1, 1)]);
+    assert_eq!(s.schedule(&aligned, &held, t).unwrap().overlap_blocks, 3);
+    // One token more: all 4 full blocks are before the last token.
+    let longer = prefixed("longer", 4 * u64::from(BLOCK) + 1, 1);
+    assert_eq!(longer.reusable_blocks(), 4);
+    assert_eq!(s.schedule(&longer, &held, t).unwrap().overlap_blocks, 4);
+    // A one-token prompt reuses nothing.
+    assert_eq!(prefixed("one", 1, 1).reusable_blocks(), 0);
 }

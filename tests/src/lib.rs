@@ -376,6 +376,16 @@ impl FakeWorker {
     }
 }
 
+/// `tokens` and one token more: a prompt that continues a cached one. An engine
+/// reuses every cached full block of it, where it reuses one block less of an exactly
+/// block-aligned cached prompt (it computes the last prompt token again), so tests
+/// that expect the whole cached prefix as overlap send this.
+pub fn continued(tokens: &[u32]) -> Vec<u32> {
+    let mut out = tokens.to_vec();
+    out.push(tokens.last().map_or(0, |t| t.wrapping_add(1)));
+    out
+}
+
 /// The worker a route reply chose.
 ///
 /// # Panics

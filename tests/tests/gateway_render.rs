@@ -216,7 +216,9 @@ async fn a_render_url_is_used_for_every_render_and_its_failures_are_clear() {
     let body = json!({"model": MODEL, "prompt": "any text at all", "max_tokens": 2});
     let (status, worker, overlap, done) = send(&stack, "/v1/completions", &body).await;
     assert_eq!(status, 200, "{done}");
-    assert_eq!((worker, overlap), (9, 4), "routed on the server's ids");
+    // The engine holds the 4 blocks of the server's ids, which are the whole prompt:
+    // it computes the last token again, so 3 are reusable.
+    assert_eq!((worker, overlap), (9, 3), "routed on the server's ids");
     assert_eq!(done["usage"]["prompt_tokens"], canned().len(), "{done}");
 
     let chat = json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]});

@@ -179,7 +179,9 @@ async fn messages_over_a_limit_are_refused_by_reason_and_nothing_else_is_lost() 
     let hashes = FakeWorker::hashes(&tokens, BLOCK);
     let rank = kv_events::WorkerRank::new(w1.id, DpRank(0));
     integration_tests::wait_for_overlap(&daemon, &hashes, rank, 5).await?;
-    let reply = cluster.route_tokens("after", tokens).await?;
+    let reply = cluster
+        .route_tokens("after", integration_tests::continued(&tokens))
+        .await?;
     match reply {
         RouteReply::Routed(d) => assert_eq!((d.worker_id, d.overlap_blocks), (w1.id, 5)),
         RouteReply::Error(e) => panic!("route failed: {e:?}"),
@@ -231,7 +233,10 @@ async fn a_flood_at_the_index_cap_leaves_the_matched_prompt_in_place() -> anyhow
         "{} entries over the cap",
         report.stats.entries
     );
-    match cluster.route_tokens("real-2", tokens).await? {
+    match cluster
+        .route_tokens("real-2", integration_tests::continued(&tokens))
+        .await?
+    {
         RouteReply::Routed(d) => assert_eq!((d.worker_id, d.overlap_blocks), (real.id, 8)),
         RouteReply::Error(e) => panic!("route failed: {e:?}"),
     }

@@ -131,7 +131,10 @@ async fn nats_restart_resumes_routing_and_applies_later_events() -> anyhow::Resu
     let after = prompt(2, 5);
     fx.store(1, 0, &after).await?;
     eventually("the post-restart event to be applied", WAIT, || async {
-        let reply = fx.route("after", &after).await.ok()?;
+        let reply = fx
+            .route("after", &integration_tests::continued(&after))
+            .await
+            .ok()?;
         (routed_worker(&reply) == Some(1) && reply["overlap_blocks"] == 5).then_some(())
     })
     .await?;

@@ -64,7 +64,10 @@ async fn a_range_dropped_in_transit_is_recovered_exactly() -> anyhow::Result<()>
     assert_eq!(counters.events_lost, 0);
     // Routing sees the recovered blocks: chain 15 (lost in transit) of worker 1.
     let tokens = journal_worker::chain_tokens(w1.id(), 15, 3, BLOCK);
-    match cluster.route_tokens("after-recovery", tokens).await? {
+    match cluster
+        .route_tokens("after-recovery", integration_tests::continued(&tokens))
+        .await?
+    {
         RouteReply::Routed(d) => assert_eq!((d.worker_id, d.overlap_blocks), (w1.id(), 3)),
         other => panic!("not routed: {other:?}"),
     }
@@ -363,6 +366,7 @@ async fn a_publisher_whose_replies_never_close_the_gap_is_paced_then_degraded() 
             let tokens = tokens.clone();
             let (cluster, n) = (&cluster, attempt.fetch_add(1, Ordering::Relaxed));
             async move {
+                let tokens = integration_tests::continued(&tokens);
                 match cluster.route_tokens(&format!("r-{n}"), tokens).await.ok()? {
                     RouteReply::Routed(d) if d.overlap_blocks == blocks as u32 => Some(d),
                     _ => None,

@@ -215,8 +215,9 @@ async fn vllm_mode_engines_reach_the_router_through_the_relay_alone() {
         0
     );
 
-    // The repeated prompt routes with its full overlap, and the engine serves it from
+    // The prompt continued routes with its full overlap, and the engine serves it from
     // its prefix cache.
+    let b = integration_tests::continued(&b);
     let reply = cluster.route_tokens("repeat-b", b.clone()).await.unwrap();
     let RouteReply::Routed(routed) = reply else {
         panic!("not routed: {reply:?}")
