@@ -13,19 +13,22 @@
 //! holders still matching from the first block and drops a holder at its first
 //! missing block, which is exactly wrong for a windowed group. This walk follows the
 //! query along the tree and, for every run, records the interval of query positions
-//! it covers for each GPU holder of a grouped rank (the fast walk skips those
-//! holders: [`RankTable::rank_of`](super::ranks::RankTable::rank_of) does not name
-//! them). It stops at the first block no run matches, or at the first run that no
+//! it covers for each GPU holder of a grouped rank, one record per holder for
+//! consecutive runs it holds (the fast walk skips those holders:
+//! [`RankTable::rank_of`](super::ranks::RankTable::rank_of) does not name them). It
+//! stops at the first block no run matches, or at the first run that no
 //! full-attention group of a grouped rank holds (every such rank's hit ends there),
 //! unless a grouped rank has no full-attention group. Then, per rank, the largest `L`
 //! is found as the engine does, by a fixed point: start from the deepest position any
 //! of its groups reached; each group lowers `L` to the largest value at most `L` it
 //! accepts; repeat until no group lowers it.
 //!
-//! Cost: O(runs on the path × holders per run) plus O(records × log records) to sort
-//! them by rank, and nothing at all while no rank is grouped
-//! ([`RankTable::has_grouped`](super::ranks::RankTable::has_grouped)). Grouped ranks
-//! get no any-tier score (the any-tier walk skips them).
+//! Cost: O(runs on the path × holders per run), a counting sort of the records by
+//! rank, and a small sort of each rank's few records; nothing at all while no rank is
+//! grouped ([`RankTable::has_grouped`](super::ranks::RankTable::has_grouped)). About
+//! 7–9 times the fast walk's time when 256 hybrid ranks (4 groups each) share the
+//! query's prefix (`docs/benchmarks.md`). Grouped ranks get no any-tier score (the
+//! any-tier walk skips them).
 
 use super::RadixTree;
 use super::common_prefix;
@@ -34,13 +37,19 @@ use super::rankset::RankIdx;
 use kv_events::{LocalBlockHash, WorkerRank};
 use std::num::NonZeroU32;
 
-/// Query positions `start..end` held by one GPU holder of a grouped rank.
-#[derive(Debug, Clone, Copy)]
+/// Query positions `start..end` held by one GPU holder of a grouped rank. 24 bytes:
+/// hundreds are written per query on a fleet sharing a prefix.
+#[derive(Debug, Clone, Copy, Default)]
 struct Held {
-    rank: WorkerRank,
+    /// The rank's dense number ([`GroupedName::slot`]).
+    slot: u32,
     holder: u32,
     start: u32,
     end: u32,
+    /// The holder's window ([`GroupedName::window`]).
+    window: Option<NonZeroU32>,
+    /// The rank's GPU groups ([`GroupedName::gpu_groups`]).
+    gpu_groups: u32,
 }
 
 impl RadixTree {
@@ -55,21 +64,42 @@ impl RadixTree {
     ) {
         let bounded = self.bounded();
         let unbounded_ranks = self.ranks.has_grouped_without_full();
-        let mut held: Vec<Held> = Vec::new();
+        let mut held: Vec<Held> = Vec::with_capacity(64);
+        // Per holder, its latest record plus one (0: none), so that a holder of
+        // consecutive runs gets one record for all of them.
+        let mut latest = vec![0u32; self.ranks.slots_len()];
         self.walk(hashes, |depth, run| {
             // The walk compares the run again after this: twice per run, but only
             // while a grouped rank exists.
             let matched = common_prefix(&run.hashes, &hashes[depth..]);
             let mut full = false;
             for raw in run.holders.as_raw() {
-                if let Some(GroupedName { rank, window }) = self.ranks.grouped_name(RankIdx(*raw)) {
+                if let Some(GroupedName {
+                    window,
+                    slot,
+                    gpu_groups,
+                    ..
+                }) = self.ranks.grouped_name(RankIdx(*raw))
+                {
                     full |= window.is_none();
                     // Positions are below the query's length, far below 2^32 blocks.
+                    let end = (depth + matched) as u32;
+                    let last = &mut latest[*raw as usize];
+                    if let Some(prev) = last.checked_sub(1).map(|i| &mut held[i as usize])
+                        && prev.end == depth as u32
+                    {
+                        prev.end = end;
+                        continue;
+                    }
+                    // Records are far fewer than 2^32.
+                    *last = held.len() as u32 + 1;
                     held.push(Held {
-                        rank,
+                        slot,
                         holder: *raw,
                         start: depth as u32,
-                        end: (depth + matched) as u32,
+                        end,
+                        window,
+                        gpu_groups,
                     });
                 }
             }
@@ -83,70 +113,95 @@ impl RadixTree {
             }
             true
         });
-        // Per rank, per holder, in path order (the sort is stable).
-        held.sort_by_key(|h| (h.rank, h.holder));
-        for records in held.chunk_by(|a, b| a.rank == b.rank) {
-            let hit = self.hybrid_hit(records);
-            if hit > 0 {
-                out.push((records[0].rank, hit));
-            }
+        // Per rank (a counting sort by its dense number: shared runs give one record
+        // per rank, hundreds of them), then per holder in path order (a rank has a
+        // few records).
+        let mut starts = vec![0u32; self.ranks.grouped_slots() as usize + 1];
+        for h in &held {
+            starts[h.slot as usize + 1] += 1;
         }
-    }
-
-    /// The largest `L` every GPU group of the rank of `records` (its holdings along
-    /// the query, sorted by holder then position) accepts.
-    fn hybrid_hit(&self, records: &[Held]) -> u32 {
-        let rank = records[0].rank;
-        let groups: Vec<(u32, Option<NonZeroU32>)> = self
-            .ranks
-            .holders_of(rank)
-            .iter()
-            .filter_map(|idx| Some((idx.0, self.ranks.grouped_name(*idx)?.window)))
-            .collect();
-        let mut hit = records.iter().map(|r| r.end).max().unwrap_or(0);
-        loop {
-            let before = hit;
-            for (holder, window) in &groups {
-                let start = records.partition_point(|r| r.holder < *holder);
-                let end = records.partition_point(|r| r.holder <= *holder);
-                hit = accepted(&records[start..end], *window, hit);
+        for i in 1..starts.len() {
+            starts[i] += starts[i - 1];
+        }
+        let mut by_rank = vec![Held::default(); held.len()];
+        let mut next = starts.clone();
+        for h in held {
+            by_rank[next[h.slot as usize] as usize] = h;
+            next[h.slot as usize] += 1;
+        }
+        for bounds in starts.windows(2) {
+            let records = &mut by_rank[bounds[0] as usize..bounds[1] as usize];
+            if records.is_empty() {
+                continue;
             }
-            if hit == before || hit == 0 {
-                return hit;
+            records.sort_unstable_by_key(|h| (h.holder, h.start));
+            let hit = hybrid_hit(records);
+            if hit > 0
+                && let Some(name) = self.ranks.grouped_name(RankIdx(records[0].holder))
+            {
+                out.push((name.rank, hit));
             }
         }
     }
 }
 
-/// The largest `L ≤ limit` a group with `window` accepts, given the positions it
-/// holds along the query (`records`, in path order): for full attention, its prefix
-/// from position 0; for a window `w`, the end of a held interval `a..b` with `L ≤ b`
-/// and `max(0, L − w) ≥ a`.
-fn accepted(records: &[Held], window: Option<NonZeroU32>, limit: u32) -> u32 {
-    // Merge adjacent runs into maximal intervals (runs along a path are contiguous).
-    let mut intervals: Vec<(u32, u32)> = Vec::with_capacity(records.len());
-    for r in records {
-        match intervals.last_mut() {
-            Some(last) if last.1 == r.start => last.1 = r.end,
-            _ => intervals.push((r.start, r.end)),
+/// The largest `L` every GPU group of the rank of `records` (its holdings along the
+/// query, sorted by holder then position) accepts. No allocation: a rank has a
+/// handful of groups, each a handful of intervals.
+fn hybrid_hit(records: &[Held]) -> u32 {
+    let groups = || records.chunk_by(|a, b| a.holder == b.holder);
+    // A group holding nothing on the path accepts no hit at all.
+    if groups().count() < records[0].gpu_groups as usize {
+        return 0;
+    }
+    let mut hit = records.iter().map(|r| r.end).max().unwrap_or(0);
+    loop {
+        let before = hit;
+        for group in groups() {
+            hit = accepted(group, group[0].window, hit);
+            if hit == 0 {
+                return 0;
+            }
+        }
+        if hit == before {
+            return hit;
         }
     }
-    match window {
-        None => match intervals.first() {
-            Some(&(0, end)) => end.min(limit),
-            _ => 0,
-        },
-        Some(w) => intervals
-            .iter()
-            .rev()
-            .find_map(|&(a, b)| {
-                // The smallest `L` whose window starts inside `a..b`.
-                let lowest = if a == 0 { 1 } else { a + w.get() };
-                let l = b.min(limit);
-                (l >= lowest).then_some(l)
-            })
-            .unwrap_or(0),
+}
+
+/// The largest `L ≤ limit` a group with `window` accepts, given the positions it
+/// holds along the query (`records`, in path order; adjacent ones form one interval):
+/// for full attention, its prefix from position 0; for a window `w`, the end of a
+/// held interval `a..b` with `L ≤ b` and `max(0, L − w) ≥ a`.
+fn accepted(records: &[Held], window: Option<NonZeroU32>, limit: u32) -> u32 {
+    let Some(w) = window else {
+        let mut end = 0;
+        for r in records {
+            if r.start != end {
+                break;
+            }
+            end = r.end;
+        }
+        return end.min(limit);
+    };
+    // Maximal intervals from the last one back.
+    let mut i = records.len();
+    while i > 0 {
+        i -= 1;
+        let b = records[i].end;
+        let mut a = records[i].start;
+        while i > 0 && records[i - 1].end == a {
+            i -= 1;
+            a = records[i].start;
+        }
+        // The smallest `L` whose window starts inside `a..b`.
+        let lowest = if a == 0 { 1 } else { a + w.get() };
+        let l = b.min(limit);
+        if l >= lowest {
+            return l;
+        }
     }
+    0
 }
 
 #[cfg(test)]
@@ -154,14 +209,12 @@ mod tests {
     use super::*;
 
     fn held(intervals: &[(u32, u32)]) -> Vec<Held> {
-        let rank = WorkerRank::default();
         intervals
             .iter()
             .map(|&(start, end)| Held {
-                rank,
-                holder: 0,
                 start,
                 end,
+                ..Held::default()
             })
             .collect()
     }

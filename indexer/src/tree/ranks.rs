@@ -148,6 +148,12 @@ pub(crate) struct GroupedName {
     pub(crate) rank: WorkerRank,
     /// The group's window in blocks; `None` for full attention.
     pub(crate) window: Option<NonZeroU32>,
+    /// The rank's GPU holders (groups), this one included: a rank whose groups do not
+    /// all hold blocks on the query's path scores 0.
+    pub(crate) gpu_groups: u32,
+    /// A dense number of the grouped rank, below [`RankTable::grouped_slots`], so a
+    /// query buckets its grouped ranks' holdings without hashing or sorting.
+    pub(crate) slot: u32,
 }
 
 /// The holders of one worker rank and whether the rank is grouped.
@@ -159,6 +165,8 @@ struct RankHolders {
     grouped: bool,
     /// Some GPU holder is a full-attention group.
     full_gpu: bool,
+    /// The rank's dense number while it is grouped (see [`GroupedName::slot`]).
+    slot: Option<u32>,
 }
 
 /// Two-way interning of holders (worker rank, tier, group) plus their state.
@@ -183,6 +191,9 @@ pub(crate) struct RankTable {
     /// Grouped ranks without a full-attention GPU group (their hit is not bounded by
     /// a full group's prefix).
     grouped_without_full: usize,
+    /// Dense numbers of grouped ranks: the high-water mark and the freed ones.
+    grouped_slots: u32,
+    free_grouped_slots: Vec<u32>,
 }
 
 impl RankTable {
@@ -250,6 +261,25 @@ impl RankTable {
             self.grouped += 1;
             self.grouped_without_full += usize::from(!full_gpu);
         }
+        match (entry.grouped, entry.slot) {
+            (true, None) => {
+                let next = self.free_grouped_slots.pop().unwrap_or_else(|| {
+                    self.grouped_slots += 1;
+                    self.grouped_slots - 1
+                });
+                entry.slot = Some(next);
+            }
+            (false, Some(slot)) => {
+                self.free_grouped_slots.push(slot);
+                entry.slot = None;
+            }
+            _ => {}
+        }
+        let rank_slot = entry.slot.unwrap_or_default();
+        let gpu_groups = (entry.holders.iter())
+            .filter_map(|i| self.get(*i))
+            .filter(|s| s.tier.is_gpu())
+            .count() as u32; // at most the holders of one rank
         for idx in &entry.holders {
             let slot = idx.0 as usize;
             let Some(state) = self.slots[slot].as_mut() else {
@@ -261,6 +291,8 @@ impl RankTable {
             self.grouped_names[slot] = (gpu && entry.grouped).then_some(GroupedName {
                 rank,
                 window: state.window,
+                gpu_groups,
+                slot: rank_slot,
             });
         }
         self.by_rank.insert(rank, entry);
@@ -297,6 +329,16 @@ impl RankTable {
     #[inline]
     pub(crate) fn has_grouped(&self) -> bool {
         self.grouped > 0
+    }
+
+    /// Holder indices are below this.
+    pub(crate) fn slots_len(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Dense numbers of grouped ranks are below this.
+    pub(crate) fn grouped_slots(&self) -> u32 {
+        self.grouped_slots
     }
 
     /// True when some grouped rank has no full-attention GPU group.
@@ -353,6 +395,7 @@ impl RankTable {
                     self.grouped -= 1;
                     self.grouped_without_full -= usize::from(!entry.full_gpu);
                 }
+                self.free_grouped_slots.extend(entry.slot);
             } else {
                 self.restatus(state.rank, entry);
             }
@@ -404,6 +447,7 @@ impl RankTable {
             + self.names.capacity() * size_of::<Option<WorkerRank>>()
             + self.grouped_names.capacity() * size_of::<Option<GroupedName>>()
             + self.free.capacity() * size_of::<RankIdx>()
+            + self.free_grouped_slots.capacity() * size_of::<u32>()
             + self.iter().map(|(_, s)| s.heap_bytes()).sum::<usize>()
     }
 }
