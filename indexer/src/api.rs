@@ -133,7 +133,8 @@ pub trait IndexerApi: Clone + Send + Sync + 'static {
     ) -> impl Future<Output = Result<(), IndexerError>> + Send;
 
     /// Scores every worker rank by the number of leading blocks of `hashes` it
-    /// holds, across all shards (see [`crate::RadixTree::find_matches`]).
+    /// holds, across all shards (see [`crate::RadixTree::find_matches`]); a rank with
+    /// KV cache groups by the engine's hybrid hit.
     ///
     /// # Errors
     /// [`IndexerError::ShuttingDown`] after shutdown.

@@ -51,16 +51,24 @@ counters! {
     rejected_events,
     /// Blocks newly indexed for a worker rank by `Stored` events.
     blocks_stored,
-    /// Blocks in `Stored` events that the rank already held (no-ops).
+    /// Blocks in `Stored` events that the holder (rank, tier, KV cache group) already
+    /// held: each added a copy, a second physical block under the same engine hash.
     duplicate_stores,
     /// Blocks dropped by `Removed` or `Cleared` events and worker removals.
     blocks_removed,
+    /// Copies dropped by `Removed` events while their block stayed held (it leaves
+    /// with its last copy), and copies dropped with their block by `Cleared` events
+    /// and worker removals.
+    copies_removed,
     /// Blocks named by `Removed` events that the rank did not hold (no-ops).
     unknown_removes,
     /// `Stored` events refused because the rank does not hold their parent block.
     unknown_parent_rejections,
     /// `Stored` events refused because the index pruned their parent block.
     forgotten_parent_rejections,
+    /// `Stored` events refused because their KV cache group is known with another
+    /// window.
+    window_mismatch_rejections,
     /// Remove-worker commands applied.
     workers_removed,
     /// Prefix-match queries answered (one per shard per query).
@@ -140,8 +148,9 @@ impl IndexerCounters {
     /// Counts the block-level outcome of an event or a worker removal.
     pub(crate) fn record_outcome(&self, outcome: &ApplyOutcome) {
         bump(&self.blocks_stored, outcome.stored);
-        bump(&self.duplicate_stores, outcome.already_present);
+        bump(&self.duplicate_stores, outcome.copies_added);
         bump(&self.blocks_removed, outcome.removed);
+        bump(&self.copies_removed, outcome.copies_removed);
         bump(&self.unknown_removes, outcome.unknown_removed);
         bump(&self.forgotten_blocks, outcome.forgotten);
         bump(&self.pruned_entries, outcome.pruned);
@@ -153,6 +162,7 @@ impl IndexerCounters {
         match error {
             ApplyError::UnknownParent { .. } => bump(&self.unknown_parent_rejections, 1),
             ApplyError::ForgottenParent { .. } => bump(&self.forgotten_parent_rejections, 1),
+            ApplyError::WindowMismatch { .. } => bump(&self.window_mismatch_rejections, 1),
         }
     }
 

@@ -6,7 +6,8 @@
 //! the running [`crate::Indexer`] that could not be served. Both are small,
 //! `Copy`-sized values: building one never allocates.
 
-use kv_events::{ExternalBlockHash, WorkerRank};
+use kv_events::{ExternalBlockHash, GroupId, WorkerRank};
+use std::num::NonZeroU32;
 
 /// A KV event the radix tree refused; the tree is unchanged when this is returned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -31,6 +32,24 @@ pub enum ApplyError {
         /// The engine hash named as parent.
         parent_hash: ExternalBlockHash,
     },
+    /// A `Stored` event names a KV cache group the worker rank already has with a
+    /// different window (`window_blocks`; `None` is full attention). A group's window
+    /// is fixed by its first store: taking the new one would change what every held
+    /// block of the group is worth. The event is dropped; a publisher restarted with
+    /// another model announces a new epoch, which resets the rank.
+    #[error(
+        "kv cache group {group} of worker rank {rank} has window {known:?} blocks, a store named {window_blocks:?}"
+    )]
+    WindowMismatch {
+        /// The worker rank whose event was refused.
+        rank: WorkerRank,
+        /// The group the event named.
+        group: GroupId,
+        /// The window the event named.
+        window_blocks: Option<NonZeroU32>,
+        /// The window the group has.
+        known: Option<NonZeroU32>,
+    },
 }
 
 impl ApplyError {
@@ -39,6 +58,7 @@ impl ApplyError {
         match self {
             ApplyError::UnknownParent { .. } => "unknown_parent",
             ApplyError::ForgottenParent { .. } => "forgotten_parent",
+            ApplyError::WindowMismatch { .. } => "window_mismatch",
         }
     }
 }

@@ -211,7 +211,8 @@ impl OrderedIndex {
     }
 
     /// Applies one event to the tree, counting and logging the outcome. `Err` when it
-    /// was refused for an unknown parent (which calls for recovery).
+    /// was refused for an unknown parent (which calls for recovery); a pruned parent
+    /// or a group's changed window is not lost state, and a dump would not help.
     fn apply_one(&mut self, worker_id: WorkerId, event: &KvCacheEvent) -> Result<(), ()> {
         match self.tree.apply_event(worker_id, event) {
             Ok(outcome) => {
@@ -230,7 +231,9 @@ impl OrderedIndex {
                 );
                 match error {
                     ApplyError::UnknownParent { .. } => Err(()),
-                    ApplyError::ForgottenParent { .. } => Ok(()),
+                    ApplyError::ForgottenParent { .. } | ApplyError::WindowMismatch { .. } => {
+                        Ok(())
+                    }
                 }
             }
         }

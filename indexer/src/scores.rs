@@ -14,8 +14,11 @@ use rustc_hash::FxHashMap;
 /// Per-[`WorkerRank`] count of leading query blocks held, in blocks.
 ///
 /// A rank scores `k` when it holds blocks `0..k` of the query (as one prefix in the
-/// radix tree) on the GPU and not block `k`. Ranks that score 0 are normally absent
-/// from `scores`; [`OverlapScores::get`] returns 0 for them.
+/// radix tree) on the GPU and not block `k`. A rank with KV cache groups (a
+/// hybrid-attention model) scores the engine's own hit instead: the largest `k` such
+/// that its full-attention groups hold blocks `0..k` and each windowed group the
+/// `window_blocks` blocks before `k`. Ranks that score 0 are normally absent from
+/// `scores`; [`OverlapScores::get`] returns 0 for them.
 ///
 /// Engines that offload KV to a lower storage tier (CPU, disk) also get an any-tier
 /// score: the leading blocks the rank holds each on *some* tier (a block offloaded

@@ -40,10 +40,16 @@
 //! answered as before, and the overlap on any tier by a second walk that runs only
 //! while some holder is on a lower tier (`tree/any_tier.rs`).
 //!
+//! KV cache groups (hybrid-attention models): each (rank, tier, group) is its own
+//! holder too, and a rank with more than one group or a windowed one is scored by the
+//! engine's hybrid rule in a third walk that runs only while such a rank exists
+//! (`tree/groups.rs`). A block stored again by a holder that holds it is a copy
+//! (`RankState::copies`); it leaves with its last copy.
+//!
 //! Layout of the submodules: `arena` (run and block slabs, free lists), `runs`
 //! (extend, split, merge, free), `children` (child maps), `rankset`
-//! (compact holder sets), `ranks` (rank interning and per-rank maps), `dump`
-//! (state → rebuild events), `prune` (the memory bound).
+//! (compact holder sets), `ranks` (holder interning and per-holder maps), `dump`
+//! (state → rebuild events), `prune` (the memory bound), `groups` (the hybrid hit).
 
 mod any_tier;
 mod apply;
@@ -51,7 +57,10 @@ mod arena;
 mod children;
 #[cfg(test)]
 mod differential;
+#[cfg(test)]
+mod differential_model;
 mod dump;
+mod groups;
 mod prune;
 mod ranks;
 mod rankset;
@@ -67,35 +76,46 @@ use crate::scores::OverlapScores;
 use crate::stats::IndexerStats;
 use arena::{Arena, Node, NodeIdx};
 use kv_events::{KvCacheEvent, KvCacheEventData, LocalBlockHash, WorkerId, WorkerRank};
-use ranks::{BlockRef, RankState, RankTable};
+use ranks::{BlockRef, Holder, RankState, RankTable};
 use rankset::RankIdx;
 use std::ops::AddAssign;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 /// What applying one event (or a worker removal) did, in blocks.
+///
+/// Entries are (holder, engine hash) pairs, a holder being a worker rank's KV cache
+/// group on one storage tier; copies (a hash stored again while held) are not
+/// entries: `stored` and `removed` count entries, `copies_added` and
+/// `copies_removed` count copies.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ApplyOutcome {
-    /// Blocks newly indexed for the rank.
+    /// Blocks newly indexed for the holder.
     pub stored: u64,
-    /// Blocks of a `Stored` event the rank already held under the same engine hash;
-    /// skipped (the chain continues from the held block).
-    pub already_present: u64,
-    /// Blocks dropped from the rank (by `Removed`, `Cleared` or a worker removal).
+    /// Blocks of a `Stored` event the holder already held under the same engine hash:
+    /// each adds a copy (a second physical block under that hash), and the chain
+    /// continues from the held block. Approximate-mode refreshes add none.
+    pub copies_added: u64,
+    /// Blocks dropped from the holder (by `Removed`, `Cleared` or a worker removal).
     pub removed: u64,
-    /// Blocks named by a `Removed` event that the rank did not hold; skipped.
+    /// Copies dropped while their block stays held (a `Removed` of a block held as
+    /// several copies), and copies dropped with their block by `Cleared` or a worker
+    /// removal.
+    pub copies_removed: u64,
+    /// Blocks named by a `Removed` event that the holder did not hold; skipped.
     pub unknown_removed: u64,
     /// Blocks named by a `Removed` or `Stored` event that this index had pruned
     /// (forgotten) earlier; their entries are dropped or revived.
     pub forgotten: u64,
-    /// (rank, block) entries pruned to stay under the memory bound.
+    /// (holder, block) entries pruned to stay under the memory bound.
     pub pruned: u64,
 }
 
 impl AddAssign for ApplyOutcome {
     fn add_assign(&mut self, rhs: Self) {
         self.stored += rhs.stored;
-        self.already_present += rhs.already_present;
+        self.copies_added += rhs.copies_added;
         self.removed += rhs.removed;
+        self.copies_removed += rhs.copies_removed;
         self.unknown_removed += rhs.unknown_removed;
         self.forgotten += rhs.forgotten;
         self.pruned += rhs.pruned;
@@ -187,15 +207,25 @@ impl RadixTree {
 
     /// Applies one KV event of `worker_id` (the rank is `event.dp_rank`).
     ///
-    /// - `Stored { parent_hash, blocks }`: the chain is added below the rank's block
-    ///   `parent_hash` (the root when `None`), creating nodes as needed. A block whose
-    ///   engine hash the rank already holds is counted in `already_present` and the
-    ///   chain continues from the held block. Two engine hashes of one rank naming the
-    ///   same node are both kept; the node stays held until both are removed.
-    /// - `Removed { block_hashes }`: each held block is dropped from the rank; unknown
-    ///   ones are counted in `unknown_removed`. Dropping an interior block hides the
-    ///   rank's deeper blocks from prefix matches (they stay indexed until removed).
-    /// - `Cleared`: every block of the rank is dropped.
+    /// Each (rank, tier, KV cache group) is its own holder; `group: None` is the
+    /// rank's single group of a model without groups.
+    ///
+    /// - `Stored { parent_hash, blocks, group }`: the chain is added below the
+    ///   holder's block `parent_hash` (the root when `None`), creating nodes as
+    ///   needed. A parent the holder does not hold is looked up in the rank's other
+    ///   groups on the same tier (a windowed group's sparse store hangs below the
+    ///   full-attention group's block), then on its other tiers, GPU first. A block
+    ///   whose engine hash the holder already holds adds a copy (counted in
+    ///   `copies_added`) and the chain continues from the held block. Two engine
+    ///   hashes of one holder naming the same node are both kept; the node stays held
+    ///   until both are removed. A store with a group and no blocks makes the group
+    ///   known (interned, holding nothing). A group's window is fixed by its first
+    ///   store.
+    /// - `Removed { block_hashes, group }`: each held block of that holder only drops
+    ///   one copy, and leaves the holder with its last; unknown ones are counted in
+    ///   `unknown_removed`. Dropping an interior block hides the holder's deeper
+    ///   blocks from prefix matches (they stay indexed until removed).
+    /// - `Cleared`: every block of the rank is dropped, on every tier and group.
     ///
     /// `event_id` is not checked here (see [`crate::OrderedIndex`] for ordering). A
     /// bounded tree prunes before a store that would take it over its bound (keeping
@@ -203,11 +233,12 @@ impl RadixTree {
     /// own blocks, and again after it if it still is over.
     ///
     /// # Errors
-    /// [`ApplyError::UnknownParent`] when `parent_hash` is `Some` and the rank does not
-    /// hold that block; nothing changes then. [`ApplyError::ForgottenParent`] when this
-    /// tree pruned the parent block; prefix matches do not change, but the event's
-    /// blocks are remembered as forgotten so that their own children are refused the
-    /// same way.
+    /// [`ApplyError::UnknownParent`] when `parent_hash` is `Some` and no holder of the
+    /// rank holds that block; nothing changes then. [`ApplyError::ForgottenParent`]
+    /// when this tree pruned the parent block; prefix matches do not change, but the
+    /// event's blocks are remembered as forgotten so that their own children are
+    /// refused the same way. [`ApplyError::WindowMismatch`] when the event's group is
+    /// known with another window; nothing changes.
     pub fn apply_event(
         &mut self,
         worker_id: WorkerId,
@@ -219,36 +250,51 @@ impl RadixTree {
                 parent_hash,
                 blocks,
                 tier,
-                group: _,
+                group,
             } => {
+                let holder = Holder {
+                    rank,
+                    tier: *tier,
+                    group: group.map(|g| g.id),
+                };
+                let window = group.and_then(|g| g.window_blocks);
+                self.check_window(holder, window)?;
                 // Room first, so the bound holds at the peak too, not only after.
-                let room = self.make_room(rank, *tier, *parent_hash, blocks.len());
-                let mut outcome = self.store(rank, *tier, *parent_hash, blocks)?;
+                let room = self.make_room(holder, *parent_hash, blocks.len());
+                let mut outcome = self.store(holder, window, *parent_hash, blocks, true)?;
                 outcome.pruned = room + self.enforce_bound();
                 Ok(outcome)
             }
             KvCacheEventData::Removed {
                 block_hashes,
                 tier,
-                group: _,
-            } => Ok(self.remove(rank, *tier, block_hashes)),
+                group,
+            } => {
+                let holder = Holder {
+                    rank,
+                    tier: *tier,
+                    group: *group,
+                };
+                Ok(self.remove(holder, block_hashes))
+            }
             KvCacheEventData::Cleared => Ok(self.clear_rank(rank)),
         }
     }
 
-    /// Drops every block of `rank`, on every tier, and forgets the rank. Unknown
-    /// ranks are a no-op. Returns the number of blocks dropped in `removed`.
+    /// Drops every block of `rank`, on every tier and in every group, and forgets
+    /// the rank. Unknown ranks are a no-op. Returns the number of blocks dropped in
+    /// `removed`.
     pub fn clear_rank(&mut self, rank: WorkerRank) -> ApplyOutcome {
         let mut outcome = ApplyOutcome::default();
-        let holders: Vec<RankIdx> = self.ranks.tiers_of(rank).collect();
+        let holders: Vec<RankIdx> = self.ranks.holders_of(rank).to_vec();
         for idx in holders {
             outcome += self.release_rank(idx);
         }
         outcome
     }
 
-    /// Drops every rank of `worker_id` (a worker left or its lease expired).
-    /// O(live ranks + blocks of the worker).
+    /// Drops every rank of `worker_id` (a worker left or its lease expired), every
+    /// holder of each. O(live ranks + blocks of the worker).
     pub fn remove_worker(&mut self, worker_id: WorkerId) -> ApplyOutcome {
         let mut outcome = ApplyOutcome::default();
         for idx in self.ranks.of_worker(worker_id) {
@@ -266,6 +312,13 @@ impl RadixTree {
     /// holds later blocks. Ranks scoring 0 are absent from the result; the any-tier
     /// scores ([`OverlapScores::any_tier`]) name only ranks whose any-tier overlap
     /// exceeds their GPU overlap.
+    ///
+    /// A grouped rank (KV cache groups of a hybrid-attention model: more than one
+    /// group, or a windowed one) scores the engine's own hybrid hit: the largest `L`
+    /// such that every full-attention GPU group holds blocks `0..L` and every windowed
+    /// GPU group (window `w`) holds blocks `max(0, L − w)..L`. It gets no any-tier
+    /// score. Its score comes from a second walk (`tree/groups.rs`) that runs only
+    /// while some rank is grouped.
     pub fn find_matches(&self, hashes: &[LocalBlockHash]) -> OverlapScores {
         let mut pairs = Vec::new();
         self.collect_matches(hashes, &mut pairs);
@@ -278,7 +331,7 @@ impl RadixTree {
     /// one pair per rank scoring at least 1 block, each rank once, in no particular
     /// order. No hashing: a front that asks several trees builds one
     /// [`OverlapScores`] from all their pairs, sized once
-    /// ([`OverlapScores::from_unique`]).
+    /// ([`OverlapScores::from_unique`]). Grouped ranks' hybrid hits are included.
     pub fn collect_matches(&self, hashes: &[LocalBlockHash], out: &mut Vec<(WorkerRank, u32)>) {
         let tick = self.tick();
         let bounded = self.bounded();
@@ -315,6 +368,10 @@ impl RadixTree {
             for rank in active {
                 self.score(out, rank, depth);
             }
+        }
+        // The check alone is inlined: one load and a branch for fleets without groups.
+        if self.ranks.has_grouped() {
+            self.grouped_walk(hashes, tick, out);
         }
     }
 
@@ -373,19 +430,32 @@ impl RadixTree {
         self.entries
     }
 
-    /// Holders the tree knows: (worker rank, storage tier) pairs stored into and not
-    /// cleared since, so a rank holding blocks on the GPU and on CPU counts twice.
+    /// Holders the tree knows: (worker rank, storage tier, KV cache group) triples
+    /// stored into and not cleared since, so a rank holding blocks on the GPU and on
+    /// CPU counts twice, and a hybrid model's rank once per group.
     pub fn num_ranks(&self) -> usize {
         self.ranks.len()
     }
 
-    /// Blocks held on the GPU per worker rank, sorted by rank.
+    /// Blocks held on the GPU per worker rank, sorted by rank. A grouped rank (a
+    /// hybrid-attention model's KV cache groups) counts its largest full-attention GPU
+    /// group, or its largest GPU group when none is full attention: the blocks its
+    /// longest usable prefixes occupy, not the sum over groups (the engine holds every
+    /// group's copy of a block in its own KV cache pages).
     pub fn blocks_per_rank(&self) -> Vec<(WorkerRank, usize)> {
+        let live = |s: &RankState| s.blocks.len() - s.forgotten as usize;
         let mut out: Vec<_> = self
             .ranks
-            .iter()
-            .filter(|(_, s)| s.tier.is_gpu())
-            .map(|(_, s)| (s.rank, s.blocks.len() - s.forgotten as usize))
+            .ranks()
+            .filter_map(|(rank, holders)| {
+                let gpu = holders
+                    .iter()
+                    .filter_map(|i| self.ranks.get(*i))
+                    .filter(|s| s.tier.is_gpu());
+                let full = gpu.clone().filter(|s| s.window.is_none()).map(live).max();
+                full.or_else(|| gpu.map(live).max())
+                    .map(|blocks| (rank, blocks))
+            })
             .collect();
         out.sort_unstable();
         out

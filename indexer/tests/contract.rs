@@ -138,21 +138,50 @@ async fn removes_cut_prefixes_and_unknown_removes_are_ignored() {
     }
 }
 
+/// Issue 28: a store of a block the rank holds is a second physical copy (vLLM
+/// recomputing a prefix, or repeating an exactly block-aligned prompt); the block
+/// leaves with its last copy, not its first.
 #[tokio::test]
-async fn duplicate_stores_are_idempotent() {
+async fn a_duplicate_store_adds_copies_that_leave_one_remove_at_a_time() {
     for mut s in Subject::all() {
         let name = s.name;
         populate(&mut s).await;
-        let before = (s.dump().await, s.entries_and_ranks().await);
+        let entries = s.entries_and_ranks().await;
         s.apply(batch(0, vec![stored(0, None, &chain(100, 4))]))
             .await;
         s.apply(batch(2, vec![stored(0, Some(300), &[(301, 1)])]))
             .await;
         assert_eq!(
-            (s.dump().await, s.entries_and_ranks().await),
-            before,
-            "{name}"
+            s.entries_and_ranks().await,
+            entries,
+            "{name}: copies are not entries"
         );
+        // Worker 0 holds blocks 100..104 twice: the first remove of 103 keeps it.
+        s.apply(batch(0, vec![removed(0, &[103])])).await;
+        assert_eq!(s.find(&[0, 1, 2, 3]).await[0], (wr(0, 0), 4), "{name}");
+        s.apply(batch(0, vec![removed(0, &[103])])).await;
+        assert_eq!(s.find(&[0, 1, 2, 3]).await[0], (wr(0, 0), 3), "{name}");
+        // A third remove names a block no longer held: a no-op.
+        s.apply(batch(0, vec![removed(0, &[103])])).await;
+        assert_eq!(s.find(&[0, 1, 2, 3]).await[0], (wr(0, 0), 3), "{name}");
+        // Worker 2's block 301 went through the same.
+        s.apply(batch(2, vec![removed(0, &[301])])).await;
+        assert_eq!(s.find(&[0, 1, 2]).await[3], (wr(2, 0), 3), "{name}");
+        s.apply(batch(2, vec![removed(0, &[301])])).await;
+        assert_eq!(s.find(&[0, 1, 2]).await[3], (wr(2, 0), 1), "{name}");
+        // The copies of a dumped index are dumped too.
+        let mut copy = s.empty_like();
+        for batch in s.dump().await {
+            copy.apply(batch).await;
+        }
+        for subject in [&mut s, &mut copy] {
+            subject.apply(batch(0, vec![removed(0, &[102])])).await;
+            assert_eq!(
+                subject.find(&[0, 1, 2, 3]).await[0],
+                (wr(0, 0), 3),
+                "{name}: the copy of 102 stays"
+            );
+        }
     }
 }
 

@@ -6,7 +6,7 @@
 mod common;
 mod subject;
 
-use common::wr;
+use common::{a, query, wr};
 use indexer::Pruning;
 use kv_events::journal::{EventJournal, JournalConfig};
 use kv_events::recovery::ChunkAssembler;
@@ -293,5 +293,84 @@ async fn a_memory_bound_keeps_entries_under_it_and_forgets_the_coldest() {
             0,
             "{name}: pruning is not loss"
         );
+    }
+}
+
+/// Issue 28: a snapshot of a hybrid rank restores its groups, windows and copies.
+#[tokio::test]
+async fn a_snapshot_restores_groups_windows_and_copies() {
+    for mut s in Subject::ordered(Pruning::Unbounded) {
+        let name = s.name;
+        s.apply(common::batch(1, common::prompt_a())).await;
+        let again = common::in_group(common::stored(0, Some(a(6)), &[(a(7), 7)]), 0, Some(4));
+        s.apply(common::batch(1, vec![again])).await; // a second copy in group 0
+        let snapshot = s.snapshot().await;
+        let mut copy = s.empty_like();
+        copy.restore(snapshot.clone()).await;
+        assert_eq!(copy.snapshot().await, snapshot, "{name}");
+        assert_eq!(copy.entries_and_ranks().await, (11 + 3 * 4, 4), "{name}");
+        for subject in [&mut s, &mut copy] {
+            assert_eq!(
+                subject.find(&query(11, 11)).await,
+                vec![(wr(1, 0), 11)],
+                "{name}"
+            );
+            assert!(subject.find(&query(10, 10)).await.is_empty(), "{name}");
+            let evict = common::in_group(common::removed(0, &[a(7)]), 0, None);
+            subject.apply(common::batch(1, vec![evict])).await;
+            assert_eq!(
+                subject.find(&query(11, 11)).await,
+                vec![(wr(1, 0), 11)],
+                "{name}: one copy of block 7 left in group 0"
+            );
+        }
+    }
+}
+
+/// Issue 28: a publisher's dump of a hybrid rank: chains per group, and the blocks
+/// stored only to place others removed from their own group (`unheld_in_groups`).
+#[tokio::test]
+async fn a_recovery_dump_removes_placeholders_from_their_own_group() {
+    use kv_events::recovery::{GroupBlocks, RecoveryBody, RecoveryReply, StoredChain};
+    use kv_events::{GroupId, KvCacheGroup, StorageTier};
+    for mut s in Subject::ordered(Pruning::Unbounded) {
+        let name = s.name;
+        s.resync(wr(7, 0)).await;
+        let needs = s.take_needs().await;
+        let blocks: Vec<StoredBlock> = (0..11)
+            .map(|k| StoredBlock {
+                block_hash: ExternalBlockHash(a(k)),
+                tokens_hash: LocalBlockHash(k),
+            })
+            .collect();
+        let chain = |group| StoredChain {
+            parent_hash: None,
+            blocks: blocks.clone(),
+            tier: StorageTier::Gpu,
+            group: Some(group),
+        };
+        let window = KvCacheGroup::windowed(0, 2).expect("window ≥ 1");
+        let reply = RecoveryReply {
+            worker_id: WorkerId(7),
+            dp_rank: DpRank(0),
+            epoch: 0,
+            next_event_id: 5,
+            body: RecoveryBody::Dump {
+                chains: vec![chain(KvCacheGroup::full(3)), chain(window)],
+                unheld: Vec::new(),
+                unheld_in_groups: vec![GroupBlocks {
+                    group: GroupId(0),
+                    block_hashes: (0..9).map(|k| ExternalBlockHash(a(k))).collect(),
+                }],
+            },
+        };
+        s.recovered(&needs[0], reply).await;
+        // Group 0 (window 2) holds blocks 9 and 10 only.
+        assert_eq!(s.find(&query(11, 11)).await, vec![(wr(7, 0), 11)], "{name}");
+        assert!(
+            s.find(&query(10, 10)).await.is_empty(),
+            "{name}: needs 8..10"
+        );
+        assert_eq!(s.entries_and_ranks().await, (11 + 2, 2), "{name}");
     }
 }

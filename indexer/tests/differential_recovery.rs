@@ -178,6 +178,11 @@ impl World {
                 let paths = self.paths.entry(rank).or_default();
                 for (local, salt) in chain {
                     let ext = engine_hash(prev, *local, *salt);
+                    if model.contains_key(&ext) {
+                        // A store of a held block is a second copy (issue 28), which
+                        // this model does not follow: the chain ends before it.
+                        break;
+                    }
                     // A known engine hash (held or not) keeps its path, as in the
                     // journal and the tree.
                     match paths.get(&ext) {
@@ -193,6 +198,9 @@ impl World {
                         tokens_hash: LocalBlockHash(*local),
                     });
                     prev = Some(ext);
+                }
+                if blocks.is_empty() {
+                    return;
                 }
                 self.publish(
                     *worker,

@@ -4,6 +4,7 @@
 //! cargo bench -p indexer --bench indexer -- all          # everything (~5 min on 2 cores)
 //! cargo bench -p indexer --bench indexer -- apply        # stored blocks/s
 //! cargo bench -p indexer --bench indexer -- query        # find_matches p50/p99, idle and flooded
+//! cargo bench -p indexer --bench indexer -- hybrid       # the same queries on a hybrid-model fleet
 //! cargo bench -p indexer --bench indexer -- memory       # bytes per entry at 10M entries
 //! cargo bench -p indexer --bench indexer -- recovery     # rebuild 1M blocks from dumps / a snapshot
 //! cargo bench -p indexer --bench indexer -- all --quick  # 10x smaller, for a smoke run
@@ -17,6 +18,7 @@
 //! within one run.
 
 mod apply;
+mod hybrid;
 mod query;
 mod recovery;
 
@@ -60,6 +62,9 @@ fn main() {
     }
     if run("query") {
         query::run(scale);
+    }
+    if run("hybrid") {
+        hybrid::run(scale);
     }
     if run("memory") {
         apply::memory(scale);

@@ -15,7 +15,8 @@ const QUERY_BLOCKS: usize = 128;
 /// Flood: one 16-block batch per 16 µs, sent in bursts every millisecond.
 const FLOOD_BLOCKS_PER_SEC: u64 = 1_000_000;
 
-fn shape(scale: Scale) -> WorkloadShape {
+/// The workload of the query benchmarks (also `hybrid.rs`).
+pub(crate) fn shape(scale: Scale) -> WorkloadShape {
     WorkloadShape {
         workers: 256,
         entries: scale.of(10_000_000),

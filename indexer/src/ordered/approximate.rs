@@ -37,21 +37,9 @@ impl OrderedIndex {
         for block in &blocks {
             self.expiry.insert(rank, block.block_hash, expires_at);
         }
-        let event = KvCacheEvent {
-            event_id: 0,
-            dp_rank: rank.dp_rank,
-            data: KvCacheEventData::Stored {
-                group: None,
-                parent_hash: None,
-                blocks,
-                tier: StorageTier::Gpu,
-            },
-        };
-        // A chain from the root cannot be refused.
-        let outcome = self
-            .tree
-            .apply_event(rank.worker_id, &event)
-            .unwrap_or_default();
+        // Refreshing a prefix stores it again: no copies, so that its expiry's one
+        // `Removed` per block drops it.
+        let outcome = self.tree.store_refreshing(rank, &blocks);
         self.counters.record_outcome(&outcome);
         self.counters
             .add(Counter::ApproximateBlocks, outcome.stored);

@@ -4,7 +4,10 @@
 //! A reply is used only if its token is the rank's pending one. Then:
 //! - a **dump** replaces the rank's state when it is at least as new as the index
 //!   (a newer epoch, or `next_event_id` not behind the cursor), and the cursor jumps
-//!   to the dump's `next_event_id`; an older dump is ignored;
+//!   to the dump's `next_event_id`; an older dump is ignored. Its chains are stored
+//!   in order (each in its KV cache group, a block held as `n` copies in `n` chains),
+//!   then its placeholders are removed: `unheld` from the group-less group,
+//!   `unheld_in_groups` each from its own group;
 //! - an **events** range of the cursor's epoch is applied from the cursor on, in
 //!   order, stopping at a hole;
 //! - anything else (an `error` body, a reply for another rank, events of another
@@ -56,10 +59,16 @@ impl OrderedIndex {
         }
         let refused = match reply.body {
             RecoveryBody::Dump {
-                unheld_in_groups: _,
+                unheld_in_groups,
                 chains,
                 unheld,
-            } => self.apply_dump(rank, reply.epoch, reply.next_event_id, chains, unheld),
+            } => {
+                let unheld = Unheld {
+                    plain: unheld,
+                    in_groups: unheld_in_groups,
+                };
+                self.apply_dump(rank, reply.epoch, reply.next_event_id, chains, unheld)
+            }
             RecoveryBody::Events { events } => self.apply_range(rank, &events),
             RecoveryBody::Error { .. } => false,
         };
@@ -80,7 +89,7 @@ impl OrderedIndex {
         epoch: u64,
         next_event_id: u64,
         chains: Vec<kv_events::recovery::StoredChain>,
-        unheld: Vec<kv_events::ExternalBlockHash>,
+        unheld: Unheld,
     ) -> bool {
         let Some(cursor) = self.cursors.get_mut(&rank) else {
             return false;
@@ -108,13 +117,21 @@ impl OrderedIndex {
             };
             refused |= self.apply_one(rank.worker_id, &event).is_err();
         }
-        if !unheld.is_empty() {
+        // Placeholders: of the group-less (or only) group, then of each group.
+        let groups = unheld
+            .in_groups
+            .into_iter()
+            .map(|g| (Some(g.group), g.block_hashes));
+        for (group, block_hashes) in std::iter::once((None, unheld.plain)).chain(groups) {
+            if block_hashes.is_empty() {
+                continue;
+            }
             let event = KvCacheEvent {
                 event_id: next_event_id,
                 dp_rank: rank.dp_rank,
                 data: kv_events::KvCacheEventData::Removed {
-                    group: None,
-                    block_hashes: unheld,
+                    group,
+                    block_hashes,
                     tier: kv_events::StorageTier::Gpu,
                 },
             };
@@ -202,6 +219,15 @@ impl OrderedIndex {
         self.drain(rank, true, &mut needs);
         needs
     }
+}
+
+/// The placeholders of a dump: blocks stored by its chains only to place the blocks
+/// below them, removed once every chain is stored.
+struct Unheld {
+    /// Of the rank's group-less (or only) group.
+    plain: Vec<kv_events::ExternalBlockHash>,
+    /// Of each KV cache group of a hybrid model.
+    in_groups: Vec<kv_events::recovery::GroupBlocks>,
 }
 
 /// Removes and returns the first buffered event at or after the cursor, dropping

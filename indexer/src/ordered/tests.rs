@@ -406,3 +406,65 @@ fn a_snapshot_restores_the_tree_and_the_cursors() {
     same_as_journal(&copy, &j, 2);
     assert_eq!(copy.ranks_of(W), vec![DpRank(0), DpRank(2)]);
 }
+
+/// Issue 28: a store naming a known group with another window is refused and
+/// counted, asks for no recovery, and later events apply; copies are counted.
+#[test]
+fn a_changed_window_is_refused_and_counted_and_copies_are_counted() {
+    let mut idx = index(16);
+    let grouped = |data: KvCacheEventData, window: Option<u32>| match data {
+        KvCacheEventData::Stored {
+            parent_hash,
+            blocks,
+            tier,
+            ..
+        } => KvCacheEventData::Stored {
+            parent_hash,
+            blocks,
+            tier,
+            group: kv_events::KvCacheGroup::windowed(0, window.unwrap_or(0))
+                .or(Some(kv_events::KvCacheGroup::full(0))),
+        },
+        other => other,
+    };
+    let events: Vec<KvCacheEvent> = [
+        grouped(store(None, 1), Some(2)),
+        grouped(store(Some(1), 2), Some(3)), // group 0 has window 2
+        grouped(store(Some(1), 2), Some(2)),
+        grouped(store(Some(1), 2), Some(2)), // a second copy of block 2
+    ]
+    .into_iter()
+    .enumerate()
+    .map(|(i, data)| KvCacheEvent {
+        event_id: i as u64,
+        dp_rank: DpRank(0),
+        data,
+    })
+    .collect();
+    let needs = idx.apply_batch(&KvEventBatch::new(W, events));
+    assert!(needs.is_empty(), "a changed window is not lost state");
+    let c = idx.counters().snapshot();
+    assert_eq!(
+        (
+            c.rejected_events,
+            c.window_mismatch_rejections,
+            c.stored_events
+        ),
+        (1, 1, 3)
+    );
+    assert_eq!((c.blocks_stored, c.duplicate_stores), (2, 1));
+    assert_eq!(score(&idx, 0, &[1, 2]), 2);
+    let evict = KvCacheEvent {
+        event_id: 4,
+        dp_rank: DpRank(0),
+        data: KvCacheEventData::Removed {
+            group: Some(kv_events::GroupId(0)),
+            block_hashes: vec![ExternalBlockHash(2)],
+            tier: kv_events::StorageTier::Gpu,
+        },
+    };
+    idx.apply_batch(&KvEventBatch::new(W, vec![evict]));
+    let c = idx.counters().snapshot();
+    assert_eq!((c.copies_removed, c.blocks_removed), (1, 0));
+    assert_eq!(score(&idx, 0, &[1, 2]), 2);
+}

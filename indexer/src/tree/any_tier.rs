@@ -8,6 +8,10 @@
 //! their worker ranks instead. It costs O(runs × holders × log holders) per query,
 //! about twice the GPU walk, and runs only while some holder is on a lower tier
 //! ([`super::ranks::RankTable::has_lower_tiers`]): GPU-only clusters never pay it.
+//!
+//! Ranks with KV cache groups (hybrid-attention models) are left out: their holders
+//! map to no rank here ([`super::ranks::RankTable::holder_of`]), since a prefix held
+//! "each block on some tier" says nothing about the engine's hybrid hit.
 
 use super::RadixTree;
 use super::rankset::RankIdx;
@@ -17,7 +21,8 @@ impl RadixTree {
     /// Appends to `out` one (rank, blocks) pair per rank holding at least the first
     /// block of `hashes` on some tier: the number of leading blocks it holds, each on
     /// any tier. Each rank once, in no particular order. Appends nothing while every
-    /// holder is on the GPU (then the any-tier overlap is the GPU overlap).
+    /// holder is on the GPU (then the any-tier overlap is the GPU overlap), and
+    /// nothing for ranks with KV cache groups.
     #[inline]
     pub fn collect_any_tier_matches(
         &self,

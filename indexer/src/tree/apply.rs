@@ -1,89 +1,187 @@
-//! Applying events to the [`RadixTree`]: stores, removes and rank releases, in terms
-//! of runs (see `tree/runs.rs` for how runs extend, split and merge).
+//! Applying events to the [`RadixTree`]: stores, removes and holder releases, in
+//! terms of runs (see `tree/runs.rs` for how runs extend, split and merge).
+//!
+//! Copies: a store of a block the holder already holds counts one more copy in the
+//! holder's `copies` map (a second physical block under one engine hash) and a remove
+//! drops one; only the last copy's remove changes the tree. The map is empty for
+//! engines that never duplicate a block, and the remove path then costs one length
+//! check more.
 
 use super::arena::{self, Arena, BlockId, NodeIdx};
-use super::ranks::BlockRef;
+use super::ranks::{BlockRef, Holder};
 use super::rankset::RankIdx;
 use super::{ApplyOutcome, RadixTree, is_live};
 use crate::error::ApplyError;
 use kv_events::{ExternalBlockHash, StorageTier, StoredBlock, WorkerRank};
 use std::collections::hash_map::Entry;
+use std::num::NonZeroU32;
+
+/// Where a `Stored` event's parent was found.
+pub(super) enum ParentAt {
+    /// In the storing holder itself (live).
+    Own(RankIdx, BlockRef),
+    /// Live in another holder of the rank: another group on the same tier, or
+    /// another tier.
+    Other(BlockId),
+    /// The storing holder keeps a tombstone for it (this index pruned it).
+    ForgottenOwn(RankIdx),
+    /// Only tombstones in the rank's other holders.
+    ForgottenOther,
+    /// No holder of the rank knows it.
+    Unknown,
+}
 
 impl RadixTree {
-    pub(super) fn store(
+    /// Finds `parent` for a store into `holder`: in the holder, else in the rank's
+    /// other groups on the same tier, else on its other tiers (GPU first).
+    pub(super) fn find_parent(&self, holder: Holder, parent: ExternalBlockHash) -> ParentAt {
+        let own = self.ranks.lookup(holder);
+        if let Some(idx) = own
+            && let Some(state) = self.ranks.get(idx)
+            && let Some(held) = state.blocks.get(&parent)
+        {
+            return if is_live(&self.arena, state, *held) {
+                ParentAt::Own(idx, *held)
+            } else {
+                ParentAt::ForgottenOwn(idx)
+            };
+        }
+        let others = self.ranks.holders_of(holder.rank);
+        let same_tier = |i: &RankIdx| self.ranks.get(*i).is_some_and(|s| s.tier == holder.tier);
+        let ordered = (others.iter().filter(|i| same_tier(i)))
+            .chain(others.iter().filter(|i| !same_tier(i)))
+            .filter(|i| Some(**i) != own);
+        let mut forgotten = false;
+        for idx in ordered {
+            let Some(state) = self.ranks.get(*idx) else {
+                continue;
+            };
+            if let Some(held) = state.blocks.get(&parent) {
+                if is_live(&self.arena, state, *held) {
+                    return ParentAt::Other(held.id);
+                }
+                forgotten = true;
+            }
+        }
+        if forgotten {
+            ParentAt::ForgottenOther
+        } else {
+            ParentAt::Unknown
+        }
+    }
+
+    /// Refuses a store into `holder` whose group the rank already knows with a
+    /// window other than `window`.
+    pub(super) fn check_window(
+        &self,
+        holder: Holder,
+        window: Option<NonZeroU32>,
+    ) -> Result<(), ApplyError> {
+        let Some(group) = holder.group else {
+            return Ok(());
+        };
+        match self.ranks.window_of(holder.rank, holder.group) {
+            Some(known) if known != window => Err(ApplyError::WindowMismatch {
+                rank: holder.rank,
+                group,
+                window_blocks: window,
+                known,
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// Stores `blocks` as a chain from the root into `rank`'s GPU holder (no group)
+    /// without adding copies of blocks it holds: the approximate mode's routing
+    /// decisions, which refresh a prefix by storing it again. Prunes like
+    /// [`RadixTree::apply_event`].
+    pub(crate) fn store_refreshing(
         &mut self,
         rank: WorkerRank,
-        tier: StorageTier,
+        blocks: &[StoredBlock],
+    ) -> ApplyOutcome {
+        let holder = Holder {
+            rank,
+            tier: StorageTier::Gpu,
+            group: None,
+        };
+        let room = self.make_room(holder, None, blocks.len());
+        // A chain from the root cannot be refused.
+        let mut outcome = self
+            .store(holder, None, None, blocks, false)
+            .unwrap_or_default();
+        outcome.pruned = room + self.enforce_bound();
+        outcome
+    }
+
+    /// Stores `blocks` below `parent_hash` into `holder` (whose group has `window`).
+    /// With `copies`, a block the holder already holds adds a copy; without (the
+    /// approximate mode's refreshes), it is left as it is.
+    pub(super) fn store(
+        &mut self,
+        holder: Holder,
+        window: Option<NonZeroU32>,
         parent_hash: Option<ExternalBlockHash>,
         blocks: &[StoredBlock],
+        copies: bool,
     ) -> Result<ApplyOutcome, ApplyError> {
+        let rank = holder.rank;
+        // An empty store interns a group (the group is known, holding nothing), never
+        // a holder without one.
+        let intern_empty = holder.group.is_some();
         if blocks.is_empty() && parent_hash.is_none() {
-            return Ok(ApplyOutcome::default()); // do not intern a rank that holds nothing
+            if intern_empty {
+                self.ranks.intern(holder, window);
+            }
+            return Ok(ApplyOutcome::default());
         }
         let tick = self.tick();
         let (idx, mut cur) = match parent_hash {
-            None => (self.ranks.intern(rank, tier), BlockId::ROOT),
-            Some(parent) => {
-                let unknown = ApplyError::UnknownParent {
-                    rank,
-                    parent_hash: parent,
-                };
-                let own = self.ranks.lookup(rank, tier);
-                let here = own
-                    .and_then(|idx| self.ranks.get(idx))
-                    .and_then(|state| state.blocks.get(&parent).copied());
-                match here {
-                    None => {
-                        // Not held on this tier: an engine offloading a chain below
-                        // parents on another tier (vLLM stores a GPU chain's blocks to
-                        // CPU one event at a time). The chain hangs below the block the
-                        // rank holds on another tier, fastest first.
-                        let other = self
-                            .ranks
-                            .tiers_of(rank)
-                            .filter(|other| Some(*other) != own)
-                            .find_map(|other| {
-                                let state = self.ranks.get(other)?;
-                                let held = *state.blocks.get(&parent)?;
-                                is_live(&self.arena, state, held).then_some(held)
-                            })
-                            .ok_or(unknown)?;
-                        if blocks.is_empty() {
-                            return Ok(ApplyOutcome::default()); // nothing to hold on `tier`
-                        }
-                        let run = self.arena.run_of(other.id);
-                        self.arena.node(run).last_used.stored(tick);
-                        (self.ranks.intern(rank, tier), other.id)
-                    }
-                    Some(held) => {
-                        let idx = own.ok_or(unknown)?; // `here` is Some only when `own` is
-                        let state = self.ranks.get_mut(idx).ok_or(unknown)?;
-                        if !is_live(&self.arena, state, held) {
-                            // Children of a forgotten block are forgotten too.
-                            state.blocks.insert(parent, BlockRef::FORGOTTEN);
-                            for block in blocks {
-                                if let Some(old) =
-                                    state.blocks.insert(block.block_hash, BlockRef::FORGOTTEN)
-                                {
-                                    if is_live(&self.arena, state, old) {
-                                        // A live block under a forgotten parent: keep it.
-                                        state.blocks.insert(block.block_hash, old);
-                                    }
-                                    continue;
-                                }
-                                state.forgotten += 1;
-                            }
-                            return Err(ApplyError::ForgottenParent {
-                                rank,
-                                parent_hash: parent,
-                            });
-                        }
-                        let run = self.arena.run_of(held.id);
-                        self.arena.node(run).last_used.stored(tick);
-                        (idx, held.id)
-                    }
+            None => (self.ranks.intern(holder, window), BlockId::ROOT),
+            Some(parent) => match self.find_parent(holder, parent) {
+                ParentAt::Own(idx, held) => {
+                    let run = self.arena.run_of(held.id);
+                    self.arena.node(run).last_used.stored(tick);
+                    (idx, held.id)
                 }
-            }
+                ParentAt::Other(id) => {
+                    // A sparse windowed store below another group's block, or an
+                    // engine offloading a chain below parents on another tier (vLLM
+                    // stores a GPU chain's blocks to CPU one event at a time).
+                    if blocks.is_empty() {
+                        if intern_empty {
+                            self.ranks.intern(holder, window);
+                        }
+                        return Ok(ApplyOutcome::default()); // nothing to hold
+                    }
+                    let run = self.arena.run_of(id);
+                    self.arena.node(run).last_used.stored(tick);
+                    (self.ranks.intern(holder, window), id)
+                }
+                ParentAt::ForgottenOwn(idx) => {
+                    self.forget_chain(idx, blocks);
+                    return Err(ApplyError::ForgottenParent {
+                        rank,
+                        parent_hash: parent,
+                    });
+                }
+                ParentAt::ForgottenOther => {
+                    if !blocks.is_empty() || intern_empty {
+                        let idx = self.ranks.intern(holder, window);
+                        self.forget_chain(idx, blocks);
+                    }
+                    return Err(ApplyError::ForgottenParent {
+                        rank,
+                        parent_hash: parent,
+                    });
+                }
+                ParentAt::Unknown => {
+                    return Err(ApplyError::UnknownParent {
+                        rank,
+                        parent_hash: parent,
+                    });
+                }
+            },
         };
         let mut outcome = ApplyOutcome::default();
         let Some(state) = self.ranks.get_mut(idx) else {
@@ -101,15 +199,22 @@ impl RadixTree {
             if let Entry::Occupied(held) = &entry {
                 let held = *held.get();
                 if state.forgotten == 0 || self.arena.generation(held.id) == held.generation {
-                    outcome.already_present += 1;
+                    if copies {
+                        *state.copies.entry(block.block_hash).or_insert(0) += 1;
+                        outcome.copies_added += 1;
+                    }
                     cur = held.id;
                     let run = self.arena.run_of(cur);
                     self.arena.node(run).last_used.stored(tick);
                     continue;
                 }
-                // A forgotten block stored again: its entry is revived below.
+                // A forgotten block stored again: its entry is revived below, without
+                // the copies it had when it was pruned.
                 state.forgotten -= 1;
                 outcome.forgotten += 1;
+                if !state.copies.is_empty() {
+                    state.copies.remove(&block.block_hash);
+                }
             }
             let id = match self.arena.next(cur, block.tokens_hash) {
                 Some(id) => {
@@ -145,16 +250,34 @@ impl RadixTree {
         Ok(outcome)
     }
 
+    /// Remembers the blocks of a store refused below a forgotten parent as forgotten
+    /// in holder `idx`, so that their own children are refused the same way. Blocks
+    /// the holder holds live stay as they are.
+    fn forget_chain(&mut self, idx: RankIdx, blocks: &[StoredBlock]) {
+        let Some(state) = self.ranks.get_mut(idx) else {
+            return;
+        };
+        for block in blocks {
+            match state.blocks.insert(block.block_hash, BlockRef::FORGOTTEN) {
+                Some(old) if is_live(&self.arena, state, old) => {
+                    // A live block under a forgotten parent: keep it.
+                    state.blocks.insert(block.block_hash, old);
+                }
+                Some(_) => {} // already forgotten
+                None => state.forgotten += 1,
+            }
+        }
+    }
+
     pub(super) fn remove(
         &mut self,
-        rank: WorkerRank,
-        tier: StorageTier,
+        holder: Holder,
         block_hashes: &[ExternalBlockHash],
     ) -> ApplyOutcome {
         let mut outcome = ApplyOutcome::default();
         let state = self
             .ranks
-            .lookup(rank, tier)
+            .lookup(holder)
             .and_then(|idx| Some((idx, self.ranks.get_mut(idx)?)));
         let Some((idx, state)) = state else {
             outcome.unknown_removed = block_hashes.len() as u64;
@@ -163,13 +286,30 @@ impl RadixTree {
         let mut dropped = Vec::new();
         state.warm(block_hashes.iter());
         for hash in block_hashes {
+            // Empty unless the engine stored a held block again: one length check.
+            if !state.copies.is_empty()
+                && let Some(held) = state.blocks.get(hash)
+                && is_live(&self.arena, state, *held)
+                && let Some(extra) = state.copies.get_mut(hash)
+            {
+                *extra -= 1;
+                if *extra == 0 {
+                    state.copies.remove(hash);
+                }
+                outcome.copies_removed += 1;
+                continue;
+            }
             let Some(held) = state.blocks.remove(hash) else {
                 outcome.unknown_removed += 1;
                 continue;
             };
             if !is_live(&self.arena, state, held) {
+                // Pruned: the tombstone goes, and with it the copies it had.
                 state.forgotten -= 1;
                 outcome.forgotten += 1;
+                if !state.copies.is_empty() {
+                    state.copies.remove(hash);
+                }
                 continue;
             }
             outcome.removed += 1;
@@ -233,6 +373,15 @@ impl RadixTree {
             .copied()
             .collect();
         let removed = live.len() as u64;
+        let copies_removed = state
+            .copies
+            .iter()
+            .filter(|(hash, _)| {
+                let held = state.blocks.get(*hash);
+                held.is_some_and(|held| is_live(&self.arena, &state, *held))
+            })
+            .map(|(_, extra)| u64::from(*extra))
+            .sum();
         self.entries -= live.len();
         live.sort_unstable_by_key(|held| self.arena.run_of(held.id));
         live.dedup_by_key(|held| self.arena.run_of(held.id));
@@ -247,6 +396,7 @@ impl RadixTree {
         }
         ApplyOutcome {
             removed,
+            copies_removed,
             forgotten: state.forgotten,
             ..ApplyOutcome::default()
         }

@@ -38,7 +38,9 @@
 //!
 //! Forgetting a block does not search the holders' engine-hash maps (that would cost
 //! O(rank blocks) per node): the block's slot generation is bumped instead, which
-//! turns those map entries into tombstones. A later `Removed` for such a block drops
+//! turns those map entries into tombstones. A pruned block forgets its copies: its
+//! copy count is dropped with its tombstone (by the next `Removed` or `Stored` of its
+//! hash, or when the map is rebuilt), so a revived block holds one copy. A later `Removed` for such a block drops
 //! its tombstone, a later `Stored` of it revives it, and a `Stored` below it is
 //! refused as [`ApplyError::ForgottenParent`](crate::ApplyError::ForgottenParent)
 //! (not as a lost event: the index chose to forget, recovery would not help).
@@ -50,11 +52,12 @@
 //! pause of the order of 100 ms every million stores.
 
 use super::RadixTree;
+use super::apply::ParentAt;
 use super::arena::NodeIdx;
-use super::ranks::BlockRef;
+use super::ranks::{BlockRef, Holder};
 use super::rankset::RankIdx;
 use crate::config::Pruning;
-use kv_events::{ExternalBlockHash, StorageTier, WorkerRank};
+use kv_events::ExternalBlockHash;
 
 /// Tombstones a rank may keep before its map is rebuilt without them.
 pub(super) const PURGE_MIN_TOMBSTONES: u64 = 1024;
@@ -83,13 +86,12 @@ impl RadixTree {
         }
     }
 
-    /// Before `rank` stores `incoming` blocks below `parent`: if they would take the
+    /// Before `holder` stores `incoming` blocks below `parent`: if they would take the
     /// tree over its bound, marks the parent as just used and prunes to the target
     /// minus `incoming`. Returns the entries forgotten.
     pub(super) fn make_room(
         &mut self,
-        rank: WorkerRank,
-        tier: StorageTier,
+        holder: Holder,
         parent: Option<ExternalBlockHash>,
         incoming: usize,
     ) -> u64 {
@@ -99,17 +101,17 @@ impl RadixTree {
         if self.entries.saturating_add(incoming) <= max_entries {
             return 0;
         }
-        if let Some(parent) = parent
-            && let Some(state) = self
-                .ranks
-                .lookup(rank, tier)
-                .and_then(|i| self.ranks.get(i))
-            && let Some(&held) = state.blocks.get(&parent)
-            && super::is_live(&self.arena, state, held)
-        {
-            let tick = self.tick();
-            let run = self.arena.run_of(held.id);
-            self.arena.node(run).last_used.stored(tick);
+        if let Some(parent) = parent {
+            let held = match self.find_parent(holder, parent) {
+                ParentAt::Own(_, held) => Some(held.id),
+                ParentAt::Other(id) => Some(id),
+                _ => None,
+            };
+            if let Some(id) = held {
+                let tick = self.tick();
+                let run = self.arena.run_of(id);
+                self.arena.node(run).last_used.stored(tick);
+            }
         }
         self.prune_to(target.saturating_sub(incoming))
     }
@@ -168,6 +170,8 @@ impl RadixTree {
                 let stale = |r: &BlockRef| arena.generation(r.id) != r.generation;
                 state.blocks.retain(|_, r| !stale(r));
                 state.blocks.shrink_to_fit();
+                let blocks = &state.blocks;
+                state.copies.retain(|hash, _| blocks.contains_key(hash));
                 state.forgotten = 0;
             }
         }
@@ -347,6 +351,55 @@ mod tests {
         check_invariants(&tree);
     }
 
+    /// Issue 28: a pruned block forgets all its copies: storing it again revives one
+    /// copy, which one removal drops; removals of a pruned block drop its tombstone,
+    /// then name nothing.
+    #[test]
+    fn a_pruned_block_forgets_its_copies() {
+        let mut tree = bounded(4, 50);
+        let chain = [(1000, 10), (1001, 11)];
+        for _ in 0..2 {
+            tree.apply_event(WorkerId(1), &stored(0, None, &chain))
+                .expect("stores");
+        }
+        check_invariants(&tree);
+        // Two copies each: one removal keeps block 1001.
+        let out = tree
+            .apply_event(WorkerId(1), &removed(0, &[1001]))
+            .expect("removes never fail");
+        assert_eq!((out.removed, out.copies_removed), (0, 1));
+        assert_eq!(tree.find_matches(&q(&[10, 11])).get(wr(1, 0)), 2);
+        // Three copies of 1000, two of 1001, then worker 2's chain prunes both.
+        tree.apply_event(WorkerId(1), &stored(0, None, &chain))
+            .expect("stores");
+        tree.apply_event(WorkerId(1), &stored(0, None, &chain[..1]))
+            .expect("stores");
+        let out = store_chain(&mut tree, 2, 20, 3);
+        assert_eq!(out.pruned, 2);
+        assert_eq!(tree.find_matches(&q(&[10])).get(wr(1, 0)), 0);
+        // Stored again, block 1000 holds one copy.
+        let out = tree
+            .apply_event(WorkerId(1), &stored(0, None, &chain[..1]))
+            .expect("stores");
+        assert_eq!((out.stored, out.forgotten, out.copies_added), (1, 1, 0));
+        check_invariants(&tree);
+        let out = tree
+            .apply_event(WorkerId(1), &removed(0, &[1000]))
+            .expect("removes never fail");
+        assert_eq!((out.removed, out.copies_removed), (1, 0));
+        assert_eq!(tree.find_matches(&q(&[10])).get(wr(1, 0)), 0);
+        // Block 1001's tombstone goes with its copy count; a second removal is unknown.
+        let out = tree
+            .apply_event(WorkerId(1), &removed(0, &[1001, 1001]))
+            .expect("removes never fail");
+        assert_eq!(
+            (out.forgotten, out.unknown_removed, out.copies_removed),
+            (1, 1, 0)
+        );
+        check_invariants(&tree);
+        assert_eq!(super::super::tests::num_copies(&tree), 0);
+    }
+
     /// Pruned blocks leave tombstones in their rank's engine-hash map; a rank whose
     /// map is mostly tombstones is rebuilt without them, so the map does not grow with
     /// every block ever pruned.
@@ -363,7 +416,11 @@ mod tests {
         check_invariants(&tree);
         let idx = tree
             .ranks
-            .lookup(wr(3, 0), StorageTier::Gpu)
+            .lookup(Holder {
+                rank: wr(3, 0),
+                tier: kv_events::StorageTier::Gpu,
+                group: None,
+            })
             .expect("rank known");
         let state = tree.ranks.get(idx).expect("state");
         assert!(

@@ -140,7 +140,7 @@ fn a_store_revisiting_its_own_pending_blocks_aliases_them() {
         2,
         stored(0, None, &[(21, 1), (22, 2), (21, 1), (24, 2), (25, 3)]),
     );
-    assert_eq!((out.stored, out.already_present), (4, 1));
+    assert_eq!((out.stored, out.copies_added), (4, 1));
     assert_eq!(
         scores(&tree, &[1, 2, 3, 4]),
         vec![(wr(1, 0), 4), (wr(2, 0), 3)]

@@ -31,12 +31,33 @@ pub(super) fn check_invariants(tree: &RadixTree) {
     let mut held_by_maps: HashMap<(BlockId, RankIdx), u32> = HashMap::new();
     let mut live_entries = 0;
     for (idx, state) in tree.ranks.iter() {
-        assert_eq!(tree.ranks.lookup(state.rank, state.tier), Some(idx));
+        assert_eq!(tree.ranks.lookup(state.holder()), Some(idx));
+        assert!(tree.ranks.holders_of(state.rank).contains(&idx));
+        let gpu = state.tier.is_gpu();
         assert_eq!(
             tree.ranks.rank_of(idx),
-            state.tier.is_gpu().then_some(state.rank),
-            "dense rank names, GPU holders only"
+            (gpu && !state.grouped).then_some(state.rank),
+            "dense rank names: GPU holders of ranks without groups only"
         );
+        assert_eq!(
+            tree.ranks.grouped_name(idx).map(|g| (g.rank, g.window)),
+            (gpu && state.grouped).then_some((state.rank, state.window)),
+            "grouped names: GPU holders of grouped ranks only"
+        );
+        let groups: HashSet<_> = (tree.ranks.holders_of(state.rank).iter())
+            .filter_map(|i| tree.ranks.get(*i))
+            .map(|s| (s.group, s.window))
+            .collect();
+        let grouped = groups.len() > 1 || groups.iter().any(|(_, w)| w.is_some());
+        assert_eq!(state.grouped, grouped, "grouped status of {}", state.rank);
+        assert!(
+            state.group.is_some() || state.window.is_none(),
+            "a window needs a group"
+        );
+        for (hash, extra) in &state.copies {
+            assert!(*extra > 0, "an empty copy count");
+            assert!(state.blocks.contains_key(hash), "copies of an unknown hash");
+        }
         let mut stale = 0;
         for held in state.blocks.values() {
             if tree.arena.generation(held.id) != held.generation {
@@ -71,6 +92,19 @@ pub(super) fn check_invariants(tree: &RadixTree) {
         held_by_nodes, from_maps,
         "holder sets disagree with rank maps"
     );
+}
+
+/// Extra copies over every holder (live blocks only).
+pub(super) fn num_copies(tree: &RadixTree) -> u64 {
+    let live = |s: &RankState, hash| {
+        s.blocks
+            .get(hash)
+            .is_some_and(|r| is_live(&tree.arena, s, *r))
+    };
+    (tree.ranks.iter())
+        .flat_map(|(_, s)| s.copies.iter().filter(move |(h, _)| live(s, *h)))
+        .map(|(_, n)| u64::from(*n))
+        .sum()
 }
 
 pub(super) fn scores(tree: &RadixTree, hashes: &[u64]) -> Vec<(WorkerRank, u32)> {
@@ -240,32 +274,45 @@ fn unknown_parent_is_rejected_without_change() {
     assert_eq!((tree.dump(), tree.stats()), before);
 }
 
+/// Issue 28: an engine may hold two physical blocks under one hash; the first
+/// removal used to drop the block while its second copy stayed.
 #[test]
-fn duplicate_store_is_a_counted_no_op() {
+fn a_store_of_a_held_block_adds_a_copy_that_one_remove_drops() {
     let mut tree = RadixTree::new();
     ok(&mut tree, 1, stored(0, None, &[(11, 1), (12, 2)]));
-    let stats = tree.stats();
     let outcome = ok(&mut tree, 1, stored(0, None, &[(11, 1), (12, 2)]));
     assert_eq!(
         outcome,
         ApplyOutcome {
-            already_present: 2,
+            copies_added: 2,
             ..ApplyOutcome::default()
         }
     );
-    assert_eq!(tree.stats(), stats);
-    // A longer chain over held blocks only adds the new tail, below the held blocks.
+    assert_eq!((tree.num_nodes(), tree.num_entries()), (2, 2));
+    // A longer chain over held blocks adds copies and the new tail below them.
     let outcome = ok(&mut tree, 1, stored(0, None, &[(11, 1), (12, 2), (13, 3)]));
     assert_eq!(
         outcome,
         ApplyOutcome {
             stored: 1,
-            already_present: 2,
+            copies_added: 2,
             ..Default::default()
         }
     );
     assert_eq!(scores(&tree, &[1, 2, 3]), vec![(wr(1, 0), 3)]);
     assert_eq!(tree.num_entries(), 3);
+    // Block 12 is held three times: two removes drop copies, the third the block.
+    for _ in 0..2 {
+        let outcome = ok(&mut tree, 1, removed(0, &[12]));
+        assert_eq!((outcome.removed, outcome.copies_removed), (0, 1));
+        assert_eq!(scores(&tree, &[1, 2, 3]), vec![(wr(1, 0), 3)]);
+    }
+    let outcome = ok(&mut tree, 1, removed(0, &[12]));
+    assert_eq!((outcome.removed, outcome.copies_removed), (1, 0));
+    assert_eq!(scores(&tree, &[1, 2, 3]), vec![(wr(1, 0), 1)]);
+    // Clearing drops the last copies of block 11 with it.
+    let outcome = ok(&mut tree, 1, cleared(0));
+    assert_eq!((outcome.removed, outcome.copies_removed), (2, 2));
 }
 
 #[test]

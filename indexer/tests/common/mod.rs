@@ -57,6 +57,53 @@ pub fn on_tier(mut event: KvCacheEvent, on: kv_events::StorageTier) -> KvCacheEv
     event
 }
 
+/// `event` (a `Stored` or `Removed`) in KV cache group `id`, windowed when `window`
+/// is given (it is ignored for a `Removed`, which names the group by id).
+pub fn in_group(mut event: KvCacheEvent, id: u32, window: Option<u32>) -> KvCacheEvent {
+    match &mut event.data {
+        KvCacheEventData::Stored { group, .. } => {
+            *group = Some(match window {
+                Some(w) => kv_events::KvCacheGroup::windowed(id, w).expect("window ≥ 1"),
+                None => kv_events::KvCacheGroup::full(id),
+            });
+        }
+        KvCacheEventData::Removed { group, .. } => *group = Some(kv_events::GroupId(id)),
+        KvCacheEventData::Cleared => {}
+    }
+    event
+}
+
+/// The windowed groups of the capture's model (vLLM, tiny Gemma-3: three
+/// sliding-window groups of 128 tokens, block size 32, so 4 blocks) and its
+/// full-attention group.
+pub const WINDOWED: [u32; 3] = [0, 1, 2];
+pub const FULL: u32 = 3;
+pub const WINDOW: u32 = 4;
+
+/// Prompt A's 11 blocks: local hashes 0..11, engine hashes 1000..1011.
+pub fn a(k: u64) -> u64 {
+    1000 + k
+}
+
+/// Worker 1 as vLLM publishes prompt A: the full group stores all 11 blocks, each
+/// sliding-window group only the window before the hit point (positions 7..=10),
+/// below the full group's block 6.
+pub fn prompt_a() -> Vec<KvCacheEvent> {
+    let mut events = vec![in_group(stored(0, None, &chain(1000, 11)), FULL, None)];
+    let window: Vec<(u64, u64)> = (7..11).map(|k| (a(k), k)).collect();
+    for g in WINDOWED {
+        events.push(in_group(stored(0, Some(a(6)), &window), g, Some(WINDOW)));
+    }
+    events
+}
+
+/// A query of `len` blocks whose first `shared` are prompt A's.
+pub fn query(shared: u64, len: u64) -> Vec<u64> {
+    (0..len)
+        .map(|k| if k < shared { k } else { 100 + k })
+        .collect()
+}
+
 pub fn cleared(dp: u32) -> KvCacheEvent {
     KvCacheEvent {
         event_id: 0,
