@@ -19,7 +19,7 @@
 //! events. On the GPU the held set keeps what a router's index keeps: per KV cache
 //! group of a hybrid model, the blocks and how many copies of each (a `Stored` of a
 //! block the group holds adds a copy, a `Removed` drops one); a dump rebuilds exactly
-//! that (per-group chains, one more chain per extra copy; see [`held`]).
+//! that (per-group chains, one more chain per extra copy; see `journal/held.rs`).
 //!
 //! Costs per rank: `ring_capacity` events (the ring), plus about 40 bytes per block
 //! (engine hash → parent and tokens hash) and 16 per (group, held block). Recording is

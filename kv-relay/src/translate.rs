@@ -49,7 +49,9 @@ use kv_events::engines::{
     BlockRemoved, BlockStored, EngineBatch, EngineEvent, EventForm, LocalHashError, UnknownMedium,
     UnsupportedGroup, kv_cache_group, local_block_hashes, tier_of_medium,
 };
-use kv_events::{DpRank, ExternalBlockHash, GroupId, KvCacheEventData, KvCacheGroup, StoredBlock};
+use kv_events::{
+    DpRank, ExternalBlockHash, GroupId, KvCacheEventData, KvCacheGroup, StorageTier, StoredBlock,
+};
 use std::collections::HashMap;
 
 /// Why an engine event produced nothing.
@@ -317,7 +319,7 @@ impl Translator {
         rank: DpRank,
         event: &BlockStored,
         block_size: u32,
-        tier: kv_events::StorageTier,
+        tier: StorageTier,
         group: Option<KvCacheGroup>,
     ) -> Result<Vec<KvCacheEventData>, Skip> {
         if event.block_size != block_size {
