@@ -29,7 +29,7 @@
 //! | `recovery_reply` | `RecoveryChunk`s msgpack (NATS reply inbox) | `ChunkAssembler::push_payload` (reply limits, decode) → `OrderedIndex::apply_recovered` |
 //! | `index_snapshot` | `StoredSnapshot` msgpack (JetStream object store) | `decode` → `OrderedIndex::restore` |
 //! | `registration` | `WorkerRegistration` JSON (etcd `workers/{id}`) | `kv_cluster::directory::registration` (size, `validate`, limits, key and block size checks) → `Scheduler::add_worker` |
-//! | `engine_batch` | vLLM / SGLang event batch msgpack (ZMQ) | `engines::decode_batch` → `Translator::apply` → `EventJournal::record` |
+//! | `engine_batch` | vLLM / SGLang event batch msgpack (ZMQ) | `engines::decode_batch` → `Translator::apply_batch` → `EventJournal::record` |
 //! | `relay_frames` | ZMQ multipart, live and replay | `frames::parse_live` / `parse_replay` → `SeqTracker` → the `engine_batch` path |
 //! | `gateway_completion` | `POST /v1/completions` JSON body (HTTP) | `kv_gateway::openai::parse_completion` |
 //! | `gateway_chat` | `POST /v1/chat/completions` JSON body (HTTP) | `kv_gateway::openai::parse_chat` |

@@ -16,16 +16,22 @@
 //! The held set and the dump cover the GPU tier only: a `Stored` or `Removed` of a
 //! lower [`crate::StorageTier`] is numbered, buffered and replayed like any event, but
 //! a router that recovers from a dump relearns the rank's lower tiers only from later
-//! events.
+//! events. On the GPU the held set keeps what a router's index keeps: per KV cache
+//! group of a hybrid model, the blocks and how many copies of each (a `Stored` of a
+//! block the group holds adds a copy, a `Removed` drops one); a dump rebuilds exactly
+//! that (per-group chains, one more chain per extra copy; see `journal/held.rs`).
 //!
-//! Costs per rank: `ring_capacity` events (the ring), plus about 40 bytes per held
-//! block (engine hash → parent and tokens hash). Recording is O(blocks) per event; a
-//! dump is O(held blocks).
+//! Costs per rank: `ring_capacity` events (the ring), plus about 40 bytes per block
+//! (engine hash → parent and tokens hash) and 16 per (group, held block). Recording is
+//! O(blocks) per event; a dump is O(blocks × groups).
 
-use crate::events::{KvCacheEvent, KvCacheEventData, KvEventBatch, StorageTier, StoredBlock};
-use crate::ids::{DpRank, ExternalBlockHash, LocalBlockHash, WorkerId};
-use crate::recovery::{RecoveryBody, RecoveryChunk, RecoveryReply, RecoveryRequest, StoredChain};
-use std::collections::{BTreeMap, HashMap, VecDeque};
+mod held;
+
+use crate::events::{KvCacheEvent, KvCacheEventData, KvEventBatch};
+use crate::ids::{DpRank, WorkerId};
+use crate::recovery::{RecoveryBody, RecoveryChunk, RecoveryReply, RecoveryRequest};
+use held::HeldSet;
+use std::collections::{BTreeMap, VecDeque};
 
 /// Sizes of an [`EventJournal`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,158 +53,11 @@ impl Default for JournalConfig {
     }
 }
 
-/// A block the rank holds, or held and removed while blocks below it are still held
-/// (`held: false`, kept only to place those descendants in a dump).
-#[derive(Debug, Clone, Copy)]
-struct HeldBlock {
-    parent: Option<ExternalBlockHash>,
-    tokens_hash: LocalBlockHash,
-    /// Blocks (held or not) whose parent this block is.
-    children: u32,
-    held: bool,
-}
-
 #[derive(Debug, Default)]
 struct RankJournal {
     next_event_id: u64,
     recent: VecDeque<KvCacheEvent>,
-    blocks: HashMap<ExternalBlockHash, HeldBlock>,
-    held: usize,
-}
-
-impl RankJournal {
-    fn apply(&mut self, data: &KvCacheEventData) {
-        match data {
-            // The held set is the rank's GPU blocks: a dump rebuilds the GPU tier only
-            // (lower tiers come back as the engine offloads again).
-            KvCacheEventData::Stored { tier, .. } | KvCacheEventData::Removed { tier, .. }
-                if !tier.is_gpu() => {}
-            KvCacheEventData::Stored {
-                parent_hash,
-                blocks,
-                ..
-            } => {
-                let mut parent = *parent_hash;
-                for block in blocks {
-                    self.store(block, parent);
-                    parent = Some(block.block_hash);
-                }
-            }
-            KvCacheEventData::Removed { block_hashes, .. } => {
-                for hash in block_hashes {
-                    self.remove(*hash);
-                }
-            }
-            KvCacheEventData::Cleared => {
-                self.blocks.clear();
-                self.held = 0;
-            }
-        }
-    }
-
-    fn store(&mut self, block: &StoredBlock, parent: Option<ExternalBlockHash>) {
-        if let Some(known) = self.blocks.get_mut(&block.block_hash) {
-            if !known.held {
-                known.held = true;
-                self.held += 1;
-            }
-            return;
-        }
-        self.blocks.insert(
-            block.block_hash,
-            HeldBlock {
-                parent,
-                tokens_hash: block.tokens_hash,
-                children: 0,
-                held: true,
-            },
-        );
-        self.held += 1;
-        if let Some(p) = parent.and_then(|p| self.blocks.get_mut(&p)) {
-            p.children += 1;
-        }
-    }
-
-    /// Unholds `hash`; forgets it (and ancestors kept only for it) once nothing below
-    /// it is held.
-    fn remove(&mut self, hash: ExternalBlockHash) {
-        let Some(block) = self.blocks.get_mut(&hash) else {
-            return;
-        };
-        if !block.held {
-            return;
-        }
-        block.held = false;
-        self.held -= 1;
-        let mut cur = hash;
-        loop {
-            let Some(block) = self.blocks.get(&cur).copied() else {
-                return;
-            };
-            if block.held || block.children > 0 {
-                return;
-            }
-            self.blocks.remove(&cur);
-            let Some(parent) = block.parent else {
-                return;
-            };
-            match self.blocks.get_mut(&parent) {
-                Some(p) => p.children -= 1,
-                None => return,
-            }
-            cur = parent;
-        }
-    }
-
-    /// Blocks reachable from the root, as chains, parents first, and the blocks among
-    /// them that are not held (see [`RecoveryBody::Dump`]). Held blocks whose chain
-    /// does not reach the root (their first `Stored` named a parent this journal never
-    /// saw) are left out: a router would refuse them too.
-    fn chains(&self) -> (Vec<StoredChain>, Vec<ExternalBlockHash>) {
-        let mut children: HashMap<Option<ExternalBlockHash>, Vec<ExternalBlockHash>> =
-            HashMap::new();
-        for (hash, block) in &self.blocks {
-            children.entry(block.parent).or_default().push(*hash);
-        }
-        for list in children.values_mut() {
-            list.sort_unstable();
-        }
-        let block = |hash: ExternalBlockHash| StoredBlock {
-            block_hash: hash,
-            tokens_hash: self.blocks[&hash].tokens_hash,
-        };
-        let mut chains = Vec::new();
-        let mut unheld = Vec::new();
-        // Chain starts, each with its parent; roots first.
-        let mut starts: Vec<(Option<ExternalBlockHash>, ExternalBlockHash)> = children
-            .get(&None)
-            .map(|roots| roots.iter().rev().map(|h| (None, *h)).collect())
-            .unwrap_or_default();
-        while let Some((parent_hash, start)) = starts.pop() {
-            let mut blocks = Vec::new();
-            let mut node = start;
-            loop {
-                blocks.push(block(node));
-                if !self.blocks[&node].held {
-                    unheld.push(node);
-                }
-                match children.get(&Some(node)).map(Vec::as_slice) {
-                    Some([first, rest @ ..]) => {
-                        starts.extend(rest.iter().rev().map(|h| (Some(node), *h)));
-                        node = *first;
-                    }
-                    _ => break,
-                }
-            }
-            chains.push(StoredChain {
-                group: None,
-                parent_hash,
-                blocks,
-                tier: StorageTier::Gpu,
-            });
-        }
-        (chains, unheld)
-    }
+    held: HeldSet,
 }
 
 /// One publisher's event numbering, recent-event ring and held-block set, per rank.
@@ -242,7 +101,7 @@ impl EventJournal {
     pub fn record(&mut self, dp_rank: DpRank, data: KvCacheEventData) -> KvCacheEvent {
         let capacity = self.config.ring_capacity;
         let rank = self.ranks.entry(dp_rank).or_default();
-        rank.apply(&data);
+        rank.held.apply(&data);
         let event = KvCacheEvent {
             event_id: rank.next_event_id,
             dp_rank,
@@ -281,9 +140,10 @@ impl EventJournal {
         self.ranks.get(&dp_rank).map_or(0, |r| r.next_event_id)
     }
 
-    /// Blocks `dp_rank` holds now.
+    /// Blocks `dp_rank` holds now on the GPU, in at least one KV cache group (a block
+    /// held by several groups or as several copies counts once).
     pub fn held_blocks(&self, dp_rank: DpRank) -> usize {
-        self.ranks.get(&dp_rank).map_or(0, |r| r.held)
+        self.ranks.get(&dp_rank).map_or(0, |r| r.held.held())
     }
 
     /// Ranks that have recorded at least one event.
@@ -304,11 +164,11 @@ impl EventJournal {
         let in_ring =
             request.start_event_id >= oldest && request.start_event_id <= rank.next_event_id;
         let body = if request.dump || request.epoch != self.epoch || !in_ring {
-            let (chains, unheld) = rank.chains();
+            let dump = rank.held.dump();
             RecoveryBody::Dump {
-                unheld_in_groups: Vec::new(),
-                chains,
-                unheld,
+                chains: dump.chains,
+                unheld: dump.unheld,
+                unheld_in_groups: dump.unheld_in_groups,
             }
         } else {
             let skip = usize::try_from(request.start_event_id - oldest).unwrap_or(usize::MAX);
@@ -366,5 +226,6 @@ pub fn unix_epoch_micros() -> u64 {
 }
 
 #[cfg(test)]
-#[path = "journal_tests.rs"]
+mod group_tests;
+#[cfg(test)]
 mod tests;

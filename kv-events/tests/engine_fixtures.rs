@@ -94,6 +94,14 @@ fn check_event(decoded: &EngineEvent, doc: &Value, fields: &Value) {
                 s.group_idx.map(u64::from),
                 get("group_idx").and_then(Value::as_u64)
             );
+            assert_eq!(
+                s.kv_cache_spec_kind,
+                json_opt_str(get("kv_cache_spec_kind"))
+            );
+            assert_eq!(
+                s.kv_cache_spec_sliding_window,
+                get("kv_cache_spec_sliding_window").and_then(Value::as_u64)
+            );
         }
         ("BlockRemoved", EngineEvent::BlockRemoved(r, _)) => {
             assert_eq!(r.block_hashes, hashes(get("block_hashes")));

@@ -4,7 +4,7 @@
 //! | metric | labels | counts |
 //! |---|---|---|
 //! | `kv_relay_frames_total` | `outcome`: `ok`, `duplicate`, `malformed`, `bad_rank` | ZMQ messages from the engine |
-//! | `kv_relay_engine_events_total` | `kind`, `outcome`: `published` or a skip reason | engine events |
+//! | `kv_relay_engine_events_total` | `kind`, `outcome`: `published` or a [`crate::translate::Skip`] label (`no_change`, `orphan`, `unplaced`, `bad_blocks`, `unsupported_group`, `group_conflict`, `unknown_medium`, `unknown_type`, `format`) | engine events |
 //! | `kv_relay_gaps_total` | `result`: `filled`, `cleared` | gaps in the engine's seq |
 //! | `kv_relay_resets_total` | `reason`: `restart`, `reconnect`, `gap` | ranks cleared |
 //! | `kv_relay_connect_replays_total` | `result`: `complete`, `partial`, `empty`, `incomplete`, `failed` | replay-buffer reads when an engine socket connects |

@@ -19,10 +19,10 @@ use crate::facts::EngineFacts;
 use crate::source::SourceMsg;
 use crate::translate::{Skip, Translator};
 use futures::StreamExt;
-use kv_events::engines::{EngineEvent, LocalHashError};
+use kv_events::engines::LocalHashError;
 use kv_events::journal::EventJournal;
 use kv_events::{DpRank, KvCacheEventData, encode};
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashSet};
 use std::sync::{Arc, Mutex, PoisonError};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
@@ -62,12 +62,37 @@ pub struct Publisher {
     pub facts: watch::Sender<EngineFacts>,
 }
 
-fn kind(event: &EngineEvent) -> &'static str {
-    match event {
-        EngineEvent::BlockStored(..) => "stored",
-        EngineEvent::BlockRemoved(..) => "removed",
-        EngineEvent::AllBlocksCleared(..) => "cleared",
-        EngineEvent::Unknown { .. } => "unknown",
+/// Logs each kind of refused engine event once (every one is counted in
+/// `kv_relay_engine_events_total`): once per reason, per block size for a block size
+/// mismatch, per kind for an unsupported KV cache group. `no_change` is no refusal
+/// and logged at debug.
+#[derive(Default)]
+struct RefusalLog {
+    seen: HashSet<String>,
+}
+
+impl RefusalLog {
+    fn log(&mut self, rank: DpRank, seq: u64, skip: &Skip) {
+        let key = match skip {
+            Skip::NoChange => {
+                debug!(%rank, seq, "engine event changed nothing");
+                return;
+            }
+            Skip::Hashing(LocalHashError::BlockSize { event, .. }) => format!("size {event}"),
+            Skip::UnsupportedGroup(why) => format!("group {}", why.kind()),
+            other => other.label().to_owned(),
+        };
+        if !self.seen.insert(key) {
+            return;
+        }
+        let label = skip.label();
+        if let Skip::Hashing(LocalHashError::BlockSize { event, expected }) = skip {
+            error!(%rank, seq, event_block_size = event, block_size = expected,
+                "engine event refused: its block_size {event} differs from the {expected} tokens in use (logged once per size)");
+        } else {
+            warn!(%rank, seq, outcome = label, reason = %skip,
+                "engine event refused (counted in kv_relay_engine_events_total{{outcome=\"{label}\"}}; logged once per reason)");
+        }
     }
 }
 
@@ -80,10 +105,7 @@ impl Publisher {
                 .await;
         }
         let mut connected = BTreeSet::new();
-        // The last refused event block size logged, so a mismatch is logged once.
-        let mut refused_size = None;
-        // Whether an event naming an unknown storage medium was logged (once).
-        let mut unknown_medium_logged = false;
+        let mut refusals = RefusalLog::default();
         while let Some(msg) = rx.recv().await {
             match msg {
                 SourceMsg::Batch { socket, seq, batch } => {
@@ -102,31 +124,15 @@ impl Publisher {
                         self.take_page_block_size();
                     }
                     let mut out = Vec::new();
-                    for event in &batch.events {
-                        match self.translator.apply(rank, event) {
+                    for outcome in self.translator.apply_batch(rank, &batch.events) {
+                        match outcome.result {
                             Ok(data) => {
-                                self.counters.event(kind(event), "published");
-                                out.push((rank, data));
+                                self.counters.event(outcome.kind, "published");
+                                out.extend(data.into_iter().map(|d| (rank, d)));
                             }
                             Err(skip) => {
-                                self.counters.event(kind(event), skip.label());
-                                if let Skip::Hashing(LocalHashError::BlockSize {
-                                    event,
-                                    expected,
-                                }) = skip
-                                {
-                                    if refused_size.replace(event) != Some(event) {
-                                        error!(%rank, seq, event_block_size = event, block_size = expected,
-                                            "engine event refused: its block_size {event} differs from the {expected} tokens in use");
-                                    }
-                                } else if let Skip::UnknownMedium(medium) = &skip {
-                                    if !std::mem::replace(&mut unknown_medium_logged, true) {
-                                        warn!(%rank, seq, medium = %medium.0,
-                                            "engine event skipped: unknown storage medium (counted in kv_relay_engine_events_total{{outcome=\"unknown_medium\"}}; logged once)");
-                                    }
-                                } else {
-                                    debug!(%rank, seq, reason = %skip, "engine event not published");
-                                }
+                                self.counters.event(outcome.kind, skip.label());
+                                refusals.log(rank, seq, &skip);
                             }
                         }
                     }

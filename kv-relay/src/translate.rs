@@ -1,32 +1,57 @@
 //! Engine events → our [`KvCacheEventData`], per data-parallel rank. Pure and
-//! synchronous.
+//! synchronous: [`Translator::translate_batch`] maps one decoded engine batch to the
+//! events to publish, so a recorded engine stream can be replayed without sockets.
 //!
-//! Per rank the translator keeps the blocks the engine holds and which (storage tier,
-//! KV cache group) pairs hold each (the engine hash → local hash map and the parents
-//! live in the publisher's [`kv_events::journal::EventJournal`], which also answers
-//! the router's recovery requests). The engine's `medium` becomes a [`StorageTier`]
-//! ([`tier_of_medium`]); the holder sets fold hybrid-model groups into one "cached"
-//! fact per (block, tier):
-//! - a block is stored on a tier when the first group stores it there, and removed
-//!   from the tier when the last group there removes it, so a sliding-window group
-//!   dropping old blocks does not hide blocks the full-attention group still holds;
-//!   a CPU-offloaded copy is published as a `Stored` on the CPU tier and the GPU
-//!   copy's eviction as a `Removed` from the GPU tier, so the router sees both;
-//! - a `BlockStored` whose parent the rank does not hold on any tier cannot be placed
-//!   in the prefix tree; it is dropped and counted (the engine's next blocks from the
-//!   root rebuild the picture);
-//! - an event naming a medium this build does not know is dropped and counted
-//!   (`unknown_medium`);
-//! - `AllBlocksCleared` drops everything of the rank, on every tier.
+//! Per rank the translator keeps every block a (storage tier, KV cache group) holds,
+//! with its copy count and its place in the rank's chain (parent hash, local hash).
+//! The numbering, the ring and the recovery dumps live in the publisher's
+//! [`kv_events::journal::EventJournal`].
 //!
-//! Cost: one hash map entry per held block (≈ 60 bytes), O(blocks) per event.
+//! - **Tiers**: the engine's `medium` becomes a [`StorageTier`] ([`tier_of_medium`]);
+//!   a CPU-offloaded copy is a `Stored` on the CPU tier, the GPU copy's eviction a
+//!   `Removed` from the GPU tier. An unknown medium is refused (`unknown_medium`).
+//! - **KV cache groups** (hybrid-attention models): every engine group passes through
+//!   as our `group` ([`kv_events::engines::groups`]: the window in blocks from vLLM's
+//!   `kv_cache_spec_kind` and `kv_cache_spec_sliding_window`), learned per rank from
+//!   the group's first store; a store naming another window later is refused
+//!   (`group_conflict`), and a kind that cannot be indexed exactly is refused
+//!   (`unsupported_group`), its stores and its removals. A `Removed` applies to its
+//!   own (tier, group) only, never to another group's copy of the block.
+//! - **Sparse sliding-window stores**: vLLM keeps only the blocks of a sliding-window
+//!   group a later hit can use, and publishes those hashes with the `token_ids` (and
+//!   parent) of the whole new chain, so `token_ids` do not describe the hashes. Such a
+//!   store is placed through the rank's chain, learned from every dense store (any
+//!   group): each maximal run of consecutive blocks becomes one `Stored` whose parent
+//!   is the block before the run (held by another group). Within one batch the stores
+//!   of full-attention groups are applied before those of windowed groups (vLLM
+//!   publishes the sliding groups first), so the chain a step stores is known when its
+//!   sparse stores are placed; removals and clears keep their place. A windowed store
+//!   with no hashes publishes an empty `Stored` the first time its group is seen on the
+//!   rank, so the router knows the group (a rank whose sliding window holds nothing
+//!   gets no hit past it).
+//! - **Copies**: a `Stored` naming a block the (tier, group) already holds is a new
+//!   physical copy (vLLM recomputing a prefix it holds, or repeating an exactly
+//!   block-aligned prompt): published, and counted, so a removal of a block the
+//!   (tier, group) does not hold any more changes nothing (`no_change`).
+//! - A dense `BlockStored` whose parent the rank does not hold on any tier cannot be
+//!   placed in the prefix tree (`orphan`); a sparse one naming a block the rank does
+//!   not hold (`unplaced`). The engine's next stores from the root rebuild the picture.
+//! - `AllBlocksCleared` drops everything of the rank, on every tier and in every group.
+//!
+//! Cost: one hash map entry per held block (≈ 80 bytes, plus 8 per extra holder),
+//! O(blocks) per event.
+
+mod holdings;
 
 use crate::config::EngineFormat;
+use holdings::{Holder, RankBlocks};
 use kv_events::engines::{
-    BlockRemoved, BlockStored, EngineEvent, EventForm, LocalHashError, UnknownMedium,
-    local_block_hashes, tier_of_medium,
+    BlockRemoved, BlockStored, EngineBatch, EngineEvent, EventForm, LocalHashError, UnknownMedium,
+    UnsupportedGroup, kv_cache_group, local_block_hashes, tier_of_medium,
 };
-use kv_events::{DpRank, ExternalBlockHash, KvCacheEventData, StorageTier, StoredBlock};
+use kv_events::{
+    DpRank, ExternalBlockHash, GroupId, KvCacheEventData, KvCacheGroup, StorageTier, StoredBlock,
+};
 use std::collections::HashMap;
 
 /// Why an engine event produced nothing.
@@ -38,6 +63,24 @@ pub enum Skip {
     /// The parent block is not held by the rank.
     #[error("parent block {0} is not held by the rank")]
     Orphan(ExternalBlockHash),
+    /// A sparse sliding-window store names a block no group of the rank holds, so its
+    /// position is unknown.
+    #[error("block {0} of a sparse store is not held by the rank: its position is unknown")]
+    Unplaced(ExternalBlockHash),
+    /// The KV cache group's kind is not indexed exactly.
+    #[error(transparent)]
+    UnsupportedGroup(#[from] UnsupportedGroup),
+    /// The rank named more KV cache groups than any model has.
+    #[error("more than {0} KV cache groups on one rank")]
+    TooManyGroups(usize),
+    /// A store names another window for a group than its first store did.
+    #[error("KV cache group {} first stored as {first:?}, now as {now:?}", first.id)]
+    GroupConflict {
+        /// The group as first stored.
+        first: KvCacheGroup,
+        /// The group as this event names it.
+        now: KvCacheGroup,
+    },
     /// An event type the relay does not know.
     #[error("unknown engine event type {0:?}")]
     UnknownType(String),
@@ -47,8 +90,8 @@ pub enum Skip {
     /// The event's encoding is excluded by `--engine-format`.
     #[error("{} event refused by --engine-format", .0.as_str())]
     Format(EventForm),
-    /// Nothing changed (blocks already held, or removals of blocks still held
-    /// elsewhere or never seen).
+    /// Nothing changed (removals of copies the (tier, group) does not hold, or an
+    /// empty store of a group already known).
     #[error("no change")]
     NoChange,
 }
@@ -59,6 +102,9 @@ impl Skip {
         match self {
             Skip::Hashing(_) => "bad_blocks",
             Skip::Orphan(_) => "orphan",
+            Skip::Unplaced(_) => "unplaced",
+            Skip::UnsupportedGroup(_) => "unsupported_group",
+            Skip::GroupConflict { .. } | Skip::TooManyGroups(_) => "group_conflict",
             Skip::UnknownType(_) => "unknown_type",
             Skip::UnknownMedium(_) => "unknown_medium",
             Skip::Format(_) => "format",
@@ -67,17 +113,25 @@ impl Skip {
     }
 }
 
-/// A (storage tier, KV cache group) pair that holds a block.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Holder {
-    tier: StorageTier,
-    group: Option<u32>,
+/// The short kind name of an engine event, for metric labels.
+pub fn event_kind(event: &EngineEvent) -> &'static str {
+    match event {
+        EngineEvent::BlockStored(..) => "stored",
+        EngineEvent::BlockRemoved(..) => "removed",
+        EngineEvent::AllBlocksCleared(..) => "cleared",
+        EngineEvent::Unknown { .. } => "unknown",
+    }
 }
 
-/// The blocks one rank holds, each with the (tier, group) pairs holding it.
-#[derive(Debug, Default)]
-struct RankBlocks {
-    blocks: HashMap<ExternalBlockHash, Vec<Holder>>,
+/// What became of one engine event of a batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outcome {
+    /// The event's position in its batch.
+    pub index: usize,
+    /// [`event_kind`] of the event.
+    pub kind: &'static str,
+    /// The events it published (in order), or why none.
+    pub result: Result<Vec<KvCacheEventData>, Skip>,
 }
 
 /// Translates one worker's engine events, rank by rank.
@@ -111,11 +165,52 @@ impl Translator {
         self.block_size.get_or_insert(size);
     }
 
-    /// Translates one engine event of `rank`.
+    /// Translates one engine batch of `rank` (the batch's own rank is not looked at):
+    /// one [`Outcome`] per event, in the order applied (see the module docs: within a
+    /// run of stores, full-attention groups first). The events to publish are the
+    /// outcomes' events in that order.
+    pub fn apply_batch(&mut self, rank: DpRank, events: &[EngineEvent]) -> Vec<Outcome> {
+        let mut order: Vec<usize> = (0..events.len()).collect();
+        // Stable: windowed stores go after the other stores of their run.
+        let mut start = 0;
+        while start < events.len() {
+            let run = events[start..]
+                .iter()
+                .take_while(|e| matches!(e, EngineEvent::BlockStored(..)))
+                .count();
+            order[start..start + run].sort_by_key(|&i| self.is_windowed_store(&events[i]));
+            start += run.max(1);
+        }
+        order
+            .into_iter()
+            .map(|index| Outcome {
+                index,
+                kind: event_kind(&events[index]),
+                result: self.apply(rank, &events[index]),
+            })
+            .collect()
+    }
+
+    /// Translates a decoded engine batch as the relay does, for a batch that names no
+    /// rank taken as `default_rank`: the rank and the [`Outcome`]s.
+    pub fn translate_batch(
+        &mut self,
+        batch: &EngineBatch,
+        default_rank: DpRank,
+    ) -> (DpRank, Vec<Outcome>) {
+        let rank = batch.dp_rank.unwrap_or(default_rank);
+        (rank, self.apply_batch(rank, &batch.events))
+    }
+
+    /// Translates one engine event of `rank` on its own (no reordering).
     ///
     /// # Errors
     /// [`Skip`] when the event produces no event of ours (counted by the caller).
-    pub fn apply(&mut self, rank: DpRank, event: &EngineEvent) -> Result<KvCacheEventData, Skip> {
+    pub fn apply(
+        &mut self,
+        rank: DpRank,
+        event: &EngineEvent,
+    ) -> Result<Vec<KvCacheEventData>, Skip> {
         let form = event.form();
         let accepted = match self.format {
             EngineFormat::Auto => true,
@@ -127,334 +222,172 @@ impl Translator {
         }
         match event {
             EngineEvent::BlockStored(stored, _) => self.stored(rank, stored),
-            EngineEvent::BlockRemoved(removed, _) => self.removed(rank, removed),
-            EngineEvent::AllBlocksCleared(_) => Ok(self.clear(rank)),
+            EngineEvent::BlockRemoved(removed, _) => self.removed(rank, removed).map(|d| vec![d]),
+            EngineEvent::AllBlocksCleared(_) => Ok(vec![self.clear(rank)]),
             EngineEvent::Unknown { type_name, .. } => Err(Skip::UnknownType(type_name.clone())),
         }
     }
 
-    /// Forgets every block of `rank` and returns the `cleared` event to publish.
+    /// Forgets every block and group of `rank` and returns the `cleared` event to
+    /// publish.
     pub fn clear(&mut self, rank: DpRank) -> KvCacheEventData {
         self.ranks.remove(&rank);
         KvCacheEventData::Cleared
     }
 
-    /// Number of blocks `rank` holds.
+    /// Number of blocks `rank` holds (on any tier, in any group).
     pub fn held(&self, rank: DpRank) -> usize {
-        self.ranks.get(&rank).map_or(0, |r| r.blocks.len())
+        self.ranks.get(&rank).map_or(0, RankBlocks::held)
     }
 
-    fn stored(&mut self, rank: DpRank, event: &BlockStored) -> Result<KvCacheEventData, Skip> {
+    /// The group a store names, by vLLM's kind rules, at the block size in use.
+    fn group_of(&self, event: &BlockStored) -> Result<Option<KvCacheGroup>, UnsupportedGroup> {
+        kv_cache_group(
+            event.group_idx,
+            event.kv_cache_spec_kind.as_deref(),
+            event.kv_cache_spec_sliding_window,
+            self.block_size.unwrap_or(event.block_size),
+        )
+    }
+
+    fn is_windowed_store(&self, event: &EngineEvent) -> bool {
+        match event {
+            EngineEvent::BlockStored(stored, _) => {
+                matches!(self.group_of(stored), Ok(Some(g)) if !g.is_full())
+            }
+            _ => false,
+        }
+    }
+
+    fn stored(&mut self, rank: DpRank, event: &BlockStored) -> Result<Vec<KvCacheEventData>, Skip> {
         let tier = tier_of_medium(event.medium.as_deref())?;
+        let group = match self.group_of(event) {
+            Ok(group) => group,
+            Err(why) => {
+                if let Some(idx) = event.group_idx {
+                    self.ranks.entry(rank).or_default().refuse_group(idx, &why);
+                }
+                return Err(why.into());
+            }
+        };
         // Until the size is known, the event's own size is tried, and kept only if the
         // event hashes at it (a 0 or inconsistent size fixes nothing).
         let block_size = self.block_size.unwrap_or(event.block_size);
+        let sparse = group.is_some_and(|g| !g.is_full())
+            && event.token_ids.len()
+                != event.block_hashes.len().saturating_mul(block_size as usize);
+        if sparse {
+            return self.stored_sparse(rank, event, block_size, tier, group);
+        }
         let locals = local_block_hashes(event, block_size)?;
-        self.block_size.get_or_insert(block_size);
-        let blocks = &mut self.ranks.entry(rank).or_default().blocks;
-        if let Some(parent) = event.parent_block_hash
-            && !blocks.contains_key(&parent)
-        {
+        let blocks = self.ranks.entry(rank).or_default();
+        let parent = event.parent_block_hash.filter(|_| !locals.is_empty());
+        if let Some(parent) = parent.filter(|p| !blocks.holds(*p)) {
             return Err(Skip::Orphan(parent));
+        }
+        let new_group = blocks.learn_group(group)?;
+        self.block_size.get_or_insert(block_size);
+        let stored: Vec<StoredBlock> = event
+            .block_hashes
+            .iter()
+            .zip(locals)
+            .map(|(&block_hash, tokens_hash)| StoredBlock {
+                block_hash,
+                tokens_hash,
+            })
+            .collect();
+        if stored.is_empty() && !new_group {
+            return Err(Skip::NoChange);
         }
         let holder = Holder {
             tier,
-            group: event.group_idx,
+            group: group.map(|g| g.id),
         };
-        let mut any_new = false;
-        for &hash in &event.block_hashes {
-            let holders = blocks.entry(hash).or_default();
-            any_new |= !holders.iter().any(|h| h.tier == tier);
-            if !holders.contains(&holder) {
-                holders.push(holder);
-            }
-        }
-        if !any_new {
-            return Err(Skip::NoChange);
-        }
-        Ok(KvCacheEventData::Stored {
-            group: None,
-            parent_hash: event.parent_block_hash,
-            blocks: event
-                .block_hashes
-                .iter()
-                .zip(locals)
-                .map(|(&block_hash, tokens_hash)| StoredBlock {
-                    block_hash,
-                    tokens_hash,
-                })
-                .collect(),
+        blocks.store(holder, parent, &stored);
+        Ok(vec![KvCacheEventData::Stored {
+            parent_hash: parent,
+            blocks: stored,
             tier,
-        })
+            group,
+        }])
+    }
+
+    /// A windowed group's store whose `token_ids` do not describe its hashes: placed
+    /// through the rank's chain (module docs).
+    fn stored_sparse(
+        &mut self,
+        rank: DpRank,
+        event: &BlockStored,
+        block_size: u32,
+        tier: StorageTier,
+        group: Option<KvCacheGroup>,
+    ) -> Result<Vec<KvCacheEventData>, Skip> {
+        if event.block_size != block_size {
+            return Err(LocalHashError::BlockSize {
+                event: event.block_size,
+                expected: block_size,
+            }
+            .into());
+        }
+        let blocks = self.ranks.entry(rank).or_default();
+        let runs = blocks.place(&event.block_hashes)?;
+        let new_group = blocks.learn_group(group)?;
+        if runs.is_empty() {
+            return if new_group {
+                Ok(vec![KvCacheEventData::Stored {
+                    parent_hash: None,
+                    blocks: Vec::new(),
+                    tier,
+                    group,
+                }])
+            } else {
+                Err(Skip::NoChange)
+            };
+        }
+        let holder = Holder {
+            tier,
+            group: group.map(|g| g.id),
+        };
+        Ok(runs
+            .into_iter()
+            .map(|run| {
+                blocks.store(holder, run.parent, &run.blocks);
+                KvCacheEventData::Stored {
+                    parent_hash: run.parent,
+                    blocks: run.blocks,
+                    tier,
+                    group,
+                }
+            })
+            .collect())
     }
 
     fn removed(&mut self, rank: DpRank, event: &BlockRemoved) -> Result<KvCacheEventData, Skip> {
         let tier = tier_of_medium(event.medium.as_deref())?;
-        let Some(rank_blocks) = self.ranks.get_mut(&rank) else {
+        let Some(blocks) = self.ranks.get_mut(&rank) else {
             return Err(Skip::NoChange);
         };
-        let mut gone = Vec::new();
-        for hash in &event.block_hashes {
-            let Some(holders) = rank_blocks.blocks.get_mut(hash) else {
-                continue;
-            };
-            // The exact (tier, group) if it holds the block; else any holder on that
-            // tier (an engine that omits the group on removal).
-            let exact = holders
-                .iter()
-                .position(|h| h.tier == tier && h.group == event.group_idx);
-            let same_tier = || holders.iter().position(|h| h.tier == tier);
-            let Some(i) = exact.or_else(same_tier) else {
-                continue;
-            };
-            holders.swap_remove(i);
-            if !holders.iter().any(|h| h.tier == tier) {
-                gone.push(*hash);
-            }
-            if holders.is_empty() {
-                rank_blocks.blocks.remove(hash);
-            }
+        if let Some(why) = event.group_idx.and_then(|idx| blocks.refused(idx)) {
+            return Err(why.clone().into());
         }
+        let group = event.group_idx.map(GroupId);
+        let holder = Holder { tier, group };
+        let gone: Vec<ExternalBlockHash> = event
+            .block_hashes
+            .iter()
+            .copied()
+            .filter(|hash| blocks.remove(holder, *hash))
+            .collect();
         if gone.is_empty() {
             return Err(Skip::NoChange);
         }
         Ok(KvCacheEventData::Removed {
-            group: None,
             block_hashes: gone,
             tier,
+            group,
         })
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use kv_events::compute_block_hashes;
-
-    const BS: u32 = 2;
-
-    fn stored(hashes: &[u64], parent: Option<u64>, medium: &str, group: u32) -> EngineEvent {
-        let tokens: Vec<u32> = hashes
-            .iter()
-            .flat_map(|h| [*h as u32, *h as u32 + 1])
-            .collect();
-        EngineEvent::BlockStored(
-            Box::new(BlockStored {
-                block_hashes: hashes.iter().copied().map(ExternalBlockHash).collect(),
-                parent_block_hash: parent.map(ExternalBlockHash),
-                token_ids: tokens,
-                block_size: BS,
-                medium: Some(medium.into()),
-                group_idx: Some(group),
-                ..BlockStored::default()
-            }),
-            EventForm::TaggedMap,
-        )
-    }
-
-    fn removed(hashes: &[u64], medium: &str, group: Option<u32>) -> EngineEvent {
-        EngineEvent::BlockRemoved(
-            BlockRemoved {
-                block_hashes: hashes.iter().copied().map(ExternalBlockHash).collect(),
-                medium: Some(medium.into()),
-                group_idx: group,
-            },
-            EventForm::TaggedMap,
-        )
-    }
-
-    const R: DpRank = DpRank(0);
-
-    fn translator(format: EngineFormat) -> Translator {
-        let mut t = Translator::new(format);
-        t.learn_block_size(BS);
-        t
-    }
-
-    #[test]
-    fn the_first_stored_event_fixes_the_block_size_and_others_are_refused() {
-        let mut t = Translator::new(EngineFormat::Auto);
-        assert_eq!(t.block_size(), None);
-        let mut zero = stored(&[10], None, "GPU", 0);
-        if let EngineEvent::BlockStored(b, _) = &mut zero {
-            b.block_size = 0;
-        }
-        assert!(matches!(t.apply(R, &zero), Err(Skip::Hashing(_))));
-        assert_eq!(
-            t.block_size(),
-            None,
-            "a size that does not hash fixes nothing"
-        );
-        t.apply(R, &stored(&[10], None, "GPU", 0)).expect("stored");
-        assert_eq!(t.block_size(), Some(BS));
-        t.learn_block_size(64);
-        assert_eq!(t.block_size(), Some(BS), "the size in use stays");
-        let mut other = stored(&[11], Some(10), "GPU", 0);
-        if let EngineEvent::BlockStored(b, _) = &mut other {
-            b.block_size = 4;
-            b.token_ids.extend([1, 2]);
-        }
-        let err = t.apply(R, &other).unwrap_err().to_string();
-        assert!(err.contains('4') && err.contains(&BS.to_string()), "{err}");
-    }
-
-    #[test]
-    fn stores_become_chains_with_local_hashes() {
-        let mut t = translator(EngineFormat::Auto);
-        let out = t.apply(R, &stored(&[10, 11], None, "GPU", 0)).unwrap();
-        let KvCacheEventData::Stored {
-            parent_hash,
-            blocks,
-            ..
-        } = out
-        else {
-            panic!("{out:?}")
-        };
-        assert_eq!(parent_hash, None);
-        assert_eq!(blocks[1].block_hash, ExternalBlockHash(11));
-        assert_eq!(
-            blocks[1].tokens_hash,
-            compute_block_hashes(&[11, 12], BS)[0]
-        );
-        let child = t.apply(R, &stored(&[12], Some(11), "GPU", 0)).unwrap();
-        assert!(matches!(
-            child,
-            KvCacheEventData::Stored {
-                parent_hash: Some(ExternalBlockHash(11)),
-                ..
-            }
-        ));
-        assert_eq!(t.held(R), 3);
-        // Same blocks again: nothing to publish.
-        assert_eq!(
-            t.apply(R, &stored(&[10, 11], None, "GPU", 0)),
-            Err(Skip::NoChange)
-        );
-    }
-
-    #[test]
-    fn a_block_leaves_a_tier_when_its_last_group_there_removes_it() {
-        let mut t = translator(EngineFormat::Auto);
-        t.apply(R, &stored(&[10], None, "GPU", 0)).unwrap();
-        assert_eq!(
-            t.apply(R, &stored(&[10], None, "GPU", 1)),
-            Err(Skip::NoChange),
-            "a second group on the same tier changes nothing"
-        );
-        assert_eq!(
-            t.apply(R, &removed(&[10], "GPU", Some(1))),
-            Err(Skip::NoChange),
-            "group 0 still holds it on the GPU"
-        );
-        assert_eq!(
-            t.apply(R, &removed(&[10], "GPU", Some(0))),
-            Ok(KvCacheEventData::Removed {
-                group: None,
-                block_hashes: vec![ExternalBlockHash(10)],
-                tier: StorageTier::Gpu,
-            })
-        );
-        assert_eq!(t.held(R), 0);
-    }
-
-    #[test]
-    fn an_offloaded_copy_is_its_own_tier() {
-        let mut t = translator(EngineFormat::Auto);
-        t.apply(R, &stored(&[10], None, "GPU", 0)).unwrap();
-        // vLLM's offloading connector: the CPU copy (medium "CPU"), later the GPU
-        // copy's eviction; the block stays held on the CPU.
-        let cpu = t.apply(R, &stored(&[10, 11], None, "CPU", 0)).unwrap();
-        assert!(matches!(
-            cpu,
-            KvCacheEventData::Stored {
-                tier: StorageTier::Cpu,
-                ref blocks,
-                ..
-            } if blocks.len() == 2
-        ));
-        assert_eq!(
-            t.apply(R, &removed(&[10], "GPU", Some(0))),
-            Ok(KvCacheEventData::Removed {
-                group: None,
-                block_hashes: vec![ExternalBlockHash(10)],
-                tier: StorageTier::Gpu,
-            })
-        );
-        assert_eq!(t.held(R), 2);
-        // A GPU child of a block held only on the CPU is not an orphan.
-        assert!(t.apply(R, &stored(&[12], Some(11), "GPU", 0)).is_ok());
-        assert_eq!(
-            t.apply(R, &removed(&[10, 11, 99], "Disk", None)),
-            Err(Skip::NoChange),
-            "nothing is held on disk"
-        );
-        assert_eq!(
-            t.apply(R, &removed(&[10, 11, 99], "cpu", None)),
-            Ok(KvCacheEventData::Removed {
-                group: None,
-                block_hashes: vec![ExternalBlockHash(10), ExternalBlockHash(11)],
-                tier: StorageTier::Cpu,
-            })
-        );
-        assert_eq!(t.held(R), 1);
-    }
-
-    #[test]
-    fn an_unknown_medium_is_skipped_with_its_reason() {
-        let mut t = translator(EngineFormat::Auto);
-        let skip = t.apply(R, &stored(&[10], None, "tape", 0)).unwrap_err();
-        assert_eq!(skip, Skip::UnknownMedium(UnknownMedium("tape".into())));
-        assert_eq!(skip.label(), "unknown_medium");
-        assert_eq!(t.held(R), 0);
-        t.apply(R, &stored(&[10], None, "GPU", 0)).unwrap();
-        assert_eq!(
-            t.apply(R, &removed(&[10], "tape", None))
-                .unwrap_err()
-                .label(),
-            "unknown_medium"
-        );
-        assert_eq!(t.held(R), 1);
-    }
-
-    #[test]
-    fn orphans_bad_blocks_unknown_types_and_refused_forms_are_skipped() {
-        let mut t = translator(EngineFormat::Tagged);
-        assert_eq!(
-            t.apply(R, &stored(&[5], Some(4), "GPU", 0)),
-            Err(Skip::Orphan(ExternalBlockHash(4)))
-        );
-        let EngineEvent::BlockStored(mut bad, form) = stored(&[5], None, "GPU", 0) else {
-            unreachable!()
-        };
-        bad.token_ids.pop();
-        assert!(matches!(
-            t.apply(R, &EngineEvent::BlockStored(bad, form)),
-            Err(Skip::Hashing(_))
-        ));
-        let unknown = EngineEvent::Unknown {
-            type_name: "BlockUpdated".into(),
-            form: EventForm::TaggedMap,
-        };
-        assert_eq!(
-            t.apply(R, &unknown),
-            Err(Skip::UnknownType("BlockUpdated".into()))
-        );
-        let positional = EngineEvent::AllBlocksCleared(EventForm::PositionalArray);
-        assert_eq!(
-            t.apply(R, &positional),
-            Err(Skip::Format(EventForm::PositionalArray))
-        );
-    }
-
-    #[test]
-    fn ranks_are_independent_and_clear_drops_one_rank() {
-        let mut t = translator(EngineFormat::Auto);
-        t.apply(R, &stored(&[1, 2], None, "GPU", 0)).unwrap();
-        t.apply(DpRank(1), &stored(&[1], None, "GPU", 0)).unwrap();
-        assert_eq!(
-            t.apply(R, &EngineEvent::AllBlocksCleared(EventForm::TaggedMap)),
-            Ok(KvCacheEventData::Cleared)
-        );
-        assert_eq!((t.held(R), t.held(DpRank(1))), (0, 1));
-    }
-}
+mod tests;

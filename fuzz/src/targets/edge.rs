@@ -108,10 +108,12 @@ impl Relay {
         if rank.0 >= RELAY_DP_SIZE {
             return Verdict::Refused(format!("rank {rank} outside --dp-size"));
         }
-        let recorded: Vec<_> = batch
-            .events
-            .iter()
-            .filter_map(|event| self.translator.apply(rank, event).ok())
+        let recorded: Vec<_> = self
+            .translator
+            .apply_batch(rank, &batch.events)
+            .into_iter()
+            .filter_map(|outcome| outcome.result.ok())
+            .flatten()
             .map(|data| self.journal.record(rank, data))
             .collect();
         let _batch = self.journal.batch(recorded);
@@ -129,7 +131,7 @@ impl Harness for EngineBatch {
 
 pub const ENGINE_BATCH: Target = Target {
     name: "engine_batch",
-    about: "vLLM / SGLang KV event batch (msgpack, third ZMQ frame) → engines::decode_batch → Translator::apply (local block hashes) → EventJournal::record",
+    about: "vLLM / SGLang KV event batch (msgpack, third ZMQ frame) → engines::decode_batch → Translator::apply_batch (local block hashes, KV cache groups) → EventJournal::record",
     format: Format::Msgpack,
     seeds: seeds::engine_payloads,
     fresh: || Box::new(EngineBatch(Relay::new())),

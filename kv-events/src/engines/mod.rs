@@ -7,7 +7,8 @@
 //!
 //! - **positional array** (vLLM ≤ 0.23):
 //!   `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id,
-//!   medium, lora_name, extra_keys, group_idx, …]`, as many fields as that version has;
+//!   medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind,
+//!   kv_cache_spec_sliding_window, …]`, as many fields as that version has;
 //! - **tagged map** (vLLM ≥ 0.24, SGLang): `{"type": "BlockStored", …}` with optional
 //!   fields omitted.
 //!
@@ -16,6 +17,10 @@
 //! decodes to [`EngineEvent::Unknown`] so the caller can count it). Block hashes arrive
 //! as msgpack `uint 64` (vLLM), `int 64` (SGLang, often negative) or a 32-byte `bin`
 //! (vLLM with int hashes off); [`hash`] maps each to one [`ExternalBlockHash`].
+//!
+//! [`groups`] turns vLLM's `group_idx`, `kv_cache_spec_kind` and
+//! `kv_cache_spec_sliding_window` into our [`crate::KvCacheGroup`] (the group's
+//! window in blocks), or says why the kind cannot be indexed exactly.
 //!
 //! From an event's `token_ids` and `block_size`, [`scope`] computes our
 //! [`crate::LocalBlockHash`] per block, mixing the LoRA adapter, SGLang's `cache_salt`
@@ -33,10 +38,12 @@
 //! This module is tokio-free like the rest of the crate: the relay in `router-daemon`
 //! does the networking.
 
+pub mod groups;
 pub mod hash;
 pub mod scope;
 mod wire;
 
+pub use groups::{UnsupportedGroup, kv_cache_group};
 pub use hash::{HashError, external_from_bytes, external_from_i64, external_from_u64};
 pub use scope::{AdapterScope, HashScope, LocalHashError, extra_keys_digest, local_block_hashes};
 pub use wire::{

@@ -236,7 +236,8 @@ fn split_events(events: Vec<KvCacheEvent>, max_blocks: usize) -> Vec<RecoveryBod
     out
 }
 
-/// Cuts chains into bodies of at most `max_blocks` blocks; `unheld` and
+/// Cuts chains into bodies of at most `max_blocks` blocks (empty chains, which make
+/// a group known, ride along in order); `unheld` and
 /// `unheld_in_groups` go with the last body, so they are removed only after every
 /// chain is stored.
 fn split_chains(
@@ -249,6 +250,11 @@ fn split_chains(
     let mut current: Vec<StoredChain> = Vec::new();
     let mut size = 0;
     for chain in chains {
+        if chain.blocks.is_empty() {
+            // A known group holding nothing: kept, so the router knows the group.
+            current.push(chain);
+            continue;
+        }
         let mut parent_hash = chain.parent_hash;
         let mut rest = chain.blocks.as_slice();
         while !rest.is_empty() {

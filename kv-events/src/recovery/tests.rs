@@ -97,6 +97,35 @@ fn dumps_split_into_bounded_chunks_and_reassemble_with_the_same_links() {
 }
 
 #[test]
+fn empty_chains_of_known_groups_survive_chunking_in_order() {
+    use crate::events::KvCacheGroup;
+    let chain = |blocks: Vec<StoredBlock>, group| StoredChain {
+        group,
+        parent_hash: None,
+        blocks,
+        tier: StorageTier::Gpu,
+    };
+    let reply = dump_reply(vec![
+        chain((1..=4).map(block).collect(), Some(KvCacheGroup::full(3))),
+        chain(vec![], KvCacheGroup::windowed(0, 4)),
+        chain(vec![block(9)], KvCacheGroup::windowed(1, 4)),
+    ]);
+    let back = assemble(reply.clone().into_chunks(2));
+    let groups = |r: &RecoveryReply| match &r.body {
+        RecoveryBody::Dump { chains, .. } => chains
+            .iter()
+            .map(|c| (c.group.map(|g| g.id.0), c.blocks.len()))
+            .collect::<Vec<_>>(),
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(
+        groups(&back),
+        vec![(Some(3), 2), (Some(3), 2), (Some(0), 0), (Some(1), 1)]
+    );
+    assert_eq!(links(&back), links(&reply));
+}
+
+#[test]
 fn events_split_between_events_and_reassemble_in_order() {
     let events: Vec<KvCacheEvent> = (0..5)
         .map(|i| KvCacheEvent {

@@ -8,7 +8,7 @@
 mod values;
 
 pub use values::ExtraKey;
-use values::{LenientId, WireHash, WireHashes, opt_hash};
+use values::{LenientId, WireHash, WireHashes, lenient_str, lenient_uint, opt_hash};
 
 use crate::ids::{DpRank, ExternalBlockHash};
 use serde::de::{self, Deserialize, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
@@ -107,6 +107,12 @@ pub struct BlockStored {
     pub extra_keys: Vec<Option<ExtraKey>>,
     /// vLLM's KV cache group of a hybrid model; `None` when not sent.
     pub group_idx: Option<u32>,
+    /// vLLM's kind of that group (`"full_attention"`, `"sliding_window"`, `"mamba"`,
+    /// …; vLLM ≥ 0.23); `None` when not sent or not a string.
+    pub kv_cache_spec_kind: Option<String>,
+    /// vLLM's sliding window of that group, in tokens (sliding-window kinds only);
+    /// `None` when not sent or not a non-negative integer.
+    pub kv_cache_spec_sliding_window: Option<u64>,
 }
 
 /// `BlockRemoved`: blocks were evicted.
@@ -151,6 +157,8 @@ fn positional_stored<'de, A: SeqAccess<'de>>(seq: &mut A) -> Result<BlockStored,
         .next_element::<Option<Vec<Option<ExtraKey>>>>()?
         .flatten();
     let group_idx = seq.next_element::<Option<u32>>()?.flatten();
+    let kind = seq.next_element::<Option<ExtraKey>>()?.flatten();
+    let window = seq.next_element::<Option<ExtraKey>>()?.flatten();
     Ok(BlockStored {
         block_hashes,
         parent_block_hash: opt_hash(parent),
@@ -162,6 +170,8 @@ fn positional_stored<'de, A: SeqAccess<'de>>(seq: &mut A) -> Result<BlockStored,
         cache_salt: None,
         extra_keys: extra_keys(extra),
         group_idx,
+        kv_cache_spec_kind: lenient_str(kind),
+        kv_cache_spec_sliding_window: lenient_uint(window),
     })
 }
 
@@ -193,6 +203,8 @@ enum Key {
     CacheSalt,
     ExtraKeys,
     GroupIdx,
+    SpecKind,
+    SlidingWindow,
     Other,
 }
 
@@ -217,6 +229,8 @@ impl<'de> Deserialize<'de> for Key {
                     "cache_salt" => Key::CacheSalt,
                     "extra_keys" => Key::ExtraKeys,
                     "group_idx" => Key::GroupIdx,
+                    "kv_cache_spec_kind" => Key::SpecKind,
+                    "kv_cache_spec_sliding_window" => Key::SlidingWindow,
                     _ => Key::Other,
                 })
             }
@@ -276,6 +290,10 @@ fn tagged_event<'de, A: MapAccess<'de>>(mut map: A) -> Result<EngineEvent, A::Er
             Key::CacheSalt => stored.cache_salt = map.next_value()?,
             Key::ExtraKeys => stored.extra_keys = extra_keys(map.next_value()?),
             Key::GroupIdx => stored.group_idx = map.next_value()?,
+            Key::SpecKind => stored.kv_cache_spec_kind = lenient_str(map.next_value()?),
+            Key::SlidingWindow => {
+                stored.kv_cache_spec_sliding_window = lenient_uint(map.next_value()?);
+            }
             Key::Other => {
                 map.next_value::<IgnoredAny>()?;
             }

@@ -69,6 +69,24 @@ pub(super) fn opt_hash(h: Option<WireHash>) -> Option<ExternalBlockHash> {
     h.map(|h| h.0)
 }
 
+/// A string field read tolerantly: any other value (a later version's type) is
+/// `None`.
+pub(super) fn lenient_str(v: Option<ExtraKey>) -> Option<String> {
+    match v? {
+        ExtraKey::Str(s) => Some(s),
+        _ => None,
+    }
+}
+
+/// A non-negative integer field read tolerantly: a negative, oversized or non-integer
+/// value is `None`.
+pub(super) fn lenient_uint(v: Option<ExtraKey>) -> Option<u64> {
+    match v? {
+        ExtraKey::Int(i) => u64::try_from(i).ok(),
+        _ => None,
+    }
+}
+
 /// An integer id that may arrive signed or unsigned; signed values keep their bits.
 pub(super) struct LenientId(pub(super) u64);
 

@@ -2,8 +2,11 @@
 
 use super::*;
 use crate::codec::encode;
+use crate::events::{StorageTier, StoredBlock};
+use crate::ids::{ExternalBlockHash, LocalBlockHash};
+use crate::recovery::StoredChain;
 
-fn chain(hashes: &[u64]) -> Vec<StoredBlock> {
+pub(super) fn chain(hashes: &[u64]) -> Vec<StoredBlock> {
     hashes
         .iter()
         .map(|h| StoredBlock {
@@ -13,7 +16,7 @@ fn chain(hashes: &[u64]) -> Vec<StoredBlock> {
         .collect()
 }
 
-fn stored(parent: Option<u64>, hashes: &[u64]) -> KvCacheEventData {
+pub(super) fn stored(parent: Option<u64>, hashes: &[u64]) -> KvCacheEventData {
     KvCacheEventData::Stored {
         group: None,
         parent_hash: parent.map(ExternalBlockHash),
@@ -22,7 +25,7 @@ fn stored(parent: Option<u64>, hashes: &[u64]) -> KvCacheEventData {
     }
 }
 
-fn removed(hashes: &[u64]) -> KvCacheEventData {
+pub(super) fn removed(hashes: &[u64]) -> KvCacheEventData {
     KvCacheEventData::Removed {
         group: None,
         block_hashes: hashes.iter().map(|h| ExternalBlockHash(*h)).collect(),
@@ -30,12 +33,21 @@ fn removed(hashes: &[u64]) -> KvCacheEventData {
     }
 }
 
-fn journal(ring: usize) -> EventJournal {
+pub(super) fn journal(ring: usize) -> EventJournal {
     let config = JournalConfig {
         ring_capacity: ring,
         max_chunk_blocks: 2,
     };
     EventJournal::new(WorkerId(5), 42, config)
+}
+
+/// The dump of a rank that holds nothing and knows no group.
+pub(super) fn empty_dump() -> RecoveryBody {
+    RecoveryBody::Dump {
+        chains: vec![],
+        unheld: vec![],
+        unheld_in_groups: vec![],
+    }
 }
 
 fn request(dp: u32, epoch: u64, start: u64) -> RecoveryRequest {
@@ -132,14 +144,7 @@ fn ranges_that_left_the_ring_other_epochs_and_forced_requests_get_a_dump() {
     let reply = j.replay(&request(3, 42, 0));
     assert_eq!(reply.next_event_id, 0);
     assert_eq!(reply.body, RecoveryBody::Events { events: vec![] });
-    assert_eq!(
-        j.dump(DpRank(3)).body,
-        RecoveryBody::Dump {
-            unheld_in_groups: Vec::new(),
-            chains: vec![],
-            unheld: vec![]
-        }
-    );
+    assert_eq!(j.dump(DpRank(3)).body, empty_dump());
 }
 
 #[test]
