@@ -154,6 +154,7 @@ pub async fn spawn_engines(
     shutdown: CancellationToken,
 ) -> Result<EnginesHandle, ServiceError> {
     args.model.validate().map_err(EngineConfigError::from)?;
+    args.hybrid.validate().map_err(EngineConfigError::from)?;
     args.runtime.validate()?;
     let disaggregation = args.disaggregation.validate()?;
     let worker_ids = args.fleet.worker_ids()?;
@@ -313,6 +314,7 @@ async fn start_worker(
     for dp in 0..args.fleet.dp_size {
         let core = EngineCore::new(args.model, TimingModel::default())
             .and_then(|core| core.with_cpu_tier(args.cpu_tier))
+            .and_then(|core| core.with_hybrid(args.hybrid))
             .map_err(EngineConfigError::from)?;
         let sink = match cluster {
             Some(cluster) => RankSink::Nats {
@@ -470,5 +472,7 @@ async fn publish_metrics(ranks: Vec<Arc<Rank>>, period: Duration, shutdown: Canc
 mod listen;
 mod stop;
 
+#[cfg(test)]
+mod hybrid_tests;
 #[cfg(test)]
 mod tests;
