@@ -7,18 +7,21 @@
 //! the frontend's lifecycle (`prefill_done`, `freed`) releases the booking. All calls
 //! that touch the scheduler's API live in this file, so API changes land here only.
 
-use crate::config::{LabPolicy, SimConfig};
+use crate::config::{LabPolicy, RouterGroups, SimConfig};
 use crate::error::LabError;
 use crate::fleet::TierPricing;
 use indexer::RadixTree;
 use kv_events::disaggregation::{DisaggregationReason, KvTransfer, TransferProtocol, WorkerRole};
 use kv_events::discovery::WorkerRegistration;
 use kv_events::routing::{LifecycleEvent, PolicyKind, SessionId};
-use kv_events::{KvCacheEvent, LocalBlockHash, RequestId, WorkerId, WorkerRank};
+use kv_events::{
+    GroupId, KvCacheEvent, KvCacheEventData, LocalBlockHash, RequestId, WorkerId, WorkerRank,
+};
 use scheduler::{
     CalibrationConfig, PolicyConfig, RankCalibration, ScheduleRequest, Scheduler, SchedulerConfig,
     SessionConfig,
 };
+use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 /// Who decides.
@@ -44,6 +47,8 @@ pub(super) struct Route {
     pub prefill: Option<usize>,
     /// Why the router placed it so, in a split fleet.
     pub reason: Option<DisaggregationReason>,
+    /// The index's overlap on the rank that prefills it, in blocks.
+    pub predicted_blocks: u32,
 }
 
 /// Index plus decider for one run; ranks are identified by their index in `ranks`.
@@ -54,6 +59,9 @@ pub(super) struct Router {
     block_size: u32,
     decider: Decider,
     refused_events: u64,
+    /// Which groups' events reach the index, and the sliding-window groups seen.
+    groups: RouterGroups,
+    windowed: HashSet<GroupId>,
     /// Whether route requests carry their derived session ([`LabPolicy::Sessions`]).
     sessions: bool,
     /// Whether route requests allow disaggregation (a split fleet).
@@ -122,6 +130,8 @@ impl Router {
             block_size: config.engine.block_size,
             decider,
             refused_events: 0,
+            groups: config.router_groups,
+            windowed: HashSet::new(),
             sessions: matches!(policy, LabPolicy::Sessions(_)),
             disaggregation: roles.iter().any(|r| *r != WorkerRole::Both),
         })
@@ -159,13 +169,12 @@ impl Router {
                 }
                 let selection = scheduler.schedule(&request, &scores, at(*epoch, now_ns))?;
                 let pair = selection.disaggregation;
+                let prefill_rank = pair.and_then(|p| p.prefill).map(|p| p.rank);
                 Ok(Route {
                     decode: self.index(selection.rank)?,
-                    prefill: pair
-                        .and_then(|p| p.prefill)
-                        .map(|p| self.index(p.rank))
-                        .transpose()?,
+                    prefill: prefill_rank.map(|r| self.index(r)).transpose()?,
                     reason: pair.map(|p| p.reason),
+                    predicted_blocks: scores.get(prefill_rank.unwrap_or(selection.rank)),
                 })
             }
         }
@@ -213,14 +222,44 @@ impl Router {
         }
     }
 
-    /// Applies one rank's KV events, in order. Refused events are counted (see
-    /// [`Router::refused_events`]).
+    /// Applies one rank's KV events, in order, those of the groups the router indexes
+    /// ([`RouterGroups`]). Refused events are counted (see [`Router::refused_events`]).
     pub fn apply(&mut self, worker_id: WorkerId, events: &[KvCacheEvent]) {
         for event in events {
-            if self.tree.apply_event(worker_id, event).is_err() {
+            let Some(event) = self.indexed(event) else {
+                continue;
+            };
+            if self.tree.apply_event(worker_id, &event).is_err() {
                 self.refused_events += 1;
             }
         }
+    }
+
+    /// `event` as the index sees it: unchanged when every group is indexed; with
+    /// full attention only, a sliding-window group's event is dropped and a full
+    /// group's loses its group.
+    fn indexed(&mut self, event: &KvCacheEvent) -> Option<KvCacheEvent> {
+        if self.groups == RouterGroups::All {
+            return Some(event.clone());
+        }
+        let mut event = event.clone();
+        match &mut event.data {
+            KvCacheEventData::Stored { group, .. } => {
+                if let Some(g) = group.take()
+                    && !g.is_full()
+                {
+                    self.windowed.insert(g.id);
+                    return None;
+                }
+            }
+            KvCacheEventData::Removed { group, .. } => {
+                if group.take().is_some_and(|id| self.windowed.contains(&id)) {
+                    return None;
+                }
+            }
+            KvCacheEventData::Cleared => {}
+        }
+        Some(event)
     }
 
     /// What online calibration learned about rank `index` (`None` when the decider
