@@ -119,8 +119,9 @@ pub enum RouterGroups {
     /// Every group's, as the engines publish them: kv-router's group-aware index.
     #[default]
     All,
-    /// Only the full-attention group's, without their group; sliding-window groups'
-    /// events are dropped, as routers that know no groups do (Dynamo, llm-d).
+    /// Only the full-attention group's, without their group and held once per block
+    /// (no copies); sliding-window groups' events are dropped: what routers that know
+    /// neither groups nor copies see (Dynamo, llm-d; the `blind` module).
     FullAttentionOnly,
 }
 

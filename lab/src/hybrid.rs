@@ -8,9 +8,11 @@
 //! - `group-aware`: hybrid engines; the router indexes every group's KV events, so
 //!   its overlap is the engine's own hybrid hit (kv-router's indexer);
 //! - `group-blind`: the same engines; the router indexes only the full-attention
-//!   group's events and drops the sliding-window groups' (what Dynamo and llm-d do):
-//!   it claims the full group's prefix even when the engine lacks the window before
-//!   it and recomputes;
+//!   group's events, once per block, and drops the sliding-window groups' (what a
+//!   router that knows neither groups nor copies sees, Dynamo and llm-d; the `blind`
+//!   module): it claims the full group's prefix even when the engine lacks the
+//!   window before it and recomputes, and forgets a block at its first copy's
+//!   eviction;
 //! - `dense`: the same model without a hybrid KV cache manager (vLLM's
 //!   `--disable-hybrid-kv-cache-manager`), every layer cached as full attention.
 //!

@@ -47,6 +47,7 @@
 //! - `sweep`: all runs on several threads with a progress bar.
 //! - `report`: the JSON report; `table`: its terminal rendering; `charts`: PNGs.
 
+mod blind;
 mod calibration;
 mod calibration_point;
 mod charts;

@@ -7,6 +7,7 @@
 //! the frontend's lifecycle (`prefill_done`, `freed`) releases the booking. All calls
 //! that touch the scheduler's API live in this file, so API changes land here only.
 
+use crate::blind::BlindView;
 use crate::config::{LabPolicy, RouterGroups, SimConfig};
 use crate::error::LabError;
 use crate::fleet::TierPricing;
@@ -14,14 +15,11 @@ use indexer::RadixTree;
 use kv_events::disaggregation::{DisaggregationReason, KvTransfer, TransferProtocol, WorkerRole};
 use kv_events::discovery::WorkerRegistration;
 use kv_events::routing::{LifecycleEvent, PolicyKind, SessionId};
-use kv_events::{
-    GroupId, KvCacheEvent, KvCacheEventData, LocalBlockHash, RequestId, WorkerId, WorkerRank,
-};
+use kv_events::{KvCacheEvent, LocalBlockHash, RequestId, WorkerId, WorkerRank};
 use scheduler::{
     CalibrationConfig, PolicyConfig, RankCalibration, ScheduleRequest, Scheduler, SchedulerConfig,
     SessionConfig,
 };
-use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 /// Who decides.
@@ -59,9 +57,9 @@ pub(super) struct Router {
     block_size: u32,
     decider: Decider,
     refused_events: u64,
-    /// Which groups' events reach the index, and the sliding-window groups seen.
-    groups: RouterGroups,
-    windowed: HashSet<GroupId>,
+    /// With [`RouterGroups::FullAttentionOnly`], what a router that knows neither
+    /// groups nor copies indexes.
+    blind: Option<BlindView>,
     /// Whether route requests carry their derived session ([`LabPolicy::Sessions`]).
     sessions: bool,
     /// Whether route requests allow disaggregation (a split fleet).
@@ -130,8 +128,8 @@ impl Router {
             block_size: config.engine.block_size,
             decider,
             refused_events: 0,
-            groups: config.router_groups,
-            windowed: HashSet::new(),
+            blind: (config.router_groups == RouterGroups::FullAttentionOnly)
+                .then(BlindView::default),
             sessions: matches!(policy, LabPolicy::Sessions(_)),
             disaggregation: roles.iter().any(|r| *r != WorkerRole::Both),
         })
@@ -222,44 +220,20 @@ impl Router {
         }
     }
 
-    /// Applies one rank's KV events, in order, those of the groups the router indexes
+    /// Applies one rank's KV events, in order, as the router sees them
     /// ([`RouterGroups`]). Refused events are counted (see [`Router::refused_events`]).
     pub fn apply(&mut self, worker_id: WorkerId, events: &[KvCacheEvent]) {
         for event in events {
-            let Some(event) = self.indexed(event) else {
-                continue;
+            let viewed = match &mut self.blind {
+                None => vec![event.clone()],
+                Some(blind) => blind.view(worker_id, event),
             };
-            if self.tree.apply_event(worker_id, &event).is_err() {
-                self.refused_events += 1;
-            }
-        }
-    }
-
-    /// `event` as the index sees it: unchanged when every group is indexed; with
-    /// full attention only, a sliding-window group's event is dropped and a full
-    /// group's loses its group.
-    fn indexed(&mut self, event: &KvCacheEvent) -> Option<KvCacheEvent> {
-        if self.groups == RouterGroups::All {
-            return Some(event.clone());
-        }
-        let mut event = event.clone();
-        match &mut event.data {
-            KvCacheEventData::Stored { group, .. } => {
-                if let Some(g) = group.take()
-                    && !g.is_full()
-                {
-                    self.windowed.insert(g.id);
-                    return None;
+            for event in &viewed {
+                if self.tree.apply_event(worker_id, event).is_err() {
+                    self.refused_events += 1;
                 }
             }
-            KvCacheEventData::Removed { group, .. } => {
-                if group.take().is_some_and(|id| self.windowed.contains(&id)) {
-                    return None;
-                }
-            }
-            KvCacheEventData::Cleared => {}
         }
-        Some(event)
     }
 
     /// What online calibration learned about rank `index` (`None` when the decider
