@@ -148,6 +148,30 @@ impl HybridConfig {
         Ok(())
     }
 
+    /// The largest request (prompt plus output tokens, in blocks) a rank of `model`
+    /// can ever run: its footprint at admission (the cache module's capacity model)
+    /// must fit the pool. The whole pool for a dense model; about `1 / (N + 1)` of it
+    /// for a hybrid one whose prompts fit one step, as vLLM's start-up check finds
+    /// (the real capture: 96 blocks, 4 groups, at most 736 tokens).
+    pub fn max_request_blocks(&self, model: &crate::EngineModelConfig) -> u64 {
+        let pool = model.num_gpu_blocks;
+        if !self.is_hybrid() {
+            return pool;
+        }
+        let layout = self.layout(model.block_size);
+        let chunk = chunk_blocks(model.max_num_batched_tokens, model.block_size);
+        // The footprint is (N + 1) × total up to one step's working set, then
+        // total + N × working set.
+        let working = chunk + u64::from(layout.window_blocks);
+        let groups = u64::from(layout.windowed);
+        let small = pool / (groups + 1);
+        if small < working {
+            small
+        } else {
+            pool - groups * working
+        }
+    }
+
     /// The group layout on blocks of `block_size` tokens (≥ 1).
     pub(crate) fn layout(&self, block_size: u32) -> Layout {
         Layout {
@@ -177,7 +201,25 @@ pub(crate) struct Layout {
     pub retention: WindowRetention,
 }
 
+/// Blocks one step can complete per request, plus one: `cdiv(budget, block_size) + 1`.
+fn chunk_blocks(max_num_batched_tokens: u64, block_size: u32) -> u64 {
+    max_num_batched_tokens.div_ceil(u64::from(block_size.max(1))) + 1
+}
+
 impl Layout {
+    /// A windowed group's working set while a request of `total_blocks` blocks
+    /// prefills in steps of `chunk_blocks`: its window plus one step's blocks, at
+    /// most its total.
+    pub fn prefill_working(&self, total_blocks: u64, chunk_blocks: u64) -> u64 {
+        total_blocks.min(chunk_blocks + u64::from(self.window_blocks))
+    }
+
+    /// What the pool must hold for a request of `total_blocks` blocks at admission
+    /// with no hit: its full-group blocks and every window's working set.
+    pub fn footprint(&self, total_blocks: u64, chunk_blocks: u64) -> u64 {
+        total_blocks + u64::from(self.windowed) * self.prefill_working(total_blocks, chunk_blocks)
+    }
+
     /// Index of the full-attention group.
     pub fn full(&self) -> usize {
         self.windowed as usize

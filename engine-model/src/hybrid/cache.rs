@@ -106,7 +106,7 @@ impl HybridCache {
             block_size,
             capacity,
             layout,
-            chunk_blocks: max_num_batched_tokens.div_ceil(u64::from(block_size.max(1))) + 1,
+            chunk_blocks: super::chunk_blocks(max_num_batched_tokens, block_size),
             blocks: HashMap::new(),
             next_id: 0,
             groups: vec![HashMap::new(); layout.full() + 1],
@@ -156,7 +156,7 @@ impl HybridCache {
     /// The footprint of a request of `total_blocks` blocks at admission with no hit,
     /// in blocks: what the pool must be able to hold for it ever to run.
     pub fn footprint(&self, total_blocks: u64) -> u64 {
-        total_blocks + self.layout.windowed as u64 * self.prefill_working(total_blocks)
+        self.layout.footprint(total_blocks, self.chunk_blocks)
     }
 
     /// The engine's hit of `prompt` (chained full prompt blocks) for a prompt of
@@ -408,7 +408,7 @@ impl HybridCache {
     }
 
     fn prefill_working(&self, total_blocks: u64) -> u64 {
-        total_blocks.min(self.chunk_blocks + u64::from(self.layout.window_blocks))
+        self.layout.prefill_working(total_blocks, self.chunk_blocks)
     }
 
     fn decode_working(&self, total_blocks: u64) -> u64 {

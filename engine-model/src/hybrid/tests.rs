@@ -267,6 +267,33 @@ fn a_hybrid_core_refuses_a_cpu_tier_and_requests_it_cannot_ever_hold() {
         core.with_cpu_tier(tier).err(),
         Some(crate::ModelConfigError::HybridWithCpuTier)
     );
+    // The largest request: 34 blocks, a quarter of the pool (4 groups).
+    let hybrid = HybridConfig::sliding(3, 128);
+    let model = *capture_core(WindowRetention::Tail).config();
+    assert_eq!(hybrid.max_request_blocks(&model), 34);
+    let mut fits = capture_core(WindowRetention::Tail);
+    let request = |blocks: u64| EngineRequest {
+        request_id: blocks.to_string().into(),
+        block_hashes: Vec::new(),
+        prompt_tokens: blocks * u64::from(BS) - 1,
+        max_tokens: 1,
+        token_ids: None,
+    };
+    assert_eq!(fits.add_request(request(34)), Ok(()));
+    assert!(fits.add_request(request(35)).is_err());
+    // With steps of 64 tokens, long prompts need one step's working set per window.
+    let short_steps = EngineModelConfig {
+        max_num_batched_tokens: 64,
+        max_num_seqs: 8,
+        ..model
+    };
+    // chunk 3 + window 4 = 7 blocks per window: 136 − 3 × 7.
+    assert_eq!(hybrid.max_request_blocks(&short_steps), 115);
+    let mut fits = EngineCore::new(short_steps, TimingModel::default())
+        .and_then(|c| c.with_hybrid(hybrid))
+        .expect("valid");
+    assert_eq!(fits.add_request(request(115)), Ok(()));
+    assert!(fits.add_request(request(116)).is_err());
     let mut core = capture_core(WindowRetention::Tail);
     // 40 blocks fit the full group (136), not 4 × 40 during the prefill.
     let refused = core.add_request(EngineRequest {

@@ -361,6 +361,7 @@ async fn start_worker(
         ranks: ranks.clone(),
         block_size: args.model.block_size,
         num_gpu_blocks: args.model.num_gpu_blocks,
+        max_request_blocks: args.hybrid.max_request_blocks(&args.model),
         tokenizer,
         transfer,
     };
@@ -408,10 +409,10 @@ async fn register(
             url: Some(url.clone()),
             epoch,
             // What its `/v1/models` answers, so a gateway bounds prompts by it.
-            max_model_len: Some(
-                args.http
-                    .max_model_len_or_cache(args.model.block_size, args.model.num_gpu_blocks),
-            ),
+            max_model_len: Some(args.http.max_model_len_or_cache(
+                args.model.block_size,
+                args.hybrid.max_request_blocks(&args.model),
+            )),
             role: placement.role,
             kv_transfer: placement.kv_transfer,
         };
@@ -435,9 +436,10 @@ fn load_tokenizer(args: &EngineArgs) -> Result<Option<Arc<ModelTokenizer>>, Serv
     let Some(dir) = &args.http.model_dir else {
         return Ok(None);
     };
-    let max_len = args
-        .http
-        .max_model_len_or_cache(args.model.block_size, args.model.num_gpu_blocks);
+    let max_len = args.http.max_model_len_or_cache(
+        args.model.block_size,
+        args.hybrid.max_request_blocks(&args.model),
+    );
     let limits = TokenizerLimits {
         max_prompt_bytes: http::MAX_BODY_BYTES,
         max_prompt_tokens: usize::try_from(max_len).unwrap_or(usize::MAX),

@@ -50,6 +50,10 @@ async fn a_hybrid_engine_publishes_groups_on_nats_and_reports_the_hybrid_hit() {
     // Two sliding-window groups of 33 tokens: a hit needs the 2 blocks before it.
     let mut h = start_shaped(fleet, model, 50.0, HybridConfig::sliding(2, 33)).await;
     let worker = WorkerId(3);
+    // The largest request that fits: 64 blocks less two windows' working sets of
+    // one step (256 / 16 + 1) and the window (2): 26 blocks of 16 tokens.
+    let regs = h.registered_workers().await;
+    assert_eq!(regs[0].max_model_len, Some(26 * 16));
     let mut events = h
         .nats
         .subscribe(h.subjects.kv_events(worker))

@@ -104,7 +104,7 @@ impl Harness {
         kv_events::decode(&reply.payload).expect("clear reply decodes")
     }
 
-    async fn registered_workers(&mut self) -> Vec<WorkerRegistration> {
+    pub(super) async fn registered_workers(&mut self) -> Vec<WorkerRegistration> {
         let prefix = self.subjects.etcd_worker_prefix();
         let resp = self
             .etcd
