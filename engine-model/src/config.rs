@@ -63,6 +63,16 @@ pub enum ModelConfigError {
     /// `--transfer-ms-per-token` was negative or not finite.
     #[error("kv transfer time must be finite and >= 0 ms per token, got {0}")]
     BadTransferTime(f64),
+    /// `--sliding-window` was below 2 tokens (a hit would need no window block).
+    #[error("sliding window must be at least 2 tokens, got {0}")]
+    SlidingWindowTooShort(u32),
+    /// `--sliding-window-groups` was past [`crate::MAX_SLIDING_WINDOW_GROUPS`].
+    #[error("at most {max} sliding-window groups, got {0}", max = crate::MAX_SLIDING_WINDOW_GROUPS)]
+    TooManySlidingWindowGroups(u32),
+    /// Sliding-window groups and a CPU tier together: the mock offloads only a
+    /// dense model's blocks.
+    #[error("sliding-window groups cannot be combined with a cpu tier")]
+    HybridWithCpuTier,
 }
 
 /// The engine model's knobs (per dp rank), shared by the live engines and offline

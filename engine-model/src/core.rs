@@ -27,8 +27,15 @@
 //! `cpu_tier_load_ms_per_token` per loaded token longer. The copy is synchronous in
 //! this model (the whole batch waits for it), an upper bound on its cost: vLLM's
 //! offloading connector loads asynchronously while other requests keep running.
+//!
+//! With sliding-window groups ([`EngineCore::with_hybrid`]) the cache is a
+//! [`HybridCache`]: the prefix hit is the hybrid rule (its module docs), every step
+//! starts by bringing the running requests' windowed working sets up to date, and
+//! each step also reports the vLLM-form stores ([`StepOutput::group_stores`]).
 
+use crate::cache::PagedCache;
 use crate::config::{CpuTierConfig, EngineModelConfig, ModelConfigError};
+use crate::hybrid::{GroupStore, HybridCache, HybridConfig};
 use crate::kv_cache::{KvCache, chain_block_hashes};
 use crate::request::{EngineRequest, RejectReason, Running, Waiting};
 use crate::timing::{StepWork, TimingModel};
@@ -82,6 +89,11 @@ pub struct StepOutput {
     /// Requests that finished in this step (a request with `max_tokens == 1` appears in
     /// both lists).
     pub finished: Vec<Finished>,
+    /// On a hybrid rank, every group's part of each request's blocks completed in
+    /// this step, as vLLM publishes them (one `BlockStored` per group per request and
+    /// step, windowed groups first); empty on a dense rank. The router-protocol form
+    /// of the same stores is in `kv_events`.
+    pub group_stores: Vec<GroupStore>,
 }
 
 /// Why [`EngineCore::clear`] refused.
@@ -100,8 +112,9 @@ pub enum ClearError {
 pub struct EngineCore {
     config: EngineModelConfig,
     timing: TimingModel,
-    cache: KvCache,
+    cache: PagedCache,
     cpu_tier: CpuTierConfig,
+    hybrid: HybridConfig,
     /// Tokens loaded back from the CPU tier by this step's admissions.
     loaded_tokens: u64,
     waiting: VecDeque<Waiting>,
@@ -119,8 +132,9 @@ impl EngineCore {
         Ok(Self {
             config,
             timing,
-            cache: KvCache::new(config.block_size, config.num_gpu_blocks),
+            cache: PagedCache::Dense(KvCache::new(config.block_size, config.num_gpu_blocks)),
             cpu_tier: CpuTierConfig::default(),
+            hybrid: HybridConfig::default(),
             loaded_tokens: 0,
             waiting: VecDeque::new(),
             running: Vec::new(),
@@ -132,12 +146,48 @@ impl EngineCore {
     /// without one.
     ///
     /// # Errors
-    /// [`ModelConfigError`] if `tier` fails [`CpuTierConfig::validate`].
+    /// [`ModelConfigError`] if `tier` fails [`CpuTierConfig::validate`], or
+    /// [`ModelConfigError::HybridWithCpuTier`] for a CPU tier on a hybrid core.
     pub fn with_cpu_tier(mut self, tier: CpuTierConfig) -> Result<Self, ModelConfigError> {
         tier.validate()?;
-        self.cache = KvCache::new(self.config.block_size, self.config.num_gpu_blocks)
-            .with_cpu_tier(tier.cpu_tier_blocks);
+        if tier.cpu_tier_blocks == 0 {
+            self.cpu_tier = tier;
+            return Ok(self);
+        }
+        if self.hybrid.is_hybrid() {
+            return Err(ModelConfigError::HybridWithCpuTier);
+        }
+        self.cache = PagedCache::Dense(
+            KvCache::new(self.config.block_size, self.config.num_gpu_blocks)
+                .with_cpu_tier(tier.cpu_tier_blocks),
+        );
         self.cpu_tier = tier;
+        Ok(self)
+    }
+
+    /// Gives this (idle, empty) core sliding-window KV cache groups beside its
+    /// full-attention group (see [`crate::hybrid`]); a config without groups keeps it
+    /// dense.
+    ///
+    /// # Errors
+    /// [`ModelConfigError`] if `hybrid` fails [`HybridConfig::validate`], or
+    /// [`ModelConfigError::HybridWithCpuTier`] when the core has a CPU tier.
+    pub fn with_hybrid(mut self, hybrid: HybridConfig) -> Result<Self, ModelConfigError> {
+        hybrid.validate()?;
+        if !hybrid.is_hybrid() {
+            return Ok(self);
+        }
+        if self.cpu_tier.cpu_tier_blocks > 0 {
+            return Err(ModelConfigError::HybridWithCpuTier);
+        }
+        let c = &self.config;
+        self.cache = PagedCache::Hybrid(HybridCache::new(
+            c.block_size,
+            c.num_gpu_blocks,
+            hybrid.layout(c.block_size),
+            c.max_num_batched_tokens,
+        ));
+        self.hybrid = hybrid;
         Ok(self)
     }
 
@@ -146,8 +196,13 @@ impl EngineCore {
         &self.config
     }
 
+    /// The hybrid-attention shape (no sliding-window group on a dense core).
+    pub fn hybrid(&self) -> &HybridConfig {
+        &self.hybrid
+    }
+
     /// The KV cache (read-only), for inspection.
-    pub fn cache(&self) -> &KvCache {
+    pub fn cache(&self) -> &PagedCache {
         &self.cache
     }
 
@@ -187,15 +242,19 @@ impl EngineCore {
         let bs = u64::from(self.config.block_size);
         let full = (prompt_tokens / bs).min(block_hashes.len() as u64) as usize;
         let prompt = chain_block_hashes(&block_hashes[..full]);
-        prompt_tokens.div_ceil(bs) - self.cache.prefix_hits(&prompt) as u64
+        prompt_tokens.div_ceil(bs) - self.cache.hit_blocks(&prompt, prompt_tokens) as u64
     }
 
     fn enqueue(&mut self, req: EngineRequest, transferred: bool) -> Result<(), RejectReason> {
         if self.active_ids.contains(&req.request_id) {
             return Err(RejectReason::DuplicateRequestId(req.request_id));
         }
-        let mut waiting =
-            Waiting::validate(req, self.config.block_size, self.config.num_gpu_blocks)?;
+        let capacity = self.config.num_gpu_blocks;
+        let mut waiting = Waiting::validate(req, self.config.block_size, capacity)?;
+        let needed = self.cache.footprint(waiting.total_blocks);
+        if needed > capacity {
+            return Err(RejectReason::ExceedsCapacity { needed, capacity });
+        }
         waiting.transferred = transferred;
         self.active_ids.insert(waiting.request_id.clone());
         self.waiting.push_back(waiting);
@@ -271,6 +330,7 @@ impl EngineCore {
         };
         self.execute(&mut out);
         out.kv_events = self.cache.take_events();
+        out.group_stores = self.cache.take_group_stores();
         for (hash, tokens) in self.cache.take_event_tokens() {
             out.block_tokens.insert(hash, tokens.to_vec());
         }
@@ -304,7 +364,10 @@ impl EngineCore {
         let waiting_prefill: u64 = self
             .waiting
             .iter()
-            .map(|w| w.prompt_tokens - w.skipped_tokens(self.cache.prefix_hits(&w.prompt), bs))
+            .map(|w| {
+                let hit = self.cache.hit_blocks(&w.prompt, w.prompt_tokens);
+                w.prompt_tokens - w.skipped_tokens(hit, bs)
+            })
             .sum();
         LoadMetrics {
             worker_id: rank.worker_id,
@@ -322,7 +385,12 @@ impl EngineCore {
     fn schedule(&mut self) -> StepWork {
         let mut budget = self.config.max_num_batched_tokens;
         let mut work = StepWork::default();
+        let bs = u64::from(self.config.block_size);
         for r in &mut self.running {
+            let computed_blocks = (r.computed_tokens / bs) as usize;
+            let prefill_done = r.prefill_done();
+            self.cache
+                .settle(&mut r.alloc, computed_blocks, prefill_done);
             r.scheduled = 0;
             if r.prefill_done() && budget > 0 {
                 r.scheduled = 1;
@@ -340,13 +408,15 @@ impl EngineCore {
             let Some(head) = self.waiting.front() else {
                 break;
             };
-            let Some(alloc) = self.cache.try_allocate(&head.prompt, head.total_blocks) else {
+            let Some(alloc) =
+                self.cache
+                    .try_allocate(&head.prompt, head.prompt_tokens, head.total_blocks)
+            else {
                 break;
             };
             let Some(w) = self.waiting.pop_front() else {
                 break;
             };
-            let bs = u64::from(self.config.block_size);
             let reused = alloc.hit_blocks() + alloc.loaded_blocks();
             let skipped = w.skipped_tokens(reused, self.config.block_size);
             let loaded_tokens = alloc.loaded_blocks() as u64 * bs;
@@ -385,15 +455,14 @@ impl EngineCore {
                 continue;
             }
             r.computed_tokens += r.scheduled;
-            for i in r.blocks_ready_to_commit(bs) {
-                let block = r.prompt[i];
-                let tokens = Running::block_tokens(r.token_ids.as_deref(), i, bs);
-                if self.cache.commit(&mut r.alloc, block, tokens)
-                    && let Some(tokens) = tokens
-                {
-                    out.block_tokens.insert(block.block_hash, tokens.to_vec());
-                }
-            }
+            let ready = r.blocks_ready_to_commit(bs);
+            self.cache.commit(
+                &mut r.alloc,
+                &r.prompt,
+                ready,
+                r.token_ids.as_deref(),
+                &mut out.block_tokens,
+            );
             if r.prefill_done() {
                 r.output_tokens = 1;
                 out.first_tokens.push(FirstToken {

@@ -43,13 +43,15 @@
 //! tier, each block also keeps its tokens when the request came with token ids.
 
 mod cpu_tier;
+mod lru;
 
 use cpu_tier::{BlockCopy, CpuTier};
 use kv_events::{
     ExternalBlockHash, KvCacheEventData, LocalBlockHash, StorageTier, StoredBlock, hash_block,
 };
+pub(crate) use lru::{Lru, Refs};
+use std::collections::HashMap;
 use std::collections::hash_map::Entry;
-use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 /// The engine hash of a block: xxh3-64 (seed [`kv_events::BLOCK_HASH_SEED`]) over the
@@ -146,11 +148,25 @@ pub struct CacheInUse {
     pub reserved: u64,
 }
 
+impl CacheInUse {
+    /// `Ok` for a cache of `cached` blocks, `evictable` of them unreferenced, and
+    /// `reserved` reserved blocks that nothing uses; else what is in use.
+    pub(crate) fn check(cached: usize, evictable: usize, reserved: u64) -> Result<(), Self> {
+        let referenced = cached.saturating_sub(evictable) as u64;
+        if referenced > 0 || reserved > 0 {
+            return Err(Self {
+                referenced,
+                reserved,
+            });
+        }
+        Ok(())
+    }
+}
+
 #[derive(Debug, Clone)]
 struct CachedBlock {
-    refcount: u32,
-    /// Position in the LRU list while unreferenced.
-    lru_tick: Option<u64>,
+    /// References, and the place in the LRU list while unreferenced.
+    refs: Refs,
     /// What the CPU tier keeps when the block is evicted.
     copy: BlockCopy,
 }
@@ -161,9 +177,8 @@ pub struct KvCache {
     block_size: u32,
     capacity: u64,
     blocks: HashMap<ExternalBlockHash, CachedBlock>,
-    /// Unreferenced cached blocks by release order (smallest tick = least recently used).
-    lru: BTreeMap<u64, ExternalBlockHash>,
-    next_tick: u64,
+    /// Unreferenced cached blocks by release order.
+    lru: Lru<ExternalBlockHash>,
     reserved: u64,
     events: Vec<KvCacheEventData>,
     /// `None` without a CPU tier.
@@ -180,8 +195,7 @@ impl KvCache {
             block_size,
             capacity,
             blocks: HashMap::new(),
-            lru: BTreeMap::new(),
-            next_tick: 0,
+            lru: Lru::new(),
             reserved: 0,
             events: Vec::new(),
             cpu: None,
@@ -238,7 +252,7 @@ impl KvCache {
 
     /// Unreferenced cached blocks from least to most recently used.
     pub fn lru_order(&self) -> impl Iterator<Item = ExternalBlockHash> + '_ {
-        self.lru.values().copied()
+        self.lru.iter()
     }
 
     /// Length of the leading run of `prompt` blocks that are cached, in blocks.
@@ -269,7 +283,7 @@ impl KvCache {
             .filter(|b| {
                 self.blocks
                     .get(&b.block_hash)
-                    .is_some_and(|c| c.refcount == 0)
+                    .is_some_and(|c| c.refs.is_unreferenced())
             })
             .count() as u64;
         let need = total_blocks.saturating_sub(hit_count);
@@ -315,19 +329,14 @@ impl KvCache {
         self.reserved = self.reserved.saturating_sub(1);
         match self.blocks.entry(block.block_hash) {
             Entry::Occupied(mut cached) => {
-                let cached = cached.get_mut();
-                if let Some(tick) = cached.lru_tick.take() {
-                    self.lru.remove(&tick);
-                }
-                cached.refcount += 1;
+                self.lru.acquire(&mut cached.get_mut().refs);
                 alloc.held.push(block.block_hash);
                 false
             }
             Entry::Vacant(slot) => {
                 let tokens = tokens.filter(|_| self.cpu.is_some()).map(Arc::from);
                 slot.insert(CachedBlock {
-                    refcount: 1,
-                    lru_tick: None,
+                    refs: Refs::held(),
                     copy: BlockCopy {
                         block,
                         parent,
@@ -351,13 +360,7 @@ impl KvCache {
                 debug_assert!(false, "released block {hash} is not cached");
                 continue;
             };
-            block.refcount = block.refcount.saturating_sub(1);
-            if block.refcount == 0 {
-                let tick = self.next_tick;
-                self.next_tick += 1;
-                block.lru_tick = Some(tick);
-                self.lru.insert(tick, *hash);
-            }
+            self.lru.release(&mut block.refs, *hash);
         }
     }
 
@@ -366,13 +369,7 @@ impl KvCache {
     /// # Errors
     /// [`CacheInUse`] (changing nothing) if any block is referenced or reserved.
     pub fn clear(&mut self) -> Result<(), CacheInUse> {
-        let referenced = self.blocks.len() as u64 - self.lru.len() as u64;
-        if referenced > 0 || self.reserved > 0 {
-            return Err(CacheInUse {
-                referenced,
-                reserved: self.reserved,
-            });
-        }
+        CacheInUse::check(self.blocks.len(), self.lru.len(), self.reserved)?;
         self.blocks.clear();
         self.lru.clear();
         if let Some(cpu) = &mut self.cpu {
@@ -396,10 +393,7 @@ impl KvCache {
 
     fn acquire(&mut self, hash: ExternalBlockHash) {
         if let Some(block) = self.blocks.get_mut(&hash) {
-            if let Some(tick) = block.lru_tick.take() {
-                self.lru.remove(&tick);
-            }
-            block.refcount += 1;
+            self.lru.acquire(&mut block.refs);
         }
     }
 
@@ -410,7 +404,7 @@ impl KvCache {
         let mut removed = Vec::new();
         let mut copies = Vec::new();
         for _ in 0..count {
-            let Some((_, hash)) = self.lru.pop_first() else {
+            let Some(hash) = self.lru.pop_oldest() else {
                 break;
             };
             if let Some(block) = self.blocks.remove(&hash)

@@ -20,6 +20,9 @@
 //!   [`KvTransferConfig`]).
 //! - `timing`: the step-duration model ([`TimingModel`]).
 //! - `kv_cache`: the paged KV cache of one dp rank and its KV events ([`KvCache`]).
+//! - [`hybrid`]: hybrid attention, sliding-window KV cache groups beside the
+//!   full-attention group ([`HybridConfig`], [`HybridCache`]); `cache`: the rank's
+//!   cache of either kind ([`PagedCache`]).
 //! - `request`: request validation and per-request progress ([`EngineRequest`]).
 //! - `core`: [`EngineCore`], the continuous-batching state machine of one dp rank.
 //! - `stats`: [`LatencyStats`] and [`LatencyHistogram`], the latency summary the replay
@@ -27,8 +30,10 @@
 //! - [`trace`]: Mooncake JSONL trace loading and the trace-block → engine-block
 //!   mapping shared by the online replay and the lab.
 
+mod cache;
 mod config;
 mod core;
+pub mod hybrid;
 mod kv_cache;
 mod request;
 mod stats;
@@ -38,12 +43,17 @@ mod test_support;
 mod timing;
 pub mod trace;
 
+pub use self::cache::PagedCache;
 pub use self::config::{
     CpuTierConfig, DEFAULT_BLOCK_SIZE, DEFAULT_CPU_TIER_LOAD_MS_PER_TOKEN,
     DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_GPU_BLOCKS,
     DEFAULT_TRANSFER_MS_PER_TOKEN, EngineModelConfig, KvTransferConfig, ModelConfigError,
 };
 pub use self::core::{ClearError, EngineCore, Finished, FirstToken, StepOutput};
+pub use self::hybrid::{
+    DEFAULT_SLIDING_WINDOW, GroupStore, HybridCache, HybridConfig, HybridHit,
+    MAX_SLIDING_WINDOW_GROUPS, WindowRetention,
+};
 pub use self::kv_cache::{Allocation, CacheInUse, KvCache, chain_block_hashes, engine_block_hash};
 pub use self::request::{EngineRequest, RejectReason};
 pub use self::stats::{LatencyHistogram, LatencyStats};

@@ -6,7 +6,8 @@
 //! (empty prompt, zero output, more KV than the whole cache) is rejected up front
 //! instead of waiting forever. The cost is one chained hash per full prompt block.
 
-use crate::kv_cache::{Allocation, chain_block_hashes};
+use crate::cache::CacheAllocation;
+use crate::kv_cache::chain_block_hashes;
 use kv_events::{LocalBlockHash, RequestId, StoredBlock};
 
 /// One inference request for one dp rank's engine core.
@@ -154,7 +155,7 @@ pub(super) struct Running {
     pub prompt: Vec<StoredBlock>,
     /// The prompt's token ids, if the sender gave them.
     pub token_ids: Option<Vec<u32>>,
-    pub alloc: Allocation,
+    pub alloc: CacheAllocation,
     /// Prompt tokens served from the prefix cache (GPU hit and CPU-tier loaded blocks ×
     /// block size), in tokens.
     pub cached_tokens: u64,
@@ -198,7 +199,7 @@ impl Running {
     /// Full prompt blocks whose KV is computed but not yet cached, in prefix order.
     pub fn blocks_ready_to_commit(&self, block_size: u32) -> std::ops::Range<usize> {
         let computed_blocks = (self.computed_tokens / u64::from(block_size)) as usize;
-        let done = self.alloc.held().len();
+        let done = self.alloc.committed_blocks();
         done..computed_blocks.min(self.prompt.len()).max(done)
     }
 }

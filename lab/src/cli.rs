@@ -8,6 +8,7 @@ use crate::config::{SimConfig, Speedup};
 use crate::disagg::{DisaggArgs, run_disagg};
 use crate::error::LabError;
 use crate::fleet::SimulatedFleetArgs;
+use crate::hybrid::{HybridArgs, run_hybrid};
 use crate::oracle::oracle_bound;
 use crate::report::{self, LabReport};
 use crate::robustness::{RobustnessArgs, run_robustness};
@@ -80,6 +81,10 @@ pub enum LabCommand {
     /// Compare aggregated, disaggregated and conditional serving at an equal number
     /// of engines: TTFT, inter-token latency and throughput (issue 27).
     Disagg(DisaggArgs),
+    /// Route a hybrid-attention fleet (sliding-window KV cache groups) with a
+    /// group-aware and a group-blind index, against a dense fleet of the same
+    /// memory: hit rate, the router's over-claimed overlap and TTFT (issue 28).
+    Hybrid(HybridArgs),
 }
 
 /// Runs `kv-mocker lab`: the sweep ([`run_lab`]) or the study named by its subcommand.
@@ -91,6 +96,7 @@ pub fn run(mut args: LabArgs) -> Result<(), LabError> {
         Some(LabCommand::Robustness(study)) => run_robustness(study).map(drop),
         Some(LabCommand::Swing(study)) => calibration::run_swing(study).map(drop),
         Some(LabCommand::Disagg(study)) => run_disagg(study).map(drop),
+        Some(LabCommand::Hybrid(study)) => run_hybrid(study).map(drop),
         None => run_lab(args).map(drop),
     }
 }

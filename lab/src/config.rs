@@ -7,7 +7,7 @@
 use crate::error::LabError;
 use crate::fleet::{TierPricing, WorkerSpeeds};
 use crate::serving::{ALWAYS_REMOTE, Serving, SplitFleet, SplitMode};
-use engine_model::{CpuTierConfig, EngineModelConfig, KvTransferConfig, TimingModel};
+use engine_model::{CpuTierConfig, EngineModelConfig, HybridConfig, KvTransferConfig, TimingModel};
 use kv_events::routing::PolicyKind;
 use scheduler::policy::predicted_ttft::PredictedTtftConfig;
 use scheduler::{DisaggregationConfig, SessionConfig};
@@ -106,6 +106,23 @@ pub struct SimConfig {
     /// The router's conditional-disaggregation thresholds for a
     /// [`SplitMode::Conditional`] split (the scheduler's defaults unless set).
     pub conditional: DisaggregationConfig,
+    /// The engines' hybrid-attention shape (sliding-window KV cache groups; a dense
+    /// model by default).
+    pub hybrid: HybridConfig,
+    /// Which KV cache groups' events the router indexes.
+    pub router_groups: RouterGroups,
+}
+
+/// Which KV cache groups' events the lab's router indexes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RouterGroups {
+    /// Every group's, as the engines publish them: kv-router's group-aware index.
+    #[default]
+    All,
+    /// Only the full-attention group's, without their group and held once per block
+    /// (no copies); sliding-window groups' events are dropped: what routers that know
+    /// neither groups nor copies see (Dynamo, llm-d; the `blind` module).
+    FullAttentionOnly,
 }
 
 impl Default for SimConfig {
@@ -126,6 +143,8 @@ impl Default for SimConfig {
             serving: Serving::Aggregated,
             transfer: KvTransferConfig::default(),
             conditional: DisaggregationConfig::default(),
+            hybrid: HybridConfig::default(),
+            router_groups: RouterGroups::All,
         }
     }
 }
@@ -149,6 +168,7 @@ impl SimConfig {
     pub fn validate(&self) -> Result<(), LabError> {
         self.engine.validate()?;
         self.cpu_tier.validate()?;
+        self.hybrid.validate()?;
         self.transfer.validate()?;
         self.conditional.validate()?;
         let t = &self.timing;

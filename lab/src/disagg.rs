@@ -17,13 +17,12 @@ use crate::charts;
 use crate::config::{LabPolicy, Setting, SimConfig, Speedup};
 use crate::error::LabError;
 use crate::metrics::RunMetrics;
-use crate::oracle::oracle_bound;
-use crate::report::{LabReport, RunReport, TraceInfo, publish};
+use crate::report::{LabReport, RunReport, publish};
 use crate::serving::{Serving, SplitFleet, SplitMode};
 use crate::sim::PreparedTrace;
 use crate::study_args::StudyArgs;
-use crate::sweep::{progress_bar, run_parallel, timed_run};
-use crate::table::tables_per_setting;
+use crate::sweep::{LabelledRun, jobs_or_cores, run_labelled};
+use crate::table::{engines_heading, ms, percent, tables_per_setting};
 use engine_model::KvTransferConfig;
 use engine_model::trace::BlockMapping;
 use kv_events::routing::PolicyKind;
@@ -97,13 +96,6 @@ pub struct DisaggReport {
     pub wall_s: f64,
 }
 
-/// One planned run.
-#[derive(Debug, Clone)]
-struct Item {
-    setting: Setting,
-    config: SimConfig,
-}
-
 impl DisaggArgs {
     /// The servings of a setting of `engines` engines, in report order:
     /// `aggregated`, then each prefill count in each mode.
@@ -127,7 +119,7 @@ impl DisaggArgs {
     /// [`LabError::NoWorkers`] for no setting or a zero engine count,
     /// [`LabError::Split`] for a prefill count that leaves no decode engine, and
     /// configuration errors.
-    fn plan(&self, base: &SimConfig) -> Result<Vec<Item>, LabError> {
+    fn plan(&self, base: &SimConfig) -> Result<Vec<LabelledRun>, LabError> {
         base.validate()?;
         if self.engines.is_empty() || self.speedup.is_empty() || self.engines.contains(&0) {
             return Err(LabError::NoWorkers);
@@ -137,8 +129,9 @@ impl DisaggArgs {
             for &speedup in &self.speedup {
                 for serving in self.servings() {
                     serving.roles(workers)?;
-                    items.push(Item {
+                    items.push(LabelledRun {
                         setting: Setting { workers, speedup },
+                        label: serving.label(workers),
                         config: SimConfig {
                             serving,
                             ..base.clone()
@@ -166,9 +159,7 @@ pub fn run_disagg(args: DisaggArgs) -> Result<DisaggReport, LabError> {
         ..args.study.sim_config()
     };
     let items = args.plan(&base)?;
-    let jobs = args
-        .jobs
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let jobs = jobs_or_cores(args.jobs);
     let policy = LabPolicy::Scheduler(args.policy);
     eprintln!(
         "lab disagg: {} requests of {name}, {} runs on {jobs} threads; policy {}, KV transfer {} ms/token",
@@ -177,29 +168,9 @@ pub fn run_disagg(args: DisaggArgs) -> Result<DisaggReport, LabError> {
         policy.name(),
         args.transfer.transfer_ms_per_token,
     );
-    let progress = progress_bar(items.len());
-    let runs = run_parallel(&items, jobs, &progress, |item| {
-        let label = item.config.serving.label(item.setting.workers);
-        progress.set_message(format!(
-            "{} engines, {}, {label}",
-            item.setting.workers, item.setting.speedup
-        ));
-        let mut run = timed_run(&prepared, item.setting, policy, &item.config)?;
-        run.policy = label;
-        Ok(run)
-    })?;
-    progress.finish_and_clear();
+    let runs = run_labelled(&prepared, &items, policy, jobs)?;
     let report = DisaggReport {
-        lab: LabReport {
-            trace: TraceInfo {
-                name,
-                requests: prepared.len() as u64,
-                span_ms: prepared.span_ms(),
-            },
-            config: (&base).into(),
-            oracle: oracle_bound(&prepared),
-            runs,
-        },
+        lab: LabReport::of(&prepared, name, &base, runs),
         routing_policy: policy.name(),
         conditional: base.conditional,
         wall_s: started.elapsed().as_secs_f64(),
@@ -253,7 +224,7 @@ pub fn render(report: &DisaggReport) -> String {
     tables_per_setting(
         &mut out,
         lab,
-        |s| format!("{} engines, {} arrivals", s.workers, s.speedup),
+        engines_heading,
         &HEADER,
         row,
         "latencies in model ms; hit rate = cached / prompt tokens where the prompt was prefilled; remote = share of completed requests prefilled on a prefill engine; local short/held = kept on the decode engine as short_uncached / decode_holds_prefix; moved/req = blocks transferred per remote prefill; ITL = per-request mean inter-token latency; tok/s = output tokens per simulated second",
@@ -263,7 +234,6 @@ pub fn render(report: &DisaggReport) -> String {
 
 fn row(r: &RunReport) -> Vec<String> {
     let m: &RunMetrics = &r.metrics;
-    let ms = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v:.0}"));
     let ms1 = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v:.1}"));
     let share = |part: u64, whole: u64| {
         if whole == 0 {
@@ -282,8 +252,7 @@ fn row(r: &RunReport) -> Vec<String> {
     };
     vec![
         r.policy.clone(),
-        m.hit_rate
-            .map_or_else(|| "-".to_owned(), |h| format!("{:.1}%", h * 100.0)),
+        percent(m.hit_rate),
         share(m.disaggregated, m.completed),
         format!(
             "{} / {}",

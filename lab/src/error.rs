@@ -65,6 +65,9 @@ pub enum LabError {
         /// Engines in the setting.
         workers: u32,
     },
+    /// `kv-mocker lab hybrid` was given no sliding-window group.
+    #[error("lab hybrid needs --sliding-window-groups of at least 1")]
+    NotHybrid,
     /// A setting has no workers, or no setting or policy was given.
     #[error("nothing to simulate: need at least one worker, setting and policy")]
     NoWorkers,

@@ -32,6 +32,8 @@
 //! - `serving`: the engines' roles (aggregated, or split into prefill and decode
 //!   engines); `disagg`: `kv-mocker lab disagg`,
 //!   aggregated against disaggregated against conditional serving.
+//! - `hybrid`: `kv-mocker lab hybrid`, a hybrid-attention fleet routed by a
+//!   group-aware and a group-blind index, against a dense fleet.
 //! - `robustness`: `kv-mocker lab robustness`, the policies across engine shapes.
 //! - `calibration`: `kv-mocker lab swing`, how calibration follows a changing load.
 //! - `sim`: the discrete-event simulator of one run (its `pair` module: the two halves
@@ -45,6 +47,7 @@
 //! - `sweep`: all runs on several threads with a progress bar.
 //! - `report`: the JSON report; `table`: its terminal rendering; `charts`: PNGs.
 
+mod blind;
 mod calibration;
 mod calibration_point;
 mod charts;
@@ -53,6 +56,7 @@ mod config;
 mod disagg;
 mod error;
 mod fleet;
+mod hybrid;
 mod log;
 mod log_entry;
 mod metrics;
@@ -76,13 +80,14 @@ pub use calibration::{SwingArgs, SwingReport};
 pub use calibration_point::CalibrationPoint;
 pub use charts::{CHART_FILES, DISAGG_CHART_FILES, write_charts, write_disagg_charts};
 pub use cli::{LabArgs, LabCommand, run, run_lab, run_lab_with};
-pub use config::{LabPolicy, Setting, SimConfig, Speedup};
+pub use config::{LabPolicy, RouterGroups, Setting, SimConfig, Speedup};
 pub use disagg::{DisaggArgs, DisaggReport, run_disagg};
 pub use error::LabError;
 pub use fleet::{EnginePreset, Factor, FleetPreset, SimulatedFleetArgs, TierPricing, WorkerSpeeds};
+pub use hybrid::{HybridArgs, HybridReport, HybridRow, HybridShape, run_hybrid};
 pub use log::simulate_logged;
 pub use log_entry::LogEntry;
-pub use metrics::{RequestRecord, RunMetrics};
+pub use metrics::{Prediction, RequestRecord, RunMetrics};
 pub use oracle::{OracleBound, oracle_bound};
 pub use report::{ConfigInfo, LabReport, RunReport, TimingInfo, TraceInfo};
 pub use robustness::{RobustnessArgs, run_robustness};

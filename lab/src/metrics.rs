@@ -24,6 +24,9 @@ pub struct RequestRecord {
     pub prompt_tokens: u64,
     /// Prompt tokens served from the prefix cache, in tokens (set at first token).
     pub cached_tokens: u64,
+    /// The router's predicted overlap on the rank that prefills it (its index's
+    /// blocks × block size, at most the prompt), in tokens (set when routed).
+    pub predicted_tokens: u64,
     /// The part of `cached_tokens` loaded back from the engine's CPU tier, in tokens.
     pub loaded_tokens: u64,
     /// When the first token was produced; `None` until then.
@@ -95,6 +98,45 @@ pub struct RunMetrics {
     /// KV events the index refused (a `Stored` with an unknown parent); 0 unless the
     /// simulator delivers events out of order, so a non-zero value is a bug.
     pub refused_events: u64,
+    /// The router's prediction against the engines' own hits, over completed requests
+    /// (absent in older reports).
+    #[serde(default)]
+    pub prediction: Prediction,
+}
+
+/// How far the router's predicted overlaps were from the hits the engines reported,
+/// over completed requests, in tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Prediction {
+    /// Σ prompt tokens.
+    pub prompt_tokens: u64,
+    /// Σ predicted overlap (index blocks × block size on the chosen rank).
+    pub predicted_tokens: u64,
+    /// Σ of predicted minus cached, where the router predicted more than the engine
+    /// reused (it priced reuse that did not happen).
+    pub overclaimed_tokens: u64,
+    /// Requests whose predicted overlap exceeded the engine's hit.
+    pub overclaimed_requests: u64,
+    /// Σ of cached minus predicted, where the engine reused more than predicted.
+    pub underclaimed_tokens: u64,
+}
+
+impl Prediction {
+    /// Σ predicted / Σ prompt tokens: the hit rate the router expected.
+    pub fn predicted_rate(&self) -> Option<f64> {
+        crate::table::ratio(self.predicted_tokens, self.prompt_tokens)
+    }
+
+    fn count(&mut self, prompt: u64, predicted: u64, cached: u64) {
+        self.prompt_tokens += prompt;
+        self.predicted_tokens += predicted;
+        if predicted > cached {
+            self.overclaimed_tokens += predicted - cached;
+            self.overclaimed_requests += 1;
+        } else {
+            self.underclaimed_tokens += cached - predicted;
+        }
+    }
 }
 
 /// Requests by the router's disaggregation reason (`kv_events::disaggregation`).
@@ -133,6 +175,7 @@ impl RunMetrics {
         let mut rejected = 0u64;
         let (mut disaggregated, mut transferred_blocks) = (0u64, 0u64);
         let mut decisions = Decisions::default();
+        let mut prediction = Prediction::default();
         let mut per_worker = vec![0u64; workers];
         let mut span_end = 0u64;
         let span_start = records.iter().map(|r| r.arrival_ns).min().unwrap_or(0);
@@ -157,6 +200,7 @@ impl RunMetrics {
                 transferred_blocks += r.transferred_blocks;
             }
             span_end = span_end.max(finish);
+            prediction.count(r.prompt_tokens, r.predicted_tokens, r.cached_tokens);
             cached += r.cached_tokens;
             loaded += r.loaded_tokens;
             prompt += r.prompt_tokens;
@@ -189,6 +233,7 @@ impl RunMetrics {
             decisions,
             ttft_cdf_ms,
             refused_events,
+            prediction,
         }
     }
 }

@@ -163,6 +163,26 @@ pub struct LabReport {
 }
 
 impl LabReport {
+    /// The report of `runs` of `trace` (named `name`) under `config`, with the trace's
+    /// oracle bound.
+    pub(crate) fn of(
+        trace: &crate::sim::PreparedTrace,
+        name: String,
+        config: &SimConfig,
+        runs: Vec<RunReport>,
+    ) -> Self {
+        Self {
+            trace: TraceInfo {
+                name,
+                requests: trace.len() as u64,
+                span_ms: trace.span_ms(),
+            },
+            config: config.into(),
+            oracle: crate::oracle::oracle_bound(trace),
+            runs,
+        }
+    }
+
     /// The run of `policy` at `setting`, if any.
     pub fn run(&self, setting: Setting, policy: &str) -> Option<&RunReport> {
         self.runs

@@ -7,7 +7,8 @@
 //! the frontend's lifecycle (`prefill_done`, `freed`) releases the booking. All calls
 //! that touch the scheduler's API live in this file, so API changes land here only.
 
-use crate::config::{LabPolicy, SimConfig};
+use crate::blind::BlindView;
+use crate::config::{LabPolicy, RouterGroups, SimConfig};
 use crate::error::LabError;
 use crate::fleet::TierPricing;
 use indexer::RadixTree;
@@ -44,6 +45,8 @@ pub(super) struct Route {
     pub prefill: Option<usize>,
     /// Why the router placed it so, in a split fleet.
     pub reason: Option<DisaggregationReason>,
+    /// The index's overlap on the rank that prefills it, in blocks.
+    pub predicted_blocks: u32,
 }
 
 /// Index plus decider for one run; ranks are identified by their index in `ranks`.
@@ -54,6 +57,9 @@ pub(super) struct Router {
     block_size: u32,
     decider: Decider,
     refused_events: u64,
+    /// With [`RouterGroups::FullAttentionOnly`], what a router that knows neither
+    /// groups nor copies indexes.
+    blind: Option<BlindView>,
     /// Whether route requests carry their derived session ([`LabPolicy::Sessions`]).
     sessions: bool,
     /// Whether route requests allow disaggregation (a split fleet).
@@ -122,6 +128,8 @@ impl Router {
             block_size: config.engine.block_size,
             decider,
             refused_events: 0,
+            blind: (config.router_groups == RouterGroups::FullAttentionOnly)
+                .then(BlindView::default),
             sessions: matches!(policy, LabPolicy::Sessions(_)),
             disaggregation: roles.iter().any(|r| *r != WorkerRole::Both),
         })
@@ -159,13 +167,12 @@ impl Router {
                 }
                 let selection = scheduler.schedule(&request, &scores, at(*epoch, now_ns))?;
                 let pair = selection.disaggregation;
+                let prefill_rank = pair.and_then(|p| p.prefill).map(|p| p.rank);
                 Ok(Route {
                     decode: self.index(selection.rank)?,
-                    prefill: pair
-                        .and_then(|p| p.prefill)
-                        .map(|p| self.index(p.rank))
-                        .transpose()?,
+                    prefill: prefill_rank.map(|r| self.index(r)).transpose()?,
                     reason: pair.map(|p| p.reason),
+                    predicted_blocks: scores.get(prefill_rank.unwrap_or(selection.rank)),
                 })
             }
         }
@@ -213,12 +220,18 @@ impl Router {
         }
     }
 
-    /// Applies one rank's KV events, in order. Refused events are counted (see
-    /// [`Router::refused_events`]).
+    /// Applies one rank's KV events, in order, as the router sees them
+    /// ([`RouterGroups`]). Refused events are counted (see [`Router::refused_events`]).
     pub fn apply(&mut self, worker_id: WorkerId, events: &[KvCacheEvent]) {
         for event in events {
-            if self.tree.apply_event(worker_id, event).is_err() {
-                self.refused_events += 1;
+            let viewed = match &mut self.blind {
+                None => vec![event.clone()],
+                Some(blind) => blind.view(worker_id, event),
+            };
+            for event in &viewed {
+                if self.tree.apply_event(worker_id, event).is_err() {
+                    self.refused_events += 1;
+                }
             }
         }
     }

@@ -192,7 +192,8 @@ pub(super) fn run_sim(
             Ok(SimRank {
                 id,
                 core: EngineCore::new(config.engine, at_speed(config.timing, speed))?
-                    .with_cpu_tier(config.cpu_tier)?,
+                    .with_cpu_tier(config.cpu_tier)?
+                    .with_hybrid(config.hybrid)?,
                 stepping: false,
                 next_event_id: 0,
             })
@@ -313,6 +314,8 @@ impl Sim<'_> {
         let record = &mut self.records[index];
         record.worker = Some(route.decode);
         record.prefill_worker = route.prefill;
+        record.predicted_tokens = (u64::from(route.predicted_blocks) * u64::from(trace.block_size))
+            .min(request.prompt_tokens);
         record.reason = route.reason;
         match route.prefill {
             Some(prefill) => self.admit(index, prefill, pair::Part::PrefillHalf, now),

@@ -131,6 +131,45 @@ where
         .collect()
 }
 
+/// `--jobs`, or the machine's cores when unset.
+pub(crate) fn jobs_or_cores(jobs: Option<usize>) -> usize {
+    jobs.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+/// One run of a study whose rows are not policies: its setting, the row's label (its
+/// report's `policy`) and its simulation.
+#[derive(Debug, Clone)]
+pub(crate) struct LabelledRun {
+    pub setting: Setting,
+    pub label: String,
+    pub config: SimConfig,
+}
+
+/// Runs every item under `policy` over `trace` on `jobs` threads, with a progress
+/// bar on stderr; the reports come back in item order, each labelled with its row.
+///
+/// # Errors
+/// The first item's [`LabError`], in item order.
+pub(crate) fn run_labelled(
+    trace: &PreparedTrace,
+    items: &[LabelledRun],
+    policy: LabPolicy,
+    jobs: usize,
+) -> Result<Vec<RunReport>, LabError> {
+    let progress = progress_bar(items.len());
+    let runs = run_parallel(items, jobs, &progress, |item| {
+        progress.set_message(format!(
+            "{} engines, {}, {}",
+            item.setting.workers, item.setting.speedup, item.label
+        ));
+        let mut run = timed_run(trace, item.setting, policy, &item.config)?;
+        run.policy.clone_from(&item.label);
+        Ok(run)
+    })?;
+    progress.finish_and_clear();
+    Ok(runs)
+}
+
 /// The progress bar of a study of `len` runs, on stderr.
 pub(crate) fn progress_bar(len: usize) -> ProgressBar {
     let bar = ProgressBar::new(len as u64);

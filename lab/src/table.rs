@@ -73,9 +73,29 @@ pub(crate) fn tables_per_setting(
     let _ = writeln!(out, "\n({note})");
 }
 
+/// A study's heading of a setting whose engines are its subject:
+/// `N engines, S arrivals`.
+pub(crate) fn engines_heading(s: Setting) -> String {
+    format!("{} engines, {} arrivals", s.workers, s.speedup)
+}
+
+/// `part / whole`, `None` when `whole` is 0.
+pub(crate) fn ratio(part: u64, whole: u64) -> Option<f64> {
+    (whole > 0).then(|| part as f64 / whole as f64)
+}
+
+/// A latency cell: whole ms, `-` when there is none.
+pub(crate) fn ms(v: Option<f64>) -> String {
+    v.map_or_else(|| "-".to_owned(), |v| format!("{v:.0}"))
+}
+
+/// A fraction as a percentage cell with one decimal, `-` when there is none.
+pub(crate) fn percent(v: Option<f64>) -> String {
+    v.map_or_else(|| "-".to_owned(), |v| format!("{:.1}%", v * 100.0))
+}
+
 fn row(r: &RunReport) -> Vec<String> {
     let m = &r.metrics;
-    let ms = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v:.0}"));
     let ttft = m.ttft_ms;
     let itl = m.itl_ms;
     vec![

@@ -253,6 +253,7 @@ fn engine_args(
         },
         http,
         cpu_tier: engine_model::CpuTierConfig::default(),
+        hybrid: engine_model::HybridConfig::default(),
         kv_events: mocker::engine::KvEventsArgs::default(),
         disaggregation: mocker::engine::EngineDisaggregationArgs::default(),
     }

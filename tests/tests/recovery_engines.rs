@@ -47,6 +47,7 @@ async fn a_router_started_after_the_engines_resyncs_from_them() -> anyhow::Resul
         },
         http: Default::default(),
         cpu_tier: Default::default(),
+        hybrid: Default::default(),
         kv_events: Default::default(),
         disaggregation: Default::default(),
     };

@@ -42,6 +42,7 @@ fn batch(i: u64) -> Bytes {
         token_ids: tokens,
         block_size: BLOCK,
         tier: StorageTier::Gpu,
+        group: None,
     };
     Bytes::from(encode_batch(1.0, &[event], DpRank(0)))
 }

@@ -6,7 +6,7 @@
 //! came with token ids (vLLM-style publishing needs them). Cost: one hash-map entry and
 //! one ordered-map entry per block, plus the tokens when known.
 
-use super::{CachedBlock, KvCache};
+use super::{CachedBlock, KvCache, Refs};
 use kv_events::{ExternalBlockHash, StorageTier, StoredBlock};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -195,8 +195,7 @@ impl KvCache {
             self.blocks.insert(
                 hash,
                 CachedBlock {
-                    refcount: 1,
-                    lru_tick: None,
+                    refs: Refs::held(),
                     copy: BlockCopy {
                         parent: held.last().copied(),
                         ..copy.clone()

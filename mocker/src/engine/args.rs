@@ -5,7 +5,7 @@ use super::config::{ConnectionArgs, FleetArgs, RuntimeArgs};
 use super::disaggregation::EngineDisaggregationArgs;
 use super::http::EngineHttpArgs;
 use super::vllm::KvEventsArgs;
-use engine_model::{CpuTierConfig, EngineModelConfig};
+use engine_model::{CpuTierConfig, EngineModelConfig, HybridConfig};
 
 /// Flags of `kv-mocker engines`: M mock workers with ids `first-worker-id ..
 /// first-worker-id + M`, each with `dp-size` ranks of the engine model.
@@ -23,6 +23,10 @@ pub struct EngineArgs {
     /// The CPU tier of every rank (off by default).
     #[command(flatten)]
     pub cpu_tier: CpuTierConfig,
+    /// Sliding-window KV cache groups of every rank (a hybrid-attention model; off
+    /// by default).
+    #[command(flatten)]
+    pub hybrid: HybridConfig,
     /// Time scale, lease TTL and metrics interval.
     #[command(flatten)]
     pub runtime: RuntimeArgs,

@@ -24,7 +24,7 @@ use super::vllm::{self, VllmPublisher};
 use crate::protocol::{ClearReply, GenerateResponse};
 use async_nats::Subject;
 use engine_model::EngineRequest;
-use engine_model::{EngineCore, StepOutput};
+use engine_model::{EngineCore, GroupStore, StepOutput};
 use kv_events::{
     ExternalBlockHash, KvCacheEventData, LoadMetrics, LocalBlockHash, RequestId, WorkerRank,
 };
@@ -292,7 +292,7 @@ impl Rank {
                 if matches!(self.sink, RankSink::Vllm(_)) {
                     st.held.extend(events);
                 } else {
-                    self.publish_events(st, events, &HashMap::new());
+                    self.publish_events(st, events, &[], &HashMap::new());
                 }
                 true
             }
@@ -360,7 +360,7 @@ impl Rank {
         let mut st = self.lock();
         let mut events = std::mem::take(&mut st.held);
         events.extend(out.kv_events);
-        self.publish_events(&mut st, events, &out.block_tokens);
+        self.publish_events(&mut st, events, &out.group_stores, &out.block_tokens);
         for ft in out.first_tokens {
             match st.replies.get(&ft.request_id) {
                 Some(Reply::Nats(reply)) => {
@@ -424,13 +424,15 @@ impl Rank {
 
     /// Publishes the events as one batch: in NATS mode recorded in the worker's
     /// journal (which numbers them) and enqueued on the outbox; in vLLM mode encoded
-    /// as vLLM's `KVEventBatch` (with each stored block's tokens from `block_tokens`)
-    /// and handed to the rank's ZMQ publisher, which numbers it. Called with the
-    /// rank's lock held, so batches go out in order.
+    /// as vLLM's `KVEventBatch` (with each stored block's tokens from `block_tokens`;
+    /// a hybrid rank's stores from `group_stores`, one per group, as vLLM 0.32
+    /// publishes them) and handed to the rank's ZMQ publisher, which numbers it.
+    /// Called with the rank's lock held, so batches go out in order.
     fn publish_events(
         &self,
         st: &mut EngineRankState,
         events: Vec<KvCacheEventData>,
+        group_stores: &[GroupStore],
         block_tokens: &HashMap<ExternalBlockHash, Vec<u32>>,
     ) {
         if events.is_empty() {
@@ -448,7 +450,14 @@ impl Rank {
             }
             RankSink::Vllm(publisher) => {
                 let block_size = st.core.config().block_size;
-                match vllm::to_vllm(&events, block_tokens, block_size) {
+                let hybrid = st.core.hybrid();
+                let converted = if hybrid.is_hybrid() {
+                    let window = hybrid.sliding_window;
+                    vllm::to_vllm_hybrid(&events, group_stores, block_tokens, block_size, window)
+                } else {
+                    vllm::to_vllm(&events, block_tokens, block_size)
+                };
+                match converted {
                     Ok(events) => {
                         let ts = std::time::SystemTime::now()
                             .duration_since(std::time::UNIX_EPOCH)

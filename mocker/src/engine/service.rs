@@ -154,6 +154,7 @@ pub async fn spawn_engines(
     shutdown: CancellationToken,
 ) -> Result<EnginesHandle, ServiceError> {
     args.model.validate().map_err(EngineConfigError::from)?;
+    args.hybrid.validate().map_err(EngineConfigError::from)?;
     args.runtime.validate()?;
     let disaggregation = args.disaggregation.validate()?;
     let worker_ids = args.fleet.worker_ids()?;
@@ -313,6 +314,7 @@ async fn start_worker(
     for dp in 0..args.fleet.dp_size {
         let core = EngineCore::new(args.model, TimingModel::default())
             .and_then(|core| core.with_cpu_tier(args.cpu_tier))
+            .and_then(|core| core.with_hybrid(args.hybrid))
             .map_err(EngineConfigError::from)?;
         let sink = match cluster {
             Some(cluster) => RankSink::Nats {
@@ -359,6 +361,7 @@ async fn start_worker(
         ranks: ranks.clone(),
         block_size: args.model.block_size,
         num_gpu_blocks: args.model.num_gpu_blocks,
+        max_request_blocks: args.hybrid.max_request_blocks(&args.model),
         tokenizer,
         transfer,
     };
@@ -406,10 +409,10 @@ async fn register(
             url: Some(url.clone()),
             epoch,
             // What its `/v1/models` answers, so a gateway bounds prompts by it.
-            max_model_len: Some(
-                args.http
-                    .max_model_len_or_cache(args.model.block_size, args.model.num_gpu_blocks),
-            ),
+            max_model_len: Some(args.http.max_model_len_or_cache(
+                args.model.block_size,
+                args.hybrid.max_request_blocks(&args.model),
+            )),
             role: placement.role,
             kv_transfer: placement.kv_transfer,
         };
@@ -433,9 +436,10 @@ fn load_tokenizer(args: &EngineArgs) -> Result<Option<Arc<ModelTokenizer>>, Serv
     let Some(dir) = &args.http.model_dir else {
         return Ok(None);
     };
-    let max_len = args
-        .http
-        .max_model_len_or_cache(args.model.block_size, args.model.num_gpu_blocks);
+    let max_len = args.http.max_model_len_or_cache(
+        args.model.block_size,
+        args.hybrid.max_request_blocks(&args.model),
+    );
     let limits = TokenizerLimits {
         max_prompt_bytes: http::MAX_BODY_BYTES,
         max_prompt_tokens: usize::try_from(max_len).unwrap_or(usize::MAX),
@@ -470,5 +474,7 @@ async fn publish_metrics(ranks: Vec<Arc<Rank>>, period: Duration, shutdown: Canc
 mod listen;
 mod stop;
 
+#[cfg(test)]
+mod hybrid_tests;
 #[cfg(test)]
 mod tests;

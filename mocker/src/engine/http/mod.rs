@@ -115,12 +115,14 @@ pub const ENGINE_IDLE_TIMEOUT: Duration = Duration::from_secs(5);
 pub const DEFAULT_MAX_CONNECTIONS: NonZeroUsize = NonZeroUsize::new(4096).expect("4096 is not 0");
 
 impl EngineHttpArgs {
-    /// The context length served, in tokens: `--max-model-len`, else one rank's whole
-    /// KV cache (`num_gpu_blocks` × `block_size` tokens). Answered on `/v1/models` and
-    /// registered as the worker's `max_model_len`.
-    pub fn max_model_len_or_cache(&self, block_size: u32, num_gpu_blocks: u64) -> u64 {
+    /// The context length served, in tokens: `--max-model-len`, else the largest
+    /// request one rank's KV cache can hold (`max_request_blocks` × `block_size`
+    /// tokens: the whole cache of a dense model, see
+    /// [`engine_model::HybridConfig::max_request_blocks`]). Answered on `/v1/models`
+    /// and registered as the worker's `max_model_len`.
+    pub fn max_model_len_or_cache(&self, block_size: u32, max_request_blocks: u64) -> u64 {
         self.max_model_len
-            .unwrap_or_else(|| num_gpu_blocks.saturating_mul(u64::from(block_size)))
+            .unwrap_or_else(|| max_request_blocks.saturating_mul(u64::from(block_size)))
     }
 
     /// The listeners' limits: header-read timeout and connection cap from the flags,
@@ -177,6 +179,9 @@ pub(super) struct WorkerHttp {
     pub block_size: u32,
     /// Blocks per rank.
     pub num_gpu_blocks: u64,
+    /// The largest request one rank can hold, in blocks (`num_gpu_blocks` for a
+    /// dense model).
+    pub max_request_blocks: u64,
     /// The shared tokenizer, if a model directory was given.
     pub tokenizer: Option<Arc<ModelTokenizer>>,
     /// Its half of disaggregated requests.
@@ -200,7 +205,7 @@ impl EngineHttpState {
             ranks: w.ranks,
             block_size: w.block_size,
             model_name: args.served_model_name.clone(),
-            max_model_len: args.max_model_len_or_cache(w.block_size, w.num_gpu_blocks),
+            max_model_len: args.max_model_len_or_cache(w.block_size, w.max_request_blocks),
             tokenizer: w.tokenizer,
             metrics,
             transfer: w.transfer,

@@ -4,7 +4,7 @@ use super::*;
 use crate::engine::{ConnectionArgs, FleetArgs, RuntimeArgs};
 use crate::protocol::{ClearReply, GenerateRequest, GenerateResponse};
 use bytes::Bytes;
-use engine_model::EngineModelConfig;
+use engine_model::{EngineModelConfig, HybridConfig};
 use futures::StreamExt;
 use kv_events::{
     KvCacheEventData, KvEventBatch, LoadMetrics, LocalBlockHash, Namespace, RequestId,
@@ -12,19 +12,29 @@ use kv_events::{
 use std::collections::HashSet;
 use testbed::{EtcdServer, NatsServer};
 
-const WAIT: Duration = Duration::from_secs(20);
+pub(super) const WAIT: Duration = Duration::from_secs(20);
 
-struct Harness {
+pub(super) struct Harness {
     // Field order: engines stop before the servers they talk to.
     handle: Option<EnginesHandle>,
-    nats: async_nats::Client,
+    pub(super) nats: async_nats::Client,
     etcd: etcd_client::Client,
-    subjects: Subjects,
+    pub(super) subjects: Subjects,
     _nats_server: NatsServer,
     _etcd_server: EtcdServer,
 }
 
 async fn start(fleet: FleetArgs, model: EngineModelConfig, time_scale: f64) -> Harness {
+    start_shaped(fleet, model, time_scale, HybridConfig::default()).await
+}
+
+/// Engines of `fleet` running `model` shaped by `hybrid`, on a fresh NATS and etcd.
+pub(super) async fn start_shaped(
+    fleet: FleetArgs,
+    model: EngineModelConfig,
+    time_scale: f64,
+    hybrid: HybridConfig,
+) -> Harness {
     let nats_server = NatsServer::start().await.expect("nats-server starts");
     let etcd_server = EtcdServer::start().await.expect("etcd starts");
     let namespace = Namespace::new("enginetest").expect("valid");
@@ -40,6 +50,7 @@ async fn start(fleet: FleetArgs, model: EngineModelConfig, time_scale: f64) -> H
         },
         http: Default::default(),
         cpu_tier: Default::default(),
+        hybrid,
         kv_events: Default::default(),
         disaggregation: Default::default(),
     };
@@ -62,7 +73,11 @@ async fn start(fleet: FleetArgs, model: EngineModelConfig, time_scale: f64) -> H
 
 impl Harness {
     /// Sends a generate request and returns the inbox its responses arrive on.
-    async fn generate(&self, worker: WorkerId, req: &GenerateRequest) -> async_nats::Subscriber {
+    pub(super) async fn generate(
+        &self,
+        worker: WorkerId,
+        req: &GenerateRequest,
+    ) -> async_nats::Subscriber {
         let payload = Bytes::from(kv_events::encode(req).expect("encodes"));
         self.send_raw(worker, payload).await
     }
@@ -89,7 +104,7 @@ impl Harness {
         kv_events::decode(&reply.payload).expect("clear reply decodes")
     }
 
-    async fn registered_workers(&mut self) -> Vec<WorkerRegistration> {
+    pub(super) async fn registered_workers(&mut self) -> Vec<WorkerRegistration> {
         let prefix = self.subjects.etcd_worker_prefix();
         let resp = self
             .etcd
@@ -105,7 +120,7 @@ impl Harness {
         regs
     }
 
-    async fn stop(&mut self) {
+    pub(super) async fn stop(&mut self) {
         let handle = self.handle.take().expect("running");
         handle.shutdown();
         tokio::time::timeout(WAIT, handle.wait())
@@ -115,7 +130,7 @@ impl Harness {
     }
 }
 
-async fn next_response(sub: &mut async_nats::Subscriber) -> GenerateResponse {
+pub(super) async fn next_response(sub: &mut async_nats::Subscriber) -> GenerateResponse {
     let msg = tokio::time::timeout(WAIT, sub.next())
         .await
         .expect("response in time")
@@ -123,7 +138,13 @@ async fn next_response(sub: &mut async_nats::Subscriber) -> GenerateResponse {
     kv_events::decode(&msg.payload).expect("response decodes")
 }
 
-fn request(id: &str, dp: u32, hashes: &[u64], tokens: u64, max_tokens: u64) -> GenerateRequest {
+pub(super) fn request(
+    id: &str,
+    dp: u32,
+    hashes: &[u64],
+    tokens: u64,
+    max_tokens: u64,
+) -> GenerateRequest {
     GenerateRequest {
         request_id: RequestId::from(id),
         dp_rank: DpRank(dp),
@@ -133,7 +154,7 @@ fn request(id: &str, dp: u32, hashes: &[u64], tokens: u64, max_tokens: u64) -> G
     }
 }
 
-fn small_model() -> EngineModelConfig {
+pub(super) fn small_model() -> EngineModelConfig {
     EngineModelConfig {
         block_size: 16,
         num_gpu_blocks: 64,

@@ -20,11 +20,13 @@ pub mod encode;
 pub mod publisher;
 
 #[cfg(test)]
+mod hybrid_tests;
+#[cfg(test)]
 mod tests;
 
 use super::config::EngineConfigError;
 use bytes::Bytes;
-pub use encode::{MissingTokens, VllmEvent, encode_batch, to_vllm};
+pub use encode::{MissingTokens, VllmEvent, VllmGroup, encode_batch, to_vllm, to_vllm_hybrid};
 pub use publisher::{BindError, PublisherConfig, RankEndpoints, VllmPublisher};
 
 /// Default `--zmq-port`: vLLM's default KV events endpoint port.

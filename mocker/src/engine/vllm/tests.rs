@@ -23,18 +23,27 @@ fn fixture(name: &str) -> Value {
         .expect("fixture is json")
 }
 
-fn unhex(s: &str) -> Vec<u8> {
+pub(super) fn unhex(s: &str) -> Vec<u8> {
     (0..s.len())
         .step_by(2)
         .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex"))
         .collect()
 }
 
-fn hashes(v: &Value) -> Vec<ExternalBlockHash> {
+pub(super) fn hashes(v: &Value) -> Vec<ExternalBlockHash> {
     v.as_array()
         .expect("hash list")
         .iter()
         .map(|h| ExternalBlockHash(h.as_u64().expect("int hash")))
+        .collect()
+}
+
+/// A captured event's `token_ids`.
+pub(super) fn tokens(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .expect("tokens")
+        .iter()
+        .map(|t| u32::try_from(t.as_u64().expect("token")).expect("u32"))
         .collect()
 }
 
@@ -58,20 +67,17 @@ fn captured_events(decoded: &Value) -> Option<Vec<VllmEvent>> {
                 Some(VllmEvent::BlockStored {
                     block_hashes: hashes(&e["block_hashes"]),
                     parent_block_hash: e["parent_block_hash"].as_u64().map(ExternalBlockHash),
-                    token_ids: e["token_ids"]
-                        .as_array()
-                        .expect("tokens")
-                        .iter()
-                        .map(|t| u32::try_from(t.as_u64().expect("token")).expect("u32"))
-                        .collect(),
+                    token_ids: tokens(&e["token_ids"]),
                     block_size: u32::try_from(e["block_size"].as_u64().expect("size"))
                         .expect("u32"),
                     tier: tier_of(e),
+                    group: None,
                 })
             }
             "BlockRemoved" => Some(VllmEvent::BlockRemoved {
                 block_hashes: hashes(&e["block_hashes"]),
                 tier: tier_of(e),
+                group: None,
             }),
             "AllBlocksCleared" => Some(VllmEvent::AllBlocksCleared),
             other => panic!("unexpected event type {other}"),

@@ -99,6 +99,7 @@ fn engine_args(
         },
         http,
         cpu_tier: Default::default(),
+        hybrid: Default::default(),
         kv_events: Default::default(),
         disaggregation: Default::default(),
     }
