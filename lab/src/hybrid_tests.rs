@@ -135,7 +135,6 @@ fn a_group_blind_router_over_claims_on_a_hybrid_fleet_and_a_dense_one_does_not()
 /// engine reuses (the events reach it long before the next prompt), so it never
 /// over-claims, where the blind one does.
 #[test]
-#[ignore = "needs the group-aware index of issue 28 (indexer, branch h28a); until it merges the index ignores groups"]
 fn a_group_aware_router_claims_what_the_hybrid_engine_reuses() {
     let dir = tempfile::tempdir().expect("temp dir");
     let report = shared_prefix_study(dir.path());
