@@ -116,5 +116,8 @@ fn the_router_predicts_every_cached_token_count_of_a_real_hybrid_vllm() {
             }
         }
     }
-    assert_eq!(compared, 11, "every request with a known prompt is compared");
+    assert_eq!(
+        compared, 11,
+        "every request with a known prompt is compared"
+    );
 }
