@@ -14,9 +14,12 @@ use std::ops::AddAssign;
 pub struct IndexerStats {
     /// Live tree nodes (one per distinct block position), the root not counted.
     pub nodes: usize,
-    /// (worker rank, block) entries: every engine block hash a rank holds.
+    /// (holder, block) entries: every engine block hash a holder holds, a holder
+    /// being a worker rank on one storage tier in one KV cache group (copies of a
+    /// block are not counted).
     pub entries: usize,
-    /// Worker ranks with at least one entry or known to the tree.
+    /// Holders (worker rank, tier, KV cache group) with at least one entry or known
+    /// to the tree: one per rank for a dense model on the GPU.
     pub ranks: usize,
     /// Approximate heap footprint in bytes: arena slots, holder sets, child maps and
     /// per-rank block maps by capacity. Allocator overhead is not counted.

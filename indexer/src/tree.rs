@@ -159,8 +159,9 @@ fn same_holders(holders: &[u32], active: &[u32]) -> bool {
 ///
 /// Not thread-safe by design: one owner applies events and answers queries, which is
 /// what a shard's [`crate::OrderedIndex`] does under its lock. All operations are infallible except
-/// [`RadixTree::apply_event`] on a `Stored` event with an unknown parent, which
-/// leaves the tree unchanged.
+/// [`RadixTree::apply_event`] on a `Stored` event with an unknown parent or a
+/// changed group window, which leaves the tree unchanged (or one whose parent this
+/// tree pruned).
 #[derive(Debug, Default)]
 pub struct RadixTree {
     arena: Arena,
@@ -423,8 +424,8 @@ impl RadixTree {
         self.arena.live_runs()
     }
 
-    /// Total (rank, block) entries: engine block hashes held, summed over ranks and
-    /// tiers.
+    /// Total (holder, block) entries: engine block hashes held, summed over holders
+    /// (ranks, tiers and KV cache groups); a block's extra copies are not entries.
     /// O(1).
     pub fn num_entries(&self) -> usize {
         self.entries

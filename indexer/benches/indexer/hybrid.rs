@@ -144,7 +144,7 @@ pub fn run(scale: Scale) {
         .collect();
     assert!(!queries.is_empty(), "no 128-block conversations");
     println!(
-        "\n## hybrid fleet vs dense ({QUERY_BLOCKS}-block queries, 256 workers, {} blocks per group; µs)\n",
+        "\n## hybrid fleet vs dense ({QUERY_BLOCKS}-block queries, 256 workers, {} blocks stored, each also 1 in 4 per windowed group; µs)\n",
         w.blocks
     );
     println!(
