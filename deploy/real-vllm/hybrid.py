@@ -116,7 +116,10 @@ class EngineEvents:
                 self._next_seq = seq + 1
                 self.batches += 1
                 for event in events:
-                    self._apply(event)
+                    if isinstance(event, dict):
+                        self._apply(event)
+                    else:  # vLLM sends its events as maps with a "type"
+                        self.malformed += 1
 
     def _apply(self, event: dict) -> None:
         group = event.get("group_idx") or 0
@@ -141,7 +144,7 @@ class EngineEvents:
             self.split.clear()
 
     def mark(self) -> int:
-        """A point in the store log, for ``stores_since``."""
+        """A point in the store log, for ``first_full_store_since``."""
         with self._lock:
             return len(self.stores)
 
@@ -317,8 +320,8 @@ def run(cluster: Cluster, seed: int) -> list[Outcome]:
     engine_side.figures["copies: hashes stored more than once, by group kind"] = \
         ", ".join(f"{k} {v}" for k, v in sorted(events.duplicated().items()))
     engine_side.figures["copies: removals that left another copy"] = events.split_removals
-    engine_side.figures["engine event batches seen / missed by the harness"] = \
-        f"{events.batches} / {events.missed}"
+    engine_side.figures["event batches the harness saw / missed / found malformed"] = \
+        f"{events.batches} / {events.missed} / {events.malformed}"
     for step in (lambda: bookings_freed(cluster, after), lambda: relay_refusals(cluster, after),
                  lambda: router_events(cluster, after)):
         try:
