@@ -79,8 +79,9 @@ class Client:
                 return text
             text = f"{text} {' '.join(words(self.rng, 1 if n >= tokens else 8))}".strip()
 
-    def send(self, prompt: str) -> Sample:
-        """One completion through the gateway (2 tokens out)."""
+    def send(self, prompt: str | list[int]) -> Sample:
+        """One completion through the gateway (2 tokens out); ``prompt`` is text or
+        token ids."""
         raw = self.openai.completions.with_raw_response.create(
             model=MODEL, prompt=prompt, max_tokens=2, temperature=0.0)
         usage = raw.parse().usage
@@ -91,7 +92,7 @@ class Client:
             prompt_tokens=usage.prompt_tokens,
             cached_tokens=(details.cached_tokens or 0) if details else 0)
 
-    def send_settled(self, prompt: str) -> Sample:
+    def send_settled(self, prompt: str | list[int]) -> Sample:
         sample = self.send(prompt)
         time.sleep(SETTLE_S)
         return sample

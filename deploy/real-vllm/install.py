@@ -41,11 +41,16 @@ def python(venv: Path) -> Path:
     return venv / "bin" / "python"
 
 
-def ensure(venv: Path, log) -> Path:
-    """The venv's python, installing the venv first unless its marker matches."""
+def ensure(venv: Path, log, replace: bool = True) -> Path:
+    """The venv's python, installing the venv first unless its marker matches. A venv
+    there without that marker is replaced, or with ``replace`` False (a venv named by
+    the user) left alone: then a ``SystemExit`` says so."""
     marker = venv / MARKER
     if marker.exists() and marker.read_text().strip() == _pins():
         return python(venv)
+    if venv.exists() and not replace:
+        raise SystemExit(f"{venv} is not a venv of {_pins()} ({MARKER} differs); "
+                         "leave --venv out to install one under --out")
     free = shutil.disk_usage(venv.parent if venv.parent.exists() else Path.cwd()).free
     if free < NEEDED_FREE_GIB << 30:
         raise SystemExit(f"the vLLM venv needs about {NEEDED_FREE_GIB} GiB free; "

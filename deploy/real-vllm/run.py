@@ -5,12 +5,15 @@ installs about 6 GB and a run takes 3-5 minutes on 2 cores.
 
     python3 deploy/real-vllm/run.py            # builds kv-router (release) first
     python3 deploy/real-vllm/run.py --no-build # uses target/release/kv-router as is
+    python3 deploy/real-vllm/run.py --pd       # prefill/decode over NIXL
+    python3 deploy/real-vllm/run.py --hybrid   # a sliding-window + full-attention model
 
 Steps: the venv (``install.py``, reused), a tiny random-weight Llama and tokenizer
 (``model.py``, no download), nats-server + etcd + 2 vLLM + 2 relays + router +
 gateway (``stack.py``), then the checks (``checks.py``): token parity, prefix reuse,
 eviction, a relay restarted beside an idle engine with a long history, an engine
-killed and back. Prints a table of figures; exits 1 if a check failed, 2 if the
+killed and back (``--pd``: ``pd.py``, ``pd_gateway.py``; ``--hybrid``: ``hybrid.py``).
+Prints a table of figures; exits 1 if a check failed, 2 if the
 cluster could not be brought up. Every process is stopped on exit, Ctrl-C included;
 logs stay in ``target/real-vllm/logs``.
 """
@@ -49,7 +52,11 @@ def parse_args() -> argparse.Namespace:
                    help="kv-router binary to run (then nothing is built); default: "
                         "$CARGO_TARGET_DIR or target/, release/kv-router")
     p.add_argument("--out", type=Path, default=REPO / "target" / "real-vllm",
-                   help="venv, model, logs (default: target/real-vllm)")
+                   help="venv, models, logs (default: target/real-vllm)")
+    p.add_argument("--venv", type=Path, default=None,
+                   help="an existing vLLM venv made by install.py (its pins marker must "
+                        "match; it is never replaced); default: <out>/venv, installed "
+                        "or replaced as needed")
     p.add_argument("--prompts", type=int, default=6,
                    help="prompts of the parity / reuse check (each sent 3 times)")
     p.add_argument("--history", type=int, default=3000,
@@ -57,9 +64,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--relay-restarts", type=int, default=3,
                    help="times that engine's relay is stopped and started beside it")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--pd", action="store_true",
-                   help="the prefill/decode mode: 2 prefill + 1 decode vLLM joined by NIXL "
-                        "(pd.py) instead of 2 aggregated engines")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--pd", action="store_true",
+                      help="the prefill/decode mode: 2 prefill + 1 decode vLLM joined by "
+                           "NIXL (pd.py) instead of 2 aggregated engines")
+    mode.add_argument("--hybrid", action="store_true",
+                      help="the hybrid-attention mode: 1 vLLM serving a tiny Gemma-3 (3 "
+                           "sliding-window layers + 1 full) with its hybrid KV cache "
+                           "manager (hybrid.py) instead of 2 aggregated engines")
     p.add_argument("--nixl-poll-delay-us", type=int, default=1000,
                    help="with --pd: poll timeout of NIXL's progress thread, us (0: NIXL's "
                         "own zero timeout, which spins a core per instance)")
@@ -77,15 +89,15 @@ def main() -> int:
             log("cargo build --release -p kv-router")
             subprocess.run(["cargo", "build", "--release", "-p", "kv-router"],
                            cwd=REPO, check=True)
-        python = install.ensure(args.out / "venv", log)
+        python = install.ensure(args.venv or args.out / "venv", log,
+                                replace=args.venv is None)
         os.environ[IN_VENV] = "1"
         os.execv(str(python), [str(python), __file__, *sys.argv[1:]])
     return run_in_venv(args)
 
 
 def run_in_venv(args: argparse.Namespace) -> int:
-    import model
-    from stack import ChildError, Cluster, EngineShape
+    from stack import ChildError, Cluster
 
     # No hub, no telemetry; vLLM's dev endpoints (/reset_prefix_cache); a small KV
     # space so the servers fit beside the other work on this machine.
@@ -100,11 +112,11 @@ def run_in_venv(args: argparse.Namespace) -> int:
     if not kv_router.exists() and not args.engines_only:
         log(f"{kv_router} is missing: run without --no-build")
         return 2
-    model_dir = model.make(args.out / "model", log)
-    shape = EngineShape(block_size=32, num_blocks=96, max_model_len=1024)
+    kind = PdMode if args.pd else HybridMode if args.hybrid else AggregatedMode
+    model_dir, shape = kind.served(args.out, log)
     cluster = Cluster(args.out, kv_router, Path(sys.executable), model_dir, shape, log,
                       nixl_poll_delay_us=args.nixl_poll_delay_us)
-    mode = PdMode(cluster, args) if args.pd else AggregatedMode(cluster, args)
+    mode = kind(cluster, args)
     try:
         log(f"starting {mode.processes} (minutes)")
         started = time.monotonic()
@@ -139,10 +151,20 @@ def run_steps(steps) -> list:
     return outcomes
 
 
+def llama(out: Path, log):
+    """The tiny Llama and the engine shape of the aggregated and prefill/decode modes."""
+    import model
+    from stack import EngineShape
+
+    return (model.make(out / "model", log),
+            EngineShape(block_size=32, num_blocks=96, max_model_len=1024))
+
+
 class AggregatedMode:
     """Two aggregated engines: token parity, reuse, eviction, relay and engine restarts."""
 
     processes = "nats-server, etcd, 2 vLLM servers, relays, router, gateway"
+    served = staticmethod(llama)
 
     def __init__(self, cluster, args: argparse.Namespace):
         self.cluster, self.args = cluster, args
@@ -181,6 +203,7 @@ class PdMode:
     (unless ``--engines-only``) disaggregated requests through the gateway."""
 
     ROLES = ("prefill", "prefill", "decode")
+    served = staticmethod(llama)
 
     def __init__(self, cluster, args: argparse.Namespace):
         self.cluster, self.args = cluster, args
@@ -211,6 +234,38 @@ class PdMode:
             steps.append(("through the gateway",
                           lambda: pd_gateway.through_gateway(cluster, self.args.seed + 1)))
         return run_steps(steps)
+
+
+class HybridMode:
+    """One engine serving a hybrid-attention model: token parity on repeats,
+    prefix-sharing prompts, duplicate blocks and after eviction."""
+
+    processes = ("nats-server, etcd, 1 vLLM server (hybrid KV cache manager), relay, "
+                 "router, gateway")
+
+    def __init__(self, cluster, args: argparse.Namespace):
+        self.cluster, self.args = cluster, args
+
+    @staticmethod
+    def served(out: Path, log):
+        """The tiny Gemma-3, with 136 blocks: its 4 KV cache groups share one pool, and
+        vLLM refuses to start it with 96 at 1,024 tokens (it counts each sliding-window
+        group as needing a whole context too)."""
+        import model
+        from stack import EngineShape
+
+        return (model.make_hybrid(out / "model-hybrid", log),
+                EngineShape(block_size=32, num_blocks=136, max_model_len=1024))
+
+    def start(self) -> None:
+        from stack import Role
+
+        self.cluster.start([Role.BOTH])
+
+    def run(self) -> list:
+        import hybrid
+
+        return hybrid.run(self.cluster, self.args.seed)
 
 
 def report(outcomes) -> None:

@@ -31,8 +31,8 @@ from procs import Child, ChildError, Stack, free_port, free_port_block  # noqa: 
 from tools import require  # noqa: E402
 
 NAMESPACE = "real-vllm"
-MODEL = "tiny-llama"
-"""The served model name of both engines and the gateway."""
+MODEL = "tiny"
+"""The served model name of every engine and the gateway (whichever tiny model)."""
 
 ENGINE_READY_S = 900.0
 """vLLM's start on this CPU (import, model load, profiling) takes minutes."""
