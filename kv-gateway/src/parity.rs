@@ -43,7 +43,7 @@ use prometheus::{Histogram, IntCounter};
 use std::collections::hash_map::Entry;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 /// Informative answers per worker a verdict looks back on.
 pub const WINDOW: usize = 10;
@@ -390,6 +390,10 @@ impl ParityMonitor {
         let outcome = judged.map_or(Outcome::Unreported, |j| j.outcome);
         worker.outcomes[outcome as usize].inc();
         let judged = judged?;
+        if judged.outcome != Outcome::Agree {
+            debug!(worker = %worker.label, outcome = judged.outcome.as_str(), predicted_tokens = judged.predicted,
+                cached_tokens = judged.raw_cached, prompt_tokens = judged.prompt_tokens, "cache parity disagreement");
+        }
         // Token counts of one prompt fit an f64 exactly (below 2^53).
         worker
             .diff
