@@ -9,12 +9,14 @@
 //! ends with an error. A streamed chunk the client gets as the engine sent it
 //! (completions, pass-through chats) is only peeked at — errors, usage, an empty
 //! `choices` — and its text passed on unchanged: no JSON tree is built and nothing is
-//! re-serialized. Other chunks (a chat forwarded as tokens, rewritten from completion
+//! re-serialized. The usage's cached prompt tokens go to the parity monitor
+//! ([`crate::parity`]). Other chunks (a chat forwarded as tokens, rewritten from completion
 //! chunks; a non-streamed answer, assembled) are parsed once. Nothing is buffered
 //! beyond one event.
 
 use crate::forward::Events;
 use crate::metrics::GatewayMetrics;
+use crate::parity::{Pending, Reported};
 use crate::router::Booking;
 use axum::body::Body;
 use bytes::Bytes;
@@ -63,6 +65,10 @@ pub struct Answer {
     /// Choice indices that already got their chat `role`.
     pub(crate) roles_sent: HashSet<u64>,
     pub(crate) finished: bool,
+    /// The router's prediction, judged against the engine's usage when it arrives
+    /// (or as unreported at `[DONE]` without one); `None` once judged, or when this
+    /// answer is not judged (a disaggregated request's decode half).
+    pub(crate) parity: Option<Pending>,
 }
 
 /// A chunk on its way to the client.
@@ -85,10 +91,44 @@ struct Peek {
     choices: Option<Vec<IgnoredAny>>,
 }
 
+/// The `usage` fields the gateway reads.
 #[derive(Deserialize)]
-struct PeekUsage {
+pub(crate) struct PeekUsage {
     #[serde(default)]
     completion_tokens: Option<u64>,
+    #[serde(default)]
+    prompt_tokens: Option<u64>,
+    #[serde(default)]
+    prompt_tokens_details: Option<PeekDetails>,
+}
+
+#[derive(Deserialize)]
+struct PeekDetails {
+    #[serde(default)]
+    cached_tokens: Option<u64>,
+}
+
+impl PeekUsage {
+    fn reported(&self) -> Reported {
+        Reported {
+            cached_tokens: (self.prompt_tokens_details.as_ref()).and_then(|d| d.cached_tokens),
+            prompt_tokens: self.prompt_tokens,
+        }
+    }
+}
+
+/// What the `usage` of a whole engine answer (a prefill half's) reports; nothing when
+/// the answer is not JSON or has no usage.
+pub(crate) fn answer_usage(answer: &[u8]) -> Reported {
+    #[derive(Deserialize)]
+    struct Whole {
+        #[serde(default)]
+        usage: Option<PeekUsage>,
+    }
+    serde_json::from_slice::<Whole>(answer)
+        .ok()
+        .and_then(|w| w.usage)
+        .map_or_else(Reported::default, |u| u.reported())
 }
 
 /// An engine event, read.
@@ -136,6 +176,7 @@ impl Answer {
             },
         };
         if event.data.trim() == "[DONE]" {
+            self.judge(Reported::default());
             return Some(Read::Done);
         }
         if self.pass_through() {
@@ -143,8 +184,8 @@ impl Answer {
             if let Ok(peek) = serde_json::from_str::<Peek>(&event.data)
                 && peek.error.is_none()
             {
-                if let Some(tokens) = peek.usage.and_then(|u| u.completion_tokens) {
-                    self.metrics.completion_tokens(tokens);
+                if let Some(usage) = peek.usage {
+                    self.usage(&usage);
                 }
                 let usage_only = peek.choices.is_some_and(|c| c.is_empty());
                 return Some(Read::Chunk(
@@ -163,12 +204,8 @@ impl Answer {
                 .map_or_else(|| error.to_string(), str::to_owned);
             return Some(Read::Error(message));
         }
-        if let Some(tokens) = chunk
-            .get("usage")
-            .and_then(|u| u.get("completion_tokens"))
-            .and_then(Value::as_u64)
-        {
-            self.metrics.completion_tokens(tokens);
+        if let Some(Ok(usage)) = chunk.get("usage").map(PeekUsage::deserialize) {
+            self.usage(&usage);
         }
         let usage_only = chunk
             .get("choices")
@@ -180,6 +217,21 @@ impl Answer {
         Some(Read::Chunk(
             (!usage_only || self.include_usage).then_some(Chunk::Parsed(chunk)),
         ))
+    }
+
+    /// Counts an engine usage's generated tokens and judges its cached tokens.
+    fn usage(&mut self, usage: &PeekUsage) {
+        if let Some(tokens) = usage.completion_tokens {
+            self.metrics.completion_tokens(tokens);
+        }
+        self.judge(usage.reported());
+    }
+
+    /// Judges the answer's parity once, by the first usage it carries.
+    fn judge(&mut self, reported: Reported) {
+        if let Some(pending) = self.parity.take() {
+            pending.judge(reported);
+        }
     }
 
     /// Whether chunks go to the client as the engine sent them: streamed, and not

@@ -27,6 +27,7 @@ use crate::openai::{
     ChatRequest, CompletionRequest, EngineTarget, PromptInput, chat_as_completion, chat_for_engine,
     completion_for_engine, max_output_tokens, parse_chat, parse_completion,
 };
+use crate::parity::ParityMonitor;
 use crate::router::{Booking, RouterClient};
 use crate::tokenize::PromptTokenizer;
 use crate::workers::WorkerUrls;
@@ -63,6 +64,8 @@ pub struct Flow {
     pub engine: EngineClient,
     /// Metrics.
     pub metrics: GatewayMetrics,
+    /// Predicted overlap against the engines' cached tokens.
+    pub parity: ParityMonitor,
 }
 
 /// What the engine is sent, per mode.
@@ -334,6 +337,10 @@ impl Flow {
         self.metrics.prompt_tokens(plan.tokens.len());
         self.metrics.in_flight().inc();
         debug!(request_id = %booking.request_id(), worker = %worker, dp_rank = %decision.dp_rank, overlap_blocks = decision.overlap_blocks, "first token");
+        // A disaggregated answer is judged on its prefill half (`halves`).
+        let parity = (prefill.is_none())
+            .then(|| (self.parity).pending(worker, decision.overlap_blocks, plan.tokens.len()))
+            .flatten();
         let answer = Answer {
             first: Some(first),
             events,
@@ -349,6 +356,7 @@ impl Flow {
             last: Instant::now(),
             roles_sent: HashSet::new(),
             finished: false,
+            parity,
         };
         if plan.stream {
             return Ok((

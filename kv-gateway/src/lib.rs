@@ -25,6 +25,8 @@
 //! - [`answer`]: relaying or assembling the engine's events.
 //! - [`workers`]: worker id → engine URL, role and KV transfer, from the etcd
 //!   directory.
+//! - [`parity`]: the router's predicted overlap against the engines' reported cached
+//!   tokens, per worker, with a persistent mismatch flagged and its likely cause.
 //! - [`metrics`]: the gateway's Prometheus metrics.
 //! - [`error`]: [`GatewayError`] and the client-facing [`error::ApiError`].
 
@@ -37,6 +39,7 @@ pub mod http;
 pub mod limit;
 pub mod metrics;
 pub mod openai;
+pub mod parity;
 pub mod router;
 pub mod session;
 pub mod tokenize;
@@ -51,11 +54,12 @@ use crate::forward::EngineClient;
 use crate::http::AppState;
 use crate::limit::PromptLimits;
 use crate::metrics::GatewayMetrics;
+use crate::parity::ParityMonitor;
 use crate::router::RouterClient;
 use crate::tokenize::PromptTokenizer;
 use crate::tokenize::pool::TokenizerPool;
 use crate::tokenize::remote::{Api, Remote, TokenizeTarget};
-use crate::workers::WorkerUrls;
+use crate::workers::{Directory, WorkerUrls};
 use axum::serve::ListenerExt;
 use kv_cluster::directory::WorkerDirectory;
 use kv_cluster::metrics::Registrar;
@@ -170,13 +174,17 @@ impl Gateway {
             connection,
         );
 
+        let parity = ParityMonitor::new(metrics.clone(), workers.clone());
         let directory_shutdown = shutdown.child_token();
-        let (etcd, subjects, limits, mut urls) = (
+        let (etcd, subjects, limits) = (
             config.etcd.clone(),
             config.subjects.clone(),
             config.wire_limits,
-            workers.clone(),
         );
+        let mut urls = Directory {
+            urls: workers.clone(),
+            parity: parity.clone(),
+        };
         tokio::spawn(async move {
             let loaded = WorkerDirectory::connect_and_load(
                 etcd,
@@ -201,6 +209,7 @@ impl Gateway {
                 workers: workers.clone(),
                 engine: EngineClient::new(client, config.model.engine_api),
                 metrics: metrics.clone(),
+                parity,
             },
             registry,
         };

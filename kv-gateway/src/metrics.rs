@@ -20,9 +20,12 @@
 //! | `kv_gateway_half_retries_total` | `half`: `prefill`, `decode`; `reason` as above | failovers of a disaggregated request, by the half that failed (also counted in `kv_gateway_retries_total`) |
 //! | `kv_gateway_overlap_ratio` | | overlap blocks / prompt blocks of each routed request |
 //! | `kv_gateway_requests_in_flight` | | requests between routing and their end |
+//! | `kv_gateway_cache_parity_total` | `worker`, `outcome`: `agree`, `over_claim`, `under_claim`, `unreported` | engine answers by how the router's predicted overlap compares with the engine's reported cached tokens ([`crate::parity`]) |
+//! | `kv_gateway_cache_parity_diff_tokens` | `worker` | predicted minus reported cached prompt tokens of each judged answer (negative: the engine had more) |
+//! | `kv_gateway_cache_parity_mismatch` | `worker`, `cause` | 1 while a worker's persistent mismatch is flagged, with its likely cause; absent otherwise |
 
 use kv_cluster::metrics::Registrar;
-use prometheus::{Histogram, HistogramVec, IntCounter, IntCounterVec, IntGauge};
+use prometheus::{Histogram, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec};
 use std::time::Duration;
 
 /// Latency buckets in seconds, 1 ms to 60 s: TTFT spans prefix hits of a few ms to
@@ -34,6 +37,13 @@ const LATENCY_BUCKETS: &[f64] = &[
 /// Inter-token buckets in seconds, 0.5 ms to 2 s.
 const ITL_BUCKETS: &[f64] = &[
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0,
+];
+
+/// Buckets of the signed parity difference, in tokens: 0 alone (agreement), then
+/// powers of 4 from 16 tokens (a block) to 64k tokens, on both sides.
+const PARITY_DIFF_BUCKETS: &[f64] = &[
+    -65536.0, -16384.0, -4096.0, -1024.0, -256.0, -64.0, -16.0, -1.0, 0.0, 16.0, 64.0, 256.0,
+    1024.0, 4096.0, 16384.0, 65536.0,
 ];
 
 /// Every metric of the gateway.
@@ -56,6 +66,9 @@ pub struct GatewayMetrics {
     tokenize_rejected: IntCounterVec,
     tokenized: IntCounterVec,
     tokenizer_cache_bytes: IntGauge,
+    parity: IntCounterVec,
+    parity_diff: HistogramVec,
+    parity_mismatch: IntGaugeVec,
 }
 
 impl GatewayMetrics {
@@ -150,6 +163,22 @@ impl GatewayMetrics {
             tokenizer_cache_bytes: r.gauge(
                 "kv_gateway_tokenizer_cache_bytes",
                 "Bytes held by the tokenizer's cache of text pieces' token ids",
+            )?,
+            parity: r.counter_vec(
+                "kv_gateway_cache_parity_total",
+                "Engine answers by how the router's predicted overlap compares with the engine's reported cached prompt tokens (agree, over_claim, under_claim, unreported), per worker",
+                &["worker", "outcome"],
+            )?,
+            parity_diff: r.histogram_vec(
+                "kv_gateway_cache_parity_diff_tokens",
+                "Predicted minus reported cached prompt tokens of each judged engine answer, per worker",
+                &["worker"],
+                PARITY_DIFF_BUCKETS.to_vec(),
+            )?,
+            parity_mismatch: r.gauge_vec(
+                "kv_gateway_cache_parity_mismatch",
+                "1 while a worker's persistent cache parity mismatch is flagged, labelled with its likely cause",
+                &["worker", "cause"],
             )?,
         })
     }
@@ -301,5 +330,40 @@ impl GatewayMetrics {
     /// Prompt tokens taken from `source` (`cache` or `encoded`) so far.
     pub fn tokenized_tokens(&self, source: &str) -> u64 {
         self.tokenized.with_label_values(&[source]).get()
+    }
+
+    /// The parity outcome counter of `worker` (its id as a label) for `outcome`.
+    pub fn parity_outcome(&self, worker: &str, outcome: &str) -> IntCounter {
+        self.parity.with_label_values(&[worker, outcome])
+    }
+
+    /// The parity difference histogram of `worker`.
+    pub fn parity_diff(&self, worker: &str) -> Histogram {
+        self.parity_diff.with_label_values(&[worker])
+    }
+
+    /// Flags (`true`) or clears a persistent parity mismatch of `worker` with `cause`.
+    pub fn parity_mismatch(&self, worker: &str, cause: &str, flagged: bool) {
+        if flagged {
+            self.parity_mismatch
+                .with_label_values(&[worker, cause])
+                .set(1);
+        } else {
+            // Absent when it was never flagged: nothing to remove.
+            let _ = self.parity_mismatch.remove_label_values(&[worker, cause]);
+        }
+    }
+
+    /// Drops every parity series of `worker` (`outcomes`: its outcome labels), when it
+    /// leaves the directory.
+    pub fn forget_parity(&self, worker: &str, outcomes: &[&str], causes: &[&str]) {
+        // Series never created are absent: nothing to remove.
+        for outcome in outcomes {
+            let _ = self.parity.remove_label_values(&[worker, outcome]);
+        }
+        for cause in causes {
+            let _ = self.parity_mismatch.remove_label_values(&[worker, cause]);
+        }
+        let _ = self.parity_diff.remove_label_values(&[worker]);
     }
 }

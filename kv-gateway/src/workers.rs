@@ -13,6 +13,7 @@
 //! A registration without a URL (an engine registered by an older relay) is kept as
 //! known-but-unreachable: routing to it fails over to another worker.
 
+use crate::parity::ParityMonitor;
 use kv_cluster::directory::{EtcdStatus, Registered, Registrations, Rejection};
 use kv_events::WorkerId;
 use kv_events::disaggregation::{KvTransfer, WorkerRole};
@@ -95,6 +96,12 @@ impl WorkerUrls {
         let mut sizes = workers.values().map(|w| w.block_size);
         let first = sizes.next()?;
         sizes.all(|size| size == first).then_some(first)
+    }
+
+    /// The registered block size of `worker_id`, in tokens; `None` when it is not
+    /// registered.
+    pub fn block_size_of(&self, worker_id: WorkerId) -> Option<u32> {
+        self.read().get(&worker_id).map(|w| w.block_size)
     }
 
     /// The smallest context length (`max_model_len`, in tokens) among the registered
@@ -195,6 +202,32 @@ impl Registrations for WorkerUrls {
     }
 }
 
+/// What the gateway keeps of the directory: the worker map, and the parity monitor's
+/// state of each worker, forgotten with it when it leaves.
+pub(crate) struct Directory {
+    pub urls: WorkerUrls,
+    pub parity: ParityMonitor,
+}
+
+impl Registrations for Directory {
+    async fn put(&mut self, worker: Registered) {
+        self.urls.put(worker).await;
+    }
+
+    async fn delete(&mut self, worker_id: WorkerId) {
+        self.urls.delete(worker_id).await;
+        self.parity.forget(worker_id);
+    }
+
+    fn rejected(&mut self, key: &str, rejection: &Rejection) {
+        self.urls.rejected(key, rejection);
+    }
+
+    fn status(&mut self, status: EtcdStatus) {
+        self.urls.status(status);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -220,6 +253,8 @@ mod tests {
         urls.insert(&worker(2, Some("http://b:8000/"), 16));
         urls.insert(&worker(1, None, 16));
         assert_eq!(urls.block_size(), Some(16));
+        assert_eq!(urls.block_size_of(WorkerId(1)), Some(16));
+        assert_eq!(urls.block_size_of(WorkerId(9)), None);
         assert_eq!(urls.url(WorkerId(2)).as_deref(), Some("http://b:8000"));
         assert_eq!(urls.url(WorkerId(1)), None);
         assert_eq!(urls.any_url().as_deref(), Some("http://b:8000"));

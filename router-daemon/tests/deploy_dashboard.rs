@@ -3,7 +3,7 @@
 //! checked against their reviewed metric-name snapshots as the Prometheus rules are
 //! (see `promql`), and covers what an operator looks at first: route rate and
 //! latency, overlap and hit rate, per-worker load, event intake, gaps and
-//! recoveries, queue and rejections, the gateway's TTFT and ITL.
+//! recoveries, queue and rejections, the gateway's TTFT and ITL, cache parity.
 
 mod promql;
 
@@ -81,6 +81,9 @@ fn dashboard_queries_use_only_exported_metrics_and_labels() {
         "kv_router_messages_total",
         "kv_gateway_ttft_seconds",
         "kv_gateway_itl_seconds",
+        "kv_gateway_cache_parity_total",
+        "kv_gateway_cache_parity_diff_tokens",
+        "kv_gateway_cache_parity_mismatch",
     ] {
         assert!(used.contains(needed), "no panel shows {needed}: {used:?}");
     }

@@ -22,6 +22,7 @@ fn prometheus_rules_use_only_exported_metrics_and_labels() {
     }
     assert!(checked.contains("kv_router_route_duration_seconds"));
     assert!(checked.contains("kv_router_ready"));
+    assert!(checked.contains("kv_gateway_cache_parity_mismatch"));
 }
 
 #[test]

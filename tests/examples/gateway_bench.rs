@@ -22,7 +22,8 @@
 //! relayed is the gateway's CPU per streamed chunk (its routing round trip — gateway,
 //! NATS and daemon — is included, spread over the chunks).
 //!
-//! Last, tokenization cost: the repo's test tokenizer encodes a long text repeatedly.
+//! Last, tokenization cost: the repo's test tokenizer encodes a long text repeatedly;
+//! and the cache-parity monitor's work per answer, judged a million times.
 
 use bench_workload::{latencies, quantile_ms};
 use clap::Parser;
@@ -301,6 +302,46 @@ fn tokenization_cost(dir: &std::path::Path) -> anyhow::Result<(usize, f64)> {
     Ok((tokens, per_round * 1e6 / tokens as f64 * 1000.0))
 }
 
+/// The parity monitor's work per engine answer, ns: the prediction looked up and the
+/// answer judged (counter, histogram, window), cycling through informative answers
+/// that agree and disagree on 8 workers, one thread.
+fn parity_cost() -> anyhow::Result<f64> {
+    use kv_events::WorkerId;
+    use kv_gateway::parity::{ParityMonitor, Reported};
+    let registry = prometheus::Registry::new();
+    let registrar = kv_cluster::metrics::Registrar::new(&registry);
+    let metrics = kv_gateway::metrics::GatewayMetrics::new(&registrar)?;
+    let workers = kv_gateway::workers::WorkerUrls::default();
+    for id in 0..8 {
+        workers.insert(&kv_events::discovery::WorkerRegistration {
+            worker_id: WorkerId(id),
+            dp_size: 1,
+            block_size: BLOCK,
+            total_kv_blocks: 1024,
+            url: None,
+            epoch: 0,
+            max_model_len: None,
+            role: Default::default(),
+            kv_transfer: None,
+        });
+    }
+    let monitor = ParityMonitor::new(metrics, workers);
+    let rounds: u32 = 1_000_000;
+    let start = Instant::now();
+    for i in 0..rounds {
+        let pending = monitor.pending(WorkerId(u64::from(i % 8)), 10, 256);
+        let cached = if i % 3 == 0 { 128 } else { 160 };
+        let reported = Reported {
+            cached_tokens: Some(cached),
+            prompt_tokens: Some(256),
+        };
+        if let Some(pending) = std::hint::black_box(pending) {
+            pending.judge(reported);
+        }
+    }
+    Ok(start.elapsed().as_secs_f64() * 1e9 / f64::from(rounds))
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
@@ -428,6 +469,11 @@ async fn main() -> anyhow::Result<()> {
     println!(
         "\nTokenization (kv-tokenizer/tests/data, a tiny byte-level BPE; a {tokens}-token \
          text encoded 200 times, one thread): {us:.1} µs per 1,000 prompt tokens"
+    );
+
+    println!(
+        "Cache parity monitor (kv_gateway::parity; lookup and judgement, one thread): {:.0} ns per answer",
+        parity_cost()?
     );
 
     gateway.shutdown().await?;

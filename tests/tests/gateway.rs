@@ -32,19 +32,6 @@ async fn openai_client(stack: &Stack) -> Value {
     integration_tests::python::run_json(&python, &script, &[&stack.base, MODEL]).await
 }
 
-async fn metrics(stack: &Stack) -> String {
-    let url = format!("{}/metrics", stack.base);
-    stack
-        .http
-        .get(url)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
-}
-
 #[tokio::test]
 async fn the_openai_client_gets_completions_and_chats_streamed_and_whole() {
     let stack = Stack::start(2, 10.0, |_| {}, &[]).await;
@@ -76,7 +63,7 @@ async fn the_openai_client_gets_completions_and_chats_streamed_and_whole() {
     })
     .await
     .unwrap();
-    let text = metrics(&stack).await;
+    let text = stack.metrics().await;
     assert_eq!(metric(&text, "kv_gateway_requests_in_flight"), 0.0);
     assert_eq!(
         metric(
@@ -164,7 +151,7 @@ async fn a_repeated_prompt_lands_on_the_worker_that_cached_it_with_full_overlap(
         cached >= u64::from(19 * BLOCK),
         "the engine served it from cache: {second}"
     );
-    let text = metrics(&stack).await;
+    let text = stack.metrics().await;
     let routed = metric(&text, "kv_gateway_overlap_ratio_count");
     let below_full = metric(&text, r#"kv_gateway_overlap_ratio_bucket{le="0.9"}"#);
     assert_eq!(routed, 2.0);
@@ -372,7 +359,7 @@ async fn engine_side_tokenization_routes_on_the_engines_own_token_ids() {
     assert_eq!(response.status(), 200);
     let done: Value = response.json().await.unwrap();
     assert_eq!(done["usage"]["prompt_tokens"], count, "{done}");
-    let text = metrics(&stack).await;
+    let text = stack.metrics().await;
     assert_eq!(
         metric(&text, r#"kv_gateway_stage_seconds_count{stage="tokenize"}"#),
         1.0

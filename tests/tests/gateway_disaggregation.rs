@@ -237,15 +237,16 @@ async fn the_openai_client_is_served_by_a_prefill_and_a_decode_worker_and_prefix
     assert_eq!(second.status, 200, "{}", second.text);
     assert_eq!(second.decision.as_deref(), Some("long_uncached"));
     assert_eq!(
-        second.prefill,
-        Some(prefill),
+        second.prefill.as_ref(),
+        Some(&prefill),
         "the prefill worker holding the prefix"
     );
 
     // Conditional disaggregation: a prompt the decode worker mostly holds (five
     // sixths; the rest over the 64-token local bound), and a short one, are
     // prefilled where they decode.
-    fleet.indexed(&first.worker.unwrap(), &shared).await;
+    let decode = first.worker.unwrap();
+    fleet.indexed(&decode, &shared).await;
     let mostly_held = [shared, tokens(25_000, 6)].concat();
     let again = fleet.complete(&mostly_held, false, 2).await;
     assert_eq!(again.status, 200, "{}", again.text);
@@ -256,6 +257,14 @@ async fn the_openai_client_is_served_by_a_prefill_and_a_decode_worker_and_prefix
     assert_eq!(short.prefill, None);
     fleet.all_freed().await;
     assert!(fleet.metrics().remote_prefills("vllm") >= 3);
+    // Cache parity is judged where each prompt was prefilled, and agrees: the
+    // prefill worker's cold and prefix answers, the decode worker's own prefill.
+    let parity = |worker: &str, outcome| fleet.metrics().parity_outcome(worker, outcome).get();
+    assert!(parity(&prefill, "agree") >= 2);
+    assert!(parity(&decode, "agree") >= 1);
+    for (worker, outcome) in [(&prefill, "over_claim"), (&decode, "under_claim")] {
+        assert_eq!(parity(worker, outcome), 0, "{worker} {outcome}");
+    }
     fleet.stop().await;
 }
 
@@ -282,6 +291,11 @@ async fn sglang_pairs_stream_and_assemble_the_decode_workers_answer() {
     assert_eq!(whole["usage"]["completion_tokens"], 3, "{whole}");
     let transferred = (streamed_prompt.len() + whole_prompt.len()) as f64;
     assert_eq!(fleet.transferred_tokens().await, transferred);
+    // The prefill worker's answers are judged (cold: nothing predicted, nothing
+    // cached); the decode worker's, which loaded the prompt, are not.
+    let parity = |worker, outcome| fleet.metrics().parity_outcome(worker, outcome).get();
+    assert_eq!(parity("1", "agree"), 2);
+    assert_eq!(parity("11", "agree") + parity("11", "unreported"), 0);
     fleet.all_freed().await;
     fleet.stop().await;
 }

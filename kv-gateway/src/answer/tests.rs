@@ -31,6 +31,7 @@ fn answer(shape: Shape, include_usage: bool, rest: &[&str], first: &str) -> Answ
         last: now,
         roles_sent: HashSet::new(),
         finished: false,
+        parity: None,
     }
 }
 
@@ -188,3 +189,46 @@ async fn a_passed_through_stream_still_sees_errors_and_usage() {
     let garbage = body_text(answer(Shape::Chat, false, &["<html>"], C1).into_sse()).await;
     assert!(garbage.contains("not JSON"), "{garbage}");
 }
+
+#[tokio::test]
+async fn the_engines_cached_tokens_are_judged_once_whether_streamed_or_assembled() {
+    use crate::parity::tests::{monitor, outcome};
+    use kv_events::WorkerId;
+    // 1-token blocks: of a 3-token prompt at most 2 can be cached.
+    let (monitor, registry, _) = monitor(1);
+    let count = |o: &str| outcome(&registry, o);
+    let judged = |shape, include_usage, rest: &[&str], overlap| {
+        let mut a = answer(shape, include_usage, rest, C1);
+        a.parity = monitor.pending(WorkerId(1), overlap, 3);
+        a
+    };
+    // Streamed to a client that did not ask for usage: the chunk is peeked at, then
+    // dropped.
+    let rest = &[C2, CACHED, "[DONE]"];
+    let sse = body_text(judged(Shape::Completion, false, rest, 2).into_sse()).await;
+    assert!(!sse.contains("cached_tokens"), "{sse}");
+    assert_eq!(count("agree"), 1.0);
+    // Parsed (a chat from completion chunks), and assembled.
+    body_text(judged(Shape::ChatFromCompletion, true, rest, 2).into_sse()).await;
+    assert_eq!(count("agree"), 2.0);
+    judged(Shape::Completion, false, rest, 1)
+        .collect()
+        .await
+        .unwrap();
+    assert_eq!(count("under_claim"), 1.0);
+    // Usage without a cached count, or none at all: unreported.
+    let no_cached = &[C2, USAGE, "[DONE]"];
+    judged(Shape::Completion, false, no_cached, 1)
+        .collect()
+        .await
+        .unwrap();
+    body_text(judged(Shape::Completion, false, &[C2, "[DONE]"], 1).into_sse()).await;
+    assert_eq!(count("unreported"), 2.0);
+    assert_eq!(
+        count("agree") + count("over_claim"),
+        2.0,
+        "each judged once"
+    );
+}
+
+const CACHED: &str = r#"{"id":"cmpl-7","object":"text_completion","created":5,"model":"m","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5,"prompt_tokens_details":{"cached_tokens":2}}}"#;

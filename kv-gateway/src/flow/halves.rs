@@ -37,8 +37,10 @@
 //! router sees those blocks stored), so it costs a cache hit rather than a prefill.
 
 use super::{Failed, Flow, Plan};
+use crate::answer::answer_usage;
 use crate::forward::{AttemptFailure, EngineCall, Events};
 use crate::openai::{Bootstrap, EngineTarget, Step};
+use crate::parity::Pending;
 use crate::router::Booking;
 use eventsource_stream::Event;
 use futures::FutureExt as _;
@@ -147,8 +149,11 @@ impl Flow {
             },
             deadline,
         };
+        // The prefill worker computes the prompt: its answer's cached tokens are judged.
+        let parity =
+            (self.parity).pending(prefill.worker_id, prefill.overlap_blocks, plan.tokens.len());
         let opened = match transfer.protocol {
-            TransferProtocol::Vllm => pair.vllm(booking).await,
+            TransferProtocol::Vllm => pair.vllm(booking, parity).await,
             TransferProtocol::Sglang => {
                 let Some(port) = transfer.bootstrap_port else {
                     return Err(no_transfer(
@@ -167,7 +172,7 @@ impl Flow {
                     // 0..2^63, as SGLang's own router draws it.
                     room: rand::random::<u64>() >> 1,
                 };
-                pair.sglang(booking, &bootstrap).await
+                pair.sglang(booking, &bootstrap, parity).await
             }
         };
         match opened {
@@ -201,9 +206,13 @@ impl Pair<'_> {
         }
     }
 
-    /// vLLM's two steps: the prefill worker's answer, then the decode worker's
-    /// first token.
-    async fn vllm(&self, booking: &mut Booking) -> HalfResult<(Event, Events)> {
+    /// vLLM's two steps: the prefill worker's answer (judged by `parity`), then the
+    /// decode worker's first token.
+    async fn vllm(
+        &self,
+        booking: &mut Booking,
+        parity: Option<Pending>,
+    ) -> HalfResult<(Event, Events)> {
         let flow = self.flow;
         let prefill = |failure| (Half::Prefill, failure);
         let body = self
@@ -229,6 +238,9 @@ impl Pair<'_> {
         })?;
         flow.metrics
             .remote_prefill(TransferProtocol::Vllm.as_str(), sent.elapsed());
+        if let Some(parity) = parity {
+            parity.judge(answer_usage(&answer));
+        }
         booking.remote_prefill_done();
         let decode = |failure| (Half::Decode, failure);
         let body = self
@@ -244,11 +256,13 @@ impl Pair<'_> {
     }
 
     /// SGLang's one step: both requests at once; the decode worker's first token,
-    /// once the prefill worker has not failed first.
+    /// once the prefill worker has not failed first. The prefill answer is judged by
+    /// `parity`.
     async fn sglang(
         &self,
         booking: &mut Booking,
         bootstrap: &Bootstrap,
+        parity: Option<Pending>,
     ) -> HalfResult<(Event, Events)> {
         let flow = self.flow;
         let as_prefill = |failure| (Half::Prefill, failure);
@@ -274,8 +288,11 @@ impl Pair<'_> {
                     request_id: &request_id,
                 };
                 let answer = engine.prefill(call, first_token).await;
-                if answer.is_ok() {
+                if let Ok(answer) = &answer {
                     metrics.remote_prefill(TransferProtocol::Sglang.as_str(), sent.elapsed());
+                    if let Some(parity) = parity {
+                        parity.judge(answer_usage(answer));
+                    }
                 }
                 answer.map(drop)
             }

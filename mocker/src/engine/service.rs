@@ -404,7 +404,7 @@ async fn register(
         let record = WorkerRegistration {
             worker_id,
             dp_size: args.fleet.dp_size,
-            block_size: args.model.block_size,
+            block_size: (args.http.faults).registered_block_size(args.model.block_size),
             total_kv_blocks: args.model.num_gpu_blocks,
             url: Some(url.clone()),
             epoch,

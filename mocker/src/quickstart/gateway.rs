@@ -6,6 +6,7 @@ use super::{READY_TIMEOUT, progress};
 use crate::engine::http::DEFAULT_MODEL_NAME;
 use crate::replay::http::GatewayTarget;
 use anyhow::Context;
+use kv_cluster::http::exposition::samples;
 use kv_cluster::http::metric_sample;
 use kv_events::disaggregation::DisaggregationReason;
 use testbed::free_port;
@@ -13,13 +14,14 @@ use testbed::free_port;
 const GATEWAY_READY: &str = "kv-router gateway ready";
 
 /// The header of the gateway table's [`GatewayTotals::row`]s.
-pub(super) const GATEWAY_HEADER: [&str; 6] = [
+pub(super) const GATEWAY_HEADER: [&str; 7] = [
     "gateway",
     "TTFT mean",
     "route",
     "engine",
     "gateway share",
     "remote prefill",
+    "cache parity",
 ];
 
 /// Starts the gateway on a free loopback port. The prompts are token ids, so it needs
@@ -64,6 +66,9 @@ pub(super) struct GatewayTotals {
     aggregated: f64,
     remote: f64,
     attempts: f64,
+    /// Engine answers judged by the cache-parity monitor, over every worker: agreed,
+    /// over-claimed, under-claimed.
+    parity: [f64; 3],
 }
 
 impl GatewayTotals {
@@ -97,6 +102,13 @@ impl GatewayTotals {
             requests: sample("kv_gateway_ttft_seconds_count", r#"endpoint="completions""#),
             route_s: sample("kv_gateway_stage_seconds_sum", r#"stage="route""#),
             engine_s: sample("kv_gateway_stage_seconds_sum", r#"stage="engine""#),
+            parity: ["agree", "over_claim", "under_claim"].map(|outcome| {
+                samples(&text)
+                    .filter(|s| s.name == "kv_gateway_cache_parity_total")
+                    .filter(|s| s.label("outcome") == Some(outcome))
+                    .map(|s| s.value)
+                    .sum()
+            }),
         })
     }
 
@@ -122,7 +134,15 @@ impl GatewayTotals {
             format!("{engine:.1}"),
             format!("{share:.1}%"),
             self.remote_share(before),
+            self.parity_counts(before),
         ]
+    }
+
+    /// The answers whose cached tokens agreed with the router's prediction, then those
+    /// it over- and under-claimed: `agree / over / under`.
+    fn parity_counts(&self, before: &Self) -> String {
+        let [agree, over, under] = [0, 1, 2].map(|i| self.parity[i] - before.parity[i]);
+        format!("{agree:.0} / {over:.0} / {under:.0}")
     }
 
     /// The share of routed attempts whose prompt ran on a prefill worker, or `-` when

@@ -189,6 +189,17 @@ impl Stack {
             .spawn_engines(workers, model, time_scale, http)
             .await
             .expect("engines start");
+        Self::assemble(cluster, engines, adjust, gateway_flags).await
+    }
+
+    /// A daemon adjusted by `adjust` and a gateway with `gateway_flags` in front of
+    /// `engines`, started by the test, on `cluster`.
+    pub async fn assemble(
+        cluster: TestCluster,
+        engines: EnginesHandle,
+        adjust: impl FnOnce(&mut ServeArgs),
+        gateway_flags: &[&str],
+    ) -> Self {
         let daemon = cluster.start_daemon(adjust).await.expect("daemon starts");
         let gateway = start_gateway(&cluster, gateway_flags).await;
         let base = format!("http://{}", gateway.local_addr());
@@ -228,6 +239,13 @@ impl Stack {
             .send()
             .await
             .expect("gateway answers")
+    }
+
+    /// The gateway's `/metrics` page.
+    pub async fn metrics(&self) -> String {
+        let url = format!("{}/metrics", self.base);
+        let response = self.http.get(url).send().await.expect("gateway answers");
+        response.text().await.expect("a metrics page")
     }
 
     /// Registers worker `worker` with the engine at `url` and has it hold each of

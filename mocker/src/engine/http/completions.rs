@@ -226,7 +226,7 @@ pub(super) fn admit(
         rank,
         request: EngineRequest {
             request_id: RequestId::from(state.next_request_id()),
-            block_hashes: kv_events::compute_block_hashes(&tokens, state.block_size),
+            block_hashes: state.faults.block_hashes(&tokens, state.block_size),
             prompt_tokens: tokens.len() as u64,
             max_tokens,
             token_ids: Some(tokens),

@@ -26,6 +26,7 @@
 mod accepted;
 mod chat;
 mod completions;
+pub mod faults;
 mod info;
 mod metrics;
 pub mod openai;
@@ -103,6 +104,9 @@ pub struct EngineHttpArgs {
     /// vLLM's do.
     #[arg(long, env = "VLLM_SERVER_DEV_MODE")]
     pub vllm_dev_mode: bool,
+    /// Deliberate misconfigurations, for tests of the gateway's cache-parity monitor.
+    #[command(flatten)]
+    pub faults: faults::FaultArgs,
 }
 
 /// How long a worker's listener keeps an idle connection: uvicorn's
@@ -147,6 +151,7 @@ impl Default for EngineHttpArgs {
             http_header_read_timeout_ms: DEFAULT_HEADER_READ_TIMEOUT_MS,
             http_max_connections: DEFAULT_MAX_CONNECTIONS,
             vllm_dev_mode: false,
+            faults: faults::FaultArgs::default(),
         }
     }
 }
@@ -161,6 +166,8 @@ pub(super) struct EngineHttpState {
     max_model_len: u64,
     tokenizer: Option<Arc<ModelTokenizer>>,
     metrics: EngineMetrics,
+    /// Deliberate misconfigurations (`--block-hash-salt`).
+    faults: faults::FaultArgs,
     /// Its half of disaggregated requests (role, protocol, transfer cost).
     transfer: transfer::TransferSide,
     next_id: AtomicU64,
@@ -208,6 +215,7 @@ impl EngineHttpState {
             max_model_len: args.max_model_len_or_cache(w.block_size, w.max_request_blocks),
             tokenizer: w.tokenizer,
             metrics,
+            faults: args.faults,
             transfer: w.transfer,
             next_id: AtomicU64::new(0),
             created: std::time::SystemTime::now()
