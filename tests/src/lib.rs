@@ -18,6 +18,7 @@
 
 use anyhow::Context;
 
+pub mod capture;
 pub mod child_daemon;
 pub mod etcd_cluster;
 pub mod etcd_proxy;

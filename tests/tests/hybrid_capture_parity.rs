@@ -14,7 +14,7 @@
 #![allow(clippy::unwrap_used)]
 
 use indexer::RadixTree;
-use kv_events::engines::{EngineBatch, decode_batch};
+use integration_tests::capture::{fixture, messages};
 use kv_events::{DpRank, KvCacheEvent, WorkerId, WorkerRank, compute_block_hashes};
 use kv_relay::EngineFormat;
 use kv_relay::translate::{Skip, Translator};
@@ -25,42 +25,15 @@ use std::collections::BTreeMap;
 const BLOCK: u32 = 32;
 const WORKER: WorkerId = WorkerId(1);
 
-fn fixture(name: &str) -> Vec<u8> {
-    let path = format!(
-        "{}/../kv-events/tests/fixtures/engines/{name}",
-        env!("CARGO_MANIFEST_DIR")
-    );
-    std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"))
-}
-
-/// The recorded messages by engine seq.
-fn messages() -> BTreeMap<u64, EngineBatch> {
-    let bytes = fixture("vllm_0.32_hybrid_frames.bin");
-    let mut frames = Vec::new();
-    let mut rest = bytes.as_slice();
-    while !rest.is_empty() {
-        let (len, tail) = rest.split_at(4);
-        let len = u32::from_be_bytes(len.try_into().unwrap()) as usize;
-        let (frame, tail) = tail.split_at(len);
-        frames.push(frame);
-        rest = tail;
-    }
-    frames
-        .chunks(3)
-        .map(|m| {
-            let seq = u64::from_be_bytes(m[1].try_into().unwrap());
-            (seq, decode_batch(m[2]).unwrap())
-        })
-        .collect()
-}
-
 #[test]
 fn the_router_predicts_every_cached_token_count_of_a_real_hybrid_vllm() {
     let fixture: Value =
         serde_json::from_slice(&fixture("vllm_0.32_hybrid_requests.json")).unwrap();
     let prompts: BTreeMap<String, Vec<u32>> =
         serde_json::from_value(fixture["prompts"].clone()).unwrap();
-    let mut messages = messages();
+    let mut messages: BTreeMap<u64, _> = messages("vllm_0.32_hybrid_frames.bin")
+        .into_iter()
+        .collect();
     let mut translator = Translator::new(EngineFormat::Auto);
     translator.learn_block_size(BLOCK);
     let mut tree = RadixTree::new();

@@ -9,45 +9,13 @@
 // Test helpers unwrap: a broken fixture must fail the test loudly.
 #![allow(clippy::unwrap_used)]
 
-use kv_events::engines::{EngineBatch, decode_batch};
+use integration_tests::capture::messages;
 use kv_events::journal::{EventJournal, JournalConfig};
 use kv_events::recovery::RecoveryBody;
 use kv_events::{DpRank, ExternalBlockHash, KvCacheEventData, KvCacheGroup, WorkerId};
 use kv_relay::EngineFormat;
 use kv_relay::translate::Translator;
 use std::collections::BTreeMap;
-
-fn fixture(name: &str) -> Vec<u8> {
-    let path = format!(
-        "{}/../kv-events/tests/fixtures/engines/{name}",
-        env!("CARGO_MANIFEST_DIR")
-    );
-    std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"))
-}
-
-/// The recorded messages: (engine seq, decoded batch).
-fn messages() -> Vec<(u64, EngineBatch)> {
-    let bytes = fixture("vllm_0.32_hybrid_frames.bin");
-    let mut frames = Vec::new();
-    let mut rest = bytes.as_slice();
-    while !rest.is_empty() {
-        let (len, tail) = rest.split_at(4);
-        let len = u32::from_be_bytes(len.try_into().unwrap()) as usize;
-        let (frame, tail) = tail.split_at(len);
-        frames.push(frame);
-        rest = tail;
-    }
-    let mut out = Vec::new();
-    for message in frames.chunks(3) {
-        let [topic, seq, payload] = message else {
-            panic!("three frames per message")
-        };
-        assert_eq!(*topic, b"kv-events");
-        let seq = u64::from_be_bytes((*seq).try_into().unwrap());
-        out.push((seq, decode_batch(payload).unwrap()));
-    }
-    out
-}
 
 /// Copies per (group id, block) after applying `data`; panics on a removal of a
 /// copy the group does not hold.
@@ -112,7 +80,7 @@ fn the_real_hybrid_capture_translates_without_refusals() {
     let mut outcomes: BTreeMap<(&str, &str), usize> = BTreeMap::new();
     let mut groups = BTreeMap::new();
     let mut per_seq = BTreeMap::new();
-    for (seq, batch) in messages() {
+    for (seq, batch) in messages("vllm_0.32_hybrid_frames.bin") {
         let (rank, results) = translator.translate_batch(&batch, DpRank(0));
         assert_eq!(rank, DpRank(0));
         let mut published = Vec::new();
@@ -145,7 +113,7 @@ fn the_real_hybrid_capture_translates_without_refusals() {
         .filter(|((_, label), _)| *label != "published")
         .collect();
     assert_eq!(refused, vec![(&("stored", "no_change"), &6)]);
-    let removals = messages()
+    let removals = messages("vllm_0.32_hybrid_frames.bin")
         .iter()
         .flat_map(|(_, b)| &b.events)
         .filter(|e| matches!(e, kv_events::engines::EngineEvent::BlockRemoved(..)))
