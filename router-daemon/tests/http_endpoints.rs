@@ -136,6 +136,19 @@ async fn endpoints_report_health_metrics_and_workers() {
     );
     let bad = router_daemon::handlers::handle_route(&state, b"\xc1 not msgpack").await;
     assert!(serde_json::to_value(&bad).unwrap()["status"] == "error");
+    // On dp_rank 0: a second copy of a block stored then dropped (the block stays),
+    // and a KV cache group stored again with another window (refused).
+    let block = |hash: u64| json!({"block_hash": hash, "tokens_hash": hash});
+    let stored = |hash: u64, group: Value| json!({"type": "stored", "parent_hash": null, "blocks": [block(hash)], "group": group});
+    let batch = json!({"worker_id": 7, "events": [
+        {"event_id": 0, "dp_rank": 0, "data": stored(500, Value::Null)},
+        {"event_id": 1, "dp_rank": 0, "data": stored(500, Value::Null)},
+        {"event_id": 2, "dp_rank": 0, "data": {"type": "removed", "block_hashes": [500]}},
+        {"event_id": 3, "dp_rank": 0, "data": stored(600, json!({"id": 2, "window_blocks": 4}))},
+        {"event_id": 4, "dp_rank": 0, "data": stored(700, json!({"id": 2, "window_blocks": 8}))},
+    ]});
+    let batch = decode(&encode(&batch).unwrap()).unwrap();
+    state.indexer.apply(batch).await.unwrap();
 
     let metrics = get(&addr, "/metrics", T).await.unwrap();
     assert_eq!(metrics.status, 200);
@@ -143,13 +156,28 @@ async fn endpoints_report_health_metrics_and_workers() {
     let expect = [
         ("kv_router_ready", "", 0.0),
         ("kv_router_nats_connected", "", 0.0),
-        ("kv_router_indexer_blocks", "", 3.0),
+        ("kv_router_indexer_blocks", "", 5.0),
         (
             "kv_router_indexer_events_total",
             r#"outcome="applied",type="stored""#,
+            4.0,
+        ),
+        (
+            "kv_router_indexer_events_total",
+            r#"outcome="rejected",type="stored""#,
             1.0,
         ),
-        ("kv_router_indexer_block_ops_total", r#"op="stored""#, 3.0),
+        ("kv_router_indexer_block_ops_total", r#"op="stored""#, 5.0),
+        (
+            "kv_router_indexer_block_ops_total",
+            r#"op="duplicate""#,
+            1.0,
+        ),
+        (
+            "kv_router_indexer_block_ops_total",
+            r#"op="copy_removed""#,
+            1.0,
+        ),
         ("kv_router_route_requests_total", r#"outcome="routed""#, 1.0),
         (
             "kv_router_route_decisions_total",
@@ -228,7 +256,8 @@ async fn endpoints_report_health_metrics_and_workers() {
     assert_eq!(w["ranks"][1]["active_requests"], 1);
     assert_eq!(w["ranks"][1]["active_decode_blocks"], 3);
     assert_eq!(w["ranks"][1]["indexed_blocks"], 3);
-    assert_eq!(w["ranks"][0]["indexed_blocks"], 0);
+    // A rank's count is its full-attention group's (block 500), not the windowed one's.
+    assert_eq!(w["ranks"][0]["indexed_blocks"], 1);
     assert_eq!(w["ranks"][0]["engine"], Value::Null);
     assert_eq!(view["etcd"]["ok"], false);
 

@@ -58,8 +58,8 @@ impl EventMetrics {
             blocks: r.counter_vec(
                 "kv_router_indexer_block_ops_total",
                 "Block-level effects of applied KV events and worker removals, by op \
-                 (stored, duplicate, removed, unknown_removed, recovered, pruned, \
-                 forgotten, approximate, expired)",
+                 (stored, duplicate, removed, copy_removed, unknown_removed, recovered, \
+                 pruned, forgotten, approximate, expired)",
                 &["op"],
             )?,
             tree_nodes: r.gauge(
@@ -115,7 +115,9 @@ impl EventMetrics {
             (["cleared", "applied"], c.cleared_events),
             (
                 ["stored", "rejected"],
-                c.unknown_parent_rejections + c.forgotten_parent_rejections,
+                c.unknown_parent_rejections
+                    + c.forgotten_parent_rejections
+                    + c.window_mismatch_rejections,
             ),
         ];
         for (labels, value) in pairs {
@@ -148,6 +150,7 @@ impl EventMetrics {
             ("stored", c.blocks_stored),
             ("duplicate", c.duplicate_stores),
             ("removed", c.blocks_removed),
+            ("copy_removed", c.copies_removed),
             ("unknown_removed", c.unknown_removes),
             ("recovered", c.recovered_blocks),
             ("pruned", c.pruned_entries),
