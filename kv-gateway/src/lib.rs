@@ -32,6 +32,7 @@
 
 pub mod answer;
 pub mod config;
+mod directory;
 pub mod error;
 pub mod flow;
 pub mod forward;
@@ -49,6 +50,7 @@ pub use config::{GatewayArgs, GatewayConfig};
 pub use error::GatewayError;
 
 use crate::config::TokenizeVia;
+use crate::directory::Directory;
 use crate::flow::Flow;
 use crate::forward::EngineClient;
 use crate::http::AppState;
@@ -59,7 +61,7 @@ use crate::router::RouterClient;
 use crate::tokenize::PromptTokenizer;
 use crate::tokenize::pool::TokenizerPool;
 use crate::tokenize::remote::{Api, Remote, TokenizeTarget};
-use crate::workers::{Directory, WorkerUrls};
+use crate::workers::WorkerUrls;
 use axum::serve::ListenerExt;
 use kv_cluster::directory::WorkerDirectory;
 use kv_cluster::metrics::Registrar;

@@ -13,7 +13,6 @@
 //! A registration without a URL (an engine registered by an older relay) is kept as
 //! known-but-unreachable: routing to it fails over to another worker.
 
-use crate::parity::ParityMonitor;
 use kv_cluster::directory::{EtcdStatus, Registered, Registrations, Rejection};
 use kv_events::WorkerId;
 use kv_events::disaggregation::{KvTransfer, WorkerRole};
@@ -199,32 +198,6 @@ impl Registrations for WorkerUrls {
             EtcdStatus::Up(what) => info!(what, "etcd"),
             EtcdStatus::Down { stage, error } => warn!(stage, error, "etcd unavailable"),
         }
-    }
-}
-
-/// What the gateway keeps of the directory: the worker map, and the parity monitor's
-/// state of each worker, forgotten with it when it leaves.
-pub(crate) struct Directory {
-    pub urls: WorkerUrls,
-    pub parity: ParityMonitor,
-}
-
-impl Registrations for Directory {
-    async fn put(&mut self, worker: Registered) {
-        self.urls.put(worker).await;
-    }
-
-    async fn delete(&mut self, worker_id: WorkerId) {
-        self.urls.delete(worker_id).await;
-        self.parity.forget(worker_id);
-    }
-
-    fn rejected(&mut self, key: &str, rejection: &Rejection) {
-        self.urls.rejected(key, rejection);
-    }
-
-    fn status(&mut self, status: EtcdStatus) {
-        self.urls.status(status);
     }
 }
 
