@@ -7,7 +7,7 @@
 //! dense path exactly as it was. Cost: one match per call.
 
 use crate::hybrid::{GroupStore, HybridAllocation, HybridCache};
-use crate::kv_cache::{Allocation, CacheInUse, KvCache};
+use crate::kv_cache::{Allocation, CacheInUse, KvCache, hit_candidates};
 use crate::request::Running;
 use kv_events::{ExternalBlockHash, KvCacheEventData, StoredBlock};
 use std::collections::HashMap;
@@ -144,10 +144,11 @@ impl PagedCache {
 
     /// The engine's prefix hit of `prompt` (chained full prompt blocks) of a
     /// `prompt_tokens`-token prompt, in blocks: the dense cache's leading cached run
-    /// (GPU), or the hybrid rule ([`HybridCache::hit`]).
+    /// (GPU) within `(prompt_tokens − 1) / block_size` blocks (the last prompt token is
+    /// never a hit, as in vLLM), or the hybrid rule ([`HybridCache::hit`]).
     pub fn hit_blocks(&self, prompt: &[StoredBlock], prompt_tokens: u64) -> usize {
         match self {
-            Self::Dense(c) => c.prefix_hits(prompt),
+            Self::Dense(c) => c.prefix_hits(hit_candidates(prompt, prompt_tokens, c.block_size())),
             Self::Hybrid(c) => c.hit(prompt, prompt_tokens).blocks,
         }
     }
@@ -167,8 +168,13 @@ impl PagedCache {
         total_blocks: u64,
     ) -> Option<CacheAllocation> {
         match self {
+            // The blocks past the cap are reserved and computed, then found cached
+            // when committed ([`KvCache::commit`]).
             Self::Dense(c) => c
-                .try_allocate(prompt, total_blocks)
+                .try_allocate(
+                    hit_candidates(prompt, prompt_tokens, c.block_size()),
+                    total_blocks,
+                )
                 .map(CacheAllocation::Dense),
             Self::Hybrid(c) => c
                 .try_allocate(prompt, prompt_tokens, total_blocks)

@@ -34,7 +34,7 @@
 
 use super::alloc::{HybridAllocation, Window};
 use super::{GroupStore, HybridHit, Layout};
-use crate::kv_cache::{CacheInUse, Lru, Refs};
+use crate::kv_cache::{CacheInUse, Lru, Refs, hit_candidates};
 use kv_events::{ExternalBlockHash, KvCacheEventData, StorageTier, StoredBlock};
 use std::collections::HashMap;
 
@@ -163,8 +163,7 @@ impl HybridCache {
     /// `prompt_tokens` tokens: see the parent module's rule. O(prompt blocks ×
     /// groups).
     pub fn hit(&self, prompt: &[StoredBlock], prompt_tokens: u64) -> HybridHit {
-        let cap = (prompt_tokens.saturating_sub(1) / u64::from(self.block_size.max(1))) as usize;
-        let prompt = &prompt[..cap.min(prompt.len())];
+        let prompt = hit_candidates(prompt, prompt_tokens, self.block_size);
         let full = self.layout.full();
         let full_blocks = prompt
             .iter()
