@@ -15,7 +15,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 /// One dp rank's KV cache: dense or hybrid (see the module docs).
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub enum PagedCache {
     /// One full-attention group ([`KvCache`]).
     Dense(KvCache),

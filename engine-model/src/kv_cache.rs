@@ -193,7 +193,7 @@ struct CachedBlock {
 }
 
 /// The paged KV cache of one dp rank. See the module docs for states and event rules.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct KvCache {
     block_size: u32,
     capacity: u64,

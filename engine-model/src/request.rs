@@ -67,7 +67,7 @@ pub enum RejectReason {
 }
 
 /// A validated request in the waiting queue.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(super) struct Waiting {
     pub request_id: RequestId,
     pub prompt_tokens: u64,
@@ -147,7 +147,7 @@ impl Waiting {
 }
 
 /// A request in the running batch.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(super) struct Running {
     pub request_id: RequestId,
     pub prompt_tokens: u64,

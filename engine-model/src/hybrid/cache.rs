@@ -75,7 +75,7 @@ impl Occupancy {
 }
 
 /// The paged KV cache of one hybrid dp rank. See the module docs.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct HybridCache {
     block_size: u32,
     capacity: u64,
