@@ -7,8 +7,7 @@
 //! dense path exactly as it was. Cost: one match per call.
 
 use crate::hybrid::{GroupStore, HybridAllocation, HybridCache};
-use crate::kv_cache::{Allocation, CacheInUse, KvCache, hit_candidates};
-use crate::request::Running;
+use crate::kv_cache::{Allocation, CacheInUse, KvCache, hit_candidates, prompt_block_tokens};
 use kv_events::{ExternalBlockHash, KvCacheEventData, StoredBlock};
 use std::collections::HashMap;
 use std::ops::Range;
@@ -211,7 +210,7 @@ impl PagedCache {
                 let bs = c.block_size();
                 for i in range {
                     let block = prompt[i];
-                    let tokens = Running::block_tokens(token_ids, i, bs);
+                    let tokens = prompt_block_tokens(token_ids, i, bs);
                     if c.commit(a, block, tokens)
                         && let Some(tokens) = tokens
                     {
@@ -222,7 +221,7 @@ impl PagedCache {
             (Self::Hybrid(c), CacheAllocation::Hybrid(a)) => {
                 // The full-attention group stores every block of the range.
                 for i in range.clone() {
-                    if let Some(tokens) = Running::block_tokens(token_ids, i, c.block_size()) {
+                    if let Some(tokens) = prompt_block_tokens(token_ids, i, c.block_size()) {
                         block_tokens.insert(prompt[i].block_hash, tokens.to_vec());
                     }
                 }

@@ -119,6 +119,17 @@ pub(crate) fn hit_candidates(
     &prompt[..hit_cap_blocks(prompt_tokens, block_size).min(prompt.len())]
 }
 
+/// The tokens of full prompt block `index` of a prompt of `block_size`-token blocks,
+/// if the request came with its token ids (`token_ids`) and they reach that far.
+pub(crate) fn prompt_block_tokens(
+    token_ids: Option<&[u32]>,
+    index: usize,
+    block_size: u32,
+) -> Option<&[u32]> {
+    let bs = block_size as usize;
+    token_ids?.get(index * bs..(index + 1) * bs)
+}
+
 /// The KV space one running request holds: the cached blocks it references (in prefix
 /// order) and its count of reserved, not-yet-cached blocks.
 ///

@@ -185,17 +185,6 @@ impl Running {
         self.prompt_tokens + self.output_tokens
     }
 
-    /// The tokens of full prompt block `index`, if the request has token ids
-    /// (`token_ids` is the request's [`Running::token_ids`]).
-    pub fn block_tokens(
-        token_ids: Option<&[u32]>,
-        index: usize,
-        block_size: u32,
-    ) -> Option<&[u32]> {
-        let bs = block_size as usize;
-        token_ids?.get(index * bs..(index + 1) * bs)
-    }
-
     /// Full prompt blocks whose KV is computed but not yet cached, in prefix order.
     pub fn blocks_ready_to_commit(&self, block_size: u32) -> std::ops::Range<usize> {
         let computed_blocks = (self.computed_tokens / u64::from(block_size)) as usize;

@@ -33,12 +33,10 @@
 //! removals always precede its stores.
 
 use super::alloc::{HybridAllocation, Window};
-use super::{GroupStore, HybridHit, Layout};
+use super::{BlockId, GroupStore, HybridHit, Layout};
 use crate::kv_cache::{CacheInUse, Lru, Refs, hit_candidates};
 use kv_events::{ExternalBlockHash, KvCacheEventData, StorageTier, StoredBlock};
 use std::collections::HashMap;
-
-pub(super) type BlockId = u64;
 
 /// One physical block: a copy of `hash` in group `group`.
 #[derive(Debug, Clone)]
