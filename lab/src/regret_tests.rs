@@ -89,13 +89,16 @@ fn sending_a_cached_prompt_to_the_cold_rank_costs_its_prefill() {
 }
 
 #[test]
-fn sampling_every_n_takes_every_nth_request_and_none_by_default() {
+fn sampling_every_n_takes_every_nth_request_changes_nothing_else_and_is_off_by_default() {
     let trace: Vec<TraceRequest> = (0..10).map(|i| request(i * 1_000, vec![i])).collect();
-    let r = run(&trace, 2, PolicyKind::Kv, &sampled_config(3));
+    let sampled = run(&trace, 2, PolicyKind::Kv, &sampled_config(3));
     // Requests 0, 3, 6, 9.
-    assert_eq!(r.regret.expect("sampled").all.decisions, 4);
-    let r = run(&trace, 2, PolicyKind::Kv, &sampled_config(0));
-    assert_eq!(r.regret, None);
+    assert_eq!(sampled.regret.expect("sampled").all.decisions, 4);
+    let plain = run(&trace, 2, PolicyKind::Kv, &sampled_config(0));
+    assert_eq!(plain.regret, None);
+    // The counterfactual copies leave the run itself untouched.
+    assert_eq!(sampled.records, plain.records);
+    assert_eq!(sampled.steps, plain.steps);
 }
 
 #[test]
