@@ -7,15 +7,14 @@
 //! dense path exactly as it was. Cost: one match per call.
 
 use crate::hybrid::{GroupStore, HybridAllocation, HybridCache};
-use crate::kv_cache::{Allocation, CacheInUse, KvCache};
-use crate::request::Running;
+use crate::kv_cache::{Allocation, CacheInUse, KvCache, hit_candidates, prompt_block_tokens};
 use kv_events::{ExternalBlockHash, KvCacheEventData, StoredBlock};
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Arc;
 
 /// One dp rank's KV cache: dense or hybrid (see the module docs).
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub enum PagedCache {
     /// One full-attention group ([`KvCache`]).
     Dense(KvCache),
@@ -144,10 +143,11 @@ impl PagedCache {
 
     /// The engine's prefix hit of `prompt` (chained full prompt blocks) of a
     /// `prompt_tokens`-token prompt, in blocks: the dense cache's leading cached run
-    /// (GPU), or the hybrid rule ([`HybridCache::hit`]).
+    /// (GPU) within `(prompt_tokens − 1) / block_size` blocks (the last prompt token is
+    /// never a hit, as in vLLM), or the hybrid rule ([`HybridCache::hit`]).
     pub fn hit_blocks(&self, prompt: &[StoredBlock], prompt_tokens: u64) -> usize {
         match self {
-            Self::Dense(c) => c.prefix_hits(prompt),
+            Self::Dense(c) => c.prefix_hits(hit_candidates(prompt, prompt_tokens, c.block_size())),
             Self::Hybrid(c) => c.hit(prompt, prompt_tokens).blocks,
         }
     }
@@ -167,8 +167,13 @@ impl PagedCache {
         total_blocks: u64,
     ) -> Option<CacheAllocation> {
         match self {
+            // The blocks past the cap are reserved and computed, then found cached
+            // when committed ([`KvCache::commit`]).
             Self::Dense(c) => c
-                .try_allocate(prompt, total_blocks)
+                .try_allocate(
+                    hit_candidates(prompt, prompt_tokens, c.block_size()),
+                    total_blocks,
+                )
                 .map(CacheAllocation::Dense),
             Self::Hybrid(c) => c
                 .try_allocate(prompt, prompt_tokens, total_blocks)
@@ -205,7 +210,7 @@ impl PagedCache {
                 let bs = c.block_size();
                 for i in range {
                     let block = prompt[i];
-                    let tokens = Running::block_tokens(token_ids, i, bs);
+                    let tokens = prompt_block_tokens(token_ids, i, bs);
                     if c.commit(a, block, tokens)
                         && let Some(tokens) = tokens
                     {
@@ -216,7 +221,7 @@ impl PagedCache {
             (Self::Hybrid(c), CacheAllocation::Hybrid(a)) => {
                 // The full-attention group stores every block of the range.
                 for i in range.clone() {
-                    if let Some(tokens) = Running::block_tokens(token_ids, i, c.block_size()) {
+                    if let Some(tokens) = prompt_block_tokens(token_ids, i, c.block_size()) {
                         block_tokens.insert(prompt[i].block_hash, tokens.to_vec());
                     }
                 }

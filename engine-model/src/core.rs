@@ -108,7 +108,10 @@ pub enum ClearError {
 }
 
 /// One dp rank's engine: waiting queue, running batch, KV cache and timing model.
-#[derive(Debug)]
+///
+/// A clone is an independent copy of the whole state, O(cached blocks + requests);
+/// the lab steps clones to measure a decision's counterfactual TTFT on every rank.
+#[derive(Debug, Clone)]
 pub struct EngineCore {
     config: EngineModelConfig,
     timing: TimingModel,

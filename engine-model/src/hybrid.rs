@@ -45,6 +45,10 @@ mod events;
 pub use alloc::HybridAllocation;
 pub use cache::{HybridCache, Occupancy};
 
+/// A physical block of the hybrid pool (one copy of a hash in one group): ids are
+/// handed out in order and never reused.
+type BlockId = u64;
+
 use kv_events::{ExternalBlockHash, KvCacheGroup, StoredBlock};
 
 /// Default `--sliding-window`, in tokens: Gemma 3's 1,024 would not show on short

@@ -98,6 +98,38 @@ pub fn chain_block_hashes(locals: &[LocalBlockHash]) -> Vec<StoredBlock> {
         .collect()
 }
 
+/// The prompt blocks an engine may serve from its prefix cache for a prompt of
+/// `prompt_tokens` tokens, in blocks: `(prompt_tokens − 1) / block_size`.
+///
+/// vLLM never reports the last prompt token as cached (its logits give the first
+/// output token), so an exactly block-aligned prompt of `n` cached blocks hits `n − 1`
+/// blocks: the last block is computed again, and storing it finds the block already
+/// cached. Both the dense and the hybrid cache apply this cap.
+pub(crate) fn hit_cap_blocks(prompt_tokens: u64, block_size: u32) -> usize {
+    let blocks = prompt_tokens.saturating_sub(1) / u64::from(block_size.max(1));
+    usize::try_from(blocks).unwrap_or(usize::MAX)
+}
+
+/// `prompt` cut to the blocks [`hit_cap_blocks`] lets a hit cover.
+pub(crate) fn hit_candidates(
+    prompt: &[StoredBlock],
+    prompt_tokens: u64,
+    block_size: u32,
+) -> &[StoredBlock] {
+    &prompt[..hit_cap_blocks(prompt_tokens, block_size).min(prompt.len())]
+}
+
+/// The tokens of full prompt block `index` of a prompt of `block_size`-token blocks,
+/// if the request came with its token ids (`token_ids`) and they reach that far.
+pub(crate) fn prompt_block_tokens(
+    token_ids: Option<&[u32]>,
+    index: usize,
+    block_size: u32,
+) -> Option<&[u32]> {
+    let bs = block_size as usize;
+    token_ids?.get(index * bs..(index + 1) * bs)
+}
+
 /// The KV space one running request holds: the cached blocks it references (in prefix
 /// order) and its count of reserved, not-yet-cached blocks.
 ///
@@ -172,7 +204,7 @@ struct CachedBlock {
 }
 
 /// The paged KV cache of one dp rank. See the module docs for states and event rules.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct KvCache {
     block_size: u32,
     capacity: u64,

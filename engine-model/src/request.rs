@@ -67,7 +67,7 @@ pub enum RejectReason {
 }
 
 /// A validated request in the waiting queue.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(super) struct Waiting {
     pub request_id: RequestId,
     pub prompt_tokens: u64,
@@ -147,7 +147,7 @@ impl Waiting {
 }
 
 /// A request in the running batch.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(super) struct Running {
     pub request_id: RequestId,
     pub prompt_tokens: u64,
@@ -183,17 +183,6 @@ impl Running {
     /// Tokens of KV a decode step of this request reads, in tokens.
     pub fn context_tokens(&self) -> u64 {
         self.prompt_tokens + self.output_tokens
-    }
-
-    /// The tokens of full prompt block `index`, if the request has token ids
-    /// (`token_ids` is the request's [`Running::token_ids`]).
-    pub fn block_tokens(
-        token_ids: Option<&[u32]>,
-        index: usize,
-        block_size: u32,
-    ) -> Option<&[u32]> {
-        let bs = block_size as usize;
-        token_ids?.get(index * bs..(index + 1) * bs)
     }
 
     /// Full prompt blocks whose KV is computed but not yet cached, in prefix order.

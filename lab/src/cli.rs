@@ -19,6 +19,7 @@ use engine_model::trace::BlockMapping;
 use indicatif::ProgressBar;
 use kv_events::routing::PolicyKind;
 use scheduler::args::SessionTuningArgs;
+use std::num::NonZeroU64;
 use std::path::PathBuf;
 
 /// `kv-mocker lab`: simulate a trace under every policy × workers × speed-up, or run
@@ -58,6 +59,12 @@ pub struct LabArgs {
     /// The simulated engines' timing and speeds (the router keeps its defaults).
     #[command(flatten)]
     pub fleet: SimulatedFleetArgs,
+    /// Measure the regret of every N-th request's routing decision: its TTFT on the
+    /// chosen rank against the best rank in hindsight (one engine copy per rank per
+    /// sampled decision; see `docs/engine-model.md`). Adds a regret table,
+    /// `regret` to each run of `report.json`, and `regret.csv`. Default: off.
+    #[arg(long, value_name = "N")]
+    pub regret_every: Option<NonZeroU64>,
     /// Threads to run simulations on; default: the machine's cores.
     #[arg(long)]
     pub jobs: Option<usize>,
@@ -114,6 +121,7 @@ pub fn run_lab(args: LabArgs) -> Result<LabReport, LabError> {
         sessions: args.session_tuning.to_config(false),
         cpu_tier: args.fleet.cpu_tier,
         tier_pricing: args.fleet.tier_pricing,
+        regret_every: args.regret_every,
         ..args.study.sim_config()
     };
     let mut policies: Vec<LabPolicy> = if args.policies.is_empty() {
@@ -162,6 +170,15 @@ pub fn run_lab(args: LabArgs) -> Result<LabReport, LabError> {
     let json = args.out.join("report.json");
     report.write_json(&json)?;
     eprintln!("report written to {}", json.display());
+    if let (Some(table), Some(csv)) = (report.render_regret_table(), report.regret_csv()) {
+        println!("{table}");
+        let path = args.out.join("regret.csv");
+        std::fs::write(&path, csv).map_err(|source| LabError::Write {
+            path: path.clone(),
+            source,
+        })?;
+        eprintln!("regret written to {}", path.display());
+    }
     if !args.no_charts {
         for path in charts::write_charts(&report, &args.out)? {
             eprintln!("chart written to {}", path.display());

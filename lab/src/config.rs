@@ -12,6 +12,7 @@ use kv_events::routing::PolicyKind;
 use scheduler::policy::predicted_ttft::PredictedTtftConfig;
 use scheduler::{DisaggregationConfig, SessionConfig};
 use serde::{Deserialize, Serialize};
+use std::num::NonZeroU64;
 
 /// How many times faster than in the trace requests arrive: a finite number > 0.
 /// Arrival `t` ms of the trace happens at `t / speedup` ms of simulated time; engine
@@ -111,6 +112,11 @@ pub struct SimConfig {
     pub hybrid: HybridConfig,
     /// Which KV cache groups' events the router indexes.
     pub router_groups: RouterGroups,
+    /// Measure the regret ([`crate::regret`]) of every `n`-th request's decision (by
+    /// trace order) into [`crate::sim::RunResult::regret`]; `None` (the default)
+    /// measures none. Aggregated fleets only: a split fleet's decisions are not
+    /// sampled.
+    pub regret_every: Option<NonZeroU64>,
 }
 
 /// Which KV cache groups' events the lab's router indexes.
@@ -145,6 +151,7 @@ impl Default for SimConfig {
             conditional: DisaggregationConfig::default(),
             hybrid: HybridConfig::default(),
             router_groups: RouterGroups::All,
+            regret_every: None,
         }
     }
 }

@@ -43,6 +43,8 @@
 //! - `log`: [`simulate_logged`], a run's route lookups and KV events, for replaying
 //!   the same traffic into other indexes.
 //! - `oracle`: the infinite-cache hit-rate bound.
+//! - `regret`: each sampled decision's TTFT against the best rank in hindsight;
+//!   `regret_report`: its table and `regret.csv`.
 //! - `metrics`: per-request records and their aggregate.
 //! - `sweep`: all runs on several threads with a progress bar.
 //! - `report`: the JSON report; `table`: its terminal rendering; `charts`: PNGs.
@@ -62,6 +64,8 @@ mod log_entry;
 mod metrics;
 mod oracle;
 mod prepared;
+mod regret;
+mod regret_report;
 mod report;
 mod robustness;
 mod robustness_report;
@@ -73,6 +77,8 @@ mod study_args;
 mod sweep;
 mod table;
 
+#[cfg(test)]
+mod regret_tests;
 #[cfg(test)]
 mod tests;
 
@@ -89,6 +95,7 @@ pub use log::simulate_logged;
 pub use log_entry::LogEntry;
 pub use metrics::{Prediction, RequestRecord, RunMetrics};
 pub use oracle::{OracleBound, oracle_bound};
+pub use regret::{RegretBucket, RegretFigures, RegretStats};
 pub use report::{ConfigInfo, LabReport, RunReport, TimingInfo, TraceInfo};
 pub use robustness::{RobustnessArgs, run_robustness};
 pub use robustness_report::{CellRun, RobustnessReport};

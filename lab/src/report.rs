@@ -18,7 +18,16 @@
 //!               "throughput_tokens_per_s", "throughput_requests_per_s",
 //!               "requests_per_worker": [...], "disaggregated", "transferred_blocks",
 //!               "ttft_cdf_ms": [101 quantiles],
-//!               "refused_events", "steps", "wall_ms" } ] }
+//!               "refused_events", "steps", "wall_ms",
+//!               "regret": { "sample_every", "decisions", "mean_ms", "p99_ms",
+//!                           "best_share", "regret_share", "buckets": [...] } } ] }
+//! ```
+//!
+//! `regret` is present only with `--regret-every` (see `crate::regret`); the same
+//! figures go to `regret.csv`, one row per run and bucket:
+//!
+//! ```text
+//! workers,speedup,policy,dimension,bucket,decisions,mean_ms,p99_ms,best_share,regret_share
 //! ```
 //!
 //! Everything but `wall_ms` (the simulator's own run time) is a deterministic function
@@ -30,6 +39,7 @@ use crate::error::LabError;
 use crate::fleet::TierPricing;
 use crate::metrics::RunMetrics;
 use crate::oracle::OracleBound;
+use crate::regret::RegretStats;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
@@ -146,6 +156,10 @@ pub struct RunReport {
     /// Each rank's calibration estimates at the end of the run (`+cal` policies only).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub calibration: Vec<CalibrationPoint>,
+    /// The sampled decisions' regret against the best rank in hindsight (with
+    /// `--regret-every`; aggregated fleets only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub regret: Option<RegretStats>,
 }
 
 /// The whole lab report. See the module docs for the JSON shape.

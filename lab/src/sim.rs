@@ -32,8 +32,9 @@ use crate::error::LabError;
 use crate::fleet::at_speed;
 use crate::log_entry::LogEntry;
 use crate::metrics::{RequestRecord, RunMetrics};
+use crate::regret::{RegretSample, RegretStats, counterfactual_ttft_ns};
 use crate::router::Router;
-use engine_model::{EngineCore, KvTransferConfig, StepOutput};
+use engine_model::{EngineCore, EngineRequest, KvTransferConfig, StepOutput};
 use kv_events::disaggregation::is_prefill_booking_id;
 use kv_events::{DpRank, KvCacheEvent, KvCacheEventData, RequestId, WorkerId, WorkerRank};
 use std::cmp::{Ordering, Reverse};
@@ -60,6 +61,9 @@ pub struct RunResult {
     /// Bookings still active in the scheduler when every request had ended (both
     /// halves of a disaggregated request count); 0 unless the lifecycle leaks.
     pub open_bookings: usize,
+    /// The sampled decisions' regret ([`SimConfig::regret_every`]); `None` when none
+    /// was sampled.
+    pub regret: Option<RegretStats>,
 }
 
 impl RunResult {
@@ -118,6 +122,8 @@ struct SimRank {
     core: EngineCore,
     /// A step is in flight (its end is in the queue).
     stepping: bool,
+    /// When the step in flight ends, in ns (meaningless while not stepping).
+    step_end_ns: u64,
     next_event_id: u64,
 }
 
@@ -141,6 +147,9 @@ struct Sim<'a> {
     sample_every_ns: Option<u64>,
     next_sample_ns: u64,
     calibration: Vec<CalibrationPoint>,
+    /// Sample every n-th decision's regret, and the samples so far.
+    regret_every: Option<u64>,
+    regret: Vec<RegretSample>,
 }
 
 /// Simulates `trace` on `setting.workers` ranks under `policy`; rank `i` runs the
@@ -195,6 +204,7 @@ pub(super) fn run_sim(
                     .with_cpu_tier(config.cpu_tier)?
                     .with_hybrid(config.hybrid)?,
                 stepping: false,
+                step_end_ns: 0,
                 next_event_id: 0,
             })
         })
@@ -222,6 +232,8 @@ pub(super) fn run_sim(
         sample_every_ns: config.calibration_sample_ms.map(|ms| ms_to_ns(ms).max(1)),
         next_sample_ns: 0,
         calibration: Vec::new(),
+        regret_every: config.regret_every.map(|n| n.get()),
+        regret: Vec::new(),
     };
     sim.run();
     let end_ns = sim
@@ -237,6 +249,9 @@ pub(super) fn run_sim(
         steps: sim.steps,
         records: sim.records,
         calibration: sim.calibration,
+        regret: config
+            .regret_every
+            .and_then(|n| RegretStats::of(&sim.regret, n.get())),
     })
 }
 
@@ -317,6 +332,14 @@ impl Sim<'_> {
         record.predicted_tokens = (u64::from(route.predicted_blocks) * u64::from(trace.block_size))
             .min(request.prompt_tokens);
         record.reason = route.reason;
+        let overlap = record.predicted_tokens as f64 / request.prompt_tokens.max(1) as f64;
+        if route.prefill.is_none()
+            && self
+                .regret_every
+                .is_some_and(|n| (index as u64).is_multiple_of(n))
+        {
+            self.sample_regret(index, route.decode, overlap, now);
+        }
         match route.prefill {
             Some(prefill) => self.admit(index, prefill, pair::Part::PrefillHalf, now),
             None => self.admit(index, route.decode, pair::Part::Request, now),
@@ -330,6 +353,7 @@ impl Sim<'_> {
         // A step with work has a positive duration; max(1) keeps time moving even for
         // a degenerate timing model of all zeros.
         let end = now + ms_to_ns(output.duration_ms).max(1);
+        self.ranks[rank].step_end_ns = end;
         self.push(end, Event::StepEnd { rank, output });
     }
 
@@ -386,6 +410,39 @@ impl Sim<'_> {
         if self.ranks[rank].core.has_work() {
             self.start_step(rank, now);
         }
+    }
+
+    /// Records the regret of routing request `index` to rank `chosen` at `now`, the
+    /// router having predicted an overlap of `overlap_share` of the prompt there
+    /// (see [`crate::regret`]). A rank whose core would refuse the request is not a
+    /// candidate; nothing is recorded if the chosen one would.
+    fn sample_regret(&mut self, index: usize, chosen: usize, overlap_share: f64, now: u64) {
+        let request = &self.trace.requests[index];
+        let ttft: Vec<Option<u64>> = self
+            .ranks
+            .iter()
+            .map(|r| {
+                let engine_request = EngineRequest {
+                    request_id: request_id(index),
+                    block_hashes: request.block_hashes.clone(),
+                    prompt_tokens: request.prompt_tokens,
+                    max_tokens: request.max_tokens,
+                    token_ids: None,
+                };
+                let step_end = r.stepping.then_some(r.step_end_ns);
+                counterfactual_ttft_ns(&r.core, step_end, now, engine_request)
+            })
+            .collect();
+        let (Some(chosen_ns), Some(best_ns)) = (ttft[chosen], ttft.iter().flatten().min()) else {
+            return;
+        };
+        let active: u64 = self.ranks.iter().map(|r| r.core.active_requests()).sum();
+        self.regret.push(RegretSample {
+            prompt_tokens: request.prompt_tokens,
+            overlap_share,
+            load_per_rank: active as f64 / self.ranks.len() as f64,
+            regret_ns: chosen_ns - best_ns,
+        });
     }
 
     /// Records every rank's calibration estimates at `now_ns` (nothing when the

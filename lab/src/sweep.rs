@@ -79,6 +79,7 @@ pub(super) fn timed_run(
         steps: run.steps,
         wall_ms: started.elapsed().as_secs_f64() * 1_000.0,
         calibration: run.final_calibration(),
+        regret: run.regret,
     })
 }
 

@@ -144,15 +144,40 @@ fn second_request_with_shared_prefix_hits_the_cache() {
 }
 
 #[test]
-fn a_fully_cached_prompt_still_computes_its_last_token() {
+fn a_block_aligned_fully_cached_prompt_recomputes_its_last_block() {
+    // vLLM caps the hit at (len − 1) / block_size blocks: an aligned prompt of two
+    // cached blocks hits one, computes the second again and reports 4 cached tokens.
     let mut c = core(config(4, 100, 8, 64));
     c.add_request(req("a", &[1, 2], 8, 1)).expect("accepted");
     run_to_idle(&mut c);
     c.add_request(req("b", &[1, 2], 8, 1)).expect("accepted");
+    let waiting = c.load_metrics(WorkerRank::new(WorkerId(1), DpRank(0)));
+    assert_eq!(
+        waiting.active_prefill_tokens, 4,
+        "the last block is to compute"
+    );
+    let out = c.step();
+    assert_eq!(out.work.prefill_tokens, 4);
+    assert_eq!(out.first_tokens[0].cached_tokens, 4);
+    assert!(
+        out.kv_events.is_empty(),
+        "the recomputed block is already cached"
+    );
+    run_to_idle(&mut c);
+    assert_eq!(c.cache().dense().expect("dense").cached_blocks(), 2);
+}
+
+#[test]
+fn an_unaligned_fully_cached_prompt_hits_every_full_block() {
+    // 9 tokens: both full blocks fit under the cap (8 / 4 = 2); the partial block's
+    // one token is computed.
+    let mut c = core(config(4, 100, 8, 64));
+    c.add_request(req("a", &[1, 2], 9, 1)).expect("accepted");
+    run_to_idle(&mut c);
+    c.add_request(req("b", &[1, 2], 9, 1)).expect("accepted");
     let out = c.step();
     assert_eq!(out.work.prefill_tokens, 1);
     assert_eq!(out.first_tokens[0].cached_tokens, 8);
-    assert!(out.kv_events.is_empty(), "nothing new to store");
 }
 
 #[test]
@@ -375,7 +400,8 @@ fn abort_frees_a_running_requests_space_and_drops_a_waiting_one() {
     // The id is free again.
     c.add_request(req("a", &[1, 2], 8, 1)).unwrap();
     let out = c.step();
-    assert_eq!(out.first_tokens[0].cached_tokens, 8);
+    // Block 1 is a hit; block 2, the aligned prompt's last, is computed again.
+    assert_eq!(out.first_tokens[0].cached_tokens, 4);
 }
 
 fn tiered(cfg: EngineModelConfig, cpu_tier_blocks: u64, load_ms: f64) -> EngineCore {

@@ -3,7 +3,7 @@
 //! the `cache` module's docs), plus the retention rule that decides which of its
 //! blocks a windowed group caches.
 
-use super::cache::BlockId;
+use super::BlockId;
 use super::{HybridHit, Layout, WindowRetention};
 
 /// A windowed group's share of a running request.

@@ -33,12 +33,10 @@
 //! removals always precede its stores.
 
 use super::alloc::{HybridAllocation, Window};
-use super::{GroupStore, HybridHit, Layout};
-use crate::kv_cache::{CacheInUse, Lru, Refs};
+use super::{BlockId, GroupStore, HybridHit, Layout};
+use crate::kv_cache::{CacheInUse, Lru, Refs, hit_candidates};
 use kv_events::{ExternalBlockHash, KvCacheEventData, StorageTier, StoredBlock};
 use std::collections::HashMap;
-
-pub(super) type BlockId = u64;
 
 /// One physical block: a copy of `hash` in group `group`.
 #[derive(Debug, Clone)]
@@ -75,7 +73,7 @@ impl Occupancy {
 }
 
 /// The paged KV cache of one hybrid dp rank. See the module docs.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct HybridCache {
     block_size: u32,
     capacity: u64,
@@ -163,8 +161,7 @@ impl HybridCache {
     /// `prompt_tokens` tokens: see the parent module's rule. O(prompt blocks ×
     /// groups).
     pub fn hit(&self, prompt: &[StoredBlock], prompt_tokens: u64) -> HybridHit {
-        let cap = (prompt_tokens.saturating_sub(1) / u64::from(self.block_size.max(1))) as usize;
-        let prompt = &prompt[..cap.min(prompt.len())];
+        let prompt = hit_candidates(prompt, prompt_tokens, self.block_size);
         let full = self.layout.full();
         let full_blocks = prompt
             .iter()

@@ -22,14 +22,14 @@ pub(super) struct BlockCopy {
     pub tokens: Option<Arc<[u32]>>,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Entry {
     copy: BlockCopy,
     tick: u64,
 }
 
 /// Blocks kept in one offload, gathered leaf first, and the parent of the first.
-#[derive(Debug, Default)]
+#[derive(Debug, Clone, Default)]
 struct Chain {
     leaf_first: Vec<StoredBlock>,
     parent: Option<ExternalBlockHash>,
@@ -45,7 +45,7 @@ pub(super) struct Offload {
 }
 
 /// An LRU set of at most `capacity` blocks.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(super) struct CpuTier {
     capacity: u64,
     blocks: HashMap<ExternalBlockHash, Entry>,

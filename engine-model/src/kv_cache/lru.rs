@@ -31,7 +31,7 @@ impl Refs {
 }
 
 /// Unreferenced cached blocks, keyed by `K`, by release order.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) struct Lru<K> {
     /// Smallest tick = least recently released.
     order: BTreeMap<u64, K>,

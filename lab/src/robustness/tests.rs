@@ -194,6 +194,7 @@ fn run_with(cell: &str, row: &str, mean_ms: u64) -> CellRun {
             steps: 1,
             wall_ms: 1.0,
             calibration: Vec::new(),
+            regret: None,
         },
     }
 }
