@@ -172,7 +172,11 @@ impl Router {
                     decode: self.index(selection.rank)?,
                     prefill: prefill_rank.map(|r| self.index(r)).transpose()?,
                     reason: pair.map(|p| p.reason),
-                    predicted_blocks: scores.get(prefill_rank.unwrap_or(selection.rank)),
+                    // The index's match, capped before the last prompt token as the
+                    // scheduler caps it (engines never serve that token from cache).
+                    predicted_blocks: scores
+                        .get(prefill_rank.unwrap_or(selection.rank))
+                        .min(request.reusable_blocks()),
                 })
             }
         }
