@@ -40,8 +40,11 @@ fn view(daemon: &Daemon) -> View {
 async fn four_replicas_converge_on_one_book_and_measure_their_lag() -> anyhow::Result<()> {
     let (cluster, daemons) = setup(REPLICAS, true).await?;
     // All at once, so decisions race the sync messages as they do under load.
+    let ids: Vec<String> = (0..REQUESTS).map(|i| format!("r{i}")).collect();
     let replies = futures::future::try_join_all(
-        (0..REQUESTS).map(|i| cluster.route_tokens(&format!("r{i}"), request_prompt(i))),
+        ids.iter()
+            .enumerate()
+            .map(|(i, id)| cluster.route_tokens(id, request_prompt(i))),
     )
     .await?;
     let mut decided = BTreeMap::new();
