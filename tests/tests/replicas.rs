@@ -16,6 +16,8 @@ use router_daemon::{Daemon, DaemonConfig, ServeArgs};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+#[path = "replicas/agreement.rs"]
+mod agreement;
 #[path = "replicas/batch.rs"]
 mod batch;
 #[path = "replicas/sessions.rs"]

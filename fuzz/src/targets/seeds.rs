@@ -226,6 +226,7 @@ pub fn bookings() -> Vec<Vec<u8>> {
             .cloned()
             .flat_map(|s| SequenceSyncBatch::from(s).steps)
             .collect(),
+        queued_at_us: Some(1_700_000_000_000_000),
     };
     let mut seeds = enc(&singles);
     seeds.extend(enc(&[batch]));

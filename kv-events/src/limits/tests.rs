@@ -151,6 +151,7 @@ fn route_requests_and_bookings_are_bounded_in_tokens() {
             .into_iter()
             .flat_map(|b| SequenceSyncBatch::from(b).steps)
             .collect(),
+        queued_at_us: None,
     };
     assert_eq!(refused_field(&sync, &limits), "prefill_tokens");
     let long_id = RouteRequest::new(

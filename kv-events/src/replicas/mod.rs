@@ -122,7 +122,8 @@ impl SequenceStep {
 /// Under load one message carries many steps, so a route costs its replica a fraction
 /// of a sync publication instead of two.
 ///
-/// On the wire a map `{router_id, steps: [{request_id, update}, …]}`. Decoding also
+/// On the wire a map `{router_id, steps: [{request_id, update}, …], queued_at_us}`
+/// (`queued_at_us` optional). Decoding also
 /// accepts the single-step form of a [`SequenceSync`] (`{router_id, request_id,
 /// update}`, what replicas before the batch form publish) as a batch of one, so a
 /// rolling upgrade keeps applying the older replicas' messages. A map with both forms'
@@ -134,6 +135,13 @@ pub struct SequenceSyncBatch {
     pub router_id: RouterId,
     /// The changes, in the order the replica applied them.
     pub steps: Vec<SequenceStep>,
+    /// When the publishing replica queued the batch's first (oldest) step — the
+    /// moment it decided that step — in microseconds since the Unix epoch, by its
+    /// clock. Peers measure the replication lag from it (only as exact as the two
+    /// hosts' clocks agree). Absent from older replicas and from the single-step
+    /// form.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queued_at_us: Option<u64>,
 }
 
 /// Bytes of steps (by [`SequenceStep::encoded_len_bound`]) after which a publisher
@@ -151,6 +159,8 @@ struct SyncWire {
     update: Option<SequenceUpdate>,
     #[serde(default)]
     steps: Option<Vec<SequenceStep>>,
+    #[serde(default)]
+    queued_at_us: Option<u64>,
 }
 
 impl TryFrom<SyncWire> for SequenceSyncBatch {
@@ -165,6 +175,7 @@ impl TryFrom<SyncWire> for SequenceSyncBatch {
         Ok(Self {
             router_id: wire.router_id,
             steps,
+            queued_at_us: wire.queued_at_us,
         })
     }
 }
@@ -177,6 +188,7 @@ impl From<SequenceSync> for SequenceSyncBatch {
                 request_id: msg.request_id,
                 update: msg.update,
             }],
+            queued_at_us: None,
         }
     }
 }

@@ -289,10 +289,29 @@ fn a_batch_round_trips_in_order_and_the_single_step_form_decodes_as_one() {
             step("a", SequenceUpdate::PrefillDone),
             step("a", SequenceUpdate::Freed),
         ],
+        queued_at_us: None,
     };
     assert_eq!(
         decode::<SequenceSyncBatch>(&encode(&batch).unwrap()).unwrap(),
         batch
+    );
+    // With the time its first step was queued: it round trips, and a decoder that
+    // does not know the field (an older replica) still reads the batch.
+    let stamped = SequenceSyncBatch {
+        queued_at_us: Some(1_764_000_000_123_456),
+        ..batch.clone()
+    };
+    let bytes = encode(&stamped).unwrap();
+    assert_eq!(decode::<SequenceSyncBatch>(&bytes).unwrap(), stamped);
+    #[derive(Deserialize)]
+    struct Older {
+        router_id: RouterId,
+        steps: Vec<SequenceStep>,
+    }
+    let older: Older = decode(&bytes).unwrap();
+    assert_eq!(
+        (older.router_id, older.steps),
+        (batch.router_id, batch.steps.clone())
     );
     // What a replica before the batch form publishes.
     let single = SequenceSync {

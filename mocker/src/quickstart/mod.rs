@@ -36,7 +36,7 @@ use gateway::{GATEWAY_HEADER, GatewayTotals};
 use kv_cluster::args::TransferFlag;
 use kv_events::Namespace;
 use kv_events::routing::PolicyKind;
-use stack::{Binaries, StartedProcesses, child_command};
+use stack::{Binaries, StartedProcesses};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 use testbed::{EtcdServer, NatsServer, ProcessError};
@@ -45,6 +45,7 @@ mod engines;
 mod fleet;
 mod gateway;
 mod relay;
+mod routers;
 mod stack;
 
 pub use engines::Engines;
@@ -125,6 +126,11 @@ pub struct QuickstartArgs {
     /// its own `kv-router relay`) or `nats` (the router's protocol, self-registered).
     #[arg(long, value_enum, default_value_t = Engines::Vllm)]
     pub engines: Engines,
+    /// Router daemons per pass, in one route queue group (each indexes every KV event
+    /// and syncs its bookings to the others); above 1 the pass also reports the
+    /// spread of the load the replicas booked per rank and their sync lag.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub router_replicas: u32,
 }
 
 /// The quickstart's frontend.
@@ -276,40 +282,44 @@ async fn run_stack(
         frontend: gateway.clone().map_or(Frontend::Nats, Frontend::Gateway),
     };
     let mut report = ReplayReport::default();
-    let mut gateway_rows = Vec::new();
-    // One router per pass, started with the pass's policy, as an operator would run
-    // it; the engines and the gateway stay up, and each pass starts from cold caches.
+    let (mut gateway_rows, mut replica_rows, mut replica_figures) = (vec![], vec![], vec![]);
+    // Routers per pass, started with the pass's policy, as an operator would run
+    // them; the engines and the gateway stay up, and each pass starts from cold caches.
     for &policy in &args.policies {
-        let label = format!("router-{policy}");
-        let mut command = child_command(&binaries.router);
-        // Its HTTP endpoint takes a free loopback port, so a busy 9090 cannot stop the
-        // demo; `/debug` is served there too, not on its own port.
-        // No --block-size: the router adopts the size the workers register.
-        command.arg("serve").args(connection).args([
-            "--http-listen",
-            "127.0.0.1:0",
-            "--http-debug-listen",
-            "main",
-            "--policy",
-            policy.as_str(),
-        ]);
-        let router = stack.spawn(&label, command)?;
-        router.wait_for_line(ROUTER_READY, READY_TIMEOUT).await?;
-        progress(&format!("router ready (kv-router serve --policy {policy})"));
+        let routers =
+            routers::start(stack, binaries, &connection, policy, args.router_replicas).await?;
         let before = match &gateway {
             Some(g) => Some(GatewayTotals::read(g).await?),
             None => None,
         };
+        let mut figures = routers::ReplicaFigures::default();
         let pass = stack
-            .unless_a_child_exits(replay::replay_policy(&target, trace, policy, &config))
+            .unless_a_child_exits(async {
+                tokio::select! {
+                    pass = replay::replay_policy(&target, trace, policy, &config) => pass,
+                    never = routers.sample_booked_load(&mut figures) => match never {},
+                }
+            })
             .await??;
         if let (Some(g), Some(before)) = (&gateway, before) {
             gateway_rows.push(GatewayTotals::read(g).await?.row(&before, policy.as_str()));
         }
+        routers.read_lag(&mut figures).await?;
         report.policies.push(pass);
-        stack.stop_child(&label).await?;
+        routers.stop(stack).await?;
+        replica_rows.push(figures.row(policy.as_str()));
+        replica_figures.push(figures);
     }
     println!("{}", report.render_table());
+    if args.router_replicas > 1 {
+        println!("{}", render_table(&routers::REPLICA_HEADER, replica_rows));
+        println!(
+            "(booked spread = over ranks, max - min of the replicas' booked decode blocks over\n their mean, sampled every 500 ms; sync lag = from a replica deciding a step to a\n peer having applied it, one clock, bucket upper bounds)\n"
+        );
+        let path = args.out.join("replicas.json");
+        std::fs::write(&path, serde_json::to_vec_pretty(&replica_figures)?)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
     if !gateway_rows.is_empty() {
         println!("{}", render_table(&GATEWAY_HEADER, gateway_rows));
         println!(

@@ -7,8 +7,9 @@
 //! apart from the counters (it owns the scheduler), and their names are not part of
 //! [`super::counters::Counters::descriptors`].
 
+use super::common::latency_buckets;
 use super::registrar::Registrar;
-use prometheus::{IntCounter, IntCounterVec};
+use prometheus::{Histogram, IntCounter, IntCounterVec};
 
 /// Admission's counters, handed to the wait queue, the replica sync and the expiry
 /// task.
@@ -88,6 +89,11 @@ pub struct SyncMetrics {
     /// unknown rank), all in bookings, and `malformed` (undecodable requests and
     /// replies).
     pub messages: IntCounterVec,
+    /// `kv_router_replica_sync_lag_seconds`: per peer message carrying a time stamp,
+    /// from the peer queueing its first step (deciding it) to this replica having
+    /// applied the whole message, by the two hosts' clocks (a clock behind the
+    /// peer's records 0).
+    pub lag: Histogram,
 }
 
 impl SyncMetrics {
@@ -102,7 +108,19 @@ impl SyncMetrics {
                 "Sequence sync messages between router replicas, by direction and outcome",
                 &["direction", "outcome"],
             )?,
+            lag: r.histogram(
+                "kv_router_replica_sync_lag_seconds",
+                "Replication lag of a peer replica's sync message: from the peer \
+                 deciding its first step to this replica having applied it, by the two \
+                 hosts' clocks, in seconds",
+                latency_buckets(),
+            )?,
         })
+    }
+
+    /// Records the lag of one peer message, in microseconds.
+    pub(crate) fn observe_lag_us(&self, lag_us: u64) {
+        self.lag.observe(lag_us as f64 / 1e6);
     }
 
     pub(crate) fn count(&self, direction: &str, outcome: &str) {

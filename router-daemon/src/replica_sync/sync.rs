@@ -12,6 +12,7 @@ use crate::gate::admit;
 use crate::metrics::SyncMetrics;
 use crate::metrics::counters::{Counters, MessageKind, Outcome};
 use crate::replicas::bookings::booked_event;
+use crate::replicas::{QueuedStep, unix_micros};
 use anyhow::Context;
 use kv_cluster::nats::NatsConfig;
 use kv_events::limits::Limits;
@@ -113,7 +114,7 @@ pub(crate) async fn publish(
     client: async_nats::Client,
     subject: String,
     router_id: RouterId,
-    mut outbox: mpsc::Receiver<SequenceStep>,
+    mut outbox: mpsc::Receiver<QueuedStep>,
     metrics: SyncMetrics,
     stop: CancellationToken,
 ) {
@@ -153,18 +154,23 @@ pub(crate) async fn publish(
 /// last step may go over).
 pub(crate) fn next_batch(
     router_id: RouterId,
-    first: SequenceStep,
-    outbox: &mut mpsc::Receiver<SequenceStep>,
+    first: QueuedStep,
+    outbox: &mut mpsc::Receiver<QueuedStep>,
 ) -> SequenceSyncBatch {
-    let mut bytes = first.encoded_len_bound();
-    let mut steps = vec![first];
+    let mut bytes = first.step.encoded_len_bound();
+    let queued_at_us = Some(first.queued_at_us);
+    let mut steps = vec![first.step];
     while bytes < SYNC_BATCH_BYTES
-        && let Ok(step) = outbox.try_recv()
+        && let Ok(queued) = outbox.try_recv()
     {
-        bytes += step.encoded_len_bound();
-        steps.push(step);
+        bytes += queued.step.encoded_len_bound();
+        steps.push(queued.step);
     }
-    SequenceSyncBatch { router_id, steps }
+    SequenceSyncBatch {
+        router_id,
+        steps,
+        queued_at_us,
+    }
 }
 
 /// Applies one sync payload received on `subject`: a peer's batch of steps, or the
@@ -199,6 +205,11 @@ pub fn handle_sync(
         let (frees, booked) = apply_step(admission, counters, subject, msg.router_id, step);
         frees_load |= frees;
         booking |= booked;
+    }
+    if let Some(queued_at_us) = msg.queued_at_us {
+        replicas
+            .metrics()
+            .observe_lag_us(unix_micros().saturating_sub(queued_at_us));
     }
     if booking {
         admission.expiry.booked(&admission.scheduler());

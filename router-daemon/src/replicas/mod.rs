@@ -71,13 +71,29 @@ use scheduler::{PrefillLoadHint, ScheduleRequest, Selection};
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::sync::{Notify, mpsc};
 use tracing::warn;
 
 /// Outbound sync messages buffered before the publisher task; beyond this they are
 /// dropped (and counted).
 const OUTBOX_CAPACITY: usize = 8192;
+
+/// A step in the outbox, with when it was queued: the moment this replica decided
+/// it, in microseconds since the Unix epoch (a batch carries its first step's, so
+/// peers can measure the replication lag).
+#[derive(Debug)]
+pub(crate) struct QueuedStep {
+    pub(crate) step: SequenceStep,
+    pub(crate) queued_at_us: u64,
+}
+
+/// Now, in microseconds since the Unix epoch (0 if the clock is before it).
+pub(crate) fn unix_micros() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+}
 
 /// Replica settings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -111,9 +127,9 @@ impl Default for ReplicaConfig {
 /// This replica's side of the sync: its id, the outbound queue, and counters.
 pub struct Replicas {
     config: ReplicaConfig,
-    outbox: mpsc::Sender<SequenceStep>,
+    outbox: mpsc::Sender<QueuedStep>,
     /// Taken once by the publisher task at start-up.
-    outbox_rx: Mutex<Option<mpsc::Receiver<SequenceStep>>>,
+    outbox_rx: Mutex<Option<mpsc::Receiver<QueuedStep>>>,
     metrics: SyncMetrics,
     /// Our own in-flight bookings, to answer peers' snapshot requests. Locked under
     /// the scheduler lock (scheduler first).
@@ -274,7 +290,10 @@ impl Replicas {
     }
 
     fn send(&self, request_id: RequestId, update: SequenceUpdate) {
-        let msg = SequenceStep { request_id, update };
+        let msg = QueuedStep {
+            step: SequenceStep { request_id, update },
+            queued_at_us: unix_micros(),
+        };
         let outcome = match self.outbox.try_send(msg) {
             Ok(()) => "queued",
             Err(e) => {
@@ -286,7 +305,7 @@ impl Replicas {
     }
 
     /// Takes the outbound receiver (once) for the publisher task.
-    pub(crate) fn take_outbox(&self) -> Option<mpsc::Receiver<SequenceStep>> {
+    pub(crate) fn take_outbox(&self) -> Option<mpsc::Receiver<QueuedStep>> {
         self.outbox_rx
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())

@@ -102,6 +102,7 @@ async fn a_replica_publishes_its_steps_in_batches_and_applies_both_forms() -> an
                 update: SequenceUpdate::Freed,
             },
         ],
+        queued_at_us: None,
     };
     cluster
         .nats
@@ -138,6 +139,7 @@ async fn a_replica_publishes_its_steps_in_batches_and_applies_both_forms() -> an
     let mut both = encode(&SequenceSyncBatch {
         router_id: RouterId(7),
         steps: vec![peer_booking("p4")],
+        queued_at_us: None,
     })?;
     anyhow::ensure!(both[0] == 0x82, "a fixmap of two keys");
     both[0] = 0x84;
