@@ -176,6 +176,11 @@ impl LoadReports {
         self.reports.get(&rank).map(|r| &r.metrics)
     }
 
+    /// Every rank with a stored sample.
+    pub(crate) fn ranks(&self) -> impl Iterator<Item = WorkerRank> + '_ {
+        self.reports.keys().copied()
+    }
+
     /// When `rank` last reported.
     pub(crate) fn heard(&self, rank: WorkerRank) -> Option<Instant> {
         self.reports.get(&rank).map(|r| r.at)
