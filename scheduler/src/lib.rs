@@ -17,7 +17,8 @@
 //! simulator pass a virtual one. The daemon keeps it behind one `Mutex`, making
 //! select-and-book atomic. A `predicted-ttft` decision is O(touched ranks × prompt
 //! blocks) (the blocks term only for the KV-reuse lookup): the ranks with a booking,
-//! a load report, calibration state or overlap with the prompt, plus one idle rank
+//! a report no longer live (or of load, under busy thresholds), their own warmed-up
+//! calibration or overlap with the prompt, plus one idle rank
 //! standing for the rest (`shortcut.rs`, exact); other decisions, and any while
 //! more than half of the ranks are touched, are O(registered ranks × prompt
 //! blocks). Scratch buffers are reused.

@@ -1,14 +1,16 @@
 //! The decision shortcut: a `predicted-ttft` decision that looks at the ranks that
 //! can differ and one stand-in for the rest, instead of every registered rank.
 //!
-//! A rank with no booked request, no load report, no warmed-up calibration of its
-//! own and no overlap with the prompt (GPU or any tier) is *idle*, and every idle rank
+//! A rank with no booked request, no warmed-up calibration of its own, no overlap,
+//! and either no load report or a live one of no load (when busy thresholds are
+//! set) with the prompt (GPU or any tier) is *idle*, and every idle rank
 //! is priced alike: its load projection is all zeros at any `now` (nothing is
 //! booked, so nothing decays), its overlap, lower-tier and in-flight blocks are 0,
-//! its liveness is "never reported", it cannot be busy (every busy threshold needs
-//! a load of at least 1), and calibration prices it with the fleet prior. So a
+//! its liveness tier is the preferred one (never reported, or live), it cannot be
+//! busy (every busy threshold needs a load of at least 1), and calibration prices it with the fleet prior. So a
 //! decision considers the *touched* ranks — the union of the rank sets of the
-//! bookings, the reports, the warmed-up calibrated ranks and the overlap scores,
+//! bookings, the reports no longer live (a prefix of the reports ordered by time) or
+//! reporting load, the warmed-up calibrated ranks and the overlap scores,
 //! O(touched) — plus
 //! one idle rank drawn uniformly (rejection sampling over the registered ranks,
 //! fewer than 2 draws on average, since the shortcut is taken only while at least
@@ -27,7 +29,8 @@
 //! a pinned dp_rank, excluded workers, a session id, a fleet with workers that do
 //! not serve whole requests (disaggregation), overlaps that cannot list their ranks,
 //! and more than half of the ranks touched (a fleet whose every rank reports load
-//! or has learned its own timing is always scanned in full).
+//! while busy thresholds are set, or has learned its own timing, is scanned in
+//! full).
 
 use crate::Scheduler;
 use crate::candidates::{Ask, Seen};
@@ -123,7 +126,11 @@ impl Scheduler {
             return Ok(None);
         }
         touched.extend(self.sequences.booked_ranks());
-        touched.extend(self.reports.ranks());
+        let busy_checked = self.config.busy.enabled();
+        self.reports
+            .visit_unlike_unreported(&self.config.liveness, busy_checked, now, |r| {
+                touched.push(r)
+            });
         self.calibration.visit_own_scales(|r| touched.push(r));
         touched.retain(|&r| self.workers.contains_rank(r));
         touched.sort_unstable();

@@ -231,19 +231,21 @@ fn random_histories_take_the_shortcut() {
 }
 
 /// Cost-equal ranks share the work: 64 ranks with nothing booked, 16 of them
-/// reporting (touched, so candidates of their own) and 48 behind one stand-in;
+/// reporting load (touched, so candidates of their own) and 48 behind one stand-in;
 /// each of 6,400 prompts is freed as soon as it is placed, so every decision ties
 /// over the whole fleet and each rank should get about 100.
 #[test]
 fn exact_ties_spread_over_every_rank_of_the_tie() {
-    let mut s = Scheduler::new(config(true, false), Some(3)).unwrap();
+    let mut s = Scheduler::new(config(true, true), Some(3)).unwrap();
     for id in 0..64 {
         s.add_worker(reg(id, 1)).unwrap();
     }
     let now = Instant::now();
     for id in 0..16 {
+        // A report of load, far from busy: touched, priced like the idle ranks.
         let m = LoadMetrics {
             worker_id: WorkerId(id),
+            active_decode_blocks: 1,
             ..LoadMetrics::default()
         };
         assert!(s.update_load_metrics(m, now));
