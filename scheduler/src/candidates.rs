@@ -1,16 +1,42 @@
 //! The candidates of one decision: the registered ranks a request (or one half of
 //! it) may go to. A second `impl` block of [`Scheduler`], apart from the decision
 //! paths in `lib.rs` and `pair.rs` that both start here; O(registered ranks) per
-//! call, one registry lookup and one load projection each.
+//! call, one registry lookup and one load projection each (`shortcut.rs` looks at
+//! fewer ranks where that is exact).
 
 use crate::Scheduler;
 use crate::error::SchedulerError;
 use crate::liveness::LoadReports;
 use crate::overlap::Overlaps;
-use crate::policy::Candidate;
+use crate::policy::{Candidate, PolicyConfig};
 use crate::request::ScheduleRequest;
 use crate::workers::Side;
+use kv_events::WorkerRank;
 use std::time::Instant;
+
+/// One decision's inputs (shared by both sides of a pair decision).
+pub(crate) struct Ask<'a, O: ?Sized> {
+    /// The request.
+    pub(crate) req: &'a ScheduleRequest,
+    /// Each rank's overlap blocks for its prompt.
+    pub(crate) overlaps: &'a O,
+    /// The request's resolved policy (it picks the prefill rank).
+    pub(crate) policy: &'a PolicyConfig,
+    /// The prompt's chained block ids (empty without KV reuse).
+    pub(crate) block_ids: &'a [u64],
+    /// The decision time.
+    pub(crate) now: Instant,
+    /// Requests of the batch still to place, this one included.
+    pub(crate) batch_remaining: usize,
+}
+
+/// What a candidate scan saw, for its error when no candidate is left.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Seen {
+    any_registered: bool,
+    pinned_exists: bool,
+    any_allowed: bool,
+}
 
 impl Scheduler {
     /// Fills `self.candidates` with the ranks of `side` eligible for `req`: matching
@@ -31,51 +57,76 @@ impl Scheduler {
     ) -> Result<(), SchedulerError> {
         self.candidates.clear();
         self.tiers.clear();
-        let mut any_registered = false;
-        let mut pinned_exists = false;
-        let mut any_allowed = false;
-        for &rank in self.workers.ranks() {
-            let Some(reg) = self.workers.get(rank.worker_id).filter(|r| side.admits(r)) else {
-                continue;
-            };
-            any_registered = true;
-            if req.dp_rank.is_some_and(|dp| dp != rank.dp_rank) {
-                continue;
-            }
-            pinned_exists = true;
-            if req.excludes(rank.worker_id) {
-                continue;
-            }
-            any_allowed = true;
-            let Some(tier) = self.reports.tier(&self.config.liveness, rank, now) else {
-                continue; // silent
-            };
-            let load = self.sequences.load(rank, now);
-            if self.config.busy.enabled()
-                && self.config.busy.is_busy(&load, self.reports.get(rank), reg)
-            {
-                continue;
-            }
-            self.tiers.push(tier);
-            let overlap_blocks = overlaps.overlap(rank).min(req.reusable_blocks());
-            self.candidates.push(Candidate {
-                rank,
-                overlap_blocks,
-                any_tier_blocks: overlaps
-                    .overlap_any_tier(rank)
-                    .clamp(overlap_blocks, req.reusable_blocks()),
-                load,
-                new_blocks: self
-                    .sequences
-                    .new_blocks(rank, block_ids, req.request_blocks),
-            });
+        let mut seen = Seen::default();
+        for i in 0..self.workers.ranks().len() {
+            let rank = self.workers.ranks()[i];
+            self.consider(rank, req, overlaps, block_ids, now, side, &mut seen);
         }
+        self.finish_candidates(req, seen)
+    }
+
+    /// Adds `rank` to `self.candidates` (and its tier to `self.tiers`) if it is
+    /// eligible for `req`; notes in `seen` how far it got.
+    #[allow(clippy::too_many_arguments)] // the scan's state, passed through
+    pub(crate) fn consider<O: Overlaps + ?Sized>(
+        &mut self,
+        rank: WorkerRank,
+        req: &ScheduleRequest,
+        overlaps: &O,
+        block_ids: &[u64],
+        now: Instant,
+        side: Side,
+        seen: &mut Seen,
+    ) {
+        let Some(reg) = self.workers.get(rank.worker_id).filter(|r| side.admits(r)) else {
+            return;
+        };
+        seen.any_registered = true;
+        if req.dp_rank.is_some_and(|dp| dp != rank.dp_rank) {
+            return;
+        }
+        seen.pinned_exists = true;
+        if req.excludes(rank.worker_id) {
+            return;
+        }
+        seen.any_allowed = true;
+        let Some(tier) = self.reports.tier(&self.config.liveness, rank, now) else {
+            return; // silent
+        };
+        let load = self.sequences.load(rank, now);
+        if self.config.busy.enabled()
+            && self.config.busy.is_busy(&load, self.reports.get(rank), reg)
+        {
+            return;
+        }
+        self.tiers.push(tier);
+        let overlap_blocks = overlaps.overlap(rank).min(req.reusable_blocks());
+        self.candidates.push(Candidate {
+            rank,
+            overlap_blocks,
+            any_tier_blocks: overlaps
+                .overlap_any_tier(rank)
+                .clamp(overlap_blocks, req.reusable_blocks()),
+            load,
+            new_blocks: self
+                .sequences
+                .new_blocks(rank, block_ids, req.request_blocks),
+        });
+    }
+
+    /// Keeps the candidates of the best liveness tier; the scan's error when none
+    /// is left.
+    pub(crate) fn finish_candidates(
+        &mut self,
+        req: &ScheduleRequest,
+        seen: Seen,
+    ) -> Result<(), SchedulerError> {
         LoadReports::keep_best(&mut self.candidates, &self.tiers);
         match (
-            any_registered,
+            seen.any_registered,
             req.dp_rank,
-            pinned_exists,
-            any_allowed,
+            seen.pinned_exists,
+            seen.any_allowed,
             self.candidates.is_empty(),
         ) {
             (false, ..) => Err(SchedulerError::NoWorkers),

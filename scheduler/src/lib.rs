@@ -15,8 +15,13 @@
 //! The scheduler is synchronous, single-owner and clock-free: every call that depends
 //! on time takes `now`, so the daemon passes the wall clock and tests or an offline
 //! simulator pass a virtual one. The daemon keeps it behind one `Mutex`, making
-//! select-and-book atomic. A decision is O(eligible ranks × prompt blocks) (the
-//! blocks term only for the KV-reuse lookup), with scratch buffers reused.
+//! select-and-book atomic. A `predicted-ttft` decision is O(touched ranks × prompt
+//! blocks) (the blocks term only for the KV-reuse lookup): the ranks with a booking,
+//! a report no longer live (or of load, under busy thresholds), their own warmed-up
+//! calibration or overlap with the prompt, plus one idle rank
+//! standing for the rest (`shortcut.rs`, exact); other decisions, and any while
+//! more than half of the ranks are touched, are O(registered ranks × prompt
+//! blocks). Scratch buffers are reused.
 //!
 //! # Layout
 //! - [`load`]: [`PrefillLoadHint`] and [`RankLoad`], the values every other module
@@ -46,6 +51,8 @@
 //!   to a request and its prefill half.
 //! - `steps.rs`: [`lifecycle_steps`] and [`LifecycleStep`], the steps one event
 //!   means (a leaf, so the daemon can list them before applying them).
+//! - `shortcut.rs`: the decision shortcut over the touched ranks and an idle
+//!   stand-in.
 //! - `batch.rs`: [`Scheduler::schedule_batch`].
 //! - `reads.rs`: the facade's read accessors (load, metrics, liveness, calibration).
 
@@ -69,6 +76,7 @@ mod reads;
 pub mod request;
 pub mod sequences;
 pub mod sessions;
+mod shortcut;
 mod steps;
 pub mod workers;
 
@@ -96,11 +104,10 @@ use kv_events::discovery::WorkerRegistration;
 use kv_events::routing::PolicyKind;
 use kv_events::{RequestId, WorkerId, WorkerRank};
 use liveness::{LoadReports, Tier};
-use policy::{Candidate, SelectContext, Selector};
+use policy::{Candidate, Selector};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use std::time::Instant;
-use workers::Side;
 
 /// In which order [`Scheduler::schedule_batch`] places a batch (a wire type: a
 /// batch route request names it).
@@ -127,6 +134,10 @@ pub struct Scheduler {
     tiers: Vec<Tier>,
     scales: Vec<TimingScale>,
     decode_keys: Vec<(f64, f64)>,
+    /// The shortcut's touched ranks (`shortcut.rs`), and whether it is on (tests
+    /// turn it off to compare with the full scan).
+    touched: Vec<WorkerRank>,
+    shortcut: bool,
 }
 
 impl Scheduler {
@@ -153,6 +164,8 @@ impl Scheduler {
             tiers: Vec::new(),
             scales: Vec::new(),
             decode_keys: Vec::new(),
+            touched: Vec::new(),
+            shortcut: true,
         })
     }
 
@@ -266,19 +279,18 @@ impl Scheduler {
         } else {
             Vec::new()
         };
-        if req.allow_disaggregation && self.workers.has_prefill_workers() {
-            return self.schedule_pair(req, overlaps, &policy, &block_ids, now, batch_remaining);
-        }
-        self.gather_candidates(req, overlaps, &block_ids, now, Side::Whole)?;
-        self.calibration
-            .timing_scales(&policy, &self.candidates, &mut self.scales);
-        let ctx = SelectContext {
-            request: req.shape(),
-            candidates: &self.candidates,
+        let ask = candidates::Ask {
+            req,
+            overlaps,
+            policy: &policy,
+            block_ids: &block_ids,
+            now,
             batch_remaining,
-            timing_scales: &self.scales,
         };
-        let choice = self.selector.select(&policy, &ctx)?;
+        if req.allow_disaggregation && self.workers.has_prefill_workers() {
+            return self.schedule_pair(&ask);
+        }
+        let choice = self.choose_whole(&ask)?;
         let selector = &self.selector;
         let (index, session) = self.sessions.steer(
             req.session_id.as_ref(),
@@ -480,3 +492,7 @@ mod pair_lifecycle_tests;
 #[cfg(test)]
 #[path = "scheduler_pair_diff_tests.rs"]
 mod pair_diff_tests;
+
+#[cfg(test)]
+#[path = "shortcut_tests.rs"]
+mod shortcut_tests;

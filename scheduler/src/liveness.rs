@@ -24,7 +24,7 @@ use crate::error::SchedulerError;
 use crate::policy::Candidate;
 use kv_events::{LoadMetrics, WorkerId, WorkerRank};
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 /// How silence in a rank's load metrics is read.
@@ -162,18 +162,53 @@ pub(crate) struct LoadReports {
     reports: HashMap<WorkerRank, Report>,
     /// The newest `at` over all reports (for the no-rank-is-live safeguard).
     latest: Option<Instant>,
+    /// Every report's `(at, rank)`, oldest first: the ranks that are no longer live
+    /// are a prefix (the decision shortcut lists them without a scan).
+    by_time: BTreeSet<(Instant, WorkerRank)>,
+    /// Ranks whose latest sample reports decode blocks or prefill tokens (the only
+    /// ones a report alone can make busy).
+    loaded: HashSet<WorkerRank>,
 }
 
 impl LoadReports {
     /// Stores `metrics` for `rank`, heard at `now`.
     pub(crate) fn insert(&mut self, rank: WorkerRank, metrics: LoadMetrics, now: Instant) {
-        self.reports.insert(rank, Report { metrics, at: now });
+        if metrics.active_decode_blocks > 0 || metrics.active_prefill_tokens > 0 {
+            self.loaded.insert(rank);
+        } else {
+            self.loaded.remove(&rank);
+        }
+        if let Some(old) = self.reports.insert(rank, Report { metrics, at: now }) {
+            self.by_time.remove(&(old.at, rank));
+        }
+        self.by_time.insert((now, rank));
         self.latest = self.latest.max(Some(now));
     }
 
     /// The latest sample of `rank`.
     pub(crate) fn get(&self, rank: WorkerRank) -> Option<&LoadMetrics> {
         self.reports.get(&rank).map(|r| &r.metrics)
+    }
+
+    /// Calls `f` with every rank whose sample may set it apart from a rank that never
+    /// reported, at `now`: those no longer live, and (when `busy_checked`) those
+    /// reporting load. O(those ranks), not O(reports).
+    pub(crate) fn visit_unlike_unreported(
+        &self,
+        config: &LivenessConfig,
+        busy_checked: bool,
+        now: Instant,
+        mut f: impl FnMut(WorkerRank),
+    ) {
+        for &(at, rank) in &self.by_time {
+            if config.classify(Some(at), now) == Liveness::Live {
+                break; // every later sample is newer, so live too
+            }
+            f(rank);
+        }
+        if busy_checked {
+            self.loaded.iter().for_each(|&r| f(r));
+        }
     }
 
     /// When `rank` last reported.
@@ -184,6 +219,9 @@ impl LoadReports {
     /// Drops what `keep` refuses, then recomputes the newest sample time.
     pub(crate) fn retain(&mut self, mut keep: impl FnMut(WorkerRank) -> bool) {
         self.reports.retain(|rank, _| keep(*rank));
+        self.by_time
+            .retain(|(_, rank)| self.reports.contains_key(rank));
+        self.loaded.retain(|rank| self.reports.contains_key(rank));
         self.latest = self.reports.values().map(|r| r.at).max();
     }
 

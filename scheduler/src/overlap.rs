@@ -23,6 +23,14 @@ pub trait Overlaps {
     fn overlap_any_tier(&self, rank: WorkerRank) -> u32 {
         self.overlap(rank)
     }
+
+    /// Calls `f` with every rank whose overlap (GPU or any tier) may be non-zero —
+    /// a superset is fine — and returns `true`; `false` when this source cannot list
+    /// them (the default), and a decision then scans every registered rank.
+    fn visit_matched(&self, f: &mut dyn FnMut(WorkerRank)) -> bool {
+        let _ = f;
+        false
+    }
 }
 
 impl Overlaps for OverlapScores {
@@ -33,11 +41,24 @@ impl Overlaps for OverlapScores {
     fn overlap_any_tier(&self, rank: WorkerRank) -> u32 {
         self.get_any_tier(rank)
     }
+
+    fn visit_matched(&self, f: &mut dyn FnMut(WorkerRank)) -> bool {
+        self.scores
+            .keys()
+            .chain(self.any_tier.keys())
+            .for_each(|&r| f(r));
+        true
+    }
 }
 
 impl Overlaps for HashMap<WorkerRank, u32> {
     fn overlap(&self, rank: WorkerRank) -> u32 {
         self.get(&rank).copied().unwrap_or(0)
+    }
+
+    fn visit_matched(&self, f: &mut dyn FnMut(WorkerRank)) -> bool {
+        self.keys().for_each(|&r| f(r));
+        true
     }
 }
 
@@ -49,6 +70,10 @@ impl<T: Overlaps + ?Sized> Overlaps for &T {
     fn overlap_any_tier(&self, rank: WorkerRank) -> u32 {
         (**self).overlap_any_tier(rank)
     }
+
+    fn visit_matched(&self, f: &mut dyn FnMut(WorkerRank)) -> bool {
+        (**self).visit_matched(f)
+    }
 }
 
 /// No rank caches anything: every overlap is 0.
@@ -58,6 +83,10 @@ pub struct NoOverlap;
 impl Overlaps for NoOverlap {
     fn overlap(&self, _rank: WorkerRank) -> u32 {
         0
+    }
+
+    fn visit_matched(&self, _f: &mut dyn FnMut(WorkerRank)) -> bool {
+        true
     }
 }
 

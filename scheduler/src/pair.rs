@@ -17,32 +17,17 @@
 //! per candidate.
 
 use crate::Scheduler;
+use crate::candidates::Ask;
 use crate::disaggregation::decode_cost;
 use crate::error::SchedulerError;
 use crate::overlap::Overlaps;
-use crate::policy::{Candidate, PolicyConfig, SelectContext};
+use crate::policy::{Candidate, SelectContext};
 use crate::request::{PairDecision, PrefillChoice, ScheduleRequest, Selection};
 use crate::sequences::{AddRequest, Origin};
 use crate::sessions::CostScale;
 use crate::workers::Side;
 use kv_events::disaggregation::{DisaggregationReason, TransferProtocol, prefill_booking_id};
 use std::time::Instant;
-
-/// One pair decision's inputs, shared by both sides.
-struct PairAsk<'a, O: ?Sized> {
-    /// The request.
-    req: &'a ScheduleRequest,
-    /// Each rank's overlap blocks for its prompt.
-    overlaps: &'a O,
-    /// The request's resolved policy (it picks the prefill rank).
-    policy: &'a PolicyConfig,
-    /// The prompt's chained block ids (empty without KV reuse).
-    block_ids: &'a [u64],
-    /// The decision time.
-    now: Instant,
-    /// Requests of the batch still to place, this one included.
-    batch_remaining: usize,
-}
 
 impl Scheduler {
     /// Chooses and books the decode rank of `req` and, when the decision is to
@@ -55,21 +40,9 @@ impl Scheduler {
     /// [`SchedulerError::AllBusy`], and nothing is booked.
     pub(crate) fn schedule_pair<O: Overlaps + ?Sized>(
         &mut self,
-        req: &ScheduleRequest,
-        overlaps: &O,
-        policy: &PolicyConfig,
-        block_ids: &[u64],
-        now: Instant,
-        batch_remaining: usize,
+        ask: &Ask<'_, O>,
     ) -> Result<Selection, SchedulerError> {
-        let ask = &PairAsk {
-            req,
-            overlaps,
-            policy,
-            block_ids,
-            now,
-            batch_remaining,
-        };
+        let (req, policy, now) = (ask.req, ask.policy, ask.now);
         let half_id = prefill_booking_id(&req.request_id);
         if self.sequences.contains(&half_id) {
             return Err(SchedulerError::DuplicateRequest(half_id));
@@ -206,7 +179,7 @@ impl Scheduler {
     /// by `policy`, with its cost; `None` when none is eligible.
     fn pick_prefill<O: Overlaps + ?Sized>(
         &mut self,
-        ask: &PairAsk<'_, O>,
+        ask: &Ask<'_, O>,
         protocol: TransferProtocol,
     ) -> Option<(Candidate, Option<f64>)> {
         let side = Side::Prefill(protocol);
@@ -219,6 +192,7 @@ impl Scheduler {
             candidates: &self.candidates,
             batch_remaining: ask.batch_remaining,
             timing_scales: &self.scales,
+            idle_twins: 0,
         };
         let choice = self.selector.select(ask.policy, &ctx).ok()?;
         Some((self.candidates[choice.index], choice.cost))

@@ -221,6 +221,39 @@ impl SessionOutcome {
 mod tests {
     use super::*;
 
+    #[test]
+    fn overlap_stops_before_the_last_prompt_token() {
+        use crate::tests::{scheduler, with_policy};
+        use crate::{KvPolicyConfig, PolicyConfig};
+        use std::collections::HashMap;
+        use std::time::Instant;
+        const BLOCK: u32 = 16;
+        let prompt = |id: &str, num_tokens: u64| {
+            let hashes = (0..num_tokens / u64::from(BLOCK))
+                .map(|i| LocalBlockHash(1000 + i))
+                .collect();
+            ScheduleRequest::new(id, hashes, num_tokens, BLOCK)
+        };
+        let mut s = scheduler(
+            with_policy(PolicyConfig::Kv(KvPolicyConfig::default())),
+            &[(1, 1)],
+        );
+        let t = Instant::now();
+        let held = HashMap::from([(WorkerRank::new(WorkerId(1), DpRank(0)), 4)]);
+        // An exactly block-aligned prompt of 4 blocks held in full: the engine computes
+        // its last token again, so it reuses 3 blocks (vLLM reports 3 × BLOCK cached
+        // tokens).
+        let aligned = prompt("aligned", 4 * u64::from(BLOCK));
+        assert_eq!(aligned.reusable_blocks(), 3);
+        assert_eq!(s.schedule(&aligned, &held, t).unwrap().overlap_blocks, 3);
+        // One token more: all 4 full blocks are before the last token.
+        let longer = prompt("longer", 4 * u64::from(BLOCK) + 1);
+        assert_eq!(longer.reusable_blocks(), 4);
+        assert_eq!(s.schedule(&longer, &held, t).unwrap().overlap_blocks, 4);
+        // A one-token prompt reuses nothing.
+        assert_eq!(prompt("one", 1).reusable_blocks(), 0);
+    }
+
     fn req(num_tokens: u64, block_size: u32) -> ScheduleRequest {
         ScheduleRequest::new("r", Vec::new(), num_tokens, block_size)
     }

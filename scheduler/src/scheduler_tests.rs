@@ -494,21 +494,3 @@ fn lower_tier_overlap_flows_from_the_index_scores() {
     let sel = s.schedule(&request("c", 100), &scores, t).unwrap();
     assert_eq!(sel.cost, Some(4.0 + 7.0));
 }
-
-#[test]
-fn overlap_stops_before_the_last_prompt_token() {
-    let t = Instant::now();
-    let held = HashMap::from([(rank(1, 0), 4)]);
-    // An exactly block-aligned prompt of 4 blocks held in full: the engine computes its
-    // last token again, so it reuses 3 blocks (vLLM reports 3 × BLOCK cached tokens).
-    let aligned = prefixed("aligned", 4 * u64::from(BLOCK), 1);
-    assert_eq!(aligned.reusable_blocks(), 3);
-    let mut s = scheduler(kv_config(1.0), &[(1, 1)]);
-    assert_eq!(s.schedule(&aligned, &held, t).unwrap().overlap_blocks, 3);
-    // One token more: all 4 full blocks are before the last token.
-    let longer = prefixed("longer", 4 * u64::from(BLOCK) + 1, 1);
-    assert_eq!(longer.reusable_blocks(), 4);
-    assert_eq!(s.schedule(&longer, &held, t).unwrap().overlap_blocks, 4);
-    // A one-token prompt reuses nothing.
-    assert_eq!(prefixed("one", 1, 1).reusable_blocks(), 0);
-}

@@ -50,6 +50,9 @@ pub struct WorkerRegistry {
     ranks: Vec<WorkerRank>,
     /// Registered workers whose role is `prefill`.
     prefill_workers: usize,
+    /// Registered workers that cannot serve a whole request (`prefill`, and `decode`
+    /// without a transfer protocol that allows it).
+    partial_workers: usize,
 }
 
 impl WorkerRegistry {
@@ -126,7 +129,18 @@ impl WorkerRegistry {
         self.prefill_workers > 0
     }
 
+    /// Whether every registered worker serves whole requests ([`Side::Whole`] admits
+    /// every rank).
+    pub(crate) fn all_serve_whole(&self) -> bool {
+        self.partial_workers == 0
+    }
+
     fn rebuild_ranks(&mut self) {
+        self.partial_workers = self
+            .workers
+            .values()
+            .filter(|reg| !reg.serves_whole_requests())
+            .count();
         self.prefill_workers = self
             .workers
             .values()

@@ -247,6 +247,8 @@ pub struct Calibration {
     ranks: HashMap<WorkerRank, RankState, foldhash::fast::RandomState>,
     pending: HashMap<RequestId, Pending>,
     fleet: FleetPrior,
+    /// The ranks priced with their own estimate (warmed up), in no order.
+    warmed: Vec<WorkerRank>,
 }
 
 /// Σ ln θ over the warmed-up ranks, kept as samples update them: the prior of the
@@ -290,6 +292,7 @@ impl Calibration {
             ranks: HashMap::default(),
             pending: HashMap::new(),
             fleet: FleetPrior::default(),
+            warmed: Vec::new(),
         }
     }
 
@@ -348,6 +351,9 @@ impl Calibration {
         let before = (state.rls.samples() >= warmup).then(|| state.rls.theta());
         let used = state.rls.update(z, ttft_ms, &self.config.bounds());
         if used && state.rls.samples() >= warmup {
+            if before.is_none() {
+                self.warmed.push(p.rank);
+            }
             self.fleet.replace(before, state.rls.theta());
         }
         if !used {
@@ -367,8 +373,24 @@ impl Calibration {
         self.pending.retain(|_, p| !gone(p.rank));
         let warmup = u64::from(self.config.warmup_samples);
         self.fleet = FleetPrior::default();
-        for r in self.ranks.values().filter(|r| r.rls.samples() >= warmup) {
+        self.warmed.clear();
+        for (&rank, r) in self.ranks.iter().filter(|(_, r)| r.rls.samples() >= warmup) {
             self.fleet.replace(None, r.rls.theta());
+            self.warmed.push(rank);
+        }
+    }
+
+    /// Calls `f` with every rank [`Self::scale`] may price apart from the fleet
+    /// prior (the others are priced alike): the warmed-up ranks, O(those); every
+    /// rank with state when `warmup_samples` is 0; none when calibration is off.
+    pub(crate) fn visit_own_scales(&self, mut f: impl FnMut(WorkerRank)) {
+        if !self.config.enabled {
+            return;
+        }
+        if self.config.warmup_samples == 0 {
+            self.ranks.keys().for_each(|&r| f(r));
+        } else {
+            self.warmed.iter().for_each(|&r| f(r));
         }
     }
 

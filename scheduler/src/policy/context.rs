@@ -80,6 +80,11 @@ pub struct SelectContext<'a> {
     /// `predicted-ttft`; empty when calibration is off (every rank then uses the
     /// configured model).
     pub timing_scales: &'a [TimingScale],
+    /// Registered ranks left out of `candidates` because one idle candidate stands
+    /// for them (no booking, report, calibration state or overlap: the same cost);
+    /// they still count in fleet-wide figures (the delay cap's mean backlog). 0
+    /// outside the scheduler's shortcut.
+    pub idle_twins: usize,
 }
 
 /// The outcome of a selection.

@@ -79,7 +79,18 @@ impl DelayCap {
     /// Whether the cap applies to a decision whose candidates hold `pending` in-flight
     /// prefill tokens each, at `budget` tokens per step.
     pub fn applies(&self, pending: impl ExactSizeIterator<Item = u64>, budget: u64) -> bool {
-        let n = pending.len();
+        self.applies_with_idle(pending, 0, budget)
+    }
+
+    /// [`Self::applies`] over `pending` and `idle` more ranks with no in-flight
+    /// prefill (the idle ranks a shortcut decision stands for with one candidate).
+    pub fn applies_with_idle(
+        &self,
+        pending: impl ExactSizeIterator<Item = u64>,
+        idle: usize,
+        budget: u64,
+    ) -> bool {
+        let n = pending.len() + idle;
         if !self.enabled || n == 0 {
             return false;
         }

@@ -232,6 +232,12 @@ impl Selector {
         sampling::pick_min(&mut self.rng, keys)
     }
 
+    /// A uniform draw from `0..n` (`n` ≥ 1).
+    pub(crate) fn draw(&mut self, n: usize) -> usize {
+        use rand::Rng;
+        self.rng.random_range(0..n)
+    }
+
     /// Chooses one of `ctx.candidates` under `policy`.
     ///
     /// # Errors
@@ -320,6 +326,7 @@ pub(crate) mod test_support {
             candidates,
             batch_remaining: 1,
             timing_scales: &[],
+            idle_twins: 0,
         }
     }
 

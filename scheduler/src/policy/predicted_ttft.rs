@@ -385,7 +385,11 @@ pub(super) fn select(
     );
     let cap = &config.delay_cap;
     let pending = ctx.candidates.iter().map(|c| c.load.active_prefill_tokens);
-    if cap.applies(pending, config.timing.max_num_batched_tokens) {
+    if cap.applies_with_idle(
+        pending,
+        ctx.idle_twins,
+        config.timing.max_num_batched_tokens,
+    ) {
         // The request's own predicted TTFT: no credit beyond its own saving.
         let plain = PredictedTtftConfig {
             credit: ReuseCredit {

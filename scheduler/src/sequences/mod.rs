@@ -277,6 +277,11 @@ impl ActiveSequences {
             .unwrap_or_default()
     }
 
+    /// Every rank with at least one active request (the others' load is all zeros).
+    pub fn booked_ranks(&self) -> impl Iterator<Item = WorkerRank> + '_ {
+        self.per_rank.keys().copied()
+    }
+
     /// How many of a request's `request_blocks` blocks would be new decode load on
     /// `rank`, given its chained block ids ([`chain_block_ids`]): all of them without
     /// KV reuse, else those not already held there by an active request.
