@@ -12,10 +12,17 @@
 //! which append (rank, score) pairs to one vector, then one score map built at its
 //! final size (a map per shard and a merge cost as much as the walks). A query
 //! first reads the shards no writer holds (`try_read`), then waits for the others,
-//! so under an event flood it overlaps its walks with the writer's batch; an
-//! event batch holds one write lock for its application (microseconds for normal
-//! batches; a pruning pass or a large dump holds it for longer, up to ~100 ms at 10 M
-//! entries). A background task expires approximate-mode entries. An earlier design
+//! so under an event flood it overlaps its walks with the writer's batch. An
+//! event batch is applied in slices of whole events of up to [`SLICE_BLOCKS`] blocks;
+//! between two slices the writer hands the lock to waiting queries
+//! (`parking_lot`'s fair `bump`, nearly free when nobody waits), so a query waits
+//! for at most one slice, not for the whole batch. A query may thus see a batch
+//! partly applied, as if the publisher had sent it as several batches: every event
+//! boundary is a consistent state, and per-rank order is unchanged. A pruning pass, a
+//! recovery reply or a restore still holds the lock for its whole length (up to
+//! ~100 ms at 10 M entries). The locks are `parking_lot`'s rather than std's
+//! for `bump` and their eventual fairness (a stream of queries cannot starve a
+//! writer, nor the writer's slices starve queries). A background task expires approximate-mode entries. An earlier design
 //! with one task per shard behind channels (queries fanning out to the tasks) was
 //! slower in every measurement (`docs/benchmarks.md`) and was retired; git keeps it.
 //!
@@ -31,9 +38,12 @@ use crate::recovery::{RecoveryNeed, RecoveryToken};
 use crate::scores::OverlapScores;
 use crate::stats::{IndexerReport, IndexerStats};
 use kv_events::recovery::{IndexSnapshot, RecoveryReply};
-use kv_events::{KvEventBatch, LocalBlockHash, WorkerId, WorkerRank};
+use kv_events::{
+    KvCacheEvent, KvCacheEventData, KvEventBatch, LocalBlockHash, WorkerId, WorkerRank,
+};
+use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::future::Future;
-use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard, TryLockError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{Notify, mpsc};
 use tokio_util::sync::CancellationToken;
@@ -70,25 +80,19 @@ impl Drop for Inner {
 }
 
 impl Inner {
-    // A panic while holding a lock cannot leave a shard in a state worse than
-    // stopping routing would; the poisoned lock is recovered.
+    // parking_lot locks do not poison: a panic while holding a lock cannot leave a
+    // shard in a state worse than stopping routing would.
     fn read(&self, shard: usize) -> RwLockReadGuard<'_, OrderedIndex> {
-        self.shards[shard].read().unwrap_or_else(|p| p.into_inner())
+        self.shards[shard].read()
     }
 
     /// The read lock of `shard` if no writer holds it now.
     fn try_read(&self, shard: usize) -> Option<RwLockReadGuard<'_, OrderedIndex>> {
-        match self.shards[shard].try_read() {
-            Ok(guard) => Some(guard),
-            Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
-            Err(TryLockError::WouldBlock) => None,
-        }
+        self.shards[shard].try_read()
     }
 
     fn write(&self, shard: usize) -> RwLockWriteGuard<'_, OrderedIndex> {
-        self.shards[shard]
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
+        self.shards[shard].write()
     }
 
     fn send_needs(&self, needs: Vec<RecoveryNeed>) {
@@ -183,7 +187,21 @@ impl IndexerApi for Indexer {
     async fn apply(&self, batch: KvEventBatch) -> Result<(), IndexerError> {
         self.running()?;
         let shard = self.shard_of(batch.worker_id);
-        let needs = self.inner.write(shard).apply_batch(&batch);
+        let mut index = self.inner.write(shard);
+        index.counters().record_batch();
+        let mut needs = Vec::new();
+        let mut rest = batch.events.as_slice();
+        loop {
+            let (slice, tail) = rest.split_at(slice_len(rest));
+            index.apply_events(batch.worker_id, batch.epoch, slice, &mut needs);
+            if tail.is_empty() {
+                break;
+            }
+            // Queries waiting for this shard read it now, between two events.
+            RwLockWriteGuard::bump(&mut index);
+            rest = tail;
+        }
+        drop(index);
         self.inner.send_needs(needs);
         Ok(())
     }
@@ -331,6 +349,30 @@ impl IndexerApi for Indexer {
     async fn closed(&self) {
         self.inner.tracker.wait().await;
     }
+}
+
+/// Blocks (stored or removed) a batch applies per hold of its shard's write lock.
+/// Small enough that a waiting query is let in within a few microseconds; large
+/// enough that a batch rarely pays the hand-over (a normal batch is one slice).
+const SLICE_BLOCKS: usize = 256;
+
+/// How many of `events` make the next slice: whole events up to [`SLICE_BLOCKS`]
+/// blocks, and at least one event (an event is never split, so one `Stored` event of
+/// more blocks is one slice).
+fn slice_len(events: &[KvCacheEvent]) -> usize {
+    let mut blocks = 0;
+    for (i, event) in events.iter().enumerate() {
+        blocks += match &event.data {
+            KvCacheEventData::Stored { blocks, .. } => blocks.len(),
+            KvCacheEventData::Removed { block_hashes, .. } => block_hashes.len(),
+            KvCacheEventData::Cleared => 1,
+        }
+        .max(1);
+        if blocks >= SLICE_BLOCKS {
+            return i + 1;
+        }
+    }
+    events.len()
 }
 
 /// Expires approximate-mode blocks at their deadlines until shutdown or until every

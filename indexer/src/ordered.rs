@@ -113,10 +113,25 @@ impl OrderedIndex {
     pub fn apply_batch(&mut self, batch: &KvEventBatch) -> Vec<RecoveryNeed> {
         self.counters.record_batch();
         let mut needs = Vec::new();
-        for event in &batch.events {
-            self.on_event(batch.worker_id, batch.epoch, event, &mut needs);
-        }
+        self.apply_events(batch.worker_id, batch.epoch, &batch.events, &mut needs);
         needs
+    }
+
+    /// Applies `events`, a run of consecutive events of one batch of `worker_id` at
+    /// `epoch`, under the ordering rules; appends the recoveries to perform to `needs`.
+    /// Applying a batch as several runs in order is the same as applying it whole
+    /// (each event leaves the index consistent), except that the batch is not counted:
+    /// the caller counts it once with [`IndexerCounters::record_batch`].
+    pub fn apply_events(
+        &mut self,
+        worker_id: WorkerId,
+        epoch: u64,
+        events: &[KvCacheEvent],
+        needs: &mut Vec<RecoveryNeed>,
+    ) {
+        for event in events {
+            self.on_event(worker_id, epoch, event, needs);
+        }
     }
 
     fn on_event(
