@@ -176,6 +176,13 @@ impl RadixTree {
                     });
                 }
                 ParentAt::Unknown => {
+                    // A bounded tree may have pruned the parent and its trace too: the
+                    // group is known all the same (holding nothing), so the rank's
+                    // hybrid hit cannot grow by forgetting (it would if the group
+                    // were missing).
+                    if intern_empty && self.bounded() {
+                        self.ranks.intern(holder, window);
+                    }
                     return Err(ApplyError::UnknownParent {
                         rank,
                         parent_hash: parent,
