@@ -29,11 +29,12 @@
 
 use crate::config::{LabPolicy, RouterGroups, Setting, SimConfig, Speedup};
 use crate::error::LabError;
+use crate::metrics::ratio;
 use crate::report::{LabReport, RunReport, publish};
 use crate::sim::PreparedTrace;
 use crate::study_args::StudyArgs;
 use crate::sweep::{LabelledRun, jobs_or_cores, run_labelled};
-use crate::table::{engines_heading, ms, percent, ratio, tables_per_setting};
+use crate::table::{engines_heading, ms, percent, tables_per_setting};
 use engine_model::trace::BlockMapping;
 use engine_model::{HybridConfig, WindowRetention};
 use kv_events::routing::PolicyKind;

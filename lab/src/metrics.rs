@@ -124,7 +124,7 @@ pub struct Prediction {
 impl Prediction {
     /// Σ predicted / Σ prompt tokens: the hit rate the router expected.
     pub fn predicted_rate(&self) -> Option<f64> {
-        crate::table::ratio(self.predicted_tokens, self.prompt_tokens)
+        ratio(self.predicted_tokens, self.prompt_tokens)
     }
 
     fn count(&mut self, prompt: u64, predicted: u64, cached: u64) {
@@ -236,6 +236,11 @@ impl RunMetrics {
             prediction,
         }
     }
+}
+
+/// `part / whole`, `None` when `whole` is 0.
+pub(crate) fn ratio(part: u64, whole: u64) -> Option<f64> {
+    (whole > 0).then(|| part as f64 / whole as f64)
 }
 
 #[cfg(test)]

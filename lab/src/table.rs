@@ -79,11 +79,6 @@ pub(crate) fn engines_heading(s: Setting) -> String {
     format!("{} engines, {} arrivals", s.workers, s.speedup)
 }
 
-/// `part / whole`, `None` when `whole` is 0.
-pub(crate) fn ratio(part: u64, whole: u64) -> Option<f64> {
-    (whole > 0).then(|| part as f64 / whole as f64)
-}
-
 /// A latency cell: whole ms, `-` when there is none.
 pub(crate) fn ms(v: Option<f64>) -> String {
     v.map_or_else(|| "-".to_owned(), |v| format!("{v:.0}"))
