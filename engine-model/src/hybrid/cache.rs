@@ -34,7 +34,7 @@
 
 use super::alloc::{HybridAllocation, Window};
 use super::{BlockId, GroupStore, HybridHit, Layout};
-use crate::kv_cache::{CacheInUse, Lru, Refs, hit_candidates};
+use crate::kv_cache::{CacheInUse, Lru, Refs, hit_candidates, hit_cap_blocks};
 use kv_events::{ExternalBlockHash, KvCacheEventData, StorageTier, StoredBlock};
 use std::collections::HashMap;
 
@@ -252,8 +252,7 @@ impl HybridCache {
                     reserved: per_window,
                 })
                 .collect(),
-            replay_end: (prompt_tokens.saturating_sub(1) / u64::from(self.block_size.max(1)))
-                as usize,
+            replay_end: hit_cap_blocks(prompt_tokens, self.block_size),
             total_blocks,
             decoding: false,
         })
