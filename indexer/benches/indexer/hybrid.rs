@@ -7,6 +7,7 @@
 //! blocks, below the full group's block before them (vLLM's sparse retention). Same
 //! queries (128 blocks, the conversations' paths) on both.
 
+use crate::query::{QUERIES, QUERY_BLOCKS};
 use crate::{Scale, percentiles};
 use bench_workload::build;
 use indexer::{Indexer, IndexerApi, IndexerConfig, RadixTree};
@@ -18,8 +19,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
-const QUERIES: usize = 20_000;
-const QUERY_BLOCKS: usize = 128;
 /// Blocks of each sliding-window group's window (vLLM: window 128 tokens, block 32).
 const WINDOW: usize = 4;
 
@@ -135,14 +134,7 @@ fn front(batches: &[KvEventBatch], queries: &[Arc<[LocalBlockHash]>]) -> Vec<Dur
 
 pub fn run(scale: Scale) {
     let w = build(crate::query::shape(scale), 2024);
-    let queries: Vec<Arc<[LocalBlockHash]>> = w
-        .paths
-        .iter()
-        .filter(|(_, p)| p.len() >= QUERY_BLOCKS)
-        .map(|(_, p)| Arc::from(&p[..QUERY_BLOCKS]))
-        .take(QUERIES)
-        .collect();
-    assert!(!queries.is_empty(), "no 128-block conversations");
+    let queries = crate::query::queries(&w);
     println!(
         "\n## hybrid fleet vs dense ({QUERY_BLOCKS}-block queries, 256 workers, {} blocks stored, each also 1 in 4 per windowed group; µs)\n",
         w.blocks

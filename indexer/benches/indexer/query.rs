@@ -2,7 +2,7 @@
 //! idle and under a concurrent flood of 1M stored blocks per second.
 
 use crate::{Scale, percentiles};
-use bench_workload::{EngineHashes, WorkloadShape, build, flood_batches};
+use bench_workload::{EngineHashes, Workload, WorkloadShape, build, flood_batches};
 use indexer::{Indexer, IndexerApi, IndexerConfig, RadixTree};
 use kv_events::{KvEventBatch, LocalBlockHash};
 use std::sync::Arc;
@@ -10,10 +10,24 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
-const QUERIES: usize = 20_000;
-const QUERY_BLOCKS: usize = 128;
+pub(crate) const QUERIES: usize = 20_000;
+pub(crate) const QUERY_BLOCKS: usize = 128;
 /// Flood: one 16-block batch per 16 µs, sent in bursts every millisecond.
 const FLOOD_BLOCKS_PER_SEC: u64 = 1_000_000;
+
+/// The first [`QUERIES`] conversations of `w` long enough, cut to [`QUERY_BLOCKS`]
+/// blocks: the queries of this bench and of the hybrid one.
+pub(crate) fn queries(w: &Workload) -> Vec<Arc<[LocalBlockHash]>> {
+    let queries: Vec<Arc<[LocalBlockHash]>> = w
+        .paths
+        .iter()
+        .filter(|(_, p)| p.len() >= QUERY_BLOCKS)
+        .map(|(_, p)| Arc::from(&p[..QUERY_BLOCKS]))
+        .take(QUERIES)
+        .collect();
+    assert!(!queries.is_empty(), "no 128-block conversations");
+    queries
+}
 
 /// The workload of the query benchmarks (also `hybrid.rs`).
 pub(crate) fn shape(scale: Scale) -> WorkloadShape {
@@ -45,14 +59,7 @@ fn row(name: &str, idle: Vec<Duration>, flooded: Option<(Vec<Duration>, f64)>) {
 
 pub fn run(scale: Scale) {
     let w = build(shape(scale), 2024);
-    let queries: Vec<Arc<[LocalBlockHash]>> = w
-        .paths
-        .iter()
-        .filter(|(_, p)| p.len() >= QUERY_BLOCKS)
-        .map(|(_, p)| Arc::from(&p[..QUERY_BLOCKS]))
-        .take(QUERIES)
-        .collect();
-    assert!(!queries.is_empty(), "no 128-block conversations");
+    let queries = queries(&w);
     println!(
         "\n## find_matches latency ({QUERY_BLOCKS}-block queries, 256 workers, {} entries; µs)\n",
         w.blocks
