@@ -226,11 +226,12 @@ impl Starting {
             },
         ));
         let (admission, counters) = (state.admission.clone(), state.counters.clone());
-        intake_tasks.spawn(intake::serve_with(
+        intake_tasks.spawn(intake::serve_batches_with(
             lifecycle,
             intake.child_token(),
-            move |subject, payload| {
-                lifecycle::handle_lifecycle(&admission, &counters, &limits, subject, payload);
+            move |batch| {
+                let payloads = batch.iter().map(|m| (m.subject.as_str(), &m.payload[..]));
+                lifecycle::handle_lifecycle_batch(&admission, &counters, &limits, payloads);
             },
         ));
         step("starting replica sync: a NATS round trip between its two connections");

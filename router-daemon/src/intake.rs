@@ -251,9 +251,8 @@ pub fn handle_metrics(
 }
 
 /// Feeds the subject and payload of every message of `subscriber` to `handler` until
-/// `intake` is cancelled. Used for load metrics ([`handle_metrics`]), lifecycle
-/// messages ([`crate::lifecycle::handle_lifecycle`]) and peers' sequence sync
-/// (`replica_sync::sync::handle_sync`), whose handling never awaits; the handler
+/// `intake` is cancelled. Used for load metrics ([`handle_metrics`]) and peers'
+/// sequence sync (`replica_sync::sync::handle_sync`), whose handling never awaits; the handler
 /// captures the parts of the daemon it uses.
 pub(crate) async fn serve_with(
     subscriber: async_nats::Subscriber,
@@ -263,5 +262,23 @@ pub(crate) async fn serve_with(
     let mut messages = std::pin::pin!(crate::nats::drain_on_cancel(subscriber, intake));
     while let Some(msg) = messages.next().await {
         handler(&msg.subject, &msg.payload);
+    }
+}
+
+/// Most messages [`serve_batches_with`] hands over at once.
+const MAX_BATCH: usize = 256;
+
+/// Like [`serve_with`], but hands `handler` every message already received (up to
+/// [`MAX_BATCH`]), in order, so it can apply them under one lock. Waits only for the
+/// first message of a batch; never delays one to fill a batch.
+pub(crate) async fn serve_batches_with(
+    subscriber: async_nats::Subscriber,
+    intake: CancellationToken,
+    mut handler: impl FnMut(&[async_nats::Message]) + Send,
+) {
+    let messages = crate::nats::drain_on_cancel(subscriber, intake).ready_chunks(MAX_BATCH);
+    let mut messages = std::pin::pin!(messages);
+    while let Some(batch) = messages.next().await {
+        handler(&batch);
     }
 }

@@ -77,6 +77,8 @@ mod route;
 mod route_batch;
 mod startup;
 mod state;
+#[cfg(test)]
+mod test_state;
 
 pub use admission::Origin;
 pub use barrier::{BarrierError, round_trip, server_barrier};

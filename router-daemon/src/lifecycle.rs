@@ -33,40 +33,67 @@ pub fn handle_lifecycle(
     subject: &str,
     payload: &[u8],
 ) {
-    let Ok(msg) =
-        admit::<LifecycleMessage>(counters, limits, MessageKind::Lifecycle, subject, payload)
-    else {
-        return; // counted and logged by `admit`
-    };
-    let now = Instant::now();
-    let id = &msg.request_id;
-    if is_prefill_booking_id(id) {
-        counters.message(MessageKind::Lifecycle, Outcome::Rejected);
-        debug!(subject, request_id = %id, "lifecycle message for a reserved prefill-half id ignored");
+    handle_lifecycle_batch(admission, counters, limits, [(subject, payload)]);
+}
+
+/// Applies lifecycle payloads, each with its subject, in order, under one scheduler
+/// lock. The intake hands over every message already received (one route's `freed`
+/// typically arrives beside others'), so a busy daemon takes the lock, and wakes the
+/// queue, once per batch rather than once per message: per message, the lock was
+/// contended with the route tasks and each contention cost a futex sleep and wake.
+pub(crate) fn handle_lifecycle_batch<'a>(
+    admission: &Admission,
+    counters: &Counters,
+    limits: &Limits,
+    payloads: impl IntoIterator<Item = (&'a str, &'a [u8])>,
+) {
+    let mut messages = Vec::new();
+    for (subject, payload) in payloads {
+        let Ok(msg) =
+            admit::<LifecycleMessage>(counters, limits, MessageKind::Lifecycle, subject, payload)
+        else {
+            continue; // counted and logged by `admit`
+        };
+        if is_prefill_booking_id(&msg.request_id) {
+            counters.message(MessageKind::Lifecycle, Outcome::Rejected);
+            debug!(subject, request_id = %msg.request_id, "lifecycle message for a reserved prefill-half id ignored");
+            continue;
+        }
+        // Before the scheduler lock, for the start-up snapshot (`crate::replica_sync::snapshot`).
+        for (request_id, update) in scheduler::lifecycle_steps(&msg.request_id, msg.event) {
+            admission.replicas.note_step(&request_id, &update);
+        }
+        messages.push((subject, msg));
+    }
+    if messages.is_empty() {
         return;
     }
-    // Before the scheduler lock, for the start-up snapshot (`crate::replica_sync::snapshot`).
-    for (request_id, update) in scheduler::lifecycle_steps(id, msg.event) {
-        admission.replicas.note_step(&request_id, &update);
-    }
-    let result = {
+    let mut frees = false;
+    {
+        let now = Instant::now();
         let mut scheduler = admission.scheduler();
-        let result = scheduler.lifecycle(id, msg.event, now);
-        for step in result.iter().flatten() {
-            admission.relay_step(step.origin, &step.request_id, step.update.clone());
-        }
-        result
-    };
-    match result {
-        Ok(steps) => {
-            counters.message(MessageKind::Lifecycle, Outcome::Ok);
-            if steps.iter().any(|s| s.update != SequenceUpdate::KeepAlive) {
-                admission.release_waiters();
+        for (subject, msg) in &messages {
+            let id = &msg.request_id;
+            match scheduler.lifecycle(id, msg.event, now) {
+                Ok(steps) => {
+                    for step in &steps {
+                        admission.relay_step(step.origin, &step.request_id, step.update.clone());
+                    }
+                    counters.message(MessageKind::Lifecycle, Outcome::Ok);
+                    frees |= steps.iter().any(|s| s.update != SequenceUpdate::KeepAlive);
+                }
+                Err(e) => {
+                    counters.message(MessageKind::Lifecycle, Outcome::Rejected);
+                    debug!(subject, request_id = %id, error = %e, "lifecycle message ignored");
+                }
             }
         }
-        Err(e) => {
-            counters.message(MessageKind::Lifecycle, Outcome::Rejected);
-            debug!(subject, request_id = %id, error = %e, "lifecycle message ignored");
-        }
+    }
+    if frees {
+        admission.release_waiters();
     }
 }
+
+#[cfg(test)]
+#[path = "lifecycle_tests.rs"]
+mod tests;

@@ -2,12 +2,10 @@
 //! races with live steps are driven deterministically.
 
 use super::*;
-use crate::config::{DaemonConfig, ServeArgs};
-use crate::daemon::Starting;
 use crate::lifecycle::handle_lifecycle;
 use crate::replica_sync::sync::handle_sync;
 use crate::replicas::bookings::OwnBookings;
-use kv_events::discovery::WorkerRegistration;
+use crate::test_state::starting;
 use kv_events::limits::Limits;
 use kv_events::replicas::{SequenceSync, SequenceUpdate};
 use kv_events::routing::{LifecycleEvent, LifecycleMessage};
@@ -16,41 +14,6 @@ use scheduler::{AddRequest, Origin, PrefillLoadHint};
 
 const PEER: RouterId = RouterId(7);
 const US: RouterId = RouterId(1);
-
-/// A daemon state (router id 1, sync on) with workers 1 and 2 registered.
-fn starting() -> Starting {
-    let args = kv_cluster::args::parse_flags::<ServeArgs, _, _>([
-        "kv-router",
-        "--block-size",
-        "4",
-        "--shards",
-        "1",
-        "--router-id",
-        "1",
-    ])
-    .expect("test flags parse");
-    let config = DaemonConfig::from_args(&args).expect("test flags are valid");
-    let starting =
-        Starting::new(config, &prometheus::Registry::new()).expect("state builds offline");
-    for id in 1..=2 {
-        starting
-            .state()
-            .scheduler()
-            .add_worker(WorkerRegistration {
-                worker_id: WorkerId(id),
-                dp_size: 1,
-                block_size: 4,
-                total_kv_blocks: 1024,
-                url: None,
-                epoch: 0,
-                max_model_len: None,
-                role: Default::default(),
-                kv_transfer: None,
-            })
-            .expect("valid registration");
-    }
-    starting
-}
 
 fn booked(worker: u64) -> BookedSequence {
     BookedSequence {
