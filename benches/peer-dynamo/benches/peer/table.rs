@@ -97,6 +97,8 @@ pub fn print(columns: &[Column], floods: &[Flood]) {
     );
     for (i, flood) in floods.iter().enumerate() {
         row(columns, &flood.title(), con, |f| f.flood_p99[i], micros);
+        let p999 = flood.title().replace("p99", "p99.9");
+        row(columns, &p999, con, |f| f.flood_p999[i], micros);
     }
     for (i, flood) in floods.iter().enumerate() {
         print!(
