@@ -14,10 +14,10 @@
 //! alternated within each round (ours, Dynamo's, ours, ...); each cell gives the
 //! median, minimum and maximum over rounds of the per-round ratio ours / Dynamo's, so a
 //! 1.3× can be told from noise, and the median figures. The front's query p99 is
-//! measured idle (closed loop) and under each flood of [`flood`] (16- and 4096-block
-//! batches, short and/or long; queries open-loop at 10k/s, latency from when due).
-//! The bare-tree rows also compare with Dynamo's single-threaded `RadixTree`. Bytes
-//! per entry are measured once per library and front in a fresh child process. Every query answer (bare tree, idle front, flooded front) is
+//! measured idle and under each flood of [`flood`] (16- and 4096-block batches, short
+//! and/or long). The bare-tree rows also compare with Dynamo's single-threaded
+//! `RadixTree`. Bytes per entry are measured once per library and front in a
+//! fresh child process. Every query answer (bare tree, idle front, flooded front) is
 //! checked against [`bench_workload::Reference`], and wrong answers are counted and
 //! shown. The output is a Markdown table of ratios, ours / Dynamo's, for
 //! `docs/benchmarks.md`.
