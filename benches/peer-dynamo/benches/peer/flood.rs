@@ -75,7 +75,7 @@ impl Flood {
     /// Row title, e.g. `short flood, 16-block batches`.
     pub fn title(self) -> String {
         format!(
-            "front query p99, {} 1M blocks/s flood, {}-block batches, 50k queries/s open loop",
+            "front query p99, {} 1M blocks/s flood, {}-block batches",
             if self.long { "long" } else { "short" },
             self.batch_blocks
         )
