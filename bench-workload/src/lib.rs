@@ -19,4 +19,6 @@ pub mod synthetic;
 
 pub use measure::{latencies, percentiles, quantile_ms, rss_bytes};
 pub use reference::Reference;
-pub use synthetic::{EngineHashes, Rng, Workload, WorkloadShape, build, flood_batches};
+pub use synthetic::{
+    EngineHashes, Rng, Workload, WorkloadShape, build, flood_batches, flood_batches_of,
+};

@@ -265,18 +265,23 @@ pub fn build(shape: WorkloadShape, seed: u64) -> Workload {
 /// spread over the 64 workers `1000..1064`, so the index size stays put while writes
 /// keep coming and no flood block ever matches a workload query.
 pub fn flood_batches(n: usize) -> Vec<KvEventBatch> {
+    flood_batches_of(n, 16)
+}
+
+/// [`flood_batches`] with `batch_blocks` blocks per event instead of 16.
+pub fn flood_batches_of(n: usize, batch_blocks: usize) -> Vec<KvEventBatch> {
     let mut rng = Rng::new(99);
     let mut next_id = [0u64; 64];
     (0..n)
         .map(|i| {
             let k = i / 2 % 64;
             let worker = WorkerId(1000 + k as u64);
-            let base = (i / 2) as u64 * 16;
+            let base = (i / 2 * batch_blocks) as u64;
             let data = if i % 2 == 0 {
                 KvCacheEventData::Stored {
                     group: None,
                     parent_hash: None,
-                    blocks: (0..16)
+                    blocks: (0..batch_blocks as u64)
                         .map(|b| StoredBlock {
                             block_hash: ExternalBlockHash(base + b),
                             tokens_hash: LocalBlockHash(rng.next_u64()),
@@ -287,7 +292,9 @@ pub fn flood_batches(n: usize) -> Vec<KvEventBatch> {
             } else {
                 KvCacheEventData::Removed {
                     group: None,
-                    block_hashes: (0..16).map(|b| ExternalBlockHash(base + b)).collect(),
+                    block_hashes: (0..batch_blocks as u64)
+                        .map(|b| ExternalBlockHash(base + b))
+                        .collect(),
                     tier: kv_events::StorageTier::Gpu,
                 }
             };

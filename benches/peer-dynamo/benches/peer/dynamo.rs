@@ -1,6 +1,8 @@
 //! NVIDIA Dynamo's indexer (`dynamo-kv-router` 1.6.1): the bare
 //! `ConcurrentRadixTreeCompressed` and its production front,
-//! `ThreadPoolIndexer<ConcurrentRadixTreeCompressed>` with 2 threads.
+//! `ThreadPoolIndexer<ConcurrentRadixTreeCompressed>` with 2 threads; and, for the
+//! bare-tree rows only, its single-threaded `RadixTree` ([`DynamoSingle`]), which
+//! applies events by `&mut self` as ours does.
 //!
 //! Its tree applies events only through its worker loop (`SyncIndexer::worker`, the
 //! loop each pool thread runs); the bare figures run that loop on the calling thread
@@ -9,12 +11,12 @@
 
 use crate::lib_api::{Front, Library, Scores};
 use bench_workload::rss_bytes;
-use dynamo_kv_router::ConcurrentRadixTreeCompressed;
 use dynamo_kv_router::indexer::{KvIndexerInterface, SyncIndexer, ThreadPoolIndexer, WorkerTask};
 use dynamo_kv_router::protocols::{
     ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData,
     KvCacheStoredBlockData, LocalBlockHash, OverlapScores, RouterEvent,
 };
+use dynamo_kv_router::{ConcurrentRadixTreeCompressed, RadixTree};
 use kv_events::{KvEventBatch, WorkerId};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -169,5 +171,62 @@ impl Front for Pool {
 
     fn stop(self) {
         self.0.shutdown();
+    }
+}
+
+/// Dynamo's single-threaded `RadixTree` (bare-tree rows; its front is [`Dynamo`]'s).
+pub struct DynamoSingle;
+
+impl Library for DynamoSingle {
+    const NAME: &'static str = "Dynamo RadixTree";
+    type Event = RouterEvent;
+    type Query = Vec<LocalBlockHash>;
+    type Tree = RadixTree;
+    type Answer = OverlapScores;
+    type Front = Pool;
+
+    fn events(batches: &[KvEventBatch]) -> Vec<RouterEvent> {
+        Dynamo::events(batches)
+    }
+
+    fn worker(event: &RouterEvent) -> u64 {
+        event.worker_id
+    }
+
+    fn query(hashes: &Arc<[kv_events::LocalBlockHash]>) -> Self::Query {
+        Dynamo::query(hashes)
+    }
+
+    fn build(events: Vec<RouterEvent>) -> (RadixTree, Duration) {
+        let mut tree = RadixTree::new();
+        let start = Instant::now();
+        for e in events {
+            let _ = tree.apply_event(e); // refusals show as wrong answers
+        }
+        (tree, start.elapsed())
+    }
+
+    fn find(tree: &RadixTree, query: &Self::Query) -> OverlapScores {
+        // By value, as its API takes it; the copy is part of its cost.
+        tree.find_matches(query.clone(), false)
+    }
+
+    fn scores(answer: OverlapScores) -> Scores {
+        Dynamo::scores(answer)
+    }
+
+    fn front() -> Pool {
+        Dynamo::front()
+    }
+
+    fn bare_rss(events: Vec<RouterEvent>) -> u64 {
+        let before = rss_bytes();
+        let mut tree = RadixTree::new();
+        for e in events {
+            let _ = tree.apply_event(e);
+        }
+        let grown = rss_bytes().saturating_sub(before);
+        std::hint::black_box(&tree);
+        grown
     }
 }

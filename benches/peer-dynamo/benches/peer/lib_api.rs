@@ -12,7 +12,7 @@ use std::time::Duration;
 pub type Scores = BTreeMap<WorkerId, u32>;
 
 /// One library under test.
-pub trait Library {
+pub trait Library: 'static {
     /// Display name.
     const NAME: &'static str;
     /// An event in the library's own types (converted before timing starts).

@@ -7,11 +7,16 @@
 //! cargo bench -p peer-dynamo --bench peer -- --salted           # per-worker salted engine hashes
 //! cargo bench -p peer-dynamo --bench peer -- --workers 64,256,1024,4096 --entries 1000000
 //! cargo bench -p peer-dynamo --bench peer -- --trace PATH       # full Mooncake trace instead of the excerpt
+//! cargo bench -p peer-dynamo --bench peer -- --flood short      # short floods only (short|long|both)
 //! ```
 //!
-//! Every case is measured in `--rounds` rounds (3 by default), the libraries
-//! alternated within each round (ours, Dynamo's, ours, ...), and each figure is the
-//! median over rounds; bytes per entry are measured once per library and front in a
+//! Every case is measured in `--rounds` rounds (5 by default), the libraries
+//! alternated within each round (ours, Dynamo's, ours, ...); each cell gives the
+//! median, minimum and maximum over rounds of the per-round ratio ours / Dynamo's, so a
+//! 1.3× can be told from noise, and the median figures. The front's query p99 is
+//! measured idle and under each flood of [`flood`] (16- and 4096-block batches, short
+//! and/or long). The bare-tree rows also compare with Dynamo's single-threaded
+//! `RadixTree`. Bytes per entry are measured once per library and front in a
 //! fresh child process. Every query answer (bare tree, idle front, flooded front) is
 //! checked against [`bench_workload::Reference`], and wrong answers are counted and
 //! shown. The output is a Markdown table of ratios, ours / Dynamo's, for
@@ -24,16 +29,19 @@
 //! the scheduler's `kv` policy, whose KV events and prompts both libraries get.
 
 mod dynamo;
+mod flood;
 mod lib_api;
 mod ours;
 mod run;
+mod table;
 mod trace;
 
-use bench_workload::{EngineHashes, WorkloadShape, build, flood_batches, rss_bytes};
-use dynamo::Dynamo;
+use bench_workload::{EngineHashes, WorkloadShape, build, rss_bytes};
+use dynamo::{Dynamo, DynamoSingle};
+use flood::{Flood, Lengths};
 use lib_api::{Front, Library};
 use ours::Ours;
-use run::{Case, Figures, Wrong, expected, median, round};
+use run::{Case, Figures, Wrong, bare, expected, round};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -46,6 +54,8 @@ struct Options {
     entries: Vec<u64>,
     hashes: EngineHashes,
     rounds: usize,
+    /// The floods the front is measured under.
+    floods: Vec<Flood>,
     trace: Option<PathBuf>,
     no_trace: bool,
     /// Memory children: the case is the trace.
@@ -64,7 +74,8 @@ fn options(args: &[String]) -> Options {
         workers: vec![64, 256],
         entries: vec![1_000_000, 10_000_000],
         hashes: EngineHashes::Chained,
-        rounds: 3,
+        rounds: 5,
+        floods: Lengths::Both.floods(),
         trace: None,
         no_trace: false,
         trace_case: false,
@@ -78,6 +89,7 @@ fn options(args: &[String]) -> Options {
             "--workers" => o.workers = list(&value()),
             "--entries" => o.entries = list(&value()),
             "--rounds" => o.rounds = value().parse().expect("a number"),
+            "--flood" => o.floods = Lengths::parse(&value()).floods(),
             "--trace" => o.trace = Some(PathBuf::from(value())),
             "--no-trace" => o.no_trace = true,
             "--trace-case" => o.trace_case = true,
@@ -119,7 +131,6 @@ fn synthetic(workers: u64, entries: u64, hashes: EngineHashes, scale: u64) -> Ca
         batches: w.batches,
         blocks: w.blocks,
         queries: queries.into_iter().zip(answers).collect(),
-        flood: flood_batches(2 * (run::FLOOD_BLOCKS_PER_SEC as usize / 16) * 2),
     }
 }
 
@@ -133,14 +144,15 @@ fn short(n: u64) -> String {
 
 /// Bytes per entry of library `lib` (`ours`/`dynamo`), `front` or bare, on the case
 /// named by `spec`; run in a fresh child process.
-fn memory(spec: &[String], blocks: u64) -> [f64; 4] {
+fn memory(spec: &[String], blocks: u64) -> [f64; 5] {
     let exe = std::env::current_exe().expect("own path");
-    let mut out = [0.0; 4];
+    let mut out = [0.0; 5];
     for (i, (lib, kind)) in [
         ("ours", "bare"),
         ("dynamo", "bare"),
         ("ours", "front"),
         ("dynamo", "front"),
+        ("dynamo-single", "bare"),
     ]
     .into_iter()
     .enumerate()
@@ -165,6 +177,7 @@ fn memory_one(lib: &str, kind: &str, o: &Options) {
     let bytes = match (lib, kind) {
         ("ours", "bare") => Ours::bare_rss(Ours::events(&case.batches)),
         ("dynamo", "bare") => Dynamo::bare_rss(Dynamo::events(&case.batches)),
+        ("dynamo-single", _) => DynamoSingle::bare_rss(DynamoSingle::events(&case.batches)),
         ("ours", "front") => front_rss::<Ours>(&case),
         _ => front_rss::<Dynamo>(&case),
     };
@@ -208,16 +221,20 @@ fn runtime() -> tokio::runtime::Runtime {
         .expect("a tokio runtime")
 }
 
-/// One column of the table.
-struct Column {
+/// One column of the table: every round's figures of each library.
+pub struct Column {
     name: String,
-    ours: Figures,
-    dynamo: Figures,
-    memory: [f64; 4],
-    wrong: [Wrong; 2],
+    ours: Vec<Figures>,
+    dynamo: Vec<Figures>,
+    /// Dynamo's single-threaded `RadixTree`: bare-tree figures only.
+    single: Vec<Figures>,
+    /// Bytes per entry: ours bare, Dynamo's bare, ours front, Dynamo's front, Dynamo's
+    /// `RadixTree` bare.
+    memory: [f64; 5],
+    wrong: [Wrong; 3],
 }
 
-fn measure(case: Case, spec: Vec<String>, rounds: usize) -> Column {
+fn measure(case: Case, spec: Vec<String>, o: &Options) -> Column {
     eprintln!(
         "{}: {} entries, {} queries",
         case.name,
@@ -225,18 +242,20 @@ fn measure(case: Case, spec: Vec<String>, rounds: usize) -> Column {
         case.queries.len()
     );
     let rt = runtime();
-    let (mut ours, mut dynamo) = (Vec::new(), Vec::new());
-    let mut wrong = [Wrong::default(), Wrong::default()];
-    for r in 0..rounds {
-        ours.push(round::<Ours>(&case, &rt, &mut wrong[0]));
-        dynamo.push(round::<Dynamo>(&case, &rt, &mut wrong[1]));
+    let (mut ours, mut dynamo, mut single) = (Vec::new(), Vec::new(), Vec::new());
+    let mut wrong = [Wrong::default(), Wrong::default(), Wrong::default()];
+    for r in 0..o.rounds {
+        ours.push(round::<Ours>(&case, &o.floods, &rt, &mut wrong[0]));
+        dynamo.push(round::<Dynamo>(&case, &o.floods, &rt, &mut wrong[1]));
+        single.push(bare::<DynamoSingle>(&case, &mut wrong[2]));
         eprintln!("  round {} done", r + 1);
     }
     let memory = memory(&spec, case.blocks);
     Column {
         name: case.name,
-        ours: median(&ours),
-        dynamo: median(&dynamo),
+        ours,
+        dynamo,
+        single,
         memory,
         wrong,
     }
@@ -272,7 +291,7 @@ fn main() {
             if o.hashes == EngineHashes::Salted {
                 spec.push("--salted".into());
             }
-            columns.push(measure(case, spec, o.rounds));
+            columns.push(measure(case, spec, &o));
         }
     }
     if !o.no_trace {
@@ -285,15 +304,11 @@ fn main() {
         if let Some(p) = &o.trace {
             spec.extend(["--trace".into(), p.display().to_string()]);
         }
-        columns.push(measure(
-            trace::case(o.trace.as_deref(), workers),
-            spec,
-            o.rounds,
-        ));
+        columns.push(measure(trace::case(o.trace.as_deref(), workers), spec, &o));
     }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!(
-        "\n## Indexer side by side ({cores} cores, engine hashes {}{salted}; ratio ours / Dynamo's, medians of {})\n",
+        "\n## Indexer side by side ({cores} cores, engine hashes {}{salted}; ratio ours / Dynamo's per round: median (min–max) of {} rounds)\n",
         if salted.is_empty() {
             "chained"
         } else {
@@ -301,93 +316,5 @@ fn main() {
         },
         o.rounds
     );
-    table(&columns);
-}
-
-fn millions(x: f64) -> String {
-    format!("{:.2}M", x / 1e6)
-}
-
-fn micros(x: f64) -> String {
-    format!("{x:.1} µs")
-}
-
-/// A table row: its title, the figure it shows, how a value is printed.
-type Row = (&'static str, fn(&Figures) -> f64, fn(f64) -> String);
-
-fn table(columns: &[Column]) {
-    print!("| figure |");
-    for c in columns {
-        print!(" {} |", c.name);
-    }
-    print!("\n|---|");
-    for _ in columns {
-        print!("---|");
-    }
-    println!();
-    let rows: [Row; 6] = [
-        (
-            "apply, bare tree, 1 thread, blocks/s (higher is better)",
-            |f| f.apply,
-            millions,
-        ),
-        ("query p50, bare tree", |f| f.bare_p50, micros),
-        (
-            "bulk ingest via the front, 2 threads, blocks/s (higher is better)",
-            |f| f.ingest,
-            millions,
-        ),
-        ("front query p50, idle", |f| f.front_p50, micros),
-        ("front query p99, idle", |f| f.front_p99, micros),
-        (
-            "front query p99, 1M blocks/s flood",
-            |f| f.flood_p99,
-            micros,
-        ),
-    ];
-    for (i, (name, get, fmt)) in rows.iter().enumerate() {
-        print!("| {name} |");
-        for c in columns {
-            let (a, b) = (get(&c.ours), get(&c.dynamo));
-            print!(" **{:.2}** ({} / {}) |", a / b, fmt(a), fmt(b));
-        }
-        println!();
-        if i == 1 {
-            for (name, k) in [
-                ("RSS bytes per entry, bare tree", 0),
-                ("RSS bytes per entry, production front", 2),
-            ] {
-                print!("| {name} |");
-                for c in columns {
-                    let (a, b) = (c.memory[k], c.memory[k + 1]);
-                    print!(" **{:.2}** ({a:.0} / {b:.0}) |", a / b);
-                }
-                println!();
-            }
-        }
-    }
-    print!("| flood achieved, blocks/s (ours / Dynamo's) |");
-    for c in columns {
-        print!(
-            " {:.2}M / {:.2}M |",
-            c.ours.flood_rate / 1e6,
-            c.dynamo.flood_rate / 1e6
-        );
-    }
-    println!();
-    print!("| wrong answers (ours / Dynamo's, of all checked) |");
-    for c in columns {
-        print!(
-            " {} / {} of {} |",
-            c.wrong[0].count, c.wrong[1].count, c.wrong[0].checked
-        );
-    }
-    println!();
-    for c in columns {
-        for (who, w) in [(Ours::NAME, &c.wrong[0]), (Dynamo::NAME, &c.wrong[1])] {
-            for e in &w.examples {
-                eprintln!("{}: {who} wrong: {e}", c.name);
-            }
-        }
-    }
+    table::print(&columns, &o.floods);
 }

@@ -1,15 +1,13 @@
 //! One measurement round of one library on one case: every figure but memory.
 
+use crate::flood::{self, Flood};
 use crate::lib_api::{Front, Library, Scores};
-use bench_workload::percentiles;
+use bench_workload::{latencies, percentiles, quantile_ms};
 use kv_events::{KvEventBatch, LocalBlockHash, WorkerId};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
-
-/// Flood rate: Stored and Removed blocks per second, in 1 ms bursts.
-pub const FLOOD_BLOCKS_PER_SEC: u64 = 1_000_000;
 
 /// Front queries per phase (idle, flooded), at least; queries repeat as needed.
 const MIN_SAMPLES: usize = 20_000;
@@ -26,8 +24,6 @@ pub struct Case {
     pub blocks: u64,
     /// Queries, and the reference model's answer to each.
     pub queries: Vec<(Arc<[LocalBlockHash]>, Scores)>,
-    /// Flood events (never matching a query).
-    pub flood: Vec<KvEventBatch>,
 }
 
 /// Answers that differ from the reference model, with a few examples.
@@ -60,12 +56,21 @@ impl Wrong {
     }
 }
 
+impl Wrong {
+    /// Adds the counts and examples of `other`.
+    fn add(&mut self, other: Wrong) {
+        self.count += other.count;
+        self.checked += other.checked;
+        self.examples.extend(other.examples);
+    }
+}
+
 fn best(s: &Scores) -> Option<(WorkerId, u32)> {
     s.iter().max_by_key(|(_, n)| **n).map(|(w, n)| (*w, *n))
 }
 
 /// The figures of one round.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct Figures {
     /// Bare tree, 1 thread: stored blocks per second.
     pub apply: f64,
@@ -77,20 +82,22 @@ pub struct Figures {
     pub front_p50: f64,
     /// Front query p99 idle, µs.
     pub front_p99: f64,
-    /// Front query p99 under the flood, µs.
-    pub flood_p99: f64,
-    /// Flood rate achieved, blocks per second.
-    pub flood_rate: f64,
+    /// Front query p99 under each flood of the run, µs.
+    pub flood_p99: Vec<f64>,
+    /// Front query p99.9 under each flood of the run, µs: one query in a thousand
+    /// waits this long, which shows a writer holding a shard where p99 may not (a
+    /// closed-loop query task asks again right after a wait, so waits are few samples).
+    pub flood_p999: Vec<f64>,
+    /// Flood rate achieved in each flood, blocks per second.
+    pub flood_rate: Vec<f64>,
 }
 
-/// One round of `L` on `case`, on `rt` (2 worker threads); answers are checked into
-/// `wrong`.
-pub fn round<L: Library>(case: &Case, rt: &tokio::runtime::Runtime, wrong: &mut Wrong) -> Figures {
-    let events = L::events(&case.batches);
+/// The bare-tree figures of one round of `L` on `case` (`apply`, `bare_p50`; the rest
+/// left zero); answers are checked into `wrong`.
+pub fn bare<L: Library>(case: &Case, wrong: &mut Wrong) -> Figures {
     let queries: Vec<L::Query> = case.queries.iter().map(|(q, _)| L::query(q)).collect();
     let mut f = Figures::default();
-
-    let (tree, took) = L::build(events.clone());
+    let (tree, took) = L::build(L::events(&case.batches));
     f.apply = case.blocks as f64 / took.as_secs_f64();
     let mut samples = Vec::with_capacity(queries.len());
     for (q, (_, expected)) in queries.iter().zip(&case.queries) {
@@ -100,41 +107,56 @@ pub fn round<L: Library>(case: &Case, rt: &tokio::runtime::Runtime, wrong: &mut 
         wrong.check("bare", expected, &L::scores(answer));
     }
     f.bare_p50 = percentiles(samples).0;
-    drop(tree);
+    f
+}
 
+/// One round of `L` on `case`, on `rt` (2 worker threads), the front measured under
+/// each of `floods`; answers are checked into `wrong`.
+pub fn round<L: Library>(
+    case: &Case,
+    floods: &[Flood],
+    rt: &tokio::runtime::Runtime,
+    wrong: &mut Wrong,
+) -> Figures {
+    let mut f = bare::<L>(case, wrong);
+    let queries: Vec<L::Query> = case.queries.iter().map(|(q, _)| L::query(q)).collect();
     let queries = Arc::new(queries);
     let expected: Arc<Vec<Scores>> =
         Arc::new(case.queries.iter().map(|(_, s)| s.clone()).collect());
-    let flood = L::events(&case.flood);
-    let (ingest, idle, flooded, rate, front_wrong) = rt.block_on(front_round::<L>(
-        events,
+    let front = rt.block_on(async { L::front() });
+    let (ingest, idle) = rt.block_on(ingest::<L>(
+        &front,
+        L::events(&case.batches),
         case.blocks,
-        queries,
-        expected,
-        flood,
+        queries.clone(),
+        expected.clone(),
+        wrong,
     ));
     f.ingest = ingest;
     (f.front_p50, f.front_p99, _) = percentiles(idle);
-    f.flood_p99 = percentiles(flooded).1;
-    f.flood_rate = rate;
-    wrong.count += front_wrong.count;
-    wrong.checked += front_wrong.checked;
-    wrong.examples.extend(front_wrong.examples);
+    front.stop();
+    for &flood in floods {
+        // Each flood on a fresh copy of the case, so no flood sees another's leftovers.
+        let front = rt.block_on(async { L::front() });
+        let events = L::events(&case.batches);
+        let flood_events = L::events(&flood.batches());
+        let (p99, p999, rate) = rt.block_on(async {
+            ingest_only::<L>(&front, events).await;
+            flooded::<L>(&front, flood, flood_events, &queries, &expected, wrong).await
+        });
+        front.stop();
+        f.flood_p99.push(p99);
+        f.flood_p999.push(p999);
+        f.flood_rate.push(rate);
+    }
     wrong.examples.truncate(3);
     f
 }
 
-async fn front_round<L: Library>(
-    events: Vec<L::Event>,
-    blocks: u64,
-    queries: Arc<Vec<L::Query>>,
-    expected: Arc<Vec<Scores>>,
-    flood: Vec<L::Event>,
-) -> (f64, Vec<Duration>, Vec<Duration>, f64, Wrong) {
-    let front = L::front();
-    // Bulk ingest: one producer task per shard/thread (workers split by parity).
+/// Applies `events` to `front`, one producer task per shard/thread (workers split by
+/// parity), and waits until they are applied.
+async fn ingest_only<L: Library>(front: &L::Front, events: Vec<L::Event>) {
     let (even, odd): (Vec<_>, Vec<_>) = events.into_iter().partition(|e| L::worker(e) % 2 == 0);
-    let start = Instant::now();
     let producers: Vec<_> = [even, odd]
         .into_iter()
         .map(|part| {
@@ -150,81 +172,105 @@ async fn front_round<L: Library>(
         p.await.expect("producer");
     }
     front.settle().await;
-    let ingest = blocks as f64 / start.elapsed().as_secs_f64();
+}
 
-    // Queries cycle until MIN_SAMPLES answers and MIN_PHASE have passed, so the
-    // flood runs through the whole flooded phase at its rate.
-    let ask = |front: L::Front| {
-        let (queries, expected) = (queries.clone(), expected.clone());
-        async move {
-            let mut samples = Vec::with_capacity(MIN_SAMPLES);
-            let mut wrong = Wrong::default();
-            let began = Instant::now();
-            let pairs = queries.iter().zip(expected.iter()).cycle();
-            for (q, e) in pairs {
-                if samples.len() >= MIN_SAMPLES && began.elapsed() >= MIN_PHASE {
-                    break;
-                }
-                let start = Instant::now();
-                let answer = front.find(q).await;
-                samples.push(start.elapsed());
-                wrong.check("front", e, &L::scores(answer));
-            }
-            (samples, wrong)
+/// Bulk ingest (blocks per second) then the idle query latencies.
+async fn ingest<L: Library>(
+    front: &L::Front,
+    events: Vec<L::Event>,
+    blocks: u64,
+    queries: Arc<Vec<L::Query>>,
+    expected: Arc<Vec<Scores>>,
+    wrong: &mut Wrong,
+) -> (f64, Vec<Duration>) {
+    let start = Instant::now();
+    ingest_only::<L>(front, events).await;
+    let rate = blocks as f64 / start.elapsed().as_secs_f64();
+    let (idle, w) = tokio::spawn(ask::<L>(front.clone(), queries, expected))
+        .await
+        .expect("queries");
+    wrong.add(w);
+    (rate, idle)
+}
+
+/// Queries cycle until MIN_SAMPLES answers and MIN_PHASE have passed.
+async fn ask<L: Library>(
+    front: L::Front,
+    queries: Arc<Vec<L::Query>>,
+    expected: Arc<Vec<Scores>>,
+) -> (Vec<Duration>, Wrong) {
+    let mut samples = Vec::with_capacity(MIN_SAMPLES);
+    let mut wrong = Wrong::default();
+    let began = Instant::now();
+    for (q, e) in queries.iter().zip(expected.iter()).cycle() {
+        if samples.len() >= MIN_SAMPLES && began.elapsed() >= MIN_PHASE {
+            break;
         }
-    };
-    let (idle, mut wrong) = tokio::spawn(ask(front.clone())).await.expect("queries");
+        let start = Instant::now();
+        let answer = front.find(q).await;
+        samples.push(start.elapsed());
+        wrong.check("front", e, &L::scores(answer));
+    }
+    (samples, wrong)
+}
 
+/// Query p99 and p99.9 (µs) under `flood` and the flood rate achieved (blocks per
+/// second).
+async fn flooded<L: Library>(
+    front: &L::Front,
+    flood: Flood,
+    events: Vec<L::Event>,
+    queries: &Arc<Vec<L::Query>>,
+    expected: &Arc<Vec<Scores>>,
+    wrong: &mut Wrong,
+) -> (f64, f64, f64) {
     let stop = Arc::new(AtomicBool::new(false));
     let sent = Arc::new(AtomicU64::new(0));
     let flooder = {
         let (front, stop, sent) = (front.clone(), stop.clone(), sent.clone());
+        let n = flood.batch_blocks as u64;
         tokio::spawn(async move {
-            let per_ms = (FLOOD_BLOCKS_PER_SEC / 1000 / 16) as usize;
             let mut tick = tokio::time::interval(Duration::from_millis(1));
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
             let started = Instant::now();
-            let mut flood = flood.into_iter();
+            let mut events = events.into_iter();
             while !stop.load(Ordering::Relaxed) {
                 tick.tick().await;
-                for _ in 0..per_ms {
-                    let Some(e) = flood.next() else {
+                // Send whole batches while behind the rate's schedule.
+                let due = (started.elapsed().as_secs_f64() * flood::RATE as f64) as u64;
+                while sent.load(Ordering::Relaxed) + n <= due {
+                    let Some(e) = events.next() else {
                         return started.elapsed();
                     };
                     front.apply(e).await;
-                    sent.fetch_add(16, Ordering::Relaxed);
+                    sent.fetch_add(n, Ordering::Relaxed);
                 }
             }
             started.elapsed()
         })
     };
-    let (flooded, flood_wrong) = tokio::spawn(ask(front.clone())).await.expect("queries");
+    if flood.long {
+        tokio::time::sleep(flood::LONG_LEAD).await;
+    }
+    let (samples, w) = tokio::spawn(ask::<L>(front.clone(), queries.clone(), expected.clone()))
+        .await
+        .expect("queries");
     stop.store(true, Ordering::Relaxed);
     let elapsed = flooder.await.expect("flooder");
     front.settle().await;
-    front.stop();
-    wrong.count += flood_wrong.count;
-    wrong.checked += flood_wrong.checked;
-    wrong.examples.extend(flood_wrong.examples);
+    wrong.add(w);
     let rate = sent.load(Ordering::Relaxed) as f64 / elapsed.as_secs_f64();
-    (ingest, idle, flooded, rate, wrong)
+    let histogram = latencies(samples);
+    let us = |q| quantile_ms(&histogram, q) * 1e3;
+    (us(0.99), us(0.999), rate)
 }
 
-/// Median of each figure over rounds.
-pub fn median(rounds: &[Figures]) -> Figures {
-    let m = |get: fn(&Figures) -> f64| {
-        let mut v: Vec<f64> = rounds.iter().map(get).collect();
-        v.sort_by(f64::total_cmp);
-        v.get(v.len() / 2).copied().unwrap_or(0.0)
-    };
-    Figures {
-        apply: m(|f| f.apply),
-        bare_p50: m(|f| f.bare_p50),
-        ingest: m(|f| f.ingest),
-        front_p50: m(|f| f.front_p50),
-        front_p99: m(|f| f.front_p99),
-        flood_p99: m(|f| f.flood_p99),
-        flood_rate: m(|f| f.flood_rate),
+/// Minimum, median and maximum of `v` (NaN for none).
+pub fn spread(mut v: Vec<f64>) -> [f64; 3] {
+    v.sort_by(f64::total_cmp);
+    match (v.first(), v.get(v.len() / 2), v.last()) {
+        (Some(&lo), Some(&mid), Some(&hi)) => [lo, mid, hi],
+        _ => [f64::NAN; 3],
     }
 }
 

@@ -7,7 +7,6 @@
 //! blocks) as a query, answered against the final state.
 
 use crate::run::{Case, expected};
-use bench_workload::flood_batches;
 use engine_model::trace::{BlockMapping, bundled_excerpt, load_trace};
 use engine_model::{EngineModelConfig, TimingModel};
 use kv_events::routing::PolicyKind;
@@ -80,6 +79,5 @@ pub fn case(path: Option<&Path>, workers: u64) -> Case {
         blocks: reference.entries() as u64,
         batches,
         queries: queries.into_iter().zip(answers).collect(),
-        flood: flood_batches(2 * (crate::run::FLOOD_BLOCKS_PER_SEC as usize / 16) * 2),
     }
 }
