@@ -110,6 +110,26 @@ impl EngineRequest {
     }
 }
 
+/// Which OpenAI body [`Flow::tokenize_body`] reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BodyKind {
+    /// `/v1/completions`.
+    Completion,
+    /// `/v1/chat/completions`.
+    Chat,
+}
+
+/// A request body read and tokenized, ready for a route query.
+#[derive(Debug, Clone)]
+pub struct Tokenized {
+    /// The route query's prompt (block hashes or token ids, see `Flow::route_prompt`).
+    pub prompt: Prompt,
+    /// Prompt length, in tokens.
+    pub prompt_tokens: usize,
+    /// The session, from the caller's header or the body's `prompt_cache_key`.
+    pub session: Option<SessionId>,
+}
+
 /// A parsed, tokenized request ready to route.
 struct Plan {
     endpoint: &'static str,
@@ -139,6 +159,16 @@ impl Flow {
         session: Option<SessionId>,
         arrived: Instant,
     ) -> Result<Response, ApiError> {
+        let plan = self.plan_completion(body, session).await?;
+        self.serve(plan, arrived).await
+    }
+
+    /// Parses and tokenizes a completion body, checking its model and prompt bound.
+    async fn plan_completion(
+        &self,
+        body: &[u8],
+        session: Option<SessionId>,
+    ) -> Result<Plan, ApiError> {
         let request = parse_completion(body)?;
         self.check_model(&request.model)?;
         // One bound for the whole request, though workers may come and go meanwhile.
@@ -164,7 +194,7 @@ impl Flow {
                 forward_tokens,
             },
         };
-        self.serve(plan, arrived).await
+        Ok(plan)
     }
 
     /// `POST /v1/chat/completions`, of the session `session` (the `x-session-id`
@@ -175,6 +205,12 @@ impl Flow {
         session: Option<SessionId>,
         arrived: Instant,
     ) -> Result<Response, ApiError> {
+        let plan = self.plan_chat(body, session).await?;
+        self.serve(plan, arrived).await
+    }
+
+    /// Parses and tokenizes a chat body, checking its model and prompt bound.
+    async fn plan_chat(&self, body: &[u8], session: Option<SessionId>) -> Result<Plan, ApiError> {
         let chat = parse_chat(body)?;
         self.check_model(&chat.model)?;
         if self.model.chat_forward == ChatForward::Tokens {
@@ -207,7 +243,32 @@ impl Flow {
                 ChatForward::Passthrough => EngineRequest::Chat(chat),
             },
         };
-        self.serve(plan, arrived).await
+        Ok(plan)
+    }
+
+    /// Parses and tokenizes a request body exactly as the gateway's own endpoints do
+    /// (model check, prompt bound, session from `session` or the body's
+    /// `prompt_cache_key`), for a frontend that routes but does not forward (the
+    /// endpoint picker, `kv-epp`). Returns the route query's prompt.
+    ///
+    /// # Errors
+    /// The [`ApiError`] the gateway would answer: 400 for a malformed body or a prompt
+    /// over the bound, 404 for another model, 503/504 when tokenization cannot run.
+    pub async fn tokenize_body(
+        &self,
+        endpoint: BodyKind,
+        body: &[u8],
+        session: Option<SessionId>,
+    ) -> Result<Tokenized, ApiError> {
+        let plan = match endpoint {
+            BodyKind::Completion => self.plan_completion(body, session).await?,
+            BodyKind::Chat => self.plan_chat(body, session).await?,
+        };
+        Ok(Tokenized {
+            prompt_tokens: plan.tokens.len(),
+            prompt: self.route_prompt(&plan.tokens),
+            session: plan.session,
+        })
     }
 
     /// Routes and forwards, failing over while nothing has reached the client: before
