@@ -38,6 +38,7 @@ use crate::stream::Picker;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
 use kv_cluster::metrics::Registrar;
 use kv_gateway::metrics::GatewayMetrics;
+use kv_gateway::workers::WorkerUrls;
 use kv_gateway::{Core, GatewayError};
 use prometheus::{Registry, TextEncoder};
 use std::net::SocketAddr;
@@ -74,6 +75,7 @@ pub struct Epp {
     servers: Vec<JoinHandle<()>>,
     nats: async_nats::Client,
     metrics: EppMetrics,
+    workers: WorkerUrls,
 }
 
 impl Epp {
@@ -95,7 +97,8 @@ impl Epp {
         let gateway = &config.gateway;
         let Core { flow, nats } =
             Core::connect(gateway, "kv-epp", gateway_metrics, &shutdown).await?;
-        let health = Health::new(flow.router.clone(), flow.workers.clone());
+        let workers = flow.workers.clone();
+        let health = Health::new(flow.router.clone(), workers.clone());
         let picker = Picker::new(flow, config.limits, metrics.clone());
 
         let bind = |addr| async move {
@@ -139,6 +142,7 @@ impl Epp {
             servers: vec![grpc_server, http_server],
             nats,
             metrics,
+            workers,
         })
     }
 
@@ -150,6 +154,11 @@ impl Epp {
     /// The address `/metrics` is served on.
     pub fn metrics_addr(&self) -> SocketAddr {
         self.metrics_addr
+    }
+
+    /// Worker id → engine URL (and so pod address), as the directory shows them.
+    pub fn workers(&self) -> &WorkerUrls {
+        &self.workers
     }
 
     /// The picker's metrics.
