@@ -281,3 +281,38 @@ async fn bad_and_oversized_bodies_are_refused_before_routing() {
     assert_eq!(stack.booked(), 0);
     stack.stop().await;
 }
+
+/// The same exchange from Python, with Envoy's message types from PyPI `xds-protos`
+/// over `grpcio`: a full exchange inside the subset hint and an abandoned stream; no
+/// booking is left after either.
+#[tokio::test]
+async fn envoys_own_python_types_drive_the_picker() {
+    let python = integration_tests::python::venv(
+        env!("CARGO_TARGET_TMPDIR"),
+        "kv-router-xds",
+        &["xds-protos==1.85.0", "grpcio==1.85.3"],
+        "grpc, envoy.service.ext_proc.v3.external_processor_pb2",
+    )
+    .await;
+    let script = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("python/epp_client.py");
+    let (stack, body) = three_workers_the_second_holding_the_prefix().await;
+    let addr = stack.epp.grpc_addr().to_string();
+    let subset = format!("{},{}", pod(1), pod(3));
+    let seen =
+        integration_tests::python::run_json(&python, &script, &[&addr, &body.to_string(), &subset])
+            .await;
+    for stream in ["full", "aborted"] {
+        let picked = &seen[stream];
+        let header = picked["header"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{seen}"));
+        assert!([pod(1), pod(3)].iter().any(|p| p == header), "{seen}");
+        assert_eq!(picked["metadata"], header, "{seen}");
+        assert_eq!(picked["clear_route_cache"], true, "{seen}");
+        assert_eq!(picked["body_echoed"], true, "{seen}");
+        assert_eq!(picked["passed_through"], true, "{seen}");
+    }
+    stack.no_booking_left().await;
+    assert_eq!(stack.epp.metrics().picks("picked"), 2);
+    stack.stop().await;
+}
