@@ -348,15 +348,7 @@ impl Stream {
         let pods = Pods::of(&flow.workers);
         let exclude = match &subset {
             None => Vec::new(),
-            Some(subset) => {
-                let (outside, any_inside) = pods.outside(subset);
-                if !any_inside {
-                    return Err(ApiError::unavailable(
-                        "no registered worker is in the endpoint subset",
-                    ));
-                }
-                outside
-            }
+            Some(subset) => pods.excluded_by(subset)?,
         };
         let (decision, booking) = flow
             .router
