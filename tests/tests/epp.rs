@@ -316,3 +316,39 @@ async fn envoys_own_python_types_drive_the_picker() {
     assert_eq!(stack.epp.metrics().picks("picked"), 2);
     stack.stop().await;
 }
+
+/// gRPC health as kubelet and the proxy ask it: liveness always; readiness and the
+/// ext_proc service name only with workers known and a router answering; an unknown
+/// service name is refused.
+#[tokio::test]
+async fn grpc_health_answers_liveness_readiness_and_the_ext_proc_service() {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+    async fn status(stack: &EppStack, service: &str) -> Result<ServingStatus, tonic::Code> {
+        let url = format!("http://{}", stack.epp.grpc_addr());
+        let channel = tonic::transport::Channel::from_shared(url).unwrap();
+        let mut client = HealthClient::new(channel.connect().await.unwrap());
+        let request = HealthCheckRequest {
+            service: service.into(),
+        };
+        match client.check(request).await {
+            Ok(answer) => Ok(answer.into_inner().status()),
+            Err(status) => Err(status.code()),
+        }
+    }
+    const EXT_PROC: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
+    let empty = EppStack::start(0, |_| {}, &[]).await;
+    assert_eq!(status(&empty, "liveness").await, Ok(ServingStatus::Serving));
+    for service in ["readiness", EXT_PROC] {
+        let answer = status(&empty, service).await;
+        assert_eq!(answer, Ok(ServingStatus::NotServing), "{service}");
+    }
+    empty.stop().await;
+    let stack = EppStack::start(1, |_| {}, &[]).await;
+    for service in ["liveness", "readiness", EXT_PROC, ""] {
+        let answer = status(&stack, service).await;
+        assert_eq!(answer, Ok(ServingStatus::Serving), "{service:?}");
+    }
+    assert_eq!(status(&stack, "other").await, Err(tonic::Code::NotFound));
+    stack.stop().await;
+}
