@@ -235,7 +235,7 @@ async fn an_aborted_stream_frees_its_booking() {
 }
 
 #[tokio::test]
-async fn a_shedding_router_is_429_and_no_worker_is_503() {
+async fn a_shedding_router_is_429() {
     // One block of decode load makes a rank busy, and nothing may wait in the queue.
     let stack = EppStack::start(
         1,
@@ -319,9 +319,9 @@ async fn envoys_own_python_types_drive_the_picker() {
 
 /// gRPC health as kubelet and the proxy ask it: liveness always; readiness and the
 /// ext_proc service name only with workers known and a router answering; an unknown
-/// service name is refused.
+/// service name is refused. With no worker, a request is 503.
 #[tokio::test]
-async fn grpc_health_answers_liveness_readiness_and_the_ext_proc_service() {
+async fn grpc_health_and_503_without_workers() {
     use tonic_health::pb::health_check_response::ServingStatus;
     use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
     async fn status(stack: &EppStack, service: &str) -> Result<ServingStatus, tonic::Code> {
@@ -343,6 +343,12 @@ async fn grpc_health_answers_liveness_readiness_and_the_ext_proc_service() {
         let answer = status(&empty, service).await;
         assert_eq!(answer, Ok(ServingStatus::NotServing), "{service}");
     }
+    // Nothing registered: no endpoint is ready.
+    let (_envoy, picked) = empty.open(&completion(&[1, 2, 3]), None).await;
+    assert!(
+        matches!(picked, Picked::Refused { status: 503, .. }),
+        "{picked:?}"
+    );
     empty.stop().await;
     let stack = EppStack::start(1, |_| {}, &[]).await;
     for service in ["liveness", "readiness", EXT_PROC, ""] {
