@@ -16,16 +16,20 @@
 //! When the router names a prefill worker, the attempt runs the two halves of a
 //! disaggregated request ([`halves`]) and its answer is the decode worker's; a failed
 //! half excludes the worker of that half from the next route.
+//!
+//! Reading, checking and tokenizing a body (`parse`, `model?`, `tokenize`, `length?`)
+//! is module `plan`, which the endpoint picker (`kv-epp`) reaches through
+//! [`Flow::tokenize_body`].
 
 use crate::answer::{Answer, Shape};
-use crate::config::{ChatForward, ModelConfig, PromptForward, RequestLimits};
+use crate::config::{ModelConfig, RequestLimits};
 use crate::error::ApiError;
 use crate::forward::{AttemptFailure, EngineCall, EngineClient, Events, FirstTokenDeadline};
 use crate::limit::PromptLimits;
 use crate::metrics::GatewayMetrics;
 use crate::openai::{
-    ChatRequest, CompletionRequest, EngineTarget, PromptInput, chat_as_completion, chat_for_engine,
-    completion_for_engine, max_output_tokens, parse_chat, parse_completion,
+    ChatRequest, CompletionRequest, EngineTarget, chat_as_completion, chat_for_engine,
+    completion_for_engine,
 };
 use crate::parity::ParityMonitor;
 use crate::router::{Booking, RouterClient};
@@ -37,13 +41,16 @@ use axum::response::{IntoResponse, Response};
 use eventsource_stream::Event;
 use halves::Half;
 use kv_events::routing::{Prompt, RouteDecision, SessionId};
-use kv_events::{DpRank, RequestId, WorkerId, compute_block_hashes};
+use kv_events::{RequestId, WorkerId, compute_block_hashes};
 use serde_json::{Map, Value};
 use std::collections::HashSet;
 use tokio::time::Instant;
 use tracing::{debug, warn};
 
 mod halves;
+mod plan;
+
+pub use plan::{BodyKind, Tokenized};
 
 /// What the request path needs, shared by every request.
 #[derive(Clone)]
@@ -123,14 +130,6 @@ struct Plan {
 }
 
 impl Flow {
-    fn check_model(&self, model: &str) -> Result<(), ApiError> {
-        if model == self.model.served_model_name {
-            Ok(())
-        } else {
-            Err(ApiError::unknown_model(model))
-        }
-    }
-
     /// `POST /v1/completions`, of the session `session` (the `x-session-id` header,
     /// which wins over the body's `prompt_cache_key`).
     pub async fn completion(
@@ -139,31 +138,7 @@ impl Flow {
         session: Option<SessionId>,
         arrived: Instant,
     ) -> Result<Response, ApiError> {
-        let request = parse_completion(body)?;
-        self.check_model(&request.model)?;
-        // One bound for the whole request, though workers may come and go meanwhile.
-        let bound = self.prompt.current();
-        let tokens = match &request.prompt {
-            PromptInput::Tokens(ids) => ids.clone(),
-            PromptInput::Text(text) => {
-                let body = &request.body;
-                self.tokenizer.completion(text, body, bound.limits).await?
-            }
-        };
-        bound.check(tokens.len(), max_output_tokens(&request.body, false))?;
-        let forward_tokens = self.model.forward == PromptForward::Tokens
-            || matches!(request.prompt, PromptInput::Tokens(_));
-        let plan = Plan {
-            endpoint: "completions",
-            stream: request.stream,
-            include_usage: request.include_usage,
-            session: session.or_else(|| request.prompt_cache_key.clone()),
-            tokens,
-            request: EngineRequest::Completion {
-                request,
-                forward_tokens,
-            },
-        };
+        let plan = self.plan_completion(body, session).await?;
         self.serve(plan, arrived).await
     }
 
@@ -175,38 +150,7 @@ impl Flow {
         session: Option<SessionId>,
         arrived: Instant,
     ) -> Result<Response, ApiError> {
-        let chat = parse_chat(body)?;
-        self.check_model(&chat.model)?;
-        if self.model.chat_forward == ChatForward::Tokens {
-            // Refuse what tokens mode cannot do before anything is routed.
-            chat_as_completion(
-                &chat,
-                &[],
-                EngineTarget::whole(self.model.engine_api, DpRank(0)),
-            )?;
-        }
-        let bound = self.prompt.current();
-        let tokens = self
-            .tokenizer
-            .chat(
-                chat.messages.clone(),
-                chat.options.clone(),
-                &chat.body,
-                bound.limits,
-            )
-            .await?;
-        bound.check(tokens.len(), max_output_tokens(&chat.body, true))?;
-        let plan = Plan {
-            endpoint: "chat_completions",
-            stream: chat.stream,
-            include_usage: chat.include_usage,
-            session: session.or_else(|| chat.prompt_cache_key.clone()),
-            tokens,
-            request: match self.model.chat_forward {
-                ChatForward::Tokens => EngineRequest::ChatAsCompletion(chat),
-                ChatForward::Passthrough => EngineRequest::Chat(chat),
-            },
-        };
+        let plan = self.plan_chat(body, session).await?;
         self.serve(plan, arrived).await
     }
 

@@ -23,6 +23,7 @@
 //! - [`router`]: route queries and the [`router::Booking`] that frees on every path.
 //! - [`forward`]: one engine attempt, up to its first token.
 //! - [`answer`]: relaying or assembling the engine's events.
+//! - [`Core`]: what the gateway and the endpoint picker (`kv-epp`) share.
 //! - [`workers`]: worker id → engine URL, role and KV transfer, from the etcd
 //!   directory.
 //! - [`parity`]: the router's predicted overlap against the engines' reported cached
@@ -107,114 +108,10 @@ impl Gateway {
         shutdown: CancellationToken,
     ) -> Result<Self, GatewayError> {
         let metrics = GatewayMetrics::new(&Registrar::new(&registry))?;
-        let client = kv_cluster::http::client_builder()
-            .connect_timeout(config.limits.engine_connect_timeout)
-            // Below the engines' own keep-alive: a pooled connection is never one the
-            // engine is closing (reqwest's default, 90 s, showed as retries).
-            .pool_idle_timeout(config.limits.engine_idle_timeout)
-            .tcp_nodelay(true)
-            .build()?;
-        let workers = WorkerUrls::default();
-        // The tokenizer is built with the largest bound there can be; each request is
-        // checked against the bound of its moment (`Flow::prompt`).
-        let limits = config.limits.prompt.ceiling();
-        // An engine's tokenization is bounded like its first token.
-        let remote_timeout = config.limits.first_token_timeout;
-        let remote = |api| {
-            let target = match &config.model.render_url {
-                Some(url) if api == Api::Render => TokenizeTarget::Server(url.clone()),
-                _ => TokenizeTarget::Engines(workers.clone()),
-            };
-            let remote = Remote::new(client.clone(), api, target, remote_timeout);
-            PromptTokenizer::remote(remote, metrics.clone())
-        };
-        let tokenizer = match config.model.tokenize_via {
-            TokenizeVia::Engine => remote(Api::Tokenize),
-            TokenizeVia::Render => remote(Api::Render),
-            TokenizeVia::Local => {
-                let dir = config.model.model_dir.clone().ok_or_else(|| {
-                    GatewayError::Config("--tokenize-via local needs --model-dir".into())
-                })?;
-                let tokenizer = Arc::new(ModelTokenizer::from_dir(dir, limits)?);
-                let tokenizer = CachedTokenizer::new(tokenizer, config.model.tokenizer.cache_bytes);
-                if let Some(reason) = tokenizer.off_reason() {
-                    tracing::info!(reason, "no tokenizer cache");
-                }
-                let pool = TokenizerPool::start(
-                    config.model.tokenizer.threads,
-                    config.model.tokenizer.queue,
-                )
-                .map_err(GatewayError::Threads)?;
-                // A prompt waits for a thread no longer than the request may take.
-                let deadline = config.limits.request_timeout;
-                PromptTokenizer::local(
-                    Arc::new(tokenizer),
-                    Arc::new(pool),
-                    deadline,
-                    metrics.clone(),
-                )
-            }
-        };
-        // The lifecycle publisher re-sends `freed` after a reconnect: it hears of the
-        // connection's ups and downs through this channel.
-        let (events, connection) = tokio::sync::mpsc::unbounded_channel();
-        let nats = config
-            .nats
-            .connect_with("kv-gateway", |options| {
-                options.event_callback(move |event| {
-                    // The receiver lives as long as the lifecycle publisher.
-                    let _ = events.send(event);
-                    async {}
-                })
-            })
-            .await?;
-        let router = RouterClient::new(
-            nats.clone(),
-            config.subjects.clone(),
-            config.limits.route_timeout,
-            config.limits.keep_alive,
-            connection,
-        );
-
-        let parity = ParityMonitor::new(metrics.clone(), workers.clone());
-        let directory_shutdown = shutdown.child_token();
-        let (etcd, subjects, limits) = (
-            config.etcd.clone(),
-            config.subjects.clone(),
-            config.wire_limits,
-        );
-        let mut urls = Directory {
-            urls: workers.clone(),
-            parity: parity.clone(),
-        };
-        tokio::spawn(async move {
-            let loaded = WorkerDirectory::connect_and_load(
-                etcd,
-                subjects,
-                limits,
-                &mut urls,
-                &directory_shutdown,
-            )
-            .await;
-            if let Some(directory) = loaded {
-                directory.watch(urls, directory_shutdown).await;
-            }
-        });
-
-        let state = AppState {
-            flow: Flow {
-                model: config.model.clone(),
-                limits: config.limits,
-                prompt: PromptLimits::new(config.limits.prompt, workers.clone()),
-                tokenizer,
-                router,
-                workers: workers.clone(),
-                engine: EngineClient::new(client, config.model.engine_api),
-                metrics: metrics.clone(),
-                parity,
-            },
-            registry,
-        };
+        let Core { flow, nats } =
+            Core::connect(&config, "kv-gateway", metrics.clone(), &shutdown).await?;
+        let workers = flow.workers.clone();
+        let state = AppState { flow, registry };
         let listener = tokio::net::TcpListener::bind(config.listen)
             .await
             .map_err(|source| GatewayError::Http {
@@ -290,6 +187,141 @@ impl Gateway {
         budget.finish()?;
         info!("kv-router gateway stopped");
         Ok(())
+    }
+}
+
+/// What both frontends of the request path share (the gateway and the endpoint
+/// picker, `kv-epp`): the tokenizer, the router client, the worker directory's
+/// worker id → engine URL map (watched in the background until `shutdown`), the
+/// prompt bound and the metrics, as one [`Flow`]; and the NATS connection.
+pub struct Core {
+    /// Tokenize → route (→ forward, for the gateway).
+    pub flow: Flow,
+    /// The NATS connection of the router client (to flush it at shutdown).
+    pub nats: async_nats::Client,
+}
+
+impl Core {
+    /// Loads the tokenizer, connects to NATS as `client_name` and starts watching the
+    /// worker directory in the background (until etcd answers, no worker is known).
+    ///
+    /// # Errors
+    /// [`GatewayError`] when the tokenizer cannot be loaded, its threads cannot start,
+    /// or NATS cannot be reached.
+    pub async fn connect(
+        config: &GatewayConfig,
+        client_name: &str,
+        metrics: GatewayMetrics,
+        shutdown: &CancellationToken,
+    ) -> Result<Self, GatewayError> {
+        let client = kv_cluster::http::client_builder()
+            .connect_timeout(config.limits.engine_connect_timeout)
+            // Below the engines' own keep-alive: a pooled connection is never one the
+            // engine is closing (reqwest's default, 90 s, showed as retries).
+            .pool_idle_timeout(config.limits.engine_idle_timeout)
+            .tcp_nodelay(true)
+            .build()?;
+        let workers = WorkerUrls::default();
+        // The tokenizer is built with the largest bound there can be; each request is
+        // checked against the bound of its moment (`Flow::prompt`).
+        let limits = config.limits.prompt.ceiling();
+        // An engine's tokenization is bounded like its first token.
+        let remote_timeout = config.limits.first_token_timeout;
+        let remote = |api| {
+            let target = match &config.model.render_url {
+                Some(url) if api == Api::Render => TokenizeTarget::Server(url.clone()),
+                _ => TokenizeTarget::Engines(workers.clone()),
+            };
+            let remote = Remote::new(client.clone(), api, target, remote_timeout);
+            PromptTokenizer::remote(remote, metrics.clone())
+        };
+        let tokenizer = match config.model.tokenize_via {
+            TokenizeVia::Engine => remote(Api::Tokenize),
+            TokenizeVia::Render => remote(Api::Render),
+            TokenizeVia::Local => {
+                let dir = config.model.model_dir.clone().ok_or_else(|| {
+                    GatewayError::Config("--tokenize-via local needs --model-dir".into())
+                })?;
+                let tokenizer = Arc::new(ModelTokenizer::from_dir(dir, limits)?);
+                let tokenizer = CachedTokenizer::new(tokenizer, config.model.tokenizer.cache_bytes);
+                if let Some(reason) = tokenizer.off_reason() {
+                    tracing::info!(reason, "no tokenizer cache");
+                }
+                let pool = TokenizerPool::start(
+                    config.model.tokenizer.threads,
+                    config.model.tokenizer.queue,
+                )
+                .map_err(GatewayError::Threads)?;
+                // A prompt waits for a thread no longer than the request may take.
+                let deadline = config.limits.request_timeout;
+                PromptTokenizer::local(
+                    Arc::new(tokenizer),
+                    Arc::new(pool),
+                    deadline,
+                    metrics.clone(),
+                )
+            }
+        };
+        // The lifecycle publisher re-sends `freed` after a reconnect: it hears of the
+        // connection's ups and downs through this channel.
+        let (events, connection) = tokio::sync::mpsc::unbounded_channel();
+        let nats = config
+            .nats
+            .connect_with(client_name, |options| {
+                options.event_callback(move |event| {
+                    // The receiver lives as long as the lifecycle publisher.
+                    let _ = events.send(event);
+                    async {}
+                })
+            })
+            .await?;
+        let router = RouterClient::new(
+            nats.clone(),
+            config.subjects.clone(),
+            config.limits.route_timeout,
+            config.limits.keep_alive,
+            connection,
+        );
+
+        let parity = ParityMonitor::new(metrics.clone(), workers.clone());
+        let directory_shutdown = shutdown.child_token();
+        let (etcd, subjects, limits) = (
+            config.etcd.clone(),
+            config.subjects.clone(),
+            config.wire_limits,
+        );
+        let mut urls = Directory {
+            urls: workers.clone(),
+            parity: parity.clone(),
+        };
+        tokio::spawn(async move {
+            let loaded = WorkerDirectory::connect_and_load(
+                etcd,
+                subjects,
+                limits,
+                &mut urls,
+                &directory_shutdown,
+            )
+            .await;
+            if let Some(directory) = loaded {
+                directory.watch(urls, directory_shutdown).await;
+            }
+        });
+
+        Ok(Self {
+            flow: Flow {
+                model: config.model.clone(),
+                limits: config.limits,
+                prompt: PromptLimits::new(config.limits.prompt, workers.clone()),
+                tokenizer,
+                router,
+                workers: workers.clone(),
+                engine: EngineClient::new(client, config.model.engine_api),
+                metrics: metrics.clone(),
+                parity,
+            },
+            nats,
+        })
     }
 }
 

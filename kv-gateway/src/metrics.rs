@@ -30,7 +30,7 @@ use std::time::Duration;
 
 /// Latency buckets in seconds, 1 ms to 60 s: TTFT spans prefix hits of a few ms to
 /// cold 100k-token prefills of tens of seconds.
-const LATENCY_BUCKETS: &[f64] = &[
+pub const LATENCY_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 ];
 

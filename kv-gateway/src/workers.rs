@@ -132,13 +132,19 @@ impl WorkerUrls {
     /// The engine URLs of the workers that registered one, in worker-id order, for
     /// engine-side tokenization (which any engine of the model can do). O(workers).
     pub fn urls(&self) -> Vec<String> {
+        self.worker_urls().into_iter().map(|(_, url)| url).collect()
+    }
+
+    /// The workers that registered an engine URL, with it, in worker-id order (the
+    /// endpoint picker maps pod addresses to worker ids with it). O(workers).
+    pub fn worker_urls(&self) -> Vec<(WorkerId, String)> {
         let workers = self.read();
         let mut urls: Vec<_> = workers
             .iter()
             .filter_map(|(id, w)| Some((*id, w.url.clone()?)))
             .collect();
         urls.sort_unstable_by_key(|(id, _)| *id);
-        urls.into_iter().map(|(_, url)| url).collect()
+        urls
     }
 
     /// Adds or replaces the worker of `registration` (tests and tools; the directory

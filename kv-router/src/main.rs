@@ -41,6 +41,10 @@ enum Command {
     /// OpenAI-compatible HTTP gateway: tokenize, ask the router over NATS, forward to
     /// the chosen engine, stream the answer back (see docs/gateway.md).
     Gateway(Box<kv_gateway::GatewayArgs>),
+    /// Gateway API Inference Extension endpoint picker: an Envoy ext_proc server that
+    /// tokenizes like the gateway and names the chosen pod to the proxy (see
+    /// docs/epp.md).
+    Epp(Box<kv_epp::EppArgs>),
     /// Generate access control for a secured cluster (see docs/security.md).
     #[command(subcommand)]
     Security(SecurityCommand),
@@ -114,6 +118,7 @@ async fn run() -> Result<()> {
             Ok(())
         }
         Command::Gateway(args) => Ok(kv_gateway::run(*args).await?),
+        Command::Epp(args) => Ok(kv_epp::run(*args).await?),
         Command::Security(SecurityCommand::NatsUsers(args)) => {
             print!("{}", args.render()?);
             Ok(())

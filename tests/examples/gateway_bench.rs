@@ -30,6 +30,7 @@ use clap::Parser;
 use engine_model::EngineModelConfig;
 use futures::StreamExt;
 use integration_tests::TestCluster;
+use integration_tests::cpu::cpu_seconds;
 use kv_gateway::{Gateway, GatewayArgs};
 use kv_tokenizer::{ModelTokenizer, TokenizerLimits};
 use mocker::engine::EngineHttpArgs;
@@ -40,8 +41,6 @@ use tokio_util::sync::CancellationToken;
 
 const BLOCK: u32 = 16;
 const MODEL: &str = "tiny";
-/// `USER_HZ`: the unit of `/proc/PID/stat` CPU times (100 on Linux).
-const CLK_TCK: f64 = 100.0;
 
 /// Gateway added latency against direct engine calls, streamed completions.
 #[derive(Parser, Debug, Clone)]
@@ -184,30 +183,6 @@ fn xorshift(x: &mut u64) -> u64 {
     *x ^= *x >> 7;
     *x ^= *x << 17;
     *x
-}
-
-/// CPU seconds (user + system) of this process and of its direct child processes.
-fn cpu_seconds() -> f64 {
-    let me = std::process::id();
-    let ticks = |stat: &str| -> Option<(u32, u64)> {
-        let rest: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
-        let ppid = rest.get(1)?.parse().ok()?;
-        let t = rest.get(11)?.parse::<u64>().ok()? + rest.get(12)?.parse::<u64>().ok()?;
-        Some((ppid, t))
-    };
-    let mut total = 0;
-    if let Ok(s) = std::fs::read_to_string("/proc/self/stat") {
-        total += ticks(&s).map_or(0, |(_, t)| t);
-    }
-    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let path = entry.path().join("stat");
-        if let Some((ppid, t)) = std::fs::read_to_string(path).ok().and_then(|s| ticks(&s))
-            && ppid == me
-        {
-            total += t;
-        }
-    }
-    total as f64 / CLK_TCK
 }
 
 /// Prints one rate's comparison.

@@ -20,6 +20,7 @@ use anyhow::Context;
 
 pub mod capture;
 pub mod child_daemon;
+pub mod cpu;
 pub mod etcd_cluster;
 pub mod etcd_proxy;
 pub mod nats_cluster;

@@ -222,11 +222,13 @@ async fn the_kit_is_wired_together() {
     let router = find(&objects, "Deployment", "kv-router");
     let gateway = find(&objects, "Deployment", "kv-router-gateway");
     let engines = find(&objects, "StatefulSet", "kv-router-engine");
+    let epp = find(&objects, "Deployment", "kv-router-epp");
     assert_eq!(router["spec"]["replicas"], 3);
     let containers = [
         container(router, "kv-router"),
         container(gateway, "gateway"),
         container(engines, "kv-router-relay"),
+        container(epp, "epp"),
     ];
     for c in containers {
         assert_eq!(
@@ -249,6 +251,24 @@ async fn the_kit_is_wired_together() {
     }
     assert_eq!(container(router, "kv-router")["args"][0], "serve");
     assert_eq!(container(gateway, "gateway")["args"][0], "gateway");
+    assert_eq!(container(epp, "epp")["args"][0], "epp");
+
+    // The InferencePool selects the engine pods on their OpenAI port and names the
+    // picker's Service on its ext_proc port.
+    let pool = find(&objects, "InferencePool", "kv-router");
+    assert_eq!(pool["apiVersion"], "inference.networking.k8s.io/v1");
+    assert!(selects(
+        &pool["spec"]["selector"]["matchLabels"],
+        &engines["spec"]["template"]["metadata"]["labels"]
+    ));
+    assert_eq!(pool["spec"]["targetPorts"][0]["number"], 8000);
+    let picker = &pool["spec"]["endpointPickerRef"];
+    let epp_service = find(&objects, "Service", picker["name"].as_str().expect("name"));
+    let grpc = &epp_service["spec"]["ports"][0];
+    assert_eq!(
+        (&grpc["name"], &grpc["port"]),
+        (&Value::from("grpc"), &picker["port"]["number"])
+    );
 
     // The relay sidecar: worker id claimed under the pod name, the engine on the
     // pod's loopback, the engine block size from the shared value.
@@ -289,7 +309,7 @@ async fn the_kit_is_wired_together() {
         .filter(|o| o["kind"] == "Deployment" || o["kind"] == "StatefulSet")
         .collect();
     let services = of_kind(&objects, "Service");
-    assert_eq!(services.len(), 3, "router, gateway, engine");
+    assert_eq!(services.len(), 4, "router, gateway, engine, epp");
     for service in &services {
         let pods = workloads
             .iter()

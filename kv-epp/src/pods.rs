@@ -1,0 +1,130 @@
+//! Pod address (`ip:port`, as the proxy names endpoints) ↔ worker id. The router
+//! answers with worker ids; the proxy knows pods. Each worker registers its engine's
+//! base URL in the etcd directory (`http://10.0.3.7:8000`): its authority is the pod
+//! address. Built per request from the directory's map (O(workers), one shared lock).
+
+use kv_events::WorkerId;
+use kv_events::routing::MAX_EXCLUDED_WORKERS;
+use kv_gateway::error::ApiError;
+use kv_gateway::workers::WorkerUrls;
+use std::collections::{HashMap, HashSet};
+
+/// The `host:port` of an engine base URL (the scheme's default port when it names
+/// none); `None` for a URL without a host.
+pub fn address_of(url: &str) -> Option<String> {
+    let url = url::Url::parse(url).ok()?;
+    let host = url.host_str()?;
+    let port = url.port_or_known_default()?;
+    Some(format!("{host}:{port}"))
+}
+
+/// The workers with an engine URL, keyed by pod address.
+#[derive(Debug, Default)]
+pub struct Pods {
+    by_address: HashMap<String, WorkerId>,
+    by_worker: HashMap<WorkerId, String>,
+}
+
+impl Pods {
+    /// The pods of the registered workers now.
+    pub fn of(workers: &WorkerUrls) -> Self {
+        let mut pods = Self::default();
+        for (worker, url) in workers.worker_urls() {
+            if let Some(address) = address_of(&url) {
+                pods.by_address.insert(address.clone(), worker);
+                pods.by_worker.insert(worker, address);
+            }
+        }
+        pods
+    }
+
+    /// The pod address of `worker`.
+    pub fn address(&self, worker: WorkerId) -> Option<&str> {
+        self.by_worker.get(&worker).map(String::as_str)
+    }
+
+    /// The workers a route query excludes so that the router picks inside `subset`
+    /// (pod addresses, the proxy's subset hint): every worker with a pod outside it.
+    ///
+    /// # Errors
+    /// 503 when no registered worker is in the subset, or when the subset leaves out
+    /// more workers than one route query may exclude
+    /// ([`kv_events::routing::MAX_EXCLUDED_WORKERS`]; the router would refuse the
+    /// query as malformed).
+    pub fn excluded_by(&self, subset: &[String]) -> Result<Vec<WorkerId>, ApiError> {
+        let inside: HashSet<WorkerId> = subset
+            .iter()
+            .filter_map(|a| self.by_address.get(a.trim()).copied())
+            .collect();
+        if inside.is_empty() {
+            return Err(ApiError::unavailable(
+                "no registered worker is in the endpoint subset",
+            ));
+        }
+        let outside: Vec<WorkerId> = self
+            .by_worker
+            .keys()
+            .filter(|w| !inside.contains(w))
+            .copied()
+            .collect();
+        if outside.len() > MAX_EXCLUDED_WORKERS {
+            return Err(ApiError::unavailable(format!(
+                "the endpoint subset leaves out {} workers; a route query excludes at most {MAX_EXCLUDED_WORKERS}",
+                outside.len()
+            )));
+        }
+        Ok(outside)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn addresses_come_from_the_url_authority() {
+        assert_eq!(
+            address_of("http://10.0.3.7:8000").as_deref(),
+            Some("10.0.3.7:8000")
+        );
+        assert_eq!(
+            address_of("http://pod.local").as_deref(),
+            Some("pod.local:80")
+        );
+        assert_eq!(address_of("not a url"), None);
+    }
+
+    fn fleet(workers: u64) -> Pods {
+        let urls = WorkerUrls::default();
+        for n in 1..=workers {
+            urls.insert(&kv_events::discovery::WorkerRegistration {
+                worker_id: WorkerId(n),
+                dp_size: 1,
+                block_size: 16,
+                total_kv_blocks: 16,
+                url: Some(format!("http://10.0.{}.{}:8000", n / 256, n % 256)),
+                epoch: 0,
+                max_model_len: None,
+                role: Default::default(),
+                kv_transfer: None,
+            });
+        }
+        Pods::of(&urls)
+    }
+
+    #[test]
+    fn the_subset_excludes_the_others_within_the_query_bound() {
+        let pods = fleet(3);
+        let excluded = pods.excluded_by(&["10.0.0.2:8000".into()]).unwrap();
+        let mut excluded: Vec<u64> = excluded.into_iter().map(|w| w.0).collect();
+        excluded.sort_unstable();
+        assert_eq!(excluded, [1, 3]);
+        let none = pods.excluded_by(&["10.9.9.9:8000".into()]).unwrap_err();
+        assert_eq!(none.status.as_u16(), 503);
+        let many = fleet(MAX_EXCLUDED_WORKERS as u64 + 2);
+        let over = many.excluded_by(&["10.0.0.1:8000".into()]).unwrap_err();
+        assert_eq!(over.status.as_u16(), 503, "{over:?}");
+        assert!(over.message.contains("at most"), "{over:?}");
+    }
+}
