@@ -55,6 +55,9 @@ pub(crate) const TIE_SLACK: f64 = 1e-9;
 pub(crate) struct RankTerms {
     /// Prefill tokens booked behind the oldest in-flight prefill (`P_floor`), in tokens.
     pub floor_prefill_tokens: u64,
+    /// Every in-flight prefill token booked there (at least `P_floor`): an upper
+    /// bound of its `P(now)`, in tokens.
+    pub total_prefill_tokens: u64,
     /// Active requests (`R`).
     pub active_requests: u64,
     /// KV tokens decode attention reads per step (`D × block_size`), in tokens.
@@ -86,7 +89,21 @@ impl Ord for Key {
 #[derive(Debug, Default)]
 pub(crate) struct BoundIndex {
     groups: BTreeMap<i32, BTreeSet<(Key, WorkerRank)>>,
-    of_rank: HashMap<WorkerRank, (i32, Key)>,
+    of_rank: HashMap<WorkerRank, Entry>,
+    /// The ranks by `P_floor`, for the fleet's smallest backlog.
+    by_floor: BTreeSet<(u64, WorkerRank)>,
+    /// Σ `P_floor` and Σ total prefill tokens over the indexed ranks.
+    floor_sum: u128,
+    total_sum: u128,
+}
+
+/// Where one rank is in the index.
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    group: i32,
+    key: Key,
+    floor: u64,
+    total: u64,
 }
 
 /// The best ranks a search found: the lowest exact cost (ms) and every rank priced at
@@ -115,14 +132,56 @@ impl BoundIndex {
             + t.kv_read_ms_per_token * terms.context_tokens as f64);
         let group = group_of(terms.scale.prefill);
         self.groups.entry(group).or_default().insert((key, rank));
-        self.of_rank.insert(rank, (group, key));
+        let (floor, total) = (terms.floor_prefill_tokens, terms.total_prefill_tokens);
+        self.by_floor.insert((floor, rank));
+        self.floor_sum += u128::from(floor);
+        self.total_sum += u128::from(total);
+        self.of_rank.insert(
+            rank,
+            Entry {
+                group,
+                key,
+                floor,
+                total,
+            },
+        );
+    }
+
+    /// Σ `P_floor` and Σ total prefill tokens over the indexed ranks, in tokens:
+    /// bounds of their Σ `P(now)`.
+    pub(crate) fn prefill_sums(&self) -> (u128, u128) {
+        (self.floor_sum, self.total_sum)
+    }
+
+    /// `rank`'s `P_floor` and total prefill tokens, if indexed.
+    pub(crate) fn prefill_of(&self, rank: WorkerRank) -> Option<(u64, u64)> {
+        self.of_rank.get(&rank).map(|e| (e.floor, e.total))
+    }
+
+    /// The indexed ranks by ascending `P_floor`.
+    pub(crate) fn by_floor(&self) -> impl Iterator<Item = (u64, WorkerRank)> + '_ {
+        self.by_floor.iter().copied()
+    }
+
+    /// Every indexed rank.
+    pub(crate) fn ranks(&self) -> impl Iterator<Item = WorkerRank> + '_ {
+        self.of_rank.keys().copied()
     }
 
     /// Drops `rank` (deregistered): O(log N).
     pub(crate) fn remove(&mut self, rank: WorkerRank) {
-        let Some((group, key)) = self.of_rank.remove(&rank) else {
+        let Some(Entry {
+            group,
+            key,
+            floor,
+            total,
+        }) = self.of_rank.remove(&rank)
+        else {
             return;
         };
+        self.by_floor.remove(&(floor, rank));
+        self.floor_sum -= u128::from(floor);
+        self.total_sum -= u128::from(total);
         if let Some(set) = self.groups.get_mut(&group) {
             set.remove(&(key, rank));
             if set.is_empty() {
@@ -203,6 +262,33 @@ fn group_floor(group: i32) -> f64 {
         return 0.0;
     }
     GROUP_RATIO.powi(group) * (1.0 - 1e-9)
+}
+
+/// Ranks whose bookings or calibration changed, or all of them once more than
+/// [`Changed::MAX`] are pending (nobody took them: bounded memory).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Changed {
+    /// The changed ranks, possibly repeated.
+    pub ranks: Vec<WorkerRank>,
+    /// More changed than `ranks` holds: every rank may have changed.
+    pub all: bool,
+}
+
+impl Changed {
+    const MAX: usize = 65_536;
+
+    /// Notes that `rank` changed.
+    pub(crate) fn push(&mut self, rank: WorkerRank) {
+        if self.all {
+            return;
+        }
+        if self.ranks.len() >= Self::MAX {
+            self.ranks.clear();
+            self.all = true;
+        } else {
+            self.ranks.push(rank);
+        }
+    }
 }
 
 #[cfg(test)]

@@ -25,7 +25,8 @@ fn rank_state() -> impl Strategy<Value = RankState> {
     let multiplier = prop_oneof![Just(1.0), Just(0.8), Just(1.25), 0.5f64..2.0];
     (
         prop_oneof![Just(0u64), 1u64..20_000],
-        0u64..=16,
+        // Fully left or fully decayed heads often, so bounds are often near exact.
+        prop_oneof![Just(0u64), Just(16), 0u64..=16],
         prop_oneof![Just(0u64), 1u64..20_000],
         0u64..40,
         0u64..2_000,
@@ -70,6 +71,7 @@ fn terms(s: &RankState) -> RankTerms {
     let &(_, _, rest, requests, context, (p, b, d)) = s;
     RankTerms {
         floor_prefill_tokens: rest,
+        total_prefill_tokens: rest + s.0,
         active_requests: requests,
         context_tokens: context * u64::from(BLOCK),
         scale: TimingScale {
@@ -173,4 +175,34 @@ fn a_warmed_fleet_prices_few_ranks() {
         .unwrap();
     assert_eq!(found.ranks, vec![rank(0)]);
     assert!(found.priced < 16, "priced {} of 4,096", found.priced);
+}
+
+#[test]
+fn a_rank_popped_later_can_be_the_cheapest_and_ties_are_all_found() {
+    // A's bound is the lowest (nothing behind its oldest prefill) but its oldest
+    // prefill is still whole at `now`: 0.06 × (1,600 + 1,000) + 9 = 165 ms. B and C
+    // have 1,590 tokens queued behind a finished head: 0.06 × 2,590 + 9 = 164.4 ms,
+    // a bound within 0.5% of A's cost, so a search that stops early misses them.
+    let config = PredictedTtftConfig::default();
+    let unit = (1.0, 1.0, 1.0);
+    let states: [RankState; 3] = [
+        (1_600, 16, 0, 0, 0, unit),
+        (0, 0, 1_590, 0, 0, unit),
+        (0, 0, 1_590, 0, 0, unit),
+    ];
+    let mut index = BoundIndex::default();
+    for (i, s) in states.iter().enumerate() {
+        index.set(rank(i), &config.timing, &terms(s));
+    }
+    let found = index
+        .search(&config.timing, 1_000, |r| {
+            let i = (r.worker_id.0 * 2 + u64::from(r.dp_rank.0)) as usize;
+            Some(exact(&config, 1_000, r, &states[i]))
+        })
+        .unwrap();
+    let mut got = found.ranks.clone();
+    got.sort_unstable();
+    assert_eq!(got, vec![rank(1), rank(2)]);
+    assert!((found.cost - 164.4).abs() < 1e-9, "cost {}", found.cost);
+    assert_eq!(found.priced, 3);
 }

@@ -63,7 +63,6 @@ pub mod busy;
 pub mod calibration;
 mod candidates;
 pub mod config;
-#[allow(dead_code)] // wired into the shortcut in the next step
 mod cost_bound;
 pub mod disaggregation;
 pub mod duration_ms;
@@ -79,6 +78,7 @@ pub mod request;
 pub mod sequences;
 pub mod sessions;
 mod shortcut;
+mod shortcut_bound;
 mod steps;
 pub mod workers;
 
@@ -140,6 +140,8 @@ pub struct Scheduler {
     /// turn it off to compare with the full scan).
     touched: Vec<WorkerRank>,
     shortcut: bool,
+    /// The bounded shortcut's index of every rank's cost bound (`shortcut_bound.rs`).
+    bounded: shortcut_bound::Bounded,
 }
 
 impl Scheduler {
@@ -168,6 +170,7 @@ impl Scheduler {
             decode_keys: Vec::new(),
             touched: Vec::new(),
             shortcut: true,
+            bounded: shortcut_bound::Bounded::default(),
         })
     }
 

@@ -48,6 +48,16 @@ pub(crate) struct StandIn {
     idle: usize,
 }
 
+/// How a shortcut decision gathered its candidates.
+#[derive(Debug, Clone, Copy)]
+enum Shortcut {
+    /// The touched ranks and one idle stand-in.
+    StandIn(StandIn),
+    /// The ranks that may hold the prompt and the best of the others
+    /// (`shortcut_bound.rs`), with the delay cap's gate decided over every rank.
+    Bounded { delay_cap_gate: bool },
+}
+
 impl StandIn {
     /// The idle ranks left out of the candidates.
     pub(crate) fn twins(self) -> usize {
@@ -67,10 +77,15 @@ impl Scheduler {
     ) -> Result<Choice, SchedulerError> {
         let (req, policy) = (ask.req, ask.policy);
         let (overlaps, block_ids, now) = (ask.overlaps, ask.block_ids, ask.now);
-        let stand_in = self.gather_shortcut(ask)?;
-        if stand_in.is_none() {
+        let shortcut = self.gather_shortcut(ask)?;
+        if shortcut.is_none() {
             self.gather_candidates(req, overlaps, block_ids, now, Side::Whole)?;
         }
+        let (stand_in, delay_cap_gate) = match shortcut {
+            Some(Shortcut::StandIn(s)) => (Some(s), None),
+            Some(Shortcut::Bounded { delay_cap_gate }) => (None, Some(delay_cap_gate)),
+            None => (None, None),
+        };
         self.calibration
             .timing_scales(policy, &self.candidates, &mut self.scales);
         let ctx = SelectContext {
@@ -79,6 +94,7 @@ impl Scheduler {
             batch_remaining: ask.batch_remaining,
             timing_scales: &self.scales,
             idle_twins: stand_in.map_or(0, StandIn::twins),
+            delay_cap_gate,
         };
         let mut choice = self.selector.select(policy, &ctx)?;
         if let Some(stand_in) = stand_in {
@@ -105,11 +121,13 @@ impl Scheduler {
     fn gather_shortcut<O: Overlaps + ?Sized>(
         &mut self,
         ask: &Ask<'_, O>,
-    ) -> Result<Option<StandIn>, SchedulerError> {
+    ) -> Result<Option<Shortcut>, SchedulerError> {
         let (req, overlaps, block_ids, now) = (ask.req, ask.overlaps, ask.block_ids, ask.now);
         let n = self.workers.ranks().len();
+        let PolicyConfig::PredictedTtft(config) = ask.policy else {
+            return Ok(None);
+        };
         if !self.shortcut
-            || !matches!(ask.policy, PolicyConfig::PredictedTtft(_))
             || req.dp_rank.is_some()
             || !req.exclude_workers.is_empty()
             || req.session_id.is_some()
@@ -137,8 +155,13 @@ impl Scheduler {
         touched.dedup();
         if touched.len() * 2 > n {
             touched.clear();
+            overlaps.visit_matched(&mut |r| touched.push(r));
+            let gathered = self.gather_bounded(ask, config, &mut touched);
+            if !matches!(gathered, Ok(Some(_))) {
+                touched.clear(); // left filled when taken (tests look)
+            }
             self.touched = touched;
-            return Ok(None);
+            return Ok(gathered?.map(|delay_cap_gate| Shortcut::Bounded { delay_cap_gate }));
         }
         let ranks = self.workers.ranks();
         let (rank, at) = loop {
@@ -160,7 +183,7 @@ impl Scheduler {
         }
         self.touched = touched;
         self.finish_candidates(req, seen)?;
-        Ok(Some(stand_in))
+        Ok(Some(Shortcut::StandIn(stand_in)))
     }
 }
 
