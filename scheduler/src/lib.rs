@@ -19,9 +19,12 @@
 //! blocks) (the blocks term only for the KV-reuse lookup): the ranks with a booking,
 //! a report no longer live (or of load, under busy thresholds), their own warmed-up
 //! calibration or overlap with the prompt, plus one idle rank
-//! standing for the rest (`shortcut.rs`, exact); other decisions, and any while
-//! more than half of the ranks are touched, are O(registered ranks × prompt
-//! blocks). Scratch buffers are reused.
+//! standing for the rest (`shortcut.rs`, exact). While more than half of the ranks
+//! are touched (a warmed-up fleet), it is O((ranks that may hold the prompt + ranks
+//! whose cost bound is within the best cost) × log N) with busy thresholds off and
+//! every rank calibrated on its own (`shortcut_bound.rs` over `cost_bound.rs`,
+//! exact; O(ranks) when the delay cap's gate falls between its bounds). Other
+//! decisions are O(registered ranks × prompt blocks). Scratch buffers are reused.
 //!
 //! # Layout
 //! - [`load`]: [`PrefillLoadHint`] and [`RankLoad`], the values every other module
@@ -53,6 +56,9 @@
 //!   means (a leaf, so the daemon can list them before applying them).
 //! - `shortcut.rs`: the decision shortcut over the touched ranks and an idle
 //!   stand-in.
+//! - `shortcut_bound.rs`: the bounded shortcut for warmed-up fleets, over
+//!   `cost_bound.rs` (the ranks that hold none of the prompt, ordered by a cost
+//!   bound, kept per booking and calibration change).
 //! - `batch.rs`: [`Scheduler::schedule_batch`].
 //! - `reads.rs`: the facade's read accessors (load, metrics, liveness, calibration).
 

@@ -28,9 +28,11 @@
 //! O(registered ranks). The full scan remains for every other case: other policies,
 //! a pinned dp_rank, excluded workers, a session id, a fleet with workers that do
 //! not serve whole requests (disaggregation), overlaps that cannot list their ranks,
-//! and more than half of the ranks touched (a fleet whose every rank reports load
-//! while busy thresholds are set, or has learned its own timing, is scanned in
-//! full).
+//! and more than half of the ranks touched. In that last case a fleet whose every
+//! rank has learned its own timing (or calibration is off) and busy thresholds are
+//! off takes the bounded search instead (`shortcut_bound.rs`: the ranks that may hold
+//! the prompt priced exactly, the others best cost bound first); with busy thresholds
+//! set (every engine reporting load) it is still the full scan.
 
 use crate::Scheduler;
 use crate::candidates::{Ask, Seen};
