@@ -19,9 +19,12 @@
 //! blocks) (the blocks term only for the KV-reuse lookup): the ranks with a booking,
 //! a report no longer live (or of load, under busy thresholds), their own warmed-up
 //! calibration or overlap with the prompt, plus one idle rank
-//! standing for the rest (`shortcut.rs`, exact); other decisions, and any while
-//! more than half of the ranks are touched, are O(registered ranks × prompt
-//! blocks). Scratch buffers are reused.
+//! standing for the rest (`shortcut.rs`, exact). While more than half of the ranks
+//! are touched (a warmed-up fleet), it is O((ranks that may hold the prompt + ranks
+//! whose cost bound is within the best cost) × log N) with busy thresholds off and
+//! every rank calibrated on its own (`shortcut_bound.rs` over `cost_bound.rs`,
+//! exact; O(ranks) when the delay cap's gate falls between its bounds). Other
+//! decisions are O(registered ranks × prompt blocks). Scratch buffers are reused.
 //!
 //! # Layout
 //! - [`load`]: [`PrefillLoadHint`] and [`RankLoad`], the values every other module
@@ -53,6 +56,9 @@
 //!   means (a leaf, so the daemon can list them before applying them).
 //! - `shortcut.rs`: the decision shortcut over the touched ranks and an idle
 //!   stand-in.
+//! - `shortcut_bound.rs`: the bounded shortcut for warmed-up fleets, over
+//!   `cost_bound.rs` (the ranks that hold none of the prompt, ordered by a cost
+//!   bound, kept per booking and calibration change).
 //! - `batch.rs`: [`Scheduler::schedule_batch`].
 //! - `reads.rs`: the facade's read accessors (load, metrics, liveness, calibration).
 
@@ -63,6 +69,7 @@ pub mod busy;
 pub mod calibration;
 mod candidates;
 pub mod config;
+mod cost_bound;
 pub mod disaggregation;
 pub mod duration_ms;
 pub mod error;
@@ -77,6 +84,7 @@ pub mod request;
 pub mod sequences;
 pub mod sessions;
 mod shortcut;
+mod shortcut_bound;
 mod steps;
 pub mod workers;
 
@@ -138,6 +146,8 @@ pub struct Scheduler {
     /// turn it off to compare with the full scan).
     touched: Vec<WorkerRank>,
     shortcut: bool,
+    /// The bounded shortcut's index of every rank's cost bound (`shortcut_bound.rs`).
+    bounded: shortcut_bound::Bounded,
 }
 
 impl Scheduler {
@@ -166,6 +176,7 @@ impl Scheduler {
             decode_keys: Vec::new(),
             touched: Vec::new(),
             shortcut: true,
+            bounded: shortcut_bound::Bounded::default(),
         })
     }
 

@@ -193,6 +193,7 @@ impl Scheduler {
             batch_remaining: ask.batch_remaining,
             timing_scales: &self.scales,
             idle_twins: 0,
+            delay_cap_gate: None,
         };
         let choice = self.selector.select(ask.policy, &ctx).ok()?;
         Some((self.candidates[choice.index], choice.cost))

@@ -28,9 +28,11 @@
 //! O(registered ranks). The full scan remains for every other case: other policies,
 //! a pinned dp_rank, excluded workers, a session id, a fleet with workers that do
 //! not serve whole requests (disaggregation), overlaps that cannot list their ranks,
-//! and more than half of the ranks touched (a fleet whose every rank reports load
-//! while busy thresholds are set, or has learned its own timing, is scanned in
-//! full).
+//! and more than half of the ranks touched. In that last case a fleet whose every
+//! rank has learned its own timing (or calibration is off) and busy thresholds are
+//! off takes the bounded search instead (`shortcut_bound.rs`: the ranks that may hold
+//! the prompt priced exactly, the others best cost bound first); with busy thresholds
+//! set (every engine reporting load) it is still the full scan.
 
 use crate::Scheduler;
 use crate::candidates::{Ask, Seen};
@@ -46,6 +48,16 @@ use kv_events::WorkerRank;
 pub(crate) struct StandIn {
     rank: WorkerRank,
     idle: usize,
+}
+
+/// How a shortcut decision gathered its candidates.
+#[derive(Debug, Clone, Copy)]
+enum Shortcut {
+    /// The touched ranks and one idle stand-in.
+    StandIn(StandIn),
+    /// The ranks that may hold the prompt and the best of the others
+    /// (`shortcut_bound.rs`), with the delay cap's gate decided over every rank.
+    Bounded { delay_cap_gate: bool },
 }
 
 impl StandIn {
@@ -67,10 +79,15 @@ impl Scheduler {
     ) -> Result<Choice, SchedulerError> {
         let (req, policy) = (ask.req, ask.policy);
         let (overlaps, block_ids, now) = (ask.overlaps, ask.block_ids, ask.now);
-        let stand_in = self.gather_shortcut(ask)?;
-        if stand_in.is_none() {
+        let shortcut = self.gather_shortcut(ask)?;
+        if shortcut.is_none() {
             self.gather_candidates(req, overlaps, block_ids, now, Side::Whole)?;
         }
+        let (stand_in, delay_cap_gate) = match shortcut {
+            Some(Shortcut::StandIn(s)) => (Some(s), None),
+            Some(Shortcut::Bounded { delay_cap_gate }) => (None, Some(delay_cap_gate)),
+            None => (None, None),
+        };
         self.calibration
             .timing_scales(policy, &self.candidates, &mut self.scales);
         let ctx = SelectContext {
@@ -79,6 +96,7 @@ impl Scheduler {
             batch_remaining: ask.batch_remaining,
             timing_scales: &self.scales,
             idle_twins: stand_in.map_or(0, StandIn::twins),
+            delay_cap_gate,
         };
         let mut choice = self.selector.select(policy, &ctx)?;
         if let Some(stand_in) = stand_in {
@@ -105,11 +123,13 @@ impl Scheduler {
     fn gather_shortcut<O: Overlaps + ?Sized>(
         &mut self,
         ask: &Ask<'_, O>,
-    ) -> Result<Option<StandIn>, SchedulerError> {
+    ) -> Result<Option<Shortcut>, SchedulerError> {
         let (req, overlaps, block_ids, now) = (ask.req, ask.overlaps, ask.block_ids, ask.now);
         let n = self.workers.ranks().len();
+        let PolicyConfig::PredictedTtft(config) = ask.policy else {
+            return Ok(None);
+        };
         if !self.shortcut
-            || !matches!(ask.policy, PolicyConfig::PredictedTtft(_))
             || req.dp_rank.is_some()
             || !req.exclude_workers.is_empty()
             || req.session_id.is_some()
@@ -137,8 +157,13 @@ impl Scheduler {
         touched.dedup();
         if touched.len() * 2 > n {
             touched.clear();
+            overlaps.visit_matched(&mut |r| touched.push(r));
+            let gathered = self.gather_bounded(ask, config, &mut touched);
+            if !matches!(gathered, Ok(Some(_))) {
+                touched.clear(); // left filled when taken (tests look)
+            }
             self.touched = touched;
-            return Ok(None);
+            return Ok(gathered?.map(|delay_cap_gate| Shortcut::Bounded { delay_cap_gate }));
         }
         let ranks = self.workers.ranks();
         let (rank, at) = loop {
@@ -160,7 +185,7 @@ impl Scheduler {
         }
         self.touched = touched;
         self.finish_candidates(req, seen)?;
-        Ok(Some(stand_in))
+        Ok(Some(Shortcut::StandIn(stand_in)))
     }
 }
 

@@ -9,6 +9,7 @@
 use super::*;
 use crate::calibration::CalibrationConfig;
 use crate::policy::SelectContext;
+use crate::policy::predicted_ttft::TtftFeatures;
 use crate::workers::Side;
 use indexer::OverlapScores;
 use kv_events::{LoadMetrics, LocalBlockHash, RequestId};
@@ -116,6 +117,7 @@ fn full_scan(
         batch_remaining: 1,
         timing_scales: &s.scales,
         idle_twins: 0,
+        delay_cap_gate: None,
     };
     s.selector.select(&policy, &ctx).unwrap();
     let costs: Vec<f64> = (0..s.candidates.len())
@@ -133,12 +135,49 @@ fn full_scan(
 /// decided by the shortcut and checked against the full scan. Returns how many
 /// decisions took the shortcut.
 fn replay(workers: u64, dp_size: u32, kv_reuse: bool, busy: bool, ops: &[Op]) -> usize {
+    replay_from(workers, dp_size, kv_reuse, busy, None, ops)
+}
+
+/// Gives every rank its own calibration: `warmup_samples` first tokens each, after
+/// one of `ttfts_ms` (by rank index, so ranks share multipliers, and tie).
+fn warm_up(s: &mut Scheduler, ttfts_ms: &[u64], now: Instant) {
+    let ranks = s.ranks().to_vec();
+    for (i, &rank) in ranks.iter().enumerate() {
+        for k in 0..3 {
+            let id = RequestId::from(format!("warm-{i}-{k}").as_str());
+            let load = crate::load::RankLoad::default();
+            let features = TtftFeatures::new(16 * (k + 1), &load, BLOCK, 32);
+            s.calibration.book(&id, rank, features, now);
+            let ttft = ttfts_ms[i % ttfts_ms.len()] * (k + 1);
+            s.calibration
+                .prefill_done(&id, now + Duration::from_millis(ttft));
+        }
+    }
+    assert!(
+        s.calibration.every_rank_own(ranks.len()),
+        "every rank warmed up"
+    );
+}
+
+/// [`replay`], on a fleet warmed up by [`warm_up`] with `ttfts_ms` first.
+fn replay_from(
+    workers: u64,
+    dp_size: u32,
+    kv_reuse: bool,
+    busy: bool,
+    warm: Option<&[u64]>,
+    ops: &[Op],
+) -> usize {
     let mut s = Scheduler::new(config(kv_reuse, busy), Some(5)).unwrap();
     for id in 0..workers {
         s.add_worker(reg(id, dp_size)).unwrap();
     }
     let ranks = s.ranks().to_vec();
     let mut now = Instant::now();
+    if let Some(ttfts) = warm {
+        warm_up(&mut s, ttfts, now);
+        now += Duration::from_secs(1);
+    }
     let mut active: Vec<RequestId> = Vec::new();
     let mut shortcuts = 0;
     for (n, op) in ops.iter().enumerate() {
@@ -215,6 +254,39 @@ proptest! {
     ) {
         replay(workers, dp_size, kv_reuse, busy, &ops);
     }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    /// On warmed-up fleets (every rank with its own multipliers, so every rank is
+    /// touched), decisions take the bounded search (`shortcut_bound.rs`).
+    #[test]
+    fn the_bounded_shortcut_chooses_what_the_full_scan_would(
+        workers in 4..48u64,
+        dp_size in 1..3u32,
+        kv_reuse in any::<bool>(),
+        ttfts in prop::collection::vec(prop_oneof![Just(12u64), Just(20), 5..60u64], 1..4),
+        ops in prop::collection::vec(op(), 1..80),
+    ) {
+        replay_from(workers, dp_size, kv_reuse, false, Some(&ttfts), &ops);
+    }
+}
+
+/// The warmed-up generator reaches the bounded shortcut, on a busy fleet too.
+#[test]
+fn warmed_up_histories_take_the_bounded_shortcut() {
+    let ops: Vec<Op> = (0..60)
+        .map(|i| match i % 3 {
+            0 | 1 => Op::Route {
+                family: i % 4,
+                blocks: 3 + i % 5,
+                hits: vec![(i as usize, 2, 1)],
+            },
+            _ => Op::Wait(7),
+        })
+        .collect();
+    assert!(replay_from(32, 2, true, false, Some(&[12, 20, 31]), &ops) > 35);
 }
 
 /// The generator reaches the shortcut (else the property above checks nothing).

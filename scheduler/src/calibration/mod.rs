@@ -69,6 +69,7 @@
 mod hooks;
 mod rls;
 
+use crate::cost_bound::Changed;
 use crate::error::SchedulerError;
 use crate::policy::predicted_ttft::{StepTimeModel, TtftFeatures};
 use crate::policy::{PolicyConfig, TimingScale};
@@ -249,6 +250,8 @@ pub struct Calibration {
     fleet: FleetPrior,
     /// The ranks priced with their own estimate (warmed up), in no order.
     warmed: Vec<WorkerRank>,
+    /// Ranks whose own multipliers changed (the decision bound's updates).
+    changed: Changed,
 }
 
 /// Σ ln θ over the warmed-up ranks, kept as samples update them: the prior of the
@@ -293,6 +296,7 @@ impl Calibration {
             pending: HashMap::new(),
             fleet: FleetPrior::default(),
             warmed: Vec::new(),
+            changed: Changed::default(),
         }
     }
 
@@ -351,6 +355,7 @@ impl Calibration {
         let before = (state.rls.samples() >= warmup).then(|| state.rls.theta());
         let used = state.rls.update(z, ttft_ms, &self.config.bounds());
         if used && state.rls.samples() >= warmup {
+            self.changed.push(p.rank);
             if before.is_none() {
                 self.warmed.push(p.rank);
             }
@@ -373,11 +378,30 @@ impl Calibration {
         self.pending.retain(|_, p| !gone(p.rank));
         let warmup = u64::from(self.config.warmup_samples);
         self.fleet = FleetPrior::default();
+        self.changed.all = true;
         self.warmed.clear();
         for (&rank, r) in self.ranks.iter().filter(|(_, r)| r.rls.samples() >= warmup) {
             self.fleet.replace(None, r.rls.theta());
             self.warmed.push(rank);
         }
+    }
+
+    /// Whether each of `registered` ranks is priced with its own multipliers (none
+    /// with the fleet prior, which moves with every rank's samples): calibration off,
+    /// or as many ranks with their own as registered ([`Self::remove_ranks`] drops
+    /// the ranks that leave).
+    pub(crate) fn every_rank_own(&self, registered: usize) -> bool {
+        !self.config.enabled
+            || if self.config.warmup_samples == 0 {
+                self.ranks.len() == registered
+            } else {
+                self.warmed.len() == registered
+            }
+    }
+
+    /// The ranks whose multipliers changed since the last call, emptied.
+    pub(crate) fn take_changed(&mut self) -> Changed {
+        std::mem::take(&mut self.changed)
     }
 
     /// Calls `f` with every rank [`Self::scale`] may price apart from the fleet

@@ -85,6 +85,10 @@ pub struct SelectContext<'a> {
     /// they still count in fleet-wide figures (the delay cap's mean backlog). 0
     /// outside the scheduler's shortcut.
     pub idle_twins: usize,
+    /// Whether `predicted-ttft`'s delay cap applies, when the caller decided it over
+    /// ranks left out of `candidates` (the scheduler's bounded search); `None`:
+    /// decide from `candidates` and `idle_twins`.
+    pub delay_cap_gate: Option<bool>,
 }
 
 /// The outcome of a selection.

@@ -327,6 +327,7 @@ pub(crate) mod test_support {
             batch_remaining: 1,
             timing_scales: &[],
             idle_twins: 0,
+            delay_cap_gate: None,
         }
     }
 

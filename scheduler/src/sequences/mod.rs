@@ -26,6 +26,7 @@ pub use crate::load::{PrefillLoadHint, RankLoad};
 pub use rank::chain_block_ids;
 
 use crate::config::SequencesConfig;
+use crate::cost_bound::Changed;
 use crate::error::SchedulerError;
 use kv_events::{LocalBlockHash, RequestId, RouterId, WorkerId, WorkerRank};
 use rank::RankSequences;
@@ -110,6 +111,12 @@ pub struct ActiveSequences {
     /// (deadline, seq) → request, for expiry in deadline order.
     deadlines: BTreeMap<(Instant, u64), RequestId>,
     next_seq: u64,
+    /// First chained block id of a booked request → the ranks holding it, with how
+    /// many requests each: the ranks whose in-flight prefix a prompt can share.
+    first_blocks: HashMap<u64, HashMap<WorkerRank, u32>>,
+    /// Ranks whose load changed since [`Self::take_changed`] last ran (the decision
+    /// bound's updates, `crate::cost_bound`).
+    changed: Changed,
 }
 
 impl ActiveSequences {
@@ -121,6 +128,8 @@ impl ActiveSequences {
             per_rank: HashMap::default(),
             deadlines: BTreeMap::new(),
             next_seq: 0,
+            first_blocks: HashMap::new(),
+            changed: Changed::default(),
         }
     }
 
@@ -165,6 +174,15 @@ impl ActiveSequences {
         };
         let seq = self.next_seq;
         self.next_seq += 1;
+        if let Some(&first) = block_ids.first() {
+            *self
+                .first_blocks
+                .entry(first)
+                .or_default()
+                .entry(add.rank)
+                .or_insert(0) += 1;
+        }
+        self.changed.push(add.rank);
         self.per_rank.entry(add.rank).or_default().add(
             seq,
             &block_ids,
@@ -211,6 +229,7 @@ impl ActiveSequences {
             if let Some(rank) = self.per_rank.get_mut(&r.rank) {
                 rank.finish_prefill(r.seq, now);
             }
+            self.changed.push(r.rank);
         }
         Ok(origin)
     }
@@ -282,6 +301,36 @@ impl ActiveSequences {
         self.per_rank.keys().copied()
     }
 
+    /// Prefill tokens `rank` holds that do not decay before its next booking change:
+    /// a lower bound of its `active_prefill_tokens` at any `now`, in tokens.
+    pub(crate) fn floor_prefill_tokens(&self, rank: WorkerRank) -> u64 {
+        self.per_rank
+            .get(&rank)
+            .map_or(0, RankSequences::floor_prefill_tokens)
+    }
+
+    /// Every in-flight prefill token booked on `rank`, none decayed, in tokens: an
+    /// upper bound of its `active_prefill_tokens` at any `now`.
+    pub(crate) fn total_prefill_tokens(&self, rank: WorkerRank) -> u64 {
+        self.per_rank
+            .get(&rank)
+            .map_or(0, RankSequences::total_prefill_tokens)
+    }
+
+    /// Every rank with an active request whose chained block ids start with `first`:
+    /// the only ranks where a prompt starting with that block has in-flight overlap.
+    pub(crate) fn ranks_holding_first(&self, first: u64) -> impl Iterator<Item = WorkerRank> + '_ {
+        self.first_blocks
+            .get(&first)
+            .into_iter()
+            .flat_map(|ranks| ranks.keys().copied())
+    }
+
+    /// The ranks whose load changed since the last call, emptied.
+    pub(crate) fn take_changed(&mut self) -> Changed {
+        std::mem::take(&mut self.changed)
+    }
+
     /// How many of a request's `request_blocks` blocks would be new decode load on
     /// `rank`, given its chained block ids ([`chain_block_ids`]): all of them without
     /// KV reuse, else those not already held there by an active request.
@@ -333,6 +382,10 @@ impl ActiveSequences {
     }
 
     fn release(&mut self, request: &ActiveRequest, now: Instant) {
+        self.changed.push(request.rank);
+        if let Some(&first) = request.block_ids.first() {
+            forget_first_block(&mut self.first_blocks, first, request.rank);
+        }
         let Some(rank) = self.per_rank.get_mut(&request.rank) else {
             return;
         };
@@ -351,15 +404,40 @@ impl ActiveSequences {
     fn remove_where(&mut self, gone: impl Fn(WorkerRank) -> bool) -> usize {
         let before = self.requests.len();
         let deadlines = &mut self.deadlines;
+        let (first_blocks, changed) = (&mut self.first_blocks, &mut self.changed);
         self.requests.retain(|_, r| {
             let keep = !gone(r.rank);
             if !keep {
                 deadlines.remove(&(r.deadline, r.seq));
+                changed.push(r.rank);
+                if let Some(&first) = r.block_ids.first() {
+                    forget_first_block(first_blocks, first, r.rank);
+                }
             }
             keep
         });
         self.per_rank.retain(|rank, _| !gone(*rank));
         before - self.requests.len()
+    }
+}
+
+/// Drops one request of `rank` from the ranks holding `first`.
+fn forget_first_block(
+    first_blocks: &mut HashMap<u64, HashMap<WorkerRank, u32>>,
+    first: u64,
+    rank: WorkerRank,
+) {
+    let Some(ranks) = first_blocks.get_mut(&first) else {
+        return;
+    };
+    if let Some(refs) = ranks.get_mut(&rank) {
+        *refs -= 1;
+        if *refs == 0 {
+            ranks.remove(&rank);
+        }
+    }
+    if ranks.is_empty() {
+        first_blocks.remove(&first);
     }
 }
 

@@ -152,6 +152,22 @@ impl RankSequences {
         self.uncached_tokens = self.uncached_tokens.saturating_sub(uncached_tokens);
     }
 
+    /// In-flight prefill tokens that do not decay before the next change here: all
+    /// but the oldest prefill when that one decays, else all of them.
+    pub fn floor_prefill_tokens(&self) -> u64 {
+        match self.prefills.values().next() {
+            Some(head) if head.duration.is_some() => {
+                self.prefill_tokens.saturating_sub(head.tokens)
+            }
+            _ => self.prefill_tokens,
+        }
+    }
+
+    /// Every in-flight prefill token booked here, none decayed.
+    pub fn total_prefill_tokens(&self) -> u64 {
+        self.prefill_tokens
+    }
+
     /// Whether no request is booked here.
     pub fn is_empty(&self) -> bool {
         self.requests == 0

@@ -32,6 +32,7 @@
 
 mod echo;
 mod ingest;
+mod warm;
 
 use anyhow::Context;
 use bench_workload::{latencies, quantile_ms};
@@ -102,6 +103,10 @@ struct Args {
     /// Sections to run, in order.
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Section::Echo, Section::Curve, Section::Batch])]
     sections: Vec<Section>,
+    /// Warm the fleet up first: start the daemon with this many calibration warm-up
+    /// samples and give every rank them ([`warm`]); 0 leaves the fleet cold.
+    #[arg(long, default_value_t = 0)]
+    warm_up_samples: u32,
     /// Serve as the echo responder on this NATS URL (how the bench runs its
     /// baseline process).
     #[arg(long, hide = true)]
@@ -446,12 +451,18 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let args = Arc::new(args);
     let nats_server = NatsServer::start().await?;
     let etcd_server = EtcdServer::start().await?;
+    let samples = args.warm_up_samples.to_string();
+    let warm_flags: Vec<&str> = if args.warm_up_samples > 0 {
+        vec!["--calibration-warmup-samples", &samples]
+    } else {
+        Vec::new()
+    };
     let daemon = ChildDaemon::start(
         &nats_server.url(),
         &etcd_server.endpoint(),
         NAMESPACE,
         BLOCK_SIZE,
-        &[],
+        &warm_flags,
     )
     .await?;
     let echo = echo::Responder::start(&nats_server.url()).await?;
@@ -468,6 +479,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
         .await
         .context("indexing the cached prefixes")?;
 
+    if args.warm_up_samples > 0 {
+        let routed = warm::warm_up(&nats, &subjects, &args, args.warm_up_samples).await?;
+        println!("warm-up: {routed} routes with a first token each");
+    }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!(
         "machine: {cores} cores; daemon: {} (pid {}, default policy); {} workers, {indexed} indexed (worker, block) entries; prompts of {} blocks ({} cached); {} s per measurement",

@@ -1,0 +1,252 @@
+//! The bounded shortcut: a `predicted-ttft` decision on a fleet where most ranks are
+//! touched (booked, calibrated), exact, without pricing every rank.
+//!
+//! The ranks that can hold part of the prompt — the index's matches, the ranks with
+//! an in-flight request starting with the prompt's first block, and the ranks whose
+//! reports are no longer live — are priced as the full scan prices them. Every other
+//! registered rank holds none of the prompt, so its cost has no reuse credit and
+//! depends on its own state only: [`crate::cost_bound::BoundIndex`] finds the lowest
+//! such cost and every rank at it, best bound first. The fleet-wide figures the
+//! policy needs are kept exact:
+//! - the smallest in-flight prefill (`P_min`, the credit of matching ranks): the
+//!   ranks by ascending `P_floor` until it reaches the smallest `P(now)` seen; that
+//!   rank is added as a candidate;
+//! - the delay cap's gate (mean in-flight prefill over every candidate below
+//!   `spare_steps` steps): decided from Σ `P_floor` ≤ Σ `P(now)` ≤ Σ total prefill,
+//!   kept per rank change; only when the threshold lies between them is every rank's
+//!   `P(now)` summed (O(ranks)).
+//!
+//! It applies under the plain shortcut's conditions (`shortcut.rs`) when busy
+//! thresholds are off and every registered rank is priced with its own calibration
+//! (or calibration is off): the index's keys then change only with a rank's
+//! bookings or its own samples, which both report the changed ranks
+//! (`take_changed`), so keeping it costs O(log N) per change. The candidates handed to
+//! the policy are those priced ranks plus the best ones found, so its choice has the
+//! full scan's cost and is uniform over the same exact-tie set.
+
+use crate::Scheduler;
+use crate::candidates::{Ask, Seen};
+use crate::cost_bound::{BoundIndex, RankTerms};
+use crate::error::SchedulerError;
+use crate::liveness::Tier;
+use crate::overlap::Overlaps;
+use crate::policy::Candidate;
+use crate::policy::predicted_ttft::{PredictedTtftConfig, predicted_ttft_cost};
+use crate::workers::Side;
+use kv_events::WorkerRank;
+use std::time::Instant;
+
+/// The bound index and what its keys were computed with.
+#[derive(Debug, Default)]
+pub(crate) struct Bounded {
+    index: BoundIndex,
+    /// The policy's timing and the block size the keys used; `None`: rebuild.
+    built_for: Option<(crate::policy::predicted_ttft::StepTimeModel, u32)>,
+}
+
+impl Scheduler {
+    /// Brings the bound index up to date for `config` and `block_size`; false when
+    /// the bounded shortcut cannot apply (a rank priced with the moving fleet prior).
+    fn sync_bound(&mut self, config: &PredictedTtftConfig, block_size: u32) -> bool {
+        let n = self.workers.ranks().len();
+        let (booked, calibrated) = (
+            self.sequences.take_changed(),
+            self.calibration.take_changed(),
+        );
+        if !self.calibration.every_rank_own(n) {
+            self.bounded.built_for = None;
+            return false;
+        }
+        let key = (config.timing, block_size);
+        if booked.all || calibrated.all || self.bounded.built_for != Some(key) {
+            self.bounded.index = BoundIndex::default();
+            for i in 0..n {
+                let r = self.workers.ranks()[i];
+                let terms = self.rank_terms(r, block_size);
+                self.bounded.index.set(r, &config.timing, &terms);
+            }
+            self.bounded.built_for = Some(key);
+        } else {
+            for r in booked.ranks.into_iter().chain(calibrated.ranks) {
+                if self.workers.contains_rank(r) {
+                    let terms = self.rank_terms(r, block_size);
+                    self.bounded.index.set(r, &config.timing, &terms);
+                } else {
+                    self.bounded.index.remove(r);
+                }
+            }
+            if self.bounded.index.len() != n {
+                self.bounded.built_for = None; // a registration: rebuild
+                return self.sync_bound(config, block_size);
+            }
+        }
+        true
+    }
+
+    /// What `rank`'s bound is computed from, at `block_size` tokens per block.
+    fn rank_terms(&self, rank: WorkerRank, block_size: u32) -> RankTerms {
+        // Request and context counts do not decay: any `now` gives them.
+        let load = self.sequences.load(rank, Instant::now());
+        RankTerms {
+            floor_prefill_tokens: self.sequences.floor_prefill_tokens(rank),
+            total_prefill_tokens: self.sequences.total_prefill_tokens(rank),
+            active_requests: load.active_requests as u64,
+            context_tokens: load
+                .active_context_blocks
+                .saturating_mul(u64::from(block_size.max(1))),
+            scale: self.calibration.scale(rank),
+        }
+    }
+
+    /// Fills `self.candidates` for the bounded shortcut (module docs) and returns the
+    /// delay cap's gate; `Ok(None)`, with nothing gathered, where it does not apply.
+    /// `touched` holds the ranks the index matched (sorted, registered), and is
+    /// reused as scratch.
+    ///
+    /// # Errors
+    /// As [`Scheduler::gather_candidates`].
+    pub(crate) fn gather_bounded<O: Overlaps + ?Sized>(
+        &mut self,
+        ask: &Ask<'_, O>,
+        config: &PredictedTtftConfig,
+        touched: &mut Vec<WorkerRank>,
+    ) -> Result<Option<bool>, SchedulerError> {
+        let (req, now) = (ask.req, ask.now);
+        let shape = req.shape();
+        if self.config.busy.enabled() || !self.sync_bound(config, shape.block_size) {
+            return Ok(None);
+        }
+        // Ranks that may hold part of the prompt, or may not be in the preferred tier.
+        if config.credit.in_flight
+            && let Some(&first) = ask.block_ids.first()
+        {
+            touched.extend(self.sequences.ranks_holding_first(first));
+        }
+        self.reports
+            .visit_unlike_unreported(&self.config.liveness, false, now, |r| touched.push(r));
+        touched.retain(|&r| self.workers.contains_rank(r));
+        touched.sort_unstable();
+        touched.dedup();
+        let priced = touched.len();
+        if priced == self.bounded.index.len() {
+            return Ok(None); // no rank left to bound: the full scan
+        }
+        let is_priced = |r: &WorkerRank| touched[..priced].binary_search(r).is_ok();
+        // The lowest cost among the others, and every rank at it.
+        let exact = |r: WorkerRank| -> f64 {
+            let c = Candidate {
+                rank: r,
+                overlap_blocks: 0,
+                any_tier_blocks: 0,
+                load: self.sequences.load(r, now),
+                new_blocks: req.request_blocks,
+            };
+            let own = PredictedTtftConfig {
+                timing: config.timing.scaled(self.calibration.scale(r)),
+                ..*config
+            };
+            predicted_ttft_cost(&own, &shape, &c, 0)
+        };
+        let best = self
+            .bounded
+            .index
+            .search(&config.timing, shape.num_tokens, |r| {
+                (!is_priced(&r)).then(|| exact(r))
+            });
+        let mut extra: Vec<WorkerRank> = best.map(|b| b.ranks).unwrap_or_default();
+        // The smallest backlog over every candidate (matching ranks' credit).
+        let mut min_pending = touched[..priced]
+            .iter()
+            .filter(|&&r| self.is_preferred(r, now))
+            .map(|&r| self.sequences.load(r, now).active_prefill_tokens)
+            .min()
+            .unwrap_or(u64::MAX);
+        let mut min_rank = None;
+        for (floor, r) in self.bounded.index.by_floor() {
+            if floor >= min_pending {
+                break;
+            }
+            if is_priced(&r) {
+                continue;
+            }
+            let p = self.sequences.load(r, now).active_prefill_tokens;
+            if p < min_pending {
+                (min_pending, min_rank) = (p, Some(r));
+            }
+        }
+        extra.extend(min_rank);
+        let gate = self.delay_cap_gate(config, &touched[..priced], now);
+        touched.extend(extra);
+        touched.sort_unstable();
+        touched.dedup();
+        self.candidates.clear();
+        self.tiers.clear();
+        let mut seen = Seen::default();
+        for &r in touched.iter() {
+            self.consider(
+                r,
+                req,
+                ask.overlaps,
+                ask.block_ids,
+                now,
+                Side::Whole,
+                &mut seen,
+            );
+        }
+        self.finish_candidates(req, seen)?;
+        Ok(Some(gate))
+    }
+
+    /// Whether `rank` is in the preferred liveness tier at `now` (never reported, or
+    /// live): a candidate whenever any other rank is not touched.
+    fn is_preferred(&self, rank: WorkerRank, now: Instant) -> bool {
+        self.reports.tier(&self.config.liveness, rank, now) == Some(Tier::Preferred)
+    }
+
+    /// Whether the delay cap applies over every registered rank as a candidate: the
+    /// `priced` ranks (their live candidates) and every other indexed rank.
+    fn delay_cap_gate(
+        &self,
+        config: &PredictedTtftConfig,
+        priced: &[WorkerRank],
+        now: Instant,
+    ) -> bool {
+        let cap = &config.delay_cap;
+        if !cap.enabled {
+            return false;
+        }
+        let (mut lo, mut hi) = self.bounded.index.prefill_sums();
+        let mut count = self.bounded.index.len();
+        let mut exact = 0u128;
+        for &r in priced {
+            if let Some((floor, total)) = self.bounded.index.prefill_of(r) {
+                lo -= u128::from(floor);
+                hi -= u128::from(total);
+                count -= 1;
+            }
+            if self.is_preferred(r, now) {
+                exact += u128::from(self.sequences.load(r, now).active_prefill_tokens);
+                count += 1;
+            }
+        }
+        let threshold = cap.spare_steps * config.timing.max_num_batched_tokens.max(1) as f64;
+        let mean = |sum: u128| (sum as f64) / count.max(1) as f64;
+        if count == 0 {
+            return false;
+        }
+        if mean(exact + hi) < threshold {
+            return true;
+        }
+        if mean(exact + lo) >= threshold {
+            return false;
+        }
+        let rest: u128 = self
+            .bounded
+            .index
+            .ranks()
+            .filter(|r| priced.binary_search(r).is_err())
+            .map(|r| u128::from(self.sequences.load(r, now).active_prefill_tokens))
+            .sum();
+        mean(exact + rest) < threshold
+    }
+}
