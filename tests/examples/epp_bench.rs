@@ -29,13 +29,10 @@ use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response
 use envoy_types::pb::envoy::service::ext_proc::v3::{HttpBody, HttpHeaders, ProcessingRequest};
 use integration_tests::cpu::cpu_seconds;
 use integration_tests::{FakeWorker, TestCluster, register_worker};
-use kv_epp::{Epp, EppArgs};
 use kv_events::WorkerId;
 use kv_events::discovery::WorkerRegistration;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
-use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 
 const BLOCK: u32 = 16;
@@ -209,18 +206,7 @@ async fn main() -> anyhow::Result<()> {
             register_worker(&mut cluster.etcd, &cluster.subjects, &registration, 30).await?;
         workers.push(FakeWorker::publisher(WorkerId(n), lease));
     }
-    let epp_args: EppArgs = cluster.flags(&[
-        "--listen",
-        "127.0.0.1:0",
-        "--grpc-listen",
-        "127.0.0.1:0",
-        "--served-model-name",
-        MODEL,
-        "--model-dir",
-        &dir,
-    ]);
-    let registry = Arc::new(prometheus::Registry::new());
-    let epp = Epp::start(epp_args.to_config()?, registry, CancellationToken::new()).await?;
+    let epp = cluster.start_epp(MODEL, &dir, &[]).await?;
     integration_tests::eventually(
         "the picker knows the workers",
         Duration::from_secs(15),

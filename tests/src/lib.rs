@@ -21,6 +21,7 @@ use anyhow::Context;
 pub mod capture;
 pub mod child_daemon;
 pub mod cpu;
+pub mod epp;
 pub mod etcd_cluster;
 pub mod etcd_proxy;
 pub mod nats_cluster;

@@ -16,13 +16,11 @@ mod fixture;
 use envoy::{Envoy, Picked};
 use fixture::{BLOCK, MODEL, model_dir, registration};
 use integration_tests::{FakeWorker, TestCluster, eventually, register_worker};
-use kv_epp::{Epp, EppArgs};
+use kv_epp::Epp;
 use kv_events::{DpRank, WorkerId, WorkerRank, compute_block_hashes};
 use router_daemon::{Daemon, ServeArgs};
 use serde_json::json;
-use std::sync::Arc;
 use std::time::Duration;
-use tokio_util::sync::CancellationToken;
 
 const WAIT: Duration = Duration::from_secs(15);
 
@@ -53,28 +51,12 @@ impl EppStack {
             fakes.push(FakeWorker::publisher(WorkerId(n), lease));
         }
         let dir = model_dir().display().to_string();
-        let mut all = vec![
-            "--listen",
-            "127.0.0.1:0",
-            "--grpc-listen",
-            "127.0.0.1:0",
-            "--served-model-name",
-            MODEL,
-            "--model-dir",
-            &dir,
-            "--max-prompt-tokens",
-            "8000",
-        ];
+        let mut all = vec!["--max-prompt-tokens", "8000"];
         all.extend_from_slice(flags);
-        let args: EppArgs = cluster.flags(&all);
-        let registry = Arc::new(prometheus::Registry::new());
-        let epp = Epp::start(
-            args.to_config().unwrap(),
-            registry,
-            CancellationToken::new(),
-        )
-        .await
-        .expect("the picker starts");
+        let epp = cluster
+            .start_epp(MODEL, &dir, &all)
+            .await
+            .expect("the picker starts");
         let stack = Self {
             cluster,
             daemon,
