@@ -29,7 +29,7 @@ use crate::config::SequencesConfig;
 use crate::cost_bound::Changed;
 use crate::error::SchedulerError;
 use kv_events::{LocalBlockHash, RequestId, RouterId, WorkerId, WorkerRank};
-use rank::RankSequences;
+use rank::{BlockIdMap, RankSequences};
 use std::collections::{BTreeMap, HashMap};
 use std::time::Instant;
 
@@ -113,7 +113,7 @@ pub struct ActiveSequences {
     next_seq: u64,
     /// First chained block id of a booked request → the ranks holding it, with how
     /// many requests each: the ranks whose in-flight prefix a prompt can share.
-    first_blocks: HashMap<u64, HashMap<WorkerRank, u32>>,
+    first_blocks: FirstBlocks,
     /// Ranks whose load changed since [`Self::take_changed`] last ran (the decision
     /// bound's updates, `crate::cost_bound`).
     changed: Changed,
@@ -128,7 +128,7 @@ impl ActiveSequences {
             per_rank: HashMap::default(),
             deadlines: BTreeMap::new(),
             next_seq: 0,
-            first_blocks: HashMap::new(),
+            first_blocks: FirstBlocks::default(),
             changed: Changed::default(),
         }
     }
@@ -421,12 +421,12 @@ impl ActiveSequences {
     }
 }
 
+/// First chained block id → rank → requests, updated on every booking and free, so
+/// hashed with the rank maps' fast hasher rather than SipHash.
+type FirstBlocks = BlockIdMap<HashMap<WorkerRank, u32, foldhash::fast::RandomState>>;
+
 /// Drops one request of `rank` from the ranks holding `first`.
-fn forget_first_block(
-    first_blocks: &mut HashMap<u64, HashMap<WorkerRank, u32>>,
-    first: u64,
-    rank: WorkerRank,
-) {
+fn forget_first_block(first_blocks: &mut FirstBlocks, first: u64, rank: WorkerRank) {
     let Some(ranks) = first_blocks.get_mut(&first) else {
         return;
     };

@@ -21,7 +21,7 @@ use std::collections::{BTreeMap, HashMap};
 /// Hash maps keyed by chained block ids: already well-mixed 64-bit values, hashed on
 /// every booking, free and candidate check, so the hasher is foldhash's fast one
 /// (seeded per process) rather than SipHash, which dominated the scheduler's profile.
-type BlockIdMap<V> = HashMap<u64, V, foldhash::fast::RandomState>;
+pub(super) type BlockIdMap<V> = HashMap<u64, V, foldhash::fast::RandomState>;
 use std::time::{Duration, Instant};
 
 /// Chained block ids of a prompt: id i identifies blocks 0..=i, so two requests share
