@@ -283,7 +283,10 @@ impl Flow {
         debug!(request_id = %booking.request_id(), worker = %worker, dp_rank = %decision.dp_rank, overlap_blocks = decision.overlap_blocks, "first token");
         // A disaggregated answer is judged on its prefill half (`halves`).
         let parity = (prefill.is_none())
-            .then(|| (self.parity).pending(worker, decision.overlap_blocks, plan.tokens.len()))
+            .then(|| {
+                let (overlap, in_flight) = (decision.overlap_blocks, decision.in_flight_blocks);
+                (self.parity).pending(worker, overlap, in_flight, plan.tokens.len())
+            })
             .flatten();
         let answer = Answer {
             first: Some(first),

@@ -21,7 +21,11 @@
 //! blocks before the last token), so the prediction is compared as it comes, and a
 //! router that claims more shows as an over-claim. The engine's count is capped there
 //! too, so an engine that counts the block it recomputes is not judged. Outcomes: `agree` (equal), `over_claim` (predicted more),
-//! `under_claim` (predicted less), `unreported` (the answer had no cached count: no
+//! `under_claim` (predicted less), `in_flight` (more than predicted, but no more than
+//! the blocks requests booked on the same rank share with the prompt: the router
+//! names them in its reply's `in_flight_blocks`; an engine that caches blocks as it
+//! computes them served them before their KV events reached the index, so the
+//! picture is not wrong), `unreported` (the answer had no cached count: no
 //! judgement).
 //!
 //! **Persistent mismatch.** A worker is flagged when at least [`FLAG_AT`] of its last
@@ -64,15 +68,20 @@ pub enum Outcome {
     UnderClaim = 2,
     /// The engine reported no cached tokens count: no judgement.
     Unreported = 3,
+    /// The engine had more than the router predicted, within the blocks requests
+    /// booked on the same rank share with the prompt (not yet indexed): not a
+    /// disagreement.
+    InFlight = 4,
 }
 
 impl Outcome {
     /// Every outcome, in discriminant order.
-    const ALL: [Outcome; 4] = [
+    const ALL: [Outcome; 5] = [
         Outcome::Agree,
         Outcome::OverClaim,
         Outcome::UnderClaim,
         Outcome::Unreported,
+        Outcome::InFlight,
     ];
 
     /// The metric label.
@@ -82,6 +91,7 @@ impl Outcome {
             Outcome::OverClaim => "over_claim",
             Outcome::UnderClaim => "under_claim",
             Outcome::Unreported => "unreported",
+            Outcome::InFlight => "in_flight",
         }
     }
 }
@@ -134,6 +144,9 @@ pub struct Prediction {
     pub worker: WorkerId,
     /// The router's overlap on that worker, in blocks.
     pub overlap_blocks: u32,
+    /// Blocks past the overlap that requests booked on that worker's rank share with
+    /// the prompt (the reply's `in_flight_blocks`), in blocks.
+    pub in_flight_blocks: u32,
     /// The worker's registered block size, in tokens (at least 1).
     pub block_size: u32,
     /// The prompt's length as the gateway tokenized it, in tokens.
@@ -173,9 +186,11 @@ impl Prediction {
         let cap = self.prompt_tokens.saturating_sub(1) / block * block;
         let predicted = u64::from(self.overlap_blocks) * block;
         let cached = raw_cached.min(cap);
+        let in_flight = predicted + u64::from(self.in_flight_blocks) * block;
         let outcome = match predicted.cmp(&cached) {
             std::cmp::Ordering::Equal => Outcome::Agree,
             std::cmp::Ordering::Greater => Outcome::OverClaim,
+            std::cmp::Ordering::Less if cached <= in_flight => Outcome::InFlight,
             std::cmp::Ordering::Less => Outcome::UnderClaim,
         };
         Some(Judged {
@@ -229,7 +244,7 @@ impl Window {
     }
 
     fn wrong(&self) -> impl Iterator<Item = &Judged> + Clone {
-        self.recent.iter().filter(|j| j.outcome != Outcome::Agree)
+        (self.recent.iter()).filter(|j| !matches!(j.outcome, Outcome::Agree | Outcome::InFlight))
     }
 
     /// The likely cause of the disagreements in the window, and why, for the log.
@@ -305,7 +320,7 @@ fn gcd(a: u64, b: u64) -> u64 {
 /// One worker's window and its metric handles.
 struct WorkerParity {
     label: String,
-    outcomes: [IntCounter; 4],
+    outcomes: [IntCounter; 5],
     diff: Histogram,
     window: Window,
 }
@@ -349,12 +364,14 @@ impl ParityMonitor {
     }
 
     /// The answer to judge for an engine request to `worker`, predicted to find
-    /// `overlap_blocks` of a `prompt_tokens`-token prompt cached; `None` when the
-    /// worker is no longer registered (its block size is unknown).
+    /// `overlap_blocks` of a `prompt_tokens`-token prompt cached, and up to
+    /// `in_flight_blocks` more shared by requests booked there; `None` when the worker
+    /// is no longer registered (its block size is unknown).
     pub fn pending(
         &self,
         worker: WorkerId,
         overlap_blocks: u32,
+        in_flight_blocks: u32,
         prompt_tokens: usize,
     ) -> Option<Pending> {
         let block_size = self.inner.workers.block_size_of(worker)?;
@@ -363,6 +380,7 @@ impl ParityMonitor {
             prediction: Prediction {
                 worker,
                 overlap_blocks,
+                in_flight_blocks,
                 block_size: block_size.max(1),
                 prompt_tokens: prompt_tokens as u64,
             },

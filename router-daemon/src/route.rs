@@ -230,6 +230,7 @@ pub(crate) async fn routed(
         dp_rank: sel.rank.dp_rank,
         overlap_blocks: sel.overlap_blocks,
         request_blocks,
+        in_flight_blocks: sel.in_flight_blocks,
         policy: sel.policy,
         disaggregation: sel.disaggregation.map(|d| Disaggregation {
             reason: d.reason,

@@ -317,6 +317,10 @@ impl Scheduler {
             selector.cost_of(&policy, index)
         };
         let chosen = self.candidates[index];
+        // Blocks held by requests booked there: the request's blocks not new there.
+        let in_flight_blocks = (req.request_blocks.saturating_sub(chosen.new_blocks))
+            .min(req.reusable_blocks())
+            .saturating_sub(chosen.overlap_blocks);
         let tokens = req.uncached_tokens(chosen.overlap_blocks);
         let prefill = self.prefill_hint(tokens);
         self.sequences.add_request(
@@ -351,6 +355,7 @@ impl Scheduler {
         Ok(Selection {
             rank: chosen.rank,
             overlap_blocks: chosen.overlap_blocks,
+            in_flight_blocks,
             policy: policy.kind(),
             cost,
             prefill,

@@ -135,6 +135,7 @@ impl Scheduler {
         Ok(Selection {
             rank: decode.rank,
             overlap_blocks: decode.overlap_blocks,
+            in_flight_blocks: 0,
             policy: policy.kind(),
             cost: Some(cost),
             prefill: decode_hint,

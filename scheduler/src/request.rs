@@ -147,6 +147,11 @@ pub struct Selection {
     /// Leading prompt blocks cached on the chosen rank, in blocks (at most
     /// `request_blocks`).
     pub overlap_blocks: u32,
+    /// Leading prompt blocks past `overlap_blocks` (and before the last prompt
+    /// token) that requests already booked on the chosen rank hold, in blocks: an
+    /// engine that caches blocks as it computes them may serve these too. 0 for a
+    /// disaggregated decision.
+    pub in_flight_blocks: u32,
     /// The policy that decided (after any per-request override).
     pub policy: PolicyKind,
     /// The chosen rank's cost or score under cost-based policies (`kv`: weighted
@@ -252,6 +257,47 @@ mod tests {
         assert_eq!(s.schedule(&longer, &held, t).unwrap().overlap_blocks, 4);
         // A one-token prompt reuses nothing.
         assert_eq!(prompt("one", 1).reusable_blocks(), 0);
+    }
+
+    #[test]
+    fn in_flight_blocks_name_the_prefix_booked_requests_share_past_the_overlap() {
+        use crate::tests::{scheduler, with_policy};
+        use crate::{KvPolicyConfig, PolicyConfig};
+        use std::collections::HashMap;
+        use std::time::Instant;
+        const BLOCK: u32 = 16;
+        let prompt = |id: &str, hashes: &[u64], num_tokens: u64| {
+            let hashes = hashes.iter().copied().map(LocalBlockHash).collect();
+            ScheduleRequest::new(id, hashes, num_tokens, BLOCK)
+        };
+        let mut s = scheduler(
+            with_policy(PolicyConfig::Kv(KvPolicyConfig::default())),
+            &[(1, 1)],
+        );
+        let t = Instant::now();
+        let none = HashMap::new();
+        let first = prompt("first", &[1, 2, 3, 4], 4 * u64::from(BLOCK) + 1);
+        let sel = s.schedule(&first, &none, t).unwrap();
+        assert_eq!((sel.overlap_blocks, sel.in_flight_blocks), (0, 0));
+        // Shares 3 blocks with the booked request, none indexed yet.
+        let second = prompt("second", &[1, 2, 3, 9, 10], 5 * u64::from(BLOCK) + 1);
+        let sel = s.schedule(&second, &none, t).unwrap();
+        assert_eq!((sel.overlap_blocks, sel.in_flight_blocks), (0, 3));
+        // One block indexed: the in-flight share starts past it.
+        let rank = WorkerRank::new(WorkerId(1), DpRank(0));
+        let third = prompt("third", &[1, 2, 3, 4, 5], 5 * u64::from(BLOCK) + 1);
+        let sel = s.schedule(&third, &HashMap::from([(rank, 1)]), t).unwrap();
+        assert_eq!((sel.overlap_blocks, sel.in_flight_blocks), (1, 3));
+        // Capped at the full blocks before the last token, like the overlap.
+        let aligned = prompt("aligned", &[1, 2, 3, 4], 4 * u64::from(BLOCK));
+        let sel = s.schedule(&aligned, &none, t).unwrap();
+        assert_eq!((sel.overlap_blocks, sel.in_flight_blocks), (0, 3));
+        // Freed requests share nothing.
+        for id in ["first", "second", "third", "aligned"] {
+            s.free(&RequestId::from(id), t).unwrap();
+        }
+        let sel = s.schedule(&prompt("alone", &[1, 2], 40), &none, t).unwrap();
+        assert_eq!(sel.in_flight_blocks, 0);
     }
 
     fn req(num_tokens: u64, block_size: u32) -> ScheduleRequest {

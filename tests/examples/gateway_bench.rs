@@ -304,7 +304,7 @@ fn parity_cost() -> anyhow::Result<f64> {
     let rounds: u32 = 1_000_000;
     let start = Instant::now();
     for i in 0..rounds {
-        let pending = monitor.pending(WorkerId(u64::from(i % 8)), 10, 256);
+        let pending = monitor.pending(WorkerId(u64::from(i % 8)), 10, 0, 256);
         let cached = if i % 3 == 0 { 128 } else { 160 };
         let reported = Reported {
             cached_tokens: Some(cached),

@@ -159,6 +159,37 @@ async fn route_prefill_done_keep_alive_free_and_expiry() -> anyhow::Result<()> {
     daemon.shutdown().await
 }
 
+/// The reply's `in_flight_blocks` names the prefix a request still booked on the rank
+/// shares with the prompt, which the index cannot know yet (the cache-parity monitor
+/// counts engine hits on it as `in_flight`, not as under-claims).
+#[tokio::test]
+async fn a_reply_names_the_prefix_booked_requests_share_before_it_is_indexed() -> anyhow::Result<()>
+{
+    let mut cluster = TestCluster::start(BLOCK).await?;
+    register(&mut cluster, 1, 1).await?;
+    let daemon = cluster.start_daemon(|_| {}).await?;
+    let first = routed(cluster.route_tokens("first", prompt(1, 3)).await?);
+    assert_eq!((first.overlap_blocks, first.in_flight_blocks), (0, 0));
+    // 4 blocks and one token: the first 3 blocks are the booked request's.
+    let mut longer = prompt(1, 4);
+    longer.push(7);
+    let second = routed(cluster.route_tokens("second", longer.clone()).await?);
+    assert_eq!((second.overlap_blocks, second.in_flight_blocks), (0, 3));
+    for id in ["first", "second"] {
+        cluster.lifecycle(id, LifecycleEvent::Freed).await?;
+    }
+    eventually("both frees to be applied", WAIT, || async {
+        let third = routed(cluster.route_tokens("third", longer.clone()).await.ok()?);
+        cluster
+            .lifecycle("third", LifecycleEvent::Freed)
+            .await
+            .ok()?;
+        (third.in_flight_blocks == 0).then_some(())
+    })
+    .await?;
+    daemon.shutdown().await
+}
+
 #[tokio::test]
 async fn dp_ranks_pinning_policies_and_overrides() -> anyhow::Result<()> {
     let mut cluster = TestCluster::start(BLOCK).await?;

@@ -282,6 +282,7 @@ pub fn route_replies() -> Vec<Vec<u8>> {
         dp_rank: DpRank(1),
         overlap_blocks: 2,
         request_blocks: 3,
+        in_flight_blocks: 1,
         policy: PolicyKind::PredictedTtft,
         disaggregation: None,
     });
@@ -293,6 +294,7 @@ pub fn route_replies() -> Vec<Vec<u8>> {
             dp_rank: DpRank(0),
             overlap_blocks: 1,
             request_blocks: 3,
+            in_flight_blocks: 0,
             policy: PolicyKind::PredictedTtft,
             disaggregation: Some(Disaggregation { reason, prefill }),
         })

@@ -198,6 +198,10 @@ fn is_false(value: &bool) -> bool {
     !*value
 }
 
+fn is_zero(value: &u32) -> bool {
+    *value == 0
+}
+
 /// The most workers one [`RouteRequest`] may exclude: far above any sane retry count,
 /// and small enough that checking candidates against the list stays cheap.
 pub const MAX_EXCLUDED_WORKERS: usize = 64;
@@ -232,6 +236,17 @@ pub struct RouteDecision {
     pub overlap_blocks: u32,
     /// Prompt length in blocks (a partial last block counts as one).
     pub request_blocks: u32,
+    /// Leading prompt blocks past `overlap_blocks` that requests already booked on the
+    /// chosen rank share with this prompt (they are prefilling or decoding them, and
+    /// the index has not seen them stored yet), in blocks, capped like the overlap at
+    /// the full blocks before the last prompt token. An engine that caches blocks as
+    /// it computes them may serve these from cache too, so its reported cached
+    /// tokens can lie anywhere from `overlap_blocks` to `overlap_blocks +
+    /// in_flight_blocks` blocks without the router's picture being wrong. 0 (and
+    /// absent on the wire) when none, for a disaggregated request, and from routers
+    /// that predate the field.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub in_flight_blocks: u32,
     /// The policy that made the decision.
     pub policy: PolicyKind,
     /// For a request that allowed disaggregation, when prefill workers are

@@ -30,6 +30,7 @@ fn route_messages_round_trip() {
         dp_rank: DpRank(0),
         overlap_blocks: 1,
         request_blocks: 2,
+        in_flight_blocks: 1,
         policy: PolicyKind::Kv,
         disaggregation: None,
     });

@@ -199,7 +199,7 @@ async fn the_engines_cached_tokens_are_judged_once_whether_streamed_or_assembled
     let count = |o: &str| outcome(&registry, o);
     let judged = |shape, include_usage, rest: &[&str], overlap| {
         let mut a = answer(shape, include_usage, rest, C1);
-        a.parity = monitor.pending(WorkerId(1), overlap, 3);
+        a.parity = monitor.pending(WorkerId(1), overlap, 0, 3);
         a
     };
     // Streamed to a client that did not ask for usage: the chunk is peeked at, then

@@ -150,8 +150,12 @@ impl Flow {
             deadline,
         };
         // The prefill worker computes the prompt: its answer's cached tokens are judged.
-        let parity =
-            (self.parity).pending(prefill.worker_id, prefill.overlap_blocks, plan.tokens.len());
+        let parity = (self.parity).pending(
+            prefill.worker_id,
+            prefill.overlap_blocks,
+            0,
+            plan.tokens.len(),
+        );
         let opened = match transfer.protocol {
             TransferProtocol::Vllm => pair.vllm(booking, parity).await,
             TransferProtocol::Sglang => {

@@ -59,7 +59,7 @@ fn cached(cached: u64, prompt: u64) -> Reported {
 /// Judges one answer on worker 1: `overlap` predicted blocks of a `prompt`-token
 /// prompt, the engine reporting `reported`.
 fn judge(m: &ParityMonitor, overlap: u32, prompt: usize, reported: Reported) {
-    m.pending(WorkerId(1), overlap, prompt)
+    m.pending(WorkerId(1), overlap, 0, prompt)
         .expect("worker 1 is registered")
         .judge(reported);
 }
@@ -150,6 +150,36 @@ fn a_worker_is_flagged_at_the_fifth_disagreement_of_ten_and_cleared_when_they_ag
     assert_eq!(value(&registry, gauge), None, "the series is removed");
 }
 
+#[test]
+fn hits_within_the_blocks_shared_in_flight_are_counted_apart_and_never_flag() {
+    let (m, registry, _) = monitor(BLOCK);
+    let with_in_flight = |overlap, in_flight, reported| {
+        (m.pending(WorkerId(1), overlap, in_flight, 100))
+            .expect("worker 1 is registered")
+            .judge(reported)
+    };
+    // 1 block indexed, 2 more shared by requests booked on the rank: the engine may
+    // have served 1, 2 or 3 blocks (16, 32 or 48 tokens) without the picture being wrong.
+    for cached_tokens in [32, 48, 32, 48, 32, 48, 32, 48, 32, 48] {
+        with_in_flight(1, 2, cached(cached_tokens, 100));
+    }
+    assert_eq!(outcome(&registry, "in_flight"), 10.0);
+    assert_eq!(outcome(&registry, "under_claim"), 0.0);
+    assert_eq!(
+        m.flagged(WorkerId(1)),
+        None,
+        "in-flight hits are not disagreements"
+    );
+    // Equal is still `agree`; one block past what is shared is an under-claim.
+    with_in_flight(1, 2, cached(16, 100));
+    assert_eq!(outcome(&registry, "agree"), 1.0);
+    for _ in 0..FLAG_AT {
+        with_in_flight(1, 2, cached(64, 100));
+    }
+    assert_eq!(outcome(&registry, "under_claim"), FLAG_AT as f64);
+    assert_eq!(m.flagged(WorkerId(1)), Some(Cause::UnderClaim));
+}
+
 /// The cause flagged after five disagreeing answers made by `answer(i)`.
 fn cause_of(block_size: u32, answer: impl Fn(usize) -> (u32, usize, Reported)) -> Cause {
     let (m, _, _) = monitor(block_size);
@@ -212,7 +242,7 @@ fn a_worker_that_left_is_forgotten_with_its_series_and_not_brought_back() {
         judge(&m, 0, 100, cached(64, 100));
     }
     assert!(page(&registry).contains(r#"worker="1""#));
-    let late = m.pending(WorkerId(1), 0, 100).expect("registered");
+    let late = m.pending(WorkerId(1), 0, 0, 100).expect("registered");
     workers.remove(WorkerId(1));
     m.forget(WorkerId(1));
     assert!(
@@ -225,7 +255,7 @@ fn a_worker_that_left_is_forgotten_with_its_series_and_not_brought_back() {
     late.judge(cached(64, 100));
     assert!(!page(&registry).contains(r#"worker="1""#));
     assert!(
-        m.pending(WorkerId(1), 0, 100).is_none(),
+        m.pending(WorkerId(1), 0, 0, 100).is_none(),
         "unknown block size"
     );
 }

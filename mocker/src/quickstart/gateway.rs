@@ -66,8 +66,8 @@ pub(super) struct GatewayTotals {
     aggregated: f64,
     remote: f64,
     attempts: f64,
-    /// Engine answers judged by the cache-parity monitor, over every worker: agreed,
-    /// over-claimed, under-claimed.
+    /// Engine answers judged by the cache-parity monitor, over every worker: agreed (in-flight hits
+    /// included), over-claimed, under-claimed.
     parity: [f64; 3],
 }
 
@@ -102,10 +102,16 @@ impl GatewayTotals {
             requests: sample("kv_gateway_ttft_seconds_count", r#"endpoint="completions""#),
             route_s: sample("kv_gateway_stage_seconds_sum", r#"stage="route""#),
             engine_s: sample("kv_gateway_stage_seconds_sum", r#"stage="engine""#),
-            parity: ["agree", "over_claim", "under_claim"].map(|outcome| {
+            // In-flight hits agree: the blocks were booked there, not yet indexed.
+            parity: [
+                &["agree", "in_flight"][..],
+                &["over_claim"],
+                &["under_claim"],
+            ]
+            .map(|outcomes| {
                 samples(&text)
                     .filter(|s| s.name == "kv_gateway_cache_parity_total")
-                    .filter(|s| s.label("outcome") == Some(outcome))
+                    .filter(|s| s.label("outcome").is_some_and(|o| outcomes.contains(&o)))
                     .map(|s| s.value)
                     .sum()
             }),

@@ -102,6 +102,7 @@ async fn fake_router(target: &ReplayTarget, workers: u64, reject_suffix: &'stati
                     dp_rank: DpRank(0),
                     overlap_blocks: 0,
                     request_blocks: blocks,
+                    in_flight_blocks: 0,
                     policy: req.policy.unwrap(),
                     disaggregation: None,
                 })

@@ -408,6 +408,7 @@ fn decide(request: &RouteRequest, prefill: &[WorkerId], decode: &[WorkerId]) -> 
         dp_rank: DpRank(0),
         overlap_blocks: 0,
         request_blocks,
+        in_flight_blocks: 0,
         policy: PolicyKind::Kv,
         disaggregation,
     })

@@ -92,6 +92,7 @@ pub(crate) async fn fake_router(nats: async_nats::Client, subject: String, group
                 dp_rank: DpRank(0),
                 overlap_blocks: 0,
                 request_blocks: 1,
+                in_flight_blocks: 0,
                 policy: PolicyKind::Random,
                 disaggregation: None,
             });
