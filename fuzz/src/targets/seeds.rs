@@ -284,6 +284,7 @@ pub fn route_replies() -> Vec<Vec<u8>> {
         request_blocks: 3,
         policy: PolicyKind::PredictedTtft,
         disaggregation: None,
+        fallbacks: Vec::new(),
     });
     // A decode worker paired with a prefill worker, and one that prefills itself.
     let pair = |reason, prefill| {
@@ -295,6 +296,7 @@ pub fn route_replies() -> Vec<Vec<u8>> {
             request_blocks: 3,
             policy: PolicyKind::PredictedTtft,
             disaggregation: Some(Disaggregation { reason, prefill }),
+            fallbacks: Vec::new(),
         })
     };
     let remote = PrefillPlacement {

@@ -104,6 +104,7 @@ async fn fake_router(target: &ReplayTarget, workers: u64, reject_suffix: &'stati
                     request_blocks: blocks,
                     policy: req.policy.unwrap(),
                     disaggregation: None,
+                    fallbacks: Vec::new(),
                 })
             };
             nats.publish(msg.reply.unwrap(), encode(&reply).unwrap().into())

@@ -410,5 +410,6 @@ fn decide(request: &RouteRequest, prefill: &[WorkerId], decode: &[WorkerId]) -> 
         request_blocks,
         policy: PolicyKind::Kv,
         disaggregation,
+        fallbacks: Vec::new(),
     })
 }

@@ -94,6 +94,7 @@ pub(crate) async fn fake_router(nats: async_nats::Client, subject: String, group
                 request_blocks: 1,
                 policy: PolicyKind::Random,
                 disaggregation: None,
+                fallbacks: Vec::new(),
             });
             if let Some(to) = query.reply {
                 let _ = nats
