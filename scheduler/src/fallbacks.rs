@@ -39,22 +39,34 @@ impl Scheduler {
             PolicyConfig::Kv(_) | PolicyConfig::KvNormalized(_) | PolicyConfig::PredictedTtft(_)
         );
         let worker = self.candidates[chosen].rank.worker_id;
-        let mut ranked: Vec<((f64, f64), usize)> = self
-            .candidates
-            .iter()
-            .enumerate()
-            .filter(|(_, c)| c.rank.worker_id != worker)
-            .filter_map(|(i, c)| {
-                let key = if by_cost {
-                    (self.selector.cost_of(policy, i)?, 0.0)
-                } else {
-                    (load_blocks(c, block_size), c.load.active_requests as f64)
-                };
-                Some((key, i))
-            })
-            .collect();
-        // Candidates are in rank order, so equal keys keep the lower rank first.
-        ranked.sort_by(|a, b| a.0.0.total_cmp(&b.0.0).then(a.0.1.total_cmp(&b.0.1)));
+        let other = |i: &usize| {
+            self.candidates
+                .get(*i)
+                .is_some_and(|c| c.rank.worker_id != worker)
+        };
+        let mut ranked: Vec<((f64, f64), usize)> = if by_cost {
+            self.selector
+                .priced(policy)
+                .filter(|(i, _)| other(i))
+                .map(|(i, cost)| ((cost, 0.0), i))
+                .collect()
+        } else {
+            (0..self.candidates.len())
+                .filter(other)
+                .map(|i| {
+                    let c = &self.candidates[i];
+                    let key = (load_blocks(c, block_size), c.load.active_requests as f64);
+                    (key, i)
+                })
+                .collect()
+        };
+        // Equal keys go to the lower index, which is the lower rank (candidates are
+        // in rank order).
+        ranked.sort_unstable_by(|a, b| {
+            (a.0.0.total_cmp(&b.0.0))
+                .then(a.0.1.total_cmp(&b.0.1))
+                .then(a.1.cmp(&b.1))
+        });
         for (_, i) in ranked {
             let c = &self.candidates[i];
             if out.iter().any(|f| f.rank.worker_id == c.rank.worker_id) {

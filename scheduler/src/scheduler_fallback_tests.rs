@@ -57,7 +57,11 @@ fn only_eligible_workers_are_chosen_under_every_policy() {
 #[test]
 fn fallbacks_follow_the_choice_cost_one_per_other_worker() {
     let t = Instant::now();
-    for policy in [PolicyKind::Kv, PolicyKind::PredictedTtft] {
+    for policy in [
+        PolicyKind::Kv,
+        PolicyKind::KvNormalized,
+        PolicyKind::PredictedTtft,
+    ] {
         let mut s = scheduler(
             with_policy(PolicyConfig::default_for(policy)),
             &[(1, 1), (2, 2), (3, 1), (4, 1)],
