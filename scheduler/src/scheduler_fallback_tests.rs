@@ -158,3 +158,29 @@ fn the_shortcut_gives_way_to_an_eligible_set_and_to_fallbacks() {
     );
     assert!(!listed.contains(&1), "{listed:?}");
 }
+
+/// A batch entry with an eligible set that finds its workers busy says nothing about
+/// the others; each entry gets its own fallbacks, seeing the bookings before it.
+#[test]
+fn batch_entries_keep_their_eligible_sets_and_fallbacks() {
+    let t = Instant::now();
+    let mut config = with_policy(PolicyConfig::default_for(PolicyKind::Kv));
+    config.busy.decode_blocks = Some(Threshold::Absolute(10));
+    let mut s = scheduler(config, &[(1, 1), (2, 1), (3, 1)]);
+    let batch: Vec<(ScheduleRequest, NoOverlap)> = vec![
+        // Fills worker 2; the next entry, limited to worker 2, finds it busy.
+        (eligible(request("fill-2", 160), &[2]), NoOverlap),
+        (eligible(request("only-2", 16), &[2]), NoOverlap),
+        // Workers 1 and 3 are free: placed there, with the other as its fallback
+        // (worker 2 is busy, so no candidate).
+        (asking(request("any", 16), 2), NoOverlap),
+    ];
+    let results = s.schedule_batch(&batch, BatchOrder::AsGiven, t);
+    assert_eq!(results[0].as_ref().unwrap().rank, rank(2, 0));
+    assert_eq!(results[1], Err(SchedulerError::AllBusy));
+    let any = results[2].as_ref().unwrap();
+    assert_ne!(any.rank.worker_id, WorkerId(2));
+    let listed = workers(any);
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_ne!(listed[0], 2, "a busy worker is no alternate");
+}
