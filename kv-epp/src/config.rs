@@ -5,6 +5,7 @@
 //! `--request-timeout-s` bounds a whole ext_proc stream.
 
 use clap::Args;
+use kv_events::routing::MAX_FALLBACKS;
 use kv_gateway::{GatewayArgs, GatewayConfig, GatewayError};
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -33,6 +34,17 @@ pub struct EppArgs {
         help_heading = "Endpoint picker"
     )]
     pub body_timeout_ms: u64,
+    /// Alternate endpoints named after the picked one (`primary,fb1,fb2` in the
+    /// header and metadata), for a proxy that retries down the list: the router's
+    /// next lowest-cost workers, one pod each, not booked until the proxy serves
+    /// there. 0 names one endpoint; at most 4 (the protocol's `MAX_FALLBACKS`).
+    #[arg(
+        long,
+        env = "KV_EPP_FALLBACKS",
+        default_value_t = 2,
+        help_heading = "Endpoint picker"
+    )]
+    pub fallbacks: u8,
 }
 
 /// Bounds on one ext_proc stream.
@@ -56,13 +68,17 @@ pub struct EppConfig {
     pub grpc_listen: SocketAddr,
     /// Per-stream bounds.
     pub limits: StreamLimits,
+    /// Alternate endpoints asked of the router per pick (0 to
+    /// [`MAX_FALLBACKS`]).
+    pub fallbacks: u8,
 }
 
 impl EppArgs {
     /// Validates the flags.
     ///
     /// # Errors
-    /// [`GatewayError::Config`] for a bad gateway flag or a zero body timeout.
+    /// [`GatewayError::Config`] for a bad gateway flag, a zero body timeout or more
+    /// than [`MAX_FALLBACKS`] fallbacks.
     pub fn to_config(&self) -> Result<EppConfig, GatewayError> {
         let gateway = self.gateway.to_config()?;
         if self.body_timeout_ms == 0 {
@@ -70,7 +86,14 @@ impl EppArgs {
                 "--body-timeout-ms must be above 0".into(),
             ));
         }
+        if self.fallbacks > MAX_FALLBACKS {
+            return Err(GatewayError::Config(format!(
+                "--fallbacks is at most {MAX_FALLBACKS}, got {}",
+                self.fallbacks
+            )));
+        }
         Ok(EppConfig {
+            fallbacks: self.fallbacks,
             limits: StreamLimits {
                 max_body_bytes: gateway.limits.max_body_bytes,
                 body_timeout: Duration::from_millis(self.body_timeout_ms),

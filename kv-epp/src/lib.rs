@@ -18,6 +18,10 @@
 //! - [`config`]: flags → [`EppConfig`] (the gateway's flag groups plus the gRPC
 //!   listen address).
 //! - [`stream`]: one ext_proc stream, request headers to end of response.
+//! - [`pick`]: tokenize, route inside the subset, name the primary and its
+//!   fallbacks.
+//! - [`rebook`]: the booking of a picked request, moved when the proxy served an
+//!   alternate.
 //! - [`wire`]: reading Envoy's messages and building its answers.
 //! - [`pods`]: pod `ip:port` ↔ worker id, from the registrations' engine URLs.
 //! - [`health`]: the gRPC health service.
@@ -26,7 +30,9 @@
 pub mod config;
 pub mod health;
 pub mod metrics;
+pub mod pick;
 pub mod pods;
+pub mod rebook;
 pub mod stream;
 pub mod wire;
 
@@ -99,7 +105,7 @@ impl Epp {
             Core::connect(gateway, "kv-epp", gateway_metrics, &shutdown).await?;
         let workers = flow.workers.clone();
         let health = Health::new(flow.router.clone(), workers.clone());
-        let picker = Picker::new(flow, config.limits, metrics.clone());
+        let picker = Picker::new(flow, config.limits, config.fallbacks, metrics.clone());
 
         let bind = |addr| async move {
             let listener = tokio::net::TcpListener::bind(addr)

@@ -14,6 +14,7 @@ pub struct EppMetrics {
     pick_latency: HistogramVec,
     streams: IntGauge,
     served: IntCounterVec,
+    rebooked: IntCounterVec,
 }
 
 impl EppMetrics {
@@ -40,6 +41,11 @@ impl EppMetrics {
                 "Responses whose x-gateway-destination-endpoint-served header named the picked endpoint (match) or another (mismatch) or was absent",
                 &["served"],
             )?,
+            rebooked: r.counter_vec(
+                "kv_epp_rebooked_total",
+                "Bookings moved to the registered worker the proxy served instead of the picked one (moved), or left in place because the router refused the move (failed)",
+                &["outcome"],
+            )?,
         })
     }
 
@@ -64,5 +70,15 @@ impl EppMetrics {
     /// The proxy's served-endpoint report: `match`, `mismatch` or `absent`.
     pub fn served(&self, served: &str) {
         self.served.with_label_values(&[served]).inc();
+    }
+
+    /// A booking move to the served worker: `moved` or `failed`.
+    pub fn rebooked(&self, outcome: &str) {
+        self.rebooked.with_label_values(&[outcome]).inc();
+    }
+
+    /// Booking moves with `outcome` so far.
+    pub fn rebooks(&self, outcome: &str) -> u64 {
+        self.rebooked.with_label_values(&[outcome]).get()
     }
 }

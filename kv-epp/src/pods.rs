@@ -4,10 +4,10 @@
 //! address. Built per request from the directory's map (O(workers), one shared lock).
 
 use kv_events::WorkerId;
-use kv_events::routing::MAX_EXCLUDED_WORKERS;
+use kv_events::routing::MAX_ELIGIBLE_WORKERS;
 use kv_gateway::error::ApiError;
 use kv_gateway::workers::WorkerUrls;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
 /// The `host:port` of an engine base URL (the scheme's default port when it names
 /// none); `None` for a URL without a host.
@@ -43,37 +43,34 @@ impl Pods {
         self.by_worker.get(&worker).map(String::as_str)
     }
 
-    /// The workers a route query excludes so that the router picks inside `subset`
-    /// (pod addresses, the proxy's subset hint): every worker with a pod outside it.
+    /// The worker whose pod is `address`, if one is registered.
+    pub fn worker(&self, address: &str) -> Option<WorkerId> {
+        self.by_address.get(address.trim()).copied()
+    }
+
+    /// The workers inside `subset` (pod addresses, the proxy's subset hint): the
+    /// route query's eligible set, so the router picks inside it.
     ///
     /// # Errors
-    /// 503 when no registered worker is in the subset, or when the subset leaves out
-    /// more workers than one route query may exclude
-    /// ([`kv_events::routing::MAX_EXCLUDED_WORKERS`]; the router would refuse the
+    /// 503 when no registered worker is in the subset, or when more are than one
+    /// route query may name ([`MAX_ELIGIBLE_WORKERS`]; the router would refuse the
     /// query as malformed).
-    pub fn excluded_by(&self, subset: &[String]) -> Result<Vec<WorkerId>, ApiError> {
-        let inside: HashSet<WorkerId> = subset
-            .iter()
-            .filter_map(|a| self.by_address.get(a.trim()).copied())
-            .collect();
+    pub fn eligible_in(&self, subset: &[String]) -> Result<Vec<WorkerId>, ApiError> {
+        let mut inside: Vec<WorkerId> = subset.iter().filter_map(|a| self.worker(a)).collect();
+        inside.sort_unstable();
+        inside.dedup();
         if inside.is_empty() {
             return Err(ApiError::unavailable(
                 "no registered worker is in the endpoint subset",
             ));
         }
-        let outside: Vec<WorkerId> = self
-            .by_worker
-            .keys()
-            .filter(|w| !inside.contains(w))
-            .copied()
-            .collect();
-        if outside.len() > MAX_EXCLUDED_WORKERS {
+        if inside.len() > MAX_ELIGIBLE_WORKERS {
             return Err(ApiError::unavailable(format!(
-                "the endpoint subset leaves out {} workers; a route query excludes at most {MAX_EXCLUDED_WORKERS}",
-                outside.len()
+                "the endpoint subset holds {} registered workers; a route query names at most {MAX_ELIGIBLE_WORKERS}",
+                inside.len()
             )));
         }
-        Ok(outside)
+        Ok(inside)
     }
 }
 
@@ -114,16 +111,22 @@ mod tests {
     }
 
     #[test]
-    fn the_subset_excludes_the_others_within_the_query_bound() {
-        let pods = fleet(3);
-        let excluded = pods.excluded_by(&["10.0.0.2:8000".into()]).unwrap();
-        let mut excluded: Vec<u64> = excluded.into_iter().map(|w| w.0).collect();
-        excluded.sort_unstable();
-        assert_eq!(excluded, [1, 3]);
-        let none = pods.excluded_by(&["10.9.9.9:8000".into()]).unwrap_err();
+    fn the_subset_is_the_eligible_set_within_the_query_bound() {
+        let pods = fleet(120);
+        // 100 of 120 pods, one named twice and one unknown: 100 eligible workers,
+        // beyond what an exclusion list could say.
+        let mut subset: Vec<String> = (1..=100)
+            .map(|n| format!("10.0.{}.{}:8000", n / 256, n % 256))
+            .collect();
+        subset.push("10.0.0.7:8000".into());
+        subset.push("10.9.9.9:8000".into());
+        let eligible = pods.eligible_in(&subset).unwrap();
+        assert_eq!(eligible, (1..=100).map(WorkerId).collect::<Vec<_>>());
+        let none = pods.eligible_in(&["10.9.9.9:8000".into()]).unwrap_err();
         assert_eq!(none.status.as_u16(), 503);
-        let many = fleet(MAX_EXCLUDED_WORKERS as u64 + 2);
-        let over = many.excluded_by(&["10.0.0.1:8000".into()]).unwrap_err();
+        let many = fleet(MAX_ELIGIBLE_WORKERS as u64 + 1);
+        let all: Vec<String> = many.by_address.keys().cloned().collect();
+        let over = many.eligible_in(&all).unwrap_err();
         assert_eq!(over.status.as_u16(), 503, "{over:?}");
         assert!(over.message.contains("at most"), "{over:?}");
     }

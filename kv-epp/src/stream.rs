@@ -15,7 +15,7 @@
 
 use crate::config::StreamLimits;
 use crate::metrics::EppMetrics;
-use crate::pods::Pods;
+use crate::pick::{self, Pick};
 use crate::wire;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessor;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
@@ -25,8 +25,6 @@ use kv_events::DpRank;
 use kv_gateway::error::ApiError;
 use kv_gateway::flow::{BodyKind, Flow};
 use kv_gateway::forward::DP_RANK_HEADER;
-use kv_gateway::router::Booking;
-use kv_gateway::session::session_of;
 use std::pin::Pin;
 use std::sync::Arc;
 use tokio::sync::mpsc;
@@ -42,15 +40,18 @@ const ANSWER_QUEUE: usize = 4;
 pub struct Picker {
     flow: Arc<Flow>,
     limits: StreamLimits,
+    fallbacks: u8,
     metrics: EppMetrics,
 }
 
 impl Picker {
-    /// A picker tokenizing and routing with `flow`, bounded by `limits`.
-    pub fn new(flow: Flow, limits: StreamLimits, metrics: EppMetrics) -> Self {
+    /// A picker tokenizing and routing with `flow`, bounded by `limits`, naming up
+    /// to `fallbacks` alternates after each pick.
+    pub fn new(flow: Flow, limits: StreamLimits, fallbacks: u8, metrics: EppMetrics) -> Self {
         Self {
             flow: Arc::new(flow),
             limits,
+            fallbacks,
             metrics,
         }
     }
@@ -91,11 +92,7 @@ enum Phase {
         body: Vec<u8>,
     },
     /// Picked: the response passes through.
-    Picked {
-        booking: Booking,
-        endpoint: String,
-        first_chunk: bool,
-    },
+    Picked { pick: Box<Pick>, first_chunk: bool },
     /// Answered by an immediate response, or over.
     Done,
 }
@@ -161,6 +158,7 @@ impl Stream {
 
     async fn step(&self, phase: Phase, message: ProcessingRequest) -> Result<Phase, ()> {
         let subset = wire::subset_hint(&message);
+        let served_metadata = wire::served_metadata(&message);
         let Some(request) = message.request else {
             return Ok(phase);
         };
@@ -212,59 +210,39 @@ impl Stream {
             }
             (
                 Phase::Picked {
-                    booking,
-                    endpoint,
+                    mut pick,
                     first_chunk,
                 },
                 Request::ResponseHeaders(h),
             ) => {
-                let served = wire::header_map(&h)
-                    .ok()
-                    .and_then(|m| m.get(wire::SERVED)?.to_str().ok().map(str::to_owned));
-                self.picker.metrics.served(match served {
-                    None => "absent",
-                    Some(s) if s == endpoint => "match",
-                    Some(s) => {
-                        warn!(picked = %endpoint, served = %s, "the proxy served another endpoint");
-                        "mismatch"
-                    }
-                });
+                let served = served_metadata.or_else(|| wire::served_header(&h));
+                // Answer the proxy first; a booking move runs on its own.
                 self.send(wire::response_headers()).await?;
+                let flow = &self.picker.flow;
+                pick.served(served, &flow.workers, &flow.router, &self.picker.metrics);
                 if h.end_of_stream {
-                    booking.free();
+                    pick.held.free();
                     return Ok(Phase::Done);
                 }
-                Ok(Phase::Picked {
-                    booking,
-                    endpoint,
-                    first_chunk,
-                })
+                Ok(Phase::Picked { pick, first_chunk })
             }
-            (
-                Phase::Picked {
-                    mut booking,
-                    endpoint,
-                    first_chunk,
-                },
-                Request::ResponseBody(chunk),
-            ) => {
+            (Phase::Picked { pick, first_chunk }, Request::ResponseBody(chunk)) => {
                 if first_chunk {
-                    booking.prefill_done();
+                    pick.held.prefill_done();
                 }
                 let end = chunk.end_of_stream;
                 self.send(wire::response_body(chunk.body, end)).await?;
                 if end {
-                    booking.free();
+                    pick.held.free();
                     return Ok(Phase::Done);
                 }
                 Ok(Phase::Picked {
-                    booking,
-                    endpoint,
+                    pick,
                     first_chunk: false,
                 })
             }
-            (Phase::Picked { booking, .. }, Request::ResponseTrailers(_)) => {
-                booking.free();
+            (Phase::Picked { pick, .. }, Request::ResponseTrailers(_)) => {
+                pick.held.free();
                 self.send(wire::trailers(true)).await?;
                 Ok(Phase::Done)
             }
@@ -307,67 +285,29 @@ impl Stream {
         body: Vec<u8>,
     ) -> Result<Phase, ()> {
         let started = Instant::now();
-        let picked = timeout_at(self.deadline, self.choose(kind, headers, subset, &body)).await;
-        let (booking, endpoint, dp_rank) = match picked {
-            Ok(Ok(picked)) => picked,
+        let flow = &self.picker.flow;
+        let fallbacks = self.picker.fallbacks;
+        let choose = pick::choose(flow, fallbacks, kind, headers, subset.as_deref(), &body);
+        let pick = match timeout_at(self.deadline, choose).await {
+            Ok(Ok(pick)) => pick,
             Ok(Err(e)) => return self.refuse(&e, started).await,
             Err(_) => {
                 let e = ApiError::timeout("no pick within the request timeout");
                 return self.refuse(&e, started).await;
             }
         };
-        let extra: Vec<(&str, String)> = if dp_rank == DpRank(0) {
+        let extra: Vec<(&str, String)> = if pick.dp_rank == DpRank(0) {
             Vec::new()
         } else {
-            vec![(DP_RANK_HEADER, dp_rank.0.to_string())]
+            vec![(DP_RANK_HEADER, pick.dp_rank.0.to_string())]
         };
         self.picker.metrics.picked("picked", started.elapsed());
-        self.send(wire::picked(std::slice::from_ref(&endpoint), &extra))
-            .await?;
+        self.send(wire::picked(&pick.endpoints, &extra)).await?;
         self.send(wire::request_body(body, true)).await?;
         Ok(Phase::Picked {
-            booking,
-            endpoint,
+            pick: Box::new(pick),
             first_chunk: true,
         })
-    }
-
-    async fn choose(
-        &self,
-        kind: Option<BodyKind>,
-        headers: &axum::http::HeaderMap,
-        subset: Option<Vec<String>>,
-        body: &[u8],
-    ) -> Result<(Booking, String, DpRank), ApiError> {
-        let flow = &self.picker.flow;
-        let kind = kind.ok_or_else(|| {
-            ApiError::bad_request("the path is neither /v1/completions nor /v1/chat/completions")
-        })?;
-        let session = session_of(headers)?;
-        let tokenized = flow.tokenize_body(kind, body, session).await?;
-        let pods = Pods::of(&flow.workers);
-        let exclude = match &subset {
-            None => Vec::new(),
-            Some(subset) => pods.excluded_by(subset)?,
-        };
-        let (decision, booking) = flow
-            .router
-            .route(
-                flow.router.request_id(),
-                tokenized.prompt,
-                &exclude,
-                tokenized.session.as_ref(),
-                false,
-            )
-            .await?;
-        let Some(endpoint) = pods.address(decision.worker_id) else {
-            // Registered without an engine URL: the proxy cannot name its pod.
-            return Err(ApiError::unavailable(format!(
-                "worker {} has no engine URL to name its pod",
-                decision.worker_id
-            )));
-        };
-        Ok((booking, endpoint.to_owned(), decision.dp_rank))
     }
 }
 

@@ -100,6 +100,30 @@ pub fn subset_hint(request: &ProcessingRequest) -> Option<Vec<String>> {
     Some(list)
 }
 
+/// The endpoint the proxy served the request from (`ip:port`), as the protocol
+/// reports it on the response path: the `envoy.lb` metadata entry
+/// `x-gateway-destination-endpoint-served` of `message`.
+pub fn served_metadata(message: &ProcessingRequest) -> Option<String> {
+    let value = message
+        .metadata_context
+        .as_ref()?
+        .filter_metadata
+        .get(LB_NAMESPACE)?
+        .fields
+        .get(SERVED)?;
+    match &value.kind {
+        Some(Kind::StringValue(s)) => Some(s.trim().to_owned()),
+        _ => None,
+    }
+}
+
+/// The served endpoint from a response header of the same name, for proxies that
+/// send it that way.
+pub fn served_header(headers: &HttpHeaders) -> Option<String> {
+    let map = header_map(headers).ok()?;
+    Some(map.get(SERVED)?.to_str().ok()?.trim().to_owned())
+}
+
 fn header(key: &str, value: &str) -> HeaderValueOption {
     HeaderValueOption {
         header: Some(HeaderValue {
@@ -114,6 +138,8 @@ fn header(key: &str, value: &str) -> HeaderValueOption {
 /// The pick: the request-headers answer setting `x-gateway-destination-endpoint`
 /// (and `extra` headers, e.g. vLLM's dp rank) and clearing the route cache, with the
 /// `envoy.lb` dynamic metadata naming `endpoints` (primary first, comma-separated).
+/// The header and the metadata carry the same list, as the protocol requires (it
+/// leaves undefined which one a proxy reads when they differ).
 pub fn picked(endpoints: &[String], extra: &[(&str, String)]) -> ProcessingResponse {
     let destination = endpoints.join(",");
     let mut set_headers = vec![header(DESTINATION, &destination)];

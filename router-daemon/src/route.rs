@@ -17,8 +17,8 @@ use kv_events::disaggregation::{
 };
 use kv_events::limits::decode_within;
 use kv_events::routing::{
-    MAX_EXCLUDED_WORKERS, Prompt, RouteDecision, RouteError, RouteErrorCode, RouteReply,
-    RouteRequest,
+    MAX_ELIGIBLE_WORKERS, MAX_EXCLUDED_WORKERS, MAX_FALLBACKS, Prompt, RouteDecision, RouteError,
+    RouteErrorCode, RouteFallback, RouteReply, RouteRequest,
 };
 use kv_events::{LocalBlockHash, RequestId, compute_block_hashes, encode};
 use scheduler::{ScheduleRequest, SchedulerError, Selection};
@@ -153,7 +153,8 @@ async fn route(state: &RouterState, request: RouteRequest) -> RouteReply {
 ///
 /// # Errors
 /// A `bad_request` reply for a prompt `prompt_blocks` refuses, for more than
-/// [`MAX_EXCLUDED_WORKERS`] excluded workers, or for a request id ending with
+/// [`MAX_EXCLUDED_WORKERS`] excluded workers, more than [`MAX_ELIGIBLE_WORKERS`]
+/// eligible workers or more than [`MAX_FALLBACKS`] fallbacks, or for a request id ending with
 /// `#prefill` (reserved for the booking of a disaggregated request's prefill half).
 pub fn schedule_request(
     request: RouteRequest,
@@ -169,15 +170,21 @@ pub fn schedule_request(
             ),
         ));
     }
-    if request.exclude_workers.len() > MAX_EXCLUDED_WORKERS {
-        return Err(error(
-            RouteErrorCode::BadRequest,
-            format!(
-                "{} excluded workers, at most {MAX_EXCLUDED_WORKERS}",
-                request.exclude_workers.len()
-            ),
-        ));
-    }
+    at_most(
+        "excluded workers",
+        request.exclude_workers.len(),
+        MAX_EXCLUDED_WORKERS,
+    )?;
+    at_most(
+        "eligible workers",
+        request.eligible_workers.len(),
+        MAX_ELIGIBLE_WORKERS,
+    )?;
+    at_most(
+        "fallbacks asked",
+        usize::from(request.fallbacks),
+        usize::from(MAX_FALLBACKS),
+    )?;
     let prompt = prompt_blocks(request.prompt, block_size)?;
     let mut schedule = ScheduleRequest::new(
         request.request_id,
@@ -190,9 +197,22 @@ pub fn schedule_request(
     schedule.dp_rank = request.dp_rank;
     schedule.overrides = request.overrides;
     schedule.exclude(request.exclude_workers);
+    schedule.restrict_to(request.eligible_workers);
+    schedule.fallbacks = request.fallbacks;
     schedule.session_id = request.session_id;
     schedule.allow_disaggregation = request.allow_disaggregation;
     Ok(schedule)
+}
+
+/// A `bad_request` reply when a list of `what` holds `count` entries, over `max`.
+fn at_most(what: &str, count: usize, max: usize) -> Result<(), RouteReply> {
+    if count > max {
+        return Err(error(
+            RouteErrorCode::BadRequest,
+            format!("{count} {what}, at most {max}"),
+        ));
+    }
+    Ok(())
 }
 
 /// The reply for a booked request; in approximate mode also indexes the decision
@@ -240,6 +260,15 @@ pub(crate) async fn routed(
                 overlap_blocks: p.overlap_blocks,
             }),
         }),
+        fallbacks: sel
+            .fallbacks
+            .iter()
+            .map(|f| RouteFallback {
+                worker_id: f.rank.worker_id,
+                dp_rank: f.rank.dp_rank,
+                overlap_blocks: f.overlap_blocks,
+            })
+            .collect(),
     })
 }
 
@@ -341,6 +370,7 @@ pub(crate) async fn serve_requests<R, F, Fut>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kv_events::WorkerId;
 
     #[test]
     fn token_prompts_hash_full_blocks_and_count_the_partial_one() {
@@ -376,6 +406,37 @@ mod tests {
                 .unwrap()
                 .allow_disaggregation
         );
+    }
+
+    #[test]
+    fn eligible_sets_and_fallbacks_are_bounded_and_carried() {
+        let prompt = || Prompt::Tokens {
+            token_ids: (0..8).collect(),
+        };
+        let refused = |request: RouteRequest| match schedule_request(request, 4) {
+            Err(RouteReply::Error(e)) => e,
+            other => panic!("accepted: {other:?}"),
+        };
+        let mut wide = RouteRequest::new("r-1", prompt());
+        wide.eligible_workers = (0..=MAX_ELIGIBLE_WORKERS as u64).map(WorkerId).collect();
+        let e = refused(wide);
+        assert_eq!(e.code, RouteErrorCode::BadRequest);
+        assert!(
+            e.message.contains("eligible workers, at most"),
+            "{}",
+            e.message
+        );
+        let mut greedy = RouteRequest::new("r-2", prompt());
+        greedy.fallbacks = MAX_FALLBACKS + 1;
+        let e = refused(greedy);
+        assert_eq!(e.code, RouteErrorCode::BadRequest);
+        assert!(e.message.contains("fallbacks asked"), "{}", e.message);
+        let mut fine = RouteRequest::new("r-3", prompt());
+        fine.eligible_workers = vec![WorkerId(5), WorkerId(2), WorkerId(5)];
+        fine.fallbacks = MAX_FALLBACKS;
+        let schedule = schedule_request(fine, 4).unwrap();
+        assert_eq!(schedule.eligible_workers, [WorkerId(2), WorkerId(5)]);
+        assert_eq!(schedule.fallbacks, MAX_FALLBACKS);
     }
 
     #[test]

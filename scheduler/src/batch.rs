@@ -43,9 +43,10 @@ impl Scheduler {
         let mut busy_pins: HashSet<DpRank> = HashSet::new();
         for (k, &i) in sequence.iter().enumerate() {
             let (req, overlaps) = (batch[i].0.borrow(), &batch[i].1);
-            // A request with exclusions has fewer candidates than the others, so what
-            // it finds says nothing about them, nor theirs about it.
-            let excludes = !req.exclude_workers.is_empty();
+            // A request with exclusions or an eligible set has fewer candidates than
+            // the others, so what it finds says nothing about them, nor theirs about
+            // it.
+            let excludes = !req.exclude_workers.is_empty() || !req.eligible_workers.is_empty();
             let known_busy = match req.dp_rank {
                 _ if excludes => false,
                 None => all_busy,

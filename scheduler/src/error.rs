@@ -15,8 +15,9 @@ pub enum SchedulerError {
     #[error("no workers registered")]
     NoWorkers,
     /// Workers are registered, but the request excluded every one of them (a
-    /// frontend's failover ran out of workers to try).
-    #[error("every registered worker is excluded by the request")]
+    /// frontend's failover ran out of workers to try), or none is in its eligible
+    /// set.
+    #[error("every registered worker is excluded by the request or outside its eligible set")]
     AllExcluded,
     /// The request pinned a dp_rank that no registered worker has. Never answered by
     /// falling back to another rank.

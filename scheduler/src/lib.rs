@@ -59,6 +59,8 @@
 //! - `shortcut_bound.rs`: the bounded shortcut for warmed-up fleets, over
 //!   `cost_bound.rs` (the ranks that hold none of the prompt, ordered by a cost
 //!   bound, kept per booking and calibration change).
+//! - `fallbacks.rs`: the alternates a request asked for, ranked by the cost its
+//!   choice used.
 //! - `batch.rs`: [`Scheduler::schedule_batch`].
 //! - `reads.rs`: the facade's read accessors (load, metrics, liveness, calibration).
 
@@ -73,6 +75,7 @@ mod cost_bound;
 pub mod disaggregation;
 pub mod duration_ms;
 pub mod error;
+mod fallbacks;
 mod lifecycle;
 pub mod liveness;
 pub mod load;
@@ -99,7 +102,9 @@ pub use policy::{
     CacheAwareThresholdConfig, KvNormalizedConfig, KvPolicyConfig, PolicyConfig,
     PredictedTtftConfig, TimingScale,
 };
-pub use request::{PairDecision, PrefillChoice, RequestShape, ScheduleRequest, Selection};
+pub use request::{
+    Fallback, Fallbacks, PairDecision, PrefillChoice, RequestShape, ScheduleRequest, Selection,
+};
 pub use sequences::{
     ActiveRequest, ActiveSequences, AddRequest, Origin, PrefillLoadHint, RankLoad, SequenceEvent,
 };
@@ -234,7 +239,8 @@ impl Scheduler {
     /// blocks. `overlaps` gives each rank's overlap blocks for this prompt; values
     /// above `request_blocks` are clamped. Candidates are the ranks of registered
     /// workers that decode (role `both` or `decode`) that match `req.dp_rank` (if
-    /// set), are not in `req.exclude_workers`, are not busy and are not silent
+    /// set), are not in `req.exclude_workers`, are in `req.eligible_workers` (when
+    /// set), are not busy and are not silent
     /// ([`liveness`]); quiet ranks only when no live one is left.
     ///
     /// A request with `allow_disaggregation` while a `prefill` worker is registered
@@ -321,6 +327,7 @@ impl Scheduler {
         let in_flight_blocks = (req.request_blocks.saturating_sub(chosen.new_blocks))
             .min(req.reusable_blocks())
             .saturating_sub(chosen.overlap_blocks);
+        let fallbacks = self.fallbacks(&policy, index, req);
         let tokens = req.uncached_tokens(chosen.overlap_blocks);
         let prefill = self.prefill_hint(tokens);
         self.sequences.add_request(
@@ -361,6 +368,7 @@ impl Scheduler {
             prefill,
             session,
             disaggregation: None,
+            fallbacks,
         })
     }
 
@@ -484,6 +492,10 @@ impl Scheduler {
 #[cfg(test)]
 #[path = "scheduler_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "scheduler_fallback_tests.rs"]
+mod fallback_tests;
 
 #[cfg(test)]
 #[path = "scheduler_batch_tests.rs"]

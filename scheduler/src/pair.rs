@@ -22,7 +22,7 @@ use crate::disaggregation::decode_cost;
 use crate::error::SchedulerError;
 use crate::overlap::Overlaps;
 use crate::policy::{Candidate, SelectContext};
-use crate::request::{PairDecision, PrefillChoice, ScheduleRequest, Selection};
+use crate::request::{Fallbacks, PairDecision, PrefillChoice, ScheduleRequest, Selection};
 use crate::sequences::{AddRequest, Origin};
 use crate::sessions::CostScale;
 use crate::workers::Side;
@@ -141,6 +141,7 @@ impl Scheduler {
             prefill: decode_hint,
             session,
             disaggregation: Some(PairDecision { reason, prefill }),
+            fallbacks: Fallbacks::default(),
         })
     }
 

@@ -6,7 +6,7 @@
 
 use crate::load::PrefillLoadHint;
 use kv_events::disaggregation::DisaggregationReason;
-use kv_events::routing::{CostOverrides, PolicyKind, SessionId};
+use kv_events::routing::{CostOverrides, MAX_FALLBACKS, PolicyKind, SessionId};
 use kv_events::{DpRank, LocalBlockHash, RequestId, WorkerId, WorkerRank};
 
 /// One request to place.
@@ -49,6 +49,15 @@ pub struct ScheduleRequest {
     /// always. Either way only ranks of workers that decode (`both`, `decode`) serve
     /// the request itself.
     pub allow_disaggregation: bool,
+    /// When non-empty, the only workers that are candidates (an endpoint picker's
+    /// subset), on top of every other rule. Sorted and deduplicated by
+    /// [`ScheduleRequest::restrict_to`]; if no registered worker is in it (after
+    /// exclusions), scheduling fails with [`crate::SchedulerError::AllExcluded`].
+    /// Empty: every worker is eligible.
+    pub eligible_workers: Vec<WorkerId>,
+    /// How many alternates to list in [`Selection::fallbacks`] (at most
+    /// [`kv_events::routing::MAX_FALLBACKS`]; more are not listed). 0: none.
+    pub fallbacks: u8,
 }
 
 impl ScheduleRequest {
@@ -77,6 +86,8 @@ impl ScheduleRequest {
             exclude_workers: Vec::new(),
             session_id: None,
             allow_disaggregation: false,
+            eligible_workers: Vec::new(),
+            fallbacks: 0,
         }
     }
 
@@ -102,9 +113,27 @@ impl ScheduleRequest {
         self.exclude_workers = workers;
     }
 
-    /// Whether `worker_id` is excluded for this request.
+    /// Sets the only workers this request may be routed to (sorted and
+    /// deduplicated, so a candidate check is a binary search); empty lifts the
+    /// restriction.
+    pub fn restrict_to(&mut self, mut workers: Vec<WorkerId>) {
+        workers.sort_unstable();
+        workers.dedup();
+        self.eligible_workers = workers;
+    }
+
+    /// Whether `worker_id` is excluded for this request, or outside its eligible set.
     pub fn excludes(&self, worker_id: WorkerId) -> bool {
         self.exclude_workers.binary_search(&worker_id).is_ok()
+            || (!self.eligible_workers.is_empty()
+                && self.eligible_workers.binary_search(&worker_id).is_err())
+    }
+
+    /// Whether the decision must see every candidate: an eligible set or fallbacks
+    /// (the shortcuts of `shortcut.rs` neither filter by worker nor price every
+    /// alternate).
+    pub(crate) fn needs_full_scan(&self) -> bool {
+        !self.eligible_workers.is_empty() || self.fallbacks > 0
     }
 
     /// Prompt tokens left to prefill when the first `overlap_blocks` blocks are cached:
@@ -168,6 +197,54 @@ pub struct Selection {
     /// cost), and `prefill` above is the decode half's booking: 0 tokens when the
     /// prompt is prefilled remotely (it arrives by transfer).
     pub disaggregation: Option<PairDecision>,
+    /// Up to [`ScheduleRequest::fallbacks`] alternates, best first, one per worker
+    /// other than the chosen one's (`fallbacks.rs`); none for a disaggregated
+    /// decision. Not booked.
+    pub fallbacks: Fallbacks,
+}
+
+/// An alternate rank for a request, not booked.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Fallback {
+    /// The (worker, dp_rank).
+    pub rank: WorkerRank,
+    /// Leading prompt blocks cached there, in blocks.
+    pub overlap_blocks: u32,
+}
+
+/// The alternates of a [`Selection`], best first: at most
+/// [`kv_events::routing::MAX_FALLBACKS`], held inline so a selection stays `Copy`.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Fallbacks {
+    items: [Option<Fallback>; MAX_FALLBACKS as usize],
+}
+
+impl Fallbacks {
+    /// Appends `fallback`; `false` (and nothing kept) when full.
+    pub fn push(&mut self, fallback: Fallback) -> bool {
+        match self.items.iter_mut().find(|f| f.is_none()) {
+            Some(slot) => {
+                *slot = Some(fallback);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The alternates, best first.
+    pub fn iter(&self) -> impl Iterator<Item = &Fallback> {
+        self.items.iter().map_while(Option::as_ref)
+    }
+
+    /// How many alternates are listed.
+    pub fn len(&self) -> usize {
+        self.iter().count()
+    }
+
+    /// Whether none is listed.
+    pub fn is_empty(&self) -> bool {
+        self.items[0].is_none()
+    }
 }
 
 /// Where a request that allowed disaggregation is prefilled, and why.

@@ -26,7 +26,11 @@
 //! lowest-cost ranks (`shortcut_tests.rs` checks this against the full scan on
 //! random fleets). A decision then costs O(touched ranks + prompt blocks) instead of
 //! O(registered ranks). The full scan remains for every other case: other policies,
-//! a pinned dp_rank, excluded workers, a session id, a fleet with workers that do
+//! a pinned dp_rank, excluded workers, an eligible set (`eligible_workers`: the
+//! stand-in cannot stand for idle ranks some of which are outside the set, and
+//! filtering the touched ranks alone would not be cheaper than the scan's one binary
+//! search per rank), a request asking for fallbacks (every alternate must be priced,
+//! not one stand-in for the idle ranks), a session id, a fleet with workers that do
 //! not serve whole requests (disaggregation), overlaps that cannot list their ranks,
 //! and more than half of the ranks touched. In that last case a fleet whose every
 //! rank has learned its own timing (or calibration is off) and busy thresholds are
@@ -132,6 +136,7 @@ impl Scheduler {
         if !self.shortcut
             || req.dp_rank.is_some()
             || !req.exclude_workers.is_empty()
+            || req.needs_full_scan()
             || req.session_id.is_some()
             || !self.workers.all_serve_whole()
             || n == 0

@@ -270,3 +270,79 @@ async fn a_failover_route_skips_the_excluded_workers() -> anyhow::Result<()> {
     );
     daemon.shutdown().await
 }
+
+#[tokio::test]
+async fn an_eligible_set_bounds_the_choice_and_fallbacks_rank_the_others() -> anyhow::Result<()> {
+    use kv_events::routing::{
+        MAX_ELIGIBLE_WORKERS, MAX_FALLBACKS, Prompt, RouteDecision, RouteRequest,
+    };
+    let mut cluster = TestCluster::start(BLOCK).await?;
+    let mut workers = Vec::new();
+    for id in 1..=120 {
+        workers.push(FakeWorker::register(&mut cluster, id, 30).await?);
+    }
+    let daemon = cluster.start_daemon(|_| {}).await?;
+    let a = prompt(5, 6);
+    // Worker 110 holds the whole prompt, worker 40 its first 4 blocks, worker 70
+    // its first 2.
+    for (id, blocks) in [(110, 6), (40, 4), (70, 2)] {
+        let held = &a[..(blocks * BLOCK) as usize];
+        workers[id as usize - 1]
+            .store_prompt(&cluster, held)
+            .await?;
+        wait_for_overlap(&daemon, held, WorkerId(id), blocks).await?;
+    }
+    let ask = |id: &str, eligible: Vec<WorkerId>, fallbacks: u8| RouteRequest {
+        eligible_workers: eligible,
+        fallbacks,
+        ..RouteRequest::new(
+            id,
+            Prompt::Tokens {
+                token_ids: a.clone(),
+            },
+        )
+    };
+    let decided = |reply: RouteReply| -> RouteDecision {
+        match reply {
+            RouteReply::Routed(d) => d,
+            other => panic!("not routed: {other:?}"),
+        }
+    };
+    let alternates =
+        |d: &RouteDecision| -> Vec<u64> { d.fallbacks.iter().map(|f| f.worker_id.0).collect() };
+
+    // Every worker eligible: the holder, then the next cheapest, one per worker.
+    let all = decided(cluster.route(&ask("all", Vec::new(), 2)).await?);
+    assert_eq!(all.worker_id, WorkerId(110));
+    assert_eq!(alternates(&all), [40, 70]);
+    assert_eq!(all.fallbacks[0].overlap_blocks, 4);
+    // 100 of the 120 workers eligible: the choice and its fallbacks stay inside.
+    let inside: Vec<WorkerId> = (1..=100).map(WorkerId).collect();
+    let within = decided(cluster.route(&ask("within", inside, 3)).await?);
+    assert_eq!(within.worker_id, WorkerId(40));
+    let listed = alternates(&within);
+    assert_eq!(listed.len(), 3, "{listed:?}");
+    assert_eq!(listed[0], 70, "{listed:?}");
+    assert!(listed[1..].iter().all(|&w| w <= 100 && w != 40 && w != 70));
+    // Nothing registered inside the set: no_workers, as when all are excluded.
+    let outside = cluster
+        .route(&ask("outside", vec![WorkerId(500)], 0))
+        .await?;
+    assert!(
+        matches!(&outside, RouteReply::Error(e) if e.code == RouteErrorCode::NoWorkers),
+        "{outside:?}"
+    );
+    // Over the bounds: bad_request, nothing booked.
+    let wide = (0..=MAX_ELIGIBLE_WORKERS as u64).map(WorkerId).collect();
+    for (id, request) in [
+        ("wide", ask("wide", wide, 0)),
+        ("greedy", ask("greedy", Vec::new(), MAX_FALLBACKS + 1)),
+    ] {
+        match cluster.route(&request).await? {
+            RouteReply::Error(e) => assert_eq!(e.code, RouteErrorCode::BadRequest, "{id}"),
+            other => panic!("{id} was routed: {other:?}"),
+        }
+    }
+    assert_eq!(daemon.state().scheduler().active_requests(), 2);
+    daemon.shutdown().await
+}

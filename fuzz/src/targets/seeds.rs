@@ -285,6 +285,7 @@ pub fn route_replies() -> Vec<Vec<u8>> {
         in_flight_blocks: 1,
         policy: PolicyKind::PredictedTtft,
         disaggregation: None,
+        fallbacks: Vec::new(),
     });
     // A decode worker paired with a prefill worker, and one that prefills itself.
     let pair = |reason, prefill| {
@@ -297,6 +298,7 @@ pub fn route_replies() -> Vec<Vec<u8>> {
             in_flight_blocks: 0,
             policy: PolicyKind::PredictedTtft,
             disaggregation: Some(Disaggregation { reason, prefill }),
+            fallbacks: Vec::new(),
         })
     };
     let remote = PrefillPlacement {

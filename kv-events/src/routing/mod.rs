@@ -192,19 +192,46 @@ pub struct RouteRequest {
     /// `both` or `decode`), never to a prefill-only worker.
     #[serde(default, skip_serializing_if = "is_false")]
     pub allow_disaggregation: bool,
+    /// The only workers this request may be routed to (an endpoint picker's subset
+    /// hint): when non-empty, a worker outside it is no candidate, on top of every
+    /// other rule (pinned dp_rank, `exclude_workers`, busy, silent). At most
+    /// [`MAX_ELIGIBLE_WORKERS`]; more is a `bad_request`. When no registered worker
+    /// is in it (or every one inside is excluded) the reply is `no_workers`. Empty
+    /// (every worker eligible; absent on the wire) by default. Order and duplicates
+    /// do not matter.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub eligible_workers: Vec<WorkerId>,
+    /// How many alternates the frontend wants besides the chosen worker, at most
+    /// [`MAX_FALLBACKS`] (more is a `bad_request`): the decision then lists up to
+    /// that many [`RouteFallback`]s, never booked. 0 (the default, not sent): none.
+    /// Not offered for a disaggregated decision.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub fallbacks: u8,
+}
+
+fn is_zero<T: Default + PartialEq>(value: &T) -> bool {
+    *value == T::default()
 }
 
 fn is_false(value: &bool) -> bool {
     !*value
 }
 
-fn is_zero(value: &u32) -> bool {
-    *value == 0
-}
-
 /// The most workers one [`RouteRequest`] may exclude: far above any sane retry count,
 /// and small enough that checking candidates against the list stays cheap.
 pub const MAX_EXCLUDED_WORKERS: usize = 64;
+
+/// The most workers one [`RouteRequest`] may name as eligible: 16,384 covers the
+/// largest fleets deployed as one pool today (a few thousand engines, each one worker
+/// however many GPUs it spans) with room to spare, while the list stays a bounded
+/// 128 KiB of ids to sort (O(n log n) per request) and the JSON under NATS's default
+/// 1 MiB payload (an id is at most 20 digits).
+pub const MAX_ELIGIBLE_WORKERS: usize = 16_384;
+
+/// The most alternates one [`RouteRequest`] may ask for: a proxy retries down a
+/// short list (GAIE's endpoint-picker protocol), and each alternate costs the router
+/// a sort of the priced candidates.
+pub const MAX_FALLBACKS: u8 = 4;
 
 impl RouteRequest {
     /// A request with the daemon's policy, no pinned rank, no overrides, priority 0.
@@ -219,8 +246,23 @@ impl RouteRequest {
             exclude_workers: Vec::new(),
             session_id: None,
             allow_disaggregation: false,
+            eligible_workers: Vec::new(),
+            fallbacks: 0,
         }
     }
+}
+
+/// An alternate to a [`RouteDecision`]'s worker: where the request would go next,
+/// not booked. A frontend that sends the request there instead (its proxy retried)
+/// moves the booking itself (`docs/protocol.md`, "Fallbacks").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RouteFallback {
+    /// The alternate worker (never the chosen one, never another fallback's).
+    pub worker_id: WorkerId,
+    /// Its lowest-cost data-parallel rank.
+    pub dp_rank: DpRank,
+    /// Leading prompt blocks cached on that rank, in blocks.
+    pub overlap_blocks: u32,
 }
 
 /// The router's choice for one request.
@@ -255,6 +297,14 @@ pub struct RouteDecision {
     /// worker's. Absent otherwise (not serialized).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub disaggregation: Option<Disaggregation>,
+    /// Up to the request's `fallbacks` alternates, best first: the next lowest-cost
+    /// ranks under the same cost the choice used, one per worker, on workers other
+    /// than the chosen one, eligible under the same rules. Not booked. Fewer when
+    /// fewer workers are eligible; empty (absent on the wire) when none was asked,
+    /// for a disaggregated decision, and for policies without a per-rank cost that
+    /// cannot rank alternates (`docs/protocol.md`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub fallbacks: Vec<RouteFallback>,
 }
 
 /// Why a route request failed.

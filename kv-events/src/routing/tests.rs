@@ -14,6 +14,8 @@ fn route_messages_round_trip() {
         },
         priority: -2,
         exclude_workers: vec![WorkerId(4), WorkerId(9)],
+        eligible_workers: vec![WorkerId(2), WorkerId(4)],
+        fallbacks: 2,
         ..RouteRequest::new(
             "r1",
             Prompt::Blocks {
@@ -33,8 +35,21 @@ fn route_messages_round_trip() {
         in_flight_blocks: 1,
         policy: PolicyKind::Kv,
         disaggregation: None,
+        fallbacks: vec![RouteFallback {
+            worker_id: WorkerId(4),
+            dp_rank: DpRank(1),
+            overlap_blocks: 0,
+        }],
     });
     assert_eq!(decode::<RouteReply>(&encode(&ok).unwrap()).unwrap(), ok);
+    // The new fields are absent when empty, so older peers see the old shape.
+    let plain = encode(&RouteRequest::new(
+        "r2",
+        Prompt::Tokens { token_ids: vec![1] },
+    ))
+    .unwrap();
+    let names = |key: &[u8]| plain.windows(key.len()).any(|w| w == key);
+    assert!(!names(b"eligible_workers") && !names(b"fallbacks"));
 
     for code in [
         RouteErrorCode::NoWorkers,

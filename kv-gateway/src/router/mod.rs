@@ -94,14 +94,27 @@ impl RouterClient {
         session: Option<&SessionId>,
         allow_disaggregation: bool,
     ) -> Result<(RouteDecision, Booking), ApiError> {
-        let request = RouteRequest {
+        self.route_request(&RouteRequest {
             exclude_workers: exclude.to_vec(),
             session_id: session.cloned(),
             allow_disaggregation,
             ..RouteRequest::new(request_id, prompt)
-        };
+        })
+        .await
+    }
+
+    /// Asks the router with `request` as given (any field of the public protocol,
+    /// e.g. an eligible set and fallbacks for an endpoint picker). On success the
+    /// request is booked and the returned [`Booking`] owns it.
+    ///
+    /// # Errors
+    /// As [`RouterClient::route`].
+    pub async fn route_request(
+        &self,
+        request: &RouteRequest,
+    ) -> Result<(RouteDecision, Booking), ApiError> {
         let payload =
-            encode(&request).map_err(|e| ApiError::internal(format!("encoding route: {e}")))?;
+            encode(request).map_err(|e| ApiError::internal(format!("encoding route: {e}")))?;
         let reply = self
             .nats
             .send_request(

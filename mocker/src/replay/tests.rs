@@ -105,6 +105,7 @@ async fn fake_router(target: &ReplayTarget, workers: u64, reject_suffix: &'stati
                     in_flight_blocks: 0,
                     policy: req.policy.unwrap(),
                     disaggregation: None,
+                    fallbacks: Vec::new(),
                 })
             };
             nats.publish(msg.reply.unwrap(), encode(&reply).unwrap().into())

@@ -226,6 +226,28 @@ impl Selector {
         }
     }
 
+    /// Every candidate the last [`Selector::select`] under `policy` priced, as
+    /// `(candidate index, cost)` with the costs [`Selector::cost_of`] gives, in one
+    /// pass (`kv-normalized` lists only the candidates within their fair share);
+    /// empty for policies without per-candidate costs.
+    pub(crate) fn priced<'a>(
+        &'a self,
+        policy: &PolicyConfig,
+    ) -> Box<dyn Iterator<Item = (usize, f64)> + 'a> {
+        match policy {
+            PolicyConfig::Kv(_) | PolicyConfig::PredictedTtft(_) => {
+                Box::new(self.costs.iter().copied().enumerate())
+            }
+            PolicyConfig::KvNormalized(_) => Box::new(
+                self.eligible
+                    .iter()
+                    .zip(&self.keys)
+                    .map(|(&index, key)| (index, key.0)),
+            ),
+            _ => Box::new(std::iter::empty()),
+        }
+    }
+
     /// The index of the lowest `(primary, secondary)` key, exact ties uniformly at
     /// random (see [`sampling::pick_min`]); `keys` must not be empty.
     pub fn pick_min(&mut self, keys: &[(f64, f64)]) -> usize {

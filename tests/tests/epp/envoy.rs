@@ -197,20 +197,40 @@ impl Envoy {
         }
     }
 
-    /// The upstream answered: response headers naming the endpoint `served`.
+    /// The upstream answered: response headers naming the endpoint `served` (as a
+    /// response header, as some proxies report it).
     pub async fn response_headers(&mut self, served: &str) {
+        self.response_headers_served(served, false).await;
+    }
+
+    /// The upstream answered, and the proxy reports the endpoint `served` as the
+    /// protocol describes: in the `envoy.lb` metadata of the response headers
+    /// message (`in_metadata`), or as a response header.
+    pub async fn response_headers_served(&mut self, served: &str, in_metadata: bool) {
+        const SERVED: &str = "x-gateway-destination-endpoint-served";
+        let mut list = vec![
+            header(":status", "200"),
+            header("content-type", "text/event-stream"),
+        ];
+        let metadata = if in_metadata {
+            let lb = Struct {
+                fields: [(SERVED.to_owned(), string(served))].into_iter().collect(),
+            };
+            Some(Metadata {
+                filter_metadata: [("envoy.lb".to_owned(), lb)].into_iter().collect(),
+                ..Default::default()
+            })
+        } else {
+            list.push(header(SERVED, served));
+            None
+        };
         let headers = HttpHeaders {
-            headers: Some(HeaderMap {
-                headers: vec![
-                    header(":status", "200"),
-                    header("content-type", "text/event-stream"),
-                    header("x-gateway-destination-endpoint-served", served),
-                ],
-            }),
+            headers: Some(HeaderMap { headers: list }),
             end_of_stream: false,
             ..Default::default()
         };
         self.send(ProcessingRequest {
+            metadata_context: metadata,
             request: Some(Message::ResponseHeaders(headers)),
             ..Default::default()
         })

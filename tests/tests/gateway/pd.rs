@@ -411,5 +411,6 @@ fn decide(request: &RouteRequest, prefill: &[WorkerId], decode: &[WorkerId]) -> 
         in_flight_blocks: 0,
         policy: PolicyKind::Kv,
         disaggregation,
+        fallbacks: Vec::new(),
     })
 }

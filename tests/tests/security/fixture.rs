@@ -95,6 +95,7 @@ pub(crate) async fn fake_router(nats: async_nats::Client, subject: String, group
                 in_flight_blocks: 0,
                 policy: PolicyKind::Random,
                 disaggregation: None,
+                fallbacks: Vec::new(),
             });
             if let Some(to) = query.reply {
                 let _ = nats
