@@ -57,8 +57,9 @@ fn memory_row(columns: &[Column], name: &str, ours: usize, theirs: usize) {
     println!();
 }
 
-/// Prints the table of `columns`, measured under `floods`.
-pub fn print(columns: &[Column], floods: &[Flood]) {
+/// Prints the table of `columns`, measured under `floods` (only the bare-tree rows
+/// when `bare_only`).
+pub fn print(columns: &[Column], floods: &[Flood], bare_only: bool) {
     print!("| figure |");
     for c in columns {
         print!(" {} |", c.name);
@@ -78,6 +79,10 @@ pub fn print(columns: &[Column], floods: &[Flood]) {
     row(columns, p50, single, |f| f.bare_p50, micros);
     memory_row(columns, "RSS bytes per entry, bare tree", 0, 1);
     memory_row(columns, "RSS bytes per entry, vs Dynamo's RadixTree", 0, 4);
+    if bare_only {
+        wrong_rows(columns);
+        return;
+    }
     memory_row(columns, "RSS bytes per entry, production front", 2, 3);
     let ingest = "bulk ingest via the front, 2 threads, blocks/s (higher is better)";
     row(columns, ingest, con, |f| f.ingest, millions);
@@ -115,6 +120,11 @@ pub fn print(columns: &[Column], floods: &[Flood]) {
         }
         println!();
     }
+    wrong_rows(columns);
+}
+
+/// The wrong-answer row, and up to three examples per library on stderr.
+fn wrong_rows(columns: &[Column]) {
     print!("| wrong answers (ours / Dynamo's / Dynamo's RadixTree, of all checked) |");
     for c in columns {
         let [a, b, s] = &c.wrong;
