@@ -35,7 +35,12 @@ impl Library for Ours {
     fn build(events: Vec<KvEventBatch>) -> (RadixTree, Duration) {
         let mut tree = RadixTree::new();
         let start = Instant::now();
-        apply_all(&mut tree, &events);
+        // Each batch is dropped once applied, as a front drops what it received and
+        // as Dynamo's `apply_event` drops the event it takes by value: the tree's
+        // allocations may reuse the freed events' memory on both sides.
+        for batch in events {
+            apply_batch(&mut tree, &batch);
+        }
         (tree, start.elapsed())
     }
 
@@ -73,9 +78,14 @@ impl Library for Ours {
 /// Applies every event of `batches`; refusals are counted by the caller's checks.
 fn apply_all(tree: &mut RadixTree, batches: &[KvEventBatch]) {
     for batch in batches {
-        for event in &batch.events {
-            let _ = tree.apply_event(batch.worker_id, event);
-        }
+        apply_batch(tree, batch);
+    }
+}
+
+/// Applies every event of `batch`.
+fn apply_batch(tree: &mut RadixTree, batch: &KvEventBatch) {
+    for event in &batch.events {
+        let _ = tree.apply_event(batch.worker_id, event);
     }
 }
 
