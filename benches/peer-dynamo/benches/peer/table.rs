@@ -74,6 +74,10 @@ pub fn print(columns: &[Column], floods: &[Flood], bare_only: bool) {
     row(columns, apply, con, |f| f.apply, millions);
     let apply1 = "apply, bare tree, vs Dynamo's single-threaded RadixTree (higher is better)";
     row(columns, apply1, single, |f| f.apply, millions);
+    let cpu = "apply, bare tree, per second on a CPU (higher is better)";
+    row(columns, cpu, con, |f| f.apply_cpu, millions);
+    let cpu1 = "apply, bare tree, per second on a CPU, vs Dynamo's RadixTree";
+    row(columns, cpu1, single, |f| f.apply_cpu, millions);
     row(columns, "query p50, bare tree", con, |f| f.bare_p50, micros);
     let p50 = "query p50, bare tree, vs Dynamo's RadixTree";
     row(columns, p50, single, |f| f.bare_p50, micros);
