@@ -198,6 +198,12 @@ impl RadixTree {
         // holders: one contiguous piece of one run, so that a store over part of a
         // run splits it at most twice, not once per block.
         let mut pending: Option<Pending> = None;
+        // The run `cur` ends while this store appends to it: a run the holder alone
+        // holds, with no children, whose last block is `cur` (what a new child or an
+        // extension leaves). Each further new block is appended to it directly,
+        // without looking for a child or re-checking the run: the common case of a
+        // chain continued by one rank.
+        let mut tail: Option<NodeIdx> = None;
         state.warm(blocks.iter().map(|block| &block.block_hash));
         for (k, block) in blocks.iter().enumerate() {
             // One hash-map probe per block: the entry stays open while the arena
@@ -211,6 +217,7 @@ impl RadixTree {
                         outcome.copies_added += 1;
                     }
                     cur = held.id;
+                    tail = None;
                     let run = self.arena.run_of(cur);
                     self.arena.node(run).last_used.stored(tick);
                     continue;
@@ -223,19 +230,26 @@ impl RadixTree {
                     state.copies.remove(&block.block_hash);
                 }
             }
-            let id = match self.arena.next(cur, block.tokens_hash) {
-                Some(id) => {
-                    if hold(&mut self.arena, &mut pending, id, idx, tick) {
-                        *state.aliases.entry(id).or_insert(0) += 1;
+            let more = blocks.len() - k - 1;
+            let id = match tail {
+                // `pending` is empty here: nothing was held since the tail was made.
+                Some(run) => self.arena.append(run, block.tokens_hash, tick, more),
+                None => match self.arena.next(cur, block.tokens_hash) {
+                    Some(id) => {
+                        if hold(&mut self.arena, &mut pending, id, idx, tick) {
+                            *state.aliases.entry(id).or_insert(0) += 1;
+                        }
+                        id
                     }
-                    id
-                }
-                None => {
-                    flush(&mut self.arena, &mut pending, idx);
-                    let more = blocks.len() - k - 1;
-                    self.arena
-                        .new_child(cur, block.tokens_hash, idx, tick, more)
-                }
+                    None => {
+                        flush(&mut self.arena, &mut pending, idx);
+                        let id = self
+                            .arena
+                            .new_child(cur, block.tokens_hash, idx, tick, more);
+                        tail = Some(self.arena.run_of(id));
+                        id
+                    }
+                },
             };
             let held = BlockRef {
                 id,

@@ -53,17 +53,7 @@ impl Arena {
         let n = self.node(node);
         let sole = matches!(n.holders, RankSet::One(r) if r == rank.0);
         if node != NodeIdx::ROOT && end == n.hashes.len() && n.children.is_empty() && sole {
-            n.last_used.stored(tick);
-            let id = self.alloc_id(node, end);
-            self.update(node, |n| {
-                if n.hashes.len() == n.hashes.capacity() {
-                    n.hashes.reserve_exact(more + 1);
-                    n.ids.reserve_exact(more + 1);
-                }
-                n.hashes.push(hash);
-                n.ids.push(id);
-            });
-            return id;
+            return self.append(node, hash, tick, more);
         }
         if end < n.hashes.len() {
             self.split(node, end);
@@ -84,6 +74,37 @@ impl Arena {
             r.ids.push(id);
         });
         self.update(node, |p| p.children.insert(hash, run));
+        id
+    }
+
+    /// Appends a new block `hash` to the run `node`, stamped `tick`: the in-place
+    /// extension of [`Arena::new_child`], for a caller that knows the run is not the
+    /// root, has no children and is held by the storing rank alone. Reserves room for
+    /// `more` blocks after this one when the run is full. O(1) amortised, and the
+    /// heap total is touched only when the run's buffers grow.
+    pub(crate) fn append(
+        &mut self,
+        node: NodeIdx,
+        hash: LocalBlockHash,
+        tick: u32,
+        more: usize,
+    ) -> BlockId {
+        let end = self.node(node).hashes.len();
+        let id = self.alloc_id(node, end);
+        let n = &mut self.nodes[node.slot()];
+        n.last_used.stored(tick);
+        if n.hashes.len() == n.hashes.capacity() || n.ids.len() == n.ids.capacity() {
+            let buffers = |n: &Node| {
+                n.hashes.capacity() * size_of::<LocalBlockHash>()
+                    + n.ids.capacity() * size_of::<BlockId>()
+            };
+            let before = buffers(n);
+            n.hashes.reserve_exact(more + 1);
+            n.ids.reserve_exact(more + 1);
+            self.heap_bytes = self.heap_bytes - before + buffers(n);
+        }
+        n.hashes.push(hash);
+        n.ids.push(id);
         id
     }
 

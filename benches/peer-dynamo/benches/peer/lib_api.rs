@@ -6,7 +6,7 @@ use kv_events::{KvEventBatch, LocalBlockHash, WorkerId};
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Per-worker leading-block counts of one answer, zero counts left out.
 pub type Scores = BTreeMap<WorkerId, u32>;
@@ -33,7 +33,7 @@ pub trait Library: 'static {
     /// Converts a query.
     fn query(hashes: &Arc<[LocalBlockHash]>) -> Self::Query;
     /// Builds a bare tree from `events` on this thread; the time covers applying only.
-    fn build(events: Vec<Self::Event>) -> (Self::Tree, Duration);
+    fn build(events: Vec<Self::Event>) -> (Self::Tree, Took);
     /// Queries the bare tree.
     fn find(tree: &Self::Tree, query: &Self::Query) -> Self::Answer;
     /// Converts an answer.
@@ -61,4 +61,48 @@ pub trait Front: Clone + Send + Sync + 'static {
     fn find(&self, query: &Self::Query) -> impl Future<Output = Self::Answer> + Send;
     /// Stops the front.
     fn stop(self);
+}
+
+/// How long one timed section took: wall-clock time, and the calling thread's time on
+/// a CPU (`None` where `/proc/thread-self/schedstat` is missing). On a shared host the
+/// CPU time leaves out the time the thread waited for a core.
+#[derive(Debug, Clone, Copy)]
+pub struct Took {
+    /// Wall-clock time.
+    pub wall: Duration,
+    /// Time the thread ran on a CPU.
+    pub cpu: Option<Duration>,
+}
+
+/// Starts timing a section on the calling thread.
+pub struct Timer {
+    wall: Instant,
+    cpu: Option<Duration>,
+}
+
+impl Timer {
+    /// Starts now.
+    pub fn start() -> Self {
+        Timer {
+            cpu: thread_cpu(),
+            wall: Instant::now(),
+        }
+    }
+
+    /// The time since [`Timer::start`]; call it on the same thread.
+    pub fn stop(&self) -> Took {
+        let wall = self.wall.elapsed();
+        let cpu = thread_cpu()
+            .zip(self.cpu)
+            .map(|(now, then)| now.saturating_sub(then));
+        Took { wall, cpu }
+    }
+}
+
+/// The calling thread's time on a CPU so far: the first field of
+/// `/proc/thread-self/schedstat`, in ns.
+fn thread_cpu() -> Option<Duration> {
+    let text = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
+    let ns = text.split_whitespace().next()?.parse().ok()?;
+    Some(Duration::from_nanos(ns))
 }

@@ -8,6 +8,7 @@
 //! cargo bench -p peer-dynamo --bench peer -- --workers 64,256,1024,4096 --entries 1000000
 //! cargo bench -p peer-dynamo --bench peer -- --trace PATH       # full Mooncake trace instead of the excerpt
 //! cargo bench -p peer-dynamo --bench peer -- --flood short      # short floods only (short|long|both)
+//! cargo bench -p peer-dynamo --bench peer -- --bare-only        # bare-tree rows only (apply, query, bytes)
 //! ```
 //!
 //! Every case is measured in `--rounds` rounds (5 by default), the libraries
@@ -60,6 +61,8 @@ struct Options {
     no_trace: bool,
     /// Memory children: the case is the trace.
     trace_case: bool,
+    /// Only the bare-tree figures (apply, query p50, bytes per entry): no front.
+    bare_only: bool,
 }
 
 fn list(s: &str) -> Vec<u64> {
@@ -79,6 +82,7 @@ fn options(args: &[String]) -> Options {
         trace: None,
         no_trace: false,
         trace_case: false,
+        bare_only: false,
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -93,6 +97,7 @@ fn options(args: &[String]) -> Options {
             "--trace" => o.trace = Some(PathBuf::from(value())),
             "--no-trace" => o.no_trace = true,
             "--trace-case" => o.trace_case = true,
+            "--bare-only" => o.bare_only = true,
             // `cargo bench` passes `--bench`; other unknown flags are ignored too.
             _ => {}
         }
@@ -143,8 +148,9 @@ fn short(n: u64) -> String {
 }
 
 /// Bytes per entry of library `lib` (`ours`/`dynamo`), `front` or bare, on the case
-/// named by `spec`; run in a fresh child process.
-fn memory(spec: &[String], blocks: u64) -> [f64; 5] {
+/// named by `spec`; run in a fresh child process (the fronts are skipped, NaN, when
+/// `bare_only`).
+fn memory(spec: &[String], blocks: u64, bare_only: bool) -> [f64; 5] {
     let exe = std::env::current_exe().expect("own path");
     let mut out = [0.0; 5];
     for (i, (lib, kind)) in [
@@ -157,6 +163,10 @@ fn memory(spec: &[String], blocks: u64) -> [f64; 5] {
     .into_iter()
     .enumerate()
     {
+        if bare_only && kind == "front" {
+            out[i] = f64::NAN;
+            continue;
+        }
         let child = std::process::Command::new(&exe)
             .args(["--memory-one", lib, kind])
             .args(spec)
@@ -245,12 +255,17 @@ fn measure(case: Case, spec: Vec<String>, o: &Options) -> Column {
     let (mut ours, mut dynamo, mut single) = (Vec::new(), Vec::new(), Vec::new());
     let mut wrong = [Wrong::default(), Wrong::default(), Wrong::default()];
     for r in 0..o.rounds {
-        ours.push(round::<Ours>(&case, &o.floods, &rt, &mut wrong[0]));
-        dynamo.push(round::<Dynamo>(&case, &o.floods, &rt, &mut wrong[1]));
+        if o.bare_only {
+            ours.push(bare::<Ours>(&case, &mut wrong[0]));
+            dynamo.push(bare::<Dynamo>(&case, &mut wrong[1]));
+        } else {
+            ours.push(round::<Ours>(&case, &o.floods, &rt, &mut wrong[0]));
+            dynamo.push(round::<Dynamo>(&case, &o.floods, &rt, &mut wrong[1]));
+        }
         single.push(bare::<DynamoSingle>(&case, &mut wrong[2]));
         eprintln!("  round {} done", r + 1);
     }
-    let memory = memory(&spec, case.blocks);
+    let memory = memory(&spec, case.blocks, o.bare_only);
     Column {
         name: case.name,
         ours,
@@ -316,5 +331,6 @@ fn main() {
         },
         o.rounds
     );
-    table::print(&columns, &o.floods);
+    let floods: &[Flood] = if o.bare_only { &[] } else { &o.floods };
+    table::print(&columns, floods, o.bare_only);
 }

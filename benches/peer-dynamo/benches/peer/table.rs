@@ -57,8 +57,9 @@ fn memory_row(columns: &[Column], name: &str, ours: usize, theirs: usize) {
     println!();
 }
 
-/// Prints the table of `columns`, measured under `floods`.
-pub fn print(columns: &[Column], floods: &[Flood]) {
+/// Prints the table of `columns`, measured under `floods` (only the bare-tree rows
+/// when `bare_only`).
+pub fn print(columns: &[Column], floods: &[Flood], bare_only: bool) {
     print!("| figure |");
     for c in columns {
         print!(" {} |", c.name);
@@ -73,11 +74,19 @@ pub fn print(columns: &[Column], floods: &[Flood]) {
     row(columns, apply, con, |f| f.apply, millions);
     let apply1 = "apply, bare tree, vs Dynamo's single-threaded RadixTree (higher is better)";
     row(columns, apply1, single, |f| f.apply, millions);
+    let cpu = "apply, bare tree, per second on a CPU (higher is better)";
+    row(columns, cpu, con, |f| f.apply_cpu, millions);
+    let cpu1 = "apply, bare tree, per second on a CPU, vs Dynamo's RadixTree";
+    row(columns, cpu1, single, |f| f.apply_cpu, millions);
     row(columns, "query p50, bare tree", con, |f| f.bare_p50, micros);
     let p50 = "query p50, bare tree, vs Dynamo's RadixTree";
     row(columns, p50, single, |f| f.bare_p50, micros);
     memory_row(columns, "RSS bytes per entry, bare tree", 0, 1);
     memory_row(columns, "RSS bytes per entry, vs Dynamo's RadixTree", 0, 4);
+    if bare_only {
+        wrong_rows(columns);
+        return;
+    }
     memory_row(columns, "RSS bytes per entry, production front", 2, 3);
     let ingest = "bulk ingest via the front, 2 threads, blocks/s (higher is better)";
     row(columns, ingest, con, |f| f.ingest, millions);
@@ -115,6 +124,11 @@ pub fn print(columns: &[Column], floods: &[Flood]) {
         }
         println!();
     }
+    wrong_rows(columns);
+}
+
+/// The wrong-answer row, and up to three examples per library on stderr.
+fn wrong_rows(columns: &[Column]) {
     print!("| wrong answers (ours / Dynamo's / Dynamo's RadixTree, of all checked) |");
     for c in columns {
         let [a, b, s] = &c.wrong;
