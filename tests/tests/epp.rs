@@ -13,7 +13,7 @@ mod envoy;
 #[allow(dead_code)]
 mod fixture;
 
-use envoy::{Envoy, Picked};
+use envoy::{Envoy, Mode, Picked};
 use fixture::{BLOCK, MODEL, model_dir, registration};
 use integration_tests::{FakeWorker, TestCluster, eventually, register_worker};
 use kv_epp::Epp;
@@ -102,8 +102,20 @@ impl EppStack {
     }
 
     async fn open(&self, body: &serde_json::Value, subset: Option<&[String]>) -> (Envoy, Picked) {
-        let mut envoy = Envoy::open(self.epp.grpc_addr(), "/v1/completions", subset).await;
-        envoy.body(body.to_string().as_bytes(), 3).await;
+        self.open_in(Mode::FullDuplex, body, 3, subset).await
+    }
+
+    /// A stream in body mode `mode` sending `body` in `chunks` chunks, and the pick.
+    async fn open_in(
+        &self,
+        mode: Mode,
+        body: &serde_json::Value,
+        chunks: usize,
+        subset: Option<&[String]>,
+    ) -> (Envoy, Picked) {
+        let addr = self.epp.grpc_addr();
+        let mut envoy = Envoy::open(addr, mode, "/v1/completions", subset).await;
+        envoy.body(body.to_string().as_bytes(), chunks).await;
         let picked = envoy.picked().await;
         (envoy, picked)
     }
@@ -260,6 +272,79 @@ async fn bad_and_oversized_bodies_are_refused_before_routing() {
         matches!(picked, Picked::Refused { status: 404, .. }),
         "{picked:?}"
     );
+    assert_eq!(stack.booked(), 0);
+    stack.stop().await;
+}
+
+/// `STREAMED` with the body sent without waiting for the headers' answer: the pick
+/// sees the whole prompt (both requests continuing the held prefix land on its pod),
+/// each of the five chunks gets its own answer and reaches upstream unchanged, the
+/// response chunks pass with empty answers, and every booking is freed.
+#[tokio::test]
+async fn streamed_mode_picks_on_the_prefix_and_answers_chunk_by_chunk() {
+    let (stack, body) = three_workers_the_second_holding_the_prefix().await;
+    for _ in 0..2 {
+        let (mut envoy, picked) = stack.open_in(Mode::Streamed, &body, 5, None).await;
+        assert_eq!(endpoint(&picked), pod(2));
+        let Picked::Endpoint { body: upstream, .. } = &picked else {
+            unreachable!()
+        };
+        assert_eq!(
+            upstream,
+            &body.to_string().into_bytes(),
+            "chunks pass whole"
+        );
+        assert_eq!(stack.booked(), 1, "the pick holds a booking");
+        envoy.response_headers(&pod(2)).await;
+        envoy.response_chunk(b"data: {}\n\n", false).await;
+        envoy.response_chunk(b"data: [DONE]\n\n", true).await;
+        stack.no_booking_left().await;
+    }
+    stack.stop().await;
+}
+
+/// `STREAMED`: a small body is picked, an oversized one is 413, one stalled mid-body
+/// is 408 after the configured 300 ms, and a stream aborted mid-response frees its
+/// booking. `STREAMED` without sending the body early cannot be picked on: 500 at once.
+#[tokio::test]
+async fn streamed_mode_bounds_the_body_and_frees_aborted_streams() {
+    let flags = ["--max-body-bytes", "1024", "--body-timeout-ms", "300"];
+    let stack = EppStack::start(1, |_| {}, &flags).await;
+    let addr = stack.epp.grpc_addr();
+    let (mut envoy, picked) = stack
+        .open_in(Mode::Streamed, &completion(&[1, 2, 3]), 2, None)
+        .await;
+    assert_eq!(endpoint(&picked), pod(1));
+    envoy.response_headers(&pod(1)).await;
+    envoy.response_chunk(b"data: {}\n\n", false).await;
+    assert_eq!(stack.booked(), 1);
+    // The client goes away mid-answer: the proxy cancels the stream.
+    drop(envoy);
+    stack.no_booking_left().await;
+
+    let big = completion(&(0..400).collect::<Vec<u32>>());
+    let (_big, picked) = stack.open_in(Mode::Streamed, &big, 4, None).await;
+    assert!(
+        matches!(picked, Picked::Refused { status: 413, .. }),
+        "{picked:?}"
+    );
+
+    let mut stalled = Envoy::open(addr, Mode::Streamed, "/v1/completions", None).await;
+    assert!(stalled.chunk(br#"{"model": "#, false).await);
+    let picked = stalled.picked().await;
+    assert!(
+        matches!(picked, Picked::Refused { status: 408, .. }),
+        "{picked:?}"
+    );
+
+    let mut waiting = Envoy::open(addr, Mode::StreamedWaiting, "/v1/completions", None).await;
+    match waiting.picked().await {
+        Picked::Refused { status, body } => {
+            assert_eq!(status, 500, "{body}");
+            assert!(body.contains("send_body_without_waiting"), "{body}");
+        }
+        other => panic!("a body the pick cannot see is refused: {other:?}"),
+    }
     assert_eq!(stack.booked(), 0);
     stack.stop().await;
 }
