@@ -156,7 +156,12 @@ fn endpoint(picked: &Picked) -> &str {
 
 /// Three workers; worker 2 holds a long prefix; a request continuing it.
 async fn three_workers_the_second_holding_the_prefix() -> (EppStack, serde_json::Value) {
-    let mut stack = EppStack::start(3, |_| {}, &[]).await;
+    three_workers_holding_the_prefix_with(&[]).await
+}
+
+/// [`three_workers_the_second_holding_the_prefix`], the picker started with `flags`.
+async fn three_workers_holding_the_prefix_with(flags: &[&str]) -> (EppStack, serde_json::Value) {
+    let mut stack = EppStack::start(3, |_| {}, flags).await;
     let prefix = long_prefix();
     stack.hold(2, &prefix).await;
     (stack, completion(&integration_tests::continued(&prefix)))
@@ -354,6 +359,33 @@ async fn streamed_mode_bounds_the_body_and_frees_aborted_streams() {
 /// booking is left after either.
 #[tokio::test]
 async fn envoys_own_python_types_drive_the_picker() {
+    let (stack, body) = three_workers_the_second_holding_the_prefix().await;
+    let seen = python_drives(&stack, &body, "full_duplex").await;
+    assert!(seen.get("oversized").is_none(), "{seen}");
+    stack.stop().await;
+}
+
+/// The Python client in `STREAMED` mode: both streams as above with each chunk
+/// answered on its own, a body four times over `--max-body-bytes` is 413 and one
+/// stalled after its first chunk is 408 after the configured 300 ms.
+#[tokio::test]
+async fn envoys_own_python_types_drive_the_picker_in_streamed_mode() {
+    // The request body is about 850 bytes: four times over is past 1500.
+    let flags = ["--max-body-bytes", "1500", "--body-timeout-ms", "300"];
+    let (stack, body) = three_workers_holding_the_prefix_with(&flags).await;
+    let seen = python_drives(&stack, &body, "streamed").await;
+    assert_eq!(seen["oversized"]["status"], 413, "{seen}");
+    assert_eq!(seen["stalled"]["status"], 408, "{seen}");
+    stack.stop().await;
+}
+
+/// Runs `python/epp_client.py` in body mode `mode` against `stack` with `body` and
+/// the subset {pod 1, pod 3}; checks both picked streams and that no booking is left.
+async fn python_drives(
+    stack: &EppStack,
+    body: &serde_json::Value,
+    mode: &str,
+) -> serde_json::Value {
     let python = integration_tests::python::venv(
         env!("CARGO_TARGET_TMPDIR"),
         "kv-router-xds",
@@ -362,12 +394,10 @@ async fn envoys_own_python_types_drive_the_picker() {
     )
     .await;
     let script = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("python/epp_client.py");
-    let (stack, body) = three_workers_the_second_holding_the_prefix().await;
     let addr = stack.epp.grpc_addr().to_string();
     let subset = format!("{},{}", pod(1), pod(3));
-    let seen =
-        integration_tests::python::run_json(&python, &script, &[&addr, &body.to_string(), &subset])
-            .await;
+    let args = [addr.as_str(), &body.to_string(), &subset, mode];
+    let seen = integration_tests::python::run_json(&python, &script, &args).await;
     for stream in ["full", "aborted"] {
         let picked = &seen[stream];
         let header = picked["header"]
@@ -381,7 +411,7 @@ async fn envoys_own_python_types_drive_the_picker() {
     }
     stack.no_booking_left().await;
     assert_eq!(stack.epp.metrics().picks("picked"), 2);
-    stack.stop().await;
+    seen
 }
 
 /// gRPC health as kubelet and the proxy ask it: liveness always; readiness and the
