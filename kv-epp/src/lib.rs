@@ -22,11 +22,14 @@
 //!   fallbacks.
 //! - [`rebook`]: the booking of a picked request, moved when the proxy served an
 //!   alternate.
+//! - `body_mode`: the proxy's body modes (`FULL_DUPLEX_STREAMED`, `STREAMED`) and
+//!   how each one's body messages are answered.
 //! - [`wire`]: reading Envoy's messages and building its answers.
 //! - [`pods`]: pod `ip:port` ↔ worker id, from the registrations' engine URLs.
 //! - [`health`]: the gRPC health service.
 //! - [`metrics`]: the picker's Prometheus metrics (`kv_epp_*`).
 
+mod body_mode;
 pub mod config;
 pub mod health;
 pub mod metrics;

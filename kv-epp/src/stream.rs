@@ -1,10 +1,11 @@
-//! One ext_proc stream: one HTTP request as the proxy sees it. The proxy runs the
-//! filter in `FULL_DUPLEX_STREAMED` body mode (the protocol's): it sends the request
-//! headers, then the body in chunks, and waits for nothing until the picker answers
-//! the headers. The picker buffers the body (up to `--max-body-bytes`, else 413),
-//! and at its last chunk tokenizes and routes it, answers the headers with the pick
-//! and hands the body back unchanged; or answers the whole request itself
-//! (`ImmediateResponse`: 400, 413, 429, 503, 504). The response then passes through:
+//! One ext_proc stream: one HTTP request as the proxy sees it. The proxy sends the
+//! request headers, then the body in chunks, and waits for nothing until the picker
+//! answers the headers (`FULL_DUPLEX_STREAMED`, the protocol's body mode, or
+//! `STREAMED` sending the body without waiting: [`crate::body_mode`]). The picker
+//! buffers the body (up to `--max-body-bytes`, else 413), and at its last chunk
+//! tokenizes and routes it, answers the headers with the pick and passes the body on
+//! unchanged as the body mode asks; or answers the whole request itself
+//! (`ImmediateResponse`: 400, 413, 429, 500, 503, 504). The response then passes through:
 //! the first response body chunk is the first token (`prefill_done`), and the stream
 //! ending on any path — response end, the proxy closing or dropping the stream, an
 //! error, a deadline — drops the [`Booking`], which sends `freed`.
@@ -13,6 +14,7 @@
 //! `--body-timeout-ms`, the whole stream by the gateway's `--request-timeout-s`, and
 //! each answer sent by the same stream deadline.
 
+use crate::body_mode::Modes;
 use crate::config::StreamLimits;
 use crate::metrics::EppMetrics;
 use crate::pick::{self, Pick};
@@ -73,6 +75,7 @@ impl ExternalProcessor for Picker {
             picker: self.clone(),
             tx,
             deadline: Instant::now() + self.limits.stream_timeout,
+            modes: Modes::default(),
         };
         tokio::spawn(stream.run(inbound));
         let answers = futures::stream::poll_fn(move |cx| rx.poll_recv(cx));
@@ -90,6 +93,8 @@ enum Phase {
         headers: axum::http::HeaderMap,
         subset: Option<Vec<String>>,
         body: Vec<u8>,
+        /// Body messages received (a per-chunk mode answers each).
+        chunks: usize,
     },
     /// Picked: the response passes through.
     Picked { pick: Box<Pick>, first_chunk: bool },
@@ -101,10 +106,12 @@ struct Stream {
     picker: Picker,
     tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
     deadline: Instant,
+    /// The body modes, from the proxy's first message.
+    modes: Modes,
 }
 
 impl Stream {
-    async fn run(self, mut inbound: Streaming<ProcessingRequest>) {
+    async fn run(mut self, mut inbound: Streaming<ProcessingRequest>) {
         let metrics = self.picker.metrics.clone();
         metrics.stream_open(1);
         let mut phase = Phase::Start;
@@ -134,6 +141,16 @@ impl Stream {
                     break;
                 }
             };
+            if matches!(phase, Phase::Start) {
+                match Modes::of(message.protocol_config.as_ref()) {
+                    Ok(modes) => self.modes = modes,
+                    Err(e) => {
+                        warn!(error = %e.message, "unsupported ext_proc body mode");
+                        let _ = self.refuse(&e, Instant::now()).await;
+                        break;
+                    }
+                }
+            }
             // A failed step dropped its phase (and booking) already.
             match self.step(phase, message).await {
                 Ok(next) => phase = next,
@@ -178,6 +195,7 @@ impl Stream {
                     headers,
                     subset,
                     body: Vec::new(),
+                    chunks: 0,
                 })
             }
             (
@@ -186,6 +204,7 @@ impl Stream {
                     headers,
                     subset,
                     mut body,
+                    chunks,
                 },
                 Request::RequestBody(chunk),
             ) => {
@@ -194,15 +213,17 @@ impl Stream {
                     return self.refuse(&ApiError::too_large(max), Instant::now()).await;
                 }
                 body.extend_from_slice(&chunk.body);
+                let chunks = chunks + 1;
                 if !chunk.end_of_stream {
                     return Ok(Phase::Body {
                         kind,
                         headers,
                         subset,
                         body,
+                        chunks,
                     });
                 }
-                self.pick(kind, &headers, subset, body).await
+                self.pick(kind, &headers, subset, (body, chunks)).await
             }
             (phase @ Phase::Picked { .. }, Request::RequestTrailers(_)) => {
                 self.send(wire::trailers(false)).await?;
@@ -231,7 +252,7 @@ impl Stream {
                     pick.held.prefill_done();
                 }
                 let end = chunk.end_of_stream;
-                self.send(wire::response_body(chunk.body, end)).await?;
+                self.send(self.modes.response_body(chunk.body, end)).await?;
                 if end {
                     pick.held.free();
                     return Ok(Phase::Done);
@@ -252,7 +273,7 @@ impl Stream {
             }
             (Phase::Done, Request::ResponseBody(chunk)) => {
                 let end = chunk.end_of_stream;
-                self.send(wire::response_body(chunk.body, end)).await?;
+                self.send(self.modes.response_body(chunk.body, end)).await?;
                 Ok(Phase::Done)
             }
             (Phase::Done, Request::ResponseTrailers(_)) => {
@@ -275,14 +296,14 @@ impl Stream {
         Ok(Phase::Done)
     }
 
-    /// Tokenizes and routes the whole body; answers the headers with the pick and
-    /// hands the body back.
+    /// Tokenizes and routes the whole body (received in `chunks` messages); answers
+    /// the headers with the pick and passes the body on.
     async fn pick(
         &self,
         kind: Option<BodyKind>,
         headers: &axum::http::HeaderMap,
         subset: Option<Vec<String>>,
-        body: Vec<u8>,
+        (body, chunks): (Vec<u8>, usize),
     ) -> Result<Phase, ()> {
         let started = Instant::now();
         let flow = &self.picker.flow;
@@ -303,7 +324,9 @@ impl Stream {
         };
         self.picker.metrics.picked("picked", started.elapsed());
         self.send(wire::picked(&pick.endpoints, &extra)).await?;
-        self.send(wire::request_body(body, true)).await?;
+        for answer in self.modes.request_body(body, chunks) {
+            self.send(answer).await?;
+        }
         Ok(Phase::Picked {
             pick: Box::new(pick),
             first_chunk: true,

@@ -2,12 +2,14 @@
 //! `docs/benchmarks.md`.
 //!
 //! ```sh
+//! cargo build --release -p kv-router
 //! cargo run --release -p integration-tests --example epp_bench -- [OPTIONS]
 //! ```
 //!
-//! It starts nats-server and etcd on free loopback ports and, in this process, the
-//! router daemon, `--workers` registered workers (pod addresses nobody listens on:
-//! the picker never forwards) and the picker. `--concurrency` clients, each with one
+//! It starts nats-server and etcd on free loopback ports; in this process the router
+//! daemon and `--workers` registered workers (pod addresses nobody listens on: the
+//! picker never forwards); and the picker as its own process, the release
+//! `kv-router epp` (`KV_ROUTER_BIN`, default `target/release/kv-router`). `--concurrency` clients, each with one
 //! stream at a time over one shared HTTP/2 connection (as Envoy multiplexes its ext_proc
 //! streams), play the proxy's part for `--seconds`: request headers, the body of a
 //! completion of `--prompt-tokens` fresh random token ids (no tokenization, no cache
@@ -15,10 +17,10 @@
 //! body chunk ending the stream (which frees the booking).
 //!
 //! **Added latency** is what a proxy waits before it can forward: from sending the
-//! request headers to receiving the pick and the body handed back. **CPU per request**
-//! is the CPU time (utime + stime, `/proc/PID/stat`) of this process and its children
-//! (picker, daemon, the driving clients, nats-server, etcd) over the phase, divided by
-//! the requests: an upper bound on the picker's share.
+//! request headers to receiving the pick and the body handed back. **Picker CPU per
+//! request** is the picker process's CPU time (utime + stime, `/proc/PID/stat`) over
+//! the phase, divided by the requests; **the rest** is the same for this process and
+//! its other children (daemon, the driving clients, nats-server, etcd).
 
 use bench_workload::{latencies, quantile_ms};
 use clap::Parser;
@@ -206,44 +208,46 @@ async fn main() -> anyhow::Result<()> {
             register_worker(&mut cluster.etcd, &cluster.subjects, &registration, 30).await?;
         workers.push(FakeWorker::publisher(WorkerId(n), lease));
     }
-    let epp = cluster.start_epp(MODEL, &dir, &[]).await?;
-    integration_tests::eventually(
-        "the picker knows the workers",
-        Duration::from_secs(15),
-        || {
-            let known = epp.workers().len();
-            async move { (known == args.workers as usize).then_some(()) }
-        },
-    )
-    .await?;
+    let epp = cluster.spawn_epp(MODEL, &dir, &[]).await?;
     let client = ExternalProcessorClient::connect(format!("http://{}", epp.grpc_addr())).await?;
+    // Picked once the picker knows a worker (503 until then).
+    let mut seed = 1;
+    integration_tests::eventually("the picker to pick", Duration::from_secs(15), || {
+        let request = one(client.clone(), body(&mut seed, 8));
+        async move { request.await.ok() }
+    })
+    .await?;
     println!(
         "{} workers, prompts of {} token ids, 2 body chunks, {} s per phase; \
-         clients, picker, daemon share this process",
+         the picker is its own process, clients and daemon share this one",
         args.workers, args.prompt_tokens, args.seconds
     );
     // Warm-up: connections, allocators, the daemon's index.
     phase(&client, 4, 2, args.prompt_tokens).await;
-    println!("| streams in flight | requests/s | added p50 / p99 (ms) | CPU per request (µs) |");
-    println!("|---:|---:|---|---:|");
+    println!(
+        "| streams in flight | requests/s | added p50 / p99 (ms) | picker CPU per request (µs) | the rest (µs) |"
+    );
+    println!("|---:|---:|---|---:|---:|");
     for &concurrency in &args.concurrency {
-        let cpu0 = cpu_seconds();
+        let (all0, picker0) = (cpu_seconds(), epp.cpu_seconds()?);
         let started = Instant::now();
         let samples = phase(&client, concurrency, args.seconds, args.prompt_tokens).await;
         let wall = started.elapsed().as_secs_f64();
-        let cpu = cpu_seconds() - cpu0;
+        let picker = epp.cpu_seconds()? - picker0;
+        let rest = cpu_seconds() - all0 - picker;
         let n = samples.len().max(1) as f64;
         let h = latencies(samples.iter().copied());
         println!(
-            "| {concurrency} | {:.0} | {:.3} / {:.3} | {:.0} |",
+            "| {concurrency} | {:.0} | {:.3} / {:.3} | {:.0} | {:.0} |",
             n / wall,
             quantile_ms(&h, 0.5),
             quantile_ms(&h, 0.99),
-            cpu * 1e6 / n
+            picker * 1e6 / n,
+            rest * 1e6 / n
         );
     }
     drop(workers);
-    epp.shutdown().await;
+    drop(epp);
     daemon.shutdown().await?;
     Ok(())
 }

@@ -12,6 +12,25 @@ use testbed::{Echo, ManagedProcess, free_port};
 /// The binary the tools run unless `KV_ROUTER_BIN` names another.
 pub const DEFAULT_BIN: &str = "target/release/kv-router";
 
+/// Starts `command` (running the binary `bin`) as the child `name`; returns it and
+/// its pid once it logs "`name` ready" (within 60 s).
+///
+/// # Errors
+/// When the binary cannot start or does not become ready.
+pub async fn spawn_ready(
+    name: &str,
+    bin: &str,
+    command: std::process::Command,
+) -> anyhow::Result<(ManagedProcess, u32)> {
+    let mut process = ManagedProcess::spawn(name, command, Echo::Quiet)
+        .with_context(|| format!("starting {bin} (build it with cargo build --release)"))?;
+    process
+        .wait_for_line(&format!("{name} ready"), Duration::from_secs(60))
+        .await?;
+    let pid = process.id().with_context(|| format!("{name} has no pid"))?;
+    Ok((process, pid))
+}
+
 /// A running `kv-router serve` child with its HTTP endpoint.
 pub struct ChildDaemon {
     process: ManagedProcess,
@@ -56,12 +75,7 @@ impl ChildDaemon {
                 "off",
             ])
             .args(extra);
-        let mut process = ManagedProcess::spawn("kv-router", command, Echo::Quiet)
-            .with_context(|| format!("starting {bin} (build it with cargo build --release)"))?;
-        process
-            .wait_for_line("kv-router ready", Duration::from_secs(60))
-            .await?;
-        let pid = process.id().context("daemon has no pid")?;
+        let (process, pid) = spawn_ready("kv-router", &bin, command).await?;
         Ok(Self {
             process,
             pid,

@@ -9,11 +9,13 @@
 
 #[path = "epp/envoy.rs"]
 mod envoy;
+#[path = "epp/fallbacks.rs"]
+mod fallbacks;
 #[path = "gateway/fixture.rs"]
 #[allow(dead_code)]
 mod fixture;
 
-use envoy::{Envoy, Picked};
+use envoy::{Envoy, Mode, Picked};
 use fixture::{BLOCK, MODEL, model_dir, registration};
 use integration_tests::{FakeWorker, TestCluster, eventually, register_worker};
 use kv_epp::Epp;
@@ -102,8 +104,20 @@ impl EppStack {
     }
 
     async fn open(&self, body: &serde_json::Value, subset: Option<&[String]>) -> (Envoy, Picked) {
-        let mut envoy = Envoy::open(self.epp.grpc_addr(), "/v1/completions", subset).await;
-        envoy.body(body.to_string().as_bytes(), 3).await;
+        self.open_in(Mode::FullDuplex, body, 3, subset).await
+    }
+
+    /// A stream in body mode `mode` sending `body` in `chunks` chunks, and the pick.
+    async fn open_in(
+        &self,
+        mode: Mode,
+        body: &serde_json::Value,
+        chunks: usize,
+        subset: Option<&[String]>,
+    ) -> (Envoy, Picked) {
+        let addr = self.epp.grpc_addr();
+        let mut envoy = Envoy::open(addr, mode, "/v1/completions", subset).await;
+        envoy.body(body.to_string().as_bytes(), chunks).await;
         let picked = envoy.picked().await;
         (envoy, picked)
     }
@@ -151,7 +165,12 @@ fn endpoint(picked: &Picked) -> &str {
 
 /// Three workers; worker 2 holds a long prefix; a request continuing it.
 async fn three_workers_the_second_holding_the_prefix() -> (EppStack, serde_json::Value) {
-    let mut stack = EppStack::start(3, |_| {}, &[]).await;
+    three_workers_holding_the_prefix_with(&[]).await
+}
+
+/// [`three_workers_the_second_holding_the_prefix`], the picker started with `flags`.
+async fn three_workers_holding_the_prefix_with(flags: &[&str]) -> (EppStack, serde_json::Value) {
+    let mut stack = EppStack::start(3, |_| {}, flags).await;
     let prefix = long_prefix();
     stack.hold(2, &prefix).await;
     (stack, completion(&integration_tests::continued(&prefix)))
@@ -271,11 +290,111 @@ async fn bad_and_oversized_bodies_are_refused_before_routing() {
     stack.stop().await;
 }
 
+/// `STREAMED` with the body sent without waiting for the headers' answer: the pick
+/// sees the whole prompt (both requests continuing the held prefix land on its pod),
+/// each of the five chunks gets its own answer and reaches upstream unchanged, the
+/// response chunks pass with empty answers, and every booking is freed.
+#[tokio::test]
+async fn streamed_mode_picks_on_the_prefix_and_answers_chunk_by_chunk() {
+    let (stack, body) = three_workers_the_second_holding_the_prefix().await;
+    for _ in 0..2 {
+        let (mut envoy, picked) = stack.open_in(Mode::Streamed, &body, 5, None).await;
+        assert_eq!(endpoint(&picked), pod(2));
+        let Picked::Endpoint { body: upstream, .. } = &picked else {
+            unreachable!()
+        };
+        assert_eq!(
+            upstream,
+            &body.to_string().into_bytes(),
+            "chunks pass whole"
+        );
+        assert_eq!(stack.booked(), 1, "the pick holds a booking");
+        envoy.response_headers(&pod(2)).await;
+        envoy.response_chunk(b"data: {}\n\n", false).await;
+        envoy.response_chunk(b"data: [DONE]\n\n", true).await;
+        stack.no_booking_left().await;
+    }
+    stack.stop().await;
+}
+
+/// `STREAMED`: a small body is picked, an oversized one is 413, one stalled mid-body
+/// is 408 after the configured 300 ms, and a stream aborted mid-response frees its
+/// booking. `STREAMED` without sending the body early cannot be picked on: 500 at once.
+#[tokio::test]
+async fn streamed_mode_bounds_the_body_and_frees_aborted_streams() {
+    let flags = ["--max-body-bytes", "1024", "--body-timeout-ms", "300"];
+    let stack = EppStack::start(1, |_| {}, &flags).await;
+    let addr = stack.epp.grpc_addr();
+    let (mut envoy, picked) = stack
+        .open_in(Mode::Streamed, &completion(&[1, 2, 3]), 2, None)
+        .await;
+    assert_eq!(endpoint(&picked), pod(1));
+    envoy.response_headers(&pod(1)).await;
+    envoy.response_chunk(b"data: {}\n\n", false).await;
+    assert_eq!(stack.booked(), 1);
+    // The client goes away mid-answer: the proxy cancels the stream.
+    drop(envoy);
+    stack.no_booking_left().await;
+
+    let big = completion(&(0..400).collect::<Vec<u32>>());
+    let (_big, picked) = stack.open_in(Mode::Streamed, &big, 4, None).await;
+    assert!(
+        matches!(picked, Picked::Refused { status: 413, .. }),
+        "{picked:?}"
+    );
+
+    let mut stalled = Envoy::open(addr, Mode::Streamed, "/v1/completions", None).await;
+    assert!(stalled.chunk(br#"{"model": "#, false).await);
+    let picked = stalled.picked().await;
+    assert!(
+        matches!(picked, Picked::Refused { status: 408, .. }),
+        "{picked:?}"
+    );
+
+    let mut waiting = Envoy::open(addr, Mode::StreamedWaiting, "/v1/completions", None).await;
+    match waiting.picked().await {
+        Picked::Refused { status, body } => {
+            assert_eq!(status, 500, "{body}");
+            assert!(body.contains("send_body_without_waiting"), "{body}");
+        }
+        other => panic!("a body the pick cannot see is refused: {other:?}"),
+    }
+    assert_eq!(stack.booked(), 0);
+    stack.stop().await;
+}
+
 /// The same exchange from Python, with Envoy's message types from PyPI `xds-protos`
 /// over `grpcio`: a full exchange inside the subset hint and an abandoned stream; no
 /// booking is left after either.
 #[tokio::test]
 async fn envoys_own_python_types_drive_the_picker() {
+    let (stack, body) = three_workers_the_second_holding_the_prefix().await;
+    let seen = python_drives(&stack, &body, "full_duplex").await;
+    assert!(seen.get("oversized").is_none(), "{seen}");
+    stack.stop().await;
+}
+
+/// The Python client in `STREAMED` mode: both streams as above with each chunk
+/// answered on its own, a body four times over `--max-body-bytes` is 413 and one
+/// stalled after its first chunk is 408 after the configured 300 ms.
+#[tokio::test]
+async fn envoys_own_python_types_drive_the_picker_in_streamed_mode() {
+    // The request body is about 850 bytes: four times over is past 1500.
+    let flags = ["--max-body-bytes", "1500", "--body-timeout-ms", "300"];
+    let (stack, body) = three_workers_holding_the_prefix_with(&flags).await;
+    let seen = python_drives(&stack, &body, "streamed").await;
+    assert_eq!(seen["oversized"]["status"], 413, "{seen}");
+    assert_eq!(seen["stalled"]["status"], 408, "{seen}");
+    stack.stop().await;
+}
+
+/// Runs `python/epp_client.py` in body mode `mode` against `stack` with `body` and
+/// the subset {pod 1, pod 3}; checks both picked streams and that no booking is left.
+async fn python_drives(
+    stack: &EppStack,
+    body: &serde_json::Value,
+    mode: &str,
+) -> serde_json::Value {
     let python = integration_tests::python::venv(
         env!("CARGO_TARGET_TMPDIR"),
         "kv-router-xds",
@@ -284,12 +403,10 @@ async fn envoys_own_python_types_drive_the_picker() {
     )
     .await;
     let script = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("python/epp_client.py");
-    let (stack, body) = three_workers_the_second_holding_the_prefix().await;
     let addr = stack.epp.grpc_addr().to_string();
     let subset = format!("{},{}", pod(1), pod(3));
-    let seen =
-        integration_tests::python::run_json(&python, &script, &[&addr, &body.to_string(), &subset])
-            .await;
+    let args = [addr.as_str(), &body.to_string(), &subset, mode];
+    let seen = integration_tests::python::run_json(&python, &script, &args).await;
     for stream in ["full", "aborted"] {
         let picked = &seen[stream];
         let list = picked["header"]
@@ -306,7 +423,7 @@ async fn envoys_own_python_types_drive_the_picker() {
     }
     stack.no_booking_left().await;
     assert_eq!(stack.epp.metrics().picks("picked"), 2);
-    stack.stop().await;
+    seen
 }
 
 /// gRPC health as kubelet and the proxy ask it: liveness always; readiness and the
@@ -348,96 +465,5 @@ async fn grpc_health_and_503_without_workers() {
         assert_eq!(answer, Ok(ServingStatus::Serving), "{service:?}");
     }
     assert_eq!(status(&stack, "other").await, Err(tonic::Code::NotFound));
-    stack.stop().await;
-}
-
-/// The router's booked requests on worker `n` (rank 0).
-fn booked_on(stack: &EppStack, n: u64) -> usize {
-    let rank = WorkerRank::new(WorkerId(n), DpRank(0));
-    stack
-        .daemon
-        .state()
-        .scheduler()
-        .rank_load(rank)
-        .active_requests
-}
-
-#[tokio::test]
-async fn fallbacks_name_the_next_cheapest_pods_after_the_pick() {
-    let (mut stack, body) = three_workers_the_second_holding_the_prefix().await;
-    // Worker 3 holds half of the prefix: the cheapest alternate; worker 1 nothing.
-    let prefix = long_prefix();
-    stack.hold(3, &prefix[..prefix.len() / 2]).await;
-    let (envoy, picked) = stack.open(&body, None).await;
-    assert_eq!(endpoints(&picked), [pod(2), pod(3), pod(1)]);
-    assert_eq!(stack.booked(), 1, "only the primary is booked");
-    assert_eq!(booked_on(&stack, 2), 1);
-    drop(envoy);
-    stack.no_booking_left().await;
-    stack.stop().await;
-    // `--fallbacks 0` names one endpoint.
-    let single = EppStack::start(2, |_| {}, &["--fallbacks", "0"]).await;
-    let (_envoy, picked) = single.open(&completion(&long_prefix()), None).await;
-    assert_eq!(endpoints(&picked).len(), 1, "{picked:?}");
-    single.stop().await;
-}
-
-/// A subset leaving out more workers than a route query may exclude (64) is the
-/// query's eligible set: the pick and its fallbacks stay inside it, even when a pod
-/// outside holds the prompt.
-#[tokio::test]
-async fn a_subset_leaving_out_many_pods_is_honoured() {
-    let mut stack = EppStack::start(100, |_| {}, &[]).await;
-    let prefix = long_prefix();
-    stack.hold(90, &prefix).await;
-    let body = completion(&integration_tests::continued(&prefix));
-    let (outside, picked) = stack.open(&body, None).await;
-    assert_eq!(
-        endpoint(&picked),
-        pod(90),
-        "without a subset the holder wins"
-    );
-    let subset: Vec<String> = (1..=30).map(pod).collect();
-    let (envoy, picked) = stack.open(&body, Some(&subset)).await;
-    let named = endpoints(&picked);
-    assert_eq!(named.len(), 3, "{named:?}");
-    for endpoint in &named {
-        assert!(
-            subset.iter().any(|p| p == endpoint),
-            "{endpoint} is in the subset"
-        );
-    }
-    drop(envoy);
-    drop(outside);
-    stack.no_booking_left().await;
-    stack.stop().await;
-}
-
-/// The proxy retried down the list and reports (in the `envoy.lb` metadata, as the
-/// protocol describes) that another pod served: the booking moves there while the
-/// response streams, and is freed there at the end.
-#[tokio::test]
-async fn the_booking_moves_to_the_pod_the_proxy_served() {
-    let (stack, body) = three_workers_the_second_holding_the_prefix().await;
-    let (mut envoy, picked) = stack.open(&body, None).await;
-    assert_eq!(endpoint(&picked), pod(2));
-    // Worker 3's pod answered (whether the proxy took it from the list or not).
-    let moved_to = 3;
-    envoy.response_headers_served(&pod(moved_to), true).await;
-    envoy.response_chunk(b"data: {}\n\n", false).await;
-    eventually("the booking to move to the served worker", WAIT, || async {
-        (booked_on(&stack, moved_to) == 1 && booked_on(&stack, 2) == 0).then_some(())
-    })
-    .await
-    .unwrap();
-    assert_eq!(stack.booked(), 1, "moved, not copied");
-    assert_eq!(stack.epp.metrics().rebooks("moved"), 1);
-    let text = stack.metrics().await;
-    assert!(
-        text.contains("kv_epp_served_total{served=\"mismatch\"} 1"),
-        "{text}"
-    );
-    envoy.response_chunk(b"data: [DONE]\n\n", true).await;
-    stack.no_booking_left().await;
     stack.stop().await;
 }

@@ -337,7 +337,16 @@ async fn the_kit_is_wired_together() {
         }
     }
     let monitors = of_kind(&objects, "ServiceMonitor");
-    assert_eq!(monitors.len(), 3, "router, gateway, relays");
+    assert_eq!(monitors.len(), 4, "router, gateway, relays, epp");
+    let picker_monitor = find(&objects, "ServiceMonitor", "kv-router-epp");
+    let scraped = &picker_monitor["spec"]["endpoints"][0];
+    assert_eq!(scraped["port"], "metrics");
+    assert_eq!(scraped["path"], "/metrics");
+    // Without the picker, no monitor of it.
+    let full = chart().join("ci/full-values.yaml");
+    let no_picker = render(&full, &["epp.enabled=false"]).expect("renders");
+    assert_eq!(no_picker.matches("kind: ServiceMonitor").count(), 3);
+    assert!(!no_picker.contains("name: kv-router-epp"), "{no_picker}");
     for monitor in monitors {
         assert_eq!(monitor["metadata"]["labels"]["release"], "prometheus");
         let service = services

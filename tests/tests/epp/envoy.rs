@@ -1,14 +1,22 @@
 //! Envoy's half of an ext_proc stream, from Envoy's own API definitions (the
 //! `envoy-types` crate, generated from envoyproxy/data-plane-api): request headers
-//! with the subset hint, the body in streamed chunks (full-duplex streamed mode),
-//! then the response headers with the served endpoint and the response body.
+//! with the subset hint, the body in streamed chunks, then the response headers with
+//! the served endpoint and the response body.
+//!
+//! Two body modes, as Envoy's ext_proc filter runs them: `FULL_DUPLEX_STREAMED` (the
+//! processor hands the body back in `streamed_response`s) and `STREAMED` with
+//! `send_body_without_waiting_for_header_response` (announced in the first message's
+//! `protocol_config`; Envoy queues each chunk it sent and releases it upstream only on
+//! that chunk's own answer, in order, applying the answer's body mutation to it).
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
+use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Message;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as Answer;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse, body_mutation,
+    BodyMutation, HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse,
+    ProtocolConfiguration, body_mutation,
 };
 use envoy_types::pb::google::protobuf::{ListValue, Struct, Value, value::Kind};
 use std::net::SocketAddr;
@@ -17,10 +25,39 @@ use tokio::sync::mpsc;
 
 const WAIT: Duration = Duration::from_secs(15);
 
+/// The filter's body mode, both ways.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// `FULL_DUPLEX_STREAMED`, with no `protocol_config` (as older Envoys send it).
+    FullDuplex,
+    /// `STREAMED` with `send_body_without_waiting_for_header_response: true`.
+    Streamed,
+    /// `STREAMED` alone: Envoy holds the body until the headers are answered.
+    StreamedWaiting,
+}
+
+impl Mode {
+    fn protocol_config(self) -> Option<ProtocolConfiguration> {
+        let streamed = |without_waiting| ProtocolConfiguration {
+            request_body_mode: BodySendMode::Streamed as i32,
+            response_body_mode: BodySendMode::Streamed as i32,
+            send_body_without_waiting_for_header_response: without_waiting,
+        };
+        match self {
+            Self::FullDuplex => None,
+            Self::Streamed => Some(streamed(true)),
+            Self::StreamedWaiting => Some(streamed(false)),
+        }
+    }
+}
+
 /// One stream, as Envoy drives it.
 pub struct Envoy {
     tx: mpsc::Sender<ProcessingRequest>,
     inbound: tonic::Streaming<ProcessingResponse>,
+    mode: Mode,
+    /// Request body chunks sent and not yet answered (`STREAMED`: Envoy's queue).
+    queued: Vec<Vec<u8>>,
 }
 
 /// What the picker answered to the request.
@@ -53,9 +90,9 @@ fn string(s: &str) -> Value {
 }
 
 impl Envoy {
-    /// Opens a stream to the picker at `addr` and sends the request headers of a POST
-    /// to `path`, with the subset hint `subset` when given.
-    pub async fn open(addr: SocketAddr, path: &str, subset: Option<&[String]>) -> Self {
+    /// Opens a stream to the picker at `addr` in body mode `mode` and sends the
+    /// request headers of a POST to `path`, with the subset hint `subset` when given.
+    pub async fn open(addr: SocketAddr, mode: Mode, path: &str, subset: Option<&[String]>) -> Self {
         let mut client = ExternalProcessorClient::connect(format!("http://{addr}"))
             .await
             .expect("the picker accepts gRPC");
@@ -84,7 +121,12 @@ impl Envoy {
                 ..Default::default()
             }
         });
-        let envoy = Self { tx, inbound };
+        let envoy = Self {
+            tx,
+            inbound,
+            mode,
+            queued: Vec::new(),
+        };
         let headers = HttpHeaders {
             headers: Some(HeaderMap {
                 headers: vec![
@@ -101,6 +143,7 @@ impl Envoy {
             .send(ProcessingRequest {
                 metadata_context: metadata,
                 request: Some(Message::RequestHeaders(headers)),
+                protocol_config: mode.protocol_config(),
                 ..Default::default()
             })
             .await;
@@ -112,24 +155,30 @@ impl Envoy {
     }
 
     /// Sends `body` in `chunks` pieces, the last with end_of_stream.
-    pub async fn body(&self, body: &[u8], chunks: usize) {
+    pub async fn body(&mut self, body: &[u8], chunks: usize) {
         let size = body.len().div_ceil(chunks).max(1);
         let pieces: Vec<&[u8]> = body.chunks(size).collect();
         for (i, piece) in pieces.iter().enumerate() {
-            let chunk = HttpBody {
-                body: piece.to_vec(),
-                end_of_stream: i + 1 == pieces.len(),
-                ..Default::default()
-            };
-            let message = ProcessingRequest {
-                request: Some(Message::RequestBody(chunk)),
-                ..Default::default()
-            };
             // The picker may answer (413) and close the stream before the last chunk.
-            if self.tx.send(message).await.is_err() {
+            if !self.chunk(piece, i + 1 == pieces.len()).await {
                 return;
             }
         }
+    }
+
+    /// Sends one request body chunk; false when the stream is gone.
+    pub async fn chunk(&mut self, data: &[u8], end_of_stream: bool) -> bool {
+        let chunk = HttpBody {
+            body: data.to_vec(),
+            end_of_stream,
+            ..Default::default()
+        };
+        let message = ProcessingRequest {
+            request: Some(Message::RequestBody(chunk)),
+            ..Default::default()
+        };
+        self.queued.push(data.to_vec());
+        self.tx.send(message).await.is_ok()
     }
 
     /// The picker's next message.
@@ -173,19 +222,7 @@ impl Envoy {
                 else {
                     panic!("the endpoint metadata is a string");
                 };
-                let body = match self.next().await {
-                    Answer::RequestBody(body) => {
-                        let mutation = body.response.and_then(|r| r.body_mutation);
-                        match mutation.and_then(|m| m.mutation) {
-                            Some(body_mutation::Mutation::StreamedResponse(s)) => {
-                                assert!(s.end_of_stream, "the body is echoed whole");
-                                s.body
-                            }
-                            other => panic!("the body is streamed back: {other:?}"),
-                        }
-                    }
-                    other => panic!("the body follows the headers: {other:?}"),
-                };
+                let body = self.upstream_body().await;
                 Picked::Endpoint {
                     header: find("x-gateway-destination-endpoint").expect("endpoint header"),
                     metadata,
@@ -195,6 +232,34 @@ impl Envoy {
             }
             other => panic!("an answer to the request: {other:?}"),
         }
+    }
+
+    /// The request body as it goes upstream, from the picker's answers to the body.
+    async fn upstream_body(&mut self) -> Vec<u8> {
+        let queued = std::mem::take(&mut self.queued);
+        if self.mode == Mode::FullDuplex {
+            // The processor owns the body: what it streams back is what goes upstream.
+            return match self.next().await {
+                Answer::RequestBody(body) => match streamed(body.response) {
+                    Some(s) => {
+                        assert!(s.end_of_stream, "the body is echoed whole");
+                        s.body
+                    }
+                    None => panic!("the body is streamed back"),
+                },
+                other => panic!("the body follows the headers: {other:?}"),
+            };
+        }
+        // STREAMED: each queued chunk is released by its own answer, in order.
+        let mut upstream = Vec::new();
+        for (i, chunk) in queued.into_iter().enumerate() {
+            let answer = self.next().await;
+            let Answer::RequestBody(body) = answer else {
+                panic!("chunk {i} is answered with a body response: {answer:?}");
+            };
+            upstream.extend(apply(body.response.and_then(|r| r.body_mutation), chunk));
+        }
+        upstream
     }
 
     /// The upstream answered: response headers naming the endpoint `served` (as a
@@ -250,18 +315,42 @@ impl Envoy {
             ..Default::default()
         })
         .await;
-        match self.next().await {
-            Answer::ResponseBody(body) => {
-                let mutation = body.response.and_then(|r| r.body_mutation);
-                match mutation.and_then(|m| m.mutation) {
-                    Some(body_mutation::Mutation::StreamedResponse(s)) => {
-                        assert_eq!(s.body, data);
-                        assert_eq!(s.end_of_stream, end_of_stream);
-                    }
-                    other => panic!("the chunk is streamed back: {other:?}"),
-                }
-            }
-            other => panic!("an answer to the chunk: {other:?}"),
+        let Answer::ResponseBody(body) = self.next().await else {
+            panic!("an answer to the chunk");
+        };
+        if self.mode == Mode::FullDuplex {
+            let s = streamed(body.response).expect("the chunk is streamed back");
+            assert_eq!(s.body, data);
+            assert_eq!(s.end_of_stream, end_of_stream);
+        } else {
+            let passed = apply(body.response.and_then(|r| r.body_mutation), data.to_vec());
+            assert_eq!(passed, data, "the chunk passes unchanged");
         }
+    }
+}
+
+type Common = Option<envoy_types::pb::envoy::service::ext_proc::v3::CommonResponse>;
+
+/// A `FULL_DUPLEX_STREAMED` answer's body.
+fn streamed(
+    common: Common,
+) -> Option<envoy_types::pb::envoy::service::ext_proc::v3::StreamedBodyResponse> {
+    match common?.body_mutation?.mutation? {
+        body_mutation::Mutation::StreamedResponse(s) => Some(s),
+        _ => None,
+    }
+}
+
+/// A `STREAMED` chunk after its answer's body mutation, as Envoy applies it: none
+/// keeps the chunk, `body` replaces it, `clear_body` empties it. A `streamed_response`
+/// belongs to `FULL_DUPLEX_STREAMED` only: a processor sending one here is answering
+/// in the wrong mode.
+fn apply(mutation: Option<BodyMutation>, chunk: Vec<u8>) -> Vec<u8> {
+    match mutation.and_then(|m| m.mutation) {
+        None => chunk,
+        Some(body_mutation::Mutation::Body(body)) => body,
+        Some(body_mutation::Mutation::ClearBody(true)) => Vec::new(),
+        Some(body_mutation::Mutation::ClearBody(false)) => chunk,
+        Some(other) => panic!("a STREAMED chunk answered with {other:?}"),
     }
 }

@@ -1,0 +1,181 @@
+//! The body modes the proxy may run the ext_proc filter in, and how each is answered.
+//!
+//! To pick on the prompt, the picker must see the whole request body before it
+//! answers the request headers: Envoy forwards the headers (and the router filter
+//! chooses the upstream host) as soon as the headers are answered. Which exchanges
+//! allow that, as Envoy's ext_proc filter implements them:
+//!
+//! - `FULL_DUPLEX_STREAMED` (the protocol's mode): body chunks follow the headers
+//!   without waiting for any answer; the processor owns the body and must hand it
+//!   back itself (`streamed_response`), else the upstream gets an empty body. The
+//!   picker answers the headers, then the whole body in one `streamed_response`.
+//! - `STREAMED` with `send_body_without_waiting_for_header_response: true`: chunks
+//!   also follow the headers at once, and the headers stay held until answered; but
+//!   the proxy keeps each chunk queued and expects exactly one `BodyResponse` per
+//!   chunk, in order, each passing its chunk on (an answer without a body mutation
+//!   keeps the chunk as it is). The picker answers the headers with the pick, then
+//!   one empty answer per chunk it received. A `streamed_response` here would not be
+//!   the body's echo: one answer would release only the first chunk (replaced by the
+//!   whole body) and leave the others queued until the proxy's message timeout.
+//! - `STREAMED` alone (and `BUFFERED`, `BUFFERED_PARTIAL`): the proxy sends no body
+//!   until the headers are answered, so the pick could not see the prompt. The picker
+//!   refuses such a stream at once with a 500 naming the filter settings that work,
+//!   rather than waiting for a body that cannot come.
+//!
+//! The proxy names its modes in the first message's `protocol_config` (Envoy 1.34 and
+//! later); without it the protocol's `FULL_DUPLEX_STREAMED` is assumed. The response
+//! body is answered per its own mode: `FULL_DUPLEX_STREAMED` chunks are handed back
+//! (`streamed_response`), any other mode's chunks pass with an empty answer.
+//!
+//! Cost: nothing per chunk beyond the answers the proxy requires; the body is
+//! buffered the same way (up to `--max-body-bytes`) in both supported modes.
+
+use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    BodyResponse, CommonResponse, ProcessingResponse, ProtocolConfiguration,
+    processing_response::Response,
+};
+use kv_gateway::error::ApiError;
+
+/// How the proxy exchanges one direction's body with the picker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BodyMode {
+    /// `FULL_DUPLEX_STREAMED`: the picker hands the body back itself.
+    FullDuplex,
+    /// Any mode where each body message gets one answer that passes its chunk on
+    /// (`STREAMED`, and for responses also `BUFFERED`, `BUFFERED_PARTIAL`).
+    PerChunk,
+}
+
+/// The modes of one stream's request and response bodies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Modes {
+    /// The request body's.
+    pub request: BodyMode,
+    /// The response body's.
+    pub response: BodyMode,
+}
+
+impl Default for Modes {
+    /// The protocol's: full duplex both ways.
+    fn default() -> Self {
+        Self {
+            request: BodyMode::FullDuplex,
+            response: BodyMode::FullDuplex,
+        }
+    }
+}
+
+impl Modes {
+    /// The modes the proxy announced in its first message (`None`: the protocol's).
+    ///
+    /// # Errors
+    /// 500 when the request body mode lets the proxy forward the headers before the
+    /// picker has seen the body (`STREAMED` without
+    /// `send_body_without_waiting_for_header_response`, `BUFFERED`, `NONE`, ...).
+    pub fn of(config: Option<&ProtocolConfiguration>) -> Result<Self, ApiError> {
+        let Some(config) = config else {
+            return Ok(Self::default());
+        };
+        let request = match BodySendMode::try_from(config.request_body_mode) {
+            Ok(BodySendMode::FullDuplexStreamed) => BodyMode::FullDuplex,
+            Ok(BodySendMode::Streamed) if config.send_body_without_waiting_for_header_response => {
+                BodyMode::PerChunk
+            }
+            other => {
+                let mode = other.map_or("an unknown mode", |m| m.as_str_name());
+                return Err(ApiError::internal(format!(
+                    "the ext_proc filter sends the request body in {mode}{}: the proxy would \
+                     forward the request before the picker saw its prompt; set \
+                     request_body_mode FULL_DUPLEX_STREAMED, or STREAMED with \
+                     send_body_without_waiting_for_header_response: true",
+                    if other == Ok(BodySendMode::Streamed) {
+                        " without send_body_without_waiting_for_header_response"
+                    } else {
+                        ""
+                    }
+                )));
+            }
+        };
+        let response = match BodySendMode::try_from(config.response_body_mode) {
+            Ok(BodySendMode::FullDuplexStreamed) => BodyMode::FullDuplex,
+            _ => BodyMode::PerChunk,
+        };
+        Ok(Self { request, response })
+    }
+
+    /// The answers that pass the request body on once the headers are answered:
+    /// `body` is the whole body, received in `chunks` messages.
+    pub fn request_body(self, body: Vec<u8>, chunks: usize) -> Vec<ProcessingResponse> {
+        match self.request {
+            BodyMode::FullDuplex => vec![crate::wire::request_body(body, true)],
+            BodyMode::PerChunk => (0..chunks).map(|_| pass(Response::RequestBody)).collect(),
+        }
+    }
+
+    /// The answer passing one response body chunk on.
+    pub fn response_body(self, body: Vec<u8>, end_of_stream: bool) -> ProcessingResponse {
+        match self.response {
+            BodyMode::FullDuplex => crate::wire::response_body(body, end_of_stream),
+            BodyMode::PerChunk => pass(Response::ResponseBody),
+        }
+    }
+}
+
+/// An answer to one body message that keeps its chunk as it is.
+fn pass(variant: fn(BodyResponse) -> Response) -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(variant(BodyResponse {
+            response: Some(CommonResponse::default()),
+        })),
+        ..ProcessingResponse::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(request: BodySendMode, without_waiting: bool) -> ProtocolConfiguration {
+        ProtocolConfiguration {
+            request_body_mode: request as i32,
+            response_body_mode: BodySendMode::Streamed as i32,
+            send_body_without_waiting_for_header_response: without_waiting,
+        }
+    }
+
+    #[test]
+    fn modes_from_the_protocol_config() {
+        assert_eq!(Modes::of(None).ok(), Some(Modes::default()));
+        let streamed = Modes::of(Some(&config(BodySendMode::Streamed, true))).ok();
+        assert_eq!(
+            streamed,
+            Some(Modes {
+                request: BodyMode::PerChunk,
+                response: BodyMode::PerChunk
+            })
+        );
+        for (mode, waiting) in [
+            (BodySendMode::Streamed, false),
+            (BodySendMode::Buffered, true),
+            (BodySendMode::None, false),
+        ] {
+            let refused = Modes::of(Some(&config(mode, waiting))).err();
+            assert_eq!(refused.map(|e| e.status.as_u16()), Some(500), "{mode:?}");
+        }
+    }
+
+    #[test]
+    fn per_chunk_answers_one_empty_body_response_per_chunk() {
+        let modes = Modes::of(Some(&config(BodySendMode::Streamed, true))).ok();
+        let answers = modes.map(|m| m.request_body(b"abc".to_vec(), 3));
+        let answers = answers.unwrap_or_default();
+        assert_eq!(answers.len(), 3);
+        for answer in answers {
+            let Some(Response::RequestBody(body)) = answer.response else {
+                panic!("a request body answer");
+            };
+            assert_eq!(body.response, Some(CommonResponse::default()));
+        }
+    }
+}
