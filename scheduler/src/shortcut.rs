@@ -145,6 +145,11 @@ impl Scheduler {
             self.touched = touched;
             return Ok(None);
         }
+        // Every rank warmed up on its own: every rank is touched, so skip listing
+        // them (O(ranks log ranks)) and go to the bounded search.
+        if self.calibration.every_rank_apart(n) {
+            return self.take_bounded(ask, config, touched);
+        }
         touched.extend(self.sequences.booked_ranks());
         let busy_checked = self.config.busy.enabled();
         self.reports
@@ -158,12 +163,7 @@ impl Scheduler {
         if touched.len() * 2 > n {
             touched.clear();
             overlaps.visit_matched(&mut |r| touched.push(r));
-            let gathered = self.gather_bounded(ask, config, &mut touched);
-            if !matches!(gathered, Ok(Some(_))) {
-                touched.clear(); // left filled when taken (tests look)
-            }
-            self.touched = touched;
-            return Ok(gathered?.map(|delay_cap_gate| Shortcut::Bounded { delay_cap_gate }));
+            return self.take_bounded(ask, config, touched);
         }
         let ranks = self.workers.ranks();
         let (rank, at) = loop {
@@ -186,6 +186,28 @@ impl Scheduler {
         self.touched = touched;
         self.finish_candidates(req, seen)?;
         Ok(Some(Shortcut::StandIn(stand_in)))
+    }
+}
+
+impl Scheduler {
+    /// Gathers the candidates through the bounded search (`shortcut_bound.rs`);
+    /// `touched` holds the ranks the index matched, and is kept as the scratch
+    /// buffer.
+    ///
+    /// # Errors
+    /// As [`Scheduler::gather_candidates`].
+    fn take_bounded<O: Overlaps + ?Sized>(
+        &mut self,
+        ask: &Ask<'_, O>,
+        config: &crate::policy::predicted_ttft::PredictedTtftConfig,
+        mut touched: Vec<WorkerRank>,
+    ) -> Result<Option<Shortcut>, SchedulerError> {
+        let gathered = self.gather_bounded(ask, config, &mut touched);
+        if !matches!(gathered, Ok(Some(_))) {
+            touched.clear(); // left filled when taken (tests look)
+        }
+        self.touched = touched;
+        Ok(gathered?.map(|delay_cap_gate| Shortcut::Bounded { delay_cap_gate }))
     }
 }
 

@@ -13,8 +13,9 @@
 //!   rank is added as a candidate;
 //! - the delay cap's gate (mean in-flight prefill over every candidate below
 //!   `spare_steps` steps): decided from Σ `P_floor` ≤ Σ `P(now)` ≤ Σ total prefill,
-//!   kept per rank change; only when the threshold lies between them is every rank's
-//!   `P(now)` summed (O(ranks)).
+//!   kept per rank change; only when the threshold lies between them are the booked
+//!   ranks' decayed oldest prefills summed (O(booked ranks): an idle rank's `P(now)`
+//!   is its `P_floor`, 0).
 //!
 //! It applies under the plain shortcut's conditions (`shortcut.rs`) when busy
 //! thresholds are off and every registered rank is priced with its own calibration
@@ -100,8 +101,8 @@ impl Scheduler {
 
     /// Fills `self.candidates` for the bounded shortcut (module docs) and returns the
     /// delay cap's gate; `Ok(None)`, with nothing gathered, where it does not apply.
-    /// `touched` holds the ranks the index matched (sorted, registered), and is
-    /// reused as scratch.
+    /// `touched` holds the ranks the index matched (any order, possibly unregistered),
+    /// and is reused as scratch.
     ///
     /// # Errors
     /// As [`Scheduler::gather_candidates`].
@@ -240,13 +241,18 @@ impl Scheduler {
         if mean(exact + lo) >= threshold {
             return false;
         }
-        let rest: u128 = self
-            .bounded
-            .index
-            .ranks()
+        // A rank's `P(now)` exceeds its `P_floor` only by its decaying oldest
+        // prefill, so only booked ranks add to `lo`: O(booked ranks).
+        let decayed: u128 = self
+            .sequences
+            .booked_ranks()
             .filter(|r| priced.binary_search(r).is_err())
-            .map(|r| u128::from(self.sequences.load(r, now).active_prefill_tokens))
+            .filter_map(|r| {
+                let (floor, _) = self.bounded.index.prefill_of(r)?;
+                let p = self.sequences.load(r, now).active_prefill_tokens;
+                Some(u128::from(p.saturating_sub(floor)))
+            })
             .sum();
-        mean(exact + rest) < threshold
+        mean(exact + lo + decayed) < threshold
     }
 }

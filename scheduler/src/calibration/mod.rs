@@ -399,6 +399,12 @@ impl Calibration {
             }
     }
 
+    /// Whether calibration is on and every one of the `registered` ranks is priced
+    /// with its own estimate: [`Self::visit_own_scales`] then visits them all, O(1).
+    pub(crate) fn every_rank_apart(&self, registered: usize) -> bool {
+        self.config.enabled && self.every_rank_own(registered)
+    }
+
     /// The ranks whose multipliers changed since the last call, emptied.
     pub(crate) fn take_changed(&mut self) -> Changed {
         std::mem::take(&mut self.changed)
