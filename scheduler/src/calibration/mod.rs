@@ -386,23 +386,26 @@ impl Calibration {
         }
     }
 
-    /// Whether each of `registered` ranks is priced with its own multipliers (none
-    /// with the fleet prior, which moves with every rank's samples): calibration off,
-    /// or as many ranks with their own as registered ([`Self::remove_ranks`] drops
-    /// the ranks that leave).
-    pub(crate) fn every_rank_own(&self, registered: usize) -> bool {
-        !self.config.enabled
-            || if self.config.warmup_samples == 0 {
-                self.ranks.len() == registered
-            } else {
-                self.warmed.len() == registered
-            }
+    /// Whether calibration is on and more than half of the `registered` ranks are
+    /// priced with their own estimate, which [`Self::visit_own_scales`] would list:
+    /// O(1).
+    pub(crate) fn most_ranks_apart(&self, registered: usize) -> bool {
+        let own = if self.config.warmup_samples == 0 {
+            self.ranks.len()
+        } else {
+            self.warmed.len()
+        };
+        self.config.enabled && own * 2 > registered
     }
 
-    /// Whether calibration is on and every one of the `registered` ranks is priced
-    /// with its own estimate: [`Self::visit_own_scales`] then visits them all, O(1).
-    pub(crate) fn every_rank_apart(&self, registered: usize) -> bool {
-        self.config.enabled && self.every_rank_own(registered)
+    /// Whether `rank` is priced apart from the fleet prior (its own estimate, or
+    /// calibration off): its multipliers change only with its own samples.
+    pub(crate) fn prices_apart(&self, rank: WorkerRank) -> bool {
+        !self.config.enabled
+            || self
+                .ranks
+                .get(&rank)
+                .is_some_and(|r| r.rls.samples() >= u64::from(self.config.warmup_samples))
     }
 
     /// The ranks whose multipliers changed since the last call, emptied.
