@@ -25,8 +25,8 @@
 //! warming up (*cold*: priced with the fleet prior, which moves with every other
 //! rank's samples; a worker that just joined) are priced exactly on every decision,
 //! O(cold ranks). The candidates handed to the policy are those priced ranks plus the
-//! best ones found, so its choice has the
-//! full scan's cost and is uniform over the same exact-tie set.
+//! best ones found, so its choice has the full scan's cost and is uniform over the
+//! same exact-tie set.
 
 use crate::Scheduler;
 use crate::candidates::{Ask, Seen};
