@@ -386,28 +386,6 @@ impl Calibration {
         }
     }
 
-    /// Whether calibration is on and more than half of the `registered` ranks are
-    /// priced with their own estimate, which [`Self::visit_own_scales`] would list:
-    /// O(1).
-    pub(crate) fn most_ranks_apart(&self, registered: usize) -> bool {
-        let own = if self.config.warmup_samples == 0 {
-            self.ranks.len()
-        } else {
-            self.warmed.len()
-        };
-        self.config.enabled && own * 2 > registered
-    }
-
-    /// Whether `rank` is priced apart from the fleet prior (its own estimate, or
-    /// calibration off): its multipliers change only with its own samples.
-    pub(crate) fn prices_apart(&self, rank: WorkerRank) -> bool {
-        !self.config.enabled
-            || self
-                .ranks
-                .get(&rank)
-                .is_some_and(|r| r.rls.samples() >= u64::from(self.config.warmup_samples))
-    }
-
     /// The ranks whose multipliers changed since the last call, emptied.
     pub(crate) fn take_changed(&mut self) -> Changed {
         std::mem::take(&mut self.changed)
