@@ -27,6 +27,14 @@
 //! O(cold ranks). The candidates handed to the policy are those priced ranks plus the
 //! best ones found, so its choice has the full scan's cost and is uniform over the
 //! same exact-tie set.
+//!
+//! Not under busy thresholds (a decision over mostly touched ranks is then the full
+//! scan): a rank is a candidate only while not busy, and its busy state changes
+//! without a booking or a sample — with every engine report (its reported decode
+//! blocks) and with time (its decaying oldest prefill crossing the prefill
+//! threshold, no event marks it). An exact index would have to drop busy ranks and
+//! take them back on each report (O(log N) per report) and at each computed crossing
+//! time (a deadline heap over the decaying heads); that is not built yet.
 
 use crate::Scheduler;
 use crate::candidates::{Ask, Seen};
