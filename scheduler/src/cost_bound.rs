@@ -163,11 +163,6 @@ impl BoundIndex {
         self.by_floor.iter().copied()
     }
 
-    /// Every indexed rank.
-    pub(crate) fn ranks(&self) -> impl Iterator<Item = WorkerRank> + '_ {
-        self.of_rank.keys().copied()
-    }
-
     /// Drops `rank` (deregistered): O(log N).
     pub(crate) fn remove(&mut self, rank: WorkerRank) {
         let Some(Entry {

@@ -21,10 +21,10 @@
 //! calibration or overlap with the prompt, plus one idle rank
 //! standing for the rest (`shortcut.rs`, exact). While more than half of the ranks
 //! are touched (a warmed-up fleet), it is O((ranks that may hold the prompt + ranks
-//! whose cost bound is within the best cost) × log N) with busy thresholds off and
-//! every rank calibrated on its own (`shortcut_bound.rs` over `cost_bound.rs`,
-//! exact; O(ranks) when the delay cap's gate falls between its bounds). Other
-//! decisions are O(registered ranks × prompt blocks). Scratch buffers are reused.
+//! still warming up + ranks whose cost bound is within the best cost) × log N) with
+//! busy thresholds off (`shortcut_bound.rs` over `cost_bound.rs`, exact; O(booked
+//! ranks) when the delay cap's gate falls between its bounds). Other decisions are
+//! O(registered ranks × prompt blocks). Scratch buffers are reused.
 //!
 //! # Layout
 //! - [`load`]: [`PrefillLoadHint`] and [`RankLoad`], the values every other module

@@ -13,16 +13,28 @@
 //!   rank is added as a candidate;
 //! - the delay cap's gate (mean in-flight prefill over every candidate below
 //!   `spare_steps` steps): decided from Σ `P_floor` ≤ Σ `P(now)` ≤ Σ total prefill,
-//!   kept per rank change; only when the threshold lies between them is every rank's
-//!   `P(now)` summed (O(ranks)).
+//!   kept per rank change; only when the threshold lies between them are the booked
+//!   ranks' decayed oldest prefills summed (O(booked ranks): an idle rank's `P(now)`
+//!   is its `P_floor`, 0).
 //!
 //! It applies under the plain shortcut's conditions (`shortcut.rs`) when busy
-//! thresholds are off and every registered rank is priced with its own calibration
-//! (or calibration is off): the index's keys then change only with a rank's
+//! thresholds are off. The index holds the ranks priced with their own calibration
+//! (every rank when calibration is off): their keys change only with the rank's
 //! bookings or its own samples, which both report the changed ranks
-//! (`take_changed`), so keeping it costs O(log N) per change. The candidates handed to
-//! the policy are those priced ranks plus the best ones found, so its choice has the
-//! full scan's cost and is uniform over the same exact-tie set.
+//! (`take_changed`), so keeping it costs O(log N) per change. The ranks still
+//! warming up (*cold*: priced with the fleet prior, which moves with every other
+//! rank's samples; a worker that just joined) are priced exactly on every decision,
+//! O(cold ranks). The candidates handed to the policy are those priced ranks plus the
+//! best ones found, so its choice has the full scan's cost and is uniform over the
+//! same exact-tie set.
+//!
+//! Not under busy thresholds (a decision over mostly touched ranks is then the full
+//! scan): a rank is a candidate only while not busy, and its busy state changes
+//! without a booking or a sample — with every engine report (its reported decode
+//! blocks) and with time (its decaying oldest prefill crossing the prefill
+//! threshold, no event marks it). An exact index would have to drop busy ranks and
+//! take them back on each report (O(log N) per report) and at each computed crossing
+//! time (a deadline heap over the decaying heads); that is not built yet.
 
 use crate::Scheduler;
 use crate::candidates::{Ask, Seen};
@@ -40,46 +52,68 @@ use std::time::Instant;
 #[derive(Debug, Default)]
 pub(crate) struct Bounded {
     index: BoundIndex,
+    /// The registered ranks still priced with the fleet prior (warming up): out of
+    /// the index, since the prior moves with every other rank's samples; each
+    /// decision prices them exactly.
+    cold: Vec<WorkerRank>,
     /// The policy's timing and the block size the keys used; `None`: rebuild.
     built_for: Option<(crate::policy::predicted_ttft::StepTimeModel, u32)>,
 }
 
 impl Scheduler {
-    /// Brings the bound index up to date for `config` and `block_size`; false when
-    /// the bounded shortcut cannot apply (a rank priced with the moving fleet prior).
-    fn sync_bound(&mut self, config: &PredictedTtftConfig, block_size: u32) -> bool {
+    /// Brings the bound index (the ranks priced with their own calibration) and the
+    /// cold ranks up to date for `config` and `block_size`: O(changed ranks × log N
+    /// + cold ranks), O(N log N) after a registration or a policy change.
+    fn sync_bound(&mut self, config: &PredictedTtftConfig, block_size: u32) {
         let n = self.workers.ranks().len();
         let (booked, calibrated) = (
             self.sequences.take_changed(),
             self.calibration.take_changed(),
         );
-        if !self.calibration.every_rank_own(n) {
-            self.bounded.built_for = None;
-            return false;
-        }
         let key = (config.timing, block_size);
         if booked.all || calibrated.all || self.bounded.built_for != Some(key) {
             self.bounded.index = BoundIndex::default();
+            self.bounded.cold.clear();
             for i in 0..n {
                 let r = self.workers.ranks()[i];
-                let terms = self.rank_terms(r, block_size);
-                self.bounded.index.set(r, &config.timing, &terms);
-            }
-            self.bounded.built_for = Some(key);
-        } else {
-            for r in booked.ranks.into_iter().chain(calibrated.ranks) {
-                if self.workers.contains_rank(r) {
-                    let terms = self.rank_terms(r, block_size);
-                    self.bounded.index.set(r, &config.timing, &terms);
-                } else {
-                    self.bounded.index.remove(r);
+                if !self.index_rank(r, config, block_size) {
+                    self.bounded.cold.push(r);
                 }
             }
-            if self.bounded.index.len() != n {
-                self.bounded.built_for = None; // a registration: rebuild
-                return self.sync_bound(config, block_size);
+            self.bounded.built_for = Some(key);
+            return;
+        }
+        for r in booked.ranks.into_iter().chain(calibrated.ranks) {
+            if self.workers.contains_rank(r) {
+                self.index_rank(r, config, block_size);
+            } else {
+                self.bounded.index.remove(r);
             }
         }
+        let (workers, calibration) = (&self.workers, &self.calibration);
+        self.bounded
+            .cold
+            .retain(|&r| workers.contains_rank(r) && !calibration.prices_apart(r));
+        if self.bounded.index.len() + self.bounded.cold.len() != n {
+            self.bounded.built_for = None; // a registration: rebuild
+            self.sync_bound(config, block_size);
+        }
+    }
+
+    /// Puts the registered `rank` in the index with its current terms unless it is
+    /// priced with the fleet prior (then false: it is cold, listed since the last
+    /// rebuild, or registered since and found by the count check).
+    fn index_rank(
+        &mut self,
+        rank: WorkerRank,
+        config: &PredictedTtftConfig,
+        block_size: u32,
+    ) -> bool {
+        if !self.calibration.prices_apart(rank) {
+            return false;
+        }
+        let terms = self.rank_terms(rank, block_size);
+        self.bounded.index.set(rank, &config.timing, &terms);
         true
     }
 
@@ -100,8 +134,8 @@ impl Scheduler {
 
     /// Fills `self.candidates` for the bounded shortcut (module docs) and returns the
     /// delay cap's gate; `Ok(None)`, with nothing gathered, where it does not apply.
-    /// `touched` holds the ranks the index matched (sorted, registered), and is
-    /// reused as scratch.
+    /// `touched` holds the ranks the index matched (any order, possibly unregistered),
+    /// and is reused as scratch.
     ///
     /// # Errors
     /// As [`Scheduler::gather_candidates`].
@@ -113,9 +147,11 @@ impl Scheduler {
     ) -> Result<Option<bool>, SchedulerError> {
         let (req, now) = (ask.req, ask.now);
         let shape = req.shape();
-        if self.config.busy.enabled() || !self.sync_bound(config, shape.block_size) {
+        if self.config.busy.enabled() {
             return Ok(None);
         }
+        self.sync_bound(config, shape.block_size);
+        touched.extend_from_slice(&self.bounded.cold);
         // Ranks that may hold part of the prompt, or may not be in the preferred tier.
         if config.credit.in_flight
             && let Some(&first) = ask.block_ids.first()
@@ -128,7 +164,7 @@ impl Scheduler {
         touched.sort_unstable();
         touched.dedup();
         let priced = touched.len();
-        if priced == self.bounded.index.len() {
+        if priced == self.workers.ranks().len() {
             return Ok(None); // no rank left to bound: the full scan
         }
         let is_priced = |r: &WorkerRank| touched[..priced].binary_search(r).is_ok();
@@ -240,13 +276,18 @@ impl Scheduler {
         if mean(exact + lo) >= threshold {
             return false;
         }
-        let rest: u128 = self
-            .bounded
-            .index
-            .ranks()
+        // A rank's `P(now)` exceeds its `P_floor` only by its decaying oldest
+        // prefill, so only booked ranks add to `lo`: O(booked ranks).
+        let decayed: u128 = self
+            .sequences
+            .booked_ranks()
             .filter(|r| priced.binary_search(r).is_err())
-            .map(|r| u128::from(self.sequences.load(r, now).active_prefill_tokens))
+            .filter_map(|r| {
+                let (floor, _) = self.bounded.index.prefill_of(r)?;
+                let p = self.sequences.load(r, now).active_prefill_tokens;
+                Some(u128::from(p.saturating_sub(floor)))
+            })
             .sum();
-        mean(exact + rest) < threshold
+        mean(exact + lo + decayed) < threshold
     }
 }

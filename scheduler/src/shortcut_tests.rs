@@ -138,11 +138,12 @@ fn replay(workers: u64, dp_size: u32, kv_reuse: bool, busy: bool, ops: &[Op]) ->
     replay_from(workers, dp_size, kv_reuse, busy, None, ops)
 }
 
-/// Gives every rank its own calibration: `warmup_samples` first tokens each, after
-/// one of `ttfts_ms` (by rank index, so ranks share multipliers, and tie).
-fn warm_up(s: &mut Scheduler, ttfts_ms: &[u64], now: Instant) {
+/// Gives every rank but the first `cold` its own calibration: `warmup_samples` first
+/// tokens each, after one of `ttfts_ms` (by rank index, so ranks share multipliers,
+/// and tie).
+fn warm_up(s: &mut Scheduler, ttfts_ms: &[u64], cold: usize, now: Instant) {
     let ranks = s.ranks().to_vec();
-    for (i, &rank) in ranks.iter().enumerate() {
+    for (i, &rank) in ranks.iter().enumerate().skip(cold) {
         for k in 0..3 {
             let id = RequestId::from(format!("warm-{i}-{k}").as_str());
             let load = crate::load::RankLoad::default();
@@ -154,18 +155,21 @@ fn warm_up(s: &mut Scheduler, ttfts_ms: &[u64], now: Instant) {
         }
     }
     assert!(
-        s.calibration.every_rank_own(ranks.len()),
-        "every rank warmed up"
+        ranks
+            .iter()
+            .enumerate()
+            .all(|(i, &r)| s.calibration.prices_apart(r) == (i >= cold)),
+        "every rank but the cold ones warmed up"
     );
 }
 
-/// [`replay`], on a fleet warmed up by [`warm_up`] with `ttfts_ms` first.
+/// [`replay`], on a fleet warmed up by [`warm_up`] with (`ttfts_ms`, `cold`) first.
 fn replay_from(
     workers: u64,
     dp_size: u32,
     kv_reuse: bool,
     busy: bool,
-    warm: Option<&[u64]>,
+    warm: Option<(&[u64], usize)>,
     ops: &[Op],
 ) -> usize {
     let mut s = Scheduler::new(config(kv_reuse, busy), Some(5)).unwrap();
@@ -174,8 +178,8 @@ fn replay_from(
     }
     let ranks = s.ranks().to_vec();
     let mut now = Instant::now();
-    if let Some(ttfts) = warm {
-        warm_up(&mut s, ttfts, now);
+    if let Some((ttfts, cold)) = warm {
+        warm_up(&mut s, ttfts, cold, now);
         now += Duration::from_secs(1);
     }
     let mut active: Vec<RequestId> = Vec::new();
@@ -259,17 +263,19 @@ proptest! {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(200))]
 
-    /// On warmed-up fleets (every rank with its own multipliers, so every rank is
-    /// touched), decisions take the bounded search (`shortcut_bound.rs`).
+    /// On warmed-up fleets (most or every rank with its own multipliers, so most
+    /// ranks are touched), decisions take the bounded search (`shortcut_bound.rs`);
+    /// the ranks still warming up (cold) are priced with the fleet prior.
     #[test]
     fn the_bounded_shortcut_chooses_what_the_full_scan_would(
         workers in 4..48u64,
         dp_size in 1..3u32,
         kv_reuse in any::<bool>(),
         ttfts in prop::collection::vec(prop_oneof![Just(12u64), Just(20), 5..60u64], 1..4),
+        cold in prop_oneof![Just(0usize), 1..4usize],
         ops in prop::collection::vec(op(), 1..80),
     ) {
-        replay_from(workers, dp_size, kv_reuse, false, Some(&ttfts), &ops);
+        replay_from(workers, dp_size, kv_reuse, false, Some((&ttfts, cold)), &ops);
     }
 }
 
@@ -286,7 +292,9 @@ fn warmed_up_histories_take_the_bounded_shortcut() {
             _ => Op::Wait(7),
         })
         .collect();
-    assert!(replay_from(32, 2, true, false, Some(&[12, 20, 31]), &ops) > 35);
+    assert!(replay_from(32, 2, true, false, Some((&[12, 20, 31], 0)), &ops) > 35);
+    // A few ranks still warming up (a worker that just joined) are priced apart.
+    assert!(replay_from(32, 2, true, false, Some((&[12, 20, 31], 3)), &ops) > 35);
 }
 
 /// The generator reaches the shortcut (else the property above checks nothing).
@@ -355,4 +363,55 @@ fn a_prefix_in_flight_draws_its_next_turn() {
     let second = s.schedule(&prompt("b"), &NoOverlap, now).unwrap();
     assert!(!s.touched.is_empty(), "the shortcut decided");
     assert_eq!(second.rank, first.rank);
+}
+
+/// The bounded search must not stop before a rank whose bound is just below the best
+/// cost found: rank 0 alone learned a fast timing, so its bound (nothing queued
+/// behind its one booked, still whole prefill) is popped first, though its exact
+/// cost carries that prefill. Ranks 2–7 have bounds within 1% of their exact costs;
+/// as the booked prefill grows, rank 0's cost passes theirs by less than 3% for some
+/// sizes, where a search stopping at 0.97× the best cost keeps rank 0. Rank 1 learned
+/// a slow timing, so the idle rank added for the fleet's smallest backlog (the
+/// lowest idle rank id) does not hide that miss, as it does in the random histories.
+#[test]
+fn a_bound_just_below_the_best_cost_is_still_priced() {
+    let mut checked = 0;
+    for tokens in (16..=6_000).step_by(16) {
+        let mut c = config(false, false);
+        if let PolicyConfig::PredictedTtft(p) = &mut c.policy {
+            p.timing.max_num_batched_tokens = 8_192;
+            p.delay_cap.enabled = false;
+        }
+        let mut s = Scheduler::new(c, Some(1)).unwrap();
+        for id in 0..8 {
+            s.add_worker(reg(id, 1)).unwrap();
+        }
+        let mut now = Instant::now();
+        warm_up(&mut s, &[6, 40, 24, 24, 24, 24, 24, 24], 0, now);
+        now += Duration::from_secs(1);
+        let add = AddRequest {
+            request_id: RequestId::from("queued"),
+            rank: s.ranks()[0],
+            block_hashes: Vec::new(),
+            request_blocks: 1,
+            prefill: PrefillLoadHint {
+                initial_effective_prefill_tokens: tokens,
+                expected_prefill_duration: Some(Duration::from_secs(60)),
+            },
+            origin: Origin::Local,
+            session_id: None,
+        };
+        s.sequences.add_request(add, now).unwrap();
+        let hashes = (0..64).map(LocalBlockHash).collect();
+        let req = ScheduleRequest::new("q", hashes, 1_024, BLOCK);
+        let overlaps = OverlapScores::default();
+        let (best, tied) = full_scan(&mut s, &req, &overlaps, now).unwrap();
+        s.touched.clear();
+        let sel = s.schedule(&req, &overlaps, now).unwrap();
+        assert!(!s.touched.is_empty(), "{tokens} tokens: the bounded search");
+        assert_eq!(sel.cost, Some(best), "{tokens} tokens queued on rank 0");
+        assert!(tied.contains(&sel.rank), "{tokens} tokens: {}", sel.rank);
+        checked += usize::from(sel.rank != s.ranks()[0]);
+    }
+    assert!(checked > 0, "rank 0 never lost its first place");
 }

@@ -1,5 +1,6 @@
-//! Where calibration meets a decision: the multipliers a decision prices with, and
-//! the features recorded when a request is booked, locally or by a peer replica.
+//! Where calibration meets a decision: the multipliers a decision prices with, the
+//! features recorded when a request is booked, locally or by a peer replica, and
+//! which ranks the bounded search may index (`crate::shortcut_bound`).
 //!
 //! Why here and not in [`crate::Scheduler`]: only `predicted-ttft` prices with the
 //! learned multipliers, and the features are that policy's. Keeping both behind
@@ -11,7 +12,7 @@ use crate::load::RankLoad;
 use crate::policy::predicted_ttft::{PredictedTtftConfig, TtftFeatures};
 use crate::policy::{Candidate, PolicyConfig, TimingScale};
 use crate::request::RequestShape;
-use kv_events::RequestId;
+use kv_events::{RequestId, WorkerRank};
 use std::time::Instant;
 
 impl Calibration {
@@ -75,5 +76,27 @@ impl Calibration {
                 self.seed().max_num_batched_tokens,
             )
         })
+    }
+
+    /// Whether calibration is on and more than half of the `registered` ranks are
+    /// priced with their own estimate, which [`Self::visit_own_scales`] would list:
+    /// O(1).
+    pub(crate) fn most_ranks_apart(&self, registered: usize) -> bool {
+        let own = if self.config.warmup_samples == 0 {
+            self.ranks.len()
+        } else {
+            self.warmed.len()
+        };
+        self.config.enabled && own * 2 > registered
+    }
+
+    /// Whether `rank` is priced apart from the fleet prior (its own estimate, or
+    /// calibration off): its multipliers change only with its own samples.
+    pub(crate) fn prices_apart(&self, rank: WorkerRank) -> bool {
+        !self.config.enabled
+            || self
+                .ranks
+                .get(&rank)
+                .is_some_and(|r| r.rls.samples() >= u64::from(self.config.warmup_samples))
     }
 }

@@ -386,19 +386,6 @@ impl Calibration {
         }
     }
 
-    /// Whether each of `registered` ranks is priced with its own multipliers (none
-    /// with the fleet prior, which moves with every rank's samples): calibration off,
-    /// or as many ranks with their own as registered ([`Self::remove_ranks`] drops
-    /// the ranks that leave).
-    pub(crate) fn every_rank_own(&self, registered: usize) -> bool {
-        !self.config.enabled
-            || if self.config.warmup_samples == 0 {
-                self.ranks.len() == registered
-            } else {
-                self.warmed.len() == registered
-            }
-    }
-
     /// The ranks whose multipliers changed since the last call, emptied.
     pub(crate) fn take_changed(&mut self) -> Changed {
         std::mem::take(&mut self.changed)
