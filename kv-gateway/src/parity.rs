@@ -410,8 +410,14 @@ impl ParityMonitor {
         worker.outcomes[outcome as usize].inc();
         let judged = judged?;
         if judged.outcome != Outcome::Agree {
+            let what = match judged.outcome {
+                Outcome::InFlight => {
+                    "cache parity: hits on blocks booked in flight, not yet indexed"
+                }
+                _ => "cache parity disagreement",
+            };
             debug!(worker = %worker.label, outcome = judged.outcome.as_str(), predicted_tokens = judged.predicted,
-                cached_tokens = judged.raw_cached, prompt_tokens = judged.prompt_tokens, "cache parity disagreement");
+                cached_tokens = judged.raw_cached, prompt_tokens = judged.prompt_tokens, "{what}");
         }
         // Token counts of one prompt fit an f64 exactly (below 2^53).
         worker

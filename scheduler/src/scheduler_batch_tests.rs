@@ -3,6 +3,7 @@
 
 use super::*;
 use kv_events::DpRank;
+use kv_events::RequestId;
 use kv_events::{LocalBlockHash, RouterId};
 use std::collections::HashMap;
 

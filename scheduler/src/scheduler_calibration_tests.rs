@@ -4,6 +4,7 @@
 
 use super::tests::{rank, request, scheduler, with_policy};
 use super::*;
+use kv_events::RequestId;
 use std::collections::HashMap;
 use std::time::Duration;
 

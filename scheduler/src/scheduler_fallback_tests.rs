@@ -2,6 +2,7 @@
 
 use super::tests::{rank, request, scheduler, with_policy};
 use super::*;
+use kv_events::RequestId;
 use std::collections::HashMap;
 
 fn eligible(mut req: ScheduleRequest, workers: &[u64]) -> ScheduleRequest {

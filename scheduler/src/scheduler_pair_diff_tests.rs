@@ -10,6 +10,7 @@
 //! and the prefill workers change nothing else either.
 
 use super::*;
+use kv_events::RequestId;
 use kv_events::disaggregation::{KvTransfer, TransferProtocol, WorkerRole};
 use kv_events::routing::SessionId;
 use kv_events::{DpRank, LoadMetrics, LocalBlockHash};

@@ -4,6 +4,7 @@
 
 use super::*;
 use kv_events::LocalBlockHash;
+use kv_events::RequestId;
 use kv_events::disaggregation::{
     DisaggregationReason, KvTransfer, TransferProtocol, WorkerRole, prefill_booking_id,
 };

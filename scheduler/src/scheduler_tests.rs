@@ -3,6 +3,7 @@
 
 use super::*;
 use kv_events::LocalBlockHash;
+use kv_events::RequestId;
 use kv_events::routing::CostOverrides;
 use kv_events::{DpRank, LoadMetrics};
 use std::collections::HashMap;
