@@ -17,10 +17,14 @@
 //!   one empty answer per chunk it received. A `streamed_response` here would not be
 //!   the body's echo: one answer would release only the first chunk (replaced by the
 //!   whole body) and leave the others queued until the proxy's message timeout.
-//! - `STREAMED` alone (and `BUFFERED`, `BUFFERED_PARTIAL`): the proxy sends no body
-//!   until the headers are answered, so the pick could not see the prompt. The picker
-//!   refuses such a stream at once with a 500 naming the filter settings that work,
-//!   rather than waiting for a body that cannot come.
+//! - `STREAMED` alone: the proxy sends no body until the headers are answered, and
+//!   then forwards them, so the pick could not see the prompt. The picker refuses such
+//!   a stream at once with a 500 naming the filter settings that work, rather than
+//!   waiting for a body that cannot come.
+//! - `BUFFERED`, `BUFFERED_PARTIAL`: the proxy also sends the body only after the
+//!   headers are answered, but holds the headers until the (possibly partial) body is
+//!   answered too, so a pick could ride on the body answer's header mutation. Not
+//!   implemented: refused with the same 500. `NONE` sends no body at all.
 //!
 //! The proxy names its modes in the first message's `protocol_config` (Envoy 1.34 and
 //! later); without it the protocol's `FULL_DUPLEX_STREAMED` is assumed. The response
@@ -85,10 +89,10 @@ impl Modes {
             other => {
                 let mode = other.map_or("an unknown mode", |m| m.as_str_name());
                 return Err(ApiError::internal(format!(
-                    "the ext_proc filter sends the request body in {mode}{}: the proxy would \
-                     forward the request before the picker saw its prompt; set \
-                     request_body_mode FULL_DUPLEX_STREAMED, or STREAMED with \
-                     send_body_without_waiting_for_header_response: true",
+                    "the ext_proc filter sends the request body in {mode}{}, which the \
+                     picker does not serve: it must read the prompt before it answers \
+                     the request headers; set request_body_mode FULL_DUPLEX_STREAMED, or \
+                     STREAMED with send_body_without_waiting_for_header_response: true",
                     if other == Ok(BodySendMode::Streamed) {
                         " without send_body_without_waiting_for_header_response"
                     } else {
