@@ -5,11 +5,13 @@
 //! nothing else. Its round trip is the floor a route cannot go below on this
 //! machine: client → nats-server → responder → nats-server → client.
 
+use super::{Bench, Mode, ingest};
 use anyhow::Context;
 use futures::StreamExt;
 use integration_tests::child_daemon::process_cpu_seconds;
 use std::time::Duration;
 use testbed::{Echo, ManagedProcess};
+use tokio_util::sync::CancellationToken;
 
 /// The subject the echo responder serves.
 pub const SUBJECT: &str = "bench.echo";
@@ -83,4 +85,60 @@ impl Responder {
         self.process.stop(Duration::from_secs(5)).await?;
         Ok(())
     }
+}
+
+/// Echo and route alternated `rounds` times, one printed row per round.
+async fn compare_with_echo(bench: &Bench, condition: &str) -> anyhow::Result<()> {
+    let tasks = bench.args.concurrency;
+    for round in 1..=bench.args.rounds {
+        let echo = bench.measure(Mode::Echo, tasks).await?;
+        let route = bench.measure(Mode::Single, tasks).await?;
+        println!(
+            "| {condition} | {round} | {tasks} | {:.0} | {:.2} ms | {:.2} ms | {:.1} µs | {:.0} | {:.2} ms | {:.2} ms | {:.1} µs | **{:.2}** | **{:.2}** | {} |",
+            echo.per_s(),
+            echo.p50(),
+            echo.p99(),
+            echo.cpu_us(),
+            route.per_s(),
+            route.p50(),
+            route.p99(),
+            route.cpu_us(),
+            route.p50() / echo.p50(),
+            route.p99() / echo.p99(),
+            route.failed
+        );
+    }
+    Ok(())
+}
+
+/// The `echo` section: echo and route compared idle, then under a flood of KV
+/// events (`--ingest-blocks-per-s`); `next_event` continues the publishers' event ids.
+pub async fn section(bench: &Bench, next_event: &mut Vec<u64>) -> anyhow::Result<()> {
+    println!(
+        "| ingest | round | in flight | echo/s | echo p50 | echo p99 | echo CPU per echo | routes/s | route p50 | route p99 | daemon CPU per route | p50 ratio | p99 ratio | failed |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    compare_with_echo(bench, "idle").await?;
+    let stop = CancellationToken::new();
+    let flood = tokio::spawn(ingest::flood(
+        async_nats::connect(bench.nats_url.as_str()).await?,
+        (*bench.subjects).clone(),
+        std::mem::take(next_event),
+        bench.args.ingest_blocks_per_s,
+        stop.clone(),
+    ));
+    let label = format!("{} blocks/s", bench.args.ingest_blocks_per_s);
+    let compared = compare_with_echo(bench, &label).await;
+    stop.cancel();
+    let flooded = flood.await??;
+    *next_event = flooded.next_event;
+    compared?;
+    println!();
+    println!(
+        "ingest: {} blocks of KV events published in {:.1} s ({:.0} blocks/s)",
+        flooded.blocks,
+        flooded.elapsed.as_secs_f64(),
+        flooded.blocks as f64 / flooded.elapsed.as_secs_f64()
+    );
+    Ok(())
 }
