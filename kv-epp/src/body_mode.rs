@@ -21,10 +21,13 @@
 //!   then forwards them, so the pick could not see the prompt. The picker refuses such
 //!   a stream at once with a 500 naming the filter settings that work, rather than
 //!   waiting for a body that cannot come.
-//! - `BUFFERED`, `BUFFERED_PARTIAL`: the proxy also sends the body only after the
-//!   headers are answered, but holds the headers until the (possibly partial) body is
-//!   answered too, so a pick could ride on the body answer's header mutation. Not
-//!   implemented: refused with the same 500. `NONE` sends no body at all.
+//! - `BUFFERED`: the proxy sends the body only after the headers are answered, but
+//!   holds the headers until the body, buffered whole in one message, is answered
+//!   too, and applies that answer's header mutation to them. The picker answers the
+//!   headers at once unchanged, and puts the pick (headers, metadata, route cache) on
+//!   the body's answer, which leaves the body as it is.
+//! - `BUFFERED_PARTIAL` (a body cut at the proxy's buffer limit would hide the
+//!   prompt's end) and `NONE` (no body): refused with the same 500.
 //!
 //! The proxy names its modes in the first message's `protocol_config` (Envoy 1.34 and
 //! later); without it the protocol's `FULL_DUPLEX_STREAMED` is assumed. The response
@@ -34,6 +37,7 @@
 //! Cost: nothing per chunk beyond the answers the proxy requires; the body is
 //! buffered the same way (up to `--max-body-bytes`) in both supported modes.
 
+use crate::wire;
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     BodyResponse, CommonResponse, ProcessingResponse, ProtocolConfiguration,
@@ -49,6 +53,9 @@ pub enum BodyMode {
     /// Any mode where each body message gets one answer that passes its chunk on
     /// (`STREAMED`, and for responses also `BUFFERED`, `BUFFERED_PARTIAL`).
     PerChunk,
+    /// `BUFFERED` requests: the headers are answered at once, the pick rides on the
+    /// answer to the one body message.
+    Buffered,
 }
 
 /// The modes of one stream's request and response bodies.
@@ -86,13 +93,15 @@ impl Modes {
             Ok(BodySendMode::Streamed) if config.send_body_without_waiting_for_header_response => {
                 BodyMode::PerChunk
             }
+            Ok(BodySendMode::Buffered) => BodyMode::Buffered,
             other => {
                 let mode = other.map_or("an unknown mode", |m| m.as_str_name());
                 return Err(ApiError::internal(format!(
                     "the ext_proc filter sends the request body in {mode}{}, which the \
                      picker does not serve: it must read the prompt before it answers \
                      the request headers; set request_body_mode FULL_DUPLEX_STREAMED, or \
-                     STREAMED with send_body_without_waiting_for_header_response: true",
+                     STREAMED with send_body_without_waiting_for_header_response: true, or \
+                     BUFFERED",
                     if other == Ok(BodySendMode::Streamed) {
                         " without send_body_without_waiting_for_header_response"
                     } else {
@@ -108,20 +117,35 @@ impl Modes {
         Ok(Self { request, response })
     }
 
-    /// The answers that pass the request body on once the headers are answered:
-    /// `body` is the whole body, received in `chunks` messages.
-    pub fn request_body(self, body: Vec<u8>, chunks: usize) -> Vec<ProcessingResponse> {
+    /// Whether the request headers are answered (unchanged) as soon as they arrive:
+    /// `BUFFERED`, where the proxy sends the body only then.
+    pub fn headers_first(self) -> bool {
+        self.request == BodyMode::Buffered
+    }
+
+    /// The answers naming the pick `endpoints` (with `extra` headers) and passing
+    /// the request body on: `body` is the whole body, received in `chunks` messages.
+    pub fn pick_answers(
+        self,
+        (endpoints, extra): (&[String], &[(&str, String)]),
+        body: Vec<u8>,
+        chunks: usize,
+    ) -> Vec<ProcessingResponse> {
+        let on_headers = || wire::picked(endpoints, extra, wire::on_headers);
         match self.request {
-            BodyMode::FullDuplex => vec![crate::wire::request_body(body, true)],
-            BodyMode::PerChunk => (0..chunks).map(|_| pass(Response::RequestBody)).collect(),
+            BodyMode::FullDuplex => vec![on_headers(), wire::request_body(body, true)],
+            BodyMode::PerChunk => std::iter::once(on_headers())
+                .chain((0..chunks).map(|_| pass(Response::RequestBody)))
+                .collect(),
+            BodyMode::Buffered => vec![wire::picked(endpoints, extra, wire::on_body)],
         }
     }
 
     /// The answer passing one response body chunk on.
     pub fn response_body(self, body: Vec<u8>, end_of_stream: bool) -> ProcessingResponse {
         match self.response {
-            BodyMode::FullDuplex => crate::wire::response_body(body, end_of_stream),
-            BodyMode::PerChunk => pass(Response::ResponseBody),
+            BodyMode::FullDuplex => wire::response_body(body, end_of_stream),
+            BodyMode::PerChunk | BodyMode::Buffered => pass(Response::ResponseBody),
         }
     }
 }
@@ -159,9 +183,11 @@ mod tests {
                 response: BodyMode::PerChunk
             })
         );
+        let buffered = Modes::of(Some(&config(BodySendMode::Buffered, false))).ok();
+        assert_eq!(buffered.map(Modes::headers_first), Some(true));
         for (mode, waiting) in [
             (BodySendMode::Streamed, false),
-            (BodySendMode::Buffered, true),
+            (BodySendMode::BufferedPartial, true),
             (BodySendMode::None, false),
         ] {
             let refused = Modes::of(Some(&config(mode, waiting))).err();
@@ -172,10 +198,15 @@ mod tests {
     #[test]
     fn per_chunk_answers_one_empty_body_response_per_chunk() {
         let modes = Modes::of(Some(&config(BodySendMode::Streamed, true))).ok();
-        let answers = modes.map(|m| m.request_body(b"abc".to_vec(), 3));
+        let pick = (&["10.0.0.1:8000".to_owned()][..], &[][..]);
+        let answers = modes.map(|m| m.pick_answers(pick, b"abc".to_vec(), 3));
         let answers = answers.unwrap_or_default();
-        assert_eq!(answers.len(), 3);
-        for answer in answers {
+        assert_eq!(answers.len(), 4, "the pick, then one per chunk");
+        assert!(matches!(
+            answers[0].response,
+            Some(Response::RequestHeaders(_))
+        ));
+        for answer in answers.into_iter().skip(1) {
             let Some(Response::RequestBody(body)) = answer.response else {
                 panic!("a request body answer");
             };

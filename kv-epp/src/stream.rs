@@ -190,6 +190,9 @@ impl Stream {
                     let e = ApiError::bad_request("an inference request needs a JSON body");
                     return self.refuse(&e, Instant::now()).await;
                 }
+                if self.modes.headers_first() {
+                    self.send(wire::request_headers()).await?;
+                }
                 Ok(Phase::Body {
                     kind,
                     headers,
@@ -323,8 +326,8 @@ impl Stream {
             vec![(DP_RANK_HEADER, pick.dp_rank.0.to_string())]
         };
         self.picker.metrics.picked("picked", started.elapsed());
-        self.send(wire::picked(&pick.endpoints, &extra)).await?;
-        for answer in self.modes.request_body(body, chunks) {
+        let named = (&pick.endpoints[..], &extra[..]);
+        for answer in self.modes.pick_answers(named, body, chunks) {
             self.send(answer).await?;
         }
         Ok(Phase::Picked {

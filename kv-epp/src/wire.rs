@@ -135,12 +135,38 @@ fn header(key: &str, value: &str) -> HeaderValueOption {
     }
 }
 
-/// The pick: the request-headers answer setting `x-gateway-destination-endpoint`
-/// (and `extra` headers, e.g. vLLM's dp rank) and clearing the route cache, with the
+/// Where a pick rides: the request-headers answer, or (`BUFFERED`) the request-body
+/// answer, whose header mutation the proxy applies to the headers it still holds.
+pub type PickOn = fn(CommonResponse) -> Response;
+
+/// The pick on the request-headers answer.
+pub fn on_headers(common: CommonResponse) -> Response {
+    Response::RequestHeaders(HeadersResponse {
+        response: Some(common),
+    })
+}
+
+/// The pick on the request-body answer (the body itself unchanged).
+pub fn on_body(common: CommonResponse) -> Response {
+    Response::RequestBody(BodyResponse {
+        response: Some(common),
+    })
+}
+
+/// The request headers let through unchanged (`BUFFERED`: answered before the body).
+pub fn request_headers() -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(Response::RequestHeaders(HeadersResponse::default())),
+        ..ProcessingResponse::default()
+    }
+}
+
+/// The pick, on the answer `on`: setting `x-gateway-destination-endpoint` (and
+/// `extra` headers, e.g. vLLM's dp rank) and clearing the route cache, with the
 /// `envoy.lb` dynamic metadata naming `endpoints` (primary first, comma-separated).
 /// The header and the metadata carry the same list, as the protocol requires (it
 /// leaves undefined which one a proxy reads when they differ).
-pub fn picked(endpoints: &[String], extra: &[(&str, String)]) -> ProcessingResponse {
+pub fn picked(endpoints: &[String], extra: &[(&str, String)], on: PickOn) -> ProcessingResponse {
     let destination = endpoints.join(",");
     let mut set_headers = vec![header(DESTINATION, &destination)];
     set_headers.extend(extra.iter().map(|(k, v)| header(k, v)));
@@ -159,15 +185,13 @@ pub fn picked(endpoints: &[String], extra: &[(&str, String)]) -> ProcessingRespo
         },
     );
     ProcessingResponse {
-        response: Some(Response::RequestHeaders(HeadersResponse {
-            response: Some(CommonResponse {
-                header_mutation: Some(HeaderMutation {
-                    set_headers,
-                    ..HeaderMutation::default()
-                }),
-                clear_route_cache: true,
-                ..CommonResponse::default()
+        response: Some(on(CommonResponse {
+            header_mutation: Some(HeaderMutation {
+                set_headers,
+                ..HeaderMutation::default()
             }),
+            clear_route_cache: true,
+            ..CommonResponse::default()
         })),
         dynamic_metadata: Some(metadata),
         ..ProcessingResponse::default()

@@ -7,6 +7,8 @@
 // Test helpers unwrap: a failed setup step must fail the test loudly.
 #![allow(clippy::unwrap_used)]
 
+#[path = "epp/buffered.rs"]
+mod buffered;
 #[path = "epp/envoy.rs"]
 mod envoy;
 #[path = "epp/fallbacks.rs"]

@@ -15,8 +15,8 @@ use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::Ex
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Message;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as Answer;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    BodyMutation, HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse,
-    ProtocolConfiguration, body_mutation,
+    BodyMutation, CommonResponse, HttpBody, HttpHeaders, ImmediateResponse, ProcessingRequest,
+    ProcessingResponse, ProtocolConfiguration, body_mutation,
 };
 use envoy_types::pb::google::protobuf::{ListValue, Struct, Value, value::Kind};
 use std::net::SocketAddr;
@@ -34,6 +34,9 @@ pub enum Mode {
     Streamed,
     /// `STREAMED` alone: Envoy holds the body until the headers are answered.
     StreamedWaiting,
+    /// `BUFFERED`: the body, whole in one message, after the headers' answer; the
+    /// headers held until the body is answered too.
+    Buffered,
 }
 
 impl Mode {
@@ -47,6 +50,11 @@ impl Mode {
             Self::FullDuplex => None,
             Self::Streamed => Some(streamed(true)),
             Self::StreamedWaiting => Some(streamed(false)),
+            Self::Buffered => Some(ProtocolConfiguration {
+                request_body_mode: BodySendMode::Buffered as i32,
+                response_body_mode: BodySendMode::Buffered as i32,
+                send_body_without_waiting_for_header_response: false,
+            }),
         }
     }
 }
@@ -58,6 +66,8 @@ pub struct Envoy {
     mode: Mode,
     /// Request body chunks sent and not yet answered (`STREAMED`: Envoy's queue).
     queued: Vec<Vec<u8>>,
+    /// `BUFFERED`: a refusal that answered the headers, read before any body was sent.
+    refused: Option<ImmediateResponse>,
 }
 
 /// What the picker answered to the request.
@@ -126,6 +136,7 @@ impl Envoy {
             inbound,
             mode,
             queued: Vec::new(),
+            refused: None,
         };
         let headers = HttpHeaders {
             headers: Some(HeaderMap {
@@ -154,8 +165,27 @@ impl Envoy {
         self.tx.send(message).await.expect("the stream is open");
     }
 
-    /// Sends `body` in `chunks` pieces, the last with end_of_stream.
+    /// Sends `body` in `chunks` pieces, the last with end_of_stream (`BUFFERED`: once
+    /// the headers are answered, in one piece).
     pub async fn body(&mut self, body: &[u8], chunks: usize) {
+        if self.mode == Mode::Buffered {
+            match self.message().await.response {
+                Some(Answer::RequestHeaders(h)) => {
+                    assert_eq!(
+                        h.response, None,
+                        "the headers pass unchanged before the body"
+                    );
+                }
+                // Refused on the headers alone (the picker then closes the stream).
+                Some(Answer::ImmediateResponse(refused)) => {
+                    self.refused = Some(refused);
+                    return;
+                }
+                other => panic!("the headers are answered first: {other:?}"),
+            }
+            self.chunk(body, true).await;
+            return;
+        }
         let size = body.len().div_ceil(chunks).max(1);
         let pieces: Vec<&[u8]> = body.chunks(size).collect();
         for (i, piece) in pieces.iter().enumerate() {
@@ -197,40 +227,65 @@ impl Envoy {
 
     /// Reads the picker's answer to the request: the endpoint, or a refusal.
     pub async fn picked(&mut self) -> Picked {
+        let refusal = |refused: ImmediateResponse| Picked::Refused {
+            status: refused.status.expect("a status").code,
+            body: String::from_utf8_lossy(&refused.body).into_owned(),
+        };
+        if let Some(refused) = self.refused.take() {
+            return refusal(refused);
+        }
         let message = self.message().await;
-        match message.response.expect("an answer") {
-            Answer::ImmediateResponse(refused) => Picked::Refused {
-                status: refused.status.expect("a status").code,
-                body: String::from_utf8_lossy(&refused.body).into_owned(),
-            },
-            Answer::RequestHeaders(headers) => {
+        let (common, body) = match message.response.expect("an answer") {
+            Answer::ImmediateResponse(refused) => return refusal(refused),
+            Answer::RequestHeaders(headers) if self.mode != Mode::Buffered => {
                 let common = headers.response.expect("a common response");
-                assert!(common.clear_route_cache, "the route cache is cleared");
-                let set = common.header_mutation.expect("headers set").set_headers;
-                let find = |key: &str| {
-                    set.iter()
-                        .filter_map(|h| h.header.as_ref())
-                        .find(|h| h.key == key)
-                        .map(|h| String::from_utf8_lossy(&h.raw_value).into_owned())
-                };
-                let lb = message.dynamic_metadata.expect("dynamic metadata");
-                let Some(Kind::StructValue(lb)) = lb.fields["envoy.lb"].kind.clone() else {
-                    panic!("envoy.lb is a struct");
-                };
-                let Some(Kind::StringValue(metadata)) =
-                    lb.fields["x-gateway-destination-endpoint"].kind.clone()
-                else {
-                    panic!("the endpoint metadata is a string");
-                };
-                let body = self.upstream_body().await;
-                Picked::Endpoint {
-                    header: find("x-gateway-destination-endpoint").expect("endpoint header"),
-                    metadata,
-                    dp_rank: find("x-data-parallel-rank"),
-                    body,
-                }
+                (common, None)
+            }
+            // `BUFFERED`: the pick rides on the body's answer, which keeps the body.
+            Answer::RequestBody(body) if self.mode == Mode::Buffered => {
+                let common = body.response.expect("a common response");
+                assert_eq!(common.body_mutation, None, "the body passes unchanged");
+                (common, Some(std::mem::take(&mut self.queued).concat()))
             }
             other => panic!("an answer to the request: {other:?}"),
+        };
+        self.endpoint(common, message.dynamic_metadata, body).await
+    }
+
+    /// The endpoint a pick names in `common` and the `metadata`, and the request body
+    /// as it goes upstream (`body` when already known).
+    async fn endpoint(
+        &mut self,
+        common: CommonResponse,
+        metadata: Option<Struct>,
+        body: Option<Vec<u8>>,
+    ) -> Picked {
+        assert!(common.clear_route_cache, "the route cache is cleared");
+        let set = common.header_mutation.expect("headers set").set_headers;
+        let find = |key: &str| {
+            set.iter()
+                .filter_map(|h| h.header.as_ref())
+                .find(|h| h.key == key)
+                .map(|h| String::from_utf8_lossy(&h.raw_value).into_owned())
+        };
+        let lb = metadata.expect("dynamic metadata");
+        let Some(Kind::StructValue(lb)) = lb.fields["envoy.lb"].kind.clone() else {
+            panic!("envoy.lb is a struct");
+        };
+        let Some(Kind::StringValue(metadata)) =
+            lb.fields["x-gateway-destination-endpoint"].kind.clone()
+        else {
+            panic!("the endpoint metadata is a string");
+        };
+        let body = match body {
+            Some(body) => body,
+            None => self.upstream_body().await,
+        };
+        Picked::Endpoint {
+            header: find("x-gateway-destination-endpoint").expect("endpoint header"),
+            metadata,
+            dp_rank: find("x-data-parallel-rank"),
+            body,
         }
     }
 
