@@ -5,7 +5,7 @@
 //! moves the booking when the proxy served an alternate.
 
 use crate::metrics::EppMetrics;
-use crate::pods::Pods;
+use crate::pods::{Pods, pod_of};
 use crate::rebook::{Held, Reroute};
 use kv_events::DpRank;
 use kv_events::routing::RouteRequest;
@@ -82,10 +82,9 @@ pub async fn choose(
     })?;
     let session = session_of(headers)?;
     let tokenized = flow.tokenize_body(kind, body, session).await?;
-    let pods = Pods::of(&flow.workers);
     let eligible = match subset {
         None => Vec::new(),
-        Some(subset) => pods.eligible_in(subset)?,
+        Some(subset) => Pods::of(&flow.workers).eligible_in(subset)?,
     };
     let request = RouteRequest {
         eligible_workers: eligible,
@@ -94,7 +93,7 @@ pub async fn choose(
         ..RouteRequest::new(flow.router.request_id(), tokenized.prompt)
     };
     let (decision, booking) = flow.router.route_request(&request).await?;
-    let Some(primary) = pods.address(decision.worker_id) else {
+    let Some(primary) = pod_of(&flow.workers, decision.worker_id) else {
         // Registered without an engine URL: the proxy cannot name its pod.
         return Err(ApiError::unavailable(format!(
             "worker {} has no engine URL to name its pod",
@@ -106,9 +105,8 @@ pub async fn choose(
             decision
                 .fallbacks
                 .iter()
-                .filter_map(|f| pods.address(f.worker_id)),
+                .filter_map(|f| pod_of(&flow.workers, f.worker_id)),
         )
-        .map(str::to_owned)
         .collect();
     Ok(Pick {
         held: Held::new(booking, decision.worker_id),

@@ -1,7 +1,9 @@
 //! Pod address (`ip:port`, as the proxy names endpoints) ↔ worker id. The router
 //! answers with worker ids; the proxy knows pods. Each worker registers its engine's
 //! base URL in the etcd directory (`http://10.0.3.7:8000`): its authority is the pod
-//! address. Built per request from the directory's map (O(workers), one shared lock).
+//! address. Naming a worker's pod is one directory lookup ([`pod_of`]); the reverse
+//! map ([`Pods`]) is built from the directory only when a request needs it (a subset
+//! hint, or a served endpoint other than the pick): O(workers), one shared lock.
 
 use kv_events::WorkerId;
 use kv_events::routing::MAX_ELIGIBLE_WORKERS;
@@ -18,29 +20,25 @@ pub fn address_of(url: &str) -> Option<String> {
     Some(format!("{host}:{port}"))
 }
 
+/// The pod address of `worker`: `None` when it is not registered or registered no
+/// engine URL (the proxy cannot be told where it is).
+pub fn pod_of(workers: &WorkerUrls, worker: WorkerId) -> Option<String> {
+    address_of(&workers.url(worker)?)
+}
+
 /// The workers with an engine URL, keyed by pod address.
 #[derive(Debug, Default)]
 pub struct Pods {
     by_address: HashMap<String, WorkerId>,
-    by_worker: HashMap<WorkerId, String>,
 }
 
 impl Pods {
     /// The pods of the registered workers now.
     pub fn of(workers: &WorkerUrls) -> Self {
-        let mut pods = Self::default();
-        for (worker, url) in workers.worker_urls() {
-            if let Some(address) = address_of(&url) {
-                pods.by_address.insert(address.clone(), worker);
-                pods.by_worker.insert(worker, address);
-            }
-        }
-        pods
-    }
-
-    /// The pod address of `worker`.
-    pub fn address(&self, worker: WorkerId) -> Option<&str> {
-        self.by_worker.get(&worker).map(String::as_str)
+        let by_address = (workers.worker_urls().into_iter())
+            .filter_map(|(worker, url)| Some((address_of(&url)?, worker)))
+            .collect();
+        Self { by_address }
     }
 
     /// The worker whose pod is `address`, if one is registered.

@@ -174,9 +174,14 @@ impl Stream {
     }
 
     async fn step(&self, phase: Phase, message: ProcessingRequest) -> Result<Phase, ()> {
-        let subset = wire::subset_hint(&message);
-        let served_metadata = wire::served_metadata(&message);
-        let Some(request) = message.request else {
+        // The metadata is read only by the messages that carry what the picker needs
+        // (the subset hint, the served endpoint), not once per body chunk.
+        let ProcessingRequest {
+            request,
+            metadata_context: metadata,
+            ..
+        } = message;
+        let Some(request) = request else {
             return Ok(phase);
         };
         match (phase, request) {
@@ -196,7 +201,7 @@ impl Stream {
                 Ok(Phase::Body {
                     kind,
                     headers,
-                    subset,
+                    subset: wire::subset_hint(metadata.as_ref()),
                     body: Vec::new(),
                     chunks: 0,
                 })
@@ -239,7 +244,8 @@ impl Stream {
                 },
                 Request::ResponseHeaders(h),
             ) => {
-                let served = served_metadata.or_else(|| wire::served_header(&h));
+                let served =
+                    wire::served_metadata(metadata.as_ref()).or_else(|| wire::served_header(&h));
                 // Answer the proxy first; a booking move runs on its own.
                 self.send(wire::response_headers()).await?;
                 let flow = &self.picker.flow;

@@ -2,11 +2,11 @@
 //! endpoint-picker protocol (GAIE `004-endpoint-picker-protocol`) names them.
 
 use axum::http::{HeaderMap, HeaderName, HeaderValue as HttpHeaderValue};
-use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption};
+use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption, Metadata};
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     BodyMutation, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, HttpHeaders,
-    ImmediateResponse, ProcessingRequest, ProcessingResponse, StreamedBodyResponse,
-    TrailersResponse, body_mutation, processing_response::Response,
+    ImmediateResponse, ProcessingResponse, StreamedBodyResponse, TrailersResponse, body_mutation,
+    processing_response::Response,
 };
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
@@ -74,12 +74,10 @@ pub fn header_map(headers: &HttpHeaders) -> Result<HeaderMap, ApiError> {
     Ok(map)
 }
 
-/// The subset hint of a request: `None` when the proxy sent none (every endpoint is
-/// eligible), else the listed `ip:port` (possibly none).
-pub fn subset_hint(request: &ProcessingRequest) -> Option<Vec<String>> {
-    let value = request
-        .metadata_context
-        .as_ref()?
+/// The subset hint in a request headers message's `metadata`: `None` when the proxy
+/// sent none (every endpoint is eligible), else the listed `ip:port` (possibly none).
+pub fn subset_hint(metadata: Option<&Metadata>) -> Option<Vec<String>> {
+    let value = metadata?
         .filter_metadata
         .get(SUBSET_NAMESPACE)?
         .fields
@@ -101,12 +99,11 @@ pub fn subset_hint(request: &ProcessingRequest) -> Option<Vec<String>> {
 }
 
 /// The endpoint the proxy served the request from (`ip:port`), as the protocol
-/// reports it on the response path: the `envoy.lb` metadata entry
-/// `x-gateway-destination-endpoint-served` of `message`.
-pub fn served_metadata(message: &ProcessingRequest) -> Option<String> {
-    let value = message
-        .metadata_context
-        .as_ref()?
+/// reports it on the response path: the `envoy.lb` entry
+/// `x-gateway-destination-endpoint-served` of a response headers message's
+/// `metadata`.
+pub fn served_metadata(metadata: Option<&Metadata>) -> Option<String> {
+    let value = metadata?
         .filter_metadata
         .get(LB_NAMESPACE)?
         .fields
