@@ -333,16 +333,19 @@ impl Scheduler {
         let fallbacks = self.fallbacks(&policy, index, req);
         let tokens = req.uncached_tokens(chosen.overlap_blocks);
         let prefill = self.prefill_hint(tokens);
-        self.sequences.add_request(
+        // The chained ids computed for scoring are the booking's: no second pass over
+        // the prompt, no copy of its hashes.
+        self.sequences.add_chained(
             AddRequest {
                 request_id: req.request_id.clone(),
                 rank: chosen.rank,
-                block_hashes: req.block_hashes.clone(),
+                block_hashes: Vec::new(),
                 request_blocks: req.request_blocks,
                 prefill,
                 origin: Origin::Local,
                 session_id: None,
             },
+            block_ids,
             now,
         )?;
         if let Some(id) = &req.session_id {

@@ -161,17 +161,35 @@ impl ActiveSequences {
     /// # Errors
     /// [`SchedulerError::DuplicateRequest`] if the id is already active.
     pub fn add_request(&mut self, add: AddRequest, now: Instant) -> Result<(), SchedulerError> {
+        let block_ids = if self.config.assume_kv_reuse {
+            let shared = add.block_hashes.len().min(add.request_blocks as usize);
+            chain_block_ids(&add.block_hashes[..shared])
+        } else {
+            Vec::new()
+        };
+        self.add_chained(add, block_ids, now)
+    }
+
+    /// [`Self::add_request`] with the prompt's chained block ids already computed by
+    /// the caller (the decision computed them to score the ranks): `block_ids` must be
+    /// `chain_block_ids` of the first `min(hashes, request_blocks)` block hashes with
+    /// KV reuse, else empty; `add.block_hashes` is not read (it may be empty), which
+    /// spares the booking a copy of the prompt's hashes and a second chaining pass.
+    ///
+    /// # Errors
+    /// [`SchedulerError::DuplicateRequest`] if the id is already active.
+    pub(crate) fn add_chained(
+        &mut self,
+        add: AddRequest,
+        block_ids: Vec<u64>,
+        now: Instant,
+    ) -> Result<(), SchedulerError> {
         if self.requests.contains_key(&add.request_id) {
             return Err(SchedulerError::DuplicateRequest(add.request_id));
         }
-        let (block_ids, private_blocks) = if self.config.assume_kv_reuse {
-            let shared = add.block_hashes.len().min(add.request_blocks as usize);
-            let ids = chain_block_ids(&add.block_hashes[..shared]);
-            let private = u64::from(add.request_blocks) - shared as u64;
-            (ids, private)
-        } else {
-            (Vec::new(), u64::from(add.request_blocks))
-        };
+        debug_assert!(self.config.assume_kv_reuse || block_ids.is_empty());
+        let shared = block_ids.len().min(add.request_blocks as usize);
+        let private_blocks = u64::from(add.request_blocks) - shared as u64;
         let seq = self.next_seq;
         self.next_seq += 1;
         if let Some(&first) = block_ids.first() {

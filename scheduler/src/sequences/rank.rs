@@ -16,6 +16,7 @@
 
 use crate::load::{PrefillLoadHint, RankLoad};
 use kv_events::LocalBlockHash;
+use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap};
 
 /// Hash maps keyed by chained block ids: already well-mixed 64-bit values, hashed on
@@ -137,10 +138,11 @@ impl RankSequences {
         self.finish_prefill(seq, now);
         self.requests = self.requests.saturating_sub(1);
         for id in block_ids {
-            if let Some(refs) = self.shared_blocks.get_mut(id) {
-                *refs -= 1;
-                if *refs == 0 {
-                    self.shared_blocks.remove(id);
+            // One probe per block: the entry is both the decrement and the removal.
+            if let Entry::Occupied(mut refs) = self.shared_blocks.entry(*id) {
+                *refs.get_mut() -= 1;
+                if *refs.get() == 0 {
+                    refs.remove();
                 }
             }
         }
