@@ -10,9 +10,10 @@
 //! copied, and a tree wastes at most one partly used chunk (12 KiB for both slabs).
 //! The cost is one more dependent load per lookup (the chunk's pointer, from a table
 //! that stays in cache); the index within a chunk needs no bounds check. Measured
-//! (`docs/studies/bare-apply.md`, round two): resident bytes per entry 70 → 61 at 64 workers × 1M entries and 64 → 60 at 256; apply within
-//! the noise of the shared host (a first version with growable chunks, bounds-checked
-//! twice per lookup, read 5–8 % slower).
+//! (`docs/studies/bare-apply.md`, round two): resident bytes per entry 70 → 61 at 64
+//! workers × 1M entries and 64 → 60 at 256; apply within the noise of the shared host
+//! (a first version with growable chunks, bounds-checked twice per lookup, read 5–8 %
+//! slower).
 
 /// Entries per chunk (a power of two): 8 KiB of 8-byte slots, far below glibc's mmap
 /// threshold, so chunks reuse freed heap memory; a tree's smallest slabs are one chunk
