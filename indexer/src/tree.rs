@@ -55,6 +55,7 @@ mod any_tier;
 mod apply;
 mod arena;
 mod children;
+mod chunks;
 #[cfg(test)]
 mod differential;
 #[cfg(test)]

@@ -1,5 +1,5 @@
 //! [`Arena`]: the tree's runs in one `Vec`, addressed by 4-byte [`NodeIdx`], and its
-//! block positions in a second, addressed by 4-byte [`BlockId`].
+//! block positions in chunked slabs (`tree/chunks.rs`), addressed by 4-byte [`BlockId`].
 //!
 //! A node is a *run*: consecutive blocks of one prefix that share the same holder set,
 //! their [`LocalBlockHash`]es contiguous in one `Vec` so that a query compares a whole
@@ -25,6 +25,7 @@
 
 use super::children::Children;
 pub(crate) use super::children::NodeIdx;
+use super::chunks::Chunks;
 #[cfg(test)]
 use super::rankset::RankIdx;
 use super::rankset::RankSet;
@@ -138,9 +139,9 @@ pub(crate) struct Arena {
     pub(super) nodes: Vec<Node>,
     pub(super) free_nodes: Vec<NodeIdx>,
     /// Position of every block id; slot 0 is the root.
-    pub(super) slots: Vec<Slot>,
+    pub(super) slots: Chunks<Slot>,
     /// Generation of every block slot, bumped each time the block is freed.
-    pub(super) gens: Vec<u32>,
+    pub(super) gens: Chunks<u32>,
     pub(super) free_ids: Vec<BlockId>,
     /// Sum of `Node::heap_bytes` over every run slot.
     pub(super) heap_bytes: usize,
@@ -151,15 +152,15 @@ impl Default for Arena {
         Self {
             nodes: vec![Node::default()],
             free_nodes: Vec::new(),
-            slots: vec![Slot::default()],
-            gens: vec![0],
+            slots: [Slot::default()].into_iter().collect(),
+            gens: [0].into_iter().collect(),
             free_ids: Vec::new(),
             heap_bytes: 0,
         }
     }
 }
 
-/// Grows a slab by an eighth instead of doubling: at millions of entries a doubled
+/// Grows the run slab by an eighth instead of doubling: at millions of runs a doubled
 /// slab would be up to half unused.
 fn reserve_eighth<T>(v: &mut Vec<T>) {
     if v.len() == v.capacity() {
@@ -256,8 +257,6 @@ impl Arena {
             None => {
                 // Cannot overflow in practice: 2^32 blocks would need ~100 GiB.
                 let id = BlockId(u32::try_from(self.slots.len()).expect("fewer than 2^32 blocks"));
-                reserve_eighth(&mut self.slots);
-                reserve_eighth(&mut self.gens);
                 self.slots.push(slot);
                 self.gens.push(0);
                 id
@@ -302,8 +301,8 @@ impl Arena {
     pub(crate) fn memory_bytes(&self) -> usize {
         self.nodes.capacity() * size_of::<Node>()
             + self.free_nodes.capacity() * size_of::<NodeIdx>()
-            + self.slots.capacity() * size_of::<Slot>()
-            + self.gens.capacity() * size_of::<u32>()
+            + self.slots.heap_bytes()
+            + self.gens.heap_bytes()
             + self.free_ids.capacity() * size_of::<BlockId>()
             + self.heap_bytes
     }
