@@ -33,9 +33,10 @@
 //! prefill threshold, which no event marks). Busy ranks leave the index and wait in
 //! `shortcut_busy.rs` (why that is exact, and its cost): a report of other load
 //! re-evaluates its rank (O(log N)), and a rank busy by its decaying prefill alone
-//! comes back at its computed crossing (a deadline heap). Two cases are the full
-//! scan there: a decision time earlier than one already seen, and a fleet where
-//! every rank outside the priced ones is busy (nothing to bound).
+//! comes back at its computed crossing (a deadline heap). A decision time earlier
+//! than one already seen (concurrent callers take `now` before the lock) also prices
+//! the booked ranks exactly, and a fleet where every rank outside the priced ones is
+//! busy (nothing to bound) is the full scan.
 
 use crate::Scheduler;
 use crate::candidates::{Ask, Seen};
@@ -61,8 +62,8 @@ pub(crate) struct Bounded {
     /// Under busy thresholds, the ranks out of the index while busy
     /// (`shortcut_busy.rs`).
     busy: BusyRanks,
-    /// The latest decision time synced at (under busy thresholds, an earlier one is
-    /// decided by the full scan).
+    /// The latest decision time synced at (under busy thresholds, an earlier one
+    /// prices the booked ranks exactly).
     synced_at: Option<Instant>,
     /// The policy's timing and the block size the keys used; `None`: rebuild.
     built_for: Option<(crate::policy::predicted_ttft::StepTimeModel, u32)>,
@@ -86,13 +87,14 @@ impl Scheduler {
     /// Brings the bound index (the ranks priced with their own calibration, not busy
     /// at `now`), the busy ranks and the cold ranks up to date for `config` and
     /// `block_size`: O(changed ranks × log N + cold ranks + ranks due), O(N log N)
-    /// after a registration or a policy change. False (nothing synced) under busy
-    /// thresholds when `now` is before a decision time already synced at.
-    fn sync_bound(&mut self, config: &PredictedTtftConfig, block_size: u32, now: Instant) -> bool {
+    /// after a registration or a policy change.
+    pub(crate) fn sync_bound(
+        &mut self,
+        config: &PredictedTtftConfig,
+        block_size: u32,
+        now: Instant,
+    ) {
         let busy_checked = self.config.busy.enabled();
-        if busy_checked && self.bounded.synced_at.is_some_and(|t| now < t) {
-            return false;
-        }
         self.bounded.synced_at = self.bounded.synced_at.max(Some(now));
         let n = self.workers.ranks().len();
         let (booked, calibrated, reported) = (
@@ -118,7 +120,7 @@ impl Scheduler {
                 }
             }
             self.bounded.built_for = Some(key);
-            return true;
+            return;
         }
         let mut due = Vec::new();
         self.bounded.busy.take_due(now, &mut due);
@@ -138,9 +140,8 @@ impl Scheduler {
         let held = self.bounded.index.len() + self.bounded.busy.len();
         if held + self.bounded.cold.len() != n {
             self.bounded.built_for = None; // a registration: rebuild
-            return self.sync_bound(config, block_size, now);
+            self.sync_bound(config, block_size, now);
         }
-        true
     }
 
     /// Puts the registered `rank` in the index with its current terms, or among the
@@ -201,8 +202,14 @@ impl Scheduler {
     ) -> Result<Option<bool>, SchedulerError> {
         let (req, now) = (ask.req, ask.now);
         let shape = req.shape();
-        if !self.sync_bound(config, shape.block_size, now) {
-            return Ok(None);
+        // An earlier decision time than one synced at (callers whose clocks
+        // disagree): an indexed rank free then may be busy now by a prefill that
+        // decayed since, so the booked ranks (the only ones whose busy state moves
+        // with time) are priced exactly: O(booked ranks).
+        let rewound = self.config.busy.enabled() && self.bounded.synced_at.is_some_and(|t| now < t);
+        self.sync_bound(config, shape.block_size, now);
+        if rewound {
+            touched.extend(self.sequences.booked_ranks());
         }
         touched.extend_from_slice(&self.bounded.cold);
         // Ranks that may hold part of the prompt, or may not be in the preferred tier.

@@ -22,10 +22,11 @@
 //!   it (busy → another search; free → back in the index).
 //!
 //! The search keeps a *last busy* instant (never one after the crossing), so a rank
-//! is never out of the index while free, at any decision time from the latest one
-//! seen on. A decision time earlier than one already seen (callers whose clocks
-//! disagree) could see a rank free that left as busy later, or the reverse; such a
-//! decision is the full scan. Cost: one busy check per changed rank (O(1)), plus a
+//! is never out of the index while free. A rank out of the index is busy at any
+//! earlier time too (its prefill was higher then); one in the index may not be free
+//! at a decision time earlier than its evaluation (callers that read the clock
+//! before the scheduler's lock), so such a decision prices the booked ranks, the
+//! only ones whose busy state moves with time, exactly (`shortcut_bound.rs`). Cost: one busy check per changed rank (O(1)), plus a
 //! search when it is busy by its decaying prefill alone (≈ 1 µs), plus O(log N) per
 //! heap entry; stale heap entries (a rank re-evaluated before its deadline) are
 //! dropped when they come due, and the heap is rebuilt from the live entries when

@@ -44,8 +44,8 @@ fn regs(workers: u64, dp_size: u32) -> Vec<WorkerRegistration> {
 }
 
 /// Steps of a busy fleet's history: [`op`]'s, plus short waits (a prefill of 16–190
-/// tokens decays over 1–100 ms at the rates below) and reports of loads around the
-/// thresholds below.
+/// tokens decays over 1–100 ms at the rates below), short steps back in time, and
+/// reports of loads around the thresholds below.
 fn busy_op() -> impl Strategy<Value = Op> {
     let report = |(rank, decode, prefill)| Op::Report {
         rank,
@@ -59,6 +59,7 @@ fn busy_op() -> impl Strategy<Value = Op> {
     prop_oneof![
         6 => op(),
         3 => (0..60u64).prop_map(Op::Wait),
+        1 => (0..20u64).prop_map(Op::Back),
         2 => (0..200usize, load.0, load.1).prop_map(report),
     ]
 }
@@ -128,13 +129,18 @@ fn busy_warmed_up_histories_take_the_bounded_shortcut() {
 /// A fleet of 8 warmed ranks where rank 0 learned the fastest timing, with a prefill
 /// threshold of 100 tokens and prefills decaying at 1,000 tokens/s.
 fn fast_rank_fleet() -> (Scheduler, Instant) {
+    fleet_of(&[6, 40, 40, 40, 40, 40, 40, 40])
+}
+
+/// [`fast_rank_fleet`] with one rank per first token time of `ttfts_ms`.
+fn fleet_of(ttfts_ms: &[u64]) -> (Scheduler, Instant) {
     let c = busy_config(false, Some((false, 50)), Some((false, 100)), 1_000.0);
     let mut s = Scheduler::new(c, Some(2)).unwrap();
-    for id in 0..8 {
+    for id in 0..ttfts_ms.len() as u64 {
         s.add_worker(reg(id, 1)).unwrap();
     }
     let now = Instant::now();
-    warm_up(&mut s, &[6, 40, 40, 40, 40, 40, 40, 40], 0, now);
+    warm_up(&mut s, ttfts_ms, 0, now);
     (s, now + Duration::from_secs(1))
 }
 
@@ -162,7 +168,7 @@ fn a_rank_busy_by_its_decaying_prefill_comes_back_after_its_crossing() {
     let (mut s, now) = fast_rank_fleet();
     // Every rank touched by a tiny booking elsewhere, so the bounded search decides.
     assert_eq!(route_checked(&mut s, "before", now), 0);
-    book_prefill(&mut s, "long", 150, Duration::from_millis(150), now);
+    book_prefill(&mut s, ("long", 0), 150, Duration::from_millis(150), now);
     let rank0 = s.ranks()[0];
     for (ms, busy) in [(0, true), (20, true), (49, true), (51, false), (80, false)] {
         let at = now + Duration::from_millis(ms);
@@ -211,4 +217,31 @@ fn reports_take_a_rank_out_and_bring_it_back() {
         assert_eq!(s.bounded.holds_busy(s.ranks()[0]), busy);
         now += Duration::from_millis(5);
     }
+}
+
+/// A decision time earlier than one already decided (callers that read the clock
+/// before the scheduler's lock): rank 0, back in the index after its decaying prefill
+/// fell below the threshold at 5 ms, is busy again at 2 ms and must not be chosen
+/// (it would be if free).
+#[test]
+fn an_earlier_decision_time_sees_a_rank_busy_again() {
+    let (mut s, now) = fleet_of(&[6, 40, 40, 40, 40, 40, 40, 40, 400]);
+    book_prefill(&mut s, ("long", 0), 105, Duration::from_millis(105), now);
+    // Ranks 1–7 hold 99 tokens that barely decay, rank 8 is slow: rank 0, the
+    // fastest, is the cheapest at 2 ms too when its 103 tokens are not busy.
+    for i in 1..8 {
+        let id = format!("queued-{i}");
+        book_prefill(&mut s, (&id, i), 99, Duration::from_secs(100), now);
+    }
+    let ms = |n| now + Duration::from_millis(n);
+    assert_ne!(route_checked(&mut s, "at-0", ms(0)), 0, "busy at 0 ms");
+    // A decision at 104 ms without booking rank 0 (a booking there would re-evaluate
+    // it at the next decision): its bound is synced.
+    let PolicyConfig::PredictedTtft(policy) = s.config.policy else {
+        unreachable!("predicted-ttft")
+    };
+    s.sync_bound(&policy, BLOCK, ms(104));
+    assert!(!s.bounded.holds_busy(s.ranks()[0]), "free at 104 ms");
+    assert_ne!(route_checked(&mut s, "at-2", ms(2)), 0, "busy at 2 ms");
+    assert_eq!(route_checked(&mut s, "at-104", ms(104)), 0, "1 token left");
 }

@@ -85,6 +85,9 @@ enum Op {
     },
     /// Time passes, in ms.
     Wait(u64),
+    /// The next decisions come this many ms earlier (callers that read the clock
+    /// before the scheduler's lock).
+    Back(u64),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -181,12 +184,18 @@ fn replay_from(
     replay_with(config(kv_reuse, busy), regs, warm, ops)
 }
 
-/// Books request `id` of one block on the first rank, with a prefill of `tokens`
+/// Books request `id` of one block on rank index `rank`, with a prefill of `tokens`
 /// expected to take `duration`.
-fn book_prefill(s: &mut Scheduler, id: &str, tokens: u64, duration: Duration, now: Instant) {
+fn book_prefill(
+    s: &mut Scheduler,
+    (id, rank): (&str, usize),
+    tokens: u64,
+    duration: Duration,
+    now: Instant,
+) {
     let add = AddRequest {
         request_id: RequestId::from(id),
-        rank: s.ranks()[0],
+        rank: s.ranks()[rank],
         block_hashes: Vec::new(),
         request_blocks: 1,
         prefill: PrefillLoadHint {
@@ -278,6 +287,7 @@ fn replay_with(
                 s.update_load_metrics(m, now);
             }
             Op::Wait(ms) => now += Duration::from_millis(*ms),
+            Op::Back(ms) => now = now.checked_sub(Duration::from_millis(*ms)).unwrap_or(now),
             Op::FirstToken(_) | Op::Free(_) => {}
         }
     }
@@ -428,7 +438,7 @@ fn a_bound_just_below_the_best_cost_is_still_priced() {
         let mut now = Instant::now();
         warm_up(&mut s, &[6, 40, 24, 24, 24, 24, 24, 24], 0, now);
         now += Duration::from_secs(1);
-        book_prefill(&mut s, "queued", tokens, Duration::from_secs(60), now);
+        book_prefill(&mut s, ("queued", 0), tokens, Duration::from_secs(60), now);
         let hashes = (0..64).map(LocalBlockHash).collect();
         let req = ScheduleRequest::new("q", hashes, 1_024, BLOCK);
         let overlaps = OverlapScores::default();
