@@ -129,12 +129,13 @@ fn busy_warmed_up_histories_take_the_bounded_shortcut() {
 /// A fleet of 8 warmed ranks where rank 0 learned the fastest timing, with a prefill
 /// threshold of 100 tokens and prefills decaying at 1,000 tokens/s.
 fn fast_rank_fleet() -> (Scheduler, Instant) {
-    fleet_of(&[6, 40, 40, 40, 40, 40, 40, 40])
+    fleet_of(&[6, 40, 40, 40, 40, 40, 40, 40], 100)
 }
 
-/// [`fast_rank_fleet`] with one rank per first token time of `ttfts_ms`.
-fn fleet_of(ttfts_ms: &[u64]) -> (Scheduler, Instant) {
-    let c = busy_config(false, Some((false, 50)), Some((false, 100)), 1_000.0);
+/// [`fast_rank_fleet`] with one rank per first token time of `ttfts_ms` and a
+/// prefill threshold of `prefill` tokens.
+fn fleet_of(ttfts_ms: &[u64], prefill: u64) -> (Scheduler, Instant) {
+    let c = busy_config(false, Some((false, 50)), Some((false, prefill)), 1_000.0);
     let mut s = Scheduler::new(c, Some(2)).unwrap();
     for id in 0..ttfts_ms.len() as u64 {
         s.add_worker(reg(id, 1)).unwrap();
@@ -221,27 +222,36 @@ fn reports_take_a_rank_out_and_bring_it_back() {
 
 /// A decision time earlier than one already decided (callers that read the clock
 /// before the scheduler's lock): rank 0, back in the index after its decaying prefill
-/// fell below the threshold at 5 ms, is busy again at 2 ms and must not be chosen
-/// (it would be if free).
+/// fell below the 20-token threshold at 1 ms, is busy again at 0.5 ms and must not be
+/// chosen (it would be if free).
 #[test]
 fn an_earlier_decision_time_sees_a_rank_busy_again() {
-    let (mut s, now) = fleet_of(&[6, 40, 40, 40, 40, 40, 40, 40, 400]);
-    book_prefill(&mut s, ("long", 0), 105, Duration::from_millis(105), now);
-    // Ranks 1–7 hold 99 tokens that barely decay, rank 8 is slow: rank 0, the
-    // fastest, is the cheapest at 2 ms too when its 103 tokens are not busy.
+    let (mut s, now) = fleet_of(&[6, 40, 40, 40, 40, 40, 40, 40, 400], 20);
+    book_prefill(&mut s, ("long", 0), 21, Duration::from_millis(21), now);
+    // Ranks 1–7 hold 1 token each, rank 8 (idle, the one added for the smallest
+    // backlog) is slow: rank 0, the fastest, is the cheapest at 0.5 ms too when its
+    // 20 tokens are not busy, and rank 8 is not the cheapest free rank.
     for i in 1..8 {
         let id = format!("queued-{i}");
-        book_prefill(&mut s, (&id, i), 99, Duration::from_secs(100), now);
+        book_prefill(&mut s, (&id, i), 1, Duration::from_secs(100), now);
     }
-    let ms = |n| now + Duration::from_millis(n);
-    assert_ne!(route_checked(&mut s, "at-0", ms(0)), 0, "busy at 0 ms");
-    // A decision at 104 ms without booking rank 0 (a booking there would re-evaluate
+    let us = |n| now + Duration::from_micros(n);
+    assert_ne!(route_checked(&mut s, "at-0", us(0)), 0, "busy at 0 ms");
+    // A decision at 20 ms without booking rank 0 (a booking there would re-evaluate
     // it at the next decision): its bound is synced.
     let PolicyConfig::PredictedTtft(policy) = s.config.policy else {
         unreachable!("predicted-ttft")
     };
-    s.sync_bound(&policy, BLOCK, ms(104));
-    assert!(!s.bounded.holds_busy(s.ranks()[0]), "free at 104 ms");
-    assert_ne!(route_checked(&mut s, "at-2", ms(2)), 0, "busy at 2 ms");
-    assert_eq!(route_checked(&mut s, "at-104", ms(104)), 0, "1 token left");
+    s.sync_bound(&policy, BLOCK, us(20_000));
+    assert!(!s.bounded.holds_busy(s.ranks()[0]), "free at 20 ms");
+    assert_ne!(
+        route_checked(&mut s, "at-0.5", us(500)),
+        0,
+        "busy at 0.5 ms"
+    );
+    assert_eq!(
+        route_checked(&mut s, "at-20", us(20_000)),
+        0,
+        "1 token left"
+    );
 }
