@@ -21,9 +21,10 @@
 //! calibration or overlap with the prompt, plus one idle rank
 //! standing for the rest (`shortcut.rs`, exact). While more than half of the ranks
 //! are touched (a warmed-up fleet), it is O((ranks that may hold the prompt + ranks
-//! still warming up + ranks whose cost bound is within the best cost) × log N) with
-//! busy thresholds off (`shortcut_bound.rs` over `cost_bound.rs`, exact; O(booked
-//! ranks) when the delay cap's gate falls between its bounds). Other decisions are
+//! still warming up + ranks whose cost bound is within the best cost) × log N)
+//! (`shortcut_bound.rs` over `cost_bound.rs`, exact; O(booked ranks) when the delay
+//! cap's gate falls between its bounds; under busy thresholds the busy ranks wait
+//! outside the index, `shortcut_busy.rs`, O(log N) per report of changed load). Other decisions are
 //! O(registered ranks × prompt blocks). Scratch buffers are reused.
 //!
 //! # Layout
@@ -58,7 +59,8 @@
 //!   stand-in.
 //! - `shortcut_bound.rs`: the bounded shortcut for warmed-up fleets, over
 //!   `cost_bound.rs` (the ranks that hold none of the prompt, ordered by a cost
-//!   bound, kept per booking and calibration change).
+//!   bound, kept per booking and calibration change) and `shortcut_busy.rs` (busy
+//!   ranks out of the index until a report or their computed crossing).
 //! - `fallbacks.rs`: the alternates a request asked for, ranked by the cost its
 //!   choice used.
 //! - `batch.rs`: [`Scheduler::schedule_batch`].
@@ -90,6 +92,7 @@ pub mod sequences;
 pub mod sessions;
 mod shortcut;
 mod shortcut_bound;
+mod shortcut_busy;
 mod steps;
 pub mod workers;
 mod writes;
@@ -202,6 +205,7 @@ impl Scheduler {
     /// nothing changes.
     pub fn add_worker(&mut self, reg: WorkerRegistration) -> Result<(), SchedulerError> {
         let vanished = self.workers.add(reg)?;
+        self.bounded.invalidate();
         self.reports.retain(|rank| !vanished.contains(&rank));
         self.calibration
             .remove_ranks(|rank| vanished.contains(&rank));
@@ -218,6 +222,7 @@ impl Scheduler {
     /// requests were dropped; 0 also when the worker was unknown.
     pub fn remove_worker(&mut self, id: WorkerId) -> usize {
         self.workers.remove(id);
+        self.bounded.invalidate();
         self.reports.remove_worker(id);
         self.calibration.remove_ranks(|rank| rank.worker_id == id);
         self.sessions.remove_worker(id);

@@ -19,6 +19,7 @@
 //! Cost: one hash lookup per rank per decision, and the latest sample time kept
 //! aside so the safeguard is O(1).
 
+use crate::cost_bound::Changed;
 use crate::duration_ms;
 use crate::error::SchedulerError;
 use crate::policy::Candidate;
@@ -168,6 +169,10 @@ pub(crate) struct LoadReports {
     /// Ranks whose latest sample reports decode blocks or prefill tokens (the only
     /// ones a report alone can make busy).
     loaded: HashSet<WorkerRank>,
+    /// Ranks whose reported decode blocks or prefill tokens changed since
+    /// [`Self::take_changed`] last ran (their busy state may have: the bound index,
+    /// `crate::shortcut_busy`).
+    changed: Changed,
 }
 
 impl LoadReports {
@@ -178,7 +183,12 @@ impl LoadReports {
         } else {
             self.loaded.remove(&rank);
         }
-        if let Some(old) = self.reports.insert(rank, Report { metrics, at: now }) {
+        let busy_terms = |m: &LoadMetrics| (m.active_decode_blocks, m.active_prefill_tokens);
+        let old = self.reports.insert(rank, Report { metrics, at: now });
+        if old.is_none_or(|old| busy_terms(&old.metrics) != busy_terms(&metrics)) {
+            self.changed.push(rank);
+        }
+        if let Some(old) = old {
             self.by_time.remove(&(old.at, rank));
         }
         self.by_time.insert((now, rank));
@@ -209,6 +219,12 @@ impl LoadReports {
         if busy_checked {
             self.loaded.iter().for_each(|&r| f(r));
         }
+    }
+
+    /// The ranks whose reported load changed since the last call (`Changed::all`
+    /// when too many did to list).
+    pub(crate) fn take_changed(&mut self) -> Changed {
+        std::mem::take(&mut self.changed)
     }
 
     /// When `rank` last reported.

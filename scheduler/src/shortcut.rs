@@ -32,11 +32,12 @@
 //! search per rank), a request asking for fallbacks (every alternate must be priced,
 //! not one stand-in for the idle ranks), a session id, a fleet with workers that do
 //! not serve whole requests (disaggregation), overlaps that cannot list their ranks,
-//! and more than half of the ranks touched. In that last case, with busy thresholds
-//! off, the bounded search decides instead (`shortcut_bound.rs`: the ranks that may
-//! hold the prompt and those still warming up priced exactly, the others best cost
-//! bound first); with busy thresholds set (every engine reporting load) it is still
-//! the full scan. Once more than half of the ranks have their own calibration, more
+//! and more than half of the ranks touched. In that last case the bounded search
+//! decides instead (`shortcut_bound.rs`: the ranks that may hold the prompt and
+//! those still warming up priced exactly, the others best cost bound first; under
+//! busy thresholds — every engine reporting load — the busy ranks are kept out of
+//! its index, `shortcut_busy.rs`), unless every rank outside the priced ones is busy:
+//! then it is the full scan. Once more than half of the ranks have their own calibration, more
 //! than half are touched, so the touched set is not listed (that listing, a registry
 //! lookup and a sort per rank, was 70% of a decision's CPU at 4,096 ranks): the
 //! decision goes to the bounded search directly.

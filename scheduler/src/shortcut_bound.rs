@@ -17,33 +17,36 @@
 //!   ranks' decayed oldest prefills summed (O(booked ranks): an idle rank's `P(now)`
 //!   is its `P_floor`, 0).
 //!
-//! It applies under the plain shortcut's conditions (`shortcut.rs`) when busy
-//! thresholds are off. The index holds the ranks priced with their own calibration
-//! (every rank when calibration is off): their keys change only with the rank's
-//! bookings or its own samples, which both report the changed ranks
-//! (`take_changed`), so keeping it costs O(log N) per change. The ranks still
-//! warming up (*cold*: priced with the fleet prior, which moves with every other
-//! rank's samples; a worker that just joined) are priced exactly on every decision,
-//! O(cold ranks). The candidates handed to the policy are those priced ranks plus the
-//! best ones found, so its choice has the full scan's cost and is uniform over the
-//! same exact-tie set.
+//! It applies under the plain shortcut's conditions (`shortcut.rs`). The index holds
+//! the ranks priced with their own calibration (every rank when calibration is off)
+//! that are not busy: their keys change only with the rank's bookings or its own
+//! samples, which both report the changed ranks (`take_changed`), so keeping it
+//! costs O(log N) per change. The ranks still warming up (*cold*: priced with the
+//! fleet prior, which moves with every other rank's samples; a worker that just
+//! joined) are priced exactly on every decision, O(cold ranks). The candidates
+//! handed to the policy are those priced ranks plus the best ones found, so its
+//! choice has the full scan's cost and is uniform over the same exact-tie set.
 //!
-//! Not under busy thresholds (a decision over mostly touched ranks is then the full
-//! scan): a rank is a candidate only while not busy, and its busy state changes
-//! without a booking or a sample — with every engine report (its reported decode
-//! blocks) and with time (its decaying oldest prefill crossing the prefill
-//! threshold, no event marks it). An exact index would have to drop busy ranks and
-//! take them back on each report (O(log N) per report) and at each computed crossing
-//! time (a deadline heap over the decaying heads); that is not built yet.
+//! Under busy thresholds a rank is a candidate only while it is not busy, and its
+//! busy state also changes with every engine report (its reported decode blocks and
+//! prefill tokens) and with time (its decaying oldest prefill falling below the
+//! prefill threshold, which no event marks). Busy ranks leave the index and wait in
+//! `shortcut_busy.rs` (why that is exact, and its cost): a report of other load
+//! re-evaluates its rank (O(log N)), and a rank busy by its decaying prefill alone
+//! comes back at its computed crossing (a deadline heap). A decision time earlier
+//! than one already seen (concurrent callers take `now` before the lock) also prices
+//! the booked ranks exactly, and a fleet where every rank outside the priced ones is
+//! busy (nothing to bound) is the full scan.
 
 use crate::Scheduler;
 use crate::candidates::{Ask, Seen};
-use crate::cost_bound::{BoundIndex, RankTerms};
+use crate::cost_bound::{BoundIndex, Changed, RankTerms};
 use crate::error::SchedulerError;
 use crate::liveness::Tier;
 use crate::overlap::Overlaps;
 use crate::policy::Candidate;
 use crate::policy::predicted_ttft::{PredictedTtftConfig, predicted_ttft_cost};
+use crate::shortcut_busy::{Busy, BusyRanks};
 use crate::workers::Side;
 use kv_events::WorkerRank;
 use std::time::Instant;
@@ -56,64 +59,116 @@ pub(crate) struct Bounded {
     /// the index, since the prior moves with every other rank's samples; each
     /// decision prices them exactly.
     cold: Vec<WorkerRank>,
+    /// Under busy thresholds, the ranks out of the index while busy
+    /// (`shortcut_busy.rs`).
+    busy: BusyRanks,
+    /// The latest decision time synced at (under busy thresholds, an earlier one
+    /// prices the booked ranks exactly).
+    synced_at: Option<Instant>,
     /// The policy's timing and the block size the keys used; `None`: rebuild.
     built_for: Option<(crate::policy::predicted_ttft::StepTimeModel, u32)>,
 }
 
+impl Bounded {
+    /// Rebuilds the index at the next bounded decision (a worker registered or
+    /// left: ranks, capacities).
+    pub(crate) fn invalidate(&mut self) {
+        self.built_for = None;
+    }
+
+    /// Whether `rank` is held out of the index as busy.
+    #[cfg(test)]
+    pub(crate) fn holds_busy(&self, rank: WorkerRank) -> bool {
+        self.busy.contains(rank)
+    }
+}
+
 impl Scheduler {
-    /// Brings the bound index (the ranks priced with their own calibration) and the
-    /// cold ranks up to date for `config` and `block_size`: O(changed ranks × log N
-    /// + cold ranks), O(N log N) after a registration or a policy change.
-    fn sync_bound(&mut self, config: &PredictedTtftConfig, block_size: u32) {
+    /// Brings the bound index (the ranks priced with their own calibration, not busy
+    /// at `now`), the busy ranks and the cold ranks up to date for `config` and
+    /// `block_size`: O(changed ranks × log N + cold ranks + ranks due), O(N log N)
+    /// after a registration or a policy change.
+    pub(crate) fn sync_bound(
+        &mut self,
+        config: &PredictedTtftConfig,
+        block_size: u32,
+        now: Instant,
+    ) {
+        let busy_checked = self.config.busy.enabled();
+        self.bounded.synced_at = self.bounded.synced_at.max(Some(now));
         let n = self.workers.ranks().len();
-        let (booked, calibrated) = (
+        let (booked, calibrated, reported) = (
             self.sequences.take_changed(),
             self.calibration.take_changed(),
+            self.reports.take_changed(),
         );
+        // Reports change only busy states.
+        let reported = if busy_checked {
+            reported
+        } else {
+            Changed::default()
+        };
         let key = (config.timing, block_size);
-        if booked.all || calibrated.all || self.bounded.built_for != Some(key) {
+        if booked.all || calibrated.all || reported.all || self.bounded.built_for != Some(key) {
             self.bounded.index = BoundIndex::default();
+            self.bounded.busy.clear();
             self.bounded.cold.clear();
             for i in 0..n {
                 let r = self.workers.ranks()[i];
-                if !self.index_rank(r, config, block_size) {
+                if !self.index_rank(r, config, block_size, now) {
                     self.bounded.cold.push(r);
                 }
             }
             self.bounded.built_for = Some(key);
             return;
         }
-        for r in booked.ranks.into_iter().chain(calibrated.ranks) {
+        let mut due = Vec::new();
+        self.bounded.busy.take_due(now, &mut due);
+        let changed = booked.ranks.into_iter().chain(calibrated.ranks);
+        for r in changed.chain(reported.ranks).chain(due) {
             if self.workers.contains_rank(r) {
-                self.index_rank(r, config, block_size);
+                self.index_rank(r, config, block_size, now);
             } else {
                 self.bounded.index.remove(r);
+                self.bounded.busy.release(r);
             }
         }
         let (workers, calibration) = (&self.workers, &self.calibration);
         self.bounded
             .cold
             .retain(|&r| workers.contains_rank(r) && !calibration.prices_apart(r));
-        if self.bounded.index.len() + self.bounded.cold.len() != n {
+        let held = self.bounded.index.len() + self.bounded.busy.len();
+        if held + self.bounded.cold.len() != n {
             self.bounded.built_for = None; // a registration: rebuild
-            self.sync_bound(config, block_size);
+            self.sync_bound(config, block_size, now);
         }
     }
 
-    /// Puts the registered `rank` in the index with its current terms unless it is
-    /// priced with the fleet prior (then false: it is cold, listed since the last
-    /// rebuild, or registered since and found by the count check).
+    /// Puts the registered `rank` in the index with its current terms, or among the
+    /// busy ranks when it is busy at `now`, unless it is priced with the fleet prior
+    /// (then false: it is cold, listed since the last rebuild, or registered since
+    /// and found by the count check).
     fn index_rank(
         &mut self,
         rank: WorkerRank,
         config: &PredictedTtftConfig,
         block_size: u32,
+        now: Instant,
     ) -> bool {
         if !self.calibration.prices_apart(rank) {
             return false;
         }
-        let terms = self.rank_terms(rank, block_size);
-        self.bounded.index.set(rank, &config.timing, &terms);
+        match self.busy_state(rank, now) {
+            Busy::Free => {
+                self.bounded.busy.release(rank);
+                let terms = self.rank_terms(rank, block_size);
+                self.bounded.index.set(rank, &config.timing, &terms);
+            }
+            busy => {
+                self.bounded.index.remove(rank);
+                self.bounded.busy.hold(rank, busy);
+            }
+        }
         true
     }
 
@@ -147,10 +202,15 @@ impl Scheduler {
     ) -> Result<Option<bool>, SchedulerError> {
         let (req, now) = (ask.req, ask.now);
         let shape = req.shape();
-        if self.config.busy.enabled() {
-            return Ok(None);
+        // An earlier decision time than one synced at (callers whose clocks
+        // disagree): an indexed rank free then may be busy now by a prefill that
+        // decayed since, so the booked ranks (the only ones whose busy state moves
+        // with time) are priced exactly: O(booked ranks).
+        let rewound = self.config.busy.enabled() && self.bounded.synced_at.is_some_and(|t| now < t);
+        self.sync_bound(config, shape.block_size, now);
+        if rewound {
+            touched.extend(self.sequences.booked_ranks());
         }
-        self.sync_bound(config, shape.block_size);
         touched.extend_from_slice(&self.bounded.cold);
         // Ranks that may hold part of the prompt, or may not be in the preferred tier.
         if config.credit.in_flight
@@ -189,11 +249,16 @@ impl Scheduler {
             .search(&config.timing, shape.num_tokens, |r| {
                 (!is_priced(&r)).then(|| exact(r))
             });
-        let mut extra: Vec<WorkerRank> = best.map(|b| b.ranks).unwrap_or_default();
+        // Every other rank is busy (a saturated fleet): the full scan decides, since
+        // the figures below assume a preferred candidate outside the priced ones.
+        let Some(best) = best else {
+            return Ok(None);
+        };
+        let mut extra: Vec<WorkerRank> = best.ranks;
         // The smallest backlog over every candidate (matching ranks' credit).
         let mut min_pending = touched[..priced]
             .iter()
-            .filter(|&&r| self.is_preferred(r, now))
+            .filter(|&&r| self.is_open(r, now))
             .map(|&r| self.sequences.load(r, now).active_prefill_tokens)
             .min()
             .unwrap_or(u64::MAX);
@@ -233,10 +298,12 @@ impl Scheduler {
         Ok(Some(gate))
     }
 
-    /// Whether `rank` is in the preferred liveness tier at `now` (never reported, or
-    /// live): a candidate whenever any other rank is not touched.
-    fn is_preferred(&self, rank: WorkerRank, now: Instant) -> bool {
+    /// Whether `rank` is a candidate of the preferred liveness tier at `now` (never
+    /// reported, or live; not busy): a candidate whenever any rank outside the priced
+    /// ones is.
+    fn is_open(&self, rank: WorkerRank, now: Instant) -> bool {
         self.reports.tier(&self.config.liveness, rank, now) == Some(Tier::Preferred)
+            && !self.is_busy_at(rank, now)
     }
 
     /// Whether the delay cap applies over every registered rank as a candidate: the
@@ -260,7 +327,7 @@ impl Scheduler {
                 hi -= u128::from(total);
                 count -= 1;
             }
-            if self.is_preferred(r, now) {
+            if self.is_open(r, now) {
                 exact += u128::from(self.sequences.load(r, now).active_prefill_tokens);
                 count += 1;
             }

@@ -77,10 +77,17 @@ enum Op {
     FirstToken(usize),
     /// The `i`-th active request ends.
     Free(usize),
-    /// Rank index `rank` reports `decode` blocks.
-    Report { rank: usize, decode: u64 },
+    /// Rank index `rank` reports `decode` blocks and `prefill` tokens.
+    Report {
+        rank: usize,
+        decode: u64,
+        prefill: u64,
+    },
     /// Time passes, in ms.
     Wait(u64),
+    /// The next decisions come this many ms earlier (callers that read the clock
+    /// before the scheduler's lock).
+    Back(u64),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -89,7 +96,8 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|(family, blocks, hits)| Op::Route { family, blocks, hits }),
         2 => (0..64usize).prop_map(Op::FirstToken),
         2 => (0..64usize).prop_map(Op::Free),
-        1 => (0..200usize, 0..160u64).prop_map(|(rank, decode)| Op::Report { rank, decode }),
+        1 => (0..200usize, 0..160u64, prop_oneof![Just(0u64), 0..400u64])
+            .prop_map(|(rank, decode, prefill)| Op::Report { rank, decode, prefill }),
         2 => (0..1_500u64).prop_map(Op::Wait),
     ]
 }
@@ -172,9 +180,44 @@ fn replay_from(
     warm: Option<(&[u64], usize)>,
     ops: &[Op],
 ) -> usize {
-    let mut s = Scheduler::new(config(kv_reuse, busy), Some(5)).unwrap();
-    for id in 0..workers {
-        s.add_worker(reg(id, dp_size)).unwrap();
+    let regs = (0..workers).map(|id| reg(id, dp_size)).collect();
+    replay_with(config(kv_reuse, busy), regs, warm, ops)
+}
+
+/// Books request `id` of one block on rank index `rank`, with a prefill of `tokens`
+/// expected to take `duration`.
+fn book_prefill(
+    s: &mut Scheduler,
+    (id, rank): (&str, usize),
+    tokens: u64,
+    duration: Duration,
+    now: Instant,
+) {
+    let add = AddRequest {
+        request_id: RequestId::from(id),
+        rank: s.ranks()[rank],
+        block_hashes: Vec::new(),
+        request_blocks: 1,
+        prefill: PrefillLoadHint {
+            initial_effective_prefill_tokens: tokens,
+            expected_prefill_duration: Some(duration),
+        },
+        origin: Origin::Local,
+        session_id: None,
+    };
+    s.sequences.add_request(add, now).unwrap();
+}
+
+/// [`replay_from`] under `config`, on a fleet of `regs`.
+fn replay_with(
+    config: SchedulerConfig,
+    regs: Vec<WorkerRegistration>,
+    warm: Option<(&[u64], usize)>,
+    ops: &[Op],
+) -> usize {
+    let mut s = Scheduler::new(config, Some(5)).unwrap();
+    for r in regs {
+        s.add_worker(r).unwrap();
     }
     let ranks = s.ranks().to_vec();
     let mut now = Instant::now();
@@ -228,17 +271,23 @@ fn replay_from(
                 let id = active.swap_remove(i % active.len());
                 s.free(&id, now).unwrap();
             }
-            Op::Report { rank, decode } => {
+            Op::Report {
+                rank,
+                decode,
+                prefill,
+            } => {
                 let rank = ranks[rank % ranks.len()];
                 let m = LoadMetrics {
                     worker_id: rank.worker_id,
                     dp_rank: rank.dp_rank,
                     active_decode_blocks: *decode,
+                    active_prefill_tokens: *prefill,
                     ..LoadMetrics::default()
                 };
                 s.update_load_metrics(m, now);
             }
             Op::Wait(ms) => now += Duration::from_millis(*ms),
+            Op::Back(ms) => now = now.checked_sub(Duration::from_millis(*ms)).unwrap_or(now),
             Op::FirstToken(_) | Op::Free(_) => {}
         }
     }
@@ -389,19 +438,7 @@ fn a_bound_just_below_the_best_cost_is_still_priced() {
         let mut now = Instant::now();
         warm_up(&mut s, &[6, 40, 24, 24, 24, 24, 24, 24], 0, now);
         now += Duration::from_secs(1);
-        let add = AddRequest {
-            request_id: RequestId::from("queued"),
-            rank: s.ranks()[0],
-            block_hashes: Vec::new(),
-            request_blocks: 1,
-            prefill: PrefillLoadHint {
-                initial_effective_prefill_tokens: tokens,
-                expected_prefill_duration: Some(Duration::from_secs(60)),
-            },
-            origin: Origin::Local,
-            session_id: None,
-        };
-        s.sequences.add_request(add, now).unwrap();
+        book_prefill(&mut s, ("queued", 0), tokens, Duration::from_secs(60), now);
         let hashes = (0..64).map(LocalBlockHash).collect();
         let req = ScheduleRequest::new("q", hashes, 1_024, BLOCK);
         let overlaps = OverlapScores::default();
@@ -415,3 +452,6 @@ fn a_bound_just_below_the_best_cost_is_still_priced() {
     }
     assert!(checked > 0, "rank 0 never lost its first place");
 }
+
+#[path = "shortcut_busy_tests.rs"]
+mod busy;

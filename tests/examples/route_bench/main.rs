@@ -32,6 +32,7 @@
 
 mod echo;
 mod ingest;
+mod load;
 mod warm;
 
 use anyhow::Context;
@@ -52,6 +53,8 @@ use testbed::{EtcdServer, NatsServer};
 
 const BLOCK_SIZE: u32 = 16;
 const NAMESPACE: &str = "bench";
+/// KV blocks each registered worker declares.
+const TOTAL_KV_BLOCKS: u64 = 1_000_000;
 
 /// A part of the bench.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -106,6 +109,10 @@ struct Args {
     /// samples and give every rank them ([`warm`]); 0 leaves the fleet cold.
     #[arg(long, default_value_t = 0)]
     warm_up_samples: u32,
+    /// Every worker reports load each this many ms after the warm-up, and the
+    /// daemon runs with busy thresholds ([`load`]); unset: no reports, no thresholds.
+    #[arg(long)]
+    report_load_ms: Option<u64>,
     /// Serve as the echo responder on this NATS URL (how the bench runs its
     /// baseline process).
     #[arg(long, hide = true)]
@@ -397,11 +404,15 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let nats_server = NatsServer::start().await?;
     let etcd_server = EtcdServer::start().await?;
     let samples = args.warm_up_samples.to_string();
-    let warm_flags: Vec<&str> = if args.warm_up_samples > 0 {
-        vec!["--calibration-warmup-samples", &samples]
-    } else {
-        Vec::new()
-    };
+    let mut flags: Vec<String> = Vec::new();
+    if args.warm_up_samples > 0 {
+        flags.extend(["--calibration-warmup-samples".into(), samples]);
+    }
+    flags.extend(
+        args.report_load_ms
+            .map_or_else(Vec::new, load::daemon_flags),
+    );
+    let warm_flags: Vec<&str> = flags.iter().map(String::as_str).collect();
     let daemon = ChildDaemon::start(
         &nats_server.url(),
         &etcd_server.endpoint(),
@@ -413,7 +424,14 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let echo = echo::Responder::start(&nats_server.url()).await?;
     let subjects = Arc::new(Subjects::new(Namespace::new(NAMESPACE)?));
     let mut etcd = etcd_client::Client::connect([etcd_server.endpoint()], None).await?;
-    register_workers(&mut etcd, &subjects, 0..args.workers, BLOCK_SIZE, 1_000_000).await?;
+    register_workers(
+        &mut etcd,
+        &subjects,
+        0..args.workers,
+        BLOCK_SIZE,
+        TOTAL_KV_BLOCKS,
+    )
+    .await?;
     daemon
         .wait_for_sum(&["kv_router_workers"], args.workers as f64)
         .await?;
@@ -428,6 +446,14 @@ async fn run(args: Args) -> anyhow::Result<()> {
         let routed = warm::warm_up(&nats, &subjects, &args, args.warm_up_samples).await?;
         println!("warm-up: {routed} routes with a first token each");
     }
+    let reporter = match args.report_load_ms {
+        Some(ms) => {
+            let task = load::start(&nats, &subjects, &args, ms, TOTAL_KV_BLOCKS).await?;
+            println!("load reports: every worker every {ms} ms, busy thresholds set");
+            Some(task)
+        }
+        None => None,
+    };
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!(
         "machine: {cores} cores; daemon: {} (pid {}, default policy); {} workers, {indexed} indexed (worker, block) entries; prompts of {} blocks ({} cached); {} s per measurement",
@@ -453,6 +479,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
             Section::Curve => curve_section(&bench).await?,
             Section::Batch => batch_section(&bench).await?,
         }
+    }
+    if let Some(task) = reporter {
+        task.abort();
     }
     let Bench { daemon, echo, .. } = bench;
     echo.stop().await?;
