@@ -124,6 +124,29 @@ impl EppStack {
         (envoy, picked)
     }
 
+    /// [`Self::open_in`] for a request continuing the prefix worker 2 holds: the pick
+    /// names its pod, the body reaches upstream unchanged, and the pick holds one
+    /// booking.
+    async fn open_on_the_prefix_pod(
+        &self,
+        mode: Mode,
+        body: &serde_json::Value,
+        chunks: usize,
+    ) -> Envoy {
+        let (envoy, picked) = self.open_in(mode, body, chunks, None).await;
+        assert_eq!(endpoint(&picked), pod(2));
+        let Picked::Endpoint { body: upstream, .. } = &picked else {
+            unreachable!()
+        };
+        assert_eq!(
+            upstream,
+            &body.to_string().into_bytes(),
+            "the body passes unchanged"
+        );
+        assert_eq!(self.booked(), 1, "the pick holds a booking");
+        envoy
+    }
+
     async fn no_booking_left(&self) {
         eventually("every booking to be freed", WAIT, || async {
             (self.booked() == 0).then_some(())
@@ -300,17 +323,7 @@ async fn bad_and_oversized_bodies_are_refused_before_routing() {
 async fn streamed_mode_picks_on_the_prefix_and_answers_chunk_by_chunk() {
     let (stack, body) = three_workers_the_second_holding_the_prefix().await;
     for _ in 0..2 {
-        let (mut envoy, picked) = stack.open_in(Mode::Streamed, &body, 5, None).await;
-        assert_eq!(endpoint(&picked), pod(2));
-        let Picked::Endpoint { body: upstream, .. } = &picked else {
-            unreachable!()
-        };
-        assert_eq!(
-            upstream,
-            &body.to_string().into_bytes(),
-            "chunks pass whole"
-        );
-        assert_eq!(stack.booked(), 1, "the pick holds a booking");
+        let mut envoy = stack.open_on_the_prefix_pod(Mode::Streamed, &body, 5).await;
         envoy.response_headers(&pod(2)).await;
         envoy.response_chunk(b"data: {}\n\n", false).await;
         envoy.response_chunk(b"data: [DONE]\n\n", true).await;

@@ -12,13 +12,7 @@ use super::*;
 async fn buffered_mode_picks_on_the_body_answer() {
     let (stack, body) = three_workers_the_second_holding_the_prefix().await;
     for _ in 0..2 {
-        let (mut envoy, picked) = stack.open_in(Mode::Buffered, &body, 1, None).await;
-        assert_eq!(endpoint(&picked), pod(2));
-        let Picked::Endpoint { body: upstream, .. } = &picked else {
-            unreachable!()
-        };
-        assert_eq!(upstream, &body.to_string().into_bytes(), "the body passes");
-        assert_eq!(stack.booked(), 1, "the pick holds a booking");
+        let mut envoy = stack.open_on_the_prefix_pod(Mode::Buffered, &body, 1).await;
         envoy.response_headers(&pod(2)).await;
         envoy
             .response_chunk(b"data: {}\n\ndata: [DONE]\n\n", true)
