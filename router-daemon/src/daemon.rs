@@ -7,9 +7,11 @@
 //!    ([`Starting::serve_http`]) and reports "starting, not ready";
 //! 2. connect to NATS (retried in the background until a server answers);
 //! 3. subscribe to KV events (with `--jetstream`: restore the snapshot and create the
-//!    stream consumer, which the stream feeds from here on), load metrics, lifecycle
-//!    messages and replica sequence sync (NATS buffers them from here on); start the
-//!    sync publisher and the request expiry task;
+//!    stream consumer, which the stream feeds from here on) and load metrics; start the
+//!    route path's thread and its NATS connection ([`crate::route_thread`]) and
+//!    subscribe, from there, to lifecycle messages and replica sequence sync (NATS
+//!    buffers them from here on); start the sync publisher (on that thread too) and
+//!    the request expiry task;
 //! 4. connect to etcd and load every worker registration, retrying with backoff while
 //!    etcd is unavailable; then watch from the next revision;
 //! 5. finish the initial recovery of the index: a dump from every registered worker
@@ -21,15 +23,17 @@
 //!    ([`crate::replica_sync::snapshot`]; after discovery, because a booking needs its
 //!    rank registered);
 //! 6. answer other replicas' snapshot requests from here on; join the route queue
-//!    group last, so no query is answered before workers and peers' bookings are
-//!    known; confirm the subscriptions with a server round trip; log `kv-router
-//!    ready` and report ready.
+//!    group last (on the route path's connection), so no query is answered before
+//!    workers and peers' bookings are known; confirm the subscriptions of both
+//!    connections with a server round trip each; log `kv-router ready` and report
+//!    ready.
 //!
 //! Shutdown order ([`Daemon::shutdown`]): report not ready → stop intake (unsubscribe;
 //! route queries already received are still answered, later ones get "no responders")
-//! → wait for the intake tasks → confirm the unsubscribes with a NATS round trip →
-//! stop discovery → drain the indexer shards (every event batch intake accepted is
-//! applied) and stop them → drain the NATS connection → stop the HTTP endpoint.
+//! → wait for the intake tasks (those on the route thread too) → confirm the
+//! unsubscribes with a NATS round trip on both connections → stop discovery → drain
+//! the indexer shards (every event batch intake accepted is applied) and stop them →
+//! drain both NATS connections and end the route thread → stop the HTTP endpoint.
 //! Every step that waits shares one deadline, `--shutdown-timeout-ms` from the start
 //! of the sequence (`kv_cluster::shutdown`): with NATS or etcd gone a drain or a round
 //! trip never completes, so past the deadline the step under way is abandoned and the
@@ -47,10 +51,11 @@
 use crate::admission::Admission;
 use crate::block_size::BlockSize;
 use crate::config::DaemonConfig;
-use crate::health::Phase;
+use crate::health::{Link, Phase};
 use crate::http::{HttpServer, HttpState};
 use crate::metrics::counters::Counters;
 use crate::metrics::{AdmissionMetrics, Registrar};
+use crate::route_thread::RouteThread;
 use crate::state::RouterState;
 use crate::{discovery, intake, lifecycle, replica_sync, route};
 use anyhow::Context;
@@ -177,7 +182,7 @@ impl Starting {
         let step = |name| state.health.set_step(name);
         let subjects = config.subjects.clone();
         step("connecting to NATS");
-        let nats = crate::nats::connect(&config.nats, state.health.clone())
+        let nats = crate::nats::connect(&config.nats, state.health.clone(), Link::Main)
             .await
             .context("configuring the NATS connection")?;
 
@@ -209,7 +214,11 @@ impl Starting {
             .subscribe(subjects.load_metrics_all())
             .await
             .context("subscribing to load metrics")?;
-        let lifecycle = nats
+        // The route path's own thread and connection (`route_thread`): the lifecycle
+        // intake contends with the route service for the scheduler lock.
+        let route_thread = RouteThread::start(&config.nats, state.health.clone()).await?;
+        let lifecycle = route_thread
+            .client()
             .subscribe(subjects.lifecycle())
             .await
             .context("subscribing to lifecycle")?;
@@ -226,14 +235,13 @@ impl Starting {
             },
         ));
         let (admission, counters) = (state.admission.clone(), state.counters.clone());
-        intake_tasks.spawn(intake::serve_batches_with(
-            lifecycle,
-            intake.child_token(),
-            move |batch| {
+        route_thread.spawn(
+            &intake_tasks,
+            intake::serve_batches_with(lifecycle, intake.child_token(), move |batch| {
                 let payloads = batch.iter().map(|m| (m.subject.as_str(), &m.payload[..]));
                 lifecycle::handle_lifecycle_batch(&admission, &counters, &limits, payloads);
-            },
-        ));
+            }),
+        );
         step("starting replica sync: a NATS round trip between its two connections");
         replica_sync::sync::start(
             &state.admission,
@@ -243,6 +251,7 @@ impl Starting {
             replica_sync::sync::SyncNats {
                 config: &config.nats,
                 main: &nats,
+                thread: &route_thread,
             },
             &intake_tasks,
             &intake,
@@ -315,33 +324,43 @@ impl Starting {
         )
         .await?;
 
-        let routes = nats
+        let route_nats = route_thread.client();
+        let routes = route_nats
             .queue_subscribe(subjects.route(), subjects.route_queue_group())
             .await
             .context("joining the route queue group")?;
-        intake_tasks.spawn(route::serve(
-            state.clone(),
-            nats.clone(),
-            routes,
-            config.route.max_inflight,
-            intake.child_token(),
-        ));
-        let batches = nats
+        route_thread.spawn(
+            &intake_tasks,
+            route::serve(
+                state.clone(),
+                route_nats.clone(),
+                routes,
+                config.route.max_inflight,
+                intake.child_token(),
+            ),
+        );
+        let batches = route_nats
             .queue_subscribe(subjects.route_batch(), subjects.route_queue_group())
             .await
             .context("joining the batch route queue group")?;
-        intake_tasks.spawn(crate::route_batch::serve(
-            state.clone(),
-            nats.clone(),
-            batches,
-            config.route.max_inflight,
-            config.route.max_batch,
-            intake.child_token(),
-        ));
+        route_thread.spawn(
+            &intake_tasks,
+            crate::route_batch::serve(
+                state.clone(),
+                route_nats.clone(),
+                batches,
+                config.route.max_inflight,
+                config.route.max_batch,
+                intake.child_token(),
+            ),
+        );
         intake_tasks.close();
         step("confirming the subscriptions with NATS");
-        crate::barrier::server_barrier(&nats)
-            .await
+        let (main, routes) = tokio::join!(
+            crate::barrier::server_barrier(&nats),
+            crate::barrier::server_barrier(route_nats),
+        );
+        main.and(routes)
             .context("syncing subscriptions with NATS")?;
         abandon.disarm();
         state.health.set_phase(Phase::Running);
@@ -350,6 +369,7 @@ impl Starting {
             state,
             shutdown_timeout: config.shutdown_timeout,
             nats,
+            route_thread,
             intake,
             intake_tasks,
             discovery: discovery_token,
@@ -366,6 +386,8 @@ pub struct Daemon {
     state: Arc<RouterState>,
     shutdown_timeout: std::time::Duration,
     nats: async_nats::Client,
+    /// The route path's thread and connection.
+    route_thread: RouteThread,
     intake: CancellationToken,
     intake_tasks: TaskTracker,
     discovery: CancellationToken,
@@ -422,7 +444,13 @@ impl Daemon {
             .await;
         // The subscriptions were dropped; make sure the server has processed the
         // unsubscribes, so clients get "no responders" instead of a timeout.
-        let barrier = crate::barrier::server_barrier(&self.nats);
+        let barrier = async {
+            let (main, routes) = tokio::join!(
+                crate::barrier::server_barrier(&self.nats),
+                crate::barrier::server_barrier(self.route_thread.client()),
+            );
+            main.and(routes)
+        };
         if let Some(Err(e)) = budget
             .step("confirming the unsubscribes with NATS", barrier)
             .await
@@ -444,11 +472,15 @@ impl Daemon {
         budget
             .step("stopping the indexer shards", self.state.indexer.closed())
             .await;
+        let drain = async {
+            let (main, routes) = tokio::join!(self.nats.drain(), self.route_thread.close());
+            main.and(routes)
+        };
         let drained = budget
-            .step("draining the NATS connection", self.nats.drain())
+            .step("draining the NATS connections", drain)
             .await
             .transpose()
-            .context("draining the NATS connection");
+            .context("draining the NATS connections");
         self.state.health.set_phase(Phase::Stopped);
         if let Some(http) = self.http {
             // Skipped, the server is dropped, which stops it without waiting.

@@ -2,8 +2,8 @@
 //! `kv_router_ready` gauge report them.
 //!
 //! **Ready** means a routing query answered now would be as good as this replica can
-//! make it: the daemon is running (not starting, not shutting down), its NATS
-//! connection is up, worker discovery has loaded at least once, and the initial
+//! make it: the daemon is running (not starting, not shutting down), both its NATS
+//! connections (the main one and the route path's) are up, worker discovery has loaded at least once, and the initial
 //! recovery of the index has finished. etcd being unreachable *after* discovery loaded
 //! does not make the daemon unready: it keeps routing to the last known workers and
 //! reports the loss in the `etcd` check and `kv_router_etcd_connected`.
@@ -63,6 +63,17 @@ pub struct Check {
     pub detail: String,
 }
 
+/// Which of the daemon's two NATS connections a change is about: both must be up
+/// for the daemon to be ready.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Link {
+    /// The main connection: KV events, load metrics, recovery, replica snapshots.
+    Main,
+    /// The route path's connection (`crate::route_thread`): route queries, their
+    /// replies and lifecycle messages.
+    Routes,
+}
+
 /// Every readiness input, as `/health/readyz` reports them.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Checks {
@@ -95,6 +106,8 @@ pub struct Readiness {
 pub struct Health {
     phase: AtomicU8,
     nats: AtomicBool,
+    /// The route path's connection ([`Link::Routes`]).
+    nats_routes: AtomicBool,
     etcd: AtomicBool,
     discovery_loaded: AtomicBool,
     recovery_done: AtomicBool,
@@ -116,6 +129,7 @@ impl Health {
         Self {
             phase: AtomicU8::new(Phase::Starting.as_u8()),
             nats: AtomicBool::new(false),
+            nats_routes: AtomicBool::new(false),
             etcd: AtomicBool::new(false),
             discovery_loaded: AtomicBool::new(false),
             recovery_done: AtomicBool::new(false),
@@ -136,22 +150,41 @@ impl Health {
         self.update();
     }
 
-    /// Records the NATS connection going up or down.
-    pub(crate) fn set_nats_connected(&self, connected: bool) {
-        let was = self.nats.swap(connected, Ordering::AcqRel);
-        self.metrics.nats_connected.set(i64::from(connected));
+    /// Records one NATS connection going up or down; `kv_router_nats_connected` is 1
+    /// while both are up.
+    pub(crate) fn set_nats_connected(&self, link: Link, connected: bool) {
+        let flag = match link {
+            Link::Main => &self.nats,
+            Link::Routes => &self.nats_routes,
+        };
+        let was = flag.swap(connected, Ordering::AcqRel);
+        self.metrics
+            .nats_connected
+            .set(i64::from(self.nats_connected()));
         if was != connected && self.phase() == Phase::Running {
             if connected {
-                info!("nats connection re-established; subscriptions resumed");
+                info!(
+                    ?link,
+                    "nats connection re-established; subscriptions resumed"
+                );
             } else {
-                warn!("nats connection lost; reconnecting (not ready meanwhile)");
+                warn!(
+                    ?link,
+                    "nats connection lost; reconnecting (not ready meanwhile)"
+                );
             }
         }
         self.update();
     }
 
-    /// Applies one event from the NATS client: counts it and tracks the connection.
-    pub(crate) fn nats_event(&self, event: &async_nats::Event) {
+    /// Whether both NATS connections are up.
+    fn nats_connected(&self) -> bool {
+        self.nats.load(Ordering::Acquire) && self.nats_routes.load(Ordering::Acquire)
+    }
+
+    /// Applies one event from the NATS client of `link`: counts it and tracks the
+    /// connection.
+    pub(crate) fn nats_event(&self, link: Link, event: &async_nats::Event) {
         use async_nats::Event;
         let name = match event {
             Event::Connected => "connected",
@@ -165,8 +198,8 @@ impl Health {
         };
         self.metrics.nats_event(name);
         match event {
-            Event::Connected => self.set_nats_connected(true),
-            Event::Disconnected | Event::Closed => self.set_nats_connected(false),
+            Event::Connected => self.set_nats_connected(link, true),
+            Event::Disconnected | Event::Closed => self.set_nats_connected(link, false),
             Event::SlowConsumer(sid) => {
                 warn!(
                     subscription = sid,
@@ -236,7 +269,7 @@ impl Health {
     /// Whether the daemon is ready (see the module docs).
     pub(crate) fn is_ready(&self) -> bool {
         self.phase() == Phase::Running
-            && self.nats.load(Ordering::Acquire)
+            && self.nats_connected()
             && self.discovery_loaded.load(Ordering::Acquire)
             && self.recovery_done.load(Ordering::Acquire)
     }
@@ -248,7 +281,12 @@ impl Health {
 
     /// The full readiness report.
     pub fn report(&self) -> Readiness {
-        let nats = self.nats.load(Ordering::Acquire);
+        let nats = self.nats_connected();
+        let nats_detail = match (self.nats.load(Ordering::Acquire), nats) {
+            (_, true) => "connected",
+            (true, false) => "route connection disconnected",
+            (false, false) => "disconnected",
+        };
         let discovery = self.discovery_loaded.load(Ordering::Acquire);
         let phase = self.phase();
         Readiness {
@@ -258,7 +296,7 @@ impl Health {
             checks: Checks {
                 nats: Check {
                     ok: nats,
-                    detail: if nats { "connected" } else { "disconnected" }.to_owned(),
+                    detail: nats_detail.to_owned(),
                 },
                 etcd: Check {
                     ok: self.etcd_connected(),
@@ -313,7 +351,8 @@ mod tests {
         let (h, m) = health();
         let mut rx = h.subscribe();
         assert!(!h.is_ready());
-        h.nats_event(&async_nats::Event::Connected);
+        h.nats_event(Link::Main, &async_nats::Event::Connected);
+        h.nats_event(Link::Routes, &async_nats::Event::Connected);
         h.set_discovery_loaded();
         assert!(!h.is_ready(), "recovery not done");
         h.set_recovery_done("no workers to recover");
@@ -325,13 +364,24 @@ mod tests {
         assert!(*rx.borrow_and_update());
         assert_eq!(m.ready.get(), 1);
 
-        h.nats_event(&async_nats::Event::Disconnected);
+        h.nats_event(Link::Main, &async_nats::Event::Disconnected);
         assert!(!h.is_ready());
         assert_eq!(m.ready.get(), 0);
         assert_eq!(m.nats_connected.get(), 0);
         assert_eq!(m.nats_events("disconnected"), 1);
-        h.nats_event(&async_nats::Event::Connected);
+        h.nats_event(Link::Main, &async_nats::Event::Connected);
         assert!(h.is_ready());
+
+        // The route path's connection alone down: no route can be answered.
+        h.nats_event(Link::Routes, &async_nats::Event::Disconnected);
+        assert!(!h.is_ready());
+        assert_eq!(m.nats_connected.get(), 0);
+        let nats = h.report().checks.nats;
+        assert!(!nats.ok);
+        assert_eq!(nats.detail, "route connection disconnected");
+        h.nats_event(Link::Routes, &async_nats::Event::Connected);
+        assert!(h.is_ready());
+        assert_eq!(m.nats_connected.get(), 1);
 
         assert_eq!(h.report().step, None, "only a start has steps");
         h.set_phase(Phase::ShuttingDown);
@@ -354,7 +404,8 @@ mod tests {
         );
 
         h.etcd_ok("watching");
-        h.set_nats_connected(true);
+        h.set_nats_connected(Link::Main, true);
+        h.set_nats_connected(Link::Routes, true);
         h.set_discovery_loaded();
         h.set_recovery_done("done");
         h.set_phase(Phase::Running);

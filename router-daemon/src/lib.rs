@@ -25,6 +25,8 @@
 //! - `intake`: KV event and load-metric subscriptions feeding indexer and scheduler.
 //! - `route`: the routing request-reply service.
 //! - `route_batch`: several routing queries placed together, in one round trip.
+//! - `route_thread`: the route path's own thread and NATS connection (routes,
+//!   lifecycle, replica sync), so a query and its reply never cross threads.
 //! - `lifecycle`: prefill-done / keep-alive / freed messages from frontends.
 //! - `admission`: book now or wait in the queue; release waiters; expire requests.
 //! - `queue`: the bounded FCFS wait queue for when every worker is busy.
@@ -75,6 +77,7 @@ mod replica_sync;
 mod replicas;
 mod route;
 mod route_batch;
+mod route_thread;
 mod startup;
 mod state;
 #[cfg(test)]

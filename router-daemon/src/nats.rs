@@ -1,19 +1,20 @@
-//! The daemon's NATS connection: connection-state reporting and draining
-//! subscriptions at shutdown. The seed list, authentication and TLS are
+//! The daemon's NATS connections — the main one, the route path's
+//! ([`crate::route_thread`]) and replica sync's: connection-state reporting and
+//! draining subscriptions at shutdown. The seed list, authentication and TLS are
 //! [`kv_cluster::nats`], shared with every other participant.
 //!
 //! The client (async-nats) reconnects by itself, forever, with a backoff of up to 4 s
 //! between attempts, and re-sends every subscription on reconnect, so intake, the
 //! route queue group and lifecycle messages resume without the daemon doing anything.
-//! What the daemon adds: every connection event is counted
+//! What the daemon adds: every event of the main and route connections is counted
 //! (`kv_router_nats_events_total`) and drives `kv_router_nats_connected` and the
-//! `nats` readiness check, and the initial connection is retried too
+//! `nats` readiness check (both must be up), and the initial connection is retried too
 //! (`retry_on_initial_connect`), so a daemon started before NATS reports "not ready"
 //! instead of exiting. Messages published while the daemon was disconnected are not
 //! delivered to it (core NATS has no replay); the indexer notices the missing event
 //! ids and recovers them (see `indexer/README.md`).
 
-use crate::health::Health;
+use crate::health::{Health, Link};
 use futures::{Stream, StreamExt};
 use kv_cluster::Error as NatsError;
 use kv_cluster::nats::NatsConfig;
@@ -21,23 +22,30 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
-/// Connects to NATS for the daemon: the client reports every connection event to
-/// `health`, and keeps retrying the initial connection in the background (the
-/// returned client queues commands until then).
+/// Connects one of the daemon's connections to NATS: the main one ([`Link::Main`])
+/// or the route path's ([`Link::Routes`], see [`crate::route_thread`]), named
+/// `kv-router` and `kv-router-routes` on the server. The client reports every
+/// connection event to `health` as `link`'s, and keeps retrying the initial
+/// connection in the background (the returned client queues commands until then).
 ///
 /// # Errors
 /// [`NatsError`] when the options are unusable (unreadable credentials, bad URL).
 pub(crate) async fn connect(
     config: &NatsConfig,
     health: Arc<Health>,
+    link: Link,
 ) -> Result<async_nats::Client, NatsError> {
+    let name = match link {
+        Link::Main => "kv-router",
+        Link::Routes => "kv-router-routes",
+    };
     config
-        .connect_with("kv-router", |options| {
+        .connect_with(name, |options| {
             options
                 .retry_on_initial_connect()
                 .event_callback(move |event| {
                     let health = health.clone();
-                    async move { health.nats_event(&event) }
+                    async move { health.nats_event(link, &event) }
                 })
         })
         .await

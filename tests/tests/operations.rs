@@ -81,6 +81,13 @@ async fn etcd_down_at_start_up_is_retried_and_ready_comes_only_after_discovery()
 
 #[tokio::test]
 async fn nats_restart_resumes_routing_and_applies_later_events() -> anyhow::Result<()> {
+    // KV events reach the daemon on its main connection and route queries on the route
+    // path's: a query sent right after an event may be decided before it is applied.
+    let tries = std::sync::atomic::AtomicU32::new(0);
+    let fresh_id = |name: &str| {
+        let n = tries.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        format!("{name}-{n}")
+    };
     let mut fx = Fixture::start().await?;
     let (starting, addr) = fx.prepare().await?;
     let daemon = starting.start().await?;
@@ -93,7 +100,8 @@ async fn nats_restart_resumes_routing_and_applies_later_events() -> anyhow::Resu
     let before = prompt(1, 4);
     fx.store(2, 0, &before).await?;
     eventually("worker 2's prefix routed to it", WAIT, || async {
-        let reply = fx.route("before", &before).await.ok()?;
+        // A fresh id per try: a try routed before the event was applied stays booked.
+        let reply = fx.route(&fresh_id("before"), &before).await.ok()?;
         (routed_worker(&reply) == Some(2)).then_some(())
     })
     .await?;
@@ -122,7 +130,7 @@ async fn nats_restart_resumes_routing_and_applies_later_events() -> anyhow::Resu
 
     // Routing resumes: the route subscription was re-sent on reconnect.
     eventually("routing to resume", WAIT, || async {
-        let reply = fx.route("resume", &before).await.ok()?;
+        let reply = fx.route(&fresh_id("resume"), &before).await.ok()?;
         (routed_worker(&reply) == Some(2)).then_some(())
     })
     .await?;
@@ -132,7 +140,7 @@ async fn nats_restart_resumes_routing_and_applies_later_events() -> anyhow::Resu
     fx.store(1, 0, &after).await?;
     eventually("the post-restart event to be applied", WAIT, || async {
         let reply = fx
-            .route("after", &integration_tests::continued(&after))
+            .route(&fresh_id("after"), &integration_tests::continued(&after))
             .await
             .ok()?;
         (routed_worker(&reply) == Some(1) && reply["overlap_blocks"] == 5).then_some(())

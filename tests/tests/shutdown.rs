@@ -98,7 +98,7 @@ async fn serve_exits_within_its_budget_when_nats_and_etcd_are_gone() {
         .unwrap_or_else(|| panic!("not a shutdown past its budget: {err:#}"));
     let skipped = abandoned(incomplete);
     assert!(
-        skipped.contains(&"draining the NATS connection"),
+        skipped.contains(&"draining the NATS connections"),
         "{skipped:?}"
     );
     eventually("the HTTP endpoint to close", WAIT, || async {

@@ -35,12 +35,16 @@ pub(crate) struct SyncNats<'a> {
     pub config: &'a NatsConfig,
     /// The daemon's main connection, the other end of the start-up barrier.
     pub main: &'a async_nats::Client,
+    /// The route path's thread, where the sync connection and tasks run: every route
+    /// queues a step for the publisher, which would otherwise wake a thread of the
+    /// main runtime per route.
+    pub thread: &'a crate::route_thread::RouteThread,
 }
 
 /// Opens the sync connection ([`crate::nats::connect_sync`]: without echo, so this
-/// replica never reads its own messages), subscribes to the sequences subject and
-/// spawns the sync tasks on `tasks` (until `stop`): one applying peers' messages, one
-/// publishing ours. Returns once the server has the subscription (a round trip to
+/// replica never reads its own messages) on the route thread, subscribes to the
+/// sequences subject and spawns the sync tasks there, tracked by `tasks` (until
+/// `stop`): one applying peers' messages, one publishing ours. Returns once the server has the subscription (a round trip to
 /// the daemon's `main` connection, since the sync connection cannot read its own
 /// messages). Starts recording steps for the start-up snapshot when it is on. Does
 /// nothing when sync is off.
@@ -69,9 +73,10 @@ pub(crate) async fn start(
     if !replicas.snapshot_timeout().is_zero() {
         replicas.begin_recording();
     }
-    let main = nats.main;
-    let nats = crate::nats::connect_sync(nats.config)
-        .await
+    let (main, thread, config) = (nats.main, nats.thread, nats.config.clone());
+    let nats = thread
+        .run(async move { crate::nats::connect_sync(&config).await })
+        .await?
         .context("configuring the replica sync connection")?;
     let peers = nats
         .subscribe(subject.clone())
@@ -89,19 +94,23 @@ pub(crate) async fn start(
         .await
         .context("syncing the sequence sync subscription with NATS")?;
     let (admission, counters) = (admission.clone(), counters.clone());
-    tasks.spawn(crate::intake::serve_with(
-        peers,
-        stop.child_token(),
-        move |subject, payload| handle_sync(&admission, &counters, &limits, subject, payload),
-    ));
-    tasks.spawn(publish(
-        nats,
-        subject,
-        replicas.router_id(),
-        outbox,
-        replicas.metrics().clone(),
-        stop.child_token(),
-    ));
+    thread.spawn(
+        tasks,
+        crate::intake::serve_with(peers, stop.child_token(), move |subject, payload| {
+            handle_sync(&admission, &counters, &limits, subject, payload)
+        }),
+    );
+    thread.spawn(
+        tasks,
+        publish(
+            nats,
+            subject,
+            replicas.router_id(),
+            outbox,
+            replicas.metrics().clone(),
+            stop.child_token(),
+        ),
+    );
     info!(router_id = %replicas.router_id(), "sequence sync with peer replicas on");
     Ok(())
 }
