@@ -7,7 +7,7 @@ use prometheus::{IntCounterVec, IntGauge};
 /// NATS and etcd connection state, and overall readiness.
 #[derive(Clone)]
 pub struct ConnectionMetrics {
-    /// 1 while the NATS connection is up.
+    /// 1 while both NATS connections (main and route path) are up.
     pub nats_connected: IntGauge,
     nats_events: IntCounterVec,
     /// 1 while etcd answers (the watch is running or the last call succeeded).
@@ -26,7 +26,7 @@ impl ConnectionMetrics {
         Ok(Self {
             nats_connected: r.gauge(
                 "kv_router_nats_connected",
-                "1 while the NATS connection is up, 0 while disconnected",
+                "1 while both NATS connections (main and route path) are up, 0 while either is down",
             )?,
             nats_events: r.counter_vec(
                 "kv_router_nats_events_total",
