@@ -176,11 +176,14 @@ impl RadixTree {
                     });
                 }
                 ParentAt::Unknown => {
-                    // A bounded tree may have pruned the parent and its trace too: the
-                    // group is known all the same (holding nothing), so the rank's
-                    // hybrid hit cannot grow by forgetting (it would if the group
-                    // were missing).
-                    if intern_empty && self.bounded() {
+                    // The store is refused, but it tells that the rank has this group
+                    // and its window: the group is known (holding nothing), so the
+                    // rank's hybrid hit does not count without it. Every tree does
+                    // this, bounded or not: a bounded tree cannot tell a parent it
+                    // pruned without trace from one it never saw, and a tree that
+                    // learnt the window here refuses a later store naming another
+                    // window exactly as one that never pruned.
+                    if intern_empty {
                         self.ranks.intern(holder, window);
                     }
                     return Err(ApplyError::UnknownParent {
