@@ -22,6 +22,7 @@
 //! is interned or released, O(its holders).
 
 use super::arena::BlockId;
+use super::blockmap::BlockMap;
 use super::rankset::RankIdx;
 use kv_events::{ExternalBlockHash, GroupId, StorageTier, WorkerId, WorkerRank};
 use rustc_hash::FxHashMap;
@@ -72,7 +73,7 @@ pub(crate) struct RankState {
     pub(crate) grouped: bool,
     /// Engine block hash → block, one entry per block the rank holds, plus
     /// `forgotten` stale entries (pruned blocks), dropped when next looked up.
-    pub(crate) blocks: FxHashMap<ExternalBlockHash, BlockRef>,
+    pub(crate) blocks: BlockMap,
     /// Entries of `blocks` that may be stale. While 0, every entry is live and no
     /// generation needs checking.
     pub(crate) forgotten: u64,
@@ -97,7 +98,7 @@ impl RankState {
             group: holder.group,
             window,
             grouped: false,
-            blocks: FxHashMap::default(),
+            blocks: BlockMap::default(),
             forgotten: 0,
             aliases: FxHashMap::default(),
             copies: FxHashMap::default(),
@@ -114,10 +115,11 @@ impl RankState {
     }
 
     /// Probes the engine-hash map for every hash of an event before the event changes
-    /// it. At millions of entries each probe is a cache miss on its control bytes;
-    /// these probes are independent, so the CPU overlaps their misses, where the
-    /// event's own probes (each followed by tree changes that depend on it) would take
-    /// them one after another. Measured: +11 % bare-tree apply at 64 workers × 10M
+    /// it. At millions of entries each probe is a cache miss on the slots it reads
+    /// (for a new block, the line the insert then writes: `tree/blockmap.rs`); these
+    /// probes are independent, so the CPU overlaps their misses, where the event's own
+    /// probes (each followed by tree changes that depend on it) would take them one
+    /// after another. Measured: +11 % bare-tree apply at 64 workers × 10M
     /// entries (`docs/benchmarks.md`, "Round three"). A no-op for one hash.
     pub(crate) fn warm<'a>(&self, hashes: impl ExactSizeIterator<Item = &'a ExternalBlockHash>) {
         if hashes.len() < 2 {
@@ -133,10 +135,9 @@ impl RankState {
 
     /// Heap bytes of the maps, by capacity (key + value + one control byte).
     fn heap_bytes(&self) -> usize {
-        let block_entry = size_of::<(ExternalBlockHash, BlockRef)>() + 1;
         let alias_entry = size_of::<(BlockId, u32)>() + 1;
         let copy_entry = size_of::<(ExternalBlockHash, u32)>() + 1;
-        self.blocks.capacity() * block_entry
+        self.blocks.heap_bytes()
             + self.aliases.capacity() * alias_entry
             + self.copies.capacity() * copy_entry
     }
