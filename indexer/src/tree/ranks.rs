@@ -114,23 +114,25 @@ impl RankState {
         }
     }
 
-    /// Probes the engine-hash map for every hash of an event before the event changes
-    /// it. At millions of entries each probe is a cache miss on the slots it reads
-    /// (for a new block, the line the insert then writes: `tree/blockmap.rs`); these
-    /// probes are independent, so the CPU overlaps their misses, where the event's own
-    /// probes (each followed by tree changes that depend on it) would take them one
-    /// after another. Measured: +11 % bare-tree apply at 64 workers × 10M
-    /// entries (`docs/benchmarks.md`, "Round three"). A no-op for one hash.
+    /// Loads the engine-hash map's slot for every hash of an event before the event
+    /// changes the map ([`BlockMap::touch`]). At millions of entries each is a cache
+    /// miss on the line that the event's own probe then reads and, for a new block,
+    /// writes; these loads are independent and branch on nothing, so the CPU overlaps
+    /// their misses, where the event's own probes (each followed by tree changes that
+    /// depend on it) would take them one after another. Measured: +11 % bare-tree
+    /// apply at 64 workers × 10M entries as full probes (`docs/benchmarks.md`, "Round
+    /// three"); as branch-free loads, +15–20 % more (`docs/studies/bare-apply.md`,
+    /// round three). A no-op for one hash.
     pub(crate) fn warm<'a>(&self, hashes: impl ExactSizeIterator<Item = &'a ExternalBlockHash>) {
         if hashes.len() < 2 {
             return;
         }
-        let mut held = 0usize;
+        let mut sum = 0u64;
         for hash in hashes {
-            held += usize::from(self.blocks.contains_key(hash));
+            sum = sum.wrapping_add(self.blocks.touch(*hash));
         }
-        // Keeps the probes from being optimised away; the count itself is unused.
-        std::hint::black_box(held);
+        // Keeps the loads from being optimised away; the sum itself is unused.
+        std::hint::black_box(sum);
     }
 
     /// Heap bytes of the maps, by capacity (key + value + one control byte).
