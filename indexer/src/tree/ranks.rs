@@ -121,7 +121,7 @@ impl RankState {
     /// their misses, where the event's own probes (each followed by tree changes that
     /// depend on it) would take them one after another. Measured: +11 % bare-tree
     /// apply at 64 workers × 10M entries as full probes (`docs/benchmarks.md`, "Round
-    /// three"); as branch-free loads, +15–20 % more (`docs/studies/bare-apply.md`,
+    /// three"); branch-free loads beat full probes again (`docs/studies/bare-apply.md`,
     /// round three). A no-op for one hash.
     pub(crate) fn warm<'a>(&self, hashes: impl ExactSizeIterator<Item = &'a ExternalBlockHash>) {
         if hashes.len() < 2 {
