@@ -63,7 +63,9 @@ impl Slot {
 /// slot it would go to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Found {
+    /// The key's slot and its value.
     Held(usize, BlockRef),
+    /// The free slot that ends the key's probe run.
     Free(usize),
 }
 
