@@ -15,8 +15,10 @@
 //! request that found it missing. An engine that never publishes `Removed` is never
 //! excused.
 //!
-//! **Cost.** Bounded by `--removals-per-rank` removed blocks per rank (about 100
-//! bytes each with their two maps; 256 by default, ~25 KB per rank that evicts). On
+//! **Cost.** Bounded by `--removals-per-rank` removed blocks per rank (about 90
+//! bytes each with their two maps; 1,024 by default, ~90 KB per rank that evicts:
+//! on the quickstart, whose prompts evict hundreds of 512-token blocks at once, 256
+//! let 1–4 races per 2,000 requests go unexplained, 1,024 none; docs/benchmarks.md). On
 //! the event intake, per batch one lock and one rank lookup; per removed block one
 //! ring push and one map insert; per stored block one map lookup while the rank
 //! remembers removals. A route decision reads one position under the same lock.
@@ -31,11 +33,12 @@ use kv_events::routing::{
 use kv_events::{
     ExternalBlockHash, KvCacheEventData, KvEventBatch, LocalBlockHash, WorkerId, WorkerRank,
 };
-use std::collections::{HashMap, VecDeque};
+use rustc_hash::FxHashMap;
+use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Removed blocks remembered per rank by default (`--removals-per-rank`).
-pub(crate) const DEFAULT_PER_RANK: usize = 256;
+pub(crate) const DEFAULT_PER_RANK: usize = 1024;
 
 /// The removals of every rank; shared by the event intake (writes), the routing
 /// service (reads a position) and the removals service (answers queries).
@@ -43,7 +46,7 @@ pub(crate) const DEFAULT_PER_RANK: usize = 256;
 pub(crate) struct Removals {
     /// Removed blocks remembered per rank; 0 keeps none (and routes carry no position).
     per_rank: usize,
-    ranks: Mutex<HashMap<WorkerRank, RankRemovals>>,
+    ranks: Mutex<FxHashMap<WorkerRank, RankRemovals>>,
 }
 
 /// One removed block.
@@ -70,9 +73,9 @@ struct RankRemovals {
     /// The last `Cleared` event.
     cleared: Option<EventPosition>,
     /// Each engine hash in the ring, with its newest removal's number.
-    by_external: HashMap<ExternalBlockHash, u64>,
+    by_external: FxHashMap<ExternalBlockHash, u64>,
     /// Each removed block stored again since, with its newest removal's position.
-    restored: HashMap<LocalBlockHash, EventPosition>,
+    restored: FxHashMap<LocalBlockHash, EventPosition>,
 }
 
 impl RankRemovals {
@@ -84,8 +87,8 @@ impl RankRemovals {
             base: 0,
             forgotten: None,
             cleared: None,
-            by_external: HashMap::new(),
-            restored: HashMap::new(),
+            by_external: FxHashMap::default(),
+            restored: FxHashMap::default(),
         }
     }
 
@@ -150,11 +153,11 @@ impl Removals {
     pub(crate) fn new(per_rank: usize) -> Self {
         Self {
             per_rank,
-            ranks: Mutex::new(HashMap::new()),
+            ranks: Mutex::new(FxHashMap::default()),
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, HashMap<WorkerRank, RankRemovals>> {
+    fn lock(&self) -> MutexGuard<'_, FxHashMap<WorkerRank, RankRemovals>> {
         // Every update leaves the map whole, so a poisoned one is still usable.
         self.ranks.lock().unwrap_or_else(|p| p.into_inner())
     }

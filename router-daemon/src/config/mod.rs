@@ -96,7 +96,7 @@ pub struct ServeArgs {
     )]
     pub max_route_batch: usize,
     /// Removed KV blocks remembered per worker rank, so a frontend can ask whether
-    /// an eviction raced a route (`{ns}.router.removals`); about 100 bytes each on
+    /// an eviction raced a route (`{ns}.router.removals`); about 90 bytes each on
     /// ranks that evict. 0 keeps none (route replies then carry no `kv_position`).
     #[arg(
         long,
