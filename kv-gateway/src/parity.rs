@@ -27,7 +27,7 @@
 //! computes them served them before their KV events reached the index, so the
 //! picture is not wrong), `evicted` (less than predicted, but the router says the
 //! first block the engine did not serve was removed from the rank after the
-//! decision: an eviction raced the route, see [`race`]), `unreported` (the answer
+//! decision: an eviction raced the route, see module `race`), `unreported` (the answer
 //! had no cached count: no judgement).
 //!
 //! **Persistent mismatch.** A worker is flagged when at least [`FLAG_AT`] of its last
@@ -42,7 +42,9 @@
 //!
 //! **Cost.** Per answer: one mutex over a map of workers, ten judgements scanned, one
 //! counter and one histogram observation through handles kept per worker (no label
-//! hashing); the usage fields are read by the answer's existing peek.
+//! hashing); the usage fields are read by the answer's existing peek. With a router
+//! to ask, a copy of the predicted prefix's token ids per answer, and per over-claim
+//! one NATS round trip off the answer's path (module `race`).
 
 use crate::metrics::GatewayMetrics;
 use crate::workers::WorkerUrls;
@@ -208,7 +210,7 @@ pub struct Pending {
 
 impl Pending {
     /// Lets an over-claim of this answer be checked against the router's removals
-    /// ([`race`]): `decision` routed the prompt of `tokens`. Keeps nothing when the
+    /// (module `race`): `decision` routed the prompt of `tokens`. Keeps nothing when the
     /// monitor asks no router or the decision names no position.
     pub fn with_race(mut self, decision: &RouteDecision, tokens: &[u32]) -> Self {
         if self.monitor.inner.removals.is_some() {
@@ -259,7 +261,7 @@ impl ParityMonitor {
         Self::asking(metrics, workers, None)
     }
 
-    /// Like [`ParityMonitor::new`], checking over-claims with `removals` ([`race`]).
+    /// Like [`ParityMonitor::new`], checking over-claims with `removals` (module `race`).
     pub fn asking(
         metrics: GatewayMetrics,
         workers: WorkerUrls,
