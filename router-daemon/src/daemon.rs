@@ -111,6 +111,7 @@ impl Starting {
             counters,
             admission,
             config.limits,
+            crate::removals::Removals::new(config.route.removals_per_rank),
         ));
         Ok(Self {
             config,
@@ -337,6 +338,19 @@ impl Starting {
             config.route.max_inflight,
             config.route.max_batch,
             intake.child_token(),
+        ));
+        let removals = nats
+            .queue_subscribe(subjects.router_removals(), subjects.route_queue_group())
+            .await
+            .context("joining the removals queue group")?;
+        intake_tasks.spawn(route::serve_requests(
+            state.clone(),
+            nats.clone(),
+            removals,
+            config.route.max_inflight,
+            intake.child_token(),
+            crate::metrics::counters::MessageKind::Removals,
+            crate::removals::handler(subjects.router_removals()),
         ));
         intake_tasks.close();
         step("confirming the subscriptions with NATS");

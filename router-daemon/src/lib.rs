@@ -24,6 +24,8 @@
 //!   (a leaf: written by `durability`, read by the HTTP endpoint).
 //! - `intake`: KV event and load-metric subscriptions feeding indexer and scheduler.
 //! - `route`: the routing request-reply service.
+//! - `removals`: recent `Removed` blocks per rank, and the `{ns}.router.removals`
+//!   service telling a frontend whether an eviction raced a route.
 //! - `route_batch`: several routing queries placed together, in one round trip.
 //! - `lifecycle`: prefill-done / keep-alive / freed messages from frontends.
 //! - `admission`: book now or wait in the queue; release waiters; expire requests.
@@ -71,6 +73,7 @@ pub mod probe;
 mod publishers;
 mod queue;
 mod recovery_status;
+mod removals;
 mod replica_sync;
 mod replicas;
 mod route;
