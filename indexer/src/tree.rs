@@ -54,6 +54,7 @@
 mod any_tier;
 mod apply;
 mod arena;
+mod blockmap;
 mod children;
 mod chunks;
 #[cfg(test)]

@@ -7,6 +7,7 @@
 //! | KV event recovery | `{ns}.kv.recovery.{worker_id}` | request, chunked reply, [`crate::recovery`] |
 //! | routing | `{ns}.router.route` | request-reply, queue group `{ns}-router` |
 //! | batch routing | `{ns}.router.route_batch` | request-reply, queue group `{ns}-router`, [`crate::routing::RouteBatchRequest`] |
+//! | removals | `{ns}.router.removals` | request-reply, queue group `{ns}-router`, [`crate::routing::RemovalsQuery`] → [`crate::routing::RemovalsReply`] |
 //! | lifecycle | `{ns}.router.lifecycle` | publish, [`crate::routing::LifecycleMessage`] |
 //! | replica sync | `{ns}.router.sequences` | publish, [`crate::replicas::SequenceSyncBatch`] |
 //! | replica snapshot | `{ns}.router.sequences.snapshot` | request to every replica, chunked replies, [`crate::replicas::SnapshotRequest`] → [`crate::replicas::SnapshotReply`]s |
@@ -139,8 +140,14 @@ impl Subjects {
         format!("{}.router.route_batch", self.ns)
     }
 
+    /// The removals request-reply subject: did an eviction race a route
+    /// ([`crate::routing::RemovalsQuery`])?
+    pub fn router_removals(&self) -> String {
+        format!("{}.router.removals", self.ns)
+    }
+
     /// The NATS queue group router replicas join on [`Self::route`] and
-    /// [`Self::route_batch`], so each query is answered by exactly one replica.
+    /// [`Self::route_batch`] (and [`Self::router_removals`]), so each query is answered by exactly one replica.
     pub fn route_queue_group(&self) -> String {
         format!("{}-router", self.ns)
     }

@@ -287,7 +287,8 @@ impl Flow {
                 let (overlap, in_flight) = (decision.overlap_blocks, decision.in_flight_blocks);
                 (self.parity).pending(worker, overlap, in_flight, plan.tokens.len())
             })
-            .flatten();
+            .flatten()
+            .map(|pending| pending.with_race(decision, &plan.tokens));
         let answer = Answer {
             first: Some(first),
             events,

@@ -20,7 +20,7 @@
 //! | `kv_gateway_half_retries_total` | `half`: `prefill`, `decode`; `reason` as above | failovers of a disaggregated request, by the half that failed (also counted in `kv_gateway_retries_total`) |
 //! | `kv_gateway_overlap_ratio` | | overlap blocks / prompt blocks of each routed request |
 //! | `kv_gateway_requests_in_flight` | | requests between routing and their end |
-//! | `kv_gateway_cache_parity_total` | `worker`, `outcome`: `agree`, `over_claim`, `under_claim`, `unreported` | engine answers by how the router's predicted overlap compares with the engine's reported cached tokens ([`crate::parity`]) |
+//! | `kv_gateway_cache_parity_total` | `worker`, `outcome`: `agree`, `over_claim`, `under_claim`, `in_flight`, `evicted`, `unreported` | engine answers by how the router's predicted overlap compares with the engine's reported cached tokens ([`crate::parity`]) |
 //! | `kv_gateway_cache_parity_diff_tokens` | `worker` | predicted minus reported cached prompt tokens of each judged answer (negative: the engine had more) |
 //! | `kv_gateway_cache_parity_mismatch` | `worker`, `cause` | 1 while a worker's persistent mismatch is flagged, with its likely cause; absent otherwise |
 

@@ -25,8 +25,10 @@
 //! the blocks requests booked on the same rank share with the prompt: the router
 //! names them in its reply's `in_flight_blocks`; an engine that caches blocks as it
 //! computes them served them before their KV events reached the index, so the
-//! picture is not wrong), `unreported` (the answer had no cached count: no
-//! judgement).
+//! picture is not wrong), `evicted` (less than predicted, but the router says the
+//! first block the engine did not serve was removed from the rank after the
+//! decision: an eviction raced the route, see module `race`), `unreported` (the answer
+//! had no cached count: no judgement).
 //!
 //! **Persistent mismatch.** A worker is flagged when at least [`FLAG_AT`] of its last
 //! [`WINDOW`] informative answers (either side saw a cached prefix; a cold prompt on
@@ -35,20 +37,28 @@
 //! `kv_gateway_cache_parity_mismatch{worker, cause}`; clearing logs one info line and
 //! removes it. Isolated disagreements (a KV event still in flight when the next
 //! request with the prefix is routed, an eviction racing a route) are counted but
-//! never flag a worker.
+//! never flag a worker; an over-claim the router shows to be such a race is counted
+//! `evicted` and is no disagreement.
 //!
 //! **Cost.** Per answer: one mutex over a map of workers, ten judgements scanned, one
 //! counter and one histogram observation through handles kept per worker (no label
-//! hashing); the usage fields are read by the answer's existing peek.
+//! hashing); the usage fields are read by the answer's existing peek. With a router
+//! to ask, a copy of the predicted prefix's token ids per answer, and per over-claim
+//! one NATS round trip off the answer's path (module `race`).
 
 use crate::metrics::GatewayMetrics;
 use crate::workers::WorkerUrls;
 use kv_events::WorkerId;
+use kv_events::routing::RouteDecision;
 use prometheus::{Histogram, IntCounter};
+use race::Race;
+pub use race::{ASK_DEADLINE, RemovalsAsker};
+use std::collections::HashMap;
 use std::collections::hash_map::Entry;
-use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use tracing::{debug, info, warn};
+pub use window::Cause;
+use window::{Change, Window};
 
 /// Informative answers per worker a verdict looks back on.
 pub const WINDOW: usize = 10;
@@ -72,16 +82,21 @@ pub enum Outcome {
     /// booked on the same rank share with the prompt (not yet indexed): not a
     /// disagreement.
     InFlight = 4,
+    /// The router predicted more than the engine had, and says the first block the
+    /// engine did not serve was removed from the rank after the decision (an
+    /// eviction raced the route): not a disagreement.
+    Evicted = 5,
 }
 
 impl Outcome {
     /// Every outcome, in discriminant order.
-    const ALL: [Outcome; 5] = [
+    const ALL: [Outcome; 6] = [
         Outcome::Agree,
         Outcome::OverClaim,
         Outcome::UnderClaim,
         Outcome::Unreported,
         Outcome::InFlight,
+        Outcome::Evicted,
     ];
 
     /// The metric label.
@@ -92,47 +107,7 @@ impl Outcome {
             Outcome::UnderClaim => "under_claim",
             Outcome::Unreported => "unreported",
             Outcome::InFlight => "in_flight",
-        }
-    }
-}
-
-/// The likely cause of a worker's persistent mismatch, from the evidence of its
-/// disagreeing answers, tried in this order.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Cause {
-    /// The engine counted the prompt's tokens differently from the gateway: its
-    /// tokenizer or chat template differs.
-    TokenizerMismatch,
-    /// The engine reported cached tokens that are not a multiple of the worker's
-    /// registered block size: it caches in blocks of another size.
-    BlockSizeMismatch,
-    /// The router predicted nothing cached while the engine reported hits: the
-    /// worker's KV events do not reach the index, or never match the router's hashes
-    /// (block size, hash seed or salt).
-    NoMatchingEvents,
-    /// Mostly over-claims with a prefix predicted.
-    OverClaim,
-    /// Mostly under-claims with a prefix predicted.
-    UnderClaim,
-}
-
-impl Cause {
-    const ALL: [Cause; 5] = [
-        Cause::TokenizerMismatch,
-        Cause::BlockSizeMismatch,
-        Cause::NoMatchingEvents,
-        Cause::OverClaim,
-        Cause::UnderClaim,
-    ];
-
-    /// The metric label.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Cause::TokenizerMismatch => "tokenizer_mismatch",
-            Cause::BlockSizeMismatch => "block_size_mismatch",
-            Cause::NoMatchingEvents => "no_matching_events",
-            Cause::OverClaim => "over_claim",
-            Cause::UnderClaim => "under_claim",
+            Outcome::Evicted => "evicted",
         }
     }
 }
@@ -204,123 +179,10 @@ impl Prediction {
     }
 }
 
-/// What the last informative answers of one worker say.
-#[derive(Debug, Default)]
-struct Window {
-    recent: VecDeque<Judged>,
-    flagged: Option<Cause>,
-}
-
-/// A change of a worker's flag.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Change {
-    Flagged(Cause, String),
-    Cleared(Cause),
-}
-
-impl Window {
-    /// Adds an answer; says whether the worker's flag changed.
-    fn push(&mut self, judged: Judged, block_size: u32) -> Option<Change> {
-        if judged.predicted == 0 && judged.raw_cached == 0 {
-            return None;
-        }
-        if self.recent.len() == WINDOW {
-            self.recent.pop_front();
-        }
-        self.recent.push_back(judged);
-        let wrong = self.wrong().count();
-        match self.flagged {
-            None if wrong >= FLAG_AT => {
-                let (cause, why) = self.likely_cause(block_size);
-                self.flagged = Some(cause);
-                Some(Change::Flagged(cause, why))
-            }
-            Some(cause) if wrong <= CLEAR_AT => {
-                self.flagged = None;
-                Some(Change::Cleared(cause))
-            }
-            _ => None,
-        }
-    }
-
-    fn wrong(&self) -> impl Iterator<Item = &Judged> + Clone {
-        (self.recent.iter()).filter(|j| !matches!(j.outcome, Outcome::Agree | Outcome::InFlight))
-    }
-
-    /// The likely cause of the disagreements in the window, and why, for the log.
-    fn likely_cause(&self, block_size: u32) -> (Cause, String) {
-        let block = u64::from(block_size.max(1));
-        let wrong = self.wrong();
-        let Some(last) = wrong.clone().last() else {
-            return (Cause::UnderClaim, "no disagreement".into());
-        };
-        let seen = format!(
-            "last: predicted {} cached tokens, the engine reported {} of a {}-token prompt",
-            last.predicted, last.raw_cached, last.prompt_tokens
-        );
-        if let Some(j) = wrong.clone().find(|j| j.engine_prompt_tokens.is_some()) {
-            let engine = j.engine_prompt_tokens.unwrap_or_default();
-            return (
-                Cause::TokenizerMismatch,
-                format!(
-                    "the engine counted {engine} prompt tokens where the gateway counted {}: its tokenizer or chat template differs from the gateway's (give the gateway the engines' model files, or forward token ids: --forward tokens, --chat-forward tokens, --tokenize-via render)",
-                    j.prompt_tokens
-                ),
-            );
-        }
-        if let Some(j) = wrong.clone().find(|j| j.raw_cached % block != 0) {
-            return (
-                Cause::BlockSizeMismatch,
-                format!(
-                    "the engine reported {} cached tokens, not a multiple of the worker's registered block size of {block} tokens: the engine caches in blocks of another size than the registered one; {seen}",
-                    j.raw_cached
-                ),
-            );
-        }
-        if wrong.clone().all(|j| j.predicted == 0) {
-            let step = wrong.clone().fold(0, |g, j| gcd(g, j.raw_cached));
-            let hint = if step != block && step > 0 {
-                format!(" (every hit the engine reported is a multiple of {step} tokens)")
-            } else {
-                String::new()
-            };
-            return (
-                Cause::NoMatchingEvents,
-                format!(
-                    "the router predicts no cached prefix while the engine reports hits: the worker publishes no KV events, or the router drops them or never matches their hashes (block size, hash seed or salt differ from the router's){hint}; {seen}"
-                ),
-            );
-        }
-        let over = wrong
-            .clone()
-            .filter(|j| j.outcome == Outcome::OverClaim)
-            .count();
-        if 2 * over >= wrong.count() {
-            (
-                Cause::OverClaim,
-                format!(
-                    "the router claims prefix blocks the engine does not have: a hybrid or sliding-window model indexed without its KV cache groups, a tokenizer that splits prompts differently from the engine's, or lost removal events; {seen}"
-                ),
-            )
-        } else {
-            (
-                Cause::UnderClaim,
-                format!(
-                    "the engine has prefix blocks the router does not know: KV events late or lost (kv_router_indexer_event_order_total), or hits the engine counts from a CPU or offload tier; {seen}"
-                ),
-            )
-        }
-    }
-}
-
-fn gcd(a: u64, b: u64) -> u64 {
-    if b == 0 { a } else { gcd(b, a % b) }
-}
-
 /// One worker's window and its metric handles.
 struct WorkerParity {
     label: String,
-    outcomes: [IntCounter; 5],
+    outcomes: [IntCounter; 6],
     diff: Histogram,
     window: Window,
 }
@@ -335,18 +197,60 @@ struct Inner {
     metrics: GatewayMetrics,
     workers: WorkerUrls,
     state: Mutex<HashMap<WorkerId, WorkerParity>>,
+    /// Where over-claims are checked for a racing eviction; `None`: never.
+    removals: Option<RemovalsAsker>,
 }
 
 /// An engine answer still to be judged: the prediction and the monitor it goes to.
 pub struct Pending {
     monitor: ParityMonitor,
     prediction: Prediction,
+    race: Option<Race>,
 }
 
 impl Pending {
-    /// Judges the answer by what its engine reported.
+    /// Lets an over-claim of this answer be checked against the router's removals
+    /// (module `race`): `decision` routed the prompt of `tokens`. Keeps nothing when the
+    /// monitor asks no router or the decision names no position.
+    pub fn with_race(mut self, decision: &RouteDecision, tokens: &[u32]) -> Self {
+        if self.monitor.inner.removals.is_some() {
+            self.race = Race::new(decision, tokens, self.prediction.block_size);
+        }
+        self
+    }
+
+    /// Judges the answer by what its engine reported. An over-claim with a race to
+    /// check is settled by a spawned task once the router answered (or did not).
     pub fn judge(self, reported: Reported) {
-        self.monitor.judge(&self.prediction, reported);
+        let Pending {
+            monitor,
+            prediction,
+            race,
+        } = self;
+        let judged = prediction.judge(reported);
+        let asker = monitor.inner.removals.clone();
+        let runtime = tokio::runtime::Handle::try_current().ok();
+        match (judged, race, asker, runtime) {
+            (Some(mut judged), Some(race), Some(asker), Some(runtime))
+                if judged.outcome == Outcome::OverClaim =>
+            {
+                let block = u64::from(prediction.block_size.max(1));
+                let query = race.query(
+                    prediction.worker,
+                    judged.cached / block,
+                    prediction.block_size,
+                );
+                runtime.spawn(async move {
+                    match asker.evicted(&query).await {
+                        Ok(true) => judged.outcome = Outcome::Evicted,
+                        Ok(false) => {}
+                        Err(e) => debug!(worker = %prediction.worker, error = %e, "cache parity: over-claim not checked for a racing eviction"),
+                    }
+                    monitor.settle(&prediction, Some(judged));
+                });
+            }
+            (judged, ..) => monitor.settle(&prediction, judged),
+        }
     }
 }
 
@@ -354,11 +258,21 @@ impl ParityMonitor {
     /// A monitor exporting through `metrics`; `workers` gives each worker's block size
     /// and says which workers are still registered.
     pub fn new(metrics: GatewayMetrics, workers: WorkerUrls) -> Self {
+        Self::asking(metrics, workers, None)
+    }
+
+    /// Like [`ParityMonitor::new`], checking over-claims with `removals` (module `race`).
+    pub fn asking(
+        metrics: GatewayMetrics,
+        workers: WorkerUrls,
+        removals: Option<RemovalsAsker>,
+    ) -> Self {
         Self {
             inner: Arc::new(Inner {
                 metrics,
                 workers,
                 state: Mutex::new(HashMap::new()),
+                removals,
             }),
         }
     }
@@ -376,6 +290,7 @@ impl ParityMonitor {
     ) -> Option<Pending> {
         let block_size = self.inner.workers.block_size_of(worker)?;
         Some(Pending {
+            race: None,
             monitor: self.clone(),
             prediction: Prediction {
                 worker,
@@ -389,7 +304,12 @@ impl ParityMonitor {
 
     /// Counts and judges one answer; logs a worker's flag when it changes.
     pub fn judge(&self, prediction: &Prediction, reported: Reported) {
-        if let Some(change) = self.record(prediction, prediction.judge(reported)) {
+        self.settle(prediction, prediction.judge(reported));
+    }
+
+    /// Counts `judged` and logs the worker's flag when it changes.
+    fn settle(&self, prediction: &Prediction, judged: Option<Judged>) {
+        if let Some(change) = self.record(prediction, judged) {
             self.report(change);
         }
     }
@@ -414,6 +334,7 @@ impl ParityMonitor {
                 Outcome::InFlight => {
                     "cache parity: hits on blocks booked in flight, not yet indexed"
                 }
+                Outcome::Evicted => "cache parity: an eviction raced the route",
                 _ => "cache parity disagreement",
             };
             debug!(worker = %worker.label, outcome = judged.outcome.as_str(), predicted_tokens = judged.predicted,
@@ -474,5 +395,7 @@ impl ParityMonitor {
     }
 }
 
+mod race;
 #[cfg(test)]
 pub(crate) mod tests;
+mod window;

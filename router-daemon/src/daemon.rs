@@ -116,6 +116,7 @@ impl Starting {
             counters,
             admission,
             config.limits,
+            crate::removals::Removals::new(config.route.removals_per_rank),
         ));
         Ok(Self {
             config,
@@ -354,6 +355,20 @@ impl Starting {
                 intake.child_token(),
             ),
         );
+        // Removals queries stay on the main connection: not on the per-route path.
+        let removals = nats
+            .queue_subscribe(subjects.router_removals(), subjects.route_queue_group())
+            .await
+            .context("joining the removals queue group")?;
+        intake_tasks.spawn(route::serve_requests(
+            state.clone(),
+            nats.clone(),
+            removals,
+            config.route.max_inflight,
+            intake.child_token(),
+            crate::metrics::counters::MessageKind::Removals,
+            crate::removals::handler(subjects.router_removals()),
+        ));
         intake_tasks.close();
         step("confirming the subscriptions with NATS");
         let (main, routes) = tokio::join!(

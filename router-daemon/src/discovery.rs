@@ -161,6 +161,7 @@ impl Discovery {
         state.scheduler().remove_worker(id);
         // Waiters pinned to a rank that left, or with no worker left, get their answer.
         state.admission.release_waiters();
+        state.removals.forget_worker(id);
         if let Err(e) = state.indexer.remove_worker(id).await {
             warn!(worker_id = %id, error = %e, "indexer could not drop the worker's blocks");
         }

@@ -13,10 +13,12 @@ use crate::admission::Admission;
 use crate::gate::admit;
 use crate::metrics::counters::{Counters, MessageKind, Outcome};
 use crate::publishers::{Dropped, Hold, HoldConfig, HoldReason, RegisteredEpochs};
+use crate::removals::Removals;
 use futures::StreamExt;
 use indexer::{Indexer, IndexerApi as _};
 use kv_events::limits::Limits;
 use kv_events::{KvEventBatch, LoadMetrics, Subjects};
+use std::sync::Arc;
 use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -55,6 +57,8 @@ pub(crate) struct IntakeParts {
     pub hold: HoldConfig,
     /// Subject names, for logging.
     pub subjects: Subjects,
+    /// Where removals are remembered (`crate::removals`).
+    pub removals: Arc<Removals>,
 }
 
 /// The one door every KV event message goes through, whichever intake received it
@@ -162,6 +166,7 @@ impl<P: Copy> EventDoor<P> {
 
     /// Applies one batch; false when the indexer is gone (intake must stop).
     async fn apply(&self, batch: KvEventBatch) -> bool {
+        self.parts.removals.record(&batch);
         if let Err(e) = self.parts.indexer.apply(batch).await {
             warn!(error = %e, "indexer refused events; stopping event intake");
             return false;

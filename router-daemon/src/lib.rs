@@ -24,6 +24,8 @@
 //!   (a leaf: written by `durability`, read by the HTTP endpoint).
 //! - `intake`: KV event and load-metric subscriptions feeding indexer and scheduler.
 //! - `route`: the routing request-reply service.
+//! - `removals`: recent `Removed` blocks per rank, and the `{ns}.router.removals`
+//!   service telling a frontend whether an eviction raced a route.
 //! - `route_batch`: several routing queries placed together, in one round trip.
 //! - `route_thread`: the route path's own thread and NATS connection (routes,
 //!   lifecycle, replica sync), so a query and its reply never cross threads.
@@ -73,6 +75,7 @@ pub mod probe;
 mod publishers;
 mod queue;
 mod recovery_status;
+mod removals;
 mod replica_sync;
 mod replicas;
 mod route;

@@ -251,6 +251,11 @@ pub(crate) async fn routed(
         overlap_blocks: sel.overlap_blocks,
         request_blocks,
         in_flight_blocks: sel.in_flight_blocks,
+        kv_position: remote
+            .is_none()
+            .then(|| state.removals.position(sel.rank))
+            .flatten()
+            .map(Box::new),
         policy: sel.policy,
         disaggregation: sel.disaggregation.map(|d| Disaggregation {
             reason: d.reason,

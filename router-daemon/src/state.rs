@@ -14,6 +14,7 @@ use crate::health::Health;
 use crate::metrics::counters::Counters;
 use crate::publishers::Publishers;
 use crate::recovery_status::RecoveryStatus;
+use crate::removals::Removals;
 use indexer::Indexer;
 use kv_events::Subjects;
 use kv_events::limits::Limits;
@@ -43,6 +44,9 @@ pub struct RouterState {
     pub publishers: Publishers,
     /// Ranks with recovery trouble (written by the recovery service).
     pub recovery: RecoveryStatus,
+    /// Recent removals per rank (written by event intake, read by routing and the
+    /// removals service).
+    pub(crate) removals: Arc<Removals>,
 }
 
 impl RouterState {
@@ -54,6 +58,7 @@ impl RouterState {
         counters: Counters,
         admission: Admission,
         limits: Limits,
+        removals: Removals,
     ) -> Self {
         Self {
             subjects,
@@ -66,6 +71,7 @@ impl RouterState {
             limits,
             publishers: Publishers::default(),
             recovery: RecoveryStatus::default(),
+            removals: Arc::new(removals),
         }
     }
 

@@ -295,17 +295,7 @@ impl FakeWorker {
         ttl_secs: i64,
     ) -> anyhow::Result<Self> {
         let id = WorkerId(id);
-        let reg = WorkerRegistration {
-            worker_id: id,
-            dp_size: 1,
-            block_size: cluster.block_size,
-            total_kv_blocks: 1024,
-            url: None,
-            epoch: 0,
-            max_model_len: None,
-            role: Default::default(),
-            kv_transfer: None,
-        };
+        let reg = Self::registration(id, cluster.block_size);
         let lease = register_worker(&mut cluster.etcd, &cluster.subjects, &reg, ttl_secs).await?;
         Ok(Self {
             id,
@@ -313,6 +303,22 @@ impl FakeWorker {
             next_event_id: 0,
             last_hash: None,
         })
+    }
+
+    /// The registration [`FakeWorker::register`] writes: one rank of 1,024 blocks of
+    /// `block_size` tokens, no URL.
+    pub fn registration(id: WorkerId, block_size: u32) -> WorkerRegistration {
+        WorkerRegistration {
+            worker_id: id,
+            dp_size: 1,
+            block_size,
+            total_kv_blocks: 1024,
+            url: None,
+            epoch: 0,
+            max_model_len: None,
+            role: Default::default(),
+            kv_transfer: None,
+        }
     }
 
     /// Publishes a `Stored` event for the full blocks of `tokens`, as one chain from

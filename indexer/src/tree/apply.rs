@@ -8,12 +8,12 @@
 //! check more.
 
 use super::arena::{self, Arena, BlockId, NodeIdx};
+use super::blockmap::Found;
 use super::ranks::{BlockRef, Holder};
 use super::rankset::RankIdx;
 use super::{ApplyOutcome, RadixTree, is_live};
 use crate::error::ApplyError;
 use kv_events::{ExternalBlockHash, StorageTier, StoredBlock, WorkerRank};
-use std::collections::hash_map::Entry;
 use std::num::NonZeroU32;
 
 /// Where a `Stored` event's parent was found.
@@ -176,11 +176,14 @@ impl RadixTree {
                     });
                 }
                 ParentAt::Unknown => {
-                    // A bounded tree may have pruned the parent and its trace too: the
-                    // group is known all the same (holding nothing), so the rank's
-                    // hybrid hit cannot grow by forgetting (it would if the group
-                    // were missing).
-                    if intern_empty && self.bounded() {
+                    // The store is refused, but it tells that the rank has this group
+                    // and its window: the group is known (holding nothing), so the
+                    // rank's hybrid hit does not count without it. Every tree does
+                    // this, bounded or not: a bounded tree cannot tell a parent it
+                    // pruned without trace from one it never saw, and a tree that
+                    // learnt the window here refuses a later store naming another
+                    // window exactly as one that never pruned.
+                    if intern_empty {
                         self.ranks.intern(holder, window);
                     }
                     return Err(ApplyError::UnknownParent {
@@ -206,11 +209,10 @@ impl RadixTree {
         let mut tail: Option<NodeIdx> = None;
         state.warm(blocks.iter().map(|block| &block.block_hash));
         for (k, block) in blocks.iter().enumerate() {
-            // One hash-map probe per block: the entry stays open while the arena
-            // changes (the arena and the rank's other fields are separate borrows).
-            let entry = state.blocks.entry(block.block_hash);
-            if let Entry::Occupied(held) = &entry {
-                let held = *held.get();
+            // One probe per block serves the lookup and the insert: the slot found
+            // stays valid while only the arena and the rank's other maps change.
+            let at = state.blocks.find_or_free(block.block_hash);
+            if let Found::Held(_, held) = at {
                 if state.forgotten == 0 || self.arena.generation(held.id) == held.generation {
                     if copies {
                         *state.copies.entry(block.block_hash).or_insert(0) += 1;
@@ -255,14 +257,7 @@ impl RadixTree {
                 id,
                 generation: self.arena.generation(id),
             };
-            match entry {
-                Entry::Occupied(mut old) => {
-                    old.insert(held);
-                }
-                Entry::Vacant(slot) => {
-                    slot.insert(held);
-                }
-            }
+            state.blocks.fill(at, block.block_hash, held);
             self.entries += 1;
             outcome.stored += 1;
             cur = id;
@@ -398,7 +393,7 @@ impl RadixTree {
             .copies
             .iter()
             .filter(|(hash, _)| {
-                let held = state.blocks.get(*hash);
+                let held = state.blocks.get(hash);
                 held.is_some_and(|held| is_live(&self.arena, &state, *held))
             })
             .map(|(_, extra)| u64::from(*extra))

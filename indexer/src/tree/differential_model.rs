@@ -97,7 +97,16 @@ impl Reference {
                 let own = self.holders.get(&key).and_then(|h| h.blocks.get(&p));
                 match own.map(|(path, _)| path).or(self.path_anywhere(rank, p)) {
                     Some(path) => path.clone(),
-                    None => return Err(Refusal::UnknownParent),
+                    None => {
+                        // Refused, but the group (and its window) is known from now on.
+                        if group.is_some() {
+                            self.holders.entry(key).or_insert_with(|| Holder {
+                                window,
+                                blocks: BTreeMap::new(),
+                            });
+                        }
+                        return Err(Refusal::UnknownParent);
+                    }
                 }
             }
         };

@@ -22,6 +22,7 @@
 //! is interned or released, O(its holders).
 
 use super::arena::BlockId;
+use super::blockmap::BlockMap;
 use super::rankset::RankIdx;
 use kv_events::{ExternalBlockHash, GroupId, StorageTier, WorkerId, WorkerRank};
 use rustc_hash::FxHashMap;
@@ -72,7 +73,7 @@ pub(crate) struct RankState {
     pub(crate) grouped: bool,
     /// Engine block hash → block, one entry per block the rank holds, plus
     /// `forgotten` stale entries (pruned blocks), dropped when next looked up.
-    pub(crate) blocks: FxHashMap<ExternalBlockHash, BlockRef>,
+    pub(crate) blocks: BlockMap,
     /// Entries of `blocks` that may be stale. While 0, every entry is live and no
     /// generation needs checking.
     pub(crate) forgotten: u64,
@@ -97,7 +98,7 @@ impl RankState {
             group: holder.group,
             window,
             grouped: false,
-            blocks: FxHashMap::default(),
+            blocks: BlockMap::default(),
             forgotten: 0,
             aliases: FxHashMap::default(),
             copies: FxHashMap::default(),
@@ -113,30 +114,32 @@ impl RankState {
         }
     }
 
-    /// Probes the engine-hash map for every hash of an event before the event changes
-    /// it. At millions of entries each probe is a cache miss on its control bytes;
-    /// these probes are independent, so the CPU overlaps their misses, where the
-    /// event's own probes (each followed by tree changes that depend on it) would take
-    /// them one after another. Measured: +11 % bare-tree apply at 64 workers × 10M
-    /// entries (`docs/benchmarks.md`, "Round three"). A no-op for one hash.
+    /// Loads the engine-hash map's slot for every hash of an event before the event
+    /// changes the map ([`BlockMap::touch`]). At millions of entries each is a cache
+    /// miss on the line that the event's own probe then reads and, for a new block,
+    /// writes; these loads are independent and branch on nothing, so the CPU overlaps
+    /// their misses, where the event's own probes (each followed by tree changes that
+    /// depend on it) would take them one after another. Measured: +11 % bare-tree
+    /// apply at 64 workers × 10M entries as full probes (`docs/benchmarks.md`, "Round
+    /// three"); branch-free loads beat full probes again (`docs/studies/bare-apply.md`,
+    /// round three). A no-op for one hash.
     pub(crate) fn warm<'a>(&self, hashes: impl ExactSizeIterator<Item = &'a ExternalBlockHash>) {
         if hashes.len() < 2 {
             return;
         }
-        let mut held = 0usize;
+        let mut sum = 0u64;
         for hash in hashes {
-            held += usize::from(self.blocks.contains_key(hash));
+            sum = sum.wrapping_add(self.blocks.touch(*hash));
         }
-        // Keeps the probes from being optimised away; the count itself is unused.
-        std::hint::black_box(held);
+        // Keeps the loads from being optimised away; the sum itself is unused.
+        std::hint::black_box(sum);
     }
 
     /// Heap bytes of the maps, by capacity (key + value + one control byte).
     fn heap_bytes(&self) -> usize {
-        let block_entry = size_of::<(ExternalBlockHash, BlockRef)>() + 1;
         let alias_entry = size_of::<(BlockId, u32)>() + 1;
         let copy_entry = size_of::<(ExternalBlockHash, u32)>() + 1;
-        self.blocks.capacity() * block_entry
+        self.blocks.heap_bytes()
             + self.aliases.capacity() * alias_entry
             + self.copies.capacity() * copy_entry
     }

@@ -260,6 +260,17 @@ impl WithinLimits for RouteRequest {
     }
 }
 
+impl WithinLimits for crate::routing::RemovalsQuery {
+    fn within(&self, limits: &Limits) -> Result<(), LimitError> {
+        rank(self.dp_rank, limits)?;
+        at_most(
+            "block_hashes",
+            self.block_hashes.len(),
+            crate::routing::MAX_REMOVAL_HASHES,
+        )
+    }
+}
+
 /// The count of requests is the daemon's `--max-route-batch` (answered with an error
 /// reply, not skipped); here each request is checked.
 impl WithinLimits for RouteBatchRequest {

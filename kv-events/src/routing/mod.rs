@@ -16,8 +16,12 @@ use crate::ids::{DpRank, LocalBlockHash, RequestId, WorkerId};
 use serde::{Deserialize, Serialize};
 
 mod prompt;
+pub mod removals;
 mod session;
 
+pub use removals::{
+    EventPosition, MAX_REMOVAL_HASHES, RemovalsAnswer, RemovalsQuery, RemovalsReply,
+};
 pub use session::{MAX_SESSION_ID_BYTES, SessionId, SessionIdError};
 
 /// The prompt of a request, as the router needs it.
@@ -289,6 +293,14 @@ pub struct RouteDecision {
     /// that predate the field.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub in_flight_blocks: u32,
+    /// The chosen rank's KV event position at the decision (the last event the
+    /// router had applied for it), for asking `{ns}.router.removals` later whether
+    /// an eviction raced the route ([`removals`]). Absent for a disaggregated
+    /// request, when the router keeps no removals (`--removals-per-rank 0`), and
+    /// from routers that predate the field. Boxed so a decision (and every
+    /// `Result` whose error is a [`RouteReply`]) stays small.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_position: Option<Box<EventPosition>>,
     /// The policy that made the decision.
     pub policy: PolicyKind,
     /// For a request that allowed disaggregation, when prefill workers are

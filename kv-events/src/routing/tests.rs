@@ -33,6 +33,10 @@ fn route_messages_round_trip() {
         overlap_blocks: 1,
         request_blocks: 2,
         in_flight_blocks: 1,
+        kv_position: Some(Box::new(EventPosition {
+            epoch: 3,
+            event_id: 41,
+        })),
         policy: PolicyKind::Kv,
         disaggregation: None,
         fallbacks: vec![RouteFallback {
@@ -243,4 +247,58 @@ fn batch_messages_round_trip_and_default_to_group_by_prefix() {
         decode::<RouteBatchReply>(&encode(&refused).unwrap()).unwrap(),
         refused
     );
+}
+
+/// The removals query and its replies round-trip; a decision without a position
+/// does not name the field (older frontends see the old shape), and a position is
+/// ordered by epoch before event id.
+#[test]
+fn removals_messages_round_trip() {
+    let query = RemovalsQuery {
+        worker_id: WorkerId(7),
+        dp_rank: DpRank(1),
+        after: EventPosition {
+            epoch: 2,
+            event_id: 9,
+        },
+        block_hashes: vec![LocalBlockHash(u64::MAX), LocalBlockHash(3)],
+    };
+    assert_eq!(
+        decode::<RemovalsQuery>(&encode(&query).unwrap()).unwrap(),
+        query
+    );
+    let answer = RemovalsReply::Answered(RemovalsAnswer {
+        removed: vec![0],
+        complete: true,
+        cleared: false,
+    });
+    let bytes = encode(&answer).unwrap();
+    assert!(!bytes.windows(7).any(|w| w == b"cleared"));
+    assert_eq!(decode::<RemovalsReply>(&bytes).unwrap(), answer);
+    let refused = RemovalsReply::Error(RouteError {
+        code: RouteErrorCode::BadRequest,
+        message: "too many".into(),
+    });
+    assert_eq!(
+        decode::<RemovalsReply>(&encode(&refused).unwrap()).unwrap(),
+        refused
+    );
+
+    let decision = RouteDecision {
+        request_id: "r1".into(),
+        worker_id: WorkerId(2),
+        dp_rank: DpRank(0),
+        overlap_blocks: 1,
+        request_blocks: 2,
+        in_flight_blocks: 0,
+        kv_position: None,
+        policy: PolicyKind::Kv,
+        disaggregation: None,
+        fallbacks: Vec::new(),
+    };
+    let bytes = encode(&RouteReply::Routed(decision)).unwrap();
+    assert!(!bytes.windows(11).any(|w| w == b"kv_position"));
+
+    let at = |epoch, event_id| EventPosition { epoch, event_id };
+    assert!(at(1, 900) < at(2, 0) && at(2, 0) < at(2, 1));
 }

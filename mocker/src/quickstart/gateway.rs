@@ -67,7 +67,7 @@ pub(super) struct GatewayTotals {
     remote: f64,
     attempts: f64,
     /// Engine answers judged by the cache-parity monitor, over every worker: agreed (in-flight hits
-    /// included), over-claimed, under-claimed.
+    /// and evictions that raced the route included), over-claimed, under-claimed.
     parity: [f64; 3],
 }
 
@@ -102,9 +102,10 @@ impl GatewayTotals {
             requests: sample("kv_gateway_ttft_seconds_count", r#"endpoint="completions""#),
             route_s: sample("kv_gateway_stage_seconds_sum", r#"stage="route""#),
             engine_s: sample("kv_gateway_stage_seconds_sum", r#"stage="engine""#),
-            // In-flight hits agree: the blocks were booked there, not yet indexed.
+            // In-flight hits agree: the blocks were booked there, not yet indexed; so
+            // do evictions the router shows raced the route: its picture was right.
             parity: [
-                &["agree", "in_flight"][..],
+                &["agree", "in_flight", "evicted"][..],
                 &["over_claim"],
                 &["under_claim"],
             ]

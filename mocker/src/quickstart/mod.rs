@@ -323,7 +323,7 @@ async fn run_stack(
     if !gateway_rows.is_empty() {
         println!("{}", render_table(&GATEWAY_HEADER, gateway_rows));
         println!(
-            "(as the gateway measured it, wall ms; gateway share = time before the first token\n not spent waiting for the engine: tokenize, route, forward; remote prefill = routed\n attempts whose prompt the router sent to a prefill worker; cache parity = engine\n answers whose cached prompt tokens agreed with the router's prediction, counting\n blocks a request booked on the same rank was still computing / had less\n (over-claim) / had more (under-claim))\n"
+            "(as the gateway measured it, wall ms; gateway share = time before the first token\n not spent waiting for the engine: tokenize, route, forward; remote prefill = routed\n attempts whose prompt the router sent to a prefill worker; cache parity = engine\n answers whose cached prompt tokens agreed with the router's prediction, counting\n blocks a request booked on the same rank was still computing and blocks evicted\n after the route / had less (over-claim) / had more (under-claim))\n"
         );
     }
     let path = args.out.join("report.json");

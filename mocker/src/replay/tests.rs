@@ -103,6 +103,7 @@ async fn fake_router(target: &ReplayTarget, workers: u64, reject_suffix: &'stati
                     overlap_blocks: 0,
                     request_blocks: blocks,
                     in_flight_blocks: 0,
+                    kv_position: None,
                     policy: req.policy.unwrap(),
                     disaggregation: None,
                     fallbacks: Vec::new(),

@@ -95,6 +95,16 @@ pub struct ServeArgs {
         default_value_t = 256
     )]
     pub max_route_batch: usize,
+    /// Removed KV blocks remembered per worker rank, so a frontend can ask whether
+    /// an eviction raced a route (`{ns}.router.removals`); about 90 bytes each on
+    /// ranks that evict. 0 keeps none (route replies then carry no `kv_position`).
+    #[arg(
+        long,
+        help_heading = "Routing",
+        env = "KV_ROUTER_REMOVALS_PER_RANK",
+        default_value_t = crate::removals::DEFAULT_PER_RANK
+    )]
+    pub removals_per_rank: usize,
     /// Bounds on every message from NATS and every registration from etcd.
     #[command(flatten)]
     pub limits: kv_cluster::limits::LimitArgs,
@@ -114,6 +124,8 @@ pub struct RouteConfig {
     pub max_inflight: usize,
     /// Most requests in one batch route request.
     pub max_batch: usize,
+    /// Removed blocks remembered per rank (`crate::removals`); 0 keeps none.
+    pub removals_per_rank: usize,
 }
 
 /// The validated daemon configuration.
@@ -204,6 +216,7 @@ impl DaemonConfig {
                 block_size,
                 max_inflight: args.max_inflight_routes,
                 max_batch: args.max_route_batch,
+                removals_per_rank: args.removals_per_rank,
             },
             indexer,
             durability,

@@ -143,6 +143,7 @@ fn door_parts(config: &DurabilityConfig, state: &RouterState) -> crate::intake::
         publishers: state.publishers.subscribe(),
         hold: config.hold,
         subjects: state.subjects.clone(),
+        removals: state.removals.clone(),
     }
 }
 

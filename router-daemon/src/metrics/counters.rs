@@ -34,6 +34,8 @@ pub enum MessageKind {
     Sequences,
     /// Start-up snapshot requests from peer replicas and replies to our own.
     SequenceSnapshot,
+    /// Removals queries (`{ns}.router.removals`).
+    Removals,
 }
 
 impl MessageKind {
@@ -47,6 +49,7 @@ impl MessageKind {
             MessageKind::Registration => "registration",
             MessageKind::Sequences => "sequences",
             MessageKind::SequenceSnapshot => "sequence_snapshot",
+            MessageKind::Removals => "removals",
         }
     }
 }

@@ -409,6 +409,7 @@ fn decide(request: &RouteRequest, prefill: &[WorkerId], decode: &[WorkerId]) -> 
         overlap_blocks: 0,
         request_blocks,
         in_flight_blocks: 0,
+        kv_position: None,
         policy: PolicyKind::Kv,
         disaggregation,
         fallbacks: Vec::new(),

@@ -93,6 +93,7 @@ pub(crate) async fn fake_router(nats: async_nats::Client, subject: String, group
                 overlap_blocks: 0,
                 request_blocks: 1,
                 in_flight_blocks: 0,
+                kv_position: None,
                 policy: PolicyKind::Random,
                 disaggregation: None,
                 fallbacks: Vec::new(),
