@@ -371,11 +371,9 @@ impl Starting {
         ));
         intake_tasks.close();
         step("confirming the subscriptions with NATS");
-        let (main, routes) = tokio::join!(
-            crate::barrier::server_barrier(&nats),
-            crate::barrier::server_barrier(route_nats),
-        );
-        main.and(routes)
+        route_thread
+            .barrier_with(&nats)
+            .await
             .context("syncing subscriptions with NATS")?;
         abandon.disarm();
         state.health.set_phase(Phase::Running);
@@ -459,13 +457,7 @@ impl Daemon {
             .await;
         // The subscriptions were dropped; make sure the server has processed the
         // unsubscribes, so clients get "no responders" instead of a timeout.
-        let barrier = async {
-            let (main, routes) = tokio::join!(
-                crate::barrier::server_barrier(&self.nats),
-                crate::barrier::server_barrier(self.route_thread.client()),
-            );
-            main.and(routes)
-        };
+        let barrier = self.route_thread.barrier_with(&self.nats);
         if let Some(Err(e)) = budget
             .step("confirming the unsubscribes with NATS", barrier)
             .await

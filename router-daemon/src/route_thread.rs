@@ -109,6 +109,23 @@ impl RouteThread {
         tasks.spawn_on(task, &self.thread.handle);
     }
 
+    /// A server round trip on `main` and on this thread's connection at once
+    /// ([`crate::barrier::server_barrier`]): every subscription or unsubscribe made
+    /// on either before is registered.
+    ///
+    /// # Errors
+    /// The first connection's barrier error.
+    pub(crate) async fn barrier_with(
+        &self,
+        main: &async_nats::Client,
+    ) -> Result<(), crate::barrier::BarrierError> {
+        let (main, routes) = tokio::join!(
+            crate::barrier::server_barrier(main),
+            crate::barrier::server_barrier(&self.client),
+        );
+        main.and(routes)
+    }
+
     /// Runs `task` on the thread and waits for its output (what it spawns runs there).
     ///
     /// # Errors
