@@ -129,10 +129,13 @@ impl Admission {
         overlaps: OverlapScores,
         priority: i32,
     ) -> Result<Selection, AdmitError> {
-        let now = Instant::now();
         let mut ticket = {
             let mut queue = self.queue.lock();
             let mut scheduler = self.scheduler();
+            // Read under the lock: decision times then never step back between
+            // decisions (an earlier one makes the bounded search price every booked
+            // rank, `scheduler/src/shortcut_bound.rs`).
+            let now = Instant::now();
             if queue.is_empty() {
                 match scheduler.schedule(&request, &overlaps, now) {
                     Ok(selection) => {

@@ -57,7 +57,7 @@ impl Scheduler {
     /// Whether `rank` is registered and busy at `now` (see [`BusyThresholds`]).
     pub fn is_busy_at(&self, rank: WorkerRank, now: Instant) -> bool {
         self.workers.get(rank.worker_id).is_some_and(|reg| {
-            self.workers.contains_rank(rank)
+            rank.dp_rank.0 < reg.dp_size
                 && self.config.busy.is_busy(
                     &self.sequences.load(rank, now),
                     self.reports.get(rank),
