@@ -367,7 +367,14 @@ impl Starting {
             config.route.max_inflight,
             intake.child_token(),
             crate::metrics::counters::MessageKind::Removals,
-            crate::removals::handler(subjects.router_removals()),
+            {
+                let subject = subjects.router_removals();
+                move |state: Arc<RouterState>, payload: bytes::Bytes| {
+                    let reply =
+                        (state.removals).handle(&state.counters, &state.limits, &subject, &payload);
+                    std::future::ready(reply)
+                }
+            },
         ));
         intake_tasks.close();
         step("confirming the subscriptions with NATS");

@@ -25,8 +25,8 @@
 //! A query is at most
 //! [`kv_events::routing::MAX_REMOVAL_HASHES`] map lookups.
 
-use crate::metrics::counters::{MessageKind, Outcome};
-use crate::state::RouterState;
+use crate::metrics::counters::{Counters, MessageKind, Outcome};
+use kv_events::limits::Limits;
 use kv_events::routing::{
     EventPosition, RemovalsAnswer, RemovalsQuery, RemovalsReply, RouteError, RouteErrorCode,
 };
@@ -35,7 +35,7 @@ use kv_events::{
 };
 use rustc_hash::FxHashMap;
 use std::collections::VecDeque;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard};
 
 /// Removed blocks remembered per rank by default (`--removals-per-rank`).
 pub(crate) const DEFAULT_PER_RANK: usize = 1024;
@@ -219,32 +219,28 @@ impl Removals {
     }
 }
 
-/// Decodes and answers one removals query.
-pub(crate) fn handle_removals(state: &RouterState, subject: &str, payload: &[u8]) -> RemovalsReply {
-    let kind = MessageKind::Removals;
-    match crate::gate::admit::<RemovalsQuery>(
-        &state.counters,
-        &state.limits,
-        kind,
-        subject,
-        payload,
-    ) {
-        Ok(query) => {
-            state.counters.message(kind, Outcome::Ok);
-            RemovalsReply::Answered(state.removals.answer(&query))
+impl Removals {
+    /// Decodes and answers one removals query received on `subject`, counted under
+    /// `counters`; an undecodable or over-long one gets a `bad_request` reply.
+    pub(crate) fn handle(
+        &self,
+        counters: &Counters,
+        limits: &Limits,
+        subject: &str,
+        payload: &[u8],
+    ) -> RemovalsReply {
+        let kind = MessageKind::Removals;
+        match crate::gate::admit::<RemovalsQuery>(counters, limits, kind, subject, payload) {
+            Ok(query) => {
+                counters.message(kind, Outcome::Ok);
+                RemovalsReply::Answered(self.answer(&query))
+            }
+            Err(refusal) => RemovalsReply::Error(RouteError {
+                code: RouteErrorCode::BadRequest,
+                message: refusal.to_string(),
+            }),
         }
-        Err(refusal) => RemovalsReply::Error(RouteError {
-            code: RouteErrorCode::BadRequest,
-            message: refusal.to_string(),
-        }),
     }
-}
-
-/// The handler of the removals subject for `crate::route::serve_requests`.
-pub(crate) fn handler(
-    subject: String,
-) -> impl Fn(Arc<RouterState>, bytes::Bytes) -> std::future::Ready<RemovalsReply> {
-    move |state, payload| std::future::ready(handle_removals(&state, &subject, &payload))
 }
 
 #[cfg(test)]

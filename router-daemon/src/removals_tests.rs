@@ -183,6 +183,10 @@ fn positions_clears_and_forgotten_workers() {
     assert!(off.lock().is_empty());
 }
 
+fn handle(state: &crate::state::RouterState, subject: &str, payload: &[u8]) -> RemovalsReply {
+    (state.removals).handle(&state.counters, &state.limits, subject, payload)
+}
+
 /// The service refuses a query over the hash cap (or undecodable) with a
 /// `bad_request` reply, and answers a valid one.
 #[tokio::test]
@@ -190,15 +194,15 @@ async fn over_long_or_malformed_queries_are_refused() {
     let starting = crate::test_state::starting();
     let state = starting.state();
     let long = query(at(0), &vec![1; MAX_REMOVAL_HASHES + 1]);
-    let reply = handle_removals(state, "s", &encode(&long).unwrap());
+    let reply = handle(state, "s", &encode(&long).unwrap());
     assert!(
         matches!(&reply, RemovalsReply::Error(e) if e.code == RouteErrorCode::BadRequest),
         "{reply:?}"
     );
-    let reply = handle_removals(state, "s", b"\xc1");
+    let reply = handle(state, "s", b"\xc1");
     assert!(matches!(reply, RemovalsReply::Error(_)));
     let ok = query(at(0), &vec![1; MAX_REMOVAL_HASHES]);
-    let reply = handle_removals(state, "s", &encode(&ok).unwrap());
+    let reply = handle(state, "s", &encode(&ok).unwrap());
     assert!(matches!(reply, RemovalsReply::Answered(_)), "{reply:?}");
 }
 

@@ -8,8 +8,9 @@
 //! check more.
 
 use super::arena::{self, Arena, BlockId, NodeIdx};
+use super::blockmap::BlockRef;
 use super::blockmap::Found;
-use super::ranks::{BlockRef, Holder};
+use super::ranks::Holder;
 use super::rankset::RankIdx;
 use super::{ApplyOutcome, RadixTree, is_live};
 use crate::error::ApplyError;

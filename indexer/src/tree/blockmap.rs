@@ -27,8 +27,26 @@
 //! one holder's map down but cannot make it loop (a free slot always ends a probe).
 
 use super::arena::BlockId;
-use super::ranks::BlockRef;
 use kv_events::ExternalBlockHash;
+
+/// A rank's reference to one of its blocks: the block's stable id and the id's
+/// generation when the reference was made. The reference is stale (the block was
+/// pruned) when the generations differ. 8 bytes, so a map entry stays 16. Runs may
+/// split and merge under it: the id keeps naming the same block position.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct BlockRef {
+    pub(crate) id: BlockId,
+    pub(crate) generation: u32,
+}
+
+impl BlockRef {
+    /// A tombstone: a block the index chose to forget (pruned, or stored below a
+    /// pruned block). Never live: the root's generation is never bumped from 0.
+    pub(crate) const FORGOTTEN: BlockRef = BlockRef {
+        id: BlockId::ROOT,
+        generation: u32::MAX,
+    };
+}
 
 /// Slots of the smallest allocated map.
 const MIN_SLOTS: usize = 8;

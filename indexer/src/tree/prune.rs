@@ -54,7 +54,8 @@
 use super::RadixTree;
 use super::apply::ParentAt;
 use super::arena::NodeIdx;
-use super::ranks::{BlockRef, Holder};
+use super::blockmap::BlockRef;
+use super::ranks::Holder;
 use super::rankset::RankIdx;
 use crate::config::Pruning;
 use kv_events::ExternalBlockHash;

@@ -28,25 +28,6 @@ use kv_events::{ExternalBlockHash, GroupId, StorageTier, WorkerId, WorkerRank};
 use rustc_hash::FxHashMap;
 use std::num::NonZeroU32;
 
-/// A rank's reference to one of its blocks: the block's stable id and the id's
-/// generation when the reference was made. The reference is stale (the block was
-/// pruned) when the generations differ. 8 bytes, so a map entry stays 16. Runs may
-/// split and merge under it: the id keeps naming the same block position.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct BlockRef {
-    pub(crate) id: BlockId,
-    pub(crate) generation: u32,
-}
-
-impl BlockRef {
-    /// A tombstone: a block the index chose to forget (pruned, or stored below a
-    /// pruned block). Never live: the root's generation is never bumped from 0.
-    pub(crate) const FORGOTTEN: BlockRef = BlockRef {
-        id: BlockId::ROOT,
-        generation: u32::MAX,
-    };
-}
-
 /// Who holds blocks: a worker rank's KV cache group on one storage tier. `group` is
 /// `None` for the single group of a model (or publisher) without groups.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -61,8 +61,8 @@ pub struct RemovalsAnswer {
     /// none.
     pub removed: Vec<u32>,
     /// False when the router's memory of the rank does not reach back to `after`
-    /// (older removals were forgotten, or the rank was cleared after it): an
-    /// empty `removed` then proves nothing.
+    /// (older removals were forgotten, or the router began remembering the rank
+    /// after it): an empty `removed` then proves nothing.
     pub complete: bool,
     /// True when the rank was cleared (`Cleared` event) after `after`: every block
     /// of the prompt was removed.
