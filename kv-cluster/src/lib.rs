@@ -12,6 +12,8 @@
 //! - [`args`]: the NATS and etcd flags (with `KV_ROUTER_NATS_*` / `KV_ROUTER_ETCD_*`
 //!   variables) and their validation; [`args::parse_flags`] for embedding and tests;
 //!   a worker's role in a disaggregated fleet ([`args::DisaggregationArgs`]).
+//! - [`barrier`]: a NATS round trip proving a connection's subscriptions are
+//!   registered, re-published until it arrives (NATS clusters), with a deadline.
 //! - [`nats`]: NATS seed list, authentication (creds, token, user/password) and TLS,
 //!   turned into connect options.
 //! - [`etcd`]: etcd connection settings (TLS, user and password), the client, and the
@@ -36,6 +38,7 @@
 //! - [`Error`]: the crate's one error type.
 
 pub mod args;
+pub mod barrier;
 pub mod claim;
 pub mod directory;
 mod error;

@@ -42,7 +42,7 @@
 //! Each step names itself in `/health/readyz` (`step`) and, once a start takes longer
 //! than 10 s, in a warning every 10 s ([`crate::startup`]). The NATS round trips
 //! (replica sync, step 3; the last one, step 6) re-publish until they arrive and fail
-//! the start after 30 s of NATS being up ([`crate::barrier`]); waits for NATS or etcd
+//! the start after 30 s of NATS being up ([`kv_cluster::barrier`]); waits for NATS or etcd
 //! to come back are not bounded, and reported.
 //!
 //! If start-up fails, or its future is dropped (a shutdown signal during start-up),

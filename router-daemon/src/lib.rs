@@ -8,8 +8,6 @@
 //! shutdown through a [`tokio_util::sync::CancellationToken`].
 //!
 //! # Layout
-//! - `barrier`: a NATS round trip proving our subscriptions are registered,
-//!   re-published until it arrives (NATS clusters), with a deadline.
 //! - `block_size`: the tokens per block, pinned by `--block-size` or adopted from
 //!   the registrations (and why replicas agree on it).
 //! - [`config`]: every `serve` setting (flags, environment, TOML file, `config print`),
@@ -56,7 +54,6 @@
 #![warn(unreachable_pub)]
 
 mod admission;
-mod barrier;
 mod block_size;
 pub mod config;
 mod daemon;
@@ -87,7 +84,6 @@ mod state;
 mod test_state;
 
 pub use admission::Origin;
-pub use barrier::{BarrierError, round_trip, server_barrier};
 pub use block_size::BlockSizeSource;
 pub use config::{DaemonConfig, ServeArgs};
 pub use daemon::{Daemon, Starting, run};

@@ -110,7 +110,7 @@ impl RouteThread {
     }
 
     /// A server round trip on `main` and on this thread's connection at once
-    /// ([`crate::barrier::server_barrier`]): every subscription or unsubscribe made
+    /// ([`kv_cluster::barrier::server_barrier`]): every subscription or unsubscribe made
     /// on either before is registered.
     ///
     /// # Errors
@@ -118,10 +118,10 @@ impl RouteThread {
     pub(crate) async fn barrier_with(
         &self,
         main: &async_nats::Client,
-    ) -> Result<(), crate::barrier::BarrierError> {
+    ) -> Result<(), kv_cluster::barrier::BarrierError> {
         let (main, routes) = tokio::join!(
-            crate::barrier::server_barrier(main),
-            crate::barrier::server_barrier(&self.client),
+            kv_cluster::barrier::server_barrier(main),
+            kv_cluster::barrier::server_barrier(&self.client),
         );
         main.and(routes)
     }

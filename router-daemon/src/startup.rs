@@ -8,7 +8,7 @@
 //! shown as `step` in `/health/readyz`), and while the start runs,
 //! [`report_slow_start`] logs every [`REPORT_EVERY`] a warning naming the step, how
 //! long the start has taken and the NATS and etcd checks. Steps that can fail fast do
-//! so (the NATS round trips give up after [`crate::barrier::BARRIER_DEADLINE`]); steps
+//! so (the NATS round trips give up after [`kv_cluster::barrier::BARRIER_DEADLINE`]); steps
 //! that wait for NATS or etcd to come back keep waiting, reported here.
 //!
 //! Cost: one timer task per start, ended with it.

@@ -317,7 +317,7 @@ async fn a_worker_dropped_and_back_is_asked_for_a_dump_and_indexed_without_a_new
 -> anyhow::Result<()> {
     let f = Fixture::start().await?;
     let mut events = f.nats.subscribe(f.subjects.kv_events(WORKER)).await?;
-    f.nats.flush().await?;
+    kv_cluster::barrier::server_barrier(&f.nats).await?;
     let requests = || {
         f.daemon
             .state()

@@ -101,7 +101,9 @@ async fn a_repeated_prompt_lands_on_the_worker_that_cached_it_with_full_overlap(
         .subscribe(stack.cluster.subjects.route())
         .await
         .unwrap();
-    stack.cluster.nats.flush().await.unwrap();
+    kv_cluster::barrier::server_barrier(&stack.cluster.nats)
+        .await
+        .unwrap();
     // 20 full blocks and a partial one.
     let tokens: Vec<u32> = (100..100 + 20 * BLOCK + 3).collect();
     let body = json!({"model": MODEL, "prompt": tokens, "max_tokens": 2}).to_string();

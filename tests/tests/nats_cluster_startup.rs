@@ -12,9 +12,9 @@
 
 use integration_tests::eventually;
 use integration_tests::nats_cluster::NatsCluster;
+use kv_cluster::barrier::{BarrierError, round_trip};
 use kv_events::routing::{Prompt, RouteReply, RouteRequest};
 use kv_events::{Namespace, Subjects};
-use router_daemon::{BarrierError, round_trip};
 use router_daemon::{Daemon, DaemonConfig, ServeArgs};
 use std::time::Duration;
 use testbed::{EtcdServer, NatsServer};

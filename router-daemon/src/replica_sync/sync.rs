@@ -89,8 +89,8 @@ pub(crate) async fn start(
     // be on different nodes: the barrier re-publishes until its message crosses, which
     // proves the subscription reached the main connection's node too (a route carries
     // a node's subscriptions before its later messages), and fails the start after
-    // `barrier::BARRIER_DEADLINE` of NATS being up.
-    crate::barrier::server_barrier_between(&nats, main)
+    // `kv_cluster::barrier::BARRIER_DEADLINE` of NATS being up.
+    kv_cluster::barrier::server_barrier_between(&nats, main)
         .await
         .context("syncing the sequence sync subscription with NATS")?;
     let (admission, counters) = (admission.clone(), counters.clone());

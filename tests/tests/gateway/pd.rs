@@ -287,7 +287,7 @@ impl PairRouter {
         let nats = &cluster.nats;
         let mut routes = nats.subscribe(cluster.subjects.route()).await.unwrap();
         let mut messages = nats.subscribe(cluster.subjects.lifecycle()).await.unwrap();
-        nats.flush().await.unwrap();
+        kv_cluster::barrier::server_barrier(nats).await.unwrap();
         let routed: Arc<Mutex<Vec<RouteRequest>>> = Arc::default();
         let lifecycle: Arc<Mutex<Vec<LifecycleMessage>>> = Arc::default();
         let (seen, client) = (Arc::clone(&routed), nats.clone());

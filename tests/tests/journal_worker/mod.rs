@@ -79,7 +79,7 @@ impl JournalWorker {
             let mut requests = nats
                 .subscribe(cluster.subjects.kv_recovery(WorkerId(id)))
                 .await?;
-            nats.flush().await?;
+            kv_cluster::barrier::server_barrier(&nats).await?;
             let (nats, journal, served) = (nats.clone(), journal.clone(), served.clone());
             responder_task = Some(tokio::spawn(async move {
                 while let Some(msg) = requests.next().await {

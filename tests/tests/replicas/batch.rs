@@ -35,7 +35,7 @@ async fn a_replica_publishes_its_steps_in_batches_and_applies_both_forms() -> an
     let daemon = &daemons[0];
     let subject = cluster.subjects.sequences();
     let mut sync = cluster.nats.subscribe(subject.clone()).await?;
-    cluster.nats.flush().await?;
+    kv_cluster::barrier::server_barrier(&cluster.nats).await?;
 
     // Route concurrently, then free everything: 2 steps per request.
     let cluster = &cluster;

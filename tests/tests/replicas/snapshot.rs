@@ -129,7 +129,7 @@ async fn a_request_freed_while_a_replica_starts_is_not_resurrected() -> anyhow::
         .nats
         .subscribe(cluster.subjects.sequences_snapshot())
         .await?;
-    router_daemon::server_barrier(&cluster.nats).await?;
+    kv_cluster::barrier::server_barrier(&cluster.nats).await?;
 
     let args = replica_args(&cluster, 101, |args| {
         args.scheduling.replica_snapshot_timeout_ms = 3000;

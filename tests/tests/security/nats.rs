@@ -32,7 +32,7 @@ async fn a_fake_router_steals_routes_on_an_open_bus_but_not_under_the_shipped_co
         .expect("connects");
     let (route_subject, group) = (open.subjects.route(), open.subjects.route_queue_group());
     fake_router(attacker.clone(), route_subject.clone(), group).await;
-    router_daemon::server_barrier(&attacker)
+    kv_cluster::barrier::server_barrier(&attacker)
         .await
         .expect("the fake router is subscribed");
     let stolen = stolen_routes(&open.nats, &route_subject).await;
@@ -102,7 +102,7 @@ async fn a_relay_publishes_only_its_own_workers_subjects() {
         .subscribe(s.load_metrics_all())
         .await
         .expect("subscribes");
-    router_daemon::server_barrier(&operator)
+    kv_cluster::barrier::server_barrier(&operator)
         .await
         .expect("round trip");
     let others = [s.kv_events(WorkerId(8)), s.load_metrics(WorkerId(8))];

@@ -59,7 +59,9 @@ async fn a_hybrid_engine_publishes_groups_on_nats_and_reports_the_hybrid_hit() {
         .subscribe(h.subjects.kv_events(worker))
         .await
         .expect("sub");
-    h.nats.flush().await.expect("flush");
+    kv_cluster::barrier::server_barrier(&h.nats)
+        .await
+        .expect("subscribed at the server");
     let chain = |hashes: &[u64]| {
         let locals: Vec<LocalBlockHash> = hashes.iter().map(|&h| LocalBlockHash(h)).collect();
         chain_block_hashes(&locals)

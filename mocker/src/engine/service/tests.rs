@@ -228,7 +228,9 @@ async fn engines_register_serve_publish_and_revoke() {
         .subscribe(h.subjects.load_metrics_all())
         .await
         .expect("sub");
-    h.nats.flush().await.expect("flush");
+    kv_cluster::barrier::server_barrier(&h.nats)
+        .await
+        .expect("subscribed at the server");
 
     // 40 tokens at block size 16: 2 full blocks are stored, the partial third is not.
     let mut inbox = h

@@ -100,7 +100,9 @@ impl Pair {
             .subscribe(subjects.kv_events(WorkerId(worker)))
             .await
             .expect("subscribed");
-        self.nats.flush().await.expect("flushed");
+        kv_cluster::barrier::server_barrier(&self.nats)
+            .await
+            .expect("subscribed at the server");
         sub
     }
 }

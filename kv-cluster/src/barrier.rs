@@ -3,9 +3,11 @@
 //! `async_nats::Client::flush` only writes our buffer to the socket; it does not wait
 //! for the server to process it. A server handles one connection's commands in
 //! order, so once a message a connection publishes comes back, every subscription it
-//! made before is registered. The daemon uses this before declaring itself ready, so
-//! the first query after `ready` does not meet "no responders", and around the replica
-//! sync subscription (see [`server_barrier_between`]).
+//! made before is registered. The router daemon uses this before declaring itself
+//! ready, so the first query after `ready` does not meet "no responders", and around
+//! the replica sync subscription (see [`server_barrier_between`]); a test that
+//! subscribes and then makes another connection publish needs it too (a `flush`
+//! there loses the message now and then on a loaded host).
 //!
 //! Why it re-publishes: in a NATS cluster the two connections may sit on different
 //! nodes, and a subscription reaches the other nodes asynchronously, over the routes.
@@ -23,7 +25,7 @@ use tokio::time::Instant;
 /// How long a barrier may wait while both its connections are up before it fails: far
 /// beyond any route's propagation delay, so reaching it means the servers do not
 /// carry messages between the two connections (broken routes, a partition).
-pub(crate) const BARRIER_DEADLINE: Duration = Duration::from_secs(30);
+pub const BARRIER_DEADLINE: Duration = Duration::from_secs(30);
 
 /// The first wait before publishing again; doubles up to [`MAX_RETRY_DELAY`].
 const FIRST_RETRY_DELAY: Duration = Duration::from_millis(20);
@@ -65,7 +67,7 @@ pub enum BarrierError {
 ///
 /// # Errors
 /// As [`round_trip`].
-pub(crate) async fn server_barrier_between(
+pub async fn server_barrier_between(
     sender: &async_nats::Client,
     receiver: &async_nats::Client,
 ) -> Result<(), BarrierError> {
