@@ -7,11 +7,20 @@
 //! does not build the daemon; one image still ships one binary. The `serve`-like
 //! subcommands read an optional TOML config file, layered below the environment
 //! and the flags (`router_daemon::config::file`).
+//!
+//! The global allocator is mimalloc: a route allocates and frees a few dozen small
+//! buffers (its decoded query, prompt hashes, booked-block maps, reply), and glibc's
+//! malloc/free were ~11% of the route thread's profile (`docs/benchmarks.md`, "Issue
+//! 29 item 1, round 31", for the A/B). Cost: a C library built by `cc`, and memory held
+//! in mimalloc's per-thread pages.
 
 use anyhow::Result;
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use router_daemon::config::{file as config_file, serve_command};
 use router_daemon::{DaemonConfig, ServeArgs};
+
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[derive(Parser)]
 #[command(

@@ -14,6 +14,10 @@
 //! another replica, or sent twice), or naming a prefill half's reserved id itself,
 //! is counted as rejected and otherwise ignored: load accounting is advisory and
 //! must never fail on a frontend's retry.
+//!
+//! A payload is one message or a batch of them ([`LifecycleBatch`], the gateway's
+//! form under load); a batch's messages apply in their order, as if each had come
+//! alone.
 
 use crate::admission::Admission;
 use crate::gate::admit;
@@ -21,7 +25,7 @@ use crate::metrics::counters::{Counters, MessageKind, Outcome};
 use kv_events::disaggregation::is_prefill_booking_id;
 use kv_events::limits::Limits;
 use kv_events::replicas::SequenceUpdate;
-use kv_events::routing::LifecycleMessage;
+use kv_events::routing::LifecycleBatch;
 use std::time::Instant;
 use tracing::debug;
 
@@ -36,8 +40,10 @@ pub fn handle_lifecycle(
     handle_lifecycle_batch(admission, counters, limits, [(subject, payload)]);
 }
 
-/// Applies lifecycle payloads, each with its subject, in order, under one scheduler
-/// lock. The intake hands over every message already received (one route's `freed`
+/// Applies lifecycle payloads, each with its subject and each a single message or a
+/// [`LifecycleBatch`], every message in order, under one scheduler lock. A payload
+/// refused whole (malformed, over a limit) is counted once and skipped; the others
+/// still apply. The intake hands over every message already received (one route's `freed`
 /// typically arrives beside others'), so a busy daemon takes the lock, and wakes the
 /// queue, once per batch rather than once per message: per message, the lock was
 /// contended with the route tasks and each contention cost a futex sleep and wake.
@@ -49,22 +55,25 @@ pub(crate) fn handle_lifecycle_batch<'a>(
 ) {
     let mut messages = Vec::new();
     for (subject, payload) in payloads {
-        let Ok(msg) =
-            admit::<LifecycleMessage>(counters, limits, MessageKind::Lifecycle, subject, payload)
+        let Ok(batch) =
+            admit::<LifecycleBatch>(counters, limits, MessageKind::Lifecycle, subject, payload)
         else {
-            continue; // counted and logged by `admit`
+            continue; // counted and logged by `admit`; the other payloads still apply
         };
+        messages.extend(batch.messages.into_iter().map(|msg| (subject, msg)));
+    }
+    messages.retain(|(subject, msg)| {
         if is_prefill_booking_id(&msg.request_id) {
             counters.message(MessageKind::Lifecycle, Outcome::Rejected);
             debug!(subject, request_id = %msg.request_id, "lifecycle message for a reserved prefill-half id ignored");
-            continue;
+            return false;
         }
         // Before the scheduler lock, for the start-up snapshot (`crate::replica_sync::snapshot`).
         for (request_id, update) in scheduler::lifecycle_steps(&msg.request_id, msg.event) {
             admission.replicas.note_step(&request_id, &update);
         }
-        messages.push((subject, msg));
-    }
+        true
+    });
     if messages.is_empty() {
         return;
     }

@@ -156,6 +156,9 @@ pub struct Scheduler {
     /// The shortcut's touched ranks (`shortcut.rs`), and whether it is on (tests
     /// turn it off to compare with the full scan).
     touched: Vec<WorkerRank>,
+    /// One bit per registered rank (by its position in the registry's ranks): the
+    /// shortcut's set of touched ranks, read back in rank order.
+    touched_bits: Vec<u64>,
     shortcut: bool,
     /// The bounded shortcut's index of every rank's cost bound (`shortcut_bound.rs`).
     bounded: shortcut_bound::Bounded,
@@ -186,6 +189,7 @@ impl Scheduler {
             scales: Vec::new(),
             decode_keys: Vec::new(),
             touched: Vec::new(),
+            touched_bits: Vec::new(),
             shortcut: true,
             bounded: shortcut_bound::Bounded::default(),
         })

@@ -56,6 +56,9 @@ pub struct WorkerRegistry {
     slots: HashMap<WorkerId, usize, foldhash::fast::RandomState>,
     /// Every rank of every worker, sorted by (worker id, dp_rank).
     ranks: Vec<WorkerRank>,
+    /// For each registration (same order as `workers`), the position of its rank 0
+    /// in `ranks`.
+    first_rank: Vec<usize>,
     /// Registered workers whose role is `prefill`.
     prefill_workers: usize,
     /// Registered workers that cannot serve a whole request (`prefill`, and `decode`
@@ -121,6 +124,15 @@ impl WorkerRegistry {
         &self.ranks
     }
 
+    /// The position of a registered (worker, dp_rank) in [`WorkerRegistry::ranks`];
+    /// `None` when it is not registered. One hash lookup, like
+    /// [`WorkerRegistry::contains_rank`].
+    pub fn rank_index(&self, rank: WorkerRank) -> Option<usize> {
+        let &at = self.slots.get(&rank.worker_id)?;
+        (rank.dp_rank.0 < self.workers[at].dp_size)
+            .then(|| self.first_rank[at] + rank.dp_rank.0 as usize)
+    }
+
     /// Whether this (worker, dp_rank) is currently registered.
     pub fn contains_rank(&self, rank: WorkerRank) -> bool {
         self.get(rank.worker_id)
@@ -167,7 +179,9 @@ impl WorkerRegistry {
             .filter(|reg| reg.role == WorkerRole::Prefill)
             .count();
         self.ranks.clear();
+        self.first_rank.clear();
         for reg in &self.workers {
+            self.first_rank.push(self.ranks.len());
             self.ranks
                 .extend((0..reg.dp_size).map(|r| WorkerRank::new(reg.worker_id, DpRank(r))));
         }
@@ -216,6 +230,27 @@ mod tests {
         let ids: Vec<_> = registry.list().map(|r| r.worker_id.0).collect();
         assert_eq!(ids, vec![2, 5, 9]);
         assert_eq!(registry.len(), 3);
+    }
+
+    #[test]
+    fn rank_index_is_the_position_in_ranks_and_none_for_unregistered_ranks() {
+        let mut registry = WorkerRegistry::new();
+        registry.add(reg(9, 1)).unwrap();
+        registry.add(reg(2, 3)).unwrap();
+        registry.add(reg(5, 2)).unwrap();
+        registry.add(reg(2, 2)).unwrap(); // shrinks worker 2: later positions move
+        for (i, &r) in registry.ranks().iter().enumerate() {
+            assert_eq!(registry.rank_index(r), Some(i), "{r:?}");
+        }
+        assert_eq!(
+            registry.rank_index(rank(2, 2)),
+            None,
+            "gone with the shrink"
+        );
+        assert_eq!(registry.rank_index(rank(5, 2)), None, "past dp_size");
+        assert_eq!(registry.rank_index(rank(3, 0)), None, "unregistered worker");
+        registry.remove(WorkerId(5));
+        assert_eq!(registry.rank_index(rank(9, 0)), Some(2));
     }
 
     #[test]

@@ -63,6 +63,13 @@ pub struct Limits {
 /// Longest request id, in bytes: ids are UUIDs or similar.
 pub const MAX_REQUEST_ID_BYTES: usize = 512;
 
+/// Most lifecycle messages in one [`crate::routing::LifecycleBatch`]: 256, about
+/// what a frontend queues between two wake-ups of its publisher at hundreds of
+/// requests in flight (a frontend with more sends several batches), and as many as
+/// the router's intake already applies under one lock from single messages. A
+/// longer batch is refused whole.
+pub const MAX_LIFECYCLE_BATCH: usize = 256;
+
 /// Longest expected prefill of a booking, in ms (one hour).
 pub const MAX_PREFILL_MS: u64 = 3_600_000;
 
@@ -344,6 +351,13 @@ impl WithinLimits for SnapshotReply {
 impl WithinLimits for crate::routing::LifecycleMessage {
     fn within(&self, _: &Limits) -> Result<(), LimitError> {
         request_id(&self.request_id)
+    }
+}
+
+impl WithinLimits for crate::routing::LifecycleBatch {
+    fn within(&self, limits: &Limits) -> Result<(), LimitError> {
+        at_most("messages", self.messages.len(), MAX_LIFECYCLE_BATCH)?;
+        self.messages.iter().try_for_each(|m| m.within(limits))
     }
 }
 

@@ -162,6 +162,31 @@ fn route_requests_and_bookings_are_bounded_in_tokens() {
 }
 
 #[test]
+fn lifecycle_batches_are_bounded_in_messages_and_id_length() {
+    use crate::routing::{LifecycleBatch, LifecycleEvent, LifecycleMessage};
+    let freed = |id: String| LifecycleMessage {
+        request_id: RequestId(id),
+        event: LifecycleEvent::Freed,
+    };
+    let batch = |n: usize| LifecycleBatch {
+        messages: (0..n).map(|i| freed(format!("r{i}"))).collect(),
+    };
+    let limits = Limits::default();
+    assert_eq!(batch(MAX_LIFECYCLE_BATCH).within(&limits), Ok(()));
+    assert_eq!(
+        refused_field(&batch(MAX_LIFECYCLE_BATCH + 1), &limits),
+        "messages"
+    );
+    let long_id = LifecycleBatch {
+        messages: vec![
+            freed("a".into()),
+            freed("x".repeat(MAX_REQUEST_ID_BYTES + 1)),
+        ],
+    };
+    assert_eq!(refused_field(&long_id, &limits), "request_id");
+}
+
+#[test]
 fn load_metrics_over_the_capacity_are_refused() {
     let metrics = |kv_used_blocks| LoadMetrics {
         worker_id: WorkerId(1),

@@ -5,7 +5,13 @@
 //! counts its prefill tokens and decode blocks as that worker's load. The frontend then
 //! publishes [`LifecycleMessage`]s on `{ns}.router.lifecycle`: `prefill_done` when the
 //! first token arrives, `keep_alive` now and then for long requests, `freed` when the
-//! request ends (for any reason).
+//! request ends (for any reason). A frontend with several lifecycle messages queued
+//! sends them as one [`LifecycleBatch`] (`{"messages": [...]}`, at most
+//! [`crate::limits::MAX_LIFECYCLE_BATCH`]) on the same subject: under load one NATS
+//! message then carries many routes' `freed`s, and the router reads and decodes one
+//! message instead of each (a NATS message costs a router about as much CPU as a
+//! routing decision). Routers decode both forms; routers older than the batch form
+//! refuse a batch as malformed, so routers are upgraded before frontends that batch.
 //!
 //! Every field added after the first release is `#[serde(default)]`, so older
 //! frontends keep working; decoders ignore unknown keys, so newer frontends can talk
@@ -15,9 +21,12 @@ use crate::disaggregation::Disaggregation;
 use crate::ids::{DpRank, LocalBlockHash, RequestId, WorkerId};
 use serde::{Deserialize, Serialize};
 
+mod lifecycle;
 mod prompt;
 pub mod removals;
 mod session;
+
+pub use lifecycle::{LifecycleBatch, LifecycleEvent, LifecycleMessage};
 
 pub use removals::{
     EventPosition, MAX_REMOVAL_HASHES, RemovalsAnswer, RemovalsQuery, RemovalsReply,
@@ -400,35 +409,6 @@ pub enum RouteBatchReply {
     },
     /// The batch was refused as a whole; nothing was booked.
     Error(RouteError),
-}
-
-/// A step in a routed request's life. Every one of them refreshes the request's
-/// time-to-live in the router.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum LifecycleEvent {
-    /// The first output token was produced: prefill is over, the request now decodes.
-    /// For a disaggregated request, the decode worker's first token: the KV transfer
-    /// is over too, so the prefill half's booking is released.
-    PrefillDone,
-    /// A disaggregated request's prefill worker answered: its prefill tokens leave
-    /// that worker's load, while the blocks it holds for the transfer stay booked
-    /// until `prefill_done` ([`crate::disaggregation`]).
-    RemotePrefillDone,
-    /// The request is still running. Frontends send it for requests that may outlive
-    /// the router's request TTL, so they are not expired by accident.
-    KeepAlive,
-    /// The request finished or was aborted; its load is released.
-    Freed,
-}
-
-/// A lifecycle update for a previously routed request.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct LifecycleMessage {
-    /// The id given in the [`RouteRequest`].
-    pub request_id: RequestId,
-    /// What happened.
-    pub event: LifecycleEvent,
 }
 
 #[cfg(test)]

@@ -302,3 +302,59 @@ fn removals_messages_round_trip() {
     let at = |epoch, event_id| EventPosition { epoch, event_id };
     assert!(at(1, 900) < at(2, 0) && at(2, 0) < at(2, 1));
 }
+
+fn life(id: &str, event: LifecycleEvent) -> LifecycleMessage {
+    LifecycleMessage {
+        request_id: id.into(),
+        event,
+    }
+}
+
+#[test]
+fn lifecycle_batches_keep_their_order_and_single_messages_read_as_batches_of_one() {
+    let messages = vec![
+        life("a", LifecycleEvent::PrefillDone),
+        life("b", LifecycleEvent::KeepAlive),
+        life("a", LifecycleEvent::Freed),
+    ];
+    let payload = LifecycleBatch::encode(&messages).unwrap();
+    let batch: LifecycleBatch = decode(&payload).unwrap();
+    assert_eq!(batch.messages, messages);
+
+    // One message keeps the single form, which routers before batches read.
+    let one = LifecycleBatch::encode(&messages[..1]).unwrap();
+    assert_eq!(one, encode(&messages[0]).unwrap());
+    assert_eq!(
+        decode::<LifecycleMessage>(&one).unwrap(),
+        messages[0],
+        "an older router reads it"
+    );
+    assert_eq!(
+        decode::<LifecycleBatch>(&one).unwrap().messages,
+        messages[..1]
+    );
+}
+
+#[test]
+fn a_lifecycle_payload_with_both_forms_or_neither_is_malformed() {
+    #[derive(Serialize)]
+    struct Both<'a> {
+        request_id: &'a str,
+        event: LifecycleEvent,
+        messages: Vec<LifecycleMessage>,
+    }
+    let both = encode(&Both {
+        request_id: "a",
+        event: LifecycleEvent::Freed,
+        messages: vec![life("b", LifecycleEvent::Freed)],
+    })
+    .unwrap();
+    assert!(decode::<LifecycleBatch>(&both).is_err());
+    #[derive(Serialize)]
+    struct HalfSingle<'a> {
+        request_id: &'a str,
+    }
+    let half = encode(&HalfSingle { request_id: "a" }).unwrap();
+    assert!(decode::<LifecycleBatch>(&half).is_err());
+    assert!(decode::<LifecycleBatch>(&encode(&serde_json::json!({})).unwrap()).is_err());
+}

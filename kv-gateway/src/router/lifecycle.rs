@@ -14,16 +14,23 @@
 //! router that already released the request ignores the repeat (counted as a rejected
 //! lifecycle message).
 //!
+//! Each wake-up of the task publishes every message queued by then as one NATS
+//! message (a [`LifecycleBatch`] of up to [`MAX_LIFECYCLE_BATCH`]; one message alone
+//! keeps the single form): under load the frees of many requests travel together and
+//! the router reads one NATS message for them. It never waits to fill a batch.
+//! Routers older than the batch form refuse batches, so routers are upgraded first.
+//!
 //! Cost: one request id per `freed` of the last minute (~40 bytes each); after an
 //! outage, one probe every 0.1–2 s until a router answers (for at most
-//! [`ROUTER_PATIENCE`]), then one message per recent `freed`.
+//! [`ROUTER_PATIENCE`]), then one message per [`MAX_LIFECYCLE_BATCH`] recent `freed`s.
 
 use async_nats::{Client, Event, Subject};
 use backon::{ExponentialBuilder, Retryable as _};
 use futures::FutureExt as _;
 use futures::future::BoxFuture;
-use kv_events::routing::{LifecycleEvent, LifecycleMessage};
-use kv_events::{RequestId, Subjects, encode};
+use kv_events::limits::MAX_LIFECYCLE_BATCH;
+use kv_events::routing::{LifecycleBatch, LifecycleEvent, LifecycleMessage};
+use kv_events::{RequestId, Subjects};
 use std::collections::VecDeque;
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -79,7 +86,10 @@ impl Publisher {
         loop {
             tokio::select! {
                 message = queue.recv() => match message {
-                    Some(message) => self.send(message).await,
+                    Some(message) => {
+                        let batch = drain_queued(message, &mut queue);
+                        self.send(&batch).await;
+                    }
                     None => break,
                 },
                 Some(event) = connection.recv() => match event {
@@ -104,12 +114,13 @@ impl Publisher {
         }
     }
 
-    async fn send(&mut self, message: LifecycleMessage) {
-        let Ok(payload) = encode(&message) else {
-            return;
-        };
-        if message.event == LifecycleEvent::Freed {
-            let now = Instant::now();
+    /// Publishes `messages` (in order) as one NATS message, noting every `freed`.
+    async fn send(&mut self, messages: &[LifecycleMessage]) {
+        let now = Instant::now();
+        for message in messages {
+            if message.event != LifecycleEvent::Freed {
+                continue;
+            }
             while self.recent.len() >= MAX_RECENT
                 || self
                     .recent
@@ -120,15 +131,23 @@ impl Publisher {
             }
             self.recent.push_back((now, message.request_id.clone()));
         }
-        // Fails only when the client is closed; the router then expires the booking
-        // by its TTL.
-        if let Err(e) = self
-            .nats
-            .publish(self.subject.clone(), payload.into())
-            .await
-        {
-            warn!(request_id = %message.request_id, event = ?message.event, error = %e, "lifecycle message not sent");
+        // Fails only when the client is closed; the router then expires the bookings
+        // by their TTL.
+        if let Err(e) = self.publish(messages).await {
+            warn!(messages = messages.len(), error = %e, "lifecycle messages not sent");
         }
+    }
+
+    /// One NATS message of `messages`: the single form for one, else a batch.
+    async fn publish(
+        &self,
+        messages: &[LifecycleMessage],
+    ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        let payload = LifecycleBatch::encode(messages)?;
+        self.nats
+            .publish(self.subject.clone(), payload.into())
+            .await?;
+        Ok(())
     }
 
     /// After a reconnect: if a router `answered`, sends again every `freed` since
@@ -157,22 +176,37 @@ impl Publisher {
             freed = again.len(),
             "a router answers again after the nats reconnect; re-sending the outage's freed messages"
         );
-        for request_id in again {
-            let message = LifecycleMessage {
+        let again: Vec<LifecycleMessage> = again
+            .into_iter()
+            .map(|request_id| LifecycleMessage {
                 request_id,
                 event: LifecycleEvent::Freed,
-            };
-            if let Ok(payload) = encode(&message)
-                && let Err(e) = self
-                    .nats
-                    .publish(self.subject.clone(), payload.into())
-                    .await
-            {
-                warn!(error = %e, "freed message not re-sent");
+            })
+            .collect();
+        for batch in again.chunks(MAX_LIFECYCLE_BATCH) {
+            if let Err(e) = self.publish(batch).await {
+                warn!(error = %e, "freed messages not re-sent");
                 return;
             }
         }
     }
+}
+
+/// `first` and every message already queued behind it, up to
+/// [`MAX_LIFECYCLE_BATCH`], in order. Never waits for more: under load the queue fills
+/// while the previous batch is published, at low load a batch is one message.
+fn drain_queued(
+    first: LifecycleMessage,
+    queue: &mut mpsc::UnboundedReceiver<LifecycleMessage>,
+) -> Vec<LifecycleMessage> {
+    let mut batch = vec![first];
+    while batch.len() < MAX_LIFECYCLE_BATCH {
+        match queue.try_recv() {
+            Ok(message) => batch.push(message),
+            Err(_) => break, // empty, or closed: the next `recv` ends the task
+        }
+    }
+    batch
 }
 
 /// Whether a router answers a probe within [`ROUTER_PATIENCE`], asking with backoff.

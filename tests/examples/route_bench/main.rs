@@ -14,7 +14,8 @@
 //! blocks on each. Frontend tasks send prompts of `--prompt-blocks` block hashes (a
 //! random cached prefix plus new blocks) for `--seconds` per measurement, and free
 //! each request as soon as it is routed, so the booked load stays at about (tasks ×
-//! requests per round trip). Sections (`--sections`):
+//! requests per round trip); their `freed`s go through one publisher task that
+//! batches them as the gateway does (`--lifecycle`, [`freed`]). Sections (`--sections`):
 //! - **echo**: `--concurrency` tasks send the encoded `RouteRequest` to the echo
 //!   responder, then as `RouteRequest`s to the daemon, alternating `--rounds`
 //!   times; idle, then while the daemon ingests `--ingest-blocks-per-s` blocks of
@@ -31,6 +32,7 @@
 //! machine's cores with the daemon and NATS; compare within one run.
 
 mod echo;
+mod freed;
 mod ingest;
 mod load;
 mod warm;
@@ -50,6 +52,7 @@ use kv_events::{
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use testbed::{EtcdServer, NatsServer};
+use tokio::sync::mpsc;
 
 const BLOCK_SIZE: u32 = 16;
 const NAMESPACE: &str = "bench";
@@ -113,6 +116,11 @@ struct Args {
     /// daemon runs with busy thresholds ([`load`]); unset: no reports, no thresholds.
     #[arg(long)]
     report_load_ms: Option<u64>,
+    /// How the frontend publishes its `freed`s: `batch` as the gateway does (every
+    /// message queued at a wake-up of its publisher in one NATS message), `single`
+    /// one NATS message each (for daemons before the batch form).
+    #[arg(long, value_enum, default_value_t = freed::LifecycleForm::Batch)]
+    lifecycle: freed::LifecycleForm,
     /// Serve as the echo responder on this NATS URL (how the bench runs its
     /// baseline process).
     #[arg(long, hide = true)]
@@ -190,6 +198,7 @@ struct Tally {
 
 async fn frontend(
     nats: async_nats::Client,
+    freer: mpsc::UnboundedSender<LifecycleMessage>,
     subjects: Arc<Subjects>,
     args: Arc<Args>,
     mode: Mode,
@@ -255,8 +264,7 @@ async fn frontend(
                         request_id: request.request_id.clone(),
                         event: LifecycleEvent::Freed,
                     };
-                    nats.publish(subjects.lifecycle(), encode(&freed)?.into())
-                        .await?;
+                    freer.send(freed).context("the lifecycle publisher ended")?;
                 }
                 RouteReply::Error(_) => tally.failed += 1,
             }
@@ -303,6 +311,8 @@ struct Bench {
     args: Arc<Args>,
     subjects: Arc<Subjects>,
     nats: async_nats::Client,
+    /// The frontend's lifecycle publisher ([`freed`]).
+    freer: mpsc::UnboundedSender<LifecycleMessage>,
     daemon: ChildDaemon,
     echo: echo::Responder,
     nats_url: String,
@@ -321,6 +331,7 @@ impl Bench {
             .map(|task| {
                 tokio::spawn(frontend(
                     self.nats.clone(),
+                    self.freer.clone(),
                     self.subjects.clone(),
                     self.args.clone(),
                     mode,
@@ -464,10 +475,18 @@ async fn run(args: Args) -> anyhow::Result<()> {
         args.chain_blocks.min(args.prompt_blocks),
         args.seconds
     );
+    let sent = Arc::new(freed::Sent::default());
+    let freer = freed::spawn(
+        nats.clone(),
+        subjects.lifecycle(),
+        args.lifecycle,
+        sent.clone(),
+    );
     let bench = Bench {
         args: args.clone(),
         subjects,
         nats,
+        freer,
         daemon,
         echo,
         nats_url: nats_server.url(),
@@ -480,6 +499,12 @@ async fn run(args: Args) -> anyhow::Result<()> {
             Section::Batch => batch_section(&bench).await?,
         }
     }
+    let (messages, nats_messages) = sent.read();
+    println!(
+        "\nfreed: {messages} lifecycle messages in {nats_messages} NATS messages ({:.1} per message, `--lifecycle {:?}`)",
+        messages as f64 / nats_messages.max(1) as f64,
+        args.lifecycle
+    );
     if let Some(task) = reporter {
         task.abort();
     }

@@ -18,8 +18,8 @@ use kv_events::disaggregation::{
 };
 use kv_events::discovery::WorkerRegistration;
 use kv_events::routing::{
-    LifecycleEvent, LifecycleMessage, PolicyKind, Prompt, RouteDecision, RouteError,
-    RouteErrorCode, RouteReply, RouteRequest,
+    LifecycleBatch, LifecycleEvent, LifecycleMessage, PolicyKind, Prompt, RouteDecision,
+    RouteError, RouteErrorCode, RouteReply, RouteRequest,
 };
 use kv_events::{DpRank, RequestId, WorkerId, encode};
 use serde_json::{Value, json};
@@ -309,10 +309,9 @@ impl PairRouter {
         let heard = Arc::clone(&lifecycle);
         let listening = tokio::spawn(async move {
             while let Some(message) = messages.next().await {
-                heard
-                    .lock()
-                    .unwrap()
-                    .push(kv_events::decode(&message.payload).unwrap());
+                // The gateway sends what it has queued as one batch (or one message).
+                let batch: LifecycleBatch = kv_events::decode(&message.payload).unwrap();
+                heard.lock().unwrap().extend(batch.messages);
             }
         });
         Self {

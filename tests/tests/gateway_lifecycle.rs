@@ -1,0 +1,122 @@
+//! The gateway's lifecycle publisher against a real nats-server: lifecycle messages
+//! queued while it is busy go out as one NATS message (a `LifecycleBatch`, in the
+//! order they were queued), and a message queued alone keeps the single form that
+//! routers before the batch form read.
+
+// Test helpers unwrap: a failed setup step must fail the test loudly.
+#![allow(clippy::unwrap_used)]
+
+use futures::StreamExt as _;
+use kv_events::routing::{
+    LifecycleBatch, LifecycleEvent, LifecycleMessage, PolicyKind, Prompt, RouteDecision,
+    RouteReply, RouteRequest,
+};
+use kv_events::{DpRank, Namespace, Subjects, WorkerId, decode, encode};
+use kv_gateway::router::{Booking, RouterClient};
+use std::time::Duration;
+use testbed::NatsServer;
+
+/// Bounds a wait that must end (a failing test must not hang), not a timing claim.
+const WAIT: Duration = Duration::from_secs(30);
+
+/// Answers every route request on `subjects` with worker 1.
+async fn fake_router(
+    nats: &async_nats::Client,
+    subjects: &Subjects,
+) -> tokio::task::JoinHandle<()> {
+    let mut routes = nats.subscribe(subjects.route()).await.unwrap();
+    let client = nats.clone();
+    tokio::spawn(async move {
+        while let Some(message) = routes.next().await {
+            let request: RouteRequest = decode(&message.payload).unwrap();
+            let reply = RouteReply::Routed(RouteDecision {
+                request_id: request.request_id,
+                worker_id: WorkerId(1),
+                dp_rank: DpRank(0),
+                overlap_blocks: 0,
+                request_blocks: 1,
+                in_flight_blocks: 0,
+                kv_position: None,
+                policy: PolicyKind::Kv,
+                disaggregation: None,
+                fallbacks: vec![],
+            });
+            if let Some(inbox) = message.reply {
+                client
+                    .publish(inbox, encode(&reply).unwrap().into())
+                    .await
+                    .unwrap();
+            }
+        }
+    })
+}
+
+async fn next_payload(lifecycle: &mut async_nats::Subscriber) -> bytes::Bytes {
+    tokio::time::timeout(WAIT, lifecycle.next())
+        .await
+        .expect("a lifecycle message within the wait")
+        .expect("the subscription is open")
+        .payload
+}
+
+fn sent(id: &str, event: LifecycleEvent) -> LifecycleMessage {
+    LifecycleMessage {
+        request_id: id.into(),
+        event,
+    }
+}
+
+// Current-thread runtime (the default): the publisher task runs only when this test
+// yields, so everything sent between two awaits is queued before it wakes.
+#[tokio::test]
+async fn queued_lifecycle_messages_leave_as_one_batch_and_a_lone_one_as_a_single_message() {
+    let server = NatsServer::start().await.unwrap();
+    let nats = async_nats::connect(server.url()).await.unwrap();
+    let subjects = Subjects::new(Namespace::new("lifecycle-test").unwrap());
+    let _router = fake_router(&nats, &subjects).await;
+    let mut lifecycle = nats.subscribe(subjects.lifecycle()).await.unwrap();
+    nats.flush().await.unwrap();
+
+    let (_events, connection) = tokio::sync::mpsc::unbounded_channel();
+    let client = RouterClient::new(
+        nats.clone(),
+        subjects.clone(),
+        WAIT,
+        Duration::from_secs(3600),
+        connection,
+    );
+    let mut bookings: Vec<Booking> = Vec::new();
+    for _ in 0..4 {
+        let id = client.request_id();
+        let prompt = Prompt::Tokens {
+            token_ids: vec![1, 2, 3],
+        };
+        let (_, booking) = client.route(id, prompt, &[], None, false).await.unwrap();
+        bookings.push(booking);
+    }
+    let ids: Vec<String> = bookings.iter().map(|b| b.request_id().0.clone()).collect();
+
+    // No await from here to the receive: all of it is queued at once.
+    let lone = bookings.pop().unwrap();
+    for booking in &mut bookings {
+        booking.prefill_done();
+    }
+    for booking in bookings {
+        booking.free();
+    }
+    let batch: LifecycleBatch = decode(&next_payload(&mut lifecycle).await).unwrap();
+    let mut expected: Vec<LifecycleMessage> = ids[..3]
+        .iter()
+        .map(|id| sent(id, LifecycleEvent::PrefillDone))
+        .collect();
+    expected.extend(ids[..3].iter().map(|id| sent(id, LifecycleEvent::Freed)));
+    assert_eq!(batch.messages, expected, "one NATS message, in queue order");
+
+    lone.free();
+    let single = next_payload(&mut lifecycle).await;
+    assert_eq!(
+        decode::<LifecycleMessage>(&single).unwrap(),
+        sent(&ids[3], LifecycleEvent::Freed),
+        "alone, the single form an older router reads"
+    );
+}
