@@ -280,6 +280,7 @@ impl Core {
             config.subjects.clone(),
             config.limits.route_timeout,
             config.limits.keep_alive,
+            config.limits.lifecycle_batch,
             connection,
         );
 

@@ -268,6 +268,7 @@ async fn cluster_steps(
         cluster.subjects.clone(),
         Duration::from_secs(10),
         Duration::from_secs(120),
+        kv_events::limits::MAX_LIFECYCLE_BATCH,
         tokio::sync::mpsc::unbounded_channel().1,
     );
     let ready = || async {

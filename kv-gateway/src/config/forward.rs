@@ -74,6 +74,18 @@ pub struct ForwardArgs {
         default_value_t = 10_000
     )]
     pub route_timeout_ms: u64,
+    /// Most lifecycle messages sent to the router in one NATS message (a batch of
+    /// the messages queued when the publisher wakes; it never waits to fill one).
+    /// `1` sends each on its own, the only form routers older than the batch form
+    /// read: set it while any of them still serves (docs/protocol.md, "Lifecycle").
+    #[arg(
+        long,
+        help_heading = "Forwarding",
+        env = "KV_GATEWAY_LIFECYCLE_BATCH",
+        default_value_t = kv_events::limits::MAX_LIFECYCLE_BATCH,
+        value_parser = lifecycle_batch
+    )]
+    pub lifecycle_batch: usize,
     /// How long connecting to an engine may take, in ms.
     #[arg(
         long,
@@ -133,4 +145,13 @@ pub struct ForwardArgs {
         default_value_t = 120
     )]
     pub keep_alive_s: u64,
+}
+
+/// Parses `--lifecycle-batch`: 1 to [`kv_events::limits::MAX_LIFECYCLE_BATCH`].
+fn lifecycle_batch(value: &str) -> Result<usize, String> {
+    let max = kv_events::limits::MAX_LIFECYCLE_BATCH;
+    match value.parse::<usize>() {
+        Ok(n) if (1..=max).contains(&n) => Ok(n),
+        _ => Err(format!("expected a number of messages from 1 to {max}")),
+    }
 }

@@ -79,6 +79,8 @@ pub struct RequestLimits {
     pub request_timeout: Duration,
     /// Interval of `keep_alive` lifecycle messages.
     pub keep_alive: Duration,
+    /// Most lifecycle messages per NATS message (1: each on its own).
+    pub lifecycle_batch: usize,
 }
 
 /// Local tokenization: the thread pool that bounds its CPU (the prompt bound,
@@ -206,6 +208,7 @@ impl GatewayArgs {
                 engine_idle_timeout: Duration::from_millis(fwd.engine_idle_timeout_ms),
                 request_timeout: Duration::from_secs(fwd.request_timeout_s),
                 keep_alive: Duration::from_secs(fwd.keep_alive_s),
+                lifecycle_batch: fwd.lifecycle_batch,
             },
             wire_limits,
         })

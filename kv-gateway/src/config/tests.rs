@@ -33,6 +33,19 @@ fn disaggregation_is_turned_off_by_flag_and_needs_a_value() {
 }
 
 #[test]
+fn lifecycle_batches_default_to_the_bound_and_refuse_zero_or_more() {
+    let default = parse(&["--model-dir=/m/x"]).to_config().unwrap();
+    let max = kv_events::limits::MAX_LIFECYCLE_BATCH;
+    assert_eq!(default.limits.lifecycle_batch, max);
+    let single = parse(&["--model-dir=/m/x", "--lifecycle-batch", "1"]);
+    assert_eq!(single.to_config().unwrap().limits.lifecycle_batch, 1);
+    for bad in ["0".to_owned(), (max + 1).to_string(), "many".to_owned()] {
+        let args = ["gateway", "--model-dir=/m/x", "--lifecycle-batch", &bad];
+        assert!(parse_flags::<GatewayArgs, _, _>(args).is_err(), "{bad}");
+    }
+}
+
+#[test]
 fn connection_timeouts_have_defaults_and_refuse_zero() {
     let config = parse(&["--model-dir", "/m/x"]).to_config().unwrap();
     assert_eq!(config.http.header_read_timeout, Duration::from_secs(5));

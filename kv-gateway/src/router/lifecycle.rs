@@ -15,20 +15,20 @@
 //! lifecycle message).
 //!
 //! Each wake-up of the task publishes every message queued by then as one NATS
-//! message (a [`LifecycleBatch`] of up to [`MAX_LIFECYCLE_BATCH`]; one message alone
+//! message (a [`LifecycleBatch`] of up to [`kv_events::limits::MAX_LIFECYCLE_BATCH`]; one message alone
 //! keeps the single form): under load the frees of many requests travel together and
 //! the router reads one NATS message for them. It never waits to fill a batch.
-//! Routers older than the batch form refuse batches, so routers are upgraded first.
+//! Routers older than the batch form refuse batches: upgrade routers first, or run
+//! the gateway with `--lifecycle-batch 1` (each message on its own) until they are.
 //!
 //! Cost: one request id per `freed` of the last minute (~40 bytes each); after an
 //! outage, one probe every 0.1–2 s until a router answers (for at most
-//! [`ROUTER_PATIENCE`]), then one message per [`MAX_LIFECYCLE_BATCH`] recent `freed`s.
+//! [`ROUTER_PATIENCE`]), then one message per batch of recent `freed`s.
 
 use async_nats::{Client, Event, Subject};
 use backon::{ExponentialBuilder, Retryable as _};
 use futures::FutureExt as _;
 use futures::future::BoxFuture;
-use kv_events::limits::MAX_LIFECYCLE_BATCH;
 use kv_events::routing::{LifecycleBatch, LifecycleEvent, LifecycleMessage};
 use kv_events::{RequestId, Subjects};
 use std::collections::VecDeque;
@@ -53,6 +53,7 @@ pub const ROUTER_PATIENCE: Duration = Duration::from_secs(120);
 pub(super) fn spawn(
     nats: Client,
     subjects: Subjects,
+    max_batch: usize,
     queue: mpsc::UnboundedReceiver<LifecycleMessage>,
     connection: mpsc::UnboundedReceiver<Event>,
 ) {
@@ -62,6 +63,7 @@ pub(super) fn spawn(
         subjects,
         recent: VecDeque::new(),
         disconnected_at: None,
+        max_batch,
     };
     tokio::spawn(publisher.run(queue, connection));
 }
@@ -74,6 +76,8 @@ struct Publisher {
     recent: VecDeque<(Instant, RequestId)>,
     /// The first disconnect not yet covered by a re-send.
     disconnected_at: Option<Instant>,
+    /// Most messages per NATS message (1 to [`kv_events::limits::MAX_LIFECYCLE_BATCH`]).
+    max_batch: usize,
 }
 
 impl Publisher {
@@ -87,7 +91,7 @@ impl Publisher {
             tokio::select! {
                 message = queue.recv() => match message {
                     Some(message) => {
-                        let batch = drain_queued(message, &mut queue);
+                        let batch = drain_queued(message, &mut queue, self.max_batch);
                         self.send(&batch).await;
                     }
                     None => break,
@@ -183,7 +187,7 @@ impl Publisher {
                 event: LifecycleEvent::Freed,
             })
             .collect();
-        for batch in again.chunks(MAX_LIFECYCLE_BATCH) {
+        for batch in again.chunks(self.max_batch) {
             if let Err(e) = self.publish(batch).await {
                 warn!(error = %e, "freed messages not re-sent");
                 return;
@@ -192,15 +196,15 @@ impl Publisher {
     }
 }
 
-/// `first` and every message already queued behind it, up to
-/// [`MAX_LIFECYCLE_BATCH`], in order. Never waits for more: under load the queue fills
+/// `first` and every message already queued behind it, up to `max` in all, in order. Never waits for more: under load the queue fills
 /// while the previous batch is published, at low load a batch is one message.
 fn drain_queued(
     first: LifecycleMessage,
     queue: &mut mpsc::UnboundedReceiver<LifecycleMessage>,
+    max: usize,
 ) -> Vec<LifecycleMessage> {
     let mut batch = vec![first];
-    while batch.len() < MAX_LIFECYCLE_BATCH {
+    while batch.len() < max {
         match queue.try_recv() {
             Ok(message) => batch.push(message),
             Err(_) => break, // empty, or closed: the next `recv` ends the task

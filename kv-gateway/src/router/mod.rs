@@ -43,7 +43,9 @@ pub struct RouterClient {
 
 impl RouterClient {
     /// A client asking with `timeout` per query and keeping bookings alive every
-    /// `keep_alive`; `connection` tells it of the NATS connection's events (for
+    /// `keep_alive`, sending at most `lifecycle_batch` lifecycle messages per NATS
+    /// message (1 to [`kv_events::limits::MAX_LIFECYCLE_BATCH`]; 1 for routers older
+    /// than the batch form); `connection` tells it of the NATS connection's events (for
     /// re-sending `freed` after an outage; module `router::lifecycle`).
     /// Must be called inside a tokio runtime: it spawns the lifecycle publisher, which
     /// ends when the last clone of the client is dropped.
@@ -52,10 +54,12 @@ impl RouterClient {
         subjects: Subjects,
         timeout: Duration,
         keep_alive: Duration,
+        lifecycle_batch: usize,
         connection: mpsc::UnboundedReceiver<async_nats::Event>,
     ) -> Self {
         let (lifecycle, queue) = mpsc::unbounded_channel::<LifecycleMessage>();
-        lifecycle::spawn(nats.clone(), subjects.clone(), queue, connection);
+        let batch = lifecycle_batch.clamp(1, kv_events::limits::MAX_LIFECYCLE_BATCH);
+        lifecycle::spawn(nats.clone(), subjects.clone(), batch, queue, connection);
         Self {
             nats,
             subjects: Arc::new(subjects),
