@@ -15,6 +15,7 @@ use crate::disaggregation::Disaggregation;
 use crate::ids::{DpRank, LocalBlockHash, RequestId, WorkerId};
 use serde::{Deserialize, Serialize};
 
+pub mod overlap;
 mod prompt;
 pub mod removals;
 mod session;
