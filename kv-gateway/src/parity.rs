@@ -245,7 +245,11 @@ impl Pending {
                     if let Err(e) = &raced {
                         debug!(worker = %prediction.worker, outcome = judged.outcome.as_str(), error = %e, "cache parity: mismatch not checked for a racing KV event");
                     }
-                    judged.outcome = race::settled(judged.outcome, raced);
+                    let mismatch = judged.outcome;
+                    judged.outcome = race::settled(mismatch, raced);
+                    if (mismatch, judged.outcome) == (Outcome::UnderClaim, Outcome::InFlight) {
+                        debug!(worker = %prediction.worker, predicted_tokens = judged.predicted, cached_tokens = judged.raw_cached, "cache parity: under-claim confirmed late: the index now holds the prefix the engine served");
+                    }
                     monitor.settle(&prediction, Some(judged));
                 });
             }
