@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::parity::tests::{cached, monitor, outcome};
+use kv_events::WorkerId;
 use kv_events::routing::PolicyKind;
 
 const BLOCK: u32 = 16;
@@ -113,9 +114,9 @@ fn an_under_claim_asks_for_the_prefix_the_engine_served() {
     let long: Vec<u32> = (0..blocks * BLOCK).collect();
     let race = Race::new(&decision(0, None), &long, BLOCK).expect("a prefix");
     assert_eq!(
-        race.hashes.len(),
-        MAX_OVERLAP_HASHES,
-        "the hashes kept are bounded"
+        race.reusable.len(),
+        MAX_OVERLAP_HASHES * BLOCK as usize,
+        "the tokens kept are bounded"
     );
     let served = |blocks: usize| {
         prediction(0, long.len() as u64).judge(cached(
@@ -167,5 +168,61 @@ fn a_confirmed_race_settles_the_mismatch_and_nothing_else_does() {
     for outcome in [OverClaim, UnderClaim] {
         assert_eq!(settled(outcome, Ok(false)), outcome);
         assert_eq!(settled(outcome, Err("no answer".into())), outcome);
+    }
+}
+
+/// The per-answer cost of keeping a race, A/B alternated in one run: [`Race::new`]
+/// (a copy of the prompt's reusable token ids) against hashing those blocks on every
+/// answer instead (what keeping 8-byte hashes would cost), on prompts of 2k, 8k and 32k
+/// tokens at 16- and 512-token blocks. Prints ns per answer; asserts nothing about
+/// time. Run: `cargo test --release -p kv-gateway --lib race_cost -- --ignored
+/// --nocapture`.
+#[test]
+#[ignore = "a measurement, not a test"]
+fn race_cost() {
+    use std::hint::black_box;
+    use std::time::Instant;
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let per_answer = |reps: usize, mut f: Box<dyn FnMut() + '_>| {
+        let start = Instant::now();
+        for _ in 0..reps {
+            f();
+        }
+        start.elapsed().as_nanos() as f64 / reps as f64
+    };
+    for block in [16u32, 512] {
+        for len in [2_048usize, 8_192, 32_768] {
+            let tokens: Vec<u32> = (0..len as u32)
+                .map(|t| t.wrapping_mul(2_654_435_761))
+                .collect();
+            let reusable = (len - 1) / block as usize * block as usize;
+            let reps = 100_000_000 / len;
+            let (mut copied, mut hashed) = (Vec::new(), Vec::new());
+            for _ in 0..5 {
+                let decision = decision(0, Some(AFTER));
+                copied.push(per_answer(
+                    reps,
+                    Box::new(|| {
+                        black_box(Race::new(&decision, black_box(&tokens), block));
+                    }),
+                ));
+                hashed.push(per_answer(
+                    reps,
+                    Box::new(|| {
+                        let hashes: Box<[LocalBlockHash]> =
+                            compute_block_hashes(&black_box(&tokens)[..reusable], block).into();
+                        black_box(hashes);
+                    }),
+                ));
+            }
+            let (c, h) = (median(copied), median(hashed));
+            println!(
+                "block {block:>3}, {len:>6} tokens: tokens copied {c:>8.0} ns, blocks hashed {h:>8.0} ns per answer (hashing {:.1}x)",
+                h / c
+            );
+        }
     }
 }
