@@ -46,9 +46,9 @@
 //! **Cost.** Per answer: one mutex over a map of workers, ten judgements scanned, one
 //! counter and one histogram observation through handles kept per worker (no label
 //! hashing); the usage fields are read by the answer's existing peek. With a router
-//! to ask, the block hashes of the prompt's reusable blocks per answer (at most
-//! 4,096, 8 bytes each), and per over- or under-claim one NATS round trip off the
-//! answer's path (module `race`).
+//! to ask, a copy of the token ids of the prompt's reusable blocks per answer (at
+//! most 4,096 blocks), and per over- or under-claim the hashes of the blocks asked
+//! about and one NATS round trip off the answer's path (module `race`).
 
 use crate::metrics::GatewayMetrics;
 use crate::workers::WorkerUrls;
