@@ -9,7 +9,7 @@ use kv_events::routing::overlap::{MAX_OVERLAP_HASHES, OverlapQuery, OverlapReply
 use kv_events::routing::{RouteDecision, RouteErrorCode};
 use kv_events::{DpRank, WorkerId, decode, encode};
 use kv_gateway::parity::{Cause, FLAG_AT, ParityMonitor, Reported};
-use parity_asking::{monitor, one_worker, outcome, routed};
+use parity_asking::{monitor, one_worker, one_worker_with, outcome, routed};
 use std::time::Duration;
 
 mod parity_asking;
@@ -90,6 +90,54 @@ async fn an_engine_that_never_publishes_stays_under_claimed_and_is_flagged() -> 
     Ok(())
 }
 
+/// Asks the cluster's router how much of `block_hashes` worker 1's rank 0 holds.
+async fn ask(
+    cluster: &integration_tests::TestCluster,
+    block_hashes: Vec<kv_events::LocalBlockHash>,
+) -> anyhow::Result<OverlapReply> {
+    let query = OverlapQuery {
+        worker_id: WorkerId(1),
+        dp_rank: DpRank(0),
+        block_hashes,
+    };
+    let subject = cluster.subjects.router_overlap();
+    let reply = cluster
+        .nats
+        .request(subject, encode(&query)?.into())
+        .await?;
+    Ok(decode::<OverlapReply>(&reply.payload)?)
+}
+
+/// An approximate-mode router indexes the prompts it routed, the judged request's
+/// included: it holds the prefix the engine served, says it is approximate, and the
+/// under-claim stays one.
+#[tokio::test]
+async fn an_approximate_router_confirms_nothing() -> anyhow::Result<()> {
+    let (cluster, _worker, _daemon, _) = one_worker_with(BLOCK, |args| {
+        args.index.index_mode = router_daemon::config::index::IndexModeArg::Approximate;
+    })
+    .await?;
+    let tokens = continued(&prompt(4));
+    let hashes = FakeWorker::hashes(&tokens, BLOCK);
+    let (parity, registry) = monitor(&cluster, &cluster.subjects, BLOCK)?;
+    let decision = routed(cluster.route_tokens("r1", tokens.clone()).await?);
+    assert_eq!(decision.overlap_blocks, 0);
+    eventually("the routed prompt indexed", WAIT, || async {
+        match ask(&cluster, hashes.clone()).await.ok()? {
+            OverlapReply::Answered(a) => (a.overlap_blocks == 4 && a.approximate).then_some(()),
+            OverlapReply::Error(_) => None,
+        }
+    })
+    .await?;
+    judge_full_hit(&parity, &decision, &tokens);
+    eventually("an under-claim", WAIT, || async {
+        (outcome(&registry, "under_claim") == 1.0).then_some(())
+    })
+    .await?;
+    assert_eq!(outcome(&registry, "in_flight"), 0.0);
+    Ok(())
+}
+
 /// The service answers the prefix a rank holds, and refuses a query over
 /// [`MAX_OVERLAP_HASHES`] (`bad_request`).
 #[tokio::test]
@@ -98,27 +146,14 @@ async fn the_service_answers_a_prefix_and_refuses_an_over_long_query() -> anyhow
     let hashes = FakeWorker::hashes(&prompt(4), BLOCK);
     worker.store_prompt(&cluster, &prompt(3)).await?;
     wait_for_overlap(&daemon, &hashes, rank, 3).await?;
-    let ask = |block_hashes| {
-        let query = OverlapQuery {
-            worker_id: worker.id,
-            dp_rank: DpRank(0),
-            block_hashes,
-        };
-        let nats = cluster.nats.clone();
-        let subject = cluster.subjects.router_overlap();
-        async move {
-            let reply = nats.request(subject, encode(&query)?.into()).await?;
-            anyhow::Ok(decode::<OverlapReply>(&reply.payload)?)
-        }
-    };
-    let OverlapReply::Answered(answer) = ask(hashes.clone()).await? else {
+    let OverlapReply::Answered(answer) = ask(&cluster, hashes.clone()).await? else {
         panic!("a valid query was refused");
     };
     assert_eq!(answer.overlap_blocks, 3);
     assert!(!answer.approximate);
     assert!(answer.kv_position.is_some());
     let long = vec![hashes[0]; MAX_OVERLAP_HASHES + 1];
-    let OverlapReply::Error(refused) = ask(long).await? else {
+    let OverlapReply::Error(refused) = ask(&cluster, long).await? else {
         panic!("an over-long query was answered");
     };
     assert_eq!(refused.code, RouteErrorCode::BadRequest);

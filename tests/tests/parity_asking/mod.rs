@@ -46,9 +46,17 @@ pub fn monitor(
 pub async fn one_worker(
     block_size: u32,
 ) -> anyhow::Result<(TestCluster, FakeWorker, Daemon, WorkerRank)> {
+    one_worker_with(block_size, |_| {}).await
+}
+
+/// [`one_worker`] with the daemon's flags changed by `adjust`.
+pub async fn one_worker_with(
+    block_size: u32,
+    adjust: impl FnOnce(&mut router_daemon::config::ServeArgs),
+) -> anyhow::Result<(TestCluster, FakeWorker, Daemon, WorkerRank)> {
     let mut cluster = TestCluster::start(block_size).await?;
     let worker = FakeWorker::register(&mut cluster, 1, 60).await?;
-    let daemon = cluster.start_daemon(|_| {}).await?;
+    let daemon = cluster.start_daemon(adjust).await?;
     let rank = WorkerRank::new(worker.id, DpRank(0));
     Ok((cluster, worker, daemon, rank))
 }
