@@ -8,6 +8,7 @@
 //! | routing | `{ns}.router.route` | request-reply, queue group `{ns}-router` |
 //! | batch routing | `{ns}.router.route_batch` | request-reply, queue group `{ns}-router`, [`crate::routing::RouteBatchRequest`] |
 //! | removals | `{ns}.router.removals` | request-reply, queue group `{ns}-router`, [`crate::routing::RemovalsQuery`] → [`crate::routing::RemovalsReply`] |
+//! | overlap | `{ns}.router.overlap` | request-reply, queue group `{ns}-router`, [`crate::routing::overlap::OverlapQuery`] → [`crate::routing::overlap::OverlapReply`] |
 //! | lifecycle | `{ns}.router.lifecycle` | publish, [`crate::routing::LifecycleMessage`] |
 //! | replica sync | `{ns}.router.sequences` | publish, [`crate::replicas::SequenceSyncBatch`] |
 //! | replica snapshot | `{ns}.router.sequences.snapshot` | request to every replica, chunked replies, [`crate::replicas::SnapshotRequest`] → [`crate::replicas::SnapshotReply`]s |
@@ -146,8 +147,14 @@ impl Subjects {
         format!("{}.router.removals", self.ns)
     }
 
+    /// The overlap request-reply subject: how much of a prefix does a rank hold now
+    /// ([`crate::routing::overlap::OverlapQuery`])?
+    pub fn router_overlap(&self) -> String {
+        format!("{}.router.overlap", self.ns)
+    }
+
     /// The NATS queue group router replicas join on [`Self::route`] and
-    /// [`Self::route_batch`] (and [`Self::router_removals`]), so each query is answered by exactly one replica.
+    /// [`Self::route_batch`] (and [`Self::router_removals`], [`Self::router_overlap`]), so each query is answered by exactly one replica.
     pub fn route_queue_group(&self) -> String {
         format!("{}-router", self.ns)
     }

@@ -57,7 +57,7 @@ use crate::forward::EngineClient;
 use crate::http::AppState;
 use crate::limit::PromptLimits;
 use crate::metrics::GatewayMetrics;
-use crate::parity::{ParityMonitor, RemovalsAsker};
+use crate::parity::{ParityMonitor, RouterAsker};
 use crate::router::RouterClient;
 use crate::tokenize::PromptTokenizer;
 use crate::tokenize::pool::TokenizerPool;
@@ -284,8 +284,8 @@ impl Core {
             connection,
         );
 
-        let removals = RemovalsAsker::new(nats.clone(), &config.subjects);
-        let parity = ParityMonitor::asking(metrics.clone(), workers.clone(), Some(removals));
+        let asker = RouterAsker::new(nats.clone(), &config.subjects);
+        let parity = ParityMonitor::asking(metrics.clone(), workers.clone(), Some(asker));
         let directory_shutdown = shutdown.child_token();
         let (etcd, subjects, limits) = (
             config.etcd.clone(),

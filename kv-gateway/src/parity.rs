@@ -25,7 +25,9 @@
 //! the blocks requests booked on the same rank share with the prompt: the router
 //! names them in its reply's `in_flight_blocks`; an engine that caches blocks as it
 //! computes them served them before their KV events reached the index, so the
-//! picture is not wrong), `evicted` (less than predicted, but the router says the
+//! picture is not wrong; or more than that, but the router's index holds every
+//! block the engine served once the answer is judged: their KV events arrived after
+//! the decision, see module `race`), `evicted` (less than predicted, but the router says the
 //! first block the engine did not serve was removed from the rank after the
 //! decision: an eviction raced the route, see module `race`), `unreported` (the answer
 //! had no cached count: no judgement).
@@ -38,13 +40,15 @@
 //! removes it. Isolated disagreements (a KV event still in flight when the next
 //! request with the prefix is routed, an eviction racing a route) are counted but
 //! never flag a worker; an over-claim the router shows to be such a race is counted
-//! `evicted` and is no disagreement.
+//! `evicted`, an under-claim the index confirms late `in_flight`, and neither is a
+//! disagreement.
 //!
 //! **Cost.** Per answer: one mutex over a map of workers, ten judgements scanned, one
 //! counter and one histogram observation through handles kept per worker (no label
 //! hashing); the usage fields are read by the answer's existing peek. With a router
-//! to ask, a copy of the predicted prefix's token ids per answer, and per over-claim
-//! one NATS round trip off the answer's path (module `race`).
+//! to ask, a copy of the token ids of the prompt's reusable blocks per answer (at
+//! most 4,096 blocks), and per over- or under-claim the hashes of the blocks asked
+//! about and one NATS round trip off the answer's path (module `race`).
 
 use crate::metrics::GatewayMetrics;
 use crate::workers::WorkerUrls;
@@ -52,7 +56,7 @@ use kv_events::WorkerId;
 use kv_events::routing::RouteDecision;
 use prometheus::{Histogram, IntCounter};
 use race::Race;
-pub use race::{ASK_DEADLINE, RemovalsAsker};
+pub use race::{ASK_DEADLINE, RouterAsker};
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::sync::{Arc, Mutex};
@@ -79,8 +83,9 @@ pub enum Outcome {
     /// The engine reported no cached tokens count: no judgement.
     Unreported = 3,
     /// The engine had more than the router predicted, within the blocks requests
-    /// booked on the same rank share with the prompt (not yet indexed): not a
-    /// disagreement.
+    /// booked on the same rank share with the prompt (not yet indexed), or more, but
+    /// the router's index held every block the engine served when asked after the
+    /// answer (their KV events arrived after the decision): not a disagreement.
     InFlight = 4,
     /// The router predicted more than the engine had, and says the first block the
     /// engine did not serve was removed from the rank after the decision (an
@@ -197,8 +202,8 @@ struct Inner {
     metrics: GatewayMetrics,
     workers: WorkerUrls,
     state: Mutex<HashMap<WorkerId, WorkerParity>>,
-    /// Where over-claims are checked for a racing eviction; `None`: never.
-    removals: Option<RemovalsAsker>,
+    /// Where mismatches are checked for a racing KV event; `None`: never.
+    asker: Option<RouterAsker>,
 }
 
 /// An engine answer still to be judged: the prediction and the monitor it goes to.
@@ -209,18 +214,19 @@ pub struct Pending {
 }
 
 impl Pending {
-    /// Lets an over-claim of this answer be checked against the router's removals
-    /// (module `race`): `decision` routed the prompt of `tokens`. Keeps nothing when the
-    /// monitor asks no router or the decision names no position.
+    /// Lets a mismatch of this answer be checked against the router (module `race`):
+    /// `decision` routed the prompt of `tokens`. Keeps nothing when the monitor asks no
+    /// router or the prompt has no full block before its last token.
     pub fn with_race(mut self, decision: &RouteDecision, tokens: &[u32]) -> Self {
-        if self.monitor.inner.removals.is_some() {
+        if self.monitor.inner.asker.is_some() {
             self.race = Race::new(decision, tokens, self.prediction.block_size);
         }
         self
     }
 
-    /// Judges the answer by what its engine reported. An over-claim with a race to
-    /// check is settled by a spawned task once the router answered (or did not).
+    /// Judges the answer by what its engine reported. A mismatch with a race to
+    /// check (module `race`) is settled by a spawned task once the router answered
+    /// (or did not).
     pub fn judge(self, reported: Reported) {
         let Pending {
             monitor,
@@ -228,23 +234,21 @@ impl Pending {
             race,
         } = self;
         let judged = prediction.judge(reported);
-        let asker = monitor.inner.removals.clone();
+        let asker = monitor.inner.asker.clone();
         let runtime = tokio::runtime::Handle::try_current().ok();
-        match (judged, race, asker, runtime) {
-            (Some(mut judged), Some(race), Some(asker), Some(runtime))
-                if judged.outcome == Outcome::OverClaim =>
-            {
-                let block = u64::from(prediction.block_size.max(1));
-                let query = race.query(
-                    prediction.worker,
-                    judged.cached / block,
-                    prediction.block_size,
-                );
+        let check = (judged.as_ref().zip(race.as_ref()))
+            .and_then(|(judged, race)| race.check(&prediction, judged));
+        match (judged, check, asker, runtime) {
+            (Some(mut judged), Some(check), Some(asker), Some(runtime)) => {
                 runtime.spawn(async move {
-                    match asker.evicted(&query).await {
-                        Ok(true) => judged.outcome = Outcome::Evicted,
-                        Ok(false) => {}
-                        Err(e) => debug!(worker = %prediction.worker, error = %e, "cache parity: over-claim not checked for a racing eviction"),
+                    let raced = asker.raced(&check).await;
+                    if let Err(e) = &raced {
+                        debug!(worker = %prediction.worker, outcome = judged.outcome.as_str(), error = %e, "cache parity: mismatch not checked for a racing KV event");
+                    }
+                    let mismatch = judged.outcome;
+                    judged.outcome = race::settled(mismatch, raced);
+                    if (mismatch, judged.outcome) == (Outcome::UnderClaim, Outcome::InFlight) {
+                        debug!(worker = %prediction.worker, predicted_tokens = judged.predicted, cached_tokens = judged.raw_cached, "cache parity: under-claim confirmed late: the index now holds the prefix the engine served");
                     }
                     monitor.settle(&prediction, Some(judged));
                 });
@@ -261,18 +265,19 @@ impl ParityMonitor {
         Self::asking(metrics, workers, None)
     }
 
-    /// Like [`ParityMonitor::new`], checking over-claims with `removals` (module `race`).
+    /// Like [`ParityMonitor::new`], checking over- and under-claims with `asker`
+    /// (module `race`).
     pub fn asking(
         metrics: GatewayMetrics,
         workers: WorkerUrls,
-        removals: Option<RemovalsAsker>,
+        asker: Option<RouterAsker>,
     ) -> Self {
         Self {
             inner: Arc::new(Inner {
                 metrics,
                 workers,
                 state: Mutex::new(HashMap::new()),
-                removals,
+                asker,
             }),
         }
     }
@@ -331,9 +336,7 @@ impl ParityMonitor {
         let judged = judged?;
         if judged.outcome != Outcome::Agree {
             let what = match judged.outcome {
-                Outcome::InFlight => {
-                    "cache parity: hits on blocks booked in flight, not yet indexed"
-                }
+                Outcome::InFlight => "cache parity: hits on blocks not yet indexed at the decision",
                 Outcome::Evicted => "cache parity: an eviction raced the route",
                 _ => "cache parity disagreement",
             };

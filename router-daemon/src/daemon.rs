@@ -376,6 +376,26 @@ impl Starting {
                 }
             },
         ));
+        // Overlap queries too: a few per thousand answers, off the route thread.
+        let overlap = nats
+            .queue_subscribe(subjects.router_overlap(), subjects.route_queue_group())
+            .await
+            .context("joining the overlap queue group")?;
+        intake_tasks.spawn(route::serve_requests(
+            state.clone(),
+            nats.clone(),
+            overlap,
+            config.route.max_inflight,
+            intake.child_token(),
+            crate::metrics::counters::MessageKind::Overlap,
+            {
+                let subject = Arc::<str>::from(subjects.router_overlap());
+                move |state: Arc<RouterState>, payload: bytes::Bytes| {
+                    let subject = subject.clone();
+                    async move { crate::overlap::handle(&state, &subject, &payload).await }
+                }
+            },
+        ));
         intake_tasks.close();
         step("confirming the subscriptions with NATS");
         route_thread

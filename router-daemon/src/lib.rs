@@ -24,6 +24,8 @@
 //! - `route`: the routing request-reply service.
 //! - `removals`: recent `Removed` blocks per rank, and the `{ns}.router.removals`
 //!   service telling a frontend whether an eviction raced a route.
+//! - `overlap`: the `{ns}.router.overlap` service telling a frontend how much of a
+//!   prefix a rank holds now (did the index learn a served prefix late?).
 //! - `route_batch`: several routing queries placed together, in one round trip.
 //! - `route_thread`: the route path's own thread and NATS connection (routes,
 //!   lifecycle, replica sync), so a query and its reply never cross threads.
@@ -68,6 +70,7 @@ mod intake;
 mod lifecycle;
 mod metrics;
 mod nats;
+mod overlap;
 pub mod probe;
 mod publishers;
 mod queue;

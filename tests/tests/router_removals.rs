@@ -6,15 +6,17 @@
 use integration_tests::{FakeWorker, TestCluster, continued, eventually, wait_for_overlap};
 use kv_events::routing::{
     EventPosition, MAX_REMOVAL_HASHES, RemovalsAnswer, RemovalsQuery, RemovalsReply, RouteDecision,
-    RouteErrorCode, RouteReply,
+    RouteErrorCode,
 };
 use kv_events::{
     DpRank, ExternalBlockHash, KvCacheEventData, LocalBlockHash, Namespace, StorageTier, Subjects,
     WorkerId, WorkerRank, decode, encode,
 };
-use kv_gateway::parity::{ParityMonitor, RemovalsAsker, Reported};
-use prometheus::{Encoder as _, Registry, TextEncoder};
+use kv_gateway::parity::Reported;
+use parity_asking::{monitor, one_worker, outcome, routed};
 use std::time::Duration;
+
+mod parity_asking;
 
 const BLOCK: u32 = 4;
 const WAIT: Duration = Duration::from_secs(10);
@@ -40,13 +42,6 @@ async fn evict(
         group: None,
     };
     worker.publish(cluster, removed).await
-}
-
-fn routed(reply: RouteReply) -> RouteDecision {
-    match reply {
-        RouteReply::Routed(d) => d,
-        RouteReply::Error(e) => panic!("route failed: {e:?}"),
-    }
 }
 
 async fn ask(cluster: &TestCluster, query: &RemovalsQuery) -> anyhow::Result<RemovalsReply> {
@@ -75,12 +70,9 @@ async fn answered(
 /// removals) it names nothing. An over-long query is refused.
 #[tokio::test]
 async fn evictions_after_the_route_are_named_and_silent_ones_are_not() -> anyhow::Result<()> {
-    let mut cluster = TestCluster::start(BLOCK).await?;
-    let mut worker = FakeWorker::register(&mut cluster, 1, 60).await?;
-    let daemon = cluster.start_daemon(|_| {}).await?;
+    let (cluster, mut worker, daemon, rank) = one_worker(BLOCK).await?;
     let tokens = prompt(4);
     let hashes = FakeWorker::hashes(&tokens, BLOCK);
-    let rank = WorkerRank::new(worker.id, DpRank(0));
     worker.store_prompt(&cluster, &tokens).await?;
     wait_for_overlap(&daemon, &hashes, rank, 4).await?;
 
@@ -159,50 +151,17 @@ async fn wait_for_position(
     .await
 }
 
-fn outcome(registry: &Registry, outcome: &str) -> f64 {
-    let mut out = Vec::new();
-    TextEncoder::new()
-        .encode(&registry.gather(), &mut out)
-        .expect("encodes");
-    let line = format!(r#"kv_gateway_cache_parity_total{{outcome="{outcome}",worker="1"}}"#);
-    String::from_utf8(out)
-        .expect("utf-8")
-        .lines()
-        .find_map(|l| l.strip_prefix(&line)?.trim().parse().ok())
-        .unwrap_or(0.0)
-}
-
-/// A parity monitor asking `subjects`' router, with worker 1 registered.
-fn monitor(
-    cluster: &TestCluster,
-    subjects: &Subjects,
-) -> anyhow::Result<(ParityMonitor, Registry)> {
-    let registry = Registry::new();
-    let metrics =
-        kv_gateway::metrics::GatewayMetrics::new(&kv_cluster::metrics::Registrar::new(&registry))?;
-    let workers = kv_gateway::workers::WorkerUrls::default();
-    workers.insert(&FakeWorker::registration(WorkerId(1), BLOCK));
-    let asker = RemovalsAsker::new(cluster.nats.clone(), subjects);
-    Ok((
-        ParityMonitor::asking(metrics, workers, Some(asker)),
-        registry,
-    ))
-}
-
 /// The gateway's monitor: an over-claim whose first unserved block was removed after
 /// the route and stored again is `evicted` (and flags nothing); one missing without
 /// a `Removed` stays `over_claim`, as does one no router answers for.
 #[tokio::test]
 async fn the_gateway_counts_a_raced_eviction_apart_from_over_claims() -> anyhow::Result<()> {
-    let mut cluster = TestCluster::start(BLOCK).await?;
-    let mut worker = FakeWorker::register(&mut cluster, 1, 60).await?;
-    let daemon = cluster.start_daemon(|_| {}).await?;
+    let (cluster, mut worker, daemon, rank) = one_worker(BLOCK).await?;
     let tokens = continued(&prompt(4));
     let hashes = FakeWorker::hashes(&tokens, BLOCK);
-    let rank = WorkerRank::new(worker.id, DpRank(0));
     worker.store_prompt(&cluster, &prompt(4)).await?;
     wait_for_overlap(&daemon, &hashes, rank, 4).await?;
-    let (parity, registry) = monitor(&cluster, &cluster.subjects)?;
+    let (parity, registry) = monitor(&cluster, &cluster.subjects, BLOCK)?;
     // The engine served 2 of the 4 predicted blocks.
     let served = Reported {
         cached_tokens: Some(u64::from(2 * BLOCK)),
@@ -239,7 +198,7 @@ async fn the_gateway_counts_a_raced_eviction_apart_from_over_claims() -> anyhow:
 
     // No router answers on another namespace's subject: counted as an over-claim.
     let elsewhere = Subjects::new(Namespace::new("nobody-here")?);
-    let (parity, registry) = monitor(&cluster, &elsewhere)?;
+    let (parity, registry) = monitor(&cluster, &elsewhere, BLOCK)?;
     let pending = parity
         .pending(WorkerId(1), 4, 0, tokens.len())
         .expect("registered");

@@ -278,6 +278,17 @@ impl WithinLimits for crate::routing::RemovalsQuery {
     }
 }
 
+impl WithinLimits for crate::routing::overlap::OverlapQuery {
+    fn within(&self, limits: &Limits) -> Result<(), LimitError> {
+        rank(self.dp_rank, limits)?;
+        at_most(
+            "block_hashes",
+            self.block_hashes.len(),
+            crate::routing::overlap::MAX_OVERLAP_HASHES,
+        )
+    }
+}
+
 /// The count of requests is the daemon's `--max-route-batch` (answered with an error
 /// reply, not skipped); here each request is checked.
 impl WithinLimits for RouteBatchRequest {

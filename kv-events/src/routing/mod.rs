@@ -22,6 +22,7 @@ use crate::ids::{DpRank, LocalBlockHash, RequestId, WorkerId};
 use serde::{Deserialize, Serialize};
 
 mod lifecycle;
+pub mod overlap;
 mod prompt;
 pub mod removals;
 mod session;

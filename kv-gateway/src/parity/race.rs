@@ -1,115 +1,207 @@
-//! Over-claims checked against the router's removals: did an eviction race the route?
+//! Mismatches checked against the router: did a KV event race the route?
 //!
-//! **Why.** An engine that evicts predicted prefix blocks after the route decision
-//! and before the request's prefill reports fewer cached tokens than the router
-//! predicted, although the router's picture was right when it decided (the request
-//! then recomputes and re-stores the blocks, so asking the index at answer time
-//! cannot tell). The route reply names the chosen rank's KV event position at the
-//! decision (`kv_position`), and the router remembers recent removals per rank: on
-//! an over-claim the monitor asks `{ns}.router.removals` whether the first block the
-//! engine did not serve was removed from that rank after that position
-//! (`docs/protocol.md`, "Removals"). If so the answer is counted `evicted`, which
-//! never flags a worker; on any other answer, none in time, or an error, it stays an
-//! `over_claim`. An engine that never publishes its removals is never excused.
+//! **Why.** The router's picture can be right and still disagree with the engine,
+//! because the index is read at the decision and the engine's cache moves on:
 //!
-//! **Cost.** Per answer with a position and a predicted prefix: a copy of the
-//! predicted prefix's token ids (kept until the answer is judged). Per over-claim
-//! (a few per thousand answers in a healthy fleet): hashing the blocks past the
-//! engine's count (at most [`MAX_REMOVAL_HASHES`]) and one NATS round trip of at most
-//! [`ASK_DEADLINE`], off the answer's path (a spawned task).
+//! - *An eviction after the decision* (an over-claim). The engine evicts predicted
+//!   prefix blocks before the request's prefill, recomputes and re-stores them, and
+//!   reports fewer cached tokens than predicted. Asking the index at answer time cannot
+//!   tell (the request re-stored the blocks). The route reply names the chosen rank's
+//!   KV event position at the decision (`kv_position`), and the router remembers recent
+//!   removals per rank: the monitor asks `{ns}.router.removals` whether the first block
+//!   the engine did not serve was removed from that rank after that position
+//!   (`docs/protocol.md`, "Removals"). If so the answer is counted `evicted`.
+//! - *A store not yet indexed at the decision* (an under-claim past the reply's
+//!   `in_flight_blocks`). The engine served a prefix whose `Stored` events were still
+//!   on their way (stored by a request already freed, so no booking names them). The
+//!   monitor asks `{ns}.router.overlap` how many leading blocks of the prefix the
+//!   engine served the rank holds *now*; if all of them, the picture was late, not
+//!   wrong, and the answer is counted `in_flight`. Prefix match is deterministic, so an
+//!   index that now holds the prefix learned it after the decision; the request being
+//!   judged cannot have taught it (an engine does not store the blocks it served from
+//!   cache). A worker whose events never arrive or never match the router's hashes
+//!   (hash seed or salt, block size, tokenizer) never has its index hold the prefix
+//!   under the gateway's hashes, so its under-claims stay. An approximate-mode router
+//!   indexes its own decisions (this request's included) and confirms nothing.
+//!
+//! Both excuses never flag a worker; on any other answer, none in time, or an error,
+//! the mismatch stays. An engine that never publishes its removals is never excused.
+//!
+//! **Cost.** Per answer: a copy of the token ids of the prompt's full blocks before
+//! its last token, at most [`MAX_OVERLAP_HASHES`] blocks (4 bytes a token, kept until
+//! the answer is judged: no more than the prompt's ids the gateway already holds;
+//! ~1 µs for 32k tokens). Hashing them on every answer instead (8 bytes a block kept)
+//! cost 10–35 times as much CPU (`race_cost`: 37 µs for 32k tokens at 16-token
+//! blocks), so blocks are hashed only on a mismatch (a few per thousand answers in a
+//! healthy fleet), which also costs one NATS round trip of at most [`ASK_DEADLINE`],
+//! off the answer's path (a spawned task). An under-claim whose served prefix is
+//! longer than the blocks kept is not asked about and stays.
 
+use super::{Judged, Outcome, Prediction};
+use kv_events::routing::overlap::{MAX_OVERLAP_HASHES, OverlapAnswer, OverlapQuery, OverlapReply};
 use kv_events::routing::{
     EventPosition, MAX_REMOVAL_HASHES, RemovalsQuery, RemovalsReply, RouteDecision,
 };
-use kv_events::{DpRank, Subjects, WorkerId, compute_block_hashes, decode, encode};
+use kv_events::{DpRank, LocalBlockHash, Subjects, compute_block_hashes, decode, encode};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
 use std::time::Duration;
 
-/// How long an over-claim waits for the router's answer before it is counted as
-/// one: a request-reply inside one NATS cluster takes well under a millisecond, and
-/// the answer's judgement waits for nothing else.
+/// How long a mismatch waits for the router's answer before it is counted as one: a
+/// request-reply inside one NATS cluster takes well under a millisecond, and the
+/// answer's judgement waits for nothing else.
 pub const ASK_DEADLINE: Duration = Duration::from_millis(250);
 
-/// Asks the router's removals service (`{ns}.router.removals`).
+/// Asks the router's removals (`{ns}.router.removals`) and overlap
+/// (`{ns}.router.overlap`) services.
 #[derive(Clone)]
-pub struct RemovalsAsker {
+pub struct RouterAsker {
     nats: async_nats::Client,
-    subject: String,
+    removals: String,
+    overlap: String,
     deadline: Duration,
 }
 
-impl RemovalsAsker {
+impl RouterAsker {
     /// An asker on `nats` for the namespace of `subjects`, waiting [`ASK_DEADLINE`].
     pub fn new(nats: async_nats::Client, subjects: &Subjects) -> Self {
         Self {
             nats,
-            subject: subjects.router_removals(),
+            removals: subjects.router_removals(),
+            overlap: subjects.router_overlap(),
             deadline: ASK_DEADLINE,
         }
     }
 
-    /// Whether the router says an eviction raced the route: the query's first block
-    /// was removed after its position (or the rank was cleared).
+    /// Whether the router says `check`'s mismatch was a race: for an over-claim, the
+    /// first block the engine did not serve was removed after the decision (or the
+    /// rank was cleared); for an under-claim, the index now holds every block the
+    /// engine served, from KV events.
     ///
     /// # Errors
     /// A description when no router answered in time, the reply does not decode, or
     /// the router refused the query.
-    pub(crate) async fn evicted(&self, query: &RemovalsQuery) -> Result<bool, String> {
+    pub(crate) async fn raced(&self, check: &Check) -> Result<bool, String> {
+        match check {
+            Check::Removals(query) => {
+                match self.ask::<_, RemovalsReply>(&self.removals, query).await? {
+                    RemovalsReply::Answered(a) => Ok(a.cleared || a.removed.first() == Some(&0)),
+                    RemovalsReply::Error(e) => Err(format!("refused: {}", e.message)),
+                }
+            }
+            Check::Overlap(query) => match self.ask(&self.overlap, query).await? {
+                OverlapReply::Answered(a) => Ok(confirms(query, &a)),
+                OverlapReply::Error(e) => Err(format!("refused: {}", e.message)),
+            },
+        }
+    }
+
+    async fn ask<Q: Serialize, R: DeserializeOwned>(
+        &self,
+        subject: &str,
+        query: &Q,
+    ) -> Result<R, String> {
         let payload = encode(query).map_err(|e| format!("encoding the query: {e}"))?;
         let request = async_nats::client::Request::new()
             .payload(payload.into())
             .timeout(Some(self.deadline));
-        let reply = (self.nats.send_request(self.subject.clone(), request).await)
-            .map_err(|e| format!("no answer on {}: {e}", self.subject))?;
-        match decode::<RemovalsReply>(&reply.payload) {
-            Ok(RemovalsReply::Answered(a)) => Ok(a.cleared || a.removed.first() == Some(&0)),
-            Ok(RemovalsReply::Error(e)) => Err(format!("refused: {}", e.message)),
-            Err(e) => Err(format!("malformed reply: {e}")),
-        }
+        let reply = (self.nats.send_request(subject.to_owned(), request).await)
+            .map_err(|e| format!("no answer on {subject}: {e}"))?;
+        decode(&reply.payload).map_err(|e| format!("malformed reply: {e}"))
     }
 }
 
-/// What an answer needs to be checked against the router's removals.
+/// Whether `answer` shows the index now holds every block of `query` (the prefix the
+/// engine served), from KV events.
+pub(crate) fn confirms(query: &OverlapQuery, answer: &OverlapAnswer) -> bool {
+    !answer.approximate && answer.overlap_blocks as usize >= query.block_hashes.len()
+}
+
+/// The outcome of a mismatch once the router said whether it was a race (`Ok(true)`):
+/// an over-claim becomes `evicted`, an under-claim `in_flight`; anything else stays.
+pub(crate) fn settled(outcome: Outcome, raced: Result<bool, String>) -> Outcome {
+    match (outcome, raced) {
+        (Outcome::OverClaim, Ok(true)) => Outcome::Evicted,
+        (Outcome::UnderClaim, Ok(true)) => Outcome::InFlight,
+        (outcome, _) => outcome,
+    }
+}
+
+/// The question one mismatch asks the router.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Check {
+    /// An over-claim: were the blocks past the engine's count removed after the route?
+    Removals(RemovalsQuery),
+    /// An under-claim: does the rank hold the prefix the engine served now?
+    Overlap(OverlapQuery),
+}
+
+/// What an answer needs to be checked against the router.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Race {
     dp_rank: DpRank,
-    after: EventPosition,
-    /// The token ids of the predicted prefix (`overlap_blocks` full blocks).
-    prefix: Box<[u32]>,
+    /// The rank's position at the decision; `None`: the router keeps no removals.
+    after: Option<EventPosition>,
+    /// The token ids of the prompt's full blocks before its last token (the most an
+    /// engine serves from cache), at most [`MAX_OVERLAP_HASHES`] blocks. Hashed only
+    /// on a mismatch: a copy costs ~30 times less than hashing every answer.
+    reusable: Box<[u32]>,
 }
 
 impl Race {
     /// The check for `decision` on a prompt of `tokens` at `block_size` tokens a
-    /// block; `None` when the router named no position or predicted nothing.
+    /// block; `None` when the prompt has no full block before its last token.
     pub(crate) fn new(decision: &RouteDecision, tokens: &[u32], block_size: u32) -> Option<Self> {
-        let after = *decision.kv_position.as_deref()?;
-        let predicted = usize::try_from(decision.overlap_blocks)
-            .ok()?
-            .checked_mul(block_size as usize)?;
-        (predicted > 0 && predicted <= tokens.len()).then(|| Self {
+        let block = block_size.max(1) as usize;
+        let blocks = (tokens.len().saturating_sub(1) / block).min(MAX_OVERLAP_HASHES);
+        (blocks > 0).then(|| Self {
             dp_rank: decision.dp_rank,
-            after,
-            prefix: tokens[..predicted].into(),
+            after: decision.kv_position.as_deref().copied(),
+            reusable: tokens[..blocks * block].into(),
         })
     }
 
-    /// The query for an answer whose engine served `served` of the predicted blocks:
-    /// the blocks from the first one it did not serve, at most
-    /// [`MAX_REMOVAL_HASHES`].
-    pub(crate) fn query(&self, worker: WorkerId, served: u64, block_size: u32) -> RemovalsQuery {
-        let block = block_size.max(1) as usize;
-        let from = usize::try_from(served)
-            .unwrap_or(usize::MAX)
-            .saturating_mul(block)
-            .min(self.prefix.len());
-        let to = self
-            .prefix
-            .len()
-            .min(from.saturating_add(MAX_REMOVAL_HASHES * block));
-        RemovalsQuery {
-            worker_id: worker,
-            dp_rank: self.dp_rank,
-            after: self.after,
-            block_hashes: compute_block_hashes(&self.prefix[from..to], block_size),
+    /// What to ask the router about `judged`, an answer to `prediction`: `None` when it
+    /// is no mismatch, or nothing can be asked of it.
+    pub(crate) fn check(&self, prediction: &Prediction, judged: &Judged) -> Option<Check> {
+        let block = u64::from(prediction.block_size.max(1));
+        let blocks = |tokens: u64| usize::try_from(tokens.div_ceil(block)).ok();
+        let kept = self.reusable.len() / block as usize;
+        match judged.outcome {
+            Outcome::OverClaim => {
+                let from = usize::try_from(judged.cached / block).ok()?;
+                // Only the first block the engine did not serve decides.
+                let to = (blocks(judged.predicted)?)
+                    .min(kept)
+                    .min(from.saturating_add(MAX_REMOVAL_HASHES));
+                Some(Check::Removals(RemovalsQuery {
+                    worker_id: prediction.worker,
+                    dp_rank: self.dp_rank,
+                    after: self.after?,
+                    block_hashes: self.hashes(from, to, prediction.block_size)?,
+                }))
+            }
+            // An engine count that is no whole number of blocks needs its last one too.
+            Outcome::UnderClaim => Some(Check::Overlap(OverlapQuery {
+                worker_id: prediction.worker,
+                dp_rank: self.dp_rank,
+                block_hashes: self.hashes(0, blocks(judged.cached)?, prediction.block_size)?,
+            })),
+            _ => None,
         }
     }
+
+    /// The hashes of blocks `from..to`; `None` when that is empty or past the blocks
+    /// kept.
+    fn hashes(&self, from: usize, to: usize, block_size: u32) -> Option<Vec<LocalBlockHash>> {
+        let block = block_size.max(1) as usize;
+        let tokens = self
+            .reusable
+            .get(from.checked_mul(block)?..to.checked_mul(block)?)?;
+        (!tokens.is_empty()).then(|| compute_block_hashes(tokens, block_size))
+    }
 }
+
+#[cfg(test)]
+#[path = "race_tests.rs"]
+mod tests;

@@ -49,7 +49,7 @@ fn value(registry: &Registry, line: &str) -> Option<f64> {
         .find_map(|l| l.strip_prefix(line)?.trim().parse().ok())
 }
 
-fn cached(cached: u64, prompt: u64) -> Reported {
+pub(crate) fn cached(cached: u64, prompt: u64) -> Reported {
     Reported {
         cached_tokens: Some(cached),
         prompt_tokens: Some(prompt),
@@ -260,87 +260,45 @@ fn a_worker_that_left_is_forgotten_with_its_series_and_not_brought_back() {
     );
 }
 
-/// An over-claim the router shows to be a raced eviction is counted `evicted` and
-/// never flags a worker; the same answers left as over-claims do.
-#[test]
-fn evicted_answers_are_counted_apart_and_never_flag() {
+/// `WINDOW` answers on worker 1 predicting `overlap` blocks of a 100-token prompt
+/// whose engine served `served` tokens, each a `mismatch` the router confirmed as a
+/// race: counted apart (`excused`) and never flagging; the same answers left as
+/// mismatches flag the worker with `cause`.
+fn confirmed_races_never_flag(
+    overlap: u32,
+    served: u64,
+    mismatch: Outcome,
+    excused: &str,
+    cause: Cause,
+) {
     let (m, registry, _) = monitor(BLOCK);
     let prediction = m
-        .pending(WorkerId(1), 4, 0, 100)
+        .pending(WorkerId(1), overlap, 0, 100)
         .expect("registered")
         .prediction;
     for _ in 0..WINDOW {
-        let mut judged = prediction.judge(cached(32, 100)).expect("reported");
-        assert_eq!(judged.outcome, Outcome::OverClaim);
-        judged.outcome = Outcome::Evicted;
+        let mut judged = prediction.judge(cached(served, 100)).expect("reported");
+        assert_eq!(judged.outcome, mismatch);
+        judged.outcome = race::settled(judged.outcome, Ok(true));
         m.settle(&prediction, Some(judged));
     }
-    assert_eq!(outcome(&registry, "evicted"), WINDOW as f64);
-    assert_eq!(outcome(&registry, "over_claim"), 0.0);
-    assert_eq!(
-        m.flagged(WorkerId(1)),
-        None,
-        "evictions are not disagreements"
-    );
+    assert_eq!(outcome(&registry, excused), WINDOW as f64);
+    assert_eq!(outcome(&registry, mismatch.as_str()), 0.0);
+    assert_eq!(m.flagged(WorkerId(1)), None, "races are not disagreements");
     for _ in 0..FLAG_AT {
-        judge(&m, 4, 100, cached(32, 100));
+        judge(&m, overlap, 100, cached(served, 100));
     }
-    assert_eq!(m.flagged(WorkerId(1)), Some(Cause::OverClaim));
+    assert_eq!(m.flagged(WorkerId(1)), Some(cause));
 }
 
-/// Without a router to ask (or a position in the decision), an over-claim is judged
-/// at once, as before; the race keeps the predicted prefix and asks from the first
-/// block the engine did not serve, at most `MAX_REMOVAL_HASHES` of them.
+/// An over-claim the router shows to be a raced eviction is counted `evicted`.
 #[test]
-fn the_race_query_starts_at_the_first_unserved_block() {
-    use kv_events::DpRank;
-    use kv_events::routing::{EventPosition, MAX_REMOVAL_HASHES, PolicyKind};
-    let (m, registry, _) = monitor(BLOCK);
-    let tokens: Vec<u32> = (0..100).collect();
-    let mut decision = RouteDecision {
-        request_id: "r".into(),
-        worker_id: WorkerId(1),
-        dp_rank: DpRank(2),
-        overlap_blocks: 4,
-        request_blocks: 7,
-        in_flight_blocks: 0,
-        kv_position: None,
-        policy: PolicyKind::Kv,
-        disaggregation: None,
-        fallbacks: Vec::new(),
-    };
-    assert_eq!(Race::new(&decision, &tokens, BLOCK), None);
-    let pending = m.pending(WorkerId(1), 4, 0, 100).expect("registered");
-    let pending = pending.with_race(&decision, &tokens);
-    assert!(
-        pending.race.is_none(),
-        "a monitor without a router keeps nothing"
-    );
-    pending.judge(cached(32, 100));
-    assert_eq!(outcome(&registry, "over_claim"), 1.0);
+fn evicted_answers_are_counted_apart_and_never_flag() {
+    confirmed_races_never_flag(4, 32, Outcome::OverClaim, "evicted", Cause::OverClaim);
+}
 
-    let after = EventPosition {
-        epoch: 1,
-        event_id: 5,
-    };
-    decision.kv_position = Some(Box::new(after));
-    let race = Race::new(&decision, &tokens, BLOCK).expect("a position and a prefix");
-    let query = race.query(WorkerId(1), 2, BLOCK);
-    assert_eq!((query.dp_rank, query.after), (DpRank(2), after));
-    let hashes = kv_events::compute_block_hashes(&tokens[32..64], BLOCK);
-    assert_eq!(query.block_hashes, hashes);
-    decision.overlap_blocks = 0;
-    assert_eq!(Race::new(&decision, &tokens, BLOCK), None);
-
-    let long: Vec<u32> = (0..(MAX_REMOVAL_HASHES as u32 + 10) * BLOCK).collect();
-    decision.overlap_blocks = MAX_REMOVAL_HASHES as u32 + 10;
-    let race = Race::new(&decision, &long, BLOCK).expect("a prefix");
-    assert_eq!(
-        race.query(WorkerId(1), 0, BLOCK).block_hashes.len(),
-        MAX_REMOVAL_HASHES
-    );
-    assert_eq!(
-        race.query(WorkerId(1), 20, BLOCK).block_hashes.len(),
-        MAX_REMOVAL_HASHES - 10
-    );
+/// An under-claim whose served prefix the index holds when asked is counted `in_flight`.
+#[test]
+fn under_claims_the_index_confirms_late_are_counted_in_flight_and_never_flag() {
+    confirmed_races_never_flag(1, 48, Outcome::UnderClaim, "in_flight", Cause::UnderClaim);
 }

@@ -36,6 +36,8 @@ pub enum MessageKind {
     SequenceSnapshot,
     /// Removals queries (`{ns}.router.removals`).
     Removals,
+    /// Overlap queries (`{ns}.router.overlap`).
+    Overlap,
 }
 
 impl MessageKind {
@@ -50,6 +52,7 @@ impl MessageKind {
             MessageKind::Sequences => "sequences",
             MessageKind::SequenceSnapshot => "sequence_snapshot",
             MessageKind::Removals => "removals",
+            MessageKind::Overlap => "overlap",
         }
     }
 }
