@@ -44,6 +44,7 @@ use kv_events::routing::{Prompt, RouteDecision, SessionId};
 use kv_events::{RequestId, WorkerId, compute_block_hashes};
 use serde_json::{Map, Value};
 use std::collections::HashSet;
+use std::sync::Arc;
 use tokio::time::Instant;
 use tracing::{debug, warn};
 
@@ -120,7 +121,9 @@ impl EngineRequest {
 /// A parsed, tokenized request ready to route.
 struct Plan {
     endpoint: &'static str,
-    tokens: Vec<u32>,
+    /// The prompt's token ids, shared with the answer's parity check (module
+    /// `parity::race`), which reads them after the request ends.
+    tokens: Arc<[u32]>,
     request: EngineRequest,
     stream: bool,
     include_usage: bool,

@@ -46,8 +46,8 @@
 //! **Cost.** Per answer: one mutex over a map of workers, ten judgements scanned, one
 //! counter and one histogram observation through handles kept per worker (no label
 //! hashing); the usage fields are read by the answer's existing peek. With a router
-//! to ask, a copy of the token ids of the prompt's reusable blocks per answer (at
-//! most 4,096 blocks), and per over- or under-claim the hashes of the blocks asked
+//! to ask, one reference to the prompt's token ids per answer (no copy), and per
+//! over- or under-claim the hashes of the blocks asked
 //! about and one NATS round trip off the answer's path (module `race`).
 
 use crate::metrics::GatewayMetrics;
@@ -215,9 +215,10 @@ pub struct Pending {
 
 impl Pending {
     /// Lets a mismatch of this answer be checked against the router (module `race`):
-    /// `decision` routed the prompt of `tokens`. Keeps nothing when the monitor asks no
-    /// router or the prompt has no full block before its last token.
-    pub fn with_race(mut self, decision: &RouteDecision, tokens: &[u32]) -> Self {
+    /// `decision` routed the prompt of `tokens`, which the check shares (one reference
+    /// count, no copy). Keeps nothing when the monitor asks no router or the prompt
+    /// has no full block before its last token.
+    pub fn with_race(mut self, decision: &RouteDecision, tokens: &Arc<[u32]>) -> Self {
         if self.monitor.inner.asker.is_some() {
             self.race = Race::new(decision, tokens, self.prediction.block_size);
         }

@@ -29,7 +29,7 @@ fn judge_full_hit(parity: &ParityMonitor, decision: &RouteDecision, tokens: &[u3
     };
     let pending = parity.pending(WorkerId(1), decision.overlap_blocks, 0, tokens.len());
     (pending.expect("worker 1 is registered"))
-        .with_race(decision, tokens)
+        .with_race(decision, &tokens.into())
         .judge(served);
 }
 

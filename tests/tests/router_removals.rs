@@ -157,7 +157,7 @@ async fn wait_for_position(
 #[tokio::test]
 async fn the_gateway_counts_a_raced_eviction_apart_from_over_claims() -> anyhow::Result<()> {
     let (cluster, mut worker, daemon, rank) = one_worker(BLOCK).await?;
-    let tokens = continued(&prompt(4));
+    let tokens: std::sync::Arc<[u32]> = continued(&prompt(4)).into();
     let hashes = FakeWorker::hashes(&tokens, BLOCK);
     worker.store_prompt(&cluster, &prompt(4)).await?;
     wait_for_overlap(&daemon, &hashes, rank, 4).await?;
@@ -175,7 +175,7 @@ async fn the_gateway_counts_a_raced_eviction_apart_from_over_claims() -> anyhow:
             .judge(served);
     };
 
-    let decision = routed(cluster.route_tokens("r1", tokens.clone()).await?);
+    let decision = routed(cluster.route_tokens("r1", tokens.to_vec()).await?);
     assert_eq!(decision.overlap_blocks, 4);
     evict(&mut worker, &cluster, &hashes, 2..4).await?;
     worker.store_prompt(&cluster, &prompt(4)).await?;
@@ -187,7 +187,7 @@ async fn the_gateway_counts_a_raced_eviction_apart_from_over_claims() -> anyhow:
     .await?;
     assert_eq!(outcome(&registry, "over_claim"), 0.0);
 
-    let decision = routed(cluster.route_tokens("r2", tokens.clone()).await?);
+    let decision = routed(cluster.route_tokens("r2", tokens.to_vec()).await?);
     worker.store_prompt(&cluster, &prompt(4)).await?;
     wait_for_position(&daemon, &cluster, rank, 3).await?;
     judge(&decision);

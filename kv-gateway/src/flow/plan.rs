@@ -65,7 +65,7 @@ impl Flow {
             stream: request.stream,
             include_usage: request.include_usage,
             session: session.or_else(|| request.prompt_cache_key.clone()),
-            tokens,
+            tokens: tokens.into(),
             request: EngineRequest::Completion {
                 request,
                 forward_tokens,
@@ -106,7 +106,7 @@ impl Flow {
             stream: chat.stream,
             include_usage: chat.include_usage,
             session: session.or_else(|| chat.prompt_cache_key.clone()),
-            tokens,
+            tokens: tokens.into(),
             request: match self.model.chat_forward {
                 ChatForward::Tokens => EngineRequest::ChatAsCompletion(chat),
                 ChatForward::Passthrough => EngineRequest::Chat(chat),

@@ -27,12 +27,12 @@
 //! Both excuses never flag a worker; on any other answer, none in time, or an error,
 //! the mismatch stays. An engine that never publishes its removals is never excused.
 //!
-//! **Cost.** Per answer: a copy of the token ids of the prompt's full blocks before
-//! its last token, at most [`MAX_OVERLAP_HASHES`] blocks (4 bytes a token, kept until
-//! the answer is judged: no more than the prompt's ids the gateway already holds;
-//! ~1 µs for 32k tokens). Hashing them on every answer instead (8 bytes a block kept)
-//! cost 10–35 times as much CPU (`race_cost`: 37 µs for 32k tokens at 16-token
-//! blocks), so blocks are hashed only on a mismatch (a few per thousand answers in a
+//! **Cost.** Per answer: one reference to the prompt's token ids, which the request
+//! already holds (so they live until the answer is judged, no copy); the check may
+//! hash its full blocks before the last token, at most [`MAX_OVERLAP_HASHES`]. A copy
+//! of those ids cost ~1 µs for 32k tokens, and hashing them on every answer instead
+//! 10–35 times as much (`race_cost`: 37 µs for 32k tokens at 16-token blocks), so
+//! blocks are hashed only on a mismatch (a few per thousand answers in a
 //! healthy fleet), which also costs one NATS round trip of at most [`ASK_DEADLINE`],
 //! off the answer's path (a spawned task). An under-claim whose served prefix is
 //! longer than the blocks kept is not asked about and stays.
@@ -45,6 +45,7 @@ use kv_events::routing::{
 use kv_events::{DpRank, LocalBlockHash, Subjects, compute_block_hashes, decode, encode};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// How long a mismatch waits for the router's answer before it is counted as one: a
@@ -142,22 +143,30 @@ pub(crate) struct Race {
     dp_rank: DpRank,
     /// The rank's position at the decision; `None`: the router keeps no removals.
     after: Option<EventPosition>,
-    /// The token ids of the prompt's full blocks before its last token (the most an
-    /// engine serves from cache), at most [`MAX_OVERLAP_HASHES`] blocks. Hashed only
-    /// on a mismatch: a copy costs ~30 times less than hashing every answer.
-    reusable: Box<[u32]>,
+    /// The prompt's token ids, shared with the request.
+    tokens: Arc<[u32]>,
+    /// How many of them the check may hash: the prompt's full blocks before its last
+    /// token (the most an engine serves from cache), at most [`MAX_OVERLAP_HASHES`]
+    /// blocks. Hashed only on a mismatch: hashing every answer cost 13–36 times a
+    /// copy of them, and sharing them costs less than either.
+    reusable: usize,
 }
 
 impl Race {
     /// The check for `decision` on a prompt of `tokens` at `block_size` tokens a
     /// block; `None` when the prompt has no full block before its last token.
-    pub(crate) fn new(decision: &RouteDecision, tokens: &[u32], block_size: u32) -> Option<Self> {
+    pub(crate) fn new(
+        decision: &RouteDecision,
+        tokens: &Arc<[u32]>,
+        block_size: u32,
+    ) -> Option<Self> {
         let block = block_size.max(1) as usize;
         let blocks = (tokens.len().saturating_sub(1) / block).min(MAX_OVERLAP_HASHES);
         (blocks > 0).then(|| Self {
             dp_rank: decision.dp_rank,
             after: decision.kv_position.as_deref().copied(),
-            reusable: tokens[..blocks * block].into(),
+            tokens: Arc::clone(tokens),
+            reusable: blocks * block,
         })
     }
 
@@ -166,7 +175,7 @@ impl Race {
     pub(crate) fn check(&self, prediction: &Prediction, judged: &Judged) -> Option<Check> {
         let block = u64::from(prediction.block_size.max(1));
         let blocks = |tokens: u64| usize::try_from(tokens.div_ceil(block)).ok();
-        let kept = self.reusable.len() / block as usize;
+        let kept = self.reusable / block as usize;
         match judged.outcome {
             Outcome::OverClaim => {
                 let from = usize::try_from(judged.cached / block).ok()?;
@@ -195,9 +204,8 @@ impl Race {
     /// kept.
     fn hashes(&self, from: usize, to: usize, block_size: u32) -> Option<Vec<LocalBlockHash>> {
         let block = block_size.max(1) as usize;
-        let tokens = self
-            .reusable
-            .get(from.checked_mul(block)?..to.checked_mul(block)?)?;
+        let tokens =
+            self.tokens[..self.reusable].get(from.checked_mul(block)?..to.checked_mul(block)?)?;
         (!tokens.is_empty()).then(|| compute_block_hashes(tokens, block_size))
     }
 }

@@ -53,7 +53,7 @@ const AFTER: EventPosition = EventPosition {
 #[test]
 fn an_over_claim_asks_from_the_first_unserved_block() {
     let (m, registry, _) = monitor(BLOCK);
-    let tokens: Vec<u32> = (0..100).collect();
+    let tokens: Arc<[u32]> = (0..100).collect();
     let pending = m.pending(WorkerId(1), 4, 0, 100).expect("registered");
     let pending = pending.with_race(&decision(4, Some(AFTER)), &tokens);
     assert!(
@@ -74,7 +74,7 @@ fn an_over_claim_asks_from_the_first_unserved_block() {
     assert_eq!(check_of(&unplaced, &prediction(4, 100), 32), None);
 
     let blocks = MAX_REMOVAL_HASHES as u32 + 10;
-    let long: Vec<u32> = (0..(blocks + 1) * BLOCK).collect();
+    let long: Arc<[u32]> = (0..(blocks + 1) * BLOCK).collect();
     let race = Race::new(&decision(blocks, Some(AFTER)), &long, BLOCK).expect("a prefix");
     let asked = |served: u32| match check_of(
         &race,
@@ -93,7 +93,7 @@ fn an_over_claim_asks_from_the_first_unserved_block() {
 /// hashes kept is not asked about. Agreement and hits in flight ask nothing.
 #[test]
 fn an_under_claim_asks_for_the_prefix_the_engine_served() {
-    let tokens: Vec<u32> = (0..100).collect();
+    let tokens: Arc<[u32]> = (0..100).collect();
     let race = Race::new(&decision(0, None), &tokens, BLOCK).expect("6 full blocks");
     let Some(Check::Overlap(query)) = check_of(&race, &prediction(0, 100), 48) else {
         panic!("an under-claim asks about the overlap now");
@@ -111,10 +111,10 @@ fn an_under_claim_asks_for_the_prefix_the_engine_served() {
     assert_eq!(check_of(&race, &booked, 48), None, "in flight");
 
     let blocks = MAX_OVERLAP_HASHES as u32 + 2;
-    let long: Vec<u32> = (0..blocks * BLOCK).collect();
+    let long: Arc<[u32]> = (0..blocks * BLOCK).collect();
     let race = Race::new(&decision(0, None), &long, BLOCK).expect("a prefix");
     assert_eq!(
-        race.reusable.len(),
+        race.reusable,
         MAX_OVERLAP_HASHES * BLOCK as usize,
         "the tokens kept are bounded"
     );
@@ -132,7 +132,7 @@ fn an_under_claim_asks_for_the_prefix_the_engine_served() {
     let past = served(MAX_OVERLAP_HASHES + 1).expect("reported");
     assert_eq!(race.check(&prediction(0, long.len() as u64), &past), None);
     assert_eq!(
-        Race::new(&decision(0, None), &tokens[..16], BLOCK),
+        Race::new(&decision(0, None), &Arc::from(&tokens[..16]), BLOCK),
         None,
         "no full block before the last token"
     );
@@ -172,7 +172,8 @@ fn a_confirmed_race_settles_the_mismatch_and_nothing_else_does() {
 }
 
 /// The per-answer cost of keeping a race, A/B alternated in one run: [`Race::new`]
-/// (a copy of the prompt's reusable token ids) against hashing those blocks on every
+/// (one reference to the prompt's token ids; a copy of them until `448ed8a`'s
+/// successor) against hashing the reusable blocks on every
 /// answer instead (what keeping 8-byte hashes would cost), on prompts of 2k, 8k and 32k
 /// tokens at 16- and 512-token blocks. Prints ns per answer; asserts nothing about
 /// time. Run: `cargo test --release -p kv-gateway --lib race_cost -- --ignored
@@ -195,7 +196,7 @@ fn race_cost() {
     };
     for block in [16u32, 512] {
         for len in [2_048usize, 8_192, 32_768] {
-            let tokens: Vec<u32> = (0..len as u32)
+            let tokens: Arc<[u32]> = (0..len as u32)
                 .map(|t| t.wrapping_mul(2_654_435_761))
                 .collect();
             let reusable = (len - 1) / block as usize * block as usize;
@@ -220,7 +221,7 @@ fn race_cost() {
             }
             let (c, h) = (median(copied), median(hashed));
             println!(
-                "block {block:>3}, {len:>6} tokens: tokens copied {c:>8.0} ns, blocks hashed {h:>8.0} ns per answer (hashing {:.1}x)",
+                "block {block:>3}, {len:>6} tokens: tokens kept {c:>8.0} ns, blocks hashed {h:>8.0} ns per answer (hashing {:.1}x)",
                 h / c
             );
         }
