@@ -24,17 +24,20 @@ pub(crate) enum LifecycleForm {
 /// What the publisher sent: lifecycle messages, and the NATS messages carrying them.
 #[derive(Default)]
 pub(crate) struct Sent {
-    pub(crate) messages: AtomicU64,
-    pub(crate) nats_messages: AtomicU64,
+    messages: AtomicU64,
+    nats_messages: AtomicU64,
 }
 
 impl Sent {
-    /// `(lifecycle messages, NATS messages)` so far.
-    pub(crate) fn read(&self) -> (u64, u64) {
-        (
-            self.messages.load(Ordering::Relaxed),
-            self.nats_messages.load(Ordering::Relaxed),
-        )
+    /// Prints how many lifecycle messages went out in how many NATS messages, as
+    /// published in `form`.
+    pub(crate) fn report(&self, form: LifecycleForm) {
+        let messages = self.messages.load(Ordering::Relaxed);
+        let nats_messages = self.nats_messages.load(Ordering::Relaxed);
+        println!(
+            "\nfreed: {messages} lifecycle messages in {nats_messages} NATS messages ({:.1} per message, `--lifecycle {form:?}`)",
+            messages as f64 / nats_messages.max(1) as f64,
+        );
     }
 }
 

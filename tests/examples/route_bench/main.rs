@@ -33,6 +33,9 @@
 
 mod echo;
 mod freed;
+mod frontend;
+
+use frontend::{Mode, Tally, frontend};
 mod ingest;
 mod load;
 mod warm;
@@ -41,13 +44,9 @@ use anyhow::Context;
 use bench_workload::{latencies, quantile_ms};
 use clap::{Parser, ValueEnum};
 use integration_tests::child_daemon::{ChildDaemon, register_workers};
-use kv_events::routing::{
-    LifecycleEvent, LifecycleMessage, Prompt, RouteBatchReply, RouteBatchRequest, RouteReply,
-    RouteRequest,
-};
+use kv_events::routing::{LifecycleMessage, Prompt};
 use kv_events::{
-    ExternalBlockHash, KvCacheEventData, LocalBlockHash, Namespace, StoredBlock, Subjects,
-    WorkerId, decode, encode,
+    ExternalBlockHash, KvCacheEventData, LocalBlockHash, Namespace, StoredBlock, Subjects, WorkerId,
 };
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -176,101 +175,6 @@ fn prompt(args: &Args, chain: u64, fresh: u64) -> Prompt {
         block_hashes: hashes,
         num_tokens: args.prompt_blocks * u64::from(BLOCK_SIZE),
     }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Mode {
-    /// The encoded `RouteRequest` to the echo responder.
-    Echo,
-    /// One `RouteRequest` per round trip.
-    Single,
-    /// `--batch` requests per `RouteBatchRequest`.
-    Batch,
-}
-
-/// What one frontend task measured.
-#[derive(Default)]
-struct Tally {
-    routes: u64,
-    failed: u64,
-    round_trips_us: Vec<u64>,
-}
-
-async fn frontend(
-    nats: async_nats::Client,
-    freer: mpsc::UnboundedSender<LifecycleMessage>,
-    subjects: Arc<Subjects>,
-    args: Arc<Args>,
-    mode: Mode,
-    task: usize,
-    until: Instant,
-) -> anyhow::Result<Tally> {
-    let mut tally = Tally::default();
-    let chains = args.workers * args.chains_per_worker / 2;
-    let mut n: u64 = 0;
-    while Instant::now() < until {
-        let count = match mode {
-            Mode::Echo | Mode::Single => 1,
-            Mode::Batch => args.batch,
-        };
-        let requests: Vec<RouteRequest> = (0..count)
-            .map(|_| {
-                n += 1;
-                let id = format!("t{task}-{n}");
-                let chain = (n * 7919 + task as u64 * 104_729) % chains.max(1);
-                RouteRequest::new(id, prompt(&args, chain, n * 1_000 + task as u64))
-            })
-            .collect();
-        let started = Instant::now();
-        let replies = match mode {
-            Mode::Echo => {
-                let payload = encode(&requests[0])?;
-                let reply = nats.request(echo::SUBJECT, payload.clone().into()).await?;
-                anyhow::ensure!(reply.payload[..] == payload[..], "echo changed the payload");
-                tally.routes += 1;
-                tally
-                    .round_trips_us
-                    .push(u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX));
-                continue;
-            }
-            Mode::Single => {
-                let reply = nats
-                    .request(subjects.route(), encode(&requests[0])?.into())
-                    .await?;
-                vec![decode::<RouteReply>(&reply.payload)?]
-            }
-            Mode::Batch => {
-                let batch = RouteBatchRequest {
-                    requests: requests.clone(),
-                    order: Default::default(),
-                };
-                let reply = nats
-                    .request(subjects.route_batch(), encode(&batch)?.into())
-                    .await?;
-                match decode::<RouteBatchReply>(&reply.payload)? {
-                    RouteBatchReply::Answered { replies } => replies,
-                    RouteBatchReply::Error(e) => anyhow::bail!("batch refused: {e:?}"),
-                }
-            }
-        };
-        tally
-            .round_trips_us
-            .push(u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX));
-        for (request, reply) in requests.iter().zip(&replies) {
-            match reply {
-                RouteReply::Routed(_) => {
-                    tally.routes += 1;
-                    let freed = LifecycleMessage {
-                        request_id: request.request_id.clone(),
-                        event: LifecycleEvent::Freed,
-                    };
-                    freer.send(freed).context("the lifecycle publisher ended")?;
-                }
-                RouteReply::Error(_) => tally.failed += 1,
-            }
-        }
-    }
-    Ok(tally)
 }
 
 /// One measurement: its answers, round trips and the answering process's CPU.
@@ -499,12 +403,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             Section::Batch => batch_section(&bench).await?,
         }
     }
-    let (messages, nats_messages) = sent.read();
-    println!(
-        "\nfreed: {messages} lifecycle messages in {nats_messages} NATS messages ({:.1} per message, `--lifecycle {:?}`)",
-        messages as f64 / nats_messages.max(1) as f64,
-        args.lifecycle
-    );
+    sent.report(args.lifecycle);
     if let Some(task) = reporter {
         task.abort();
     }
