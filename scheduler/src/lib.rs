@@ -156,8 +156,8 @@ pub struct Scheduler {
     /// The shortcut's touched ranks (`shortcut.rs`), and whether it is on (tests
     /// turn it off to compare with the full scan).
     touched: Vec<WorkerRank>,
-    /// One bit per registered rank (by its position in the registry's ranks): the
-    /// shortcut's set of touched ranks, read back in rank order.
+    /// Scratch for ordering the shortcuts' touched ranks
+    /// (`WorkerRegistry::keep_registered_in_order`).
     touched_bits: Vec<u64>,
     shortcut: bool,
     /// The bounded shortcut's index of every rank's cost bound (`shortcut_bound.rs`).

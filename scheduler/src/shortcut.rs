@@ -26,8 +26,8 @@
 //! lowest-cost ranks (`shortcut_tests.rs` checks this against the full scan on
 //! random fleets). A decision then costs O(touched ranks + prompt blocks) instead of
 //! O(registered ranks) (plus registered ranks / 64 words to clear and read back the
-//! bit set that orders the touched ranks: at 64 ranks one word, where a sort of ~30
-//! touched ranks was ~5% of a route's CPU). The full scan remains for every other case: other policies,
+//! bit set that orders the touched ranks, `WorkerRegistry::keep_registered_in_order`:
+//! at 64 ranks one word, where a sort of ~30 touched ranks was ~5% of a route's CPU). The full scan remains for every other case: other policies,
 //! a pinned dp_rank, excluded workers, an eligible set (`eligible_workers`: the
 //! stand-in cannot stand for idle ranks some of which are outside the set, and
 //! filtering the touched ranks alone would not be cheaper than the scan's one binary
@@ -162,34 +162,15 @@ impl Scheduler {
             return self.take_bounded(ask, config, touched);
         }
         // The registered ones among the matched, booked, unlike-unreported and
-        // self-calibrated ranks, sorted and without repeats: marked in a bit set by
-        // registry position and read back in order (the registry's ranks are sorted),
-        // which costs a sort and a dedup less per decision than listing them.
-        let mut bits = std::mem::take(&mut self.touched_bits);
-        bits.clear();
-        bits.resize(n.div_ceil(64), 0);
-        let workers = &self.workers;
-        let mut mark = |r: WorkerRank| {
-            if let Some(i) = workers.rank_index(r) {
-                bits[i / 64] |= 1 << (i % 64);
-            }
-        };
-        touched.iter().for_each(|&r| mark(r));
-        self.sequences.booked_ranks().for_each(&mut mark);
+        // self-calibrated ranks, sorted and without repeats.
+        touched.extend(self.sequences.booked_ranks());
         let busy_checked = self.config.busy.enabled();
         self.reports
-            .visit_unlike_unreported(&self.config.liveness, busy_checked, now, &mut mark);
-        self.calibration.visit_own_scales(&mut mark);
-        touched.clear();
-        let ranks = workers.ranks();
-        for (w, &word) in bits.iter().enumerate() {
-            let mut word = word;
-            while word != 0 {
-                touched.push(ranks[w * 64 + word.trailing_zeros() as usize]);
-                word &= word - 1;
-            }
-        }
-        self.touched_bits = bits;
+            .visit_unlike_unreported(&self.config.liveness, busy_checked, now, |r| {
+                touched.push(r)
+            });
+        self.calibration.visit_own_scales(|r| touched.push(r));
+        (self.workers).keep_registered_in_order(&mut touched, &mut self.touched_bits);
         if touched.len() * 2 > n {
             touched.clear();
             overlaps.visit_matched(&mut |r| touched.push(r));

@@ -220,9 +220,7 @@ impl Scheduler {
         }
         self.reports
             .visit_unlike_unreported(&self.config.liveness, false, now, |r| touched.push(r));
-        touched.retain(|&r| self.workers.contains_rank(r));
-        touched.sort_unstable();
-        touched.dedup();
+        (self.workers).keep_registered_in_order(touched, &mut self.touched_bits);
         let priced = touched.len();
         if priced == self.workers.ranks().len() {
             return Ok(None); // no rank left to bound: the full scan

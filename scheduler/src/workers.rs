@@ -135,8 +135,31 @@ impl WorkerRegistry {
 
     /// Whether this (worker, dp_rank) is currently registered.
     pub fn contains_rank(&self, rank: WorkerRank) -> bool {
-        self.get(rank.worker_id)
-            .is_some_and(|reg| rank.dp_rank.0 < reg.dp_size)
+        self.rank_index(rank).is_some()
+    }
+
+    /// Keeps the registered ranks of `ranks`, in [`WorkerRegistry::ranks`] order and
+    /// without repeats. They are marked in `bits` (scratch: one bit per registered
+    /// rank, by its position) and read back in order, which costs O(ranks listed +
+    /// registered ranks / 64) where a sort and a dedup of the list cost more (about
+    /// 5% of a route's CPU at ~30 listed ranks; `docs/benchmarks.md`, "Issue 29 item
+    /// 1, round 31").
+    pub fn keep_registered_in_order(&self, ranks: &mut Vec<WorkerRank>, bits: &mut Vec<u64>) {
+        bits.clear();
+        bits.resize(self.ranks.len().div_ceil(64), 0);
+        for &r in ranks.iter() {
+            if let Some(i) = self.rank_index(r) {
+                bits[i / 64] |= 1 << (i % 64);
+            }
+        }
+        ranks.clear();
+        for (w, &word) in bits.iter().enumerate() {
+            let mut word = word;
+            while word != 0 {
+                ranks.push(self.ranks[w * 64 + word.trailing_zeros() as usize]);
+                word &= word - 1;
+            }
+        }
     }
 
     /// Number of registered workers.
@@ -251,6 +274,34 @@ mod tests {
         assert_eq!(registry.rank_index(rank(3, 0)), None, "unregistered worker");
         registry.remove(WorkerId(5));
         assert_eq!(registry.rank_index(rank(9, 0)), Some(2));
+    }
+
+    #[test]
+    fn keep_registered_in_order_sorts_dedups_and_drops_unregistered_ranks() {
+        let mut registry = WorkerRegistry::new();
+        registry.add(reg(9, 1)).unwrap();
+        registry.add(reg(2, 70)).unwrap(); // past one 64-bit word
+        let mut listed = vec![
+            rank(9, 0),
+            rank(2, 69),
+            rank(3, 0), // unregistered worker
+            rank(2, 0),
+            rank(9, 0),
+            rank(9, 1), // past dp_size
+            rank(2, 69),
+            rank(2, 63),
+            rank(2, 64),
+        ];
+        let mut bits = vec![u64::MAX; 5]; // stale scratch must not leak in
+        registry.keep_registered_in_order(&mut listed, &mut bits);
+        let expected = [
+            rank(2, 0),
+            rank(2, 63),
+            rank(2, 64),
+            rank(2, 69),
+            rank(9, 0),
+        ];
+        assert_eq!(listed, expected);
     }
 
     #[test]
