@@ -8,14 +8,32 @@
 //! one intake task and go to one shard; read-your-writes holds trivially (an `apply`
 //! that returned has been applied).
 //!
+//! Queries do not wait behind a whole batch. A writer applies a batch under the
+//! shard's write lock but asks, every [`STEP_BLOCKS`] blocks and between events,
+//! whether a query is waiting (a query that finds the shard held counts itself in
+//! the shard's `waiting`); if one is, it stops at that block boundary
+//! (`ordered/steps.rs`, a long event in parts: a store's rest hangs below its last
+//! applied block), unlocks, lets the waiting queries take their read locks, and
+//! goes on. std's lock has no hand-over (a writer that unlocks and locks at once gets
+//! the lock back before the woken readers run), so the writer waits for `waiting`
+//! to drop; both sides spin briefly rather than sleep, since a step and a query
+//! last less than a sleep and a wake-up. The writer holds the lock at least 5 µs
+//! before it stops, so queries asked back to back cannot starve it. So a query waits for a few blocks (about
+//! 1 µs), never for a 4,096-block event (~0.5 ms at 1M entries), and nothing is
+//! paid while no query waits. Each writer of a shard holds the shard's writer mutex
+//! for its whole operation, so no other write and no dump or snapshot comes between
+//! two steps of a batch.
+//!
 //! Costs: a query is N lock acquisitions plus N tree walks on the calling thread,
 //! which append (rank, score) pairs to one vector, then one score map built at its
 //! final size (a map per shard and a merge cost as much as the walks). A query
 //! first reads the shards no writer holds (`try_read`), then waits for the others,
-//! so under an event flood it overlaps its walks with the writer's batch; an
-//! event batch holds one write lock for its application (microseconds for normal
-//! batches; a pruning pass or a large dump holds it for longer, up to ~100 ms at 10 M
-//! entries). A background task expires approximate-mode entries. An earlier design
+//! so under an event flood it overlaps its walks with the writer's batch. A batch
+//! costs one uncontended mutex more than applied whole, plus, per hand-over, one
+//! lock round and the resumed event's setup (a removal stopped inside a run splits
+//! it); a pruning pass, a `Cleared`, a worker removal or a recovery reply (a large
+//! dump: up to ~100 ms at 10 M entries) is still applied whole. A background task expires
+//! approximate-mode entries. An earlier design
 //! with one task per shard behind channels (queries fanning out to the tasks) was
 //! slower in every measurement (`docs/benchmarks.md`) and was retired; git keeps it.
 //!
@@ -32,12 +50,17 @@ use crate::scores::OverlapScores;
 use crate::stats::{IndexerReport, IndexerStats};
 use kv_events::recovery::{IndexSnapshot, RecoveryReply};
 use kv_events::{KvEventBatch, LocalBlockHash, WorkerId, WorkerRank};
+use shard::{Shard, ShardWrite};
 use std::future::Future;
-use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard, TryLockError};
+use std::sync::{Arc, Mutex, RwLockReadGuard};
 use std::time::Duration;
 use tokio::sync::{Notify, mpsc};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+
+mod shard;
+
+pub use shard::STEP_BLOCKS;
 
 /// Handle to N lock-protected shards; cheap to clone, every clone shares them.
 ///
@@ -53,7 +76,7 @@ pub struct Indexer {
 
 #[derive(Debug)]
 struct Inner {
-    shards: Box<[RwLock<OrderedIndex>]>,
+    shards: Box<[Shard]>,
     counters: Arc<IndexerCounters>,
     needs_tx: mpsc::UnboundedSender<RecoveryNeed>,
     needs: NeedsSlot,
@@ -70,25 +93,12 @@ impl Drop for Inner {
 }
 
 impl Inner {
-    // A panic while holding a lock cannot leave a shard in a state worse than
-    // stopping routing would; the poisoned lock is recovered.
     fn read(&self, shard: usize) -> RwLockReadGuard<'_, OrderedIndex> {
-        self.shards[shard].read().unwrap_or_else(|p| p.into_inner())
+        self.shards[shard].read()
     }
 
-    /// The read lock of `shard` if no writer holds it now.
-    fn try_read(&self, shard: usize) -> Option<RwLockReadGuard<'_, OrderedIndex>> {
-        match self.shards[shard].try_read() {
-            Ok(guard) => Some(guard),
-            Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
-            Err(TryLockError::WouldBlock) => None,
-        }
-    }
-
-    fn write(&self, shard: usize) -> RwLockWriteGuard<'_, OrderedIndex> {
-        self.shards[shard]
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
+    fn write(&self, shard: usize) -> ShardWrite<'_> {
+        self.shards[shard].write()
     }
 
     fn send_needs(&self, needs: Vec<RecoveryNeed>) {
@@ -117,7 +127,7 @@ impl Indexer {
         let (needs_tx, needs_rx) = mpsc::unbounded_channel();
         let inner = Arc::new(Inner {
             shards: (0..config.num_shards)
-                .map(|_| RwLock::new(OrderedIndex::new(settings, counters.clone())))
+                .map(|_| Shard::new(OrderedIndex::new(settings, counters.clone())))
                 .collect(),
             counters,
             needs_tx,
@@ -183,7 +193,7 @@ impl IndexerApi for Indexer {
     async fn apply(&self, batch: KvEventBatch) -> Result<(), IndexerError> {
         self.running()?;
         let shard = self.shard_of(batch.worker_id);
-        let needs = self.inner.write(shard).apply_batch(&batch);
+        let needs = self.inner.shards[shard].apply_in_steps(&batch);
         self.inner.send_needs(needs);
         Ok(())
     }
@@ -271,14 +281,14 @@ impl IndexerApi for Indexer {
             let mut pairs = Vec::new();
             let mut any_tier = Vec::new();
             let mut busy = Vec::new();
-            for shard in 0..self.num_shards() {
-                match self.inner.try_read(shard) {
+            for (i, shard) in self.inner.shards.iter().enumerate() {
+                match shard.try_read() {
                     Some(index) => index.collect_matches(&hashes, &mut pairs, &mut any_tier),
-                    None => busy.push(shard),
+                    None => busy.push(i),
                 }
             }
-            for shard in busy {
-                let index = self.inner.read(shard);
+            for i in busy {
+                let index = self.inner.shards[i].read_waiting();
                 index.collect_matches(&hashes, &mut pairs, &mut any_tier);
             }
             Ok(OverlapScores::from_tiers(pairs, any_tier))
@@ -288,8 +298,8 @@ impl IndexerApi for Indexer {
     async fn dump(&self) -> Result<Vec<KvEventBatch>, IndexerError> {
         self.running()?;
         let mut batches = Vec::new();
-        for shard in 0..self.num_shards() {
-            batches.extend(self.inner.read(shard).dump());
+        for shard in self.inner.shards.iter() {
+            batches.extend(shard.read_whole().1.dump());
         }
         batches.sort_by_key(|b| b.worker_id);
         Ok(batches)
@@ -298,7 +308,7 @@ impl IndexerApi for Indexer {
     async fn snapshot(&self) -> Result<IndexSnapshot, IndexerError> {
         self.running()?;
         Ok(join_snapshots(
-            (0..self.num_shards()).map(|shard| self.inner.read(shard).snapshot()),
+            (self.inner.shards.iter()).map(|shard| shard.read_whole().1.snapshot()),
         ))
     }
 

@@ -30,6 +30,9 @@
 
 mod approximate;
 mod replies;
+mod steps;
+
+pub use steps::BatchSteps;
 
 use crate::approx::ExpiryQueue;
 pub use crate::config::ShardSettings;
@@ -38,7 +41,7 @@ use crate::error::ApplyError;
 use crate::recovery::{RecoveryNeed, RecoveryReason, RecoveryToken};
 use crate::scores::OverlapScores;
 use crate::stats::{IndexerReport, IndexerStats};
-use crate::tree::{ApplyOutcome, RadixTree};
+use crate::tree::{ApplyOutcome, Interrupt, RadixTree};
 use kv_events::recovery::{IndexSnapshot, RankCursor, RecoveryRequest};
 use kv_events::{
     DpRank, KvCacheEvent, KvCacheEventData, KvEventBatch, LocalBlockHash, WorkerId, WorkerRank,
@@ -110,22 +113,23 @@ impl OrderedIndex {
     }
 
     /// Applies a batch under the ordering rules; returns the recoveries to perform.
+    /// The same as [`OrderedIndex::apply_batch_step`] never interrupted.
     pub fn apply_batch(&mut self, batch: &KvEventBatch) -> Vec<RecoveryNeed> {
-        self.counters.record_batch();
-        let mut needs = Vec::new();
-        for event in &batch.events {
-            self.on_event(batch.worker_id, batch.epoch, event, &mut needs);
-        }
-        needs
+        let mut steps = BatchSteps::default();
+        while !self.apply_batch_step(batch, &mut steps, Interrupt::NEVER) {}
+        steps.into_needs()
     }
 
-    fn on_event(
+    /// Runs the ordering rules for `event`: true when it is due now (the cursor has
+    /// moved past it and the caller must apply it, whole or in parts, then
+    /// [`OrderedIndex::settle`] it); false when it was dropped or buffered.
+    fn decide(
         &mut self,
         worker_id: WorkerId,
         epoch: u64,
         event: &KvCacheEvent,
         needs: &mut Vec<RecoveryNeed>,
-    ) {
+    ) -> bool {
         let rank = WorkerRank::new(worker_id, event.dp_rank);
         let limit = self.settings.recovery_buffer_events;
         let cursor = self
@@ -134,7 +138,7 @@ impl OrderedIndex {
             .or_insert_with(|| Cursor::new(epoch));
         if epoch < cursor.epoch {
             self.counters.add(Counter::StaleEpochEvents, 1);
-            return;
+            return false;
         }
         if cursor.epoch == 0 && cursor.next == 0 {
             // A cursor that has applied nothing yet (e.g. created by a resync) adopts
@@ -156,11 +160,11 @@ impl OrderedIndex {
             }
         }
         let Some(cursor) = self.cursors.get_mut(&rank) else {
-            return; // unreachable: inserted above
+            return false; // unreachable: inserted above
         };
         if event.event_id < cursor.next {
             self.counters.add(Counter::DuplicateEvents, 1);
-            return;
+            return false;
         }
         let horizon = cursor.next.saturating_add(limit as u64);
         if event.event_id > horizon {
@@ -172,7 +176,7 @@ impl OrderedIndex {
             self.counters.add(Counter::FarAheadEvents, 1);
             cursor.buffer.clear();
             if cursor.pending.is_some() && cursor.pending_dump {
-                return;
+                return false;
             }
             let reason = RecoveryReason::FarAhead {
                 expected: cursor.next,
@@ -180,7 +184,7 @@ impl OrderedIndex {
             };
             warn!(%worker_id, dp_rank = %rank.dp_rank, expected = cursor.next, received = event.event_id, limit, "kv event id beyond the recovery buffer dropped; requesting a dump");
             needs.push(self.start_recovery(rank, reason, true));
-            return;
+            return false;
         }
         if cursor.pending.is_some() || event.event_id > cursor.next {
             let gap = (cursor.pending.is_none()).then_some(RecoveryReason::Gap {
@@ -202,10 +206,23 @@ impl OrderedIndex {
                 self.counters.add(Counter::Gaps, 1);
                 needs.push(self.start_recovery(rank, reason, false));
             }
-            return;
+            return false;
         }
         cursor.next = cursor.next.saturating_add(1);
-        if self.apply_one(worker_id, event).is_err() {
+        true
+    }
+
+    /// Counts and logs the result of applying a due `event`; a store refused for an
+    /// unknown parent pushes a dump need for its rank to `needs`.
+    fn settle(
+        &mut self,
+        worker_id: WorkerId,
+        event: &KvCacheEvent,
+        result: Result<ApplyOutcome, ApplyError>,
+        needs: &mut Vec<RecoveryNeed>,
+    ) {
+        if self.count(worker_id, event, result).is_err() {
+            let rank = WorkerRank::new(worker_id, event.dp_rank);
             needs.push(self.start_recovery(rank, RecoveryReason::UnknownParent, true));
         }
     }
@@ -214,7 +231,19 @@ impl OrderedIndex {
     /// was refused for an unknown parent (which calls for recovery); a pruned parent
     /// or a group's changed window is not lost state, and a dump would not help.
     fn apply_one(&mut self, worker_id: WorkerId, event: &KvCacheEvent) -> Result<(), ()> {
-        match self.tree.apply_event(worker_id, event) {
+        let result = self.tree.apply_event(worker_id, event);
+        self.count(worker_id, event, result)
+    }
+
+    /// Counts and logs `result`, the outcome of applying `event`; `Err` as
+    /// [`OrderedIndex::apply_one`]'s.
+    fn count(
+        &self,
+        worker_id: WorkerId,
+        event: &KvCacheEvent,
+        result: Result<ApplyOutcome, ApplyError>,
+    ) -> Result<(), ()> {
+        match result {
             Ok(outcome) => {
                 self.counters.record_applied(&event.data, &outcome);
                 Ok(())

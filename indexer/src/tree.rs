@@ -62,6 +62,7 @@ mod differential;
 #[cfg(test)]
 mod differential_model;
 mod dump;
+mod event;
 mod groups;
 mod prune;
 mod ranks;
@@ -73,13 +74,14 @@ mod runs;
 mod tests;
 
 use crate::config::Pruning;
-use crate::error::ApplyError;
+
 use crate::scores::OverlapScores;
 use crate::stats::IndexerStats;
 use arena::{Arena, Node, NodeIdx};
 use blockmap::BlockRef;
-use kv_events::{KvCacheEvent, KvCacheEventData, LocalBlockHash, WorkerId, WorkerRank};
-use ranks::{Holder, RankState, RankTable};
+pub use event::Interrupt;
+use kv_events::{LocalBlockHash, WorkerId, WorkerRank};
+use ranks::{RankState, RankTable};
 use rankset::RankIdx;
 use std::ops::AddAssign;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -206,82 +208,6 @@ impl RadixTree {
             self.clock.fetch_add(1, Ordering::Relaxed).wrapping_add(1) & !arena::MATCHED
         } else {
             0
-        }
-    }
-
-    /// Applies one KV event of `worker_id` (the rank is `event.dp_rank`).
-    ///
-    /// Each (rank, tier, KV cache group) is its own holder; `group: None` is the
-    /// rank's single group of a model without groups.
-    ///
-    /// - `Stored { parent_hash, blocks, group }`: the chain is added below the
-    ///   holder's block `parent_hash` (the root when `None`), creating nodes as
-    ///   needed. A parent the holder does not hold is looked up in the rank's other
-    ///   groups on the same tier (a windowed group's sparse store hangs below the
-    ///   full-attention group's block), then on its other tiers, GPU first. A block
-    ///   whose engine hash the holder already holds adds a copy (counted in
-    ///   `copies_added`) and the chain continues from the held block. Two engine
-    ///   hashes of one holder naming the same node are both kept; the node stays held
-    ///   until both are removed. A store with a group and no blocks makes the group
-    ///   known (interned, holding nothing). A group's window is fixed by its first
-    ///   store.
-    /// - `Removed { block_hashes, group }`: each held block of that holder only drops
-    ///   one copy, and leaves the holder with its last; unknown ones are counted in
-    ///   `unknown_removed`. Dropping an interior block hides the holder's deeper
-    ///   blocks from prefix matches (they stay indexed until removed).
-    /// - `Cleared`: every block of the rank is dropped, on every tier and group.
-    ///
-    /// `event_id` is not checked here (see [`crate::OrderedIndex`] for ordering). A
-    /// bounded tree prunes before a store that would take it over its bound (keeping
-    /// the event's parent), so it never holds more than its bound plus the event's
-    /// own blocks, and again after it if it still is over.
-    ///
-    /// # Errors
-    /// [`ApplyError::UnknownParent`] when `parent_hash` is `Some` and no holder of the
-    /// rank holds that block; nothing changes then. [`ApplyError::ForgottenParent`]
-    /// when this tree pruned the parent block; prefix matches do not change, but the
-    /// event's blocks are remembered as forgotten so that their own children are
-    /// refused the same way. [`ApplyError::WindowMismatch`] when the event's group is
-    /// known with another window; nothing changes.
-    pub fn apply_event(
-        &mut self,
-        worker_id: WorkerId,
-        event: &KvCacheEvent,
-    ) -> Result<ApplyOutcome, ApplyError> {
-        let rank = WorkerRank::new(worker_id, event.dp_rank);
-        match &event.data {
-            KvCacheEventData::Stored {
-                parent_hash,
-                blocks,
-                tier,
-                group,
-            } => {
-                let holder = Holder {
-                    rank,
-                    tier: *tier,
-                    group: group.map(|g| g.id),
-                };
-                let window = group.and_then(|g| g.window_blocks);
-                self.check_window(holder, window)?;
-                // Room first, so the bound holds at the peak too, not only after.
-                let room = self.make_room(holder, *parent_hash, blocks.len());
-                let mut outcome = self.store(holder, window, *parent_hash, blocks, true)?;
-                outcome.pruned = room + self.enforce_bound();
-                Ok(outcome)
-            }
-            KvCacheEventData::Removed {
-                block_hashes,
-                tier,
-                group,
-            } => {
-                let holder = Holder {
-                    rank,
-                    tier: *tier,
-                    group: *group,
-                };
-                Ok(self.remove(holder, block_hashes))
-            }
-            KvCacheEventData::Cleared => Ok(self.clear_rank(rank)),
         }
     }
 

@@ -10,6 +10,7 @@
 use super::arena::{self, Arena, BlockId, NodeIdx};
 use super::blockmap::BlockRef;
 use super::blockmap::Found;
+use super::event::Interrupt;
 use super::ranks::Holder;
 use super::rankset::RankIdx;
 use super::{ApplyOutcome, RadixTree, is_live};
@@ -108,8 +109,8 @@ impl RadixTree {
         };
         let room = self.make_room(holder, None, blocks.len());
         // A chain from the root cannot be refused.
-        let mut outcome = self
-            .store(holder, None, None, blocks, false)
+        let (mut outcome, _) = self
+            .store(holder, None, None, blocks, false, Interrupt::NEVER)
             .unwrap_or_default();
         outcome.pruned = room + self.enforce_bound();
         outcome
@@ -117,7 +118,10 @@ impl RadixTree {
 
     /// Stores `blocks` below `parent_hash` into `holder` (whose group has `window`).
     /// With `copies`, a block the holder already holds adds a copy; without (the
-    /// approximate mode's refreshes), it is left as it is.
+    /// approximate mode's refreshes), it is left as it is. Returns the outcome and how
+    /// many blocks were stored: all of them, unless `interrupt` stopped it before
+    /// block `k`, when the first `k` are held and the rest can be stored later below
+    /// block `k - 1`.
     pub(super) fn store(
         &mut self,
         holder: Holder,
@@ -125,7 +129,8 @@ impl RadixTree {
         parent_hash: Option<ExternalBlockHash>,
         blocks: &[StoredBlock],
         copies: bool,
-    ) -> Result<ApplyOutcome, ApplyError> {
+        interrupt: Interrupt<'_>,
+    ) -> Result<(ApplyOutcome, usize), ApplyError> {
         let rank = holder.rank;
         // An empty store interns a group (the group is known, holding nothing), never
         // a holder without one.
@@ -134,7 +139,7 @@ impl RadixTree {
             if intern_empty {
                 self.ranks.intern(holder, window);
             }
-            return Ok(ApplyOutcome::default());
+            return Ok((ApplyOutcome::default(), 0));
         }
         let tick = self.tick();
         let (idx, mut cur) = match parent_hash {
@@ -153,7 +158,7 @@ impl RadixTree {
                         if intern_empty {
                             self.ranks.intern(holder, window);
                         }
-                        return Ok(ApplyOutcome::default()); // nothing to hold
+                        return Ok((ApplyOutcome::default(), 0)); // nothing to hold
                     }
                     let run = self.arena.run_of(id);
                     self.arena.node(run).last_used.stored(tick);
@@ -196,7 +201,8 @@ impl RadixTree {
         };
         let mut outcome = ApplyOutcome::default();
         let Some(state) = self.ranks.get_mut(idx) else {
-            return Ok(outcome); // unreachable: `idx` was just interned or looked up
+            // Unreachable: `idx` was just interned or looked up.
+            return Ok((outcome, blocks.len()));
         };
         // Existing blocks the rank now holds too, not yet added to their run's
         // holders: one contiguous piece of one run, so that a store over part of a
@@ -209,7 +215,12 @@ impl RadixTree {
         // chain continued by one rank.
         let mut tail: Option<NodeIdx> = None;
         state.warm(blocks.iter().map(|block| &block.block_hash));
+        let mut check_at = interrupt.every;
         for (k, block) in blocks.iter().enumerate() {
+            if interrupt.stops_at(k, &mut check_at) {
+                flush(&mut self.arena, &mut pending, idx);
+                return Ok((outcome, k));
+            }
             // One probe per block serves the lookup and the insert: the slot found
             // stays valid while only the arena and the rank's other maps change.
             let at = state.blocks.find_or_free(block.block_hash);
@@ -264,7 +275,7 @@ impl RadixTree {
             cur = id;
         }
         flush(&mut self.arena, &mut pending, idx);
-        Ok(outcome)
+        Ok((outcome, blocks.len()))
     }
 
     /// Remembers the blocks of a store refused below a forgotten parent as forgotten
@@ -286,11 +297,15 @@ impl RadixTree {
         }
     }
 
+    /// Removes `block_hashes` from `holder`. Returns the outcome and how many of the
+    /// hashes were removed: all of them, unless `interrupt` stopped it before hash
+    /// `k`, when the first `k` are.
     pub(super) fn remove(
         &mut self,
         holder: Holder,
         block_hashes: &[ExternalBlockHash],
-    ) -> ApplyOutcome {
+        interrupt: Interrupt<'_>,
+    ) -> (ApplyOutcome, usize) {
         let mut outcome = ApplyOutcome::default();
         let state = self
             .ranks
@@ -298,11 +313,17 @@ impl RadixTree {
             .and_then(|idx| Some((idx, self.ranks.get_mut(idx)?)));
         let Some((idx, state)) = state else {
             outcome.unknown_removed = block_hashes.len() as u64;
-            return outcome;
+            return (outcome, block_hashes.len());
         };
         let mut dropped = Vec::new();
+        let mut end = block_hashes.len();
         state.warm(block_hashes.iter());
-        for hash in block_hashes {
+        let mut check_at = interrupt.every;
+        for (k, hash) in block_hashes.iter().enumerate() {
+            if interrupt.stops_at(k, &mut check_at) {
+                end = k;
+                break;
+            }
             // Empty unless the engine stored a held block again: one length check.
             if !state.copies.is_empty()
                 && let Some(held) = state.blocks.get(hash)
@@ -340,7 +361,7 @@ impl RadixTree {
             }
         }
         self.drop_blocks(idx, &mut dropped);
-        outcome
+        (outcome, end)
     }
 
     /// Drops `rank` from the blocks `ids` (which it holds, each once), one contiguous

@@ -19,7 +19,9 @@ use super::differential_model::{Key, Reference, Refusal};
 use super::tests::check_invariants;
 use super::tests::events::{engine_hash, on_tier};
 use super::*;
+use crate::error::ApplyError;
 use kv_events::{DpRank, KvCacheGroup, StorageTier};
+use kv_events::{KvCacheEvent, KvCacheEventData};
 use proptest::prelude::*;
 use proptest::sample::Index;
 use std::num::NonZeroU32;
@@ -244,20 +246,54 @@ fn store_of(model: &Reference, op: &Op) -> Option<StoreArgs> {
     }
 }
 
+/// Applies `event` to `tree` in parts of `part` blocks, as the concurrent front
+/// does when queries wait at every check; the outcomes summed.
+fn apply_in_parts(
+    tree: &mut RadixTree,
+    worker: u64,
+    event: &KvCacheEvent,
+    part: usize,
+) -> Result<ApplyOutcome, ApplyError> {
+    let interrupt = Interrupt {
+        every: part,
+        stop: &|| true,
+    };
+    let len = event.data.block_count();
+    let (mut total, mut next) = tree.apply_event_from(WorkerId(worker), event, 0, interrupt)?;
+    while next < len {
+        let (outcome, after) = tree.apply_event_from(WorkerId(worker), event, next, interrupt)?;
+        assert_eq!(
+            after - next,
+            part.min(len - next),
+            "a part of {part} blocks"
+        );
+        total += outcome;
+        next = after;
+    }
+    Ok(total)
+}
+
 /// Applies `op` to `tree` and `model` (asserting they agree on acceptance) and, when
-/// given, to `bounded` too (whose answers may differ: it forgets).
+/// given, to `bounded` too (whose answers may differ: it forgets) and to `parted`,
+/// each event in parts of the given size (which must answer as `tree`).
 fn run(
     tree: &mut RadixTree,
     model: &mut Reference,
     case: &Case,
     op: &Op,
     mut bounded: Option<&mut RadixTree>,
+    mut parted: Option<(&mut RadixTree, usize)>,
 ) {
-    let mut mirror_to = |worker: u64, event: &KvCacheEvent| {
-        if let Some(b) = bounded.as_deref_mut() {
-            let _ = b.apply_event(WorkerId(worker), event);
-        }
-    };
+    let mut mirror_to =
+        |worker: u64, event: &KvCacheEvent, whole: &Result<ApplyOutcome, ApplyError>| {
+            if let Some(b) = bounded.as_deref_mut() {
+                let _ = b.apply_event(WorkerId(worker), event);
+            }
+            if let Some((p, part)) = parted.as_mut() {
+                let got = apply_in_parts(p, worker, event, *part);
+                assert_eq!(&got, whole, "in parts of {part}: {event:?}");
+            }
+        };
     if let Some((worker, dp, tier, group, parent, blocks)) = store_of(model, op) {
         let rank = WorkerRank::new(WorkerId(worker), DpRank(dp));
         let (id, window) = case.group(group);
@@ -265,8 +301,8 @@ fn run(
         let expected = model.store(key, window, parent, &blocks);
         let event = on_tier(super::tests::stored(dp, parent, &blocks), tier);
         let event = in_group(event, id, window);
-        mirror_to(worker, &event);
         let got = tree.apply_event(WorkerId(worker), &event);
+        mirror_to(worker, &event, &got);
         match (&expected, &got) {
             (Ok(()), Ok(_))
             | (Err(Refusal::UnknownParent), Err(ApplyError::UnknownParent { .. }))
@@ -300,20 +336,24 @@ fn run(
             model.remove(&key, &hashes);
             let event = on_tier(super::tests::removed(*dp, &hashes), *tier);
             let event = in_group(event, id, None);
-            mirror_to(*worker, &event);
-            assert!(tree.apply_event(WorkerId(*worker), &event).is_ok());
+            let got = tree.apply_event(WorkerId(*worker), &event);
+            assert!(got.is_ok());
+            mirror_to(*worker, &event, &got);
         }
         Op::Clear { worker, dp } => {
             let rank = WorkerRank::new(WorkerId(*worker), DpRank(*dp));
             model.clear(rank);
-            tree.clear_rank(rank);
-            mirror_to(*worker, &super::tests::cleared(*dp));
+            let got = Ok(tree.clear_rank(rank));
+            mirror_to(*worker, &super::tests::cleared(*dp), &got);
         }
         Op::RemoveWorker { worker } => {
             model.remove_worker(WorkerId(*worker));
             tree.remove_worker(WorkerId(*worker));
             if let Some(b) = bounded {
                 b.remove_worker(WorkerId(*worker));
+            }
+            if let Some((p, _)) = parted {
+                p.remove_worker(WorkerId(*worker));
             }
         }
     }
@@ -336,14 +376,25 @@ fn assert_same_answers(tree: &RadixTree, model: &Reference) {
     assert_eq!(super::tests::num_copies(tree), model.num_copies(), "copies");
 }
 
-/// Runs a case against the model, then replays the tree's dump into a fresh tree.
-fn check_case(case: &Case) {
+/// Runs a case against the model, and a second tree applying each event in parts
+/// of `part` blocks; then replays the tree's dump into a fresh tree.
+fn check_case(case: &Case, part: usize) {
     let mut tree = RadixTree::new();
+    let mut parted = RadixTree::new();
     let mut model = Reference::default();
     for op in &case.ops {
-        run(&mut tree, &mut model, case, op, None);
+        run(
+            &mut tree,
+            &mut model,
+            case,
+            op,
+            None,
+            Some((&mut parted, part)),
+        );
         check_invariants(&tree);
+        check_invariants(&parted);
         assert_same_answers(&tree, &model);
+        assert_same_answers(&parted, &model);
         assert_eq!(tree.num_ranks(), model.holders.len(), "holders");
         assert_eq!(tree.blocks_per_rank(), model.blocks_per_rank());
     }
@@ -364,21 +415,22 @@ fn check_case(case: &Case) {
     };
     assert_eq!(held(&rebuilt), held(&tree));
     assert_eq!(rebuilt.dump(), tree.dump());
+    assert_eq!(parted.dump(), tree.dump());
 }
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
 
     #[test]
-    fn tree_matches_the_reference_model(case in case(false, 60)) {
-        check_case(&case);
+    fn tree_matches_the_reference_model(case in case(false, 60), part in 1usize..4) {
+        check_case(&case, part);
     }
 
     /// Issue 28: KV cache groups (windows, sparse stores below another group's
     /// blocks), copies and per-group removals.
     #[test]
-    fn hybrid_streams_match_the_reference_model(case in case(true, 60)) {
-        check_case(&case);
+    fn hybrid_streams_match_the_reference_model(case in case(true, 60), part in 1usize..4) {
+        check_case(&case, part);
     }
 }
 
@@ -401,7 +453,7 @@ proptest! {
         });
         let mut model = Reference::default();
         for op in &case.ops {
-            run(&mut tree, &mut model, &case, op, Some(&mut bounded));
+            run(&mut tree, &mut model, &case, op, Some(&mut bounded), None);
             check_invariants(&bounded);
             prop_assert!(bounded.num_entries() <= max_entries);
             for query in model.queries() {

@@ -2,7 +2,8 @@
 
 use super::arena::BlockId;
 use super::*;
-use kv_events::{DpRank, ExternalBlockHash};
+use crate::error::ApplyError;
+use kv_events::{DpRank, ExternalBlockHash, KvCacheEvent};
 
 /// The event builders of the integration tests (`indexer/tests/common`), shared so the
 /// unit tests and the integration tests build events one way.

@@ -8,6 +8,7 @@
 //! cargo bench -p peer-dynamo --bench peer -- --workers 64,256,1024,4096 --entries 1000000
 //! cargo bench -p peer-dynamo --bench peer -- --trace PATH       # full Mooncake trace instead of the excerpt
 //! cargo bench -p peer-dynamo --bench peer -- --flood short      # short floods only (short|long|both)
+//! cargo bench -p peer-dynamo --bench peer -- --pace open         # flooded queries open-loop at 10k/s
 //! cargo bench -p peer-dynamo --bench peer -- --bare-only        # bare-tree rows only (apply, query, bytes)
 //! ```
 //!
@@ -39,7 +40,7 @@ mod trace;
 
 use bench_workload::{EngineHashes, WorkloadShape, build, rss_bytes};
 use dynamo::{Dynamo, DynamoSingle};
-use flood::{Flood, Lengths};
+use flood::{Lengths, Pace};
 use lib_api::{Front, Library};
 use ours::Ours;
 use run::{Case, Figures, Wrong, bare, expected, round};
@@ -55,8 +56,10 @@ struct Options {
     entries: Vec<u64>,
     hashes: EngineHashes,
     rounds: usize,
-    /// The floods the front is measured under.
-    floods: Vec<Flood>,
+    /// The floods the front is measured under (`--flood`).
+    lengths: Lengths,
+    /// How queries are asked under a flood (`--pace`).
+    pace: Pace,
     trace: Option<PathBuf>,
     no_trace: bool,
     /// Memory children: the case is the trace.
@@ -78,7 +81,8 @@ fn options(args: &[String]) -> Options {
         entries: vec![1_000_000, 10_000_000],
         hashes: EngineHashes::Chained,
         rounds: 5,
-        floods: Lengths::Both.floods(),
+        lengths: Lengths::Both,
+        pace: Pace::Closed,
         trace: None,
         no_trace: false,
         trace_case: false,
@@ -93,7 +97,8 @@ fn options(args: &[String]) -> Options {
             "--workers" => o.workers = list(&value()),
             "--entries" => o.entries = list(&value()),
             "--rounds" => o.rounds = value().parse().expect("a number"),
-            "--flood" => o.floods = Lengths::parse(&value()).floods(),
+            "--flood" => o.lengths = Lengths::parse(&value()),
+            "--pace" => o.pace = Pace::parse(&value()),
             "--trace" => o.trace = Some(PathBuf::from(value())),
             "--no-trace" => o.no_trace = true,
             "--trace-case" => o.trace_case = true,
@@ -252,6 +257,7 @@ fn measure(case: Case, spec: Vec<String>, o: &Options) -> Column {
         case.queries.len()
     );
     let rt = runtime();
+    let floods = o.lengths.floods(o.pace);
     let (mut ours, mut dynamo, mut single) = (Vec::new(), Vec::new(), Vec::new());
     let mut wrong = [Wrong::default(), Wrong::default(), Wrong::default()];
     for r in 0..o.rounds {
@@ -259,8 +265,8 @@ fn measure(case: Case, spec: Vec<String>, o: &Options) -> Column {
             ours.push(bare::<Ours>(&case, &mut wrong[0]));
             dynamo.push(bare::<Dynamo>(&case, &mut wrong[1]));
         } else {
-            ours.push(round::<Ours>(&case, &o.floods, &rt, &mut wrong[0]));
-            dynamo.push(round::<Dynamo>(&case, &o.floods, &rt, &mut wrong[1]));
+            ours.push(round::<Ours>(&case, &floods, &rt, &mut wrong[0]));
+            dynamo.push(round::<Dynamo>(&case, &floods, &rt, &mut wrong[1]));
         }
         single.push(bare::<DynamoSingle>(&case, &mut wrong[2]));
         eprintln!("  round {} done", r + 1);
@@ -331,6 +337,10 @@ fn main() {
         },
         o.rounds
     );
-    let floods: &[Flood] = if o.bare_only { &[] } else { &o.floods };
-    table::print(&columns, floods, o.bare_only);
+    let floods = if o.bare_only {
+        Vec::new()
+    } else {
+        o.lengths.floods(o.pace)
+    };
+    table::print(&columns, &floods, o.bare_only);
 }

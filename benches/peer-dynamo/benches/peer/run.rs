@@ -192,27 +192,42 @@ async fn ingest<L: Library>(
     let start = Instant::now();
     ingest_only::<L>(front, events).await;
     let rate = blocks as f64 / start.elapsed().as_secs_f64();
-    let (idle, w) = tokio::spawn(ask::<L>(front.clone(), queries, expected))
+    let (idle, w) = tokio::spawn(ask::<L>(front.clone(), queries, expected, None))
         .await
         .expect("queries");
     wrong.add(w);
     (rate, idle)
 }
 
-/// Queries cycle until MIN_SAMPLES answers and MIN_PHASE have passed.
+/// Queries cycle until MIN_SAMPLES answers and MIN_PHASE have passed: in a closed
+/// loop (latency from each query's start), or with `period` one due every period
+/// (latency from when it was due, so a query held up delays the ones due after it,
+/// as a router's arrivals would be).
 async fn ask<L: Library>(
     front: L::Front,
     queries: Arc<Vec<L::Query>>,
     expected: Arc<Vec<Scores>>,
+    period: Option<Duration>,
 ) -> (Vec<Duration>, Wrong) {
     let mut samples = Vec::with_capacity(MIN_SAMPLES);
     let mut wrong = Wrong::default();
     let began = Instant::now();
-    for (q, e) in queries.iter().zip(expected.iter()).cycle() {
+    for (i, (q, e)) in queries.iter().zip(expected.iter()).cycle().enumerate() {
         if samples.len() >= MIN_SAMPLES && began.elapsed() >= MIN_PHASE {
             break;
         }
-        let start = Instant::now();
+        let start = match period {
+            None => Instant::now(),
+            Some(period) => {
+                let due = began + period.mul_f64(i as f64);
+                // Spin, not sleep: timers are 1 ms coarse. A closed loop keeps a core
+                // busy too, so the fronts get the same CPU either way.
+                while Instant::now() < due {
+                    std::hint::spin_loop();
+                }
+                due
+            }
+        };
         let answer = front.find(q).await;
         samples.push(start.elapsed());
         wrong.check("front", e, &L::scores(answer));
@@ -258,9 +273,14 @@ async fn flooded<L: Library>(
     if flood.long {
         tokio::time::sleep(flood::LONG_LEAD).await;
     }
-    let (samples, w) = tokio::spawn(ask::<L>(front.clone(), queries.clone(), expected.clone()))
-        .await
-        .expect("queries");
+    let (samples, w) = tokio::spawn(ask::<L>(
+        front.clone(),
+        queries.clone(),
+        expected.clone(),
+        flood.pace.period(),
+    ))
+    .await
+    .expect("queries");
     stop.store(true, Ordering::Relaxed);
     let elapsed = flooder.await.expect("flooder");
     front.settle().await;
