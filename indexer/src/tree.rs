@@ -71,7 +71,7 @@ mod rankset;
 mod run_tests;
 mod runs;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 use crate::config::Pruning;
 

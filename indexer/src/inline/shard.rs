@@ -188,25 +188,14 @@ mod tests {
     use super::*;
     use crate::config::ShardSettings;
     use crate::counters::IndexerCounters;
-    use kv_events::{DpRank, ExternalBlockHash, KvCacheEvent, KvCacheEventData, StoredBlock};
-    use kv_events::{LocalBlockHash, StorageTier, WorkerId};
+    use crate::tree::tests::events::{batch, stored};
     use std::sync::Arc;
 
+    /// A batch of one one-block `Stored` (engine and local hash `hash`).
     fn store(event_id: u64, parent: Option<u64>, hash: u64) -> KvEventBatch {
-        let event = KvCacheEvent {
-            event_id,
-            dp_rank: DpRank(0),
-            data: KvCacheEventData::Stored {
-                parent_hash: parent.map(ExternalBlockHash),
-                blocks: vec![StoredBlock {
-                    block_hash: ExternalBlockHash(hash),
-                    tokens_hash: LocalBlockHash(hash),
-                }],
-                tier: StorageTier::Gpu,
-                group: None,
-            },
-        };
-        KvEventBatch::new(WorkerId(1), vec![event])
+        let mut event = stored(0, parent, &[(hash, hash)]);
+        event.event_id = event_id;
+        batch(1, vec![event])
     }
 
     /// A query blocked on the read lock while a write is applied reads the shard

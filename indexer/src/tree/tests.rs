@@ -8,7 +8,7 @@ use kv_events::{DpRank, ExternalBlockHash, KvCacheEvent};
 /// The event builders of the integration tests (`indexer/tests/common`), shared so the
 /// unit tests and the integration tests build events one way.
 #[path = "../../tests/common/mod.rs"]
-pub(super) mod events;
+pub(crate) mod events;
 pub(super) use events::{cleared, q, removed, stored, wr};
 use std::collections::{HashMap, HashSet};
 

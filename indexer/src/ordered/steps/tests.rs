@@ -3,7 +3,8 @@
 //! applied whole: the same answers, dump, cursors, counters and recovery needs.
 
 use super::super::*;
-use kv_events::{DpRank, ExternalBlockHash, StoredBlock};
+use crate::tree::tests::events::{batch, cleared, q, removed, stored};
+use kv_events::DpRank;
 use proptest::prelude::*;
 use std::cell::Cell;
 
@@ -44,11 +45,11 @@ fn ev() -> impl Strategy<Value = Ev> {
 /// then skipping an id (a gap, buffered until recovery) or repeating one.
 fn batches(evs: &[Ev], skips: &[bool]) -> Vec<KvEventBatch> {
     let mut next_id = [0u64; 2];
-    let mut stored: Vec<u64> = Vec::new();
+    let mut held: Vec<u64> = Vec::new();
     let mut fresh = 1_000u64;
     let mut events = Vec::new();
     for (i, e) in evs.iter().enumerate() {
-        let (dp, data) = match e {
+        let mut event = match e {
             Ev::Store {
                 dp,
                 parent,
@@ -56,13 +57,12 @@ fn batches(evs: &[Ev], skips: &[bool]) -> Vec<KvEventBatch> {
                 len,
                 repeat,
             } => {
-                let parent_hash = if *unknown_parent {
-                    Some(ExternalBlockHash(7))
+                let parent = if *unknown_parent {
+                    Some(7)
                 } else {
-                    parent
-                        .as_ref()
-                        .filter(|_| !stored.is_empty())
-                        .map(|p| ExternalBlockHash(*p.get(&stored)))
+                    (parent.as_ref())
+                        .filter(|_| !held.is_empty())
+                        .map(|p| *p.get(&held))
                 };
                 let mut chain: Vec<u64> = (0..*len)
                     .map(|_| {
@@ -70,58 +70,35 @@ fn batches(evs: &[Ev], skips: &[bool]) -> Vec<KvEventBatch> {
                         fresh
                     })
                     .collect();
-                if let (Some(r), false) = (repeat, stored.is_empty() || chain.is_empty()) {
+                if let (Some(r), false) = (repeat, held.is_empty() || chain.is_empty()) {
                     let at = r.index(chain.len());
-                    chain[at] = *r.get(&stored);
+                    chain[at] = *r.get(&held);
                 }
-                stored.extend(&chain);
-                let blocks = chain
-                    .iter()
-                    .map(|h| StoredBlock {
-                        block_hash: ExternalBlockHash(*h),
-                        tokens_hash: LocalBlockHash(*h % 97),
-                    })
-                    .collect();
-                let data = KvCacheEventData::Stored {
-                    parent_hash,
-                    blocks,
-                    tier: kv_events::StorageTier::Gpu,
-                    group: None,
-                };
-                (*dp, data)
+                held.extend(&chain);
+                let pairs: Vec<(u64, u64)> = chain.iter().map(|h| (*h, *h % 97)).collect();
+                stored(*dp, parent, &pairs)
             }
             Ev::Remove { dp, picks } => {
-                let block_hashes = picks
-                    .iter()
-                    .filter(|_| !stored.is_empty())
-                    .map(|p| ExternalBlockHash(*p.get(&stored)))
+                let hashes: Vec<u64> = (picks.iter())
+                    .filter(|_| !held.is_empty())
+                    .map(|p| *p.get(&held))
                     .collect();
-                let data = KvCacheEventData::Removed {
-                    block_hashes,
-                    tier: kv_events::StorageTier::Gpu,
-                    group: None,
-                };
-                (*dp, data)
+                removed(*dp, &hashes)
             }
-            Ev::Clear { dp } => (*dp, KvCacheEventData::Cleared),
+            Ev::Clear { dp } => cleared(*dp),
         };
-        let id = &mut next_id[dp as usize];
+        let id = &mut next_id[event.dp_rank.0 as usize];
         if skips.get(i).copied().unwrap_or(false) {
             *id += 1;
         }
-        events.push(KvCacheEvent {
-            event_id: *id,
-            dp_rank: DpRank(dp),
-            data,
-        });
+        event.event_id = *id;
+        events.push(event);
         *id += 1;
     }
-    events
-        .chunks(4)
+    (events.chunks(4))
         .map(|events| KvEventBatch {
-            worker_id: WorkerId(3),
             epoch: 1,
-            events: events.to_vec(),
+            ..batch(3, events.to_vec())
         })
         .collect()
 }
@@ -188,27 +165,9 @@ proptest! {
 #[test]
 fn a_query_between_two_steps_sees_a_prefix_of_the_chain() {
     let mut index = index();
-    let blocks: Vec<StoredBlock> = (1..=10)
-        .map(|h| StoredBlock {
-            block_hash: ExternalBlockHash(h),
-            tokens_hash: LocalBlockHash(h),
-        })
-        .collect();
-    let query: Vec<LocalBlockHash> = blocks.iter().map(|b| b.tokens_hash).collect();
-    let batch = KvEventBatch {
-        worker_id: WorkerId(3),
-        epoch: 1,
-        events: vec![KvCacheEvent {
-            event_id: 0,
-            dp_rank: DpRank(0),
-            data: KvCacheEventData::Stored {
-                parent_hash: None,
-                blocks,
-                tier: kv_events::StorageTier::Gpu,
-                group: None,
-            },
-        }],
-    };
+    let pairs: Vec<(u64, u64)> = (1..=10).map(|h| (h, h)).collect();
+    let query = q(&(1..=10).collect::<Vec<u64>>());
+    let batch = batch(3, vec![stored(0, None, &pairs)]);
     let rank = WorkerRank::new(WorkerId(3), DpRank(0));
     let mut steps = BatchSteps::default();
     let mut seen = Vec::new();
