@@ -183,6 +183,68 @@ fn positions_clears_and_forgotten_workers() {
     assert!(off.lock().is_empty());
 }
 
+/// One event of the differential test, on engine hashes `0..12`.
+#[derive(Debug, Clone)]
+enum Op {
+    Stored(Vec<u64>),
+    Removed(Vec<u64>),
+    Cleared,
+}
+
+fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+    use proptest::prelude::*;
+    let hashes = |max| proptest::collection::vec(0u64..12, 0..max);
+    prop_oneof![
+        4 => hashes(8).prop_map(Op::Stored),
+        4 => hashes(20).prop_map(Op::Removed),
+        1 => Just(Op::Cleared),
+    ]
+}
+
+proptest::proptest! {
+    /// Differential: the memory (with its bulk path for removals larger than the
+    /// ring) answers every query, from every position, as the reference model that
+    /// passes each removal through the ring one at a time, and holds the same
+    /// removals, maps and forgotten position.
+    #[test]
+    fn answers_as_the_reference_model(per_rank in 1usize..6, ops in proptest::collection::vec(op(), 1..40)) {
+        let r = Removals::new(per_rank);
+        let mut model = model::Model::new(per_rank, at(1));
+        for (event_id, op) in (1u64..).zip(&ops) {
+            let batch = match op {
+                Op::Stored(e) => stored(event_id, e),
+                Op::Removed(e) => removed(event_id, e),
+                Op::Cleared => batch(event_id, KvCacheEventData::Cleared),
+            };
+            r.record(&batch);
+            match op {
+                Op::Stored(e) => e.iter().for_each(|&e| {
+                    model.store(ExternalBlockHash(e), LocalBlockHash(100 + e))
+                }),
+                Op::Removed(e) => e.iter().for_each(|&e| model.remove(at(event_id), ExternalBlockHash(e))),
+                Op::Cleared => model.cleared = Some(at(event_id)),
+            }
+            let ranks = r.lock();
+            let rank = &ranks[&rank0()];
+            let ring = |r: &Removal| (r.at, r.external, r.local);
+            proptest::prop_assert_eq!(
+                rank.ring.iter().map(ring).collect::<Vec<_>>(),
+                model.ring.iter().map(|(_, r)| ring(r)).collect::<Vec<_>>()
+            );
+            proptest::prop_assert_eq!(rank.forgotten, model.forgotten);
+            proptest::prop_assert_eq!(&rank.restored.iter().map(|(k, v)| (*k, *v)).collect::<std::collections::HashMap<_, _>>(), &model.restored);
+            let by_external: std::collections::HashMap<_, _> =
+                rank.by_external.iter().map(|(k, n)| (*k, *n)).collect();
+            proptest::prop_assert_eq!(&by_external, &model.by_external);
+            drop(ranks);
+            for after in 0..=event_id {
+                let q = query(at(after), &(0..12).collect::<Vec<_>>());
+                proptest::prop_assert_eq!(r.answer(&q), model.answer(&q), "after {}", after);
+            }
+        }
+    }
+}
+
 fn handle(state: &crate::state::RouterState, subject: &str, payload: &[u8]) -> RemovalsReply {
     (state.removals).handle(&state.counters, &state.limits, subject, payload)
 }
@@ -207,11 +269,11 @@ async fn over_long_or_malformed_queries_are_refused() {
 }
 
 /// The cost of remembering removals on the event intake, A/B alternated in one run:
-/// `Indexer::apply` of the latency benches' flood (alternating 16-block `Stored` and
-/// `Removed` batches on 64 workers, the worst case: every other batch removes) with
-/// and without [`Removals::record`] before it. Prints ns per batch; asserts nothing
-/// about time. Run: `cargo test --release -p router-daemon --lib apply_cost --
-/// --ignored --nocapture`.
+/// `Indexer::apply` of the latency benches' floods (alternating `Stored` and
+/// `Removed` batches on 64 workers, the worst case: every other batch removes; 16-
+/// and 4,096-block batches, 3.2M blocks each) with and without [`Removals::record`]
+/// before it. Prints ns per block; asserts nothing about time. Run: `cargo test
+/// --release -p router-daemon --lib apply_cost -- --ignored --nocapture`.
 #[test]
 #[ignore = "a measurement, not a test"]
 fn apply_cost() {
@@ -219,38 +281,41 @@ fn apply_cost() {
     let rt = tokio::runtime::Builder::new_current_thread()
         .build()
         .expect("a runtime");
-    let batches = bench_workload::flood_batches(200_000);
-    let run = |keep: bool| -> f64 {
-        rt.block_on(async {
-            let indexer = Indexer::spawn(
-                IndexerConfig {
-                    num_shards: 1,
-                    ..IndexerConfig::default()
-                },
-                tokio_util::sync::CancellationToken::new(),
-            )
-            .expect("config");
-            let removals = Removals::new(if keep { DEFAULT_PER_RANK } else { 0 });
-            let start = std::time::Instant::now();
-            for batch in &batches {
-                removals.record(batch);
-                indexer.apply(batch.clone()).await.expect("running");
-            }
-            start.elapsed().as_secs_f64() * 1e9 / batches.len() as f64
-        })
-    };
-    let (mut base, mut with) = (Vec::new(), Vec::new());
-    for _ in 0..5 {
-        base.push(run(false));
-        with.push(run(true));
+    for batch_blocks in [16, 4096] {
+        let batches = bench_workload::flood_batches_of(3_200_000 / batch_blocks, batch_blocks);
+        let run = |keep: bool| -> f64 {
+            rt.block_on(async {
+                let indexer = Indexer::spawn(
+                    IndexerConfig {
+                        num_shards: 1,
+                        ..IndexerConfig::default()
+                    },
+                    tokio_util::sync::CancellationToken::new(),
+                )
+                .expect("config");
+                let removals = Removals::new(if keep { DEFAULT_PER_RANK } else { 0 });
+                let start = std::time::Instant::now();
+                for batch in &batches {
+                    removals.record(batch);
+                    indexer.apply(batch.clone()).await.expect("running");
+                }
+                start.elapsed().as_secs_f64() * 1e9 / 3_200_000.0
+            })
+        };
+        let (mut base, mut with) = (Vec::new(), Vec::new());
+        for _ in 0..5 {
+            base.push(run(false));
+            with.push(run(true));
+        }
+        let median = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        let (a, b) = (median(&mut base), median(&mut with));
+        println!(
+            "{batch_blocks}-block batches, ns per block: without {a:.1} (sorted {base:.1?}), \
+             with removals {b:.1} (sorted {with:.1?}), ratio {:.3}",
+            b / a
+        );
     }
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    let (a, b) = (median(&mut base), median(&mut with));
-    println!(
-        "ns per batch: without {a:.0} (sorted {base:.0?}), with removals {b:.0} (sorted {with:.0?}), ratio {:.3}",
-        b / a
-    );
 }
