@@ -66,27 +66,40 @@ async fn probe_during_apply<T: Send + 'static>(
     prober.await.expect("prober")
 }
 
+/// Whether a query lands inside the event is up to the scheduler (an optimised build
+/// applies the 50,000 blocks in about a millisecond, and the querying thread may be
+/// off its core for all of it), so the event is applied again to a fresh indexer, up
+/// to this many times, until one does; every attempt must pass the other checks.
+const ATTEMPTS: usize = 20;
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_query_is_answered_between_two_steps_of_one_event() {
-    let indexer = one_shard();
-    let (batch, query) = long_chain();
-    let query: Arc<[LocalBlockHash]> = query.into();
-    let scores = probe_during_apply(&indexer, batch, move |indexer, handle| {
-        let answer = handle.block_on(indexer.find_matches(query.clone()));
-        answer.expect("running").get(wr(1, 0))
-    })
-    .await;
-    assert_eq!(scores.last().copied(), Some(BLOCKS as u32), "{scores:?}");
-    assert!(
-        scores.windows(2).all(|w| w[0] <= w[1]),
-        "a query saw the chain shrink: {scores:?}"
-    );
-    let partial: Vec<u32> = (scores.iter().copied())
-        .filter(|s| *s > 0 && (*s as usize) < BLOCKS)
-        .collect();
+    let mut partial = Vec::new();
+    for _ in 0..ATTEMPTS {
+        let indexer = one_shard();
+        let (batch, query) = long_chain();
+        let query: Arc<[LocalBlockHash]> = query.into();
+        let scores = probe_during_apply(&indexer, batch, move |indexer, handle| {
+            let answer = handle.block_on(indexer.find_matches(query.clone()));
+            answer.expect("running").get(wr(1, 0))
+        })
+        .await;
+        indexer.shutdown();
+        assert_eq!(scores.last().copied(), Some(BLOCKS as u32), "{scores:?}");
+        assert!(
+            scores.windows(2).all(|w| w[0] <= w[1]),
+            "a query saw the chain shrink: {scores:?}"
+        );
+        partial = (scores.iter().copied())
+            .filter(|s| *s > 0 && (*s as usize) < BLOCKS)
+            .collect();
+        if !partial.is_empty() {
+            break;
+        }
+    }
     assert!(
         !partial.is_empty(),
-        "no query was answered between two steps: {scores:?}"
+        "no query was answered between two steps in {ATTEMPTS} attempts"
     );
     assert!(
         partial

@@ -7,6 +7,7 @@
 //! cargo bench -p indexer --bench indexer -- hybrid       # the same queries on a hybrid-model fleet
 //! cargo bench -p indexer --bench indexer -- memory       # bytes per entry at 10M entries
 //! cargo bench -p indexer --bench indexer -- recovery     # rebuild 1M blocks from dumps / a snapshot
+//! cargo bench -p indexer --bench indexer -- steps        # 4,096-block events whole and in parts
 //! cargo bench -p indexer --bench indexer -- all --quick  # 10x smaller, for a smoke run
 //! ```
 //!
@@ -21,6 +22,7 @@ mod apply;
 mod hybrid;
 mod query;
 mod recovery;
+mod steps;
 
 /// Scale factor: 1 for the documented sizes, 10 for `--quick`.
 #[derive(Debug, Clone, Copy)]
@@ -71,5 +73,8 @@ fn main() {
     }
     if run("recovery") {
         recovery::run(scale);
+    }
+    if run("steps") {
+        steps::run(scale);
     }
 }

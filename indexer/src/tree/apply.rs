@@ -10,7 +10,7 @@
 use super::arena::{self, Arena, BlockId, NodeIdx};
 use super::blockmap::BlockRef;
 use super::blockmap::Found;
-use super::event::Interrupt;
+use super::event::Part;
 use super::ranks::Holder;
 use super::rankset::RankIdx;
 use super::{ApplyOutcome, RadixTree, is_live};
@@ -110,13 +110,14 @@ impl RadixTree {
         let room = self.make_room(holder, None, blocks.len());
         // A chain from the root cannot be refused.
         let (mut outcome, _) = self
-            .store(holder, None, None, blocks, false, Interrupt::NEVER)
+            .store(holder, None, None, blocks, false, Part::WHOLE)
             .unwrap_or_default();
         outcome.pruned = room + self.enforce_bound();
         outcome
     }
 
-    /// Stores `blocks` below `parent_hash` into `holder` (whose group has `window`).
+    /// Stores `blocks` below `parent_hash` into `holder` (whose group has `window`),
+    /// as `part` says (when to stop, how far ahead to warm).
     /// With `copies`, a block the holder already holds adds a copy; without (the
     /// approximate mode's refreshes), it is left as it is. Returns the outcome and how
     /// many blocks were stored: all of them, unless `interrupt` stopped it before
@@ -129,7 +130,7 @@ impl RadixTree {
         parent_hash: Option<ExternalBlockHash>,
         blocks: &[StoredBlock],
         copies: bool,
-        interrupt: Interrupt<'_>,
+        Part { interrupt, warm }: Part<'_>,
     ) -> Result<(ApplyOutcome, usize), ApplyError> {
         let rank = holder.rank;
         // An empty store interns a group (the group is known, holding nothing), never
@@ -214,12 +215,17 @@ impl RadixTree {
         // without looking for a child or re-checking the run: the common case of a
         // chain continued by one rank.
         let mut tail: Option<NodeIdx> = None;
-        state.warm(blocks.iter().map(|block| &block.block_hash));
         let mut check_at = interrupt.every;
+        let mut warm_at = 0;
         for (k, block) in blocks.iter().enumerate() {
             if interrupt.stops_at(k, &mut check_at) {
                 flush(&mut self.arena, &mut pending, idx);
                 return Ok((outcome, k));
+            }
+            if k == warm_at {
+                let ahead;
+                (ahead, warm_at) = warm.window(k, blocks.len());
+                state.warm(blocks[ahead].iter().map(|block| &block.block_hash));
             }
             // One probe per block serves the lookup and the insert: the slot found
             // stays valid while only the arena and the rank's other maps change.
@@ -297,14 +303,15 @@ impl RadixTree {
         }
     }
 
-    /// Removes `block_hashes` from `holder`. Returns the outcome and how many of the
-    /// hashes were removed: all of them, unless `interrupt` stopped it before hash
-    /// `k`, when the first `k` are.
+    /// Removes `block_hashes` from `holder`, as `part` says (when to stop, how far
+    /// ahead to warm).
+    /// Returns the outcome and how many of the hashes were removed: all of them,
+    /// unless `interrupt` stopped it before hash `k`, when the first `k` are.
     pub(super) fn remove(
         &mut self,
         holder: Holder,
         block_hashes: &[ExternalBlockHash],
-        interrupt: Interrupt<'_>,
+        Part { interrupt, warm }: Part<'_>,
     ) -> (ApplyOutcome, usize) {
         let mut outcome = ApplyOutcome::default();
         let state = self
@@ -317,12 +324,17 @@ impl RadixTree {
         };
         let mut dropped = Vec::new();
         let mut end = block_hashes.len();
-        state.warm(block_hashes.iter());
         let mut check_at = interrupt.every;
+        let mut warm_at = 0;
         for (k, hash) in block_hashes.iter().enumerate() {
             if interrupt.stops_at(k, &mut check_at) {
                 end = k;
                 break;
+            }
+            if k == warm_at {
+                let ahead;
+                (ahead, warm_at) = warm.window(k, block_hashes.len());
+                state.warm(block_hashes[ahead].iter());
             }
             // Empty unless the engine stored a held block again: one length check.
             if !state.copies.is_empty()

@@ -126,6 +126,38 @@ impl RankState {
     }
 }
 
+/// How far ahead of its loop an event's application loads the map slots of its
+/// blocks ([`RankState::warm`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum WarmAhead {
+    /// Every block at the start: the most misses overlapped, for an event applied
+    /// from its first block.
+    All,
+    /// [`WARM_WINDOW`] blocks at a time, one window ahead: for the rest of an event
+    /// resumed after a stop, which may stop again soon. Warming the whole rest at
+    /// every resume made a 4,096-block `Stored` stopped every 8 blocks cost ~20× the
+    /// whole event (`cargo bench -p indexer --bench indexer -- steps`).
+    Window,
+}
+
+/// Blocks per window of [`WarmAhead::Window`].
+const WARM_WINDOW: usize = 64;
+
+impl WarmAhead {
+    /// The blocks to warm when block `k` of `len` is reached (start with `k = 0`),
+    /// and the block at which to ask again ([`usize::MAX`]: never).
+    pub(super) fn window(self, k: usize, len: usize) -> (std::ops::Range<usize>, usize) {
+        match self {
+            WarmAhead::All => (0..len, usize::MAX),
+            WarmAhead::Window if k == 0 => (0..(2 * WARM_WINDOW).min(len), WARM_WINDOW),
+            WarmAhead::Window => (
+                (k + WARM_WINDOW).min(len)..(k + 2 * WARM_WINDOW).min(len),
+                k + WARM_WINDOW,
+            ),
+        }
+    }
+}
+
 /// A GPU holder of a grouped rank, as the grouped walk sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct GroupedName {
