@@ -2,6 +2,9 @@
 //! `removals_tests.rs`: every removal passes through the ring one at a time and
 //! leaves its maps as it leaves the ring (no bulk path for large removals). The
 //! production [`super::RankRemovals`] must answer every query as this model does.
+//! The rule for one removal leaving the ring is the production one on purpose (the
+//! `duplicates` tool pairs the two): what the test checks is that the bulk path ends
+//! where passing each removal through the ring would.
 
 use super::{Removal, RemovalsAnswer, RemovalsQuery};
 use kv_events::routing::EventPosition;
