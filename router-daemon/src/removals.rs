@@ -21,9 +21,9 @@
 //! let 1–4 races per 2,000 requests go unexplained, 1,024 none; docs/benchmarks.md). On
 //! the event intake, per batch one lock and one rank lookup; per removed block one
 //! ring push and one map insert, except that of a `Removed` larger than the ring
-//! only its last `per_rank` blocks are recorded (an eviction sweep of 4,096 blocks
-//! cost the intake 1.8× without removals memory, 1.2× since); per stored block one
-//! map lookup while the rank remembers removals. A route decision reads one
+//! only its last `per_rank` blocks are recorded (a flood of 4,096-block eviction
+//! sweeps cost the intake 1.8× what it costs without this memory, 1.2× since; 16-block
+//! floods 1.5×); per stored block one map lookup while the rank remembers removals. A route decision reads one
 //! position under the same lock. A query is at most
 //! [`kv_events::routing::MAX_REMOVAL_HASHES`] map lookups.
 

@@ -304,9 +304,9 @@ impl RadixTree {
     }
 
     /// Removes `block_hashes` from `holder`, as `part` says (when to stop, how far
-    /// ahead to warm).
-    /// Returns the outcome and how many of the hashes were removed: all of them,
-    /// unless `interrupt` stopped it before hash `k`, when the first `k` are.
+    /// ahead to warm). Returns the outcome and how many of the hashes were removed:
+    /// all of them, unless `interrupt` stopped it before hash `k`, when the first `k`
+    /// are.
     pub(super) fn remove(
         &mut self,
         holder: Holder,

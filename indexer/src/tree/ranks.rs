@@ -135,8 +135,8 @@ pub(super) enum WarmAhead {
     All,
     /// [`WARM_WINDOW`] blocks at a time, one window ahead: for the rest of an event
     /// resumed after a stop, which may stop again soon. Warming the whole rest at
-    /// every resume made a 4,096-block `Stored` stopped every 8 blocks cost ~20× the
-    /// whole event (`cargo bench -p indexer --bench indexer -- steps`).
+    /// every resume made a 4,096-block `Stored` stopped every 8 blocks cost ~16× the
+    /// whole event, ~2× since (`cargo bench -p indexer --bench indexer -- steps`).
     Window,
 }
 
