@@ -3,6 +3,7 @@
 use super::*;
 use kv_events::routing::MAX_REMOVAL_HASHES;
 use kv_events::{DpRank, KvCacheEvent, StoredBlock, encode};
+use std::collections::HashMap;
 
 const W: WorkerId = WorkerId(7);
 
@@ -207,7 +208,10 @@ proptest::proptest! {
     /// passes each removal through the ring one at a time, and holds the same
     /// removals, maps and forgotten position.
     #[test]
-    fn answers_as_the_reference_model(per_rank in 1usize..6, ops in proptest::collection::vec(op(), 1..40)) {
+    fn answers_as_the_reference_model(
+        per_rank in 1usize..6,
+        ops in proptest::collection::vec(op(), 1..40),
+    ) {
         let r = Removals::new(per_rank);
         let mut model = model::Model::new(per_rank, at(1));
         for (event_id, op) in (1u64..).zip(&ops) {
@@ -221,7 +225,9 @@ proptest::proptest! {
                 Op::Stored(e) => e.iter().for_each(|&e| {
                     model.store(ExternalBlockHash(e), LocalBlockHash(100 + e))
                 }),
-                Op::Removed(e) => e.iter().for_each(|&e| model.remove(at(event_id), ExternalBlockHash(e))),
+                Op::Removed(e) => {
+                    e.iter().for_each(|&e| model.remove(at(event_id), ExternalBlockHash(e)))
+                }
                 Op::Cleared => model.cleared = Some(at(event_id)),
             }
             let ranks = r.lock();
@@ -232,9 +238,9 @@ proptest::proptest! {
                 model.ring.iter().map(|(_, r)| ring(r)).collect::<Vec<_>>()
             );
             proptest::prop_assert_eq!(rank.forgotten, model.forgotten);
-            proptest::prop_assert_eq!(&rank.restored.iter().map(|(k, v)| (*k, *v)).collect::<std::collections::HashMap<_, _>>(), &model.restored);
-            let by_external: std::collections::HashMap<_, _> =
-                rank.by_external.iter().map(|(k, n)| (*k, *n)).collect();
+            let restored: HashMap<_, _> = rank.restored.iter().map(|(k, v)| (*k, *v)).collect();
+            proptest::prop_assert_eq!(&restored, &model.restored);
+            let by_external: HashMap<_, _> = rank.by_external.iter().map(|(k, n)| (*k, *n)).collect();
             proptest::prop_assert_eq!(&by_external, &model.by_external);
             drop(ranks);
             for after in 0..=event_id {
@@ -281,8 +287,9 @@ fn apply_cost() {
     let rt = tokio::runtime::Builder::new_current_thread()
         .build()
         .expect("a runtime");
+    const BLOCKS: usize = 3_200_000;
     for batch_blocks in [16, 4096] {
-        let batches = bench_workload::flood_batches_of(3_200_000 / batch_blocks, batch_blocks);
+        let batches = bench_workload::flood_batches_of(BLOCKS / batch_blocks, batch_blocks);
         let run = |keep: bool| -> f64 {
             rt.block_on(async {
                 let indexer = Indexer::spawn(
@@ -299,7 +306,7 @@ fn apply_cost() {
                     removals.record(batch);
                     indexer.apply(batch.clone()).await.expect("running");
                 }
-                start.elapsed().as_secs_f64() * 1e9 / 3_200_000.0
+                start.elapsed().as_secs_f64() * 1e9 / BLOCKS as f64
             })
         };
         let (mut base, mut with) = (Vec::new(), Vec::new());
