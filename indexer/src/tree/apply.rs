@@ -222,9 +222,7 @@ impl RadixTree {
                 flush(&mut self.arena, &mut pending, idx);
                 return Ok((outcome, k));
             }
-            if k == warm_at {
-                let ahead;
-                (ahead, warm_at) = warm.window(k, blocks.len());
+            if let Some(ahead) = warm.due(k, blocks.len(), &mut warm_at) {
                 state.warm(blocks[ahead].iter().map(|block| &block.block_hash));
             }
             // One probe per block serves the lookup and the insert: the slot found
@@ -331,9 +329,7 @@ impl RadixTree {
                 end = k;
                 break;
             }
-            if k == warm_at {
-                let ahead;
-                (ahead, warm_at) = warm.window(k, block_hashes.len());
+            if let Some(ahead) = warm.due(k, block_hashes.len(), &mut warm_at) {
                 state.warm(block_hashes[ahead].iter());
             }
             // Empty unless the engine stored a held block again: one length check.

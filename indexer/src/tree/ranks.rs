@@ -27,6 +27,7 @@ use super::rankset::RankIdx;
 use kv_events::{ExternalBlockHash, GroupId, StorageTier, WorkerId, WorkerRank};
 use rustc_hash::FxHashMap;
 use std::num::NonZeroU32;
+use std::ops::Range;
 
 /// Who holds blocks: a worker rank's KV cache group on one storage tier. `group` is
 /// `None` for the single group of a model (or publisher) without groups.
@@ -144,17 +145,23 @@ pub(super) enum WarmAhead {
 const WARM_WINDOW: usize = 64;
 
 impl WarmAhead {
-    /// The blocks to warm when block `k` of `len` is reached (start with `k = 0`),
-    /// and the block at which to ask again ([`usize::MAX`]: never).
-    pub(super) fn window(self, k: usize, len: usize) -> (std::ops::Range<usize>, usize) {
-        match self {
+    /// The blocks to warm before applying block `k` of `len`, asked once per block:
+    /// `warm_at` (start it at 0) is the next block at which a window is due.
+    #[inline]
+    pub(super) fn due(self, k: usize, len: usize, warm_at: &mut usize) -> Option<Range<usize>> {
+        if k != *warm_at {
+            return None;
+        }
+        let (ahead, next) = match self {
             WarmAhead::All => (0..len, usize::MAX),
             WarmAhead::Window if k == 0 => (0..(2 * WARM_WINDOW).min(len), WARM_WINDOW),
             WarmAhead::Window => (
                 (k + WARM_WINDOW).min(len)..(k + 2 * WARM_WINDOW).min(len),
                 k + WARM_WINDOW,
             ),
-        }
+        };
+        *warm_at = next;
+        Some(ahead)
     }
 }
 
