@@ -4,7 +4,7 @@
 //! ([`LocalBlockHash`]es, contiguous in memory) at consecutive positions of a prefix,
 //! all held by the same worker ranks; the path from the root spells the prefix. A run
 //! records its holders once. Every block position has a stable id, and every rank
-//! maps the engine's [`ExternalBlockHash`] of each block it holds to that id, which is
+//! maps the engine's [`ExternalBlockHash`](kv_events::ExternalBlockHash) of each block it holds to that id, which is
 //! how `Stored` events find their parent and `Removed` events find their block — for
 //! any engine hashes (chained or not, salted per worker or not), since the tree never
 //! relies on engine hashes being shared.
@@ -19,7 +19,8 @@
 //!
 //! Costs: applying a `Stored` event is O(blocks) hash-map operations plus, when it
 //! covers part of an existing run, one split or merge (O(run length)); a `Removed` is
-//! O(blocks) plus a split per block removed from the middle of a shared run. A prefix
+//! O(blocks) plus, per contiguous piece of a run it removes, at most two splits
+//! (none for a run's tail that only the removing rank holds) and a merge. A prefix
 //! match visits each run once: one child lookup, one contiguous comparison of the
 //! run's hashes with the prompt's, and one comparison of the run's holders with the
 //! ranks still matching (a `memcmp`, or one integer when a single rank is left), so
@@ -49,7 +50,9 @@
 //! Layout of the submodules: `arena` (run and block slabs, free lists), `runs`
 //! (extend, split, merge, free), `children` (child maps), `rankset`
 //! (compact holder sets), `ranks` (holder interning and per-holder maps), `dump`
-//! (state → rebuild events), `prune` (the memory bound), `groups` (the hybrid hit).
+//! (state → rebuild events), `prune` (the memory bound), `groups` (the hybrid hit),
+//! `event` (one event, whole or in parts), `apply` (stores), `remove` (removals in
+//! two phases).
 
 mod any_tier;
 mod apply;
@@ -64,9 +67,11 @@ mod differential_model;
 mod dump;
 mod event;
 mod groups;
+mod part;
 mod prune;
 mod ranks;
 mod rankset;
+mod remove;
 #[cfg(test)]
 mod run_tests;
 mod runs;
@@ -79,8 +84,8 @@ use crate::scores::OverlapScores;
 use crate::stats::IndexerStats;
 use arena::{Arena, Node, NodeIdx};
 use blockmap::BlockRef;
-pub use event::Interrupt;
 use kv_events::{LocalBlockHash, WorkerId, WorkerRank};
+pub use part::{Interrupt, Progress};
 use ranks::{RankState, RankTable};
 use rankset::RankIdx;
 use std::ops::AddAssign;

@@ -10,7 +10,7 @@
 use crate::{Scale, percentiles};
 use bench_workload::{WorkloadShape, build, flood_batches_of};
 use indexer::RadixTree;
-use indexer::tree::Interrupt;
+use indexer::tree::{Interrupt, Progress};
 use std::time::{Duration, Instant};
 
 /// Blocks per flood event.
@@ -43,12 +43,9 @@ pub fn run(scale: Scale) {
                     every: PART_BLOCKS,
                     stop: &stop,
                 };
-                let mut from = 0;
-                while from < event.data.block_count() {
-                    from = match tree.apply_event_from(batch.worker_id, event, from, every) {
-                        Ok((_, next)) => next,
-                        Err(_) => break,
-                    };
+                let mut progress = Progress::default();
+                while !progress.is_done() {
+                    let _ = tree.apply_event_from(batch.worker_id, event, &mut progress, every);
                 }
             } else {
                 let _ = tree.apply_event(batch.worker_id, event);

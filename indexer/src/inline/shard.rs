@@ -14,7 +14,7 @@ use std::sync::{Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard, Tr
 use std::time::{Duration, Instant};
 
 /// Blocks between two checks, while a batch is applied, for queries waiting on the
-/// shard: a query waits for the rest of the writer's [`MIN_HOLD`], then at most
+/// shard: a query waits for the rest of the writer's minimum hold (`MIN_HOLD`), then at most
 /// this many blocks (under 1 µs of apply at 1M entries), plus the hand-over.
 pub const STEP_BLOCKS: usize = 8;
 

@@ -28,7 +28,7 @@
 
 use super::OrderedIndex;
 use crate::recovery::RecoveryNeed;
-use crate::tree::{ApplyOutcome, Interrupt};
+use crate::tree::{ApplyOutcome, Interrupt, Progress};
 use kv_events::KvEventBatch;
 
 /// Where a batch applied in steps stands: its next event, the next block of an event
@@ -45,7 +45,7 @@ pub struct BatchSteps {
 /// An event decided and partly applied.
 #[derive(Debug)]
 struct Part {
-    next_block: usize,
+    progress: Progress,
     outcome: ApplyOutcome,
 }
 
@@ -85,7 +85,7 @@ impl OrderedIndex {
                 Some(part) => part,
                 None if self.decide(batch.worker_id, batch.epoch, event, &mut steps.needs) => {
                     Part {
-                        next_block: 0,
+                        progress: Progress::default(),
                         outcome: ApplyOutcome::default(),
                     }
                 }
@@ -95,15 +95,14 @@ impl OrderedIndex {
                 }
             };
             let applied =
-                (self.tree).apply_event_from(batch.worker_id, event, part.next_block, interrupt);
+                (self.tree).apply_event_from(batch.worker_id, event, &mut part.progress, interrupt);
             match applied {
-                Ok((outcome, next)) if next < event.data.block_count() => {
+                Ok(outcome) if !part.progress.is_done() => {
                     part.outcome += outcome;
-                    part.next_block = next;
                     steps.part = Some(part);
                     return false;
                 }
-                Ok((outcome, _)) => {
+                Ok(outcome) => {
                     part.outcome += outcome;
                     let result = Ok(part.outcome);
                     self.settle(batch.worker_id, event, result, &mut steps.needs);

@@ -1,5 +1,6 @@
-//! Applying events to the [`RadixTree`]: stores, removes and holder releases, in
-//! terms of runs (see `tree/runs.rs` for how runs extend, split and merge).
+//! Applying events to the [`RadixTree`]: stores and holder releases, in terms of runs
+//! (see `tree/runs.rs` for how runs extend, split and merge; removals are in
+//! `tree/remove.rs`).
 //!
 //! Copies: a store of a block the holder already holds counts one more copy in the
 //! holder's `copies` map (a second physical block under one engine hash) and a remove
@@ -7,10 +8,10 @@
 //! engines that never duplicate a block, and the remove path then costs one length
 //! check more.
 
-use super::arena::{self, Arena, BlockId, NodeIdx};
+use super::arena::{Arena, BlockId, NodeIdx};
 use super::blockmap::BlockRef;
 use super::blockmap::Found;
-use super::event::Part;
+use super::part::Part;
 use super::ranks::Holder;
 use super::rankset::RankIdx;
 use super::{ApplyOutcome, RadixTree, is_live};
@@ -298,110 +299,6 @@ impl RadixTree {
                 Some(_) => {} // already forgotten
                 None => state.forgotten += 1,
             }
-        }
-    }
-
-    /// Removes `block_hashes` from `holder`, as `part` says (when to stop, how far
-    /// ahead to warm). Returns the outcome and how many of the hashes were removed:
-    /// all of them, unless `interrupt` stopped it before hash `k`, when the first `k`
-    /// are.
-    pub(super) fn remove(
-        &mut self,
-        holder: Holder,
-        block_hashes: &[ExternalBlockHash],
-        Part { interrupt, warm }: Part<'_>,
-    ) -> (ApplyOutcome, usize) {
-        let mut outcome = ApplyOutcome::default();
-        let state = self
-            .ranks
-            .lookup(holder)
-            .and_then(|idx| Some((idx, self.ranks.get_mut(idx)?)));
-        let Some((idx, state)) = state else {
-            outcome.unknown_removed = block_hashes.len() as u64;
-            return (outcome, block_hashes.len());
-        };
-        let mut dropped = Vec::new();
-        let mut end = block_hashes.len();
-        let mut check_at = interrupt.every;
-        let mut warm_at = 0;
-        for (k, hash) in block_hashes.iter().enumerate() {
-            if interrupt.stops_at(k, &mut check_at) {
-                end = k;
-                break;
-            }
-            if let Some(ahead) = warm.due(k, block_hashes.len(), &mut warm_at) {
-                state.warm(block_hashes[ahead].iter());
-            }
-            // Empty unless the engine stored a held block again: one length check.
-            if !state.copies.is_empty()
-                && let Some(held) = state.blocks.get(hash)
-                && is_live(&self.arena, state, *held)
-                && let Some(extra) = state.copies.get_mut(hash)
-            {
-                *extra -= 1;
-                if *extra == 0 {
-                    state.copies.remove(hash);
-                }
-                outcome.copies_removed += 1;
-                continue;
-            }
-            let Some(held) = state.blocks.remove(hash) else {
-                outcome.unknown_removed += 1;
-                continue;
-            };
-            if !is_live(&self.arena, state, held) {
-                // Pruned: the tombstone goes, and with it the copies it had.
-                state.forgotten -= 1;
-                outcome.forgotten += 1;
-                if !state.copies.is_empty() {
-                    state.copies.remove(hash);
-                }
-                continue;
-            }
-            outcome.removed += 1;
-            self.entries -= 1;
-            match state.aliases.get_mut(&held.id) {
-                Some(extra) if *extra > 1 => *extra -= 1,
-                Some(_) => {
-                    state.aliases.remove(&held.id);
-                }
-                None => dropped.push(held.id),
-            }
-        }
-        self.drop_blocks(idx, &mut dropped);
-        (outcome, end)
-    }
-
-    /// Drops `rank` from the blocks `ids` (which it holds, each once), one contiguous
-    /// piece of a run at a time: removing a whole chain is one change of its run, not
-    /// one split per block. The end state does not depend on the order.
-    fn drop_blocks(&mut self, rank: RankIdx, ids: &mut [BlockId]) {
-        let arena = &mut self.arena;
-        ids.sort_unstable_by_key(|id| {
-            let slot = arena.slot(*id);
-            (slot.node, slot.offset)
-        });
-        // Pieces as (first block, length). Dropping one piece splits runs only at its
-        // own ends and frees or merges whole runs, so every other piece stays
-        // contiguous in one run: it is found again from its first block.
-        let mut pieces: Vec<(BlockId, usize)> = Vec::new();
-        let mut last: Option<arena::Slot> = None;
-        for id in ids.iter() {
-            let slot = arena.slot(*id);
-            match (last, pieces.last_mut()) {
-                (Some(prev), Some(piece))
-                    if prev.node == slot.node && prev.offset + 1 == slot.offset =>
-                {
-                    piece.1 += 1;
-                }
-                _ => pieces.push((*id, 1)),
-            }
-            last = Some(slot);
-        }
-        for (first, len) in pieces {
-            let slot = arena.slot(first);
-            let start = slot.offset as usize;
-            arena.drop_holder(slot.node, start, start + len, rank);
         }
     }
 

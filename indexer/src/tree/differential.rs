@@ -259,16 +259,20 @@ fn apply_in_parts(
         stop: &|| true,
     };
     let len = event.data.block_count();
-    let (mut total, mut next) = tree.apply_event_from(WorkerId(worker), event, 0, interrupt)?;
-    while next < len {
-        let (outcome, after) = tree.apply_event_from(WorkerId(worker), event, next, interrupt)?;
-        assert_eq!(
-            after - next,
-            part.min(len - next),
-            "a part of {part} blocks"
+    let mut progress = Progress::default();
+    let mut total = ApplyOutcome::default();
+    let mut parts = 0;
+    while !progress.is_done() {
+        total += tree.apply_event_from(WorkerId(worker), event, &mut progress, interrupt)?;
+        parts += 1;
+        // A removal's lookups, then at most one part per block dropped.
+        assert!(
+            parts <= 2 * len + 1,
+            "{parts} parts of {part} blocks for {len}"
         );
-        total += outcome;
-        next = after;
+    }
+    if let KvCacheEventData::Stored { .. } = event.data {
+        assert_eq!(parts, len.div_ceil(part).max(1), "parts of {part} blocks");
     }
     Ok(total)
 }

@@ -5,17 +5,20 @@
 //! middle of a long event (`crate::ordered` applies a batch in steps): an
 //! [`Interrupt`] stops the application at a block boundary when a query waits, and
 //! the rest is applied later. A store's blocks form one chain, so its rest from block
-//! `k` is a store below block `k - 1`; a removal's blocks are independent. A stop
-//! costs a second call's setup (one parent lookup, the map slots of the rest's next
-//! blocks warmed a window at a time rather than all of them again) and, for a
-//! removal that stopped inside a run, one split of it; asking costs one comparison
-//! per block and a call every `every` blocks. Stopped at every 8th block, a
-//! 4,096-block `Stored` costs ~2× the whole event and a `Removed` ~21×, most of it
-//! the splits (`cargo bench -p indexer --bench indexer -- steps`). The differential test
-//! applies every event in parts too and expects the same answers and dump as the
-//! whole event.
+//! `k` is a store below block `k - 1`. A removal's blocks are independent: it looks
+//! them all up first, then drops them from the tree piece by piece, a piece at the
+//! end of a run only its rank holds from the leaf end (`tree/remove.rs`), so no stop
+//! splits a run; [`Progress`] carries the pieces between two parts. A stop costs a
+//! second call's setup (one parent lookup, the map slots of the rest's next blocks
+//! warmed a window at a time rather than all of them again); asking costs one
+//! comparison per block and a call every `every` blocks. Stopped at every 8th
+//! block, a 4,096-block `Stored` costs ~2× the whole event and a `Removed` ~2.5×
+//! (`cargo bench -p indexer --bench indexer -- steps`). The differential test applies
+//! every event in parts too and expects the same answers and dump as the whole
+//! event.
 
 use super::RadixTree;
+use super::part::{Interrupt, Part, Progress};
 use super::ranks::{Holder, WarmAhead};
 use crate::error::ApplyError;
 use crate::tree::ApplyOutcome;
@@ -61,33 +64,37 @@ impl RadixTree {
         worker_id: WorkerId,
         event: &KvCacheEvent,
     ) -> Result<ApplyOutcome, ApplyError> {
-        self.apply_event_from(worker_id, event, 0, Interrupt::NEVER)
-            .map(|(outcome, _)| outcome)
+        self.apply_event_from(worker_id, event, &mut Progress::default(), Interrupt::NEVER)
     }
 
-    /// Applies `event` from block `from` on (an index into its `blocks` or
-    /// `block_hashes`; a `Cleared` is always whole) until it is done or `interrupt`
-    /// stops it at a block boundary; returns the outcome and the index of the next
-    /// block to apply (the event's length once done). Blocks `from..` of a `Stored`
-    /// hang below block `from - 1` of the event; blocks of a `Removed` are
-    /// independent. So applying an event from 0, then from where it stopped, and so
-    /// on, leaves the tree answering as [`RadixTree::apply_event`] would, and a
-    /// caller may let queries in between; a query then sees a prefix of a `Stored`
-    /// chain or part of a `Removed`, states the engine's cache also passes through.
-    /// Only a bounded tree's pruning may differ: it makes room per call.
+    /// Applies the next part of `event`: from where `progress` stands (start each
+    /// event at [`Progress::default`]) until it is done or `interrupt` stops it at a
+    /// block boundary; returns the outcome of this part, and `progress` says whether
+    /// the event is done ([`Progress::is_done`]). A `Cleared` is always whole.
+    ///
+    /// A `Stored`'s rest from block `k` hangs below its block `k - 1`. A `Removed`
+    /// looks its blocks up first and drops them from the tree after the last lookup
+    /// (`tree/remove.rs`), so its parts may outnumber its blocks by the pieces it
+    /// drops. Applying an event part by part until done leaves the tree answering as
+    /// [`RadixTree::apply_event`] would, and a caller may let queries in between; a
+    /// query then sees a prefix of a `Stored` chain or part of a `Removed`, states
+    /// the engine's cache also passes through. No other event, removal or resync may
+    /// reach the tree between two parts of one event (`progress` names the tree's
+    /// blocks). Only a bounded tree's pruning may differ: it makes room per call.
     ///
     /// # Errors
-    /// As [`RadixTree::apply_event`]'s, for the parent of block `from`: after a stop,
-    /// a store is refused only if that parent (its own previous block) was pruned or
-    /// removed in between.
+    /// As [`RadixTree::apply_event`]'s, for the parent of the part's first block:
+    /// after a stop, a store is refused only if that parent (its own previous block)
+    /// was pruned or removed in between. `progress` is done after an error.
     pub fn apply_event_from(
         &mut self,
         worker_id: WorkerId,
         event: &KvCacheEvent,
-        from: usize,
+        progress: &mut Progress,
         interrupt: Interrupt<'_>,
-    ) -> Result<(ApplyOutcome, usize), ApplyError> {
+    ) -> Result<ApplyOutcome, ApplyError> {
         let rank = WorkerRank::new(worker_id, event.dp_rank);
+        let from = progress.next_block;
         // A resumed event may stop again soon: it warms its rest a window at a time.
         let part = Part {
             interrupt,
@@ -116,13 +123,27 @@ impl RadixTree {
                     Some(before) => Some(blocks[before].block_hash),
                 };
                 let rest = &blocks[from..];
-                self.check_window(holder, window)?;
-                // Room first, so the bound holds at the peak too, not only after.
-                let room = self.make_room(holder, parent_hash, rest.len());
-                let (mut outcome, done) =
-                    self.store(holder, window, parent_hash, rest, true, part)?;
-                outcome.pruned = room + self.enforce_bound();
-                Ok((outcome, from + done))
+                let stored = self.check_window(holder, window).and_then(|()| {
+                    // Room first, so the bound holds at the peak too, not only after.
+                    let room = self.make_room(holder, parent_hash, rest.len());
+                    let (mut outcome, done) =
+                        self.store(holder, window, parent_hash, rest, true, part)?;
+                    outcome.pruned = room + self.enforce_bound();
+                    Ok((outcome, done))
+                });
+                match stored {
+                    Ok((outcome, done)) => {
+                        progress.next_block = from + done;
+                        if progress.next_block == blocks.len() {
+                            progress.finish(blocks.len());
+                        }
+                        Ok(outcome)
+                    }
+                    Err(error) => {
+                        progress.finish(blocks.len());
+                        Err(error)
+                    }
+                }
             }
             KvCacheEventData::Removed {
                 block_hashes,
@@ -134,64 +155,12 @@ impl RadixTree {
                     tier: *tier,
                     group: *group,
                 };
-                let from = from.min(block_hashes.len());
-                let (outcome, done) = self.remove(holder, &block_hashes[from..], part);
-                Ok((outcome, from + done))
+                Ok(self.remove(holder, block_hashes, progress, part))
             }
-            KvCacheEventData::Cleared => Ok((self.clear_rank(rank), 0)),
+            KvCacheEventData::Cleared => {
+                progress.finish(0);
+                Ok(self.clear_rank(rank))
+            }
         }
-    }
-}
-
-/// When a long event's application may stop early: `stop` is asked at every
-/// `every`-th block boundary, and true stops it there.
-#[derive(Clone, Copy)]
-pub struct Interrupt<'a> {
-    /// Blocks between two questions; at least 1 ([`usize::MAX`]: never asked).
-    pub every: usize,
-    /// Asked at the boundaries; true to stop.
-    pub stop: &'a dyn Fn() -> bool,
-}
-
-impl Interrupt<'_> {
-    /// Never stops: the event is applied whole.
-    pub const NEVER: Interrupt<'static> = Interrupt {
-        every: usize::MAX,
-        stop: &|| false,
-    };
-
-    /// Whether to stop before block `k`, asked once per block: `check_at` (start it
-    /// at `self.every`) is the next boundary to ask at.
-    #[inline]
-    pub(super) fn stops_at(&self, k: usize, check_at: &mut usize) -> bool {
-        if k != *check_at {
-            return false;
-        }
-        *check_at = check_at.saturating_add(self.every.max(1));
-        (self.stop)()
-    }
-}
-
-/// How one call applies its part of an event: when it may stop, and how far ahead
-/// of its loop it warms the map slots of the blocks.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Part<'a> {
-    pub(super) interrupt: Interrupt<'a>,
-    pub(super) warm: WarmAhead,
-}
-
-impl Part<'_> {
-    /// An event applied whole, from its first block.
-    pub(super) const WHOLE: Part<'static> = Part {
-        interrupt: Interrupt::NEVER,
-        warm: WarmAhead::All,
-    };
-}
-
-impl std::fmt::Debug for Interrupt<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Interrupt")
-            .field("every", &self.every)
-            .finish_non_exhaustive()
     }
 }

@@ -159,15 +159,16 @@ proptest! {
     }
 }
 
-/// A 10-block store asked to stop every 3 blocks: the steps stop before blocks 3, 6
-/// and 9, a query between two of them sees the prefix stored so far, and the event
-/// is counted once, at its last part.
-#[test]
-fn a_query_between_two_steps_sees_a_prefix_of_the_chain() {
-    let mut index = index();
-    let pairs: Vec<(u64, u64)> = (1..=10).map(|h| (h, h)).collect();
+/// Applies `batch` (of worker 3) in steps asked to stop every 3 blocks, and returns
+/// how many of blocks 1..=10 a query for them found rank (3, 0) holding between two
+/// steps, and after the last. `counted` reads the event's counter, which must stay 0
+/// until the last step.
+fn seen_between_steps(
+    index: &mut OrderedIndex,
+    batch: &KvEventBatch,
+    counted: impl Fn(&OrderedIndex) -> u64,
+) -> (Vec<u32>, u32) {
     let query = q(&(1..=10).collect::<Vec<u64>>());
-    let batch = batch(3, vec![stored(0, None, &pairs)]);
     let rank = WorkerRank::new(WorkerId(3), DpRank(0));
     let mut steps = BatchSteps::default();
     let mut seen = Vec::new();
@@ -175,13 +176,49 @@ fn a_query_between_two_steps_sees_a_prefix_of_the_chain() {
         every: 3,
         stop: &|| true,
     };
-    while !index.apply_batch_step(&batch, &mut steps, interrupt) {
+    while !index.apply_batch_step(batch, &mut steps, interrupt) {
         seen.push(index.find_matches(&query).get(rank));
-        assert_eq!(index.counters().snapshot().stored_events, 0);
+        assert_eq!(counted(index), 0, "counted before its last step");
     }
-    assert_eq!(seen, vec![3, 6, 9]);
-    assert_eq!(index.find_matches(&query).get(rank), 10);
+    (seen, index.find_matches(&query).get(rank))
+}
+
+/// A 10-block store asked to stop every 3 blocks: the steps stop before blocks 3, 6
+/// and 9, a query between two of them sees the prefix stored so far, and the event
+/// is counted once, at its last part.
+#[test]
+fn a_query_between_two_steps_sees_a_prefix_of_the_chain() {
+    let mut index = index();
+    let pairs: Vec<(u64, u64)> = (1..=10).map(|h| (h, h)).collect();
+    let batch = batch(3, vec![stored(0, None, &pairs)]);
+    let seen = seen_between_steps(&mut index, &batch, |i| {
+        i.counters().snapshot().stored_events
+    });
+    assert_eq!(seen, (vec![3, 6, 9], 10));
     let counters = index.counters().snapshot();
     assert_eq!((counters.stored_events, counters.blocks_stored), (1, 10));
     assert_eq!(counters.batches, 1);
+}
+
+/// A 10-block chain removed, asked to stop every 3 blocks: while its blocks are
+/// looked up a query still sees the whole chain (no run is split because a step
+/// ended), then the chain shrinks from its leaf end, 3 blocks a step; the event is
+/// counted once, at its last part.
+#[test]
+fn a_removal_in_steps_drops_its_chain_from_the_leaf_end() {
+    let mut index = index();
+    let pairs: Vec<(u64, u64)> = (1..=10).map(|h| (h, h)).collect();
+    assert!(
+        index
+            .apply_batch(&batch(3, vec![stored(0, None, &pairs)]))
+            .is_empty()
+    );
+    let mut event = removed(0, &(1..=10).collect::<Vec<u64>>());
+    event.event_id = 1;
+    let seen = seen_between_steps(&mut index, &batch(3, vec![event]), |i| {
+        i.counters().snapshot().removed_events
+    });
+    assert_eq!(seen, (vec![10, 10, 10, 7, 4, 1], 0));
+    let counters = index.counters().snapshot();
+    assert_eq!((counters.removed_events, counters.blocks_removed), (1, 10));
 }
