@@ -22,8 +22,9 @@
 //! Pieces are built while looking up: a block that continues the last piece in its
 //! run, forward or backward, extends it, so a chain listed root first or leaf first
 //! is one piece with no sort. Blocks listed in any other order are sorted by run and
-//! offset and coalesced once, after the last lookup (the one step that does not stop
-//! for a query; it is as long as today's whole-event drop only for scattered lists).
+//! offset and coalesced once, after the last lookup. That sort is the one span here
+//! that no query can interrupt, and it is long only for a scattered list, whose
+//! pieces are single blocks.
 
 use super::RadixTree;
 use super::arena::{BlockId, NodeIdx, Slot};
@@ -51,9 +52,8 @@ impl RadixTree {
             progress.finish(block_hashes.len());
             return outcome;
         };
-        // Blocks handled by this call, looked up or dropped, and when to ask next.
+        // Blocks this call looked up.
         let mut handled = 0;
-        let mut check_at = interrupt.every;
         if from < block_hashes.len() {
             let rest = &block_hashes[from..];
             handled = self.look_up(
@@ -69,13 +69,7 @@ impl RadixTree {
             }
             self.settle(&mut progress.dropping);
         }
-        if self.drop_pieces(
-            idx,
-            &mut progress.dropping,
-            interrupt,
-            handled,
-            &mut check_at,
-        ) {
+        if self.drop_pieces(idx, &mut progress.dropping, interrupt, handled) {
             progress.finish(block_hashes.len());
         }
         outcome
@@ -170,18 +164,18 @@ impl RadixTree {
     }
 
     /// Drops holder `rank` from the pieces of `dropping`, from the last, until the
-    /// interrupt stops it; `handled` blocks were already handled by this call and
-    /// `check_at` is the interrupt's next boundary. True when every piece is dropped.
+    /// interrupt stops it; this call already looked up `handled` blocks, which count
+    /// towards the interrupt's first boundary. True when every piece is dropped.
     fn drop_pieces(
         &mut self,
         rank: RankIdx,
         dropping: &mut Dropping,
         interrupt: Interrupt<'_>,
         mut handled: usize,
-        check_at: &mut usize,
     ) -> bool {
+        let mut check_at = interrupt.every;
         while let Some(piece) = dropping.pieces.last_mut() {
-            if interrupt.stops_at(handled, check_at) {
+            if interrupt.stops_at(handled, &mut check_at) {
                 return false;
             }
             let (first, len) = *piece;
