@@ -30,7 +30,7 @@ use super::RadixTree;
 use super::arena::{BlockId, NodeIdx, Slot};
 use super::part::{Dropping, Interrupt, Part, Progress};
 use super::ranks::Holder;
-use super::rankset::{RankIdx, RankSet};
+use super::rankset::RankIdx;
 use super::{ApplyOutcome, is_live};
 use kv_events::ExternalBlockHash;
 
@@ -43,7 +43,7 @@ impl RadixTree {
         holder: Holder,
         block_hashes: &[ExternalBlockHash],
         progress: &mut Progress,
-        Part { interrupt, warm }: Part<'_>,
+        part: Part<'_>,
     ) -> ApplyOutcome {
         let mut outcome = ApplyOutcome::default();
         let from = progress.next_block.min(block_hashes.len());
@@ -56,20 +56,14 @@ impl RadixTree {
         let mut handled = 0;
         if from < block_hashes.len() {
             let rest = &block_hashes[from..];
-            handled = self.look_up(
-                idx,
-                rest,
-                &mut progress.dropping,
-                &mut outcome,
-                Part { interrupt, warm },
-            );
+            handled = self.look_up(idx, rest, &mut progress.dropping, &mut outcome, part);
             progress.next_block = from + handled;
             if handled < rest.len() {
                 return outcome;
             }
             self.settle(&mut progress.dropping);
         }
-        if self.drop_pieces(idx, &mut progress.dropping, interrupt, handled) {
+        if self.drop_pieces(idx, &mut progress.dropping, part.interrupt, handled) {
             progress.finish(block_hashes.len());
         }
         outcome
@@ -181,10 +175,7 @@ impl RadixTree {
             let (first, len) = *piece;
             let Slot { node, offset } = self.arena.slot(first);
             let (start, end) = (offset as usize, offset as usize + len);
-            let n = self.arena.node(node);
-            let truncates =
-                n.holders == RankSet::One(rank.0) && n.children.is_empty() && end == n.hashes.len();
-            let from = if truncates {
+            let from = if self.arena.is_sole_tail(node, end, rank) {
                 start.max(end.saturating_sub(interrupt.every))
             } else {
                 start

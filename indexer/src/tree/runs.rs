@@ -50,12 +50,10 @@ impl Arena {
         more: usize,
     ) -> BlockId {
         let (node, end) = self.after(cur);
-        let n = self.node(node);
-        let sole = matches!(n.holders, RankSet::One(r) if r == rank.0);
-        if node != NodeIdx::ROOT && end == n.hashes.len() && n.children.is_empty() && sole {
+        if node != NodeIdx::ROOT && self.is_sole_tail(node, end, rank) {
             return self.append(node, hash, tick, more);
         }
-        if end < n.hashes.len() {
+        if end < self.node(node).hashes.len() {
             self.split(node, end);
         }
         let mut hashes = Vec::with_capacity(more + 1);
@@ -106,6 +104,14 @@ impl Arena {
         n.hashes.push(hash);
         n.ids.push(id);
         id
+    }
+
+    /// True when run `node` ends at its block `end` (exclusive), has no children and
+    /// only `rank` holds it: blocks can be appended there, or dropped from there back,
+    /// without touching another run.
+    pub(crate) fn is_sole_tail(&self, node: NodeIdx, end: usize, rank: RankIdx) -> bool {
+        let n = self.node(node);
+        n.holders == RankSet::One(rank.0) && n.children.is_empty() && end == n.hashes.len()
     }
 
     /// Splits run `node` before its block `at` (0 < `at` < length): `node` keeps the
@@ -190,12 +196,10 @@ impl Arena {
         end: usize,
         rank: RankIdx,
     ) -> bool {
-        let n = self.node(node);
-        if !n.holders.contains(rank) {
+        if !self.node(node).holders.contains(rank) {
             return false;
         }
-        let sole = matches!(n.holders, RankSet::One(_));
-        if sole && start > 0 && end == n.hashes.len() && n.children.is_empty() {
+        if start > 0 && self.is_sole_tail(node, end, rank) {
             // The tail of a chain only `rank` holds: shorten the run.
             let gone = self.update(node, |n| {
                 n.hashes.truncate(start);
