@@ -32,6 +32,11 @@ impl Rng {
         z ^ (z >> 31)
     }
 
+    /// `n` random block hashes.
+    pub fn block_hashes(&mut self, n: u64) -> Vec<LocalBlockHash> {
+        (0..n).map(|_| LocalBlockHash(self.next_u64())).collect()
+    }
+
     /// A number in `0..n` (`0` when `n` is 0); slightly biased, fine for shapes.
     pub fn below(&mut self, n: u64) -> u64 {
         self.next_u64() % n.max(1)
@@ -124,11 +129,7 @@ pub struct Workload {
 pub fn build(shape: WorkloadShape, seed: u64) -> Workload {
     let mut rng = Rng::new(seed);
     let prefix_hashes: Vec<Vec<LocalBlockHash>> = (0..shape.prefixes)
-        .map(|_| {
-            (0..shape.prefix_len)
-                .map(|_| LocalBlockHash(rng.next_u64()))
-                .collect()
-        })
+        .map(|_| rng.block_hashes(shape.prefix_len))
         .collect();
     let mut batches = Vec::new();
     let mut paths = Vec::new();

@@ -124,7 +124,7 @@ async fn route(state: &RouterState, request: RouteRequest) -> RouteReply {
     };
     let overlaps = match state
         .indexer
-        .find_matches(schedule.block_hashes.clone())
+        .find_matches(schedule.block_hashes.as_slice())
         .await
     {
         Ok(o) => o,
@@ -347,10 +347,10 @@ pub(crate) async fn serve_requests<R, F, Fut>(
     F: Fn(Arc<RouterState>, bytes::Bytes) -> Fut,
     Fut: std::future::Future<Output = R>,
 {
+    let client = &client;
     crate::nats::drain_on_cancel(subscriber, intake)
         .for_each_concurrent(Some(max_inflight), |msg| {
             let state = state.clone();
-            let client = client.clone();
             let handle = &handle;
             async move {
                 let Some(reply_to) = msg.reply.clone() else {

@@ -93,7 +93,9 @@ impl Scheduler {
         let Some(tier) = self.reports.tier(&self.config.liveness, rank, now) else {
             return; // silent
         };
-        let load = self.sequences.load(rank, now);
+        let (load, new_blocks) =
+            self.sequences
+                .load_and_new_blocks(rank, now, block_ids, req.request_blocks);
         if self.config.busy.enabled()
             && self.config.busy.is_busy(&load, self.reports.get(rank), reg)
         {
@@ -108,9 +110,7 @@ impl Scheduler {
                 .overlap_any_tier(rank)
                 .clamp(overlap_blocks, req.reusable_blocks()),
             load,
-            new_blocks: self
-                .sequences
-                .new_blocks(rank, block_ids, req.request_blocks),
+            new_blocks,
         });
     }
 

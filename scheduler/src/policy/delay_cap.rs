@@ -98,14 +98,14 @@ impl DelayCap {
         mean < self.spare_steps * budget.max(1) as f64
     }
 
-    /// Leaves out (cost `+∞`) every candidate whose own predicted TTFT, `own(i)` in
+    /// Leaves out (cost `+∞`) every candidate whose own predicted TTFT, `own[i]` in
     /// ms for the candidate at `costs[i]`, is more than `max_ratio` times the lowest.
-    /// `own` is evaluated twice per candidate (cheap arithmetic), so a decision
-    /// allocates nothing for it.
-    pub fn apply(&self, costs: &mut [f64], own: impl Fn(usize) -> f64) {
-        let best = (0..costs.len()).map(&own).fold(f64::INFINITY, f64::min);
-        for (i, cost) in costs.iter_mut().enumerate() {
-            if own(i) > self.max_ratio * best {
+    /// The caller prices each candidate's own TTFT once, into a buffer it reuses; a
+    /// candidate beyond the end of a shorter `own` keeps its cost.
+    pub fn apply(&self, costs: &mut [f64], own: &[f64]) {
+        let best = own.iter().copied().fold(f64::INFINITY, f64::min);
+        for (cost, &own) in costs.iter_mut().zip(own) {
+            if own > self.max_ratio * best {
                 *cost = f64::INFINITY;
             }
         }
@@ -142,12 +142,12 @@ mod tests {
         // The credited costs favour rank 2, whose own TTFT is 2.5× the best.
         let mut costs = [100.0, 90.0, 10.0];
         let own = [400.0, 800.0, 1_000.0];
-        cap.apply(&mut costs, |i| own[i]);
+        cap.apply(&mut costs, &own);
         assert_eq!(costs, [100.0, 90.0, f64::INFINITY]);
         // Exactly at the ratio stays.
         let mut at = [5.0, 1.0];
         let own = [100.0, 200.0];
-        cap.apply(&mut at, |i| own[i]);
+        cap.apply(&mut at, &own);
         assert_eq!(at, [5.0, 1.0]);
     }
 

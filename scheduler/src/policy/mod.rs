@@ -193,6 +193,8 @@ pub struct Selector {
     /// The rank round-robin chose last; the next turn goes to the first rank after it.
     last_round_robin: Option<WorkerRank>,
     costs: Vec<f64>,
+    /// `predicted-ttft`'s own TTFT per candidate, for the delay cap.
+    own: Vec<f64>,
     keys: Vec<(f64, f64)>,
     eligible: Vec<usize>,
 }
@@ -204,6 +206,7 @@ impl Selector {
             rng,
             last_round_robin: None,
             costs: Vec::new(),
+            own: Vec::new(),
             keys: Vec::new(),
             eligible: Vec::new(),
         }
@@ -293,7 +296,7 @@ impl Selector {
             PolicyConfig::Random => baseline::random(ctx.candidates, &mut self.rng),
             PolicyConfig::LeastLoaded => baseline::least_loaded(ctx, &mut self.keys, &mut self.rng),
             PolicyConfig::PredictedTtft(c) => {
-                predicted_ttft::select(c, ctx, &mut self.costs, &mut self.rng)
+                predicted_ttft::select(c, ctx, &mut self.costs, &mut self.own, &mut self.rng)
             }
         })
     }

@@ -356,6 +356,7 @@ pub(super) fn select(
     config: &PredictedTtftConfig,
     ctx: &SelectContext<'_>,
     costs: &mut Vec<f64>,
+    own: &mut Vec<f64>,
     rng: &mut StdRng,
 ) -> Choice {
     let min_pending = ctx
@@ -403,7 +404,14 @@ pub(super) fn select(
             },
             ..*config
         };
-        cap.apply(costs, |i| cost_under(&plain, i, &ctx.candidates[i]));
+        own.clear();
+        own.extend(
+            ctx.candidates
+                .iter()
+                .enumerate()
+                .map(|(i, c)| cost_under(&plain, i, c)),
+        );
+        cap.apply(costs, own);
     }
     let index = pick_by_cost(rng, costs, 0.0);
     Choice {

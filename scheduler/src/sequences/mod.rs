@@ -361,6 +361,24 @@ impl ActiveSequences {
             .map_or(request_blocks, |r| r.new_blocks(block_ids, request_blocks))
     }
 
+    /// [`Self::load`] and [`Self::new_blocks`] of one rank with one look-up of its
+    /// aggregate (a decision reads both for every candidate rank).
+    pub(crate) fn load_and_new_blocks(
+        &self,
+        rank: WorkerRank,
+        now: Instant,
+        block_ids: &[u64],
+        request_blocks: u32,
+    ) -> (RankLoad, u32) {
+        match self.per_rank.get(&rank) {
+            None => (RankLoad::default(), request_blocks),
+            Some(r) if self.config.assume_kv_reuse => {
+                (r.load(now), r.new_blocks(block_ids, request_blocks))
+            }
+            Some(r) => (r.load(now), request_blocks),
+        }
+    }
+
     /// One active request.
     pub fn get(&self, id: &RequestId) -> Option<&ActiveRequest> {
         self.requests.get(id)
@@ -407,6 +425,12 @@ impl ActiveSequences {
         let Some(rank) = self.per_rank.get_mut(&request.rank) else {
             return;
         };
+        if rank.holds_one() {
+            // Its last request: the aggregate goes whole, with no per-block steps
+            // (at light load most frees are a rank's only booking).
+            self.per_rank.remove(&request.rank);
+            return;
+        }
         rank.remove(
             request.seq,
             &request.block_ids,

@@ -11,8 +11,11 @@
 //!   its load falls linearly from its booked tokens to 0 over its expected duration,
 //!   starting when it became the oldest. The others count in full.
 //!
-//! Every update is O(blocks of the request) hash-map steps; reading the projection
-//! is O(1).
+//! Every update is O(blocks of the request) hash-map steps — a booking sizes the
+//! block map for its blocks first, so a rank's first booking allocates it once
+//! instead of growing it step by step, and the owner drops the aggregate whole when
+//! its last request leaves instead of stepping through that request's blocks
+//! ([`RankSequences::holds_one`]); reading the projection is O(1).
 
 use crate::load::{PrefillLoadHint, RankLoad};
 use kv_events::LocalBlockHash;
@@ -85,6 +88,7 @@ impl RankSequences {
         now: Instant,
     ) {
         self.requests += 1;
+        self.shared_blocks.reserve(block_ids.len());
         for id in block_ids {
             *self.shared_blocks.entry(*id).or_insert(0) += 1;
         }
@@ -173,6 +177,12 @@ impl RankSequences {
     /// Whether no request is booked here.
     pub fn is_empty(&self) -> bool {
         self.requests == 0
+    }
+
+    /// Whether exactly one request is booked here: removing it empties every
+    /// aggregate.
+    pub fn holds_one(&self) -> bool {
+        self.requests == 1
     }
 
     /// How many of a request's `request_blocks` blocks would be new decode load here:
