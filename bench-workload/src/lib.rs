@@ -7,7 +7,7 @@
 //!   as vLLM/SGLang publish them, optionally salted per worker ([`EngineHashes`]);
 //!   plus the `Stored`/`Removed` flood of the latency benches.
 //! - [`measure`]: latency percentiles and the resident set size.
-//! - [`reference`]: [`Reference`], a deliberately simple model of "which worker holds
+//! - [`reference`](mod@reference): [`Reference`], a deliberately simple model of "which worker holds
 //!   which prefix" (hash maps keyed by the whole prefix), which the benches check every
 //!   query answer against.
 //!

@@ -61,7 +61,7 @@ pub enum SchedulerError {
         reason: String,
     },
     /// A command-line flag cannot be used: given for a policy that lacks the knob,
-    /// or out of range (see [`crate::args`], feature `clap`).
+    /// or out of range (see `scheduler::args`, feature `clap`).
     #[error("invalid --{flag}: {reason}")]
     InvalidFlag {
         /// The flag's long name, without `--`.

@@ -1,7 +1,7 @@
 //! Liveness from silence: engines publish load metrics every interval, so a rank
 //! whose metrics stop is probably dead — even while its etcd lease lives on (etcd
 //! unreachable, a lease with a long TTL, a hung process whose lease keeper still
-//! runs). [`LoadReports`] keeps each rank's last sample and when it arrived;
+//! runs). `LoadReports` keeps each rank's last sample and when it arrived;
 //! [`LivenessConfig::classify`] reads the silence at `now`:
 //!
 //! | silence since the last sample | [`Liveness`] | routing |

@@ -12,7 +12,7 @@ use std::time::Instant;
 
 impl Scheduler {
     /// Stores the latest engine-reported sample for its rank, heard at `now` (a sign
-    /// of life, see [`liveness`]). Samples of unregistered ranks are ignored (returns
+    /// of life, see [`crate::liveness`]). Samples of unregistered ranks are ignored (returns
     /// `false`), which bounds memory against departed or unknown workers.
     pub fn update_load_metrics(&mut self, m: LoadMetrics, now: Instant) -> bool {
         let rank = WorkerRank::new(m.worker_id, m.dp_rank);
@@ -54,7 +54,7 @@ impl Scheduler {
             .map(move |&rank| (rank, self.sequences.load(rank, now)))
     }
 
-    /// Whether `rank` is registered and busy at `now` (see [`BusyThresholds`]).
+    /// Whether `rank` is registered and busy at `now` (see [`crate::BusyThresholds`]).
     pub fn is_busy_at(&self, rank: WorkerRank, now: Instant) -> bool {
         self.workers.get(rank.worker_id).is_some_and(|reg| {
             rank.dp_rank.0 < reg.dp_size

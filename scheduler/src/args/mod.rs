@@ -8,8 +8,8 @@
 //! is an error naming the flag ([`SchedulerError::InvalidFlag`]).
 //!
 //! # Layout
-//! - [`policy`]: the policy and every policy's knobs.
-//! - [`liveness`], [`calibration`], [`sessions`], [`disaggregation`]: one group
+//! - `policy`: the policy and every policy's knobs.
+//! - `liveness`, `calibration`, `sessions`, `disaggregation`: one group
 //!   each, beside their scheduler module.
 
 mod calibration;

@@ -15,7 +15,7 @@
 //! - At `prefill_done` (local or peer) the interval since booking is one observation
 //!   `y` (ms) of the seed model's parts `z = [prefill, per step]` weighted by unknown
 //!   multipliers `θ`, `y ≈ zᵀθ` (the per-step part includes the wait for a running
-//!   step, see [`TtftFeatures::parts`]); [`rls`] updates `θ` by recursive least
+//!   step, see [`TtftFeatures::parts`]); `rls.rs` updates `θ` by recursive least
 //!   squares with forgetting, winsorised, trace-capped and projected onto
 //!   `[1/max_factor, max_factor]` (formula, sources, and why two multipliers and not
 //!   one per constant, there).

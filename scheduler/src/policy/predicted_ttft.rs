@@ -67,7 +67,7 @@
 //! ablation and the comparison with every other policy. Calibrate the timing knobs to
 //! the real engine, or turn on online calibration (`crate::calibration`): it learns
 //! per-rank multipliers of the step-time constants ([`TimingScale`]) from observed
-//! TTFTs, and [`select`] then prices each rank with its own model. Exact ties are
+//! TTFTs, and the selection then prices each rank with its own model. Exact ties are
 //! broken uniformly at random.
 
 use super::context::check_non_negative;
