@@ -11,8 +11,8 @@
 //!   its load falls linearly from its booked tokens to 0 over its expected duration,
 //!   starting when it became the oldest. The others count in full.
 //!
-//! Every update is O(blocks of the request) hash-map steps — a booking sizes the
-//! block map for its blocks first, so a rank's first booking allocates it once
+//! Every update is O(blocks of the request) hash-map steps — a booking into an empty
+//! block map sizes it for its blocks first, so a rank's first booking allocates it once
 //! instead of growing it step by step, and the owner drops the aggregate whole when
 //! its last request leaves instead of stepping through that request's blocks
 //! ([`RankSequences::holds_one`]); reading the projection is O(1).
@@ -88,7 +88,11 @@ impl RankSequences {
         now: Instant,
     ) {
         self.requests += 1;
-        self.shared_blocks.reserve(block_ids.len());
+        if self.shared_blocks.is_empty() {
+            // A rank's first booking: one allocation instead of growing step by step.
+            // Later bookings grow it as needed (most of a shared prefix is held).
+            self.shared_blocks.reserve(block_ids.len());
+        }
         for id in block_ids {
             *self.shared_blocks.entry(*id).or_insert(0) += 1;
         }
