@@ -353,12 +353,7 @@ impl ActiveSequences {
     /// `rank`, given its chained block ids ([`chain_block_ids`]): all of them without
     /// KV reuse, else those not already held there by an active request.
     pub fn new_blocks(&self, rank: WorkerRank, block_ids: &[u64], request_blocks: u32) -> u32 {
-        if !self.config.assume_kv_reuse {
-            return request_blocks;
-        }
-        self.per_rank
-            .get(&rank)
-            .map_or(request_blocks, |r| r.new_blocks(block_ids, request_blocks))
+        self.new_blocks_on(self.per_rank.get(&rank), block_ids, request_blocks)
     }
 
     /// [`Self::load`] and [`Self::new_blocks`] of one rank with one look-up of its
@@ -370,12 +365,23 @@ impl ActiveSequences {
         block_ids: &[u64],
         request_blocks: u32,
     ) -> (RankLoad, u32) {
-        match self.per_rank.get(&rank) {
-            None => (RankLoad::default(), request_blocks),
-            Some(r) if self.config.assume_kv_reuse => {
-                (r.load(now), r.new_blocks(block_ids, request_blocks))
-            }
-            Some(r) => (r.load(now), request_blocks),
+        let booked = self.per_rank.get(&rank);
+        (
+            booked.map(|r| r.load(now)).unwrap_or_default(),
+            self.new_blocks_on(booked, block_ids, request_blocks),
+        )
+    }
+
+    /// [`Self::new_blocks`] on a rank's aggregate (`None`: nothing booked there).
+    fn new_blocks_on(
+        &self,
+        booked: Option<&RankSequences>,
+        block_ids: &[u64],
+        request_blocks: u32,
+    ) -> u32 {
+        match booked {
+            Some(r) if self.config.assume_kv_reuse => r.new_blocks(block_ids, request_blocks),
+            _ => request_blocks,
         }
     }
 
