@@ -38,6 +38,16 @@ pub(crate) struct Seen {
     any_allowed: bool,
 }
 
+impl Seen {
+    /// Notes a rank admitted as a candidate without [`Scheduler::consider`] (the
+    /// shortcut's ranks priced apart, which `consider` would admit).
+    pub(crate) fn admit(&mut self) {
+        self.any_registered = true;
+        self.pinned_exists = true;
+        self.any_allowed = true;
+    }
+}
+
 impl Scheduler {
     /// Fills `self.candidates` with the ranks of `side` eligible for `req`: matching
     /// its pinned dp_rank, not excluded, not silent (quiet ones only when no live one

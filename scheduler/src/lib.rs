@@ -159,6 +159,8 @@ pub struct Scheduler {
     /// Scratch for ordering the shortcuts' touched ranks
     /// (`WorkerRegistry::keep_registered_in_order`).
     touched_bits: Vec<u64>,
+    /// Scratch of the ranks a stand-in decision prices apart (`shortcut.rs`).
+    apart: shortcut::PricedApart,
     shortcut: bool,
     /// The bounded shortcut's index of every rank's cost bound (`shortcut_bound.rs`).
     bounded: shortcut_bound::Bounded,
@@ -190,6 +192,7 @@ impl Scheduler {
             decode_keys: Vec::new(),
             touched: Vec::new(),
             touched_bits: Vec::new(),
+            apart: shortcut::PricedApart::default(),
             shortcut: true,
             bounded: shortcut_bound::Bounded::default(),
         })

@@ -455,3 +455,6 @@ fn a_bound_just_below_the_best_cost_is_still_priced() {
 
 #[path = "shortcut_busy_tests.rs"]
 mod busy;
+
+#[path = "shortcut_apart_tests.rs"]
+mod apart;

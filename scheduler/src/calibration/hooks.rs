@@ -90,6 +90,26 @@ impl Calibration {
         self.config.enabled && own * 2 > registered
     }
 
+    /// `rank`'s own multipliers once it is warmed up; `None` while it is priced with
+    /// the fleet prior, and when calibration is off. With [`Self::prior_scale`] it
+    /// gives [`Self::scale`] to the bit, for a decision that reads the prior once.
+    pub(crate) fn own_scale(&self, rank: WorkerRank) -> Option<TimingScale> {
+        let warmup = u64::from(self.config.warmup_samples);
+        let r = self.ranks.get(&rank).filter(|_| self.config.enabled)?;
+        (r.rls.samples() >= warmup).then(|| super::to_scale(r.rls.theta()))
+    }
+
+    /// The multipliers of every rank not warmed up yet: the geometric mean of the
+    /// warmed-up ranks' ([`TimingScale::ONE`] while there is none, and when
+    /// calibration is off). O(1), with three `exp`.
+    pub(crate) fn prior_scale(&self) -> TimingScale {
+        if self.config.enabled {
+            self.fleet.scale()
+        } else {
+            TimingScale::ONE
+        }
+    }
+
     /// Whether `rank` is priced apart from the fleet prior (its own estimate, or
     /// calibration off): its multipliers change only with its own samples.
     pub(crate) fn prices_apart(&self, rank: WorkerRank) -> bool {

@@ -409,15 +409,7 @@ impl Calibration {
     /// before that the geometric mean of the warmed-up ranks' ([`TimingScale::ONE`]
     /// while there is none, and when calibration is off).
     pub fn scale(&self, rank: WorkerRank) -> TimingScale {
-        if !self.config.enabled {
-            return TimingScale::ONE;
-        }
-        match self.ranks.get(&rank) {
-            Some(r) if r.rls.samples() >= u64::from(self.config.warmup_samples) => {
-                to_scale(r.rls.theta())
-            }
-            _ => self.fleet.scale(),
-        }
+        self.own_scale(rank).unwrap_or_else(|| self.prior_scale())
     }
 
     /// What calibration knows about `rank`; `None` when calibration is off. A rank

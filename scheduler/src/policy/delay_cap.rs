@@ -90,12 +90,26 @@ impl DelayCap {
         idle: usize,
         budget: u64,
     ) -> bool {
-        let n = pending.len() + idle;
+        self.applies_with_left_out(pending, idle, (0, 0), budget)
+    }
+
+    /// [`Self::applies_with_idle`] with `left_out.0` more ranks holding `left_out.1`
+    /// in-flight prefill tokens in all: the candidates a shortcut decision priced
+    /// apart and dropped, knowing they cannot be chosen. The sum is exact in `f64`
+    /// (integers below 2⁵³), so it does not depend on the order the ranks are added.
+    pub(crate) fn applies_with_left_out(
+        &self,
+        pending: impl ExactSizeIterator<Item = u64>,
+        idle: usize,
+        left_out: (usize, u64),
+        budget: u64,
+    ) -> bool {
+        let n = pending.len() + idle + left_out.0;
         if !self.enabled || n == 0 {
             return false;
         }
-        let mean = pending.map(|p| p as f64).sum::<f64>() / n as f64;
-        mean < self.spare_steps * budget.max(1) as f64
+        let sum = pending.map(|p| p as f64).sum::<f64>() + left_out.1 as f64;
+        sum / (n as f64) < self.spare_steps * budget.max(1) as f64
     }
 
     /// Leaves out (cost `+∞`) every candidate whose own predicted TTFT, `own[i]` in

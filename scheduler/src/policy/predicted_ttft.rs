@@ -352,6 +352,29 @@ pub fn predicted_ttft_cost(
         + steps as f64 * per_step
 }
 
+/// [`predicted_ttft_cost`] with `config`'s timing scaled by a rank's calibrated
+/// multipliers (`None` or [`TimingScale::ONE`]: the configured timing), in model ms:
+/// how [`select`] prices every candidate, so that a caller pricing a rank ahead of it
+/// gets the same value to the bit.
+pub(crate) fn scaled_cost(
+    config: &PredictedTtftConfig,
+    scale: Option<TimingScale>,
+    request: &RequestShape,
+    c: &Candidate,
+    min_pending: u64,
+) -> f64 {
+    match scale {
+        Some(scale) if scale != TimingScale::ONE => {
+            let own = PredictedTtftConfig {
+                timing: config.timing.scaled(scale),
+                ..*config
+            };
+            predicted_ttft_cost(&own, request, c, min_pending)
+        }
+        _ => predicted_ttft_cost(config, request, c, min_pending),
+    }
+}
+
 pub(super) fn select(
     config: &PredictedTtftConfig,
     ctx: &SelectContext<'_>,
@@ -366,17 +389,10 @@ pub(super) fn select(
         .min()
         .unwrap_or(0);
     // Each candidate priced with its own (calibrated) timing under `config`'s credit.
-    let cost_under =
-        |config: &PredictedTtftConfig, i: usize, c: &Candidate| match ctx.timing_scales.get(i) {
-            Some(&scale) if scale != TimingScale::ONE => {
-                let own = PredictedTtftConfig {
-                    timing: config.timing.scaled(scale),
-                    ..*config
-                };
-                predicted_ttft_cost(&own, &ctx.request, c, min_pending)
-            }
-            _ => predicted_ttft_cost(config, &ctx.request, c, min_pending),
-        };
+    let cost_under = |config: &PredictedTtftConfig, i: usize, c: &Candidate| {
+        let scale = ctx.timing_scales.get(i).copied();
+        scaled_cost(config, scale, &ctx.request, c, min_pending)
+    };
     costs.clear();
     costs.extend(
         ctx.candidates

@@ -29,15 +29,20 @@ pub(super) type BlockIdMap<V> = HashMap<u64, V, foldhash::fast::RandomState>;
 use std::time::{Duration, Instant};
 
 /// Chained block ids of a prompt: id i identifies blocks 0..=i, so two requests share
-/// id i exactly when they share the first i + 1 blocks. SplitMix64 finalizer over the
-/// previous id and the block's local hash; not cryptographic — a collision (2^-64 per
-/// pair) only makes two blocks count once.
+/// id i exactly when they share the first i + 1 blocks. Each step is a bijection of
+/// the previous id for a given block, and of the block (its local hash through the
+/// SplitMix64 finalizer) for a given previous id: `id = (rotl(prev, 23) ^ mix(h)) ×
+/// K`, K odd. So two prompts' ids differ from their first differing block on unless
+/// two random-looking 64-bit values meet (2^-64 per pair); not cryptographic — a
+/// collision only makes two blocks count once. Only the rotate, xor and multiply are
+/// serial from block to block (the finalizers of the hashes overlap), a third of a
+/// finalizer's latency: a 64-block prompt chains in ~0.1 µs instead of ~0.3.
 pub fn chain_block_ids(hashes: &[LocalBlockHash]) -> Vec<u64> {
     let mut prev = 0x9e37_79b9_7f4a_7c15_u64;
     hashes
         .iter()
         .map(|h| {
-            prev = mix(prev.rotate_left(23) ^ mix(h.0));
+            prev = (prev.rotate_left(23) ^ mix(h.0)).wrapping_mul(0xd6e8_feb8_6659_fd93);
             prev
         })
         .collect()

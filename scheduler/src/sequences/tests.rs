@@ -314,3 +314,34 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    /// Two prompts that share exactly their first `shared` blocks share exactly their
+    /// first `shared` chained ids: after the first differing block no id of one is an
+    /// id of the other, also for small, structured hashes (block hashes that differ
+    /// in one low bit, repeated blocks, one prompt a prefix of the other's blocks).
+    #[test]
+    fn chained_ids_are_shared_exactly_as_far_as_the_prefix(
+        shared in proptest::collection::vec(0u64..4, 0..24),
+        a in proptest::collection::vec(prop_oneof![0u64..4, any::<u64>()], 1..24),
+        b in proptest::collection::vec(prop_oneof![0u64..4, any::<u64>()], 1..24),
+    ) {
+        prop_assume!(a[0] != b[0]);
+        let ids = |tail: &[u64]| {
+            let hashes: Vec<_> =
+                shared.iter().chain(tail).map(|&h| LocalBlockHash(h)).collect();
+            chain_block_ids(&hashes)
+        };
+        let (ia, ib) = (ids(&a), ids(&b));
+        let k = shared.len();
+        prop_assert_eq!(&ia[..k], &ib[..k]);
+        for x in &ia[k..] {
+            prop_assert!(!ib.contains(x), "an id of one tail is an id of the other");
+        }
+        // Within one prompt, every position has its own id.
+        let mut seen = ia.clone();
+        seen.sort_unstable();
+        seen.dedup();
+        prop_assert_eq!(seen.len(), ia.len());
+    }
+}
