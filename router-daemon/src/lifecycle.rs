@@ -68,9 +68,12 @@ pub(crate) fn handle_lifecycle_batch<'a>(
             debug!(subject, request_id = %msg.request_id, "lifecycle message for a reserved prefill-half id ignored");
             return false;
         }
-        // Before the scheduler lock, for the start-up snapshot (`crate::replica_sync::snapshot`).
-        for (request_id, update) in scheduler::lifecycle_steps(&msg.request_id, msg.event) {
-            admission.replicas.note_step(&request_id, &update);
+        // Before the scheduler lock, for the start-up snapshot (`crate::replica_sync::snapshot`);
+        // listing the steps allocates, so only while one is pending.
+        if admission.replicas.is_recording() {
+            for (request_id, update) in scheduler::lifecycle_steps(&msg.request_id, msg.event) {
+                admission.replicas.note_step(&request_id, &update);
+            }
         }
         true
     });

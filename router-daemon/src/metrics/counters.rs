@@ -10,7 +10,8 @@ use super::Metrics;
 use super::registrar::{self, Registrar};
 use kv_events::limits::Refusal;
 use prometheus::core::Desc;
-use prometheus::{IntCounterVec, IntGauge, Registry};
+use prometheus::{IntCounter, IntCounterVec, IntGauge, Registry};
+use std::sync::OnceLock;
 use std::time::Instant;
 use tracing::warn;
 
@@ -90,10 +91,19 @@ impl Outcome {
     }
 }
 
+/// Variants of [`MessageKind`] and of [`Outcome`] with a resolved handle (the last
+/// one's index + 1; a variant added past them is counted through a label lookup).
+const KINDS: usize = MessageKind::Overlap as usize + 1;
+const OUTCOMES: usize = Outcome::FutureEpoch as usize + 1;
+
 /// The daemon's counters, plus every other metric group in [`Counters::metrics`].
 #[derive(Clone)]
 pub struct Counters {
     messages: IntCounterVec,
+    /// `messages`' handle per (kind, outcome), resolved at its first use: a label
+    /// lookup hashes the label strings under the vector's lock, on every route and
+    /// lifecycle message otherwise.
+    handles: std::sync::Arc<[OnceLock<IntCounter>; KINDS * OUTCOMES]>,
     workers: IntGauge,
     /// Rate limiter of refusal log lines.
     refusal_log: std::sync::Arc<super::refusals::RefusalLog>,
@@ -113,6 +123,7 @@ impl Counters {
                 "Messages received by the daemon, by kind and outcome",
                 &["kind", "outcome"],
             )?,
+            handles: std::sync::Arc::new(std::array::from_fn(|_| OnceLock::new())),
             workers: r.gauge("kv_router_workers", "Workers currently registered in etcd")?,
             refusal_log: std::sync::Arc::default(),
             metrics: Metrics::new(r)?,
@@ -141,16 +152,30 @@ impl Counters {
         registrar::unregistered(|twin| Self::new(twin).map(|_| twin.descriptors()))
     }
     pub(crate) fn message(&self, kind: MessageKind, outcome: Outcome) {
-        self.messages
-            .with_label_values(&[kind.label(), outcome.label()])
-            .inc();
+        self.with_handle(kind, outcome, IntCounter::inc);
     }
 
     /// Messages counted so far for (kind, outcome).
     pub fn messages(&self, kind: MessageKind, outcome: Outcome) -> u64 {
-        self.messages
-            .with_label_values(&[kind.label(), outcome.label()])
-            .get()
+        self.with_handle(kind, outcome, IntCounter::get)
+    }
+
+    /// `f` on the counter of (kind, outcome), resolved once.
+    fn with_handle<R>(
+        &self,
+        kind: MessageKind,
+        outcome: Outcome,
+        f: impl FnOnce(&IntCounter) -> R,
+    ) -> R {
+        let resolve = || {
+            self.messages
+                .with_label_values(&[kind.label(), outcome.label()])
+        };
+        let (k, o) = (kind as usize, outcome as usize);
+        match self.handles.get(k * OUTCOMES + o).filter(|_| o < OUTCOMES) {
+            Some(cell) => f(cell.get_or_init(resolve)),
+            None => f(&resolve()),
+        }
     }
 
     /// Counts a refused message of `kind` from `subject` and logs it, rate-limited.
@@ -212,5 +237,63 @@ mod tests {
             .map(|f| f.name().to_owned())
             .collect();
         assert!(names.contains(&"kv_router_messages_total".to_owned()));
+    }
+
+    /// Every (kind, outcome) has a handle of its own, exported under its labels.
+    #[test]
+    fn each_kind_and_outcome_counts_under_its_own_labels() {
+        use MessageKind as K;
+        use Outcome as O;
+        let kinds = [
+            K::Events,
+            K::Metrics,
+            K::Route,
+            K::RouteBatch,
+            K::Lifecycle,
+            K::Registration,
+            K::Sequences,
+            K::SequenceSnapshot,
+            K::Removals,
+            K::Overlap,
+        ];
+        let outcomes = [
+            O::Ok,
+            O::Malformed,
+            O::Rejected,
+            O::TooLarge,
+            O::OverLimit,
+            O::Unregistered,
+            O::FutureEpoch,
+        ];
+        let registry = Registry::new();
+        let c = Counters::register(&registry).unwrap();
+        for (i, &kind) in kinds.iter().enumerate() {
+            for (j, &outcome) in outcomes.iter().enumerate() {
+                for _ in 0..(i * outcomes.len() + j + 1) {
+                    c.message(kind, outcome);
+                }
+            }
+        }
+        let families = registry.gather();
+        let family = families
+            .iter()
+            .find(|f| f.name() == "kv_router_messages_total")
+            .unwrap();
+        assert_eq!(family.get_metric().len(), kinds.len() * outcomes.len());
+        for m in family.get_metric() {
+            let label = |name: &str| {
+                let l = m.get_label().iter().find(|l| l.name() == name).unwrap();
+                l.value().to_owned()
+            };
+            let i = kinds
+                .iter()
+                .position(|k| k.label() == label("kind"))
+                .unwrap();
+            let j = (outcomes.iter())
+                .position(|o| o.label() == label("outcome"))
+                .unwrap();
+            let expected = (i * outcomes.len() + j + 1) as f64;
+            assert_eq!(m.get_counter().value(), expected, "{i} {j}");
+        }
     }
 }

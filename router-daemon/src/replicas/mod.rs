@@ -261,6 +261,12 @@ impl Replicas {
         self.recording.store(true, Ordering::Release);
     }
 
+    /// Whether steps are being recorded (a start-up snapshot is pending): until then
+    /// [`Self::note_step`] does nothing, and its caller may skip listing the steps.
+    pub(crate) fn is_recording(&self) -> bool {
+        self.recording.load(Ordering::Acquire)
+    }
+
     /// Stops recording and forgets what was recorded.
     pub(crate) fn end_recording(&self) {
         self.recording.store(false, Ordering::Release);
@@ -277,7 +283,7 @@ impl Replicas {
             SequenceUpdate::Freed => RecentStep::Freed,
             SequenceUpdate::Booked(_) | SequenceUpdate::KeepAlive => return,
         };
-        if self.recording.load(Ordering::Acquire) {
+        if self.is_recording() {
             self.recent_steps().note(request_id, step);
         }
     }
