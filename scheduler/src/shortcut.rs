@@ -55,7 +55,7 @@
 //! full scan. With calibration on and most ranks still on the fleet prior (no
 //! engine's first tokens reported yet, or too few), it would price every such rank
 //! exactly, so more than half touched stays here: before, those decisions fell to
-//! the full scan, 2× the CPU at 40 in flight over 64 ranks (`docs/benchmarks.md`,
+//! the full scan, 1.8× the CPU at 40 in flight over 64 ranks (`docs/benchmarks.md`,
 //! "round 33").
 
 use crate::Scheduler;
