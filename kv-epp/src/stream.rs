@@ -1,14 +1,14 @@
 //! One ext_proc stream: one HTTP request as the proxy sees it. The proxy sends the
 //! request headers, then the body in chunks, and waits for nothing until the picker
 //! answers the headers (`FULL_DUPLEX_STREAMED`, the protocol's body mode, or
-//! `STREAMED` sending the body without waiting: [`crate::body_mode`]). The picker
+//! `STREAMED` sending the body without waiting: `body_mode`). The picker
 //! buffers the body (up to `--max-body-bytes`, else 413), and at its last chunk
 //! tokenizes and routes it, answers the headers with the pick and passes the body on
 //! unchanged as the body mode asks; or answers the whole request itself
 //! (`ImmediateResponse`: 400, 413, 429, 500, 503, 504). The response then passes through:
 //! the first response body chunk is the first token (`prefill_done`), and the stream
 //! ending on any path — response end, the proxy closing or dropping the stream, an
-//! error, a deadline — drops the [`Booking`], which sends `freed`.
+//! error, a deadline — drops the [`kv_gateway::router::Booking`], which sends `freed`.
 //!
 //! Every wait is bounded: the proxy's next message while the body is incomplete by
 //! `--body-timeout-ms`, the whole stream by the gateway's `--request-timeout-s`, and

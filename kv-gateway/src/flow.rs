@@ -14,7 +14,7 @@
 //! Every routed attempt holds a [`crate::router::Booking`]; an attempt that fails
 //! drops it (so the router frees that worker's load) before the next one is routed.
 //! When the router names a prefill worker, the attempt runs the two halves of a
-//! disaggregated request ([`halves`]) and its answer is the decode worker's; a failed
+//! disaggregated request (`halves`) and its answer is the decode worker's; a failed
 //! half excludes the worker of that half from the next route.
 //!
 //! Reading, checking and tokenizing a body (`parse`, `model?`, `tokenize`, `length?`)

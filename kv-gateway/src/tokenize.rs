@@ -15,7 +15,7 @@
 //! - **engine** (`--tokenize-via engine`) and **render** (`--tokenize-via render`):
 //!   vLLM's `POST /tokenize`, or its render endpoints (which take the client's body as
 //!   it is, so every field that shapes the prompt counts), on the engines or a render
-//!   server ([`remote`]), so the engine's own code decides. Costs one HTTP round trip
+//!   server (`remote`), so the engine's own code decides. Costs one HTTP round trip
 //!   per request, and needs no model files here.
 //!
 //! Either way, the ids are what the gateway forwards in `--forward tokens` mode, so

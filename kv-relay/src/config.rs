@@ -78,7 +78,7 @@ pub struct RelayArgs {
     pub shared_endpoint: bool,
     /// Engine Prometheus page (`http://` or `https://`), scraped for load and for the
     /// engine's block size and KV capacity (vLLM `cache_config_info`, SGLang
-    /// `page_size`/`num_pages`) [default: <engine-url>/metrics]. While it is scraped,
+    /// `page_size`/`num_pages`); default `<engine-url>/metrics`. While it is scraped,
     /// --engine-url's `/v1/models` is read too, for the engine's `max_model_len`.
     #[arg(long, env = "KV_RELAY_METRICS_URL")]
     pub metrics_url: Option<String>,

@@ -12,7 +12,7 @@
 //!   defaults to `true`, so the tokenizer's post-processor adds what the model expects
 //!   (a BOS for Llama-style models, nothing for Qwen-style ones).
 //! - **chat** ([`ModelTokenizer::encode_chat`]): the messages are rendered with the
-//!   chat template (see [`chat`]), then encoded *without* special tokens. The template
+//!   chat template (see `chat`), then encoded *without* special tokens. The template
 //!   already writes the BOS; vLLM's `ChatCompletionRequest.add_special_tokens` defaults
 //!   to `false` for that reason, and SGLang (via transformers'
 //!   `apply_chat_template(tokenize=True)`) does the same. Adding them again would

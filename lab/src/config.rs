@@ -100,7 +100,7 @@ pub struct SimConfig {
     /// are the engines' own under [`LabPolicy::Tuned`]).
     pub predicted_ttft: PredictedTtftConfig,
     /// The engines' roles: aggregated (the default) or split into prefill and decode
-    /// engines ([`crate::serving`]).
+    /// engines (`serving`).
     pub serving: Serving,
     /// The KV transfer to a split fleet's decode engines.
     pub transfer: KvTransferConfig,
@@ -112,7 +112,7 @@ pub struct SimConfig {
     pub hybrid: HybridConfig,
     /// Which KV cache groups' events the router indexes.
     pub router_groups: RouterGroups,
-    /// Measure the regret ([`crate::regret`]) of every `n`-th request's decision (by
+    /// Measure the regret (`regret`) of every `n`-th request's decision (by
     /// trace order) into [`crate::sim::RunResult::regret`]; `None` (the default)
     /// measures none. Aggregated fleets only: a split fleet's decisions are not
     /// sampled.

@@ -16,7 +16,8 @@ pub(super) struct Window {
 }
 
 /// The KV space one running request holds on a hybrid rank. Obtained from
-/// [`HybridCache::try_allocate`]; must be handed back to [`HybridCache::release`].
+/// [`super::HybridCache::try_allocate`]; must be handed back to
+/// [`super::HybridCache::release`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HybridAllocation {
     pub(super) hit: HybridHit,

@@ -21,9 +21,9 @@
 //!   for this long is closed, gracefully: only between requests, never mid-answer.
 //!   Answers on a connection that stays open carry `Keep-Alive: timeout=N` (seconds),
 //!   so clients that read it (undici, browsers) expire their side first.
-//! - **Request body deadlines** ([`BodyTimeouts`]): a body must arrive whole within
+//! - **Request body deadlines** ([`super::BodyTimeouts`]): a body must arrive whole within
 //!   a total deadline from its request's head, with no gap between chunks longer than
-//!   an idle deadline. A handler reading the body then sees a [`BodyTimeout`] error;
+//!   an idle deadline. A handler reading the body then sees a [`super::BodyTimeout`] error;
 //!   the answer is 408 with `Connection: close` (the handler's own 408, such as the
 //!   gateway's OpenAI error JSON, or else a plain one in place of what it answered)
 //!   and the connection closes, freeing its slot.

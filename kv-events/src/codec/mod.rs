@@ -5,7 +5,7 @@
 //! language build messages by name and lets us add optional fields without breaking
 //! older peers: unknown keys are ignored on decode.
 //!
-//! Decoding first walks the bytes once ([`shape`]) and refuses a value that is
+//! Decoding first walks the bytes once (`shape`) and refuses a value that is
 //! truncated, announces more elements or bytes than follow, or nests deeper than
 //! [`MAX_DEPTH`]. Only then does serde see it. Why: serde pre-allocates up to 1 MiB
 //! per announced sequence, and buffers internally tagged enums (`KvCacheEventData`,

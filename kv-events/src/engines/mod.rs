@@ -16,7 +16,7 @@
 //! trailing positional fields and unknown event types are ignored (an unknown type
 //! decodes to [`EngineEvent::Unknown`] so the caller can count it). Block hashes arrive
 //! as msgpack `uint 64` (vLLM), `int 64` (SGLang, often negative) or a 32-byte `bin`
-//! (vLLM with int hashes off); [`hash`] maps each to one [`ExternalBlockHash`].
+//! (vLLM with int hashes off); [`hash`] maps each to one [`crate::ExternalBlockHash`].
 //!
 //! [`groups`] turns vLLM's `group_idx`, `kv_cache_spec_kind` and
 //! `kv_cache_spec_sliding_window` into our [`crate::KvCacheGroup`] (the group's

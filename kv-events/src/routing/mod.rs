@@ -38,7 +38,7 @@ pub use session::{MAX_SESSION_ID_BYTES, SessionId, SessionIdError};
 ///
 /// On the wire: `{"type": "tokens", "token_ids": [...]}` or
 /// `{"type": "blocks", "block_hashes": [...], "num_tokens": n}`, keys in any order,
-/// unknown keys ignored. Decoded without buffering the map ([`prompt`]).
+/// unknown keys ignored. Decoded without buffering the map (`prompt`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Prompt {

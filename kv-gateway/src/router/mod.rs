@@ -154,7 +154,7 @@ impl RouterClient {
         }
     }
 
-    /// Whether a router answers on the route subject (see [`probe`]).
+    /// Whether a router answers on the route subject (see `probe`).
     pub async fn probe(&self) -> bool {
         probe(&self.nats, &self.subjects).await
     }

@@ -17,7 +17,7 @@
 //! - `args`: [`EngineArgs`], the flags of `kv-mocker engines`, made of the groups
 //!   below.
 //! - [`config`]: the service's typed flag groups (connection, fleet, runtime); the
-//!   model's own ([`EngineModelConfig`], [`CpuTierConfig`]) are `engine_model`'s.
+//!   model's own ([`engine_model::EngineModelConfig`], [`engine_model::CpuTierConfig`]) are `engine_model`'s.
 //! - [`disaggregation`]: the workers' role (prefill, decode or both), transfer
 //!   protocol and transfer cost.
 //! - `outbox`: the single ordered publication path to NATS.

@@ -1,8 +1,8 @@
 //! The index flags of `kv-router serve`: memory bound, approximate mode, gap
 //! recovery and the optional JetStream path. They are validated into the indexer's
 //! own [`IndexerConfig`] fields plus the daemon's
-//! [`crate::durability::DurabilityConfig`]; what those settings do is documented in
-//! [`crate::durability`].
+//! `crate::durability::DurabilityConfig`; what those settings do is documented in
+//! `crate::durability`.
 //!
 //! The `--index-backend` flag is gone with the sharded backend it chose: the flag
 //! and its config-file key (`[indexer] index-backend`) are refused by clap and the

@@ -13,7 +13,7 @@
 //! - this file: [`ServeArgs`] (every `serve` flag), [`DaemonConfig`] and its
 //!   validation, [`serve_command`].
 //! - `error`: [`ConfigError`], the one error of every flag group.
-//! - [`file`]: the TOML file under environment and flags; `config print` and
+//! - [`mod@file`]: the TOML file under environment and flags; `config print` and
 //!   `config reference`.
 //! - `scheduling`: the queue and replica flags, with the scheduler's own flags
 //!   (`scheduler::args`: policy and knobs, liveness, calibration, sessions, load
@@ -42,7 +42,7 @@ use scheduler::SchedulerConfig;
 use std::path::PathBuf;
 
 /// `kv-router serve` flags. Each flag can also be set by the environment variable named
-/// in its help text, and by the TOML file of `--config` (see [`file`]):
+/// in its help text, and by the TOML file of `--config` (see [`mod@file`]):
 /// command line over environment over file over built-in default. The help heading of
 /// a flag is its TOML table.
 #[derive(Debug, Clone, Args)]
@@ -159,7 +159,7 @@ pub struct DaemonConfig {
 }
 
 /// The `serve` command: every setting the file, environment and flags can set (for
-/// [`file`]'s layering, `config print` and `config reference`).
+/// [`mod@file`]'s layering, `config print` and `config reference`).
 pub fn serve_command() -> clap::Command {
     ServeArgs::augment_args(clap::Command::new("serve"))
 }
