@@ -194,7 +194,6 @@ impl Scheduler {
             candidates: &self.candidates,
             batch_remaining: ask.batch_remaining,
             timing_scales: &self.scales,
-            idle_twins: 0,
             delay_cap_gate: None,
         };
         let choice = self.selector.select(ask.policy, &ctx).ok()?;

@@ -16,8 +16,9 @@
 //! else the drawn one found in the touched ranks' bit set), which stands for all `k`
 //! idle ranks:
 //! - the fleet-wide figures of `predicted-ttft` are the same with one zero-backlog
-//!   candidate as with `k` (the smallest backlog; the delay cap's mean backlog is
-//!   given the `k − 1` left out, [`crate::policy::SelectContext::idle_twins`]);
+//!   candidate as with `k` (the smallest backlog; the decision counts the `k − 1`
+//!   left out in the delay cap's mean backlog and hands the policy its gate,
+//!   [`crate::policy::SelectContext::delay_cap_gate`]);
 //! - when the stand-in ties with the lowest cost, the choice is drawn again over
 //!   the tie set with the stand-in weighted `k`, so the choice stays uniform among
 //!   every rank of the exact-tie set, as the full scan's.
@@ -75,10 +76,9 @@ pub(crate) struct StandIn {
     /// `None` when every registered rank is touched.
     rank: Option<WorkerRank>,
     idle: usize,
-    /// The delay cap's gate, when ranks priced apart were left out of the
-    /// candidates (they still count in its mean); `None`: decided from the
-    /// candidates and the idle twins.
-    delay_cap_gate: Option<bool>,
+    /// The delay cap's gate, decided over the candidates and the ranks left out of
+    /// them: the stand-in's idle twins and the ranks priced apart and dropped.
+    delay_cap_gate: bool,
 }
 
 /// Scratch of the ranks a stand-in decision prices apart (`Scheduler::price_apart`).
@@ -125,7 +125,7 @@ impl Scheduler {
             self.gather_candidates(req, overlaps, block_ids, now, Side::Whole)?;
         }
         let (stand_in, delay_cap_gate) = match shortcut {
-            Some(Shortcut::StandIn(s)) => (Some(s), s.delay_cap_gate),
+            Some(Shortcut::StandIn(s)) => (Some(s), Some(s.delay_cap_gate)),
             Some(Shortcut::Bounded { delay_cap_gate }) => (None, Some(delay_cap_gate)),
             None => (None, None),
         };
@@ -136,7 +136,6 @@ impl Scheduler {
             candidates: &self.candidates,
             batch_remaining: ask.batch_remaining,
             timing_scales: &self.scales,
-            idle_twins: stand_in.map_or(0, StandIn::twins),
             delay_cap_gate,
         };
         let mut choice = self.selector.select(policy, &ctx)?;
@@ -221,7 +220,7 @@ impl Scheduler {
         let mut stand_in = StandIn {
             rank,
             idle: n - touched.len(),
-            delay_cap_gate: None,
+            delay_cap_gate: false,
         };
         if let Some(rank) = rank
             && let Err(at) = touched.binary_search(&rank)
@@ -234,7 +233,9 @@ impl Scheduler {
         self.candidates.clear();
         self.tiers.clear();
         let mut seen = Seen::default();
-        let mut left_out = (0usize, 0u64);
+        // Left out of the candidates but counted in the delay cap's mean backlog: the
+        // stand-in's idle twins (no backlog), then the ranks priced apart and dropped.
+        let mut left_out = (stand_in.twins(), 0u64);
         for (&r, priced) in touched.iter().zip(&apart.priced) {
             match priced {
                 None => self.consider(r, req, overlaps, block_ids, now, Side::Whole, &mut seen),
@@ -253,14 +254,11 @@ impl Scheduler {
         self.touched = touched;
         self.apart = apart;
         self.finish_candidates(req, seen)?;
-        if left_out.0 > 0 {
-            stand_in.delay_cap_gate = Some(config.delay_cap.applies_with_left_out(
-                self.candidates.iter().map(|c| c.load.active_prefill_tokens),
-                stand_in.twins(),
-                left_out,
-                config.timing.max_num_batched_tokens,
-            ));
-        }
+        stand_in.delay_cap_gate = config.delay_cap.applies_with_left_out(
+            self.candidates.iter().map(|c| c.load.active_prefill_tokens),
+            left_out,
+            config.timing.max_num_batched_tokens,
+        );
         Ok(Some(Shortcut::StandIn(stand_in)))
     }
 

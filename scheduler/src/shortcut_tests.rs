@@ -124,7 +124,6 @@ fn full_scan(
         candidates: &s.candidates,
         batch_remaining: 1,
         timing_scales: &s.scales,
-        idle_twins: 0,
         delay_cap_gate: None,
     };
     s.selector.select(&policy, &ctx).unwrap();

@@ -80,14 +80,11 @@ pub struct SelectContext<'a> {
     /// `predicted-ttft`; empty when calibration is off (every rank then uses the
     /// configured model).
     pub timing_scales: &'a [TimingScale],
-    /// Registered ranks left out of `candidates` because one idle candidate stands
-    /// for them (no booking, report, calibration state or overlap: the same cost);
-    /// they still count in fleet-wide figures (the delay cap's mean backlog). 0
-    /// outside the scheduler's shortcut.
-    pub idle_twins: usize,
     /// Whether `predicted-ttft`'s delay cap applies, when the caller decided it over
-    /// ranks left out of `candidates` (the scheduler's bounded search); `None`:
-    /// decide from `candidates` and `idle_twins`.
+    /// registered ranks left out of `candidates` (the scheduler's shortcuts: idle
+    /// ranks one candidate stands for, ranks priced apart, ranks a cost bound
+    /// excluded), which still count in its mean backlog; `None`: decide from
+    /// `candidates`.
     pub delay_cap_gate: Option<bool>,
 }
 

@@ -79,32 +79,21 @@ impl DelayCap {
     /// Whether the cap applies to a decision whose candidates hold `pending` in-flight
     /// prefill tokens each, at `budget` tokens per step.
     pub fn applies(&self, pending: impl ExactSizeIterator<Item = u64>, budget: u64) -> bool {
-        self.applies_with_idle(pending, 0, budget)
+        self.applies_with_left_out(pending, (0, 0), budget)
     }
 
-    /// [`Self::applies`] over `pending` and `idle` more ranks with no in-flight
-    /// prefill (the idle ranks a shortcut decision stands for with one candidate).
-    pub fn applies_with_idle(
-        &self,
-        pending: impl ExactSizeIterator<Item = u64>,
-        idle: usize,
-        budget: u64,
-    ) -> bool {
-        self.applies_with_left_out(pending, idle, (0, 0), budget)
-    }
-
-    /// [`Self::applies_with_idle`] with `left_out.0` more ranks holding `left_out.1`
-    /// in-flight prefill tokens in all: the candidates a shortcut decision priced
-    /// apart and dropped, knowing they cannot be chosen. The sum is exact in `f64`
-    /// (integers below 2⁵³), so it does not depend on the order the ranks are added.
+    /// [`Self::applies`] with `left_out.0` more ranks holding `left_out.1` in-flight
+    /// prefill tokens in all, which a shortcut decision kept out of its candidates
+    /// knowing they cannot be chosen: the idle ranks its stand-in stands for (none)
+    /// and the ranks it priced apart and dropped. The sum is exact in `f64` (integers
+    /// below 2⁵³), so it does not depend on the order the ranks are added.
     pub(crate) fn applies_with_left_out(
         &self,
         pending: impl ExactSizeIterator<Item = u64>,
-        idle: usize,
         left_out: (usize, u64),
         budget: u64,
     ) -> bool {
-        let n = pending.len() + idle + left_out.0;
+        let n = pending.len() + left_out.0;
         if !self.enabled || n == 0 {
             return false;
         }

@@ -351,7 +351,6 @@ pub(crate) mod test_support {
             candidates,
             batch_remaining: 1,
             timing_scales: &[],
-            idle_twins: 0,
             delay_cap_gate: None,
         }
     }

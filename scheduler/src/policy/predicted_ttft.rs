@@ -402,13 +402,9 @@ pub(super) fn select(
     );
     let cap = &config.delay_cap;
     let pending = ctx.candidates.iter().map(|c| c.load.active_prefill_tokens);
-    let applies = ctx.delay_cap_gate.unwrap_or_else(|| {
-        cap.applies_with_idle(
-            pending,
-            ctx.idle_twins,
-            config.timing.max_num_batched_tokens,
-        )
-    });
+    let applies = ctx
+        .delay_cap_gate
+        .unwrap_or_else(|| cap.applies(pending, config.timing.max_num_batched_tokens));
     if applies {
         // The request's own predicted TTFT: no credit beyond its own saving.
         let plain = PredictedTtftConfig {
