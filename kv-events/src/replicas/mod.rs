@@ -11,6 +11,11 @@
 //! batch lists its steps in order, so a replica always sees a request's booking
 //! before its later steps.
 //!
+//! A replica publishes its steps only once it has heard another replica (any of
+//! these messages under another [`RouterId`]); alone it publishes only an empty
+//! batch, its hello, when it starts, and one more whenever it hears a replica for
+//! the first time, so every pair of replicas hears each other.
+//!
 //! A replica that starts while others are serving also needs the bookings they made
 //! before it subscribed. It publishes one [`SnapshotRequest`] on
 //! `{ns}.router.sequences.snapshot` with a reply inbox; every other replica answers

@@ -9,7 +9,7 @@
 
 use super::common::latency_buckets;
 use super::registrar::Registrar;
-use prometheus::{Histogram, IntCounter, IntCounterVec};
+use prometheus::{Histogram, IntCounter, IntCounterVec, IntGauge};
 use std::sync::OnceLock;
 
 /// Admission's counters, handed to the wait queue, the replica sync and the expiry
@@ -80,9 +80,11 @@ impl QueueOutcomes {
 #[derive(Clone)]
 pub struct SyncMetrics {
     /// `kv_router_sequence_sync_total{direction, outcome}`, in steps (a sync
-    /// message carries one or more). Out: `queued`, `dropped` (outbox full),
-    /// `published`, `failed`. In: `applied`, `duplicate` (already applied), `own`
-    /// (our own message, ignored), `rejected` (e.g. unknown rank), and `malformed`
+    /// message carries one or more). Out: `queued` (only once a peer has been
+    /// heard), `dropped` (outbox full), `published`, `failed`, and `announced` (empty
+    /// batches: the hello at start-up and the answers to peers heard for the first
+    /// time). In: `applied`, `duplicate` (already applied), `own` (our own message,
+    /// ignored), `rejected` (e.g. unknown rank), and `malformed`
     /// (in messages). Start-up snapshot, `snapshot_out` (answering a peer):
     /// `answered` (requests), `published` and `failed` (reply chunks);
     /// `snapshot_in` (our own snapshot): `applied`, `duplicate` (already known from
@@ -95,6 +97,10 @@ pub struct SyncMetrics {
     /// applied the whole message, by the two hosts' clocks (a clock behind the
     /// peer's records 0).
     pub lag: Histogram,
+    /// `kv_router_replica_peers_heard`: distinct peer replicas (router ids) this
+    /// replica has heard from since it started; 0 on a lone replica, which then
+    /// publishes no sync steps.
+    pub peers: IntGauge,
     /// The handles of the counts made per routed request ([`HOT`]), resolved at
     /// first use: a label lookup hashes the labels under the vector's lock.
     hot: std::sync::Arc<[OnceLock<IntCounter>; HOT.len()]>,
@@ -121,6 +127,11 @@ impl SyncMetrics {
                  deciding its first step to this replica having applied it, by the two \
                  hosts' clocks, in seconds",
                 latency_buckets(),
+            )?,
+            peers: r.gauge(
+                "kv_router_replica_peers_heard",
+                "Distinct peer router replicas heard from since start-up; a replica \
+                 publishes its sync steps only once it has heard one",
             )?,
             hot: std::sync::Arc::default(),
         })

@@ -242,6 +242,7 @@ pub fn apply_reply(
     if reply.router_id == replicas.router_id() {
         return;
     }
+    replicas.heard_from(reply.router_id);
     let peer = summary.peers.entry(reply.router_id).or_default();
     peer.0 += 1;
     peer.1 |= reply.last;
@@ -378,6 +379,8 @@ async fn answer(
     if request.router_id == replicas.router_id() {
         return;
     }
+    // Before the answer's instant: every step after it is then published.
+    replicas.heard_from(request.router_id);
     let Some(reply_to) = message.reply.clone() else {
         counters.message(MessageKind::SequenceSnapshot, Outcome::Rejected);
         warn!(subject, router_id = %request.router_id, "replica snapshot request without a reply inbox skipped");

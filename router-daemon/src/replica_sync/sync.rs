@@ -5,14 +5,16 @@
 //! Applying a peer's message takes the scheduler lock once per step and may release
 //! waiters once per message; publishing is one NATS publish per publisher wake-up,
 //! carrying every step queued by then (a [`SequenceSyncBatch`]), from one task so
-//! the order holds.
+//! the order holds. Steps are queued only once a peer has been heard; the publisher
+//! says hello (an empty batch) when it starts and again when a new peer is heard
+//! (see "Silence until a peer speaks" in [`crate::replicas`]).
 
 use crate::admission::Admission;
 use crate::gate::admit;
 use crate::metrics::SyncMetrics;
 use crate::metrics::counters::{Counters, MessageKind, Outcome};
 use crate::replicas::bookings::booked_event;
-use crate::replicas::{QueuedStep, unix_micros};
+use crate::replicas::{QueuedStep, Replicas, unix_micros};
 use anyhow::Context;
 use kv_cluster::nats::NatsConfig;
 use kv_events::limits::Limits;
@@ -93,67 +95,111 @@ pub(crate) async fn start(
     kv_cluster::barrier::server_barrier_between(&nats, main)
         .await
         .context("syncing the sequence sync subscription with NATS")?;
-    let (admission, counters) = (admission.clone(), counters.clone());
+    let (applying, counters) = (admission.clone(), counters.clone());
     thread.spawn(
         tasks,
         crate::intake::serve_with(peers, stop.child_token(), move |subject, payload| {
-            handle_sync(&admission, &counters, &limits, subject, payload)
+            handle_sync(&applying, &counters, &limits, subject, payload)
         }),
     );
-    thread.spawn(
-        tasks,
-        publish(
-            nats,
-            subject,
-            replicas.router_id(),
-            outbox,
-            replicas.metrics().clone(),
-            stop.child_token(),
-        ),
-    );
+    let publisher = Publisher {
+        client: nats,
+        subject,
+        router_id: replicas.router_id(),
+        metrics: replicas.metrics().clone(),
+    };
+    let admission = admission.clone();
+    let stop = stop.child_token();
+    thread.spawn(tasks, async move {
+        publisher.run(&admission.replicas, outbox, stop).await;
+    });
     info!(router_id = %replicas.router_id(), "sequence sync with peer replicas on");
     Ok(())
 }
 
-/// Publishes queued steps on `subject` in order until `stop`, then publishes what is
-/// still queued, flushes the connection (bounded by [`crate::nats::DRAIN_TIMEOUT`])
-/// and returns. Each wake-up publishes one [`SequenceSyncBatch`] of every step queued
-/// by then ([`next_batch`]); the `out` counters count steps.
-pub(crate) async fn publish(
+/// This replica's sync publications: its steps, its hello and its announcement.
+struct Publisher {
     client: async_nats::Client,
     subject: String,
     router_id: RouterId,
-    mut outbox: mpsc::Receiver<QueuedStep>,
     metrics: SyncMetrics,
-    stop: CancellationToken,
-) {
-    loop {
-        let first = tokio::select! {
-            biased;
-            step = outbox.recv() => step,
-            () = stop.cancelled() => None,
-        };
-        let Some(first) = first.or_else(|| outbox.try_recv().ok()) else {
-            if tokio::time::timeout(crate::nats::DRAIN_TIMEOUT, client.flush())
-                .await
-                .is_err()
-            {
-                warn!("the last sequence sync messages may be lost: flush timed out");
-            }
-            return;
-        };
-        let batch = next_batch(router_id, first, &mut outbox);
-        let steps = batch.steps.len() as u64;
-        match encode(&batch) {
-            Ok(bytes) => {
-                if let Err(e) = client.publish(subject.clone(), bytes.into()).await {
-                    warn!(error = %e, steps, "failed to publish sequence sync");
-                    metrics.count_steps("out", "failed", steps);
-                } else {
-                    metrics.count_steps("out", "published", steps);
+}
+
+impl Publisher {
+    /// Publishes this replica's hello (an empty batch), then queued steps in order
+    /// until `stop`, and one more empty batch whenever a new peer is heard; at `stop`
+    /// publishes what is still queued, flushes the connection (bounded by
+    /// [`crate::nats::DRAIN_TIMEOUT`]) and returns. Each wake-up publishes one
+    /// [`SequenceSyncBatch`] of every step queued by then ([`next_batch`]); the `out`
+    /// counters count steps, and `announced` the empty batches.
+    async fn run(
+        &self,
+        replicas: &Replicas,
+        mut outbox: mpsc::Receiver<QueuedStep>,
+        stop: CancellationToken,
+    ) {
+        self.announce().await;
+        loop {
+            let first = tokio::select! {
+                biased;
+                step = outbox.recv() => step,
+                () = replicas.new_peer_heard() => {
+                    self.announce().await;
+                    continue;
                 }
+                () = stop.cancelled() => None,
+            };
+            let Some(first) = first.or_else(|| outbox.try_recv().ok()) else {
+                if tokio::time::timeout(crate::nats::DRAIN_TIMEOUT, self.client.flush())
+                    .await
+                    .is_err()
+                {
+                    warn!("the last sequence sync messages may be lost: flush timed out");
+                }
+                return;
+            };
+            let batch = next_batch(self.router_id, first, &mut outbox);
+            let steps = batch.steps.len() as u64;
+            if self.send(&batch).await {
+                self.metrics.count_steps("out", "published", steps);
+            } else {
+                self.metrics.count_steps("out", "failed", steps);
             }
-            Err(e) => warn!(error = %e, steps, "failed to encode sequence sync"),
+        }
+    }
+
+    /// Publishes an empty batch: this replica's hello, or its answer to peers heard
+    /// for the first time.
+    async fn announce(&self) {
+        let hello = SequenceSyncBatch {
+            router_id: self.router_id,
+            steps: Vec::new(),
+            queued_at_us: None,
+        };
+        if self.send(&hello).await {
+            self.metrics.count("out", "announced");
+        }
+    }
+
+    /// Encodes and publishes one batch; false (logged) when it could not be sent.
+    async fn send(&self, batch: &SequenceSyncBatch) -> bool {
+        let steps = batch.steps.len();
+        match encode(batch) {
+            Ok(bytes) => match self
+                .client
+                .publish(self.subject.clone(), bytes.into())
+                .await
+            {
+                Ok(()) => true,
+                Err(e) => {
+                    warn!(error = %e, steps, "failed to publish sequence sync");
+                    false
+                }
+            },
+            Err(e) => {
+                warn!(error = %e, steps, "failed to encode sequence sync");
+                false
+            }
         }
     }
 }
@@ -209,6 +255,7 @@ pub fn handle_sync(
             .count_steps("in", "own", msg.steps.len() as u64);
         return;
     }
+    replicas.heard_from(msg.router_id);
     let (mut frees_load, mut booking) = (false, false);
     for step in msg.steps {
         let (frees, booked) = apply_step(admission, counters, subject, msg.router_id, step);

@@ -36,6 +36,19 @@
 //! frontend before the owner's `booked`. A `booked` that finds the request already
 //! known (learned from a snapshot reply first) is counted as a duplicate.
 //!
+//! Silence until a peer speaks: a replica queues no step for publication until it
+//! has heard from another replica ([`Replicas::heard_from`]: a sync message, a
+//! snapshot request or a snapshot reply under another router id), so a lone replica
+//! spends nothing on sync. Each replica publishes one empty batch when its sync
+//! starts (its hello) and another whenever it hears a replica for the first time,
+//! so two replicas always hear each other, whichever started first and whether or
+//! not either asked for a snapshot (an empty batch answers each new peer once, so
+//! the exchange ends). Nothing is lost to the silence: what a replica booked before
+//! it heard a peer is in its answer to that peer's snapshot request, and it hears
+//! the request before it answers it, so every step after the answer is published.
+//! Only a peer that starts without a snapshot request misses the bookings made
+//! before its hello was heard, as it misses every earlier booking.
+//!
 //! Costs: one small message per booking and per lifecycle step of a replica's own
 //! requests at low load, fanned out to every replica; under load one message per
 //! publisher wake-up carries all the steps queued since the last (up to 64 KiB), so
@@ -69,15 +82,19 @@ use kv_events::routing::SessionId;
 use kv_events::{RequestId, RouterId, WorkerRank};
 use scheduler::{PrefillLoadHint, ScheduleRequest, Selection};
 use serde::{Deserialize, Serialize};
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::sync::{Notify, mpsc};
-use tracing::warn;
+use tracing::{info, warn};
 
 /// Outbound sync messages buffered before the publisher task; beyond this they are
 /// dropped (and counted).
 const OUTBOX_CAPACITY: usize = 8192;
+
+/// Peer router ids remembered; beyond this the set starts over.
+const MAX_PEERS: usize = 1024;
 
 /// A step in the outbox, with when it was queued: the moment this replica decided
 /// it, in microseconds since the Unix epoch (a batch carries its first step's, so
@@ -102,8 +119,9 @@ pub struct ReplicaConfig {
     /// This replica's id; must differ between replicas of a namespace. Default:
     /// random at start-up.
     pub router_id: RouterId,
-    /// Publish own bookings and apply peers'. Turn off only for a single replica
-    /// that wants no sync traffic. Default true.
+    /// Publish own bookings (once another replica has been heard) and apply peers'.
+    /// A lone replica publishes only its hello, so turning this off saves little;
+    /// turn it off only for a replica that must not share its load. Default true.
     pub sync: bool,
     /// How long a starting replica collects its peers' answers to its snapshot
     /// request (with sync on); zero sends none. Default 500 ms.
@@ -142,6 +160,15 @@ pub struct Replicas {
     /// Prefill-done and freed steps seen while recording. Locked on its own before
     /// the scheduler lock, or under it (scheduler first).
     recent: Mutex<RecentSteps>,
+    /// Whether another replica has spoken (a sync message, a snapshot request or a
+    /// snapshot reply under another router id). Until then no step is queued for
+    /// publication: nobody would apply it.
+    peer_heard: AtomicBool,
+    /// The peers heard so far, by router id (at most [`MAX_PEERS`]).
+    peers: Mutex<HashSet<RouterId>>,
+    /// Woken when a peer is heard for the first time, for the publisher to announce
+    /// this replica to it.
+    announce: Notify,
 }
 
 impl Replicas {
@@ -157,6 +184,9 @@ impl Replicas {
             prune: Notify::new(),
             recording: AtomicBool::new(false),
             recent: Mutex::new(RecentSteps::default()),
+            peer_heard: AtomicBool::new(false),
+            peers: Mutex::new(HashSet::new()),
+            announce: Notify::new(),
         }
     }
 
@@ -211,7 +241,7 @@ impl Replicas {
         prefill: PrefillLoadHint,
         session_id: Option<SessionId>,
     ) {
-        let booked = BookedSequence {
+        let booked = Arc::new(BookedSequence {
             worker_id: rank.worker_id,
             dp_rank: rank.dp_rank,
             block_hashes: request.block_hashes.clone(),
@@ -221,14 +251,14 @@ impl Replicas {
                 .expected_prefill_duration
                 .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
             session_id,
-        };
-        if self
-            .own_bookings()
-            .insert(id.clone(), Arc::new(booked.clone()))
-        {
+        });
+        let publish = self.peer_heard().then(|| BookedSequence::clone(&booked));
+        if self.own_bookings().insert(id.clone(), booked) {
             self.prune.notify_one();
         }
-        self.send(id, SequenceUpdate::Booked(booked));
+        if let Some(booked) = publish {
+            self.send(id, SequenceUpdate::Booked(booked));
+        }
     }
 
     /// Queues a lifecycle step of one of our own requests. Call under the scheduler
@@ -240,7 +270,55 @@ impl Replicas {
         if update == SequenceUpdate::Freed {
             self.own_bookings().remove(request_id);
         }
-        self.send(request_id.clone(), update);
+        if self.peer_heard() {
+            self.send(request_id.clone(), update);
+        }
+    }
+
+    /// Whether another replica has been heard from, so our steps are published.
+    pub(crate) fn peer_heard(&self) -> bool {
+        self.peer_heard.load(Ordering::Acquire)
+    }
+
+    /// Notes that replica `peer` spoke: a sync message, a snapshot request or a
+    /// snapshot reply carried its id. The first time a peer (not us) is heard, this
+    /// replica starts queueing its steps for publication; each time a new one is
+    /// heard, the publisher announces this replica (so a peer that started without a
+    /// snapshot request learns of it too, and a peer hearing our announcement for
+    /// the first time answers it once: the exchange ends). Call it before answering
+    /// a snapshot request (before the scheduler lock is taken): every step after the
+    /// answer's instant is then published.
+    pub(crate) fn heard_from(&self, peer: RouterId) {
+        if peer == self.config.router_id {
+            return;
+        }
+        let heard = {
+            let mut peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
+            if peers.len() >= MAX_PEERS && !peers.contains(&peer) {
+                // Ids of replicas long gone (each restart draws one): start over;
+                // live peers are re-added by their next message, at the cost of one
+                // more announcement each.
+                peers.clear();
+            }
+            let new = peers.insert(peer);
+            self.metrics.peers.set(peers.len() as i64);
+            new
+        };
+        if !heard {
+            return;
+        }
+        if self.peer_heard.swap(true, Ordering::AcqRel) {
+            info!(%peer, "heard from another peer replica");
+        } else {
+            info!(%peer, "heard from a peer replica: publishing this replica's bookings and steps from now on");
+        }
+        self.announce.notify_one();
+    }
+
+    /// Resolves when a peer was heard for the first time since this was last
+    /// awaited (several such peers may resolve it once).
+    pub(crate) async fn new_peer_heard(&self) {
+        self.announce.notified().await;
     }
 
     /// Our own in-flight bookings (possibly with stale entries: requests dropped with

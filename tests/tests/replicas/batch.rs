@@ -5,7 +5,7 @@
 
 use super::{REQUESTS, WAIT, request_prompt, setup};
 use futures::StreamExt as _;
-use integration_tests::eventually;
+use integration_tests::{TestCluster, eventually};
 use kv_events::replicas::{
     BookedSequence, SequenceStep, SequenceSync, SequenceSyncBatch, SequenceUpdate,
 };
@@ -29,18 +29,10 @@ fn peer_booking(id: &str) -> SequenceStep {
     }
 }
 
-#[tokio::test]
-async fn a_replica_publishes_its_steps_in_batches_and_applies_both_forms() -> anyhow::Result<()> {
-    let (cluster, daemons) = setup(1, true).await?;
-    let daemon = &daemons[0];
-    let subject = cluster.subjects.sequences();
-    let mut sync = cluster.nats.subscribe(subject.clone()).await?;
-    kv_cluster::barrier::server_barrier(&cluster.nats).await?;
-
-    // Route concurrently, then free everything: 2 steps per request.
-    let cluster = &cluster;
+/// Routes `REQUESTS` requests named `{prefix}{i}` concurrently, then frees them all.
+async fn route_and_free(cluster: &TestCluster, prefix: &str) -> anyhow::Result<()> {
     let routes = (0..REQUESTS).map(|i| async move {
-        let id = format!("r{i}");
+        let id = format!("{prefix}{i}");
         cluster.route_tokens(&id, request_prompt(i)).await
     });
     for reply in futures::future::join_all(routes).await {
@@ -51,26 +43,74 @@ async fn a_replica_publishes_its_steps_in_batches_and_applies_both_forms() -> an
     }
     for i in 0..REQUESTS {
         let freed = LifecycleMessage {
-            request_id: format!("r{i}").into(),
+            request_id: format!("{prefix}{i}").into(),
             event: LifecycleEvent::Freed,
         };
         (cluster.nats)
             .publish(cluster.subjects.lifecycle(), encode(&freed)?.into())
             .await?;
     }
+    Ok(())
+}
 
+#[tokio::test]
+async fn a_replica_publishes_its_steps_in_batches_and_applies_both_forms() -> anyhow::Result<()> {
+    let (cluster, daemons) = setup(1, true).await?;
+    let daemon = &daemons[0];
+    let metrics = daemon.state().admission.replicas.metrics();
+    let subject = cluster.subjects.sequences();
+    let mut sync = cluster.nats.subscribe(subject.clone()).await?;
+    kv_cluster::barrier::server_barrier(&cluster.nats).await?;
+    // The replica's next message, past this test's own (echoed) as peer 7.
+    let mut next = async || -> anyhow::Result<SequenceSyncBatch> {
+        loop {
+            let msg = tokio::time::timeout(WAIT, sync.next())
+                .await?
+                .ok_or_else(|| anyhow::anyhow!("sync subscription ended"))?;
+            // The batch form: not the single step of older replicas.
+            assert!(decode::<SequenceSync>(&msg.payload).is_err());
+            let batch: SequenceSyncBatch = decode(&msg.payload)?;
+            if batch.router_id != RouterId(7) {
+                assert_eq!(batch.router_id, RouterId(100));
+                return Ok(batch);
+            }
+        }
+    };
+
+    // Alone, the replica said hello at start-up and queues none of its steps.
+    route_and_free(&cluster, "alone").await?;
+    eventually("the lone replica's frees", WAIT, || async {
+        (daemon.state().scheduler().active_requests() == 0).then_some(())
+    })
+    .await?;
+    assert_eq!(metrics.get("out", "announced"), 1, "the hello");
+    assert_eq!(metrics.get("out", "queued"), 0);
+
+    // A peer says hello: the replica answers with an empty batch of its own, ahead
+    // of any step (none was queued while it was alone).
+    let hello = SequenceSyncBatch {
+        router_id: RouterId(7),
+        steps: vec![],
+        queued_at_us: None,
+    };
+    (cluster.nats)
+        .publish(subject.clone(), encode(&hello)?.into())
+        .await?;
+    assert_eq!(
+        next().await?.steps,
+        vec![],
+        "the answer to the peer's hello"
+    );
+    assert_eq!(metrics.get("out", "announced"), 2);
+
+    // Route concurrently, then free everything: 2 steps per request, now published.
     // Every message is the batch form, from this replica; each request's booking
     // comes before its free.
+    route_and_free(&cluster, "r").await?;
     let mut seen: HashMap<RequestId, Vec<&'static str>> = HashMap::new();
     let (mut messages, mut steps) = (0, 0);
     while steps < 2 * REQUESTS {
-        let msg = tokio::time::timeout(WAIT, sync.next())
-            .await?
-            .ok_or_else(|| anyhow::anyhow!("sync subscription ended"))?;
-        // The batch form: not the single step of older replicas.
-        assert!(decode::<SequenceSync>(&msg.payload).is_err());
-        let batch: SequenceSyncBatch = decode(&msg.payload)?;
-        assert_eq!(batch.router_id, RouterId(100));
+        let batch = next().await?;
         messages += 1;
         steps += batch.steps.len();
         for step in batch.steps {
@@ -88,8 +128,12 @@ async fn a_replica_publishes_its_steps_in_batches_and_applies_both_forms() -> an
         seen.values().all(|kinds| kinds == &["booked", "freed"]),
         "each request booked, then freed: {seen:?}"
     );
-    let metrics = daemon.state().admission.replicas.metrics();
     assert_eq!(metrics.get("out", "published"), 2 * REQUESTS as u64);
+    assert_eq!(
+        metrics.get("out", "announced"),
+        2,
+        "one answer, to the first peer"
+    );
 
     // A peer's batch: two bookings and the free of the first, applied in order.
     let batch = SequenceSyncBatch {

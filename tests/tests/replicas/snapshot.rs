@@ -113,6 +113,37 @@ async fn a_late_replica_learns_the_bookings_its_peers_hold() -> anyhow::Result<(
         })
         .await?;
     }
+
+    // C asked no snapshot, but its hello reached A and B, who answered it though
+    // they had heard a peer before: every replica hears the two others, before any
+    // of them routes a request.
+    for daemon in [&a, &b, &c] {
+        let sync = daemon.state().admission.replicas.metrics();
+        eventually("every replica to hear the two others", WAIT, || async {
+            (sync.peers.get() == 2).then_some(())
+        })
+        .await?;
+    }
+    // So what C books reaches both, and C learns what they book.
+    let mut i = BOOKED;
+    while !booked_requests(&c)
+        .values()
+        .any(|(origin, _)| *origin == Origin::Local)
+    {
+        anyhow::ensure!(i < BOOKED + 64, "the queue group never reached C");
+        let reply = cluster
+            .route_tokens(&format!("r{i}"), request_prompt(i))
+            .await?;
+        anyhow::ensure!(matches!(reply, RouteReply::Routed(_)), "{reply:?}");
+        i += 1;
+    }
+    let late = i - BOOKED;
+    for (daemon, known) in [(&a, BOOKED - 1 + late), (&b, BOOKED - 1 + late), (&c, late)] {
+        eventually("the late requests to reach every replica", WAIT, || async {
+            (daemon.state().scheduler().active_requests() == known).then_some(())
+        })
+        .await?;
+    }
     for daemon in [a, b, c] {
         daemon.shutdown().await?;
     }
