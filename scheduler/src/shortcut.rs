@@ -87,6 +87,8 @@ pub(crate) struct PricedApart {
     /// The ranks that must go through `consider`: matched, or not like an
     /// unreported rank (sorted once gathered).
     must: Vec<WorkerRank>,
+    /// The ranks holding the prompt's first block in flight (most often none).
+    holders: Vec<WorkerRank>,
     /// Per touched rank, in order: its candidate and cost when priced apart.
     priced: Vec<Option<(Candidate, f64)>>,
 }
@@ -278,7 +280,9 @@ impl Scheduler {
     /// index, not set apart by its load report (live or never reported, so of the
     /// preferred tier), holds none of the prompt's blocks in flight, and busy
     /// thresholds are off. Cost: one look-up of its booked load and one of its
-    /// calibration, where `consider` and the policy make about seven.
+    /// calibration, where `consider` and the policy make about seven; whether it
+    /// holds the prompt in flight is read once per decision, from the few ranks
+    /// holding the prompt's first block (as the bounded search reads it).
     fn price_apart<O: Overlaps + ?Sized>(
         &self,
         ask: &Ask<'_, O>,
@@ -294,23 +298,25 @@ impl Scheduler {
         let plain = !self.config.busy.enabled();
         let mut best = f64::INFINITY;
         let mut least = (u64::MAX, stand_in);
+        // A rank holds part of the prompt in flight (and is credited for it) exactly
+        // when it holds its first chained block: listed once, not probed per rank.
+        apart.holders.clear();
+        if let Some(&first) = ask.block_ids.first() {
+            (apart.holders).extend(self.sequences.ranks_holding_first(first));
+        }
         apart.priced.clear();
         apart.priced.extend(touched.iter().map(|&r| {
-            if !plain || apart.must.binary_search(&r).is_ok() {
+            if !plain || apart.must.binary_search(&r).is_ok() || apart.holders.contains(&r) {
                 return None;
-            }
-            let (load, new_blocks) =
-                (self.sequences).load_and_new_blocks(r, ask.now, ask.block_ids, req.request_blocks);
-            if new_blocks < req.request_blocks {
-                return None; // holds part of the prompt in flight: credited
             }
             let c = Candidate {
                 rank: r,
                 overlap_blocks: 0,
                 any_tier_blocks: 0,
-                load,
-                new_blocks,
+                load: self.sequences.load(r, ask.now),
+                new_blocks: req.request_blocks,
             };
+            let load = c.load;
             // As `Calibration::timing_scales` gives the policy (none when off).
             let scale = scaled.then(|| self.calibration.own_scale(r).unwrap_or(prior));
             let cost = predicted_ttft::scaled_cost(config, scale, &shape, &c, 0);

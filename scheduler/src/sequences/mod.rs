@@ -29,7 +29,7 @@ use crate::config::SequencesConfig;
 use crate::cost_bound::Changed;
 use crate::error::SchedulerError;
 use kv_events::{LocalBlockHash, RequestId, RouterId, WorkerId, WorkerRank};
-use rank::{BlockIdMap, RankSequences};
+use rank::{BlockIdMap, RankSequences, SparePool};
 use std::collections::{BTreeMap, HashMap};
 use std::time::Instant;
 
@@ -108,6 +108,8 @@ pub struct ActiveSequences {
     /// Only ranks with at least one active request have an entry.
     /// Looked up once per candidate rank per decision: foldhash, not SipHash.
     per_rank: HashMap<WorkerRank, RankSequences, foldhash::fast::RandomState>,
+    /// Aggregates of ranks emptied, for the next ranks booked.
+    spare: SparePool,
     /// (deadline, seq) → request, for expiry in deadline order.
     deadlines: BTreeMap<(Instant, u64), RequestId>,
     next_seq: u64,
@@ -126,6 +128,7 @@ impl ActiveSequences {
             config,
             requests: HashMap::new(),
             per_rank: HashMap::default(),
+            spare: SparePool::default(),
             deadlines: BTreeMap::new(),
             next_seq: 0,
             first_blocks: FirstBlocks::default(),
@@ -201,13 +204,10 @@ impl ActiveSequences {
                 .or_insert(0) += 1;
         }
         self.changed.push(add.rank);
-        self.per_rank.entry(add.rank).or_default().add(
-            seq,
-            &block_ids,
-            private_blocks,
-            add.prefill,
-            now,
-        );
+        let spare = &mut self.spare;
+        let rank = self.per_rank.entry(add.rank);
+        rank.or_insert_with(|| spare.take())
+            .add(seq, &block_ids, private_blocks, add.prefill, now);
         let deadline = now + self.config.request_ttl;
         self.deadlines
             .insert((deadline, seq), add.request_id.clone());
@@ -434,7 +434,9 @@ impl ActiveSequences {
         if rank.holds_one() {
             // Its last request: the aggregate goes whole, with no per-block steps
             // (at light load most frees are a rank's only booking).
-            self.per_rank.remove(&request.rank);
+            if let Some(gone) = self.per_rank.remove(&request.rank) {
+                self.spare.give(gone);
+            }
             return;
         }
         rank.remove(
@@ -444,8 +446,10 @@ impl ActiveSequences {
             request.prefill.initial_effective_prefill_tokens,
             now,
         );
-        if rank.is_empty() {
-            self.per_rank.remove(&request.rank);
+        if rank.is_empty()
+            && let Some(gone) = self.per_rank.remove(&request.rank)
+        {
+            self.spare.give(gone);
         }
     }
 

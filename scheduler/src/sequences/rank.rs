@@ -15,7 +15,9 @@
 //! block map sizes it for its blocks first, so a rank's first booking allocates it once
 //! instead of growing it step by step, and the owner drops the aggregate whole when
 //! its last request leaves instead of stepping through that request's blocks
-//! ([`RankSequences::holds_one`]); reading the projection is O(1).
+//! ([`RankSequences::holds_one`]), into a [`SparePool`] that hands it, emptied but
+//! with its map's capacity, to the next rank booked from idle; reading the
+//! projection is O(1).
 
 use crate::load::{PrefillLoadHint, RankLoad};
 use kv_events::LocalBlockHash;
@@ -53,6 +55,50 @@ fn mix(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)
+}
+
+/// Emptied aggregates, kept with their block maps' capacity for the next rank booked
+/// from idle. Why: at light load most ranks hold a request or two, so each booking
+/// onto an idle rank allocated a block map and a second booking there grew it (a
+/// rehash of every id); the two were ~4% of a route's CPU in the daemon (the route
+/// thread's profile, docs/benchmarks.md). Cost: an emptied map's control bytes are
+/// cleared (1 byte per bucket); at most [`SparePool::MAX_SPARE`] aggregates of at
+/// most [`SparePool::MAX_CAPACITY`] block ids each are kept (~4 MiB at most).
+#[derive(Debug, Default)]
+pub(super) struct SparePool {
+    spare: Vec<RankSequences>,
+}
+
+/// A clone starts with no spares: they are capacity, not state.
+impl Clone for SparePool {
+    fn clone(&self) -> Self {
+        Self::default()
+    }
+}
+
+impl SparePool {
+    /// Most aggregates kept.
+    const MAX_SPARE: usize = 256;
+    /// Largest block map kept, in block ids; larger ones are freed.
+    const MAX_CAPACITY: usize = 1024;
+
+    /// An empty aggregate: a spare one if any.
+    pub(super) fn take(&mut self) -> RankSequences {
+        self.spare.pop().unwrap_or_default()
+    }
+
+    /// Keeps `rank`'s aggregate, emptied, unless the pool is full or its map large.
+    pub(super) fn give(&mut self, mut rank: RankSequences) {
+        if self.spare.len() < Self::MAX_SPARE && rank.shared_blocks.capacity() <= Self::MAX_CAPACITY
+        {
+            let mut blocks = std::mem::take(&mut rank.shared_blocks);
+            blocks.clear();
+            self.spare.push(RankSequences {
+                shared_blocks: blocks,
+                ..RankSequences::default()
+            });
+        }
+    }
 }
 
 /// One in-flight prefill.

@@ -345,3 +345,33 @@ proptest! {
         prop_assert_eq!(seen.len(), ia.len());
     }
 }
+
+/// A rank emptied leaves its aggregate to the next rank booked from idle: that rank
+/// starts from nothing (no block, prefill or count of the old one), by either way
+/// a rank empties (its last request, or a request freed after others).
+#[test]
+fn an_emptied_ranks_aggregate_serves_the_next_rank_from_nothing() {
+    let t = Instant::now();
+    let mut s = seqs(true);
+    let fresh = |s: &mut ActiveSequences, req: &str, at: WorkerRank| {
+        s.add_request(add(req, at, &[50, 51], 3, 30), t).unwrap();
+        s.load(at, t)
+    };
+    let expected = fresh(&mut seqs(true), "x", rank(9, 0));
+    // Emptied by its only request.
+    s.add_request(add("a", rank(1, 0), &[1, 2, 3], 8, 100), t)
+        .unwrap();
+    s.free(&id("a"), t).unwrap();
+    assert_eq!(fresh(&mut s, "b", rank(2, 0)), expected);
+    // Emptied after holding two requests, the last freed through its blocks.
+    s.add_request(add("c", rank(3, 0), &[1, 2], 4, 10), t).unwrap();
+    s.add_request(add("d", rank(3, 0), &[1, 7], 4, 20), t).unwrap();
+    s.mark_prefill_completed(&id("c"), t).unwrap();
+    s.free(&id("c"), t).unwrap();
+    s.free(&id("d"), t).unwrap();
+    assert_eq!(s.load(rank(3, 0), t), RankLoad::default());
+    assert_eq!(fresh(&mut s, "e", rank(4, 0)), expected);
+    // The new rank's blocks are its own: a prompt of the old ones is all new there.
+    let ids = chain_block_ids(&[LocalBlockHash(1), LocalBlockHash(2)]);
+    assert_eq!(s.new_blocks(rank(4, 0), &ids, 2), 2);
+}
