@@ -96,6 +96,38 @@ async fn python_route_client_asks_the_router_for_a_worker() {
     .await
     .unwrap();
 
+    // --packed: the same prompt as one bin of little-endian u32s, the same answer.
+    let packed = route_client(
+        &python,
+        &cluster,
+        &[
+            "--tokens",
+            "1000-1049",
+            "--request-id",
+            "py-p",
+            "--packed",
+            "--release",
+        ],
+    )
+    .await;
+    assert_eq!(packed["status"], "routed", "{packed}");
+    assert_eq!(
+        (
+            &packed["worker_id"],
+            &packed["overlap_blocks"],
+            &packed["request_blocks"]
+        ),
+        (&2.into(), &3.into(), &4.into()),
+        "{packed}"
+    );
+    eventually(
+        "the packed request's booking to be released",
+        WAIT,
+        || async { (daemon.state().scheduler().active_requests() == 0).then_some(()) },
+    )
+    .await
+    .unwrap();
+
     // --samples 3: one RouteBatchRequest, three replies in input order.
     let reply = route_client(
         &python,

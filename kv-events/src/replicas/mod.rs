@@ -82,7 +82,9 @@ pub struct BookedSequence {
     /// The chosen data-parallel rank.
     pub dp_rank: DpRank,
     /// The prompt's block hashes, in prefix order (used to count shared prefix blocks
-    /// once when the router assumes KV reuse).
+    /// once when the router assumes KV reuse). Encoded as an array, which every
+    /// replica decodes; decoded from an array or a packed `bin` (`codec::packed`).
+    #[serde(deserialize_with = "crate::codec::packed::deserialize")]
     pub block_hashes: Vec<LocalBlockHash>,
     /// Prompt length in blocks, the partial last block counted.
     pub request_blocks: u32,

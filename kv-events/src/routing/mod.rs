@@ -38,7 +38,9 @@ pub use session::{MAX_SESSION_ID_BYTES, SessionId, SessionIdError};
 ///
 /// On the wire: `{"type": "tokens", "token_ids": [...]}` or
 /// `{"type": "blocks", "block_hashes": [...], "num_tokens": n}`, keys in any order,
-/// unknown keys ignored. Decoded without buffering the map (`prompt`).
+/// unknown keys ignored; each list an array or one `bin` of little-endian integers
+/// (what this crate encodes: `codec::packed`). Decoded without buffering the map
+/// (`prompt`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Prompt {
@@ -47,12 +49,14 @@ pub enum Prompt {
     /// last block is not hashed (it cannot be cached yet) but counts as prefill work.
     Tokens {
         /// Prompt token ids.
+        #[serde(serialize_with = "crate::codec::packed::serialize")]
         token_ids: Vec<u32>,
     },
     /// Ready-made local block hashes, for frontends that hash themselves and for trace
     /// replay (Mooncake traces carry one hash id per 512-token block).
     Blocks {
         /// One hash per block, in prefix order; the last block may be partial.
+        #[serde(serialize_with = "crate::codec::packed::serialize")]
         block_hashes: Vec<LocalBlockHash>,
         /// Prompt length in tokens.
         num_tokens: u64,

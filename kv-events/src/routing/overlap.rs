@@ -39,6 +39,7 @@ pub struct OverlapQuery {
     pub dp_rank: DpRank,
     /// Block hashes of the prompt from its first block, in prompt order, at most
     /// [`MAX_OVERLAP_HASHES`] (more is a `bad_request`).
+    #[serde(with = "crate::codec::packed::hashes")]
     pub block_hashes: Vec<LocalBlockHash>,
 }
 

@@ -17,6 +17,7 @@
 //! serde caps the up-front reservation of each vector.
 
 use super::Prompt;
+use crate::codec::packed::List;
 use crate::ids::LocalBlockHash;
 use serde::Deserialize;
 use serde::de::{self, Deserializer, IgnoredAny, MapAccess, Visitor};
@@ -78,11 +79,11 @@ impl<'de> Visitor<'de> for PromptVisitor {
                 }
                 Field::TokenIds => {
                     vacant(&token_ids, "token_ids")?;
-                    token_ids = Some(map.next_value()?);
+                    token_ids = Some(map.next_value::<List<u32>>()?.0);
                 }
                 Field::BlockHashes => {
                     vacant(&block_hashes, "block_hashes")?;
-                    block_hashes = Some(map.next_value()?);
+                    block_hashes = Some(map.next_value::<List<LocalBlockHash>>()?.0);
                 }
                 Field::NumTokens => {
                     vacant(&num_tokens, "num_tokens")?;
@@ -117,9 +118,11 @@ mod tests {
     #[serde(tag = "type", rename_all = "snake_case")]
     enum Derived {
         Tokens {
+            #[serde(deserialize_with = "crate::codec::packed::deserialize")]
             token_ids: Vec<u32>,
         },
         Blocks {
+            #[serde(deserialize_with = "crate::codec::packed::deserialize")]
             block_hashes: Vec<LocalBlockHash>,
             num_tokens: u64,
         },

@@ -50,6 +50,7 @@ pub struct RemovalsQuery {
     pub after: EventPosition,
     /// Block hashes of the prompt, in prompt order, at most [`MAX_REMOVAL_HASHES`]
     /// (more is a `bad_request`).
+    #[serde(with = "crate::codec::packed::hashes")]
     pub block_hashes: Vec<LocalBlockHash>,
 }
 

@@ -364,8 +364,10 @@ fn an_emptied_ranks_aggregate_serves_the_next_rank_from_nothing() {
     s.free(&id("a"), t).unwrap();
     assert_eq!(fresh(&mut s, "b", rank(2, 0)), expected);
     // Emptied after holding two requests, the last freed through its blocks.
-    s.add_request(add("c", rank(3, 0), &[1, 2], 4, 10), t).unwrap();
-    s.add_request(add("d", rank(3, 0), &[1, 7], 4, 20), t).unwrap();
+    s.add_request(add("c", rank(3, 0), &[1, 2], 4, 10), t)
+        .unwrap();
+    s.add_request(add("d", rank(3, 0), &[1, 7], 4, 20), t)
+        .unwrap();
     s.mark_prefill_completed(&id("c"), t).unwrap();
     s.free(&id("c"), t).unwrap();
     s.free(&id("d"), t).unwrap();
