@@ -20,6 +20,7 @@
 //! with KV reuse) and one aggregate per busy rank; each event is O(log n + blocks);
 //! removing a worker scans the active requests once.
 
+mod in_flight;
 mod rank;
 
 pub use crate::load::{PrefillLoadHint, RankLoad};

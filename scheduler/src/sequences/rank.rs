@@ -1,27 +1,27 @@
 //! The per-rank part of the write model: incremental aggregates over the requests
 //! booked on one (worker, dp_rank), and the derived load projection.
 //!
-//! - Decode blocks: with KV reuse, a refcount per *chained* block id (a block id that
-//!   encodes its whole prefix, see [`chain_block_ids`]), so a prefix shared by several
-//!   active requests counts once; blocks without an id (the partial last block, or
-//!   every block without KV reuse) count per request.
+//! - Decode blocks: with KV reuse, the *chained* block ids (a block id that encodes
+//!   its whole prefix, see [`chain_block_ids`]) the active requests hold, each once
+//!   ([`super::in_flight`]), so a prefix shared by several active requests counts
+//!   once; blocks without an id (the partial last block, or every block without KV
+//!   reuse) count per request.
 //! - Context blocks: every request's blocks, shared or not, counted per request (the
 //!   KV that decode attention reads for each running sequence).
 //! - Prefill: the in-flight prefills in booking order. Only the oldest one decays:
 //!   its load falls linearly from its booked tokens to 0 over its expected duration,
 //!   starting when it became the oldest. The others count in full.
 //!
-//! Every update is O(blocks of the request) hash-map steps — a booking into an empty
-//! block map sizes it for its blocks first, so a rank's first booking allocates it once
-//! instead of growing it step by step, and the owner drops the aggregate whole when
-//! its last request leaves instead of stepping through that request's blocks
-//! ([`RankSequences::holds_one`]), into a [`SparePool`] that hands it, emptied but
-//! with its map's capacity, to the next rank booked from idle; reading the
+//! A booking or free costs O(blocks of the request not shared with another active
+//! request) hash-map steps plus O(log blocks) look-ups; the owner drops the aggregate
+//! whole when its last request leaves instead of stepping through that request's
+//! blocks ([`RankSequences::holds_one`]), into a [`SparePool`] that hands it, emptied
+//! but with its map's capacity, to the next rank booked from idle; reading the
 //! projection is O(1).
 
+use super::in_flight::InFlightBlocks;
 use crate::load::{PrefillLoadHint, RankLoad};
 use kv_events::LocalBlockHash;
-use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap};
 
 /// Hash maps keyed by chained block ids: already well-mixed 64-bit values, hashed on
@@ -89,12 +89,11 @@ impl SparePool {
 
     /// Keeps `rank`'s aggregate, emptied, unless the pool is full or its map large.
     pub(super) fn give(&mut self, mut rank: RankSequences) {
-        if self.spare.len() < Self::MAX_SPARE && rank.shared_blocks.capacity() <= Self::MAX_CAPACITY
-        {
-            let mut blocks = std::mem::take(&mut rank.shared_blocks);
+        if self.spare.len() < Self::MAX_SPARE && rank.blocks.capacity() <= Self::MAX_CAPACITY {
+            let mut blocks = std::mem::take(&mut rank.blocks);
             blocks.clear();
             self.spare.push(RankSequences {
-                shared_blocks: blocks,
+                blocks,
                 ..RankSequences::default()
             });
         }
@@ -112,8 +111,8 @@ struct PendingPrefill {
 #[derive(Debug, Clone, Default)]
 pub(crate) struct RankSequences {
     requests: usize,
-    /// Chained block id → number of active requests holding it.
-    shared_blocks: BlockIdMap<u32>,
+    /// The chained block ids the active requests hold, each once.
+    blocks: InFlightBlocks,
     /// Blocks held by exactly one request each.
     private_blocks: u64,
     /// Σ blocks of every request, shared prefixes counted per request.
@@ -139,14 +138,7 @@ impl RankSequences {
         now: Instant,
     ) {
         self.requests += 1;
-        if self.shared_blocks.is_empty() {
-            // A rank's first booking: one allocation instead of growing step by step.
-            // Later bookings grow it as needed (most of a shared prefix is held).
-            self.shared_blocks.reserve(block_ids.len());
-        }
-        for id in block_ids {
-            *self.shared_blocks.entry(*id).or_insert(0) += 1;
-        }
+        self.blocks.add(block_ids);
         // Saturating: token counts come from the network, and an absurd request must
         // not panic the daemon (it can only distort this rank's aggregate).
         self.private_blocks = self.private_blocks.saturating_add(private_blocks);
@@ -196,15 +188,7 @@ impl RankSequences {
     ) {
         self.finish_prefill(seq, now);
         self.requests = self.requests.saturating_sub(1);
-        for id in block_ids {
-            // One probe per block: the entry is both the decrement and the removal.
-            if let Entry::Occupied(mut refs) = self.shared_blocks.entry(*id) {
-                *refs.get_mut() -= 1;
-                if *refs.get() == 0 {
-                    refs.remove();
-                }
-            }
-        }
+        self.blocks.remove(block_ids);
         self.private_blocks = self.private_blocks.saturating_sub(private_blocks);
         self.context_blocks = self
             .context_blocks
@@ -243,10 +227,7 @@ impl RankSequences {
     /// How many of a request's `request_blocks` blocks would be new decode load here:
     /// its blocks minus the leading chained ids already held by active requests.
     pub fn new_blocks(&self, block_ids: &[u64], request_blocks: u32) -> u32 {
-        let held = block_ids
-            .iter()
-            .take_while(|id| self.shared_blocks.contains_key(id))
-            .count();
+        let held = self.blocks.held(block_ids);
         request_blocks.saturating_sub(u32::try_from(held).unwrap_or(u32::MAX))
     }
 
@@ -254,8 +235,7 @@ impl RankSequences {
     pub fn load(&self, now: Instant) -> RankLoad {
         RankLoad {
             active_prefill_tokens: self.projected_prefill_tokens(now),
-            active_decode_blocks: (self.shared_blocks.len() as u64)
-                .saturating_add(self.private_blocks),
+            active_decode_blocks: (self.blocks.len() as u64).saturating_add(self.private_blocks),
             active_requests: self.requests,
             active_uncached_tokens: self.uncached_tokens,
             active_context_blocks: self.context_blocks,
@@ -365,6 +345,6 @@ mod tests {
         rank.remove(2, &ids_b, 1, 0, t0);
         assert!(rank.is_empty());
         assert_eq!(rank.load(t0), RankLoad::default());
-        assert!(rank.shared_blocks.is_empty());
+        assert_eq!(rank.blocks.len(), 0);
     }
 }

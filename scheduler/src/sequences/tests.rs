@@ -309,6 +309,18 @@ proptest! {
             for (rank, (mut load, ids)) in expected {
                 load.active_decode_blocks += ids.len() as u64;
                 prop_assert_eq!(load, s.load(rank, now));
+                // The prompts' leading blocks held in flight, against the records.
+                for prefix in 0..3u64 {
+                    let hashes: Vec<LocalBlockHash> =
+                        (0..6).map(|i| LocalBlockHash(prefix * 100 + i)).collect();
+                    let chained = chain_block_ids(&hashes);
+                    let held = if reuse {
+                        chained.iter().take_while(|id| ids.contains(id)).count() as u32
+                    } else {
+                        0
+                    };
+                    prop_assert_eq!(s.new_blocks(rank, &chained, 7), 7 - held);
+                }
             }
             prop_assert_eq!(s.per_rank.len(), s.requests.values().map(|r| r.rank).collect::<HashSet<_>>().len());
         }
