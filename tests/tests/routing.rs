@@ -143,6 +143,30 @@ async fn malformed_input_is_counted_skipped_and_loses_nothing() -> anyhow::Resul
         RouteReply::Error(e) => assert_eq!(e.code, RouteErrorCode::BadRequest),
         other => panic!("garbage was routed: {other:?}"),
     }
+    // A packed list that is not whole integers: bad_request, naming the field. (Two
+    // hashes packed in a 16-byte bin, `c4 10`, cut to 12 bytes.)
+    let whole = encode(&kv_events::routing::RouteRequest::new(
+        "partial",
+        kv_events::routing::Prompt::Blocks {
+            block_hashes: vec![kv_events::LocalBlockHash(7); 2],
+            num_tokens: 32,
+        },
+    ))?;
+    let at = whole
+        .windows(2)
+        .position(|w| w == [0xc4, 0x10])
+        .context("the hashes packed in one bin")?;
+    let mut partial = whole.clone();
+    partial[at + 1] = 12;
+    partial.drain(at + 2..at + 6);
+    let reply = nats.request(subjects.route(), partial.into()).await?;
+    match kv_events::decode::<RouteReply>(&reply.payload)? {
+        RouteReply::Error(e) => {
+            assert_eq!(e.code, RouteErrorCode::BadRequest);
+            assert!(e.message.contains("block hashes"), "{}", e.message);
+        }
+        other => panic!("a partial packed list was routed: {other:?}"),
+    }
     let empty = cluster
         .route_tokens("empty", vec![])
         .await
@@ -195,7 +219,7 @@ async fn malformed_input_is_counted_skipped_and_loses_nothing() -> anyhow::Resul
             && c.messages(MessageKind::Events, Outcome::Rejected) == 1
             && c.messages(MessageKind::Metrics, Outcome::Malformed) == 1
             && c.messages(MessageKind::Lifecycle, Outcome::Malformed) == 1
-            && c.messages(MessageKind::Route, Outcome::Malformed) == 1
+            && c.messages(MessageKind::Route, Outcome::Malformed) == 2
             && c.messages(MessageKind::Registration, Outcome::Malformed) == 1
             && c.messages(MessageKind::Registration, Outcome::Rejected) == 1)
             .then_some(())
