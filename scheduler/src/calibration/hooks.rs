@@ -95,7 +95,12 @@ impl Calibration {
     /// gives [`Self::scale`] to the bit, for a decision that reads the prior once.
     pub(crate) fn own_scale(&self, rank: WorkerRank) -> Option<TimingScale> {
         let warmup = u64::from(self.config.warmup_samples);
-        let r = self.ranks.get(&rank).filter(|_| self.config.enabled)?;
+        if !self.config.enabled || (warmup > 0 && self.warmed.is_empty()) {
+            // No rank warmed up yet (a fleet starting, or one whose frontends report
+            // no first token): no look-up, a cache miss per rank at 4,096 ranks.
+            return None;
+        }
+        let r = self.ranks.get(&rank)?;
         (r.rls.samples() >= warmup).then(|| super::to_scale(r.rls.theta()))
     }
 
@@ -113,10 +118,9 @@ impl Calibration {
     /// Whether `rank` is priced apart from the fleet prior (its own estimate, or
     /// calibration off): its multipliers change only with its own samples.
     pub(crate) fn prices_apart(&self, rank: WorkerRank) -> bool {
+        let warmup = u64::from(self.config.warmup_samples);
         !self.config.enabled
-            || self
-                .ranks
-                .get(&rank)
-                .is_some_and(|r| r.rls.samples() >= u64::from(self.config.warmup_samples))
+            || (!(warmup > 0 && self.warmed.is_empty())
+                && (self.ranks.get(&rank)).is_some_and(|r| r.rls.samples() >= warmup))
     }
 }

@@ -352,6 +352,30 @@ fn a_rank_still_warming_up_is_priced_like_the_warmed_up_ones() {
 }
 
 #[test]
+fn without_warm_up_a_ranks_first_sample_prices_it_apart() {
+    // Warm-up 0: every rank with an estimator uses its own multipliers at once
+    // (no rank is ever listed as "warmed up" then, so that list must not decide).
+    let mut c = calibration(0);
+    let t = Instant::now();
+    let t = serve(&mut c, rank(1), 3, 4.0, t);
+    serve(&mut c, rank(2), 3, 1.0, t);
+    let (slow, fast) = (c.report(rank(1)).unwrap(), c.report(rank(2)).unwrap());
+    assert!(slow.scale.prefill > fast.scale.prefill, "{slow:?} {fast:?}");
+    assert_eq!(
+        c.scale(rank(1)),
+        slow.scale,
+        "its own, not the fleet's mean"
+    );
+    assert_eq!(c.scale(rank(2)), fast.scale);
+    assert!(c.prices_apart(rank(1)) && c.prices_apart(rank(2)));
+    // Still warming up with a warm-up of 10: the seed (none warm), no estimate read.
+    let mut c = calibration(10);
+    serve(&mut c, rank(1), 3, 4.0, t);
+    assert_eq!(c.scale(rank(1)), TimingScale::ONE);
+    assert!(!c.prices_apart(rank(1)));
+}
+
+#[test]
 fn bookkeeping_is_bounded_and_off_means_off() {
     let mut c = calibration(1);
     let t = Instant::now();
