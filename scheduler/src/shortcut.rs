@@ -299,14 +299,19 @@ impl Scheduler {
         let mut best = f64::INFINITY;
         let mut least = (u64::MAX, stand_in);
         // A rank holds part of the prompt in flight (and is credited for it) exactly
-        // when it holds its first chained block: listed once, not probed per rank.
+        // when it holds its first chained block: listed once (sorted: a shared system
+        // prompt may be in flight on many ranks), not probed per rank.
         apart.holders.clear();
         if let Some(&first) = ask.block_ids.first() {
             (apart.holders).extend(self.sequences.ranks_holding_first(first));
+            apart.holders.sort_unstable();
         }
         apart.priced.clear();
         apart.priced.extend(touched.iter().map(|&r| {
-            if !plain || apart.must.binary_search(&r).is_ok() || apart.holders.contains(&r) {
+            if !plain
+                || apart.must.binary_search(&r).is_ok()
+                || apart.holders.binary_search(&r).is_ok()
+            {
                 return None;
             }
             let c = Candidate {
