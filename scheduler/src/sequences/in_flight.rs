@@ -26,8 +26,13 @@
 //! and look-ups that miss stop the walk — but may leave a node behind until the
 //! rank's last request leaves and its aggregate goes whole.
 
-use super::rank::BlockIdMap;
+use std::collections::HashMap;
 use std::collections::hash_map::Entry;
+
+/// Hash maps keyed by chained block ids: already well-mixed 64-bit values, hashed on
+/// every booking, free and candidate check, so the hasher is foldhash's fast one
+/// (seeded per process) rather than SipHash, which dominated the scheduler's profile.
+pub(super) type BlockIdMap<V> = HashMap<u64, V, foldhash::fast::RandomState>;
 
 /// One held chained block id.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -29,8 +29,9 @@ pub use rank::chain_block_ids;
 use crate::config::SequencesConfig;
 use crate::cost_bound::Changed;
 use crate::error::SchedulerError;
+use in_flight::BlockIdMap;
 use kv_events::{LocalBlockHash, RequestId, RouterId, WorkerId, WorkerRank};
-use rank::{BlockIdMap, RankSequences, SparePool};
+use rank::{RankSequences, SparePool};
 use std::collections::{BTreeMap, HashMap};
 use std::time::Instant;
 

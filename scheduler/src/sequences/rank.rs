@@ -22,12 +22,8 @@
 use super::in_flight::InFlightBlocks;
 use crate::load::{PrefillLoadHint, RankLoad};
 use kv_events::LocalBlockHash;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
-/// Hash maps keyed by chained block ids: already well-mixed 64-bit values, hashed on
-/// every booking, free and candidate check, so the hasher is foldhash's fast one
-/// (seeded per process) rather than SipHash, which dominated the scheduler's profile.
-pub(super) type BlockIdMap<V> = HashMap<u64, V, foldhash::fast::RandomState>;
 use std::time::{Duration, Instant};
 
 /// Chained block ids of a prompt: id i identifies blocks 0..=i, so two requests share
