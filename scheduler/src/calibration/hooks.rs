@@ -94,14 +94,22 @@ impl Calibration {
     /// the fleet prior, and when calibration is off. With [`Self::prior_scale`] it
     /// gives [`Self::scale`] to the bit, for a decision that reads the prior once.
     pub(crate) fn own_scale(&self, rank: WorkerRank) -> Option<TimingScale> {
+        let r = self.warmed_up(rank).filter(|_| self.config.enabled)?;
+        Some(super::to_scale(r.rls.theta()))
+    }
+
+    /// `rank`'s estimator once it has its own estimate (warmed up, calibration on or
+    /// off). While no rank is warmed up (a fleet starting, or one whose frontends
+    /// report no first token) it answers without a look-up, which costs a cache miss
+    /// per priced rank at 4,096 ranks.
+    fn warmed_up(&self, rank: WorkerRank) -> Option<&super::RankState> {
         let warmup = u64::from(self.config.warmup_samples);
-        if !self.config.enabled || (warmup > 0 && self.warmed.is_empty()) {
-            // No rank warmed up yet (a fleet starting, or one whose frontends report
-            // no first token): no look-up, a cache miss per rank at 4,096 ranks.
+        // With no warm-up every rank with an estimator has its own estimate, and
+        // none is listed in `warmed`.
+        if warmup > 0 && self.warmed.is_empty() {
             return None;
         }
-        let r = self.ranks.get(&rank)?;
-        (r.rls.samples() >= warmup).then(|| super::to_scale(r.rls.theta()))
+        self.ranks.get(&rank).filter(|r| r.rls.samples() >= warmup)
     }
 
     /// The multipliers of every rank not warmed up yet: the geometric mean of the
@@ -118,9 +126,6 @@ impl Calibration {
     /// Whether `rank` is priced apart from the fleet prior (its own estimate, or
     /// calibration off): its multipliers change only with its own samples.
     pub(crate) fn prices_apart(&self, rank: WorkerRank) -> bool {
-        let warmup = u64::from(self.config.warmup_samples);
-        !self.config.enabled
-            || (!(warmup > 0 && self.warmed.is_empty())
-                && (self.ranks.get(&rank)).is_some_and(|r| r.rls.samples() >= warmup))
+        !self.config.enabled || self.warmed_up(rank).is_some()
     }
 }
