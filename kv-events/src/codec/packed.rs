@@ -85,33 +85,6 @@ pub(crate) fn deserialize<'de, T: Packed, D: Deserializer<'de>>(d: D) -> Result<
     d.deserialize_any(ListVisitor(PhantomData))
 }
 
-/// [`serialize`] and [`deserialize`] of block hashes, for `#[serde(with)]`.
-pub(crate) mod hashes {
-    use crate::ids::LocalBlockHash;
-    use serde::{Deserializer, Serializer};
-
-    /// Encodes packed (see [`super::serialize`]).
-    ///
-    /// # Errors
-    /// The serializer's.
-    pub(crate) fn serialize<S: Serializer>(
-        list: &[LocalBlockHash],
-        s: S,
-    ) -> Result<S::Ok, S::Error> {
-        super::serialize(list, s)
-    }
-
-    /// Decodes either form (see [`super::deserialize`]).
-    ///
-    /// # Errors
-    /// As [`super::deserialize`].
-    pub(crate) fn deserialize<'de, D: Deserializer<'de>>(
-        d: D,
-    ) -> Result<Vec<LocalBlockHash>, D::Error> {
-        super::deserialize(d)
-    }
-}
-
 /// A list of `T` in either form, for decoders that read it as a value of its own.
 pub(crate) struct List<T>(pub(crate) Vec<T>);
 

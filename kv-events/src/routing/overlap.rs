@@ -39,7 +39,10 @@ pub struct OverlapQuery {
     pub dp_rank: DpRank,
     /// Block hashes of the prompt from its first block, in prompt order, at most
     /// [`MAX_OVERLAP_HASHES`] (more is a `bad_request`).
-    #[serde(with = "crate::codec::packed::hashes")]
+    #[serde(
+        serialize_with = "crate::codec::packed::serialize",
+        deserialize_with = "crate::codec::packed::deserialize"
+    )]
     pub block_hashes: Vec<LocalBlockHash>,
 }
 

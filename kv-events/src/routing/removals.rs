@@ -50,7 +50,10 @@ pub struct RemovalsQuery {
     pub after: EventPosition,
     /// Block hashes of the prompt, in prompt order, at most [`MAX_REMOVAL_HASHES`]
     /// (more is a `bad_request`).
-    #[serde(with = "crate::codec::packed::hashes")]
+    #[serde(
+        serialize_with = "crate::codec::packed::serialize",
+        deserialize_with = "crate::codec::packed::deserialize"
+    )]
     pub block_hashes: Vec<LocalBlockHash>,
 }
 
