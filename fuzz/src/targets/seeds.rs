@@ -7,8 +7,8 @@ use kv_events::discovery::WorkerRegistration;
 use kv_events::events::KvCacheEvent;
 use kv_events::ids::{DpRank, ExternalBlockHash, LocalBlockHash, RequestId, WorkerId};
 use kv_events::replicas::{
-    BookedSequence, RouterId, SequenceSync, SequenceSyncBatch, SequenceUpdate, SnapshotEntry,
-    SnapshotReply, SnapshotRequest,
+    BookedSequence, HashForm, RouterId, SequenceSync, SequenceSyncBatch, SequenceUpdate,
+    SnapshotEntry, SnapshotReply, SnapshotRequest,
 };
 use kv_events::routing::{
     BatchOrder, CostOverrides, LifecycleEvent, LifecycleMessage, PolicyKind, Prompt,
@@ -227,16 +227,26 @@ pub fn bookings() -> Vec<Vec<u8>> {
             .flat_map(|s| SequenceSyncBatch::from(s).steps)
             .collect(),
         queued_at_us: Some(1_700_000_000_000_000),
+        accepts_packed: true,
     };
     let mut seeds = enc(&singles);
-    seeds.extend(enc(&[batch]));
+    seeds.extend(enc(std::slice::from_ref(&batch)));
+    // Its bookings' block hashes packed, as for peers that accept them.
+    seeds.push(encode(&batch.with_hashes(HashForm::Packed)).expect("a seed encodes"));
     seeds
 }
 
 pub fn snapshot_request() -> Vec<Vec<u8>> {
-    enc(&[SnapshotRequest {
-        router_id: RouterId(u64::MAX),
-    }])
+    enc(&[
+        SnapshotRequest {
+            router_id: RouterId(u64::MAX),
+            accepts_packed: false,
+        },
+        SnapshotRequest {
+            router_id: RouterId(1),
+            accepts_packed: true,
+        },
+    ])
 }
 
 pub fn snapshot_reply() -> Vec<Vec<u8>> {
@@ -252,6 +262,7 @@ pub fn snapshot_reply() -> Vec<Vec<u8>> {
         chunk: 0,
         last: true,
         requests: Vec::new(),
+        accepts_packed: false,
     });
     enc(&replies)
 }

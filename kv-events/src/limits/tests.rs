@@ -152,6 +152,7 @@ fn route_requests_and_bookings_are_bounded_in_tokens() {
             .flat_map(|b| SequenceSyncBatch::from(b).steps)
             .collect(),
         queued_at_us: None,
+        accepts_packed: true,
     };
     assert_eq!(refused_field(&sync, &limits), "prefill_tokens");
     let long_id = RouteRequest::new(

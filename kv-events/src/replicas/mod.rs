@@ -75,15 +75,19 @@ pub enum SequenceUpdate {
 }
 
 /// Everything another replica needs to book the same load.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+///
+/// `Serialize` writes its block hashes as an array (the form every replica decodes);
+/// a batch for peers that accept packed hashes writes them packed
+/// ([`SequenceSyncBatch::with_hashes`]).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 pub struct BookedSequence {
     /// The chosen worker.
     pub worker_id: WorkerId,
     /// The chosen data-parallel rank.
     pub dp_rank: DpRank,
     /// The prompt's block hashes, in prefix order (used to count shared prefix blocks
-    /// once when the router assumes KV reuse). Encoded as an array, which every
-    /// replica decodes; decoded from an array or a packed `bin` (`codec::packed`).
+    /// once when the router assumes KV reuse). Decoded from an array or a packed
+    /// `bin` (`codec::packed`).
     #[serde(deserialize_with = "crate::codec::packed::deserialize")]
     pub block_hashes: Vec<LocalBlockHash>,
     /// Prompt length in blocks, the partial last block counted.
@@ -103,7 +107,7 @@ pub struct BookedSequence {
 }
 
 /// One change to one request, as listed in a [`SequenceSyncBatch`].
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 pub struct SequenceStep {
     /// The request, as named by the frontend.
     pub request_id: RequestId,
@@ -129,13 +133,14 @@ impl SequenceStep {
 /// Under load one message carries many steps, so a route costs its replica a fraction
 /// of a sync publication instead of two.
 ///
-/// On the wire a map `{router_id, steps: [{request_id, update}, …], queued_at_us}`
-/// (`queued_at_us` optional). Decoding also
+/// On the wire a map `{router_id, steps: [{request_id, update}, …], queued_at_us,
+/// accepts_packed}` (the last two optional); `Serialize` writes bookings' block
+/// hashes as arrays, [`Self::with_hashes`] in the form asked. Decoding also
 /// accepts the single-step form of a [`SequenceSync`] (`{router_id, request_id,
 /// update}`, what replicas before the batch form publish) as a batch of one, so a
 /// rolling upgrade keeps applying the older replicas' messages. A map with both forms'
 /// fields, or with neither, does not decode.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(try_from = "SyncWire")]
 pub struct SequenceSyncBatch {
     /// The replica that booked the requests and publishes their changes.
@@ -147,8 +152,12 @@ pub struct SequenceSyncBatch {
     /// clock. Peers measure the replication lag from it (only as exact as the two
     /// hosts' clocks agree). Absent from older replicas and from the single-step
     /// form.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub queued_at_us: Option<u64>,
+    /// The publishing replica decodes bookings whose block hashes are packed
+    /// ([`HashForm::Packed`]); absent (false) from replicas before the packed form,
+    /// which decode only arrays. A replica packs its bookings only while every peer
+    /// it has heard accepts them.
+    pub accepts_packed: bool,
 }
 
 /// Bytes of steps (by [`SequenceStep::encoded_len_bound`]) after which a publisher
@@ -168,6 +177,8 @@ struct SyncWire {
     steps: Option<Vec<SequenceStep>>,
     #[serde(default)]
     queued_at_us: Option<u64>,
+    #[serde(default)]
+    accepts_packed: bool,
 }
 
 impl TryFrom<SyncWire> for SequenceSyncBatch {
@@ -183,6 +194,7 @@ impl TryFrom<SyncWire> for SequenceSyncBatch {
             router_id: wire.router_id,
             steps,
             queued_at_us: wire.queued_at_us,
+            accepts_packed: wire.accepts_packed,
         })
     }
 }
@@ -196,6 +208,7 @@ impl From<SequenceSync> for SequenceSyncBatch {
                 update: msg.update,
             }],
             queued_at_us: None,
+            accepts_packed: false,
         }
     }
 }
@@ -206,6 +219,9 @@ impl From<SequenceSync> for SequenceSyncBatch {
 pub struct SnapshotRequest {
     /// The asking replica; a replica ignores its own request.
     pub router_id: RouterId,
+    /// The asking replica accepts packed bookings (as on [`SequenceSyncBatch`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub accepts_packed: bool,
 }
 
 /// One chunk of a replica's answer to a [`SnapshotRequest`], published to the
@@ -222,9 +238,13 @@ pub struct SnapshotReply {
     /// fields is a single chunk.
     #[serde(default = "single_chunk")]
     pub last: bool,
-    /// Requests in this chunk, in no particular order.
+    /// Requests in this chunk, in no particular order; their block hashes are
+    /// arrays, whoever asks (a snapshot is answered once per replica start-up).
     #[serde(default)]
     pub requests: Vec<SnapshotEntry>,
+    /// The answering replica accepts packed bookings (as on [`SequenceSyncBatch`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub accepts_packed: bool,
 }
 
 fn single_chunk() -> bool {
@@ -249,8 +269,9 @@ pub struct SnapshotEntry {
 pub const SNAPSHOT_CHUNK_BYTES: usize = 256 * 1024;
 
 /// Upper bound of the encoded size of a [`SnapshotReply`] without its requests, in
-/// bytes (map header, four keys, `router_id`, `chunk`, `last`, array header).
-const REPLY_ENVELOPE_BOUND: usize = 64;
+/// bytes (map header, five keys, `router_id`, `chunk`, `last`, array header,
+/// `accepts_packed`: 67 at most).
+const REPLY_ENVELOPE_BOUND: usize = 80;
 
 impl SnapshotEntry {
     /// An upper bound of this entry's size in a named msgpack encoding, in bytes: 192
@@ -274,7 +295,8 @@ fn len_bound(request_id: &RequestId, booked: Option<&BookedSequence>) -> usize {
 
 impl SnapshotReply {
     /// Splits `requests` into the chunks of one answer, in order: chunk numbers from
-    /// 0, `last` on the final one, each at most `max_bytes` encoded (by
+    /// 0, `last` on the final one, `accepts_packed` on each (this crate decodes packed
+    /// bookings), each at most `max_bytes` encoded (by
     /// [`SnapshotEntry::encoded_len_bound`]) unless it holds a single request that is
     /// larger on its own. Always at least one chunk: no requests give one empty
     /// chunk flagged `last`.
@@ -307,10 +329,14 @@ impl SnapshotReply {
                 chunk: u32::try_from(i).unwrap_or(u32::MAX),
                 last: i + 1 == count,
                 requests,
+                accepts_packed: true,
             })
             .collect()
     }
 }
+
+mod wire;
+pub use wire::HashForm;
 
 #[cfg(test)]
 mod tests;

@@ -84,6 +84,7 @@ fn entry(id: &str, blocks: usize) -> SnapshotEntry {
 fn snapshot_messages_round_trip() {
     let request = SnapshotRequest {
         router_id: RouterId(3),
+        accepts_packed: true,
     };
     assert_eq!(
         decode::<SnapshotRequest>(&encode(&request).unwrap()).unwrap(),
@@ -94,6 +95,7 @@ fn snapshot_messages_round_trip() {
         chunk: 2,
         last: false,
         requests: vec![entry("a", 3), entry("b", 0)],
+        accepts_packed: true,
     };
     assert_eq!(
         decode::<SnapshotReply>(&encode(&reply).unwrap()).unwrap(),
@@ -116,6 +118,7 @@ fn encoded_length_bound_holds_for_the_largest_values() {
             chunk: u32::MAX,
             last: false,
             requests: vec![e.clone()],
+            accepts_packed: true,
         };
         assert!(encode(&reply).unwrap().len() <= REPLY_ENVELOPE_BOUND + e.encoded_len_bound());
     }
@@ -290,6 +293,7 @@ fn a_batch_round_trips_in_order_and_the_single_step_form_decodes_as_one() {
             step("a", SequenceUpdate::Freed),
         ],
         queued_at_us: None,
+        accepts_packed: false,
     };
     assert_eq!(
         decode::<SequenceSyncBatch>(&encode(&batch).unwrap()).unwrap(),

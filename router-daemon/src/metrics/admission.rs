@@ -101,6 +101,10 @@ pub struct SyncMetrics {
     /// replica has heard from since it started; 0 on a lone replica, which then
     /// publishes no sync steps.
     pub peers: IntGauge,
+    /// `kv_router_replica_peers_array_only`: of those, the peers that decode only
+    /// bookings with array block hashes (versions before the packed form, which send
+    /// no `accepts_packed`); while it is above 0 this replica publishes arrays.
+    pub peers_array_only: IntGauge,
     /// The handles of the counts made per routed request ([`HOT`]), resolved at
     /// first use: a label lookup hashes the labels under the vector's lock.
     hot: std::sync::Arc<[OnceLock<IntCounter>; HOT.len()]>,
@@ -132,6 +136,11 @@ impl SyncMetrics {
                 "kv_router_replica_peers_heard",
                 "Distinct peer router replicas heard from since start-up; a replica \
                  publishes its sync steps only once it has heard one",
+            )?,
+            peers_array_only: r.gauge(
+                "kv_router_replica_peers_array_only",
+                "Peer router replicas heard that decode only array block hashes; while \
+                 above 0 this replica publishes its bookings' hashes as arrays",
             )?,
             hot: std::sync::Arc::default(),
         })

@@ -179,6 +179,7 @@ async fn collect(
 ) -> anyhow::Result<()> {
     let request = SnapshotRequest {
         router_id: admission.replicas.router_id(),
+        accepts_packed: true,
     };
     let payload = encode(&request).context("encoding the snapshot request")?;
     let inbox = nats.new_inbox();
@@ -242,7 +243,7 @@ pub fn apply_reply(
     if reply.router_id == replicas.router_id() {
         return;
     }
-    replicas.heard_from(reply.router_id);
+    replicas.heard_from(reply.router_id, reply.accepts_packed);
     let peer = summary.peers.entry(reply.router_id).or_default();
     peer.0 += 1;
     peer.1 |= reply.last;
@@ -380,7 +381,7 @@ async fn answer(
         return;
     }
     // Before the answer's instant: every step after it is then published.
-    replicas.heard_from(request.router_id);
+    replicas.heard_from(request.router_id, request.accepts_packed);
     let Some(reply_to) = message.reply.clone() else {
         counters.message(MessageKind::SequenceSnapshot, Outcome::Rejected);
         warn!(subject, router_id = %request.router_id, "replica snapshot request without a reply inbox skipped");

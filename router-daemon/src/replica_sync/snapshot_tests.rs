@@ -58,6 +58,7 @@ fn reply(router_id: RouterId, requests: Vec<SnapshotEntry>) -> Vec<u8> {
         chunk: 0,
         last: true,
         requests,
+        accepts_packed: true,
     })
     .unwrap()
 }

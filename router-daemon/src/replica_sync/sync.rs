@@ -19,7 +19,7 @@ use anyhow::Context;
 use kv_cluster::nats::NatsConfig;
 use kv_events::limits::Limits;
 use kv_events::replicas::{
-    RouterId, SYNC_BATCH_BYTES, SequenceStep, SequenceSyncBatch, SequenceUpdate,
+    HashForm, RouterId, SYNC_BATCH_BYTES, SequenceStep, SequenceSyncBatch, SequenceUpdate,
 };
 use kv_events::{Subjects, encode};
 use scheduler::{SchedulerError, SequenceEvent};
@@ -160,7 +160,7 @@ impl Publisher {
             };
             let batch = next_batch(self.router_id, first, &mut outbox);
             let steps = batch.steps.len() as u64;
-            if self.send(&batch).await {
+            if self.send(&batch, replicas.hash_form()).await {
                 self.metrics.count_steps("out", "published", steps);
             } else {
                 self.metrics.count_steps("out", "failed", steps);
@@ -175,16 +175,18 @@ impl Publisher {
             router_id: self.router_id,
             steps: Vec::new(),
             queued_at_us: None,
+            accepts_packed: true,
         };
-        if self.send(&hello).await {
+        if self.send(&hello, HashForm::Array).await {
             self.metrics.count("out", "announced");
         }
     }
 
-    /// Encodes and publishes one batch; false (logged) when it could not be sent.
-    async fn send(&self, batch: &SequenceSyncBatch) -> bool {
+    /// Encodes one batch with its bookings' block hashes in `form` and publishes it;
+    /// false (logged) when it could not be sent.
+    async fn send(&self, batch: &SequenceSyncBatch, form: HashForm) -> bool {
         let steps = batch.steps.len();
-        match encode(batch) {
+        match encode(&batch.with_hashes(form)) {
             Ok(bytes) => match self
                 .client
                 .publish(self.subject.clone(), bytes.into())
@@ -206,7 +208,7 @@ impl Publisher {
 
 /// `first` and the steps queued behind it, in order, until the outbox is empty or
 /// the steps reach [`SYNC_BATCH_BYTES`] (by [`SequenceStep::encoded_len_bound`]; the
-/// last step may go over).
+/// last step may go over), saying that this replica accepts packed bookings.
 pub(crate) fn next_batch(
     router_id: RouterId,
     first: QueuedStep,
@@ -225,6 +227,7 @@ pub(crate) fn next_batch(
         router_id,
         steps,
         queued_at_us,
+        accepts_packed: true,
     }
 }
 
@@ -255,7 +258,7 @@ pub fn handle_sync(
             .count_steps("in", "own", msg.steps.len() as u64);
         return;
     }
-    replicas.heard_from(msg.router_id);
+    replicas.heard_from(msg.router_id, msg.accepts_packed);
     let (mut frees_load, mut booking) = (false, false);
     for step in msg.steps {
         let (frees, booked) = apply_step(admission, counters, subject, msg.router_id, step);

@@ -77,12 +77,12 @@ pub(crate) mod bookings;
 use crate::metrics::SyncMetrics;
 use bookings::{OwnBookings, RecentStep, RecentSteps};
 use kv_events::disaggregation::prefill_booking_id;
-use kv_events::replicas::{BookedSequence, SequenceStep, SequenceUpdate};
+use kv_events::replicas::{BookedSequence, HashForm, SequenceStep, SequenceUpdate};
 use kv_events::routing::SessionId;
 use kv_events::{RequestId, RouterId, WorkerRank};
 use scheduler::{PrefillLoadHint, ScheduleRequest, Selection};
 use serde::{Deserialize, Serialize};
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -164,8 +164,12 @@ pub struct Replicas {
     /// snapshot reply under another router id). Until then no step is queued for
     /// publication: nobody would apply it.
     peer_heard: AtomicBool,
-    /// The peers heard so far, by router id (at most [`MAX_PEERS`]).
-    peers: Mutex<HashSet<RouterId>>,
+    /// The peers heard so far, by router id (at most [`MAX_PEERS`]), and whether each
+    /// accepts packed bookings (what its latest message said).
+    peers: Mutex<HashMap<RouterId, bool>>,
+    /// Whether every peer heard so far accepts packed bookings, so the publisher packs
+    /// them ([`Self::hash_form`]).
+    pack: AtomicBool,
     /// Woken when a peer is heard for the first time, for the publisher to announce
     /// this replica to it.
     announce: Notify,
@@ -185,7 +189,8 @@ impl Replicas {
             recording: AtomicBool::new(false),
             recent: Mutex::new(RecentSteps::default()),
             peer_heard: AtomicBool::new(false),
-            peers: Mutex::new(HashSet::new()),
+            peers: Mutex::new(HashMap::new()),
+            pack: AtomicBool::new(true),
             announce: Notify::new(),
         }
     }
@@ -281,30 +286,41 @@ impl Replicas {
     }
 
     /// Notes that replica `peer` spoke: a sync message, a snapshot request or a
-    /// snapshot reply carried its id. The first time a peer (not us) is heard, this
-    /// replica starts queueing its steps for publication; each time a new one is
-    /// heard, the publisher announces this replica (so a peer that started without a
-    /// snapshot request learns of it too, and a peer hearing our announcement for
-    /// the first time answers it once: the exchange ends). Call it before answering
-    /// a snapshot request (before the scheduler lock is taken): every step after the
-    /// answer's instant is then published.
-    pub(crate) fn heard_from(&self, peer: RouterId) {
+    /// snapshot reply carried its id, and whether it accepts packed bookings. The
+    /// first time a peer (not us) is heard, this replica starts queueing its steps
+    /// for publication; each time a new one is heard, the publisher announces this
+    /// replica (so a peer that started without a snapshot request learns of it too,
+    /// and a peer hearing our announcement for the first time answers it once: the
+    /// exchange ends). Call it before answering a snapshot request (before the
+    /// scheduler lock is taken): every step after the answer's instant is then
+    /// published.
+    pub(crate) fn heard_from(&self, peer: RouterId, accepts_packed: bool) {
         if peer == self.config.router_id {
             return;
         }
-        let heard = {
+        let new = {
             let mut peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
-            if peers.len() >= MAX_PEERS && !peers.contains(&peer) {
+            if peers.len() >= MAX_PEERS && !peers.contains_key(&peer) {
                 // Ids of replicas long gone (each restart draws one): start over;
                 // live peers are re-added by their next message, at the cost of one
                 // more announcement each.
                 peers.clear();
             }
-            let new = peers.insert(peer);
+            let before = peers.insert(peer, accepts_packed);
+            if before == Some(accepts_packed) {
+                return;
+            }
+            // New, or restarted under its id with another version: recount.
+            let array_only = peers.values().filter(|accepts| !**accepts).count();
+            self.pack.store(array_only == 0, Ordering::Release);
             self.metrics.peers.set(peers.len() as i64);
-            new
+            self.metrics.peers_array_only.set(array_only as i64);
+            before.is_none()
         };
-        if !heard {
+        if !accepts_packed {
+            info!(%peer, "a peer replica decodes only array bookings: publishing block hashes as arrays while it is heard");
+        }
+        if !new {
             return;
         }
         if self.peer_heard.swap(true, Ordering::AcqRel) {
@@ -313,6 +329,17 @@ impl Replicas {
             info!(%peer, "heard from a peer replica: publishing this replica's bookings and steps from now on");
         }
         self.announce.notify_one();
+    }
+
+    /// How the publisher writes its bookings' block hashes: packed while every peer
+    /// heard accepts them (all since the packed form), as arrays once a peer that
+    /// does not has been heard.
+    pub(crate) fn hash_form(&self) -> HashForm {
+        if self.pack.load(Ordering::Acquire) {
+            HashForm::Packed
+        } else {
+            HashForm::Array
+        }
     }
 
     /// Resolves when a peer was heard for the first time since this was last

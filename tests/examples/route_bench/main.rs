@@ -30,6 +30,10 @@
 //! round trip covers all its routes) and the CPU time per round trip or route of
 //! the process answering (`/proc/PID/stat`). The load generator shares the
 //! machine's cores with the daemon and NATS; compare within one run.
+//!
+//! With `--replicas N` the daemon runs as N replicas in the route queue group, each
+//! indexing every event and applying its peers' bookings; the daemon CPU per route
+//! is then summed over the replicas (what the fleet pays for one route).
 
 mod echo;
 mod freed;
@@ -120,6 +124,10 @@ struct Args {
     /// one NATS message each (for daemons before the batch form).
     #[arg(long, value_enum, default_value_t = freed::LifecycleForm::Batch)]
     lifecycle: freed::LifecycleForm,
+    /// Router replicas in the route queue group (sync on); the daemon CPU per route
+    /// is their sum.
+    #[arg(long, default_value_t = 1)]
+    replicas: usize,
     /// Serve as the echo responder on this NATS URL (how the bench runs its
     /// baseline process).
     #[arg(long, hide = true)]
@@ -183,7 +191,8 @@ struct Measured {
     failed: u64,
     round_trips_us: Vec<u64>,
     elapsed: f64,
-    /// CPU seconds of the process that answered (the daemon, or the echo responder).
+    /// CPU seconds of the processes that answered (the daemon's replicas, or the
+    /// echo responder).
     cpu: f64,
 }
 
@@ -217,7 +226,8 @@ struct Bench {
     nats: async_nats::Client,
     /// The frontend's lifecycle publisher ([`freed`]).
     freer: mpsc::UnboundedSender<LifecycleMessage>,
-    daemon: ChildDaemon,
+    /// The daemon's replicas (one unless `--replicas`).
+    daemons: Vec<ChildDaemon>,
     echo: echo::Responder,
     nats_url: String,
 }
@@ -226,7 +236,11 @@ impl Bench {
     async fn measure(&self, mode: Mode, tasks: usize) -> anyhow::Result<Measured> {
         let cpu_seconds = || match mode {
             Mode::Echo => self.echo.cpu_seconds(),
-            Mode::Single | Mode::Batch => self.daemon.cpu_seconds(),
+            Mode::Single | Mode::Batch => self
+                .daemons
+                .iter()
+                .map(ChildDaemon::cpu_seconds)
+                .sum::<anyhow::Result<f64>>(),
         };
         let cpu_before = cpu_seconds()?;
         let started = Instant::now();
@@ -328,14 +342,18 @@ async fn run(args: Args) -> anyhow::Result<()> {
             .map_or_else(Vec::new, load::daemon_flags),
     );
     let warm_flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-    let daemon = ChildDaemon::start(
-        &nats_server.url(),
-        &etcd_server.endpoint(),
-        NAMESPACE,
-        BLOCK_SIZE,
-        &warm_flags,
-    )
-    .await?;
+    let mut daemons = Vec::new();
+    for _ in 0..args.replicas.max(1) {
+        let daemon = ChildDaemon::start(
+            &nats_server.url(),
+            &etcd_server.endpoint(),
+            NAMESPACE,
+            BLOCK_SIZE,
+            &warm_flags,
+        )
+        .await?;
+        daemons.push(daemon);
+    }
     let echo = echo::Responder::start(&nats_server.url()).await?;
     let subjects = Arc::new(Subjects::new(Namespace::new(NAMESPACE)?));
     let mut etcd = etcd_client::Client::connect([etcd_server.endpoint()], None).await?;
@@ -347,15 +365,28 @@ async fn run(args: Args) -> anyhow::Result<()> {
         TOTAL_KV_BLOCKS,
     )
     .await?;
-    daemon
-        .wait_for_sum(&["kv_router_workers"], args.workers as f64)
-        .await?;
+    for daemon in &daemons {
+        daemon
+            .wait_for_sum(&["kv_router_workers"], args.workers as f64)
+            .await?;
+    }
     let nats = async_nats::connect(nats_server.url()).await?;
     let (indexed, mut next_event) = index_prefixes(&nats, &subjects, &args).await?;
-    daemon
-        .wait_for_sum(&["kv_router_indexer_blocks"], indexed as f64)
-        .await
-        .context("indexing the cached prefixes")?;
+    for daemon in &daemons {
+        daemon
+            .wait_for_sum(&["kv_router_indexer_blocks"], indexed as f64)
+            .await
+            .context("indexing the cached prefixes")?;
+        if daemons.len() > 1 {
+            daemon
+                .wait_for_sum(
+                    &["kv_router_replica_peers_heard"],
+                    (daemons.len() - 1) as f64,
+                )
+                .await
+                .context("the replicas hearing each other")?;
+        }
+    }
 
     if args.warm_up_samples > 0 {
         let routed = warm::warm_up(&nats, &subjects, &args, args.warm_up_samples).await?;
@@ -370,10 +401,12 @@ async fn run(args: Args) -> anyhow::Result<()> {
         None => None,
     };
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let pids: Vec<String> = daemons.iter().map(|d| d.pid().to_string()).collect();
     println!(
-        "machine: {cores} cores; daemon: {} (pid {}, default policy); {} workers, {indexed} indexed (worker, block) entries; prompts of {} blocks ({} cached); {} s per measurement",
-        daemon.bin,
-        daemon.pid(),
+        "machine: {cores} cores; daemon: {} ({} replica(s), pid {}, default policy); {} workers, {indexed} indexed (worker, block) entries; prompts of {} blocks ({} cached); {} s per measurement",
+        daemons[0].bin,
+        daemons.len(),
+        pids.join(", "),
         args.workers,
         args.prompt_blocks,
         args.chain_blocks.min(args.prompt_blocks),
@@ -391,7 +424,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         subjects,
         nats,
         freer,
-        daemon,
+        daemons,
         echo,
         nats_url: nats_server.url(),
     };
@@ -407,7 +440,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
     if let Some(task) = reporter {
         task.abort();
     }
-    let Bench { daemon, echo, .. } = bench;
+    let Bench { daemons, echo, .. } = bench;
     echo.stop().await?;
-    daemon.stop().await
+    for daemon in daemons {
+        daemon.stop().await?;
+    }
+    Ok(())
 }

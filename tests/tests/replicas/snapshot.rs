@@ -233,12 +233,14 @@ async fn a_request_freed_while_a_replica_starts_is_not_resurrected() -> anyhow::
             chunk: 0,
             last: false,
             requests: vec![entry("gone-peer", 1), entry("kept", 2)],
+            accepts_packed: false,
         },
         SnapshotReply {
             router_id: peer,
             chunk: 1,
             last: true,
             requests: vec![entry("gone-frontend", 3), entry("early", 4)],
+            accepts_packed: false,
         },
     ];
     cluster
@@ -273,6 +275,9 @@ async fn a_request_freed_while_a_replica_starts_is_not_resurrected() -> anyhow::
     assert_eq!(m.get("snapshot_in", "applied"), 2);
     assert_eq!(m.get("snapshot_in", "freed"), 2);
     assert_eq!(m.get("snapshot_in", "malformed"), 1);
+    // The peer answered without `accepts_packed` (a version before packed bookings):
+    // this replica will write its bookings' hashes as arrays.
+    assert_eq!((m.peers.get(), m.peers_array_only.get()), (1, 1));
     assert_eq!(
         state
             .counters
@@ -283,6 +288,7 @@ async fn a_request_freed_while_a_replica_starts_is_not_resurrected() -> anyhow::
     // Now ready, the replica answers snapshot requests itself: nothing of its own.
     let ask = SnapshotRequest {
         router_id: RouterId(8),
+        accepts_packed: true,
     };
     let answer = cluster
         .nats
