@@ -1,132 +1,187 @@
-//! The blocks of the prompts in flight on one rank, as a trie of chained block ids.
+//! The blocks of the prompts in flight on one rank, as a path-compressed trie of
+//! chained block ids.
 //!
 //! A chained id names a block *and its whole prefix* ([`super::chain_block_ids`]), so
 //! the ids held by a rank's in-flight requests form a trie: an id is held only if
-//! its parent (the id before it in its prompt) is. Each node counts the requests
-//! whose prompt ends there and its distinct children; a node with neither is
-//! removed. So:
+//! its parent (the id before it in its prompt) is. The trie is stored as *runs*:
+//! stretches of consecutive ids that the same requests cover, each with the number
+//! of requests covering it, found by their first id. So:
 //!
-//! - the rank's distinct decode blocks are the number of nodes;
-//! - a prompt's leading blocks held in flight are found by binary search over its
-//!   ids (held ids form a prefix of them), after one look-up of its first id — most
-//!   prompts share nothing with a rank's in-flight requests;
-//! - booking a prompt inserts only the ids past the part already held, plus one
-//!   count on the node where it branches or ends; freeing it removes only the ids
-//!   no other request holds, walking back from its last id.
+//! - the rank's distinct decode blocks are the sum of the runs' lengths, kept as a
+//!   counter;
+//! - a prompt's leading blocks held in flight are found by one look-up per run on
+//!   its path and a contiguous comparison of the run's ids with the prompt's;
+//! - booking a prompt adds one to each run on its held path (splitting the run where
+//!   it branches off or ends) and stores the rest, the part no other request holds,
+//!   as one new run; freeing it subtracts one along the same path and drops the runs
+//!   no request covers any more (they are its tail: a request covering a run covers
+//!   its parent).
 //!
-//! Why: a refcount per block made every booking and free touch every block of the
-//! prompt (64 hash-map steps each at 64 blocks, 7.5% of a route's CPU in the
-//! daemon; 1,000 at a 16k-token prompt), while KV-aware routing sends prompts that
-//! share a prefix to the same rank, where that prefix is then held by many requests
-//! at once. Now the shared part costs O(log blocks) per booking and nothing per free.
+//! Why: a node per id made every booking insert, and every free remove, one hash-map
+//! entry per block no other request held. KV-aware routing books long prompts whose
+//! tail is the request's own (a Mooncake prompt is ~1,000 blocks of 16 tokens, half of
+//! them new), and every replica books every route: at 1,024-block prompts half new,
+//! booking and freeing was 36% of a peer replica's CPU (docs/benchmarks.md, round
+//! 35). Now a prompt costs one look-up and one comparison per run on its path and one
+//! allocation for its own tail, whatever its length.
 //!
 //! Ids are 64-bit mixes of the hashes, so two different prefixes share an id with
-//! probability 2^-64 per pair; a prompt crafted to repeat an id inside its own chain
-//! (the hashes come from the network) cannot panic anything here — counts saturate
-//! and look-ups that miss stop the walk — but may leave a node behind until the
+//! probability 2^-64 per pair; a prompt crafted to repeat ids (the hashes come from
+//! the network) cannot panic or loop anything here — every walk moves forward by at
+//! least one id per step and counts saturate — but may leave a run behind until the
 //! rank's last request leaves and its aggregate goes whole.
 
 use std::collections::HashMap;
-use std::collections::hash_map::Entry;
 
 /// Hash maps keyed by chained block ids: already well-mixed 64-bit values, hashed on
 /// every booking, free and candidate check, so the hasher is foldhash's fast one
 /// (seeded per process) rather than SipHash, which dominated the scheduler's profile.
 pub(super) type BlockIdMap<V> = HashMap<u64, V, foldhash::fast::RandomState>;
 
-/// One held chained block id.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-struct Node {
-    /// In-flight requests whose prompt's last hashed block is this one.
-    ends: u32,
-    /// Distinct next blocks held (children in the trie).
-    children: u32,
+/// Consecutive held ids that the same requests cover.
+#[derive(Debug, Clone, Default)]
+struct Run {
+    /// The ids, in prompt order; never empty while the run is live.
+    ids: Vec<u64>,
+    /// In-flight requests whose prompt covers the whole run.
+    count: u32,
 }
 
 /// The chained block ids held by one rank's in-flight requests.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct InFlightBlocks {
-    nodes: BlockIdMap<Node>,
+    /// Live runs by their first id.
+    starts: BlockIdMap<u32>,
+    /// Runs by index; freed ones are listed in `free` and reused.
+    runs: Vec<Run>,
+    free: Vec<u32>,
+    /// Σ lengths of the live runs: the distinct ids held.
+    held_ids: usize,
 }
 
 impl InFlightBlocks {
     /// Distinct blocks held.
     pub(crate) fn len(&self) -> usize {
-        self.nodes.len()
+        self.held_ids
     }
 
-    /// Ids the map can hold without growing.
+    /// Runs the tables can hold without growing.
     pub(crate) fn capacity(&self) -> usize {
-        self.nodes.capacity()
+        self.starts.capacity().max(self.runs.capacity())
     }
 
-    /// Forgets every block, keeping the map's capacity.
+    /// Forgets every block, keeping the tables' capacity.
     pub(crate) fn clear(&mut self) {
-        self.nodes.clear();
+        self.starts.clear();
+        self.runs.clear();
+        self.free.clear();
+        self.held_ids = 0;
+    }
+
+    /// The run starting at `ids[0]`, and how many leading ids of `ids` it holds (at
+    /// least 1).
+    fn run_at(&self, ids: &[u64]) -> Option<(u32, usize)> {
+        let &r = self.starts.get(ids.first()?)?;
+        let run = &self.runs[r as usize].ids;
+        let same = run.iter().zip(ids).take_while(|(a, b)| a == b).count();
+        Some((r, same.max(1)))
     }
 
     /// How many leading ids of `ids` (one prompt's chained ids) are held.
     pub(crate) fn held(&self, ids: &[u64]) -> usize {
-        match ids.first() {
-            Some(first) if self.nodes.contains_key(first) => {
-                1 + ids[1..].partition_point(|id| self.nodes.contains_key(id))
+        let mut at = 0;
+        while let Some((r, same)) = self.run_at(&ids[at..]) {
+            at += same;
+            if same < self.runs[r as usize].ids.len() {
+                break;
             }
-            _ => 0,
         }
+        at.min(ids.len())
     }
 
     /// Holds one more request's prompt, of chained ids `ids`.
     pub(crate) fn add(&mut self, ids: &[u64]) {
-        let Some(&last) = ids.last() else {
-            return;
-        };
-        let held = self.held(ids);
-        if held < ids.len() {
-            // The prompt branches off after its held part: a new child there.
-            if let Some(parent) = held
-                .checked_sub(1)
-                .and_then(|p| self.nodes.get_mut(&ids[p]))
-            {
-                parent.children = parent.children.saturating_add(1);
+        let mut at = 0;
+        while at < ids.len() {
+            let Some((r, same)) = self.run_at(&ids[at..]) else {
+                let tail = ids[at..].to_vec();
+                self.held_ids += tail.len();
+                self.insert(Run {
+                    ids: tail,
+                    count: 1,
+                });
+                return;
+            };
+            if same < self.runs[r as usize].ids.len() {
+                self.split(r, same);
             }
-            if self.nodes.is_empty() {
-                // A rank's first booking: one allocation instead of growing step by
-                // step.
-                self.nodes.reserve(ids.len());
-            }
-            for &id in &ids[held..ids.len() - 1] {
-                let node = self.nodes.entry(id).or_default();
-                node.children = node.children.saturating_add(1);
-            }
+            let run = &mut self.runs[r as usize];
+            run.count = run.count.saturating_add(1);
+            at += same;
         }
-        let end = self.nodes.entry(last).or_default();
-        end.ends = end.ends.saturating_add(1);
     }
 
     /// Releases one request's prompt, of chained ids `ids` (as given to
-    /// [`Self::add`]): removes, from its last id back, every id no other request
-    /// holds.
+    /// [`Self::add`]): one less request on every run of its path; runs no request
+    /// covers any more are dropped.
     pub(crate) fn remove(&mut self, ids: &[u64]) {
-        let Some((&last, _)) = ids.split_last() else {
-            return;
-        };
-        let Entry::Occupied(mut node) = self.nodes.entry(last) else {
-            return;
-        };
-        node.get_mut().ends = node.get().ends.saturating_sub(1);
-        let mut at = ids.len() - 1;
-        while *node.get() == Node::default() {
-            node.remove();
-            let Some(parent) = at.checked_sub(1) else {
+        let mut at = 0;
+        while at < ids.len() {
+            let Some((r, same)) = self.run_at(&ids[at..]) else {
                 return;
             };
-            at = parent;
-            let Entry::Occupied(next) = self.nodes.entry(ids[at]) else {
+            let run = &mut self.runs[r as usize];
+            if same < run.ids.len() {
+                // Not a path this prompt was added along: nothing of it to release.
                 return;
-            };
-            node = next;
-            node.get_mut().children = node.get().children.saturating_sub(1);
+            }
+            run.count = run.count.saturating_sub(1);
+            if run.count == 0 {
+                self.drop_run(r);
+            }
+            at += same;
         }
+    }
+
+    /// Stores a new run, keyed by its first id (which no live run starts with, unless
+    /// crafted ids collide: then the older run is left unreachable until `clear`).
+    fn insert(&mut self, run: Run) -> u32 {
+        let first = run.ids[0];
+        let r = match self.free.pop() {
+            Some(r) => {
+                self.runs[r as usize] = run;
+                r
+            }
+            None => {
+                self.runs.push(run);
+                u32::try_from(self.runs.len() - 1).unwrap_or(u32::MAX)
+            }
+        };
+        self.starts.insert(first, r);
+        r
+    }
+
+    /// Cuts run `r` after its first `at` ids (0 < `at` < its length); the rest becomes
+    /// a run of its own, covered by the same requests.
+    fn split(&mut self, r: u32, at: usize) {
+        let run = &mut self.runs[r as usize];
+        let rest = Run {
+            ids: run.ids.split_off(at),
+            count: run.count,
+        };
+        self.insert(rest);
+    }
+
+    /// Frees run `r`.
+    fn drop_run(&mut self, r: u32) {
+        let run = std::mem::take(&mut self.runs[r as usize]);
+        self.held_ids = self.held_ids.saturating_sub(run.ids.len());
+        if let Some(&first) = run.ids.first()
+            && self.starts.get(&first) == Some(&r)
+        {
+            self.starts.remove(&first);
+        }
+        self.free.push(r);
     }
 }
 
@@ -160,15 +215,67 @@ mod tests {
         assert_eq!(held.len(), 0);
     }
 
+    /// Live runs.
+    fn runs(held: &InFlightBlocks) -> usize {
+        held.starts.len()
+    }
+
+    #[test]
+    fn a_prompts_own_tail_is_one_run_split_where_another_branches_off() {
+        let mut held = InFlightBlocks::default();
+        let long: Vec<u64> = (1..=1000).collect();
+        held.add(&long);
+        assert_eq!((held.len(), runs(&held)), (1000, 1));
+        // Branches off after 600 ids: the run splits there, the new tail is one run.
+        let mut branch: Vec<u64> = (1..=600).collect();
+        branch.extend(5000..5400);
+        assert_eq!(held.held(&branch), 600);
+        held.add(&branch);
+        assert_eq!((held.len(), runs(&held)), (1400, 3));
+        assert_eq!(held.held(&branch), 1000);
+        assert_eq!(held.held(&long), 1000);
+        // Ends inside the shared part: one more split, no new ids.
+        held.add(&long[..300]);
+        assert_eq!((held.len(), runs(&held)), (1400, 4));
+        held.remove(&long);
+        assert_eq!(held.len(), 1000, "the branch keeps the shared 600");
+        assert_eq!(held.held(&long), 600);
+        held.remove(&branch);
+        assert_eq!((held.len(), held.held(&long)), (300, 300));
+        held.remove(&long[..300]);
+        assert_eq!((held.len(), runs(&held)), (0, 0));
+        // Two requests of one prompt, split by a third: both still cover the tail.
+        held.add(&long);
+        held.add(&long);
+        held.add(&branch);
+        held.remove(&long);
+        assert_eq!(held.held(&long), 1000);
+        held.remove(&long);
+        held.remove(&branch);
+        assert_eq!(held.len(), 0);
+        // Freed slots are reused, not grown.
+        let slots = held.runs.len();
+        held.add(&long);
+        held.add(&branch);
+        assert_eq!(held.runs.len(), slots);
+    }
+
     #[test]
     fn a_prompt_repeating_an_id_or_freed_unknown_does_not_panic() {
         let mut held = InFlightBlocks::default();
         held.add(&[1, 2, 1, 2]);
+        held.add(&[1, 2, 1, 3]);
+        held.add(&[2, 1, 3]);
+        assert!(held.held(&[1, 2, 1, 2, 1, 2]) <= 6);
+        held.remove(&[1, 2, 1, 3]);
+        held.remove(&[2, 1, 3]);
         held.remove(&[1, 2, 1, 2]);
         held.remove(&[1, 2, 1, 2]);
         held.remove(&[8, 9]);
         held.remove(&[]);
         held.add(&[]);
-        assert!(held.len() <= 2);
+        assert!(held.len() <= 8);
+        held.clear();
+        assert_eq!((held.len(), held.held(&[1, 2])), (0, 0));
     }
 }

@@ -53,13 +53,14 @@ fn mix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// Emptied aggregates, kept with their block maps' capacity for the next rank booked
-/// from idle. Why: at light load most ranks hold a request or two, so each booking
-/// onto an idle rank allocated a block map and a second booking there grew it (a
-/// rehash of every id); the two were ~4% of a route's CPU in the daemon (the route
-/// thread's profile, docs/benchmarks.md). Cost: an emptied map's control bytes are
-/// cleared (1 byte per bucket); at most [`SparePool::MAX_SPARE`] aggregates of at
-/// most [`SparePool::MAX_CAPACITY`] block ids each are kept (~4 MiB at most).
+/// Emptied aggregates, kept with their in-flight tables' capacity for the next rank
+/// booked from idle. Why: at light load most ranks hold a request or two, so each
+/// booking onto an idle rank allocated its tables and a second booking there grew
+/// them; the two were ~4% of a route's CPU in the daemon (the route thread's
+/// profile, docs/benchmarks.md). Cost: an emptied map's control bytes are cleared (1
+/// byte per bucket) and its runs' ids freed; at most [`SparePool::MAX_SPARE`]
+/// aggregates of at most [`SparePool::MAX_CAPACITY`] runs each are kept (~3 MiB at
+/// most).
 #[derive(Debug, Default)]
 pub(super) struct SparePool {
     spare: Vec<RankSequences>,
@@ -75,8 +76,8 @@ impl Clone for SparePool {
 impl SparePool {
     /// Most aggregates kept.
     const MAX_SPARE: usize = 256;
-    /// Largest block map kept, in block ids; larger ones are freed.
-    const MAX_CAPACITY: usize = 1024;
+    /// Largest in-flight tables kept, in runs; larger ones are freed.
+    const MAX_CAPACITY: usize = 256;
 
     /// An empty aggregate: a spare one if any.
     pub(super) fn take(&mut self) -> RankSequences {

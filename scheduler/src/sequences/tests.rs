@@ -219,6 +219,9 @@ enum Op {
         rank: u8,
         prefix: u8,
         len: u8,
+        /// Blocks from this one on leave the prefix's chain (none when at or past
+        /// `len`): prompts that branch off each other's middle.
+        twist: u8,
         tokens: u16,
     },
     Prefill {
@@ -237,12 +240,13 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        (0u8..12, 0u8..4, 0u8..3, 0u8..6, any::<u16>()).prop_map(
-            |(req, rank, prefix, len, tokens)| Op::Add {
+        (0u8..12, 0u8..4, 0u8..3, 0u8..6, 1u8..8, any::<u16>()).prop_map(
+            |(req, rank, prefix, len, twist, tokens)| Op::Add {
                 req,
                 rank,
                 prefix,
                 len,
+                twist,
                 tokens
             }
         ),
@@ -251,6 +255,13 @@ fn op() -> impl Strategy<Value = Op> {
         (0u8..20).prop_map(|secs| Op::Expire { secs }),
         (0u8..2).prop_map(|worker| Op::RemoveWorker { worker }),
     ]
+}
+
+/// A prompt of `len` block hashes along chain `prefix`, leaving it at block `twist`.
+fn prompt(prefix: u8, len: u8, twist: u8) -> Vec<u64> {
+    (0..u64::from(len))
+        .map(|i| u64::from(prefix) * 100 + i + if i >= u64::from(twist) { 50 } else { 0 })
+        .collect()
 }
 
 proptest! {
@@ -269,9 +280,8 @@ proptest! {
         });
         for op in ops {
             match op {
-                Op::Add { req, rank: r, prefix, len, tokens } => {
-                    let hashes: Vec<u64> =
-                        (0..u64::from(len)).map(|i| u64::from(prefix) * 100 + i).collect();
+                Op::Add { req, rank: r, prefix, len, twist, tokens } => {
+                    let hashes = prompt(prefix, len, twist);
                     let _ = s.add_request(
                         add(&req.to_string(), rank(u64::from(r / 2), u32::from(r % 2)),
                             &hashes, u32::from(len) + 1, u64::from(tokens)),
@@ -310,9 +320,9 @@ proptest! {
                 load.active_decode_blocks += ids.len() as u64;
                 prop_assert_eq!(load, s.load(rank, now));
                 // The prompts' leading blocks held in flight, against the records.
-                for prefix in 0..3u64 {
+                for (prefix, twist) in (0..3).flat_map(|p| [(p, 2), (p, 4), (p, 7)]) {
                     let hashes: Vec<LocalBlockHash> =
-                        (0..6).map(|i| LocalBlockHash(prefix * 100 + i)).collect();
+                        prompt(prefix, 6, twist).into_iter().map(LocalBlockHash).collect();
                     let chained = chain_block_ids(&hashes);
                     let held = if reuse {
                         chained.iter().take_while(|id| ids.contains(id)).count() as u32
