@@ -10,7 +10,7 @@
 //! - the rank's distinct decode blocks are the sum of the runs' lengths, kept as a
 //!   counter;
 //! - a prompt's leading blocks held in flight are found by one look-up per run on
-//!   its path and a contiguous comparison of the run's ids with the prompt's;
+//!   its path and a binary search of where the run's ids and the prompt's part;
 //! - booking a prompt adds one to each run on its held path (splitting the run where
 //!   it branches off or ends) and stores the rest, the part no other request holds,
 //!   as one new run; freeing it subtracts one along the same path and drops the runs
@@ -22,8 +22,8 @@
 //! tail is the request's own (a Mooncake prompt is ~1,000 blocks of 16 tokens, half of
 //! them new), and every replica books every route: at 1,024-block prompts half new,
 //! booking and freeing was 36% of a peer replica's CPU (docs/benchmarks.md, round
-//! 35). Now a prompt costs one look-up and one comparison per run on its path and one
-//! allocation for its own tail, whatever its length.
+//! 35). Now a prompt costs one look-up and a binary search per run on its path and
+//! one allocation for its own tail.
 //!
 //! Ids are 64-bit mixes of the hashes, so two different prefixes share an id with
 //! probability 2^-64 per pair; a prompt crafted to repeat ids (the hashes come from
@@ -79,12 +79,24 @@ impl InFlightBlocks {
     }
 
     /// The run starting at `ids[0]`, and how many leading ids of `ids` it holds (at
-    /// least 1).
+    /// least 1). Chained ids that agree at a position agree at every one before it,
+    /// so the shared length is found by binary search (a shared prompt may be held by
+    /// many ranks, each checked per decision).
     fn run_at(&self, ids: &[u64]) -> Option<(u32, usize)> {
         let &r = self.starts.get(ids.first()?)?;
         let run = &self.runs[r as usize].ids;
-        let same = run.iter().zip(ids).take_while(|(a, b)| a == b).count();
-        Some((r, same.max(1)))
+        let both = run.len().min(ids.len());
+        // run[0] == ids[0] (the key); find the first position from which they differ.
+        let (mut same, mut differs) = (1, both);
+        while same < differs {
+            let mid = same + (differs - same) / 2;
+            if run[mid] == ids[mid] {
+                same = mid + 1;
+            } else {
+                differs = mid;
+            }
+        }
+        Some((r, same))
     }
 
     /// How many leading ids of `ids` (one prompt's chained ids) are held.
