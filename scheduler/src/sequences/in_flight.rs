@@ -84,7 +84,12 @@ impl InFlightBlocks {
     /// many ranks, each checked per decision).
     fn run_at(&self, ids: &[u64]) -> Option<(u32, usize)> {
         let &r = self.starts.get(ids.first()?)?;
-        let run = &self.runs[r as usize].ids;
+        // `starts` names live runs only (`drop_run` removes a run's key), never empty
+        // ones; the check keeps a walk moving forward even if that were broken.
+        let run = &self.runs.get(r as usize)?.ids;
+        if run.is_empty() {
+            return None;
+        }
         let both = run.len().min(ids.len());
         // run[0] == ids[0] (the key); find the first position from which they differ.
         let (mut same, mut differs) = (1, both);
@@ -156,9 +161,12 @@ impl InFlightBlocks {
     }
 
     /// Stores a new run, keyed by its first id (which no live run starts with, unless
-    /// crafted ids collide: then the older run is left unreachable until `clear`).
-    fn insert(&mut self, run: Run) -> u32 {
-        let first = run.ids[0];
+    /// crafted ids collide: then the older run is left unreachable until `clear`). An
+    /// empty run is not stored.
+    fn insert(&mut self, run: Run) {
+        let Some(&first) = run.ids.first() else {
+            return;
+        };
         let r = match self.free.pop() {
             Some(r) => {
                 self.runs[r as usize] = run;
@@ -170,7 +178,6 @@ impl InFlightBlocks {
             }
         };
         self.starts.insert(first, r);
-        r
     }
 
     /// Cuts run `r` after its first `at` ids (0 < `at` < its length); the rest becomes
