@@ -113,7 +113,7 @@ impl InFlightBlocks {
                 break;
             }
         }
-        at.min(ids.len())
+        at
     }
 
     /// Holds one more request's prompt, of chained ids `ids`.

@@ -12,12 +12,12 @@
 //!   its load falls linearly from its booked tokens to 0 over its expected duration,
 //!   starting when it became the oldest. The others count in full.
 //!
-//! A booking or free costs O(blocks of the request not shared with another active
-//! request) hash-map steps plus O(log blocks) look-ups; the owner drops the aggregate
-//! whole when its last request leaves instead of stepping through that request's
-//! blocks ([`RankSequences::holds_one`]), into a [`SparePool`] that hands it, emptied
-//! but with its map's capacity, to the next rank booked from idle; reading the
-//! projection is O(1).
+//! A booking or free costs one look-up and a binary search per run of its path in
+//! the in-flight trie, plus one copy of the blocks no other active request holds; the
+//! owner drops the aggregate whole when its last request leaves instead of stepping
+//! through that request's blocks ([`RankSequences::holds_one`]), into a [`SparePool`]
+//! that hands it, emptied but with its tables' capacity, to the next rank booked from
+//! idle; reading the projection is O(1).
 
 use super::in_flight::InFlightBlocks;
 use crate::load::{PrefillLoadHint, RankLoad};
@@ -84,7 +84,7 @@ impl SparePool {
         self.spare.pop().unwrap_or_default()
     }
 
-    /// Keeps `rank`'s aggregate, emptied, unless the pool is full or its map large.
+    /// Keeps `rank`'s aggregate, emptied, unless the pool is full or its tables large.
     pub(super) fn give(&mut self, mut rank: RankSequences) {
         if self.spare.len() < Self::MAX_SPARE && rank.blocks.capacity() <= Self::MAX_CAPACITY {
             let mut blocks = std::mem::take(&mut rank.blocks);
