@@ -20,7 +20,8 @@
 //! - [`limit`]: the bound on one prompt, fixed or the engines' context length.
 //! - [`openai`]: the request bodies read, and the engine bodies built from them.
 //! - [`tokenize`]: prompt → token ids, in process or by the engine.
-//! - [`router`]: route queries and the [`router::Booking`] that frees on every path.
+//! - [`router`]: route queries (those arriving together grouped into one batch) and
+//!   the [`router::Booking`] that frees on every path.
 //! - [`forward`]: one engine attempt, up to its first token.
 //! - [`answer`]: relaying or assembling the engine's events.
 //! - [`Core`]: what the gateway and the endpoint picker (`kv-epp`) share.
@@ -58,7 +59,7 @@ use crate::http::AppState;
 use crate::limit::PromptLimits;
 use crate::metrics::GatewayMetrics;
 use crate::parity::{ParityMonitor, RouterAsker};
-use crate::router::RouterClient;
+use crate::router::{RouterClient, RouterSettings};
 use crate::tokenize::PromptTokenizer;
 use crate::tokenize::pool::TokenizerPool;
 use crate::tokenize::remote::{Api, Remote, TokenizeTarget};
@@ -278,9 +279,14 @@ impl Core {
         let router = RouterClient::new(
             nats.clone(),
             config.subjects.clone(),
-            config.limits.route_timeout,
-            config.limits.keep_alive,
-            config.limits.lifecycle_batch,
+            RouterSettings {
+                timeout: config.limits.route_timeout,
+                keep_alive: config.limits.keep_alive,
+                lifecycle_batch: config.limits.lifecycle_batch,
+                grouping: config.limits.route_grouping,
+                max_message_bytes: config.wire_limits.max_message_bytes,
+            },
+            metrics.route_group_sizes(),
             connection,
         );
 

@@ -61,6 +61,7 @@ pub struct GatewayMetrics {
     remote_prefill: HistogramVec,
     half_retries: IntCounterVec,
     overlap: Histogram,
+    route_group_sizes: Histogram,
     in_flight: IntGauge,
     tokenize_jobs: IntGauge,
     tokenize_rejected: IntCounterVec,
@@ -141,6 +142,11 @@ impl GatewayMetrics {
                 "kv_gateway_overlap_ratio",
                 "Overlap blocks over prompt blocks of each routed request",
                 vec![0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0],
+            )?,
+            route_group_sizes: r.histogram(
+                "kv_gateway_route_group_queries",
+                "Route queries per NATS message to the router (1: a single query; more: a route batch of queries that arrived while the previous one was out)",
+                vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0],
             )?,
             in_flight: r.gauge(
                 "kv_gateway_requests_in_flight",
@@ -330,6 +336,11 @@ impl GatewayMetrics {
     /// Prompt tokens taken from `source` (`cache` or `encoded`) so far.
     pub fn tokenized_tokens(&self, source: &str) -> u64 {
         self.tokenized.with_label_values(&[source]).get()
+    }
+
+    /// The histogram of route queries per NATS message (for the router client).
+    pub fn route_group_sizes(&self) -> Histogram {
+        self.route_group_sizes.clone()
     }
 
     /// The parity outcome counter of `worker` (its id as a label) for `outcome`.

@@ -26,6 +26,7 @@ pub mod etcd_cluster;
 pub mod etcd_proxy;
 pub mod nats_cluster;
 pub mod python;
+pub mod router_client;
 pub mod security;
 use etcd_client::{Client as Etcd, PutOptions};
 use indexer::IndexerApi as _;

@@ -7,12 +7,12 @@
 #![allow(clippy::unwrap_used)]
 
 use futures::StreamExt as _;
+use integration_tests::router_client::{decision, router_client};
 use kv_events::routing::{
-    LifecycleBatch, LifecycleEvent, LifecycleMessage, PolicyKind, Prompt, RouteDecision,
-    RouteReply, RouteRequest,
+    LifecycleBatch, LifecycleEvent, LifecycleMessage, Prompt, RouteReply, RouteRequest,
 };
-use kv_events::{DpRank, Namespace, Subjects, WorkerId, decode, encode};
-use kv_gateway::router::{Booking, RouterClient};
+use kv_events::{Namespace, Subjects, WorkerId, decode, encode};
+use kv_gateway::router::{Booking, Grouping};
 use std::time::Duration;
 use testbed::NatsServer;
 
@@ -29,18 +29,7 @@ async fn fake_router(
     tokio::spawn(async move {
         while let Some(message) = routes.next().await {
             let request: RouteRequest = decode(&message.payload).unwrap();
-            let reply = RouteReply::Routed(RouteDecision {
-                request_id: request.request_id,
-                worker_id: WorkerId(1),
-                dp_rank: DpRank(0),
-                overlap_blocks: 0,
-                request_blocks: 1,
-                in_flight_blocks: 0,
-                kv_position: None,
-                policy: PolicyKind::Kv,
-                disaggregation: None,
-                fallbacks: vec![],
-            });
+            let reply = RouteReply::Routed(decision(request.request_id, WorkerId(1)));
             if let Some(inbox) = message.reply {
                 client
                     .publish(inbox, encode(&reply).unwrap().into())
@@ -83,15 +72,11 @@ impl Setup {
         let _router = fake_router(&nats, &subjects).await;
         // The client publishes on this same connection, which the server reads in order.
         let lifecycle = nats.subscribe(subjects.lifecycle()).await.unwrap();
-        let (_events, connection) = tokio::sync::mpsc::unbounded_channel();
-        let client = RouterClient::new(
-            nats.clone(),
-            subjects.clone(),
-            WAIT,
-            Duration::from_secs(3600),
-            max_batch,
-            connection,
-        );
+        let grouping = Grouping {
+            max: 1,
+            hold: Duration::ZERO,
+        };
+        let (client, _) = router_client(&nats, &subjects, WAIT, grouping, max_batch);
         let mut bookings: Vec<Booking> = Vec::new();
         for _ in 0..4 {
             let id = client.request_id();

@@ -20,6 +20,8 @@ use std::time::Duration;
 mod agreement;
 #[path = "replicas/batch.rs"]
 mod batch;
+#[path = "replicas/grouping.rs"]
+mod grouping;
 #[path = "replicas/sessions.rs"]
 mod sessions;
 #[path = "replicas/snapshot.rs"]
@@ -159,15 +161,20 @@ fn max(per_worker: &BTreeMap<u64, usize>) -> usize {
     per_worker.values().copied().max().unwrap_or(0)
 }
 
-#[tokio::test]
-async fn synced_replicas_spread_load_like_a_single_replica() -> anyhow::Result<()> {
-    // Baseline: one replica sees every booking.
+/// The baseline: requests per worker when one replica, which sees every booking,
+/// routes the requests one by one (its cluster stopped after).
+async fn one_replica_one_by_one() -> anyhow::Result<BTreeMap<u64, usize>> {
     let (cluster, single) = setup(1, true).await?;
     let alone = route_all(&cluster, &single, false).await?;
     for daemon in single {
         daemon.shutdown().await?;
     }
-    drop(cluster);
+    Ok(alone)
+}
+
+#[tokio::test]
+async fn synced_replicas_spread_load_like_a_single_replica() -> anyhow::Result<()> {
+    let alone = one_replica_one_by_one().await?;
 
     // Two replicas, sync on: NATS spreads the queries between them.
     let (cluster, pair) = setup(2, true).await?;

@@ -21,12 +21,14 @@ use crate::disaggregation::Disaggregation;
 use crate::ids::{DpRank, LocalBlockHash, RequestId, WorkerId};
 use serde::{Deserialize, Serialize};
 
+mod framing;
 mod lifecycle;
 pub mod overlap;
 mod prompt;
 pub mod removals;
 mod session;
 
+pub use framing::BATCH_FRAME_BYTES;
 pub use lifecycle::{LifecycleBatch, LifecycleEvent, LifecycleMessage};
 
 pub use removals::{

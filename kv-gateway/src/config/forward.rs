@@ -86,6 +86,30 @@ pub struct ForwardArgs {
         value_parser = lifecycle_batch
     )]
     pub lifecycle_batch: usize,
+    /// Most route queries sent to the router in one NATS message. Queries that
+    /// arrive while one of this gateway's is being answered wait for that answer (at
+    /// most `--route-batch-hold-ms`) and leave together as one `route_batch`, which
+    /// one router replica places seeing each query's booking (docs/gateway.md, "Route
+    /// grouping"). `1` sends each on its own; above the router's `--max-route-batch`
+    /// a batch is refused and asked again query by query.
+    #[arg(
+        long,
+        help_heading = "Forwarding",
+        env = "KV_GATEWAY_ROUTE_BATCH",
+        default_value_t = 32,
+        value_parser = route_batch
+    )]
+    pub route_batch: usize,
+    /// Longest a route query waits for the answer to the gateway's previous group
+    /// before it leaves, in ms (0: it waits for nothing; queries queued together
+    /// still leave together).
+    #[arg(
+        long,
+        help_heading = "Forwarding",
+        env = "KV_GATEWAY_ROUTE_BATCH_HOLD_MS",
+        default_value_t = 2
+    )]
+    pub route_batch_hold_ms: u64,
     /// How long connecting to an engine may take, in ms.
     #[arg(
         long,
@@ -145,6 +169,15 @@ pub struct ForwardArgs {
         default_value_t = 120
     )]
     pub keep_alive_s: u64,
+}
+
+/// Parses `--route-batch`: 1 to [`crate::router::MAX_GROUP`].
+fn route_batch(value: &str) -> Result<usize, String> {
+    let max = crate::router::MAX_GROUP;
+    match value.parse::<usize>() {
+        Ok(n) if (1..=max).contains(&n) => Ok(n),
+        _ => Err(format!("expected a number of queries from 1 to {max}")),
+    }
 }
 
 /// Parses `--lifecycle-batch`: 1 to [`kv_events::limits::MAX_LIFECYCLE_BATCH`].

@@ -81,6 +81,8 @@ pub struct RequestLimits {
     pub keep_alive: Duration,
     /// Most lifecycle messages per NATS message (1: each on its own).
     pub lifecycle_batch: usize,
+    /// How route queries arriving together are grouped into one NATS message.
+    pub route_grouping: crate::router::Grouping,
 }
 
 /// Local tokenization: the thread pool that bounds its CPU (the prompt bound,
@@ -209,6 +211,10 @@ impl GatewayArgs {
                 request_timeout: Duration::from_secs(fwd.request_timeout_s),
                 keep_alive: Duration::from_secs(fwd.keep_alive_s),
                 lifecycle_batch: fwd.lifecycle_batch,
+                route_grouping: crate::router::Grouping {
+                    max: fwd.route_batch,
+                    hold: Duration::from_millis(fwd.route_batch_hold_ms),
+                },
             },
             wire_limits,
         })

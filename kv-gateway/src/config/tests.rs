@@ -46,6 +46,28 @@ fn lifecycle_batches_default_to_the_bound_and_refuse_zero_or_more() {
 }
 
 #[test]
+fn route_grouping_defaults_and_bounds() {
+    let default = parse(&["--model-dir=/m/x"]).to_config().unwrap();
+    let grouping = default.limits.route_grouping;
+    assert_eq!(
+        (grouping.max, grouping.hold),
+        (32, Duration::from_millis(2))
+    );
+    let off = parse(&[
+        "--model-dir=/m/x",
+        "--route-batch=1",
+        "--route-batch-hold-ms=0",
+    ]);
+    let grouping = off.to_config().unwrap().limits.route_grouping;
+    assert_eq!((grouping.max, grouping.hold), (1, Duration::ZERO));
+    let max = crate::router::MAX_GROUP;
+    for bad in ["0".to_owned(), (max + 1).to_string(), "all".to_owned()] {
+        let args = ["gateway", "--model-dir=/m/x", "--route-batch", &bad];
+        assert!(parse_flags::<GatewayArgs, _, _>(args).is_err(), "{bad}");
+    }
+}
+
+#[test]
 fn connection_timeouts_have_defaults_and_refuse_zero() {
     let config = parse(&["--model-dir", "/m/x"]).to_config().unwrap();
     assert_eq!(config.http.header_read_timeout, Duration::from_secs(5));

@@ -7,14 +7,21 @@
 //! the request id); from then on a [`Booking`] owns it and guarantees a `freed`
 //! message on every path, including a client that disconnects mid-stream (the booking
 //! is dropped with the response stream), which frees both halves.
+//!
+//! Queries that arrive while one of the gateway's is being answered wait for it and
+//! leave together as one `route_batch` (module `router::grouping`): one replica then
+//! places them all, each seeing the others' bookings.
 
 use crate::error::ApiError;
+use asker::Asker;
 use async_nats::Client;
+use grouping::Grouper;
 use kv_events::routing::{
     LifecycleEvent, LifecycleMessage, Prompt, RouteDecision, RouteErrorCode, RouteReply,
     RouteRequest, SessionId,
 };
 use kv_events::{RequestId, Subjects, WorkerId, decode, encode};
+use prometheus::Histogram;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -22,15 +29,38 @@ use tokio::sync::mpsc;
 use tokio::task::AbortHandle;
 use tracing::debug;
 
+mod asker;
+mod grouping;
 mod lifecycle;
+
+pub use grouping::{Grouping, MAX_GROUP};
+
+/// How the gateway talks to the router.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RouterSettings {
+    /// Longest a routing query may take (above the router's queue wait).
+    pub timeout: Duration,
+    /// Interval of `keep_alive` lifecycle messages for a booked request.
+    pub keep_alive: Duration,
+    /// Most lifecycle messages per NATS message, 1 to
+    /// [`kv_events::limits::MAX_LIFECYCLE_BATCH`] (1 for routers older than the batch
+    /// form).
+    pub lifecycle_batch: usize,
+    /// How route queries that arrive together are grouped (module `router::grouping`).
+    pub grouping: Grouping,
+    /// The router's `--max-message-bytes`, in bytes: no batch is larger.
+    pub max_message_bytes: usize,
+}
 
 /// Routing queries and lifecycle messages over NATS.
 #[derive(Clone)]
 pub struct RouterClient {
     nats: Client,
     subjects: Arc<Subjects>,
-    timeout: Duration,
     keep_alive: Duration,
+    /// Sends queries alone; the grouper, when grouping is on, sends them through it.
+    asker: Asker,
+    grouper: Option<Grouper>,
     /// Request ids: a random per-process prefix and a counter, unique across
     /// gateway replicas without coordination.
     prefix: Arc<str>,
@@ -42,29 +72,41 @@ pub struct RouterClient {
 }
 
 impl RouterClient {
-    /// A client asking with `timeout` per query and keeping bookings alive every
-    /// `keep_alive`, sending at most `lifecycle_batch` lifecycle messages per NATS
-    /// message (1 to [`kv_events::limits::MAX_LIFECYCLE_BATCH`]; 1 for routers older
-    /// than the batch form); `connection` tells it of the NATS connection's events (for
+    /// A client with `settings`, recording the number of queries per route message
+    /// in `group_sizes`; `connection` tells it of the NATS connection's events (for
     /// re-sending `freed` after an outage; module `router::lifecycle`).
-    /// Must be called inside a tokio runtime: it spawns the lifecycle publisher, which
-    /// ends when the last clone of the client is dropped.
+    /// Must be called inside a tokio runtime: it spawns the lifecycle publisher and,
+    /// with grouping, the grouping task, which end when the last clone of the client
+    /// is dropped.
     pub fn new(
         nats: Client,
         subjects: Subjects,
-        timeout: Duration,
-        keep_alive: Duration,
-        lifecycle_batch: usize,
+        settings: RouterSettings,
+        group_sizes: Histogram,
         connection: mpsc::UnboundedReceiver<async_nats::Event>,
     ) -> Self {
         let (lifecycle, queue) = mpsc::unbounded_channel::<LifecycleMessage>();
-        let batch = lifecycle_batch.clamp(1, kv_events::limits::MAX_LIFECYCLE_BATCH);
+        let batch = settings
+            .lifecycle_batch
+            .clamp(1, kv_events::limits::MAX_LIFECYCLE_BATCH);
         lifecycle::spawn(nats.clone(), subjects.clone(), batch, queue, connection);
+        let asker = Asker::new(
+            nats.clone(),
+            subjects.route(),
+            subjects.route_batch(),
+            settings.timeout,
+            settings.max_message_bytes,
+        );
+        let grouper = (settings.grouping.max > 1).then(|| {
+            let freed = lifecycle.clone();
+            Grouper::spawn(asker.clone(), settings.grouping, group_sizes, freed)
+        });
         Self {
             nats,
             subjects: Arc::new(subjects),
-            timeout,
-            keep_alive,
+            keep_alive: settings.keep_alive,
+            asker,
+            grouper,
             prefix: format!("gw-{:016x}", rand::random::<u64>()).into(),
             next: Arc::new(AtomicU64::new(0)),
             lifecycle,
@@ -119,30 +161,16 @@ impl RouterClient {
     ) -> Result<(RouteDecision, Booking), ApiError> {
         let payload =
             encode(request).map_err(|e| ApiError::internal(format!("encoding route: {e}")))?;
-        let reply = self
-            .nats
-            .send_request(
-                self.subjects.route(),
-                async_nats::client::Request::new()
-                    .payload(payload.into())
-                    .timeout(Some(self.timeout)),
-            )
-            .await
-            .map_err(|e| match e.kind() {
-                async_nats::client::RequestErrorKind::NoResponders => {
-                    ApiError::unavailable("no router is answering")
-                }
-                async_nats::client::RequestErrorKind::TimedOut => {
-                    ApiError::unavailable("the router did not answer in time")
-                }
-                _ => ApiError::unavailable(format!("cannot reach the router: {e}")),
-            })?;
-        match decode::<RouteReply>(&reply.payload) {
-            Ok(RouteReply::Routed(decision)) => {
+        let reply = match &self.grouper {
+            Some(grouper) => grouper.ask(payload).await?,
+            None => self.asker.single(payload).await?,
+        };
+        match reply {
+            RouteReply::Routed(decision) => {
                 let booking = Booking::new(self, decision.request_id.clone());
                 Ok((decision, booking))
             }
-            Ok(RouteReply::Error(e)) => Err(match e.code {
+            RouteReply::Error(e) => Err(match e.code {
                 RouteErrorCode::Overloaded => ApiError::overloaded(e.message),
                 RouteErrorCode::NoWorkers | RouteErrorCode::RankUnavailable => {
                     ApiError::unavailable(e.message)
@@ -150,7 +178,6 @@ impl RouterClient {
                 RouteErrorCode::BadRequest => ApiError::bad_request(e.message),
                 RouteErrorCode::Internal => ApiError::unavailable(e.message),
             }),
-            Err(e) => Err(ApiError::internal(format!("malformed route reply: {e}"))),
         }
     }
 

@@ -1,0 +1,336 @@
+//! The gateway's route grouping against a real nats-server and a scripted router:
+//! queries that arrive while one is out leave together as one `route_batch` when it
+//! is answered, each gets its own entry's answer, an entry answered `overloaded` and a
+//! batch refused whole are asked again alone, a query never waits past the hold, and
+//! `--route-batch 1` sends every query on its own. A booking whose caller left while
+//! its query waited is freed at once. With real router replicas, see
+//! `replicas/grouping.rs`.
+
+// Test helpers unwrap: a failed setup step must fail the test loudly.
+#![allow(clippy::unwrap_used)]
+
+use futures::StreamExt as _;
+use integration_tests::router_client::{decision, router_client};
+use kv_events::routing::{
+    LifecycleEvent, LifecycleMessage, Prompt, RouteBatchReply, RouteBatchRequest, RouteError,
+    RouteErrorCode, RouteReply, RouteRequest,
+};
+use kv_events::{Namespace, Subjects, WorkerId, decode, encode};
+use kv_gateway::error::ApiError;
+use kv_gateway::router::{Booking, Grouping, RouterClient};
+use std::time::Duration;
+use testbed::NatsServer;
+use tokio::task::JoinHandle;
+
+/// Bounds a wait that must end (a failing test must not hang), not a timing claim.
+const WAIT: Duration = Duration::from_secs(30);
+
+/// What the scripted router was asked, and the inbox to answer on.
+enum Asked {
+    Single(RouteRequest, async_nats::Subject),
+    Batch(RouteBatchRequest, async_nats::Subject),
+}
+
+/// Subscribes the route and batch route subjects; the test answers by hand.
+struct ScriptedRouter {
+    nats: async_nats::Client,
+    asked: futures::stream::SelectAll<async_nats::Subscriber>,
+    subjects: Subjects,
+}
+
+impl ScriptedRouter {
+    async fn start(nats: &async_nats::Client, subjects: &Subjects) -> Self {
+        let single = nats.subscribe(subjects.route()).await.unwrap();
+        let batch = nats.subscribe(subjects.route_batch()).await.unwrap();
+        Self {
+            nats: nats.clone(),
+            asked: futures::stream::select_all([single, batch]),
+            subjects: subjects.clone(),
+        }
+    }
+
+    async fn next(&mut self) -> Asked {
+        let message = tokio::time::timeout(WAIT, self.asked.next())
+            .await
+            .expect("a query within the wait")
+            .expect("the subscriptions are open");
+        let inbox = message.reply.expect("a request has an inbox");
+        if message.subject.as_str() == self.subjects.route_batch() {
+            Asked::Batch(decode(&message.payload).unwrap(), inbox)
+        } else {
+            Asked::Single(decode(&message.payload).unwrap(), inbox)
+        }
+    }
+
+    async fn single(&mut self) -> (RouteRequest, async_nats::Subject) {
+        match self.next().await {
+            Asked::Single(request, inbox) => (request, inbox),
+            Asked::Batch(batch, _) => panic!("expected a single query, got {batch:?}"),
+        }
+    }
+
+    async fn batch(&mut self) -> (RouteBatchRequest, async_nats::Subject) {
+        match self.next().await {
+            Asked::Batch(batch, inbox) => (batch, inbox),
+            Asked::Single(request, _) => panic!("expected a batch, got {request:?}"),
+        }
+    }
+
+    /// Answers `inbox` with an encoded reply.
+    async fn answer(&self, inbox: async_nats::Subject, payload: Vec<u8>) {
+        self.nats.publish(inbox, payload.into()).await.unwrap();
+    }
+}
+
+/// Routed to worker `10 + n` for the query whose id ends in `-n`.
+fn routed(request: &RouteRequest) -> RouteReply {
+    let n: u64 = request
+        .request_id
+        .0
+        .rsplit('-')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    RouteReply::Routed(decision(request.request_id.clone(), WorkerId(10 + n)))
+}
+
+fn refused(code: RouteErrorCode) -> RouteError {
+    RouteError {
+        code,
+        message: "scripted".into(),
+    }
+}
+
+struct Setup {
+    _server: NatsServer,
+    router: ScriptedRouter,
+    client: RouterClient,
+    sizes: prometheus::Histogram,
+    lifecycle: async_nats::Subscriber,
+}
+
+impl Setup {
+    async fn start(grouping: Grouping) -> Self {
+        let server = NatsServer::start().await.unwrap();
+        let nats = async_nats::connect(server.url()).await.unwrap();
+        let subjects = Subjects::new(Namespace::new("grouping-test").unwrap());
+        let router = ScriptedRouter::start(&nats, &subjects).await;
+        let lifecycle = nats.subscribe(subjects.lifecycle()).await.unwrap();
+        let (client, sizes) = router_client(&nats, &subjects, WAIT, grouping, 1);
+        Self {
+            _server: server,
+            router,
+            client,
+            sizes,
+            lifecycle,
+        }
+    }
+
+    /// Asks for query `name-n` in its own task, as concurrent requests do.
+    fn ask(&self, name: &str, n: u32) -> JoinHandle<Result<(WorkerId, Booking), ApiError>> {
+        let client = self.client.clone();
+        let id = format!("{name}-{n}").as_str().into();
+        let prompt = Prompt::Tokens {
+            token_ids: vec![n; 8],
+        };
+        tokio::spawn(async move {
+            let (decision, booking) = client.route(id, prompt, &[], None, false).await?;
+            Ok((decision.worker_id, booking))
+        })
+    }
+}
+
+async fn worker(asked: JoinHandle<Result<(WorkerId, Booking), ApiError>>) -> u64 {
+    let (worker, _booking) = tokio::time::timeout(WAIT, asked)
+        .await
+        .expect("an answer within the wait")
+        .unwrap()
+        .expect("routed");
+    worker.0
+}
+
+fn ids(batch: &RouteBatchRequest) -> Vec<String> {
+    batch
+        .requests
+        .iter()
+        .map(|r| r.request_id.0.clone())
+        .collect()
+}
+
+#[tokio::test]
+async fn queries_arriving_while_one_is_out_leave_together_and_each_gets_its_answer() {
+    let mut s = Setup::start(Grouping {
+        max: 32,
+        hold: WAIT,
+    })
+    .await;
+    let first = s.ask("q", 0);
+    let (lone, inbox) = s.router.single().await;
+    assert_eq!(lone.request_id.0, "q-0");
+    // Four more arrive while q-0 is out, q-1 well before the others: they all wait
+    // for its answer (the hold is long).
+    let mut rest = vec![s.ask("q", 1)];
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    rest.extend((2..=4).map(|n| s.ask("q", n)));
+    tokio::task::yield_now().await;
+    s.router
+        .answer(inbox, encode(&routed(&lone)).unwrap())
+        .await;
+    assert_eq!(worker(first).await, 10);
+
+    let (batch, inbox) = s.router.batch().await;
+    assert_eq!(ids(&batch), ["q-1", "q-2", "q-3", "q-4"], "arrival order");
+    assert_eq!(batch.order, kv_events::routing::BatchOrder::AsGiven);
+    // q-2 is refused as overloaded (a batch never waits in the queue): it is asked
+    // again alone, and answered then.
+    let replies: Vec<RouteReply> = batch
+        .requests
+        .iter()
+        .map(|r| match r.request_id.0.as_str() {
+            "q-2" => RouteReply::Error(refused(RouteErrorCode::Overloaded)),
+            _ => routed(r),
+        })
+        .collect();
+    s.router
+        .answer(
+            inbox,
+            encode(&RouteBatchReply::Answered { replies }).unwrap(),
+        )
+        .await;
+    let (again, inbox) = s.router.single().await;
+    assert_eq!(again.request_id.0, "q-2");
+    s.router
+        .answer(inbox, encode(&routed(&again)).unwrap())
+        .await;
+    let mut workers = Vec::new();
+    for asked in rest {
+        workers.push(worker(asked).await);
+    }
+    assert_eq!(
+        workers,
+        [11, 12, 13, 14],
+        "each query gets its own entry's answer"
+    );
+    // One message of 1 query, one of 4; the re-ask goes around the grouping.
+    assert_eq!(s.sizes.get_sample_count(), 2);
+    assert_eq!(s.sizes.get_sample_sum(), 5.0);
+}
+
+#[tokio::test]
+async fn a_batch_refused_whole_is_asked_again_query_by_query() {
+    let mut s = Setup::start(Grouping {
+        max: 32,
+        hold: WAIT,
+    })
+    .await;
+    let first = s.ask("r", 0);
+    let (lone, inbox) = s.router.single().await;
+    let rest: Vec<_> = (1..=3).map(|n| s.ask("r", n)).collect();
+    tokio::task::yield_now().await;
+    s.router
+        .answer(inbox, encode(&routed(&lone)).unwrap())
+        .await;
+    let (batch, inbox) = s.router.batch().await;
+    assert_eq!(batch.requests.len(), 3);
+    // A router with a smaller --max-route-batch refuses the batch; nothing was booked.
+    let refusal = RouteBatchReply::Error(refused(RouteErrorCode::BadRequest));
+    s.router.answer(inbox, encode(&refusal).unwrap()).await;
+    let mut again = Vec::new();
+    for _ in 0..3 {
+        let (request, inbox) = s.router.single().await;
+        s.router
+            .answer(inbox, encode(&routed(&request)).unwrap())
+            .await;
+        again.push(request.request_id.0);
+    }
+    again.sort();
+    assert_eq!(again, ["r-1", "r-2", "r-3"]);
+    assert_eq!(worker(first).await, 10);
+    for (n, asked) in (1..).zip(rest) {
+        assert_eq!(worker(asked).await, 10 + n);
+    }
+}
+
+#[tokio::test]
+async fn a_query_waits_for_an_unanswered_one_no_longer_than_the_hold() {
+    let hold = Duration::from_millis(50);
+    let mut s = Setup::start(Grouping { max: 32, hold }).await;
+    let first = s.ask("h", 0);
+    let (lone, held) = s.router.single().await;
+    // q-0 stays unanswered (a router queue wait, say); the next two leave after the
+    // hold anyway, together, and are answered before it.
+    let rest: Vec<_> = (1..=2).map(|n| s.ask("h", n)).collect();
+    let (batch, inbox) = s.router.batch().await;
+    assert_eq!(ids(&batch), ["h-1", "h-2"]);
+    let replies = batch.requests.iter().map(routed).collect();
+    s.router
+        .answer(
+            inbox,
+            encode(&RouteBatchReply::Answered { replies }).unwrap(),
+        )
+        .await;
+    for (n, asked) in (1..).zip(rest) {
+        assert_eq!(worker(asked).await, 10 + n);
+    }
+    assert!(!first.is_finished(), "h-0 is still unanswered");
+    s.router.answer(held, encode(&routed(&lone)).unwrap()).await;
+    assert_eq!(worker(first).await, 10);
+}
+
+#[tokio::test]
+async fn a_booking_whose_caller_left_is_freed_at_once() {
+    let mut s = Setup::start(Grouping {
+        max: 32,
+        hold: WAIT,
+    })
+    .await;
+    let first = s.ask("g", 0);
+    let (lone, inbox) = s.router.single().await;
+    let gone = s.ask("g", 1);
+    let stays = s.ask("g", 2);
+    tokio::task::yield_now().await;
+    // g-1's client disconnects while its query waits behind g-0.
+    gone.abort();
+    s.router
+        .answer(inbox, encode(&routed(&lone)).unwrap())
+        .await;
+    assert_eq!(worker(first).await, 10);
+    let (batch, inbox) = s.router.batch().await;
+    assert_eq!(ids(&batch), ["g-1", "g-2"]);
+    let replies = batch.requests.iter().map(routed).collect();
+    let answered = RouteBatchReply::Answered { replies };
+    s.router.answer(inbox, encode(&answered).unwrap()).await;
+    assert_eq!(worker(stays).await, 12);
+    // Each booking is freed once: g-0 and g-2 by their callers, g-1 by the grouping.
+    let mut freed = Vec::new();
+    for _ in 0..3 {
+        let message = tokio::time::timeout(WAIT, s.lifecycle.next())
+            .await
+            .expect("a lifecycle message within the wait")
+            .expect("the subscription is open");
+        let message: LifecycleMessage = decode(&message.payload).unwrap();
+        assert_eq!(message.event, LifecycleEvent::Freed);
+        freed.push(message.request_id.0);
+    }
+    freed.sort();
+    assert_eq!(freed, ["g-0", "g-1", "g-2"]);
+}
+
+#[tokio::test]
+async fn with_route_batch_1_every_query_leaves_on_its_own() {
+    let mut s = Setup::start(Grouping { max: 1, hold: WAIT }).await;
+    let first = s.ask("s", 0);
+    let (lone, held) = s.router.single().await;
+    let second = s.ask("s", 1);
+    // Not held behind the unanswered first query, and not batched.
+    let (next, inbox) = s.router.single().await;
+    assert_eq!(next.request_id.0, "s-1");
+    s.router
+        .answer(inbox, encode(&routed(&next)).unwrap())
+        .await;
+    assert_eq!(worker(second).await, 11);
+    s.router.answer(held, encode(&routed(&lone)).unwrap()).await;
+    assert_eq!(worker(first).await, 10);
+    assert_eq!(s.sizes.get_sample_count(), 0, "no grouping task");
+}
