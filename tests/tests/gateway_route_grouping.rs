@@ -4,7 +4,7 @@
 //! batch refused whole are asked again alone, a query never waits past the hold, and
 //! `--route-batch 1` sends every query on its own. A booking whose caller left while
 //! its query waited is freed at once. With real router replicas, see
-//! `replicas/grouping.rs`.
+//! `replicas/grouping.rs`. Where nothing serves batches, each query is asked alone.
 
 // Test helpers unwrap: a failed setup step must fail the test loudly.
 #![allow(clippy::unwrap_used)]
@@ -39,12 +39,15 @@ struct ScriptedRouter {
 }
 
 impl ScriptedRouter {
-    async fn start(nats: &async_nats::Client, subjects: &Subjects) -> Self {
-        let single = nats.subscribe(subjects.route()).await.unwrap();
-        let batch = nats.subscribe(subjects.route_batch()).await.unwrap();
+    /// Serves single queries, and batches too with `batches`.
+    async fn start(nats: &async_nats::Client, subjects: &Subjects, batches: bool) -> Self {
+        let mut served = vec![nats.subscribe(subjects.route()).await.unwrap()];
+        if batches {
+            served.push(nats.subscribe(subjects.route_batch()).await.unwrap());
+        }
         Self {
             nats: nats.clone(),
-            asked: futures::stream::select_all([single, batch]),
+            asked: futures::stream::select_all(served),
             subjects: subjects.clone(),
         }
     }
@@ -112,10 +115,15 @@ struct Setup {
 
 impl Setup {
     async fn start(grouping: Grouping) -> Self {
+        Self::serving(grouping, true).await
+    }
+
+    /// With a router that serves batches only with `batches`.
+    async fn serving(grouping: Grouping, batches: bool) -> Self {
         let server = NatsServer::start().await.unwrap();
         let nats = async_nats::connect(server.url()).await.unwrap();
         let subjects = Subjects::new(Namespace::new("grouping-test").unwrap());
-        let router = ScriptedRouter::start(&nats, &subjects).await;
+        let router = ScriptedRouter::start(&nats, &subjects, batches).await;
         let lifecycle = nats.subscribe(subjects.lifecycle()).await.unwrap();
         let (client, sizes) = router_client(&nats, &subjects, WAIT, grouping, 1);
         Self {
@@ -246,6 +254,40 @@ async fn a_batch_refused_whole_is_asked_again_query_by_query() {
     }
     again.sort();
     assert_eq!(again, ["r-1", "r-2", "r-3"]);
+    assert_eq!(worker(first).await, 10);
+    for (n, asked) in (1..).zip(rest) {
+        assert_eq!(worker(asked).await, 10 + n);
+    }
+}
+
+#[tokio::test]
+async fn without_a_batch_service_each_query_is_asked_alone() {
+    // A router (or a stand-in) that serves only single queries: no batch responder.
+    let mut s = Setup::serving(
+        Grouping {
+            max: 32,
+            hold: WAIT,
+        },
+        false,
+    )
+    .await;
+    let first = s.ask("n", 0);
+    let (lone, inbox) = s.router.single().await;
+    let rest: Vec<_> = (1..=2).map(|n| s.ask("n", n)).collect();
+    tokio::task::yield_now().await;
+    s.router
+        .answer(inbox, encode(&routed(&lone)).unwrap())
+        .await;
+    let mut again = Vec::new();
+    for _ in 0..2 {
+        let (request, inbox) = s.router.single().await;
+        s.router
+            .answer(inbox, encode(&routed(&request)).unwrap())
+            .await;
+        again.push(request.request_id.0);
+    }
+    again.sort();
+    assert_eq!(again, ["n-1", "n-2"]);
     assert_eq!(worker(first).await, 10);
     for (n, asked) in (1..).zip(rest) {
         assert_eq!(worker(asked).await, 10 + n);

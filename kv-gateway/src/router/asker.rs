@@ -2,7 +2,8 @@
 //! gateway's deadline and its errors mapped to what the client is told.
 
 use crate::error::ApiError;
-use async_nats::{Client, Subject};
+use async_nats::client::{RequestError, RequestErrorKind};
+use async_nats::{Client, Message, Subject};
 use kv_events::decode;
 use kv_events::routing::{RouteBatchReply, RouteReply};
 use serde::de::DeserializeOwned;
@@ -52,41 +53,43 @@ impl Asker {
     /// 503 when no router answers, or not within the timeout; 500 for a reply that
     /// does not decode.
     pub(super) async fn single(&self, payload: Vec<u8>) -> Result<RouteReply, ApiError> {
-        self.request(self.route.clone(), payload).await
+        let reply = self.request(self.route.clone(), payload).await;
+        decoded(reply.map_err(refused)?)
     }
 
-    /// Asks one encoded `RouteBatchRequest`.
+    /// Asks one encoded `RouteBatchRequest`; `None` when nothing subscribes the batch
+    /// subject (a router, or a stand-in, that serves only single queries).
     ///
     /// # Errors
     /// As [`Asker::single`].
-    pub(super) async fn batch(&self, payload: Vec<u8>) -> Result<RouteBatchReply, ApiError> {
-        self.request(self.route_batch.clone(), payload).await
+    pub(super) async fn batch(
+        &self,
+        payload: Vec<u8>,
+    ) -> Result<Option<RouteBatchReply>, ApiError> {
+        match self.request(self.route_batch.clone(), payload).await {
+            Ok(message) => decoded(message).map(Some),
+            Err(e) if e.kind() == RequestErrorKind::NoResponders => Ok(None),
+            Err(e) => Err(refused(e)),
+        }
     }
 
-    async fn request<T: DeserializeOwned>(
-        &self,
-        subject: Subject,
-        payload: Vec<u8>,
-    ) -> Result<T, ApiError> {
-        let reply = self
-            .nats
-            .send_request(
-                subject,
-                async_nats::client::Request::new()
-                    .payload(payload.into())
-                    .timeout(Some(self.timeout)),
-            )
-            .await
-            .map_err(|e| match e.kind() {
-                async_nats::client::RequestErrorKind::NoResponders => {
-                    ApiError::unavailable("no router is answering")
-                }
-                async_nats::client::RequestErrorKind::TimedOut => {
-                    ApiError::unavailable("the router did not answer in time")
-                }
-                _ => ApiError::unavailable(format!("cannot reach the router: {e}")),
-            })?;
-        decode::<T>(&reply.payload)
-            .map_err(|e| ApiError::internal(format!("malformed route reply: {e}")))
+    async fn request(&self, subject: Subject, payload: Vec<u8>) -> Result<Message, RequestError> {
+        let request = async_nats::client::Request::new()
+            .payload(payload.into())
+            .timeout(Some(self.timeout));
+        self.nats.send_request(subject, request).await
     }
+}
+
+fn refused(e: RequestError) -> ApiError {
+    match e.kind() {
+        RequestErrorKind::NoResponders => ApiError::unavailable("no router is answering"),
+        RequestErrorKind::TimedOut => ApiError::unavailable("the router did not answer in time"),
+        _ => ApiError::unavailable(format!("cannot reach the router: {e}")),
+    }
+}
+
+fn decoded<T: DeserializeOwned>(reply: Message) -> Result<T, ApiError> {
+    decode::<T>(&reply.payload)
+        .map_err(|e| ApiError::internal(format!("malformed route reply: {e}")))
 }

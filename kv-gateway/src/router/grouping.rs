@@ -21,7 +21,8 @@
 //!
 //! A batch never waits in the router's queue (docs/protocol.md), a single query may:
 //! so an entry the router answers `overloaded` is asked again on its own, and a batch
-//! the router refuses as a whole (more entries or bytes than its limits) is asked
+//! the router refuses as a whole (more entries or bytes than its limits), or that
+//! nothing subscribes (a router or stand-in serving only single queries), is asked
 //! again query by query. Either way each query gets the answer it would have had
 //! alone, one round trip later.
 //!
@@ -180,7 +181,7 @@ impl Answers {
         };
         let _ = done.send(());
         match reply {
-            Ok(RouteBatchReply::Answered { replies }) if replies.len() == group.len() => {
+            Ok(Some(RouteBatchReply::Answered { replies })) if replies.len() == group.len() => {
                 for (asked, reply) in group.into_iter().zip(replies) {
                     match reply {
                         RouteReply::Error(e) if e.code == RouteErrorCode::Overloaded => {
@@ -192,7 +193,7 @@ impl Answers {
                     }
                 }
             }
-            Ok(RouteBatchReply::Answered { replies }) => {
+            Ok(Some(RouteBatchReply::Answered { replies })) => {
                 let message = format!(
                     "the router answered {} of a batch of {} route queries",
                     replies.len(),
@@ -202,10 +203,20 @@ impl Answers {
                     self.deliver(asked.answer, Err(ApiError::internal(message.clone())));
                 }
             }
-            Ok(RouteBatchReply::Error(refused)) => {
+            Ok(Some(RouteBatchReply::Error(refused))) => {
                 // Nothing was booked: each query is asked again on its own.
                 debug!(queries = group.len(), code = ?refused.code, message = %refused.message,
                     "route batch refused; asking query by query");
+                for asked in group {
+                    tokio::spawn(self.clone().alone(asked));
+                }
+            }
+            Ok(None) => {
+                // Nothing serves batches here: each query is asked on its own.
+                debug!(
+                    queries = group.len(),
+                    "no route batch service; asking query by query"
+                );
                 for asked in group {
                     tokio::spawn(self.clone().alone(asked));
                 }
