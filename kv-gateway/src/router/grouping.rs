@@ -30,10 +30,10 @@
 //! disconnected while the query waited or was out) and that the router booked is
 //! freed at once, rather than held by the router until its request TTL.
 //!
-//! Cost: a query that arrives while a group is out waits for that group's answer, one
-//! route round trip (about 0.1–0.3 ms on one host), at most `hold`; the answer of a
-//! batch is as slow as its slowest entry's placement. Every query takes one channel
-//! send and one task wake-up more than a direct request.
+//! Cost: a query that arrives while a group is out waits for that group's answer,
+//! the rest of one route round trip (0.2–0.8 ms on one host), at most `hold`; the
+//! answer of a batch is as slow as its slowest entry's placement. Every query takes
+//! one channel send and one task wake-up more than a direct request.
 
 use super::asker::Asker;
 use crate::error::ApiError;
