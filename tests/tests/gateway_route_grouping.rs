@@ -25,6 +25,12 @@ use tokio::task::JoinHandle;
 /// Bounds a wait that must end (a failing test must not hang), not a timing claim.
 const WAIT: Duration = Duration::from_secs(30);
 
+/// Grouping with a hold longer than any test: a query waits for the answer out.
+const HOLDING: Grouping = Grouping {
+    max: 32,
+    hold: WAIT,
+};
+
 /// What the scripted router was asked, and the inbox to answer on.
 enum Asked {
     Single(RouteRequest, async_nats::Subject),
@@ -82,6 +88,30 @@ impl ScriptedRouter {
     /// Answers `inbox` with an encoded reply.
     async fn answer(&self, inbox: async_nats::Subject, payload: Vec<u8>) {
         self.nats.publish(inbox, payload.into()).await.unwrap();
+    }
+
+    /// Answers `inbox` with `request` [`routed`].
+    async fn route(&self, inbox: async_nats::Subject, request: &RouteRequest) {
+        self.answer(inbox, encode(&routed(request)).unwrap()).await;
+    }
+
+    /// Answers `inbox` with every entry of `batch` [`routed`].
+    async fn route_batch(&self, inbox: async_nats::Subject, batch: &RouteBatchRequest) {
+        let replies = batch.requests.iter().map(routed).collect();
+        let answered = RouteBatchReply::Answered { replies };
+        self.answer(inbox, encode(&answered).unwrap()).await;
+    }
+
+    /// Routes the next `count` single queries; returns their ids, sorted.
+    async fn route_singles(&mut self, count: usize) -> Vec<String> {
+        let mut ids = Vec::new();
+        for _ in 0..count {
+            let (request, inbox) = self.single().await;
+            self.route(inbox, &request).await;
+            ids.push(request.request_id.0);
+        }
+        ids.sort();
+        ids
     }
 }
 
@@ -149,6 +179,15 @@ impl Setup {
     }
 }
 
+/// The workers `asked` were routed to, in order.
+async fn workers(asked: Vec<JoinHandle<Result<(WorkerId, Booking), ApiError>>>) -> Vec<u64> {
+    let mut workers = Vec::new();
+    for asked in asked {
+        workers.push(worker(asked).await);
+    }
+    workers
+}
+
 async fn worker(asked: JoinHandle<Result<(WorkerId, Booking), ApiError>>) -> u64 {
     let (worker, _booking) = tokio::time::timeout(WAIT, asked)
         .await
@@ -168,11 +207,7 @@ fn ids(batch: &RouteBatchRequest) -> Vec<String> {
 
 #[tokio::test]
 async fn queries_arriving_while_one_is_out_leave_together_and_each_gets_its_answer() {
-    let mut s = Setup::start(Grouping {
-        max: 32,
-        hold: WAIT,
-    })
-    .await;
+    let mut s = Setup::start(HOLDING).await;
     let first = s.ask("q", 0);
     let (lone, inbox) = s.router.single().await;
     assert_eq!(lone.request_id.0, "q-0");
@@ -182,9 +217,7 @@ async fn queries_arriving_while_one_is_out_leave_together_and_each_gets_its_answ
     tokio::time::sleep(Duration::from_millis(50)).await;
     rest.extend((2..=4).map(|n| s.ask("q", n)));
     tokio::task::yield_now().await;
-    s.router
-        .answer(inbox, encode(&routed(&lone)).unwrap())
-        .await;
+    s.router.route(inbox, &lone).await;
     assert_eq!(worker(first).await, 10);
 
     let (batch, inbox) = s.router.batch().await;
@@ -208,15 +241,9 @@ async fn queries_arriving_while_one_is_out_leave_together_and_each_gets_its_answ
         .await;
     let (again, inbox) = s.router.single().await;
     assert_eq!(again.request_id.0, "q-2");
-    s.router
-        .answer(inbox, encode(&routed(&again)).unwrap())
-        .await;
-    let mut workers = Vec::new();
-    for asked in rest {
-        workers.push(worker(asked).await);
-    }
+    s.router.route(inbox, &again).await;
     assert_eq!(
-        workers,
+        workers(rest).await,
         [11, 12, 13, 14],
         "each query gets its own entry's answer"
     );
@@ -227,71 +254,34 @@ async fn queries_arriving_while_one_is_out_leave_together_and_each_gets_its_answ
 
 #[tokio::test]
 async fn a_batch_refused_whole_is_asked_again_query_by_query() {
-    let mut s = Setup::start(Grouping {
-        max: 32,
-        hold: WAIT,
-    })
-    .await;
+    let mut s = Setup::start(HOLDING).await;
     let first = s.ask("r", 0);
     let (lone, inbox) = s.router.single().await;
     let rest: Vec<_> = (1..=3).map(|n| s.ask("r", n)).collect();
     tokio::task::yield_now().await;
-    s.router
-        .answer(inbox, encode(&routed(&lone)).unwrap())
-        .await;
+    s.router.route(inbox, &lone).await;
     let (batch, inbox) = s.router.batch().await;
     assert_eq!(batch.requests.len(), 3);
     // A router with a smaller --max-route-batch refuses the batch; nothing was booked.
     let refusal = RouteBatchReply::Error(refused(RouteErrorCode::BadRequest));
     s.router.answer(inbox, encode(&refusal).unwrap()).await;
-    let mut again = Vec::new();
-    for _ in 0..3 {
-        let (request, inbox) = s.router.single().await;
-        s.router
-            .answer(inbox, encode(&routed(&request)).unwrap())
-            .await;
-        again.push(request.request_id.0);
-    }
-    again.sort();
-    assert_eq!(again, ["r-1", "r-2", "r-3"]);
+    assert_eq!(s.router.route_singles(3).await, ["r-1", "r-2", "r-3"]);
     assert_eq!(worker(first).await, 10);
-    for (n, asked) in (1..).zip(rest) {
-        assert_eq!(worker(asked).await, 10 + n);
-    }
+    assert_eq!(workers(rest).await, [11, 12, 13]);
 }
 
 #[tokio::test]
 async fn without_a_batch_service_each_query_is_asked_alone() {
     // A router (or a stand-in) that serves only single queries: no batch responder.
-    let mut s = Setup::serving(
-        Grouping {
-            max: 32,
-            hold: WAIT,
-        },
-        false,
-    )
-    .await;
+    let mut s = Setup::serving(HOLDING, false).await;
     let first = s.ask("n", 0);
     let (lone, inbox) = s.router.single().await;
     let rest: Vec<_> = (1..=2).map(|n| s.ask("n", n)).collect();
     tokio::task::yield_now().await;
-    s.router
-        .answer(inbox, encode(&routed(&lone)).unwrap())
-        .await;
-    let mut again = Vec::new();
-    for _ in 0..2 {
-        let (request, inbox) = s.router.single().await;
-        s.router
-            .answer(inbox, encode(&routed(&request)).unwrap())
-            .await;
-        again.push(request.request_id.0);
-    }
-    again.sort();
-    assert_eq!(again, ["n-1", "n-2"]);
+    s.router.route(inbox, &lone).await;
+    assert_eq!(s.router.route_singles(2).await, ["n-1", "n-2"]);
     assert_eq!(worker(first).await, 10);
-    for (n, asked) in (1..).zip(rest) {
-        assert_eq!(worker(asked).await, 10 + n);
-    }
+    assert_eq!(workers(rest).await, [11, 12]);
 }
 
 #[tokio::test]
@@ -305,28 +295,16 @@ async fn a_query_waits_for_an_unanswered_one_no_longer_than_the_hold() {
     let rest: Vec<_> = (1..=2).map(|n| s.ask("h", n)).collect();
     let (batch, inbox) = s.router.batch().await;
     assert_eq!(ids(&batch), ["h-1", "h-2"]);
-    let replies = batch.requests.iter().map(routed).collect();
-    s.router
-        .answer(
-            inbox,
-            encode(&RouteBatchReply::Answered { replies }).unwrap(),
-        )
-        .await;
-    for (n, asked) in (1..).zip(rest) {
-        assert_eq!(worker(asked).await, 10 + n);
-    }
+    s.router.route_batch(inbox, &batch).await;
+    assert_eq!(workers(rest).await, [11, 12]);
     assert!(!first.is_finished(), "h-0 is still unanswered");
-    s.router.answer(held, encode(&routed(&lone)).unwrap()).await;
+    s.router.route(held, &lone).await;
     assert_eq!(worker(first).await, 10);
 }
 
 #[tokio::test]
 async fn a_booking_whose_caller_left_is_freed_at_once() {
-    let mut s = Setup::start(Grouping {
-        max: 32,
-        hold: WAIT,
-    })
-    .await;
+    let mut s = Setup::start(HOLDING).await;
     let first = s.ask("g", 0);
     let (lone, inbox) = s.router.single().await;
     let gone = s.ask("g", 1);
@@ -334,15 +312,11 @@ async fn a_booking_whose_caller_left_is_freed_at_once() {
     tokio::task::yield_now().await;
     // g-1's client disconnects while its query waits behind g-0.
     gone.abort();
-    s.router
-        .answer(inbox, encode(&routed(&lone)).unwrap())
-        .await;
+    s.router.route(inbox, &lone).await;
     assert_eq!(worker(first).await, 10);
     let (batch, inbox) = s.router.batch().await;
     assert_eq!(ids(&batch), ["g-1", "g-2"]);
-    let replies = batch.requests.iter().map(routed).collect();
-    let answered = RouteBatchReply::Answered { replies };
-    s.router.answer(inbox, encode(&answered).unwrap()).await;
+    s.router.route_batch(inbox, &batch).await;
     assert_eq!(worker(stays).await, 12);
     // Each booking is freed once: g-0 and g-2 by their callers, g-1 by the grouping.
     let mut freed = Vec::new();
@@ -368,11 +342,9 @@ async fn with_route_batch_1_every_query_leaves_on_its_own() {
     // Not held behind the unanswered first query, and not batched.
     let (next, inbox) = s.router.single().await;
     assert_eq!(next.request_id.0, "s-1");
-    s.router
-        .answer(inbox, encode(&routed(&next)).unwrap())
-        .await;
+    s.router.route(inbox, &next).await;
     assert_eq!(worker(second).await, 11);
-    s.router.answer(held, encode(&routed(&lone)).unwrap()).await;
+    s.router.route(held, &lone).await;
     assert_eq!(worker(first).await, 10);
     assert_eq!(s.sizes.get_sample_count(), 0, "no grouping task");
 }
