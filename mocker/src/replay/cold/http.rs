@@ -14,8 +14,10 @@
 //! silent is nudged with a one-token completion on that rank (vLLM's
 //! `X-data-parallel-rank` header), which makes the engine step and stores no block (a
 //! block is 16 tokens or more), and the wait goes on up to [`CLEARED_DEADLINE`]. The
-//! router reads the same subject, so once the event is there the router has it in
-//! order with the worker's other events.
+//! router reads the same subject on its own subscription, so it has the event in order
+//! with the worker's other events, applied within its intake latency (milliseconds)
+//! of the cold start seeing it: not a barrier, but nothing the engine stores after the
+//! reset can reach the router ahead of it.
 
 use super::CLEAR_TIMEOUT;
 use crate::protocol::ClearReply;
