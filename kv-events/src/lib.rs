@@ -52,4 +52,4 @@ pub use ids::{
 };
 pub use metrics::LoadMetrics;
 pub use replicas::RouterId;
-pub use subjects::{Namespace, NamespaceError, Subjects};
+pub use subjects::{Namespace, NamespaceError, ROUTER_ID_HEADER, Subjects};

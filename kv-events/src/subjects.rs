@@ -7,6 +7,7 @@
 //! | KV event recovery | `{ns}.kv.recovery.{worker_id}` | request, chunked reply, [`crate::recovery`] |
 //! | routing | `{ns}.router.route` | request-reply, queue group `{ns}-router` |
 //! | batch routing | `{ns}.router.route_batch` | request-reply, queue group `{ns}-router`, [`crate::routing::RouteBatchRequest`] |
+//! | routing by one replica | `{ns}.router.at.{router_id}.route`, `….route_batch` | request-reply, plain subscription of that replica ([`ROUTER_ID_HEADER`]) |
 //! | removals | `{ns}.router.removals` | request-reply, queue group `{ns}-router`, [`crate::routing::RemovalsQuery`] → [`crate::routing::RemovalsReply`] |
 //! | overlap | `{ns}.router.overlap` | request-reply, queue group `{ns}-router`, [`crate::routing::overlap::OverlapQuery`] → [`crate::routing::overlap::OverlapReply`] |
 //! | lifecycle | `{ns}.router.lifecycle` | publish, [`crate::routing::LifecycleMessage`] |
@@ -20,7 +21,15 @@
 //! (`docs/protocol.md`).
 
 use crate::ids::WorkerId;
+use crate::replicas::RouterId;
 use std::fmt;
+
+/// The NATS header a router replica sets on its route and batch route replies: its
+/// [`RouterId`] as 16 lower-case hex digits. A frontend that wants its next queries
+/// placed by the same replica (which has its earlier bookings at once, not a sync lag
+/// later) sends them to [`Subjects::route_at`] / [`Subjects::route_batch_at`] of
+/// that id.
+pub const ROUTER_ID_HEADER: &str = "Kv-Router-Id";
 
 /// A validated namespace: 1–64 characters of `[A-Za-z0-9_-]`, so it is a single NATS
 /// subject token and a safe etcd path segment.
@@ -141,6 +150,19 @@ impl Subjects {
         format!("{}.router.route_batch", self.ns)
     }
 
+    /// The routing subject of one replica alone (plain subscription, no queue group):
+    /// what [`Self::route`] serves, placed by `router`. NATS answers "no responders"
+    /// when that replica is gone.
+    pub fn route_at(&self, router: RouterId) -> String {
+        format!("{}.router.at.{router}.route", self.ns)
+    }
+
+    /// The batch routing subject of one replica alone: [`Self::route_batch`], placed
+    /// by `router`.
+    pub fn route_batch_at(&self, router: RouterId) -> String {
+        format!("{}.router.at.{router}.route_batch", self.ns)
+    }
+
     /// The removals request-reply subject: did an eviction race a route
     /// ([`crate::routing::RemovalsQuery`])?
     pub fn router_removals(&self) -> String {
@@ -258,6 +280,14 @@ mod tests {
         assert_eq!(s.load_metrics(WorkerId(7)), "ns.kv.metrics.7");
         assert_eq!(s.route(), "ns.router.route");
         assert_eq!(s.route_batch(), "ns.router.route_batch");
+        assert_eq!(
+            s.route_at(RouterId(0xab)),
+            "ns.router.at.00000000000000ab.route"
+        );
+        assert_eq!(
+            s.route_batch_at(RouterId(0xab)),
+            "ns.router.at.00000000000000ab.route_batch"
+        );
         assert_eq!(s.route_queue_group(), "ns-router");
         assert_eq!(s.lifecycle(), "ns.router.lifecycle");
         assert_eq!(s.sequences(), "ns.router.sequences");

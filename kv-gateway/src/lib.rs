@@ -285,6 +285,7 @@ impl Core {
                 lifecycle_batch: config.limits.lifecycle_batch,
                 grouping: config.limits.route_grouping,
                 max_message_bytes: config.wire_limits.max_message_bytes,
+                affinity: config.limits.route_affinity,
             },
             metrics.route_group_sizes(),
             connection,

@@ -61,6 +61,7 @@ use crate::{discovery, intake, lifecycle, replica_sync, route};
 use anyhow::Context;
 use indexer::Indexer;
 use kv_cluster::directory::WorkerDirectory;
+use kv_events::Subjects;
 use scheduler::Scheduler;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -326,10 +327,20 @@ impl Starting {
         .await?;
 
         let route_nats = route_thread.client();
-        let routes = route_nats
-            .queue_subscribe(subjects.route(), subjects.route_queue_group())
-            .await
-            .context("joining the route queue group")?;
+        // Each service listens on the queue group's subject and on this replica's
+        // own, where a frontend pinned to it sends (`Subjects::route_at`); every
+        // reply names the replica.
+        let router_id = state.admission.replicas.router_id();
+        let mut answered_by = async_nats::HeaderMap::new();
+        answered_by.insert(kv_events::ROUTER_ID_HEADER, router_id.to_string().as_str());
+        let routes = shared_and_own(
+            route_nats,
+            &subjects,
+            subjects.route(),
+            subjects.route_at(router_id),
+        )
+        .await
+        .context("subscribing to the route subjects")?;
         route_thread.spawn(
             &intake_tasks,
             route::serve(
@@ -338,12 +349,17 @@ impl Starting {
                 routes,
                 config.route.max_inflight,
                 intake.child_token(),
+                answered_by.clone(),
             ),
         );
-        let batches = route_nats
-            .queue_subscribe(subjects.route_batch(), subjects.route_queue_group())
-            .await
-            .context("joining the batch route queue group")?;
+        let batches = shared_and_own(
+            route_nats,
+            &subjects,
+            subjects.route_batch(),
+            subjects.route_batch_at(router_id),
+        )
+        .await
+        .context("subscribing to the batch route subjects")?;
         route_thread.spawn(
             &intake_tasks,
             crate::route_batch::serve(
@@ -353,6 +369,7 @@ impl Starting {
                 config.route.max_inflight,
                 config.route.max_batch,
                 intake.child_token(),
+                answered_by,
             ),
         );
         // Removals queries stay on the main connection: not on the per-route path.
@@ -360,13 +377,16 @@ impl Starting {
             .queue_subscribe(subjects.router_removals(), subjects.route_queue_group())
             .await
             .context("joining the removals queue group")?;
-        intake_tasks.spawn(route::serve_requests(
+        intake_tasks.spawn(crate::service::serve_requests(
             state.clone(),
-            nats.clone(),
-            removals,
-            config.route.max_inflight,
-            intake.child_token(),
-            crate::metrics::counters::MessageKind::Removals,
+            vec![removals],
+            crate::service::Service {
+                client: nats.clone(),
+                max_inflight: config.route.max_inflight,
+                intake: intake.child_token(),
+                kind: crate::metrics::counters::MessageKind::Removals,
+                headers: None,
+            },
             {
                 let subject = subjects.router_removals();
                 move |state: Arc<RouterState>, payload: bytes::Bytes| {
@@ -381,13 +401,16 @@ impl Starting {
             .queue_subscribe(subjects.router_overlap(), subjects.route_queue_group())
             .await
             .context("joining the overlap queue group")?;
-        intake_tasks.spawn(route::serve_requests(
+        intake_tasks.spawn(crate::service::serve_requests(
             state.clone(),
-            nats.clone(),
-            overlap,
-            config.route.max_inflight,
-            intake.child_token(),
-            crate::metrics::counters::MessageKind::Overlap,
+            vec![overlap],
+            crate::service::Service {
+                client: nats.clone(),
+                max_inflight: config.route.max_inflight,
+                intake: intake.child_token(),
+                kind: crate::metrics::counters::MessageKind::Overlap,
+                headers: None,
+            },
             {
                 let subject = Arc::<str>::from(subjects.router_overlap());
                 move |state: Arc<RouterState>, payload: bytes::Bytes| {
@@ -418,4 +441,18 @@ impl Starting {
             http,
         })
     }
+}
+
+/// The route queue group's subscription to `shared` and this replica's own to `own`.
+async fn shared_and_own(
+    nats: &async_nats::Client,
+    subjects: &Subjects,
+    shared: String,
+    own: String,
+) -> anyhow::Result<Vec<async_nats::Subscriber>> {
+    Ok(vec![
+        nats.queue_subscribe(shared, subjects.route_queue_group())
+            .await?,
+        nats.subscribe(own).await?,
+    ])
 }

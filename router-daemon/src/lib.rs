@@ -81,6 +81,7 @@ mod replicas;
 mod route;
 mod route_batch;
 mod route_thread;
+mod service;
 mod startup;
 mod state;
 #[cfg(test)]

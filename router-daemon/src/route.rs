@@ -10,7 +10,6 @@ use crate::admission::AdmitError;
 use crate::metrics::counters::{MessageKind, Outcome};
 use crate::queue::QueueError;
 use crate::state::RouterState;
-use futures::StreamExt;
 use indexer::IndexerApi as _;
 use kv_events::disaggregation::{
     Disaggregation, PREFILL_BOOKING_SUFFIX, PrefillPlacement, is_prefill_booking_id,
@@ -20,7 +19,7 @@ use kv_events::routing::{
     MAX_ELIGIBLE_WORKERS, MAX_EXCLUDED_WORKERS, MAX_FALLBACKS, Prompt, RouteDecision, RouteError,
     RouteErrorCode, RouteFallback, RouteReply, RouteRequest,
 };
-use kv_events::{LocalBlockHash, RequestId, compute_block_hashes, encode};
+use kv_events::{LocalBlockHash, RequestId, compute_block_hashes};
 use scheduler::{ScheduleRequest, SchedulerError, Selection};
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
@@ -309,67 +308,29 @@ pub(crate) fn admit_error(e: AdmitError) -> RouteReply {
     error(code, e.to_string())
 }
 
-/// Serves the route subject until `intake` is cancelled; queries already being handled
-/// are answered before this returns.
+/// Serves the route subjects (the queue group's and this replica's own) until
+/// `intake` is cancelled; queries already being handled are answered before this
+/// returns. Every reply carries the `answered_by` headers
+/// ([`kv_events::ROUTER_ID_HEADER`]).
 pub(crate) async fn serve(
     state: Arc<RouterState>,
     client: async_nats::Client,
-    subscriber: async_nats::Subscriber,
+    subscribers: Vec<async_nats::Subscriber>,
     max_inflight: usize,
     intake: CancellationToken,
+    answered_by: async_nats::HeaderMap,
 ) {
-    serve_requests(
-        state,
+    let service = crate::service::Service {
         client,
-        subscriber,
         max_inflight,
         intake,
-        MessageKind::Route,
-        |state, payload| async move { handle_route(&state, &payload).await },
-    )
+        kind: MessageKind::Route,
+        headers: Some(answered_by),
+    };
+    crate::service::serve_requests(state, subscribers, service, |state, payload| async move {
+        handle_route(&state, &payload).await
+    })
     .await;
-}
-
-/// Answers request-reply messages on `subscriber` with `handle`, at most
-/// `max_inflight` at a time, until `intake` is cancelled; messages already being
-/// handled are answered before this returns. A message without a reply subject is
-/// counted as malformed under `kind` and skipped.
-pub(crate) async fn serve_requests<R, F, Fut>(
-    state: Arc<RouterState>,
-    client: async_nats::Client,
-    subscriber: async_nats::Subscriber,
-    max_inflight: usize,
-    intake: CancellationToken,
-    kind: MessageKind,
-    handle: F,
-) where
-    R: serde::Serialize,
-    F: Fn(Arc<RouterState>, bytes::Bytes) -> Fut,
-    Fut: std::future::Future<Output = R>,
-{
-    let client = &client;
-    crate::nats::drain_on_cancel(subscriber, intake)
-        .for_each_concurrent(Some(max_inflight), |msg| {
-            let state = state.clone();
-            let handle = &handle;
-            async move {
-                let Some(reply_to) = msg.reply.clone() else {
-                    state.counters.message(kind, Outcome::Malformed);
-                    warn!(subject = %msg.subject, "request without a reply subject skipped");
-                    return;
-                };
-                let reply = handle(state, msg.payload).await;
-                match encode(&reply) {
-                    Ok(bytes) => {
-                        if let Err(e) = client.publish(reply_to, bytes.into()).await {
-                            warn!(subject = %msg.subject, error = %e, "failed to publish reply");
-                        }
-                    }
-                    Err(e) => warn!(subject = %msg.subject, error = %e, "failed to encode reply"),
-                }
-            }
-        })
-        .await;
 }
 
 #[cfg(test)]

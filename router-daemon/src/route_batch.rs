@@ -145,23 +145,29 @@ async fn route_batch(state: &RouterState, batch: RouteBatchRequest) -> Vec<Route
         .collect()
 }
 
-/// Serves the batch route subject until `intake` is cancelled; batches already being
-/// handled are answered before this returns.
+/// Serves the batch route subjects (the queue group's and this replica's own) until
+/// `intake` is cancelled; batches already being handled are answered before this
+/// returns. Every reply carries the `answered_by` headers ([`kv_events::ROUTER_ID_HEADER`]).
 pub(crate) async fn serve(
     state: Arc<RouterState>,
     client: async_nats::Client,
-    subscriber: async_nats::Subscriber,
+    subscribers: Vec<async_nats::Subscriber>,
     max_inflight: usize,
     max_batch: usize,
     intake: CancellationToken,
+    answered_by: async_nats::HeaderMap,
 ) {
-    crate::route::serve_requests(
-        state,
+    let service = crate::service::Service {
         client,
-        subscriber,
         max_inflight,
         intake,
-        MessageKind::RouteBatch,
+        kind: MessageKind::RouteBatch,
+        headers: Some(answered_by),
+    };
+    crate::service::serve_requests(
+        state,
+        subscribers,
+        service,
         move |state, payload| async move { handle_route_batch(&state, &payload, max_batch).await },
     )
     .await;

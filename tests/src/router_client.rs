@@ -8,8 +8,8 @@ use std::time::Duration;
 
 /// A router client on `nats` asking with `timeout`, grouping route queries as
 /// `grouping` says and sending at most `lifecycle_batch` lifecycle messages per NATS
-/// message; no keep-alive within a test (one an hour), and no reconnect events. Also
-/// returns the histogram of route queries per NATS message.
+/// message; no keep-alive within a test (one an hour), no replica affinity, and no
+/// reconnect events. Also returns the histogram of route queries per NATS message.
 ///
 /// # Panics
 /// Never: the histogram's options are fixed and valid.
@@ -26,7 +26,21 @@ pub fn router_client(
         lifecycle_batch,
         grouping,
         max_message_bytes: kv_events::limits::Limits::default().max_message_bytes,
+        affinity: None,
     };
+    router_client_with(nats, subjects, settings)
+}
+
+/// A router client on `nats` with `settings` (no reconnect events), and its
+/// histogram of route queries per NATS message.
+///
+/// # Panics
+/// Never: the histogram's options are fixed and valid.
+pub fn router_client_with(
+    nats: &async_nats::Client,
+    subjects: &Subjects,
+    settings: RouterSettings,
+) -> (RouterClient, prometheus::Histogram) {
     let opts = prometheus::HistogramOpts::new("route_group_queries", "queries per message")
         .buckets(vec![1.0, 2.0, 3.0, 4.0, 8.0, 16.0, 32.0]);
     #[allow(clippy::unwrap_used)] // fixed, valid options

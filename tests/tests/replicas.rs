@@ -16,6 +16,8 @@ use router_daemon::{Daemon, DaemonConfig, ServeArgs};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+#[path = "replicas/affinity.rs"]
+mod affinity;
 #[path = "replicas/agreement.rs"]
 mod agreement;
 #[path = "replicas/batch.rs"]

@@ -47,6 +47,16 @@ impl fmt::Display for RouterId {
     }
 }
 
+impl RouterId {
+    /// Reads the [`fmt::Display`] form back: exactly 16 hex digits (as the
+    /// [`crate::ROUTER_ID_HEADER`] carries it); `None` for anything else.
+    pub fn parse_hex(text: &str) -> Option<Self> {
+        (text.len() == 16 && text.bytes().all(|b| b.is_ascii_hexdigit()))
+            .then(|| u64::from_str_radix(text, 16).ok().map(Self))
+            .flatten()
+    }
+}
+
 /// One change to a request booked by the replica `router_id`: the single-step form of
 /// a sync message, which replicas before [`SequenceSyncBatch`] publish (still decoded
 /// as a batch of one).

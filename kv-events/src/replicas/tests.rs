@@ -378,3 +378,22 @@ fn step_length_bound_holds_for_the_largest_values() {
         }
     }
 }
+
+#[test]
+fn a_router_id_reads_back_only_from_its_sixteen_hex_digits() {
+    let id = RouterId(0x00ab_cdef_0123_4567);
+    assert_eq!(RouterId::parse_hex(&id.to_string()), Some(id));
+    assert_eq!(
+        RouterId::parse_hex("FFFFFFFFFFFFFFFF"),
+        Some(RouterId(u64::MAX))
+    );
+    for bad in [
+        "",
+        "ab",
+        "00ab cdef01234567",
+        "+0abcdef01234567",
+        "0000000000000000a",
+    ] {
+        assert_eq!(RouterId::parse_hex(bad), None, "{bad:?}");
+    }
+}

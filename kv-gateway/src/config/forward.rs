@@ -110,6 +110,19 @@ pub struct ForwardArgs {
         default_value_t = 2
     )]
     pub route_batch_hold_ms: u64,
+    /// How long, in ms, this gateway sends its route queries to the router replica
+    /// that answered one, before the queue group picks a replica again: that replica
+    /// then places each query seeing this gateway's earlier bookings at once, not a
+    /// replica sync later (docs/gateway.md, "Replica affinity"). `0`: every query
+    /// through the queue group. A replica that is gone, late or overloaded is let go
+    /// at once.
+    #[arg(
+        long,
+        help_heading = "Forwarding",
+        env = "KV_GATEWAY_ROUTE_AFFINITY_MS",
+        default_value_t = 1_000
+    )]
+    pub route_affinity_ms: u64,
     /// How long connecting to an engine may take, in ms.
     #[arg(
         long,

@@ -60,6 +60,13 @@ fn route_grouping_defaults_and_bounds() {
     ]);
     let grouping = off.to_config().unwrap().limits.route_grouping;
     assert_eq!((grouping.max, grouping.hold), (1, Duration::ZERO));
+    assert_eq!(
+        default.limits.route_affinity,
+        Some(Duration::from_secs(1)),
+        "replica affinity on by default"
+    );
+    let unpinned = parse(&["--model-dir=/m/x", "--route-affinity-ms=0"]);
+    assert_eq!(unpinned.to_config().unwrap().limits.route_affinity, None);
     let max = crate::router::MAX_GROUP;
     for bad in ["0".to_owned(), (max + 1).to_string(), "all".to_owned()] {
         let args = ["gateway", "--model-dir=/m/x", "--route-batch", &bad];

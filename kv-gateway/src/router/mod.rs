@@ -10,7 +10,9 @@
 //!
 //! Queries that arrive while one of the gateway's is being answered wait for it and
 //! leave together as one `route_batch` (module `router::grouping`): one replica then
-//! places them all, each seeing the others' bookings.
+//! places them all, each seeing the others' bookings. For a while after a replica has
+//! answered, the gateway's queries go to that replica alone (module `router::asker`,
+//! replica affinity).
 
 use crate::error::ApiError;
 use asker::Asker;
@@ -50,6 +52,10 @@ pub struct RouterSettings {
     pub grouping: Grouping,
     /// The router's `--max-message-bytes`, in bytes: no batch is larger.
     pub max_message_bytes: usize,
+    /// How long the gateway's queries go to the replica that answered one, before
+    /// the queue group picks again; `None`: every query through the queue group
+    /// (module `router::asker`, "replica affinity").
+    pub affinity: Option<Duration>,
 }
 
 /// Routing queries and lifecycle messages over NATS.
@@ -90,12 +96,13 @@ impl RouterClient {
             .lifecycle_batch
             .clamp(1, kv_events::limits::MAX_LIFECYCLE_BATCH);
         lifecycle::spawn(nats.clone(), subjects.clone(), batch, queue, connection);
+        let subjects = Arc::new(subjects);
         let asker = Asker::new(
             nats.clone(),
-            subjects.route(),
-            subjects.route_batch(),
+            subjects.clone(),
             settings.timeout,
             settings.max_message_bytes,
+            settings.affinity,
         );
         let grouper = (settings.grouping.max > 1).then(|| {
             let freed = lifecycle.clone();
@@ -103,7 +110,7 @@ impl RouterClient {
         });
         Self {
             nats,
-            subjects: Arc::new(subjects),
+            subjects,
             keep_alive: settings.keep_alive,
             asker,
             grouper,

@@ -1,0 +1,187 @@
+//! The gateway's replica affinity against a real nats-server and a scripted replica:
+//! a reply's `Kv-Router-Id` pins the gateway to that replica's own subject, and the
+//! pin is let go when the replica answers `overloaded`, does not answer in time, or
+//! names itself with a header that does not parse. With real replicas (a pin held,
+//! a replica gone, a pin expiring), see `replicas/affinity.rs`.
+
+// Test helpers unwrap: a failed setup step must fail the test loudly.
+#![allow(clippy::unwrap_used)]
+
+use futures::StreamExt as _;
+use integration_tests::router_client::{decision, router_client_with};
+use kv_events::routing::{Prompt, RouteError, RouteErrorCode, RouteReply, RouteRequest};
+use kv_events::{Namespace, ROUTER_ID_HEADER, RouterId, Subjects, WorkerId, decode, encode};
+use kv_gateway::error::ApiError;
+use kv_gateway::router::{Grouping, RouterClient, RouterSettings};
+use std::time::Duration;
+use testbed::NatsServer;
+use tokio::task::JoinHandle;
+
+/// Bounds a wait that must end (a failing test must not hang), not a timing claim.
+const WAIT: Duration = Duration::from_secs(30);
+
+/// How long the gateway waits for a route answer: the timeout case waits it out.
+const ROUTE_TIMEOUT: Duration = Duration::from_millis(500);
+
+const REPLICA: RouterId = RouterId(0xa);
+
+/// Where a query arrived: the queue group's subject or the replica's own.
+#[derive(Debug, PartialEq, Eq)]
+enum Via {
+    QueueGroup,
+    Pinned,
+}
+
+struct Setup {
+    _server: NatsServer,
+    nats: async_nats::Client,
+    asked: futures::stream::SelectAll<async_nats::Subscriber>,
+    pinned_subject: String,
+    client: RouterClient,
+}
+
+impl Setup {
+    async fn start() -> Self {
+        let server = NatsServer::start().await.unwrap();
+        let nats = async_nats::connect(server.url()).await.unwrap();
+        let subjects = Subjects::new(Namespace::new("affinity-test").unwrap());
+        let asked = futures::stream::select_all([
+            nats.subscribe(subjects.route()).await.unwrap(),
+            nats.subscribe(subjects.route_at(REPLICA)).await.unwrap(),
+        ]);
+        let settings = RouterSettings {
+            timeout: ROUTE_TIMEOUT,
+            keep_alive: Duration::from_secs(3600),
+            lifecycle_batch: 1,
+            grouping: Grouping {
+                max: 1,
+                hold: Duration::ZERO,
+            },
+            max_message_bytes: kv_events::limits::Limits::default().max_message_bytes,
+            affinity: Some(Duration::from_secs(3600)),
+        };
+        let (client, _) = router_client_with(&nats, &subjects, settings);
+        Self {
+            _server: server,
+            nats,
+            asked,
+            pinned_subject: subjects.route_at(REPLICA),
+            client,
+        }
+    }
+
+    fn ask(&self, n: u32) -> JoinHandle<Result<RouteReply, ApiError>> {
+        let client = self.client.clone();
+        let id = format!("q-{n}").as_str().into();
+        let prompt = Prompt::Tokens {
+            token_ids: vec![n; 8],
+        };
+        tokio::spawn(async move {
+            let (decision, booking) = client.route(id, prompt, &[], None, false).await?;
+            std::mem::drop(booking);
+            Ok(RouteReply::Routed(decision))
+        })
+    }
+
+    /// The next query the replica gets, where it arrived, and its inbox.
+    async fn next(&mut self) -> (RouteRequest, Via, async_nats::Subject) {
+        let message = tokio::time::timeout(WAIT, self.asked.next())
+            .await
+            .expect("a query within the wait")
+            .expect("the subscriptions are open");
+        let via = if message.subject.as_str() == self.pinned_subject {
+            Via::Pinned
+        } else {
+            Via::QueueGroup
+        };
+        let request = decode(&message.payload).unwrap();
+        (request, via, message.reply.expect("a request has an inbox"))
+    }
+
+    /// Answers `inbox` with `reply`, naming the replica as `router_id` says.
+    async fn answer(&self, inbox: async_nats::Subject, reply: &RouteReply, router_id: &str) {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(ROUTER_ID_HEADER, router_id);
+        let payload = encode(reply).unwrap().into();
+        (self
+            .nats
+            .publish_with_headers(inbox, headers, payload)
+            .await)
+            .unwrap();
+    }
+
+    /// Asks query `n`; checks it arrived `via`, answers it with `reply` (or not at
+    /// all: `None`) naming the replica as `router_id`; returns what the caller got.
+    async fn exchange(
+        &mut self,
+        n: u32,
+        via: Via,
+        reply: Option<RouteReply>,
+        router_id: &str,
+    ) -> Result<RouteReply, ApiError> {
+        let asked = self.ask(n);
+        let (request, arrived, inbox) = self.next().await;
+        assert_eq!(request.request_id.0, format!("q-{n}"));
+        assert_eq!(arrived, via, "query {n}");
+        if let Some(reply) = reply {
+            self.answer(inbox, &reply, router_id).await;
+        }
+        tokio::time::timeout(WAIT, asked).await.unwrap().unwrap()
+    }
+}
+
+fn routed(n: u32) -> Option<RouteReply> {
+    Some(RouteReply::Routed(decision(
+        format!("q-{n}").as_str().into(),
+        WorkerId(1),
+    )))
+}
+
+#[tokio::test]
+async fn a_pin_is_let_go_on_overload_timeout_or_an_unreadable_name() {
+    let mut setup = Setup::start().await;
+    let us = REPLICA.to_string();
+    // Pinned by the first answer; the second goes to the replica's own subject.
+    setup
+        .exchange(0, Via::QueueGroup, routed(0), &us)
+        .await
+        .unwrap();
+    setup
+        .exchange(1, Via::Pinned, routed(1), &us)
+        .await
+        .unwrap();
+
+    // `overloaded`: the caller is told, and the next query goes to the queue group.
+    let overloaded = RouteReply::Error(RouteError {
+        code: RouteErrorCode::Overloaded,
+        message: "scripted".into(),
+    });
+    let err = (setup.exchange(2, Via::Pinned, Some(overloaded), &us).await).unwrap_err();
+    assert_eq!(err.status.as_u16(), 429, "{err:?}");
+    setup
+        .exchange(3, Via::QueueGroup, routed(3), &us)
+        .await
+        .unwrap();
+
+    // No answer in time: the caller gets 503, the next query the queue group.
+    setup
+        .exchange(4, Via::Pinned, routed(4), &us)
+        .await
+        .unwrap();
+    let err = (setup.exchange(5, Via::Pinned, None, &us).await).unwrap_err();
+    assert_eq!(err.status.as_u16(), 503, "{err:?}");
+
+    // A name that does not parse pins nothing.
+    setup
+        .exchange(6, Via::QueueGroup, routed(6), "not-a-router")
+        .await
+        .unwrap();
+    setup
+        .exchange(7, Via::QueueGroup, routed(7), &us)
+        .await
+        .unwrap();
+    setup
+        .exchange(8, Via::Pinned, routed(8), &us)
+        .await
+        .unwrap();
+}

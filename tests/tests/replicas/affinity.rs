@@ -1,0 +1,106 @@
+//! Replica affinity: once a replica has answered a gateway, the gateway's next
+//! queries go to that replica alone (its own subject, named by the reply's
+//! `Kv-Router-Id` header) until the window passes; a replica that is gone is let go
+//! without failing a query. Queries are sent one by one (no grouping), so each is its
+//! own NATS message and only the pin keeps them on one replica.
+
+use super::{REQUESTS, WAIT, own_bookings, request_prompt, setup};
+use integration_tests::router_client::router_client_with;
+use kv_events::routing::Prompt;
+use kv_gateway::router::{Grouping, RouterClient, RouterSettings};
+use std::time::Duration;
+
+fn settings(affinity: Option<Duration>) -> RouterSettings {
+    RouterSettings {
+        timeout: WAIT,
+        keep_alive: Duration::from_secs(3600),
+        lifecycle_batch: 16,
+        grouping: Grouping {
+            max: 1,
+            hold: Duration::ZERO,
+        },
+        max_message_bytes: kv_events::limits::Limits::default().max_message_bytes,
+        affinity,
+    }
+}
+
+/// Routes requests `from..to` one after the other, `pause` apart; keeps their
+/// bookings so the replicas keep them.
+async fn route_one_by_one(
+    client: &RouterClient,
+    from: usize,
+    to: usize,
+    pause: Duration,
+) -> anyhow::Result<Vec<kv_gateway::router::Booking>> {
+    let mut bookings = Vec::new();
+    for i in from..to {
+        let prompt = Prompt::Tokens {
+            token_ids: request_prompt(i),
+        };
+        let id = format!("r{i}").as_str().into();
+        let (_, booking) = (client.route(id, prompt, &[], None, false).await)
+            .map_err(|e| anyhow::anyhow!("r{i}: {e:?}"))?;
+        bookings.push(booking);
+        tokio::time::sleep(pause).await;
+    }
+    Ok(bookings)
+}
+
+#[tokio::test]
+async fn a_gateway_stays_with_the_replica_that_answered_until_it_goes() -> anyhow::Result<()> {
+    let (cluster, mut pair) = setup(2, true).await?;
+    let (client, _) = router_client_with(
+        &cluster.nats,
+        &cluster.subjects,
+        settings(Some(Duration::from_secs(60))),
+    );
+    let bookings = route_one_by_one(&client, 0, REQUESTS, Duration::ZERO).await?;
+    let own: Vec<usize> = pair.iter().map(own_bookings).collect();
+    assert!(
+        own.contains(&REQUESTS),
+        "one replica booked every query: {own:?}"
+    );
+
+    // The pinned replica goes: the next queries are answered by the other one, none
+    // fails.
+    let pinned = own.iter().position(|&n| n == REQUESTS).unwrap_or_default();
+    pair.remove(pinned).shutdown().await?;
+    let after = route_one_by_one(&client, REQUESTS, 2 * REQUESTS, Duration::ZERO).await?;
+    assert_eq!(
+        own_bookings(&pair[0]),
+        REQUESTS,
+        "the remaining replica booked every query after the other went"
+    );
+    drop((bookings, after));
+    pair.remove(0).shutdown().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn without_a_pin_or_once_it_expires_the_queue_group_picks() -> anyhow::Result<()> {
+    let (cluster, pair) = setup(2, true).await?;
+    // Without affinity each query is the queue group's pick; with a 1 ms window
+    // paused past after each query, each query pins afresh. Either way both replicas
+    // book some (all on one: probability 2 × 2^-24 per run).
+    let mut kept = Vec::new();
+    for (affinity, from) in [(None, 0), (Some(Duration::from_millis(1)), REQUESTS)] {
+        let (client, _) = router_client_with(&cluster.nats, &cluster.subjects, settings(affinity));
+        let before: Vec<usize> = pair.iter().map(own_bookings).collect();
+        let bookings =
+            route_one_by_one(&client, from, from + REQUESTS, Duration::from_millis(5)).await?;
+        let booked: Vec<usize> = (pair.iter().map(own_bookings))
+            .zip(&before)
+            .map(|(now, before)| now - before)
+            .collect();
+        assert!(
+            booked.iter().all(|&n| n > 0),
+            "both replicas booked some with affinity {affinity:?}: {booked:?}"
+        );
+        kept.extend(bookings);
+    }
+    drop(kept);
+    for daemon in pair {
+        daemon.shutdown().await?;
+    }
+    Ok(())
+}
