@@ -22,7 +22,7 @@
 //! answer in time, or answers `overloaded` (its queue is full: others should take the
 //! load). Replicas that set no header (older routers, stand-ins) are never pinned.
 //!
-//! Cost: one mutex lock per query to read the pin; a reply header of 36 bytes.
+//! Cost: one mutex lock per query to read the pin; about 45 bytes of header per reply.
 
 use crate::error::ApiError;
 use async_nats::client::{RequestError, RequestErrorKind};
