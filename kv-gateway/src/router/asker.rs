@@ -40,8 +40,8 @@ use tracing::debug;
 pub(super) struct Asker {
     nats: Client,
     subjects: Arc<Subjects>,
-    route: Subject,
-    route_batch: Subject,
+    /// The queue group's subjects.
+    shared: Services,
     timeout: Duration,
     /// The router's `--max-message-bytes` as the gateway knows it (its own flag).
     max_message_bytes: usize,
@@ -55,12 +55,11 @@ struct Affinity {
     pin: Mutex<Option<Pin>>,
 }
 
-/// A pin to one replica.
+/// A pin to one replica: its own subjects, until when.
 #[derive(Clone)]
 struct Pin {
     router: RouterId,
-    route: Subject,
-    route_batch: Subject,
+    services: Services,
     until: Instant,
 }
 
@@ -69,6 +68,23 @@ struct Pin {
 enum Service {
     Single,
     Batch,
+}
+
+/// The subjects of the route and batch route services: the queue group's, or one
+/// replica's own.
+#[derive(Clone)]
+struct Services {
+    route: Subject,
+    route_batch: Subject,
+}
+
+impl Services {
+    fn subject(&self, service: Service) -> Subject {
+        match service {
+            Service::Single => self.route.clone(),
+            Service::Batch => self.route_batch.clone(),
+        }
+    }
 }
 
 impl Asker {
@@ -90,8 +106,10 @@ impl Asker {
         });
         Self {
             nats,
-            route: subjects.route().into(),
-            route_batch: subjects.route_batch().into(),
+            shared: Services {
+                route: subjects.route().into(),
+                route_batch: subjects.route_batch().into(),
+            },
             subjects,
             timeout,
             max_message_bytes,
@@ -153,11 +171,10 @@ impl Asker {
     async fn request(&self, service: Service, payload: Vec<u8>) -> Result<Message, RequestError> {
         let payload = bytes::Bytes::from(payload);
         if let Some(pin) = self.pinned() {
-            let subject = match service {
-                Service::Single => pin.route,
-                Service::Batch => pin.route_batch,
-            };
-            match self.send(subject, payload.clone()).await {
+            match self
+                .send(pin.services.subject(service), payload.clone())
+                .await
+            {
                 Ok(message) => return Ok(message),
                 Err(e) if e.kind() == RequestErrorKind::NoResponders => {
                     debug!(router = %pin.router, "the pinned router replica is gone; asking the queue group");
@@ -169,11 +186,7 @@ impl Asker {
                 }
             }
         }
-        let subject = match service {
-            Service::Single => self.route.clone(),
-            Service::Batch => self.route_batch.clone(),
-        };
-        let message = self.send(subject, payload).await?;
+        let message = self.send(self.shared.subject(service), payload).await?;
         self.pin_to(&message);
         Ok(message)
     }
@@ -213,8 +226,10 @@ impl Asker {
         }
         *pin = Some(Pin {
             router,
-            route: self.subjects.route_at(router).into(),
-            route_batch: self.subjects.route_batch_at(router).into(),
+            services: Services {
+                route: self.subjects.route_at(router).into(),
+                route_batch: self.subjects.route_batch_at(router).into(),
+            },
             until: now + affinity.window,
         });
     }
