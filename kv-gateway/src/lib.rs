@@ -287,7 +287,7 @@ impl Core {
                 max_message_bytes: config.wire_limits.max_message_bytes,
                 affinity: config.limits.route_affinity,
             },
-            metrics.route_group_sizes(),
+            metrics.router(),
             connection,
         );
 

@@ -18,12 +18,14 @@
 //! | `kv_gateway_disaggregation_total` | `reason`: `long_uncached`, `short_uncached`, `decode_holds_prefix`, `no_prefill_worker`, `aggregated` | routed attempts by the router's disaggregation decision (`aggregated`: the reply had none) |
 //! | `kv_gateway_remote_prefill_seconds` | `protocol`: `vllm`, `sglang` | a disaggregated request's prefill half: its request sent → its answer whole |
 //! | `kv_gateway_half_retries_total` | `half`: `prefill`, `decode`; `reason` as above | failovers of a disaggregated request, by the half that failed (also counted in `kv_gateway_retries_total`) |
+//! | `kv_gateway_route_affinity_total` | `event`: `pinned`, `gone`, `overloaded`, `timed_out`, `failed` | replica affinity's pins taken, and pins let go before their window passed, by why (`crate::router`, "replica affinity") |
 //! | `kv_gateway_overlap_ratio` | | overlap blocks / prompt blocks of each routed request |
 //! | `kv_gateway_requests_in_flight` | | requests between routing and their end |
 //! | `kv_gateway_cache_parity_total` | `worker`, `outcome`: `agree`, `over_claim`, `under_claim`, `in_flight`, `evicted`, `unreported` | engine answers by how the router's predicted overlap compares with the engine's reported cached tokens ([`crate::parity`]) |
 //! | `kv_gateway_cache_parity_diff_tokens` | `worker` | predicted minus reported cached prompt tokens of each judged answer (negative: the engine had more) |
 //! | `kv_gateway_cache_parity_mismatch` | `worker`, `cause` | 1 while a worker's persistent mismatch is flagged, with its likely cause; absent otherwise |
 
+use crate::router::RouterMetrics;
 use kv_cluster::metrics::Registrar;
 use prometheus::{Histogram, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec};
 use std::time::Duration;
@@ -62,6 +64,7 @@ pub struct GatewayMetrics {
     half_retries: IntCounterVec,
     overlap: Histogram,
     route_group_sizes: Histogram,
+    route_affinity: IntCounterVec,
     in_flight: IntGauge,
     tokenize_jobs: IntGauge,
     tokenize_rejected: IntCounterVec,
@@ -147,6 +150,11 @@ impl GatewayMetrics {
                 "kv_gateway_route_group_queries",
                 "Route queries per NATS message to the router (1: a single query; more: a route batch of queries that arrived while the previous one was out)",
                 vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0],
+            )?,
+            route_affinity: r.counter_vec(
+                "kv_gateway_route_affinity_total",
+                "Replica affinity: pins to a router replica taken (pinned), and pins let go before their window passed, by why (gone, overloaded, timed_out, failed)",
+                &["event"],
             )?,
             in_flight: r.gauge(
                 "kv_gateway_requests_in_flight",
@@ -338,9 +346,13 @@ impl GatewayMetrics {
         self.tokenized.with_label_values(&[source]).get()
     }
 
-    /// The histogram of route queries per NATS message (for the router client).
-    pub fn route_group_sizes(&self) -> Histogram {
-        self.route_group_sizes.clone()
+    /// What the router client records: route queries per NATS message and replica
+    /// affinity's events.
+    pub fn router(&self) -> RouterMetrics {
+        RouterMetrics {
+            group_sizes: self.route_group_sizes.clone(),
+            affinity: self.route_affinity.clone(),
+        }
     }
 
     /// The parity outcome counter of `worker` (its id as a label) for `outcome`.

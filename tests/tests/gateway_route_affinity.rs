@@ -12,7 +12,7 @@ use integration_tests::router_client::{decision, router_client_with};
 use kv_events::routing::{Prompt, RouteError, RouteErrorCode, RouteReply, RouteRequest};
 use kv_events::{Namespace, ROUTER_ID_HEADER, RouterId, Subjects, WorkerId, decode, encode};
 use kv_gateway::error::ApiError;
-use kv_gateway::router::{Grouping, RouterClient, RouterSettings};
+use kv_gateway::router::{Grouping, RouterClient, RouterMetrics, RouterSettings};
 use std::time::Duration;
 use testbed::NatsServer;
 use tokio::task::JoinHandle;
@@ -38,6 +38,7 @@ struct Setup {
     asked: futures::stream::SelectAll<async_nats::Subscriber>,
     pinned_subject: String,
     client: RouterClient,
+    metrics: RouterMetrics,
 }
 
 impl Setup {
@@ -60,13 +61,14 @@ impl Setup {
             max_message_bytes: kv_events::limits::Limits::default().max_message_bytes,
             affinity: Some(Duration::from_secs(3600)),
         };
-        let (client, _) = router_client_with(&nats, &subjects, settings);
+        let (client, metrics) = router_client_with(&nats, &subjects, settings);
         Self {
             _server: server,
             nats,
             asked,
             pinned_subject: subjects.route_at(REPLICA),
             client,
+            metrics,
         }
     }
 
@@ -184,4 +186,13 @@ async fn a_pin_is_let_go_on_overload_timeout_or_an_unreadable_name() {
         .exchange(8, Via::Pinned, routed(8), &us)
         .await
         .unwrap();
+
+    // Pinned by queries 0, 3 and 7; let go once overloaded and once timed out.
+    let counted = ["pinned", "overloaded", "timed_out", "gone", "failed"]
+        .map(|event| setup.metrics.affinity.with_label_values(&[event]).get());
+    assert_eq!(
+        counted,
+        [3, 1, 1, 0, 0],
+        "pinned, overloaded, timed_out, gone, failed"
+    );
 }

@@ -155,12 +155,12 @@ impl Setup {
         let subjects = Subjects::new(Namespace::new("grouping-test").unwrap());
         let router = ScriptedRouter::start(&nats, &subjects, batches).await;
         let lifecycle = nats.subscribe(subjects.lifecycle()).await.unwrap();
-        let (client, sizes) = router_client(&nats, &subjects, WAIT, grouping, 1);
+        let (client, metrics) = router_client(&nats, &subjects, WAIT, grouping, 1);
         Self {
             _server: server,
             router,
             client,
-            sizes,
+            sizes: metrics.group_sizes,
             lifecycle,
         }
     }

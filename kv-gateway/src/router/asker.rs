@@ -21,6 +21,10 @@
 //! query is asked again through the queue group, so no query fails for it), does not
 //! answer in time, or answers `overloaded` (its queue is full: others should take the
 //! load). Replicas that set no header (older routers, stand-ins) are never pinned.
+//! Each pin taken and each let go is counted by `event` in
+//! `kv_gateway_route_affinity_total` (`pinned`; `gone`, `overloaded`, `timed_out`,
+//! `failed` for any other error of the request): a steady rate of `gone` or
+//! `timed_out` means replicas come and go, or stall.
 //!
 //! Cost: one mutex lock per query to read the pin; about 45 bytes of header per reply.
 
@@ -29,6 +33,7 @@ use async_nats::client::{RequestError, RequestErrorKind};
 use async_nats::{Client, Message, Subject};
 use kv_events::routing::{RouteBatchReply, RouteErrorCode, RouteReply};
 use kv_events::{ROUTER_ID_HEADER, RouterId, Subjects, decode};
+use prometheus::{IntCounter, IntCounterVec};
 use serde::de::DeserializeOwned;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -53,6 +58,61 @@ pub(super) struct Asker {
 struct Affinity {
     window: Duration,
     pin: Mutex<Option<Pin>>,
+    counted: Events,
+}
+
+/// The counters of `kv_gateway_route_affinity_total`, one per `event`.
+struct Events {
+    pinned: IntCounter,
+    gone: IntCounter,
+    overloaded: IntCounter,
+    timed_out: IntCounter,
+    failed: IntCounter,
+}
+
+/// Why a pin is let go before its window has passed.
+#[derive(Clone, Copy)]
+enum Release {
+    /// NATS "no responders": the replica's subscription is gone.
+    Gone,
+    /// The replica answered `overloaded`.
+    Overloaded,
+    /// No answer within the gateway's route timeout.
+    TimedOut,
+    /// Any other error of the request.
+    Failed,
+}
+
+impl Release {
+    fn of(e: &RequestError) -> Self {
+        match e.kind() {
+            RequestErrorKind::NoResponders => Self::Gone,
+            RequestErrorKind::TimedOut => Self::TimedOut,
+            _ => Self::Failed,
+        }
+    }
+}
+
+impl Events {
+    fn new(counters: &IntCounterVec) -> Self {
+        let event = |name: &str| counters.with_label_values(&[name]);
+        Self {
+            pinned: event("pinned"),
+            gone: event("gone"),
+            overloaded: event("overloaded"),
+            timed_out: event("timed_out"),
+            failed: event("failed"),
+        }
+    }
+
+    fn released(&self, why: Release) -> &IntCounter {
+        match why {
+            Release::Gone => &self.gone,
+            Release::Overloaded => &self.overloaded,
+            Release::TimedOut => &self.timed_out,
+            Release::Failed => &self.failed,
+        }
+    }
 }
 
 /// A pin to one replica: its own subjects, until when.
@@ -90,18 +150,20 @@ impl Services {
 impl Asker {
     /// Asks on `subjects`' route and batch route subjects, waiting at most `timeout`
     /// per request; with `affinity`, pinned for that long to the replica that
-    /// answered (module docs).
+    /// answered, counting pins and releases by event in `events` (module docs).
     pub(super) fn new(
         nats: Client,
         subjects: Arc<Subjects>,
         timeout: Duration,
         max_message_bytes: usize,
         affinity: Option<Duration>,
+        events: IntCounterVec,
     ) -> Self {
         let affinity = affinity.map(|window| {
             Arc::new(Affinity {
                 window,
                 pin: Mutex::new(None),
+                counted: Events::new(&events),
             })
         });
         Self {
@@ -135,7 +197,7 @@ impl Asker {
         let reply = self.request(Service::Single, payload).await;
         let reply: RouteReply = decoded(reply.map_err(refused)?)?;
         if is_overloaded(&reply) {
-            self.unpin();
+            self.unpin(Release::Overloaded);
         }
         Ok(reply)
     }
@@ -157,7 +219,7 @@ impl Asker {
                     RouteBatchReply::Error(e) => e.code == RouteErrorCode::Overloaded,
                 };
                 if overloaded {
-                    self.unpin();
+                    self.unpin(Release::Overloaded);
                 }
                 Ok(Some(reply))
             }
@@ -176,13 +238,13 @@ impl Asker {
                 .await
             {
                 Ok(message) => return Ok(message),
-                Err(e) if e.kind() == RequestErrorKind::NoResponders => {
-                    debug!(router = %pin.router, "the pinned router replica is gone; asking the queue group");
-                    self.unpin();
-                }
                 Err(e) => {
-                    self.unpin();
-                    return Err(e);
+                    let why = Release::of(&e);
+                    self.unpin(why);
+                    if !matches!(why, Release::Gone) {
+                        return Err(e);
+                    }
+                    debug!(router = %pin.router, "the pinned router replica is gone; asking the queue group");
                 }
             }
         }
@@ -232,11 +294,22 @@ impl Asker {
             },
             until: now + affinity.window,
         });
+        affinity.counted.pinned.inc();
     }
 
-    fn unpin(&self) {
-        if let Some(affinity) = &self.affinity {
-            *affinity.pin.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    /// Lets the pin go, if one holds, counting `why`.
+    fn unpin(&self, why: Release) {
+        let Some(affinity) = &self.affinity else {
+            return;
+        };
+        let released = affinity
+            .pin
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .is_some_and(|p| Instant::now() < p.until);
+        if released {
+            affinity.counted.released(why).inc();
         }
     }
 }

@@ -23,7 +23,7 @@ use kv_events::routing::{
     RouteRequest, SessionId,
 };
 use kv_events::{RequestId, Subjects, WorkerId, decode, encode};
-use prometheus::Histogram;
+use prometheus::{Histogram, IntCounterVec};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -58,6 +58,17 @@ pub struct RouterSettings {
     pub affinity: Option<Duration>,
 }
 
+/// What the router client records, in the gateway's registry
+/// ([`crate::metrics::GatewayMetrics::router`]).
+#[derive(Clone)]
+pub struct RouterMetrics {
+    /// Route queries per NATS message (`kv_gateway_route_group_queries`).
+    pub group_sizes: Histogram,
+    /// Replica affinity's pins taken and let go, by `event`: `pinned`, `gone`,
+    /// `overloaded`, `timed_out`, `failed` (`kv_gateway_route_affinity_total`).
+    pub affinity: IntCounterVec,
+}
+
 /// Routing queries and lifecycle messages over NATS.
 #[derive(Clone)]
 pub struct RouterClient {
@@ -78,9 +89,9 @@ pub struct RouterClient {
 }
 
 impl RouterClient {
-    /// A client with `settings`, recording the number of queries per route message
-    /// in `group_sizes`; `connection` tells it of the NATS connection's events (for
-    /// re-sending `freed` after an outage; module `router::lifecycle`).
+    /// A client with `settings`, recording into `metrics`; `connection` tells it of
+    /// the NATS connection's events (for re-sending `freed` after an outage; module
+    /// `router::lifecycle`).
     /// Must be called inside a tokio runtime: it spawns the lifecycle publisher and,
     /// with grouping, the grouping task, which end when the last clone of the client
     /// is dropped.
@@ -88,7 +99,7 @@ impl RouterClient {
         nats: Client,
         subjects: Subjects,
         settings: RouterSettings,
-        group_sizes: Histogram,
+        metrics: RouterMetrics,
         connection: mpsc::UnboundedReceiver<async_nats::Event>,
     ) -> Self {
         let (lifecycle, queue) = mpsc::unbounded_channel::<LifecycleMessage>();
@@ -103,10 +114,11 @@ impl RouterClient {
             settings.timeout,
             settings.max_message_bytes,
             settings.affinity,
+            metrics.affinity,
         );
         let grouper = (settings.grouping.max > 1).then(|| {
             let freed = lifecycle.clone();
-            Grouper::spawn(asker.clone(), settings.grouping, group_sizes, freed)
+            Grouper::spawn(asker.clone(), settings.grouping, metrics.group_sizes, freed)
         });
         Self {
             nats,

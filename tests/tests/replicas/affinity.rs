@@ -49,11 +49,12 @@ async fn route_one_by_one(
 #[tokio::test]
 async fn a_gateway_stays_with_the_replica_that_answered_until_it_goes() -> anyhow::Result<()> {
     let (cluster, mut pair) = setup(2, true).await?;
-    let (client, _) = router_client_with(
+    let (client, metrics) = router_client_with(
         &cluster.nats,
         &cluster.subjects,
         settings(Some(Duration::from_secs(60))),
     );
+    let events = |event: &str| metrics.affinity.with_label_values(&[event]).get();
     let bookings = route_one_by_one(&client, 0, REQUESTS, Duration::ZERO).await?;
     let own: Vec<usize> = pair.iter().map(own_bookings).collect();
     assert!(
@@ -71,6 +72,13 @@ async fn a_gateway_stays_with_the_replica_that_answered_until_it_goes() -> anyho
         REQUESTS,
         "the remaining replica booked every query after the other went"
     );
+    // Pinned once to each replica; let go once, because the first was gone.
+    let counted = ["pinned", "gone", "overloaded", "timed_out", "failed"].map(events);
+    assert_eq!(
+        counted,
+        [2, 1, 0, 0, 0],
+        "pinned, gone, overloaded, timed_out, failed"
+    );
     drop((bookings, after));
     pair.remove(0).shutdown().await?;
     Ok(())
@@ -84,7 +92,8 @@ async fn without_a_pin_or_once_it_expires_the_queue_group_picks() -> anyhow::Res
     // book some (all on one: probability 2 × 2^-24 per run).
     let mut kept = Vec::new();
     for (affinity, from) in [(None, 0), (Some(Duration::from_millis(1)), REQUESTS)] {
-        let (client, _) = router_client_with(&cluster.nats, &cluster.subjects, settings(affinity));
+        let (client, metrics) =
+            router_client_with(&cluster.nats, &cluster.subjects, settings(affinity));
         let before: Vec<usize> = pair.iter().map(own_bookings).collect();
         let bookings =
             route_one_by_one(&client, from, from + REQUESTS, Duration::from_millis(5)).await?;
@@ -96,6 +105,11 @@ async fn without_a_pin_or_once_it_expires_the_queue_group_picks() -> anyhow::Res
             booked.iter().all(|&n| n > 0),
             "both replicas booked some with affinity {affinity:?}: {booked:?}"
         );
+        // Every query pinned afresh with the short window (an expired pin is not let
+        // go, it lapses); nothing pinned without affinity.
+        let pinned = metrics.affinity.with_label_values(&["pinned"]).get();
+        let expected = if affinity.is_some() { REQUESTS } else { 0 };
+        assert_eq!(pinned, expected as u64, "pins with affinity {affinity:?}");
         kept.extend(bookings);
     }
     drop(kept);

@@ -27,7 +27,7 @@ async fn a_gateway_burst_is_placed_by_one_replica_as_one_replica_would() -> anyh
         max: 32,
         hold: WAIT,
     };
-    let (client, sizes) = router_client(&cluster.nats, &cluster.subjects, WAIT, grouping, 16);
+    let (client, metrics) = router_client(&cluster.nats, &cluster.subjects, WAIT, grouping, 16);
     // All at once, as requests reaching the gateway in the same instant. On this
     // test's single-threaded runtime every query is queued before the grouping task
     // runs, so they leave as one batch.
@@ -51,8 +51,12 @@ async fn a_gateway_burst_is_placed_by_one_replica_as_one_replica_would() -> anyh
         *per_worker.entry(decision.worker_id.0).or_default() += 1;
         bookings.push(booking);
     }
-    assert_eq!(sizes.get_sample_count(), 1, "the burst left as one message");
-    assert_eq!(sizes.get_sample_sum(), REQUESTS as f64);
+    assert_eq!(
+        metrics.group_sizes.get_sample_count(),
+        1,
+        "the burst left as one message"
+    );
+    assert_eq!(metrics.group_sizes.get_sample_sum(), REQUESTS as f64);
     assert_eq!(
         shape(&per_worker),
         shape(&alone),
