@@ -1,7 +1,8 @@
 //! The gateway's replica affinity against a real nats-server and a scripted replica:
 //! a reply's `Kv-Router-Id` pins the gateway to that replica's own subject, and the
-//! pin is let go when the replica answers `overloaded`, does not answer in time, or
-//! names itself with a header that does not parse. With real replicas (a pin held,
+//! pin is let go when the replica answers `overloaded` or does not answer in time;
+//! a header that does not parse, or `overloaded` through the queue group, pins
+//! nothing. With real replicas (a pin held,
 //! a replica gone, a pin expiring), see `replicas/affinity.rs`.
 
 // Test helpers unwrap: a failed setup step must fail the test loudly.
@@ -132,6 +133,13 @@ impl Setup {
     }
 }
 
+fn overloaded() -> Option<RouteReply> {
+    Some(RouteReply::Error(RouteError {
+        code: RouteErrorCode::Overloaded,
+        message: "scripted".into(),
+    }))
+}
+
 fn routed(n: u32) -> Option<RouteReply> {
     Some(RouteReply::Routed(decision(
         format!("q-{n}").as_str().into(),
@@ -154,11 +162,7 @@ async fn a_pin_is_let_go_on_overload_timeout_or_an_unreadable_name() {
         .unwrap();
 
     // `overloaded`: the caller is told, and the next query goes to the queue group.
-    let overloaded = RouteReply::Error(RouteError {
-        code: RouteErrorCode::Overloaded,
-        message: "scripted".into(),
-    });
-    let err = (setup.exchange(2, Via::Pinned, Some(overloaded), &us).await).unwrap_err();
+    let err = (setup.exchange(2, Via::Pinned, overloaded(), &us).await).unwrap_err();
     assert_eq!(err.status.as_u16(), 429, "{err:?}");
     setup
         .exchange(3, Via::QueueGroup, routed(3), &us)
@@ -187,12 +191,27 @@ async fn a_pin_is_let_go_on_overload_timeout_or_an_unreadable_name() {
         .await
         .unwrap();
 
-    // Pinned by queries 0, 3 and 7; let go once overloaded and once timed out.
+    // `overloaded` through the queue group pins nothing: the next query goes there
+    // too.
+    let err = (setup.exchange(9, Via::Pinned, overloaded(), &us).await).unwrap_err();
+    assert_eq!(err.status.as_u16(), 429, "{err:?}");
+    let err = (setup.exchange(10, Via::QueueGroup, overloaded(), &us).await).unwrap_err();
+    assert_eq!(err.status.as_u16(), 429, "{err:?}");
+    setup
+        .exchange(11, Via::QueueGroup, routed(11), &us)
+        .await
+        .unwrap();
+    setup
+        .exchange(12, Via::Pinned, routed(12), &us)
+        .await
+        .unwrap();
+
+    // Pinned by queries 0, 3, 7 and 11; let go twice overloaded and once timed out.
     let counted = ["pinned", "overloaded", "timed_out", "gone", "failed"]
         .map(|event| setup.metrics.affinity.with_label_values(&[event]).get());
     assert_eq!(
         counted,
-        [3, 1, 1, 0, 0],
+        [4, 2, 1, 0, 0],
         "pinned, overloaded, timed_out, gone, failed"
     );
 }

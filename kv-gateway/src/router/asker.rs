@@ -20,7 +20,8 @@
 //! The pin is dropped at once when that replica is gone (NATS "no responders": the
 //! query is asked again through the queue group, so no query fails for it), does not
 //! answer in time, or answers `overloaded` (its queue is full: others should take the
-//! load). Replicas that set no header (older routers, stand-ins) are never pinned.
+//! load). Replicas that set no header (older routers, stand-ins), and a replica
+//! that answers `overloaded` through the queue group, are not pinned.
 //! Each pin taken and each let go is counted by `event` in
 //! `kv_gateway_route_affinity_total` (`pinned`; `gone`, `overloaded`, `timed_out`,
 //! `failed` for any other error of the request): a steady rate of `gone` or
@@ -123,6 +124,13 @@ struct Pin {
     until: Instant,
 }
 
+/// A replica's answer, and whether it came through the queue group (else from the
+/// pinned replica).
+struct Answer {
+    message: Message,
+    from_queue_group: bool,
+}
+
 /// Which route service a request is for.
 #[derive(Clone, Copy)]
 enum Service {
@@ -194,11 +202,10 @@ impl Asker {
     /// 503 when no router answers, or not within the timeout; 500 for a reply that
     /// does not decode.
     pub(super) async fn single(&self, payload: Vec<u8>) -> Result<RouteReply, ApiError> {
-        let reply = self.request(Service::Single, payload).await;
-        let reply: RouteReply = decoded(reply.map_err(refused)?)?;
-        if is_overloaded(&reply) {
-            self.unpin(Release::Overloaded);
-        }
+        let answer = self.request(Service::Single, payload).await;
+        let answer = answer.map_err(refused)?;
+        let reply: RouteReply = decoded(&answer.message)?;
+        self.settle(&answer, is_overloaded(&reply));
         Ok(reply)
     }
 
@@ -212,15 +219,13 @@ impl Asker {
         payload: Vec<u8>,
     ) -> Result<Option<RouteBatchReply>, ApiError> {
         match self.request(Service::Batch, payload).await {
-            Ok(message) => {
-                let reply: RouteBatchReply = decoded(message)?;
+            Ok(answer) => {
+                let reply: RouteBatchReply = decoded(&answer.message)?;
                 let overloaded = match &reply {
                     RouteBatchReply::Answered { replies } => replies.iter().any(is_overloaded),
                     RouteBatchReply::Error(e) => e.code == RouteErrorCode::Overloaded,
                 };
-                if overloaded {
-                    self.unpin(Release::Overloaded);
-                }
+                self.settle(&answer, overloaded);
                 Ok(Some(reply))
             }
             Err(e) if e.kind() == RequestErrorKind::NoResponders => Ok(None),
@@ -229,15 +234,20 @@ impl Asker {
     }
 
     /// Sends to the pinned replica if there is one, else (or if it is gone) through
-    /// the queue group, pinning to the replica that answers.
-    async fn request(&self, service: Service, payload: Vec<u8>) -> Result<Message, RequestError> {
+    /// the queue group; the caller then [`Asker::settle`]s the pin.
+    async fn request(&self, service: Service, payload: Vec<u8>) -> Result<Answer, RequestError> {
         let payload = bytes::Bytes::from(payload);
         if let Some(pin) = self.pinned() {
             match self
                 .send(pin.services.subject(service), payload.clone())
                 .await
             {
-                Ok(message) => return Ok(message),
+                Ok(message) => {
+                    return Ok(Answer {
+                        message,
+                        from_queue_group: false,
+                    });
+                }
                 Err(e) => {
                     let why = Release::of(&e);
                     self.unpin(why);
@@ -249,8 +259,21 @@ impl Asker {
             }
         }
         let message = self.send(self.shared.subject(service), payload).await?;
-        self.pin_to(&message);
-        Ok(message)
+        Ok(Answer {
+            message,
+            from_queue_group: true,
+        })
+    }
+
+    /// After a decoded answer: an `overloaded` one from the pinned replica lets the
+    /// pin go; any other from the queue group pins to the replica that sent it (an
+    /// `overloaded` one pins nothing).
+    fn settle(&self, answer: &Answer, overloaded: bool) {
+        match (answer.from_queue_group, overloaded) {
+            (false, true) => self.unpin(Release::Overloaded),
+            (true, false) => self.pin_to(&answer.message),
+            (false, false) | (true, true) => {}
+        }
     }
 
     async fn send(&self, subject: Subject, payload: bytes::Bytes) -> Result<Message, RequestError> {
@@ -326,7 +349,7 @@ fn refused(e: RequestError) -> ApiError {
     }
 }
 
-fn decoded<T: DeserializeOwned>(reply: Message) -> Result<T, ApiError> {
+fn decoded<T: DeserializeOwned>(reply: &Message) -> Result<T, ApiError> {
     decode::<T>(&reply.payload)
         .map_err(|e| ApiError::internal(format!("malformed route reply: {e}")))
 }
