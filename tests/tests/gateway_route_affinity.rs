@@ -1,8 +1,9 @@
 //! The gateway's replica affinity against a real nats-server and a scripted replica:
 //! a reply's `Kv-Router-Id` pins the gateway to that replica's own subject, and the
 //! pin is let go when the replica answers `overloaded` or does not answer in time;
-//! a header that does not parse, or `overloaded` through the queue group, pins
-//! nothing. With real replicas (a pin held,
+//! a replica that leaves a query unanswered past the patience gets no more queries
+//! while that one still waits; a header that does not parse, or `overloaded`
+//! through the queue group, pins nothing. With real replicas (a pin held,
 //! a replica gone, a pin expiring), see `replicas/affinity.rs`.
 
 // Test helpers unwrap: a failed setup step must fail the test loudly.
@@ -13,7 +14,7 @@ use integration_tests::router_client::{decision, router_client_with};
 use kv_events::routing::{Prompt, RouteError, RouteErrorCode, RouteReply, RouteRequest};
 use kv_events::{Namespace, ROUTER_ID_HEADER, RouterId, Subjects, WorkerId, decode, encode};
 use kv_gateway::error::ApiError;
-use kv_gateway::router::{Grouping, RouterClient, RouterMetrics, RouterSettings};
+use kv_gateway::router::{Grouping, ReplicaAffinity, RouterClient, RouterMetrics, RouterSettings};
 use std::time::Duration;
 use testbed::NatsServer;
 use tokio::task::JoinHandle;
@@ -43,7 +44,16 @@ struct Setup {
 }
 
 impl Setup {
-    async fn start() -> Self {
+    /// A scripted replica and a gateway pinned to it for an hour once it answers,
+    /// letting it go after `patience` without an answer.
+    async fn start(patience: Duration) -> Self {
+        // A patience below the route timeout is what the slow-replica test needs;
+        // otherwise the timeout is the one the timeout case waits out.
+        let route_timeout = if patience < ROUTE_TIMEOUT {
+            WAIT
+        } else {
+            ROUTE_TIMEOUT
+        };
         let server = NatsServer::start().await.unwrap();
         let nats = async_nats::connect(server.url()).await.unwrap();
         let subjects = Subjects::new(Namespace::new("affinity-test").unwrap());
@@ -52,7 +62,7 @@ impl Setup {
             nats.subscribe(subjects.route_at(REPLICA)).await.unwrap(),
         ]);
         let settings = RouterSettings {
-            timeout: ROUTE_TIMEOUT,
+            timeout: route_timeout,
             keep_alive: Duration::from_secs(3600),
             lifecycle_batch: 1,
             grouping: Grouping {
@@ -60,7 +70,10 @@ impl Setup {
                 hold: Duration::ZERO,
             },
             max_message_bytes: kv_events::limits::Limits::default().max_message_bytes,
-            affinity: Some(Duration::from_secs(3600)),
+            affinity: Some(ReplicaAffinity {
+                window: Duration::from_secs(3600),
+                patience,
+            }),
         };
         let (client, metrics) = router_client_with(&nats, &subjects, settings);
         Self {
@@ -133,6 +146,17 @@ impl Setup {
     }
 }
 
+/// The events of `kv_gateway_route_affinity_total`, in the order
+/// [`Setup::affinity_events`] counts them.
+const EVENTS: [&str; 5] = ["pinned", "overloaded", "timed_out", "gone", "failed"];
+
+impl Setup {
+    /// How many times each of [`EVENTS`] was counted.
+    fn affinity_events(&self) -> [u64; 5] {
+        EVENTS.map(|event| self.metrics.affinity.with_label_values(&[event]).get())
+    }
+}
+
 fn overloaded() -> Option<RouteReply> {
     Some(RouteReply::Error(RouteError {
         code: RouteErrorCode::Overloaded,
@@ -149,7 +173,8 @@ fn routed(n: u32) -> Option<RouteReply> {
 
 #[tokio::test]
 async fn a_pin_is_let_go_on_overload_timeout_or_an_unreadable_name() {
-    let mut setup = Setup::start().await;
+    // Never slow: a scripted answer late on a loaded host must not let the pin go.
+    let mut setup = Setup::start(WAIT).await;
     let us = REPLICA.to_string();
     // Pinned by the first answer; the second goes to the replica's own subject.
     setup
@@ -207,11 +232,51 @@ async fn a_pin_is_let_go_on_overload_timeout_or_an_unreadable_name() {
         .unwrap();
 
     // Pinned by queries 0, 3, 7 and 11; let go twice overloaded and once timed out.
-    let counted = ["pinned", "overloaded", "timed_out", "gone", "failed"]
-        .map(|event| setup.metrics.affinity.with_label_values(&[event]).get());
-    assert_eq!(
-        counted,
-        [4, 2, 1, 0, 0],
-        "pinned, overloaded, timed_out, gone, failed"
+    assert_eq!(setup.affinity_events(), [4, 2, 1, 0, 0], "{EVENTS:?}");
+}
+
+/// A pinned replica that leaves a query unanswered past the patience (stalled) is
+/// let go: the next query goes through the queue group and is answered there while
+/// the first still waits, and gets its answer when the replica answers after all.
+#[tokio::test]
+async fn a_replica_slow_past_the_patience_gets_no_more_queries() {
+    let patience = Duration::from_millis(50);
+    let mut setup = Setup::start(patience).await;
+    let us = REPLICA.to_string();
+    setup
+        .exchange(0, Via::QueueGroup, routed(0), &us)
+        .await
+        .unwrap();
+    // Query 1 reaches the pinned replica, which does not answer yet.
+    let stalled = setup.ask(1);
+    let (request, via, inbox) = setup.next().await;
+    assert_eq!((request.request_id.0.as_str(), via), ("q-1", Via::Pinned));
+    let events = setup.metrics.affinity.clone();
+    integration_tests::eventually("the slow replica let go", WAIT, || {
+        let released = events.with_label_values(&["timed_out"]).get();
+        async move { (released == 1).then_some(()) }
+    })
+    .await
+    .unwrap();
+    // Query 2 goes through the queue group while query 1 still waits, and pins
+    // again to whoever answers it.
+    assert!(
+        !stalled.is_finished(),
+        "query 1 gave up within the patience"
     );
+    setup
+        .exchange(2, Via::QueueGroup, routed(2), &us)
+        .await
+        .unwrap();
+    setup.answer(inbox, &routed(1).unwrap(), &us).await;
+    let late = tokio::time::timeout(WAIT, stalled).await.unwrap().unwrap();
+    assert!(
+        matches!(late, Ok(RouteReply::Routed(ref d)) if d.request_id.0 == "q-1"),
+        "{late:?}"
+    );
+    setup
+        .exchange(3, Via::Pinned, routed(3), &us)
+        .await
+        .unwrap();
+    assert_eq!(setup.affinity_events(), [2, 0, 1, 0, 0], "{EVENTS:?}");
 }

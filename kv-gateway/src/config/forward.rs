@@ -114,8 +114,8 @@ pub struct ForwardArgs {
     /// that answered one, before the queue group picks a replica again: that replica
     /// then places each query seeing this gateway's earlier bookings at once, not a
     /// replica sync later (docs/gateway.md, "Replica affinity"). `0`: every query
-    /// through the queue group. A replica that is gone, late or overloaded is let go
-    /// at once.
+    /// through the queue group. A replica that is gone, slow (see
+    /// `--route-affinity-patience-ms`) or overloaded is let go at once.
     #[arg(
         long,
         help_heading = "Forwarding",
@@ -123,6 +123,19 @@ pub struct ForwardArgs {
         default_value_t = 1_000
     )]
     pub route_affinity_ms: u64,
+    /// How long, in ms, a route query to the replica this gateway is pinned to may go
+    /// unanswered before the gateway lets the pin go and sends its next queries
+    /// through the queue group: a replica that stalls then holds up only the queries
+    /// already sent to it (docs/gateway.md, "Replica affinity"). The query itself
+    /// still waits up to `--route-timeout-ms`.
+    #[arg(
+        long,
+        help_heading = "Forwarding",
+        env = "KV_GATEWAY_ROUTE_AFFINITY_PATIENCE_MS",
+        default_value_t = 250,
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
+    pub route_affinity_patience_ms: u64,
     /// How long connecting to an engine may take, in ms.
     #[arg(
         long,

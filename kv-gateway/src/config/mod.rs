@@ -83,8 +83,8 @@ pub struct RequestLimits {
     pub lifecycle_batch: usize,
     /// How route queries arriving together are grouped into one NATS message.
     pub route_grouping: crate::router::Grouping,
-    /// How long route queries go to the replica that answered one (`None`: off).
-    pub route_affinity: Option<Duration>,
+    /// Replica affinity (`None`: off).
+    pub route_affinity: Option<crate::router::ReplicaAffinity>,
 }
 
 /// Local tokenization: the thread pool that bounds its CPU (the prompt bound,
@@ -217,8 +217,12 @@ impl GatewayArgs {
                     max: fwd.route_batch,
                     hold: Duration::from_millis(fwd.route_batch_hold_ms),
                 },
-                route_affinity: (fwd.route_affinity_ms > 0)
-                    .then(|| Duration::from_millis(fwd.route_affinity_ms)),
+                route_affinity: (fwd.route_affinity_ms > 0).then(|| {
+                    crate::router::ReplicaAffinity {
+                        window: Duration::from_millis(fwd.route_affinity_ms),
+                        patience: Duration::from_millis(fwd.route_affinity_patience_ms),
+                    }
+                }),
             },
             wire_limits,
         })

@@ -62,11 +62,29 @@ fn route_grouping_defaults_and_bounds() {
     assert_eq!((grouping.max, grouping.hold), (1, Duration::ZERO));
     assert_eq!(
         default.limits.route_affinity,
-        Some(Duration::from_secs(1)),
+        Some(crate::router::ReplicaAffinity {
+            window: Duration::from_secs(1),
+            patience: Duration::from_millis(250),
+        }),
         "replica affinity on by default"
     );
     let unpinned = parse(&["--model-dir=/m/x", "--route-affinity-ms=0"]);
     assert_eq!(unpinned.to_config().unwrap().limits.route_affinity, None);
+    let patient = parse(&["--model-dir=/m/x", "--route-affinity-patience-ms=40"]);
+    let patience = patient.to_config().unwrap().limits.route_affinity;
+    assert_eq!(
+        patience.map(|a| a.patience),
+        Some(Duration::from_millis(40))
+    );
+    let impatient = [
+        "gateway",
+        "--model-dir=/m/x",
+        "--route-affinity-patience-ms=0",
+    ];
+    assert!(
+        parse_flags::<GatewayArgs, _, _>(impatient).is_err(),
+        "a patience of 0 would let every pin go at once"
+    );
     let max = crate::router::MAX_GROUP;
     for bad in ["0".to_owned(), (max + 1).to_string(), "all".to_owned()] {
         let args = ["gateway", "--model-dir=/m/x", "--route-batch", &bad];

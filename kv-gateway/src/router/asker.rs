@@ -18,17 +18,25 @@
 //! replicas.
 //!
 //! The pin is dropped at once when that replica is gone (NATS "no responders": the
-//! query is asked again through the queue group, so no query fails for it), does not
-//! answer in time, or answers `overloaded` (its queue is full: others should take the
-//! load). Replicas that set no header (older routers, stand-ins), and a replica
-//! that answers `overloaded` through the queue group, are not pinned.
+//! query is asked again through the queue group, so no query fails for it), answers
+//! `overloaded` (its queue is full: others should take the load), or leaves a query
+//! unanswered for the affinity's `patience` (250 ms by default). The last is a
+//! replica that stalls (a process stopped or starved, a partition that resets no
+//! connection): NATS still delivers to it, and without the patience every query of
+//! the gateway would wait on it up to the route timeout (10 s), as long as it
+//! stalls. The query that found it stalled still waits for its answer, since it may
+//! be waiting in the replica's queue for a busy fleet; asking it again elsewhere
+//! would book it twice. Replicas that set no header (older routers, stand-ins), and
+//! a replica that answers `overloaded` through the queue group, are not pinned.
 //! Each pin taken and each let go is counted by `event` in
-//! `kv_gateway_route_affinity_total` (`pinned`; `gone`, `overloaded`, `timed_out`,
-//! `failed` for any other error of the request): a steady rate of `gone` or
-//! `timed_out` means replicas come and go, or stall.
+//! `kv_gateway_route_affinity_total` (`pinned`; `gone`, `overloaded`, `timed_out`
+//! for the patience run out, `failed` for any other error of the request): a steady
+//! rate of `gone` or `timed_out` means replicas come and go, or stall.
 //!
-//! Cost: one mutex lock per query to read the pin; about 45 bytes of header per reply.
+//! Cost: one mutex lock per query to read the pin, and one timer per query to the
+//! pinned replica; about 45 bytes of header per reply.
 
+use super::ReplicaAffinity;
 use crate::error::ApiError;
 use async_nats::client::{RequestError, RequestErrorKind};
 use async_nats::{Client, Message, Subject};
@@ -57,7 +65,7 @@ pub(super) struct Asker {
 
 /// The replica this gateway's queries go to, and for how long (module docs).
 struct Affinity {
-    window: Duration,
+    settings: ReplicaAffinity,
     pin: Mutex<Option<Pin>>,
     counted: Events,
 }
@@ -78,7 +86,7 @@ enum Release {
     Gone,
     /// The replica answered `overloaded`.
     Overloaded,
-    /// No answer within the gateway's route timeout.
+    /// No answer within the affinity's patience, or the route timeout.
     TimedOut,
     /// Any other error of the request.
     Failed,
@@ -124,11 +132,11 @@ struct Pin {
     until: Instant,
 }
 
-/// A replica's answer, and whether it came through the queue group (else from the
-/// pinned replica).
+/// A replica's answer, and the pinned replica it came from (`None`: through the
+/// queue group).
 struct Answer {
     message: Message,
-    from_queue_group: bool,
+    pinned: Option<RouterId>,
 }
 
 /// Which route service a request is for.
@@ -157,19 +165,19 @@ impl Services {
 
 impl Asker {
     /// Asks on `subjects`' route and batch route subjects, waiting at most `timeout`
-    /// per request; with `affinity`, pinned for that long to the replica that
+    /// per request; with `affinity`, pinned for its window to the replica that
     /// answered, counting pins and releases by event in `events` (module docs).
     pub(super) fn new(
         nats: Client,
         subjects: Arc<Subjects>,
         timeout: Duration,
         max_message_bytes: usize,
-        affinity: Option<Duration>,
+        affinity: Option<ReplicaAffinity>,
         events: IntCounterVec,
     ) -> Self {
-        let affinity = affinity.map(|window| {
+        let affinity = affinity.map(|settings| {
             Arc::new(Affinity {
-                window,
+                settings,
                 pin: Mutex::new(None),
                 counted: Events::new(&events),
             })
@@ -237,20 +245,18 @@ impl Asker {
     /// the queue group; the caller then [`Asker::settle`]s the pin.
     async fn request(&self, service: Service, payload: Vec<u8>) -> Result<Answer, RequestError> {
         let payload = bytes::Bytes::from(payload);
-        if let Some(pin) = self.pinned() {
-            match self
-                .send(pin.services.subject(service), payload.clone())
-                .await
-            {
+        if let Some((pin, patience)) = self.pinned() {
+            let asked = self.send(pin.services.subject(service), payload.clone());
+            match self.patiently(&pin, patience, asked).await {
                 Ok(message) => {
                     return Ok(Answer {
                         message,
-                        from_queue_group: false,
+                        pinned: Some(pin.router),
                     });
                 }
                 Err(e) => {
                     let why = Release::of(&e);
-                    self.unpin(why);
+                    self.unpin(pin.router, why);
                     if !matches!(why, Release::Gone) {
                         return Err(e);
                     }
@@ -261,18 +267,37 @@ impl Asker {
         let message = self.send(self.shared.subject(service), payload).await?;
         Ok(Answer {
             message,
-            from_queue_group: true,
+            pinned: None,
         })
+    }
+
+    /// Waits for `asked`, the pinned replica's answer; if it has not come within
+    /// `patience`, lets the pin go (the replica may have stalled) and waits on.
+    async fn patiently(
+        &self,
+        pin: &Pin,
+        patience: Duration,
+        asked: impl Future<Output = Result<Message, RequestError>>,
+    ) -> Result<Message, RequestError> {
+        let mut asked = std::pin::pin!(asked);
+        tokio::select! {
+            biased;
+            answer = &mut asked => return answer,
+            () = tokio::time::sleep(patience) => {}
+        }
+        debug!(router = %pin.router, ?patience, "the pinned router replica is slow to answer; letting it go");
+        self.unpin(pin.router, Release::TimedOut);
+        asked.await
     }
 
     /// After a decoded answer: an `overloaded` one from the pinned replica lets the
     /// pin go; any other from the queue group pins to the replica that sent it (an
     /// `overloaded` one pins nothing).
     fn settle(&self, answer: &Answer, overloaded: bool) {
-        match (answer.from_queue_group, overloaded) {
-            (false, true) => self.unpin(Release::Overloaded),
-            (true, false) => self.pin_to(&answer.message),
-            (false, false) | (true, true) => {}
+        match (answer.pinned, overloaded) {
+            (Some(router), true) => self.unpin(router, Release::Overloaded),
+            (None, false) => self.pin_to(&answer.message),
+            (Some(_), false) | (None, true) => {}
         }
     }
 
@@ -283,11 +308,12 @@ impl Asker {
         self.nats.send_request(subject, request).await
     }
 
-    /// The pin, if one holds now.
-    fn pinned(&self) -> Option<Pin> {
+    /// The pin, if one holds now, and the affinity's patience.
+    fn pinned(&self) -> Option<(Pin, Duration)> {
         let affinity = self.affinity.as_ref()?;
         let pin = affinity.pin.lock().unwrap_or_else(|p| p.into_inner());
-        pin.as_ref().filter(|p| Instant::now() < p.until).cloned()
+        let pin = pin.as_ref().filter(|p| Instant::now() < p.until).cloned()?;
+        Some((pin, affinity.settings.patience))
     }
 
     /// Pins to the replica that sent `reply`, unless a pin holds already or the reply
@@ -296,12 +322,7 @@ impl Asker {
         let Some(affinity) = &self.affinity else {
             return;
         };
-        let Some(router) = reply
-            .headers
-            .as_ref()
-            .and_then(|h| h.get(ROUTER_ID_HEADER))
-            .and_then(|v| RouterId::parse_hex(v.as_str()))
-        else {
+        let Some(router) = answered_by(reply) else {
             return;
         };
         let now = Instant::now();
@@ -315,26 +336,34 @@ impl Asker {
                 route: self.subjects.route_at(router).into(),
                 route_batch: self.subjects.route_batch_at(router).into(),
             },
-            until: now + affinity.window,
+            until: now + affinity.settings.window,
         });
         affinity.counted.pinned.inc();
     }
 
-    /// Lets the pin go, if one holds, counting `why`.
-    fn unpin(&self, why: Release) {
+    /// Lets the pin go if one to `router` holds, counting `why`. A pin to another
+    /// replica (taken meanwhile by another query) stays.
+    fn unpin(&self, router: RouterId, why: Release) {
         let Some(affinity) = &self.affinity else {
             return;
         };
-        let released = affinity
-            .pin
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
-            .is_some_and(|p| Instant::now() < p.until);
-        if released {
-            affinity.counted.released(why).inc();
+        let mut pin = affinity.pin.lock().unwrap_or_else(|p| p.into_inner());
+        if pin.as_ref().is_some_and(|p| p.router == router) {
+            let released = pin.take().is_some_and(|p| Instant::now() < p.until);
+            if released {
+                affinity.counted.released(why).inc();
+            }
         }
     }
+}
+
+/// The replica a reply names in its [`ROUTER_ID_HEADER`], if it names one that parses.
+fn answered_by(reply: &Message) -> Option<RouterId> {
+    reply
+        .headers
+        .as_ref()
+        .and_then(|h| h.get(ROUTER_ID_HEADER))
+        .and_then(|v| RouterId::parse_hex(v.as_str()))
 }
 
 fn is_overloaded(reply: &RouteReply) -> bool {

@@ -52,10 +52,21 @@ pub struct RouterSettings {
     pub grouping: Grouping,
     /// The router's `--max-message-bytes`, in bytes: no batch is larger.
     pub max_message_bytes: usize,
+    /// Replica affinity; `None`: every query through the queue group (module
+    /// `router::asker`, "replica affinity").
+    pub affinity: Option<ReplicaAffinity>,
+}
+
+/// Replica affinity's settings (module `router::asker`, "replica affinity").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReplicaAffinity {
     /// How long the gateway's queries go to the replica that answered one, before
-    /// the queue group picks again; `None`: every query through the queue group
-    /// (module `router::asker`, "replica affinity").
-    pub affinity: Option<Duration>,
+    /// the queue group picks again.
+    pub window: Duration,
+    /// How long a query to the pinned replica may go unanswered before the pin is let
+    /// go (the query itself still waits up to the route timeout): a replica that
+    /// stalls gets no more of the gateway's queries after this.
+    pub patience: Duration,
 }
 
 /// What the router client records, in the gateway's registry
@@ -65,7 +76,8 @@ pub struct RouterMetrics {
     /// Route queries per NATS message (`kv_gateway_route_group_queries`).
     pub group_sizes: Histogram,
     /// Replica affinity's pins taken and let go, by `event`: `pinned`, `gone`,
-    /// `overloaded`, `timed_out`, `failed` (`kv_gateway_route_affinity_total`).
+    /// `overloaded`, `timed_out` (no answer within the patience), `failed`
+    /// (`kv_gateway_route_affinity_total`).
     pub affinity: IntCounterVec,
 }
 

@@ -7,10 +7,12 @@
 use super::{REQUESTS, WAIT, own_bookings, request_prompt, setup};
 use integration_tests::router_client::router_client_with;
 use kv_events::routing::Prompt;
-use kv_gateway::router::{Grouping, RouterClient, RouterSettings};
+use kv_gateway::router::{Grouping, ReplicaAffinity, RouterClient, RouterSettings};
 use std::time::Duration;
 
-fn settings(affinity: Option<Duration>) -> RouterSettings {
+/// Settings with affinity for `window` (`None`: off); a replica is never let go for
+/// being slow here (`gateway_route_affinity.rs` tests that).
+fn settings(window: Option<Duration>) -> RouterSettings {
     RouterSettings {
         timeout: WAIT,
         keep_alive: Duration::from_secs(3600),
@@ -20,7 +22,10 @@ fn settings(affinity: Option<Duration>) -> RouterSettings {
             hold: Duration::ZERO,
         },
         max_message_bytes: kv_events::limits::Limits::default().max_message_bytes,
-        affinity,
+        affinity: window.map(|window| ReplicaAffinity {
+            window,
+            patience: WAIT,
+        }),
     }
 }
 
