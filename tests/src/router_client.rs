@@ -3,7 +3,7 @@
 
 use kv_events::routing::{PolicyKind, RouteDecision};
 use kv_events::{DpRank, RequestId, Subjects, WorkerId};
-use kv_gateway::router::{Grouping, RouterClient, RouterMetrics, RouterSettings};
+use kv_gateway::router::{Grouping, ReplicaAffinity, RouterClient, RouterMetrics, RouterSettings};
 use std::time::Duration;
 
 /// A router client on `nats` asking with `timeout`, grouping route queries as
@@ -42,6 +42,21 @@ pub fn router_client_with(
     subjects: &Subjects,
     settings: RouterSettings,
 ) -> (RouterClient, RouterMetrics) {
+    let (_, connection) = tokio::sync::mpsc::unbounded_channel();
+    router_client_on(nats, subjects, settings, connection)
+}
+
+/// A router client on `nats` with `settings`, told of the connection's ups and downs
+/// by `connection` (as the gateway is), and what it records.
+///
+/// # Panics
+/// Never: the metrics' options are fixed and valid.
+pub fn router_client_on(
+    nats: &async_nats::Client,
+    subjects: &Subjects,
+    settings: RouterSettings,
+    connection: tokio::sync::mpsc::UnboundedReceiver<async_nats::Event>,
+) -> (RouterClient, RouterMetrics) {
     let opts = prometheus::HistogramOpts::new("route_group_queries", "queries per message")
         .buckets(vec![1.0, 2.0, 3.0, 4.0, 8.0, 16.0, 32.0]);
     #[allow(clippy::unwrap_used)] // fixed, valid options
@@ -53,7 +68,6 @@ pub fn router_client_with(
         )
         .unwrap(),
     };
-    let (_, connection) = tokio::sync::mpsc::unbounded_channel();
     let client = RouterClient::new(
         nats.clone(),
         subjects.clone(),
@@ -77,5 +91,39 @@ pub fn decision(request_id: RequestId, worker: WorkerId) -> RouteDecision {
         policy: PolicyKind::Kv,
         disaggregation: None,
         fallbacks: vec![],
+    }
+}
+
+/// Routes query `n` (request id `q-{n}`, a prompt of 8 tokens `n`) on `client` in a
+/// task, dropping the booking (its `freed` goes out) once routed.
+pub fn ask(
+    client: &RouterClient,
+    n: u32,
+) -> tokio::task::JoinHandle<Result<kv_events::routing::RouteReply, kv_gateway::error::ApiError>> {
+    let client = client.clone();
+    let id = format!("q-{n}").as_str().into();
+    let prompt = kv_events::routing::Prompt::Tokens {
+        token_ids: vec![n; 8],
+    };
+    tokio::spawn(async move {
+        let (decision, booking) = client.route(id, prompt, &[], None, false).await?;
+        std::mem::drop(booking);
+        Ok(kv_events::routing::RouteReply::Routed(decision))
+    })
+}
+
+/// Settings that send each query alone (no grouping) and lifecycle messages one per
+/// NATS message, with `timeout` and `affinity`; no keep-alive within a test.
+pub fn one_by_one(timeout: Duration, affinity: Option<ReplicaAffinity>) -> RouterSettings {
+    RouterSettings {
+        timeout,
+        keep_alive: Duration::from_secs(3600),
+        lifecycle_batch: 1,
+        grouping: Grouping {
+            max: 1,
+            hold: Duration::ZERO,
+        },
+        max_message_bytes: kv_events::limits::Limits::default().max_message_bytes,
+        affinity,
     }
 }

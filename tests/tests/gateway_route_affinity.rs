@@ -10,11 +10,11 @@
 #![allow(clippy::unwrap_used)]
 
 use futures::StreamExt as _;
-use integration_tests::router_client::{decision, router_client_with};
-use kv_events::routing::{Prompt, RouteError, RouteErrorCode, RouteReply, RouteRequest};
+use integration_tests::router_client::{ask, decision, one_by_one, router_client_with};
+use kv_events::routing::{RouteError, RouteErrorCode, RouteReply, RouteRequest};
 use kv_events::{Namespace, ROUTER_ID_HEADER, RouterId, Subjects, WorkerId, decode, encode};
 use kv_gateway::error::ApiError;
-use kv_gateway::router::{Grouping, ReplicaAffinity, RouterClient, RouterMetrics, RouterSettings};
+use kv_gateway::router::{ReplicaAffinity, RouterClient, RouterMetrics};
 use std::time::Duration;
 use testbed::NatsServer;
 use tokio::task::JoinHandle;
@@ -61,20 +61,11 @@ impl Setup {
             nats.subscribe(subjects.route()).await.unwrap(),
             nats.subscribe(subjects.route_at(REPLICA)).await.unwrap(),
         ]);
-        let settings = RouterSettings {
-            timeout: route_timeout,
-            keep_alive: Duration::from_secs(3600),
-            lifecycle_batch: 1,
-            grouping: Grouping {
-                max: 1,
-                hold: Duration::ZERO,
-            },
-            max_message_bytes: kv_events::limits::Limits::default().max_message_bytes,
-            affinity: Some(ReplicaAffinity {
-                window: Duration::from_secs(3600),
-                patience,
-            }),
+        let affinity = ReplicaAffinity {
+            window: Duration::from_secs(3600),
+            patience,
         };
+        let settings = one_by_one(route_timeout, Some(affinity));
         let (client, metrics) = router_client_with(&nats, &subjects, settings);
         Self {
             _server: server,
@@ -87,16 +78,7 @@ impl Setup {
     }
 
     fn ask(&self, n: u32) -> JoinHandle<Result<RouteReply, ApiError>> {
-        let client = self.client.clone();
-        let id = format!("q-{n}").as_str().into();
-        let prompt = Prompt::Tokens {
-            token_ids: vec![n; 8],
-        };
-        tokio::spawn(async move {
-            let (decision, booking) = client.route(id, prompt, &[], None, false).await?;
-            std::mem::drop(booking);
-            Ok(RouteReply::Routed(decision))
-        })
+        ask(&self.client, n)
     }
 
     /// The next query the replica gets, where it arrived, and its inbox.

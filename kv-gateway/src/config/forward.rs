@@ -66,7 +66,9 @@ pub struct ForwardArgs {
     )]
     pub max_retries: u32,
     /// How long a routing query may take, in ms (above the router's queue wait,
-    /// 5000 ms by default, so a queued request is answered rather than timed out).
+    /// 5000 ms by default, so a queued request is answered rather than timed out),
+    /// including a wait for the NATS connection and the asks of a query that finds
+    /// no router subscribed.
     #[arg(
         long,
         help_heading = "Forwarding",

@@ -33,6 +33,15 @@
 //! for the patience run out, `failed` for any other error of the request): a steady
 //! rate of `gone` or `timed_out` means replicas come and go, or stall.
 //!
+//! Outages: a query is handed to the NATS client only while it is connected; while
+//! it is not, the query waits for the connection within the route timeout, then
+//! fails. async-nats would otherwise hold a query sent during an outage and send it
+//! on reconnect, also one whose caller has given up by then: a router would book it
+//! with nobody left to free it, for the router's request TTL (10 minutes). A single
+//! query that NATS says no router subscribes ("no responders": just after a NATS
+//! restart, before the routers have subscribed again, or while a lone replica
+//! restarts) is asked again with backoff within the route timeout.
+//!
 //! Cost: one mutex lock per query to read the pin, and one timer per query to the
 //! pinned replica; about 45 bytes of header per reply.
 
@@ -40,19 +49,29 @@ use super::ReplicaAffinity;
 use crate::error::ApiError;
 use async_nats::client::{RequestError, RequestErrorKind};
 use async_nats::{Client, Message, Subject};
+use backon::BackoffBuilder as _;
 use kv_events::routing::{RouteBatchReply, RouteErrorCode, RouteReply};
 use kv_events::{ROUTER_ID_HEADER, RouterId, Subjects, decode};
 use prometheus::{IntCounter, IntCounterVec};
 use serde::de::DeserializeOwned;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tokio::sync::watch;
 use tokio::time::Instant;
 use tracing::debug;
+
+/// The first wait before a query that found no router subscribed is asked again.
+const NO_ROUTER_FIRST_WAIT: Duration = Duration::from_millis(5);
+
+/// The longest wait between two asks of a query that finds no router subscribed.
+const NO_ROUTER_MAX_WAIT: Duration = Duration::from_millis(250);
 
 /// Sends route queries; cheap to clone (clones share the pin).
 #[derive(Clone)]
 pub(super) struct Asker {
     nats: Client,
+    /// Whether `nats` is connected (module docs, "outages").
+    connected: watch::Receiver<bool>,
     subjects: Arc<Subjects>,
     /// The queue group's subjects.
     shared: Services,
@@ -169,6 +188,7 @@ impl Asker {
     /// answered, counting pins and releases by event in `events` (module docs).
     pub(super) fn new(
         nats: Client,
+        connected: watch::Receiver<bool>,
         subjects: Arc<Subjects>,
         timeout: Duration,
         max_message_bytes: usize,
@@ -184,6 +204,7 @@ impl Asker {
         });
         Self {
             nats,
+            connected,
             shared: Services {
                 route: subjects.route().into(),
                 route_batch: subjects.route_batch().into(),
@@ -245,8 +266,9 @@ impl Asker {
     /// the queue group; the caller then [`Asker::settle`]s the pin.
     async fn request(&self, service: Service, payload: Vec<u8>) -> Result<Answer, RequestError> {
         let payload = bytes::Bytes::from(payload);
+        let deadline = Instant::now() + self.timeout;
         if let Some((pin, patience)) = self.pinned() {
-            let asked = self.send(pin.services.subject(service), payload.clone());
+            let asked = self.send(pin.services.subject(service), payload.clone(), deadline);
             match self.patiently(&pin, patience, asked).await {
                 Ok(message) => {
                     return Ok(Answer {
@@ -264,11 +286,52 @@ impl Asker {
                 }
             }
         }
-        let message = self.send(self.shared.subject(service), payload).await?;
+        let subject = self.shared.subject(service);
+        let message = match service {
+            Service::Single => self.send_until_answered(subject, payload, deadline).await?,
+            // No responder to a batch may be a router that serves only single queries:
+            // the caller then asks each query alone.
+            Service::Batch => self.send(subject, payload, deadline).await?,
+        };
         Ok(Answer {
             message,
             pinned: None,
         })
+    }
+
+    /// Sends a single query through the queue group, and again (waits of
+    /// [`NO_ROUTER_FIRST_WAIT`], doubling up to [`NO_ROUTER_MAX_WAIT`]) while NATS
+    /// says no router subscribes, until `deadline`: routers re-subscribe a moment
+    /// after a NATS restart, and a fleet of one replica has none while it restarts.
+    /// A query nobody received booked nothing, so asking it again is safe.
+    async fn send_until_answered(
+        &self,
+        subject: Subject,
+        payload: bytes::Bytes,
+        deadline: Instant,
+    ) -> Result<Message, RequestError> {
+        let mut waits = backon::ExponentialBuilder::new()
+            .with_min_delay(NO_ROUTER_FIRST_WAIT)
+            .with_max_delay(NO_ROUTER_MAX_WAIT)
+            .with_factor(2.0)
+            .without_max_times()
+            .build();
+        loop {
+            match self.send(subject.clone(), payload.clone(), deadline).await {
+                Err(e) if e.kind() == RequestErrorKind::NoResponders => {
+                    let wait = waits.next().unwrap_or(NO_ROUTER_MAX_WAIT);
+                    if Instant::now() + wait >= deadline {
+                        return Err(e);
+                    }
+                    debug!(
+                        ?wait,
+                        "no router subscribes the route subject; asking again"
+                    );
+                    tokio::time::sleep(wait).await;
+                }
+                answered => return answered,
+            }
+        }
     }
 
     /// Waits for `asked`, the pinned replica's answer; if it has not come within
@@ -301,10 +364,27 @@ impl Asker {
         }
     }
 
-    async fn send(&self, subject: Subject, payload: bytes::Bytes) -> Result<Message, RequestError> {
+    /// One request answered by `deadline`, handed to the client only while it is
+    /// connected (module docs, "outages").
+    async fn send(
+        &self,
+        subject: Subject,
+        payload: bytes::Bytes,
+        deadline: Instant,
+    ) -> Result<Message, RequestError> {
+        if !*self.connected.borrow() {
+            let mut connected = self.connected.clone();
+            let up = tokio::time::timeout_at(deadline, connected.wait_for(|up| *up)).await;
+            if !matches!(up, Ok(Ok(_))) {
+                return Err(RequestError::with_source(
+                    RequestErrorKind::TimedOut,
+                    "no NATS connection within the route timeout",
+                ));
+            }
+        }
         let request = async_nats::client::Request::new()
             .payload(payload)
-            .timeout(Some(self.timeout));
+            .timeout(Some(deadline.saturating_duration_since(Instant::now())));
         self.nats.send_request(subject, request).await
     }
 

@@ -16,7 +16,7 @@
 
 use crate::error::ApiError;
 use asker::Asker;
-use async_nats::Client;
+use async_nats::{Client, Event};
 use grouping::Grouper;
 use kv_events::routing::{
     LifecycleEvent, LifecycleMessage, Prompt, RouteDecision, RouteErrorCode, RouteReply,
@@ -27,7 +27,7 @@ use prometheus::{Histogram, IntCounterVec};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio::task::AbortHandle;
 use tracing::debug;
 
@@ -81,6 +81,30 @@ pub struct RouterMetrics {
     pub affinity: IntCounterVec,
 }
 
+/// Whether the NATS connection is up, as its events tell (the start: as the client
+/// says): a task reads `events`, keeps the returned flag and passes every event on
+/// through the returned receiver. When `events` ends, the flag keeps its last value.
+fn watch_connection(
+    nats: &Client,
+    mut events: mpsc::UnboundedReceiver<Event>,
+) -> (watch::Receiver<bool>, mpsc::UnboundedReceiver<Event>) {
+    let up = nats.connection_state() == async_nats::connection::State::Connected;
+    let (connected, watched) = watch::channel(up);
+    let (forward, passed) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Some(event) = events.recv().await {
+            match event {
+                Event::Connected => connected.send_replace(true),
+                Event::Disconnected => connected.send_replace(false),
+                _ => false,
+            };
+            // The lifecycle publisher may have ended (its queue closed): nothing waits.
+            let _ = forward.send(event);
+        }
+    });
+    (watched, passed)
+}
+
 /// Routing queries and lifecycle messages over NATS.
 #[derive(Clone)]
 pub struct RouterClient {
@@ -112,16 +136,18 @@ impl RouterClient {
         subjects: Subjects,
         settings: RouterSettings,
         metrics: RouterMetrics,
-        connection: mpsc::UnboundedReceiver<async_nats::Event>,
+        connection: mpsc::UnboundedReceiver<Event>,
     ) -> Self {
         let (lifecycle, queue) = mpsc::unbounded_channel::<LifecycleMessage>();
         let batch = settings
             .lifecycle_batch
             .clamp(1, kv_events::limits::MAX_LIFECYCLE_BATCH);
+        let (connected, connection) = watch_connection(&nats, connection);
         lifecycle::spawn(nats.clone(), subjects.clone(), batch, queue, connection);
         let subjects = Arc::new(subjects);
         let asker = Asker::new(
             nats.clone(),
+            connected,
             subjects.clone(),
             settings.timeout,
             settings.max_message_bytes,
@@ -192,10 +218,18 @@ impl RouterClient {
     ) -> Result<(RouteDecision, Booking), ApiError> {
         let payload =
             encode(request).map_err(|e| ApiError::internal(format!("encoding route: {e}")))?;
-        let reply = match &self.grouper {
-            Some(grouper) => grouper.ask(payload).await?,
-            None => self.asker.single(payload).await?,
+        let asked = match &self.grouper {
+            Some(grouper) => grouper.ask(payload).await,
+            None => self.asker.single(payload).await,
         };
+        let reply = asked.inspect_err(|e| {
+            // Not answered (in time): a router may have booked it all the same, its
+            // answer too late; the `freed` lets that booking go, and a router that
+            // never saw the query ignores it.
+            if e.status == axum::http::StatusCode::SERVICE_UNAVAILABLE {
+                self.publish(&request.request_id, LifecycleEvent::Freed);
+            }
+        })?;
         match reply {
             RouteReply::Routed(decision) => {
                 let booking = Booking::new(self, decision.request_id.clone());

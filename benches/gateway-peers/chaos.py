@@ -1,17 +1,27 @@
 #!/usr/bin/env python3
-"""A router replica that stalls, seen from the client: how many requests wait on it.
+"""Faults under load, seen from the client and from the routers' books.
 
 Starts mock vLLM engines behind relays (as ``run.py`` does), ``--replicas`` router
 replicas and one gateway; asks streamed text completions open-loop at ``--rate`` per
-second with the ``openai`` client; and ``--stops`` times stops (SIGSTOP) the replica
-the gateway is pinned to (the one whose ``kv_router_route_requests_total`` grew most
-over 0.3 s) for ``--stop-s`` seconds, then resumes it (SIGCONT). A stopped process
-keeps its NATS connection, so NATS keeps delivering to it: this is a replica starved,
-swapped out or partitioned without a reset. Reports failed requests and the requests
-whose first token took over 0.5 s (they waited on the stopped replica).
+second with the ``openai`` client while ``--fault`` strikes:
 
-    python3 benches/gateway-peers/stall.py                        # this checkout's build
-    python3 benches/gateway-peers/stall.py --kv-router OTHER/kv-router  # another build
+- ``stall``: ``--stops`` times, the replica the gateway is pinned to (the one whose
+  ``kv_router_route_requests_total`` grew most over 0.3 s) is stopped (SIGSTOP) for
+  ``--stop-s`` seconds, then resumed (SIGCONT). A stopped process keeps its NATS
+  connection, so NATS keeps delivering to it: a replica starved, swapped out or
+  partitioned without a reset.
+- ``nats-outage``: nats-server is killed (SIGKILL) and started again on the same port
+  and store after ``--outage-s`` seconds (longer than the gateway's 10 s route
+  timeout by default, so the queries asked early in the outage fail).
+
+Reports failed requests, the requests whose first token took over 0.5 s, and, a few
+seconds after the load, the requests each replica still books
+(``kv_router_worker_active_requests``; anything but 0 is a booking nobody will free
+before the request TTL).
+
+    python3 benches/gateway-peers/chaos.py --fault stall
+    python3 benches/gateway-peers/chaos.py --fault nats-outage
+    python3 benches/gateway-peers/chaos.py --fault stall --kv-router OTHER/kv-router
 
 Needs what ``run.py`` needs; installs ``openai`` into ``target/gateway-peers/venvs/``.
 """
@@ -34,7 +44,10 @@ OPENAI = "openai==3.54.0"
 """The client the gateway tests use (`tests/tests/gateway/fixture.rs`)."""
 MODEL_DIR = REPO / "kv-tokenizer" / "tests" / "data"
 SLOW_S = 0.5
-"""A first token later than this waited on the stopped replica (unstopped: ~20 ms)."""
+"""A first token later than this waited on the fault (unfaulted: ~20 ms)."""
+BOOKS_SETTLE_S = 5.0
+"""How long after the load the replicas' books are read: every request has ended and
+its ``freed`` has been applied well before."""
 
 
 def in_venv(argv: list[str]) -> None:
@@ -61,10 +74,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--engines", type=int, default=4)
     p.add_argument("--rate", type=float, default=40.0, help="requests per second, open loop")
+    p.add_argument("--fault", choices=("stall", "nats-outage"), default="stall")
     p.add_argument("--stops", type=int, default=5)
     p.add_argument("--stop-s", type=float, default=3.0, help="how long each stop lasts")
     p.add_argument("--gap-s", type=float, default=3.0, help="between a resume and the next stop")
-    p.add_argument("--out", type=Path, default=REPO / "target" / "gateway-peers" / "stall")
+    p.add_argument("--outage-s", type=float, default=12.0, help="how long NATS is away")
+    p.add_argument("--out", type=Path, default=REPO / "target" / "gateway-peers" / "chaos")
     return p.parse_args(argv)
 
 
@@ -139,6 +154,16 @@ async def run(args: argparse.Namespace) -> int:
                 os.killpg(replicas[pinned][0].pgid, signal.SIGCONT)
                 await asyncio.sleep(args.gap_s)
 
+        async def outage() -> None:
+            await asyncio.sleep(4)
+            nats = next(c for c in stack._children if c.name == "nats")
+            print(f"NATS killed for {args.outage_s} s", flush=True)
+            os.killpg(nats.pgid, signal.SIGKILL)
+            await asyncio.sleep(args.outage_s)
+            await asyncio.to_thread(stack.spawn, "nats-again", nats.argv,
+                                    ready="Server is ready")
+            await asyncio.sleep(args.gap_s)
+
         async def arrivals(seconds: float) -> None:
             tasks, k, end = [], 0, time.monotonic() + seconds
             while time.monotonic() < end:
@@ -147,14 +172,21 @@ async def run(args: argparse.Namespace) -> int:
                 await asyncio.sleep(1.0 / args.rate)
             await asyncio.gather(*tasks)
 
-        seconds = 4 + args.stops * (0.3 + args.stop_s + args.gap_s)
-        await asyncio.gather(arrivals(seconds), stops())
+        if args.fault == "stall":
+            seconds, fault = 4 + args.stops * (0.3 + args.stop_s + args.gap_s), stops()
+        else:
+            seconds, fault = 4 + args.outage_s + args.gap_s, outage()
+        await asyncio.gather(arrivals(seconds), fault)
+        await asyncio.sleep(BOOKS_SETTLE_S)
+        books = [metric_sum(p, "kv_router_worker_active_requests") for _, p in replicas]
         slow = [t for t in ttfts if t > SLOW_S]
-        print(f"\n| kv-router | requests | failed | first token over {SLOW_S} s "
-              f"| their summed wait (s) | load |\n|---|---:|---:|---:|---:|---|")
-        print(f"| {args.kv_router} | {len(ttfts) + len(failed)} | {len(failed)} "
-              f"| {len(slow)} | {sum(slow):.1f} | {os.getloadavg()[0]:.2f} |")
-        for line in failed[:10]:
+        print(f"\n| kv-router | fault | requests | failed | first token over {SLOW_S} s "
+              f"| their summed wait (s) | still booked per replica | load |\n"
+              f"|---|---|---:|---:|---:|---:|---|---|")
+        print(f"| {args.kv_router} | {args.fault} | {len(ttfts) + len(failed)} "
+              f"| {len(failed)} | {len(slow)} | {sum(slow):.1f} "
+              f"| {' / '.join(f'{b:.0f}' for b in books)} | {os.getloadavg()[0]:.2f} |")
+        for line in sorted(set(failed))[:10]:
             print("  failed:", line)
         return 0
     finally:
