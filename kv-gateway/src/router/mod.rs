@@ -93,11 +93,14 @@ fn watch_connection(
     let (forward, passed) = mpsc::unbounded_channel();
     tokio::spawn(async move {
         while let Some(event) = events.recv().await {
-            match event {
-                Event::Connected => connected.send_replace(true),
-                Event::Disconnected => connected.send_replace(false),
-                _ => false,
+            let up = match event {
+                Event::Connected => Some(true),
+                Event::Disconnected => Some(false),
+                _ => None,
             };
+            if let Some(up) = up {
+                connected.send_replace(up);
+            }
             // The lifecycle publisher may have ended (its queue closed): nothing waits.
             let _ = forward.send(event);
         }
