@@ -37,12 +37,11 @@ use engine_model::EngineModelConfig;
 use futures::StreamExt;
 use integration_tests::TestCluster;
 use integration_tests::child_daemon::{DEFAULT_BIN, status_bytes};
-use integration_tests::router_client::router_client;
+use integration_tests::router_client::{ALONE, router_client};
 use kv_events::routing::{Prompt, RouteRequest};
 use kv_events::{DpRank, compute_block_hashes, encode};
 use kv_gateway::config::EngineApi;
 use kv_gateway::openai::{EngineTarget, completion_for_engine, parse_completion};
-use kv_gateway::router::Grouping;
 use kv_tokenizer::{ModelTokenizer, TokenizerLimits};
 use mocker::engine::EngineHttpArgs;
 use std::path::{Path, PathBuf};
@@ -265,13 +264,9 @@ async fn cluster_steps(
     let engines = cluster.spawn_engines(2, model, 1000.0, http).await?;
     let daemon = cluster.start_daemon(|_| {}).await?;
     // One query at a time: each round trip is timed alone.
-    let grouping = Grouping {
-        max: 1,
-        hold: Duration::ZERO,
-    };
     let limit = kv_events::limits::MAX_LIFECYCLE_BATCH;
     let timeout = Duration::from_secs(10);
-    let (client, _) = router_client(&cluster.nats, &cluster.subjects, timeout, grouping, limit);
+    let (client, _) = router_client(&cluster.nats, &cluster.subjects, timeout, ALONE, limit);
     let ready = || async {
         let token_ids = vec![1; 64];
         let prompt = Prompt::Tokens { token_ids };

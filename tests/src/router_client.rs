@@ -21,14 +21,7 @@ pub fn router_client(
     grouping: Grouping,
     lifecycle_batch: usize,
 ) -> (RouterClient, RouterMetrics) {
-    let settings = RouterSettings {
-        timeout,
-        keep_alive: Duration::from_secs(3600),
-        lifecycle_batch,
-        grouping,
-        max_message_bytes: kv_events::limits::Limits::default().max_message_bytes,
-        affinity: None,
-    };
+    let settings = settings(timeout, grouping, lifecycle_batch, None);
     router_client_with(nats, subjects, settings)
 }
 
@@ -112,18 +105,33 @@ pub fn ask(
     })
 }
 
-/// Settings that send each query alone (no grouping) and lifecycle messages one per
-/// NATS message, with `timeout` and `affinity`; no keep-alive within a test.
-pub fn one_by_one(timeout: Duration, affinity: Option<ReplicaAffinity>) -> RouterSettings {
+/// Router client settings for a test: `timeout`, `grouping`, at most
+/// `lifecycle_batch` lifecycle messages per NATS message, `affinity`; no keep-alive
+/// within a test (one an hour), the default message bound.
+pub fn settings(
+    timeout: Duration,
+    grouping: Grouping,
+    lifecycle_batch: usize,
+    affinity: Option<ReplicaAffinity>,
+) -> RouterSettings {
     RouterSettings {
         timeout,
         keep_alive: Duration::from_secs(3600),
-        lifecycle_batch: 1,
-        grouping: Grouping {
-            max: 1,
-            hold: Duration::ZERO,
-        },
+        lifecycle_batch,
+        grouping,
         max_message_bytes: kv_events::limits::Limits::default().max_message_bytes,
         affinity,
     }
+}
+
+/// No grouping: each query leaves alone.
+pub const ALONE: Grouping = Grouping {
+    max: 1,
+    hold: Duration::ZERO,
+};
+
+/// Settings that send each query alone (no grouping) and lifecycle messages one per
+/// NATS message, with `timeout` and `affinity`.
+pub fn one_by_one(timeout: Duration, affinity: Option<ReplicaAffinity>) -> RouterSettings {
+    settings(timeout, ALONE, 1, affinity)
 }

@@ -7,12 +7,12 @@
 #![allow(clippy::unwrap_used)]
 
 use futures::StreamExt as _;
-use integration_tests::router_client::{decision, router_client};
+use integration_tests::router_client::{ALONE, decision, router_client};
 use kv_events::routing::{
     LifecycleBatch, LifecycleEvent, LifecycleMessage, Prompt, RouteReply, RouteRequest,
 };
 use kv_events::{Namespace, Subjects, WorkerId, decode, encode};
-use kv_gateway::router::{Booking, Grouping};
+use kv_gateway::router::Booking;
 use std::time::Duration;
 use testbed::NatsServer;
 
@@ -72,11 +72,7 @@ impl Setup {
         let _router = fake_router(&nats, &subjects).await;
         // The client publishes on this same connection, which the server reads in order.
         let lifecycle = nats.subscribe(subjects.lifecycle()).await.unwrap();
-        let grouping = Grouping {
-            max: 1,
-            hold: Duration::ZERO,
-        };
-        let (client, _) = router_client(&nats, &subjects, WAIT, grouping, max_batch);
+        let (client, _) = router_client(&nats, &subjects, WAIT, ALONE, max_batch);
         let mut bookings: Vec<Booking> = Vec::new();
         for _ in 0..4 {
             let id = client.request_id();

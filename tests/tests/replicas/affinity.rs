@@ -5,28 +5,19 @@
 //! own NATS message and only the pin keeps them on one replica.
 
 use super::{REQUESTS, WAIT, own_bookings, request_prompt, setup};
-use integration_tests::router_client::router_client_with;
+use integration_tests::router_client::{self, ALONE, router_client_with};
 use kv_events::routing::Prompt;
-use kv_gateway::router::{Grouping, ReplicaAffinity, RouterClient, RouterSettings};
+use kv_gateway::router::{ReplicaAffinity, RouterClient, RouterSettings};
 use std::time::Duration;
 
 /// Settings with affinity for `window` (`None`: off); a replica is never let go for
 /// being slow here (`gateway_route_affinity.rs` tests that).
 fn settings(window: Option<Duration>) -> RouterSettings {
-    RouterSettings {
-        timeout: WAIT,
-        keep_alive: Duration::from_secs(3600),
-        lifecycle_batch: 16,
-        grouping: Grouping {
-            max: 1,
-            hold: Duration::ZERO,
-        },
-        max_message_bytes: kv_events::limits::Limits::default().max_message_bytes,
-        affinity: window.map(|window| ReplicaAffinity {
-            window,
-            patience: WAIT,
-        }),
-    }
+    let affinity = window.map(|window| ReplicaAffinity {
+        window,
+        patience: WAIT,
+    });
+    router_client::settings(WAIT, ALONE, 16, affinity)
 }
 
 /// Routes requests `from..to` one after the other, `pause` apart; keeps their
