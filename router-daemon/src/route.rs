@@ -293,6 +293,7 @@ pub(crate) fn admit_error(e: AdmitError) -> RouteReply {
         }
         AdmitError::Scheduler(
             SchedulerError::DuplicateRequest(_)
+            | SchedulerError::FreedBeforeRouted(_)
             | SchedulerError::InvalidOverride { .. }
             | SchedulerError::ReservedRequestId(_),
         )

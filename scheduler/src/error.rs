@@ -31,6 +31,11 @@ pub enum SchedulerError {
     /// requests (a frontend retry must use a new id or free the old one first).
     #[error("request {0} is already active")]
     DuplicateRequest(RequestId),
+    /// A frontend freed this request id before it was routed here (it gave up on the
+    /// route query, or asked it again under another id), within
+    /// [`crate::freed_early::REMEMBER_FOR`]: the query is stale and books nothing.
+    #[error("request {0} was freed by its frontend before it was routed")]
+    FreedBeforeRouted(RequestId),
     /// A frontend's request id ends with `#prefill`, the suffix reserved for the
     /// booking of a disaggregated request's prefill half
     /// (`kv_events::disaggregation::PREFILL_BOOKING_SUFFIX`).

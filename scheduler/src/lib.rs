@@ -80,6 +80,7 @@ pub mod disaggregation;
 pub mod duration_ms;
 pub mod error;
 mod fallbacks;
+pub mod freed_early;
 mod lifecycle;
 pub mod liveness;
 pub mod load;
@@ -164,6 +165,8 @@ pub struct Scheduler {
     shortcut: bool,
     /// The bounded shortcut's index of every rank's cost bound (`shortcut_bound.rs`).
     bounded: shortcut_bound::Bounded,
+    /// Ids a frontend freed before they were booked here (`freed_early.rs`).
+    freed_early: freed_early::FreedEarly,
 }
 
 impl Scheduler {
@@ -195,6 +198,7 @@ impl Scheduler {
             apart: shortcut::PricedApart::default(),
             shortcut: true,
             bounded: shortcut_bound::Bounded::default(),
+            freed_early: freed_early::FreedEarly::default(),
         })
     }
 
@@ -270,6 +274,9 @@ impl Scheduler {
     ///   `#prefill` (reserved for prefill halves).
     /// - [`SchedulerError::DuplicateRequest`] if `req.request_id` (or, for a request
     ///   that may be disaggregated, its prefill half) is already active.
+    /// - [`SchedulerError::FreedBeforeRouted`] if a frontend freed `req.request_id`
+    ///   before it was booked here, within [`freed_early::REMEMBER_FOR`]
+    ///   ([`Scheduler::lifecycle`]).
     /// - [`SchedulerError::InvalidOverride`] for a bad per-request override.
     /// - [`SchedulerError::NoWorkers`] if no rank of a worker that decodes is
     ///   registered.
@@ -301,6 +308,9 @@ impl Scheduler {
         }
         if self.sequences.contains(&req.request_id) {
             return Err(SchedulerError::DuplicateRequest(req.request_id.clone()));
+        }
+        if self.freed_early.contains(&req.request_id, now) {
+            return Err(SchedulerError::FreedBeforeRouted(req.request_id.clone()));
         }
         let policy = self
             .resolve_policy(req.policy)

@@ -15,8 +15,10 @@
 //! so a daemon relays each to its peer replicas, whose copies are plain bookings by
 //! id (peers' own steps still arrive one id at a time, through
 //! [`Scheduler::apply`]). A step for an absent half is skipped: an aggregated
-//! request has none, and a half freed at `prefill_done` stays freed. Cost: at most
-//! two hash lookups and the steps' own costs.
+//! request has none, and a half freed at `prefill_done` stays freed. A `freed` for a
+//! request not booked here is remembered for a while, and a route query for it
+//! refused (`freed_early.rs`). Cost: at most two hash lookups and the steps' own
+//! costs.
 
 use crate::Scheduler;
 use crate::error::SchedulerError;
@@ -55,7 +57,15 @@ impl Scheduler {
             let result = match update {
                 SequenceUpdate::PrefillDone => self.mark_prefill_completed(&request_id, now),
                 SequenceUpdate::KeepAlive => self.keep_alive(&request_id, now),
-                SequenceUpdate::Freed => self.free(&request_id, now),
+                SequenceUpdate::Freed => {
+                    let freed = self.free(&request_id, now);
+                    // Freed before it was booked here: a query for it read later is
+                    // stale (`freed_early.rs`).
+                    if freed.is_err() && request_id == *id {
+                        self.freed_early.remember(id, now);
+                    }
+                    freed
+                }
                 SequenceUpdate::Booked(_) => continue, // never planned
             };
             if let Ok(origin) = result {

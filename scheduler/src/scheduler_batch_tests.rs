@@ -1,9 +1,10 @@
 //! Unit tests of [`Scheduler::schedule_batch`] and of bookings learned from peer
-//! router replicas ([`Scheduler::apply`]).
+//! router replicas ([`Scheduler::apply`]), and queries freed before they were routed.
 
 use super::*;
 use kv_events::DpRank;
 use kv_events::RequestId;
+use kv_events::routing::LifecycleEvent;
 use kv_events::{LocalBlockHash, RouterId};
 use std::collections::HashMap;
 
@@ -191,4 +192,46 @@ fn a_batch_entry_with_exclusions_neither_sets_nor_trusts_the_all_busy_shortcut()
     assert_eq!(results[0].as_ref().unwrap().rank, rank(2, 0));
     assert_eq!(results[1], Err(SchedulerError::AllBusy));
     assert_eq!(results[2].as_ref().unwrap().rank, rank(1, 0));
+}
+
+/// A frontend's `freed` for an id not booked here makes a later query for it stale:
+/// refused alone or in a batch, nothing booked, for [`freed_early::REMEMBER_FOR`]. A
+/// `freed` of a booked request, or a peer replica's sync `freed`, remembers nothing.
+#[test]
+fn a_query_freed_before_it_was_routed_books_nothing() {
+    let t = Instant::now();
+    let mut s = scheduler(SchedulerConfig::default(), &[(1, 1)]);
+    assert_eq!(
+        s.lifecycle(&rid("gave-up"), LifecycleEvent::Freed, t),
+        Err(SchedulerError::UnknownRequest(rid("gave-up")))
+    );
+    let stale = Err(SchedulerError::FreedBeforeRouted(rid("gave-up")));
+    assert_eq!(s.schedule(&request("gave-up", 32), &NoOverlap, t), stale);
+    let batch = [
+        (request("gave-up", 32), NoOverlap),
+        (request("b", 32), NoOverlap),
+    ];
+    let results = s.schedule_batch(&batch, BatchOrder::AsGiven, t);
+    assert_eq!(results[0], stale);
+    assert!(results[1].is_ok(), "{:?}", results[1]);
+    assert_eq!(s.active_requests(), 1, "only b is booked");
+
+    // A booked request freed by its frontend, and a peer's sync free of an unknown
+    // id, leave nothing behind: the ids route again (a frontend may not reuse ids,
+    // but nothing is remembered for these).
+    s.lifecycle(&rid("b"), LifecycleEvent::Freed, t).unwrap();
+    assert_eq!(
+        s.apply(SequenceEvent::Free(rid("peer")), t),
+        Err(SchedulerError::UnknownRequest(rid("peer")))
+    );
+    for id in ["b", "peer"] {
+        assert!(s.schedule(&request(id, 32), &NoOverlap, t).is_ok(), "{id}");
+    }
+
+    // Forgotten after a while.
+    let later = t + freed_early::REMEMBER_FOR;
+    assert!(
+        s.schedule(&request("gave-up", 32), &NoOverlap, later)
+            .is_ok()
+    );
 }

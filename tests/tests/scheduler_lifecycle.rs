@@ -262,17 +262,27 @@ async fn dp_ranks_pinning_policies_and_overrides() -> anyhow::Result<()> {
     daemon.shutdown().await
 }
 
+/// A daemon whose ranks are busy from 8 decode blocks on, with a wait queue of
+/// `capacity` requests waiting at most `max_wait_ms` each.
+async fn busy_at_8_blocks(
+    cluster: &TestCluster,
+    capacity: usize,
+    max_wait_ms: u64,
+) -> anyhow::Result<Daemon> {
+    cluster
+        .start_daemon(|a| {
+            a.scheduling.scheduler.busy_decode_blocks = Some("8".parse().expect("threshold"));
+            a.scheduling.queue_capacity = capacity;
+            a.scheduling.queue_max_wait_ms = max_wait_ms;
+        })
+        .await
+}
+
 #[tokio::test]
 async fn busy_workers_make_requests_wait_and_a_free_releases_them() -> anyhow::Result<()> {
     let mut cluster = TestCluster::start(BLOCK).await?;
     register(&mut cluster, 1, 1).await?;
-    let daemon = cluster
-        .start_daemon(|a| {
-            a.scheduling.scheduler.busy_decode_blocks = Some("8".parse().expect("threshold"));
-            a.scheduling.queue_capacity = 1;
-            a.scheduling.queue_max_wait_ms = 3000;
-        })
-        .await?;
+    let daemon = busy_at_8_blocks(&cluster, 1, 3000).await?;
     let queue = &daemon.state().admission.queue;
 
     // 8 decode blocks: the only worker is busy from now on.
@@ -314,5 +324,58 @@ async fn busy_workers_make_requests_wait_and_a_free_releases_them() -> anyhow::R
     assert_eq!(depth.get_metric()[0].get_gauge().value(), 0.0);
     let wait = family("kv_router_queue_wait_seconds").expect("wait exported");
     assert_eq!(wait.get_metric()[0].get_histogram().sample_count(), 1);
+    daemon.shutdown().await
+}
+
+/// A frontend that gives up on a route query frees its id. A router that reads the
+/// query only after that `freed` (a replica that stalled and resumed), or holds it in
+/// its wait queue when the `freed` comes, refuses it and books nothing.
+#[tokio::test]
+async fn a_query_freed_before_it_was_routed_books_nothing() -> anyhow::Result<()> {
+    use router_daemon::counters::{MessageKind, Outcome};
+    let mut cluster = TestCluster::start(BLOCK).await?;
+    register(&mut cluster, 1, 1).await?;
+    let daemon = busy_at_8_blocks(&cluster, 64, 10_000).await?;
+    let counters = &daemon.state().counters;
+    let stale = |reply: RouteReply| {
+        let e = refused(reply);
+        assert_eq!(e.code, RouteErrorCode::BadRequest);
+        assert!(e.message.contains("freed by its frontend"), "{}", e.message);
+    };
+
+    // Freed first, asked after: refused.
+    cluster.lifecycle("gave-up", LifecycleEvent::Freed).await?;
+    eventually("the freed to be read", WAIT, || async {
+        (counters.messages(MessageKind::Lifecycle, Outcome::Rejected) == 1).then_some(())
+    })
+    .await?;
+    stale(cluster.route_tokens("gave-up", prompt(1, 2)).await?);
+    assert_eq!(active(&daemon).await, 0);
+
+    // Waiting in the queue behind a busy worker when its freed comes: refused when
+    // the worker frees.
+    routed(cluster.route_tokens("hog", prompt(2, 8)).await?);
+    let waiting = {
+        let nats = cluster.nats.clone();
+        let subject = cluster.subjects.route();
+        let payload = encode(&tokens("waiter", prompt(3, 2)))?;
+        tokio::spawn(async move { nats.request(subject, payload.into()).await })
+    };
+    let queue = &daemon.state().admission.queue;
+    eventually("the waiter to queue", WAIT, || async {
+        (queue.lock().len() == 1).then_some(())
+    })
+    .await?;
+    cluster.lifecycle("waiter", LifecycleEvent::Freed).await?;
+    eventually("the waiter's freed to be read", WAIT, || async {
+        (counters.messages(MessageKind::Lifecycle, Outcome::Rejected) == 2).then_some(())
+    })
+    .await?;
+    cluster.lifecycle("hog", LifecycleEvent::Freed).await?;
+    stale(kv_events::decode(&waiting.await??.payload)?);
+    assert_eq!(active(&daemon).await, 0, "neither is booked");
+
+    // A fresh id routes as ever.
+    routed(cluster.route_tokens("fresh", prompt(4, 2)).await?);
     daemon.shutdown().await
 }
