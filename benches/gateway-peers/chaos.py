@@ -14,8 +14,10 @@ second with the ``openai`` client while ``--fault`` strikes:
   and store after ``--outage-s`` seconds (longer than the gateway's 10 s route
   timeout by default, so the queries asked early in the outage fail).
 
-Reports failed requests, the requests whose first token took over 0.5 s, and, a few
-seconds after the load, the requests each replica still books
+Reports failed requests, the requests whose first token took over 0.5 s and the
+slowest, the queries the gateway asked again of a live replica
+(``kv_gateway_route_stalls_total{event="asked_again"}``), and, a few seconds after
+the load, the requests each replica still books
 (``kv_router_worker_active_requests``; anything but 0 is a booking nobody will free
 before the request TTL).
 
@@ -180,12 +182,14 @@ async def run(args: argparse.Namespace) -> int:
         await asyncio.sleep(BOOKS_SETTLE_S)
         books = [metric_sum(p, "kv_router_worker_active_requests") for _, p in replicas]
         slow = [t for t in ttfts if t > SLOW_S]
+        asked_again = metric_sum(gport, 'kv_gateway_route_stalls_total{event="asked_again"}')
         print(f"\n| kv-router | fault | requests | failed | first token over {SLOW_S} s "
-              f"| their summed wait (s) | still booked per replica | load |\n"
-              f"|---|---|---:|---:|---:|---:|---|---|")
+              f"| their summed wait (s) | slowest (s) | asked again | still booked per replica "
+              f"| load |\n|---|---|---:|---:|---:|---:|---:|---:|---|---|")
         print(f"| {args.kv_router} | {args.fault} | {len(ttfts) + len(failed)} "
-              f"| {len(failed)} | {len(slow)} | {sum(slow):.1f} "
-              f"| {' / '.join(f'{b:.0f}' for b in books)} | {os.getloadavg()[0]:.2f} |")
+              f"| {len(failed)} | {len(slow)} | {sum(slow):.1f} | {max(ttfts, default=0):.2f} "
+              f"| {asked_again:.0f} | {' / '.join(f'{b:.0f}' for b in books)} "
+              f"| {os.getloadavg()[0]:.2f} |")
         for line in sorted(set(failed))[:10]:
             print("  failed:", line)
         return 0

@@ -19,6 +19,7 @@
 //! | `kv_gateway_remote_prefill_seconds` | `protocol`: `vllm`, `sglang` | a disaggregated request's prefill half: its request sent → its answer whole |
 //! | `kv_gateway_half_retries_total` | `half`: `prefill`, `decode`; `reason` as above | failovers of a disaggregated request, by the half that failed (also counted in `kv_gateway_retries_total`) |
 //! | `kv_gateway_route_affinity_total` | `event`: `pinned`, `gone`, `overloaded`, `timed_out`, `failed` | replica affinity's pins taken, and pins let go before their window passed, by why (`crate::router`, "replica affinity") |
+//! | `kv_gateway_route_stalls_total` | `event`: `silent`, `asked_again`, `again_answered` | router replicas that missed a ping while a query waited out the patience (`silent`), queries then asked again of a live replica, and of those the ones whose second ask was answered first (`crate::router`, "stalls") |
 //! | `kv_gateway_overlap_ratio` | | overlap blocks / prompt blocks of each routed request |
 //! | `kv_gateway_requests_in_flight` | | requests between routing and their end |
 //! | `kv_gateway_cache_parity_total` | `worker`, `outcome`: `agree`, `over_claim`, `under_claim`, `in_flight`, `evicted`, `unreported` | engine answers by how the router's predicted overlap compares with the engine's reported cached tokens ([`crate::parity`]) |
@@ -65,6 +66,7 @@ pub struct GatewayMetrics {
     overlap: Histogram,
     route_group_sizes: Histogram,
     route_affinity: IntCounterVec,
+    route_stalls: IntCounterVec,
     in_flight: IntGauge,
     tokenize_jobs: IntGauge,
     tokenize_rejected: IntCounterVec,
@@ -154,6 +156,11 @@ impl GatewayMetrics {
             route_affinity: r.counter_vec(
                 "kv_gateway_route_affinity_total",
                 "Replica affinity: pins to a router replica taken (pinned), and pins let go before their window passed, by why (gone, overloaded, timed_out, failed)",
+                &["event"],
+            )?,
+            route_stalls: r.counter_vec(
+                "kv_gateway_route_stalls_total",
+                "Router replicas that missed a ping while a route query waited out the patience (silent), queries then asked again of a live replica (asked_again), and those whose second ask was answered first (again_answered)",
                 &["event"],
             )?,
             in_flight: r.gauge(
@@ -346,12 +353,13 @@ impl GatewayMetrics {
         self.tokenized.with_label_values(&[source]).get()
     }
 
-    /// What the router client records: route queries per NATS message and replica
-    /// affinity's events.
+    /// What the router client records: route queries per NATS message, replica
+    /// affinity's events and stalled replicas'.
     pub fn router(&self) -> RouterMetrics {
         RouterMetrics {
             group_sizes: self.route_group_sizes.clone(),
             affinity: self.route_affinity.clone(),
+            stalls: self.route_stalls.clone(),
         }
     }
 

@@ -60,6 +60,11 @@ pub fn router_client_on(
             &["event"],
         )
         .unwrap(),
+        stalls: prometheus::IntCounterVec::new(
+            prometheus::Opts::new("route_stalls", "stalled replicas and queries asked again"),
+            &["event"],
+        )
+        .unwrap(),
     };
     let client = RouterClient::new(
         nats.clone(),

@@ -125,11 +125,13 @@ pub struct ForwardArgs {
         default_value_t = 1_000
     )]
     pub route_affinity_ms: u64,
-    /// How long, in ms, a route query to the replica this gateway is pinned to may go
-    /// unanswered before the gateway lets the pin go and sends its next queries
-    /// through the queue group: a replica that stalls then holds up only the queries
-    /// already sent to it (docs/gateway.md, "Replica affinity"). The query itself
-    /// still waits up to `--route-timeout-ms`.
+    /// How long, in ms, a route query may go unanswered before the gateway suspects a
+    /// stalled router replica: a pin to the replica it went to is let go (the next
+    /// queries go through the queue group), and the replicas are pinged; if one stays
+    /// silent for as long while another answers, the query is asked again of the one
+    /// that answered, under a fresh request id (docs/gateway.md, "A replica that
+    /// stalls"). Otherwise the query waits up to `--route-timeout-ms`. Nothing is
+    /// pinged or asked again with `--route-affinity-ms 0`.
     #[arg(
         long,
         help_heading = "Forwarding",

@@ -24,9 +24,10 @@
 //! replica that stalls (a process stopped or starved, a partition that resets no
 //! connection): NATS still delivers to it, and without the patience every query of
 //! the gateway would wait on it up to the route timeout (10 s), as long as it
-//! stalls. The query that found it stalled still waits for its answer, since it may
-//! be waiting in the replica's queue for a busy fleet; asking it again elsewhere
-//! would book it twice. Replicas that set no header (older routers, stand-ins), and
+//! stalls. The queries it already holds are asked again of a live replica if pings
+//! show it stalled (modules `router::stalls` and `router::again`); a slow query may
+//! instead be waiting in a live replica's queue for a busy fleet, and is then left
+//! there. Replicas that set no header (older routers, stand-ins), and
 //! a replica that answers `overloaded` through the queue group, are not pinned.
 //! Each pin taken and each let go is counted by `event` in
 //! `kv_gateway_route_affinity_total` (`pinned`; `gone`, `overloaded`, `timed_out`
@@ -45,20 +46,23 @@
 //! Cost: one mutex lock per query to read the pin, and one timer per query to the
 //! pinned replica; about 45 bytes of header per reply.
 
-use super::ReplicaAffinity;
+use super::stalls::Stalls;
+use super::{ReplicaAffinity, RouterMetrics};
 use crate::error::ApiError;
 use async_nats::client::{RequestError, RequestErrorKind};
 use async_nats::{Client, Message, Subject};
 use backon::BackoffBuilder as _;
+use events::{Events, Release};
 use kv_events::routing::{RouteBatchReply, RouteErrorCode, RouteReply};
 use kv_events::{ROUTER_ID_HEADER, RouterId, Subjects, decode};
-use prometheus::{IntCounter, IntCounterVec};
 use serde::de::DeserializeOwned;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::Instant;
 use tracing::debug;
+
+mod events;
 
 /// The first wait before a query that found no router subscribed is asked again.
 const NO_ROUTER_FIRST_WAIT: Duration = Duration::from_millis(5);
@@ -80,6 +84,9 @@ pub(super) struct Asker {
     max_message_bytes: usize,
     /// `None`: every query goes through the queue group.
     affinity: Option<Arc<Affinity>>,
+    /// The replicas heard from, pinged when a query waits out the patience (module
+    /// `router::stalls`); with affinity only.
+    stalls: Option<Arc<Stalls>>,
 }
 
 /// The replica this gateway's queries go to, and for how long (module docs).
@@ -87,60 +94,6 @@ struct Affinity {
     settings: ReplicaAffinity,
     pin: Mutex<Option<Pin>>,
     counted: Events,
-}
-
-/// The counters of `kv_gateway_route_affinity_total`, one per `event`.
-struct Events {
-    pinned: IntCounter,
-    gone: IntCounter,
-    overloaded: IntCounter,
-    timed_out: IntCounter,
-    failed: IntCounter,
-}
-
-/// Why a pin is let go before its window has passed.
-#[derive(Clone, Copy)]
-enum Release {
-    /// NATS "no responders": the replica's subscription is gone.
-    Gone,
-    /// The replica answered `overloaded`.
-    Overloaded,
-    /// No answer within the affinity's patience, or the route timeout.
-    TimedOut,
-    /// Any other error of the request.
-    Failed,
-}
-
-impl Release {
-    fn of(e: &RequestError) -> Self {
-        match e.kind() {
-            RequestErrorKind::NoResponders => Self::Gone,
-            RequestErrorKind::TimedOut => Self::TimedOut,
-            _ => Self::Failed,
-        }
-    }
-}
-
-impl Events {
-    fn new(counters: &IntCounterVec) -> Self {
-        let event = |name: &str| counters.with_label_values(&[name]);
-        Self {
-            pinned: event("pinned"),
-            gone: event("gone"),
-            overloaded: event("overloaded"),
-            timed_out: event("timed_out"),
-            failed: event("failed"),
-        }
-    }
-
-    fn released(&self, why: Release) -> &IntCounter {
-        match why {
-            Release::Gone => &self.gone,
-            Release::Overloaded => &self.overloaded,
-            Release::TimedOut => &self.timed_out,
-            Release::Failed => &self.failed,
-        }
-    }
 }
 
 /// A pin to one replica: its own subjects, until when.
@@ -185,7 +138,9 @@ impl Services {
 impl Asker {
     /// Asks on `subjects`' route and batch route subjects, waiting at most `timeout`
     /// per request; with `affinity`, pinned for its window to the replica that
-    /// answered, counting pins and releases by event in `events` (module docs).
+    /// answered, counting pins and releases by event in `metrics.affinity`, and
+    /// pinging the replicas when a query waits out the patience, counting those
+    /// silent in `metrics.stalls` (module docs, module `router::stalls`).
     pub(super) fn new(
         nats: Client,
         connected: watch::Receiver<bool>,
@@ -193,13 +148,17 @@ impl Asker {
         timeout: Duration,
         max_message_bytes: usize,
         affinity: Option<ReplicaAffinity>,
-        events: IntCounterVec,
+        metrics: &RouterMetrics,
     ) -> Self {
+        let stalls = affinity.map(|a| {
+            let (nats, silent) = (nats.clone(), metrics.stalls.with_label_values(&["silent"]));
+            Arc::new(Stalls::new(nats, subjects.clone(), a.patience, silent))
+        });
         let affinity = affinity.map(|settings| {
             Arc::new(Affinity {
                 settings,
                 pin: Mutex::new(None),
-                counted: Events::new(&events),
+                counted: Events::new(&metrics.affinity),
             })
         });
         Self {
@@ -213,7 +172,44 @@ impl Asker {
             timeout,
             max_message_bytes,
             affinity,
+            stalls,
         }
+    }
+
+    /// How long a query may wait before the gateway looks for a stalled replica, and
+    /// the replicas to look at; `None` without replica affinity.
+    pub(super) fn stalls(&self) -> Option<(Duration, &Stalls)> {
+        let affinity = self.affinity.as_ref()?;
+        Some((affinity.settings.patience, self.stalls.as_deref()?))
+    }
+
+    /// Asks one encoded `RouteRequest` of replica `router` (on its own subject), or
+    /// through the queue group if it is gone.
+    ///
+    /// # Errors
+    /// As [`Asker::single`].
+    pub(super) async fn single_at(
+        &self,
+        router: RouterId,
+        payload: Vec<u8>,
+    ) -> Result<RouteReply, ApiError> {
+        let payload = bytes::Bytes::from(payload);
+        let deadline = Instant::now() + self.timeout;
+        let subject: Subject = self.subjects.route_at(router).into();
+        let message = match self.send(subject, payload.clone(), deadline).await {
+            Err(e) if e.kind() == RequestErrorKind::NoResponders => {
+                let shared = self.shared.subject(Service::Single);
+                self.send_until_answered(shared, payload, deadline).await
+            }
+            sent => sent,
+        };
+        let answer = Answer {
+            message: message.map_err(refused)?,
+            pinned: None,
+        };
+        let reply: RouteReply = decoded(&answer.message)?;
+        self.settle(&answer, is_overloaded(&reply));
+        Ok(reply)
     }
 
     /// Largest payload a batch may have, in bytes: what the NATS server takes (its
@@ -357,6 +353,9 @@ impl Asker {
     /// pin go; any other from the queue group pins to the replica that sent it (an
     /// `overloaded` one pins nothing).
     fn settle(&self, answer: &Answer, overloaded: bool) {
+        if let (Some(stalls), Some(router)) = (&self.stalls, answered_by(&answer.message)) {
+            stalls.heard(router);
+        }
         match (answer.pinned, overloaded) {
             (Some(router), true) => self.unpin(router, Release::Overloaded),
             (None, false) => self.pin_to(&answer.message),

@@ -23,7 +23,7 @@ use kv_events::routing::{
     RouteRequest, SessionId,
 };
 use kv_events::{RequestId, Subjects, WorkerId, decode, encode};
-use prometheus::{Histogram, IntCounterVec};
+use prometheus::{Histogram, IntCounter, IntCounterVec};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -31,9 +31,11 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::AbortHandle;
 use tracing::debug;
 
+mod again;
 mod asker;
 mod grouping;
 mod lifecycle;
+mod stalls;
 
 pub use grouping::{Grouping, MAX_GROUP};
 
@@ -63,9 +65,10 @@ pub struct ReplicaAffinity {
     /// How long the gateway's queries go to the replica that answered one, before
     /// the queue group picks again.
     pub window: Duration,
-    /// How long a query to the pinned replica may go unanswered before the pin is let
-    /// go (the query itself still waits up to the route timeout): a replica that
-    /// stalls gets no more of the gateway's queries after this.
+    /// How long a query may go unanswered before the gateway suspects a stalled
+    /// replica: a pin to the replica it went to is let go, and the replicas are
+    /// pinged, each given as long; a query held by a silent one is asked again of one
+    /// that answered (modules `router::stalls`, `router::again`).
     pub patience: Duration,
 }
 
@@ -79,6 +82,17 @@ pub struct RouterMetrics {
     /// `overloaded`, `timed_out` (no answer within the patience), `failed`
     /// (`kv_gateway_route_affinity_total`).
     pub affinity: IntCounterVec,
+    /// Stalled replicas and the queries asked again, by `event`: `silent`,
+    /// `asked_again`, `again_answered` (`kv_gateway_route_stalls_total`).
+    pub stalls: IntCounterVec,
+}
+
+/// The counters of `kv_gateway_route_stalls_total` a query counts (module
+/// `router::again`).
+#[derive(Clone)]
+struct StallEvents {
+    asked_again: IntCounter,
+    again_answered: IntCounter,
 }
 
 /// Whether the NATS connection is up, as its events tell (the start: as the client
@@ -125,6 +139,7 @@ pub struct RouterClient {
     /// overtake the `prefill_done` before it). Unbounded so a dropped booking can send
     /// without waiting; it holds at most a few messages per request in flight.
     lifecycle: mpsc::UnboundedSender<LifecycleMessage>,
+    stall_events: StallEvents,
 }
 
 impl RouterClient {
@@ -155,7 +170,7 @@ impl RouterClient {
             settings.timeout,
             settings.max_message_bytes,
             settings.affinity,
-            metrics.affinity,
+            &metrics,
         );
         let grouper = (settings.grouping.max > 1).then(|| {
             let freed = lifecycle.clone();
@@ -170,6 +185,10 @@ impl RouterClient {
             prefix: format!("gw-{:016x}", rand::random::<u64>()).into(),
             next: Arc::new(AtomicU64::new(0)),
             lifecycle,
+            stall_events: StallEvents {
+                asked_again: metrics.stalls.with_label_values(&["asked_again"]),
+                again_answered: metrics.stalls.with_label_values(&["again_answered"]),
+            },
         }
     }
 
@@ -219,20 +238,7 @@ impl RouterClient {
         &self,
         request: &RouteRequest,
     ) -> Result<(RouteDecision, Booking), ApiError> {
-        let payload =
-            encode(request).map_err(|e| ApiError::internal(format!("encoding route: {e}")))?;
-        let asked = match &self.grouper {
-            Some(grouper) => grouper.ask(payload).await,
-            None => self.asker.single(payload).await,
-        };
-        let reply = asked.inspect_err(|e| {
-            // Not answered (in time): a router may have booked it all the same, its
-            // answer too late; the `freed` lets that booking go, and a router that
-            // never saw the query ignores it.
-            if e.status == axum::http::StatusCode::SERVICE_UNAVAILABLE {
-                self.publish(&request.request_id, LifecycleEvent::Freed);
-            }
-        })?;
+        let reply = self.ask(request).await?;
         match reply {
             RouteReply::Routed(decision) => {
                 let booking = Booking::new(self, decision.request_id.clone());
@@ -263,23 +269,34 @@ impl RouterClient {
     }
 }
 
-/// Whether a router answers on the route subject within a second: a query with an
-/// empty prompt, which every router refuses as `bad_request` without booking anything.
+/// Whether a router answers on the route subject within a second (see [`ping`]).
 async fn probe(nats: &Client, subjects: &Subjects) -> bool {
+    ping(nats, subjects.route().into(), Duration::from_secs(1))
+        .await
+        .is_ok()
+}
+
+/// Whether a router answers on `subject` within `wait`: a query with an empty prompt,
+/// which every router refuses as `bad_request` without booking anything. `Err(true)`:
+/// nothing subscribes `subject` (NATS "no responders"); `Err(false)`: no answer in
+/// time, or none that decodes.
+async fn ping(nats: &Client, subject: async_nats::Subject, wait: Duration) -> Result<(), bool> {
     let request = RouteRequest::new(
         RequestId("gateway-readiness-probe".into()),
         Prompt::Tokens { token_ids: vec![] },
     );
-    let Ok(payload) = encode(&request) else {
-        return false;
-    };
+    let payload = encode(&request).map_err(|_| false)?;
     let asked = nats.send_request(
-        subjects.route(),
+        subject,
         async_nats::client::Request::new()
             .payload(payload.into())
-            .timeout(Some(Duration::from_secs(1))),
+            .timeout(Some(wait)),
     );
-    matches!(asked.await, Ok(reply) if decode::<RouteReply>(&reply.payload).is_ok())
+    match asked.await {
+        Ok(reply) if decode::<RouteReply>(&reply.payload).is_ok() => Ok(()),
+        Ok(_) => Err(false),
+        Err(e) => Err(e.kind() == async_nats::client::RequestErrorKind::NoResponders),
+    }
 }
 
 /// A request booked on a worker (or a pair of them). Sends `remote_prefill_done` once

@@ -1,0 +1,158 @@
+//! Telling a router replica that stalls from one that is busy, so that a query held
+//! by a stalled replica can be asked again of a live one.
+//!
+//! Why: a replica that stalls (a process stopped or starved of CPU, a partition that
+//! resets no connection) keeps its NATS subscriptions, so NATS goes on delivering
+//! queries to it, and they wait for it to resume or for the route timeout (10 s).
+//! Replica affinity stops sending it more once the patience runs out (module
+//! `router::asker`), but not the queries it already holds. A slow answer alone does
+//! not tell a stall: a query may wait in a live replica's queue while every worker is
+//! busy, and asking it again elsewhere would then only add a second waiter. So when a
+//! query has waited out the patience, the gateway pings every replica it has heard
+//! from (the readiness probe, an empty prompt every router refuses without booking
+//! anything, on each replica's own subject). A replica that does not answer within
+//! the patience, or that NATS says is gone, may hold the query; a replica that
+//! answered is alive and is asked again. When every replica answers, the query is
+//! waiting in a live one's queue and is left alone; when none answers, the trouble is
+//! not one replica's and there is nobody to ask.
+//!
+//! Cost: nothing while queries are answered within the patience, apart from one
+//! mutex lock per answer to note which replica answered. During a stall, one round
+//! of pings (one small request per replica heard from) per patience, shared by every
+//! query waiting then.
+
+use kv_events::{RouterId, Subjects};
+use prometheus::IntCounter;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tracing::{debug, warn};
+
+/// Most replicas remembered; beyond it the one heard from longest ago is forgotten.
+const MAX_KNOWN: usize = 64;
+
+/// A replica not heard from for this long is forgotten (it left, or restarted under
+/// a new id).
+const FORGET_AFTER: Duration = Duration::from_secs(600);
+
+/// What is known of one replica.
+#[derive(Clone, Copy)]
+struct Heard {
+    /// When it last answered a query.
+    at: Instant,
+    /// Whether it missed its latest ping (logged once, when it starts).
+    silent: bool,
+}
+
+/// The replicas heard from, and the latest round of pings (module docs).
+pub(super) struct Stalls {
+    nats: async_nats::Client,
+    subjects: Arc<Subjects>,
+    /// How long a ping may go unanswered, and how long a round's finding holds.
+    patience: Duration,
+    /// The replicas heard from.
+    known: Mutex<HashMap<RouterId, Heard>>,
+    /// The latest round: when it ended and what it found. Held while a round runs,
+    /// so queries that wait meanwhile share its finding.
+    latest: tokio::sync::Mutex<Option<(Instant, Option<RouterId>)>>,
+    /// Replicas found stalled or gone (`kv_gateway_route_stalls_total`).
+    found: IntCounter,
+}
+
+impl Stalls {
+    /// Pings on `subjects`' per-replica route subjects, waiting `patience` for each.
+    pub(super) fn new(
+        nats: async_nats::Client,
+        subjects: Arc<Subjects>,
+        patience: Duration,
+        found: IntCounter,
+    ) -> Self {
+        Self {
+            nats,
+            subjects,
+            patience,
+            known: Mutex::new(HashMap::new()),
+            latest: tokio::sync::Mutex::new(None),
+            found,
+        }
+    }
+
+    /// Notes that `router` answered a query now.
+    pub(super) fn heard(&self, router: RouterId) {
+        let now = Instant::now();
+        let mut known = self.known.lock().unwrap_or_else(|p| p.into_inner());
+        let heard = Heard {
+            at: now,
+            silent: false,
+        };
+        if known.insert(router, heard).is_none() && known.len() > MAX_KNOWN {
+            let oldest = known.iter().min_by_key(|(_, h)| h.at).map(|(id, _)| *id);
+            if let Some(oldest) = oldest {
+                known.remove(&oldest);
+            }
+        }
+    }
+
+    /// A live replica to ask a slow query again, if another replica heard from seems
+    /// to have stalled or is gone; `None` when every replica answers its ping (the
+    /// query waits in a live one's queue) or none does. Pings at most once per
+    /// patience; concurrent callers share the round.
+    pub(super) async fn live_instead(&self) -> Option<RouterId> {
+        let mut latest = self.latest.lock().await;
+        if let Some((at, finding)) = *latest
+            && at.elapsed() < self.patience
+        {
+            return finding;
+        }
+        let finding = self.ping_all().await;
+        *latest = Some((Instant::now(), finding));
+        finding
+    }
+
+    /// One round of pings (module docs); forgets the replicas NATS says are gone.
+    async fn ping_all(&self) -> Option<RouterId> {
+        let routers: Vec<RouterId> = {
+            let mut known = self.known.lock().unwrap_or_else(|p| p.into_inner());
+            known.retain(|_, h| h.at.elapsed() < FORGET_AFTER);
+            known.keys().copied().collect()
+        };
+        let mut pings = JoinSet::new();
+        for router in routers {
+            let (nats, subject) = (self.nats.clone(), self.subjects.route_at(router).into());
+            let patience = self.patience;
+            pings.spawn(async move { (router, super::ping(&nats, subject, patience).await) });
+        }
+        let mut live = None;
+        let mut silent = 0_usize;
+        while let Some(pinged) = pings.join_next().await {
+            // A ping task panics only if the runtime is going down.
+            let Ok((router, answered)) = pinged else {
+                continue;
+            };
+            match answered {
+                Ok(()) => {
+                    live.get_or_insert(router);
+                }
+                Err(gone) => {
+                    silent += 1;
+                    self.found.inc();
+                    let mut known = self.known.lock().unwrap_or_else(|p| p.into_inner());
+                    let first = if gone {
+                        known.remove(&router).is_some_and(|h| !h.silent)
+                    } else {
+                        known
+                            .get_mut(&router)
+                            .is_some_and(|h| !std::mem::replace(&mut h.silent, true))
+                    };
+                    if first {
+                        warn!(%router, gone, patience = ?self.patience, "a router replica did not answer its ping; its slow queries are asked again of a live one");
+                    }
+                }
+            }
+        }
+        debug!(silent, ?live, "pinged the router replicas");
+        live.filter(|_| silent > 0)
+    }
+}
