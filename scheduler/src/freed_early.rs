@@ -74,9 +74,12 @@ impl FreedEarly {
 
     /// Whether `id` was freed before it was booked, within [`REMEMBER_FOR`] of `now`.
     pub(crate) fn contains(&self, id: &RequestId, now: Instant) -> bool {
-        self.ids
-            .get(id)
-            .is_some_and(|at| now.saturating_duration_since(*at) < REMEMBER_FOR)
+        // Empty unless a frontend freed an id before its route: every decision asks.
+        !self.ids.is_empty()
+            && self
+                .ids
+                .get(id)
+                .is_some_and(|at| now.saturating_duration_since(*at) < REMEMBER_FOR)
     }
 
     /// Ids remembered (some may be past [`REMEMBER_FOR`], until the next `remember`).

@@ -29,9 +29,10 @@ impl RouterClient {
     /// As [`RouterClient::route_request`].
     pub(super) async fn ask(&self, request: &RouteRequest) -> Result<RouteReply, ApiError> {
         let first = self.ask_once(request);
-        let Some((patience, stalls)) = self.asker.stalls() else {
+        let Some(stalls) = self.asker.stalls() else {
             return first.await;
         };
+        let patience = stalls.patience();
         let mut first = std::pin::pin!(first);
         tokio::select! {
             biased;

@@ -43,8 +43,9 @@
 //! restart, before the routers have subscribed again, or while a lone replica
 //! restarts) is asked again with backoff within the route timeout.
 //!
-//! Cost: one mutex lock per query to read the pin, and one timer per query to the
-//! pinned replica; about 45 bytes of header per reply.
+//! Cost: one mutex lock per query to read the pin, one per answer to note the
+//! replica that sent it, and one timer per query to the pinned replica; about 45
+//! bytes of header per reply.
 
 use super::stalls::Stalls;
 use super::{ReplicaAffinity, RouterMetrics};
@@ -176,11 +177,10 @@ impl Asker {
         }
     }
 
-    /// How long a query may wait before the gateway looks for a stalled replica, and
-    /// the replicas to look at; `None` without replica affinity.
-    pub(super) fn stalls(&self) -> Option<(Duration, &Stalls)> {
-        let affinity = self.affinity.as_ref()?;
-        Some((affinity.settings.patience, self.stalls.as_deref()?))
+    /// The replicas heard from, to look for a stalled one among; `None` without
+    /// replica affinity.
+    pub(super) fn stalls(&self) -> Option<&Stalls> {
+        self.stalls.as_deref()
     }
 
     /// Asks one encoded `RouteRequest` of replica `router` (on its own subject), or

@@ -79,6 +79,12 @@ impl Stalls {
         }
     }
 
+    /// How long a query may wait before a replica is suspected, and a ping may go
+    /// unanswered.
+    pub(super) fn patience(&self) -> Duration {
+        self.patience
+    }
+
     /// Notes that `router` answered a query now.
     pub(super) fn heard(&self, router: RouterId) {
         let now = Instant::now();
@@ -147,7 +153,7 @@ impl Stalls {
                             .is_some_and(|h| !std::mem::replace(&mut h.silent, true))
                     };
                     if first {
-                        warn!(%router, gone, patience = ?self.patience, "a router replica did not answer its ping; its slow queries are asked again of a live one");
+                        warn!(%router, gone, patience = ?self.patience, "a router replica did not answer its ping; the slow queries it holds are asked again of a live replica, if one answers");
                     }
                 }
             }
