@@ -68,8 +68,7 @@ impl RouterClient {
     /// Asks `request` once, through the grouper when grouping is on; a query not
     /// answered in time is followed by its `freed`.
     async fn ask_once(&self, request: &RouteRequest) -> Result<RouteReply, ApiError> {
-        let payload =
-            encode(request).map_err(|e| ApiError::internal(format!("encoding route: {e}")))?;
+        let payload = encoded(request)?;
         let asked = match &self.grouper {
             Some(grouper) => grouper.ask(payload).await,
             None => self.asker.single(payload).await,
@@ -83,9 +82,7 @@ impl RouterClient {
         router: kv_events::RouterId,
         request: &RouteRequest,
     ) -> Result<RouteReply, ApiError> {
-        let payload =
-            encode(request).map_err(|e| ApiError::internal(format!("encoding route: {e}")))?;
-        let asked = self.asker.single_at(router, payload).await;
+        let asked = self.asker.single_at(router, encoded(request)?).await;
         self.freed_if_unanswered(request, asked)
     }
 
@@ -104,4 +101,9 @@ impl RouterClient {
             }
         })
     }
+}
+
+/// `request` as sent on the route subject.
+fn encoded(request: &RouteRequest) -> Result<Vec<u8>, ApiError> {
+    encode(request).map_err(|e| ApiError::internal(format!("encoding route: {e}")))
 }

@@ -353,13 +353,15 @@ impl Asker {
     /// pin go; any other from the queue group pins to the replica that sent it (an
     /// `overloaded` one pins nothing).
     fn settle(&self, answer: &Answer, overloaded: bool) {
-        if let (Some(stalls), Some(router)) = (&self.stalls, answered_by(&answer.message)) {
-            stalls.heard(router);
+        // Read once: noted for the stall check, and the replica to pin to.
+        let sender = answered_by(&answer.message);
+        if let (Some(stalls), Some(sender)) = (&self.stalls, sender) {
+            stalls.heard(sender);
         }
-        match (answer.pinned, overloaded) {
-            (Some(router), true) => self.unpin(router, Release::Overloaded),
-            (None, false) => self.pin_to(&answer.message),
-            (Some(_), false) | (None, true) => {}
+        match (answer.pinned, overloaded, sender) {
+            (Some(router), true, _) => self.unpin(router, Release::Overloaded),
+            (None, false, Some(sender)) => self.pin_to(sender),
+            (Some(_), false, _) | (None, true, _) | (None, false, None) => {}
         }
     }
 
@@ -395,13 +397,9 @@ impl Asker {
         Some((pin, affinity.settings.patience))
     }
 
-    /// Pins to the replica that sent `reply`, unless a pin holds already or the reply
-    /// names no replica.
-    fn pin_to(&self, reply: &Message) {
+    /// Pins to `router` (the replica that sent an answer), unless a pin holds already.
+    fn pin_to(&self, router: RouterId) {
         let Some(affinity) = &self.affinity else {
-            return;
-        };
-        let Some(router) = answered_by(reply) else {
             return;
         };
         let now = Instant::now();
