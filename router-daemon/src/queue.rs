@@ -217,7 +217,8 @@ impl WaitQueue {
     /// routed, `on_routed` runs under both locks (the daemon publishes the booking to
     /// its replicas there, keeping sync messages in booking order), then the waiter
     /// gets its selection. Waiters that can never be routed as asked (pinned rank gone,
-    /// no workers) get their error; the rest keep their place.
+    /// no workers, freed by their frontend while they waited) get their error, even
+    /// while every rank is busy; the rest keep their place.
     pub(crate) fn release(
         &self,
         state: &mut QueueState,

@@ -1,8 +1,10 @@
-//! Unit tests of the wait queue: order, bounds, release by load, withdrawal, close.
+//! Unit tests of the wait queue: order, bounds, release by load, withdrawal, close,
+//! waiters freed by their frontend while they wait.
 
 use super::*;
 use crate::metrics::Registrar;
 use kv_events::discovery::WorkerRegistration;
+use kv_events::routing::LifecycleEvent;
 use kv_events::{DpRank, LocalBlockHash, WorkerId, WorkerRank};
 use scheduler::{SchedulerConfig, Threshold};
 use tokio::sync::oneshot::error::TryRecvError;
@@ -272,4 +274,55 @@ fn may_have_waiters_follows_every_change_of_the_queue() {
         .unwrap();
     q.close(&mut state);
     assert!(!q.may_have_waiters());
+}
+
+/// A frontend that gives up on a waiting query frees its id: the waiter is refused
+/// at the next release pass — before the rank frees, and from behind a waiter that
+/// finds it busy — and nothing is booked for it.
+#[test]
+fn a_waiter_freed_while_it_waits_is_refused_at_the_next_release() {
+    let t = Instant::now();
+    let q = queue(8);
+    let mut s = hogged_scheduler(t);
+    let mut state = q.lock();
+    let mut first = q
+        .push(&mut state, request("first", 4), OverlapScores::new(), 0, t)
+        .unwrap();
+    let mut gave_up = q
+        .push(
+            &mut state,
+            request("gave-up", 4),
+            OverlapScores::new(),
+            0,
+            t,
+        )
+        .unwrap();
+    assert_eq!(
+        s.lifecycle(&rid("gave-up"), LifecycleEvent::Freed, t),
+        Err(SchedulerError::UnknownRequest(rid("gave-up")))
+    );
+
+    // Still busy (a load report, say, releases): the first keeps waiting, the freed
+    // one is answered.
+    let released = q.release(&mut state, &mut s, t, |_, _| {});
+    assert_eq!(
+        released,
+        Released {
+            routed: 0,
+            failed: 1
+        }
+    );
+    assert_eq!(
+        gave_up.receiver.try_recv().unwrap(),
+        Err(SchedulerError::FreedBeforeRouted(rid("gave-up")))
+    );
+    assert_eq!(first.receiver.try_recv(), Err(TryRecvError::Empty));
+    assert_eq!(state.len(), 1);
+
+    // The hog leaves: the first is routed; only it and nothing else is booked.
+    s.free(&rid("hog"), t).unwrap();
+    assert_eq!(q.release(&mut state, &mut s, t, |_, _| {}).routed, 1);
+    assert!(first.receiver.try_recv().unwrap().is_ok());
+    assert_eq!(s.active_requests(), 1);
+    assert!(!s.sequences().contains(&rid("gave-up")));
 }

@@ -19,7 +19,8 @@ impl Scheduler {
     /// requests still to place). Returns one result per request, in input order.
     /// Once an unpinned request finds every rank busy, later unpinned ones fail with
     /// [`SchedulerError::AllBusy`] without another scan (bookings only add load);
-    /// likewise per pinned dp_rank.
+    /// likewise per pinned dp_rank. A duplicate id or one freed before it was routed
+    /// still gets its own error ([`Scheduler::schedule`]).
     pub fn schedule_batch<R: Borrow<ScheduleRequest>, O: Overlaps>(
         &mut self,
         batch: &[(R, O)],
@@ -52,7 +53,13 @@ impl Scheduler {
                 None => all_busy,
                 Some(dp) => busy_pins.contains(&dp),
             };
-            if known_busy && !self.sequences.contains(&req.request_id) {
+            // Skipped only if it would find every rank busy: a duplicate or a query
+            // its frontend already freed gets its own error (a waiter freed while it
+            // waits leaves the queue at the next release pass, wherever it waits).
+            if known_busy
+                && !self.sequences.contains(&req.request_id)
+                && !self.freed_early.contains(&req.request_id, now)
+            {
                 continue; // stays AllBusy
             }
             let result = self.schedule_one(req, overlaps, now, batch.len() - k);

@@ -28,7 +28,8 @@ pub enum SchedulerError {
     #[error("every eligible rank is busy")]
     AllBusy,
     /// A request with this id is already booked; ids must be unique among active
-    /// requests (a frontend retry must use a new id or free the old one first).
+    /// requests (a frontend retry must use a new id: one it freed is refused for a
+    /// while by a replica that did not hold it, [`SchedulerError::FreedBeforeRouted`]).
     #[error("request {0} is already active")]
     DuplicateRequest(RequestId),
     /// A frontend freed this request id before it was routed here (it gave up on the

@@ -53,6 +53,8 @@
 //! - `pair.rs`: pair selection and the two bookings of a disaggregated request.
 //! - `lifecycle.rs`: [`Scheduler::lifecycle`], a frontend's lifecycle event applied
 //!   to a request and its prefill half.
+//! - [`freed_early`]: the ids a frontend freed before they were routed here
+//!   (bounded, for a while), refused by a later route query for them.
 //! - `steps.rs`: [`lifecycle_steps`] and [`LifecycleStep`], the steps one event
 //!   means (a leaf, so the daemon can list them before applying them).
 //! - `shortcut.rs`: the decision shortcut over the touched ranks and an idle

@@ -235,3 +235,46 @@ fn a_query_freed_before_it_was_routed_books_nothing() {
             .is_ok()
     );
 }
+
+/// Once every rank is known busy, later batch entries are not scanned; one freed
+/// before it was routed is still refused as such (a waiter behind one that finds
+/// every rank busy leaves the queue at that release pass).
+#[test]
+fn a_freed_query_is_refused_in_a_batch_after_every_rank_is_found_busy() {
+    let t = Instant::now();
+    let mut config = SchedulerConfig::default();
+    config.busy.decode_blocks = Some(Threshold::Absolute(10));
+    let mut s = scheduler(config, &[(1, 1)]);
+    s.schedule(&request("hog", 160), &NoOverlap, t).unwrap();
+    let _ = s.lifecycle(&rid("gave-up"), LifecycleEvent::Freed, t);
+    let batch = [
+        (request("waits", 16), NoOverlap),
+        (request("gave-up", 16), NoOverlap),
+    ];
+    let results = s.schedule_batch(&batch, BatchOrder::AsGiven, t);
+    assert_eq!(results[0], Err(SchedulerError::AllBusy));
+    assert_eq!(
+        results[1],
+        Err(SchedulerError::FreedBeforeRouted(rid("gave-up")))
+    );
+    assert_eq!(s.active_requests(), 1, "only the hog");
+}
+
+/// Only a frontend's `freed` that finds the request's own id unknown is remembered:
+/// not a request's absent prefill half, not a booked request, not a peer's sync.
+#[test]
+fn only_an_unknown_request_freed_by_its_frontend_is_remembered() {
+    let t = Instant::now();
+    let mut s = scheduler(SchedulerConfig::default(), &[(1, 1)]);
+    s.schedule(&request("booked", 32), &NoOverlap, t).unwrap();
+    // An aggregated request has no `#prefill` half: that step finds nothing.
+    s.lifecycle(&rid("booked"), LifecycleEvent::Freed, t)
+        .unwrap();
+    assert_eq!(s.freed_early.len(), 0);
+    let _ = s.apply(SequenceEvent::Free(rid("peer")), t);
+    assert_eq!(s.freed_early.len(), 0);
+    let _ = s.lifecycle(&rid("unknown"), LifecycleEvent::Freed, t);
+    let _ = s.lifecycle(&rid("kept"), LifecycleEvent::KeepAlive, t);
+    assert_eq!(s.freed_early.len(), 1, "only `unknown`");
+    assert!(s.freed_early.contains(&rid("unknown"), t));
+}

@@ -6,8 +6,8 @@
 use integration_tests::{TestCluster, eventually};
 use kv_events::discovery::WorkerRegistration;
 use kv_events::routing::{
-    CostOverrides, LifecycleEvent, PolicyKind, Prompt, RouteDecision, RouteError, RouteErrorCode,
-    RouteReply, RouteRequest,
+    BatchOrder, CostOverrides, LifecycleEvent, PolicyKind, Prompt, RouteBatchReply,
+    RouteBatchRequest, RouteDecision, RouteError, RouteErrorCode, RouteReply, RouteRequest,
 };
 use kv_events::{DpRank, RequestId, WorkerId, WorkerRank, encode};
 use router_daemon::Daemon;
@@ -328,8 +328,9 @@ async fn busy_workers_make_requests_wait_and_a_free_releases_them() -> anyhow::R
 }
 
 /// A frontend that gives up on a route query frees its id. A router that reads the
-/// query only after that `freed` (a replica that stalled and resumed), or holds it in
-/// its wait queue when the `freed` comes, refuses it and books nothing.
+/// query only after that `freed` (a replica that stalled and resumed; alone or in a
+/// batch), or holds it in its wait queue when the `freed` comes, refuses it and books
+/// nothing.
 #[tokio::test]
 async fn a_query_freed_before_it_was_routed_books_nothing() -> anyhow::Result<()> {
     use router_daemon::counters::{MessageKind, Outcome};
@@ -351,6 +352,25 @@ async fn a_query_freed_before_it_was_routed_books_nothing() -> anyhow::Result<()
     .await?;
     stale(cluster.route_tokens("gave-up", prompt(1, 2)).await?);
     assert_eq!(active(&daemon).await, 0);
+    // In a batch, the entry alone.
+    let batch = RouteBatchRequest {
+        requests: vec![
+            tokens("gave-up", prompt(1, 2)),
+            tokens("beside", prompt(5, 2)),
+        ],
+        order: BatchOrder::AsGiven,
+    };
+    let RouteBatchReply::Answered { mut replies } = cluster.route_batch(&batch).await? else {
+        panic!("batch refused whole");
+    };
+    routed(replies.pop().expect("two replies"));
+    stale(replies.pop().expect("two replies"));
+    assert_eq!(active(&daemon).await, 1, "only the entry beside it");
+    cluster.lifecycle("beside", LifecycleEvent::Freed).await?;
+    eventually("the entry beside it to be freed", WAIT, || async {
+        (active(&daemon).await == 0).then_some(())
+    })
+    .await?;
 
     // Waiting in the queue behind a busy worker when its freed comes: refused when
     // the worker frees.
