@@ -117,27 +117,34 @@ struct Setup {
     subjects: Subjects,
     client: RouterClient,
     metrics: RouterMetrics,
+    /// The lifecycle messages published, from the start.
+    lifecycle: tokio::sync::Mutex<async_nats::Subscriber>,
 }
 
 impl Setup {
     /// A gateway with replica affinity for `window`, patience 50 ms, and a route
     /// timeout the test never waits out when it passes.
     async fn start(window: Duration) -> Self {
+        Self::start_with(window, Duration::from_millis(50), WAIT).await
+    }
+
+    /// A gateway with replica affinity for `window`, `patience`, and route `timeout`.
+    async fn start_with(window: Duration, patience: Duration, timeout: Duration) -> Self {
         let server = NatsServer::start().await.unwrap();
         let nats = async_nats::connect(server.url()).await.unwrap();
         let subjects = Subjects::new(Namespace::new("stall-test").unwrap());
-        let affinity = ReplicaAffinity {
-            window,
-            patience: Duration::from_millis(50),
-        };
+        let affinity = ReplicaAffinity { window, patience };
+        let lifecycle = nats.subscribe(subjects.lifecycle()).await.unwrap();
+        nats.flush().await.unwrap();
         let (client, metrics) =
-            router_client_with(&nats, &subjects, one_by_one(WAIT, Some(affinity)));
+            router_client_with(&nats, &subjects, one_by_one(timeout, Some(affinity)));
         Self {
             _server: server,
             nats,
             subjects,
             client,
             metrics,
+            lifecycle: tokio::sync::Mutex::new(lifecycle),
         }
     }
 
@@ -159,15 +166,37 @@ fn booked_id(reply: Result<RouteReply, kv_gateway::error::ApiError>) -> String {
 async fn a_query_held_by_a_stalled_replica_is_asked_again_of_a_live_one() {
     // A window this short sends every query through the queue group.
     let setup = Setup::start(Duration::from_millis(1)).await;
+    let (asked, booked) = rescue(&setup).await;
+    assert!(booked.starts_with("gw-"), "a fresh gateway id: {booked}");
+    assert_eq!(
+        setup.stall_events(),
+        [1, 1, 1],
+        "silent, asked_again, again_answered"
+    );
+    assert_freed(&setup, &asked).await;
+}
+
+#[tokio::test]
+async fn a_stalled_replica_is_judged_once_its_live_peer_answers_the_ping() {
+    // The query waits out a 2 s patience, and the route timeout is 3.5 s: a ping
+    // round that waited out the patience too would ask again at 4 s, too late, and
+    // the query would fail. Judged a tenth of the patience after the live replica's
+    // answer, it is asked again at about 2.2 s and answered.
+    let patience = Duration::from_secs(2);
+    let timeout = Duration::from_millis(3500);
+    let setup = Setup::start_with(Duration::from_millis(1), patience, timeout).await;
+    let (asked, booked) = rescue(&setup).await;
+    assert_ne!(asked, booked, "asked again under a fresh id");
+    assert_eq!(setup.stall_events(), [1, 1, 1]);
+}
+
+/// Starts a stalling and a live replica, lets the gateway hear from both, stalls one
+/// and asks until a query lands on it; returns (the id asked, the id booked by the
+/// live replica on its own subject).
+async fn rescue(setup: &Setup) -> (String, String) {
     let (stalling_id, live_id) = (RouterId(0x5), RouterId(0x1));
     let mut stalling = Replica::start(&setup.nats, &setup.subjects, stalling_id).await;
     let mut live = Replica::start(&setup.nats, &setup.subjects, live_id).await;
-    let mut freed = setup
-        .nats
-        .subscribe(setup.subjects.lifecycle())
-        .await
-        .unwrap();
-    setup.nats.flush().await.unwrap();
 
     // Until both replicas have answered a query, so the gateway knows them.
     let (mut heard_stalling, mut heard_live) = (false, false);
@@ -212,17 +241,14 @@ async fn a_query_held_by_a_stalled_replica_is_asked_again_of_a_live_one() {
         // Answered by the live replica (through the queue group or pinned to it).
         assert_eq!(received, asked);
     }
-    let (asked, booked) = rescued.expect("no query landed on the stalled replica");
-    assert!(booked.starts_with("gw-"), "a fresh gateway id: {booked}");
-    assert_eq!(
-        setup.stall_events(),
-        [1, 1, 1],
-        "silent, asked_again, again_answered"
-    );
+    rescued.expect("no query landed on the stalled replica")
+}
 
-    // The id the stalled replica holds is freed, so it books nothing when it resumes.
+/// The id the stalled replica holds is freed, so it books nothing when it resumes.
+async fn assert_freed(setup: &Setup, asked: &str) {
+    let mut lifecycle = setup.lifecycle.lock().await;
     let freed_first = tokio::time::timeout(WAIT, async {
-        while let Some(message) = freed.next().await {
+        while let Some(message) = lifecycle.next().await {
             let batch: LifecycleBatch = decode(&message.payload).unwrap();
             if batch
                 .messages

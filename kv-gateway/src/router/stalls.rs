@@ -10,9 +10,9 @@
 //! busy, and asking it again elsewhere would then only add a second waiter. So when a
 //! query has waited out the patience, the gateway pings every replica it has heard
 //! from (the readiness probe, an empty prompt every router refuses without booking
-//! anything, on each replica's own subject). A replica that does not answer within
-//! the patience, or that NATS says is gone, may hold the query; a replica that
-//! answered is alive and is asked again. When every replica answers, the query is
+//! anything, on each replica's own subject). A replica still silent once its peers
+//! have answered (the verdict's margin: `verdict_after`), or that NATS says is gone,
+//! may hold the query; a replica that answered is alive and is asked again. When every replica answers, the query is
 //! waiting in a live one's queue and is left alone; when none answers, the trouble is
 //! not one replica's and there is nobody to ask.
 //!
@@ -23,7 +23,7 @@
 
 use kv_events::{RouterId, Subjects};
 use prometheus::IntCounter;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::task::JoinSet;
@@ -50,7 +50,8 @@ struct Heard {
 pub(super) struct Stalls {
     nats: async_nats::Client,
     subjects: Arc<Subjects>,
-    /// How long a ping may go unanswered, and how long a round's finding holds.
+    /// How long a ping may go unanswered while no replica answers, and how long a
+    /// round's finding holds.
     patience: Duration,
     /// The replicas heard from.
     known: Mutex<HashMap<RouterId, Heard>>,
@@ -125,40 +126,79 @@ impl Stalls {
             known.keys().copied().collect()
         };
         let mut pings = JoinSet::new();
+        let mut pending: HashSet<RouterId> = routers.iter().copied().collect();
         for router in routers {
             let (nats, subject) = (self.nats.clone(), self.subjects.route_at(router).into());
             let patience = self.patience;
             pings.spawn(async move { (router, super::ping(&nats, subject, patience).await) });
         }
+        let started = Instant::now();
+        let mut deadline = started + self.patience;
         let mut live = None;
         let mut silent = 0_usize;
-        while let Some(pinged) = pings.join_next().await {
+        loop {
+            let pinged = tokio::select! {
+                pinged = pings.join_next() => pinged,
+                () = tokio::time::sleep_until(deadline) => {
+                    // Every ping still out is late: its replica is silent.
+                    pings.abort_all();
+                    for router in pending.drain() {
+                        silent += 1;
+                        self.silent(router, false);
+                    }
+                    break;
+                }
+            };
+            let Some(pinged) = pinged else { break };
             // A ping task panics only if the runtime is going down.
             let Ok((router, answered)) = pinged else {
                 continue;
             };
+            pending.remove(&router);
             match answered {
                 Ok(()) => {
+                    if live.is_none() {
+                        deadline =
+                            deadline.min(started + verdict_after(started.elapsed(), self.patience));
+                    }
                     live.get_or_insert(router);
                 }
                 Err(gone) => {
                     silent += 1;
-                    self.found.inc();
-                    let mut known = self.known.lock().unwrap_or_else(|p| p.into_inner());
-                    let first = if gone {
-                        known.remove(&router).is_some_and(|h| !h.silent)
-                    } else {
-                        known
-                            .get_mut(&router)
-                            .is_some_and(|h| !std::mem::replace(&mut h.silent, true))
-                    };
-                    if first {
-                        warn!(%router, gone, patience = ?self.patience, "a router replica did not answer its ping; the slow queries it holds are asked again of a live replica, if one answers");
-                    }
+                    self.silent(router, gone);
                 }
             }
         }
         debug!(silent, ?live, "pinged the router replicas");
         live.filter(|_| silent > 0)
     }
+
+    /// Counts `router` as silent (or `gone`, which forgets it), logging the first time.
+    fn silent(&self, router: RouterId, gone: bool) {
+        self.found.inc();
+        let mut known = self.known.lock().unwrap_or_else(|p| p.into_inner());
+        let first = if gone {
+            known.remove(&router).is_some_and(|h| !h.silent)
+        } else {
+            known
+                .get_mut(&router)
+                .is_some_and(|h| !std::mem::replace(&mut h.silent, true))
+        };
+        if first {
+            warn!(%router, gone, patience = ?self.patience, "a router replica did not answer its ping in time; the slow queries it holds are asked again of a live replica, if one answers");
+        }
+    }
+}
+
+/// How long after a round starts the replicas that have not answered are judged
+/// silent, once the first answer came `first_answer` after the start: eight times
+/// that, but at least a tenth of the patience and at most the patience. Why: a live
+/// replica answers a ping in well under a millisecond (a readiness probe is refused
+/// before any scheduling), and one that takes eight times as long as its peer while
+/// queries wait on it is better asked around than waited for; a wrong verdict costs
+/// one more query per slow query, whose loser is freed at once (module
+/// `router::again`). The floor keeps a replica that is merely behind by a few
+/// milliseconds of its queue from being judged.
+fn verdict_after(first_answer: Duration, patience: Duration) -> Duration {
+    (first_answer * 8).max(patience / 10).min(patience)
 }
