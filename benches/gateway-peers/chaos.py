@@ -14,8 +14,8 @@ second with the ``openai`` client while ``--fault`` strikes:
   and store after ``--outage-s`` seconds (longer than the gateway's 10 s route
   timeout by default, so the queries asked early in the outage fail).
 
-Reports failed requests, the requests whose first token took over 0.5 s and the
-slowest, the queries the gateway asked again of a live replica
+Reports failed requests, the requests whose first token took over ``--slow-s``
+(0.5 s) and the slowest, the queries the gateway asked again of a live replica
 (``kv_gateway_route_stalls_total{event="asked_again"}``), and, a few seconds after
 the load, the requests each replica still books
 (``kv_router_worker_active_requests``; anything but 0 is a booking nobody will free
@@ -45,8 +45,6 @@ VENV = REPO / "target" / "gateway-peers" / "venvs" / "openai"
 OPENAI = "openai==3.54.0"
 """The client the gateway tests use (`tests/tests/gateway/fixture.rs`)."""
 MODEL_DIR = REPO / "kv-tokenizer" / "tests" / "data"
-SLOW_S = 0.5
-"""A first token later than this waited on the fault (unfaulted: ~20 ms)."""
 BOOKS_SETTLE_S = 5.0
 """How long after the load the replicas' books are read: every request has ended and
 its ``freed`` has been applied well before."""
@@ -81,6 +79,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--stop-s", type=float, default=3.0, help="how long each stop lasts")
     p.add_argument("--gap-s", type=float, default=3.0, help="between a resume and the next stop")
     p.add_argument("--outage-s", type=float, default=12.0, help="how long NATS is away")
+    p.add_argument("--slow-s", type=float, default=0.5,
+                   help="a first token later than this waited on the fault (unfaulted: ~20 ms)")
     p.add_argument("--out", type=Path, default=REPO / "target" / "gateway-peers" / "chaos")
     return p.parse_args(argv)
 
@@ -181,9 +181,9 @@ async def run(args: argparse.Namespace) -> int:
         await asyncio.gather(arrivals(seconds), fault)
         await asyncio.sleep(BOOKS_SETTLE_S)
         books = [metric_sum(p, "kv_router_worker_active_requests") for _, p in replicas]
-        slow = [t for t in ttfts if t > SLOW_S]
+        slow = [t for t in ttfts if t > args.slow_s]
         asked_again = metric_sum(gport, 'kv_gateway_route_stalls_total{event="asked_again"}')
-        print(f"\n| kv-router | fault | requests | failed | first token over {SLOW_S} s "
+        print(f"\n| kv-router | fault | requests | failed | first token over {args.slow_s} s "
               f"| their summed wait (s) | slowest (s) | asked again | still booked per replica "
               f"| load |\n|---|---|---:|---:|---:|---:|---:|---:|---|---|")
         print(f"| {args.kv_router} | {args.fault} | {len(ttfts) + len(failed)} "
