@@ -53,6 +53,8 @@ class OverheadRow:
     key: str
     label: str
     rate: float
+    #: The round of the overhead pass (1-based): each compares with its own direct pass.
+    round: int
     requests: int
     failed: int
     achieved_rate: float
@@ -107,18 +109,39 @@ def trace_table(title: str, rows: list[TraceRow]) -> str:
     return markdown_table(title, header, "llrrrrrlrrrl", cells)
 
 
+def overhead_summary(title: str, rows: list[OverheadRow]) -> str:
+    """Per gateway and rate: the median, min and max over the rounds of the added p50,
+    and of the same for each round's engines-direct p50."""
+    groups: dict[tuple[str, float], list[OverheadRow]] = {}
+    for r in rows:
+        groups.setdefault((r.label, r.rate), []).append(r)
+    cells = []
+    for (label, rate), group in groups.items():
+        values = sorted(r.ttft_p50_ms if r.added_p50_ms is None else r.added_p50_ms
+                        for r in group)
+        what = "TTFT p50" if group[0].added_p50_ms is None else "added p50"
+        median = values[len(values) // 2] if len(values) % 2 else \
+            (values[len(values) // 2 - 1] + values[len(values) // 2]) / 2
+        sign = "" if what == "TTFT p50" else "+"
+        cells.append([label, f"{rate:g}", what, str(len(values)), f"{median:{sign}.2f} ms",
+                      f"{values[0]:{sign}.2f} … {values[-1]:{sign}.2f} ms"])
+    header = ["target", "rate (req/s)", "figure", "rounds", "median", "min … max"]
+    return markdown_table(title, header, "lrlrrl", cells)
+
+
 def overhead_table(title: str, rows: list[OverheadRow]) -> str:
-    header = ["target", "rate (req/s)", "achieved", "TTFT p50", "p99", "added p50",
+    header = ["target", "round", "rate (req/s)", "achieved", "TTFT p50", "p99", "added p50",
               "failed", "gateway CPU/req", "gateway stages (mean ms)", "load before → after"]
     cells = []
     for r in rows:
         added = "—" if r.added_p50_ms is None else f"{r.added_p50_ms:+.2f} ms"
         cells.append([
-            r.label, f"{r.rate:g}", f"{r.achieved_rate:.0f}", f"{r.ttft_p50_ms:.2f} ms",
+            r.label, str(r.round), f"{r.rate:g}", f"{r.achieved_rate:.0f}",
+            f"{r.ttft_p50_ms:.2f} ms",
             f"{r.ttft_p99_ms:.2f} ms", added, f"{r.failed} of {r.requests}",
             optional_ms(r.gateway_cpu_ms_per_request, 2), stage_cell(r.stages_ms),
             f"{r.load_before} → {r.load_after}"])
-    return markdown_table(title, header, "lrrrrrrrll", cells)
+    return markdown_table(title, header, "lrrrrrrrrll", cells)
 
 
 def stage_cell(stages: dict[str, float] | None) -> str:

@@ -24,11 +24,11 @@ import tools
 from client import Aiperf, hf_cache, percentile, scaled_trace
 from cluster import Cluster, EngineShape, engine_report
 from procs import Stack
-from report import (OverheadRow, TraceRow, as_json, loadavg, overhead_table,
-                    per_request_ms, trace_table, ttft_stats)
+from report import (OverheadRow, TraceRow, as_json, loadavg, overhead_summary,
+                    overhead_table, per_request_ms, trace_table, ttft_stats)
 
 REPO = Path(__file__).resolve().parents[2]
-TRACE = REPO / "mocker" / "data" / "mooncake_conversation_excerpt.jsonl"
+TRACE = REPO / "engine-model" / "data" / "mooncake_conversation_excerpt.jsonl"
 MODEL_DIR = REPO / "kv-tokenizer" / "tests" / "data"
 
 
@@ -72,6 +72,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="open-loop short-prompt rates, requests/s; empty skips the pass")
     p.add_argument("--overhead-seconds", type=float, default=6.0,
                    help="length of each overhead pass, s")
+    p.add_argument("--overhead-rounds", type=int, default=3,
+                   help="rounds of the overhead pass; each round runs the engines "
+                        "directly and then every gateway, and the summary gives the "
+                        "median over rounds of each gateway's added p50")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 40 requests per row, 2 s overhead passes")
     p.add_argument("--no-build", action="store_true",
@@ -85,8 +89,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             p.error(f"{flag}: unknown {sorted(unknown)}; known: {gateways.ROW_KEYS}")
     if not set(args.loads.split(",")) <= {"light", "bound"}:
         p.error("--loads takes light and/or bound")
-    if args.requests < 1 or args.workers < 1 or args.bound_workers < 1:
-        p.error("--requests, --workers and --bound-workers must be at least 1")
+    if min(args.requests, args.workers, args.bound_workers, args.overhead_rounds) < 1:
+        p.error("--requests, --workers, --bound-workers and --overhead-rounds must be "
+                "at least 1")
     return args
 
 
@@ -166,11 +171,20 @@ def trace_row(row: gateways.Row, cluster: Cluster, aiperf: Aiperf, trace: Path,
 
 
 def overhead_rows(rows: list[gateways.Row], cluster: Cluster, aiperf: Aiperf,
-                  rates: list[float], seconds: float, out: Path,
+                  rates: list[float], seconds: float, rounds: int, out: Path,
                   results: list[OverheadRow]) -> None:
     """Open-loop short prompts at each rate, appended to ``results``: the engines
     directly (aiperf spreading requests round robin over their URLs), then through
-    each gateway."""
+    each gateway, all of it ``rounds`` times, so that each gateway's added p50 is
+    taken against the direct pass of its own round (the host's load drifts)."""
+    for round_ in range(1, rounds + 1):
+        overhead_round(rows, cluster, aiperf, rates, seconds, round_, out, results)
+
+
+def overhead_round(rows: list[gateways.Row], cluster: Cluster, aiperf: Aiperf,
+                   rates: list[float], seconds: float, round_: int, out: Path,
+                   results: list[OverheadRow]) -> None:
+    """One round of :func:`overhead_rows`."""
     direct_p50: dict[float, float] = {}
     targets: list[gateways.Row | None] = [None, *rows]
     for row in targets:
@@ -184,7 +198,7 @@ def overhead_rows(rows: list[gateways.Row], cluster: Cluster, aiperf: Aiperf,
                 cpu0 = running.gateway.cpu_seconds() if running else 0.0
                 scraped0 = gateways.scrape(running) if running else {}
                 urls = [running.url] if running else cluster.engine_urls
-                outcome = aiperf.rate(urls, rate, count, out / f"{key}-{rate:g}",
+                outcome = aiperf.rate(urls, rate, count, out / f"{key}-{rate:g}-r{round_}",
                                       timeout_s=4 * seconds + 60)
                 cpu = running.gateway.cpu_seconds() - cpu0 if running else None
                 stages = stage_means(scraped0, gateways.scrape(running)) if running else None
@@ -193,6 +207,7 @@ def overhead_rows(rows: list[gateways.Row], cluster: Cluster, aiperf: Aiperf,
                     direct_p50[rate] = p50
                 results.append(OverheadRow(
                     key=key, label=row.label if row else "engines directly", rate=rate,
+                    round=round_,
                     requests=outcome.requests, failed=outcome.failed,
                     achieved_rate=outcome.requests / outcome.duration_s
                     if outcome.duration_s else 0.0,
@@ -202,7 +217,7 @@ def overhead_rows(rows: list[gateways.Row], cluster: Cluster, aiperf: Aiperf,
                     else per_request_ms(cpu, outcome.requests),
                     load_before=load_before, load_after=loadavg(), stages_ms=stages,
                     client_command=outcome.command))
-                log(f"  overhead {key} at {rate:g}/s: p50 TTFT {p50:.2f} ms, "
+                log(f"  overhead round {round_}, {key} at {rate:g}/s: p50 TTFT {p50:.2f} ms, "
                     f"{outcome.failed} failed")
         finally:
             if running:
@@ -254,7 +269,8 @@ def run(args: argparse.Namespace, report: dict) -> None:
                 log(f"overhead pass: {', '.join(f'{r:g}' for r in rates)} requests/s")
                 targets = [r for r in gateways.ROWS if r.key in args.overhead_rows.split(",")]
                 overhead_rows(targets, cluster, aiperf, rates, args.overhead_seconds,
-                              out / "aiperf" / "overhead", report["overhead"])
+                              args.overhead_rounds, out / "aiperf" / "overhead",
+                              report["overhead"])
         finally:
             cluster.stop()
     report["uptime_end"] = loadavg()
@@ -285,6 +301,8 @@ def markdown(report: dict) -> str:
     if report.get("overhead"):
         parts.append(overhead_table("Open-loop short prompts (256 tokens in, 16 out; wall ms)",
                                     report["overhead"]))
+        parts.append(overhead_summary("Added TTFT p50 over the rounds (wall ms)",
+                                      report["overhead"]))
     return "\n".join(parts)
 
 
