@@ -8,6 +8,7 @@ gateway, not the engine.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -120,8 +121,7 @@ def overhead_summary(title: str, rows: list[OverheadRow]) -> str:
         values = sorted(r.ttft_p50_ms if r.added_p50_ms is None else r.added_p50_ms
                         for r in group)
         what = "TTFT p50" if group[0].added_p50_ms is None else "added p50"
-        median = values[len(values) // 2] if len(values) % 2 else \
-            (values[len(values) // 2 - 1] + values[len(values) // 2]) / 2
+        median = statistics.median(values)
         sign = "" if what == "TTFT p50" else "+"
         cells.append([label, f"{rate:g}", what, str(len(values)), f"{median:{sign}.2f} ms",
                       f"{values[0]:{sign}.2f} … {values[-1]:{sign}.2f} ms"])

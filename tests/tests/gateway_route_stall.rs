@@ -118,7 +118,7 @@ struct Setup {
     client: RouterClient,
     metrics: RouterMetrics,
     /// The lifecycle messages published, from the start.
-    lifecycle: tokio::sync::Mutex<async_nats::Subscriber>,
+    lifecycle: async_nats::Subscriber,
 }
 
 impl Setup {
@@ -144,7 +144,7 @@ impl Setup {
             subjects,
             client,
             metrics,
-            lifecycle: tokio::sync::Mutex::new(lifecycle),
+            lifecycle,
         }
     }
 
@@ -165,7 +165,7 @@ fn booked_id(reply: Result<RouteReply, kv_gateway::error::ApiError>) -> String {
 #[tokio::test]
 async fn a_query_held_by_a_stalled_replica_is_asked_again_of_a_live_one() {
     // A window this short sends every query through the queue group.
-    let setup = Setup::start(Duration::from_millis(1)).await;
+    let mut setup = Setup::start(Duration::from_millis(1)).await;
     let (asked, booked) = rescue(&setup).await;
     assert!(booked.starts_with("gw-"), "a fresh gateway id: {booked}");
     assert_eq!(
@@ -173,7 +173,7 @@ async fn a_query_held_by_a_stalled_replica_is_asked_again_of_a_live_one() {
         [1, 1, 1],
         "silent, asked_again, again_answered"
     );
-    assert_freed(&setup, &asked).await;
+    assert_freed(&mut setup, &asked).await;
 }
 
 #[tokio::test]
@@ -245,10 +245,9 @@ async fn rescue(setup: &Setup) -> (String, String) {
 }
 
 /// The id the stalled replica holds is freed, so it books nothing when it resumes.
-async fn assert_freed(setup: &Setup, asked: &str) {
-    let mut lifecycle = setup.lifecycle.lock().await;
+async fn assert_freed(setup: &mut Setup, asked: &str) {
     let freed_first = tokio::time::timeout(WAIT, async {
-        while let Some(message) = lifecycle.next().await {
+        while let Some(message) = setup.lifecycle.next().await {
             let batch: LifecycleBatch = decode(&message.payload).unwrap();
             if batch
                 .messages

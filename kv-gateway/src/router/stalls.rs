@@ -12,9 +12,10 @@
 //! from (the readiness probe, an empty prompt every router refuses without booking
 //! anything, on each replica's own subject). A replica still silent once its peers
 //! have answered (the verdict's margin: `verdict_after`), or that NATS says is gone,
-//! may hold the query; a replica that answered is alive and is asked again. When every replica answers, the query is
-//! waiting in a live one's queue and is left alone; when none answers, the trouble is
-//! not one replica's and there is nobody to ask.
+//! may hold the query; a replica that answered is alive and is asked again. When
+//! every replica answers, the query is waiting in a live one's queue and is left
+//! alone; when none answers, the trouble is not one replica's and there is nobody to
+//! ask.
 //!
 //! Cost: nothing while queries are answered within the patience, apart from one
 //! mutex lock per answer to note which replica answered. During a stall, one round
