@@ -125,7 +125,7 @@ class Cluster:
         return self.stack.spawn(f"router-{policy}", [
             str(self.bins.kv_router), "serve", *self.connection(),
             "--http-listen", "127.0.0.1:0", "--http-debug-listen", "main",
-            "--policy", policy], ready="kv-router ready")
+            "--policy", policy], ready="kv-router ready", serving=True)
 
     def reset_prefix_caches(self) -> None:
         """vLLM's ``POST /reset_prefix_cache`` on every engine (a development endpoint:
@@ -171,7 +171,7 @@ def start_nats_etcd(stack: Stack, nats_server: Path, etcd: Path,
     under ``tmp``, each waited for; their URLs ``(nats://…, http://…)``."""
     port = free_port()
     stack.spawn("nats", [str(nats_server), "-a", "127.0.0.1", "-p", str(port), "-js",
-                         "-sd", str(tmp / "nats")], ready="Server is ready")
+                         "-sd", str(tmp / "nats")], ready="Server is ready", serving=True)
     client, peer = free_port(), free_port()
     stack.spawn("etcd", [
         str(etcd), "--name", "default", "--data-dir", str(tmp / "etcd"),

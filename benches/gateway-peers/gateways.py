@@ -96,7 +96,7 @@ def start(row: Row, cluster: Cluster, model_dir: Path) -> Running:
         if "engine" not in row.flags:
             argv += ["--model-dir", str(model_dir)]
         gateway = stack.spawn(f"gateway-{row.key}", argv, ready="kv-router gateway ready",
-                              ready_timeout_s=READY_TIMEOUT_S)
+                              ready_timeout_s=READY_TIMEOUT_S, serving=True)
         return Running(url, gateway, router, argv)
     if row.kind == "smg":
         # As a user runs it: no model path (SMG routes on text and loads no tokenizer).
@@ -106,7 +106,7 @@ def start(row: Row, cluster: Cluster, model_dir: Path) -> Running:
         # SMG serves at once and registers the workers in the background.
         gateway = stack.spawn(f"gateway-{row.key}", argv, ready=SMG_WORKER_READY,
                               ready_count=len(cluster.engine_urls),
-                              ready_timeout_s=READY_TIMEOUT_S)
+                              ready_timeout_s=READY_TIMEOUT_S, serving=True)
         return Running(url, gateway, None, argv)
     if row.kind == "vllm-router":
         argv = [str(bins.vllm_router), "--host", "127.0.0.1", "--port", str(port),
@@ -120,7 +120,7 @@ def start(row: Row, cluster: Cluster, model_dir: Path) -> Running:
             argv += ["--kv-event-block-size", str(cluster.shape.block_size),
                      "--kv-event-model", str(model_dir)]
         gateway = stack.spawn(f"gateway-{row.key}", argv, ready=VLLM_ROUTER_READY,
-                              ready_timeout_s=READY_TIMEOUT_S)
+                              ready_timeout_s=READY_TIMEOUT_S, serving=True)
         return Running(url, gateway, None, argv)
     raise ValueError(f"unknown gateway kind {row.kind}")
 

@@ -43,6 +43,32 @@ def die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+class Placement:
+    """Which CPUs the request path runs on, apart from the load around it.
+
+    ``serving`` (gateways, routers, nats-server) get ``serving_cpus``; every other
+    child (engines, relays, etcd, the client) inherits the benchmark's own affinity,
+    which ``pin_self`` sets to the remaining CPUs. So the engines' and the client's
+    work takes no CPU from the request path, as on a host where the engines run
+    elsewhere, for every gateway alike."""
+
+    def __init__(self, serving_cpus: set[int]):
+        allowed = os.sched_getaffinity(0)
+        if not serving_cpus < allowed:
+            raise ValueError(f"serving CPUs {sorted(serving_cpus)} must be a proper "
+                             f"subset of the CPUs allowed here, {sorted(allowed)}")
+        self.serving_cpus = serving_cpus
+        self.load_cpus = allowed - serving_cpus
+
+    def pin_self(self) -> None:
+        """The benchmark (and every child it starts unpinned) on the load CPUs."""
+        os.sched_setaffinity(0, self.load_cpus)
+
+    def describe(self) -> str:
+        return (f"request path on CPUs {sorted(self.serving_cpus)}, engines and client "
+                f"on {sorted(self.load_cpus)}")
+
+
 class ChildError(RuntimeError):
     """A child exited early or was not ready in time."""
 
@@ -51,7 +77,8 @@ class Child:
     """One started process group with its log and readiness."""
 
     def __init__(self, name: str, argv: list[str], log: Path, ready: str | None,
-                 ready_count: int = 1, env: dict[str, str] | None = None):
+                 ready_count: int = 1, env: dict[str, str] | None = None,
+                 cpus: set[int] | None = None):
         self.name = name
         self.argv = argv
         self.log_path = log
@@ -64,10 +91,16 @@ class Child:
         self._log = open(log, "ab")
         self._log.write(f"$ {' '.join(argv)}\n".encode())
         self._log.flush()
+
+        def preexec() -> None:
+            die_with_parent()
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+
         self.proc = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, start_new_session=True, env=env,
-            preexec_fn=die_with_parent)
+            preexec_fn=preexec)
         self.pgid = self.proc.pid
         self._reader = threading.Thread(target=self._read, name=f"log-{name}", daemon=True)
         self._reader.start()
@@ -191,18 +224,22 @@ def group_cpu_seconds(pgid: int) -> float:
 class Stack:
     """The children started so far, stopped in reverse order by ``stop_all``."""
 
-    def __init__(self, logs: Path):
+    def __init__(self, logs: Path, placement: Placement | None = None):
         self.logs = logs
         logs.mkdir(parents=True, exist_ok=True)
         self._children: list[Child] = []
+        self._placement = placement
 
     def spawn(self, name: str, argv: list[str], ready: str | None = None,
               ready_timeout_s: float = 60.0, ready_count: int = 1,
-              wait: bool = True) -> Child:
+              wait: bool = True, serving: bool = False) -> Child:
         """Starts ``argv`` as ``name`` and, given a ready pattern, waits until it was
         logged ``ready_count`` times (unless ``wait`` is false: then the caller calls
-        ``Child.wait_ready``, e.g. to start slow servers side by side)."""
-        child = Child(name, argv, self.logs / f"{name}.log", ready, ready_count)
+        ``Child.wait_ready``, e.g. to start slow servers side by side). A ``serving``
+        child (on the request path) runs on the placement's serving CPUs, if any."""
+        cpus = self._placement.serving_cpus if serving and self._placement else None
+        child = Child(name, argv, self.logs / f"{name}.log", ready, ready_count,
+                      cpus=cpus)
         self._children.append(child)
         if ready and wait:
             child.wait_ready(ready_timeout_s)

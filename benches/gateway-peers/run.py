@@ -23,7 +23,7 @@ import gateways
 import tools
 from client import Aiperf, hf_cache, percentile, scaled_trace
 from cluster import Cluster, EngineShape, engine_report
-from procs import Stack
+from procs import Placement, Stack
 from report import (OverheadRow, TraceRow, as_json, loadavg, overhead_summary,
                     overhead_table, per_request_ms, trace_table, ttft_stats)
 
@@ -78,6 +78,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "median over rounds of each gateway's added p50")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 40 requests per row, 2 s overhead passes")
+    p.add_argument("--pin-serving", default="",
+                   help="comma-separated CPUs for the request path (gateways, routers, "
+                        "nats-server); engines, relays, etcd and the client run on the "
+                        "others, as if the engines were on other hosts; empty: no pinning")
     p.add_argument("--no-build", action="store_true",
                    help="use the existing target/release binaries")
     args = p.parse_args(argv)
@@ -89,6 +93,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             p.error(f"{flag}: unknown {sorted(unknown)}; known: {gateways.ROW_KEYS}")
     if not set(args.loads.split(",")) <= {"light", "bound"}:
         p.error("--loads takes light and/or bound")
+    try:
+        args.placement = (Placement({int(c) for c in args.pin_serving.split(",")})
+                          if args.pin_serving else None)
+    except ValueError as e:
+        p.error(f"--pin-serving: {e}")
     if min(args.requests, args.workers, args.bound_workers, args.overhead_rounds) < 1:
         p.error("--requests, --workers, --bound-workers and --overhead-rounds must be "
                 "at least 1")
@@ -231,6 +240,11 @@ def run(args: argparse.Namespace, report: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     bins = tools.resolve(REPO, out / "venvs", not args.no_build, log)
     aiperf = Aiperf(bins.aiperf, hf_cache(MODEL_DIR, out), log)
+    placement = args.placement.describe() if args.placement else "unpinned"
+    if args.placement:
+        # After the build, which should have every CPU.
+        args.placement.pin_self()
+        log(placement)
     rows = [r for r in gateways.ROWS if r.key in args.rows.split(",")]
     trace = scaled_trace(TRACE, args.requests, args.time_scale,
                          out / f"trace-{args.requests}-x{args.time_scale:g}.jsonl")
@@ -241,14 +255,15 @@ def run(args: argparse.Namespace, report: dict) -> None:
     report.update({
         "commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain")),
         "command": " ".join(sys.argv), "uptime_start": loadavg(),
-        "config": {k: str(v) for k, v in vars(args).items()},
-        "loads": {}, "overhead": [],
+        "config": {k: str(v) for k, v in vars(args).items() if k != "placement"},
+        "placement": placement, "loads": {}, "overhead": [],
     })
     rates = [float(r) for r in args.overhead_rates.split(",") if r]
     for load in (l for l in loads if l.name in args.loads.split(",")):
         shape = EngineShape(load.workers, args.time_scale, args.block_size,
                             args.num_gpu_blocks)
-        cluster = Cluster(Stack(out / "logs" / load.name), bins, shape, MODEL_DIR)
+        cluster = Cluster(Stack(out / "logs" / load.name, args.placement), bins, shape,
+                          MODEL_DIR)
         try:
             log(f"{load.title}: starting nats, etcd, {load.workers} engines and relays")
             cluster.start()
@@ -292,7 +307,8 @@ def round_robin_ratio(report: dict) -> float | None:
 
 def markdown(report: dict) -> str:
     parts = [f"commit {report.get('commit')}{' (dirty)' if report.get('dirty') else ''}; "
-             f"load {report.get('uptime_start')} → {report.get('uptime_end', loadavg())}\n"]
+             f"load {report.get('uptime_start')} → {report.get('uptime_end', loadavg())}; "
+             f"{report.get('placement', 'unpinned')}\n"]
     ratio = report.get("round_robin_bound_over_light")
     if ratio is not None:
         parts.append(f"round robin's mean TTFT, engine-bound over light: {ratio:.2f}×\n")
