@@ -9,8 +9,9 @@
 //! [`crate::policy::predicted_ttft`], `O = L = 0`):
 //!
 //! ```text
-//! cost = pf_r × (P(now) + N) + max(1, ceil((P(now) + N) / B)) × step_r
+//! cost = pf_r × (P(now) + N) + (max(1, ceil((P(now) + N) / B)) + w_r) × step_r
 //! step_r = step_base_r + decode_r × R + kv_read_r × D × block_size
+//! w_r = ½ if R > 0, else 0       (the wait for the step the rank is running)
 //! ```
 //!
 //! with `pf_r`, `step_base_r`, `decode_r`, `kv_read_r` the rank's own (calibrated)
@@ -20,7 +21,7 @@
 //! change. Hence a lower bound of the cost that is exact in its `now`-free part:
 //!
 //! ```text
-//! cost ≥ pf_g × N + key_r,        key_r = pf_r × P_floor + step_r
+//! cost ≥ pf_g × N + key_r,        key_r = pf_r × P_floor + (1 + w_r) × step_r
 //! ```
 //!
 //! where `pf_g ≤ pf_r` is the lower edge of the rank's *group*: ranks are grouped by
@@ -37,7 +38,7 @@
 //! within the best exact cost: those with little queue behind their oldest prefill.
 
 use crate::policy::TimingScale;
-use crate::policy::predicted_ttft::StepTimeModel;
+use crate::policy::predicted_ttft::{StepTimeModel, step_wait};
 use kv_events::WorkerRank;
 use std::cmp::{Ordering, Reverse};
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, btree_set};
@@ -126,10 +127,11 @@ impl BoundIndex {
     pub(crate) fn set(&mut self, rank: WorkerRank, timing: &StepTimeModel, terms: &RankTerms) {
         self.remove(rank);
         let t = timing.scaled(terms.scale);
-        let key = Key(t.prefill_ms_per_token * terms.floor_prefill_tokens as f64
-            + t.step_base_ms
+        let per_step = t.step_base_ms
             + t.decode_ms_per_seq * terms.active_requests as f64
-            + t.kv_read_ms_per_token * terms.context_tokens as f64);
+            + t.kv_read_ms_per_token * terms.context_tokens as f64;
+        let key = Key(t.prefill_ms_per_token * terms.floor_prefill_tokens as f64
+            + (1.0 + step_wait(terms.active_requests)) * per_step);
         let group = group_of(terms.scale.prefill);
         self.groups.entry(group).or_default().insert((key, rank));
         let (floor, total) = (terms.floor_prefill_tokens, terms.total_prefill_tokens);

@@ -10,15 +10,23 @@
 //!        = base + balanced / (1 + (P − P_min) / B) + backlog × P_min / B   otherwise
 //! L      = min(N, block_size × any_tier_blocks) − O, at least 0
 //! steps  = max(1, ceil((P + N − O − L) / B))
+//! w      = ½ if R > 0, else 0                   the wait for the step the rank runs
 //! cost   = prefill_ms_per_token × (P + N − credit × O − L) + tier_load_ms_per_token × L
-//!        + steps × (step_base_ms + decode_ms_per_seq × R + kv_read_ms_per_token × D × block_size)
+//!        + (steps + w) × (step_base_ms + decode_ms_per_seq × R + kv_read_ms_per_token × D × block_size)
 //! ```
 //!
 //! where `P` is the rank's in-flight prefill tokens (`active_prefill_tokens`), `P_min`
 //! the smallest `P` over the candidates, `B` the engine's `max_num_batched_tokens`,
 //! `R` its active requests and `D` its active context blocks (every active request's
 //! blocks, a shared prefix counted per request: decode attention reads each running
-//! sequence's whole context, whatever the cache shares). The in-flight overlap is
+//! sequence's whole context, whatever the cache shares). A rank with active requests
+//! is running a step, which a new request waits out before its own first step starts:
+//! half a step on average (`w`), what an idle rank does not pay. Without `w` an
+//! idle rank priced a little higher by calibration (its per-step multiplier read
+//! 0.85 against its peers' 0.6) lost every decision to a decoding one, and at light
+//! load three of eight identical engines took 95% of the requests at a 10% higher
+//! TTFT than round robin's (`docs/benchmarks.md`, "Calibration that starved
+//! ranks"). The in-flight overlap is
 //! the leading prompt blocks already held by requests booked on the rank and not yet
 //! freed (`request_blocks − new_blocks`, non-zero only when KV reuse is assumed): the
 //! index learns a prefix only after the rank has prefilled it, and under load the
@@ -187,11 +195,8 @@ impl TtftFeatures {
     /// The TTFT calibration expects under `t`, in two parts, in ms: prefill
     /// (`prefill_ms_per_token × (P + N − O)`) and per step (`(steps + w) ×
     /// (step_base_ms + decode_ms_per_seq × R + kv_read_ms_per_token × D × bs)`), with
-    /// `w` = ½ when [`Self::mid_step`] (the wait for the running step), else 0.
-    ///
-    /// The policy's cost leaves `w` out: every busy rank pays it alike, and an idle
-    /// rank is already the cheapest. Calibration needs it, or the per-step
-    /// multiplier of a busy rank would absorb it (≈ 1.5 on single-step requests).
+    /// `w` = ½ when [`Self::mid_step`] (the wait for the running step), else 0: the
+    /// policy's cost to the bit, without the reuse credit (`credit = 1`).
     pub fn parts(&self, t: &StepTimeModel) -> [f64; 2] {
         let wait = if self.mid_step { 0.5 } else { 0.0 };
         let per_step = t.step_base_ms
@@ -349,7 +354,13 @@ pub fn predicted_ttft_cost(
         + t.kv_read_ms_per_token * c.load.active_context_blocks.saturating_mul(bs) as f64;
     t.prefill_ms_per_token * (pending as f64 + n as f64 - credit * cached as f64 - loaded as f64)
         + t.tier_load_ms_per_token * loaded as f64
-        + steps as f64 * per_step
+        + (steps as f64 + step_wait(c.load.active_requests as u64)) * per_step
+}
+
+/// `w` of the module docs: the steps a new request waits for the one a rank with
+/// `active_requests` is running (half of one on average; none on an idle rank).
+pub(crate) fn step_wait(active_requests: u64) -> f64 {
+    if active_requests > 0 { 0.5 } else { 0.0 }
 }
 
 /// [`predicted_ttft_cost`] with `config`'s timing scaled by a rank's calibrated
