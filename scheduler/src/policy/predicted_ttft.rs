@@ -195,8 +195,8 @@ impl TtftFeatures {
     /// The TTFT calibration expects under `t`, in two parts, in ms: prefill
     /// (`prefill_ms_per_token × (P + N − O)`) and per step (`(steps + w) ×
     /// (step_base_ms + decode_ms_per_seq × R + kv_read_ms_per_token × D × bs)`), with
-    /// `w` = ½ when [`Self::mid_step`] (the wait for the running step), else 0: the
-    /// policy's cost to the bit, without the reuse credit (`credit = 1`).
+    /// `w` = ½ when [`Self::mid_step`] (the wait for the running step), else 0, as
+    /// the policy's cost counts it ([`predicted_ttft_cost`]).
     pub fn parts(&self, t: &StepTimeModel) -> [f64; 2] {
         let wait = if self.mid_step { 0.5 } else { 0.0 };
         let per_step = t.step_base_ms
