@@ -127,11 +127,9 @@ impl BoundIndex {
     pub(crate) fn set(&mut self, rank: WorkerRank, timing: &StepTimeModel, terms: &RankTerms) {
         self.remove(rank);
         let t = timing.scaled(terms.scale);
-        let per_step = t.step_base_ms
-            + t.decode_ms_per_seq * terms.active_requests as f64
-            + t.kv_read_ms_per_token * terms.context_tokens as f64;
+        let per_step = t.step_ms(terms.active_requests, terms.context_tokens);
         let key = Key(t.prefill_ms_per_token * terms.floor_prefill_tokens as f64
-            + (1.0 + step_wait(terms.active_requests)) * per_step);
+            + (1.0 + step_wait(terms.active_requests > 0)) * per_step);
         let group = group_of(terms.scale.prefill);
         self.groups.entry(group).or_default().insert((key, rank));
         let (floor, total) = (terms.floor_prefill_tokens, terms.total_prefill_tokens);

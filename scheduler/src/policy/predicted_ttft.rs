@@ -140,6 +140,15 @@ impl StepTimeModel {
             tier_load_ms_per_token: self.tier_load_ms_per_token,
         }
     }
+
+    /// One step of a rank running `requests` sequences over `context_tokens` KV
+    /// tokens: `step_base_ms + decode_ms_per_seq × R + kv_read_ms_per_token × D ×
+    /// block_size`, in ms.
+    pub(crate) fn step_ms(&self, requests: u64, context_tokens: u64) -> f64 {
+        self.step_base_ms
+            + self.decode_ms_per_seq * requests as f64
+            + self.kv_read_ms_per_token * context_tokens as f64
+    }
 }
 
 /// What the uncredited (`credit = 1`) TTFT prediction of a request on one rank is
@@ -198,13 +207,10 @@ impl TtftFeatures {
     /// `w` = ½ when [`Self::mid_step`] (the wait for the running step), else 0, as
     /// the policy's cost counts it ([`predicted_ttft_cost`]).
     pub fn parts(&self, t: &StepTimeModel) -> [f64; 2] {
-        let wait = if self.mid_step { 0.5 } else { 0.0 };
-        let per_step = t.step_base_ms
-            + t.decode_ms_per_seq * self.active_requests as f64
-            + t.kv_read_ms_per_token * self.context_tokens as f64;
+        let per_step = t.step_ms(self.active_requests, self.context_tokens);
         [
             t.prefill_ms_per_token * self.prefill_tokens as f64,
-            (self.steps as f64 + wait) * per_step,
+            (self.steps as f64 + step_wait(self.mid_step)) * per_step,
         ]
     }
 }
@@ -349,18 +355,18 @@ pub fn predicted_ttft_cost(
         .saturating_add(n - cached - loaded)
         .div_ceil(budget)
         .max(1);
-    let per_step = t.step_base_ms
-        + t.decode_ms_per_seq * c.load.active_requests as f64
-        + t.kv_read_ms_per_token * c.load.active_context_blocks.saturating_mul(bs) as f64;
+    let active = c.load.active_requests as u64;
+    let per_step = t.step_ms(active, c.load.active_context_blocks.saturating_mul(bs));
     t.prefill_ms_per_token * (pending as f64 + n as f64 - credit * cached as f64 - loaded as f64)
         + t.tier_load_ms_per_token * loaded as f64
-        + (steps as f64 + step_wait(c.load.active_requests as u64)) * per_step
+        + (steps as f64 + step_wait(active > 0)) * per_step
 }
 
-/// `w` of the module docs: the steps a new request waits for the one a rank with
-/// `active_requests` is running (half of one on average; none on an idle rank).
-pub(crate) fn step_wait(active_requests: u64) -> f64 {
-    if active_requests > 0 { 0.5 } else { 0.0 }
+/// `w` of the module docs: the steps a new request waits for the one a rank is
+/// running when it is `busy` (has active requests): half of one on average; none on
+/// an idle rank.
+pub(crate) fn step_wait(busy: bool) -> f64 {
+    if busy { 0.5 } else { 0.0 }
 }
 
 /// [`predicted_ttft_cost`] with `config`'s timing scaled by a rank's calibrated
