@@ -10,6 +10,7 @@ use crate::error::LabError;
 use crate::fleet::SimulatedFleetArgs;
 use crate::hybrid::{HybridArgs, run_hybrid};
 use crate::oracle::oracle_bound;
+use crate::replica_study::{ReplicaArgs, run_replicas};
 use crate::report::{self, LabReport};
 use crate::robustness::{RobustnessArgs, run_robustness};
 use crate::sim::PreparedTrace;
@@ -92,6 +93,10 @@ pub enum LabCommand {
     /// group-aware and a group-blind index, against a dense fleet of the same
     /// memory: hit rate, the router's over-claimed overlap and TTFT (issue 28).
     Hybrid(HybridArgs),
+    /// Route with 1, 2, 4, 8 router replicas whose queries are spread at random, each
+    /// learning its peers' bookings a sync lag late: hit rate and TTFT against one
+    /// replica (issue 29).
+    Replicas(ReplicaArgs),
 }
 
 /// Runs `kv-mocker lab`: the sweep ([`run_lab`]) or the study named by its subcommand.
@@ -104,6 +109,7 @@ pub fn run(mut args: LabArgs) -> Result<(), LabError> {
         Some(LabCommand::Swing(study)) => calibration::run_swing(study).map(drop),
         Some(LabCommand::Disagg(study)) => run_disagg(study).map(drop),
         Some(LabCommand::Hybrid(study)) => run_hybrid(study).map(drop),
+        Some(LabCommand::Replicas(study)) => run_replicas(study).map(drop),
         None => run_lab(args).map(drop),
     }
 }

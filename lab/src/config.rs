@@ -117,7 +117,42 @@ pub struct SimConfig {
     /// measures none. Aggregated fleets only: a split fleet's decisions are not
     /// sampled.
     pub regret_every: Option<NonZeroU64>,
+    /// Router replicas deciding in one queue group (one by default).
+    pub replicas: RouterReplicas,
 }
+
+/// Router replicas of a run (`crate::replicas`): how many, and how late each learns
+/// its peers' bookings and lifecycle steps.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RouterReplicas {
+    /// Replicas in the route queue group, at least 1; each query goes to one drawn at
+    /// random.
+    pub count: usize,
+    /// From a replica's booking or lifecycle step to its peers applying it, in
+    /// simulated ms; finite and ≥ 0.
+    pub sync_lag_ms: f64,
+}
+
+impl Default for RouterReplicas {
+    /// One replica; a sync lag of [`DEFAULT_SYNC_LAG_MS`] if more are set.
+    fn default() -> Self {
+        Self {
+            count: 1,
+            sync_lag_ms: DEFAULT_SYNC_LAG_MS,
+        }
+    }
+}
+
+impl RouterReplicas {
+    /// The sync lag in ns.
+    pub fn sync_lag_ns(&self) -> u64 {
+        ms_to_ns(self.sync_lag_ms)
+    }
+}
+
+/// Default replica sync lag, in ms: the p50 bucket bound measured with 8 replicas on
+/// one host (`docs/benchmarks.md`, "Router replicas"; p99 ≤ 10 ms).
+pub const DEFAULT_SYNC_LAG_MS: f64 = 1.0;
 
 /// Which KV cache groups' events the lab's router indexes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -152,6 +187,7 @@ impl Default for SimConfig {
             hybrid: HybridConfig::default(),
             router_groups: RouterGroups::All,
             regret_every: None,
+            replicas: RouterReplicas::default(),
         }
     }
 }
@@ -171,7 +207,10 @@ impl SimConfig {
     /// # Errors
     /// [`LabError::Engine`] for a bad engine, CPU tier or transfer knob, [`LabError::Timing`] for a timing
     /// coefficient that is negative or not finite, [`LabError::EventLag`] for a
-    /// negative or non-finite lag, [`LabError::Scheduler`] for a conditional threshold out of range.
+    /// negative or non-finite lag, [`LabError::Scheduler`] for a conditional threshold out of range,
+    /// [`LabError::Replicas`] for no replica or replicas over a split fleet (the lab
+    /// syncs whole requests' bookings only), [`LabError::SyncLag`] for a negative or
+    /// non-finite sync lag.
     pub fn validate(&self) -> Result<(), LabError> {
         self.engine.validate()?;
         self.cpu_tier.validate()?;
@@ -191,6 +230,15 @@ impl SimConfig {
         }
         if !(self.event_lag_ms.is_finite() && self.event_lag_ms >= 0.0) {
             return Err(LabError::EventLag(self.event_lag_ms));
+        }
+        if self.replicas.count == 0
+            || (self.replicas.count > 1 && !matches!(self.serving, Serving::Aggregated))
+        {
+            return Err(LabError::Replicas(self.replicas.count));
+        }
+        let lag = self.replicas.sync_lag_ms;
+        if !(lag.is_finite() && lag >= 0.0) {
+            return Err(LabError::SyncLag(lag));
         }
         if let Some(ms) = self.calibration_sample_ms
             && !(ms.is_finite() && ms >= 1.0)

@@ -2,21 +2,12 @@
 //! trace file (table, `disagg.json`, charts).
 
 use super::*;
-use crate::LabArgs;
-use clap::Parser;
-
-#[derive(Debug, Parser)]
-struct Cli {
-    #[command(flatten)]
-    lab: LabArgs,
-}
 
 fn parse(args: &[&str]) -> Result<DisaggArgs, clap::Error> {
-    let cli = Cli::try_parse_from(["lab", "disagg"].iter().chain(args).copied())?;
-    match cli.lab.command {
-        Some(crate::LabCommand::Disagg(args)) => Ok(args),
+    crate::test_cli::parse_study("disagg", args, |command| match command {
+        Some(crate::LabCommand::Disagg(args)) => args,
         other => panic!("not the disagg subcommand: {other:?}"),
-    }
+    })
 }
 
 #[test]

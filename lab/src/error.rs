@@ -30,6 +30,13 @@ pub enum LabError {
     /// The event lag is negative or not finite.
     #[error("event lag must be finite and >= 0 ms, got {0}")]
     EventLag(f64),
+    /// No router replica, or several over a split fleet (the lab syncs whole
+    /// requests' bookings only).
+    #[error("router replicas: at least 1, and only 1 over a split fleet; got {0}")]
+    Replicas(usize),
+    /// The replica sync lag is negative or not finite.
+    #[error("replica sync lag must be finite and >= 0 ms, got {0}")]
+    SyncLag(f64),
     /// `kv-mocker lab swing --cell` names no robustness cell.
     #[error("unknown cell {0:?} (see `kv-mocker lab robustness` for the names)")]
     UnknownCell(String),

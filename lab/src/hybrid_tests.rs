@@ -3,22 +3,13 @@
 //! over-claims on a hybrid engine.
 
 use super::*;
-use crate::LabArgs;
 use crate::RunMetrics;
-use clap::Parser;
-
-#[derive(Debug, Parser)]
-struct Cli {
-    #[command(flatten)]
-    lab: LabArgs,
-}
 
 fn parse(args: &[&str]) -> Result<HybridArgs, clap::Error> {
-    let cli = Cli::try_parse_from(["lab", "hybrid"].iter().chain(args).copied())?;
-    match cli.lab.command {
-        Some(crate::LabCommand::Hybrid(args)) => Ok(args),
+    crate::test_cli::parse_study("hybrid", args, |command| match command {
+        Some(crate::LabCommand::Hybrid(args)) => args,
         other => panic!("not the hybrid subcommand: {other:?}"),
-    }
+    })
 }
 
 #[test]

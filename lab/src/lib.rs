@@ -39,7 +39,9 @@
 //! - `sim`: the discrete-event simulator of one run (its `pair` module: the two halves
 //!   of a disaggregated request); `prepared`: the trace mapped onto engine blocks;
 //!   `sessions`: the sessions derived from a trace's prefix chains.
-//! - `router`: index plus scheduler as the lab drives them.
+//! - `router`: index plus scheduler as the lab drives them; `replicas`: several
+//!   schedulers in one queue group, syncing their bookings a lag late;
+//!   `replica_study`: `kv-mocker lab replicas`, hit rate and TTFT against one replica.
 //! - `log`: [`simulate_logged`], a run's route lookups and KV events, for replaying
 //!   the same traffic into other indexes.
 //! - `oracle`: the infinite-cache hit-rate bound.
@@ -66,6 +68,8 @@ mod oracle;
 mod prepared;
 mod regret;
 mod regret_report;
+mod replica_study;
+mod replicas;
 mod report;
 mod robustness;
 mod robustness_report;
@@ -80,13 +84,17 @@ mod table;
 #[cfg(test)]
 mod regret_tests;
 #[cfg(test)]
+mod test_cli;
+#[cfg(test)]
 mod tests;
 
 pub use calibration::{SwingArgs, SwingReport};
 pub use calibration_point::CalibrationPoint;
 pub use charts::{CHART_FILES, DISAGG_CHART_FILES, write_charts, write_disagg_charts};
 pub use cli::{LabArgs, LabCommand, run, run_lab, run_lab_with};
-pub use config::{LabPolicy, RouterGroups, Setting, SimConfig, Speedup};
+pub use config::{
+    DEFAULT_SYNC_LAG_MS, LabPolicy, RouterGroups, RouterReplicas, Setting, SimConfig, Speedup,
+};
 pub use disagg::{DisaggArgs, DisaggReport, run_disagg};
 pub use error::LabError;
 pub use fleet::{EnginePreset, Factor, FleetPreset, SimulatedFleetArgs, TierPricing, WorkerSpeeds};
@@ -96,6 +104,7 @@ pub use log_entry::LogEntry;
 pub use metrics::{Prediction, RequestRecord, RunMetrics};
 pub use oracle::{OracleBound, oracle_bound};
 pub use regret::{RegretBucket, RegretFigures, RegretStats};
+pub use replica_study::{ReplicaArgs, ReplicaReport, run_replicas};
 pub use report::{ConfigInfo, LabReport, RunReport, TimingInfo, TraceInfo};
 pub use robustness::{RobustnessArgs, run_robustness};
 pub use robustness_report::{CellRun, RobustnessReport};

@@ -11,6 +11,7 @@ use crate::blind::BlindView;
 use crate::config::{LabPolicy, RouterGroups, SimConfig};
 use crate::error::LabError;
 use crate::fleet::TierPricing;
+use crate::replicas::ReplicaSet;
 use indexer::RadixTree;
 use kv_events::disaggregation::{DisaggregationReason, KvTransfer, TransferProtocol, WorkerRole};
 use kv_events::discovery::WorkerRegistration;
@@ -20,19 +21,13 @@ use scheduler::{
     CalibrationConfig, PolicyConfig, RankCalibration, ScheduleRequest, Scheduler, SchedulerConfig,
     SessionConfig,
 };
-use std::time::{Duration, Instant};
 
-/// Who decides.
+/// Who decides: schedulers configured with one policy's default knobs, as `kv-router
+/// serve --policy <kind>` runs it, one per router replica (`crate::replicas`; one
+/// by default).
 #[derive(Debug)]
 enum Decider {
-    /// A scheduler configured with one policy's default knobs, as `kv-router serve
-    /// --policy <kind>` runs it.
-    Scheduler {
-        scheduler: Box<Scheduler>,
-        /// Simulated time 0 as an `Instant` (the scheduler takes `Instant`s; only
-        /// differences matter, so runs stay deterministic).
-        epoch: Instant,
-    },
+    Scheduler(ReplicaSet),
 }
 
 /// Where a request runs, by rank index: its decode rank (the rank of a whole
@@ -79,48 +74,52 @@ impl Router {
         roles: &[WorkerRole],
         config: &SimConfig,
     ) -> Result<Self, LabError> {
+        let replicas = config.replicas;
         let decider = match policy {
             LabPolicy::Scheduler(kind)
             | LabPolicy::Calibrated(kind)
             | LabPolicy::Sessions(kind)
-            | LabPolicy::Tuned(kind) => {
-                let scheduler_config = SchedulerConfig {
-                    policy: policy_config(policy, kind, config),
-                    calibration: CalibrationConfig {
-                        enabled: matches!(policy, LabPolicy::Calibrated(_)),
-                        ..CalibrationConfig::default()
-                    },
-                    sessions: SessionConfig {
-                        enabled: matches!(policy, LabPolicy::Sessions(_)),
-                        ..config.sessions
-                    },
-                    disaggregation: config.disaggregation(),
-                    ..SchedulerConfig::default()
-                };
-                let mut scheduler = Scheduler::new(scheduler_config, Some(config.seed))?;
-                for (rank, &role) in ranks.iter().zip(roles) {
-                    scheduler.add_worker(WorkerRegistration {
-                        worker_id: rank.worker_id,
-                        dp_size: 1,
-                        block_size: config.engine.block_size,
-                        total_kv_blocks: config.engine.num_gpu_blocks,
-                        url: None,
-                        epoch: 0,
-                        max_model_len: None,
-                        role,
-                        // Every engine of a split fleet speaks one protocol; which one
-                        // does not change the decisions.
-                        kv_transfer: (role != WorkerRole::Both).then_some(KvTransfer {
-                            protocol: TransferProtocol::Vllm,
-                            bootstrap_port: None,
-                        }),
-                    })?;
-                }
-                Decider::Scheduler {
-                    scheduler: Box::new(scheduler),
-                    epoch: Instant::now(),
-                }
-            }
+            | LabPolicy::Tuned(kind) => Decider::Scheduler(ReplicaSet::new(
+                replicas.count,
+                replicas.sync_lag_ns(),
+                config.seed,
+                |replica| {
+                    let scheduler_config = SchedulerConfig {
+                        policy: policy_config(policy, kind, config),
+                        calibration: CalibrationConfig {
+                            enabled: matches!(policy, LabPolicy::Calibrated(_)),
+                            ..CalibrationConfig::default()
+                        },
+                        sessions: SessionConfig {
+                            enabled: matches!(policy, LabPolicy::Sessions(_)),
+                            ..config.sessions
+                        },
+                        disaggregation: config.disaggregation(),
+                        ..SchedulerConfig::default()
+                    };
+                    let seed = config.seed.wrapping_add(replica as u64);
+                    let mut scheduler = Scheduler::new(scheduler_config, Some(seed))?;
+                    for (rank, &role) in ranks.iter().zip(roles) {
+                        scheduler.add_worker(WorkerRegistration {
+                            worker_id: rank.worker_id,
+                            dp_size: 1,
+                            block_size: config.engine.block_size,
+                            total_kv_blocks: config.engine.num_gpu_blocks,
+                            url: None,
+                            epoch: 0,
+                            max_model_len: None,
+                            role,
+                            // Every engine of a split fleet speaks one protocol; which one
+                            // does not change the decisions.
+                            kv_transfer: (role != WorkerRole::Both).then_some(KvTransfer {
+                                protocol: TransferProtocol::Vllm,
+                                bootstrap_port: None,
+                            }),
+                        })?;
+                    }
+                    Ok(scheduler)
+                },
+            )?),
         };
         Ok(Self {
             tree: RadixTree::new(),
@@ -153,7 +152,7 @@ impl Router {
     ) -> Result<Route, LabError> {
         let scores = self.tree.find_matches(block_hashes);
         match &mut self.decider {
-            Decider::Scheduler { scheduler, epoch } => {
+            Decider::Scheduler(replicas) => {
                 let mut request = ScheduleRequest::new(
                     id.clone(),
                     block_hashes.to_vec(),
@@ -165,7 +164,7 @@ impl Router {
                     // A short ASCII name is always a valid id.
                     request.session_id = SessionId::new(&format!("s{session}")).ok();
                 }
-                let selection = scheduler.schedule(&request, &scores, at(*epoch, now_ns))?;
+                let selection = replicas.schedule(&request, &scores, now_ns)?;
                 let pair = selection.disaggregation;
                 let prefill_rank = pair.and_then(|p| p.prefill).map(|p| p.rank);
                 Ok(Route {
@@ -208,11 +207,9 @@ impl Router {
     /// A frontend's lifecycle event, as the daemon applies it.
     fn lifecycle(&mut self, id: &RequestId, event: LifecycleEvent, now_ns: u64) {
         match &mut self.decider {
-            Decider::Scheduler { scheduler, epoch } => {
-                // An unknown id means the request was never booked (or this half
-                // was already released); nothing to release.
-                let _ = scheduler.lifecycle(id, event, at(*epoch, now_ns));
-            }
+            // An unknown id means the request was never booked (or this half was
+            // already released); nothing to release.
+            Decider::Scheduler(replicas) => replicas.lifecycle(id, event, now_ns),
         }
     }
 
@@ -220,7 +217,7 @@ impl Router {
     /// them all, so call it at the end of a run.
     pub fn open_bookings(&mut self) -> usize {
         match &mut self.decider {
-            Decider::Scheduler { scheduler, .. } => expire_all(scheduler),
+            Decider::Scheduler(replicas) => replicas.open_bookings(),
         }
     }
 
@@ -244,7 +241,7 @@ impl Router {
     /// does not calibrate).
     pub fn calibration(&self, index: usize) -> Option<RankCalibration> {
         match &self.decider {
-            Decider::Scheduler { scheduler, .. } => scheduler.calibration(*self.ranks.get(index)?),
+            Decider::Scheduler(replicas) => replicas.first().calibration(*self.ranks.get(index)?),
         }
     }
 
@@ -295,19 +292,4 @@ fn tier_priced(mut policy: PolicyConfig, pricing: TierPricing) -> PolicyConfig {
         }
     }
     policy
-}
-
-/// Expires every booking of `scheduler`; returns how many there were. Each round
-/// expires at least the earliest one.
-fn expire_all(scheduler: &mut Scheduler) -> usize {
-    let mut expired = 0;
-    while let Some(deadline) = scheduler.next_expiry() {
-        expired += scheduler.expire(deadline).len();
-    }
-    expired
-}
-
-/// Simulated time `ns` as an `Instant` after `epoch`.
-fn at(epoch: Instant, ns: u64) -> Instant {
-    epoch + Duration::from_nanos(ns)
 }
