@@ -14,7 +14,7 @@ use integration_tests::router_client::{ask, decision, one_by_one, router_client_
 use kv_events::routing::{RouteError, RouteErrorCode, RouteReply, RouteRequest};
 use kv_events::{Namespace, ROUTER_ID_HEADER, RouterId, Subjects, WorkerId, decode, encode};
 use kv_gateway::error::ApiError;
-use kv_gateway::router::{ReplicaAffinity, RouterClient, RouterMetrics};
+use kv_gateway::router::{PinTarget, ReplicaAffinity, RouterClient, RouterMetrics};
 use std::time::Duration;
 use testbed::NatsServer;
 use tokio::task::JoinHandle;
@@ -64,6 +64,7 @@ impl Setup {
         let affinity = ReplicaAffinity {
             window: Duration::from_secs(3600),
             patience,
+            target: PinTarget::Lowest,
         };
         let settings = one_by_one(route_timeout, Some(affinity));
         let (client, metrics) = router_client_with(&nats, &subjects, settings);

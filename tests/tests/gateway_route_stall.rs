@@ -14,7 +14,7 @@ use kv_events::routing::{
     LifecycleBatch, LifecycleEvent, RouteError, RouteErrorCode, RouteReply, RouteRequest,
 };
 use kv_events::{Namespace, ROUTER_ID_HEADER, RouterId, Subjects, WorkerId, decode, encode};
-use kv_gateway::router::{ReplicaAffinity, RouterClient, RouterMetrics};
+use kv_gateway::router::{PinTarget, ReplicaAffinity, RouterClient, RouterMetrics};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -133,7 +133,11 @@ impl Setup {
         let server = NatsServer::start().await.unwrap();
         let nats = async_nats::connect(server.url()).await.unwrap();
         let subjects = Subjects::new(Namespace::new("stall-test").unwrap());
-        let affinity = ReplicaAffinity { window, patience };
+        let affinity = ReplicaAffinity {
+            window,
+            patience,
+            target: PinTarget::Lowest,
+        };
         let lifecycle = nats.subscribe(subjects.lifecycle()).await.unwrap();
         nats.flush().await.unwrap();
         let (client, metrics) =

@@ -140,6 +140,20 @@ pub struct ForwardArgs {
         value_parser = clap::value_parser!(u64).range(1..)
     )]
     pub route_affinity_patience_ms: u64,
+    /// Which router replica the gateway pins to once a query through the queue group
+    /// is answered: `lowest`, the lowest replica id it has heard from and not found
+    /// gone, silent, overloaded or slow, so that gateways agree on one replica and a
+    /// burst spread over them is placed by one replica; `answered`, the replica that
+    /// answered, spreading gateways over replicas (docs/gateway.md, "Replica
+    /// affinity").
+    #[arg(
+        long,
+        help_heading = "Forwarding",
+        env = "KV_GATEWAY_ROUTE_AFFINITY_TARGET",
+        value_enum,
+        default_value_t = crate::router::PinTarget::Lowest
+    )]
+    pub route_affinity_target: crate::router::PinTarget,
     /// How long connecting to an engine may take, in ms.
     #[arg(
         long,

@@ -221,6 +221,7 @@ impl GatewayArgs {
                     crate::router::ReplicaAffinity {
                         window: Duration::from_millis(fwd.route_affinity_ms),
                         patience: Duration::from_millis(fwd.route_affinity_patience_ms),
+                        target: fwd.route_affinity_target,
                     }
                 }),
             },

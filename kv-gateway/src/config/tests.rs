@@ -65,8 +65,19 @@ fn route_grouping_defaults_and_bounds() {
         Some(crate::router::ReplicaAffinity {
             window: Duration::from_secs(1),
             patience: Duration::from_millis(250),
+            target: crate::router::PinTarget::Lowest,
         }),
         "replica affinity on by default"
+    );
+    let answered = parse(&["--model-dir=/m/x", "--route-affinity-target=answered"]);
+    assert_eq!(
+        answered
+            .to_config()
+            .unwrap()
+            .limits
+            .route_affinity
+            .map(|a| a.target),
+        Some(crate::router::PinTarget::Answered)
     );
     let unpinned = parse(&["--model-dir=/m/x", "--route-affinity-ms=0"]);
     assert_eq!(unpinned.to_config().unwrap().limits.route_affinity, None);

@@ -8,14 +8,29 @@
 //! places the queries that arrive together with one replica, but a burst that reaches
 //! the gateway spread over tens of ms still leaves in several messages, and the queue
 //! group gives each to a random replica, which places it without the bookings the
-//! others just made. So once a replica has answered (its [`ROUTER_ID_HEADER`]), the
+//! others just made. So once a replica has answered (its [`kv_events::ROUTER_ID_HEADER`]), the
 //! gateway sends what follows to that replica alone (`{ns}.router.at.{id}.route`, and
 //! `….route_batch`) for `window`: the replica then places every query of the gateway
 //! seeing the gateway's earlier bookings at once, as one replica would (a session's
 //! read-your-writes, the usual way to get it from replicas without consensus). When
-//! the window has passed, the next query goes through the queue group again and pins
-//! the gateway to whichever replica answers, so gateways keep spreading over
-//! replicas.
+//! the window has passed, the next query goes through the queue group again, which is
+//! how the gateway hears of replicas, and the gateway pins again.
+//!
+//! Which replica (`--route-affinity-target`): by default the lowest replica id the
+//! gateway has heard from ([`PinTarget::Lowest`]), leaving out replicas found gone,
+//! silent, overloaded or slow (let go for the patience) within the last window. So
+//! gateways that have heard from the same replicas pin to the same one: a burst that
+//! a load balancer spreads over several gateways is then placed by one replica that
+//! sees every booking of it, as one replica places it. Spread over replicas blind to
+//! each other for a sync lag, the same-instant bursts of the Mooncake trace cost
+//! 1.17×, 1.35× and 1.57× the mean TTFT of one replica at 2, 4 and 8 replicas
+//! (`kv-mocker lab replicas`, docs/benchmarks.md "Blind replicas"). A gateway learns
+//! of one replica per window (the query through the queue group), so it reaches the
+//! lowest within a few windows of starting. The cost is that one replica decides
+//! while it is healthy and the others only keep its bookings and stand by; one
+//! replica decides tens of thousands of routes per second, and one that answers
+//! `overloaded` is avoided for a window. [`PinTarget::Answered`] pins to the replica
+//! that answered, spreading gateways over replicas.
 //!
 //! The pin is dropped at once when that replica is gone (NATS "no responders": the
 //! query is asked again through the queue group, so no query fails for it), answers
@@ -55,7 +70,7 @@ use async_nats::{Client, Message, Subject};
 use backon::BackoffBuilder as _;
 use events::{Events, Release};
 use kv_events::routing::{RouteBatchReply, RouteErrorCode, RouteReply};
-use kv_events::{ROUTER_ID_HEADER, RouterId, Subjects, decode};
+use kv_events::{RouterId, Subjects, decode};
 use serde::de::DeserializeOwned;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -64,6 +79,9 @@ use tokio::time::Instant;
 use tracing::debug;
 
 mod events;
+mod pin;
+
+use pin::{Affinity, Pin};
 
 /// The first wait before a query that found no router subscribed is asked again.
 const NO_ROUTER_FIRST_WAIT: Duration = Duration::from_millis(5);
@@ -88,21 +106,6 @@ pub(super) struct Asker {
     /// The replicas heard from, pinged when a query waits out the patience (module
     /// `router::stalls`); with affinity only.
     stalls: Option<Arc<Stalls>>,
-}
-
-/// The replica this gateway's queries go to, and for how long (module docs).
-struct Affinity {
-    settings: ReplicaAffinity,
-    pin: Mutex<Option<Pin>>,
-    counted: Events,
-}
-
-/// A pin to one replica: its own subjects, until when.
-#[derive(Clone)]
-struct Pin {
-    router: RouterId,
-    services: Services,
-    until: Instant,
 }
 
 /// A replica's answer, and the pinned replica it came from (`None`: through the
@@ -198,6 +201,9 @@ impl Asker {
         let subject: Subject = self.subjects.route_at(router).into();
         let message = match self.send(subject, payload.clone(), deadline).await {
             Err(e) if e.kind() == RequestErrorKind::NoResponders => {
+                if let Some(stalls) = &self.stalls {
+                    stalls.forget(router);
+                }
                 let shared = self.shared.subject(Service::Single);
                 self.send_until_answered(shared, payload, deadline).await
             }
@@ -278,6 +284,9 @@ impl Asker {
                     if !matches!(why, Release::Gone) {
                         return Err(e);
                     }
+                    if let Some(stalls) = &self.stalls {
+                        stalls.forget(pin.router);
+                    }
                     debug!(router = %pin.router, "the pinned router replica is gone; asking the queue group");
                 }
             }
@@ -346,23 +355,8 @@ impl Asker {
         }
         debug!(router = %pin.router, ?patience, "the pinned router replica is slow to answer; letting it go");
         self.unpin(pin.router, Release::TimedOut);
+        self.avoid(pin.router);
         asked.await
-    }
-
-    /// After a decoded answer: an `overloaded` one from the pinned replica lets the
-    /// pin go; any other from the queue group pins to the replica that sent it (an
-    /// `overloaded` one pins nothing).
-    fn settle(&self, answer: &Answer, overloaded: bool) {
-        // Read once: noted for the stall check, and the replica to pin to.
-        let sender = answered_by(&answer.message);
-        if let (Some(stalls), Some(sender)) = (&self.stalls, sender) {
-            stalls.heard(sender);
-        }
-        match (answer.pinned, overloaded, sender) {
-            (Some(router), true, _) => self.unpin(router, Release::Overloaded),
-            (None, false, Some(sender)) => self.pin_to(sender),
-            (Some(_), false, _) | (None, true, _) | (None, false, None) => {}
-        }
     }
 
     /// One request answered by `deadline`, handed to the client only while it is
@@ -388,59 +382,6 @@ impl Asker {
             .timeout(Some(deadline.saturating_duration_since(Instant::now())));
         self.nats.send_request(subject, request).await
     }
-
-    /// The pin, if one holds now, and the affinity's patience.
-    fn pinned(&self) -> Option<(Pin, Duration)> {
-        let affinity = self.affinity.as_ref()?;
-        let pin = affinity.pin.lock().unwrap_or_else(|p| p.into_inner());
-        let pin = pin.as_ref().filter(|p| Instant::now() < p.until).cloned()?;
-        Some((pin, affinity.settings.patience))
-    }
-
-    /// Pins to `router` (the replica that sent an answer), unless a pin holds already.
-    fn pin_to(&self, router: RouterId) {
-        let Some(affinity) = &self.affinity else {
-            return;
-        };
-        let now = Instant::now();
-        let mut pin = affinity.pin.lock().unwrap_or_else(|p| p.into_inner());
-        if pin.as_ref().is_some_and(|p| now < p.until) {
-            return;
-        }
-        *pin = Some(Pin {
-            router,
-            services: Services {
-                route: self.subjects.route_at(router).into(),
-                route_batch: self.subjects.route_batch_at(router).into(),
-            },
-            until: now + affinity.settings.window,
-        });
-        affinity.counted.pinned.inc();
-    }
-
-    /// Lets the pin go if one to `router` holds, counting `why`. A pin to another
-    /// replica (taken meanwhile by another query) stays.
-    fn unpin(&self, router: RouterId, why: Release) {
-        let Some(affinity) = &self.affinity else {
-            return;
-        };
-        let mut pin = affinity.pin.lock().unwrap_or_else(|p| p.into_inner());
-        if pin.as_ref().is_some_and(|p| p.router == router) {
-            let released = pin.take().is_some_and(|p| Instant::now() < p.until);
-            if released {
-                affinity.counted.released(why).inc();
-            }
-        }
-    }
-}
-
-/// The replica a reply names in its [`ROUTER_ID_HEADER`], if it names one that parses.
-fn answered_by(reply: &Message) -> Option<RouterId> {
-    reply
-        .headers
-        .as_ref()
-        .and_then(|h| h.get(ROUTER_ID_HEADER))
-        .and_then(|v| RouterId::parse_hex(v.as_str()))
 }
 
 fn is_overloaded(reply: &RouteReply) -> bool {

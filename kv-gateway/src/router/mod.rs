@@ -11,8 +11,9 @@
 //! Queries that arrive while one of the gateway's is being answered wait for it and
 //! leave together as one `route_batch` (module `router::grouping`): one replica then
 //! places them all, each seeing the others' bookings. For a while after a replica has
-//! answered, the gateway's queries go to that replica alone (module `router::asker`,
-//! replica affinity).
+//! answered, the gateway's queries go to one replica alone, by default the lowest
+//! replica id it has heard from, so that gateways agree on it (module
+//! `router::asker`, replica affinity).
 
 use crate::error::ApiError;
 use asker::Asker;
@@ -70,6 +71,24 @@ pub struct ReplicaAffinity {
     /// pinged, each given as long; a query held by a silent one is asked again of one
     /// that answered (modules `router::stalls`, `router::again`).
     pub patience: Duration,
+    /// Which replica a pin goes to once a query through the queue group is answered.
+    pub target: PinTarget,
+}
+
+/// Which replica a gateway pins its queries to once a query through the queue group
+/// is answered (module `router::asker`, "which replica").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum PinTarget {
+    /// The lowest replica id the gateway has heard from, leaving out any found gone,
+    /// silent, overloaded or slow within the last window: gateways that have heard
+    /// from the same replicas pin to the same one, so a burst spread over several
+    /// gateways is placed by one replica that sees every booking of it.
+    #[default]
+    Lowest,
+    /// The replica that answered: gateways spread over the replicas, and a burst
+    /// spread over gateways is placed by several replicas, each blind to the others'
+    /// bookings for a sync lag.
+    Answered,
 }
 
 /// What the router client records, in the gateway's registry

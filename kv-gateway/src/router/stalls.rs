@@ -17,6 +17,10 @@
 //! alone; when none answers, the trouble is not one replica's and there is nobody to
 //! ask.
 //!
+//! The replicas heard from are also where a pin goes under [`super::PinTarget::Lowest`]
+//! ([`Stalls::lowest`]): the lowest id among them, leaving out those gone, silent, or
+//! overloaded or slow within the last window ([`Stalls::avoid`]).
+//!
 //! Cost: nothing while queries are answered within the patience, apart from one
 //! mutex lock per answer to note which replica answered. During a stall, one round
 //! of pings (one small request per replica heard from) per patience, shared by every
@@ -45,6 +49,9 @@ struct Heard {
     at: Instant,
     /// Whether it missed its latest ping (logged once, when it starts).
     silent: bool,
+    /// Until when it is not pinned to under [`super::PinTarget::Lowest`]: it answered
+    /// `overloaded`, or let a pinned query wait out the patience.
+    avoid_until: Option<Instant>,
 }
 
 /// The replicas heard from, and the latest round of pings (module docs).
@@ -94,6 +101,7 @@ impl Stalls {
         let heard = Heard {
             at: now,
             silent: false,
+            avoid_until: None,
         };
         if known.insert(router, heard).is_none() && known.len() > MAX_KNOWN {
             let oldest = known.iter().min_by_key(|(_, h)| h.at).map(|(id, _)| *id);
@@ -101,6 +109,36 @@ impl Stalls {
                 known.remove(&oldest);
             }
         }
+    }
+
+    /// Leaves `router` out of [`Stalls::lowest`] until `until` (it answered
+    /// `overloaded`, or a pinned query waited out the patience); an answer from it
+    /// before then that is neither ends that early ([`Stalls::heard`]).
+    pub(super) fn avoid(&self, router: RouterId, until: Instant) {
+        let mut known = self.known.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(heard) = known.get_mut(&router) {
+            heard.avoid_until = Some(until);
+        }
+    }
+
+    /// Forgets `router`: NATS says nothing subscribes its subject (it left, or
+    /// restarted under a new id).
+    pub(super) fn forget(&self, router: RouterId) {
+        let mut known = self.known.lock().unwrap_or_else(|p| p.into_inner());
+        known.remove(&router);
+    }
+
+    /// The lowest id among `answered` (a replica that just answered) and the
+    /// replicas heard from that are neither silent nor avoided now. O(replicas
+    /// known), at most [`MAX_KNOWN`].
+    pub(super) fn lowest(&self, answered: RouterId) -> RouterId {
+        let now = Instant::now();
+        let known = self.known.lock().unwrap_or_else(|p| p.into_inner());
+        known
+            .iter()
+            .filter(|(_, h)| !h.silent && h.avoid_until.is_none_or(|until| until <= now))
+            .map(|(id, _)| *id)
+            .fold(answered, RouterId::min)
     }
 
     /// A live replica to ask a slow query again, if another replica heard from seems

@@ -24,12 +24,34 @@ pub(super) const GATEWAY_HEADER: [&str; 7] = [
     "cache parity",
 ];
 
-/// Starts the gateway on a free loopback port. The prompts are token ids, so it needs
-/// no model files: `--tokenize-via engine` would only be used for text.
+/// Starts `count` gateways, each on a free loopback port: one answers the replay
+/// alone; several take its requests in turn, as behind a round-robin load balancer.
+/// The prompts are token ids, so they need no model files: `--tokenize-via engine`
+/// would only be used for text.
 pub(super) async fn start(
     stack: &mut StartedProcesses,
     binaries: &Binaries,
     connection: &[&str],
+    count: u32,
+) -> anyhow::Result<Vec<GatewayTarget>> {
+    let mut gateways = Vec::new();
+    for i in 1..=count {
+        let name = if count == 1 {
+            "gateway".to_owned()
+        } else {
+            format!("gateway-{i}")
+        };
+        gateways.push(start_one(stack, binaries, connection, &name).await?);
+    }
+    Ok(gateways)
+}
+
+/// Starts one gateway, logging as `name`.
+async fn start_one(
+    stack: &mut StartedProcesses,
+    binaries: &Binaries,
+    connection: &[&str],
+    name: &str,
 ) -> anyhow::Result<GatewayTarget> {
     let port = free_port()?;
     let listen = format!("127.0.0.1:{port}");
@@ -47,10 +69,10 @@ pub(super) async fn start(
         "--max-body-bytes",
         "67108864",
     ]);
-    let gateway = stack.spawn("gateway", command)?;
+    let gateway = stack.spawn(name, command)?;
     gateway.wait_for_line(GATEWAY_READY, READY_TIMEOUT).await?;
     let url = format!("http://{listen}");
-    progress(&format!("gateway ready at {url}/v1 (OpenAI API)"));
+    progress(&format!("{name} ready at {url}/v1 (OpenAI API)"));
     GatewayTarget::new(url, DEFAULT_MODEL_NAME.to_owned()).context("building the http client")
 }
 
@@ -72,8 +94,27 @@ pub(super) struct GatewayTotals {
 }
 
 impl GatewayTotals {
-    /// Reads the totals now.
-    pub(super) async fn read(gateway: &GatewayTarget) -> anyhow::Result<Self> {
+    /// Reads the totals of every gateway now, summed.
+    pub(super) async fn read(gateways: &[GatewayTarget]) -> anyhow::Result<Self> {
+        let mut sum = Self::default();
+        for gateway in gateways {
+            let one = Self::read_one(gateway).await?;
+            sum.ttft_s += one.ttft_s;
+            sum.requests += one.requests;
+            sum.route_s += one.route_s;
+            sum.engine_s += one.engine_s;
+            sum.aggregated += one.aggregated;
+            sum.remote += one.remote;
+            sum.attempts += one.attempts;
+            for (total, part) in sum.parity.iter_mut().zip(one.parity) {
+                *total += part;
+            }
+        }
+        Ok(sum)
+    }
+
+    /// Reads one gateway's totals now.
+    async fn read_one(gateway: &GatewayTarget) -> anyhow::Result<Self> {
         let (status, text) = kv_cluster::http::get_text(
             &gateway.client,
             format!("{}/metrics", gateway.url),

@@ -131,6 +131,11 @@ pub struct QuickstartArgs {
     /// spread of the load the replicas booked per rank and their sync lag.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub router_replicas: u32,
+    /// Gateways (`--via gateway`), each taking the replay's requests in turn, as
+    /// behind a round-robin load balancer: a burst of the trace then reaches every
+    /// gateway at once.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=16))]
+    pub gateways: u32,
 }
 
 /// The quickstart's frontend.
@@ -262,9 +267,9 @@ async fn run_stack(
     .await?;
     engines::start(args, stack, binaries, &connection, &target).await?;
 
-    let gateway = match args.via {
-        Via::Gateway => Some(gateway::start(stack, binaries, &connection).await?),
-        Via::Nats => None,
+    let gateways = match args.via {
+        Via::Gateway => gateway::start(stack, binaries, &connection, args.gateways).await?,
+        Via::Nats => Vec::new(),
     };
     let span_s = trace.last().map_or(0.0, |r| r.timestamp_ms as f64 / 1000.0);
     let policies: Vec<String> = args.policies.iter().map(ToString::to_string).collect();
@@ -279,7 +284,11 @@ async fn run_stack(
         time_scale: args.time_scale,
         request_timeout: REQUEST_TIMEOUT,
         progress: true,
-        frontend: gateway.clone().map_or(Frontend::Nats, Frontend::Gateway),
+        frontend: if gateways.is_empty() {
+            Frontend::Nats
+        } else {
+            Frontend::Gateways(gateways.clone())
+        },
     };
     let mut report = ReplayReport::default();
     let (mut gateway_rows, mut replica_rows, mut replica_figures) = (vec![], vec![], vec![]);
@@ -288,9 +297,10 @@ async fn run_stack(
     for &policy in &args.policies {
         let routers =
             routers::start(stack, binaries, &connection, policy, args.router_replicas).await?;
-        let before = match &gateway {
-            Some(g) => Some(GatewayTotals::read(g).await?),
-            None => None,
+        let before = if gateways.is_empty() {
+            None
+        } else {
+            Some(GatewayTotals::read(&gateways).await?)
         };
         let mut figures = routers::ReplicaFigures::default();
         let pass = stack
@@ -301,8 +311,9 @@ async fn run_stack(
                 }
             })
             .await??;
-        if let (Some(g), Some(before)) = (&gateway, before) {
-            gateway_rows.push(GatewayTotals::read(g).await?.row(&before, policy.as_str()));
+        if let Some(before) = before {
+            let after = GatewayTotals::read(&gateways).await?;
+            gateway_rows.push(after.row(&before, policy.as_str()));
         }
         routers.read_lag(&mut figures).await?;
         report.policies.push(pass);

@@ -194,9 +194,11 @@ pub enum Frontend {
     /// Over NATS, itself: route with a `blocks` prompt naming each pass's policy,
     /// generate on the mock engine's NATS subject, publish the lifecycle (`request`).
     Nats,
-    /// Through an OpenAI-compatible gateway over HTTP, as an application would
-    /// ([`http`]); the router's own policy decides, so a pass's policy is the daemon's.
-    Gateway(GatewayTarget),
+    /// Through OpenAI-compatible gateways over HTTP, as an application would
+    /// ([`http`]), each request to the next gateway in turn (a round-robin load
+    /// balancer; at least one); the router's own policy decides, so a pass's policy is
+    /// the daemon's.
+    Gateways(Vec<GatewayTarget>),
 }
 
 /// Connections to the cluster under test, in one namespace.
@@ -311,7 +313,9 @@ pub async fn replay_policy(
         let request = request.clone();
         let request_id = RequestId(format!("{policy}-{index}"));
         let (time_scale, timeout) = (config.time_scale, config.request_timeout);
-        if let Frontend::Gateway(gateway) = &config.frontend {
+        if let Frontend::Gateways(gateways) = &config.frontend
+            && let Some(gateway) = gateways.get(index % gateways.len().max(1))
+        {
             let gateway = gateway.clone();
             tasks.spawn(async move {
                 http::replay_request(&gateway, &request, time_scale, timeout).await

@@ -7,7 +7,7 @@
 use super::{REQUESTS, WAIT, own_bookings, request_prompt, setup};
 use integration_tests::router_client::{self, ALONE, router_client_with};
 use kv_events::routing::Prompt;
-use kv_gateway::router::{ReplicaAffinity, RouterClient, RouterSettings};
+use kv_gateway::router::{PinTarget, ReplicaAffinity, RouterClient, RouterSettings};
 use std::time::Duration;
 
 /// Settings with affinity for `window` (`None`: off); a replica is never let go for
@@ -16,6 +16,7 @@ fn settings(window: Option<Duration>) -> RouterSettings {
     let affinity = window.map(|window| ReplicaAffinity {
         window,
         patience: WAIT,
+        target: PinTarget::Lowest,
     });
     router_client::settings(WAIT, ALONE, 16, affinity)
 }

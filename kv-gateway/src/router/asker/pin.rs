@@ -1,0 +1,119 @@
+//! Replica affinity's pin: where the gateway's queries go for a window, which replica
+//! it pins to ([`super::PinTarget`]), and when it lets the pin go (module docs of
+//! `router::asker`).
+
+use super::events::{Events, Release};
+use super::{Answer, Asker, Services};
+use crate::router::{PinTarget, ReplicaAffinity};
+use async_nats::Message;
+use kv_events::{ROUTER_ID_HEADER, RouterId};
+use std::sync::Mutex;
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// The replica this gateway's queries go to, and for how long (module docs).
+pub(super) struct Affinity {
+    pub(super) settings: ReplicaAffinity,
+    pub(super) pin: Mutex<Option<Pin>>,
+    pub(super) counted: Events,
+}
+
+/// A pin to one replica: its own subjects, until when.
+#[derive(Clone)]
+pub(super) struct Pin {
+    pub(super) router: RouterId,
+    pub(super) services: Services,
+    pub(super) until: Instant,
+}
+
+impl Asker {
+    /// After a decoded answer: an `overloaded` one lets a pin to its replica go and
+    /// avoids that replica for a window; any other from the queue group pins, to the
+    /// replica [`PinTarget`] names (an `overloaded` one pins nothing).
+    pub(super) fn settle(&self, answer: &Answer, overloaded: bool) {
+        // Read once: noted for the stall check, and the replica to pin to.
+        let sender = answered_by(&answer.message);
+        if let (Some(stalls), Some(sender)) = (&self.stalls, sender) {
+            stalls.heard(sender);
+        }
+        match (answer.pinned, overloaded, sender) {
+            (Some(router), true, _) => {
+                self.unpin(router, Release::Overloaded);
+                self.avoid(router);
+            }
+            (None, true, Some(sender)) => self.avoid(sender),
+            (None, false, Some(sender)) => self.pin_to(self.target(sender)),
+            (Some(_), false, _) | (None, _, None) => {}
+        }
+    }
+
+    /// The replica to pin to once `answered` has answered through the queue group.
+    pub(super) fn target(&self, answered: RouterId) -> RouterId {
+        match (&self.affinity, &self.stalls) {
+            (Some(a), Some(stalls)) if a.settings.target == PinTarget::Lowest => {
+                stalls.lowest(answered)
+            }
+            _ => answered,
+        }
+    }
+
+    /// Leaves `router` out of the pin target for a window (it is overloaded or slow).
+    pub(super) fn avoid(&self, router: RouterId) {
+        if let (Some(a), Some(stalls)) = (&self.affinity, &self.stalls) {
+            stalls.avoid(router, Instant::now() + a.settings.window);
+        }
+    }
+
+    /// The pin, if one holds now, and the affinity's patience.
+    pub(super) fn pinned(&self) -> Option<(Pin, Duration)> {
+        let affinity = self.affinity.as_ref()?;
+        let pin = affinity.pin.lock().unwrap_or_else(|p| p.into_inner());
+        let pin = pin.as_ref().filter(|p| Instant::now() < p.until).cloned()?;
+        Some((pin, affinity.settings.patience))
+    }
+
+    /// Pins to `router` (see [`Asker::target`]), unless a pin holds already.
+    pub(super) fn pin_to(&self, router: RouterId) {
+        let Some(affinity) = &self.affinity else {
+            return;
+        };
+        let now = Instant::now();
+        let mut pin = affinity.pin.lock().unwrap_or_else(|p| p.into_inner());
+        if pin.as_ref().is_some_and(|p| now < p.until) {
+            return;
+        }
+        *pin = Some(Pin {
+            router,
+            services: Services {
+                route: self.subjects.route_at(router).into(),
+                route_batch: self.subjects.route_batch_at(router).into(),
+            },
+            until: now + affinity.settings.window,
+        });
+        affinity.counted.pinned.inc();
+    }
+
+    /// Lets the pin go if one to `router` holds, counting `why`. A pin to another
+    /// replica (taken meanwhile by another query) stays.
+    pub(super) fn unpin(&self, router: RouterId, why: Release) {
+        let Some(affinity) = &self.affinity else {
+            return;
+        };
+        let mut pin = affinity.pin.lock().unwrap_or_else(|p| p.into_inner());
+        if pin.as_ref().is_some_and(|p| p.router == router) {
+            let released = pin.take().is_some_and(|p| Instant::now() < p.until);
+            if released {
+                affinity.counted.released(why).inc();
+            }
+        }
+    }
+}
+
+/// The replica a reply names in its [`ROUTER_ID_HEADER`], if it names one that parses.
+fn answered_by(reply: &Message) -> Option<RouterId> {
+    reply
+        .headers
+        .as_ref()
+        .and_then(|h| h.get(ROUTER_ID_HEADER))
+        .and_then(|v| RouterId::parse_hex(v.as_str()))
+}
