@@ -157,6 +157,13 @@ impl Subjects {
         format!("{}.router.at.{router}.route", self.ns)
     }
 
+    /// Every replica's own routing subject ([`Self::route_at`]) as one wildcard
+    /// subject, for an observer of the queries frontends pin to replicas (monitoring,
+    /// tests); no router subscribes it.
+    pub fn route_at_any(&self) -> String {
+        format!("{}.router.at.*.route", self.ns)
+    }
+
     /// The batch routing subject of one replica alone: [`Self::route_batch`], placed
     /// by `router`.
     pub fn route_batch_at(&self, router: RouterId) -> String {

@@ -94,13 +94,19 @@ async fn the_openai_client_gets_completions_and_chats_streamed_and_whole() {
 async fn a_repeated_prompt_lands_on_the_worker_that_cached_it_with_full_overlap() {
     let stack = Stack::start(4, 10.0, |_| {}, &[]).await;
     // The gateway hashes the prompt's full blocks itself: its route requests carry
-    // block hashes, not token ids (seen by a plain subscriber of the route subject).
-    let mut routes = stack
-        .cluster
-        .nats
-        .subscribe(stack.cluster.subjects.route())
-        .await
-        .unwrap();
+    // block hashes, not token ids (seen by a plain subscriber of the route subjects:
+    // the queue group's and, once the gateway pins to the replica, the replica's own;
+    // the gateway's readiness probes left out).
+    let (nats, subjects) = (&stack.cluster.nats, &stack.cluster.subjects);
+    let mut routes = futures::stream::select_all([
+        nats.subscribe(subjects.route()).await.unwrap(),
+        nats.subscribe(subjects.route_at_any()).await.unwrap(),
+    ])
+    .filter_map(|message| async move {
+        let request: RouteRequest = kv_events::decode(&message.payload).unwrap();
+        (request.request_id.0 != "gateway-readiness-probe").then_some(request)
+    })
+    .boxed();
     kv_cluster::barrier::server_barrier(&stack.cluster.nats)
         .await
         .unwrap();
@@ -115,7 +121,7 @@ async fn a_repeated_prompt_lands_on_the_worker_that_cached_it_with_full_overlap(
         .unwrap();
     assert_eq!(first["usage"]["prompt_tokens"], 20 * BLOCK + 3);
     let hashes = compute_block_hashes(&tokens, BLOCK);
-    let routed: RouteRequest = kv_events::decode(&routes.next().await.unwrap().payload).unwrap();
+    let routed = routes.next().await.unwrap();
     assert_eq!(
         routed.prompt,
         Prompt::Blocks {

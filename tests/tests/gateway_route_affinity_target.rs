@@ -1,8 +1,9 @@
 //! Which replica the gateway pins to, against a real nats-server and two scripted
-//! replicas: by default the lowest replica id it has heard from, so that gateways
-//! agree on one replica; one that answers `overloaded` is left out for a window, one
-//! that is gone is forgotten. With `--route-affinity-target answered`, the replica
-//! that answered.
+//! replicas: by default the lowest replica id it has heard from (through its queries
+//! or its readiness probes), pinned anew when a window passes without a query through
+//! the queue group, so that gateways agree on one replica; one that answers
+//! `overloaded` is left out for a window, one that is gone is forgotten. With
+//! `--route-affinity-target answered`, the replica that answered.
 
 // Test helpers unwrap: a failed setup step must fail the test loudly.
 #![allow(clippy::unwrap_used)]
@@ -12,8 +13,10 @@ use integration_tests::router_client::{ask, decision, one_by_one, router_client_
 use kv_events::routing::{RouteError, RouteErrorCode, RouteReply, RouteRequest};
 use kv_events::{Namespace, ROUTER_ID_HEADER, RouterId, Subjects, WorkerId, decode, encode};
 use kv_gateway::router::{PinTarget, ReplicaAffinity, RouterClient};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use testbed::NatsServer;
+use tokio::sync::mpsc;
 
 /// Bounds a wait that must end (a failing test must not hang), not a timing claim.
 const WAIT: Duration = Duration::from_secs(30);
@@ -36,8 +39,54 @@ struct Setup {
     _server: NatsServer,
     nats: async_nats::Client,
     subjects: Subjects,
-    asked: futures::stream::SelectAll<async_nats::Subscriber>,
+    /// Queries (readiness probes left out) and where they arrived.
+    queries: mpsc::UnboundedReceiver<(async_nats::Message, At)>,
+    /// The replica that answers the gateway's readiness probes (`None`: nobody).
+    probes_answered_by: Arc<Mutex<Option<RouterId>>>,
+    /// Whether the low replica still subscribes its own subject.
+    low_subscribed: Option<tokio::task::JoinHandle<()>>,
     client: RouterClient,
+}
+
+/// Forwards each query on `subscriber` to `queries` as arriving `at`, and answers
+/// each readiness probe naming the replica `probes` names at the time.
+fn serve(
+    nats: async_nats::Client,
+    mut subscriber: async_nats::Subscriber,
+    at: At,
+    queries: mpsc::UnboundedSender<(async_nats::Message, At)>,
+    probes: Arc<Mutex<Option<RouterId>>>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        while let Some(message) = subscriber.next().await {
+            let request: RouteRequest = decode(&message.payload).unwrap();
+            if request.request_id.0 != "gateway-readiness-probe" {
+                let _ = queries.send((message, at));
+                continue;
+            }
+            let named = *probes.lock().unwrap();
+            if let (Some(replica), Some(inbox)) = (named, message.reply) {
+                let refused = RouteReply::Error(RouteError {
+                    code: RouteErrorCode::BadRequest,
+                    message: "empty prompt".into(),
+                });
+                answer(&nats, inbox, &refused, replica).await;
+            }
+        }
+    })
+}
+
+/// Answers `inbox` with `reply`, naming `replica`.
+async fn answer(
+    nats: &async_nats::Client,
+    inbox: async_nats::Subject,
+    reply: &RouteReply,
+    replica: RouterId,
+) {
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(ROUTER_ID_HEADER, replica.to_string().as_str());
+    let payload = encode(reply).unwrap().into();
+    (nats.publish_with_headers(inbox, headers, payload).await).unwrap();
 }
 
 impl Setup {
@@ -45,11 +94,23 @@ impl Setup {
         let server = NatsServer::start().await.unwrap();
         let nats = async_nats::connect(server.url()).await.unwrap();
         let subjects = Subjects::new(Namespace::new("pin-target-test").unwrap());
-        let asked = futures::stream::select_all([
-            nats.subscribe(subjects.route()).await.unwrap(),
-            nats.subscribe(subjects.route_at(LOW)).await.unwrap(),
-            nats.subscribe(subjects.route_at(HIGH)).await.unwrap(),
-        ]);
+        let (tx, queries) = mpsc::unbounded_channel();
+        let probes = Arc::new(Mutex::new(None));
+        let mut served = Vec::new();
+        for (subject, at) in [
+            (subjects.route(), At::QueueGroup),
+            (subjects.route_at(LOW), At::Replica(LOW)),
+            (subjects.route_at(HIGH), At::Replica(HIGH)),
+        ] {
+            let subscriber = nats.subscribe(subject).await.unwrap();
+            served.push(serve(
+                nats.clone(),
+                subscriber,
+                at,
+                tx.clone(),
+                probes.clone(),
+            ));
+        }
         nats.flush().await.unwrap();
         let affinity = ReplicaAffinity {
             window: WINDOW,
@@ -61,7 +122,9 @@ impl Setup {
             _server: server,
             nats,
             subjects,
-            asked,
+            queries,
+            probes_answered_by: probes,
+            low_subscribed: Some(served.swap_remove(1)),
             client,
         }
     }
@@ -70,17 +133,10 @@ impl Setup {
     /// when asked), and returns whether the caller got a decision.
     async fn exchange(&mut self, n: u32, at: At, replica: RouterId, overload: bool) -> bool {
         let asked = ask(&self.client, n);
-        let message = tokio::time::timeout(WAIT, self.asked.next())
+        let (message, arrived) = tokio::time::timeout(WAIT, self.queries.recv())
             .await
             .expect("a query within the wait")
-            .expect("the subscriptions are open");
-        let arrived = if message.subject.as_str() == self.subjects.route() {
-            At::QueueGroup
-        } else if message.subject.as_str() == self.subjects.route_at(LOW) {
-            At::Replica(LOW)
-        } else {
-            At::Replica(HIGH)
-        };
+            .expect("the subscriptions are served");
         let request: RouteRequest = decode(&message.payload).unwrap();
         assert_eq!(request.request_id.0, format!("q-{n}"));
         assert_eq!(arrived, at, "query {n}");
@@ -92,21 +148,29 @@ impl Setup {
         } else {
             RouteReply::Routed(decision(request.request_id, WorkerId(1)))
         };
-        let mut headers = async_nats::HeaderMap::new();
-        headers.insert(ROUTER_ID_HEADER, replica.to_string().as_str());
         let inbox = message.reply.expect("a request has an inbox");
-        let payload = encode(&reply).unwrap().into();
-        (self
-            .nats
-            .publish_with_headers(inbox, headers, payload)
-            .await)
-            .unwrap();
+        answer(&self.nats, inbox, &reply, replica).await;
         let answered = tokio::time::timeout(WAIT, asked).await.unwrap().unwrap();
         answered.is_ok()
     }
+
+    /// Readiness probes are answered by `replica` from now on.
+    fn probes_answered_by(&self, replica: Option<RouterId>) {
+        *self.probes_answered_by.lock().unwrap() = replica;
+    }
+
+    /// The low replica leaves: nothing subscribes its own subject any more.
+    async fn low_leaves(&mut self) {
+        if let Some(served) = self.low_subscribed.take() {
+            served.abort();
+            let _ = served.await;
+        }
+        self.nats.flush().await.unwrap();
+        assert_ne!(self.subjects.route_at(LOW), self.subjects.route_at(HIGH));
+    }
 }
 
-/// Lets the pin lapse: the next query goes through the queue group.
+/// Lets the pin lapse.
 async fn window_passes() {
     tokio::time::sleep(WINDOW + Duration::from_millis(100)).await;
 }
@@ -114,26 +178,25 @@ async fn window_passes() {
 #[tokio::test]
 async fn the_gateway_pins_to_the_lowest_replica_it_has_heard_from() {
     let mut setup = Setup::start(PinTarget::Lowest).await;
-    // Only the high replica is known: the pin goes to it.
+    // Nobody answers the start-up probes: the first query goes through the queue
+    // group, and only the high replica is known.
     assert!(setup.exchange(0, At::QueueGroup, HIGH, false).await);
     assert!(setup.exchange(1, At::Replica(HIGH), HIGH, false).await);
     window_passes().await;
-    // The queue group's next pick is the low one: it is lower, the pin moves.
-    assert!(setup.exchange(2, At::QueueGroup, LOW, false).await);
-    assert!(setup.exchange(3, At::Replica(LOW), LOW, false).await);
+    // The pin is renewed to the lowest known, the high one, with no query through
+    // the queue group; the probes sent then are answered by the low one.
+    setup.probes_answered_by(Some(LOW));
+    assert!(setup.exchange(2, At::Replica(HIGH), HIGH, false).await);
     window_passes().await;
-    // The queue group picks the high one again; the gateway still pins to the low
-    // one, as every gateway that has heard from both does.
-    assert!(setup.exchange(4, At::QueueGroup, HIGH, false).await);
-    assert!(setup.exchange(5, At::Replica(LOW), LOW, false).await);
-    // The low one is overloaded: it is left out for a window.
-    assert!(!setup.exchange(6, At::Replica(LOW), LOW, true).await);
-    assert!(setup.exchange(7, At::QueueGroup, HIGH, false).await);
-    assert!(setup.exchange(8, At::Replica(HIGH), HIGH, false).await);
+    // Now the low one is known: every gateway that has heard from both pins to it.
+    assert!(setup.exchange(3, At::Replica(LOW), LOW, false).await);
+    assert!(setup.exchange(4, At::Replica(LOW), LOW, false).await);
+    // It is overloaded: it is left out for a window, the high one takes over.
+    assert!(!setup.exchange(5, At::Replica(LOW), LOW, true).await);
+    assert!(setup.exchange(6, At::Replica(HIGH), HIGH, false).await);
     window_passes().await;
     // A window later the low one is preferred again.
-    assert!(setup.exchange(9, At::QueueGroup, HIGH, false).await);
-    assert!(setup.exchange(10, At::Replica(LOW), LOW, false).await);
+    assert!(setup.exchange(7, At::Replica(LOW), LOW, false).await);
 }
 
 #[tokio::test]
@@ -141,27 +204,24 @@ async fn a_replica_that_is_gone_is_forgotten() {
     let mut setup = Setup::start(PinTarget::Lowest).await;
     assert!(setup.exchange(0, At::QueueGroup, LOW, false).await);
     window_passes().await;
-    assert!(setup.exchange(1, At::QueueGroup, HIGH, false).await);
-    assert!(setup.exchange(2, At::Replica(LOW), LOW, false).await);
+    setup.probes_answered_by(Some(HIGH));
+    assert!(setup.exchange(1, At::Replica(LOW), LOW, false).await);
+    setup.probes_answered_by(None);
     // The low replica leaves: NATS says nothing subscribes its subject, and the
     // query goes through the queue group instead.
-    setup.asked = futures::stream::select_all([
-        setup.nats.subscribe(setup.subjects.route()).await.unwrap(),
-        setup
-            .nats
-            .subscribe(setup.subjects.route_at(HIGH))
-            .await
-            .unwrap(),
-    ]);
-    setup.nats.flush().await.unwrap();
-    assert!(setup.exchange(3, At::QueueGroup, HIGH, false).await);
-    // Forgotten, so the pin goes to the high one and stays there.
+    setup.low_leaves().await;
+    window_passes().await;
+    assert!(setup.exchange(2, At::QueueGroup, HIGH, false).await);
+    // Forgotten, so the pin goes to the high one, and is renewed there.
+    assert!(setup.exchange(3, At::Replica(HIGH), HIGH, false).await);
+    window_passes().await;
     assert!(setup.exchange(4, At::Replica(HIGH), HIGH, false).await);
 }
 
 #[tokio::test]
 async fn with_the_answered_target_the_pin_follows_the_queue_group() {
     let mut setup = Setup::start(PinTarget::Answered).await;
+    setup.probes_answered_by(Some(LOW));
     assert!(setup.exchange(0, At::QueueGroup, LOW, false).await);
     assert!(setup.exchange(1, At::Replica(LOW), LOW, false).await);
     window_passes().await;

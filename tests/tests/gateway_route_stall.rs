@@ -133,10 +133,13 @@ impl Setup {
         let server = NatsServer::start().await.unwrap();
         let nats = async_nats::connect(server.url()).await.unwrap();
         let subjects = Subjects::new(Namespace::new("stall-test").unwrap());
+        // Pinned to the replica that answered, so that with a short window the queue
+        // group picks each query and a query lands on the replica that stalls (with
+        // the `lowest` target they would all go to the live one, the lower id).
         let affinity = ReplicaAffinity {
             window,
             patience,
-            target: PinTarget::Lowest,
+            target: PinTarget::Answered,
         };
         let lifecycle = nats.subscribe(subjects.lifecycle()).await.unwrap();
         nats.flush().await.unwrap();

@@ -8,29 +8,34 @@
 //! places the queries that arrive together with one replica, but a burst that reaches
 //! the gateway spread over tens of ms still leaves in several messages, and the queue
 //! group gives each to a random replica, which places it without the bookings the
-//! others just made. So once a replica has answered (its [`kv_events::ROUTER_ID_HEADER`]), the
-//! gateway sends what follows to that replica alone (`{ns}.router.at.{id}.route`, and
-//! `….route_batch`) for `window`: the replica then places every query of the gateway
-//! seeing the gateway's earlier bookings at once, as one replica would (a session's
-//! read-your-writes, the usual way to get it from replicas without consensus). When
-//! the window has passed, the next query goes through the queue group again, which is
-//! how the gateway hears of replicas, and the gateway pins again.
+//! others just made. So the gateway sends its queries to one replica alone
+//! (`{ns}.router.at.{id}.route`, and `….route_batch`) for `window`: the replica then
+//! places every query of the gateway seeing the gateway's earlier bookings at once, as
+//! one replica would (a session's read-your-writes, the usual way to get it from
+//! replicas without consensus).
 //!
 //! Which replica (`--route-affinity-target`): by default the lowest replica id the
-//! gateway has heard from ([`PinTarget::Lowest`]), leaving out replicas found gone,
-//! silent, overloaded or slow (let go for the patience) within the last window. So
-//! gateways that have heard from the same replicas pin to the same one: a burst that
-//! a load balancer spreads over several gateways is then placed by one replica that
-//! sees every booking of it, as one replica places it. Spread over replicas blind to
-//! each other for a sync lag, the same-instant bursts of the Mooncake trace cost
-//! 1.17×, 1.35× and 1.57× the mean TTFT of one replica at 2, 4 and 8 replicas
-//! (`kv-mocker lab replicas`, docs/benchmarks.md "Blind replicas"). A gateway learns
-//! of one replica per window (the query through the queue group), so it reaches the
-//! lowest within a few windows of starting. The cost is that one replica decides
-//! while it is healthy and the others only keep its bookings and stand by; one
-//! replica decides tens of thousands of routes per second, and one that answers
-//! `overloaded` is avoided for a window. [`PinTarget::Answered`] pins to the replica
-//! that answered, spreading gateways over replicas.
+//! gateway has heard from ([`PinTarget::Lowest`]; a replica names itself in every
+//! reply's [`kv_events::ROUTER_ID_HEADER`]), leaving out replicas found gone
+//! (forgotten), silent, or let go within the last window (`overloaded`, no answer in
+//! time, an error). So gateways that have heard from the same replicas pin to the
+//! same one: a burst that a load balancer spreads over several gateways is placed by
+//! one replica that sees every booking of it, as one replica places it. Spread over
+//! replicas blind to each other for a sync lag, the same-instant bursts of the
+//! Mooncake trace cost 1.17×, 1.35× and 1.57× the mean TTFT of one replica at 2, 4
+//! and 8 replicas (`kv-mocker lab replicas`, docs/benchmarks.md "Blind replicas").
+//! The gateway hears of replicas from the answers to its queries and from readiness
+//! probes through the queue group (each reaches a replica at random, and every
+//! router refuses it without booking): 16 when it starts, 2 more each time a window
+//! passes. When a window passes the pin is renewed to the lowest usable replica
+//! known, with no query through the queue group; a query goes through the queue
+//! group only while none is known, and the gateway then pins to the lowest of those
+//! it knows and the one that answered. The cost is that one replica decides while it
+//! is healthy and the others keep its bookings and stand by; one replica decides
+//! tens of thousands of routes per second, and one that answers `overloaded` is left
+//! out for a window. [`PinTarget::Answered`] pins to the replica that answered a
+//! query through the queue group, once per window, spreading gateways over
+//! replicas, and sends no probes.
 //!
 //! The pin is dropped at once when that replica is gone (NATS "no responders": the
 //! query is asked again through the queue group, so no query fails for it), answers
@@ -63,7 +68,7 @@
 //! bytes of header per reply.
 
 use super::stalls::Stalls;
-use super::{ReplicaAffinity, RouterMetrics};
+use super::{PinTarget, ReplicaAffinity, RouterMetrics};
 use crate::error::ApiError;
 use async_nats::client::{RequestError, RequestErrorKind};
 use async_nats::{Client, Message, Subject};
@@ -82,6 +87,11 @@ mod events;
 mod pin;
 
 use pin::{Affinity, Pin};
+
+/// Readiness probes through the queue group when the gateway starts, under
+/// [`PinTarget::Lowest`]: each reaches a replica at random, so 16 hear from about 7
+/// of 8 replicas.
+const STARTUP_PROBES: usize = 16;
 
 /// The first wait before a query that found no router subscribed is asked again.
 const NO_ROUTER_FIRST_WAIT: Duration = Duration::from_millis(5);
@@ -156,7 +166,12 @@ impl Asker {
     ) -> Self {
         let stalls = affinity.map(|a| {
             let (nats, silent) = (nats.clone(), metrics.stalls.with_label_values(&["silent"]));
-            Arc::new(Stalls::new(nats, subjects.clone(), a.patience, silent))
+            let stalls = Arc::new(Stalls::new(nats, subjects.clone(), a.patience, silent));
+            // The replicas there are, before the first query (`Asker::pinned`).
+            if a.target == PinTarget::Lowest && tokio::runtime::Handle::try_current().is_ok() {
+                stalls.discover(STARTUP_PROBES);
+            }
+            stalls
         });
         let affinity = affinity.map(|settings| {
             Arc::new(Affinity {
@@ -284,9 +299,6 @@ impl Asker {
                     if !matches!(why, Release::Gone) {
                         return Err(e);
                     }
-                    if let Some(stalls) = &self.stalls {
-                        stalls.forget(pin.router);
-                    }
                     debug!(router = %pin.router, "the pinned router replica is gone; asking the queue group");
                 }
             }
@@ -355,7 +367,6 @@ impl Asker {
         }
         debug!(router = %pin.router, ?patience, "the pinned router replica is slow to answer; letting it go");
         self.unpin(pin.router, Release::TimedOut);
-        self.avoid(pin.router);
         asked.await
     }
 

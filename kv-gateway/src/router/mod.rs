@@ -23,7 +23,7 @@ use kv_events::routing::{
     LifecycleEvent, LifecycleMessage, Prompt, RouteDecision, RouteErrorCode, RouteReply,
     RouteRequest, SessionId,
 };
-use kv_events::{RequestId, Subjects, WorkerId, decode, encode};
+use kv_events::{RequestId, RouterId, Subjects, WorkerId, decode, encode};
 use prometheus::{Histogram, IntCounter, IntCounterVec};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -300,23 +300,54 @@ async fn probe(nats: &Client, subjects: &Subjects) -> bool {
 /// nothing subscribes `subject` (NATS "no responders"); `Err(false)`: no answer in
 /// time, or none that decodes.
 async fn ping(nats: &Client, subject: async_nats::Subject, wait: Duration) -> Result<(), bool> {
+    match readiness_probe(nats, subject, wait).await {
+        Ok(reply) if decode::<RouteReply>(&reply.payload).is_ok() => Ok(()),
+        Ok(_) => Err(false),
+        Err(e) => Err(e.kind() == async_nats::client::RequestErrorKind::NoResponders),
+    }
+}
+
+/// The replica that answers a readiness probe on `subject` within `wait` (its
+/// [`kv_events::ROUTER_ID_HEADER`]); `None` for no answer, or one that names no
+/// replica.
+async fn probe_replica(
+    nats: &Client,
+    subject: async_nats::Subject,
+    wait: Duration,
+) -> Option<RouterId> {
+    let reply = readiness_probe(nats, subject, wait).await.ok()?;
+    let named = reply.headers.as_ref()?.get(kv_events::ROUTER_ID_HEADER)?;
+    RouterId::parse_hex(named.as_str())
+}
+
+/// A route query with an empty prompt on `subject`, which every router refuses as
+/// `bad_request` without booking anything, answered within `wait`.
+async fn readiness_probe(
+    nats: &Client,
+    subject: async_nats::Subject,
+    wait: Duration,
+) -> Result<async_nats::Message, async_nats::client::RequestError> {
     let request = RouteRequest::new(
-        RequestId("gateway-readiness-probe".into()),
+        RequestId(READINESS_PROBE_ID.into()),
         Prompt::Tokens { token_ids: vec![] },
     );
-    let payload = encode(&request).map_err(|_| false)?;
+    let payload = encode(&request).map_err(|e| {
+        async_nats::client::RequestError::with_source(
+            async_nats::client::RequestErrorKind::Other,
+            e,
+        )
+    })?;
     let asked = nats.send_request(
         subject,
         async_nats::client::Request::new()
             .payload(payload.into())
             .timeout(Some(wait)),
     );
-    match asked.await {
-        Ok(reply) if decode::<RouteReply>(&reply.payload).is_ok() => Ok(()),
-        Ok(_) => Err(false),
-        Err(e) => Err(e.kind() == async_nats::client::RequestErrorKind::NoResponders),
-    }
+    asked.await
 }
+
+/// The request id of the gateway's readiness probes and pings.
+const READINESS_PROBE_ID: &str = "gateway-readiness-probe";
 
 /// A request booked on a worker (or a pair of them). Sends `remote_prefill_done` once
 /// ([`Booking::remote_prefill_done`]), `prefill_done` once ([`Booking::prefill_done`]),

@@ -50,7 +50,7 @@ struct Heard {
     /// Whether it missed its latest ping (logged once, when it starts).
     silent: bool,
     /// Until when it is not pinned to under [`super::PinTarget::Lowest`]: it answered
-    /// `overloaded`, or let a pinned query wait out the patience.
+    /// `overloaded`, or a pin to it was let go (no answer in time, an error).
     avoid_until: Option<Instant>,
 }
 
@@ -111,9 +111,22 @@ impl Stalls {
         }
     }
 
+    /// Notes that `router` answered a readiness probe now: it is live, but says
+    /// nothing of its load, so a replica avoided stays avoided.
+    fn answered_probe(&self, router: RouterId) {
+        let avoided = {
+            let known = self.known.lock().unwrap_or_else(|p| p.into_inner());
+            known.get(&router).and_then(|h| h.avoid_until)
+        };
+        self.heard(router);
+        if let Some(until) = avoided {
+            self.avoid(router, until);
+        }
+    }
+
     /// Leaves `router` out of [`Stalls::lowest`] until `until` (it answered
-    /// `overloaded`, or a pinned query waited out the patience); an answer from it
-    /// before then that is neither ends that early ([`Stalls::heard`]).
+    /// `overloaded`, or a pin to it was let go); an answer to a query from it before
+    /// then that is neither ends that early ([`Stalls::heard`]).
     pub(super) fn avoid(&self, router: RouterId, until: Instant) {
         let mut known = self.known.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(heard) = known.get_mut(&router) {
@@ -129,16 +142,40 @@ impl Stalls {
     }
 
     /// The lowest id among `answered` (a replica that just answered) and the
-    /// replicas heard from that are neither silent nor avoided now. O(replicas
-    /// known), at most [`MAX_KNOWN`].
+    /// replicas heard from that are neither silent nor avoided now.
     pub(super) fn lowest(&self, answered: RouterId) -> RouterId {
+        self.lowest_known()
+            .map_or(answered, |known| known.min(answered))
+    }
+
+    /// The lowest id among the replicas heard from that are neither silent nor
+    /// avoided now. O(replicas known), at most [`MAX_KNOWN`].
+    pub(super) fn lowest_known(&self) -> Option<RouterId> {
         let now = Instant::now();
         let known = self.known.lock().unwrap_or_else(|p| p.into_inner());
         known
             .iter()
             .filter(|(_, h)| !h.silent && h.avoid_until.is_none_or(|until| until <= now))
             .map(|(id, _)| *id)
-            .fold(answered, RouterId::min)
+            .min()
+    }
+
+    /// Sends `probes` readiness probes through the route queue group at once, in the
+    /// background, and notes the replica that answers each ([`Stalls::heard`]): how
+    /// the gateway hears of replicas without placing a query on them. Each waits at
+    /// most the patience. Needs a tokio runtime.
+    pub(super) fn discover(self: &Arc<Self>, probes: usize) {
+        for _ in 0..probes {
+            let stalls = Arc::clone(self);
+            tokio::spawn(async move {
+                let subject: async_nats::Subject = stalls.subjects.route().into();
+                if let Some(router) =
+                    super::probe_replica(&stalls.nats, subject, stalls.patience).await
+                {
+                    stalls.answered_probe(router);
+                }
+            });
+        }
     }
 
     /// A live replica to ask a slow query again, if another replica heard from seems

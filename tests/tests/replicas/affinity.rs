@@ -1,7 +1,7 @@
 //! Replica affinity: once a replica has answered a gateway, the gateway's next
-//! queries go to that replica alone (its own subject, named by the reply's
-//! `Kv-Router-Id` header) until the window passes; a replica that is gone is let go
-//! without failing a query. Queries are sent one by one (no grouping), so each is its
+//! queries go to one replica alone (its own subject, named by the reply's
+//! `Kv-Router-Id` header; by default the lowest replica it has heard from) until the
+//! window passes; a replica that is gone is let go without failing a query. Queries are sent one by one (no grouping), so each is its
 //! own NATS message and only the pin keeps them on one replica.
 
 use super::{REQUESTS, WAIT, own_bookings, request_prompt, setup};
@@ -10,13 +10,13 @@ use kv_events::routing::Prompt;
 use kv_gateway::router::{PinTarget, ReplicaAffinity, RouterClient, RouterSettings};
 use std::time::Duration;
 
-/// Settings with affinity for `window` (`None`: off); a replica is never let go for
-/// being slow here (`gateway_route_affinity.rs` tests that).
-fn settings(window: Option<Duration>) -> RouterSettings {
+/// Settings with affinity for `window` (`None`: off) pinning to `target`; a replica
+/// is never let go for being slow here (`gateway_route_affinity.rs` tests that).
+fn settings(window: Option<Duration>, target: PinTarget) -> RouterSettings {
     let affinity = window.map(|window| ReplicaAffinity {
         window,
         patience: WAIT,
-        target: PinTarget::Lowest,
+        target,
     });
     router_client::settings(WAIT, ALONE, 16, affinity)
 }
@@ -49,23 +49,27 @@ async fn a_gateway_stays_with_the_replica_that_answered_until_it_goes() -> anyho
     let (client, metrics) = router_client_with(
         &cluster.nats,
         &cluster.subjects,
-        settings(Some(Duration::from_secs(60))),
+        settings(Some(Duration::from_secs(60)), PinTarget::Lowest),
     );
     let events = |event: &str| metrics.affinity.with_label_values(&[event]).get();
     let bookings = route_one_by_one(&client, 0, REQUESTS, Duration::ZERO).await?;
     let own: Vec<usize> = pair.iter().map(own_bookings).collect();
+    // The first query may go through the queue group before the gateway's probes
+    // have heard of the lower replica; from then on it pins to the lower one.
+    let most = own.iter().copied().max().unwrap_or_default();
     assert!(
-        own.contains(&REQUESTS),
-        "one replica booked every query: {own:?}"
+        most >= REQUESTS - 1 && own.iter().sum::<usize>() == REQUESTS,
+        "one replica booked every query but perhaps the first: {own:?}"
     );
 
     // The pinned replica goes: the next queries are answered by the other one, none
     // fails.
-    let pinned = own.iter().position(|&n| n == REQUESTS).unwrap_or_default();
+    let pinned = own.iter().position(|&n| n == most).unwrap_or_default();
     pair.remove(pinned).shutdown().await?;
+    let before = own_bookings(&pair[0]);
     let after = route_one_by_one(&client, REQUESTS, 2 * REQUESTS, Duration::ZERO).await?;
     assert_eq!(
-        own_bookings(&pair[0]),
+        own_bookings(&pair[0]) - before,
         REQUESTS,
         "the remaining replica booked every query after the other went"
     );
@@ -85,12 +89,16 @@ async fn a_gateway_stays_with_the_replica_that_answered_until_it_goes() -> anyho
 async fn without_a_pin_or_once_it_expires_the_queue_group_picks() -> anyhow::Result<()> {
     let (cluster, pair) = setup(2, true).await?;
     // Without affinity each query is the queue group's pick; with a 1 ms window
-    // paused past after each query, each query pins afresh. Either way both replicas
-    // book some (all on one: probability 2 × 2^-24 per run).
+    // paused past after each query and the pin going to the replica that answered,
+    // each query pins afresh. Either way both replicas book some (all on one:
+    // probability 2 × 2^-24 per run).
     let mut kept = Vec::new();
     for (affinity, from) in [(None, 0), (Some(Duration::from_millis(1)), REQUESTS)] {
-        let (client, metrics) =
-            router_client_with(&cluster.nats, &cluster.subjects, settings(affinity));
+        let (client, metrics) = router_client_with(
+            &cluster.nats,
+            &cluster.subjects,
+            settings(affinity, PinTarget::Answered),
+        );
         let before: Vec<usize> = pair.iter().map(own_bookings).collect();
         let bookings =
             route_one_by_one(&client, from, from + REQUESTS, Duration::from_millis(5)).await?;

@@ -11,6 +11,10 @@ use std::sync::Mutex;
 use std::time::Duration;
 use tokio::time::Instant;
 
+/// Probes through the queue group each time a pin is renewed under
+/// [`PinTarget::Lowest`]: how a gateway hears of replicas that joined since.
+const RENEWAL_PROBES: usize = 2;
+
 /// The replica this gateway's queries go to, and for how long (module docs).
 pub(super) struct Affinity {
     pub(super) settings: ReplicaAffinity,
@@ -37,10 +41,7 @@ impl Asker {
             stalls.heard(sender);
         }
         match (answer.pinned, overloaded, sender) {
-            (Some(router), true, _) => {
-                self.unpin(router, Release::Overloaded);
-                self.avoid(router);
-            }
+            (Some(router), true, _) => self.unpin(router, Release::Overloaded),
             (None, true, Some(sender)) => self.avoid(sender),
             (None, false, Some(sender)) => self.pin_to(self.target(sender)),
             (Some(_), false, _) | (None, _, None) => {}
@@ -65,11 +66,40 @@ impl Asker {
     }
 
     /// The pin, if one holds now, and the affinity's patience.
+    ///
+    /// Under [`PinTarget::Lowest`], when no pin holds the gateway pins anew to the
+    /// lowest usable replica it knows, without a query through the queue group, and
+    /// probes for replicas it has not heard from ([`super::Stalls::discover`]).
     pub(super) fn pinned(&self) -> Option<(Pin, Duration)> {
         let affinity = self.affinity.as_ref()?;
-        let pin = affinity.pin.lock().unwrap_or_else(|p| p.into_inner());
-        let pin = pin.as_ref().filter(|p| Instant::now() < p.until).cloned()?;
-        Some((pin, affinity.settings.patience))
+        let patience = affinity.settings.patience;
+        let now = Instant::now();
+        let mut pin = affinity.pin.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(held) = pin.as_ref().filter(|p| now < p.until) {
+            return Some((held.clone(), patience));
+        }
+        let stalls = self.stalls.as_ref()?;
+        if affinity.settings.target != PinTarget::Lowest {
+            return None;
+        }
+        stalls.discover(RENEWAL_PROBES);
+        let router = stalls.lowest_known()?;
+        let renewed = self.pin(affinity, router, now);
+        *pin = Some(renewed.clone());
+        Some((renewed, patience))
+    }
+
+    /// A pin to `router` from `now`, counted.
+    fn pin(&self, affinity: &Affinity, router: RouterId, now: Instant) -> Pin {
+        affinity.counted.pinned.inc();
+        Pin {
+            router,
+            services: Services {
+                route: self.subjects.route_at(router).into(),
+                route_batch: self.subjects.route_batch_at(router).into(),
+            },
+            until: now + affinity.settings.window,
+        }
     }
 
     /// Pins to `router` (see [`Asker::target`]), unless a pin holds already.
@@ -82,23 +112,21 @@ impl Asker {
         if pin.as_ref().is_some_and(|p| now < p.until) {
             return;
         }
-        *pin = Some(Pin {
-            router,
-            services: Services {
-                route: self.subjects.route_at(router).into(),
-                route_batch: self.subjects.route_batch_at(router).into(),
-            },
-            until: now + affinity.settings.window,
-        });
-        affinity.counted.pinned.inc();
+        *pin = Some(self.pin(affinity, router, now));
     }
 
     /// Lets the pin go if one to `router` holds, counting `why`. A pin to another
-    /// replica (taken meanwhile by another query) stays.
+    /// replica (taken meanwhile by another query) stays. Either way a replica that is
+    /// gone is forgotten, and one let go for any other reason is left out of the pin
+    /// target for a window ([`Asker::avoid`]).
     pub(super) fn unpin(&self, router: RouterId, why: Release) {
         let Some(affinity) = &self.affinity else {
             return;
         };
+        match (why, &self.stalls) {
+            (Release::Gone, Some(stalls)) => stalls.forget(router),
+            _ => self.avoid(router),
+        }
         let mut pin = affinity.pin.lock().unwrap_or_else(|p| p.into_inner());
         if pin.as_ref().is_some_and(|p| p.router == router) {
             let released = pin.take().is_some_and(|p| Instant::now() < p.until);
