@@ -57,6 +57,9 @@ pub enum ReplayError {
     /// client cannot be built.
     #[error(transparent)]
     Cluster(#[from] kv_cluster::Error),
+    /// [`Frontend::Gateways`] names no gateway.
+    #[error("no gateway to replay through")]
+    NoGateways,
     /// No worker is registered, so there is nothing to replay against.
     #[error("no workers registered under etcd prefix {prefix}")]
     NoWorkers {
@@ -283,14 +286,18 @@ pub async fn run_replay_with(
 /// One pass: clear all workers, replay `trace` under `policy`, await every request.
 ///
 /// # Errors
-/// [`ReplayError::NoWorkers`], [`ReplayError::Etcd`] or [`ReplayError::Clear`] from the
-/// cold start. Request failures are counted in the report.
+/// [`ReplayError::NoGateways`] for an empty gateway list; [`ReplayError::NoWorkers`],
+/// [`ReplayError::Etcd`] or [`ReplayError::Clear`] from the cold start. Request
+/// failures are counted in the report.
 pub async fn replay_policy(
     target: &ReplayTarget,
     trace: &[TraceRequest],
     policy: PolicyKind,
     config: &ReplayConfig,
 ) -> Result<PolicyReport, ReplayError> {
+    if matches!(&config.frontend, Frontend::Gateways(g) if g.is_empty()) {
+        return Err(ReplayError::NoGateways);
+    }
     let workers = cold::clear_all(target).await?;
     let mapping = block_mapping(target, &workers)?;
     tracing::info!(%policy, workers = workers.len(), requests = trace.len(), block_size = mapping.engine_block_size(), "starting pass from a cold cache");
@@ -313,6 +320,7 @@ pub async fn replay_policy(
         let request = request.clone();
         let request_id = RequestId(format!("{policy}-{index}"));
         let (time_scale, timeout) = (config.time_scale, config.request_timeout);
+        // Not empty: checked above.
         if let Frontend::Gateways(gateways) = &config.frontend
             && let Some(gateway) = gateways.get(index % gateways.len().max(1))
         {
