@@ -96,31 +96,33 @@ impl Stalls {
 
     /// Notes that `router` answered a query now.
     pub(super) fn heard(&self, router: RouterId) {
+        self.note(router, false);
+    }
+
+    /// Notes that `router` answered a readiness probe now: it is live, but says
+    /// nothing of its load, so a replica avoided stays avoided.
+    fn answered_probe(&self, router: RouterId) {
+        self.note(router, true);
+    }
+
+    /// Notes that `router` answered now, keeping when it is avoided until if
+    /// `keep_avoided`; forgets the replica heard from longest ago past [`MAX_KNOWN`].
+    fn note(&self, router: RouterId, keep_avoided: bool) {
         let now = Instant::now();
         let mut known = self.known.lock().unwrap_or_else(|p| p.into_inner());
+        let avoid_until = keep_avoided
+            .then(|| known.get(&router).and_then(|h| h.avoid_until))
+            .flatten();
         let heard = Heard {
             at: now,
             silent: false,
-            avoid_until: None,
+            avoid_until,
         };
         if known.insert(router, heard).is_none() && known.len() > MAX_KNOWN {
             let oldest = known.iter().min_by_key(|(_, h)| h.at).map(|(id, _)| *id);
             if let Some(oldest) = oldest {
                 known.remove(&oldest);
             }
-        }
-    }
-
-    /// Notes that `router` answered a readiness probe now: it is live, but says
-    /// nothing of its load, so a replica avoided stays avoided.
-    fn answered_probe(&self, router: RouterId) {
-        let avoided = {
-            let known = self.known.lock().unwrap_or_else(|p| p.into_inner());
-            known.get(&router).and_then(|h| h.avoid_until)
-        };
-        self.heard(router);
-        if let Some(until) = avoided {
-            self.avoid(router, until);
         }
     }
 

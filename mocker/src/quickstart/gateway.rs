@@ -94,7 +94,7 @@ pub(super) struct GatewayTotals {
 }
 
 impl GatewayTotals {
-    /// Reads the totals of every gateway now, summed.
+    /// Reads the totals of every gateway now, summed (zeros for none).
     pub(super) async fn read(gateways: &[GatewayTarget]) -> anyhow::Result<Self> {
         let mut sum = Self::default();
         for gateway in gateways {

@@ -297,11 +297,7 @@ async fn run_stack(
     for &policy in &args.policies {
         let routers =
             routers::start(stack, binaries, &connection, policy, args.router_replicas).await?;
-        let before = if gateways.is_empty() {
-            None
-        } else {
-            Some(GatewayTotals::read(&gateways).await?)
-        };
+        let before = GatewayTotals::read(&gateways).await?;
         let mut figures = routers::ReplicaFigures::default();
         let pass = stack
             .unless_a_child_exits(async {
@@ -311,7 +307,7 @@ async fn run_stack(
                 }
             })
             .await??;
-        if let Some(before) = before {
+        if !gateways.is_empty() {
             let after = GatewayTotals::read(&gateways).await?;
             gateway_rows.push(after.row(&before, policy.as_str()));
         }

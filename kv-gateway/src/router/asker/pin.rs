@@ -82,7 +82,11 @@ impl Asker {
         if affinity.settings.target != PinTarget::Lowest {
             return None;
         }
-        stalls.discover(RENEWAL_PROBES);
+        // A pin whose window has passed: taken out, so that its replica is probed
+        // for once per window, not on every query while no replica is usable.
+        if pin.take().is_some() {
+            stalls.discover(RENEWAL_PROBES);
+        }
         let router = stalls.lowest_known()?;
         let renewed = self.pin(affinity, router, now);
         *pin = Some(renewed.clone());
