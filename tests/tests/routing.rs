@@ -370,3 +370,83 @@ async fn an_eligible_set_bounds_the_choice_and_fallbacks_rank_the_others() -> an
     assert_eq!(daemon.state().scheduler().active_requests(), 2);
     daemon.shutdown().await
 }
+
+/// A readiness probe (a route query with an empty prompt, in either form) gets the
+/// reply any empty prompt gets and books nothing, but counts under its own outcome,
+/// so frontends' health checks do not read as refused queries; a refused query with
+/// tokens still counts as `bad_request`.
+#[tokio::test]
+async fn a_readiness_probe_counts_apart_from_refused_queries() -> anyhow::Result<()> {
+    use kv_events::routing::{MAX_EXCLUDED_WORKERS, Prompt, RouteRequest};
+    let mut cluster = TestCluster::start(BLOCK).await?;
+    let _w1 = FakeWorker::register(&mut cluster, 1, 30).await?;
+    let daemon = cluster.start_daemon(|_| {}).await?;
+    let probes = [
+        Prompt::Tokens { token_ids: vec![] },
+        Prompt::Blocks {
+            block_hashes: vec![],
+            num_tokens: 0,
+        },
+    ];
+    for (i, probe) in probes.into_iter().enumerate() {
+        match cluster
+            .route(&RouteRequest::new(format!("probe-{i}"), probe))
+            .await?
+        {
+            RouteReply::Error(e) => {
+                assert_eq!(e.code, RouteErrorCode::BadRequest);
+                assert!(e.message.contains("empty prompt"), "{}", e.message);
+            }
+            other => panic!("a probe was routed: {other:?}"),
+        }
+    }
+    let refused = RouteRequest {
+        exclude_workers: (0..=MAX_EXCLUDED_WORKERS as u64).map(WorkerId).collect(),
+        ..RouteRequest::new(
+            "refused",
+            Prompt::Tokens {
+                token_ids: prompt(1, 2),
+            },
+        )
+    };
+    match cluster.route(&refused).await? {
+        RouteReply::Error(e) => assert_eq!(e.code, RouteErrorCode::BadRequest),
+        other => panic!("an oversized exclusion list was routed: {other:?}"),
+    }
+    let routed = cluster.route_tokens("routed", prompt(2, 2)).await?;
+    assert!(matches!(routed, RouteReply::Routed(_)), "{routed:?}");
+
+    let families = cluster.registry.gather();
+    let family = |name: &str| {
+        families
+            .iter()
+            .find(|f| f.name() == name)
+            .unwrap_or_else(|| panic!("{name} is exported"))
+    };
+    let by_outcome = |name: &str| -> Vec<(String, u64)> {
+        let mut samples: Vec<(String, u64)> = (family(name).get_metric().iter())
+            .map(|m| {
+                let outcome = m.get_label()[0].value().to_owned();
+                // A counter's value, or a histogram's count (the other reads 0).
+                let count =
+                    (m.get_counter().value() as u64).max(m.get_histogram().get_sample_count());
+                (outcome, count)
+            })
+            .collect();
+        samples.sort();
+        samples
+    };
+    let expected = [
+        ("bad_request".to_owned(), 1),
+        ("probe".to_owned(), 2),
+        ("routed".to_owned(), 1),
+    ];
+    assert_eq!(by_outcome("kv_router_route_requests_total"), expected);
+    assert_eq!(by_outcome("kv_router_route_duration_seconds"), expected);
+    assert_eq!(
+        daemon.state().scheduler().active_requests(),
+        1,
+        "only the routed query is booked"
+    );
+    daemon.shutdown().await
+}

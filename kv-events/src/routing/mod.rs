@@ -65,6 +65,18 @@ pub enum Prompt {
     },
 }
 
+impl Prompt {
+    /// Whether the prompt holds no tokens. A route query with an empty prompt is a
+    /// readiness probe (docs/protocol.md, "Readiness probes"): every router answers
+    /// it without booking anything, and counts it apart from refused queries.
+    pub fn is_empty(&self) -> bool {
+        match self {
+            Prompt::Tokens { token_ids } => token_ids.is_empty(),
+            Prompt::Blocks { num_tokens, .. } => *num_tokens == 0,
+        }
+    }
+}
+
 /// Routing policy names, as selectable per daemon and overridable per request.
 ///
 /// The formulas and their sources are documented on the scheduler's `PolicyConfig`

@@ -101,6 +101,16 @@ impl RouteMetrics {
         }
     }
 
+    /// Records one readiness probe (a route query with an empty prompt) that took
+    /// `elapsed`, under the outcome `probe` whatever its reply.
+    pub(crate) fn observe_probe(&self, elapsed: Duration) {
+        let label = [PROBE];
+        self.requests.with_label_values(&label).inc();
+        self.duration
+            .with_label_values(&label)
+            .observe(elapsed.as_secs_f64());
+    }
+
     /// Forgets the per-rank decision counters of a worker that left, so label sets do
     /// not accumulate with worker churn. Holds the resolved handles' lock throughout,
     /// so a decision recorded meanwhile resolves its handle before or after, never a
@@ -136,6 +146,9 @@ fn disaggregation_decisions(r: &Registrar<'_>) -> Result<IntCounterVec, promethe
 
 /// The `outcome` label of a routed query.
 const ROUTED: &str = "routed";
+
+/// The `outcome` label of a readiness probe.
+const PROBE: &str = "probe";
 
 /// `routed`, or the error code's wire name (`no_workers`, `overloaded`, ...).
 fn outcome_label(reply: &RouteReply) -> String {
