@@ -146,9 +146,45 @@ pub fn unregistered<T>(build: impl FnOnce(&Registrar<'_>) -> Result<T, prometheu
     build(&Registrar::unregistered()).expect("static metric definitions are valid")
 }
 
+/// The registry of one participant's process (`kv-router serve`, `relay`, `gateway`,
+/// `epp`): empty but for the standard `process_*` metrics of the process, read from
+/// `/proc/self` at each scrape: `process_cpu_seconds_total` (user + system),
+/// `process_resident_memory_bytes`, `process_virtual_memory_bytes`,
+/// `process_open_fds`, `process_max_fds`, `process_threads` and
+/// `process_start_time_seconds` (Unix time). Operators read a replica's CPU and
+/// memory from them as they do for any Prometheus target.
+///
+/// Tests that run several participants in one process give each a plain
+/// [`Registry::new`] instead: the process metrics would be the test's, not theirs.
+/// Cost: a scrape reads three small `/proc` files and lists the open descriptors.
+pub fn process_registry() -> Registry {
+    let registry = Registry::new();
+    #[cfg(target_os = "linux")]
+    {
+        let collector = prometheus::process_collector::ProcessCollector::for_self();
+        // A fresh registry holds no other collector, so no name can clash.
+        #[allow(clippy::expect_used)]
+        registry
+            .register(Box::new(collector))
+            .expect("a fresh registry accepts the process collector");
+    }
+    registry
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_process_registry_exports_the_process_cpu_and_memory() {
+        let registry = process_registry();
+        let names: Vec<String> = (registry.gather().iter())
+            .map(|f| f.name().to_owned())
+            .collect();
+        for name in ["process_cpu_seconds_total", "process_resident_memory_bytes"] {
+            assert!(names.iter().any(|n| n == name), "{name} missing: {names:?}");
+        }
+    }
 
     #[test]
     fn registers_in_the_injected_registry_only() {

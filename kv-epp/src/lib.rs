@@ -211,7 +211,12 @@ async fn export(
 /// [`EppError`] from the configuration or start-up.
 pub async fn run(args: EppArgs) -> Result<(), EppError> {
     let config = args.to_config()?;
-    let epp = Epp::start(config, Arc::new(Registry::new()), CancellationToken::new()).await?;
+    let epp = Epp::start(
+        config,
+        Arc::new(kv_cluster::metrics::process_registry()),
+        CancellationToken::new(),
+    )
+    .await?;
     kv_cluster::process::shutdown_signal().await;
     epp.shutdown().await;
     Ok(())

@@ -8,6 +8,7 @@
 //! | routing | `{ns}.router.route` | request-reply, queue group `{ns}-router` |
 //! | batch routing | `{ns}.router.route_batch` | request-reply, queue group `{ns}-router`, [`crate::routing::RouteBatchRequest`] |
 //! | routing by one replica | `{ns}.router.at.{router_id}.route`, `….route_batch` | request-reply, plain subscription of that replica ([`ROUTER_ID_HEADER`]) |
+//! | roll call | `{ns}.router.replicas` | request to every replica, one reply each, [`crate::replicas::RollCallReply`] |
 //! | removals | `{ns}.router.removals` | request-reply, queue group `{ns}-router`, [`crate::routing::RemovalsQuery`] → [`crate::routing::RemovalsReply`] |
 //! | overlap | `{ns}.router.overlap` | request-reply, queue group `{ns}-router`, [`crate::routing::overlap::OverlapQuery`] → [`crate::routing::overlap::OverlapReply`] |
 //! | lifecycle | `{ns}.router.lifecycle` | publish, [`crate::routing::LifecycleMessage`] |
@@ -168,6 +169,15 @@ impl Subjects {
     /// by `router`.
     pub fn route_batch_at(&self, router: RouterId) -> String {
         format!("{}.router.at.{router}.route_batch", self.ns)
+    }
+
+    /// The roll call: a request every router replica answers (plain subscription, no
+    /// queue group), each with a [`crate::replicas::RollCallReply`] and its
+    /// [`ROUTER_ID_HEADER`], whatever the request's payload. A frontend learns from
+    /// one request which replicas are up, e.g. to pin to the lowest
+    /// ([`Self::route_at`]).
+    pub fn router_roll_call(&self) -> String {
+        format!("{}.router.replicas", self.ns)
     }
 
     /// The removals request-reply subject: did an eviction race a route

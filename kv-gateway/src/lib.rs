@@ -341,7 +341,7 @@ impl Core {
 /// [`GatewayError::ShutdownIncomplete`] when the shutdown ran out of time.
 pub async fn run(args: GatewayArgs) -> Result<(), GatewayError> {
     let config = args.to_config()?;
-    let registry = Arc::new(Registry::new());
+    let registry = Arc::new(kv_cluster::metrics::process_registry());
     let shutdown = CancellationToken::new();
     let gateway = Gateway::start(config, registry, shutdown).await?;
     kv_cluster::process::shutdown_signal().await;

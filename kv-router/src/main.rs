@@ -99,7 +99,7 @@ async fn run() -> Result<()> {
     match cli.command {
         Command::Serve(args) => {
             let config = validate(&args, file.as_ref())?;
-            let registry = prometheus::Registry::new();
+            let registry = kv_cluster::metrics::process_registry();
             router_daemon::run(config, &registry, kv_cluster::process::shutdown_signal()).await
         }
         Command::Probe(args) => router_daemon::probe::run(&args).await,
@@ -122,7 +122,7 @@ async fn run() -> Result<()> {
         }
         Command::Relay(args) => {
             let config = kv_relay::RelayConfig::from_args(&args)?;
-            let registry = prometheus::Registry::new();
+            let registry = kv_cluster::metrics::process_registry();
             kv_relay::run(config, &registry, kv_cluster::process::shutdown_signal()).await?;
             Ok(())
         }

@@ -369,9 +369,35 @@ impl Starting {
                 config.route.max_inflight,
                 config.route.max_batch,
                 intake.child_token(),
-                answered_by,
+                answered_by.clone(),
             ),
         );
+        // Roll calls: every replica answers each, naming itself (a frontend's way to
+        // learn which replicas are up); on the main connection, off the route path.
+        let roll_call = nats
+            .subscribe(subjects.router_roll_call())
+            .await
+            .context("subscribing to the roll call")?;
+        intake_tasks.spawn(crate::service::serve_requests(
+            state.clone(),
+            vec![roll_call],
+            crate::service::Service {
+                client: nats.clone(),
+                max_inflight: config.route.max_inflight,
+                intake: intake.child_token(),
+                kind: crate::metrics::counters::MessageKind::RollCall,
+                headers: Some(answered_by),
+            },
+            move |state: Arc<RouterState>, _payload: bytes::Bytes| {
+                state.counters.message(
+                    crate::metrics::counters::MessageKind::RollCall,
+                    crate::metrics::counters::Outcome::Ok,
+                );
+                std::future::ready(kv_events::replicas::RollCallReply {
+                    router_id: state.admission.replicas.router_id(),
+                })
+            },
+        ));
         // Removals queries stay on the main connection: not on the per-route path.
         let removals = nats
             .queue_subscribe(subjects.router_removals(), subjects.route_queue_group())

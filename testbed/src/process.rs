@@ -348,6 +348,16 @@ impl ManagedProcess {
         })
     }
 
+    /// CPU seconds (user + system) the process has used so far, at the kernel's
+    /// resolution (10 ms); `None` once it has exited or when `/proc` cannot be read.
+    pub fn cpu_seconds(&self) -> Option<f64> {
+        let stat = procfs::process::Process::new(self.pid()?.as_raw())
+            .ok()?
+            .stat()
+            .ok()?;
+        Some((stat.utime + stat.stime) as f64 / procfs::ticks_per_second() as f64)
+    }
+
     fn pid(&self) -> Option<Pid> {
         self.child
             .id()

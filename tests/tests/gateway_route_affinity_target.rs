@@ -1,15 +1,18 @@
 //! Which replica the gateway pins to, against a real nats-server and two scripted
-//! replicas: by default the lowest replica id it has heard from (through its queries
-//! or its readiness probes), pinned anew when a window passes without a query through
-//! the queue group, so that gateways agree on one replica; one that answers
-//! `overloaded` is left out for a window, one that is gone is forgotten. With
-//! `--route-affinity-target answered`, the replica that answered.
+//! replicas: by default the lowest replica id it has heard from (through its queries,
+//! its roll calls, or, when no replica answers those, its readiness probes through
+//! the queue group), pinned anew when a window passes without a query through the
+//! queue group, so that gateways agree on one replica; one that answers `overloaded`
+//! is left out for a window, one that is gone is forgotten. With
+//! `--route-affinity-target answered`, the replica that answered. The scripted
+//! replicas answer no roll call unless a test says so, as routers from before it.
 
 // Test helpers unwrap: a failed setup step must fail the test loudly.
 #![allow(clippy::unwrap_used)]
 
 use futures::StreamExt as _;
 use integration_tests::router_client::{ask, decision, one_by_one, router_client_with};
+use kv_events::replicas::RollCallReply;
 use kv_events::routing::{RouteError, RouteErrorCode, RouteReply, RouteRequest};
 use kv_events::{Namespace, ROUTER_ID_HEADER, RouterId, Subjects, WorkerId, decode, encode};
 use kv_gateway::router::{PinTarget, ReplicaAffinity, RouterClient};
@@ -43,6 +46,10 @@ struct Setup {
     queries: mpsc::UnboundedReceiver<(async_nats::Message, At)>,
     /// The replica that answers the gateway's readiness probes (`None`: nobody).
     probes_answered_by: Arc<Mutex<Option<RouterId>>>,
+    /// The replicas that answer the gateway's roll calls.
+    roll_call_answered_by: Arc<Mutex<Vec<RouterId>>>,
+    /// One message per roll call received, once answered.
+    roll_calls: mpsc::UnboundedReceiver<()>,
     /// Whether the low replica still subscribes its own subject.
     low_subscribed: Option<tokio::task::JoinHandle<()>>,
     client: RouterClient,
@@ -89,8 +96,39 @@ async fn answer(
     (nats.publish_with_headers(inbox, headers, payload).await).unwrap();
 }
 
+/// Answers each roll call on `subscriber` once per replica `by` names at the time,
+/// then tells `calls`.
+fn answer_roll_calls(
+    nats: async_nats::Client,
+    mut subscriber: async_nats::Subscriber,
+    by: Arc<Mutex<Vec<RouterId>>>,
+    calls: mpsc::UnboundedSender<()>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        while let Some(message) = subscriber.next().await {
+            let replicas = by.lock().unwrap().clone();
+            let inbox = message.reply.unwrap();
+            for replica in replicas {
+                let mut headers = async_nats::HeaderMap::new();
+                headers.insert(ROUTER_ID_HEADER, replica.to_string().as_str());
+                let reply = RollCallReply { router_id: replica };
+                let payload = encode(&reply).unwrap().into();
+                (nats
+                    .publish_with_headers(inbox.clone(), headers, payload)
+                    .await)
+                    .unwrap();
+            }
+            let _ = calls.send(());
+        }
+    })
+}
+
 impl Setup {
     async fn start(target: PinTarget) -> Self {
+        Self::start_with(target, WINDOW).await
+    }
+
+    async fn start_with(target: PinTarget, window: Duration) -> Self {
         let server = NatsServer::start().await.unwrap();
         let nats = async_nats::connect(server.url()).await.unwrap();
         let subjects = Subjects::new(Namespace::new("pin-target-test").unwrap());
@@ -111,9 +149,18 @@ impl Setup {
                 probes.clone(),
             ));
         }
+        let roll_call_answered_by = Arc::new(Mutex::new(Vec::new()));
+        let (calls, roll_calls) = mpsc::unbounded_channel();
+        let roll_call = nats.subscribe(subjects.router_roll_call()).await.unwrap();
+        served.push(answer_roll_calls(
+            nats.clone(),
+            roll_call,
+            roll_call_answered_by.clone(),
+            calls,
+        ));
         nats.flush().await.unwrap();
         let affinity = ReplicaAffinity {
-            window: WINDOW,
+            window,
             patience: WAIT,
             target,
         };
@@ -124,6 +171,8 @@ impl Setup {
             subjects,
             queries,
             probes_answered_by: probes,
+            roll_call_answered_by,
+            roll_calls,
             low_subscribed: Some(served.swap_remove(1)),
             client,
         }
@@ -132,6 +181,32 @@ impl Setup {
     /// Asks query `n`, checks where it arrived, answers it as `replica` (`overloaded`
     /// when asked), and returns whether the caller got a decision.
     async fn exchange(&mut self, n: u32, at: At, replica: RouterId, overload: bool) -> bool {
+        let (arrived, decided) = self.exchange_as(n, |_| replica, overload).await;
+        assert_eq!(arrived, at, "query {n}");
+        decided
+    }
+
+    /// Asks query `n` and answers it as the replica it arrived at (the high one
+    /// through the queue group); returns where it arrived.
+    async fn exchange_anywhere(&mut self, n: u32) -> At {
+        let replica = |at| match at {
+            At::Replica(replica) => replica,
+            At::QueueGroup => HIGH,
+        };
+        let (arrived, decided) = self.exchange_as(n, replica, false).await;
+        assert!(decided, "query {n}");
+        arrived
+    }
+
+    /// Asks query `n`, answers it as the replica `replica` names for where it arrived
+    /// (`overloaded` when asked); returns where it arrived and whether the caller got
+    /// a decision.
+    async fn exchange_as(
+        &mut self,
+        n: u32,
+        replica: impl Fn(At) -> RouterId,
+        overload: bool,
+    ) -> (At, bool) {
         let asked = ask(&self.client, n);
         let (message, arrived) = tokio::time::timeout(WAIT, self.queries.recv())
             .await
@@ -139,7 +214,6 @@ impl Setup {
             .expect("the subscriptions are served");
         let request: RouteRequest = decode(&message.payload).unwrap();
         assert_eq!(request.request_id.0, format!("q-{n}"));
-        assert_eq!(arrived, at, "query {n}");
         let reply = if overload {
             RouteReply::Error(RouteError {
                 code: RouteErrorCode::Overloaded,
@@ -149,9 +223,9 @@ impl Setup {
             RouteReply::Routed(decision(request.request_id, WorkerId(1)))
         };
         let inbox = message.reply.expect("a request has an inbox");
-        answer(&self.nats, inbox, &reply, replica).await;
+        answer(&self.nats, inbox, &reply, replica(arrived)).await;
         let answered = tokio::time::timeout(WAIT, asked).await.unwrap().unwrap();
-        answered.is_ok()
+        (arrived, answered.is_ok())
     }
 
     /// Readiness probes are answered by `replica` from now on.
@@ -216,6 +290,33 @@ async fn a_replica_that_is_gone_is_forgotten() {
     assert!(setup.exchange(3, At::Replica(HIGH), HIGH, false).await);
     window_passes().await;
     assert!(setup.exchange(4, At::Replica(HIGH), HIGH, false).await);
+}
+
+/// A roll call hears every replica at once: the first answer comes through the queue
+/// group from the high replica, the gateway then calls the roll (once its start-up
+/// call, which nobody answered, is done), both answer, and its next queries go to
+/// the low one long before the pin's window passes. The low replica serves only its
+/// own subject, so nothing but the roll call can name it.
+#[tokio::test]
+async fn a_roll_call_moves_the_pin_to_the_lowest_replica_within_its_window() {
+    let mut setup = Setup::start_with(PinTarget::Lowest, Duration::from_secs(600)).await;
+    // The start-up roll call, unanswered: no replica is up yet.
+    tokio::time::timeout(WAIT, setup.roll_calls.recv())
+        .await
+        .unwrap();
+    *setup.roll_call_answered_by.lock().unwrap() = vec![HIGH, LOW];
+    assert!(setup.exchange(0, At::QueueGroup, HIGH, false).await);
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let mut n = 1;
+    while setup.exchange_anywhere(n).await != At::Replica(LOW) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{n} queries, none on the low replica"
+        );
+        n += 1;
+    }
+    // From now on the low one.
+    assert!(setup.exchange(n + 1, At::Replica(LOW), LOW, false).await);
 }
 
 #[tokio::test]

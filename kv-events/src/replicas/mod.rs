@@ -57,6 +57,14 @@ impl RouterId {
     }
 }
 
+/// A router replica's answer to a roll call ([`crate::Subjects::router_roll_call`]):
+/// `{"router_id": u64}`, also carried as the reply's [`crate::ROUTER_ID_HEADER`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RollCallReply {
+    /// The replica answering.
+    pub router_id: RouterId,
+}
+
 /// One change to a request booked by the replica `router_id`: the single-step form of
 /// a sync message, which replicas before [`SequenceSyncBatch`] publish (still decoded
 /// as a batch of one).

@@ -24,18 +24,22 @@
 //! replicas blind to each other for a sync lag, the same-instant bursts of the
 //! Mooncake trace cost 1.17×, 1.35× and 1.57× the mean TTFT of one replica at 2, 4
 //! and 8 replicas (`kv-mocker lab replicas`, docs/benchmarks.md "Blind replicas").
-//! The gateway hears of replicas from the answers to its queries and from readiness
-//! probes through the queue group (each reaches a replica at random, and every
-//! router refuses it without booking): 16 when it starts, 2 more each time a window
-//! passes. When a window passes the pin is renewed to the lowest usable replica
-//! known, with no query through the queue group; a query goes through the queue
-//! group only while none is known, and the gateway then pins to the lowest of those
-//! it knows and the one that answered. The cost is that one replica decides while it
+//! The gateway hears of replicas from the answers to its queries and from roll calls
+//! (one request every replica answers, naming itself; module `router::roll_call`):
+//! when it starts, when an answer comes from a replica it did not know, and each
+//! time a window passes. A pin that holds moves at once to a lower replica heard of
+//! since. Routers from before the roll call do not answer it; the gateway then sends
+//! readiness probes through the queue group instead (each reaches a replica at
+//! random, and every router answers it without booking): 16 when it starts, 2 at
+//! each later call. When a window passes the pin is renewed to the lowest usable
+//! replica known, with no query through the queue group; a query goes through the
+//! queue group only while none is known, and the gateway then pins to the lowest of
+//! those it knows and the one that answered. The cost is that one replica decides while it
 //! is healthy and the others keep its bookings and stand by; one replica decides
 //! tens of thousands of routes per second, and one that answers `overloaded` is left
 //! out for a window. [`PinTarget::Answered`] pins to the replica that answered a
 //! query through the queue group, once per window, spreading gateways over
-//! replicas, and sends no probes.
+//! replicas, and calls no roll.
 //!
 //! The pin is dropped at once when that replica is gone (NATS "no responders": the
 //! query is asked again through the queue group, so no query fails for it), answers

@@ -36,6 +36,7 @@ mod again;
 mod asker;
 mod grouping;
 mod lifecycle;
+mod roll_call;
 mod stalls;
 
 pub use grouping::{Grouping, MAX_GROUP};
@@ -315,7 +316,12 @@ async fn probe_replica(
     subject: async_nats::Subject,
     wait: Duration,
 ) -> Option<RouterId> {
-    let reply = readiness_probe(nats, subject, wait).await.ok()?;
+    named_replica(&readiness_probe(nats, subject, wait).await.ok()?)
+}
+
+/// The replica a reply names in its [`kv_events::ROUTER_ID_HEADER`], if it names one
+/// that parses.
+fn named_replica(reply: &async_nats::Message) -> Option<RouterId> {
     let named = reply.headers.as_ref()?.get(kv_events::ROUTER_ID_HEADER)?;
     RouterId::parse_hex(named.as_str())
 }

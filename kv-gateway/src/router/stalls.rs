@@ -19,7 +19,9 @@
 //!
 //! The replicas heard from are also where a pin goes under [`super::PinTarget::Lowest`]
 //! ([`Stalls::lowest`]): the lowest id among them, leaving out those gone, silent, or
-//! overloaded or slow within the last window ([`Stalls::avoid`]).
+//! overloaded or slow within the last window ([`Stalls::avoid`]). Besides the answers
+//! to its queries, the gateway hears of replicas from roll calls
+//! ([`Stalls::discover`], module `router::roll_call`).
 //!
 //! Cost: nothing while queries are answered within the patience, apart from one
 //! mutex lock per answer to note which replica answered. During a stall, one round
@@ -29,6 +31,7 @@
 use kv_events::{RouterId, Subjects};
 use prometheus::IntCounter;
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::task::JoinSet;
@@ -54,6 +57,16 @@ struct Heard {
     avoid_until: Option<Instant>,
 }
 
+/// Roll calls of one gateway ([`Stalls::discover`]).
+#[derive(Default)]
+struct Calls {
+    /// One is out.
+    out: bool,
+    /// Another was asked for while it was out: its reason (a replica heard of for the
+    /// first time) may be newer than the replies of the one out.
+    again: bool,
+}
+
 /// The replicas heard from, and the latest round of pings (module docs).
 pub(super) struct Stalls {
     nats: async_nats::Client,
@@ -63,6 +76,12 @@ pub(super) struct Stalls {
     patience: Duration,
     /// The replicas heard from.
     known: Mutex<HashMap<RouterId, Heard>>,
+    /// Replicas heard of for the first time, counted: a pin taken before the count
+    /// changed may have a lower replica to move to ([`Stalls::generation`]).
+    generation: AtomicU64,
+    /// Whether a roll call is out, and whether another was asked for meanwhile
+    /// ([`Stalls::discover`]).
+    calls: Mutex<Calls>,
     /// The latest round: when it ended and what it found. Held while a round runs,
     /// so queries that wait meanwhile share its finding.
     latest: tokio::sync::Mutex<Option<(Instant, Option<RouterId>)>>,
@@ -83,6 +102,8 @@ impl Stalls {
             subjects,
             patience,
             known: Mutex::new(HashMap::new()),
+            generation: AtomicU64::new(0),
+            calls: Mutex::new(Calls::default()),
             latest: tokio::sync::Mutex::new(None),
             found,
         }
@@ -94,9 +115,15 @@ impl Stalls {
         self.patience
     }
 
-    /// Notes that `router` answered a query now.
-    pub(super) fn heard(&self, router: RouterId) {
-        self.note(router, false);
+    /// Notes that `router` answered a query now; true when it was not known.
+    pub(super) fn heard(&self, router: RouterId) -> bool {
+        self.note(router, false)
+    }
+
+    /// How many times a replica was heard of for the first time (or again after it
+    /// was forgotten); a pin compares it with the count when it was taken.
+    pub(super) fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
     }
 
     /// Notes that `router` answered a readiness probe now: it is live, but says
@@ -107,7 +134,8 @@ impl Stalls {
 
     /// Notes that `router` answered now, keeping when it is avoided until if
     /// `keep_avoided`; forgets the replica heard from longest ago past [`MAX_KNOWN`].
-    fn note(&self, router: RouterId, keep_avoided: bool) {
+    /// True when `router` was not known.
+    fn note(&self, router: RouterId, keep_avoided: bool) -> bool {
         let now = Instant::now();
         let mut known = self.known.lock().unwrap_or_else(|p| p.into_inner());
         let avoid_until = keep_avoided
@@ -118,12 +146,17 @@ impl Stalls {
             silent: false,
             avoid_until,
         };
-        if known.insert(router, heard).is_none() && known.len() > MAX_KNOWN {
+        let new = known.insert(router, heard).is_none();
+        if new {
+            self.generation.fetch_add(1, Ordering::AcqRel);
+        }
+        if new && known.len() > MAX_KNOWN {
             let oldest = known.iter().min_by_key(|(_, h)| h.at).map(|(id, _)| *id);
             if let Some(oldest) = oldest {
                 known.remove(&oldest);
             }
         }
+        new
     }
 
     /// Leaves `router` out of [`Stalls::lowest`] until `until` (it answered
@@ -162,11 +195,47 @@ impl Stalls {
             .min()
     }
 
-    /// Sends `probes` readiness probes through the route queue group at once, in the
-    /// background, and notes the replica that answers each ([`Stalls::heard`]): how
-    /// the gateway hears of replicas without placing a query on them. Each waits at
-    /// most the patience. Needs a tokio runtime.
+    /// Calls the roll in the background and notes every replica that answers: how
+    /// the gateway hears of replicas without placing a query on them. When none
+    /// answers (no replica is up, or only replicas from before the roll call), sends
+    /// `probes` readiness probes through the route queue group instead, each noting
+    /// the replica that answers it within the patience. One roll call at a time: a
+    /// call asked for while one is out is made once that one is done. Needs a tokio
+    /// runtime.
     pub(super) fn discover(self: &Arc<Self>, probes: usize) {
+        {
+            let mut calls = self.calls.lock().unwrap_or_else(|p| p.into_inner());
+            if calls.out {
+                calls.again = true;
+                return;
+            }
+            calls.out = true;
+        }
+        let stalls = Arc::clone(self);
+        tokio::spawn(async move {
+            let wait = super::roll_call::ROLL_CALL_WAIT.min(stalls.patience);
+            loop {
+                let subject = stalls.subjects.router_roll_call();
+                let heard =
+                    super::roll_call::roll_call(&stalls.nats, subject, wait, MAX_KNOWN).await;
+                for &router in &heard {
+                    stalls.answered_probe(router);
+                }
+                if heard.is_empty() {
+                    stalls.probe(probes);
+                }
+                let mut calls = stalls.calls.lock().unwrap_or_else(|p| p.into_inner());
+                if !std::mem::take(&mut calls.again) {
+                    calls.out = false;
+                    break;
+                }
+            }
+        });
+    }
+
+    /// Sends `probes` readiness probes through the route queue group at once, in the
+    /// background, noting the replica that answers each.
+    fn probe(self: &Arc<Self>, probes: usize) {
         for _ in 0..probes {
             let stalls = Arc::clone(self);
             tokio::spawn(async move {
@@ -277,6 +346,6 @@ impl Stalls {
 /// one more query per slow query, whose loser is freed at once (module
 /// `router::again`). The floor keeps a replica that is merely behind by a few
 /// milliseconds of its queue from being judged.
-fn verdict_after(first_answer: Duration, patience: Duration) -> Duration {
+pub(super) fn verdict_after(first_answer: Duration, patience: Duration) -> Duration {
     (first_answer * 8).max(patience / 10).min(patience)
 }

@@ -299,6 +299,7 @@ async fn run_stack(
             routers::start(stack, binaries, &connection, policy, args.router_replicas).await?;
         let before = GatewayTotals::read(&gateways).await?;
         let mut figures = routers::ReplicaFigures::default();
+        routers.read_start(stack, &mut figures);
         let pass = stack
             .unless_a_child_exits(async {
                 tokio::select! {
@@ -311,22 +312,14 @@ async fn run_stack(
             let after = GatewayTotals::read(&gateways).await?;
             gateway_rows.push(after.row(&before, policy.as_str()));
         }
-        routers.read_lag(&mut figures).await?;
+        routers.read_end(stack, &mut figures).await?;
         report.policies.push(pass);
         routers.stop(stack).await?;
         replica_rows.push(figures.row(policy.as_str()));
         replica_figures.push(figures);
     }
     println!("{}", report.render_table());
-    if args.router_replicas > 1 {
-        println!("{}", render_table(&routers::REPLICA_HEADER, replica_rows));
-        println!(
-            "(booked spread = over ranks, max - min of the replicas' booked decode blocks over\n their mean, sampled every 500 ms; sync lag = from a replica deciding a step to a\n peer having applied it, one clock, bucket upper bounds)\n"
-        );
-        let path = args.out.join("replicas.json");
-        std::fs::write(&path, serde_json::to_vec_pretty(&replica_figures)?)
-            .with_context(|| format!("cannot write {}", path.display()))?;
-    }
+    routers::report(replica_rows, &replica_figures, &args.out)?;
     if !gateway_rows.is_empty() {
         println!("{}", render_table(&GATEWAY_HEADER, gateway_rows));
         println!(

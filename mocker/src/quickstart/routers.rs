@@ -5,7 +5,12 @@
 //! booked per rank (`kv_router_worker_active_decode_blocks`, which counts the
 //! replica's own bookings and those its peers synced to it) and, at the end of the
 //! pass, the replication lag of their sync messages
-//! (`kv_router_replica_sync_lag_seconds`, summed over the replicas).
+//! (`kv_router_replica_sync_lag_seconds`, summed over the replicas). Every pass, one
+//! replica or more, also reads how many queries each replica routed
+//! (`kv_router_route_requests_total{outcome="routed"}`) and the CPU the replicas'
+//! processes spent during the pass (from `/proc`, 10 ms resolution, summed): whether
+//! one replica made the decisions, and what indexing every KV event in each replica
+//! costs the host.
 //!
 //! Cost: one `/metrics` read per replica per 500 ms (a few KB each, under one
 //! scheduler lock in the daemon). The replicas are read concurrently but not at one
@@ -27,10 +32,13 @@ const SAMPLE_EVERY: Duration = Duration::from_millis(500);
 const READ_TIMEOUT: Duration = Duration::from_secs(5);
 const BOOKED_BLOCKS: &str = "kv_router_worker_active_decode_blocks";
 const LAG_BUCKET: &str = "kv_router_replica_sync_lag_seconds_bucket";
+const ROUTED: &str = "kv_router_route_requests_total";
 
 /// The header of the replica table's [`ReplicaFigures::row`]s.
-pub(super) const REPLICA_HEADER: [&str; 6] = [
+pub(super) const REPLICA_HEADER: [&str; 8] = [
     "replicas",
+    "routed by busiest",
+    "routers CPU s",
     "booked spread mean",
     "booked spread max",
     "sync lag p50",
@@ -128,12 +136,20 @@ impl RouterReplicas {
         }
     }
 
-    /// Adds the replicas' sync lag histograms, read now, to `figures`.
-    pub(super) async fn read_lag(&self, figures: &mut ReplicaFigures) -> anyhow::Result<()> {
-        figures.replicas = self.metrics_urls.len();
-        if figures.replicas > 1 {
-            figures.lag = LagBuckets::from_pages(&self.read_all().await?);
-        }
+    /// Notes the replicas' CPU time before the pass in `figures`.
+    pub(super) fn read_start(&self, stack: &StartedProcesses, figures: &mut ReplicaFigures) {
+        figures.cpu_seconds = -stack.cpu_seconds(&self.labels);
+    }
+
+    /// Adds the replicas' CPU time since [`Self::read_start`] and what their metrics
+    /// say at the end of the pass ([`ReplicaFigures::add_end`]) to `figures`.
+    pub(super) async fn read_end(
+        &self,
+        stack: &StartedProcesses,
+        figures: &mut ReplicaFigures,
+    ) -> anyhow::Result<()> {
+        figures.cpu_seconds += stack.cpu_seconds(&self.labels);
+        figures.add_end(&self.read_all().await?);
         Ok(())
     }
 
@@ -159,6 +175,10 @@ impl RouterReplicas {
 pub(super) struct ReplicaFigures {
     /// Router replicas of the pass.
     pub replicas: usize,
+    /// Queries each replica routed during the pass, by router id.
+    pub routed: Vec<f64>,
+    /// CPU seconds the replicas spent during the pass, summed.
+    pub cpu_seconds: f64,
     /// Per sample with any load booked: the sum over ranks of the spread of the
     /// replicas' booked decode blocks (max − min) over the sum over ranks of their
     /// mean, as a fraction (0 = every replica saw the same load on every rank).
@@ -195,6 +215,23 @@ impl ReplicaFigures {
         }
     }
 
+    /// Adds the replicas' `/metrics` `pages` read at the end of the pass: the queries
+    /// each routed and their sync lag histograms.
+    fn add_end(&mut self, pages: &[String]) {
+        self.replicas = pages.len();
+        self.routed = (pages.iter())
+            .map(|page| {
+                (samples(page).filter(|s| s.name == ROUTED))
+                    .filter(|s| s.label("outcome") == Some("routed"))
+                    .map(|s| s.value)
+                    .sum()
+            })
+            .collect();
+        if self.replicas > 1 {
+            self.lag = LagBuckets::from_pages(pages);
+        }
+    }
+
     /// One row under [`REPLICA_HEADER`], labelled `policy`.
     pub(super) fn row(&self, policy: &str) -> Vec<String> {
         let pct =
@@ -204,8 +241,12 @@ impl ReplicaFigures {
         let n = self.booked_spread.len();
         let mean = (n > 0).then(|| self.booked_spread.iter().sum::<f64>() / n as f64);
         let max = self.booked_spread.iter().copied().reduce(f64::max);
+        let routed: f64 = self.routed.iter().sum();
+        let busiest = self.routed.iter().copied().reduce(f64::max);
         vec![
             format!("{policy} ×{}", self.replicas),
+            pct(busiest.filter(|_| routed > 0.0).map(|b| b / routed)),
+            format!("{:.2}", self.cpu_seconds),
             pct(mean),
             pct(max),
             ms(self.lag.quantile(0.5)),
@@ -259,6 +300,22 @@ impl LagBuckets {
     }
 }
 
+/// Prints the replica table of every pass and writes their figures to
+/// `out/replicas.json`.
+pub(super) fn report(
+    rows: Vec<Vec<String>>,
+    figures: &[ReplicaFigures],
+    out: &std::path::Path,
+) -> anyhow::Result<()> {
+    println!("{}", engine_model::render_table(&REPLICA_HEADER, rows));
+    println!(
+        "(routed by busiest = the share of routed queries the busiest replica decided;\n routers CPU = the replicas' CPU during the pass, summed; booked spread = over ranks,\n max - min of the replicas' booked decode blocks over their mean, sampled every\n 500 ms; sync lag = from a replica deciding a step to a peer having applied it, one\n clock, bucket upper bounds)\n"
+    );
+    let path = out.join("replicas.json");
+    std::fs::write(&path, serde_json::to_vec_pretty(figures)?)
+        .with_context(|| format!("cannot write {}", path.display()))
+}
+
 fn parse_le(le: &str) -> Option<f64> {
     if le == "+Inf" {
         Some(f64::INFINITY)
@@ -290,6 +347,24 @@ mod tests {
         assert_eq!(figures.booked_spread[0], 0.0);
         assert!((figures.booked_spread[1] - 10.0 / 45.0).abs() < 1e-9);
         assert!((figures.booked_spread[2] - 2.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn the_end_of_a_pass_reads_the_queries_each_replica_routed() {
+        let page = |routed: u32| {
+            format!(
+                "{ROUTED}{{outcome=\"routed\"}} {routed}\n\
+                 {ROUTED}{{outcome=\"probe\"}} 18\n"
+            )
+        };
+        let mut figures = ReplicaFigures {
+            cpu_seconds: 3.04,
+            ..ReplicaFigures::default()
+        };
+        figures.add_end(&[page(90), page(10)]);
+        assert_eq!(figures.routed, [90.0, 10.0], "probes are not routes");
+        let row = figures.row("kv");
+        assert_eq!(row[..3], ["kv ×2", "90.0%", "3.04"]);
     }
 
     #[test]

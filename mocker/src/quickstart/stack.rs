@@ -93,6 +93,15 @@ impl StartedProcesses {
             .ok_or_else(|| anyhow!("no child process to return"))
     }
 
+    /// CPU seconds the children labelled `labels` have used so far, summed (those
+    /// that have exited count 0).
+    pub(super) fn cpu_seconds(&self, labels: &[String]) -> f64 {
+        (self.children.iter())
+            .filter(|c| labels.iter().any(|l| l == c.label()))
+            .filter_map(ManagedProcess::cpu_seconds)
+            .sum()
+    }
+
     /// Stops the child labelled `label` (gracefully) and forgets it.
     pub(super) async fn stop_child(&mut self, label: &str) -> anyhow::Result<()> {
         let Some(at) = self.children.iter().position(|c| c.label() == label) else {

@@ -39,6 +39,8 @@ pub enum MessageKind {
     Removals,
     /// Overlap queries (`{ns}.router.overlap`).
     Overlap,
+    /// Roll calls (`{ns}.router.replicas`).
+    RollCall,
 }
 
 impl MessageKind {
@@ -54,6 +56,7 @@ impl MessageKind {
             MessageKind::SequenceSnapshot => "sequence_snapshot",
             MessageKind::Removals => "removals",
             MessageKind::Overlap => "overlap",
+            MessageKind::RollCall => "roll_call",
         }
     }
 }
@@ -93,7 +96,7 @@ impl Outcome {
 
 /// Variants of [`MessageKind`] and of [`Outcome`] with a resolved handle (the last
 /// one's index + 1; a variant added past them is counted through a label lookup).
-const KINDS: usize = MessageKind::Overlap as usize + 1;
+const KINDS: usize = MessageKind::RollCall as usize + 1;
 const OUTCOMES: usize = Outcome::FutureEpoch as usize + 1;
 
 /// The daemon's counters, plus every other metric group in [`Counters::metrics`].
@@ -255,6 +258,7 @@ mod tests {
             K::SequenceSnapshot,
             K::Removals,
             K::Overlap,
+            K::RollCall,
         ];
         let outcomes = [
             O::Ok,

@@ -123,3 +123,24 @@ fn finds_binaries_on_path() {
     assert!(find_on_path("sh").is_some());
     assert!(find_on_path("definitely-not-a-binary-7f3a").is_none());
 }
+
+#[tokio::test]
+async fn cpu_time_is_the_childs_own() {
+    // A child that spins until it has used a tenth of a second of CPU, then says so.
+    let mut p = sh("while :; do t=$(cut -d' ' -f14,15 /proc/$$/stat); \
+         [ $(( ${t% *} + ${t#* } )) -ge 10 ] && break; done; echo spun >&2; exec sleep 30");
+    let idle = sh("exec sleep 30");
+    p.wait_for_line("spun", Duration::from_secs(60))
+        .await
+        .unwrap();
+    let spun = p.cpu_seconds().unwrap();
+    assert!(spun >= 0.1, "{spun} s");
+    assert!(idle.cpu_seconds().unwrap() < spun);
+    let mut gone = sh("exit 0");
+    gone.wait().await.unwrap();
+    assert_eq!(
+        gone.cpu_seconds(),
+        None,
+        "an exited child has no CPU time to read"
+    );
+}

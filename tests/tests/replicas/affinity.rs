@@ -123,3 +123,46 @@ async fn without_a_pin_or_once_it_expires_the_queue_group_picks() -> anyhow::Res
     }
     Ok(())
 }
+
+/// A roll call is answered by every replica, each naming itself in the reply and in
+/// its `Kv-Router-Id` header; a replica that has shut down answers no more.
+#[tokio::test]
+async fn every_replica_answers_a_roll_call_naming_itself() -> anyhow::Result<()> {
+    use futures::StreamExt as _;
+    use kv_events::replicas::RollCallReply;
+    use kv_events::{ROUTER_ID_HEADER, RouterId, decode};
+    let (cluster, mut replicas) = setup(3, true).await?;
+    let call = |nats: async_nats::Client, subject: String| async move {
+        let inbox = nats.new_inbox();
+        let mut replies = nats.subscribe(inbox.clone()).await?;
+        nats.publish_with_reply(subject, inbox, "anything".into())
+            .await?;
+        let mut heard = Vec::new();
+        // Every live replica answers at once; the wait only ends the collection.
+        while let Ok(Some(reply)) =
+            tokio::time::timeout(Duration::from_secs(2), replies.next()).await
+        {
+            let body: RollCallReply = decode(&reply.payload)?;
+            let header = (reply.headers.as_ref())
+                .and_then(|h| h.get(ROUTER_ID_HEADER))
+                .and_then(|v| RouterId::parse_hex(v.as_str()));
+            assert_eq!(header, Some(body.router_id), "the header names the replica");
+            heard.push(body.router_id.0);
+        }
+        heard.sort_unstable();
+        anyhow::Ok(heard)
+    };
+    let subject = cluster.subjects.router_roll_call();
+    assert_eq!(
+        call(cluster.nats.clone(), subject.clone()).await?,
+        [100, 101, 102]
+    );
+    if let Some(last) = replicas.pop() {
+        last.shutdown().await?;
+    }
+    assert_eq!(call(cluster.nats.clone(), subject).await?, [100, 101]);
+    for daemon in replicas {
+        daemon.shutdown().await?;
+    }
+    Ok(())
+}

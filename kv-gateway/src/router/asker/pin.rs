@@ -5,14 +5,15 @@
 use super::events::{Events, Release};
 use super::{Answer, Asker, Services};
 use crate::router::{PinTarget, ReplicaAffinity};
-use async_nats::Message;
-use kv_events::{ROUTER_ID_HEADER, RouterId};
+use kv_events::RouterId;
 use std::sync::Mutex;
 use std::time::Duration;
 use tokio::time::Instant;
 
 /// Probes through the queue group each time a pin is renewed under
-/// [`PinTarget::Lowest`]: how a gateway hears of replicas that joined since.
+/// [`PinTarget::Lowest`], or a replica is first heard from, when no replica answers
+/// the roll call (replicas from before it): how a gateway hears of replicas that
+/// joined since.
 const RENEWAL_PROBES: usize = 2;
 
 /// The replica this gateway's queries go to, and for how long (module docs).
@@ -28,6 +29,9 @@ pub(super) struct Pin {
     pub(super) router: RouterId,
     pub(super) services: Services,
     pub(super) until: Instant,
+    /// The replicas the gateway had heard of when the pin was last checked against
+    /// them ([`super::Stalls::generation`]).
+    heard: u64,
 }
 
 impl Asker {
@@ -36,9 +40,13 @@ impl Asker {
     /// replica [`PinTarget`] names (an `overloaded` one pins nothing).
     pub(super) fn settle(&self, answer: &Answer, overloaded: bool) {
         // Read once: noted for the stall check, and the replica to pin to.
-        let sender = answered_by(&answer.message);
+        let sender = crate::router::named_replica(&answer.message);
         if let (Some(stalls), Some(sender)) = (&self.stalls, sender) {
-            stalls.heard(sender);
+            // A replica not known before: others may have joined too, and one of them
+            // may be lower (a roll call finds them; `Asker::pinned` moves the pin).
+            if stalls.heard(sender) && self.target_is(PinTarget::Lowest) {
+                stalls.discover(RENEWAL_PROBES);
+            }
         }
         match (answer.pinned, overloaded, sender) {
             (Some(router), true, _) => self.unpin(router, Release::Overloaded),
@@ -46,6 +54,10 @@ impl Asker {
             (None, false, Some(sender)) => self.pin_to(self.target(sender)),
             (Some(_), false, _) | (None, _, None) => {}
         }
+    }
+
+    fn target_is(&self, target: PinTarget) -> bool {
+        (self.affinity.as_ref()).is_some_and(|a| a.settings.target == target)
     }
 
     /// The replica to pin to once `answered` has answered through the queue group.
@@ -69,19 +81,27 @@ impl Asker {
     ///
     /// Under [`PinTarget::Lowest`], when no pin holds the gateway pins anew to the
     /// lowest usable replica it knows, without a query through the queue group, and
-    /// probes for replicas it has not heard from ([`super::Stalls::discover`]).
+    /// calls the roll for replicas it has not heard from
+    /// ([`super::Stalls::discover`]); a pin that holds moves at once to a lower
+    /// replica heard of since it was taken (one atomic load per query tells).
     pub(super) fn pinned(&self) -> Option<(Pin, Duration)> {
         let affinity = self.affinity.as_ref()?;
         let patience = affinity.settings.patience;
         let now = Instant::now();
+        let lowest =
+            (self.stalls.as_ref()).filter(|_| affinity.settings.target == PinTarget::Lowest);
         let mut pin = affinity.pin.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(held) = pin.as_ref().filter(|p| now < p.until) {
+        if let Some(held) = pin.as_mut().filter(|p| now < p.until) {
+            if let Some(stalls) = lowest.filter(|s| s.generation() != held.heard) {
+                // Read before the replicas: one heard of meanwhile is checked next time.
+                held.heard = stalls.generation();
+                if let Some(lower) = stalls.lowest_known().filter(|l| *l < held.router) {
+                    *held = self.pin(affinity, lower, now);
+                }
+            }
             return Some((held.clone(), patience));
         }
-        let stalls = self.stalls.as_ref()?;
-        if affinity.settings.target != PinTarget::Lowest {
-            return None;
-        }
+        let stalls = lowest?;
         // A pin whose window has passed: taken out, so that its replica is probed
         // for once per window, not on every query while no replica is usable.
         if pin.take().is_some() {
@@ -97,6 +117,7 @@ impl Asker {
     fn pin(&self, affinity: &Affinity, router: RouterId, now: Instant) -> Pin {
         affinity.counted.pinned.inc();
         Pin {
+            heard: self.stalls.as_ref().map_or(0, |s| s.generation()),
             router,
             services: Services {
                 route: self.subjects.route_at(router).into(),
@@ -139,13 +160,4 @@ impl Asker {
             }
         }
     }
-}
-
-/// The replica a reply names in its [`ROUTER_ID_HEADER`], if it names one that parses.
-fn answered_by(reply: &Message) -> Option<RouterId> {
-    reply
-        .headers
-        .as_ref()
-        .and_then(|h| h.get(ROUTER_ID_HEADER))
-        .and_then(|v| RouterId::parse_hex(v.as_str()))
 }
