@@ -159,10 +159,16 @@ impl Subjects {
     }
 
     /// Every replica's own routing subject ([`Self::route_at`]) as one wildcard
-    /// subject, for an observer of the queries frontends pin to replicas (monitoring,
-    /// tests); no router subscribes it.
+    /// subject: for NATS permissions, and for an observer of the queries frontends pin
+    /// to replicas (monitoring, tests); no router subscribes it.
     pub fn route_at_any(&self) -> String {
         format!("{}.router.at.*.route", self.ns)
+    }
+
+    /// Every replica's own batch routing subject ([`Self::route_batch_at`]) as one
+    /// wildcard subject (NATS permissions).
+    pub fn route_batch_at_any(&self) -> String {
+        format!("{}.router.at.*.route_batch", self.ns)
     }
 
     /// The batch routing subject of one replica alone: [`Self::route_batch`], placed

@@ -53,6 +53,11 @@ fn frontends_cannot_publish_events_or_bookings() {
         [
             "ns.router.route",
             "ns.router.route_batch",
+            "ns.router.at.*.route",
+            "ns.router.at.*.route_batch",
+            "ns.router.replicas",
+            "ns.router.removals",
+            "ns.router.overlap",
             "ns.router.lifecycle",
             "ns.engine.*.*"
         ]

@@ -295,6 +295,37 @@ async fn the_gateway_serves_completions_on_the_secured_cluster() {
     .await
     .expect("the gateway answers");
     assert_eq!(body["usage"]["completion_tokens"], 4, "{body}");
+    // The next requests go to the replica the gateway pinned (its own subject, found
+    // by the roll call), and the gateway asks the router about cache parity: each
+    // answered at once, with only the two roles' rights.
+    for n in 0..3 {
+        let response = http
+            .post(format!("{base}/v1/completions"))
+            .json(&serde_json::json!({"model": "tiny", "prompt": "hello there", "max_tokens": 4}))
+            .send()
+            .await
+            .expect("the gateway answers");
+        assert_eq!(response.status(), 200, "request {n}");
+    }
+    let metrics = http
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .and_then(reqwest::Response::error_for_status)
+        .expect("metrics")
+        .text()
+        .await
+        .expect("metrics text");
+    let pinned_away = |event: &str| {
+        metrics.lines().any(|l| {
+            l.starts_with(&format!(
+                "kv_gateway_route_affinity_total{{event=\"{event}\"}}"
+            )) && !l.ends_with(" 0")
+        })
+    };
+    for event in ["timed_out", "failed", "gone"] {
+        assert!(!pinned_away(event), "a pin let go ({event}):\n{metrics}");
+    }
 }
 
 /// The router's JetStream path (`--jetstream`: the KV event stream, its consumer and
