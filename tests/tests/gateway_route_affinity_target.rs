@@ -96,8 +96,8 @@ async fn answer(
     (nats.publish_with_headers(inbox, headers, payload).await).unwrap();
 }
 
-/// Answers each roll call on `subscriber` once per replica `by` names at the time,
-/// then tells `calls`.
+/// Answers each roll call on `subscriber` once per replica `by` names at the time
+/// (after two replies that name none, when it names any), then tells `calls`.
 fn answer_roll_calls(
     nats: async_nats::Client,
     mut subscriber: async_nats::Subscriber,
@@ -108,6 +108,17 @@ fn answer_roll_calls(
         while let Some(message) = subscriber.next().await {
             let replicas = by.lock().unwrap().clone();
             let inbox = message.reply.unwrap();
+            if !replicas.is_empty() {
+                // Replies that name no replica come first: skipped, not fatal.
+                let mut bad = async_nats::HeaderMap::new();
+                bad.insert(ROUTER_ID_HEADER, "not a router id");
+                let garbage = bytes::Bytes::from_static(b"\xc1 not msgpack");
+                (nats
+                    .publish_with_headers(inbox.clone(), bad, garbage.clone())
+                    .await)
+                    .unwrap();
+                (nats.publish(inbox.clone(), garbage).await).unwrap();
+            }
             for replica in replicas {
                 let mut headers = async_nats::HeaderMap::new();
                 headers.insert(ROUTER_ID_HEADER, replica.to_string().as_str());
