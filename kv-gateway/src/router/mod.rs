@@ -352,6 +352,20 @@ async fn readiness_probe(
     asked.await
 }
 
+/// How long after a round of pings starts the replicas that have not answered are
+/// judged silent (module `router::stalls`), and a roll call stops listening (module
+/// `router::roll_call`), once the first answer came `first_answer` after the start:
+/// eight times that, but at least a tenth of the patience and at most the patience. Why: a live
+/// replica answers a ping in well under a millisecond (a readiness probe is refused
+/// before any scheduling), and one that takes eight times as long as its peer while
+/// queries wait on it is better asked around than waited for; a wrong verdict costs
+/// one more query per slow query, whose loser is freed at once (module
+/// `router::again`). The floor keeps a replica that is merely behind by a few
+/// milliseconds of its queue from being judged.
+fn verdict_after(first_answer: Duration, patience: Duration) -> Duration {
+    (first_answer * 8).max(patience / 10).min(patience)
+}
+
 /// The request id of the gateway's readiness probes and pings.
 const READINESS_PROBE_ID: &str = "gateway-readiness-probe";
 

@@ -13,7 +13,7 @@
 //! of it when nobody answers); the caller runs it in the background, one at a time
 //! (module `router::stalls`).
 
-use super::stalls::verdict_after;
+use super::verdict_after;
 use async_nats::Client;
 use futures::StreamExt as _;
 use kv_events::RouterId;

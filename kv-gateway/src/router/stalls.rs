@@ -305,8 +305,8 @@ impl Stalls {
             match answered {
                 Ok(()) => {
                     if live.is_none() {
-                        deadline =
-                            deadline.min(started + verdict_after(started.elapsed(), self.patience));
+                        deadline = deadline
+                            .min(started + super::verdict_after(started.elapsed(), self.patience));
                     }
                     live.get_or_insert(router);
                 }
@@ -335,17 +335,4 @@ impl Stalls {
             warn!(%router, gone, patience = ?self.patience, "a router replica did not answer its ping in time; the slow queries it holds are asked again of a live replica, if one answers");
         }
     }
-}
-
-/// How long after a round starts the replicas that have not answered are judged
-/// silent, once the first answer came `first_answer` after the start: eight times
-/// that, but at least a tenth of the patience and at most the patience. Why: a live
-/// replica answers a ping in well under a millisecond (a readiness probe is refused
-/// before any scheduling), and one that takes eight times as long as its peer while
-/// queries wait on it is better asked around than waited for; a wrong verdict costs
-/// one more query per slow query, whose loser is freed at once (module
-/// `router::again`). The floor keeps a replica that is merely behind by a few
-/// milliseconds of its queue from being judged.
-pub(super) fn verdict_after(first_answer: Duration, patience: Duration) -> Duration {
-    (first_answer * 8).max(patience / 10).min(patience)
 }
