@@ -100,20 +100,19 @@ pub async fn handle_route(state: &RouterState, payload: &[u8]) -> RouteReply {
     };
     let probe = request.prompt.is_empty();
     let reply = route(state, request).await;
-    let route_metrics = &state.counters.metrics.route;
-    if probe {
-        // Answered as any empty prompt is (nothing booked), counted apart so that
-        // frontends' health checks do not read as refused queries.
-        state.counters.message(MessageKind::Route, Outcome::Ok);
-        route_metrics.observe_probe(started.elapsed());
-        return reply;
-    }
     let outcome = match &reply {
         RouteReply::Routed(_) => Outcome::Ok,
         RouteReply::Error(_) => Outcome::Rejected,
     };
     state.counters.message(MessageKind::Route, outcome);
-    route_metrics.observe(&reply, started.elapsed());
+    let route_metrics = &state.counters.metrics.route;
+    if probe {
+        // Answered as any empty prompt is (refused, nothing booked), but counted
+        // apart so that frontends' health checks do not read as refused queries.
+        route_metrics.observe_probe(started.elapsed());
+    } else {
+        route_metrics.observe(&reply, started.elapsed());
+    }
     reply
 }
 
