@@ -26,25 +26,27 @@ use tracing::debug;
 /// replica is up, or only replicas from before the roll call are.
 pub(super) const ROLL_CALL_WAIT: Duration = Duration::from_millis(250);
 
-/// Asks every replica on `subject` and returns those that answered, at most `max`:
-/// the replies that come within [`verdict_after`] the first one's delay (at most
-/// `wait`), each naming its replica in [`kv_events::ROUTER_ID_HEADER`] (a reply that
-/// names none is skipped). Empty when nobody answers within `wait`, or the request
-/// cannot be sent (NATS is away).
+/// Asks every replica on `subject`, calls `heard` with each that answers as its
+/// reply comes (at most `max` of them), and returns how many did: the replies that
+/// come within [`verdict_after`] the first one's delay (at most `wait`), each naming
+/// its replica in [`kv_events::ROUTER_ID_HEADER`] (a reply that names none is
+/// skipped). 0 when nobody answers within `wait`, or the request cannot be sent
+/// (NATS is away).
 pub(super) async fn roll_call(
     nats: &Client,
     subject: String,
     wait: Duration,
     max: usize,
-) -> Vec<RouterId> {
+    mut heard_of: impl FnMut(RouterId),
+) -> usize {
     let inbox = nats.new_inbox();
     // One connection: the server reads the subscription before the request.
     let Ok(mut replies) = nats.subscribe(inbox.clone()).await else {
-        return Vec::new();
+        return 0;
     };
     if let Err(e) = (nats.publish_with_reply(subject, inbox, bytes::Bytes::new())).await {
         debug!(error = %e, "roll call not sent");
-        return Vec::new();
+        return 0;
     }
     let started = Instant::now();
     let mut deadline = started + wait;
@@ -61,9 +63,10 @@ pub(super) async fn roll_call(
         }
         if !heard.contains(&router) {
             heard.push(router);
+            heard_of(router);
         }
     }
     let _ = replies.unsubscribe().await;
     debug!(replicas = heard.len(), "roll call");
-    heard
+    heard.len()
 }

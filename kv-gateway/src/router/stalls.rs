@@ -216,12 +216,11 @@ impl Stalls {
             let wait = super::roll_call::ROLL_CALL_WAIT.min(stalls.patience);
             loop {
                 let subject = stalls.subjects.router_roll_call();
+                // Noted as each reply comes: a pin moves to a lower replica at once.
+                let note = |router| stalls.answered_probe(router);
                 let heard =
-                    super::roll_call::roll_call(&stalls.nats, subject, wait, MAX_KNOWN).await;
-                for &router in &heard {
-                    stalls.answered_probe(router);
-                }
-                if heard.is_empty() {
+                    super::roll_call::roll_call(&stalls.nats, subject, wait, MAX_KNOWN, note).await;
+                if heard == 0 {
                     stalls.probe(probes);
                 }
                 let mut calls = stalls.calls.lock().unwrap_or_else(|p| p.into_inner());
